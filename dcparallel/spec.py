@@ -1,0 +1,313 @@
+"""What the planner reasons about: samples, models, layouts, clusters and the allowed groups.
+
+Everything here is plain data; no torch. The runtime creates exactly the groups that
+`allowed_groups` returns, and the planners only ever use those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Sequence, Union
+
+#: A sample's size as known before loading: a token count (text) or a video shape
+#: ``(frames, height, width)`` in pixels, turned into tokens by `ModelSpec.tokens`.
+Size = Union[int, tuple[int, int, int]]
+
+AttentionPattern = Literal["causal", "full", "factorized"]
+
+GiB = 1024**3
+
+
+def is_video(size: Size) -> bool:
+    return isinstance(size, tuple)
+
+
+def check_size(size: Size, index: int | None = None) -> Size:
+    """Validates one sample size and returns it in canonical form (int or 3-tuple of ints)."""
+    where = "" if index is None else f"sample {index}: "
+    if isinstance(size, (tuple, list)):
+        if len(size) != 3:
+            raise ValueError(
+                f"{where}a video size is (frames, height, width); got {tuple(size)!r} "
+                f"with {len(size)} values"
+            )
+        out = []
+        for v in size:
+            if isinstance(v, bool) or int(v) != v or int(v) <= 0:
+                raise ValueError(f"{where}video size {tuple(size)!r} must be three positive integers")
+            out.append(int(v))
+        return tuple(out)  # type: ignore[return-value]
+    if isinstance(size, bool) or not float(size).is_integer() or int(size) <= 0:
+        raise ValueError(f"{where}a text size is a positive integer token count; got {size!r}")
+    return int(size)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Recompute:
+    """How many of the model's layers recompute each sub-block kind in backward.
+
+    ``attn=0, mlp=0`` keeps every activation; ``attn=mlp=num_layers`` is full recomputation.
+    The runtime recomputes the sub-block in layers ``0 .. attn-1`` (resp. ``mlp-1``).
+    """
+
+    attn: int = 0
+    mlp: int = 0
+
+    @staticmethod
+    def none() -> Recompute:
+        return Recompute(0, 0)
+
+    @staticmethod
+    def full(num_layers: int) -> Recompute:
+        return Recompute(num_layers, num_layers)
+
+    def is_full(self, num_layers: int) -> bool:
+        return self.attn >= num_layers and self.mlp >= num_layers
+
+    def describe(self, num_layers: int) -> str:
+        if self.attn == 0 and self.mlp == 0:
+            return "none"
+        if self.is_full(num_layers):
+            return "full"
+        return f"attn{self.attn}+mlp{self.mlp}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Layout:
+    """How one micro-batch runs: on a group of `sp` ranks, `mbs` samples, `recompute`."""
+
+    sp: int
+    mbs: int
+    recompute: Recompute = Recompute()
+
+    def __post_init__(self) -> None:
+        if self.sp < 1 or self.mbs < 1:
+            raise ValueError(f"Layout needs sp >= 1 and mbs >= 1; got sp={self.sp}, mbs={self.mbs}")
+        if self.recompute.attn < 0 or self.recompute.mlp < 0:
+            raise ValueError(f"recompute counts must be >= 0; got {self.recompute}")
+
+    def to_json(self) -> dict:
+        return {"sp": self.sp, "mbs": self.mbs,
+                "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
+
+    @staticmethod
+    def from_json(d: dict) -> Layout:
+        r = d.get("recompute", {})
+        return Layout(int(d["sp"]), int(d["mbs"]), Recompute(int(r.get("attn", 0)), int(r.get("mlp", 0))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The transformer as the cost model sees it.
+
+    ``attn_params`` / ``mlp_params`` / ``other_params`` are weights per layer that every
+    token multiplies (forward FLOPs per token = 2 x params). For a video model one "layer"
+    is the repeating unit (for STDiT: a spatial + temporal block pair).
+    """
+
+    name: str
+    kind: Literal["text", "video"]
+    num_layers: int
+    hidden: int
+    num_heads: int
+    ffn_hidden: int
+    attention: AttentionPattern
+    attn_params: int
+    mlp_params: int
+    other_params: int = 0
+    #: attention sub-blocks per layer (STDiT pair: spatial + temporal = 2)
+    attn_per_layer: int = 1
+    #: parameters outside the repeated layers (embeddings, head, ...)
+    extra_params: int = 0
+    vocab_size: int = 0
+    #: cross-attention context tokens per sample (video: text tokens), 0 if none
+    context_tokens: int = 0
+    #: video patchify rule: latent frames = frames * t_num // t_den (1 for images),
+    #: spatial tokens = ceil(h / spatial_patch) * ceil(w / spatial_patch)
+    t_num: int = 5
+    t_den: int = 17
+    spatial_patch: int = 16
+    bytes_per_value: int = 2
+
+    @property
+    def num_params(self) -> int:
+        per_layer = self.attn_params + self.mlp_params + self.other_params
+        return self.num_layers * per_layer + self.extra_params
+
+    def latent_grid(self, size: Size) -> tuple[int, int]:
+        """(latent frames T, spatial tokens S) of a sample; text is (1, tokens)."""
+        if not isinstance(size, tuple):
+            return 1, int(size)
+        frames, height, width = size
+        t = 1 if frames == 1 else max(1, frames * self.t_num // self.t_den)
+        s = math.ceil(height / self.spatial_patch) * math.ceil(width / self.spatial_patch)
+        return t, s
+
+    def tokens(self, size: Size) -> int:
+        t, s = self.latent_grid(size)
+        return t * s
+
+    def attention_pairs(self, size: Size) -> int:
+        """Query x key pairs one attention sub-block computes for one sample (summed over
+        the attention sub-blocks of a layer)."""
+        t, s = self.latent_grid(size)
+        n = t * s
+        if self.attention == "causal":
+            return n * (n + 1) // 2
+        if self.attention == "full":
+            return n * n
+        return t * s * s + s * t * t  # spatial: per frame S x S; temporal: per position T x T
+
+
+def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,
+               vocab_size: int) -> ModelSpec:
+    return ModelSpec(
+        name=name, kind="text", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
+        ffn_hidden=ffn_hidden, attention="causal",
+        attn_params=4 * hidden * hidden, mlp_params=3 * hidden * ffn_hidden,
+        extra_params=2 * vocab_size * hidden, vocab_size=vocab_size,
+    )
+
+
+def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, context_tokens: int = 300
+               ) -> ModelSpec:
+    """Open-Sora-1.2-like: per pair a spatial and a temporal block, each with self-attention,
+    cross-attention to replicated text and a GELU MLP (ffn = 4 x hidden)."""
+    d = hidden
+    return ModelSpec(
+        name=name, kind="video", num_layers=num_pairs, hidden=d, num_heads=num_heads,
+        ffn_hidden=4 * d, attention="factorized", attn_per_layer=2,
+        attn_params=2 * 4 * d * d,      # q, k, v, o of the two self-attentions
+        mlp_params=2 * 2 * d * 4 * d,   # two MLPs
+        other_params=2 * 4 * d * d,     # two cross-attentions (k, v act on the text tokens)
+        context_tokens=context_tokens,
+    )
+
+
+LLAMA_7B = llama_like("llama-7b", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=11008,
+                      vocab_size=32000)
+STDIT_1B = stdit_like("stdit-1.1b", num_pairs=28, hidden=1152, num_heads=16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """The machines a run plans for. Bandwidths are per GPU, one direction, bytes/s."""
+
+    world_size: int
+    gpus_per_node: int = 8
+    #: usable device memory per GPU for model states + activations (bytes)
+    memory_bytes: int = 128 * GiB
+    intra_bw: float = 0.0
+    intra_latency: float = 0.0
+    inter_bw: float = 0.0
+    inter_latency: float = 0.0
+    name: str = "cluster"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {self.world_size}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1; got {self.gpus_per_node}")
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise ValueError(
+                f"world_size {self.world_size} is not a whole number of nodes of "
+                f"{self.gpus_per_node} GPUs; use a multiple of gpus_per_node"
+            )
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be > 0; got {self.memory_bytes}")
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.gpus_per_node)
+
+    def spans_nodes(self, sp: int) -> bool:
+        """An aligned group of `sp` ranks crosses a node boundary iff it is larger than a node."""
+        return sp > self.gpus_per_node
+
+
+def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int | None = None
+                 ) -> ClusterSpec:
+    """H200 SXM nodes. Link speeds are datasheet assumptions (not measured here), derated to
+    achievable bus bandwidth: NVLink 4 is 900 GB/s per GPU both directions together
+    (450 GB/s one way), taken at 70% = 315 GB/s; one 400 Gb/s InfiniBand NIC per GPU is
+    50 GB/s, taken at 80% = 40 GB/s. Usable memory: 128 GiB of the 139.8 GiB the card reports,
+    the rest left for the CUDA context, communication buffers and allocator fragmentation."""
+    return ClusterSpec(
+        world_size=world_size, gpus_per_node=gpus_per_node,
+        memory_bytes=memory_bytes if memory_bytes is not None else 128 * GiB,
+        intra_bw=0.7 * 450e9, intra_latency=10e-6,
+        inter_bw=0.8 * 50e9, inter_latency=20e-6, name="h200",
+    )
+
+
+def group_sizes(cluster: ClusterSpec, num_heads: int) -> list[int]:
+    """Every allowed SP degree: k divides the GPUs per node or is a multiple of a node,
+    divides the attention heads, and at least one aligned block of k ranks fits the world."""
+    g = cluster.gpus_per_node
+    sizes = []
+    for k in range(1, cluster.world_size + 1):
+        node_ok = (g % k == 0) or (k % g == 0)
+        if node_ok and num_heads % k == 0:
+            sizes.append(k)
+    return sizes
+
+
+def allowed_groups(cluster: ClusterSpec, num_heads: int) -> list[tuple[int, ...]]:
+    """Every aligned block the runtime creates, in a fixed order (by size, then start rank):
+    k ranks starting at a multiple of k, for every k of `group_sizes`."""
+    out = []
+    for k in group_sizes(cluster, num_heads):
+        for start in range(0, cluster.world_size - k + 1, k):
+            out.append(tuple(range(start, start + k)))
+    return out
+
+
+def sp_chain(cluster: ClusterSpec, num_heads: int) -> list[int]:
+    """The SP degrees the planners use: the longest chain of allowed sizes in which each
+    divides the next (so groups of mixed sizes always tile the world when placed largest
+    first at aligned offsets). Ties prefer powers of two."""
+    sizes = group_sizes(cluster, num_heads)
+    best: dict[int, list[int]] = {}
+    for k in sizes:  # ascending: longest chain ending at k
+        cands = [best[j] + [k] for j in sizes if j < k and k % j == 0 and j in best]
+        if not cands:
+            best[k] = [k]
+            continue
+        best[k] = max(cands, key=lambda c: (len(c), sum(1 for x in c if x & (x - 1) == 0)))
+    chain = max(best.values(), key=lambda c: (len(c), c[-1], sum(1 for x in c if x & (x - 1) == 0)))
+    return chain
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The sizes of a dataset's samples, indexed by sample id, with their token counts."""
+
+    model: ModelSpec
+    sizes: tuple[Size, ...]
+    tokens: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) == 0:
+            raise ValueError("the dataset is empty: there is nothing to plan")
+        sizes = tuple(check_size(s, i) for i, s in enumerate(self.sizes))
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "tokens", tuple(self.model.tokens(s) for s in sizes))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def bucket_key(model: ModelSpec, size: Size, ratio: float = 1.25) -> tuple[int, int]:
+    """Cost class of a sample. Text: geometric token ranges `ratio` apart, i.e.
+    floor(log_ratio(tokens)). Video: the latent grid (T, S), each axis in geometric ranges
+    `ratio` apart (the standard Open-Sora buckets each get their own class)."""
+    t, s = model.latent_grid(size)
+    if not isinstance(size, tuple):
+        return 0, int(math.floor(math.log(max(s, 1)) / math.log(ratio) + 1e-9))
+    lr = math.log(ratio)
+    return int(math.floor(math.log(t) / lr + 1e-9)), int(math.floor(math.log(s) / lr + 1e-9))
+
+
+def sizes_tokens(model: ModelSpec, sizes: Sequence[Size]) -> int:
+    return sum(model.tokens(s) for s in sizes)
