@@ -180,7 +180,8 @@ def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, contex
         ffn_hidden=4 * d, attention="factorized", attn_per_layer=2,
         attn_params=2 * 4 * d * d,      # q, k, v, o of the two self-attentions
         mlp_params=2 * 2 * d * 4 * d,   # two MLPs
-        other_params=2 * 4 * d * d,     # two cross-attentions (k, v act on the text tokens)
+        other_params=2 * 2 * d * d,     # q, o of the two cross-attentions (per video token)
+        extra_params=num_pairs * 2 * 2 * d * d,  # their k, v act on the text tokens only
         context_tokens=context_tokens,
     )
 

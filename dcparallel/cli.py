@@ -1,0 +1,230 @@
+"""`dcparallel` command line: simulate | plan | demo.
+
+Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
+progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.profiled import Profile, ProfiledCost
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import ALL, POLICIES, make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.scenarios import (
+    DEFAULT_SEED,
+    DISTRIBUTIONS,
+    SCENARIOS,
+    long_token_share,
+    read_lengths,
+    sample_sizes,
+)
+from dcparallel.sim.replay import replay_step
+from dcparallel.sim.run import run_policies, summary
+from dcparallel.spec import ClusterSpec, Workload, h200_cluster
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+                   help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--distribution", choices=DISTRIBUTIONS, help="built-in length distribution")
+    src.add_argument("--lengths", type=Path,
+                     help="one sample a line: `tokens` or `frames height width`; or a .npy array")
+    p.add_argument("--world", type=int, default=32, help="GPUs (default 32)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="tokens per optimizer step (default: the scenario's)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="plan from a measured profile (ProfiledCost) instead of the analytic H200 model")
+
+
+def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
+    """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
+    if args.profile is not None:
+        profile = Profile.load(args.profile)
+        model = profile.model
+        cluster = ClusterSpec(world_size=args.world, gpus_per_node=args.gpus_per_node,
+                              memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)))
+        if profile.world_size != args.world:
+            raise SystemExit(f"error: the profile was measured at world size {profile.world_size}; "
+                             f"pass --world {profile.world_size}")
+        cost = ProfiledCost(profile, cluster)
+        scenario = None
+    else:
+        if args.scenario is None:
+            if args.lengths is None:
+                raise SystemExit("error: give --scenario (and --distribution or --lengths)")
+            args.scenario = "video" if isinstance(read_lengths(args.lengths)[0], tuple) else "text"
+        scenario = SCENARIOS[args.scenario]
+        model = scenario.model
+        cluster = h200_cluster(args.world, args.gpus_per_node)
+        cost = AnalyticCost(model, cluster)
+    if args.lengths is not None:
+        sizes = read_lengths(args.lengths)
+        name = args.lengths.name
+        kind = "video" if isinstance(sizes[0], tuple) else "text"
+        if kind != model.kind:
+            raise SystemExit(f"error: {args.lengths} holds {kind} samples but the model is a {model.kind} model")
+    else:
+        if scenario is None:
+            raise SystemExit("error: with --profile give --lengths FILE")
+        dist = args.distribution or "balanced"
+        sizes = sample_sizes(args.scenario, dist, seed=args.seed)
+        name = dist
+    tps = args.tokens_per_step or (scenario.tokens_per_step if scenario else 4 * 2**20)
+    return name, Workload(model, tuple(sizes)), cluster, cost, tps
+
+
+def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
+    name, workload, cluster, cost, tps = _setup(args)
+    t0 = time.perf_counter()
+    ctx, steps, runs, bound = run_policies(workload, cost, cluster, policies, tokens_per_step=tps,
+                                           seed=args.seed, progress=progress)
+    per = summary(workload, runs, bound)
+    out = {
+        "scenario": args.scenario or workload.model.name, "distribution": name, "world": cluster.world_size,
+        "gpus_per_node": cluster.gpus_per_node, "seed": args.seed, "tokens_per_step": tps,
+        "samples_total": len(workload), "steps": len(steps),
+        "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
+        "lower_bound_s": round(bound, 4), "policies": per,
+    }
+    if "bucket" in runs:
+        out["bucket_sp"] = runs["bucket"].settings["sp"]
+        out["bucket_recompute"] = runs["bucket"].settings["recompute"]
+        base = runs["bucket"].sim.total_time
+        out["speedup_vs_bucket"] = {k: round(base / r.sim.total_time, 4) for k, r in runs.items()}
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _table(out: dict) -> str:
+    rows = [f"{out['scenario']} / {out['distribution']}: {out['samples_total']} samples, {out['steps']} steps "
+            f"of {out['tokens_per_step']:,} tokens, world {out['world']} ({out['gpus_per_node']}/node), "
+            f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k"]
+    hdr = f"{'policy':15s} {'speedup':>8s} {'tokens/s':>12s} {'step_s':>8s} {'idle':>6s} {'bound_eff':>9s} " \
+          f"{'plan_ms':>8s} {'mem':>5s}  settings"
+    rows.append(hdr)
+    for k, v in out["policies"].items():
+        sp = out.get("speedup_vs_bucket", {}).get(k, float("nan"))
+        st = {a: b for a, b in v["settings"].items() if a != "tried_s"}
+        rows.append(f"{k:15s} {sp:8.2f} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:8.3f} "
+                    f"{v['idle_fraction']:6.3f} {v['lower_bound_efficiency']:9.3f} {v['plan_ms_per_step']:8.2f} "
+                    f"{v['peak_memory_fraction']:5.2f}  {st}")
+    return "\n".join(rows)
+
+
+def cmd_simulate(args) -> int:
+    policies = ALL if args.all or not args.policy else args.policy
+    out = simulate_json(args, policies, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(_table(out))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    name, workload, cluster, cost, tps = _setup(args)
+    ctx = PlanContext(workload, cost, cluster)
+    steps = form_steps(workload.tokens, seed=args.seed, tokens_per_step=tps)
+    planner = make_planner(args.policy, ctx, steps)
+    for s in steps[: args.steps]:
+        plan = planner.plan(s)
+        res = replay_step(plan, ctx)
+        d = plan.to_json()
+        d["policy"] = args.policy
+        d["predicted_step_s"] = round(res.step_time, 6)
+        for g, busy in zip(d["groups"], res.group_busy):
+            g["predicted_busy_s"] = round(busy, 6)
+            for mb in g["micro_batches"]:
+                mb["predicted_s"] = round(ctx.mb_time(mb["sample_ids"], _layout(mb["layout"])), 6)
+        if args.json:
+            print(json.dumps(d))
+        else:
+            print(f"step {plan.index}: {len(plan.sample_ids)} samples, {plan.num_tokens:,} tokens, "
+                  f"predicted {res.step_time:.3f} s")
+            for g, busy in zip(plan.groups, res.group_busy):
+                lay = [f"{len(m.sample_ids)}x sp{m.layout.sp} rc={m.layout.recompute.describe(ctx.model.num_layers)}"
+                       for m in g.micro_batches]
+                print(f"  ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
+                      f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
+    return 0
+
+
+def _layout(d: dict):
+    from dcparallel.spec import Layout
+
+    return Layout.from_json(d)
+
+
+def cmd_demo(args) -> int:
+    """Until the end-to-end demo lands: the paper-scale simulation table, every scenario x
+    distribution on 32 H200 (analytic cost model fitted to the H200 calibration)."""
+    from tqdm import tqdm
+
+    results = []
+    combos = [(s, d) for s in ("video", "text") for d in DISTRIBUTIONS]
+    for sc, dist in tqdm(combos, desc="simulating", file=sys.stderr, disable=args.quiet):
+        ns = argparse.Namespace(scenario=sc, distribution=dist, lengths=None, world=args.world,
+                                gpus_per_node=8, seed=args.seed, tokens_per_step=None, profile=None)
+        results.append(simulate_json(ns, ALL, progress=False))
+    if args.json:
+        print(json.dumps({"simulated": results}))
+        return 0
+    for r in results:
+        print(_table(r))
+        print()
+    print("speedup = epoch time of the tuned bucket baseline / epoch time of the policy; "
+          "see benchmarks/ for the dated report.")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dcparallel", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
+    _workload_args(p)
+    p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="policy (repeatable)")
+    p.add_argument("--all", action="store_true", help="every policy (the default)")
+    p.add_argument("--json", action="store_true", help="one JSON object on one line")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("plan", help="print the step plans a policy makes")
+    _workload_args(p)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="dcp")
+    p.add_argument("--steps", type=int, default=3, help="how many steps to print (default 3)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step, one per line")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo", help="the main job on embedded defaults")
+    p.add_argument("--world", type=int, default=32)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

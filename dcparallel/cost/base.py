@@ -1,0 +1,168 @@
+"""The cost-model protocol and the pieces every cost model shares.
+
+A cost model answers: how long does one micro-batch (its samples, on a group of `sp`
+ranks, with a recompute setting) take forward + backward, and how much memory does each
+rank of its group peak at. Every cost model reduces a micro-batch to `MicroBatchTerms`,
+which is linear in the recompute counts; time and memory of any `Recompute` and the PAC
+knapsack all come from those terms, so both cost models share one definition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from dcparallel.spec import ClusterSpec, Layout, ModelSpec, Recompute, Size
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchTerms:
+    """Time and memory of one micro-batch on one group, as linear functions of recompute.
+
+    With f = min(attn, mlp) layers recomputing both sub-blocks:
+      time   = time_none + f*dt_full + (attn-f)*dt_attn + (mlp-f)*dt_mlp
+      memory = fixed + L*act_layer - f*save_full - (attn-f)*save_attn - (mlp-f)*save_mlp
+               + (transient_none if nothing recomputes else transient_rec)
+    """
+
+    num_layers: int
+    time_none: float
+    dt_attn: float
+    dt_mlp: float
+    dt_full: float
+    fixed_bytes: float
+    act_layer: float
+    save_attn: float
+    save_mlp: float
+    save_full: float
+    transient_none: float
+    transient_rec: float
+    #: False when only full recomputation was ever seen to fit (a profile with no other
+    #: measurement): every other setting is then reported as not fitting any budget
+    keep_all_feasible: bool = True
+
+    def time(self, r: Recompute) -> float:
+        a, m = min(r.attn, self.num_layers), min(r.mlp, self.num_layers)
+        f = min(a, m)
+        return self.time_none + f * self.dt_full + (a - f) * self.dt_attn + (m - f) * self.dt_mlp
+
+    def memory(self, r: Recompute) -> float:
+        a, m = min(r.attn, self.num_layers), min(r.mlp, self.num_layers)
+        f = min(a, m)
+        if not self.keep_all_feasible and f < self.num_layers:
+            return float("inf")
+        saved = f * self.save_full + (a - f) * self.save_attn + (m - f) * self.save_mlp
+        transient = self.transient_none if a == 0 and m == 0 else self.transient_rec
+        return self.fixed_bytes + self.num_layers * self.act_layer - saved + transient
+
+    def cheapest_recompute(self, budget: float) -> Recompute | None:
+        """PAC's knapsack: the recompute counts (attn, mlp) of least time whose memory fits
+        `budget`, or None if even full recomputation does not fit.
+
+        Layers are identical, so a choice is f layers recomputing both sub-blocks plus x
+        layers recomputing one kind (attention-only or MLP-only: the runtime recomputes
+        attention in layers 0..attn-1 and the MLP in 0..mlp-1, so only one kind can extend
+        past the overlap). For each f the fewest x that fit is a division: O(L)."""
+        L = self.num_layers
+        none = Recompute(0, 0)
+        if self.memory(none) <= budget:
+            return none
+        if not self.keep_all_feasible:
+            full = Recompute(L, L)
+            return full if self.memory(full) <= budget else None
+        need = self.fixed_bytes + L * self.act_layer + self.transient_rec - budget  # bytes to save
+        best_t, best = math.inf, None
+        sf, tf = self.save_full, self.dt_full
+        for save, dt, kind in ((self.save_attn, self.dt_attn, 0), (self.save_mlp, self.dt_mlp, 1)):
+            for f in range(L + 1):
+                rest = need - f * sf
+                if rest <= 0:
+                    x = 0 if f > 0 else 1  # f = x = 0 is keeping everything, which did not fit
+                    if f == 0 and save <= 0:
+                        continue
+                elif save <= 0:
+                    continue
+                else:
+                    x = max(1, math.ceil(rest / save - 1e-9))
+                if f + x > L:
+                    continue
+                t = f * tf + x * dt
+                if t < best_t - 1e-15:
+                    best_t, best = t, (f, x, kind)
+                if rest <= 0:
+                    break  # more full layers only add time
+        if best is None:
+            return None
+        f, x, kind = best
+        r = Recompute(f + x, f) if kind == 0 else Recompute(f, f + x)
+        if self.memory(r) > budget:  # rounding at the boundary: one more layer of that kind
+            r2 = Recompute(r.attn + (kind == 0), r.mlp + (kind == 1))
+            if max(r2.attn, r2.mlp) > L or self.memory(r2) > budget:
+                full = Recompute(L, L)
+                return full if self.memory(full) <= budget else None
+            r = r2
+        return r
+
+
+class CostModel(Protocol):
+    """Time and per-rank peak memory of one micro-batch for a layout."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+
+    def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms: ...
+
+    def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms: ...
+
+    def grad_sync_time(self) -> float: ...
+
+    def model_state_bytes(self) -> float: ...
+
+
+def mb_time(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
+    """Forward + backward seconds of one micro-batch on its group, communication included."""
+    return cost.terms(sizes, layout.sp).time(layout.recompute)
+
+
+def mb_memory(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
+    """Peak bytes on each rank of the group: model states + activations + transients."""
+    return cost.terms(sizes, layout.sp).memory(layout.recompute)
+
+
+def model_state_bytes(model: ModelSpec, world_size: int) -> float:
+    """DESIGN's default recipe: bf16 parameters (2), fp32 gradient accumulation (4), fp32
+    master weights + Adam moments sharded over the world (12 / world) bytes per parameter."""
+    return model.num_params * (2 + 4 + 12 / world_size)
+
+
+def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
+    """Hierarchical ring all-reduce: reduce-scatter + all-gather inside each node over
+    NVLink, then a ring all-reduce of each GPU's 1/g shard across nodes."""
+    g = min(cluster.gpus_per_node, cluster.world_size)
+    n = cluster.num_nodes
+    t = 0.0
+    if g > 1:
+        t += 2 * (g - 1) / g * num_bytes / cluster.intra_bw + 2 * (g - 1) * cluster.intra_latency
+    if n > 1:
+        t += 2 * (n - 1) / n * (num_bytes / g) / cluster.inter_bw + 2 * (n - 1) * cluster.inter_latency
+    return t
+
+
+def grad_sync_time(model: ModelSpec, cluster: ClusterSpec) -> float:
+    """The once-per-step all-reduce of the flat fp32 gradient buffer."""
+    if cluster.world_size == 1:
+        return 0.0
+    return allreduce_time(cluster, 4.0 * model.num_params)
+
+
+def alltoall_time(cluster: ClusterSpec, sp: int, bytes_per_rank: float) -> float:
+    """One Ulysses all-to-all in a group of `sp` ranks where each rank holds
+    `bytes_per_rank` and sends (sp - 1) / sp of it; a group larger than a node pays the
+    inter-node link for all of it (conservative)."""
+    if sp == 1:
+        return 0.0
+    volume = bytes_per_rank * (sp - 1) / sp
+    if cluster.spans_nodes(sp):
+        return cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
+    return cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw

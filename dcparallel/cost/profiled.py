@@ -1,0 +1,212 @@
+"""ProfiledCost: the cost model over a measured profile, and the profile's JSON schema.
+
+Profile JSON, schema ``dcparallel.profile`` version 1::
+
+    {
+      "schema": "dcparallel.profile", "version": 1,
+      "fingerprint": {...},            # what the profile is valid for (model, dtype, device,
+                                       # world size, torch version); compared by the profiler
+      "model": {ModelSpec fields},     # the model as the planner sees it
+      "world_size": 2, "gpus_per_node": 2,
+      "model_state_bytes": 1.2e6,      # per rank: parameters, gradients, optimizer shard
+      "grad_sync_s": 0.004,            # the once-per-step gradient all-reduce
+      "buckets": [{"key": "t1024", "size": 1024 | [frames, height, width], "tokens": 1024}],
+      "entries": [{"bucket": "t1024", "sp": 1, "mbs": 2,
+                   "recompute": "none" | "attn" | "mlp" | "full",
+                   "time_s": 0.12 | null,           # fwd + bwd of the whole model (extrapolated)
+                   "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
+                                                    # states excluded (extrapolated)
+                   "feasible": true}]               # false: ran out of memory
+    }
+
+`recompute` names apply to all layers ("attn": every layer's attention sub-block). A
+micro-batch's partial counts interpolate linearly between them. A micro-batch of n samples
+of one bucket uses that bucket's measurement at n (piecewise linear in n, proportional
+beyond the largest measured n); samples between buckets are interpolated in tokens from
+the two nearest buckets; each sample contributes time and memory per sample at the
+micro-batch's size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+from dcparallel.cost.base import MicroBatchTerms
+from dcparallel.spec import ClusterSpec, ModelSpec, Size, check_size
+
+SCHEMA = "dcparallel.profile"
+VERSION = 1
+MODES = ("none", "attn", "mlp", "full")
+
+
+@dataclass
+class Profile:
+    fingerprint: dict
+    model: ModelSpec
+    world_size: int
+    gpus_per_node: int
+    model_state_bytes: float
+    grad_sync_s: float
+    buckets: list[dict]
+    entries: list[dict]
+
+    def to_json(self) -> dict:
+        model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
+        return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
+                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
+                "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
+                "buckets": self.buckets, "entries": self.entries}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def from_json(d: dict, source: str = "profile") -> Profile:
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise ValueError(f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
+                             f"expected {SCHEMA!r}); re-run `dcparallel profile`")
+        if d.get("version") != VERSION:
+            raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
+                             f"version {VERSION}: re-run `dcparallel profile` to regenerate it")
+        try:
+            model = ModelSpec(**d["model"])
+            buckets = [dict(b, size=check_size(tuple(b["size"]) if isinstance(b["size"], list) else b["size"]))
+                       for b in d["buckets"]]
+            entries = list(d["entries"])
+            for e in entries:
+                if e["recompute"] not in MODES or e["bucket"] not in {b["key"] for b in buckets}:
+                    raise ValueError(f"bad entry {e}")
+            return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
+                           world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
+                           model_state_bytes=float(d["model_state_bytes"]),
+                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read profile {p}: {exc}; re-run `dcparallel profile`") from exc
+        return Profile.from_json(d, source=str(p))
+
+
+class ProfiledCost:
+    """Cost model over a `Profile`, for a cluster whose world size the profile measured."""
+
+    def __init__(self, profile: Profile, cluster: ClusterSpec):
+        self.profile, self.model, self.cluster = profile, profile.model, cluster
+        # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
+        self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
+        tokens = {b["key"]: int(b["tokens"]) for b in profile.buckets}
+        for e in profile.entries:
+            if not e.get("feasible", True) or e.get("time_s") is None or e.get("memory_bytes") is None:
+                continue
+            self._points.setdefault((e["bucket"], int(e["sp"]), e["recompute"]), []).append(
+                (int(e["mbs"]), float(e["time_s"]), float(e["memory_bytes"])))
+        for v in self._points.values():
+            v.sort()
+        self._by_tokens: dict[tuple[int, str], list[tuple[int, str]]] = {}
+        for (bucket, sp, mode) in self._points:
+            self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
+        for v in self._by_tokens.values():
+            v.sort()
+        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"})
+        self._cache: dict = {}
+
+    def grad_sync_time(self) -> float:
+        return self.profile.grad_sync_s
+
+    def model_state_bytes(self) -> float:
+        return self.profile.model_state_bytes
+
+    def _at(self, bucket: str, sp: int, mode: str, n: int) -> tuple[float, float]:
+        """(time, memory) per sample of a micro-batch of n samples of `bucket`."""
+        pts = self._points[(bucket, sp, mode)]
+        ns = [p[0] for p in pts]
+        i = bisect.bisect_left(ns, n)
+        if i < len(pts) and ns[i] == n:
+            _, t, m = pts[i]
+        elif i == 0:
+            _, t, m = pts[0]
+            t, m = t * n / ns[0], m * n / ns[0]
+        elif i == len(pts):
+            _, t, m = pts[-1]
+            t, m = t * n / ns[-1], m * n / ns[-1]
+        else:
+            (n0, t0, m0), (n1, t1, m1) = pts[i - 1], pts[i]
+            w = (n - n0) / (n1 - n0)
+            t, m = t0 + w * (t1 - t0), m0 + w * (m1 - m0)
+        return t / n, m / n
+
+    def _per_sample(self, tokens: int, sp: int, mode: str, n: int) -> tuple[float, float] | None:
+        """Per-sample (time, memory) for a sample of `tokens` in a micro-batch of n, interpolated
+        linearly in tokens between the nearest measured buckets (proportional outside)."""
+        row = self._by_tokens.get((sp, mode))
+        if not row:
+            return None
+        toks = [r[0] for r in row]
+        i = bisect.bisect_left(toks, tokens)
+        if i < len(row) and toks[i] == tokens:
+            return self._at(row[i][1], sp, mode, n)
+        if i == 0 or i == len(row):
+            k0, b0 = row[0] if i == 0 else row[-1]
+            t, m = self._at(b0, sp, mode, n)
+            return t * tokens / k0, m * tokens / k0
+        (k0, b0), (k1, b1) = row[i - 1], row[i]
+        (t0, m0), (t1, m1) = self._at(b0, sp, mode, n), self._at(b1, sp, mode, n)
+        w = (tokens - k0) / (k1 - k0)
+        return t0 + w * (t1 - t0), m0 + w * (m1 - m0)
+
+    def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
+        return self.terms((size,) * count, sp)
+
+    def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
+        toks = tuple(sorted(self.model.tokens(s) for s in sizes))
+        key = (toks, sp)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        n = len(toks)
+        tot: dict[str, list[float]] = {}
+        for mode in MODES:
+            acc = [0.0, 0.0]
+            for tk in toks:
+                v = self._per_sample(tk, sp, mode, n)
+                if v is None:
+                    acc = None
+                    break
+                acc[0] += v[0]
+                acc[1] += v[1]
+            if acc is not None:
+                tot[mode] = acc
+        if "none" not in tot and "full" not in tot:
+            raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
+        L = self.model.num_layers
+        if "none" in tot:
+            t_none, m_none = tot["none"]
+            t_full, m_full = tot.get("full", (t_none, m_none))
+        else:  # only full recomputation was feasible: keeping activations fits no budget
+            t_full, m_full = tot["full"]
+            t_none, m_none = t_full, m_full
+
+        def delta(mode: str) -> tuple[float, float]:
+            if mode not in tot or "none" not in tot:
+                return 0.0, 0.0  # not measured: an option that saves nothing, never chosen
+            return (tot[mode][0] - t_none) / L, (m_none - tot[mode][1]) / L
+
+        dta, sva = delta("attn")
+        dtm, svm = delta("mlp")
+        out = MicroBatchTerms(
+            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=(t_full - t_none) / L,
+            fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
+            save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
+            transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
+        self._cache[key] = out
+        return out

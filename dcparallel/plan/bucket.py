@@ -1,0 +1,130 @@
+"""`bucket`: the baseline as Open-Sora trains — one SP degree and one recompute setting for
+the whole run, a fixed micro-batch size per bucket, micro-batches dealt round-robin.
+
+Per bucket the micro-batch size is the largest that fits memory, then trimmed toward the
+median micro-batch time over buckets (as hand-tuned bucket configs do). The step's
+micro-batches, in data order, are dealt round-robin to the data-parallel groups, so
+their counts differ by at most one (static gradient accumulation).
+
+`tuned_bucket` picks the SP degree and recompute setting that give this baseline its best
+simulated throughput on the data at hand; `default_bucket` is Open-Sora's default, the
+smallest SP degree at which the longest sample fits with full recomputation.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+from dcparallel.plan.context import PlanContext, RecomputeMode, static_recompute
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
+
+STATIC_MODES: tuple[RecomputeMode, ...] = ("none", "attn", "mlp", "full")
+
+
+class Infeasible(ValueError):
+    pass
+
+
+def data_parallel_groups(world: int, sp: int) -> list[tuple[int, ...]]:
+    return [tuple(range(s, s + sp)) for s in range(0, world, sp)]
+
+
+def static_candidates(ctx: PlanContext) -> list[int]:
+    """SP degrees a static layout can use: aligned blocks of that size must tile the world."""
+    return [k for k in ctx.sp_sizes if ctx.cluster.world_size % k == 0]
+
+
+class BucketPlanner:
+    name = "bucket"
+
+    def __init__(self, ctx: PlanContext, sp: int, mode: RecomputeMode):
+        self.ctx, self.sp, self.mode = ctx, sp, mode
+        self.recompute = static_recompute(mode, ctx.model.num_layers)
+        self.mbs: dict[tuple[int, int], int] = {}
+        times = {}
+        for b, size in ctx.rep.items():
+            m = ctx.max_mbs(size, sp, mode)
+            if m == 0:
+                raise Infeasible(f"bucket {b} (size {size!r}) does not fit at sp={sp}, recompute={mode}")
+            self.mbs[b] = m
+            times[b] = ctx.copies_layout(size, m, sp, mode)[1]
+        median = statistics.median(times.values())
+        for b, t in times.items():  # trim toward the median micro-batch time
+            m = self.mbs[b]
+            while m > 1 and t > median:
+                m -= 1
+                t = ctx.copies_layout(ctx.rep[b], m, sp, mode)[1]
+            self.mbs[b] = m
+        self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
+
+    def describe(self) -> dict:
+        return {"sp": self.sp, "recompute": self.mode}
+
+    def plan(self, step: Step) -> StepPlan:
+        ctx = self.ctx
+        open_chunks: dict[tuple[int, int], list[int]] = {}
+        done: list[list[int]] = []
+        for i in step.sample_ids:
+            b = ctx.bucket_of[i]
+            chunk = open_chunks.setdefault(b, [])
+            chunk.append(i)
+            if len(chunk) == self.mbs[b]:
+                done.append(chunk)
+                del open_chunks[b]
+        done.extend(open_chunks.values())
+        pos = {i: n for n, i in enumerate(step.sample_ids)}
+        done.sort(key=lambda c: pos[c[0]])
+        per_group: list[list[MicroBatch]] = [[] for _ in self.groups]
+        for n, chunk in enumerate(done):
+            per_group[n % len(self.groups)].append(
+                MicroBatch(tuple(chunk), Layout(self.sp, len(chunk), self.recompute)))
+        groups = tuple(GroupPlan(r, tuple(m)) for r, m in zip(self.groups, per_group))
+        return StepPlan(step.index, step.sample_ids, groups, sum(ctx.tokens[i] for i in step.sample_ids))
+
+
+def tune_static(ctx: PlanContext, steps: Sequence[Step], make, max_steps: int = 64):
+    """Builds `make(ctx, sp, mode)` for every static SP degree and recompute setting and
+    returns the one with the least simulated time on (an even subset of) `steps`, plus
+    the time of every candidate tried."""
+    from dcparallel.sim.replay import simulate
+
+    subset = list(steps)
+    if len(subset) > max_steps:
+        stride = len(subset) / max_steps
+        subset = [subset[int(i * stride)] for i in range(max_steps)]
+    tried: dict[str, float] = {}
+    best = None
+    for sp in static_candidates(ctx):
+        for mode in STATIC_MODES:
+            try:
+                planner = make(ctx, sp, mode)
+            except Infeasible:
+                continue
+            t = simulate((planner.plan(s) for s in subset), ctx).total_time
+            tried[f"sp{sp}-{mode}"] = t
+            if best is None or t < best[0]:
+                best = (t, planner)
+    if best is None:
+        raise Infeasible("no single SP degree and recompute setting fits every sample; "
+                         "static baselines cannot run this data on this cluster")
+    return best[1], tried
+
+
+def tuned_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:
+    planner, tried = tune_static(ctx, steps, BucketPlanner)
+    planner.tried = tried
+    return planner
+
+
+def default_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:
+    for sp in static_candidates(ctx):
+        try:
+            p = BucketPlanner(ctx, sp, "full")
+        except Infeasible:
+            continue
+        p.name = "bucket-default"
+        return p
+    raise Infeasible("no SP degree fits every sample even with full recomputation")

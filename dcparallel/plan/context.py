@@ -1,0 +1,242 @@
+"""What every policy needs to know about a workload on a cluster, computed once.
+
+`PlanContext` holds the dataset's sample sizes, their buckets, the memory budget and the
+cost model, and answers layout questions with caching: which recompute setting lets a
+micro-batch fit, the largest micro-batch that fits, the best layout of a bucket at each
+SP degree. Pure python, no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from dcparallel.cost.base import CostModel, MicroBatchTerms
+from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, bucket_key, sp_chain
+
+#: How a policy picks recompute: "none"/"attn"/"mlp"/"full" fixed for every layer,
+#: "fit" = the fastest of those four that fits, per micro-batch, "pac" = the fastest
+#: per-layer split that fits (knapsack over layers x {attention, MLP}).
+RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
+
+MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """A layout for a bucket's micro-batches with its time (of a full micro-batch of the
+    bucket's largest sample) and GPU-seconds per sample."""
+
+    layout: Layout
+    time: float
+
+    @property
+    def gpu_s_per_sample(self) -> float:
+        return self.time * self.layout.sp / self.layout.mbs
+
+
+class OversizeError(ValueError):
+    """A sample fits no layout on the cluster."""
+
+
+class PlanContext:
+    def __init__(self, workload: Workload, cost: CostModel, cluster: ClusterSpec,
+                 sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False):
+        if cost.model != workload.model:
+            raise ValueError(f"cost model is for {cost.model.name!r}, workload for {workload.model.name!r}")
+        self.workload, self.cost, self.cluster = workload, cost, cluster
+        self.model = workload.model
+        self.budget = float(cluster.memory_bytes)
+        chain = sp_chain(cluster, self.model.num_heads)
+        supported = getattr(cost, "sp_sizes", None)
+        if supported is not None:
+            chain = [k for k in chain if k in supported]
+        if sp_sizes is not None:
+            chain = [k for k in chain if k in set(sp_sizes)]
+        if not chain:
+            raise ValueError(f"no usable SP degree: chain {sp_chain(cluster, self.model.num_heads)}, "
+                             f"cost model supports {supported}, asked for {sp_sizes}")
+        self.sp_sizes: list[int] = chain
+        self.sizes = workload.sizes
+        self.tokens = workload.tokens
+        self.bucket_of: list[tuple[int, int]] = [bucket_key(self.model, s) for s in self.sizes]
+        rep: dict[tuple[int, int], int] = {}
+        for i, b in enumerate(self.bucket_of):
+            j = rep.get(b)
+            if j is None or self.tokens[i] > self.tokens[j]:
+                rep[b] = i
+        #: the largest sample of each bucket: layouts chosen for a bucket must fit it
+        self.rep: dict[tuple[int, int], Size] = {b: self.sizes[i] for b, i in rep.items()}
+        self._terms: dict = {}
+        self._fit: dict = {}
+        self._options: dict = {}
+        self.skipped: list[tuple[int, Size, float]] = []
+        self._check_fit(skip_oversize)
+
+    # -- cost access -------------------------------------------------------------------
+    def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:
+        key = (sizes, sp)
+        t = self._terms.get(key)
+        if t is None:
+            t = self.cost.terms(sizes, sp)
+            self._terms[key] = t
+        return t
+
+    def copies_layout(self, size: Size, count: int, sp: int, mode: RecomputeMode
+                      ) -> tuple[Layout, float] | None:
+        """`layout_for` of `count` copies of one size (how bucket layouts are sized)."""
+        key = (size, count, sp, mode)
+        hit = self._fit.get(key, 0)
+        if hit != 0:
+            return hit
+        terms = self.cost.terms_copies(size, count, sp)
+        r = self.recompute_for(terms, mode)
+        out = None if r is None else (Layout(sp, count, r), terms.time(r))
+        self._fit[key] = out
+        return out
+
+    def recompute_for(self, terms: MicroBatchTerms, mode: RecomputeMode) -> Recompute | None:
+        """The recompute setting `mode` picks for a micro-batch, or None if it cannot fit."""
+        L = self.model.num_layers
+        if mode == "pac":
+            return terms.cheapest_recompute(self.budget)
+        if mode == "fit":  # the fastest whole-model setting that fits
+            fits = [r for r in (Recompute(0, 0), Recompute(L, 0), Recompute(0, L), Recompute(L, L))
+                    if terms.memory(r) <= self.budget]
+            return min(fits, key=terms.time) if fits else None
+        r = static_recompute(mode, L)
+        return r if terms.memory(r) <= self.budget else None
+
+    def layout_for(self, sizes: tuple[Size, ...], sp: int, mode: RecomputeMode) -> tuple[Layout, float] | None:
+        """The layout (with recompute per `mode`) of a micro-batch of these samples at `sp`
+        and its time, or None if it does not fit."""
+        key = (sizes, sp, mode)
+        hit = self._fit.get(key, 0)
+        if hit != 0:
+            return hit
+        terms = self.terms(sizes, sp)
+        r = self.recompute_for(terms, mode)
+        out = None if r is None else (Layout(sp, len(sizes), r), terms.time(r))
+        self._fit[key] = out
+        return out
+
+    def max_mbs(self, size: Size, sp: int, mode: RecomputeMode, cap: int = MAX_MBS) -> int:
+        """Largest micro-batch of copies of `size` that fits at `sp` with `mode` (0 if none)."""
+        if self.copies_layout(size, 1, sp, mode) is None:
+            return 0
+        lo, hi = 1, 1
+        while hi < cap and self.copies_layout(size, min(2 * hi, cap), sp, mode) is not None:
+            lo = hi = min(2 * hi, cap)
+        if hi == cap:
+            return cap
+        hi = min(2 * hi, cap)  # lo fits, hi does not: bisect
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.copies_layout(size, mid, sp, mode) is not None:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def bucket_options(self, bucket: tuple[int, int], mode: RecomputeMode) -> dict[int, Option]:
+        """Per SP degree, the layout of least GPU-seconds per sample for this bucket (over
+        micro-batch sizes 1, 2, 4, ... up to the largest that fits)."""
+        key = (bucket, mode)
+        hit = self._options.get(key)
+        if hit is not None:
+            return hit
+        size = self.rep[bucket]
+        out: dict[int, Option] = {}
+        for k in self.sp_sizes:
+            top = self.max_mbs(size, k, mode)
+            if top == 0:
+                continue
+            cands = sorted({1 << i for i in range(7) if (1 << i) <= top} | {top})
+            best = None
+            for mbs in cands:
+                lt = self.copies_layout(size, mbs, k, mode)
+                assert lt is not None
+                opt = Option(lt[0], lt[1])
+                if best is None or opt.gpu_s_per_sample < best.gpu_s_per_sample * (1 - 1e-9):
+                    best = opt
+            if best is not None:
+                out[k] = best
+        self._options[key] = out
+        return out
+
+    def mb_time(self, sample_ids: Sequence[int], layout: Layout) -> float:
+        sizes = tuple(self.sizes[i] for i in sample_ids)
+        return self.terms(sizes, layout.sp).time(layout.recompute)
+
+    def mb_memory(self, sample_ids: Sequence[int], layout: Layout) -> float:
+        sizes = tuple(self.sizes[i] for i in sample_ids)
+        return self.terms(sizes, layout.sp).memory(layout.recompute)
+
+    # -- validation --------------------------------------------------------------------
+    def _check_fit(self, skip_oversize: bool) -> None:
+        """Every sample must fit some layout: the largest SP degree with full recompute."""
+        k = self.sp_sizes[-1]
+        L = self.model.num_layers
+        bad: list[tuple[int, Size, float]] = []
+        checked: dict[Size, float | None] = {}
+        for i, s in enumerate(self.sizes):
+            if s not in checked:
+                terms = self.terms((s,), k)
+                need = terms.memory(Recompute(L, L))
+                checked[s] = None if need <= self.budget else need
+            need = checked[s]
+            if need is not None:
+                bad.append((i, s, need))
+        if bad and not skip_oversize:
+            i, s, need = max(bad, key=lambda b: b[2])
+            raise OversizeError(
+                f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
+                f"full recomputation it needs {need / 2**30:.1f} GiB per rank, more than the "
+                f"{self.budget / 2**30:.1f} GiB usable; {len(bad)} sample(s) are too large. Use more "
+                f"memory or a larger SP degree, or pass skip_oversize=True to skip and report them")
+        self.skipped = bad
+        if bad:
+            skip = {i for i, _, _ in bad}
+            self.usable_ids = [i for i in range(len(self.sizes)) if i not in skip]
+        else:
+            self.usable_ids = list(range(len(self.sizes)))
+
+
+def static_recompute(mode: RecomputeMode, num_layers: int) -> Recompute:
+    """The recompute counts of a whole-run setting: every layer recomputes the named part."""
+    L = num_layers
+    table = {"none": Recompute(0, 0), "attn": Recompute(L, 0), "mlp": Recompute(0, L), "full": Recompute(L, L)}
+    if mode not in table:
+        raise ValueError(f"recompute setting {mode!r} is not one of {sorted(table)}")
+    return table[mode]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[float]]:
+    """Longest-processing-time-first assignment of items to bins; returns item indices per
+    bin (in the items' original order) and bin loads."""
+    loads = [0.0] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in sorted(range(len(times)), key=lambda j: -times[j]):
+        b = min(range(num_bins), key=loads.__getitem__)
+        bins[b].append(i)
+        loads[b] += times[i]
+    for b in bins:
+        b.sort()
+    return bins, loads
+
+
+def place_groups(sizes_desc: Sequence[int], world: int) -> list[tuple[int, ...]]:
+    """Aligned blocks for group sizes given largest first; sizes form a divisibility chain,
+    so consecutive placement keeps every block aligned. Uncovered ranks become size-1
+    groups."""
+    out, pos = [], 0
+    for k in sizes_desc:
+        assert pos % k == 0 and pos + k <= world, (sizes_desc, world)
+        out.append(tuple(range(pos, pos + k)))
+        pos += k
+    out.extend((r,) for r in range(pos, world))
+    return out

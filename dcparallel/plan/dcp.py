@@ -1,0 +1,198 @@
+"""The data-centric planner shared by `dcp-intra`, `dcp-inter` and `dcp-inter-pac`.
+
+For each step:
+1. every bucket of the step takes its own layout: the SP degree and micro-batch size of
+   least GPU-seconds per sample that fit memory (`intra`); with `promote`, a bucket whose
+   micro-batch would outlast the step's average load per rank moves to the smallest
+   larger SP degree that finishes within it (a long sample must not stall the step);
+2. the world is split into groups per SP degree, greedily giving one more group to the
+   SP degree whose groups would finish last, until no rank is left or nothing improves;
+   groups of mixed sizes tile the world as aligned blocks (largest first);
+3. micro-batches are dealt to the groups of their SP degree: round-robin by count
+   (`intra`), or longest first to the least-loaded group (`inter`: per-group gradient
+   accumulation), followed by moves of micro-batches off the slowest group to any group
+   where they finish earlier, re-laid-out at that group's SP degree (`inter`);
+4. recomputation per micro-batch: `fit` (none if it fits, else full) or `pac` (the
+   cheapest partial recompute that fits the memory left, a knapsack over layers x
+   {attention, MLP}).
+"""
+
+from __future__ import annotations
+
+from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt, place_groups
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
+
+
+class DCPPlanner:
+    def __init__(self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool):
+        self.ctx, self.name, self.mode, self.balance, self.promote = ctx, name, mode, balance, promote
+        self.options: dict[tuple[int, int], dict[int, Option]] = {
+            b: ctx.bucket_options(b, mode) for b in ctx.rep}
+        self.preferred = {b: min(o, key=lambda k: (o[k].gpu_s_per_sample, k)) for b, o in self.options.items()}
+
+    def describe(self) -> dict:
+        return {"recompute": self.mode, "balance": self.balance, "promote": self.promote}
+
+    # -- 1. layouts --------------------------------------------------------------------
+    def _choose_sp(self, by_bucket: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int], int]:
+        sp = {b: self.preferred[b] for b in by_bucket}
+        if not self.promote:
+            return sp
+        world = self.ctx.cluster.world_size
+        work = sum(len(ids) * self.options[b][sp[b]].gpu_s_per_sample for b, ids in by_bucket.items())
+        avg = work / world
+        for b in by_bucket:
+            opts = self.options[b]
+            if opts[sp[b]].time <= avg:
+                continue
+            larger = [k for k in sorted(opts) if k >= sp[b]]
+            within = [k for k in larger if opts[k].time <= avg]
+            sp[b] = within[0] if within else min(larger, key=lambda k: (opts[k].time, k))
+        return sp
+
+    def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[tuple[tuple[int, ...], Layout]]:
+        opt = self.options[b][k]
+        m = opt.layout.mbs
+        out = []
+        for s in range(0, len(ids), m):
+            chunk = tuple(ids[s:s + m])
+            out.append((chunk, Layout(k, len(chunk), opt.layout.recompute)))
+        return out
+
+    # -- 2. groups per SP degree ---------------------------------------------------------
+    def _makespan(self, times: list[float], n: int) -> float:
+        if not times:
+            return 0.0
+        if self.balance:
+            return max(lpt(times, n)[1])
+        loads = [0.0] * n
+        for j, t in enumerate(times):
+            loads[j % n] += t
+        return max(loads)
+
+    def _allocate(self, times: dict[int, list[float]], world: int) -> tuple[dict[int, int], int]:
+        """Groups per SP degree minimizing the step's makespan: the smallest makespan T for
+        which the groups each degree needs to finish within T fit the world (every
+        degree's makespan is non-increasing in its group count, so scan the candidate
+        T values in order). Ranks left over go, a group at a time, to the degree that
+        finishes last while that helps."""
+        spans = {}
+        for k, ts in times.items():
+            row, n_max = [], min(world // k, len(ts))
+            for n in range(1, n_max + 1):
+                row.append(self._makespan(ts, n))
+            spans[k] = row
+        candidates = sorted({t for row in spans.values() for t in row})
+        lo, hi = 0, len(candidates) - 1  # the largest candidate is always feasible
+        while lo < hi:
+            mid = (lo + hi) // 2
+            need = sum(k * next(n for n, t in enumerate(spans[k], 1) if t <= candidates[mid] or n == len(spans[k]))
+                       for k in spans)
+            if need <= world and all(spans[k][-1] <= candidates[mid] for k in spans):
+                hi = mid
+            else:
+                lo = mid + 1
+        target = candidates[lo]
+        count = {k: next(n for n, t in enumerate(spans[k], 1) if t <= target) for k in spans}
+        free = world - sum(k * n for k, n in count.items())
+        while free > 0:
+            open_ = [k for k in spans if k <= free and count[k] < len(spans[k])]
+            if not open_:
+                break
+            k = max(open_, key=lambda j: spans[j][count[j] - 1])
+            if spans[k][count[k]] >= spans[k][count[k] - 1] - 1e-12:
+                break
+            count[k] += 1
+            free -= k
+        return count, free
+
+    def plan(self, step: Step) -> StepPlan:
+        ctx = self.ctx
+        world = ctx.cluster.world_size
+        by_bucket: dict[tuple[int, int], list[int]] = {}
+        for i in step.sample_ids:
+            by_bucket.setdefault(ctx.bucket_of[i], []).append(i)
+        sp_of = self._choose_sp(by_bucket)
+
+        def build_classes() -> dict[int, list[tuple[tuple[int, ...], Layout, float]]]:
+            classes: dict[int, list] = {}
+            for b, ids in by_bucket.items():
+                for chunk, lay in self._chunk(ids, b, sp_of[b]):
+                    classes.setdefault(lay.sp, []).append((chunk, lay, ctx.mb_time(chunk, lay)))
+            return classes
+
+        classes = build_classes()
+        # one group per SP degree must fit the world: fold the least-work degree upward
+        while sum(classes) > world:
+            ks = sorted(classes)
+            work = {k: sum(t for _, _, t in classes[k]) * k for k in ks}
+            k_small = min(ks[:-1], key=lambda k: (work[k], k))
+            k_up = next(k for k in ks if k > k_small)
+            for b in by_bucket:
+                if sp_of[b] == k_small:
+                    sp_of[b] = k_up if k_up in self.options[b] else max(self.options[b])
+            classes = build_classes()
+
+        count, free = self._allocate({k: [t for _, _, t in v] for k, v in classes.items()}, world)
+
+        # -- 3. deal micro-batches to groups ------------------------------------------
+        group_sizes: list[int] = []
+        group_mbs: list[list[tuple[tuple[int, ...], Layout, float]]] = []
+        for k in sorted(classes, reverse=True):
+            n = count[k]
+            items = classes[k]
+            if self.balance:
+                assign, _ = lpt([t for _, _, t in items], n)
+            else:
+                assign = [list(range(g, len(items), n)) for g in range(n)]
+            for g in range(n):
+                group_sizes.append(k)
+                group_mbs.append([items[j] for j in assign[g]])
+        # ranks no SP degree could use become groups of the largest size that fits
+        chain = ctx.sp_sizes
+        while free > 0:
+            k = max((c for c in chain if c <= free), default=1)
+            group_sizes.append(k)
+            group_mbs.append([])
+            free -= k
+        if self.balance:
+            self._steal(group_sizes, group_mbs)
+
+        order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
+        ranks = place_groups([group_sizes[g] for g in order], world)
+        groups = []
+        for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
+            mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
+            groups.append(GroupPlan(r, mbs))
+        return StepPlan(step.index, step.sample_ids, tuple(groups),
+                        sum(ctx.tokens[i] for i in step.sample_ids))
+
+    # -- 3b. move micro-batches off the slowest group ----------------------------------
+    def _steal(self, sizes: list[int], mbs: list[list[tuple[tuple[int, ...], Layout, float]]]) -> None:
+        ctx = self.ctx
+        loads = [sum(t for _, _, t in g) for g in mbs]
+        for _ in range(4 * sum(len(g) for g in mbs) + 8):
+            src = max(range(len(loads)), key=loads.__getitem__)
+            best = None
+            for j, (chunk, _, t) in enumerate(mbs[src]):
+                sizes_c = tuple(ctx.sizes[i] for i in chunk)
+                for dst in range(len(loads)):
+                    # SP never scales better than linearly: skip groups that cannot finish earlier
+                    if dst == src or loads[dst] + t * sizes[src] / sizes[dst] * 0.95 >= loads[src]:
+                        continue
+                    fit = ctx.layout_for(sizes_c, sizes[dst], self.mode)
+                    if fit is None:
+                        continue
+                    lay, t2 = fit
+                    new_max = max(loads[src] - t, loads[dst] + t2)
+                    if new_max < loads[src] * (1 - 1e-6) and (best is None or new_max < best[0]):
+                        best = (new_max, j, dst, lay, t2)
+            if best is None:
+                return
+            _, j, dst, lay, t2 = best
+            chunk, _, t = mbs[src].pop(j)
+            mbs[dst].append((chunk, lay, t2))
+            loads[src] -= t
+            loads[dst] += t2

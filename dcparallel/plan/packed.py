@@ -1,0 +1,104 @@
+"""`packed`: the packing baseline — one SP degree and recompute setting for the run; the
+step's samples are packed into token-capacity bins (first-fit decreasing), each bin one
+micro-batch (text: documents packed into one row with `cu_seqlens`; video: samples packed
+as variable-length sequences), and the bins dealt evenly to the data-parallel groups
+(longest bin first to the least-loaded group). The capacity is the most tokens a
+micro-batch can hold in memory at that SP degree and recompute setting.
+
+`tuned_packed` picks the SP degree and recompute setting with the best simulated
+throughput, as `tuned_bucket` does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dcparallel.plan.bucket import Infeasible, data_parallel_groups, tune_static
+from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, static_recompute
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
+
+
+class PackedPlanner:
+    name = "packed"
+
+    def __init__(self, ctx: PlanContext, sp: int, mode: RecomputeMode):
+        self.ctx, self.sp, self.mode = ctx, sp, mode
+        self.recompute = static_recompute(mode, ctx.model.num_layers)
+        self.capacity = self._capacity()
+        self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
+
+    def _capacity(self) -> int:
+        """Tokens a bin may hold. Text: the longest single document that fits (packed
+        documents cost the memory of their total length). Video: the most tokens any
+        bucket's samples fill when stacked; bins are checked against memory afterwards."""
+        ctx = self.ctx
+        caps = []
+        for size in ctx.rep.values():
+            m = ctx.max_mbs(size, self.sp, self.mode, cap=1 << 16)
+            if m == 0:
+                raise Infeasible(f"size {size!r} does not fit at sp={self.sp}, recompute={self.mode}")
+            caps.append(m * ctx.model.tokens(size))
+        if ctx.model.kind != "text":
+            return max(caps)
+        lo = max(ctx.tokens)  # fits: every rep fitted above
+        hi = lo
+        while ctx.copies_layout(hi * 2, 1, self.sp, self.mode) is not None and hi < 1 << 26:
+            lo = hi = hi * 2
+        hi *= 2
+        while hi - lo > max(1, lo // 256):
+            mid = (lo + hi) // 2
+            if ctx.copies_layout(mid, 1, self.sp, self.mode) is not None:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def describe(self) -> dict:
+        return {"sp": self.sp, "recompute": self.mode, "capacity_tokens": self.capacity}
+
+    def _bins(self, ids: Sequence[int]) -> list[list[int]]:
+        ctx = self.ctx
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(ids, key=lambda j: (-ctx.tokens[j], j)):
+            t = ctx.tokens[i]
+            for b in range(len(bins)):
+                if room[b] >= t:
+                    bins[b].append(i)
+                    room[b] -= t
+                    break
+            else:
+                bins.append([i])
+                room.append(self.capacity - t)
+        out = []
+        for b in bins:  # check memory; split a bin that does not fit (video capacities are optimistic)
+            if ctx.layout_for(tuple(ctx.sizes[j] for j in b), self.sp, self.mode) is not None:
+                out.append(b)
+                continue
+            cur: list[int] = []
+            for i in b:
+                if cur and ctx.layout_for(tuple(ctx.sizes[j] for j in cur + [i]), self.sp, self.mode) is None:
+                    out.append(cur)
+                    cur = []
+                cur.append(i)
+            out.append(cur)
+        return out
+
+    def plan(self, step: Step) -> StepPlan:
+        ctx = self.ctx
+        bins = self._bins(step.sample_ids)
+        layouts = [Layout(self.sp, len(b), self.recompute) for b in bins]
+        times = [ctx.mb_time(b, lay) for b, lay in zip(bins, layouts)]
+        assign, _ = lpt(times, len(self.groups))
+        groups = tuple(
+            GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
+            for g, r in enumerate(self.groups))
+        return StepPlan(step.index, step.sample_ids, groups, sum(ctx.tokens[i] for i in step.sample_ids))
+
+
+def tuned_packed(ctx: PlanContext, steps: Sequence[Step]) -> PackedPlanner:
+    planner, tried = tune_static(ctx, steps, PackedPlanner)
+    planner.tried = tried
+    return planner

@@ -1,0 +1,125 @@
+"""Replays step plans on a cost model: per-group busy time, step time, idle, memory.
+
+A step's groups run their micro-batches back to back; the step ends when the slowest
+group is done and all ranks have met for the gradient sync. Idle is the time a rank
+waits for the slowest group. A micro-batch whose peak memory exceeds the usable memory
+makes the plan invalid (counted in `memory_violations`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.types import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One micro-batch on one group, relative to the step's start (seconds)."""
+
+    start: float
+    end: float
+    sp: int
+    num_samples: int
+
+
+@dataclass
+class StepResult:
+    index: int
+    compute_time: float  # slowest group
+    sync_time: float
+    group_ranks: list[tuple[int, ...]]
+    group_busy: list[float]
+    group_segments: list[list[Segment]]
+    idle_gpu_s: float
+    peak_memory: float
+    num_tokens: int
+    memory_violations: int
+
+    @property
+    def step_time(self) -> float:
+        return self.compute_time + self.sync_time
+
+
+@dataclass
+class SimResult:
+    world_size: int
+    memory_bytes: float
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def total_time(self) -> float:
+        return sum(s.step_time for s in self.steps)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.steps)
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.total_time
+        return self.num_tokens / t if t > 0 else 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        t = self.total_time
+        return sum(s.idle_gpu_s for s in self.steps) / (self.world_size * t) if t > 0 else 0.0
+
+    @property
+    def step_time_median(self) -> float:
+        return statistics.median(s.step_time for s in self.steps) if self.steps else 0.0
+
+    @property
+    def peak_memory_fraction(self) -> float:
+        return max((s.peak_memory for s in self.steps), default=0.0) / self.memory_bytes
+
+    @property
+    def memory_violations(self) -> int:
+        return sum(s.memory_violations for s in self.steps)
+
+    def rank_timeline(self, rank: int) -> list[tuple[float, float, str]]:
+        """(start, end, "busy" | "idle" | "sync") spans of one rank over the run."""
+        out, t0 = [], 0.0
+        for s in self.steps:
+            gi = next(i for i, g in enumerate(s.group_ranks) if rank in g)
+            for seg in s.group_segments[gi]:
+                out.append((t0 + seg.start, t0 + seg.end, "busy"))
+            busy = s.group_busy[gi]
+            if s.compute_time > busy:
+                out.append((t0 + busy, t0 + s.compute_time, "idle"))
+            if s.sync_time > 0:
+                out.append((t0 + s.compute_time, t0 + s.step_time, "sync"))
+            t0 += s.step_time
+        return out
+
+
+def replay_step(plan: StepPlan, ctx: PlanContext) -> StepResult:
+    ranks, busy, segs = [], [], []
+    peak, violations = 0.0, 0
+    for g in plan.groups:
+        t, gsegs = 0.0, []
+        for mb in g.micro_batches:
+            dt = ctx.mb_time(mb.sample_ids, mb.layout)
+            mem = ctx.mb_memory(mb.sample_ids, mb.layout)
+            peak = max(peak, mem)
+            if mem > ctx.budget * (1 + 1e-9):
+                violations += 1
+            gsegs.append(Segment(t, t + dt, g.sp, len(mb.sample_ids)))
+            t += dt
+        ranks.append(g.ranks)
+        busy.append(t)
+        segs.append(gsegs)
+    compute = max(busy, default=0.0)
+    idle = sum((compute - b) * len(r) for r, b in zip(ranks, busy))
+    return StepResult(plan.index, compute, ctx.cost.grad_sync_time(), ranks, busy, segs, idle,
+                      peak, plan.num_tokens, violations)
+
+
+def simulate(plans: Iterable[StepPlan], ctx: PlanContext) -> SimResult:
+    res = SimResult(ctx.cluster.world_size, ctx.budget)
+    for p in plans:
+        res.steps.append(replay_step(p, ctx))
+    return res

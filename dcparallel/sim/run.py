@@ -1,0 +1,82 @@
+"""Plan an epoch with several policies and simulate each: the numbers `dcparallel simulate` prints."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from dcparallel.cost.base import CostModel
+from dcparallel.plan.bounds import LowerBound
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import Step, form_steps
+from dcparallel.plan.types import StepPlan
+from dcparallel.sim.replay import SimResult, simulate
+from dcparallel.spec import ClusterSpec, Workload
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    plans: list[StepPlan]
+    sim: SimResult
+    setup_ms: float
+    plan_ms_per_step: float
+    settings: dict
+
+
+def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str) -> PolicyRun:
+    t0 = time.perf_counter()
+    planner = make_planner(policy, ctx, steps)
+    t1 = time.perf_counter()
+    plans = [planner.plan(s) for s in steps]
+    t2 = time.perf_counter()
+    settings = dict(planner.describe())
+    if getattr(planner, "tried", None):
+        settings["tried_s"] = {k: round(v, 3) for k, v in planner.tried.items()}
+    return PolicyRun(policy, plans, simulate(plans, ctx), (t1 - t0) * 1e3,
+                     (t2 - t1) * 1e3 / max(1, len(steps)), settings)
+
+
+def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, policies: Sequence[str], *,
+                 tokens_per_step: int, seed: int = 0, epoch: int = 0, progress: bool = False
+                 ) -> tuple[PlanContext, list[Step], dict[str, PolicyRun], float]:
+    """Plans and simulates one epoch per policy; returns the context, the (shared) steps,
+    each policy's run and the epoch's lower bound."""
+    ctx = PlanContext(workload, cost, cluster)
+    steps = form_steps(workload.tokens, seed=seed, epoch=epoch, tokens_per_step=tokens_per_step)
+    runs = {}
+    for name in policies:
+        if progress:
+            print(f"  planning {name} ({len(steps)} steps) ...", file=sys.stderr, flush=True)
+        runs[name] = plan_epoch(ctx, steps, name)
+    bound = LowerBound(ctx).epoch(steps)
+    return ctx, steps, runs, bound
+
+
+def summary(workload: Workload, runs: dict[str, PolicyRun], bound: float) -> dict:
+    """The per-policy numbers of `simulate --json`."""
+    out = {}
+    n = len(workload)
+    for name, r in runs.items():
+        planned = sorted(i for p in r.plans for mb in p.micro_batches() for i in mb.sample_ids)
+        s = r.sim
+        out[name] = {
+            "samples_planned": len(planned),
+            "samples_dropped": n - len(set(planned)),
+            "samples_repeated": len(planned) - len(set(planned)),
+            "steps": len(r.plans),
+            "tokens_per_s": round(s.tokens_per_s, 1),
+            "epoch_time_s": round(s.total_time, 4),
+            "step_time_s_median": round(s.step_time_median, 4),
+            "idle_fraction": round(s.idle_fraction, 4),
+            "lower_bound_efficiency": round(bound / s.total_time, 4) if s.total_time else 0.0,
+            "plan_ms_per_step": round(r.plan_ms_per_step, 3),
+            "setup_ms": round(r.setup_ms, 1),
+            "peak_memory_fraction": round(s.peak_memory_fraction, 4),
+            "memory_violations": s.memory_violations,
+            "settings": r.settings,
+        }
+    return out
