@@ -40,25 +40,32 @@ class DCPPlanner:
         sp = {b: self.preferred[b] for b in by_bucket}
         if not self.promote:
             return sp
-        world = self.ctx.cluster.world_size
+        ctx = self.ctx
         work = sum(len(ids) * self.options[b][sp[b]].gpu_s_per_sample for b, ids in by_bucket.items())
-        avg = work / world
-        for b in by_bucket:
+        avg = work / ctx.cluster.world_size
+        for b, ids in by_bucket.items():
             opts = self.options[b]
-            if opts[sp[b]].time <= avg:
+            # the time of the bucket's largest micro-batch in this step at each degree
+            mb_time = {k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode)[1]
+                       for k, o in opts.items() if k >= sp[b]}
+            if mb_time[sp[b]] <= avg:
                 continue
-            larger = [k for k in sorted(opts) if k >= sp[b]]
-            within = [k for k in larger if opts[k].time <= avg]
-            sp[b] = within[0] if within else min(larger, key=lambda k: (opts[k].time, k))
+            within = [k for k in sorted(mb_time) if mb_time[k] <= avg]
+            sp[b] = within[0] if within else min(mb_time, key=lambda k: (mb_time[k], k))
         return sp
 
-    def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[tuple[tuple[int, ...], Layout]]:
-        opt = self.options[b][k]
-        m = opt.layout.mbs
+    def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[tuple[tuple[int, ...], Layout, float]]:
+        """The bucket's samples in micro-batches of its micro-batch size at SP degree k; each
+        micro-batch gets the recompute setting its own samples need (a partial or shorter
+        micro-batch may keep more activations than the bucket's largest would)."""
+        ctx = self.ctx
+        m = self.options[b][k].layout.mbs
         out = []
         for s in range(0, len(ids), m):
             chunk = tuple(ids[s:s + m])
-            out.append((chunk, Layout(k, len(chunk), opt.layout.recompute)))
+            fit = ctx.layout_for(tuple(ctx.sizes[i] for i in chunk), k, self.mode)
+            assert fit is not None, "a bucket's layout fits its largest sample, so it fits these"
+            out.append((chunk, fit[0], fit[1]))
         return out
 
     # -- 2. groups per SP degree ---------------------------------------------------------
@@ -109,18 +116,40 @@ class DCPPlanner:
         return count, free
 
     def plan(self, step: Step) -> StepPlan:
+        """Plans with each bucket at its preferred SP degree and, when promotion changes any,
+        with long buckets promoted; keeps whichever finishes the step first."""
         ctx = self.ctx
         world = ctx.cluster.world_size
         by_bucket: dict[tuple[int, int], list[int]] = {}
         for i in step.sample_ids:
             by_bucket.setdefault(ctx.bucket_of[i], []).append(i)
-        sp_of = self._choose_sp(by_bucket)
+        preferred = {b: self.preferred[b] for b in by_bucket}
+        candidates = [preferred]
+        if self.promote:
+            promoted = self._choose_sp(by_bucket)
+            if promoted != preferred:
+                candidates.append(promoted)
+        group_sizes, group_mbs, _ = min((self._groups(by_bucket, dict(c)) for c in candidates),
+                                        key=lambda r: r[2])
+        order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
+        ranks = place_groups([group_sizes[g] for g in order], world)
+        groups = []
+        for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
+            mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
+            groups.append(GroupPlan(r, mbs))
+        return StepPlan(step.index, step.sample_ids, tuple(groups),
+                        sum(ctx.tokens[i] for i in step.sample_ids))
+
+    def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]):
+        """(group sizes, each group's micro-batches, the step's predicted compute makespan)."""
+        ctx = self.ctx
+        world = ctx.cluster.world_size
 
         def build_classes() -> dict[int, list[tuple[tuple[int, ...], Layout, float]]]:
             classes: dict[int, list] = {}
             for b, ids in by_bucket.items():
-                for chunk, lay in self._chunk(ids, b, sp_of[b]):
-                    classes.setdefault(lay.sp, []).append((chunk, lay, ctx.mb_time(chunk, lay)))
+                for item in self._chunk(ids, b, sp_of[b]):
+                    classes.setdefault(item[1].sp, []).append(item)
             return classes
 
         classes = build_classes()
@@ -150,49 +179,65 @@ class DCPPlanner:
             for g in range(n):
                 group_sizes.append(k)
                 group_mbs.append([items[j] for j in assign[g]])
-        # ranks no SP degree could use become groups of the largest size that fits
-        chain = ctx.sp_sizes
+        # ranks no SP degree could use become groups of the smallest size, which moving
+        # (and splitting) micro-batches off the slowest groups can then fill
+        k = ctx.sp_sizes[0]
         while free > 0:
-            k = max((c for c in chain if c <= free), default=1)
+            k = k if k <= free else 1
             group_sizes.append(k)
             group_mbs.append([])
             free -= k
         if self.balance:
             self._steal(group_sizes, group_mbs)
-
-        order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
-        ranks = place_groups([group_sizes[g] for g in order], world)
-        groups = []
-        for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
-            mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
-            groups.append(GroupPlan(r, mbs))
-        return StepPlan(step.index, step.sample_ids, tuple(groups),
-                        sum(ctx.tokens[i] for i in step.sample_ids))
+        makespan = max((sum(t for _, _, t in g) for g in group_mbs), default=0.0)
+        return group_sizes, group_mbs, makespan
 
     # -- 3b. move micro-batches off the slowest group ----------------------------------
     def _steal(self, sizes: list[int], mbs: list[list[tuple[tuple[int, ...], Layout, float]]]) -> None:
+        """Local search on the step's makespan: move a micro-batch (or half of one, split in
+        two) off the slowest group to a group where it finishes earlier, re-laid-out at that
+        group's SP degree, while that lowers the slowest group's load."""
         ctx = self.ctx
         loads = [sum(t for _, _, t in g) for g in mbs]
         for _ in range(4 * sum(len(g) for g in mbs) + 8):
             src = max(range(len(loads)), key=loads.__getitem__)
+            top = loads[src] * (1 - 1e-6)
             best = None
             for j, (chunk, _, t) in enumerate(mbs[src]):
-                sizes_c = tuple(ctx.sizes[i] for i in chunk)
-                for dst in range(len(loads)):
-                    # SP never scales better than linearly: skip groups that cannot finish earlier
-                    if dst == src or loads[dst] + t * sizes[src] / sizes[dst] * 0.95 >= loads[src]:
+                moves = [(chunk, None)]
+                if len(chunk) > 1:
+                    moves.append((chunk[len(chunk) // 2:], chunk[: len(chunk) // 2]))
+                for moved, kept in moves:
+                    keep = None
+                    rest = loads[src] - t
+                    if kept is not None:
+                        fit = ctx.layout_for(tuple(ctx.sizes[i] for i in kept), sizes[src], self.mode)
+                        if fit is None:
+                            continue
+                        keep = (kept, fit[0], fit[1])
+                        rest += fit[1]
+                    if rest >= top:
                         continue
-                    fit = ctx.layout_for(sizes_c, sizes[dst], self.mode)
-                    if fit is None:
-                        continue
-                    lay, t2 = fit
-                    new_max = max(loads[src] - t, loads[dst] + t2)
-                    if new_max < loads[src] * (1 - 1e-6) and (best is None or new_max < best[0]):
-                        best = (new_max, j, dst, lay, t2)
+                    sz = tuple(ctx.sizes[i] for i in moved)
+                    for dst in range(len(loads)):
+                        if dst == src or loads[dst] >= top:
+                            continue
+                        # SP never scales better than linearly: skip groups that cannot finish earlier
+                        if keep is None and loads[dst] + t * sizes[src] / sizes[dst] * 0.95 >= top:
+                            continue
+                        fit = ctx.layout_for(sz, sizes[dst], self.mode)
+                        if fit is None:
+                            continue
+                        new_max = max(rest, loads[dst] + fit[1])
+                        if new_max < top and (best is None or new_max < best[0]):
+                            best = (new_max, j, dst, keep, (moved, fit[0], fit[1]))
             if best is None:
                 return
-            _, j, dst, lay, t2 = best
-            chunk, _, t = mbs[src].pop(j)
-            mbs[dst].append((chunk, lay, t2))
+            _, j, dst, keep, move = best
+            _, _, t = mbs[src].pop(j)
             loads[src] -= t
-            loads[dst] += t2
+            if keep is not None:
+                mbs[src].insert(j, keep)
+                loads[src] += keep[2]
+            mbs[dst].append(move)
+            loads[dst] += move[2]

@@ -1,0 +1,147 @@
+"""Cost models: the analytic fit against the H200 calibration rows, its monotonicity, and
+ProfiledCost over a hand-made profile."""
+
+import dataclasses
+import json
+
+import pytest
+
+from dcparallel.cost.analytic import AnalyticCost, _load, _shape, fit_calibration
+from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes
+from dcparallel.cost.profiled import Profile, ProfiledCost
+from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Layout, Recompute, h200_cluster
+
+from ._models import TINY_LM, cluster
+
+
+def _one_layer(model):
+    return dataclasses.replace(model, num_layers=1, vocab_size=0, extra_params=0)
+
+
+def test_llama_fit_reproduces_calibration_rows():
+    """The fitted 7B block predicts every measured layer row (L = 512..131072, recompute
+    off and on) within 25% and on average within 10%; its saved activations within 2%."""
+    c = AnalyticCost(_one_layer(LLAMA_7B), ClusterSpec(world_size=1, gpus_per_node=1))
+    rows = [r for r in _load("h200_blocks.jsonl") if r["kind"] == "layer" and r["cfg"] == "llama-7b-block"]
+    t_err, m_err = [], []
+    for r in rows:
+        terms = c.terms([r["L"]], 1)
+        rc = Recompute(1, 1) if r["recompute"] else Recompute()
+        t_err.append(abs(terms.time(rc) / r["fwdbwd_s"] - 1))
+        kept = terms.act_layer - (terms.save_full if r["recompute"] else 0)
+        m_err.append(abs(kept / r["saved_act_bytes"] - 1))
+    big = [e for e, r in zip(t_err, rows) if r["L"] >= 4096]  # compute-bound rows
+    assert max(big) < 0.25 and sum(t_err) / len(t_err) < 0.10
+    assert max(m_err) < 0.02
+
+
+def test_stdit_fit_reproduces_bucket_rows():
+    c = AnalyticCost(_one_layer(STDIT_1B), ClusterSpec(world_size=1, gpus_per_node=1))
+    rows = [r for r in _load("h200_stdit_buckets.jsonl") if r["kind"] == "stdit" and not r["recompute"]]
+    errs = [abs(c.terms([_shape(r)] * r["bs"], 1).time(Recompute()) / r["fwdbwd_s"] - 1) for r in rows]
+    assert sum(errs) / len(errs) < 0.10 and max(errs) < 0.30
+    cal = fit_calibration("stdit-1.1b")
+    assert cal.time_err_mean < 0.10
+
+
+def test_analytic_monotone_in_tokens_sp_and_recompute():
+    cl = h200_cluster(32)
+    c = AnalyticCost(LLAMA_7B, cl)
+    L = LLAMA_7B.num_layers
+    lay = Layout(1, 1)
+    assert mb_time(c, [8192], lay) < mb_time(c, [16384], lay) < mb_time(c, [65536], lay)
+    # SP splits work and activations: per-rank memory falls, time falls for long sequences
+    assert mb_memory(c, [65536], Layout(4, 1)) < mb_memory(c, [65536], Layout(1, 1))
+    assert mb_time(c, [65536], Layout(4, 1)) < mb_time(c, [65536], Layout(1, 1))
+    # recomputation trades time for memory, MLP-only saves memory cheaper per second (calibration README)
+    full, none = Layout(1, 1, Recompute(L, L)), Layout(1, 1)
+    assert mb_memory(c, [32768], full) < mb_memory(c, [32768], none)
+    assert mb_time(c, [32768], full) > mb_time(c, [32768], none)
+    t = c.terms([32768], 1)
+    assert t.save_mlp / t.dt_mlp > t.save_attn / t.dt_attn
+
+
+def test_groups_spanning_nodes_pay_the_inter_node_link():
+    cl = h200_cluster(32)
+    c = AnalyticCost(LLAMA_7B, cl)
+    per_rank = lambda k: mb_time(c, [131072], Layout(k, 1)) * k  # GPU-seconds
+    assert per_rank(16) / per_rank(8) > per_rank(8) / per_rank(4)
+
+
+def test_model_state_and_grad_sync():
+    assert model_state_bytes(LLAMA_7B, 32) == LLAMA_7B.num_params * (6 + 12 / 32)
+    one = grad_sync_time(LLAMA_7B, h200_cluster(8))
+    four = grad_sync_time(LLAMA_7B, h200_cluster(32))
+    assert 0 < one < four
+    assert grad_sync_time(LLAMA_7B, h200_cluster(1, 1)) == 0.0
+
+
+def _profile() -> dict:
+    cl = cluster(2, 2)
+    entries = []
+    for key, tok in (("t1000", 1000), ("t4000", 4000)):
+        for sp in (1, 2):
+            for mbs in (1, 2):
+                for mode, tf, mf in (("none", 1.0, 1.0), ("attn", 1.1, 0.7), ("mlp", 1.05, 0.6), ("full", 1.3, 0.1)):
+                    t = 0.001 * tok / sp * mbs * tf
+                    m = 100.0 * tok / sp * mbs * mf
+                    entries.append({"bucket": key, "sp": sp, "mbs": mbs, "recompute": mode, "time_s": t,
+                                    "memory_bytes": m, "feasible": True})
+    prof = Profile(fingerprint={"world_size": 2}, model=TINY_LM, world_size=2, gpus_per_node=2,
+                   model_state_bytes=1000.0, grad_sync_s=0.01,
+                   buckets=[{"key": "t1000", "size": 1000, "tokens": 1000},
+                            {"key": "t4000", "size": 4000, "tokens": 4000}], entries=entries)
+    assert cl.world_size == 2
+    return prof.to_json()
+
+
+def test_profiled_cost_exact_and_interpolated(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    c = ProfiledCost(Profile.load(path), cluster(2, 2))
+    L = TINY_LM.num_layers
+    # measured points come back exactly
+    assert mb_time(c, [1000], Layout(1, 1)) == pytest.approx(1.0)
+    assert mb_memory(c, [4000, 4000], Layout(2, 2)) == pytest.approx(1000 + 100 * 2000 * 2)
+    assert mb_time(c, [4000], Layout(1, 1, Recompute(L, L))) == pytest.approx(4.0 * 1.3)
+    assert mb_memory(c, [4000], Layout(1, 1, Recompute(0, L))) == pytest.approx(1000 + 400000 * 0.6)
+    # between buckets: linear in tokens; partial recompute: linear in layers
+    assert mb_time(c, [2500], Layout(1, 1)) == pytest.approx(2.5)
+    half = mb_memory(c, [1000], Layout(1, 1, Recompute(0, L // 2)))
+    assert half == pytest.approx(1000 + 100000 * 0.8)
+    # a micro-batch larger than measured scales proportionally
+    assert mb_time(c, [1000] * 4, Layout(1, 4)) == pytest.approx(4.0)
+    assert c.sp_sizes == [1, 2] and c.grad_sync_time() == 0.01
+
+
+def test_profile_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read profile"):
+        Profile.load(bad)
+    d = _profile()
+    d["version"] = 99
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="version 99"):
+        Profile.load(bad)
+    d = _profile()
+    del d["model"]["hidden"]
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="corrupt"):
+        Profile.load(bad)
+    with pytest.raises(ValueError, match="no measurement at sp=4"):
+        ProfiledCost(Profile.from_json(_profile()), cluster(2, 2)).terms([1000], 4)
+
+
+def test_profile_with_only_full_recompute_feasible():
+    d = _profile()
+    for e in d["entries"]:
+        if e["bucket"] == "t4000" and e["recompute"] != "full":
+            e.update(feasible=False, time_s=None, memory_bytes=None)
+    d["buckets"] = [b for b in d["buckets"] if b["key"] == "t4000"]
+    d["entries"] = [e for e in d["entries"] if e["bucket"] == "t4000"]
+    c = ProfiledCost(Profile.from_json(d), cluster(2, 2))
+    L = TINY_LM.num_layers
+    assert mb_memory(c, [4000], Layout(1, 1)) == float("inf")
+    assert mb_memory(c, [4000], Layout(1, 1, Recompute(L, L))) == pytest.approx(1000 + 40000)
+    assert c.terms([4000], 1).cheapest_recompute(1e9) == Recompute(L, L)

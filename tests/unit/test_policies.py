@@ -1,0 +1,98 @@
+"""Every policy is lossless, tiles the world with allowed groups and fits memory — property
+tests over random lengths, world sizes 1..64, GPUs per node and seeds."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dcparallel.plan.bounds import LowerBound
+from dcparallel.plan.context import OversizeError, PlanContext
+from dcparallel.plan.policies import ALL, make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.sim.replay import simulate
+from dcparallel.spec import Workload, allowed_groups
+
+from ._models import TINY_DIT, TINY_LM, cluster, cost
+
+VIDEO_SHAPES = [(1, 64, 64), (1, 128, 128), (17, 64, 64), (34, 128, 128), (51, 128, 224), (68, 256, 256)]
+
+
+@st.composite
+def workloads(draw):
+    g = draw(st.sampled_from([1, 2, 4, 8]))
+    world = draw(st.integers(1, 64))
+    if world > g:
+        world -= world % g
+    video = draw(st.booleans())
+    n = draw(st.integers(1, 40))
+    if video:
+        sizes = tuple(draw(st.lists(st.sampled_from(VIDEO_SHAPES), min_size=n, max_size=n)))
+        model = TINY_DIT
+    else:
+        sizes = tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
+        model = TINY_LM
+    seed = draw(st.integers(0, 5))
+    return model, sizes, cluster(world, g), seed
+
+
+def _check(model, sizes, cl, seed, policies):
+    c = cost(model, cl)
+    w = Workload(model, sizes)
+    ctx = PlanContext(w, c, cl)
+    budget = max(sum(w.tokens) // 3, 1)
+    steps = form_steps(w.tokens, seed=seed, tokens_per_step=budget)
+    allowed = set(allowed_groups(cl, model.num_heads))
+    bound = LowerBound(ctx).epoch(steps)
+    times = {}
+    for name in policies:
+        planner = make_planner(name, ctx, steps)
+        plans = [planner.plan(s) for s in steps]
+        for p, s in zip(plans, steps):
+            assert p.sample_ids == s.sample_ids
+            p.validate(cl.world_size, allowed)  # tiles the world, allowed groups, each sample once
+        used = sorted(i for p in plans for mb in p.micro_batches() for i in mb.sample_ids)
+        assert used == list(range(len(sizes))), f"{name} dropped or repeated samples"
+        sim = simulate(plans, ctx)
+        assert sim.memory_violations == 0, f"{name} planned a micro-batch over memory"
+        assert sim.total_time >= bound * (1 - 1e-9), f"{name} beat the lower bound"
+        times[name] = sim.total_time
+    return times
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_dcp_policies_lossless_tiling_and_within_memory(case):
+    _check(*case, ["dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_baselines_lossless_tiling_and_within_memory(case):
+    _check(*case, ["bucket", "bucket-default", "packed"])
+
+
+def test_all_policies_on_a_mixed_workload():
+    sizes = tuple([64, 300, 2000, 9000, 30_000, 120, 5000] * 6)
+    times = _check(TINY_LM, sizes, cluster(8, 4), 0, ALL)
+    assert set(times) == set(ALL)
+
+
+def test_oversize_sample_is_named_or_skipped():
+    cl = cluster(2, 2, memory_mib=64)
+    w = Workload(TINY_LM, (100, 5_000_000, 200))
+    with pytest.raises(OversizeError, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB"):
+        PlanContext(w, cost(TINY_LM, cl), cl)
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
+    assert [s[0] for s in ctx.skipped] == [1] and ctx.usable_ids == [0, 2]
+
+
+def test_long_sample_uses_sequence_parallelism_when_memory_requires():
+    cl = cluster(4, 4, memory_mib=1024)
+    c = cost(TINY_LM, cl)
+    w = Workload(TINY_LM, (60_000, 100, 100, 100))
+    ctx = PlanContext(w, c, cl)
+    assert ctx.layout_for((60_000,), 1, "pac") is None  # does not fit one rank at all
+    steps = form_steps(w.tokens, seed=0, samples_per_step=4)
+    plan = make_planner("dcp", ctx, steps).plan(steps[0])
+    long_mb = next(m for m in plan.micro_batches() if 0 in m.sample_ids)
+    assert long_mb.layout.sp > 1
