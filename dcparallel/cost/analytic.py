@@ -230,6 +230,7 @@ class AnalyticCost:
         self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
             model.vocab_size * model.hidden)
         self._cache: dict = {}
+        self._stats: dict[Size, tuple[int, float]] = {}  # per size: (tokens, attention pairs)
 
     def grad_sync_time(self) -> float:
         return self._sync
@@ -238,12 +239,15 @@ class AnalyticCost:
         return self._state
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
-        m = self.model
         n_tok = 0
         pairs = 0.0
+        stats = self._stats
         for s in sizes:
-            n_tok += m.tokens(s)
-            pairs += _pairs(m, s)
+            st = stats.get(s)
+            if st is None:
+                st = stats[s] = (self.model.tokens(s), _pairs(self.model, s))
+            n_tok += st[0]
+            pairs += st[1]
         return self._cached(n_tok, pairs, len(sizes), sp)
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:

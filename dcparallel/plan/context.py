@@ -8,6 +8,7 @@ SP degree. Pure python, no process group.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -218,12 +219,15 @@ def ceil_div(a: int, b: int) -> int:
 def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[float]]:
     """Longest-processing-time-first assignment of items to bins; returns item indices per
     bin (in the items' original order) and bin loads."""
-    loads = [0.0] * num_bins
+    heap = [(0.0, b) for b in range(num_bins)]
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     for i in sorted(range(len(times)), key=lambda j: -times[j]):
-        b = min(range(num_bins), key=loads.__getitem__)
+        load, b = heapq.heappop(heap)
         bins[b].append(i)
-        loads[b] += times[i]
+        heapq.heappush(heap, (load + times[i], b))
+    loads = [0.0] * num_bins
+    for load, b in heap:
+        loads[b] = load
     for b in bins:
         b.sort()
     return bins, loads

@@ -202,6 +202,13 @@ class DCPPlanner:
         for _ in range(4 * sum(len(g) for g in mbs) + 8):
             src = max(range(len(loads)), key=loads.__getitem__)
             top = loads[src] * (1 - 1e-6)
+            # a moved micro-batch takes the same time on every group of one size: only the
+            # least-loaded group of each size is a candidate destination
+            least: dict[int, int] = {}
+            for g, k in enumerate(sizes):
+                if g != src and (k not in least or loads[g] < loads[least[k]]):
+                    least[k] = g
+            dsts = sorted(least.values())
             best = None
             for j, (chunk, _, t) in enumerate(mbs[src]):
                 moves = [(chunk, None)]
@@ -219,8 +226,8 @@ class DCPPlanner:
                     if rest >= top:
                         continue
                     sz = tuple(ctx.sizes[i] for i in moved)
-                    for dst in range(len(loads)):
-                        if dst == src or loads[dst] >= top:
+                    for dst in dsts:
+                        if loads[dst] >= top:
                             continue
                         # SP never scales better than linearly: skip groups that cannot finish earlier
                         if keep is None and loads[dst] + t * sizes[src] / sizes[dst] * 0.95 >= top:

@@ -1,0 +1,5 @@
+import sys
+
+from dcparallel.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""`dcparallel simulate` and `plan` as a user runs them: JSON last on stdout, logs on stderr."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {"samples_planned", "samples_dropped", "steps", "tokens_per_s", "step_time_s_median", "idle_fraction",
+        "lower_bound_efficiency", "plan_ms_per_step", "peak_memory_fraction"}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dcparallel", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("l") / "heavy_tail.txt"
+    sizes = [256] * 300 + [4096] * 40 + [32768] * 8 + [131072] * 3
+    p.write_text("\n".join(map(str, sizes)) + "\n")
+    return p
+
+
+def test_simulate_json_from_lengths_file(lengths_file):
+    r = _run("simulate", "--lengths", str(lengths_file), "--world", "16", "--all", "--json")
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    out = json.loads(last)
+    assert out["distribution"] == "heavy_tail.txt" and out["scenario"] == "text" and out["world"] == 16
+    assert out["samples_total"] == 351
+    for name, v in out["policies"].items():
+        assert KEYS <= set(v), name
+        assert v["samples_planned"] == 351 and v["samples_dropped"] == 0
+    assert out["bucket_sp"] in (1, 2, 4, 8, 16)
+    assert out["speedup_vs_bucket"]["bucket"] == 1.0
+    assert "planning" in r.stderr  # progress goes to stderr
+
+
+def test_simulate_scenario_table():
+    r = _run("simulate", "--scenario", "video", "--distribution", "long", "--policy", "bucket",
+             "--policy", "dcp", "--quiet", "--world", "8")
+    assert r.returncode == 0, r.stderr
+    assert "speedup" in r.stdout and "dcp" in r.stdout and "bucket" in r.stdout
+
+
+def test_plan_json_lists_groups_and_predictions(lengths_file):
+    r = _run("plan", "--lengths", str(lengths_file), "--world", "8", "--policy", "dcp-inter-pac",
+             "--steps", "2", "--json", "--tokens-per-step", "200000")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    for d in lines:
+        ranks = sorted(x for g in d["groups"] for x in g["ranks"])
+        assert ranks == list(range(8))
+        ids = sorted(i for g in d["groups"] for mb in g["micro_batches"] for i in mb["sample_ids"])
+        assert ids == sorted(d["sample_ids"])
+        assert d["predicted_step_s"] > 0 and all("predicted_s" in mb for g in d["groups"] for mb in g["micro_batches"])
+
+
+def test_bad_lengths_file_is_a_clear_error(tmp_path):
+    p = tmp_path / "bad.txt"
+    p.write_text("100\n-5\n")
+    r = _run("simulate", "--lengths", str(p), "--json")
+    assert r.returncode == 2 and "sample 1" in r.stderr and "positive integer" in r.stderr

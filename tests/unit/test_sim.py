@@ -1,0 +1,45 @@
+"""The simulator replays plans exactly as the cost model prices them."""
+
+import pytest
+
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.sim.replay import simulate
+from dcparallel.spec import Layout, Workload
+
+from ._models import TINY_LM, cluster, cost
+
+
+def test_step_time_idle_and_timeline_by_hand():
+    cl = cluster(4, 4)
+    c = cost(TINY_LM, cl)
+    w = Workload(TINY_LM, (4000, 1000, 1000, 8000))
+    ctx = PlanContext(w, c, cl)
+    plan = StepPlan(0, (0, 1, 2, 3), (
+        GroupPlan((0, 1), (MicroBatch((3,), Layout(2, 1)),)),
+        GroupPlan((2,), (MicroBatch((0,), Layout(1, 1)), MicroBatch((1, 2), Layout(1, 2)))),
+        GroupPlan((3,), ()),
+    ), num_tokens=14000)
+    t_long = ctx.mb_time((3,), Layout(2, 1))
+    t_a, t_b = ctx.mb_time((0,), Layout(1, 1)), ctx.mb_time((1, 2), Layout(1, 2))
+    res = simulate([plan], ctx)
+    step = res.steps[0]
+    assert step.compute_time == pytest.approx(max(t_long, t_a + t_b))
+    assert step.step_time == pytest.approx(step.compute_time + c.grad_sync_time())
+    expected_idle = 2 * (step.compute_time - t_long) + (step.compute_time - t_a - t_b) + step.compute_time
+    assert step.idle_gpu_s == pytest.approx(expected_idle)
+    assert res.idle_fraction == pytest.approx(expected_idle / (4 * res.total_time))
+    assert res.tokens_per_s == pytest.approx(14000 / res.total_time)
+    # rank 3 ran nothing: idle the whole compute phase, then the sync
+    tl = res.rank_timeline(3)
+    assert [k for _, _, k in tl] == ["idle", "sync"]
+    assert res.rank_timeline(2)[1][0] == pytest.approx(t_a)  # second micro-batch starts after the first
+
+
+def test_over_memory_plan_is_flagged():
+    cl = cluster(1, 1, memory_mib=64)
+    w = Workload(TINY_LM, (100, 3000))
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
+    plan = StepPlan(0, (1,), (GroupPlan((0,), (MicroBatch((1,), Layout(1, 1)),)),), 3000)
+    assert ctx.mb_memory((1,), Layout(1, 1)) > ctx.budget
+    assert simulate([plan], ctx).memory_violations == 1
