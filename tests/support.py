@@ -23,15 +23,28 @@ NUM_LAYERS = 3
 def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
-        return Llama(LlamaConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48,
-                                      vocab_size=64))
+        return Llama(
+            LlamaConfig.tiny(
+                num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48, vocab_size=64
+            )
+        )
     if kind == "llama-tied":
-        return Llama(LlamaConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48,
-                                      vocab_size=64, tie_embeddings=True))
+        return Llama(
+            LlamaConfig.tiny(
+                num_layers=NUM_LAYERS,
+                num_heads=NUM_HEADS,
+                hidden=32,
+                ffn_hidden=48,
+                vocab_size=64,
+                tie_embeddings=True,
+            )
+        )
     if kind == "dit":
         return DiT(DiTConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, freq_dim=16))
     if kind == "dit-factorized":
-        return DiT(DiTConfig.tiny(num_layers=4, num_heads=NUM_HEADS, hidden=32, freq_dim=16, attention="factorized"))
+        return DiT(
+            DiTConfig.tiny(num_layers=4, num_heads=NUM_HEADS, hidden=32, freq_dim=16, attention="factorized")
+        )
     raise ValueError(kind)
 
 
@@ -75,8 +88,14 @@ def _tile(start: int, size: int, rng: random.Random, sizes: tuple[int, ...]) -> 
     return _tile(start, half, rng, sizes) + _tile(start + half, half, rng, sizes)
 
 
-def random_plan(data: Data, sample_ids: list[int], world: int, seed: int, num_layers: int = NUM_LAYERS,
-                sizes: tuple[int, ...] = (1, 2, 4)) -> StepPlan:
+def random_plan(
+    data: Data,
+    sample_ids: list[int],
+    world: int,
+    seed: int,
+    num_layers: int = NUM_LAYERS,
+    sizes: tuple[int, ...] = (1, 2, 4),
+) -> StepPlan:
     """Random aligned groups (SP 1/2/4), samples dealt unevenly (some groups get nothing),
     micro-batches of 1-3 samples (video: same shape only), random recompute per micro-batch."""
     rng = random.Random(seed)
@@ -105,8 +124,12 @@ def random_plan(data: Data, sample_ids: list[int], world: int, seed: int, num_la
                     mbs.append(_mb(chunk, len(b), rng, num_layers))
             rng.shuffle(mbs)
         groups.append(GroupPlan(b, tuple(mbs)))
-    plan = StepPlan(index=0, sample_ids=tuple(sample_ids), groups=tuple(groups),
-                    num_tokens=sum(data.docs[s].shape[0] for s in sample_ids))
+    plan = StepPlan(
+        index=0,
+        sample_ids=tuple(sample_ids),
+        groups=tuple(groups),
+        num_tokens=sum(data.docs[s].shape[0] for s in sample_ids),
+    )
     plan.validate(world)
     return plan
 
@@ -116,8 +139,9 @@ def _mb(chunk: list[int], sp: int, rng: random.Random, num_layers: int) -> Micro
     return MicroBatch(tuple(chunk), Layout(sp, len(chunk), rc))
 
 
-def reference(model: torch.nn.Module, data: Data, sample_ids: list[int], seed: int = 0, epoch: int = 0
-              ) -> tuple[float, dict[str, Tensor]]:
+def reference(
+    model: torch.nn.Module, data: Data, sample_ids: list[int], seed: int = 0, epoch: int = 0
+) -> tuple[float, dict[str, Tensor]]:
     """Single process, one sample at a time, plain autograd: mean loss over all targets of
     the samples and the gradient of that mean."""
     model.zero_grad(set_to_none=True)
@@ -131,8 +155,9 @@ def reference(model: torch.nn.Module, data: Data, sample_ids: list[int], seed: i
             g = torch.Generator().manual_seed(sample_seed(seed, epoch, sid))
             x0 = data.docs[sid]
             t, noise = draw_flow(g, x0.shape[0], x0.shape[1])
-            ptl = flow_matching_loss(model, x0[None], data.positions[sid][None], t[None], noise[None],
-                                     data.frames[sid])
+            ptl = flow_matching_loss(
+                model, x0[None], data.positions[sid][None], t[None], noise[None], data.frames[sid]
+            )
             mask = torch.ones_like(ptl, dtype=torch.bool)
         losses.append(ptl[mask].sum())
         count += float(mask.sum())
@@ -161,8 +186,9 @@ def run_rank_step(dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int
                     t, n = draw_flow(ctx.generator(sid), batch.seq_len, batch.inputs.shape[-1])
                     ts.append(t)
                     noise.append(batch.shard_sample(n))
-                ptl = flow_matching_loss(model, batch.inputs, batch.positions, torch.stack(ts), torch.stack(noise),
-                                         batch.frames)
+                ptl = flow_matching_loss(
+                    model, batch.inputs, batch.positions, torch.stack(ts), torch.stack(noise), batch.frames
+                )
             ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
     return dc.sync_gradients()
 

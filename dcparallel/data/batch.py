@@ -71,6 +71,9 @@ class Batch:
     def sample_mean_weights(self) -> Tensor:
         """Per-token weight 1 / (targets of its whole sample): with these, `token_loss`
         gives the mean over samples instead of the mean over target tokens."""
-        inv = torch.tensor([1.0 / max(n, 1) for n in self.num_targets] + [0.0], dtype=torch.float32,
-                           device=self.token_sample.device)
+        inv = torch.tensor(
+            [1.0 / max(n, 1) for n in self.num_targets] + [0.0],
+            dtype=torch.float32,
+            device=self.token_sample.device,
+        )
         return inv[self.token_sample]  # index -1 picks the trailing 0 for padding

@@ -14,8 +14,9 @@ No torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,9 @@ def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Te
     raise ValueError(f"unknown attention pattern {pattern.kind!r}; use causal, full, spatial or temporal")
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern,
-                   cu_seqlens: Sequence[int] | None = None) -> Tensor:
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+) -> Tensor:
     """Reference kernel for full (unsharded) rows: a loop of SDPA per document.
 
     ``cu_seqlens`` (same for every row) marks the documents; positions past its last entry
@@ -81,15 +83,18 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern,
     length = q.shape[1]
     if cu_seqlens is None:
         cu_seqlens = (0, length)
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] > length or any(
-        a > b for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])
+    if (
+        cu_seqlens[0] != 0
+        or cu_seqlens[-1] > length
+        or any(a > b for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
     ):
         raise ValueError(f"cu_seqlens {list(cu_seqlens)} must rise from 0 to at most the row length {length}")
     if len(cu_seqlens) == 2 and cu_seqlens[1] == length:
         return _attend_segment(q, k, v, pattern)
     pieces = [
         _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern)
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
+        if b > a
     ]
     pad = length - cu_seqlens[-1]
     if pad:
@@ -97,8 +102,9 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern,
     return torch.cat(pieces, dim=1)
 
 
-def cuda_varlen_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern,
-                          cu_seqlens: Sequence[int] | None = None) -> Tensor:
+def cuda_varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+) -> Tensor:
     """Packed causal documents on CUDA with ``torch.nn.attention.varlen.varlen_attn``
     (window (-1, 0) is causal); every other case, and every CPU tensor, goes to SDPA.
     varlen_attn raises NotImplementedError on CPU, so it is never called there."""
@@ -109,7 +115,7 @@ def cuda_varlen_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern,
     length = q.shape[1]
     real = cu_seqlens[-1]
     cu = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=q.device)
-    max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
     window = (-1, 0) if pattern.causal else (-1, -1)
     out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu, cu, max_len, max_len, window_size=window)
     if real < length:

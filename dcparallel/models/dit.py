@@ -54,8 +54,16 @@ class DiTConfig:
     def dit_1b(**kw) -> DiTConfig:
         """~1.1B parameters: hidden 1152, 16 heads, 46 blocks (23 spatial/temporal pairs),
         4 latent channels, 1x2x2 patches."""
-        return DiTConfig(**{"hidden": 1152, "num_layers": 46, "num_heads": 16, "attention": "factorized",
-                            "freq_dim": 256, **kw})
+        return DiTConfig(
+            **{
+                "hidden": 1152,
+                "num_layers": 46,
+                "num_heads": 16,
+                "attention": "factorized",
+                "freq_dim": 256,
+                **kw,
+            }
+        )
 
 
 def patchify(latent: Tensor, patch: tuple[int, int, int]) -> tuple[Tensor, Tensor, tuple[int, int]]:
@@ -64,11 +72,15 @@ def patchify(latent: Tensor, patch: tuple[int, int, int]) -> tuple[Tensor, Tenso
     c, t, h, w = latent.shape
     pt, ph, pw = patch
     if t % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape {(t, h, w)} is not divisible by the patch {patch}; crop or pad the latent")
+        raise ValueError(
+            f"latent shape {(t, h, w)} is not divisible by the patch {patch}; crop or pad the latent"
+        )
     nt, nh, nw = t // pt, h // ph, w // pw
     x = latent.reshape(c, nt, pt, nh, ph, nw, pw).permute(1, 3, 5, 0, 2, 4, 6)
     tokens = x.reshape(nt * nh * nw, c * pt * ph * pw)
-    grid = torch.stack(torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw), indexing="ij"), -1)
+    grid = torch.stack(
+        torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw), indexing="ij"), -1
+    )
     return tokens, grid.reshape(-1, 3), (nt, nh * nw)
 
 
@@ -115,7 +127,9 @@ class DiTMLPBlock(nn.Module):
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
         shift, scale, gate = self.ada(F.silu(c)).chunk(3, dim=-1)
-        return gate[:, None] * self.fc2(F.gelu(self.fc1(modulate(self.norm(x), shift, scale)), approximate="tanh"))
+        return gate[:, None] * self.fc2(
+            F.gelu(self.fc1(modulate(self.norm(x), shift, scale)), approximate="tanh")
+        )
 
 
 class DiTLayer(nn.Module):
@@ -185,8 +199,9 @@ def draw_flow(generator: torch.Generator, num_tokens: int, patch_dim: int) -> tu
     return t, noise
 
 
-def flow_matching_loss(model: DiT, x0: Tensor, positions: Tensor, t: Tensor, noise: Tensor,
-                       frames: int = 1) -> Tensor:
+def flow_matching_loss(
+    model: DiT, x0: Tensor, positions: Tensor, t: Tensor, noise: Tensor, frames: int = 1
+) -> Tensor:
     """Per-token loss (B, L): mean over channels of (v_pred - (noise - x0))^2 at
     x_t = (1 - t) x0 + t noise; t (B,), noise like x0."""
     tb = t.to(x0.dtype)[:, None, None]

@@ -54,13 +54,22 @@ class LlamaConfig:
     @staticmethod
     def small(**kw) -> LlamaConfig:
         """CPU demos: 4 layers, hidden 256, vocab 4096 (logits do not dominate)."""
-        return LlamaConfig(**{"vocab_size": 4096, "hidden": 256, "num_layers": 4, "num_heads": 4,
-                              "ffn_hidden": 688, **kw})
+        return LlamaConfig(
+            **{"vocab_size": 4096, "hidden": 256, "num_layers": 4, "num_heads": 4, "ffn_hidden": 688, **kw}
+        )
 
     @staticmethod
     def llama_7b(**kw) -> LlamaConfig:
-        return LlamaConfig(**{"vocab_size": 32000, "hidden": 4096, "num_layers": 32, "num_heads": 32,
-                              "ffn_hidden": 11008, **kw})
+        return LlamaConfig(
+            **{
+                "vocab_size": 32000,
+                "hidden": 4096,
+                "num_layers": 32,
+                "num_heads": 32,
+                "ffn_hidden": 11008,
+                **kw,
+            }
+        )
 
 
 class RMSNorm(nn.Module):
@@ -76,9 +85,13 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
 
-def rotary_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary_tables(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (B, L, 1, head_dim) for integer positions (B, L)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     ang = positions.to(torch.float32)[..., None] * inv
     ang = torch.cat([ang, ang], dim=-1)[:, :, None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -151,7 +164,11 @@ class Llama(nn.Module):
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                scale = std / math.sqrt(2 * self.cfg.num_layers) if name.endswith(("out.weight", "down.weight")) else std
+                scale = (
+                    std / math.sqrt(2 * self.cfg.num_layers)
+                    if name.endswith(("out.weight", "down.weight"))
+                    else std
+                )
                 nn.init.normal_(p, std=scale)
 
     def set_attention(self, fn: AttentionFn) -> None:
@@ -182,6 +199,7 @@ def shift_labels(tokens: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 
 def per_token_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
     """Unreduced cross-entropy (B, L) and the mask of real targets (B, L)."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
-                           ignore_index=ignore_index).view(labels.shape)
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=ignore_index
+    ).view(labels.shape)
     return loss, labels != ignore_index

@@ -6,5 +6,13 @@ from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.runtime.ulysses import UlyssesAttention, ulysses_attention
 
-__all__ = ["DataCentricParallel", "MicroBatchContext", "ProcessGroups", "UlyssesAttention", "ZeroAdamW",
-           "text_batch", "ulysses_attention", "video_batch"]
+__all__ = [
+    "DataCentricParallel",
+    "MicroBatchContext",
+    "ProcessGroups",
+    "UlyssesAttention",
+    "ZeroAdamW",
+    "text_batch",
+    "ulysses_attention",
+    "video_batch",
+]

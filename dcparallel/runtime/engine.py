@@ -71,14 +71,18 @@ class MicroBatchContext:
         g.manual_seed(sample_seed(self.dc.seed, self.dc.epoch, sample_id))
         return g
 
-    def token_loss(self, per_token_loss: Tensor, mask: Tensor, sample_weights: Tensor | None = None) -> Tensor:
+    def token_loss(
+        self, per_token_loss: Tensor, mask: Tensor, sample_weights: Tensor | None = None
+    ) -> Tensor:
         """The shard's summed loss: sum of ``per_token_loss`` over ``mask`` (x
         ``sample_weights``, broadcastable: e.g. `Batch.sample_mean_weights()` for a mean over
         samples). Counts the shard's targets (sum of weights over the mask) for the step's
         normalizer; the gradient is divided by the global count in `sync_gradients`."""
         if per_token_loss.shape != mask.shape:
-            raise ValueError(f"per-token loss {tuple(per_token_loss.shape)} and mask {tuple(mask.shape)} "
-                             f"differ; pass the unreduced loss (reduction='none') shaped like the mask")
+            raise ValueError(
+                f"per-token loss {tuple(per_token_loss.shape)} and mask {tuple(mask.shape)} "
+                f"differ; pass the unreduced loss (reduction='none') shaped like the mask"
+            )
         mask = mask.bool()
         w = mask.to(torch.float32)
         if sample_weights is not None:
@@ -104,12 +108,22 @@ class DataCentricParallel:
     names and state_dict are unchanged) so the ZeRO-1 optimizer can update a shard and
     all-gather it."""
 
-    def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module], num_heads: int,
-                 cluster: ClusterSpec | None = None, seed: int = 0, kernel: Kernel | None = None,
-                 groups: ProcessGroups | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Sequence[nn.Module],
+        num_heads: int,
+        cluster: ClusterSpec | None = None,
+        seed: int = 0,
+        kernel: Kernel | None = None,
+        groups: ProcessGroups | None = None,
+    ):
         if not hasattr(model, "set_attention"):
-            raise ValueError(f"{type(model).__name__} has no set_attention(fn): the runtime installs "
-                             f"Ulysses attention through it")
+            raise ValueError(
+                f"{type(model).__name__} has no set_attention(fn): the runtime installs "
+                f"Ulysses attention through it"
+            )
         self.model = model
         self.layers = list(layers)
         self.num_heads = num_heads
@@ -126,7 +140,9 @@ class DataCentricParallel:
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
-            raise ValueError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
+            raise ValueError(
+                f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
+            )
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
         self.shard_numel = math.ceil(self.numel / self.world_size)
@@ -138,9 +154,9 @@ class DataCentricParallel:
         off = 0
         for p in self.params:
             n = p.numel()
-            self.flat_param[off:off + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat_param[off:off + n].view_as(p)
-            view = self.flat_grad[off:off + n].view_as(p)
+            self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[off : off + n].view_as(p)
+            view = self.flat_grad[off : off + n].view_as(p)
             self._grad_views.append(view)
             p.register_post_accumulate_grad_hook(self._make_hook(view))
             off += n
@@ -175,8 +191,10 @@ class DataCentricParallel:
             attn, mlp = i < rc.attn, i < rc.mlp
             mode = "full" if attn and mlp else "attn" if attn else "mlp" if mlp else "none"
             if mode in ("attn", "mlp") and not state.has_blocks:
-                raise ValueError(f"layer {i} has no attn_block / mlp_block, so it cannot recompute "
-                                 f"{mode} alone ({rc}); expose the sub-blocks or use full recompute")
+                raise ValueError(
+                    f"layer {i} has no attn_block / mlp_block, so it cannot recompute "
+                    f"{mode} alone ({rc}); expose the sub-blocks or use full recompute"
+                )
             state.mode = mode
 
     @contextlib.contextmanager
@@ -184,8 +202,10 @@ class DataCentricParallel:
         """Runs one micro-batch on this rank: activates the batch's SP group in attention and
         the layout's recomputation. Forward and `ctx.backward` both go inside the block."""
         if self.rank not in batch.ranks:
-            raise ValueError(f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "
-                             f"each rank only the micro-batches of its own group")
+            raise ValueError(
+                f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "
+                f"each rank only the micro-batches of its own group"
+            )
         if batch.layout.sp != len(batch.ranks):
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
         check_heads(self.num_heads, batch.sp)
@@ -212,8 +232,10 @@ class DataCentricParallel:
         comm.all_reduce_sum_(self.flat_grad)
         count = float(self.flat_grad[-1])
         if not count > 0:
-            raise ValueError(f"the step has {count} targets over all ranks: nothing to normalize by; "
-                             f"check the labels / loss masks")
+            raise ValueError(
+                f"the step has {count} targets over all ranks: nothing to normalize by; "
+                f"check the labels / loss masks"
+            )
         self.last_loss = float(self.flat_grad[-2]) / count
         self.last_count = count
         self.flat_grad[:-2].div_(count)
@@ -222,8 +244,13 @@ class DataCentricParallel:
         self._synced = True
         return self.last_loss
 
-    def optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float = 0.0) -> ZeroAdamW:
+    def optimizer(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> ZeroAdamW:
         """The default optimizer: AdamW with ZeRO-1 sharded fp32 state."""
         return ZeroAdamW(self, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
@@ -237,8 +264,15 @@ class ZeroAdamW:
     replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
     weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's."""
 
-    def __init__(self, dc: DataCentricParallel, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        dc: DataCentricParallel,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0:
             raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps}")
         self.dc = dc
@@ -255,15 +289,17 @@ class ZeroAdamW:
         off = 0
         for p in dc.params:
             if p.dim() >= 2:
-                decay[off:off + p.numel()] = 1.0
+                decay[off : off + p.numel()] = 1.0
             off += p.numel()
         self._decay = decay[lo:hi].clone()
         self.num_steps = 0
 
     def step(self) -> None:
         if not self.dc._synced:
-            raise RuntimeError("call dc.sync_gradients() before optimizer.step(): the gradients of this "
-                               "step have not been summed over the ranks yet")
+            raise RuntimeError(
+                "call dc.sync_gradients() before optimizer.step(): the gradients of this "
+                "step have not been summed over the ranks yet"
+            )
         self.num_steps += 1
         b1, b2 = self.betas
         g = self._grad_shard
@@ -271,8 +307,8 @@ class ZeroAdamW:
             self.master.mul_(1 - self.lr * self.weight_decay * self._decay)
         self.exp_avg.lerp_(g, 1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1 ** self.num_steps
-        bc2 = 1 - b2 ** self.num_steps
+        bc1 = 1 - b1**self.num_steps
+        bc2 = 1 - b2**self.num_steps
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bc1)
         if self.master is not self._param_shard:
@@ -284,13 +320,21 @@ class ZeroAdamW:
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (each rank saves its own)."""
-        return {"num_steps": self.num_steps, "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
-                "master": self.master.clone(), "rank": self.dc.rank, "world_size": self.dc.world_size}
+        return {
+            "num_steps": self.num_steps,
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+            "master": self.master.clone(),
+            "rank": self.dc.rank,
+            "world_size": self.dc.world_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["world_size"] != self.dc.world_size or state["rank"] != self.dc.rank:
-            raise ValueError(f"optimizer shard of rank {state['rank']}/{state['world_size']} loaded on rank "
-                             f"{self.dc.rank}/{self.dc.world_size}; load each rank's own shard")
+            raise ValueError(
+                f"optimizer shard of rank {state['rank']}/{state['world_size']} loaded on rank "
+                f"{self.dc.rank}/{self.dc.world_size}; load each rank's own shard"
+            )
         self.num_steps = int(state["num_steps"])
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])

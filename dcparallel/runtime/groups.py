@@ -62,8 +62,13 @@ class ProcessGroups:
             else:
                 self._groups[ranks] = dist.new_group(list(ranks))
         self.creation_seconds = time.perf_counter() - start
-        log.info("rank %d: created %d process groups (sizes %s) in %.1f ms", rank, len(self.blocks),
-                 sorted({len(b) for b in self.blocks}), 1e3 * self.creation_seconds)
+        log.info(
+            "rank %d: created %d process groups (sizes %s) in %.1f ms",
+            rank,
+            len(self.blocks),
+            sorted({len(b) for b in self.blocks}),
+            1e3 * self.creation_seconds,
+        )
 
     @property
     def sizes(self) -> list[int]:
@@ -89,6 +94,8 @@ class ProcessGroups:
     def describe(self) -> str:
         lines = []
         for k in self.sizes:
-            lines.append(f"size {k}: " + " ".join("(" + " ".join(map(str, b)) + ")"
-                                                  for b in self.blocks if len(b) == k))
+            lines.append(
+                f"size {k}: "
+                + " ".join("(" + " ".join(map(str, b)) + ")" for b in self.blocks if len(b) == k)
+            )
         return "\n".join(lines)

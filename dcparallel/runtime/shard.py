@@ -31,15 +31,21 @@ def _pad_shard(x: Tensor, padded_len: int, sp: int, slot: int, fill) -> Tensor:
     if padded_len > n:
         x = torch.cat([x, x.new_full((b, padded_len - n, *x.shape[2:]), fill)], dim=1)
     ls = padded_len // sp
-    return x[:, slot * ls:(slot + 1) * ls].contiguous()
+    return x[:, slot * ls : (slot + 1) * ls].contiguous()
 
 
 def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
 
 
-def text_batch(mb: MicroBatch, ranks: Sequence[int], rank: int, docs: Mapping[int, Tensor],
-               labels: Mapping[int, Tensor] | None = None, ignore_index: int = IGNORE_INDEX) -> Batch:
+def text_batch(
+    mb: MicroBatch,
+    ranks: Sequence[int],
+    rank: int,
+    docs: Mapping[int, Tensor],
+    labels: Mapping[int, Tensor] | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Batch:
     """Packs the micro-batch's documents (1-D token ids) into one row, in plan order.
 
     ``labels`` (already aligned next-token targets per document) default to the documents
@@ -57,7 +63,9 @@ def text_batch(mb: MicroBatch, ranks: Sequence[int], rank: int, docs: Mapping[in
         else:
             lab = labels[sid].reshape(-1).long()
             if lab.shape != d.shape:
-                raise ValueError(f"sample {sid}: labels {tuple(lab.shape)} and tokens {tuple(d.shape)} differ")
+                raise ValueError(
+                    f"sample {sid}: labels {tuple(lab.shape)} and tokens {tuple(d.shape)} differ"
+                )
         toks.append(d)
         labs.append(lab)
         pos.append(torch.arange(d.numel()))
@@ -69,25 +77,44 @@ def text_batch(mb: MicroBatch, ranks: Sequence[int], rank: int, docs: Mapping[in
     lab_row = torch.cat(labs)[None]
     labels_shard = _pad_shard(lab_row, plen, sp, slot, ignore_index)
     return Batch(
-        sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=tuple(ranks), rank_in_group=slot,
+        sample_ids=tuple(mb.sample_ids),
+        layout=mb.layout,
+        ranks=tuple(ranks),
+        rank_in_group=slot,
         inputs=_pad_shard(torch.cat(toks)[None], plen, sp, slot, 0),
         positions=_pad_shard(torch.cat(pos)[None], plen, sp, slot, 0),
-        labels=labels_shard, loss_mask=labels_shard != ignore_index,
+        labels=labels_shard,
+        loss_mask=labels_shard != ignore_index,
         token_sample=_pad_shard(torch.cat(owner)[None], plen, sp, slot, -1),
-        num_targets=tuple(targets), cu_seqlens=tuple(cu), seq_len=seq_len, padded_len=plen,
+        num_targets=tuple(targets),
+        cu_seqlens=tuple(cu),
+        seq_len=seq_len,
+        padded_len=plen,
     )
 
 
-def video_batch(mb: MicroBatch, ranks: Sequence[int], rank: int, tokens: Mapping[int, Tensor],
-                positions: Mapping[int, Tensor], frames: int) -> Batch:
+def video_batch(
+    mb: MicroBatch,
+    ranks: Sequence[int],
+    rank: int,
+    tokens: Mapping[int, Tensor],
+    positions: Mapping[int, Tensor],
+    frames: int,
+) -> Batch:
     """Stacks same-shape video samples (patch tokens (N, C), positions (N, 3)) as rows."""
     slot = _group_slot(ranks, rank, mb)
     sp = mb.layout.sp
     x = [tokens[s] for s in mb.sample_ids]
     n = x[0].shape[0]
-    if any(t.shape != x[0].shape for t in x):
-        raise ValueError(f"samples {mb.sample_ids} of one video micro-batch must share a shape; got "
-                         f"{[tuple(t.shape) for t in x]}")
+    pos0 = positions[mb.sample_ids[0]]
+    if any(
+        t.shape != x[0].shape or not torch.equal(positions[s], pos0)
+        for s, t in zip(mb.sample_ids, x, strict=True)
+    ):
+        raise ValueError(
+            f"samples {mb.sample_ids} of one video micro-batch must share a shape; got "
+            f"{[tuple(t.shape) for t in x]}"
+        )
     if n % frames:
         raise ValueError(f"{n} tokens per sample do not split into {frames} frames")
     plen = padded_length(n, sp)
@@ -95,10 +122,18 @@ def video_batch(mb: MicroBatch, ranks: Sequence[int], rank: int, tokens: Mapping
     real = torch.ones(b, n, dtype=torch.bool)
     owner = torch.arange(b)[:, None].expand(b, n)
     return Batch(
-        sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=tuple(ranks), rank_in_group=slot,
+        sample_ids=tuple(mb.sample_ids),
+        layout=mb.layout,
+        ranks=tuple(ranks),
+        rank_in_group=slot,
         inputs=_pad_shard(torch.stack(x), plen, sp, slot, 0.0),
         positions=_pad_shard(torch.stack([positions[s] for s in mb.sample_ids]), plen, sp, slot, 0),
-        labels=None, loss_mask=_pad_shard(real, plen, sp, slot, False),
+        labels=None,
+        loss_mask=_pad_shard(real, plen, sp, slot, False),
         token_sample=_pad_shard(owner, plen, sp, slot, -1),
-        num_targets=(n,) * b, cu_seqlens=(0, n), seq_len=n, padded_len=plen, frames=frames,
+        num_targets=(n,) * b,
+        cu_seqlens=(0, n),
+        seq_len=n,
+        padded_len=plen,
+        frames=frames,
     )

@@ -11,9 +11,8 @@ positions, so nothing about positions happens here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,8 +32,16 @@ def check_heads(num_heads: int, sp: int) -> None:
         )
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, *, group,
-                      cu_seqlens: Sequence[int] | None = None, kernel: Kernel | None = None) -> Tensor:
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttnPattern,
+    *,
+    group,
+    cu_seqlens: Sequence[int] | None = None,
+    kernel: Kernel | None = None,
+) -> Tensor:
     """q, k, v (B, L/sp, H, D): this rank's shard of the padded rows -> output (B, L/sp, H, D).
 
     ``cu_seqlens`` are document boundaries in the whole unpadded row (global positions);
