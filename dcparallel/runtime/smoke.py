@@ -43,7 +43,8 @@ def hand_made_plan(step: int, world: int, num_layers: int) -> tuple[StepPlan, li
     """Cycles through three layouts (world 2); world 1 runs everything on rank 0."""
     full = Recompute.full(num_layers)
     part = Recompute(1, 0)
-    mb = lambda ids, sp, rc=Recompute.none(): MicroBatch(tuple(ids), Layout(sp, len(ids), rc))
+    none = Recompute.none()
+    mb = lambda ids, sp, rc=none: MicroBatch(tuple(ids), Layout(sp, len(ids), rc))
     lengths = [97, 33, 21, 40, 18]
     ids = list(range(len(lengths)))
     kind = step % 3
