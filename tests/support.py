@@ -95,13 +95,23 @@ def random_plan(
     seed: int,
     num_layers: int = NUM_LAYERS,
     sizes: tuple[int, ...] = (1, 2, 4),
+    mode: str = "random",
 ) -> StepPlan:
-    """Random aligned groups (SP 1/2/4), samples dealt unevenly (some groups get nothing),
-    micro-batches of 1-3 samples (video: same shape only), random recompute per micro-batch."""
+    """Aligned groups, samples dealt unevenly, micro-batches of 1-3 samples (video: same
+    shape only), random recompute per micro-batch. ``mode``: "random" (random tiling with
+    SP 1/2/4, sometimes an idle group), "world" (one group of the whole world), "idle"
+    (a group of half the world + single ranks, one group with no micro-batch)."""
     rng = random.Random(seed)
-    blocks = _tile(0, world, rng, tuple(s for s in sizes if s <= world))
+    if mode == "world":
+        blocks = [tuple(range(world))]
+    elif mode == "idle":
+        half = world // 2
+        blocks = ([tuple(range(half))] if half > 1 else [(0,)]) + [(r,) for r in range(max(half, 1), world)]
+    else:
+        blocks = _tile(0, world, rng, tuple(s for s in sizes if s <= world))
     assigned: dict[tuple[int, ...], list[int]] = {b: [] for b in blocks}
-    busy = rng.sample(blocks, k=max(1, len(blocks) - (1 if len(blocks) > 1 and rng.random() < 0.6 else 0)))
+    num_idle = 1 if len(blocks) > 1 and (mode == "idle" or rng.random() < 0.6) else 0
+    busy = rng.sample(blocks, k=len(blocks) - num_idle)
     for sid in sample_ids:
         assigned[rng.choice(busy)].append(sid)
     groups = []

@@ -129,6 +129,9 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
     return out
 
 
+gather_object = all_gather_object
+
+
 def gather_dict(d: dict, group=None) -> dict[int, dict]:
     """{rank: that rank's dict} on every rank (e.g. the profiler's measurements)."""
     return dict(enumerate(all_gather_object(d, group)))

@@ -149,9 +149,10 @@ def case_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     model = make_model(kind)
     dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     results = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
-        plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(model.layers))
+        mode = ("world", "idle", "random")[i % 3]
+        plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(model.layers), mode=mode)
         loss = run_rank_step(dc, data, plan, dist.get_rank())
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         results.append({"seed": seed, "loss": loss, "grads": grads, "count": dc.last_count,
