@@ -178,8 +178,11 @@ def reference(
     return total, grads
 
 
-def run_rank_step(dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int) -> float:
-    """This rank's micro-batches of the plan, then the step's gradient sync."""
+def run_rank_step(
+    dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False
+) -> float:
+    """This rank's micro-batches of the plan, then the step's gradient sync.
+    ``backward_outside``: call backward after the micro-batch block has exited."""
     model = dc.model
     for mb in plan.group_of(rank).micro_batches:
         ranks = plan.group_of(rank).ranks
@@ -199,7 +202,11 @@ def run_rank_step(dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int
                 ptl = flow_matching_loss(
                     model, batch.inputs, batch.positions, torch.stack(ts), torch.stack(noise), batch.frames
                 )
-            ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            if not backward_outside:
+                ctx.backward(loss)
+        if backward_outside:
+            loss.backward()
     return dc.sync_gradients()
 
 

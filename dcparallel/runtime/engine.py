@@ -36,8 +36,9 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
 class _LayerRecompute:
     """Per layer: "none", "attn", "mlp" or "full" (whole layer), read by the patched forwards."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, attention: UlyssesAttention):
         self.mode = "none"
+        self.attention = attention
         self.has_blocks = hasattr(layer, "attn_block") and hasattr(layer, "mlp_block")
         self._wrap(layer, "full")
         if self.has_blocks:
@@ -46,10 +47,19 @@ class _LayerRecompute:
 
     def _wrap(self, module: nn.Module, mode: str) -> None:
         inner = module.forward
+        attention = self.attention
 
         def forward(*args, **kwargs):
             if self.mode == mode and torch.is_grad_enabled():
-                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+                # The recomputation runs inside backward; it must see the SP group and
+                # documents of this forward even if backward runs after the block exits.
+                state = attention.state()
+
+                def rerun(*a, **k):
+                    with attention.restored(state):
+                        return inner(*a, **k)
+
+                return checkpoint(rerun, *args, use_reentrant=False, **kwargs)
             return inner(*args, **kwargs)
 
         # An instance attribute: the module's parameters and state_dict keys do not change.
@@ -133,7 +143,7 @@ class DataCentricParallel:
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.attention = UlyssesAttention(kernel)
         model.set_attention(self.attention)
-        self._recompute = [_LayerRecompute(layer) for layer in self.layers]
+        self._recompute = [_LayerRecompute(layer, self.attention) for layer in self.layers]
 
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:

@@ -11,7 +11,8 @@ positions, so nothing about positions happens here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,18 @@ class UlyssesAttention:
 
     def deactivate(self) -> None:
         self._active = None
+
+    def state(self) -> _Active | None:
+        return self._active
+
+    @contextlib.contextmanager
+    def restored(self, state: _Active | None) -> Iterator[None]:
+        """Runs a block (a recomputed forward) with the state a forward saw."""
+        prev, self._active = self._active, state
+        try:
+            yield
+        finally:
+            self._active = prev
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
         a = self._active

@@ -141,7 +141,7 @@ def case_heads_error() -> str:
 # ---------------------------------------------------------------- the engine
 
 
-def case_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
+def case_engine(kind: str, seeds: list[int], num_samples: int, backward_outside: bool = False) -> list[dict]:
     """For each seed: a random step plan, run on every rank; the loss and every gradient
     after sync_gradients. Two plans in a row on one engine (the second step must start from
     zero gradients, also on ranks that had no micro-batch)."""
@@ -153,7 +153,7 @@ def case_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
         data = make_data(kind, num_samples, seed)
         mode = ("world", "idle", "random")[i % 3]
         plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(model.layers), mode=mode)
-        loss = run_rank_step(dc, data, plan, dist.get_rank())
+        loss = run_rank_step(dc, data, plan, dist.get_rank(), backward_outside)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         results.append({"seed": seed, "loss": loss, "grads": grads, "count": dc.last_count,
                         "plan": plan.to_json()})
