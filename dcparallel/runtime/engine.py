@@ -7,6 +7,19 @@ while counting its targets. Gradients go, as they are accumulated, into one flat
 buffer whose last two elements are this rank's summed loss and target count;
 `sync_gradients` all-reduces that buffer once over the whole world, on every rank (also
 ranks that ran nothing), and divides by the global count. Not DDP: DESIGN "Exact gradient".
+
+    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads)
+    opt = dc.optimizer(lr=3e-4)                      # ZeRO-1 AdamW (or any torch.optim)
+    for step_batches in loader:                      # this rank's Batches of one step
+        for batch in step_batches:
+            with dc.micro_batch(batch) as ctx:
+                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+                ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+        dc.sync_gradients()                          # every rank, every step
+        opt.step()
+
+Wrap the model after moving it to its device and dtype: the trainable parameters become
+views of one flat buffer.
 """
 
 from __future__ import annotations

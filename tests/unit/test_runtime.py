@@ -222,3 +222,39 @@ def test_batch_sample_mean_weights():
     )
     assert b.sample_mean_weights().tolist() == [[0.5, 0.5, 0.25, 0.25, 0.25, 0.0]]
     assert math.isclose(float(b.sample_mean_weights().sum()), 1.75)
+
+
+def test_bf16_params_accumulate_fp32_grads_and_keep_fp32_master_copies():
+    data = make_data("llama", 3, seed=4)
+    m = make_model("llama").to(torch.bfloat16)
+    dc = DataCentricParallel(m, layers=m.layers, num_heads=NUM_HEADS)
+    opt = dc.optimizer(lr=1e-2)
+    assert dc.flat_grad.dtype == torch.float32 and opt.master.dtype == torch.float32
+    assert opt.master.data_ptr() != dc.flat_param.data_ptr()  # a separate fp32 copy
+    run_rank_step(dc, data, random_plan(data, [0, 1, 2], 1, 0, len(dc.layers)), 0)
+    assert all(p.grad.dtype == torch.bfloat16 for p in dc.params)
+    ref_loss, ref_grads = reference(make_model("llama"), data, [0, 1, 2])
+    assert abs(dc.last_loss - ref_loss) < 0.05 * ref_loss  # bf16 forward
+    opt.step()
+    torch.testing.assert_close(dc.flat_param[: dc.numel], opt.master[: dc.numel].to(torch.bfloat16))
+
+
+def test_wrapping_keeps_state_dict_names_and_values():
+    m = make_model("dit")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    dc = DataCentricParallel(m, layers=m.layers, num_heads=NUM_HEADS)
+    after = m.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    # the parameters now live in the flat buffer
+    p = next(m.parameters())
+    assert p.untyped_storage().data_ptr() == dc.flat_param.untyped_storage().data_ptr()
+
+
+def test_cuda_kernel_never_calls_varlen_on_cpu():
+    from dcparallel.models.attention import AttnPattern, cuda_varlen_attention, sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 10, 2, 4, generator=g) for _ in range(3))
+    cu = (0, 4, 9)
+    out = cuda_varlen_attention(q, k, v, AttnPattern("causal"), cu)  # varlen_attn would raise on CPU
+    assert torch.equal(out, sdpa_attention(q, k, v, AttnPattern("causal"), cu))
