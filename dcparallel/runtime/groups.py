@@ -33,12 +33,18 @@ def _world() -> tuple[int, int]:
 class ProcessGroups:
     """Creates every allowed SP group of a cluster and hands them out by their ranks.
 
-    ``cluster`` defaults to one node holding the whole world (its GPUs per node = world
-    size), which on this CPU machine allows every power-of-two block dividing the heads."""
+    ``cluster``: a ClusterSpec (multi-node: groups follow its GPUs per node), or the world
+    size, or None = one node holding the whole launched world."""
 
-    def __init__(self, num_heads: int, cluster: ClusterSpec | None = None):
+    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None):
         world, rank = _world()
-        if cluster is None:
+        if cluster is None or isinstance(cluster, int):
+            size = world if cluster is None else cluster
+            if size != world:
+                raise ValueError(
+                    f"ProcessGroups was given world size {size} but torch.distributed runs {world} ranks; "
+                    f"pass the launched world size (or nothing)"
+                )
             cluster = ClusterSpec(world_size=world, gpus_per_node=world)
         if cluster.world_size != world:
             raise ValueError(

@@ -258,3 +258,13 @@ def test_cuda_kernel_never_calls_varlen_on_cpu():
     cu = (0, 4, 9)
     out = cuda_varlen_attention(q, k, v, AttnPattern("causal"), cu)  # varlen_attn would raise on CPU
     assert torch.equal(out, sdpa_attention(q, k, v, AttnPattern("causal"), cu))
+
+
+def test_process_groups_check_the_world_size():
+    from dcparallel.spec import ClusterSpec
+
+    assert ProcessGroups(NUM_HEADS, 1).blocks == ((0,),)
+    with pytest.raises(ValueError, match="world size 4"):
+        ProcessGroups(NUM_HEADS, 4)
+    with pytest.raises(ValueError, match="world_size=8"):
+        ProcessGroups(NUM_HEADS, ClusterSpec(world_size=8))
