@@ -116,8 +116,9 @@ class MicroBatchContext:
         return loss
 
     def backward(self, summed_loss: Tensor) -> None:
-        """Backward of the shard's summed loss. Call it inside the `micro_batch` block: the
-        all-to-alls (and recomputed forwards) of backward run in the batch's group."""
+        """Backward of the shard's summed loss. Every rank of the batch's group must call it
+        for the same micro-batch (backward runs the mirrored all-to-alls in that group);
+        recomputed forwards get the batch's group back even after the block has exited."""
         summed_loss.backward()
 
 
