@@ -1,0 +1,79 @@
+"""`Batch`: one rank's share of one `MicroBatch`, as the loader hands it to the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dcparallel.spec import Layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """This rank's shard of a micro-batch.
+
+    Rows (dim 0) are packed text (one row holding several documents, ``cu_seqlens``) or
+    same-shape video samples (one sample per row). Every row has ``seq_len`` real tokens,
+    padded to ``padded_len`` (a multiple of the SP degree); this rank holds columns
+    ``shard_start : shard_start + padded_len // sp`` of every row."""
+
+    sample_ids: tuple[int, ...]
+    """the micro-batch's samples, in plan order"""
+    layout: Layout
+    ranks: tuple[int, ...]
+    """the SP group (GroupPlan.ranks) that runs this micro-batch"""
+    rank_in_group: int
+    inputs: Tensor
+    """(B, Ls) token ids, or (B, Ls, C) clean latent tokens"""
+    positions: Tensor
+    """(B, Ls) position in its document, or (B, Ls, 3) (t, h, w) patch indices; global"""
+    labels: Tensor | None
+    """(B, Ls) next-token targets, shifted before sharding; ignore_index where no target"""
+    loss_mask: Tensor
+    """(B, Ls) bool: this shard's targets (never true on padding)"""
+    token_sample: Tensor
+    """(B, Ls) long: index into sample_ids of each token's sample; -1 on padding"""
+    num_targets: tuple[int, ...]
+    """targets of each whole sample, counted before sharding"""
+    cu_seqlens: tuple[int, ...]
+    """document boundaries in the whole unpadded row (the same for every row)"""
+    seq_len: int
+    padded_len: int
+    frames: int = 1
+    """video: latent frames per sample (tokens = frames x spatial); 1 for text"""
+
+    @property
+    def sp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def shard_len(self) -> int:
+        return self.padded_len // self.sp
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank_in_group * self.shard_len
+
+    def shard_sample(self, x: Tensor) -> Tensor:
+        """A tensor over one whole row's real tokens (seq_len, ...) -> this rank's slice
+        (shard_len, ...), zero on padding. For per-sample noise drawn over the whole sample."""
+        if x.shape[0] != self.seq_len:
+            raise ValueError(f"expected {self.seq_len} tokens along dim 0, got shape {tuple(x.shape)}")
+        lo, hi = self.shard_start, self.shard_start + self.shard_len
+        out = x.new_zeros(self.shard_len, *x.shape[1:])
+        real_hi = min(hi, self.seq_len)
+        if real_hi > lo:
+            out[: real_hi - lo] = x[lo:real_hi]
+        return out
+
+    def sample_mean_weights(self) -> Tensor:
+        """Per-token weight 1 / (targets of its whole sample): with these, `token_loss`
+        gives the mean over samples instead of the mean over target tokens."""
+        inv = torch.tensor(
+            [1.0 / max(n, 1) for n in self.num_targets] + [0.0],
+            dtype=torch.float32,
+            device=self.token_sample.device,
+        )
+        return inv[self.token_sample]  # index -1 picks the trailing 0 for padding

@@ -1,0 +1,133 @@
+"""The attention seam between single-device models and the runtime.
+
+A model calls ``attention(q, k, v, pattern)`` with ``q, k, v`` of shape
+(batch, tokens, heads, head_dim) and gets the output in the same shape. ``pattern`` says
+which tokens of a sample see which: causal (text), full (video, 3D), or factorized
+spatial / temporal attention over a (frames, spatial tokens) grid. Documents packed in one
+row (``cu_seqlens``) never attend to each other, and positions at or after
+``cu_seqlens[-1]`` are padding: they attend to nothing, nothing attends to them, and their
+output is zero.
+
+The runtime replaces the attention function (Ulysses); here is the plain kernel both use.
+No torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PatternKind = Literal["causal", "full", "spatial", "temporal"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttnPattern:
+    """Which tokens of one sample attend to which.
+
+    ``frames`` is the number of latent frames of a video sample (tokens = frames x spatial);
+    only the factorized kinds use it: ``spatial`` attends within a frame, ``temporal``
+    across frames at one spatial position."""
+
+    kind: PatternKind
+    frames: int = 1
+
+    @property
+    def causal(self) -> bool:
+        return self.kind == "causal"
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor: ...
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """(N, L, H, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D) inputs: 3-D inputs take a
+    4-5x slower kernel on CPU."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    )
+    return out.transpose(1, 2)
+
+
+def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
+    """Attention within one document / sample of length L: (B, L, H, D)."""
+    if pattern.kind in ("causal", "full"):
+        return _sdpa(q, k, v, pattern.causal)
+    b, n, h, d = q.shape
+    t = pattern.frames
+    if t < 1 or n % t:
+        raise ValueError(f"factorized attention over {n} tokens needs frames dividing it; got frames={t}")
+    s = n // t
+    if pattern.kind == "spatial":  # (B, T, S) -> (B*T, S)
+        fold = lambda x: x.reshape(b * t, s, h, d)
+        return _sdpa(fold(q), fold(k), fold(v), False).reshape(b, n, h, d)
+    if pattern.kind == "temporal":  # (B, T, S) -> (B*S, T)
+        fold = lambda x: x.reshape(b, t, s, h, d).transpose(1, 2).reshape(b * s, t, h, d)
+        out = _sdpa(fold(q), fold(k), fold(v), False)
+        return out.reshape(b, s, t, h, d).transpose(1, 2).reshape(b, n, h, d)
+    raise ValueError(f"unknown attention pattern {pattern.kind!r}; use causal, full, spatial or temporal")
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+) -> Tensor:
+    """Reference kernel for full (unsharded) rows: a loop of SDPA per document.
+
+    ``cu_seqlens`` (same for every row) marks the documents; positions past its last entry
+    are padding and get a zero output. ``None`` means one document filling the row."""
+    length = q.shape[1]
+    if cu_seqlens is None:
+        cu_seqlens = (0, length)
+    if (
+        cu_seqlens[0] != 0
+        or cu_seqlens[-1] > length
+        or any(a > b for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
+    ):
+        raise ValueError(f"cu_seqlens {list(cu_seqlens)} must rise from 0 to at most the row length {length}")
+    if len(cu_seqlens) == 2 and cu_seqlens[1] == length:
+        return _attend_segment(q, k, v, pattern)
+    pieces = [
+        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern)
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
+        if b > a
+    ]
+    pad = length - cu_seqlens[-1]
+    if pad:
+        pieces.append(q.new_zeros(q.shape[0], pad, *q.shape[2:]))
+    return torch.cat(pieces, dim=1)
+
+
+def cuda_varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+) -> Tensor:
+    """Packed causal documents on CUDA with ``torch.nn.attention.varlen.varlen_attn``
+    (window (-1, 0) is causal); every other case, and every CPU tensor, goes to SDPA.
+    varlen_attn raises NotImplementedError on CPU, so it is never called there."""
+    if not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None:
+        return sdpa_attention(q, k, v, pattern, cu_seqlens)
+    from torch.nn.attention.varlen import varlen_attn
+
+    length = q.shape[1]
+    real = cu_seqlens[-1]
+    cu = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=q.device)
+    max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
+    window = (-1, 0) if pattern.causal else (-1, -1)
+    out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu, cu, max_len, max_len, window_size=window)
+    if real < length:
+        out = torch.cat([out, out.new_zeros(length - real, *out.shape[1:])], dim=0)
+    return out.unsqueeze(0)
+
+
+def default_kernel(device: torch.device):
+    """SDPA on CPU, varlen_attn for packed causal text on CUDA."""
+    return cuda_varlen_attention if device.type == "cuda" else sdpa_attention
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
+    """Single-device default: every row is one whole sample (no packing, no padding)."""
+    return default_kernel(q.device)(q, k, v, pattern, None)

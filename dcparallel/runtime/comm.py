@@ -1,0 +1,160 @@
+"""Every collective of dcparallel lives here.
+
+A ``group`` of None means "no process group" (a single-rank world or a group of one rank):
+each function then does the single-rank thing without calling torch.distributed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group) -> int:
+    if group is None or not is_distributed():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is None or not is_distributed():
+        return 0
+    return dist.get_rank(group)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def world_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+# ---------------------------------------------------------------- Ulysses all-to-alls
+
+
+class _AllToAll(torch.autograd.Function):
+    """Even-split all_to_all_single over dim 0. The adjoint of an even all-to-all (chunk j of
+    rank i goes to slot i of rank j) is the same all-to-all, so backward repeats it on the
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: Tensor, group) -> Tensor:
+    """Autograd-correct all-to-all: dim 0 (size = group size) indexes the peer."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group)
+
+
+def seq_to_heads(x: Tensor, group) -> Tensor:
+    """(n, B, L/sp, H, D) sequence-sharded -> (n, B, L, H/sp, D) head-sharded; n stacks
+    q, k, v so that one all-to-all moves all three."""
+    sp = group_size(group)
+    if sp == 1:
+        return x
+    n, b, ls, h, d = x.shape
+    x = x.reshape(n, b, ls, sp, h // sp, d).permute(3, 0, 1, 2, 4, 5)  # (peer=head group, n, B, Ls, Hs, D)
+    y = all_to_all(x, group)  # (peer=sequence shard, n, B, Ls, Hs, D)
+    return y.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * ls, h // sp, d)
+
+
+def heads_to_seq(x: Tensor, group) -> Tensor:
+    """(B, L, H/sp, D) head-sharded -> (B, L/sp, H, D) sequence-sharded."""
+    sp = group_size(group)
+    if sp == 1:
+        return x
+    b, n, hs, d = x.shape
+    x = x.reshape(b, sp, n // sp, hs, d).permute(1, 0, 2, 3, 4)  # (peer=sequence shard, B, Ls, Hs, D)
+    y = all_to_all(x, group)  # (peer=head group, B, Ls, Hs, D)
+    return y.permute(1, 2, 0, 3, 4).reshape(b, n // sp, sp * hs, d)
+
+
+# ---------------------------------------------------------------- gradients and parameters
+
+
+def all_reduce_sum_(t: Tensor) -> Tensor:
+    """In-place sum over the whole world (no-op on a single rank)."""
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_shards_(flat: Tensor, shard_numel: int) -> Tensor:
+    """Every rank r holds ``flat[r*shard_numel:(r+1)*shard_numel]`` up to date; afterwards
+    every rank holds all of ``flat`` (ZeRO-1's post-step parameter all-gather, whole world)."""
+    n = world_size()
+    if n == 1:
+        return flat
+    views = list(flat[: n * shard_numel].view(n, shard_numel).unbind(0))
+    mine = views[world_rank()].clone()
+    dist.all_gather(views, mine)
+    return flat
+
+
+# ---------------------------------------------------------------- helpers for loader / profiler
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (default:
+    the whole world)."""
+    n = world_size() if group is None else group_size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+gather_object = all_gather_object
+
+
+def gather_dict(d: dict, group=None) -> dict[int, dict]:
+    """{rank: that rank's dict} on every rank (e.g. the profiler's measurements)."""
+    return dict(enumerate(all_gather_object(d, group)))
+
+
+def digest(obj: Any) -> str:
+    """A short stable hash of a picklable object (plans, configs)."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()[:16]
+
+
+def check_equal(value: str, what: str = "value", group=None) -> None:
+    """Raises RuntimeError on every rank unless ``value`` (e.g. a plan hash) is the same on
+    all ranks; the message names which ranks hold which value."""
+    values = all_gather_object(value, group)
+    if len(set(values)) <= 1:
+        return
+    by_value: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        by_value.setdefault(v, []).append(r)
+    detail = "; ".join(f"ranks {rs}: {v!r}" for v, rs in by_value.items())
+    raise RuntimeError(f"{what} differs across ranks ({detail}); every rank must build the same {what}")
+
+
+def barrier(group=None) -> None:
+    if is_distributed():
+        dist.barrier(group=group)

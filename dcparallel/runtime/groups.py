@@ -1,0 +1,107 @@
+"""The one owner of process groups.
+
+Every rank creates, once and in the same order, exactly the aligned blocks that the
+planners may use (`dcparallel.spec.allowed_groups`). For world 4 with 4 heads:
+
+    size 1: (0) (1) (2) (3)
+    size 2: (0 1) (2 3)
+    size 4: (0 1 2 3)          <- the whole world reuses the default group
+
+World size 1 needs no process group at all: `group((0,))` is None and every collective in
+`runtime.comm` is then a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from dcparallel.spec import ClusterSpec, allowed_groups
+
+log = logging.getLogger(__name__)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class ProcessGroups:
+    """Creates every allowed SP group of a cluster and hands them out by their ranks.
+
+    ``cluster``: a ClusterSpec (multi-node: groups follow its GPUs per node), or the world
+    size, or None = one node holding the whole launched world."""
+
+    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None):
+        world, rank = _world()
+        if cluster is None or isinstance(cluster, int):
+            size = world if cluster is None else cluster
+            if size != world:
+                raise ValueError(
+                    f"ProcessGroups was given world size {size} but torch.distributed runs {world} ranks; "
+                    f"pass the launched world size (or nothing)"
+                )
+            cluster = ClusterSpec(world_size=world, gpus_per_node=world)
+        if cluster.world_size != world:
+            raise ValueError(
+                f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
+                f"{world} ranks; build the ClusterSpec from the launched world size"
+            )
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+        self.cluster = cluster
+        self.num_heads = num_heads
+        self.world_size = world
+        self.rank = rank
+        self.blocks: tuple[tuple[int, ...], ...] = tuple(allowed_groups(cluster, num_heads))
+        self._groups: dict[tuple[int, ...], object] = {}
+        start = time.perf_counter()
+        for ranks in self.blocks:  # same order on every rank: new_group is collective
+            if world == 1:
+                self._groups[ranks] = None
+            elif len(ranks) == world:
+                self._groups[ranks] = dist.group.WORLD
+            else:
+                self._groups[ranks] = dist.new_group(list(ranks))
+        self.creation_seconds = time.perf_counter() - start
+        log.info(
+            "rank %d: created %d process groups (sizes %s) in %.1f ms",
+            rank,
+            len(self.blocks),
+            sorted({len(b) for b in self.blocks}),
+            1e3 * self.creation_seconds,
+        )
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted({len(b) for b in self.blocks})
+
+    def group(self, ranks: Sequence[int]):
+        """The process group of an aligned block (None when the world is one rank)."""
+        key = tuple(int(r) for r in ranks)
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise ValueError(
+                f"no process group was created for ranks {key}: the allowed groups of world "
+                f"{self.world_size} with {self.num_heads} heads are {list(self.blocks)}; plan with "
+                f"dcparallel.spec.allowed_groups (aligned blocks of an allowed size)"
+            ) from None
+
+    @property
+    def world(self):
+        """The whole world (None for a single rank)."""
+        return None if self.world_size == 1 else dist.group.WORLD
+
+    def describe(self) -> str:
+        lines = []
+        for k in self.sizes:
+            lines.append(
+                f"size {k}: "
+                + " ".join("(" + " ".join(map(str, b)) + ")" for b in self.blocks if len(b) == k)
+            )
+        return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Multi-process gloo workers, spawned once per test module.
+
+Each worker initializes gloo through a file rendezvous (one thread, a 60 s collective
+timeout so a mismatched collective fails instead of hanging), then runs commands: a
+module-level function + arguments, called on every rank at once; results come back in
+rank order. A failure on any rank fails the test with every rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+COMMAND_TIMEOUT_S = 150
+
+
+def _worker(rank: int, world: int, init_file: str, commands, results) -> None:
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        while True:
+            item = commands.get()
+            if item is None:
+                break
+            fn, args, kwargs = item
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - reported to the test process
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    def __init__(self, world: int, tmp: Path):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(world)]
+        init_file = str(tmp / "rendezvous")
+        self.procs = [ctx.Process(target=_worker, args=(r, world, init_file, self.commands[r], self.results),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; its return values in rank order."""
+        for q in self.commands:
+            q.put((fn, args, kwargs))
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        waited = 0
+        while len(out) + len(errors) < self.world:
+            try:
+                rank, ok, value = self.results.get(timeout=5)
+            except queue.Empty:
+                waited += 5
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or waited >= COMMAND_TIMEOUT_S:
+                    raise RuntimeError(f"{fn.__name__}: no answer from ranks "
+                                       f"{sorted(set(range(self.world)) - set(out) - set(errors))} "
+                                       f"(dead: {dead}, waited {waited} s)") from None
+                continue
+            (out if ok else errors)[rank] = value
+        if errors:
+            raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,214 @@
+"""Shared by unit and dist tests: tiny models, random samples, random step plans, the
+single-process reference and one rank's run of a step."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
+from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss, shift_labels
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.runtime.engine import DataCentricParallel, sample_seed
+from dcparallel.runtime.shard import text_batch, video_batch
+from dcparallel.spec import Layout, Recompute
+
+NUM_HEADS = 4
+NUM_LAYERS = 3
+
+
+def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return Llama(
+            LlamaConfig.tiny(
+                num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48, vocab_size=64
+            )
+        )
+    if kind == "llama-tied":
+        return Llama(
+            LlamaConfig.tiny(
+                num_layers=NUM_LAYERS,
+                num_heads=NUM_HEADS,
+                hidden=32,
+                ffn_hidden=48,
+                vocab_size=64,
+                tie_embeddings=True,
+            )
+        )
+    if kind == "dit":
+        return DiT(DiTConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, freq_dim=16))
+    if kind == "dit-factorized":
+        return DiT(
+            DiTConfig.tiny(num_layers=4, num_heads=NUM_HEADS, hidden=32, freq_dim=16, attention="factorized")
+        )
+    raise ValueError(kind)
+
+
+@dataclass
+class Data:
+    """Whole samples by id. Text: 1-D token ids. Video: patch tokens, positions, frames."""
+
+    kind: str
+    docs: dict[int, Tensor]
+    labels: dict[int, Tensor]
+    positions: dict[int, Tensor]
+    frames: dict[int, int]
+    shape_of: dict[int, tuple]
+
+
+def make_data(kind: str, num_samples: int, seed: int) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    docs, labels, pos, frames, shape_of = {}, {}, {}, {}, {}
+    for i in range(num_samples):
+        if kind.startswith("llama"):
+            n = rng.randint(2, 37)
+            docs[i] = torch.randint(0, 64, (n,), generator=g)
+            lab = shift_labels(docs[i])
+            if rng.random() < 0.3:  # a prompt whose tokens are not targets
+                lab[: n // 3] = -100
+            labels[i] = lab
+            shape_of[i] = (n,)
+        else:
+            shape = rng.choice([(2, 4, 6), (3, 4, 4), (1, 6, 6)])  # latent (T, H, W); patch 1x2x2
+            lat = torch.randn(4, *shape, generator=g)
+            tok, p, grid = patchify(lat, (1, 2, 2))
+            docs[i], pos[i], frames[i], shape_of[i] = tok, p, grid[0], shape
+    return Data(kind, docs, labels, pos, frames, shape_of)
+
+
+def _tile(start: int, size: int, rng: random.Random, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    if size in sizes and (size == 1 or rng.random() < 0.4):
+        return [tuple(range(start, start + size))]
+    half = size // 2
+    return _tile(start, half, rng, sizes) + _tile(start + half, half, rng, sizes)
+
+
+def random_plan(
+    data: Data,
+    sample_ids: list[int],
+    world: int,
+    seed: int,
+    num_layers: int = NUM_LAYERS,
+    sizes: tuple[int, ...] = (1, 2, 4),
+    mode: str = "random",
+) -> StepPlan:
+    """Aligned groups, samples dealt unevenly, micro-batches of 1-3 samples (video: same
+    shape only), random recompute per micro-batch. ``mode``: "random" (random tiling with
+    SP 1/2/4, sometimes an idle group), "world" (one group of the whole world), "idle"
+    (a group of half the world + single ranks, one group with no micro-batch)."""
+    rng = random.Random(seed)
+    if mode == "world":
+        blocks = [tuple(range(world))]
+    elif mode == "idle":
+        half = world // 2
+        blocks = ([tuple(range(half))] if half > 1 else [(0,)]) + [(r,) for r in range(max(half, 1), world)]
+    else:
+        blocks = _tile(0, world, rng, tuple(s for s in sizes if s <= world))
+    assigned: dict[tuple[int, ...], list[int]] = {b: [] for b in blocks}
+    num_idle = 1 if len(blocks) > 1 and (mode == "idle" or rng.random() < 0.6) else 0
+    busy = rng.sample(blocks, k=len(blocks) - num_idle)
+    for sid in sample_ids:
+        assigned[rng.choice(busy)].append(sid)
+    groups = []
+    for b in blocks:
+        sids = assigned[b]
+        mbs: list[MicroBatch] = []
+        if data.kind.startswith("llama"):
+            while sids:
+                k = rng.randint(1, 3)
+                chunk, sids = sids[:k], sids[k:]
+                mbs.append(_mb(chunk, len(b), rng, num_layers))
+        else:
+            by_shape: dict[tuple, list[int]] = {}
+            for s in sids:
+                by_shape.setdefault(data.shape_of[s], []).append(s)
+            for same in by_shape.values():
+                while same:
+                    k = rng.randint(1, 2)
+                    chunk, same = same[:k], same[k:]
+                    mbs.append(_mb(chunk, len(b), rng, num_layers))
+            rng.shuffle(mbs)
+        groups.append(GroupPlan(b, tuple(mbs)))
+    plan = StepPlan(
+        index=0,
+        sample_ids=tuple(sample_ids),
+        groups=tuple(groups),
+        num_tokens=sum(data.docs[s].shape[0] for s in sample_ids),
+    )
+    plan.validate(world)
+    return plan
+
+
+def _mb(chunk: list[int], sp: int, rng: random.Random, num_layers: int) -> MicroBatch:
+    rc = Recompute(rng.randint(0, num_layers), rng.randint(0, num_layers))
+    return MicroBatch(tuple(chunk), Layout(sp, len(chunk), rc))
+
+
+def reference(
+    model: torch.nn.Module, data: Data, sample_ids: list[int], seed: int = 0, epoch: int = 0
+) -> tuple[float, dict[str, Tensor]]:
+    """Single process, one sample at a time, plain autograd: mean loss over all targets of
+    the samples and the gradient of that mean."""
+    model.zero_grad(set_to_none=True)
+    total, count = 0.0, 0.0
+    losses = []
+    for sid in sample_ids:
+        if data.kind.startswith("llama"):
+            d = data.docs[sid]
+            ptl, mask = per_token_loss(model(d[None]), data.labels[sid][None])
+        else:
+            g = torch.Generator().manual_seed(sample_seed(seed, epoch, sid))
+            x0 = data.docs[sid]
+            t, noise = draw_flow(g, x0.shape[0], x0.shape[1])
+            ptl = flow_matching_loss(
+                model, x0[None], data.positions[sid][None], t[None], noise[None], data.frames[sid]
+            )
+            mask = torch.ones_like(ptl, dtype=torch.bool)
+        losses.append(ptl[mask].sum())
+        count += float(mask.sum())
+    loss = torch.stack(losses).sum() / count
+    loss.backward()
+    total = float(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+def run_rank_step(
+    dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False
+) -> float:
+    """This rank's micro-batches of the plan, then the step's gradient sync.
+    ``backward_outside``: call backward after the micro-batch block has exited."""
+    model = dc.model
+    for mb in plan.group_of(rank).micro_batches:
+        ranks = plan.group_of(rank).ranks
+        if data.kind.startswith("llama"):
+            batch = text_batch(mb, ranks, rank, data.docs, data.labels)
+        else:
+            batch = video_batch(mb, ranks, rank, data.docs, data.positions, data.frames[mb.sample_ids[0]])
+        with dc.micro_batch(batch) as ctx:
+            if data.kind.startswith("llama"):
+                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+            else:
+                ts, noise = [], []
+                for sid in batch.sample_ids:
+                    t, n = draw_flow(ctx.generator(sid), batch.seq_len, batch.inputs.shape[-1])
+                    ts.append(t)
+                    noise.append(batch.shard_sample(n))
+                ptl = flow_matching_loss(
+                    model, batch.inputs, batch.positions, torch.stack(ts), torch.stack(noise), batch.frames
+                )
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            if not backward_outside:
+                ctx.backward(loss)
+        if backward_outside:
+            loss.backward()
+    return dc.sync_gradients()
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
