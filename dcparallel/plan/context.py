@@ -61,18 +61,19 @@ class PlanContext:
         self.sizes = workload.sizes
         self.tokens = workload.tokens
         self.bucket_of: list[tuple[int, int]] = [bucket_key(self.model, s) for s in self.sizes]
-        rep: dict[tuple[int, int], int] = {}
-        for i, b in enumerate(self.bucket_of):
-            j = rep.get(b)
-            if j is None or self.tokens[i] > self.tokens[j]:
-                rep[b] = i
-        #: the largest sample of each bucket: layouts chosen for a bucket must fit it
-        self.rep: dict[tuple[int, int], Size] = {b: self.sizes[i] for b, i in rep.items()}
         self._terms: dict = {}
         self._fit: dict = {}
         self._options: dict = {}
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
+        rep: dict[tuple[int, int], int] = {}
+        for i in self.usable_ids:  # skipped samples must not size (or empty) their bucket
+            b = self.bucket_of[i]
+            j = rep.get(b)
+            if j is None or self.tokens[i] > self.tokens[j]:
+                rep[b] = i
+        #: the largest usable sample of each bucket: layouts chosen for a bucket must fit it
+        self.rep: dict[tuple[int, int], Size] = {b: self.sizes[i] for b, i in rep.items()}
 
     # -- cost access -------------------------------------------------------------------
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:

@@ -1,0 +1,296 @@
+"""DataCentricLoader without a process group: input validation (each error names the
+offending value and the fix), collation into this rank's shard, empty steps, resuming,
+and that threads/workers never change what is handed out."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import pytest
+import torch
+
+from dcparallel.data import Batch, DataCentricLoader
+from dcparallel.plan.context import OversizeError
+from dcparallel.runtime.shard import IGNORE_INDEX
+
+from ._models import TINY_DIT, TINY_LM, cluster, cost
+
+
+def text_data(num: int, seed: int = 0, lo: int = 16, hi: int = 3000) -> tuple[list[torch.Tensor], list[int]]:
+    rng = random.Random(seed)
+    lens = [rng.randint(lo, hi) for _ in range(num)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g) for n in lens], lens
+
+
+def make(dataset, lengths, world: int = 1, rank: int = 0, memory_mib: int = 1536, **kw) -> DataCentricLoader:
+    cl = cluster(world, min(world, 8), memory_mib=memory_mib)
+    if "samples_per_step" not in kw:
+        kw.setdefault("tokens_per_step", 8000)
+    return DataCentricLoader(dataset, lengths, cost=cost(TINY_LM, cl), cluster=cl, rank=rank, world_size=world, **kw)
+
+
+def walk(loader: DataCentricLoader) -> list[tuple[int, int, tuple[int, ...]]]:
+    return [(s.index, s.rank, s.sample_ids) for s in loader]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_lengths_count_differs_from_dataset():
+    ds, lens = text_data(4)
+    with pytest.raises(ValueError, match=r"lengths has 3 entries but the dataset has 4 samples; give one size per"):
+        make(ds, lens[:3])
+
+
+@pytest.mark.parametrize(
+    "bad,why",
+    [(0, "is not positive"), (-5, "is not positive"), (2.5, "is not an integer"), ("12", "is not a number"),
+     (None, "is not a number"), ((17, 64), "has 2 values, not 3")],
+)
+def test_bad_length_is_named_with_its_index(bad, why):
+    ds, lens = text_data(4)
+    lens[2] = bad
+    with pytest.raises(ValueError, match=re.escape(f"lengths[2] = {bad!r} {why}") + ".*positive integer token count"):
+        make(ds, lens)
+
+
+def test_bad_length_from_a_function_is_named_too():
+    ds, lens = text_data(5)
+    with pytest.raises(ValueError, match=r"lengths\[3\] = 0 is not positive"):
+        make(ds, lambda i: 0 if i == 3 else lens[i])
+
+
+def test_empty_dataset():
+    with pytest.raises(ValueError, match=r"the dataset is empty \(len\(dataset\) == 0\)"):
+        make([], [])
+
+
+def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
+    ds, lens = text_data(6)
+    lens[4] = 5_000_000
+    ds[4] = torch.zeros(5_000_000, dtype=torch.long)
+    with pytest.raises(OversizeError, match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
+                                            r"needs [0-9.]+ GiB per rank.*skip_oversize=True"):
+        make(ds, lens, world=2)
+    with caplog.at_level(logging.WARNING, logger="dcparallel.data.loader"):
+        loader = make(ds, lens, world=2, skip_oversize=True)
+    assert "skipping 1 sample(s) that fit no layout: sample 4 (size 5000000, needs" in caplog.text
+    summary = loader.summary()
+    assert summary["num_usable"] == 5 and [s["sample"] for s in summary["skipped"]] == [4]
+    assert summary["skipped"][0]["needs_gib"] > 1.5  # more than the cluster's 1.5 GiB
+    # each sample counted once: by the first rank of the group that ran it
+    seen = [i for r in (0, 1) for st in make(ds, lens, world=2, rank=r, skip_oversize=True)
+            if st.group.ranks[0] == r for i in st.sample_ids]
+    assert sorted(seen) == [0, 1, 2, 3, 5]
+
+
+def test_other_bad_arguments():
+    ds, lens = text_data(4)
+    with pytest.raises(ValueError, match="give exactly one of tokens_per_step or samples_per_step"):
+        make(ds, lens, samples_per_step=2, tokens_per_step=100)
+    with pytest.raises(ValueError, match=r"tokens_per_step must be a positive integer; got 0"):
+        make(ds, lens, tokens_per_step=0)
+    with pytest.raises(ValueError, match=r"unknown policy 'fast'; choose one of"):
+        make(ds, lens, policy="fast")
+    cl = cluster(4, 4)
+    with pytest.raises(ValueError, match=r"world_size=4 but this loader runs on 2 ranks"):
+        DataCentricLoader(ds, lens, cost=cost(TINY_LM, cl), cluster=cl, tokens_per_step=100, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=rf"lengths\[0\] = {lens[0]}, but the model 'tiny-dit' is a video model"):
+        cl = cluster(1)
+        DataCentricLoader(ds, lens, cost=cost(TINY_DIT, cl), cluster=cl, tokens_per_step=100)
+    with pytest.raises(ValueError, match="has no len"):
+        make(iter(ds), lens)
+
+
+def test_real_length_differing_from_lengths_is_an_error_when_loaded():
+    ds, lens = text_data(3)
+    lens[1] += 1
+    with pytest.raises(ValueError, match=r"sample 1 has \d+ tokens but lengths\[1\] = \d+"):
+        walk(make(ds, lens))
+
+
+# ---------------------------------------------------------------- collation
+
+
+def test_text_collation_packs_documents_and_shards_labels_before_sharding():
+    """World 2, 1 GiB per rank: the 60001-token sample fits only at SP=2 (odd: padded), the
+    short ones pack at SP=1. Each shard holds its columns of the packed row, labels shifted
+    on the whole document (a shard boundary loses no target), targets counted per sample."""
+    ds, lens = text_data(12, seed=3, lo=5, hi=40)
+    lens[5] = 60_001
+    ds[5] = torch.randint(0, 1000, (60_001,), generator=torch.Generator().manual_seed(5))
+    labels = {}
+    data = []
+    for i, d in enumerate(ds):
+        lab = torch.cat([d[1:], torch.tensor([IGNORE_INDEX])])
+        if i % 3 == 0:
+            lab[:2] = IGNORE_INDEX  # a prompt: not targets
+        labels[i] = lab
+        data.append({"input_ids": d, "labels": lab})
+    per_rank = [list(make(data, lens, world=2, rank=r, memory_mib=1024, tokens_per_step=120)) for r in (0, 1)]
+    covered = []
+    for s0, s1 in zip(*per_rank, strict=True):
+        assert s0.plan == s1.plan
+        for r, st in enumerate((s0, s1)):
+            for b in st:
+                assert isinstance(b, Batch) and b.rank_in_group == b.ranks.index(r)
+                row = torch.cat([ds[i] for i in b.sample_ids])
+                assert b.cu_seqlens == tuple([0] + list(torch.tensor([lens[i] for i in b.sample_ids]).cumsum(0)))
+                lo = b.shard_start
+                real = max(0, min(b.shard_len, b.seq_len - lo))
+                assert torch.equal(b.inputs[0, :real], row[lo:lo + real])
+                lab_row = torch.cat([labels[i] for i in b.sample_ids])
+                assert torch.equal(b.labels[0, :real], lab_row[lo:lo + real])
+                assert not b.loss_mask[0, real:].any()
+                pos = torch.cat([torch.arange(lens[i]) for i in b.sample_ids])
+                assert torch.equal(b.positions[0, :real], pos[lo:lo + real])
+                # targets counted on the whole sample, the same on every rank of the group
+                assert b.num_targets == tuple(int((labels[i] != IGNORE_INDEX).sum()) for i in b.sample_ids)
+                assert st.num_targets == {**st.num_targets, **dict(zip(b.sample_ids, b.num_targets))}
+                if b.ranks[0] == r:
+                    covered.extend(b.sample_ids)
+    assert sorted(covered) == list(range(12))
+    assert any(b.sp == 2 for st in per_rank[0] for b in st), "no SP=2 micro-batch: the test proves less"
+
+
+def test_video_collation_stacks_same_shape_samples():
+    from dcparallel.models.dit import patchify
+
+    shapes = [(17, 64, 64), (17, 64, 64), (1, 64, 64), (17, 64, 64), (1, 64, 64)]
+    data = []
+    for i, (f, h, w) in enumerate(shapes):
+        t = 1 if f == 1 else TINY_DIT.latent_grid((f, h, w))[0]
+        lat = torch.randn(4, t, h // 16, w // 16, generator=torch.Generator().manual_seed(i))
+        tok, pos, grid = patchify(lat, (1, 1, 1))
+        assert tok.shape[0] == TINY_DIT.tokens((f, h, w))
+        data.append({"tokens": tok, "positions": pos, "frames": grid[0]})
+    cl = cluster(1)
+    loader = DataCentricLoader(data, shapes, cost=cost(TINY_DIT, cl), cluster=cl, samples_per_step=5)
+    steps = list(loader)
+    assert len(steps) == 1
+    for b in steps[0]:
+        assert b.inputs.shape[0] == len(b.sample_ids)
+        for row, sid in enumerate(b.sample_ids):
+            assert torch.equal(b.inputs[row, : b.seq_len], data[sid]["tokens"])
+    assert sorted(i for b in steps[0] for i in b.sample_ids) == list(range(5))
+
+
+def test_custom_collate_and_raw_samples():
+    ds, lens = text_data(6)
+    calls = []
+
+    def collate(samples, mb, ranks, rank):
+        calls.append(mb.sample_ids)
+        return sum(len(samples[i]) for i in mb.sample_ids)
+
+    total = sum(b for st in make(ds, lens, collate=collate) for b in st)
+    assert total == sum(lens) and sorted(i for c in calls for i in c) == list(range(6))
+    raw = [b for st in make(ds, lens, collate=None) for b in st]
+    assert sorted(int(t.numel()) for b in raw for t in b) == sorted(lens)
+
+
+# ---------------------------------------------------------------- steps, ranks, threads
+
+
+def test_fewer_samples_than_ranks_gives_empty_steps_on_idle_ranks():
+    ds, lens = text_data(5, hi=200)
+    steps = {r: list(make(ds, lens, world=4, rank=r, samples_per_step=1, policy="dcp")) for r in range(4)}
+    assert all(len(s) == 5 for s in steps.values())  # every rank gets every step
+    for k in range(5):
+        assert len({steps[r][k].plan for r in range(4)}) == 1
+        empty = [r for r in range(4) if len(steps[r][k]) == 0]
+        assert empty, f"step {k}: one sample on 4 ranks but no rank is idle"
+        assert all(steps[r][k].sample_ids == () and steps[r][k].num_samples == 1 for r in empty)
+
+
+def test_last_step_smaller_and_nothing_dropped_or_repeated():
+    ds, lens = text_data(23)
+    steps = list(make(ds, lens, samples_per_step=5))
+    assert [len(s.plan.sample_ids) for s in steps] == [5, 5, 5, 5, 3]
+    assert sorted(i for s in steps for i in s.sample_ids) == list(range(23))
+
+
+def test_lengths_function_is_called_once_per_sample():
+    ds, lens = text_data(9)
+    calls = []
+
+    def length(i):
+        calls.append(i)
+        return lens[i]
+
+    loader = make(ds, length)
+    for e in range(2):
+        loader.set_epoch(e)
+        walk(loader)
+    assert sorted(calls) == list(range(9))
+
+
+def test_lookahead_and_workers_do_not_change_what_each_rank_gets():
+    ds, lens = text_data(40, seed=1)
+    ref = {r: [(s.index, s.plan, [b.inputs for b in s]) for s in make(ds, lens, world=2, rank=r, lookahead=0)]
+           for r in (0, 1)}
+    for lookahead, workers in [(1, 0), (4, 2)]:
+        for r in (0, 1):
+            got = [(s.index, s.plan, [b.inputs for b in s])
+                   for s in make(ds, lens, world=2, rank=r, lookahead=lookahead, num_workers=workers)]
+            assert [g[:2] for g in got] == [x[:2] for x in ref[r]]
+            for g, x in zip(got, ref[r], strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(g[2], x[2], strict=True))
+
+
+def test_epochs_reshuffle_and_each_covers_everything():
+    ds, lens = text_data(30)
+    loader = make(ds, lens)
+    orders = []
+    for e in range(2):
+        loader.set_epoch(e)
+        ids = [i for _, _, s in walk(loader) for i in s]
+        assert sorted(ids) == list(range(30))
+        orders.append(ids)
+    assert orders[0] != orders[1]
+
+
+def test_resume_mid_epoch_and_set_epoch_keeps_the_position():
+    ds, lens = text_data(40, seed=2)
+    full = make(ds, lens)
+    full.set_epoch(1)
+    reference = walk(full)
+    assert len(reference) >= 4
+    first = make(ds, lens)
+    first.set_epoch(1)
+    it = iter(first)
+    head = [(s.index, s.rank, s.sample_ids) for _, s in zip(range(3), it)]
+    state = first.state_dict()
+    assert state["epoch"] == 1 and state["step"] == 3
+    it.close()
+    resumed = make(ds, lens)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)  # the usual epoch loop calls this; it must not restart the epoch
+    assert head + walk(resumed) == reference
+    assert resumed.state_dict()["step"] == len(reference)
+    resumed.set_epoch(2)
+    assert walk(resumed)[0][0] == 0
+
+
+def test_resume_with_other_settings_is_refused_or_replanned():
+    ds, lens = text_data(20)
+    state = make(ds, lens).state_dict()
+    with pytest.raises(ValueError, match=r"saved with seed=0 but this loader has seed=1; resume with the same seed"):
+        make(ds, lens, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with tokens_per_step=8000 but this loader has tokens_per_step=9000"):
+        make(ds, lens, tokens_per_step=9000).load_state_dict(state)
+    other = list(lens)
+    other[0] += 1
+    with pytest.raises(ValueError, match="other sample lengths"):
+        make(ds, other).load_state_dict(state)
+    # another world size keeps the samples of every step (the step former ignores the cluster)
+    state["step"] = 1
+    w2 = [make(ds, lens, world=2, rank=r) for r in (0, 1)]
+    for loader in w2:
+        loader.load_state_dict(state)
+    steps = [list(loader) for loader in w2]
+    one = list(make(ds, lens))[1:]
+    assert [s.plan.sample_ids for s in steps[0]] == [s.plan.sample_ids for s in one]
