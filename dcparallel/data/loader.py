@@ -271,6 +271,7 @@ class _PlanStream:
         self._plans: dict[int, StepPlan] = {}
         self._next = start  # next step to plan
         self._demand = start  # 1 + the furthest step asked for
+        self._pos = {"sampler": start, "assembler": start}  # the step each reader is at
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -285,13 +286,19 @@ class _PlanStream:
         self.plan_seconds += time.perf_counter() - t0
         return plan
 
-    def get(self, k: int) -> StepPlan:
-        if self._lookahead == 0:
-            plan = self._plans.get(k)
-            if plan is None:
-                plan = self._plans[k] = self._plan(k)
-            return plan
+    def get(self, k: int, reader: str) -> StepPlan:
+        """Plan k (blocks until it is planned). Two readers walk the steps in order at their
+        own pace, the DataLoader's sampler and the step assembler: a plan is dropped once
+        both have passed it."""
         with self._cond:
+            self._pos[reader] = k
+            keep = min(self._pos.values())
+            for j in [j for j in self._plans if j < keep]:
+                del self._plans[j]
+            if self._lookahead == 0:
+                if k not in self._plans:
+                    self._plans[k] = self._plan(k)
+                return self._plans[k]
             if self._thread is None:  # started lazily: after the DataLoader forked its workers
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -303,12 +310,6 @@ class _PlanStream:
             if k in self._plans:
                 return self._plans[k]
             raise RuntimeError(f"planning step {k} failed: {self._error!r}") from self._error
-
-    def release_before(self, k: int) -> None:
-        """The consumer is done with steps before k."""
-        with self._cond:
-            for j in [j for j in self._plans if j < k]:
-                del self._plans[j]
 
     def _run(self) -> None:
         try:
@@ -346,7 +347,7 @@ class _TaskSampler(Sampler):
 
     def __iter__(self) -> Iterator[_Task]:
         for k in range(self.start, self.end):
-            group = self.stream.get(k).group_of(self.rank)
+            group = self.stream.get(k, "sampler").group_of(self.rank)
             for mb in group.micro_batches:
                 yield _Task(self.epoch, k, mb, group.ranks, self.rank)
 
@@ -584,7 +585,7 @@ class DataCentricLoader:
         t_epoch = time.perf_counter()
         try:
             for k in range(start, len(steps)):
-                plan = stream.get(k)
+                plan = stream.get(k, "assembler")
                 if self.check_plans:
                     comm.check_equal(comm.digest(plan.to_json()), f"plan of epoch {epoch} step {k}")
                 group = plan.group_of(self.rank)
@@ -596,7 +597,6 @@ class DataCentricLoader:
                 log.debug("rank %d epoch %d step %d/%d: samples %s", self.rank, epoch, k, len(steps),
                           list(i for mb in group.micro_batches for i in mb.sample_ids))
                 yield Step(epoch, k, len(steps), self.rank, plan, batches)
-                stream.release_before(k + 1)
             log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
         finally:

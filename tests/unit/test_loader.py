@@ -294,3 +294,31 @@ def test_resume_with_other_settings_is_refused_or_replanned():
     steps = [list(loader) for loader in w2]
     one = list(make(ds, lens))[1:]
     assert [s.plan.sample_ids for s in steps[0]] == [s.plan.sample_ids for s in one]
+
+
+def test_rank_idle_for_several_steps_then_busy_again_does_not_hang():
+    """Regression: the DataLoader's sampler only moves on when this rank has a micro-batch,
+    so it lags behind the step assembler across idle steps; the plans it still needs must
+    not be dropped (they were, and the loader waited forever). Short samples run on one
+    rank, the 60001-token ones need both (SP=2 under 1 GiB)."""
+    import threading
+
+    lens = [100] * 12 + [60_001] * 3
+    ds = [torch.zeros(n, dtype=torch.long) for n in lens]
+    for lookahead, workers in [(0, 0), (1, 0), (3, 1)]:
+        got: dict[int, list] = {}
+
+        def run(r, lookahead=lookahead, workers=workers, got=got):
+            got[r] = walk(make(ds, lens, world=2, rank=r, memory_mib=1024, samples_per_step=1,
+                               lookahead=lookahead, num_workers=workers))
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(got) == [0, 1], f"lookahead={lookahead} workers={workers}: a rank hung"
+        pattern = ["".join("x" if s else "." for _, _, s in got[r]) for r in (0, 1)]
+        assert any("x.x" in p or "x..x" in p or "x...x" in p for p in pattern), pattern  # idle, then busy
+        ids = sorted(i for r in (0, 1) for _, _, s in got[r] for i in s)
+        assert sorted(set(ids)) == list(range(15))
