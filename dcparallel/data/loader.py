@@ -594,8 +594,8 @@ class DataCentricLoader:
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
                 self._step = k + 1
-                log.debug("rank %d epoch %d step %d/%d: samples %s", self.rank, epoch, k, len(steps),
-                          list(i for mb in group.micro_batches for i in mb.sample_ids))
+                log.debug("rank %d epoch %d step %d/%d group %s: samples %s", self.rank, epoch, k, len(steps),
+                          list(group.ranks), [i for mb in group.micro_batches for i in mb.sample_ids])
                 yield Step(epoch, k, len(steps), self.rank, plan, batches)
             log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)

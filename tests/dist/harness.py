@@ -41,14 +41,17 @@ def _worker(rank: int, world: int, init_file: str, commands, results) -> None:
 
 
 class Workers:
-    def __init__(self, world: int, tmp: Path):
+    """``daemon=False`` lets the workers start processes of their own (DataLoader workers);
+    `close` still joins or kills them."""
+
+    def __init__(self, world: int, tmp: Path, daemon: bool = True):
         self.world = world
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         init_file = str(tmp / "rendezvous")
         self.procs = [ctx.Process(target=_worker, args=(r, world, init_file, self.commands[r], self.results),
-                                  daemon=True) for r in range(world)]
+                                  daemon=daemon) for r in range(world)]
         for p in self.procs:
             p.start()
 

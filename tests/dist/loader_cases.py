@@ -1,0 +1,96 @@
+"""What the gloo workers run for the loader tests (module level so that spawn can pickle it).
+
+A real small dataset: arithmetic token sequences (learnable), 8-250 tokens, plus a few of
+500-600 tokens. Under the 2.5 MB budget per rank (analytic cost of the tiny reference LM)
+the dcp policy plans this epoch with SP=2 groups, steps of two SP=1 groups with different
+samples, and a step that leaves rank 1 idle; the test asserts that mix."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.data import DataCentricLoader
+from dcparallel.models.llama import per_token_loss
+from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.spec import ClusterSpec, llama_like
+from tests.dist.cases import groups
+from tests.support import NUM_HEADS, NUM_LAYERS, make_model
+
+VOCAB = 64
+TINY_SPEC = llama_like("tiny-llama", num_layers=NUM_LAYERS, hidden=32, num_heads=NUM_HEADS, ffn_hidden=48,
+                       vocab_size=VOCAB)
+MEMORY_BYTES = 2_500_000
+
+
+class ArithmeticTokens(torch.utils.data.Dataset):
+    """Sample i: tokens (a + j b) mod VOCAB, j < its length; a, b drawn from i."""
+
+    def __init__(self, num_samples: int, seed: int):
+        rng = random.Random(seed)
+        self.lengths = [rng.randint(500, 600) if i % 9 == 4 else rng.randint(8, 250) for i in range(num_samples)]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        rng = random.Random(i)
+        a, b = rng.randrange(VOCAB), rng.randint(1, 7)
+        return (a + torch.arange(self.lengths[i]) * b) % VOCAB
+
+
+def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: int) -> dict:
+    """One epoch of the dataset through DataCentricParallel with the loader's plans (plan
+    hashes compared across ranks every step); each rank logs the loader's lines to its own
+    file. Returns per step the loss, the global target count and this rank's work."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    handler = logging.FileHandler(Path(log_dir) / f"rank{rank}.log", mode="w")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("dcparallel.data")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        dataset = ArithmeticTokens(num_samples, seed)
+        cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
+                              intra_bw=300e9, intra_latency=1e-5)
+        loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                                   policy="dcp", tokens_per_step=1200, seed=seed, num_workers=num_workers,
+                                   check_plans=True)
+        model = make_model("llama")
+        dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+        opt = dc.optimizer(lr=1e-2)
+        steps = []
+        for step in loader:
+            for batch in step:
+                with dc.micro_batch(batch) as ctx:
+                    ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+                    ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+            loss = dc.sync_gradients()
+            opt.step()
+            steps.append({"index": step.index, "loss": loss, "count": dc.last_count,
+                          "step_samples": list(step.plan.sample_ids), "sp": [b.sp for b in step],
+                          "num_batches": len(step)})
+        return {"steps": steps, "lengths": dataset.lengths, "state": loader.state_dict()}
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+
+
+def case_plan_mismatch() -> str:
+    """Ranks built with different seeds: the debug plan check must stop them at step 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = ArithmeticTokens(12, 0)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
+                          intra_bw=300e9, intra_latency=1e-5)
+    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                               tokens_per_step=400, seed=rank, check_plans=True)
+    try:
+        next(iter(loader))
+    except RuntimeError as e:
+        return str(e)
+    return ""

@@ -1,0 +1,82 @@
+"""The loader on gloo (world 2): an epoch of a real small dataset through the reference LM
+and DataCentricParallel, coverage checked from each rank's own log file."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from dcparallel.models.llama import shift_labels
+from tests.dist import loader_cases
+from tests.dist.harness import Workers
+from tests.support import Data, make_model, reference
+
+pytestmark = pytest.mark.dist
+
+LINE = re.compile(r"rank (\d+) epoch (\d+) step (\d+)/(\d+) group \[([\d, ]+)\]: samples \[([\d, ]*)\]")
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    # not daemonic: the ranks start DataLoader worker processes of their own
+    w = Workers(2, tmp_path_factory.mktemp("rdv-loader"), daemon=False)
+    yield w
+    w.close()
+
+
+def test_epoch_through_the_reference_lm_covers_every_sample_once(workers, tmp_path):
+    num_samples = 40
+    out = workers.run(loader_cases.case_loader_epoch, str(tmp_path), num_samples, 3, 1)
+    lengths = out[0]["lengths"]
+
+    # coverage from the ranks' own logs: one line per step per rank, empty steps included
+    lines = {r: [LINE.search(x) for x in (tmp_path / f"rank{r}.log").read_text().splitlines()] for r in (0, 1)}
+    parsed = {r: [m for m in ms if m] for r, ms in lines.items()}
+    num_steps = len(out[0]["steps"])
+    holders: dict[int, list[int]] = {}
+    group_of: dict[int, tuple[int, ...]] = {}
+    for r in (0, 1):
+        assert [int(m[3]) for m in parsed[r]] == list(range(num_steps)), f"rank {r} did not log every step"
+        assert all(int(m[1]) == r and int(m[4]) == num_steps for m in parsed[r])
+        for m in parsed[r]:
+            group = tuple(int(x) for x in m[5].split(","))
+            for sid in (int(x) for x in m[6].split(",") if x.strip()):
+                holders.setdefault(sid, []).append(r)
+                assert group_of.setdefault(sid, group) == group
+        assert any("epoch 0 done" in x for x in (tmp_path / f"rank{r}.log").read_text().splitlines())
+    assert sorted(holders) == list(range(num_samples)), "a sample was dropped"
+    for sid, ranks in holders.items():
+        assert sorted(ranks) == list(group_of[sid]), f"sample {sid}: ranks {ranks} vs its group {group_of[sid]}"
+
+    # the step's normalizer: targets of its whole samples (n - 1 each, after the shift),
+    # summed once over the ranks although SP=2 samples are split between them
+    for k in range(num_steps):
+        s0, s1 = out[0]["steps"][k], out[1]["steps"][k]
+        assert s0["step_samples"] == s1["step_samples"]
+        expected = sum(lengths[i] - 1 for i in s0["step_samples"])
+        assert s0["count"] == s1["count"] == expected
+        assert s0["loss"] == s1["loss"] and math.isfinite(s0["loss"])
+    # what this epoch exercised: SP=2 groups, two SP=1 groups running different samples,
+    # a rank with no micro-batch that still joined the sync (its count above is global)
+    sps = {sp for r in (0, 1) for s in out[r]["steps"] for sp in s["sp"]}
+    assert sps == {1, 2}, f"the epoch should mix SP=1 and SP=2 micro-batches; saw {sps}"
+    assert any(len(set(group_of[i] for i in s["step_samples"])) == 2 for s in out[0]["steps"])
+    assert any(s["num_batches"] == 0 for r in (0, 1) for s in out[r]["steps"]), "no idle rank in any step"
+    assert out[0]["state"]["step"] == num_steps and out[0]["state"]["epoch"] == 0
+
+    # the first step's loss (same initial weights) equals a single process's mean loss over
+    # the step's samples, each run alone: collation (packing, positions, shifted labels,
+    # sharding) changed nothing. fp32 with sums reordered: see test_dist_runtime's note.
+    dataset = loader_cases.ArithmeticTokens(num_samples, 3)
+    first = out[0]["steps"][0]["step_samples"]
+    docs = {i: dataset[i] for i in first}
+    data = Data("llama", docs, {i: shift_labels(d) for i, d in docs.items()}, {}, {}, {})
+    ref_loss, _ = reference(make_model("llama"), data, first)
+    assert abs(out[0]["steps"][0]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
+
+
+def test_plan_check_stops_ranks_that_disagree(workers):
+    for msg in workers.run(loader_cases.case_plan_mismatch):
+        assert "plan of epoch 0 step 0 differs across ranks" in msg and "ranks [0]" in msg
