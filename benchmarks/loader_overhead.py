@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = form_steps(ds.lengths, seed=0, tokens_per_step=args.tokens_per_step)
     results: dict = {"config": vars(args), "num_steps": len(steps), "torch": torch.__version__,
                      "python": platform.python_version(), "machine": platform.machine(),
-                     "cpus": torch.get_num_threads()}
+                     "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     def dcp(**kw) -> DataCentricLoader:
         return DataCentricLoader(ds, ds.lengths, cost=cost, cluster=cluster, policy=args.policy,
@@ -131,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         planner.plan(s)
         plan_times.append(time.perf_counter() - t)
     results["plan"] = stats(plan_times)
-    mine = [sum(ds.lengths[i] for i in p.group_of(0).micro_batches and
-                [j for mb in p.group_of(0).micro_batches for j in mb.sample_ids]) // len(p.group_of(0).ranks)
-            for p in loader.plans(0)]
-    results["tokens_per_rank_step"]["dcparallel"] = statistics.fmean(mine)
+    loaded, held = [], []
+    for p in loader.plans(0):
+        group = p.group_of(0)
+        n = sum(ds.lengths[i] for mb in group.micro_batches for i in mb.sample_ids)
+        loaded.append(n)  # every rank of an SP group reads the whole samples, then keeps its shard
+        held.append(n / len(group.ranks))
+    results["tokens_per_rank_step"]["dcparallel_loaded"] = statistics.fmean(loaded)
+    results["tokens_per_rank_step"]["dcparallel_shard"] = statistics.fmean(held)
 
     rows = []
     for name, make in [

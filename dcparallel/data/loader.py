@@ -345,7 +345,7 @@ class _PlanStream:
             if self._thread is None:  # started lazily: after the DataLoader forked its workers
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            if k + 1 > self._demand:
+            if k not in self._plans and k + 1 > self._demand:
                 self._demand = k + 1
                 self._cond.notify_all()
             while k not in self._plans and self._error is None:
@@ -353,6 +353,14 @@ class _PlanStream:
             if k in self._plans:
                 return self._plans[k]
             raise RuntimeError(f"planning step {k} failed: {self._error!r}") from self._error
+
+    def ahead(self, k: int) -> None:
+        """Lets the thread plan up to step k - 1 + lookahead. Called as a step is handed to the
+        loop, so that planning runs while the loop computes, not while it waits for data."""
+        with self._cond:
+            if k > self._demand:
+                self._demand = k
+                self._cond.notify_all()
 
     def _run(self) -> None:
         try:
@@ -643,6 +651,8 @@ class DataCentricLoader:
                 self._step = k + 1
                 log.debug("rank %d epoch %d step %d/%d group %s: samples %s", self.rank, epoch, k, len(steps),
                           list(group.ranks), [i for mb in group.micro_batches for i in mb.sample_ids])
+                if self.lookahead:
+                    stream.ahead(k + 2)
                 yield Step(epoch, k, len(steps), self.rank, plan, batches)
             log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)

@@ -96,3 +96,19 @@ def test_long_sample_uses_sequence_parallelism_when_memory_requires():
     plan = make_planner("dcp", ctx, steps).plan(steps[0])
     long_mb = next(m for m in plan.micro_batches() if 0 in m.sample_ids)
     assert long_mb.layout.sp > 1
+
+
+def test_every_policy_plans_around_skipped_samples():
+    """Regression: a skipped sample used to size its bucket (the largest of the bucket), so
+    the bucket had no layout and every planner crashed (min() of nothing) — also for the
+    usable samples sharing that bucket. 5.0M and 4.3M tokens share a 1.25x bucket; only the
+    larger is oversize at 64 MiB."""
+    cl = cluster(2, 2, memory_mib=64)
+    w = Workload(TINY_LM, (100, 5_000_000, 200, 300))
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
+    assert [s[0] for s in ctx.skipped] == [1]
+    steps = form_steps(w.tokens, seed=0, samples_per_step=2, ids=ctx.usable_ids)
+    for name in ALL:
+        planner = make_planner(name, ctx, steps)
+        used = sorted(i for s in steps for mb in planner.plan(s).micro_batches() for i in mb.sample_ids)
+        assert used == [0, 2, 3], name
