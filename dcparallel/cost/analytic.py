@@ -209,6 +209,11 @@ class AnalyticCost:
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None):
+        if cluster.world_size > 1 and cluster.intra_bw <= 0 or cluster.num_nodes > 1 and cluster.inter_bw <= 0:
+            raise ValueError(
+                f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
+                f"inter_bw={cluster.inter_bw}); AnalyticCost needs both to price all-to-alls and the "
+                f"gradient all-reduce: use spec.h200_cluster(...) or set them in bytes/s")
         if calibration is None:
             calibration = fit_calibration("stdit-1.1b" if model.kind == "video" else "llama-7b")
         self.model, self.cluster, self.cal = model, cluster, calibration

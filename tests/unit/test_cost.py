@@ -145,3 +145,9 @@ def test_profile_with_only_full_recompute_feasible():
     assert mb_memory(c, [4000], Layout(1, 1)) == float("inf")
     assert mb_memory(c, [4000], Layout(1, 1, Recompute(L, L))) == pytest.approx(1000 + 40000)
     assert c.terms([4000], 1).cheapest_recompute(1e9) == Recompute(L, L)
+
+
+def test_analytic_cost_needs_link_speeds():
+    with pytest.raises(ValueError, match="no link bandwidth"):
+        AnalyticCost(LLAMA_7B, ClusterSpec(world_size=16, gpus_per_node=8))
+    AnalyticCost(LLAMA_7B, ClusterSpec(world_size=1, gpus_per_node=1))  # one GPU: nothing to price
