@@ -16,8 +16,20 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
                    "time_s": 0.12 | null,           # fwd + bwd of the whole model (extrapolated)
                    "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
                                                     # states excluded (extrapolated)
-                   "feasible": true}]               # false: ran out of memory
+                   "feasible": true}],              # false: ran out of memory
+      "unfit_buckets": ["t65536"]       # optional: buckets with no feasible layout at all
     }
+
+Optional fields (written by `dcparallel.profile`, ignored by older readers, absent = none):
+an entry may carry ``ranks`` (the SP group that measured it), ``measured`` (``depths``,
+``time_s``, ``memory_bytes``: the short stacks it was extrapolated from), ``validation``
+(``time_s``, ``memory_bytes`` measured at full depth), ``reason`` ("oom": a short stack ran
+out of memory; "over_budget": the extrapolation does not fit the memory budget) and
+``error`` (the out-of-memory message). ``unfit_buckets`` lists buckets that fit no layout.
+
+An infeasible entry at one sample (``mbs`` 1) marks that SP degree and recompute mode as
+not fitting samples of that bucket's size or larger; a sample that fits no mode at an SP
+degree gets infinite memory there (the planner then reports it instead of planning it).
 
 `recompute` names apply to all layers ("attn": every layer's attention sub-block). A
 micro-batch's partial counts interpolate linearly between them. A micro-batch of n samples
@@ -31,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -53,16 +65,22 @@ class Profile:
     grad_sync_s: float
     buckets: list[dict]
     entries: list[dict]
+    unfit_buckets: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
         return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
                 "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
-                "buckets": self.buckets, "entries": self.entries}
+                "buckets": self.buckets, "entries": self.entries, "unfit_buckets": self.unfit_buckets}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Writes the JSON atomically (a reader never sees half a file)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(p)
 
     @staticmethod
     def from_json(d: dict, source: str = "profile") -> Profile:
@@ -83,7 +101,8 @@ class Profile:
             return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
                            world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
                            model_state_bytes=float(d["model_state_bytes"]),
-                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries)
+                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
+                           unfit_buckets=[str(k) for k in d.get("unfit_buckets", [])])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 
@@ -105,8 +124,13 @@ class ProfiledCost:
         # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
         self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
         tokens = {b["key"]: int(b["tokens"]) for b in profile.buckets}
+        #: (sp, mode) -> the fewest tokens at which one sample did not fit
+        self._unfit: dict[tuple[int, str], int] = {}
         for e in profile.entries:
             if not e.get("feasible", True) or e.get("time_s") is None or e.get("memory_bytes") is None:
+                if int(e["mbs"]) == 1:
+                    k = (int(e["sp"]), e["recompute"])
+                    self._unfit[k] = min(self._unfit.get(k, tokens[e["bucket"]]), tokens[e["bucket"]])
                 continue
             self._points.setdefault((e["bucket"], int(e["sp"]), e["recompute"]), []).append(
                 (int(e["mbs"]), float(e["time_s"]), float(e["memory_bytes"])))
@@ -117,7 +141,8 @@ class ProfiledCost:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
         for v in self._by_tokens.values():
             v.sort()
-        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"})
+        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
+                               | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
 
     def grad_sync_time(self) -> float:
@@ -176,6 +201,8 @@ class ProfiledCost:
         n = len(toks)
         tot: dict[str, list[float]] = {}
         for mode in MODES:
+            if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
+                continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]
             for tk in toks:
                 v = self._per_sample(tk, sp, mode, n)
@@ -186,6 +213,14 @@ class ProfiledCost:
                 acc[1] += v[1]
             if acc is not None:
                 tot[mode] = acc
+        if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
+            # measured at this SP degree, and no mode fits: infinite memory, never planned
+            out = MicroBatchTerms(
+                num_layers=self.model.num_layers, time_none=float("inf"), dt_attn=0.0, dt_mlp=0.0, dt_full=0.0,
+                fixed_bytes=float("inf"), act_layer=0.0, save_attn=0.0, save_mlp=0.0, save_full=0.0,
+                transient_none=0.0, transient_rec=0.0, keep_all_feasible=False)
+            self._cache[key] = out
+            return out
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
