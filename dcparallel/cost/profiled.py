@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
@@ -199,18 +200,19 @@ class ProfiledCost:
         if hit is not None:
             return hit
         n = len(toks)
+        counts = Counter(toks)
         tot: dict[str, list[float]] = {}
         for mode in MODES:
             if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
                 continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]
-            for tk in toks:
+            for tk, count in counts.items():  # equal sizes once: copies of one size cost O(1)
                 v = self._per_sample(tk, sp, mode, n)
                 if v is None:
                     acc = None
                     break
-                acc[0] += v[0]
-                acc[1] += v[1]
+                acc[0] += count * v[0]
+                acc[1] += count * v[1]
             if acc is not None:
                 tot[mode] = acc
         if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):

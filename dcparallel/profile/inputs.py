@@ -114,8 +114,8 @@ def model_spec(model: nn.Module, layers: Sequence[nn.Module], *, name: str, kind
         raise ValueError(f"{len(layers)} layers do not split into units of {layers_per_unit}; "
                          f"pass a layers_per_unit that divides the number of layers")
     unit = list(layers[:layers_per_unit])
-    attn = _count([getattr(b, "attn_block") for b in unit if hasattr(b, "attn_block")])
-    mlp = _count([getattr(b, "mlp_block") for b in unit if hasattr(b, "mlp_block")])
+    attn = _count([b.attn_block for b in unit if hasattr(b, "attn_block")])
+    mlp = _count([b.mlp_block for b in unit if hasattr(b, "mlp_block")])
     other = _count(unit) - attn - mlp
     num_units = len(layers) // layers_per_unit
     total = sum(p.numel() for p in model.parameters())
