@@ -23,20 +23,10 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
 Optional fields (written by `dcparallel.profile`, ignored by older readers, absent = none):
 an entry may carry ``ranks`` (the SP group that measured it), ``measured`` (``depths``,
 ``time_s``, ``memory_bytes``: the short stacks it was extrapolated from), ``validation``
-(``time_s``, ``memory_bytes`` measured at full depth), ``reason`` ("oom": a short stack ran
-out of memory; "over_budget": the extrapolation does not fit the memory budget) and
-``error`` (the out-of-memory message). ``unfit_buckets`` lists buckets that fit no layout.
-
-An infeasible entry at one sample (``mbs`` 1) marks that SP degree and recompute mode as
-not fitting samples of that bucket's size or larger; a sample that fits no mode at an SP
-degree gets infinite memory there (the planner then reports it instead of planning it).
-
-`recompute` names apply to all layers ("attn": every layer's attention sub-block). A
-micro-batch's partial counts interpolate linearly between them. A micro-batch of n samples
-of one bucket uses that bucket's measurement at n (piecewise linear in n, proportional
-beyond the largest measured n); samples between buckets are interpolated in tokens from
-the two nearest buckets; each sample contributes time and memory per sample at the
-micro-batch's size.
+(``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran out of
+memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
+extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
+``unfit_buckets`` lists buckets that fit no layout.
 """
 
 from __future__ import annotations

@@ -144,6 +144,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
             if summary["unfit_buckets"]:
                 print(f"buckets that fit no layout: {summary['unfit_buckets']}")
             for row in summary["validation"]:
+                if "error" in row:
+                    print(f"  validate {row['bucket']} sp={row['sp']} mbs={row['mbs']} {row['recompute']:4s}: "
+                          f"full depth did not run ({row['error']})")
+                    continue
                 print(f"  validate {row['bucket']} sp={row['sp']} mbs={row['mbs']} {row['recompute']:4s}: "
                       f"time {row['predicted_time_s']:.4f} s predicted vs {row['full_depth_time_s']:.4f} s "
                       f"({100 * row['time_error']:.1f}%), memory {100 * row['memory_error']:.2f}%")

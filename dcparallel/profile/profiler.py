@@ -245,32 +245,68 @@ class Profiler:
                                "(saved-tensor accounting) cannot measure this model")
         return float(meter.bytes)
 
-    def _measure(self, size: Size, ranks: tuple[int, ...], mbs: int, mode: str, depths: Sequence[int]) -> dict:
-        """This rank's medians per depth (in units) of one layout, or its out-of-memory."""
+    def _measure(self, size: Size, ranks: tuple[int, ...], mbs: int, mode: str, depths: Sequence[int],
+                 full_depth: int | None = None) -> dict:
+        """This rank's medians per depth (in units) of one layout, or its out-of-memory.
+
+        Memory first (one run per depth, also the first warm-up); the group agrees whether
+        every rank fitted before anything is timed, so all its ranks run the same collectives.
+        ``full_depth`` (validation) is tried after the short stacks: if only it runs out of
+        memory the layout keeps its short-stack measurement and the validation is skipped."""
         cfg = self.config
+        group = self.engine.groups.group(ranks)
         layout = Layout(len(ranks), mbs, _recompute(mode, len(self.layers)))
         state = self.model_state_bytes()
+        inputs = None
+        mem: dict[int, float] = {}
         out: dict = {"ok": True}
+
+        def attempt(ds: Sequence[int]) -> str | None:
+            try:
+                for d in ds:
+                    with active_depth(self.layers, d * self.unit):
+                        mem[d] = self._memory_run(inputs, state)
+                return None
+            except torch.OutOfMemoryError as exc:
+                return str(exc).splitlines()[0][:200] if str(exc) else "out of memory"
+            finally:
+                self.engine.zero_grad()
+                free_memory(self.device)
+
+        def agreed(err: str | None) -> str | None:
+            errs = comm.all_gather_object(err, group)
+            return next((e for e in errs if e), None)
+
         try:
             inputs = self.make_inputs(size, layout, ranks, self.rank)
-            mem, times = {}, {d: [] for d in depths}
-            for d in depths:
-                with active_depth(self.layers, d * self.unit):
-                    mem[d] = self._memory_run(inputs, state)
-                    for _ in range(cfg.warmup - 1):
-                        self._run(inputs)
-            for _ in range(cfg.repeats):
+            err = agreed(attempt(depths))
+            if err:
+                return {"ok": False, "error": err}
+            depths = list(depths)
+            if full_depth is not None:
+                err = agreed(attempt([full_depth]))
+                if err:
+                    out["validation_error"] = err
+                else:
+                    depths.append(full_depth)
+            times: dict[int, list[float]] = {d: [] for d in depths}
+            try:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit):
-                        times[d].append(self.timer.time(lambda: self._run(inputs)))
+                        for _ in range(cfg.warmup - 1):
+                            self._run(inputs)
+                for _ in range(cfg.repeats):
+                    for d in depths:
+                        with active_depth(self.layers, d * self.unit):
+                            times[d].append(self.timer.time(lambda: self._run(inputs)))
+            except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
+                return {"ok": False, "error": str(exc).splitlines()[0][:200]}
             out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths})
-        except torch.OutOfMemoryError as exc:
-            out = {"ok": False, "error": str(exc).splitlines()[0][:200]}
+            return out
         finally:
             inputs = None
             self.engine.zero_grad()
             free_memory(self.device)
-        return out
 
     # ------------------------------------------------------------------ the whole profile
 
@@ -323,10 +359,10 @@ class Profiler:
             for mode in cfg.modes:
                 mbs, best = 1, 0.0
                 while True:
-                    full = mbs == 1 and (b["key"], sp, mode) in validate
-                    depths = [d1, d2] + ([L] if full and L > d2 else [])
-                    mine = self._measure(size, ranks, mbs, mode, depths)
+                    full = mbs == 1 and (b["key"], sp, mode) in validate and L > d2
+                    mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
                     res = comm.all_gather_object(mine, group)
+                    depths = [d for d in res[0].get("time", {})] if all(r["ok"] for r in res) else []
                     entry = {"bucket": b["key"], "sp": sp, "mbs": mbs, "recompute": mode, "ranks": list(ranks)}
                     if not all(r["ok"] for r in res):
                         entry.update(time_s=None, memory_bytes=None, feasible=False, reason="oom",
@@ -349,6 +385,8 @@ class Profiler:
                         entry["reason"] = "over_budget"
                     if L in t and L > d2:
                         entry["validation"] = {"time_s": t[L], "memory_bytes": m[L]}
+                    elif res[0].get("validation_error"):
+                        entry["validation"] = {"error": res[0]["validation_error"]}
                     local.append(entry)
                     if not fits:
                         break
@@ -382,7 +420,10 @@ class Profiler:
                              unfit_buckets=unfit, slopes_clamped=clamped)
         for e in entries:
             v = e.get("validation")
-            if v:
+            if v and "error" in v:
+                stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
+                                         "recompute": e["recompute"], "error": v["error"]})
+            elif v:
                 te = abs(e["time_s"] - v["time_s"]) / v["time_s"]
                 me = abs(e["memory_bytes"] - v["memory_bytes"]) / v["memory_bytes"]
                 stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
@@ -390,9 +431,10 @@ class Profiler:
                                          "predicted_time_s": e["time_s"], "full_depth_time_s": v["time_s"],
                                          "predicted_memory_bytes": e["memory_bytes"],
                                          "full_depth_memory_bytes": v["memory_bytes"]})
-        if stats.validation:
-            stats.time_error = max(v["time_error"] for v in stats.validation)
-            stats.memory_error = max(v["memory_error"] for v in stats.validation)
+        checked = [v for v in stats.validation if "error" not in v]
+        if checked:
+            stats.time_error = max(v["time_error"] for v in checked)
+            stats.memory_error = max(v["memory_error"] for v in checked)
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,

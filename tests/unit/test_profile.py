@@ -169,6 +169,20 @@ def test_fake_memory_limit_marks_layouts_infeasible_and_reports_unfit_buckets(ca
         PlanContext(Workload(p.model, (64, 5000)), cost, cluster)
 
 
+def test_full_depth_validation_out_of_memory_keeps_the_short_stack_measurement():
+    free = make_profiler(modes=("none",), max_mbs=1)
+    p0, _ = free.run([64])
+    m1, m2 = p0.entries[0]["measured"]["memory_bytes"]
+    limit = free.model_state_bytes() + (m2 + p0.entries[0]["memory_bytes"]) / 2  # 2 layers fit, 3 do not
+    prof = make_profiler(modes=("none",), max_mbs=1, memory_limit=limit, validate=True)
+    p, stats = prof.run([64])
+    (e,) = p.entries
+    assert e["measured"]["memory_bytes"] == [m1, m2] and e["time_s"] > 0
+    assert e["reason"] == "over_budget" and not e["feasible"]  # the extrapolation says it too
+    assert "fake memory limit" in e["validation"]["error"]
+    assert stats.validation[0]["error"] == e["validation"]["error"] and stats.time_error is None
+
+
 def test_limit_below_model_states_fits_nothing():
     prof = make_profiler(modes=("full",), memory_limit=1000.0)
     p, stats = prof.run([16])
