@@ -70,14 +70,16 @@ def report(results: list[dict], meta: dict) -> str:
     if meta.get("dry_run"):
         lines += ["**DRY RUN on CPU** (tiny models, tiny buckets): checks the script only; the numbers "
                   "are not a device measurement.", ""]
-    lines += ["| model | blocks | layers (units) | layouts | infeasible | unfit buckets | seconds | time_error | memory_error |",
+    lines += ["| model | blocks | layers (units) | layouts | infeasible | unfit buckets | seconds | time_error "
+              "| memory_error |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['num_layers']} | | failed: {r['error'][:80]} | | | | | |")
             continue
         s = r["summary"]
-        lines.append(f"| {r['model']} | {r['num_layers']} | {s['num_layers']} | {s['layouts_measured']} | {s['layouts_infeasible']} | "
+        lines.append(f"| {r['model']} | {r['num_layers']} | {s['num_layers']} | {s['layouts_measured']} | "
+                     f"{s['layouts_infeasible']} | "
                      f"{', '.join(s['unfit_buckets']) or '-'} | {s['seconds']} | {s['time_error']} | "
                      f"{s['memory_error']} |")
     lines += ["", "Validated layouts (predicted = extrapolated from 1 and 2 layers):", "",
