@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per depth first (default 1)")
     p.add_argument("--max-mbs", type=int, default=64, help="largest micro-batch size tried (default 64)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="stop doubling the micro-batch past this many tokens (default: 4096 on cpu, none on cuda)")
+                   help="stop doubling the micro-batch past this many tokens (default: 2048 on cpu, none on cuda)")
     p.add_argument("--modes", default="none,attn,mlp,full", help="recompute modes (default all four)")
     p.add_argument("--memory-limit", default=None,
                    help="memory per rank for model states + activations, e.g. 512MiB (CPU: a fake allocator "
@@ -95,7 +95,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     sizes = parse_buckets(args.buckets) if args.buckets else list(preset.buckets)
     built = preset.build(dev, dtype, args.num_layers)
     cfg = ProfilerConfig(depth=args.depth, warmup=args.warmup, repeats=args.repeats, max_mbs=args.max_mbs,
-                         max_tokens=args.max_tokens or (4096 if device == "cpu" else None),
+                         max_tokens=args.max_tokens or (2048 if device == "cpu" else None),
                          memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
                          modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                          validate=args.validate, progress=not args.quiet)

@@ -24,6 +24,7 @@ timed is what training runs: the engine's SP groups, recompute wrappers and grad
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
@@ -290,6 +291,8 @@ class Profiler:
                 else:
                     depths.append(full_depth)
             times: dict[int, list[float]] = {d: [] for d in depths}
+            gc.collect()
+            gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit):
@@ -301,6 +304,8 @@ class Profiler:
                             times[d].append(self.timer.time(lambda: self._run(inputs)))
             except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
                 return {"ok": False, "error": str(exc).splitlines()[0][:200]}
+            finally:
+                gc.enable()
             out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths})
             return out
         finally:
