@@ -261,6 +261,7 @@ class Profiler:
         inputs = None
         mem: dict[int, float] = {}
         out: dict = {"ok": True}
+        oom = [False]  # free memory (a full collection: ~0.1 s) only after an out-of-memory
 
         def attempt(ds: Sequence[int]) -> str | None:
             try:
@@ -269,10 +270,10 @@ class Profiler:
                         mem[d] = self._memory_run(inputs, state)
                 return None
             except torch.OutOfMemoryError as exc:
+                oom[0] = True
                 return str(exc).splitlines()[0][:200] if str(exc) else "out of memory"
             finally:
                 self.engine.zero_grad()
-                free_memory(self.device)
 
         def agreed(err: str | None) -> str | None:
             errs = comm.all_gather_object(err, group)
@@ -291,7 +292,6 @@ class Profiler:
                 else:
                     depths.append(full_depth)
             times: dict[int, list[float]] = {d: [] for d in depths}
-            gc.collect()
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
                 for d in depths:
@@ -303,6 +303,7 @@ class Profiler:
                         with active_depth(self.layers, d * self.unit):
                             times[d].append(self.timer.time(lambda: self._run(inputs)))
             except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
+                oom[0] = True
                 return {"ok": False, "error": str(exc).splitlines()[0][:200]}
             finally:
                 gc.enable()
@@ -311,7 +312,8 @@ class Profiler:
         finally:
             inputs = None
             self.engine.zero_grad()
-            free_memory(self.device)
+            if oom[0]:
+                free_memory(self.device)
 
     # ------------------------------------------------------------------ the whole profile
 
