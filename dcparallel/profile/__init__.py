@@ -5,7 +5,7 @@ versioned `Profile` keyed by a fingerprint."""
 from dcparallel.profile.cache import check_cached, fingerprint_diff, load_or_profile
 from dcparallel.profile.inputs import Inputs, MakeInputs, model_spec, text_inputs, video_inputs
 from dcparallel.profile.measure import SavedTensorMeter, active_depth, extrapolate
-from dcparallel.profile.profiler import Profiler, ProfilerConfig, ProfileStats
+from dcparallel.profile.profiler import Profiler, ProfilerConfig, ProfileStats, representative_sizes
 
 __all__ = [
     "Inputs",
@@ -20,6 +20,7 @@ __all__ = [
     "fingerprint_diff",
     "load_or_profile",
     "model_spec",
+    "representative_sizes",
     "text_inputs",
     "video_inputs",
 ]

@@ -6,6 +6,11 @@ else (fingerprint: model structure and parameter count, dtype, device, world siz
 version, memory budget, method) or lacking a bucket the dataset needs, all ranks profile
 together and rank 0 writes the new file. The reason is logged, never raised from deep
 inside the planner.
+
+    profiler = Profiler(model, model.layers, text_inputs(model, device), spec=spec, engine=dc)
+    sizes = representative_sizes(spec, dataset_lengths)   # the largest sample per cost class
+    profile, _ = load_or_profile("profiles/llama.json", profiler, sizes)
+    cost = ProfiledCost(profile, cluster)
 """
 
 from __future__ import annotations

@@ -48,7 +48,16 @@ from dcparallel.profile.measure import (
 )
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import DataCentricParallel
-from dcparallel.spec import ClusterSpec, Layout, ModelSpec, Recompute, Size, check_size, group_sizes
+from dcparallel.spec import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    Recompute,
+    Size,
+    bucket_key,
+    check_size,
+    group_sizes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +113,22 @@ def bucket_entry(spec: ModelSpec, size: Size) -> dict:
     size = check_size(size)
     key = f"t{size}" if isinstance(size, int) else "v" + "x".join(map(str, size))
     return {"key": key, "size": list(size) if isinstance(size, tuple) else size, "tokens": spec.tokens(size)}
+
+
+def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 2.0) -> list[Size]:
+    """The sizes to profile for a dataset: its samples grouped into cost classes `ratio` apart
+    (`spec.bucket_key`; text: token ranges x2 apart by default, coarser than the planner's
+    x1.25 since `ProfiledCost` interpolates in tokens between buckets) and the largest sample
+    of each class, so a layout measured for a bucket fits all of its samples. Sorted by tokens."""
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1 (e.g. 2.0 for token ranges x2 apart); got {ratio}")
+    best: dict[tuple[int, int], Size] = {}
+    for s in sizes:
+        s = check_size(s)
+        k = bucket_key(spec, s, ratio)
+        if k not in best or spec.tokens(s) > spec.tokens(best[k]):
+            best[k] = s
+    return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
 
 
 def device_name(device: torch.device) -> str:

@@ -29,6 +29,7 @@ from dcparallel.profile import (
     extrapolate,
     load_or_profile,
     model_spec,
+    representative_sizes,
     text_inputs,
 )
 from dcparallel.profile.presets import PRESETS, parse_buckets
@@ -329,3 +330,13 @@ def test_loss_helper_matches_the_model():
     assert b.cu_seqlens == (0, 20, 40) and b.inputs.shape == (1, 40) and int(b.loss_mask.sum()) == 38
     ptl, mask = per_token_loss(model(b.inputs, b.positions), b.labels)
     assert torch.isfinite(ptl[mask]).all()
+
+
+def test_representative_sizes_take_the_largest_sample_of_each_class():
+    spec = make_profiler().spec
+    sizes = [100, 120, 127, 128, 200, 255, 1000, 16]
+    # classes x2 apart: [64, 128) -> 127, [128, 256) -> 255, [512, 1024) -> 1000, [16, 32) -> 16
+    assert representative_sizes(spec, sizes) == [16, 127, 255, 1000]
+    assert representative_sizes(spec, sizes, ratio=4.0) == [16, 255, 1000]
+    with pytest.raises(ValueError, match="ratio must be > 1.*got 1.0"):
+        representative_sizes(spec, sizes, ratio=1.0)
