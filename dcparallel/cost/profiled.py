@@ -223,15 +223,18 @@ class ProfiledCost:
             t_full, m_full = tot["full"]
             t_none, m_none = t_full, m_full
 
+        # Recomputation adds work: a measured recompute faster than keeping everything is
+        # timing noise, and taken at face value it would let a planner beat the lower bound
+        # (which assumes recompute costs time). Such deltas count as zero.
         def delta(mode: str) -> tuple[float, float]:
             if mode not in tot or "none" not in tot:
                 return 0.0, 0.0  # not measured: an option that saves nothing, never chosen
-            return (tot[mode][0] - t_none) / L, (m_none - tot[mode][1]) / L
+            return max(0.0, (tot[mode][0] - t_none) / L), (m_none - tot[mode][1]) / L
 
         dta, sva = delta("attn")
         dtm, svm = delta("mlp")
         out = MicroBatchTerms(
-            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=(t_full - t_none) / L,
+            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=max(0.0, (t_full - t_none) / L),
             fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
