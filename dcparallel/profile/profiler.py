@@ -20,6 +20,11 @@ feasible layout at any SP degree is listed in the profile's ``unfit_buckets``.
 
 Runs happen through the training engine (`DataCentricParallel.micro_batch`), so what is
 timed is what training runs: the engine's SP groups, recompute wrappers and gradient hooks.
+
+Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
+(it does for the fake limit: the ranks of a group hold equal shards); a device that fails on
+one rank only leaves the others waiting in an all-to-all until the collective timeout. Any
+other error stops the profile.
 """
 
 from __future__ import annotations
@@ -175,6 +180,12 @@ class Profiler:
         if not 2 <= self.config.depth <= spec.num_layers:
             raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
                              f"layers (stacks of depth-1 and depth layers are measured)")
+        c = self.config
+        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1)):
+            if value < low:
+                raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
+        if c.min_gain < 0:
+            raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {c.min_gain}")
         bad = [m for m in self.config.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown recompute modes {bad}; use some of {list(MODES)}")

@@ -184,6 +184,17 @@ def test_full_depth_validation_out_of_memory_keeps_the_short_stack_measurement()
     assert stats.validation[0]["error"] == e["validation"]["error"] and stats.time_error is None
 
 
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="repeats must be >= 1; got 0"):
+        make_profiler(repeats=0)
+    with pytest.raises(ValueError, match=r"unknown recompute modes \['some'\]"):
+        make_profiler(modes=("none", "some"))
+    with pytest.raises(ValueError, match="depth 4 must be between 2 and the model's 3 layers"):
+        make_profiler(depth=4)
+    with pytest.raises(ValueError, match="bucket sizes repeat"):
+        make_profiler().run([16, 16])
+
+
 def test_limit_below_model_states_fits_nothing():
     prof = make_profiler(modes=("full",), memory_limit=1000.0)
     p, stats = prof.run([16])
