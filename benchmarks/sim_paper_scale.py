@@ -19,12 +19,32 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcparallel.cli import simulate_json
-from dcparallel.cost.analytic import fit_report
-from dcparallel.plan.policies import ALL
-from dcparallel.scenarios import ALPHA, DEFAULT_SEED, DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS
+from dcparallel.cost.analytic import AnalyticCost, fit_report
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import ALL, make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.report.plots import plot_speedups, plot_timelines
+from dcparallel.scenarios import ALPHA, DEFAULT_SEED, DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.sim.replay import simulate
+from dcparallel.spec import Workload
 
 # DCP v1 (32 H100, Open-Sora 1.1B) speedups over bucket parallel, as published
 PUBLISHED = {"short": (1.55, 2.12, 2.48), "balanced": (1.23, 1.68, 1.78), "long": (1.07, 1.27, 1.28)}
+
+
+def _timeline(world: int, path: Path) -> Path:
+    """Per-rank timelines of the first steps of video / short under bucket and dcp."""
+    sc = SCENARIOS["video"]
+    cluster = sc.cluster(world, 8)
+    workload = Workload(sc.model, tuple(sample_sizes("video", "short", seed=DEFAULT_SEED)))
+    ctx = PlanContext(workload, AnalyticCost(sc.model, cluster), cluster)
+    steps = form_steps(workload.tokens, seed=DEFAULT_SEED, tokens_per_step=sc.tokens_per_step)
+    timelines = {}
+    for name in ("bucket", "dcp"):
+        planner = make_planner(name, ctx, steps)
+        sim = simulate([planner.plan(s) for s in steps[:4]], ctx)
+        timelines[name] = {r: sim.rank_timeline(r) for r in range(world)}
+    return plot_timelines(timelines, path, title=f"video / short on {world} x H200, first 4 steps (simulated)")
 
 
 def main() -> int:
@@ -42,6 +62,8 @@ def main() -> int:
         results.append(simulate_json(ns, ALL, progress=False))
     elapsed = time.perf_counter() - t0
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    bars = plot_speedups(results, args.out.with_suffix(".png"))
+    timeline = _timeline(args.world, args.out.with_name(args.out.stem + "_timeline.png"))
 
     lines = [f"# Paper-scale simulation — {args.world} × H200 (analytic cost model) — {today}", ""]
     lines += [
@@ -61,6 +83,8 @@ def main() -> int:
         f"(32 layers, hidden 4096, 32 heads, causal), {SCENARIOS['text'].tokens_per_step:,} tokens per step.",
         "",
         "## Speedup over the tuned bucket baseline (epoch time of `bucket` / epoch time of the policy)",
+        "",
+        f"![speedups]({bars.name})",
         "",
         "| scenario | distribution | tokens in samples > 64k | bucket (tuned) | bucket-default | packed | "
         "dcp-intra | dcp-inter | dcp-inter-pac | published intra / inter / inter+PAC |",
@@ -92,6 +116,10 @@ def main() -> int:
             lines += ["", "Bucket tuning (simulated seconds on the tuning steps, relative to the best): " +
                       ", ".join(f"{k} {v / best:.2f}" for k, v in sorted(tried.items(), key=lambda kv: kv[1]))]
         lines.append("")
+    lines += ["## Where the time goes: the first steps of video / short, per rank", "",
+              f"![timeline]({timeline.name})", "",
+              "Simulated busy / idle / gradient-sync spans of every rank for the first four steps; "
+              "each panel is on the same time axis.", ""]
     lines += ["## Cost-model fit (H200 calibration rows)", "",
               "| calibration | rows | time error mean | time error max | floor ms | lin ns/token | "
               "attn ps/pair | phi attn | phi mlp | act bytes/token/layer |",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, Union
+from typing import Literal, Union
 
 #: A sample's size as known before loading: a token count (text) or a video shape
 #: ``(frames, height, width)`` in pixels, turned into tokens by `ModelSpec.tokens`.
@@ -17,10 +17,6 @@ Size = Union[int, tuple[int, int, int]]
 AttentionPattern = Literal["causal", "full", "factorized"]
 
 GiB = 1024**3
-
-
-def is_video(size: Size) -> bool:
-    return isinstance(size, tuple)
 
 
 def check_size(size: Size, index: int | None = None) -> Size:
@@ -308,7 +304,3 @@ def bucket_key(model: ModelSpec, size: Size, ratio: float = 1.25) -> tuple[int, 
         return 0, int(math.floor(math.log(max(s, 1)) / math.log(ratio) + 1e-9))
     lr = math.log(ratio)
     return int(math.floor(math.log(t) / lr + 1e-9)), int(math.floor(math.log(s) / lr + 1e-9))
-
-
-def sizes_tokens(model: ModelSpec, sizes: Sequence[Size]) -> int:
-    return sum(model.tokens(s) for s in sizes)

@@ -212,10 +212,6 @@ def static_recompute(mode: RecomputeMode, num_layers: int) -> Recompute:
     return table[mode]
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[float]]:
     """Longest-processing-time-first assignment of items to bins; returns item indices per
     bin (in the items' original order) and bin loads."""

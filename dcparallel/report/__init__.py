@@ -1,0 +1,1 @@
+"""Reports: plots of per-rank timelines and speedups (matplotlib, headless)."""

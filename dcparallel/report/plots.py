@@ -1,0 +1,98 @@
+"""Plots people look at instead of reading tables.
+
+`plot_timelines`: one panel per policy, one row per rank, time on x: busy micro-batches,
+idle waiting for the slowest group, and the gradient sync, step after step, all panels on
+one time axis so a faster policy is visibly shorter. `plot_speedups`: grouped bars of each
+policy's speedup over the tuned bucket baseline per scenario and distribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+#: (start s, end s, "busy" | "idle" | "sync") spans of one rank, as SimResult.rank_timeline gives
+Span = tuple[float, float, str]
+
+COLORS = {"busy": "#2f7ed8", "idle": "#f15c80", "sync": "#434348"}
+
+
+def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: str | Path,
+                   title: str = "", max_seconds: float | None = None) -> Path:
+    """Writes a PNG with one panel per policy (e.g. {"bucket": {0: spans, 1: spans}, ...})."""
+    if not timelines:
+        raise ValueError("no timelines to plot")
+    names = list(timelines)
+    end = max((s[1] for tl in timelines.values() for spans in tl.values() for s in spans), default=1.0)
+    end = max_seconds or end
+    num_ranks = max(len(tl) for tl in timelines.values())
+    fig_h = 1.0 + sum(0.35 * len(timelines[n]) + 0.6 for n in names)
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, fig_h), squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names):
+        tl = timelines[name]
+        busy_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "busy")
+        idle_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "idle")
+        run_end = max((s[1] for spans in tl.values() for s in spans), default=0.0)
+        for row, rank in enumerate(sorted(tl)):
+            for kind in ("busy", "idle", "sync"):
+                bars = [(a, b - a) for a, b, k in tl[rank] if k == kind and b > a]
+                if bars:
+                    ax.broken_barh(bars, (row - 0.38, 0.76), facecolors=COLORS[kind],
+                                   edgecolor="white" if kind == "busy" else "none", linewidth=0.3)
+        ax.set_yticks(range(len(tl)))
+        ax.set_yticklabels([f"rank {r}" for r in sorted(tl)])
+        ax.set_ylim(-0.6, len(tl) - 0.4)
+        ax.invert_yaxis()
+        share = idle_total / (busy_total + idle_total) if busy_total + idle_total else 0.0
+        ax.set_title(f"{name}: {run_end:.1f} s, ranks idle {100 * share:.0f}% of compute time", loc="left",
+                     fontsize=10)
+        ax.set_xlim(0, end * 1.01)
+    axes[-1, 0].set_xlabel("seconds")
+    handles = [Patch(color=COLORS[k], label=k if k != "idle" else "idle (waiting for the slowest group)")
+               for k in ("busy", "idle", "sync")]
+    fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=9)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96 if title else 0.97))
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    assert num_ranks > 0
+    return out
+
+
+def plot_speedups(simulated: Sequence[dict], path: str | Path, policies: Sequence[str] | None = None,
+                  title: str = "Speedup over the tuned bucket baseline (simulated)") -> Path:
+    """Grouped bars from `simulate --json` objects (each with "speedup_vs_bucket")."""
+    if not simulated:
+        raise ValueError("no simulation results to plot")
+    policies = list(policies or simulated[0]["speedup_vs_bucket"])
+    labels = [f"{r['scenario']}\n{r['distribution']}" for r in simulated]
+    width = 0.8 / len(policies)
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(simulated)), 4.5))
+    cmap = plt.get_cmap("tab10")
+    for j, p in enumerate(policies):
+        xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(simulated))]
+        ys = [r["speedup_vs_bucket"].get(p, 0.0) for r in simulated]
+        bars = ax.bar(xs, ys, width, label=p, color=cmap(j % 10))
+        for b, y in zip(bars, ys):
+            ax.text(b.get_x() + b.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center", va="bottom", fontsize=6,
+                    rotation=90)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(simulated)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("speedup (x)")
+    ax.set_title(title, loc="left", fontsize=11)
+    ax.legend(fontsize=8, ncol=min(4, len(policies)), loc="upper left")
+    ax.set_ylim(0, max(r["speedup_vs_bucket"].get(p, 0) for r in simulated for p in policies) * 1.25)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

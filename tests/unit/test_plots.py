@@ -1,0 +1,31 @@
+"""Plots are written and show what they claim: idle spans appear in the idle colour."""
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+from dcparallel.report.plots import COLORS, plot_speedups, plot_timelines
+
+
+def _pixels(png, hex_colour: str) -> int:
+    img = mpimg.imread(png)[..., :3]
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(img - rgb).sum(-1) < 0.02).sum())
+
+
+def test_timeline_shows_idle_only_where_there_is_idle(tmp_path):
+    balanced = {0: [(0, 1, "busy"), (1, 1.1, "sync")], 1: [(0, 1, "busy"), (1, 1.1, "sync")]}
+    skewed = {0: [(0, 2, "busy"), (2, 2.1, "sync")], 1: [(0, 0.5, "busy"), (0.5, 2, "idle"), (2, 2.1, "sync")]}
+    a = plot_timelines({"dcp": balanced}, tmp_path / "a.png")
+    b = plot_timelines({"bucket": skewed, "dcp": balanced}, tmp_path / "b.png", title="t")
+    legend_patch = 600  # the legend shows each colour in a small patch
+    assert _pixels(a, COLORS["idle"]) < legend_patch < _pixels(a, COLORS["busy"])
+    assert _pixels(b, COLORS["idle"]) > 10 * legend_patch
+    with pytest.raises(ValueError):
+        plot_timelines({}, tmp_path / "c.png")
+
+
+def test_speedup_bars(tmp_path):
+    sims = [{"scenario": "video", "distribution": "short", "speedup_vs_bucket": {"bucket": 1.0, "dcp": 1.3}}]
+    out = plot_speedups(sims, tmp_path / "s.png")
+    assert out.stat().st_size > 5000
