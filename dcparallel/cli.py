@@ -1,4 +1,4 @@
-"""`dcparallel` command line: simulate | plan | demo.
+"""`dcparallel` command line: simulate | plan | profile | demo.
 
 Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
 progress and logs go to stderr.
@@ -210,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="how many steps to print (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON object per step, one per line")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("profile", help="measure a model on this device (two layers, extrapolated)")
+    from dcparallel.profile.cli import add_arguments, cmd_profile
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults")
     p.add_argument("--world", type=int, default=32)

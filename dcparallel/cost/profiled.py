@@ -16,22 +16,25 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
                    "time_s": 0.12 | null,           # fwd + bwd of the whole model (extrapolated)
                    "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
                                                     # states excluded (extrapolated)
-                   "feasible": true}]               # false: ran out of memory
+                   "feasible": true}],              # false: ran out of memory
+      "unfit_buckets": ["t65536"]       # optional: buckets with no feasible layout at all
     }
 
-`recompute` names apply to all layers ("attn": every layer's attention sub-block). A
-micro-batch's partial counts interpolate linearly between them. A micro-batch of n samples
-of one bucket uses that bucket's measurement at n (piecewise linear in n, proportional
-beyond the largest measured n); samples between buckets are interpolated in tokens from
-the two nearest buckets; each sample contributes time and memory per sample at the
-micro-batch's size.
+Optional fields (written by `dcparallel.profile`, ignored by older readers, absent = none):
+an entry may carry ``ranks`` (the SP group that measured it), ``measured`` (``depths``,
+``time_s``, ``memory_bytes``: the short stacks it was extrapolated from), ``validation``
+(``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran out of
+memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
+extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
+``unfit_buckets`` lists buckets that fit no layout.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -53,16 +56,22 @@ class Profile:
     grad_sync_s: float
     buckets: list[dict]
     entries: list[dict]
+    unfit_buckets: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
         return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
                 "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
-                "buckets": self.buckets, "entries": self.entries}
+                "buckets": self.buckets, "entries": self.entries, "unfit_buckets": self.unfit_buckets}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Writes the JSON atomically (a reader never sees half a file)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(p)
 
     @staticmethod
     def from_json(d: dict, source: str = "profile") -> Profile:
@@ -83,7 +92,8 @@ class Profile:
             return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
                            world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
                            model_state_bytes=float(d["model_state_bytes"]),
-                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries)
+                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
+                           unfit_buckets=[str(k) for k in d.get("unfit_buckets", [])])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 
@@ -105,8 +115,13 @@ class ProfiledCost:
         # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
         self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
         tokens = {b["key"]: int(b["tokens"]) for b in profile.buckets}
+        #: (sp, mode) -> the fewest tokens at which one sample did not fit
+        self._unfit: dict[tuple[int, str], int] = {}
         for e in profile.entries:
             if not e.get("feasible", True) or e.get("time_s") is None or e.get("memory_bytes") is None:
+                if int(e["mbs"]) == 1:
+                    k = (int(e["sp"]), e["recompute"])
+                    self._unfit[k] = min(self._unfit.get(k, tokens[e["bucket"]]), tokens[e["bucket"]])
                 continue
             self._points.setdefault((e["bucket"], int(e["sp"]), e["recompute"]), []).append(
                 (int(e["mbs"]), float(e["time_s"]), float(e["memory_bytes"])))
@@ -117,7 +132,8 @@ class ProfiledCost:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
         for v in self._by_tokens.values():
             v.sort()
-        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"})
+        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
+                               | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
 
     def grad_sync_time(self) -> float:
@@ -174,18 +190,29 @@ class ProfiledCost:
         if hit is not None:
             return hit
         n = len(toks)
+        counts = Counter(toks)
         tot: dict[str, list[float]] = {}
         for mode in MODES:
+            if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
+                continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]
-            for tk in toks:
+            for tk, count in counts.items():  # equal sizes once: copies of one size cost O(1)
                 v = self._per_sample(tk, sp, mode, n)
                 if v is None:
                     acc = None
                     break
-                acc[0] += v[0]
-                acc[1] += v[1]
+                acc[0] += count * v[0]
+                acc[1] += count * v[1]
             if acc is not None:
                 tot[mode] = acc
+        if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
+            # measured at this SP degree, and no mode fits: infinite memory, never planned
+            out = MicroBatchTerms(
+                num_layers=self.model.num_layers, time_none=float("inf"), dt_attn=0.0, dt_mlp=0.0, dt_full=0.0,
+                fixed_bytes=float("inf"), act_layer=0.0, save_attn=0.0, save_mlp=0.0, save_full=0.0,
+                transient_none=0.0, transient_rec=0.0, keep_all_feasible=False)
+            self._cache[key] = out
+            return out
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
@@ -196,15 +223,18 @@ class ProfiledCost:
             t_full, m_full = tot["full"]
             t_none, m_none = t_full, m_full
 
+        # Recomputation adds work: a measured recompute faster than keeping everything is
+        # timing noise, and taken at face value it would let a planner beat the lower bound
+        # (which assumes recompute costs time). Such deltas count as zero.
         def delta(mode: str) -> tuple[float, float]:
             if mode not in tot or "none" not in tot:
                 return 0.0, 0.0  # not measured: an option that saves nothing, never chosen
-            return (tot[mode][0] - t_none) / L, (m_none - tot[mode][1]) / L
+            return max(0.0, (tot[mode][0] - t_none) / L), (m_none - tot[mode][1]) / L
 
         dta, sva = delta("attn")
         dtm, svm = delta("mlp")
         out = MicroBatchTerms(
-            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=(t_full - t_none) / L,
+            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=max(0.0, (t_full - t_none) / L),
             fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)

@@ -1,0 +1,78 @@
+"""Reuse a cached profile when it matches, profile in the same launch when it doesn't.
+
+`load_or_profile` is what `DataCentricParallel.prepare` calls: every rank checks the cached
+file; if any rank finds it missing, unreadable, of another version, measured for something
+else (fingerprint: model structure and parameter count, dtype, device, world size, torch
+version, memory budget, method) or lacking a bucket the dataset needs, all ranks profile
+together and rank 0 writes the new file. The reason is logged, never raised from deep
+inside the planner.
+
+    profiler = Profiler(model, model.layers, text_inputs(model, device), spec=spec, engine=dc)
+    sizes = representative_sizes(spec, dataset_lengths)   # the largest sample per cost class
+    profile, _ = load_or_profile("profiles/llama.json", profiler, sizes)
+    cost = ProfiledCost(profile, cluster)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from dcparallel.cost.profiled import Profile
+from dcparallel.profile.profiler import Profiler, ProfileStats, bucket_entry
+from dcparallel.runtime import comm
+from dcparallel.spec import Size
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint_diff(cached: dict, current: dict) -> list[str]:
+    """Human-readable differences, e.g. ``dtype: cached 'float32', now 'bfloat16'``."""
+    out = []
+    for k in sorted(set(cached) | set(current)):
+        if cached.get(k) != current.get(k):
+            out.append(f"{k}: cached {cached.get(k)!r}, now {current.get(k)!r}")
+    return out
+
+
+def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size], spec_name: str | None = None
+                 ) -> tuple[Profile | None, str]:
+    """(the cached profile, "") if it can be reused, else (None, why not)."""
+    p = Path(path)
+    if not p.exists():
+        return None, f"no cached profile at {p}"
+    try:
+        prof = Profile.load(p)
+    except ValueError as exc:
+        return None, f"cached profile unusable: {exc}"
+    diff = fingerprint_diff(prof.fingerprint, fingerprint)
+    if diff:
+        return None, f"cached profile {p} was measured for something else ({'; '.join(diff)})"
+    have = {b["key"] for b in prof.buckets}
+    missing = [b["key"] for b in (bucket_entry(prof.model, s) for s in sizes) if b["key"] not in have]
+    if missing:
+        return None, f"cached profile {p} lacks buckets {missing}"
+    return prof, ""
+
+
+def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
+                    ) -> tuple[Profile, ProfileStats | None]:
+    """The profile for ``profiler``'s model and these bucket sizes: the cached file at
+    ``path`` if it matches (stats None), else a fresh profile written there. Call on every
+    rank together."""
+    fp = profiler.fingerprint()
+    cached, why = check_cached(path, fp, sizes)
+    # every rank must take the same branch (profiling is collective)
+    reasons = comm.all_gather_object(why)
+    why = next((r for r in reasons if r), "")
+    if not why:
+        assert cached is not None
+        log.info("reusing the cached profile %s", path)
+        return cached, None
+    log.warning("%s: profiling now", why)
+    profile, stats = profiler.run(sizes)
+    if comm.world_rank() == 0:
+        profile.save(path)
+    comm.barrier()
+    return profile, stats

@@ -1,0 +1,152 @@
+"""How one run of a layout is measured: depth skipping, timing, peak memory, the fake limit.
+
+Memory, per device:
+
+* CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`) minus what was allocated
+  before the forward (parameters, gradient buffer, optimizer state): the activations and
+  transients of one forward + backward.
+* CPU: there is no allocator to ask, so the profiler estimates. `SavedTensorMeter` counts the
+  bytes autograd saves for backward during the forward (`saved_tensors_hooks`), each storage
+  once (views of one storage, e.g. q/k/v split from one projection, count once), parameters
+  excluded. Nothing saved is freed before backward starts, so this total is the peak of the
+  saved activations. Not counted: the transient of a recomputed block during backward, the
+  gradients of activations in flight, and temporaries no backward needs. Model states (the
+  profile's ``model_state_bytes``) are added by the planner. It is an estimate, never zero:
+  a forward that saves nothing raises.
+
+A fake allocator limit: the meter's ``limit_bytes`` (the profiler's ``memory_limit``) makes
+the CPU behave like a device of that size. When model states + saved activations pass it,
+the meter raises `torch.OutOfMemoryError` inside the forward, where a device would fail, so
+out-of-memory handling runs for real and a CPU run can emulate a device's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2) -> float:
+    """Value of a ``num_layers`` stack from stacks of ``d1`` and ``d2`` layers, linear in depth:
+    ``v2 + (num_layers - d2) * (v2 - v1) / (d2 - d1)``; with d1=1, d2=2 this is DESIGN's
+    ``t_L = t2 + (L - 2)(t2 - t1)``."""
+    if not 1 <= d1 < d2:
+        raise ValueError(f"extrapolation needs depths 1 <= d1 < d2; got d1={d1}, d2={d2}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1; got {num_layers}")
+    return v2 + (num_layers - d2) * (v2 - v1) / (d2 - d1)
+
+
+@contextlib.contextmanager
+def active_depth(layers: Sequence[nn.Module], depth: int) -> Iterator[None]:
+    """Runs only ``layers[:depth]``: every later layer passes its first argument (the hidden
+    state) through unchanged until the block exits. Layers must be residual blocks whose
+    forward takes the hidden state first and returns the new hidden state."""
+    if not 1 <= depth <= len(layers):
+        raise ValueError(f"depth {depth} is outside 1..{len(layers)} (the number of layers)")
+    saved: list[tuple[nn.Module, object]] = []
+
+    def passthrough(x, *args, **kwargs):
+        return x
+
+    try:
+        for layer in layers[depth:]:
+            saved.append((layer, layer.__dict__.get("forward")))  # the engine's wrapper, if any
+            layer.forward = passthrough
+        yield
+    finally:
+        for layer, fwd in saved:
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+
+class SavedTensorMeter:
+    """Counts bytes saved for backward (unique storages, parameters excluded) while active;
+    raises `torch.OutOfMemoryError` when ``base_bytes`` + the count passes ``limit_bytes``."""
+
+    def __init__(self, exclude: Sequence[Tensor] = (), base_bytes: float = 0.0, limit_bytes: float | None = None):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: set[int] = set()
+        self.base_bytes = float(base_bytes)
+        self.limit_bytes = limit_bytes
+        self.bytes = 0
+        self.num_saved = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        self.num_saved += 1
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
+        key = storage.data_ptr()
+        if key in self._exclude or key in self._seen or storage.nbytes() == 0:
+            return t
+        self._seen.add(key)
+        self.bytes += storage.nbytes()
+        if self.limit_bytes is not None and self.base_bytes + self.bytes > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"fake memory limit: {self.base_bytes + self.bytes:,.0f} bytes (model states "
+                f"{self.base_bytes:,.0f} + saved activations {self.bytes:,}) > limit {self.limit_bytes:,.0f}"
+            )
+        return t
+
+    @staticmethod
+    def _unpack(t: Tensor) -> Tensor:
+        return t
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One depth of one layout: median seconds of the timed repeats, activation bytes."""
+
+    seconds: float
+    memory_bytes: float
+    times: tuple[float, ...]
+
+
+class Timer:
+    """perf_counter on CPU; CUDA events (after a synchronize) on GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], None]) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def free_memory(device: torch.device) -> None:
+    """After an out-of-memory: drop what the failed run left (graph, saved tensors)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,122 @@
+"""Reference models by name for `dcparallel profile --model NAME`, with default buckets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dcparallel.models.dit import DiT, DiTConfig
+from dcparallel.models.llama import Llama, LlamaConfig
+from dcparallel.profile.inputs import MakeInputs, model_spec, text_inputs, video_inputs
+from dcparallel.spec import ModelSpec, Size
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    layers: list[nn.Module]
+    spec: ModelSpec
+    make_inputs: MakeInputs
+    layers_per_unit: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    build: Callable[[torch.device, torch.dtype, int | None], Built]
+    buckets: tuple[Size, ...]
+    """default bucket sizes (text: tokens; video: frames x height x width pixels)"""
+    help: str
+
+
+def _llama(name: str, cfg: LlamaConfig) -> Callable[[torch.device, torch.dtype, int | None], Built]:
+    def build(device: torch.device, dtype: torch.dtype, num_layers: int | None) -> Built:
+        c = cfg if num_layers is None else LlamaConfig(**{**cfg.__dict__, "num_layers": num_layers})
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Llama(c)
+        model = model.to(dtype)
+        layers = list(model.layers)
+        spec = model_spec(model, layers, name=name, kind="text", hidden=c.hidden, num_heads=c.num_heads,
+                          ffn_hidden=c.ffn_hidden, attention="causal", vocab_size=c.vocab_size,
+                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
+        return Built(model, layers, spec, text_inputs(model, device), 1)
+
+    return build
+
+
+def _dit(name: str, cfg: DiTConfig) -> Callable[[torch.device, torch.dtype, int | None], Built]:
+    def build(device: torch.device, dtype: torch.dtype, num_layers: int | None) -> Built:
+        c = cfg if num_layers is None else DiTConfig(**{**cfg.__dict__, "num_layers": num_layers})
+        unit = 2 if c.attention == "factorized" else 1
+        if c.num_layers % unit:
+            raise ValueError(f"a factorized DiT has spatial + temporal pairs: num_layers {c.num_layers} must be even")
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = DiT(c)
+        model = model.to(dtype)
+        layers = list(model.layers)
+        # pixels -> latent: 4x temporal / 8x spatial VAE-like compression, then the model's
+        # 1x2x2 patches: Open-Sora's rule (frames * 5 // 17 latent frames, 16-pixel tokens)
+        spec = model_spec(model, layers, name=name, kind="video", hidden=c.hidden, num_heads=c.num_heads,
+                          ffn_hidden=c.mlp_ratio * c.hidden,
+                          attention="factorized" if unit == 2 else "full", layers_per_unit=unit,
+                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
+        return Built(model, layers, spec, video_inputs(model, spec, device, dtype), unit)
+
+    return build
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny-llama", _llama("tiny-llama", LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4,
+                                                              ffn_hidden=352)),
+               (256, 512, 1024, 2048), "8 layers, hidden 128, vocab 256 (CPU)"),
+        Preset("small-llama", _llama("small-llama", LlamaConfig.small(num_layers=8)),
+               (512, 1024, 2048, 4096), "8 layers, hidden 256, vocab 4096 (CPU demos)"),
+        Preset("tiny-dit", _dit("tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32,
+                                                      attention="factorized")),
+               ((1, 128, 128), (17, 128, 128), (51, 128, 128), (51, 256, 256)),
+               "4 spatial+temporal pairs, hidden 64 (CPU)"),
+        Preset("llama-7b", _llama("llama-7b", LlamaConfig.llama_7b()),
+               (1024, 2048, 4096, 8192, 16384, 32768), "Llama-7B dimensions, 32 layers (GPU)"),
+        Preset("dit-1b", _dit("dit-1b", DiTConfig.dit_1b()),
+               ((1, 240, 426), (51, 240, 426), (51, 480, 853), (102, 720, 1280)),
+               "~1.1B video DiT, 23 pairs (GPU)"),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def parse_buckets(text: str) -> list[Size]:
+    """``"256,1024"`` (tokens) or ``"51x240x426,1x144x256"`` (frames x height x width)."""
+    out: list[Size] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "x" in part:
+                dims = tuple(int(v) for v in part.split("x"))
+                if len(dims) != 3:
+                    raise ValueError
+                out.append(dims)  # type: ignore[arg-type]
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ValueError(f"bad bucket {part!r} in --buckets {text!r}; give token counts (1024) or "
+                             f"frames x height x width (51x240x426), comma-separated") from None
+    if not out:
+        raise ValueError(f"--buckets {text!r} names no bucket")
+    return out
+

@@ -1,0 +1,501 @@
+"""`Profiler`: measures a real model on this device, layout by layout, from short stacks.
+
+For each bucket (a representative sample size) and each candidate layout — SP degree (every
+size the world allows, run on the real SP groups with Ulysses attention), micro-batch size
+(1, 2, 4, ... until memory runs out or samples/s stops improving by ``min_gain``),
+recomputation (none / attn / mlp / full, applied to every layer) — the profiler runs
+forward + backward of stacks of ``depth - 1`` and ``depth`` layers (the other layers pass
+the hidden state through) and extrapolates time and activation memory linearly to the full
+depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)).
+
+Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
+takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
+All ranks of a group agree on every outcome (time = slowest rank, memory = largest rank,
+infeasible if any rank ran out of memory) before deciding to double the micro-batch, and at
+the end every rank gathers every group's entries, so every rank holds the same profile.
+
+Out of memory is an outcome, not an error: the layout is marked infeasible (larger
+micro-batches of that mode are not tried) and profiling continues. A bucket with no
+feasible layout at any SP degree is listed in the profile's ``unfit_buckets``.
+
+Runs happen through the training engine (`DataCentricParallel.micro_batch`), so what is
+timed is what training runs: the engine's SP groups, recompute wrappers and gradient hooks.
+
+Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
+(it does for the fake limit: the ranks of a group hold equal shards); a device that fails on
+one rank only leaves the others waiting in an all-to-all until the collective timeout. Any
+other error stops the profile.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dcparallel.cost.profiled import MODES, Profile
+from dcparallel.profile.inputs import MakeInputs
+from dcparallel.profile.measure import (
+    SavedTensorMeter,
+    Timer,
+    active_depth,
+    extrapolate,
+    free_memory,
+    median,
+)
+from dcparallel.runtime import comm
+from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.spec import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    Recompute,
+    Size,
+    bucket_key,
+    check_size,
+    group_sizes,
+)
+
+log = logging.getLogger(__name__)
+
+#: bumped when the measuring method changes in a way that makes old profiles incomparable
+METHOD = "depth-extrapolation/1"
+
+
+@dataclass(kw_only=True)
+class ProfilerConfig:
+    """How much to measure. Times are medians; every depth of a layout is timed in the same
+    interleaved rounds so that load drifting on a shared machine hits all depths alike."""
+
+    depth: int = 2
+    """measure stacks of ``depth - 1`` and ``depth`` layers (units); 2 = DESIGN's t1, t2"""
+    warmup: int = 1
+    """untimed runs per depth before timing (the first also measures memory)"""
+    repeats: int = 5
+    """timed runs per depth; the median is kept"""
+    max_mbs: int = 64
+    """micro-batch sizes doubled up to this (the planners use at most 64)"""
+    max_tokens: int | None = None
+    """stop doubling once a micro-batch would hold more tokens than this (None: no cap)"""
+    min_gain: float = 0.05
+    """keep doubling while samples/s improves by at least this fraction"""
+    memory_limit: float | None = None
+    """bytes per rank for model states + activations; on CPU a fake allocator limit (a
+    forward that passes it raises torch.OutOfMemoryError), on GPU a budget below the card's
+    memory. None: the card's memory (GPU), unlimited (CPU)"""
+    modes: tuple[str, ...] = MODES
+    """recompute modes to measure ("none", "attn", "mlp", "full")"""
+    sp_sizes: tuple[int, ...] | None = None
+    """SP degrees to measure; None = every size the world allows (`spec.group_sizes`)"""
+    validate: bool = False
+    """also run a few layouts at full depth (smallest and largest bucket, recompute none and
+    full, one sample) and report the extrapolation error"""
+    progress: bool = False
+    """a tqdm bar on stderr (rank 0)"""
+
+
+@dataclass
+class ProfileStats:
+    layouts_measured: int = 0
+    layouts_infeasible: int = 0
+    seconds: float = 0.0
+    time_error: float | None = None
+    memory_error: float | None = None
+    validation: list[dict] = field(default_factory=list)
+    unfit_buckets: list[str] = field(default_factory=list)
+    slopes_clamped: int = 0
+
+
+def bucket_entry(spec: ModelSpec, size: Size) -> dict:
+    size = check_size(size)
+    key = f"t{size}" if isinstance(size, int) else "v" + "x".join(map(str, size))
+    return {"key": key, "size": list(size) if isinstance(size, tuple) else size, "tokens": spec.tokens(size)}
+
+
+def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 2.0) -> list[Size]:
+    """The sizes to profile for a dataset: its samples grouped into cost classes `ratio` apart
+    (`spec.bucket_key`; text: token ranges x2 apart by default, coarser than the planner's
+    x1.25 since `ProfiledCost` interpolates in tokens between buckets) and the largest sample
+    of each class, so a layout measured for a bucket fits all of its samples. Sorted by tokens."""
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1 (e.g. 2.0 for token ranges x2 apart); got {ratio}")
+    best: dict[tuple[int, int], Size] = {}
+    for s in sizes:
+        s = check_size(s)
+        k = bucket_key(spec, s, ratio)
+        if k not in best or spec.tokens(s) > spec.tokens(best[k]):
+            best[k] = s
+    return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu: {name}"
+
+
+def _recompute(mode: str, num_blocks: int) -> Recompute:
+    return {"none": Recompute(0, 0), "attn": Recompute(num_blocks, 0), "mlp": Recompute(0, num_blocks),
+            "full": Recompute(num_blocks, num_blocks)}[mode]
+
+
+class Profiler:
+    """Measures ``model`` layout by layout.
+
+    ``layers``: the model's repeated blocks (as given to `DataCentricParallel`); one spec
+    layer is ``layers_per_unit`` consecutive blocks (2 for a spatial + temporal pair).
+    ``make_inputs``: builds a rank's micro-batch (see `profile.inputs`). ``spec``: the
+    planner's view of the model (its ``num_layers`` units must match ``layers``).
+    ``engine``: the `DataCentricParallel` already wrapping the model, if any (else one is
+    created, which wraps the model in place). Every rank of the launch constructs the
+    profiler and calls `run` together."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], make_inputs: MakeInputs, *,
+                 spec: ModelSpec, config: ProfilerConfig | None = None,
+                 engine: DataCentricParallel | None = None, cluster: ClusterSpec | None = None,
+                 layers_per_unit: int = 1):
+        self.config = config or ProfilerConfig()
+        self.layers = list(layers)
+        if layers_per_unit < 1 or len(self.layers) != spec.num_layers * layers_per_unit:
+            raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
+                             f"model gives {len(self.layers)} blocks; pass layers_per_unit so that "
+                             f"blocks = spec.num_layers x layers_per_unit")
+        if not 2 <= self.config.depth <= spec.num_layers:
+            raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
+                             f"layers (stacks of depth-1 and depth layers are measured)")
+        c = self.config
+        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1)):
+            if value < low:
+                raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
+        if c.min_gain < 0:
+            raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {c.min_gain}")
+        bad = [m for m in self.config.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown recompute modes {bad}; use some of {list(MODES)}")
+        self.model, self.make_inputs, self.spec = model, make_inputs, spec
+        self.unit = layers_per_unit
+        self.engine = engine or DataCentricParallel(model, layers=self.layers, num_heads=spec.num_heads,
+                                                    cluster=cluster)
+        self.world, self.rank = comm.world_size(), comm.world_rank()
+        self.cluster = self.engine.groups.cluster
+        allowed = group_sizes(self.cluster, spec.num_heads)
+        sizes = allowed if self.config.sp_sizes is None else sorted(set(self.config.sp_sizes))
+        if any(k not in allowed for k in sizes):
+            raise ValueError(f"SP degrees {sizes} are not all allowed at world {self.world} with "
+                             f"{spec.num_heads} heads; allowed: {allowed}")
+        self.sp_sizes = list(sizes)
+        self.params = self.engine.params
+        self.device = self.params[0].device
+        self.dtype = self.params[0].dtype
+        self.timer = Timer(self.device)
+        self.memory_limit = self._budget()
+
+    # ------------------------------------------------------------------ what it is valid for
+
+    def _budget(self) -> float | None:
+        lim = self.config.memory_limit
+        if lim is not None and lim <= 0:
+            raise ValueError(f"memory_limit must be > 0 bytes; got {lim}")
+        if self.device.type == "cuda":
+            total = float(torch.cuda.get_device_properties(self.device).total_memory)
+            return total if lim is None else min(float(lim), total)
+        return None if lim is None else float(lim)
+
+    def model_state_bytes(self) -> float:
+        """Per rank, the engine's recipe: parameters, fp32 gradient buffer, and the ZeRO-1
+        shard of fp32 master weights (none for fp32 parameters) + Adam moments."""
+        n = sum(p.numel() for p in self.params)
+        pbytes = self.params[0].element_size()
+        master = 0 if self.dtype == torch.float32 else 4
+        return float(n * (pbytes + 4 + (master + 8) / self.world))
+
+    def fingerprint(self) -> dict:
+        """What a profile is valid for; a cached profile is reused only if this matches."""
+        mem = self.memory_limit
+        if mem is None:  # CPU without a limit: the planner's budget is the machine's memory
+            mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return {
+            "model": type(self.model).__name__,
+            "structure": comm.digest(repr(self.model)),
+            "num_params": int(sum(p.numel() for p in self.model.parameters())),
+            "num_layers": self.spec.num_layers,
+            "layers_per_unit": self.unit,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": device_name(self.device),
+            "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+            "world_size": self.world,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "sp_sizes": self.sp_sizes,
+            "torch": torch.__version__,
+            "memory_bytes": int(mem),
+            "memory_limited": self.memory_limit is not None,
+            "method": METHOD,
+            "depth": self.config.depth,
+        }
+
+    # ------------------------------------------------------------------ one run
+
+    def _run(self, inputs, meter: SavedTensorMeter | None = None) -> None:
+        with self.engine.micro_batch(inputs.batch) as ctx:
+            if meter is None:
+                loss = inputs.loss(ctx)
+            else:
+                with meter:
+                    loss = inputs.loss(ctx)
+            ctx.backward(loss)
+
+    def _memory_run(self, inputs, state_bytes: float) -> float:
+        """Runs once (a warm-up) and returns the activation bytes of the run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._run(inputs)
+            torch.cuda.synchronize(self.device)
+            peak = float(torch.cuda.max_memory_allocated(self.device) - base)
+            if self.memory_limit is not None and state_bytes + peak > self.memory_limit:
+                raise torch.OutOfMemoryError(f"peak {state_bytes + peak:,.0f} bytes is over the budget "
+                                             f"{self.memory_limit:,.0f}")
+            return peak
+        meter = SavedTensorMeter(exclude=[self.engine.flat_param, *self.params], base_bytes=state_bytes,
+                                 limit_bytes=self.memory_limit)
+        self._run(inputs, meter)
+        if meter.bytes <= 0:
+            raise RuntimeError("the forward saved no tensors for backward: the CPU memory estimate "
+                               "(saved-tensor accounting) cannot measure this model")
+        return float(meter.bytes)
+
+    def _measure(self, size: Size, ranks: tuple[int, ...], mbs: int, mode: str, depths: Sequence[int],
+                 full_depth: int | None = None) -> dict:
+        """This rank's medians per depth (in units) of one layout, or its out-of-memory.
+
+        Memory first (one run per depth, also the first warm-up); the group agrees whether
+        every rank fitted before anything is timed, so all its ranks run the same collectives.
+        ``full_depth`` (validation) is tried after the short stacks: if only it runs out of
+        memory the layout keeps its short-stack measurement and the validation is skipped."""
+        cfg = self.config
+        group = self.engine.groups.group(ranks)
+        layout = Layout(len(ranks), mbs, _recompute(mode, len(self.layers)))
+        state = self.model_state_bytes()
+        inputs = None
+        mem: dict[int, float] = {}
+        out: dict = {"ok": True}
+        oom = [False]  # free memory (a full collection: ~0.1 s) only after an out-of-memory
+
+        def attempt(ds: Sequence[int]) -> str | None:
+            try:
+                for d in ds:
+                    with active_depth(self.layers, d * self.unit):
+                        mem[d] = self._memory_run(inputs, state)
+                return None
+            except torch.OutOfMemoryError as exc:
+                oom[0] = True
+                return str(exc).splitlines()[0][:200] if str(exc) else "out of memory"
+            finally:
+                self.engine.zero_grad()
+
+        def agreed(err: str | None) -> str | None:
+            errs = comm.all_gather_object(err, group)
+            return next((e for e in errs if e), None)
+
+        try:
+            inputs = self.make_inputs(size, layout, ranks, self.rank)
+            err = agreed(attempt(depths))
+            if err:
+                return {"ok": False, "error": err}
+            depths = list(depths)
+            if full_depth is not None:
+                err = agreed(attempt([full_depth]))
+                if err:
+                    out["validation_error"] = err
+                else:
+                    depths.append(full_depth)
+            times: dict[int, list[float]] = {d: [] for d in depths}
+            gc.disable()  # as timeit does: no collection pauses inside a timed run
+            try:
+                for d in depths:
+                    with active_depth(self.layers, d * self.unit):
+                        for _ in range(cfg.warmup - 1):
+                            self._run(inputs)
+                for _ in range(cfg.repeats):
+                    for d in depths:
+                        with active_depth(self.layers, d * self.unit):
+                            times[d].append(self.timer.time(lambda: self._run(inputs)))
+            except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
+                oom[0] = True
+                return {"ok": False, "error": str(exc).splitlines()[0][:200]}
+            finally:
+                gc.enable()
+            out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths})
+            return out
+        finally:
+            inputs = None
+            self.engine.zero_grad()
+            if oom[0]:
+                free_memory(self.device)
+
+    # ------------------------------------------------------------------ the whole profile
+
+    def _validation_set(self, buckets: list[dict]) -> set[tuple[str, int, str]]:
+        if not self.config.validate:
+            return set()
+        by_tokens = sorted(buckets, key=lambda b: b["tokens"])
+        keys = {by_tokens[0]["key"], by_tokens[-1]["key"]}
+        modes = [m for m in ("none", "full") if m in self.config.modes] or [self.config.modes[0]]
+        return {(k, sp, m) for k in keys for sp in self.sp_sizes for m in modes}
+
+    def run(self, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats]:
+        """Profiles every bucket of ``sizes`` (one representative sample size each) on every
+        rank together; returns the same `Profile` on every rank and this run's stats."""
+        t_start = time.perf_counter()
+        cfg = self.config
+        if not sizes:
+            raise ValueError("no bucket sizes to profile; pass at least one sample size")
+        buckets = [bucket_entry(self.spec, s) for s in sizes]
+        keys = [b["key"] for b in buckets]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
+        fp = self.fingerprint()
+        comm.check_equal(comm.digest((fp, keys, cfg.modes)), "profiler configuration")
+        L = self.spec.num_layers
+        d2 = cfg.depth
+        d1 = d2 - 1
+        validate = self._validation_set(buckets)
+
+        plan = []  # (sp, ranks, bucket) this rank measures, in order
+        for sp in self.sp_sizes:
+            start = self.rank // sp * sp
+            ranks = tuple(range(start, start + sp))
+            num_groups = self.world // sp
+            for b in buckets[start // sp :: num_groups]:
+                plan.append((sp, ranks, b))
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(plan) * len(cfg.modes), desc=f"profiling {self.spec.name}", file=sys.stderr,
+                       disable=self.rank != 0, unit="layout-chain")
+
+        local: list[dict] = []
+        clamped = 0
+        state = self.model_state_bytes()
+        for sp, ranks, b in plan:
+            group = self.engine.groups.group(ranks)
+            size = check_size(tuple(b["size"]) if isinstance(b["size"], list) else b["size"])
+            for mode in cfg.modes:
+                mbs, best = 1, 0.0
+                while True:
+                    full = mbs == 1 and (b["key"], sp, mode) in validate and L > d2
+                    mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
+                    res = comm.all_gather_object(mine, group)
+                    depths = [d for d in res[0].get("time", {})] if all(r["ok"] for r in res) else []
+                    entry = {"bucket": b["key"], "sp": sp, "mbs": mbs, "recompute": mode, "ranks": list(ranks)}
+                    if not all(r["ok"] for r in res):
+                        entry.update(time_s=None, memory_bytes=None, feasible=False, reason="oom",
+                                     error=next(r["error"] for r in res if not r["ok"]))
+                        local.append(entry)
+                        break
+                    t = {d: max(r["time"][d] for r in res) for d in depths}
+                    m = {d: max(r["memory"][d] for r in res) for d in depths}
+                    if t[d2] < t[d1]:  # noise larger than a layer: no per-layer time resolved
+                        clamped += 1
+                        t_l = t[d2]
+                    else:
+                        t_l = extrapolate(t[d1], t[d2], L, d1, d2)
+                    m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
+                    fits = self.memory_limit is None or state + m_l <= self.memory_limit
+                    entry.update(time_s=t_l, memory_bytes=m_l, feasible=fits,
+                                 measured={"depths": [d1, d2], "time_s": [t[d1], t[d2]],
+                                           "memory_bytes": [m[d1], m[d2]]})
+                    if not fits:
+                        entry["reason"] = "over_budget"
+                    if L in t and L > d2:
+                        entry["validation"] = {"time_s": t[L], "memory_bytes": m[L]}
+                    elif res[0].get("validation_error"):
+                        entry["validation"] = {"error": res[0]["validation_error"]}
+                    local.append(entry)
+                    if not fits:
+                        break
+                    tput = mbs / t_l
+                    if mbs > 1 and tput < best * (1 + cfg.min_gain):
+                        break
+                    best = max(best, tput)
+                    tokens = self.spec.tokens(size)
+                    if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens):
+                        break
+                    mbs *= 2
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+
+        # every group's entries on every rank (each group's first rank speaks for it)
+        gathered = comm.all_gather_object([e for e in local if e["ranks"][0] == self.rank])
+        order = {k: i for i, k in enumerate(keys)}
+        entries = sorted((e for part in gathered for e in part),
+                         key=lambda e: (order[e["bucket"]], e["sp"], MODES.index(e["recompute"]), e["mbs"]))
+        clamped = sum(comm.all_gather_object(clamped))
+
+        feasible = {e["bucket"] for e in entries if e["feasible"]}
+        unfit = [b["key"] for b in buckets if b["key"] not in feasible]
+        for k in unfit:
+            log.warning("bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
+                        "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
+        stats = ProfileStats(layouts_measured=len(entries),
+                             layouts_infeasible=sum(not e["feasible"] for e in entries),
+                             unfit_buckets=unfit, slopes_clamped=clamped)
+        for e in entries:
+            v = e.get("validation")
+            if v and "error" in v:
+                stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
+                                         "recompute": e["recompute"], "error": v["error"]})
+            elif v:
+                te = abs(e["time_s"] - v["time_s"]) / v["time_s"]
+                me = abs(e["memory_bytes"] - v["memory_bytes"]) / v["memory_bytes"]
+                stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
+                                         "recompute": e["recompute"], "time_error": te, "memory_error": me,
+                                         "predicted_time_s": e["time_s"], "full_depth_time_s": v["time_s"],
+                                         "predicted_memory_bytes": e["memory_bytes"],
+                                         "full_depth_memory_bytes": v["memory_bytes"]})
+        checked = [v for v in stats.validation if "error" not in v]
+        if checked:
+            stats.time_error = max(v["time_error"] for v in checked)
+            stats.memory_error = max(v["memory_error"] for v in checked)
+
+        profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
+                          gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
+                          grad_sync_s=self._grad_sync_seconds(), buckets=buckets, entries=entries,
+                          unfit_buckets=unfit)
+        stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
+        return profile, stats
+
+    def _grad_sync_seconds(self) -> float:
+        """The step's one all-reduce of the flat gradient buffer, measured (0 on one rank)."""
+        if self.world == 1:
+            return 0.0
+        buf = self.engine.flat_grad
+        times = []
+        for i in range(4):
+            comm.barrier()
+            t = self.timer.time(lambda: comm.all_reduce_sum_(buf))
+            if i:
+                times.append(t)
+        buf.zero_()
+        return max(comm.all_gather_object(median(times)))

@@ -1,0 +1,34 @@
+"""Profiler functions the gloo workers run (module level so that spawn can pickle them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dcparallel.models.llama import Llama, LlamaConfig
+from dcparallel.profile import Profiler, ProfilerConfig, load_or_profile, model_spec, text_inputs
+
+
+def _profiler(**cfg) -> Profiler:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
+    spec = model_spec(model, list(model.layers), name="tiny", kind="text", hidden=32, num_heads=4,
+                      ffn_hidden=48, attention="causal", vocab_size=64)
+    config = ProfilerConfig(**{"repeats": 1, "warmup": 1, "max_mbs": 2, "modes": ("none", "full"), **cfg})
+    return Profiler(model, list(model.layers), text_inputs(model, torch.device("cpu")), spec=spec, config=config)
+
+
+def case_profile(path: str) -> dict:
+    """An unlimited profile (cached at ``path``, then reused), and one under a fake memory
+    limit that fits the 64-token bucket without recompute at SP=2 only."""
+    prof = _profiler(validate=True)
+    p, stats = load_or_profile(path, prof, [16, 40, 64])
+    again, stats2 = load_or_profile(path, prof, [16, 40, 64])
+    sp2 = next(e for e in p.entries if e["bucket"] == "t64" and e["sp"] == 2 and e["recompute"] == "none"
+               and e["mbs"] == 1)
+    limit = p.model_state_bytes + 1.01 * sp2["memory_bytes"]
+    limited, lstats = _profiler(memory_limit=limit).run([16, 64])
+    return {"profile": p.to_json(), "stats": dataclasses.asdict(stats), "reused": stats2 is None,
+            "reused_same": again.to_json() == p.to_json(), "limit": limit, "limited": limited.to_json(),
+            "limited_stats": dataclasses.asdict(lstats)}
