@@ -1,4 +1,4 @@
-"""`dcparallel` command line: simulate | plan | profile | demo.
+"""`dcparallel` command line: simulate | plan | profile | train | demo.
 
 Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
 progress and logs go to stderr.
@@ -170,26 +170,13 @@ def _layout(d: dict):
     return Layout.from_json(d)
 
 
-def cmd_demo(args) -> int:
-    """Until the end-to-end demo lands: the paper-scale simulation table, every scenario x
-    distribution on 32 H200 (analytic cost model fitted to the H200 calibration)."""
-    from tqdm import tqdm
+def _train(path: Path) -> int:
+    import logging
 
-    results = []
-    combos = [(s, d) for s in ("video", "text") for d in DISTRIBUTIONS]
-    for sc, dist in tqdm(combos, desc="simulating", file=sys.stderr, disable=args.quiet):
-        ns = argparse.Namespace(scenario=sc, distribution=dist, lengths=None, world=args.world,
-                                gpus_per_node=8, seed=args.seed, tokens_per_step=None, profile=None)
-        results.append(simulate_json(ns, ALL, progress=False))
-    if args.json:
-        print(json.dumps({"simulated": results}))
-        return 0
-    for r in results:
-        print(_table(r))
-        print()
-    print("speedup = epoch time of the tuned bucket baseline / epoch time of the policy; "
-          "see benchmarks/ for the dated report.")
-    return 0
+    from dcparallel.train import Config, run
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    return run(Config.load(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,12 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("demo", help="the main job on embedded defaults")
-    p.add_argument("--world", type=int, default=32)
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_demo)
+    from dcparallel import demo
+
+    p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
+    p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")
+    p.set_defaults(func=lambda a: _train(a.config))
+
+    p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.cmd_demo)
 
     args = ap.parse_args(argv)
     try:

@@ -1,0 +1,217 @@
+"""`dcparallel train --config FILE.toml`: train a reference model under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 -m dcparallel.cli train --config run.toml
+
+One metrics line per step on rank 0 (loss, tokens/s, step time, idle fraction of the slowest
+vs the fastest rank, planned peak memory, SP degrees used), a progress bar on rank 0, the
+same metrics as JSONL in ``out_dir/metrics.jsonl``, and a checkpoint (model, optimizer shard,
+loader position) every ``checkpoint_every`` steps in ``out_dir/checkpoint/``; a run started
+again with the same config resumes from it.
+
+Config (every key optional; defaults below)::
+
+    [model]
+    kind = "llama"          # "llama" (text) or "dit" (video)
+    hidden = 128
+    num_layers = 4
+    num_heads = 4
+    ffn_hidden = 352        # llama only
+    vocab_size = 256        # llama only
+
+    [data]
+    lengths = "builtin"     # or a file: one token count a line
+    num_samples = 200       # builtin: how many samples
+
+    [train]
+    policy = "dcp"
+    tokens_per_step = 8192
+    epochs = 1
+    max_steps = 0           # 0: no limit
+    lr = 0.003
+    seed = 0
+    memory_mib = 0          # per-rank budget; 0: the device's memory
+    out_dir = "runs/train"
+    checkpoint_every = 0    # 0: never
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+
+log = logging.getLogger("dcparallel.train")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    kind: str = "llama"
+    hidden: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_hidden: int = 352
+    vocab_size: int = 256
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    lengths: str = "builtin"
+    num_samples: int = 200
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    policy: str = "dcp"
+    tokens_per_step: int = 8192
+    epochs: int = 1
+    max_steps: int = 0
+    lr: float = 3e-3
+    seed: int = 0
+    memory_mib: int = 0
+    out_dir: str = "runs/train"
+    checkpoint_every: int = 0
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @staticmethod
+    def load(path: str | Path) -> Config:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read the config {p}: {exc}") from exc
+        out = Config()
+        for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+            values = raw.pop(section, {})
+            known = {f.name for f in fields(cls)}
+            bad = sorted(set(values) - known)
+            if bad:
+                raise ValueError(f"{p}: unknown key(s) {bad} in [{section}]; known: {sorted(known)}")
+            setattr(out, section, cls(**values))
+        if raw:
+            raise ValueError(f"{p}: unknown section(s) {sorted(raw)}; use [model], [data], [train]")
+        if out.model.kind not in ("llama", "dit"):
+            raise ValueError(f"{p}: [model] kind must be 'llama' or 'dit'; got {out.model.kind!r}")
+        return out
+
+
+def _build(cfg: Config):
+    import torch
+
+    from dcparallel.models.dit import DiT, DiTConfig
+    from dcparallel.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    if m.kind == "llama":
+        return Llama(LlamaConfig(vocab_size=m.vocab_size, hidden=m.hidden, num_layers=m.num_layers,
+                                 num_heads=m.num_heads, ffn_hidden=m.ffn_hidden))
+    return DiT(DiTConfig(hidden=m.hidden, num_layers=m.num_layers, num_heads=m.num_heads, attention="factorized"))
+
+
+def run(cfg: Config) -> int:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from dcparallel.api import DataCentricParallel
+    from dcparallel.demo import SyntheticText, builtin_lengths
+    from dcparallel.models.llama import per_token_loss
+    from dcparallel.runtime import comm
+    from dcparallel.scenarios import read_lengths
+
+    if cfg.model.kind != "llama":
+        raise ValueError("`dcparallel train` trains the text model for now; see examples/video_dit.py for video")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=timedelta(seconds=120))
+    rank = comm.world_rank()
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t = cfg.train
+    if cfg.data.lengths == "builtin":
+        lengths = builtin_lengths(cfg.data.num_samples, t.seed)
+    else:
+        lengths = [int(x) for x in read_lengths(cfg.data.lengths)]
+    dataset = SyntheticText(lengths, vocab=cfg.model.vocab_size, seed=t.seed)
+
+    model = _build(cfg)
+    dc = DataCentricParallel(model, layers=model.layers, policy=t.policy, seed=t.seed,
+                             memory_bytes=t.memory_mib * 2**20 or None)
+    loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=t.tokens_per_step,
+                        profile_path=out / "profile.json")
+    opt = dc.optimizer(lr=t.lr)
+
+    ckpt = out / "checkpoint" / f"rank{rank}.pt"
+    done, start_epoch = 0, 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["loader"])
+        done, start_epoch = state["steps_done"], state["loader"]["epoch"]
+        if rank == 0:
+            log.warning("resumed from %s at step %d", ckpt.parent, done)
+    metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
+    total = sum(len(loader.steps(e)) for e in range(start_epoch, t.epochs))
+    if t.max_steps:
+        total = min(total, max(0, t.max_steps - done))
+    bar = tqdm(total=total, desc=f"train {t.policy}", file=sys.stderr, disable=rank != 0)
+    for epoch in range(start_epoch, t.epochs):
+        loader.set_epoch(epoch)
+        dc.set_epoch(epoch)
+        for step in loader:
+            if t.max_steps and done >= t.max_steps:
+                break
+            t0 = time.perf_counter()
+            busy, peak = 0.0, 0.0
+            for batch in step:
+                a = time.perf_counter()
+                with dc.micro_batch(batch) as ctx:
+                    ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+                    ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+                busy += time.perf_counter() - a
+                peak = max(peak, dc.cost.terms(tuple(lengths[i] for i in batch.sample_ids), batch.sp)
+                           .memory(batch.layout.recompute))
+            loss = dc.sync_gradients()
+            opt.step()
+            done += 1
+            step_s = time.perf_counter() - t0
+            stats = comm.all_gather_object((busy, peak))
+            busys = [b for b, _ in stats]
+            record = {"epoch": epoch, "step": step.index, "global_step": done, "loss": loss,
+                      "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
+                      "idle_fraction": 1 - min(busys) / max(busys) if max(busys) > 0 else 0.0,
+                      "planned_peak_memory_bytes": max(p for _, p in stats),
+                      "sp_degrees": sorted({g.sp for g in step.plan.groups if g.micro_batches}),
+                      "policy": t.policy}
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                bar.update(1)
+                bar.write(f"step {done:4d}  loss {loss:.4f}  {record['tokens_per_s']:8.0f} tok/s  "
+                          f"{step_s * 1e3:7.0f} ms  idle {100 * record['idle_fraction']:4.1f}%  "
+                          f"peak {record['planned_peak_memory_bytes'] / 2**20:6.1f} MiB  sp {record['sp_degrees']}")
+            if t.checkpoint_every and done % t.checkpoint_every == 0:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "loader": loader.state_dict(), "steps_done": done}, ckpt)
+        if t.max_steps and done >= t.max_steps:
+            break
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
