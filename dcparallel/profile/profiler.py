@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import platform
 import sys
@@ -80,7 +81,11 @@ class ProfilerConfig:
     warmup: int = 1
     """untimed runs per depth before timing (the first also measures memory)"""
     repeats: int = 5
-    """timed runs per depth; the median is kept"""
+    """timed runs per depth, at least; the median is kept"""
+    min_time_s: float = 1.0
+    """short layouts get more timed rounds, until a layout's rounds add up to about this"""
+    max_repeats: int = 25
+    """at most this many timed runs per depth"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None
@@ -181,7 +186,8 @@ class Profiler:
             raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
                              f"layers (stacks of depth-1 and depth layers are measured)")
         c = self.config
-        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1)):
+        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1),
+                                 ("max_repeats", c.max_repeats, c.repeats)):
             if value < low:
                 raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
         if c.min_gain < 0:
@@ -298,12 +304,15 @@ class Profiler:
         mem: dict[int, float] = {}
         out: dict = {"ok": True}
         oom = [False]  # free memory (a full collection: ~0.1 s) only after an out-of-memory
+        took: dict[int, float] = {}  # seconds of each depth's first (memory) run
 
         def attempt(ds: Sequence[int]) -> str | None:
             try:
                 for d in ds:
                     with active_depth(self.layers, d * self.unit):
+                        t0 = time.perf_counter()
                         mem[d] = self._memory_run(inputs, state)
+                        took[d] = time.perf_counter() - t0
                 return None
             except torch.OutOfMemoryError as exc:
                 oom[0] = True
@@ -327,6 +336,10 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
+            # rounds: at least `repeats`, more while a round is short (up to `min_time_s` of
+            # timing, as timeit's autorange); the slowest rank decides so the group agrees
+            round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
+            rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
@@ -334,7 +347,7 @@ class Profiler:
                     with active_depth(self.layers, d * self.unit):
                         for _ in range(cfg.warmup - 1):
                             self._run(inputs)
-                for _ in range(cfg.repeats):
+                for _ in range(rounds):
                     for d in depths:
                         with active_depth(self.layers, d * self.unit):
                             times[d].append(self.timer.time(lambda: self._run(inputs)))
