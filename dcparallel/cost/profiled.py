@@ -22,7 +22,8 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
 
 Optional fields (written by `dcparallel.profile`, ignored by older readers, absent = none):
 an entry may carry ``ranks`` (the SP group that measured it), ``measured`` (``depths``,
-``time_s``, ``memory_bytes``: the short stacks it was extrapolated from), ``validation``
+``time_s``, ``memory_bytes``: the short stacks it was extrapolated from; ``layer_s``: the
+time of one layer used, the median of per-round differences), ``validation``
 (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran out of
 memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
 extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).

@@ -6,7 +6,10 @@ size the world allows, run on the real SP groups with Ulysses attention), micro-
 recomputation (none / attn / mlp / full, applied to every layer) — the profiler runs
 forward + backward of stacks of ``depth - 1`` and ``depth`` layers (the other layers pass
 the hidden state through) and extrapolates time and activation memory linearly to the full
-depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)).
+depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). For time, t2 is
+the median over the timed rounds and (t2 - t1) the median of the per-round differences (the
+two depths of a round run back to back, so slow drifts of a shared machine cancel in each
+pair; on the noisy CPU this beat the difference of medians in 6 of 8 validated layouts).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import platform
 import sys
@@ -80,7 +84,11 @@ class ProfilerConfig:
     warmup: int = 1
     """untimed runs per depth before timing (the first also measures memory)"""
     repeats: int = 5
-    """timed runs per depth; the median is kept"""
+    """timed runs per depth, at least; the median is kept"""
+    min_time_s: float = 1.0
+    """short layouts get more timed rounds, until a layout's rounds add up to about this"""
+    max_repeats: int = 25
+    """at most this many timed runs per depth"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None
@@ -181,7 +189,8 @@ class Profiler:
             raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
                              f"layers (stacks of depth-1 and depth layers are measured)")
         c = self.config
-        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1)):
+        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1),
+                                 ("max_repeats", c.max_repeats, c.repeats)):
             if value < low:
                 raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
         if c.min_gain < 0:
@@ -298,12 +307,15 @@ class Profiler:
         mem: dict[int, float] = {}
         out: dict = {"ok": True}
         oom = [False]  # free memory (a full collection: ~0.1 s) only after an out-of-memory
+        took: dict[int, float] = {}  # seconds of each depth's first (memory) run
 
         def attempt(ds: Sequence[int]) -> str | None:
             try:
                 for d in ds:
                     with active_depth(self.layers, d * self.unit):
+                        t0 = time.perf_counter()
                         mem[d] = self._memory_run(inputs, state)
+                        took[d] = time.perf_counter() - t0
                 return None
             except torch.OutOfMemoryError as exc:
                 oom[0] = True
@@ -327,6 +339,10 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
+            # rounds: at least `repeats`, more while a round is short (up to `min_time_s` of
+            # timing, as timeit's autorange); the slowest rank decides so the group agrees
+            round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
+            rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
@@ -334,7 +350,7 @@ class Profiler:
                     with active_depth(self.layers, d * self.unit):
                         for _ in range(cfg.warmup - 1):
                             self._run(inputs)
-                for _ in range(cfg.repeats):
+                for _ in range(rounds):
                     for d in depths:
                         with active_depth(self.layers, d * self.unit):
                             times[d].append(self.timer.time(lambda: self._run(inputs)))
@@ -343,7 +359,9 @@ class Profiler:
                 return {"ok": False, "error": str(exc).splitlines()[0][:200]}
             finally:
                 gc.enable()
-            out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths})
+            a, b = depths[0], depths[1]
+            out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths},
+                       slope=median([(y - x) / (b - a) for x, y in zip(times[a], times[b], strict=True)]))
             return out
         finally:
             inputs = None
@@ -414,15 +432,18 @@ class Profiler:
                         break
                     t = {d: max(r["time"][d] for r in res) for d in depths}
                     m = {d: max(r["memory"][d] for r in res) for d in depths}
-                    if t[d2] < t[d1]:  # noise larger than a layer: no per-layer time resolved
+                    # t_L = t2 + (L - d2) x (time of one layer); the layer's time is the median of
+                    # the per-round differences (t2 - t1) / (d2 - d1): both depths of a round run
+                    # back to back, so load drifting on a shared machine cancels in each pair
+                    slope = max(r["slope"] for r in res)
+                    if slope < 0:  # noise larger than a layer: no per-layer time resolved
                         clamped += 1
-                        t_l = t[d2]
-                    else:
-                        t_l = extrapolate(t[d1], t[d2], L, d1, d2)
+                        slope = 0.0
+                    t_l = t[d2] + (L - d2) * slope
                     m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
                     fits = self.memory_limit is None or state + m_l <= self.memory_limit
                     entry.update(time_s=t_l, memory_bytes=m_l, feasible=fits,
-                                 measured={"depths": [d1, d2], "time_s": [t[d1], t[d2]],
+                                 measured={"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
                                            "memory_bytes": [m[d1], m[d2]]})
                     if not fits:
                         entry["reason"] = "over_budget"
