@@ -32,6 +32,11 @@ Config (every key optional; defaults below)::
     memory_mib = 0          # per-rank budget; 0: the device's memory
     out_dir = "runs/train"
     checkpoint_every = 0    # 0: never
+
+    [profile]               # how much the profiler measures (cached in out_dir/profile.json)
+    repeats = 3             # timed runs per layout (median)
+    max_mbs = 16            # micro-batch sizes doubled up to this
+    max_tokens = 4096       # ... or up to this many tokens
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ import logging
 import os
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
+
+import tomllib
 
 log = logging.getLogger("dcparallel.train")
 
@@ -79,10 +85,18 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class ProfileConfig:
+    repeats: int = 3
+    max_mbs: int = 16
+    max_tokens: int = 4096
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @staticmethod
     def load(path: str | Path) -> Config:
@@ -92,7 +106,8 @@ class Config:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"cannot read the config {p}: {exc}") from exc
         out = Config()
-        for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+        for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig),
+                             ("profile", ProfileConfig)):
             values = raw.pop(section, {})
             known = {f.name for f in fields(cls)}
             bad = sorted(set(values) - known)
@@ -100,7 +115,7 @@ class Config:
                 raise ValueError(f"{p}: unknown key(s) {bad} in [{section}]; known: {sorted(known)}")
             setattr(out, section, cls(**values))
         if raw:
-            raise ValueError(f"{p}: unknown section(s) {sorted(raw)}; use [model], [data], [train]")
+            raise ValueError(f"{p}: unknown section(s) {sorted(raw)}; use [model], [data], [train], [profile]")
         if out.model.kind not in ("llama", "dit"):
             raise ValueError(f"{p}: [model] kind must be 'llama' or 'dit'; got {out.model.kind!r}")
         return out
@@ -128,6 +143,7 @@ def run(cfg: Config) -> int:
     from dcparallel.api import DataCentricParallel
     from dcparallel.demo import SyntheticText, builtin_lengths
     from dcparallel.models.llama import per_token_loss
+    from dcparallel.profile.profiler import ProfilerConfig
     from dcparallel.runtime import comm
     from dcparallel.scenarios import read_lengths
 
@@ -149,8 +165,11 @@ def run(cfg: Config) -> int:
     model = _build(cfg)
     dc = DataCentricParallel(model, layers=model.layers, policy=t.policy, seed=t.seed,
                              memory_bytes=t.memory_mib * 2**20 or None)
+    pc = cfg.profile
+    config = ProfilerConfig(repeats=pc.repeats, max_mbs=pc.max_mbs, max_tokens=pc.max_tokens,
+                            memory_limit=dc.memory_bytes, progress=rank == 0)
     loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=t.tokens_per_step,
-                        profile_path=out / "profile.json")
+                        profile_path=out / "profile.json", profiler_config=config)
     opt = dc.optimizer(lr=t.lr)
 
     ckpt = out / "checkpoint" / f"rank{rank}.pt"
