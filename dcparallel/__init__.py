@@ -1,3 +1,15 @@
 """dcparallel: Data-Centric Parallel training for variable-length sequences."""
 
 __version__ = "0.1.0"
+
+__all__ = ["DataCentricParallel"]
+
+
+def __getattr__(name: str):
+    # torch is imported only when the training object is asked for: the planner, cost
+    # models and simulator stay importable without it
+    if name == "DataCentricParallel":
+        from dcparallel.api import DataCentricParallel
+
+        return DataCentricParallel
+    raise AttributeError(f"module 'dcparallel' has no attribute {name!r}")
