@@ -173,7 +173,8 @@ def worker(args: argparse.Namespace) -> int:
                 with dc.micro_batch(batch) as ctx:
                     ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
                     ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
-                segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp))
+                rc = batch.layout.recompute
+                segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
             compute_end = time.perf_counter() - t_step
             losses.append(dc.sync_gradients())
             opt.step()
@@ -220,8 +221,8 @@ def _timelines(real: dict, names: tuple[str, ...]) -> dict[str, dict[int, list]]
             slowest = max(s["compute_end"] for s in steps)
             dur = max(s["end"] for s in steps)
             for r, s in enumerate(steps):
-                for a, b, _ in s["segs"]:
-                    tl[r].append((t0 + a, t0 + b, "busy"))
+                for a, b, sp, rec in s["segs"]:
+                    tl[r].append((t0 + a, t0 + b, f"busy sp={sp}" + (" recompute" if rec else "")))
                 busy_end = s["segs"][-1][1] if s["segs"] else 0.0
                 if slowest > busy_end:
                     tl[r].append((t0 + busy_end, t0 + slowest, "idle"))

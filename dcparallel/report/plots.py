@@ -17,10 +17,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-#: (start s, end s, "busy" | "idle" | "sync") spans of one rank, as SimResult.rank_timeline gives
+#: (start s, end s, kind) spans of one rank: kind "busy" | "idle" | "sync", as
+#: SimResult.rank_timeline gives; busy spans may say more: "busy sp=2", "busy sp=2 recompute"
 Span = tuple[float, float, str]
 
 COLORS = {"busy": "#2f7ed8", "idle": "#f15c80", "sync": "#434348"}
+#: busy colours by SP degree (1, 2, 4, ...), recomputing micro-batches hatched
+SP_COLORS = ["#2f7ed8", "#8085e9", "#90ed7d", "#f7a35c", "#e4d354", "#2b908f"]
+
+
+def _style(kind: str) -> tuple[str, str | None, str]:
+    """(colour, hatch, legend label) of a span kind."""
+    if not kind.startswith("busy") or kind == "busy":
+        return COLORS[kind], None, kind if kind != "idle" else "idle (waiting for the slowest group)"
+    sp = int(kind.split("sp=")[1].split()[0])
+    colour = SP_COLORS[min(len(SP_COLORS) - 1, max(sp, 1).bit_length() - 1)]
+    rec = "recompute" in kind
+    return colour, "////" if rec else None, f"busy, SP={sp}" + (", recomputing" if rec else "")
 
 
 def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: str | Path,
@@ -34,17 +47,20 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
     num_ranks = max(len(tl) for tl in timelines.values())
     fig_h = 1.0 + sum(0.35 * len(timelines[n]) + 0.6 for n in names)
     fig, axes = plt.subplots(len(names), 1, figsize=(12, fig_h), squeeze=False, sharex=True)
+    legend: dict[str, tuple[str, str | None]] = {}
     for ax, name in zip(axes[:, 0], names):
         tl = timelines[name]
-        busy_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "busy")
+        busy_total = sum(b - a for spans in tl.values() for a, b, k in spans if k.startswith("busy"))
         idle_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "idle")
         run_end = max((s[1] for spans in tl.values() for s in spans), default=0.0)
         for row, rank in enumerate(sorted(tl)):
-            for kind in ("busy", "idle", "sync"):
+            for kind in sorted({k for _, _, k in tl[rank]}):
                 bars = [(a, b - a) for a, b, k in tl[rank] if k == kind and b > a]
                 if bars:
-                    ax.broken_barh(bars, (row - 0.38, 0.76), facecolors=COLORS[kind],
-                                   edgecolor="white" if kind == "busy" else "none", linewidth=0.3)
+                    colour, hatch, label = _style(kind)
+                    ax.broken_barh(bars, (row - 0.38, 0.76), facecolors=colour, hatch=hatch,
+                                   edgecolor="white" if kind.startswith("busy") else "none", linewidth=0.3)
+                    legend[label] = (colour, hatch)
         ax.set_yticks(range(len(tl)))
         ax.set_yticklabels([f"rank {r}" for r in sorted(tl)])
         ax.set_ylim(-0.6, len(tl) - 0.4)
@@ -54,9 +70,10 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
                      fontsize=10)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("seconds")
-    handles = [Patch(color=COLORS[k], label=k if k != "idle" else "idle (waiting for the slowest group)")
-               for k in ("busy", "idle", "sync")]
-    fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=9)
+    for k in ("idle", "sync"):
+        legend.setdefault(_style(k)[2], (COLORS[k], None))
+    handles = [Patch(facecolor=c, hatch=h, edgecolor="white", label=label) for label, (c, h) in legend.items()]
+    fig.legend(handles=handles, loc="upper right", ncol=min(4, len(handles)), fontsize=9)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96 if title else 0.97))

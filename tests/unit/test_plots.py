@@ -29,3 +29,12 @@ def test_speedup_bars(tmp_path):
     sims = [{"scenario": "video", "distribution": "short", "speedup_vs_bucket": {"bucket": 1.0, "dcp": 1.3}}]
     out = plot_speedups(sims, tmp_path / "s.png")
     assert out.stat().st_size > 5000
+
+
+def test_busy_spans_coloured_by_sp_degree(tmp_path):
+    from dcparallel.report.plots import SP_COLORS
+
+    tl = {0: [(0, 1, "busy sp=2 recompute"), (1, 2, "busy sp=1")], 1: [(0, 1, "busy sp=2 recompute"), (1, 2, "idle")]}
+    out = plot_timelines({"x": tl}, tmp_path / "t.png")
+    assert _pixels(out, SP_COLORS[0]) > 1000  # SP=1 span
+    assert _pixels(out, SP_COLORS[1]) > 500  # SP=2 spans (hatched: fewer solid pixels)
