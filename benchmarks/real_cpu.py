@@ -28,6 +28,11 @@ def main() -> int:
     today = dt.date.today().isoformat()
     runs = [("built-in skewed", []), ("heavy_tail.txt", ["--lengths", str(ROOT / "examples/lengths/heavy_tail.txt")])]
     results = []
+    if "--report-only" in sys.argv:  # rebuild the markdown from the saved JSON and plots
+        saved = json.loads((HERE / f"real-cpu_{today}.json").read_text())
+        results = [(name, s, HERE / f"real-cpu_{today}_timeline_{i}.png") for i, ((name, _), s) in
+                   enumerate(zip(runs, saved))]
+        runs = []
     for name, extra in runs:
         out = ROOT / "out" / f"real-cpu-{len(results)}"
         cmd = [sys.executable, "-m", "dcparallel.cli", "demo", "--out", str(out), "--skip-paper-scale", "--json",
@@ -41,7 +46,8 @@ def main() -> int:
         plot = HERE / f"real-cpu_{today}_timeline_{len(results)}.png"
         shutil.copy(out / "timeline.png", plot)
         results.append((name, s, plot))
-    (HERE / f"real-cpu_{today}.json").write_text(json.dumps([s for _, s, _ in results], indent=1))
+    if runs:
+        (HERE / f"real-cpu_{today}.json").write_text(json.dumps([s for _, s, _ in results], indent=1))
     lines = [f"# Real training on CPU, 2 gloo ranks — {today}", "",
              f"Machine: {platform.machine()}, {torch.get_num_threads()} threads visible, 2 cores shared; "
              f"Python {platform.python_version()}, torch {torch.__version__}. Each rank runs one thread. "
