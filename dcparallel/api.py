@@ -32,7 +32,7 @@ from dcparallel.models.dit import DiT
 from dcparallel.models.llama import Llama
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
-from dcparallel.profile.inputs import MakeInputs, model_spec, text_inputs, video_inputs
+from dcparallel.profile.inputs import MakeInputs, reference_spec, text_inputs, video_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.runtime import comm
 from dcparallel.runtime import engine as _engine
@@ -49,26 +49,6 @@ def _default_memory(device: torch.device) -> int:
 
 def _local_world() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
-
-
-def reference_spec(model: nn.Module, layers: Sequence[nn.Module]) -> tuple[ModelSpec, int]:
-    """(the planner's view, blocks per spec layer) of a reference model."""
-    if isinstance(model, Llama):
-        c = model.cfg
-        spec = model_spec(model, layers, name=f"llama-h{c.hidden}-l{c.num_layers}", kind="text", hidden=c.hidden,
-                          num_heads=c.num_heads, ffn_hidden=c.ffn_hidden, attention="causal",
-                          vocab_size=c.vocab_size, bytes_per_value=next(model.parameters()).element_size())
-        return spec, 1
-    if isinstance(model, DiT):
-        c = model.cfg
-        unit = 2 if c.attention == "factorized" else 1
-        spec = model_spec(model, layers, name=f"dit-h{c.hidden}-l{c.num_layers}", kind="video", hidden=c.hidden,
-                          num_heads=c.num_heads, ffn_hidden=c.mlp_ratio * c.hidden,
-                          attention="factorized" if unit == 2 else "full", layers_per_unit=unit,
-                          bytes_per_value=next(model.parameters()).element_size())
-        return spec, unit
-    raise ValueError(f"{type(model).__name__} is not a reference model: pass spec= (a ModelSpec) and "
-                     f"make_inputs= (see dcparallel.profile.inputs) so it can be profiled")
 
 
 class DataCentricParallel(_engine.DataCentricParallel):

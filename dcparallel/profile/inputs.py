@@ -125,3 +125,24 @@ def model_spec(model: nn.Module, layers: Sequence[nn.Module], *, name: str, kind
                      attn_per_layer=layers_per_unit, **extra)
     assert spec.num_params == total
     return spec
+
+
+def reference_spec(model: nn.Module, layers: Sequence[nn.Module], name: str | None = None
+                   ) -> tuple[ModelSpec, int]:
+    """(the planner's view, blocks per spec layer) of a reference model (Llama or DiT)."""
+    if isinstance(model, Llama):
+        c = model.cfg
+        spec = model_spec(model, layers, name=name or f"llama-h{c.hidden}-l{c.num_layers}", kind="text",
+                          hidden=c.hidden, num_heads=c.num_heads, ffn_hidden=c.ffn_hidden, attention="causal",
+                          vocab_size=c.vocab_size, bytes_per_value=next(model.parameters()).element_size())
+        return spec, 1
+    if isinstance(model, DiT):
+        c = model.cfg
+        unit = 2 if c.attention == "factorized" else 1
+        spec = model_spec(model, layers, name=name or f"dit-h{c.hidden}-l{c.num_layers}", kind="video", hidden=c.hidden,
+                          num_heads=c.num_heads, ffn_hidden=c.mlp_ratio * c.hidden,
+                          attention="factorized" if unit == 2 else "full", layers_per_unit=unit,
+                          bytes_per_value=next(model.parameters()).element_size())
+        return spec, unit
+    raise ValueError(f"{type(model).__name__} is not a reference model: pass spec= (a ModelSpec) and "
+                     f"make_inputs= (see dcparallel.profile.inputs) so it can be profiled")

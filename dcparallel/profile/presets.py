@@ -10,7 +10,7 @@ from torch import nn
 
 from dcparallel.models.dit import DiT, DiTConfig
 from dcparallel.models.llama import Llama, LlamaConfig
-from dcparallel.profile.inputs import MakeInputs, model_spec, text_inputs, video_inputs
+from dcparallel.profile.inputs import MakeInputs, reference_spec, text_inputs, video_inputs
 from dcparallel.spec import ModelSpec, Size
 
 
@@ -40,10 +40,8 @@ def _llama(name: str, cfg: LlamaConfig) -> Callable[[torch.device, torch.dtype, 
             model = Llama(c)
         model = model.to(dtype)
         layers = list(model.layers)
-        spec = model_spec(model, layers, name=name, kind="text", hidden=c.hidden, num_heads=c.num_heads,
-                          ffn_hidden=c.ffn_hidden, attention="causal", vocab_size=c.vocab_size,
-                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
-        return Built(model, layers, spec, text_inputs(model, device), 1)
+        spec, unit = reference_spec(model, layers, name=name)
+        return Built(model, layers, spec, text_inputs(model, device), unit)
 
     return build
 
@@ -61,10 +59,7 @@ def _dit(name: str, cfg: DiTConfig) -> Callable[[torch.device, torch.dtype, int 
         layers = list(model.layers)
         # pixels -> latent: 4x temporal / 8x spatial VAE-like compression, then the model's
         # 1x2x2 patches: Open-Sora's rule (frames * 5 // 17 latent frames, 16-pixel tokens)
-        spec = model_spec(model, layers, name=name, kind="video", hidden=c.hidden, num_heads=c.num_heads,
-                          ffn_hidden=c.mlp_ratio * c.hidden,
-                          attention="factorized" if unit == 2 else "full", layers_per_unit=unit,
-                          bytes_per_value=torch.empty((), dtype=dtype).element_size())
+        spec, unit = reference_spec(model, layers, name=name)
         return Built(model, layers, spec, video_inputs(model, spec, device, dtype), unit)
 
     return build

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from dcparallel.cost.profiled import MODES, Profile
+from dcparallel.plan.context import static_recompute
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
@@ -61,7 +62,6 @@ from dcparallel.spec import (
     ClusterSpec,
     Layout,
     ModelSpec,
-    Recompute,
     Size,
     bucket_key,
     check_size,
@@ -157,11 +157,6 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return f"cpu: {name}"
-
-
-def _recompute(mode: str, num_blocks: int) -> Recompute:
-    return {"none": Recompute(0, 0), "attn": Recompute(num_blocks, 0), "mlp": Recompute(0, num_blocks),
-            "full": Recompute(num_blocks, num_blocks)}[mode]
 
 
 class Profiler:
@@ -301,7 +296,7 @@ class Profiler:
         memory the layout keeps its short-stack measurement and the validation is skipped."""
         cfg = self.config
         group = self.engine.groups.group(ranks)
-        layout = Layout(len(ranks), mbs, _recompute(mode, len(self.layers)))
+        layout = Layout(len(ranks), mbs, static_recompute(mode, len(self.layers)))
         state = self.model_state_bytes()
         inputs = None
         mem: dict[int, float] = {}
