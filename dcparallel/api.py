@@ -28,11 +28,9 @@ from torch import nn
 
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.data.loader import DataCentricLoader, read_sizes
-from dcparallel.models.dit import DiT
-from dcparallel.models.llama import Llama
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
-from dcparallel.profile.inputs import MakeInputs, reference_spec, text_inputs, video_inputs
+from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_spec
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.runtime import comm
 from dcparallel.runtime import engine as _engine
@@ -78,11 +76,7 @@ class DataCentricParallel(_engine.DataCentricParallel):
         super().__init__(model, layers=layers, num_heads=heads, cluster=self.cluster_spec, seed=seed, **engine_kw)
         self.policy, self.spec = policy, spec
         self.layers_per_unit = layers_per_unit or 1
-        self.make_inputs = make_inputs or (text_inputs(model, device) if isinstance(model, Llama)
-                                           else video_inputs(model, spec, device, next(model.parameters()).dtype)
-                                           if isinstance(model, DiT) else None)
-        if self.make_inputs is None:
-            raise ValueError("pass make_inputs= to profile a model that is not a reference model")
+        self.make_inputs = make_inputs or reference_inputs(model, spec, device)
         self.profile = None
         self.cost = None
 

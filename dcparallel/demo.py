@@ -93,13 +93,12 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from dcparallel.api import reference_spec
     from dcparallel.cost.profiled import ProfiledCost
     from dcparallel.data.loader import DataCentricLoader
     from dcparallel.models.llama import per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.cache import load_or_profile
-    from dcparallel.profile.inputs import text_inputs
+    from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import DataCentricParallel

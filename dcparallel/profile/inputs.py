@@ -146,3 +146,14 @@ def reference_spec(model: nn.Module, layers: Sequence[nn.Module], name: str | No
         return spec, unit
     raise ValueError(f"{type(model).__name__} is not a reference model: pass spec= (a ModelSpec) and "
                      f"make_inputs= (see dcparallel.profile.inputs) so it can be profiled")
+
+
+def reference_inputs(model: nn.Module, spec: ModelSpec, device: torch.device) -> MakeInputs:
+    """The profiling inputs of a reference model: packed random documents (Llama) or random
+    latents of the bucket's shape (DiT)."""
+    if isinstance(model, Llama):
+        return text_inputs(model, device)
+    if isinstance(model, DiT):
+        return video_inputs(model, spec, device, next(model.parameters()).dtype)
+    raise ValueError(f"{type(model).__name__} is not a reference model: pass make_inputs= "
+                     f"(see dcparallel.profile.inputs) so it can be profiled")

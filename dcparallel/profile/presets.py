@@ -10,7 +10,7 @@ from torch import nn
 
 from dcparallel.models.dit import DiT, DiTConfig
 from dcparallel.models.llama import Llama, LlamaConfig
-from dcparallel.profile.inputs import MakeInputs, reference_spec, text_inputs, video_inputs
+from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_spec
 from dcparallel.spec import ModelSpec, Size
 
 
@@ -32,35 +32,21 @@ class Preset:
     help: str
 
 
-def _llama(name: str, cfg: LlamaConfig) -> Callable[[torch.device, torch.dtype, int | None], Built]:
+def _reference(name: str, cfg: LlamaConfig | DiTConfig) -> Callable[[torch.device, torch.dtype, int | None], Built]:
+    """Builds a reference model of `cfg` (optionally another depth) with its spec and inputs. For
+    video, pixels -> latent follow Open-Sora's rule (frames * 5 // 17 latent frames, 16-pixel
+    tokens: a 4x temporal / 8x spatial VAE, then the model's 1x2x2 patches)."""
     def build(device: torch.device, dtype: torch.dtype, num_layers: int | None) -> Built:
-        c = cfg if num_layers is None else LlamaConfig(**{**cfg.__dict__, "num_layers": num_layers})
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Llama(c)
-        model = model.to(dtype)
-        layers = list(model.layers)
-        spec, unit = reference_spec(model, layers, name=name)
-        return Built(model, layers, spec, text_inputs(model, device), unit)
-
-    return build
-
-
-def _dit(name: str, cfg: DiTConfig) -> Callable[[torch.device, torch.dtype, int | None], Built]:
-    def build(device: torch.device, dtype: torch.dtype, num_layers: int | None) -> Built:
-        c = cfg if num_layers is None else DiTConfig(**{**cfg.__dict__, "num_layers": num_layers})
-        unit = 2 if c.attention == "factorized" else 1
-        if c.num_layers % unit:
+        c = cfg if num_layers is None else type(cfg)(**{**cfg.__dict__, "num_layers": num_layers})
+        if isinstance(c, DiTConfig) and c.attention == "factorized" and c.num_layers % 2:
             raise ValueError(f"a factorized DiT has spatial + temporal pairs: num_layers {c.num_layers} must be even")
         torch.manual_seed(0)
         with torch.device(device):
-            model = DiT(c)
+            model = (Llama if isinstance(c, LlamaConfig) else DiT)(c)
         model = model.to(dtype)
         layers = list(model.layers)
-        # pixels -> latent: 4x temporal / 8x spatial VAE-like compression, then the model's
-        # 1x2x2 patches: Open-Sora's rule (frames * 5 // 17 latent frames, 16-pixel tokens)
         spec, unit = reference_spec(model, layers, name=name)
-        return Built(model, layers, spec, video_inputs(model, spec, device, dtype), unit)
+        return Built(model, layers, spec, reference_inputs(model, spec, device), unit)
 
     return build
 
@@ -68,18 +54,18 @@ def _dit(name: str, cfg: DiTConfig) -> Callable[[torch.device, torch.dtype, int 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("tiny-llama", _llama("tiny-llama", LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4,
+        Preset("tiny-llama", _reference("tiny-llama", LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4,
                                                               ffn_hidden=352)),
                (256, 512, 1024, 2048), "8 layers, hidden 128, vocab 256 (CPU)"),
-        Preset("small-llama", _llama("small-llama", LlamaConfig.small(num_layers=8)),
+        Preset("small-llama", _reference("small-llama", LlamaConfig.small(num_layers=8)),
                (512, 1024, 2048, 4096), "8 layers, hidden 256, vocab 4096 (CPU demos)"),
-        Preset("tiny-dit", _dit("tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32,
+        Preset("tiny-dit", _reference("tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32,
                                                       attention="factorized")),
                ((1, 128, 128), (17, 128, 128), (51, 128, 128), (51, 256, 256)),
                "4 spatial+temporal pairs, hidden 64 (CPU)"),
-        Preset("llama-7b", _llama("llama-7b", LlamaConfig.llama_7b()),
+        Preset("llama-7b", _reference("llama-7b", LlamaConfig.llama_7b()),
                (1024, 2048, 4096, 8192, 16384, 32768), "Llama-7B dimensions, 32 layers (GPU)"),
-        Preset("dit-1b", _dit("dit-1b", DiTConfig.dit_1b()),
+        Preset("dit-1b", _reference("dit-1b", DiTConfig.dit_1b()),
                ((1, 240, 426), (51, 240, 426), (51, 480, 853), (102, 720, 1280)),
                "~1.1B video DiT, 23 pairs (GPU)"),
     )
