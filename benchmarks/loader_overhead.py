@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     results["plan"] = stats(plan_times)
     loaded, held = [], []
     for p in loader.plans(0):
-        group = p.group_of(0)
-        n = sum(ds.lengths[i] for mb in group.micro_batches for i in mb.sample_ids)
-        loaded.append(n)  # every rank of an SP group reads the whole samples, then keeps its shard
-        held.append(n / len(group.ranks))
+        work = p.work_of(0)
+        loaded.append(sum(ds.lengths[i] for mb, _ in work for i in mb.sample_ids))
+        # every rank of an SP group reads the whole samples, then keeps its shard
+        held.append(sum(ds.lengths[i] / len(ranks) for mb, ranks in work for i in mb.sample_ids))
     results["tokens_per_rank_step"]["dcparallel_loaded"] = statistics.fmean(loaded)
     results["tokens_per_rank_step"]["dcparallel_shard"] = statistics.fmean(held)
 

@@ -159,7 +159,8 @@ def cmd_plan(args) -> int:
             for g, busy in zip(plan.groups, res.group_busy):
                 lay = [f"{len(m.sample_ids)}x sp{m.layout.sp} rc={m.layout.recompute.describe(ctx.model.num_layers)}"
                        for m in g.micro_batches]
-                print(f"  ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
+                phase = f"phase {g.phase} " if plan.num_phases > 1 else ""
+                print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
     return 0
 

@@ -100,23 +100,31 @@ def random_plan(
     """Aligned groups, samples dealt unevenly, micro-batches of 1-3 samples (video: same
     shape only), random recompute per micro-batch. ``mode``: "random" (random tiling with
     SP 1/2/4, sometimes an idle group), "world" (one group of the whole world), "idle"
-    (a group of half the world + single ranks, one group with no micro-batch)."""
+    (a group of half the world + single ranks, one group with no micro-batch), "phases"
+    (two phases: a group of the whole world, then a random tiling with an idle group)."""
     rng = random.Random(seed)
+    allowed = tuple(s for s in sizes if s <= world)
     if mode == "world":
-        blocks = [tuple(range(world))]
+        blocks = [(0, tuple(range(world)))]
     elif mode == "idle":
         half = world // 2
-        blocks = ([tuple(range(half))] if half > 1 else [(0,)]) + [(r,) for r in range(max(half, 1), world)]
+        blocks = [(0, b) for b in ([tuple(range(half))] if half > 1 else [(0,)])
+                  + [(r,) for r in range(max(half, 1), world)]]
+    elif mode == "phases":
+        blocks = [(0, tuple(range(world)))] + [(1, b) for b in _tile(0, world, rng, allowed[:-1])]
     else:
-        blocks = _tile(0, world, rng, tuple(s for s in sizes if s <= world))
-    assigned: dict[tuple[int, ...], list[int]] = {b: [] for b in blocks}
-    num_idle = 1 if len(blocks) > 1 and (mode == "idle" or rng.random() < 0.6) else 0
-    busy = rng.sample(blocks, k=len(blocks) - num_idle)
+        blocks = [(0, b) for b in _tile(0, world, rng, allowed)]
+    assigned: dict[tuple[int, tuple[int, ...]], list[int]] = {b: [] for b in blocks}
+    num_idle = 1 if len(blocks) > 1 and (mode in ("idle", "phases") or rng.random() < 0.6) else 0
+    if mode == "phases":  # the whole-world group always runs something
+        busy = blocks[:1] + rng.sample(blocks[1:], k=len(blocks) - 1 - num_idle)
+    else:
+        busy = rng.sample(blocks, k=len(blocks) - num_idle)
     for sid in sample_ids:
         assigned[rng.choice(busy)].append(sid)
     groups = []
-    for b in blocks:
-        sids = assigned[b]
+    for phase, b in blocks:
+        sids = assigned[(phase, b)]
         mbs: list[MicroBatch] = []
         if data.kind.startswith("llama"):
             while sids:
@@ -133,7 +141,7 @@ def random_plan(
                     chunk, same = same[:k], same[k:]
                     mbs.append(_mb(chunk, len(b), rng, num_layers))
             rng.shuffle(mbs)
-        groups.append(GroupPlan(b, tuple(mbs)))
+        groups.append(GroupPlan(b, tuple(mbs), phase))
     plan = StepPlan(
         index=0,
         sample_ids=tuple(sample_ids),
@@ -184,8 +192,7 @@ def run_rank_step(
     """This rank's micro-batches of the plan, then the step's gradient sync.
     ``backward_outside``: call backward after the micro-batch block has exited."""
     model = dc.model
-    for mb in plan.group_of(rank).micro_batches:
-        ranks = plan.group_of(rank).ranks
+    for mb, ranks in plan.work_of(rank):
         if data.kind.startswith("llama"):
             batch = text_batch(mb, ranks, rank, data.docs, data.labels)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import numbers
 import threading
@@ -63,9 +64,9 @@ CollateFn = Callable[[Mapping[int, Any], MicroBatch, tuple[int, ...], int], Any]
 
 @dataclass(frozen=True)
 class Step:
-    """This rank's part of one optimizer step: one item per micro-batch of its group, in
-    the order the group runs them. Empty when the rank's group has no micro-batch this step
-    (the rank still joins the step's gradient sync)."""
+    """This rank's part of one optimizer step: one item per micro-batch it runs, in order
+    (its group's micro-batches in each phase of the step, phase by phase). Empty when the
+    rank's groups have no micro-batch this step (the rank still joins the gradient sync)."""
 
     epoch: int
     index: int
@@ -79,16 +80,17 @@ class Step:
     """`Batch`es (or what a custom collate returns; the raw samples with collate=None)"""
 
     @property
-    def group(self) -> GroupPlan:
-        return self.plan.group_of(self.rank)
+    def groups(self) -> tuple[GroupPlan, ...]:
+        """This rank's group in each phase of the step."""
+        return self.plan.groups_of(self.rank)
 
     @property
     def micro_batches(self) -> tuple[MicroBatch, ...]:
-        return self.group.micro_batches
+        return tuple(mb for mb, _ in self.plan.work_of(self.rank))
 
     @property
     def sample_ids(self) -> tuple[int, ...]:
-        """This rank's samples in this step (shared with the other ranks of its SP group)."""
+        """This rank's samples in this step (shared with the other ranks of their SP groups)."""
         return tuple(i for mb in self.micro_batches for i in mb.sample_ids)
 
     @property
@@ -224,8 +226,8 @@ class _Task:
 
     epoch: int
     step: int
-    micro_batches: tuple[MicroBatch, ...]
-    ranks: tuple[int, ...]
+    work: tuple[tuple[MicroBatch, tuple[int, ...]], ...]
+    """(micro-batch, its group's ranks), in the order this rank runs them"""
     rank: int
 
 
@@ -236,9 +238,9 @@ class _TaskDataset(torch.utils.data.Dataset):
         self.dataset, self.collate, self.sizes, self.check_text = dataset, collate, sizes, check_text
 
     def __getitem__(self, task: _Task) -> list[Any]:  # type: ignore[override]
-        return [self._one(mb, task) for mb in task.micro_batches]
+        return [self._one(mb, ranks, task.rank) for mb, ranks in task.work]
 
-    def _one(self, mb: MicroBatch, task: _Task) -> Any:
+    def _one(self, mb: MicroBatch, ranks: tuple[int, ...], rank: int) -> Any:
         samples = {sid: self.dataset[sid] for sid in mb.sample_ids}
         if self.check_text:
             for sid, s in samples.items():
@@ -251,7 +253,7 @@ class _TaskDataset(torch.utils.data.Dataset):
                     )
         if self.collate is None:
             return [samples[sid] for sid in mb.sample_ids]
-        return self.collate(samples, mb, task.ranks, task.rank)
+        return self.collate(samples, mb, ranks, rank)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -398,9 +400,9 @@ class _TaskSampler(Sampler):
 
     def __iter__(self) -> Iterator[_Task]:
         for k in range(self.start, self.end):
-            group = self.stream.get(k, "sampler").group_of(self.rank)
-            if group.micro_batches:
-                yield _Task(self.epoch, k, group.micro_batches, group.ranks, self.rank)
+            work = self.stream.get(k, "sampler").work_of(self.rank)
+            if work:
+                yield _Task(self.epoch, k, work, self.rank)
 
 
 # ---------------------------------------------------------------- the loader
@@ -640,17 +642,17 @@ class DataCentricLoader:
                 plan = stream.get(k, "assembler")
                 if self.check_plans:
                     comm.check_equal(comm.digest(plan.to_json()), f"plan of epoch {epoch} step {k}")
-                group = plan.group_of(self.rank)
+                work = plan.work_of(self.rank)
                 batches: tuple[Any, ...] = ()
-                if group.micro_batches:
+                if work:
                     got = next(it)
                     batches = tuple(got.unpack() if isinstance(got, _OneBuffer) else got)
-                for b, mb in zip(batches, group.micro_batches, strict=True):
+                for b, (mb, _) in zip(batches, work, strict=True):
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
                 self._step = k + 1
-                log.debug("rank %d epoch %d step %d/%d group %s: samples %s", self.rank, epoch, k, len(steps),
-                          list(group.ranks), [i for mb in group.micro_batches for i in mb.sample_ids])
+                log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
+                          epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
                 if self.lookahead:
                     stream.ahead(k + 2)
                 yield Step(epoch, k, len(steps), self.rank, plan, batches)

@@ -14,7 +14,13 @@ For each step:
    where they finish earlier, re-laid-out at that group's SP degree (`inter`);
 4. recomputation per micro-batch: `fit` (none if it fits, else full) or `pac` (the
    cheapest partial recompute that fits the memory left, a knapsack over layers x
-   {attention, MLP}).
+   {attention, MLP});
+5. with `phases` (`dcp`), the step may also run in two phases on the same ranks: first the
+   micro-batches of SP degree >= k on their groups, then the narrower ones on groups of
+   their own, for each k among the step's degrees; the plan with the earliest predicted
+   end is kept. One phase has to give every degree its own groups at once, so a sample
+   that needs a group as wide as the world drags the step's short samples onto that
+   group too; two phases let the short ones run narrow, in parallel, after it.
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ from dcparallel.spec import Layout
 
 
 class DCPPlanner:
-    def __init__(self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool):
+    def __init__(self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool,
+                 phases: bool = False):
         self.ctx, self.name, self.mode, self.balance, self.promote = ctx, name, mode, balance, promote
+        self.phases = phases
         self.options: dict[tuple[int, int], dict[int, Option]] = {
             b: ctx.bucket_options(b, mode) for b in ctx.rep}
         self.preferred = {b: min(o, key=lambda k: (o[k].gpu_s_per_sample, k)) for b, o in self.options.items()}
 
     def describe(self) -> dict:
-        return {"recompute": self.mode, "balance": self.balance, "promote": self.promote}
+        return {"recompute": self.mode, "balance": self.balance, "promote": self.promote, "phases": self.phases}
 
     # -- 1. layouts --------------------------------------------------------------------
     def _choose_sp(self, by_bucket: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int], int]:
@@ -117,7 +125,8 @@ class DCPPlanner:
 
     def plan(self, step: Step) -> StepPlan:
         """Plans with each bucket at its preferred SP degree and, when promotion changes any,
-        with long buckets promoted; keeps whichever finishes the step first."""
+        with long buckets promoted; each in one phase and, with `phases`, split in two at
+        each SP degree; keeps whichever finishes the step first."""
         ctx = self.ctx
         world = ctx.cluster.world_size
         by_bucket: dict[tuple[int, int], list[int]] = {}
@@ -129,14 +138,25 @@ class DCPPlanner:
             promoted = self._choose_sp(by_bucket)
             if promoted != preferred:
                 candidates.append(promoted)
-        group_sizes, group_mbs, _ = min((self._groups(by_bucket, dict(c)) for c in candidates),
-                                        key=lambda r: r[2])
-        order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
-        ranks = place_groups([group_sizes[g] for g in order], world)
+        best = None  # (predicted end, phases: [(group sizes, group micro-batches)])
+        for c in candidates:
+            splits = [[by_bucket]]
+            if self.phases:
+                for k in sorted(set(c.values()))[1:]:
+                    splits.append([{b: ids for b, ids in by_bucket.items() if c[b] >= k},
+                                   {b: ids for b, ids in by_bucket.items() if c[b] < k}])
+            for parts in splits:
+                phases = [self._groups(part, {b: c[b] for b in part}) for part in parts]
+                end = sum(span for _, _, span in phases)
+                if best is None or end < best[0] * (1 - 1e-9):
+                    best = (end, [(sizes, mbs) for sizes, mbs, _ in phases])
         groups = []
-        for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
-            mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
-            groups.append(GroupPlan(r, mbs))
+        for phase, (group_sizes, group_mbs) in enumerate(best[1]):
+            order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
+            ranks = place_groups([group_sizes[g] for g in order], world)
+            for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
+                mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
+                groups.append(GroupPlan(r, mbs, phase))
         return StepPlan(step.index, step.sample_ids, tuple(groups),
                         sum(ctx.tokens[i] for i in step.sample_ids))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, dcp_inter, dcp_inter_pac, dcp_intra, packed
+from dcparallel.plan import bucket, dcp_full, dcp_inter, dcp_inter_pac, dcp_intra, packed
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
@@ -27,15 +27,6 @@ class PolicySpec:
     build: Callable[[PlanContext, Sequence[Step]], Planner]
 
 
-def _alias(name: str, build):
-    def make(ctx: PlanContext, steps: Sequence[Step]) -> Planner:
-        p = build(ctx, steps)
-        p.name = name
-        return p
-
-    return make
-
-
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in [
@@ -50,7 +41,8 @@ POLICIES: dict[str, PolicySpec] = {
                    dcp_inter.build),
         PolicySpec("dcp-inter-pac", "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
                    dcp_inter_pac.build),
-        PolicySpec("dcp", "the best we have; for now dcp-inter-pac", _alias("dcp", dcp_inter_pac.build)),
+        PolicySpec("dcp", "ours: dcp-inter-pac + two-phase steps (wide groups first, then narrow ones "
+                   "on the same ranks), the plan predicted to finish first", dcp_full.build),
     ]
 }
 

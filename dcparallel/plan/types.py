@@ -20,35 +20,52 @@ class MicroBatch:
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """An aligned block of ranks that runs its micro-batches in order during one step."""
+    """An aligned block of ranks that runs its micro-batches in order during one phase of a
+    step (see `StepPlan`)."""
 
     ranks: tuple[int, ...]
     micro_batches: tuple[MicroBatch, ...]
+    phase: int = 0
 
     @property
     def sp(self) -> int:
         return len(self.ranks)
 
     def to_json(self) -> dict:
-        return {"ranks": list(self.ranks), "micro_batches": [m.to_json() for m in self.micro_batches]}
+        return {"ranks": list(self.ranks), "phase": self.phase,
+                "micro_batches": [m.to_json() for m in self.micro_batches]}
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One optimizer step: its samples, the groups tiling the world, and its token count.
+    """One optimizer step: its samples, its groups, and its token count.
 
-    The exact loss normalizer (targets that are not ignored) is counted at run time."""
+    A step runs in one or more *phases*; the groups of each phase tile the world, and every
+    rank runs its phase-0 group's micro-batches, then its phase-1 group's, and so on (a
+    group's collectives start once all its ranks reach it). One phase is the common case;
+    a second lets a step run a long sample on a wide group and its short samples on narrow
+    ones, on the same ranks. `groups` are listed in phase order. The exact loss normalizer
+    (targets that are not ignored) is counted at run time."""
 
     index: int
     sample_ids: tuple[int, ...]
     groups: tuple[GroupPlan, ...]
     num_tokens: int
 
-    def group_of(self, rank: int) -> GroupPlan:
-        for g in self.groups:
-            if rank in g.ranks:
-                return g
-        raise ValueError(f"rank {rank} is in no group of step {self.index}")
+    @property
+    def num_phases(self) -> int:
+        return 1 + max((g.phase for g in self.groups), default=0)
+
+    def groups_of(self, rank: int) -> tuple[GroupPlan, ...]:
+        """The rank's group in each phase, in phase order."""
+        out = tuple(g for g in self.groups if rank in g.ranks)
+        if not out:
+            raise ValueError(f"rank {rank} is in no group of step {self.index}")
+        return out
+
+    def work_of(self, rank: int) -> tuple[tuple[MicroBatch, tuple[int, ...]], ...]:
+        """The micro-batches the rank runs, in order, each with its group's ranks."""
+        return tuple((m, g.ranks) for g in self.groups_of(rank) for m in g.micro_batches)
 
     def micro_batches(self):
         for g in self.groups:
@@ -59,15 +76,23 @@ class StepPlan:
                 "sample_ids": list(self.sample_ids), "groups": [g.to_json() for g in self.groups]}
 
     def validate(self, world_size: int, allowed: set[tuple[int, ...]] | None = None) -> None:
-        """Internal invariants: groups tile the world, each micro-batch runs at its group's
-        SP degree with as many samples as its layout says, every step sample is used once."""
-        seen_ranks: list[int] = []
-        for g in self.groups:
-            assert allowed is None or g.ranks in allowed, f"group {g.ranks} is not an allowed group"
-            seen_ranks.extend(g.ranks)
-            for m in g.micro_batches:
-                assert m.layout.sp == g.sp, f"micro-batch sp {m.layout.sp} on a group of {g.sp}"
-                assert m.layout.mbs == len(m.sample_ids), "layout mbs differs from its samples"
-        assert sorted(seen_ranks) == list(range(world_size)), f"groups do not tile the world: {seen_ranks}"
+        """Internal invariants: groups are listed in phase order and each phase's groups tile
+        the world, each micro-batch runs at its group's SP degree with as many samples as its
+        layout says, every step sample is used once."""
+        phases = [g.phase for g in self.groups]
+        assert phases == sorted(phases), f"groups are not in phase order: {phases}"
+        assert sorted(set(phases)) == list(range(self.num_phases)), f"phases are not 0..n-1: {phases}"
+        for p in range(self.num_phases):
+            seen_ranks: list[int] = []
+            for g in self.groups:
+                if g.phase != p:
+                    continue
+                assert allowed is None or g.ranks in allowed, f"group {g.ranks} is not an allowed group"
+                seen_ranks.extend(g.ranks)
+                for m in g.micro_batches:
+                    assert m.layout.sp == g.sp, f"micro-batch sp {m.layout.sp} on a group of {g.sp}"
+                    assert m.layout.mbs == len(m.sample_ids), "layout mbs differs from its samples"
+            assert sorted(seen_ranks) == list(range(world_size)), \
+                f"phase {p}'s groups do not tile the world: {seen_ranks}"
         used = sorted(i for m in self.micro_batches() for i in m.sample_ids)
         assert used == sorted(self.sample_ids), f"step {self.index} does not use each sample once"

@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         plan, lengths = hand_made_plan(step, world, cfg.num_layers)
         docs = make_docs(step, lengths)
-        group = plan.group_of(rank)
-        for micro in group.micro_batches:
-            batch = text_batch(micro, group.ranks, rank, docs)
+        for micro, ranks in plan.work_of(rank):
+            batch = text_batch(micro, ranks, rank, docs)
             with dc.micro_batch(batch) as ctx:
                 ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
                 ctx.backward(ctx.token_loss(ptl, batch.loss_mask))

@@ -1,8 +1,9 @@
 """Replays step plans on a cost model: per-group busy time, step time, idle, memory.
 
-A step's groups run their micro-batches back to back; the step ends when the slowest
-group is done and all ranks have met for the gradient sync. Idle is the time a rank
-waits for the slowest group. A micro-batch whose peak memory exceeds the usable memory
+A step's groups run their micro-batches back to back; a group of a later phase starts
+when all its ranks are done with the phase before (its collectives wait for them); the
+step ends when the last rank is done and all ranks have met for the gradient sync. Idle
+is the time a rank is not running a micro-batch before the sync. A micro-batch whose peak memory exceeds the usable memory
 makes the plan invalid (counted in `memory_violations`).
 """
 
@@ -29,7 +30,7 @@ class Segment:
 @dataclass
 class StepResult:
     index: int
-    compute_time: float  # slowest group
+    compute_time: float  # the last rank done
     sync_time: float
     group_ranks: list[tuple[int, ...]]
     group_busy: list[float]
@@ -84,12 +85,17 @@ class SimResult:
         """(start, end, "busy" | "idle" | "sync") spans of one rank over the run."""
         out, t0 = [], 0.0
         for s in self.steps:
-            gi = next(i for i, g in enumerate(s.group_ranks) if rank in g)
-            for seg in s.group_segments[gi]:
-                out.append((t0 + seg.start, t0 + seg.end, "busy"))
-            busy = s.group_busy[gi]
-            if s.compute_time > busy:
-                out.append((t0 + busy, t0 + s.compute_time, "idle"))
+            t = 0.0
+            for ranks, segs in zip(s.group_ranks, s.group_segments):
+                if rank not in ranks:
+                    continue
+                for seg in segs:
+                    if seg.start > t:
+                        out.append((t0 + t, t0 + seg.start, "idle"))
+                    out.append((t0 + seg.start, t0 + seg.end, "busy"))
+                    t = seg.end
+            if s.compute_time > t:
+                out.append((t0 + t, t0 + s.compute_time, "idle"))
             if s.sync_time > 0:
                 out.append((t0 + s.compute_time, t0 + s.step_time, "sync"))
             t0 += s.step_time
@@ -99,8 +105,10 @@ class SimResult:
 def replay_step(plan: StepPlan, ctx: PlanContext) -> StepResult:
     ranks, busy, segs = [], [], []
     peak, violations = 0.0, 0
-    for g in plan.groups:
-        t, gsegs = 0.0, []
+    clock = [0.0] * ctx.cluster.world_size  # when each rank is done with its groups so far
+    for g in plan.groups:  # in phase order
+        t = start = max(clock[r] for r in g.ranks) if g.micro_batches else 0.0
+        gsegs = []
         for mb in g.micro_batches:
             dt = ctx.mb_time(mb.sample_ids, mb.layout)
             mem = ctx.mb_memory(mb.sample_ids, mb.layout)
@@ -109,11 +117,14 @@ def replay_step(plan: StepPlan, ctx: PlanContext) -> StepResult:
                 violations += 1
             gsegs.append(Segment(t, t + dt, g.sp, len(mb.sample_ids)))
             t += dt
+        if g.micro_batches:
+            for r in g.ranks:
+                clock[r] = t
         ranks.append(g.ranks)
-        busy.append(t)
+        busy.append(t - start)
         segs.append(gsegs)
-    compute = max(busy, default=0.0)
-    idle = sum((compute - b) * len(r) for r, b in zip(ranks, busy))
+    compute = max(clock, default=0.0)
+    idle = compute * len(clock) - sum(b * len(r) for r, b in zip(ranks, busy))
     return StepResult(plan.index, compute, ctx.cost.grad_sync_time(), ranks, busy, segs, idle,
                       peak, plan.num_tokens, violations)
 

@@ -151,7 +151,7 @@ def case_engine(kind: str, seeds: list[int], num_samples: int, backward_outside:
     results = []
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
-        mode = ("world", "idle", "random")[i % 3]
+        mode = ("world", "idle", "random", "phases")[i % 4]
         plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(model.layers), mode=mode)
         loss = run_rank_step(dc, data, plan, dist.get_rank(), backward_outside)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -3,6 +3,7 @@ and DataCentricParallel, coverage checked from each rank's own log file."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -15,7 +16,7 @@ from tests.support import Data, make_model, reference
 
 pytestmark = pytest.mark.dist
 
-LINE = re.compile(r"rank (\d+) epoch (\d+) step (\d+)/(\d+) group \[([\d, ]+)\]: samples \[([\d, ]*)\]")
+LINE = re.compile(r"rank (\d+) epoch (\d+) step (\d+)/(\d+): micro-batches \(group ranks, sample ids\) (.*)$")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def test_epoch_through_the_reference_lm_covers_every_sample_once(workers, tmp_pa
         assert [int(m[3]) for m in parsed[r]] == list(range(num_steps)), f"rank {r} did not log every step"
         assert all(int(m[1]) == r and int(m[4]) == num_steps for m in parsed[r])
         for m in parsed[r]:
-            group = tuple(int(x) for x in m[5].split(","))
-            for sid in (int(x) for x in m[6].split(",") if x.strip()):
-                holders.setdefault(sid, []).append(r)
-                assert group_of.setdefault(sid, group) == group
+            for ranks, sids in json.loads(m[5]):
+                for sid in sids:
+                    holders.setdefault(sid, []).append(r)
+                    assert group_of.setdefault(sid, tuple(ranks)) == tuple(ranks)
         assert any("epoch 0 done" in x for x in (tmp_path / f"rank{r}.log").read_text().splitlines())
     assert sorted(holders) == list(range(num_samples)), "a sample was dropped"
     for sid, ranks in holders.items():

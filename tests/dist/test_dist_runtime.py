@@ -68,15 +68,18 @@ def test_heads_not_divisible_by_sp_is_a_clear_error(workers):
 def test_random_plans_match_single_process_gradients(workers, kind, backward_outside):
     """backward_outside: the recomputed forwards (inside backward) still run in the
     micro-batch's SP group with its documents after the `micro_batch` block exited."""
-    seeds = [11, 12, 13]
+    seeds = [11, 12, 13, 14]
     num_samples = 9
     out = workers.run(cases.case_engine, kind, seeds, num_samples, backward_outside)
-    sp_seen, idle_seen, rc_seen, uneven_counts = set(), False, set(), False
+    sp_seen, idle_seen, rc_seen, uneven_counts, phased = set(), False, set(), False, False
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
         ref_loss, ref_grads = reference(make_model(kind), data, list(range(num_samples)))
         plan = out[0][i]["plan"]
         uneven_counts |= len({len(g["micro_batches"]) for g in plan["groups"]}) > 1
+        # a rank in two phases runs a wide group's micro-batches, then a narrow one's
+        phased |= any(g["phase"] == 1 and g["micro_batches"] for g in plan["groups"]) and bool(
+            [g for g in plan["groups"] if g["phase"] == 0 and len(g["ranks"]) == workers.world and g["micro_batches"]])
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
             idle_seen |= not g["micro_batches"]
@@ -93,7 +96,7 @@ def test_random_plans_match_single_process_gradients(workers, kind, backward_out
                 assert torch.equal(g, out[0][i]["grads"][name])
     # the random plans really covered what the test claims
     assert sp_seen == {1, 2, 4} if workers.world == 4 else sp_seen == {1, 2}, sp_seen
-    assert idle_seen and uneven_counts and len(rc_seen) >= 3
+    assert idle_seen and uneven_counts and phased and len(rc_seen) >= 3
 
 
 @pytest.mark.parametrize("use_zero", [True, False], ids=["zero1", "torch-adamw"])

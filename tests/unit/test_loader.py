@@ -83,7 +83,7 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
     assert summary["skipped"][0]["needs_gib"] > 1.5  # more than the cluster's 1.5 GiB
     # each sample counted once: by the first rank of the group that ran it
     seen = [i for r in (0, 1) for st in make(ds, lens, world=2, rank=r, skip_oversize=True)
-            if st.group.ranks[0] == r for i in st.sample_ids]
+            for mb, ranks in st.plan.work_of(r) if ranks[0] == r for i in mb.sample_ids]
     assert sorted(seen) == [0, 1, 2, 3, 5]
 
 

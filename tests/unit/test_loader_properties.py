@@ -47,12 +47,12 @@ def loaders(case: dict) -> list[DataCentricLoader]:
 
 
 def record(steps) -> list[tuple]:
-    """(step, rank, group ranks, sample ids per micro-batch) of each step handed out, with
+    """(step, rank, ranks of its group per phase, sample ids per micro-batch) of each step handed out, with
     the raw samples checked against the plan's sample ids."""
     out = []
     for s in steps:
         assert [list(b) for b in s.batches] == [list(mb.sample_ids) for mb in s.micro_batches]
-        out.append((s.index, s.rank, s.group.ranks, tuple(mb.sample_ids for mb in s.micro_batches)))
+        out.append((s.index, s.rank, tuple(g.ranks for g in s.groups), tuple(mb.sample_ids for mb in s.micro_batches)))
     return out
 
 
@@ -70,16 +70,17 @@ def test_every_sample_once_plans_identical_and_resume_exact(case):
         assert all(run[k].plan == plan for run in runs)
         assert all(run[k].index == k for run in runs)
 
-    # every rank gets exactly its group's micro-batches; every sample in exactly one group
+    # every rank gets exactly its groups' micro-batches; every sample in exactly one group
     holders: dict[int, set[int]] = {}
     group_of: dict[int, tuple[int, ...]] = {}
     for r, run in enumerate(runs):
         for s in run:
-            assert r in s.group.ranks
-            for i in s.sample_ids:
-                assert i not in holders or r not in holders[i], f"sample {i} twice on rank {r}"
-                holders.setdefault(i, set()).add(r)
-                assert group_of.setdefault(i, s.group.ranks) == s.group.ranks
+            assert all(r in g.ranks for g in s.groups)
+            for mb, ranks in s.plan.work_of(r):
+                for i in mb.sample_ids:
+                    assert i not in holders or r not in holders[i], f"sample {i} twice on rank {r}"
+                    holders.setdefault(i, set()).add(r)
+                    assert group_of.setdefault(i, ranks) == ranks
     assert sorted(holders) == list(range(len(case["lengths"]))), "a sample was dropped"
     assert all(holders[i] == set(group_of[i]) for i in holders), "a sample missing on a rank of its group"
 

@@ -43,3 +43,43 @@ def test_over_memory_plan_is_flagged():
     plan = StepPlan(0, (1,), (GroupPlan((0,), (MicroBatch((1,), Layout(1, 1)),)),), 3000)
     assert ctx.mb_memory((1,), Layout(1, 1)) > ctx.budget
     assert simulate([plan], ctx).memory_violations == 1
+
+
+def test_two_phase_step_waits_per_group_not_per_phase():
+    """Phase 1 groups start when *their* ranks are done with phase 0: rank 2 (idle in phase
+    0) starts at once, the pair (0, 1) waits for the slower of its two phase-0 groups."""
+    cl = cluster(4, 4)
+    c = cost(TINY_LM, cl)
+    ctx = PlanContext(Workload(TINY_LM, (8000, 1000, 3000, 500, 2000)), c, cl)
+    plan = StepPlan(0, (0, 1, 2, 3, 4), (
+        GroupPlan((0,), (MicroBatch((0,), Layout(1, 1)),)),
+        GroupPlan((1,), (MicroBatch((1,), Layout(1, 1)),)),
+        GroupPlan((2, 3), ()),
+        GroupPlan((0, 1), (MicroBatch((2,), Layout(2, 1)),), phase=1),
+        GroupPlan((2,), (MicroBatch((3,), Layout(1, 1)),), phase=1),
+        GroupPlan((3,), (MicroBatch((4,), Layout(1, 1)),), phase=1),
+    ), num_tokens=14500)
+    plan.validate(4)
+    t = {i: ctx.mb_time((i,), Layout(1, 1)) for i in (0, 1, 3, 4)}
+    t2 = ctx.mb_time((2,), Layout(2, 1))
+    assert t[0] > t[1]
+    step = simulate([plan], ctx).steps[0]
+    end = max(t[0] + t2, t[3], t[4])
+    assert step.compute_time == pytest.approx(end)
+    busy = {0: t[0] + t2, 1: t[1] + t2, 2: t[3], 3: t[4]}
+    assert step.idle_gpu_s == pytest.approx(sum(end - b for b in busy.values()))
+    res = simulate([plan], ctx)
+    # rank 1 waits for rank 0 between its phase-0 and phase-1 micro-batches
+    assert [k for _, _, k in res.rank_timeline(1)] == ["busy", "idle", "busy", "sync"]
+    assert res.rank_timeline(1)[2][0] == pytest.approx(t[0])
+    assert res.rank_timeline(2)[0] == pytest.approx((0.0, t[3], "busy"))
+
+
+def test_phases_must_each_tile_the_world():
+    ok = GroupPlan((0, 1), (MicroBatch((0,), Layout(2, 1)),))
+    plan = StepPlan(0, (0, 1), (ok, GroupPlan((0,), (MicroBatch((1,), Layout(1, 1)),), phase=1)), 2)
+    with pytest.raises(AssertionError, match="phase 1's groups do not tile the world"):
+        plan.validate(2)
+    unordered = StepPlan(0, (0,), (GroupPlan((0, 1), (), phase=1), GroupPlan((0, 1), (MicroBatch((0,), Layout(2, 1)),))), 1)
+    with pytest.raises(AssertionError, match="not in phase order"):
+        unordered.validate(2)
