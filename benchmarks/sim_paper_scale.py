@@ -19,14 +19,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcparallel.cli import simulate_json
-from dcparallel.cost.analytic import AnalyticCost, fit_report
-from dcparallel.plan.context import PlanContext
-from dcparallel.plan.policies import ALL, make_planner
-from dcparallel.plan.steps import form_steps
+from dcparallel.cost.analytic import fit_report
+from dcparallel.plan.policies import ALL
 from dcparallel.report.plots import plot_speedups, plot_timelines
-from dcparallel.scenarios import ALPHA, DEFAULT_SEED, DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
-from dcparallel.sim.replay import simulate
-from dcparallel.spec import Workload
+from dcparallel.scenarios import ALPHA, DEFAULT_SEED, DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS
+from dcparallel.sim.run import scenario_timelines
 
 # DCP v1 (32 H100, Open-Sora 1.1B) speedups over bucket parallel, as published
 PUBLISHED = {"short": (1.55, 2.12, 2.48), "balanced": (1.23, 1.68, 1.78), "long": (1.07, 1.27, 1.28)}
@@ -34,16 +31,7 @@ PUBLISHED = {"short": (1.55, 2.12, 2.48), "balanced": (1.23, 1.68, 1.78), "long"
 
 def _timeline(world: int, path: Path) -> Path:
     """Per-rank timelines of the first steps of video / short under bucket and dcp."""
-    sc = SCENARIOS["video"]
-    cluster = sc.cluster(world, 8)
-    workload = Workload(sc.model, tuple(sample_sizes("video", "short", seed=DEFAULT_SEED)))
-    ctx = PlanContext(workload, AnalyticCost(sc.model, cluster), cluster)
-    steps = form_steps(workload.tokens, seed=DEFAULT_SEED, tokens_per_step=sc.tokens_per_step)
-    timelines = {}
-    for name in ("bucket", "dcp"):
-        planner = make_planner(name, ctx, steps)
-        sim = simulate([planner.plan(s) for s in steps[:4]], ctx)
-        timelines[name] = {r: sim.rank_timeline(r) for r in range(world)}
+    timelines = scenario_timelines("video", "short", world)
     return plot_timelines(timelines, path, title=f"video / short on {world} x H200, first 4 steps (simulated)")
 
 

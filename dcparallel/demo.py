@@ -36,6 +36,8 @@ SEED = 0
 TOKENS_PER_STEP = 16384
 #: the budget is this fraction of the memory the longest sample needs on one rank with full recompute
 BUDGET_FRACTION = 0.95
+#: timed runs per policy (interleaved); each policy's fastest run is compared
+REPEATS = 2
 
 
 # ----------------------------------------------------------------- data
@@ -94,13 +96,11 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dcparallel.cost.profiled import ProfiledCost
-    from dcparallel.data.loader import DataCentricLoader
     from dcparallel.models.llama import per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.cache import load_or_profile
     from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
-    from dcparallel.runtime import comm
     from dcparallel.runtime.engine import DataCentricParallel
     from dcparallel.runtime.shard import text_batch
     from dcparallel.spec import ClusterSpec, Layout, Recompute
@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> int:
     big = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=2**40, name="cpu")
     dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
     t0 = time.perf_counter()
-    config = ProfilerConfig(repeats=3, max_mbs=16, max_tokens=4096, progress=rank == 0)
+    config = ProfilerConfig(repeats=3, min_time_s=0.5, max_mbs=16, max_tokens=4096, progress=rank == 0)
     profiler = Profiler(model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config,
                         engine=dc)
     profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))
@@ -139,8 +139,20 @@ def worker(args: argparse.Namespace) -> int:
     cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=budget, name="cpu-budget")
     cost = ProfiledCost(profile, cluster)
 
-    # -- per-step overhead outside fwd/bwd/sync: the optimizer step, measured before training
+    # -- warm-up before anything is timed: every SP degree and recompute path once (the first
+    # all-to-all of a group and first-time allocations cost ~1 s here, which would otherwise
+    # be charged to whichever policy runs first); then the per-step overhead outside
+    # fwd/bwd/sync, the optimizer step, measured
     opt = dc.optimizer(lr=args.lr)
+    i_long = max(range(len(lengths)), key=lengths.__getitem__)
+    for sp in (1, world):
+        ranks = (rank,) if sp == 1 else tuple(range(world))
+        for rc in (Recompute(0, 0), Recompute(L, L)):
+            b = text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank, {i_long: dataset[i_long]})
+            with dc.micro_batch(b) as ctx:
+                ptl, _ = per_token_loss(model(b.inputs, b.positions), b.labels)
+                ctx.backward(ctx.token_loss(ptl, b.loss_mask))
+            dc.sync_gradients()
     warm = text_batch(MicroBatch((0,), Layout(1, 1)), (rank,), rank, {0: dataset[0]})
     ts = []
     for _ in range(5):
@@ -153,55 +165,77 @@ def worker(args: argparse.Namespace) -> int:
         ts.append(time.perf_counter() - a)
     optimizer_s = sorted(ts)[2]
 
-    results = {}
-    for policy in args.policies:
-        model = _model(args.layers)
-        dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, cluster=cluster,
-                                 seed=SEED)
-        opt = dc.optimizer(lr=args.lr)
-        loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
-                                   tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
-        losses, step_ids, steps_log = [], [], []
-        comm.barrier()
-        start = time.perf_counter()
-        for step in loader:
-            t_step = time.perf_counter()
-            segs = []
-            for batch in step:
-                a = time.perf_counter()
-                with dc.micro_batch(batch) as ctx:
-                    ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
-                    ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
-                rc = batch.layout.recompute
-                segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
-            compute_end = time.perf_counter() - t_step
-            losses.append(dc.sync_gradients())
-            opt.step()
-            steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
-                              "sp": sorted({g.sp for g in step.plan.groups if g.micro_batches})})
-            step_ids.append(list(step.plan.sample_ids))
-        wall = time.perf_counter() - start
-        logs = comm.all_gather_object(steps_log)
-        walls = comm.all_gather_object(wall)
-        tokens = sum(lengths[i] for ids in step_ids for i in ids)
-        results[policy] = {
-            "wall_s": max(walls), "tokens_per_s": tokens / max(walls), "steps": len(step_ids),
-            "samples": sum(len(x) for x in step_ids), "samples_hash": samples_hash(step_ids),
-            "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-            "rank_steps": logs,
-        }
-        if rank == 0:
-            log.warning("%-7s wall %.1f s, %d steps, loss %.3f -> %.3f", policy, max(walls), len(step_ids),
-                        losses[0], losses[-1])
+    # -- the runs: policies interleaved, `repeats` rounds; each policy keeps its fastest run
+    # (noise on a shared machine only adds time) and every run's wall time is reported
+    results: dict[str, dict] = {}
+    for rep in range(args.repeats):
+        for policy in args.policies:
+            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec)
+            prev = results.get(policy)
+            if prev is not None and (run["samples_hash"], run["losses"]) != (prev["samples_hash"], prev["losses"]):
+                raise RuntimeError(f"{policy}: repeat {rep} trained different samples or got different losses "
+                                   f"than repeat 0; runs must be deterministic")
+            walls = (prev["walls"] if prev else []) + [run["wall_s"]]
+            if prev is None or run["wall_s"] < prev["wall_s"]:
+                results[policy] = run
+            results[policy]["walls"] = walls
+            if rank == 0:
+                log.warning("%-7s run %d/%d: wall %.1f s, %d steps, loss %.3f -> %.3f", policy, rep + 1,
+                            args.repeats, run["wall_s"], run["steps"], run["loss_first"], run["loss_last"])
     if rank == 0:
         (out / "real.json").write_text(json.dumps({
             "world": world, "memory_budget_bytes": budget, "budget_rule":
             f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs on one rank with full "
             f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
             "optimizer_step_s": optimizer_s, "tokens_per_step": args.tokens_per_step, "layers": args.layers,
-            "policies": results}))
+            "repeats": args.repeats, "policies": results}))
     dist.destroy_process_group()
     return 0
+
+
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec) -> dict:
+    """One timed training run of `policy` from a fresh model: wall time of the loop, losses,
+    the samples of each step, and per-rank busy spans of each step."""
+    from dcparallel.data.loader import DataCentricLoader
+    from dcparallel.models.llama import per_token_loss
+    from dcparallel.runtime import comm
+    from dcparallel.runtime.engine import DataCentricParallel
+
+    model = _model(args.layers)
+    dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, cluster=cluster,
+                             seed=SEED)
+    opt = dc.optimizer(lr=args.lr)
+    loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
+                               tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
+    losses, step_ids, steps_log = [], [], []
+    comm.barrier()
+    start = time.perf_counter()
+    for step in loader:
+        t_step = time.perf_counter()
+        segs = []
+        for batch in step:
+            a = time.perf_counter()
+            with dc.micro_batch(batch) as ctx:
+                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+                ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+            rc = batch.layout.recompute
+            segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
+        compute_end = time.perf_counter() - t_step
+        losses.append(dc.sync_gradients())
+        opt.step()
+        steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
+                          "sp": sorted({g.sp for g in step.plan.groups if g.micro_batches})})
+        step_ids.append(list(step.plan.sample_ids))
+    wall = time.perf_counter() - start
+    logs = comm.all_gather_object(steps_log)
+    walls = comm.all_gather_object(wall)
+    tokens = sum(lengths[i] for ids in step_ids for i in ids)
+    return {
+        "wall_s": max(walls), "tokens_per_s": tokens / max(walls), "steps": len(step_ids),
+        "samples": sum(len(x) for x in step_ids), "samples_hash": samples_hash(step_ids),
+        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+        "rank_steps": logs,
+    }
 
 
 # ----------------------------------------------------------------- the orchestrator
@@ -262,7 +296,10 @@ def run(args: argparse.Namespace) -> dict:
     from dcparallel.plan.policies import ALL
     from dcparallel.report.plots import plot_speedups, plot_timelines
     from dcparallel.scenarios import DISTRIBUTIONS, read_lengths
+    from dcparallel.sim.run import scenario_timelines
 
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.lengths:
@@ -277,7 +314,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            "-m", "dcparallel.demo", "--worker", "--out", str(out), "--layers", str(args.layers),
-           "--tokens-per-step", str(args.tokens_per_step), "--policies", *POLICIES]
+           "--tokens-per-step", str(args.tokens_per_step), "--repeats", str(args.repeats), "--policies", *POLICIES]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     print(f"[demo] training {len(lengths)} samples on {WORLD} gloo ranks: {' '.join(POLICIES)}", file=sys.stderr)
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
@@ -301,11 +338,15 @@ def run(args: argparse.Namespace) -> dict:
                                 title=f"real run on {WORLD} CPU ranks: bucket vs dcp (busy / idle per rank)")]
     if simulated:
         artifacts.append(plot_speedups(simulated, out / "speedups.png"))
+        artifacts.append(plot_timelines(scenario_timelines("video", "short", 32), out / "timeline_paper_scale.png",
+                                        title="video / short on 32 x H200, first 4 steps (simulated): bucket vs dcp"))
     summary = {
         "real": {"world": real["world"], "memory_budget_bytes": real["memory_budget_bytes"],
                  "budget_rule": real["budget_rule"], "lengths": source, "samples_total": len(lengths),
-                 "policies": {n: {k: v[k] for k in ("wall_s", "tokens_per_s", "steps", "samples", "samples_hash",
-                                                     "loss_first", "loss_last")} for n, v in p.items()},
+                 "repeats": real["repeats"],
+                 "policies": {n: {**{k: v[k] for k in ("wall_s", "tokens_per_s", "steps", "samples", "samples_hash",
+                                                       "loss_first", "loss_last")}, "wall_s_runs": v["walls"]}
+                              for n, v in p.items()},
                  "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
                  "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"]},
         "predicted": {n: {"wall_s": v["wall_s"], "idle_fraction": v["idle_fraction"]} for n, v in pred.items()},
@@ -331,12 +372,15 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         f"{real['tokens_per_step']:,} tokens per step. Memory budget per rank: "
         f"{r['memory_budget_bytes'] / 2**20:.1f} MiB ({r['budget_rule']}). Profiling {profiling}; "
         f"training time below excludes start-up and profiling.", "",
-        "| policy | wall s | tokens/s | steps | samples | loss first → last | predicted wall s | error | "
+        f"Each policy ran {r['repeats']} times, interleaved with the others; its fastest run counts (all runs: "
+        "\"runs\" column). Every SP degree and recompute path was warmed up before the first timed run.", "",
+        "| policy | wall s | runs s | tokens/s | steps | samples | loss first → last | predicted wall s | error | "
         "speedup vs bucket |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = r["policies"]["bucket"]["wall_s"]
     for n, v in r["policies"].items():
-        lines.append(f"| {n} | {v['wall_s']:.1f} | {v['tokens_per_s']:,.0f} | {v['steps']} | {v['samples']} | "
+        runs = ", ".join(f"{w:.1f}" for w in v["wall_s_runs"])
+        lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {v['tokens_per_s']:,.0f} | {v['steps']} | {v['samples']} | "
                      f"{v['loss_first']:.3f} → {v['loss_last']:.3f} | {pred[n]['wall_s']:.1f} | "
                      f"{100 * errors[n]:.0f}% | {base / v['wall_s']:.2f} |")
     lines += ["", f"dcp vs bucket: **{r['speedup']:.2f}×**; dcp vs packed: **{r['speedup_vs_packed']:.2f}×**; "
@@ -345,9 +389,17 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
               f"(hash of each step's sample ids).", "",
               "Planner settings (from the simulator's replanning): " +
               "; ".join(f"{n}: {pred[n]['settings']}" for n in pred), "",
-              "![timeline](timeline.png)", ""]
+              "![timeline](timeline.png)", "",
+              "Reading the timeline: colour is the SP degree of the micro-batch a rank runs, hatching marks "
+              "recomputation, red is a rank waiting. With the longest samples needing SP = 2 on 2 ranks, the tuned "
+              "`bucket` (like `packed`) runs everything as one SP = 2 group over both ranks: it never waits, it pays "
+              "all-to-alls and recomputation on every micro-batch instead. `dcp` runs a step's long samples at "
+              "SP = 2 first, then the short ones at SP = 1 on each rank (two phases), balanced so that neither rank "
+              "waits long. Idle time under static data parallelism shows at scale: the simulated 32-GPU timeline "
+              "below.", ""]
     if s["simulated"]:
         lines += ["## Paper scale (simulated, 32 × H200)", "", "![speedups](speedups.png)", "",
+                  "![paper-scale timeline](timeline_paper_scale.png)", "",
                   "| scenario | distribution | " + " | ".join(s["simulated"][0]["speedup_vs_bucket"]) + " |",
                   "| --- | --- | " + " | ".join("---" for _ in s["simulated"][0]["speedup_vs_bucket"]) + " |"]
         for x in s["simulated"]:
@@ -376,6 +428,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None, help="token counts, one per line, instead of the built-in data")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP)
+    p.add_argument("--repeats", type=int, default=REPEATS,
+                   help="timed runs per policy, interleaved; each policy's fastest counts (default %(default)s)")
     p.add_argument("--skip-paper-scale", action="store_true", help="do not simulate the paper-scale scenarios")
     p.add_argument("--json", action="store_true", help="one JSON object on one line, last on stdout")
 

@@ -144,7 +144,11 @@ class ProfiledCost:
         return self.profile.model_state_bytes
 
     def _at(self, bucket: str, sp: int, mode: str, n: int) -> tuple[float, float]:
-        """(time, memory) per sample of a micro-batch of n samples of `bucket`."""
+        """(time, memory) per sample of a micro-batch of n samples of `bucket`: interpolated
+        linearly in n between measured micro-batch sizes; beyond the largest, extended by the
+        marginal cost of one more sample between the last two (a micro-batch's fixed cost,
+        launches and all-to-all latency, is paid once, not per sample); proportional when
+        there is a single measurement."""
         pts = self._points[(bucket, sp, mode)]
         ns = [p[0] for p in pts]
         i = bisect.bisect_left(ns, n)
@@ -153,9 +157,15 @@ class ProfiledCost:
         elif i == 0:
             _, t, m = pts[0]
             t, m = t * n / ns[0], m * n / ns[0]
-        elif i == len(pts):
+        elif i == len(pts) and len(pts) == 1:
             _, t, m = pts[-1]
             t, m = t * n / ns[-1], m * n / ns[-1]
+        elif i == len(pts):
+            (n0, t0, m0), (n1, t1, m1) = pts[-2], pts[-1]
+            # marginal cost, never below zero nor above the average of the last point
+            dt = min(max(t1 - t0, 0.0) / (n1 - n0), t1 / n1)
+            dm = min(max(m1 - m0, 0.0) / (n1 - n0), m1 / n1)
+            t, m = t1 + (n - n1) * dt, m1 + (n - n1) * dm
         else:
             (n0, t0, m0), (n1, t1, m1) = pts[i - 1], pts[i]
             w = (n - n0) / (n1 - n0)

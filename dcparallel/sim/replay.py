@@ -3,8 +3,8 @@
 A step's groups run their micro-batches back to back; a group of a later phase starts
 when all its ranks are done with the phase before (its collectives wait for them); the
 step ends when the last rank is done and all ranks have met for the gradient sync. Idle
-is the time a rank is not running a micro-batch before the sync. A micro-batch whose peak memory exceeds the usable memory
-makes the plan invalid (counted in `memory_violations`).
+is the time a rank is not running a micro-batch before the sync. A micro-batch whose peak
+memory exceeds the usable memory makes the plan invalid (counted in `memory_violations`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Segment:
     end: float
     sp: int
     num_samples: int
+    recompute: bool = False
 
 
 @dataclass
@@ -82,7 +83,8 @@ class SimResult:
         return sum(s.memory_violations for s in self.steps)
 
     def rank_timeline(self, rank: int) -> list[tuple[float, float, str]]:
-        """(start, end, "busy" | "idle" | "sync") spans of one rank over the run."""
+        """(start, end, kind) spans of one rank over the run: kind "idle", "sync", or
+        "busy sp=K" with " recompute" when the micro-batch recomputes anything."""
         out, t0 = [], 0.0
         for s in self.steps:
             t = 0.0
@@ -92,7 +94,8 @@ class SimResult:
                 for seg in segs:
                     if seg.start > t:
                         out.append((t0 + t, t0 + seg.start, "idle"))
-                    out.append((t0 + seg.start, t0 + seg.end, "busy"))
+                    out.append((t0 + seg.start, t0 + seg.end,
+                                f"busy sp={seg.sp}" + (" recompute" if seg.recompute else "")))
                     t = seg.end
             if s.compute_time > t:
                 out.append((t0 + t, t0 + s.compute_time, "idle"))
@@ -115,7 +118,8 @@ def replay_step(plan: StepPlan, ctx: PlanContext) -> StepResult:
             peak = max(peak, mem)
             if mem > ctx.budget * (1 + 1e-9):
                 violations += 1
-            gsegs.append(Segment(t, t + dt, g.sp, len(mb.sample_ids)))
+            rc = mb.layout.recompute
+            gsegs.append(Segment(t, t + dt, g.sp, len(mb.sample_ids), rc.attn + rc.mlp > 0))
             t += dt
         if g.micro_batches:
             for r in g.ranks:

@@ -80,3 +80,26 @@ def summary(workload: Workload, runs: dict[str, PolicyRun], bound: float) -> dic
             "settings": r.settings,
         }
     return out
+
+
+def scenario_timelines(scenario: str, distribution: str, world: int, gpus_per_node: int = 8,
+                       policies: Sequence[str] = ("bucket", "dcp"), num_steps: int = 4,
+                       seed: int | None = None) -> dict[str, dict[int, list]]:
+    """Per-rank spans (`SimResult.rank_timeline`) of the first steps of a built-in scenario
+    under each policy, simulated on its analytic cost model: what `report.plots.plot_timelines`
+    draws."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.scenarios import DEFAULT_SEED, SCENARIOS, sample_sizes
+
+    seed = DEFAULT_SEED if seed is None else seed
+    sc = SCENARIOS[scenario]
+    cluster = sc.cluster(world, gpus_per_node)
+    workload = Workload(sc.model, tuple(sample_sizes(scenario, distribution, seed=seed)))
+    ctx = PlanContext(workload, AnalyticCost(sc.model, cluster), cluster)
+    steps = form_steps(workload.tokens, seed=seed, tokens_per_step=sc.tokens_per_step)
+    out = {}
+    for name in policies:
+        planner = make_planner(name, ctx, steps)
+        sim = simulate([planner.plan(s) for s in steps[:num_steps]], ctx)
+        out[name] = {r: sim.rank_timeline(r) for r in range(world)}
+    return out

@@ -5,7 +5,7 @@ import pytest
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.sim.replay import simulate
-from dcparallel.spec import Layout, Workload
+from dcparallel.spec import Layout, Recompute, Workload
 
 from ._models import TINY_LM, cluster, cost
 
@@ -55,13 +55,13 @@ def test_two_phase_step_waits_per_group_not_per_phase():
         GroupPlan((0,), (MicroBatch((0,), Layout(1, 1)),)),
         GroupPlan((1,), (MicroBatch((1,), Layout(1, 1)),)),
         GroupPlan((2, 3), ()),
-        GroupPlan((0, 1), (MicroBatch((2,), Layout(2, 1)),), phase=1),
+        GroupPlan((0, 1), (MicroBatch((2,), Layout(2, 1, Recompute(4, 0))),), phase=1),
         GroupPlan((2,), (MicroBatch((3,), Layout(1, 1)),), phase=1),
         GroupPlan((3,), (MicroBatch((4,), Layout(1, 1)),), phase=1),
     ), num_tokens=14500)
     plan.validate(4)
     t = {i: ctx.mb_time((i,), Layout(1, 1)) for i in (0, 1, 3, 4)}
-    t2 = ctx.mb_time((2,), Layout(2, 1))
+    t2 = ctx.mb_time((2,), Layout(2, 1, Recompute(4, 0)))
     assert t[0] > t[1]
     step = simulate([plan], ctx).steps[0]
     end = max(t[0] + t2, t[3], t[4])
@@ -70,9 +70,9 @@ def test_two_phase_step_waits_per_group_not_per_phase():
     assert step.idle_gpu_s == pytest.approx(sum(end - b for b in busy.values()))
     res = simulate([plan], ctx)
     # rank 1 waits for rank 0 between its phase-0 and phase-1 micro-batches
-    assert [k for _, _, k in res.rank_timeline(1)] == ["busy", "idle", "busy", "sync"]
+    assert [k for _, _, k in res.rank_timeline(1)] == ["busy sp=1", "idle", "busy sp=2 recompute", "sync"]
     assert res.rank_timeline(1)[2][0] == pytest.approx(t[0])
-    assert res.rank_timeline(2)[0] == pytest.approx((0.0, t[3], "busy"))
+    assert res.rank_timeline(2)[0][:2] == pytest.approx((0.0, t[3]))
 
 
 def test_phases_must_each_tile_the_world():
@@ -80,6 +80,7 @@ def test_phases_must_each_tile_the_world():
     plan = StepPlan(0, (0, 1), (ok, GroupPlan((0,), (MicroBatch((1,), Layout(1, 1)),), phase=1)), 2)
     with pytest.raises(AssertionError, match="phase 1's groups do not tile the world"):
         plan.validate(2)
-    unordered = StepPlan(0, (0,), (GroupPlan((0, 1), (), phase=1), GroupPlan((0, 1), (MicroBatch((0,), Layout(2, 1)),))), 1)
+    wide = GroupPlan((0, 1), (MicroBatch((0,), Layout(2, 1)),))
+    unordered = StepPlan(0, (0,), (GroupPlan((0, 1), (), phase=1), wide), 1)
     with pytest.raises(AssertionError, match="not in phase order"):
         unordered.validate(2)
