@@ -68,7 +68,8 @@ def main() -> int:
         for n, v in r["policies"].items():
             pw = s["predicted"][n]["wall_s"]
             runs = ", ".join(f"{w:.1f}" for w in v["wall_s_runs"])
-            lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {v['tokens_per_s']:,.0f} | {v['steps']} | {v['samples']} | "
+            lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {v['tokens_per_s']:,.0f} | {v['steps']} | "
+                         f"{v['samples']} | "
                          f"{v['loss_first']:.3f} → {v['loss_last']:.3f} | {pw:.1f} | "
                          f"{100 * abs(pw - v['wall_s']) / v['wall_s']:.0f}% |")
         hashes = {v["samples_hash"] for v in r["policies"].values()}
