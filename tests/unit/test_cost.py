@@ -114,6 +114,20 @@ def test_profiled_cost_exact_and_interpolated(tmp_path):
     assert c.sp_sizes == [1, 2] and c.grad_sync_time() == 0.01
 
 
+def test_larger_micro_batches_pay_the_fixed_cost_once():
+    """Beyond the largest measured micro-batch, each more sample costs the marginal time
+    between the last two measurements: a micro-batch's fixed cost (launches, all-to-all
+    latency) is not multiplied. Here t(m) = 0.2 + 0.8 m s, memory 50 + 10 m bytes."""
+    d = _profile()
+    for e in d["entries"]:
+        if e["bucket"] == "t1000" and e["sp"] == 1 and e["recompute"] == "none":
+            e["time_s"], e["memory_bytes"] = 0.2 + 0.8 * e["mbs"], 50.0 + 10.0 * e["mbs"]
+    c = ProfiledCost(Profile.from_json(d), cluster(2, 2))
+    assert mb_time(c, [1000] * 2, Layout(1, 2)) == pytest.approx(1.8)  # measured
+    assert mb_time(c, [1000] * 8, Layout(1, 8)) == pytest.approx(0.2 + 0.8 * 8)  # not 8 x 0.9
+    assert mb_memory(c, [1000] * 8, Layout(1, 8)) == pytest.approx(1000 + 50 + 10 * 8)
+
+
 def test_profile_errors_are_clear(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
