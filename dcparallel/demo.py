@@ -3,8 +3,9 @@ simulator, next to the paper-scale simulation.
 
 1. A skewed-length dataset of real token sequences (or `--lengths FILE`).
 2. One `torchrun` launch, 2 gloo ranks with one thread each: profile the tiny LM at world 2,
-   then train the same samples in the same steps once per policy (bucket, packed, dcp),
-   timing the training loop only. A per-rank memory budget, derived from the profile so
+   warm up every SP degree and recompute path, then train the same samples in the same
+   steps per policy (bucket, packed, dcp; `--repeats` runs each, interleaved, the fastest
+   counts), timing the training loop only. A per-rank memory budget, derived from the profile so
    that the longest sample needs SP = 2 *and* recomputation (as a device's memory would
    force), makes the run use all three levers.
 3. Each run is predicted by the simulator from the same profile.
