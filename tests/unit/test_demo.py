@@ -1,6 +1,10 @@
 """Pieces of `dcparallel demo` that run without a launch: data, hashes, timelines."""
 
-from dcparallel.demo import SyntheticText, _timelines, builtin_lengths, samples_hash
+import argparse
+
+import pytest
+
+from dcparallel.demo import SyntheticText, _timelines, add_arguments, builtin_lengths, run, samples_hash
 
 
 def test_builtin_lengths_skewed_and_deterministic():
@@ -30,3 +34,12 @@ def test_timelines_mark_idle_until_the_slowest_rank():
     tl = _timelines(real, ("p",))["p"]
     assert tl[0] == [(0.0, 1.0, "busy sp=1"), (1.0, 1.2, "sync")]
     assert tl[1] == [(0.0, 0.4, "busy sp=1 recompute"), (0.4, 1.0, "idle"), (1.0, 1.2, "sync")]
+
+
+def test_repeats_must_be_positive(tmp_path):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path), "--repeats", "0"])
+    with pytest.raises(ValueError, match="--repeats must be at least 1, got 0"):
+        run(args)
+    assert not any(tmp_path.iterdir())  # rejected before anything was written or launched
