@@ -16,23 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
-from dcparallel.cli import simulate_json
+from dcparallel.cli import paper_scale
 from dcparallel.cost.analytic import fit_report
 from dcparallel.plan.policies import ALL
-from dcparallel.report.plots import plot_speedups, plot_timelines
-from dcparallel.scenarios import ALPHA, DEFAULT_SEED, DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS
-from dcparallel.sim.run import scenario_timelines
+from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups
+from dcparallel.scenarios import ALPHA, DEFAULT_SEED, EPOCH_STEPS, SCENARIOS
 
 # DCP v1 (32 H100, Open-Sora 1.1B) speedups over bucket parallel, as published
 PUBLISHED = {"short": (1.55, 2.12, 2.48), "balanced": (1.23, 1.68, 1.78), "long": (1.07, 1.27, 1.28)}
-
-
-def _timeline(world: int, path: Path) -> Path:
-    """Per-rank timelines of the first steps of video / short under bucket and dcp."""
-    timelines = scenario_timelines("video", "short", world)
-    return plot_timelines(timelines, path, title=f"video / short on {world} x H200, first 4 steps (simulated)")
 
 
 def main() -> int:
@@ -41,17 +32,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / f"sim-paper-scale_{today}.md")
     ap.add_argument("--world", type=int, default=32)
     args = ap.parse_args()
-    results = []
     t0 = time.perf_counter()
-    combos = [(s, d) for s in ("video", "text") for d in DISTRIBUTIONS]
-    for sc, dist in tqdm(combos, desc="scenarios", file=sys.stderr):
-        ns = argparse.Namespace(scenario=sc, distribution=dist, lengths=None, world=args.world, gpus_per_node=8,
-                                seed=DEFAULT_SEED, tokens_per_step=None, profile=None)
-        results.append(simulate_json(ns, ALL, progress=False))
+    results = paper_scale(args.world, desc="scenarios")
     elapsed = time.perf_counter() - t0
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     bars = plot_speedups(results, args.out.with_suffix(".png"))
-    timeline = _timeline(args.world, args.out.with_name(args.out.stem + "_timeline.png"))
+    timeline = plot_paper_scale_timeline(args.out.with_name(args.out.stem + "_timeline.png"), args.world)
 
     lines = [f"# Paper-scale simulation — {args.world} × H200 (analytic cost model) — {today}", ""]
     lines += [

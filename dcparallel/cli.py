@@ -31,10 +31,6 @@ from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import ClusterSpec, Workload, h200_cluster
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
@@ -53,6 +49,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
+    sizes = read_lengths(args.lengths) if args.lengths is not None else None
     if args.profile is not None:
         profile = Profile.load(args.profile)
         model = profile.model
@@ -67,13 +64,12 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         if args.scenario is None:
             if args.lengths is None:
                 raise SystemExit("error: give --scenario (and --distribution or --lengths)")
-            args.scenario = "video" if isinstance(read_lengths(args.lengths)[0], tuple) else "text"
+            args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node)
         cost = AnalyticCost(model, cluster)
-    if args.lengths is not None:
-        sizes = read_lengths(args.lengths)
+    if sizes is not None:
         name = args.lengths.name
         kind = "video" if isinstance(sizes[0], tuple) else "text"
         if kind != model.kind:
@@ -107,6 +103,19 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         base = runs["bucket"].sim.total_time
         out["speedup_vs_bucket"] = {k: round(base / r.sim.total_time, 4) for k, r in runs.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scale simulation") -> list[dict]:
+    """`simulate --json` of every built-in scenario x distribution at paper scale, all policies."""
+    from tqdm import tqdm
+
+    combos = [(sc, d) for sc in ("video", "text") for d in DISTRIBUTIONS]
+    out = []
+    for sc, d in tqdm(combos, desc=desc, file=sys.stderr):
+        ns = argparse.Namespace(scenario=sc, distribution=d, lengths=None, world=world, gpus_per_node=gpus_per_node,
+                                seed=DEFAULT_SEED, tokens_per_step=None, profile=None)
+        out.append(simulate_json(ns, ALL, progress=False))
     return out
 
 
@@ -147,10 +156,10 @@ def cmd_plan(args) -> int:
         d = plan.to_json()
         d["policy"] = args.policy
         d["predicted_step_s"] = round(res.step_time, 6)
-        for g, busy in zip(d["groups"], res.group_busy):
+        for g, busy, segs in zip(d["groups"], res.group_busy, res.group_segments, strict=True):
             g["predicted_busy_s"] = round(busy, 6)
-            for mb in g["micro_batches"]:
-                mb["predicted_s"] = round(ctx.mb_time(mb["sample_ids"], _layout(mb["layout"])), 6)
+            for mb, seg in zip(g["micro_batches"], segs, strict=True):
+                mb["predicted_s"] = round(seg.end - seg.start, 6)
         if args.json:
             print(json.dumps(d))
         else:
@@ -163,12 +172,6 @@ def cmd_plan(args) -> int:
                 print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
     return 0
-
-
-def _layout(d: dict):
-    from dcparallel.spec import Layout
-
-    return Layout.from_json(d)
 
 
 def _train(path: Path) -> int:

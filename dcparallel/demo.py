@@ -83,6 +83,16 @@ def samples_hash(step_ids: list[list[int]]) -> str:
 # ----------------------------------------------------------------- the torchrun worker
 
 
+def lm_micro_batch(dc, model, batch) -> None:
+    """Forward and backward of one text `Batch` in its micro-batch context (the loss summed
+    over the shard's targets; `dc.sync_gradients()` normalizes by the step's count)."""
+    from dcparallel.models.llama import per_token_loss
+
+    with dc.micro_batch(batch) as ctx:
+        ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+        ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+
+
 def _model(num_layers: int):
     import torch
 
@@ -97,7 +107,6 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dcparallel.cost.profiled import ProfiledCost
-    from dcparallel.models.llama import per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.cache import load_or_profile
     from dcparallel.profile.inputs import reference_spec, text_inputs
@@ -152,17 +161,13 @@ def worker(args: argparse.Namespace) -> int:
     for sp in (1, world):
         ranks = (rank,) if sp == 1 else tuple(range(world))
         for rc in (Recompute(0, 0), Recompute(L, L)):
-            b = text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank, {i_long: dataset[i_long]})
-            with dc.micro_batch(b) as ctx:
-                ptl, _ = per_token_loss(model(b.inputs, b.positions), b.labels)
-                ctx.backward(ctx.token_loss(ptl, b.loss_mask))
+            lm_micro_batch(dc, model, text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank,
+                                                 {i_long: dataset[i_long]}))
             dc.sync_gradients()
     warm = text_batch(MicroBatch((0,), Layout(1, 1)), (rank,), rank, {0: dataset[0]})
     ts = []
     for _ in range(5):
-        with dc.micro_batch(warm) as ctx:
-            ptl, _ = per_token_loss(model(warm.inputs, warm.positions), warm.labels)
-            ctx.backward(ctx.token_loss(ptl, warm.loss_mask))
+        lm_micro_batch(dc, model, warm)
         dc.sync_gradients()
         a = time.perf_counter()
         opt.step()
@@ -174,7 +179,7 @@ def worker(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     for rep in range(args.repeats):
         for policy in args.policies:
-            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec)
+            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups)
             prev = results.get(policy)
             if prev is not None and (run["samples_hash"], run["losses"]) != (prev["samples_hash"], prev["losses"]):
                 raise RuntimeError(f"{policy}: repeat {rep} trained different samples or got different losses "
@@ -197,17 +202,16 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec) -> dict:
-    """One timed training run of `policy` from a fresh model: wall time of the loop, losses,
-    the samples of each step, and per-rank busy spans of each step."""
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> dict:
+    """One timed training run of `policy` from a fresh model, on the process groups created
+    (and warmed up) once: wall time of the loop, losses, the samples of each step, and
+    per-rank busy spans of each step."""
     from dcparallel.data.loader import DataCentricLoader
-    from dcparallel.models.llama import per_token_loss
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import DataCentricParallel
 
     model = _model(args.layers)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, cluster=cluster,
-                             seed=SEED)
+    dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)
     opt = dc.optimizer(lr=args.lr)
     loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
                                tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
@@ -219,9 +223,7 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec) -> dict:
         segs = []
         for batch in step:
             a = time.perf_counter()
-            with dc.micro_batch(batch) as ctx:
-                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
-                ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+            lm_micro_batch(dc, model, batch)
             rc = batch.layout.recompute
             segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
         compute_end = time.perf_counter() - t_step
@@ -274,9 +276,8 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     compute + gradient sync, plus the optimizer step measured before training."""
     from dcparallel.cost.profiled import Profile, ProfiledCost
     from dcparallel.plan.context import PlanContext
-    from dcparallel.plan.policies import make_planner
     from dcparallel.plan.steps import form_steps
-    from dcparallel.sim.replay import simulate
+    from dcparallel.sim.run import plan_epoch
     from dcparallel.spec import ClusterSpec, Workload
 
     profile = Profile.load(out / "profile.json")
@@ -286,21 +287,17 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     steps = form_steps(ctx.tokens, seed=SEED, tokens_per_step=real["tokens_per_step"])
     pred = {}
     for name in real["policies"]:
-        planner = make_planner(name, ctx, steps)
-        sim = simulate([planner.plan(s) for s in steps], ctx)
-        pred[name] = {"wall_s": sim.total_time + len(steps) * real["optimizer_step_s"],
-                      "idle_fraction": sim.idle_fraction, "settings": planner.describe()}
+        run = plan_epoch(ctx, steps, name)
+        pred[name] = {"wall_s": run.sim.total_time + len(steps) * real["optimizer_step_s"],
+                      "idle_fraction": run.sim.idle_fraction,
+                      "settings": {k: v for k, v in run.settings.items() if k != "tried_s"}}
     return pred
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tqdm import tqdm
-
-    from dcparallel.cli import simulate_json
-    from dcparallel.plan.policies import ALL
-    from dcparallel.report.plots import plot_speedups, plot_timelines
-    from dcparallel.scenarios import DISTRIBUTIONS, read_lengths
-    from dcparallel.sim.run import scenario_timelines
+    from dcparallel.cli import paper_scale
+    from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups, plot_timelines
+    from dcparallel.scenarios import read_lengths
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
@@ -330,20 +327,13 @@ def run(args: argparse.Namespace) -> dict:
     errors = {n: abs(pred[n]["wall_s"] - real["policies"][n]["wall_s"]) / real["policies"][n]["wall_s"]
               for n in real["policies"]}
     print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
-    simulated = []
-    if not args.skip_paper_scale:
-        combos = [(sc, d) for sc in ("video", "text") for d in DISTRIBUTIONS]
-        for sc, dist_name in tqdm(combos, desc="paper-scale simulation", file=sys.stderr):
-            ns = argparse.Namespace(scenario=sc, distribution=dist_name, lengths=None, world=32, gpus_per_node=8,
-                                    seed=0, tokens_per_step=None, profile=None)
-            simulated.append(simulate_json(ns, ALL, progress=False))
+    simulated = [] if args.skip_paper_scale else paper_scale()
     p = real["policies"]
     artifacts = [plot_timelines(_timelines(real, ("bucket", "dcp")), out / "timeline.png",
                                 title=f"real run on {WORLD} CPU ranks: bucket vs dcp (busy / idle per rank)")]
     if simulated:
         artifacts.append(plot_speedups(simulated, out / "speedups.png"))
-        artifacts.append(plot_timelines(scenario_timelines("video", "short", 32), out / "timeline_paper_scale.png",
-                                        title="video / short on 32 x H200, first 4 steps (simulated): bucket vs dcp"))
+        artifacts.append(plot_paper_scale_timeline(out / "timeline_paper_scale.png"))
     summary = {
         "real": {"world": real["world"], "memory_budget_bytes": real["memory_budget_bytes"],
                  "budget_rule": real["budget_rule"], "lengths": source, "samples_total": len(lengths),

@@ -124,15 +124,12 @@ class Config:
 def _build(cfg: Config):
     import torch
 
-    from dcparallel.models.dit import DiT, DiTConfig
     from dcparallel.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
-    if m.kind == "llama":
-        return Llama(LlamaConfig(vocab_size=m.vocab_size, hidden=m.hidden, num_layers=m.num_layers,
-                                 num_heads=m.num_heads, ffn_hidden=m.ffn_hidden))
-    return DiT(DiTConfig(hidden=m.hidden, num_layers=m.num_layers, num_heads=m.num_heads, attention="factorized"))
+    return Llama(LlamaConfig(vocab_size=m.vocab_size, hidden=m.hidden, num_layers=m.num_layers,
+                             num_heads=m.num_heads, ffn_hidden=m.ffn_hidden))
 
 
 def run(cfg: Config) -> int:
@@ -141,8 +138,7 @@ def run(cfg: Config) -> int:
     from tqdm import tqdm
 
     from dcparallel.api import DataCentricParallel
-    from dcparallel.demo import SyntheticText, builtin_lengths
-    from dcparallel.models.llama import per_token_loss
+    from dcparallel.demo import SyntheticText, builtin_lengths, lm_micro_batch
     from dcparallel.profile.profiler import ProfilerConfig
     from dcparallel.runtime import comm
     from dcparallel.scenarios import read_lengths
@@ -183,7 +179,7 @@ def run(cfg: Config) -> int:
         if rank == 0:
             log.warning("resumed from %s at step %d", ckpt.parent, done)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
-    total = sum(len(loader.steps(e)) for e in range(start_epoch, t.epochs))
+    total = sum(len(loader.steps(e)) for e in range(start_epoch, t.epochs)) - loader.state_dict()["step"]
     if t.max_steps:
         total = min(total, max(0, t.max_steps - done))
     bar = tqdm(total=total, desc=f"train {t.policy}", file=sys.stderr, disable=rank != 0)
@@ -194,25 +190,23 @@ def run(cfg: Config) -> int:
             if t.max_steps and done >= t.max_steps:
                 break
             t0 = time.perf_counter()
-            busy, peak = 0.0, 0.0
+            busy = 0.0
             for batch in step:
                 a = time.perf_counter()
-                with dc.micro_batch(batch) as ctx:
-                    ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
-                    ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+                lm_micro_batch(dc, model, batch)
                 busy += time.perf_counter() - a
-                peak = max(peak, dc.cost.terms(tuple(lengths[i] for i in batch.sample_ids), batch.sp)
-                           .memory(batch.layout.recompute))
             loss = dc.sync_gradients()
             opt.step()
             done += 1
             step_s = time.perf_counter() - t0
-            stats = comm.all_gather_object((busy, peak))
-            busys = [b for b, _ in stats]
+            busys = comm.all_gather_object(busy)
+            # the plan is the same on every rank: its largest micro-batch is the planned peak
+            peak = max((loader.context.mb_memory(mb.sample_ids, mb.layout) for mb in step.plan.micro_batches()),
+                       default=0.0)
             record = {"epoch": epoch, "step": step.index, "global_step": done, "loss": loss,
                       "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
                       "idle_fraction": 1 - min(busys) / max(busys) if max(busys) > 0 else 0.0,
-                      "planned_peak_memory_bytes": max(p for _, p in stats),
+                      "planned_peak_memory_bytes": peak,
                       "sp_degrees": sorted({g.sp for g in step.plan.groups if g.micro_batches}),
                       "policy": t.policy}
             if metrics is not None:

@@ -219,3 +219,11 @@ def run_rank_step(
 
 def rel_err(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def reference_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's AdamW as ZeroAdamW(lr=1e-2, weight_decay=0.1) is set up: decay on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                             lr=1e-2)

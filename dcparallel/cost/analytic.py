@@ -28,6 +28,7 @@ import numpy as np
 from dcparallel.cost.base import (
     MicroBatchTerms,
     alltoall_time,
+    cache_put,
     grad_sync_time,
     model_state_bytes,
 )
@@ -264,9 +265,7 @@ class AnalyticCost:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        out = self._terms(n_tok, pairs, n_samples, sp)
-        self._cache[key] = out
-        return out
+        return cache_put(self._cache, key, self._terms(n_tok, pairs, n_samples, sp))
 
     def _terms(self, n_tok: int, pairs: float, n_samples: int, sp: int) -> MicroBatchTerms:
         m, cal = self.model, self.cal

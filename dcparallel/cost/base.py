@@ -120,6 +120,19 @@ class CostModel(Protocol):
     def model_state_bytes(self) -> float: ...
 
 
+#: per-micro-batch caches are emptied past this many entries: planning every step of a long
+#: run meets ever new micro-batches (text lengths rarely repeat), and a cache that only grows leaks
+CACHE_LIMIT = 100_000
+
+
+def cache_put(cache: dict, key, value):
+    """Stores `value` under `key` in a per-micro-batch cache bounded by `CACHE_LIMIT`; returns it."""
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def mb_time(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
     """Forward + backward seconds of one micro-batch on its group, communication included."""
     return cost.terms(sizes, layout.sp).time(layout.recompute)

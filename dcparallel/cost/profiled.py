@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
-from dcparallel.cost.base import MicroBatchTerms
+from dcparallel.cost.base import MicroBatchTerms, cache_put
 from dcparallel.spec import ClusterSpec, ModelSpec, Size, check_size
 
 SCHEMA = "dcparallel.profile"
@@ -222,8 +222,7 @@ class ProfiledCost:
                 num_layers=self.model.num_layers, time_none=float("inf"), dt_attn=0.0, dt_mlp=0.0, dt_full=0.0,
                 fixed_bytes=float("inf"), act_layer=0.0, save_attn=0.0, save_mlp=0.0, save_full=0.0,
                 transient_none=0.0, transient_rec=0.0, keep_all_feasible=False)
-            self._cache[key] = out
-            return out
+            return cache_put(self._cache, key, out)
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
@@ -249,5 +248,4 @@ class ProfiledCost:
             fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
-        self._cache[key] = out
-        return out
+        return cache_put(self._cache, key, out)

@@ -517,7 +517,6 @@ class DataCentricLoader:
         self.seed = int(seed)
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
         self.check_plans = check_plans
-        self.ignore_index = ignore_index
 
         if collate == "auto":
             collate = "video" if model.kind == "video" else "text"
@@ -651,8 +650,9 @@ class DataCentricLoader:
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
                 self._step = k + 1
-                log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
-                          epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
+                              epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
                 if self.lookahead:
                     stream.ahead(k + 2)
                 yield Step(epoch, k, len(steps), self.rank, plan, batches)

@@ -14,6 +14,7 @@ No torch.distributed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,23 +112,41 @@ def cuda_varlen_attention(
     varlen_attn raises NotImplementedError on CPU, so it is never called there."""
     if not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None:
         return sdpa_attention(q, k, v, pattern, cu_seqlens)
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch without the varlen API: the SDPA loop is exact, only slower
+    varlen_attn = _varlen_attn()
+    if varlen_attn is None:  # torch without the varlen API: the SDPA loop is exact, only slower
         return sdpa_attention(q, k, v, pattern, cu_seqlens)
-    # torch 2.9-2.10 spell causality `is_causal`; later releases a `window_size` of (-1, 0)
-    params = inspect.signature(varlen_attn).parameters
-    causal_kw = {"window_size": (-1, 0) if pattern.causal else (-1, -1)} if "window_size" in params \
-        else {"is_causal": pattern.causal}
-
     length = q.shape[1]
     real = cu_seqlens[-1]
-    cu = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=q.device)
-    max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
-    out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu, cu, max_len, max_len, **causal_kw)
+    # every layer of a micro-batch has the same documents: one host-to-device copy for all
+    cu, max_len = _cu_seqlens(tuple(cu_seqlens), q.device)
+    out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu, cu, max_len, max_len,
+                      **_causal_kw(pattern.causal))
     if real < length:
         out = torch.cat([out, out.new_zeros(length - real, *out.shape[1:])], dim=0)
     return out.unsqueeze(0)
+
+
+@functools.cache
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _causal_kw(causal: bool) -> dict:
+    """torch 2.9-2.10 spell causality `is_causal`; later releases a `window_size` of (-1, 0)."""
+    if "window_size" in inspect.signature(_varlen_attn()).parameters:
+        return {"window_size": (-1, 0) if causal else (-1, -1)}
+    return {"is_causal": causal}
+
+
+@functools.lru_cache(maxsize=8)
+def _cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    return cu, max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
 
 
 def default_kernel(device: torch.device):

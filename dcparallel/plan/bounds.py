@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dcparallel.plan.context import PlanContext
+from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
 
@@ -36,7 +36,7 @@ class LowerBound:
             if top == 0:
                 continue
             f = min(f, ctx.copies_layout(size, 1, k, "pac")[1])
-            for mbs in sorted({1 << i for i in range(7) if (1 << i) <= top} | {top}):
+            for mbs in mbs_candidates(top):
                 _, t = ctx.copies_layout(size, mbs, k, "pac")
                 g = min(g, t * k / mbs)
         assert f < float("inf"), f"size {size!r} fits no layout"

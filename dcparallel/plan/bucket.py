@@ -82,13 +82,13 @@ class BucketPlanner:
             per_group[n % len(self.groups)].append(
                 MicroBatch(tuple(chunk), Layout(self.sp, len(chunk), self.recompute)))
         groups = tuple(GroupPlan(r, tuple(m)) for r, m in zip(self.groups, per_group))
-        return StepPlan(step.index, step.sample_ids, groups, sum(ctx.tokens[i] for i in step.sample_ids))
+        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
 
 
 def tune_static(ctx: PlanContext, steps: Sequence[Step], make, max_steps: int = 64):
     """Builds `make(ctx, sp, mode)` for every static SP degree and recompute setting and
-    returns the one with the least simulated time on (an even subset of) `steps`, plus
-    the time of every candidate tried."""
+    returns the one with the least simulated time on (an even subset of) `steps`, with the
+    time of every candidate tried as its `tried`."""
     from dcparallel.sim.replay import simulate
 
     subset = list(steps)
@@ -110,13 +110,12 @@ def tune_static(ctx: PlanContext, steps: Sequence[Step], make, max_steps: int = 
     if best is None:
         raise Infeasible("no single SP degree and recompute setting fits every sample; "
                          "static baselines cannot run this data on this cluster")
-    return best[1], tried
+    best[1].tried = tried
+    return best[1]
 
 
 def tuned_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:
-    planner, tried = tune_static(ctx, steps, BucketPlanner)
-    planner.tried = tried
-    return planner
+    return tune_static(ctx, steps, BucketPlanner)
 
 
 def default_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:

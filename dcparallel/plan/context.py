@@ -12,7 +12,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from dcparallel.cost.base import CostModel, MicroBatchTerms
+from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, bucket_key, sp_chain
 
 #: How a policy picks recompute: "none"/"attn"/"mlp"/"full" fixed for every layer,
@@ -21,6 +21,11 @@ from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, buck
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
 
 MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+
+
+def mbs_candidates(top: int) -> list[int]:
+    """Micro-batch sizes the planners try up to `top` (<= MAX_MBS): powers of two, and `top`."""
+    return sorted({m for m in (1 << i for i in range(MAX_MBS.bit_length())) if m <= top} | {top})
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +66,8 @@ class PlanContext:
         self.sizes = workload.sizes
         self.tokens = workload.tokens
         self.bucket_of: list[tuple[int, int]] = [bucket_key(self.model, s) for s in self.sizes]
-        self._terms: dict = {}
-        self._fit: dict = {}
+        self._fit: dict = {}  # copies of one size (bucket layouts): a few per bucket
+        self._mixed: dict = {}  # any micro-batch: bounded, see cost.base.cache_put
         self._options: dict = {}
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
@@ -77,12 +82,7 @@ class PlanContext:
 
     # -- cost access -------------------------------------------------------------------
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:
-        key = (sizes, sp)
-        t = self._terms.get(key)
-        if t is None:
-            t = self.cost.terms(sizes, sp)
-            self._terms[key] = t
-        return t
+        return self.cost.terms(sizes, sp)  # the cost models cache their terms
 
     def copies_layout(self, size: Size, count: int, sp: int, mode: RecomputeMode
                       ) -> tuple[Layout, float] | None:
@@ -113,14 +113,12 @@ class PlanContext:
         """The layout (with recompute per `mode`) of a micro-batch of these samples at `sp`
         and its time, or None if it does not fit."""
         key = (sizes, sp, mode)
-        hit = self._fit.get(key, 0)
+        hit = self._mixed.get(key, 0)
         if hit != 0:
             return hit
         terms = self.terms(sizes, sp)
         r = self.recompute_for(terms, mode)
-        out = None if r is None else (Layout(sp, len(sizes), r), terms.time(r))
-        self._fit[key] = out
-        return out
+        return cache_put(self._mixed, key, None if r is None else (Layout(sp, len(sizes), r), terms.time(r)))
 
     def max_mbs(self, size: Size, sp: int, mode: RecomputeMode, cap: int = MAX_MBS) -> int:
         """Largest micro-batch of copies of `size` that fits at `sp` with `mode` (0 if none)."""
@@ -153,9 +151,8 @@ class PlanContext:
             top = self.max_mbs(size, k, mode)
             if top == 0:
                 continue
-            cands = sorted({1 << i for i in range(7) if (1 << i) <= top} | {top})
             best = None
-            for mbs in cands:
+            for mbs in mbs_candidates(top):
                 lt = self.copies_layout(size, mbs, k, mode)
                 assert lt is not None
                 opt = Option(lt[0], lt[1])
@@ -166,13 +163,17 @@ class PlanContext:
         self._options[key] = out
         return out
 
+    def mb_terms(self, sample_ids: Sequence[int], sp: int) -> MicroBatchTerms:
+        return self.terms(tuple(self.sizes[i] for i in sample_ids), sp)
+
     def mb_time(self, sample_ids: Sequence[int], layout: Layout) -> float:
-        sizes = tuple(self.sizes[i] for i in sample_ids)
-        return self.terms(sizes, layout.sp).time(layout.recompute)
+        return self.mb_terms(sample_ids, layout.sp).time(layout.recompute)
 
     def mb_memory(self, sample_ids: Sequence[int], layout: Layout) -> float:
-        sizes = tuple(self.sizes[i] for i in sample_ids)
-        return self.terms(sizes, layout.sp).memory(layout.recompute)
+        return self.mb_terms(sample_ids, layout.sp).memory(layout.recompute)
+
+    def step_tokens(self, sample_ids: Sequence[int]) -> int:
+        return sum(self.tokens[i] for i in sample_ids)
 
     # -- validation --------------------------------------------------------------------
     def _check_fit(self, skip_oversize: bool) -> None:

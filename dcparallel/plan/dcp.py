@@ -158,7 +158,7 @@ class DCPPlanner:
                 mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
                 groups.append(GroupPlan(r, mbs, phase))
         return StepPlan(step.index, step.sample_ids, tuple(groups),
-                        sum(ctx.tokens[i] for i in step.sample_ids))
+                        ctx.step_tokens(step.sample_ids))
 
     def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]):
         """(group sizes, each group's micro-batches, the step's predicted compute makespan)."""

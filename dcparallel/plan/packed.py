@@ -95,10 +95,8 @@ class PackedPlanner:
         groups = tuple(
             GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
             for g, r in enumerate(self.groups))
-        return StepPlan(step.index, step.sample_ids, groups, sum(ctx.tokens[i] for i in step.sample_ids))
+        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
 
 
 def tuned_packed(ctx: PlanContext, steps: Sequence[Step]) -> PackedPlanner:
-    planner, tried = tune_static(ctx, steps, PackedPlanner)
-    planner.tried = tried
-    return planner
+    return tune_static(ctx, steps, PackedPlanner)

@@ -36,8 +36,7 @@ def fingerprint_diff(cached: dict, current: dict) -> list[str]:
     return out
 
 
-def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size], spec_name: str | None = None
-                 ) -> tuple[Profile | None, str]:
+def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> tuple[Profile | None, str]:
     """(the cached profile, "") if it can be reused, else (None, why not)."""
     p = Path(path)
     if not p.exists():
@@ -71,6 +70,11 @@ def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
         log.info("reusing the cached profile %s", path)
         return cached, None
     log.warning("%s: profiling now", why)
+    return profile_and_save(path, profiler, sizes)
+
+
+def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats]:
+    """Profiles on every rank together; rank 0 writes the profile to ``path``."""
     profile, stats = profiler.run(sizes)
     if comm.world_rank() == 0:
         profile.save(path)

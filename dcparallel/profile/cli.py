@@ -81,7 +81,7 @@ def _init_distributed(device: str) -> None:
 
 def run_profile(args: argparse.Namespace) -> dict:
     """Profiles per the arguments on every rank; returns the JSON summary (same on every rank)."""
-    from dcparallel.profile.cache import load_or_profile
+    from dcparallel.profile.cache import load_or_profile, profile_and_save
     from dcparallel.profile.presets import get_preset, parse_buckets
     from dcparallel.profile.profiler import Profiler, ProfilerConfig
     from dcparallel.runtime import comm
@@ -108,10 +108,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     if args.reuse:
         profile, stats = load_or_profile(out, profiler, sizes)
     else:
-        profile, stats = profiler.run(sizes)
-        if comm.world_rank() == 0:
-            profile.save(out)
-        comm.barrier()
+        profile, stats = profile_and_save(out, profiler, sizes)
     summary = {
         "model": args.model, "device": profile.fingerprint.get("device"), "dtype": str(dtype).replace("torch.", ""),
         "world_size": profile.world_size, "num_layers": profile.model.num_layers,

@@ -27,7 +27,6 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -79,11 +78,9 @@ class SavedTensorMeter:
         self.base_bytes = float(base_bytes)
         self.limit_bytes = limit_bytes
         self.bytes = 0
-        self.num_saved = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Tensor:
-        self.num_saved += 1
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
@@ -110,15 +107,6 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One depth of one layout: median seconds of the timed repeats, activation bytes."""
-
-    seconds: float
-    memory_bytes: float
-    times: tuple[float, ...]
 
 
 class Timer:

@@ -25,12 +25,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
-    if group is None or not is_distributed():
-        return 0
-    return dist.get_rank(group)
-
-
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
@@ -127,9 +121,6 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-gather_object = all_gather_object
 
 
 def gather_dict(d: dict, group=None) -> dict[int, dict]:

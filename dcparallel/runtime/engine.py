@@ -112,7 +112,7 @@ class MicroBatchContext:
             w = w * sample_weights.to(torch.float32)
         # where(), not a product: padding may hold inf/nan and must not reach the gradient.
         loss = torch.where(mask, per_token_loss.float() * w, per_token_loss.new_zeros(()).float()).sum()
-        self.dc._stats += torch.stack([loss.detach().double().cpu(), w.sum().double().cpu()])
+        self.dc._stats += torch.stack([loss.detach().double(), w.sum().double()])  # stays on the device
         return loss
 
     def backward(self, summed_loss: Tensor) -> None:
@@ -184,7 +184,8 @@ class DataCentricParallel:
             self._grad_views.append(view)
             p.register_post_accumulate_grad_hook(self._make_hook(view))
             off += n
-        self._stats = torch.zeros(2, dtype=torch.float64)  # this rank's (summed loss, targets)
+        # this rank's (summed loss, targets), on the gradients' device: no host sync per micro-batch
+        self._stats = torch.zeros(2, dtype=torch.float64, device=self.flat_grad.device)
         self._synced = False
         self.last_loss = float("nan")
         self.last_count = 0.0
@@ -254,13 +255,13 @@ class DataCentricParallel:
             self.zero_grad()
         self.flat_grad[-2:] = self._stats.to(self.flat_grad)
         comm.all_reduce_sum_(self.flat_grad)
-        count = float(self.flat_grad[-1])
+        loss_sum, count = self.flat_grad[-2:].tolist()  # one device-to-host read
         if not count > 0:
             raise ValueError(
                 f"the step has {count} targets over all ranks: nothing to normalize by; "
                 f"check the labels / loss masks"
             )
-        self.last_loss = float(self.flat_grad[-2]) / count
+        self.last_loss = loss_sum / count
         self.last_count = count
         self.flat_grad[:-2].div_(count)
         for p, view in zip(self.params, self._grad_views, strict=True):
@@ -309,13 +310,14 @@ class ZeroAdamW:
         self._grad_shard = dc.flat_grad[lo:hi]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        decay = torch.zeros(dc.flat_param.numel(), dtype=torch.float32, device=self.master.device)
+        # 1 where weight decay applies (matrices), for this rank's shard only
+        self._decay = torch.zeros(hi - lo, dtype=torch.float32, device=self.master.device)
         off = 0
         for p in dc.params:
-            if p.dim() >= 2:
-                decay[off : off + p.numel()] = 1.0
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if p.dim() >= 2 and a < b:
+                self._decay[a - lo : b - lo] = 1.0
             off += p.numel()
-        self._decay = decay[lo:hi].clone()
         self.num_steps = 0
 
     def step(self) -> None:

@@ -19,15 +19,10 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from dcparallel.runtime import comm
 from dcparallel.spec import ClusterSpec, allowed_groups
 
 log = logging.getLogger(__name__)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 class ProcessGroups:
@@ -37,7 +32,7 @@ class ProcessGroups:
     size, or None = one node holding the whole launched world."""
 
     def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None):
-        world, rank = _world()
+        world, rank = comm.world_size(), comm.world_rank()
         if cluster is None or isinstance(cluster, int):
             size = world if cluster is None else cluster
             if size != world:
@@ -72,7 +67,7 @@ class ProcessGroups:
             "rank %d: created %d process groups (sizes %s) in %.1f ms",
             rank,
             len(self.blocks),
-            sorted({len(b) for b in self.blocks}),
+            self.sizes,
             1e3 * self.creation_seconds,
         )
 
@@ -91,11 +86,6 @@ class ProcessGroups:
                 f"{self.world_size} with {self.num_heads} heads are {list(self.blocks)}; plan with "
                 f"dcparallel.spec.allowed_groups (aligned blocks of an allowed size)"
             ) from None
-
-    @property
-    def world(self):
-        """The whole world (None for a single rank)."""
-        return None if self.world_size == 1 else dist.group.WORLD
 
     def describe(self) -> str:
         lines = []

@@ -11,9 +11,8 @@ import torch
 from torch import Tensor
 
 from dcparallel.data.batch import Batch
+from dcparallel.models.llama import IGNORE_INDEX, shift_labels
 from dcparallel.plan.types import MicroBatch
-
-IGNORE_INDEX = -100
 
 
 def _group_slot(ranks: Sequence[int], rank: int, mb: MicroBatch) -> int:
@@ -26,12 +25,15 @@ def _group_slot(ranks: Sequence[int], rank: int, mb: MicroBatch) -> int:
 
 
 def _pad_shard(x: Tensor, padded_len: int, sp: int, slot: int, fill) -> Tensor:
-    """(B, L, ...) -> padded to (B, padded_len, ...) -> columns of shard ``slot``."""
+    """(B, L, ...) padded to (B, padded_len, ...) with ``fill`` -> columns of shard ``slot``
+    (only the shard is copied, and padded where it runs past L)."""
     b, n = x.shape[:2]
-    if padded_len > n:
-        x = torch.cat([x, x.new_full((b, padded_len - n, *x.shape[2:]), fill)], dim=1)
     ls = padded_len // sp
-    return x[:, slot * ls : (slot + 1) * ls].contiguous()
+    lo = slot * ls
+    out = x.new_full((b, ls, *x.shape[2:]), fill)
+    real = max(0, min(ls, n - lo))
+    out[:, :real] = x[:, lo : lo + real]
+    return out
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -58,8 +60,7 @@ def text_batch(
         if d.numel() < 1:
             raise ValueError(f"sample {sid} has no tokens")
         if labels is None:
-            lab = torch.full_like(d, ignore_index)
-            lab[:-1] = d[1:]
+            lab = shift_labels(d, ignore_index)
         else:
             lab = labels[sid].reshape(-1).long()
             if lab.shape != d.shape:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.runtime import comm
 from dcparallel.runtime.engine import DataCentricParallel
 from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import Layout, Recompute
@@ -74,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if "RANK" in os.environ:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    world, rank = comm.world_size(), comm.world_rank()
     if world > 2:
         raise ValueError(f"the smoke plans are for 1 or 2 ranks; got world size {world}")
 

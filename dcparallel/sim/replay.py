@@ -113,8 +113,8 @@ def replay_step(plan: StepPlan, ctx: PlanContext) -> StepResult:
         t = start = max(clock[r] for r in g.ranks) if g.micro_batches else 0.0
         gsegs = []
         for mb in g.micro_batches:
-            dt = ctx.mb_time(mb.sample_ids, mb.layout)
-            mem = ctx.mb_memory(mb.sample_ids, mb.layout)
+            terms = ctx.mb_terms(mb.sample_ids, mb.layout.sp)
+            dt, mem = terms.time(mb.layout.recompute), terms.memory(mb.layout.recompute)
             peak = max(peak, mem)
             if mem > ctx.budget * (1 + 1e-9):
                 violations += 1

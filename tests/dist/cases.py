@@ -19,7 +19,7 @@ from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.shard import padded_length, video_batch
 from dcparallel.runtime.ulysses import ulysses_attention
 from dcparallel.spec import Layout
-from tests.support import NUM_HEADS, make_data, make_model, random_plan, run_rank_step
+from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference_adamw, run_rank_step
 
 _GROUPS: dict[int, ProcessGroups] = {}
 
@@ -169,10 +169,7 @@ def case_optimizer(kind: str, seed: int, use_zero: bool, num_steps: int) -> dict
     if use_zero:
         opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
     else:
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        other = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                lr=1e-2)
+        opt = reference_adamw(model)
     data = make_data(kind, 6, seed)
     for step in range(num_steps):
         plan = random_plan(data, list(range(6)), world, seed + step, num_layers=len(model.layers))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.dist import cases
-from tests.support import make_data, make_model, reference, rel_err
+from tests.support import make_data, make_model, reference, reference_adamw, rel_err
 
 pytestmark = pytest.mark.dist
 
@@ -104,10 +104,7 @@ def test_optimizer_steps_match_single_process_adamw(workers, use_zero):
     kind, seed, num_steps = "llama", 5, 2
     out = workers.run(cases.case_optimizer, kind, seed, use_zero, num_steps)
     model = make_model(kind)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-2)
+    opt = reference_adamw(model)
     data = make_data(kind, 6, seed)
     for _ in range(num_steps):
         reference(model, data, list(range(6)))
