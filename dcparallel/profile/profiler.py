@@ -252,6 +252,11 @@ class Profiler:
             "memory_limited": self.memory_limit is not None,
             "method": METHOD,
             "depth": self.config.depth,
+            # what was searched and how long each layout was timed: a profile searched more
+            # narrowly (fewer micro-batch sizes, other modes) or timed more briefly is another profile
+            "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
+                       "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
+            "timing": {k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
         }
 
     # ------------------------------------------------------------------ one run

@@ -219,7 +219,7 @@ def test_cache_reused_when_fingerprint_matches(tmp_path, monkeypatch):
     assert stats2 is None and p2.to_json() == Profile.load(path).to_json()
 
 
-@pytest.mark.parametrize("change", ["dtype", "structure", "version", "corrupt", "bucket"])
+@pytest.mark.parametrize("change", ["dtype", "structure", "version", "corrupt", "bucket", "search"])
 def test_mismatched_or_corrupt_cache_is_reprofiled_with_a_message(tmp_path, caplog, change):
     path = tmp_path / "p.json"
     prof = make_profiler(modes=("none",))
@@ -227,7 +227,8 @@ def test_mismatched_or_corrupt_cache_is_reprofiled_with_a_message(tmp_path, capl
     d = json.loads(path.read_text())
     sizes = [16]
     expect = {"dtype": "dtype: cached 'bfloat16', now 'float32'", "structure": "structure: cached",
-              "version": "version 99", "corrupt": "cannot read profile", "bucket": "lacks buckets ['t32']"}[change]
+              "version": "version 99", "corrupt": "cannot read profile", "bucket": "lacks buckets ['t32']",
+              "search": "search: cached"}[change]
     if change == "dtype":
         d["fingerprint"]["dtype"] = "bfloat16"
     elif change == "version":
@@ -240,6 +241,8 @@ def test_mismatched_or_corrupt_cache_is_reprofiled_with_a_message(tmp_path, capl
         prof = make_profiler(tiny_llama(hidden=64), modes=("none",))  # another model, same class
     if change == "bucket":
         sizes = [16, 32]
+    if change == "search":  # the same model and device, micro-batch sizes searched less far
+        prof = make_profiler(modes=("none",), min_gain=0.5)
     with caplog.at_level(logging.WARNING):
         p, stats = load_or_profile(path, prof, sizes)
     assert stats is not None, "should have re-profiled"
