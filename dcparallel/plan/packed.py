@@ -42,7 +42,7 @@ class PackedPlanner:
             caps.append(m * ctx.model.tokens(size))
         if ctx.model.kind != "text":
             return max(caps)
-        lo = max(ctx.tokens)  # fits: every rep fitted above
+        lo = max(ctx.tokens[i] for i in ctx.usable_ids)  # fits: every rep fitted above
         hi = lo
         while ctx.copies_layout(hi * 2, 1, self.sp, self.mode) is not None and hi < 1 << 26:
             lo = hi = hi * 2

@@ -133,3 +133,17 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     assert short and all(m.layout.sp == 1 for m in short)
     t_one, t_two = (simulate([p], ctx).steps[0].compute_time for p in (one, two))
     assert t_two < t_one
+
+
+def test_packed_capacity_fits_memory_with_a_skipped_sample():
+    """Regression: packed started its capacity search from the longest sample, skipped ones
+    included, as if it fitted; with a 5M-token sample skipped the capacity came out larger
+    than memory allows and bins were split only afterwards."""
+    from dcparallel.plan.packed import PackedPlanner
+
+    cl = cluster(2, 2, memory_mib=64)
+    w = Workload(TINY_LM, (100, 5_000_000, 200, 300))
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
+    p = PackedPlanner(ctx, 2, "full")
+    assert ctx.copies_layout(p.capacity, 1, 2, "full") is not None
+    assert ctx.copies_layout(2 * p.capacity, 1, 2, "full") is None
