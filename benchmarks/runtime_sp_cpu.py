@@ -93,7 +93,7 @@ def main() -> None:
         out = torch.randn(1, n, cfg.num_heads // 2, cfg.head_dim)
 
         def a2a(qkv=qkv, out=out, group=group) -> None:
-            comm.seq_to_heads(qkv, group)
+            comm.seq_to_heads(list(qkv.unbind(0)), group)
             comm.heads_to_seq(out, group)
 
         t_a2a_layer = timed(a2a, args.repeats)

@@ -1,13 +1,12 @@
 """The user-facing object: the ten lines of DESIGN.
 
-    dc = dcparallel.DataCentricParallel(model, layers=model.layers, policy="dcp")
-    loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=2**20)
+    dc = dcparallel.DataCentricParallel(model, policy="dcp")   # finds the model's adapter
+    loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=2**20, loss_fn=loss_fn)
     opt = dc.optimizer(lr=3e-4)
     for step in loader:
         for batch in step:
             with dc.micro_batch(batch) as ctx:
-                logits = model(batch.inputs, batch.positions)
-                ctx.backward(ctx.token_loss(per_token_loss(logits, batch.labels), batch.loss_mask))
+                ctx.backward(loss_fn(model, batch, ctx))         # e.g. ctx.lm_loss(model(...).logits)
         dc.sync_gradients()
         opt.step()
 
@@ -17,6 +16,7 @@ profile), then returns the `DataCentricLoader` that plans every step with the po
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -26,15 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from dcparallel.adapters.base import LossFn, ModelAdapter, find_adapter
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.data.loader import DataCentricLoader, read_sizes
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
-from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_spec
+from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.runtime import comm
 from dcparallel.runtime import engine as _engine
-from dcparallel.spec import ClusterSpec, ModelSpec
+from dcparallel.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,46 +53,64 @@ def _local_world() -> int:
 class DataCentricParallel(_engine.DataCentricParallel):
     """`runtime.engine.DataCentricParallel` plus `prepare`: profile (cached) -> plan -> load.
 
-    ``policy``: a name of `dcparallel.plan.policies.POLICIES`. ``memory_bytes``: usable memory
-    per rank for model states and activations (default: 90% of the GPU; on CPU the machine's
-    memory / local ranks). ``spec`` / ``make_inputs``: the planner's view of the model and a
-    profiling-input builder; derived automatically for the reference models."""
+    ``model``: a reference model, a transformers causal LM, a diffusers Wan transformer, or
+    any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
+    ``num_heads``, ...) — or pass ``adapter``. ``policy``: a name of
+    `dcparallel.plan.policies.POLICIES`. ``loss_fn(model, batch, ctx)``: one micro-batch's
+    work (forward + `ctx` loss helper); the default is the adapter's (next-token loss for
+    LMs, flow matching for video); the profiler measures exactly this function.
+    ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
+    of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
+    of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
+    for Wan, ...). Everything is validated before the model is touched."""
 
-    def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module], policy: str = "dcp",
-                 num_heads: int | None = None, memory_bytes: int | None = None, spec: ModelSpec | None = None,
-                 make_inputs: MakeInputs | None = None, layers_per_unit: int | None = None,
-                 gpus_per_node: int | None = None, seed: int = 0, **engine_kw: Any):
+    def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
+                 num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
+                 loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
+                 seed: int = 0, kernel: Any = None, groups: Any = None, **protocol: Any):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        if spec is None:
-            spec, unit = reference_spec(model, layers)
-            layers_per_unit = layers_per_unit or unit
-        heads = num_heads or spec.num_heads
+        if memory_bytes is not None and memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be a positive number of bytes per rank; got {memory_bytes!r}")
+        adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                          **protocol)
         device = next(model.parameters()).device
         world = comm.world_size()
         self.memory_bytes = int(memory_bytes or _default_memory(device))
         g = gpus_per_node or min(_local_world(), world)
         self.cluster_spec = ClusterSpec(world_size=world, gpus_per_node=g, memory_bytes=self.memory_bytes,
                                         name=f"{device.type}x{world}")
-        super().__init__(model, layers=layers, num_heads=heads, cluster=self.cluster_spec, seed=seed, **engine_kw)
-        self.policy, self.spec = policy, spec
-        self.layers_per_unit = layers_per_unit or 1
-        self.make_inputs = make_inputs or reference_inputs(model, spec, device)
+        super().__init__(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel, groups=groups)
+        self.policy, self.spec = policy, adapter.spec
+        self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
         self.profile = None
         self.cost = None
 
     def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
                 samples_per_step: int | None = None, profile_path: str | Path = "dcparallel_profile.json",
-                profiler_config: ProfilerConfig | None = None, **loader_kw: Any) -> DataCentricLoader:
+                profiler_config: ProfilerConfig | None = None, loss_fn: LossFn | None = None,
+                **loader_kw: Any) -> DataCentricLoader:
         """Profiles (or reuses the cached profile at ``profile_path``) and returns the loader.
+        ``loss_fn`` (default: the one given at construction, else the adapter's) is what the
+        profiler runs on synthetic micro-batches; run the same one in the training loop.
         Call on every rank together (profiling is collective)."""
+        self.loss_fn = loss_fn or self.loss_fn
+        if self.loss_fn is None:
+            raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
+                             f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained")
         sizes = read_sizes(lengths, len(dataset))
+        supported = self.adapter.recompute_modes
         config = profiler_config or ProfilerConfig(memory_limit=self.memory_bytes,
                                                    progress=comm.world_rank() == 0)
-        profiler = Profiler(self.model, self.layers, self.make_inputs, spec=self.spec, config=config, engine=self,
-                            layers_per_unit=self.layers_per_unit)
+        config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
+        device, dtype = self.params[0].device, self.params[0].dtype
+        make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
+        profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self,
+                            layers_per_unit=self.adapter.blocks_per_layer)
         self.profile, _ = load_or_profile(profile_path, profiler, representative_sizes(self.spec, sizes))
         self.cost = ProfiledCost(self.profile, self.cluster_spec)
+        loader_kw.setdefault("collate", self.adapter.collate)
+        loader_kw.setdefault("device", device)
         return DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec, policy=self.policy,
                                  tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
                                  seed=self.seed, **loader_kw)

@@ -125,6 +125,12 @@ class ModelSpec:
     t_den: int = 17
     spatial_patch: int = 16
     bytes_per_value: int = 2
+    #: key/value heads (grouped-query attention); 0 = as many as query heads
+    num_kv_heads: int = 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @property
     def num_params(self) -> int:
@@ -154,6 +160,17 @@ class ModelSpec:
         if self.attention == "full":
             return n * n
         return t * s * s + s * t * t  # spatial: per frame S x S; temporal: per position T x T
+
+
+def kv_repeats(num_kv_heads: int, sp: int) -> int:
+    """How many times Ulysses repeats each key/value head at SP degree ``sp`` so that the
+    heads split evenly over the group: 1 when sp divides them, else sp / gcd(sp, kv heads)."""
+    return sp // math.gcd(sp, num_kv_heads)
+
+
+def kv_heads_sent(num_kv_heads: int, sp: int) -> int:
+    """Key/value heads that one Ulysses all-to-all moves at SP degree ``sp`` (after repeats)."""
+    return num_kv_heads * kv_repeats(num_kv_heads, sp) if sp > 1 else num_kv_heads
 
 
 def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,
@@ -293,6 +310,19 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+
+def batch_key(model: ModelSpec, size: Size) -> tuple[int, ...]:
+    """The class of samples a micro-batch may hold together: text, the cost bucket
+    (`bucket_key`: documents of any length pack into one row); video, the cost bucket and the
+    exact latent grid (frames, patch rows, patch columns): same-shape samples stack as rows,
+    so a 240x256 and a 256x256 clip never share a micro-batch."""
+    key = bucket_key(model, size)
+    if not isinstance(size, tuple):
+        return key
+    frames, height, width = size
+    t, _ = model.latent_grid(size)
+    return (*key, t, math.ceil(height / model.spatial_patch), math.ceil(width / model.spatial_patch))
 
 
 def bucket_key(model: ModelSpec, size: Size, ratio: float = 1.25) -> tuple[int, int]:

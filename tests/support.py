@@ -18,6 +18,8 @@ from dcparallel.spec import Layout, Recompute
 
 NUM_HEADS = 4
 NUM_LAYERS = 3
+#: kinds of `Data` whose samples are token sequences (packed several to a row)
+TEXT_PREFIXES = ("llama", "hf-", "custom")
 
 
 def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -126,7 +128,7 @@ def random_plan(
     for phase, b in blocks:
         sids = assigned[(phase, b)]
         mbs: list[MicroBatch] = []
-        if data.kind.startswith("llama"):
+        if data.kind.startswith(TEXT_PREFIXES):
             while sids:
                 k = rng.randint(1, 3)
                 chunk, sids = sids[:k], sids[k:]

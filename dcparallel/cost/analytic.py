@@ -32,7 +32,7 @@ from dcparallel.cost.base import (
     grad_sync_time,
     model_state_bytes,
 )
-from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size
+from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, kv_heads_sent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,8 +279,8 @@ class AnalyticCost:
         act_bytes = n * m.hidden * m.bytes_per_value
         if m.attention == "factorized":
             a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
-        else:
-            a2a_fwd = 4 * m.attn_per_layer  # q, k, v to head sharding, output back
+        else:  # q, k, v to head sharding, output back; grouped k, v are smaller (repeated if sp needs)
+            a2a_fwd = m.attn_per_layer * (2 + 2 * kv_heads_sent(m.kv_heads, sp) / m.num_heads)
         t_a2a = alltoall_time(self.cluster, sp, act_bytes)
         layer_time = compute + 2 * a2a_fwd * t_a2a
         dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +45,34 @@ class Batch:
     padded_len: int
     frames: int = 1
     """video: latent frames per sample (tokens = frames x spatial); 1 for text"""
+    sharded: bool = True
+    """True: the tensors are this rank's shard of the rows (what the loader's text and token
+    collates give); False: every rank of the group holds whole samples (dense video latents)
+    and the model adapter shards the token sequence inside the model"""
+    extras: Mapping[str, Tensor] = field(default_factory=dict)
+    """per-sample conditioning the model takes besides ``inputs`` (e.g. text embeddings
+    ``encoder_hidden_states`` of a video model), stacked over the rows, never sharded"""
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> Batch:
+        """The batch with every tensor on ``device`` (floating ones cast to ``dtype`` if
+        given); pinned host tensors copy without blocking when ``non_blocking``."""
+
+        def move(v: Tensor) -> Tensor:
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            return v.to(device, non_blocking=non_blocking)
+
+        changes = {f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Tensor)}
+        changes["extras"] = {k: move(v) for k, v in self.extras.items()}
+        return dataclasses.replace(self, **changes)
+
+    def pin_memory(self) -> Batch:
+        """The batch with its host tensors in pinned memory (for non-blocking device copies)."""
+        changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Tensor)}
+        changes["extras"] = {k: v.pin_memory() for k, v in self.extras.items()}
+        return dataclasses.replace(self, **changes)
 
     @property
     def sp(self) -> int:

@@ -219,6 +219,21 @@ def collate_video(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, 
                        {s: samples[s]["positions"] for s in mb.sample_ids}, frames.pop())
 
 
+def resolve_collate(collate: str | CollateFn | None, kind: str, ignore_index: int = IGNORE_INDEX
+                    ) -> CollateFn | None:
+    """The collate function of a ``collate`` setting: "auto" (text or video by the model's
+    kind), "text", "video", a function, or None (the raw samples)."""
+    if collate == "auto":
+        collate = "video" if kind == "video" else "text"
+    if collate == "text":
+        return functools.partial(collate_text, ignore_index=ignore_index)
+    if collate == "video":
+        return collate_video
+    if collate is None or callable(collate):
+        return collate
+    raise ValueError(f"collate must be 'auto', 'text', 'video', a function or None; got {collate!r}")
+
+
 @dataclass(frozen=True)
 class _Task:
     """This rank's micro-batches of one step, to load and collate in one worker call (one
@@ -431,6 +446,8 @@ class DataCentricLoader:
     - ``collate``: "auto" (text or video by the model's kind), "text", "video", a function
       ``collate(samples_by_id, micro_batch, group_ranks, rank)``, or None (each micro-batch
       is the list of its raw samples, in plan order).
+    - ``device``: where the training loop wants its batches (the model's device); on CUDA
+      they are pinned and copied without blocking. None or CPU: left on the host.
     - ``rank`` / ``world_size``: default to torch.distributed's (1 rank without a process
       group); given explicitly they let one process act as any rank (tests, planning tools).
     - ``skip_oversize``: skip samples that fit no layout (logged, in `summary()`) instead
@@ -466,6 +483,7 @@ class DataCentricLoader:
         check_plans: bool = False,
         epoch: int = 0,
         ignore_index: int = IGNORE_INDEX,
+        device: torch.device | str | None = None,
     ):
         try:
             num_samples = len(dataset)
@@ -518,17 +536,10 @@ class DataCentricLoader:
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
         self.check_plans = check_plans
 
-        if collate == "auto":
-            collate = "video" if model.kind == "video" else "text"
-        if collate == "text":
-            fn: CollateFn | None = functools.partial(collate_text, ignore_index=ignore_index)
-        elif collate == "video":
-            fn = collate_video
-        elif collate is None or callable(collate):
-            fn = collate
-        else:
-            raise ValueError(f"collate must be 'auto', 'text', 'video', a function or None; got {collate!r}")
-        self._tasks = _TaskDataset(dataset, fn, sizes, check_text=collate == "text")
+        fn = resolve_collate(collate, model.kind, ignore_index)
+        self._tasks = _TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
+            collate == "auto" and model.kind == "text"))
+        self.device = None if device is None else torch.device(device)
 
         self._data_digest = comm.digest((self.workload.tokens, tuple(self.context.usable_ids), self.seed,
                                          tokens_per_step, samples_per_step))
@@ -649,6 +660,9 @@ class DataCentricLoader:
                 for b, (mb, _) in zip(batches, work, strict=True):
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
+                if self.device is not None and self.device.type != "cpu":
+                    batches = tuple(b.pin_memory().to(self.device, non_blocking=True) if isinstance(b, Batch) else b
+                                    for b in batches)
                 self._step = k + 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,

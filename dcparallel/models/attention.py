@@ -1,7 +1,8 @@
 """The attention seam between single-device models and the runtime.
 
-A model calls ``attention(q, k, v, pattern)`` with ``q, k, v`` of shape
-(batch, tokens, heads, head_dim) and gets the output in the same shape. ``pattern`` says
+A model calls ``attention(q, k, v, pattern)`` with ``q`` of shape (batch, tokens, heads,
+head_dim) and ``k, v`` of shape (batch, tokens, kv_heads, head_dim) — kv_heads dividing heads
+(grouped-query attention) — and gets the output shaped like ``q``. ``pattern`` says
 which tokens of a sample see which: causal (text), full (video, 3D), or factorized
 spatial / temporal attention over a (frames, spatial tokens) grid. Documents packed in one
 row (``cu_seqlens``) never attend to each other, and positions at or after
@@ -48,10 +49,12 @@ class AttentionFn(Protocol):
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-    """(N, L, H, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D) inputs: 3-D inputs take a
-    4-5x slower kernel on CPU."""
+    """(N, L, H, D), k and v (N, L, H_kv, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D)
+    inputs: 3-D inputs take a 4-5x slower kernel on CPU. Fewer key/value heads than query
+    heads (grouped-query attention) are shared by consecutive query heads."""
+    kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **kw
     )
     return out.transpose(1, 2)
 
@@ -66,10 +69,10 @@ def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Te
         raise ValueError(f"factorized attention over {n} tokens needs frames dividing it; got frames={t}")
     s = n // t
     if pattern.kind == "spatial":  # (B, T, S) -> (B*T, S)
-        fold = lambda x: x.reshape(b * t, s, h, d)
+        fold = lambda x: x.reshape(b * t, s, x.shape[2], d)
         return _sdpa(fold(q), fold(k), fold(v), False).reshape(b, n, h, d)
     if pattern.kind == "temporal":  # (B, T, S) -> (B*S, T)
-        fold = lambda x: x.reshape(b, t, s, h, d).transpose(1, 2).reshape(b * s, t, h, d)
+        fold = lambda x: x.reshape(b, t, s, x.shape[2], d).transpose(1, 2).reshape(b * s, t, x.shape[2], d)
         out = _sdpa(fold(q), fold(k), fold(v), False)
         return out.reshape(b, s, t, h, d).transpose(1, 2).reshape(b, n, h, d)
     raise ValueError(f"unknown attention pattern {pattern.kind!r}; use causal, full, spatial or temporal")
@@ -113,6 +116,9 @@ def cuda_varlen_attention(
     if not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None:
         return sdpa_attention(q, k, v, pattern, cu_seqlens)
     varlen_attn = _varlen_attn()
+    if k.shape[2] != q.shape[2]:  # not every varlen kernel takes grouped key/value heads
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     if varlen_attn is None:  # torch without the varlen API: the SDPA loop is exact, only slower
         return sdpa_attention(q, k, v, pattern, cu_seqlens)
     length = q.shape[1]

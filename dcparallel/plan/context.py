@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
-from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, bucket_key, sp_chain
+from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, batch_key, sp_chain
 
 #: How a policy picks recompute: "none"/"attn"/"mlp"/"full" fixed for every layer,
 #: "fit" = the fastest of those four that fits, per micro-batch, "pac" = the fastest
@@ -65,7 +65,8 @@ class PlanContext:
         self.sp_sizes: list[int] = chain
         self.sizes = workload.sizes
         self.tokens = workload.tokens
-        self.bucket_of: list[tuple[int, int]] = [bucket_key(self.model, s) for s in self.sizes]
+        #: the class a micro-batch's samples share (`spec.batch_key`: video, one latent shape)
+        self.bucket_of: list[tuple[int, ...]] = [batch_key(self.model, s) for s in self.sizes]
         self._fit: dict = {}  # copies of one size (bucket layouts): a few per bucket
         self._mixed: dict = {}  # any micro-batch: bounded, see cost.base.cache_put
         self._options: dict = {}

@@ -1,8 +1,8 @@
 """`packed`: the packing baseline — one SP degree and recompute setting for the run; the
 step's samples are packed into token-capacity bins (first-fit decreasing), each bin one
-micro-batch (text: documents packed into one row with `cu_seqlens`; video: samples packed
-as variable-length sequences), and the bins dealt evenly to the data-parallel groups
-(longest bin first to the least-loaded group). The capacity is the most tokens a
+micro-batch (text: documents packed into one row with `cu_seqlens`; video: same-shape
+samples stacked, so bins are filled within each latent shape, `spec.batch_key`), and the
+bins dealt evenly to the data-parallel groups (longest bin first to the least-loaded group). The capacity is the most tokens a
 micro-batch can hold in memory at that SP degree and recompute setting.
 
 `tuned_packed` picks the SP degree and recompute setting with the best simulated
@@ -59,6 +59,14 @@ class PackedPlanner:
         return {"sp": self.sp, "recompute": self.mode, "capacity_tokens": self.capacity}
 
     def _bins(self, ids: Sequence[int]) -> list[list[int]]:
+        if self.ctx.model.kind == "text":
+            return self._fill(ids)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i in ids:
+            by_shape.setdefault(self.ctx.bucket_of[i], []).append(i)
+        return [b for key in sorted(by_shape) for b in self._fill(by_shape[key])]
+
+    def _fill(self, ids: Sequence[int]) -> list[list[int]]:
         ctx = self.ctx
         bins: list[list[int]] = []
         room: list[int] = []

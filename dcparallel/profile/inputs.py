@@ -1,28 +1,28 @@
-"""Synthetic micro-batches for profiling, and the planner's view (`ModelSpec`) of a real model.
+"""Synthetic micro-batches for profiling, built the way training builds them.
 
 A ``make_inputs`` callable turns (bucket size, layout, the group's ranks, this rank) into
-`Inputs`: this rank's `Batch` of ``layout.mbs`` samples of that size (text: documents packed
-in one row; video: same-shape samples stacked) and the function that runs the forward and
-returns the summed loss. `text_inputs` and `video_inputs` build them for the reference
-models; any model works with a ``make_inputs`` of the same shape.
+`Inputs`: this rank's `Batch` of ``layout.mbs`` samples of that size and the function that
+runs the training loop's work on it (forward + summed loss). `adapter_inputs` derives it for
+any adapted model from the adapter's synthetic samples, the loader's collate and the loop's
+``loss_fn(model, batch, ctx)``; the other helpers are that for the reference models.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters import reference
+from dcparallel.adapters.base import LossFn, ModelAdapter, derive_spec
 from dcparallel.data.batch import Batch
-from dcparallel.models.dit import DiT, flow_matching_loss
-from dcparallel.models.llama import Llama, per_token_loss
+from dcparallel.data.loader import resolve_collate
+from dcparallel.models.dit import DiT
+from dcparallel.models.llama import Llama
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import MicroBatchContext
-from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.spec import Layout, ModelSpec, Size
 
 
@@ -38,122 +38,63 @@ class MakeInputs(Protocol):
 
 def batch_to(batch: Batch, device: torch.device, dtype: torch.dtype | None = None) -> Batch:
     """The batch with its tensors on ``device``; floating inputs cast to ``dtype``."""
-    changes = {}
-    for f in dataclasses.fields(batch):
-        v = getattr(batch, f.name)
-        if isinstance(v, Tensor):
-            if dtype is not None and v.is_floating_point():
-                v = v.to(dtype)
-            changes[f.name] = v.to(device)
-    return dataclasses.replace(batch, **changes)
+    return batch.to(device, dtype)
 
 
-def text_inputs(model: Llama, device: torch.device, seed: int = 0) -> MakeInputs:
+def adapter_inputs(model: nn.Module, adapter: ModelAdapter, loss_fn: LossFn, device: torch.device,
+                   dtype: torch.dtype | None = None) -> MakeInputs:
+    """Profiling inputs of any adapted model: the adapter's synthetic items of the bucket's
+    size, collated by the loader's own collate, moved to the model's device (floating inputs
+    in its dtype), and the training loop's ``loss_fn(model, batch, ctx)``."""
+    if adapter.sample is None:
+        raise ValueError(f"{adapter.name}: no synthetic samples to profile with; pass sample_fn(size, index) "
+                         f"returning a dataset item of that size")
+    collate = resolve_collate(adapter.collate, adapter.kind)
+
+    def make(size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs:
+        samples = {i: adapter.sample(size, i) for i in range(layout.mbs)}
+        batch = collate(samples, MicroBatch(tuple(range(layout.mbs)), layout), ranks, rank).to(device, dtype)
+        return Inputs(batch, lambda ctx: loss_fn(model, batch, ctx))
+
+    return make
+
+
+def text_inputs(model: Llama, device: torch.device) -> MakeInputs:
     """``mbs`` random documents of ``size`` tokens packed into one row, causal LM loss."""
-    vocab = model.cfg.vocab_size
-
-    def make(size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs:
-        if isinstance(size, tuple):
-            raise ValueError(f"a text model takes token counts as bucket sizes; got the video size {size}")
-        g = torch.Generator().manual_seed(seed)
-        docs = {i: torch.randint(0, vocab, (int(size),), generator=g) for i in range(layout.mbs)}
-        mb = MicroBatch(tuple(range(layout.mbs)), layout)
-        batch = batch_to(text_batch(mb, ranks, rank, docs), device)
-
-        def loss(ctx: MicroBatchContext) -> Tensor:
-            ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
-            return ctx.token_loss(ptl, batch.loss_mask)
-
-        return Inputs(batch, loss)
-
-    return make
+    a = reference.adapter(model)
+    return adapter_inputs(model, a, a.loss_fn, device)
 
 
-def video_inputs(model: DiT, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0
-                 ) -> MakeInputs:
-    """``mbs`` random latents of the bucket's shape (pixels -> latent grid by the spec's
-    patchify rule), stacked; flow-matching loss at random timesteps."""
-    patch_dim = model.cfg.patch_dim
-
-    def make(size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs:
-        if not isinstance(size, tuple):
-            raise ValueError(f"a video model takes (frames, height, width) bucket sizes; got {size!r}")
-        frames, height, width = size
-        t, _ = spec.latent_grid(size)
-        nh, nw = math.ceil(height / spec.spatial_patch), math.ceil(width / spec.spatial_patch)
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(nh), torch.arange(nw), indexing="ij"), -1)
-        pos = grid.reshape(-1, 3)
-        g = torch.Generator().manual_seed(seed)
-        toks = {i: torch.randn(pos.shape[0], patch_dim, generator=g) for i in range(layout.mbs)}
-        mb = MicroBatch(tuple(range(layout.mbs)), layout)
-        batch = batch_to(video_batch(mb, ranks, rank, toks, {i: pos for i in toks}, t), device, dtype)
-        noise = torch.randn(batch.inputs.shape, generator=g).to(device=device, dtype=dtype)
-        ts = torch.rand(layout.mbs, generator=g).to(device)
-
-        def loss(ctx: MicroBatchContext) -> Tensor:
-            ptl = flow_matching_loss(model, batch.inputs, batch.positions, ts, noise, batch.frames)
-            return ctx.token_loss(ptl, batch.loss_mask)
-
-        return Inputs(batch, loss)
-
-    return make
-
-
-def _count(modules: Sequence[nn.Module]) -> int:
-    return sum(p.numel() for m in modules for p in m.parameters())
+def video_inputs(model: DiT, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> MakeInputs:
+    """``mbs`` random latents of the bucket's shape, stacked; flow-matching loss."""
+    a = reference.adapter(model)
+    return adapter_inputs(model, a, a.loss_fn, device, dtype)
 
 
 def model_spec(model: nn.Module, layers: Sequence[nn.Module], *, name: str, kind: str, hidden: int,
                num_heads: int, ffn_hidden: int, attention: str, layers_per_unit: int = 1,
                **extra) -> ModelSpec:
-    """The planner's `ModelSpec` of a real model with its exact parameter counts: one spec
-    layer is ``layers_per_unit`` consecutive blocks (a spatial + temporal pair: 2); per
-    unit, the parameters of the blocks' ``attn_block`` / ``mlp_block`` and the rest; what is
-    outside the layers is ``extra_params``."""
+    """The planner's `ModelSpec` of a model whose blocks expose ``attn_block`` / ``mlp_block``
+    (`adapters.derive_spec` for any other)."""
     if layers_per_unit < 1 or len(layers) % layers_per_unit:
         raise ValueError(f"{len(layers)} layers do not split into units of {layers_per_unit}; "
                          f"pass a layers_per_unit that divides the number of layers")
-    unit = list(layers[:layers_per_unit])
-    attn = _count([b.attn_block for b in unit if hasattr(b, "attn_block")])
-    mlp = _count([b.mlp_block for b in unit if hasattr(b, "mlp_block")])
-    other = _count(unit) - attn - mlp
-    num_units = len(layers) // layers_per_unit
-    total = sum(p.numel() for p in model.parameters())
-    spec = ModelSpec(name=name, kind=kind, num_layers=num_units, hidden=hidden, num_heads=num_heads,
-                     ffn_hidden=ffn_hidden, attention=attention, attn_params=attn, mlp_params=mlp,
-                     other_params=other, extra_params=total - num_units * (attn + mlp + other),
-                     attn_per_layer=layers_per_unit, **extra)
-    assert spec.num_params == total
-    return spec
+    return derive_spec(model, list(layers), name=name, kind=kind, hidden=hidden, num_heads=num_heads,
+                       ffn_hidden=ffn_hidden, attention=attention, blocks_per_layer=layers_per_unit,
+                       attn_modules=lambda b: [b.attn_block] if hasattr(b, "attn_block") else [],
+                       mlp_modules=lambda b: [b.mlp_block] if hasattr(b, "mlp_block") else [], **extra)
 
 
 def reference_spec(model: nn.Module, layers: Sequence[nn.Module], name: str | None = None
                    ) -> tuple[ModelSpec, int]:
     """(the planner's view, blocks per spec layer) of a reference model (Llama or DiT)."""
-    if isinstance(model, Llama):
-        c = model.cfg
-        spec = model_spec(model, layers, name=name or f"llama-h{c.hidden}-l{c.num_layers}", kind="text",
-                          hidden=c.hidden, num_heads=c.num_heads, ffn_hidden=c.ffn_hidden, attention="causal",
-                          vocab_size=c.vocab_size, bytes_per_value=next(model.parameters()).element_size())
-        return spec, 1
-    if isinstance(model, DiT):
-        c = model.cfg
-        unit = 2 if c.attention == "factorized" else 1
-        spec = model_spec(model, layers, name=name or f"dit-h{c.hidden}-l{c.num_layers}", kind="video", hidden=c.hidden,
-                          num_heads=c.num_heads, ffn_hidden=c.mlp_ratio * c.hidden,
-                          attention="factorized" if unit == 2 else "full", layers_per_unit=unit,
-                          bytes_per_value=next(model.parameters()).element_size())
-        return spec, unit
-    raise ValueError(f"{type(model).__name__} is not a reference model: pass spec= (a ModelSpec) and "
-                     f"make_inputs= (see dcparallel.profile.inputs) so it can be profiled")
+    if not reference.matches(model):
+        raise ValueError(f"{type(model).__name__} is not a reference model: use dcparallel.adapters.find_adapter")
+    a = reference.adapter(model, layers=layers, name=name)
+    return a.spec, a.blocks_per_layer
 
 
 def reference_inputs(model: nn.Module, spec: ModelSpec, device: torch.device) -> MakeInputs:
-    """The profiling inputs of a reference model: packed random documents (Llama) or random
-    latents of the bucket's shape (DiT)."""
-    if isinstance(model, Llama):
-        return text_inputs(model, device)
-    if isinstance(model, DiT):
-        return video_inputs(model, spec, device, next(model.parameters()).dtype)
-    raise ValueError(f"{type(model).__name__} is not a reference model: pass make_inputs= "
-                     f"(see dcparallel.profile.inputs) so it can be profiled")
+    """The profiling inputs of a reference model."""
+    a = reference.adapter(model)
+    return adapter_inputs(model, a, a.loss_fn, device, next(model.parameters()).dtype)

@@ -301,7 +301,7 @@ class Profiler:
         memory the layout keeps its short-stack measurement and the validation is skipped."""
         cfg = self.config
         group = self.engine.groups.group(ranks)
-        layout = Layout(len(ranks), mbs, static_recompute(mode, len(self.layers)))
+        layout = Layout(len(ranks), mbs, static_recompute(mode, self.spec.num_layers))  # planner layers
         state = self.model_state_bytes()
         inputs = None
         mem: dict[int, float] = {}

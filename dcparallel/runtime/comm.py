@@ -64,16 +64,20 @@ def all_to_all(x: Tensor, group) -> Tensor:
     return _AllToAll.apply(x, group)
 
 
-def seq_to_heads(x: Tensor, group) -> Tensor:
-    """(n, B, L/sp, H, D) sequence-sharded -> (n, B, L, H/sp, D) head-sharded; n stacks
-    q, k, v so that one all-to-all moves all three."""
+def seq_to_heads(xs: list[Tensor], group) -> list[Tensor]:
+    """Sequence-sharded (B, L/sp, H_i, D) tensors -> head-sharded (B, L, H_i/sp, D), all in
+    one all-to-all (each peer's head slices of every tensor travel together). The tensors may
+    have different head counts (query vs grouped key/value heads), each divisible by sp."""
     sp = group_size(group)
     if sp == 1:
-        return x
-    n, b, ls, h, d = x.shape
-    x = x.reshape(n, b, ls, sp, h // sp, d).permute(3, 0, 1, 2, 4, 5)  # (peer=head group, n, B, Ls, Hs, D)
-    y = all_to_all(x, group)  # (peer=sequence shard, n, B, Ls, Hs, D)
-    return y.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * ls, h // sp, d)
+        return list(xs)
+    b, ls, _, d = xs[0].shape
+    heads = [x.shape[2] // sp for x in xs]
+    # (B, Ls, sp, H_i/sp, D) per tensor, joined on the per-peer head axis
+    x = torch.cat([t.reshape(b, ls, sp, h, d) for t, h in zip(xs, heads, strict=True)], dim=3)
+    y = all_to_all(x.permute(2, 0, 1, 3, 4), group)  # (peer=sequence shard, B, Ls, sum H_i/sp, D)
+    y = y.permute(1, 0, 2, 3, 4).reshape(b, sp * ls, sum(heads), d)
+    return list(y.split(heads, dim=2))
 
 
 def heads_to_seq(x: Tensor, group) -> Tensor:
@@ -85,6 +89,34 @@ def heads_to_seq(x: Tensor, group) -> Tensor:
     x = x.reshape(b, sp, n // sp, hs, d).permute(1, 0, 2, 3, 4)  # (peer=sequence shard, B, Ls, Hs, D)
     y = all_to_all(x, group)  # (peer=head group, B, Ls, Hs, D)
     return y.permute(1, 2, 0, 3, 4).reshape(b, n // sp, sp * hs, d)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather of equal shards along ``dim``. Every rank then computes on the whole
+    tensor, so the gradient of a shard is the sum over ranks of that slice of theirs: an
+    all-reduce of the gradient, then this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n), None, None
+
+
+def gather_seq(x: Tensor, group, dim: int = 1) -> Tensor:
+    """Sequence shards (equal sizes) -> the whole padded sequence on every rank of the group
+    (autograd: see `_GatherSeq`)."""
+    if group_size(group) == 1:
+        return x
+    return _GatherSeq.apply(x, group, dim)
 
 
 # ---------------------------------------------------------------- gradients and parameters

@@ -8,13 +8,12 @@ buffer whose last two elements are this rank's summed loss and target count;
 `sync_gradients` all-reduces that buffer once over the whole world, on every rank (also
 ranks that ran nothing), and divides by the global count. Not DDP: DESIGN "Exact gradient".
 
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads)
+    dc = DataCentricParallel(model)                  # the adapter is found from the model
     opt = dc.optimizer(lr=3e-4)                      # ZeRO-1 AdamW (or any torch.optim)
     for step_batches in loader:                      # this rank's Batches of one step
         for batch in step_batches:
             with dc.micro_batch(batch) as ctx:
-                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
-                ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+                ctx.backward(ctx.lm_loss(model(batch.inputs, batch.positions)))
         dc.sync_gradients()                          # every rank, every step
         opt.step()
 
@@ -33,7 +32,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dcparallel.adapters.base import ModelAdapter, find_adapter
 from dcparallel.data.batch import Batch
+from dcparallel.models.llama import per_token_loss
 from dcparallel.runtime import comm
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
@@ -46,24 +47,16 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-class _LayerRecompute:
-    """Per layer: "none", "attn", "mlp" or "full" (whole layer), read by the patched forwards."""
+class _Recompute:
+    """Checkpointing of one module in backward when the micro-batch's mode for its block
+    asks for it: a block wrapped as "full", its attention / MLP sub-modules as "attn" / "mlp"."""
 
-    def __init__(self, layer: nn.Module, attention: UlyssesAttention):
-        self.mode = "none"
-        self.attention = attention
-        self.has_blocks = hasattr(layer, "attn_block") and hasattr(layer, "mlp_block")
-        self._wrap(layer, "full")
-        if self.has_blocks:
-            self._wrap(layer.attn_block, "attn")
-            self._wrap(layer.mlp_block, "mlp")
-
-    def _wrap(self, module: nn.Module, mode: str) -> None:
+    def __init__(self, module: nn.Module, mode: str, attention: UlyssesAttention):
+        self.mode, self.active = mode, False
         inner = module.forward
-        attention = self.attention
 
         def forward(*args, **kwargs):
-            if self.mode == mode and torch.is_grad_enabled():
+            if self.active and torch.is_grad_enabled():
                 # The recomputation runs inside backward; it must see the SP group and
                 # documents of this forward even if backward runs after the block exits.
                 state = attention.state()
@@ -94,6 +87,25 @@ class MicroBatchContext:
         g.manual_seed(sample_seed(self.dc.seed, self.dc.epoch, sample_id))
         return g
 
+    def lm_loss(self, logits: Tensor) -> Tensor:
+        """The shard's summed next-token loss from (B, L, vocab) logits — a transformers
+        model's ``.logits`` or the reference LM's output — against the batch's labels
+        (shifted before sharding; ignored positions and padding excluded)."""
+        if self.batch.labels is None:
+            raise ValueError("lm_loss needs a text batch with labels; this micro-batch has none")
+        ptl, _ = per_token_loss(logits, self.batch.labels.to(logits.device))
+        return self.token_loss(ptl, self.batch.loss_mask.to(logits.device))
+
+    def dense_loss(self, per_position_loss: Tensor) -> Tensor:
+        """The summed loss of a model whose output every rank of the group holds whole (a
+        dense video transformer gathers its tokens before the output layer): each rank
+        counts 1/sp of every position, so the group counts each once and the gradient
+        through the gather is exact. ``per_position_loss`` (B, ...) unreduced, e.g. the mean
+        over channels of the squared error per latent position."""
+        mask = torch.ones_like(per_position_loss, dtype=torch.bool)
+        w = torch.full_like(per_position_loss, 1.0 / self.batch.sp, dtype=torch.float32)
+        return self.token_loss(per_position_loss, mask, w)
+
     def token_loss(
         self, per_token_loss: Tensor, mask: Tensor, sample_weights: Tensor | None = None
     ) -> Tensor:
@@ -123,41 +135,60 @@ class MicroBatchContext:
 
 
 class DataCentricParallel:
-    """Wraps a single-device model (it must have ``set_attention``) for data-centric steps.
+    """Wraps a single-device model for data-centric steps.
 
-    ``layers``: the repeated blocks where recomputation applies; each should expose
-    ``attn_block`` and ``mlp_block`` (for attention-/MLP-only recompute; without them only
-    full recompute is possible). ``num_heads``: attention heads (SP degrees must divide it).
+    ``adapter``: how to drive the model (`dcparallel.adapters.ModelAdapter`); found from the
+    model when not given (reference models, transformers causal LMs, diffusers Wan, or the
+    model protocol with ``layers`` / ``num_heads``). Recompute counts of a layout are planner
+    layers: layer i is blocks ``i * blocks_per_layer ...`` of the adapter.
     Trainable parameters are moved into one flat buffer (their storage becomes views of it;
     names and state_dict are unchanged) so the ZeRO-1 optimizer can update a shard and
-    all-gather it."""
+    all-gather it. Everything is checked before the model is changed: a constructor that
+    raises leaves the model as it was."""
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        layers: Sequence[nn.Module],
-        num_heads: int,
+        layers: Sequence[nn.Module] | None = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        adapter: ModelAdapter | None = None,
         cluster: ClusterSpec | None = None,
         seed: int = 0,
         kernel: Kernel | None = None,
         groups: ProcessGroups | None = None,
     ):
-        if not hasattr(model, "set_attention"):
+        if getattr(model, "_dcparallel_wrapped", False):
+            raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
+        self.adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
             raise ValueError(
-                f"{type(model).__name__} has no set_attention(fn): the runtime installs "
-                f"Ulysses attention through it"
+                f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
             )
         self.model = model
-        self.layers = list(layers)
-        self.num_heads = num_heads
+        self.layers = list(self.adapter.blocks)
+        self.num_heads = self.adapter.num_heads
+        self.num_kv_heads = self.adapter.num_kv_heads
         self.seed = seed
         self.epoch = 0
-        self.groups = groups if groups is not None else ProcessGroups(num_heads, cluster)
+        self.groups = groups if groups is not None else ProcessGroups(self.num_heads, cluster)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.attention = UlyssesAttention(kernel)
-        model.set_attention(self.attention)
-        self._recompute = [_LayerRecompute(layer, self.attention) for layer in self.layers]
+        self.adapter.install_attention(self.attention)
+        self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
+        # per block: (its planner layer, its wrappers: full block, attention / MLP sub-modules)
+        self._recompute: list[tuple[int, list[_Recompute]]] = []
+        for i, block in enumerate(self.layers):
+            wraps = [_Recompute(block, "full", self.attention)]
+            wraps += [_Recompute(m, "attn", self.attention) for m in self.adapter.attn_modules(block)]
+            wraps += [_Recompute(m, "mlp", self.attention) for m in self.adapter.mlp_modules(block)]
+            self._recompute.append((self.adapter.layer_of(i), wraps))
+        model._dcparallel_wrapped = True
 
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -212,15 +243,21 @@ class DataCentricParallel:
         self._synced = False
 
     def _set_recompute(self, rc: Recompute) -> None:
-        for i, state in enumerate(self._recompute):
-            attn, mlp = i < rc.attn, i < rc.mlp
+        """Layer i (a planner layer: `adapter.blocks_per_layer` blocks) recomputes attention if
+        i < rc.attn and its MLP if i < rc.mlp; both = the whole blocks."""
+        for layer, wraps in self._recompute:
+            attn, mlp = layer < rc.attn, layer < rc.mlp
             mode = "full" if attn and mlp else "attn" if attn else "mlp" if mlp else "none"
-            if mode in ("attn", "mlp") and not state.has_blocks:
-                raise ValueError(
-                    f"layer {i} has no attn_block / mlp_block, so it cannot recompute "
-                    f"{mode} alone ({rc}); expose the sub-blocks or use full recompute"
-                )
-            state.mode = mode
+            if mode in ("attn", "mlp") and not any(w.mode == mode for w in wraps):
+                raise ValueError(f"{self.adapter.name}'s blocks expose no {mode} sub-module, so layer {layer} cannot "
+                                 f"recompute {mode} alone ({rc}); use full recompute, or give the adapter "
+                                 f"attn_modules and mlp_modules")
+            for w in wraps:
+                w.active = w.mode == mode
+
+    def recompute_modes(self) -> list[str]:
+        """The mode of every block right now ("none", "attn", "mlp", "full")."""
+        return [next((w.mode for w in wraps if w.active), "none") for _, wraps in self._recompute]
 
     @contextlib.contextmanager
     def micro_batch(self, batch: Batch) -> Iterator[MicroBatchContext]:
@@ -237,7 +274,7 @@ class DataCentricParallel:
         group = self.groups.group(batch.ranks)
         if self._synced:
             self.zero_grad()
-        self.attention.activate(group, batch.cu_seqlens)
+        self.attention.activate(group, batch.cu_seqlens, batch)
         self._set_recompute(batch.layout.recompute)
         try:
             yield MicroBatchContext(self, batch)

@@ -1,12 +1,19 @@
 """Ulysses attention: sequence-sharded in, sequence-sharded out.
 
 Each rank of an SP group of size sp holds L/sp consecutive tokens of every row (L padded to
-a multiple of sp) with all H heads. One all-to-all of the stacked q, k, v gives every rank
-the whole sequence for H/sp heads; the kernel runs attention there (documents of
+a multiple of sp) with all H heads. One all-to-all of q, k, v gives every rank the whole
+sequence for H/sp heads; the kernel runs attention there (documents of
 ``cu_seqlens`` apart, padding neither attending nor attended, its output zero); a second
 all-to-all returns the output to sequence sharding. Backward mirrors both all-to-alls.
 Rotary embeddings are applied by the model before the call, with the shard's global
 positions, so nothing about positions happens here.
+
+Grouped-query / multi-query attention (k, v with H_kv < H query heads, H divisible by H_kv):
+when sp divides H_kv the key/value heads are sharded like the query heads; otherwise each
+key/value head is repeated r = sp / gcd(sp, H_kv) times first (r divides H / H_kv, so rank
+p's query heads still find their own key/value heads among its H_kv * r / sp). Either way
+the SP degree is limited by the query heads only (`spec.kv_heads_sent` gives the all-to-all's
+key/value head count for the cost model).
 """
 
 from __future__ import annotations
@@ -15,11 +22,11 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from dcparallel.models.attention import AttnPattern, default_kernel
 from dcparallel.runtime.comm import group_size, heads_to_seq, seq_to_heads
+from dcparallel.spec import kv_repeats
 
 Kernel = Callable[[Tensor, Tensor, Tensor, AttnPattern, "Sequence[int] | None"], Tensor]
 
@@ -43,28 +50,37 @@ def ulysses_attention(
     cu_seqlens: Sequence[int] | None = None,
     kernel: Kernel | None = None,
 ) -> Tensor:
-    """q, k, v (B, L/sp, H, D): this rank's shard of the padded rows -> output (B, L/sp, H, D).
+    """q (B, L/sp, H, D), k and v (B, L/sp, H_kv, D): this rank's shard of the padded rows ->
+    output (B, L/sp, H, D).
 
     ``cu_seqlens`` are document boundaries in the whole unpadded row (global positions);
     None = one document filling the whole padded row."""
     sp = group_size(group)
-    check_heads(q.shape[2], sp)
+    hq, hkv = q.shape[2], k.shape[2]
+    check_heads(hq, sp)
+    if k.shape != v.shape or hq % hkv:
+        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must share a shape with a number of "
+                         f"heads that divides the {hq} query heads")
     kernel = kernel or default_kernel(q.device)
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens)
-    full = seq_to_heads(torch.stack([q, k, v]), group)
-    out = kernel(full[0], full[1], full[2], pattern, cu_seqlens)
-    return heads_to_seq(out, group)
+    r = kv_repeats(hkv, sp)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    q, k, v = seq_to_heads([q, k, v], group)
+    return heads_to_seq(kernel(q, k, v, pattern, cu_seqlens), group)
 
 
 @dataclass
 class _Active:
     group: object
     cu_seqlens: tuple[int, ...] | None
+    batch: object = None
+    """the micro-batch's `Batch` (its shard geometry, for models that shard inside)"""
 
 
 class UlyssesAttention:
-    """The attention function the engine installs into a model (`model.set_attention`).
+    """The attention function the engine installs into a model (through its adapter).
 
     Outside a micro-batch it behaves like the model's local attention (one sample per row);
     inside, `activate` gives it the micro-batch's SP group and document boundaries."""
@@ -73,14 +89,22 @@ class UlyssesAttention:
         self.kernel = kernel
         self._active: _Active | None = None
 
-    def activate(self, group, cu_seqlens: Sequence[int] | None) -> None:
-        self._active = _Active(group, None if cu_seqlens is None else tuple(cu_seqlens))
+    def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None) -> None:
+        self._active = _Active(group, None if cu_seqlens is None else tuple(cu_seqlens), batch)
 
     def deactivate(self) -> None:
         self._active = None
 
     def state(self) -> _Active | None:
         return self._active
+
+    def longest_document(self, local_len: int) -> int:
+        """Tokens of the longest document the active micro-batch attends over (a row of
+        ``local_len`` tokens per rank outside a micro-batch)."""
+        a = self._active
+        if a is None or a.cu_seqlens is None:
+            return local_len * (1 if a is None else group_size(a.group))
+        return max(b - x for x, b in zip(a.cu_seqlens[:-1], a.cu_seqlens[1:], strict=True))
 
     @contextlib.contextmanager
     def restored(self, state: _Active | None) -> Iterator[None]:

@@ -1,0 +1,18 @@
+"""Model adapters: how dcparallel drives a model (`ModelAdapter`), found by `find_adapter`
+for the reference models, Hugging Face transformers causal LMs and diffusers Wan video
+transformers; any other `nn.Module` follows `protocol_adapter`'s protocol. transformers and
+diffusers are optional (`pip install dcparallel[hf]`, `[diffusers]`) and imported only for
+their models."""
+
+from dcparallel.adapters.base import (
+    LossFn,
+    ModelAdapter,
+    SampleFn,
+    derive_spec,
+    find_adapter,
+    positional_lm_loss,
+    protocol_adapter,
+)
+
+__all__ = ["LossFn", "ModelAdapter", "SampleFn", "derive_spec", "find_adapter", "positional_lm_loss",
+           "protocol_adapter"]

@@ -1,0 +1,153 @@
+"""Library models for the adapter tests, built from configs (never downloaded), and their
+single-process references: the unmodified model, one sample at a time, plain autograd."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dcparallel.models.attention import AttnPattern, local_attention
+from dcparallel.runtime.engine import sample_seed
+from tests.support import Data
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT_KINDS = ("hf-llama", "hf-qwen3", "custom")
+VOCAB = 96
+
+
+class TinyGQA(nn.Module):
+    """A user's own model, written here as a user would: pre-norm blocks with grouped-query
+    attention (4 query heads, 2 key/value heads), learned positions; it follows dcparallel's
+    protocol: ``set_attention(fn)``, ``layers``, blocks with ``attn_block`` / ``mlp_block``."""
+
+    class Attn(nn.Module):
+        def __init__(self, d: int, heads: int, kv: int):
+            super().__init__()
+            self.heads, self.kv, self.hd = heads, kv, d // heads
+            self.norm = nn.LayerNorm(d)
+            self.q = nn.Linear(d, d)
+            self.kv_proj = nn.Linear(d, 2 * kv * self.hd)
+            self.o = nn.Linear(d, d)
+            self.attention = local_attention
+
+        def forward(self, x: Tensor) -> Tensor:
+            b, n, _ = x.shape
+            h = self.norm(x)
+            q = self.q(h).view(b, n, self.heads, self.hd)
+            k, v = self.kv_proj(h).view(b, n, 2, self.kv, self.hd).unbind(2)
+            return self.o(self.attention(q, k, v, AttnPattern("causal")).reshape(b, n, -1))
+
+    class Block(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.attn_block = TinyGQA.Attn(d, 4, 2)
+            self.mlp_block = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = x + self.attn_block(x)
+            return x + self.mlp_block(x)
+
+    def __init__(self, d: int = 32, num_layers: int = 2, max_len: int = 256):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.layers = nn.ModuleList(TinyGQA.Block(d) for _ in range(num_layers))
+        self.head = nn.Linear(d, VOCAB)
+
+    def set_attention(self, fn) -> None:
+        for b in self.layers:
+            b.attn_block.attention = fn
+
+    def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:
+            positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+        x = self.embed(ids) + self.pos(positions)
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "hf-llama":  # GQA: 8 query heads, 2 key/value heads: SP 4 repeats each kv head twice
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+        return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    if kind == "hf-qwen3":  # q/k norms per head, 4 query heads, 2 kv heads
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+        return Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    if kind == "custom":
+        return TinyGQA()
+    if kind == "wan":
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
+                                     out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+                                     rope_max_seq_len=32).float()
+    raise ValueError(kind)
+
+
+WAN_SHAPES = [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)]  # latent (frames, height, width), odd token counts at SP 4
+
+
+def make_data(kind: str, num_samples: int, seed: int) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    docs, labels, shape_of, extras = {}, {}, {}, {}
+    for i in range(num_samples):
+        if kind in TEXT_KINDS:
+            n = rng.randint(2, 37)
+            docs[i] = torch.randint(0, VOCAB, (n,), generator=g)
+            shape_of[i] = (n,)
+        else:
+            shape = rng.choice(WAN_SHAPES)
+            docs[i] = torch.randn(4, *shape, generator=g)
+            extras[i] = torch.randn(5, 16, generator=g)
+            shape_of[i] = shape
+    data = Data(kind, docs, labels, {}, {}, shape_of)
+    data.extras = extras
+    return data
+
+
+def item(data: Data, sid: int):
+    """dataset[sid] as the adapter's collate takes it."""
+    if data.kind in TEXT_KINDS:
+        return data.docs[sid]
+    return {"latents": data.docs[sid], "encoder_hidden_states": data.extras[sid]}
+
+
+def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: int = 0):
+    """Mean loss over every target of the samples and its gradient, one sample at a time."""
+    model.zero_grad(set_to_none=True)
+    losses, count = [], 0
+    for sid in sample_ids:
+        if data.kind in TEXT_KINDS:
+            d = data.docs[sid][None]
+            logits = model(input_ids=d, use_cache=False).logits if data.kind.startswith("hf") else model(d)
+            losses.append(F.cross_entropy(logits[0, :-1].float(), d[0, 1:], reduction="sum"))
+            count += d.shape[1] - 1
+        else:
+            g = torch.Generator().manual_seed(sample_seed(seed, epoch, sid))
+            t = torch.sigmoid(torch.randn((), generator=g))
+            x0 = data.docs[sid][None]
+            noise = torch.randn(x0.shape[1:], generator=g)[None]
+            xt = (1 - t) * x0 + t * noise
+            pred = model(xt, timestep=(t * 1000)[None], encoder_hidden_states=data.extras[sid][None],
+                         return_dict=False)[0]
+            se = (pred - (noise - x0)).pow(2).mean(1)
+            losses.append(se.sum())
+            count += se.numel()
+    loss = torch.stack(losses).sum() / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                  if p.grad is not None}
