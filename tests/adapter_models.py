@@ -151,3 +151,28 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                   if p.grad is not None}
+
+
+#: pixel shapes (frames, height, width) of a real mix: resolutions off the 16-pixel grid and
+#: frame counts off Open-Sora's buckets, so one bucket holds several latent shapes
+DIT_MIX = [(17, 60, 64), (17, 64, 64), (17, 64, 50), (1, 40, 56), (1, 48, 48), (34, 64, 96), (34, 60, 96),
+           (20, 48, 64), (1, 40, 50), (17, 50, 64)]
+#: latent shapes (frames, height, width) for Wan: odd and even sizes, several per token count
+WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3, 6, 4), (1, 4, 4)]
+
+
+class VideoSet:
+    """A map-style dataset of synthetic videos of the given shapes: reference DiT items
+    (patch tokens of the Open-Sora latent grid) or Wan items (latents + text embeddings)."""
+
+    def __init__(self, kind: str, shapes, model: nn.Module):
+        from dcparallel.adapters import find_adapter
+
+        self.shapes = list(shapes)
+        self.sample = find_adapter(model).sample
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, i: int):
+        return self.sample(self.shapes[i], i)

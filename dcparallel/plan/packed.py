@@ -2,8 +2,9 @@
 step's samples are packed into token-capacity bins (first-fit decreasing), each bin one
 micro-batch (text: documents packed into one row with `cu_seqlens`; video: same-shape
 samples stacked, so bins are filled within each latent shape, `spec.batch_key`), and the
-bins dealt evenly to the data-parallel groups (longest bin first to the least-loaded group). The capacity is the most tokens a
-micro-batch can hold in memory at that SP degree and recompute setting.
+bins dealt evenly to the data-parallel groups (longest bin first to the least-loaded group).
+The capacity is the most tokens a micro-batch can hold in memory at that SP degree and
+recompute setting.
 
 `tuned_packed` picks the SP degree and recompute setting with the best simulated
 throughput, as `tuned_bucket` does.

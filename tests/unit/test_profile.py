@@ -376,3 +376,51 @@ def test_noisy_recompute_faster_than_keeping_cannot_beat_the_lower_bound(real_pr
     _, _, runs, bound = run_policies(wl, cost, cluster, ALL, tokens_per_step=400)
     for name, v in summary(wl, runs, bound).items():
         assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
+
+
+def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measured():
+    """Recompute counts planner layers: a factorized DiT of 8 blocks is 4 spatial + temporal
+    pairs, so the plan's full recompute is Recompute(4, 4) and must checkpoint all 8 blocks —
+    what the profiler measured as "full". Counting blocks instead (the old mapping) re-ran 4 of
+    8 blocks and saved several times the profiled activations."""
+    from dcparallel.data.loader import collate_video
+    from dcparallel.models.dit import DiT, DiTConfig
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.profile.inputs import reference_inputs
+    from dcparallel.profile.measure import SavedTensorMeter
+    from dcparallel.runtime.engine import DataCentricParallel
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(num_layers=8, num_heads=4, hidden=32, freq_dim=16, attention="factorized"))
+    dc = DataCentricParallel(model)
+    spec = dc.adapter.spec
+    assert spec.num_layers == 4 and dc.adapter.blocks_per_layer == 2
+    prof = Profiler(model, dc.layers, reference_inputs(model, spec, torch.device("cpu")), spec=spec, engine=dc,
+                    layers_per_unit=2, config=ProfilerConfig(modes=("none", "full"), sp_sizes=(1,), validate=True,
+                                                             **{**FAST, "max_mbs": 1}))
+    size = (17, 64, 64)
+    p, stats = prof.run([size])
+    profiled = {e["recompute"]: e["memory_bytes"] for e in p.entries}
+    assert stats.memory_error == 0.0  # 1- and 2-pair stacks extrapolate exactly to 4 pairs
+
+    full = Recompute.full(spec.num_layers)
+    mb = MicroBatch((0,), Layout(1, 1, full))
+    batch = collate_video({0: dc.adapter.sample(size, 0)}, mb, (0,), 0)
+    with dc.micro_batch(batch) as ctx:
+        assert dc.recompute_modes() == ["full"] * 8  # every block of every pair
+        meter = SavedTensorMeter(exclude=[dc.flat_param, *dc.params])
+        with meter:
+            loss = dc.adapter.loss_fn(model, batch, ctx)
+        ctx.backward(loss)
+    assert meter.bytes == profiled["full"], (meter.bytes, profiled)
+    assert profiled["full"] < profiled["none"] / 2
+    # the old block mapping (block i recomputes if i < 4) keeps pairs 3 and 4: far more memory
+    with dc.micro_batch(batch) as ctx:
+        for layer, wraps in dc._recompute[4:]:
+            for w in wraps:
+                w.active = w.mode == "none"
+        old = SavedTensorMeter(exclude=[dc.flat_param, *dc.params])
+        with old:
+            loss = dc.adapter.loss_fn(model, batch, ctx)
+        ctx.backward(loss)
+    assert old.bytes > 2 * profiled["full"], (old.bytes, profiled["full"])
