@@ -99,15 +99,17 @@ class DataCentricParallel(_engine.DataCentricParallel):
             raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
                              f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained")
         sizes = read_sizes(lengths, len(dataset))
+        buckets = representative_sizes(self.spec, sizes)
         supported = self.adapter.recompute_modes
-        config = profiler_config or ProfilerConfig(memory_limit=self.memory_bytes,
-                                                   progress=comm.world_rank() == 0)
+        config = profiler_config or ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets),
+                                                         memory_limit=self.memory_bytes,
+                                                         progress=comm.world_rank() == 0)
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
         device, dtype = self.params[0].device, self.params[0].dtype
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
         profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self,
                             layers_per_unit=self.adapter.blocks_per_layer)
-        self.profile, _ = load_or_profile(profile_path, profiler, representative_sizes(self.spec, sizes))
+        self.profile, _ = load_or_profile(profile_path, profiler, buckets)
         self.cost = ProfiledCost(self.profile, self.cluster_spec)
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", device)

@@ -26,7 +26,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
+from dcparallel.data.synthetic import SyntheticText, builtin_lengths  # noqa: F401  (the demo's data)
 
 log = logging.getLogger("dcparallel.demo")
 
@@ -42,35 +42,6 @@ REPEATS = 2
 
 
 # ----------------------------------------------------------------- data
-
-
-def builtin_lengths(num_samples: int = 420, seed: int = SEED) -> list[int]:
-    """Skewed document lengths: 70% in [32, 256), 24% in [256, 1024), 6% in [1024, 3072],
-    log-uniform inside each range."""
-    rng = np.random.default_rng([seed, 77])
-    ranges = [(32, 256), (256, 1024), (1024, 3072)]
-    which = rng.choice(3, size=num_samples, p=[0.70, 0.24, 0.06])
-    lo = np.log([ranges[k][0] for k in which])
-    hi = np.log([ranges[k][1] for k in which])
-    return [int(x) for x in np.exp(rng.uniform(lo, hi))]
-
-
-class SyntheticText:
-    """Sample i: an arithmetic token sequence (start and stride drawn from (seed, i)), of
-    `lengths[i]` tokens: real sequences a small LM learns within an epoch."""
-
-    def __init__(self, lengths: list[int], vocab: int = VOCAB, seed: int = SEED):
-        self.lengths, self.vocab, self.seed = list(lengths), vocab, seed
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int):
-        import torch
-
-        g = np.random.default_rng([self.seed, 5, i])
-        a, b = int(g.integers(self.vocab)), int(g.integers(1, 8))
-        return (a + torch.arange(self.lengths[i]) * b) % self.vocab
 
 
 def samples_hash(step_ids: list[list[int]]) -> str:

@@ -109,6 +109,15 @@ class ProfilerConfig:
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
 
+    @staticmethod
+    def quick(max_tokens: int | None = None, **kw) -> ProfilerConfig:
+        """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (at
+        most 10, about 0.2 s of timing), micro-batches doubled only up to ``max_tokens``
+        tokens (prepare passes the dataset's longest sample; the cost model extrapolates
+        larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
+        defaults for validation runs."""
+        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 10, "max_tokens": max_tokens, **kw})
+
 
 @dataclass
 class ProfileStats:

@@ -416,7 +416,7 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
     assert profiled["full"] < profiled["none"] / 2
     # the old block mapping (block i recomputes if i < 4) keeps pairs 3 and 4: far more memory
     with dc.micro_batch(batch) as ctx:
-        for layer, wraps in dc._recompute[4:]:
+        for _layer, wraps in dc._recompute[4:]:
             for w in wraps:
                 w.active = w.mode == "none"
         old = SavedTensorMeter(exclude=[dc.flat_param, *dc.params])
