@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,17 @@ class Batch:
     padded_len: int
     frames: int = 1
     """video: latent frames per sample (tokens = frames x spatial); 1 for text"""
+    step: int | None = None
+    """index of the step in its epoch (set by the loader; None for a hand-made batch)"""
+    last_of_step: bool | None = None
+    """this rank's last micro-batch of the step: its backward overlaps the gradient sync
+    (set by the loader; None: unknown, the sync runs whole in `sync_gradients`)"""
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The same batch with its tensors on ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                 for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **moved)
 
     @property
     def sp(self) -> int:

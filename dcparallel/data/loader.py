@@ -297,6 +297,15 @@ class _OneBuffer:
         return out
 
 
+def _stamp(b: Any, step: int, last: bool, device: torch.device | None) -> Any:
+    """A `Batch` with its step and last-of-step flag set (the engine overlaps the gradient
+    sync with the last backward), on ``device``; anything else unchanged."""
+    if type(b) is not Batch:
+        return b
+    b = dataclasses.replace(b, step=step, last_of_step=last)
+    return b if device is None or b.inputs.device == device else b.to(device, non_blocking=True)
+
+
 def _to_worker_result(items: list[Any]) -> Any:
     return _OneBuffer(items) if items and all(type(b) is Batch for b in items) else items
 
@@ -438,6 +447,8 @@ class DataCentricLoader:
     - ``check_plans``: debug mode, compares a hash of every step plan across ranks
       (`runtime.comm.check_equal`, one collective per step).
     - ``epoch``: the first epoch (also set by `set_epoch` / `load_state_dict`).
+    - ``device``: where the `Batch`es go before the loop gets them (e.g. the model's
+      ``cuda:LOCAL_RANK``; default: they stay where collate made them, the CPU).
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
@@ -466,7 +477,9 @@ class DataCentricLoader:
         check_plans: bool = False,
         epoch: int = 0,
         ignore_index: int = IGNORE_INDEX,
+        device: torch.device | str | None = None,
     ):
+        self.device = torch.device(device) if device is not None else None
         try:
             num_samples = len(dataset)
         except TypeError:
@@ -649,6 +662,7 @@ class DataCentricLoader:
                 for b, (mb, _) in zip(batches, work, strict=True):
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
+                batches = tuple(_stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
                 self._step = k + 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
