@@ -66,6 +66,7 @@ class GradSync:
         self.synced = False
         self.last_loss = float("nan")
         self.last_count = 0.0
+        self.last_overlapped = 0
         self._armed = False
         self._next = 0  # buckets [0, _next) are launched
         self._works: list = []
@@ -165,6 +166,7 @@ class GradSync:
         global target count and exposes the gradients as ``p.grad``. Returns the mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
+        self.last_overlapped = self._next  # buckets the last backward launched
         while self._next < len(self.buckets):
             self._launch(self._next)
         self._wait()
