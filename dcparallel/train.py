@@ -143,6 +143,7 @@ def run(cfg: Config) -> int:
     from dcparallel.runtime import comm
     from dcparallel.runtime.launch import init_distributed
     from dcparallel.scenarios import read_lengths
+    from dcparallel.sim.replay import replay_step
 
     if cfg.model.kind != "llama":
         raise ValueError("`dcparallel train` trains the text model for now; see examples/video_dit.py for video")
@@ -210,6 +211,7 @@ def run(cfg: Config) -> int:
                       "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
                       "idle_fraction": 1 - min(busys) / max(busys) if max(busys) > 0 else 0.0,
                       "planned_peak_memory_bytes": peak,
+                      "planned_compute_s": replay_step(step.plan, loader.context).compute_time,
                       "measured_peak_memory_bytes": torch.cuda.max_memory_allocated(launch.device) if cuda else None,
                       "sp_degrees": sorted({g.sp for g in step.plan.groups if g.micro_batches}),
                       "policy": t.policy}
