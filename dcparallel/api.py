@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter, find_adapter
@@ -35,15 +34,9 @@ from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.runtime import comm
 from dcparallel.runtime import engine as _engine
-from dcparallel.spec import ClusterSpec
+from dcparallel.runtime.launch import cluster_from_env, device_memory
 
 log = logging.getLogger(__name__)
-
-
-def _default_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, _local_world()))
 
 
 def _local_world() -> int:
@@ -76,10 +69,10 @@ class DataCentricParallel(_engine.DataCentricParallel):
                                           **protocol)
         device = next(model.parameters()).device
         world = comm.world_size()
-        self.memory_bytes = int(memory_bytes or _default_memory(device))
+        self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
-        self.cluster_spec = ClusterSpec(world_size=world, gpus_per_node=g, memory_bytes=self.memory_bytes,
-                                        name=f"{device.type}x{world}")
+        # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
+        self.cluster_spec = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
         super().__init__(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel, groups=groups)
         self.policy, self.spec = policy, adapter.spec
         self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
@@ -112,7 +105,7 @@ class DataCentricParallel(_engine.DataCentricParallel):
         self.profile, _ = load_or_profile(profile_path, profiler, buckets)
         self.cost = ProfiledCost(self.profile, self.cluster_spec)
         loader_kw.setdefault("collate", self.adapter.collate)
-        loader_kw.setdefault("device", device)
+        loader_kw.setdefault("device", device)  # batches go where the model is
         return DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec, policy=self.policy,
                                  tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
                                  seed=self.seed, **loader_kw)

@@ -83,11 +83,12 @@ def worker(args: argparse.Namespace) -> int:
     from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
     from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.launch import init_distributed
     from dcparallel.runtime.shard import text_batch
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    init_distributed(device="cpu", timeout=timedelta(seconds=120))  # the demo compares CPU ranks
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
     lengths = [int(x) for x in (out / "lengths.txt").read_text().split()]

@@ -141,13 +141,15 @@ def run(cfg: Config) -> int:
     from dcparallel.demo import SyntheticText, builtin_lengths, lm_micro_batch
     from dcparallel.profile.profiler import ProfilerConfig
     from dcparallel.runtime import comm
+    from dcparallel.runtime.launch import init_distributed
     from dcparallel.scenarios import read_lengths
+    from dcparallel.sim.replay import replay_step
 
     if cfg.model.kind != "llama":
         raise ValueError("`dcparallel train` trains the text model for now; see examples/video_dit.py for video")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=timedelta(seconds=120))
+    launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK, or gloo
+    cuda = launch.device.type == "cuda"
     rank = comm.world_rank()
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +160,7 @@ def run(cfg: Config) -> int:
         lengths = [int(x) for x in read_lengths(cfg.data.lengths)]
     dataset = SyntheticText(lengths, vocab=cfg.model.vocab_size, seed=t.seed)
 
-    model = _build(cfg)
+    model = _build(cfg).to(launch.device)
     dc = DataCentricParallel(model, layers=model.layers, policy=t.policy, seed=t.seed,
                              memory_bytes=t.memory_mib * 2**20 or None)
     pc = cfg.profile
@@ -190,6 +192,8 @@ def run(cfg: Config) -> int:
             if t.max_steps and done >= t.max_steps:
                 break
             t0 = time.perf_counter()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(launch.device)
             busy = 0.0
             for batch in step:
                 a = time.perf_counter()
@@ -207,6 +211,8 @@ def run(cfg: Config) -> int:
                       "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
                       "idle_fraction": 1 - min(busys) / max(busys) if max(busys) > 0 else 0.0,
                       "planned_peak_memory_bytes": peak,
+                      "planned_compute_s": replay_step(step.plan, loader.context).compute_time,
+                      "measured_peak_memory_bytes": torch.cuda.max_memory_allocated(launch.device) if cuda else None,
                       "sp_degrees": sorted({g.sp for g in step.plan.groups if g.micro_batches}),
                       "policy": t.policy}
             if metrics is not None:

@@ -12,19 +12,18 @@ import os
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dcparallel
 from dcparallel.data.synthetic import SyntheticText, builtin_lengths
+from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-if "RANK" in os.environ:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
-model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))  # token counts, known up front
 dataset = SyntheticText(lengths, vocab=config.vocab_size)                        # dataset[i]: 1-D token ids
 out_dir = os.environ.get("OUT_DIR", "out")

@@ -2,24 +2,22 @@
 
     torchrun --standalone --nproc-per-node 2 examples/text_llama.py
 
-Runs on CPU (gloo) as it is; on GPUs (NCCL) move the model to the device first.
+Runs on CPU (gloo) and on GPUs (NCCL, one process per GPU) as it is.
 """
 
-import os
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import dcparallel
 from dcparallel.demo import SyntheticText, builtin_lengths
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-if "RANK" in os.environ:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
 torch.manual_seed(0)
-model = Llama(LlamaConfig(vocab_size=256, hidden=128, num_layers=4, num_heads=4, ffn_hidden=352))
+model = Llama(LlamaConfig(vocab_size=256, hidden=128, num_layers=4, num_heads=4, ffn_hidden=352)).to(launch.device)
 lengths = builtin_lengths(num_samples=160)
 dataset = SyntheticText(lengths)                     # dataset[i]: a 1-D tensor of lengths[i] token ids
 

@@ -5,21 +5,19 @@ matching), with samples of several resolutions and frame counts.
 """
 
 import math
-import os
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import dcparallel
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
+from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-if "RANK" in os.environ:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
 torch.manual_seed(0)
 cfg = DiTConfig(hidden=64, num_layers=4, num_heads=4, freq_dim=32, attention="factorized")
-model = DiT(cfg)
+model = DiT(cfg).to(launch.device)
 
 
 class Videos:

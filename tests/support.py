@@ -194,12 +194,14 @@ def run_rank_step(
     """This rank's micro-batches of the plan, then the step's gradient sync.
     ``backward_outside``: call backward after the micro-batch block has exited."""
     model = dc.model
-    for mb, ranks in plan.work_of(rank):
+    work = plan.work_of(rank)
+    for j, (mb, ranks) in enumerate(work):
         if data.kind.startswith("llama"):
             batch = text_batch(mb, ranks, rank, data.docs, data.labels)
         else:
             batch = video_batch(mb, ranks, rank, data.docs, data.positions, data.frames[mb.sample_ids[0]])
-        with dc.micro_batch(batch) as ctx:
+        # the last micro-batch's backward launches the gradient buckets (overlapped sync)
+        with dc.micro_batch(batch, last=j == len(work) - 1) as ctx:
             if data.kind.startswith("llama"):
                 ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
             else:

@@ -52,6 +52,11 @@ class Batch:
     extras: Mapping[str, Tensor] = field(default_factory=dict)
     """per-sample conditioning the model takes besides ``inputs`` (e.g. text embeddings
     ``encoder_hidden_states`` of a video model), stacked over the rows, never sharded"""
+    step: int | None = None
+    """index of the step in its epoch (set by the loader; None for a hand-made batch)"""
+    last_of_step: bool | None = None
+    """this rank's last micro-batch of the step: its backward overlaps the gradient sync
+    (set by the loader; None: unknown, the sync runs whole in `sync_gradients`)"""
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> Batch:
         """The batch with every tensor on ``device`` (floating ones cast to ``dtype`` if

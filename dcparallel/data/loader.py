@@ -312,6 +312,17 @@ class _OneBuffer:
         return out
 
 
+def _stamp(b: Any, step: int, last: bool, device: torch.device | None) -> Any:
+    """A `Batch` with its step and last-of-step flag set (the engine overlaps the gradient
+    sync with the last backward), on ``device``; anything else unchanged."""
+    if type(b) is not Batch:
+        return b
+    b = dataclasses.replace(b, step=step, last_of_step=last)
+    if device is None or b.inputs.device == device:
+        return b
+    return (b.pin_memory() if device.type == "cuda" else b).to(device, non_blocking=True)
+
+
 def _to_worker_result(items: list[Any]) -> Any:
     return _OneBuffer(items) if items and all(type(b) is Batch for b in items) else items
 
@@ -446,8 +457,6 @@ class DataCentricLoader:
     - ``collate``: "auto" (text or video by the model's kind), "text", "video", a function
       ``collate(samples_by_id, micro_batch, group_ranks, rank)``, or None (each micro-batch
       is the list of its raw samples, in plan order).
-    - ``device``: where the training loop wants its batches (the model's device); on CUDA
-      they are pinned and copied without blocking. None or CPU: left on the host.
     - ``rank`` / ``world_size``: default to torch.distributed's (1 rank without a process
       group); given explicitly they let one process act as any rank (tests, planning tools).
     - ``skip_oversize``: skip samples that fit no layout (logged, in `summary()`) instead
@@ -455,6 +464,9 @@ class DataCentricLoader:
     - ``check_plans``: debug mode, compares a hash of every step plan across ranks
       (`runtime.comm.check_equal`, one collective per step).
     - ``epoch``: the first epoch (also set by `set_epoch` / `load_state_dict`).
+    - ``device``: where the `Batch`es go before the loop gets them (e.g. the model's
+      ``cuda:LOCAL_RANK``, from pinned host memory without blocking; default: they stay where
+      collate made them, the CPU).
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
@@ -485,6 +497,7 @@ class DataCentricLoader:
         ignore_index: int = IGNORE_INDEX,
         device: torch.device | str | None = None,
     ):
+        self.device = torch.device(device) if device is not None else None
         try:
             num_samples = len(dataset)
         except TypeError:
@@ -539,7 +552,6 @@ class DataCentricLoader:
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = _TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
             collate == "auto" and model.kind == "text"))
-        self.device = None if device is None else torch.device(device)
 
         self._data_digest = comm.digest((self.workload.tokens, tuple(self.context.usable_ids), self.seed,
                                          tokens_per_step, samples_per_step))
@@ -660,9 +672,7 @@ class DataCentricLoader:
                 for b, (mb, _) in zip(batches, work, strict=True):
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
-                if self.device is not None and self.device.type != "cpu":
-                    batches = tuple(b.pin_memory().to(self.device, non_blocking=True) if isinstance(b, Batch) else b
-                                    for b in batches)
+                batches = tuple(_stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
                 self._step = k + 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,

@@ -1,6 +1,6 @@
 """The lower bound of a step and the epoch efficiency of a policy (DESIGN "Policies").
 
-bound(step) = max(sum_s g(s) / world, max_s f(s)) + gradient sync, where
+bound(step) = max(sum_s g(s) / world, max_s f(s)) + exposed gradient sync, where
 g(s) = the fewest GPU-seconds any memory-feasible layout spends on s (time * sp / mbs over
 the allowed group sizes, micro-batch sizes and recompute settings, the micro-batch made of
 copies of s) and f(s) = the fastest time any feasible layout finishes s.
@@ -8,6 +8,10 @@ copies of s) and f(s) = the fastest time any feasible layout finishes s.
 "Any layout" is the layout space the planners search: the SP degrees of `sp_chain`,
 micro-batch sizes 1, 2, 4, ... and the largest that fits (up to 64), and every recompute
 split (the PAC knapsack gives the fastest one that fits).
+
+Exposed sync: the runtime overlaps the bucketed sync with each rank's last backward, which
+is no longer than the backward share of the step's compute, and the last bucket is always
+exposed: max(sync - BACKWARD_FRACTION * compute bound, sync / buckets) (`sim.overlap`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Sequence
 
 from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
+from dcparallel.sim.overlap import exposed_sync, num_buckets
 from dcparallel.spec import Size
 
 
@@ -50,7 +55,8 @@ class LowerBound:
             g, f = self.sample(ctx.sizes[i])
             gs += g
             fmax = max(fmax, f)
-        return max(gs / ctx.cluster.world_size, fmax) + ctx.cost.grad_sync_time()
+        compute = max(gs / ctx.cluster.world_size, fmax)
+        return compute + exposed_sync(ctx.cost.grad_sync_time(), compute, num_buckets(ctx.cost.model.num_params))
 
     def epoch(self, steps: Sequence[Step]) -> float:
         return sum(self.step(s) for s in steps)

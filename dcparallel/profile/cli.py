@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 from datetime import timedelta
@@ -70,13 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _init_distributed(device: str) -> None:
-    import torch.distributed as dist
+    from dcparallel.runtime.launch import init_distributed
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if device == "cuda" else "gloo"
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    init_distributed(device, timeout=timedelta(seconds=300))
 
 
 def run_profile(args: argparse.Namespace) -> dict:

@@ -129,6 +129,19 @@ def all_reduce_sum_(t: Tensor) -> Tensor:
     return t
 
 
+def all_reduce_sum_async(t: Tensor, group=None):
+    """Starts an in-place sum of ``t`` over ``group`` (default: the world); returns a handle
+    for `wait` (None on a single rank: nothing to wait for)."""
+    if world_size() == 1:
+        return None
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def wait(handle) -> None:
+    if handle is not None:
+        handle.wait()
+
+
 def all_gather_shards_(flat: Tensor, shard_numel: int) -> Tensor:
     """Every rank r holds ``flat[r*shard_numel:(r+1)*shard_numel]`` up to date; afterwards
     every rank holds all of ``flat`` (ZeRO-1's post-step parameter all-gather, whole world)."""

@@ -4,8 +4,10 @@ Per micro-batch (`micro_batch`): the batch's SP group drives the model's attenti
 (Ulysses), recomputation is set per layer from the layout, each sample gets a generator
 seeded by (seed, epoch, sample id), and the loss helper returns the shard's summed loss
 while counting its targets. Gradients go, as they are accumulated, into one flat fp32
-buffer whose last two elements are this rank's summed loss and target count;
-`sync_gradients` all-reduces that buffer once over the whole world, on every rank (also
+buffer whose last two elements are this rank's summed loss and target count
+(`runtime.grad_sync.GradSync`); its bucketed all-reduce over the whole world starts during
+the backward of this rank's last micro-batch of the step (`Batch.last_of_step`, or
+``micro_batch(batch, last=True)``) and `sync_gradients` finishes it, on every rank (also
 ranks that ran nothing), and divides by the global count. Not DDP: DESIGN "Exact gradient".
 
     dc = DataCentricParallel(model)                  # the adapter is found from the model
@@ -36,7 +38,9 @@ from dcparallel.adapters.base import ModelAdapter, find_adapter
 from dcparallel.data.batch import Batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.runtime import comm
+from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
+from dcparallel.runtime.launch import abort_on_oom
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
 from dcparallel.spec import ClusterSpec, Recompute
 
@@ -124,7 +128,7 @@ class MicroBatchContext:
             w = w * sample_weights.to(torch.float32)
         # where(), not a product: padding may hold inf/nan and must not reach the gradient.
         loss = torch.where(mask, per_token_loss.float() * w, per_token_loss.new_zeros(()).float()).sum()
-        self.dc._stats += torch.stack([loss.detach().double(), w.sum().double()])  # stays on the device
+        self.dc.grad_sync.add_stats(loss, w.sum())  # stays on the device
         return loss
 
     def backward(self, summed_loss: Tensor) -> None:
@@ -190,44 +194,27 @@ class DataCentricParallel:
             self._recompute.append((self.adapter.layer_of(i), wraps))
         model._dcparallel_wrapped = True
 
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("the model has no trainable parameters")
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
-            )
+        self.params = params
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
         self.shard_numel = math.ceil(self.numel / self.world_size)
         padded = self.shard_numel * self.world_size
         self.flat_param = torch.zeros(padded, dtype=self.params[0].dtype, device=device)
-        # gradients (fp32) | padding | summed loss | target count
-        self.flat_grad = torch.zeros(padded + 2, dtype=torch.float32, device=device)
-        self._grad_views: list[Tensor] = []
         off = 0
         for p in self.params:
             n = p.numel()
             self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[off : off + n].view_as(p)
-            view = self.flat_grad[off : off + n].view_as(p)
-            self._grad_views.append(view)
-            p.register_post_accumulate_grad_hook(self._make_hook(view))
             off += n
-        # this rank's (summed loss, targets), on the gradients' device: no host sync per micro-batch
-        self._stats = torch.zeros(2, dtype=torch.float64, device=self.flat_grad.device)
-        self._synced = False
-        self.last_loss = float("nan")
-        self.last_count = 0.0
+        self.grad_sync = GradSync(self.params, padded, group=getattr(self.groups, "grad_sync", None))
 
-    @staticmethod
-    def _make_hook(view: Tensor):
-        def hook(p: Tensor) -> None:
-            view.add_(p.grad)
-            p.grad = None
-
-        return hook
+    # the gradient buffer and the step's statistics live in `grad_sync`
+    flat_grad = property(lambda self: self.grad_sync.flat_grad)
+    _grad_views = property(lambda self: self.grad_sync.views)
+    _stats = property(lambda self: self.grad_sync.stats)
+    _synced = property(lambda self: self.grad_sync.synced)
+    last_loss = property(lambda self: self.grad_sync.last_loss)
+    last_count = property(lambda self: self.grad_sync.last_count)
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -236,11 +223,7 @@ class DataCentricParallel:
 
     def zero_grad(self) -> None:
         """Starts a new step's accumulation (done automatically after `sync_gradients`)."""
-        self.flat_grad.zero_()
-        self._stats.zero_()
-        for p in self.params:
-            p.grad = None
-        self._synced = False
+        self.grad_sync.zero_grad()
 
     def _set_recompute(self, rc: Recompute) -> None:
         """Layer i (a planner layer: `adapter.blocks_per_layer` blocks) recomputes attention if
@@ -260,9 +243,13 @@ class DataCentricParallel:
         return [next((w.mode for w in wraps if w.active), "none") for _, wraps in self._recompute]
 
     @contextlib.contextmanager
-    def micro_batch(self, batch: Batch) -> Iterator[MicroBatchContext]:
+    def micro_batch(self, batch: Batch, last: bool | None = None) -> Iterator[MicroBatchContext]:
         """Runs one micro-batch on this rank: activates the batch's SP group in attention and
-        the layout's recomputation. Forward and `ctx.backward` both go inside the block."""
+        the layout's recomputation. Forward and `ctx.backward` both go inside the block.
+        ``last``: this is the rank's last micro-batch of the step, so its backward overlaps
+        the gradient sync (default: ``batch.last_of_step``, set by the loader; None: no
+        overlap). An out-of-memory error in a micro-batch of a loader step ends every rank
+        (`runtime.launch.abort_on_oom`) instead of leaving its SP group waiting."""
         if self.rank not in batch.ranks:
             raise ValueError(
                 f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "
@@ -274,10 +261,17 @@ class DataCentricParallel:
         group = self.groups.group(batch.ranks)
         if self._synced:
             self.zero_grad()
+        if last if last is not None else getattr(batch, "last_of_step", None):
+            self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
         self._set_recompute(batch.layout.recompute)
         try:
             yield MicroBatchContext(self, batch)
+        except torch.OutOfMemoryError as exc:
+            if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
+                raise
+            abort_on_oom(exc, step=batch.step, epoch=self.epoch, layout=batch.layout, ranks=batch.ranks,
+                         sample_ids=batch.sample_ids, seq_len=batch.seq_len)
         finally:
             self.attention.deactivate()
             self._set_recompute(Recompute.none())
@@ -285,26 +279,11 @@ class DataCentricParallel:
     # ------------------------------------------------------------------ per step
 
     def sync_gradients(self) -> float:
-        """The step's one collective: sums gradients, losses and target counts over the world
-        (every rank calls it exactly once per step), divides the gradients by the global
+        """The step's one reduction: sums gradients, losses and target counts over the world
+        in fixed buckets (every rank calls it exactly once per step; buckets the last
+        backward already launched are only waited for), divides the gradients by the global
         target count and exposes them as ``p.grad``. Returns the step's mean loss."""
-        if self._synced:  # this rank ran no micro-batch since the last step
-            self.zero_grad()
-        self.flat_grad[-2:] = self._stats.to(self.flat_grad)
-        comm.all_reduce_sum_(self.flat_grad)
-        loss_sum, count = self.flat_grad[-2:].tolist()  # one device-to-host read
-        if not count > 0:
-            raise ValueError(
-                f"the step has {count} targets over all ranks: nothing to normalize by; "
-                f"check the labels / loss masks"
-            )
-        self.last_loss = loss_sum / count
-        self.last_count = count
-        self.flat_grad[:-2].div_(count)
-        for p, view in zip(self.params, self._grad_views, strict=True):
-            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
-        self._synced = True
-        return self.last_loss
+        return self.grad_sync.finish()
 
     def optimizer(
         self,

@@ -7,6 +7,11 @@ planners may use (`dcparallel.spec.allowed_groups`). For world 4 with 4 heads:
     size 2: (0 1) (2 3)
     size 4: (0 1 2 3)          <- the whole world reuses the default group
 
+Plus one more group of the whole world, `grad_sync`, used by the gradient sync alone: its
+bucketed all-reduces overlap the last backward, where a whole-world SP group may still run
+all-to-alls on the default group; a group of its own keeps every rank's order of
+collectives on each group the same.
+
 World size 1 needs no process group at all: `group((0,))` is None and every collective in
 `runtime.comm` is then a no-op.
 """
@@ -62,6 +67,7 @@ class ProcessGroups:
                 self._groups[ranks] = dist.group.WORLD
             else:
                 self._groups[ranks] = dist.new_group(list(ranks))
+        self.grad_sync = dist.new_group(list(range(world))) if world > 1 else None
         self.creation_seconds = time.perf_counter() - start
         log.info(
             "rank %d: created %d process groups (sizes %s) in %.1f ms",

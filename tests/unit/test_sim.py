@@ -4,6 +4,7 @@ import pytest
 
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.sim.overlap import exposed_sync, num_buckets
 from dcparallel.sim.replay import simulate
 from dcparallel.spec import Layout, Recompute, Workload
 
@@ -22,10 +23,16 @@ def test_step_time_idle_and_timeline_by_hand():
     ), num_tokens=14000)
     t_long = ctx.mb_time((3,), Layout(2, 1))
     t_a, t_b = ctx.mb_time((0,), Layout(1, 1)), ctx.mb_time((1, 2), Layout(1, 2))
-    res = simulate([plan], ctx)
+    res = simulate([plan], ctx, overlap=False)
     step = res.steps[0]
     assert step.compute_time == pytest.approx(max(t_long, t_a + t_b))
     assert step.step_time == pytest.approx(step.compute_time + c.grad_sync_time())
+    # overlapped sync: the last backward of the group that finishes last hides part of it
+    hidden = simulate([plan], ctx).steps[0]
+    last_mb = t_long if t_long >= t_a + t_b else t_b
+    s = c.grad_sync_time()
+    assert hidden.sync_time == pytest.approx(max(s - 2 / 3 * last_mb, s / num_buckets(TINY_LM.num_params)))
+    assert hidden.compute_time == step.compute_time and hidden.sync_time <= s  # tiny model: one bucket
     expected_idle = 2 * (step.compute_time - t_long) + (step.compute_time - t_a - t_b) + step.compute_time
     assert step.idle_gpu_s == pytest.approx(expected_idle)
     assert res.idle_fraction == pytest.approx(expected_idle / (4 * res.total_time))
@@ -84,3 +91,11 @@ def test_phases_must_each_tile_the_world():
     unordered = StepPlan(0, (0,), (GroupPlan((0, 1), (), phase=1), wide), 1)
     with pytest.raises(AssertionError, match="not in phase order"):
         unordered.validate(2)
+
+
+def test_exposed_sync_is_what_the_last_backward_cannot_hide():
+    assert exposed_sync(1.0, 0.0, 10) == 1.0  # nothing to hide behind (an idle critical rank)
+    assert exposed_sync(1.0, 0.9, 10) == pytest.approx(0.4)  # 2/3 of 0.9 s is backward
+    assert exposed_sync(1.0, 30.0, 10) == pytest.approx(0.1)  # the last bucket is always exposed
+    assert exposed_sync(0.0, 1.0, 10) == 0.0
+    assert num_buckets(7e9) == 1069  # ceil(28e9 B / 25 MiB): 28 GB of fp32 gradients in 25 MiB buckets

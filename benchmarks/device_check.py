@@ -1,0 +1,240 @@
+"""The H200 device check (issue 11): one script, under 8 minutes on one GPU, a dated report
+into the folder it is given (the device tool's $OUT).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/device_check.py --out-dir "$OUT"
+    PYTHONPATH=. python3 benchmarks/device_check.py --dry-run --out-dir /tmp/dc   # CPU, tiny sizes
+
+(a) `profile --validate` of the Llama-7B-like stack (8 layers) and the ~1.1B video DiT (6
+    pairs), bf16: extrapolation error of time and memory (benchmarks/profile_device_check.py,
+    run as a subprocess with its own time budget);
+(b) `varlen_attn` packed causal attention vs the loop of SDPA per document, forward and
+    backward: max error and time;
+(c) a few training steps at world 1 of the reference LM (`dcparallel train`): planned vs
+    measured step compute time and peak memory (the HF / diffusers adapters are not in this
+    branch: not covered);
+(d) PAC on short data: a micro-batch of short documents with no recompute (what PAC plans when
+    memory allows) vs full recompute: measured speedup.
+
+Each part runs in a try block; a failure is written into the report and the rest still runs.
+``--dry-run`` runs the same code on CPU with tiny sizes: it checks the script, not the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def part_a(out_dir: Path, dry: bool, budget_s: float) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_device_check.py"), "--out-dir", str(out_dir),
+           "--budget-s", str(budget_s)] + (["--dry-run"] if dry else [])
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s + 120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    reports = sorted(out_dir.glob("profile-device_*.md"))
+    return {"returncode": r.returncode, "report": reports[-1].name if reports else None,
+            "tail": (r.stdout + r.stderr)[-1500:], "table": reports[-1].read_text() if reports else ""}
+
+
+def part_b(device: torch.device, dry: bool) -> dict:
+    import torch.nn.functional as F
+
+    heads, dim = (4, 16) if dry else (32, 128)
+    docs = [37, 120, 64, 9] if dry else [512, 4096, 1024, 8192, 2048, 300, 700]
+    dtype = torch.float32 if dry else torch.bfloat16
+    total = sum(docs)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, heads, dim, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def loop():
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            x = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, L, D): the fast 4-D kernel
+            outs.append(F.scaled_dot_product_attention(*x, is_causal=True)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    grad = torch.randn(total, heads, dim, generator=g).to(device, dtype)
+    out = {"tokens": total, "documents": len(docs), "heads": heads, "head_dim": dim, "dtype": str(dtype)}
+
+    def fwd_bwd(f):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            f().backward(grad)
+        return run
+
+    ref = loop()
+    ref.backward(grad)
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    out["sdpa_loop_fwd_s"] = _time(lambda: loop(), device, 3)
+    out["sdpa_loop_fwd_bwd_s"] = _time(fwd_bwd(loop), device, 3)
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        mx = max(docs)
+        # causal: is_causal=True in torch 2.9-2.10, window_size=(-1, 0) from 2.11 on
+        causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else \
+            {"window_size": (-1, 0)}
+
+        def var():
+            return varlen_attn(q, k, v, cu, cu, mx, mx, **causal)
+
+        got = var()
+        got.backward(grad)
+        out["varlen_max_abs_err_out"] = (got.float() - ref.float()).abs().max().item()
+        out["varlen_max_abs_err_grad"] = max((t.grad.float() - r.float()).abs().max().item()
+                                             for t, r in zip((q, k, v), ref_grads, strict=True))
+        out["varlen_fwd_s"] = _time(lambda: var(), device, 3)
+        out["varlen_fwd_bwd_s"] = _time(fwd_bwd(var), device, 3)
+        out["speedup_fwd_bwd"] = out["sdpa_loop_fwd_bwd_s"] / out["varlen_fwd_bwd_s"]
+    except Exception as exc:  # noqa: BLE001 - GPU-only kernel: reported, not fatal
+        out["varlen_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return out
+
+
+def part_c(out_dir: Path, dry: bool) -> dict:
+    lengths = out_dir / "lengths_c.txt"
+    lengths.write_text("\n".join(str(n) for n in ([24, 40, 64, 100, 180, 30] * 4 if dry else
+                                                   [512, 2048, 8192, 1024, 300, 4096, 700, 16384] * 4)) + "\n")
+    run_dir = out_dir / "train_c"
+    model = ("hidden = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden = 176\nvocab_size = 256\n" if dry else
+             "hidden = 2048\nnum_layers = 8\nnum_heads = 16\nffn_hidden = 5632\nvocab_size = 32000\n")
+    config = out_dir / "train_c.toml"
+    config.write_text(f"[model]\n{model}[data]\nlengths = \"{lengths}\"\n[train]\npolicy = \"dcp\"\n"
+                      f"tokens_per_step = {700 if dry else 32768}\nmax_steps = {3 if dry else 6}\n"
+                      f"out_dir = \"{run_dir}\"\n[profile]\nrepeats = 1\nmax_mbs = 4\n"
+                      f"max_tokens = {512 if dry else 16384}\n")
+    r = subprocess.run([sys.executable, "-m", "dcparallel.cli", "train", "--config", str(config)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0:
+        raise RuntimeError(f"train failed ({r.returncode}): {r.stderr[-1500:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": [{k: x.get(k) for k in ("global_step", "step_s", "planned_compute_s", "planned_peak_memory_bytes",
+                                             "measured_peak_memory_bytes", "loss")} for x in rows]}
+
+
+def part_d(device: torch.device, dry: bool) -> dict:
+    from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.shard import text_batch
+    from dcparallel.spec import Layout, Recompute
+
+    dtype = torch.float32 if dry else torch.bfloat16
+    cfg = (LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, ffn_hidden=176) if dry else
+           LlamaConfig(vocab_size=32000, hidden=4096, num_layers=8, num_heads=32, ffn_hidden=11008))
+    torch.manual_seed(0)
+    model = Llama(cfg).to(device, dtype)
+    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads)
+    n_docs, length = (4, 64) if dry else (16, 512)
+    docs = {i: torch.randint(0, cfg.vocab_size, (length,)) for i in range(n_docs)}
+    out = {"documents": n_docs, "doc_tokens": length, "num_layers": cfg.num_layers}
+    for name, rc in (("none", Recompute.none()), ("full", Recompute.full(cfg.num_layers))):
+        batch = text_batch(MicroBatch(tuple(range(n_docs)), Layout(1, n_docs, rc)), (0,), 0, docs).to(device)
+
+        def step(batch=batch):
+            with dc.micro_batch(batch) as ctx:
+                ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+                ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+            dc.zero_grad()
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        out[f"{name}_s"] = _time(step, device, 3)
+        if device.type == "cuda":
+            out[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    out["speedup_no_recompute"] = out["full_s"] / out["none_s"]
+    return out
+
+
+def write(out_dir: Path, meta: dict, results: dict) -> Path:
+    path = out_dir / f"device-check_{meta['hardware']}_{meta['date']}.md"
+    lines = [f"# Device check — {meta['device_name']} — {meta['date']}", "",
+             f"Command: `{meta['command']}`; torch {meta['torch']}, Python {meta['python']}; "
+             f"{'DRY RUN on CPU with tiny sizes: checks the script, not the numbers' if meta['dry'] else 'GPU run'}; "
+             f"{meta['seconds']:.0f} s.", ""]
+    for key, title in (("a", "(a) profile --validate"), ("b", "(b) varlen_attn vs SDPA loop"),
+                       ("c", "(c) training steps at world 1"), ("d", "(d) PAC on short data")):
+        lines += [f"## {title}", ""]
+        res = results.get(key)
+        if res is None:
+            lines += ["not run", ""]
+        elif "error" in res:
+            lines += ["FAILED:", "", "```", res["error"], "```", ""]
+        elif key == "a":
+            lines += [f"profile_device_check.py exit {res['returncode']}, report `{res['report']}`:", "",
+                      res["table"] or "```\n" + res["tail"] + "\n```", ""]
+        else:
+            lines += ["```json", json.dumps(res, indent=1), "```", ""]
+    path.write_text("\n".join(lines) + "\n")
+    (out_dir / f"device-check_{meta['hardware']}_{meta['date']}.json").write_text(json.dumps(results, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--budget-a-s", type=float, default=240.0, help="time budget of part (a)")
+    ap.add_argument("--parts", default="abcd")
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    device = torch.device("cpu") if dry or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if not dry and device.type != "cuda":
+        raise SystemExit("no CUDA device: run with --dry-run on CPU")
+    torch.set_num_threads(1 if dry else torch.get_num_threads())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    meta = {"date": dt.date.today().isoformat(), "hardware": "h200" if "H200" in name else ("cpu" if dry else
+            name.lower().replace(" ", "-")), "device_name": name, "dry": dry, "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(["benchmarks/device_check.py", *(argv or
+                                                                                               sys.argv[1:])])}
+    results: dict = {}
+    parts = {"a": lambda: part_a(args.out_dir, dry, 60.0 if dry else args.budget_a_s),
+             "b": lambda: part_b(device, dry), "c": lambda: part_c(args.out_dir, dry), "d": lambda: part_d(device, dry)}
+    for key in args.parts:
+        print(f"[device_check] part ({key}) ...", file=sys.stderr, flush=True)
+        try:
+            results[key] = parts[key]()
+        except Exception:  # noqa: BLE001 - one part's failure is reported, the rest still runs
+            results[key] = {"error": traceback.format_exc()[-3000:]}
+        meta["seconds"] = time.perf_counter() - t0
+        path = write(args.out_dir, meta, results)  # rewritten after each part: a cut-short run keeps what it has
+    print(path)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""Process and device set-up, in one place, for every entry point (train, demo, profile, the
+examples): backend and device from the launch, the `ClusterSpec` the planners use, and what
+a failed micro-batch does to the other ranks.
+
+    launch = init_distributed()            # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+    model = build_model().to(launch.device)
+    cluster = cluster_from_env(num_heads=cfg.num_heads)
+
+torchrun (or Slurm + torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; without
+them the process is a world of one and no process group is created.
+
+Link speeds come from a TOML file named by ``DCPARALLEL_LINKS`` (or passed in), one table::
+
+    [links]
+    intra_bw = 315e9        # bytes/s per GPU, one direction, inside a node (NVLink)
+    intra_latency = 10e-6   # seconds per collective step
+    inter_bw = 40e9         # bytes/s per GPU, one direction, between nodes (InfiniBand)
+    inter_latency = 20e-6
+
+Missing keys keep the datasheet defaults of `dcparallel.spec.h200_cluster` (H200 SXM,
+NVLink 4, one 400 Gb/s NIC per GPU; not measured here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from dcparallel.spec import ClusterSpec, group_sizes, h200_cluster
+
+log = logging.getLogger(__name__)
+
+#: exit status of a rank that ran out of memory in a planned micro-batch (EX_TEMPFAIL)
+OOM_EXIT_CODE = 75
+#: usable fraction of a GPU's memory when no budget is given (the rest: CUDA context,
+#: NCCL buffers, allocator fragmentation)
+GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What this process runs as."""
+
+    backend: str | None
+    """"nccl", "gloo", or None for a world of one without a process group"""
+    device: torch.device
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def choose_backend(device: str | None, cuda_available: bool) -> tuple[str, str]:
+    """(backend, device type): NCCL on CUDA, gloo on CPU. ``device``: "cuda", "cpu" or None
+    (CUDA when available)."""
+    kind = device or ("cuda" if cuda_available else "cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu'; got {device!r}")
+    if kind == "cuda" and not cuda_available:
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu' "
+                         "(gloo) or install a CUDA build of torch")
+    return ("nccl" if kind == "cuda" else "gloo"), kind
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer; it is set by torchrun") from None
+
+
+def init_distributed(device: str | None = None, timeout: timedelta = timedelta(seconds=300)) -> Launch:
+    """Initializes torch.distributed from the torchrun environment (once; a second call
+    returns the same answer): on CUDA ``torch.cuda.set_device(LOCAL_RANK)`` then NCCL bound to
+    that device, on CPU gloo. ``timeout``: per collective; keep it short so that a rank that
+    died does not leave the others waiting for 30 minutes."""
+    import torch.distributed as dist
+
+    env = os.environ
+    backend, kind = choose_backend(device, torch.cuda.is_available())
+    world = _env_int(env, "WORLD_SIZE", 1)
+    local_rank = _env_int(env, "LOCAL_RANK", 0)
+    local_world = _env_int(env, "LOCAL_WORLD_SIZE", world)
+    dev = torch.device("cpu")
+    if kind == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA "
+                             f"devices; launch at most that many processes per node (--nproc-per-node)")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            log.warning("torch.distributed already runs %s (asked for %s)", dist.get_backend(), backend)
+    elif "RANK" not in env or world == 1:
+        return Launch(backend=None, device=dev, rank=0, local_rank=0, world_size=1, local_world_size=1)
+    else:
+        kw = {"device_id": dev} if kind == "cuda" else {}
+        dist.init_process_group(backend, timeout=timeout, **kw)
+    return Launch(backend=dist.get_backend(), device=dev, rank=dist.get_rank(), local_rank=local_rank,
+                  world_size=dist.get_world_size(), local_world_size=local_world)
+
+
+# ---------------------------------------------------------------- the cluster of this launch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """Link speeds of the cluster (bytes/s per GPU one direction, seconds per step)."""
+
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+
+    @staticmethod
+    def datasheet() -> Links:
+        h = h200_cluster(8, 8)
+        return Links(intra_bw=h.intra_bw, intra_latency=h.intra_latency, inter_bw=h.inter_bw,
+                     inter_latency=h.inter_latency)
+
+    @staticmethod
+    def load(path: str | Path | None = None) -> Links:
+        """From the TOML file ``path`` (default: $DCPARALLEL_LINKS; none: the datasheet)."""
+        import tomllib
+
+        path = path or os.environ.get("DCPARALLEL_LINKS")
+        base = Links.datasheet()
+        if not path:
+            return base
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read the link config {path}: {exc}") from exc
+        values = raw.get("links", {})
+        known = {f.name for f in fields(Links)}
+        bad = sorted(set(values) - known) + sorted(set(raw) - {"links"})
+        if bad:
+            raise ValueError(f"{path}: unknown key(s) {bad}; a [links] table with keys {sorted(known)}")
+        out = replace(base, **{k: float(v) for k, v in values.items()})
+        for f in fields(Links):
+            if getattr(out, f.name) < 0 or (f.name.endswith("_bw") and getattr(out, f.name) == 0):
+                raise ValueError(f"{path}: {f.name} = {getattr(out, f.name)} must be positive")
+        return out
+
+
+def device_memory(device: torch.device, local_world_size: int = 1) -> int:
+    """Usable memory per rank: a fraction of the GPU's memory, or on CPU the machine's
+    memory shared by the node's ranks."""
+    if device.type == "cuda":
+        return int(GPU_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size))
+
+
+def cluster_from_env(*, num_heads: int | None = None, memory_bytes: int | None = None,
+                     gpus_per_node: int | None = None, links: Links | None = None,
+                     device: torch.device | None = None, env: Mapping[str, str] | None = None) -> ClusterSpec:
+    """The `ClusterSpec` of this launch: world from WORLD_SIZE (or the process group), GPUs
+    per node from LOCAL_WORLD_SIZE (or ``gpus_per_node``), memory per rank from the device
+    (or ``memory_bytes``), links from ``links`` / $DCPARALLEL_LINKS / the datasheet.
+    Raises ValueError for a launch the planners cannot use: nodes of unequal size, or heads
+    that no SP degree > 1 divides."""
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _env_int(env, "WORLD_SIZE", 1)
+    local = gpus_per_node or min(_env_int(env, "LOCAL_WORLD_SIZE", world), world)
+    if local < 1 or world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks; "
+                         f"launch the same number of processes on every node (--nproc-per-node)")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    memory = int(memory_bytes or device_memory(device, local))
+    lk = links or Links.load()
+    cluster = ClusterSpec(world_size=world, gpus_per_node=local, memory_bytes=memory, intra_bw=lk.intra_bw,
+                          intra_latency=lk.intra_latency, inter_bw=lk.inter_bw, inter_latency=lk.inter_latency,
+                          name=f"{device.type}x{world}")
+    if num_heads is not None:
+        check_launch(cluster, num_heads)
+    return cluster
+
+
+def check_launch(cluster: ClusterSpec, num_heads: int) -> None:
+    """A clear error when the model's heads leave the planners no SP degree but 1 on a
+    launch of several ranks (no sample could ever be split over ranks)."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+    if cluster.world_size > 1 and group_sizes(cluster, num_heads) == [1]:
+        g = cluster.gpus_per_node
+        cands = sorted({k for k in range(2, cluster.world_size + 1) if g % k == 0 or k % g == 0})
+        raise ValueError(
+            f"{num_heads} attention heads: no SP degree of this launch (world {cluster.world_size}, "
+            f"{g} ranks per node: {cands}) divides them, so no sample can be split over ranks; use a head "
+            f"count divisible by one of those, or train with plain data parallelism"
+        )
+
+
+# ---------------------------------------------------------------- failure of one rank
+
+
+def abort_on_oom(exc: BaseException, *, step: int, epoch: int, layout, ranks, sample_ids, seq_len: int) -> None:
+    """An out-of-memory error in a planned micro-batch. With several ranks this process
+    exits at once (status `OOM_EXIT_CODE`) after printing what failed: its SP group's peers
+    would otherwise wait in an all-to-all until the collective timeout. The launcher
+    (torchrun, Slurm) then ends the other ranks; gloo peers also fail on the closed
+    connection. On one rank it raises instead."""
+    from dcparallel.runtime import comm
+
+    rank = comm.world_rank()
+    rc = layout.recompute
+    msg = (f"rank {rank}: out of memory in step {step} (epoch {epoch}), micro-batch layout sp={layout.sp} "
+           f"mbs={layout.mbs} recompute attn={rc.attn} mlp={rc.mlp} on ranks {tuple(ranks)}, samples "
+           f"{tuple(sample_ids)} ({seq_len} tokens a row): the plan's memory estimate was too low for this "
+           f"device; lower the memory budget (memory_mib / memory_bytes) or re-profile. Ending every rank. "
+           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    if comm.world_size() == 1:
+        raise torch.OutOfMemoryError(msg) from exc
+    print(f"[dcparallel] {msg}", file=sys.stderr, flush=True)
+    log.critical(msg)
+    sys.stdout.flush()
+    os._exit(OOM_EXIT_CODE)
