@@ -78,6 +78,14 @@ class DataCentricParallel(_engine.DataCentricParallel):
         self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
         self.profile = None
         self.cost = None
+        self.loader: DataCentricLoader | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch for per-sample randomness and, once `prepare` made it, the loader's
+        shuffle: one call at the top of each epoch."""
+        super().set_epoch(epoch)
+        if self.loader is not None:
+            self.loader.set_epoch(epoch)
 
     def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
                 samples_per_step: int | None = None, profile_path: str | Path = "dcparallel_profile.json",
@@ -106,6 +114,8 @@ class DataCentricParallel(_engine.DataCentricParallel):
         self.cost = ProfiledCost(self.profile, self.cluster_spec)
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", device)  # batches go where the model is
-        return DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec, policy=self.policy,
-                                 tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-                                 seed=self.seed, **loader_kw)
+        loader_kw.setdefault("epoch", self.epoch)
+        self.loader = DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec,
+                                        policy=self.policy, tokens_per_step=tokens_per_step,
+                                        samples_per_step=samples_per_step, seed=self.seed, **loader_kw)
+        return self.loader

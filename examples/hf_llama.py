@@ -26,7 +26,7 @@ config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num
 model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))  # token counts, known up front
 dataset = SyntheticText(lengths, vocab=config.vocab_size)                        # dataset[i]: 1-D token ids
-out_dir = os.environ.get("OUT_DIR", "out")
+profile = os.path.join(os.environ.get("OUT_DIR", "out"), "hf_llama_profile.json")
 
 
 def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the profiler runs it too)
@@ -35,8 +35,7 @@ def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the p
 
 
 dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=96 * 2**20)  # dcparallel
-loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, loss_fn=loss_fn,  # dcparallel
-                    profile_path=f"{out_dir}/hf_llama_profile.json")                 # dcparallel
+loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, loss_fn=loss_fn, profile_path=profile)  # dcparallel
 opt = dc.optimizer(lr=3e-3)                                                          # dcparallel
 for step in loader:                                  # dcparallel: this rank's micro-batches of one step
     for batch in step:
