@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dcparallel.cost.profiled import ProfiledCost
-from dcparallel.data.loader import DataCentricLoader, read_sizes
+from dcparallel.data.loader import DataCentricLoader, check_step_budget, read_sizes
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_spec
@@ -85,6 +85,7 @@ class DataCentricParallel(_engine.DataCentricParallel):
                 profiler_config: ProfilerConfig | None = None, **loader_kw: Any) -> DataCentricLoader:
         """Profiles (or reuses the cached profile at ``profile_path``) and returns the loader.
         Call on every rank together (profiling is collective)."""
+        check_step_budget(tokens_per_step, samples_per_step)  # before minutes of profiling
         sizes = read_sizes(lengths, len(dataset))
         config = profiler_config or ProfilerConfig(memory_limit=self.memory_bytes,
                                                    progress=comm.world_rank() == 0)

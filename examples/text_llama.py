@@ -25,7 +25,7 @@ dataset = SyntheticText(lengths)                     # dataset[i]: a 1-D tensor 
 
 # --- the ten lines --------------------------------------------------------------------------
 dc = dcparallel.DataCentricParallel(model, layers=model.layers, policy="dcp", memory_bytes=64 * 2**20)
-loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, profile_path="text_llama_profile.json")
+loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, profile_path="runs/examples/text_llama_profile.json")
 opt = dc.optimizer(lr=3e-3)
 for step in loader:                                  # this rank's Batches of one optimizer step
     for batch in step:
