@@ -395,6 +395,25 @@ def _diff(saved: dict, now: dict) -> list[str]:
 # ---------------------------------------------------------------- the run
 
 
+def init_process_group(timeout: timedelta) -> None:
+    """torchrun's process group, with the store keys of each restart under their own prefix.
+
+    Under torchrun the workers use the agent's TCPStore, and on these machines (torch 2.13)
+    it outlives a restart: without a prefix, a restarted rank reads the gloo addresses the
+    ranks of the failed attempt published and fails with "Gloo connectFullMesh failed ...
+    Connection refused" (then every restart fails the same way)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "gloo" if not torch.cuda.is_available() else "nccl"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"dcparallel/attempt{_attempt()}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def run(cfg: Config) -> int:
     """Trains (or resumes, or reports a finished run); 0 on success. Initializes the process
     group under torchrun (and destroys it at the end) unless one exists already."""
@@ -410,8 +429,7 @@ def run(cfg: Config) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     own_pg = "RANK" in os.environ and not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
-                                timeout=timedelta(seconds=t.pg_timeout_s))
+        init_process_group(timedelta(seconds=t.pg_timeout_s))
     try:
         return _run(cfg, lengths, faults)
     finally:
