@@ -17,7 +17,7 @@ from dcparallel import checkpoint
 from dcparallel.cost.profiled import Profile
 from dcparallel.data.loader import check_step_budget
 from dcparallel.scenarios import read_lengths
-from dcparallel.train import Config, parse_faults, run
+from dcparallel.train import Config, Fault, parse_faults, run
 
 # ---------------------------------------------------------------- config
 
@@ -54,17 +54,11 @@ def test_config_unknown_keys_sections_and_model_mismatch(tmp_path):
 
 
 def test_fault_spec_is_checked():
-    assert parse_faults("exit@3:1, hang@5:0:2") == [checkpoint_fault("exit", 3, 1, 0), checkpoint_fault("hang", 5, 0, 2)]
+    assert parse_faults("exit@3:1, hang@5:0:2") == [Fault("exit", 3, 1, 0), Fault("hang", 5, 0, 2)]
     with pytest.raises(ValueError, match=r"DCPARALLEL_FAULT: bad item 'crash@3:1'; write KIND@STEP:RANK"):
         parse_faults("crash@3:1")
     with pytest.raises(ValueError, match="bad item 'exit@0:1'"):
         parse_faults("exit@0:1")
-
-
-def checkpoint_fault(*a):
-    from dcparallel.train import Fault
-
-    return Fault(*a)
 
 
 # ---------------------------------------------------------------- lengths, budget, profiles
