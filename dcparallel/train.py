@@ -346,6 +346,21 @@ def read_train_lengths(cfg: Config) -> list[int]:
     return [int(x) for x in sizes]
 
 
+def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int) -> None:
+    """Raises the planner's `OversizeError` (the message `simulate` prints) up front, before
+    any profiling, when a sample fits no layout by the analytic cost model: the profiler
+    would otherwise try to run it and die on a raw allocator error. The analytic model
+    estimates memory from calibrated constants, so this catches samples far beyond memory;
+    the profile decides the rest."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.spec import ClusterSpec, Workload
+
+    cluster = ClusterSpec(world_size=world_size, gpus_per_node=gpus_per_node, memory_bytes=int(memory_bytes),
+                          intra_bw=1e10, inter_bw=1e10, name="up-front check")
+    PlanContext(Workload(spec, tuple(lengths)), AnalyticCost(spec, cluster), cluster)
+
+
 def _loader(cfg: Config, dc, dataset, lengths: list[int], out: Path, rank: int):
     from dcparallel.profile.profiler import ProfilerConfig
 
@@ -360,6 +375,7 @@ def _loader(cfg: Config, dc, dataset, lengths: list[int], out: Path, rank: int):
         dc.cost = AnalyticCost(dc.spec, cluster)
         return DataCentricLoader(dataset, lengths, cost=dc.cost, cluster=dc.cluster_spec, policy=t.policy,
                                  tokens_per_step=t.tokens_per_step, seed=t.seed)
+    check_fits(dc.spec, lengths, dc.cluster_spec.world_size, dc.cluster_spec.gpus_per_node, dc.memory_bytes)
     config = ProfilerConfig(repeats=pc.repeats, max_mbs=pc.max_mbs, max_tokens=pc.max_tokens,
                             memory_limit=dc.memory_bytes, progress=rank == 0)
     return dc.prepare(dataset, lengths=lengths, tokens_per_step=t.tokens_per_step,

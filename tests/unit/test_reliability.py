@@ -264,3 +264,44 @@ def test_legacy_checkpoint_is_refused(tmp_path):
     (tmp_path / "run" / "checkpoint" / "rank0.pt").write_bytes(b"old")
     with pytest.raises(ValueError, match="checkpoint of an older dcparallel"):
         run(_cfg(tmp_path))
+
+
+def test_profile_cache_keeps_every_world_size(tmp_path):
+    """A launch at world 1 next to a cached world-2 profile profiles once, keeps the world-2
+    profile under its own name, and later finds its own copy again without profiling."""
+    from dcparallel.profile.cache import load_or_profile, world_path
+
+    class Stub:
+        calls = 0
+
+        def fingerprint(self):
+            return {"world_size": 1}
+
+        def run(self, sizes):
+            Stub.calls += 1
+            return Profile.from_json({**_profile_json(), "fingerprint": {"world_size": 1}}), None
+
+    path = tmp_path / "profile.json"
+    (tmp_path / "profile.json").write_text(json.dumps({**_profile_json(), "world_size": 2,
+                                                       "fingerprint": {"world_size": 2}}))
+    prof, _ = load_or_profile(path, Stub(), [64])
+    assert Stub.calls == 1 and prof.world_size == 1
+    assert Profile.load(world_path(path, 2)).world_size == 2  # not destroyed
+    assert Profile.load(world_path(path, 1)).world_size == 1
+    path.write_bytes(world_path(path, 2).read_bytes())  # a world-2 launch came back in between
+    prof, stats = load_or_profile(path, Stub(), [64])
+    assert Stub.calls == 1 and stats is None and prof.world_size == 1  # its own copy, reused
+
+
+def test_oversize_sample_is_refused_before_profiling_in_train_and_demo(tmp_path):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n300000000\n")
+    cfg = Config.from_dict({"data": {"lengths": str(lengths)}, "train": {"out_dir": str(tmp_path / "run")}})
+    with pytest.raises(ValueError, match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout: even at "
+                                         r"SP=1 with full recomputation it needs .* GiB per rank"):
+        run(cfg)
+    assert not (tmp_path / "run" / "profile.json").exists()
+    from dcparallel.demo import _check_fits
+
+    with pytest.raises(ValueError, match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout"):
+        _check_fits([100, 300000000], 2)
