@@ -568,11 +568,20 @@ class DataCentricLoader:
         """A planner for the epoch (tuned baselines look at the epoch's steps)."""
         return make_planner(self.policy, self.context, self.steps(epoch))
 
-    def plans(self, epoch: int | None = None) -> list[StepPlan]:
-        """Every step plan of an epoch (default: the current one), planned here and now."""
+    def plans(self, epoch: int | None = None, progress: bool = False) -> list[StepPlan]:
+        """Every step plan of an epoch (default: the current one), planned here and now;
+        ``progress``: a progress bar on stderr (an epoch of 10^6 samples takes minutes)."""
         e = self.epoch if epoch is None else epoch
         planner = self.planner(e)
-        return [planner.plan(s) for s in self.steps(e)]
+        steps = self.steps(e)
+        if not progress:
+            return [planner.plan(s) for s in steps]
+        import sys
+
+        from tqdm import tqdm
+
+        return [planner.plan(s) for s in tqdm(steps, desc=f"planning epoch {e} ({self.policy})", unit="step",
+                                              file=sys.stderr, mininterval=1.0)]
 
     def __len__(self) -> int:
         """Steps in the current epoch."""

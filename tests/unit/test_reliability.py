@@ -305,3 +305,16 @@ def test_oversize_sample_is_refused_before_profiling_in_train_and_demo(tmp_path)
 
     with pytest.raises(ValueError, match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout"):
         _check_fits([100, 300000000], 2)
+
+
+def test_planning_an_epoch_can_show_progress(capsys):
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.data.loader import DataCentricLoader
+    from dcparallel.spec import ClusterSpec, llama_like
+
+    spec = llama_like("m", num_layers=2, hidden=32, num_heads=2, ffn_hidden=64, vocab_size=64)
+    cl = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=2**30, intra_bw=1e10, inter_bw=1e10)
+    ld = DataCentricLoader(list(range(50)), [20 + i for i in range(50)], cost=AnalyticCost(spec, cl), cluster=cl,
+                           tokens_per_step=300, rank=0, world_size=2)
+    assert [p.sample_ids for p in ld.plans(progress=True)] == [p.sample_ids for p in ld.plans()]
+    assert "planning epoch 0 (dcp): 100%" in capsys.readouterr().err
