@@ -215,6 +215,9 @@ def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(r)
+        # folders of later steps are torn leftovers (the run resumed from an earlier step)
+        for later in [s for s in committed_steps(r) if s > step]:
+            shutil.rmtree(_step_dir(r, later), ignore_errors=True)
         for old in committed_steps(r)[keep:]:
             shutil.rmtree(_step_dir(r, old), ignore_errors=True)
     comm.barrier()

@@ -501,6 +501,11 @@ def _run(cfg: Config, lengths: list[int], faults: list[Fault]) -> int:
                              f"Use the same config, another out_dir, or resume_anyway = true (--resume-anyway)")
         if diff and rank == 0:
             log.warning("resuming %s anyway, although the config differs: %s", ck.path, "; ".join(diff))
+        if ck.meta.get("finished") and ck.meta.get("run_length") == [t.epochs, t.max_steps]:
+            if rank == 0:  # known without planning (nor profiling at a new world size)
+                log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps "
+                            "or epochs to train more)", out, ck.step, ck.step)
+            return 0
 
     loader = _loader(cfg, dc, dataset, lengths, out, rank)
     opt = dc.optimizer(lr=t.lr)
@@ -542,7 +547,8 @@ def _run(cfg: Config, lengths: list[int], faults: list[Fault]) -> int:
                    "rng": checkpoint.rng_state()}
         if rank == 0:
             payload["model"] = model.state_dict()
-        meta = {"config": key, "profile": profile_fp, "loader": loader.state_dict(), "finished": finished}
+        meta = {"config": key, "profile": profile_fp, "loader": loader.state_dict(), "finished": finished,
+                "run_length": [t.epochs, t.max_steps]}
         checkpoint.save(ckroot, done, payload, meta, optimizer_range=(lo, hi), keep=t.keep_checkpoints)
 
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None

@@ -107,6 +107,13 @@ class Profile:
                     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                         raise ValueError(f"entry {i} ({e['bucket']}, sp={e['sp']}, mbs={e['mbs']}) has {name} = "
                                          f"{v!r}; times and memory must be finite and >= 0")
+            measured = {e["bucket"] for e in entries}
+            unfit = {str(k) for k in d.get("unfit_buckets", [])}
+            missing = [k for k in sorted(keys) if k not in measured and k not in unfit]
+            if missing:
+                raise ValueError(f"bucket(s) {missing} have no entries (and are not listed as unfit)")
+            if not any(e.get("feasible", True) for e in entries) and not unfit:
+                raise ValueError("no entry is feasible and no bucket is listed as unfit")
             for name in ("model_state_bytes", "grad_sync_s"):
                 v = d[name]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

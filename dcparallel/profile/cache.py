@@ -67,6 +67,18 @@ def world_path(path: str | Path, world_size: int) -> Path:
     return p.with_name(f"{p.stem}.world{int(world_size)}{p.suffix or '.json'}")
 
 
+def _other_world(path: str | Path) -> bool:
+    """True if ``path`` is missing or holds a profile of another world size (then this world
+    size's own copy may be used; a same-world profile that does not match is re-measured)."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    try:
+        return Profile.load(p).world_size != comm.world_size()
+    except ValueError:
+        return False
+
+
 def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
                     ) -> tuple[Profile, ProfileStats | None]:
     """The profile for ``profiler``'s model and these bucket sizes: the cached file at
@@ -74,7 +86,7 @@ def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
     a fresh profile written there. Call on every rank together."""
     fp = profiler.fingerprint()
     cached, why = check_cached(path, fp, sizes)
-    if why:
+    if why and _other_world(path):
         mine = world_path(path, comm.world_size())
         if mine.exists():
             cached, why2 = check_cached(mine, fp, sizes)

@@ -133,6 +133,13 @@ def test_profile_with_negative_nan_or_missing_entries_is_refused(field, value, m
     assert message in str(e.value)
 
 
+def test_profile_with_a_bucket_without_entries_is_refused():
+    d = _profile_json()
+    d["entries"] = []
+    with pytest.raises(ValueError, match=r"bucket\(s\) \['t64'\] have no entries"):
+        Profile.from_json(d)
+
+
 def test_sizes_far_beyond_the_profile_warn_with_the_range(caplog):
     from dcparallel.cost.profiled import ProfiledCost
     from dcparallel.spec import ClusterSpec
