@@ -12,7 +12,8 @@ Saving (`save`, every rank together): rank 0 clears a stale temporary folder; ea
 writes ``rankR.pt.part``, fsyncs and renames it to ``rankR.pt``; the ranks' (bytes, sha256)
 reach rank 0 in one gather; rank 0 writes ``COMMIT.json`` (temp + rename), renames the folder
 to its final name (the commit) and only then deletes checkpoints older than the ``keep``
-newest; a barrier ends the save. A crash at any point leaves the previous checkpoint intact.
+newest (and folders of later steps: torn leftovers of the attempt the run resumed from); a
+barrier ends the save. A crash at any point leaves the previous checkpoint intact.
 
 Loading (`latest`, every rank together): each rank lists the committed folders newest first
 and checks each (marker readable, every file present with its recorded size, the files this
