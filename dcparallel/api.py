@@ -27,7 +27,7 @@ from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter, find_adapter
 from dcparallel.cost.profiled import ProfiledCost
-from dcparallel.data.loader import DataCentricLoader, read_sizes
+from dcparallel.data.loader import DataCentricLoader, check_step_budget, read_sizes
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
@@ -95,6 +95,7 @@ class DataCentricParallel(_engine.DataCentricParallel):
         ``loss_fn`` (default: the one given at construction, else the adapter's) is what the
         profiler runs on synthetic micro-batches; run the same one in the training loop.
         Call on every rank together (profiling is collective)."""
+        check_step_budget(tokens_per_step, samples_per_step)  # before minutes of profiling
         self.loss_fn = loss_fn or self.loss_fn
         if self.loss_fn is None:
             raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "

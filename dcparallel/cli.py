@@ -174,13 +174,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _train(path: Path) -> int:
+def _train(path: Path, resume_anyway: bool = False) -> int:
     import logging
 
     from dcparallel.train import Config, run
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    return run(Config.load(path))
+    cfg = Config.load(path)
+    cfg.train.resume_anyway = cfg.train.resume_anyway or resume_anyway
+    return run(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
     p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")
-    p.set_defaults(func=lambda a: _train(a.config))
+    p.add_argument("--resume-anyway", action="store_true",
+                   help="resume a checkpoint written under another config (the differences are logged)")
+    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway))
 
     p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
     demo.add_arguments(p)

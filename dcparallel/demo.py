@@ -266,6 +266,18 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     return pred
 
 
+def _check_fits(lengths: list[int], num_layers: int) -> None:
+    """A sample far beyond this machine's memory is refused here, with the planner's message,
+    before torchrun starts (inside, the profiler would die on a raw allocator error)."""
+    from dcparallel.profile.inputs import reference_spec
+    from dcparallel.train import check_fits
+
+    model = _model(num_layers)
+    spec, _ = reference_spec(model, model.layers)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // WORLD
+    check_fits(spec, lengths, WORLD, WORLD, memory)
+
+
 def run(args: argparse.Namespace) -> dict:
     from dcparallel.cli import paper_scale
     from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups, plot_timelines
@@ -283,6 +295,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         lengths = builtin_lengths()
         source = "built-in skewed (70% 32-256, 24% 256-1024, 6% 1024-3072 tokens)"
+    _check_fits(lengths, args.layers)
     (out / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",

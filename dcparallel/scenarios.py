@@ -107,6 +107,14 @@ def long_token_share(model: ModelSpec, sizes: list[Size], threshold: int = 64 * 
     return float(toks[toks > threshold].sum() / toks.sum())
 
 
+def _at(p: Path, where: str, make):
+    """``make()``, with a ValueError prefixed by the file and line (or array index)."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ValueError(f"{p}{where}: {exc}") from None
+
+
 def read_lengths(path: str | Path) -> list[Size]:
     """A lengths file: one sample a line, `tokens` or `frames height width`; or a `.npy`
     array of shape (n,) or (n, 3). Blank lines and `#` comments are ignored."""
@@ -114,15 +122,29 @@ def read_lengths(path: str | Path) -> list[Size]:
     if not p.exists():
         raise ValueError(f"lengths file {p} does not exist")
     if p.suffix == ".npy":
-        arr = np.load(p)
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{p}: not a readable numeric .npy array ({exc}); save one with np.save") from None
+        if arr.size == 0:
+            raise ValueError(f"{p}: the lengths array is empty (shape {arr.shape}); it needs one size per sample")
+        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise ValueError(f"{p}: the lengths array holds {arr.dtype} values, not numbers; save token counts "
+                             f"(shape (n,)) or frames, height, width (shape (n, 3)) as integers")
         if arr.ndim == 1:
-            return [check_size(int(v), i) if float(v).is_integer() else check_size(float(v), i)
-                    for i, v in enumerate(arr.tolist())]
+            vals = arr.tolist()
+            return [_at(p, f"[{i}]", lambda v=v, i=i: check_size(int(v) if float(v).is_integer() else float(v), i))
+                    for i, v in enumerate(vals)]
         if arr.ndim == 2 and arr.shape[1] == 3:
-            return [check_size(tuple(int(x) for x in row), i) for i, row in enumerate(arr.tolist())]
+            return [_at(p, f"[{i}]", lambda row=row, i=i: check_size(tuple(float(x) for x in row), i))
+                    for i, row in enumerate(arr.tolist())]
         raise ValueError(f"{p}: a lengths array has shape (n,) or (n, 3); got {arr.shape}")
     out: list[Size] = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read the lengths file as text ({exc}); one sample a line") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -132,13 +154,14 @@ def read_lengths(path: str | Path) -> list[Size]:
         except ValueError:
             raise ValueError(f"{p}:{lineno}: expected integers, got {line!r}") from None
         if len(vals) == 1:
-            out.append(check_size(vals[0] if not vals[0].is_integer() else int(vals[0]), len(out)))
+            out.append(_at(p, f":{lineno}", lambda v=vals[0]: check_size(v if not v.is_integer() else int(v),
+                                                                        len(out))))
         elif len(vals) == 3:
-            out.append(check_size(tuple(vals), len(out)))
+            out.append(_at(p, f":{lineno}", lambda v=vals: check_size(tuple(v), len(out))))
         else:
             raise ValueError(f"{p}:{lineno}: a line is `tokens` or `frames height width`; got {line!r}")
     if not out:
-        raise ValueError(f"lengths file {p} holds no samples")
+        raise ValueError(f"lengths file {p} holds no samples (only blank lines or comments); one sample a line")
     kinds = {isinstance(s, tuple) for s in out}
     if len(kinds) > 1:
         raise ValueError(f"{p} mixes text lengths and video shapes; use one kind per file")

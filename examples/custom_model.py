@@ -79,7 +79,7 @@ torch.manual_seed(0)
 model = GPT().to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))
 dataset = SyntheticText(lengths, vocab=256)
-profile = os.path.join(os.environ.get("OUT_DIR", "out"), "custom_model_profile.json")
+profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "custom_model_profile.json")
 
 
 def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the profiler runs it too)

@@ -30,7 +30,7 @@ rng = random.Random(0)  # latent frames 1 (images) to 7, resolutions from 8x8 to
 shapes = [(rng.choice([1, 1, 2, 3, 5, 7]), *rng.choice([(8, 8), (8, 12), (12, 8), (12, 16), (16, 24)]))
           for _ in range(int(os.environ.get("NUM_SAMPLES", 48)))]
 dataset = SyntheticLatents(shapes, channels=4, text_dim=32, text_tokens=8)  # {"latents", "encoder_hidden_states"}
-profile = os.path.join(os.environ.get("OUT_DIR", "out"), "diffusers_wan_profile.json")
+profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "diffusers_wan_profile.json")
 
 
 def loss_fn(model, batch, ctx):  # rectified flow: one micro-batch, forward + summed loss

@@ -26,7 +26,7 @@ config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num
 model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))  # token counts, known up front
 dataset = SyntheticText(lengths, vocab=config.vocab_size)                        # dataset[i]: 1-D token ids
-profile = os.path.join(os.environ.get("OUT_DIR", "out"), "hf_llama_profile.json")
+profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "hf_llama_profile.json")
 
 
 def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the profiler runs it too)

@@ -10,8 +10,8 @@ from datetime import timedelta
 import torch
 
 import dcparallel
-from dcparallel.demo import SyntheticText, builtin_lengths
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.data.synthetic import SyntheticText, builtin_lengths
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
@@ -22,14 +22,13 @@ lengths = builtin_lengths(num_samples=160)
 dataset = SyntheticText(lengths)                     # dataset[i]: a 1-D tensor of lengths[i] token ids
 
 # --- the ten lines --------------------------------------------------------------------------
-dc = dcparallel.DataCentricParallel(model, layers=model.layers, policy="dcp", memory_bytes=64 * 2**20)
-loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, profile_path="text_llama_profile.json")
+dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=64 * 2**20)  # finds the model's adapter
+loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, profile_path="runs/examples/text_llama.json")
 opt = dc.optimizer(lr=3e-3)
 for step in loader:                                  # this rank's Batches of one optimizer step
     for batch in step:
         with dc.micro_batch(batch) as ctx:           # SP group, recompute, per-sample RNG
-            logits = model(batch.inputs, batch.positions)
-            ctx.backward(ctx.token_loss(per_token_loss(logits, batch.labels)[0], batch.loss_mask))
+            ctx.backward(ctx.lm_loss(model(batch.inputs, batch.positions)))  # summed next-token loss
     loss = dc.sync_gradients()                       # the step's one all-reduce; exact mean over targets
     opt.step()
 # ---------------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ shapes = [(1, 64, 64)] * 24 + [(17, 64, 96)] * 12 + [(34, 128, 128)] * 6 + [(51,
 dataset = Videos(shapes)
 
 # --- the ten lines --------------------------------------------------------------------------
-dc = dcparallel.DataCentricParallel(model, layers=model.layers, policy="dcp", memory_bytes=48 * 2**20)
-loader = dc.prepare(dataset, lengths=shapes, samples_per_step=16, profile_path="video_dit_profile.json")
+dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=48 * 2**20)
+loader = dc.prepare(dataset, lengths=shapes, samples_per_step=16, profile_path="runs/examples/video_dit_profile.json")
 opt = dc.optimizer(lr=1e-3)
 for step in loader:
     for batch in step:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -41,6 +43,8 @@ from typing import Sequence
 
 from dcparallel.cost.base import MicroBatchTerms, cache_put
 from dcparallel.spec import ClusterSpec, ModelSpec, Size, check_size
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "dcparallel.profile"
 VERSION = 1
@@ -87,9 +91,33 @@ class Profile:
             buckets = [dict(b, size=check_size(tuple(b["size"]) if isinstance(b["size"], list) else b["size"]))
                        for b in d["buckets"]]
             entries = list(d["entries"])
-            for e in entries:
-                if e["recompute"] not in MODES or e["bucket"] not in {b["key"] for b in buckets}:
-                    raise ValueError(f"bad entry {e}")
+            keys = {b["key"] for b in buckets}
+            for i, e in enumerate(entries):
+                if e["recompute"] not in MODES or e["bucket"] not in keys:
+                    raise ValueError(f"entry {i} has an unknown recompute mode or bucket: {e}")
+                if int(e["sp"]) < 1 or int(e["mbs"]) < 1:
+                    raise ValueError(f"entry {i} has sp={e['sp']}, mbs={e['mbs']}; both must be >= 1")
+                if not e.get("feasible", True):
+                    continue
+                for name in ("time_s", "memory_bytes"):
+                    v = e.get(name)
+                    if v is None:
+                        raise ValueError(f"entry {i} ({e['bucket']}, sp={e['sp']}, mbs={e['mbs']}) is feasible but "
+                                         f"has no {name}")
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                        raise ValueError(f"entry {i} ({e['bucket']}, sp={e['sp']}, mbs={e['mbs']}) has {name} = "
+                                         f"{v!r}; times and memory must be finite and >= 0")
+            measured = {e["bucket"] for e in entries}
+            unfit = {str(k) for k in d.get("unfit_buckets", [])}
+            missing = [k for k in sorted(keys) if k not in measured and k not in unfit]
+            if missing:
+                raise ValueError(f"bucket(s) {missing} have no entries (and are not listed as unfit)")
+            if not any(e.get("feasible", True) for e in entries) and not unfit:
+                raise ValueError("no entry is feasible and no bucket is listed as unfit")
+            for name in ("model_state_bytes", "grad_sync_s"):
+                v = d[name]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"{name} = {v!r} must be finite and >= 0")
             return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
                            world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
                            model_state_bytes=float(d["model_state_bytes"]),
@@ -133,6 +161,8 @@ class ProfiledCost:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
         for v in self._by_tokens.values():
             v.sort()
+        self.token_range = (min(tokens.values()), max(tokens.values())) if tokens else (0, 0)
+        self._warned_range = False
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
@@ -179,6 +209,11 @@ class ProfiledCost:
         if not row:
             return None
         toks = [r[0] for r in row]
+        if tokens > 2 * self.token_range[1] and not self._warned_range:
+            self._warned_range = True
+            log.warning("a sample of %d tokens is far beyond the profiled range %d..%d tokens (profile of %r): its "
+                        "time and memory are extrapolated proportionally and may be wrong; profile with these "
+                        "lengths (dcparallel profile --lengths ...)", tokens, *self.token_range, self.model.name)
         i = bisect.bisect_left(toks, tokens)
         if i < len(row) and toks[i] == tokens:
             return self._at(row[i][1], sp, mode, n)

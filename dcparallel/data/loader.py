@@ -154,6 +154,16 @@ def _one_size(i: int, value: Any) -> Size:
     return _positive_int(i, value, v)
 
 
+def check_step_budget(tokens_per_step: Any, samples_per_step: Any) -> None:
+    """Exactly one of the two, a positive integer (checked before anything is profiled)."""
+    if (tokens_per_step is None) == (samples_per_step is None):
+        raise ValueError(f"give exactly one of tokens_per_step or samples_per_step; got "
+                         f"tokens_per_step={tokens_per_step!r}, samples_per_step={samples_per_step!r}")
+    for name, v in (("tokens_per_step", tokens_per_step), ("samples_per_step", samples_per_step)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0):
+            raise ValueError(f"{name} must be a positive integer; got {v!r}")
+
+
 def read_sizes(lengths: Lengths, num_samples: int) -> tuple[Size, ...]:
     """Every sample's size, validated: `lengths` as a sequence (one entry per sample) or a
     function of the index (called once per index)."""
@@ -508,12 +518,7 @@ class DataCentricLoader:
         if num_samples == 0:
             raise ValueError("the dataset is empty (len(dataset) == 0): there is nothing to load; "
                              "check the dataset's source and filters")
-        if (tokens_per_step is None) == (samples_per_step is None):
-            raise ValueError(f"give exactly one of tokens_per_step or samples_per_step; got "
-                             f"tokens_per_step={tokens_per_step}, samples_per_step={samples_per_step}")
-        for name, v in (("tokens_per_step", tokens_per_step), ("samples_per_step", samples_per_step)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0):
-                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        check_step_budget(tokens_per_step, samples_per_step)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
@@ -586,11 +591,20 @@ class DataCentricLoader:
         """A planner for the epoch (tuned baselines look at the epoch's steps)."""
         return make_planner(self.policy, self.context, self.steps(epoch))
 
-    def plans(self, epoch: int | None = None) -> list[StepPlan]:
-        """Every step plan of an epoch (default: the current one), planned here and now."""
+    def plans(self, epoch: int | None = None, progress: bool = False) -> list[StepPlan]:
+        """Every step plan of an epoch (default: the current one), planned here and now;
+        ``progress``: a progress bar on stderr (an epoch of 10^6 samples takes minutes)."""
         e = self.epoch if epoch is None else epoch
         planner = self.planner(e)
-        return [planner.plan(s) for s in self.steps(e)]
+        steps = self.steps(e)
+        if not progress:
+            return [planner.plan(s) for s in steps]
+        import sys
+
+        from tqdm import tqdm
+
+        return [planner.plan(s) for s in tqdm(steps, desc=f"planning epoch {e} ({self.policy})", unit="step",
+                                              file=sys.stderr, mininterval=1.0)]
 
     def __len__(self) -> int:
         """Steps in the current epoch."""

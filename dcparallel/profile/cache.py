@@ -7,6 +7,12 @@ version, memory budget, method) or lacking a bucket the dataset needs, all ranks
 together and rank 0 writes the new file. The reason is logged, never raised from deep
 inside the planner.
 
+Profiles are kept per world size: ``path`` holds the latest profile, and a copy of each
+world size's profile sits beside it (``profile.world4.json``). A launch at another world size
+reuses its own copy when it matches, and a profile of another world size found at ``path``
+is kept under its own name before ``path`` is overwritten (a run resumed 4 -> 2 -> 4 ranks
+profiles each world size once).
+
     profiler = Profiler(model, model.layers, text_inputs(model, device), spec=spec, engine=dc)
     sizes = representative_sizes(spec, dataset_lengths)   # the largest sample per cost class
     profile, _ = load_or_profile("profiles/llama.json", profiler, sizes)
@@ -55,13 +61,36 @@ def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> 
     return prof, ""
 
 
+def world_path(path: str | Path, world_size: int) -> Path:
+    """The per-world-size copy of a profile path: ``run/profile.json`` -> ``run/profile.world2.json``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.world{int(world_size)}{p.suffix or '.json'}")
+
+
+def _other_world(path: str | Path) -> bool:
+    """True if ``path`` is missing or holds a profile of another world size (then this world
+    size's own copy may be used; a same-world profile that does not match is re-measured)."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    try:
+        return Profile.load(p).world_size != comm.world_size()
+    except ValueError:
+        return False
+
+
 def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
                     ) -> tuple[Profile, ProfileStats | None]:
     """The profile for ``profiler``'s model and these bucket sizes: the cached file at
-    ``path`` if it matches (stats None), else a fresh profile written there. Call on every
-    rank together."""
+    ``path`` (or its copy for this world size, `world_path`) if it matches (stats None), else
+    a fresh profile written there. Call on every rank together."""
     fp = profiler.fingerprint()
     cached, why = check_cached(path, fp, sizes)
+    if why and _other_world(path):
+        mine = world_path(path, comm.world_size())
+        if mine.exists():
+            cached, why2 = check_cached(mine, fp, sizes)
+            why = why2 and f"{why}; {why2}"
     # every rank must take the same branch (profiling is collective)
     reasons = comm.all_gather_object(why)
     why = next((r for r in reasons if r), "")
@@ -77,6 +106,15 @@ def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
     """Profiles on every rank together; rank 0 writes the profile to ``path``."""
     profile, stats = profiler.run(sizes)
     if comm.world_rank() == 0:
-        profile.save(path)
+        p = Path(path)
+        if p.exists():
+            try:
+                old = Profile.load(p)
+            except ValueError:
+                old = None
+            if old is not None and old.world_size != profile.world_size and not world_path(p, old.world_size).exists():
+                p.replace(world_path(p, old.world_size))  # another world size's profile: kept, not overwritten
+        profile.save(p)
+        profile.save(world_path(p, profile.world_size))
     comm.barrier()
     return profile, stats

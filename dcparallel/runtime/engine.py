@@ -42,6 +42,7 @@ from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
+from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, Recompute
 
 
@@ -294,93 +295,3 @@ class DataCentricParallel:
     ) -> ZeroAdamW:
         """The default optimizer: AdamW with ZeRO-1 sharded fp32 state."""
         return ZeroAdamW(self, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
-
-class ZeroAdamW:
-    """AdamW whose fp32 master weights and moments are sharded over the world (ZeRO-1).
-
-    Rank r owns elements ``[r*S, (r+1)*S)`` of the flat parameters: it updates its fp32
-    master copy of them (for fp32 parameters the master is the parameters' own storage),
-    copies the result into the parameters and all-gathers, so that parameters stay
-    replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
-    weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's."""
-
-    def __init__(
-        self,
-        dc: DataCentricParallel,
-        *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ):
-        if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0:
-            raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps}")
-        self.dc = dc
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        lo = dc.rank * dc.shard_numel
-        hi = lo + dc.shard_numel
-        self._param_shard = dc.flat_param[lo:hi]
-        fp32 = dc.flat_param.dtype == torch.float32
-        self.master = self._param_shard if fp32 else self._param_shard.float()
-        self._grad_shard = dc.flat_grad[lo:hi]
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        # 1 where weight decay applies (matrices), for this rank's shard only
-        self._decay = torch.zeros(hi - lo, dtype=torch.float32, device=self.master.device)
-        off = 0
-        for p in dc.params:
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if p.dim() >= 2 and a < b:
-                self._decay[a - lo : b - lo] = 1.0
-            off += p.numel()
-        self.num_steps = 0
-
-    def step(self) -> None:
-        if not self.dc._synced:
-            raise RuntimeError(
-                "call dc.sync_gradients() before optimizer.step(): the gradients of this "
-                "step have not been summed over the ranks yet"
-            )
-        self.num_steps += 1
-        b1, b2 = self.betas
-        g = self._grad_shard
-        if self.weight_decay:
-            self.master.mul_(1 - self.lr * self.weight_decay * self._decay)
-        self.exp_avg.lerp_(g, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1**self.num_steps
-        bc2 = 1 - b2**self.num_steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bc1)
-        if self.master is not self._param_shard:
-            self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dc.zero_grad()
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (each rank saves its own)."""
-        return {
-            "num_steps": self.num_steps,
-            "exp_avg": self.exp_avg.clone(),
-            "exp_avg_sq": self.exp_avg_sq.clone(),
-            "master": self.master.clone(),
-            "rank": self.dc.rank,
-            "world_size": self.dc.world_size,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["world_size"] != self.dc.world_size or state["rank"] != self.dc.rank:
-            raise ValueError(
-                f"optimizer shard of rank {state['rank']}/{state['world_size']} loaded on rank "
-                f"{self.dc.rank}/{self.dc.world_size}; load each rank's own shard"
-            )
-        self.num_steps = int(state["num_steps"])
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        self.master.copy_(state["master"])
-        if self.master is not self._param_shard:
-            self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)

@@ -79,6 +79,11 @@ def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"environment variable {key}={raw!r} is not an integer; it is set by torchrun") from None
 
 
+def restart_attempt() -> int:
+    """Which restart of the job this is under ``torchrun --max-restarts`` (0: the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def init_distributed(device: str | None = None, timeout: timedelta = timedelta(seconds=300)) -> Launch:
     """Initializes torch.distributed from the torchrun environment (once; a second call
     returns the same answer): on CUDA ``torch.cuda.set_device(LOCAL_RANK)`` then NCCL bound to
@@ -105,7 +110,15 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(s
         return Launch(backend=None, device=dev, rank=0, local_rank=0, world_size=1, local_world_size=1)
     else:
         kw = {"device_id": dev} if kind == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout, **kw)
+        rank = _env_int(env, "RANK", 0)
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        # Under torchrun the agent's TCPStore outlives a restart: without a prefix of its own,
+        # a restarted rank reads the gloo addresses the failed attempt published and fails
+        # ("Gloo connectFullMesh failed ... Connection refused"), and so does every restart.
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                              timeout=timeout)
+        store = dist.PrefixStore(f"dcparallel/attempt{restart_attempt()}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     return Launch(backend=dist.get_backend(), device=dev, rank=dist.get_rank(), local_rank=local_rank,
                   world_size=dist.get_world_size(), local_world_size=local_world)
 

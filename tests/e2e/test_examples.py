@@ -26,6 +26,8 @@ def test_example_adds_at_most_ten_lines(name):
     assert any("sync_gradients()" in line for line in marked)
 
 
+# ~2 minutes each on 2 cores: `DCPARALLEL_SLOW=1 make test` (tests/e2e/test_prepare_torchrun.py is the quick one)
+@pytest.mark.slow
 @pytest.mark.parametrize("name,env", [("hf_llama", {"NUM_SAMPLES": "120"}),
                                       ("diffusers_wan", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
                                       ("custom_model", {"NUM_SAMPLES": "120"})])

@@ -48,8 +48,9 @@ max_tokens = 512
     for x in lines:
         assert {"loss", "tokens_per_s", "step_s", "idle_fraction", "planned_peak_memory_bytes", "sp_degrees"} <= set(x)
         assert 0 <= x["idle_fraction"] < 1 and x["tokens_per_s"] > 0 and x["planned_peak_memory_bytes"] <= 32 * 2**20
-    assert (out / "checkpoint" / "rank0.pt").exists() and (out / "checkpoint" / "rank1.pt").exists()
-    assert (out / "profile.json").exists()
+    assert sorted(x.name for x in (out / "checkpoint" / "step_00000003").iterdir()) == [
+        "COMMIT.json", "rank0.pt", "rank1.pt"]
+    assert (out / "profile.json").exists() and (out / "profile.world2.json").exists()
 
     # the same config with a larger step limit resumes after step 3 and reuses the profile
     config.write_text(config.read_text().replace("max_steps = 3", "max_steps = 5"))

@@ -1,0 +1,157 @@
+"""`ZeroAdamW`: AdamW with ZeRO-1 sharded fp32 state, and its resharding on load.
+
+Rank r of a world of W owns elements ``[r*S, (r+1)*S)`` of the flat parameters, S =
+ceil(numel / W). A saved shard names its range of the *unpadded* flat vector, so any set of
+shards that covers ``[0, numel)`` can be loaded at any world size: each rank copies the parts
+of the saved shards that overlap its new range (`load_state_dict` with a list of shards).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from dcparallel.runtime import comm
+
+if TYPE_CHECKING:
+    from dcparallel.runtime.engine import DataCentricParallel
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ZeroAdamW:
+    """AdamW whose fp32 master weights and moments are sharded over the world (ZeRO-1).
+
+    Rank r owns elements ``[r*S, (r+1)*S)`` of the flat parameters: it updates its fp32
+    master copy of them (for fp32 parameters the master is the parameters' own storage),
+    copies the result into the parameters and all-gathers, so that parameters stay
+    replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
+    weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's."""
+
+    def __init__(
+        self,
+        dc: DataCentricParallel,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
+            raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps}")
+        self.dc = dc
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        lo = dc.rank * dc.shard_numel
+        hi = lo + dc.shard_numel
+        self._lo, self._hi = lo, hi
+        self._param_shard = dc.flat_param[lo:hi]
+        fp32 = dc.flat_param.dtype == torch.float32
+        self.master = self._param_shard if fp32 else self._param_shard.float()
+        self._grad_shard = dc.flat_grad[lo:hi]
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        # 1 where weight decay applies (matrices), for this rank's shard only
+        self._decay = torch.zeros(hi - lo, dtype=torch.float32, device=self.master.device)
+        off = 0
+        for p in dc.params:
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if p.dim() >= 2 and a < b:
+                self._decay[a - lo : b - lo] = 1.0
+            off += p.numel()
+        self.num_steps = 0
+
+    def step(self) -> None:
+        if not self.dc._synced:
+            raise RuntimeError(
+                "call dc.sync_gradients() before optimizer.step(): the gradients of this "
+                "step have not been summed over the ranks yet"
+            )
+        self.num_steps += 1
+        b1, b2 = self.betas
+        g = self._grad_shard
+        if self.weight_decay:
+            self.master.mul_(1 - self.lr * self.weight_decay * self._decay)
+        self.exp_avg.lerp_(g, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1 = 1 - b1**self.num_steps
+        bc2 = 1 - b2**self.num_steps
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bc1)
+        if self.master is not self._param_shard:
+            self._param_shard.copy_(self.master)
+        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dc.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state: elements ``[start, stop)`` of the
+        unpadded flat parameter vector of ``numel`` elements (each rank saves its own)."""
+        stop = min(self._hi, self.dc.numel)
+        start = min(self._lo, stop)
+        n = stop - start
+        return {
+            "num_steps": self.num_steps,
+            "start": start,
+            "stop": stop,
+            "numel": self.dc.numel,
+            "rank": self.dc.rank,
+            "world_size": self.dc.world_size,
+            "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay},
+            **{k: getattr(self, k)[:n].detach().clone() for k in _STATE},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Loads this rank's shard from one saved shard (same world size and rank) or from a
+        list of saved shards of any world size that together cover this rank's range
+        (resharding: a world of 4 resumed as 2, or 2 as 4). Call on every rank together (the
+        parameters are all-gathered afterwards)."""
+        shards = [state] if isinstance(state, Mapping) else list(state)
+        if not shards:
+            raise ValueError("no optimizer shards to load")
+        numels = {int(s["numel"]) for s in shards}
+        if numels != {self.dc.numel}:
+            raise ValueError(
+                f"the optimizer state is for {sorted(numels)} parameters but this model has "
+                f"{self.dc.numel}; load a checkpoint of the same model"
+            )
+        steps = {int(s["num_steps"]) for s in shards}
+        if len(steps) != 1:
+            raise ValueError(f"the optimizer shards are of different steps {sorted(steps)}; "
+                             f"load the shards of one checkpoint")
+        lo, hi = min(self._lo, self.dc.numel), min(self._hi, self.dc.numel)
+        covered = torch.zeros(hi - lo, dtype=torch.bool)
+        new = {k: torch.zeros_like(getattr(self, k)) for k in _STATE}
+        for s in shards:
+            a, b = max(lo, int(s["start"])), min(hi, int(s["stop"]))
+            if a >= b:
+                continue
+            src = slice(a - int(s["start"]), b - int(s["start"]))
+            for k in _STATE:
+                t = s[k]
+                if t.numel() != int(s["stop"]) - int(s["start"]):
+                    raise ValueError(f"optimizer shard of rank {s['rank']}: {k} has {t.numel()} elements, "
+                                     f"its range [{s['start']}, {s['stop']}) needs {int(s['stop']) - int(s['start'])}")
+                new[k][a - lo : b - lo].copy_(t[src])
+            covered[a - lo : b - lo] = True
+        if not bool(covered.all()):
+            missing = int((~covered).sum())
+            raise ValueError(
+                f"the optimizer shards given cover only part of rank {self.dc.rank}'s range [{lo}, {hi}) "
+                f"({missing} elements missing); pass every rank's shard of the checkpoint"
+            )
+        self.num_steps = steps.pop()
+        for k in _STATE:
+            getattr(self, k).copy_(new[k])
+        if self.master is not self._param_shard:
+            self._param_shard.copy_(self.master)
+        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)
+
+    def full_state(self) -> dict[str, Tensor]:
+        """The unsharded state (every rank's shard gathered; on every rank): for tests and tools."""
+        shards = comm.all_gather_object(self.state_dict())
+        return {k: torch.cat([s[k] for s in shards]) for k in _STATE}
