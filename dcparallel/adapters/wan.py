@@ -165,7 +165,8 @@ def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified-flow training of Wan: per sample a timestep t (logit-normal) and noise from
     its own generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared
     error over channels per latent position."""
-    x0 = batch.inputs
+    dtype = next(model.parameters()).dtype  # bf16 models take bf16 latents; the loss is fp32
+    x0 = batch.inputs.to(dtype)
     ts, noises = [], []
     for sid in batch.sample_ids:
         g = ctx.generator(sid)
@@ -175,7 +176,7 @@ def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     noise = torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
     tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
     xt = (1 - tb) * x0 + tb * noise
-    pred = model(xt, timestep=t * 1000, encoder_hidden_states=batch.extras["encoder_hidden_states"],
+    pred = model(xt, timestep=t * 1000, encoder_hidden_states=batch.extras["encoder_hidden_states"].to(dtype),
                  return_dict=False)[0]
     return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
 

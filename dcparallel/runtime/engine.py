@@ -107,6 +107,9 @@ class MicroBatchContext:
         counts 1/sp of every position, so the group counts each once and the gradient
         through the gather is exact. ``per_position_loss`` (B, ...) unreduced, e.g. the mean
         over channels of the squared error per latent position."""
+        if self.batch.sharded and self.batch.sp > 1:
+            raise ValueError("dense_loss is for batches every rank of the group holds whole (Batch.sharded False); "
+                             "this rank holds a shard of the rows: use token_loss with the batch's loss_mask")
         mask = torch.ones_like(per_position_loss, dtype=torch.bool)
         w = torch.full_like(per_position_loss, 1.0 / self.batch.sp, dtype=torch.float32)
         return self.token_loss(per_position_loss, mask, w)

@@ -180,3 +180,25 @@ def test_sp_degrees_follow_the_query_heads_with_grouped_kv_heads():
     heads = find_adapter(TinyGQA(), num_heads=8, num_kv_heads=2).num_heads
     assert group_sizes(ClusterSpec(world_size=8, gpus_per_node=8), heads) == [1, 2, 4, 8]
     assert Layout(8, 1).sp == 8
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "wan"])
+def test_bf16_models_train_with_fp32_gradient_accumulation(kind):
+    """bf16 parameters, fp32 loaded data, fp32 gradient buffer: the recipe users run."""
+    pytest.importorskip("transformers" if kind.startswith("hf") else "diffusers")
+    from dcparallel.data.loader import resolve_collate
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.runtime.engine import DataCentricParallel as Engine
+    from tests.adapter_models import item, make_data
+
+    model = build(kind).to(torch.bfloat16)
+    dc = Engine(model)
+    data = make_data(kind, 2, 0)
+    ids = (0,) if kind == "wan" else (0, 1)
+    collate = dc.adapter.collate if callable(dc.adapter.collate) else resolve_collate(dc.adapter.collate, "text")
+    batch = collate({s: item(data, s) for s in ids}, MicroBatch(ids, Layout(1, len(ids), Recompute(1, 2))), (0,), 0)
+    with dc.micro_batch(batch) as ctx:
+        ctx.backward(dc.adapter.loss_fn(model, batch, ctx))
+    loss = dc.sync_gradients()
+    assert dc.flat_grad.dtype == torch.float32 and torch.isfinite(dc.flat_grad).all() and loss > 0
+    assert all(p.grad.dtype == torch.bfloat16 and p.grad.abs().sum() > 0 for p in dc.params[:4])
