@@ -1,0 +1,393 @@
+"""`dcp`: our planner, built for thousands of GPUs. Its cost grows with what is distinct in a
+step — (bucket, count) pairs and classes of alike groups — not with the number of samples.
+
+Samples of one bucket are interchangeable for planning: a bucket's micro-batch is timed and
+laid out (SP degree, micro-batch size, PAC recompute) for copies of the bucket's largest
+sample, so it fits every sample of the bucket. Per step:
+
+1. **Layouts by a makespan target.** For a target T, every bucket of the step takes the
+   layout of least GPU-seconds whose micro-batch finishes within T (so a small T widens SP
+   and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
+   efficient narrow layouts); the groups each SP degree needs are estimated from its work
+   and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
+   found by bisection over the distinct micro-batch times, once per smallest allowed SP
+   degree (forcing every bucket to at least that degree lets one phase hold a world-wide
+   sample and the rest).
+2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
+   degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
+   a number of groups, their contents — by the longest-processing-time rule applied to
+   whole classes; ranks left over go to the degree that finishes last while that helps.
+3. **Two phases** (as `dcp` did before): the step's wide micro-batches first, then the
+   narrow ones on their own groups over the same ranks, for each split degree; kept when
+   predicted faster.
+4. **Expansion.** Only the chosen plan becomes sample ids: each bucket's samples, longest
+   first, are cut into its micro-batches and dealt round by round to the groups holding
+   that bucket (so every group gets a mix of its bucket's longer and shorter samples);
+   groups are placed as aligned blocks, largest first (a group no larger than a node stays
+   inside one; a larger one spans nodes and the cost model charges the inter-node link).
+
+Everything is a deterministic function of the step and the context (no randomness, ties
+broken by fixed orders), so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates, place_groups
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
+
+#: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
+ROW_CACHE_LIMIT = 50_000
+
+
+@dataclass(slots=True)
+class GroupClass:
+    """`count` alike groups of one SP degree with the same load and the same contents:
+    `items` maps an item-class index to how many of its micro-batches each group runs."""
+
+    load: float
+    count: int
+    items: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemClass:
+    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
+
+    bucket: int
+    sp: int
+    mbs: int
+    time: float
+    count: int
+    layout: Layout
+
+
+def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
+    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
+    `n` alike groups; each group class takes items while its load is below the next lowest
+    class's load. Returns the group classes (counts sum to n)."""
+    classes = [GroupClass(0.0, n, {})]
+    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            classes.sort(key=lambda c: c.load)
+            c = classes[0]
+            nxt = classes[1].load if len(classes) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
+            if per * c.count <= q:
+                c.load += per * t
+                c.items[ic] = c.items.get(ic, 0) + per
+                q -= per * c.count
+                continue
+            a, r = divmod(q, c.count)
+            if r:
+                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
+                more.items[ic] = more.items.get(ic, 0) + a + 1
+                classes.append(more)
+                c.count -= r
+            if a:
+                c.load += a * t
+                c.items[ic] = c.items.get(ic, 0) + a
+            q = 0
+        classes = _merge(classes)
+    return [c for c in classes if c.count > 0]
+
+
+def _merge(classes: list[GroupClass]) -> list[GroupClass]:
+    out: dict[tuple, GroupClass] = {}
+    for c in classes:
+        key = (c.load, tuple(sorted(c.items.items())))
+        hit = out.get(key)
+        if hit is None:
+            out[key] = c
+        else:
+            hit.count += c.count
+    return list(out.values())
+
+
+def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
+    return max((c.load for c in deal_classes(items, n)), default=0.0)
+
+
+class ScalePlanner:
+    name = "dcp"
+
+    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp"):
+        self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
+        self.world = ctx.cluster.world_size
+        self.buckets = sorted(ctx.rep)
+        pos = {b: j for j, b in enumerate(self.buckets)}
+        self.bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
+        for i in ctx.usable_ids:
+            self.bidx[i] = pos[ctx.bucket_of[i]]
+        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        self.sp = list(ctx.sp_sizes)
+        self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self._rows: dict[tuple[int, int], list[tuple]] = {}
+        self.weight = self._weights()
+
+    def _weights(self) -> np.ndarray:
+        """Per sample, its micro-batch time relative to its bucket's largest sample: a bucket's
+        times are planned for copies of its largest sample and scaled by the mean weight of the
+        samples a step holds (a text bucket spans 1.25x in length, more in attention work).
+        Linear in tokens between the bucket's smallest and largest sample, both timed by the
+        cost model as a full micro-batch of the bucket's preferred layout (convex times make
+        this slightly pessimistic, never optimistic)."""
+        ctx = self.ctx
+        tok = self.tok.astype(float)
+        w = np.ones(len(ctx.sizes))
+        small: dict[int, int] = {}
+        for i in ctx.usable_ids:
+            j = int(self.bidx[i])
+            if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
+                small[j] = i
+        lo = np.zeros(len(self.buckets))
+        t_lo = np.ones(len(self.buckets))
+        hi = np.ones(len(self.buckets))
+        for j, b in enumerate(self.buckets):
+            big_s, small_s = ctx.rep[b], ctx.sizes[small[j]]
+            opts = ctx.bucket_options(b, self.mode)
+            k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
+            m = opts[k].layout.mbs
+            tb = ctx.cost.terms_copies(big_s, m, k).time_none
+            ts = ctx.cost.terms_copies(small_s, m, k).time_none
+            lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
+            t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
+        ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+        j = self.bidx[ids]
+        span = np.maximum(hi[j] - lo[j], 1e-12)
+        u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
+        w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
+        return w
+
+    def describe(self) -> dict:
+        return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+
+    # -- layouts ---------------------------------------------------------------------------
+    def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
+        out = self.ctx.copies_layout(self.ctx.rep[self.buckets[j]], m, k, self.mode)
+        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
+        return out
+
+    def rows(self, j: int, c: int) -> list[tuple]:
+        """Candidate layouts of `c` samples of bucket j, least GPU-seconds first:
+        (gpu_s, k, m, t_full, full, t_rem, rem, total busy seconds)."""
+        key = (j, c)
+        hit = self._rows.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        for k in self.sp:
+            top = self.top[(j, k)]
+            if top == 0:
+                continue
+            cap = min(top, c)
+            ms = set(mbs_candidates(cap))
+            q = 1
+            while q <= c:  # even splits: c samples in q micro-batches
+                ms.add(min(cap, -(-c // q)))
+                q *= 2
+            for m in sorted(ms):
+                full, rem = divmod(c, m)
+                t = self._lt(j, m, k)[1]
+                tr = self._lt(j, rem, k)[1] if rem else 0.0
+                total = full * t + tr
+                out.append((total * k, k, m, t, full, tr, rem, total))
+        out.sort(key=lambda r: (r[0], r[1], r[2]))
+        if len(self._rows) >= ROW_CACHE_LIMIT:
+            self._rows.clear()
+        self._rows[key] = out
+        return out
+
+    def _choose(self, rows: list[list[tuple]], T: float, kmin: int) -> list[tuple] | None:
+        out = []
+        for rs in rows:
+            r = next((r for r in rs if r[3] <= T and r[1] >= kmin), None)
+            if r is None:
+                return None
+            out.append(r)
+        return out
+
+    def _need(self, chosen: list[tuple], T: float) -> dict[int, int]:
+        work: dict[int, float] = {}
+        big: dict[int, int] = {}
+        items: dict[int, int] = {}
+        for _, k, _, t, full, tr, rem, total in chosen:
+            work[k] = work.get(k, 0.0) + total
+            big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
+            items[k] = items.get(k, 0) + full + (1 if rem else 0)
+        return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - 1e-9))) for k in work}
+
+    def _search(self, rows: list[list[tuple]], kmin: int) -> list[tuple[float, list[tuple]]]:
+        """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
+        ts = sorted({r[3] for rs in rows for r in rs if r[1] >= kmin})
+        floor = max((min((r[3] for r in rs if r[1] >= kmin), default=math.inf) for rs in rows), default=0.0)
+        ts = [t for t in ts if t >= floor]
+        if not ts:
+            return []
+
+        def feasible(T: float):
+            ch = self._choose(rows, T, kmin)
+            if ch is None:
+                return None
+            need = self._need(ch, T)
+            return ch if sum(k * n for k, n in need.items()) <= self.world else None
+
+        lo, hi = 0, len(ts) - 1
+        if feasible(ts[hi]) is None:
+            return []
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(ts[mid]) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        out, seen = [], set()
+        for i in (lo, lo + 1, lo + 2, lo + 4, lo + 8):
+            if i >= len(ts):
+                break
+            ch = feasible(ts[i])
+            if ch is None:
+                continue
+            sig = tuple((r[1], r[2]) for r in ch)
+            if sig not in seen:
+                seen.add(sig)
+                out.append((ts[i], ch))
+        return out
+
+    # -- groups ----------------------------------------------------------------------------
+    def _allocate(self, present: list[int], chosen: list[tuple], T: float):
+        """(predicted makespan, item classes, {degree: group classes}) for one layout choice."""
+        items: list[ItemClass] = []
+        by_k: dict[int, list[tuple[int, float, int]]] = {}
+        for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
+            for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
+                if q:
+                    lay = self._lt(j, mm, k)[0]
+                    by_k.setdefault(k, []).append((len(items), tt, q))
+                    items.append(ItemClass(j, k, mm, tt, q, lay))
+        need = self._need(chosen, T)
+        count = {k: need[k] for k in by_k}
+        n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
+        while sum(k * n for k, n in count.items()) > self.world:  # estimates can overshoot at the edge
+            k = max((k for k in count if count[k] > 1), key=lambda k: (count[k] * k, k), default=None)
+            if k is None:
+                return None
+            count[k] -= 1
+        span = {k: _span(by_k[k], count[k]) for k in by_k}
+        free = self.world - sum(k * n for k, n in count.items())
+        for _ in range(64):
+            open_ = [k for k in span if k <= free and count[k] < n_items[k]]
+            if not open_:
+                break
+            k = max(open_, key=lambda j: (span[j], -j))
+            others = max((s for j, s in span.items() if j != k), default=0.0)
+            # jump toward the groups that bring this degree down to the next slowest one
+            want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
+            step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
+            new = _span(by_k[k], count[k] + step)
+            while step > 1 and new >= span[k] - 1e-12:
+                step //= 2
+                new = _span(by_k[k], count[k] + step)
+            if new >= span[k] - 1e-12:
+                if k == max(span, key=lambda j: (span[j], -j)):
+                    break
+                span[k] = -1.0  # no help here; let another degree try
+                continue
+            count[k] += step
+            span[k] = new
+            free -= step * k
+        groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
+        makespan = max((c.load for gs in groups.values() for c in gs), default=0.0)
+        return makespan, items, groups
+
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, float]):
+        """The best (makespan, items, groups) for these buckets in one phase, or None."""
+        rows = []
+        for j, c in zip(present, counts):
+            f = scale[j]
+            rows.append([(g * f, k, m, t * f, full, tr * f, rem, tot * f)
+                         for g, k, m, t, full, tr, rem, tot in self.rows(j, c)] if f != 1.0 else self.rows(j, c))
+        best = None
+        for kmin in self.sp:
+            for T, ch in self._search(rows, kmin):
+                got = self._allocate(present, ch, T)
+                if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
+                    best = got
+        return best
+
+    def plan(self, step: Step) -> StepPlan:
+        ids = np.asarray(step.sample_ids, dtype=np.int64)
+        b = self.bidx[ids]
+        assert (b >= 0).all(), "a step holds a skipped sample"
+        order = np.lexsort((ids, -self.tok[ids], b))  # by bucket, then longest first, then id
+        ids_sorted = ids[order]
+        present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
+        present, counts = present_arr.tolist(), counts_arr.tolist()
+        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in zip(present, starts.tolist(), counts)}
+
+        wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
+        scale = {j: float(x) / c for j, x, c in zip(present, wsum.tolist(), counts)}
+        one = self._plan_part(present, counts, scale)
+        assert one is not None, "all buckets at the widest degree always fit the world"
+        best = (one[0], [one])
+        if self.phases:
+            degrees = sorted({it.sp for it in one[1]})
+            for k in degrees[1:]:
+                wide = [(j, c) for j, c in zip(present, counts) if self._pref_sp(one, j) >= k]
+                narrow = [(j, c) for j, c in zip(present, counts) if self._pref_sp(one, j) < k]
+                a = self._plan_part([j for j, _ in wide], [c for _, c in wide], scale)
+                z = self._plan_part([j for j, _ in narrow], [c for _, c in narrow], scale)
+                if a is not None and z is not None and a[0] + z[0] < best[0] * (1 - 1e-9):
+                    best = (a[0] + z[0], [a, z])
+        return self._expand(step, best[1], members)
+
+    @staticmethod
+    def _pref_sp(part, j: int) -> int:
+        return max(it.sp for it in part[1] if it.bucket == j)
+
+    # -- expansion to sample ids -------------------------------------------------------------
+    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> StepPlan:
+        cursor = {j: 0 for j in members}
+        groups: list[GroupPlan] = []
+        for phase, (_, items, gclasses) in enumerate(parts):
+            # every group of the phase, widest first; a group class is a range of them
+            ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
+            sizes: list[int] = []
+            for k in sorted(gclasses, reverse=True):
+                for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
+                    ranges.append((len(sizes), k, gc))
+                    sizes.extend([k] * gc.count)
+            chunks: list[list[MicroBatch]] = [[] for _ in sizes]
+            for ic, it in enumerate(items):
+                holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
+                ids = members[it.bucket]
+                s = cursor[it.bucket]
+                rnd = 0
+                while holders:
+                    # round by round, alternating direction and rotated per class, so each
+                    # group gets longer and shorter samples of the bucket
+                    gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
+                    o = (ic * 7919) % len(gl)
+                    gl = gl[o:] + gl[:o]
+                    for g in (gl if rnd % 2 == 0 else gl[::-1]):
+                        chunks[g].append(MicroBatch(tuple(ids[s:s + it.mbs]), it.layout))
+                        s += it.mbs
+                    rnd += 1
+                    holders = [h for h in holders if h[2] > rnd]
+                cursor[it.bucket] = s
+            ranks = place_groups(sizes, self.world)
+            for g, r in enumerate(ranks):
+                groups.append(GroupPlan(r, tuple(chunks[g]) if g < len(chunks) else (), phase))
+        assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
+        return StepPlan(step.index, step.sample_ids, tuple(groups), self.ctx.step_tokens(step.sample_ids))
+
+
+def build(ctx: PlanContext, steps: Sequence[Step] = ()) -> ScalePlanner:
+    return ScalePlanner(ctx)
