@@ -95,7 +95,9 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
                 c.load += a * t
                 c.items[ic] = c.items.get(ic, 0) + a
             q = 0
-        classes = _merge(classes)
+        if len(classes) > 8:
+            classes = _merge(classes)
+    classes = _merge(classes)
     return [c for c in classes if c.count > 0]
 
 
@@ -112,7 +114,27 @@ def _merge(classes: list[GroupClass]) -> list[GroupClass]:
 
 
 def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
-    return max((c.load for c in deal_classes(items, n)), default=0.0)
+    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
+    loads: dict[float, int] = {0.0: n}
+    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            order = sorted(loads)
+            low = order[0]
+            cnt = loads[low]
+            nxt = order[1] if len(order) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
+            del loads[low]
+            if per * cnt <= q:
+                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
+                q -= per * cnt
+                continue
+            a, r = divmod(q, cnt)
+            if r:
+                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
+            if cnt - r:
+                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
+            q = 0
+    return max(loads)
 
 
 class ScalePlanner:
@@ -130,6 +152,9 @@ class ScalePlanner:
         self.sp = list(ctx.sp_sizes)
         self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
+        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
+        self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
+                     for j in range(len(self.buckets)) for k in self.sp}
         self.weight = self._weights()
 
     def _weights(self) -> np.ndarray:
@@ -193,10 +218,10 @@ class ScalePlanner:
             while q <= c:  # even splits: c samples in q micro-batches
                 ms.add(min(cap, -(-c // q)))
                 q *= 2
+            tab = self.ttab[(j, k)]
             for m in sorted(ms):
                 full, rem = divmod(c, m)
-                t = self._lt(j, m, k)[1]
-                tr = self._lt(j, rem, k)[1] if rem else 0.0
+                t, tr = tab[m], tab[rem]
                 total = full * t + tr
                 out.append((total * k, k, m, t, full, tr, rem, total))
         out.sort(key=lambda r: (r[0], r[1], r[2]))
@@ -303,24 +328,32 @@ class ScalePlanner:
             count[k] += step
             span[k] = new
             free -= step * k
-        groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
-        makespan = max((c.load for gs in groups.values() for c in gs), default=0.0)
-        return makespan, items, groups
+        return max(span.values(), default=0.0), items, (by_k, count)
 
     def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, float]):
-        """The best (makespan, items, groups) for these buckets in one phase, or None."""
+        """The best (predicted makespan, item classes, {degree: group classes}) for these
+        buckets in one phase, or None."""
         rows = []
         for j, c in zip(present, counts):
             f = scale[j]
             rows.append([(g * f, k, m, t * f, full, tr * f, rem, tot * f)
                          for g, k, m, t, full, tr, rem, tot in self.rows(j, c)] if f != 1.0 else self.rows(j, c))
+        if not rows:
+            return None
+        bound = max(sum(rs[0][0] for rs in rows) / self.world, max(min(r[3] for r in rs) for rs in rows))
         best = None
         for kmin in self.sp:
             for T, ch in self._search(rows, kmin):
                 got = self._allocate(present, ch, T)
                 if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                     best = got
-        return best
+            if best is not None and best[0] <= bound * 1.002:
+                break  # at the bound: wider minimums cannot help
+        if best is None:
+            return None
+        span, items, (by_k, count) = best
+        groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
+        return max(c.load for gs in groups.values() for c in gs), items, groups, bound
 
     def plan(self, step: Step) -> StepPlan:
         ids = np.asarray(step.sample_ids, dtype=np.int64)
@@ -337,7 +370,7 @@ class ScalePlanner:
         one = self._plan_part(present, counts, scale)
         assert one is not None, "all buckets at the widest degree always fit the world"
         best = (one[0], [one])
-        if self.phases:
+        if self.phases and one[0] > one[3] * 1.01:  # one phase is not at the step's bound
             degrees = sorted({it.sp for it in one[1]})
             for k in degrees[1:]:
                 wide = [(j, c) for j, c in zip(present, counts) if self._pref_sp(one, j) >= k]
@@ -355,8 +388,9 @@ class ScalePlanner:
     # -- expansion to sample ids -------------------------------------------------------------
     def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> StepPlan:
         cursor = {j: 0 for j in members}
+        cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
         groups: list[GroupPlan] = []
-        for phase, (_, items, gclasses) in enumerate(parts):
+        for phase, (_, items, gclasses, _) in enumerate(parts):
             # every group of the phase, widest first; a group class is a range of them
             ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
             sizes: list[int] = []
@@ -364,10 +398,12 @@ class ScalePlanner:
                 for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
                     ranges.append((len(sizes), k, gc))
                     sizes.extend([k] * gc.count)
-            chunks: list[list[MicroBatch]] = [[] for _ in sizes]
+            chunks: list[list[tuple[tuple[int, ...], Layout, float]]] = [[] for _ in sizes]
             for ic, it in enumerate(items):
                 holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
                 ids = members[it.bucket]
+                cw = cumw[it.bucket]
+                t_one = self.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
                 s = cursor[it.bucket]
                 rnd = 0
                 while holders:
@@ -377,16 +413,50 @@ class ScalePlanner:
                     o = (ic * 7919) % len(gl)
                     gl = gl[o:] + gl[:o]
                     for g in (gl if rnd % 2 == 0 else gl[::-1]):
-                        chunks[g].append(MicroBatch(tuple(ids[s:s + it.mbs]), it.layout))
-                        s += it.mbs
+                        e = s + it.mbs
+                        chunks[g].append((tuple(ids[s:e]), it.layout, (cw[e] - cw[s]) * t_one))
+                        s = e
                     rnd += 1
                     holders = [h for h in holders if h[2] > rnd]
                 cursor[it.bucket] = s
+            for k in gclasses:
+                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
             ranks = place_groups(sizes, self.world)
             for g, r in enumerate(ranks):
-                groups.append(GroupPlan(r, tuple(chunks[g]) if g < len(chunks) else (), phase))
+                mbs = tuple(MicroBatch(c, lay) for c, lay, _ in chunks[g]) if g < len(chunks) else ()
+                groups.append(GroupPlan(r, mbs, phase))
         assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
         return StepPlan(step.index, step.sample_ids, tuple(groups), self.ctx.step_tokens(step.sample_ids))
+
+    @staticmethod
+    def _refine(gs: list[int], chunks: list[list[tuple[tuple[int, ...], Layout, float]]],
+                max_iter: int = 256) -> None:
+        """Local search on the slowest group of one degree, with each micro-batch timed from its
+        own samples: move a micro-batch to, or swap one with, the least-loaded group of that
+        degree while the pair's larger load falls."""
+        if len(gs) < 2:
+            return
+        loads = np.array([sum(t for _, _, t in chunks[g]) for g in gs])
+        for _ in range(max_iter):
+            a, z = int(np.argmax(loads)), int(np.argmin(loads))
+            diff = loads[a] - loads[z]
+            if diff <= loads[a] * 1e-6:
+                return
+            src, dst = chunks[gs[a]], chunks[gs[z]]
+            ta = np.array([t for _, _, t in src])
+            tz = np.array([t for _, _, t in dst] + [0.0])  # the 0 is a move instead of a swap
+            gain = ta[:, None] - tz[None, :]
+            score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
+            best = int(np.argmin(score))
+            if not np.isfinite(score.flat[best]):
+                return
+            i, j = divmod(best, len(tz))
+            moved = src.pop(i)
+            if j < len(dst):
+                src.append(dst.pop(j))
+            dst.append(moved)
+            loads[a] -= gain[i, j]
+            loads[z] += gain[i, j]
 
 
 def build(ctx: PlanContext, steps: Sequence[Step] = ()) -> ScalePlanner:
