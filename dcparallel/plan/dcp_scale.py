@@ -265,8 +265,9 @@ class ScalePlanner:
             return ch if sum(k * n for k, n in need.items()) <= self.world else None
 
         lo, hi = 0, len(ts) - 1
-        if feasible(ts[hi]) is None:
-            return []
+        if feasible(ts[hi]) is None:  # no target fits the estimates: least work, as few groups as fit
+            ch = self._choose(rows, math.inf, kmin)
+            return [] if ch is None else [(math.inf, ch)]
         while lo < hi:
             mid = (lo + hi) // 2
             if feasible(ts[mid]) is not None:
@@ -370,15 +371,22 @@ class ScalePlanner:
         one = self._plan_part(present, counts, scale)
         assert one is not None, "all buckets at the widest degree always fit the world"
         best = (one[0], [one])
-        if self.phases and one[0] > one[3] * 1.01:  # one phase is not at the step's bound
-            degrees = sorted({it.sp for it in one[1]})
-            for k in degrees[1:]:
-                wide = [(j, c) for j, c in zip(present, counts) if self._pref_sp(one, j) >= k]
-                narrow = [(j, c) for j, c in zip(present, counts) if self._pref_sp(one, j) < k]
-                a = self._plan_part([j for j, _ in wide], [c for _, c in wide], scale)
-                z = self._plan_part([j for j, _ in narrow], [c for _, c in narrow], scale)
-                if a is not None and z is not None and a[0] + z[0] < best[0] * (1 - 1e-9):
-                    best = (a[0] + z[0], [a, z])
+        if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
+            # split by the degree each bucket got in one phase, or by its cheapest degree
+            keys = [{j: self._pref_sp(one, j) for j in present},
+                    {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
+            seen = set()
+            for key in keys:
+                for k in sorted(set(key.values()))[1:]:
+                    wide = tuple(i for i, j in enumerate(present) if key[j] >= k)
+                    if wide in seen:
+                        continue
+                    seen.add(wide)
+                    narrow = [i for i in range(len(present)) if i not in set(wide)]
+                    a = self._plan_part([present[i] for i in wide], [counts[i] for i in wide], scale)
+                    z = self._plan_part([present[i] for i in narrow], [counts[i] for i in narrow], scale)
+                    if a is not None and z is not None and a[0] + z[0] < best[0] * (1 - 1e-9):
+                        best = (a[0] + z[0], [a, z])
         return self._expand(step, best[1], members)
 
     @staticmethod
