@@ -112,6 +112,39 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_report(results: list[dict], args, elapsed: float) -> None:
+    today = args.out.stem.rsplit("_", 1)[-1]
+    plot(results, args.out.with_suffix(".png"))
+    lines = [f"# Planner scale — simulated H200 clusters, planned on this CPU — {today}", "",
+             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py {' '.join(sys.argv[1:])}`", "",
+             f"Machine: {platform.machine()} CPU ({platform.processor() or 'unknown'}), 2 cores shared with other "
+             f"jobs; Python {platform.python_version()}, numpy {np.__version__}. {elapsed:.0f} s in all. "
+             f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
+             "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
+             "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
+             "simulated epoch time. Planning ms = wall clock of one `plan(step)`, median / max over the cell's "
+             "steps (the first step also fills the planner's caches).", "",
+             f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
+    pols = args.policies.split(",")
+    hdr = "| budget | world | scenario | dist | steps | samples/GPU | " + " | ".join(
+        f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |"
+    lines += [hdr, "|" + " --- |" * (7 + len(pols))]
+    for r in results:
+        cells = []
+        for p in pols:
+            v = r["policies"].get(p)
+            if v is None:
+                cells.append("—")
+            else:
+                x = v["speedup_vs_bucket"]
+                cells.append(f"{v['efficiency']:.3f}" + (f" (×{x:.2f})" if x else ""))
+        d = r["policies"].get("dcp")
+        t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
+        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
+                     f"{r['samples_per_gpu']} | " + " | ".join(cells) + f" | {t} |")
+    args.out.write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     today = dt.date.today().isoformat()
@@ -138,38 +171,14 @@ def main() -> int:
                     r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
                                  args.max_steps)
                     p = r["policies"].get("dcp", {})
-                    print(f"{budget:6s} {world:5d} {sc:5s} {d:8s} steps {r['steps']:3d} spg {r['samples_per_gpu']:7.2f} "
-                          f"dcp eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} plan ms "
-                          f"{p.get('plan_ms_median')}/{p.get('plan_ms_max')} ({r['seconds']} s)", file=sys.stderr,
-                          flush=True)
+                    print(f"{budget:6s} {world:5d} {sc:5s} {d:8s} steps {r['steps']:3d} "
+                          f"spg {r['samples_per_gpu']:7.2f} dcp eff {p.get('efficiency')} "
+                          f"x{p.get('speedup_vs_bucket')} plan ms {p.get('plan_ms_median')}/{p.get('plan_ms_max')} "
+                          f"({r['seconds']} s)", file=sys.stderr, flush=True)
                     results.append(r)
                     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    elapsed = time.perf_counter() - t0
-    plot(results, args.out.with_suffix(".png"))
-    lines = [f"# Planner scale — simulated H200 clusters, planned on this CPU — {today}", "",
-             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py {' '.join(sys.argv[1:])}`", "",
-             f"Machine: {platform.machine()} CPU ({platform.processor() or 'unknown'}), 2 cores shared with other "
-             f"jobs; Python {platform.python_version()}, numpy {np.__version__}. {elapsed:.0f} s in all. "
-             f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
-             "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
-             "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
-             "simulated epoch time. Planning ms = wall clock of one `plan(step)`, median / max over the cell's "
-             "steps (the first step also fills the planner's caches).", "",
-             f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
-    pols = args.policies.split(",")
-    hdr = "| budget | world | scenario | dist | steps | samples/GPU | " + " | ".join(
-        f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |"
-    lines += [hdr, "|" + " --- |" * (7 + len(pols))]
-    for r in results:
-        cells = []
-        for p in pols:
-            v = r["policies"].get(p)
-            cells.append("—" if v is None else f"{v['efficiency']:.3f} (×{v['speedup_vs_bucket']:.2f})")
-        d = r["policies"].get("dcp")
-        t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
-        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
-                     f"{r['samples_per_gpu']} | " + " | ".join(cells) + f" | {t} |")
-    args.out.write_text("\n".join(lines) + "\n")
+                    write_report(results, args, time.perf_counter() - t0)
+    write_report(results, args, time.perf_counter() - t0)
     return 0
 
 

@@ -152,6 +152,7 @@ class ScalePlanner:
         self.sp = list(ctx.sp_sizes)
         self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
+        self._spans: dict[tuple, float] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -230,14 +231,38 @@ class ScalePlanner:
         self._rows[key] = out
         return out
 
-    def _choose(self, rows: list[list[tuple]], T: float, kmin: int) -> list[tuple] | None:
-        out = []
-        for rs in rows:
-            r = next((r for r in rs if r[3] <= T and r[1] >= kmin), None)
-            if r is None:
-                return None
-            out.append(r)
-        return out
+    def _table(self, rows: list[list[tuple]]) -> dict:
+        """The candidate rows of a part's buckets as arrays, one segment per bucket."""
+        flat = [r for rs in rows for r in rs]
+        a = np.array(flat, dtype=float).reshape(len(flat), 8)
+        lens = [len(rs) for rs in rows]
+        pos = {k: i for i, k in enumerate(self.sp)}
+        return {"flat": flat, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
+                "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": np.array([pos[int(k)] for k in a[:, 1]]),
+                "starts": np.cumsum([0] + lens[:-1]), "n": len(flat)}
+
+    def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
+        """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
+        if the groups those need (their work over T, at least one per micro-batch over T / 2)
+        fit the world."""
+        n = tab["n"]
+        valid = (tab["t"] <= T) & (tab["k"] >= kmin)
+        first = np.minimum.reduceat(np.where(valid, np.arange(n), n), tab["starts"])
+        if (first >= n).any():
+            return None
+        kp = tab["kpos"][first]
+        nk = len(self.sp)
+        work = np.bincount(kp, weights=tab["tot"][first], minlength=nk)
+        big = np.where(tab["t"][first] > T / 2, tab["full"][first], 0.0) + \
+            ((tab["rem"][first] > 0) & (tab["tr"][first] > T / 2))
+        bigk = np.bincount(kp, weights=big, minlength=nk)
+        items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
+        need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
+        need = np.where(items > 0, need, 0.0)
+        if float(np.dot(need, self.sp)) > self.world:
+            return None
+        flat = tab["flat"]
+        return [flat[i] for i in first.tolist()]
 
     def _need(self, chosen: list[tuple], T: float) -> dict[int, int]:
         work: dict[int, float] = {}
@@ -249,28 +274,22 @@ class ScalePlanner:
             items[k] = items.get(k, 0) + full + (1 if rem else 0)
         return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - 1e-9))) for k in work}
 
-    def _search(self, rows: list[list[tuple]], kmin: int) -> list[tuple[float, list[tuple]]]:
+    def _search(self, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
         """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
-        ts = sorted({r[3] for rs in rows for r in rs if r[1] >= kmin})
-        floor = max((min((r[3] for r in rs if r[1] >= kmin), default=math.inf) for rs in rows), default=0.0)
-        ts = [t for t in ts if t >= floor]
-        if not ts:
+        ok = tab["k"] >= kmin
+        if not ok.any():
             return []
-
-        def feasible(T: float):
-            ch = self._choose(rows, T, kmin)
-            if ch is None:
-                return None
-            need = self._need(ch, T)
-            return ch if sum(k * n for k, n in need.items()) <= self.world else None
-
+        floor = float(np.minimum.reduceat(np.where(ok, tab["t"], np.inf), tab["starts"]).max())
+        if not math.isfinite(floor):
+            return []
+        ts = np.unique(tab["t"][ok & (tab["t"] >= floor)]).tolist()
         lo, hi = 0, len(ts) - 1
-        if feasible(ts[hi]) is None:  # no target fits the estimates: least work, as few groups as fit
-            ch = self._choose(rows, math.inf, kmin)
+        if self._feasible(tab, ts[hi], kmin) is None:  # no target fits the estimates: least work, as few groups as fit
+            ch = self._feasible(tab, math.inf, kmin)
             return [] if ch is None else [(math.inf, ch)]
         while lo < hi:
             mid = (lo + hi) // 2
-            if feasible(ts[mid]) is not None:
+            if self._feasible(tab, ts[mid], kmin) is not None:
                 hi = mid
             else:
                 lo = mid + 1
@@ -278,7 +297,7 @@ class ScalePlanner:
         for i in (lo, lo + 1, lo + 2, lo + 4, lo + 8):
             if i >= len(ts):
                 break
-            ch = feasible(ts[i])
+            ch = self._feasible(tab, ts[i], kmin)
             if ch is None:
                 continue
             sig = tuple((r[1], r[2]) for r in ch)
@@ -286,6 +305,15 @@ class ScalePlanner:
                 seen.add(sig)
                 out.append((ts[i], ch))
         return out
+
+    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int) -> float:
+        key = (tuple(sorted((t, q) for _, t, q in items)), n)
+        hit = self._spans.get(key)
+        if hit is None:
+            if len(self._spans) >= ROW_CACHE_LIMIT:
+                self._spans.clear()
+            hit = self._spans[key] = _span(items, n)
+        return hit
 
     # -- groups ----------------------------------------------------------------------------
     def _allocate(self, present: list[int], chosen: list[tuple], T: float):
@@ -306,7 +334,7 @@ class ScalePlanner:
             if k is None:
                 return None
             count[k] -= 1
-        span = {k: _span(by_k[k], count[k]) for k in by_k}
+        span = {k: self._span_c(by_k[k], count[k]) for k in by_k}
         free = self.world - sum(k * n for k, n in count.items())
         for _ in range(64):
             open_ = [k for k in span if k <= free and count[k] < n_items[k]]
@@ -317,10 +345,10 @@ class ScalePlanner:
             # jump toward the groups that bring this degree down to the next slowest one
             want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
-            new = _span(by_k[k], count[k] + step)
+            new = self._span_c(by_k[k], count[k] + step)
             while step > 1 and new >= span[k] - 1e-12:
                 step //= 2
-                new = _span(by_k[k], count[k] + step)
+                new = self._span_c(by_k[k], count[k] + step)
             if new >= span[k] - 1e-12:
                 if k == max(span, key=lambda j: (span[j], -j)):
                     break
@@ -343,13 +371,19 @@ class ScalePlanner:
             return None
         bound = max(sum(rs[0][0] for rs in rows) / self.world, max(min(r[3] for r in rs) for rs in rows))
         best = None
+        tab = self._table(rows)
+        stale = 0
         for kmin in self.sp:
-            for T, ch in self._search(rows, kmin):
+            improved = False
+            for T, ch in self._search(tab, kmin):
                 got = self._allocate(present, ch, T)
                 if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
-                    best = got
+                    best, improved = got, True
             if best is not None and best[0] <= bound * 1.002:
                 break  # at the bound: wider minimums cannot help
+            stale = 0 if improved or best is None else stale + 1
+            if stale >= 2:  # two wider minimums in a row did not help: stop (a heuristic bound on the search)
+                break
         if best is None:
             return None
         span, items, (by_k, count) = best
@@ -434,7 +468,7 @@ class ScalePlanner:
                 mbs = tuple(MicroBatch(c, lay) for c, lay, _ in chunks[g]) if g < len(chunks) else ()
                 groups.append(GroupPlan(r, mbs, phase))
         assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
-        return StepPlan(step.index, step.sample_ids, tuple(groups), self.ctx.step_tokens(step.sample_ids))
+        return StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
 
     @staticmethod
     def _refine(gs: list[int], chunks: list[list[tuple[tuple[int, ...], Layout, float]]],
