@@ -259,7 +259,7 @@ class ScalePlanner:
         items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
         need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
         need = np.where(items > 0, need, 0.0)
-        if float(np.dot(need, self.sp)) > self.world:
+        if float((need * np.asarray(self.sp, dtype=float)).sum()) > self.world:
             return None
         flat = tab["flat"]
         return [flat[i] for i in first.tolist()]
