@@ -36,7 +36,7 @@ DEFAULT_LIMITS = {"packed": 1024, "dcp-intra": 128, "dcp-inter": 128, "dcp-inter
 
 
 def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
-             min_steps: int, max_steps: int | None) -> dict:
+             min_steps: int, max_steps: int | None, tune_steps: int | None = None) -> dict:
     sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
     tps = max(tps, 1)
@@ -58,7 +58,7 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         if world > limits.get(name, 1 << 30):
             continue
         t1 = time.perf_counter()
-        planner = make_planner(name, ctx, steps)
+        planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps])
         setup = time.perf_counter() - t1
         plans, ms = [], []
         for s in steps:
@@ -157,6 +157,8 @@ def main() -> int:
     ap.add_argument("--limit", action="append", default=[], help="POLICY=WORLD: skip POLICY above WORLD GPUs")
     ap.add_argument("--min-steps", type=int, default=4)
     ap.add_argument("--max-steps", type=int, default=None, help="plan at most this many steps per cell")
+    ap.add_argument("--tune-steps", type=int, default=None,
+                    help="the static baselines tune their SP degree and recompute on this many first steps only")
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)
     for item in args.limit:
@@ -169,7 +171,7 @@ def main() -> int:
             for sc in args.scenarios.split(","):
                 for d in args.distributions.split(","):
                     r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
-                                 args.max_steps)
+                                 args.max_steps, args.tune_steps)
                     p = r["policies"].get("dcp", {})
                     print(f"{budget:6s} {world:5d} {sc:5s} {d:8s} steps {r['steps']:3d} "
                           f"spg {r['samples_per_gpu']:7.2f} dcp eff {p.get('efficiency')} "

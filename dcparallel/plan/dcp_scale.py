@@ -140,8 +140,11 @@ def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
 class ScalePlanner:
     name = "dcp"
 
-    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp"):
+    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp",
+                 expand_best: int = 3):
         self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
+        #: how many of the best class-level candidates are expanded and refined per step
+        self.expand_best = expand_best
         self.world = ctx.cluster.world_size
         self.buckets = sorted(ctx.rep)
         pos = {b: j for j, b in enumerate(self.buckets)}
@@ -153,6 +156,7 @@ class ScalePlanner:
         self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
         self._spans: dict[tuple, float] = {}
+        self._arrays: dict[tuple[int, int], np.ndarray] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -228,18 +232,27 @@ class ScalePlanner:
         out.sort(key=lambda r: (r[0], r[1], r[2]))
         if len(self._rows) >= ROW_CACHE_LIMIT:
             self._rows.clear()
+            self._arrays.clear()
         self._rows[key] = out
+        self._arrays[key] = np.array(out, dtype=float).reshape(len(out), 8)
         return out
 
-    def _table(self, rows: list[list[tuple]]) -> dict:
-        """The candidate rows of a part's buckets as arrays, one segment per bucket."""
-        flat = [r for rs in rows for r in rs]
-        a = np.array(flat, dtype=float).reshape(len(flat), 8)
-        lens = [len(rs) for rs in rows]
-        pos = {k: i for i, k in enumerate(self.sp)}
-        return {"flat": flat, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
-                "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": np.array([pos[int(k)] for k in a[:, 1]]),
-                "starts": np.cumsum([0] + lens[:-1]), "n": len(flat)}
+    def _table(self, present: list[int], counts: list[int], scale: dict[int, float]) -> dict:
+        """The candidate rows of a part's buckets as arrays, one segment per bucket, their
+        times scaled by the bucket's mean weight in this step."""
+        for j, c in zip(present, counts):
+            self.rows(j, c)
+        arrs = [self._arrays[(j, c)] for j, c in zip(present, counts)]
+        lens = [len(x) for x in arrs]
+        a = np.concatenate(arrs)
+        f = np.repeat(np.array([scale[j] for j in present]), lens)
+        for col in (0, 3, 5, 7):
+            a[:, col] = a[:, col] * f
+        pos = np.zeros(max(self.sp) + 1, dtype=np.int64)
+        pos[self.sp] = np.arange(len(self.sp))
+        return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
+                "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
+                "starts": np.cumsum([0] + lens[:-1]), "n": len(a)}
 
     def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
@@ -261,8 +274,8 @@ class ScalePlanner:
         need = np.where(items > 0, need, 0.0)
         if float((need * np.asarray(self.sp, dtype=float)).sum()) > self.world:
             return None
-        flat = tab["flat"]
-        return [flat[i] for i in first.tolist()]
+        return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
+                for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
 
     def _need(self, chosen: list[tuple], T: float) -> dict[int, int]:
         work: dict[int, float] = {}
@@ -359,36 +372,44 @@ class ScalePlanner:
             free -= step * k
         return max(span.values(), default=0.0), items, (by_k, count)
 
-    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, float]):
-        """The best (predicted makespan, item classes, {degree: group classes}) for these
-        buckets in one phase, or None."""
-        rows = []
-        for j, c in zip(present, counts):
-            f = scale[j]
-            rows.append([(g * f, k, m, t * f, full, tr * f, rem, tot * f)
-                         for g, k, m, t, full, tr, rem, tot in self.rows(j, c)] if f != 1.0 else self.rows(j, c))
-        if not rows:
-            return None
-        bound = max(sum(rs[0][0] for rs in rows) / self.world, max(min(r[3] for r in rs) for rs in rows))
-        best = None
-        tab = self._table(rows)
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, float], keep: int = 1):
+        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
+        bound) for these buckets in one phase, best first; [] if none."""
+        if not present:
+            return []
+        tab = self._table(present, counts, scale)
+        first = tab["starts"]
+        tmin = np.minimum.reduceat(tab["t"], first)
+        bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
+        found: list = []
         stale = 0
         for kmin in self.sp:
             improved = False
             for T, ch in self._search(tab, kmin):
                 got = self._allocate(present, ch, T)
-                if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
-                    best, improved = got, True
-            if best is not None and best[0] <= bound * 1.002:
+                if got is None:
+                    continue
+                if not found or got[0] < found[0][0] * (1 - 1e-9):
+                    improved = True
+                found.append(got)
+                found.sort(key=lambda g: g[0])
+                del found[keep + 2:]
+            if found and found[0][0] <= bound * 1.002:
                 break  # at the bound: wider minimums cannot help
-            stale = 0 if improved or best is None else stale + 1
+            stale = 0 if improved or not found else stale + 1
             if stale >= 2:  # two wider minimums in a row did not help: stop (a heuristic bound on the search)
                 break
-        if best is None:
-            return None
-        span, items, (by_k, count) = best
-        groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
-        return max(c.load for gs in groups.values() for c in gs), items, groups, bound
+        out, seen = [], set()
+        for span, items, (by_k, count) in found:
+            sig = (tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(count.items())))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
+            out.append((max(c.load for gs in groups.values() for c in gs), items, groups, bound))
+            if len(out) == keep:
+                break
+        return out
 
     def plan(self, step: Step) -> StepPlan:
         ids = np.asarray(step.sample_ids, dtype=np.int64)
@@ -402,16 +423,17 @@ class ScalePlanner:
 
         wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
         scale = {j: float(x) / c for j, x, c in zip(present, wsum.tolist(), counts)}
-        one = self._plan_part(present, counts, scale)
-        assert one is not None, "all buckets at the widest degree always fit the world"
-        best = (one[0], [one])
+        ones = self._plan_part(present, counts, scale, keep=self.expand_best)
+        assert ones, "all buckets at the widest degree always fit the world"
+        one = ones[0]
+        cands = [(c[0], [c]) for c in ones]
         if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
             keys = [{j: self._pref_sp(one, j) for j in present},
                     {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
             seen = set()
             for key in keys:
-                for k in sorted(set(key.values()))[1:]:
+                for k in sorted(set(key.values()))[-1:] if len(set(key.values())) > 1 else []:
                     wide = tuple(i for i, j in enumerate(present) if key[j] >= k)
                     if wide in seen:
                         continue
@@ -419,17 +441,28 @@ class ScalePlanner:
                     narrow = [i for i in range(len(present)) if i not in set(wide)]
                     a = self._plan_part([present[i] for i in wide], [counts[i] for i in wide], scale)
                     z = self._plan_part([present[i] for i in narrow], [counts[i] for i in narrow], scale)
-                    if a is not None and z is not None and a[0] + z[0] < best[0] * (1 - 1e-9):
-                        best = (a[0] + z[0], [a, z])
-        return self._expand(step, best[1], members)
+                    if a and z:
+                        cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
+        # the class-level predictions rank the candidates; the best few are expanded, refined
+        # with each micro-batch's own time, and the one predicted to finish first is kept
+        cands.sort(key=lambda c: c[0])
+        best = None
+        for pre, parts in cands[: self.expand_best]:
+            if best is not None and pre > cands[0][0] * 1.05:
+                break
+            got = self._expand(step, parts, members)
+            if best is None or got[1] < best[1] * (1 - 1e-9):
+                best = got
+        return best[0]
 
     @staticmethod
     def _pref_sp(part, j: int) -> int:
         return max(it.sp for it in part[1] if it.bucket == j)
 
     # -- expansion to sample ids -------------------------------------------------------------
-    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> StepPlan:
+    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> tuple[StepPlan, float]:
         cursor = {j: 0 for j in members}
+        predicted = 0.0
         cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
         groups: list[GroupPlan] = []
         for phase, (_, items, gclasses, _) in enumerate(parts):
@@ -440,7 +473,7 @@ class ScalePlanner:
                 for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
                     ranges.append((len(sizes), k, gc))
                     sizes.extend([k] * gc.count)
-            chunks: list[list[tuple[tuple[int, ...], Layout, float]]] = [[] for _ in sizes]
+            chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
             for ic, it in enumerate(items):
                 holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
                 ids = members[it.bucket]
@@ -456,37 +489,80 @@ class ScalePlanner:
                     gl = gl[o:] + gl[:o]
                     for g in (gl if rnd % 2 == 0 else gl[::-1]):
                         e = s + it.mbs
-                        chunks[g].append((tuple(ids[s:e]), it.layout, (cw[e] - cw[s]) * t_one))
+                        chunks[g].append((tuple(ids[s:e]), it.layout, (cw[e] - cw[s]) * t_one, it.bucket, (cw[e] - cw[s]) / it.mbs))
                         s = e
                     rnd += 1
                     holders = [h for h in holders if h[2] > rnd]
                 cursor[it.bucket] = s
             for k in gclasses:
                 self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            self._spill(sizes, chunks)
+            for k in gclasses:
+                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
             ranks = place_groups(sizes, self.world)
             for g, r in enumerate(ranks):
-                mbs = tuple(MicroBatch(c, lay) for c, lay, _ in chunks[g]) if g < len(chunks) else ()
+                mbs = tuple(MicroBatch(c[0], c[1]) for c in chunks[g]) if g < len(chunks) else ()
                 groups.append(GroupPlan(r, mbs, phase))
         assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
-        return StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
+        plan = StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
+        return plan, predicted
+
+    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> None:
+        """Local search across degrees: move a micro-batch off the slowest group of the phase to
+        the least-loaded group of another SP degree, re-laid-out there (same samples, that
+        degree's recompute for copies of the bucket's largest sample), while the slowest
+        group's load falls."""
+        if len(set(sizes)) < 2:
+            return
+        loads = np.array([sum(c[2] for c in g) for g in chunks])
+        deg = np.array(sizes)
+        kinds = sorted(set(sizes))
+        for _ in range(max_iter):
+            a = int(np.argmax(loads))
+            top = loads[a]
+            best = None
+            for k in kinds:
+                if k == sizes[a]:
+                    continue
+                masked = np.where(deg == k, loads, np.inf)
+                z = int(np.argmin(masked))
+                if loads[z] >= top:
+                    continue
+                for i, c in enumerate(chunks[a]):
+                    j, m = c[3], len(c[0])
+                    if m > self.top[(j, k)]:
+                        continue
+                    t_new = self.ttab[(j, k)][m] * c[4]
+                    new = max(top - c[2], loads[z] + t_new)
+                    if new < top * (1 - 1e-6) and (best is None or new < best[0]):
+                        best = (new, i, z, k, t_new)
+            if best is None:
+                return
+            _, i, z, k, t_new = best
+            c = chunks[a].pop(i)
+            loads[a] -= c[2]
+            lay = self._lt(c[3], len(c[0]), k)[0]
+            chunks[z].append((c[0], lay, t_new, c[3], c[4]))
+            loads[z] += t_new
 
     @staticmethod
-    def _refine(gs: list[int], chunks: list[list[tuple[tuple[int, ...], Layout, float]]],
+    def _refine(gs: list[int], chunks: list[list[tuple]],
                 max_iter: int = 256) -> None:
         """Local search on the slowest group of one degree, with each micro-batch timed from its
         own samples: move a micro-batch to, or swap one with, the least-loaded group of that
         degree while the pair's larger load falls."""
         if len(gs) < 2:
             return
-        loads = np.array([sum(t for _, _, t in chunks[g]) for g in gs])
+        loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
         for _ in range(max_iter):
             a, z = int(np.argmax(loads)), int(np.argmin(loads))
             diff = loads[a] - loads[z]
             if diff <= loads[a] * 1e-6:
                 return
             src, dst = chunks[gs[a]], chunks[gs[z]]
-            ta = np.array([t for _, _, t in src])
-            tz = np.array([t for _, _, t in dst] + [0.0])  # the 0 is a move instead of a swap
+            ta = np.array([c[2] for c in src])
+            tz = np.array([c[2] for c in dst] + [0.0])  # the 0 is a move instead of a swap
             gain = ta[:, None] - tz[None, :]
             score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
             best = int(np.argmin(score))
