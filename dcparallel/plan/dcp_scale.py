@@ -400,13 +400,12 @@ class ScalePlanner:
             if stale >= 2:  # two wider minimums in a row did not help: stop (a heuristic bound on the search)
                 break
         out, seen = [], set()
-        for span, items, (by_k, count) in found:
-            sig = (tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(count.items())))
+        for span, items, counts_by_k in found:
+            sig = (tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items())))
             if sig in seen:
                 continue
             seen.add(sig)
-            groups = {k: deal_classes(by_k[k], count[k]) for k in by_k}
-            out.append((max(c.load for gs in groups.values() for c in gs), items, groups, bound))
+            out.append((span, items, counts_by_k, bound))  # groups are dealt only for plans that get expanded
             if len(out) == keep:
                 break
         return out
@@ -433,7 +432,7 @@ class ScalePlanner:
                     {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
             seen = set()
             for key in keys:
-                for k in sorted(set(key.values()))[-1:] if len(set(key.values())) > 1 else []:
+                for k in sorted(set(key.values()))[1:]:
                     wide = tuple(i for i, j in enumerate(present) if key[j] >= k)
                     if wide in seen:
                         continue
@@ -448,7 +447,7 @@ class ScalePlanner:
         cands.sort(key=lambda c: c[0])
         best = None
         for pre, parts in cands[: self.expand_best]:
-            if best is not None and pre > cands[0][0] * 1.05:
+            if best is not None and pre > cands[0][0] * 1.02:
                 break
             got = self._expand(step, parts, members)
             if best is None or got[1] < best[1] * (1 - 1e-9):
@@ -465,7 +464,8 @@ class ScalePlanner:
         predicted = 0.0
         cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
         groups: list[GroupPlan] = []
-        for phase, (_, items, gclasses, _) in enumerate(parts):
+        for phase, (_, items, (by_k, count), _) in enumerate(parts):
+            gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
             # every group of the phase, widest first; a group class is a range of them
             ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
             sizes: list[int] = []
@@ -489,16 +489,17 @@ class ScalePlanner:
                     gl = gl[o:] + gl[:o]
                     for g in (gl if rnd % 2 == 0 else gl[::-1]):
                         e = s + it.mbs
-                        chunks[g].append((tuple(ids[s:e]), it.layout, (cw[e] - cw[s]) * t_one, it.bucket, (cw[e] - cw[s]) / it.mbs))
+                        w = cw[e] - cw[s]
+                        chunks[g].append((tuple(ids[s:e]), it.layout, w * t_one, it.bucket, w / it.mbs))
                         s = e
                     rnd += 1
                     holders = [h for h in holders if h[2] > rnd]
                 cursor[it.bucket] = s
             for k in gclasses:
                 self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
-            self._spill(sizes, chunks)
-            for k in gclasses:
-                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            if self._spill(sizes, chunks):
+                for k in gclasses:
+                    self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
             predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
             ranks = place_groups(sizes, self.world)
             for g, r in enumerate(ranks):
@@ -508,13 +509,14 @@ class ScalePlanner:
         plan = StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
         return plan, predicted
 
-    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> None:
+    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
         """Local search across degrees: move a micro-batch off the slowest group of the phase to
         the least-loaded group of another SP degree, re-laid-out there (same samples, that
         degree's recompute for copies of the bucket's largest sample), while the slowest
         group's load falls."""
         if len(set(sizes)) < 2:
-            return
+            return False
+        moved = False
         loads = np.array([sum(c[2] for c in g) for g in chunks])
         deg = np.array(sizes)
         kinds = sorted(set(sizes))
@@ -538,27 +540,30 @@ class ScalePlanner:
                     if new < top * (1 - 1e-6) and (best is None or new < best[0]):
                         best = (new, i, z, k, t_new)
             if best is None:
-                return
+                return moved
+            moved = True
             _, i, z, k, t_new = best
             c = chunks[a].pop(i)
             loads[a] -= c[2]
             lay = self._lt(c[3], len(c[0]), k)[0]
             chunks[z].append((c[0], lay, t_new, c[3], c[4]))
             loads[z] += t_new
+        return moved
 
     @staticmethod
     def _refine(gs: list[int], chunks: list[list[tuple]],
-                max_iter: int = 256) -> None:
+                max_iter: int = 64) -> None:
         """Local search on the slowest group of one degree, with each micro-batch timed from its
         own samples: move a micro-batch to, or swap one with, the least-loaded group of that
         degree while the pair's larger load falls."""
         if len(gs) < 2:
             return
         loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
+        mean = float(loads.mean())
         for _ in range(max_iter):
             a, z = int(np.argmax(loads)), int(np.argmin(loads))
             diff = loads[a] - loads[z]
-            if diff <= loads[a] * 1e-6:
+            if diff <= loads[a] * 1e-6 or loads[a] <= mean * 1.001:  # the slowest is within 0.1% of the mean
                 return
             src, dst = chunks[gs[a]], chunks[gs[z]]
             ta = np.array([c[2] for c in src])
