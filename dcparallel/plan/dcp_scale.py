@@ -237,7 +237,7 @@ class ScalePlanner:
         self._arrays[key] = np.array(out, dtype=float).reshape(len(out), 8)
         return out
 
-    def _table(self, present: list[int], counts: list[int], scale: dict[int, float]) -> dict:
+    def _table(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
         """The candidate rows of a part's buckets as arrays, one segment per bucket, their
         times scaled by the bucket's mean weight in this step."""
         for j, c in zip(present, counts):
@@ -245,9 +245,12 @@ class ScalePlanner:
         arrs = [self._arrays[(j, c)] for j, c in zip(present, counts)]
         lens = [len(x) for x in arrs]
         a = np.concatenate(arrs)
-        f = np.repeat(np.array([scale[j] for j in present]), lens)
-        for col in (0, 3, 5, 7):
+        f = np.repeat(np.array([scale[j][0] for j in present]), lens)
+        fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
+        for col in (0, 7):  # work: the bucket's mean weight
             a[:, col] = a[:, col] * f
+        for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
+            a[:, col] = a[:, col] * fmax
         pos = np.zeros(max(self.sp) + 1, dtype=np.int64)
         pos[self.sp] = np.arange(len(self.sp))
         return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
@@ -372,7 +375,7 @@ class ScalePlanner:
             free -= step * k
         return max(span.values(), default=0.0), items, (by_k, count)
 
-    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, float], keep: int = 1):
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1):
         """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
         bound) for these buckets in one phase, best first; [] if none."""
         if not present:
@@ -421,7 +424,8 @@ class ScalePlanner:
         members = {j: ids_sorted[s:s + c].tolist() for j, s, c in zip(present, starts.tolist(), counts)}
 
         wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
-        scale = {j: float(x) / c for j, x, c in zip(present, wsum.tolist(), counts)}
+        wmax = np.maximum.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
+        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
         ones = self._plan_part(present, counts, scale, keep=self.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
         one = ones[0]

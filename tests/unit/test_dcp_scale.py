@@ -89,3 +89,11 @@ def test_weights_stay_within_a_bucket():
     w = Workload(TINY_LM, (1000, 1100, 1200, 5000, 6000))
     p = ScalePlanner(PlanContext(w, cost(TINY_LM, cl), cl))
     assert all(0 < x <= 1.0 for x in p.weight)
+
+
+def test_peer_reproductions_are_lossless_and_within_memory():
+    from tests.unit.test_policies import _check
+
+    sizes = tuple([64, 300, 2000, 9000, 30_000, 120, 5000] * 6)
+    times = _check(TINY_LM, sizes, cluster(8, 4), 0, ["megatron-dcp", "hbp"])
+    assert set(times) == {"megatron-dcp", "hbp"}
