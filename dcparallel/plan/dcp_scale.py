@@ -43,6 +43,10 @@ from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.spec import Layout
 
+#: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
+FINE_MAX_WORLD = 64
+FINE_MAX_SAMPLES = 1024
+
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
 
@@ -161,6 +165,13 @@ class ScalePlanner:
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
         self.weight = self._weights()
+        #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
+        #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
+        self.fine = None
+        if self.world <= FINE_MAX_WORLD:
+            from dcparallel.plan.dcp import DCPPlanner
+
+            self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
 
     def _weights(self) -> np.ndarray:
         """Per sample, its micro-batch time relative to its bucket's largest sample: a bucket's
@@ -456,6 +467,12 @@ class ScalePlanner:
             got = self._expand(step, parts, members)
             if best is None or got[1] < best[1] * (1 - 1e-9):
                 best = got
+        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
+            from dcparallel.sim.replay import replay_step
+
+            other = self.fine.plan(step)
+            if replay_step(other, self.ctx).compute_time < replay_step(best[0], self.ctx).compute_time * (1 - 1e-9):
+                return other
         return best[0]
 
     @staticmethod
