@@ -42,8 +42,9 @@ def main() -> int:
             cpu.append((time.process_time() - c0) * 1e3)
             wall.append((time.perf_counter() - w0) * 1e3)
         n = statistics.median(len(s.sample_ids) for s in steps)
-        print(f"{args.budget} {args.world} {item}: {len(steps)} steps, {n} samples/step; CPU ms median {statistics.median(cpu):.1f} max {max(cpu):.1f}; wall ms median "
-              f"{statistics.median(wall):.1f} max {max(wall):.1f}", flush=True)
+        print(f"{args.budget} {args.world} {item}: {len(steps)} steps, {n} samples/step; "
+              f"CPU ms median {statistics.median(cpu):.1f} max {max(cpu):.1f}; "
+              f"wall ms median {statistics.median(wall):.1f} max {max(wall):.1f}", flush=True)
     return 0
 
 
