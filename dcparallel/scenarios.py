@@ -71,18 +71,21 @@ def zipf_weights(n: int, distribution: Distribution) -> np.ndarray:
 
 
 def sample_sizes(scenario: str, distribution: Distribution, num_samples: int | None = None,
-                 seed: int = DEFAULT_SEED) -> list[Size]:
+                 seed: int = DEFAULT_SEED, epoch_tokens: int | None = None) -> list[Size]:
     """`num_samples` samples of the distribution; by default as many as make about
-    `EPOCH_STEPS` steps of the scenario's `tokens_per_step`. Deterministic in `seed`."""
+    `epoch_tokens` tokens (default: `EPOCH_STEPS` steps of the scenario's `tokens_per_step`;
+    the scale benchmark asks for more, so that a large world's larger steps are several).
+    Deterministic in `seed`; a larger `epoch_tokens` extends the same sequence."""
     sc = SCENARIOS[scenario]
+    total_tokens = EPOCH_STEPS * sc.tokens_per_step if epoch_tokens is None else epoch_tokens
     rng = np.random.default_rng([seed, 1 if scenario == "video" else 2, DISTRIBUTIONS.index(distribution)])
     out: list[Size] = []
     total = 0
-    while (num_samples is None and total < EPOCH_STEPS * sc.tokens_per_step) or (
+    while (num_samples is None and total < total_tokens) or (
             num_samples is not None and len(out) < num_samples):
         batch = _draw(scenario, distribution, rng, 256 if num_samples is None else num_samples - len(out))
         for s in batch:
-            if num_samples is None and total >= EPOCH_STEPS * sc.tokens_per_step:
+            if num_samples is None and total >= total_tokens:
                 break
             out.append(s)
             total += sc.model.tokens(s)

@@ -16,10 +16,11 @@ communicating (`check_plans=True` compares a hash of every plan across ranks).
             dc.sync_gradients(); opt.step()
             save({"loader": loader.state_dict(), ...})   # after the optimizer step
 
-Threads and processes: a background thread plans `lookahead` steps ahead of what the
-DataLoader has asked for (plans are pure functions of the step, so timing cannot change
-them); the DataLoader's workers (forked when an epoch's iteration starts, before the
-planning thread starts) load each micro-batch's samples and collate them.
+Threads and processes: a planning process (or, with ``planning="thread"``, a background
+thread) plans `lookahead` steps ahead of what the DataLoader has asked for (plans are pure
+functions of the step, so timing cannot change them; the process holds at most `lookahead`
+unsent plans); the DataLoader's workers (forked when an epoch's iteration starts, before
+the planner starts) load each micro-batch's samples and collate them.
 """
 
 from __future__ import annotations
@@ -428,6 +429,96 @@ class _PlanStream:
             self._thread.join()
 
 
+def _plan_process_main(conn, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
+                       lookahead: int) -> None:
+    """The planning process: plans steps start.. in order, at most `lookahead` steps past the
+    furthest step the loader asked for, and sends each plan as it is done. Holds no plan once
+    it is sent, so its memory is the planner's bounded caches plus one step."""
+    try:
+        planner = build()
+        nxt, demand = start, start
+        while nxt < len(steps):
+            while nxt >= demand + lookahead or conn.poll():
+                msg = conn.recv()
+                if msg is None:
+                    return
+                demand = max(demand, msg)
+            t0 = time.perf_counter()
+            plan = planner.plan(steps[nxt])
+            assert plan.sample_ids == steps[nxt].sample_ids, "the planner changed the step's samples"
+            conn.send(("plan", nxt, plan, time.perf_counter() - t0))
+            nxt += 1
+        while conn.recv() is not None:  # wait for the loader to close
+            pass
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        try:
+            conn.send(("error", -1, f"{type(e).__name__}: {e}", 0.0))
+        except (BrokenPipeError, OSError):
+            pass
+
+
+class _ProcessPlanStream:
+    """`_PlanStream`'s interface, the planning done by a child process (forked when the epoch's
+    iteration starts, like the DataLoader's workers), so that planning never holds the training
+    process's interpreter lock. Plans are pure functions of the step: the same as in-process."""
+
+    def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
+                 lookahead: int, name: str):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_plan_process_main, args=(child, build, steps, start, max(1, lookahead)),
+                                 name=name, daemon=True)
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._plans: dict[int, StepPlan] = {}
+        self._pos = {"sampler": start, "assembler": start}
+        self._demand = start
+        self.plan_seconds = 0.0
+
+    def get(self, k: int, reader: str) -> StepPlan:
+        with self._lock:
+            self._pos[reader] = k
+            keep = min(self._pos.values())
+            for j in [j for j in self._plans if j < keep]:
+                del self._plans[j]
+            if k not in self._plans and k + 1 > self._demand:
+                self._demand = k + 1
+                self._conn.send(self._demand)
+            while k not in self._plans:
+                try:
+                    kind, j, plan, seconds = self._conn.recv()
+                except EOFError:
+                    raise RuntimeError(f"the planning process ended before step {k} was planned "
+                                       f"(exit code {self._proc.exitcode})") from None
+                if kind == "error":
+                    raise RuntimeError(f"planning step {k} failed in the planning process: {plan}")
+                self._plans[j] = plan
+                self.plan_seconds += seconds
+            return self._plans[k]
+
+    def ahead(self, k: int) -> None:
+        with self._lock:
+            if k > self._demand:
+                self._demand = k
+                self._conn.send(k)
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join()
+        self._conn.close()
+
+
 class _TaskSampler(Sampler):
     """This rank's micro-batches of steps start.., one `_Task` per step in which it has any."""
 
@@ -459,8 +550,9 @@ class DataCentricLoader:
     - ``cluster``: the cluster planned for; ``cluster.world_size`` must be the world size.
     - ``tokens_per_step`` | ``samples_per_step``: the step budget (exactly one).
     - ``seed``: shuffles the samples per (seed, epoch).
-    - ``lookahead``: steps planned ahead on a background thread (0 = plan when needed, in
-      the iterating thread).
+    - ``lookahead``: steps planned ahead (0 = plan when needed, in the iterating thread);
+      ``planning``: where: "process" (default: a forked child process, off the training
+      process's interpreter lock) or "thread" (a background thread).
     - ``num_workers``: DataLoader worker processes loading and collating micro-batches
       (0 = in the iterating process); ``prefetch_factor``: micro-batches each worker
       loads ahead.
@@ -506,6 +598,7 @@ class DataCentricLoader:
         epoch: int = 0,
         ignore_index: int = IGNORE_INDEX,
         device: torch.device | str | None = None,
+        planning: str = "process",
     ):
         self.device = torch.device(device) if device is not None else None
         try:
@@ -519,6 +612,8 @@ class DataCentricLoader:
             raise ValueError("the dataset is empty (len(dataset) == 0): there is nothing to load; "
                              "check the dataset's source and filters")
         check_step_budget(tokens_per_step, samples_per_step)
+        if planning not in ("thread", "process"):
+            raise ValueError(f"planning must be 'thread' or 'process'; got {planning!r}")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
@@ -553,6 +648,7 @@ class DataCentricLoader:
         self.seed = int(seed)
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
         self.check_plans = check_plans
+        self.planning = planning
 
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = _TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
@@ -665,8 +761,9 @@ class DataCentricLoader:
         self._start = 0
         self._step = start
         steps = self.steps(epoch)
-        stream = _PlanStream(lambda: self.planner(epoch), steps, start, self.lookahead,
-                             name=f"dcparallel-plan-e{epoch}")
+        kind = _ProcessPlanStream if self.planning == "process" and self.lookahead > 0 else _PlanStream
+        stream = kind(functools.partial(self.planner, epoch), steps, start, self.lookahead,
+                      name=f"dcparallel-plan-e{epoch}")
         loader = DataLoader(self._tasks, sampler=_TaskSampler(stream, epoch, start, len(steps), self.rank),
                             batch_size=None, collate_fn=_to_worker_result if self.num_workers else _identity,
                             num_workers=self.num_workers,

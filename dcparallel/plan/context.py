@@ -215,6 +215,44 @@ def static_recompute(mode: RecomputeMode, num_layers: int) -> Recompute:
     return table[mode]
 
 
+def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode: RecomputeMode) -> list[list[int]]:
+    """Samples packed first-fit decreasing into bins of ``capacity`` tokens, each bin then split
+    where it would not fit memory at (``sp``, ``mode``). Video bins are filled within one batch
+    key (`spec.batch_key`: same-shape samples stack; shapes never mix in a micro-batch)."""
+    if ctx.model.kind == "text":
+        classes = [list(ids)]
+    else:
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for i in ids:
+            by_key.setdefault(ctx.bucket_of[i], []).append(i)
+        classes = [by_key[k] for k in sorted(by_key)]
+    out: list[list[int]] = []
+    for members in classes:
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(members, key=lambda j: (-ctx.tokens[j], j)):
+            t = ctx.tokens[i]
+            b = next((b for b in range(len(bins)) if room[b] >= t), None)
+            if b is None:
+                bins.append([i])
+                room.append(capacity - t)
+            else:
+                bins[b].append(i)
+                room[b] -= t
+        for b in bins:
+            if ctx.layout_for(tuple(ctx.sizes[j] for j in b), sp, mode) is not None:
+                out.append(b)
+                continue
+            cur: list[int] = []
+            for i in b:
+                if cur and ctx.layout_for(tuple(ctx.sizes[j] for j in cur + [i]), sp, mode) is None:
+                    out.append(cur)
+                    cur = []
+                cur.append(i)
+            out.append(cur)
+    return out
+
+
 def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[float]]:
     """Longest-processing-time-first assignment of items to bins; returns item indices per
     bin (in the items' original order) and bin loads."""

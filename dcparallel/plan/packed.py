@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcparallel.plan.bucket import Infeasible, data_parallel_groups, tune_static
-from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, static_recompute
+from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, pack_bins, static_recompute
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.spec import Layout
@@ -60,40 +60,7 @@ class PackedPlanner:
         return {"sp": self.sp, "recompute": self.mode, "capacity_tokens": self.capacity}
 
     def _bins(self, ids: Sequence[int]) -> list[list[int]]:
-        if self.ctx.model.kind == "text":
-            return self._fill(ids)
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i in ids:
-            by_shape.setdefault(self.ctx.bucket_of[i], []).append(i)
-        return [b for key in sorted(by_shape) for b in self._fill(by_shape[key])]
-
-    def _fill(self, ids: Sequence[int]) -> list[list[int]]:
-        ctx = self.ctx
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(ids, key=lambda j: (-ctx.tokens[j], j)):
-            t = ctx.tokens[i]
-            for b in range(len(bins)):
-                if room[b] >= t:
-                    bins[b].append(i)
-                    room[b] -= t
-                    break
-            else:
-                bins.append([i])
-                room.append(self.capacity - t)
-        out = []
-        for b in bins:  # check memory; split a bin that does not fit (video capacities are optimistic)
-            if ctx.layout_for(tuple(ctx.sizes[j] for j in b), self.sp, self.mode) is not None:
-                out.append(b)
-                continue
-            cur: list[int] = []
-            for i in b:
-                if cur and ctx.layout_for(tuple(ctx.sizes[j] for j in cur + [i]), self.sp, self.mode) is None:
-                    out.append(cur)
-                    cur = []
-                cur.append(i)
-            out.append(cur)
-        return out
+        return pack_bins(self.ctx, ids, self.capacity, self.sp, self.mode)
 
     def plan(self, step: Step) -> StepPlan:
         ctx = self.ctx

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, dcp_full, dcp_inter, dcp_inter_pac, dcp_intra, packed
+from dcparallel.plan import bucket, dcp_full, dcp_inter, dcp_inter_pac, dcp_intra, dcp_scale, packed, peers
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
@@ -41,8 +41,14 @@ POLICIES: dict[str, PolicySpec] = {
                    dcp_inter.build),
         PolicySpec("dcp-inter-pac", "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
                    dcp_inter_pac.build),
-        PolicySpec("dcp", "ours: dcp-inter-pac + two-phase steps (wide groups first, then narrow ones "
-                   "on the same ranks), the plan predicted to finish first", dcp_full.build),
+        PolicySpec("dcp-v1", "the previous dcp: dcp-inter-pac + two-phase steps (per-sample planning; "
+                   "slow at scale, kept for comparison)", dcp_full.build),
+        PolicySpec("megatron-dcp", "reproduction of Megatron-Core's dynamic CP from its description: CP size = "
+                   "next power of two of tokens / rank capacity, packed, balanced per CP size", peers.build_megatron),
+        PolicySpec("hbp", "reproduction of hierarchical balance packing from its description: three packing "
+                   "lengths, each with its own SP degree and checkpointing, packs balanced", peers.build_hbp),
+        PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
+                   "GPU), planned over (bucket, count) and group classes, two-phase steps", dcp_scale.build),
     ]
 }
 

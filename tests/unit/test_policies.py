@@ -147,3 +147,27 @@ def test_packed_capacity_fits_memory_with_a_skipped_sample():
     p = PackedPlanner(ctx, 2, "full")
     assert ctx.copies_layout(p.capacity, 1, 2, "full") is not None
     assert ctx.copies_layout(2 * p.capacity, 1, 2, "full") is None
+
+
+def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
+    """Resolutions off the 16-pixel grid and frame counts off the buckets put several latent
+    shapes in one cost bucket; no policy (peers' reproductions included) may stack two
+    shapes in a micro-batch, since same-shape samples are what the runtime stacks."""
+    import random
+
+    from dcparallel.plan.policies import POLICIES
+    from dcparallel.spec import batch_key
+
+    rng = random.Random(3)
+    sizes = tuple((rng.choice([1, 17, 20, 34, 51]), rng.choice([240, 250, 256, 360]), rng.choice([256, 426, 430]))
+                  for _ in range(120))
+    wl = Workload(TINY_DIT, sizes)
+    cl = cluster(8)
+    ctx = PlanContext(wl, cost(TINY_DIT, cl), cl)
+    assert len({batch_key(TINY_DIT, s) for s in sizes}) > len({ctx.model.latent_grid(s) for s in sizes}) // 2
+    steps = form_steps(wl.tokens, seed=0, epoch=0, tokens_per_step=sum(wl.tokens) // 6)
+    for name in POLICIES:
+        planner = make_planner(name, ctx, steps)
+        for s in steps:
+            for mb in planner.plan(s).micro_batches():
+                assert len({batch_key(TINY_DIT, sizes[i]) for i in mb.sample_ids}) == 1, (name, mb)

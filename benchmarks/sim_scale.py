@@ -1,0 +1,188 @@
+"""The planners from 8 to 4096 GPUs: lower-bound efficiency, speedup over `bucket` and planning
+time per step, for both scenarios, their three distributions, and two step budgets.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py [--worlds 8,32,...] [--out FILE.md]
+
+"weak": the scenario's 32-GPU step budget scaled with the world; "strong": the default budget
+at every world (at 1024 GPUs, about one sample per GPU or fewer). Datasets hold enough tokens
+for at least `--min-steps` steps of the cell. Planning time is wall-clock per `plan(step)` on
+this machine (the planner's setup — per-bucket layout tables, the baselines' tuning — is
+reported apart). Policies too slow for a world are skipped there (`--limit POLICY=WORLD`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.plan.bounds import LowerBound
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.sim.replay import simulate
+from dcparallel.spec import Workload
+
+DEFAULT_LIMITS = {"packed": 1024, "dcp-intra": 128, "dcp-inter": 128, "dcp-inter-pac": 128, "dcp-v1": 128}
+
+
+def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
+             min_steps: int, max_steps: int | None, tune_steps: int | None = None) -> dict:
+    sc = SCENARIOS[scenario]
+    tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
+    tps = max(tps, 1)
+    epoch_tokens = max(EPOCH_STEPS * sc.tokens_per_step, min_steps * tps)
+    t0 = time.perf_counter()
+    wl = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=epoch_tokens)))
+    cl = sc.cluster(world)
+    ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+    steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    lb = LowerBound(ctx)
+    bounds = [lb.step(s) for s in steps]
+    out = {"scenario": scenario, "distribution": dist, "world": world, "budget": budget, "tokens_per_step": tps,
+           "samples": len(wl), "steps": len(steps),
+           "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),
+           "lower_bound_s": round(sum(bounds), 4), "policies": {}}
+    for name in policies:
+        if world > limits.get(name, 1 << 30):
+            continue
+        t1 = time.perf_counter()
+        planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps])
+        setup = time.perf_counter() - t1
+        plans, ms = [], []
+        for s in steps:
+            t2 = time.perf_counter()
+            plans.append(planner.plan(s))
+            ms.append((time.perf_counter() - t2) * 1e3)
+        for p in plans:
+            p.validate(world)
+        used = sorted(i for p in plans for mb in p.micro_batches() for i in mb.sample_ids)
+        assert used == sorted(i for s in steps for i in s.sample_ids), f"{name} is not lossless"
+        sim = simulate(plans, ctx)
+        assert sim.memory_violations == 0, name
+        out["policies"][name] = {
+            "efficiency": round(sum(bounds) / sim.total_time, 4), "epoch_s": round(sim.total_time, 4),
+            "plan_ms_median": round(statistics.median(ms), 2), "plan_ms_max": round(max(ms), 2),
+            "setup_s": round(setup, 2), "settings": {k: v for k, v in planner.describe().items()}}
+    base = out["policies"].get("bucket", {}).get("epoch_s")
+    for r in out["policies"].values():
+        r["speedup_vs_bucket"] = round(base / r["epoch_s"], 4) if base else None
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for col, budget in enumerate(("weak", "strong")):
+        ax_e, ax_t = axes[0][col], axes[1][col]
+        for sc in SCENARIOS:
+            for d in DISTRIBUTIONS:
+                cells = sorted((r for r in results if r["scenario"] == sc and r["distribution"] == d
+                                and r["budget"] == budget and "dcp" in r["policies"]), key=lambda r: r["world"])
+                if not cells:
+                    continue
+                w = [r["world"] for r in cells]
+                ax_e.plot(w, [r["policies"]["dcp"]["efficiency"] for r in cells], marker="o", label=f"{sc}/{d}")
+                ax_t.plot(w, [r["policies"]["dcp"]["plan_ms_median"] for r in cells], marker="o", label=f"{sc}/{d}")
+        for ax, yl in ((ax_e, "dcp lower-bound efficiency"), (ax_t, "dcp planning ms/step (median)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel(yl)
+            ax.set_title(f"{budget} scaling")
+            ax.grid(alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_e.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(results: list[dict], args, elapsed: float) -> None:
+    today = args.out.stem.rsplit("_", 1)[-1]
+    plot(results, args.out.with_suffix(".png"))
+    lines = [f"# Planner scale — simulated H200 clusters, planned on this CPU — {today}", "",
+             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py {' '.join(sys.argv[1:])}`", "",
+             f"Machine: {platform.machine()} CPU ({platform.processor() or 'unknown'}), 2 cores shared with other "
+             f"jobs; Python {platform.python_version()}, numpy {np.__version__}. {elapsed:.0f} s in all. "
+             f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
+             "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
+             "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
+             "simulated epoch time. Planning ms = wall clock of one `plan(step)`, median / max over the cell's "
+             "steps (the first step also fills the planner's caches).", "",
+             f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
+    pols = args.policies.split(",")
+    hdr = "| budget | world | scenario | dist | steps | samples/GPU | " + " | ".join(
+        f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |"
+    lines += [hdr, "|" + " --- |" * (7 + len(pols))]
+    for r in results:
+        cells = []
+        for p in pols:
+            v = r["policies"].get(p)
+            if v is None:
+                cells.append("—")
+            else:
+                x = v["speedup_vs_bucket"]
+                cells.append(f"{v['efficiency']:.3f}" + (f" (×{x:.2f})" if x else ""))
+        d = r["policies"].get("dcp")
+        t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
+        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
+                     f"{r['samples_per_gpu']} | " + " | ".join(cells) + f" | {t} |")
+    args.out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    today = dt.date.today().isoformat()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / f"sim-scale_cpu_{today}.md")
+    ap.add_argument("--worlds", default="8,32,128,512,1024,2048,4096")
+    ap.add_argument("--scenarios", default="text,video")
+    ap.add_argument("--distributions", default=",".join(DISTRIBUTIONS))
+    ap.add_argument("--budgets", default="weak,strong")
+    ap.add_argument("--policies", default="bucket,packed,dcp-inter-pac,dcp-v1,dcp")
+    ap.add_argument("--limit", action="append", default=[], help="POLICY=WORLD: skip POLICY above WORLD GPUs")
+    ap.add_argument("--min-steps", type=int, default=4)
+    ap.add_argument("--max-steps", type=int, default=None, help="plan at most this many steps per cell")
+    ap.add_argument("--tune-steps", type=int, default=None,
+                    help="the static baselines tune their SP degree and recompute on this many first steps only")
+    args = ap.parse_args()
+    limits = dict(DEFAULT_LIMITS)
+    for item in args.limit:
+        k, v = item.split("=")
+        limits[k] = int(v)
+    results = []
+    t0 = time.perf_counter()
+    for budget in args.budgets.split(","):
+        for world in [int(w) for w in args.worlds.split(",")]:
+            for sc in args.scenarios.split(","):
+                for d in args.distributions.split(","):
+                    r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
+                                 args.max_steps, args.tune_steps)
+                    p = r["policies"].get("dcp", {})
+                    print(f"{budget:6s} {world:5d} {sc:5s} {d:8s} steps {r['steps']:3d} "
+                          f"spg {r['samples_per_gpu']:7.2f} dcp eff {p.get('efficiency')} "
+                          f"x{p.get('speedup_vs_bucket')} plan ms {p.get('plan_ms_median')}/{p.get('plan_ms_max')} "
+                          f"({r['seconds']} s)", file=sys.stderr, flush=True)
+                    results.append(r)
+                    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+                    write_report(results, args, time.perf_counter() - t0)
+    write_report(results, args, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,607 @@
+"""`dcp`: our planner, built for thousands of GPUs. Its cost grows with what is distinct in a
+step — (bucket, count) pairs and classes of alike groups — not with the number of samples.
+
+Samples of one bucket are interchangeable for planning: a bucket's micro-batch is timed and
+laid out (SP degree, micro-batch size, PAC recompute) for copies of the bucket's largest
+sample, so it fits every sample of the bucket. Per step:
+
+1. **Layouts by a makespan target.** For a target T, every bucket of the step takes the
+   layout of least GPU-seconds whose micro-batch finishes within T (so a small T widens SP
+   and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
+   efficient narrow layouts); the groups each SP degree needs are estimated from its work
+   and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
+   found by bisection over the distinct micro-batch times, once per smallest allowed SP
+   degree (forcing every bucket to at least that degree lets one phase hold a world-wide
+   sample and the rest).
+2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
+   degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
+   a number of groups, their contents — by the longest-processing-time rule applied to
+   whole classes; ranks left over go to the degree that finishes last while that helps.
+3. **Two phases** (as `dcp` did before): the step's wide micro-batches first, then the
+   narrow ones on their own groups over the same ranks, for each split degree; kept when
+   predicted faster.
+4. **Expansion.** Only the chosen plan becomes sample ids: each bucket's samples, longest
+   first, are cut into its micro-batches and dealt round by round to the groups holding
+   that bucket (so every group gets a mix of its bucket's longer and shorter samples);
+   groups are placed as aligned blocks, largest first (a group no larger than a node stays
+   inside one; a larger one spans nodes and the cost model charges the inter-node link).
+
+Everything is a deterministic function of the step and the context (no randomness, ties
+broken by fixed orders), so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates, place_groups
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
+
+#: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
+FINE_MAX_WORLD = 64
+FINE_MAX_SAMPLES = 1024
+
+#: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
+ROW_CACHE_LIMIT = 50_000
+
+
+@dataclass(slots=True)
+class GroupClass:
+    """`count` alike groups of one SP degree with the same load and the same contents:
+    `items` maps an item-class index to how many of its micro-batches each group runs."""
+
+    load: float
+    count: int
+    items: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemClass:
+    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
+
+    bucket: int
+    sp: int
+    mbs: int
+    time: float
+    count: int
+    layout: Layout
+
+
+def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
+    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
+    `n` alike groups; each group class takes items while its load is below the next lowest
+    class's load. Returns the group classes (counts sum to n)."""
+    classes = [GroupClass(0.0, n, {})]
+    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            classes.sort(key=lambda c: c.load)
+            c = classes[0]
+            nxt = classes[1].load if len(classes) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
+            if per * c.count <= q:
+                c.load += per * t
+                c.items[ic] = c.items.get(ic, 0) + per
+                q -= per * c.count
+                continue
+            a, r = divmod(q, c.count)
+            if r:
+                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
+                more.items[ic] = more.items.get(ic, 0) + a + 1
+                classes.append(more)
+                c.count -= r
+            if a:
+                c.load += a * t
+                c.items[ic] = c.items.get(ic, 0) + a
+            q = 0
+        if len(classes) > 8:
+            classes = _merge(classes)
+    classes = _merge(classes)
+    return [c for c in classes if c.count > 0]
+
+
+def _merge(classes: list[GroupClass]) -> list[GroupClass]:
+    out: dict[tuple, GroupClass] = {}
+    for c in classes:
+        key = (c.load, tuple(sorted(c.items.items())))
+        hit = out.get(key)
+        if hit is None:
+            out[key] = c
+        else:
+            hit.count += c.count
+    return list(out.values())
+
+
+def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
+    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
+    loads: dict[float, int] = {0.0: n}
+    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            order = sorted(loads)
+            low = order[0]
+            cnt = loads[low]
+            nxt = order[1] if len(order) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
+            del loads[low]
+            if per * cnt <= q:
+                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
+                q -= per * cnt
+                continue
+            a, r = divmod(q, cnt)
+            if r:
+                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
+            if cnt - r:
+                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
+            q = 0
+    return max(loads)
+
+
+class ScalePlanner:
+    name = "dcp"
+
+    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp",
+                 expand_best: int = 3):
+        self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
+        #: how many of the best class-level candidates are expanded and refined per step
+        self.expand_best = expand_best
+        self.world = ctx.cluster.world_size
+        self.buckets = sorted(ctx.rep)
+        pos = {b: j for j, b in enumerate(self.buckets)}
+        self.bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
+        for i in ctx.usable_ids:
+            self.bidx[i] = pos[ctx.bucket_of[i]]
+        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        self.sp = list(ctx.sp_sizes)
+        self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self._rows: dict[tuple[int, int], list[tuple]] = {}
+        self._spans: dict[tuple, float] = {}
+        self._arrays: dict[tuple[int, int], np.ndarray] = {}
+        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
+        self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
+                     for j in range(len(self.buckets)) for k in self.sp}
+        self.weight = self._weights()
+        #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
+        #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
+        self.fine = None
+        if self.world <= FINE_MAX_WORLD:
+            from dcparallel.plan.dcp import DCPPlanner
+
+            self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
+
+    def _weights(self) -> np.ndarray:
+        """Per sample, its micro-batch time relative to its bucket's largest sample: a bucket's
+        times are planned for copies of its largest sample and scaled by the mean weight of the
+        samples a step holds (a text bucket spans 1.25x in length, more in attention work).
+        Linear in tokens between the bucket's smallest and largest sample, both timed by the
+        cost model as a full micro-batch of the bucket's preferred layout (convex times make
+        this slightly pessimistic, never optimistic)."""
+        ctx = self.ctx
+        tok = self.tok.astype(float)
+        w = np.ones(len(ctx.sizes))
+        small: dict[int, int] = {}
+        for i in ctx.usable_ids:
+            j = int(self.bidx[i])
+            if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
+                small[j] = i
+        lo = np.zeros(len(self.buckets))
+        t_lo = np.ones(len(self.buckets))
+        hi = np.ones(len(self.buckets))
+        for j, b in enumerate(self.buckets):
+            big_s, small_s = ctx.rep[b], ctx.sizes[small[j]]
+            opts = ctx.bucket_options(b, self.mode)
+            k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
+            m = opts[k].layout.mbs
+            tb = ctx.cost.terms_copies(big_s, m, k).time_none
+            ts = ctx.cost.terms_copies(small_s, m, k).time_none
+            lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
+            t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
+        ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+        j = self.bidx[ids]
+        span = np.maximum(hi[j] - lo[j], 1e-12)
+        u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
+        w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
+        return w
+
+    def describe(self) -> dict:
+        return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+
+    # -- layouts ---------------------------------------------------------------------------
+    def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
+        out = self.ctx.copies_layout(self.ctx.rep[self.buckets[j]], m, k, self.mode)
+        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
+        return out
+
+    def rows(self, j: int, c: int) -> list[tuple]:
+        """Candidate layouts of `c` samples of bucket j, least GPU-seconds first:
+        (gpu_s, k, m, t_full, full, t_rem, rem, total busy seconds)."""
+        key = (j, c)
+        hit = self._rows.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        for k in self.sp:
+            top = self.top[(j, k)]
+            if top == 0:
+                continue
+            cap = min(top, c)
+            ms = set(mbs_candidates(cap))
+            q = 1
+            while q <= c:  # even splits: c samples in q micro-batches
+                ms.add(min(cap, -(-c // q)))
+                q *= 2
+            tab = self.ttab[(j, k)]
+            for m in sorted(ms):
+                full, rem = divmod(c, m)
+                t, tr = tab[m], tab[rem]
+                total = full * t + tr
+                out.append((total * k, k, m, t, full, tr, rem, total))
+        out.sort(key=lambda r: (r[0], r[1], r[2]))
+        if len(self._rows) >= ROW_CACHE_LIMIT:
+            self._rows.clear()
+            self._arrays.clear()
+        self._rows[key] = out
+        self._arrays[key] = np.array(out, dtype=float).reshape(len(out), 8)
+        return out
+
+    def _table(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
+        """The candidate rows of a part's buckets as arrays, one segment per bucket, their
+        times scaled by the bucket's mean weight in this step."""
+        for j, c in zip(present, counts):
+            self.rows(j, c)
+        arrs = [self._arrays[(j, c)] for j, c in zip(present, counts)]
+        lens = [len(x) for x in arrs]
+        a = np.concatenate(arrs)
+        f = np.repeat(np.array([scale[j][0] for j in present]), lens)
+        fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
+        for col in (0, 7):  # work: the bucket's mean weight
+            a[:, col] = a[:, col] * f
+        for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
+            a[:, col] = a[:, col] * fmax
+        pos = np.zeros(max(self.sp) + 1, dtype=np.int64)
+        pos[self.sp] = np.arange(len(self.sp))
+        return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
+                "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
+                "starts": np.cumsum([0] + lens[:-1]), "n": len(a)}
+
+    def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
+        """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
+        if the groups those need (their work over T, at least one per micro-batch over T / 2)
+        fit the world."""
+        n = tab["n"]
+        valid = (tab["t"] <= T) & (tab["k"] >= kmin)
+        first = np.minimum.reduceat(np.where(valid, np.arange(n), n), tab["starts"])
+        if (first >= n).any():
+            return None
+        kp = tab["kpos"][first]
+        nk = len(self.sp)
+        work = np.bincount(kp, weights=tab["tot"][first], minlength=nk)
+        big = np.where(tab["t"][first] > T / 2, tab["full"][first], 0.0) + \
+            ((tab["rem"][first] > 0) & (tab["tr"][first] > T / 2))
+        bigk = np.bincount(kp, weights=big, minlength=nk)
+        items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
+        need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
+        need = np.where(items > 0, need, 0.0)
+        if float((need * np.asarray(self.sp, dtype=float)).sum()) > self.world:
+            return None
+        return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
+                for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
+
+    def _need(self, chosen: list[tuple], T: float) -> dict[int, int]:
+        work: dict[int, float] = {}
+        big: dict[int, int] = {}
+        items: dict[int, int] = {}
+        for _, k, _, t, full, tr, rem, total in chosen:
+            work[k] = work.get(k, 0.0) + total
+            big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
+            items[k] = items.get(k, 0) + full + (1 if rem else 0)
+        return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - 1e-9))) for k in work}
+
+    def _search(self, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
+        """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
+        ok = tab["k"] >= kmin
+        if not ok.any():
+            return []
+        floor = float(np.minimum.reduceat(np.where(ok, tab["t"], np.inf), tab["starts"]).max())
+        if not math.isfinite(floor):
+            return []
+        ts = np.unique(tab["t"][ok & (tab["t"] >= floor)]).tolist()
+        lo, hi = 0, len(ts) - 1
+        if self._feasible(tab, ts[hi], kmin) is None:  # no target fits the estimates: least work, as few groups as fit
+            ch = self._feasible(tab, math.inf, kmin)
+            return [] if ch is None else [(math.inf, ch)]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._feasible(tab, ts[mid], kmin) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        out, seen = [], set()
+        for i in (lo, lo + 1, lo + 2, lo + 4, lo + 8):
+            if i >= len(ts):
+                break
+            ch = self._feasible(tab, ts[i], kmin)
+            if ch is None:
+                continue
+            sig = tuple((r[1], r[2]) for r in ch)
+            if sig not in seen:
+                seen.add(sig)
+                out.append((ts[i], ch))
+        return out
+
+    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int) -> float:
+        key = (tuple(sorted((t, q) for _, t, q in items)), n)
+        hit = self._spans.get(key)
+        if hit is None:
+            if len(self._spans) >= ROW_CACHE_LIMIT:
+                self._spans.clear()
+            hit = self._spans[key] = _span(items, n)
+        return hit
+
+    # -- groups ----------------------------------------------------------------------------
+    def _allocate(self, present: list[int], chosen: list[tuple], T: float):
+        """(predicted makespan, item classes, {degree: group classes}) for one layout choice."""
+        items: list[ItemClass] = []
+        by_k: dict[int, list[tuple[int, float, int]]] = {}
+        for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
+            for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
+                if q:
+                    lay = self._lt(j, mm, k)[0]
+                    by_k.setdefault(k, []).append((len(items), tt, q))
+                    items.append(ItemClass(j, k, mm, tt, q, lay))
+        need = self._need(chosen, T)
+        count = {k: need[k] for k in by_k}
+        n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
+        while sum(k * n for k, n in count.items()) > self.world:  # estimates can overshoot at the edge
+            k = max((k for k in count if count[k] > 1), key=lambda k: (count[k] * k, k), default=None)
+            if k is None:
+                return None
+            count[k] -= 1
+        span = {k: self._span_c(by_k[k], count[k]) for k in by_k}
+        free = self.world - sum(k * n for k, n in count.items())
+        for _ in range(64):
+            open_ = [k for k in span if k <= free and count[k] < n_items[k]]
+            if not open_:
+                break
+            k = max(open_, key=lambda j: (span[j], -j))
+            others = max((s for j, s in span.items() if j != k), default=0.0)
+            # jump toward the groups that bring this degree down to the next slowest one
+            want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
+            step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
+            new = self._span_c(by_k[k], count[k] + step)
+            while step > 1 and new >= span[k] - 1e-12:
+                step //= 2
+                new = self._span_c(by_k[k], count[k] + step)
+            if new >= span[k] - 1e-12:
+                if k == max(span, key=lambda j: (span[j], -j)):
+                    break
+                span[k] = -1.0  # no help here; let another degree try
+                continue
+            count[k] += step
+            span[k] = new
+            free -= step * k
+        return max(span.values(), default=0.0), items, (by_k, count)
+
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1):
+        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
+        bound) for these buckets in one phase, best first; [] if none."""
+        if not present:
+            return []
+        tab = self._table(present, counts, scale)
+        first = tab["starts"]
+        tmin = np.minimum.reduceat(tab["t"], first)
+        bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
+        found: list = []
+        stale = 0
+        for kmin in self.sp:
+            improved = False
+            for T, ch in self._search(tab, kmin):
+                got = self._allocate(present, ch, T)
+                if got is None:
+                    continue
+                if not found or got[0] < found[0][0] * (1 - 1e-9):
+                    improved = True
+                found.append(got)
+                found.sort(key=lambda g: g[0])
+                del found[keep + 2:]
+            if found and found[0][0] <= bound * 1.002:
+                break  # at the bound: wider minimums cannot help
+            stale = 0 if improved or not found else stale + 1
+            if stale >= 2:  # two wider minimums in a row did not help: stop (a heuristic bound on the search)
+                break
+        out, seen = [], set()
+        for span, items, counts_by_k in found:
+            sig = (tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items())))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            out.append((span, items, counts_by_k, bound))  # groups are dealt only for plans that get expanded
+            if len(out) == keep:
+                break
+        return out
+
+    def plan(self, step: Step) -> StepPlan:
+        ids = np.asarray(step.sample_ids, dtype=np.int64)
+        b = self.bidx[ids]
+        assert (b >= 0).all(), "a step holds a skipped sample"
+        order = np.lexsort((ids, -self.tok[ids], b))  # by bucket, then longest first, then id
+        ids_sorted = ids[order]
+        present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
+        present, counts = present_arr.tolist(), counts_arr.tolist()
+        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in zip(present, starts.tolist(), counts)}
+
+        wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
+        wmax = np.maximum.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
+        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
+        ones = self._plan_part(present, counts, scale, keep=self.expand_best)
+        assert ones, "all buckets at the widest degree always fit the world"
+        one = ones[0]
+        cands = [(c[0], [c]) for c in ones]
+        if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
+            # split by the degree each bucket got in one phase, or by its cheapest degree
+            keys = [{j: self._pref_sp(one, j) for j in present},
+                    {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
+            seen = set()
+            for key in keys:
+                for k in sorted(set(key.values()))[1:]:
+                    wide = tuple(i for i, j in enumerate(present) if key[j] >= k)
+                    if wide in seen:
+                        continue
+                    seen.add(wide)
+                    narrow = [i for i in range(len(present)) if i not in set(wide)]
+                    a = self._plan_part([present[i] for i in wide], [counts[i] for i in wide], scale)
+                    z = self._plan_part([present[i] for i in narrow], [counts[i] for i in narrow], scale)
+                    if a and z:
+                        cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
+        # the class-level predictions rank the candidates; the best few are expanded, refined
+        # with each micro-batch's own time, and the one predicted to finish first is kept
+        cands.sort(key=lambda c: c[0])
+        best = None
+        for pre, parts in cands[: self.expand_best]:
+            if best is not None and pre > cands[0][0] * 1.02:
+                break
+            got = self._expand(step, parts, members)
+            if best is None or got[1] < best[1] * (1 - 1e-9):
+                best = got
+        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
+            from dcparallel.sim.replay import replay_step
+
+            other = self.fine.plan(step)
+            if replay_step(other, self.ctx).compute_time < replay_step(best[0], self.ctx).compute_time * (1 - 1e-9):
+                return other
+        return best[0]
+
+    @staticmethod
+    def _pref_sp(part, j: int) -> int:
+        return max(it.sp for it in part[1] if it.bucket == j)
+
+    # -- expansion to sample ids -------------------------------------------------------------
+    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> tuple[StepPlan, float]:
+        cursor = {j: 0 for j in members}
+        predicted = 0.0
+        cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
+        groups: list[GroupPlan] = []
+        for phase, (_, items, (by_k, count), _) in enumerate(parts):
+            gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
+            # every group of the phase, widest first; a group class is a range of them
+            ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
+            sizes: list[int] = []
+            for k in sorted(gclasses, reverse=True):
+                for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
+                    ranges.append((len(sizes), k, gc))
+                    sizes.extend([k] * gc.count)
+            chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
+            for ic, it in enumerate(items):
+                holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
+                ids = members[it.bucket]
+                cw = cumw[it.bucket]
+                t_one = self.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
+                s = cursor[it.bucket]
+                rnd = 0
+                while holders:
+                    # round by round, alternating direction and rotated per class, so each
+                    # group gets longer and shorter samples of the bucket
+                    gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
+                    o = (ic * 7919) % len(gl)
+                    gl = gl[o:] + gl[:o]
+                    for g in (gl if rnd % 2 == 0 else gl[::-1]):
+                        e = s + it.mbs
+                        w = cw[e] - cw[s]
+                        chunks[g].append((tuple(ids[s:e]), it.layout, w * t_one, it.bucket, w / it.mbs))
+                        s = e
+                    rnd += 1
+                    holders = [h for h in holders if h[2] > rnd]
+                cursor[it.bucket] = s
+            for k in gclasses:
+                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            if self._spill(sizes, chunks):
+                for k in gclasses:
+                    self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
+            ranks = place_groups(sizes, self.world)
+            for g, r in enumerate(ranks):
+                mbs = tuple(MicroBatch(c[0], c[1]) for c in chunks[g]) if g < len(chunks) else ()
+                groups.append(GroupPlan(r, mbs, phase))
+        assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
+        plan = StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
+        return plan, predicted
+
+    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
+        """Local search across degrees: move a micro-batch off the slowest group of the phase to
+        the least-loaded group of another SP degree, re-laid-out there (same samples, that
+        degree's recompute for copies of the bucket's largest sample), while the slowest
+        group's load falls."""
+        if len(set(sizes)) < 2:
+            return False
+        moved = False
+        loads = np.array([sum(c[2] for c in g) for g in chunks])
+        deg = np.array(sizes)
+        kinds = sorted(set(sizes))
+        for _ in range(max_iter):
+            a = int(np.argmax(loads))
+            top = loads[a]
+            best = None
+            for k in kinds:
+                if k == sizes[a]:
+                    continue
+                masked = np.where(deg == k, loads, np.inf)
+                z = int(np.argmin(masked))
+                if loads[z] >= top:
+                    continue
+                for i, c in enumerate(chunks[a]):
+                    j, m = c[3], len(c[0])
+                    if m > self.top[(j, k)]:
+                        continue
+                    t_new = self.ttab[(j, k)][m] * c[4]
+                    new = max(top - c[2], loads[z] + t_new)
+                    if new < top * (1 - 1e-6) and (best is None or new < best[0]):
+                        best = (new, i, z, k, t_new)
+            if best is None:
+                return moved
+            moved = True
+            _, i, z, k, t_new = best
+            c = chunks[a].pop(i)
+            loads[a] -= c[2]
+            lay = self._lt(c[3], len(c[0]), k)[0]
+            chunks[z].append((c[0], lay, t_new, c[3], c[4]))
+            loads[z] += t_new
+        return moved
+
+    @staticmethod
+    def _refine(gs: list[int], chunks: list[list[tuple]],
+                max_iter: int = 64) -> None:
+        """Local search on the slowest group of one degree, with each micro-batch timed from its
+        own samples: move a micro-batch to, or swap one with, the least-loaded group of that
+        degree while the pair's larger load falls."""
+        if len(gs) < 2:
+            return
+        loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
+        mean = float(loads.mean())
+        for _ in range(max_iter):
+            a, z = int(np.argmax(loads)), int(np.argmin(loads))
+            diff = loads[a] - loads[z]
+            if diff <= loads[a] * 1e-6 or loads[a] <= mean * 1.001:  # the slowest is within 0.1% of the mean
+                return
+            src, dst = chunks[gs[a]], chunks[gs[z]]
+            ta = np.array([c[2] for c in src])
+            tz = np.array([c[2] for c in dst] + [0.0])  # the 0 is a move instead of a swap
+            gain = ta[:, None] - tz[None, :]
+            score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
+            best = int(np.argmin(score))
+            if not np.isfinite(score.flat[best]):
+                return
+            i, j = divmod(best, len(tz))
+            moved = src.pop(i)
+            if j < len(dst):
+                src.append(dst.pop(j))
+            dst.append(moved)
+            loads[a] -= gain[i, j]
+            loads[z] += gain[i, j]
+
+
+def build(ctx: PlanContext, steps: Sequence[Step] = ()) -> ScalePlanner:
+    return ScalePlanner(ctx)
