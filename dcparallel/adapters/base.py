@@ -200,8 +200,12 @@ def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = N
         if layers is None:
             missing.append("layers: pass layers=[...] (the repeated transformer blocks) or give the model a "
                            ".layers ModuleList")
+    own_heads = getattr(getattr(model, "cfg", None), "num_heads", None)
+    if num_heads is not None and own_heads is not None and num_heads != own_heads:
+        raise ValueError(f"num_heads={num_heads} but {who} has {own_heads} attention heads (model.cfg.num_heads); "
+                         f"leave num_heads out or pass the model's own")
     if num_heads is None:
-        num_heads = getattr(getattr(model, "cfg", None), "num_heads", None)
+        num_heads = own_heads
         if num_heads is None:
             missing.append("num_heads: pass num_heads= (the attention heads; SP degrees must divide them)")
     if kind not in ("text", "video"):

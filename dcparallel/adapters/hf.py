@@ -90,8 +90,12 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"unexpected arguments for a transformers model: {sorted(unused)}")
     cfg = model.config
     blocks = list(layers) if layers is not None else _decoder_layers(model)
-    heads = num_heads or cfg.num_attention_heads
-    kv = num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
+    own_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    for what, given, own in (("num_heads", num_heads, cfg.num_attention_heads), ("num_kv_heads", num_kv_heads, own_kv)):
+        if given is not None and given != own:
+            raise ValueError(f"{what}={given} but the model's config has {own}; leave {what} out (it is read from "
+                             f"model.config)")
+    heads, kv = cfg.num_attention_heads, own_kv
     vocab = cfg.vocab_size
     attn_modules = lambda b: [b.self_attn]
     mlp_modules = lambda b: [b.mlp]

@@ -27,11 +27,18 @@ class PolicyRun:
     settings: dict
 
 
-def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str) -> PolicyRun:
+def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str, progress: bool = False) -> PolicyRun:
+    """Plans every step with ``policy`` (a tqdm bar on stderr with ``progress``) and simulates them."""
     t0 = time.perf_counter()
     planner = make_planner(policy, ctx, steps)
     t1 = time.perf_counter()
-    plans = [planner.plan(s) for s in steps]
+    if progress:
+        from tqdm import tqdm
+
+        steps_iter = tqdm(steps, desc=f"planning {policy}", unit="step", file=sys.stderr, leave=False)
+    else:
+        steps_iter = steps
+    plans = [planner.plan(s) for s in steps_iter]
     t2 = time.perf_counter()
     settings = dict(planner.describe())
     if getattr(planner, "tried", None):
@@ -49,9 +56,7 @@ def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, poli
     steps = form_steps(workload.tokens, seed=seed, epoch=epoch, tokens_per_step=tokens_per_step)
     runs = {}
     for name in policies:
-        if progress:
-            print(f"  planning {name} ({len(steps)} steps) ...", file=sys.stderr, flush=True)
-        runs[name] = plan_epoch(ctx, steps, name)
+        runs[name] = plan_epoch(ctx, steps, name, progress)
     bound = LowerBound(ctx).epoch(steps)
     return ctx, steps, runs, bound
 

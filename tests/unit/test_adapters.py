@@ -202,3 +202,13 @@ def test_bf16_models_train_with_fp32_gradient_accumulation(kind):
     loss = dc.sync_gradients()
     assert dc.flat_grad.dtype == torch.float32 and torch.isfinite(dc.flat_grad).all() and loss > 0
     assert all(p.grad.dtype == torch.bfloat16 and p.grad.abs().sum() > 0 for p in dc.params[:4])
+
+
+def test_heads_that_contradict_the_model_are_refused():
+    with pytest.raises(ValueError, match="num_heads=3 but Llama has 4 attention heads"):
+        DataCentricParallel(Llama(LlamaConfig(num_layers=2)), num_heads=3)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        DataCentricParallel(Llama(LlamaConfig(num_layers=2)), layers=[])
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="num_kv_heads=4 but the model's config has 2"):
+        DataCentricParallel(build("hf-llama"), num_kv_heads=4)
