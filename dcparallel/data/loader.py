@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import logging
+import multiprocessing
 import numbers
 import threading
 import time
@@ -429,11 +430,15 @@ class _PlanStream:
             self._thread.join()
 
 
-def _plan_process_main(conn, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                       lookahead: int) -> None:
+def _plan_process_main(conn, parent_end, build: Callable[[], Planner], steps: Sequence[step_former.Step],
+                       start: int, lookahead: int) -> None:
     """The planning process: plans steps start.. in order, at most `lookahead` steps past the
     furthest step the loader asked for, and sends each plan as it is done. Holds no plan once
-    it is sent, so its memory is the planner's bounded caches plus one step."""
+    it is sent, so its memory is the planner's bounded caches plus one step. It ends when the
+    training process does: the fork copied the parent's end of the pipe, which is closed
+    first, so the parent's death is an EOF here (else an orphan planner would outlive a
+    crashed rank and hold the launcher's output pipes open)."""
+    parent_end.close()
     try:
         planner = build()
         nxt, demand = start, start
@@ -470,8 +475,9 @@ class _ProcessPlanStream:
 
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_plan_process_main, args=(child, build, steps, start, max(1, lookahead)),
-                                 name=name, daemon=True)
+        self._proc = ctx.Process(target=_plan_process_main,
+                                 args=(child, self._conn, build, steps, start, max(1, lookahead)), name=name,
+                                 daemon=True)
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -552,7 +558,8 @@ class DataCentricLoader:
     - ``seed``: shuffles the samples per (seed, epoch).
     - ``lookahead``: steps planned ahead (0 = plan when needed, in the iterating thread);
       ``planning``: where: "process" (default: a forked child process, off the training
-      process's interpreter lock) or "thread" (a background thread).
+      process's interpreter lock; a thread in a daemonic process, which may not fork) or
+      "thread" (a background thread).
     - ``num_workers``: DataLoader worker processes loading and collating micro-batches
       (0 = in the iterating process); ``prefetch_factor``: micro-batches each worker
       loads ahead.
@@ -761,7 +768,12 @@ class DataCentricLoader:
         self._start = 0
         self._step = start
         steps = self.steps(epoch)
-        kind = _ProcessPlanStream if self.planning == "process" and self.lookahead > 0 else _PlanStream
+        in_process = self.planning == "process" and self.lookahead > 0
+        if in_process and multiprocessing.current_process().daemon:
+            # a daemonic process (e.g. a multiprocessing pool worker) may not start children
+            log.warning("rank %d: planning in a thread, not a process: this process is daemonic", self.rank)
+            in_process = False
+        kind = _ProcessPlanStream if in_process else _PlanStream
         stream = kind(functools.partial(self.planner, epoch), steps, start, self.lookahead,
                       name=f"dcparallel-plan-e{epoch}")
         loader = DataLoader(self._tasks, sampler=_TaskSampler(stream, epoch, start, len(steps), self.rank),
