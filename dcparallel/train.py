@@ -435,8 +435,10 @@ def _loader(cfg: Config, dc, dataset, lengths: list[int], out: Path, rank: int):
         cluster = dataclasses.replace(dc.cluster_spec, intra_bw=dc.cluster_spec.intra_bw or 1e10,
                                       inter_bw=dc.cluster_spec.inter_bw or 1e10)
         dc.cost = AnalyticCost(dc.spec, cluster)
-        return DataCentricLoader(dataset, lengths, cost=dc.cost, cluster=dc.cluster_spec, policy=t.policy,
-                                 tokens_per_step=t.tokens_per_step, seed=t.seed)
+        dc.loader = DataCentricLoader(dataset, lengths, cost=dc.cost, cluster=dc.cluster_spec, policy=t.policy,
+                                      tokens_per_step=t.tokens_per_step, seed=t.seed, collate=dc.adapter.collate,
+                                      device=dc.params[0].device)  # the adapter's collate, as prepare uses
+        return dc.loader
     check_fits(dc.spec, lengths, dc.cluster_spec.world_size, dc.cluster_spec.gpus_per_node, dc.memory_bytes)
     config = ProfilerConfig(repeats=pc.repeats, max_mbs=pc.max_mbs, max_tokens=pc.max_tokens,
                             memory_limit=dc.memory_bytes, progress=rank == 0)
