@@ -30,4 +30,7 @@ def test_device_check_dry_run_writes_every_part(tmp_path):
     steps = res["c"]["steps"]
     assert len(steps) == 3 and all(s["planned_compute_s"] > 0 and s["planned_peak_memory_bytes"] > 0 for s in steps)
     assert all(s["measured_peak_memory_bytes"] is None for s in steps)  # CUDA only
+    assert "errors" not in res["c"], res["c"].get("errors")
+    for family in ("transformers", "diffusers"):  # the adapters' model families train too
+        assert len(res["c"][family]) == 3 and all(s["planned_compute_s"] > 0 for s in res["c"][family])
     assert res["d"]["none_s"] > 0 and res["d"]["full_s"] > 0
