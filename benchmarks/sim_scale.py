@@ -126,9 +126,16 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
              "steps (the first step also fills the planner's caches).", "",
              f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
     pols = args.policies.split(",")
-    hdr = "| budget | world | scenario | dist | steps | samples/GPU | " + " | ".join(
-        f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |"
-    lines += [hdr, "|" + " --- |" * (7 + len(pols))]
+    lines += cell_table(results, pols)
+    args.out.write_text("\n".join(lines) + "\n")
+
+
+def cell_table(results: list[dict], pols: list[str]) -> list[str]:
+    """The markdown table of every cell: per policy its efficiency (and speedup over bucket),
+    and dcp's planning ms (median / max)."""
+    lines = ["| budget | world | scenario | dist | steps | samples/GPU | "
+             + " | ".join(f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |",
+             "|" + " --- |" * (7 + len(pols))]
     for r in results:
         cells = []
         for p in pols:
@@ -142,7 +149,7 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
         t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
         lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
                      f"{r['samples_per_gpu']} | " + " | ".join(cells) + f" | {t} |")
-    args.out.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main() -> int:

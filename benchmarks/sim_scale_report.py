@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.sim_scale import plot
+from benchmarks.sim_scale import cell_table, plot
 
 POLICY_ORDER = ["bucket", "packed", "megatron-dcp", "hbp", "dcp-v1", "dcp"]
 
@@ -85,22 +85,7 @@ def main() -> int:
                      + ("≤ 20 ms median, ≤ 100 ms max" if w == 1024 else "≤ 100 ms median") + ").")
     lines += ["", f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", "",
               "## Every cell", "",
-              "| budget | world | scenario | dist | steps | samples/GPU | " + " | ".join(
-                  f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |",
-              "|" + " --- |" * (7 + len(pols))]
-    for r in results:
-        cells = []
-        for p in pols:
-            v = r["policies"].get(p)
-            if v is None:
-                cells.append("—")
-            else:
-                x = v["speedup_vs_bucket"]
-                cells.append(f"{v['efficiency']:.3f}" + (f" (×{x:.2f})" if x else ""))
-        d = r["policies"]["dcp"]
-        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
-                     f"{r['samples_per_gpu']} | " + " | ".join(cells)
-                     + f" | {d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f} |")
+              *cell_table(results, pols)]
     args.out.write_text("\n".join(lines) + "\n")
     return 0
 
