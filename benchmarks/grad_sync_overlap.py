@@ -1,6 +1,6 @@
 """Step time with and without the overlapped gradient sync: measured on 2 CPU ranks (gloo,
 one thread each) on a model whose sync is visible, and simulated at 32 x H200 for the 7B
-text scenario (analytic cost model, `sim.overlap`).
+text scenario (analytic cost model, `cost.overlap`).
 
     .venv/bin/python benchmarks/grad_sync_overlap.py [--out benchmarks/grad-sync-overlap_cpu_<date>.md]
 
@@ -80,7 +80,7 @@ def simulated_7b(world: int = 32) -> dict:
     from dcparallel.plan.policies import make_planner
     from dcparallel.plan.steps import form_steps
     from dcparallel.scenarios import DEFAULT_SEED, SCENARIOS, sample_sizes
-    from dcparallel.sim.replay import simulate
+    from dcparallel.sim.replay import simulate, step_seconds
     from dcparallel.spec import Workload
 
     sc = SCENARIOS["text"]
@@ -94,7 +94,7 @@ def simulated_7b(world: int = 32) -> dict:
         row = {"sync_s": cost.grad_sync_time(), "num_params": sc.model.num_params, "steps": len(steps),
                "bound_s": LowerBound(ctx).epoch(steps)}
         for policy in ("bucket", "dcp"):
-            plans = [make_planner(policy, ctx, steps).plan(s) for s in steps]
+            plans = [make_planner(policy, ctx, steps, score=step_seconds(ctx)).plan(s) for s in steps]
             on, off = simulate(plans, ctx, overlap=True), simulate(plans, ctx, overlap=False)
             row[policy] = {"epoch_s_overlap": on.total_time, "epoch_s_no_overlap": off.total_time,
                            "exposed_sync_s_median": statistics.median(s.sync_time for s in on.steps),
@@ -138,7 +138,7 @@ def main() -> int:
              "## Simulated: 32 × H200 (4 nodes × 8), Llama-7B-like text scenario, analytic cost model", "",
              "Sync = one all-reduce of 4 B x parameters (hierarchical ring on the datasheet links, "
              "`cost/base.py:allreduce_time`); exposed with overlap = max(sync - 2/3 x the critical rank's last "
-             "micro-batch, sync / buckets) (`sim/overlap.py`).", "",
+             "micro-batch, sync / buckets) (`cost/overlap.py`).", "",
              "| distribution | policy | sync s | exposed sync s (median step) | epoch s no overlap | epoch s overlap | "
              "saved |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for d, row in sim.items():

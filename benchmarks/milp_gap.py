@@ -32,6 +32,7 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
+from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 
@@ -135,7 +136,7 @@ def main() -> int:
             cl = sc.cluster(args.world)
             ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
             steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // args.divide)[: args.steps]
-            p = ScalePlanner(ctx, phases=False)
+            p = ScalePlanner(ctx, step_seconds(ctx), phases=False)
             for st in steps:
                 counts, scale = class_model(p, st)
                 h = heuristic_makespan(p, p.plan(st), scale)

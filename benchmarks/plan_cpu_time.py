@@ -15,6 +15,7 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 
@@ -34,7 +35,7 @@ def main() -> int:
         cl = sc.cluster(args.world)
         ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
         steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps]
-        planner = make_planner("dcp", ctx, steps)
+        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
         cpu, wall = [], []
         for s in steps:
             c0, w0 = time.process_time(), time.perf_counter()

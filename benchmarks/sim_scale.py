@@ -29,7 +29,7 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
-from dcparallel.sim.replay import simulate
+from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 
 DEFAULT_LIMITS = {"packed": 1024, "dcp-intra": 128, "dcp-inter": 128, "dcp-inter-pac": 128, "dcp-v1": 128}
@@ -58,7 +58,7 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         if world > limits.get(name, 1 << 30):
             continue
         t1 = time.perf_counter()
-        planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps])
+        planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps], score=step_seconds(ctx))
         setup = time.perf_counter() - t1
         plans, ms = [], []
         for s in steps:

@@ -26,7 +26,7 @@ from dcparallel.scenarios import (
     read_lengths,
     sample_sizes,
 )
-from dcparallel.sim.replay import replay_step
+from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import ClusterSpec, Workload, h200_cluster
 
@@ -149,7 +149,7 @@ def cmd_plan(args) -> int:
     name, workload, cluster, cost, tps = _setup(args)
     ctx = PlanContext(workload, cost, cluster)
     steps = form_steps(workload.tokens, seed=args.seed, tokens_per_step=tps)
-    planner = make_planner(args.policy, ctx, steps)
+    planner = make_planner(args.policy, ctx, steps, score=step_seconds(ctx))
     for s in steps[: args.steps]:
         plan = planner.plan(s)
         res = replay_step(plan, ctx)

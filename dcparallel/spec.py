@@ -16,6 +16,12 @@ Size = Union[int, tuple[int, int, int]]
 
 AttentionPattern = Literal["causal", "full", "factorized"]
 
+#: The whole-model recompute settings, by name — the one table the planners, the profiler,
+#: the cost models and the adapters share. A setting recomputes the named part of every
+#: layer: "attn" the attention sub-block, "mlp" the MLP, "full" the whole block.
+StaticMode = Literal["none", "attn", "mlp", "full"]
+STATIC_MODES: tuple[StaticMode, ...] = ("none", "attn", "mlp", "full")
+
 GiB = 1024**3
 
 
@@ -57,6 +63,14 @@ class Recompute:
     @staticmethod
     def full(num_layers: int) -> Recompute:
         return Recompute(num_layers, num_layers)
+
+    @staticmethod
+    def static(mode: str, num_layers: int) -> Recompute:
+        """The counts of a whole-model setting of `STATIC_MODES` on `num_layers` layers."""
+        if mode not in STATIC_MODES:
+            raise ValueError(f"recompute setting {mode!r} is not one of {list(STATIC_MODES)}")
+        L = num_layers
+        return Recompute(L if mode in ("attn", "full") else 0, L if mode in ("mlp", "full") else 0)
 
     def is_full(self, num_layers: int) -> bool:
         return self.attn >= num_layers and self.mlp >= num_layers

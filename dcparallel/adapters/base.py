@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dcparallel.spec import ModelSpec, Size
+from dcparallel.spec import STATIC_MODES, ModelSpec, Size
 
 #: one micro-batch's work: (model, Batch, MicroBatchContext) -> the shard's summed loss
 LossFn = Callable[[nn.Module, Any, Any], Tensor]
@@ -92,7 +92,7 @@ class ModelAdapter:
         """The recompute modes this model supports: attention-/MLP-only need their sub-modules."""
         b = self.blocks[0]
         if self.attn_modules(b) and self.mlp_modules(b):
-            return ("none", "attn", "mlp", "full")
+            return STATIC_MODES
         return ("none", "full")
 
 

@@ -32,7 +32,7 @@ from dcparallel.cost.base import (
     grad_sync_time,
     model_state_bytes,
 )
-from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, kv_heads_sent
+from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, kv_heads_sent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +168,7 @@ def fit_calibration(kind: str) -> Calibration:
         vals = [r[5] / r[0] for r in sel_rows if r[3] == mode]
         return float(np.median(vals))
 
-    m_none, m_attn, m_mlp, m_full = (per_tok(k) for k in ("none", "attn", "mlp", "full"))
+    m_none, m_attn, m_mlp, m_full = (per_tok(k) for k in STATIC_MODES)
     act_attn, act_mlp = m_none - m_attn, m_none - m_mlp
     act_rest = m_none - act_attn - act_mlp
     # length-independent part per sample: least squares of saved = m_none*N + c*samples

@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Sequence
 
 from dcparallel.cost.base import MicroBatchTerms, cache_put
-from dcparallel.spec import ClusterSpec, ModelSpec, Size, check_size
+from dcparallel.spec import STATIC_MODES, ClusterSpec, ModelSpec, Size, check_size
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "dcparallel.profile"
 VERSION = 1
-MODES = ("none", "attn", "mlp", "full")
 
 
 @dataclass
@@ -93,7 +92,7 @@ class Profile:
             entries = list(d["entries"])
             keys = {b["key"] for b in buckets}
             for i, e in enumerate(entries):
-                if e["recompute"] not in MODES or e["bucket"] not in keys:
+                if e["recompute"] not in STATIC_MODES or e["bucket"] not in keys:
                     raise ValueError(f"entry {i} has an unknown recompute mode or bucket: {e}")
                 if int(e["sp"]) < 1 or int(e["mbs"]) < 1:
                     raise ValueError(f"entry {i} has sp={e['sp']}, mbs={e['mbs']}; both must be >= 1")
@@ -238,7 +237,7 @@ class ProfiledCost:
         n = len(toks)
         counts = Counter(toks)
         tot: dict[str, list[float]] = {}
-        for mode in MODES:
+        for mode in STATIC_MODES:
             if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
                 continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]

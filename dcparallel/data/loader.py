@@ -48,6 +48,7 @@ from dcparallel.plan.policies import POLICIES, Planner, make_planner
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.shard import IGNORE_INDEX, text_batch, video_batch
+from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import ClusterSpec, Size, Workload
 
 log = logging.getLogger(__name__)
@@ -579,7 +580,7 @@ class DataCentricLoader:
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
-    layout can hold (`OversizeError`, unless skip_oversize), a bad budget or policy, a
+    layout can hold (`NoLayoutFits`, unless skip_oversize), a bad budget or policy, a
     cluster whose world size is not the launched one.
     """
 
@@ -692,7 +693,7 @@ class DataCentricLoader:
 
     def planner(self, epoch: int) -> Planner:
         """A planner for the epoch (tuned baselines look at the epoch's steps)."""
-        return make_planner(self.policy, self.context, self.steps(epoch))
+        return make_planner(self.policy, self.context, self.steps(epoch), score=step_seconds(self.context))
 
     def plans(self, epoch: int | None = None, progress: bool = False) -> list[StepPlan]:
         """Every step plan of an epoch (default: the current one), planned here and now;

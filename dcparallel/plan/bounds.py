@@ -11,16 +11,16 @@ split (the PAC knapsack gives the fastest one that fits).
 
 Exposed sync: the runtime overlaps the bucketed sync with each rank's last backward, which
 is no longer than the backward share of the step's compute, and the last bucket is always
-exposed: max(sync - BACKWARD_FRACTION * compute bound, sync / buckets) (`sim.overlap`).
+exposed: max(sync - BACKWARD_FRACTION * compute bound, sync / buckets) (`cost.overlap`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from dcparallel.cost.overlap import exposed_sync, num_buckets
 from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
-from dcparallel.sim.overlap import exposed_sync, num_buckets
 from dcparallel.spec import Size
 
 
@@ -40,7 +40,7 @@ class LowerBound:
             top = ctx.max_mbs(size, k, "pac")
             if top == 0:
                 continue
-            f = min(f, ctx.copies_layout(size, 1, k, "pac")[1])
+            f = min(f, ctx.copies_layout(size, 1, k, "pac").time)
             for mbs in mbs_candidates(top):
                 _, t = ctx.copies_layout(size, mbs, k, "pac")
                 g = min(g, t * k / mbs)

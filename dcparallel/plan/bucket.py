@@ -7,7 +7,7 @@ micro-batches, in data order, are dealt round-robin to the data-parallel groups,
 their counts differ by at most one (static gradient accumulation).
 
 `tuned_bucket` picks the SP degree and recompute setting that give this baseline its best
-simulated throughput on the data at hand; `default_bucket` is Open-Sora's default, the
+predicted throughput on the data at hand; `default_bucket` is Open-Sora's default, the
 smallest SP degree at which the longest sample fits with full recomputation.
 """
 
@@ -16,16 +16,10 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from dcparallel.plan.context import PlanContext, RecomputeMode, static_recompute
+from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.spec import Layout
-
-STATIC_MODES: tuple[RecomputeMode, ...] = ("none", "attn", "mlp", "full")
-
-
-class Infeasible(ValueError):
-    pass
+from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
+from dcparallel.spec import STATIC_MODES, Layout, Recompute
 
 
 def data_parallel_groups(world: int, sp: int) -> list[tuple[int, ...]]:
@@ -42,21 +36,21 @@ class BucketPlanner:
 
     def __init__(self, ctx: PlanContext, sp: int, mode: RecomputeMode):
         self.ctx, self.sp, self.mode = ctx, sp, mode
-        self.recompute = static_recompute(mode, ctx.model.num_layers)
+        self.recompute = Recompute.static(mode, ctx.model.num_layers)
         self.mbs: dict[tuple[int, int], int] = {}
         times = {}
         for b, size in ctx.rep.items():
             m = ctx.max_mbs(size, sp, mode)
             if m == 0:
-                raise Infeasible(f"bucket {b} (size {size!r}) does not fit at sp={sp}, recompute={mode}")
+                raise NoLayoutFits(f"bucket {b} (size {size!r}) does not fit at sp={sp}, recompute={mode}")
             self.mbs[b] = m
-            times[b] = ctx.copies_layout(size, m, sp, mode)[1]
+            times[b] = ctx.copies_layout(size, m, sp, mode).time
         median = statistics.median(times.values())
         for b, t in times.items():  # trim toward the median micro-batch time
             m = self.mbs[b]
             while m > 1 and t > median:
                 m -= 1
-                t = ctx.copies_layout(ctx.rep[b], m, sp, mode)[1]
+                t = ctx.copies_layout(ctx.rep[b], m, sp, mode).time
             self.mbs[b] = m
         self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
 
@@ -85,45 +79,48 @@ class BucketPlanner:
         return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
 
 
-def tune_static(ctx: PlanContext, steps: Sequence[Step], make, max_steps: int = 64):
+def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max_steps: int = 64) -> Tuned:
     """Builds `make(ctx, sp, mode)` for every static SP degree and recompute setting and
-    returns the one with the least simulated time on (an even subset of) `steps`, with the
-    time of every candidate tried as its `tried`."""
-    from dcparallel.sim.replay import simulate
-
-    subset = list(steps)
-    if len(subset) > max_steps:
-        stride = len(subset) / max_steps
-        subset = [subset[int(i * stride)] for i in range(max_steps)]
+    returns the one whose plans of (an even subset of) `steps` have the least predicted time
+    (`score`: a plan's predicted step seconds), with the time of every candidate tried."""
+    subset = even_subset(steps, max_steps)
     tried: dict[str, float] = {}
     best = None
     for sp in static_candidates(ctx):
         for mode in STATIC_MODES:
             try:
                 planner = make(ctx, sp, mode)
-            except Infeasible:
+            except NoLayoutFits:
                 continue
-            t = simulate((planner.plan(s) for s in subset), ctx).total_time
+            t = sum(score(planner.plan(s)) for s in subset)
             tried[f"sp{sp}-{mode}"] = t
             if best is None or t < best[0]:
                 best = (t, planner)
     if best is None:
-        raise Infeasible("no single SP degree and recompute setting fits every sample; "
-                         "static baselines cannot run this data on this cluster")
-    best[1].tried = tried
-    return best[1]
+        raise NoLayoutFits("no single SP degree and recompute setting fits every sample; "
+                           "static baselines cannot run this data on this cluster")
+    return Tuned(best[1], tried)
 
 
-def tuned_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:
-    return tune_static(ctx, steps, BucketPlanner)
+def even_subset(steps: Sequence[Step], max_steps: int) -> list[Step]:
+    """At most `max_steps` of `steps`, evenly spread (all of them if there are fewer)."""
+    subset = list(steps)
+    if len(subset) > max_steps:
+        stride = len(subset) / max_steps
+        subset = [subset[int(i * stride)] for i in range(max_steps)]
+    return subset
 
 
-def default_bucket(ctx: PlanContext, steps: Sequence[Step]) -> BucketPlanner:
+def tuned_bucket(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    return tune_static(ctx, steps, BucketPlanner, score)
+
+
+def default_bucket(ctx: PlanContext) -> BucketPlanner:
     for sp in static_candidates(ctx):
         try:
             p = BucketPlanner(ctx, sp, "full")
-        except Infeasible:
+        except NoLayoutFits:
             continue
         p.name = "bucket-default"
         return p
-    raise Infeasible("no SP degree fits every sample even with full recomputation")
+    raise NoLayoutFits("no SP degree fits every sample even with full recomputation")

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
-from dcparallel.spec import ClusterSpec, Layout, Recompute, Size, Workload, batch_key, sp_chain
+from dcparallel.plan.types import REL_TOL, Fit, NoLayoutFits
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, sp_chain
 
-#: How a policy picks recompute: "none"/"attn"/"mlp"/"full" fixed for every layer,
+#: How a policy picks recompute: a `spec.STATIC_MODES` setting fixed for every layer,
 #: "fit" = the fastest of those four that fits, per micro-batch, "pac" = the fastest
 #: per-layer split that fits (knapsack over layers x {attention, MLP}).
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
@@ -39,10 +40,6 @@ class Option:
     @property
     def gpu_s_per_sample(self) -> float:
         return self.time * self.layout.sp / self.layout.mbs
-
-
-class OversizeError(ValueError):
-    """A sample fits no layout on the cluster."""
 
 
 class PlanContext:
@@ -85,8 +82,7 @@ class PlanContext:
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:
         return self.cost.terms(sizes, sp)  # the cost models cache their terms
 
-    def copies_layout(self, size: Size, count: int, sp: int, mode: RecomputeMode
-                      ) -> tuple[Layout, float] | None:
+    def copies_layout(self, size: Size, count: int, sp: int, mode: RecomputeMode) -> Fit | None:
         """`layout_for` of `count` copies of one size (how bucket layouts are sized)."""
         key = (size, count, sp, mode)
         hit = self._fit.get(key, 0)
@@ -94,7 +90,7 @@ class PlanContext:
             return hit
         terms = self.cost.terms_copies(size, count, sp)
         r = self.recompute_for(terms, mode)
-        out = None if r is None else (Layout(sp, count, r), terms.time(r))
+        out = None if r is None else Fit(Layout(sp, count, r), terms.time(r))
         self._fit[key] = out
         return out
 
@@ -104,13 +100,12 @@ class PlanContext:
         if mode == "pac":
             return terms.cheapest_recompute(self.budget)
         if mode == "fit":  # the fastest whole-model setting that fits
-            fits = [r for r in (Recompute(0, 0), Recompute(L, 0), Recompute(0, L), Recompute(L, L))
-                    if terms.memory(r) <= self.budget]
+            fits = [r for r in (Recompute.static(m, L) for m in STATIC_MODES) if terms.memory(r) <= self.budget]
             return min(fits, key=terms.time) if fits else None
-        r = static_recompute(mode, L)
+        r = Recompute.static(mode, L)
         return r if terms.memory(r) <= self.budget else None
 
-    def layout_for(self, sizes: tuple[Size, ...], sp: int, mode: RecomputeMode) -> tuple[Layout, float] | None:
+    def layout_for(self, sizes: tuple[Size, ...], sp: int, mode: RecomputeMode) -> Fit | None:
         """The layout (with recompute per `mode`) of a micro-batch of these samples at `sp`
         and its time, or None if it does not fit."""
         key = (sizes, sp, mode)
@@ -119,7 +114,7 @@ class PlanContext:
             return hit
         terms = self.terms(sizes, sp)
         r = self.recompute_for(terms, mode)
-        return cache_put(self._mixed, key, None if r is None else (Layout(sp, len(sizes), r), terms.time(r)))
+        return cache_put(self._mixed, key, None if r is None else Fit(Layout(sp, len(sizes), r), terms.time(r)))
 
     def max_mbs(self, size: Size, sp: int, mode: RecomputeMode, cap: int = MAX_MBS) -> int:
         """Largest micro-batch of copies of `size` that fits at `sp` with `mode` (0 if none)."""
@@ -154,10 +149,10 @@ class PlanContext:
                 continue
             best = None
             for mbs in mbs_candidates(top):
-                lt = self.copies_layout(size, mbs, k, mode)
-                assert lt is not None
-                opt = Option(lt[0], lt[1])
-                if best is None or opt.gpu_s_per_sample < best.gpu_s_per_sample * (1 - 1e-9):
+                fit = self.copies_layout(size, mbs, k, mode)
+                assert fit is not None
+                opt = Option(fit.layout, fit.time)
+                if best is None or opt.gpu_s_per_sample < best.gpu_s_per_sample * (1 - REL_TOL):
                     best = opt
             if best is not None:
                 out[k] = best
@@ -181,7 +176,7 @@ class PlanContext:
         """Every sample must fit some layout: the largest SP degree with full recompute."""
         k = self.sp_sizes[-1]
         L = self.model.num_layers
-        bad: list[tuple[int, Size, float]] = []
+        bad: list[tuple[int, Size, float]] = []  # (sample id, size, bytes it needs)
         checked: dict[Size, float | None] = {}
         for i, s in enumerate(self.sizes):
             if s not in checked:
@@ -192,8 +187,8 @@ class PlanContext:
             if need is not None:
                 bad.append((i, s, need))
         if bad and not skip_oversize:
-            i, s, need = max(bad, key=lambda b: b[2])
-            raise OversizeError(
+            i, s, need = max(bad, key=lambda b: (b[2], -b[0]))
+            raise NoLayoutFits(
                 f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
                 f"full recomputation it needs {need / 2**30:.1f} GiB per rank, more than the "
                 f"{self.budget / 2**30:.1f} GiB usable; {len(bad)} sample(s) are too large. Use more "
@@ -204,15 +199,6 @@ class PlanContext:
             self.usable_ids = [i for i in range(len(self.sizes)) if i not in skip]
         else:
             self.usable_ids = list(range(len(self.sizes)))
-
-
-def static_recompute(mode: RecomputeMode, num_layers: int) -> Recompute:
-    """The recompute counts of a whole-run setting: every layer recomputes the named part."""
-    L = num_layers
-    table = {"none": Recompute(0, 0), "attn": Recompute(L, 0), "mlp": Recompute(0, L), "full": Recompute(L, L)}
-    if mode not in table:
-        raise ValueError(f"recompute setting {mode!r} is not one of {sorted(table)}")
-    return table[mode]
 
 
 def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode: RecomputeMode) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""The data-centric planner shared by `dcp-intra`, `dcp-inter` and `dcp-inter-pac`.
+"""The per-sample data-centric planner: the rows `dcp-intra`, `dcp-inter`, `dcp-inter-pac`, `dcp-v1`.
 
 For each step:
 1. every bucket of the step takes its own layout: the SP degree and micro-batch size of
@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt, place_groups
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.spec import Layout
+from dcparallel.plan.types import MIN_GAIN, REL_TOL, TIME_EPS, Chunk, GroupPlan, MicroBatch, StepPlan
 
 
 class DCPPlanner:
@@ -54,7 +53,7 @@ class DCPPlanner:
         for b, ids in by_bucket.items():
             opts = self.options[b]
             # the time of the bucket's largest micro-batch in this step at each degree
-            mb_time = {k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode)[1]
+            mb_time = {k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode).time
                        for k, o in opts.items() if k >= sp[b]}
             if mb_time[sp[b]] <= avg:
                 continue
@@ -62,7 +61,7 @@ class DCPPlanner:
             sp[b] = within[0] if within else min(mb_time, key=lambda k: (mb_time[k], k))
         return sp
 
-    def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[tuple[tuple[int, ...], Layout, float]]:
+    def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[Chunk]:
         """The bucket's samples in micro-batches of its micro-batch size at SP degree k; each
         micro-batch gets the recompute setting its own samples need (a partial or shorter
         micro-batch may keep more activations than the bucket's largest would)."""
@@ -73,7 +72,7 @@ class DCPPlanner:
             chunk = tuple(ids[s:s + m])
             fit = ctx.layout_for(tuple(ctx.sizes[i] for i in chunk), k, self.mode)
             assert fit is not None, "a bucket's layout fits its largest sample, so it fits these"
-            out.append((chunk, fit[0], fit[1]))
+            out.append(Chunk(chunk, fit.layout, fit.time))
         return out
 
     # -- 2. groups per SP degree ---------------------------------------------------------
@@ -117,7 +116,7 @@ class DCPPlanner:
             if not open_:
                 break
             k = max(open_, key=lambda j: spans[j][count[j] - 1])
-            if spans[k][count[k]] >= spans[k][count[k] - 1] - 1e-12:
+            if spans[k][count[k]] >= spans[k][count[k] - 1] - TIME_EPS:
                 break
             count[k] += 1
             free -= k
@@ -148,14 +147,14 @@ class DCPPlanner:
             for parts in splits:
                 phases = [self._groups(part, {b: c[b] for b in part}) for part in parts]
                 end = sum(span for _, _, span in phases)
-                if best is None or end < best[0] * (1 - 1e-9):
+                if best is None or end < best[0] * (1 - REL_TOL):
                     best = (end, [(sizes, mbs) for sizes, mbs, _ in phases])
         groups = []
         for phase, (group_sizes, group_mbs) in enumerate(best[1]):
             order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
             ranks = place_groups([group_sizes[g] for g in order], world)
             for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
-                mbs = () if g is None else tuple(MicroBatch(c, lay) for c, lay, _ in group_mbs[g])
+                mbs = () if g is None else tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g])
                 groups.append(GroupPlan(r, mbs, phase))
         return StepPlan(step.index, step.sample_ids, tuple(groups),
                         ctx.step_tokens(step.sample_ids))
@@ -165,18 +164,18 @@ class DCPPlanner:
         ctx = self.ctx
         world = ctx.cluster.world_size
 
-        def build_classes() -> dict[int, list[tuple[tuple[int, ...], Layout, float]]]:
+        def build_classes() -> dict[int, list[Chunk]]:
             classes: dict[int, list] = {}
             for b, ids in by_bucket.items():
                 for item in self._chunk(ids, b, sp_of[b]):
-                    classes.setdefault(item[1].sp, []).append(item)
+                    classes.setdefault(item.layout.sp, []).append(item)
             return classes
 
         classes = build_classes()
         # one group per SP degree must fit the world: fold the least-work degree upward
         while sum(classes) > world:
             ks = sorted(classes)
-            work = {k: sum(t for _, _, t in classes[k]) * k for k in ks}
+            work = {k: sum(c.time for c in classes[k]) * k for k in ks}
             k_small = min(ks[:-1], key=lambda k: (work[k], k))
             k_up = next(k for k in ks if k > k_small)
             for b in by_bucket:
@@ -184,16 +183,16 @@ class DCPPlanner:
                     sp_of[b] = k_up if k_up in self.options[b] else max(self.options[b])
             classes = build_classes()
 
-        count, free = self._allocate({k: [t for _, _, t in v] for k, v in classes.items()}, world)
+        count, free = self._allocate({k: [c.time for c in v] for k, v in classes.items()}, world)
 
         # -- 3. deal micro-batches to groups ------------------------------------------
         group_sizes: list[int] = []
-        group_mbs: list[list[tuple[tuple[int, ...], Layout, float]]] = []
+        group_mbs: list[list[Chunk]] = []
         for k in sorted(classes, reverse=True):
             n = count[k]
             items = classes[k]
             if self.balance:
-                assign, _ = lpt([t for _, _, t in items], n)
+                assign, _ = lpt([c.time for c in items], n)
             else:
                 assign = [list(range(g, len(items), n)) for g in range(n)]
             for g in range(n):
@@ -209,19 +208,19 @@ class DCPPlanner:
             free -= k
         if self.balance:
             self._steal(group_sizes, group_mbs)
-        makespan = max((sum(t for _, _, t in g) for g in group_mbs), default=0.0)
+        makespan = max((sum(c.time for c in g) for g in group_mbs), default=0.0)
         return group_sizes, group_mbs, makespan
 
     # -- 3b. move micro-batches off the slowest group ----------------------------------
-    def _steal(self, sizes: list[int], mbs: list[list[tuple[tuple[int, ...], Layout, float]]]) -> None:
+    def _steal(self, sizes: list[int], mbs: list[list[Chunk]]) -> None:
         """Local search on the step's makespan: move a micro-batch (or half of one, split in
         two) off the slowest group to a group where it finishes earlier, re-laid-out at that
         group's SP degree, while that lowers the slowest group's load."""
         ctx = self.ctx
-        loads = [sum(t for _, _, t in g) for g in mbs]
+        loads = [sum(c.time for c in g) for g in mbs]
         for _ in range(4 * sum(len(g) for g in mbs) + 8):
             src = max(range(len(loads)), key=loads.__getitem__)
-            top = loads[src] * (1 - 1e-6)
+            top = loads[src] * (1 - MIN_GAIN)
             # a moved micro-batch takes the same time on every group of one size: only the
             # least-loaded group of each size is a candidate destination
             least: dict[int, int] = {}
@@ -241,8 +240,8 @@ class DCPPlanner:
                         fit = ctx.layout_for(tuple(ctx.sizes[i] for i in kept), sizes[src], self.mode)
                         if fit is None:
                             continue
-                        keep = (kept, fit[0], fit[1])
-                        rest += fit[1]
+                        keep = Chunk(kept, fit.layout, fit.time)
+                        rest += fit.time
                     if rest >= top:
                         continue
                     sz = tuple(ctx.sizes[i] for i in moved)
@@ -255,16 +254,15 @@ class DCPPlanner:
                         fit = ctx.layout_for(sz, sizes[dst], self.mode)
                         if fit is None:
                             continue
-                        new_max = max(rest, loads[dst] + fit[1])
+                        new_max = max(rest, loads[dst] + fit.time)
                         if new_max < top and (best is None or new_max < best[0]):
-                            best = (new_max, j, dst, keep, (moved, fit[0], fit[1]))
+                            best = (new_max, j, dst, keep, Chunk(moved, fit.layout, fit.time))
             if best is None:
                 return
             _, j, dst, keep, move = best
-            _, _, t = mbs[src].pop(j)
-            loads[src] -= t
+            loads[src] -= mbs[src].pop(j).time
             if keep is not None:
                 mbs[src].insert(j, keep)
-                loads[src] += keep[2]
+                loads[src] += keep.time
             mbs[dst].append(move)
-            loads[dst] += move[2]
+            loads[dst] += move.time

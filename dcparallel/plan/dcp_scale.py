@@ -40,7 +40,7 @@ import numpy as np
 
 from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates, place_groups
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import REL_TOL, GroupPlan, MicroBatch, Score, StepPlan
 from dcparallel.spec import Layout
 
 #: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
@@ -144,9 +144,12 @@ def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
 class ScalePlanner:
     name = "dcp"
 
-    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp",
-                 expand_best: int = 3):
+    def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac",
+                 phases: bool = True, name: str = "dcp", expand_best: int = 3):
         self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
+        #: a plan's predicted step seconds (`plan.policies.Score`): picks between the class-level
+        #: and the per-sample plan
+        self.score = score
         #: how many of the best class-level candidates are expanded and refined per step
         self.expand_best = expand_best
         self.world = ctx.cluster.world_size
@@ -468,10 +471,8 @@ class ScalePlanner:
             if best is None or got[1] < best[1] * (1 - 1e-9):
                 best = got
         if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
-            from dcparallel.sim.replay import replay_step
-
             other = self.fine.plan(step)
-            if replay_step(other, self.ctx).compute_time < replay_step(best[0], self.ctx).compute_time * (1 - 1e-9):
+            if self.score(other) < self.score(best[0]) * (1 - REL_TOL):
                 return other
         return best[0]
 
@@ -603,5 +604,3 @@ class ScalePlanner:
             loads[z] += gain[i, j]
 
 
-def build(ctx: PlanContext, steps: Sequence[Step] = ()) -> ScalePlanner:
-    return ScalePlanner(ctx)

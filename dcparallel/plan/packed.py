@@ -6,7 +6,7 @@ bins dealt evenly to the data-parallel groups (longest bin first to the least-lo
 The capacity is the most tokens a micro-batch can hold in memory at that SP degree and
 recompute setting.
 
-`tuned_packed` picks the SP degree and recompute setting with the best simulated
+`tuned_packed` picks the SP degree and recompute setting with the best predicted
 throughput, as `tuned_bucket` does.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dcparallel.plan.bucket import Infeasible, data_parallel_groups, tune_static
-from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, pack_bins, static_recompute
+from dcparallel.plan.bucket import data_parallel_groups, tune_static
+from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, pack_bins
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.spec import Layout
+from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
+from dcparallel.spec import Layout, Recompute
 
 
 class PackedPlanner:
@@ -26,7 +26,7 @@ class PackedPlanner:
 
     def __init__(self, ctx: PlanContext, sp: int, mode: RecomputeMode):
         self.ctx, self.sp, self.mode = ctx, sp, mode
-        self.recompute = static_recompute(mode, ctx.model.num_layers)
+        self.recompute = Recompute.static(mode, ctx.model.num_layers)
         self.capacity = self._capacity()
         self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
 
@@ -39,7 +39,7 @@ class PackedPlanner:
         for size in ctx.rep.values():
             m = ctx.max_mbs(size, self.sp, self.mode, cap=1 << 16)
             if m == 0:
-                raise Infeasible(f"size {size!r} does not fit at sp={self.sp}, recompute={self.mode}")
+                raise NoLayoutFits(f"size {size!r} does not fit at sp={self.sp}, recompute={self.mode}")
             caps.append(m * ctx.model.tokens(size))
         if ctx.model.kind != "text":
             return max(caps)
@@ -74,5 +74,5 @@ class PackedPlanner:
         return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
 
 
-def tuned_packed(ctx: PlanContext, steps: Sequence[Step]) -> PackedPlanner:
-    return tune_static(ctx, steps, PackedPlanner)
+def tuned_packed(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    return tune_static(ctx, steps, PackedPlanner, score)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dcparallel.plan.bucket import even_subset
 from dcparallel.plan.context import PlanContext, lpt, pack_bins, place_groups
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import GroupPlan, MicroBatch, Score, StepPlan, Tuned
 
 
 def _rank_capacity(ctx: PlanContext) -> int:
@@ -161,33 +162,27 @@ class HierarchicalBalancePacking(_LevelPlanner):
         return next((k for k in self._levels if k >= need and t <= k * self.cap), self._levels[-1])
 
 
-def _tuned(cls, ctx: PlanContext, steps: Sequence[Step], max_steps: int = 8):
+def _tuned(cls, ctx: PlanContext, steps: Sequence[Step], score: Score, max_steps: int = 8) -> Tuned:
     """The rank capacity is those systems' main knob (max tokens per rank): tried at the most
-    one rank holds and at 1/2 .. 1/64 of it; the one of least simulated time on (an even
-    subset of) the steps is kept, as the static baselines are tuned."""
-    from dcparallel.sim.replay import simulate
-
+    one rank holds and at 1/2 .. 1/64 of it; the one whose plans of (an even subset of) the
+    steps have the least predicted time (`score`) is kept, as the static baselines are tuned."""
     top = _rank_capacity(ctx)
-    subset = list(steps)
-    if len(subset) > max_steps:
-        stride = len(subset) / max_steps
-        subset = [subset[int(i * stride)] for i in range(max_steps)]
+    subset = even_subset(steps, max_steps)
     best = None
     tried = {}
     for d in (1, 2, 4, 8, 16, 32, 64):
         cap = max(1, top // d)
         planner = cls(ctx, cap)
-        t = simulate((planner.plan(s) for s in subset), ctx).total_time if subset else 0.0
+        t = sum(score(planner.plan(s)) for s in subset)
         tried[f"cap{cap}"] = t
         if best is None or t < best[0]:
             best = (t, planner)
-    best[1].tried = tried
-    return best[1]
+    return Tuned(best[1], tried)
 
 
-def build_megatron(ctx: PlanContext, steps: Sequence[Step] = ()) -> MegatronDynamicCP:
-    return _tuned(MegatronDynamicCP, ctx, steps)
+def build_megatron(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    return _tuned(MegatronDynamicCP, ctx, steps, score)
 
 
-def build_hbp(ctx: PlanContext, steps: Sequence[Step] = ()) -> HierarchicalBalancePacking:
-    return _tuned(HierarchicalBalancePacking, ctx, steps)
+def build_hbp(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    return _tuned(HierarchicalBalancePacking, ctx, steps, score)

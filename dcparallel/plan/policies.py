@@ -1,14 +1,20 @@
-"""Policies by name: one table that `--policy NAME` and `policy="NAME"` both resolve through."""
+"""Policies by name: one table that `--policy NAME` and `policy="NAME"` both resolve through.
+
+Policies that tune on the data or compare candidate plans need a plan's predicted step
+time; the planning core does not simulate, so that **score** is passed in by the caller
+(`dcparallel.sim.replay.step_seconds(ctx)` is the simulator's).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, dcp_full, dcp_inter, dcp_inter_pac, dcp_intra, dcp_scale, packed, peers
-from dcparallel.plan.context import PlanContext
+from dcparallel.plan import bucket, dcp_scale, packed, peers
+from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp import DCPPlanner
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import StepPlan
+from dcparallel.plan.types import Score, StepPlan, Tuned
 
 
 class Planner(Protocol):
@@ -23,8 +29,19 @@ class Planner(Protocol):
 class PolicySpec:
     name: str
     description: str
-    #: builds a planner for a workload; gets the epoch's steps (static baselines tune on them)
-    build: Callable[[PlanContext, Sequence[Step]], Planner]
+    #: builds a planner for a workload from the epoch's steps (static baselines tune on them)
+    build: Callable[[PlanContext, Sequence[Step], Score], Tuned]
+
+
+def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False):
+    """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp`)."""
+    def build(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+        return Tuned(DCPPlanner(ctx, name=name, mode=mode, balance=balance, promote=True, phases=phases))
+    return build
+
+
+def _untuned(make: Callable[[PlanContext, Score], Planner]):
+    return lambda ctx, steps, score: Tuned(make(ctx, score))
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -33,22 +50,25 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
         PolicySpec("bucket-default", "Open-Sora's default: smallest SP degree that fits the longest "
-                   "sample with full recompute (context only)", bucket.default_bucket),
+                   "sample with full recompute (context only)",
+                   _untuned(lambda ctx, score: bucket.default_bucket(ctx))),
         PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "
                    "bins packed first-fit decreasing, dealt evenly", packed.tuned_packed),
-        PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count", dcp_intra.build),
+        PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count",
+                   _dcp("dcp-intra", "fit", balance=False)),
         PolicySpec("dcp-inter", "dcp-intra + per-group gradient accumulation balancing the step",
-                   dcp_inter.build),
+                   _dcp("dcp-inter", "fit", balance=True)),
         PolicySpec("dcp-inter-pac", "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
-                   dcp_inter_pac.build),
+                   _dcp("dcp-inter-pac", "pac", balance=True)),
         PolicySpec("dcp-v1", "the previous dcp: dcp-inter-pac + two-phase steps (per-sample planning; "
-                   "slow at scale, kept for comparison)", dcp_full.build),
+                   "slow at scale, kept for comparison)", _dcp("dcp-v1", "pac", balance=True, phases=True)),
         PolicySpec("megatron-dcp", "reproduction of Megatron-Core's dynamic CP from its description: CP size = "
                    "next power of two of tokens / rank capacity, packed, balanced per CP size", peers.build_megatron),
         PolicySpec("hbp", "reproduction of hierarchical balance packing from its description: three packing "
                    "lengths, each with its own SP degree and checkpointing, packs balanced", peers.build_hbp),
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
-                   "GPU), planned over (bucket, count) and group classes, two-phase steps", dcp_scale.build),
+                   "GPU), planned over (bucket, count) and group classes, two-phase steps",
+                   _untuned(dcp_scale.ScalePlanner)),
     ]
 }
 
@@ -56,8 +76,13 @@ POLICIES: dict[str, PolicySpec] = {
 ALL = ["bucket-default", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp"]
 
 
-def make_planner(name: str, ctx: PlanContext, steps: Sequence[Step] = ()) -> Planner:
+def tune(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Tuned:
+    """Builds policy ``name``'s planner (tuning it on ``steps`` where it tunes)."""
     spec = POLICIES.get(name)
     if spec is None:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return spec.build(ctx, steps)
+    return spec.build(ctx, steps, score)
+
+
+def make_planner(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Planner:
+    return tune(name, ctx, steps, score=score).planner

@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 from dcparallel.spec import Layout
+
+#: a candidate replaces the best so far only if better by this relative margin, so ties keep
+#: the first candidate of the fixed search order (every rank computes the same plan)
+REL_TOL = 1e-9
+#: a micro-batch moves off the slowest group only if that shortens it by this fraction
+MIN_GAIN = 1e-6
+#: float times (seconds) closer than this are equal
+TIME_EPS = 1e-12
+
+
+class NoLayoutFits(ValueError):
+    """A sample, a bucket or a whole-run setting fits no layout on the cluster."""
+
+
+class Fit(NamedTuple):
+    """A layout that fits a micro-batch, with the micro-batch's time (seconds)."""
+
+    layout: Layout
+    time: float
+
+
+class Chunk(NamedTuple):
+    """A planned micro-batch before it is placed: its samples, layout and time."""
+
+    sample_ids: tuple[int, ...]
+    layout: Layout
+    time: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +124,17 @@ class StepPlan:
                 f"phase {p}'s groups do not tile the world: {seen_ranks}"
         used = sorted(i for m in self.micro_batches() for i in m.sample_ids)
         assert used == sorted(self.sample_ids), f"step {self.index} does not use each sample once"
+
+
+#: the predicted seconds of one step's plan (compute + the exposed gradient sync), passed in to
+#: the policies that tune or compare plans (the simulator's: `sim.replay.step_seconds(ctx)`)
+Score = Callable[[StepPlan], float]
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A built planner (`plan.policies.Planner`) and, for a policy tuned on the data, the
+    predicted seconds of every setting it tried on the sampled steps (name -> seconds)."""
+
+    planner: Any
+    tried: dict[str, float] = field(default_factory=dict)

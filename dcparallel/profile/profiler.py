@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dcparallel.cost.profiled import MODES, Profile
-from dcparallel.plan.context import static_recompute
+from dcparallel.cost.profiled import Profile
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
@@ -59,9 +58,11 @@ from dcparallel.profile.measure import (
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import DataCentricParallel
 from dcparallel.spec import (
+    STATIC_MODES,
     ClusterSpec,
     Layout,
     ModelSpec,
+    Recompute,
     Size,
     bucket_key,
     check_size,
@@ -99,7 +100,7 @@ class ProfilerConfig:
     """bytes per rank for model states + activations; on CPU a fake allocator limit (a
     forward that passes it raises torch.OutOfMemoryError), on GPU a budget below the card's
     memory. None: the card's memory (GPU), unlimited (CPU)"""
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = STATIC_MODES
     """recompute modes to measure ("none", "attn", "mlp", "full")"""
     sp_sizes: tuple[int, ...] | None = None
     """SP degrees to measure; None = every size the world allows (`spec.group_sizes`)"""
@@ -199,9 +200,9 @@ class Profiler:
                 raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
         if c.min_gain < 0:
             raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {c.min_gain}")
-        bad = [m for m in self.config.modes if m not in MODES]
+        bad = [m for m in self.config.modes if m not in STATIC_MODES]
         if bad:
-            raise ValueError(f"unknown recompute modes {bad}; use some of {list(MODES)}")
+            raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
         self.engine = engine or DataCentricParallel(model, layers=self.layers, num_heads=spec.num_heads,
@@ -310,7 +311,7 @@ class Profiler:
         memory the layout keeps its short-stack measurement and the validation is skipped."""
         cfg = self.config
         group = self.engine.groups.group(ranks)
-        layout = Layout(len(ranks), mbs, static_recompute(mode, self.spec.num_layers))  # planner layers
+        layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers))  # planner layers
         state = self.model_state_bytes()
         inputs = None
         mem: dict[int, float] = {}
@@ -480,7 +481,7 @@ class Profiler:
         gathered = comm.all_gather_object([e for e in local if e["ranks"][0] == self.rank])
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
-                         key=lambda e: (order[e["bucket"]], e["sp"], MODES.index(e["recompute"]), e["mbs"]))
+                         key=lambda e: (order[e["bucket"]], e["sp"], STATIC_MODES.index(e["recompute"]), e["mbs"]))
         clamped = sum(comm.all_gather_object(clamped))
 
         feasible = {e["bucket"] for e in entries if e["feasible"]}

@@ -4,7 +4,7 @@ A step's groups run their micro-batches back to back; a group of a later phase s
 when all its ranks are done with the phase before (its collectives wait for them); the
 step ends when the last rank is done and all ranks have met for the gradient sync; with
 ``overlap`` (the runtime's default) only the part of the sync that the last backward of the
-last rank to finish cannot hide counts (`sim.overlap`). Idle is the time a rank is not
+last rank to finish cannot hide counts (`cost.overlap`). Idle is the time a rank is not
 running a micro-batch before the sync. A micro-batch whose peak
 memory exceeds the usable memory makes the plan invalid (counted in `memory_violations`).
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
+from dcparallel.cost.overlap import exposed_sync, num_buckets
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import StepPlan
-from dcparallel.sim.overlap import exposed_sync, num_buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,11 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
         last = [gs[-1].end - gs[-1].start for gs in segs if gs and gs[-1].end >= compute * (1 - 1e-12)]
         sync = exposed_sync(sync, min(last, default=0.0), num_buckets(ctx.cost.model.num_params))
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
+
+
+def step_seconds(ctx: PlanContext, overlap: bool = True) -> Callable[[StepPlan], float]:
+    """The simulator's score of a plan (`plan.types.Score`): its predicted step seconds."""
+    return lambda plan: replay_step(plan, ctx, overlap).step_time
 
 
 def simulate(plans: Iterable[StepPlan], ctx: PlanContext, overlap: bool = True) -> SimResult:

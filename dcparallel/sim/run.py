@@ -10,10 +10,10 @@ from typing import Sequence
 from dcparallel.cost.base import CostModel
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.policies import make_planner
+from dcparallel.plan.policies import make_planner, tune
 from dcparallel.plan.steps import Step, form_steps
 from dcparallel.plan.types import StepPlan
-from dcparallel.sim.replay import SimResult, simulate
+from dcparallel.sim.replay import SimResult, simulate, step_seconds
 from dcparallel.spec import ClusterSpec, Workload
 
 
@@ -30,7 +30,8 @@ class PolicyRun:
 def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str, progress: bool = False) -> PolicyRun:
     """Plans every step with ``policy`` (a tqdm bar on stderr with ``progress``) and simulates them."""
     t0 = time.perf_counter()
-    planner = make_planner(policy, ctx, steps)
+    tuned = tune(policy, ctx, steps, score=step_seconds(ctx))
+    planner = tuned.planner
     t1 = time.perf_counter()
     if progress:
         from tqdm import tqdm
@@ -41,8 +42,8 @@ def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str, progress: b
     plans = [planner.plan(s) for s in steps_iter]
     t2 = time.perf_counter()
     settings = dict(planner.describe())
-    if getattr(planner, "tried", None):
-        settings["tried_s"] = {k: round(v, 3) for k, v in planner.tried.items()}
+    if tuned.tried:
+        settings["tried_s"] = {k: round(v, 3) for k, v in tuned.tried.items()}
     return PolicyRun(policy, plans, simulate(plans, ctx), (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3 / max(1, len(steps)), settings)
 
@@ -104,7 +105,7 @@ def scenario_timelines(scenario: str, distribution: str, world: int, gpus_per_no
     steps = form_steps(workload.tokens, seed=seed, tokens_per_step=sc.tokens_per_step)
     out = {}
     for name in policies:
-        planner = make_planner(name, ctx, steps)
+        planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
         sim = simulate([planner.plan(s) for s in steps[:num_steps]], ctx)
         out[name] = {r: sim.rank_timeline(r) for r in range(world)}
     return out

@@ -10,7 +10,7 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_scale import ScalePlanner, _span, deal_classes
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.sim.replay import simulate
+from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload, allowed_groups
 
 from ._models import TINY_DIT, TINY_LM, cluster, cost
@@ -44,7 +44,7 @@ def test_dcp_lossless_tiling_memory_and_identical_across_ranks(case):
     plans = []
     for _ in range(2):  # two "ranks": everything built from scratch, nothing shared
         ctx = PlanContext(w, cost(model, cl), cl)
-        planner = make_planner("dcp", ctx, steps)
+        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
         plans.append([planner.plan(s) for s in steps])
     assert [[p.to_json() for p in ps] for ps in plans[0:1]] == [[p.to_json() for p in ps] for ps in plans[1:2]]
     for p, s in zip(plans[0], steps):
@@ -75,9 +75,9 @@ def test_few_samples_per_gpu_widens_sp_and_beats_a_narrow_layout():
     w = Workload(TINY_LM, (20_000, 21_000, 22_000, 23_000))
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
     steps = form_steps(w.tokens, seed=0, samples_per_step=4)
-    plan = make_planner("dcp", ctx, steps).plan(steps[0])
+    plan = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
     assert max(m.layout.sp for m in plan.micro_batches()) > 1
-    narrow = make_planner("dcp-intra", ctx, steps).plan(steps[0])
+    narrow = make_planner("dcp-intra", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
     t = simulate([plan], ctx).steps[0].compute_time
     t_narrow = simulate([narrow], ctx).steps[0].compute_time
     assert t < t_narrow
@@ -87,7 +87,8 @@ def test_few_samples_per_gpu_widens_sp_and_beats_a_narrow_layout():
 def test_weights_stay_within_a_bucket():
     cl = cluster(8, 8)
     w = Workload(TINY_LM, (1000, 1100, 1200, 5000, 6000))
-    p = ScalePlanner(PlanContext(w, cost(TINY_LM, cl), cl))
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl)
+    p = ScalePlanner(ctx, step_seconds(ctx))
     assert all(0 < x <= 1.0 for x in p.weight)
 
 

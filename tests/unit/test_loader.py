@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dcparallel.data import Batch, DataCentricLoader
-from dcparallel.plan.context import OversizeError
+from dcparallel.plan.types import NoLayoutFits
 from dcparallel.runtime.shard import IGNORE_INDEX
 
 from ._models import TINY_DIT, TINY_LM, cluster, cost
@@ -72,7 +72,7 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
     ds, lens = text_data(6)
     lens[4] = 5_000_000
     ds[4] = torch.zeros(5_000_000, dtype=torch.long)
-    with pytest.raises(OversizeError, match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
+    with pytest.raises(NoLayoutFits, match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
                                             r"needs [0-9.]+ GiB per rank.*skip_oversize=True"):
         make(ds, lens, world=2)
     with caplog.at_level(logging.WARNING, logger="dcparallel.data.loader"):

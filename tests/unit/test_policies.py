@@ -6,10 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.plan.bounds import LowerBound
-from dcparallel.plan.context import OversizeError, PlanContext
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL, make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.sim.replay import simulate
+from dcparallel.plan.types import NoLayoutFits
+from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload, allowed_groups
 
 from ._models import TINY_DIT, TINY_LM, cluster, cost
@@ -45,7 +46,7 @@ def _check(model, sizes, cl, seed, policies):
     bound = LowerBound(ctx).epoch(steps)
     times = {}
     for name in policies:
-        planner = make_planner(name, ctx, steps)
+        planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
         plans = [planner.plan(s) for s in steps]
         for p, s in zip(plans, steps):
             assert p.sample_ids == s.sample_ids
@@ -80,7 +81,7 @@ def test_all_policies_on_a_mixed_workload():
 def test_oversize_sample_is_named_or_skipped():
     cl = cluster(2, 2, memory_mib=64)
     w = Workload(TINY_LM, (100, 5_000_000, 200))
-    with pytest.raises(OversizeError, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB"):
+    with pytest.raises(NoLayoutFits, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB"):
         PlanContext(w, cost(TINY_LM, cl), cl)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
     assert [s[0] for s in ctx.skipped] == [1] and ctx.usable_ids == [0, 2]
@@ -93,7 +94,7 @@ def test_long_sample_uses_sequence_parallelism_when_memory_requires():
     ctx = PlanContext(w, c, cl)
     assert ctx.layout_for((60_000,), 1, "pac") is None  # does not fit one rank at all
     steps = form_steps(w.tokens, seed=0, samples_per_step=4)
-    plan = make_planner("dcp", ctx, steps).plan(steps[0])
+    plan = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
     long_mb = next(m for m in plan.micro_batches() if 0 in m.sample_ids)
     assert long_mb.layout.sp > 1
 
@@ -109,7 +110,7 @@ def test_every_policy_plans_around_skipped_samples():
     assert [s[0] for s in ctx.skipped] == [1]
     steps = form_steps(w.tokens, seed=0, samples_per_step=2, ids=ctx.usable_ids)
     for name in ALL:
-        planner = make_planner(name, ctx, steps)
+        planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
         used = sorted(i for s in steps for mb in planner.plan(s).micro_batches() for i in mb.sample_ids)
         assert used == [0, 2, 3], name
 
@@ -123,8 +124,8 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
     assert ctx.layout_for((60_000,), 1, "pac") is None
     steps = form_steps(w.tokens, seed=0, samples_per_step=13)
-    one = make_planner("dcp-inter-pac", ctx, steps).plan(steps[0])
-    two = make_planner("dcp", ctx, steps).plan(steps[0])
+    one = make_planner("dcp-inter-pac", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
+    two = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
     two.validate(2, set(allowed_groups(cl, TINY_LM.num_heads)))
     assert one.num_phases == 1 and {m.layout.sp for m in one.micro_batches()} == {2}
     assert two.num_phases == 2
@@ -167,7 +168,7 @@ def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
     assert len({batch_key(TINY_DIT, s) for s in sizes}) > len({ctx.model.latent_grid(s) for s in sizes}) // 2
     steps = form_steps(wl.tokens, seed=0, epoch=0, tokens_per_step=sum(wl.tokens) // 6)
     for name in POLICIES:
-        planner = make_planner(name, ctx, steps)
+        planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
         for s in steps:
             for mb in planner.plan(s).micro_batches():
                 assert len({batch_key(TINY_DIT, sizes[i]) for i in mb.sample_ids}) == 1, (name, mb)

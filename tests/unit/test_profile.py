@@ -19,8 +19,9 @@ import torch
 
 from dcparallel.cost.profiled import Profile, ProfiledCost
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
-from dcparallel.plan.context import OversizeError, PlanContext
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL
+from dcparallel.plan.types import NoLayoutFits
 from dcparallel.profile import (
     Profiler,
     ProfilerConfig,
@@ -166,7 +167,7 @@ def test_fake_memory_limit_marks_layouts_infeasible_and_reports_unfit_buckets(ca
     L = p.model.num_layers
     assert cost.terms([64], 1).memory(Recompute(L, L)) <= limit
     assert math.isinf(cost.terms([5000], 1).memory(Recompute(L, L)))
-    with pytest.raises(OversizeError, match="sample 1"):
+    with pytest.raises(NoLayoutFits, match="sample 1"):
         PlanContext(Workload(p.model, (64, 5000)), cost, cluster)
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
+from dcparallel.cost.overlap import exposed_sync, num_buckets
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.sim.overlap import exposed_sync, num_buckets
 from dcparallel.sim.replay import simulate
 from dcparallel.spec import Layout, Recompute, Workload
 
