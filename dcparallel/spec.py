@@ -1,7 +1,6 @@
-"""What the planner reasons about: samples, models, layouts, clusters and the allowed groups.
+"""What the planner reasons about: samples, models, layouts and clusters (plain data, no torch).
 
-Everything here is plain data; no torch. The runtime creates exactly the groups that
-`allowed_groups` returns, and the planners only ever use those.
+The geometry of groups on a cluster (allowed SP sizes, tilings) is `dcparallel.topology`.
 """
 
 from __future__ import annotations
@@ -267,44 +266,6 @@ def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int
         intra_bw=0.7 * 450e9, intra_latency=10e-6,
         inter_bw=0.8 * 50e9, inter_latency=20e-6, name="h200",
     )
-
-
-def group_sizes(cluster: ClusterSpec, num_heads: int) -> list[int]:
-    """Every allowed SP degree: k divides the GPUs per node or is a multiple of a node,
-    divides the attention heads, and at least one aligned block of k ranks fits the world."""
-    g = cluster.gpus_per_node
-    sizes = []
-    for k in range(1, cluster.world_size + 1):
-        node_ok = (g % k == 0) or (k % g == 0)
-        if node_ok and num_heads % k == 0:
-            sizes.append(k)
-    return sizes
-
-
-def allowed_groups(cluster: ClusterSpec, num_heads: int) -> list[tuple[int, ...]]:
-    """Every aligned block the runtime creates, in a fixed order (by size, then start rank):
-    k ranks starting at a multiple of k, for every k of `group_sizes`."""
-    out = []
-    for k in group_sizes(cluster, num_heads):
-        for start in range(0, cluster.world_size - k + 1, k):
-            out.append(tuple(range(start, start + k)))
-    return out
-
-
-def sp_chain(cluster: ClusterSpec, num_heads: int) -> list[int]:
-    """The SP degrees the planners use: the longest chain of allowed sizes in which each
-    divides the next (so groups of mixed sizes always tile the world when placed largest
-    first at aligned offsets). Ties prefer powers of two."""
-    sizes = group_sizes(cluster, num_heads)
-    best: dict[int, list[int]] = {}
-    for k in sizes:  # ascending: longest chain ending at k
-        cands = [best[j] + [k] for j in sizes if j < k and k % j == 0 and j in best]
-        if not cands:
-            best[k] = [k]
-            continue
-        best[k] = max(cands, key=lambda c: (len(c), sum(1 for x in c if x & (x - 1) == 0)))
-    chain = max(best.values(), key=lambda c: (len(c), c[-1], sum(1 for x in c if x & (x - 1) == 0)))
-    return chain
 
 
 @dataclass(frozen=True)

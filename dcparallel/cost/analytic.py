@@ -218,6 +218,7 @@ class AnalyticCost:
         if calibration is None:
             calibration = fit_calibration("stdit-1.1b" if model.kind == "video" else "llama-7b")
         self.model, self.cluster, self.cal = model, cluster, calibration
+        self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
         self._lin = calibration.lin_s_per_token * _layer_params(model) / _layer_params(ref)
         self._attn = calibration.attn_s_per_pair * (model.hidden * model.attn_per_layer) / (

@@ -110,6 +110,8 @@ class CostModel(Protocol):
 
     model: ModelSpec
     cluster: ClusterSpec
+    #: the SP degrees this model can price (a profile measured only some); None = any degree
+    sp_sizes: Sequence[int] | None
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms: ...
 

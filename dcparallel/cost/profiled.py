@@ -1,138 +1,23 @@
-"""ProfiledCost: the cost model over a measured profile, and the profile's JSON schema.
+"""ProfiledCost: the cost model over a measured profile (`cost.schema.Profile`).
 
-Profile JSON, schema ``dcparallel.profile`` version 1::
-
-    {
-      "schema": "dcparallel.profile", "version": 1,
-      "fingerprint": {...},            # what the profile is valid for (model, dtype, device,
-                                       # world size, torch version); compared by the profiler
-      "model": {ModelSpec fields},     # the model as the planner sees it
-      "world_size": 2, "gpus_per_node": 2,
-      "model_state_bytes": 1.2e6,      # per rank: parameters, gradients, optimizer shard
-      "grad_sync_s": 0.004,            # the once-per-step gradient all-reduce
-      "buckets": [{"key": "t1024", "size": 1024 | [frames, height, width], "tokens": 1024}],
-      "entries": [{"bucket": "t1024", "sp": 1, "mbs": 2,
-                   "recompute": "none" | "attn" | "mlp" | "full",
-                   "time_s": 0.12 | null,           # fwd + bwd of the whole model (extrapolated)
-                   "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
-                                                    # states excluded (extrapolated)
-                   "feasible": true}],              # false: ran out of memory
-      "unfit_buckets": ["t65536"]       # optional: buckets with no feasible layout at all
-    }
-
-Optional fields (written by `dcparallel.profile`, ignored by older readers, absent = none):
-an entry may carry ``ranks`` (the SP group that measured it), ``measured`` (``depths``,
-``time_s``, ``memory_bytes``: the short stacks it was extrapolated from; ``layer_s``: the
-time of one layer used, the median of per-round differences), ``validation``
-(``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran out of
-memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
-extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
-``unfit_buckets`` lists buckets that fit no layout.
+Per (bucket, SP degree, recompute mode) the profile holds measured micro-batch sizes; a
+micro-batch of any sizes is priced by interpolating linearly in micro-batch size and in
+tokens between measured buckets, and the terms of every recompute setting follow from the
+four whole-model modes.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import logging
-import math
 from collections import Counter
-from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Sequence
 
 from dcparallel.cost.base import MicroBatchTerms, cache_put
-from dcparallel.spec import STATIC_MODES, ClusterSpec, ModelSpec, Size, check_size
+from dcparallel.cost.schema import Profile
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
 
 log = logging.getLogger(__name__)
-
-SCHEMA = "dcparallel.profile"
-VERSION = 1
-
-
-@dataclass
-class Profile:
-    fingerprint: dict
-    model: ModelSpec
-    world_size: int
-    gpus_per_node: int
-    model_state_bytes: float
-    grad_sync_s: float
-    buckets: list[dict]
-    entries: list[dict]
-    unfit_buckets: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
-        return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
-                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
-                "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
-                "buckets": self.buckets, "entries": self.entries, "unfit_buckets": self.unfit_buckets}
-
-    def save(self, path: str | Path) -> None:
-        """Writes the JSON atomically (a reader never sees half a file)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(p)
-
-    @staticmethod
-    def from_json(d: dict, source: str = "profile") -> Profile:
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise ValueError(f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
-                             f"expected {SCHEMA!r}); re-run `dcparallel profile`")
-        if d.get("version") != VERSION:
-            raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
-                             f"version {VERSION}: re-run `dcparallel profile` to regenerate it")
-        try:
-            model = ModelSpec(**d["model"])
-            buckets = [dict(b, size=check_size(tuple(b["size"]) if isinstance(b["size"], list) else b["size"]))
-                       for b in d["buckets"]]
-            entries = list(d["entries"])
-            keys = {b["key"] for b in buckets}
-            for i, e in enumerate(entries):
-                if e["recompute"] not in STATIC_MODES or e["bucket"] not in keys:
-                    raise ValueError(f"entry {i} has an unknown recompute mode or bucket: {e}")
-                if int(e["sp"]) < 1 or int(e["mbs"]) < 1:
-                    raise ValueError(f"entry {i} has sp={e['sp']}, mbs={e['mbs']}; both must be >= 1")
-                if not e.get("feasible", True):
-                    continue
-                for name in ("time_s", "memory_bytes"):
-                    v = e.get(name)
-                    if v is None:
-                        raise ValueError(f"entry {i} ({e['bucket']}, sp={e['sp']}, mbs={e['mbs']}) is feasible but "
-                                         f"has no {name}")
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                        raise ValueError(f"entry {i} ({e['bucket']}, sp={e['sp']}, mbs={e['mbs']}) has {name} = "
-                                         f"{v!r}; times and memory must be finite and >= 0")
-            measured = {e["bucket"] for e in entries}
-            unfit = {str(k) for k in d.get("unfit_buckets", [])}
-            missing = [k for k in sorted(keys) if k not in measured and k not in unfit]
-            if missing:
-                raise ValueError(f"bucket(s) {missing} have no entries (and are not listed as unfit)")
-            if not any(e.get("feasible", True) for e in entries) and not unfit:
-                raise ValueError("no entry is feasible and no bucket is listed as unfit")
-            for name in ("model_state_bytes", "grad_sync_s"):
-                v = d[name]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"{name} = {v!r} must be finite and >= 0")
-            return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
-                           world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
-                           model_state_bytes=float(d["model_state_bytes"]),
-                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
-                           unfit_buckets=[str(k) for k in d.get("unfit_buckets", [])])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
-
-    @staticmethod
-    def load(path: str | Path) -> Profile:
-        p = Path(path)
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read profile {p}: {exc}; re-run `dcparallel profile`") from exc
-        return Profile.from_json(d, source=str(p))
 
 
 class ProfiledCost:
@@ -142,17 +27,21 @@ class ProfiledCost:
         self.profile, self.model, self.cluster = profile, profile.model, cluster
         # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
         self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
-        tokens = {b["key"]: int(b["tokens"]) for b in profile.buckets}
+        if profile.world_size != cluster.world_size:
+            raise ValueError(f"the profile was measured at world size {profile.world_size} but the cluster has "
+                             f"{cluster.world_size} ranks; SP groups and the gradient sync differ: profile at "
+                             f"this world size (dcparallel profile, or prepare() on this launch)")
+        tokens = {b.key: b.tokens for b in profile.buckets}
         #: (sp, mode) -> the fewest tokens at which one sample did not fit
         self._unfit: dict[tuple[int, str], int] = {}
         for e in profile.entries:
-            if not e.get("feasible", True) or e.get("time_s") is None or e.get("memory_bytes") is None:
-                if int(e["mbs"]) == 1:
-                    k = (int(e["sp"]), e["recompute"])
-                    self._unfit[k] = min(self._unfit.get(k, tokens[e["bucket"]]), tokens[e["bucket"]])
+            if not e.feasible or e.time_s is None or e.memory_bytes is None:
+                if e.mbs == 1:
+                    k = (e.sp, e.recompute)
+                    self._unfit[k] = min(self._unfit.get(k, tokens[e.bucket]), tokens[e.bucket])
                 continue
-            self._points.setdefault((e["bucket"], int(e["sp"]), e["recompute"]), []).append(
-                (int(e["mbs"]), float(e["time_s"]), float(e["memory_bytes"])))
+            self._points.setdefault((e.bucket, e.sp, e.recompute), []).append(
+                (e.mbs, float(e.time_s), float(e.memory_bytes)))
         for v in self._points.values():
             v.sort()
         self._by_tokens: dict[tuple[int, str], list[tuple[int, str]]] = {}

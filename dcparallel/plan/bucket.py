@@ -22,15 +22,6 @@ from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, St
 from dcparallel.spec import STATIC_MODES, Layout, Recompute
 
 
-def data_parallel_groups(world: int, sp: int) -> list[tuple[int, ...]]:
-    return [tuple(range(s, s + sp)) for s in range(0, world, sp)]
-
-
-def static_candidates(ctx: PlanContext) -> list[int]:
-    """SP degrees a static layout can use: aligned blocks of that size must tile the world."""
-    return [k for k in ctx.sp_sizes if ctx.cluster.world_size % k == 0]
-
-
 class BucketPlanner:
     name = "bucket"
 
@@ -52,7 +43,7 @@ class BucketPlanner:
                 m -= 1
                 t = ctx.copies_layout(ctx.rep[b], m, sp, mode).time
             self.mbs[b] = m
-        self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
+        self.groups = ctx.topology.data_parallel(sp)
 
     def describe(self) -> dict:
         return {"sp": self.sp, "recompute": self.mode}
@@ -86,7 +77,7 @@ def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max
     subset = even_subset(steps, max_steps)
     tried: dict[str, float] = {}
     best = None
-    for sp in static_candidates(ctx):
+    for sp in ctx.topology.static_sizes(ctx.sp_sizes):
         for mode in STATIC_MODES:
             try:
                 planner = make(ctx, sp, mode)
@@ -116,7 +107,7 @@ def tuned_bucket(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned
 
 
 def default_bucket(ctx: PlanContext) -> BucketPlanner:
-    for sp in static_candidates(ctx):
+    for sp in ctx.topology.static_sizes(ctx.sp_sizes):
         try:
             p = BucketPlanner(ctx, sp, "full")
         except NoLayoutFits:

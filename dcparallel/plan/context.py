@@ -14,7 +14,8 @@ from typing import Literal, Sequence
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.plan.types import REL_TOL, Fit, NoLayoutFits
-from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, sp_chain
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key
+from dcparallel.topology import Topology
 
 #: How a policy picks recompute: a `spec.STATIC_MODES` setting fixed for every layer,
 #: "fit" = the fastest of those four that fits, per micro-batch, "pac" = the fastest
@@ -50,14 +51,16 @@ class PlanContext:
         self.workload, self.cost, self.cluster = workload, cost, cluster
         self.model = workload.model
         self.budget = float(cluster.memory_bytes)
-        chain = sp_chain(cluster, self.model.num_heads)
-        supported = getattr(cost, "sp_sizes", None)
+        #: the group geometry every planner places its groups with
+        self.topology = Topology.of(cluster, self.model.num_heads)
+        chain = list(self.topology.chain)
+        supported = cost.sp_sizes
         if supported is not None:
             chain = [k for k in chain if k in supported]
         if sp_sizes is not None:
             chain = [k for k in chain if k in set(sp_sizes)]
         if not chain:
-            raise ValueError(f"no usable SP degree: chain {sp_chain(cluster, self.model.num_heads)}, "
+            raise ValueError(f"no usable SP degree: chain {list(self.topology.chain)}, "
                              f"cost model supports {supported}, asked for {sp_sizes}")
         self.sp_sizes: list[int] = chain
         self.sizes = workload.sizes
@@ -254,16 +257,3 @@ def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[fl
     for b in bins:
         b.sort()
     return bins, loads
-
-
-def place_groups(sizes_desc: Sequence[int], world: int) -> list[tuple[int, ...]]:
-    """Aligned blocks for group sizes given largest first; sizes form a divisibility chain,
-    so consecutive placement keeps every block aligned. Uncovered ranks become size-1
-    groups."""
-    out, pos = [], 0
-    for k in sizes_desc:
-        assert pos % k == 0 and pos + k <= world, (sizes_desc, world)
-        out.append(tuple(range(pos, pos + k)))
-        pos += k
-    out.extend((r,) for r in range(pos, world))
-    return out

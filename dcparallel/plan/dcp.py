@@ -25,7 +25,7 @@ For each step:
 
 from __future__ import annotations
 
-from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt, place_groups
+from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, REL_TOL, TIME_EPS, Chunk, GroupPlan, MicroBatch, StepPlan
 
@@ -127,7 +127,6 @@ class DCPPlanner:
         with long buckets promoted; each in one phase and, with `phases`, split in two at
         each SP degree; keeps whichever finishes the step first."""
         ctx = self.ctx
-        world = ctx.cluster.world_size
         by_bucket: dict[tuple[int, int], list[int]] = {}
         for i in step.sample_ids:
             by_bucket.setdefault(ctx.bucket_of[i], []).append(i)
@@ -152,7 +151,7 @@ class DCPPlanner:
         groups = []
         for phase, (group_sizes, group_mbs) in enumerate(best[1]):
             order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
-            ranks = place_groups([group_sizes[g] for g in order], world)
+            ranks = ctx.topology.tile([group_sizes[g] for g in order])
             for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
                 mbs = () if g is None else tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g])
                 groups.append(GroupPlan(r, mbs, phase))

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates, place_groups
+from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, GroupPlan, MicroBatch, Score, StepPlan
 from dcparallel.spec import Layout
@@ -523,7 +523,7 @@ class ScalePlanner:
                 for k in gclasses:
                     self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
             predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
-            ranks = place_groups(sizes, self.world)
+            ranks = self.ctx.topology.tile(sizes)
             for g, r in enumerate(ranks):
                 mbs = tuple(MicroBatch(c[0], c[1]) for c in chunks[g]) if g < len(chunks) else ()
                 groups.append(GroupPlan(r, mbs, phase))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dcparallel.plan.bucket import data_parallel_groups, tune_static
+from dcparallel.plan.bucket import tune_static
 from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, pack_bins
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
@@ -28,7 +28,7 @@ class PackedPlanner:
         self.ctx, self.sp, self.mode = ctx, sp, mode
         self.recompute = Recompute.static(mode, ctx.model.num_layers)
         self.capacity = self._capacity()
-        self.groups = data_parallel_groups(ctx.cluster.world_size, sp)
+        self.groups = ctx.topology.data_parallel(sp)
 
     def _capacity(self) -> int:
         """Tokens a bin may hold. Text: the longest single document that fits (packed

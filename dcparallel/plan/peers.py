@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcparallel.plan.bucket import even_subset
-from dcparallel.plan.context import PlanContext, lpt, pack_bins, place_groups
+from dcparallel.plan.context import PlanContext, lpt, pack_bins
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, Score, StepPlan, Tuned
 
@@ -115,7 +115,7 @@ class _LevelPlanner:
             for g in range(count[k]):
                 sizes.append(k)
                 mbs.append(tuple(MicroBatch(packs[k][j][0], packs[k][j][1]) for j in assign[g]))
-        ranks = place_groups(sizes, world)
+        ranks = self.ctx.topology.tile(sizes)
         groups = tuple(GroupPlan(r, mbs[g] if g < len(mbs) else ()) for g, r in enumerate(ranks))
         return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
 

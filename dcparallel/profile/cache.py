@@ -25,8 +25,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from dcparallel.cost.profiled import Profile
-from dcparallel.profile.profiler import Profiler, ProfileStats, bucket_entry
+from dcparallel.cost.schema import Profile, ProfileBucket
+from dcparallel.profile.profiler import Profiler, ProfileStats
 from dcparallel.runtime import comm
 from dcparallel.spec import Size
 
@@ -54,8 +54,8 @@ def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> 
     diff = fingerprint_diff(prof.fingerprint, fingerprint)
     if diff:
         return None, f"cached profile {p} was measured for something else ({'; '.join(diff)})"
-    have = {b["key"] for b in prof.buckets}
-    missing = [b["key"] for b in (bucket_entry(prof.model, s) for s in sizes) if b["key"] not in have]
+    have = {b.key for b in prof.buckets}
+    missing = [b.key for b in (ProfileBucket.of(prof.model, s) for s in sizes) if b.key not in have]
     if missing:
         return None, f"cached profile {p} lacks buckets {missing}"
     return prof, ""

@@ -107,9 +107,9 @@ def run_profile(args: argparse.Namespace) -> dict:
     summary = {
         "model": args.model, "device": profile.fingerprint.get("device"), "dtype": str(dtype).replace("torch.", ""),
         "world_size": profile.world_size, "num_layers": profile.model.num_layers,
-        "buckets": [b["key"] for b in profile.buckets],
+        "buckets": [b.key for b in profile.buckets],
         "layouts_measured": len(profile.entries),
-        "layouts_infeasible": sum(not e["feasible"] for e in profile.entries),
+        "layouts_infeasible": sum(not e.feasible for e in profile.entries),
         "unfit_buckets": profile.unfit_buckets,
         "reused": stats is None,
         "seconds": round(stats.seconds, 2) if stats else 0.0,

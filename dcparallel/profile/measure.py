@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -138,3 +139,18 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu: {name}"

@@ -36,21 +36,21 @@ import gc
 import logging
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dcparallel.cost.profiled import Profile
+from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
+from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
     active_depth,
+    device_name,
     extrapolate,
     free_memory,
     median,
@@ -64,109 +64,12 @@ from dcparallel.spec import (
     ModelSpec,
     Recompute,
     Size,
-    bucket_key,
-    check_size,
-    group_sizes,
 )
 
 log = logging.getLogger(__name__)
 
 #: bumped when the measuring method changes in a way that makes old profiles incomparable
 METHOD = "depth-extrapolation/1"
-
-
-@dataclass(kw_only=True)
-class ProfilerConfig:
-    """How much to measure. Times are medians; every depth of a layout is timed in the same
-    interleaved rounds so that load drifting on a shared machine hits all depths alike."""
-
-    depth: int = 2
-    """measure stacks of ``depth - 1`` and ``depth`` layers (units); 2 = DESIGN's t1, t2"""
-    warmup: int = 1
-    """untimed runs per depth before timing (the first also measures memory)"""
-    repeats: int = 5
-    """timed runs per depth, at least; the median is kept"""
-    min_time_s: float = 1.0
-    """short layouts get more timed rounds, until a layout's rounds add up to about this"""
-    max_repeats: int = 25
-    """at most this many timed runs per depth"""
-    max_mbs: int = 64
-    """micro-batch sizes doubled up to this (the planners use at most 64)"""
-    max_tokens: int | None = None
-    """stop doubling once a micro-batch would hold more tokens than this (None: no cap)"""
-    min_gain: float = 0.05
-    """keep doubling while samples/s improves by at least this fraction"""
-    memory_limit: float | None = None
-    """bytes per rank for model states + activations; on CPU a fake allocator limit (a
-    forward that passes it raises torch.OutOfMemoryError), on GPU a budget below the card's
-    memory. None: the card's memory (GPU), unlimited (CPU)"""
-    modes: tuple[str, ...] = STATIC_MODES
-    """recompute modes to measure ("none", "attn", "mlp", "full")"""
-    sp_sizes: tuple[int, ...] | None = None
-    """SP degrees to measure; None = every size the world allows (`spec.group_sizes`)"""
-    validate: bool = False
-    """also run a few layouts at full depth (smallest and largest bucket, recompute none and
-    full, one sample) and report the extrapolation error"""
-    progress: bool = False
-    """a tqdm bar on stderr (rank 0)"""
-
-    @staticmethod
-    def quick(max_tokens: int | None = None, **kw) -> ProfilerConfig:
-        """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (at
-        most 10, about 0.2 s of timing), micro-batches doubled only up to ``max_tokens``
-        tokens (prepare passes the dataset's longest sample; the cost model extrapolates
-        larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
-        defaults for validation runs."""
-        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 10, "max_tokens": max_tokens, **kw})
-
-
-@dataclass
-class ProfileStats:
-    layouts_measured: int = 0
-    layouts_infeasible: int = 0
-    seconds: float = 0.0
-    time_error: float | None = None
-    memory_error: float | None = None
-    validation: list[dict] = field(default_factory=list)
-    unfit_buckets: list[str] = field(default_factory=list)
-    slopes_clamped: int = 0
-
-
-def bucket_entry(spec: ModelSpec, size: Size) -> dict:
-    size = check_size(size)
-    key = f"t{size}" if isinstance(size, int) else "v" + "x".join(map(str, size))
-    return {"key": key, "size": list(size) if isinstance(size, tuple) else size, "tokens": spec.tokens(size)}
-
-
-def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 2.0) -> list[Size]:
-    """The sizes to profile for a dataset: its samples grouped into cost classes `ratio` apart
-    (`spec.bucket_key`; text: token ranges x2 apart by default, coarser than the planner's
-    x1.25 since `ProfiledCost` interpolates in tokens between buckets) and the largest sample
-    of each class, so a layout measured for a bucket fits all of its samples. Sorted by tokens."""
-    if ratio <= 1.0:
-        raise ValueError(f"ratio must be > 1 (e.g. 2.0 for token ranges x2 apart); got {ratio}")
-    best: dict[tuple[int, int], Size] = {}
-    for s in sizes:
-        s = check_size(s)
-        k = bucket_key(spec, s, ratio)
-        if k not in best or spec.tokens(s) > spec.tokens(best[k]):
-            best[k] = s
-    return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"cpu: {name}"
 
 
 class Profiler:
@@ -209,7 +112,7 @@ class Profiler:
                                                     cluster=cluster)
         self.world, self.rank = comm.world_size(), comm.world_rank()
         self.cluster = self.engine.groups.cluster
-        allowed = group_sizes(self.cluster, spec.num_heads)
+        allowed = list(self.engine.groups.topology.sizes)
         sizes = allowed if self.config.sp_sizes is None else sorted(set(self.config.sp_sizes))
         if any(k not in allowed for k in sizes):
             raise ValueError(f"SP degrees {sizes} are not all allowed at world {self.world} with "
@@ -381,11 +284,11 @@ class Profiler:
 
     # ------------------------------------------------------------------ the whole profile
 
-    def _validation_set(self, buckets: list[dict]) -> set[tuple[str, int, str]]:
+    def _validation_set(self, buckets: list[ProfileBucket]) -> set[tuple[str, int, str]]:
         if not self.config.validate:
             return set()
-        by_tokens = sorted(buckets, key=lambda b: b["tokens"])
-        keys = {by_tokens[0]["key"], by_tokens[-1]["key"]}
+        by_tokens = sorted(buckets, key=lambda b: b.tokens)
+        keys = {by_tokens[0].key, by_tokens[-1].key}
         modes = [m for m in ("none", "full") if m in self.config.modes] or [self.config.modes[0]]
         return {(k, sp, m) for k in keys for sp in self.sp_sizes for m in modes}
 
@@ -396,8 +299,8 @@ class Profiler:
         cfg = self.config
         if not sizes:
             raise ValueError("no bucket sizes to profile; pass at least one sample size")
-        buckets = [bucket_entry(self.spec, s) for s in sizes]
-        keys = [b["key"] for b in buckets]
+        buckets = [ProfileBucket.of(self.spec, s) for s in sizes]
+        keys = [b.key for b in buckets]
         if len(set(keys)) != len(keys):
             raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
         fp = self.fingerprint()
@@ -421,23 +324,23 @@ class Profiler:
             bar = tqdm(total=len(plan) * len(cfg.modes), desc=f"profiling {self.spec.name}", file=sys.stderr,
                        disable=self.rank != 0, unit="layout-chain")
 
-        local: list[dict] = []
+        local: list[ProfileEntry] = []
         clamped = 0
         state = self.model_state_bytes()
         for sp, ranks, b in plan:
             group = self.engine.groups.group(ranks)
-            size = check_size(tuple(b["size"]) if isinstance(b["size"], list) else b["size"])
+            size = b.size
             for mode in cfg.modes:
                 mbs, best = 1, 0.0
                 while True:
-                    full = mbs == 1 and (b["key"], sp, mode) in validate and L > d2
+                    full = mbs == 1 and (b.key, sp, mode) in validate and L > d2
                     mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
                     res = comm.all_gather_object(mine, group)
                     depths = [d for d in res[0].get("time", {})] if all(r["ok"] for r in res) else []
-                    entry = {"bucket": b["key"], "sp": sp, "mbs": mbs, "recompute": mode, "ranks": list(ranks)}
+                    entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks))
                     if not all(r["ok"] for r in res):
-                        entry.update(time_s=None, memory_bytes=None, feasible=False, reason="oom",
-                                     error=next(r["error"] for r in res if not r["ok"]))
+                        entry.feasible, entry.reason = False, "oom"
+                        entry.error = next(r["error"] for r in res if not r["ok"])
                         local.append(entry)
                         break
                     t = {d: max(r["time"][d] for r in res) for d in depths}
@@ -452,15 +355,15 @@ class Profiler:
                     t_l = t[d2] + (L - d2) * slope
                     m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
                     fits = self.memory_limit is None or state + m_l <= self.memory_limit
-                    entry.update(time_s=t_l, memory_bytes=m_l, feasible=fits,
-                                 measured={"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
-                                           "memory_bytes": [m[d1], m[d2]]})
+                    entry.time_s, entry.memory_bytes, entry.feasible = t_l, m_l, fits
+                    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
+                                      "memory_bytes": [m[d1], m[d2]]}
                     if not fits:
-                        entry["reason"] = "over_budget"
+                        entry.reason = "over_budget"
                     if L in t and L > d2:
-                        entry["validation"] = {"time_s": t[L], "memory_bytes": m[L]}
+                        entry.validation = {"time_s": t[L], "memory_bytes": m[L]}
                     elif res[0].get("validation_error"):
-                        entry["validation"] = {"error": res[0]["validation_error"]}
+                        entry.validation = {"error": res[0]["validation_error"]}
                     local.append(entry)
                     if not fits:
                         break
@@ -478,37 +381,21 @@ class Profiler:
             bar.close()
 
         # every group's entries on every rank (each group's first rank speaks for it)
-        gathered = comm.all_gather_object([e for e in local if e["ranks"][0] == self.rank])
+        gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank])
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
-                         key=lambda e: (order[e["bucket"]], e["sp"], STATIC_MODES.index(e["recompute"]), e["mbs"]))
+                         key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
         clamped = sum(comm.all_gather_object(clamped))
 
-        feasible = {e["bucket"] for e in entries if e["feasible"]}
-        unfit = [b["key"] for b in buckets if b["key"] not in feasible]
+        feasible = {e.bucket for e in entries if e.feasible}
+        unfit = [b.key for b in buckets if b.key not in feasible]
         for k in unfit:
             log.warning("bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
                         "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
         stats = ProfileStats(layouts_measured=len(entries),
-                             layouts_infeasible=sum(not e["feasible"] for e in entries),
+                             layouts_infeasible=sum(not e.feasible for e in entries),
                              unfit_buckets=unfit, slopes_clamped=clamped)
-        for e in entries:
-            v = e.get("validation")
-            if v and "error" in v:
-                stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
-                                         "recompute": e["recompute"], "error": v["error"]})
-            elif v:
-                te = abs(e["time_s"] - v["time_s"]) / v["time_s"]
-                me = abs(e["memory_bytes"] - v["memory_bytes"]) / v["memory_bytes"]
-                stats.validation.append({"bucket": e["bucket"], "sp": e["sp"], "mbs": e["mbs"],
-                                         "recompute": e["recompute"], "time_error": te, "memory_error": me,
-                                         "predicted_time_s": e["time_s"], "full_depth_time_s": v["time_s"],
-                                         "predicted_memory_bytes": e["memory_bytes"],
-                                         "full_depth_memory_bytes": v["memory_bytes"]})
-        checked = [v for v in stats.validation if "error" not in v]
-        if checked:
-            stats.time_error = max(v["time_error"] for v in checked)
-            stats.memory_error = max(v["memory_error"] for v in checked)
+        stats.add_validation(entries)
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,

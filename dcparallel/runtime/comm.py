@@ -1,7 +1,8 @@
 """Every collective of dcparallel lives here.
 
 A ``group`` of None means "no process group" (a single-rank world or a group of one rank):
-each function then does the single-rank thing without calling torch.distributed.
+each function then does the single-rank thing without calling torch.distributed. The
+object helpers (`all_gather_object`, `check_equal`, `barrier`) default to `WORLD`, every rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+#: the whole world as a ``group`` argument (None would mean a one-rank group)
+WORLD = "world"
 
 
 def is_distributed() -> bool:
@@ -157,18 +161,18 @@ def all_gather_shards_(flat: Tensor, shard_numel: int) -> Tensor:
 # ---------------------------------------------------------------- helpers for loader / profiler
 
 
-def all_gather_object(obj: Any, group=None) -> list[Any]:
+def all_gather_object(obj: Any, group=WORLD) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (default:
-    the whole world)."""
-    n = world_size() if group is None else group_size(group)
+    the whole world; None: a one-rank group)."""
+    n = world_size() if group is WORLD else group_size(group)
     if n == 1:
         return [obj]
     out: list[Any] = [None] * n
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=None if group is WORLD else group)
     return out
 
 
-def gather_dict(d: dict, group=None) -> dict[int, dict]:
+def gather_dict(d: dict, group=WORLD) -> dict[int, dict]:
     """{rank: that rank's dict} on every rank (e.g. the profiler's measurements)."""
     return dict(enumerate(all_gather_object(d, group)))
 
@@ -178,7 +182,7 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()[:16]
 
 
-def check_equal(value: str, what: str = "value", group=None) -> None:
+def check_equal(value: str, what: str = "value", group=WORLD) -> None:
     """Raises RuntimeError on every rank unless ``value`` (e.g. a plan hash) is the same on
     all ranks; the message names which ranks hold which value."""
     values = all_gather_object(value, group)
@@ -191,6 +195,9 @@ def check_equal(value: str, what: str = "value", group=None) -> None:
     raise RuntimeError(f"{what} differs across ranks ({detail}); every rank must build the same {what}")
 
 
-def barrier(group=None) -> None:
-    if is_distributed():
+def barrier(group=WORLD) -> None:
+    if group is WORLD:
+        if is_distributed():
+            dist.barrier()
+    elif group_size(group) > 1:
         dist.barrier(group=group)

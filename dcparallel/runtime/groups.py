@@ -1,9 +1,9 @@
-"""The one owner of process groups.
+"""The one owner of process groups: one per aligned block of the launch's `Topology`.
 
-Every rank creates, once and in the same order, exactly the aligned blocks that the
-planners may use (`dcparallel.spec.allowed_groups`). For world 4 with 4 heads:
+Every rank creates, once and in the same order, the process groups of the aligned blocks
+that the planners may use (`Topology.blocks`). For world 4 with 4 heads:
 
-    size 1: (0) (1) (2) (3)
+    size 1: (0) (1) (2) (3)   <- no process group: a one-rank group needs no collective
     size 2: (0 1) (2 3)
     size 4: (0 1 2 3)          <- the whole world reuses the default group
 
@@ -12,8 +12,8 @@ bucketed all-reduces overlap the last backward, where a whole-world SP group may
 all-to-alls on the default group; a group of its own keeps every rank's order of
 collectives on each group the same.
 
-World size 1 needs no process group at all: `group((0,))` is None and every collective in
-`runtime.comm` is then a no-op.
+`group(ranks)` of a one-rank block (and every block of a one-rank world) is None, for which
+every collective in `runtime.comm` is the single-rank no-op.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from dcparallel.runtime import comm
-from dcparallel.spec import ClusterSpec, allowed_groups
+from dcparallel.spec import ClusterSpec
+from dcparallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,16 @@ class ProcessGroups:
                 f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
                 f"{world} ranks; build the ClusterSpec from the launched world size"
             )
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1; got {num_heads}")
         self.cluster = cluster
+        self.topology = Topology.of(cluster, num_heads)  # validates num_heads
         self.num_heads = num_heads
         self.world_size = world
         self.rank = rank
-        self.blocks: tuple[tuple[int, ...], ...] = tuple(allowed_groups(cluster, num_heads))
+        self.blocks: tuple[tuple[int, ...], ...] = tuple(self.topology.blocks())
         self._groups: dict[tuple[int, ...], object] = {}
         start = time.perf_counter()
         for ranks in self.blocks:  # same order on every rank: new_group is collective
-            if world == 1:
+            if len(ranks) == 1:
                 self._groups[ranks] = None
             elif len(ranks) == world:
                 self._groups[ranks] = dist.group.WORLD
@@ -79,7 +79,7 @@ class ProcessGroups:
 
     @property
     def sizes(self) -> list[int]:
-        return sorted({len(b) for b in self.blocks})
+        return list(self.topology.sizes)
 
     def group(self, ranks: Sequence[int]):
         """The process group of an aligned block (None when the world is one rank)."""
@@ -90,7 +90,7 @@ class ProcessGroups:
             raise ValueError(
                 f"no process group was created for ranks {key}: the allowed groups of world "
                 f"{self.world_size} with {self.num_heads} heads are {list(self.blocks)}; plan with "
-                f"dcparallel.spec.allowed_groups (aligned blocks of an allowed size)"
+                f"dcparallel.topology.Topology (aligned blocks of an allowed size)"
             ) from None
 
     def describe(self) -> str:

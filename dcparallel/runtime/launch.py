@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from dcparallel.spec import ClusterSpec, group_sizes, h200_cluster
+from dcparallel.spec import ClusterSpec, h200_cluster
+from dcparallel.topology import group_sizes
 
 log = logging.getLogger(__name__)
 

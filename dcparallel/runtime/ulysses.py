@@ -36,7 +36,7 @@ def check_heads(num_heads: int, sp: int) -> None:
         raise ValueError(
             f"Ulysses shards the {num_heads} attention heads over the SP group of {sp} ranks: "
             f"{num_heads} is not divisible by {sp}; use an SP degree that divides the heads "
-            f"(dcparallel.spec.group_sizes lists them)"
+            f"(dcparallel.topology.Topology.sizes lists them)"
         )
 
 

@@ -47,8 +47,13 @@ def case_groups() -> dict:
     for block in pg.blocks:
         if dist.get_rank() in block:
             t = torch.tensor([float(dist.get_rank() + 1)])
-            comm.all_reduce_sum_(t) if len(block) == pg.world_size else dist.all_reduce(t, group=pg.group(block))
+            group = pg.group(block)
+            if len(block) == pg.world_size:
+                comm.all_reduce_sum_(t)
+            elif group is not None:  # a one-rank block has no process group: nothing to reduce
+                dist.all_reduce(t, group=group)
             sums[block] = float(t)
+    singles_without_group = all(pg.group((r,)) is None for r in range(pg.world_size))
     errors = []
     for bad in [(0, 2), (1, 2), tuple(range(pg.world_size + 1))]:
         try:
@@ -56,7 +61,7 @@ def case_groups() -> dict:
         except ValueError as e:
             errors.append(str(e))
     return {"blocks": pg.blocks, "sums": sums, "errors": errors, "seconds": pg.creation_seconds,
-            "describe": pg.describe()}
+            "describe": pg.describe(), "singles_without_group": singles_without_group}
 
 
 def case_comm() -> dict:

@@ -26,8 +26,8 @@ def case_profile(path: str) -> dict:
     prof = _profiler(validate=True)
     p, stats = load_or_profile(path, prof, [16, 40, 64])
     again, stats2 = load_or_profile(path, prof, [16, 40, 64])
-    sp2 = next(e for e in p.entries if e["bucket"] == "t64" and e["sp"] == 2 and e["recompute"] == "none"
-               and e["mbs"] == 1)
+    sp2 = next(e for e in p.entries if e.bucket == "t64" and e.sp == 2 and e.recompute == "none"
+               and e.mbs == 1)
     limit = p.model_state_bytes + 1.01 * sp2["memory_bytes"]
     limited, lstats = _profiler(memory_limit=limit).run([16, 64])
     return {"profile": p.to_json(), "stats": dataclasses.asdict(stats), "reused": stats2 is None,

@@ -31,6 +31,7 @@ def test_groups_created_once_in_order_and_usable(workers):
         # each group really holds its ranks: the sum of (rank + 1) over the block
         for block, s in o["sums"].items():
             assert r in block and s == sum(x + 1 for x in block)
+        assert o["singles_without_group"]  # one-rank blocks need no process group
         assert len(o["errors"]) == 3 and all("no process group was created" in e for e in o["errors"])
         assert o["seconds"] < 5.0
 

@@ -32,6 +32,6 @@ def test_torchrun_profile_two_ranks(tmp_path):
     assert d["world_size"] == 2 and d["profile_path"] == str(out)
     p = Profile.load(out)
     assert p.world_size == 2 and p.fingerprint["sp_sizes"] == [1, 2]
-    groups = {(e["bucket"], e["sp"]): tuple(e["ranks"]) for e in p.entries}
+    groups = {(e.bucket, e.sp): tuple(e.ranks) for e in p.entries}
     assert groups == {("t32", 1): (0,), ("t64", 1): (1,), ("t32", 2): (0, 1), ("t64", 2): (0, 1)}
     assert d["layouts_measured"] == len(p.entries) == 8 and p.grad_sync_s > 0

@@ -175,7 +175,7 @@ def test_grouped_kv_heads_at_sp1_equal_repeated_heads():
 
 def test_sp_degrees_follow_the_query_heads_with_grouped_kv_heads():
     """8 query heads over 2 key/value heads: SP 4 and 8 are allowed (kv heads repeated)."""
-    from dcparallel.spec import group_sizes
+    from dcparallel.topology import group_sizes
 
     heads = find_adapter(TinyGQA(), num_heads=8, num_kv_heads=2).num_heads
     assert group_sizes(ClusterSpec(world_size=8, gpus_per_node=8), heads) == [1, 2, 4, 8]

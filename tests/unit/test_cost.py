@@ -8,7 +8,8 @@ import pytest
 
 from dcparallel.cost.analytic import AnalyticCost, _load, _shape, fit_calibration
 from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes
-from dcparallel.cost.profiled import Profile, ProfiledCost
+from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Layout, Recompute, h200_cluster
 
 from ._models import TINY_LM, cluster

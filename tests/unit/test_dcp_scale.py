@@ -11,7 +11,8 @@ from dcparallel.plan.dcp_scale import ScalePlanner, _span, deal_classes
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import simulate, step_seconds
-from dcparallel.spec import Workload, allowed_groups
+from dcparallel.spec import Workload
+from dcparallel.topology import allowed_groups
 
 from ._models import TINY_DIT, TINY_LM, cluster, cost
 

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from dcparallel.cost.profiled import Profile, ProfiledCost
+from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL
@@ -127,7 +128,7 @@ def test_memory_estimate_is_linear_in_depth_and_recompute_saves():
     assert mem[1] < mem[2] < mem[3]
     assert extrapolate(mem[1], mem[2], 3) == mem[3]
     p, _ = prof.run([40])
-    by_mode = {e["recompute"]: e["memory_bytes"] for e in p.entries if e["mbs"] == 1}
+    by_mode = {e.recompute: e.memory_bytes for e in p.entries if e.mbs == 1}
     assert by_mode["full"] < min(by_mode["attn"], by_mode["mlp"]) <= max(by_mode["attn"], by_mode["mlp"]) \
         < by_mode["none"]
     assert float(prof.engine.flat_grad.abs().sum()) == 0.0  # profiling leaves no gradient behind
@@ -140,25 +141,25 @@ def test_fake_memory_limit_marks_layouts_infeasible_and_reports_unfit_buckets(ca
     free = make_profiler(modes=("none", "full"))
     p0, _ = free.run([64])
     state = free.model_state_bytes()
-    e = {(x["recompute"], x["mbs"]): x for x in p0.entries}
-    none_d1 = e[("none", 1)]["measured"]["memory_bytes"][0]
-    full_l = e[("full", 1)]["memory_bytes"]
+    e = {(x.recompute, x.mbs): x for x in p0.entries}
+    none_d1 = e[("none", 1)].measured["memory_bytes"][0]
+    full_l = e[("full", 1)].memory_bytes
     assert full_l < 0.8 * none_d1  # the limit below separates the two modes
 
     limit = state + 0.9 * none_d1
     prof = make_profiler(modes=("none", "full"), memory_limit=limit)
     with caplog.at_level(logging.WARNING):
         p, stats = prof.run([64, 4096])  # 4096 tokens: even full recompute needs more
-    got = {(x["bucket"], x["recompute"], x["mbs"]): x for x in p.entries}
+    got = {(x.bucket, x.recompute, x.mbs): x for x in p.entries}
     oom = got[("t64", "none", 1)]
-    assert not oom["feasible"] and oom["reason"] == "oom" and "fake memory limit" in oom["error"]
+    assert not oom.feasible and oom.reason == "oom" and "fake memory limit" in oom.error
     assert ("t64", "none", 2) not in got  # a larger micro-batch of an infeasible mode is not tried
-    assert got[("t64", "full", 1)]["feasible"]  # profiling carried on after the OOM
-    assert got[("t64", "full", 1)]["memory_bytes"] + state <= limit
-    assert not got[("t4096", "full", 1)]["feasible"]
+    assert got[("t64", "full", 1)].feasible  # profiling carried on after the OOM
+    assert got[("t64", "full", 1)].memory_bytes + state <= limit
+    assert not got[("t4096", "full", 1)].feasible
     assert p.unfit_buckets == ["t4096"] and stats.unfit_buckets == ["t4096"]
     assert "bucket t4096 fits no layout" in caplog.text
-    assert stats.layouts_infeasible == sum(not x["feasible"] for x in p.entries) >= 3
+    assert stats.layouts_infeasible == sum(not x.feasible for x in p.entries) >= 3
     assert float(prof.engine.flat_grad.abs().sum()) == 0.0
 
     # the planner sees the unfit bucket: a sample that large is reported, not planned
@@ -174,15 +175,15 @@ def test_fake_memory_limit_marks_layouts_infeasible_and_reports_unfit_buckets(ca
 def test_full_depth_validation_out_of_memory_keeps_the_short_stack_measurement():
     free = make_profiler(modes=("none",), max_mbs=1)
     p0, _ = free.run([64])
-    m1, m2 = p0.entries[0]["measured"]["memory_bytes"]
-    limit = free.model_state_bytes() + (m2 + p0.entries[0]["memory_bytes"]) / 2  # 2 layers fit, 3 do not
+    m1, m2 = p0.entries[0].measured["memory_bytes"]
+    limit = free.model_state_bytes() + (m2 + p0.entries[0].memory_bytes) / 2  # 2 layers fit, 3 do not
     prof = make_profiler(modes=("none",), max_mbs=1, memory_limit=limit, validate=True)
     p, stats = prof.run([64])
     (e,) = p.entries
-    assert e["measured"]["memory_bytes"] == [m1, m2] and e["time_s"] > 0
-    assert e["reason"] == "over_budget" and not e["feasible"]  # the extrapolation says it too
-    assert "fake memory limit" in e["validation"]["error"]
-    assert stats.validation[0]["error"] == e["validation"]["error"] and stats.time_error is None
+    assert e.measured["memory_bytes"] == [m1, m2] and e.time_s > 0
+    assert e.reason == "over_budget" and not e.feasible  # the extrapolation says it too
+    assert "fake memory limit" in e.validation["error"]
+    assert stats.validation[0]["error"] == e.validation["error"] and stats.time_error is None
 
 
 def test_bad_settings_are_clear_errors():
@@ -267,11 +268,11 @@ def test_profile_entries_are_complete_and_finite(real_profile):
     _, p = real_profile
     for b in ("t16", "t48", "t128"):
         for mode in ("none", "attn", "mlp", "full"):
-            rows = [e for e in p.entries if e["bucket"] == b and e["recompute"] == mode]
-            assert rows and rows[0]["mbs"] == 1 and all(e["feasible"] for e in rows)
+            rows = [e for e in p.entries if e.bucket == b and e.recompute == mode]
+            assert rows and rows[0].mbs == 1 and all(e.feasible for e in rows)
             for e in rows:
-                assert 0 < e["time_s"] < math.inf and e["memory_bytes"] > 0
-                assert e["measured"]["depths"] == [1, 2]
+                assert 0 < e.time_s < math.inf and e.memory_bytes > 0
+                assert e.measured["depths"] == [1, 2]
     assert p.model_state_bytes == pytest.approx(p.model.num_params * (4 + 4 + 8))  # fp32 params, world 1
 
 
@@ -330,8 +331,8 @@ def test_video_preset_profiles_spatial_temporal_pairs():
     prof = Profiler(built.model, built.layers, built.make_inputs, spec=built.spec, layers_per_unit=2,
                     config=ProfilerConfig(modes=("none", "full"), validate=True, **FAST))
     p, stats = prof.run(parse_buckets("17x64x64"))  # 5 latent frames x 16 spatial tokens
-    assert p.buckets[0]["tokens"] == 80
-    assert {e["recompute"] for e in p.entries} == {"none", "full"}
+    assert p.buckets[0].tokens == 80
+    assert {e.recompute for e in p.entries} == {"none", "full"}
     # stacks of 1 and 2 pairs (2 and 4 blocks) extrapolate exactly to the 3 pairs in memory
     assert len(stats.validation) == 2 and stats.memory_error == 0.0
     assert all(v["full_depth_time_s"] > 0 for v in stats.validation)
@@ -401,7 +402,7 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
                                                              **{**FAST, "max_mbs": 1}))
     size = (17, 64, 64)
     p, stats = prof.run([size])
-    profiled = {e["recompute"]: e["memory_bytes"] for e in p.entries}
+    profiled = {e.recompute: e.memory_bytes for e in p.entries}
     assert stats.memory_error == 0.0  # 1- and 2-pair stacks extrapolate exactly to 4 pairs
 
     full = Recompute.full(spec.num_layers)

@@ -9,13 +9,11 @@ from dcparallel.spec import (
     Layout,
     Recompute,
     Workload,
-    allowed_groups,
     bucket_key,
     check_size,
-    group_sizes,
     h200_cluster,
-    sp_chain,
 )
+from dcparallel.topology import allowed_groups, group_sizes, sp_chain
 
 
 def test_video_tokens_follow_open_sora_patchify():

@@ -1,0 +1,186 @@
+"""The profile's typed schema: `Profile`, `ProfileBucket`, `ProfileEntry` and their JSON form.
+
+Profile JSON, schema ``dcparallel.profile`` version 1::
+
+    {
+      "schema": "dcparallel.profile", "version": 1,
+      "fingerprint": {...},            # what the profile is valid for (model, dtype, device,
+                                       # world size, torch version); compared by the profiler
+      "model": {ModelSpec fields},     # the model as the planner sees it
+      "world_size": 2, "gpus_per_node": 2,
+      "model_state_bytes": 1.2e6,      # per rank: parameters, gradients, optimizer shard
+      "grad_sync_s": 0.004,            # the once-per-step gradient all-reduce
+      "buckets": [{"key": "t1024", "size": 1024 | [frames, height, width], "tokens": 1024}],
+      "entries": [{"bucket": "t1024", "sp": 1, "mbs": 2,
+                   "recompute": "none" | "attn" | "mlp" | "full",
+                   "time_s": 0.12 | null,           # fwd + bwd of the whole model (extrapolated)
+                   "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
+                                                    # states excluded (extrapolated)
+                   "feasible": true}],              # false: ran out of memory
+      "unfit_buckets": ["t65536"]       # optional: buckets with no feasible layout at all
+    }
+
+Optional entry fields (absent = none): ``ranks`` (the SP group that measured it),
+``measured`` (``depths``, ``time_s``, ``memory_bytes``: the short stacks it was extrapolated
+from; ``layer_s``: the time of one layer used, the median of per-round differences),
+``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
+out of memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
+extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dcparallel.spec import STATIC_MODES, ModelSpec, Size, check_size
+
+SCHEMA = "dcparallel.profile"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProfileBucket:
+    """A representative sample size the profile measured, under its key (``t1024``, ``v16x256x256``)."""
+
+    key: str
+    size: Size
+    tokens: int
+
+    @staticmethod
+    def of(spec: ModelSpec, size: Size) -> ProfileBucket:
+        size = check_size(size)
+        key = f"t{size}" if isinstance(size, int) else "v" + "x".join(map(str, size))
+        return ProfileBucket(key, size, spec.tokens(size))
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "size": list(self.size) if isinstance(self.size, tuple) else self.size,
+                "tokens": self.tokens}
+
+    @staticmethod
+    def from_json(d: dict) -> ProfileBucket:
+        size = tuple(d["size"]) if isinstance(d["size"], list) else d["size"]
+        return ProfileBucket(str(d["key"]), check_size(size), int(d["tokens"]))
+
+
+@dataclass
+class ProfileEntry:
+    """One measured layout of one bucket: SP degree, micro-batch size, recompute mode."""
+
+    bucket: str
+    sp: int
+    mbs: int
+    recompute: str
+    time_s: float | None = None
+    memory_bytes: float | None = None
+    feasible: bool = True
+    ranks: list[int] | None = None
+    measured: dict | None = None
+    validation: dict | None = None
+    reason: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if v is not None or k in ("time_s", "memory_bytes")}
+
+    @staticmethod
+    def from_json(d: dict, i: int, buckets: set[str]) -> ProfileEntry:
+        """Entry ``i`` of a profile, validated (``buckets``: the profile's bucket keys)."""
+        known = {f.name for f in fields(ProfileEntry)}
+        e = ProfileEntry(**{k: v for k, v in d.items() if k in known})
+        e.sp, e.mbs, e.feasible = int(e.sp), int(e.mbs), bool(e.feasible)
+        if e.recompute not in STATIC_MODES or e.bucket not in buckets:
+            raise ValueError(f"entry {i} has an unknown recompute mode or bucket: {d}")
+        if e.sp < 1 or e.mbs < 1:
+            raise ValueError(f"entry {i} has sp={e.sp}, mbs={e.mbs}; both must be >= 1")
+        if e.feasible:
+            for name in ("time_s", "memory_bytes"):
+                v = getattr(e, name)
+                if v is None:
+                    raise ValueError(f"entry {i} ({e.bucket}, sp={e.sp}, mbs={e.mbs}) is feasible but has no {name}")
+                _check_number(f"entry {i} ({e.bucket}, sp={e.sp}, mbs={e.mbs}) has {name}", v)
+        return e
+
+
+def _check_number(what: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} = {v!r}; times and memory must be finite and >= 0")
+
+
+@dataclass
+class Profile:
+    """A measured profile: what `ProfiledCost` prices micro-batches from."""
+
+    fingerprint: dict
+    model: ModelSpec
+    world_size: int
+    gpus_per_node: int
+    model_state_bytes: float
+    grad_sync_s: float
+    buckets: list[ProfileBucket]
+    entries: list[ProfileEntry]
+    unfit_buckets: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # JSON-shaped buckets and entries are accepted too
+        self.buckets = [b if isinstance(b, ProfileBucket) else ProfileBucket.from_json(b) for b in self.buckets]
+        self.entries = [e if isinstance(e, ProfileEntry) else ProfileEntry(**e) for e in self.entries]
+
+    def to_json(self) -> dict:
+        model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
+        return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
+                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
+                "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
+                "buckets": [b.to_json() for b in self.buckets], "entries": [e.to_json() for e in self.entries],
+                "unfit_buckets": self.unfit_buckets}
+
+    def save(self, path: str | Path) -> None:
+        """Writes the JSON atomically (a reader never sees half a file)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(p)
+
+    @staticmethod
+    def from_json(d: dict, source: str = "profile") -> Profile:
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise ValueError(f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
+                             f"expected {SCHEMA!r}); re-run `dcparallel profile`")
+        if d.get("version") != VERSION:
+            raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
+                             f"version {VERSION}: re-run `dcparallel profile` to regenerate it")
+        try:
+            model = ModelSpec(**d["model"])
+            buckets = [ProfileBucket.from_json(b) for b in d["buckets"]]
+            keys = {b.key for b in buckets}
+            entries = [ProfileEntry.from_json(e, i, keys) for i, e in enumerate(d["entries"])]
+            measured = {e.bucket for e in entries}
+            unfit = [str(k) for k in d.get("unfit_buckets", [])]
+            missing = [k for k in sorted(keys) if k not in measured and k not in set(unfit)]
+            if missing:
+                raise ValueError(f"bucket(s) {missing} have no entries (and are not listed as unfit)")
+            if not any(e.feasible for e in entries) and not unfit:
+                raise ValueError("no entry is feasible and no bucket is listed as unfit")
+            for name in ("model_state_bytes", "grad_sync_s"):
+                _check_number(name, d[name])
+            return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
+                           world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
+                           model_state_bytes=float(d["model_state_bytes"]),
+                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
+                           unfit_buckets=unfit)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read profile {p}: {exc}; re-run `dcparallel profile`") from exc
+        return Profile.from_json(d, source=str(p))

@@ -1,0 +1,102 @@
+"""`ProfilerConfig` (how much the profiler measures), `ProfileStats` (what a run found) and the buckets to profile."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dcparallel.cost.schema import ProfileEntry
+from dcparallel.spec import STATIC_MODES, ModelSpec, Size, bucket_key, check_size
+
+
+@dataclass(kw_only=True)
+class ProfilerConfig:
+    """How much to measure. Times are medians; every depth of a layout is timed in the same
+    interleaved rounds so that load drifting on a shared machine hits all depths alike."""
+
+    depth: int = 2
+    """measure stacks of ``depth - 1`` and ``depth`` layers (units); 2 = DESIGN's t1, t2"""
+    warmup: int = 1
+    """untimed runs per depth before timing (the first also measures memory)"""
+    repeats: int = 5
+    """timed runs per depth, at least; the median is kept"""
+    min_time_s: float = 1.0
+    """short layouts get more timed rounds, until a layout's rounds add up to about this"""
+    max_repeats: int = 25
+    """at most this many timed runs per depth"""
+    max_mbs: int = 64
+    """micro-batch sizes doubled up to this (the planners use at most 64)"""
+    max_tokens: int | None = None
+    """stop doubling once a micro-batch would hold more tokens than this (None: no cap)"""
+    min_gain: float = 0.05
+    """keep doubling while samples/s improves by at least this fraction"""
+    memory_limit: float | None = None
+    """bytes per rank for model states + activations; on CPU a fake allocator limit (a
+    forward that passes it raises torch.OutOfMemoryError), on GPU a budget below the card's
+    memory. None: the card's memory (GPU), unlimited (CPU)"""
+    modes: tuple[str, ...] = STATIC_MODES
+    """recompute modes to measure ("none", "attn", "mlp", "full")"""
+    sp_sizes: tuple[int, ...] | None = None
+    """SP degrees to measure; None = every size the world allows (`Topology.sizes`)"""
+    validate: bool = False
+    """also run a few layouts at full depth (smallest and largest bucket, recompute none and
+    full, one sample) and report the extrapolation error"""
+    progress: bool = False
+    """a tqdm bar on stderr (rank 0)"""
+
+    @staticmethod
+    def quick(max_tokens: int | None = None, **kw) -> ProfilerConfig:
+        """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (at
+        most 10, about 0.2 s of timing), micro-batches doubled only up to ``max_tokens``
+        tokens (prepare passes the dataset's longest sample; the cost model extrapolates
+        larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
+        defaults for validation runs."""
+        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 10, "max_tokens": max_tokens, **kw})
+
+
+@dataclass
+class ProfileStats:
+    layouts_measured: int = 0
+    layouts_infeasible: int = 0
+    seconds: float = 0.0
+    time_error: float | None = None
+    memory_error: float | None = None
+    validation: list[dict] = field(default_factory=list)
+    unfit_buckets: list[str] = field(default_factory=list)
+    slopes_clamped: int = 0
+
+    def add_validation(self, entries: Sequence[ProfileEntry]) -> None:
+        """The extrapolation error of every entry validated at full depth (worst in
+        ``time_error`` / ``memory_error``), or the error that stopped its validation."""
+        for e in entries:
+            v = e.validation
+            where = {"bucket": e.bucket, "sp": e.sp, "mbs": e.mbs, "recompute": e.recompute}
+            if v and "error" in v:
+                self.validation.append({**where, "error": v["error"]})
+            elif v:
+                te = abs(e.time_s - v["time_s"]) / v["time_s"]
+                me = abs(e.memory_bytes - v["memory_bytes"]) / v["memory_bytes"]
+                self.validation.append({**where, "time_error": te, "memory_error": me,
+                                        "predicted_time_s": e.time_s, "full_depth_time_s": v["time_s"],
+                                        "predicted_memory_bytes": e.memory_bytes,
+                                        "full_depth_memory_bytes": v["memory_bytes"]})
+        checked = [v for v in self.validation if "error" not in v]
+        if checked:
+            self.time_error = max(v["time_error"] for v in checked)
+            self.memory_error = max(v["memory_error"] for v in checked)
+
+
+def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 2.0) -> list[Size]:
+    """The sizes to profile for a dataset: its samples grouped into cost classes `ratio` apart
+    (`spec.bucket_key`; text: token ranges x2 apart by default, coarser than the planner's
+    x1.25 since `ProfiledCost` interpolates in tokens between buckets) and the largest sample
+    of each class, so a layout measured for a bucket fits all of its samples. Sorted by tokens."""
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1 (e.g. 2.0 for token ranges x2 apart); got {ratio}")
+    best: dict[tuple[int, int], Size] = {}
+    for s in sizes:
+        s = check_size(s)
+        k = bucket_key(spec, s, ratio)
+        if k not in best or spec.tokens(s) > spec.tokens(best[k]):
+            best[k] = s
+    return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
