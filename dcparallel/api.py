@@ -25,7 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from dcparallel.adapters.base import LossFn, ModelAdapter, find_adapter
+from dcparallel.adapters.base import LossFn, ModelAdapter
+from dcparallel.adapters.find import find_adapter
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.data.loader import DataCentricLoader, check_step_budget, read_sizes
 from dcparallel.plan.policies import POLICIES

@@ -9,10 +9,10 @@ from dcparallel.adapters.base import (
     ModelAdapter,
     SampleFn,
     derive_spec,
-    find_adapter,
     positional_lm_loss,
     protocol_adapter,
 )
+from dcparallel.adapters.find import find_adapter
 
 __all__ = ["LossFn", "ModelAdapter", "SampleFn", "derive_spec", "find_adapter", "positional_lm_loss",
            "protocol_adapter"]

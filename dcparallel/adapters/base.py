@@ -151,26 +151,6 @@ def random_tokens(vocab: int, seed: int = 0) -> SampleFn:
     return sample
 
 
-# ---------------------------------------------------------------- finding the adapter
-
-
-def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
-                 num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
-    """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
-    reference model, a Hugging Face causal LM, a diffusers Wan transformer, or any module
-    following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
-    ``num_kv_heads`` override what the adapter reads from the model."""
-    if hasattr(model, "dcp_adapter"):
-        return model.dcp_adapter()
-    from dcparallel.adapters import hf, reference, wan
-
-    for family in (reference, hf, wan):
-        if family.matches(model):
-            return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  **protocol)
-    return protocol_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol)
-
-
 def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
                      num_kv_heads: int | None = None, kind: str = "text", attention: str | None = None,
                      hidden: int | None = None, ffn_hidden: int | None = None, blocks_per_layer: int = 1,

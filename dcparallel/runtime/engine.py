@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dcparallel.adapters.base import ModelAdapter, find_adapter
+from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.find import find_adapter
 from dcparallel.data.batch import Batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.runtime import comm

@@ -28,7 +28,7 @@ def case_profile(path: str) -> dict:
     again, stats2 = load_or_profile(path, prof, [16, 40, 64])
     sp2 = next(e for e in p.entries if e.bucket == "t64" and e.sp == 2 and e.recompute == "none"
                and e.mbs == 1)
-    limit = p.model_state_bytes + 1.01 * sp2["memory_bytes"]
+    limit = p.model_state_bytes + 1.01 * sp2.memory_bytes
     limited, lstats = _profiler(memory_limit=limit).run([16, 64])
     return {"profile": p.to_json(), "stats": dataclasses.asdict(stats), "reused": stats2 is None,
             "reused_same": again.to_json() == p.to_json(), "limit": limit, "limited": limited.to_json(),

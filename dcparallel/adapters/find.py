@@ -1,0 +1,28 @@
+"""`find_adapter`: the adapter that drives a model (its own, a reference, transformers, diffusers or the protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from dcparallel.adapters.base import ModelAdapter, protocol_adapter
+
+
+def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
+                 num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
+    """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
+    reference model, a Hugging Face causal LM, a diffusers Wan transformer, or any module
+    following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
+    ``num_kv_heads`` override what the adapter reads from the model."""
+    if hasattr(model, "dcp_adapter"):
+        return model.dcp_adapter()
+    # imported here: the families' modules reach into data/ and runtime/, whose packages import the engine
+    from dcparallel.adapters import hf, reference, wan
+
+    for family in (reference, hf, wan):
+        if family.matches(model):
+            return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  **protocol)
+    return protocol_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol)

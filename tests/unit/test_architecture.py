@@ -1,0 +1,186 @@
+"""The package rules of docs/architecture.md, checked on the source tree.
+
+Every `import` of a dcparallel module (also those inside functions) is an edge. Each
+package may import only the packages its row allows; the pure core (spec, topology,
+scenarios, cost, plan, sim, report) never imports torch; no module imports the front-ends
+(`apps/`) except the console entry; and the modules form no import cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "dcparallel"
+
+CORE = {"spec", "topology", "scenarios", "cost", "plan", "sim", "report"}
+#: package -> the packages it may import (its own always)
+ALLOWED: dict[str, set[str]] = {
+    "spec": set(),
+    "topology": {"spec"},
+    "scenarios": {"spec"},
+    "cost": {"spec", "topology"},
+    "plan": {"spec", "topology", "cost"},
+    "sim": {"spec", "topology", "cost", "plan", "scenarios"},
+    "report": {"spec", "topology", "cost", "plan", "sim", "scenarios"},
+    "models": set(),
+    "data": CORE | {"runtime.comm"},
+    "adapters": CORE | {"models", "data", "runtime"},
+    "runtime": CORE | {"models", "data", "adapters"},
+    "profile": CORE | {"models", "data", "adapters", "runtime"},
+    "checkpoint": CORE | {"runtime"},
+    "api": CORE | {"models", "data", "adapters", "runtime", "profile", "checkpoint"},
+    "apps": CORE | {"models", "data", "adapters", "runtime", "profile", "checkpoint", "api", "__init__"},
+    "__init__": {"api", "data", "adapters", "models", "runtime", "plan", "spec", "topology"},
+    "__main__": {"apps"},
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] if len(parts) > 1 else parts
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """``dcparallel.plan.bucket`` -> ``plan``; ``dcparallel.api`` -> ``api``; the package's
+    own ``__init__`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(source: str, module: str, known: set[str]) -> set[str]:
+    """The dcparallel modules ``source`` (of ``module``) imports, anywhere in the file.
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
+    out = set()
+    package = module if module in known and any(k.startswith(module + ".") for k in known) else \
+        module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.split(".")[0] != "dcparallel":
+                continue
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """Every broken rule of a tree given as {module name: source}."""
+    known = set(sources)
+    graph = {m: imports(src, m, known) for m, src in sources.items()}
+    bad = []
+    for m, deps in sorted(graph.items()):
+        pkg = package_of(m)
+        allowed = ALLOWED.get(pkg)
+        if allowed is None:
+            bad.append(f"{m}: package {pkg!r} has no row in the rules (docs/architecture.md)")
+            continue
+        for d in sorted(deps):
+            dpkg = package_of(d)
+            ok = dpkg == pkg or dpkg in allowed or any(d == f"dcparallel.{a}" or d.startswith(f"dcparallel.{a}.")
+                                                        for a in allowed if "." in a)
+            if not ok:
+                bad.append(f"{m} imports {d}: {pkg} may import only {sorted(allowed) or 'nothing else'}")
+        if pkg in CORE:
+            tree = ast.parse(sources[m])
+            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            if any(x == "torch" or x.startswith("torch.") for x in names):
+                bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp) + [sorted(comp)[0]])
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def tree_sources() -> dict[str, str]:
+    return {module_name(p, ROOT): p.read_text() for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_the_source_tree_follows_the_package_rules():
+    assert violations(tree_sources()) == []
+
+
+@pytest.mark.parametrize("module,source,expected", [
+    # the planning core reaching for the simulator (plan/bucket.py tuned with sim.replay)
+    ("dcparallel.plan.bucket", "def tune():\n    from dcparallel.sim.replay import simulate\n",
+     "dcparallel.plan.bucket imports dcparallel.sim.replay"),
+    ("dcparallel.cost.base", "import torch\n", "dcparallel.cost.base imports torch"),
+    ("dcparallel.models.llama", "from dcparallel.runtime import comm\n", "dcparallel.models.llama imports"),
+    ("dcparallel.data.loader", "from dcparallel.apps import cli\n", "dcparallel.data.loader imports dcparallel.apps"),
+])
+def test_the_rules_catch_a_forbidden_import(module, source, expected):
+    sources = tree_sources()
+    sources[module] = source
+    assert any(v.startswith(expected) for v in violations(sources)), violations(sources)
+
+
+def test_the_rules_catch_an_import_cycle_between_front_ends():
+    """The circle `cli -> demo -> cli` (the demo importing the CLI's paper-scale helper)."""
+    sources = tree_sources()
+    sources["dcparallel.apps.x_cli"] = "from dcparallel.apps import x_demo\n"
+    sources["dcparallel.apps.x_demo"] = "def f():\n    from dcparallel.apps.x_cli import paper_scale\n"
+    found = [v for v in violations(sources) if v.startswith("import cycle") and "x_cli" in v]
+    assert found == ["import cycle: dcparallel.apps.x_cli -> dcparallel.apps.x_demo -> dcparallel.apps.x_cli"]
+
+
+def test_every_module_is_short_and_says_what_it_owns():
+    for p in sorted(ROOT.rglob("*.py")):
+        text = p.read_text()
+        if not text.strip():
+            continue  # an empty package marker
+        lines = text.count("\n")
+        assert lines <= 420, f"{p.relative_to(ROOT.parent)} has {lines} lines; split it (about 400 at most)"
+        doc = ast.get_docstring(ast.parse(text))
+        assert doc and doc.strip(), f"{p.relative_to(ROOT.parent)} has no docstring saying what it owns"
+
+
+def test_examples_import_nothing_from_the_front_ends():
+    for p in sorted((ROOT.parent / "examples").glob("*.py")):
+        mods = imports(p.read_text(), "examples." + p.stem, set(tree_sources()))
+        assert not [m for m in mods if package_of(m) in ("apps", "demo", "cli", "train")], (p.name, mods)
