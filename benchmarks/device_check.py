@@ -189,10 +189,10 @@ def part_c(out_dir: Path, dry: bool) -> dict:
 
 
 def part_d(device: torch.device, dry: bool) -> dict:
+    from dcparallel.data.collate import text_batch
     from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import DataCentricParallel
-    from dcparallel.runtime.shard import text_batch
     from dcparallel.spec import Layout, Recompute
 
     dtype = torch.float32 if dry else torch.bfloat16

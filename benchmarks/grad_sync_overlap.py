@@ -32,10 +32,10 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
 
     import torch.distributed as dist
 
+    from dcparallel.data.collate import text_batch
     from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import DataCentricParallel
-    from dcparallel.runtime.shard import text_batch
     from dcparallel.spec import Layout
 
     torch.set_num_threads(1)

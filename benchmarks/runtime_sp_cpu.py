@@ -20,11 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import DataCentricParallel
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import Layout
 
 

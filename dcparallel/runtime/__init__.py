@@ -3,7 +3,6 @@ the per-micro-batch engine."""
 
 from dcparallel.runtime.engine import DataCentricParallel, MicroBatchContext, ZeroAdamW
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.runtime.ulysses import UlyssesAttention, ulysses_attention
 
 __all__ = [
@@ -12,7 +11,5 @@ __all__ = [
     "ProcessGroups",
     "UlyssesAttention",
     "ZeroAdamW",
-    "text_batch",
     "ulysses_attention",
-    "video_batch",
 ]

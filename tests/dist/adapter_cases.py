@@ -20,7 +20,7 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
     dc = DataCentricParallel(model, **({"num_heads": 4, "num_kv_heads": 2} if kind == "custom" else {}))
     collate = dc.adapter.collate
     if isinstance(collate, str):
-        from dcparallel.data.loader import resolve_collate
+        from dcparallel.data.collate import resolve_collate
 
         collate = resolve_collate(collate, dc.adapter.kind)
     results = []

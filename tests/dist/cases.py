@@ -16,7 +16,7 @@ from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import DataCentricParallel
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import padded_length, video_batch
+from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.runtime.ulysses import ulysses_attention
 from dcparallel.spec import Layout
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference_adamw, run_rank_step

@@ -7,11 +7,11 @@ from datetime import timedelta
 
 import torch
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import DataCentricParallel
 from dcparallel.runtime.launch import init_distributed
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import Layout
 
 torch.set_num_threads(1)

@@ -186,7 +186,7 @@ def test_sp_degrees_follow_the_query_heads_with_grouped_kv_heads():
 def test_bf16_models_train_with_fp32_gradient_accumulation(kind):
     """bf16 parameters, fp32 loaded data, fp32 gradient buffer: the recipe users run."""
     pytest.importorskip("transformers" if kind.startswith("hf") else "diffusers")
-    from dcparallel.data.loader import resolve_collate
+    from dcparallel.data.collate import resolve_collate
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import DataCentricParallel as Engine
     from tests.adapter_models import item, make_data

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import DataCentricParallel
 from dcparallel.runtime.launch import Links, check_launch, choose_backend, cluster_from_env, init_distributed
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import ClusterSpec, Layout, h200_cluster
 from tests.support import NUM_HEADS, make_data, make_model
 

@@ -383,7 +383,7 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
     pairs, so the plan's full recompute is Recompute(4, 4) and must checkpoint all 8 blocks —
     what the profiler measured as "full". Counting blocks instead (the old mapping) re-ran 4 of
     8 blocks and saved several times the profiled activations."""
-    from dcparallel.data.loader import collate_video
+    from dcparallel.data.collate import collate_video
     from dcparallel.models.dit import DiT, DiTConfig
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.inputs import reference_inputs

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dcparallel.data.batch import Batch
+from dcparallel.data.collate import text_batch, video_batch
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import DataCentricParallel, sample_seed
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.runtime.ulysses import check_heads
 from dcparallel.spec import Layout, Recompute
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference, rel_err, run_rank_step
