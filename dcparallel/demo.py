@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> int:
     from dcparallel.profile.cache import load_or_profile
     from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.engine import Engine as DataCentricParallel
     from dcparallel.runtime.launch import init_distributed
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
@@ -180,7 +180,7 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
     per-rank busy spans of each step."""
     from dcparallel.data.loader import DataCentricLoader
     from dcparallel.runtime import comm
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.engine import Engine as DataCentricParallel
 
     model = _model(args.layers)
     dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)

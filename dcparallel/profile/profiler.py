@@ -57,7 +57,7 @@ from dcparallel.profile.measure import (
     median,
 )
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine as DataCentricParallel
 from dcparallel.spec import (
     ClusterSpec,
     Layout,

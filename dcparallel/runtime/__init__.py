@@ -1,12 +1,13 @@
 """Runs step plans on torch.distributed: process groups, collectives, Ulysses attention and
 the per-micro-batch engine."""
 
-from dcparallel.runtime.engine import DataCentricParallel, MicroBatchContext, ZeroAdamW
+from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.ulysses import UlyssesAttention, ulysses_attention
+from dcparallel.runtime.zero import ZeroAdamW
 
 __all__ = [
-    "DataCentricParallel",
+    "Engine",
     "MicroBatchContext",
     "ProcessGroups",
     "UlyssesAttention",
