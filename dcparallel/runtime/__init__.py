@@ -1,5 +1,4 @@
-"""Runs step plans on torch.distributed: process groups, collectives, Ulysses attention and
-the per-micro-batch engine."""
+"""Runs step plans on torch.distributed: groups, collectives, Ulysses attention, the engine."""
 
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.groups import ProcessGroups

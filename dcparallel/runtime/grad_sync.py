@@ -1,5 +1,6 @@
-"""The flat parameter and gradient buffers and the step's gradient sync: one fp32 buffer, reduced in
-fixed buckets, overlapped with the last backward.
+"""The flat parameter and gradient buffers, and the step's gradient sync over the gradient buffer.
+
+The sync: one fp32 buffer, reduced in fixed buckets, overlapped with the last backward.
 
 ``flat_param``: the trainable parameters (in parameter order, their dtype), padded to a
 multiple of the world size; each parameter's storage becomes a view of it (names and
