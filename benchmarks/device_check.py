@@ -189,10 +189,10 @@ def part_c(out_dir: Path, dry: bool) -> dict:
 
 
 def part_d(device: torch.device, dry: bool) -> dict:
+    from dcparallel.data.collate import text_batch
     from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
     from dcparallel.plan.types import MicroBatch
-    from dcparallel.runtime.engine import DataCentricParallel
-    from dcparallel.runtime.shard import text_batch
+    from dcparallel.runtime.engine import Engine
     from dcparallel.spec import Layout, Recompute
 
     dtype = torch.float32 if dry else torch.bfloat16
@@ -200,7 +200,7 @@ def part_d(device: torch.device, dry: bool) -> dict:
            LlamaConfig(vocab_size=32000, hidden=4096, num_layers=8, num_heads=32, ffn_hidden=11008))
     torch.manual_seed(0)
     model = Llama(cfg).to(device, dtype)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads)
+    dc = Engine(model, layers=model.layers, num_heads=cfg.num_heads)
     n_docs, length = (4, 64) if dry else (16, 512)
     docs = {i: torch.randint(0, cfg.vocab_size, (length,)) for i in range(n_docs)}
     out = {"documents": n_docs, "doc_tokens": length, "num_layers": cfg.num_layers}

@@ -32,10 +32,10 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
 
     import torch.distributed as dist
 
+    from dcparallel.data.collate import text_batch
     from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
     from dcparallel.plan.types import MicroBatch
-    from dcparallel.runtime.engine import DataCentricParallel
-    from dcparallel.runtime.shard import text_batch
+    from dcparallel.runtime.engine import Engine
     from dcparallel.spec import Layout
 
     torch.set_num_threads(1)
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
                             timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=8192, hidden=512, num_layers=4, num_heads=8, ffn_hidden=1376))
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=8)
+    dc = Engine(model, layers=model.layers, num_heads=8)
     dc.grad_sync.set_bucket_bytes(bucket_mib * 2**20)
     opt = dc.optimizer(lr=1e-4)
     g = torch.Generator().manual_seed(rank)

@@ -20,11 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import DataCentricParallel
-from dcparallel.runtime.shard import text_batch
+from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     cfg = LlamaConfig.small()
     torch.manual_seed(0)
     model = Llama(cfg)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads)
+    dc = Engine(model, layers=model.layers, num_heads=cfg.num_heads)
     creation_ms = 1e3 * dc.groups.creation_seconds
     results: dict = {
         "world_size": world,

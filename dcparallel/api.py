@@ -11,11 +11,14 @@
         opt.step()
 
 `prepare` profiles the model at the launch's world size (or reuses a matching cached
-profile), then returns the `DataCentricLoader` that plans every step with the policy.
+profile), then returns the `DataCentricLoader` that plans every step with the policy. The
+steps themselves run on the `runtime.engine.Engine` this object holds (``engine``); its
+training-loop methods and attributes are exposed here unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,14 +31,17 @@ from torch import nn
 from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
 from dcparallel.cost.profiled import ProfiledCost
-from dcparallel.data.loader import DataCentricLoader, check_step_budget, read_sizes
+from dcparallel.data.batch import Batch
+from dcparallel.data.loader import DataCentricLoader
+from dcparallel.data.sizes import check_step_budget, read_sizes
 from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.runtime import comm
-from dcparallel.runtime import engine as _engine
+from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.launch import cluster_from_env, device_memory
+from dcparallel.runtime.zero import ZeroAdamW
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +50,13 @@ def _local_world() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
 
 
-class DataCentricParallel(_engine.DataCentricParallel):
-    """`runtime.engine.DataCentricParallel` plus `prepare`: profile (cached) -> plan -> load.
+def _of_engine(name: str, doc: str) -> property:
+    """A read-only attribute of the held `Engine`."""
+    return property(lambda self: getattr(self.engine, name), doc=doc)
+
+
+class DataCentricParallel:
+    """A `runtime.engine.Engine` (``engine``) plus `prepare`: profile (cached) -> plan -> load.
 
     ``model``: a reference model, a transformers causal LM, a diffusers Wan transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
@@ -74,17 +85,61 @@ class DataCentricParallel(_engine.DataCentricParallel):
         g = gpus_per_node or min(_local_world(), world)
         # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
         self.cluster_spec = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
-        super().__init__(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel, groups=groups)
+        self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
+                             groups=groups)
         self.policy, self.spec = policy, adapter.spec
         self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
         self.profile = None
         self.cost = None
         self.loader: DataCentricLoader | None = None
 
+    # ------------------------------------------------------------------ the engine's, unchanged
+
+    model = _of_engine("model", "the wrapped model")
+    adapter = _of_engine("adapter", "how the model is driven (`dcparallel.adapters.ModelAdapter`)")
+    layers = _of_engine("layers", "the model's repeated blocks")
+    num_heads = _of_engine("num_heads", "attention heads of the model")
+    num_kv_heads = _of_engine("num_kv_heads", "key / value heads of the model")
+    params = _of_engine("params", "the trainable parameters, views of ``flat_param``")
+    seed = _of_engine("seed", "the seed of per-sample randomness and of the loader's shuffle")
+    epoch = _of_engine("epoch", "the epoch of per-sample randomness (`set_epoch`)")
+    groups = _of_engine("groups", "every process group (`runtime.groups.ProcessGroups`)")
+    rank = _of_engine("rank", "this rank in the world")
+    world_size = _of_engine("world_size", "ranks in the world")
+    grad_sync = _of_engine("grad_sync", "the flat buffers and the step's gradient sync (`runtime.grad_sync`)")
+    flat_param = _of_engine("flat_param", "the flat parameter buffer")
+    flat_grad = _of_engine("flat_grad", "the flat fp32 gradient buffer (+ loss and target count)")
+    numel = _of_engine("numel", "trainable parameter elements")
+    shard_numel = _of_engine("shard_numel", "flat parameter elements per rank's ZeRO-1 shard")
+    last_loss = _of_engine("last_loss", "the last step's mean loss")
+    last_count = _of_engine("last_count", "the last step's global target count")
+
+    def micro_batch(self, batch: Batch, last: bool | None = None
+                    ) -> contextlib.AbstractContextManager[MicroBatchContext]:
+        """`Engine.micro_batch`: runs one micro-batch on this rank (a context manager)."""
+        return self.engine.micro_batch(batch, last)
+
+    def sync_gradients(self) -> float:
+        """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""
+        return self.engine.sync_gradients()
+
+    def zero_grad(self) -> None:
+        """`Engine.zero_grad`: starts a new step's accumulation."""
+        self.engine.zero_grad()
+
+    def optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 0.0) -> ZeroAdamW:
+        """`Engine.optimizer`: AdamW with ZeRO-1 sharded fp32 state."""
+        return self.engine.optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def recompute_modes(self) -> list[str]:
+        """`Engine.recompute_modes`: the recompute mode of every block right now."""
+        return self.engine.recompute_modes()
+
     def set_epoch(self, epoch: int) -> None:
         """The epoch for per-sample randomness and, once `prepare` made it, the loader's
         shuffle: one call at the top of each epoch."""
-        super().set_epoch(epoch)
+        self.engine.set_epoch(epoch)
         if self.loader is not None:
             self.loader.set_epoch(epoch)
 
@@ -110,7 +165,7 @@ class DataCentricParallel(_engine.DataCentricParallel):
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
         device, dtype = self.params[0].device, self.params[0].dtype
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
-        profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self,
+        profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self.engine,
                             layers_per_unit=self.adapter.blocks_per_layer)
         self.profile, _ = load_or_profile(profile_path, profiler, buckets)
         self.cost = ProfiledCost(self.profile, self.cluster_spec)

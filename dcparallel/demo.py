@@ -78,13 +78,13 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dcparallel.cost.profiled import ProfiledCost
+    from dcparallel.data.collate import text_batch
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.cache import load_or_profile
     from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.engine import Engine as DataCentricParallel
     from dcparallel.runtime.launch import init_distributed
-    from dcparallel.runtime.shard import text_batch
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
     torch.set_num_threads(1)
@@ -180,7 +180,7 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
     per-rank busy spans of each step."""
     from dcparallel.data.loader import DataCentricLoader
     from dcparallel.runtime import comm
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.engine import Engine as DataCentricParallel
 
     model = _model(args.layers)
     dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)

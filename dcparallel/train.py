@@ -623,7 +623,7 @@ def _run(cfg: Config, lengths: list[int], faults: list[Fault]) -> int:
                     # before the step's backward (the overlapped sync may send them during it)
                     dc.zero_grad()
                     dc.flat_grad[0] += float("nan")
-                    dc._stats[0] += float("nan")
+                    dc.grad_sync.stats[0] += float("nan")
                 busy = 0.0
                 for batch in step:
                     a = time.perf_counter()

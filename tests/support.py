@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dcparallel.data.collate import text_batch, video_batch
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss, shift_labels
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.runtime.engine import DataCentricParallel, sample_seed
-from dcparallel.runtime.shard import text_batch, video_batch
+from dcparallel.runtime.engine import Engine, sample_seed
 from dcparallel.spec import Layout, Recompute
 
 NUM_HEADS = 4
@@ -189,7 +189,7 @@ def reference(
 
 
 def run_rank_step(
-    dc: DataCentricParallel, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False
+    dc: Engine, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False
 ) -> float:
     """This rank's micro-batches of the plan, then the step's gradient sync.
     ``backward_outside``: call backward after the micro-batch block has exited."""

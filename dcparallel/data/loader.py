@@ -1,4 +1,4 @@
-"""`DataCentricLoader`: an epoch plan turned into this rank's `Batch`es, one `Step` at a time.
+"""`DataCentricLoader`: an epoch plan turned into this rank's `Batch`es, one `LoaderStep` at a time.
 
 Per epoch the loader forms the steps with the planning core's step former (shuffle by
 (seed, epoch), consecutive samples up to the step budget), plans each step with a policy,
@@ -25,48 +25,42 @@ the planner starts) load each micro-batch's samples and collate them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
 import multiprocessing
-import numbers
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from dcparallel.cost.base import CostModel
 from dcparallel.data.batch import Batch
+from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
+from dcparallel.data.plan_stream import PlanStream, ProcessPlanStream
+from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_sizes
+from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import POLICIES, Planner, make_planner
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
-from dcparallel.runtime.shard import IGNORE_INDEX, text_batch, video_batch
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import ClusterSpec, Size, Workload
 
 log = logging.getLogger(__name__)
 
-#: lengths: one size per sample (token count, or (frames, height, width) of a video), or a
-#: function of the sample index returning it (called once per sample, then cached)
-Lengths = Union[Sequence[Any], Callable[[int], Any]]
-
-#: a custom collate: (loaded samples by id, the micro-batch, its group's ranks, this rank)
-#: -> whatever the training loop wants for that micro-batch (usually a `Batch`)
-CollateFn = Callable[[Mapping[int, Any], MicroBatch, tuple[int, ...], int], Any]
+__all__ = ["DataCentricLoader", "LoaderStep", "check_step_budget", "read_sizes"]
 
 
 # ---------------------------------------------------------------- what the loop gets
 
 
 @dataclass(frozen=True)
-class Step:
+class LoaderStep:
     """This rank's part of one optimizer step: one item per micro-batch it runs, in order
     (its group's micro-batches in each phase of the step, phase by phase). Empty when the
     rank's groups have no micro-batch this step (the rank still joins the gradient sync)."""
@@ -123,427 +117,11 @@ class Step:
     def __len__(self) -> int:
         return len(self.batches)
 
-
-# ---------------------------------------------------------------- validation of lengths
-
-
-def _bad_length(i: int, value: Any, why: str) -> ValueError:
-    return ValueError(
-        f"lengths[{i}] = {value!r} {why}; give each sample's size as a positive integer token "
-        f"count, or (frames, height, width) of positive integers for a video"
-    )
-
-
-def _positive_int(i: int, whole: Any, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise _bad_length(i, whole, f"is not a number (a {type(v).__name__})")
-    if isinstance(v, numbers.Integral):
-        n = int(v)
-    elif float(v).is_integer():
-        n = int(v)
-    else:
-        raise _bad_length(i, whole, "is not an integer")
-    if n <= 0:
-        raise _bad_length(i, whole, "is not positive (a sample needs at least one token)")
-    return n
-
-
-def _one_size(i: int, value: Any) -> Size:
-    v = value.tolist() if hasattr(value, "tolist") else value
-    if isinstance(v, (list, tuple)):
-        if len(v) != 3:
-            raise _bad_length(i, value, f"has {len(v)} values, not 3")
-        return tuple(_positive_int(i, value, x) for x in v)  # type: ignore[return-value]
-    return _positive_int(i, value, v)
-
-
-def check_step_budget(tokens_per_step: Any, samples_per_step: Any) -> None:
-    """Exactly one of the two, a positive integer (checked before anything is profiled)."""
-    if (tokens_per_step is None) == (samples_per_step is None):
-        raise ValueError(f"give exactly one of tokens_per_step or samples_per_step; got "
-                         f"tokens_per_step={tokens_per_step!r}, samples_per_step={samples_per_step!r}")
-    for name, v in (("tokens_per_step", tokens_per_step), ("samples_per_step", samples_per_step)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0):
-            raise ValueError(f"{name} must be a positive integer; got {v!r}")
-
-
-def read_sizes(lengths: Lengths, num_samples: int) -> tuple[Size, ...]:
-    """Every sample's size, validated: `lengths` as a sequence (one entry per sample) or a
-    function of the index (called once per index)."""
-    if callable(lengths):
-        values = [lengths(i) for i in range(num_samples)]
-    else:
-        try:
-            count = len(lengths)
-        except TypeError:
-            raise ValueError(
-                f"lengths must be a sequence with one size per sample or a function of the sample "
-                f"index; got a {type(lengths).__name__}"
-            ) from None
-        if count != num_samples:
-            raise ValueError(
-                f"lengths has {count} entries but the dataset has {num_samples} samples; give one "
-                f"size per sample, lengths[i] = the size of dataset[i]"
-            )
-        values = [lengths[i] for i in range(num_samples)]
-    return tuple(_one_size(i, v) for i, v in enumerate(values))
-
-
-# ---------------------------------------------------------------- collation
-
-
-def collate_text(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int,
-                 ignore_index: int = IGNORE_INDEX) -> Batch:
-    """Packs the micro-batch's documents into one row (`cu_seqlens`, per-document positions;
-    labels shifted per document before sharding) and returns this rank's shard.
-
-    A sample is a 1-D tensor of token ids, or a mapping with ``input_ids`` and optionally
-    ``labels`` (next-token targets aligned with the inputs, ``ignore_index`` where none)."""
-    docs, labels = {}, {}
-    for sid in mb.sample_ids:
-        s = samples[sid]
-        if isinstance(s, Mapping):
-            if "input_ids" not in s:
-                raise ValueError(f"sample {sid} is a mapping without 'input_ids' (keys {sorted(s)}); "
-                                 f"return the token ids as 'input_ids' or as a 1-D tensor")
-            docs[sid] = torch.as_tensor(s["input_ids"])
-            if s.get("labels") is not None:
-                labels[sid] = torch.as_tensor(s["labels"])
-        else:
-            docs[sid] = torch.as_tensor(s)
-    if labels and len(labels) != len(docs):
-        raise ValueError(f"some samples of {mb.sample_ids} have labels and some do not; give labels for all or none")
-    return text_batch(mb, ranks, rank, docs, labels or None, ignore_index)
-
-
-def collate_video(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int) -> Batch:
-    """Stacks same-shape video samples as rows and returns this rank's shard. A sample is a
-    mapping with ``tokens`` (N, C) patch tokens, ``positions`` (N, 3) and ``frames``
-    (latent frames; N = frames x spatial tokens), e.g. from `dcparallel.models.dit.patchify`."""
-    for sid in mb.sample_ids:
-        s = samples[sid]
-        if not isinstance(s, Mapping) or not {"tokens", "positions", "frames"} <= set(s):
-            raise ValueError(f"video sample {sid} must be a mapping with 'tokens', 'positions' and "
-                             f"'frames'; got {type(s).__name__}")
-    frames = {int(samples[s]["frames"]) for s in mb.sample_ids}
-    if len(frames) != 1:
-        raise ValueError(f"samples {mb.sample_ids} of one micro-batch have different frame counts {sorted(frames)}")
-    return video_batch(mb, ranks, rank, {s: samples[s]["tokens"] for s in mb.sample_ids},
-                       {s: samples[s]["positions"] for s in mb.sample_ids}, frames.pop())
-
-
-def resolve_collate(collate: str | CollateFn | None, kind: str, ignore_index: int = IGNORE_INDEX
-                    ) -> CollateFn | None:
-    """The collate function of a ``collate`` setting: "auto" (text or video by the model's
-    kind), "text", "video", a function, or None (the raw samples)."""
-    if collate == "auto":
-        collate = "video" if kind == "video" else "text"
-    if collate == "text":
-        return functools.partial(collate_text, ignore_index=ignore_index)
-    if collate == "video":
-        return collate_video
-    if collate is None or callable(collate):
-        return collate
-    raise ValueError(f"collate must be 'auto', 'text', 'video', a function or None; got {collate!r}")
-
-
-@dataclass(frozen=True)
-class _Task:
-    """This rank's micro-batches of one step, to load and collate in one worker call (one
-    DataLoader item per step: its per-item overhead, ~1 ms here, is paid once a step)."""
-
-    epoch: int
-    step: int
-    work: tuple[tuple[MicroBatch, tuple[int, ...]], ...]
-    """(micro-batch, its group's ranks), in the order this rank runs them"""
-    rank: int
-
-
-class _TaskDataset(torch.utils.data.Dataset):
-    """Maps a `_Task` to its collated micro-batches (runs in the DataLoader workers)."""
-
-    def __init__(self, dataset: Any, collate: CollateFn | None, sizes: tuple[Size, ...], check_text: bool):
-        self.dataset, self.collate, self.sizes, self.check_text = dataset, collate, sizes, check_text
-
-    def __getitem__(self, task: _Task) -> list[Any]:  # type: ignore[override]
-        return [self._one(mb, ranks, task.rank) for mb, ranks in task.work]
-
-    def _one(self, mb: MicroBatch, ranks: tuple[int, ...], rank: int) -> Any:
-        samples = {sid: self.dataset[sid] for sid in mb.sample_ids}
-        if self.check_text:
-            for sid, s in samples.items():
-                ids = s["input_ids"] if isinstance(s, Mapping) else s
-                n = int(torch.as_tensor(ids).numel())
-                if n != self.sizes[sid]:
-                    raise ValueError(
-                        f"sample {sid} has {n} tokens but lengths[{sid}] = {self.sizes[sid]}; the plan is "
-                        f"built from lengths, so they must be the samples' real token counts"
-                    )
-        if self.collate is None:
-            return [samples[sid] for sid in mb.sample_ids]
-        return self.collate(samples, mb, ranks, rank)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-class _OneBuffer:
-    """A step's `Batch`es on their way from a DataLoader worker: all their tensors copied
-    into one byte buffer, so that the main process rebuilds one shared-memory tensor per step
-    instead of five per micro-batch (each costs ~0.5 ms with the default file-descriptor
-    sharing, measured here)."""
-
-    def __init__(self, batches: list[Batch]):
-        self.values: list[dict[str, Any]] = []
-        self.specs: list[list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = []
-        parts, offset = [], 0
-        for batch in batches:
-            values, specs = {}, []
-            for f in dataclasses.fields(batch):
-                v = getattr(batch, f.name)
-                if not isinstance(v, torch.Tensor):
-                    values[f.name] = v
-                    continue
-                raw = v.detach().contiguous().reshape(-1).view(torch.uint8)
-                pad = -raw.numel() % 8  # keeps every tensor 8-byte aligned for view(dtype)
-                specs.append((f.name, v.dtype, tuple(v.shape), offset, raw.numel()))
-                parts += [raw, raw.new_zeros(pad)]
-                offset += raw.numel() + pad
-            self.values.append(values)
-            self.specs.append(specs)
-        self.buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
-
-    def unpack(self) -> list[Batch]:
-        out = []
-        for values, specs in zip(self.values, self.specs, strict=True):
-            tensors = {name: self.buffer[off:off + n].view(dtype).view(shape) for name, dtype, shape, off, n in specs}
-            out.append(Batch(**values, **tensors))
-        return out
-
-
-def _stamp(b: Any, step: int, last: bool, device: torch.device | None) -> Any:
-    """A `Batch` with its step and last-of-step flag set (the engine overlaps the gradient
-    sync with the last backward), on ``device``; anything else unchanged."""
-    if type(b) is not Batch:
-        return b
-    b = dataclasses.replace(b, step=step, last_of_step=last)
-    if device is None or b.inputs.device == device:
-        return b
-    return (b.pin_memory() if device.type == "cuda" else b).to(device, non_blocking=True)
-
-
-def _to_worker_result(items: list[Any]) -> Any:
-    return _OneBuffer(items) if items and all(type(b) is Batch for b in items) else items
-
-
-# ---------------------------------------------------------------- planning ahead
-
-
-class _PlanStream:
-    """Plans the steps of one epoch in order on a background thread, `lookahead` steps ahead
-    of the furthest step anyone asked for. ``lookahead=0`` plans in the caller's thread."""
-
-    def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                 lookahead: int, name: str):
-        self._build, self._steps, self._lookahead, self._name = build, steps, lookahead, name
-        self._planner: Planner | None = None
-        self._cond = threading.Condition()
-        self._plans: dict[int, StepPlan] = {}
-        self._next = start  # next step to plan
-        self._demand = start  # 1 + the furthest step asked for
-        self._pos = {"sampler": start, "assembler": start}  # the step each reader is at
-        self._error: BaseException | None = None
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.plan_seconds = 0.0
-
-    def _plan(self, k: int) -> StepPlan:
-        t0 = time.perf_counter()
-        if self._planner is None:
-            self._planner = self._build()
-        plan = self._planner.plan(self._steps[k])
-        assert plan.sample_ids == self._steps[k].sample_ids, "the planner changed the step's samples"
-        self.plan_seconds += time.perf_counter() - t0
-        return plan
-
-    def get(self, k: int, reader: str) -> StepPlan:
-        """Plan k (blocks until it is planned). Two readers walk the steps in order at their
-        own pace, the DataLoader's sampler and the step assembler: a plan is dropped once
-        both have passed it."""
-        with self._cond:
-            self._pos[reader] = k
-            keep = min(self._pos.values())
-            for j in [j for j in self._plans if j < keep]:
-                del self._plans[j]
-            if self._lookahead == 0:
-                if k not in self._plans:
-                    self._plans[k] = self._plan(k)
-                return self._plans[k]
-            if self._thread is None:  # started lazily: after the DataLoader forked its workers
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            if k not in self._plans and k + 1 > self._demand:
-                self._demand = k + 1
-                self._cond.notify_all()
-            while k not in self._plans and self._error is None:
-                self._cond.wait()
-            if k in self._plans:
-                return self._plans[k]
-            raise RuntimeError(f"planning step {k} failed: {self._error!r}") from self._error
-
-    def ahead(self, k: int) -> None:
-        """Lets the thread plan up to step k - 1 + lookahead. Called as a step is handed to the
-        loop, so that planning runs while the loop computes, not while it waits for data."""
-        with self._cond:
-            if k > self._demand:
-                self._demand = k
-                self._cond.notify_all()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._stop and self._next < len(self._steps) and \
-                            self._next >= self._demand + self._lookahead:
-                        self._cond.wait()
-                    if self._stop or self._next >= len(self._steps):
-                        return
-                    k = self._next
-                plan = self._plan(k)
-                with self._cond:
-                    self._plans[k] = plan
-                    self._next = k + 1
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-
-
-def _plan_process_main(conn, parent_end, build: Callable[[], Planner], steps: Sequence[step_former.Step],
-                       start: int, lookahead: int) -> None:
-    """The planning process: plans steps start.. in order, at most `lookahead` steps past the
-    furthest step the loader asked for, and sends each plan as it is done. Holds no plan once
-    it is sent, so its memory is the planner's bounded caches plus one step. It ends when the
-    training process does: the fork copied the parent's end of the pipe, which is closed
-    first, so the parent's death is an EOF here (else an orphan planner would outlive a
-    crashed rank and hold the launcher's output pipes open)."""
-    parent_end.close()
-    try:
-        planner = build()
-        nxt, demand = start, start
-        while nxt < len(steps):
-            while nxt >= demand + lookahead or conn.poll():
-                msg = conn.recv()
-                if msg is None:
-                    return
-                demand = max(demand, msg)
-            t0 = time.perf_counter()
-            plan = planner.plan(steps[nxt])
-            assert plan.sample_ids == steps[nxt].sample_ids, "the planner changed the step's samples"
-            conn.send(("plan", nxt, plan, time.perf_counter() - t0))
-            nxt += 1
-        while conn.recv() is not None:  # wait for the loader to close
-            pass
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer
-        try:
-            conn.send(("error", -1, f"{type(e).__name__}: {e}", 0.0))
-        except (BrokenPipeError, OSError):
-            pass
-
-
-class _ProcessPlanStream:
-    """`_PlanStream`'s interface, the planning done by a child process (forked when the epoch's
-    iteration starts, like the DataLoader's workers), so that planning never holds the training
-    process's interpreter lock. Plans are pure functions of the step: the same as in-process."""
-
-    def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                 lookahead: int, name: str):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_plan_process_main,
-                                 args=(child, self._conn, build, steps, start, max(1, lookahead)), name=name,
-                                 daemon=True)
-        self._proc.start()
-        child.close()
-        self._lock = threading.Lock()
-        self._plans: dict[int, StepPlan] = {}
-        self._pos = {"sampler": start, "assembler": start}
-        self._demand = start
-        self.plan_seconds = 0.0
-
-    def get(self, k: int, reader: str) -> StepPlan:
-        with self._lock:
-            self._pos[reader] = k
-            keep = min(self._pos.values())
-            for j in [j for j in self._plans if j < keep]:
-                del self._plans[j]
-            if k not in self._plans and k + 1 > self._demand:
-                self._demand = k + 1
-                self._conn.send(self._demand)
-            while k not in self._plans:
-                try:
-                    kind, j, plan, seconds = self._conn.recv()
-                except EOFError:
-                    raise RuntimeError(f"the planning process ended before step {k} was planned "
-                                       f"(exit code {self._proc.exitcode})") from None
-                if kind == "error":
-                    raise RuntimeError(f"planning step {k} failed in the planning process: {plan}")
-                self._plans[j] = plan
-                self.plan_seconds += seconds
-            return self._plans[k]
-
-    def ahead(self, k: int) -> None:
-        with self._lock:
-            if k > self._demand:
-                self._demand = k
-                self._conn.send(k)
-
-    def close(self) -> None:
-        try:
-            self._conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join()
-        self._conn.close()
-
-
-class _TaskSampler(Sampler):
-    """This rank's micro-batches of steps start.., one `_Task` per step in which it has any."""
-
-    def __init__(self, stream: _PlanStream, epoch: int, start: int, end: int, rank: int):
-        self.stream, self.epoch, self.start, self.end, self.rank = stream, epoch, start, end, rank
-
-    def __iter__(self) -> Iterator[_Task]:
-        for k in range(self.start, self.end):
-            work = self.stream.get(k, "sampler").work_of(self.rank)
-            if work:
-                yield _Task(self.epoch, k, work, self.rank)
-
-
 # ---------------------------------------------------------------- the loader
 
 
 class DataCentricLoader:
-    """Iterates this rank's `Step`s of an epoch plan over a map-style dataset.
+    """Iterates this rank's `LoaderStep`s of an epoch plan over a map-style dataset.
 
     Arguments (everything but `dataset` and `lengths` is keyword-only):
 
@@ -641,11 +219,7 @@ class DataCentricLoader:
 
         sizes = read_sizes(lengths, num_samples)
         model = cost.model
-        wrong = next((i for i, s in enumerate(sizes) if isinstance(s, tuple) != (model.kind == "video")), None)
-        if wrong is not None:
-            want = "(frames, height, width) video shapes" if model.kind == "video" else "token counts"
-            raise ValueError(f"lengths[{wrong}] = {sizes[wrong]!r}, but the model {model.name!r} is a "
-                             f"{model.kind} model: give {want}")
+        check_kind(sizes, model)
         self.dataset = dataset
         self.sizes: tuple[Size, ...] = sizes
         self.workload = Workload(model, sizes)
@@ -659,7 +233,7 @@ class DataCentricLoader:
         self.planning = planning
 
         fn = resolve_collate(collate, model.kind, ignore_index)
-        self._tasks = _TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
+        self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
             collate == "auto" and model.kind == "text"))
 
         self._data_digest = comm.digest((self.workload.tokens, tuple(self.context.usable_ids), self.seed,
@@ -762,10 +336,10 @@ class DataCentricLoader:
 
     # -------------------------------------------------------------- iteration
 
-    def __iter__(self) -> Iterator[Step]:
+    def __iter__(self) -> Iterator[LoaderStep]:
         return self._iterate(self.epoch, self._start)
 
-    def _iterate(self, epoch: int, start: int) -> Iterator[Step]:
+    def _iterate(self, epoch: int, start: int) -> Iterator[LoaderStep]:
         self._start = 0
         self._step = start
         steps = self.steps(epoch)
@@ -774,11 +348,11 @@ class DataCentricLoader:
             # a daemonic process (e.g. a multiprocessing pool worker) may not start children
             log.warning("rank %d: planning in a thread, not a process: this process is daemonic", self.rank)
             in_process = False
-        kind = _ProcessPlanStream if in_process else _PlanStream
+        kind = ProcessPlanStream if in_process else PlanStream
         stream = kind(functools.partial(self.planner, epoch), steps, start, self.lookahead,
                       name=f"dcparallel-plan-e{epoch}")
-        loader = DataLoader(self._tasks, sampler=_TaskSampler(stream, epoch, start, len(steps), self.rank),
-                            batch_size=None, collate_fn=_to_worker_result if self.num_workers else _identity,
+        loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, len(steps), self.rank),
+                            batch_size=None, collate_fn=to_worker_result if self.num_workers else identity,
                             num_workers=self.num_workers,
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         it = iter(loader)  # forks the workers (before the planning thread exists)
@@ -792,18 +366,18 @@ class DataCentricLoader:
                 batches: tuple[Any, ...] = ()
                 if work:
                     got = next(it)
-                    batches = tuple(got.unpack() if isinstance(got, _OneBuffer) else got)
+                    batches = tuple(got.unpack() if isinstance(got, OneBuffer) else got)
                 for b, (mb, _) in zip(batches, work, strict=True):
                     got = getattr(b, "sample_ids", None)
                     assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
-                batches = tuple(_stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
+                batches = tuple(stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
                 self._step = k + 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
                               epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
                 if self.lookahead:
                     stream.ahead(k + 2)
-                yield Step(epoch, k, len(steps), self.rank, plan, batches)
+                yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches)
             log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
         finally:

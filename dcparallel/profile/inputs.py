@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from dcparallel.adapters import reference
 from dcparallel.adapters.base import LossFn, ModelAdapter, derive_spec
 from dcparallel.data.batch import Batch
-from dcparallel.data.loader import resolve_collate
+from dcparallel.data.collate import resolve_collate
 from dcparallel.models.dit import DiT
 from dcparallel.models.llama import Llama
 from dcparallel.plan.types import MicroBatch
@@ -34,11 +34,6 @@ class Inputs(NamedTuple):
 
 class MakeInputs(Protocol):
     def __call__(self, size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs: ...
-
-
-def batch_to(batch: Batch, device: torch.device, dtype: torch.dtype | None = None) -> Batch:
-    """The batch with its tensors on ``device``; floating inputs cast to ``dtype``."""
-    return batch.to(device, dtype)
 
 
 def adapter_inputs(model: nn.Module, adapter: ModelAdapter, loss_fn: LossFn, device: torch.device,

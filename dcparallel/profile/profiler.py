@@ -21,7 +21,7 @@ Out of memory is an outcome, not an error: the layout is marked infeasible (larg
 micro-batches of that mode are not tried) and profiling continues. A bucket with no
 feasible layout at any SP degree is listed in the profile's ``unfit_buckets``.
 
-Runs happen through the training engine (`DataCentricParallel.micro_batch`), so what is
+Runs happen through the training engine (`runtime.engine.Engine.micro_batch`), so what is
 timed is what training runs: the engine's SP groups, recompute wrappers and gradient hooks.
 
 Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
@@ -56,7 +56,7 @@ from dcparallel.profile.measure import (
     median,
 )
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.spec import (
     STATIC_MODES,
     ClusterSpec,
@@ -79,13 +79,13 @@ class Profiler:
     layer is ``layers_per_unit`` consecutive blocks (2 for a spatial + temporal pair).
     ``make_inputs``: builds a rank's micro-batch (see `profile.inputs`). ``spec``: the
     planner's view of the model (its ``num_layers`` units must match ``layers``).
-    ``engine``: the `DataCentricParallel` already wrapping the model, if any (else one is
+    ``engine``: the `runtime.engine.Engine` already wrapping the model, if any (else one is
     created, which wraps the model in place). Every rank of the launch constructs the
     profiler and calls `run` together."""
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], make_inputs: MakeInputs, *,
                  spec: ModelSpec, config: ProfilerConfig | None = None,
-                 engine: DataCentricParallel | None = None, cluster: ClusterSpec | None = None,
+                 engine: Engine | None = None, cluster: ClusterSpec | None = None,
                  layers_per_unit: int = 1):
         self.config = config or ProfilerConfig()
         self.layers = list(layers)
@@ -108,7 +108,7 @@ class Profiler:
             raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
-        self.engine = engine or DataCentricParallel(model, layers=self.layers, num_heads=spec.num_heads,
+        self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads,
                                                     cluster=cluster)
         self.world, self.rank = comm.world_size(), comm.world_rank()
         self.cluster = self.engine.groups.cluster

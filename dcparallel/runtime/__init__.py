@@ -1,18 +1,15 @@
-"""Runs step plans on torch.distributed: process groups, collectives, Ulysses attention and
-the per-micro-batch engine."""
+"""Runs step plans on torch.distributed: groups, collectives, Ulysses attention, the engine."""
 
-from dcparallel.runtime.engine import DataCentricParallel, MicroBatchContext, ZeroAdamW
+from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.runtime.ulysses import UlyssesAttention, ulysses_attention
+from dcparallel.runtime.zero import ZeroAdamW
 
 __all__ = [
-    "DataCentricParallel",
+    "Engine",
     "MicroBatchContext",
     "ProcessGroups",
     "UlyssesAttention",
     "ZeroAdamW",
-    "text_batch",
     "ulysses_attention",
-    "video_batch",
 ]

@@ -1,16 +1,19 @@
-"""`DataCentricParallel`: runs this rank's part of a `StepPlan`.
+"""`Engine`: runs this rank's part of a `StepPlan`, one micro-batch at a time.
 
 Per micro-batch (`micro_batch`): the batch's SP group drives the model's attention
 (Ulysses), recomputation is set per layer from the layout, each sample gets a generator
 seeded by (seed, epoch, sample id), and the loss helper returns the shard's summed loss
 while counting its targets. Gradients go, as they are accumulated, into one flat fp32
 buffer whose last two elements are this rank's summed loss and target count
-(`runtime.grad_sync.GradSync`); its bucketed all-reduce over the whole world starts during
-the backward of this rank's last micro-batch of the step (`Batch.last_of_step`, or
-``micro_batch(batch, last=True)``) and `sync_gradients` finishes it, on every rank (also
-ranks that ran nothing), and divides by the global count. Not DDP: DESIGN "Exact gradient".
+(`runtime.grad_sync.GradSync`, which also owns the flat parameters); its bucketed
+all-reduce over the whole world starts during the backward of this rank's last micro-batch
+of the step (`Batch.last_of_step`, or ``micro_batch(batch, last=True)``) and
+`sync_gradients` finishes it, on every rank (also ranks that ran nothing), and divides by
+the global count. Not DDP: DESIGN "Exact gradient".
+Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. The user-facing
+`dcparallel.DataCentricParallel` (api.py) holds one `Engine` and adds `prepare`.
 
-    dc = DataCentricParallel(model)                  # the adapter is found from the model
+    dc = Engine(model)                               # the adapter is found from the model
     opt = dc.optimizer(lr=3e-4)                      # ZeRO-1 AdamW (or any torch.optim)
     for step_batches in loader:                      # this rank's Batches of one step
         for batch in step_batches:
@@ -26,13 +29,11 @@ views of one flat buffer.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.find import find_adapter
@@ -42,6 +43,7 @@ from dcparallel.runtime import comm
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
+from dcparallel.runtime.recompute import LayerRecompute
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
 from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, Recompute
@@ -53,36 +55,12 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-class _Recompute:
-    """Checkpointing of one module in backward when the micro-batch's mode for its block
-    asks for it: a block wrapped as "full", its attention / MLP sub-modules as "attn" / "mlp"."""
-
-    def __init__(self, module: nn.Module, mode: str, attention: UlyssesAttention):
-        self.mode, self.active = mode, False
-        inner = module.forward
-
-        def forward(*args, **kwargs):
-            if self.active and torch.is_grad_enabled():
-                # The recomputation runs inside backward; it must see the SP group and
-                # documents of this forward even if backward runs after the block exits.
-                state = attention.state()
-
-                def rerun(*a, **k):
-                    with attention.restored(state):
-                        return inner(*a, **k)
-
-                return checkpoint(rerun, *args, use_reentrant=False, **kwargs)
-            return inner(*args, **kwargs)
-
-        # An instance attribute: the module's parameters and state_dict keys do not change.
-        module.forward = forward
-
-
 class MicroBatchContext:
-    """What the training loop uses inside `DataCentricParallel.micro_batch`."""
+    """What the training loop uses inside `Engine.micro_batch`: per-sample generators and
+    the loss helpers, which count the shard's loss and targets into ``grad_sync``."""
 
-    def __init__(self, dc: DataCentricParallel, batch: Batch):
-        self.dc, self.batch = dc, batch
+    def __init__(self, batch: Batch, grad_sync: GradSync, seed: int, epoch: int):
+        self.batch, self.grad_sync, self.seed, self.epoch = batch, grad_sync, seed, epoch
 
     def generator(self, sample_id: int) -> torch.Generator:
         """A generator seeded by (seed, epoch, sample id): every rank of the group draws the
@@ -90,7 +68,7 @@ class MicroBatchContext:
         if sample_id not in self.batch.sample_ids:
             raise ValueError(f"sample {sample_id} is not in this micro-batch {self.batch.sample_ids}")
         g = torch.Generator(device="cpu")
-        g.manual_seed(sample_seed(self.dc.seed, self.dc.epoch, sample_id))
+        g.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
         return g
 
     def lm_loss(self, logits: Tensor) -> Tensor:
@@ -133,7 +111,7 @@ class MicroBatchContext:
             w = w * sample_weights.to(torch.float32)
         # where(), not a product: padding may hold inf/nan and must not reach the gradient.
         loss = torch.where(mask, per_token_loss.float() * w, per_token_loss.new_zeros(()).float()).sum()
-        self.dc.grad_sync.add_stats(loss, w.sum())  # stays on the device
+        self.grad_sync.add_stats(loss, w.sum())  # stays on the device
         return loss
 
     def backward(self, summed_loss: Tensor) -> None:
@@ -143,7 +121,7 @@ class MicroBatchContext:
         summed_loss.backward()
 
 
-class DataCentricParallel:
+class Engine:
     """Wraps a single-device model for data-centric steps.
 
     ``adapter``: how to drive the model (`dcparallel.adapters.ModelAdapter`); found from the
@@ -190,34 +168,18 @@ class DataCentricParallel:
         self.attention = UlyssesAttention(kernel)
         self.adapter.install_attention(self.attention)
         self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
-        # per block: (its planner layer, its wrappers: full block, attention / MLP sub-modules)
-        self._recompute: list[tuple[int, list[_Recompute]]] = []
-        for i, block in enumerate(self.layers):
-            wraps = [_Recompute(block, "full", self.attention)]
-            wraps += [_Recompute(m, "attn", self.attention) for m in self.adapter.attn_modules(block)]
-            wraps += [_Recompute(m, "mlp", self.attention) for m in self.adapter.mlp_modules(block)]
-            self._recompute.append((self.adapter.layer_of(i), wraps))
+        self.recompute = LayerRecompute(self.adapter, self.attention)
         model._dcparallel_wrapped = True
 
         self.params = params
-        device = self.params[0].device
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_numel = math.ceil(self.numel / self.world_size)
-        padded = self.shard_numel * self.world_size
-        self.flat_param = torch.zeros(padded, dtype=self.params[0].dtype, device=device)
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat_param[off : off + n].view_as(p)
-            off += n
-        self.grad_sync = GradSync(self.params, padded, group=getattr(self.groups, "grad_sync", None))
+        self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
+                                  group=getattr(self.groups, "grad_sync", None))
 
-    # the gradient buffer and the step's statistics live in `grad_sync`
+    # the flat buffers and the step's statistics live in `grad_sync`
+    flat_param = property(lambda self: self.grad_sync.flat_param)
     flat_grad = property(lambda self: self.grad_sync.flat_grad)
-    _grad_views = property(lambda self: self.grad_sync.views)
-    _stats = property(lambda self: self.grad_sync.stats)
-    _synced = property(lambda self: self.grad_sync.synced)
+    numel = property(lambda self: self.grad_sync.numel)
+    shard_numel = property(lambda self: self.grad_sync.shard_numel)
     last_loss = property(lambda self: self.grad_sync.last_loss)
     last_count = property(lambda self: self.grad_sync.last_count)
 
@@ -230,22 +192,9 @@ class DataCentricParallel:
         """Starts a new step's accumulation (done automatically after `sync_gradients`)."""
         self.grad_sync.zero_grad()
 
-    def _set_recompute(self, rc: Recompute) -> None:
-        """Layer i (a planner layer: `adapter.blocks_per_layer` blocks) recomputes attention if
-        i < rc.attn and its MLP if i < rc.mlp; both = the whole blocks."""
-        for layer, wraps in self._recompute:
-            attn, mlp = layer < rc.attn, layer < rc.mlp
-            mode = "full" if attn and mlp else "attn" if attn else "mlp" if mlp else "none"
-            if mode in ("attn", "mlp") and not any(w.mode == mode for w in wraps):
-                raise ValueError(f"{self.adapter.name}'s blocks expose no {mode} sub-module, so layer {layer} cannot "
-                                 f"recompute {mode} alone ({rc}); use full recompute, or give the adapter "
-                                 f"attn_modules and mlp_modules")
-            for w in wraps:
-                w.active = w.mode == mode
-
     def recompute_modes(self) -> list[str]:
         """The mode of every block right now ("none", "attn", "mlp", "full")."""
-        return [next((w.mode for w in wraps if w.active), "none") for _, wraps in self._recompute]
+        return self.recompute.modes()
 
     @contextlib.contextmanager
     def micro_batch(self, batch: Batch, last: bool | None = None) -> Iterator[MicroBatchContext]:
@@ -264,14 +213,14 @@ class DataCentricParallel:
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
         check_heads(self.num_heads, batch.sp)
         group = self.groups.group(batch.ranks)
-        if self._synced:
+        if self.grad_sync.synced:
             self.zero_grad()
         if last if last is not None else getattr(batch, "last_of_step", None):
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
-        self._set_recompute(batch.layout.recompute)
+        self.recompute.set(batch.layout.recompute)
         try:
-            yield MicroBatchContext(self, batch)
+            yield MicroBatchContext(batch, self.grad_sync, self.seed, self.epoch)
         except torch.OutOfMemoryError as exc:
             if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
                 raise
@@ -279,7 +228,7 @@ class DataCentricParallel:
                          sample_ids=batch.sample_ids, seq_len=batch.seq_len)
         finally:
             self.attention.deactivate()
-            self._set_recompute(Recompute.none())
+            self.recompute.set(Recompute.none())
 
     # ------------------------------------------------------------------ per step
 
@@ -298,4 +247,4 @@ class DataCentricParallel:
         weight_decay: float = 0.0,
     ) -> ZeroAdamW:
         """The default optimizer: AdamW with ZeRO-1 sharded fp32 state."""
-        return ZeroAdamW(self, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ZeroAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

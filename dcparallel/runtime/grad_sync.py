@@ -1,5 +1,11 @@
-"""The step's gradient sync: one flat fp32 buffer, reduced in fixed buckets, overlapped with
-the last backward.
+"""The flat parameter and gradient buffers, and the step's gradient sync over the gradient buffer.
+
+The sync: one fp32 buffer, reduced in fixed buckets, overlapped with the last backward.
+
+``flat_param``: the trainable parameters (in parameter order, their dtype), padded to a
+multiple of the world size; each parameter's storage becomes a view of it (names and
+state_dict are unchanged), so the ZeRO-1 optimizer (`runtime.zero`) updates a shard of it
+and all-gathers.
 
 Layout of ``flat_grad``: the trainable parameters' gradients (in parameter order) | padding
 to a multiple of the world size | this rank's summed loss | its target count. Each
@@ -25,6 +31,7 @@ message, so bucketing may change the result by fp32 rounding (tests: bitwise at 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,17 +44,31 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class GradSync:
-    """Owns ``flat_grad``, the per-parameter views and hooks, the loss / target statistics and
-    the bucketed all-reduce. ``padded_numel``: gradient elements incl. the padding (a multiple
-    of the world size). ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole
-    buffer). ``overlap``: launch buckets during the last backward (False: all in `finish`)."""
+    """Owns ``flat_param`` and ``flat_grad``, the per-parameter views and hooks, the loss /
+    target statistics and the bucketed all-reduce. Rank ``rank`` of ``world_size`` owns
+    elements ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat parameters.
+    ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer). ``overlap``:
+    launch buckets during the last backward (False: all in `finish`).
 
-    def __init__(self, params: Sequence[nn.Parameter], padded_numel: int, *, group=None,
+    Read by the micro-batch context and the optimizer: ``params``, ``numel``, ``shard_numel``,
+    ``rank``, ``flat_param``, ``flat_grad``, ``views``, ``stats`` (this rank's summed loss and
+    targets of the step), ``synced`` (the step's sync is done), `add_stats`, `zero_grad`."""
+
+    def __init__(self, params: Sequence[nn.Parameter], *, world_size: int = 1, rank: int = 0, group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         self.params = list(params)
         device = self.params[0].device
-        numel = sum(p.numel() for p in self.params)
-        assert padded_numel >= numel, (padded_numel, numel)
+        self.rank, self.world_size = rank, world_size
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard_numel = math.ceil(self.numel / world_size)
+        padded_numel = self.shard_numel * world_size
+        self.flat_param = torch.zeros(padded_numel, dtype=self.params[0].dtype, device=device)
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[off : off + n].view_as(p)
+            off += n
         self.group = group
         self.overlap = overlap
         self.flat_grad = torch.zeros(padded_numel + 2, dtype=torch.float32, device=device)
@@ -131,6 +152,7 @@ class GradSync:
     # ------------------------------------------------------------------ per step
 
     def add_stats(self, loss_sum: Tensor, count: Tensor) -> None:
+        """Adds a micro-batch's summed loss and target count (device tensors) to the step's."""
         if self._next > 0:
             raise RuntimeError("a loss was counted after the step's gradient sync began; count every "
                                "loss of the step (ctx.token_loss) before the last micro-batch's backward")
@@ -147,6 +169,7 @@ class GradSync:
         self._armed = True
 
     def zero_grad(self) -> None:
+        """Starts a new step's accumulation: gradients, statistics and buckets cleared."""
         self._wait()
         self.flat_grad.zero_()
         self.stats.zero_()

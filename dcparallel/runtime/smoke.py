@@ -22,12 +22,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine as DataCentricParallel
 from dcparallel.runtime.launch import cluster_from_env, init_distributed
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import Layout, Recompute
 
 VOCAB = 64

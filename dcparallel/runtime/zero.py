@@ -18,7 +18,7 @@ from torch import Tensor
 from dcparallel.runtime import comm
 
 if TYPE_CHECKING:
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.grad_sync import GradSync
 
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -30,11 +30,12 @@ class ZeroAdamW:
     master copy of them (for fp32 parameters the master is the parameters' own storage),
     copies the result into the parameters and all-gathers, so that parameters stay
     replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
-    weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's."""
+    weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's.
+    ``flat``: the flat parameter and gradient buffers it updates (an engine's ``grad_sync``)."""
 
     def __init__(
         self,
-        dc: DataCentricParallel,
+        flat: GradSync,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -43,21 +44,21 @@ class ZeroAdamW:
     ):
         if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps}")
-        self.dc = dc
+        self.flat = flat
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        lo = dc.rank * dc.shard_numel
-        hi = lo + dc.shard_numel
+        lo = flat.rank * flat.shard_numel
+        hi = lo + flat.shard_numel
         self._lo, self._hi = lo, hi
-        self._param_shard = dc.flat_param[lo:hi]
-        fp32 = dc.flat_param.dtype == torch.float32
+        self._param_shard = flat.flat_param[lo:hi]
+        fp32 = flat.flat_param.dtype == torch.float32
         self.master = self._param_shard if fp32 else self._param_shard.float()
-        self._grad_shard = dc.flat_grad[lo:hi]
+        self._grad_shard = flat.flat_grad[lo:hi]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         # 1 where weight decay applies (matrices), for this rank's shard only
         self._decay = torch.zeros(hi - lo, dtype=torch.float32, device=self.master.device)
         off = 0
-        for p in dc.params:
+        for p in flat.params:
             a, b = max(off, lo), min(off + p.numel(), hi)
             if p.dim() >= 2 and a < b:
                 self._decay[a - lo : b - lo] = 1.0
@@ -65,7 +66,7 @@ class ZeroAdamW:
         self.num_steps = 0
 
     def step(self) -> None:
-        if not self.dc._synced:
+        if not self.flat.synced:
             raise RuntimeError(
                 "call dc.sync_gradients() before optimizer.step(): the gradients of this "
                 "step have not been summed over the ranks yet"
@@ -83,24 +84,24 @@ class ZeroAdamW:
         self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bc1)
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)
+        comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dc.zero_grad()
+        self.flat.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state: elements ``[start, stop)`` of the
         unpadded flat parameter vector of ``numel`` elements (each rank saves its own)."""
-        stop = min(self._hi, self.dc.numel)
+        stop = min(self._hi, self.flat.numel)
         start = min(self._lo, stop)
         n = stop - start
         return {
             "num_steps": self.num_steps,
             "start": start,
             "stop": stop,
-            "numel": self.dc.numel,
-            "rank": self.dc.rank,
-            "world_size": self.dc.world_size,
+            "numel": self.flat.numel,
+            "rank": self.flat.rank,
+            "world_size": self.flat.world_size,
             "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay},
             **{k: getattr(self, k)[:n].detach().clone() for k in _STATE},
         }
@@ -114,16 +115,16 @@ class ZeroAdamW:
         if not shards:
             raise ValueError("no optimizer shards to load")
         numels = {int(s["numel"]) for s in shards}
-        if numels != {self.dc.numel}:
+        if numels != {self.flat.numel}:
             raise ValueError(
                 f"the optimizer state is for {sorted(numels)} parameters but this model has "
-                f"{self.dc.numel}; load a checkpoint of the same model"
+                f"{self.flat.numel}; load a checkpoint of the same model"
             )
         steps = {int(s["num_steps"]) for s in shards}
         if len(steps) != 1:
             raise ValueError(f"the optimizer shards are of different steps {sorted(steps)}; "
                              f"load the shards of one checkpoint")
-        lo, hi = min(self._lo, self.dc.numel), min(self._hi, self.dc.numel)
+        lo, hi = min(self._lo, self.flat.numel), min(self._hi, self.flat.numel)
         covered = torch.zeros(hi - lo, dtype=torch.bool)
         new = {k: torch.zeros_like(getattr(self, k)) for k in _STATE}
         for s in shards:
@@ -141,7 +142,7 @@ class ZeroAdamW:
         if not bool(covered.all()):
             missing = int((~covered).sum())
             raise ValueError(
-                f"the optimizer shards given cover only part of rank {self.dc.rank}'s range [{lo}, {hi}) "
+                f"the optimizer shards given cover only part of rank {self.flat.rank}'s range [{lo}, {hi}) "
                 f"({missing} elements missing); pass every rank's shard of the checkpoint"
             )
         self.num_steps = steps.pop()
@@ -149,7 +150,7 @@ class ZeroAdamW:
             getattr(self, k).copy_(new[k])
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.dc.flat_param, self.dc.shard_numel)
+        comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
 
     def full_state(self) -> dict[str, Tensor]:
         """The unsharded state (every rank's shard gathered; on every rank): for tests and tools."""

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dcparallel.plan.types import MicroBatch
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from tests.adapter_models import build, item, make_data
 from tests.support import random_plan
 
@@ -17,10 +17,10 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build(kind)
     # the user's own module names its heads (the protocol); library models are read
-    dc = DataCentricParallel(model, **({"num_heads": 4, "num_kv_heads": 2} if kind == "custom" else {}))
+    dc = Engine(model, **({"num_heads": 4, "num_kv_heads": 2} if kind == "custom" else {}))
     collate = dc.adapter.collate
     if isinstance(collate, str):
-        from dcparallel.data.loader import resolve_collate
+        from dcparallel.data.collate import resolve_collate
 
         collate = resolve_collate(collate, dc.adapter.kind)
     results = []

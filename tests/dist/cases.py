@@ -14,9 +14,9 @@ from dcparallel.models.attention import AttnPattern, sdpa_attention
 from dcparallel.models.dit import draw_flow
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import padded_length, video_batch
+from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.runtime.ulysses import ulysses_attention
 from dcparallel.spec import Layout
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference_adamw, run_rank_step
@@ -152,7 +152,7 @@ def case_engine(kind: str, seeds: list[int], num_samples: int, backward_outside:
     zero gradients, also on ranks that had no micro-batch)."""
     world = dist.get_world_size()
     model = make_model(kind)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     results = []
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
@@ -170,7 +170,7 @@ def case_optimizer(kind: str, seed: int, use_zero: bool, num_steps: int) -> dict
     optimizer over the synced gradients; the parameters afterwards."""
     world = dist.get_world_size()
     model = make_model(kind)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     if use_zero:
         opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
     else:
@@ -192,7 +192,7 @@ def case_noise(epoch: int) -> dict:
     and timestep from ctx.generator; returned for the test process to compare."""
     r = dist.get_rank()
     model = make_model("dit")
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     dc.set_epoch(epoch)
     if r >= 2:  # ranks outside the group draw nothing in this case
         return {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from tests.dist.cases import groups
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, run_rank_step
 
@@ -38,8 +38,8 @@ def case_bucketed_vs_unbucketed(kind: str, seeds: list[int], bucket_bytes: int, 
     both buffers and how many of B's buckets went out during backward."""
     world, rank = dist.get_world_size(), dist.get_rank()
     a_model, b_model = make_model(kind), make_model(kind)
-    a = DataCentricParallel(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
-    b = DataCentricParallel(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
+    a = Engine(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
+    b = Engine(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
     a.grad_sync.set_bucket_bytes(0)
     a.grad_sync.overlap = False
     b.grad_sync.set_bucket_bytes(bucket_bytes)
@@ -55,7 +55,7 @@ def case_bucketed_vs_unbucketed(kind: str, seeds: list[int], bucket_bytes: int, 
                     "a": a.flat_grad.clone(), "b": b.flat_grad.clone(), "num_buckets": b.grad_sync.num_buckets,
                     "overlapped": b.grad_sync.last_overlapped, "a_buckets": a.grad_sync.num_buckets,
                     "grads_are_views": all(p.grad.data_ptr() == v.data_ptr()
-                                           for p, v in zip(b.params, b._grad_views, strict=True))})
+                                           for p, v in zip(b.params, b.grad_sync.views, strict=True))})
     return out
 
 
@@ -64,7 +64,7 @@ def case_idle_steps(kind: str, num_steps: int, bucket_bytes: int) -> list[float]
     every rank must finish every step (no deadlock); the losses come back."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(kind)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     dc.grad_sync.set_bucket_bytes(bucket_bytes)
     opt = dc.optimizer(lr=1e-2)
     losses = []

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.data import DataCentricLoader
 from dcparallel.models.llama import per_token_loss
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.spec import ClusterSpec, llama_like
 from tests.dist.cases import groups
 from tests.support import NUM_HEADS, NUM_LAYERS, make_model
@@ -45,7 +45,7 @@ class ArithmeticTokens(torch.utils.data.Dataset):
 
 
 def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: int) -> dict:
-    """One epoch of the dataset through DataCentricParallel with the loader's plans (plan
+    """One epoch of the dataset through the Engine with the loader's plans (plan
     hashes compared across ranks every step); each rank logs the loader's lines to its own
     file. Returns per step the loss, the global target count and this rank's work."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,7 +62,7 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
                                    policy="dcp", tokens_per_step=1200, seed=seed, num_workers=num_workers,
                                    check_plans=True)
         model = make_model("llama")
-        dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+        dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
         opt = dc.optimizer(lr=1e-2)
         steps = []
         for step in loader:

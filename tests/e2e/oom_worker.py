@@ -7,18 +7,18 @@ from datetime import timedelta
 
 import torch
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
 from dcparallel.plan.types import MicroBatch
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import init_distributed
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import Layout
 
 torch.set_num_threads(1)
 launch = init_distributed(device="cpu", timeout=timedelta(seconds=600))
 torch.manual_seed(0)
 model = Llama(LlamaConfig.tiny(vocab_size=64, hidden=32, num_layers=2, num_heads=4, ffn_hidden=48))
-dc = DataCentricParallel(model, layers=model.layers, num_heads=4)
+dc = Engine(model, layers=model.layers, num_heads=4)
 if launch.rank == 1:
     def fail(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")

@@ -109,13 +109,13 @@ class OwnNames(TinyGQA):
 
 
 def test_selective_recompute_needs_sub_modules():
-    from dcparallel.runtime.engine import DataCentricParallel as Engine
+    from dcparallel.runtime.engine import Engine
 
     dc = Engine(OwnNames(), num_heads=4, num_kv_heads=2)
     assert dc.adapter.recompute_modes == ("none", "full")
     with pytest.raises(ValueError, match="expose no attn sub-module, so layer 0 cannot recompute attn alone.*full"):
-        dc._set_recompute(Recompute(1, 0))
-    dc._set_recompute(Recompute(2, 2))
+        dc.recompute.set(Recompute(1, 0))
+    dc.recompute.set(Recompute(2, 2))
     assert dc.recompute_modes() == ["full", "full"]
 
 
@@ -186,9 +186,9 @@ def test_sp_degrees_follow_the_query_heads_with_grouped_kv_heads():
 def test_bf16_models_train_with_fp32_gradient_accumulation(kind):
     """bf16 parameters, fp32 loaded data, fp32 gradient buffer: the recipe users run."""
     pytest.importorskip("transformers" if kind.startswith("hf") else "diffusers")
-    from dcparallel.data.loader import resolve_collate
+    from dcparallel.data.collate import resolve_collate
     from dcparallel.plan.types import MicroBatch
-    from dcparallel.runtime.engine import DataCentricParallel as Engine
+    from dcparallel.runtime.engine import Engine
     from tests.adapter_models import item, make_data
 
     model = build(kind).to(torch.bfloat16)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcparallel.data.collate import text_batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.plan.types import MicroBatch
-from dcparallel.runtime.engine import DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import Links, check_launch, choose_backend, cluster_from_env, init_distributed
-from dcparallel.runtime.shard import text_batch
 from dcparallel.spec import ClusterSpec, Layout, h200_cluster
 from tests.support import NUM_HEADS, make_data, make_model
 
@@ -65,7 +65,7 @@ def test_launches_the_plan_cannot_use_are_clear_errors():
 
 def _engine(bucket_bytes: int):
     model = make_model("llama")
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=NUM_HEADS)
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS)
     dc.grad_sync.set_bucket_bytes(bucket_bytes)
     return model, dc
 

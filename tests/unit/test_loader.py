@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dcparallel.data import Batch, DataCentricLoader
+from dcparallel.data.collate import IGNORE_INDEX
 from dcparallel.plan.types import NoLayoutFits
-from dcparallel.runtime.shard import IGNORE_INDEX
 
 from ._models import TINY_DIT, TINY_LM, cluster, cost
 

@@ -385,16 +385,16 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
     pairs, so the plan's full recompute is Recompute(4, 4) and must checkpoint all 8 blocks —
     what the profiler measured as "full". Counting blocks instead (the old mapping) re-ran 4 of
     8 blocks and saved several times the profiled activations."""
-    from dcparallel.data.loader import collate_video
+    from dcparallel.data.collate import collate_video
     from dcparallel.models.dit import DiT, DiTConfig
     from dcparallel.plan.types import MicroBatch
     from dcparallel.profile.inputs import reference_inputs
     from dcparallel.profile.measure import SavedTensorMeter
-    from dcparallel.runtime.engine import DataCentricParallel
+    from dcparallel.runtime.engine import Engine
 
     torch.manual_seed(0)
     model = DiT(DiTConfig(num_layers=8, num_heads=4, hidden=32, freq_dim=16, attention="factorized"))
-    dc = DataCentricParallel(model)
+    dc = Engine(model)
     spec = dc.adapter.spec
     assert spec.num_layers == 4 and dc.adapter.blocks_per_layer == 2
     prof = Profiler(model, dc.layers, reference_inputs(model, spec, torch.device("cpu")), spec=spec, engine=dc,
@@ -418,7 +418,7 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
     assert profiled["full"] < profiled["none"] / 2
     # the old block mapping (block i recomputes if i < 4) keeps pairs 3 and 4: far more memory
     with dc.micro_batch(batch) as ctx:
-        for _layer, wraps in dc._recompute[4:]:
+        for _layer, wraps in dc.recompute.blocks[4:]:
             for w in wraps:
                 w.active = w.mode == "none"
         old = SavedTensorMeter(exclude=[dc.flat_param, *dc.params])

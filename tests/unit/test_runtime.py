@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dcparallel.data.batch import Batch
+from dcparallel.data.collate import text_batch, video_batch
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
-from dcparallel.runtime.engine import DataCentricParallel, sample_seed
+from dcparallel.runtime.engine import Engine, sample_seed
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.shard import text_batch, video_batch
 from dcparallel.runtime.ulysses import check_heads
 from dcparallel.spec import Layout, Recompute
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference, rel_err, run_rank_step
@@ -21,9 +21,9 @@ torch.set_num_threads(1)
 KINDS = ["llama", "llama-tied", "dit", "dit-factorized"]
 
 
-def engine(kind: str) -> DataCentricParallel:
+def engine(kind: str) -> Engine:
     m = make_model(kind)
-    return DataCentricParallel(m, layers=m.layers, num_heads=NUM_HEADS)
+    return Engine(m, layers=m.layers, num_heads=NUM_HEADS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,7 +99,7 @@ def test_token_loss_sums_and_counts_targets_and_ignores_padding():
         # per-sample weights: the mean over samples -> each sample contributes weight 1
         w = batch.sample_mean_weights()
         ctx.token_loss(torch.ones(batch.loss_mask.shape), batch.loss_mask, w)
-    assert dc._stats[1].item() == pytest.approx(sum(batch.num_targets) + 2)
+    assert dc.grad_sync.stats[1].item() == pytest.approx(sum(batch.num_targets) + 2)
     with pytest.raises(ValueError, match="differ"):
         with dc.micro_batch(batch) as ctx:
             ctx.token_loss(torch.ones(3), batch.loss_mask)
@@ -203,7 +203,7 @@ def test_single_rank_groups_and_errors():
         with dc.micro_batch(batch):
             pass
     with pytest.raises(ValueError, match="set_attention"):
-        DataCentricParallel(torch.nn.Linear(2, 2), layers=[], num_heads=1)
+        Engine(torch.nn.Linear(2, 2), layers=[], num_heads=1)
 
 
 def test_batch_sample_mean_weights():
@@ -229,7 +229,7 @@ def test_batch_sample_mean_weights():
 def test_bf16_params_accumulate_fp32_grads_and_keep_fp32_master_copies():
     data = make_data("llama", 3, seed=4)
     m = make_model("llama").to(torch.bfloat16)
-    dc = DataCentricParallel(m, layers=m.layers, num_heads=NUM_HEADS)
+    dc = Engine(m, layers=m.layers, num_heads=NUM_HEADS)
     opt = dc.optimizer(lr=1e-2)
     assert dc.flat_grad.dtype == torch.float32 and opt.master.dtype == torch.float32
     assert opt.master.data_ptr() != dc.flat_param.data_ptr()  # a separate fp32 copy
@@ -244,7 +244,7 @@ def test_bf16_params_accumulate_fp32_grads_and_keep_fp32_master_copies():
 def test_wrapping_keeps_state_dict_names_and_values():
     m = make_model("dit")
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    dc = DataCentricParallel(m, layers=m.layers, num_heads=NUM_HEADS)
+    dc = Engine(m, layers=m.layers, num_heads=NUM_HEADS)
     after = m.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     # the parameters now live in the flat buffer

@@ -1,11 +1,15 @@
-"""Builds one rank's `Batch` from whole per-sample tensors and a `MicroBatch`.
+"""Collation: whole samples of a `MicroBatch` -> this rank's `Batch` (text packing, video stacking).
 
-Used by the tests now and by the loader later. Labels are shifted on the whole document
-before sharding, so no shard boundary loses a target."""
+Text documents pack into one row (`cu_seqlens`, per-document positions); labels are shifted
+on the whole document before sharding, so no shard boundary loses a target. Same-shape video
+samples stack as rows. Pure tensor code, used by the loader's workers and the profiler.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,6 +17,13 @@ from torch import Tensor
 from dcparallel.data.batch import Batch
 from dcparallel.models.llama import IGNORE_INDEX, shift_labels
 from dcparallel.plan.types import MicroBatch
+
+__all__ = ["IGNORE_INDEX", "CollateFn", "collate_text", "collate_video", "padded_length", "resolve_collate",
+           "text_batch", "video_batch"]
+
+#: a custom collate: (loaded samples by id, the micro-batch, its group's ranks, this rank)
+#: -> whatever the training loop wants for that micro-batch (usually a `Batch`)
+CollateFn = Callable[[Mapping[int, Any], MicroBatch, tuple[int, ...], int], Any]
 
 
 def _group_slot(ranks: Sequence[int], rank: int, mb: MicroBatch) -> int:
@@ -138,3 +149,58 @@ def video_batch(
         padded_len=plen,
         frames=frames,
     )
+
+
+def collate_text(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int,
+                 ignore_index: int = IGNORE_INDEX) -> Batch:
+    """Packs the micro-batch's documents into one row (`cu_seqlens`, per-document positions;
+    labels shifted per document before sharding) and returns this rank's shard.
+
+    A sample is a 1-D tensor of token ids, or a mapping with ``input_ids`` and optionally
+    ``labels`` (next-token targets aligned with the inputs, ``ignore_index`` where none)."""
+    docs, labels = {}, {}
+    for sid in mb.sample_ids:
+        s = samples[sid]
+        if isinstance(s, Mapping):
+            if "input_ids" not in s:
+                raise ValueError(f"sample {sid} is a mapping without 'input_ids' (keys {sorted(s)}); "
+                                 f"return the token ids as 'input_ids' or as a 1-D tensor")
+            docs[sid] = torch.as_tensor(s["input_ids"])
+            if s.get("labels") is not None:
+                labels[sid] = torch.as_tensor(s["labels"])
+        else:
+            docs[sid] = torch.as_tensor(s)
+    if labels and len(labels) != len(docs):
+        raise ValueError(f"some samples of {mb.sample_ids} have labels and some do not; give labels for all or none")
+    return text_batch(mb, ranks, rank, docs, labels or None, ignore_index)
+
+
+def collate_video(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int) -> Batch:
+    """Stacks same-shape video samples as rows and returns this rank's shard. A sample is a
+    mapping with ``tokens`` (N, C) patch tokens, ``positions`` (N, 3) and ``frames``
+    (latent frames; N = frames x spatial tokens), e.g. from `dcparallel.models.dit.patchify`."""
+    for sid in mb.sample_ids:
+        s = samples[sid]
+        if not isinstance(s, Mapping) or not {"tokens", "positions", "frames"} <= set(s):
+            raise ValueError(f"video sample {sid} must be a mapping with 'tokens', 'positions' and "
+                             f"'frames'; got {type(s).__name__}")
+    frames = {int(samples[s]["frames"]) for s in mb.sample_ids}
+    if len(frames) != 1:
+        raise ValueError(f"samples {mb.sample_ids} of one micro-batch have different frame counts {sorted(frames)}")
+    return video_batch(mb, ranks, rank, {s: samples[s]["tokens"] for s in mb.sample_ids},
+                       {s: samples[s]["positions"] for s in mb.sample_ids}, frames.pop())
+
+
+def resolve_collate(collate: str | CollateFn | None, kind: str, ignore_index: int = IGNORE_INDEX
+                    ) -> CollateFn | None:
+    """The collate function of a ``collate`` setting: "auto" (text or video by the model's
+    kind), "text", "video", a function, or None (the raw samples)."""
+    if collate == "auto":
+        collate = "video" if kind == "video" else "text"
+    if collate == "text":
+        return functools.partial(collate_text, ignore_index=ignore_index)
+    if collate == "video":
+        return collate_video
+    if collate is None or callable(collate):
+        return collate
+    raise ValueError(f"collate must be 'auto', 'text', 'video', a function or None; got {collate!r}")
