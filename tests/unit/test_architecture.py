@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"spec", "topology", "cost", "plan", "scenarios"},
     "report": {"spec", "topology", "cost", "plan", "sim", "scenarios"},
     "models": set(),
-    "data": CORE | {"runtime.comm"},
+    "data": CORE | {"models", "runtime.comm"},
     "adapters": CORE | {"models", "data", "runtime"},
     "runtime": CORE | {"models", "data", "adapters"},
     "profile": CORE | {"models", "data", "adapters", "runtime"},
