@@ -35,7 +35,7 @@ def main() -> int:
         runs = []
     for name, extra in runs:
         out = ROOT / "out" / f"real-cpu-{len(results)}"
-        cmd = [sys.executable, "-m", "dcparallel.cli", "demo", "--out", str(out), "--skip-paper-scale", "--json",
+        cmd = [sys.executable, "-m", "dcparallel", "demo", "--out", str(out), "--skip-paper-scale", "--json",
                *extra]
         print(f"[real-cpu] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -4,7 +4,10 @@ import argparse
 
 import pytest
 
-from dcparallel.demo import SyntheticText, _timelines, add_arguments, builtin_lengths, run, samples_hash
+from dcparallel.apps.demo import add_arguments, run
+from dcparallel.apps.demo_report import rank_timelines as _timelines
+from dcparallel.apps.demo_worker import samples_hash
+from dcparallel.data.synthetic import SyntheticText, builtin_lengths
 
 
 def test_builtin_lengths_skewed_and_deterministic():
