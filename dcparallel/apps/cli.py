@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from dcparallel.apps import demo, profile, simulate
+from dcparallel.apps import demo, simulate
 from dcparallel.plan.policies import POLICIES
 
 
@@ -27,6 +27,10 @@ def _train(path: Path, resume_anyway: bool = False) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the subcommand asked for: `profile`'s arguments (its presets) need torch, which
+    # `simulate` and `plan` never import; they are built only when they can be used
+    cmd = next((a for a in argv if not a.startswith("-")), None)
     ap = argparse.ArgumentParser(prog="dcparallel", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -46,8 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=simulate.cmd_plan)
 
     p = sub.add_parser("profile", help="measure a model on this device (two layers, extrapolated)")
-    profile.add_arguments(p)
-    p.set_defaults(func=profile.cmd_profile)
+    if cmd in (None, "profile"):
+        from dcparallel.apps import profile
+
+        profile.add_arguments(p)
+        p.set_defaults(func=profile.cmd_profile)
 
     p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
     p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")

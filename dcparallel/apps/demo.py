@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 from dcparallel.apps.demo_report import print_table, rank_timelines, spread, trust_notes, write_report
-from dcparallel.apps.demo_worker import MODEL, SEED, WORLD, _model
-from dcparallel.apps.presets import LLAMAS
 from dcparallel.apps.simulate import paper_scale
 from dcparallel.apps.train_config import check_fits
-from dcparallel.data.synthetic import builtin_lengths
 
 POLICIES = ("bucket", "packed", "dcp")
 TOKENS_PER_STEP = 16384
+#: gloo ranks the demo launches
+WORLD = 2
 #: timed runs per policy (interleaved); each policy's fastest run is compared
 REPEATS = 2
 
@@ -44,6 +43,7 @@ REPEATS = 2
 def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     """Simulated wall time of each policy's run from the same profile and budget: the plans'
     compute + gradient sync, plus the optimizer step measured before training."""
+    from dcparallel.apps.demo_worker import SEED
     from dcparallel.cost.profiled import Profile, ProfiledCost
     from dcparallel.plan.context import PlanContext
     from dcparallel.plan.steps import form_steps
@@ -67,6 +67,7 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
 def _check_fits(lengths: list[int], num_layers: int) -> None:
     """A sample far beyond this machine's memory is refused here, with the planner's message,
     before torchrun starts (inside, the profiler would die on a raw allocator error)."""
+    from dcparallel.apps.demo_worker import _model
     from dcparallel.profile.inputs import reference_spec
 
     model = _model(num_layers)
@@ -76,6 +77,9 @@ def _check_fits(lengths: list[int], num_layers: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from dcparallel.apps.demo_worker import MODEL
+    from dcparallel.apps.presets import LLAMAS
+    from dcparallel.data.synthetic import builtin_lengths
     from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups, plot_timelines
     from dcparallel.scenarios import read_lengths
 

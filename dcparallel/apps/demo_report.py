@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 #: the rerun advice when the timings cannot be trusted
-RERUN = ("rerun on an idle machine (nothing else using the cores) with more repeats: "
-         "`dcparallel demo --repeats 4` (each policy's fastest run counts)")
-#: a policy whose repeats spread more than this (relative to their median) is called noisy
+RERUN = ("rerun on an idle machine, with nothing else using the cores, and more repeats: "
+         "`dcparallel demo --repeats 4` (after `make demo`: `.venv/bin/dcparallel demo --repeats 4`)")
+#: a spread of repeats (relative to their median) or a prediction error above this is large
 NOISY = 0.10
 
 
@@ -53,7 +53,8 @@ def trust_notes(walls: dict[str, list[float]], errors: dict[str, float] | None =
                 pairs: tuple[tuple[str, str], ...] = (("dcp", "bucket"), ("dcp", "packed"))) -> list[str]:
     """Plain sentences saying which comparisons the timings cannot support: a pair of policies
     whose fastest runs differ by less than the spread (max - min) of either's repeats, a single
-    run per policy (spread unknown), a prediction error no larger than the policy's own spread.
+    run per policy (spread unknown), a large prediction error of a policy whose own runs spread
+widely (the error may be the machine's load, not the simulator's).
     Empty when every comparison holds; the last sentence says how to rerun."""
     notes = []
     spreads = {n: spread(w) for n, w in walls.items()}
@@ -73,10 +74,10 @@ def trust_notes(walls: dict[str, list[float]], errors: dict[str, float] | None =
                              f"spread of {wide}'s runs ({s['min']:.1f}-{s['max']:.1f} s, {100 * s['relative']:.0f}%): "
                              f"this comparison means nothing on this machine now.")
         for n, e in (errors or {}).items():
-            if spreads[n]["relative"] > NOISY and spreads[n]["relative"] >= e:
-                notes.append(f"{n}'s prediction error ({100 * e:.0f}%) is within the spread of its own runs "
-                             f"({100 * spreads[n]['relative']:.0f}%): it measures the machine's load more than the "
-                             f"simulator.")
+            if e > NOISY and spreads[n]["relative"] > NOISY:
+                rel = spreads[n]["relative"]
+                notes.append(f"{n}'s prediction error ({100 * e:.0f}%) comes with a {100 * rel:.0f}% "
+                             f"spread of its own runs: it may measure the machine's load, not the simulator.")
     if notes:
         notes.append(f"To compare: {RERUN}.")
     return notes
@@ -121,7 +122,7 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
               "; ".join(f"{n}: {pred[n]['settings']}" for n in pred), "",
               "![timeline](timeline.png)", "",
               "Reading the timeline: colour is the SP degree of the micro-batch a rank runs, hatching marks "
-              "recomputation, red is a rank waiting, dotted lines are step boundaries. With the longest samples "
+              "recomputation, red is a rank waiting, dashed lines are step boundaries. With the longest samples "
               "needing SP = 2 on 2 ranks, the tuned `bucket` (like `packed`) runs everything as one SP = 2 group over "
               "both ranks: it never waits, it pays all-to-alls and recomputation on every micro-batch instead. `dcp` "
               "runs a step's long samples at SP = 2 first, then the short ones at SP = 1 on each rank (two phases), "

@@ -25,7 +25,6 @@ log = logging.getLogger("dcparallel.demo")
 
 #: the reference LM of `presets.LLAMAS` the demo trains (at its --layers depth)
 MODEL = "tiny-llama"
-WORLD = 2
 SEED = 0
 #: the budget is this fraction of the memory the longest sample needs on one rank with full recompute
 BUDGET_FRACTION = 0.95

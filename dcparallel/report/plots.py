@@ -2,7 +2,7 @@
 
 `plot_timelines`: one panel per policy, one row per rank, time on x: busy micro-batches,
 idle waiting for the slowest group, and the gradient sync, step after step (boundaries
-dotted), all panels on one time axis so a faster policy is visibly shorter; legends sit
+dashed), all panels on one time axis so a faster policy is visibly shorter; legends sit
 outside the data. `plot_speedups`: grouped bars of each
 policy's speedup over the tuned bucket baseline per scenario and distribution.
 """
@@ -56,7 +56,7 @@ def _step_ends(tl: Mapping[int, Sequence[Span]]) -> list[float]:
 def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: str | Path,
                    title: str = "", max_seconds: float | None = None) -> Path:
     """Writes a PNG with one panel per policy (e.g. {"bucket": {0: spans, 1: spans}, ...}):
-    step boundaries dotted, the legend below the panels; many ranks (32 and more) get thin
+    step boundaries dashed, the legend below the panels; many ranks (32 and more) get thin
     rows and every k-th rank labelled, so the figure stays compact."""
     if not timelines:
         raise ValueError("no timelines to plot")
@@ -99,7 +99,7 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
         ax.set_title(f"{name}: {run_end:.1f} s, {len(steps) + 1} steps, ranks idle {100 * share:.0f}% of "
                      f"compute time", loc="left", fontsize=10)
         ax.set_xlim(0, end * 1.01)
-    axes[-1, 0].set_xlabel("seconds (dotted lines: step boundaries)")
+    axes[-1, 0].set_xlabel("seconds (dashed lines: step boundaries)")
     for k in ("idle", "sync"):
         legend.setdefault(_style(k)[2], (COLORS[k], None, _order(k)))
     handles = [Patch(facecolor=c, hatch=h, edgecolor="white", label=label)
