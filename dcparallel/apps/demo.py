@@ -67,10 +67,10 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
 def _check_fits(lengths: list[int], num_layers: int) -> None:
     """A sample far beyond this machine's memory is refused here, with the planner's message,
     before torchrun starts (inside, the profiler would die on a raw allocator error)."""
-    from dcparallel.apps.demo_worker import _model
+    from dcparallel.apps.demo_worker import demo_model
     from dcparallel.profile.inputs import reference_spec
 
-    model = _model(num_layers)
+    model = demo_model(num_layers)
     spec, _ = reference_spec(model, model.layers)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // WORLD
     check_fits(spec, lengths, WORLD, WORLD, memory)

@@ -50,7 +50,8 @@ def lm_micro_batch(dc, model, batch) -> None:
         ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
 
 
-def _model(num_layers: int):
+def demo_model(num_layers: int):
+    """The demo's LM at `num_layers` depth, freshly initialised from the demo's seed."""
     return llama(MODEL, seed=SEED, num_layers=num_layers)
 
 
@@ -76,7 +77,7 @@ def worker(args: argparse.Namespace) -> int:
     dataset = SyntheticText(lengths)
 
     # -- profile at world 2 (cached in the output folder across demo runs)
-    model = _model(args.layers)
+    model = demo_model(args.layers)
     spec, _ = reference_spec(model, model.layers)
     big = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=2**40, name="cpu")
     dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
@@ -159,11 +160,11 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
     per-rank busy spans of each step."""
-    from dcparallel.data.loader import DataCentricLoader
+    from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import DataCentricParallel
 
-    model = _model(args.layers)
+    model = demo_model(args.layers)
     dc = DataCentricParallel(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)
     opt = dc.optimizer(lr=args.lr)
     loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,

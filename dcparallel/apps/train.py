@@ -64,7 +64,8 @@ def _loader(cfg: Config, dc, dataset, lengths: list[int], out: Path, rank: int):
     t, pc = cfg.train, cfg.profile
     if pc.cost == "analytic":
         from dcparallel.cost.analytic import AnalyticCost
-        from dcparallel.data.loader import DataCentricLoader, check_step_budget
+        from dcparallel.data import DataCentricLoader
+        from dcparallel.data.loader import check_step_budget
 
         check_step_budget(t.tokens_per_step, None)
         cluster = dataclasses.replace(dc.cluster_spec, intra_bw=dc.cluster_spec.intra_bw or 1e10,
