@@ -1,10 +1,9 @@
 """Fault injection for `dcparallel train` (tests, the reliability report) and the events log.
 
-Fault injection (tests, the reliability report): ``DCPARALLEL_FAULT="KIND@STEP:RANK[:ATTEMPT],..."``
-makes rank RANK, during global step STEP (1-based), of restart ATTEMPT (torchrun's
-``TORCHELASTIC_RESTART_COUNT``, default 0) ``exit`` (os._exit(17)), ``raise`` (RuntimeError),
-``hang`` (sleep until the watchdog or the process-group timeout ends it) or ``nan`` (its loss
-becomes NaN).
+``DCPARALLEL_FAULT="KIND@STEP:RANK[:ATTEMPT],..."`` makes rank RANK, during global step STEP
+(1-based), of restart ATTEMPT (torchrun's ``TORCHELASTIC_RESTART_COUNT``, default 0) ``exit``
+(os._exit(17)), ``raise`` (RuntimeError), ``hang`` (sleep until the watchdog or the
+process-group timeout ends it) or ``nan`` (its loss becomes NaN).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def parse_faults(spec: str) -> list[Fault]:
 def fire(fault: Fault, events: Path | None) -> bool:
     """Carries out a fault; True for "nan" (the caller poisons the loss)."""
     append_event(events, {"event": "fault", "kind": fault.kind, "step": fault.step, "rank": fault.rank,
-                    "attempt": fault.attempt})
+                          "attempt": fault.attempt})
     log.error("injected fault: %s at step %d on rank %d (attempt %d)", fault.kind, fault.step, fault.rank,
               fault.attempt)
     if fault.kind == "exit":
