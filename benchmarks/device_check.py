@@ -151,7 +151,7 @@ def _train_steps(out_dir: Path, name: str, model_toml: str, data_toml: str, toke
     config.write_text(f"[data]\n{data_toml}[train]\npolicy = \"dcp\"\ntokens_per_step = {tokens_per_step}\n"
                       f"max_steps = {steps}\nout_dir = \"{run_dir}\"\n[profile]\nrepeats = 1\nmax_mbs = 4\n"
                       f"max_tokens = {max_tokens}\ncost = \"{cost}\"\n[model]\n{model_toml}")
-    r = subprocess.run([sys.executable, "-m", "dcparallel.cli", "train", "--config", str(config)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "dcparallel", "train", "--config", str(config)], cwd=ROOT,
                        capture_output=True, text=True, timeout=400,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     if r.returncode != 0:

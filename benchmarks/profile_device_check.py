@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dcparallel.profile.cli import run_profile  # noqa: E402
+from dcparallel.apps.profile import run_profile  # noqa: E402
 
 GPU_RUNS = [
     {"model": "llama-7b", "num_layers": 8, "buckets": "2048,8192,32768", "repeats": 3, "max_mbs": 8,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dcparallel.apps.demo_report import RERUN, spread, trust_notes
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
@@ -35,7 +37,7 @@ def main() -> int:
         runs = []
     for name, extra in runs:
         out = ROOT / "out" / f"real-cpu-{len(results)}"
-        cmd = [sys.executable, "-m", "dcparallel.cli", "demo", "--out", str(out), "--skip-paper-scale", "--json",
+        cmd = [sys.executable, "-m", "dcparallel", "demo", "--out", str(out), "--skip-paper-scale", "--json",
                *extra]
         print(f"[real-cpu] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -57,25 +59,35 @@ def main() -> int:
              "samples in the same optimizer steps from the same initial weights; the wall time is the training "
              "loop only (start-up and profiling excluded), after a warm-up of every SP degree and recompute path. "
              "Each policy runs twice, interleaved with the others (bucket, packed, dcp, bucket, ...); its faster "
-             "run counts, and both are listed. Predicted = the simulator replaying the same plans on the profile "
-             "measured in the same launch, plus the optimizer step timed before training.", ""]
+             "run counts, and both are listed with their spread (min / median / max, (max - min) / median); "
+             f"where a spread exceeds the difference compared, the report says so ({RERUN}). "
+             "Predicted = the simulator replaying the same plans on the profile measured in the same launch, "
+             "plus the optimizer step timed before training.", ""]
     for name, s, plot in results:
         r = s["real"]
         lines += [f"## {name}: {r['samples_total']} samples", "",
                   f"Memory budget {r['memory_budget_bytes'] / 2**20:.1f} MiB per rank ({r['budget_rule']}).", "",
-                  "| policy | wall s | runs s | tokens/s | steps | samples | loss first → last | predicted s | error |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| policy | wall s | runs s | spread s (min / median / max) | tokens/s | steps | samples | "
+                  "loss first → last | predicted s | error |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for n, v in r["policies"].items():
             pw = s["predicted"][n]["wall_s"]
             runs = ", ".join(f"{w:.1f}" for w in v["wall_s_runs"])
-            lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {v['tokens_per_s']:,.0f} | {v['steps']} | "
+            sp = spread(v["wall_s_runs"])
+            lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {sp['min']:.1f} / {sp['median']:.1f} / {sp['max']:.1f} "
+                         f"({100 * sp['relative']:.0f}%) | {v['tokens_per_s']:,.0f} | {v['steps']} | "
                          f"{v['samples']} | "
                          f"{v['loss_first']:.3f} → {v['loss_last']:.3f} | {pw:.1f} | "
                          f"{100 * abs(pw - v['wall_s']) / v['wall_s']:.0f}% |")
         hashes = {v["samples_hash"] for v in r["policies"].values()}
         lines += ["", f"**dcp vs bucket {r['speedup']:.2f}×, dcp vs packed {r['speedup_vs_packed']:.2f}×**; "
                   f"prediction error {100 * s['prediction_error']:.0f}%; same samples in the same steps: "
-                  f"{'yes' if len(hashes) == 1 else 'NO'}.", "", f"![timeline]({plot.name})", ""]
+                  f"{'yes' if len(hashes) == 1 else 'NO'}.", ""]
+        errors = {n: abs(s["predicted"][n]["wall_s"] - v["wall_s"]) / v["wall_s"] for n, v in r["policies"].items()}
+        notes = trust_notes({n: v["wall_s_runs"] for n, v in r["policies"].items()}, errors)
+        if notes:
+            lines += ["**These timings cannot be trusted:** " + " ".join(notes), ""]
+        lines += [f"![timeline]({plot.name})", ""]
     notes = HERE / "real_cpu_notes.md"
     if notes.exists():
         lines += [notes.read_text().strip()]

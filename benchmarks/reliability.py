@@ -53,7 +53,7 @@ cost = "analytic"
 def launch(cfg: Path, ranks: int = 2, fault: str = "", restarts: int = 0) -> tuple[int, float, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", str(restarts), "-m", "dcparallel.cli", "train", "--config", str(cfg)]
+           "--max-restarts", str(restarts), "-m", "dcparallel", "train", "--config", str(cfg)]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     return r.returncode, time.perf_counter() - t0, r.stderr

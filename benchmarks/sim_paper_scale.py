@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from dcparallel.cli import paper_scale
+from dcparallel.apps.simulate import paper_scale
 from dcparallel.cost.analytic import fit_report
 from dcparallel.plan.policies import ALL
 from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups

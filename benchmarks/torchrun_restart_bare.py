@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 timeout = timedelta(seconds=20)
 if "--prefix" in sys.argv:
-    from dcparallel.train import init_process_group
+    from dcparallel.runtime.launch import init_distributed
 
-    init_process_group(timeout)
+    init_distributed("cpu", timeout=timeout)
 else:
     dist.init_process_group("gloo", timeout=timeout)
 t = torch.ones(1)

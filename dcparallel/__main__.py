@@ -1,5 +1,7 @@
+"""`python -m dcparallel`: the `dcparallel` command line (`dcparallel.apps.cli`)."""
+
 import sys
 
-from dcparallel.cli import main
+from dcparallel.apps.cli import main
 
 sys.exit(main())

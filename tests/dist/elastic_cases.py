@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def case_train(cfg: dict) -> int:
-    from dcparallel.train import Config, run
+    from dcparallel.apps.train import run
+    from dcparallel.apps.train_config import Config
 
     return run(Config.from_dict(cfg))
 
@@ -13,10 +14,11 @@ def case_reshard(cfg: dict, ckpt_dir: str) -> dict:
     """Loads every shard of a checkpoint into this world's ZeroAdamW; the unsharded state."""
     from dcparallel import checkpoint
     from dcparallel.api import DataCentricParallel
-    from dcparallel.train import Config, _build
+    from dcparallel.apps.presets import build_model
+    from dcparallel.apps.train_config import Config
 
     c = Config.from_dict(cfg)
-    model = _build(c)
+    model = build_model(c.model, c.train.seed)
     dc = DataCentricParallel(model, layers=model.layers, policy=c.train.policy, seed=c.train.seed)
     opt = dc.optimizer(lr=c.train.lr)
     ck = checkpoint.latest(ckpt_dir)

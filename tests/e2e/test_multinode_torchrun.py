@@ -30,7 +30,7 @@ def _free_port() -> int:
 def test_two_torchrun_agents_one_c10d_rendezvous_groups_span_nodes(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     port = _free_port()
-    args = ["-m", "dcparallel.runtime.smoke", "--steps", str(STEPS), "--bucket-kib", "8", "--out", "losses.json"]
+    args = ["-m", "dcparallel.apps.smoke", "--steps", str(STEPS), "--bucket-kib", "8", "--out", "losses.json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = []
     for node in range(2):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dcparallel.cost.profiled import Profile
+from dcparallel.cost.schema import Profile
 
 pytestmark = pytest.mark.e2e
 

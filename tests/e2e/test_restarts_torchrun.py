@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 def _launch(config, cwd, fault="", restarts=0):
     env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "dcparallel.cli", "train", "--config", str(config)]
+           "--max-restarts", str(restarts), "-m", "dcparallel", "train", "--config", str(config)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -25,7 +25,7 @@ def run(cmd: list[str], tmp: Path) -> list[float]:
 
 def test_torchrun_two_ranks_loss_decreases_and_matches_one_rank(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    args = ["-m", "dcparallel.runtime.smoke", "--steps", str(STEPS), "--out", "losses.json"]
+    args = ["-m", "dcparallel.apps.smoke", "--steps", str(STEPS), "--out", "losses.json"]
     two = run([torchrun, "--standalone", "--nproc-per-node", "2", *args], tmp_path)
     assert len(two) == STEPS
     first, last = sum(two[:3]) / 3, sum(two[-3:]) / 3

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 def _launch(config, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dcparallel.cli", "train", "--config", str(config)]
+           "-m", "dcparallel", "train", "--config", str(config)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -4,7 +4,10 @@ import argparse
 
 import pytest
 
-from dcparallel.demo import SyntheticText, _timelines, add_arguments, builtin_lengths, run, samples_hash
+from dcparallel.apps.demo import add_arguments, run
+from dcparallel.apps.demo_report import rank_timelines as _timelines
+from dcparallel.apps.demo_worker import samples_hash
+from dcparallel.data.synthetic import SyntheticText, builtin_lengths
 
 
 def test_builtin_lengths_skewed_and_deterministic():
@@ -43,3 +46,30 @@ def test_repeats_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="--repeats must be at least 1, got 0"):
         run(args)
     assert not any(tmp_path.iterdir())  # rejected before anything was written or launched
+
+
+def test_spread_of_repeats():
+    from dcparallel.apps.demo_report import spread
+
+    s = spread([88.5, 56.0, 60.0])
+    assert (s["runs"], s["min"], s["median"], s["max"]) == (3, 56.0, 60.0, 88.5)
+    assert s["relative"] == pytest.approx(32.5 / 60.0)
+
+
+def test_trust_notes_say_when_the_spread_swamps_the_difference():
+    from dcparallel.apps.demo_report import trust_notes
+
+    # the loaded machine of issue 14: bucket's runs 88.5 and 56.0 s, dcp 1.07x faster
+    notes = trust_notes({"bucket": [88.5, 56.0], "packed": [60.0, 61.0], "dcp": [52.3, 53.0]},
+                        {"bucket": 0.43, "packed": 0.05, "dcp": 0.05})
+    text = " ".join(notes)
+    assert "dcp vs bucket" in text and "means nothing" in text and "56.0-88.5 s" in text
+    assert "bucket's prediction error (43%) comes with a 45% spread of its own runs" in text
+    assert "dcp's prediction error" not in text  # 5%: small, whatever the spread
+    assert "--repeats 4" in notes[-1] and "idle machine" in notes[-1]
+    # a clear difference with tight repeats: nothing to say
+    assert trust_notes({"bucket": [80.0, 81.0], "packed": [70.0, 70.5], "dcp": [50.0, 50.4]},
+                       {"bucket": 0.05, "packed": 0.04, "dcp": 0.06}) == []
+    # one run each: the spread is unknown
+    one = trust_notes({"bucket": [80.0], "packed": [70.0], "dcp": [50.0]})
+    assert "ran once" in one[0] and "--repeats" in one[-1]

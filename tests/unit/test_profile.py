@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from dcparallel.apps.presets import PRESETS, parse_buckets
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
@@ -34,7 +35,6 @@ from dcparallel.profile import (
     representative_sizes,
     text_inputs,
 )
-from dcparallel.profile.presets import PRESETS, parse_buckets
 from dcparallel.sim.run import run_policies
 from dcparallel.spec import ClusterSpec, Layout, Recompute, Workload
 

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from dcparallel import checkpoint
-from dcparallel.cost.profiled import Profile
-from dcparallel.data.loader import check_step_budget
+from dcparallel.apps.faults import Fault, parse_faults
+from dcparallel.apps.train import run
+from dcparallel.apps.train_config import Config
+from dcparallel.cost.schema import Profile
+from dcparallel.data.sizes import check_step_budget
 from dcparallel.scenarios import read_lengths
-from dcparallel.train import Config, Fault, parse_faults, run
 
 # ---------------------------------------------------------------- config
 
@@ -308,7 +310,7 @@ def test_oversize_sample_is_refused_before_profiling_in_train_and_demo(tmp_path)
                                          r"SP=1 with full recomputation it needs .* GiB per rank"):
         run(cfg)
     assert not (tmp_path / "run" / "profile.json").exists()
-    from dcparallel.demo import _check_fits
+    from dcparallel.apps.demo import _check_fits
 
     with pytest.raises(ValueError, match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout"):
         _check_fits([100, 300000000], 2)

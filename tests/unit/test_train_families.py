@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from dcparallel.train import Config, run
+from dcparallel.apps.train import run
+from dcparallel.apps.train_config import Config
 
 
 def _train(tmp_path, model: dict, data: dict, tokens_per_step: int) -> list[dict]:

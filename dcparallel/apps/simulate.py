@@ -1,8 +1,6 @@
-"""`dcparallel` command line: simulate | plan | profile | train | demo.
+"""`dcparallel simulate` and `plan`, and `paper_scale` (every built-in scenario at 32 GPUs).
 
-Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
-progress and logs go to stderr.
-"""
+The workload arguments, an epoch planned and simulated per policy, step plans printed."""
 
 from __future__ import annotations
 
@@ -14,9 +12,10 @@ from pathlib import Path
 from typing import Sequence
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.cost.profiled import Profile, ProfiledCost
+from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.policies import ALL, POLICIES, make_planner
+from dcparallel.plan.policies import ALL, make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import (
     DEFAULT_SEED,
@@ -31,7 +30,7 @@ from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import ClusterSpec, Workload, h200_cluster
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
     src = p.add_mutually_exclusive_group()
@@ -173,62 +172,3 @@ def cmd_plan(args) -> int:
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
     return 0
 
-
-def _train(path: Path, resume_anyway: bool = False) -> int:
-    import logging
-
-    from dcparallel.train import Config, run
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    cfg = Config.load(path)
-    cfg.train.resume_anyway = cfg.train.resume_anyway or resume_anyway
-    return run(cfg)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dcparallel", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
-    _workload_args(p)
-    p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="policy (repeatable)")
-    p.add_argument("--all", action="store_true", help="every policy (the default)")
-    p.add_argument("--json", action="store_true", help="one JSON object on one line")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.set_defaults(func=cmd_simulate)
-
-    p = sub.add_parser("plan", help="print the step plans a policy makes")
-    _workload_args(p)
-    p.add_argument("--policy", choices=sorted(POLICIES), default="dcp")
-    p.add_argument("--steps", type=int, default=3, help="how many steps to print (default 3)")
-    p.add_argument("--json", action="store_true", help="one JSON object per step, one per line")
-    p.set_defaults(func=cmd_plan)
-
-    p = sub.add_parser("profile", help="measure a model on this device (two layers, extrapolated)")
-    from dcparallel.profile.cli import add_arguments, cmd_profile
-
-    add_arguments(p)
-    p.set_defaults(func=cmd_profile)
-
-    from dcparallel import demo
-
-    p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
-    p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")
-    p.add_argument("--resume-anyway", action="store_true",
-                   help="resume a checkpoint written under another config (the differences are logged)")
-    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway))
-
-    p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
-    demo.add_arguments(p)
-    p.set_defaults(func=demo.cmd_demo)
-
-    args = ap.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

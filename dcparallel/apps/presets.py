@@ -1,7 +1,11 @@
-"""Reference models by name for `dcparallel profile --model NAME`, with default buckets."""
+"""The registry of reference models the front-ends build (profile, demo, smoke, train), by name.
+
+The profile presets (`dcparallel profile --model NAME`, with default buckets), the demo's and
+the smoke test's LMs (`LLAMAS`, `llama`), and `train`'s `[model]` (`build_model`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +16,51 @@ from dcparallel.models.dit import DiT, DiTConfig
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_spec
 from dcparallel.spec import ModelSpec, Size
+
+#: the reference LMs by name: "tiny-llama" is the demo's (at its --layers depth) and `train`'s default
+#: `[model]` shape; "smoke-llama" the runtime smoke test's
+LLAMAS: dict[str, LlamaConfig] = {
+    "tiny-llama": LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4, ffn_hidden=352),
+    "small-llama": LlamaConfig.small(num_layers=8),
+    "llama-7b": LlamaConfig.llama_7b(),
+    "smoke-llama": LlamaConfig.tiny(vocab_size=64, hidden=64, num_layers=2, num_heads=4, ffn_hidden=128),
+}
+
+
+def llama(name: str, seed: int = 0, **overrides) -> Llama:
+    """A fresh reference LM `name` of `LLAMAS` (fields overridden, e.g. num_layers=4), on the CPU,
+    its weights drawn after ``torch.manual_seed(seed)``."""
+    if name not in LLAMAS:
+        raise ValueError(f"unknown reference LM {name!r}; choose one of {sorted(LLAMAS)}")
+    cfg = dataclasses.replace(LLAMAS[name], **overrides)
+    torch.manual_seed(seed)
+    return Llama(cfg)
+
+
+def build_model(m, seed: int) -> nn.Module:
+    """The model of `train`'s ``[model]`` section (a `ModelConfig`), on the CPU, seeded: the
+    reference LM, or a transformers / diffusers class built from ``[model.config]`` (never
+    downloaded)."""
+    torch.manual_seed(seed)
+    if m.family == "transformers":
+        import transformers
+
+        model_cls = getattr(transformers, m.architecture, None)
+        config_cls = getattr(transformers, m.architecture.replace("ForCausalLM", "Config"), None)
+        if model_cls is None or config_cls is None or not m.architecture.endswith("ForCausalLM"):
+            raise ValueError(f"[model] architecture = {m.architecture!r} is not a transformers *ForCausalLM class "
+                             f"with a matching *Config (e.g. LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)")
+        return model_cls._from_config(config_cls(**m.config), attn_implementation="sdpa").float()
+    if m.family == "diffusers":
+        import diffusers
+
+        model_cls = getattr(diffusers, m.architecture, None)
+        if model_cls is None:
+            raise ValueError(f"[model] architecture = {m.architecture!r} is not a diffusers class "
+                             f"(e.g. WanTransformer3DModel)")
+        return model_cls(**m.config).float()
+    return Llama(LlamaConfig(vocab_size=m.vocab_size, hidden=m.hidden, num_layers=m.num_layers,
+                             num_heads=m.num_heads, ffn_hidden=m.ffn_hidden))
 
 
 @dataclass
@@ -54,16 +103,15 @@ def _reference(name: str, cfg: LlamaConfig | DiTConfig) -> Callable[[torch.devic
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("tiny-llama", _reference("tiny-llama", LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4,
-                                                              ffn_hidden=352)),
+        Preset("tiny-llama", _reference("tiny-llama", LLAMAS["tiny-llama"]),
                (256, 512, 1024, 2048), "8 layers, hidden 128, vocab 256 (CPU)"),
-        Preset("small-llama", _reference("small-llama", LlamaConfig.small(num_layers=8)),
+        Preset("small-llama", _reference("small-llama", LLAMAS["small-llama"]),
                (512, 1024, 2048, 4096), "8 layers, hidden 256, vocab 4096 (CPU demos)"),
         Preset("tiny-dit", _reference("tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32,
                                                       attention="factorized")),
                ((1, 128, 128), (17, 128, 128), (51, 128, 128), (51, 256, 256)),
                "4 spatial+temporal pairs, hidden 64 (CPU)"),
-        Preset("llama-7b", _reference("llama-7b", LlamaConfig.llama_7b()),
+        Preset("llama-7b", _reference("llama-7b", LLAMAS["llama-7b"]),
                (1024, 2048, 4096, 8192, 16384, 32768), "Llama-7B dimensions, 32 layers (GPU)"),
         Preset("dit-1b", _reference("dit-1b", DiTConfig.dit_1b()),
                ((1, 240, 426), (51, 240, 426), (51, 480, 853), (102, 720, 1280)),

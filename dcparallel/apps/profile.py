@@ -1,5 +1,6 @@
-"""`dcparallel profile`: profile a reference model here (CPU or GPU), optionally validated at
-full depth. Launch with torchrun to profile SP layouts on the launch's world (gloo on CPU,
+"""`dcparallel profile`: profile a preset reference model here (CPU or GPU), and print or save it.
+
+Optionally validated at full depth. Launch with torchrun to profile SP layouts on the launch's world (gloo on CPU,
 NCCL on GPU); a plain launch is one rank and covers SP=1 only.
 
 With ``--json`` the last line on stdout is one JSON object: layouts_measured,
@@ -36,7 +37,7 @@ def parse_bytes(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dcparallel.profile.presets import PRESETS
+    from dcparallel.apps.presets import PRESETS
 
     p.add_argument("--model", required=True, choices=sorted(PRESETS),
                    help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()))
@@ -76,8 +77,8 @@ def _init_distributed(device: str) -> None:
 
 def run_profile(args: argparse.Namespace) -> dict:
     """Profiles per the arguments on every rank; returns the JSON summary (same on every rank)."""
+    from dcparallel.apps.presets import get_preset, parse_buckets
     from dcparallel.profile.cache import load_or_profile, profile_and_save
-    from dcparallel.profile.presets import get_preset, parse_buckets
     from dcparallel.profile.profiler import Profiler, ProfilerConfig
     from dcparallel.runtime import comm
 

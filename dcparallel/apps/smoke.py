@@ -1,6 +1,6 @@
-"""A short training loop of the reference LM on hand-made step plans.
+"""The runtime smoke test: a short training loop of the reference LM on hand-made step plans.
 
-    torchrun --standalone --nproc-per-node 2 -m dcparallel.runtime.smoke --steps 30
+    torchrun --standalone --nproc-per-node 2 -m dcparallel.apps.smoke --steps 30
 
 Every step has the same kind of samples (arithmetic token sequences of uneven lengths,
 learnable in a few dozen steps) but cycles through layouts: one SP=2 group running a
@@ -22,15 +22,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dcparallel.apps.presets import LLAMAS, llama
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.models.llama import per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
-from dcparallel.runtime.engine import Engine as DataCentricParallel
+from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import cluster_from_env, init_distributed
 from dcparallel.spec import Layout, Recompute
 
-VOCAB = 64
+VOCAB = LLAMAS["smoke-llama"].vocab_size
 
 
 def make_docs(step: int, lengths: list[int]) -> dict[int, torch.Tensor]:
@@ -90,11 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if world not in (1, 2, 4):
         raise ValueError(f"the smoke plans are for 1, 2 or 4 ranks; got world size {world}")
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig.tiny(vocab_size=VOCAB, hidden=64, num_layers=2, num_heads=4, ffn_hidden=128)
-    model = Llama(cfg).to(launch.device)
+    cfg = LLAMAS["smoke-llama"]
+    model = llama("smoke-llama", seed=0).to(launch.device)
     cluster = cluster_from_env(num_heads=cfg.num_heads, memory_bytes=2**30, device=launch.device)
-    dc = DataCentricParallel(model, layers=model.layers, num_heads=cfg.num_heads, cluster=cluster)
+    dc = Engine(model, layers=model.layers, num_heads=cfg.num_heads, cluster=cluster)
     if args.bucket_kib is not None:
         dc.grad_sync.set_bucket_bytes(args.bucket_kib * 1024)
     opt = dc.optimizer(lr=args.lr)

@@ -1,0 +1,78 @@
+"""`dcparallel` command line: simulate | plan | profile | train | demo.
+
+Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
+progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dcparallel.apps import demo, simulate
+from dcparallel.plan.policies import POLICIES
+
+
+def _train(path: Path, resume_anyway: bool = False) -> int:
+    from dcparallel.apps.train import run
+    from dcparallel.apps.train_config import Config
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    cfg = Config.load(path)
+    cfg.train.resume_anyway = cfg.train.resume_anyway or resume_anyway
+    return run(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the subcommand asked for: `profile`'s arguments (its presets) need torch, which
+    # `simulate` and `plan` never import; they are built only when they can be used
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    ap = argparse.ArgumentParser(prog="dcparallel", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
+    simulate.add_workload_arguments(p)
+    p.add_argument("--policy", action="append", choices=sorted(POLICIES), help="policy (repeatable)")
+    p.add_argument("--all", action="store_true", help="every policy (the default)")
+    p.add_argument("--json", action="store_true", help="one JSON object on one line")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=simulate.cmd_simulate)
+
+    p = sub.add_parser("plan", help="print the step plans a policy makes")
+    simulate.add_workload_arguments(p)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="dcp")
+    p.add_argument("--steps", type=int, default=3, help="how many steps to print (default 3)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step, one per line")
+    p.set_defaults(func=simulate.cmd_plan)
+
+    p = sub.add_parser("profile", help="measure a model on this device (two layers, extrapolated)")
+    if cmd in (None, "profile"):
+        from dcparallel.apps import profile
+
+        profile.add_arguments(p)
+        p.set_defaults(func=profile.cmd_profile)
+
+    p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
+    p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")
+    p.add_argument("--resume-anyway", action="store_true",
+                   help="resume a checkpoint written under another config (the differences are logged)")
+    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway))
+
+    p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.cmd_demo)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

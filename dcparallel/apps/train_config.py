@@ -1,0 +1,288 @@
+"""The TOML config of `dcparallel train`, validated, and the up-front checks of a run's inputs.
+
+Unknown keys, types and ranges are each named with the fix; the inputs checked are the lengths
+file and whether every sample fits some layout.
+
+Config (every key optional; defaults below)::
+
+    [model]
+    family = "reference"    # "reference" (dcparallel's Llama), "transformers" or "diffusers"
+    kind = "llama"          # reference family: "llama" (text)
+    hidden = 128            # reference family: must be a multiple of num_heads
+    num_layers = 4          # >= 1
+    num_heads = 4
+    ffn_hidden = 352
+    vocab_size = 256
+    architecture = ""       # transformers: a *ForCausalLM class, e.g. "Qwen3ForCausalLM";
+                            # diffusers: "WanTransformer3DModel"
+    [model.config]          # transformers / diffusers: the config's / constructor's fields, e.g.
+                            # hidden_size = 128, num_attention_heads = 8, num_key_value_heads = 2
+
+    [data]
+    lengths = "builtin"     # or a file: one token count a line (diffusers: latent "frames height
+                            # width" a line), or a .npy array
+    num_samples = 200       # builtin: how many samples
+    text_tokens = 16        # diffusers: caption embedding tokens per synthetic sample
+
+    [train]
+    policy = "dcp"
+    tokens_per_step = 8192
+    epochs = 1
+    max_steps = 0           # 0: no limit
+    lr = 0.003
+    seed = 0
+    memory_mib = 0          # per-rank budget; 0: the device's memory
+    out_dir = "runs/train"
+    checkpoint_every = 0    # 0: only at the end of the run
+    keep_checkpoints = 2    # committed checkpoints kept (the newest first)
+    nan_policy = "stop"     # a non-finite step loss: "stop" (error) or "skip" (no update, reported)
+    resume_anyway = false   # resume a checkpoint written under another config
+    step_timeout_s = 0      # watchdog: a step longer than this dumps every thread and exits (0: off)
+    pg_timeout_s = 120      # process-group timeout: a collective waiting longer fails
+
+    [profile]               # how much the profiler measures
+    cost = "profiled"       # or "analytic": plan from the analytic cost model, no profiling
+    path = ""               # the profile cache; "": out_dir/profile.json (one copy per world size)
+    repeats = 3             # timed runs per layout (median)
+    max_mbs = 16            # micro-batch sizes doubled up to this
+    max_tokens = 4096       # ... or up to this many tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+POLICY_NAMES = ("bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp")
+
+def _opt(default: Any, *, lo: float | None = None, gt: float | None = None, choices: tuple = (),
+         resume: bool = True) -> Any:
+    """A config field: ``lo`` (>=), ``gt`` (>), ``choices``; ``resume``: a checkpoint written
+    with another value is refused (False: the field may change between launches)."""
+    return field(default=default, metadata={"lo": lo, "gt": gt, "choices": choices, "resume": resume})
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model to build (`dcparallel.apps.presets.build_model`): dcparallel's reference LM,
+    or a transformers / diffusers class built from ``config`` (never downloaded)."""
+
+    family: str = _opt("reference", choices=("reference", "transformers", "diffusers"))
+    architecture: str = _opt("")
+    config: dict = field(default_factory=dict)
+    kind: str = _opt("llama", choices=("llama", "dit"))
+    hidden: int = _opt(128, lo=1)
+    num_layers: int = _opt(4, lo=1)
+    num_heads: int = _opt(4, lo=1)
+    ffn_hidden: int = _opt(352, lo=1)
+    vocab_size: int = _opt(256, lo=2)
+
+    def check(self, where: str) -> None:
+        if not isinstance(self.config, dict):
+            raise ValueError(f"{where}: [model.config] must be a table of the model's config fields")
+        if self.family != "reference":
+            if not self.architecture:
+                example = "LlamaForCausalLM" if self.family == "transformers" else "WanTransformer3DModel"
+                raise ValueError(f'{where}: [model] family = {self.family!r} needs architecture, e.g. "{example}"')
+            return
+        if self.hidden % self.num_heads:
+            raise ValueError(f"{where}: [model] hidden = {self.hidden} is not a multiple of num_heads = "
+                             f"{self.num_heads}; pick num_heads dividing hidden (e.g. {_divisor(self.hidden)})")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    lengths: str = _opt("builtin")
+    num_samples: int = _opt(200, lo=1)
+    text_tokens: int = _opt(16, lo=1)
+
+    def check(self, where: str) -> None:
+        if not self.lengths:
+            raise ValueError(f'{where}: [data] lengths is empty; give "builtin" or a lengths file')
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    policy: str = _opt("dcp", choices=POLICY_NAMES)
+    tokens_per_step: int = _opt(8192, lo=1)
+    epochs: int = _opt(1, lo=1, resume=False)
+    max_steps: int = _opt(0, lo=0, resume=False)
+    lr: float = _opt(3e-3, gt=0)
+    seed: int = _opt(0, lo=0)
+    memory_mib: int = _opt(0, lo=0)
+    out_dir: str = _opt("runs/train", resume=False)
+    checkpoint_every: int = _opt(0, lo=0, resume=False)
+    keep_checkpoints: int = _opt(2, lo=1, resume=False)
+    nan_policy: str = _opt("stop", choices=("stop", "skip"))
+    resume_anyway: bool = _opt(False, resume=False)
+    step_timeout_s: float = _opt(0.0, lo=0, resume=False)
+    pg_timeout_s: float = _opt(120.0, gt=0, resume=False)
+
+    def check(self, where: str) -> None:
+        if not self.out_dir:
+            raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    cost: str = _opt("profiled", choices=("profiled", "analytic"))
+    path: str = _opt("", resume=False)
+    repeats: int = _opt(3, lo=1, resume=False)
+    max_mbs: int = _opt(16, lo=1, resume=False)
+    max_tokens: int = _opt(4096, lo=1, resume=False)
+
+    def check(self, where: str) -> None:
+        pass
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig}
+
+
+def _divisor(n: int) -> int:
+    return next(k for k in (8, 4, 2, 1) if n % k == 0)
+
+
+def _check_value(where: str, section: str, f: dataclasses.Field, kind: type, value: Any) -> Any:
+    """``value`` as the field's type, or ValueError naming the key, the value and the fix."""
+    key = f"[{section}] {f.name} = {value!r}"
+    if kind is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {key} must be a table ([{section}.{f.name}]), not {_tname(value)}")
+        return value
+    example = f"e.g. {f.name} = {json.dumps(f.default)}"
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be true or false ({example})")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: {key} must be an integer, not {_tname(value)} ({example})")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key} must be a number, not {_tname(value)} ({example})")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {key} must be a finite number ({example})")
+        value = float(value)
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: {key} must be a string in quotes, not {_tname(value)} ({example})")
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ValueError(f"{where}: {key} is not one of {', '.join(map(repr, m['choices']))}")
+    if m.get("lo") is not None and value < m["lo"]:
+        raise ValueError(f"{where}: {key} must be >= {m['lo']} ({example})")
+    if m.get("gt") is not None and not value > m["gt"]:
+        raise ValueError(f"{where}: {key} must be > {m['gt']} ({example})")
+    return value
+
+
+def _tname(value: Any) -> str:
+    names = {str: "a string", bool: "a boolean", list: "a list", dict: "a table", float: "a fraction"}
+    return names.get(type(value), type(value).__name__)
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    @staticmethod
+    def load(path: str | Path) -> Config:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read the config {p}: {exc}") from exc
+        return Config.from_dict(raw, str(p))
+
+    @staticmethod
+    def from_dict(raw: dict, where: str = "config") -> Config:
+        """A validated config from a dict of sections (as TOML gives it)."""
+        raw = dict(raw)
+        unknown = sorted(set(raw) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"{where}: unknown section(s) {unknown}; use {', '.join(f'[{s}]' for s in SECTIONS)}")
+        out = Config()
+        for section, cls in SECTIONS.items():
+            values = raw.get(section, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"{where}: {section} must be a [{section}] table, not {_tname(values)}")
+            known = {f.name for f in fields(cls)}
+            bad = sorted(set(values) - known)
+            if bad:
+                hint = "; ".join(f"{b!r}: did you mean {m!r}?" for b in bad if (m := _closest(b, known)))
+                raise ValueError(f"{where}: unknown key(s) {bad} in [{section}]; known: {sorted(known)}"
+                                 + (f" ({hint})" if hint else ""))
+            setattr(out, section, cls(**values))
+        out.validate(where)
+        return out
+
+    def validate(self, where: str = "config") -> None:
+        """Types and ranges of every field, then the checks across fields."""
+        for section, cls in SECTIONS.items():
+            obj = getattr(self, section)
+            hints = typing.get_type_hints(cls)
+            for f in fields(cls):
+                setattr(obj, f.name, _check_value(where, section, f, hints[f.name], getattr(obj, f.name)))
+            obj.check(where)
+        if self.model.family == "reference" and self.model.kind != "llama":
+            raise ValueError(f"{where}: `dcparallel train` trains the text model (kind = 'llama') for now; "
+                             f"see examples/video_dit.py for video")
+
+    def resume_key(self) -> dict[str, Any]:
+        """The settings a checkpoint must have been written under to be resumed."""
+        return {f"{s}.{f.name}": getattr(getattr(self, s), f.name)
+                for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("resume", True)}
+
+
+def _closest(name: str, known: set[str]) -> str | None:
+    import difflib
+
+    m = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return m[0] if m else None
+
+
+
+#: the builtin latent shapes (frames, height, width) of a diffusers video run
+BUILTIN_LATENTS = ((1, 8, 8), (1, 8, 12), (2, 8, 8), (3, 8, 12), (3, 12, 8), (5, 12, 16))
+
+
+def read_train_lengths(cfg: Config) -> list:
+    from dcparallel.data.synthetic import builtin_lengths
+    from dcparallel.scenarios import read_lengths
+
+    video_model = cfg.model.family == "diffusers"
+    if cfg.data.lengths == "builtin":
+        if video_model:
+            return [BUILTIN_LATENTS[(i * 7) % len(BUILTIN_LATENTS)] for i in range(cfg.data.num_samples)]
+        return builtin_lengths(cfg.data.num_samples, cfg.train.seed)
+    sizes = read_lengths(cfg.data.lengths)
+    wrong = next((i for i, s in enumerate(sizes) if isinstance(s, tuple) != video_model), None)
+    if wrong is not None:
+        want = "a latent shape 'frames height width'" if video_model else "one token count"
+        raise ValueError(f"{cfg.data.lengths}: sample {wrong} is {sizes[wrong]!r}; this model takes {want} a line")
+    return [tuple(int(v) for v in x) if video_model else int(x) for x in sizes]
+
+
+def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int) -> None:
+    """Raises the planner's `NoLayoutFits` (the message `simulate` prints) up front, before
+    any profiling, when a sample fits no layout by the analytic cost model: the profiler
+    would otherwise try to run it and die on a raw allocator error. The analytic model
+    estimates memory from calibrated constants, so this catches samples far beyond memory;
+    the profile decides the rest."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.spec import ClusterSpec, Workload
+
+    cluster = ClusterSpec(world_size=world_size, gpus_per_node=gpus_per_node, memory_bytes=int(memory_bytes),
+                          intra_bw=1e10, inter_bw=1e10, name="up-front check")
+    PlanContext(Workload(spec, tuple(lengths)), AnalyticCost(spec, cluster), cluster)
+
