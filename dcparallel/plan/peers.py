@@ -24,7 +24,7 @@ from typing import Sequence
 from dcparallel.plan.bucket import even_subset
 from dcparallel.plan.context import PlanContext, lpt, pack_bins
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, Score, StepPlan, Tuned
+from dcparallel.plan.types import Chunk, GroupPlan, MicroBatch, Score, StepPlan, Tuned
 
 
 def _rank_capacity(ctx: PlanContext) -> int:
@@ -78,14 +78,10 @@ class _LevelPlanner:
             self._level[key] = hit
         return hit
 
-    def _pack(self, ids: list[int], k: int, length: int) -> list[tuple[tuple[int, ...], object, float]]:
+    def _pack(self, ids: list[int], k: int, length: int) -> list[Chunk]:
         ctx = self.ctx
-        out = pack_bins(ctx, ids, length, k, "fit")
-        res = []
-        for b in out:
-            lay, t = ctx.layout_for(tuple(ctx.sizes[j] for j in b), k, "fit")
-            res.append((tuple(b), lay, t))
-        return res
+        return [Chunk(tuple(b), *ctx.layout_for(tuple(ctx.sizes[j] for j in b), k, "fit"))
+                for b in pack_bins(ctx, ids, length, k, "fit")]
 
     def plan(self, step: Step) -> StepPlan:
         ctx = self.ctx
@@ -106,15 +102,15 @@ class _LevelPlanner:
             open_ = [k for k in packs if k <= free and count[k] < len(packs[k])]
             if not open_:
                 break
-            k = max(open_, key=lambda j: (sum(t for _, _, t in packs[j]) / count[j], -j))
+            k = max(open_, key=lambda j: (sum(c.time for c in packs[j]) / count[j], -j))
             count[k] += 1
             free -= k
         sizes, mbs = [], []
         for k in sorted(packs, reverse=True):
-            assign, _ = lpt([t for _, _, t in packs[k]], count[k])
+            assign, _ = lpt([c.time for c in packs[k]], count[k])
             for g in range(count[k]):
                 sizes.append(k)
-                mbs.append(tuple(MicroBatch(packs[k][j][0], packs[k][j][1]) for j in assign[g]))
+                mbs.append(tuple(MicroBatch(packs[k][j].sample_ids, packs[k][j].layout) for j in assign[g]))
         ranks = self.ctx.topology.tile(sizes)
         groups = tuple(GroupPlan(r, mbs[g] if g < len(mbs) else ()) for g, r in enumerate(ranks))
         return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
