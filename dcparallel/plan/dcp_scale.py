@@ -20,11 +20,8 @@ sample, so it fits every sample of the bucket. Per step:
 3. **Two phases** (as `dcp` did before): the step's wide micro-batches first, then the
    narrow ones on their own groups over the same ranks, for each split degree; kept when
    predicted faster.
-4. **Expansion.** Only the chosen plan becomes sample ids: each bucket's samples, longest
-   first, are cut into its micro-batches and dealt round by round to the groups holding
-   that bucket (so every group gets a mix of its bucket's longer and shorter samples);
-   groups are placed as aligned blocks, largest first (a group no larger than a node stays
-   inside one; a larger one spans nodes and the cost model charges the inter-node link).
+4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
+   refined with each micro-batch's own time, and the one predicted fastest is kept.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
@@ -33,14 +30,15 @@ broken by fixed orders), so every rank computes the same plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates, place_groups
+from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
+from dcparallel.plan.dcp_classes import ItemClass, class_span
+from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import StepPlan
 from dcparallel.spec import Layout
 
 #: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
@@ -50,95 +48,6 @@ FINE_MAX_SAMPLES = 1024
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
 
-
-@dataclass(slots=True)
-class GroupClass:
-    """`count` alike groups of one SP degree with the same load and the same contents:
-    `items` maps an item-class index to how many of its micro-batches each group runs."""
-
-    load: float
-    count: int
-    items: dict[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class ItemClass:
-    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
-
-    bucket: int
-    sp: int
-    mbs: int
-    time: float
-    count: int
-    layout: Layout
-
-
-def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
-    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
-    `n` alike groups; each group class takes items while its load is below the next lowest
-    class's load. Returns the group classes (counts sum to n)."""
-    classes = [GroupClass(0.0, n, {})]
-    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
-        while q > 0:
-            classes.sort(key=lambda c: c.load)
-            c = classes[0]
-            nxt = classes[1].load if len(classes) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
-            if per * c.count <= q:
-                c.load += per * t
-                c.items[ic] = c.items.get(ic, 0) + per
-                q -= per * c.count
-                continue
-            a, r = divmod(q, c.count)
-            if r:
-                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
-                more.items[ic] = more.items.get(ic, 0) + a + 1
-                classes.append(more)
-                c.count -= r
-            if a:
-                c.load += a * t
-                c.items[ic] = c.items.get(ic, 0) + a
-            q = 0
-        if len(classes) > 8:
-            classes = _merge(classes)
-    classes = _merge(classes)
-    return [c for c in classes if c.count > 0]
-
-
-def _merge(classes: list[GroupClass]) -> list[GroupClass]:
-    out: dict[tuple, GroupClass] = {}
-    for c in classes:
-        key = (c.load, tuple(sorted(c.items.items())))
-        hit = out.get(key)
-        if hit is None:
-            out[key] = c
-        else:
-            hit.count += c.count
-    return list(out.values())
-
-
-def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
-    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
-    loads: dict[float, int] = {0.0: n}
-    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
-        while q > 0:
-            order = sorted(loads)
-            low = order[0]
-            cnt = loads[low]
-            nxt = order[1] if len(order) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
-            del loads[low]
-            if per * cnt <= q:
-                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
-                q -= per * cnt
-                continue
-            a, r = divmod(q, cnt)
-            if r:
-                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
-            if cnt - r:
-                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
-            q = 0
-    return max(loads)
 
 
 class ScalePlanner:
@@ -339,7 +248,7 @@ class ScalePlanner:
         if hit is None:
             if len(self._spans) >= ROW_CACHE_LIMIT:
                 self._spans.clear()
-            hit = self._spans[key] = _span(items, n)
+            hit = self._spans[key] = class_span(items, n)
         return hit
 
     # -- groups ----------------------------------------------------------------------------
@@ -464,143 +373,21 @@ class ScalePlanner:
         for pre, parts in cands[: self.expand_best]:
             if best is not None and pre > cands[0][0] * 1.02:
                 break
-            got = self._expand(step, parts, members)
+            got = expand(self, parts, members)
             if best is None or got[1] < best[1] * (1 - 1e-9):
                 best = got
+        plan = build_plan(self, step, best[0])
         if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
             from dcparallel.sim.replay import replay_step
 
             other = self.fine.plan(step)
-            if replay_step(other, self.ctx).compute_time < replay_step(best[0], self.ctx).compute_time * (1 - 1e-9):
+            if replay_step(other, self.ctx).compute_time < replay_step(plan, self.ctx).compute_time * (1 - 1e-9):
                 return other
-        return best[0]
+        return plan
 
     @staticmethod
     def _pref_sp(part, j: int) -> int:
         return max(it.sp for it in part[1] if it.bucket == j)
-
-    # -- expansion to sample ids -------------------------------------------------------------
-    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> tuple[StepPlan, float]:
-        cursor = {j: 0 for j in members}
-        predicted = 0.0
-        cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
-        groups: list[GroupPlan] = []
-        for phase, (_, items, (by_k, count), _) in enumerate(parts):
-            gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
-            # every group of the phase, widest first; a group class is a range of them
-            ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
-            sizes: list[int] = []
-            for k in sorted(gclasses, reverse=True):
-                for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
-                    ranges.append((len(sizes), k, gc))
-                    sizes.extend([k] * gc.count)
-            chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
-            for ic, it in enumerate(items):
-                holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
-                ids = members[it.bucket]
-                cw = cumw[it.bucket]
-                t_one = self.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
-                s = cursor[it.bucket]
-                rnd = 0
-                while holders:
-                    # round by round, alternating direction and rotated per class, so each
-                    # group gets longer and shorter samples of the bucket
-                    gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
-                    o = (ic * 7919) % len(gl)
-                    gl = gl[o:] + gl[:o]
-                    for g in (gl if rnd % 2 == 0 else gl[::-1]):
-                        e = s + it.mbs
-                        w = cw[e] - cw[s]
-                        chunks[g].append((tuple(ids[s:e]), it.layout, w * t_one, it.bucket, w / it.mbs))
-                        s = e
-                    rnd += 1
-                    holders = [h for h in holders if h[2] > rnd]
-                cursor[it.bucket] = s
-            for k in gclasses:
-                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
-            if self._spill(sizes, chunks):
-                for k in gclasses:
-                    self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
-            predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
-            ranks = place_groups(sizes, self.world)
-            for g, r in enumerate(ranks):
-                mbs = tuple(MicroBatch(c[0], c[1]) for c in chunks[g]) if g < len(chunks) else ()
-                groups.append(GroupPlan(r, mbs, phase))
-        assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
-        plan = StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
-        return plan, predicted
-
-    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
-        """Local search across degrees: move a micro-batch off the slowest group of the phase to
-        the least-loaded group of another SP degree, re-laid-out there (same samples, that
-        degree's recompute for copies of the bucket's largest sample), while the slowest
-        group's load falls."""
-        if len(set(sizes)) < 2:
-            return False
-        moved = False
-        loads = np.array([sum(c[2] for c in g) for g in chunks])
-        deg = np.array(sizes)
-        kinds = sorted(set(sizes))
-        for _ in range(max_iter):
-            a = int(np.argmax(loads))
-            top = loads[a]
-            best = None
-            for k in kinds:
-                if k == sizes[a]:
-                    continue
-                masked = np.where(deg == k, loads, np.inf)
-                z = int(np.argmin(masked))
-                if loads[z] >= top:
-                    continue
-                for i, c in enumerate(chunks[a]):
-                    j, m = c[3], len(c[0])
-                    if m > self.top[(j, k)]:
-                        continue
-                    t_new = self.ttab[(j, k)][m] * c[4]
-                    new = max(top - c[2], loads[z] + t_new)
-                    if new < top * (1 - 1e-6) and (best is None or new < best[0]):
-                        best = (new, i, z, k, t_new)
-            if best is None:
-                return moved
-            moved = True
-            _, i, z, k, t_new = best
-            c = chunks[a].pop(i)
-            loads[a] -= c[2]
-            lay = self._lt(c[3], len(c[0]), k)[0]
-            chunks[z].append((c[0], lay, t_new, c[3], c[4]))
-            loads[z] += t_new
-        return moved
-
-    @staticmethod
-    def _refine(gs: list[int], chunks: list[list[tuple]],
-                max_iter: int = 64) -> None:
-        """Local search on the slowest group of one degree, with each micro-batch timed from its
-        own samples: move a micro-batch to, or swap one with, the least-loaded group of that
-        degree while the pair's larger load falls."""
-        if len(gs) < 2:
-            return
-        loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
-        mean = float(loads.mean())
-        for _ in range(max_iter):
-            a, z = int(np.argmax(loads)), int(np.argmin(loads))
-            diff = loads[a] - loads[z]
-            if diff <= loads[a] * 1e-6 or loads[a] <= mean * 1.001:  # the slowest is within 0.1% of the mean
-                return
-            src, dst = chunks[gs[a]], chunks[gs[z]]
-            ta = np.array([c[2] for c in src])
-            tz = np.array([c[2] for c in dst] + [0.0])  # the 0 is a move instead of a swap
-            gain = ta[:, None] - tz[None, :]
-            score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
-            best = int(np.argmin(score))
-            if not np.isfinite(score.flat[best]):
-                return
-            i, j = divmod(best, len(tz))
-            moved = src.pop(i)
-            if j < len(dst):
-                src.append(dst.pop(j))
-            dst.append(moved)
-            loads[a] -= gain[i, j]
-            loads[z] += gain[i, j]
 
 
 def build(ctx: PlanContext, steps: Sequence[Step] = ()) -> ScalePlanner:

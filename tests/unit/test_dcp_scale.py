@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_scale import ScalePlanner, _span, deal_classes
+from dcparallel.plan.dcp_classes import class_span as _span
+from dcparallel.plan.dcp_classes import deal_classes
+from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import simulate
