@@ -45,6 +45,11 @@ from dcparallel.spec import Layout
 FINE_MAX_WORLD = 64
 FINE_MAX_SAMPLES = 1024
 
+#: text steps with at most this many samples per GPU are also planned over `SUB_BINS` classes
+#: per bucket (length ranges of 2 ** (1 / SUB_BINS))
+FEW_PER_GPU = 2.0
+SUB_BINS = 4
+
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
 
@@ -54,19 +59,33 @@ class ScalePlanner:
     name = "dcp"
 
     def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, name: str = "dcp",
-                 expand_best: int = 3):
+                 expand_best: int = 3, sub_bins: int = 1):
         self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
         #: how many of the best class-level candidates are expanded and refined per step
         self.expand_best = expand_best
         self.world = ctx.cluster.world_size
-        self.buckets = sorted(ctx.rep)
+        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
+        #: into `sub_bins` geometric length ranges, each sized by its own largest sample
+        self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
+        if self.sub_bins == 1:
+            key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
+            self.rep = dict(ctx.rep)
+        else:
+            key = {i: (ctx.bucket_of[i], int(math.log2(max(1, ctx.tokens[i])) * self.sub_bins))
+                   for i in ctx.usable_ids}
+            big: dict = {}
+            for i, c in key.items():
+                if c not in big or ctx.tokens[i] > ctx.tokens[big[c]]:
+                    big[c] = i
+            self.rep = {c: ctx.sizes[i] for c, i in big.items()}
+        self.buckets = sorted(self.rep)
         pos = {b: j for j, b in enumerate(self.buckets)}
         self.bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
-        for i in ctx.usable_ids:
-            self.bidx[i] = pos[ctx.bucket_of[i]]
-        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        for i, c in key.items():
+            self.bidx[i] = pos[c]
         self.sp = list(ctx.sp_sizes)
-        self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
         self._spans: dict[tuple, float] = {}
         self._arrays: dict[tuple[int, int], np.ndarray] = {}
@@ -77,7 +96,13 @@ class ScalePlanner:
         #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
         #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
         self.fine = None
-        if self.world <= FINE_MAX_WORLD:
+        #: the same planner over finer text classes, for steps with few samples per GPU (each
+        #: class laid out for its largest sample wastes less there); kept when predicted faster
+        self.finer = None
+        if self.sub_bins == 1 and ctx.model.kind == "text" and self.world > FINE_MAX_WORLD:
+            self.finer = ScalePlanner(ctx, mode=mode, phases=phases, name=name, expand_best=expand_best,
+                                      sub_bins=SUB_BINS)
+        if self.world <= FINE_MAX_WORLD and self.sub_bins == 1:
             from dcparallel.plan.dcp import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
@@ -101,10 +126,8 @@ class ScalePlanner:
         t_lo = np.ones(len(self.buckets))
         hi = np.ones(len(self.buckets))
         for j, b in enumerate(self.buckets):
-            big_s, small_s = ctx.rep[b], ctx.sizes[small[j]]
-            opts = ctx.bucket_options(b, self.mode)
-            k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
-            m = opts[k].layout.mbs
+            big_s, small_s = self.rep[b], ctx.sizes[small[j]]
+            k, m = self._cheapest(j) if self.sub_bins > 1 else self._cheapest_bucket(b)
             tb = ctx.cost.terms_copies(big_s, m, k).time_none
             ts = ctx.cost.terms_copies(small_s, m, k).time_none
             lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
@@ -116,12 +139,27 @@ class ScalePlanner:
         w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
         return w
 
+    def _cheapest_bucket(self, b) -> tuple[int, int]:
+        opts = self.ctx.bucket_options(b, self.mode)
+        k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
+        return k, opts[k].layout.mbs
+
+    def _cheapest(self, j: int) -> tuple[int, int]:
+        """(SP degree, micro-batch size) of least GPU-seconds per sample for class j."""
+        best = None
+        for k in self.sp:
+            for m in mbs_candidates(self.top[(j, k)]) if self.top[(j, k)] else ():
+                g = self._lt(j, m, k)[1] * k / m
+                if best is None or g < best[0] * (1 - 1e-9):
+                    best = (g, k, m)
+        return best[1], best[2]
+
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
 
     # -- layouts ---------------------------------------------------------------------------
     def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
-        out = self.ctx.copies_layout(self.ctx.rep[self.buckets[j]], m, k, self.mode)
+        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
 
@@ -334,6 +372,21 @@ class ScalePlanner:
         return out
 
     def plan(self, step: Step) -> StepPlan:
+        plan, predicted = self._plan(step)
+        if self.finer is not None and len(step.sample_ids) <= FEW_PER_GPU * self.world:
+            other, pred_other = self.finer._plan(step)
+            if pred_other < predicted * (1 - 1e-9):
+                plan = other
+        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
+            from dcparallel.sim.replay import replay_step
+
+            other = self.fine.plan(step)
+            if replay_step(other, self.ctx).compute_time < replay_step(plan, self.ctx).compute_time * (1 - 1e-9):
+                return other
+        return plan
+
+    def _plan(self, step: Step) -> tuple[StepPlan, float]:
+        """The class-level plan of the step and its predicted compute time."""
         ids = np.asarray(step.sample_ids, dtype=np.int64)
         b = self.bidx[ids]
         assert (b >= 0).all(), "a step holds a skipped sample"
@@ -376,14 +429,7 @@ class ScalePlanner:
             got = expand(self, parts, members)
             if best is None or got[1] < best[1] * (1 - 1e-9):
                 best = got
-        plan = build_plan(self, step, best[0])
-        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
-            from dcparallel.sim.replay import replay_step
-
-            other = self.fine.plan(step)
-            if replay_step(other, self.ctx).compute_time < replay_step(plan, self.ctx).compute_time * (1 - 1e-9):
-                return other
-        return plan
+        return build_plan(self, step, best[0]), best[1]
 
     @staticmethod
     def _pref_sp(part, j: int) -> int:
