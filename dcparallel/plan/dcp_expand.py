@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 Phases = list[tuple[list[int], list[list[tuple]]]]
 
 
-def expand(p: ScalePlanner, parts, members: dict[int, list[int]]) -> tuple[Phases, float]:
+def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int, np.ndarray]
+           ) -> tuple[Phases, float]:
     """The groups (SP degrees, widest first) and their micro-batches of each phase of a
     class-level plan, and the predicted step time (each micro-batch timed by its samples'
-    weights). A micro-batch is (sample ids, layout, time, bucket, mean weight)."""
+    weights; `cumw`: per bucket the running sum of its members' weights, from 0). A
+    micro-batch is (sample ids, layout, time, bucket, mean weight)."""
     cursor = {j: 0 for j in members}
     predicted = 0.0
-    cumw = {j: [0.0] + np.cumsum(p.weight[v]).tolist() for j, v in members.items()}
     phases: Phases = []
     for _, items, (by_k, count), _ in parts:
         gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
@@ -44,46 +45,57 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]]) -> tuple[Phase
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
         chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
+        held: dict[int, list[tuple[int, int, int]]] = {}  # item class -> its groups (first, count, per group)
+        for g0, _, gc in ranges:
+            for ic, q in gc.items.items():
+                if q:
+                    held.setdefault(ic, []).append((g0, gc.count, q))
         for ic, it in enumerate(items):
-            holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
+            holders = held.get(ic, [])
             ids = members[it.bucket]
             cw = cumw[it.bucket]
             t_one = p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
-            s = cursor[it.bucket]
+            s0 = cursor[it.bucket]
+            m = it.mbs
             rnd = 0
+            order: list[int] = []  # the group of each of the class's micro-batches, in sample order
             while holders:
                 # round by round, alternating direction and rotated per class, so each
                 # group gets longer and shorter samples of the bucket
                 gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
                 o = (ic * 7919) % len(gl)
                 gl = gl[o:] + gl[:o]
-                for g in (gl if rnd % 2 == 0 else gl[::-1]):
-                    e = s + it.mbs
-                    w = cw[e] - cw[s]
-                    chunks[g].append((tuple(ids[s:e]), it.layout, w * t_one, it.bucket, w / it.mbs))
-                    s = e
+                order.extend(gl if rnd % 2 == 0 else gl[::-1])
                 rnd += 1
                 holders = [h for h in holders if h[2] > rnd]
-            cursor[it.bucket] = s
+            starts = range(s0, s0 + m * len(order), m)
+            cuts = cw[s0:s0 + m * len(order) + 1:m]
+            w = cuts[1:] - cuts[:-1]
+            lay, j = it.layout, it.bucket
+            for g, a, wt, mw in zip(order, starts, (w * t_one).tolist(), (w / m).tolist()):
+                chunks[g].append((tuple(ids[a:a + m]), lay, wt, j, mw))
+            cursor[it.bucket] = s0 + m * len(order)
+        of_k = {k: [g for g, kk in enumerate(sizes) if kk == k] for k in gclasses}
         for k in gclasses:
-            refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+            refine(of_k[k], chunks)
         if spill(p, sizes, chunks):
             for k in gclasses:
-                refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
+                refine(of_k[k], chunks)
         predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
         phases.append((sizes, chunks))
     assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
     return phases, predicted
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: Phases) -> StepPlan:
+def build_plan(p: ScalePlanner, step: Step, phases: Phases, num_tokens: int) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks."""
     groups: list[GroupPlan] = []
     for phase, (sizes, chunks) in enumerate(phases):
         for g, r in enumerate(place_groups(sizes, p.world)):
             mbs = tuple([MicroBatch(c[0], c[1]) for c in chunks[g]]) if g < len(chunks) else ()
             groups.append(GroupPlan(r, mbs, phase))
-    return StepPlan(step.index, step.sample_ids, tuple(groups), int(p.tok[np.asarray(step.sample_ids)].sum()))
+    return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
+
 
 def spill(p: ScalePlanner, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
@@ -125,6 +137,7 @@ def spill(p: ScalePlanner, sizes: list[int], chunks: list[list[tuple]], max_iter
         chunks[z].append((c[0], lay, t_new, c[3], c[4]))
         loads[z] += t_new
     return moved
+
 
 def refine(gs: list[int], chunks: list[list[tuple]],
             max_iter: int = 64) -> None:

@@ -213,16 +213,25 @@ class ScalePlanner:
         pos[self.sp] = np.arange(len(self.sp))
         return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
                 "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
-                "starts": np.cumsum([0] + lens[:-1]), "n": len(a)}
+                "starts": np.cumsum([0] + lens[:-1]), "n": len(a), "idx": np.arange(len(a)),
+                "spf": np.asarray(self.sp, dtype=float), "memo": {}}
 
     def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
         if the groups those need (their work over T, at least one per micro-batch over T / 2)
         fit the world."""
+        memo = tab["memo"]
+        key = (T, kmin)
+        if key in memo:
+            return memo[key]
+        out = memo[key] = self._feasible_rows(tab, T, kmin)
+        return out
+
+    def _feasible_rows(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         n = tab["n"]
         valid = (tab["t"] <= T) & (tab["k"] >= kmin)
-        first = np.minimum.reduceat(np.where(valid, np.arange(n), n), tab["starts"])
-        if (first >= n).any():
+        first = np.minimum.reduceat(np.where(valid, tab["idx"], n), tab["starts"])
+        if first.max() >= n:
             return None
         kp = tab["kpos"][first]
         nk = len(self.sp)
@@ -233,7 +242,7 @@ class ScalePlanner:
         items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
         need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
         need = np.where(items > 0, need, 0.0)
-        if float((need * np.asarray(self.sp, dtype=float)).sum()) > self.world:
+        if float(need @ tab["spf"]) > self.world:
             return None
         return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
                 for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
@@ -394,7 +403,10 @@ class ScalePlanner:
         ids_sorted = ids[order]
         present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
         present, counts = present_arr.tolist(), counts_arr.tolist()
-        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in zip(present, starts.tolist(), counts)}
+        segs = list(zip(present, starts.tolist(), counts))
+        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in segs}
+        wsorted = self.weight[ids_sorted]
+        cumw = {j: np.concatenate(([0.0], np.cumsum(wsorted[s:s + c]))) for j, s, c in segs}
 
         wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
         wmax = np.maximum.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
@@ -426,10 +438,10 @@ class ScalePlanner:
         for pre, parts in cands[: self.expand_best]:
             if best is not None and pre > cands[0][0] * 1.02:
                 break
-            got = expand(self, parts, members)
+            got = expand(self, parts, members, cumw)
             if best is None or got[1] < best[1] * (1 - 1e-9):
                 best = got
-        return build_plan(self, step, best[0]), best[1]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum())), best[1]
 
     @staticmethod
     def _pref_sp(part, j: int) -> int:
