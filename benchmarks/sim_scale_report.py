@@ -1,4 +1,5 @@
-"""Merges `sim_scale.py` runs (their JSON files) into one scale report with its summary:
+"""Merges `sim_scale.py` runs (their JSON files, later ones win per cell: `merge`) into one
+scale report with its summary:
 dcp's efficiency (median, worst cell), its worst ratio to any other policy, and planning ms
 against the targets.
 
@@ -21,6 +22,26 @@ from benchmarks.sim_scale import cell_table, plot
 POLICY_ORDER = ["bucket", "packed", "megatron-dcp", "hbp", "dcp-v1", "dcp"]
 
 
+def merge(cells: list[dict]) -> list[dict]:
+    """One result per cell (budget, world, scenario, distribution), later runs first: a later
+    run of the same steps (same count, same lower bound) adds or replaces policies; a later run
+    of other steps replaces the cell. Speedups over `bucket` are recomputed."""
+    out: dict[tuple, dict] = {}
+    for r in cells:
+        key = (r["budget"], r["world"], r["scenario"], r["distribution"])
+        old = out.get(key)
+        if old is not None and old["steps"] == r["steps"] and old["lower_bound_s"] == r["lower_bound_s"]:
+            old["policies"].update(r["policies"])
+            old["seconds"] = round(old["seconds"] + r["seconds"], 1)
+        else:
+            out[key] = json.loads(json.dumps(r))
+    for r in out.values():
+        base = r["policies"].get("bucket", {}).get("epoch_s")
+        for v in r["policies"].values():
+            v["speedup_vs_bucket"] = round(base / v["epoch_s"], 4) if base else None
+    return list(out.values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -28,7 +49,7 @@ def main() -> int:
     ap.add_argument("--command", action="append", default=[])
     ap.add_argument("--note", action="append", default=[])
     args = ap.parse_args()
-    results = [r for p in args.runs for r in json.loads(p.read_text())]
+    results = merge([r for p in args.runs for r in json.loads(p.read_text())])
     results.sort(key=lambda r: (r["budget"] != "weak", r["world"], r["scenario"], r["distribution"]))
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))

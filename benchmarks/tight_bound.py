@@ -73,3 +73,67 @@ class TightBound:
         ctx = self.ctx
         compute = self.compute(step)
         return compute + exposed_sync(ctx.cost.grad_sync_time(), compute, num_buckets(ctx.cost.model.num_params))
+
+
+def main() -> int:
+    """For the scale report's cells where `dcp` is below `--below` of the official bound: the
+    official and the tighter bound, and every policy's efficiency against both.
+
+        PYTHONPATH=. .venv/bin/python benchmarks/tight_bound.py benchmarks/sim-scale_cpu_DATE.json OUT.md
+    """
+    import argparse
+    import json
+    import platform
+    import sys
+    from pathlib import Path
+
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.bounds import LowerBound
+    from dcparallel.plan.steps import form_steps
+    from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
+    from dcparallel.spec import Workload
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scale_json", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--below", type=float, default=0.95)
+    ap.add_argument("--min-steps", type=int, default=4, help="as the scale runs used (dataset size)")
+    args = ap.parse_args()
+    cells = [r for r in json.loads(args.scale_json.read_text())
+             if "dcp" in r["policies"] and r["policies"]["dcp"]["efficiency"] < args.below]
+    lines = [f"# Where the step lower bound is loose — {args.out.stem.rsplit('_', 1)[-1]}", "",
+             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/tight_bound.py {' '.join(sys.argv[1:])}`; "
+             f"machine: {platform.machine()} CPU, Python {platform.python_version()}, numpy {np.__version__}.", "",
+             "The cells of the scale report where `dcp` reaches less than "
+             f"{args.below} of the official bound (`plan.bounds.LowerBound`), with the tighter bound of "
+             "`benchmarks/tight_bound.py` (the degrees a sample may use are limited by the makespan: see "
+             "its docstring) over the same steps. Efficiency = bound / simulated epoch time.", "",
+             "| budget | world | scenario | dist | samples/GPU | official bound s | tight bound s | tight / official | "
+             "dcp eff (official) | dcp eff (tight) | best other policy eff (official) |",
+             "|" + " --- |" * 11]
+    for r in cells:
+        sc = SCENARIOS[r["scenario"]]
+        tps = r["tokens_per_step"]
+        wl = Workload(sc.model, tuple(sample_sizes(r["scenario"], r["distribution"], epoch_tokens=max(
+            EPOCH_STEPS * sc.tokens_per_step, args.min_steps * tps))))
+        cl = sc.cluster(r["world"])
+        ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+        steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: r["steps"]]
+        official = sum(LowerBound(ctx).step(s) for s in steps)
+        assert abs(official - r["lower_bound_s"]) <= 1e-3 * official, (r["lower_bound_s"], official)
+        tb = TightBound(ctx)
+        tight = sum(tb.step(s) for s in steps)
+        d = r["policies"]["dcp"]["epoch_s"]
+        others = [(v["efficiency"], p) for p, v in r["policies"].items() if p != "dcp"]
+        best = max(others, default=None)
+        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | "
+                     f"{r['samples_per_gpu']} | {official:.3f} | {tight:.3f} | {tight / official:.3f} | "
+                     f"{official / d:.3f} | {tight / d:.3f} | "
+                     + ("—" if best is None else f"{best[0]:.3f} ({best[1]})") + " |")
+        print(lines[-1], flush=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
