@@ -23,6 +23,12 @@ sample, so it fits every sample of the bucket. Per step:
 4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept.
 
+On more than `FINE_MAX_WORLD` GPUs, a text step with at most `FEW_PER_GPU` samples per GPU is
+also planned over finer classes (each cost bucket cut into length ranges 2 ** (1 / SUB_BINS)
+apart, each laid out for its own largest sample: with a sample or two per GPU, sizing every
+sample of a 1.25x bucket for its longest wastes ranks); the plan predicted faster is kept.
+On small clusters the per-sample planner (`dcp-v1`) is tried as well.
+
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
 """
