@@ -43,6 +43,7 @@ import numpy as np
 from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp_classes import ItemClass, class_span
 from dcparallel.plan.dcp_expand import build_plan, expand
+from dcparallel.plan.dcp_setup import planning_classes, sample_weights
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
 from dcparallel.spec import Layout
@@ -60,7 +61,6 @@ SUB_BINS = 4
 ROW_CACHE_LIMIT = 50_000
 
 
-
 class ScalePlanner:
     name = "dcp"
 
@@ -74,22 +74,7 @@ class ScalePlanner:
         #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
         #: into `sub_bins` geometric length ranges, each sized by its own largest sample
         self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
-        if self.sub_bins == 1:
-            key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
-            self.rep = dict(ctx.rep)
-        else:
-            key = {i: (ctx.bucket_of[i], int(math.log2(max(1, ctx.tokens[i])) * self.sub_bins))
-                   for i in ctx.usable_ids}
-            big: dict = {}
-            for i, c in key.items():
-                if c not in big or ctx.tokens[i] > ctx.tokens[big[c]]:
-                    big[c] = i
-            self.rep = {c: ctx.sizes[i] for c, i in big.items()}
-        self.buckets = sorted(self.rep)
-        pos = {b: j for j, b in enumerate(self.buckets)}
-        self.bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
-        for i, c in key.items():
-            self.bidx[i] = pos[c]
+        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
         self.sp = list(ctx.sp_sizes)
         self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
@@ -98,7 +83,7 @@ class ScalePlanner:
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
-        self.weight = self._weights()
+        self.weight = sample_weights(self)
         #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
         #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
         self.fine = None
@@ -112,53 +97,6 @@ class ScalePlanner:
             from dcparallel.plan.dcp import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
-
-    def _weights(self) -> np.ndarray:
-        """Per sample, its micro-batch time relative to its bucket's largest sample: a bucket's
-        times are planned for copies of its largest sample and scaled by the mean weight of the
-        samples a step holds (a text bucket spans 1.25x in length, more in attention work).
-        Linear in tokens between the bucket's smallest and largest sample, both timed by the
-        cost model as a full micro-batch of the bucket's preferred layout (convex times make
-        this slightly pessimistic, never optimistic)."""
-        ctx = self.ctx
-        tok = self.tok.astype(float)
-        w = np.ones(len(ctx.sizes))
-        small: dict[int, int] = {}
-        for i in ctx.usable_ids:
-            j = int(self.bidx[i])
-            if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
-                small[j] = i
-        lo = np.zeros(len(self.buckets))
-        t_lo = np.ones(len(self.buckets))
-        hi = np.ones(len(self.buckets))
-        for j, b in enumerate(self.buckets):
-            big_s, small_s = self.rep[b], ctx.sizes[small[j]]
-            k, m = self._cheapest(j) if self.sub_bins > 1 else self._cheapest_bucket(b)
-            tb = ctx.cost.terms_copies(big_s, m, k).time_none
-            ts = ctx.cost.terms_copies(small_s, m, k).time_none
-            lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
-            t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
-        ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-        j = self.bidx[ids]
-        span = np.maximum(hi[j] - lo[j], 1e-12)
-        u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
-        w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
-        return w
-
-    def _cheapest_bucket(self, b) -> tuple[int, int]:
-        opts = self.ctx.bucket_options(b, self.mode)
-        k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
-        return k, opts[k].layout.mbs
-
-    def _cheapest(self, j: int) -> tuple[int, int]:
-        """(SP degree, micro-batch size) of least GPU-seconds per sample for class j."""
-        best = None
-        for k in self.sp:
-            for m in mbs_candidates(self.top[(j, k)]) if self.top[(j, k)] else ():
-                g = self._lt(j, m, k)[1] * k / m
-                if best is None or g < best[0] * (1 - 1e-9):
-                    best = (g, k, m)
-        return best[1], best[2]
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
