@@ -23,11 +23,11 @@ sample, so it fits every sample of the bucket. Per step:
 4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept.
 
-On more than `FINE_MAX_WORLD` GPUs, a text step with at most `FEW_PER_GPU` samples per GPU is
-also planned over finer classes (each cost bucket cut into length ranges 2 ** (1 / SUB_BINS)
-apart, each laid out for its own largest sample: with a sample or two per GPU, sizing every
-sample of a 1.25x bucket for its longest wastes ranks); the plan predicted faster is kept.
-On small clusters the per-sample planner (`dcp-v1`) is tried as well.
+On more than `FINE_MAX_WORLD` GPUs, a text step with at most `FEW_PER_GPU` samples per GPU (and
+at most `FEW_MAX_SAMPLES`) is also planned over finer classes (each cost bucket cut into length
+ranges 2 ** (1 / SUB_BINS) apart, each laid out for its own largest sample: with a few samples
+per GPU, sizing every sample of a 1.25x bucket for its longest wastes ranks); the plan
+predicted faster is kept. On small clusters the per-sample planner (`dcp-v1`) is tried as well.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
@@ -52,9 +52,11 @@ from dcparallel.spec import Layout
 FINE_MAX_WORLD = 64
 FINE_MAX_SAMPLES = 1024
 
-#: text steps with at most this many samples per GPU are also planned over `SUB_BINS` classes
-#: per bucket (length ranges of 2 ** (1 / SUB_BINS))
-FEW_PER_GPU = 2.0
+#: text steps with at most this many samples per GPU (and at most FEW_MAX_SAMPLES samples: the
+#: second planning is cheap there) are also planned over `SUB_BINS` classes per bucket (length
+#: ranges of 2 ** (1 / SUB_BINS))
+FEW_PER_GPU = 8.0
+FEW_MAX_SAMPLES = 2048
 SUB_BINS = 4
 
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
@@ -326,7 +328,8 @@ class ScalePlanner:
 
     def plan(self, step: Step) -> StepPlan:
         plan, predicted = self._plan(step)
-        if self.finer is not None and len(step.sample_ids) <= FEW_PER_GPU * self.world:
+        n = len(step.sample_ids)
+        if self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES:
             other, pred_other = self.finer._plan(step)
             if pred_other < predicted * (1 - 1e-9):
                 plan = other
