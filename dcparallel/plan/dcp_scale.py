@@ -235,8 +235,8 @@ class ScalePlanner:
                 out.append((ts[i], ch))
         return out
 
-    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int) -> float:
-        key = (tuple(sorted((t, q) for _, t, q in items)), n)
+    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: tuple | None = None) -> float:
+        key = (tuple(sorted((t, q) for _, t, q in items)) if sig is None else sig, n)
         hit = self._spans.get(key)
         if hit is None:
             if len(self._spans) >= ROW_CACHE_LIMIT:
@@ -263,7 +263,8 @@ class ScalePlanner:
             if k is None:
                 return None
             count[k] -= 1
-        span = {k: self._span_c(by_k[k], count[k]) for k in by_k}
+        sig = {k: tuple(sorted((t, q) for _, t, q in v)) for k, v in by_k.items()}
+        span = {k: self._span_c(by_k[k], count[k], sig[k]) for k in by_k}
         free = self.world - sum(k * n for k, n in count.items())
         for _ in range(64):
             open_ = [k for k in span if k <= free and count[k] < n_items[k]]
@@ -274,10 +275,10 @@ class ScalePlanner:
             # jump toward the groups that bring this degree down to the next slowest one
             want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
-            new = self._span_c(by_k[k], count[k] + step)
+            new = self._span_c(by_k[k], count[k] + step, sig[k])
             while step > 1 and new >= span[k] - 1e-12:
                 step //= 2
-                new = self._span_c(by_k[k], count[k] + step)
+                new = self._span_c(by_k[k], count[k] + step, sig[k])
             if new >= span[k] - 1e-12:
                 if k == max(span, key=lambda j: (span[j], -j)):
                     break
