@@ -1,5 +1,7 @@
-"""Group classes for `dcp`: alike groups of one SP degree, and dealing micro-batch classes to
-them by the longest-processing-time rule applied to whole classes."""
+"""`dcp`'s group classes: alike groups of one SP degree, and LPT dealing of whole classes.
+
+Micro-batch classes are dealt to them by the longest-processing-time rule applied to whole
+classes."""
 
 from __future__ import annotations
 

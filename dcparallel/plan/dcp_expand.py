@@ -1,5 +1,7 @@
-"""`dcp`'s expansion of a chosen class-level plan to sample ids: micro-batches dealt to
-groups, refined with each micro-batch's own time, moved across SP degrees, placed on ranks.
+"""`dcp`'s expansion of a chosen class-level plan to sample ids and plan objects.
+
+Micro-batches are dealt to groups, refined with each micro-batch's own time, moved across SP
+degrees, and placed on ranks.
 
 Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
 to the groups holding that bucket (so every group gets a mix of its bucket's longer and

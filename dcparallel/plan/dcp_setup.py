@@ -1,5 +1,6 @@
-"""`dcp`'s per-run tables: its planning classes (the context's buckets, or finer text length
-ranges), each class's largest sample, and each sample's weight within its class."""
+"""`dcp`'s per-run tables: planning classes, their largest samples, per-sample weights.
+
+The classes are the context's buckets, or finer text length ranges."""
 
 from __future__ import annotations
 
