@@ -1,12 +1,23 @@
 """`dcp` planning cost per step as CPU time of this process (`time.process_time`), which other
-jobs on a shared machine inflate far less than wall-clock time.
+jobs on a shared machine inflate far less than wall-clock time, with where the time goes.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/plan_cpu_time.py --world 1024 --budget weak [--cells text/short,...]
+    PYTHONPATH=. .venv/bin/python benchmarks/plan_cpu_time.py --worlds 1024,4096 --budgets weak,strong \\
+        [--cells text/short,...] [--steps 4] [--profile]
+
+The first step of a cell also fills the planner's caches; it is planned once before the
+timed steps. `--profile` plans the timed steps again under cProfile and splits the time
+into the class-level search (`ScalePlanner._plan_part`: candidate rows, bisection over
+targets, group allocation), the expansion to sample ids (`dcp_expand.expand`: dealing
+classes, cutting micro-batches, `refine`, `spill`), building the plan objects
+(`dcp_expand.build_plan`: `MicroBatch`, `GroupPlan`, `StepPlan`) and the rest (sorting the
+step's samples by bucket, weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -18,34 +29,66 @@ from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_s
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
+PARTS = {"search": "_plan_part", "expand": "expand", "refine+spill": ("refine", "spill"), "objects": "build_plan"}
+
+
+def breakdown(prof: cProfile.Profile) -> dict[str, float]:
+    """Cumulative seconds per part (refine+spill are inside expand; the rest is what the
+    outermost `plan` calls spend outside the named parts)."""
+    st = pstats.Stats(prof).stats
+    cum: dict[str, float] = {}
+    for (_, _, name), (_, _, _, ct, _) in st.items():
+        cum[name] = cum.get(name, 0.0) + ct
+    total = max((ct for (_, _, name), (_, _, _, ct, _) in st.items() if name == "plan"), default=0.0)
+    out = {"total": total}
+    for part, names in PARTS.items():
+        names = (names,) if isinstance(names, str) else names
+        out[part] = sum(cum.get(n, 0.0) for n in names)
+    out["rest"] = total - out["search"] - out["expand"] - out["objects"]
+    return out
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=1024)
-    ap.add_argument("--budget", choices=("weak", "strong"), default="weak")
+    ap.add_argument("--worlds", default="1024")
+    ap.add_argument("--budgets", default="weak")
     ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in DISTRIBUTIONS))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    for item in args.cells.split(","):
-        sc_name, d = item.split("/")
-        sc = SCENARIOS[sc_name]
-        tps = sc.tokens_per_step * args.world // 32 if args.budget == "weak" else sc.tokens_per_step
-        wl = Workload(sc.model, tuple(sample_sizes(sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step,
-                                                                                  args.steps * tps))))
-        cl = sc.cluster(args.world)
-        ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
-        steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps]
-        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-        cpu, wall = [], []
-        for s in steps:
-            c0, w0 = time.process_time(), time.perf_counter()
-            planner.plan(s)
-            cpu.append((time.process_time() - c0) * 1e3)
-            wall.append((time.perf_counter() - w0) * 1e3)
-        n = statistics.median(len(s.sample_ids) for s in steps)
-        print(f"{args.budget} {args.world} {item}: {len(steps)} steps, {n} samples/step; "
-              f"CPU ms median {statistics.median(cpu):.1f} max {max(cpu):.1f}; "
-              f"wall ms median {statistics.median(wall):.1f} max {max(wall):.1f}", flush=True)
+    for budget in args.budgets.split(","):
+        for world in [int(w) for w in args.worlds.split(",")]:
+            for item in args.cells.split(","):
+                sc_name, d = item.split("/")
+                sc = SCENARIOS[sc_name]
+                tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
+                wl = Workload(sc.model, tuple(sample_sizes(
+                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, args.steps * tps))))
+                cl = sc.cluster(world)
+                ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+                steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps]
+                planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+                planner.plan(steps[0])  # fills the caches
+                cpu, wall = [], []
+                for s in steps:
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    planner.plan(s)
+                    cpu.append((time.process_time() - c0) * 1e3)
+                    wall.append((time.perf_counter() - w0) * 1e3)
+                n = statistics.median(len(s.sample_ids) for s in steps)
+                line = (f"{budget} {world} {item}: {len(steps)} steps, {n} samples/step; "
+                        f"CPU ms median {statistics.median(cpu):.1f} max {max(cpu):.1f}; "
+                        f"wall ms median {statistics.median(wall):.1f} max {max(wall):.1f}")
+                if args.profile:
+                    prof = cProfile.Profile()
+                    for s in steps:
+                        prof.enable()
+                        planner.plan(s)
+                        prof.disable()
+                    b = breakdown(prof)
+                    line += "; profiled: " + ", ".join(
+                        f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
+                print(line, flush=True)
     return 0
 
 

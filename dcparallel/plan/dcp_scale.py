@@ -20,11 +20,14 @@ sample, so it fits every sample of the bucket. Per step:
 3. **Two phases** (as `dcp` did before): the step's wide micro-batches first, then the
    narrow ones on their own groups over the same ranks, for each split degree; kept when
    predicted faster.
-4. **Expansion.** Only the chosen plan becomes sample ids: each bucket's samples, longest
-   first, are cut into its micro-batches and dealt round by round to the groups holding
-   that bucket (so every group gets a mix of its bucket's longer and shorter samples);
-   groups are placed as aligned blocks, largest first (a group no larger than a node stays
-   inside one; a larger one spans nodes and the cost model charges the inter-node link).
+4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
+   refined with each micro-batch's own time, and the one predicted fastest is kept.
+
+On more than `FINE_MAX_WORLD` GPUs, a text step with at most `FEW_PER_GPU` samples per GPU (and
+at most `FEW_MAX_SAMPLES`) is also planned over finer classes (each cost bucket cut into length
+ranges 2 ** (1 / SUB_BINS) apart, each laid out for its own largest sample: with a few samples
+per GPU, sizing every sample of a 1.25x bucket for its longest wastes ranks); the plan
+predicted faster is kept. On small clusters the per-sample planner (`dcp-v1`) is tried as well.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
@@ -33,189 +36,79 @@ broken by fixed orders), so every rank computes the same plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
+from dcparallel.plan.dcp_classes import ItemClass, class_span
+from dcparallel.plan.dcp_expand import build_plan, expand
+from dcparallel.plan.dcp_setup import planning_classes, sample_weights
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import REL_TOL, GroupPlan, MicroBatch, Score, StepPlan
+from dcparallel.plan.types import REL_TOL, Score, StepPlan
 from dcparallel.spec import Layout
 
 #: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
 FINE_MAX_WORLD = 64
 FINE_MAX_SAMPLES = 1024
 
+#: text steps with at most this many samples per GPU (and at most FEW_MAX_SAMPLES samples: the
+#: second planning is cheap there) are also planned over `SUB_BINS` classes per bucket (length
+#: ranges of 2 ** (1 / SUB_BINS))
+FEW_PER_GPU = 8.0
+FEW_MAX_SAMPLES = 2048
+SUB_BINS = 4
+
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
-
-
-@dataclass(slots=True)
-class GroupClass:
-    """`count` alike groups of one SP degree with the same load and the same contents:
-    `items` maps an item-class index to how many of its micro-batches each group runs."""
-
-    load: float
-    count: int
-    items: dict[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class ItemClass:
-    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
-
-    bucket: int
-    sp: int
-    mbs: int
-    time: float
-    count: int
-    layout: Layout
-
-
-def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
-    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
-    `n` alike groups; each group class takes items while its load is below the next lowest
-    class's load. Returns the group classes (counts sum to n)."""
-    classes = [GroupClass(0.0, n, {})]
-    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
-        while q > 0:
-            classes.sort(key=lambda c: c.load)
-            c = classes[0]
-            nxt = classes[1].load if len(classes) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
-            if per * c.count <= q:
-                c.load += per * t
-                c.items[ic] = c.items.get(ic, 0) + per
-                q -= per * c.count
-                continue
-            a, r = divmod(q, c.count)
-            if r:
-                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
-                more.items[ic] = more.items.get(ic, 0) + a + 1
-                classes.append(more)
-                c.count -= r
-            if a:
-                c.load += a * t
-                c.items[ic] = c.items.get(ic, 0) + a
-            q = 0
-        if len(classes) > 8:
-            classes = _merge(classes)
-    classes = _merge(classes)
-    return [c for c in classes if c.count > 0]
-
-
-def _merge(classes: list[GroupClass]) -> list[GroupClass]:
-    out: dict[tuple, GroupClass] = {}
-    for c in classes:
-        key = (c.load, tuple(sorted(c.items.items())))
-        hit = out.get(key)
-        if hit is None:
-            out[key] = c
-        else:
-            hit.count += c.count
-    return list(out.values())
-
-
-def _span(items: Sequence[tuple[int, float, int]], n: int) -> float:
-    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
-    loads: dict[float, int] = {0.0: n}
-    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
-        while q > 0:
-            order = sorted(loads)
-            low = order[0]
-            cnt = loads[low]
-            nxt = order[1] if len(order) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
-            del loads[low]
-            if per * cnt <= q:
-                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
-                q -= per * cnt
-                continue
-            a, r = divmod(q, cnt)
-            if r:
-                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
-            if cnt - r:
-                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
-            q = 0
-    return max(loads)
 
 
 class ScalePlanner:
     name = "dcp"
 
-    def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac",
-                 phases: bool = True, name: str = "dcp", expand_best: int = 3):
+    def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac", phases: bool = True,
+                 name: str = "dcp", expand_best: int = 3, sub_bins: int = 1):
         self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
-        #: a plan's predicted step seconds (`plan.policies.Score`): picks between the class-level
-        #: and the per-sample plan
+        #: a plan's predicted step seconds (`plan.types.Score`): picks between this planner's and
+        #: the per-sample planner's plan
         self.score = score
         #: how many of the best class-level candidates are expanded and refined per step
         self.expand_best = expand_best
         self.world = ctx.cluster.world_size
-        self.buckets = sorted(ctx.rep)
-        pos = {b: j for j, b in enumerate(self.buckets)}
-        self.bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
-        for i in ctx.usable_ids:
-            self.bidx[i] = pos[ctx.bucket_of[i]]
         self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
+        #: into `sub_bins` geometric length ranges, each sized by its own largest sample
+        self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
+        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
         self.sp = list(ctx.sp_sizes)
-        self.top = {(j, k): ctx.max_mbs(ctx.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], list[tuple]] = {}
         self._spans: dict[tuple, float] = {}
         self._arrays: dict[tuple[int, int], np.ndarray] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
-        self.weight = self._weights()
+        self.weight = sample_weights(self)
         #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
         #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
         self.fine = None
-        if self.world <= FINE_MAX_WORLD:
+        #: the same planner over finer text classes, for steps with few samples per GPU (each
+        #: class laid out for its largest sample wastes less there); kept when predicted faster
+        self.finer = None
+        if self.sub_bins == 1 and ctx.model.kind == "text" and self.world > FINE_MAX_WORLD:
+            self.finer = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
+                                      sub_bins=SUB_BINS)
+        if self.world <= FINE_MAX_WORLD and self.sub_bins == 1:
             from dcparallel.plan.dcp import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
-
-    def _weights(self) -> np.ndarray:
-        """Per sample, its micro-batch time relative to its bucket's largest sample: a bucket's
-        times are planned for copies of its largest sample and scaled by the mean weight of the
-        samples a step holds (a text bucket spans 1.25x in length, more in attention work).
-        Linear in tokens between the bucket's smallest and largest sample, both timed by the
-        cost model as a full micro-batch of the bucket's preferred layout (convex times make
-        this slightly pessimistic, never optimistic)."""
-        ctx = self.ctx
-        tok = self.tok.astype(float)
-        w = np.ones(len(ctx.sizes))
-        small: dict[int, int] = {}
-        for i in ctx.usable_ids:
-            j = int(self.bidx[i])
-            if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
-                small[j] = i
-        lo = np.zeros(len(self.buckets))
-        t_lo = np.ones(len(self.buckets))
-        hi = np.ones(len(self.buckets))
-        for j, b in enumerate(self.buckets):
-            big_s, small_s = ctx.rep[b], ctx.sizes[small[j]]
-            opts = ctx.bucket_options(b, self.mode)
-            k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
-            m = opts[k].layout.mbs
-            tb = ctx.cost.terms_copies(big_s, m, k).time_none
-            ts = ctx.cost.terms_copies(small_s, m, k).time_none
-            lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
-            t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
-        ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-        j = self.bidx[ids]
-        span = np.maximum(hi[j] - lo[j], 1e-12)
-        u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
-        w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
-        return w
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
 
     # -- layouts ---------------------------------------------------------------------------
     def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
-        out = self.ctx.copies_layout(self.ctx.rep[self.buckets[j]], m, k, self.mode)
+        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
 
@@ -269,16 +162,25 @@ class ScalePlanner:
         pos[self.sp] = np.arange(len(self.sp))
         return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
                 "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
-                "starts": np.cumsum([0] + lens[:-1]), "n": len(a)}
+                "starts": np.cumsum([0] + lens[:-1]), "n": len(a), "idx": np.arange(len(a)),
+                "spf": np.asarray(self.sp, dtype=float), "memo": {}}
 
     def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
         if the groups those need (their work over T, at least one per micro-batch over T / 2)
         fit the world."""
+        memo = tab["memo"]
+        key = (T, kmin)
+        if key in memo:
+            return memo[key]
+        out = memo[key] = self._feasible_rows(tab, T, kmin)
+        return out
+
+    def _feasible_rows(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         n = tab["n"]
         valid = (tab["t"] <= T) & (tab["k"] >= kmin)
-        first = np.minimum.reduceat(np.where(valid, np.arange(n), n), tab["starts"])
-        if (first >= n).any():
+        first = np.minimum.reduceat(np.where(valid, tab["idx"], n), tab["starts"])
+        if first.max() >= n:
             return None
         kp = tab["kpos"][first]
         nk = len(self.sp)
@@ -289,7 +191,7 @@ class ScalePlanner:
         items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
         need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
         need = np.where(items > 0, need, 0.0)
-        if float((need * np.asarray(self.sp, dtype=float)).sum()) > self.world:
+        if float(need @ tab["spf"]) > self.world:
             return None
         return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
                 for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
@@ -336,13 +238,13 @@ class ScalePlanner:
                 out.append((ts[i], ch))
         return out
 
-    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int) -> float:
-        key = (tuple(sorted((t, q) for _, t, q in items)), n)
+    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: tuple | None = None) -> float:
+        key = (tuple(sorted((t, q) for _, t, q in items)) if sig is None else sig, n)
         hit = self._spans.get(key)
         if hit is None:
             if len(self._spans) >= ROW_CACHE_LIMIT:
                 self._spans.clear()
-            hit = self._spans[key] = _span(items, n)
+            hit = self._spans[key] = class_span(items, n)
         return hit
 
     # -- groups ----------------------------------------------------------------------------
@@ -364,7 +266,8 @@ class ScalePlanner:
             if k is None:
                 return None
             count[k] -= 1
-        span = {k: self._span_c(by_k[k], count[k]) for k in by_k}
+        sig = {k: tuple(sorted((t, q) for _, t, q in v)) for k, v in by_k.items()}
+        span = {k: self._span_c(by_k[k], count[k], sig[k]) for k in by_k}
         free = self.world - sum(k * n for k, n in count.items())
         for _ in range(64):
             open_ = [k for k in span if k <= free and count[k] < n_items[k]]
@@ -375,10 +278,10 @@ class ScalePlanner:
             # jump toward the groups that bring this degree down to the next slowest one
             want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
-            new = self._span_c(by_k[k], count[k] + step)
+            new = self._span_c(by_k[k], count[k] + step, sig[k])
             while step > 1 and new >= span[k] - 1e-12:
                 step //= 2
-                new = self._span_c(by_k[k], count[k] + step)
+                new = self._span_c(by_k[k], count[k] + step, sig[k])
             if new >= span[k] - 1e-12:
                 if k == max(span, key=lambda j: (span[j], -j)):
                     break
@@ -406,7 +309,7 @@ class ScalePlanner:
                 got = self._allocate(present, ch, T)
                 if got is None:
                     continue
-                if not found or got[0] < found[0][0] * (1 - 1e-9):
+                if not found or got[0] < found[0][0] * (1 - REL_TOL):
                     improved = True
                 found.append(got)
                 found.sort(key=lambda g: g[0])
@@ -428,6 +331,20 @@ class ScalePlanner:
         return out
 
     def plan(self, step: Step) -> StepPlan:
+        plan, predicted = self._plan(step)
+        n = len(step.sample_ids)
+        if self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES:
+            other, pred_other = self.finer._plan(step)
+            if pred_other < predicted * (1 - REL_TOL):
+                plan = other
+        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
+            other = self.fine.plan(step)
+            if self.score(other) < self.score(plan) * (1 - REL_TOL):
+                return other
+        return plan
+
+    def _plan(self, step: Step) -> tuple[StepPlan, float]:
+        """The class-level plan of the step and its predicted compute time."""
         ids = np.asarray(step.sample_ids, dtype=np.int64)
         b = self.bidx[ids]
         assert (b >= 0).all(), "a step holds a skipped sample"
@@ -435,7 +352,10 @@ class ScalePlanner:
         ids_sorted = ids[order]
         present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
         present, counts = present_arr.tolist(), counts_arr.tolist()
-        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in zip(present, starts.tolist(), counts)}
+        segs = list(zip(present, starts.tolist(), counts))
+        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in segs}
+        wsorted = self.weight[ids_sorted]
+        cumw = {j: np.concatenate(([0.0], np.cumsum(wsorted[s:s + c]))) for j, s, c in segs}
 
         wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
         wmax = np.maximum.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
@@ -467,140 +387,12 @@ class ScalePlanner:
         for pre, parts in cands[: self.expand_best]:
             if best is not None and pre > cands[0][0] * 1.02:
                 break
-            got = self._expand(step, parts, members)
-            if best is None or got[1] < best[1] * (1 - 1e-9):
+            got = expand(self, parts, members, cumw)
+            if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
-            other = self.fine.plan(step)
-            if self.score(other) < self.score(best[0]) * (1 - REL_TOL):
-                return other
-        return best[0]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum())), best[1]
 
     @staticmethod
     def _pref_sp(part, j: int) -> int:
         return max(it.sp for it in part[1] if it.bucket == j)
-
-    # -- expansion to sample ids -------------------------------------------------------------
-    def _expand(self, step: Step, parts, members: dict[int, list[int]]) -> tuple[StepPlan, float]:
-        cursor = {j: 0 for j in members}
-        predicted = 0.0
-        cumw = {j: [0.0] + np.cumsum(self.weight[v]).tolist() for j, v in members.items()}
-        groups: list[GroupPlan] = []
-        for phase, (_, items, (by_k, count), _) in enumerate(parts):
-            gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
-            # every group of the phase, widest first; a group class is a range of them
-            ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
-            sizes: list[int] = []
-            for k in sorted(gclasses, reverse=True):
-                for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
-                    ranges.append((len(sizes), k, gc))
-                    sizes.extend([k] * gc.count)
-            chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
-            for ic, it in enumerate(items):
-                holders = [(g0, gc.count, gc.items[ic]) for g0, _, gc in ranges if gc.items.get(ic)]
-                ids = members[it.bucket]
-                cw = cumw[it.bucket]
-                t_one = self.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
-                s = cursor[it.bucket]
-                rnd = 0
-                while holders:
-                    # round by round, alternating direction and rotated per class, so each
-                    # group gets longer and shorter samples of the bucket
-                    gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
-                    o = (ic * 7919) % len(gl)
-                    gl = gl[o:] + gl[:o]
-                    for g in (gl if rnd % 2 == 0 else gl[::-1]):
-                        e = s + it.mbs
-                        w = cw[e] - cw[s]
-                        chunks[g].append((tuple(ids[s:e]), it.layout, w * t_one, it.bucket, w / it.mbs))
-                        s = e
-                    rnd += 1
-                    holders = [h for h in holders if h[2] > rnd]
-                cursor[it.bucket] = s
-            for k in gclasses:
-                self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
-            if self._spill(sizes, chunks):
-                for k in gclasses:
-                    self._refine([g for g, kk in enumerate(sizes) if kk == k], chunks)
-            predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
-            ranks = self.ctx.topology.tile(sizes)
-            for g, r in enumerate(ranks):
-                mbs = tuple(MicroBatch(c[0], c[1]) for c in chunks[g]) if g < len(chunks) else ()
-                groups.append(GroupPlan(r, mbs, phase))
-        assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
-        plan = StepPlan(step.index, step.sample_ids, tuple(groups), int(self.tok[np.asarray(step.sample_ids)].sum()))
-        return plan, predicted
-
-    def _spill(self, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
-        """Local search across degrees: move a micro-batch off the slowest group of the phase to
-        the least-loaded group of another SP degree, re-laid-out there (same samples, that
-        degree's recompute for copies of the bucket's largest sample), while the slowest
-        group's load falls."""
-        if len(set(sizes)) < 2:
-            return False
-        moved = False
-        loads = np.array([sum(c[2] for c in g) for g in chunks])
-        deg = np.array(sizes)
-        kinds = sorted(set(sizes))
-        for _ in range(max_iter):
-            a = int(np.argmax(loads))
-            top = loads[a]
-            best = None
-            for k in kinds:
-                if k == sizes[a]:
-                    continue
-                masked = np.where(deg == k, loads, np.inf)
-                z = int(np.argmin(masked))
-                if loads[z] >= top:
-                    continue
-                for i, c in enumerate(chunks[a]):
-                    j, m = c[3], len(c[0])
-                    if m > self.top[(j, k)]:
-                        continue
-                    t_new = self.ttab[(j, k)][m] * c[4]
-                    new = max(top - c[2], loads[z] + t_new)
-                    if new < top * (1 - 1e-6) and (best is None or new < best[0]):
-                        best = (new, i, z, k, t_new)
-            if best is None:
-                return moved
-            moved = True
-            _, i, z, k, t_new = best
-            c = chunks[a].pop(i)
-            loads[a] -= c[2]
-            lay = self._lt(c[3], len(c[0]), k)[0]
-            chunks[z].append((c[0], lay, t_new, c[3], c[4]))
-            loads[z] += t_new
-        return moved
-
-    @staticmethod
-    def _refine(gs: list[int], chunks: list[list[tuple]],
-                max_iter: int = 64) -> None:
-        """Local search on the slowest group of one degree, with each micro-batch timed from its
-        own samples: move a micro-batch to, or swap one with, the least-loaded group of that
-        degree while the pair's larger load falls."""
-        if len(gs) < 2:
-            return
-        loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
-        mean = float(loads.mean())
-        for _ in range(max_iter):
-            a, z = int(np.argmax(loads)), int(np.argmin(loads))
-            diff = loads[a] - loads[z]
-            if diff <= loads[a] * 1e-6 or loads[a] <= mean * 1.001:  # the slowest is within 0.1% of the mean
-                return
-            src, dst = chunks[gs[a]], chunks[gs[z]]
-            ta = np.array([c[2] for c in src])
-            tz = np.array([c[2] for c in dst] + [0.0])  # the 0 is a move instead of a swap
-            gain = ta[:, None] - tz[None, :]
-            score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
-            best = int(np.argmin(score))
-            if not np.isfinite(score.flat[best]):
-                return
-            i, j = divmod(best, len(tz))
-            moved = src.pop(i)
-            if j < len(dst):
-                src.append(dst.pop(j))
-            dst.append(moved)
-            loads[a] -= gain[i, j]
-            loads[z] += gain[i, j]
-
 

@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_scale import ScalePlanner, _span, deal_classes
+from dcparallel.plan.dcp_classes import class_span as _span
+from dcparallel.plan.dcp_classes import deal_classes
+from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import simulate, step_seconds
@@ -99,3 +101,84 @@ def test_peer_reproductions_are_lossless_and_within_memory():
     sizes = tuple([64, 300, 2000, 9000, 30_000, 120, 5000] * 6)
     times = _check(TINY_LM, sizes, cluster(8, 4), 0, ["megatron-dcp", "hbp"])
     assert set(times) == {"megatron-dcp", "hbp"}
+
+
+@st.composite
+def few_per_gpu_text(draw):
+    """Text steps with at most two samples per GPU on large worlds: the regime where `dcp` also
+    plans over finer length classes (`ScalePlanner.finer`)."""
+    world = draw(st.sampled_from([128, 512, 1024, 2048, 4096]))
+    n = draw(st.integers(1, 100))
+    sizes = tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
+    return sizes, cluster(world, 8), draw(st.integers(0, 3))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(few_per_gpu_text())
+def test_finer_classes_are_lossless_and_identical_from_scratch(case):
+    sizes, cl, seed = case
+    w = Workload(TINY_LM, sizes)
+    steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // 2))
+    allowed = set(allowed_groups(cl, TINY_LM.num_heads))
+    got = []
+    for _ in range(2):
+        ctx = PlanContext(w, cost(TINY_LM, cl), cl)
+        p = ScalePlanner(ctx, step_seconds(ctx), sub_bins=4)
+        assert p.sub_bins == 4 and p.finer is None
+        got.append([p.plan(s) for s in steps])
+    assert [x.to_json() for x in got[0]] == [x.to_json() for x in got[1]]
+    for plan, s in zip(got[0], steps):
+        plan.validate(cl.world_size, allowed)
+        assert sorted(i for mb in plan.micro_batches() for i in mb.sample_ids) == sorted(s.sample_ids)
+    assert simulate(got[0], ctx).memory_violations == 0
+
+
+def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
+    cl = cluster(1024, 8)
+    w = Workload(TINY_LM, (15_000, 16_000, 16_500, 18_000))  # one cost bucket: [1.25 ** 43, 1.25 ** 44)
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl)
+    coarse, fine = ScalePlanner(ctx, step_seconds(ctx)), ScalePlanner(ctx, step_seconds(ctx), sub_bins=4)
+    assert len(coarse.buckets) == 1 and coarse.finer is not None
+    assert len(fine.buckets) == 2  # 2 ** (1 / 4) length ranges: 15000, 16000 | 16500, 18000 (split at 2 ** 14)
+    assert fine.bidx.tolist() == [0, 0, 1, 1]
+    for i, j in enumerate(fine.bidx.tolist()):
+        assert ctx.model.tokens(fine.rep[fine.buckets[j]]) >= w.tokens[i]
+
+
+_PLAN_SCRIPT = """
+import hashlib, json
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.sim.replay import step_seconds
+from dcparallel.spec import Workload
+from tests.unit._models import TINY_DIT, TINY_LM, cluster, cost
+shapes = [(1, 64, 64), (17, 64, 64), (34, 128, 128), (68, 256, 256)]
+out = []
+for world, model in ((4096, TINY_LM), (512, TINY_DIT)):
+    sizes = tuple(shapes[i % 4] if model is TINY_DIT else 16 + (i * 7919) % 40_000 for i in range(240))
+    w, cl = Workload(model, sizes), cluster(world, 8)
+    steps = form_steps(w.tokens, seed=1, tokens_per_step=sum(w.tokens) // 3)
+    ctx = PlanContext(w, cost(model, cl), cl)
+    p = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+    out.append([p.plan(s).to_json() for s in steps])
+print(hashlib.sha256(json.dumps(out).encode()).hexdigest())
+"""
+
+
+def test_same_plans_in_other_processes_with_other_hash_seeds():
+    """Ranks plan independently, each in its own process (string hashing differs between
+    processes): the plans must be identical (text on 4096 GPUs, video on 512)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = set()
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
+        r = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT], env=env, cwd=root, capture_output=True,
+                           text=True, check=True)
+        out.add(r.stdout.strip())
+    assert len(out) == 1 and len(next(iter(out))) == 64, out

@@ -1,0 +1,103 @@
+"""`dcp`'s group classes: alike groups of one SP degree, and LPT dealing of whole classes.
+
+Micro-batch classes are dealt to them by the longest-processing-time rule applied to whole
+classes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from dcparallel.spec import Layout
+
+
+@dataclass(slots=True)
+class GroupClass:
+    """`count` alike groups of one SP degree with the same load and the same contents:
+    `items` maps an item-class index to how many of its micro-batches each group runs."""
+
+    load: float
+    count: int
+    items: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemClass:
+    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
+
+    bucket: int
+    sp: int
+    mbs: int
+    time: float
+    count: int
+    layout: Layout
+
+
+def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
+    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
+    `n` alike groups; each group class takes items while its load is below the next lowest
+    class's load. Returns the group classes (counts sum to n)."""
+    classes = [GroupClass(0.0, n, {})]
+    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            classes.sort(key=lambda c: c.load)
+            c = classes[0]
+            nxt = classes[1].load if len(classes) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
+            if per * c.count <= q:
+                c.load += per * t
+                c.items[ic] = c.items.get(ic, 0) + per
+                q -= per * c.count
+                continue
+            a, r = divmod(q, c.count)
+            if r:
+                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
+                more.items[ic] = more.items.get(ic, 0) + a + 1
+                classes.append(more)
+                c.count -= r
+            if a:
+                c.load += a * t
+                c.items[ic] = c.items.get(ic, 0) + a
+            q = 0
+        if len(classes) > 8:
+            classes = _merge(classes)
+    classes = _merge(classes)
+    return [c for c in classes if c.count > 0]
+
+
+def _merge(classes: list[GroupClass]) -> list[GroupClass]:
+    out: dict[tuple, GroupClass] = {}
+    for c in classes:
+        key = (c.load, tuple(sorted(c.items.items())))
+        hit = out.get(key)
+        if hit is None:
+            out[key] = c
+        else:
+            hit.count += c.count
+    return list(out.values())
+
+
+def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
+    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
+    loads: dict[float, int] = {0.0: n}
+    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            order = sorted(loads)
+            low = order[0]
+            cnt = loads[low]
+            nxt = order[1] if len(order) > 1 else math.inf
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
+            del loads[low]
+            if per * cnt <= q:
+                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
+                q -= per * cnt
+                continue
+            a, r = divmod(q, cnt)
+            if r:
+                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
+            if cnt - r:
+                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
+            q = 0
+    return max(loads)
+
