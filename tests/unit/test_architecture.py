@@ -1,6 +1,7 @@
 """The package rules of docs/architecture.md, checked on the source tree.
 
-Every `import` of a dcparallel module (also those inside functions) is an edge. Each
+Every `import` of a dcparallel module (also those inside functions; not those under
+``if TYPE_CHECKING:``, which only annotate) is an edge. Each
 package may import only the packages its row allows; the pure core (spec, topology,
 scenarios, cost, plan, sim, report) never imports torch; no module imports the front-ends
 (`apps/`) except the console entry; and the modules form no import cycle.
@@ -59,7 +60,7 @@ def imports(source: str, module: str, known: set[str]) -> set[str]:
     out = set()
     package = module if module in known and any(k.startswith(module + ".") for k in known) else \
         module.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
         elif isinstance(node, ast.ImportFrom):
@@ -72,6 +73,19 @@ def imports(source: str, module: str, known: set[str]) -> set[str]:
             for a in node.names:
                 out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
     return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
 
 
 def violations(sources: dict[str, str]) -> list[str]:
