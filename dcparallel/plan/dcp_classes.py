@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from dcparallel.plan.types import ROUND_EPS
 from dcparallel.spec import Layout
 
 
@@ -44,7 +45,7 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
             classes.sort(key=lambda c: c.load)
             c = classes[0]
             nxt = classes[1].load if len(classes) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - 1e-9))
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - ROUND_EPS))
             if per * c.count <= q:
                 c.load += per * t
                 c.items[ic] = c.items.get(ic, 0) + per
@@ -87,7 +88,7 @@ def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
             low = order[0]
             cnt = loads[low]
             nxt = order[1] if len(order) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - 1e-9))
+            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - ROUND_EPS))
             del loads[low]
             if per * cnt <= q:
                 loads[low + per * t] = loads.get(low + per * t, 0) + cnt

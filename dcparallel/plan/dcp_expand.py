@@ -18,7 +18,7 @@ import numpy as np
 
 from dcparallel.plan.dcp_classes import GroupClass, deal_classes
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import MIN_GAIN, GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, MicroBatch, StepPlan
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
@@ -152,7 +152,7 @@ def refine(gs: list[int], chunks: list[list[tuple]],
     for _ in range(max_iter):
         a, z = int(np.argmax(loads)), int(np.argmin(loads))
         diff = loads[a] - loads[z]
-        if diff <= loads[a] * 1e-6 or loads[a] <= mean * 1.001:  # the slowest is within 0.1% of the mean
+        if diff <= loads[a] * MIN_GAIN or loads[a] <= mean * BALANCED:  # the slowest is within 0.1% of the mean
             return
         src, dst = chunks[gs[a]], chunks[gs[z]]
         ta = np.array([c[2] for c in src])

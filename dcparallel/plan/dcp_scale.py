@@ -45,7 +45,7 @@ from dcparallel.plan.dcp_classes import ItemClass, class_span
 from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.dcp_setup import planning_classes, sample_weights
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import REL_TOL, Score, StepPlan
+from dcparallel.plan.types import REL_TOL, ROUND_EPS, TIME_EPS, Score, StepPlan
 from dcparallel.spec import Layout
 
 #: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
@@ -189,7 +189,7 @@ class ScalePlanner:
             ((tab["rem"][first] > 0) & (tab["tr"][first] > T / 2))
         bigk = np.bincount(kp, weights=big, minlength=nk)
         items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
-        need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - 1e-9)))
+        need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - ROUND_EPS)))
         need = np.where(items > 0, need, 0.0)
         if float(need @ tab["spf"]) > self.world:
             return None
@@ -204,7 +204,7 @@ class ScalePlanner:
             work[k] = work.get(k, 0.0) + total
             big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
             items[k] = items.get(k, 0) + full + (1 if rem else 0)
-        return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - 1e-9))) for k in work}
+        return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS))) for k in work}
 
     def _search(self, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
         """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
@@ -276,13 +276,13 @@ class ScalePlanner:
             k = max(open_, key=lambda j: (span[j], -j))
             others = max((s for j, s in span.items() if j != k), default=0.0)
             # jump toward the groups that bring this degree down to the next slowest one
-            want = count[k] * span[k] / max(others, span[k] * 0.5, 1e-12)
+            want = count[k] * span[k] / max(others, span[k] * 0.5, TIME_EPS)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
             new = self._span_c(by_k[k], count[k] + step, sig[k])
-            while step > 1 and new >= span[k] - 1e-12:
+            while step > 1 and new >= span[k] - TIME_EPS:
                 step //= 2
                 new = self._span_c(by_k[k], count[k] + step, sig[k])
-            if new >= span[k] - 1e-12:
+            if new >= span[k] - TIME_EPS:
                 if k == max(span, key=lambda j: (span[j], -j)):
                     break
                 span[k] = -1.0  # no help here; let another degree try

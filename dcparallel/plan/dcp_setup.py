@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcparallel.plan.context import PlanContext, mbs_candidates
+from dcparallel.plan.types import REL_TOL, TIME_EPS
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
@@ -49,7 +50,7 @@ def _cheapest(p: ScalePlanner, j: int) -> tuple[int, int]:
     for k in p.sp:
         for m in mbs_candidates(p.top[(j, k)]) if p.top[(j, k)] else ():
             g = p._lt(j, m, k)[1] * k / m
-            if best is None or g < best[0] * (1 - 1e-9):
+            if best is None or g < best[0] * (1 - REL_TOL):
                 best = (g, k, m)
     return best[1], best[2]
 
@@ -81,7 +82,7 @@ def sample_weights(p: ScalePlanner) -> np.ndarray:
         t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
     j = p.bidx[ids]
-    span = np.maximum(hi[j] - lo[j], 1e-12)
+    span = np.maximum(hi[j] - lo[j], TIME_EPS)
     u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
     w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
     return w

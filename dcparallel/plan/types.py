@@ -14,6 +14,10 @@ REL_TOL = 1e-9
 MIN_GAIN = 1e-6
 #: float times (seconds) closer than this are equal
 TIME_EPS = 1e-12
+#: slack against float rounding before a ceiling (``ceil(work / T - ROUND_EPS)`` groups)
+ROUND_EPS = 1e-9
+#: a group within this fraction of the mean load of its degree counts as balanced
+BALANCED = 1.001
 
 
 class NoLayoutFits(ValueError):

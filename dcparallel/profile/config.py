@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dcparallel.cost.schema import ProfileEntry
+from dcparallel.cost.schema import ProfileBucket, ProfileEntry
 from dcparallel.spec import STATIC_MODES, ModelSpec, Size, bucket_key, check_size
 
 
@@ -43,6 +43,16 @@ class ProfilerConfig:
     full, one sample) and report the extrapolation error"""
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
+
+    def validation_set(self, buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int]) -> set[tuple[str, int, str]]:
+        """(bucket, SP degree, mode) run at full depth too: smallest and largest bucket,
+        recompute none and full (empty unless ``validate``)."""
+        if not self.validate:
+            return set()
+        by_tokens = sorted(buckets, key=lambda b: b.tokens)
+        keys = {by_tokens[0].key, by_tokens[-1].key}
+        modes = [m for m in ("none", "full") if m in self.modes] or [self.modes[0]]
+        return {(k, sp, m) for k in keys for sp in sp_sizes for m in modes}
 
     @staticmethod
     def quick(max_tokens: int | None = None, **kw) -> ProfilerConfig:

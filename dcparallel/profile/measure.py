@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from dcparallel.runtime import comm
+
 
 def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2) -> float:
     """Value of a ``num_layers`` stack from stacks of ``d1`` and ``d2`` layers, linear in depth:
@@ -154,3 +156,18 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return f"cpu: {name}"
+
+
+def grad_sync_seconds(flat_grad: Tensor, timer: Timer) -> float:
+    """The step's one all-reduce of the flat gradient buffer, measured: the median of three
+    timed rounds after a warm-up, the slowest rank's (0 on one rank)."""
+    if comm.world_size() == 1:
+        return 0.0
+    times = []
+    for i in range(4):
+        comm.barrier()
+        t = timer.time(lambda: comm.all_reduce_sum_(flat_grad))
+        if i:
+            times.append(t)
+    flat_grad.zero_()
+    return max(comm.all_gather_object(median(times)))

@@ -53,6 +53,7 @@ from dcparallel.profile.measure import (
     device_name,
     extrapolate,
     free_memory,
+    grad_sync_seconds,
     median,
 )
 from dcparallel.runtime import comm
@@ -284,14 +285,6 @@ class Profiler:
 
     # ------------------------------------------------------------------ the whole profile
 
-    def _validation_set(self, buckets: list[ProfileBucket]) -> set[tuple[str, int, str]]:
-        if not self.config.validate:
-            return set()
-        by_tokens = sorted(buckets, key=lambda b: b.tokens)
-        keys = {by_tokens[0].key, by_tokens[-1].key}
-        modes = [m for m in ("none", "full") if m in self.config.modes] or [self.config.modes[0]]
-        return {(k, sp, m) for k in keys for sp in self.sp_sizes for m in modes}
-
     def run(self, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats]:
         """Profiles every bucket of ``sizes`` (one representative sample size each) on every
         rank together; returns the same `Profile` on every rank and this run's stats."""
@@ -308,7 +301,7 @@ class Profiler:
         L = self.spec.num_layers
         d2 = cfg.depth
         d1 = d2 - 1
-        validate = self._validation_set(buckets)
+        validate = cfg.validation_set(buckets, self.sp_sizes)
 
         plan = []  # (sp, ranks, bucket) this rank measures, in order
         for sp in self.sp_sizes:
@@ -399,21 +392,7 @@ class Profiler:
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
-                          grad_sync_s=self._grad_sync_seconds(), buckets=buckets, entries=entries,
-                          unfit_buckets=unfit)
+                          grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer), buckets=buckets,
+                          entries=entries, unfit_buckets=unfit)
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
         return profile, stats
-
-    def _grad_sync_seconds(self) -> float:
-        """The step's one all-reduce of the flat gradient buffer, measured (0 on one rank)."""
-        if self.world == 1:
-            return 0.0
-        buf = self.engine.flat_grad
-        times = []
-        for i in range(4):
-            comm.barrier()
-            t = self.timer.time(lambda: comm.all_reduce_sum_(buf))
-            if i:
-                times.append(t)
-        buf.zero_()
-        return max(comm.all_gather_object(median(times)))

@@ -17,3 +17,15 @@ def cluster(world: int, gpus_per_node: int = 8, memory_mib: int = 1536) -> Clust
 
 def cost(model, c: ClusterSpec) -> AnalyticCost:
     return AnalyticCost(model, c)
+
+
+#: video sizes (frames, height, width) of several latent grids, for property tests
+VIDEO_SHAPES = [(1, 64, 64), (1, 128, 128), (17, 64, 64), (34, 128, 128), (51, 128, 224), (68, 256, 256)]
+
+
+def draw_samples(draw, st, n: int):
+    """(model, sizes) of ``n`` samples drawn by a hypothesis ``draw``: video shapes for the tiny
+    DiT or text lengths 16..40k for the tiny LM (``st`` is hypothesis.strategies)."""
+    if draw(st.booleans()):
+        return TINY_DIT, tuple(draw(st.lists(st.sampled_from(VIDEO_SHAPES), min_size=n, max_size=n)))
+    return TINY_LM, tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))

@@ -9,7 +9,7 @@ import pytest
 from dcparallel.cost.analytic import AnalyticCost, _load, _shape, fit_calibration
 from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes
 from dcparallel.cost.profiled import ProfiledCost
-from dcparallel.cost.schema import Profile
+from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Layout, Recompute, h200_cluster
 
 from ._models import TINY_LM, cluster
@@ -146,6 +146,21 @@ def test_profile_errors_are_clear(tmp_path):
         Profile.load(bad)
     with pytest.raises(ValueError, match="no measurement at sp=4"):
         ProfiledCost(Profile.from_json(_profile()), cluster(2, 2)).terms([1000], 4)
+
+
+def test_a_profile_prices_only_the_world_size_it_measured():
+    """SP groups and the gradient sync of another world size were never measured."""
+    with pytest.raises(ValueError, match="measured at world size 2 but the cluster has 4 ranks"):
+        ProfiledCost(Profile.from_json(_profile()), cluster(4, 4))
+
+
+def test_the_typed_profile_round_trips_through_json():
+    p = Profile.from_json(_profile())
+    assert all(isinstance(b, ProfileBucket) for b in p.buckets) and all(isinstance(e, ProfileEntry)
+                                                                        for e in p.entries)
+    assert p.buckets[1].key == "t4000" and p.buckets[1].tokens == 4000
+    again = Profile.from_json(json.loads(json.dumps(p.to_json())))
+    assert again == p and again.to_json() == p.to_json()
 
 
 def test_profile_with_only_full_recompute_feasible():

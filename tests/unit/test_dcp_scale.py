@@ -16,23 +16,15 @@ from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import TINY_DIT, TINY_LM, cluster, cost
-
-VIDEO_SHAPES = [(1, 64, 64), (1, 128, 128), (17, 64, 64), (34, 128, 128), (51, 128, 224), (68, 256, 256)]
+from ._models import TINY_LM, cluster, cost, draw_samples
 
 
 @st.composite
 def big_workloads(draw):
     world = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 24, 64, 256, 1024, 4096]))
     g = 8 if world >= 8 else world
-    video = draw(st.booleans())
     n = draw(st.integers(1, 120))
-    if video:
-        sizes = tuple(draw(st.lists(st.sampled_from(VIDEO_SHAPES), min_size=n, max_size=n)))
-        model = TINY_DIT
-    else:
-        sizes = tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
-        model = TINY_LM
+    model, sizes = draw_samples(draw, st, n)
     steps_per_epoch = draw(st.integers(1, 3))
     return model, sizes, cluster(world, g), draw(st.integers(0, 3)), steps_per_epoch
 

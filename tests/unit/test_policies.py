@@ -14,9 +14,7 @@ from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import TINY_DIT, TINY_LM, cluster, cost
-
-VIDEO_SHAPES = [(1, 64, 64), (1, 128, 128), (17, 64, 64), (34, 128, 128), (51, 128, 224), (68, 256, 256)]
+from ._models import TINY_DIT, TINY_LM, cluster, cost, draw_samples
 
 
 @st.composite
@@ -25,14 +23,8 @@ def workloads(draw):
     world = draw(st.integers(1, 64))
     if world > g:
         world -= world % g
-    video = draw(st.booleans())
     n = draw(st.integers(1, 40))
-    if video:
-        sizes = tuple(draw(st.lists(st.sampled_from(VIDEO_SHAPES), min_size=n, max_size=n)))
-        model = TINY_DIT
-    else:
-        sizes = tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
-        model = TINY_LM
+    model, sizes = draw_samples(draw, st, n)
     seed = draw(st.integers(0, 5))
     return model, sizes, cluster(world, g), seed
 
