@@ -1,4 +1,4 @@
-"""The user-facing object: the ten lines of DESIGN.
+"""The user-facing object: `DataCentricParallel`, the ten lines a training loop adds.
 
     dc = dcparallel.DataCentricParallel(model, policy="dcp")   # finds the model's adapter
     loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=2**20, loss_fn=loss_fn)

@@ -1,4 +1,4 @@
-"""`ModelAdapter`: how dcparallel drives one model, and `find_adapter`, which picks it.
+"""`ModelAdapter`: how dcparallel drives one model, and the protocol any `nn.Module` can follow.
 
 An adapter is a dataclass of plain values and functions (a registry entry, as torchtitan's
 model specs are). It says:

@@ -146,7 +146,7 @@ def mb_memory(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
 
 
 def model_state_bytes(model: ModelSpec, world_size: int) -> float:
-    """DESIGN's default recipe: bf16 parameters (2), fp32 gradient accumulation (4), fp32
+    """The runtime's recipe: bf16 parameters (2), fp32 gradient accumulation (4), fp32
     master weights + Adam moments sharded over the world (12 / world) bytes per parameter."""
     return model.num_params * (2 + 4 + 12 / world_size)
 

@@ -1,4 +1,4 @@
-"""The lower bound of a step and the epoch efficiency of a policy (DESIGN "Policies").
+"""The lower bound of a step and the epoch efficiency of a policy (docs/design.md, "Lower bound and efficiency").
 
 bound(step) = max(sum_s g(s) / world, max_s f(s)) + exposed gradient sync, where
 g(s) = the fewest GPU-seconds any memory-feasible layout spends on s (time * sp / mbs over

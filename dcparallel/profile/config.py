@@ -15,7 +15,7 @@ class ProfilerConfig:
     interleaved rounds so that load drifting on a shared machine hits all depths alike."""
 
     depth: int = 2
-    """measure stacks of ``depth - 1`` and ``depth`` layers (units); 2 = DESIGN's t1, t2"""
+    """measure stacks of ``depth - 1`` and ``depth`` layers (units); 2: one and two layers, t1 and t2"""
     warmup: int = 1
     """untimed runs per depth before timing (the first also measures memory)"""
     repeats: int = 5

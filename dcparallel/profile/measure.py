@@ -37,7 +37,7 @@ from dcparallel.runtime import comm
 
 def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2) -> float:
     """Value of a ``num_layers`` stack from stacks of ``d1`` and ``d2`` layers, linear in depth:
-    ``v2 + (num_layers - d2) * (v2 - v1) / (d2 - d1)``; with d1=1, d2=2 this is DESIGN's
+    ``v2 + (num_layers - d2) * (v2 - v1) / (d2 - d1)``; with d1=1, d2=2 this is
     ``t_L = t2 + (L - 2)(t2 - t1)``."""
     if not 1 <= d1 < d2:
         raise ValueError(f"extrapolation needs depths 1 <= d1 < d2; got d1={d1}, d2={d2}")

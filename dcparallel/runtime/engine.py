@@ -9,7 +9,7 @@ buffer whose last two elements are this rank's summed loss and target count
 all-reduce over the whole world starts during the backward of this rank's last micro-batch
 of the step (`Batch.last_of_step`, or ``micro_batch(batch, last=True)``) and
 `sync_gradients` finishes it, on every rank (also ranks that ran nothing), and divides by
-the global count. Not DDP: DESIGN "Exact gradient".
+the global count. Not DDP: docs/design.md, "Exact gradient".
 Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. The user-facing
 `dcparallel.DataCentricParallel` (api.py) holds one `Engine` and adds `prepare`.
 
