@@ -10,6 +10,7 @@ scenarios, cost, plan, sim, report) never imports torch; no module imports the f
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -152,8 +153,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+@functools.cache
+def _read_tree() -> tuple[tuple[str, str], ...]:
+    return tuple((module_name(p, ROOT), p.read_text()) for p in sorted(ROOT.rglob("*.py")))
+
+
 def tree_sources() -> dict[str, str]:
-    return {module_name(p, ROOT): p.read_text() for p in sorted(ROOT.rglob("*.py"))}
+    return dict(_read_tree())
 
 
 def test_the_source_tree_follows_the_package_rules():

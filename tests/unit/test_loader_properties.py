@@ -28,7 +28,9 @@ def cases(draw):
                             st.builds(lambda s: ("samples_per_step", s), st.integers(1, 12))))
     return {"world": world, "lengths": lengths, "budget": budget, "policy": draw(st.sampled_from(ALL)),
             "seed": draw(st.integers(0, 3)), "epoch": draw(st.integers(0, 2)),
-            "lookahead": draw(st.sampled_from([0, 1, 3])), "stop": draw(st.floats(0, 1))}
+            "lookahead": draw(st.sampled_from([0, 1, 3])), "stop": draw(st.floats(0, 1)),
+            # both planning paths; a forked planning process per loader is the slow one to test
+            "planning": draw(st.sampled_from(["process", "thread", "thread"]))}
 
 
 def loaders(case: dict) -> list[DataCentricLoader]:
@@ -40,6 +42,7 @@ def loaders(case: dict) -> list[DataCentricLoader]:
     for r in range(world):
         loader = DataCentricLoader(range(len(case["lengths"])), case["lengths"], cost=c, cluster=cl,
                                    policy=case["policy"], seed=case["seed"], lookahead=case["lookahead"],
+                                   planning=case["planning"],
                                    collate=None, rank=r, world_size=world, **{key: value})
         loader.set_epoch(case["epoch"])
         out.append(loader)
