@@ -59,7 +59,7 @@ def record(steps) -> list[tuple]:
     return out
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_sample_once_plans_identical_and_resume_exact(case):
     ranks = loaders(case)
