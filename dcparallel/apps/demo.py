@@ -113,8 +113,10 @@ def run(args: argparse.Namespace) -> dict:
     pred = predict(out, lengths, real)
     errors = {n: abs(pred[n]["wall_s"] - real["policies"][n]["wall_s"]) / real["policies"][n]["wall_s"]
               for n in real["policies"]}
-    print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
-    simulated = [] if args.skip_paper_scale else paper_scale()
+    simulated = []
+    if not args.skip_paper_scale:
+        print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
+        simulated = paper_scale()
     p = real["policies"]
     artifacts = [plot_timelines(rank_timelines(real, ("bucket", "dcp")), out / "timeline.png",
                                 title=f"real run on {WORLD} CPU ranks: bucket vs dcp (busy / idle per rank)")]
