@@ -33,13 +33,14 @@ def cases(draw):
             "planning": draw(st.sampled_from(["process", "thread", "thread"]))}
 
 
-def loaders(case: dict) -> list[DataCentricLoader]:
+def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
+    """One loader per rank of ``ranks`` (default: every rank of the case's world)."""
     world = case["world"]
     cl = cluster(world, WORLDS[world])
     c = cost(TINY_LM, cl)
     key, value = case["budget"]
     out = []
-    for r in range(world):
+    for r in ranks if ranks is not None else range(world):
         loader = DataCentricLoader(range(len(case["lengths"])), case["lengths"], cost=c, cluster=cl,
                                    policy=case["policy"], seed=case["seed"], lookahead=case["lookahead"],
                                    planning=case["planning"],
@@ -96,7 +97,7 @@ def test_every_sample_once_plans_identical_and_resume_exact(case):
         state = loader.state_dict()
         it.close()
         assert state["step"] == stop and state["epoch"] == case["epoch"]
-        fresh = loaders(case)[r]
+        (fresh,) = loaders(case, range(r, r + 1))
         fresh.load_state_dict(state)
         fresh.set_epoch(case["epoch"])
         assert head + record(fresh) == reference[r]
