@@ -98,7 +98,7 @@ class Topology:
 
     def static_sizes(self, usable: Sequence[int] | None = None) -> list[int]:
         """Chain sizes (among ``usable``) whose blocks alone tile the world."""
-        pool = self.chain if usable is None else [k for k in self.chain if k in set(usable)]
+        pool = self.chain if usable is None else [k for k in self.chain if k in usable]
         return [k for k in pool if self.world_size % k == 0]
 
     def data_parallel(self, sp: int) -> list[tuple[int, ...]]:
