@@ -22,12 +22,13 @@ sample, so it fits every sample of the bucket. Per step:
    predicted faster.
 4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept.
+5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted well above
+   the step's bound, the step is also packed sample by sample (each sample timed alone at
+   every degree); the plan the score predicts faster is kept.
 
-On more than `FINE_MAX_WORLD` GPUs, a text step with at most `FEW_PER_GPU` samples per GPU (and
-at most `FEW_MAX_SAMPLES`) is also planned over finer classes (each cost bucket cut into length
-ranges 2 ** (1 / SUB_BINS) apart, each laid out for its own largest sample: with a few samples
-per GPU, sizing every sample of a 1.25x bucket for its longest wastes ranks); the plan
-predicted faster is kept. On small clusters the per-sample planner (`dcp-v1`) is tried as well.
+Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU are also planned over finer
+classes (`SUB_BINS` length ranges per bucket, each sized by its own largest sample); the plan
+predicted faster is kept. On small clusters the per-sample planner (`dcp-v1`) is tried too.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
@@ -41,8 +42,9 @@ from typing import Sequence
 import numpy as np
 
 from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import ItemClass, class_span
+from dcparallel.plan.dcp_classes import ItemClass, class_span, groups_needed
 from dcparallel.plan.dcp_expand import build_plan, expand
+from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.dcp_setup import planning_classes, sample_weights
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, ROUND_EPS, TIME_EPS, Score, StepPlan
@@ -52,12 +54,16 @@ from dcparallel.spec import Layout
 FINE_MAX_WORLD = 64
 FINE_MAX_SAMPLES = 1024
 
-#: text steps with at most this many samples per GPU (and at most FEW_MAX_SAMPLES samples: the
-#: second planning is cheap there) are also planned over `SUB_BINS` classes per bucket (length
-#: ranges of 2 ** (1 / SUB_BINS))
+#: text steps with at most this many samples per GPU (and FEW_MAX_SAMPLES) are also planned
+#: over `SUB_BINS` classes per bucket (length ranges of 2 ** (1 / SUB_BINS))
 FEW_PER_GPU = 8.0
 FEW_MAX_SAMPLES = 2048
 SUB_BINS = 4
+
+#: steps with at most this many samples per GPU whose class-level plan is predicted more than
+#: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
+PACK_PER_GPU = 4.0
+PACK_GATE = 1.03
 
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
@@ -102,6 +108,8 @@ class ScalePlanner:
             from dcparallel.plan.dcp import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
+        #: per-sample packing for steps with few samples per GPU (`dcp_sample`)
+        self.packer = SamplePacker(ctx, mode) if self.sub_bins == 1 and self.world > FINE_MAX_WORLD else None
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
@@ -170,11 +178,9 @@ class ScalePlanner:
         if the groups those need (their work over T, at least one per micro-batch over T / 2)
         fit the world."""
         memo = tab["memo"]
-        key = (T, kmin)
-        if key in memo:
-            return memo[key]
-        out = memo[key] = self._feasible_rows(tab, T, kmin)
-        return out
+        if (T, kmin) not in memo:
+            memo[(T, kmin)] = self._feasible_rows(tab, T, kmin)
+        return memo[(T, kmin)]
 
     def _feasible_rows(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
         n = tab["n"]
@@ -195,16 +201,6 @@ class ScalePlanner:
             return None
         return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
                 for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
-
-    def _need(self, chosen: list[tuple], T: float) -> dict[int, int]:
-        work: dict[int, float] = {}
-        big: dict[int, int] = {}
-        items: dict[int, int] = {}
-        for _, k, _, t, full, tr, rem, total in chosen:
-            work[k] = work.get(k, 0.0) + total
-            big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
-            items[k] = items.get(k, 0) + full + (1 if rem else 0)
-        return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS))) for k in work}
 
     def _search(self, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
         """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
@@ -258,7 +254,7 @@ class ScalePlanner:
                     lay = self._lt(j, mm, k)[0]
                     by_k.setdefault(k, []).append((len(items), tt, q))
                     items.append(ItemClass(j, k, mm, tt, q, lay))
-        need = self._need(chosen, T)
+        need = groups_needed(chosen, T)
         count = {k: need[k] for k in by_k}
         n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
         while sum(k * n for k, n in count.items()) > self.world:  # estimates can overshoot at the edge
@@ -331,20 +327,30 @@ class ScalePlanner:
         return out
 
     def plan(self, step: Step) -> StepPlan:
-        plan, predicted = self._plan(step)
+        plan, predicted, bound = self._plan(step)
         n = len(step.sample_ids)
         if self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES:
-            other, pred_other = self.finer._plan(step)
+            other, pred_other, _ = self.finer._plan(step)
             if pred_other < predicted * (1 - REL_TOL):
-                plan = other
-        if self.fine is not None and len(step.sample_ids) <= FINE_MAX_SAMPLES:
-            other = self.fine.plan(step)
-            if self.score(other) < self.score(plan) * (1 - REL_TOL):
-                return other
+                plan, predicted = other, pred_other
+        others = []
+        if self.fine is not None and n <= FINE_MAX_SAMPLES:
+            others.append(self.fine.plan(step))
+        if self.packer is not None and n <= PACK_PER_GPU * self.world and predicted > bound * PACK_GATE:
+            got = self.packer.plan(list(step.sample_ids))
+            if got is not None:
+                others.append(self.packer.step_plan(step, got[0]))
+        if others:
+            best = self.score(plan)
+            for other in others:
+                s = self.score(other)
+                if s < best * (1 - REL_TOL):
+                    plan, best = other, s
         return plan
 
-    def _plan(self, step: Step) -> tuple[StepPlan, float]:
-        """The class-level plan of the step and its predicted compute time."""
+    def _plan(self, step: Step) -> tuple[StepPlan, float, float]:
+        """The class-level plan of the step, its predicted compute time and the step's
+        compute bound at class level."""
         ids = np.asarray(step.sample_ids, dtype=np.int64)
         b = self.bidx[ids]
         assert (b >= 0).all(), "a step holds a skipped sample"
@@ -366,7 +372,7 @@ class ScalePlanner:
         cands = [(c[0], [c]) for c in ones]
         if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
-            keys = [{j: self._pref_sp(one, j) for j in present},
+            keys = [{j: max(it.sp for it in one[1] if it.bucket == j) for j in present},
                     {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
             seen = set()
             for key in keys:
@@ -390,9 +396,5 @@ class ScalePlanner:
             got = expand(self, parts, members, cumw)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        return build_plan(self, step, best[0], int(self.tok[ids].sum())), best[1]
-
-    @staticmethod
-    def _pref_sp(part, j: int) -> int:
-        return max(it.sp for it in part[1] if it.bucket == j)
+        return build_plan(self, step, best[0], int(self.tok[ids].sum())), best[1], one[3]
 

@@ -1,0 +1,215 @@
+"""`dcp`'s per-sample packing, for steps with few samples per GPU.
+
+With about one sample per GPU or fewer, most groups run one or two samples, and the class
+level (every sample of a bucket laid out for the bucket's largest, group loads estimated
+from mean weights) leaves groups that finish far apart. Here each sample is timed alone at
+every SP degree, and for a makespan target T:
+
+1. every sample takes the narrowest degree at which it finishes within T (the fewest
+   GPU-seconds: wider SP only adds communication);
+2. samples, longest first, are packed into groups of capacity T: into the fullest open group
+   of their degree they still fit in, else into the fullest wider group they fit in
+   (re-timed at its degree), else into a new group of their degree. A group's finish counts
+   the gradient sync its longest micro-batch's backward cannot hide (`cost.overlap`): a group
+   of many short samples must end earlier;
+3. the smallest T (bisection over the samples' times) whose groups fit the world wins;
+   ranks left over then widen the slowest group, or split its samples over a second group,
+   while that lowers the makespan. Each group runs its longest sample last, so the gradient
+   sync overlaps the longest backward.
+
+Deterministic (ties broken by sample id), so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+from dcparallel.cost.overlap import BACKWARD_FRACTION, exposed_sync, num_buckets
+from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
+
+#: bisection steps for the makespan target between two of the samples' times
+CONTINUOUS_STEPS = 8
+
+#: one group: (SP degree, predicted finish, sample ids in run order)
+Group = tuple[int, float, list[int]]
+
+
+class SamplePacker:
+    def __init__(self, ctx: PlanContext, mode: RecomputeMode):
+        self.ctx, self.mode = ctx, mode
+        self.sp = list(ctx.sp_sizes)
+        self.world = ctx.cluster.world_size
+        self.sync = ctx.cost.grad_sync_time()
+        self.buckets = num_buckets(ctx.cost.model.num_params)
+
+    def exposed(self, last: float) -> float:
+        """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
+        return exposed_sync(self.sync, last, self.buckets)
+
+    def times(self, ids: Sequence[int]) -> np.ndarray:
+        """Per sample and degree, the time of the sample alone (inf where it does not fit)."""
+        ctx = self.ctx
+        t = np.full((len(ids), len(self.sp)), np.inf)
+        for a, i in enumerate(ids):
+            size = (ctx.sizes[i],)
+            for b, k in enumerate(self.sp):
+                fit = ctx.layout_for(size, k, self.mode)  # the bounded cache the simulator also uses
+                if fit is not None:
+                    t[a, b] = fit.time
+        return t
+
+    def alone(self, t: np.ndarray) -> np.ndarray:
+        """Per sample and degree, when the sample alone finishes, its exposed sync included."""
+        if self.sync <= 0:
+            return t
+        return t + np.maximum(self.sync - BACKWARD_FRACTION * t, self.sync / self.buckets)
+
+    def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float) -> list[list] | None:
+        """Groups [degree index, load, member rows, longest member time] for target T (a
+        group's load plus the sync its longest member leaves exposed stays within T), or None
+        if a sample cannot finish within T or the groups need more ranks than the world."""
+        cap = T * (1 + TIME_EPS)
+        ok = f <= cap
+        if not ok.any(axis=1).all():
+            return None
+        nar = ok.argmax(axis=1)  # the narrowest degree within T
+        own = t[np.arange(len(ids)), nar]
+        # longest first: by GPU-seconds at the narrowest degree, then id
+        order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
+        groups: list[list] = []
+        # per degree index, the open groups' finishes (load + exposed sync), sorted, with their indices
+        fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
+        ranks = 0
+        for a in order:
+            placed = False
+            for b in range(nar[a], len(self.sp)):
+                need = t[a, b]
+                if not np.isfinite(need):
+                    continue
+                lst = fins[b]
+                # the fullest group with room: the largest finish <= T - need (a member longer
+                # than the group's longest only hides more sync)
+                pos = bisect.bisect_right(lst, (cap - need, len(groups))) - 1
+                if pos < 0:
+                    continue
+                _, g = lst.pop(pos)
+                grp = groups[g]
+                grp[1] += need
+                grp[2].append(a)
+                grp[3] = max(grp[3], need)
+                bisect.insort(lst, (grp[1] + self.exposed(grp[3]), g))
+                placed = True
+                break
+            if placed:
+                continue
+            b = nar[a]
+            ranks += self.sp[b]
+            if ranks > self.world:
+                return None
+            groups.append([b, own[a], [a], own[a]])
+            bisect.insort(fins[b], (f[a, b], len(groups) - 1))
+        return groups
+
+    def finish(self, g: list) -> float:
+        return g[1] + self.exposed(g[3])
+
+    def widen(self, groups: list[list], t: np.ndarray) -> None:
+        """Ranks left over go to the group that finishes last: a group of one sample doubles
+        its degree (when the sample fits there), a group of several splits its samples over a
+        second group of its degree; while the makespan falls."""
+        free = self.world - sum(self.sp[g[0]] for g in groups)
+        while free > 0 and groups:
+            g = max(groups, key=lambda x: (self.finish(x), -x[0]))
+            top = self.finish(g)
+            k = self.sp[g[0]]
+            if k > free:
+                return
+            if len(g[2]) == 1:
+                b = self.sp.index(2 * k) if 2 * k in self.sp else None
+                a = g[2][0]
+                if b is None or not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
+                    return
+                g[0], g[1], g[3] = b, float(t[a, b]), float(t[a, b])
+            else:
+                parts: list[list] = [[g[0], 0.0, [], 0.0], [g[0], 0.0, [], 0.0]]
+                for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
+                    q = parts[0] if parts[0][1] <= parts[1][1] else parts[1]
+                    q[1] += t[a, g[0]]
+                    q[2].append(a)
+                    q[3] = max(q[3], t[a, g[0]])
+                if max(self.finish(q) for q in parts) >= top * (1 - MIN_GAIN):
+                    return
+                g[:] = parts[0]
+                groups.append(parts[1])
+            free -= k
+
+    def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:
+        """The groups (widest first) and the predicted step time (exposed sync included) of
+        the best target."""
+        if not ids:
+            return None
+        t = self.times(ids)
+        f = self.alone(t)
+        fast = f.min(axis=1)
+        if not np.isfinite(fast).all():
+            return None
+        ts = np.unique(f[np.isfinite(f) & (f >= float(fast.max()))])
+        top = float(ts[-1])
+        for _ in range(64):  # more samples than groups at their own times: targets of several samples each
+            if self.pack(ids, t, f, top) is not None:
+                break
+            top *= 2
+        else:
+            return None
+        if top > ts[-1]:
+            ts = np.append(ts, top)
+        lo, hi = 0, len(ts) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.pack(ids, t, f, float(ts[mid])) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        targets = [float(ts[i]) for i in range(lo, min(lo + 3, len(ts)))]  # not monotone in T: a few above
+        if lo > 0:  # below the first feasible time the degrees stay those of the time before: bisect T there
+            a, b = float(ts[lo - 1]), float(ts[lo])
+            for _ in range(CONTINUOUS_STEPS):
+                mid = (a + b) / 2
+                if self.pack(ids, t, f, mid) is not None:
+                    b = mid
+                else:
+                    a = mid
+            targets.append(b)
+        best = None
+        for T in targets:
+            groups = self.pack(ids, t, f, T)
+            if groups is None:
+                continue
+            self.widen(groups, t)
+            span = max(self.finish(g) for g in groups)
+            if best is None or span < best[1] * (1 - MIN_GAIN):
+                best = (groups, span)
+        groups, span = best
+        # longest last: the gradient sync overlaps the last micro-batch's backward
+        out = [(self.sp[g[0]], self.finish(g), [ids[a] for a in sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))])
+               for g in groups]
+        out.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
+        return out, span
+
+    def step_plan(self, step: Step, groups: list[Group]) -> StepPlan:
+        """The step plan of packed groups, placed as aligned blocks (widest first)."""
+        ctx = self.ctx
+        out = []
+        for g, ranks in enumerate(ctx.topology.tile([k for k, _, _ in groups])):
+            mbs: tuple = ()
+            if g < len(groups):
+                k = groups[g][0]
+                mbs = tuple(MicroBatch((i,), ctx.layout_for((ctx.sizes[i],), k, self.mode).layout)
+                            for i in groups[g][2])
+            out.append(GroupPlan(ranks, mbs, 0))
+        return StepPlan(step.index, step.sample_ids, tuple(out), ctx.step_tokens(step.sample_ids))
