@@ -23,6 +23,7 @@ Deterministic (ties broken by sample id), so every rank computes the same plan.
 from __future__ import annotations
 
 import bisect
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -54,13 +55,18 @@ class SamplePacker:
     def times(self, ids: Sequence[int]) -> np.ndarray:
         """Per sample and degree, the time of the sample alone (inf where it does not fit)."""
         ctx = self.ctx
+        rows: dict = {}  # per distinct size (video steps repeat a few shapes)
         t = np.full((len(ids), len(self.sp)), np.inf)
         for a, i in enumerate(ids):
-            size = (ctx.sizes[i],)
-            for b, k in enumerate(self.sp):
-                fit = ctx.layout_for(size, k, self.mode)  # the bounded cache the simulator also uses
-                if fit is not None:
-                    t[a, b] = fit.time
+            size = ctx.sizes[i]
+            row = rows.get(size)
+            if row is None:
+                row = rows[size] = [np.inf] * len(self.sp)
+                for b, k in enumerate(self.sp):
+                    fit = ctx.layout_for((size,), k, self.mode)  # the bounded cache the simulator also uses
+                    if fit is not None:
+                        row[b] = fit.time
+            t[a] = row
         return t
 
     def alone(self, t: np.ndarray) -> np.ndarray:
@@ -123,9 +129,11 @@ class SamplePacker:
         its degree (when the sample fits there), a group of several splits its samples over a
         second group of its degree; while the makespan falls."""
         free = self.world - sum(self.sp[g[0]] for g in groups)
-        while free > 0 and groups:
-            g = max(groups, key=lambda x: (self.finish(x), -x[0]))
-            top = self.finish(g)
+        heap = [(-self.finish(g), g[0], i) for i, g in enumerate(groups)]  # the last to finish first
+        heapq.heapify(heap)
+        while free > 0 and heap:
+            neg, _, i = heapq.heappop(heap)
+            g, top = groups[i], -neg
             k = self.sp[g[0]]
             if k > free:
                 return
@@ -135,6 +143,7 @@ class SamplePacker:
                 if b is None or not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
                     return
                 g[0], g[1], g[3] = b, float(t[a, b]), float(t[a, b])
+                heapq.heappush(heap, (-self.finish(g), g[0], i))
             else:
                 parts: list[list] = [[g[0], 0.0, [], 0.0], [g[0], 0.0, [], 0.0]]
                 for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
@@ -146,6 +155,8 @@ class SamplePacker:
                     return
                 g[:] = parts[0]
                 groups.append(parts[1])
+                for j in (i, len(groups) - 1):
+                    heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
             free -= k
 
     def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:

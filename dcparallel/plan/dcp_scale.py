@@ -63,7 +63,7 @@ SUB_BINS = 4
 #: steps with at most this many samples per GPU whose class-level plan is predicted more than
 #: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
 PACK_PER_GPU = 4.0
-PACK_GATE = 1.03
+PACK_GATE = 1.05
 
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
