@@ -56,11 +56,11 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
 
 
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
-    """The text scenario's long-context mix (7B model, H200 calibration) at 0.75 samples per
-    GPU on 128 GPUs: the class-level plan times every sample of a bucket as its largest;
+    """The text scenario's long-context mix (7B model, H200 calibration) at 0.375 samples per
+    GPU on 256 GPUs: the class-level plan times every sample of a bucket as its largest;
     packing them one by one finishes sooner, and `dcp` keeps the faster plan."""
     sc = SCENARIOS["text"]
-    cl = sc.cluster(128)
+    cl = sc.cluster(256)
     sizes = tuple(sample_sizes("text", "long", epoch_tokens=sc.tokens_per_step * 4))[:96]
     w = Workload(sc.model, sizes)
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
@@ -70,6 +70,6 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     packed, span = p.packer.plan(list(step.sample_ids))
     chosen = p.plan(step)
     t = p.score
-    assert span < t(class_plan) * 0.99, (span, t(class_plan))
+    assert span < t(class_plan) * 0.9, (span, t(class_plan))  # 3.69 s against 4.69 s when written
     assert t(chosen) <= min(t(class_plan), span) * (1 + 1e-9)
     assert chosen.to_json() == p.packer.step_plan(step, packed).to_json()  # the packed plan was kept
