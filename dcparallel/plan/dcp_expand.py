@@ -32,7 +32,8 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
     """The groups (SP degrees, widest first) and their micro-batches of each phase of a
     class-level plan, and the predicted step time (each micro-batch timed by its samples'
     weights; `cumw`: per bucket the running sum of its members' weights, from 0). A
-    micro-batch is (sample ids, layout, time, bucket, mean weight)."""
+    micro-batch is (range of its bucket's members, layout, time, bucket, mean weight): the
+    sample ids are taken only for the expansion kept (`build_plan`)."""
     cursor = {j: 0 for j in members}
     predicted = 0.0
     phases: Phases = []
@@ -45,7 +46,7 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
             for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
-        chunks: list[list[tuple]] = [[] for _ in sizes]  # (ids, layout, time, bucket, mean weight)
+        chunks: list[list[tuple]] = [[] for _ in sizes]  # (members range, layout, time, bucket, mean weight)
         held: dict[int, list[tuple[int, int, int]]] = {}  # item class -> its groups (first, count, per group)
         for g0, _, gc in ranges:
             for ic, q in gc.items.items():
@@ -53,7 +54,6 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
                     held.setdefault(ic, []).append((g0, gc.count, q))
         for ic, it in enumerate(items):
             holders = held.get(ic, [])
-            ids = members[it.bucket]
             cw = cumw[it.bucket]
             t_one = p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
             s0 = cursor[it.bucket]
@@ -74,7 +74,7 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
             w = cuts[1:] - cuts[:-1]
             lay, j = it.layout, it.bucket
             for g, a, wt, mw in zip(order, starts, (w * t_one).tolist(), (w / m).tolist()):
-                chunks[g].append((tuple(ids[a:a + m]), lay, wt, j, mw))
+                chunks[g].append((range(a, a + m), lay, wt, j, mw))
             cursor[it.bucket] = s0 + m * len(order)
         of_k = {k: [g for g, kk in enumerate(sizes) if kk == k] for k in gclasses}
         for k in gclasses:
@@ -88,12 +88,15 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
     return phases, predicted
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: Phases, num_tokens: int) -> StepPlan:
-    """The step plan of an expansion: each phase's groups placed as aligned blocks."""
+def build_plan(p: ScalePlanner, step: Step, phases: Phases, num_tokens: int, members: dict[int, list[int]]
+               ) -> StepPlan:
+    """The step plan of an expansion: each phase's groups placed as aligned blocks (a
+    micro-batch's samples are a range of its bucket's `members`)."""
     groups: list[GroupPlan] = []
     for phase, (sizes, chunks) in enumerate(phases):
         for g, r in enumerate(p.ctx.topology.tile(sizes)):
-            mbs = tuple([MicroBatch(c[0], c[1]) for c in chunks[g]]) if g < len(chunks) else ()
+            mbs = tuple([MicroBatch(tuple(members[c[3]][c[0].start:c[0].stop]), c[1]) for c in chunks[g]]
+                        ) if g < len(chunks) else ()
             groups.append(GroupPlan(r, mbs, phase))
     return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
 

@@ -45,28 +45,24 @@ from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp_classes import ItemClass, class_span, groups_needed
 from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_setup import planning_classes, sample_weights
+from dcparallel.plan.dcp_setup import (
+    AT_BOUND,
+    EXPAND_WITHIN,
+    FEW_MAX_SAMPLES,
+    FEW_PER_GPU,
+    FINE_MAX_SAMPLES,
+    FINE_MAX_WORLD,
+    PACK_GATE,
+    PACK_PER_GPU,
+    ROW_CACHE_LIMIT,
+    STALE_STOP,
+    SUB_BINS,
+    planning_classes,
+    sample_weights,
+)
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, ROUND_EPS, TIME_EPS, Score, StepPlan
 from dcparallel.spec import Layout
-
-#: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
-FINE_MAX_WORLD = 64
-FINE_MAX_SAMPLES = 1024
-
-#: text steps with at most this many samples per GPU (and FEW_MAX_SAMPLES) are also planned
-#: over `SUB_BINS` classes per bucket (length ranges of 2 ** (1 / SUB_BINS))
-FEW_PER_GPU = 8.0
-FEW_MAX_SAMPLES = 2048
-SUB_BINS = 4
-
-#: steps with at most this many samples per GPU whose class-level plan is predicted more than
-#: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
-PACK_PER_GPU = 4.0
-PACK_GATE = 1.05
-
-#: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
-ROW_CACHE_LIMIT = 50_000
 
 
 class ScalePlanner:
@@ -310,10 +306,10 @@ class ScalePlanner:
                 found.append(got)
                 found.sort(key=lambda g: g[0])
                 del found[keep + 2:]
-            if found and found[0][0] <= bound * 1.002:
+            if found and found[0][0] <= bound * AT_BOUND:
                 break  # at the bound: wider minimums cannot help
             stale = 0 if improved or not found else stale + 1
-            if stale >= 2:  # two wider minimums in a row did not help: stop (a heuristic bound on the search)
+            if stale >= STALE_STOP:  # wider minimums in a row did not help: stop (a heuristic bound on the search)
                 break
         out, seen = [], set()
         for span, items, counts_by_k in found:
@@ -391,10 +387,10 @@ class ScalePlanner:
         cands.sort(key=lambda c: c[0])
         best = None
         for pre, parts in cands[: self.expand_best]:
-            if best is not None and pre > cands[0][0] * 1.02:
+            if best is not None and pre > cands[0][0] * EXPAND_WITHIN:
                 break
             got = expand(self, parts, members, cumw)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        return build_plan(self, step, best[0], int(self.tok[ids].sum())), best[1], one[3]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum()), members), best[1], one[3]
 

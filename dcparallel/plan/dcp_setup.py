@@ -1,4 +1,5 @@
-"""`dcp`'s per-run tables: planning classes, their largest samples, per-sample weights.
+"""`dcp`'s thresholds and per-run tables: planning classes, their largest samples, per-sample
+weights.
 
 The classes are the context's buckets, or finer text length ranges."""
 
@@ -14,6 +15,32 @@ from dcparallel.plan.types import REL_TOL, TIME_EPS
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
+
+#: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
+FINE_MAX_WORLD = 64
+FINE_MAX_SAMPLES = 1024
+
+#: text steps with at most this many samples per GPU (and FEW_MAX_SAMPLES) are also planned
+#: over `SUB_BINS` classes per bucket (length ranges of 2 ** (1 / SUB_BINS))
+FEW_PER_GPU = 8.0
+FEW_MAX_SAMPLES = 2048
+SUB_BINS = 4
+
+#: steps with at most this many samples per GPU whose class-level plan is predicted more than
+#: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
+PACK_PER_GPU = 4.0
+PACK_GATE = 1.05
+
+#: the search over a phase's smallest allowed SP degree stops when its best plan is within
+#: AT_BOUND of the phase's bound, or after STALE_STOP wider minimums in a row did not help
+AT_BOUND = 1.002
+STALE_STOP = 2
+
+#: a class-level candidate is expanded only within this factor of the best one's prediction
+EXPAND_WITHIN = 1.02
+
+#: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
+ROW_CACHE_LIMIT = 50_000
 
 
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:

@@ -50,9 +50,10 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
         assert r.memory_violations == 0
         assert abs(r.step_time - span) <= 1e-9 * span  # the packer predicts exactly what is simulated
         assert r.step_time >= lb.step(s) * (1 - 1e-9)
-        for g, (k, finish, ids) in zip(plan.groups, groups):  # longest last: it hides the sync
+        for g, (k, _, ids) in zip(plan.groups, groups):  # longest last: it hides the sync
             times = [ctx.mb_time(mb.sample_ids, mb.layout) for mb in g.micro_batches]
             assert times == sorted(times) and len(g.ranks) == k
+            assert [i for mb in g.micro_batches for i in mb.sample_ids] == ids
 
 
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
