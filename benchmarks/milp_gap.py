@@ -1,7 +1,8 @@
 """How far `dcp`'s heuristic is from optimal on small steps: an exact MILP (HiGHS through
 `scipy.optimize.milp`) over the same layout space and the same class-level cost model.
 
-    PYTHONPATH=.:<dir with scipy> .venv/bin/python benchmarks/milp_gap.py [--out FILE.md]
+    .venv/bin/pip install -e ".[milp]"   # scipy
+    PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py [--out FILE.md]
 
 Model (one phase, as the planner's class level sees a step): every sample of a bucket costs
 like its bucket's largest sample, scaled by the bucket's mean weight in the step
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from dcparallel.cost.analytic import AnalyticCost
@@ -153,9 +155,10 @@ def main() -> int:
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     gaps = [r["gap"] for r in rows if r["gap"] is not None]
     lines = [f"# dcp heuristic vs exact MILP on small steps — {today}", "",
-             f"Command: `PYTHONPATH=.:<scipy dir> .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
-             f"--steps {args.steps} --divide {args.divide}`; machine: {platform.machine()} CPU, Python "
-             f"{platform.python_version()}, scipy (HiGHS) from a private install (not in the project's venv).", "",
+             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
+             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}` (scipy from "
+             f"`pip install -e \".[milp]\"`); machine: {platform.machine()} CPU, Python "
+             f"{platform.python_version()}, scipy {scipy.__version__} (HiGHS).", "",
              "Same class-level cost model and layout space for both (see the script's docstring); one phase; "
              f"world {args.world} (8 GPUs per node); step budget = the scenario's 32-GPU budget / {args.divide}.", "",
              f"Gap (heuristic / optimum - 1) over {len(gaps)} steps: median {100 * statistics.median(gaps):.2f}%, "

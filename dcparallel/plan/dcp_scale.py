@@ -52,6 +52,7 @@ from dcparallel.plan.dcp_setup import (
     FEW_PER_GPU,
     FINE_MAX_SAMPLES,
     FINE_MAX_WORLD,
+    FINER_GATE,
     PACK_GATE,
     PACK_PER_GPU,
     ROW_CACHE_LIMIT,
@@ -325,7 +326,8 @@ class ScalePlanner:
     def plan(self, step: Step) -> StepPlan:
         plan, predicted, bound = self._plan(step)
         n = len(step.sample_ids)
-        if self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES:
+        if (self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES
+                and predicted > bound * FINER_GATE):
             other, pred_other, _ = self.finer._plan(step)
             if pred_other < predicted * (1 - REL_TOL):
                 plan, predicted = other, pred_other

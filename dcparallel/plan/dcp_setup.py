@@ -25,6 +25,8 @@ FINE_MAX_SAMPLES = 1024
 FEW_PER_GPU = 8.0
 FEW_MAX_SAMPLES = 2048
 SUB_BINS = 4
+#: ... when the class-level plan is predicted more than this factor above the step's bound
+FINER_GATE = 1.01
 
 #: steps with at most this many samples per GPU whose class-level plan is predicted more than
 #: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
