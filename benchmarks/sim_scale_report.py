@@ -80,9 +80,9 @@ def main() -> int:
     lines += [f"    {c}" for c in args.command]
     lines += ["", f"    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale_report.py {args.out} "
               + " ".join(str(p) for p in args.runs) + " --command ...", "",
-              f"Machine: {platform.machine()} CPU, 2 cores shared with three other engineers' jobs and at times "
-              "with a second of the runs listed above (load average 4–8: **wall-clock planning times are "
-              "inflated by contention**; `plan_cpu_time.py` measures CPU time); Python "
+              f"Machine: {platform.machine()} CPU, 2 cores, at times running two of the runs listed above side by "
+              "side (**wall-clock planning times are inflated by contention**; `plan_cpu_time.py` measures CPU "
+              "time); Python "
               f"{platform.python_version()}, numpy {np.__version__}.", "",
               "Cost model: `AnalyticCost` fitted to the H200 calibration, 8 GPUs per node, NVLink / InfiniBand "
               "from datasheets (assumptions). Every policy plans the same steps (shared step former). "

@@ -140,6 +140,7 @@ def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
 _PLAN_SCRIPT = """
 import hashlib, json
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import step_seconds
@@ -154,6 +155,8 @@ for world, model in ((4096, TINY_LM), (512, TINY_DIT)):
     ctx = PlanContext(w, cost(model, cl), cl)
     p = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
     out.append([p.plan(s).to_json() for s in steps])
+    packer = SamplePacker(ctx, "pac")  # the per-sample packing, whether or not dcp keeps it here
+    out.append([packer.step_plan(s, packer.plan(list(s.sample_ids))[0]).to_json() for s in steps])
 print(hashlib.sha256(json.dumps(out).encode()).hexdigest())
 """
 
