@@ -26,9 +26,10 @@ sample, so it fits every sample of the bucket. Per step:
    the step's bound, the step is also packed sample by sample (each sample timed alone at
    every degree); the plan the score predicts faster is kept.
 
-Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU are also planned over finer
-classes (`SUB_BINS` length ranges per bucket, each sized by its own largest sample); the plan
-predicted faster is kept. On small clusters the per-sample planner (`dcp-v1`) is tried too.
+Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU whose class plan is above the
+bound are also planned over finer classes (`SUB_BINS` length ranges per bucket, each sized by its
+own largest sample); the plan predicted faster is kept. On small clusters the per-sample
+planner (`dcp-v1`) is tried too.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
