@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump({"world_size": world, "losses": losses}, f)
     if dist.is_initialized():
+        comm.barrier()  # no rank tears its groups down while another still talks to it
         dist.destroy_process_group()
     return 0
 
