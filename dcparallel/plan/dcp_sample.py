@@ -36,8 +36,8 @@ from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, Ste
 #: bisection steps for the makespan target between two of the samples' times
 CONTINUOUS_STEPS = 8
 
-#: one group: (SP degree, predicted finish, sample ids in run order)
-Group = tuple[int, float, list[int]]
+#: one group: (SP degree, predicted finish, its micro-batches' sample ids in run order)
+Group = tuple[int, float, list[tuple[int, ...]]]
 
 
 class SamplePacker:
@@ -45,6 +45,7 @@ class SamplePacker:
         self.ctx, self.mode = ctx, mode
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
+        self._mbs: dict = {}  # per bucket, its preferred micro-batch size
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = num_buckets(ctx.cost.model.num_params)
 
@@ -52,18 +53,35 @@ class SamplePacker:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
         return exposed_sync(self.sync, last, self.buckets)
 
-    def times(self, ids: Sequence[int]) -> np.ndarray:
-        """Per sample and degree, the time of the sample alone (inf where it does not fit)."""
+    def items(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
+        size (the least GPU-seconds per sample; 1 for long samples), longest first."""
         ctx = self.ctx
-        rows: dict = {}  # per distinct size (video steps repeat a few shapes)
-        t = np.full((len(ids), len(self.sp)), np.inf)
-        for a, i in enumerate(ids):
-            size = ctx.sizes[i]
-            row = rows.get(size)
+        by: dict = {}
+        for i in ids:
+            by.setdefault(ctx.bucket_of[i], []).append(i)
+        out = []
+        for b in sorted(by):
+            m = self._mbs.get(b)
+            if m is None:
+                opts = ctx.bucket_options(b, self.mode)
+                m = self._mbs[b] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))].layout.mbs
+            members = sorted(by[b], key=lambda i: (-ctx.tokens[i], i))
+            out.extend(tuple(members[a:a + m]) for a in range(0, len(members), m))
+        return out
+
+    def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """Per micro-batch and degree, its time alone (inf where it does not fit)."""
+        ctx = self.ctx
+        rows: dict = {}  # per distinct sizes (video steps repeat a few shapes)
+        t = np.full((len(items), len(self.sp)), np.inf)
+        for a, item in enumerate(items):
+            sizes = tuple(ctx.sizes[i] for i in item)
+            row = rows.get(sizes)
             if row is None:
-                row = rows[size] = [np.inf] * len(self.sp)
+                row = rows[sizes] = [np.inf] * len(self.sp)
                 for b, k in enumerate(self.sp):
-                    fit = ctx.layout_for((size,), k, self.mode)  # the bounded cache the simulator also uses
+                    fit = ctx.layout_for(sizes, k, self.mode)  # the bounded cache the simulator also uses
                     if fit is not None:
                         row[b] = fit.time
             t[a] = row
@@ -78,7 +96,8 @@ class SamplePacker:
     def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float) -> list[list] | None:
         """Groups [degree index, load, member rows, longest member time] for target T (a
         group's load plus the sync its longest member leaves exposed stays within T), or None
-        if a sample cannot finish within T or the groups need more ranks than the world."""
+        if a micro-batch cannot finish within T or the groups need more ranks than the world.
+        Rows are micro-batches; `ids`: each one's first sample id (ties)."""
         cap = T * (1 + TIME_EPS)
         ok = f <= cap
         if not ok.any(axis=1).all():
@@ -161,10 +180,21 @@ class SamplePacker:
 
     def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
-        the best target."""
+        the best target, packing samples one per micro-batch or, when buckets prefer more,
+        in micro-batches of their preferred size; the faster of the two."""
         if not ids:
             return None
-        t = self.times(ids)
+        best = self._plan_items([(i,) for i in ids])
+        merged = self.items(ids)
+        if len(merged) < len(ids):
+            other = self._plan_items(merged)
+            if other is not None and (best is None or other[1] < best[1] * (1 - MIN_GAIN)):
+                best = other
+        return best
+
+    def _plan_items(self, items: list[tuple[int, ...]]) -> tuple[list[Group], float] | None:
+        ids = [it[0] for it in items]
+        t = self.times(items)
         f = self.alone(t)
         fast = f.min(axis=1)
         if not np.isfinite(fast).all():
@@ -207,7 +237,7 @@ class SamplePacker:
                 best = (groups, span)
         groups, span = best
         # longest last: the gradient sync overlaps the last micro-batch's backward
-        out = [(self.sp[g[0]], self.finish(g), [ids[a] for a in sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))])
+        out = [(self.sp[g[0]], self.finish(g), [items[a] for a in sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))])
                for g in groups]
         out.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
         return out, span
@@ -220,7 +250,7 @@ class SamplePacker:
             mbs: tuple = ()
             if g < len(groups):
                 k = groups[g][0]
-                mbs = tuple(MicroBatch((i,), ctx.layout_for((ctx.sizes[i],), k, self.mode).layout)
-                            for i in groups[g][2])
+                mbs = tuple(MicroBatch(item, ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout)
+                            for item in groups[g][2])
             out.append(GroupPlan(ranks, mbs, 0))
         return StepPlan(step.index, step.sample_ids, tuple(out), ctx.step_tokens(step.sample_ids))

@@ -42,7 +42,7 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
     assert [g for _, g in got[0]] == [g for _, g in got[1]]
     lb = LowerBound(ctx)
     for s, (groups, span) in got[0]:
-        assert sorted(i for _, _, ids in groups for i in ids) == sorted(s.sample_ids)
+        assert sorted(i for _, _, items in groups for item in items for i in item) == sorted(s.sample_ids)
         assert sum(k for k, _, _ in groups) <= cl.world_size
         plan = packer.step_plan(s, groups)
         plan.validate(cl.world_size, allowed)
@@ -53,7 +53,7 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
         for g, (k, _, ids) in zip(plan.groups, groups):  # longest last: it hides the sync
             times = [ctx.mb_time(mb.sample_ids, mb.layout) for mb in g.micro_batches]
             assert times == sorted(times) and len(g.ranks) == k
-            assert [i for mb in g.micro_batches for i in mb.sample_ids] == ids
+            assert [mb.sample_ids for mb in g.micro_batches] == ids
 
 
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
