@@ -5,8 +5,8 @@ level (every sample of a bucket laid out for the bucket's largest, group loads e
 from mean weights) leaves groups that finish far apart. Here each sample is timed alone at
 every SP degree, and for a makespan target T:
 
-1. every sample takes the narrowest degree at which it finishes within T (the fewest
-   GPU-seconds: wider SP only adds communication);
+1. every sample takes the degree of fewest GPU-seconds among those at which it finishes
+   within T (wider SP adds communication, narrower may need recomputation);
 2. samples, longest first, are packed into groups of capacity T: into the fullest open group
    of their degree they still fit in, else into the fullest wider group they fit in
    (re-timed at its degree), else into a new group of their degree. A group's finish counts
@@ -45,6 +45,7 @@ class SamplePacker:
         self.ctx, self.mode = ctx, mode
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
+        self.kf = np.asarray(self.sp, dtype=float)
         self._mbs: dict = {}  # per bucket, its preferred micro-batch size
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = num_buckets(ctx.cost.model.num_params)
@@ -102,7 +103,8 @@ class SamplePacker:
         ok = f <= cap
         if not ok.any(axis=1).all():
             return None
-        nar = ok.argmax(axis=1)  # the narrowest degree within T
+        # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
+        nar = np.where(ok, t * self.kf, np.inf).argmin(axis=1)
         own = t[np.arange(len(ids)), nar]
         # longest first: by GPU-seconds at the narrowest degree, then id
         order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
