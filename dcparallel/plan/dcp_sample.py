@@ -17,6 +17,10 @@ every SP degree, and for a makespan target T:
    while that lowers the makespan. Each group runs its longest sample last, so the gradient
    sync overlaps the longest backward.
 
+The step is packed twice: one sample per micro-batch, and in micro-batches of each bucket's
+preferred size (the least GPU-seconds per sample: several short samples or video clips of
+one shape share a micro-batch); the faster packing is returned.
+
 Deterministic (ties broken by sample id), so every rank computes the same plan.
 """
 
