@@ -150,8 +150,8 @@ class SamplePacker:
         return g[1] + self.exposed(g[3])
 
     def widen(self, groups: list[list], t: np.ndarray) -> None:
-        """Ranks left over go to the group that finishes last: a group of one sample doubles
-        its degree (when the sample fits there), a group of several splits its samples over a
+        """Ranks left over go to the group that finishes last: a group of one micro-batch
+        moves to the next degree of the chain (when it fits there), a group of several splits its samples over a
         second group of its degree; while the makespan falls."""
         free = self.world - sum(self.sp[g[0]] for g in groups)
         heap = [(-self.finish(g), g[0], i) for i, g in enumerate(groups)]  # the last to finish first
@@ -160,16 +160,18 @@ class SamplePacker:
             neg, _, i = heapq.heappop(heap)
             g, top = groups[i], -neg
             k = self.sp[g[0]]
-            if k > free:
-                return
             if len(g[2]) == 1:
-                b = self.sp.index(2 * k) if 2 * k in self.sp else None
+                b = g[0] + 1  # the next degree of the chain
                 a = g[2][0]
-                if b is None or not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
+                if b >= len(self.sp) or self.sp[b] - k > free or \
+                        not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
                     return
                 g[0], g[1], g[3] = b, float(t[a, b]), float(t[a, b])
                 heapq.heappush(heap, (-self.finish(g), g[0], i))
+                free -= self.sp[b] - k
             else:
+                if k > free:
+                    return
                 parts: list[list] = [[g[0], 0.0, [], 0.0], [g[0], 0.0, [], 0.0]]
                 for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
                     q = parts[0] if parts[0][1] <= parts[1][1] else parts[1]
@@ -182,7 +184,7 @@ class SamplePacker:
                 groups.append(parts[1])
                 for j in (i, len(groups) - 1):
                     heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
-            free -= k
+                free -= k
 
     def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
