@@ -5,6 +5,7 @@ classes."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -80,28 +81,35 @@ def _merge(classes: list[GroupClass]) -> list[GroupClass]:
 
 
 def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
-    """The makespan `deal_classes` reaches, tracking loads only (no contents)."""
-    loads: dict[float, int] = {0.0: n}
+    """The makespan `deal_classes` reaches, tracking loads only (no contents): the distinct
+    loads on a heap, with how many groups carry each."""
+    count: dict[float, int] = {0.0: n}
+    heap = [0.0]
+
+    def add(load: float, c: int) -> None:
+        if load in count:
+            count[load] += c
+        else:
+            count[load] = c
+            heapq.heappush(heap, load)
+
     for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
         while q > 0:
-            order = sorted(loads)
-            low = order[0]
-            cnt = loads[low]
-            nxt = order[1] if len(order) > 1 else math.inf
+            low = heapq.heappop(heap)
+            cnt = count.pop(low)
+            nxt = heap[0] if heap else math.inf
             per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - ROUND_EPS))
-            del loads[low]
             if per * cnt <= q:
-                loads[low + per * t] = loads.get(low + per * t, 0) + cnt
+                add(low + per * t, cnt)
                 q -= per * cnt
                 continue
             a, r = divmod(q, cnt)
             if r:
-                loads[low + (a + 1) * t] = loads.get(low + (a + 1) * t, 0) + r
+                add(low + (a + 1) * t, r)
             if cnt - r:
-                loads[low + a * t] = loads.get(low + a * t, 0) + cnt - r
+                add(low + a * t, cnt - r)
             q = 0
-    return max(loads)
-
+    return max(count)
 
 
 def groups_needed(chosen: Sequence[tuple], T: float) -> dict[int, int]:

@@ -6,39 +6,93 @@ degrees, and placed on ranks.
 Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
 to the groups holding that bucket (so every group gets a mix of its bucket's longer and
 shorter samples); groups are placed as aligned blocks, largest first (a group no larger than
-a node stays inside one; a larger one spans nodes and the cost model charges the link).
-Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion that is kept.
+a node stays inside one; a larger one spans nodes and the cost model charges the link), and
+each group runs its micro-batches shortest first, so its longest backward hides the most of
+the gradient sync. The micro-batches of a phase are numpy arrays (`Phase`): the expansion
+costs a few array operations per item class and per refinement round, not Python work per
+micro-batch. Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion that
+is kept.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import GroupClass, deal_classes
+from dcparallel.plan.dcp_classes import GroupClass
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
 
+#: refinement rounds per SP degree; each round pairs up to REFINE_PAIRS of the degree's most
+#: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
+REFINE_ROUNDS = 16
+REFINE_PAIRS = 256
 
-Phases = list[tuple[list[int], list[list[tuple]]]]
+
+@dataclass(slots=True)
+class Phase:
+    """The groups of one phase (SP degrees, widest first) and its micro-batches as arrays:
+    each micro-batch's group, first position in the step's sorted sample ids, samples,
+    layout (an index into `layouts`), time and its samples' mean weight."""
+
+    sizes: list[int]
+    grp: np.ndarray
+    start: np.ndarray
+    m: np.ndarray
+    bucket: np.ndarray
+    lay: np.ndarray
+    t: np.ndarray
+    mw: np.ndarray
+    layouts: list[Layout]
+
+    def loads(self) -> np.ndarray:
+        return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
 
-def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int, np.ndarray]
-           ) -> tuple[Phases, float]:
-    """The groups (SP degrees, widest first) and their micro-batches of each phase of a
-    class-level plan, and the predicted step time (each micro-batch timed by its samples'
-    weights; `cumw`: per bucket the running sum of its members' weights, from 0). A
-    micro-batch is (range of its bucket's members, layout, time, bucket, mean weight): the
-    sample ids are taken only for the expansion kept (`build_plan`)."""
-    cursor = {j: 0 for j in members}
+def deal_order(holders: list[tuple[int, int, int]], ic: int) -> np.ndarray:
+    """The group of each micro-batch of item class `ic`, in sample order: round by round over
+    the groups still holding some (`holders`: first group, count, micro-batches per group),
+    alternating direction and rotated per class, so each group gets longer and shorter
+    samples of the bucket."""
+    if len(holders) == 1:
+        g = np.arange(holders[0][0], holders[0][0] + holders[0][1])
+        q = None
+        levels = [holders[0][2]]
+    else:
+        g = np.concatenate([np.arange(g0, g0 + n) for g0, n, _ in holders])
+        q = np.repeat([per for _, _, per in holders], [n for _, n, _ in holders])
+        levels = sorted({per for _, _, per in holders})
+    out, done = [], 0
+    for qv in levels:  # rounds done..qv-1 deal to the groups holding at least qv
+        gl = g if q is None or qv == levels[0] else g[q >= qv]
+        o = (ic * 7919) % len(gl)
+        rot = np.concatenate((gl[o:], gl[:o]))
+        rounds = qv - done
+        if rounds == 1:
+            out.append(rot if done % 2 == 0 else rot[::-1])
+        else:
+            pair = np.concatenate((rot, rot[::-1]) if done % 2 == 0 else (rot[::-1], rot))
+            out.append(np.tile(pair, (rounds + 1) // 2)[:rounds * len(rot)])
+        done = qv
+    return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.ndarray]
+           ) -> tuple[list[Phase], float]:
+    """The phases of a class-level plan and the predicted step time (each micro-batch timed
+    by its samples' weights; `cumw`: per bucket the running sum of its members' weights,
+    from 0; `offset`: per bucket its first position in the step's sorted sample ids)."""
+    cursor = {j: 0 for j in offset}
     predicted = 0.0
-    phases: Phases = []
+    phases: list[Phase] = []
     for _, items, (by_k, count), _ in parts:
-        gclasses = {k: deal_classes(by_k[k], count[k]) for k in by_k}
+        gclasses = {k: p.deal(by_k[k], count[k]) for k in by_k}
         # every group of the phase, widest first; a group class is a range of them
         ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
         sizes: list[int] = []
@@ -46,129 +100,155 @@ def expand(p: ScalePlanner, parts, members: dict[int, list[int]], cumw: dict[int
             for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
-        chunks: list[list[tuple]] = [[] for _ in sizes]  # (members range, layout, time, bucket, mean weight)
         held: dict[int, list[tuple[int, int, int]]] = {}  # item class -> its groups (first, count, per group)
         for g0, _, gc in ranges:
             for ic, q in gc.items.items():
                 if q:
                     held.setdefault(ic, []).append((g0, gc.count, q))
+        cols: list[tuple] = []  # per item class: (groups, starts, m, bucket, layout, times, mean weights)
         for ic, it in enumerate(items):
-            holders = held.get(ic, [])
-            cw = cumw[it.bucket]
-            t_one = p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs
-            s0 = cursor[it.bucket]
-            m = it.mbs
-            rnd = 0
-            order: list[int] = []  # the group of each of the class's micro-batches, in sample order
-            while holders:
-                # round by round, alternating direction and rotated per class, so each
-                # group gets longer and shorter samples of the bucket
-                gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
-                o = (ic * 7919) % len(gl)
-                gl = gl[o:] + gl[:o]
-                order.extend(gl if rnd % 2 == 0 else gl[::-1])
-                rnd += 1
-                holders = [h for h in holders if h[2] > rnd]
-            starts = range(s0, s0 + m * len(order), m)
-            cuts = cw[s0:s0 + m * len(order) + 1:m]
+            if ic not in held:
+                continue
+            order = deal_order(held[ic], ic)
+            j, m, n = it.bucket, it.mbs, len(order)
+            s0 = cursor[j]
+            cuts = cumw[j][s0:s0 + m * n + 1:m]
             w = cuts[1:] - cuts[:-1]
-            lay, j = it.layout, it.bucket
-            for g, a, wt, mw in zip(order, starts, (w * t_one).tolist(), (w / m).tolist()):
-                chunks[g].append((range(a, a + m), lay, wt, j, mw))
-            cursor[it.bucket] = s0 + m * len(order)
-        of_k = {k: [g for g, kk in enumerate(sizes) if kk == k] for k in gclasses}
+            t_one = p.ttab[(j, it.sp)][m] / m
+            cols.append((order, offset[j] + s0 + m * np.arange(n), m, j, ic, w * t_one, w / m))
+            cursor[j] = s0 + m * n
+        n_of = [len(c[0]) for c in cols]
+        ph = Phase(sizes, np.concatenate([c[0] for c in cols]), np.concatenate([c[1] for c in cols]),
+                   np.repeat([c[2] for c in cols], n_of), np.repeat([c[3] for c in cols], n_of),
+                   np.repeat([c[4] for c in cols], n_of), np.concatenate([c[5] for c in cols]),
+                   np.concatenate([c[6] for c in cols]), [it.layout for it in items])
+        deg = np.asarray(sizes)
+        of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         for k in gclasses:
-            refine(of_k[k], chunks)
-        if spill(p, sizes, chunks):
+            refine(ph, of_k[k])
+        if spill(p, ph):
             for k in gclasses:
-                refine(of_k[k], chunks)
-        predicted += max((sum(c[2] for c in g) for g in chunks), default=0.0)
-        phases.append((sizes, chunks))
-    assert all(cursor[j] == len(v) for j, v in members.items()), "every sample is planned once"
+                refine(ph, of_k[k])
+        predicted += float(ph.loads().max(initial=0.0))
+        phases.append(ph)
+    assert all(cursor[j] == len(cumw[j]) - 1 for j in offset), "every sample is planned once"
     return phases, predicted
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: Phases, num_tokens: int, members: dict[int, list[int]]
-               ) -> StepPlan:
-    """The step plan of an expansion: each phase's groups placed as aligned blocks (a
-    micro-batch's samples are a range of its bucket's `members`)."""
+def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: list[int]) -> StepPlan:
+    """The step plan of an expansion: each phase's groups placed as aligned blocks, each
+    running its micro-batches shortest first (`ids`: the step's sample ids in the order the
+    micro-batches' `start` positions refer to)."""
     groups: list[GroupPlan] = []
-    for phase, (sizes, chunks) in enumerate(phases):
-        for g, r in enumerate(p.ctx.topology.tile(sizes)):
-            mbs = tuple([MicroBatch(tuple(members[c[3]][c[0].start:c[0].stop]), c[1]) for c in chunks[g]]
-                        ) if g < len(chunks) else ()
-            groups.append(GroupPlan(r, mbs, phase))
+    for phase, ph in enumerate(phases):
+        order = np.lexsort((ph.start, ph.t, ph.grp))
+        g_of = ph.grp[order]
+        ends = np.searchsorted(g_of, np.arange(len(ph.sizes)), side="right").tolist()
+        mbs = [MicroBatch(tuple(ids[a:a + m]), ph.layouts[li]) for a, m, li in
+               zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())]
+        lo = 0
+        for g, r in enumerate(p.ctx.topology.tile(ph.sizes)):
+            hi = ends[g] if g < len(ends) else lo
+            groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
+            lo = hi
     return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
 
 
-def spill(p: ScalePlanner, sizes: list[int], chunks: list[list[tuple]], max_iter: int = 256) -> bool:
+def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
     degree's recompute for copies of the bucket's largest sample), while the slowest
     group's load falls."""
-    if len(set(sizes)) < 2:
+    kinds = sorted(set(ph.sizes))
+    if len(kinds) < 2:
         return False
     moved = False
-    loads = np.array([sum(c[2] for c in g) for g in chunks])
-    deg = np.array(sizes)
-    kinds = sorted(set(sizes))
+    loads = ph.loads()
+    deg = np.asarray(ph.sizes)
+    masks = {k: deg == k for k in kinds}
     for _ in range(max_iter):
         a = int(np.argmax(loads))
-        top = loads[a]
+        top = float(loads[a])
+        src = np.flatnonzero(ph.grp == a)
+        jj, mm, ts = ph.bucket[src], ph.m[src], ph.t[src]
         best = None
         for k in kinds:
-            if k == sizes[a]:
+            if k == ph.sizes[a]:
                 continue
-            masked = np.where(deg == k, loads, np.inf)
-            z = int(np.argmin(masked))
+            z = int(np.argmin(np.where(masks[k], loads, np.inf)))
             if loads[z] >= top:
                 continue
-            for i, c in enumerate(chunks[a]):
-                j, m = c[3], len(c[0])
-                if m > p.top[(j, k)]:
-                    continue
-                t_new = p.ttab[(j, k)][m] * c[4]
-                new = max(top - c[2], loads[z] + t_new)
-                if new < top * (1 - MIN_GAIN) and (best is None or new < best[0]):
-                    best = (new, i, z, k, t_new)
+            t_new = p.ttab_arr[k][jj, mm] * ph.mw[src]  # inf where the micro-batch does not fit at k
+            new = np.maximum(top - ts, loads[z] + t_new)
+            new = np.where(new < top * (1 - MIN_GAIN), new, np.inf)
+            i = int(np.argmin(new))
+            if np.isfinite(new[i]) and (best is None or new[i] < best[0]):
+                best = (float(new[i]), i, z, k, float(t_new[i]))
         if best is None:
             return moved
         moved = True
         _, i, z, k, t_new = best
-        c = chunks[a].pop(i)
-        loads[a] -= c[2]
-        lay = p._lt(c[3], len(c[0]), k)[0]
-        chunks[z].append((c[0], lay, t_new, c[3], c[4]))
+        x = src[i]
+        loads[a] -= ph.t[x]
+        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
+        ph.grp[x], ph.t[x], ph.lay[x] = z, t_new, len(ph.layouts) - 1
         loads[z] += t_new
     return moved
 
 
-def refine(gs: list[int], chunks: list[list[tuple]],
-            max_iter: int = 64) -> None:
-    """Local search on the slowest group of one degree, with each micro-batch timed from its
-    own samples: move a micro-batch to, or swap one with, the least-loaded group of that
-    degree while the pair's larger load falls."""
+def refine(ph: Phase, gs: np.ndarray) -> None:
+    """Local search within one SP degree (groups `gs`), with each micro-batch timed from its
+    own samples: in rounds, the degree's most loaded groups are paired with its least loaded
+    ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
+    load falls as close to their mean as a single move or swap allows; until the most loaded
+    group is within 0.1% of the degree's mean load or no pair can improve."""
     if len(gs) < 2:
         return
-    loads = np.array([sum(c[2] for c in chunks[g]) for g in gs])
+    mine = np.isin(ph.grp, gs)
+    idx = np.flatnonzero(mine)
+    row_of = np.full(len(ph.sizes), -1)
+    row_of[gs] = np.arange(len(gs))
+    rows = row_of[ph.grp[idx]]
+    o = np.argsort(rows, kind="stable")
+    rows, idx = rows[o], idx[o]
+    counts = np.bincount(rows, minlength=len(gs))
+    slot = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
+    # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty); one spare column
+    slots = np.full((len(gs), int(counts.max(initial=0)) + 1), -1)
+    slots[rows, slot] = idx
+    tt = np.append(ph.t, 0.0)  # tt[-1] = 0: an empty slot
+    loads = np.bincount(rows, weights=ph.t[idx], minlength=len(gs))
     mean = float(loads.mean())
-    for _ in range(max_iter):
-        a, z = int(np.argmax(loads)), int(np.argmin(loads))
+    changed = False
+    for _ in range(REFINE_ROUNDS):
+        order = np.argsort(-loads, kind="stable")
+        heavy = int(np.count_nonzero(loads > mean * BALANCED))
+        n = min(heavy, len(gs) // 2, REFINE_PAIRS)
+        if n == 0:
+            break
+        a, z = order[:n], order[::-1][:n]
         diff = loads[a] - loads[z]
-        if diff <= loads[a] * MIN_GAIN or loads[a] <= mean * BALANCED:  # the slowest is within 0.1% of the mean
-            return
-        src, dst = chunks[gs[a]], chunks[gs[z]]
-        ta = np.array([c[2] for c in src])
-        tz = np.array([c[2] for c in dst] + [0.0])  # the 0 is a move instead of a swap
-        gain = ta[:, None] - tz[None, :]
-        score = np.where((gain > 0) & (gain < diff), np.abs(gain - diff / 2), np.inf)
-        best = int(np.argmin(score))
-        if not np.isfinite(score.flat[best]):
-            return
-        i, j = divmod(best, len(tz))
-        moved = src.pop(i)
-        if j < len(dst):
-            src.append(dst.pop(j))
-        dst.append(moved)
-        loads[a] -= gain[i, j]
-        loads[z] += gain[i, j]
+        sa, sz = slots[a], slots[z]  # the empty slots of sz are moves instead of swaps
+        ta = np.where(sa >= 0, tt[sa], np.nan)
+        gain = ta[:, :, None] - tt[sz][:, None, :]
+        d = diff[:, None, None]
+        score = np.where((gain > 0) & (gain < d) & (diff > loads[a] * MIN_GAIN)[:, None, None],
+                         np.abs(gain - d / 2), np.inf).reshape(n, -1)
+        best = np.argmin(score, axis=1)
+        ok = np.isfinite(score[np.arange(n), best])
+        if not ok.any():
+            break
+        a, z, best = a[ok], z[ok], best[ok]
+        i, jz = np.divmod(best, sz.shape[1])
+        out_a, out_z = slots[a, i], slots[z, jz]
+        g = tt[out_a] - tt[out_z]
+        loads[a] -= g
+        loads[z] += g
+        if (out_z < 0).any() and (slots[z[out_z < 0]] < 0).sum(axis=1).min() <= 1:
+            slots = np.pad(slots, ((0, 0), (0, 1)), constant_values=-1)  # keep a spare empty slot
+        slots[a, i] = out_z
+        slots[z, jz] = out_a
+        changed = True
+    if changed:
+        r, c = np.nonzero(slots >= 0)
+        ph.grp[slots[r, c]] = gs[r]

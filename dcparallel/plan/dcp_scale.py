@@ -10,7 +10,8 @@ sample, so it fits every sample of the bucket. Per step:
    and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
    efficient narrow layouts); the groups each SP degree needs are estimated from its work
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
-   found by bisection over the distinct micro-batch times, once per smallest allowed SP
+   found among the distinct micro-batch times (`dcp_search`: a coarse pass, then the
+   bracket it leaves, each evaluating all its targets at once), once per smallest allowed SP
    degree (forcing every bucket to at least that degree lets one phase hold a world-wide
    sample and the rest).
 2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
@@ -42,10 +43,11 @@ from typing import Sequence
 
 import numpy as np
 
-from dcparallel.plan.context import PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import ItemClass, class_span, groups_needed
+from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
+from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes, groups_needed
 from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
+from dcparallel.plan.dcp_search import rows, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -55,6 +57,7 @@ from dcparallel.plan.dcp_setup import (
     FINE_MAX_WORLD,
     FINER_GATE,
     PACK_GATE,
+    PACK_GATE_ONE,
     PACK_PER_GPU,
     ROW_CACHE_LIMIT,
     STALE_STOP,
@@ -63,7 +66,7 @@ from dcparallel.plan.dcp_setup import (
     sample_weights,
 )
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import REL_TOL, ROUND_EPS, TIME_EPS, Score, StepPlan
+from dcparallel.plan.types import REL_TOL, TIME_EPS, Score, StepPlan
 from dcparallel.spec import Layout
 
 
@@ -86,12 +89,21 @@ class ScalePlanner:
         self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
         self.sp = list(ctx.sp_sizes)
         self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
-        self._rows: dict[tuple[int, int], list[tuple]] = {}
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
         self._spans: dict[tuple, float] = {}
-        self._arrays: dict[tuple[int, int], np.ndarray] = {}
+        self._deals: dict[tuple, list] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
+        #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
+        width = 1 + max(self.top.values(), default=0)
+        self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
+                                      for j in range(len(self.buckets))]).reshape(len(self.buckets), width)
+                         for k in self.sp}
+        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
+        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
+        self._spa = np.asarray(self.sp)
+        self._pow2 = np.array(mbs_candidates(MAX_MBS))
         self.weight = sample_weights(self)
         #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
         #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
@@ -118,120 +130,6 @@ class ScalePlanner:
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
 
-    def rows(self, j: int, c: int) -> list[tuple]:
-        """Candidate layouts of `c` samples of bucket j, least GPU-seconds first:
-        (gpu_s, k, m, t_full, full, t_rem, rem, total busy seconds)."""
-        key = (j, c)
-        hit = self._rows.get(key)
-        if hit is not None:
-            return hit
-        out = []
-        for k in self.sp:
-            top = self.top[(j, k)]
-            if top == 0:
-                continue
-            cap = min(top, c)
-            ms = set(mbs_candidates(cap))
-            q = 1
-            while q <= c:  # even splits: c samples in q micro-batches
-                ms.add(min(cap, -(-c // q)))
-                q *= 2
-            tab = self.ttab[(j, k)]
-            for m in sorted(ms):
-                full, rem = divmod(c, m)
-                t, tr = tab[m], tab[rem]
-                total = full * t + tr
-                out.append((total * k, k, m, t, full, tr, rem, total))
-        out.sort(key=lambda r: (r[0], r[1], r[2]))
-        if len(self._rows) >= ROW_CACHE_LIMIT:
-            self._rows.clear()
-            self._arrays.clear()
-        self._rows[key] = out
-        self._arrays[key] = np.array(out, dtype=float).reshape(len(out), 8)
-        return out
-
-    def _table(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
-        """The candidate rows of a part's buckets as arrays, one segment per bucket, their
-        times scaled by the bucket's mean weight in this step."""
-        for j, c in zip(present, counts):
-            self.rows(j, c)
-        arrs = [self._arrays[(j, c)] for j, c in zip(present, counts)]
-        lens = [len(x) for x in arrs]
-        a = np.concatenate(arrs)
-        f = np.repeat(np.array([scale[j][0] for j in present]), lens)
-        fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-        for col in (0, 7):  # work: the bucket's mean weight
-            a[:, col] = a[:, col] * f
-        for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
-            a[:, col] = a[:, col] * fmax
-        pos = np.zeros(max(self.sp) + 1, dtype=np.int64)
-        pos[self.sp] = np.arange(len(self.sp))
-        return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
-                "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
-                "starts": np.cumsum([0] + lens[:-1]), "n": len(a), "idx": np.arange(len(a)),
-                "spf": np.asarray(self.sp, dtype=float), "memo": {}}
-
-    def _feasible(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
-        """Per bucket the row of least GPU-seconds with micro-batches within T and SP >= kmin,
-        if the groups those need (their work over T, at least one per micro-batch over T / 2)
-        fit the world."""
-        memo = tab["memo"]
-        if (T, kmin) not in memo:
-            memo[(T, kmin)] = self._feasible_rows(tab, T, kmin)
-        return memo[(T, kmin)]
-
-    def _feasible_rows(self, tab: dict, T: float, kmin: int) -> list[tuple] | None:
-        n = tab["n"]
-        valid = (tab["t"] <= T) & (tab["k"] >= kmin)
-        first = np.minimum.reduceat(np.where(valid, tab["idx"], n), tab["starts"])
-        if first.max() >= n:
-            return None
-        kp = tab["kpos"][first]
-        nk = len(self.sp)
-        work = np.bincount(kp, weights=tab["tot"][first], minlength=nk)
-        big = np.where(tab["t"][first] > T / 2, tab["full"][first], 0.0) + \
-            ((tab["rem"][first] > 0) & (tab["tr"][first] > T / 2))
-        bigk = np.bincount(kp, weights=big, minlength=nk)
-        items = np.bincount(kp, weights=tab["items"][first], minlength=nk)
-        need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - ROUND_EPS)))
-        need = np.where(items > 0, need, 0.0)
-        if float(need @ tab["spf"]) > self.world:
-            return None
-        return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
-                for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
-
-    def _search(self, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
-        """Layouts at the smallest feasible target T (by bisection) and at a few larger ones."""
-        ok = tab["k"] >= kmin
-        if not ok.any():
-            return []
-        floor = float(np.minimum.reduceat(np.where(ok, tab["t"], np.inf), tab["starts"]).max())
-        if not math.isfinite(floor):
-            return []
-        ts = np.unique(tab["t"][ok & (tab["t"] >= floor)]).tolist()
-        lo, hi = 0, len(ts) - 1
-        if self._feasible(tab, ts[hi], kmin) is None:  # no target fits the estimates: least work, as few groups as fit
-            ch = self._feasible(tab, math.inf, kmin)
-            return [] if ch is None else [(math.inf, ch)]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._feasible(tab, ts[mid], kmin) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        out, seen = [], set()
-        for i in (lo, lo + 1, lo + 2, lo + 4, lo + 8):
-            if i >= len(ts):
-                break
-            ch = self._feasible(tab, ts[i], kmin)
-            if ch is None:
-                continue
-            sig = tuple((r[1], r[2]) for r in ch)
-            if sig not in seen:
-                seen.add(sig)
-                out.append((ts[i], ch))
-        return out
-
     def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: tuple | None = None) -> float:
         key = (tuple(sorted((t, q) for _, t, q in items)) if sig is None else sig, n)
         hit = self._spans.get(key)
@@ -239,6 +137,17 @@ class ScalePlanner:
             if len(self._spans) >= ROW_CACHE_LIMIT:
                 self._spans.clear()
             hit = self._spans[key] = class_span(items, n)
+        return hit
+
+    def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
+        """`deal_classes`, cached (the best few candidates of a step often share a degree's
+        micro-batch classes); the group classes are read, never changed."""
+        key = (tuple(items), n)
+        hit = self._deals.get(key)
+        if hit is None:
+            if len(self._deals) >= ROW_CACHE_LIMIT:
+                self._deals.clear()
+            hit = self._deals[key] = deal_classes(items, n)
         return hit
 
     # -- groups ----------------------------------------------------------------------------
@@ -291,7 +200,7 @@ class ScalePlanner:
         bound) for these buckets in one phase, best first; [] if none."""
         if not present:
             return []
-        tab = self._table(present, counts, scale)
+        tab = table(self, present, counts, scale)
         first = tab["starts"]
         tmin = np.minimum.reduceat(tab["t"], first)
         bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
@@ -299,7 +208,7 @@ class ScalePlanner:
         stale = 0
         for kmin in self.sp:
             improved = False
-            for T, ch in self._search(tab, kmin):
+            for T, ch in search(self, tab, kmin):
                 got = self._allocate(present, ch, T)
                 if got is None:
                     continue
@@ -335,7 +244,8 @@ class ScalePlanner:
         others = []
         if self.fine is not None and n <= FINE_MAX_SAMPLES:
             others.append(self.fine.plan(step))
-        if self.packer is not None and n <= PACK_PER_GPU * self.world and predicted > bound * PACK_GATE:
+        gate = PACK_GATE_ONE if n <= self.world else PACK_GATE
+        if self.packer is not None and n <= PACK_PER_GPU * self.world and predicted > bound * gate:
             got = self.packer.plan(list(step.sample_ids))
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))
@@ -358,7 +268,7 @@ class ScalePlanner:
         present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
         present, counts = present_arr.tolist(), counts_arr.tolist()
         segs = list(zip(present, starts.tolist(), counts))
-        members = {j: ids_sorted[s:s + c].tolist() for j, s, c in segs}
+        offset = {j: s for j, s, _ in segs}
         wsorted = self.weight[ids_sorted]
         cumw = {j: np.concatenate(([0.0], np.cumsum(wsorted[s:s + c]))) for j, s, c in segs}
 
@@ -372,7 +282,7 @@ class ScalePlanner:
         if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
             keys = [{j: max(it.sp for it in one[1] if it.bucket == j) for j in present},
-                    {j: self.rows(j, c)[0][1] for j, c in zip(present, counts)}]
+                    {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
             seen = set()
             for key in keys:
                 for k in sorted(set(key.values()))[1:]:
@@ -392,8 +302,8 @@ class ScalePlanner:
         for pre, parts in cands[: self.expand_best]:
             if best is not None and pre > cands[0][0] * EXPAND_WITHIN:
                 break
-            got = expand(self, parts, members, cumw)
+            got = expand(self, parts, offset, cumw)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        return build_plan(self, step, best[0], int(self.tok[ids].sum()), members), best[1], one[3]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted.tolist()), best[1], one[3]
 

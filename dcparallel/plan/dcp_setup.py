@@ -32,11 +32,18 @@ FINER_GATE = 1.01
 #: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
 PACK_PER_GPU = 4.0
 PACK_GATE = 1.05
+#: ... or more than this factor, for steps with at most one sample per GPU (there the class
+#: level, which lays every sample out as its bucket's largest, is least exact)
+PACK_GATE_ONE = 1.03
 
 #: the search over a phase's smallest allowed SP degree stops when its best plan is within
 #: AT_BOUND of the phase's bound, or after STALE_STOP wider minimums in a row did not help
 AT_BOUND = 1.002
 STALE_STOP = 2
+
+#: the search over makespan targets first tries this many of them, evenly spread, then the
+#: ones between the last that does not fit and the first that does
+SEARCH_COARSE = 32
 
 #: a class-level candidate is expanded only within this factor of the best one's prediction
 EXPAND_WITHIN = 1.02
