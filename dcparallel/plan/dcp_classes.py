@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dcparallel.plan.types import ROUND_EPS
-from dcparallel.spec import Layout
 
 
 @dataclass(slots=True)
@@ -33,7 +32,6 @@ class ItemClass:
     mbs: int
     time: float
     count: int
-    layout: Layout
 
 
 def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:

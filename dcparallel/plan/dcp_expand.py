@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 #: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
 REFINE_ROUNDS = 16
 REFINE_PAIRS = 256
+#: the placements of the last few distinct group-size lists are kept (steps often repeat them)
+TILE_CACHE_LIMIT = 64
 
 
 @dataclass(slots=True)
@@ -121,7 +123,7 @@ def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.nd
         ph = Phase(sizes, np.concatenate([c[0] for c in cols]), np.concatenate([c[1] for c in cols]),
                    np.repeat([c[2] for c in cols], n_of), np.repeat([c[3] for c in cols], n_of),
                    np.repeat([c[4] for c in cols], n_of), np.concatenate([c[5] for c in cols]),
-                   np.concatenate([c[6] for c in cols]), [it.layout for it in items])
+                   np.concatenate([c[6] for c in cols]), [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         for k in gclasses:
@@ -141,13 +143,19 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
     micro-batches' `start` positions refer to)."""
     groups: list[GroupPlan] = []
     for phase, ph in enumerate(phases):
+        key = tuple(ph.sizes)
+        tiles = p._tiles.get(key)
+        if tiles is None:
+            if len(p._tiles) >= TILE_CACHE_LIMIT:
+                p._tiles.clear()
+            tiles = p._tiles[key] = p.ctx.topology.tile(ph.sizes)
         order = np.lexsort((ph.start, ph.t, ph.grp))
         g_of = ph.grp[order]
         ends = np.searchsorted(g_of, np.arange(len(ph.sizes)), side="right").tolist()
         mbs = [MicroBatch(tuple(ids[a:a + m]), ph.layouts[li]) for a, m, li in
                zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())]
         lo = 0
-        for g, r in enumerate(p.ctx.topology.tile(ph.sizes)):
+        for g, r in enumerate(tiles):
             hi = ends[g] if g < len(ends) else lo
             groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
             lo = hi

@@ -92,6 +92,8 @@ class ScalePlanner:
         self._rows: dict[tuple[int, int], np.ndarray] = {}
         self._spans: dict[tuple, float] = {}
         self._deals: dict[tuple, list] = {}
+        self._sigs: dict[tuple, int] = {}
+        self._tiles: dict[tuple, list] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -130,13 +132,25 @@ class ScalePlanner:
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
 
-    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: tuple | None = None) -> float:
-        key = (tuple(sorted((t, q) for _, t, q in items)) if sig is None else sig, n)
+    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: int) -> float:
+        """`class_span` of a degree's micro-batch classes over n groups, cached by `sig` (the
+        id of the classes' sorted (time, count) pairs: `_sig`)."""
+        key = (sig, n)
         hit = self._spans.get(key)
         if hit is None:
             if len(self._spans) >= ROW_CACHE_LIMIT:
                 self._spans.clear()
             hit = self._spans[key] = class_span(items, n)
+        return hit
+
+    def _sig(self, items: Sequence[tuple[int, float, int]]) -> int:
+        sig = tuple(sorted((t, q) for _, t, q in items))
+        hit = self._sigs.get(sig)
+        if hit is None:
+            if len(self._sigs) >= ROW_CACHE_LIMIT:
+                self._sigs.clear()
+                self._spans.clear()  # its keys hold the ids
+            hit = self._sigs[sig] = len(self._sigs)
         return hit
 
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
@@ -158,9 +172,8 @@ class ScalePlanner:
         for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
             for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
                 if q:
-                    lay = self._lt(j, mm, k)[0]
                     by_k.setdefault(k, []).append((len(items), tt, q))
-                    items.append(ItemClass(j, k, mm, tt, q, lay))
+                    items.append(ItemClass(j, k, mm, tt, q))
         need = groups_needed(chosen, T)
         count = {k: need[k] for k in by_k}
         n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
@@ -169,15 +182,15 @@ class ScalePlanner:
             if k is None:
                 return None
             count[k] -= 1
-        sig = {k: tuple(sorted((t, q) for _, t, q in v)) for k, v in by_k.items()}
+        sig = {k: self._sig(v) for k, v in by_k.items()}
         span = {k: self._span_c(by_k[k], count[k], sig[k]) for k in by_k}
         free = self.world - sum(k * n for k, n in count.items())
         for _ in range(64):
-            open_ = [k for k in span if k <= free and count[k] < n_items[k]]
-            if not open_:
+            order = sorted(span, key=lambda j: (-span[j], j))  # slowest first, narrower first on ties
+            k = next((j for j in order if j <= free and count[j] < n_items[j]), None)
+            if k is None:
                 break
-            k = max(open_, key=lambda j: (span[j], -j))
-            others = max((s for j, s in span.items() if j != k), default=0.0)
+            others = span[order[1]] if k == order[0] and len(order) > 1 else span[order[0]] if k != order[0] else 0.0
             # jump toward the groups that bring this degree down to the next slowest one
             want = count[k] * span[k] / max(others, span[k] * 0.5, TIME_EPS)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
@@ -186,7 +199,7 @@ class ScalePlanner:
                 step //= 2
                 new = self._span_c(by_k[k], count[k] + step, sig[k])
             if new >= span[k] - TIME_EPS:
-                if k == max(span, key=lambda j: (span[j], -j)):
+                if k == order[0]:
                     break
                 span[k] = -1.0  # no help here; let another degree try
                 continue
