@@ -137,7 +137,7 @@ def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.nd
     return phases, predicted
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: list[int]) -> StepPlan:
+def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: tuple[int, ...]) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks, each
     running its micro-batches shortest first (`ids`: the step's sample ids in the order the
     micro-batches' `start` positions refer to)."""
@@ -152,7 +152,7 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
         order = np.lexsort((ph.start, ph.t, ph.grp))
         g_of = ph.grp[order]
         ends = np.searchsorted(g_of, np.arange(len(ph.sizes)), side="right").tolist()
-        mbs = [MicroBatch(tuple(ids[a:a + m]), ph.layouts[li]) for a, m, li in
+        mbs = [MicroBatch(ids[a:a + m], ph.layouts[li]) for a, m, li in
                zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())]
         lo = 0
         for g, r in enumerate(tiles):

@@ -270,23 +270,34 @@ class ScalePlanner:
                     plan, best = other, s
         return plan
 
+    def _sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step's ids by planning class, then longest first, then id, and their classes:
+        one sort of packed integer keys where (class, length, id) fit in 63 bits, else a
+        lexicographic sort."""
+        b = self.bidx[ids]
+        assert (b >= 0).all(), "a step holds a skipped sample"
+        tmax, imax = int(self.tok.max(initial=0)) + 1, len(self.tok)
+        if len(self.buckets) * tmax * imax < 2 ** 63:
+            key = (b * tmax + (tmax - 1 - self.tok[ids])) * imax + ids
+            key.sort()
+            return key % imax, key // (tmax * imax)
+        order = np.lexsort((ids, -self.tok[ids], b))
+        return ids[order], b[order]
+
     def _plan(self, step: Step) -> tuple[StepPlan, float, float]:
         """The class-level plan of the step, its predicted compute time and the step's
         compute bound at class level."""
         ids = np.asarray(step.sample_ids, dtype=np.int64)
-        b = self.bidx[ids]
-        assert (b >= 0).all(), "a step holds a skipped sample"
-        order = np.lexsort((ids, -self.tok[ids], b))  # by bucket, then longest first, then id
-        ids_sorted = ids[order]
-        present_arr, starts, counts_arr = np.unique(b[order], return_index=True, return_counts=True)
-        present, counts = present_arr.tolist(), counts_arr.tolist()
+        ids_sorted, b = self._sort(ids)  # by bucket, then longest first, then id
+        n = len(ids_sorted)
+        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
+        present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
         segs = list(zip(present, starts.tolist(), counts))
         offset = {j: s for j, s, _ in segs}
         wsorted = self.weight[ids_sorted]
         cumw = {j: np.concatenate(([0.0], np.cumsum(wsorted[s:s + c]))) for j, s, c in segs}
-
-        wsum = np.add.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
-        wmax = np.maximum.reduceat(self.weight[ids_sorted], starts) if len(ids_sorted) else np.zeros(0)
+        wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
+        wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
         scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
         ones = self._plan_part(present, counts, scale, keep=self.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
@@ -318,5 +329,5 @@ class ScalePlanner:
             got = expand(self, parts, offset, cumw)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted.tolist()), best[1], one[3]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum()), tuple(ids_sorted.tolist())), best[1], one[3]
 
