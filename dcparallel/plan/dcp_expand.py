@@ -23,7 +23,7 @@ import numpy as np
 
 from dcparallel.plan.dcp_classes import GroupClass
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, StepPlan, micro_batches
 from dcparallel.spec import Layout
 
 if TYPE_CHECKING:
@@ -149,17 +149,27 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
             if len(p._tiles) >= TILE_CACHE_LIMIT:
                 p._tiles.clear()
             tiles = p._tiles[key] = p.ctx.topology.tile(ph.sizes)
-        order = np.lexsort((ph.start, ph.t, ph.grp))
-        g_of = ph.grp[order]
-        ends = np.searchsorted(g_of, np.arange(len(ph.sizes)), side="right").tolist()
-        mbs = [MicroBatch(ids[a:a + m], ph.layouts[li]) for a, m, li in
-               zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())]
+        order = run_order(ph)
+        ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right").tolist()
+        mbs = micro_batches([(ids[a:a + m], ph.layouts[li]) for a, m, li in
+                             zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())])
         lo = 0
         for g, r in enumerate(tiles):
             hi = ends[g] if g < len(ends) else lo
             groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
             lo = hi
     return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
+
+
+def run_order(ph: Phase) -> np.ndarray:
+    """The phase's micro-batches by group, each group's shortest first (ties by first
+    sample position): one sort of packed integer keys (group, rank of time, position) where
+    they fit in 63 bits, else a lexicographic sort."""
+    n, pos = len(ph.t), int(ph.start.max(initial=0)) + 1
+    if len(ph.sizes) * (n + 1) * pos < 2 ** 63:
+        rank = np.unique(ph.t, return_inverse=True)[1].reshape(-1)
+        return np.argsort((ph.grp * (n + 1) + rank) * pos + ph.start)
+    return np.lexsort((ph.start, ph.t, ph.grp))
 
 
 def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
@@ -172,18 +182,26 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         return False
     moved = False
     loads = ph.loads()
-    deg = np.asarray(ph.sizes)
-    masks = {k: deg == k for k in kinds}
+    span = {k: (ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds}  # consecutive
+    # each group's micro-batches: its range of the sort by group, less those moved off,
+    # plus those moved in
+    by_group = np.argsort(ph.grp, kind="stable")
+    bounds = np.searchsorted(ph.grp[by_group], np.arange(len(ph.sizes) + 1)).tolist()
+    moved_in: dict[int, list[int]] = {}
     for _ in range(max_iter):
         a = int(np.argmax(loads))
         top = float(loads[a])
-        src = np.flatnonzero(ph.grp == a)
+        src = by_group[bounds[a]:bounds[a + 1]]
+        src = src[ph.grp[src] == a]
+        if a in moved_in:
+            src = np.sort(np.concatenate((src, [x for x in moved_in[a] if ph.grp[x] == a])))
         jj, mm, ts = ph.bucket[src], ph.m[src], ph.t[src]
         best = None
         for k in kinds:
             if k == ph.sizes[a]:
                 continue
-            z = int(np.argmin(np.where(masks[k], loads, np.inf)))
+            g0, g1 = span[k]
+            z = g0 + int(np.argmin(loads[g0:g1]))
             if loads[z] >= top:
                 continue
             t_new = p.ttab_arr[k][jj, mm] * ph.mw[src]  # inf where the micro-batch does not fit at k
@@ -200,6 +218,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         loads[a] -= ph.t[x]
         ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t_new, len(ph.layouts) - 1
+        moved_in.setdefault(z, []).append(int(x))
         loads[z] += t_new
     return moved
 
@@ -212,8 +231,7 @@ def refine(ph: Phase, gs: np.ndarray) -> None:
     group is within 0.1% of the degree's mean load or no pair can improve."""
     if len(gs) < 2:
         return
-    mine = np.isin(ph.grp, gs)
-    idx = np.flatnonzero(mine)
+    idx = np.flatnonzero((ph.grp >= gs[0]) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
     row_of = np.full(len(ph.sizes), -1)
     row_of[gs] = np.arange(len(gs))
     rows = row_of[ph.grp[idx]]

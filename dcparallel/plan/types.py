@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from dcparallel.spec import Layout
 
@@ -48,6 +48,24 @@ class MicroBatch:
 
     def to_json(self) -> dict:
         return {"sample_ids": list(self.sample_ids), "layout": self.layout.to_json()}
+
+
+_new_mb = MicroBatch.__new__
+_set_ids = MicroBatch.sample_ids.__set__  # type: ignore[attr-defined]
+_set_layout = MicroBatch.layout.__set__  # type: ignore[attr-defined]
+
+
+def micro_batches(pairs: Iterable[tuple[tuple[int, ...], Layout]]) -> list[MicroBatch]:
+    """`MicroBatch(ids, layout)` for each pair: the same objects, built without the frozen
+    dataclass's checked assignments (a planner at thousands of GPUs builds tens of thousands
+    per step)."""
+    out = []
+    for ids, layout in pairs:
+        m = _new_mb(MicroBatch)
+        _set_ids(m, ids)
+        _set_layout(m, layout)
+        out.append(m)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
