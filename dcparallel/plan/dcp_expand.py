@@ -193,8 +193,9 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         top = float(loads[a])
         src = by_group[bounds[a]:bounds[a + 1]]
         src = src[ph.grp[src] == a]
-        if a in moved_in:
-            src = np.sort(np.concatenate((src, [x for x in moved_in[a] if ph.grp[x] == a])))
+        back = [x for x in moved_in.get(a, ()) if ph.grp[x] == a]
+        if back:
+            src = np.sort(np.concatenate((src, np.asarray(back, dtype=src.dtype))))
         jj, mm, ts = ph.bucket[src], ph.m[src], ph.t[src]
         best = None
         for k in kinds:

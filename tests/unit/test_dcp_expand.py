@@ -1,0 +1,215 @@
+"""`dcp`'s array-based pieces against their plain definitions: the search over makespan
+targets (`dcp_search.fits`), the dealing order, the refinement and the spill of a phase's
+micro-batches, the run order of a group, the step's sort, and the plan-object builder."""
+
+import functools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp_classes import groups_needed
+from dcparallel.plan.dcp_expand import Phase, deal_order, refine, spill
+from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.dcp_search import fits, rows_at, table
+from dcparallel.plan.steps import form_steps
+from dcparallel.plan.types import MicroBatch, micro_batches
+from dcparallel.scenarios import SCENARIOS, sample_sizes
+from dcparallel.sim.replay import step_seconds
+from dcparallel.spec import Workload
+
+from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
+
+
+def _planner(world: int, video: bool, n: int, seed: int) -> tuple[ScalePlanner, list]:
+    rng = np.random.default_rng(seed)
+    if video:
+        sizes = tuple(VIDEO_SHAPES[i] for i in rng.integers(0, len(VIDEO_SHAPES), n))
+        model = TINY_DIT
+    else:
+        sizes = tuple(int(x) for x in rng.integers(16, 40_000, n))
+        model = TINY_LM
+    w = Workload(model, sizes)
+    cl = cluster(world, 8)
+    ctx = PlanContext(w, cost(model, cl), cl)
+    steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // 2))
+    return ScalePlanner(ctx, step_seconds(ctx)), steps
+
+
+def _reference_rows(p: ScalePlanner, tab: dict, T: float, kmin: int) -> list[tuple] | None:
+    """The definition: per bucket its first row (least GPU-seconds first) with SP >= kmin and
+    time <= T; the choice fits if the groups it needs fit the world."""
+    chosen = []
+    for s, n in zip(tab["starts"].tolist(), tab["lens"].tolist()):
+        seg = tab["a"][s:s + n]
+        hit = next((r for r in seg.tolist() if r[3] <= T and r[1] >= kmin), None)
+        if hit is None:
+            return None
+        chosen.append(hit)
+    need = groups_needed(chosen, T)
+    if sum(k * g for k, g in need.items()) > p.world:
+        return None
+    return chosen
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([8, 64, 256, 1024]), st.booleans(), st.integers(2, 300), st.integers(0, 5))
+def test_all_targets_at_once_match_one_target_at_a_time(world, video, n, seed):
+    p, steps = _planner(world, video, n, seed)
+    ids = np.asarray(steps[0].sample_ids)
+    b = p.bidx[ids]
+    present, counts = np.unique(b, return_counts=True)
+    scale = {int(j): (1.0 + 0.1 * j, 1.5 + 0.1 * j) for j in present}
+    tab = table(p, present.tolist(), counts.tolist(), scale)
+    ts = np.unique(np.append(tab["t"], [math.inf]))
+    for kmin in p.sp:
+        ok, first = fits(p, tab, ts, kmin)
+        for j, T in enumerate(ts.tolist()):
+            ref = _reference_rows(p, tab, T, kmin)
+            assert bool(ok[j]) == (ref is not None), (T, kmin)
+            if ref is not None:
+                assert rows_at(tab, first[j]) == [(g, int(k), int(m), t, int(f), tr, int(r), tot)
+                                                   for g, k, m, t, f, tr, r, tot in ref]
+
+
+def _round_robin(holders, ic):
+    """The dealing order by its definition: round by round over the groups still holding some
+    of the class, alternating direction, rotated per class."""
+    order, rnd = [], 0
+    while holders:
+        gl = [g for g0, n, _ in holders for g in range(g0, g0 + n)]
+        o = (ic * 7919) % len(gl)
+        gl = gl[o:] + gl[:o]
+        order.extend(gl if rnd % 2 == 0 else gl[::-1])
+        rnd += 1
+        holders = [h for h in holders if h[2] > rnd]
+    return order
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(0, 3)), min_size=1, max_size=4),
+       st.integers(0, 100))
+def test_deal_order_is_the_round_robin_and_gives_each_group_its_share(spec, ic):
+    holders, g0 = [], 0
+    for n, per, gap in spec:
+        holders.append((g0, n, per))
+        g0 += n + gap
+    got = deal_order(holders, ic).tolist()
+    assert got == _round_robin(holders, ic)
+    for first, n, per in holders:
+        for g in range(first, first + n):
+            assert got.count(g) == per
+
+
+def _phase(rng, sizes: list[int], n: int) -> Phase:
+    return Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n) * 3, np.ones(n, dtype=np.int64),
+                 np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), rng.random(n) ** 3 + 0.01,
+                 np.ones(n), [None])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 40), st.integers(1, 200), st.integers(0, 10_000))
+def test_refine_keeps_every_micro_batch_and_never_raises_the_slowest_group(groups, n, seed):
+    rng = np.random.default_rng(seed)
+    ph = _phase(rng, [1] * groups, n)
+    before = ph.loads()
+    t_before = ph.t.copy()
+    refine(ph, np.arange(groups))
+    after = ph.loads()
+    assert np.array_equal(ph.t, t_before), "micro-batches keep their times"
+    assert ph.grp.min() >= 0 and ph.grp.max() < groups
+    assert math.isclose(after.sum(), before.sum(), rel_tol=1e-12)
+    assert after.max() <= before.max() * (1 + 1e-12)
+
+
+def test_refine_balances_what_one_move_or_swap_can_balance():
+    # group 0: 3 + 1, group 1: 1 -> moving the 1 (or swapping the 3 for nothing) balances to 3 | 2
+    ph = Phase([1, 1], np.array([0, 0, 1]), np.arange(3), np.ones(3, dtype=np.int64), np.zeros(3, dtype=np.int64),
+               np.zeros(3, dtype=np.int64), np.array([3.0, 1.0, 1.0]), np.ones(3), [None])
+    refine(ph, np.arange(2))
+    assert sorted(ph.loads().tolist()) == [2.0, 3.0]
+
+
+def test_refine_leaves_other_degrees_alone():
+    rng = np.random.default_rng(1)
+    ph = _phase(rng, [2, 2, 2, 1, 1, 1, 1], 60)
+    wide = ph.grp < 3
+    grp_wide = ph.grp[wide].copy()
+    refine(ph, np.arange(3, 7))
+    assert np.array_equal(ph.grp[wide], grp_wide)
+    assert (ph.grp[~wide] >= 3).all()
+
+
+def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample():
+    """On a real weak-scaled step, the kept expansion: groups run their micro-batches in
+    ascending time (so the longest backward hides the gradient sync), and its samples are
+    the step's, each once."""
+    sc = SCENARIOS["text"]
+    world = 256
+    tps = sc.tokens_per_step * world // 32
+    wl = Workload(sc.model, tuple(sample_sizes("text", "balanced", epoch_tokens=2 * tps)))
+    cl = sc.cluster(world)
+    ctx = PlanContext(wl, cost(sc.model, cl), cl)
+    step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
+    p = ScalePlanner(ctx, step_seconds(ctx))
+    plan, predicted, bound = p._plan(step)
+    assert predicted >= bound * (1 - 1e-9)
+    assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == sorted(step.sample_ids)
+    checked = 0
+    for g in plan.groups:
+        times = []
+        for m in g.micro_batches:
+            j = int(p.bidx[m.sample_ids[0]])
+            times.append(float(p.weight[list(m.sample_ids)].sum()) * p.ttab[(j, g.sp)][len(m.sample_ids)]
+                         / len(m.sample_ids))
+        assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:])), times
+        checked += len(times) > 1
+    assert checked > 10
+
+
+@functools.cache
+def _small_planner() -> ScalePlanner:
+    return _planner(64, False, 40, 0)[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+@example(1717)  # a micro-batch moved in, then off again (an empty list once crashed the index)
+def test_spill_never_raises_the_slowest_group_and_keeps_every_micro_batch(seed):
+    p = _small_planner()
+    rng = np.random.default_rng(seed)
+    sizes = [8] * 2 + [4] * 4 + [1] * 16
+    n = 80
+    j = int(p.bidx[0])
+    ph = Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
+               np.full(n, j), np.zeros(n, dtype=np.int64), rng.random(n) + 0.05, rng.random(n) + 0.5,
+               [None])
+    top = ph.loads().max()
+    starts, grp = ph.start.copy(), ph.grp.copy()
+    moved = spill(p, ph)
+    assert moved == (not np.array_equal(ph.grp, grp))
+    assert ph.loads().max() <= top * (1 + 1e-12)
+    assert np.array_equal(ph.start, starts) and ph.grp.max() < len(sizes)
+
+
+@pytest.mark.parametrize("force_lexsort", [False, True])
+def test_the_steps_sort_is_by_class_then_longest_then_id(force_lexsort):
+    p, steps = _planner(64, False, 400, 3)
+    if force_lexsort:  # a token count too large for packed keys
+        p.tok = p.tok.copy()
+        p.tok[0] = 2**62
+    ids = np.asarray(steps[0].sample_ids[1:])
+    got, b = p._sort(ids)
+    want = sorted(ids.tolist(), key=lambda i: (int(p.bidx[i]), -int(p.tok[i]), i))
+    assert got.tolist() == want and b.tolist() == [int(p.bidx[i]) for i in want]
+
+
+def test_micro_batches_builds_the_same_frozen_objects():
+    got = micro_batches([((1, 2), None), ((3,), None)])
+    assert got == [MicroBatch((1, 2), None), MicroBatch((3,), None)]
+    assert hash(got[0]) == hash(MicroBatch((1, 2), None))
+    with pytest.raises(AttributeError):
+        got[0].sample_ids = (5,)
