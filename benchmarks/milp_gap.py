@@ -32,9 +32,10 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
-from dcparallel.sim.replay import step_seconds
+from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.spec import Workload
 
 
@@ -139,6 +140,7 @@ def main() -> int:
             ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
             steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // args.divide)[: args.steps]
             p = ScalePlanner(ctx, step_seconds(ctx), phases=False)
+            shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
             for st in steps:
                 counts, scale = class_model(p, st)
                 h = heuristic_makespan(p, p.plan(st), scale)
@@ -148,6 +150,7 @@ def main() -> int:
                 rows.append({"scenario": sc_name, "distribution": d, "step": st.index, "samples": len(st.sample_ids),
                              "buckets": len(counts), "heuristic_s": h, "milp_s": opt, "milp_dual_bound_s": bound,
                              "optimal": res.status == 0, "milp_seconds": round(secs, 2), "variables": nvar,
+                             "dcp_compute_s": replay_step(shipped.plan(st), ctx).compute_time,
                              "gap": h / opt - 1 if opt == opt else None})
                 r = rows[-1]
                 print(f"{sc_name} {d} step {st.index}: {r['samples']} samples, heuristic {h:.4f} s, MILP {opt:.4f} s "
@@ -171,6 +174,23 @@ def main() -> int:
         lines.append(f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
                      f"{r['heuristic_s']:.4f} | {r['milp_s']:.4f} | {100 * r['gap']:.2f}% | "
                      f"{'optimal' if r['optimal'] else 'time limit'} | {r['milp_seconds']} |")
+    ship = [(r["dcp_compute_s"] / r["milp_s"] - 1, r) for r in rows if r["milp_s"] == r["milp_s"]]
+    worst = max(ship, key=lambda x: x[0])
+    lines += ["", "## The shipped `dcp` on the same steps", "",
+              "The gap above is the one-phase class-level heuristic's (`ScalePlanner(phases=False)`), in the "
+              f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps and, on "
+              "clusters of at most 64 GPUs, the per-sample planner, and keeps the plan the simulator scores faster. "
+              "Its simulated compute time per step (`sim.replay.replay_step(...).compute_time`: each micro-batch "
+              "timed from its own samples, no gradient sync) against the MILP optimum above — not the same model: "
+              "the MILP times every sample as its bucket's largest, scaled by the bucket's mean weight, and runs "
+              "one phase, so the shipped plan can come out below it: "
+              f"median {100 * statistics.median(g for g, _ in ship):+.2f}%, max {100 * worst[0]:+.2f}% "
+              f"({worst[1]['scenario']} {worst[1]['distribution']} step {worst[1]['step']}: "
+              f"{worst[1]['dcp_compute_s']:.3f} s vs {worst[1]['milp_s']:.3f} s).", "",
+              "| scenario | distribution | step | shipped dcp s | MILP s | vs MILP |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['dcp_compute_s']:.4f} | {r['milp_s']:.4f} | "
+              f"{100 * g:+.2f}% |" for g, r in ship]
     args.out.write_text("\n".join(lines) + "\n")
     return 0
 
