@@ -154,10 +154,17 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
         mbs = micro_batches([(ids[a:a + m], ph.layouts[li]) for a, m, li in
                              zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())])
         lo = 0
-        for g, r in enumerate(tiles):
-            hi = ends[g] if g < len(ends) else lo
+        for r, hi in zip(tiles, ends):
             groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
             lo = hi
+        if len(tiles) > len(ends):  # ranks no group covers: idle groups of one rank, alike across steps
+            key = (phase, len(ends), len(tiles))
+            idle = p._idle.get(key)
+            if idle is None:
+                if len(p._idle) >= TILE_CACHE_LIMIT:
+                    p._idle.clear()
+                idle = p._idle[key] = [GroupPlan(r, (), phase) for r in tiles[len(ends):]]
+            groups.extend(idle)
     return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
 
 

@@ -94,6 +94,7 @@ class ScalePlanner:
         self._deals: dict[tuple, list] = {}
         self._sigs: dict[tuple, int] = {}
         self._tiles: dict[tuple, list] = {}
+        self._idle: dict[tuple, list] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -185,12 +186,15 @@ class ScalePlanner:
         sig = {k: self._sig(v) for k, v in by_k.items()}
         span = {k: self._span_c(by_k[k], count[k], sig[k]) for k in by_k}
         free = self.world - sum(k * n for k, n in count.items())
+        stuck: set[int] = set()  # degrees more groups did not help
         for _ in range(64):
             order = sorted(span, key=lambda j: (-span[j], j))  # slowest first, narrower first on ties
-            k = next((j for j in order if j <= free and count[j] < n_items[j]), None)
+            if order[0] in stuck:
+                break  # the slowest degree cannot be helped: nothing shortens the makespan
+            k = next((j for j in order if j not in stuck and j <= free and count[j] < n_items[j]), None)
             if k is None:
                 break
-            others = span[order[1]] if k == order[0] and len(order) > 1 else span[order[0]] if k != order[0] else 0.0
+            others = max((span[j] for j in order if j != k), default=0.0)
             # jump toward the groups that bring this degree down to the next slowest one
             want = count[k] * span[k] / max(others, span[k] * 0.5, TIME_EPS)
             step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
@@ -201,7 +205,7 @@ class ScalePlanner:
             if new >= span[k] - TIME_EPS:
                 if k == order[0]:
                     break
-                span[k] = -1.0  # no help here; let another degree try
+                stuck.add(k)  # no help here; let another degree try
                 continue
             count[k] += step
             span[k] = new
