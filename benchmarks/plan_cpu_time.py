@@ -4,9 +4,12 @@ jobs on a shared machine inflate far less than wall-clock time, with where the t
     PYTHONPATH=. .venv/bin/python benchmarks/plan_cpu_time.py --worlds 1024,4096 --budgets weak,strong \\
         [--cells text/short,...] [--steps 4] [--profile]
 
-The first step of a cell also fills the planner's caches; it is planned once before the
-timed steps. With `--repeats R` the cell is planned R times, each with a fresh planner, and
-each step keeps its least time (other jobs on a shared machine only ever add time).
+Each planner first plans one step that is not timed (the step after the timed ones), so
+its caches hold what a running planner's hold by then. With `--repeats R` every cell is
+planned in R rounds over all cells, each time with a fresh planner, and each step keeps its
+least time: other jobs and slow spells of a shared machine only ever add time, and rounds
+spread each cell's tries over the whole run. A fixed workload timed before each round
+(`speed_probe`) shows how much the machine's speed moved.
 `--profile` plans the timed steps again under cProfile and splits the time into the
 class-level search (`ScalePlanner._plan_part`: candidate rows, bisection over targets, group
 allocation), the expansion to sample ids (`dcp_expand.expand`: dealing classes, cutting
@@ -23,6 +26,8 @@ import math
 import pstats
 import statistics
 import time
+
+import numpy as np
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
@@ -59,9 +64,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="plan the cell this many times, each with a fresh planner, and keep each step's least "
-                         "time (on a shared machine, other jobs only ever add time)")
+                    help="rounds over all cells, each with fresh planners; each step keeps its least time "
+                         "(on a shared machine, other jobs only ever add time)")
     args = ap.parse_args()
+    cells = []
     for budget in args.budgets.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
             for item in args.cells.split(","):
@@ -69,35 +75,56 @@ def main() -> int:
                 sc = SCENARIOS[sc_name]
                 tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
                 wl = Workload(sc.model, tuple(sample_sizes(
-                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, args.steps * tps))))
+                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, (args.steps + 1) * tps))))
                 cl = sc.cluster(world)
                 ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
-                steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps]
-                cpu = [math.inf] * len(steps)
-                wall = [math.inf] * len(steps)
-                for _ in range(args.repeats):  # a fresh planner each time; per step the least time
-                    planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-                    planner.plan(steps[0])  # fills the caches
-                    for i, s in enumerate(steps):
-                        c0, w0 = time.process_time(), time.perf_counter()
-                        planner.plan(s)
-                        cpu[i] = min(cpu[i], (time.process_time() - c0) * 1e3)
-                        wall[i] = min(wall[i], (time.perf_counter() - w0) * 1e3)
-                n = statistics.median(len(s.sample_ids) for s in steps)
-                line = (f"{budget} {world} {item}: {len(steps)} steps, {n} samples/step; "
-                        f"CPU ms median {statistics.median(cpu):.1f} max {max(cpu):.1f}; "
-                        f"wall ms median {statistics.median(wall):.1f} max {max(wall):.1f}")
-                if args.profile:
-                    prof = cProfile.Profile()
-                    for s in steps:
-                        prof.enable()
-                        planner.plan(s)
-                        prof.disable()
-                    b = breakdown(prof)
-                    line += "; profiled: " + ", ".join(
-                        f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
-                print(line, flush=True)
+                steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps + 1]
+                cells.append((f"{budget} {world} {item}", ctx, steps[:-1], steps[-1]))
+    cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
+    wall = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
+    probes = []
+    for _ in range(args.repeats):  # rounds over all cells, so a slow spell of the machine hits each cell once
+        probes.append(speed_probe())
+        for name, ctx, steps, warm in cells:
+            planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+            planner.plan(warm)  # a step not timed: builds what a running planner has built by then
+            for i, s in enumerate(steps):
+                c0, w0 = time.process_time(), time.perf_counter()
+                planner.plan(s)
+                cpu[name][i] = min(cpu[name][i], (time.process_time() - c0) * 1e3)
+                wall[name][i] = min(wall[name][i], (time.perf_counter() - w0) * 1e3)
+    probes.append(speed_probe())
+    print(f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
+          f"{', '.join(f'{x:.0f}' for x in probes)}", flush=True)
+    for name, ctx, steps, warm in cells:
+        n = statistics.median(len(s.sample_ids) for s in steps)
+        line = (f"{name}: {len(steps)} steps, {n} samples/step; "
+                f"CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f}; "
+                f"wall ms median {statistics.median(wall[name]):.1f} max {max(wall[name]):.1f}")
+        if args.profile:
+            planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+            planner.plan(warm)
+            prof = cProfile.Profile()
+            for s in steps:
+                prof.enable()
+                planner.plan(s)
+                prof.disable()
+            b = breakdown(prof)
+            line += "; profiled: " + ", ".join(
+                f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
+        print(line, flush=True)
     return 0
+
+
+def speed_probe() -> float:
+    """CPU ms of a fixed workload (a Python loop and a numpy sort): how fast the machine is
+    running at the moment, to judge the timings' noise."""
+    t = time.process_time()
+    acc = 0
+    for i in range(1_000_000):
+        acc += i * i
+    np.random.default_rng(0).random(1_000_000).sort()
+    return (time.process_time() - t) * 1e3
 
 
 if __name__ == "__main__":
