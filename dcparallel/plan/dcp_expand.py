@@ -17,11 +17,13 @@ is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dcparallel.plan.dcp_classes import GroupClass
+from dcparallel.plan.dcp_setup import memo
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, StepPlan, micro_batches
 from dcparallel.spec import Layout
@@ -143,12 +145,7 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
     micro-batches' `start` positions refer to)."""
     groups: list[GroupPlan] = []
     for phase, ph in enumerate(phases):
-        key = tuple(ph.sizes)
-        tiles = p._tiles.get(key)
-        if tiles is None:
-            if len(p._tiles) >= TILE_CACHE_LIMIT:
-                p._tiles.clear()
-            tiles = p._tiles[key] = p.ctx.topology.tile(ph.sizes)
+        tiles = memo(p._tiles, tuple(ph.sizes), partial(p.ctx.topology.tile, ph.sizes), TILE_CACHE_LIMIT)
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right").tolist()
         mbs = micro_batches([(ids[a:a + m], ph.layouts[li]) for a, m, li in
@@ -158,14 +155,13 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
             groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
             lo = hi
         if len(tiles) > len(ends):  # ranks no group covers: idle groups of one rank, alike across steps
-            key = (phase, len(ends), len(tiles))
-            idle = p._idle.get(key)
-            if idle is None:
-                if len(p._idle) >= TILE_CACHE_LIMIT:
-                    p._idle.clear()
-                idle = p._idle[key] = [GroupPlan(r, (), phase) for r in tiles[len(ends):]]
-            groups.extend(idle)
+            groups.extend(memo(p._idle, (phase, len(ends), len(tiles)),
+                               partial(idle_groups, tiles[len(ends):], phase), TILE_CACHE_LIMIT))
     return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
+
+
+def idle_groups(ranks: list[tuple[int, ...]], phase: int) -> list[GroupPlan]:
+    return [GroupPlan(r, (), phase) for r in ranks]
 
 
 def run_order(ph: Phase) -> np.ndarray:

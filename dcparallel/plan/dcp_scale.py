@@ -64,6 +64,7 @@ from dcparallel.plan.dcp_setup import (
     ROW_CACHE_LIMIT,
     STALE_STOP,
     SUB_BINS,
+    memo,
     planning_classes,
     sample_weights,
 )
@@ -155,13 +156,7 @@ class ScalePlanner:
     def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: int) -> float:
         """`class_span` of a degree's micro-batch classes over n groups, cached by `sig` (the
         id of the classes' sorted (time, count) pairs: `_sig`)."""
-        key = (sig, n)
-        hit = self._spans.get(key)
-        if hit is None:
-            if len(self._spans) >= ROW_CACHE_LIMIT:
-                self._spans.clear()
-            hit = self._spans[key] = class_span(items, n)
-        return hit
+        return memo(self._spans, (sig, n), lambda: class_span(items, n))
 
     def _sig(self, items: Sequence[tuple[int, float, int]]) -> int:
         sig = tuple(sorted((t, q) for _, t, q in items))
@@ -176,13 +171,7 @@ class ScalePlanner:
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
         """`deal_classes`, cached (the best few candidates of a step often share a degree's
         micro-batch classes); the group classes are read, never changed."""
-        key = (tuple(items), n)
-        hit = self._deals.get(key)
-        if hit is None:
-            if len(self._deals) >= ROW_CACHE_LIMIT:
-                self._deals.clear()
-            hit = self._deals[key] = deal_classes(items, n)
-        return hit
+        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
 
     # -- groups ----------------------------------------------------------------------------
     def _allocate(self, present: list[int], chosen: list[tuple], T: float):

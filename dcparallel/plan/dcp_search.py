@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE
+from dcparallel.plan.dcp_setup import SEARCH_COARSE, memo
 from dcparallel.plan.types import ROUND_EPS
 
 if TYPE_CHECKING:
@@ -31,10 +31,10 @@ def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
-    key = (j, c)
-    hit = p._rows.get(key)
-    if hit is not None:
-        return hit
+    return memo(p._rows, (j, c), lambda: _rows(p, j, c))
+
+
+def _rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
     x = np.union1d(p._pow2, -(-c // (1 << np.arange(c.bit_length()))))  # sorted; includes c
     cap = np.minimum(p._tops[:, j], c)
     kp = np.flatnonzero(cap > 0)
@@ -48,11 +48,7 @@ def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
     total = full * t + tr
     k = p._spa[kp]
     out = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
-    out = out[np.lexsort((ms, k, out[:, 0]))]
-    if len(p._rows) >= ROW_CACHE_LIMIT:
-        p._rows.clear()
-    p._rows[key] = out
-    return out
+    return out[np.lexsort((ms, k, out[:, 0]))]
 
 
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:

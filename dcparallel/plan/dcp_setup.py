@@ -6,7 +6,7 @@ The classes are the context's buckets, or finer text length ranges."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -50,6 +50,17 @@ EXPAND_WITHIN = 1.02
 
 #: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
 ROW_CACHE_LIMIT = 50_000
+
+
+def memo(cache: dict, key, make: Callable[[], Any], limit: int = ROW_CACHE_LIMIT):
+    """`cache[key]`, made by `make()` on a miss; a full cache is emptied first (bounded memory,
+    and a planner's results do not depend on what it has cached)."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= limit:
+            cache.clear()
+        hit = cache[key] = make()
+    return hit
 
 
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
