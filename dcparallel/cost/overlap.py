@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 BACKWARD_FRACTION = 2.0 / 3.0
 #: the runtime's default bucket (runtime.grad_sync.DEFAULT_BUCKET_BYTES; no torch import here)
 BUCKET_BYTES = 25 * 2**20
@@ -32,3 +34,10 @@ def exposed_sync(sync_s: float, last_micro_batch_s: float, buckets: int) -> floa
     if sync_s <= 0:
         return 0.0
     return max(sync_s - BACKWARD_FRACTION * last_micro_batch_s, sync_s / buckets)
+
+
+def exposed_sync_many(sync_s: float, last_micro_batch_s: np.ndarray, buckets: int) -> np.ndarray:
+    """`exposed_sync` for each of an array of last micro-batch times."""
+    if sync_s <= 0:
+        return np.zeros_like(last_micro_batch_s)
+    return np.maximum(sync_s - BACKWARD_FRACTION * last_micro_batch_s, sync_s / buckets)

@@ -108,17 +108,3 @@ def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
                 add(low + a * t, cnt - r)
             q = 0
     return max(count)
-
-
-def groups_needed(chosen: Sequence[tuple], T: float) -> dict[int, int]:
-    """Per SP degree, the groups a layout choice needs for makespan target T: its work over
-    T, at least one per micro-batch longer than T / 2, at most one per micro-batch. `chosen`
-    rows are (gpu_s, degree, mbs, time, full, time of the rest, rest, total seconds)."""
-    work: dict[int, float] = {}
-    big: dict[int, int] = {}
-    items: dict[int, int] = {}
-    for _, k, _, t, full, tr, rem, total in chosen:
-        work[k] = work.get(k, 0.0) + total
-        big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
-        items[k] = items.get(k, 0) + full + (1 if rem else 0)
-    return {k: min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS))) for k in work}

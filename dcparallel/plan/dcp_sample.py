@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcparallel.cost.overlap import BACKWARD_FRACTION, exposed_sync, num_buckets
+from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, num_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
@@ -94,9 +94,7 @@ class SamplePacker:
 
     def alone(self, t: np.ndarray) -> np.ndarray:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
-        if self.sync <= 0:
-            return t
-        return t + np.maximum(self.sync - BACKWARD_FRACTION * t, self.sync / self.buckets)
+        return t + exposed_sync_many(self.sync, t, self.buckets)
 
     def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float) -> list[list] | None:
         """Groups [degree index, load, member rows, longest member time] for target T (a
@@ -208,9 +206,16 @@ class SamplePacker:
         if not np.isfinite(fast).all():
             return None
         ts = np.unique(f[np.isfinite(f) & (f >= float(fast.max()))])
+        packed: dict[float, list[list] | None] = {}  # per target: the search and the final pass share them
+
+        def pack(T: float) -> list[list] | None:
+            if T not in packed:
+                packed[T] = self.pack(ids, t, f, T)
+            return packed[T]
+
         top = float(ts[-1])
         for _ in range(64):  # more samples than groups at their own times: targets of several samples each
-            if self.pack(ids, t, f, top) is not None:
+            if pack(top) is not None:
                 break
             top *= 2
         else:
@@ -220,7 +225,7 @@ class SamplePacker:
         lo, hi = 0, len(ts) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.pack(ids, t, f, float(ts[mid])) is not None:
+            if pack(float(ts[mid])) is not None:
                 hi = mid
             else:
                 lo = mid + 1
@@ -229,16 +234,17 @@ class SamplePacker:
             a, b = float(ts[lo - 1]), float(ts[lo])
             for _ in range(CONTINUOUS_STEPS):
                 mid = (a + b) / 2
-                if self.pack(ids, t, f, mid) is not None:
+                if pack(mid) is not None:
                     b = mid
                 else:
                     a = mid
             targets.append(b)
         best = None
         for T in targets:
-            groups = self.pack(ids, t, f, T)
-            if groups is None:
+            got = pack(T)
+            if got is None:
                 continue
+            groups = [[g[0], g[1], list(g[2]), g[3]] for g in got]  # widened in place
             self.widen(groups, t)
             span = max(self.finish(g) for g in groups)
             if best is None or span < best[1] * (1 - MIN_GAIN):

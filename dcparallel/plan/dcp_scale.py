@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes, groups_needed
+from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.dcp_search import rows, search, table
@@ -174,8 +174,9 @@ class ScalePlanner:
         return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
 
     # -- groups ----------------------------------------------------------------------------
-    def _allocate(self, present: list[int], chosen: list[tuple], T: float):
-        """(predicted makespan, item classes, {degree: group classes}) for one layout choice."""
+    def _allocate(self, present: list[int], chosen: list[tuple], need: dict[int, int]):
+        """(predicted makespan, item classes, {degree: group classes}) for one layout choice
+        and the groups per degree the search estimated it needs."""
         items: list[ItemClass] = []
         by_k: dict[int, list[tuple[int, float, int]]] = {}
         for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
@@ -183,7 +184,6 @@ class ScalePlanner:
                 if q:
                     by_k.setdefault(k, []).append((len(items), tt, q))
                     items.append(ItemClass(j, k, mm, tt, q))
-        need = groups_needed(chosen, T)
         count = {k: need[k] for k in by_k}
         n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
         while sum(k * n for k, n in count.items()) > self.world:  # estimates can overshoot at the edge
@@ -233,8 +233,8 @@ class ScalePlanner:
         stale = 0
         for kmin in self.sp:
             improved = False
-            for T, ch in search(self, tab, kmin):
-                got = self._allocate(present, ch, T)
+            for _, ch, need in search(self, tab, kmin):
+                got = self._allocate(present, ch, need)
                 if got is None:
                     continue
                 if not found or got[0] < found[0][0] * (1 - REL_TOL):

@@ -72,11 +72,12 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
             "spf": np.asarray(p.sp, dtype=float)}
 
 
-def fits(p: ScalePlanner, tab: dict, ts: np.ndarray, kmin: int) -> tuple[np.ndarray, np.ndarray]:
-    """For every target of the sorted array `ts`: whether its rows fit the world, and the
-    rows ([target, bucket] indices into the table). A bucket's row for T is its first row
-    with SP >= kmin and time <= T; the groups a choice needs are its work over T, at least
-    one per micro-batch longer than T / 2, at most one per micro-batch."""
+def fits(p: ScalePlanner, tab: dict, ts: np.ndarray, kmin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every target of the sorted array `ts`: whether its rows fit the world, the rows
+    ([target, bucket] indices into the table) and the groups they need per SP degree
+    ([target, degree index]). A bucket's row for T is its first row with SP >= kmin and
+    time <= T; the groups a degree needs are its work over T, at least one per micro-batch
+    longer than T / 2, at most one per micro-batch (0 for a degree without micro-batches)."""
     n, nt, nk = tab["n"], len(ts), len(p.sp)
     starts, seg = tab["starts"], tab["seg"]
     nb = len(starts)
@@ -97,7 +98,7 @@ def fits(p: ScalePlanner, tab: dict, ts: np.ndarray, kmin: int) -> tuple[np.ndar
     items = np.bincount(flat, weights=tab["items"][first].ravel(), minlength=size).reshape(nt, nk)
     need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - ROUND_EPS)))
     need = np.where(items > 0, need, 0.0)
-    return ok & (need @ tab["spf"] <= p.world), first
+    return ok & (need @ tab["spf"] <= p.world), first, need
 
 
 def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
@@ -106,8 +107,9 @@ def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
             for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
 
 
-def search(p: ScalePlanner, tab: dict, kmin: int) -> list[tuple[float, list[tuple]]]:
-    """Layouts at the smallest feasible target T and at a few larger ones. Targets are the
+def search(p: ScalePlanner, tab: dict, kmin: int) -> list[tuple[float, list[tuple], dict[int, int]]]:
+    """Layouts at the smallest feasible target T and at a few larger ones, each with the
+    groups per SP degree it needs (`fits`; degrees without micro-batches left out). Targets are the
     distinct micro-batch times; a coarse pass over `SEARCH_COARSE` of them brackets the
     smallest that fits, a second pass over the bracket finds it and the candidates after it.
     If none fits: least work (T infinite), if that fits."""
@@ -121,12 +123,12 @@ def search(p: ScalePlanner, tab: dict, kmin: int) -> list[tuple[float, list[tupl
     coarse = np.unique(np.linspace(0, len(ts) - 1, min(len(ts), SEARCH_COARSE)).astype(np.int64))
     fit = fits(p, tab, ts[coarse], kmin)[0]
     if not fit.any():
-        fit, first = fits(p, tab, np.array([math.inf]), kmin)
-        return [(math.inf, rows_at(tab, first[0]))] if fit[0] else []
+        fit, first, need = fits(p, tab, np.array([math.inf]), kmin)
+        return [(math.inf, rows_at(tab, first[0]), _needs(p, need[0]))] if fit[0] else []
     c = int(np.argmax(fit))
     lo = int(coarse[c - 1]) + 1 if c > 0 else 0
     window = np.arange(lo, min(len(ts), int(coarse[c]) + 9))
-    fit, first = fits(p, tab, ts[window], kmin)
+    fit, first, need = fits(p, tab, ts[window], kmin)
     at = int(np.argmax(fit))
     out, seen = [], set()
     for i in (at, at + 1, at + 2, at + 4, at + 8):
@@ -136,5 +138,9 @@ def search(p: ScalePlanner, tab: dict, kmin: int) -> list[tuple[float, list[tupl
         sig = tuple((r[1], r[2]) for r in ch)
         if sig not in seen:
             seen.add(sig)
-            out.append((float(ts[window[i]]), ch))
+            out.append((float(ts[window[i]]), ch, _needs(p, need[i])))
     return out
+
+
+def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:
+    return {k: int(n) for k, n in zip(p.sp, need.tolist()) if n > 0}

@@ -12,12 +12,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_classes import groups_needed
 from dcparallel.plan.dcp_expand import Phase, deal_order, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.dcp_search import fits, rows_at, table
 from dcparallel.plan.steps import form_steps
-from dcparallel.plan.types import MicroBatch, micro_batches
+from dcparallel.plan.types import ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
@@ -40,6 +39,20 @@ def _planner(world: int, video: bool, n: int, seed: int) -> tuple[ScalePlanner, 
     return ScalePlanner(ctx, step_seconds(ctx)), steps
 
 
+def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
+    """The definition: per SP degree, its work over T, at least one group per micro-batch
+    longer than T / 2, at most one per micro-batch."""
+    work: dict[int, float] = {}
+    big: dict[int, int] = {}
+    items: dict[int, int] = {}
+    for _, k, _, t, full, tr, rem, total in chosen:
+        k = int(k)
+        work[k] = work.get(k, 0.0) + total
+        big[k] = big.get(k, 0) + (full if t > T / 2 else 0) + (1 if rem and tr > T / 2 else 0)
+        items[k] = items.get(k, 0) + full + (1 if rem else 0)
+    return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
+
+
 def _reference_rows(p: ScalePlanner, tab: dict, T: float, kmin: int) -> list[tuple] | None:
     """The definition: per bucket its first row (least GPU-seconds first) with SP >= kmin and
     time <= T; the choice fits if the groups it needs fit the world."""
@@ -50,7 +63,7 @@ def _reference_rows(p: ScalePlanner, tab: dict, T: float, kmin: int) -> list[tup
         if hit is None:
             return None
         chosen.append(hit)
-    need = groups_needed(chosen, T)
+    need = _groups_needed(chosen, T)
     if sum(k * g for k, g in need.items()) > p.world:
         return None
     return chosen
@@ -67,13 +80,14 @@ def test_all_targets_at_once_match_one_target_at_a_time(world, video, n, seed):
     tab = table(p, present.tolist(), counts.tolist(), scale)
     ts = np.unique(np.append(tab["t"], [math.inf]))
     for kmin in p.sp:
-        ok, first = fits(p, tab, ts, kmin)
+        ok, first, need = fits(p, tab, ts, kmin)
         for j, T in enumerate(ts.tolist()):
             ref = _reference_rows(p, tab, T, kmin)
             assert bool(ok[j]) == (ref is not None), (T, kmin)
             if ref is not None:
                 assert rows_at(tab, first[j]) == [(g, int(k), int(m), t, int(f), tr, int(r), tot)
                                                    for g, k, m, t, f, tr, r, tot in ref]
+                assert {k: int(n) for k, n in zip(p.sp, need[j].tolist()) if n > 0} == _groups_needed(ref, T)
 
 
 def _round_robin(holders, ic):
