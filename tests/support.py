@@ -103,7 +103,9 @@ def random_plan(
     shape only), random recompute per micro-batch. ``mode``: "random" (random tiling with
     SP 1/2/4, sometimes an idle group), "world" (one group of the whole world), "idle"
     (a group of half the world + single ranks, one group with no micro-batch), "phases"
-    (two phases: a group of the whole world, then a random tiling with an idle group)."""
+    (three phases: narrow groups, then a group of the whole world, then narrow groups again,
+    one of them idle: the packed plans' sub-groups run before their wide parent, and `dcp`'s
+    two-phase plans run their narrow groups after the wide ones)."""
     rng = random.Random(seed)
     allowed = tuple(s for s in sizes if s <= world)
     if mode == "world":
@@ -113,17 +115,21 @@ def random_plan(
         blocks = [(0, b) for b in ([tuple(range(half))] if half > 1 else [(0,)])
                   + [(r,) for r in range(max(half, 1), world)]]
     elif mode == "phases":
-        blocks = [(0, tuple(range(world)))] + [(1, b) for b in _tile(0, world, rng, allowed[:-1])]
+        narrow = allowed[:-1] or allowed
+        blocks = ([(0, b) for b in _tile(0, world, rng, narrow)] + [(1, tuple(range(world)))]
+                  + [(2, b) for b in _tile(0, world, rng, narrow)])
     else:
         blocks = [(0, b) for b in _tile(0, world, rng, allowed)]
     assigned: dict[tuple[int, tuple[int, ...]], list[int]] = {b: [] for b in blocks}
     num_idle = 1 if len(blocks) > 1 and (mode in ("idle", "phases") or rng.random() < 0.6) else 0
     if mode == "phases":  # the whole-world group always runs something
-        busy = blocks[:1] + rng.sample(blocks[1:], k=len(blocks) - 1 - num_idle)
+        wide = [b for b in blocks if b[0] == 1]
+        rest = [b for b in blocks if b[0] != 1]
+        busy = wide + rng.sample(rest, k=len(rest) - num_idle)
     else:
         busy = rng.sample(blocks, k=len(blocks) - num_idle)
-    for sid in sample_ids:
-        assigned[rng.choice(busy)].append(sid)
+    for n, sid in enumerate(sample_ids):  # "phases": every busy group gets a sample first
+        assigned[busy[n] if mode == "phases" and n < len(busy) else rng.choice(busy)].append(sid)
     groups = []
     for phase, b in blocks:
         sids = assigned[(phase, b)]

@@ -7,15 +7,24 @@ every SP degree, and for a makespan target T:
 
 1. every sample takes the degree of fewest GPU-seconds among those at which it finishes
    within T (wider SP adds communication, narrower may need recomputation);
-2. samples, longest first, are packed into groups of capacity T: into the fullest open group
-   of their degree they still fit in, else into the fullest wider group they fit in
-   (re-timed at its degree), else into a new group of their degree. A group's finish counts
-   the gradient sync its longest micro-batch's backward cannot hide (`cost.overlap`): a group
-   of many short samples must end earlier;
+2. samples, longest first, are packed into groups of capacity T. At each degree from the
+   sample's own upward (re-timed there), the sample goes into the fullest open group of that
+   degree it still fits in, else into a wider open group with room, which *splits*: its
+   block becomes equal sub-groups of that degree, run before the parent's own micro-batches
+   (the parent waits for them and takes no more members; the other sub-groups stay open for
+   later samples). A sample that fits nowhere opens a new group of its own degree. A group's
+   finish counts the gradient sync its longest micro-batch's backward cannot hide
+   (`cost.overlap`): a group of many short samples must end earlier;
 3. the smallest T (bisection over the samples' times) whose groups fit the world wins;
    ranks left over then widen the slowest group, or split its samples over a second group,
    while that lowers the makespan. Each group runs its longest sample last, so the gradient
    sync overlaps the longest backward.
+
+Sub-groups fill the time a wide group leaves after a long sample with short samples at their
+own narrow degree, where re-timing them at the wide degree would spend more GPU-seconds. A
+plan with sub-groups has one phase per level: the deepest sub-groups run in phase 0 and the
+top-level groups in the last phase, each on its ranks once they are done with the phase
+before.
 
 The step is packed twice: one sample per micro-batch, and in micro-batches of each bucket's
 preferred size (the least GPU-seconds per sample: several short samples or video clips of
@@ -40,11 +49,21 @@ from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, Ste
 #: bisection steps for the makespan target between two of the samples' times
 CONTINUOUS_STEPS = 8
 
-#: one group: (SP degree, predicted finish, its micro-batches' sample ids in run order)
-Group = tuple[int, float, list[tuple[int, ...]]]
+#: one packed group: (SP degree, predicted finish, its micro-batches' sample ids in run order,
+#: its sub-groups: the equal slices of its block that run before it, in block order)
+Group = tuple[int, float, list[tuple[int, ...]], list["Group"]]
+
+#: a group while packing: [degree index, load, member rows, longest member time, base,
+#: sub-group indices]. base is None for a top-level group (its finish adds the sync its longest
+#: member leaves exposed), else the parent's finish when it split: the sub-group runs on a slice
+#: of the parent's ranks before the parent's own micro-batches, which wait for it
+Node = list
 
 
 class SamplePacker:
+    #: whether a wider group with room may split into sub-groups for a narrower micro-batch
+    subgroups = True
+
     def __init__(self, ctx: PlanContext, mode: RecomputeMode):
         self.ctx, self.mode = ctx, mode
         self.sp = list(ctx.sp_sizes)
@@ -97,10 +116,10 @@ class SamplePacker:
         return t + exposed_sync_many(self.sync, t, self.buckets)
 
     def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float) -> list[list] | None:
-        """Groups [degree index, load, member rows, longest member time] for target T (a
-        group's load plus the sync its longest member leaves exposed stays within T), or None
-        if a micro-batch cannot finish within T or the groups need more ranks than the world.
-        Rows are micro-batches; `ids`: each one's first sample id (ties)."""
+        """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
+        finish stays within T. None if a micro-batch cannot finish within T or the top-level
+        groups need more ranks than the world. Rows are micro-batches; `ids`: each one's
+        first sample id (ties)."""
         cap = T * (1 + TIME_EPS)
         ok = f <= cap
         if not ok.any(axis=1).all():
@@ -111,53 +130,79 @@ class SamplePacker:
         # longest first: by GPU-seconds at the narrowest degree, then id
         order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
         groups: list[list] = []
-        # per degree index, the open groups' finishes (load + exposed sync), sorted, with their indices
+        # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
+
+        def take(b: int, need: float) -> int | None:
+            """The fullest open group of degree index b with room for `need` (a member longer
+            than the group's longest only hides more sync), out of the open list."""
+            lst = fins[b]
+            pos = bisect.bisect_right(lst, (cap - need, len(groups))) - 1
+            return lst.pop(pos)[1] if pos >= 0 else None
+
+        def put(g: int, a: int, need: float) -> None:
+            grp = groups[g]
+            grp[1] += need
+            grp[2].append(a)
+            grp[3] = max(grp[3], need)
+            bisect.insort(fins[grp[0]], (self.finish(grp), g))
+
         ranks = 0
         for a in order:
-            placed = False
-            for b in range(nar[a], len(self.sp)):
-                need = t[a, b]
-                if not np.isfinite(need):
+            b = int(nar[a])
+            g = None
+            for d in range(b, len(self.sp)):  # its own degree first, then re-timed wider
+                need = float(t[a, d])
+                if not need <= cap:
                     continue
-                lst = fins[b]
-                # the fullest group with room: the largest finish <= T - need (a member longer
-                # than the group's longest only hides more sync)
-                pos = bisect.bisect_right(lst, (cap - need, len(groups))) - 1
-                if pos < 0:
-                    continue
-                _, g = lst.pop(pos)
-                grp = groups[g]
-                grp[1] += need
-                grp[2].append(a)
-                grp[3] = max(grp[3], need)
-                bisect.insort(lst, (grp[1] + self.exposed(grp[3]), g))
-                placed = True
-                break
-            if placed:
+                g = take(d, need)
+                for w in range(d + 1, len(self.sp)) if g is None and self.subgroups else ():
+                    # a wider group with room splits: its ranks run sub-groups of degree d first
+                    p = take(w, need)
+                    if p is not None:
+                        base = self.finish(groups[p])  # the parent takes no more members
+                        kids = list(range(len(groups), len(groups) + self.sp[w] // self.sp[d]))
+                        groups[p][5] = kids
+                        groups.extend([d, 0.0, [], 0.0, base, []] for _ in kids)
+                        for c in kids[1:]:
+                            bisect.insort(fins[d], (base, c))
+                        g = kids[0]
+                        break
+                if g is not None:
+                    put(g, a, need)
+                    break
+            if g is not None:
                 continue
-            b = nar[a]
             ranks += self.sp[b]
             if ranks > self.world:
                 return None
-            groups.append([b, own[a], [a], own[a]])
-            bisect.insort(fins[b], (f[a, b], len(groups) - 1))
+            groups.append([b, 0.0, [], 0.0, None, []])
+            put(len(groups) - 1, a, own[a])
         return groups
 
     def finish(self, g: list) -> float:
-        return g[1] + self.exposed(g[3])
+        """When a group's ranks are done: a top-level group adds the sync its longest member
+        leaves exposed; a sub-group starts at its base (see `Node`)."""
+        return g[1] + (self.exposed(g[3]) if g[4] is None else g[4])
+
+    def tree_finish(self, groups: list[list], g: int) -> float:
+        """When a top-level group and all its sub-groups are done."""
+        return max([self.finish(groups[g])] + [self.tree_finish(groups, c) for c in groups[g][5]])
 
     def widen(self, groups: list[list], t: np.ndarray) -> None:
         """Ranks left over go to the group that finishes last: a group of one micro-batch
         moves to the next degree of the chain (when it fits there), a group of several splits its samples over a
         second group of its degree; while the makespan falls."""
-        free = self.world - sum(self.sp[g[0]] for g in groups)
-        heap = [(-self.finish(g), g[0], i) for i, g in enumerate(groups)]  # the last to finish first
+        roots = [i for i, g in enumerate(groups) if g[4] is None]
+        free = self.world - sum(self.sp[groups[i][0]] for i in roots)
+        heap = [(-self.tree_finish(groups, i), groups[i][0], i) for i in roots]  # the last to finish first
         heapq.heapify(heap)
         while free > 0 and heap:
             neg, _, i = heapq.heappop(heap)
             g, top = groups[i], -neg
             k = self.sp[g[0]]
+            if g[5]:
+                return  # a group with sub-groups keeps its degree
             if len(g[2]) == 1:
                 b = g[0] + 1  # the next degree of the chain
                 a = g[2][0]
@@ -170,7 +215,7 @@ class SamplePacker:
             else:
                 if k > free:
                     return
-                parts: list[list] = [[g[0], 0.0, [], 0.0], [g[0], 0.0, [], 0.0]]
+                parts: list[list] = [[g[0], 0.0, [], 0.0, None, []], [g[0], 0.0, [], 0.0, None, []]]
                 for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
                     q = parts[0] if parts[0][1] <= parts[1][1] else parts[1]
                     q[1] += t[a, g[0]]
@@ -244,27 +289,52 @@ class SamplePacker:
             got = pack(T)
             if got is None:
                 continue
-            groups = [[g[0], g[1], list(g[2]), g[3]] for g in got]  # widened in place
+            groups = [[g[0], g[1], list(g[2]), g[3], g[4], list(g[5])] for g in got]  # widened in place
             self.widen(groups, t)
             span = max(self.finish(g) for g in groups)
             if best is None or span < best[1] * (1 - MIN_GAIN):
                 best = (groups, span)
         groups, span = best
-        # longest last: the gradient sync overlaps the last micro-batch's backward
-        out = [(self.sp[g[0]], self.finish(g), [items[a] for a in sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))])
-               for g in groups]
-        out.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
-        return out, span
+        top = [self._group(groups, i, items, t, ids) for i, g in enumerate(groups) if g[4] is None]
+        top.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
+        return top, span
+
+    def _group(self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: np.ndarray, ids: list[int]) -> Group:
+        """Packed group i with its sub-groups; longest last: the gradient sync overlaps the
+        last micro-batch's backward. (Methods, not nested functions: a recursive closure is a
+        reference cycle, and planning makes none.)"""
+        g = groups[i]
+        order = sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))
+        return (self.sp[g[0]], self.finish(g), [items[a] for a in order],
+                [self._group(groups, c, items, t, ids) for c in g[5]])
 
     def step_plan(self, step: Step, groups: list[Group]) -> StepPlan:
-        """The step plan of packed groups, placed as aligned blocks (widest first)."""
+        """The step plan of packed groups: the top-level groups placed as aligned blocks
+        (widest first), each sub-group on its slice of its parent's block one phase earlier
+        (the top-level groups run in the last phase); ranks without a group in a phase idle."""
+        last = max((_depth(g) for g in groups), default=1) - 1
+        out: list[GroupPlan] = []
+        for g, ranks in zip(groups, self.ctx.topology.tile([g[0] for g in groups])):
+            self._emit(g, ranks, last, out)
+        busy: list[set[int]] = [set() for _ in range(last + 1)]
+        for g in out:
+            busy[g.phase].update(g.ranks)
+        out.extend(GroupPlan((r,), (), p) for p in range(last + 1) for r in range(self.world) if r not in busy[p])
+        out.sort(key=lambda g: (g.phase, g.ranks[0]))
+        return StepPlan(step.index, step.sample_ids, tuple(out), self.ctx.step_tokens(step.sample_ids))
+
+    def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan]) -> None:
+        k, _, items, kids = g
         ctx = self.ctx
-        out = []
-        for g, ranks in enumerate(ctx.topology.tile([k for k, _, _ in groups])):
-            mbs: tuple = ()
-            if g < len(groups):
-                k = groups[g][0]
-                mbs = tuple(MicroBatch(item, ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout)
-                            for item in groups[g][2])
-            out.append(GroupPlan(ranks, mbs, 0))
-        return StepPlan(step.index, step.sample_ids, tuple(out), ctx.step_tokens(step.sample_ids))
+        if items:
+            out.append(GroupPlan(ranks, tuple(
+                MicroBatch(item, ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout)
+                for item in items), phase))
+        w = k // max(len(kids), 1)
+        for c, kid in enumerate(kids):
+            self._emit(kid, ranks[c * w:(c + 1) * w], phase - 1, out)
+
+
+def _depth(g: Group) -> int:
+    """Levels of a packed group: 1 without sub-groups."""
+    return 1 + max((_depth(c) for c in g[3]), default=0)

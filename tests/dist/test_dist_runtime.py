@@ -78,9 +78,10 @@ def test_random_plans_match_single_process_gradients(workers, kind, backward_out
         ref_loss, ref_grads = reference(make_model(kind), data, list(range(num_samples)))
         plan = out[0][i]["plan"]
         uneven_counts |= len({len(g["micro_batches"]) for g in plan["groups"]}) > 1
-        # a rank in two phases runs a wide group's micro-batches, then a narrow one's
-        phased |= any(g["phase"] == 1 and g["micro_batches"] for g in plan["groups"]) and bool(
-            [g for g in plan["groups"] if g["phase"] == 0 and len(g["ranks"]) == workers.world and g["micro_batches"]])
+        # ranks in three phases run narrow groups' micro-batches, then a wide group's, then narrow ones again
+        busy = [(g["phase"], len(g["ranks"])) for g in plan["groups"] if g["micro_batches"]]
+        phased |= (1, workers.world) in busy and any(p == 0 and k < workers.world for p, k in busy) and any(
+            p == 2 and k < workers.world for p, k in busy)
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
             idle_seen |= not g["micro_batches"]
