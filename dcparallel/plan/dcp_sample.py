@@ -48,6 +48,7 @@ from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, Ste
 
 #: bisection steps for the makespan target between two of the samples' times
 CONTINUOUS_STEPS = 8
+ORDER = 0
 
 #: one packed group: (SP degree, predicted finish, its micro-batches' sample ids in run order,
 #: its sub-groups: the equal slices of its block that run before it, in block order)
@@ -128,7 +129,12 @@ class SamplePacker:
         nar = np.where(ok, t * self.kf, np.inf).argmin(axis=1)
         own = t[np.arange(len(ids)), nar]
         # longest first: by GPU-seconds at the narrowest degree, then id
-        order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
+        if ORDER == 0:
+            order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
+        elif ORDER == 1:
+            order = sorted(range(len(ids)), key=lambda a: (-own[a], ids[a]))
+        else:
+            order = sorted(range(len(ids)), key=lambda a: (-nar[a], -own[a], ids[a]))
         groups: list[list] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]

@@ -220,15 +220,23 @@ class ScalePlanner:
             free -= step * k
         return max(span.values(), default=0.0), items, (by_k, count)
 
-    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1):
-        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
-        bound) for these buckets in one phase, best first; [] if none."""
-        if not present:
-            return []
+    def _part_table(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]):
+        """The candidate rows (`dcp_search.table`) of these buckets and their class-level
+        bound in one phase: max(least GPU-seconds / world, the longest least micro-batch
+        time). No plan of theirs is predicted below it."""
         tab = table(self, present, counts, scale)
         first = tab["starts"]
         tmin = np.minimum.reduceat(tab["t"], first)
-        bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
+        return tab, max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
+
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1,
+                   tabled: tuple | None = None):
+        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
+        bound) for these buckets in one phase, best first; [] if none. `tabled`: their
+        `_part_table`, if already built."""
+        if not present:
+            return []
+        tab, bound = tabled or self._part_table(present, counts, scale)
         found: list = []
         stale = 0
         for kmin in self.sp:
@@ -331,9 +339,19 @@ class ScalePlanner:
                         continue
                     seen.add(wide)
                     narrow = [i for i in range(len(present)) if i not in set(wide)]
-                    a = self._plan_part([present[i] for i in wide], [counts[i] for i in wide], scale)
-                    z = self._plan_part([present[i] for i in narrow], [counts[i] for i in narrow], scale)
-                    if a and z:
+                    pw, cw = [present[i] for i in wide], [counts[i] for i in wide]
+                    pz, cz = [present[i] for i in narrow], [counts[i] for i in narrow]
+                    # a candidate above the best one's prediction x EXPAND_WITHIN is never
+                    # expanded: skip a split whose parts' bounds already say so
+                    limit = min(c[0] for c in cands) * EXPAND_WITHIN
+                    tw, tz = self._part_table(pw, cw, scale), self._part_table(pz, cz, scale)
+                    if tw[1] + tz[1] > limit:
+                        continue
+                    a = self._plan_part(pw, cw, scale, tabled=tw)
+                    if not a or a[0][0] + tz[1] > limit:
+                        continue
+                    z = self._plan_part(pz, cz, scale, tabled=tz)
+                    if z:
                         cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
         # the class-level predictions rank the candidates; the best few are expanded, refined
         # with each micro-batch's own time, and the one predicted to finish first is kept
