@@ -220,23 +220,26 @@ class ScalePlanner:
             free -= step * k
         return max(span.values(), default=0.0), items, (by_k, count)
 
-    def _part_table(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]):
-        """The candidate rows (`dcp_search.table`) of these buckets and their class-level
-        bound in one phase: max(least GPU-seconds / world, the longest least micro-batch
-        time). No plan of theirs is predicted below it."""
+    def _part_bound(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> float:
+        """The class-level bound of these buckets in one phase: max(least GPU-seconds / world,
+        the longest least micro-batch time), from their cached candidate rows (`_plan_part`
+        computes the same from its table). No plan of theirs is predicted below it."""
+        area = longest = 0.0
+        for j, c in zip(present, counts):
+            r = rows(self, j, c)
+            area += float(r[0, 0]) * scale[j][0]
+            longest = max(longest, float(r[:, 3].min()) * scale[j][1])
+        return max(area / self.world, longest)
+
+    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1):
+        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
+        bound) for these buckets in one phase, best first; [] if none."""
+        if not present:
+            return []
         tab = table(self, present, counts, scale)
         first = tab["starts"]
         tmin = np.minimum.reduceat(tab["t"], first)
-        return tab, max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
-
-    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1,
-                   tabled: tuple | None = None):
-        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
-        bound) for these buckets in one phase, best first; [] if none. `tabled`: their
-        `_part_table`, if already built."""
-        if not present:
-            return []
-        tab, bound = tabled or self._part_table(present, counts, scale)
+        bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
         found: list = []
         stale = 0
         for kmin in self.sp:
@@ -344,13 +347,13 @@ class ScalePlanner:
                     # a candidate above the best one's prediction x EXPAND_WITHIN is never
                     # expanded: skip a split whose parts' bounds already say so
                     limit = min(c[0] for c in cands) * EXPAND_WITHIN
-                    tw, tz = self._part_table(pw, cw, scale), self._part_table(pz, cz, scale)
-                    if tw[1] + tz[1] > limit:
+                    bz = self._part_bound(pz, cz, scale)
+                    if self._part_bound(pw, cw, scale) + bz > limit:
                         continue
-                    a = self._plan_part(pw, cw, scale, tabled=tw)
-                    if not a or a[0][0] + tz[1] > limit:
+                    a = self._plan_part(pw, cw, scale)
+                    if not a or a[0][0] + bz > limit:
                         continue
-                    z = self._plan_part(pz, cz, scale, tabled=tz)
+                    z = self._plan_part(pz, cz, scale)
                     if z:
                         cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
         # the class-level predictions rank the candidates; the best few are expanded, refined

@@ -254,10 +254,11 @@ def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
 
 @pytest.mark.parametrize("scenario,dist", [("text", "short"), ("video", "long")])
 def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monkeypatch):
-    """The two-phase search skips a split whose parts' bounds (`_part_table`) already exceed
+    """The two-phase search skips a split whose parts' bounds (`_part_bound`) already exceed
     what could be expanded; that is lossless only if no part's plan is predicted below its
     bound. Checked, with the skipping off, on every part that planning the scale report's
-    weak 128-GPU steps searches, one phase and both parts of every split."""
+    weak 128-GPU steps searches, one phase and both parts of every split; the bound is the
+    one the part's own search computes from its table."""
     import dcparallel.plan.dcp_scale as dcp_scale
 
     sc = SCENARIOS[scenario]
@@ -269,11 +270,12 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     seen = []
     orig = ScalePlanner._plan_part
 
-    def checked(self, present, counts, scale, keep=1, tabled=None):
-        out = orig(self, present, counts, scale, keep, tabled)
-        bound = self._part_table(present, counts, scale)[1]
+    def checked(self, present, counts, scale, keep=1):
+        out = orig(self, present, counts, scale, keep)
+        bound = self._part_bound(present, counts, scale)
         seen.append(len(present))
         assert all(span >= bound * (1 - 1e-9) for span, *_ in out), ([o[0] for o in out], bound)
+        assert all(abs(o[3] - bound) <= 1e-12 * bound for o in out)  # the search's own bound
         return out
 
     monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
