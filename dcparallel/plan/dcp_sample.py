@@ -26,10 +26,11 @@ plan with sub-groups has one phase per level: the deepest sub-groups run in phas
 top-level groups in the last phase, each on its ranks once they are done with the phase
 before.
 
-The step is packed four ways: one sample per micro-batch, or in micro-batches of each
+The step is packed six ways: one sample per micro-batch, or in micro-batches of each
 bucket's preferred size (the least GPU-seconds per sample: several short samples or video
-clips of one shape share a micro-batch), each placed longest first by GPU-seconds or by time
-(neither order packs every step tighter); the fastest packing is returned.
+clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
+time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
+`open_first`). No one way packs every step tightest; the fastest packing is returned.
 
 Deterministic (ties broken by sample id), so every rank computes the same plan.
 """
@@ -116,11 +117,14 @@ class SamplePacker:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
         return t + exposed_sync_many(self.sync, t, self.buckets)
 
-    def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False) -> list[list] | None:
+    def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False,
+             open_first: bool = False) -> list[list] | None:
         """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
         finish stays within T. None if a micro-batch cannot finish within T or the top-level
         groups need more ranks than the world. Rows are micro-batches; `ids`: each one's
-        first sample id (ties)."""
+        first sample id (ties). `open_first`: a micro-batch that fits no group of its own
+        degree opens a new one while the world has ranks for it, before it is re-timed into
+        a wider group (which spends more GPU-seconds, but fewer ranks)."""
         cap = T * (1 + TIME_EPS)
         ok = f <= cap
         if not ok.any(axis=1).all():
@@ -162,33 +166,40 @@ class SamplePacker:
             else:
                 bisect.insort(fins[grp[0]], (grp[1] + grp[4], g))
 
+        def fit(d: int, need: float) -> int | None:
+            """An open group of degree index d with room for `need`, else a wider open group
+            with room, split into sub-groups of degree d (its ranks run them first); the first
+            sub-group is returned, the others stay open. None if neither."""
+            room = cap - need
+            g = take(d, room)
+            for w in range(d + 1, deg) if g is None and subgroups else ():
+                p = take(w, room)
+                if p is not None:
+                    base = self.finish(groups[p])  # the parent takes no more members
+                    kids = list(range(len(groups), len(groups) + sp[w] // sp[d]))
+                    groups[p][5] = kids
+                    groups.extend([d, 0.0, [], 0.0, base, []] for _ in kids)
+                    for c in kids[1:]:
+                        bisect.insort(fins[d], (base, c))
+                    return kids[0]
+            return g
+
         ranks = 0
         for a in order:
             b = nl[a]
-            g = None
             row = tl[a]
-            for d in range(b, deg):  # its own degree first, then re-timed wider
-                need = row[d]
-                if not need <= cap:
-                    continue
-                room = cap - need
-                g = take(d, room)
-                for w in range(d + 1, deg) if g is None and subgroups else ():
-                    # a wider group with room splits: its ranks run sub-groups of degree d first
-                    p = take(w, room)
-                    if p is not None:
-                        base = self.finish(groups[p])  # the parent takes no more members
-                        kids = list(range(len(groups), len(groups) + sp[w] // sp[d]))
-                        groups[p][5] = kids
-                        groups.extend([d, 0.0, [], 0.0, base, []] for _ in kids)
-                        for c in kids[1:]:
-                            bisect.insort(fins[d], (base, c))
-                        g = kids[0]
-                        break
-                if g is not None:
-                    put(g, a, need)
-                    break
+            g = fit(b, row[b])
+            if g is None and open_first and ranks + sp[b] <= self.world:
+                ranks += sp[b]
+                groups.append([b, 0.0, [], 0.0, None, []])
+                g = len(groups) - 1
+            d = b
+            while g is None and d + 1 < deg:  # re-timed at a wider degree
+                d += 1
+                if row[d] <= cap:
+                    g = fit(d, row[d])
             if g is not None:
+                put(g, a, row[d])
                 continue
             ranks += sp[b]
             if ranks > self.world:
@@ -249,8 +260,8 @@ class SamplePacker:
     def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
         the best target, packing samples one per micro-batch or, when buckets prefer more,
-        in micro-batches of their preferred size, each longest first by GPU-seconds or by
-        time; the fastest of these."""
+        in micro-batches of their preferred size, each in three orders (see the module
+        docstring); the fastest of these."""
         if not ids:
             return None
         ways = [[(i,) for i in ids]]
@@ -259,15 +270,15 @@ class SamplePacker:
             ways.append(merged)
         timed = [(items, self.times(items)) for items in ways]
         best = None
-        for by_time in (False, True):
+        for by_time, open_first in ((False, False), (True, False), (False, True)):
             for items, t in timed:
-                got = self._plan_items(items, t, by_time)
+                got = self._plan_items(items, t, by_time, open_first)
                 if got is not None and (best is None or got[1] < best[1] * (1 - MIN_GAIN)):
                     best = got
         return best
 
-    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray,
-                    by_time: bool) -> tuple[list[Group], float] | None:
+    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool,
+                    open_first: bool) -> tuple[list[Group], float] | None:
         ids = [it[0] for it in items]
         f = self.alone(t)
         fast = f.min(axis=1)
@@ -278,7 +289,7 @@ class SamplePacker:
 
         def pack(T: float) -> list[list] | None:
             if T not in packed:
-                packed[T] = self.pack(ids, t, f, T, by_time)
+                packed[T] = self.pack(ids, t, f, T, by_time, open_first)
             return packed[T]
 
         top = float(ts[-1])
