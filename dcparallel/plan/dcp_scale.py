@@ -60,6 +60,7 @@ from dcparallel.plan.dcp_setup import (
     FINER_GATE,
     PACK_GATE,
     PACK_GATE_ONE,
+    PACK_MAX_SAMPLES,
     PACK_PER_GPU,
     ROW_CACHE_LIMIT,
     STALE_STOP,
@@ -285,7 +286,8 @@ class ScalePlanner:
         if self.fine is not None and n <= FINE_MAX_SAMPLES:
             others.append(self.fine.plan(step))
         gate = PACK_GATE_ONE if n <= self.world else PACK_GATE
-        if self.packer is not None and n <= PACK_PER_GPU * self.world and predicted > bound * gate:
+        if (self.packer is not None and n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
+                and predicted > bound * gate):
             got = self.packer.plan(list(step.sample_ids))
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))

@@ -28,9 +28,12 @@ SUB_BINS = 4
 #: ... when the class-level plan is predicted more than this factor above the step's bound
 FINER_GATE = 1.01
 
-#: steps with at most this many samples per GPU whose class-level plan is predicted more than
-#: PACK_GATE x the class-level bound are also planned sample by sample (`dcp_sample`)
-PACK_PER_GPU = 4.0
+#: steps with at most this many samples per GPU (and PACK_MAX_SAMPLES) whose class-level plan
+#: is predicted more than PACK_GATE x the class-level bound are also planned sample by sample
+#: (`dcp_sample`). The packing is Python work per sample and per target: about 0.2 s for 900
+#: samples and 2.5 s for 7,800 on the machine of benchmarks/plan-cpu-time_cpu_2026-12-01.md
+PACK_PER_GPU = 8.0
+PACK_MAX_SAMPLES = 4096
 PACK_GATE = 1.05
 #: ... or more than this factor, for steps with at most one sample per GPU (there the class
 #: level, which lays every sample out as its bucket's largest, is least exact)
