@@ -12,14 +12,17 @@ import torch.distributed as dist
 
 from dcparallel.models.attention import AttnPattern, sdpa_attention
 from dcparallel.models.dit import draw_flow
-from dcparallel.plan.types import MicroBatch
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp_sample import SamplePacker
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.runtime.ulysses import ulysses_attention
-from dcparallel.spec import Layout
-from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference_adamw, run_rank_step
+from dcparallel.spec import Layout, Recompute, Workload
+from tests.support import NUM_HEADS, NUM_LAYERS, make_data, make_model, random_plan, reference_adamw, run_rank_step
 
 _GROUPS: dict[int, ProcessGroups] = {}
 
@@ -163,6 +166,43 @@ def case_engine(kind: str, seeds: list[int], num_samples: int, backward_outside:
         results.append({"seed": seed, "loss": loss, "grads": grads, "count": dc.last_count,
                         "plan": plan.to_json()})
     return results
+
+
+#: per world: planning sizes (tokens, for the unit tests' tiny LM under its 1.5 GiB budget) for
+#: which the per-sample packing splits the long sample's group into sub-groups
+PACKED_SIZES = {2: (57303, 1049, 4195, 1947), 4: (38723, 282, 3529, 3969, 4751, 137, 1704, 3805, 4040)}
+
+
+def packed_plan(world: int) -> StepPlan:
+    """The plan `dcp`'s per-sample packing makes for `PACKED_SIZES[world]`, its micro-batches'
+    recompute capped at the test model's layers (the planning model has more)."""
+    from tests.unit._models import TINY_LM, cluster, cost
+
+    sizes = PACKED_SIZES[world]
+    cl = cluster(world, world)
+    ctx = PlanContext(Workload(TINY_LM, sizes), cost(TINY_LM, cl), cl)
+    packer = SamplePacker(ctx, "pac")
+    step = Step(0, tuple(range(len(sizes))))
+    plan = packer.step_plan(step, packer.plan(list(step.sample_ids))[0])
+
+    def cap(mb: MicroBatch) -> MicroBatch:
+        rc = mb.layout.recompute
+        return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
+                                                Recompute(min(rc.attn, NUM_LAYERS), min(rc.mlp, NUM_LAYERS))))
+
+    groups_ = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
+    return StepPlan(plan.index, plan.sample_ids, groups_, plan.num_tokens)
+
+
+def case_packed(seed: int) -> dict:
+    """Every rank plans the packed step itself, runs its part, syncs: loss, gradients, plan."""
+    plan = packed_plan(dist.get_world_size())
+    model = make_model("llama")
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    data = make_data("llama", len(plan.sample_ids), seed)
+    loss = run_rank_step(dc, data, plan, dist.get_rank())
+    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "plan": plan.to_json()}
 
 
 def case_optimizer(kind: str, seed: int, use_zero: bool, num_steps: int) -> dict[str, torch.Tensor]:

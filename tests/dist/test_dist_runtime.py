@@ -101,6 +101,27 @@ def test_random_plans_match_single_process_gradients(workers, kind, backward_out
     assert idle_seen and uneven_counts and phased and len(rc_seen) >= 3
 
 
+def test_packed_plan_with_sub_groups_matches_single_process_gradients(workers):
+    """A plan `dcp`'s per-sample packing makes (`cases.packed_plan`): the long sample's group
+    splits, so its ranks first run short samples in one-rank sub-groups (phase 0), then the
+    long sample together (phase 1). Every rank plans it itself; loss and gradients match the
+    single-process reference (tolerance: the module docstring)."""
+    seed = 21
+    out = workers.run(cases.case_packed, seed)
+    plan = out[0]["plan"]
+    busy = [(g["phase"], tuple(g["ranks"])) for g in plan["groups"] if g["micro_batches"]]
+    wide = [r for p, r in busy if p == 1 and len(r) > 1]
+    assert wide and any(p == 0 and set(r) < set(wide[0]) for p, r in busy), busy  # sub-groups, then their parent
+    data = make_data("llama", len(plan["sample_ids"]), seed)
+    ref_loss, ref_grads = reference(make_model("llama"), data, list(range(len(plan["sample_ids"]))))
+    for r, res in enumerate(out):
+        assert res["plan"] == plan  # planned independently on every rank
+        assert abs(res["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (r, res["loss"], ref_loss)
+        for name, g in res["grads"].items():
+            assert rel_err(g, ref_grads[name]) <= GRAD_RTOL, (r, name)
+            assert torch.equal(g, out[0]["grads"][name])
+
+
 @pytest.mark.parametrize("use_zero", [True, False], ids=["zero1", "torch-adamw"])
 def test_optimizer_steps_match_single_process_adamw(workers, use_zero):
     kind, seed, num_steps = "llama", 5, 2
