@@ -164,10 +164,11 @@ def cmd_plan(args) -> int:
         else:
             print(f"step {plan.index}: {len(plan.sample_ids)} samples, {plan.num_tokens:,} tokens, "
                   f"predicted {res.step_time:.3f} s")
+            phased = plan.num_phases > 1
             for g, busy in zip(plan.groups, res.group_busy):
                 lay = [f"{len(m.sample_ids)}x sp{m.layout.sp} rc={m.layout.recompute.describe(ctx.model.num_layers)}"
                        for m in g.micro_batches]
-                phase = f"phase {g.phase} " if plan.num_phases > 1 else ""
+                phase = f"phase {g.phase} " if phased else ""
                 print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
     return 0

@@ -93,8 +93,9 @@ class StepPlan:
     A step runs in one or more *phases*; the groups of each phase tile the world, and every
     rank runs its phase-0 group's micro-batches, then its phase-1 group's, and so on (a
     group's collectives start once all its ranks reach it). One phase is the common case;
-    a second lets a step run a long sample on a wide group and its short samples on narrow
-    ones, on the same ranks. `groups` are listed in phase order. The exact loss normalizer
+    more let a step run a long sample on a wide group and its short samples on narrow ones,
+    on the same ranks (narrow after wide, or narrow sub-groups of a wide group's block before
+    it). `groups` are listed in phase order. The exact loss normalizer
     (targets that are not ignored) is counted at run time."""
 
     index: int

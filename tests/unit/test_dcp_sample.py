@@ -56,7 +56,8 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
         assert r.memory_violations == 0
         assert abs(r.step_time - span) <= 1e-9 * span  # the packer predicts exactly what is simulated
         assert r.step_time >= lb.step(s) * (1 - 1e-9)
-        top = [g for g in plan.groups if g.phase == plan.num_phases - 1]  # the top-level groups run last
+        last = plan.num_phases - 1
+        top = [g for g in plan.groups if g.phase == last]  # the top-level groups run last
         for g, (k, _, ids, _) in zip(top, groups):  # longest last: it hides the sync
             times = [ctx.mb_time(mb.sample_ids, mb.layout) for mb in g.micro_batches]
             assert times == sorted(times) and len(g.ranks) == k
@@ -103,10 +104,11 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
     assert r.memory_violations == 0 and abs(r.step_time - span) <= 1e-9 * span
     assert plan.num_phases >= 2
     busy = [g for g in plan.groups if g.micro_batches]
+    last = plan.num_phases - 1
     for g in busy:  # blocks nest: a group overlaps only its sub-groups (earlier) and its parents (later)
         later = [h for h in busy if h.phase > g.phase and set(g.ranks) & set(h.ranks)]
         assert all(set(g.ranks) < set(h.ranks) for h in later)
-        assert later or g.phase == plan.num_phases - 1  # a sub-group runs before a wider group
+        assert later or g.phase == last  # a sub-group runs before a wider group
     ways = [[(i,) for i in step.sample_ids], packer.items(list(step.sample_ids))]
     spans = [packer._plan_items(w, packer.times(w), by_time, open_first)[1]
              for w in ways for by_time, open_first in ((False, False), (True, False), (False, True))]
