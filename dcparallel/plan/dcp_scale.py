@@ -142,8 +142,9 @@ class ScalePlanner:
             from dcparallel.plan.dcp import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
-        #: per-sample packing for steps with few samples per GPU (`dcp_sample`)
-        self.packer = SamplePacker(ctx, mode) if self.sub_bins == 1 and self.world > FINE_MAX_WORLD else None
+        #: per-sample packing for steps with few samples per GPU (`dcp_sample`), at every world
+        #: size (it also beats the per-sample planner on some small-cluster steps)
+        self.packer = SamplePacker(ctx, mode) if self.sub_bins == 1 else None
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
