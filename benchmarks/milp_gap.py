@@ -143,7 +143,7 @@ def main() -> int:
             shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
             for st in steps:
                 counts, scale = class_model(p, st)
-                h = heuristic_makespan(p, p.plan(st), scale)
+                h = heuristic_makespan(p, p._plan(st)[0], scale)  # the class-level plan, not the packing's or dcp-v1's
                 res, secs, nvar = solve(p, counts, scale, args.time_limit)
                 opt = float(res.fun) if res.x is not None else float("nan")
                 bound = float(getattr(res, "mip_dual_bound", opt) or opt)
