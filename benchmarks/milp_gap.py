@@ -177,9 +177,10 @@ def main() -> int:
     ship = [(r["dcp_compute_s"] / r["milp_s"] - 1, r) for r in rows if r["milp_s"] == r["milp_s"]]
     worst = max(ship, key=lambda x: x[0])
     lines += ["", "## The shipped `dcp` on the same steps", "",
-              "The gap above is the one-phase class-level heuristic's (`ScalePlanner(phases=False)`), in the "
-              f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps and, on "
-              "clusters of at most 64 GPUs, the per-sample planner, and keeps the plan the simulator scores faster. "
+              "The gap above is the one-phase class-level heuristic's (`ScalePlanner(phases=False)._plan`), in the "
+              f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps, the "
+              "per-sample packing (steps of few samples per GPU) and, on clusters of at most 64 GPUs, the "
+              "per-sample planner, and keeps the plan the simulator scores faster. "
               "Its simulated compute time per step (`sim.replay.replay_step(...).compute_time`: each micro-batch "
               "timed from its own samples, no gradient sync) against the MILP optimum above — not the same model: "
               "the MILP times every sample as its bucket's largest, scaled by the bucket's mean weight, and runs "
