@@ -224,8 +224,8 @@ class ScalePlanner:
 
     def _part_bound(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> float:
         """The class-level bound of these buckets in one phase: max(least GPU-seconds / world,
-        the longest least micro-batch time), from their cached candidate rows (`_plan_part`
-        computes the same from its table). No plan of theirs is predicted below it."""
+        the longest least micro-batch time), from their cached candidate rows. No plan of
+        theirs is predicted below it."""
         area = longest = 0.0
         for j, c in zip(present, counts):
             r = rows(self, j, c)
@@ -239,9 +239,7 @@ class ScalePlanner:
         if not present:
             return []
         tab = table(self, present, counts, scale)
-        first = tab["starts"]
-        tmin = np.minimum.reduceat(tab["t"], first)
-        bound = max(float(tab["a"][first, 0].sum()) / self.world, float(tmin.max()))
+        bound = self._part_bound(present, counts, scale)
         found: list = []
         stale = 0
         for kmin in self.sp:

@@ -258,7 +258,7 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     what could be expanded; that is lossless only if no part's plan is predicted below its
     bound. Checked, with the skipping off, on every part that planning the scale report's
     weak 128-GPU steps searches, one phase and both parts of every split; the bound is the
-    one the part's own search computes from its table."""
+    one the part's own search uses."""
     import dcparallel.plan.dcp_scale as dcp_scale
 
     sc = SCENARIOS[scenario]
