@@ -44,6 +44,7 @@ Config (every key optional; defaults below)::
     cost = "profiled"       # or "analytic": plan from the analytic cost model, no profiling
     path = ""               # the profile cache; "": out_dir/profile.json (one copy per world size)
     repeats = 3             # timed runs per layout (median)
+    min_time_s = 0.2        # short layouts get more runs (up to 10), until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
 """
@@ -135,6 +136,7 @@ class ProfileConfig:
     cost: str = _opt("profiled", choices=("profiled", "analytic"))
     path: str = _opt("", resume=False)
     repeats: int = _opt(3, lo=1, resume=False)
+    min_time_s: float = _opt(0.2, lo=0, resume=False)
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)
 

@@ -204,6 +204,17 @@ def test_bf16_models_train_with_fp32_gradient_accumulation(kind):
     assert all(p.grad.dtype == torch.bfloat16 and p.grad.abs().sum() > 0 for p in dc.params[:4])
 
 
+def test_prepare_profiles_and_trains_library_models_at_world_1(tmp_path):
+    """`prepare` on one process (no torchrun): the transformers Llama and the diffusers Wan
+    are profiled through their adapters, planned and trained; the loss falls."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    from tests.e2e.prepare_worker import run
+    from tests.e2e.test_prepare_torchrun import check_runs
+
+    check_runs({d["model"]: d for d in run(tmp_path)}, 1, tmp_path)
+
+
 def test_heads_that_contradict_the_model_are_refused():
     with pytest.raises(ValueError, match="num_heads=3 but Llama has 4 attention heads"):
         DataCentricParallel(Llama(LlamaConfig(num_layers=2)), num_heads=3)
