@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Sequence
 
 from dcparallel.plan.types import ROUND_EPS
@@ -39,9 +40,9 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
     `n` alike groups; each group class takes items while its load is below the next lowest
     class's load. Returns the group classes (counts sum to n)."""
     classes = [GroupClass(0.0, n, {})]
-    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+    for ic, t, q in sorted(items, key=_longest_first):
         while q > 0:
-            classes.sort(key=lambda c: c.load)
+            classes.sort(key=_load)
             c = classes[0]
             nxt = classes[1].load if len(classes) > 1 else math.inf
             per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - ROUND_EPS))
@@ -66,10 +67,23 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
     return [c for c in classes if c.count > 0]
 
 
+def _longest_first(item: tuple[int, float, int]) -> tuple[float, int]:
+    return -item[1], item[0]
+
+
+_load = attrgetter("load")
+
+
 def _merge(classes: list[GroupClass]) -> list[GroupClass]:
+    """Alike group classes (same load, same contents) as one, in first-seen order. Only
+    classes of equal load can be alike, so the contents are compared only then. A class's
+    contents list its item classes in the order they were dealt, which is the same for
+    every class, so equal contents have equal item sequences."""
+    if len({c.load for c in classes}) == len(classes):
+        return classes
     out: dict[tuple, GroupClass] = {}
     for c in classes:
-        key = (c.load, tuple(sorted(c.items.items())))
+        key = (c.load, tuple(c.items.items()))
         hit = out.get(key)
         if hit is None:
             out[key] = c

@@ -63,6 +63,25 @@ def test_deal_classes_counts_and_lpt_loads():
     assert max(loads) == 6.0 == _span(items, 4)  # 3+3 on one group; the rest fill up to 6 or less
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 0.7]), st.integers(1, 40)), min_size=1,
+                max_size=30), st.integers(1, 64))
+def test_dealt_classes_conserve_work_match_the_span_and_are_merged(pairs, n):
+    """Whole-class LPT on many item classes (equal times make equal loads, the case where
+    group classes merge): every micro-batch dealt once, the loads `class_span` predicts, and
+    no two group classes alike (same load, same contents) are left apart."""
+    items = [(ic, t, q) for ic, (t, q) in enumerate(pairs)]
+    classes = deal_classes(items, n)
+    assert sum(c.count for c in classes) == n and all(c.count > 0 for c in classes)
+    for ic, _, q in items:
+        assert sum(c.count * c.items.get(ic, 0) for c in classes) == q
+    for c in classes:
+        assert abs(c.load - sum(items[ic][1] * k for ic, k in c.items.items())) < 1e-9
+    assert max(c.load for c in classes) == _span(items, n)
+    keys = [(c.load, tuple(sorted((ic, k) for ic, k in c.items.items() if k))) for c in classes]
+    assert len(set(keys)) == len(keys)
+
+
 def test_few_samples_per_gpu_widens_sp_and_beats_a_narrow_layout():
     """Four mid-length samples on 16 ranks: at their cheapest layout (SP 1) twelve ranks idle;
     dcp widens them and finishes the step sooner than the narrow plan would."""
