@@ -348,8 +348,8 @@ class TightBound:
     def shape_options(self, step: Step) -> list[tuple[int, np.ndarray]] | None:
         """Per latent shape of the step (`PlanContext.bucket_of`: what one micro-batch may
         hold): its samples and its options as rows (k, m, tau_k(m)), tau the fastest fitting
-        time of m copies (of the shape's quickest size, if it has several), m up to its samples
-        and what fits. None for text."""
+        time of m copies (of the shape's quickest size that fits m, if it has several), m up to
+        its samples and the most copies of any of its sizes that fit. None for text."""
         ctx = self.ctx
         if ctx.model.kind != "video":
             return None
@@ -360,8 +360,10 @@ class TightBound:
         for sizes in shapes.values():
             uniq, rows = set(sizes), []
             for k in ctx.sp_sizes:
-                top = min(min(ctx.max_mbs(z, k, "pac") for z in uniq), len(sizes))
-                rows += [(k, m, self.copies_time(uniq, m, k)) for m in range(1, top + 1)]
+                # any number of copies that fits, not only the planners' 64 (`packed` stacks more)
+                tops = {z: ctx.max_mbs(z, k, "pac", cap=len(sizes)) for z in uniq}
+                for m in range(1, min(max(tops.values()), len(sizes)) + 1):
+                    rows.append((k, m, self.copies_time([z for z in uniq if tops[z] >= m], m, k)))
             out.append((len(sizes), np.array(rows, dtype=float).reshape(-1, 3)))
         return out
 
@@ -637,10 +639,11 @@ def tau_ratio(tb: TightBound, plan) -> float:
     assumption holds."""
     ctx, worst = tb.ctx, 0.0
     for mb in plan.micro_batches():
-        sizes = {ctx.sizes[i] for i in mb.sample_ids}
         assert len({ctx.bucket_of[i] for i in mb.sample_ids}) == 1, "a video micro-batch mixes shapes"
-        d = ctx.mb_time(mb.sample_ids, mb.layout)
-        worst = max(worst, tb.copies_time(sizes, len(mb.sample_ids), mb.layout.sp) / d)
+        m, k = len(mb.sample_ids), mb.layout.sp
+        sizes = [z for z in {ctx.sizes[i] for i in mb.sample_ids} if ctx.max_mbs(z, k, "pac", cap=m) >= m]
+        assert sizes, "a planned micro-batch holds more copies than fit"
+        worst = max(worst, tb.copies_time(sizes, m, k) / ctx.mb_time(mb.sample_ids, mb.layout))
     return worst
 
 
