@@ -384,7 +384,7 @@ class TightBound:
         world = float(self.ctx.cluster.world_size)
         lo = max(float(o[:, 2].min()) for _, o in opts)  # some sample is never faster
         hi = lo
-        while per_rank_feasible(opts, hi, world) is False:
+        while not per_rank_feasible(opts, hi, world):
             lo, hi = hi, hi * 2.0
         for _ in range(40):  # lo: proven infeasible (or the trivial bound); hi: feasible
             if hi - lo <= 1e-7 * hi:
