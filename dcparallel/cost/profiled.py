@@ -20,6 +20,18 @@ from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
 log = logging.getLogger(__name__)
 
 
+def _non_decreasing(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Measured (micro-batch size, time, memory) with time and memory made non-decreasing in
+    the size (a running maximum). More samples never take less time or memory; a measurement
+    that says so is timing noise (warm-up, clocks), and taken at face value it would let a
+    planner beat the lower bound, which times a sample alone."""
+    out, t_max, m_max = [], 0.0, 0.0
+    for n, t, m in points:
+        t_max, m_max = max(t_max, t), max(m_max, m)
+        out.append((n, t_max, m_max))
+    return out
+
+
 class ProfiledCost:
     """Cost model over a `Profile`, for a cluster whose world size the profile measured."""
 
@@ -42,8 +54,8 @@ class ProfiledCost:
                 continue
             self._points.setdefault((e.bucket, e.sp, e.recompute), []).append(
                 (e.mbs, float(e.time_s), float(e.memory_bytes)))
-        for v in self._points.values():
-            v.sort()
+        for key, v in self._points.items():
+            self._points[key] = _non_decreasing(sorted(v))
         self._by_tokens: dict[tuple[int, str], list[tuple[int, str]]] = {}
         for (bucket, sp, mode) in self._points:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
@@ -130,6 +142,7 @@ class ProfiledCost:
             if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
                 continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]
+            floor = [0.0, 0.0]
             for tk, count in counts.items():  # equal sizes once: copies of one size cost O(1)
                 v = self._per_sample(tk, sp, mode, n)
                 if v is None:
@@ -137,8 +150,15 @@ class ProfiledCost:
                     break
                 acc[0] += count * v[0]
                 acc[1] += count * v[1]
+                if count < n:  # this size's copies alone
+                    alone = self._per_sample(tk, sp, mode, count)
+                    floor = [max(floor[0], count * alone[0]), max(floor[1], count * alone[1])]
             if acc is not None:
-                tot[mode] = acc
+                # a micro-batch takes at least the time and memory of any of its sizes' copies
+                # alone: per-sample shares priced at the whole micro-batch's size amortize a
+                # long sample's fixed cost over short ones, which would make adding samples
+                # shorten a micro-batch (and let a plan beat the lower bound's longest sample)
+                tot[mode] = [max(acc[0], floor[0]), max(acc[1], floor[1])]
         if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
             # measured at this SP degree, and no mode fits: infinite memory, never planned
             out = MicroBatchTerms(
