@@ -20,8 +20,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dcparallel demo
 
+# two pytest workers (CI has two cores); a test module stays on one worker, so its
+# gloo process pool is spawned once
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check dcparallel tests benchmarks
