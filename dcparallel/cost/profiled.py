@@ -127,19 +127,26 @@ class ProfiledCost:
         return t0 + w * (t1 - t0), m0 + w * (m1 - m0)
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
-        return self.terms((size,) * count, sp)
+        """`terms` of `count` copies of one size, in time independent of `count` (the
+        planners probe micro-batch sizes up to thousands of copies)."""
+        tk = self.model.tokens(size)
+        key = ("copies", tk, count, sp)
+        hit = self._cache.get(key)
+        return hit if hit is not None else cache_put(self._cache, key, self._terms({tk: count}, sp))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         toks = tuple(sorted(self.model.tokens(s) for s in sizes))
         key = (toks, sp)
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        n = len(toks)
-        counts = Counter(toks)
+        return hit if hit is not None else cache_put(self._cache, key, self._terms(Counter(toks), sp))
+
+    def _terms(self, counts: dict[int, int], sp: int) -> MicroBatchTerms:
+        """The terms of a micro-batch holding `counts[tokens]` samples of each token count."""
+        n = sum(counts.values())
+        largest = max(counts)
         tot: dict[str, list[float]] = {}
         for mode in STATIC_MODES:
-            if toks[-1] >= self._unfit.get((sp, mode), float("inf")):
+            if largest >= self._unfit.get((sp, mode), float("inf")):
                 continue  # measured: a sample this large does not fit in this mode
             acc = [0.0, 0.0]
             floor = [0.0, 0.0]
@@ -161,11 +168,10 @@ class ProfiledCost:
                 tot[mode] = [max(acc[0], floor[0]), max(acc[1], floor[1])]
         if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
             # measured at this SP degree, and no mode fits: infinite memory, never planned
-            out = MicroBatchTerms(
+            return MicroBatchTerms(
                 num_layers=self.model.num_layers, time_none=float("inf"), dt_attn=0.0, dt_mlp=0.0, dt_full=0.0,
                 fixed_bytes=float("inf"), act_layer=0.0, save_attn=0.0, save_mlp=0.0, save_full=0.0,
                 transient_none=0.0, transient_rec=0.0, keep_all_feasible=False)
-            return cache_put(self._cache, key, out)
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
@@ -186,9 +192,8 @@ class ProfiledCost:
 
         dta, sva = delta("attn")
         dtm, svm = delta("mlp")
-        out = MicroBatchTerms(
+        return MicroBatchTerms(
             num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=max(0.0, (t_full - t_none) / L),
             fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
-        return cache_put(self._cache, key, out)

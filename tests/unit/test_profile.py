@@ -16,6 +16,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dcparallel.apps.presets import PRESETS, parse_buckets
 from dcparallel.cost.profiled import ProfiledCost
@@ -35,7 +37,7 @@ from dcparallel.profile import (
     representative_sizes,
     text_inputs,
 )
-from dcparallel.sim.run import run_policies
+from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import ClusterSpec, Layout, Recompute, Workload
 
 FAST = dict(repeats=1, warmup=1, max_mbs=2, min_time_s=0.0)
@@ -372,7 +374,6 @@ def test_noisy_recompute_faster_than_keeping_cannot_beat_the_lower_bound(real_pr
     cluster = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=p.fingerprint["memory_bytes"])
     cost = ProfiledCost(noisy, cluster)
     assert cost.terms([48], 1).dt_attn == 0.0  # clamped
-    from dcparallel.sim.run import summary
 
     wl = Workload(p.model, tuple([16] * 20 + [48] * 10 + [128] * 4))
     _, _, runs, bound = run_policies(wl, cost, cluster, ALL, tokens_per_step=400)
@@ -398,10 +399,41 @@ def test_noisy_larger_micro_batches_measured_faster_cannot_beat_the_lower_bound(
     alone = cost.terms([128], 1).time_none
     for sizes in ([128, 128], [128] * 4, [128, 128, 48, 48, 16, 16, 16, 16], [128] + [16] * 7):
         assert cost.terms(sizes, 1).time_none >= alone - 1e-12, sizes
-    from dcparallel.sim.run import summary
 
     wl = Workload(p.model, tuple([16] * 20 + [48] * 10 + [128] * 4))
     _, _, runs, bound = run_policies(wl, cost, cluster, ALL, tokens_per_step=400)
+    for name, v in summary(wl, runs, bound).items():
+        assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
+
+
+def test_profiled_copies_equal_the_micro_batch_of_copies(real_profile):
+    """`terms_copies` prices copies without building them (the planners probe thousands),
+    and must agree with `terms` of the copies themselves."""
+    path, p = real_profile
+    cluster = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=p.fingerprint["memory_bytes"])
+    cost = ProfiledCost(Profile.load(path), cluster)
+    for size, count in ((16, 1), (48, 3), (100, 7), (128, 4096), (300, 2)):
+        assert cost.terms_copies(size, count, 1) == cost.terms((size,) * count, 1), (size, count)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_no_policy_beats_the_lower_bound_on_a_noisy_profile(real_profile, data):
+    """Any measured profile, however noisy (each measurement scaled by 0.3..3x), and any mix of
+    lengths inside and beyond its range: no policy's simulated epoch is faster than the lower
+    bound computed from the same cost model."""
+    _, p = real_profile
+    d = json.loads(json.dumps(p.to_json()))
+    for e in d["entries"]:
+        if e["time_s"] is not None:
+            e["time_s"] *= data.draw(st.floats(0.3, 3.0), label="noise")
+    cluster = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=p.fingerprint["memory_bytes"])
+    cost = ProfiledCost(Profile.from_json(d), cluster)
+    sizes = data.draw(st.lists(st.sampled_from([8, 16, 30, 48, 90, 128, 200]), min_size=4, max_size=40), label="sizes")
+    wl = Workload(p.model, tuple(sizes))
+    budget = data.draw(st.sampled_from([200, 400, 900]), label="tokens per step")
+    _, _, runs, bound = run_policies(wl, cost, cluster, ALL, tokens_per_step=budget)
+
     for name, v in summary(wl, runs, bound).items():
         assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
 
