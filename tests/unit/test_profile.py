@@ -438,6 +438,48 @@ def test_no_policy_beats_the_lower_bound_on_a_noisy_profile(real_profile, data):
         assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
 
 
+def _spread_over_sp(d: dict, world: int, draw) -> dict:
+    """A world-1 profile's JSON as one measured at `world` ranks: every entry copied to each SP
+    degree up to the world, its time scaled by 1 / k + 0.2 (communication) and by noise drawn
+    in 0.3..3x, its memory split over the k ranks (+-20%)."""
+    d = json.loads(json.dumps(d))
+    d["world_size"] = d["fingerprint"]["world_size"] = world
+    sps = [k for k in (1, 2, 4) if k <= world]
+    entries = []
+    for e in d["entries"]:
+        for k in sps:
+            x = dict(e, sp=k, ranks=list(range(k)))
+            if x["time_s"] is not None:
+                x["time_s"] = e["time_s"] * (1.0 / k + 0.2) * draw(st.floats(0.3, 3.0), label="noise")
+                x["memory_bytes"] = e["memory_bytes"] / k * draw(st.floats(0.8, 1.2), label="memory noise")
+            entries.append(x)
+    d["entries"] = entries
+    return d
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_no_policy_beats_the_lower_bound_on_a_noisy_profile_with_sp_and_tight_memory(real_profile, data):
+    """The same at worlds 2 and 4, with SP degrees and memory budgets that force recomputation
+    or SP. `packed` is left out: a micro-batch that mixes lengths needs less memory than copies
+    of its longest sample, which the bound does not count (docs/design.md, the bound's known
+    gap); on such cases it beat the bound by up to 4.6%."""
+    _, p = real_profile
+    world = data.draw(st.sampled_from([2, 4]), label="world")
+    d = _spread_over_sp(p.to_json(), world, data.draw)
+    memory = data.draw(st.sampled_from([4e5, 1e6, 1e9]), label="activation memory")
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=d["model_state_bytes"] + memory)
+    profile = Profile.from_json(d)
+    cost = ProfiledCost(profile, cluster)
+    sizes = data.draw(st.lists(st.sampled_from([8, 16, 30, 48, 90, 128, 200]), min_size=4, max_size=60), label="sizes")
+    wl = Workload(profile.model, tuple(sizes))
+    budget = data.draw(st.sampled_from([300, 800, 2000]), label="tokens per step")
+    policies = [n for n in ALL if n != "packed"]
+    _, _, runs, bound = run_policies(wl, cost, cluster, policies, tokens_per_step=budget)
+    for name, v in summary(wl, runs, bound).items():
+        assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
+
+
 def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measured():
     """Recompute counts planner layers: a factorized DiT of 8 blocks is 4 spatial + temporal
     pairs, so the plan's full recompute is Recompute(4, 4) and must checkpoint all 8 blocks —
