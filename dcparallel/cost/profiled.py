@@ -3,7 +3,9 @@
 Per (bucket, SP degree, recompute mode) the profile holds measured micro-batch sizes; a
 micro-batch of any sizes is priced by interpolating linearly in micro-batch size and in
 tokens between measured buckets, and the terms of every recompute setting follow from the
-four whole-model modes.
+four whole-model modes. The model is kept monotone, as the lower bound needs: measured times
+and memory never fall as the micro-batch grows, and a micro-batch of mixed sizes costs at least
+what the copies of any one of its sizes cost alone.
 """
 
 from __future__ import annotations
