@@ -46,7 +46,13 @@ class Workers:
 
     def __init__(self, world: int, tmp: Path, daemon: bool = True):
         self.world = world
-        ctx = mp.get_context("spawn")
+        # a fork server that has imported torch once per test process: each worker forks
+        # from it instead of starting an interpreter and importing torch (about 3 s of CPU
+        # each on a CI core); the server itself never runs torch, so no thread state is forked.
+        # The ranks share the server's hash seed: that plans do not depend on it is tested with
+        # fresh interpreters (test_loader, test_dcp_scale) and by the torchrun launches
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.dist.harness"])
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         init_file = str(tmp / "rendezvous")
