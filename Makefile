@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/dcparallel demo
 
 # two pytest workers (CI has two cores); a test module stays on one worker, so its
-# gloo process pool is spawned once
+# gloo process pool is started once
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

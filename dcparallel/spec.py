@@ -309,3 +309,12 @@ def bucket_key(model: ModelSpec, size: Size, ratio: float = 1.25) -> tuple[int, 
         return 0, int(math.floor(math.log(max(s, 1)) / math.log(ratio) + 1e-9))
     lr = math.log(ratio)
     return int(math.floor(math.log(t) / lr + 1e-9)), int(math.floor(math.log(s) / lr + 1e-9))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that is at most the value: 1.50 GiB, 195 KiB, 900 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{0 if v >= 100 else 1 if v >= 10 else 2}f} {unit}"
+    return f"{n:.0f} B"

@@ -49,7 +49,7 @@ from dcparallel.plan.policies import POLICIES, Planner, make_planner
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import ClusterSpec, Size, Workload
+from dcparallel.spec import ClusterSpec, Size, Workload, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class DataCentricLoader:
         self.last_plan_seconds = 0.0
         if self.context.skipped:
             log.warning("skipping %d sample(s) that fit no layout: %s", len(self.context.skipped),
-                        ", ".join(f"sample {i} (size {s!r}, needs {need / 2**30:.1f} GiB)"
+                        ", ".join(f"sample {i} (size {s!r}, needs {format_bytes(need)})"
                                   for i, s, need in self.context.skipped[:10])
                         + (" ..." if len(self.context.skipped) > 10 else ""))
         self.steps(self.epoch)  # validates the budget now

@@ -14,7 +14,7 @@ from typing import Literal, Sequence
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.plan.types import REL_TOL, Fit, NoLayoutFits
-from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, format_bytes
 from dcparallel.topology import Topology
 
 #: How a policy picks recompute: a `spec.STATIC_MODES` setting fixed for every layer,
@@ -193,8 +193,8 @@ class PlanContext:
             i, s, need = max(bad, key=lambda b: (b[2], -b[0]))
             raise NoLayoutFits(
                 f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
-                f"full recomputation it needs {_bytes(need)} per rank, more than the "
-                f"{_bytes(self.budget)} usable; {len(bad)} sample(s) are too large. Use more "
+                f"full recomputation it needs {format_bytes(need)} per rank, more than the "
+                f"{format_bytes(self.budget)} usable; {len(bad)} sample(s) are too large. Use more "
                 f"memory or a larger SP degree, or pass skip_oversize=True to skip and report them")
         self.skipped = bad
         if bad:
@@ -257,12 +257,3 @@ def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[fl
     for b in bins:
         b.sort()
     return bins, loads
-
-
-def _bytes(n: float) -> str:
-    """Bytes in the largest binary unit that is at most the value: 1.50 GiB, 195 KiB, 900 B."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.{0 if v >= 100 else 1 if v >= 10 else 2}f} {unit}"
-    return f"{n:.0f} B"

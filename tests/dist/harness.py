@@ -1,4 +1,4 @@
-"""Multi-process gloo workers, spawned once per test module.
+"""Multi-process gloo workers, started once per test module.
 
 Each worker initializes gloo through a file rendezvous (one thread, a 60 s collective
 timeout so a mismatched collective fails instead of hanging), then runs commands: a
