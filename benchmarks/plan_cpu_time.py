@@ -11,9 +11,10 @@ least time: other jobs and slow spells of a shared machine only ever add time, a
 spread each cell's tries over the whole run. A fixed workload timed before each round
 (`speed_probe`) shows how much the machine's speed moved.
 `--profile` plans the timed steps again under cProfile and splits the time into the
-class-level search (`ScalePlanner._plan_part`: candidate rows, bisection over targets, group
-allocation), the expansion to sample ids (`dcp_expand.expand`: dealing classes, cutting
-micro-batches, `refine`, `spill`), building the plan objects (`dcp_expand.build_plan`:
+class-level search (`dcp_search.table` and `dcp_search.search`: candidate rows and the
+batched passes over targets; `ScalePlanner._plan_part`: group allocation), the expansion to
+sample ids (`dcp_expand.expand`: dealing classes, cutting micro-batches, `refine`, `spill`),
+building the plan objects (`dcp_expand.build_plan`:
 `MicroBatch`, `GroupPlan`, `StepPlan`) and the rest (sorting the step's samples by bucket,
 weights, the per-sample packing of `dcp_sample` where it runs).
 """
@@ -37,7 +38,8 @@ from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_s
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
-PARTS = {"search": "_plan_part", "expand": "expand", "refine+spill": ("refine", "spill"), "objects": "build_plan"}
+PARTS = {"search": ("table", "search", "_plan_part"), "expand": "expand", "refine+spill": ("refine", "spill"),
+         "objects": "build_plan"}
 
 
 def breakdown(prof: cProfile.Profile) -> dict[str, float]:

@@ -11,9 +11,10 @@ sample, so it fits every sample of the bucket. Per step:
    efficient narrow layouts); the groups each SP degree needs are estimated from its work
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
    found among the distinct micro-batch times (`dcp_search`: a coarse pass, then the
-   bracket it leaves, each evaluating all its targets at once), once per smallest allowed SP
-   degree (forcing every bucket to at least that degree lets one phase hold a world-wide
-   sample and the rest).
+   bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
+   least that degree lets one phase hold a world-wide sample and the rest). Every target of
+   every smallest degree, and of every part of the two-phase splits, is evaluated in one
+   batch of array operations per pass.
 2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
    degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
    a number of groups, their contents — by the longest-processing-time rule applied to
@@ -49,7 +50,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import rows, search, table
+from dcparallel.plan.dcp_search import part_bound, rows, rows_at, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -222,30 +223,20 @@ class ScalePlanner:
             free -= step * k
         return max(span.values(), default=0.0), items, (by_k, count)
 
-    def _part_bound(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> float:
-        """The class-level bound of these buckets in one phase: max(least GPU-seconds / world,
-        the longest least micro-batch time), from their cached candidate rows. No plan of
-        theirs is predicted below it."""
-        area = longest = 0.0
-        for j, c in zip(present, counts):
-            r = rows(self, j, c)
-            area += float(r[0, 0]) * scale[j][0]
-            longest = max(longest, float(r[:, 3].min()) * scale[j][1])
-        return max(area / self.world, longest)
-
-    def _plan_part(self, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]], keep: int = 1):
+    def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
-        bound) for these buckets in one phase, best first; [] if none."""
-        if not present:
+        bound) for these buckets (positions in the step's table) in one phase, best first, from
+        their search's candidates per smallest allowed degree (`dcp_search.search`); [] if none."""
+        if not part:
             return []
-        tab = table(self, present, counts, scale)
-        bound = self._part_bound(present, counts, scale)
+        present = [tab["present"][i] for i in part]
+        bnd = part_bound(tab, part, self.world)
         found: list = []
         stale = 0
-        for kmin in self.sp:
+        for cands in found_by_k:  # smallest allowed degree, narrowest first
             improved = False
-            for _, ch, need in search(self, tab, kmin):
-                got = self._allocate(present, ch, need)
+            for c in cands:
+                got = self._allocate(present, rows_at(tab, c.first), c.need)
                 if got is None:
                     continue
                 if not found or got[0] < found[0][0] * (1 - REL_TOL):
@@ -253,7 +244,7 @@ class ScalePlanner:
                 found.append(got)
                 found.sort(key=lambda g: g[0])
                 del found[keep + 2:]
-            if found and found[0][0] <= bound * AT_BOUND:
+            if found and found[0][0] <= bnd * AT_BOUND:
                 break  # at the bound: wider minimums cannot help
             stale = 0 if improved or not found else stale + 1
             if stale >= STALE_STOP:  # wider minimums in a row did not help: stop (a heuristic bound on the search)
@@ -264,7 +255,7 @@ class ScalePlanner:
             if sig in seen:
                 continue
             seen.add(sig)
-            out.append((span, items, counts_by_k, bound))  # groups are dealt only for plans that get expanded
+            out.append((span, items, counts_by_k, bnd))  # groups are dealt only for plans that get expanded
             if len(out) == keep:
                 break
         return out
@@ -327,7 +318,9 @@ class ScalePlanner:
         wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
         wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
         scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
-        ones = self._plan_part(present, counts, scale, keep=self.expand_best)
+        tab = table(self, present, counts, scale)
+        whole = list(range(len(present)))
+        ones = self._plan_part(tab, whole, search(self, tab, [whole])[0], keep=self.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
         one = ones[0]
         cands = [(c[0], [c]) for c in ones]
@@ -335,28 +328,32 @@ class ScalePlanner:
             # split by the degree each bucket got in one phase, or by its cheapest degree
             keys = [{j: max(it.sp for it in one[1] if it.bucket == j) for j in present},
                     {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
-            seen = set()
+            # a candidate above the best one's prediction x EXPAND_WITHIN is never expanded:
+            # skip a split whose parts' bounds already say so (the limit only falls as
+            # candidates are added, so a split skipped now is skipped later too)
+            splits, seen = [], set()
             for key in keys:
                 for k in sorted(set(key.values()))[1:]:
-                    wide = tuple(i for i, j in enumerate(present) if key[j] >= k)
-                    if wide in seen:
+                    wide = [i for i, j in enumerate(present) if key[j] >= k]
+                    if tuple(wide) in seen:
                         continue
-                    seen.add(wide)
-                    narrow = [i for i in range(len(present)) if i not in set(wide)]
-                    pw, cw = [present[i] for i in wide], [counts[i] for i in wide]
-                    pz, cz = [present[i] for i in narrow], [counts[i] for i in narrow]
-                    # a candidate above the best one's prediction x EXPAND_WITHIN is never
-                    # expanded: skip a split whose parts' bounds already say so
-                    limit = min(c[0] for c in cands) * EXPAND_WITHIN
-                    bz = self._part_bound(pz, cz, scale)
-                    if self._part_bound(pw, cw, scale) + bz > limit:
-                        continue
-                    a = self._plan_part(pw, cw, scale)
-                    if not a or a[0][0] + bz > limit:
-                        continue
-                    z = self._plan_part(pz, cz, scale)
-                    if z:
-                        cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
+                    seen.add(tuple(wide))
+                    narrow = [i for i, j in enumerate(present) if key[j] < k]
+                    if (part_bound(tab, wide, self.world) + part_bound(tab, narrow, self.world)
+                            <= min(c[0] for c in cands) * EXPAND_WITHIN):
+                        splits.append((wide, narrow))
+            found = search(self, tab, [part for split in splits for part in split])
+            for s, (wide, narrow) in enumerate(splits):
+                limit = min(c[0] for c in cands) * EXPAND_WITHIN
+                bz = part_bound(tab, narrow, self.world)
+                if part_bound(tab, wide, self.world) + bz > limit:
+                    continue
+                a = self._plan_part(tab, wide, found[2 * s])
+                if not a or a[0][0] + bz > limit:
+                    continue
+                z = self._plan_part(tab, narrow, found[2 * s + 1])
+                if z:
+                    cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
         # the class-level predictions rank the candidates; the best few are expanded, refined
         # with each micro-batch's own time, and the one predicted to finish first is kept
         cands.sort(key=lambda c: c[0])

@@ -2,16 +2,19 @@
 and per target T the layout of least GPU-seconds of every bucket whose micro-batches finish
 within T, if the groups those need fit the world.
 
-The candidate rows of a phase's buckets are one array, a segment per bucket, least
-GPU-seconds first. A target's choice is, per bucket, its first row with time <= T (and SP at
-least the search's smallest degree): all targets of a search are evaluated at once, by
-counting per bucket the leading rows whose running minimum time exceeds each target.
+The candidate rows of a step's buckets are one array (`table`), a segment per bucket, least
+GPU-seconds first. A *problem* is a part of the step's buckets (one phase: the whole step,
+or one side of a two-phase split) with a smallest allowed SP degree; a target's choice is, per
+bucket of the part, its first row with SP at least that degree and time <= T. Every target
+of every problem of a search pass is evaluated in one batch of array operations (`fits`), by
+counting per bucket the leading rows whose running minimum time exceeds each target; times
+are compared as integer ranks among the step's distinct times, so problems stack exactly.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,6 +26,9 @@ if TYPE_CHECKING:
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
+#: a search's candidates past the smallest target that fits: the first fitting target of its
+#: window, and these offsets after it
+CANDIDATE_OFFSETS = (0, 1, 2, 4, 8)
 
 
 def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
@@ -52,8 +58,9 @@ def _rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
 
 
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
-    """The candidate rows of a phase's buckets as arrays, one segment per bucket, their
-    times scaled by the bucket's mean weight in this step."""
+    """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
+    scaled by the bucket's mean weight in this step; each row's time as a rank among the
+    step's distinct times; and per bucket its class-level bound terms (`bound`)."""
     arrs = [rows(p, j, c) for j, c in zip(present, counts)]
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
@@ -65,40 +72,100 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
         a[:, col] = a[:, col] * fmax
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
-    return {"a": a, "k": a[:, 1], "t": a[:, 3], "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
-            "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": pos[a[:, 1].astype(np.int64)],
-            "starts": np.cumsum([0] + lens[:-1]), "n": len(a),
-            "seg": np.repeat(np.arange(len(lens)), lens), "lens": np.asarray(lens),
-            "spf": np.asarray(p.sp, dtype=float)}
+    starts = np.cumsum([0] + lens[:-1])
+    seg = np.repeat(np.arange(len(lens)), lens)
+    t = a[:, 3]
+    times, rank = np.unique(t, return_inverse=True)
+    rank = rank.reshape(-1)
+    kpos = pos[a[:, 1].astype(np.int64)]
+    # per bucket and smallest degree: the least time of its rows at that degree or wider
+    least = np.full((len(lens), len(p.sp)), np.inf)
+    np.minimum.at(least, (seg, kpos), t)
+    least = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
+    # per smallest degree, the rows some target can choose: each bucket's rows at that degree
+    # or wider that are faster than every row before them (a row is chosen for T iff it is
+    # the first such row with time <= T)
+    big = len(times) + 1
+    v = np.where(kpos[None, :] >= np.arange(len(p.sp))[:, None], rank[None, :], big)
+    shift = (len(lens) - seg) * (big + 1)  # later buckets lower: one running minimum per bucket
+    run = np.minimum.accumulate(v + shift, axis=1) - shift
+    prev = np.full_like(run, big)
+    prev[:, 1:] = run[:, :-1]
+    prev[:, starts] = big
+    stair = v < prev
+    return {"a": a, "k": a[:, 1], "t": t, "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
+            "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": kpos,
+            "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
+            "spf": np.asarray(p.sp, dtype=float), "present": list(present),
+            "times": times, "rank": rank, "least": least, "stair": stair,
+            "area": a[starts, 0].tolist(), "longest": least[:, 0].tolist()}
 
 
-def fits(p: ScalePlanner, tab: dict, ts: np.ndarray, kmin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For every target of the sorted array `ts`: whether its rows fit the world, the rows
-    ([target, bucket] indices into the table) and the groups they need per SP degree
-    ([target, degree index]). A bucket's row for T is its first row with SP >= kmin and
-    time <= T; the groups a degree needs are its work over T, at least one per micro-batch
-    longer than T / 2, at most one per micro-batch (0 for a degree without micro-batches)."""
-    n, nt, nk = tab["n"], len(ts), len(p.sp)
-    starts, seg = tab["starts"], tab["seg"]
-    nb = len(starts)
-    v = np.where(tab["k"] >= kmin, tab["t"], np.nan)  # nan ranks above every target
-    shift = (nb - seg) * (nt + 1)  # later buckets lower, so one running minimum stays per bucket
-    r = np.minimum.accumulate(np.searchsorted(ts, v) + shift) - shift  # its min time > ts[j] iff j < r
-    hist = np.bincount(seg * (nt + 1) + r, minlength=nb * (nt + 1)).reshape(nb, nt + 1)
-    above = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [bucket, j]: rows with min time > ts[j]
-    ok = (above < tab["lens"][:, None]).all(axis=0)
-    first = np.minimum(starts[:, None] + above, n - 1).T
-    T = ts[:, None]
-    flat = (np.arange(nt)[:, None] * nk + tab["kpos"][first]).ravel()
-    size = nt * nk
-    work = np.bincount(flat, weights=tab["tot"][first].ravel(), minlength=size).reshape(nt, nk)
-    big = np.where(tab["t"][first] > T / 2, tab["full"][first], 0.0) + \
-        ((tab["rem"][first] > 0) & (tab["tr"][first] > T / 2))
-    bigk = np.bincount(flat, weights=big.ravel(), minlength=size).reshape(nt, nk)
-    items = np.bincount(flat, weights=tab["items"][first].ravel(), minlength=size).reshape(nt, nk)
-    need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T - ROUND_EPS)))
+def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
+    """The class-level bound of a part's buckets (positions in the table) in one phase:
+    max(least GPU-seconds / world, the longest least micro-batch time). No plan of theirs is
+    predicted below it."""
+    area = longest = 0.0
+    for i in part:
+        area += tab["area"][i]
+        longest = max(longest, tab["longest"][i])
+    return max(area / world, longest)
+
+
+def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray]):
+    """For every problem (a part's bucket positions, in table order, and the index of its
+    smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
+    `tab["times"]`; ``len(times)`` is T infinite): whether the choice fits the world, the
+    chosen rows and the groups they need per SP degree.
+
+    Returns (fit [problem, target], first [segment, target] row indices, need [problem,
+    target, degree index], each problem's first segment); a problem's segments are its
+    buckets in order. Targets past a problem's own count are padding. A bucket's row for T
+    is its first row with SP >= the smallest degree and time <= T; the groups a degree needs
+    are its work over T, at least one per micro-batch longer than T / 2, at most one per
+    micro-batch (0 for a degree without micro-batches)."""
+    nk, num = len(p.sp), len(problems)
+    nts = np.array([len(x) for x in targets])
+    ntmax = int(nts.max())
+    inpart = np.zeros((num, len(tab["lens"])), dtype=bool)
+    for q, (part, _) in enumerate(problems):
+        inpart[q, part] = True
+    kis = [ki for _, ki in problems]
+    # each problem's choosable rows (`table`'s "stair"): per bucket, times strictly falling
+    pp, rr = np.nonzero(inpart[:, tab["seg"]] & tab["stair"][kis])
+    bkt = tab["seg"][rr]
+    brk = np.ones(len(rr), dtype=bool)
+    brk[1:] = (pp[1:] != pp[:-1]) | (bkt[1:] != bkt[:-1])
+    sstart = np.flatnonzero(brk)
+    nseg = len(sstart)
+    assert nseg == sum(len(part) for part, _ in problems), "every bucket of a problem has a row to choose"
+    seg = np.cumsum(brk) - 1
+    slen = np.diff(np.append(sstart, len(rr)))
+    sprob = pp[sstart]
+    pfirst = np.searchsorted(sprob, np.arange(num))
+    # each row's count of its problem's targets below its time (ranks offset per problem)
+    off = len(tab["times"]) + 2
+    tall = np.concatenate(targets)
+    tstart = np.cumsum(nts) - nts
+    r = np.searchsorted(tall + np.repeat(np.arange(num) * off, nts), pp * off + tab["rank"][rr]) - tstart[pp]
+    hist = np.bincount(seg * (ntmax + 1) + r, minlength=nseg * (ntmax + 1)).reshape(nseg, ntmax + 1)
+    above = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [segment, j]: rows slower than target j
+    ok = np.logical_and.reduceat(above < slen[:, None], pfirst, axis=0)
+    first = rr[sstart[:, None] + np.minimum(above, slen[:, None] - 1)]
+    # each problem's targets as times, padded with its last
+    j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
+    T = np.append(tab["times"], math.inf)[tall[tstart[:, None] + j]]  # [problem, j]
+    Ts = T[sprob]  # [segment, j]
+    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk + tab["kpos"][first]).ravel()
+    size = num * ntmax * nk
+    work = np.bincount(flat, weights=tab["tot"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
+    big = np.where(tab["t"][first] > Ts / 2, tab["full"][first], 0.0) + \
+        ((tab["rem"][first] > 0) & (tab["tr"][first] > Ts / 2))
+    bigk = np.bincount(flat, weights=big.ravel(), minlength=size).reshape(num, ntmax, nk)
+    items = np.bincount(flat, weights=tab["items"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
+    need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T[:, :, None] - ROUND_EPS)))
     need = np.where(items > 0, need, 0.0)
-    return ok & (need @ tab["spf"] <= p.world), first, need
+    return ok & (need @ tab["spf"] <= p.world), first, need, pfirst
 
 
 def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
@@ -107,39 +174,90 @@ def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
             for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
 
 
-def search(p: ScalePlanner, tab: dict, kmin: int) -> list[tuple[float, list[tuple], dict[int, int]]]:
-    """Layouts at the smallest feasible target T and at a few larger ones, each with the
-    groups per SP degree it needs (`fits`; degrees without micro-batches left out). Targets are the
-    distinct micro-batch times; a coarse pass over `SEARCH_COARSE` of them brackets the
-    smallest that fits, a second pass over the bracket finds it and the candidates after it.
-    If none fits: least work (T infinite), if that fits."""
-    ok = tab["k"] >= kmin
-    if not ok.any():
-        return []
-    floor = float(np.minimum.reduceat(np.where(ok, tab["t"], np.inf), tab["starts"]).max())
-    if not math.isfinite(floor):
-        return []
-    ts = np.unique(tab["t"][ok & (tab["t"] >= floor)])
-    coarse = np.unique(np.linspace(0, len(ts) - 1, min(len(ts), SEARCH_COARSE)).astype(np.int64))
-    fit = fits(p, tab, ts[coarse], kmin)[0]
-    if not fit.any():
-        fit, first, need = fits(p, tab, np.array([math.inf]), kmin)
-        return [(math.inf, rows_at(tab, first[0]), _needs(p, need[0]))] if fit[0] else []
-    c = int(np.argmax(fit))
-    lo = int(coarse[c - 1]) + 1 if c > 0 else 0
-    window = np.arange(lo, min(len(ts), int(coarse[c]) + 9))
-    fit, first, need = fits(p, tab, ts[window], kmin)
-    at = int(np.argmax(fit))
-    out, seen = [], set()
-    for i in (at, at + 1, at + 2, at + 4, at + 8):
-        if i >= len(window) or not fit[i]:
+class Candidate(NamedTuple):
+    """A layout choice the search found: its target T, the chosen row of each of the part's
+    buckets (`rows_at` gives them as tuples) and the groups it needs per SP degree."""
+
+    T: float
+    first: np.ndarray
+    need: dict[int, int]
+
+
+def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]]) -> list[list[list[Candidate]]]:
+    """Per part (bucket positions in the table, in table order) and per smallest allowed SP
+    degree (`p.sp`): layouts at the smallest feasible target T and at a few larger ones
+    (distinct choices only). Targets are the part's distinct micro-batch times at that degree
+    or wider, from the longest of its buckets' least times; a coarse pass over
+    `SEARCH_COARSE` of them brackets the smallest that fits, a second pass over the bracket
+    finds it and the candidates after it. If none fits: least work (T infinite), if that
+    fits. All parts and degrees are searched together, one batch per pass."""
+    nk, nt = len(p.sp), len(tab["times"])
+    out: list[list[list[Candidate]]] = [[[] for _ in range(nk)] for _ in parts]
+    problems, ranks = [], []
+    for q, part in enumerate(parts):
+        part = np.asarray(part, dtype=np.int64)
+        floor = tab["least"][part].max(axis=0)  # per smallest degree
+        live = np.flatnonzero(np.isfinite(floor))
+        if not len(live):
             continue
-        ch = rows_at(tab, first[i])
-        sig = tuple((r[1], r[2]) for r in ch)
-        if sig not in seen:
-            seen.add(sig)
-            out.append((float(ts[window[i]]), ch, _needs(p, need[i])))
+        # the part's distinct times at each live smallest degree, from its floor up
+        rows_q = np.flatnonzero(np.isin(tab["seg"], part)) if len(part) < len(tab["lens"]) else np.arange(tab["n"])
+        hit = (tab["kpos"][rows_q][None, :] >= live[:, None]) & (tab["t"][rows_q][None, :] >= floor[live][:, None])
+        mark = np.zeros((len(live), nt), dtype=bool)
+        li, ri = np.nonzero(hit)
+        mark[li, tab["rank"][rows_q][ri]] = True
+        for x, ki in enumerate(live.tolist()):
+            problems.append((part, ki, q))
+            ranks.append(np.flatnonzero(mark[x]))
+    if not problems:
+        return out
+    grids = [_coarse(len(r)) for r in ranks]
+    fit = fits(p, tab, [(part, ki) for part, ki, _ in problems], [r[g] for r, g in zip(ranks, grids)])[0]
+    windows = []
+    for x, g in enumerate(grids):
+        f = fit[x, :len(g)]
+        if not f.any():
+            windows.append(None)
+            continue
+        i = int(np.argmax(f))
+        lo = int(g[i - 1]) + 1 if i > 0 else 0
+        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + 9)))
+    live = [x for x, w in enumerate(windows) if w is not None]
+    if live:
+        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in live], [ranks[x][windows[x]] for x in live])
+        km = tab["a"][:, 1:3]
+        for y, x in enumerate(live):
+            part, ki, q = problems[x]
+            f = fit[y, :len(windows[x])]
+            at = int(np.argmax(f))
+            got, seen = [], set()
+            for i in (at + d for d in CANDIDATE_OFFSETS):
+                if i >= len(f) or not f[i]:
+                    continue
+                rows_i = first[pfirst[y]:pfirst[y] + len(part), i]
+                sig = km[rows_i].tobytes()
+                if sig not in seen:
+                    seen.add(sig)
+                    got.append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]), rows_i, _needs(p, need[y, i])))
+            out[q][ki] = got
+    rest = [x for x, w in enumerate(windows) if w is None]
+    if rest:
+        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in rest], [np.array([nt]) for _ in rest])
+        for y, x in enumerate(rest):
+            part, ki, q = problems[x]
+            if fit[y, 0]:
+                out[q][ki] = [Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(part), 0], _needs(p, need[y, 0]))]
     return out
+
+
+_COARSE: dict[int, np.ndarray] = {}
+
+
+def _coarse(n: int) -> np.ndarray:
+    """The positions of the coarse pass among n sorted targets: `SEARCH_COARSE` of them,
+    evenly spread, the first and the last included."""
+    return memo(_COARSE, n, lambda: np.unique(np.linspace(0, n - 1, min(n, SEARCH_COARSE)).astype(np.int64)),
+                limit=4096)
 
 
 def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:

@@ -15,7 +15,8 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_expand import Phase, deal_order, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
-from dcparallel.plan.dcp_search import fits, rows_at, table
+from dcparallel.plan.dcp_search import fits, part_bound, rows_at, search, table
+from dcparallel.plan.dcp_setup import SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -54,13 +55,13 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(p: ScalePlanner, tab: dict, T: float, kmin: int) -> list[tuple] | None:
-    """The definition: per bucket its first row (least GPU-seconds first) with SP >= kmin and
-    time <= T; the choice fits if the groups it needs fit the world."""
+def _reference_rows(p: ScalePlanner, tab: dict, part: list[int], T: float, kmin: int) -> list[tuple] | None:
+    """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
+    >= kmin and time <= T; the choice fits if the groups it needs fit the world."""
     chosen = []
-    for s, n in zip(tab["starts"].tolist(), tab["lens"].tolist()):
-        seg = tab["a"][s:s + n]
-        hit = next((r for r in seg.tolist() if r[3] <= T and r[1] >= kmin), None)
+    for i in part:
+        s, n = int(tab["starts"][i]), int(tab["lens"][i])
+        hit = next((r for r in tab["a"][s:s + n].tolist() if r[3] <= T and r[1] >= kmin), None)
         if hit is None:
             return None
         chosen.append(hit)
@@ -72,23 +73,84 @@ def _reference_rows(p: ScalePlanner, tab: dict, T: float, kmin: int) -> list[tup
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([8, 64, 256, 1024]), st.booleans(), st.integers(2, 300), st.integers(0, 5))
-def test_all_targets_at_once_match_one_target_at_a_time(world, video, n, seed):
+def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, seed):
+    """`fits` evaluates every target of every (part, smallest degree) problem in one batch;
+    each answer must be the definition's for that part, degree and target alone."""
     p, steps = _planner(world, video, n, seed)
     ids = np.asarray(steps[0].sample_ids)
     b = p.bidx[ids]
     present, counts = np.unique(b, return_counts=True)
     scale = {int(j): (1.0 + 0.1 * j, 1.5 + 0.1 * j) for j in present}
     tab = table(p, present.tolist(), counts.tolist(), scale)
-    ts = np.unique(np.append(tab["t"], [math.inf]))
-    for kmin in p.sp:
-        ok, first, need = fits(p, tab, ts, kmin)
-        for j, T in enumerate(ts.tolist()):
-            ref = _reference_rows(p, tab, T, kmin)
-            assert bool(ok[j]) == (ref is not None), (T, kmin)
+    nb = len(present)
+    rng = np.random.default_rng(seed)
+    parts = [list(range(nb)), sorted(rng.choice(nb, size=max(1, nb // 2), replace=False).tolist())]
+    # as `search` asks: every bucket of the part has a row at the smallest degree or wider
+    problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab["least"][part, ki]).all()]
+    # every distinct time and T infinite; a random subset for every other problem
+    targets = [np.arange(len(tab["times"]) + 1) if x % 2 == 0 else
+               np.unique(rng.integers(0, len(tab["times"]) + 1, size=5)) for x in range(len(problems))]
+    ok, first, need, pfirst = fits(p, tab, problems, targets)
+    times = np.append(tab["times"], math.inf)
+    for x, ((part, ki), tg) in enumerate(zip(problems, targets)):
+        for j, T in enumerate(times[tg].tolist()):
+            ref = _reference_rows(p, tab, part, T, p.sp[ki])
+            assert bool(ok[x, j]) == (ref is not None), (T, ki)
             if ref is not None:
-                assert rows_at(tab, first[j]) == [(g, int(k), int(m), t, int(f), tr, int(r), tot)
-                                                   for g, k, m, t, f, tr, r, tot in ref]
-                assert {k: int(n) for k, n in zip(p.sp, need[j].tolist()) if n > 0} == _groups_needed(ref, T)
+                assert rows_at(tab, first[pfirst[x]:pfirst[x] + len(part), j]) == [
+                    (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref]
+                assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, T)
+
+
+def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) -> list[tuple]:
+    """The search by its definition, one part and smallest degree at a time: the part's
+    distinct times at kmin or wider from the longest of its buckets' least times; a coarse
+    pass over SEARCH_COARSE of them evenly spread, then every target from after the last
+    coarse one that does not fit to 8 past the first that does; candidates at the first
+    fitting target and 1, 2, 4, 8 after it, distinct choices only; else T infinite."""
+    seg = [tab["a"][int(tab["starts"][i]):int(tab["starts"][i] + tab["lens"][i])] for i in part]
+    elig = [r[r[:, 1] >= kmin] for r in seg]
+    if any(len(r) == 0 for r in elig):
+        return []
+    floor = max(float(r[:, 3].min()) for r in elig)
+    ts = sorted({float(t) for r in elig for t in r[:, 3] if t >= floor})
+    coarse = sorted({int(x) for x in np.linspace(0, len(ts) - 1, min(len(ts), SEARCH_COARSE))})
+    hit = next((c for c in coarse if _reference_rows(p, tab, part, ts[c], kmin) is not None), None)
+    if hit is None:
+        ref = _reference_rows(p, tab, part, math.inf, kmin)
+        return [] if ref is None else [(math.inf, ref)]
+    i = coarse.index(hit)
+    window = list(range(coarse[i - 1] + 1 if i > 0 else 0, min(len(ts), hit + 9)))
+    fit = [_reference_rows(p, tab, part, ts[w], kmin) for w in window]
+    at = next(x for x, f in enumerate(fit) if f is not None)
+    out, seen = [], set()
+    for x in (at, at + 1, at + 2, at + 4, at + 8):
+        if x < len(window) and fit[x] is not None:
+            sig = tuple((r[1], r[2]) for r in fit[x])
+            if sig not in seen:
+                seen.add(sig)
+                out.append((ts[window[x]], fit[x]))
+    return out
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([8, 64, 256, 1024]), st.booleans(), st.integers(2, 300), st.integers(0, 5))
+def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed):
+    p, steps = _planner(world, video, n, seed)
+    ids = np.asarray(steps[0].sample_ids)
+    present, counts = np.unique(p.bidx[ids], return_counts=True)
+    scale = {int(j): (1.0 + 0.05 * j, 1.2 + 0.05 * j) for j in present}
+    tab = table(p, present.tolist(), counts.tolist(), scale)
+    nb = len(present)
+    parts = [list(range(nb)), list(range(0, nb, 2)), list(range(nb // 2, nb))]
+    parts = [q for q in parts if q]
+    got = search(p, tab, parts)
+    for part, by_k in zip(parts, got):
+        for kmin, cands in zip(p.sp, by_k):
+            ref = _reference_search(p, tab, part, kmin)
+            want = [(T, [(g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in rows])
+                    for T, rows in ref]
+            assert [(c.T, rows_at(tab, c.first)) for c in cands] == want, (part, kmin)
 
 
 def _round_robin(holders, ic):
@@ -254,7 +316,7 @@ def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
 
 @pytest.mark.parametrize("scenario,dist", [("text", "short"), ("video", "long")])
 def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monkeypatch):
-    """The two-phase search skips a split whose parts' bounds (`_part_bound`) already exceed
+    """The two-phase search skips a split whose parts' bounds (`part_bound`) already exceed
     what could be expanded; that is lossless only if no part's plan is predicted below its
     bound. Checked, with the skipping off, on every part that planning the scale report's
     weak 128-GPU steps searches, one phase and both parts of every split; the bound is the
@@ -270,10 +332,10 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     seen = []
     orig = ScalePlanner._plan_part
 
-    def checked(self, present, counts, scale, keep=1):
-        out = orig(self, present, counts, scale, keep)
-        bound = self._part_bound(present, counts, scale)
-        seen.append(len(present))
+    def checked(self, tab, part, found_by_k, keep=1):
+        out = orig(self, tab, part, found_by_k, keep)
+        bound = part_bound(tab, part, self.world)
+        seen.append(len(part))
         assert all(span >= bound * (1 - 1e-9) for span, *_ in out), ([o[0] for o in out], bound)
         assert all(abs(o[3] - bound) <= 1e-12 * bound for o in out)  # the search's own bound
         return out
