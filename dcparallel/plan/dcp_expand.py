@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -59,40 +59,54 @@ class Phase:
         return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
 
-def deal_order(holders: list[tuple[int, int, int]], ic: int) -> np.ndarray:
-    """The group of each micro-batch of item class `ic`, in sample order: round by round over
-    the groups still holding some (`holders`: first group, count, micro-batches per group),
-    alternating direction and rotated per class, so each group gets longer and shorter
-    samples of the bucket."""
-    if len(holders) == 1:
-        g = np.arange(holders[0][0], holders[0][0] + holders[0][1])
-        q = None
-        levels = [holders[0][2]]
-    else:
-        g = np.concatenate([np.arange(g0, g0 + n) for g0, n, _ in holders])
-        q = np.repeat([per for _, _, per in holders], [n for _, n, _ in holders])
-        levels = sorted({per for _, _, per in holders})
-    out, done = [], 0
-    for qv in levels:  # rounds done..qv-1 deal to the groups holding at least qv
-        gl = g if q is None or qv == levels[0] else g[q >= qv]
-        o = (ic * 7919) % len(gl)
-        rot = np.concatenate((gl[o:], gl[:o]))
-        rounds = qv - done
-        if rounds == 1:
-            out.append(rot if done % 2 == 0 else rot[::-1])
-        else:
-            pair = np.concatenate((rot, rot[::-1]) if done % 2 == 0 else (rot[::-1], rot))
-            out.append(np.tile(pair, (rounds + 1) // 2)[:rounds * len(rot)])
-        done = qv
-    return out[0] if len(out) == 1 else np.concatenate(out)
+def deal_orders(held: list[tuple[int, list[tuple[int, int, int]]]]) -> np.ndarray:
+    """The group of each micro-batch of every item class `ic` of `held`, in sample order, the
+    classes concatenated in their order there: round by round over the groups still holding
+    some of the class (`holders`: first group, count, micro-batches per group), alternating
+    direction and rotated per class, so each group gets longer and shorter samples of the
+    bucket. In a few array operations: each (group, round) pair is one micro-batch, placed by
+    its position among its class's groups in that round."""
+    hc = np.repeat(np.arange(len(held)), [len(h) for _, h in held])
+    g0, n, per = np.array([x for _, h in held for x in h], dtype=np.int64).reshape(-1, 3).T
+    ics = np.array([ic for ic, _ in held], dtype=np.int64)
+    # one row per group holding a class: the class, the group, its micro-batches of the class
+    rows = int(n.sum())
+    rc, rper = np.repeat(hc, n), np.repeat(per, n)
+    rg = np.repeat(g0, n) + np.arange(rows) - np.repeat(np.cumsum(n) - n, n)
+    # one pair per (row, round) the row takes part in, ordered by (class, round, row)
+    pr = np.repeat(np.arange(rows), rper)
+    rnd = np.arange(len(pr)) - np.repeat(np.cumsum(rper) - rper, rper)
+    key = rc[pr] * (int(per.max()) + 1) + rnd
+    o = np.argsort(key, kind="stable")
+    key, pr, rnd = key[o], pr[o], rnd[o]
+    brk = np.ones(len(key), dtype=bool)
+    brk[1:] = key[1:] != key[:-1]
+    first = np.flatnonzero(brk)
+    rid = np.cumsum(brk) - 1
+    size = np.diff(np.append(first, len(key)))[rid]  # groups in the (class, round)
+    pos = np.arange(len(key)) - first[rid]  # this group's position among them
+    i = (pos - (ics[rc[pr]] * 7919) % size) % size  # rotated per class
+    i = np.where(rnd % 2 == 0, i, size - 1 - i)  # alternating direction
+    out = np.empty(len(key), dtype=np.int64)
+    out[first[rid] + i] = rg[pr]
+    return out
 
 
-def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.ndarray]
-           ) -> tuple[list[Phase], float]:
-    """The phases of a class-level plan and the predicted step time (each micro-batch timed
-    by its samples' weights; `cumw`: per bucket the running sum of its members' weights,
-    from 0; `offset`: per bucket its first position in the step's sorted sample ids)."""
-    cursor = {j: 0 for j in offset}
+class StepSamples(NamedTuple):
+    """A step's samples sorted by planning class, longest first: per class its first position
+    and its count, and the running sums of its members' weights from 0, the classes' runs
+    concatenated (class j's run starts at `base[j]`)."""
+
+    offset: dict[int, int]
+    count: dict[int, int]
+    cumw: np.ndarray
+    base: dict[int, int]
+
+
+def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]:
+    """The phases of a class-level plan and the predicted step time, each micro-batch timed
+    by its samples' weights."""
+    cursor = {j: 0 for j in ss.offset}
     predicted = 0.0
     phases: list[Phase] = []
     for _, items, (by_k, count), _ in parts:
@@ -109,23 +123,25 @@ def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.nd
             for ic, q in gc.items.items():
                 if q:
                     held.setdefault(ic, []).append((g0, gc.count, q))
-        cols: list[tuple] = []  # per item class: (groups, starts, m, bucket, layout, times, mean weights)
-        for ic, it in enumerate(items):
-            if ic not in held:
-                continue
-            order = deal_order(held[ic], ic)
-            j, m, n = it.bucket, it.mbs, len(order)
-            s0 = cursor[j]
-            cuts = cumw[j][s0:s0 + m * n + 1:m]
-            w = cuts[1:] - cuts[:-1]
-            t_one = p.ttab[(j, it.sp)][m] / m
-            cols.append((order, offset[j] + s0 + m * np.arange(n), m, j, ic, w * t_one, w / m))
-            cursor[j] = s0 + m * n
-        n_of = [len(c[0]) for c in cols]
-        ph = Phase(sizes, np.concatenate([c[0] for c in cols]), np.concatenate([c[1] for c in cols]),
-                   np.repeat([c[2] for c in cols], n_of), np.repeat([c[3] for c in cols], n_of),
-                   np.repeat([c[4] for c in cols], n_of), np.concatenate([c[5] for c in cols]),
-                   np.concatenate([c[6] for c in cols]), [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
+        # each item class's micro-batches cut from its bucket's samples in order (a cursor per
+        # bucket), dealt to its groups
+        dealt = [(ic, held[ic]) for ic in range(len(items)) if ic in held]
+        grp = deal_orders(dealt)
+        num = [sum(n * q for _, n, q in h) for _, h in dealt]
+        its = [items[ic] for ic, _ in dealt]
+        first, t_one = [], []
+        for it, nm in zip(its, num):
+            first.append(cursor[it.bucket])
+            cursor[it.bucket] += it.mbs * nm
+            t_one.append(p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs)
+        m = np.repeat([it.mbs for it in its], num)
+        j = np.repeat([it.bucket for it in its], num)
+        within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))
+        lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
+        w = ss.cumw[lo + m] - ss.cumw[lo]
+        ph = Phase(sizes, grp, np.repeat([ss.offset[it.bucket] for it in its], num) + within, m, j,
+                   np.repeat([ic for ic, _ in dealt], num), np.repeat(t_one, num) * w, w / m,
+                   [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         for k in gclasses:
@@ -135,7 +151,7 @@ def expand(p: ScalePlanner, parts, offset: dict[int, int], cumw: dict[int, np.nd
                 refine(ph, of_k[k])
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
-    assert all(cursor[j] == len(cumw[j]) - 1 for j in offset), "every sample is planned once"
+    assert cursor == ss.count, "every sample is planned once"
     return phases, predicted
 
 

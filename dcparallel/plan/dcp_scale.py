@@ -48,7 +48,7 @@ import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
-from dcparallel.plan.dcp_expand import build_plan, expand
+from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.dcp_search import part_bound, rows, rows_at, search, table
 from dcparallel.plan.dcp_setup import (
@@ -311,10 +311,15 @@ class ScalePlanner:
         n = len(ids_sorted)
         starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
         present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
-        segs = list(zip(present, starts.tolist(), counts))
-        offset = {j: s for j, s, _ in segs}
         wsorted = self.weight[ids_sorted]
-        cumw = {j: np.concatenate(([0.0], np.cumsum(wsorted[s:s + c]))) for j, s, c in segs}
+        # per class the running sum of its members' weights from 0, the runs concatenated
+        cumw = np.zeros(n + len(present))
+        cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
+        base = np.arange(len(present)) + starts
+        for x, c in zip(base.tolist(), counts):
+            np.cumsum(cumw[x:x + c + 1], out=cumw[x:x + c + 1])
+        ss = StepSamples(dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw,
+                         dict(zip(present, base.tolist())))
         wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
         wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
         scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
@@ -361,7 +366,7 @@ class ScalePlanner:
         for pre, parts in cands[: self.expand_best]:
             if best is not None and pre > cands[0][0] * EXPAND_WITHIN:
                 break
-            got = expand(self, parts, offset, cumw)
+            got = expand(self, parts, ss)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
         return build_plan(self, step, best[0], int(self.tok[ids].sum()), tuple(ids_sorted.tolist())), best[1], one[3]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_expand import Phase, deal_order, refine, spill
+from dcparallel.plan.dcp_expand import Phase, deal_orders, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.dcp_search import fits, part_bound, rows_at, search, table
 from dcparallel.plan.dcp_setup import SEARCH_COARSE
@@ -175,11 +175,26 @@ def test_deal_order_is_the_round_robin_and_gives_each_group_its_share(spec, ic):
     for n, per, gap in spec:
         holders.append((g0, n, per))
         g0 += n + gap
-    got = deal_order(holders, ic).tolist()
+    got = deal_orders([(ic, holders)]).tolist()
     assert got == _round_robin(holders, ic)
     for first, n, per in holders:
         for g in range(first, first + n):
             assert got.count(g) == per
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7),
+                                                                      st.integers(0, 3)), min_size=1, max_size=4)),
+                min_size=1, max_size=6))
+def test_all_classes_dealt_at_once_are_each_classes_round_robin(classes):
+    held = []
+    for ic, spec in classes:
+        holders, g0 = [], 0
+        for n, per, gap in spec:
+            holders.append((g0, n, per))
+            g0 += n + gap
+        held.append((ic, holders))
+    assert deal_orders(held).tolist() == [g for ic, h in held for g in _round_robin(h, ic)]
 
 
 def _phase(rng, sizes: list[int], n: int) -> Phase:
