@@ -9,7 +9,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from dcparallel.plan.types import ROUND_EPS
 
@@ -24,8 +24,7 @@ class GroupClass:
     items: dict[int, int]
 
 
-@dataclass(frozen=True, slots=True)
-class ItemClass:
+class ItemClass(NamedTuple):
     """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
 
     bucket: int
@@ -94,31 +93,34 @@ def _merge(classes: list[GroupClass]) -> list[GroupClass]:
 
 def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
     """The makespan `deal_classes` reaches, tracking loads only (no contents): the distinct
-    loads on a heap, with how many groups carry each."""
+    loads on a heap, with how many groups carry each. (The planner's innermost loop: written
+    out, without helper calls.)"""
     count: dict[float, int] = {0.0: n}
     heap = [0.0]
-
-    def add(load: float, c: int) -> None:
-        if load in count:
-            count[load] += c
-        else:
-            count[load] = c
-            heapq.heappush(heap, load)
-
-    for _, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+    pop, push, ceil = heapq.heappop, heapq.heappush, math.ceil
+    for _, t, q in sorted(items, key=_longest_first):
         while q > 0:
-            low = heapq.heappop(heap)
+            low = pop(heap)
             cnt = count.pop(low)
-            nxt = heap[0] if heap else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - low) / t - ROUND_EPS))
+            per = ceil((heap[0] - low) / t - ROUND_EPS) if heap else 1
+            if per < 1:
+                per = 1
             if per * cnt <= q:
-                add(low + per * t, cnt)
+                load = low + per * t
+                if load in count:
+                    count[load] += cnt
+                else:
+                    count[load] = cnt
+                    push(heap, load)
                 q -= per * cnt
                 continue
             a, r = divmod(q, cnt)
-            if r:
-                add(low + (a + 1) * t, r)
-            if cnt - r:
-                add(low + a * t, cnt - r)
+            for load, c in ((low + (a + 1) * t, r), (low + a * t, cnt - r)):
+                if c:
+                    if load in count:
+                        count[load] += c
+                    else:
+                        count[load] = c
+                        push(heap, load)
             q = 0
     return max(count)

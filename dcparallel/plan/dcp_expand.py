@@ -251,37 +251,40 @@ def refine(ph: Phase, gs: np.ndarray) -> None:
     group is within 0.1% of the degree's mean load or no pair can improve."""
     if len(gs) < 2:
         return
-    idx = np.flatnonzero((ph.grp >= gs[0]) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
-    row_of = np.full(len(ph.sizes), -1)
-    row_of[gs] = np.arange(len(gs))
-    rows = row_of[ph.grp[idx]]
+    num, g0 = len(gs), int(gs[0])
+    idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
+    rows = ph.grp[idx] - g0
     o = np.argsort(rows, kind="stable")
     rows, idx = rows[o], idx[o]
-    counts = np.bincount(rows, minlength=len(gs))
+    counts = np.bincount(rows, minlength=num)
     slot = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
     # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty); one spare column
-    slots = np.full((len(gs), int(counts.max(initial=0)) + 1), -1)
+    slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
     slots[rows, slot] = idx
-    tt = np.append(ph.t, 0.0)  # tt[-1] = 0: an empty slot
-    loads = np.bincount(rows, weights=ph.t[idx], minlength=len(gs))
-    mean = float(loads.mean())
+    tt = np.append(ph.t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
+    ta_of = np.append(ph.t, -np.inf)  # ... and one of the heavier group gives nothing
+    loads = np.bincount(rows, weights=ph.t[idx], minlength=num)
+    limit = float(loads.mean()) * BALANCED
     changed = False
     for _ in range(REFINE_ROUNDS):
         order = np.argsort(-loads, kind="stable")
-        heavy = int(np.count_nonzero(loads > mean * BALANCED))
-        n = min(heavy, len(gs) // 2, REFINE_PAIRS)
+        n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
         if n == 0:
             break
-        a, z = order[:n], order[::-1][:n]
-        diff = loads[a] - loads[z]
-        sa, sz = slots[a], slots[z]  # the empty slots of sz are moves instead of swaps
-        ta = np.where(sa >= 0, tt[sa], np.nan)
-        gain = ta[:, :, None] - tt[sz][:, None, :]
+        a, z = order[:n], order[:-n - 1:-1]
+        la = loads[a]
+        diff = la - loads[z]
+        sz = slots[z]
+        gain = ta_of[slots[a]][:, :, None] - tt[sz][:, None, :]
         d = diff[:, None, None]
-        score = np.where((gain > 0) & (gain < d) & (diff > loads[a] * MIN_GAIN)[:, None, None],
-                         np.abs(gain - d / 2), np.inf).reshape(n, -1)
+        score = np.abs(gain - d / 2)
+        bad = gain <= 0
+        bad |= gain >= d
+        score[bad] = np.inf
+        score[~(diff > la * MIN_GAIN)] = np.inf
+        score = score.reshape(n, -1)
         best = np.argmin(score, axis=1)
-        ok = np.isfinite(score[np.arange(n), best])
+        ok = score[np.arange(n), best] < np.inf
         if not ok.any():
             break
         a, z, best = a[ok], z[ok], best[ok]
