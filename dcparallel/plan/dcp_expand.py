@@ -201,7 +201,10 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         return False
     moved = False
     loads = ph.loads()
-    span = {k: (ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds}  # consecutive
+    ranges = [(ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds]  # consecutive
+    kinds_arr = np.asarray(kinds)
+    # each micro-batch re-laid-out at every degree: its time there (inf where it does not fit)
+    t_at = np.stack([p.ttab_arr[k][ph.bucket, ph.m] for k in kinds]) * ph.mw
     # each group's micro-batches: its range of the sort by group, less those moved off,
     # plus those moved in
     by_group = np.argsort(ph.grp, kind="stable")
@@ -215,31 +218,26 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         back = [x for x in moved_in.get(a, ()) if ph.grp[x] == a]
         if back:
             src = np.sort(np.concatenate((src, np.asarray(back, dtype=src.dtype))))
-        jj, mm, ts = ph.bucket[src], ph.m[src], ph.t[src]
-        best = None
-        for k in kinds:
-            if k == ph.sizes[a]:
-                continue
-            g0, g1 = span[k]
-            z = g0 + int(np.argmin(loads[g0:g1]))
-            if loads[z] >= top:
-                continue
-            t_new = p.ttab_arr[k][jj, mm] * ph.mw[src]  # inf where the micro-batch does not fit at k
-            new = np.maximum(top - ts, loads[z] + t_new)
-            new = np.where(new < top * (1 - MIN_GAIN), new, np.inf)
-            i = int(np.argmin(new))
-            if np.isfinite(new[i]) and (best is None or new[i] < best[0]):
-                best = (float(new[i]), i, z, k, float(t_new[i]))
-        if best is None:
+        # to the least-loaded group of each other degree that is below the slowest
+        zs = [g0 + int(np.argmin(loads[g0:g1])) for g0, g1 in ranges]
+        lz = loads[zs]
+        shut = (kinds_arr == ph.sizes[a]) | (lz >= top)
+        if shut.all():
+            return moved
+        t_new = t_at[:, src]
+        new = np.maximum(top - ph.t[src], lz[:, None] + t_new)
+        new[shut] = np.inf
+        new[new >= top * (1 - MIN_GAIN)] = np.inf
+        kk, i = divmod(int(np.argmin(new)), len(src))  # the least new span; ties: narrower degree, earlier
+        if not np.isfinite(new[kk, i]):
             return moved
         moved = True
-        _, i, z, k, t_new = best
-        x = src[i]
+        x, z, t = src[i], zs[kk], float(t_new[kk, i])
         loads[a] -= ph.t[x]
-        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
-        ph.grp[x], ph.t[x], ph.lay[x] = z, t_new, len(ph.layouts) - 1
+        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
+        ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         moved_in.setdefault(z, []).append(int(x))
-        loads[z] += t_new
+        loads[z] += t
     return moved
 
 
