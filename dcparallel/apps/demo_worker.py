@@ -184,7 +184,7 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
         losses.append(dc.sync_gradients())
         opt.step()
         steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
-                          "sp": sorted({g.sp for g in step.plan.groups if g.micro_batches})})
+                          "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
     wall = time.perf_counter() - start
     logs = comm.all_gather_object(steps_log)

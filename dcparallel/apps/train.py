@@ -296,7 +296,7 @@ def _run(cfg: Config, lengths: list[int], faults: list[Fault]) -> int:
                           "planned_compute_s": replay_step(step.plan, loader.context).compute_time,
                           "measured_peak_memory_bytes":
                               torch.cuda.max_memory_allocated(launch.device) if cuda else None,
-                          "sp_degrees": sorted({g.sp for g in step.plan.groups if g.micro_batches}),
+                          "sp_degrees": step.plan.busy_sizes(),
                           "policy": t.policy, "world_size": world, "sample_ids": sorted(step.plan.sample_ids)}
                 if metrics is not None:
                     metrics.write(json.dumps(record) + "\n")

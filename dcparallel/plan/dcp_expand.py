@@ -155,29 +155,62 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
     return phases, predicted
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: tuple[int, ...]) -> StepPlan:
+def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks, each
     running its micro-batches shortest first (`ids`: the step's sample ids in the order the
-    micro-batches' `start` positions refer to)."""
-    groups: list[GroupPlan] = []
-    for phase, ph in enumerate(phases):
-        tiles = memo(p._tiles, tuple(ph.sizes), partial(p.ctx.topology.tile, ph.sizes), TILE_CACHE_LIMIT)
+    micro-batches' `start` positions refer to). The groups stay arrays (`PhaseGroups`) until
+    read."""
+    out = []
+    for ph in phases:
+        memo(p._tiles, tuple(ph.sizes), partial(p.ctx.topology.tile, ph.sizes), TILE_CACHE_LIMIT)  # validates
         order = run_order(ph)
-        ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right").tolist()
-        mbs = micro_batches([(ids[a:a + m], ph.layouts[li]) for a, m, li in
-                             zip(ph.start[order].tolist(), ph.m[order].tolist(), ph.lay[order].tolist())])
-        lo = 0
-        for r, hi in zip(tiles, ends):
-            groups.append(GroupPlan(r, tuple(mbs[lo:hi]), phase))
-            lo = hi
-        if len(tiles) > len(ends):  # ranks no group covers: idle groups of one rank, alike across steps
-            groups.extend(memo(p._idle, (phase, len(ends), len(tiles)),
-                               partial(idle_groups, tiles[len(ends):], phase), TILE_CACHE_LIMIT))
-    return StepPlan(step.index, step.sample_ids, tuple(groups), num_tokens)
+        ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
+        out.append((tuple(ph.sizes), ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
+    return StepPlan(step.index, step.sample_ids, PhaseGroups(p.world, ids, tuple(out)), num_tokens)
 
 
-def idle_groups(ranks: list[tuple[int, ...]], phase: int) -> list[GroupPlan]:
-    return [GroupPlan(r, (), phase) for r in ranks]
+@dataclass(frozen=True)
+class PhaseGroups:
+    """A `dcp` step's groups as arrays (a `plan.types.GroupSource`): per phase, its group sizes
+    (widest first, placed as aligned blocks from rank 0 on; ranks past them are idle groups of
+    one rank), each group's end among the phase's micro-batches, and the micro-batches in run
+    order: first position in `ids` (the step's sample ids as sorted for planning), samples,
+    layout (an index into the phase's layouts)."""
+
+    world: int
+    ids: np.ndarray
+    phases: tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[Layout, ...]], ...]
+
+    def build(self) -> tuple[GroupPlan, ...]:
+        ids = self.ids.tolist()
+        groups: list[GroupPlan] = []
+        for phase, (sizes, ends, start, m, lay, layouts) in enumerate(self.phases):
+            mbs = micro_batches([(tuple(ids[a:a + n]), layouts[li])
+                                 for a, n, li in zip(start.tolist(), m.tolist(), lay.tolist())])
+            lo = pos = 0
+            for k, hi in zip(sizes, ends.tolist()):
+                groups.append(GroupPlan(tuple(range(pos, pos + k)), tuple(mbs[lo:hi]), phase))
+                lo, pos = hi, pos + k
+            groups.extend(GroupPlan((r,), (), phase) for r in range(pos, self.world))
+        return tuple(groups)
+
+    def of_rank(self, rank: int) -> tuple[GroupPlan, ...]:
+        out = []
+        for phase, (sizes, ends, start, m, lay, layouts) in enumerate(self.phases):
+            tops = np.cumsum(sizes)
+            g = int(np.searchsorted(tops, rank, side="right"))
+            if g == len(sizes):
+                out.append(GroupPlan((rank,), (), phase))
+                continue
+            lo, hi = (int(ends[g - 1]) if g else 0), int(ends[g])
+            mbs = micro_batches([(tuple(self.ids[a:a + n].tolist()), layouts[li]) for a, n, li in
+                                 zip(start[lo:hi].tolist(), m[lo:hi].tolist(), lay[lo:hi].tolist())])
+            pos = int(tops[g]) - sizes[g]
+            out.append(GroupPlan(tuple(range(pos, pos + sizes[g])), tuple(mbs), phase))
+        return tuple(out)
+
+    def busy_sizes(self) -> set[int]:
+        return {k for sizes, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
 
 
 def run_order(ph: Phase) -> np.ndarray:

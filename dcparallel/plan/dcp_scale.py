@@ -116,7 +116,6 @@ class ScalePlanner:
         self._deals: dict[tuple, list] = {}
         self._sigs: dict[tuple, int] = {}
         self._tiles: dict[tuple, list] = {}
-        self._idle: dict[tuple, list] = {}
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -369,5 +368,5 @@ class ScalePlanner:
             got = expand(self, parts, ss)
             if best is None or got[1] < best[1] * (1 - REL_TOL):
                 best = got
-        return build_plan(self, step, best[0], int(self.tok[ids].sum()), tuple(ids_sorted.tolist())), best[1], one[3]
+        return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 from dcparallel.spec import Layout
 
@@ -86,7 +86,18 @@ class GroupPlan:
                 "micro_batches": [m.to_json() for m in self.micro_batches]}
 
 
-@dataclass(frozen=True, slots=True)
+class GroupSource(Protocol):
+    """A step's groups held compactly (arrays) by the planner that made them: `StepPlan`
+    builds the `GroupPlan` objects from it on demand (all of them for `groups`; one rank's
+    for `groups_of`), so that no rank builds the objects of every other rank's work."""
+
+    def build(self) -> tuple[GroupPlan, ...]: ...
+
+    def of_rank(self, rank: int) -> tuple[GroupPlan, ...]: ...
+
+    def busy_sizes(self) -> set[int]: ...
+
+
 class StepPlan:
     """One optimizer step: its samples, its groups, and its token count.
 
@@ -96,12 +107,45 @@ class StepPlan:
     more let a step run a long sample on a wide group and its short samples on narrow ones,
     on the same ranks (narrow after wide, or narrow sub-groups of a wide group's block before
     it). `groups` are listed in phase order. The exact loss normalizer
-    (targets that are not ignored) is counted at run time."""
+    (targets that are not ignored) is counted at run time.
 
-    index: int
-    sample_ids: tuple[int, ...]
-    groups: tuple[GroupPlan, ...]
-    num_tokens: int
+    `groups` may be given as a `GroupSource`: the objects are then built when first read,
+    and `groups_of(rank)` (what a training rank reads) builds only that rank's. A plan is
+    immutable; two plans are equal when their fields are."""
+
+    __slots__ = ("index", "sample_ids", "num_tokens", "_groups", "_source")
+
+    def __init__(self, index: int, sample_ids: tuple[int, ...], groups: tuple[GroupPlan, ...] | GroupSource,
+                 num_tokens: int):
+        source = groups if hasattr(groups, "of_rank") else None
+        for name, value in (("index", index), ("sample_ids", sample_ids), ("num_tokens", num_tokens),
+                            ("_groups", tuple(groups) if source is None else None), ("_source", source)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a StepPlan is immutable (tried to set {name!r})")
+
+    @property
+    def groups(self) -> tuple[GroupPlan, ...]:
+        if self._groups is None:
+            object.__setattr__(self, "_groups", self._source.build())
+        return self._groups
+
+    def _key(self) -> tuple:
+        return self.index, self.sample_ids, self.groups, self.num_tokens
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepPlan) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(index={self.index!r}, sample_ids={self.sample_ids!r}, groups={self.groups!r}, "
+                f"num_tokens={self.num_tokens!r})")
+
+    def __reduce__(self):
+        return StepPlan, (self.index, self.sample_ids, self._source or self._groups, self.num_tokens)
 
     @property
     def num_phases(self) -> int:
@@ -109,10 +153,19 @@ class StepPlan:
 
     def groups_of(self, rank: int) -> tuple[GroupPlan, ...]:
         """The rank's group in each phase, in phase order."""
-        out = tuple(g for g in self.groups if rank in g.ranks)
+        if self._groups is None:
+            out = self._source.of_rank(rank)
+        else:
+            out = tuple(g for g in self._groups if rank in g.ranks)
         if not out:
             raise ValueError(f"rank {rank} is in no group of step {self.index}")
         return out
+
+    def busy_sizes(self) -> list[int]:
+        """The SP degrees of the groups that run micro-batches, ascending."""
+        if self._groups is None:
+            return sorted(self._source.busy_sizes())
+        return sorted({g.sp for g in self._groups if g.micro_batches})
 
     def work_of(self, rank: int) -> tuple[tuple[MicroBatch, tuple[int, ...]], ...]:
         """The micro-batches the rank runs, in order, each with its group's ranks."""

@@ -32,7 +32,7 @@ def train(out_dir, name, model, dataset, lengths, epochs, **budget):
                     ctx.backward(dc.loss_fn(model, batch, ctx))
             losses.append(dc.sync_gradients())
             opt.step()
-            sp |= {g.sp for g in step.plan.groups if g.micro_batches}
+            sp |= set(step.plan.busy_sizes())
     return {"model": name, "losses": losses, "sp": sorted(sp), "world": dc.world_size,
             "profiled": len(dc.profile.entries), "rank": dc.rank}
 

@@ -308,6 +308,42 @@ def test_micro_batches_builds_the_same_frozen_objects():
         got[0].sample_ids = (5,)
 
 
+def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
+    """`dcp` hands its groups as arrays (`PhaseGroups`); a training rank builds only its own
+    (`StepPlan.groups_of`). On plans the planner makes (one and two phases, idle ranks),
+    every rank's groups built alone equal its groups in the fully built plan, in phase order,
+    and a plan sent to another process (pickled) is the same plan."""
+    import pickle
+
+    from dcparallel.plan.dcp_expand import PhaseGroups
+
+    seen_phases, seen_idle = set(), 0
+    for world, budget, scenario, dist in [(128, "weak", "text", "short"), (256, "weak", "video", "long"),
+                                          (512, "strong", "text", "balanced")]:
+        sc = SCENARIOS[scenario]
+        cl = sc.cluster(world)
+        tps = sc.tokens_per_step * (world // 32 if budget == "weak" else 1)
+        w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
+        ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+        p = ScalePlanner(ctx, step_seconds(ctx))
+        for s in form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]:
+            plan = p._plan(s)[0]
+            assert isinstance(plan._source, PhaseGroups)
+            alone = [plan.groups_of(r) for r in range(world)]
+            assert plan._groups is None, "building one rank's groups builds no other"
+            sent = pickle.loads(pickle.dumps(plan))
+            assert sent._groups is None, "a plan is sent as arrays"
+            for r in range(world):
+                assert alone[r] == tuple(g for g in plan.groups if r in g.ranks)
+                assert sent.groups_of(r) == alone[r]
+            assert sent == plan and hash(sent) == hash(plan)
+            assert plan.busy_sizes() == sorted({g.sp for g in plan.groups if g.micro_batches})
+            plan.validate(world)
+            seen_phases.add(plan.num_phases)
+            seen_idle += sum(1 for g in plan.groups if not g.micro_batches)
+    assert seen_phases == {1, 2} and seen_idle > 0
+
+
 def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
     """`dcp` pauses the cycle collector while it plans (its plans allocate hundreds of
     thousands of objects at scale); that is safe only because planning makes no reference
