@@ -144,10 +144,11 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
                    [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
+        settled = {k for k in gclasses if refine(ph, of_k[k])}
+        for k in spill(p, ph):
+            settled.discard(k)
         for k in gclasses:
-            refine(ph, of_k[k])
-        if spill(p, ph):
-            for k in gclasses:
+            if k not in settled:  # refining a settled degree again would change nothing
                 refine(ph, of_k[k])
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
@@ -224,15 +225,15 @@ def run_order(ph: Phase) -> np.ndarray:
     return np.lexsort((ph.start, ph.t, ph.grp))
 
 
-def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
+def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
     degree's recompute for copies of the bucket's largest sample), while the slowest
-    group's load falls."""
+    group's load falls. Returns the degrees whose groups it changed."""
     kinds = sorted(set(ph.sizes))
+    touched: set[int] = set()
     if len(kinds) < 2:
-        return False
-    moved = False
+        return touched
     loads = ph.loads()
     ranges = [(ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds]  # consecutive
     kinds_arr = np.asarray(kinds)
@@ -256,32 +257,33 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> bool:
         lz = loads[zs]
         shut = (kinds_arr == ph.sizes[a]) | (lz >= top)
         if shut.all():
-            return moved
+            return touched
         t_new = t_at[:, src]
         new = np.maximum(top - ph.t[src], lz[:, None] + t_new)
         new[shut] = np.inf
         new[new >= top * (1 - MIN_GAIN)] = np.inf
         kk, i = divmod(int(np.argmin(new)), len(src))  # the least new span; ties: narrower degree, earlier
         if not np.isfinite(new[kk, i]):
-            return moved
-        moved = True
+            return touched
+        touched |= {ph.sizes[a], kinds[kk]}
         x, z, t = src[i], zs[kk], float(t_new[kk, i])
         loads[a] -= ph.t[x]
         ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         moved_in.setdefault(z, []).append(int(x))
         loads[z] += t
-    return moved
+    return touched
 
 
-def refine(ph: Phase, gs: np.ndarray) -> None:
+def refine(ph: Phase, gs: np.ndarray) -> bool:
     """Local search within one SP degree (groups `gs`), with each micro-batch timed from its
     own samples: in rounds, the degree's most loaded groups are paired with its least loaded
     ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
     load falls as close to their mean as a single move or swap allows; until the most loaded
-    group is within 0.1% of the degree's mean load or no pair can improve."""
+    group is within 0.1% of the degree's mean load or no pair can improve. Returns whether it
+    stopped so (settled) rather than after its last round."""
     if len(gs) < 2:
-        return
+        return True
     num, g0 = len(gs), int(gs[0])
     idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
     rows = ph.grp[idx] - g0
@@ -296,11 +298,12 @@ def refine(ph: Phase, gs: np.ndarray) -> None:
     ta_of = np.append(ph.t, -np.inf)  # ... and one of the heavier group gives nothing
     loads = np.bincount(rows, weights=ph.t[idx], minlength=num)
     limit = float(loads.mean()) * BALANCED
-    changed = False
+    changed = settled = False
     for _ in range(REFINE_ROUNDS):
         order = np.argsort(-loads, kind="stable")
         n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
         if n == 0:
+            settled = True
             break
         a, z = order[:n], order[:-n - 1:-1]
         la = loads[a]
@@ -308,15 +311,16 @@ def refine(ph: Phase, gs: np.ndarray) -> None:
         sz = slots[z]
         gain = ta_of[slots[a]][:, :, None] - tt[sz][:, None, :]
         d = diff[:, None, None]
-        score = np.abs(gain - d / 2)
-        bad = gain <= 0
-        bad |= gain >= d
-        score[bad] = np.inf
+        ok = gain > 0
+        ok &= gain < d
+        gain -= d / 2
+        score = np.where(ok, np.abs(gain, out=gain), np.inf)  # how far the pair's loads stay apart
         score[~(diff > la * MIN_GAIN)] = np.inf
         score = score.reshape(n, -1)
         best = np.argmin(score, axis=1)
         ok = score[np.arange(n), best] < np.inf
         if not ok.any():
+            settled = True
             break
         a, z, best = a[ok], z[ok], best[ok]
         i, jz = np.divmod(best, sz.shape[1])
@@ -332,3 +336,4 @@ def refine(ph: Phase, gs: np.ndarray) -> None:
     if changed:
         r, c = np.nonzero(slots >= 0)
         ph.grp[slots[r, c]] = gs[r]
+    return settled
