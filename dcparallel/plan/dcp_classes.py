@@ -5,8 +5,8 @@ classes."""
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple, Sequence
@@ -93,34 +93,34 @@ def _merge(classes: list[GroupClass]) -> list[GroupClass]:
 
 def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
     """The makespan `deal_classes` reaches, tracking loads only (no contents): the distinct
-    loads on a heap, with how many groups carry each. (The planner's innermost loop: written
-    out, without helper calls.)"""
-    count: dict[float, int] = {0.0: n}
-    heap = [0.0]
-    pop, push, ceil = heapq.heappop, heapq.heappush, math.ceil
+    loads in ascending order, with how many groups carry each. (The planner's innermost
+    loop: written out, without helper calls.)"""
+    loads, counts = [0.0], [n]
+    ceil = math.ceil
     for _, t, q in sorted(items, key=_longest_first):
         while q > 0:
-            low = pop(heap)
-            cnt = count.pop(low)
-            per = ceil((heap[0] - low) / t - ROUND_EPS) if heap else 1
+            low, cnt = loads.pop(0), counts.pop(0)
+            per = ceil((loads[0] - low) / t - ROUND_EPS) if loads else 1
             if per < 1:
                 per = 1
             if per * cnt <= q:
                 load = low + per * t
-                if load in count:
-                    count[load] += cnt
+                i = bisect_left(loads, load)
+                if i < len(loads) and loads[i] == load:
+                    counts[i] += cnt
                 else:
-                    count[load] = cnt
-                    push(heap, load)
+                    loads.insert(i, load)
+                    counts.insert(i, cnt)
                 q -= per * cnt
                 continue
             a, r = divmod(q, cnt)
             for load, c in ((low + (a + 1) * t, r), (low + a * t, cnt - r)):
                 if c:
-                    if load in count:
-                        count[load] += c
+                    i = bisect_left(loads, load)
+                    if i < len(loads) and loads[i] == load:
+                        counts[i] += c
                     else:
-                        count[load] = c
-                        push(heap, load)
+                        loads.insert(i, load)
+                        counts.insert(i, c)
             q = 0
-    return max(count)
+    return loads[-1]
