@@ -129,6 +129,11 @@ class ScalePlanner:
         self._spa = np.asarray(self.sp)
         self._pow2 = np.array(mbs_candidates(MAX_MBS))
         self.weight = sample_weights(self)
+        #: every sample in planning order (by class, then longest first, then id) and each
+        #: sample's position in it: a step's samples are sorted by sorting their positions
+        self._order = np.lexsort((np.arange(len(self.tok)), -self.tok, self.bidx))
+        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2 ** 31 else np.int64)
+        self._rank[self._order] = np.arange(len(self.tok))
         #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
         #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
         self.fine = None
@@ -289,23 +294,18 @@ class ScalePlanner:
         return plan
 
     def _sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The step's ids by planning class, then longest first, then id, and their classes:
-        one sort of packed integer keys where (class, length, id) fit in 63 bits, else a
-        lexicographic sort."""
-        b = self.bidx[ids]
-        assert (b >= 0).all(), "a step holds a skipped sample"
-        tmax, imax = int(self.tok.max(initial=0)) + 1, len(self.tok)
-        if len(self.buckets) * tmax * imax < 2 ** 63:
-            key = (b * tmax + (tmax - 1 - self.tok[ids])) * imax + ids
-            key.sort()
-            return key % imax, key // (tmax * imax)
-        order = np.lexsort((ids, -self.tok[ids], b))
-        return ids[order], b[order]
+        """The step's ids by planning class, then longest first, then id, and their classes."""
+        r = self._rank[ids]
+        r.sort()
+        out = self._order[r]
+        b = self.bidx[out]
+        assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first
+        return out, b
 
     def _plan(self, step: Step) -> tuple[StepPlan, float, float]:
         """The class-level plan of the step, its predicted compute time and the step's
         compute bound at class level."""
-        ids = np.asarray(step.sample_ids, dtype=np.int64)
+        ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
         ids_sorted, b = self._sort(ids)  # by bucket, then longest first, then id
         n = len(ids_sorted)
         starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
