@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
-from dcparallel.plan.dcp_setup import SEARCH_COARSE, memo
+from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
 from dcparallel.plan.types import ROUND_EPS
 
 if TYPE_CHECKING:
@@ -37,31 +37,55 @@ def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
-    return memo(p._rows, (j, c), lambda: _rows(p, j, c))
+    return rows_many(p, [(j, c)])[0]
 
 
-def _rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
-    x = np.union1d(p._pow2, -(-c // (1 << np.arange(c.bit_length()))))  # sorted; includes c
-    cap = np.minimum(p._tops[:, j], c)
-    kp = np.flatnonzero(cap > 0)
-    ms = np.minimum(cap[kp, None], x[None, :])  # rows sorted, so repeats are adjacent
+def rows_many(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
+    """`rows` of every (bucket, count) pair; those not cached are built together, in a few
+    array operations."""
+    out = [p._rows.get(x) for x in pairs]
+    todo = sorted({x for x, r in zip(pairs, out) if r is None})
+    if todo:
+        if len(p._rows) + len(todo) > ROW_CACHE_LIMIT:
+            p._rows.clear()
+        for x, r in zip(todo, _rows(p, todo)):
+            p._rows[x] = r
+        out = [p._rows[x] for x in pairs]
+    return out
+
+
+def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
+    js = np.array([j for j, _ in pairs])
+    cs = np.array([c for _, c in pairs])
+    # micro-batch sizes per pair: the powers of two, and c / 2^i rounded up
+    bits = int(cs.max()).bit_length()
+    splits = -(-cs[:, None] // (1 << np.arange(bits))[None, :])
+    x = np.sort(np.concatenate([np.broadcast_to(p._pow2, (len(pairs), len(p._pow2))), splits], axis=1), axis=1)
+    # per pair and degree that fits: sizes capped at the most that fit, repeats dropped
+    cap = np.minimum(p._tops[:, js].T, cs[:, None])  # [pair, degree index]
+    pr, kp = np.nonzero(cap > 0)
+    ms = np.minimum(cap[pr, kp][:, None], x[pr])  # sorted along each row, so repeats are adjacent
     keep = np.ones(ms.shape, dtype=bool)
     keep[:, 1:] = ms[:, 1:] != ms[:, :-1]
-    kp = np.broadcast_to(kp[:, None], ms.shape)[keep]
-    ms = ms[keep]
+    pr, kp = np.broadcast_to(pr[:, None], ms.shape)[keep], np.broadcast_to(kp[:, None], ms.shape)[keep]
+    ms, c, j = ms[keep], cs[pr], js[pr]
     full, rem = np.divmod(c, ms)
     t, tr = p._ttab3[kp, j, ms], p._ttab3[kp, j, rem]
     total = full * t + tr
     k = p._spa[kp]
-    out = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
-    return out[np.lexsort((ms, k, out[:, 0]))]
+    a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
+    o = np.lexsort((ms, k, a[:, 0], pr))
+    a, pr = a[o], pr[o]
+    out = np.split(a, np.flatnonzero(np.diff(pr)) + 1)
+    assert len(out) == len(pairs), "every bucket fits at its widest degree"
+    return out
 
 
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
     step's distinct times; and per bucket its class-level bound terms (`bound`)."""
-    arrs = [rows(p, j, c) for j, c in zip(present, counts)]
+    arrs = rows_many(p, list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)

@@ -15,7 +15,7 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_expand import Phase, deal_orders, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
-from dcparallel.plan.dcp_search import fits, part_bound, rows_at, search, table
+from dcparallel.plan.dcp_search import fits, part_bound, rows_at, rows_many, search, table
 from dcparallel.plan.dcp_setup import SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import ROUND_EPS, MicroBatch, micro_batches
@@ -100,6 +100,30 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
                 assert rows_at(tab, first[pfirst[x]:pfirst[x] + len(part), j]) == [
                     (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref]
                 assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, T)
+
+
+def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
+    """`rows_many` builds the candidate rows of every (bucket, count) of a step in one batch:
+    per degree where the bucket fits, micro-batch sizes from the powers of two and c / 2^i
+    rounded up, capped at the most that fit and at c, each once; least GPU-seconds first."""
+    p, steps = _planner(256, False, 3000, 1)
+    present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
+    pairs = [(int(j), int(c)) for j, c in zip(present, counts)] + [(int(present[0]), 1), (int(present[-1]), 777)]
+    p._rows.clear()
+    got = rows_many(p, pairs)
+    for (j, c), r in zip(pairs, got):
+        want = []
+        for k in p.sp:
+            top = min(p.top[(j, k)], c)
+            splits = [-(-c // (1 << i)) for i in range(c.bit_length())]
+            sizes = {min(top, m) for m in [1 << i for i in range(12)] + splits}
+            for m in sorted(sizes) if top > 0 else ():
+                full, rem = divmod(c, m)
+                t, tr = p.ttab[(j, k)][m], p.ttab[(j, k)][rem]
+                total = full * t + tr
+                want.append((total * k, k, m, t, full, tr, rem, total))
+        want.sort(key=lambda row: (row[0], row[1], row[2]))
+        assert r.tolist() == [list(map(float, row)) for row in want], (j, c)
 
 
 def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) -> list[tuple]:
