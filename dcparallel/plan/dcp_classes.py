@@ -6,9 +6,8 @@ classes."""
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import NamedTuple, Sequence
 
 from dcparallel.plan.types import ROUND_EPS
@@ -37,49 +36,59 @@ class ItemClass(NamedTuple):
 def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
     """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
     `n` alike groups; each group class takes items while its load is below the next lowest
-    class's load. Returns the group classes (counts sum to n)."""
+    class's load. Returns the group classes (counts sum to n).
+
+    The classes are kept in ascending load, a class that took items placed before the others
+    of its new load and a class split off after them (as a stable sort of the list with the
+    changed class first and the new one last would place them)."""
     classes = [GroupClass(0.0, n, {})]
+    loads = [0.0]
+    ceil = math.ceil
     for ic, t, q in sorted(items, key=_longest_first):
         while q > 0:
-            classes.sort(key=_load)
-            c = classes[0]
-            nxt = classes[1].load if len(classes) > 1 else math.inf
-            per = 1 if nxt == math.inf else max(1, math.ceil((nxt - c.load) / t - ROUND_EPS))
+            c = classes.pop(0)
+            low = loads.pop(0)
+            per = ceil((loads[0] - low) / t - ROUND_EPS) if loads else 1
+            if per < 1:
+                per = 1
+            more = None
             if per * c.count <= q:
                 c.load += per * t
                 c.items[ic] = c.items.get(ic, 0) + per
                 q -= per * c.count
-                continue
-            a, r = divmod(q, c.count)
-            if r:
-                more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
-                more.items[ic] = more.items.get(ic, 0) + a + 1
-                classes.append(more)
-                c.count -= r
-            if a:
-                c.load += a * t
-                c.items[ic] = c.items.get(ic, 0) + a
-            q = 0
+            else:
+                a, r = divmod(q, c.count)
+                if r:
+                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
+                    more.items[ic] = more.items.get(ic, 0) + a + 1
+                    c.count -= r
+                if a:
+                    c.load += a * t
+                    c.items[ic] = c.items.get(ic, 0) + a
+                q = 0
+            i = bisect_left(loads, c.load)
+            classes.insert(i, c)
+            loads.insert(i, c.load)
+            if more is not None:
+                i = bisect_right(loads, more.load)
+                classes.insert(i, more)
+                loads.insert(i, more.load)
         if len(classes) > 8:
-            classes = _merge(classes)
-    classes = _merge(classes)
-    return [c for c in classes if c.count > 0]
+            classes, loads = _merge(classes, loads)
+    return [c for c in _merge(classes, loads)[0] if c.count > 0]
 
 
 def _longest_first(item: tuple[int, float, int]) -> tuple[float, int]:
     return -item[1], item[0]
 
 
-_load = attrgetter("load")
-
-
-def _merge(classes: list[GroupClass]) -> list[GroupClass]:
-    """Alike group classes (same load, same contents) as one, in first-seen order. Only
-    classes of equal load can be alike, so the contents are compared only then. A class's
-    contents list its item classes in the order they were dealt, which is the same for
-    every class, so equal contents have equal item sequences."""
-    if len({c.load for c in classes}) == len(classes):
-        return classes
+def _merge(classes: list[GroupClass], loads: list[float]) -> tuple[list[GroupClass], list[float]]:
+    """Alike group classes (same load, same contents) as one, in order (ascending load, first
+    seen first). Only classes of equal load can be alike, so the contents are compared only
+    then. A class's contents list its item classes in the order they were dealt, which is the
+    same for every class, so equal contents have equal item sequences."""
+    if all(x < y for x, y in zip(loads, loads[1:])):
+        return classes, loads
     out: dict[tuple, GroupClass] = {}
     for c in classes:
         key = (c.load, tuple(c.items.items()))
@@ -88,7 +97,8 @@ def _merge(classes: list[GroupClass]) -> list[GroupClass]:
             out[key] = c
         else:
             hit.count += c.count
-    return list(out.values())
+    merged = list(out.values())
+    return merged, [c.load for c in merged]
 
 
 def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
