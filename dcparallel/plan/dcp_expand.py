@@ -237,28 +237,29 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
     loads = ph.loads()
     ranges = [(ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds]  # consecutive
     kinds_arr = np.asarray(kinds)
-    # each micro-batch re-laid-out at every degree: its time there (inf where it does not fit)
-    t_at = np.stack([p.ttab_arr[k][ph.bucket, ph.m] for k in kinds]) * ph.mw
-    # each group's micro-batches: its range of the sort by group, less those moved off,
-    # plus those moved in
-    by_group = np.argsort(ph.grp, kind="stable")
-    bounds = np.searchsorted(ph.grp[by_group], np.arange(len(ph.sizes) + 1)).tolist()
+    t_at = by_group = None  # built once a first move is made (most phases have none)
+    bounds: list[int] = []
     moved_in: dict[int, list[int]] = {}
     for _ in range(max_iter):
         a = int(np.argmax(loads))
         top = float(loads[a])
-        src = by_group[bounds[a]:bounds[a + 1]]
-        src = src[ph.grp[src] == a]
-        back = [x for x in moved_in.get(a, ()) if ph.grp[x] == a]
-        if back:
-            src = np.sort(np.concatenate((src, np.asarray(back, dtype=src.dtype))))
+        if by_group is None:
+            src = np.flatnonzero(ph.grp == a)
+        else:
+            src = by_group[bounds[a]:bounds[a + 1]]
+            src = src[ph.grp[src] == a]
+            back = [x for x in moved_in.get(a, ()) if ph.grp[x] == a]
+            if back:
+                src = np.sort(np.concatenate((src, np.asarray(back, dtype=src.dtype))))
         # to the least-loaded group of each other degree that is below the slowest
         zs = [g0 + int(np.argmin(loads[g0:g1])) for g0, g1 in ranges]
         lz = loads[zs]
         shut = (kinds_arr == ph.sizes[a]) | (lz >= top)
         if shut.all():
             return touched
-        t_new = t_at[:, src]
+        # each micro-batch re-laid-out at every degree: its time there (inf where it does not fit)
+        t_new = (np.stack([p.ttab_arr[k][ph.bucket[src], ph.m[src]] for k in kinds]) * ph.mw[src]
+                 if t_at is None else t_at[:, src])
         new = np.maximum(top - ph.t[src], lz[:, None] + t_new)
         new[shut] = np.inf
         new[new >= top * (1 - MIN_GAIN)] = np.inf
@@ -266,6 +267,12 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         if not np.isfinite(new[kk, i]):
             return touched
         touched |= {ph.sizes[a], kinds[kk]}
+        if by_group is None:
+            t_at = np.stack([p.ttab_arr[k][ph.bucket, ph.m] for k in kinds]) * ph.mw
+            # each group's micro-batches: its range of the sort by group, less those moved
+            # off, plus those moved in
+            by_group = np.argsort(ph.grp, kind="stable")
+            bounds = np.searchsorted(ph.grp[by_group], np.arange(len(ph.sizes) + 1)).tolist()
         x, z, t = src[i], zs[kk], float(t_new[kk, i])
         loads[a] -= ph.t[x]
         ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])

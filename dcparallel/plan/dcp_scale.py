@@ -237,10 +237,14 @@ class ScalePlanner:
         bnd = part_bound(tab, part, self.world)
         found: list = []
         stale = 0
+        done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
         for cands in found_by_k:  # smallest allowed degree, narrowest first
             improved = False
             for c in cands:
-                got = self._allocate(present, rows_at(tab, c.first), c.need)
+                key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
+                got = done.get(key, False)
+                if got is False:
+                    got = done[key] = self._allocate(present, rows_at(tab, c.first), c.need)
                 if got is None:
                     continue
                 if not found or got[0] < found[0][0] * (1 - REL_TOL):
