@@ -179,12 +179,12 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     # each problem's targets as times, padded with its last
     j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
     T = np.append(tab["times"], math.inf)[tall[tstart[:, None] + j]]  # [problem, j]
-    Ts = T[sprob]  # [segment, j]
+    half = T[sprob] / 2  # [segment, j]
     flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk + tab["kpos"][first]).ravel()
     size = num * ntmax * nk
     work = np.bincount(flat, weights=tab["tot"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
-    big = np.where(tab["t"][first] > Ts / 2, tab["full"][first], 0.0) + \
-        ((tab["rem"][first] > 0) & (tab["tr"][first] > Ts / 2))
+    # micro-batches longer than T / 2 (the rest's time is 0 where there is no rest)
+    big = tab["full"][first] * (tab["t"][first] > half) + (tab["tr"][first] > half)
     bigk = np.bincount(flat, weights=big.ravel(), minlength=size).reshape(num, ntmax, nk)
     items = np.bincount(flat, weights=tab["items"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
     need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T[:, :, None] - ROUND_EPS)))
