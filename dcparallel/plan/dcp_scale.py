@@ -50,7 +50,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import part_bound, rows, rows_at, search, table
+from dcparallel.plan.dcp_search import degree_bound, part_bound, rows, rows_at, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -238,8 +238,10 @@ class ScalePlanner:
         found: list = []
         stale = 0
         done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
-        for cands in found_by_k:  # smallest allowed degree, narrowest first
+        for ki, cands in enumerate(found_by_k):  # smallest allowed degree, narrowest first
             improved = False
+            if cands and self._settled(found, keep, degree_bound(tab, part, ki, self.world)):
+                cands = []  # no candidate here can enter the plans kept (nor improve the best)
             for c in cands:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
                 got = done.get(key, False)
@@ -267,6 +269,19 @@ class ScalePlanner:
             if len(out) == keep:
                 break
         return out
+
+    @staticmethod
+    def _settled(found: list, keep: int, bound: float) -> bool:
+        """Whether no plan predicted at `bound` or above can change the `keep` best distinct
+        plans of `found` (sorted): they are there, all below it."""
+        sigs = set()
+        for span, items, counts_by_k in found:
+            if span >= bound * (1 - 1e-9):
+                return False
+            sigs.add((tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items()))))
+            if len(sigs) == keep:
+                return True
+        return False
 
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():

@@ -106,6 +106,10 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
     least = np.full((len(lens), len(p.sp)), np.inf)
     np.minimum.at(least, (seg, kpos), t)
     least = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
+    # ... and its least GPU-seconds there
+    least_gpu_s = np.full((len(lens), len(p.sp)), np.inf)
+    np.minimum.at(least_gpu_s, (seg, kpos), a[:, 0])
+    least_gpu_s = np.minimum.accumulate(least_gpu_s[:, ::-1], axis=1)[:, ::-1]
     # per smallest degree, the rows some target can choose: each bucket's rows at that degree
     # or wider that are faster than every row before them (a row is chosen for T iff it is
     # the first such row with time <= T)
@@ -122,7 +126,7 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
             "times": times, "rank": rank, "least": least, "stair": stair,
-            "area": a[starts, 0].tolist(), "longest": least[:, 0].tolist()}
+            "area": a[starts, 0].tolist(), "longest": least[:, 0].tolist(), "least_gpu_s": least_gpu_s}
 
 
 def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
@@ -134,6 +138,12 @@ def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
         area += tab["area"][i]
         longest = max(longest, tab["longest"][i])
     return max(area / world, longest)
+
+
+def degree_bound(tab: dict, part: Sequence[int], ki: int, world: int) -> float:
+    """`part_bound` with every bucket at the `ki`-th degree or wider: no candidate of the
+    search at that smallest degree is predicted below it."""
+    return max(float(tab["least_gpu_s"][part, ki].sum()) / world, float(tab["least"][part, ki].max()))
 
 
 def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray]):
