@@ -10,6 +10,10 @@ planned in R rounds over all cells, each time with a fresh planner, and each ste
 least time: other jobs and slow spells of a shared machine only ever add time, and rounds
 spread each cell's tries over the whole run. A fixed workload timed before each round
 (`speed_probe`) shows how much the machine's speed moved.
+A `dcp` plan holds its groups as arrays: each rank builds the objects of its own groups only
+(`StepPlan.groups_of`, what the loader reads); the script times that for one rank, and the
+building of every rank's objects (`StepPlan.groups`, what the simulator reads), after each
+timed `plan(step)`.
 `--profile` plans the timed steps again under cProfile and splits the time into the
 class-level search (`dcp_search.table` and `dcp_search.search`: candidate rows and the
 batched passes over targets; `ScalePlanner._plan_part`: group allocation), the expansion to
@@ -84,6 +88,8 @@ def main() -> int:
                 cells.append((f"{budget} {world} {item}", ctx, steps[:-1], steps[-1]))
     cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
     wall = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
+    own = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # one rank's groups, built
+    full = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # every rank's groups, built
     probes = []
     for _ in range(args.repeats):  # rounds over all cells, so a slow spell of the machine hits each cell once
         probes.append(speed_probe())
@@ -92,9 +98,15 @@ def main() -> int:
             planner.plan(warm)  # a step not timed: builds what a running planner has built by then
             for i, s in enumerate(steps):
                 c0, w0 = time.process_time(), time.perf_counter()
-                planner.plan(s)
+                plan = planner.plan(s)
                 cpu[name][i] = min(cpu[name][i], (time.process_time() - c0) * 1e3)
                 wall[name][i] = min(wall[name][i], (time.perf_counter() - w0) * 1e3)
+                c0 = time.process_time()
+                plan.groups_of(ctx.cluster.world_size // 2)  # what the loader of one rank reads
+                own[name][i] = min(own[name][i], (time.process_time() - c0) * 1e3)
+                c0 = time.process_time()
+                _ = plan.groups  # every rank's GroupPlan objects (the simulator reads them)
+                full[name][i] = min(full[name][i], (time.process_time() - c0) * 1e3)
     probes.append(speed_probe())
     print(f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
           f"{', '.join(f'{x:.0f}' for x in probes)}", flush=True)
@@ -102,7 +114,9 @@ def main() -> int:
         n = statistics.median(len(s.sample_ids) for s in steps)
         line = (f"{name}: {len(steps)} steps, {n} samples/step; "
                 f"CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f}; "
-                f"wall ms median {statistics.median(wall[name]):.1f} max {max(wall[name]):.1f}")
+                f"wall ms median {statistics.median(wall[name]):.1f} max {max(wall[name]):.1f}; "
+                f"one rank's groups built {statistics.median(own[name]):.2f} ms, "
+                f"every rank's {statistics.median(full[name]):.1f} ms")
         if args.profile:
             planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
             planner.plan(warm)
