@@ -75,7 +75,7 @@ def main() -> int:
         return f"{r['budget']} {r['world']} {r['scenario']}/{r['distribution']}"
 
     lines = ["# Planner scale — `dcp` and the other policies from 8 to 4096 GPUs (simulated H200, planned on "
-             "this CPU) — 2026-12-01", "",
+             f"this CPU) — {args.out.stem.rsplit('_', 1)[-1]}", "",
              "Commands (each writes a JSON file; this report merges them):", ""]
     lines += [f"    {c}" for c in args.command]
     lines += ["", f"    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale_report.py {args.out} "
