@@ -257,9 +257,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         shut = (kinds_arr == ph.sizes[a]) | (lz >= top)
         if shut.all():
             return touched
-        # each micro-batch re-laid-out at every degree: its time there (inf where it does not fit)
-        t_new = (np.stack([p.ttab_arr[k][ph.bucket[src], ph.m[src]] for k in kinds]) * ph.mw[src]
-                 if t_at is None else t_at[:, src])
+        t_new = _times_at(p, ph, kinds, src) if t_at is None else t_at[:, src]
         new = np.maximum(top - ph.t[src], lz[:, None] + t_new)
         new[shut] = np.inf
         new[new >= top * (1 - MIN_GAIN)] = np.inf
@@ -268,7 +266,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
             return touched
         touched |= {ph.sizes[a], kinds[kk]}
         if by_group is None:
-            t_at = np.stack([p.ttab_arr[k][ph.bucket, ph.m] for k in kinds]) * ph.mw
+            t_at = _times_at(p, ph, kinds, slice(None))
             # each group's micro-batches: its range of the sort by group, less those moved
             # off, plus those moved in
             by_group = np.argsort(ph.grp, kind="stable")
@@ -280,6 +278,12 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         moved_in.setdefault(z, []).append(int(x))
         loads[z] += t
     return touched
+
+
+def _times_at(p: ScalePlanner, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
+    """The micro-batches `mbs` re-laid-out at every degree of `kinds`: their times there
+    ([degree, micro-batch]; inf where one does not fit)."""
+    return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
 
 
 def refine(ph: Phase, gs: np.ndarray) -> bool:

@@ -84,7 +84,8 @@ def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
-    step's distinct times; and per bucket its class-level bound terms (`bound`)."""
+    step's distinct times; and per bucket and smallest allowed degree its least time and
+    GPU-seconds (the terms of `part_bound` and `degree_bound`)."""
     arrs = rows_many(p, list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
@@ -121,12 +122,12 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
     prev[:, 1:] = run[:, :-1]
     prev[:, starts] = big
     stair = v < prev
-    return {"a": a, "k": a[:, 1], "t": t, "full": a[:, 4], "tr": a[:, 5], "rem": a[:, 6],
+    return {"a": a, "t": t, "full": a[:, 4], "tr": a[:, 5],
             "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": kpos,
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
             "times": times, "rank": rank, "least": least, "stair": stair,
-            "area": a[starts, 0].tolist(), "longest": least[:, 0].tolist(), "least_gpu_s": least_gpu_s}
+            "least_gpu_s": least_gpu_s, "area": least_gpu_s[:, 0].tolist(), "longest": least[:, 0].tolist()}
 
 
 def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
