@@ -1,7 +1,6 @@
 """How far `dcp`'s heuristic is from optimal on small steps: an exact MILP (HiGHS through
 `scipy.optimize.milp`) over the same layout space and the same class-level cost model.
 
-    .venv/bin/pip install -e ".[milp]"   # scipy
     PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py [--out FILE.md]
 
 Model (one phase, as the planner's class level sees a step): every sample of a bucket costs
@@ -159,9 +158,9 @@ def main() -> int:
     gaps = [r["gap"] for r in rows if r["gap"] is not None]
     lines = [f"# dcp heuristic vs exact MILP on small steps — {today}", "",
              f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
-             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}` (scipy from "
-             f"`pip install -e \".[milp]\"`); machine: {platform.machine()} CPU, Python "
-             f"{platform.python_version()}, scipy {scipy.__version__} (HiGHS).", "",
+             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}`; "
+             f"machine: {platform.machine()} CPU, Python {platform.python_version()}, "
+             f"scipy {scipy.__version__} (HiGHS).", "",
              "Same class-level cost model and layout space for both (see the script's docstring); one phase; "
              f"world {args.world} (8 GPUs per node); step budget = the scenario's 32-GPU budget / {args.divide}.", "",
              f"Gap (heuristic / optimum - 1) over {len(gaps)} steps: median {100 * statistics.median(gaps):.2f}%, "

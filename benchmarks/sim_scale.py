@@ -50,10 +50,11 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         steps = steps[:max_steps]
     lb = LowerBound(ctx)
     bounds = [lb.step(s) for s in steps]
+    simple = [lb.with_sync(lb.simple(s)) for s in steps]
     out = {"scenario": scenario, "distribution": dist, "world": world, "budget": budget, "tokens_per_step": tps,
            "samples": len(wl), "steps": len(steps),
            "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),
-           "lower_bound_s": round(sum(bounds), 4), "policies": {}}
+           "lower_bound_s": round(sum(bounds), 4), "simple_bound_s": round(sum(simple), 4), "policies": {}}
     for name in policies:
         if world > limits.get(name, 1 << 30):
             continue
@@ -131,11 +132,11 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
 
 
 def cell_table(results: list[dict], pols: list[str]) -> list[str]:
-    """The markdown table of every cell: per policy its efficiency (and speedup over bucket),
-    and dcp's planning ms (median / max)."""
-    lines = ["| budget | world | scenario | dist | steps | samples/GPU | "
+    """The markdown table of every cell: the lower bound over the simple bound alone, per policy
+    its efficiency (and speedup over bucket), and dcp's planning ms (median / max)."""
+    lines = ["| budget | world | scenario | dist | steps | samples/GPU | bound / simple bound | "
              + " | ".join(f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |",
-             "|" + " --- |" * (7 + len(pols))]
+             "|" + " --- |" * (8 + len(pols))]
     for r in results:
         cells = []
         for p in pols:
@@ -147,8 +148,10 @@ def cell_table(results: list[dict], pols: list[str]) -> list[str]:
                 cells.append(f"{v['efficiency']:.3f}" + (f" (×{x:.2f})" if x else ""))
         d = r["policies"].get("dcp")
         t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
+        simple = r.get("simple_bound_s")
+        ratio = "—" if simple is None else f"{r['lower_bound_s'] / simple:.3f}"
         lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
-                     f"{r['samples_per_gpu']} | " + " | ".join(cells) + f" | {t} |")
+                     f"{r['samples_per_gpu']} | {ratio} | " + " | ".join(cells) + f" | {t} |")
     return lines
 
 

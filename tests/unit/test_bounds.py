@@ -1,0 +1,87 @@
+"""The step lower bound (`plan/bounds.py`): where steps hold about one sample per GPU its midpoint
+and per-rank parts raise it above the simple bound, no plan any policy makes beats it, and its
+LP answers agree with exact solutions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.tight_bound import TightBound, build_cell, lp_exact
+from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound, lp_value
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import Step
+from dcparallel.scenarios import SCENARIOS
+from dcparallel.sim.replay import simulate, step_seconds
+
+WORLD = 16
+#: (scenario, distribution, the 32-GPU step budget divided by): 0.2-3 samples per GPU at 16 GPUs,
+#: the regime of the scale report's strong 128-512 GPU cells
+CELLS = [("text", "long", 32), ("text", "short", 32), ("video", "long", 8), ("video", "balanced", 16)]
+POLICIES = ["dcp", "bucket", "packed", "megatron-dcp", "hbp"]
+
+
+@pytest.fixture(scope="module")
+def cells():
+    rng = np.random.default_rng(0)
+    out = []
+    for scenario, dist, div in CELLS:
+        ctx, steps = build_cell(scenario, dist, WORLD, SCENARIOS[scenario].tokens_per_step // div, 4)
+        steps = steps[:3]
+        for _ in range(3):  # and a few random small steps
+            ids = rng.choice(len(ctx.sizes), size=int(rng.integers(2, 11)), replace=False)
+            steps.append(Step(len(steps), tuple(sorted(int(i) for i in ids))))
+        out.append((scenario, dist, ctx, steps))
+    return out
+
+
+def test_the_bound_rises_above_the_simple_bound_where_steps_hold_few_samples_per_gpu(cells):
+    for scenario, dist, ctx, steps in cells:
+        lb = LowerBound(ctx)
+        ratios = [lb.compute(s) / lb.simple(s) for s in steps]
+        assert min(ratios) >= 1.0 - 1e-12, (scenario, dist, ratios)
+        assert max(ratios) > 1.05, (scenario, dist, ratios)  # the midpoint (text) or per-rank (video) part
+        for s, r in zip(steps, ratios):
+            if len(s.sample_ids) > TIGHT_PER_GPU * WORLD:
+                assert r == 1.0, "above TIGHT_PER_GPU samples per GPU only the simple bound is computed"
+
+
+def test_no_policy_plans_a_step_faster_than_its_bound(cells):
+    """Every policy's plan of every step (the scenarios' steps and random small ones), simulated
+    alone, takes at least the step's bound."""
+    for scenario, dist, ctx, steps in cells:
+        lb = LowerBound(ctx)
+        for name in POLICIES:
+            planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
+            for s in steps:
+                plan = planner.plan(s)
+                plan.validate(WORLD)
+                sim = simulate([plan], ctx).total_time
+                assert sim >= lb.step(s) * (1 - 1e-9), (scenario, dist, name, s.index, sim, lb.step(s))
+
+
+def test_the_midpoint_search_equals_an_exact_scan(cells):
+    """The binary search over breakpoints with the cutting-plane dual gives what a scan of every
+    interval with an exact primal LP gives."""
+    for scenario, dist, ctx, steps in cells:
+        tb = TightBound(ctx)
+        for s in steps:
+            got, want = tb.midpoint_raw(s), tb.midpoint_raw(s, exact=True)
+            assert abs(got - want) <= 1e-9 * want, (scenario, dist, s.index, got, want)
+            assert got >= tb.tight(s) * (1 - 1e-9) and tb.tight(s) >= tb.simple(s) * (1 - 1e-12)
+
+
+def test_the_cutting_plane_dual_equals_the_exact_primal_on_random_lps():
+    rng = np.random.default_rng(1)
+    binding = 0
+    for _ in range(300):
+        u, o = int(rng.integers(1, 30)), int(rng.integers(1, 7))
+        G = rng.uniform(1, 10, (u, o)) * np.where(rng.random((u, o)) < 0.15, np.inf, 1.0)
+        G[np.arange(u), rng.integers(0, o, u)] = rng.uniform(1, 10, u)  # every row has an option
+        R = np.where(rng.random((u, o)) < 0.4, 0.0, rng.choice([1, 2, 4, 8, 0.5, 1 / 3], (u, o)))
+        cnt = rng.integers(1, 5, u).astype(float)
+        world = float(rng.uniform(0.2, 1.0) * (cnt * np.where(np.isfinite(G), R, 0).max(axis=1)).sum() + 1e-3)
+        got, want = lp_value(G, R, cnt, world), lp_exact(G, R, cnt, world)
+        assert (got == want == np.inf) or abs(got - want) <= 1e-9 * abs(want), (got, want)
+        binding += bool(np.isfinite(want)) and want > (cnt * G.min(axis=1)).sum() * (1 + 1e-9)
+    assert binding > 30  # the rank limit decides in many of them, not only the work
