@@ -329,7 +329,10 @@ def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float
     sum over shapes of n * sum_o x_o * k * u_e(tau / T) / m <= world (the per-rank bound's LP;
     `LowerBound.shape_options`). False proves that no schedule ends by T. Solved by adding
     thresholds: the LP over a few of them, then the ones its mix breaks most, until the mix
-    meets all (feasible) or a subset has no mix (infeasible: so has the whole)."""
+    meets all (feasible) or a subset has no mix (infeasible: so has the whole). Only the rows
+    of the thresholds in the LP are built; a mix is checked against all of them by prefix sums
+    over the options sorted by tau / T (memory grows with options plus thresholds, not with
+    their product)."""
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
@@ -337,23 +340,37 @@ def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float
     if any(len(u) == 0 for u in usable):
         return False
     x = np.concatenate([u[:, 2] for u in usable]) / T
+    nk = np.concatenate([n * u[:, 0] for (n, _), u in zip(opts, usable)])
+    m = np.concatenate([u[:, 1] for u in usable])
     es = np.concatenate([PER_RANK_EPS, x, 1.0 - x + 1e-9])
     es = np.unique(es[(es >= 0.0) & (es <= 0.5)])
-    w = np.concatenate([n * u[None, :, 0] * dff(u[None, :, 2] / T, es[:, None]) / u[None, :, 1]
-                        for (n, _), u in zip(opts, usable)], axis=1)  # [e, option]
     of = np.concatenate([np.full(len(u), j) for j, u in enumerate(usable)])
     eq = coo_matrix((np.ones(len(of)), (of, np.arange(len(of)))), shape=(len(usable), len(of)))
     cap = world * (1 + 1e-9)
+    srt = np.argsort(x)
+    xs = x[srt]
     active = np.flatnonzero(np.isin(es, PER_RANK_EPS))
     while True:
-        res = linprog(np.zeros(len(of)), A_ub=w[active], b_ub=np.full(len(active), cap), A_eq=eq,
+        rows = nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :]  # [e, option]
+        res = linprog(np.zeros(len(of)), A_ub=rows, b_ub=np.full(len(active), cap), A_eq=eq,
                       b_eq=np.ones(len(usable)), bounds=(0, None), method="highs")
         if res.status == 2:  # infeasible: proven
             return False
         if res.status != 0:  # the solver could not tell (numerical trouble): nothing is proven
             return True
-        over = w @ res.x - cap
+        over = threshold_sums(xs, (nk / m * res.x)[srt], es) - cap
         over[active] = -np.inf
         if over.max() <= 1e-9 * world:
             return True
         active = np.union1d(active, np.argsort(-over)[:16])
+
+
+def threshold_sums(xs: np.ndarray, a: np.ndarray, es: np.ndarray) -> np.ndarray:
+    """sum_o a_o * u_e(x_o) for every e of `es`, the x_o sorted ascending (`xs`): the options
+    above 1 - e count whole, those in [e, 1 - e] count x_o, those below e nothing; by prefix
+    sums, without the [e, option] matrix."""
+    whole = np.concatenate([[0.0], np.cumsum(a)])
+    part = np.concatenate([[0.0], np.cumsum(a * xs)])
+    lo = np.searchsorted(xs, es, side="left")  # first x >= e
+    hi = np.searchsorted(xs, 1.0 - es, side="right")  # first x > 1 - e
+    return (whole[-1] - whole[hi]) + (part[np.maximum(hi, lo)] - part[lo])

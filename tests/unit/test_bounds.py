@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.tight_bound import TightBound, build_cell, lp_exact
-from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound, lp_value
+from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound, dff, lp_value, threshold_sums
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.scenarios import SCENARIOS
@@ -85,3 +85,17 @@ def test_the_cutting_plane_dual_equals_the_exact_primal_on_random_lps():
         assert (got == want == np.inf) or abs(got - want) <= 1e-9 * abs(want), (got, want)
         binding += bool(np.isfinite(want)) and want > (cnt * G.min(axis=1)).sum() * (1 + 1e-9)
     assert binding > 30  # the rank limit decides in many of them, not only the work
+
+
+def test_threshold_sums_equal_the_dense_sums():
+    """The per-rank LP checks a mix against every threshold by prefix sums; the same sums as
+    through the [threshold, option] matrix of u_e (which at thousands of options would not fit
+    in memory)."""
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        n = int(rng.integers(1, 200))
+        x = np.sort(np.concatenate([rng.uniform(0, 1, n), rng.choice([0.25, 0.5, 0.75], 5)]))
+        a = rng.uniform(0, 3, len(x)) * (rng.random(len(x)) < 0.7)
+        es = np.unique(np.concatenate([[0.0, 0.25, 0.5], x[x <= 0.5], 1.0 - x[x >= 0.5]]))
+        dense = (a[None, :] * dff(x[None, :], es[:, None])).sum(axis=1)
+        assert np.allclose(threshold_sums(x, a, es), dense, rtol=1e-12, atol=1e-12)
