@@ -33,19 +33,22 @@ def plan_epoch(ctx: PlanContext, steps: Sequence[Step], policy: str, progress: b
     tuned = tune(policy, ctx, steps, score=step_seconds(ctx))
     planner = tuned.planner
     t1 = time.perf_counter()
-    if progress:
-        from tqdm import tqdm
-
-        steps_iter = tqdm(steps, desc=f"planning {policy}", unit="step", file=sys.stderr, leave=False)
-    else:
-        steps_iter = steps
-    plans = [planner.plan(s) for s in steps_iter]
+    plans = [planner.plan(s) for s in _bar(steps, f"planning {policy}", progress)]
     t2 = time.perf_counter()
     settings = dict(planner.describe())
     if tuned.tried:
         settings["tried_s"] = {k: round(v, 3) for k, v in tuned.tried.items()}
     return PolicyRun(policy, plans, simulate(plans, ctx), (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3 / max(1, len(steps)), settings)
+
+
+def _bar(steps: Sequence[Step], desc: str, progress: bool):
+    """The steps, through a tqdm bar on stderr with ``progress``."""
+    if not progress:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc=desc, unit="step", file=sys.stderr, leave=False)
 
 
 def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, policies: Sequence[str], *,
@@ -58,7 +61,8 @@ def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, poli
     runs = {}
     for name in policies:
         runs[name] = plan_epoch(ctx, steps, name, progress)
-    bound = LowerBound(ctx).epoch(steps)
+    lb = LowerBound(ctx)  # its LP bounds take up to seconds per step of few samples per GPU
+    bound = sum(lb.step(s) for s in _bar(steps, "lower bound", progress))
     return ctx, steps, runs, bound
 
 
