@@ -59,6 +59,7 @@ from dcparallel.plan.dcp_setup import (
     FINE_MAX_SAMPLES,
     FINE_MAX_WORLD,
     FINER_GATE,
+    FIRST_DEGREES,
     PACK_GATE,
     PACK_GATE_ONE,
     PACK_MAX_SAMPLES,
@@ -230,17 +231,22 @@ class ScalePlanner:
     def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
         bound) for these buckets (positions in the step's table) in one phase, best first, from
-        their search's candidates per smallest allowed degree (`dcp_search.search`); [] if none."""
+        their search's candidates per smallest allowed degree (`dcp_search.search`; given for
+        the first `FIRST_DEGREES`, the rest searched here if the loop gets there); [] if none."""
         if not part:
             return []
         present = [tab["present"][i] for i in part]
         bnd = part_bound(tab, part, self.world)
+        rows_of_part = np.asarray(part)
         found: list = []
         stale = 0
         done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
-        for ki, cands in enumerate(found_by_k):  # smallest allowed degree, narrowest first
+        for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
+            if ki == len(found_by_k):
+                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)))[0]
+            cands = found_by_k[ki]
             improved = False
-            if cands and self._settled(found, keep, degree_bound(tab, part, ki, self.world)):
+            if cands and self._settled(found, keep, degree_bound(tab, rows_of_part, ki, self.world)):
                 cands = []  # no candidate here can enter the plans kept (nor improve the best)
             for c in cands:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
@@ -343,7 +349,8 @@ class ScalePlanner:
         scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
         tab = table(self, present, counts, scale)
         whole = list(range(len(present)))
-        ones = self._plan_part(tab, whole, search(self, tab, [whole])[0], keep=self.expand_best)
+        first = range(min(FIRST_DEGREES, len(self.sp)))
+        ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
         one = ones[0]
         cands = [(c[0], [c]) for c in ones]
@@ -367,7 +374,7 @@ class ScalePlanner:
                     if (part_bound(tab, wide, self.world) + part_bound(tab, narrow, self.world)
                             <= min(c[0] for c in cands) * EXPAND_WITHIN):
                         splits.append((wide, narrow))
-            found = search(self, tab, [part for split in splits for part in split])
+            found = search(self, tab, [part for split in splits for part in split], first)
             for s, (wide, narrow) in enumerate(splits):
                 limit = min(c[0] for c in cands) * EXPAND_WITHIN
                 bz = part_bound(tab, narrow, self.world)

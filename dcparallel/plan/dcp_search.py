@@ -167,7 +167,9 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
         inpart[q, part] = True
     kis = [ki for _, ki in problems]
     # each problem's choosable rows (`table`'s "stair"): per bucket, times strictly falling
-    pp, rr = np.nonzero(inpart[:, tab["seg"]] & tab["stair"][kis])
+    pp, rr = tab["stair"][kis].nonzero()
+    keep = inpart[pp, tab["seg"][rr]]
+    pp, rr = pp[keep], rr[keep]
     bkt = tab["seg"][rr]
     brk = np.ones(len(rr), dtype=bool)
     brk[1:] = (pp[1:] != pp[:-1]) | (bkt[1:] != bkt[:-1])
@@ -218,25 +220,34 @@ class Candidate(NamedTuple):
     need: dict[int, int]
 
 
-def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]]) -> list[list[list[Candidate]]]:
+def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: range | None = None
+           ) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
-    degree (`p.sp`): layouts at the smallest feasible target T and at a few larger ones
-    (distinct choices only). Targets are the part's distinct micro-batch times at that degree
-    or wider, from the longest of its buckets' least times; a coarse pass over
-    `SEARCH_COARSE` of them brackets the smallest that fits, a second pass over the bracket
-    finds it and the candidates after it. If none fits: least work (T infinite), if that
-    fits. All parts and degrees are searched together, one batch per pass."""
+    degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
+    feasible target T and at a few larger ones (distinct choices only). Targets are the part's
+    distinct micro-batch times at that degree or wider, from the longest of its buckets' least
+    times; a coarse pass over `SEARCH_COARSE` of them brackets the smallest that fits, a
+    second pass over the bracket finds it and the candidates after it. If none fits: least
+    work (T infinite), if that fits. All parts and degrees are searched together, one batch
+    per pass; each (part, degree) alone gives the same candidates."""
     nk, nt = len(p.sp), len(tab["times"])
-    out: list[list[list[Candidate]]] = [[[] for _ in range(nk)] for _ in parts]
+    degrees = range(nk) if degrees is None else degrees
+    out: list[list[list[Candidate]]] = [[[] for _ in degrees] for _ in parts]
     problems, ranks = [], []
     for q, part in enumerate(parts):
         part = np.asarray(part, dtype=np.int64)
         floor = tab["least"][part].max(axis=0)  # per smallest degree
         live = np.flatnonzero(np.isfinite(floor))
+        live = live[(live >= degrees.start) & (live < degrees.stop)]
         if not len(live):
             continue
         # the part's distinct times at each live smallest degree, from its floor up
-        rows_q = np.flatnonzero(np.isin(tab["seg"], part)) if len(part) < len(tab["lens"]) else np.arange(tab["n"])
+        if len(part) < len(tab["lens"]):
+            mine = np.zeros(len(tab["lens"]), dtype=bool)
+            mine[part] = True
+            rows_q = np.flatnonzero(mine[tab["seg"]])
+        else:
+            rows_q = np.arange(tab["n"])
         hit = (tab["kpos"][rows_q][None, :] >= live[:, None]) & (tab["t"][rows_q][None, :] >= floor[live][:, None])
         mark = np.zeros((len(live), nt), dtype=bool)
         li, ri = np.nonzero(hit)
@@ -274,14 +285,15 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]]) -> list[list[
                 if sig not in seen:
                     seen.add(sig)
                     got.append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]), rows_i, _needs(p, need[y, i])))
-            out[q][ki] = got
+            out[q][ki - degrees.start] = got
     rest = [x for x, w in enumerate(windows) if w is None]
     if rest:
         fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in rest], [np.array([nt]) for _ in rest])
         for y, x in enumerate(rest):
             part, ki, q = problems[x]
             if fit[y, 0]:
-                out[q][ki] = [Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(part), 0], _needs(p, need[y, 0]))]
+                out[q][ki - degrees.start] = [Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(part), 0],
+                                                        _needs(p, need[y, 0]))]
     return out
 
 
@@ -291,8 +303,10 @@ _COARSE: dict[int, np.ndarray] = {}
 def _coarse(n: int) -> np.ndarray:
     """The positions of the coarse pass among n sorted targets: `SEARCH_COARSE` of them,
     evenly spread, the first and the last included."""
-    return memo(_COARSE, n, lambda: np.unique(np.linspace(0, n - 1, min(n, SEARCH_COARSE)).astype(np.int64)),
-                limit=4096)
+    if n <= SEARCH_COARSE:
+        return np.arange(n)
+    # spaced more than 1 apart, so the positions are distinct
+    return memo(_COARSE, n, lambda: np.linspace(0, n - 1, SEARCH_COARSE).astype(np.int64), limit=4096)
 
 
 def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:

@@ -44,6 +44,10 @@ PACK_GATE_ONE = 1.03
 AT_BOUND = 1.002
 STALE_STOP = 2
 
+#: the search first covers this many of the narrowest smallest allowed degrees of every part
+#: at once; most parts stop there (STALE_STOP), the others search the rest when they get there
+FIRST_DEGREES = 3
+
 #: the search over makespan targets first tries this many of them, evenly spread, then the
 #: ones between the last that does not fit and the first that does
 SEARCH_COARSE = 32

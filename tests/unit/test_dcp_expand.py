@@ -169,6 +169,11 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     parts = [list(range(nb)), list(range(0, nb, 2)), list(range(nb // 2, nb))]
     parts = [q for q in parts if q]
     got = search(p, tab, parts)
+    # searched in two ranges of smallest degrees (as `dcp` does: the narrowest first), the same
+    cut = min(2, len(p.sp))
+    halves = [a + b for a, b in zip(search(p, tab, parts, range(cut)), search(p, tab, parts, range(cut, len(p.sp))))]
+    assert [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in halves] == \
+        [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in got]
     for part, by_k in zip(parts, got):
         for kmin, cands in zip(p.sp, by_k):
             ref = _reference_search(p, tab, part, kmin)
