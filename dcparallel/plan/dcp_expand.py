@@ -144,7 +144,10 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
                    [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
-        settled = {k for k in gclasses if refine(ph, of_k[k])}
+        by_group = np.argsort(grp, kind="stable")  # each degree's micro-batches: a range of it
+        at = np.searchsorted(grp[by_group], [of_k[k][0] for k in gclasses] + [of_k[k][-1] + 1 for k in gclasses])
+        settled = {k for x, k in enumerate(gclasses)
+                   if refine(ph, of_k[k], by_group[at[x]:at[x + len(gclasses)]])}
         for k in spill(p, ph):
             settled.discard(k)
         for k in gclasses:
@@ -286,28 +289,31 @@ def _times_at(p: ScalePlanner, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
     return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
 
 
-def refine(ph: Phase, gs: np.ndarray) -> bool:
+def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     """Local search within one SP degree (groups `gs`), with each micro-batch timed from its
     own samples: in rounds, the degree's most loaded groups are paired with its least loaded
     ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
     load falls as close to their mean as a single move or swap allows; until the most loaded
     group is within 0.1% of the degree's mean load or no pair can improve. Returns whether it
-    stopped so (settled) rather than after its last round."""
+    stopped so (settled) rather than after its last round. `idx`: the degree's micro-batches
+    sorted by group (stable), if known."""
     if len(gs) < 2:
         return True
     num, g0 = len(gs), int(gs[0])
-    idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
+    if idx is None:
+        idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
+        idx = idx[np.argsort(ph.grp[idx], kind="stable")]
     rows = ph.grp[idx] - g0
-    o = np.argsort(rows, kind="stable")
-    rows, idx = rows[o], idx[o]
     counts = np.bincount(rows, minlength=num)
     slot = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
-    # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty); one spare column
+    # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty), as positions
+    # in idx; one spare column
     slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
-    slots[rows, slot] = idx
-    tt = np.append(ph.t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
-    ta_of = np.append(ph.t, -np.inf)  # ... and one of the heavier group gives nothing
-    loads = np.bincount(rows, weights=ph.t[idx], minlength=num)
+    slots[rows, slot] = np.arange(len(idx))
+    t = ph.t[idx]
+    tt = np.append(t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
+    ta_of = np.append(t, -np.inf)  # ... and one of the heavier group gives nothing
+    loads = np.bincount(rows, weights=t, minlength=num)
     limit = float(loads.mean()) * BALANCED
     changed = settled = False
     for _ in range(REFINE_ROUNDS):
@@ -346,5 +352,5 @@ def refine(ph: Phase, gs: np.ndarray) -> bool:
         changed = True
     if changed:
         r, c = np.nonzero(slots >= 0)
-        ph.grp[slots[r, c]] = gs[r]
+        ph.grp[idx[slots[r, c]]] = gs[r]
     return settled
