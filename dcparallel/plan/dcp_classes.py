@@ -87,7 +87,7 @@ def _merge(classes: list[GroupClass], loads: list[float]) -> tuple[list[GroupCla
     seen first). Only classes of equal load can be alike, so the contents are compared only
     then. A class's contents list its item classes in the order they were dealt, which is the
     same for every class, so equal contents have equal item sequences."""
-    if all(x < y for x, y in zip(loads, loads[1:])):
+    if len(set(loads)) == len(loads):  # ascending, so all distinct = strictly increasing
         return classes, loads
     out: dict[tuple, GroupClass] = {}
     for c in classes:
