@@ -25,7 +25,8 @@ The step's compute bound is the largest of three, each valid on its own:
   sum_s min_k (g_k + lambda * r_k) - lambda * world (any lambda gives a value below V, so an
   early stop only lowers the bound), on the intervals between the breakpoints f_k and 2 f_k.
 - **per-rank** (video steps of few samples per GPU; needs neither A1 nor A2): a video
-  micro-batch stacks copies of one latent shape, so its time is at least tau_k(m), the fastest
+  micro-batch stacks samples of one latent shape (`spec.batch_key`: every policy plans so, as
+  the collate stacks them), so its time is at least tau_k(m), the fastest
   fitting time of m copies of that shape at k. The micro-batches a rank runs fit in T; a dual
   feasible function u (u(x) + u(y) + ... <= 1 whenever x + y + ... <= 1) keeps that true of
   u(d / T), so over all ranks sum of k * u(d / T) <= world. With u_e(x) = 1 above 1 - e, 0

@@ -48,7 +48,8 @@ def test_the_bound_rises_above_the_simple_bound_where_steps_hold_few_samples_per
 
 def test_no_policy_plans_a_step_faster_than_its_bound(cells):
     """Every policy's plan of every step (the scenarios' steps and random small ones), simulated
-    alone, takes at least the step's bound."""
+    alone, takes at least the step's bound; and every video micro-batch holds one latent shape,
+    which the per-rank bound assumes (the collate stacks same-shape samples)."""
     for scenario, dist, ctx, steps in cells:
         lb = LowerBound(ctx)
         for name in POLICIES:
@@ -56,6 +57,9 @@ def test_no_policy_plans_a_step_faster_than_its_bound(cells):
             for s in steps:
                 plan = planner.plan(s)
                 plan.validate(WORLD)
+                if scenario == "video":  # the per-rank bound's one assumption
+                    for mb in plan.micro_batches():
+                        assert len({ctx.bucket_of[i] for i in mb.sample_ids}) == 1, (name, "mixes shapes")
                 sim = simulate([plan], ctx).total_time
                 assert sim >= lb.step(s) * (1 - 1e-9), (scenario, dist, name, s.index, sim, lb.step(s))
 
