@@ -12,10 +12,9 @@ sample, so it fits every sample of the bucket. Per step:
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
    found among the distinct micro-batch times (`dcp_search`: a coarse pass, then the
    bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
-   least that degree lets one phase hold a world-wide sample and the rest). Every target of
-   the three narrowest smallest degrees (`FIRST_DEGREES`), and of every part of the
-   two-phase splits, is evaluated in one batch of array operations per pass; a part whose
-   search goes on to wider smallest degrees searches them in a batch of its own.
+   least that degree lets one phase hold a world-wide sample and the rest). The targets of
+   every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
+   batch of array operations per pass; a part that goes on searches the rest in its own.
 2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
    degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
    a number of groups, their contents — by the longest-processing-time rule applied to
