@@ -178,6 +178,19 @@ def interval_naive(f: np.ndarray, g: np.ndarray, cnt: np.ndarray, sp: np.ndarray
     return G, R
 
 
+def random_lp(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """A random instance (G, R, cnt, world) of the midpoint bound's LP (`plan.bounds.lp_value`):
+    up to 29 sizes of up to 6 options, some unusable, every size with one usable; a rank limit
+    that often binds."""
+    u, o = int(rng.integers(1, 30)), int(rng.integers(1, 7))
+    G = rng.uniform(1, 10, (u, o)) * np.where(rng.random((u, o)) < 0.15, np.inf, 1.0)
+    G[np.arange(u), rng.integers(0, o, u)] = rng.uniform(1, 10, u)  # every row has an option
+    R = np.where(rng.random((u, o)) < 0.4, 0.0, rng.choice([1, 2, 4, 8, 0.5, 1 / 3], (u, o)))
+    cnt = rng.integers(1, 5, u).astype(float)
+    world = float(rng.uniform(0.2, 1.0) * (cnt * np.where(np.isfinite(G), R, 0).max(axis=1)).sum() + 1e-3)
+    return G, R, cnt, world
+
+
 def build_cell(scenario: str, dist: str, world: int, tps: int, min_steps: int):
     """The context and steps of a cell as `sim_scale.run_cell` builds them (all its steps)."""
     from dcparallel.cost.analytic import AnalyticCost
@@ -221,12 +234,7 @@ def check(worlds=(8, 16), real_steps: int = 2, small_steps: int = 6, seed: int =
     # (c') the cutting-plane dual against the exact primal on random LPs where the rank limit binds
     lp_gap, binding, lp_rng = 0.0, 0, np.random.default_rng(seed + 1)
     for _ in range(500):
-        u, o = int(lp_rng.integers(1, 30)), int(lp_rng.integers(1, 7))
-        G = lp_rng.uniform(1, 10, (u, o)) * np.where(lp_rng.random((u, o)) < 0.15, np.inf, 1.0)
-        G[np.arange(u), lp_rng.integers(0, o, u)] = lp_rng.uniform(1, 10, u)  # every row has an option
-        R = np.where(lp_rng.random((u, o)) < 0.4, 0.0, lp_rng.choice([1, 2, 4, 8, 0.5, 1 / 3], (u, o)))
-        cnt = lp_rng.integers(1, 5, u).astype(float)
-        world = float(lp_rng.uniform(0.2, 1.0) * (cnt * np.where(np.isfinite(G), R, 0).max(axis=1)).sum() + 1e-3)
+        G, R, cnt, world = random_lp(lp_rng)
         got, want = lp_value(G, R, cnt, world), lp_exact(G, R, cnt, world)
         assert (got == want == np.inf) or abs(got - want) <= 1e-9 * abs(want), (got, want)
         if np.isfinite(want):

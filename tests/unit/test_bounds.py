@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.tight_bound import TightBound, build_cell, lp_exact
+from benchmarks.tight_bound import TightBound, build_cell, lp_exact, random_lp
 from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound, dff, lp_value, threshold_sums
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
@@ -79,12 +79,7 @@ def test_the_cutting_plane_dual_equals_the_exact_primal_on_random_lps():
     rng = np.random.default_rng(1)
     binding = 0
     for _ in range(300):
-        u, o = int(rng.integers(1, 30)), int(rng.integers(1, 7))
-        G = rng.uniform(1, 10, (u, o)) * np.where(rng.random((u, o)) < 0.15, np.inf, 1.0)
-        G[np.arange(u), rng.integers(0, o, u)] = rng.uniform(1, 10, u)  # every row has an option
-        R = np.where(rng.random((u, o)) < 0.4, 0.0, rng.choice([1, 2, 4, 8, 0.5, 1 / 3], (u, o)))
-        cnt = rng.integers(1, 5, u).astype(float)
-        world = float(rng.uniform(0.2, 1.0) * (cnt * np.where(np.isfinite(G), R, 0).max(axis=1)).sum() + 1e-3)
+        G, R, cnt, world = random_lp(rng)
         got, want = lp_value(G, R, cnt, world), lp_exact(G, R, cnt, world)
         assert (got == want == np.inf) or abs(got - want) <= 1e-9 * abs(want), (got, want)
         binding += bool(np.isfinite(want)) and want > (cnt * G.min(axis=1)).sum() * (1 + 1e-9)
