@@ -39,9 +39,7 @@ broken by fixed orders), so every rank computes the same plan.
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -67,6 +65,7 @@ from dcparallel.plan.dcp_setup import (
     ROW_CACHE_LIMIT,
     STALE_STOP,
     SUB_BINS,
+    cyclic_gc_paused,
     memo,
     planning_classes,
     sample_weights,
@@ -74,23 +73,6 @@ from dcparallel.plan.dcp_setup import (
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, TIME_EPS, Score, StepPlan
 from dcparallel.spec import Layout
-
-
-@contextmanager
-def cyclic_gc_paused():
-    """Python's cycle collector paused while a step is planned. A plan at thousands of GPUs
-    allocates a few hundred thousand small objects (micro-batches, their id tuples), which
-    sets off collections that walk the whole heap — the workload, the model, the loader —
-    and measured up to half of a step's planning time at 4096 GPUs. Planning makes no
-    reference cycles (reference counting frees all it drops), so nothing piles up meanwhile;
-    the collector resumes, in every thread, when the step is planned."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class ScalePlanner:
@@ -321,7 +303,12 @@ class ScalePlanner:
     def _sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The step's ids by planning class, then longest first, then id, and their classes."""
         r = self._rank[ids]
-        r.sort()
+        if 8 * len(r) >= len(self._rank):  # positions are distinct: a mask sorts them in O(samples)
+            mask = np.zeros(len(self._rank), dtype=bool)
+            mask[r] = True
+            r = np.flatnonzero(mask)
+        else:
+            r.sort()
         out = self._order[r]
         b = self.bidx[out]
         assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first

@@ -351,11 +351,14 @@ def test_spill_never_raises_the_slowest_group_and_keeps_every_micro_batch(seed):
 
 
 def test_the_steps_sort_is_by_class_then_longest_then_id():
+    """A step's samples sorted by their positions in the planner's order: by a mask when the
+    step holds an eighth of the samples or more, else by a sort; both as the definition."""
     p, steps = _planner(64, False, 400, 3)
-    ids = np.asarray(steps[0].sample_ids[1:])
-    got, b = p._sort(ids)
-    want = sorted(ids.tolist(), key=lambda i: (int(p.bidx[i]), -int(p.tok[i]), i))
-    assert got.tolist() == want and b.tolist() == [int(p.bidx[i]) for i in want]
+    every = np.concatenate([np.asarray(s.sample_ids) for s in steps])
+    for ids in (np.asarray(steps[0].sample_ids[1:]), every[:3], every[1:]):
+        got, b = p._sort(ids)
+        want = sorted(ids.tolist(), key=lambda i: (int(p.bidx[i]), -int(p.tok[i]), i))
+        assert got.tolist() == want and b.tolist() == [int(p.bidx[i]) for i in want]
 
 
 def test_micro_batches_builds_the_same_frozen_objects():
