@@ -58,10 +58,11 @@ def simple_line(results: list[dict]) -> list[str]:
 
 def rebound(results: list[dict], min_steps: int = 4) -> None:
     """Each cell's lower bound recomputed with the working tree's `LowerBound`, in place, from
-    the cell's steps rebuilt as `sim_scale.run_cell` builds them; the efficiencies follow. The
-    simple bound (`simple_bound_s`) is what runs before the midpoint and per-rank bounds joined
-    it recorded as their bound: it must come out the same. Cells with no step of at most
-    `TIGHT_PER_GPU` samples per GPU keep it as their bound, as the library does."""
+    the cell's steps rebuilt as `sim_scale.run_cell` builds them; the efficiencies follow. Runs
+    made before the midpoint and per-rank bounds joined the simple one recorded the simple
+    bound as their bound; recomputed (`simple_bound_s`), it must come out the same. Cells with
+    no step of at most `TIGHT_PER_GPU` samples per GPU keep it as their bound, as the library
+    does."""
     from tqdm import tqdm
 
     from dcparallel.cost.analytic import AnalyticCost
