@@ -16,6 +16,9 @@ is kept.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -232,55 +235,95 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
     degree's recompute for copies of the bucket's largest sample), while the slowest
-    group's load falls. Returns the degrees whose groups it changed."""
+    group's load falls. Returns the degrees whose groups it changed.
+
+    In plain Python (a move touches two groups: array passes over all cost more): heaps of
+    the loads (an entry is current while its load is the group's) and per-group lists of
+    micro-batches, kept from a first move on. Ties: lower group, narrower degree, earlier."""
     kinds = sorted(set(ph.sizes))
     touched: set[int] = set()
     if len(kinds) < 2:
         return touched
-    loads = ph.loads()
-    ranges = [(ph.sizes.index(k), len(ph.sizes) - ph.sizes[::-1].index(k)) for k in kinds]  # consecutive
-    kinds_arr = np.asarray(kinds)
-    t_at = by_group = None  # built once a first move is made (most phases have none)
-    bounds: list[int] = []
-    moved_in: dict[int, list[int]] = {}
+    loads = ph.loads().tolist()
+    n_groups = len(loads)
+    size_of = ph.sizes
+    first = {k: size_of.index(k) for k in kinds}
+    slowest = [(-x, g) for g, x in enumerate(loads)]
+    heapq.heapify(slowest)
+    least = []  # per degree, narrowest first: its groups' (load, group)
+    for k in kinds:
+        h = [(loads[g], g) for g in range(first[k], first[k] + size_of.count(k))]
+        heapq.heapify(h)
+        least.append(h)
+    t_at = None  # [degree][micro-batch] times, once a first move is made
+    members: dict[int, list[int]] = {}  # a group's micro-batches, ascending, once it took part in a move
+    t_cur = order = bounds = None
+    keep = 1 - MIN_GAIN
+    inf = math.inf
     for _ in range(max_iter):
-        a = int(np.argmax(loads))
-        top = float(loads[a])
-        if by_group is None:
+        while -slowest[0][0] != loads[slowest[0][1]]:
+            heapq.heappop(slowest)
+        a = slowest[0][1]
+        top = loads[a]
+        lz = []
+        for h in least:
+            while h[0][0] != loads[h[0][1]]:
+                heapq.heappop(h)
+            lz.append(h[0])
+        open_ = [kk for kk, k in enumerate(kinds) if k != size_of[a] and lz[kk][0] < top]
+        if not open_:
+            return touched
+        if t_at is None:
             src = np.flatnonzero(ph.grp == a)
+            t_src = _times_at(p, ph, kinds, src).tolist()
+            src, t_old = src.tolist(), ph.t[src].tolist()
         else:
-            src = by_group[bounds[a]:bounds[a + 1]]
-            src = src[ph.grp[src] == a]
-            back = [x for x in moved_in.get(a, ()) if ph.grp[x] == a]
-            if back:
-                src = np.sort(np.concatenate((src, np.asarray(back, dtype=src.dtype))))
-        # to the least-loaded group of each other degree that is below the slowest
-        zs = [g0 + int(np.argmin(loads[g0:g1])) for g0, g1 in ranges]
-        lz = loads[zs]
-        shut = (kinds_arr == ph.sizes[a]) | (lz >= top)
-        if shut.all():
+            src = _members(members, a, order, bounds)
+            t_src = [[row[x] for x in src] for row in t_at]
+            t_old = [t_cur[x] for x in src]
+        best, pick = inf, None
+        limit = top * keep
+        for kk in open_:  # narrowest degree first, each micro-batch in order: the first least span wins
+            low = lz[kk][0]
+            for i, t_new in enumerate(t_src[kk]):
+                new = top - t_old[i]
+                moved = low + t_new
+                if moved > new:
+                    new = moved
+                if new < best and new < limit:
+                    best, pick = new, (kk, i)
+        if pick is None:
             return touched
-        t_new = _times_at(p, ph, kinds, src) if t_at is None else t_at[:, src]
-        new = np.maximum(top - ph.t[src], lz[:, None] + t_new)
-        new[shut] = np.inf
-        new[new >= top * (1 - MIN_GAIN)] = np.inf
-        kk, i = divmod(int(np.argmin(new)), len(src))  # the least new span; ties: narrower degree, earlier
-        if not np.isfinite(new[kk, i]):
-            return touched
-        touched |= {ph.sizes[a], kinds[kk]}
-        if by_group is None:
-            t_at = _times_at(p, ph, kinds, slice(None))
-            # each group's micro-batches: its range of the sort by group, less those moved
-            # off, plus those moved in
-            by_group = np.argsort(ph.grp, kind="stable")
-            bounds = np.searchsorted(ph.grp[by_group], np.arange(len(ph.sizes) + 1)).tolist()
-        x, z, t = src[i], zs[kk], float(t_new[kk, i])
-        loads[a] -= ph.t[x]
+        kk, i = pick
+        z = lz[kk][1]
+        touched |= {size_of[a], kinds[kk]}
+        if t_at is None:
+            t_at = _times_at(p, ph, kinds, slice(None)).tolist()
+            t_cur = ph.t.tolist()
+            order = np.argsort(ph.grp, kind="stable")
+            bounds = np.searchsorted(ph.grp[order], np.arange(n_groups + 1)).tolist()
+            _members(members, a, order, bounds)
+        x, t = src[i], t_src[kk][i]
+        members[a].remove(x)
+        bisect.insort(_members(members, z, order, bounds), x)
+        loads[a] -= t_cur[x]
+        loads[z] += t
+        heapq.heappush(slowest, (-loads[a], a))
+        heapq.heappush(slowest, (-loads[z], z))
+        heapq.heappush(least[kinds.index(size_of[a])], (loads[a], a))
+        heapq.heappush(least[kk], (loads[z], z))
         ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
-        moved_in.setdefault(z, []).append(int(x))
-        loads[z] += t
+        t_cur[x] = t
     return touched
+
+def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: list[int]) -> list[int]:
+    """Group g's micro-batches, ascending: kept, or read from the sort by group made at the
+    first move (a group not yet in a move still holds what it held then)."""
+    got = members.get(g)
+    if got is None:
+        got = members[g] = sorted(order[bounds[g]:bounds[g + 1]].tolist())
+    return got
 
 
 def _times_at(p: ScalePlanner, ph: Phase, kinds: list[int], mbs) -> np.ndarray:

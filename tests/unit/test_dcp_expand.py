@@ -18,7 +18,7 @@ from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.dcp_search import degree_bound, fits, part_bound, rows_at, rows_many, search, table
 from dcparallel.plan.dcp_setup import SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
-from dcparallel.plan.types import ROUND_EPS, MicroBatch, micro_batches
+from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
@@ -327,6 +327,59 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
 @functools.cache
 def _small_planner() -> ScalePlanner:
     return _planner(64, False, 40, 0)[0]
+
+
+def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
+    """`spill` by its definition, one array pass per move: off the slowest group (lowest index
+    on ties), onto the least-loaded group of each other degree below it, the micro-batch and
+    degree giving the least new span (narrower degree, then earlier micro-batch, on ties), while
+    the span falls by more than MIN_GAIN."""
+    kinds = sorted(set(ph.sizes))
+    sizes = np.asarray(ph.sizes)
+    loads = ph.loads()  # kept up to date move by move, as `spill` keeps them
+    for _ in range(max_iter if len(kinds) > 1 else 0):
+        a = int(np.argmax(loads))
+        top = float(loads[a])
+        src = np.flatnonzero(ph.grp == a)
+        best = None
+        for k in kinds:
+            if k == ph.sizes[a]:
+                continue
+            g = np.flatnonzero(sizes == k)
+            z = int(g[np.argmin(loads[g])])
+            if loads[z] >= top:
+                continue
+            for x in src.tolist():
+                t = float(p.ttab_arr[k][ph.bucket[x], ph.m[x]] * ph.mw[x])
+                new = max(top - float(ph.t[x]), float(loads[z]) + t)
+                if new < top * (1 - MIN_GAIN) and (best is None or new < best[0]):
+                    best = (new, x, z, t, k)
+        if best is None:
+            return
+        _, x, z, t, k = best
+        loads[a] -= ph.t[x]
+        loads[z] += t
+        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
+        ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_spill_makes_the_moves_of_its_definition(seed):
+    p = _small_planner()
+    rng = np.random.default_rng(seed)
+    sizes = [8] * 2 + [4] * 4 + [1] * 16
+    n = 80
+    j = int(p.bidx[0])
+    # times on a coarse grid, so that ties between groups and micro-batches happen
+    ph = Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
+               np.full(n, j), np.zeros(n, dtype=np.int64), rng.integers(1, 20, n) / 8.0,
+               rng.integers(4, 12, n) / 8.0, [None])
+    want = Phase(list(sizes), ph.grp.copy(), ph.start.copy(), ph.m.copy(), ph.bucket.copy(), ph.lay.copy(),
+                 ph.t.copy(), ph.mw.copy(), [None])
+    spill(p, ph)
+    _reference_spill(p, want)
+    assert ph.grp.tolist() == want.grp.tolist() and ph.t.tolist() == want.t.tolist()
 
 
 @settings(max_examples=40, deadline=None)
