@@ -21,6 +21,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -70,7 +71,7 @@ def deal_orders(held: list[tuple[int, list[tuple[int, int, int]]]]) -> np.ndarra
     bucket. In a few array operations: each (group, round) pair is one micro-batch, placed by
     its position among its class's groups in that round."""
     hc = np.repeat(np.arange(len(held)), [len(h) for _, h in held])
-    g0, n, per = np.array([x for _, h in held for x in h], dtype=np.int64).reshape(-1, 3).T
+    g0, n, per = np.fromiter(chain.from_iterable(x for _, h in held for x in h), dtype=np.int64).reshape(-1, 3).T
     ics = np.array([ic for ic, _ in held], dtype=np.int64)
     # one row per group holding a class: the class, the group, its micro-batches of the class
     rows = int(n.sum())

@@ -126,7 +126,7 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
             "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": kpos,
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
-            "times": times, "rank": rank, "least": least, "stair": stair,
+            "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
             "least_gpu_s": least_gpu_s, "area": least_gpu_s[:, 0].tolist(), "longest": least[:, 0].tolist()}
 
 
@@ -166,8 +166,10 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     for q, (part, _) in enumerate(problems):
         inpart[q, part] = True
     kis = [ki for _, ki in problems]
-    # each problem's choosable rows (`table`'s "stair"): per bucket, times strictly falling
-    pp, rr = tab["stair"][kis].nonzero()
+    # each problem's choosable rows (`table`'s "stair_rows"): per bucket, times strictly falling
+    each = [tab["stair_rows"][ki] for ki in kis]
+    rr = np.concatenate(each)
+    pp = np.repeat(np.arange(num), [len(x) for x in each])
     keep = inpart[pp, tab["seg"][rr]]
     pp, rr = pp[keep], rr[keep]
     bkt = tab["seg"][rr]
