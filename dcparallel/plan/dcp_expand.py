@@ -8,10 +8,9 @@ to the groups holding that bucket (so every group gets a mix of its bucket's lon
 shorter samples); groups are placed as aligned blocks, largest first (a group no larger than
 a node stays inside one; a larger one spans nodes and the cost model charges the link), and
 each group runs its micro-batches shortest first, so its longest backward hides the most of
-the gradient sync. The micro-batches of a phase are numpy arrays (`Phase`): the expansion
-costs a few array operations per item class and per refinement round, not Python work per
-micro-batch. Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion that
-is kept.
+the gradient sync. The micro-batches of a phase are numpy arrays (`Phase`): a few array
+operations per item class and refinement round (a spill move, touching two groups, is plain
+Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion kept.
 """
 
 from __future__ import annotations
