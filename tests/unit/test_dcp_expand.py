@@ -363,19 +363,23 @@ def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
 
 
+def _spill_phase(p: ScalePlanner, rng: np.random.Generator, times, weights) -> Phase:
+    """A phase of 80 one-sample micro-batches of one bucket spread at random over 2 groups of
+    8 ranks, 4 of 4 and 16 of 1, with `times(n)` and mean weights `weights(n)`."""
+    sizes = [8] * 2 + [4] * 4 + [1] * 16
+    n = 80
+    return Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
+                 np.full(n, int(p.bidx[0])), np.zeros(n, dtype=np.int64), times(n), weights(n), [None])
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10_000))
 def test_spill_makes_the_moves_of_its_definition(seed):
     p = _small_planner()
     rng = np.random.default_rng(seed)
-    sizes = [8] * 2 + [4] * 4 + [1] * 16
-    n = 80
-    j = int(p.bidx[0])
     # times on a coarse grid, so that ties between groups and micro-batches happen
-    ph = Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
-               np.full(n, j), np.zeros(n, dtype=np.int64), rng.integers(1, 20, n) / 8.0,
-               rng.integers(4, 12, n) / 8.0, [None])
-    want = Phase(list(sizes), ph.grp.copy(), ph.start.copy(), ph.m.copy(), ph.bucket.copy(), ph.lay.copy(),
+    ph = _spill_phase(p, rng, lambda n: rng.integers(1, 20, n) / 8.0, lambda n: rng.integers(4, 12, n) / 8.0)
+    want = Phase(list(ph.sizes), ph.grp.copy(), ph.start.copy(), ph.m.copy(), ph.bucket.copy(), ph.lay.copy(),
                  ph.t.copy(), ph.mw.copy(), [None])
     spill(p, ph)
     _reference_spill(p, want)
@@ -388,12 +392,8 @@ def test_spill_makes_the_moves_of_its_definition(seed):
 def test_spill_never_raises_the_slowest_group_and_keeps_every_micro_batch(seed):
     p = _small_planner()
     rng = np.random.default_rng(seed)
-    sizes = [8] * 2 + [4] * 4 + [1] * 16
-    n = 80
-    j = int(p.bidx[0])
-    ph = Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
-               np.full(n, j), np.zeros(n, dtype=np.int64), rng.random(n) + 0.05, rng.random(n) + 0.5,
-               [None])
+    ph = _spill_phase(p, rng, lambda n: rng.random(n) + 0.05, lambda n: rng.random(n) + 0.5)
+    sizes = ph.sizes
     top = ph.loads().max()
     starts, grp = ph.start.copy(), ph.grp.copy()
     touched = spill(p, ph)
