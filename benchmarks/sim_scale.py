@@ -35,14 +35,21 @@ from dcparallel.spec import Workload
 DEFAULT_LIMITS = {"packed": 1024, "dcp-intra": 128, "dcp-inter": 128, "dcp-inter-pac": 128, "dcp-v1": 128}
 
 
+def cell_workload(scenario: str, dist: str, tps: int, min_steps: int) -> Workload:
+    """A cell's dataset: the scenario's distribution, enough for at least `min_steps` steps of
+    `tps` tokens (and the scenario's own epoch)."""
+    sc = SCENARIOS[scenario]
+    return Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=max(
+        EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))))
+
+
 def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
              min_steps: int, max_steps: int | None, tune_steps: int | None = None) -> dict:
     sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
     tps = max(tps, 1)
-    epoch_tokens = max(EPOCH_STEPS * sc.tokens_per_step, min_steps * tps)
     t0 = time.perf_counter()
-    wl = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=epoch_tokens)))
+    wl = cell_workload(scenario, dist, tps, min_steps)
     cl = sc.cluster(world)
     ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
     steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.sim_scale import cell_table, plot
+from benchmarks.sim_scale import cell_table, cell_workload, plot
 
 POLICY_ORDER = ["bucket", "packed", "megatron-dcp", "hbp", "dcp-v1", "dcp"]
 
@@ -69,15 +69,13 @@ def rebound(results: list[dict], min_steps: int = 4) -> None:
     from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
     from dcparallel.plan.context import PlanContext
     from dcparallel.plan.steps import form_steps
-    from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
-    from dcparallel.spec import Workload
+    from dcparallel.scenarios import SCENARIOS
 
     for r in tqdm(results, desc="bounds", unit="cell"):
         recorded = r.get("simple_bound_s", r["lower_bound_s"])
         sc = SCENARIOS[r["scenario"]]
         tps = r["tokens_per_step"]
-        wl = Workload(sc.model, tuple(sample_sizes(r["scenario"], r["distribution"], epoch_tokens=max(
-            EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))))
+        wl = cell_workload(r["scenario"], r["distribution"], tps, min_steps)
         assert len(wl) == r["samples"], (r["samples"], len(wl))
         steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: r["steps"]]
         assert len(steps) == r["steps"], (len(steps), r["steps"])

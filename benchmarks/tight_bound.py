@@ -193,14 +193,13 @@ def random_lp(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def build_cell(scenario: str, dist: str, world: int, tps: int, min_steps: int):
     """The context and steps of a cell as `sim_scale.run_cell` builds them (all its steps)."""
+    from benchmarks.sim_scale import cell_workload
     from dcparallel.cost.analytic import AnalyticCost
     from dcparallel.plan.steps import form_steps
-    from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
-    from dcparallel.spec import Workload
+    from dcparallel.scenarios import SCENARIOS
 
     sc = SCENARIOS[scenario]
-    wl = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=max(
-        EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))))
+    wl = cell_workload(scenario, dist, tps, min_steps)
     cl = sc.cluster(world)
     ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
     return ctx, form_steps(wl.tokens, seed=0, tokens_per_step=tps)

@@ -73,7 +73,6 @@ class LowerBound:
         self.ctx = ctx
         self.world = ctx.cluster.world_size
         self._fg: dict[Size, tuple[np.ndarray, np.ndarray]] = {}
-        self._steps: dict[tuple[int, ...], float] = {}
 
     # -- per sample ----------------------------------------------------------------------
     def degrees(self, size: Size) -> tuple[np.ndarray, np.ndarray]:
@@ -123,16 +122,11 @@ class LowerBound:
 
     def compute(self, step: Step) -> float:
         """The step's compute bound: the largest of the bounds computed for it."""
-        key = step.sample_ids
-        hit = self._steps.get(key)
-        if hit is not None:
-            return hit
         out = self.simple(step)
         if len(step.sample_ids) <= TIGHT_PER_GPU * self.world:
             out = max(out, self.midpoint(step))
             if self.ctx.model.kind == "video":
                 out = max(out, self.per_rank(step, out))
-        self._steps[key] = out
         return out
 
     def step(self, step: Step) -> float:

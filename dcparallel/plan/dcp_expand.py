@@ -317,6 +317,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         t_cur[x] = t
     return touched
 
+
 def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: list[int]) -> list[int]:
     """Group g's micro-batches, ascending: kept, or read from the sort by group made at the
     first move (a group not yet in a move still holds what it held then)."""

@@ -343,10 +343,10 @@ class ScalePlanner:
         cands = [(c[0], [c]) for c in ones]
         if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
-            got: dict[int, int] = {}
+            widest: dict[int, int] = {}
             for it in one[1]:
-                got[it.bucket] = max(got.get(it.bucket, 0), it.sp)
-            keys = [{j: got[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
+                widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
+            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
             # a candidate above the best one's prediction x EXPAND_WITHIN is never expanded:
             # skip a split whose parts' bounds already say so (the limit only falls as
             # candidates are added, so a split skipped now is skipped later too)
