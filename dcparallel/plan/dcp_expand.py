@@ -358,28 +358,26 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     tt = np.append(t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
     ta_of = np.append(t, -np.inf)  # ... and one of the heavier group gives nothing
     loads = np.bincount(rows, weights=t, minlength=num)
-    limit = float(loads.mean()) * BALANCED
+    limit = float(loads.sum()) / num * BALANCED  # the mean (np.mean sums the same way)
     changed = settled = False
     for _ in range(REFINE_ROUNDS):
-        order = np.argsort(-loads, kind="stable")
         n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
         if n == 0:
             settled = True
             break
+        order = (-loads).argsort(kind="stable")
         a, z = order[:n], order[:-n - 1:-1]
         la = loads[a]
-        diff = la - loads[z]
+        half = (la - loads[z]) / 2
         sz = slots[z]
-        gain = ta_of[slots[a]][:, :, None] - tt[sz][:, None, :]
-        d = diff[:, None, None]
-        ok = gain > 0
-        ok &= gain < d
-        gain -= d / 2
-        score = np.where(ok, np.abs(gain, out=gain), np.inf)  # how far the pair's loads stay apart
-        score[~(diff > la * MIN_GAIN)] = np.inf
-        score = score.reshape(n, -1)
-        best = np.argmin(score, axis=1)
-        ok = score[np.arange(n), best] < np.inf
+        # a move or swap of gain g is allowed iff 0 < g < the pair's gap, i.e. iff
+        # |g - gap / 2| < gap / 2, the distance it leaves between them (the same test in
+        # floats, but for gains below 2^-53 of the gap); the least distance wins
+        score = ta_of[slots[a]][:, :, None] - tt[sz][:, None, :]
+        score -= half[:, None, None]
+        score = np.abs(score, out=score).reshape(n, -1)
+        best = score.argmin(axis=1)
+        ok = (score[np.arange(n), best] < half) & (half > la * (MIN_GAIN / 2))
         if not ok.any():
             settled = True
             break
