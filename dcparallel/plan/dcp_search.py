@@ -190,18 +190,20 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     hist = np.bincount(seg * (ntmax + 1) + r, minlength=nseg * (ntmax + 1)).reshape(nseg, ntmax + 1)
     above = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [segment, j]: rows slower than target j
     ok = np.logical_and.reduceat(above < slen[:, None], pfirst, axis=0)
-    first = rr[sstart[:, None] + np.minimum(above, slen[:, None] - 1)]
+    # (gathers by a 2-D index take() or go flat: numpy's fancy indexing is slow there)
+    first = rr.take(sstart[:, None] + np.minimum(above, slen[:, None] - 1))
+    fr = first.ravel()
     # each problem's targets as times, padded with its last
     j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
-    T = np.append(tab["times"], math.inf)[tall[tstart[:, None] + j]]  # [problem, j]
-    half = T[sprob] / 2  # [segment, j]
-    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk + tab["kpos"][first]).ravel()
+    T = np.append(tab["times"], math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
+    half = (T.take(sprob, axis=0) / 2).ravel()  # [segment, j], flat
+    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab["kpos"][fr]
     size = num * ntmax * nk
-    work = np.bincount(flat, weights=tab["tot"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
+    work = np.bincount(flat, weights=tab["tot"][fr], minlength=size).reshape(num, ntmax, nk)
     # micro-batches longer than T / 2 (the rest's time is 0 where there is no rest)
-    big = tab["full"][first] * (tab["t"][first] > half) + (tab["tr"][first] > half)
-    bigk = np.bincount(flat, weights=big.ravel(), minlength=size).reshape(num, ntmax, nk)
-    items = np.bincount(flat, weights=tab["items"][first].ravel(), minlength=size).reshape(num, ntmax, nk)
+    big = tab["full"][fr] * (tab["t"][fr] > half) + (tab["tr"][fr] > half)
+    bigk = np.bincount(flat, weights=big, minlength=size).reshape(num, ntmax, nk)
+    items = np.bincount(flat, weights=tab["items"][fr], minlength=size).reshape(num, ntmax, nk)
     need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T[:, :, None] - ROUND_EPS)))
     need = np.where(items > 0, need, 0.0)
     return ok & (need @ tab["spf"] <= p.world), first, need, pfirst
