@@ -57,7 +57,7 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         steps = steps[:max_steps]
     lb = LowerBound(ctx)
     bounds = [lb.step(s) for s in steps]
-    simple = [lb.with_sync(lb.simple(s)) for s in steps]
+    simple = [lb.simple_step(s) for s in steps]
     out = {"scenario": scenario, "distribution": dist, "world": world, "budget": budget, "tokens_per_step": tps,
            "samples": len(wl), "steps": len(steps),
            "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),

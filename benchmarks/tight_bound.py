@@ -78,9 +78,6 @@ class TightBound(LowerBound):
                 return max(float(b[j]), v * (1 - 1e-12) / world)
         raise AssertionError("the last interval is always feasible")
 
-    def simple_step(self, step: Step) -> float:
-        return self.with_sync(self.simple(step))
-
     def tight_step(self, step: Step) -> float:
         return self.with_sync(self.tight(step))
 

@@ -53,7 +53,7 @@ the last bucket is always exposed: max(sync - BACKWARD_FRACTION * compute, sync 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -73,6 +73,7 @@ class LowerBound:
         self.ctx = ctx
         self.world = ctx.cluster.world_size
         self._fg: dict[Size, tuple[np.ndarray, np.ndarray]] = {}
+        self._gf: dict[Size, tuple[float, float]] = {}
 
     # -- per sample ----------------------------------------------------------------------
     def degrees(self, size: Size) -> tuple[np.ndarray, np.ndarray]:
@@ -94,9 +95,13 @@ class LowerBound:
         return f, g
 
     def sample(self, size: Size) -> tuple[float, float]:
-        """(g, f) of one sample size: its fewest GPU-seconds and fastest time at any degree."""
-        f, g = self.degrees(size)
-        return float(g.min()), float(f.min())
+        """(g, f) of one sample size: its fewest GPU-seconds and fastest time at any degree
+        (cached: the simple bound asks once per sample of every step)."""
+        hit = self._gf.get(size)
+        if hit is None:
+            f, g = self.degrees(size)
+            hit = self._gf[size] = (float(g.min()), float(f.min()))
+        return hit
 
     # -- per step ------------------------------------------------------------------------
     def _tables(self, step: Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -132,12 +137,16 @@ class LowerBound:
     def step(self, step: Step) -> float:
         return self.with_sync(self.compute(step))
 
+    def simple_step(self, step: Step) -> float:
+        """The step bound from the simple compute bound alone."""
+        return self.with_sync(self.simple(step))
+
     def with_sync(self, compute: float) -> float:
         """A step bound from a compute bound: plus the gradient sync that compute cannot hide."""
         ctx = self.ctx
         return compute + exposed_sync(ctx.cost.grad_sync_time(), compute, num_buckets(ctx.cost.model.num_params))
 
-    def epoch(self, steps: Sequence[Step]) -> float:
+    def epoch(self, steps: Iterable[Step]) -> float:
         return sum(self.step(s) for s in steps)
 
     # -- the midpoint bound --------------------------------------------------------------
