@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
@@ -237,9 +236,10 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
     degree's recompute for copies of the bucket's largest sample), while the slowest
     group's load falls. Returns the degrees whose groups it changed.
 
-    In plain Python (a move touches two groups: array passes over all cost more): heaps of
-    the loads (an entry is current while its load is the group's) and per-group lists of
-    micro-batches, kept from a first move on. Ties: lower group, narrower degree, earlier."""
+    A move touches two groups, so passes over all groups cost more than it: heaps of the
+    loads (an entry is current while its load is the group's) and per-group lists of
+    micro-batches, kept from a first move on; only the slowest group's micro-batches are
+    weighed, at every other degree at once. Ties: lower group, narrower degree, earlier."""
     kinds = sorted(set(ph.sizes))
     touched: set[int] = set()
     if len(kinds) < 2:
@@ -255,11 +255,10 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         h = [(loads[g], g) for g in range(first[k], first[k] + size_of.count(k))]
         heapq.heapify(h)
         least.append(h)
-    t_at = None  # [degree][micro-batch] times, once a first move is made
+    t_at = None  # [degree, micro-batch] times, once a first move is made
     members: dict[int, list[int]] = {}  # a group's micro-batches, ascending, once it took part in a move
     t_cur = order = bounds = None
     keep = 1 - MIN_GAIN
-    inf = math.inf
     for _ in range(max_iter):
         while -slowest[0][0] != loads[slowest[0][1]]:
             heapq.heappop(slowest)
@@ -275,38 +274,32 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
             return touched
         if t_at is None:
             src = np.flatnonzero(ph.grp == a)
-            t_src = _times_at(p, ph, kinds, src).tolist()
-            src, t_old = src.tolist(), ph.t[src].tolist()
+            t_src = _times_at(p, ph, [kinds[kk] for kk in open_], src)
+            t_old = ph.t[src]
         else:
-            src = _members(members, a, order, bounds)
-            t_src = [[row[x] for x in src] for row in t_at]
-            t_old = [t_cur[x] for x in src]
-        best, pick = inf, None
-        limit = top * keep
-        for kk in open_:  # narrowest degree first, each micro-batch in order: the first least span wins
-            low = lz[kk][0]
-            for i, t_new in enumerate(t_src[kk]):
-                new = top - t_old[i]
-                moved = low + t_new
-                if moved > new:
-                    new = moved
-                if new < best and new < limit:
-                    best, pick = new, (kk, i)
-        if pick is None:
+            src = np.array(_members(members, a, order, bounds))
+            t_src = t_at[np.array(open_)[:, None], src]
+            t_old = t_cur[src]
+        # per open degree (narrowest first) and micro-batch (in order): the larger of the two
+        # loads a move leaves; the first least one below the limit wins
+        new = np.maximum(top - t_old, np.array([lz[kk][0] for kk in open_])[:, None] + t_src).ravel()
+        best = int(new.argmin())
+        if not new[best] < top * keep:
             return touched
-        kk, i = pick
+        row, i = divmod(best, len(src))
+        kk = open_[row]
         z = lz[kk][1]
         touched |= {size_of[a], kinds[kk]}
         if t_at is None:
-            t_at = _times_at(p, ph, kinds, slice(None)).tolist()
-            t_cur = ph.t.tolist()
+            t_at = _times_at(p, ph, kinds, slice(None))
+            t_cur = ph.t.copy()
             order = np.argsort(ph.grp, kind="stable")
             bounds = np.searchsorted(ph.grp[order], np.arange(n_groups + 1)).tolist()
             _members(members, a, order, bounds)
-        x, t = src[i], t_src[kk][i]
+        x, t = int(src[i]), float(t_src[row, i])
         members[a].remove(x)
         bisect.insort(_members(members, z, order, bounds), x)
-        loads[a] -= t_cur[x]
+        loads[a] -= float(t_cur[x])
         loads[z] += t
         heapq.heappush(slowest, (-loads[a], a))
         heapq.heappush(slowest, (-loads[z], z))
