@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
+from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE
 from dcparallel.plan.types import ROUND_EPS
 
 if TYPE_CHECKING:
@@ -301,16 +301,16 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
     return out
 
 
-_COARSE: dict[int, np.ndarray] = {}
-
-
 def _coarse(n: int) -> np.ndarray:
     """The positions of the coarse pass among n sorted targets: `SEARCH_COARSE` of them,
-    evenly spread, the first and the last included."""
+    evenly spread (i * (n - 1) / (SEARCH_COARSE - 1), rounded down), the first and the last
+    included."""
     if n <= SEARCH_COARSE:
         return np.arange(n)
     # spaced more than 1 apart, so the positions are distinct
-    return memo(_COARSE, n, lambda: np.linspace(0, n - 1, SEARCH_COARSE).astype(np.int64), limit=4096)
+    out = (np.arange(SEARCH_COARSE) * ((n - 1) / (SEARCH_COARSE - 1))).astype(np.int64)
+    out[-1] = n - 1
+    return out
 
 
 def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:
