@@ -117,7 +117,7 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
         sizes: list[int] = []
         for k in sorted(gclasses, reverse=True):
-            for gc in sorted(gclasses[k], key=lambda c: (-c.load, sorted(c.items.items()))):
+            for gc in _by_load(gclasses[k]):
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
         held: dict[int, list[tuple[int, int, int]]] = {}  # item class -> its groups (first, count, per group)
@@ -159,6 +159,14 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         phases.append(ph)
     assert cursor == ss.count, "every sample is planned once"
     return phases, predicted
+
+
+def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:
+    """Group classes by load, largest first, equal loads by their contents. `deal_classes`
+    returns them in ascending load: where no two loads are equal, that order reversed."""
+    if all(a.load < b.load for a, b in zip(gcs, gcs[1:])):
+        return gcs[::-1]
+    return sorted(gcs, key=lambda c: (-c.load, sorted(c.items.items())))
 
 
 def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
