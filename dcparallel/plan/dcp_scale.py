@@ -48,7 +48,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import degree_bound, part_bound, rows, rows_at, search, table
+from dcparallel.plan.dcp_search import degree_bound, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -234,6 +234,8 @@ class ScalePlanner:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
                 got = done.get(key, False)
                 if got is False:
+                    if found and self._settled(found, keep, rows_floor(tab, c.first, self.world)):
+                        continue  # predicted at or above its floor, it cannot enter the plans kept
                     got = done[key] = self._allocate(present, rows_at(tab, c.first), c.need)
                 if got is None:
                     continue
@@ -370,6 +372,9 @@ class ScalePlanner:
                 a = self._plan_part(tab, wide, found[2 * s])
                 if not a or a[0][0] + bz > limit:
                     continue
+                if len(cands) >= self.expand_best and sorted(c[0] for c in cands)[self.expand_best - 1] <= (
+                        a[0][0] + plan_floor(tab, narrow, self.world)):
+                    continue  # it would rank below the candidates expanded (ties: the earlier first)
                 z = self._plan_part(tab, narrow, found[2 * s + 1])
                 if z:
                     cands.append((a[0][0] + z[0][0], [a[0], z[0]]))

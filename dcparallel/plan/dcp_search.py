@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
+#: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
+#: sums they bound
+FLOOR_SLACK = 1e-9
 #: a search's candidates past the smallest target that fits: the first fitting target of its
 #: window, and these offsets after it
 CANDIDATE_OFFSETS = (0, 1, 2, 4, 8)
@@ -95,6 +98,8 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
         a[:, col] = a[:, col] * f
     for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
         a[:, col] = a[:, col] * fmax
+    # each row's GPU-seconds at those times: what its micro-batches add to a class-level plan
+    gpu_t = (a[:, 4] * a[:, 3] + a[:, 5]) * a[:, 1]
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
     starts = np.cumsum([0] + lens[:-1])
@@ -127,7 +132,8 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
             "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
-            "least_gpu_s": least_gpu_s, "area": least_gpu_s[:, 0].tolist(), "longest": least[:, 0].tolist()}
+            "least_gpu_s": least_gpu_s, "area": least_gpu_s[:, 0].tolist(), "longest": least[:, 0].tolist(),
+            "gpu_t": gpu_t, "area_t": np.minimum.reduceat(gpu_t, starts).tolist()}
 
 
 def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
@@ -145,6 +151,24 @@ def degree_bound(tab: dict, part: Sequence[int], ki: int, world: int) -> float:
     """`part_bound` with every bucket at the `ki`-th degree or wider: no candidate of the
     search at that smallest degree is predicted below it."""
     return max(float(tab["least_gpu_s"][part, ki].sum()) / world, float(tab["least"][part, ki].max()))
+
+
+def plan_floor(tab: dict, part: Sequence[int], world: int) -> float:
+    """No class-level plan of a part's buckets (positions in the table) is predicted below
+    this: its groups' largest load is at least their mean, and at least any micro-batch's
+    time. Unlike `part_bound`, it counts work at the class level's times (each micro-batch
+    timed for the bucket's heaviest samples); slightly lowered against rounding."""
+    area = longest = 0.0
+    for i in part:
+        area += tab["area_t"][i]
+        longest = max(longest, tab["longest"][i])
+    return max(area / world, longest) * (1 - FLOOR_SLACK)
+
+
+def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
+    """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
+    predicted below this."""
+    return max(float(tab["gpu_t"][first].sum()) / world, float(tab["t"][first].max())) * (1 - FLOOR_SLACK)
 
 
 def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray]):

@@ -15,7 +15,17 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_expand import Phase, deal_orders, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
-from dcparallel.plan.dcp_search import degree_bound, fits, part_bound, rows_at, rows_many, search, table
+from dcparallel.plan.dcp_search import (
+    degree_bound,
+    fits,
+    part_bound,
+    plan_floor,
+    rows_at,
+    rows_floor,
+    rows_many,
+    search,
+    table,
+)
 from dcparallel.plan.dcp_setup import SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
@@ -187,9 +197,11 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
 def test_no_allocation_is_predicted_below_its_smallest_degrees_bound(scenario, dist, world):
     """`dcp` skips the candidates of a smallest allowed degree when their bound
     (`degree_bound`: every bucket at that degree or wider) already says they cannot enter the
-    plans it keeps; that is lossless only if no allocation of such a candidate is predicted
-    below the bound. Checked on every candidate of every smallest degree, whole steps and
-    split parts, on weak-scaled steps of the scale report."""
+    plans it keeps, and one candidate when its own floor (`rows_floor`) says so; that is
+    lossless only if no allocation of such a candidate is predicted below either. Checked on
+    every candidate of every smallest degree, whole steps and split parts, on weak-scaled
+    steps of the scale report, with micro-batch times (the bucket's heaviest samples) above
+    its mean work, as in a real step."""
     sc = SCENARIOS[scenario]
     cl = sc.cluster(world)
     tps = sc.tokens_per_step * world // 32
@@ -210,6 +222,8 @@ def test_no_allocation_is_predicted_below_its_smallest_degrees_bound(scenario, d
                 got = p._allocate([int(present[i]) for i in part], rows_at(tab, c.first), c.need)
                 if got is not None:
                     assert got[0] >= bound * (1 - 1e-9), (ki, got[0], bound)
+                    assert got[0] >= rows_floor(tab, c.first, p.world), (ki, got[0])
+                    assert got[0] >= plan_floor(tab, part, p.world), (ki, got[0])
                     checked += 1
     assert checked > 10
 
@@ -511,3 +525,38 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     for s in steps:
         p._plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
+
+
+@pytest.mark.parametrize("scenario,dist,world", [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)])
+def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scenario, dist, world, monkeypatch):
+    """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, and a
+    split whose narrow part's floor (`plan_floor`) ranks it below the candidates expanded.
+    With both skips off (floors that never skip), the plans of weak-scaled steps of the scale
+    report are the same, group by group."""
+    import dcparallel.plan.dcp_scale as dcp_scale
+
+    sc = SCENARIOS[scenario]
+    cl = sc.cluster(world)
+    tps = sc.tokens_per_step * world // 32
+    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
+    asked = {"rows_floor": 0, "plan_floor": 0}
+
+    def counting(name):
+        floor = getattr(dcp_scale, name)
+
+        def ask(tab, rows, world):
+            asked[name] += 1
+            return floor(tab, rows, world)
+        return ask
+
+    for name in asked:
+        monkeypatch.setattr(dcp_scale, name, counting(name))
+    fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    # floors that never skip: -inf is below every plan
+    monkeypatch.setattr(dcp_scale, "rows_floor", lambda tab, first, world: -math.inf)
+    monkeypatch.setattr(dcp_scale, "plan_floor", lambda tab, part, world: -math.inf)
+    full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
+    assert fast == full
