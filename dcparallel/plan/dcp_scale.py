@@ -48,7 +48,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import degree_bound, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
+from dcparallel.plan.dcp_search import part_bound, plan_floor, rows, rows_at, rows_floor, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -224,13 +224,12 @@ class ScalePlanner:
         stale = 0
         done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
         for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
+            if found and self._settled(found, keep, plan_floor(tab, rows_of_part, self.world, ki)):
+                break  # no candidate here or at a wider smallest degree can enter the plans kept
             if ki == len(found_by_k):
                 found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)))[0]
-            cands = found_by_k[ki]
             improved = False
-            if cands and self._settled(found, keep, degree_bound(tab, rows_of_part, ki, self.world)):
-                cands = []  # no candidate here can enter the plans kept (nor improve the best)
-            for c in cands:
+            for c in found_by_k[ki]:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
                 got = done.get(key, False)
                 if got is False:

@@ -87,8 +87,9 @@ def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
-    step's distinct times; and per bucket and smallest allowed degree its least time and
-    GPU-seconds (the terms of `part_bound` and `degree_bound`)."""
+    step's distinct times; per bucket its least GPU-seconds (`part_bound`), and per bucket
+    and smallest allowed degree its least time and least GPU-seconds at the class level's
+    times (`plan_floor`)."""
     arrs = rows_many(p, list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
@@ -108,14 +109,9 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
     kpos = pos[a[:, 1].astype(np.int64)]
-    # per bucket and smallest degree: the least time of its rows at that degree or wider
-    least = np.full((len(lens), len(p.sp)), np.inf)
-    np.minimum.at(least, (seg, kpos), t)
-    least = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
-    # ... and its least GPU-seconds there
-    least_gpu_s = np.full((len(lens), len(p.sp)), np.inf)
-    np.minimum.at(least_gpu_s, (seg, kpos), a[:, 0])
-    least_gpu_s = np.minimum.accumulate(least_gpu_s[:, ::-1], axis=1)[:, ::-1]
+    # per bucket and smallest degree: the least time of its rows at that degree or wider,
+    # and their least GPU-seconds at those times
+    least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
     # per smallest degree, the rows some target can choose: each bucket's rows at that degree
     # or wider that are faster than every row before them (a row is chosen for T iff it is
     # the first such row with time <= T)
@@ -132,8 +128,15 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
             "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
-            "least_gpu_s": least_gpu_s, "area": least_gpu_s[:, 0].tolist(), "longest": least[:, 0].tolist(),
-            "gpu_t": gpu_t, "area_t": np.minimum.reduceat(gpu_t, starts).tolist()}
+            "area": np.minimum.reduceat(a[:, 0], starts).tolist(), "longest": least[:, 0].tolist(),
+            "gpu_t": gpu_t, "least_gpu_t": least_gpu_t}
+
+
+def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Per bucket and smallest degree index, the least x of its rows at that degree or wider."""
+    out = np.full(shape, np.inf)
+    np.minimum.at(out, (seg, kpos), x)
+    return np.minimum.accumulate(out[:, ::-1], axis=1)[:, ::-1]
 
 
 def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
@@ -147,22 +150,14 @@ def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
     return max(area / world, longest)
 
 
-def degree_bound(tab: dict, part: Sequence[int], ki: int, world: int) -> float:
-    """`part_bound` with every bucket at the `ki`-th degree or wider: no candidate of the
-    search at that smallest degree is predicted below it."""
-    return max(float(tab["least_gpu_s"][part, ki].sum()) / world, float(tab["least"][part, ki].max()))
-
-
-def plan_floor(tab: dict, part: Sequence[int], world: int) -> float:
-    """No class-level plan of a part's buckets (positions in the table) is predicted below
-    this: its groups' largest load is at least their mean, and at least any micro-batch's
-    time. Unlike `part_bound`, it counts work at the class level's times (each micro-batch
-    timed for the bucket's heaviest samples); slightly lowered against rounding."""
-    area = longest = 0.0
-    for i in part:
-        area += tab["area_t"][i]
-        longest = max(longest, tab["longest"][i])
-    return max(area / world, longest) * (1 - FLOOR_SLACK)
+def plan_floor(tab: dict, part: Sequence[int], world: int, ki: int = 0) -> float:
+    """No class-level plan of a part's buckets (positions in the table) with every bucket at
+    the `ki`-th degree or wider is predicted below this: its groups' largest load is at least
+    their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
+    the class level's times (each micro-batch timed for the bucket's heaviest samples). It
+    only rises with `ki`; slightly lowered against rounding."""
+    return max(float(tab["least_gpu_t"][part, ki].sum()) / world,
+               float(tab["least"][part, ki].max())) * (1 - FLOOR_SLACK)
 
 
 def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:

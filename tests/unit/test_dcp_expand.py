@@ -16,7 +16,6 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_expand import Phase, deal_orders, refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.dcp_search import (
-    degree_bound,
     fits,
     part_bound,
     plan_floor,
@@ -194,10 +193,10 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
 
 @pytest.mark.parametrize("scenario,dist,world",
                          [("text", "short", 1024), ("video", "balanced", 128), ("text", "long", 512)])
-def test_no_allocation_is_predicted_below_its_smallest_degrees_bound(scenario, dist, world):
-    """`dcp` skips the candidates of a smallest allowed degree when their bound
-    (`degree_bound`: every bucket at that degree or wider) already says they cannot enter the
-    plans it keeps, and one candidate when its own floor (`rows_floor`) says so; that is
+def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
+    """`dcp` stops searching wider smallest allowed degrees when their floor (`plan_floor`:
+    every bucket at that degree or wider) says no candidate there can enter the plans it
+    keeps, and skips one candidate when its own floor (`rows_floor`) says so; that is
     lossless only if no allocation of such a candidate is predicted below either. Checked on
     every candidate of every smallest degree, whole steps and split parts, on weak-scaled
     steps of the scale report, with micro-batch times (the bucket's heaviest samples) above
@@ -217,13 +216,13 @@ def test_no_allocation_is_predicted_below_its_smallest_degrees_bound(scenario, d
     checked = 0
     for part, by_k in zip(parts, search(p, tab, parts)):
         for ki, cands in enumerate(by_k):
-            bound = degree_bound(tab, part, ki, p.world)
+            floor = plan_floor(tab, part, p.world, ki)
+            assert ki == 0 or floor >= plan_floor(tab, part, p.world, ki - 1)  # it only rises
             for c in cands:
                 got = p._allocate([int(present[i]) for i in part], rows_at(tab, c.first), c.need)
                 if got is not None:
-                    assert got[0] >= bound * (1 - 1e-9), (ki, got[0], bound)
+                    assert got[0] >= floor, (ki, got[0], floor)
                     assert got[0] >= rows_floor(tab, c.first, p.world), (ki, got[0])
-                    assert got[0] >= plan_floor(tab, part, p.world), (ki, got[0])
                     checked += 1
     assert checked > 10
 
@@ -529,8 +528,9 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
 
 @pytest.mark.parametrize("scenario,dist,world", [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)])
 def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scenario, dist, world, monkeypatch):
-    """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, and a
-    split whose narrow part's floor (`plan_floor`) ranks it below the candidates expanded.
+    """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, the
+    wider smallest degrees of a part when their floor (`plan_floor`) says so, and a split
+    whose narrow part's floor ranks it below the candidates expanded.
     With both skips off (floors that never skip), the plans of weak-scaled steps of the scale
     report are the same, group by group."""
     import dcparallel.plan.dcp_scale as dcp_scale
@@ -546,9 +546,9 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     def counting(name):
         floor = getattr(dcp_scale, name)
 
-        def ask(tab, rows, world):
+        def ask(*args):
             asked[name] += 1
-            return floor(tab, rows, world)
+            return floor(*args)
         return ask
 
     for name in asked:
@@ -556,7 +556,7 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     # floors that never skip: -inf is below every plan
     monkeypatch.setattr(dcp_scale, "rows_floor", lambda tab, first, world: -math.inf)
-    monkeypatch.setattr(dcp_scale, "plan_floor", lambda tab, part, world: -math.inf)
+    monkeypatch.setattr(dcp_scale, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
