@@ -259,6 +259,14 @@ class ScalePlanner:
                 break
         return out
 
+    def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
+        """Whether a candidate predicted at `floor` or above would never be expanded: above
+        the best prediction x EXPAND_WITHIN, or ranked below the `expand_best` best (ties: the
+        earlier first)."""
+        values = sorted(c[0] for c in cands)
+        return floor > values[0] * EXPAND_WITHIN or (
+            len(values) >= self.expand_best and values[self.expand_best - 1] <= floor)
+
     @staticmethod
     def _settled(found: list, keep: int, bound: float) -> bool:
         """Whether no plan predicted at `bound` or above can change the `keep` best distinct
@@ -348,9 +356,9 @@ class ScalePlanner:
             for it in one[1]:
                 widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
             keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
-            # a candidate above the best one's prediction x EXPAND_WITHIN is never expanded:
-            # skip a split whose parts' bounds already say so (the limit only falls as
-            # candidates are added, so a split skipped now is skipped later too)
+            # a split's candidate is predicted at or above its parts' floors: skip the split
+            # where that already says it would not be expanded (`_ranked_out`; that only
+            # tightens as candidates are added, so a split skipped now is skipped later too)
             splits, seen = [], set()
             for key in keys:
                 for k in sorted(set(key.values()))[1:]:
@@ -359,21 +367,17 @@ class ScalePlanner:
                         continue
                     seen.add(tuple(wide))
                     narrow = [i for i, j in enumerate(present) if key[j] < k]
-                    if (part_bound(tab, wide, self.world) + part_bound(tab, narrow, self.world)
-                            <= min(c[0] for c in cands) * EXPAND_WITHIN):
+                    if not self._ranked_out(cands, plan_floor(tab, wide, self.world)
+                                            + plan_floor(tab, narrow, self.world)):
                         splits.append((wide, narrow))
             found = search(self, tab, [part for split in splits for part in split], first)
             for s, (wide, narrow) in enumerate(splits):
-                limit = min(c[0] for c in cands) * EXPAND_WITHIN
-                bz = part_bound(tab, narrow, self.world)
-                if part_bound(tab, wide, self.world) + bz > limit:
+                fz = plan_floor(tab, narrow, self.world)
+                if self._ranked_out(cands, plan_floor(tab, wide, self.world) + fz):
                     continue
                 a = self._plan_part(tab, wide, found[2 * s])
-                if not a or a[0][0] + bz > limit:
+                if not a or self._ranked_out(cands, a[0][0] + fz):
                     continue
-                if len(cands) >= self.expand_best and sorted(c[0] for c in cands)[self.expand_best - 1] <= (
-                        a[0][0] + plan_floor(tab, narrow, self.world)):
-                    continue  # it would rank below the candidates expanded (ties: the earlier first)
                 z = self._plan_part(tab, narrow, found[2 * s + 1])
                 if z:
                     cands.append((a[0][0] + z[0][0], [a[0], z[0]]))

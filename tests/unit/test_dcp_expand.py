@@ -494,13 +494,11 @@ def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
 
 @pytest.mark.parametrize("scenario,dist", [("text", "short"), ("video", "long")])
 def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monkeypatch):
-    """The two-phase search skips a split whose parts' bounds (`part_bound`) already exceed
-    what could be expanded; that is lossless only if no part's plan is predicted below its
-    bound. Checked, with the skipping off, on every part that planning the scale report's
-    weak 128-GPU steps searches, one phase and both parts of every split; the bound is the
-    one the part's own search uses."""
-    import dcparallel.plan.dcp_scale as dcp_scale
-
+    """The two-phase search skips a split whose parts' floors (`plan_floor`) already say its
+    candidate would not be expanded; that is lossless only if no part's plan is predicted
+    below its floor. Checked, with the skipping off, on every part that planning the scale
+    report's weak 128-GPU steps searches, one phase and both parts of every split; so is the
+    class-level bound (`part_bound`) each part's plans carry."""
     sc = SCENARIOS[scenario]
     cl = sc.cluster(128)
     tps = sc.tokens_per_step * 128 // 32
@@ -513,20 +511,23 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     def checked(self, tab, part, found_by_k, keep=1):
         out = orig(self, tab, part, found_by_k, keep)
         bound = part_bound(tab, part, self.world)
+        floor = plan_floor(tab, part, self.world)
         seen.append(len(part))
         assert all(span >= bound * (1 - 1e-9) for span, *_ in out), ([o[0] for o in out], bound)
+        assert all(span >= floor for span, *_ in out), ([o[0] for o in out], floor)
         assert all(abs(o[3] - bound) <= 1e-12 * bound for o in out)  # the search's own bound
         return out
 
     monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
-    monkeypatch.setattr(dcp_scale, "EXPAND_WITHIN", math.inf)
+    monkeypatch.setattr(ScalePlanner, "_ranked_out", lambda self, cands, floor: False)
     steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
     for s in steps:
         p._plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
 
 
-@pytest.mark.parametrize("scenario,dist,world", [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)])
+@pytest.mark.parametrize("scenario,dist,world",
+                         [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)])
 def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scenario, dist, world, monkeypatch):
     """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, the
     wider smallest degrees of a part when their floor (`plan_floor`) says so, and a split
