@@ -15,6 +15,8 @@ sample, so it fits every sample of the bucket. Per step:
    least that degree lets one phase hold a world-wide sample and the rest). The targets of
    every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
    batch of array operations per pass; a part that goes on searches the rest in its own.
+   Work that a floor (`dcp_search.plan_floor`, `rows_floor`) proves cannot change the plans
+   kept, or the candidates expanded, is skipped: the plans are those of the full search.
 2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
    degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
    a number of groups, their contents — by the longest-processing-time rule applied to
