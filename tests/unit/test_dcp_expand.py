@@ -531,9 +531,9 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
 def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scenario, dist, world, monkeypatch):
     """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, the
     wider smallest degrees of a part when their floor (`plan_floor`) says so, and a split
-    whose narrow part's floor ranks it below the candidates expanded.
-    With both skips off (floors that never skip), the plans of weak-scaled steps of the scale
-    report are the same, group by group."""
+    whose parts' floors rank it below the candidates expanded. With every skip off (floors
+    that never skip), the plans of weak-scaled steps of the scale report are the same, group
+    by group."""
     import dcparallel.plan.dcp_scale as dcp_scale
 
     sc = SCENARIOS[scenario]
