@@ -369,13 +369,12 @@ class ScalePlanner:
                         continue
                     seen.add(tuple(wide))
                     narrow = [i for i, j in enumerate(present) if key[j] < k]
-                    if not self._ranked_out(cands, plan_floor(tab, wide, self.world)
-                                            + plan_floor(tab, narrow, self.world)):
-                        splits.append((wide, narrow))
-            found = search(self, tab, [part for split in splits for part in split], first)
-            for s, (wide, narrow) in enumerate(splits):
-                fz = plan_floor(tab, narrow, self.world)
-                if self._ranked_out(cands, plan_floor(tab, wide, self.world) + fz):
+                    fw, fz = plan_floor(tab, wide, self.world), plan_floor(tab, narrow, self.world)
+                    if not self._ranked_out(cands, fw + fz):
+                        splits.append((wide, narrow, fw, fz))
+            found = search(self, tab, [part for split in splits for part in split[:2]], first)
+            for s, (wide, narrow, fw, fz) in enumerate(splits):
+                if self._ranked_out(cands, fw + fz):
                     continue
                 a = self._plan_part(tab, wide, found[2 * s])
                 if not a or self._ranked_out(cands, a[0][0] + fz):

@@ -156,14 +156,18 @@ def plan_floor(tab: dict, part: Sequence[int], world: int, ki: int = 0) -> float
     their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
     the class level's times (each micro-batch timed for the bucket's heaviest samples). It
     only rises with `ki`; slightly lowered against rounding."""
-    return max(float(tab["least_gpu_t"][part, ki].sum()) / world,
-               float(tab["least"][part, ki].max())) * (1 - FLOOR_SLACK)
+    return _floor(float(tab["least_gpu_t"][part, ki].sum()), float(tab["least"][part, ki].max()), world)
 
 
 def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
     """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
     predicted below this."""
-    return max(float(tab["gpu_t"][first].sum()) / world, float(tab["t"][first].max())) * (1 - FLOOR_SLACK)
+    return _floor(float(tab["gpu_t"][first].sum()), float(tab["t"][first].max()), world)
+
+
+def _floor(work: float, longest: float, world: int) -> float:
+    """max(GPU-seconds / world, the longest micro-batch), lowered by FLOOR_SLACK."""
+    return max(work / world, longest) * (1 - FLOOR_SLACK)
 
 
 def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray]):
