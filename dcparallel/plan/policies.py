@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, dcp_scale, packed, peers
+from dcparallel.plan import bucket, dcp_scale, flexsp, packed, peers
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp import DCPPlanner
 from dcparallel.plan.steps import Step
@@ -66,6 +66,9 @@ POLICIES: dict[str, PolicySpec] = {
                    "next power of two of tokens / rank capacity, packed, balanced per CP size", peers.build_megatron),
         PolicySpec("hbp", "reproduction of hierarchical balance packing from its description: three packing "
                    "lengths, each with its own SP degree and checkpointing, packs balanced", peers.build_hbp),
+        PolicySpec("flexsp", "reproduction of FlexSP's optimal assignment from its description: a MILP picks "
+                   "heterogeneous SP groups and assigns bucketed samples to them (small clusters: solver-bound)",
+                   _untuned(lambda ctx, score: flexsp.FlexSPPlanner(ctx))),
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
                    "GPU), planned over (bucket, count) and group classes, two-phase steps",
                    _untuned(dcp_scale.ScalePlanner)),

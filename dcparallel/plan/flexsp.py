@@ -1,0 +1,171 @@
+"""`flexsp`: FlexSP-style optimal assignment, reproduced from its published description (no
+code of theirs), as a policy of the same simulator.
+
+FlexSP (Wang et al., "Flexible Sequence Parallelism", ASPLOS 2025) forms, per step,
+heterogeneous SP groups (sizes from powers of two) over the cluster and assigns the step's
+sequences to them with a mixed-integer linear program that minimizes the slowest group's
+time, under each group's memory; sequences are bucketed by length to keep the program small,
+and the solver runs under a limit. Here:
+
+- **buckets**: the context's (`PlanContext.bucket_of`), each timed as its largest sample, so
+  a micro-batch of m samples of bucket b at SP degree k takes t(b, k, m) (copies of that
+  sample; recompute "fit", the fastest whole-model setting that fits, as for the other
+  peers), m over 1, 2, 4, ... and the most that fit (every count is a sum of those);
+- **the program**: group *slots* (up to world / k per degree k of the chain; open slots'
+  sizes sum to at most the world and, being chain sizes, tile it as aligned blocks), integer
+  counts of micro-batches of each (b, m) per slot, every sample exactly once, each slot's
+  load at most the makespan C; minimize C (HiGHS through `scipy.optimize.milp`);
+- **the limit**: `NODE_LIMIT` branch-and-bound nodes (deterministic), with `TIME_LIMIT`
+  seconds as a guard; the best solution found is used. Where the solver finds none, the step
+  is planned by a simple fallback (each sample alone at the narrowest degree every sample
+  fits, longest first to the least-loaded group) and counted in `describe()`.
+
+The program grows with slots x buckets x micro-batch sizes, so this policy runs only where it
+solves in time (small clusters: the scale report runs it at 8 and 32 GPUs). One phase: groups
+do not change within a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcparallel.plan.context import PlanContext, lpt, mbs_candidates
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+
+#: branch-and-bound nodes per step (a deterministic limit), and a wall-clock guard
+NODE_LIMIT = 2000
+TIME_LIMIT = 30.0
+#: relative optimality gap at which the solver stops
+MIP_GAP = 1e-4
+
+
+class FlexSPPlanner:
+    name = "flexsp"
+
+    def __init__(self, ctx: PlanContext, node_limit: int = NODE_LIMIT, time_limit: float = TIME_LIMIT):
+        self.ctx = ctx
+        self.world = ctx.cluster.world_size
+        self.node_limit, self.time_limit = node_limit, time_limit
+        self.mode = "fit"
+        self._times: dict = {}
+        #: per step planned: the solver's status ("optimal", "limit", "fallback")
+        self.outcomes: dict[str, int] = {}
+
+    def describe(self) -> dict:
+        return {"recompute": self.mode, "solver": "HiGHS MILP", "node_limit": self.node_limit,
+                "time_limit_s": self.time_limit, "outcomes": dict(self.outcomes)}
+
+    def _options(self, b, k: int, count: int) -> list[tuple[int, float]]:
+        """(m, t(b, k, m)) for the micro-batch sizes of bucket b at degree k: powers of two up
+        to the most that fit, and that most (`mbs_candidates`), at most the step's count; timed
+        as copies of the bucket's largest sample."""
+        key = (b, k)
+        hit = self._times.get(key)
+        if hit is None:
+            rep, ctx = self.ctx.rep[b], self.ctx
+            top = ctx.max_mbs(rep, k, self.mode)
+            hit = self._times[key] = [(m, ctx.copies_layout(rep, m, k, self.mode).time)
+                                      for m in mbs_candidates(top)] if top else []
+        return [(m, t) for m, t in hit if m <= count]
+
+    def plan(self, step: Step) -> StepPlan:
+        ctx = self.ctx
+        by_b: dict = {}
+        for i in step.sample_ids:
+            by_b.setdefault(ctx.bucket_of[i], []).append(i)
+        buckets = sorted(by_b)
+        got = self._solve(buckets, {b: len(by_b[b]) for b in buckets})
+        if got is None:
+            self.outcomes["fallback"] = self.outcomes.get("fallback", 0) + 1
+            return self._fallback(step)
+        status, slots = got
+        self.outcomes[status] = self.outcomes.get(status, 0) + 1
+        # each bucket's samples, longest first, cut into the micro-batches the slots run
+        queue = {b: sorted(ids, key=lambda i: (-ctx.tokens[i], i)) for b, ids in by_b.items()}
+        groups = []
+        for k, work in sorted(slots, key=lambda s: -s[0]):
+            mbs = []
+            for b, m, n in work:
+                for _ in range(n):
+                    ids, queue[b] = tuple(queue[b][:m]), queue[b][m:]
+                    fit = ctx.layout_for(tuple(ctx.sizes[i] for i in ids), k, self.mode)
+                    mbs.append((fit.time, MicroBatch(ids, fit.layout)))
+            mbs.sort(key=lambda x: x[0])  # shortest first, as the other planners run them
+            groups.append((k, tuple(mb for _, mb in mbs)))
+        assert not any(queue.values()), "every sample is planned once"
+        ranks = ctx.topology.tile([k for k, _ in groups])
+        plans = tuple(GroupPlan(r, groups[g][1] if g < len(groups) else ()) for g, r in enumerate(ranks))
+        return StepPlan(step.index, step.sample_ids, plans, ctx.step_tokens(step.sample_ids))
+
+    def _solve(self, buckets: list, counts: dict) -> tuple[str, list] | None:
+        """The program of the module docstring. Returns (status, [(k, [(bucket, m, n)])] per
+        open slot), or None if the solver found no solution."""
+        from scipy.optimize import Bounds, LinearConstraint, milp  # (scipy loads only when this policy plans)
+        from scipy.sparse import coo_matrix
+
+        W = self.world
+        slots = [k for k in self.ctx.sp_sizes for _ in range(W // k)]
+        var = []  # (slot, bucket, m, t)
+        for s, k in enumerate(slots):
+            for b in buckets:
+                var.extend((s, b, m, t) for m, t in self._options(b, k, counts[b]))
+        nx, ns = len(var), len(slots)
+        n = nx + ns + 1  # x..., u (slot open)..., C
+        xs = np.arange(nx)
+        vs = np.array([v[0] for v in var])
+        rows, cols, vals, lo, hi = [], [], [], [], []
+
+        def add(r, c, v):
+            rows.append(np.asarray(r) + len(lo)), cols.append(np.asarray(c)), vals.append(np.asarray(v, float))
+
+        bpos = {b: j for j, b in enumerate(buckets)}
+        add([bpos[v[1]] for v in var], xs, [v[2] for v in var])  # every sample once
+        lo += [counts[b] for b in buckets]
+        hi += [counts[b] for b in buckets]
+        add(vs, xs, [v[3] for v in var])  # a slot's load <= C
+        add(np.arange(ns), np.full(ns, n - 1), -np.ones(ns))
+        lo += [-np.inf] * ns
+        hi += [0.0] * ns
+        add(vs, xs, np.ones(nx))  # only open slots run micro-batches
+        add(np.arange(ns), nx + np.arange(ns), -float(sum(counts.values())) * np.ones(ns))
+        lo += [-np.inf] * ns
+        hi += [0.0] * ns
+        add(np.zeros(ns, dtype=int), nx + np.arange(ns), slots)  # open slots fit the world
+        lo.append(0.0)
+        hi.append(float(W))
+        same = [s for s in range(1, ns) if slots[s] == slots[s - 1]]  # a degree's slots open in order
+        add(np.arange(len(same)), nx + np.array(same, dtype=int), np.ones(len(same)))
+        add(np.arange(len(same)), nx + np.array(same, dtype=int) - 1, -np.ones(len(same)))
+        lo += [-np.inf] * len(same)
+        hi += [0.0] * len(same)
+        A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), n))
+        cost = np.zeros(n)
+        cost[-1] = 1.0
+        ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
+        integrality = np.concatenate([np.ones(nx + ns), [0]])
+        res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                   bounds=Bounds(np.zeros(n), ub),
+                   options={"node_limit": self.node_limit, "time_limit": self.time_limit, "mip_rel_gap": MIP_GAP})
+        if res.x is None:
+            return None
+        x = np.rint(res.x[:nx]).astype(int)
+        out: dict[int, list] = {}
+        for (s, b, m, _), c in zip(var, x.tolist()):
+            if c:
+                out.setdefault(s, []).append((b, m, c))
+        return ("optimal" if res.status == 0 else "limit"), [(slots[s], out[s]) for s in sorted(out)]
+
+    def _fallback(self, step: Step) -> StepPlan:
+        """Each sample alone, at the narrowest degree every sample of the step fits, longest
+        first to the least-loaded group."""
+        ctx = self.ctx
+        ids = list(step.sample_ids)
+        k = next(k for k in ctx.sp_sizes if all(ctx.copies_layout(ctx.sizes[i], 1, k, self.mode) for i in ids))
+        fits = [ctx.copies_layout(ctx.sizes[i], 1, k, self.mode) for i in ids]
+        assign, _ = lpt([f.time for f in fits], self.world // k)
+        ranks = ctx.topology.tile([k] * (self.world // k))
+        groups = tuple(GroupPlan(r, tuple(MicroBatch((ids[j],), fits[j].layout)
+                                          for j in sorted(a, key=lambda j: (fits[j].time, j))))
+                       for r, a in zip(ranks, assign))
+        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
