@@ -1,11 +1,12 @@
 """`flexsp`: FlexSP-style optimal assignment, reproduced from its published description (no
 code of theirs), as a policy of the same simulator.
 
-FlexSP (Wang et al., "Flexible Sequence Parallelism", ASPLOS 2025) forms, per step,
-heterogeneous SP groups (sizes from powers of two) over the cluster and assigns the step's
-sequences to them with a mixed-integer linear program that minimizes the slowest group's
-time, under each group's memory; sequences are bucketed by length to keep the program small,
-and the solver runs under a limit. Here:
+FlexSP (Wang et al., "FlexSP: Accelerating Large Language Model Training via Flexible
+Sequence Parallelism", ASPLOS 2025) forms, per step, heterogeneous SP groups (sizes from
+powers of two) over the cluster and assigns the step's sequences to them with a
+mixed-integer linear program that minimizes the slowest group's time, under each group's
+memory; sequences are bucketed by length to keep the program small, and the solver runs
+under a limit. Here:
 
 - **buckets**: the context's (`PlanContext.bucket_of`), each timed as its largest sample, so
   a micro-batch of m samples of bucket b at SP degree k takes t(b, k, m) (copies of that
