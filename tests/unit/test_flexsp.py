@@ -1,6 +1,7 @@
 """`flexsp` (FlexSP-style optimal assignment, `plan/flexsp.py`): its program's optimum equals
 an exhaustive search on tiny steps, its plans are lossless, tile the world and fit memory, and
-its fallback (no solution in time) plans every sample too."""
+its fallback (no solution in time) plans every sample too; random small steps (hypothesis)
+keep those properties."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 from functools import cache
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.flexsp import FlexSPPlanner
@@ -16,7 +19,7 @@ from dcparallel.plan.steps import Step, form_steps
 from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 
-from ._models import TINY_DIT, TINY_LM, cluster, cost
+from ._models import TINY_DIT, TINY_LM, cluster, cost, draw_samples
 from .test_policies import _check
 
 
@@ -120,3 +123,21 @@ def test_without_a_solution_the_fallback_plans_every_sample(monkeypatch):
     assert simulate([plan], ctx).memory_violations == 0
     assert p.outcomes == {"fallback": 1} and p.describe()["outcomes"] == {"fallback": 1}
     assert step_seconds(ctx)(plan) > 0
+
+
+@st.composite
+def small_workloads(draw):
+    """Worlds 1..8 (any GPUs per node), up to 12 samples of text or video: where the program
+    solves in well under a second."""
+    g = draw(st.sampled_from([1, 2, 4, 8]))
+    world = draw(st.integers(1, 8))
+    if world > g:
+        world -= world % g
+    model, sizes = draw_samples(draw, st, draw(st.integers(1, 12)))
+    return model, sizes, cluster(world, g), draw(st.integers(0, 3))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_workloads())
+def test_lossless_tiling_and_within_memory_on_random_small_steps(case):
+    _check(*case, ["flexsp"])
