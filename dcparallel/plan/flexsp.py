@@ -22,8 +22,8 @@ under a limit. Here:
   fits, longest first to the least-loaded group) and counted in `describe()`.
 
 The program grows with slots x buckets x micro-batch sizes, so this policy runs only where it
-solves in time (small clusters: the scale report runs it at 8 and 32 GPUs). One phase: groups
-do not change within a step.
+solves in time: clusters of at most `MAX_WORLD` GPUs (the scale report runs it at 8 and 32).
+One phase: groups do not change within a step.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ NODE_LIMIT = 2000
 TIME_LIMIT = 30.0
 #: relative optimality gap at which the solver stops
 MIP_GAP = 1e-4
+#: the largest cluster it plans for: the program has about 2 x world slots, and at 32 GPUs it
+#: already stops at the time limit on most steps
+MAX_WORLD = 64
 
 
 class FlexSPPlanner:
@@ -47,6 +50,9 @@ class FlexSPPlanner:
     def __init__(self, ctx: PlanContext, node_limit: int = NODE_LIMIT, time_limit: float = TIME_LIMIT):
         self.ctx = ctx
         self.world = ctx.cluster.world_size
+        if self.world > MAX_WORLD:
+            raise ValueError(f"flexsp solves a MILP per step whose size grows with the world; it plans for at most "
+                             f"{MAX_WORLD} GPUs (got {self.world}): compare it on a smaller cluster")
         self.node_limit, self.time_limit = node_limit, time_limit
         self.mode = "fit"
         self._times: dict = {}

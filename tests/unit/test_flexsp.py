@@ -141,3 +141,10 @@ def small_workloads(draw):
 @given(small_workloads())
 def test_lossless_tiling_and_within_memory_on_random_small_steps(case):
     _check(*case, ["flexsp"])
+
+
+def test_a_cluster_above_its_reach_is_refused_with_the_limit_named():
+    cl = cluster(128, 8)
+    ctx = PlanContext(Workload(TINY_LM, (100, 200)), cost(TINY_LM, cl), cl)
+    with pytest.raises(ValueError, match="at most 64 GPUs"):
+        FlexSPPlanner(ctx)
