@@ -164,6 +164,6 @@ def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
     steps = form_steps(wl.tokens, seed=0, epoch=0, tokens_per_step=sum(wl.tokens) // 6)
     for name in POLICIES:
         planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
-        for s in steps[:2] if name == "flexsp" else steps:  # (its MILP takes seconds per step here)
+        for s in steps[-1:] if name == "flexsp" else steps:  # (its MILP: seconds per step here)
             for mb in planner.plan(s).micro_batches():
                 assert len({batch_key(TINY_DIT, sizes[i]) for i in mb.sample_ids}) == 1, (name, mb)
