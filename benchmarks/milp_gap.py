@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import scipy
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.flexsp import slot_program
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
@@ -58,68 +58,14 @@ def heuristic_makespan(p: ScalePlanner, plan, scale: dict[int, float]) -> float:
 
 
 def solve(p: ScalePlanner, counts: dict[int, int], scale: dict[int, float], time_limit: float):
-    W = p.world
-    slots = [(k, i) for k in p.sp for i in range(W // k)]
-    var: list[tuple] = []  # ("x", slot, j, m) integer counts, ("u", slot) binary, ("C",)
-    for s, (k, _) in enumerate(slots):
-        for j, c in counts.items():
-            for m in range(1, min(c, p.top[(j, k)]) + 1):
-                var.append(("x", s, j, m))
-    for s in range(len(slots)):
-        var.append(("u", s))
-    var.append(("C",))
-    n = len(var)
-    idx = {v: i for i, v in enumerate(var)}
-    cost = np.zeros(n)
-    cost[idx[("C",)]] = 1.0
-    rows, lo, hi = [], [], []
+    """The exact program (`plan.flexsp.slot_program`) over every micro-batch size that fits,
+    timed at the class level: returns scipy's result, its seconds and its variable count."""
+    def options(j: int, k: int) -> list[tuple[int, float]]:
+        return [(m, p.ttab[(j, k)][m] * scale[j]) for m in range(1, min(counts[j], p.top[(j, k)]) + 1)]
 
-    def row():
-        r = np.zeros(n)
-        rows.append(r)
-        return r
-
-    for j, c in counts.items():  # every sample once
-        r = row()
-        for v, i in idx.items():
-            if v[0] == "x" and v[2] == j:
-                r[i] = v[3]
-        lo.append(c)
-        hi.append(c)
-    big = sum(counts.values())
-    for s, (k, _) in enumerate(slots):
-        r = row()  # load <= C
-        for v, i in idx.items():
-            if v[0] == "x" and v[1] == s:
-                r[i] = p.ttab[(v[2], k)][v[3]] * scale[v[2]]
-        r[idx[("C",)]] = -1.0
-        lo.append(-np.inf)
-        hi.append(0.0)
-        r = row()  # only open groups work
-        for v, i in idx.items():
-            if v[0] == "x" and v[1] == s:
-                r[i] = 1.0
-        r[idx[("u", s)]] = -big
-        lo.append(-np.inf)
-        hi.append(0.0)
-    r = row()  # groups fit the world
-    for s, (k, _) in enumerate(slots):
-        r[idx[("u", s)]] = k
-    lo.append(0)
-    hi.append(W)
-    for s, (_, i) in enumerate(slots):  # symmetry: slots of one size open in order
-        if i > 0:
-            r = row()
-            r[idx[("u", s)]] = 1.0
-            r[idx[("u", s - 1)]] = -1.0
-            lo.append(-np.inf)
-            hi.append(0.0)
-    integrality = np.array([0 if v[0] == "C" else 1 for v in var])
-    ub = np.array([1.0 if v[0] == "u" else (np.inf if v[0] == "C" else counts[v[2]] // v[3]) for v in var])
     t0 = time.perf_counter()
-    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(n), ub), options={"time_limit": time_limit, "mip_rel_gap": 1e-6})
-    return res, time.perf_counter() - t0, n
+    res, var, slots = slot_program(p.world, p.sp, sorted(counts), counts, options, gap=1e-6, time_limit=time_limit)
+    return res, time.perf_counter() - t0, len(var) + len(slots) + 1
 
 
 def main() -> int:

@@ -90,17 +90,19 @@ class FlexSPPlanner:
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
         # each bucket's samples, longest first, cut into the micro-batches the slots run
         queue = {b: sorted(ids, key=lambda i: (-ctx.tokens[i], i)) for b, ids in by_b.items()}
+        taken = dict.fromkeys(queue, 0)
         groups = []
         for k, work in sorted(slots, key=lambda s: -s[0]):
             mbs = []
             for b, m, n in work:
                 for _ in range(n):
-                    ids, queue[b] = tuple(queue[b][:m]), queue[b][m:]
+                    ids = tuple(queue[b][taken[b]:taken[b] + m])
+                    taken[b] += m
                     fit = ctx.layout_for(tuple(ctx.sizes[i] for i in ids), k, self.mode)
                     mbs.append((fit.time, MicroBatch(ids, fit.layout)))
             mbs.sort(key=lambda x: x[0])  # shortest first, as the other planners run them
             groups.append((k, tuple(mb for _, mb in mbs)))
-        assert not any(queue.values()), "every sample is planned once"
+        assert all(taken[b] == len(ids) for b, ids in queue.items()), "every sample is planned once"
         ranks = ctx.topology.tile([k for k, _ in groups])
         plans = tuple(GroupPlan(r, groups[g][1] if g < len(groups) else ()) for g, r in enumerate(ranks))
         return StepPlan(step.index, step.sample_ids, plans, ctx.step_tokens(step.sample_ids))
@@ -108,55 +110,12 @@ class FlexSPPlanner:
     def _solve(self, buckets: list, counts: dict) -> tuple[str, list] | None:
         """The program of the module docstring. Returns (status, [(k, [(bucket, m, n)])] per
         open slot), or None if the solver found no solution."""
-        from scipy.optimize import Bounds, LinearConstraint, milp  # (scipy loads only when this policy plans)
-        from scipy.sparse import coo_matrix
-
-        W = self.world
-        slots = [k for k in self.ctx.sp_sizes for _ in range(W // k)]
-        var = []  # (slot, bucket, m, t)
-        for s, k in enumerate(slots):
-            for b in buckets:
-                var.extend((s, b, m, t) for m, t in self._options(b, k, counts[b]))
-        nx, ns = len(var), len(slots)
-        n = nx + ns + 1  # x..., u (slot open)..., C
-        xs = np.arange(nx)
-        vs = np.array([v[0] for v in var])
-        rows, cols, vals, lo, hi = [], [], [], [], []
-
-        def add(r, c, v):
-            rows.append(np.asarray(r) + len(lo)), cols.append(np.asarray(c)), vals.append(np.asarray(v, float))
-
-        bpos = {b: j for j, b in enumerate(buckets)}
-        add([bpos[v[1]] for v in var], xs, [v[2] for v in var])  # every sample once
-        lo += [counts[b] for b in buckets]
-        hi += [counts[b] for b in buckets]
-        add(vs, xs, [v[3] for v in var])  # a slot's load <= C
-        add(np.arange(ns), np.full(ns, n - 1), -np.ones(ns))
-        lo += [-np.inf] * ns
-        hi += [0.0] * ns
-        add(vs, xs, np.ones(nx))  # only open slots run micro-batches
-        add(np.arange(ns), nx + np.arange(ns), -float(sum(counts.values())) * np.ones(ns))
-        lo += [-np.inf] * ns
-        hi += [0.0] * ns
-        add(np.zeros(ns, dtype=int), nx + np.arange(ns), slots)  # open slots fit the world
-        lo.append(0.0)
-        hi.append(float(W))
-        same = [s for s in range(1, ns) if slots[s] == slots[s - 1]]  # a degree's slots open in order
-        add(np.arange(len(same)), nx + np.array(same, dtype=int), np.ones(len(same)))
-        add(np.arange(len(same)), nx + np.array(same, dtype=int) - 1, -np.ones(len(same)))
-        lo += [-np.inf] * len(same)
-        hi += [0.0] * len(same)
-        A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), n))
-        cost = np.zeros(n)
-        cost[-1] = 1.0
-        ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
-        integrality = np.concatenate([np.ones(nx + ns), [0]])
-        res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-                   bounds=Bounds(np.zeros(n), ub),
-                   options={"node_limit": self.node_limit, "time_limit": self.time_limit, "mip_rel_gap": MIP_GAP})
+        res, var, slots = slot_program(self.world, self.ctx.sp_sizes, buckets, counts,
+                                       lambda b, k: self._options(b, k, counts[b]), gap=MIP_GAP,
+                                       time_limit=self.time_limit, node_limit=self.node_limit)
         if res.x is None:
             return None
-        x = np.rint(res.x[:nx]).astype(int)
+        x = np.rint(res.x[:len(var)]).astype(int)
         out: dict[int, list] = {}
         for (s, b, m, _), c in zip(var, x.tolist()):
             if c:
@@ -176,3 +135,61 @@ class FlexSPPlanner:
                                           for j in sorted(a, key=lambda j: (fits[j].time, j))))
                        for r, a in zip(ranks, assign))
         return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
+
+
+def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, options, *, gap: float,
+                 time_limit: float, node_limit: int | None = None):
+    """The least makespan over group slots (world / k of each degree k; open slots' sizes sum
+    to at most the world) and integer counts of micro-batches per slot: `options(b, k)` lists
+    (m, seconds) of a micro-batch of m samples of bucket b at degree k; every bucket's
+    `counts[b]` samples exactly once; each slot's load at most the makespan, which is
+    minimized (HiGHS through `scipy.optimize.milp`). Returns scipy's result, the micro-batch
+    variables as (slot, bucket, m, seconds), in the result's order, and the slots' degrees."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # (scipy loads only when a program is solved)
+    from scipy.sparse import coo_matrix
+
+    slots = [k for k in sp_sizes for _ in range(world // k)]
+    var = []  # (slot, bucket, m, t)
+    for s, k in enumerate(slots):
+        for b in buckets:
+            var.extend((s, b, m, t) for m, t in options(b, k))
+    nx, ns = len(var), len(slots)
+    n = nx + ns + 1  # x..., u (slot open)..., C
+    xs = np.arange(nx)
+    vs = np.array([v[0] for v in var], dtype=int)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(r, c, v):
+        rows.append(np.asarray(r) + len(lo)), cols.append(np.asarray(c)), vals.append(np.asarray(v, float))
+
+    bpos = {b: j for j, b in enumerate(buckets)}
+    add([bpos[v[1]] for v in var], xs, [v[2] for v in var])  # every sample once
+    lo += [counts[b] for b in buckets]
+    hi += [counts[b] for b in buckets]
+    add(vs, xs, [v[3] for v in var])  # a slot's load <= C
+    add(np.arange(ns), np.full(ns, n - 1), -np.ones(ns))
+    lo += [-np.inf] * ns
+    hi += [0.0] * ns
+    add(vs, xs, np.ones(nx))  # only open slots run micro-batches
+    add(np.arange(ns), nx + np.arange(ns), -float(sum(counts.values())) * np.ones(ns))
+    lo += [-np.inf] * ns
+    hi += [0.0] * ns
+    add(np.zeros(ns, dtype=int), nx + np.arange(ns), slots)  # open slots fit the world
+    lo.append(0.0)
+    hi.append(float(world))
+    same = [s for s in range(1, ns) if slots[s] == slots[s - 1]]  # a degree's slots open in order
+    add(np.arange(len(same)), nx + np.array(same, dtype=int), np.ones(len(same)))
+    add(np.arange(len(same)), nx + np.array(same, dtype=int) - 1, -np.ones(len(same)))
+    lo += [-np.inf] * len(same)
+    hi += [0.0] * len(same)
+    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), n))
+    cost = np.zeros(n)
+    cost[-1] = 1.0
+    ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
+    integrality = np.concatenate([np.ones(nx + ns), [0]])
+    limits = {"time_limit": time_limit, "mip_rel_gap": gap}
+    if node_limit is not None:
+        limits["node_limit"] = node_limit
+    res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(n), ub), options=limits)
+    return res, var, slots
