@@ -125,12 +125,15 @@ def _table(out: dict) -> str:
     hdr = f"{'policy':15s} {'speedup':>8s} {'tokens/s':>12s} {'step_s':>8s} {'idle':>6s} {'bound_eff':>9s} " \
           f"{'plan_ms':>8s} {'mem':>5s}  settings"
     rows.append(hdr)
+    speedup = out.get("speedup_vs_bucket")
     for k, v in out["policies"].items():
-        sp = out.get("speedup_vs_bucket", {}).get(k, float("nan"))
+        sp = f"{speedup[k]:8.2f}" if speedup else f"{'-':>8s}"
         st = {a: b for a, b in v["settings"].items() if a != "tried_s"}
-        rows.append(f"{k:15s} {sp:8.2f} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:8.3f} "
+        rows.append(f"{k:15s} {sp} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:8.3f} "
                     f"{v['idle_fraction']:6.3f} {v['lower_bound_efficiency']:9.3f} {v['plan_ms_per_step']:8.2f} "
                     f"{v['peak_memory_fraction']:5.2f}  {st}")
+    if not speedup:
+        rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
     return "\n".join(rows)
 
 

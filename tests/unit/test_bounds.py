@@ -47,7 +47,7 @@ def bounds(cells):
 
 
 def test_the_bound_rises_above_the_simple_bound_where_steps_hold_few_samples_per_gpu(cells, bounds):
-    for (scenario, dist, ctx, steps), (lb, compute) in zip(cells, bounds):
+    for (scenario, dist, _, steps), (lb, compute) in zip(cells, bounds):
         ratios = [compute[s.index] / lb.simple(s) for s in steps]
         assert min(ratios) >= 1.0 - 1e-12, (scenario, dist, ratios)
         assert max(ratios) > 1.05, (scenario, dist, ratios)  # the midpoint (text) or per-rank (video) part

@@ -63,3 +63,19 @@ def test_bad_lengths_file_is_a_clear_error(tmp_path):
     p.write_text("100\n-5\n")
     r = _run("simulate", "--lengths", str(p), "--json")
     assert r.returncode == 2 and "sample 1" in r.stderr and "positive integer" in r.stderr
+
+
+def test_table_without_bucket_says_so_instead_of_nan():
+    from dcparallel.apps.simulate import _table
+
+    row = {"settings": {}, "tokens_per_s": 1e6, "step_time_s_median": 1.5, "idle_fraction": 0.1,
+           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 2.0, "peak_memory_fraction": 0.5}
+    out = {"scenario": "text", "distribution": "short", "samples_total": 10, "steps": 2, "tokens_per_step": 1000,
+           "world": 8, "gpus_per_node": 8, "long_token_share": 0.0, "policies": {"dcp": row, "packed": row}}
+    text = _table(out)
+    assert "nan" not in text and "add --policy bucket" in text
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines()[2:4]}
+    assert lines["dcp"][1] == "-" and lines["packed"][1] == "-"
+    out["speedup_vs_bucket"] = {"dcp": 1.234, "packed": 1.0}
+    text = _table(out)
+    assert "add --policy bucket" not in text and text.splitlines()[2].split()[1] == "1.23"
