@@ -28,6 +28,11 @@ One phase: groups do not change within a step.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
+
 import numpy as np
 
 from dcparallel.plan.context import PlanContext, lpt, mbs_candidates
@@ -190,6 +195,36 @@ def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, o
     limits = {"time_limit": time_limit, "mip_rel_gap": gap}
     if node_limit is not None:
         limits["node_limit"] = node_limit
-    res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(n), ub), options=limits)
+    with c_stdout_to_stderr():
+        res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                   bounds=Bounds(np.zeros(n), ub), options=limits)
     return res, var, slots
+
+
+@contextlib.contextmanager
+def c_stdout_to_stderr():
+    """Within the block, what C code writes to the process's stdout (file descriptor 1) goes to
+    stderr: HiGHS at times prints a line from inside a MIP solve whatever its output options
+    say, which would break the JSON lines of `dcparallel plan --json` and the like. C's own
+    stdout buffer is flushed before fd 1 is restored, so buffered text goes to stderr too.
+    Python's `sys.stdout` is flushed on entry and is not to be written within the block."""
+    try:
+        libc = ctypes.CDLL(None)
+        fflush = libc.fflush
+    except (OSError, AttributeError):  # no C library to flush (not a POSIX system): leave fd 1 as is
+        yield
+        return
+    sys.stdout.flush()
+    fflush(None)
+    try:
+        saved = os.dup(1)
+    except OSError:  # fd 1 is closed: nothing to keep clean
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)

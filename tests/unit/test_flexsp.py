@@ -148,3 +148,25 @@ def test_a_cluster_above_its_reach_is_refused_with_the_limit_named():
     ctx = PlanContext(Workload(TINY_LM, (100, 200)), cost(TINY_LM, cl), cl)
     with pytest.raises(ValueError, match="at most 64 GPUs"):
         FlexSPPlanner(ctx)
+
+
+def test_solver_prints_go_to_stderr_and_stdout_keeps_only_python_output():
+    """HiGHS may print from C inside a solve; within `c_stdout_to_stderr` such prints (C's
+    buffered printf and raw writes to fd 1) reach stderr, and stdout holds only what Python
+    printed before and after (a piped stdout: C buffers it fully, so the flush matters)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import ctypes, os\n"
+            "from dcparallel.plan.flexsp import c_stdout_to_stderr\n"
+            "print('before')\n"
+            "with c_stdout_to_stderr():\n"
+            "    ctypes.CDLL(None).printf(b'from C printf\\n')\n"
+            "    os.write(1, b'raw fd 1\\n')\n"
+            "print('after')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # which unbuffers C's stdout too
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "before\nafter\n"
+    assert "from C printf" in r.stderr and "raw fd 1" in r.stderr
