@@ -25,7 +25,8 @@ sample, so it fits every sample of the bucket. Per step:
    narrow ones on their own groups over the same ranks, for each split degree; kept when
    predicted faster.
 4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
-   refined with each micro-batch's own time, and the one predicted fastest is kept.
+   refined with each micro-batch's own time, and the one predicted fastest is kept; least
+   floor first, one whose floor (`dcp_search.expanded_floor`) is above a prediction made is skipped.
 5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted well above
    the step's bound, the step is also packed sample by sample (each sample timed alone at
    every degree); the plan the score predicts faster is kept.
@@ -50,7 +51,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import part_bound, plan_floor, rows, rows_at, rows_floor, search, table
+from dcparallel.plan.dcp_search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
     EXPAND_WITHIN,
@@ -101,6 +102,7 @@ class ScalePlanner:
         self._deals: dict[tuple, list] = {}
         self._sigs: dict[tuple, int] = {}
         self._tiles: dict[tuple, list] = {}
+        self._least_gpu: dict[tuple, list] = {}  # `dcp_search.expanded_floor`'s table per set of degrees
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -382,15 +384,16 @@ class ScalePlanner:
                 z = self._plan_part(tab, narrow, found[2 * s + 1])
                 if z:
                     cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
-        # the class-level predictions rank the candidates; the best few are expanded, refined
-        # with each micro-batch's own time, and the one predicted to finish first is kept
+        # the best few candidates by class-level prediction are expanded (least floor first, none
+        # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
         cands.sort(key=lambda c: c[0])
-        best = None
-        for pre, parts in cands[: self.expand_best]:
-            if best is not None and pre > cands[0][0] * EXPAND_WITHIN:
-                break
-            got = expand(self, parts, ss)
-            if best is None or got[1] < best[1] * (1 - REL_TOL):
-                best = got
+        pool = [parts for pre, parts in cands[: self.expand_best] if pre <= cands[0][0] * EXPAND_WITHIN]
+        floors = [expanded_floor(self, parts, ss) for parts in pool]
+        got: dict[int, tuple] = {}
+        for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
+            if not got or floors[i] <= min(g[1] for g in got.values()) * (1 + REL_TOL):
+                got[i] = expand(self, pool[i], ss)
+        least = min(g[1] for g in got.values())
+        best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
         return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3]
 

@@ -14,11 +14,12 @@ are compared as integer ranks among the step's distinct times, so problems stack
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE
+from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
 from dcparallel.plan.types import ROUND_EPS
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ FLOOR_SLACK = 1e-9
 #: a search's candidates past the smallest target that fits: the first fitting target of its
 #: window, and these offsets after it
 CANDIDATE_OFFSETS = (0, 1, 2, 4, 8)
+#: `expanded_floor`'s tables kept per planner (one per set of degrees a phase uses)
+LEAST_GPU_LIMIT = 64
 
 
 def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
@@ -163,6 +166,40 @@ def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
     """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
     predicted below this."""
     return _floor(float(tab["gpu_t"][first].sum()), float(tab["t"][first].max()), world)
+
+
+def expanded_floor(p: ScalePlanner, parts, ss) -> float:
+    """No expansion of this class-level plan (`dcp_expand.expand` of `parts`, with the step's
+    samples `ss`) is predicted below this. Per phase: its groups' largest load is at least
+    their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
+    costs at least its least GPU-seconds at any degree of the phase (refining moves it within
+    its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
+    samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
+    item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
+    samples `expand` cuts it from (the next ones of its bucket, in item-class order).
+    Slightly lowered against rounding."""
+    cursor: dict[int, int] = {}
+    total = 0.0
+    cumw = ss.cumw
+    for _, items, (by_k, count), _ in parts:
+        kinds = tuple(sorted(by_k))
+        least = memo(p._least_gpu, kinds, partial(_least_gpu, p, kinds), LEAST_GPU_LIMIT)
+        work = 0.0
+        for it in items:
+            n = it.count * it.mbs
+            at = cursor.get(it.bucket, 0)
+            lo = ss.base[it.bucket] + at
+            cursor[it.bucket] = at + n
+            work += least[it.bucket][it.mbs] * float(cumw[lo + n] - cumw[lo])
+        total += work / sum(k * count[k] for k in kinds)
+    return total * (1 - FLOOR_SLACK)
+
+
+def _least_gpu(p: ScalePlanner, kinds: tuple[int, ...]) -> list[list[float]]:
+    """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
+    fit none of them)."""
+    per = np.min([k * p.ttab_arr[k] for k in kinds], axis=0)
+    return (per / np.maximum(np.arange(per.shape[1]), 1)).tolist()
 
 
 def _floor(work: float, longest: float, world: int) -> float:

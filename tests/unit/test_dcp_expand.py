@@ -561,3 +561,44 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
+
+
+@pytest.mark.parametrize("scenario,dist,world,skips,phases",
+                         [("text", "balanced", 1024, True, {1, 2}), ("video", "short", 1024, False, {1}),
+                          ("text", "long", 512, False, {1, 2})])
+def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(scenario, dist, world, skips, phases,
+                                                                                 monkeypatch):
+    """`dcp` expands its candidates least floor first and skips one whose floor
+    (`expanded_floor`) is above the best prediction made: lossless only if no expansion is
+    predicted below its floor. With the skipping off (floors of -inf), every candidate of two
+    weak-scaled steps of the scale report is expanded and checked against its real floor, one-
+    and two-phase plans; the plans with skipping on are the same, group by group, and at
+    weak 1024 text/balanced fewer candidates are expanded (`skips`; `phases`: the phase counts
+    of the plans expanded in the cell)."""
+    import dcparallel.plan.dcp_scale as dcp_scale
+
+    sc = SCENARIOS[scenario]
+    cl = sc.cluster(world)
+    tps = sc.tokens_per_step * world // 32
+    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
+    floor, expand = dcp_scale.expanded_floor, dcp_scale.expand
+    seen = {"expanded": 0, "phases": set()}
+
+    def checked(p, parts, ss):
+        got = expand(p, parts, ss)
+        assert got[1] >= floor(p, parts, ss), (got[1], floor(p, parts, ss))
+        seen["expanded"] += 1
+        seen["phases"].add(len(parts))
+        return got
+
+    monkeypatch.setattr(dcp_scale, "expand", checked)
+    fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    fast_count = seen["expanded"]
+    monkeypatch.setattr(dcp_scale, "expanded_floor", lambda p, parts, ss: -math.inf)
+    full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    full_count = seen["expanded"] - fast_count
+    assert fast == full
+    assert fast_count <= full_count and (fast_count < full_count) == skips, (fast_count, full_count)
+    assert seen["phases"] == phases, seen["phases"]
