@@ -35,6 +35,18 @@ from dcparallel.spec import Workload
 from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
 
 
+def _scale_cell(scenario: str, dist: str, world: int, steps: int, weak: bool = True,
+                epoch_steps: int | None = None) -> tuple[PlanContext, list]:
+    """A cell of the scale report: its context and first `steps` steps (the 32-GPU step budget
+    scaled with the world when `weak`), from a workload of `epoch_steps` steps' tokens (by
+    default one more than `steps`)."""
+    sc = SCENARIOS[scenario]
+    cl = sc.cluster(world)
+    tps = sc.tokens_per_step * (world // 32 if weak else 1)
+    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=(epoch_steps or steps + 1) * tps)))
+    return PlanContext(w, AnalyticCost(sc.model, cl), cl), form_steps(w.tokens, seed=0, tokens_per_step=tps)[:steps]
+
+
 def _planner(world: int, video: bool, n: int, seed: int) -> tuple[ScalePlanner, list]:
     rng = np.random.default_rng(seed)
     if video:
@@ -201,13 +213,8 @@ def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
     every candidate of every smallest degree, whole steps and split parts, on weak-scaled
     steps of the scale report, with micro-batch times (the bucket's heaviest samples) above
     its mean work, as in a real step."""
-    sc = SCENARIOS[scenario]
-    cl = sc.cluster(world)
-    tps = sc.tokens_per_step * world // 32
-    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=2 * tps)))
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    ctx, (step,) = _scale_cell(scenario, dist, world, 1)
     p = ScalePlanner(ctx, step_seconds(ctx))
-    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
     present, counts = np.unique(p.bidx[np.asarray(step.sample_ids)], return_counts=True)
     scale = {int(j): (1.0, 1.2) for j in present}
     tab = table(p, present.tolist(), counts.tolist(), scale)
@@ -447,13 +454,9 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
     seen_phases, seen_idle = set(), 0
     for world, budget, scenario, dist in [(128, "weak", "text", "short"), (256, "weak", "video", "long"),
                                           (512, "strong", "text", "balanced")]:
-        sc = SCENARIOS[scenario]
-        cl = sc.cluster(world)
-        tps = sc.tokens_per_step * (world // 32 if budget == "weak" else 1)
-        w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
-        ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+        ctx, steps = _scale_cell(scenario, dist, world, 2, weak=budget == "weak")
         p = ScalePlanner(ctx, step_seconds(ctx))
-        for s in form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]:
+        for s in steps:
             plan = p._plan(s)[0]
             assert isinstance(plan._source, PhaseGroups)
             alone = [plan.groups_of(r) for r in range(world)]
@@ -499,11 +502,7 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     below its floor. Checked, with the skipping off, on every part that planning the scale
     report's weak 128-GPU steps searches, one phase and both parts of every split; so is the
     class-level bound (`part_bound`) each part's plans carry."""
-    sc = SCENARIOS[scenario]
-    cl = sc.cluster(128)
-    tps = sc.tokens_per_step * 128 // 32
-    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=2 * tps)))
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    ctx, steps = _scale_cell(scenario, dist, 128, 2, epoch_steps=2)
     p = ScalePlanner(ctx, step_seconds(ctx))
     seen = []
     orig = ScalePlanner._plan_part
@@ -520,7 +519,6 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
 
     monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
     monkeypatch.setattr(ScalePlanner, "_ranked_out", lambda self, cands, floor: False)
-    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
     for s in steps:
         p._plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
@@ -536,12 +534,7 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     by group."""
     import dcparallel.plan.dcp_scale as dcp_scale
 
-    sc = SCENARIOS[scenario]
-    cl = sc.cluster(world)
-    tps = sc.tokens_per_step * world // 32
-    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
+    ctx, steps = _scale_cell(scenario, dist, world, 2)
     asked = {"rows_floor": 0, "plan_floor": 0}
 
     def counting(name):
@@ -577,12 +570,7 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
     of the plans expanded in the cell)."""
     import dcparallel.plan.dcp_scale as dcp_scale
 
-    sc = SCENARIOS[scenario]
-    cl = sc.cluster(world)
-    tps = sc.tokens_per_step * world // 32
-    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=3 * tps)))
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:2]
+    ctx, steps = _scale_cell(scenario, dist, world, 2)
     floor, expand = dcp_scale.expanded_floor, dcp_scale.expand
     seen = {"expanded": 0, "phases": set()}
 
