@@ -211,7 +211,7 @@ def c_stdout_to_stderr():
     try:
         libc = ctypes.CDLL(None)
         fflush = libc.fflush
-    except (OSError, AttributeError):  # no C library to flush (not a POSIX system): leave fd 1 as is
+    except (OSError, AttributeError, TypeError):  # no C library to flush (not POSIX): leave fd 1 as is
         yield
         return
     sys.stdout.flush()
