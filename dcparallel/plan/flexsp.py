@@ -207,7 +207,8 @@ def c_stdout_to_stderr():
     stderr: HiGHS at times prints a line from inside a MIP solve whatever its output options
     say, which would break the JSON lines of `dcparallel plan --json` and the like. C's own
     stdout buffer is flushed before fd 1 is restored, so buffered text goes to stderr too.
-    Python's `sys.stdout` is flushed on entry and is not to be written within the block."""
+    Python's `sys.stdout` is flushed on entry and is not to be written within the block; fd 1
+    is the whole process's, so what other threads write to stdout meanwhile goes to stderr too."""
     try:
         libc = ctypes.CDLL(None)
         fflush = libc.fflush
