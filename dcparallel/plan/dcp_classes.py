@@ -134,3 +134,15 @@ def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
                         counts.insert(i, c)
             q = 0
     return loads[-1]
+
+
+def cut_starts(items: Sequence[ItemClass], cursor: dict[int, int]) -> list[int]:
+    """Where each item class's micro-batches start among its bucket's samples (sorted longest
+    first): item classes cut their bucket's samples in order, `count * mbs` each, from
+    `cursor` (per bucket, the samples already cut: earlier phases), which is advanced."""
+    out = []
+    for it in items:
+        at = cursor.get(it.bucket, 0)
+        out.append(at)
+        cursor[it.bucket] = at + it.count * it.mbs
+    return out

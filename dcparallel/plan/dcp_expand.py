@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import GroupClass
+from dcparallel.plan.dcp_classes import GroupClass, cut_starts
 from dcparallel.plan.dcp_setup import memo
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, StepPlan, micro_batches
@@ -131,11 +131,9 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         grp = deal_orders(dealt)
         num = [sum(n * q for _, n, q in h) for _, h in dealt]
         its = [items[ic] for ic, _ in dealt]
-        first, t_one = [], []
-        for it, nm in zip(its, num):
-            first.append(cursor[it.bucket])
-            cursor[it.bucket] += it.mbs * nm
-            t_one.append(p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs)
+        assert num == [it.count for it in its], "every micro-batch of every item class is dealt"
+        first = cut_starts(its, cursor)
+        t_one = [p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs for it in its]
         m = np.repeat([it.mbs for it in its], num)
         j = np.repeat([it.bucket for it in its], num)
         within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))

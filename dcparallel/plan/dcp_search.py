@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
+from dcparallel.plan.dcp_classes import cut_starts
 from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
 from dcparallel.plan.types import ROUND_EPS
 
@@ -176,7 +177,7 @@ def expanded_floor(p: ScalePlanner, parts, ss) -> float:
     its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
     samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
     item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
-    samples `expand` cuts it from (the next ones of its bucket, in item-class order).
+    samples `expand` cuts it from (`dcp_classes.cut_starts`).
     Slightly lowered against rounding."""
     cursor: dict[int, int] = {}
     total = 0.0
@@ -185,11 +186,8 @@ def expanded_floor(p: ScalePlanner, parts, ss) -> float:
         kinds = tuple(sorted(by_k))
         least = memo(p._least_gpu, kinds, partial(_least_gpu, p, kinds), LEAST_GPU_LIMIT)
         work = 0.0
-        for it in items:
-            n = it.count * it.mbs
-            at = cursor.get(it.bucket, 0)
-            lo = ss.base[it.bucket] + at
-            cursor[it.bucket] = at + n
+        for it, at in zip(items, cut_starts(items, cursor)):
+            lo, n = ss.base[it.bucket] + at, it.count * it.mbs
             work += least[it.bucket][it.mbs] * float(cumw[lo + n] - cumw[lo])
         total += work / sum(k * count[k] for k in kinds)
     return total * (1 - FLOOR_SLACK)
