@@ -1,7 +1,7 @@
 """`dcp`'s expansion of a chosen class-level plan to sample ids and plan objects.
 
-Micro-batches are dealt to groups, refined with each micro-batch's own time, moved across SP
-degrees, and placed on ranks.
+Micro-batches are dealt to groups, refined with each micro-batch's own time and moved across
+SP degrees (the local searches of `dcp_refine`), and placed on ranks.
 
 Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
 to the groups holding that bucket (so every group gets a mix of its bucket's longer and
@@ -15,8 +15,6 @@ Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansi
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
@@ -25,18 +23,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from dcparallel.plan.dcp_classes import GroupClass, cut_starts
+from dcparallel.plan.dcp_refine import refine, spill
 from dcparallel.plan.dcp_setup import memo
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import BALANCED, MIN_GAIN, GroupPlan, StepPlan, micro_batches
+from dcparallel.plan.types import GroupPlan, StepPlan, micro_batches
 from dcparallel.spec import Layout
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
 
-#: refinement rounds per SP degree; each round pairs up to REFINE_PAIRS of the degree's most
-#: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
-REFINE_ROUNDS = 16
-REFINE_PAIRS = 256
 #: the placements of the last few distinct group-size lists are kept (steps often repeat them)
 TILE_CACHE_LIMIT = 64
 
@@ -234,164 +229,3 @@ def run_order(ph: Phase) -> np.ndarray:
         rank = np.unique(ph.t, return_inverse=True)[1].reshape(-1)
         return np.argsort((ph.grp * (n + 1) + rank) * pos + ph.start)
     return np.lexsort((ph.start, ph.t, ph.grp))
-
-
-def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
-    """Local search across degrees: move a micro-batch off the slowest group of the phase to
-    the least-loaded group of another SP degree, re-laid-out there (same samples, that
-    degree's recompute for copies of the bucket's largest sample), while the slowest
-    group's load falls. Returns the degrees whose groups it changed.
-
-    A move touches two groups, so passes over all groups cost more than it: heaps of the
-    loads (an entry is current while its load is the group's) and per-group lists of
-    micro-batches, kept from a first move on; only the slowest group's micro-batches are
-    weighed, at every other degree at once. Ties: lower group, narrower degree, earlier."""
-    kinds = sorted(set(ph.sizes))
-    touched: set[int] = set()
-    if len(kinds) < 2:
-        return touched
-    loads = ph.loads().tolist()
-    n_groups = len(loads)
-    size_of = ph.sizes
-    first = {k: size_of.index(k) for k in kinds}
-    slowest = [(-x, g) for g, x in enumerate(loads)]
-    heapq.heapify(slowest)
-    least = []  # per degree, narrowest first: its groups' (load, group)
-    for k in kinds:
-        h = [(loads[g], g) for g in range(first[k], first[k] + size_of.count(k))]
-        heapq.heapify(h)
-        least.append(h)
-    t_at = None  # [degree, micro-batch] times, once a first move is made
-    members: dict[int, list[int]] = {}  # a group's micro-batches, ascending, once it took part in a move
-    t_cur = order = bounds = None
-    keep = 1 - MIN_GAIN
-    for _ in range(max_iter):
-        while -slowest[0][0] != loads[slowest[0][1]]:
-            heapq.heappop(slowest)
-        a = slowest[0][1]
-        top = loads[a]
-        lz = []
-        for h in least:
-            while h[0][0] != loads[h[0][1]]:
-                heapq.heappop(h)
-            lz.append(h[0])
-        open_ = [kk for kk, k in enumerate(kinds) if k != size_of[a] and lz[kk][0] < top]
-        if not open_:
-            return touched
-        if t_at is None:
-            src = np.flatnonzero(ph.grp == a)
-            t_src = _times_at(p, ph, [kinds[kk] for kk in open_], src)
-            t_old = ph.t[src]
-        else:
-            src = np.array(_members(members, a, order, bounds))
-            t_src = t_at[np.array(open_)[:, None], src]
-            t_old = t_cur[src]
-        # per open degree (narrowest first) and micro-batch (in order): the larger of the two
-        # loads a move leaves; the first least one below the limit wins
-        new = np.maximum(top - t_old, np.array([lz[kk][0] for kk in open_])[:, None] + t_src).ravel()
-        best = int(new.argmin())
-        if not new[best] < top * keep:
-            return touched
-        row, i = divmod(best, len(src))
-        kk = open_[row]
-        z = lz[kk][1]
-        touched |= {size_of[a], kinds[kk]}
-        if t_at is None:
-            t_at = _times_at(p, ph, kinds, slice(None))
-            t_cur = ph.t.copy()
-            order = np.argsort(ph.grp, kind="stable")
-            bounds = np.searchsorted(ph.grp[order], np.arange(n_groups + 1)).tolist()
-            _members(members, a, order, bounds)
-        x, t = int(src[i]), float(t_src[row, i])
-        members[a].remove(x)
-        bisect.insort(_members(members, z, order, bounds), x)
-        loads[a] -= float(t_cur[x])
-        loads[z] += t
-        heapq.heappush(slowest, (-loads[a], a))
-        heapq.heappush(slowest, (-loads[z], z))
-        heapq.heappush(least[kinds.index(size_of[a])], (loads[a], a))
-        heapq.heappush(least[kk], (loads[z], z))
-        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
-        ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
-        t_cur[x] = t
-    return touched
-
-
-def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: list[int]) -> list[int]:
-    """Group g's micro-batches, ascending: kept, or read from the sort by group made at the
-    first move (a group not yet in a move still holds what it held then)."""
-    got = members.get(g)
-    if got is None:
-        got = members[g] = sorted(order[bounds[g]:bounds[g + 1]].tolist())
-    return got
-
-
-def _times_at(p: ScalePlanner, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
-    """The micro-batches `mbs` re-laid-out at every degree of `kinds`: their times there
-    ([degree, micro-batch]; inf where one does not fit)."""
-    return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
-
-
-def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
-    """Local search within one SP degree (groups `gs`), with each micro-batch timed from its
-    own samples: in rounds, the degree's most loaded groups are paired with its least loaded
-    ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
-    load falls as close to their mean as a single move or swap allows; until the most loaded
-    group is within 0.1% of the degree's mean load or no pair can improve. Returns whether it
-    stopped so (settled) rather than after its last round. `idx`: the degree's micro-batches
-    sorted by group (stable), if known."""
-    if len(gs) < 2:
-        return True
-    num, g0 = len(gs), int(gs[0])
-    if idx is None:
-        idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
-        idx = idx[np.argsort(ph.grp[idx], kind="stable")]
-    rows = ph.grp[idx] - g0
-    counts = np.bincount(rows, minlength=num)
-    slot = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
-    # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty), as positions
-    # in idx; one spare column
-    slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
-    slots[rows, slot] = np.arange(len(idx))
-    t = ph.t[idx]
-    tt = np.append(t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
-    ta_of = np.append(t, -np.inf)  # ... and one of the heavier group gives nothing
-    loads = np.bincount(rows, weights=t, minlength=num)
-    limit = float(loads.sum()) / num * BALANCED  # the mean (np.mean sums the same way)
-    changed = settled = False
-    for _ in range(REFINE_ROUNDS):
-        n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
-        if n == 0:
-            settled = True
-            break
-        order = (-loads).argsort(kind="stable")
-        a, z = order[:n], order[:-n - 1:-1]
-        la = loads[a]
-        half = (la - loads[z]) / 2
-        sz = slots[z]
-        # a move or swap of gain g is allowed iff 0 < g < the pair's gap, i.e. iff
-        # |g - gap / 2| < gap / 2, the distance it leaves between them (the same test in
-        # floats, but for gains below 2^-53 of the gap); the least distance wins
-        score = ta_of[slots[a]][:, :, None] - tt[sz][:, None, :]
-        score -= half[:, None, None]
-        score = np.abs(score, out=score).reshape(n, -1)
-        best = score.argmin(axis=1)
-        ok = (score[np.arange(n), best] < half) & (half > la * (MIN_GAIN / 2))
-        if not ok.any():
-            settled = True
-            break
-        a, z, best = a[ok], z[ok], best[ok]
-        i, jz = np.divmod(best, sz.shape[1])
-        out_a, out_z = slots[a, i], slots[z, jz]
-        g = tt[out_a] - tt[out_z]
-        loads[a] -= g
-        loads[z] += g
-        if (out_z < 0).any() and (slots[z[out_z < 0]] < 0).sum(axis=1).min() <= 1:
-            slots = np.pad(slots, ((0, 0), (0, 1)), constant_values=-1)  # keep a spare empty slot
-        slots[a, i] = out_z
-        slots[z, jz] = out_a
-        changed = True
-    if changed:
-        r, c = np.nonzero(slots >= 0)
-        ph.grp[idx[slots[r, c]]] = gs[r]
-    return settled

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_expand import Phase, deal_orders, refine, spill
+from dcparallel.plan.dcp_expand import Phase, deal_orders
+from dcparallel.plan.dcp_refine import refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
 from dcparallel.plan.dcp_search import (
     fits,
