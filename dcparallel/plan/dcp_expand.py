@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -56,16 +55,19 @@ class Phase:
         return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
 
-def deal_orders(held: list[tuple[int, list[tuple[int, int, int]]]]) -> np.ndarray:
-    """The group of each micro-batch of every item class `ic` of `held`, in sample order, the
-    classes concatenated in their order there: round by round over the groups still holding
-    some of the class (`holders`: first group, count, micro-batches per group), alternating
-    direction and rotated per class, so each group gets longer and shorter samples of the
-    bucket. In a few array operations: each (group, round) pair is one micro-batch, placed by
-    its position among its class's groups in that round."""
-    hc = np.repeat(np.arange(len(held)), [len(h) for _, h in held])
-    g0, n, per = np.fromiter(chain.from_iterable(x for _, h in held for x in h), dtype=np.int64).reshape(-1, 3).T
-    ics = np.array([ic for ic, _ in held], dtype=np.int64)
+def deal_orders(holders: np.ndarray) -> np.ndarray:
+    """The group of each micro-batch of every item class, in sample order, the classes
+    concatenated in their order in `holders`: rows (item class, first group, count,
+    micro-batches per group), one per range of alike groups holding some of the class, a
+    class's rows consecutive. Round by round over the groups still holding some of the class,
+    alternating direction and rotated per class, so each group gets longer and shorter samples
+    of the bucket. In a few array operations: each (group, round) pair is one micro-batch,
+    placed by its position among its class's groups in that round."""
+    ic, g0, n, per = holders.T
+    new = np.ones(len(ic), dtype=bool)
+    new[1:] = ic[1:] != ic[:-1]
+    hc = np.cumsum(new) - 1  # each row's class, numbered in order
+    ics = ic[new]
     # one row per group holding a class: the class, the group, its micro-batches of the class
     rows = int(n.sum())
     rc, rper = np.repeat(hc, n), np.repeat(per, n)
@@ -115,17 +117,21 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
             for gc in _by_load(gclasses[k]):
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
-        held: dict[int, list[tuple[int, int, int]]] = {}  # item class -> its groups (first, count, per group)
+        flat: list[int] = []  # per group class and item class it holds: (item class, first group, count, per group)
         for g0, _, gc in ranges:
+            c = gc.count
             for ic, q in gc.items.items():
                 if q:
-                    held.setdefault(ic, []).append((g0, gc.count, q))
+                    flat += (ic, g0, c, q)
+        holders = np.array(flat, dtype=np.int64).reshape(-1, 4)
+        holders = holders[np.argsort(holders[:, 0], kind="stable")]  # by item class, then group
         # each item class's micro-batches cut from its bucket's samples in order (a cursor per
         # bucket), dealt to its groups
-        dealt = [(ic, held[ic]) for ic in range(len(items)) if ic in held]
-        grp = deal_orders(dealt)
-        num = [sum(n * q for _, n, q in h) for _, h in dealt]
-        its = [items[ic] for ic, _ in dealt]
+        grp = deal_orders(holders)
+        dealt, at = np.unique(holders[:, 0], return_index=True)
+        num = np.add.reduceat(holders[:, 2] * holders[:, 3], at).tolist()
+        dealt = dealt.tolist()
+        its = [items[ic] for ic in dealt]
         assert num == [it.count for it in its], "every micro-batch of every item class is dealt"
         first = cut_starts(its, cursor)
         t_one = [p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs for it in its]
@@ -135,7 +141,7 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
         w = ss.cumw[lo + m] - ss.cumw[lo]
         ph = Phase(sizes, grp, np.repeat([ss.offset[it.bucket] for it in its], num) + within, m, j,
-                   np.repeat([ic for ic, _ in dealt], num), np.repeat(t_one, num) * w, w / m,
+                   np.repeat(dealt, num), np.repeat(t_one, num) * w, w / m,
                    [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
