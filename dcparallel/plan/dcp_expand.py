@@ -152,7 +152,7 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         for k in spill(p, ph):
             settled.discard(k)
         for k in gclasses:
-            if k not in settled:  # refining a settled degree again would change nothing
+            if k not in settled:  # settled: no pair could improve, or its slowest group stopped getting lighter
                 refine(ph, of_k[k])
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 #: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
 REFINE_ROUNDS = 16
 REFINE_PAIRS = 256
+#: ... and stops once the degree's most loaded group has not got lighter for this many rounds
+REFINE_STALL = 3
 
 
 def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
@@ -124,9 +126,11 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     own samples: in rounds, the degree's most loaded groups are paired with its least loaded
     ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
     load falls as close to their mean as a single move or swap allows; until the most loaded
-    group is within 0.1% of the degree's mean load or no pair can improve. Returns whether it
-    stopped so (settled) rather than after its last round. `idx`: the degree's micro-batches
-    sorted by group (stable), if known."""
+    group is within 0.1% of the degree's mean load, no pair can improve, or the most loaded
+    group has not got lighter for `REFINE_STALL` rounds (the rounds after that only balance
+    lighter groups: the degree's time is its slowest group's). Returns whether it stopped so
+    (settled) rather than after its last round. `idx`: the degree's micro-batches sorted by
+    group (stable), if known."""
     if len(gs) < 2:
         return True
     num, g0 = len(gs), int(gs[0])
@@ -146,12 +150,20 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     loads = np.bincount(rows, weights=t, minlength=num)
     limit = float(loads.sum()) / num * BALANCED  # the mean (np.mean sums the same way)
     changed = settled = False
+    top, stall = np.inf, 0
     for _ in range(REFINE_ROUNDS):
         n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
         if n == 0:
             settled = True
             break
         order = (-loads).argsort(kind="stable")
+        if loads[order[0]] < top:
+            top, stall = loads[order[0]], 0
+        else:
+            stall += 1
+            if stall == REFINE_STALL:
+                settled = True
+                break
         a, z = order[:n], order[:-n - 1:-1]
         la = loads[a]
         half = (la - loads[z]) / 2

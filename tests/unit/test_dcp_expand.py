@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.plan import dcp_refine
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_expand import Phase, deal_orders
 from dcparallel.plan.dcp_refine import refine, spill
@@ -311,6 +312,28 @@ def test_refine_balances_what_one_move_or_swap_can_balance():
                np.zeros(3, dtype=np.int64), np.array([3.0, 1.0, 1.0]), np.ones(3), [None])
     refine(ph, np.arange(2))
     assert sorted(ph.loads().tolist()) == [2.0, 3.0]
+
+
+def test_refine_stops_once_the_slowest_group_stops_getting_lighter(monkeypatch):
+    # group 0 holds one micro-batch of 100 that no move or swap can help; group 1 holds 40 of
+    # 1, which go one per round to the empty groups 2..8 (the only pair that can improve)
+    def phase():
+        t = np.array([100.0] + [1.0] * 40)
+        n = len(t)
+        return Phase([1] * 9, np.array([0] + [1] * 40), np.arange(n), np.ones(n, dtype=np.int64),
+                     np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), t, np.ones(n), [None])
+
+    ph = phase()
+    assert refine(ph, np.arange(9)), "stopped by the stall, so settled"
+    loads = ph.loads()
+    assert loads[0] == 100.0
+    # one moves per round; the round that finds group 0 no lighter for the REFINE_STALL-th time
+    # stops before moving, so REFINE_STALL moved
+    assert loads[1] == 40 - dcp_refine.REFINE_STALL, loads
+    monkeypatch.setattr(dcp_refine, "REFINE_STALL", dcp_refine.REFINE_ROUNDS + 1)
+    ph = phase()
+    assert not refine(ph, np.arange(9)), "ran out of rounds"
+    assert ph.loads()[1] == 40 - dcp_refine.REFINE_ROUNDS
 
 
 def test_refine_leaves_other_degrees_alone():
