@@ -157,8 +157,9 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
             settled = True
             break
         order = (-loads).argsort(kind="stable")
-        if loads[order[0]] < top:
-            top, stall = loads[order[0]], 0
+        head = loads[order[0]]  # the degree's slowest group
+        if head < top:
+            top, stall = head, 0
         else:
             stall += 1
             if stall == REFINE_STALL:

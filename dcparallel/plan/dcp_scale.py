@@ -390,10 +390,11 @@ class ScalePlanner:
         pool = [parts for pre, parts in cands[: self.expand_best] if pre <= cands[0][0] * EXPAND_WITHIN]
         floors = [expanded_floor(self, parts, ss) for parts in pool]
         got: dict[int, tuple] = {}
+        least = math.inf  # the least prediction made
         for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
-            if not got or floors[i] <= min(g[1] for g in got.values()) * (1 + REL_TOL):
+            if floors[i] <= least * (1 + REL_TOL):
                 got[i] = expand(self, pool[i], ss)
-        least = min(g[1] for g in got.values())
+                least = min(least, got[i][1])
         best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
         return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3]
 
