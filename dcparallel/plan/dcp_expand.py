@@ -117,14 +117,16 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
             for gc in _by_load(gclasses[k]):
                 ranges.append((len(sizes), k, gc))
                 sizes.extend([k] * gc.count)
-        flat: list[int] = []  # per group class and item class it holds: (item class, first group, count, per group)
+        # per group class and item class it holds: (item class, first group, count, per group)
+        ics, per, g0s, cs, held = [], [], [], [], []
         for g0, _, gc in ranges:
-            c = gc.count
-            for ic, q in gc.items.items():
-                if q:
-                    flat += (ic, g0, c, q)
-        holders = np.array(flat, dtype=np.int64).reshape(-1, 4)
-        holders = holders[np.argsort(holders[:, 0], kind="stable")]  # by item class, then group
+            ics.extend(gc.items)
+            per.extend(gc.items.values())
+            g0s.append(g0)
+            cs.append(gc.count)
+            held.append(len(gc.items))
+        holders = np.column_stack((ics, np.repeat(g0s, held), np.repeat(cs, held), per)).astype(np.int64, copy=False)
+        holders = holders[holders[:, 0].argsort(kind="stable")]  # by item class, then group
         # each item class's micro-batches cut from its bucket's samples in order (a cursor per
         # bucket), dealt to its groups
         grp = deal_orders(holders)

@@ -37,7 +37,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
     weighed, at every other degree at once. Ties: lower group, narrower degree, earlier."""
     kinds = sorted(set(ph.sizes))
     touched: set[int] = set()
-    if len(kinds) < 2:
+    if len(kinds) < 2 or not _first_move(p, ph, kinds):
         return touched
     loads = ph.loads().tolist()
     n_groups = len(loads)
@@ -75,9 +75,7 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
             src = np.array(_members(members, a, order, bounds))
             t_src = t_at[np.array(open_)[:, None], src]
             t_old = t_cur[src]
-        # per open degree (narrowest first) and micro-batch (in order): the larger of the two
-        # loads a move leaves; the first least one below the limit wins
-        new = np.maximum(top - t_old, np.array([lz[kk][0] for kk in open_])[:, None] + t_src).ravel()
+        new = _left(top, t_old, [lz[kk][0] for kk in open_], t_src)
         best = int(new.argmin())
         if not new[best] < top * keep:
             return touched
@@ -104,6 +102,34 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         t_cur[x] = t
     return touched
+
+
+def _first_move(p: ScalePlanner, ph: Phase, kinds: list[int]) -> bool:
+    """Whether `spill` makes a first move: its first round with arrays, without the heaps
+    (most phases make none, and the heaps cost more than this)."""
+    loads = ph.loads()
+    a = int(loads.argmax())  # the slowest group, the lowest of ties
+    top = loads[a]
+    open_, least = [], []
+    for k in kinds:
+        if k == ph.sizes[a]:
+            continue
+        g0 = ph.sizes.index(k)
+        low = loads[g0:g0 + ph.sizes.count(k)].min()
+        if low < top:
+            open_.append(k)
+            least.append(low)
+    if not open_:
+        return False
+    src = (ph.grp == a).nonzero()[0]
+    return bool(_left(top, ph.t[src], least, _times_at(p, ph, open_, src)).min() < top * (1 - MIN_GAIN))
+
+
+def _left(top: float, t_old: np.ndarray, least: list[float], t_src: np.ndarray) -> np.ndarray:
+    """Per open degree (narrowest first) and micro-batch of the slowest group (in order): the
+    larger of the two loads moving it leaves (`least`: each open degree's least load); the
+    first least one below the limit wins."""
+    return np.maximum(top - t_old, np.array(least)[:, None] + t_src).ravel()
 
 
 def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: list[int]) -> list[int]:
@@ -139,7 +165,7 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
         idx = idx[np.argsort(ph.grp[idx], kind="stable")]
     rows = ph.grp[idx] - g0
     counts = np.bincount(rows, minlength=num)
-    slot = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
+    slot = np.arange(len(idx)) - (counts.cumsum() - counts).repeat(counts)
     # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty), as positions
     # in idx; one spare column
     slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
@@ -152,12 +178,13 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     changed = settled = False
     top, stall = np.inf, 0
     for _ in range(REFINE_ROUNDS):
-        n = min(int(np.count_nonzero(loads > limit)), num // 2, REFINE_PAIRS)
+        n = min(int((loads > limit).sum()), num // 2, REFINE_PAIRS)
         if n == 0:
             settled = True
             break
         order = (-loads).argsort(kind="stable")
-        head = loads[order[0]]  # the degree's slowest group
+        ls = loads[order]
+        head = ls[0]  # the degree's slowest group
         if head < top:
             top, stall = head, 0
         else:
@@ -166,8 +193,8 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
                 settled = True
                 break
         a, z = order[:n], order[:-n - 1:-1]
-        la = loads[a]
-        half = (la - loads[z]) / 2
+        la = ls[:n]
+        half = (la - ls[:-n - 1:-1]) / 2
         sz = slots[z]
         # a move or swap of gain g is allowed iff 0 < g < the pair's gap, i.e. iff
         # |g - gap / 2| < gap / 2, the distance it leaves between them (the same test in
@@ -177,10 +204,11 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
         score = np.abs(score, out=score).reshape(n, -1)
         best = score.argmin(axis=1)
         ok = (score[np.arange(n), best] < half) & (half > la * (MIN_GAIN / 2))
-        if not ok.any():
-            settled = True
-            break
-        a, z, best = a[ok], z[ok], best[ok]
+        if not ok.all():
+            if not ok.any():
+                settled = True
+                break
+            a, z, best = a[ok], z[ok], best[ok]
         i, jz = np.divmod(best, sz.shape[1])
         out_a, out_z = slots[a, i], slots[z, jz]
         g = tt[out_a] - tt[out_z]
@@ -192,6 +220,6 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
         slots[z, jz] = out_a
         changed = True
     if changed:
-        r, c = np.nonzero(slots >= 0)
+        r, c = (slots >= 0).nonzero()
         ph.grp[idx[slots[r, c]]] = gs[r]
     return settled

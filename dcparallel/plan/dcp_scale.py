@@ -341,7 +341,7 @@ class ScalePlanner:
         cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
         base = np.arange(len(present)) + starts
         for x, c in zip(base.tolist(), counts):
-            np.cumsum(cumw[x:x + c + 1], out=cumw[x:x + c + 1])
+            cumw[x:x + c + 1].cumsum(out=cumw[x:x + c + 1])
         ss = StepSamples(dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw,
                          dict(zip(present, base.tolist())))
         wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)

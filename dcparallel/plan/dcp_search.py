@@ -81,11 +81,13 @@ def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
     total = full * t + tr
     k = p._spa[kp]
     a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
-    o = np.lexsort((ms, k, a[:, 0], pr))
-    a, pr = a[o], pr[o]
-    out = np.split(a, np.flatnonzero(np.diff(pr)) + 1)
-    assert len(out) == len(pairs), "every bucket fits at its widest degree"
-    return out
+    # the rows are in (pair, degree, size) order (the degrees ascend: a chain), so a stable
+    # sort by (pair, GPU-seconds) breaks ties by degree, then size
+    o = np.lexsort((a[:, 0], pr))
+    a = a[o]
+    ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
+    assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
+    return [a[i:j] for i, j in zip(ends, ends[1:])]
 
 
 def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
@@ -307,7 +309,7 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
         if len(part) < len(tab["lens"]):
             mine = np.zeros(len(tab["lens"]), dtype=bool)
             mine[part] = True
-            rows_q = np.flatnonzero(mine[tab["seg"]])
+            rows_q = mine[tab["seg"]].nonzero()[0]
         else:
             rows_q = np.arange(tab["n"])
         hit = (tab["kpos"][rows_q][None, :] >= live[:, None]) & (tab["t"][rows_q][None, :] >= floor[live][:, None])
@@ -316,7 +318,7 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
         mark[li, tab["rank"][rows_q][ri]] = True
         for x, ki in enumerate(live.tolist()):
             problems.append((part, ki, q))
-            ranks.append(np.flatnonzero(mark[x]))
+            ranks.append(mark[x].nonzero()[0])
     if not problems:
         return out
     grids = [_coarse(len(r)) for r in ranks]
@@ -327,23 +329,22 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
         if not f.any():
             windows.append(None)
             continue
-        i = int(np.argmax(f))
+        i = int(f.argmax())
         lo = int(g[i - 1]) + 1 if i > 0 else 0
         windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + 9)))
     live = [x for x, w in enumerate(windows) if w is not None]
     if live:
         fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in live], [ranks[x][windows[x]] for x in live])
-        km = tab["a"][:, 1:3]
         for y, x in enumerate(live):
             part, ki, q = problems[x]
             f = fit[y, :len(windows[x])]
-            at = int(np.argmax(f))
+            at = int(f.argmax())
             got, seen = [], set()
             for i in (at + d for d in CANDIDATE_OFFSETS):
                 if i >= len(f) or not f[i]:
                     continue
                 rows_i = first[pfirst[y]:pfirst[y] + len(part), i]
-                sig = km[rows_i].tobytes()
+                sig = rows_i.tobytes()  # a bucket's rows are distinct (degree, size) pairs
                 if sig not in seen:
                     seen.add(sig)
                     got.append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]), rows_i, _needs(p, need[y, i])))
