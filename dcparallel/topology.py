@@ -11,6 +11,12 @@ model of ``num_heads`` attention heads (Ulysses splits heads, so ``k`` divides t
 - **the chain** (`chain`): the longest run of allowed sizes in which each divides the next.
   Groups of chain sizes placed largest first at consecutive offsets are always aligned,
   so any mix of them tiles the world (`tile`);
+- **the mix** (`mix`): the sizes `dcp` may mix within one step — every allowed size inside a
+  node, and the chain's sizes beyond one node. Where the sizes inside a node are not one
+  chain (SP 3 or 6 beside 2 and 4 on 6- or 12-GPU nodes with heads that allow them), groups
+  of mixed sizes are packed node by node (`fits`, `tile`): whole-node groups first, then the
+  rest largest first, each at the first aligned offset free in the first node with one;
+  ranks a packing leaves free are idle groups of one rank;
 - **static sizes** (`static_sizes`): chain sizes whose blocks tile the world alone (the
   static baselines' data-parallel blocks, `data_parallel`).
 
@@ -69,6 +75,9 @@ class Topology:
     sizes: tuple[int, ...] = field(init=False)
     #: the divisibility chain of allowed sizes the planners mix within one step
     chain: tuple[int, ...] = field(init=False)
+    #: the sizes `dcp` mixes within one step: every allowed size inside a node and the
+    #: chain's beyond it (the chain itself where the sizes inside a node are one chain)
+    mix: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_heads < 1:
@@ -76,6 +85,8 @@ class Topology:
         cluster = self.cluster  # validates world size and whole nodes
         object.__setattr__(self, "sizes", tuple(group_sizes(cluster, self.num_heads)))
         object.__setattr__(self, "chain", tuple(sp_chain(cluster, self.num_heads)))
+        g = self.gpus_per_node
+        object.__setattr__(self, "mix", tuple(k for k in self.sizes if k <= g or k in self.chain))
 
     @staticmethod
     def of(cluster: ClusterSpec, num_heads: int) -> Topology:
@@ -109,16 +120,97 @@ class Topology:
         return [tuple(range(s, s + sp)) for s in range(0, self.world_size, sp)]
 
     def tile(self, sizes_desc: Sequence[int]) -> list[tuple[int, ...]]:
-        """Aligned blocks for group sizes of the chain given largest first, placed at
-        consecutive offsets (a divisibility chain keeps each aligned); ranks left uncovered
-        become groups of one rank."""
-        out, pos = [], 0
+        """Aligned blocks for group sizes given largest first (in that order), then the ranks
+        left uncovered as groups of one rank, ascending. Chain sizes are placed at consecutive
+        offsets (a divisibility chain keeps each aligned); other sizes of `mix` are packed node
+        by node (`fits`)."""
+        if set(sizes_desc) <= set(self.chain):
+            out, pos = [], 0
+            for k in sizes_desc:
+                if pos % k or pos + k > self.world_size:
+                    raise ValueError(f"group sizes {list(sizes_desc)} do not tile a world of {self.world_size} "
+                                     f"as aligned blocks: give chain sizes ({list(self.chain)}), largest first, "
+                                     f"summing to at most the world")
+                out.append(tuple(range(pos, pos + k)))
+                pos += k
+            out.extend((r,) for r in range(pos, self.world_size))
+            return out
+        if list(sizes_desc) != sorted(sizes_desc, reverse=True):
+            raise ValueError(f"group sizes {list(sizes_desc)} are not given largest first")
+        counts: dict[int, int] = {}
         for k in sizes_desc:
-            if pos % k or pos + k > self.world_size:
-                raise ValueError(f"group sizes {list(sizes_desc)} do not tile a world of {self.world_size} "
-                                 f"as aligned blocks: give chain sizes ({list(self.chain)}), largest first, "
-                                 f"summing to at most the world")
-            out.append(tuple(range(pos, pos + k)))
-            pos += k
-        out.extend((r,) for r in range(pos, self.world_size))
+            counts[k] = counts.get(k, 0) + 1
+        packed = self._pack(counts)
+        if packed is None:
+            raise ValueError(f"group sizes {list(sizes_desc)} do not pack into a world of {self.world_size} "
+                             f"({self.gpus_per_node} GPUs per node) as aligned blocks of sizes {list(self.mix)}; "
+                             f"check `Topology.fits` before placing")
+        wide, runs = packed
+        starts: dict[int, list[int]] = {}
+        pos = 0
+        for k in sizes_desc:
+            if k > self.gpus_per_node:
+                starts.setdefault(k, []).append(pos)
+                pos += k
+        node = pos
+        for fill, repeats in runs:
+            for _ in range(repeats):
+                for k, off in fill:
+                    starts.setdefault(k, []).append(node + off)
+                node += self.gpus_per_node
+        assert pos == wide
+        taken = dict.fromkeys(starts, 0)  # the groups of each size placed so far: its slots in order
+        out, used = [], [False] * self.world_size
+        for k in sizes_desc:
+            s = starts[k][taken[k]]
+            taken[k] += 1
+            out.append(tuple(range(s, s + k)))
+            used[s:s + k] = [True] * k
+        out.extend((r,) for r in range(self.world_size) if not used[r])
         return out
+
+    def fits(self, counts: dict[int, int]) -> bool:
+        """Whether groups of these sizes (size -> how many) are placed by `tile`: on a chain,
+        whether they sum to at most the world; otherwise whether the node-by-node packing
+        (`tile`) finds room for all of them."""
+        if set(counts) <= set(self.chain):
+            return sum(k * n for k, n in counts.items()) <= self.world_size
+        return self._pack(counts) is not None
+
+    def _pack(self, counts: dict[int, int]) -> tuple[int, list[tuple[list[tuple[int, int]], int]]] | None:
+        """The packing `tile` places: the ranks the whole-node groups take (consecutive from
+        rank 0, largest first), and the nodes after them as runs of alike nodes, each a fill
+        ((size, offset in the node), ...) and how many nodes in a row take it; None if some
+        group finds no room. A node is filled largest first, each group at the first aligned
+        offset free; a fill repeats while every size it holds has that many groups left."""
+        g = self.gpus_per_node
+        if any(n and k not in self.mix for k, n in counts.items()):
+            bad = sorted(k for k, n in counts.items() if n and k not in self.mix)
+            raise ValueError(f"SP sizes {bad} are not among the sizes groups may mix here ({list(self.mix)})")
+        wide = sum(k * n for k, n in counts.items() if k > g)
+        if wide > self.world_size:
+            return None
+        cap = min(g, self.world_size)
+        nodes = (self.world_size - wide) // cap
+        rem = {k: n for k, n in sorted(counts.items(), reverse=True) if k <= g and n}
+        runs: list[tuple[list[tuple[int, int]], int]] = []
+        while rem:
+            if nodes == 0:
+                return None
+            busy, fill, took = 0, [], {}
+            for k, n in rem.items():
+                block = (1 << k) - 1
+                for off in range(0, cap - k + 1, k):
+                    if took.get(k, 0) == n:
+                        break
+                    if not busy & (block << off):
+                        busy |= block << off
+                        fill.append((k, off))
+                        took[k] = took.get(k, 0) + 1
+            repeats = min(nodes, min(rem[k] // x for k, x in took.items()))
+            runs.append((fill, repeats))
+            nodes -= repeats
+            for k, x in took.items():
+                rem[k] -= x * repeats
+            rem = {k: n for k, n in rem.items() if n}
+        return wide, runs

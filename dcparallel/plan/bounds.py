@@ -1,7 +1,8 @@
 """The lower bound of a step and the epoch efficiency of a policy (docs/design.md, "Lower bound and efficiency").
 
 The layout model: a micro-batch runs on a group of k ranks (an SP degree of the context) for
-its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). Per sample s
+its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). The degrees
+are every one a planner may use (`PlanContext.mix_sizes`). Per sample s
 and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds per sample
 of micro-batches of copies of s at k (time * k / m over the micro-batch sizes 1, 2, 4, ... and
 the largest that fits, up to 64; the fastest recompute that fits). A micro-batch of time d at
@@ -82,9 +83,9 @@ class LowerBound:
         if hit is not None:
             return hit
         ctx = self.ctx
-        f = np.full(len(ctx.sp_sizes), np.inf)
-        g = np.full(len(ctx.sp_sizes), np.inf)
-        for j, k in enumerate(ctx.sp_sizes):
+        f = np.full(len(ctx.mix_sizes), np.inf)
+        g = np.full(len(ctx.mix_sizes), np.inf)
+        for j, k in enumerate(ctx.mix_sizes):
             top = ctx.max_mbs(size, k, "pac")
             if top == 0:
                 continue
@@ -154,7 +155,7 @@ class LowerBound:
         """The midpoint compute bound (the module docstring): on the first interval between
         breakpoints (found by binary search) whose LP value fits, max(its start, V / world)."""
         f, g, cnt = self._tables(step)
-        sp = np.asarray(self.ctx.sp_sizes, dtype=float)
+        sp = np.asarray(self.ctx.mix_sizes, dtype=float)
         world = float(self.world)
         b = breakpoints(f)
         ends = np.append(b[1:], np.inf)
@@ -192,7 +193,7 @@ class LowerBound:
         out = []
         for sizes in shapes.values():
             uniq, rows = set(sizes), []
-            for k in ctx.sp_sizes:
+            for k in ctx.mix_sizes:
                 # any number of copies that fits, not only the planners' 64 (`packed` stacks more)
                 tops = {z: ctx.max_mbs(z, k, "pac", cap=len(sizes)) for z in uniq}
                 for m in range(1, min(max(tops.values()), len(sizes)) + 1):

@@ -53,16 +53,23 @@ class PlanContext:
         self.budget = float(cluster.memory_bytes)
         #: the group geometry every planner places its groups with
         self.topology = Topology.of(cluster, self.model.num_heads)
-        chain = list(self.topology.chain)
         supported = cost.sp_sizes
-        if supported is not None:
-            chain = [k for k in chain if k in supported]
-        if sp_sizes is not None:
-            chain = [k for k in chain if k in set(sp_sizes)]
+
+        def usable(sizes: Sequence[int]) -> list[int]:
+            return [k for k in sizes if (supported is None or k in supported)
+                    and (sp_sizes is None or k in set(sp_sizes))]
+
+        chain = usable(self.topology.chain)
         if not chain:
             raise ValueError(f"no usable SP degree: chain {list(self.topology.chain)}, "
                              f"cost model supports {supported}, asked for {sp_sizes}")
+        #: the SP degrees the planners use: the topology's chain (groups of any mix of them tile
+        #: the world), less those the cost model cannot price or the caller left out
         self.sp_sizes: list[int] = chain
+        #: the degrees `dcp` mixes (`Topology.mix`, filtered the same way): the chain, and on
+        #: nodes whose sizes are not one chain the other sizes inside a node too; the lower
+        #: bounds take these
+        self.mix_sizes: list[int] = usable(self.topology.mix)
         self.sizes = workload.sizes
         self.tokens = workload.tokens
         #: the class a micro-batch's samples share (`spec.batch_key`: video, one latent shape)

@@ -15,6 +15,7 @@ Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansi
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -177,55 +178,72 @@ def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int
     read."""
     out = []
     for ph in phases:
-        memo(p._tiles, tuple(ph.sizes), partial(p.ctx.topology.tile, ph.sizes), TILE_CACHE_LIMIT)  # validates
+        starts = memo(p._tiles, tuple(ph.sizes), partial(_starts, p.ctx.topology, ph.sizes), TILE_CACHE_LIMIT)
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
-        out.append((tuple(ph.sizes), ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
+        out.append((tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
     return StepPlan(step.index, step.sample_ids, PhaseGroups(p.world, ids, tuple(out)), num_tokens)
+
+
+def _starts(topology, sizes: list[int]) -> tuple[int, ...]:
+    """Each group's first rank, as `Topology.tile` places groups of these sizes (validates)."""
+    return tuple(b[0] for b in topology.tile(sizes)[:len(sizes)])
 
 
 @dataclass(frozen=True)
 class PhaseGroups:
     """A `dcp` step's groups as arrays (a `plan.types.GroupSource`): per phase, its group sizes
-    (widest first, placed as aligned blocks from rank 0 on; ranks past them are idle groups of
-    one rank), each group's end among the phase's micro-batches, and the micro-batches in run
-    order: first position in `ids` (the step's sample ids as sorted for planning), samples,
-    layout (an index into the phase's layouts)."""
+    (widest first) and first ranks (`Topology.tile`: aligned blocks; ranks no group covers are
+    idle groups of one rank), each group's end among the phase's micro-batches, and the
+    micro-batches in run order: first position in `ids` (the step's sample ids as sorted for
+    planning), samples, layout (an index into the phase's layouts)."""
 
     world: int
     ids: np.ndarray
-    phases: tuple[tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[Layout, ...]], ...]
+    phases: tuple[tuple[tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                        tuple[Layout, ...]], ...]
 
     def build(self) -> tuple[GroupPlan, ...]:
         ids = self.ids.tolist()
         groups: list[GroupPlan] = []
-        for phase, (sizes, ends, start, m, lay, layouts) in enumerate(self.phases):
+        for phase, (sizes, starts, ends, start, m, lay, layouts) in enumerate(self.phases):
             mbs = micro_batches([(tuple(ids[a:a + n]), layouts[li])
                                  for a, n, li in zip(start.tolist(), m.tolist(), lay.tolist())])
-            lo = pos = 0
-            for k, hi in zip(sizes, ends.tolist()):
+            lo = 0
+            for k, pos, hi in zip(sizes, starts, ends.tolist()):
                 groups.append(GroupPlan(tuple(range(pos, pos + k)), tuple(mbs[lo:hi]), phase))
-                lo, pos = hi, pos + k
-            groups.extend(GroupPlan((r,), (), phase) for r in range(pos, self.world))
+                lo = hi
+            groups.extend(GroupPlan((r,), (), phase) for r in _idle(self.world, sizes, starts))
         return tuple(groups)
 
     def of_rank(self, rank: int) -> tuple[GroupPlan, ...]:
         out = []
-        for phase, (sizes, ends, start, m, lay, layouts) in enumerate(self.phases):
-            tops = np.cumsum(sizes)
-            g = int(np.searchsorted(tops, rank, side="right"))
-            if g == len(sizes):
+        for phase, (sizes, starts, ends, start, m, lay, layouts) in enumerate(self.phases):
+            g = bisect.bisect_right(starts, rank) - 1  # starts ascend on a chain; packed ones may not
+            if not (g >= 0 and starts[g] <= rank < starts[g] + sizes[g]):
+                g = next((g for g, (k, pos) in enumerate(zip(sizes, starts)) if pos <= rank < pos + k), None)
+            if g is None:
                 out.append(GroupPlan((rank,), (), phase))
                 continue
             lo, hi = (int(ends[g - 1]) if g else 0), int(ends[g])
             mbs = micro_batches([(tuple(self.ids[a:a + n].tolist()), layouts[li]) for a, n, li in
                                  zip(start[lo:hi].tolist(), m[lo:hi].tolist(), lay[lo:hi].tolist())])
-            pos = int(tops[g]) - sizes[g]
-            out.append(GroupPlan(tuple(range(pos, pos + sizes[g])), tuple(mbs), phase))
+            out.append(GroupPlan(tuple(range(starts[g], starts[g] + sizes[g])), tuple(mbs), phase))
         return tuple(out)
 
     def busy_sizes(self) -> set[int]:
-        return {k for sizes, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
+        return {k for sizes, _, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
+
+
+def _idle(world: int, sizes: tuple[int, ...], starts: tuple[int, ...]) -> list[int]:
+    """The ranks no group covers, ascending."""
+    covered = sum(sizes)
+    if max(map(sum, zip(sizes, starts)), default=0) == covered:  # no gaps: consecutive from rank 0
+        return list(range(covered, world))
+    used = np.zeros(world, dtype=bool)
+    for k, pos in zip(sizes, starts):
+        used[pos:pos + k] = True
+    return np.flatnonzero(~used).tolist()
 
 
 def run_order(ph: Phase) -> np.ndarray:

@@ -36,6 +36,11 @@ bound are also planned over finer classes (`SUB_BINS` length ranges per bucket, 
 own largest sample); the plan predicted faster is kept. On small clusters the per-sample
 planner (`dcp-v1`) is tried too.
 
+The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the sizes inside a
+node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
+another group only where `Topology.fits` places it, and the step is also planned on the chain
+alone (`chained`), the class-level plan predicted faster kept.
+
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
 """
@@ -43,12 +48,11 @@ broken by fixed orders), so every rank computes the same plan.
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import ItemClass, class_span, deal_classes
+from dcparallel.plan.dcp_classes import allocate, deal_classes
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.dcp_search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
@@ -65,7 +69,6 @@ from dcparallel.plan.dcp_setup import (
     PACK_GATE_ONE,
     PACK_MAX_SAMPLES,
     PACK_PER_GPU,
-    ROW_CACHE_LIMIT,
     STALE_STOP,
     SUB_BINS,
     cyclic_gc_paused,
@@ -74,7 +77,7 @@ from dcparallel.plan.dcp_setup import (
     sample_weights,
 )
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import REL_TOL, TIME_EPS, Score, StepPlan
+from dcparallel.plan.types import REL_TOL, Score, StepPlan
 from dcparallel.spec import Layout
 
 
@@ -82,7 +85,7 @@ class ScalePlanner:
     name = "dcp"
 
     def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac", phases: bool = True,
-                 name: str = "dcp", expand_best: int = 3, sub_bins: int = 1):
+                 name: str = "dcp", expand_best: int = 3, sub_bins: int = 1, chain_only: bool = False):
         self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
         #: a plan's predicted step seconds (`plan.types.Score`): picks between this planner's and
         #: the per-sample planner's plan
@@ -95,9 +98,14 @@ class ScalePlanner:
         #: into `sub_bins` geometric length ranges, each sized by its own largest sample
         self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
         self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
-        self.sp = list(ctx.sp_sizes)
+        #: the SP degrees mixed (`PlanContext.mix_sizes`, or with `chain_only` its `sp_sizes`);
+        #: where they are not one chain, group counts must pass `Topology.fits` (else: at most
+        #: the world's ranks)
+        self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
+        self._packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
         self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], np.ndarray] = {}
+        #: `dcp_classes.allocate`'s caches: spans by (classes' id, groups), ids by the classes
         self._spans: dict[tuple, float] = {}
         self._deals: dict[tuple, list] = {}
         self._sigs: dict[tuple, int] = {}
@@ -127,6 +135,15 @@ class ScalePlanner:
         #: the same planner over finer text classes, for steps with few samples per GPU (each
         #: class laid out for its largest sample wastes less there); kept when predicted faster
         self.finer = None
+        #: where the degrees mixed are not one chain, the same planner on the chain alone (kept
+        #: when predicted faster: more degrees are not always found better by the heuristics)
+        self.chained = None
+        if self._packs is not None and self.sub_bins == 1:
+            self.chained = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
+                                        chain_only=True)
+        if chain_only:
+            self.packer = None
+            return
         if self.sub_bins == 1 and ctx.model.kind == "text" and self.world > FINE_MAX_WORLD:
             self.finer = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
                                       sub_bins=SUB_BINS)
@@ -147,72 +164,24 @@ class ScalePlanner:
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
 
-    def _span_c(self, items: Sequence[tuple[int, float, int]], n: int, sig: int) -> float:
-        """`class_span` of a degree's micro-batch classes over n groups, cached by `sig` (the
-        id of the classes' sorted (time, count) pairs: `_sig`)."""
-        return memo(self._spans, (sig, n), lambda: class_span(items, n))
-
-    def _sig(self, items: Sequence[tuple[int, float, int]]) -> int:
-        sig = tuple(sorted((t, q) for _, t, q in items))
-        hit = self._sigs.get(sig)
-        if hit is None:
-            if len(self._sigs) >= ROW_CACHE_LIMIT:
-                self._sigs.clear()
-                self._spans.clear()  # its keys hold the ids
-            hit = self._sigs[sig] = len(self._sigs)
-        return hit
-
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
         """`deal_classes`, cached (the best few candidates of a step often share a degree's
         micro-batch classes); the group classes are read, never changed."""
         return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
 
-    # -- groups ----------------------------------------------------------------------------
-    def _allocate(self, present: list[int], chosen: list[tuple], need: dict[int, int]):
-        """(predicted makespan, item classes, {degree: group classes}) for one layout choice
-        and the groups per degree the search estimated it needs."""
-        items: list[ItemClass] = []
-        by_k: dict[int, list[tuple[int, float, int]]] = {}
-        for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
-            for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
-                if q:
-                    by_k.setdefault(k, []).append((len(items), tt, q))
-                    items.append(ItemClass(j, k, mm, tt, q))
-        count = {k: need[k] for k in by_k}
-        n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
-        while sum(k * n for k, n in count.items()) > self.world:  # estimates can overshoot at the edge
-            k = max((k for k in count if count[k] > 1), key=lambda k: (count[k] * k, k), default=None)
-            if k is None:
-                return None
-            count[k] -= 1
-        sig = {k: self._sig(v) for k, v in by_k.items()}
-        span = {k: self._span_c(by_k[k], count[k], sig[k]) for k in by_k}
-        free = self.world - sum(k * n for k, n in count.items())
-        stuck: set[int] = set()  # degrees more groups did not help
-        for _ in range(64):
-            order = sorted(span, key=lambda j: (-span[j], j))  # slowest first, narrower first on ties
-            if order[0] in stuck:
-                break  # the slowest degree cannot be helped: nothing shortens the makespan
-            k = next((j for j in order if j not in stuck and j <= free and count[j] < n_items[j]), None)
-            if k is None:
-                break
-            others = max((span[j] for j in order if j != k), default=0.0)
-            # jump toward the groups that bring this degree down to the next slowest one
-            want = count[k] * span[k] / max(others, span[k] * 0.5, TIME_EPS)
-            step = max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k]))
-            new = self._span_c(by_k[k], count[k] + step, sig[k])
-            while step > 1 and new >= span[k] - TIME_EPS:
+    def placed(self, count: dict[int, int]) -> bool:
+        """Whether groups of these degrees (degree -> how many) can be placed on the world."""
+        if self._packs is None:
+            return sum(k * n for k, n in count.items()) <= self.world
+        return self._packs(count)
+
+    def room(self, count: dict[int, int], k: int, step: int) -> int:
+        """The largest of step, step // 2, ... more groups of degree k that can be placed along
+        with `count` (0: none). On a chain that is `step` (callers keep it within the free ranks)."""
+        if self._packs is not None:
+            while step and not self._packs({**count, k: count[k] + step}):
                 step //= 2
-                new = self._span_c(by_k[k], count[k] + step, sig[k])
-            if new >= span[k] - TIME_EPS:
-                if k == order[0]:
-                    break
-                stuck.add(k)  # no help here; let another degree try
-                continue
-            count[k] += step
-            span[k] = new
-            free -= step * k
-        return max(span.values(), default=0.0), items, (by_k, count)
+        return step
 
     def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
@@ -239,7 +208,7 @@ class ScalePlanner:
                 if got is False:
                     if found and self._settled(found, keep, rows_floor(tab, c.first, self.world)):
                         continue  # predicted at or above its floor, it cannot enter the plans kept
-                    got = done[key] = self._allocate(present, rows_at(tab, c.first), c.need)
+                    got = done[key] = allocate(self, present, rows_at(tab, c.first), c.need)
                 if got is None:
                     continue
                 if not found or got[0] < found[0][0] * (1 - REL_TOL):
@@ -290,9 +259,17 @@ class ScalePlanner:
 
     def _plan_step(self, step: Step) -> StepPlan:
         plan, predicted, bound = self._plan(step)
+        # the gates below open where the class-level plan is above the bound by a factor, or where
+        # the chain's plan is above its own bound by it (as they would open on the chain alone)
+        chain_at = 0.0
+        if self.chained is not None:
+            other, pred_other, chain_bound = self.chained._plan(step)
+            chain_at = pred_other / chain_bound
+            if pred_other < predicted * (1 - REL_TOL):
+                plan, predicted = other, pred_other
         n = len(step.sample_ids)
         if (self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES
-                and predicted > bound * FINER_GATE):
+                and (predicted > bound * FINER_GATE or chain_at > FINER_GATE)):
             other, pred_other, _ = self.finer._plan(step)
             if pred_other < predicted * (1 - REL_TOL):
                 plan, predicted = other, pred_other
@@ -301,7 +278,7 @@ class ScalePlanner:
             others.append(self.fine.plan(step))
         gate = PACK_GATE_ONE if n <= self.world else PACK_GATE
         if (self.packer is not None and n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-                and predicted > bound * gate):
+                and (predicted > bound * gate or chain_at > gate)):
             got = self.packer.plan(list(step.sample_ids))
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))

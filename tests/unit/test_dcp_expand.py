@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan import dcp_refine
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp_classes import allocate
 from dcparallel.plan.dcp_expand import Phase, deal_orders
 from dcparallel.plan.dcp_refine import refine, spill
 from dcparallel.plan.dcp_scale import ScalePlanner
@@ -228,7 +229,7 @@ def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
             floor = plan_floor(tab, part, p.world, ki)
             assert ki == 0 or floor >= plan_floor(tab, part, p.world, ki - 1)  # it only rises
             for c in cands:
-                got = p._allocate([int(present[i]) for i in part], rows_at(tab, c.first), c.need)
+                got = allocate(p, [int(present[i]) for i in part], rows_at(tab, c.first), c.need)
                 if got is not None:
                     assert got[0] >= floor, (ki, got[0], floor)
                     assert got[0] >= rows_floor(tab, c.first, p.world), (ki, got[0])
