@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> int:
     from dcparallel.profile.inputs import reference_spec, text_inputs
     from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
     from dcparallel.runtime.engine import Engine
-    from dcparallel.runtime.launch import init_distributed
+    from dcparallel.runtime.launch import end_distributed, init_distributed
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
     torch.set_num_threads(1)
@@ -152,7 +152,8 @@ def worker(args: argparse.Namespace) -> int:
             f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
             "optimizer_step_s": optimizer_s, "tokens_per_step": args.tokens_per_step, "layers": args.layers,
             "repeats": args.repeats, "policies": results}))
-    dist.destroy_process_group()
+    del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
+    end_distributed()
     return 0
 
 

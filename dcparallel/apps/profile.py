@@ -149,8 +149,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                       f"({100 * row['time_error']:.1f}%), memory {100 * row['memory_error']:.2f}%")
             if summary["time_error"] is not None:
                 print(f"max error: time {summary['time_error']:.3f}, memory {summary['memory_error']:.3f}")
-    import torch.distributed as dist
+    from dcparallel.runtime.launch import end_distributed
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_distributed()  # `run_profile`'s profiler and model are gone by now
     return 0

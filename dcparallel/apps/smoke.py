@@ -20,7 +20,6 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from dcparallel.apps.presets import LLAMAS, llama
 from dcparallel.data.collate import text_batch
@@ -28,7 +27,7 @@ from dcparallel.models.llama import per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
-from dcparallel.runtime.launch import cluster_from_env, init_distributed
+from dcparallel.runtime.launch import cluster_from_env, end_distributed, init_distributed
 from dcparallel.spec import Layout, Recompute
 
 VOCAB = LLAMAS["smoke-llama"].vocab_size
@@ -128,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"world_size": world, "losses": losses}, f)
-    if dist.is_initialized():
-        comm.barrier()  # no rank tears its groups down while another still talks to it
-        dist.destroy_process_group()
+    del dc, opt, model  # before the process group ends (`end_distributed`)
+    end_distributed()
     return 0
 
 

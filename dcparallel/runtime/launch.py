@@ -167,6 +167,26 @@ class Links:
         return out
 
 
+def end_distributed() -> None:
+    """Ends the default process group at the end of a run that went well: first frees what
+    nothing reaches any more (an engine's groups and gradient-sync work in reference cycles),
+    then waits for every rank, then destroys the group. Callers drop their own engines,
+    optimizers and profilers before. (Left to the interpreter's exit after the group is
+    destroyed, they took down a gloo thread unjoined: 'terminate called without an active
+    exception', an abort in 3 of 18 two-rank runs on a loaded 2-core machine; 0 of 28 so.)"""
+    import gc
+
+    import torch.distributed as dist
+
+    from dcparallel.runtime import comm
+
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    comm.barrier()  # no rank tears its groups down while another still talks to it
+    dist.destroy_process_group()
+
+
 def device_memory(device: torch.device, local_world_size: int = 1) -> int:
     """Usable memory per rank: a fraction of the GPU's memory, or on CPU the machine's
     memory shared by the node's ranks."""
