@@ -173,7 +173,7 @@ def end_distributed() -> None:
     then waits for every rank, then destroys the group. Callers drop their own engines,
     optimizers and profilers before. (Left to the interpreter's exit after the group is
     destroyed, they took down a gloo thread unjoined: 'terminate called without an active
-    exception', an abort in 3 of 18 two-rank runs on a loaded 2-core machine; 0 of 28 so.)"""
+    exception', an abort in 3 of 18 two-rank runs on a loaded 2-core machine; 0 of 38 so.)"""
     import gc
 
     import torch.distributed as dist
