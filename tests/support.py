@@ -237,3 +237,16 @@ def reference_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     other = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                              lr=1e-2)
+
+
+def capped(plan: StepPlan, num_layers: int) -> StepPlan:
+    """The plan with each micro-batch's recompute capped at `num_layers` (a plan made for a
+    planning model with more layers, run on a small test model)."""
+
+    def cap(mb: MicroBatch) -> MicroBatch:
+        rc = mb.layout.recompute
+        return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
+                                                Recompute(min(rc.attn, num_layers), min(rc.mlp, num_layers))))
+
+    groups = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
+    return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)

@@ -10,19 +10,28 @@ import random
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.models.attention import AttnPattern, sdpa_attention
 from dcparallel.models.dit import draw_flow
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.runtime.ulysses import ulysses_attention
-from dcparallel.spec import Layout, Recompute, Workload
-from tests.support import NUM_HEADS, NUM_LAYERS, make_data, make_model, random_plan, reference_adamw, run_rank_step
+from dcparallel.spec import Layout, Workload
+from tests.support import (
+    NUM_HEADS,
+    NUM_LAYERS,
+    capped,
+    make_data,
+    make_model,
+    random_plan,
+    reference_adamw,
+    run_rank_step,
+)
 
 _GROUPS: dict[int, ProcessGroups] = {}
 
@@ -183,15 +192,7 @@ def packed_plan(world: int) -> StepPlan:
     ctx = PlanContext(Workload(TINY_LM, sizes), cost(TINY_LM, cl), cl)
     packer = SamplePacker(ctx, "pac")
     step = Step(0, tuple(range(len(sizes))))
-    plan = packer.step_plan(step, packer.plan(list(step.sample_ids))[0])
-
-    def cap(mb: MicroBatch) -> MicroBatch:
-        rc = mb.layout.recompute
-        return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
-                                                Recompute(min(rc.attn, NUM_LAYERS), min(rc.mlp, NUM_LAYERS))))
-
-    groups_ = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
-    return StepPlan(plan.index, plan.sample_ids, groups_, plan.num_tokens)
+    return capped(packer.step_plan(step, packer.plan(list(step.sample_ids))[0]), NUM_LAYERS)
 
 
 def case_packed(seed: int) -> dict:

@@ -9,12 +9,12 @@ from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import StepPlan
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import Layout, Recompute, Workload, llama_like
-from tests.support import make_data, run_rank_step
+from dcparallel.spec import Workload, llama_like
+from tests.support import capped, make_data, run_rank_step
 
 #: six heads: SP 1, 2, 3 and 6 on one 6-GPU node, where 2 and 3 are not one chain
 HEADS, LAYERS = 6, 3
@@ -37,15 +37,7 @@ def mixed_plan(world: int) -> StepPlan:
     cl = cluster(world, world)
     ctx = PlanContext(Workload(PLANNING_LM, MIXED_SIZES), cost(PLANNING_LM, cl), cl)
     step = Step(0, tuple(range(len(MIXED_SIZES))))
-    plan = make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step)
-
-    def cap(mb: MicroBatch) -> MicroBatch:
-        rc = mb.layout.recompute
-        return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
-                                                Recompute(min(rc.attn, LAYERS), min(rc.mlp, LAYERS))))
-
-    groups = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
-    return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)
+    return capped(make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step), LAYERS)
 
 
 def case_mixed_step(seed: int) -> dict:

@@ -2,7 +2,13 @@
 memory budget under which long samples need sequence parallelism or recomputation."""
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.spec import ClusterSpec, llama_like, stdit_like
+from dcparallel.plan.bounds import LowerBound
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import form_steps
+from dcparallel.sim.replay import simulate, step_seconds
+from dcparallel.spec import ClusterSpec, Workload, llama_like, stdit_like
+from dcparallel.topology import allowed_groups
 
 TINY_LM = llama_like("tiny-lm", num_layers=4, hidden=256, num_heads=8, ffn_hidden=688, vocab_size=1000)
 TINY_DIT = stdit_like("tiny-dit", num_pairs=2, hidden=128, num_heads=8, context_tokens=16)
@@ -29,3 +35,29 @@ def draw_samples(draw, st, n: int):
     if draw(st.booleans()):
         return TINY_DIT, tuple(draw(st.lists(st.sampled_from(VIDEO_SHAPES), min_size=n, max_size=n)))
     return TINY_LM, tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
+
+
+def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: int) -> None:
+    """`dcp` plans an epoch of these samples twice from scratch (two "ranks", nothing shared):
+    the same plans; each a valid plan of its step (aligned blocks of allowed sizes, each phase
+    covering the world once, every sample once) whose per-rank view is that rank's groups;
+    every sample planned once in the epoch, memory kept, and no faster than the lower bound."""
+    w = Workload(model, sizes)
+    steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // steps_per_epoch))
+    allowed = set(allowed_groups(cl, model.num_heads))
+    plans = []
+    for _ in range(2):
+        ctx = PlanContext(w, cost(model, cl), cl)
+        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+        plans.append([planner.plan(s) for s in steps])
+    assert [p.to_json() for p in plans[0]] == [p.to_json() for p in plans[1]]
+    for p, s in zip(plans[0], steps):
+        assert p.sample_ids == s.sample_ids
+        p.validate(cl.world_size, allowed)
+        for rank in sorted({0, cl.world_size // 2, cl.world_size - 1}):  # what one rank's loader reads
+            assert p.groups_of(rank) == tuple(g for g in p.groups if rank in g.ranks)
+    used = sorted(i for p in plans[0] for mb in p.micro_batches() for i in mb.sample_ids)
+    assert used == list(range(len(sizes)))
+    sim = simulate(plans[0], ctx)
+    assert sim.memory_violations == 0
+    assert sim.total_time >= LowerBound(ctx).epoch(steps) * (1 - 1e-9)

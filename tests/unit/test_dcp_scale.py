@@ -16,7 +16,7 @@ from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import TINY_LM, cluster, cost, draw_samples
+from ._models import TINY_LM, check_dcp_epoch, cluster, cost, draw_samples
 
 
 @st.composite
@@ -32,24 +32,7 @@ def big_workloads(draw):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(big_workloads())
 def test_dcp_lossless_tiling_memory_and_identical_across_ranks(case):
-    model, sizes, cl, seed, k = case
-    w = Workload(model, sizes)
-    steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // k))
-    allowed = set(allowed_groups(cl, model.num_heads))
-    plans = []
-    for _ in range(2):  # two "ranks": everything built from scratch, nothing shared
-        ctx = PlanContext(w, cost(model, cl), cl)
-        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-        plans.append([planner.plan(s) for s in steps])
-    assert [[p.to_json() for p in ps] for ps in plans[0:1]] == [[p.to_json() for p in ps] for ps in plans[1:2]]
-    for p, s in zip(plans[0], steps):
-        assert p.sample_ids == s.sample_ids
-        p.validate(cl.world_size, allowed)
-    used = sorted(i for p in plans[0] for mb in p.micro_batches() for i in mb.sample_ids)
-    assert used == list(range(len(sizes)))
-    sim = simulate(plans[0], ctx)
-    assert sim.memory_violations == 0
-    assert sim.total_time >= LowerBound(ctx).epoch(steps) * (1 - 1e-9)
+    check_dcp_epoch(*case)
 
 
 def test_deal_classes_counts_and_lpt_loads():

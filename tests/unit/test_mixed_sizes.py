@@ -6,16 +6,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import sample_sizes
 from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload, h200_cluster, llama_like, stdit_like
-from dcparallel.topology import Topology, allowed_groups
+from dcparallel.topology import Topology
 
-from ._models import VIDEO_SHAPES, cluster, cost
+from ._models import VIDEO_SHAPES, check_dcp_epoch, cluster
 
 #: tiny models whose 12 heads allow SP 3 and 6 as well as 2 and 4
 TINY_LM12 = llama_like("tiny-lm-12h", num_layers=4, hidden=384, num_heads=12, ffn_hidden=1032, vocab_size=1000)
@@ -91,26 +90,7 @@ def mixed_workloads(draw):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mixed_workloads())
 def test_dcp_on_mixed_sizes_is_lossless_placed_and_identical_across_ranks(case):
-    model, sizes, cl, seed, k = case
-    w = Workload(model, sizes)
-    steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // k))
-    allowed = set(allowed_groups(cl, model.num_heads))
-    plans = []
-    for _ in range(2):  # two "ranks": everything built from scratch
-        ctx = PlanContext(w, cost(model, cl), cl)
-        planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-        plans.append([planner.plan(s) for s in steps])
-    assert [p.to_json() for p in plans[0]] == [p.to_json() for p in plans[1]]
-    for p, s in zip(plans[0], steps):
-        assert p.sample_ids == s.sample_ids
-        p.validate(cl.world_size, allowed)  # aligned blocks of allowed sizes, each phase covers the world once
-        for rank in sorted({0, cl.world_size // 2, cl.world_size - 1}):  # what one rank's loader reads
-            assert p.groups_of(rank) == tuple(g for g in p.groups if rank in g.ranks)
-    used = sorted(i for p in plans[0] for mb in p.micro_batches() for i in mb.sample_ids)
-    assert used == list(range(len(sizes)))
-    sim = simulate(plans[0], ctx)
-    assert sim.memory_violations == 0
-    assert sim.total_time >= LowerBound(ctx).epoch(steps) * (1 - 1e-9)
+    check_dcp_epoch(*case)
 
 
 @pytest.mark.parametrize("distribution", ["short", "balanced"])
