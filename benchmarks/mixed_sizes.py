@@ -3,12 +3,13 @@ heads allow SP 3 and 6, `dcp` mixes every size inside a node (`Topology.mix`: 1,
 nodes; 1, 2, 3, 4, 6, 12 on 12-GPU nodes) and packs the groups node by node, against `dcp` on the
 chain alone (`PlanContext(..., sp_sizes=chain)`: 1, 2, 6 / 1, 2, 4, 12) and `bucket`.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/mixed_sizes.py [--steps 6] [--out FILE.md]
+    PYTHONPATH=. .venv/bin/python benchmarks/mixed_sizes.py [--steps 6] [--budgets weak,strong] [--out FILE.md]
 
 Models (analytic H200 cost, 141 GB per GPU): a 3B Llama-like text model with 24 heads and an
 STDiT-like video model with 24 heads (the scenarios' STDiT-1.1B with 24 instead of 16 heads);
 lengths: the scenarios' distributions; step budget: the scenario's 32-GPU budget scaled with
-the world. Efficiency = the epoch's lower bound (over every degree of the mix) / its simulated
+the world ("weak"), or the scenario's budget at every world ("strong": few samples per GPU).
+Efficiency = the epoch's lower bound (over every degree of the mix) / its simulated
 time; planning: CPU ms per step of the whole planner (the mixed one also plans the chain alone
 and keeps the plan predicted faster).
 """
@@ -28,6 +29,7 @@ import numpy as np
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp_expand import PhaseGroups
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
@@ -42,9 +44,10 @@ MODELS = {
 CLUSTERS = [(6, (48, 192)), (12, (96, 384))]
 
 
-def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps: int) -> dict:
+def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps: int, budget: str = "weak") -> dict:
     model = MODELS[scenario]
-    tps = SCENARIOS[scenario].tokens_per_step * world // 32
+    base = SCENARIOS[scenario].tokens_per_step
+    tps = base * world // 32 if budget == "weak" else base
     w = Workload(model, tuple(sample_sizes(scenario, distribution, epoch_tokens=(num_steps + 1) * tps)))
     cl = h200_cluster(world, per_node)
     cost = AnalyticCost(model, cl)
@@ -52,7 +55,8 @@ def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps:
     chain = PlanContext(w, cost, cl, sp_sizes=mix.sp_sizes)
     steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:num_steps]
     bound = LowerBound(mix).epoch(steps)
-    out = {"scenario": scenario, "distribution": distribution, "world": world, "gpus_per_node": per_node,
+    out = {"scenario": scenario, "distribution": distribution, "budget": budget, "world": world,
+           "gpus_per_node": per_node,
            "steps": len(steps), "samples_per_step": statistics.median(len(s.sample_ids) for s in steps),
            "mix_sizes": mix.mix_sizes, "chain": mix.sp_sizes, "lower_bound_s": bound}
     for name, ctx, policy in (("dcp", mix, "dcp"), ("dcp-chain", chain, "dcp"), ("bucket", mix, "bucket")):
@@ -65,19 +69,21 @@ def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps:
             ms.append((time.process_time() - t) * 1e3)
         total = simulate(plans, ctx).total_time
         off_chain = sum(bool(set(p.busy_sizes()) - set(mix.sp_sizes)) for p in plans)
+        # a class-level plan keeps its groups as `PhaseGroups`; the per-sample packing's are objects
+        packed = sum(not isinstance(getattr(p, "_source", None), PhaseGroups) for p in plans)
         out[name] = {"time_s": total, "efficiency": bound / total, "plan_ms_median": statistics.median(ms),
-                     "steps_off_chain": off_chain}
+                     "steps_off_chain": off_chain, "steps_per_sample": packed}
     out["dcp_vs_chain"] = out["dcp-chain"]["time_s"] / out["dcp"]["time_s"]
     out["dcp_vs_bucket"] = out["bucket"]["time_s"] / out["dcp"]["time_s"]
     return out
 
 
 def report(rows: list[dict], args, seconds: float) -> str:
-    gains = [r["dcp_vs_chain"] for r in rows]
     lines = [
         f"# `dcp` mixing SP sizes outside one chain (6- and 12-GPU nodes) — {dt.date.today().isoformat()}",
         "",
-        f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/mixed_sizes.py --steps {args.steps}`; machine: "
+        f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/mixed_sizes.py --steps {args.steps} --budgets "
+        f"{args.budgets}`; machine: "
         f"{platform.machine()} CPU, Python {platform.python_version()}, numpy {np.__version__}; "
         f"{seconds:.0f} s in all.",
         "",
@@ -86,10 +92,13 @@ def report(rows: list[dict], args, seconds: float) -> str:
         "(over every size of the mix) / simulated time; `off chain` = steps whose plan runs a group of a "
         "size outside the chain.",
         "",
-        f"`dcp` / `dcp-chain` speed over {len(rows)} cells: median {statistics.median(gains):.4f}x, "
-        f"min {min(gains):.4f}x, max {max(gains):.4f}x; `dcp` efficiency median "
-        f"{statistics.median(r['dcp']['efficiency'] for r in rows):.3f} "
-        f"(`dcp-chain` {statistics.median(r['dcp-chain']['efficiency'] for r in rows):.3f}).",
+        *[f"{budget}: `dcp` / `dcp-chain` speed over {len(g)} cells: median "
+          f"{statistics.median(r['dcp_vs_chain'] for r in g):.4f}x, min {min(r['dcp_vs_chain'] for r in g):.4f}x, "
+          f"max {max(r['dcp_vs_chain'] for r in g):.4f}x; `dcp` efficiency median "
+          f"{statistics.median(r['dcp']['efficiency'] for r in g):.3f}, "
+          f"min {min(r['dcp']['efficiency'] for r in g):.3f}; "
+          f"steps off the chain {sum(r['dcp']['steps_off_chain'] for r in g)} of {sum(r['steps'] for r in g)}."
+          for budget in args.budgets.split(",") for g in [[r for r in rows if r["budget"] == budget]]],
         "",
         "- A step's plan may run sizes outside the chain only where that is predicted faster; the "
         "rest of `dcp`'s gain is from the larger search itself: where `off chain` is 0 and `dcp` is "
@@ -101,16 +110,22 @@ def report(rows: list[dict], args, seconds: float) -> str:
         f"{min(r['dcp-chain']['plan_ms_median'] for r in rows):.0f}-"
         f"{max(r['dcp-chain']['plan_ms_median'] for r in rows):.0f} for the chain alone: the chain "
         "is planned too, and a group is added only after the node-by-node packing places it.",
+        "- The per-sample packing of steps with few samples per GPU (`plan/dcp_sample.py`) places groups on "
+        "the chain only, as does the per-sample planner `dcp` also tries at 64 GPUs and fewer: where their "
+        "plans win, mixing brings nothing. `dcp`'s plans that came from them: "
+        + "; ".join(f"{budget} {sum(r['dcp']['steps_per_sample'] for r in rows if r['budget'] == budget)} of "
+                    f"{sum(r['steps'] for r in rows if r['budget'] == budget)} steps"
+                    for budget in args.budgets.split(",")) + ".",
         "- On 8-GPU nodes (every scenario of the scale report) the sizes inside a node are one chain, "
         "so none of this runs and `dcp`'s plans are unchanged.",
         "",
-        "| scenario | distribution | GPUs/node | world | samples/step | mix | chain | dcp eff | dcp-chain eff "
+        "| budget | scenario | distribution | GPUs/node | world | samples/step | mix | chain | dcp eff | dcp-chain eff "
         "| bucket eff | dcp vs chain | dcp vs bucket | off chain | dcp ms/step | dcp-chain ms/step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['scenario']} | {r['distribution']} | {r['gpus_per_node']} | {r['world']} "
+            f"| {r['budget']} | {r['scenario']} | {r['distribution']} | {r['gpus_per_node']} | {r['world']} "
             f"| {r['samples_per_step']:g} "
             f"| {','.join(map(str, r['mix_sizes']))} | {','.join(map(str, r['chain']))} "
             f"| {r['dcp']['efficiency']:.3f} | {r['dcp-chain']['efficiency']:.3f} | {r['bucket']['efficiency']:.3f} "
@@ -122,19 +137,22 @@ def report(rows: list[dict], args, seconds: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--budgets", default="weak,strong", help="step budgets: weak (scaled with the world), strong")
     ap.add_argument("--out", type=Path, default=None, help="write the report here (and its JSON beside it)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows = []
-    for per_node, worlds in CLUSTERS:
-        for world in worlds:
-            for scenario in MODELS:
-                for d in DISTRIBUTIONS:
-                    rows.append(cell(scenario, d, world, per_node, args.steps))
-                    r = rows[-1]
-                    print(f"{scenario}/{d} {world} GPUs ({per_node}/node): dcp eff {r['dcp']['efficiency']:.3f}, "
-                          f"chain {r['dcp-chain']['efficiency']:.3f}, bucket {r['bucket']['efficiency']:.3f}; "
-                          f"off chain {r['dcp']['steps_off_chain']}/{r['steps']}", flush=True)
+    for budget in args.budgets.split(","):
+        for per_node, worlds in CLUSTERS:
+            for world in worlds:
+                for scenario in MODELS:
+                    for d in DISTRIBUTIONS:
+                        r = cell(scenario, d, world, per_node, args.steps, budget)
+                        rows.append(r)
+                        print(f"{budget} {scenario}/{d} {world} GPUs ({per_node}/node): dcp eff "
+                              f"{r['dcp']['efficiency']:.3f}, chain {r['dcp-chain']['efficiency']:.3f}, bucket "
+                              f"{r['bucket']['efficiency']:.3f}; off chain {r['dcp']['steps_off_chain']}/{r['steps']}",
+                              flush=True)
     text = report(rows, args, time.perf_counter() - t0)
     print(text)
     if args.out is not None:
