@@ -11,8 +11,16 @@ import torch
 
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.zero import ZeroAdamW
-from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference, reference_adamw, rel_err, \
-    run_rank_step
+from tests.support import (
+    NUM_HEADS,
+    make_data,
+    make_model,
+    random_plan,
+    reference,
+    reference_adamw,
+    rel_err,
+    run_rank_step,
+)
 
 torch.set_num_threads(1)
 
