@@ -1,11 +1,12 @@
 """Local models, tokenizers and datasets for the fine-tuning tests, built offline: a
-word-level tokenizer trained on the tests' own text with a ChatML-like chat template, tiny
+word-level tokenizer over the tests' own words with a ChatML-like chat template, tiny
 transformers / diffusers models saved with ``save_pretrained``, chat JSONL files and a
 manifest of latent files."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -105,3 +106,86 @@ def latents_manifest(root: Path, shapes: list[tuple[int, int, int]], *, text_tok
         rows.append({"latents": f"lat{i}.{fmt}", "text_embeddings": f"txt{i}.{fmt}", "frames": f, "height": h,
                      "width": w})
     return write_jsonl(root / "manifest.jsonl", rows)
+
+
+def chat_run(root: Path, *, world: int, wandb: bool = False) -> Path:
+    """A local Llama + tokenizer, a chat JSONL of 40 conversations and the TOML that fine-tunes
+    it (warmup + cosine, clipping, eval split, TensorBoard, export); the config's path."""
+    model = llama_dir(root / "model", len(tokenizer()))
+    chat = write_jsonl(root / "chat.jsonl", conversations(40, seed=0))
+    config = root / "run.toml"
+    config.write_text(f"""
+[model]
+pretrained = "{model}"
+[data]
+path = "{chat}"
+format = "chat"
+max_tokens = 64
+eval_fraction = 0.1
+[train]
+tokens_per_step = {300 * world}
+epochs = 3
+lr = 0.01
+warmup_steps = 2
+schedule = "cosine"
+max_grad_norm = 1.0
+eval_every = 3
+out_dir = "{root / 'run'}"
+export_dir = "{root / 'final'}"
+[log]
+tensorboard = true
+wandb = {'true' if wandb else 'false'}
+[profile]
+cost = "analytic"
+""")
+    return config
+
+
+def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:
+    """What a finished `chat_run` must have left: falling loss, the schedule's lr, clipped
+    steps, eval losses, TensorBoard events equal to the metrics, an export that loads and
+    holds the trained weights. Returns the metrics rows."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dcparallel.apps.train_setup import lr_lambda
+
+    run = root / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    n = len(rows)
+    assert n >= 6 and [r["global_step"] for r in rows] == list(range(1, n + 1))
+    losses = [r["loss"] for r in rows]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses  # the training loss falls
+    factor = lr_lambda(2, n, "cosine")
+    assert [r["lr"] for r in rows] == [0.01 * factor(s) for s in range(n)]
+    assert any(r["grad_norm"] > max_grad_norm for r in rows)  # clipping was active on some step
+    evals = {r["global_step"]: r["eval_loss"] for r in rows if r["eval_loss"] is not None}
+    assert set(evals) == {s for s in range(1, n + 1) if s % 3 == 0 or s == n}
+    assert all(math.isfinite(v) for v in evals.values()) and evals[n] < evals[min(evals)]
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tb = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in tb] == list(range(1, n + 1))
+    assert [v for _, v in tb] == [pytest_approx(x) for x in losses]
+    assert [e.step for e in acc.Scalars("eval/loss")] == sorted(evals)
+
+    initial = AutoModelForCausalLM.from_pretrained(root / "model", local_files_only=True).eval()
+    exported = AutoModelForCausalLM.from_pretrained(root / "final", local_files_only=True).eval()
+    trained = AutoModelForCausalLM.from_pretrained(root / "model", local_files_only=True).eval()
+    last = sorted((run / "checkpoint").glob("step_*"))[-1]
+    trained.load_state_dict(torch.load(last / "rank0.pt", weights_only=True)["model"])  # the engine's weights
+    tok = AutoTokenizer.from_pretrained(root / "final", local_files_only=True)
+    ids = torch.tensor([tok.apply_chat_template(conversations(1, seed=9)[0]["messages"], tokenize=True,
+                                                return_dict=True)["input_ids"]])
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits for m in (initial, exported, trained))
+    assert (a - b).abs().max() > 1e-2  # fine-tuned
+    torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)  # fp32: the same weights
+    return rows
+
+
+def pytest_approx(x: float):
+    import pytest
+
+    return pytest.approx(x, rel=1e-6)  # TensorBoard stores float32

@@ -46,10 +46,14 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
                                                      attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
         return model.to(device), tokenizer
+    import importlib.util
     import json
 
     import diffusers
 
+    if importlib.util.find_spec("accelerate") is None:  # diffusers' from_pretrained needs it for Wan and others
+        raise ValueError(f"loading the diffusers model {m.pretrained} needs accelerate: pip install accelerate "
+                         f"(or 'dcparallel[train]')")
     name = json.loads((Path(m.pretrained) / "config.json").read_text())["_class_name"]
     cls = getattr(diffusers, name, None)
     if cls is None:
@@ -145,8 +149,8 @@ def _synthetic(cfg: Config, model: nn.Module, sizes: list) -> Any:
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
     """The lr factor of optimizer step ``s`` (0-based, torch's LambdaLR convention): linear
-    warmup (s + 1) / warmup_steps, then "constant" 1, or "cosine" / "linear" decay reaching
-    0 after the last step."""
+    warmup (s + 1) / warmup_steps, then "constant" 1, or "cosine" / "linear" decay from 1 at
+    step ``warmup_steps`` towards 0 at step ``total_steps`` (one past the last)."""
     decay_steps = max(1, total_steps - warmup_steps)
 
     def factor(s: int) -> float:
@@ -154,7 +158,7 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
             return (s + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
-        progress = min(1.0, (s - warmup_steps + 1) / decay_steps)
+        progress = min(1.0, (s - warmup_steps) / decay_steps)
         return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
 
     return factor
