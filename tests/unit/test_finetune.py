@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tensorboard")
 
 
+@pytest.mark.slow  # the same run at world 2: tests/e2e/test_finetune_torchrun.py
 def test_finetune_chat_world1_with_schedule_clipping_eval_tensorboard_export(tmp_path):
     config = tf.chat_run(tmp_path, world=1)
     assert run(Config.load(config)) == 0
@@ -28,6 +29,7 @@ def test_finetune_chat_world1_with_schedule_clipping_eval_tensorboard_export(tmp
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(rows)
 
 
+@pytest.mark.slow  # the same run at world 2: tests/e2e/test_finetune_torchrun.py
 def test_finetune_wan_world1_from_a_latents_manifest_with_wandb_offline(tmp_path, monkeypatch):
     pytest.importorskip("diffusers")
     pytest.importorskip("wandb")

@@ -211,3 +211,12 @@ def test_bad_latent_rows_are_named_with_file_and_line(tmp_path, caplog):
     save_file({"latents": torch.zeros(4, 0, 4, 4)}, tmp_path / "lat0.safetensors")  # an empty sample
     with pytest.raises(ValueError, match=r"manifest.jsonl:1: latents .*lat0.safetensors are empty"):
         latents_dataset(manifest)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    shifting = tf.tokenizer("{% for m in messages %}{% if loop.last %}<|im_end|>{% endif %}{{ m['content'] }} "
+                            "{% endfor %}")
+    path = tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(1, seed=6))
+    with pytest.raises(ValueError, match=r"renders message \d \(assistant\) differently once the conversation goes "
+                                         r"on .* use a template that renders earlier turns unchanged"):
+        text_dataset(path, shifting, format="chat")
