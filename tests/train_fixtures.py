@@ -182,10 +182,26 @@ def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:
         a, b, c = (m(input_ids=ids).logits for m in (initial, exported, trained))
     assert (a - b).abs().max() > 1e-2  # fine-tuned
     torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)  # fp32: the same weights
+
+    # the last eval (after the last update) equals the exported model's mean loss over the eval
+    # split's assistant targets, computed one conversation at a time in this process
+    from dcparallel.apps.train_config import Config
+    from dcparallel.apps.train_setup import read_data
+
+    data = read_data(Config.load(root / "run.toml"), exported, tok, [])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(data.eval)):
+            item = data.eval[i]
+            logits = exported(input_ids=item["input_ids"][None]).logits[0]
+            m = item["labels"] != -100
+            total += float(torch.nn.functional.cross_entropy(logits[m], item["labels"][m], reduction="sum"))
+            count += int(m.sum())
+    assert evals[n] == pytest_approx(total / count, rel=1e-5)
     return rows
 
 
-def pytest_approx(x: float):
+def pytest_approx(x: float, rel: float = 1e-6):
     import pytest
 
-    return pytest.approx(x, rel=1e-6)  # TensorBoard stores float32
+    return pytest.approx(x, rel=rel)  # TensorBoard stores float32

@@ -120,3 +120,33 @@ def test_lr_lambda_warmup_then_decay():
     g = lr_lambda(0, 4, "linear")
     assert [g(s) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
     assert [lr_lambda(3, 10, "constant")(s) for s in (0, 2, 9)] == [1 / 3, 1.0, 1.0]
+
+
+def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Same lr schedule, losses, eval losses and final weights whether the run crashed at
+    step 5 and resumed from its step-4 checkpoint (in its second epoch) or ran straight through
+    (world 1)."""
+
+    def launch(root, fault: str = ""):
+        config = tf.chat_run(root, world=1)
+        config.write_text(config.read_text().replace("epochs = 3", "epochs = 2\ncheckpoint_every = 2")
+                          .replace("tensorboard = true", "tensorboard = false"))
+        monkeypatch.setenv("DCPARALLEL_FAULT", fault)
+        return run(Config.load(config))
+
+    straight, crashed = tmp_path / "a", tmp_path / "b"
+    straight.mkdir()
+    crashed.mkdir()
+    assert launch(straight) == 0
+    with pytest.raises(RuntimeError, match="injected fault"):
+        launch(crashed, "raise@5:0")
+    assert launch(crashed) == 0
+    rows = {}
+    for root in (straight, crashed):
+        rows[root] = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+        for r in rows[root]:
+            r.pop("step_s"), r.pop("tokens_per_s"), r.pop("idle_fraction")
+    assert len(rows[straight]) == 6 and rows[crashed] == rows[straight]
+    a, b = (torch.load(sorted((r / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
+            for r in (straight, crashed))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
