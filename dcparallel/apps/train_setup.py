@@ -88,12 +88,16 @@ class Subset:
 def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list, int | None]:
     d = cfg.data
     if cfg.model.family == "diffusers":
-        from dcparallel.data.latents_data import latents_dataset, tensor_shape
+        from dcparallel.data.latents_data import latents_dataset
 
         c = model.config
         ds, sizes = latents_dataset(d.path, channels=c.in_channels, text_dim=c.text_dim, skip_bad=d.skip_bad)
-        tokens = max(tensor_shape(f[ds.text_column], ds.text_column)[0] for f in ds.files)
-        return ds, sizes, tokens
+        if len(set(ds.text_tokens)) > 1:  # the adapter stacks a micro-batch's text embeddings
+            first = {n: ds.where(i) for i, n in reversed(list(enumerate(ds.text_tokens)))}
+            raise ValueError(f"{d.path}: the clips' text embeddings have different lengths ("
+                             f"{', '.join(f'{n} tokens at {w}' for n, w in sorted(first.items()))}); pad them to one "
+                             f"length when encoding (Wan pads to 512 tokens)")
+        return ds, sizes, ds.text_tokens[0]
     from dcparallel.data.text_data import text_dataset
 
     if tokenizer is None:

@@ -78,8 +78,9 @@ def load_tensor(path: Path, column: str) -> Any:
 class LatentsDataset:
     """Map-style dataset of the good rows of a manifest: ``files[i]`` (column -> path)."""
 
-    def __init__(self, rows: list[Row], files: list[dict[str, Path]], text_column: str):
+    def __init__(self, rows: list[Row], files: list[dict[str, Path]], text_column: str, text_tokens: list[int]):
         self.rows, self.files, self.text_column = rows, files, text_column
+        self.text_tokens = text_tokens  # text embedding tokens per clip (from the headers)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -97,8 +98,9 @@ class LatentsDataset:
 
 
 def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: str, text_column: str,
-               channels: int | None, text_dim: int | None) -> tuple[dict[str, Path], tuple[int, int, int]]:
-    """The row's files and latent shape (frames, height, width); ValueError with the problem."""
+               channels: int | None, text_dim: int | None) -> tuple[dict[str, Path], tuple[int, int, int], int]:
+    """The row's files, latent shape (frames, height, width) and text tokens; ValueError with
+    the problem."""
     v = row.value
     files = {}
     for c in columns:
@@ -129,7 +131,7 @@ def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: s
         raise ValueError(f"text embeddings {files[text_column]} have shape {text}; expected (tokens, dim)")
     if text_dim is not None and text[1] != text_dim:
         raise ValueError(f"text embeddings {files[text_column]} have dim {text[1]}; the model takes {text_dim}")
-    return files, (int(shape[1]), int(shape[2]), int(shape[3]))
+    return files, (int(shape[1]), int(shape[2]), int(shape[3])), int(text[0])
 
 
 def latents_dataset(manifest: str | Path, *, latents_column: str = "latents", text_column: str = "text_embeddings",
@@ -148,17 +150,18 @@ def latents_dataset(manifest: str | Path, *, latents_column: str = "latents", te
         raise ValueError(f"the manifest {p} holds no clips")
     columns = (latents_column, text_column, *extra_columns)
     bad = BadData(str(p), skip_bad)
-    good, files, sizes = [], [], []
+    good, files, sizes, tokens = [], [], [], []
     for row in rows:
         try:
-            f, size = _check_row(row, p.parent, columns, latents_column, text_column, channels, text_dim)
+            f, size, num_text = _check_row(row, p.parent, columns, latents_column, text_column, channels, text_dim)
         except ValueError as exc:
             bad.add(row.where, str(exc))
             continue
         good.append(row)
         files.append(f)
         sizes.append(size)
+        tokens.append(num_text)
     bad.finish(len(rows))
     if not good:
         raise ValueError(f"{p}: every one of its {len(rows)} clips is bad")
-    return LatentsDataset(good, files, text_column), sizes
+    return LatentsDataset(good, files, text_column, tokens), sizes

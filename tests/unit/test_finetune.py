@@ -150,3 +150,25 @@ def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path,
     a, b = (torch.load(sorted((r / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
             for r in (straight, crashed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_clips_with_text_embeddings_of_different_lengths_are_refused_up_front(tmp_path):
+    from types import SimpleNamespace
+
+    from dcparallel.apps.train_setup import read_data
+
+    pytest.importorskip("safetensors")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    tf.latents_manifest(a, [(1, 4, 4)], text_tokens=4)
+    tf.latents_manifest(b, [(1, 4, 4)], text_tokens=6)
+    manifest = tf.write_jsonl(tmp_path / "m.jsonl", [
+        {"latents": "a/lat0.safetensors", "text_embeddings": "a/txt0.safetensors"},
+        {"latents": "b/lat0.safetensors", "text_embeddings": "b/txt0.safetensors"}])
+    cfg = Config()
+    cfg.model.family, cfg.data.path = "diffusers", str(manifest)
+    model = SimpleNamespace(config=SimpleNamespace(in_channels=4, text_dim=16))
+    with pytest.raises(ValueError, match=rf"different lengths \(4 tokens at {manifest}:1, 6 tokens at {manifest}:2\); "
+                                         rf"pad them to one length"):
+        read_data(cfg, model, None, [])
