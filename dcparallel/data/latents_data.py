@@ -11,7 +11,9 @@ columns named in ``extra_columns`` (e.g. image latents), each a file loaded into
 under its column name. Sizes come from the frames / height / width columns or, where a row
 lacks them, from the latent file's header (a safetensors header is read without the data; a
 ``.pt`` file is memory-mapped); every file's header is checked against the manifest before
-training. Items: ``{"latents": (C, F, H, W), "encoder_hidden_states": (T, D), **extras}``.
+training. Items: ``{"latents": (C, F, H, W), "encoder_hidden_states": (T, D), **extras}``;
+the Wan adapter's collate takes text-to-video inputs (latents and text) only, so extra
+columns need a collate of the user's own (``prepare(..., collate=fn)``) that uses them.
 A file holding several tensors names the one to use by the column (or "latents" /
 "text_embeddings" / "encoder_hidden_states").
 """

@@ -139,3 +139,17 @@ def test_clip_grad_norm_refreshes_low_precision_grads():
     dc.clip_grad_norm_(1e-3)
     for p, view in zip(dc.params, dc.grad_sync.views, strict=True):
         assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, view.to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_cosine_annealing_sets_the_same_lrs_as_on_torch_adamw():
+    dc = _engine()
+    opt = dc.optimizer(lr=1e-2)
+    ref = torch.optim.AdamW(make_model("llama").parameters(), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=1e-4) for o in (opt, ref)]
+    seen = []
+    for _ in range(7):
+        seen.append((opt.param_groups[0]["lr"], ref.param_groups[0]["lr"]))
+        for s in scheds:
+            s.step()
+    assert [a for a, _ in seen] == [b for _, b in seen] and len({a for a, _ in seen}) > 4
