@@ -8,6 +8,7 @@
             with dc.micro_batch(batch) as ctx:
                 ctx.backward(loss_fn(model, batch, ctx))         # e.g. ctx.lm_loss(model(...).logits)
         dc.sync_gradients()
+        dc.clip_grad_norm_(1.0)                                  # optional
         opt.step()
 
 `prepare` profiles the model at the launch's world size (or reuses a matching cached
@@ -122,6 +123,11 @@ class DataCentricParallel:
     def sync_gradients(self) -> float:
         """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""
         return self.engine.sync_gradients()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """`Engine.clip_grad_norm_`: scales the synced gradients to global L2 norm <= ``max_norm``
+        (torch's rule); the pre-clip norm. Between `sync_gradients` and ``opt.step()``."""
+        return self.engine.clip_grad_norm_(max_norm)
 
     def zero_grad(self) -> None:
         """`Engine.zero_grad`: starts a new step's accumulation."""

@@ -6,6 +6,8 @@ file and whether every sample fits some layout.
 Config (every key optional; defaults below)::
 
     [model]
+    pretrained = ""         # a local transformers causal LM or diffusers transformer directory
+                            # (save_pretrained); its family is read from its config.json
     family = "reference"    # "reference" (dcparallel's Llama), "transformers" or "diffusers"
     kind = "llama"          # reference family: "llama" (text)
     hidden = 128            # reference family: must be a multiple of num_heads
@@ -19,8 +21,15 @@ Config (every key optional; defaults below)::
                             # hidden_size = 128, num_attention_heads = 8, num_key_value_heads = 2
 
     [data]
-    lengths = "builtin"     # or a file: one token count a line (diffusers: latent "frames height
-                            # width" a line), or a .npy array
+    path = ""               # real data: .jsonl / .csv / .parquet / a save_to_disk directory
+                            # (text, chat) or a latents manifest .csv / .jsonl; "": synthetic
+    format = ""             # "text" | "chat" | "latents"; "": text for LMs, latents for video
+    max_tokens = 0          # longer documents cut there (or bad with truncate = false); 0: no limit
+    truncate = true
+    eval_fraction = 0.0     # samples held out for the eval loss (0: no eval split)
+    skip_bad = false        # bad samples dropped and reported instead of an error
+    lengths = "builtin"     # synthetic data: "builtin" or a file: one token count a line
+                            # (diffusers: latent "frames height width" a line), or a .npy array
     num_samples = 200       # builtin: how many samples
     text_tokens = 16        # diffusers: caption embedding tokens per synthetic sample
 
@@ -39,6 +48,19 @@ Config (every key optional; defaults below)::
     resume_anyway = false   # resume a checkpoint written under another config
     step_timeout_s = 0      # watchdog: a step longer than this dumps every thread and exits (0: off)
     pg_timeout_s = 120      # process-group timeout: a collective waiting longer fails
+    warmup_steps = 0        # linear warmup of the lr over these steps
+    schedule = "constant"   # after warmup: "cosine" | "linear" (to 0 at the last step) | "constant"
+    max_grad_norm = 0.0     # global-norm gradient clipping (0: off; the norm is logged either way)
+    weight_decay = 0.0      # AdamW decoupled weight decay on matrices
+    eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
+    export_dir = ""         # transformers / diffusers: save_pretrained at the end ("": out_dir/final)
+    dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
+
+    [log]
+    tensorboard = false     # event files in out_dir/tb (needs tensorboard)
+    wandb = false           # Weights & Biases (needs wandb), offline unless wandb_mode = "online"
+    wandb_project = "dcparallel"
+    wandb_mode = "offline"
 
     [profile]               # how much the profiler measures
     cost = "profiled"       # or "analytic": plan from the analytic cost model, no profiling
@@ -52,6 +74,7 @@ Config (every key optional; defaults below)::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import typing
@@ -75,6 +98,7 @@ class ModelConfig:
     """The model to build (`dcparallel.apps.presets.build_model`): dcparallel's reference LM,
     or a transformers / diffusers class built from ``config`` (never downloaded)."""
 
+    pretrained: str = _opt("")
     family: str = _opt("reference", choices=("reference", "transformers", "diffusers"))
     architecture: str = _opt("")
     config: dict = field(default_factory=dict)
@@ -85,9 +109,43 @@ class ModelConfig:
     ffn_hidden: int = _opt(352, lo=1)
     vocab_size: int = _opt(256, lo=2)
 
+    def pretrained_family(self) -> str:
+        """"transformers" or "diffusers", read from ``pretrained``'s config.json (``architectures``
+        / ``_class_name``); ValueError naming the path when it is not such a model directory."""
+        p = Path(self.pretrained)
+        what = f"[model] pretrained = {self.pretrained!r}"
+        fix = "give a directory written by save_pretrained (a transformers causal LM or a diffusers transformer)"
+        if not p.is_dir():
+            raise ValueError(f"{what} is not a directory; {fix}")
+        if not (p / "config.json").is_file():
+            hint = (f" ({p} is a diffusers pipeline: give its transformer folder, e.g. {p / 'transformer'})"
+                    if (p / "model_index.json").exists() else "")
+            raise ValueError(f"{what} has no config.json, so it is not a model directory{hint}; {fix}")
+        try:
+            meta = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{what}: cannot read {p / 'config.json'} ({exc}); {fix}") from None
+        if meta.get("_class_name") and meta.get("_diffusers_version"):
+            return "diffusers"
+        archs = meta.get("architectures") or []
+        if any(str(a).endswith("ForCausalLM") for a in archs):
+            return "transformers"
+        raise ValueError(f"{what}: {p / 'config.json'} names neither a transformers *ForCausalLM (architectures = "
+                         f"{archs}) nor a diffusers class (_class_name); {fix}")
+
     def check(self, where: str) -> None:
         if not isinstance(self.config, dict):
             raise ValueError(f"{where}: [model.config] must be a table of the model's config fields")
+        if self.pretrained:
+            family = self.pretrained_family()
+            if self.family not in ("reference", family):
+                raise ValueError(f"{where}: [model] family = {self.family!r} but {self.pretrained} holds a {family} "
+                                 f"model; remove family (it is read from the directory)")
+            self.family = family
+            if self.architecture or self.config:
+                raise ValueError(f"{where}: [model] pretrained = {self.pretrained!r} loads the directory's own "
+                                 f"config.json; remove architecture / [model.config] (they build a model from scratch)")
+            return
         if self.family != "reference":
             if not self.architecture:
                 example = "LlamaForCausalLM" if self.family == "transformers" else "WanTransformer3DModel"
@@ -100,6 +158,12 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    path: str = _opt("")
+    format: str = _opt("", choices=("", "text", "chat", "latents"))
+    max_tokens: int = _opt(0, lo=0)
+    truncate: bool = _opt(True)
+    eval_fraction: float = _opt(0.0, lo=0)
+    skip_bad: bool = _opt(False)
     lengths: str = _opt("builtin")
     num_samples: int = _opt(200, lo=1)
     text_tokens: int = _opt(16, lo=1)
@@ -107,6 +171,13 @@ class DataConfig:
     def check(self, where: str) -> None:
         if not self.lengths:
             raise ValueError(f'{where}: [data] lengths is empty; give "builtin" or a lengths file')
+        if self.path and self.lengths != "builtin":
+            raise ValueError(f"{where}: [data] path = {self.path!r} and lengths = {self.lengths!r}: a real dataset's "
+                             f"lengths are computed from it; remove lengths")
+        if not self.eval_fraction < 0.5:
+            raise ValueError(f"{where}: [data] eval_fraction = {self.eval_fraction} holds out too much; use e.g. 0.05")
+        if self.format and not self.path:
+            raise ValueError(f"{where}: [data] format = {self.format!r} needs path = the dataset file")
 
 
 @dataclass(kw_only=True)
@@ -125,10 +196,31 @@ class TrainConfig:
     resume_anyway: bool = _opt(False, resume=False)
     step_timeout_s: float = _opt(0.0, lo=0, resume=False)
     pg_timeout_s: float = _opt(120.0, gt=0, resume=False)
+    warmup_steps: int = _opt(0, lo=0)
+    schedule: str = _opt("constant", choices=("constant", "cosine", "linear"))
+    max_grad_norm: float = _opt(0.0, lo=0)
+    weight_decay: float = _opt(0.0, lo=0)
+    eval_every: int = _opt(0, lo=0, resume=False)
+    export_dir: str = _opt("", resume=False)
+    dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16"))
 
     def check(self, where: str) -> None:
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    tensorboard: bool = _opt(False, resume=False)
+    wandb: bool = _opt(False, resume=False)
+    wandb_project: str = _opt("dcparallel", resume=False)
+    wandb_mode: str = _opt("offline", choices=("offline", "online"), resume=False)
+
+    def check(self, where: str) -> None:
+        for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, name) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"{where}: [log] {name} = true needs the {module} package: pip install {module} "
+                                 f"(or 'dcparallel[train]'), or set {name} = false")
 
 
 @dataclass(kw_only=True)
@@ -144,7 +236,8 @@ class ProfileConfig:
         pass
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig,
+            "log": LogConfig}
 
 
 def _divisor(n: int) -> int:
@@ -195,6 +288,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @staticmethod
     def load(path: str | Path) -> Config:
@@ -235,6 +329,16 @@ class Config:
             for f in fields(cls):
                 setattr(obj, f.name, _check_value(where, section, f, hints[f.name], getattr(obj, f.name)))
             obj.check(where)
+        if self.train.eval_every and not self.data.eval_fraction:
+            raise ValueError(f"{where}: [train] eval_every = {self.train.eval_every} needs an eval split: set [data] "
+                             f"eval_fraction (e.g. 0.05)")
+        if self.data.path and self.model.family == "reference" and not self.model.pretrained:
+            raise ValueError(f"{where}: [data] path = {self.data.path!r} needs a tokenizer: train a [model] pretrained "
+                             f"= \"dir\" (a transformers model directory with its tokenizer)")
+        video, fmt = self.model.family == "diffusers", self.data.format
+        if fmt and (fmt == "latents") != video:
+            want = '"latents"' if video else '"text" or "chat"'
+            raise ValueError(f"{where}: [data] format = {fmt!r} does not suit a {self.model.family} model; use {want}")
         if self.model.family == "reference" and self.model.kind != "llama":
             raise ValueError(f"{where}: `dcparallel train` trains the text model (kind = 'llama') for now; "
                              f"see examples/video_dit.py for video")
@@ -258,10 +362,13 @@ BUILTIN_LATENTS = ((1, 8, 8), (1, 8, 12), (2, 8, 8), (3, 8, 12), (3, 12, 8), (5,
 
 
 def read_train_lengths(cfg: Config) -> list:
+    """The sizes of the synthetic dataset ([data] lengths); empty for a real dataset (path)."""
     from dcparallel.data.synthetic import builtin_lengths
     from dcparallel.scenarios import read_lengths
 
     video_model = cfg.model.family == "diffusers"
+    if cfg.data.path:
+        return []  # a real dataset's lengths are computed (and cached) when it is read
     if cfg.data.lengths == "builtin":
         if video_model:
             return [BUILTIN_LATENTS[(i * 7) % len(BUILTIN_LATENTS)] for i in range(cfg.data.num_samples)]

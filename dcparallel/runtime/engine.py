@@ -20,6 +20,7 @@ Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. The 
             with dc.micro_batch(batch) as ctx:
                 ctx.backward(ctx.lm_loss(model(batch.inputs, batch.positions)))
         dc.sync_gradients()                          # every rank, every step
+        dc.clip_grad_norm_(1.0)                      # optional: global-norm clipping
         opt.step()
 
 Wrap the model after moving it to its device and dtype: the trainable parameters become
@@ -238,6 +239,28 @@ class Engine:
         backward already launched are only waited for), divides the gradients by the global
         target count and exposes them as ``p.grad``. Returns the step's mean loss."""
         return self.grad_sync.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global-norm gradient clipping of the synced step, as `torch.nn.utils.clip_grad_norm_`
+        does it on a single process: the L2 norm over every trainable parameter's fp32
+        gradient (the synced buffer, the same on every rank, so no communication), and every
+        gradient scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the
+        pre-clip norm. A non-finite norm scales by nan / 0 as torch does: check the returned
+        norm (`math.isfinite`) before ``opt.step()`` to skip such a step. Call after
+        `sync_gradients` and before the optimizer's step."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
+        gs = self.grad_sync
+        if not gs.synced:
+            raise RuntimeError("call dc.sync_gradients() before dc.clip_grad_norm_(): the step's gradients have "
+                               "not been summed over the ranks yet")
+        norm = torch.nn.utils.get_total_norm(gs.views, 2.0)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        gs.flat_grad[: gs.numel].mul_(coef)
+        for p, view in zip(gs.params, gs.views, strict=True):
+            if p.grad is not view:  # a low-precision parameter holds a copy of its fp32 gradient
+                p.grad = view.to(p.dtype)
+        return float(norm)
 
     def optimizer(
         self,

@@ -4,6 +4,11 @@ Rank r of a world of W owns elements ``[r*S, (r+1)*S)`` of the flat parameters, 
 ceil(numel / W). A saved shard names its range of the *unpadded* flat vector, so any set of
 shards that covers ``[0, numel)`` can be loaded at any world size: each rank copies the parts
 of the saved shards that overlap its new range (`load_state_dict` with a list of shards).
+
+`ZeroAdamW` is a `torch.optim.Optimizer` with one parameter group (the engine's trainable
+parameters): it reads ``lr``, ``betas``, ``eps`` and ``weight_decay`` from
+``param_groups[0]`` at every step, so torch's learning-rate schedulers drive it. Its
+``state_dict`` is this rank's shard (above), not torch's per-parameter format.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ if TYPE_CHECKING:
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-class ZeroAdamW:
+class ZeroAdamW(torch.optim.Optimizer):
     """AdamW whose fp32 master weights and moments are sharded over the world (ZeRO-1).
 
     Rank r owns elements ``[r*S, (r+1)*S)`` of the flat parameters: it updates its fp32
@@ -31,7 +36,9 @@ class ZeroAdamW:
     copies the result into the parameters and all-gathers, so that parameters stay
     replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
     weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's.
-    ``flat``: the flat parameter and gradient buffers it updates (an engine's ``grad_sync``)."""
+    ``flat``: the flat parameter and gradient buffers it updates (an engine's ``grad_sync``).
+    The hyperparameters live in ``param_groups[0]`` (one group; schedulers may change them
+    between steps)."""
 
     def __init__(
         self,
@@ -44,8 +51,8 @@ class ZeroAdamW:
     ):
         if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps}")
+        super().__init__(flat.params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.flat = flat
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         lo = flat.rank * flat.shard_numel
         hi = lo + flat.shard_numel
         self._lo, self._hi = lo, hi
@@ -65,23 +72,41 @@ class ZeroAdamW:
             off += p.numel()
         self.num_steps = 0
 
-    def step(self) -> None:
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (``param_groups[0]["lr"]``)."""
+        return float(self.param_groups[0]["lr"])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "param_groups", None):
+            raise ValueError("ZeroAdamW has one parameter group (the engine's flat parameters); build a second "
+                             "optimizer for parameters outside the engine")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """One AdamW update of this rank's shard with ``param_groups[0]``'s settings, then the
+        parameters are all-gathered. ``closure`` is not supported (the step's gradients come
+        from the engine's micro-batches and `sync_gradients`)."""
+        if closure is not None:
+            raise ValueError("ZeroAdamW.step takes no closure: run the micro-batches, dc.sync_gradients(), then step()")
         if not self.flat.synced:
             raise RuntimeError(
                 "call dc.sync_gradients() before optimizer.step(): the gradients of this "
                 "step have not been summed over the ranks yet"
             )
+        group = self.param_groups[0]
+        lr, (b1, b2), eps, weight_decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
-        b1, b2 = self.betas
         g = self._grad_shard
-        if self.weight_decay:
-            self.master.mul_(1 - self.lr * self.weight_decay * self._decay)
+        if weight_decay:
+            self.master.mul_(1 - lr * weight_decay * self._decay)
         self.exp_avg.lerp_(g, 1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1 = 1 - b1**self.num_steps
         bc2 = 1 - b2**self.num_steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-self.lr / bc1)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
         comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
@@ -102,7 +127,7 @@ class ZeroAdamW:
             "numel": self.flat.numel,
             "rank": self.flat.rank,
             "world_size": self.flat.world_size,
-            "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay},
+            "hparams": {k: (list(v) if k == "betas" else v) for k, v in self.param_groups[0].items() if k != "params"},
             **{k: getattr(self, k)[:n].detach().clone() for k in _STATE},
         }
 
@@ -110,7 +135,8 @@ class ZeroAdamW:
         """Loads this rank's shard from one saved shard (same world size and rank) or from a
         list of saved shards of any world size that together cover this rank's range
         (resharding: a world of 4 resumed as 2, or 2 as 4). Call on every rank together (the
-        parameters are all-gathered afterwards)."""
+        parameters are all-gathered afterwards). The saved hyperparameters (``hparams``: lr,
+        ``initial_lr`` of a scheduler, ...) replace ``param_groups[0]``'s."""
         shards = [state] if isinstance(state, Mapping) else list(state)
         if not shards:
             raise ValueError("no optimizer shards to load")
@@ -146,6 +172,10 @@ class ZeroAdamW:
                 f"({missing} elements missing); pass every rank's shard of the checkpoint"
             )
         self.num_steps = steps.pop()
+        hparams = dict(shards[0].get("hparams", {}))
+        if "betas" in hparams:
+            hparams["betas"] = tuple(hparams["betas"])
+        self.param_groups[0].update(hparams)
         for k in _STATE:
             getattr(self, k).copy_(new[k])
         if self.master is not self._param_shard:

@@ -5,6 +5,7 @@ to check against a single-process reference."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -248,3 +249,26 @@ def case_noise(epoch: int) -> dict:
             drawn[sid] = (t, noise)
         drawn[99] = (torch.rand((), generator=ctx.generator(same[0])), None)
     return drawn
+
+
+def case_clip_schedule(seed: int, max_norm: float, num_steps: int) -> dict:
+    """ZeRO-1 AdamW driven by a warmup + cosine LambdaLR, with global-norm clipping of the
+    synced gradients: the pre-clip norms and the parameters afterwards."""
+    world = dist.get_world_size()
+    model = make_model("llama")
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, clip_case_schedule)
+    data = make_data("llama", 6, seed)
+    norms = []
+    for step in range(num_steps):
+        plan = random_plan(data, list(range(6)), world, seed + step, num_layers=len(model.layers))
+        run_rank_step(dc, data, plan, dist.get_rank())
+        norms.append(dc.clip_grad_norm_(max_norm))
+        opt.step()
+        sched.step()
+    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def clip_case_schedule(step: int) -> float:
+    return min(1.0, (step + 1) / 2) * (0.5 + 0.5 * math.cos(math.pi * step / 4))

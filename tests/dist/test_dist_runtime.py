@@ -139,6 +139,29 @@ def test_optimizer_steps_match_single_process_adamw(workers, use_zero):
             assert torch.equal(params[name], out[0][name]), "parameters are not replicated"
 
 
+def test_clipping_and_lr_schedule_match_single_process_torch(workers):
+    """Pre-clip global norms and parameters after steps of scheduled, clipped ZeRO-1 AdamW
+    equal torch.nn.utils.clip_grad_norm_ + AdamW + LambdaLR on the unmodified model."""
+    seed, max_norm, num_steps = 4, 0.2, 3
+    out = workers.run(cases.case_clip_schedule, seed, max_norm, num_steps)
+    model = make_model("llama")
+    opt = reference_adamw(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cases.clip_case_schedule)
+    data = make_data("llama", 6, seed)
+    norms = []
+    for _ in range(num_steps):
+        reference(model, data, list(range(6)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        sched.step()
+    assert all(n > max_norm for n in norms)  # every step really clips
+    for r, res in enumerate(out):
+        assert res["norms"] == pytest.approx(norms, rel=1e-5), r
+        for name, p in model.named_parameters():
+            assert rel_err(res["params"][name], p.detach()) <= 1e-5, (r, name)
+            assert torch.equal(res["params"][name], out[0]["params"][name]), "parameters are not replicated"
+
+
 def test_sp_group_ranks_draw_identical_noise(workers):
     a = workers.run(cases.case_noise, 0)
     b = workers.run(cases.case_noise, 1)

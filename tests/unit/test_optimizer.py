@@ -1,0 +1,155 @@
+"""`ZeroAdamW` as a `torch.optim.Optimizer` (param_groups driven by torch's LR schedulers,
+state_dict round trip) and `Engine.clip_grad_norm_` against `torch.nn.utils.clip_grad_norm_`
+on the unmodified model in one process (world 1; world 2 and 4: tests/dist/test_dist_runtime.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dcparallel.runtime.engine import Engine
+from dcparallel.runtime.zero import ZeroAdamW
+from tests.support import (
+    NUM_HEADS,
+    make_data,
+    make_model,
+    random_plan,
+    reference,
+    reference_adamw,
+    rel_err,
+    run_rank_step,
+)
+
+torch.set_num_threads(1)
+
+
+def _engine() -> Engine:
+    m = make_model("llama")
+    return Engine(m, layers=m.layers, num_heads=NUM_HEADS)
+
+
+def _warmup_cosine(step: int) -> float:
+    return (step + 1) / 3 if step < 2 else 0.5 * (1 + math.cos(math.pi * (step - 2) / 4))
+
+
+def test_zero_adamw_is_a_torch_optimizer_that_schedulers_drive():
+    dc = _engine()
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    assert isinstance(opt, torch.optim.Optimizer) and len(opt.param_groups) == 1
+    assert opt.param_groups[0]["params"] == dc.params
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
+    ref = make_model("llama")
+    ref_opt = reference_adamw(ref)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _warmup_cosine)
+    data = make_data("llama", 4, seed=3)
+    lrs = []
+    for step in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        run_rank_step(dc, data, random_plan(data, [0, 1, 2, 3], 1, step, len(dc.layers)), 0)
+        reference(ref, data, [0, 1, 2, 3])
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert lrs == pytest.approx([1e-2 * _warmup_cosine(s) for s in range(4)], rel=1e-12)
+    for (name, p), q in zip(dc.model.named_parameters(), ref.parameters(), strict=True):
+        assert rel_err(p.detach(), q.detach()) <= 1e-5, name  # so the scheduled lr is the one used
+
+    # a step at lr 0 changes nothing: the lr is read from param_groups at every step
+    opt.param_groups[0]["lr"] = 0.0
+    before = dc.flat_param.clone()
+    run_rank_step(dc, data, random_plan(data, [0, 1], 1, 9, len(dc.layers)), 0)
+    opt.step()
+    assert torch.equal(dc.flat_param, before)
+    with pytest.raises(ValueError, match="one parameter group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_zero_adamw_state_dict_round_trip_keeps_hyperparameters_and_moments():
+    dc = _engine()
+    opt = dc.optimizer(lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
+    data = make_data("llama", 3, seed=1)
+    run_rank_step(dc, data, random_plan(data, [0, 1, 2], 1, 0, len(dc.layers)), 0)
+    opt.step()
+    sched.step()
+    state = opt.state_dict()
+    assert state["hparams"]["lr"] == pytest.approx(1e-2 * _warmup_cosine(1)) and state["hparams"]["initial_lr"] == 1e-2
+
+    dc2 = _engine()
+    opt2 = dc2.optimizer(lr=5.0)
+    opt2.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == state["hparams"]["lr"] and opt2.param_groups[0]["betas"] == (0.9, 0.999)
+    assert opt2.num_steps == 1 and torch.equal(opt2.exp_avg_sq, opt.exp_avg_sq)
+    assert torch.equal(dc2.flat_param, dc.flat_param)
+
+
+def _reference_clipped(max_norm: float, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model = make_model("llama")
+    data = make_data("llama", 4, seed=seed)
+    reference(model, data, [0, 1, 2, 3])
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    return norm, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "below-max"])
+def test_clip_grad_norm_equals_torch_on_the_unmodified_model(max_norm):
+    dc = _engine()
+    data = make_data("llama", 4, seed=7)
+    run_rank_step(dc, data, random_plan(data, [0, 1, 2, 3], 1, 0, len(dc.layers)), 0)
+    norm = dc.clip_grad_norm_(max_norm)
+    ref_norm, ref_grads = _reference_clipped(max_norm, seed=7)
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    assert (norm > max_norm) == (max_norm == 0.05)  # the case really clips (or really does not)
+    for name, p in dc.model.named_parameters():
+        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
+    if max_norm < 1:
+        clipped = torch.linalg.vector_norm(dc.flat_grad[: dc.numel])
+        assert float(clipped) == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_clip_grad_norm_needs_synced_grads_and_follows_torch_on_non_finite():
+    dc = _engine()
+    with pytest.raises(RuntimeError, match="sync_gradients"):
+        dc.clip_grad_norm_(1.0)
+    data = make_data("llama", 2, seed=0)
+    run_rank_step(dc, data, random_plan(data, [0, 1], 1, 0, len(dc.layers)), 0)
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        dc.clip_grad_norm_(0.0)
+    dc.params[0].grad.view(-1)[0] = float("nan")
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in dc.params]
+    for q, p in zip(ref, dc.params, strict=True):
+        q.grad = p.grad.clone()
+    norm = dc.clip_grad_norm_(1.0)
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    assert math.isnan(norm) and math.isnan(ref_norm)
+    for p, q in zip(dc.params, ref, strict=True):  # scaled by nan, as torch scales
+        assert torch.equal(torch.isnan(p.grad), torch.isnan(q.grad)) and torch.isnan(p.grad).all()
+
+
+def test_clip_grad_norm_refreshes_low_precision_grads():
+    m = make_model("llama").to(torch.bfloat16)
+    dc = Engine(m, layers=m.layers, num_heads=NUM_HEADS)
+    opt = dc.optimizer(lr=1e-2)
+    assert isinstance(opt, ZeroAdamW)
+    data = make_data("llama", 2, seed=0)
+    run_rank_step(dc, data, random_plan(data, [0, 1], 1, 0, len(dc.layers)), 0)
+    dc.clip_grad_norm_(1e-3)
+    for p, view in zip(dc.params, dc.grad_sync.views, strict=True):
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, view.to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_cosine_annealing_sets_the_same_lrs_as_on_torch_adamw():
+    dc = _engine()
+    opt = dc.optimizer(lr=1e-2)
+    ref = torch.optim.AdamW(make_model("llama").parameters(), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=1e-4) for o in (opt, ref)]
+    seen = []
+    for _ in range(7):
+        seen.append((opt.param_groups[0]["lr"], ref.param_groups[0]["lr"]))
+        for s in scheds:
+            s.step()
+    assert [a for a, _ in seen] == [b for _, b in seen] and len({a for a, _ in seen}) > 4
