@@ -48,6 +48,9 @@ class PlanContext:
                  sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False):
         if cost.model != workload.model:
             raise ValueError(f"cost model is for {cost.model.name!r}, workload for {workload.model.name!r}")
+        if cost.cluster.shard_size != cluster.shard_size:
+            raise ValueError(f"the cost model prices shard blocks of {cost.cluster.shard_size} ranks but the cluster "
+                             f"plans for {cluster.shard_size}; build the cost model on the same ClusterSpec")
         self.workload, self.cost, self.cluster = workload, cost, cluster
         self.model = workload.model
         self.budget = float(cluster.memory_bytes)
