@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Sequence
 
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
-from dcparallel.cost.shard import auto_shard_size
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL, make_planner
 from dcparallel.plan.steps import form_steps
@@ -183,10 +183,7 @@ def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scal
 def _table(out: dict) -> str:
     rows = [f"{out['scenario']} / {out['distribution']}: {out['samples_total']} samples, {out['steps']} steps "
             f"of {out['tokens_per_step']:,} tokens, world {out['world']} ({out['gpus_per_node']}/node), "
-            f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k",
-            f"model {out['model']} ({out['num_params'] / 1e9:.2f}B parameters), shard size {out['shard_size']}"
-            f"{' (auto)' if out['shard_size_auto'] else ''}: model states {format_bytes(out['model_state_bytes'])}, "
-            f"planned peak {format_bytes(out['peak_memory_bytes'])} of {format_bytes(out['memory_bytes'])} per rank"]
+            f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k"]
     hdr = f"{'policy':15s} {'speedup':>8s} {'tokens/s':>12s} {'step_s':>8s} {'idle':>6s} {'bound_eff':>9s} " \
           f"{'plan_ms':>8s} {'mem':>5s}  settings"
     rows.append(hdr)
@@ -199,6 +196,11 @@ def _table(out: dict) -> str:
                     f"{v['peak_memory_fraction']:5.2f}  {st}")
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
+    if "model" in out:
+        rows.append(f"model {out['model']} ({out['num_params'] / 1e9:.2f}B parameters), shard size {out['shard_size']}"
+                    f"{' (auto)' if out['shard_size_auto'] else ''}: model states "
+                    f"{format_bytes(out['model_state_bytes'])}, planned peak {format_bytes(out['peak_memory_bytes'])} "
+                    f"of {format_bytes(out['memory_bytes'])} per rank")
     return "\n".join(rows)
 
 
