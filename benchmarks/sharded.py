@@ -103,7 +103,7 @@ def report(rows: list[dict], args, seconds: float) -> str:
         "# Models larger than one GPU: shard blocks planned and simulated (CPU, analytic H200 model)", "",
         f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sharded.py --steps {args.steps} --out {args.out}` "
         f"({seconds:.0f} s).",
-        f"Machine: {platform.machine()} CPU shared with other work ({platform.node() and 'shared 2-core VM'}), "
+        f"Machine: a 2-core {platform.machine()} CPU machine shared with other work, "
         f"Python {platform.python_version()}, numpy {numpy.__version__}; no GPU: every number is the analytic "
         f"H200 cost model (`cost/analytic.py`, `cost/shard.py`) on simulated 8-GPU nodes (NVLink 4 at 315 GB/s, "
         f"400 Gb/s InfiniBand per GPU at 40 GB/s, 128 GiB usable per GPU).", "",

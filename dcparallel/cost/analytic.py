@@ -208,6 +208,8 @@ class AnalyticCost:
     attention time by hidden size and attention sub-blocks, memory by hidden size (the
     MLP's kept activations by the FFN width). For the calibrated block itself the factors
     are 1. Text models add the output head's logits (bf16 logits + fp32 loss gradient).
+    With shard blocks (`ClusterSpec.shard_size` > 1) the states are sharded
+    (`base.model_state_bytes`) and each micro-batch pays its block's collectives (`cost.shard`).
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None):
