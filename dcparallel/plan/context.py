@@ -205,7 +205,8 @@ class PlanContext:
                 f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
                 f"full recomputation it needs {format_bytes(need)} per rank, more than the "
                 f"{format_bytes(self.budget)} usable; {len(bad)} sample(s) are too large. Use more "
-                f"memory or a larger SP degree, or pass skip_oversize=True to skip and report them")
+                f"memory, a larger SP degree or a larger shard size (shard_size, now {self.cluster.shard_size}: "
+                f"'auto' picks one that fits), or pass skip_oversize=True to skip and report them")
         self.skipped = bad
         if bad:
             skip = {i for i, _, _ in bad}
