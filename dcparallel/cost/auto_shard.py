@@ -33,7 +33,7 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
     if sizes:
         smallest = min(sizes, key=model.tokens)
         largest = max(sizes, key=model.tokens)
-    need, why, tried = 0.0, "", []
+    need, why, tried, refused = 0.0, "", [], []
     candidates = cluster.shard_sizes()
     for s in candidates:
         c = dataclasses.replace(cluster, shard_size=s)
@@ -41,8 +41,12 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
             top = Topology.of(c, model.num_heads)
         except ValueError:
             continue  # no SP group of at least s ranks divides the heads
+        try:
+            cost = make_cost(model, c)
+        except ValueError as e:  # e.g. a profile measured at another shard size
+            refused.append(f"shard size {s}: {e}")
+            continue
         tried.append(s)
-        cost = make_cost(model, c)
         need = cost.model_state_bytes()
         why = "its model states"
         if smallest is not None:
@@ -56,6 +60,8 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
                 need, why = need_l, f"its largest sample ({largest!r}) at SP {top.sizes[-1]} with full recomputation"
                 continue
         return s
+    if not tried and refused:
+        raise ValueError(f"no shard size could be priced for model {model.name!r}: " + "; ".join(refused))
     if not tried:
         raise ValueError(f"model {model.name!r} has {model.num_heads} attention heads, which no SP group of at least "
                          f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "

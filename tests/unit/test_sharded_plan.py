@@ -299,6 +299,26 @@ def test_simulate_an_explicit_shard_size_and_refuse_a_bad_one(capsys):
     assert "shard_size 3 must be a power of two" in capsys.readouterr().err
 
 
+def test_simulate_from_a_profile_at_a_shard_size(tmp_path, capsys):
+    from tests.unit.test_cost import _profile
+
+    prof, lengths = tmp_path / "p.json", tmp_path / "lengths.txt"
+    prof.write_text(json.dumps(_profile()))
+    lengths.write_text("\n".join(str(600 + 37 * i) for i in range(40)))
+    common = ["--profile", str(prof), "--lengths", str(lengths), "--world", "2", "--gpus-per-node", "2",
+              "--policy", "dcp"]
+    one = _simulate_json(capsys, *common)
+    two = _simulate_json(capsys, *common, "--shard-size", "2")
+    assert one["shard_size"] == 1 and two["shard_size"] == 2
+    assert two["model_state_bytes"] < one["model_state_bytes"]  # tiny model: the states shrink
+    assert two["policies"]["dcp"]["memory_violations"] == 0 and two["policies"]["dcp"]["samples_dropped"] == 0
+    # a profile measured at shard size 2 plans only 2: auto takes it
+    measured = tmp_path / "p2.json"
+    measured.write_text(json.dumps({**_profile(), "shard_size": 2}))
+    auto = _simulate_json(capsys, *common[:1], str(measured), *common[2:], "--shard-size", "auto")
+    assert auto["shard_size"] == 2 and auto["model_state_bytes"] == 1000
+
+
 def test_simulate_a_transformers_config_built_on_the_meta_device(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
