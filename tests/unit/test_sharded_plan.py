@@ -111,6 +111,21 @@ def test_more_smaller_micro_batches_cost_more_under_sharding_and_the_sync_shrink
     assert wide.terms_copies(2048, 1, 16).time(none) > sharded.terms_copies(2048, 1, 16).time(none)
 
 
+def test_the_replica_sync_is_the_hierarchical_all_reduce_of_a_shard():
+    from dcparallel.cost.base import allreduce_time, replica_sync_time
+
+    for world, gpn in ((8, 8), (64, 8), (4, 8), (48, 12)):
+        one = h200_cluster(world, gpn)
+        assert replica_sync_time(one, 1e9) == pytest.approx(allreduce_time(one, 1e9))
+    # blocks of 2 on 8-GPU nodes: 4 replicas per node, 8 nodes; blocks of a node: a ring over 8 nodes
+    two, node = h200_cluster(64, shard_size=2), h200_cluster(64, shard_size=8)
+    intra = 2 * 3 / 4 * 1e9 / two.intra_bw + 6 * two.intra_latency
+    assert replica_sync_time(two, 1e9) == pytest.approx(intra + 2 * 7 / 8 * 1e9 / 4 / two.inter_bw
+                                                        + 14 * two.inter_latency)
+    assert replica_sync_time(node, 1e9) == pytest.approx(2 * 7 / 8 * 1e9 / node.inter_bw + 14 * node.inter_latency)
+    assert replica_sync_time(h200_cluster(8, shard_size=8), 1e9) == 0.0  # one block: no replica
+
+
 def test_a_profile_measured_unsharded_plans_shard_blocks():
     from tests.unit.test_cost import _profile
 
