@@ -51,6 +51,61 @@ SCENARIOS = {
 }
 
 
+def decoder_lm(name: str, *, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, ffn_hidden: int,
+               vocab_size: int, qkv_bias: bool = False, tied: bool = False) -> ModelSpec:
+    """A Llama-family decoder (grouped-query attention, SwiGLU, RMSNorm) with its exact
+    parameter counts, as transformers builds it: q, k, v, o projections (q, k, v with biases
+    for Qwen2), gate / up / down, two norms per layer; embeddings, head (unless tied), final norm."""
+    hd = hidden // num_heads
+    bias = (num_heads + 2 * num_kv_heads) * hd if qkv_bias else 0
+    attn = 2 * hidden * num_heads * hd + 2 * hidden * num_kv_heads * hd + bias
+    return ModelSpec(name=name, kind="text", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
+                     ffn_hidden=ffn_hidden, attention="causal", attn_params=attn, mlp_params=3 * hidden * ffn_hidden,
+                     other_params=2 * hidden, extra_params=vocab_size * hidden * (1 if tied else 2) + hidden,
+                     vocab_size=vocab_size, num_kv_heads=num_kv_heads if num_kv_heads != num_heads else 0)
+
+
+#: Published architectures for `dcparallel simulate --model NAME`, parameters counted exactly
+#: (tests/unit/test_sharded_plan.py builds each on the meta device and compares). Video sizes
+#: are pixels: a 4x temporal / 8x spatial VAE and 1x2x2 patches (16-pixel tokens).
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        decoder_lm("llama-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
+                   vocab_size=128256),  # Llama 3.1 8B
+        decoder_lm("llama-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, ffn_hidden=28672,
+                   vocab_size=128256),  # Llama 3.1 70B
+        decoder_lm("qwen-32b", num_layers=64, hidden=5120, num_heads=40, num_kv_heads=8, ffn_hidden=27648,
+                   vocab_size=152064, qkv_bias=True),  # Qwen2.5 32B
+        # Wan 2.1 T2V 14B (diffusers WanTransformer3DModel): per block self- and cross-attention
+        # (q, k, v, o with biases, q/k RMS norms), a GELU MLP (13824), a cross-attention norm
+        # and the modulation table; counted as the Wan adapter derives it
+        ModelSpec(name="wan-14b", kind="video", num_layers=40, hidden=5120, num_heads=40, ffn_hidden=13824,
+                  attention="full", attn_params=209_776_640, mlp_params=141_576_704, other_params=40_960,
+                  extra_params=232_719_424, context_tokens=512, t_num=1, t_den=4, spatial_patch=16),
+        # HunyuanVideo 13B (diffusers HunyuanVideoTransformer3DModel): 20 dual-stream blocks (video
+        # and text tokens through their own weights) + 40 single-stream blocks, all joint full
+        # attention; every token meets 12 d^2 weights per block (q, k, v, o and a 4x MLP), so a
+        # planner layer is one block of those; the text stream's weights, modulations and
+        # embedders are outside the layers; a dual-stream block (339.8M) is gathered whole
+        ModelSpec(name="hunyuanvideo-13b", kind="video", num_layers=60, hidden=3072, num_heads=24,
+                  ffn_hidden=12288, attention="full", attn_params=4 * 3072 * 3072 + 4 * 3072,
+                  mlp_params=8 * 3072 * 3072 + 5 * 3072, other_params=2 * 128,
+                  extra_params=12_821_012_544 - 60 * (12 * 3072 * 3072 + 9 * 3072 + 256),
+                  max_unit_params=339_831_296, context_tokens=256, t_num=1, t_den=4, spatial_patch=16),
+    )
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """A `MODEL_PRESETS` entry by name (a ValueError lists them)."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a transformers / "
+                         f"diffusers config file (--model-config)") from None
+
+
 def video_buckets() -> list[tuple[int, int, int]]:
     shapes = [(f, h, w) for (h, w) in RESOLUTIONS.values() for f in FRAMES]
     return sorted(shapes, key=lambda s: (STDIT_1B.tokens(s), s))

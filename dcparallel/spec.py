@@ -140,10 +140,18 @@ class ModelSpec:
     bytes_per_value: int = 2
     #: key/value heads (grouped-query attention); 0 = as many as query heads
     num_kv_heads: int = 0
+    #: parameters of the largest repeated block that a shard block gathers at once (a model
+    #: whose blocks differ, e.g. dual- and single-stream); 0 = one layer's
+    max_unit_params: int = 0
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def unit_params(self) -> int:
+        """Parameters of the largest repeated unit gathered at once under parameter sharding."""
+        return self.max_unit_params or (self.attn_params + self.mlp_params + self.other_params)
 
     @property
     def num_params(self) -> int:
@@ -230,6 +238,10 @@ class ClusterSpec:
     inter_bw: float = 0.0
     inter_latency: float = 0.0
     name: str = "cluster"
+    #: ranks per parameter-shard block: parameters and gradients are sharded over aligned
+    #: blocks of this many ranks (1 = every rank holds the whole model); SP groups are never
+    #: smaller than a block (`topology`)
+    shard_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -243,6 +255,12 @@ class ClusterSpec:
             )
         if self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0; got {self.memory_bytes}")
+        check_shard_size(self.shard_size, self.world_size, self.gpus_per_node)
+
+    def shard_sizes(self) -> list[int]:
+        """Every shard size this cluster allows, ascending (`check_shard_size`)."""
+        return [s for s in (1 << i for i in range(self.world_size.bit_length()))
+                if _shard_size_error(s, self.world_size, self.gpus_per_node) is None]
 
     @property
     def num_nodes(self) -> int:
@@ -253,8 +271,33 @@ class ClusterSpec:
         return sp > self.gpus_per_node
 
 
-def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int | None = None
-                 ) -> ClusterSpec:
+def _shard_size_error(shard_size: int, world_size: int, gpus_per_node: int) -> str | None:
+    s, g = shard_size, gpus_per_node
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        return "a positive integer"
+    if s & (s - 1):
+        return "a power of two"
+    if not (g % s == 0 or s % g == 0):
+        return f"a divisor of the {g} GPUs per node or a whole number of nodes"
+    if world_size % s:
+        return f"a divisor of the world size {world_size}"
+    return None
+
+
+def check_shard_size(shard_size: int, world_size: int, gpus_per_node: int) -> int:
+    """Validates a parameter-shard block size: a power of two that divides a node or is a whole
+    number of nodes, and divides the world (blocks of it tile the ranks). Returns it."""
+    need = _shard_size_error(shard_size, world_size, gpus_per_node)
+    if need is not None:
+        ok = [s for s in (1 << i for i in range(max(world_size, 1).bit_length()))
+              if _shard_size_error(s, world_size, gpus_per_node) is None]
+        raise ValueError(f"shard_size {shard_size!r} must be {need} (world {world_size}, {gpus_per_node} GPUs "
+                         f"per node); use one of {ok}")
+    return shard_size
+
+
+def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int | None = None,
+                 shard_size: int = 1) -> ClusterSpec:
     """H200 SXM nodes. Link speeds are datasheet assumptions (not measured here), derated to
     achievable bus bandwidth: NVLink 4 is 900 GB/s per GPU both directions together
     (450 GB/s one way), taken at 70% = 315 GB/s; one 400 Gb/s InfiniBand NIC per GPU is
@@ -264,7 +307,7 @@ def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int
         world_size=world_size, gpus_per_node=gpus_per_node,
         memory_bytes=memory_bytes if memory_bytes is not None else 128 * GiB,
         intra_bw=0.7 * 450e9, intra_latency=10e-6,
-        inter_bw=0.8 * 50e9, inter_latency=20e-6, name="h200",
+        inter_bw=0.8 * 50e9, inter_latency=20e-6, name="h200", shard_size=shard_size,
     )
 
 

@@ -7,7 +7,10 @@ multiple of ``k``. The rules, for a world of whole nodes of ``gpus_per_node`` GP
 model of ``num_heads`` attention heads (Ulysses splits heads, so ``k`` divides them):
 
 - **allowed sizes** (`sizes`): ``k`` divides the GPUs per node (a group inside one node) or
-  is a multiple of a node (whole nodes), and divides the heads;
+  is a multiple of a node (whole nodes), divides the heads, and is a multiple of the
+  parameter-shard block size ``shard_size`` (`ClusterSpec.shard_size`): groups of such sizes
+  are aligned, so each shard block lies inside one group and its ranks run the same
+  micro-batches (their per-layer all-gathers and reduce-scatters match);
 - **the chain** (`chain`): the longest run of allowed sizes in which each divides the next.
   Groups of chain sizes placed largest first at consecutive offsets are always aligned,
   so any mix of them tiles the world (`tile`);
@@ -33,9 +36,11 @@ from dcparallel.spec import ClusterSpec
 
 def group_sizes(cluster: ClusterSpec, num_heads: int) -> list[int]:
     """Every allowed SP degree: k divides the GPUs per node or is a multiple of a node,
-    divides the attention heads, and at least one aligned block of k ranks fits the world."""
-    g = cluster.gpus_per_node
-    return [k for k in range(1, cluster.world_size + 1) if (g % k == 0 or k % g == 0) and num_heads % k == 0]
+    divides the attention heads, is a multiple of the shard size, and at least one aligned
+    block of k ranks fits the world."""
+    g, s = cluster.gpus_per_node, cluster.shard_size
+    return [k for k in range(s, cluster.world_size + 1)
+            if (g % k == 0 or k % g == 0) and num_heads % k == 0 and k % s == 0]
 
 
 def allowed_groups(cluster: ClusterSpec, num_heads: int) -> list[tuple[int, ...]]:
@@ -71,6 +76,8 @@ class Topology:
     world_size: int
     gpus_per_node: int
     num_heads: int
+    #: ranks per parameter-shard block (`ClusterSpec.shard_size`): no group is smaller
+    shard_size: int = 1
     #: every allowed SP group size, ascending
     sizes: tuple[int, ...] = field(init=False)
     #: the divisibility chain of allowed sizes the planners mix within one step
@@ -82,20 +89,25 @@ class Topology:
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1; got {self.num_heads}")
-        cluster = self.cluster  # validates world size and whole nodes
-        object.__setattr__(self, "sizes", tuple(group_sizes(cluster, self.num_heads)))
+        cluster = self.cluster  # validates world size, whole nodes and the shard size
+        sizes = tuple(group_sizes(cluster, self.num_heads))
+        if not sizes:
+            raise ValueError(f"no SP group size of at least the shard size {self.shard_size} divides the model's "
+                             f"{self.num_heads} attention heads and fits {self.gpus_per_node}-GPU nodes (world "
+                             f"{self.world_size}); use a smaller shard_size (or 'auto')")
+        object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "chain", tuple(sp_chain(cluster, self.num_heads)))
         g = self.gpus_per_node
         object.__setattr__(self, "mix", tuple(k for k in self.sizes if k <= g or k in self.chain))
 
     @staticmethod
     def of(cluster: ClusterSpec, num_heads: int) -> Topology:
-        return Topology(cluster.world_size, cluster.gpus_per_node, num_heads)
+        return Topology(cluster.world_size, cluster.gpus_per_node, num_heads, cluster.shard_size)
 
     @property
     def cluster(self) -> ClusterSpec:
         """A ClusterSpec with this geometry (link speeds and memory at their defaults)."""
-        return ClusterSpec(world_size=self.world_size, gpus_per_node=self.gpus_per_node)
+        return ClusterSpec(world_size=self.world_size, gpus_per_node=self.gpus_per_node, shard_size=self.shard_size)
 
     def blocks(self) -> list[tuple[int, ...]]:
         """Every aligned block of an allowed size, by size then start rank (creation order)."""

@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="every policy (the default)")
     p.add_argument("--json", action="store_true", help="one JSON object on one line")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--max-steps", type=int, default=None, help="plan and simulate only the epoch's first N steps")
     p.set_defaults(func=simulate.cmd_simulate)
 
     p = sub.add_parser("plan", help="print the step plans a policy makes")

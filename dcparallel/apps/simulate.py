@@ -5,6 +5,7 @@ The workload arguments, an epoch planned and simulated per policy, step plans pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.plan.context import PlanContext
@@ -20,19 +22,43 @@ from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import (
     DEFAULT_SEED,
     DISTRIBUTIONS,
+    MODEL_PRESETS,
     SCENARIOS,
     long_token_share,
+    model_preset,
     read_lengths,
     sample_sizes,
 )
 from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.sim.run import run_policies, summary
-from dcparallel.spec import ClusterSpec, Workload, h200_cluster
+from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster
+
+
+def shard_size_argument(text: str) -> int | str:
+    """``--shard-size``: a positive integer or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size: give a power of two (1, 2, 4, 8, ...) or auto")
+    return v
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
+    mod = p.add_mutually_exclusive_group()
+    mod.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                     help="a published architecture (with its scenario's data unless --lengths)")
+    mod.add_argument("--model-config", type=Path, default=None,
+                     help="a transformers or diffusers config.json: the model is built on the meta device (no "
+                          "weights) and planned with exact parameter counts")
+    p.add_argument("--shard-size", type=shard_size_argument, default=1,
+                   help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
+                        "with which the model states and the data fit")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--distribution", choices=DISTRIBUTIONS, help="built-in length distribution")
     src.add_argument("--lengths", type=Path,
@@ -49,15 +75,26 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
     sizes = read_lengths(args.lengths) if args.lengths is not None else None
-    if args.profile is not None:
+    spec = _model_of(args)
+    if spec is not None and args.profile is not None:
+        raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
+    if spec is not None:
+        if args.scenario is not None and SCENARIOS[args.scenario].model.kind != spec.kind:
+            raise SystemExit(f"error: --scenario {args.scenario} is for {SCENARIOS[args.scenario].model.kind} "
+                             f"models, {spec.name} is a {spec.kind} model")
+        args.scenario = args.scenario or spec.kind
+        scenario = SCENARIOS[args.scenario]
+        model = spec
+        cluster = h200_cluster(args.world, args.gpus_per_node)
+    elif args.profile is not None:
         profile = Profile.load(args.profile)
         model = profile.model
-        cluster = ClusterSpec(world_size=args.world, gpus_per_node=args.gpus_per_node,
-                              memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)))
+        # the H200 links price shard blocks planned from an unsharded profile (`ProfiledCost`)
+        cluster = h200_cluster(args.world, args.gpus_per_node,
+                               memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)))
         if profile.world_size != args.world:
             raise SystemExit(f"error: the profile was measured at world size {profile.world_size}; "
                              f"pass --world {profile.world_size}")
-        cost = ProfiledCost(profile, cluster)
         scenario = None
     else:
         if args.scenario is None:
@@ -67,7 +104,6 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node)
-        cost = AnalyticCost(model, cluster)
     if sizes is not None:
         name = args.lengths.name
         kind = "video" if isinstance(sizes[0], tuple) else "text"
@@ -80,18 +116,43 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         sizes = sample_sizes(args.scenario, dist, seed=args.seed)
         name = dist
     tps = args.tokens_per_step or (scenario.tokens_per_step if scenario else 4 * 2**20)
-    return name, Workload(model, tuple(sizes)), cluster, cost, tps
+    if args.profile is not None:
+        make_cost = lambda m, c: ProfiledCost(profile, c)  # noqa: E731
+    else:
+        make_cost = AnalyticCost
+    shard = getattr(args, "shard_size", 1)
+    if shard == "auto":
+        shard = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
+    cluster = dataclasses.replace(cluster, shard_size=shard)
+    return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
+
+
+def _model_of(args) -> ModelSpec | None:
+    """The model of --model or --model-config (None: the scenario's or the profile's)."""
+    if getattr(args, "model", None):
+        return model_preset(args.model)
+    if getattr(args, "model_config", None) is not None:
+        from dcparallel.apps.model_config import spec_from_config
+
+        return spec_from_config(args.model_config)
+    return None
 
 
 def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
     name, workload, cluster, cost, tps = _setup(args)
     t0 = time.perf_counter()
     ctx, steps, runs, bound = run_policies(workload, cost, cluster, policies, tokens_per_step=tps,
-                                           seed=args.seed, progress=progress)
+                                           seed=args.seed, progress=progress,
+                                           max_steps=getattr(args, "max_steps", None))
     per = summary(workload, runs, bound)
+    m = workload.model
     out = {
-        "scenario": args.scenario or workload.model.name, "distribution": name, "world": cluster.world_size,
+        "scenario": args.scenario or m.name, "distribution": name, "world": cluster.world_size,
         "gpus_per_node": cluster.gpus_per_node, "seed": args.seed, "tokens_per_step": tps,
+        "model": m.name, "num_params": m.num_params,
+        "shard_size": cluster.shard_size, "shard_size_auto": getattr(args, "shard_size", 1) == "auto",
+        "memory_bytes": cluster.memory_bytes, "model_state_bytes": round(cost.model_state_bytes()),
+        "peak_memory_bytes": max((v["peak_memory_bytes"] for v in per.values()), default=0),
         "samples_total": len(workload), "steps": len(steps),
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
         "lower_bound_s": round(bound, 4), "policies": per,
@@ -113,7 +174,8 @@ def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scal
     out = []
     for sc, d in tqdm(combos, desc=desc, file=sys.stderr):
         ns = argparse.Namespace(scenario=sc, distribution=d, lengths=None, world=world, gpus_per_node=gpus_per_node,
-                                seed=DEFAULT_SEED, tokens_per_step=None, profile=None)
+                                seed=DEFAULT_SEED, tokens_per_step=None, profile=None, model=None, model_config=None,
+                                shard_size=1)
         out.append(simulate_json(ns, ALL, progress=False))
     return out
 
@@ -134,6 +196,11 @@ def _table(out: dict) -> str:
                     f"{v['peak_memory_fraction']:5.2f}  {st}")
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
+    if "model" in out:
+        rows.append(f"model {out['model']} ({out['num_params'] / 1e9:.2f}B parameters), shard size {out['shard_size']}"
+                    f"{' (auto)' if out['shard_size_auto'] else ''}: model states "
+                    f"{format_bytes(out['model_state_bytes'])}, planned peak {format_bytes(out['peak_memory_bytes'])} "
+                    f"of {format_bytes(out['memory_bytes'])} per rank")
     return "\n".join(rows)
 
 

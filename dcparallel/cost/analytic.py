@@ -32,6 +32,7 @@ from dcparallel.cost.base import (
     grad_sync_time,
     model_state_bytes,
 )
+from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, kv_heads_sent
 
 
@@ -207,6 +208,8 @@ class AnalyticCost:
     attention time by hidden size and attention sub-blocks, memory by hidden size (the
     MLP's kept activations by the FFN width). For the calibrated block itself the factors
     are 1. Text models add the output head's logits (bf16 logits + fp32 loss gradient).
+    With shard blocks (`ClusterSpec.shard_size` > 1) the states are sharded
+    (`base.model_state_bytes`) and each micro-batch pays its block's collectives (`cost.shard`).
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None):
@@ -231,7 +234,8 @@ class AnalyticCost:
         self._act_rest = calibration.act_rest * dr
         self._act_full = calibration.act_full * dr
         self._act_sample = calibration.act_per_sample * dr
-        self._state = model_state_bytes(model, cluster.world_size)
+        self._state = model_state_bytes(model, cluster.world_size, cluster.shard_size)
+        self._shard = ShardComm.of(model, cluster) if cluster.shard_size > 1 else None
         self._sync = grad_sync_time(model, cluster)
         # the output head of a text model: linear work per token outside the layers
         self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
@@ -287,6 +291,8 @@ class AnalyticCost:
         dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a
         dt_mlp = cal.phi_mlp * c_mlp
         head = n * self._head_s_per_token
+        if self._shard is not None:  # the shard block's all-gathers and reduce-scatters
+            head += self._shard.exposed(compute, L)
         per_tok = self._act_attn + self._act_mlp + self._act_rest
         act_layer = n * per_tok + n_samples * self._act_sample
         logits = n * m.vocab_size * (2 + 4)

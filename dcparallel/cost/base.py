@@ -161,10 +161,27 @@ def mb_memory(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
     return cost.terms(sizes, layout.sp).memory(layout.recompute)
 
 
-def model_state_bytes(model: ModelSpec, world_size: int) -> float:
-    """The runtime's recipe: bf16 parameters (2), fp32 gradient accumulation (4), fp32
-    master weights + Adam moments sharded over the world (12 / world) bytes per parameter."""
-    return model.num_params * (2 + 4 + 12 / world_size)
+def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:
+    """The runtime's recipe per rank: bf16 parameters (2) and fp32 gradient accumulation (4)
+    bytes per parameter, sharded over the block of ``shard_size`` ranks; fp32 master weights +
+    Adam moments (12) sharded over the world. With blocks of more than one rank, the
+    parameters each micro-batch gathers are added (`gathered_bytes`)."""
+    if shard_size == 1:
+        return model.num_params * (2 + 4 + 12 / world_size)
+    p = model.num_params
+    return p * (2 + 4) / shard_size + 12 * p / world_size + gathered_bytes(model)
+
+
+def gathered_bytes(model: ModelSpec) -> float:
+    """Peak bytes of whole (gathered) parameters and their unsharded gradients on a rank of a
+    shard block, per FSDP2's order of work: the parameters outside the repeated layers
+    (embeddings, head: the root unit) stay gathered for the whole micro-batch, bf16, and so does
+    their bf16 gradient from the head's backward to the end; of the largest layer, its bf16
+    parameters twice (the layer running and the next one prefetched) and, in backward, its
+    unsharded gradient in bf16 plus the fp32 copy the reduce-scatter sums (6 bytes). (bf16
+    stands for the model's `bytes_per_value`.)"""
+    b = model.bytes_per_value
+    return 2.0 * b * model.extra_params + (3 * b + 4) * model.unit_params
 
 
 def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
@@ -181,10 +198,43 @@ def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
 
 
 def grad_sync_time(model: ModelSpec, cluster: ClusterSpec) -> float:
-    """The once-per-step all-reduce of the flat fp32 gradient buffer."""
+    """The once-per-step all-reduce of the flat fp32 gradient buffer; with shard blocks of
+    s > 1 ranks, of each rank's 1/s of it over the W/s replicas of its shard (`replica_sync_time`)."""
     if cluster.world_size == 1:
         return 0.0
+    if cluster.shard_size > 1:
+        return replica_sync_time(cluster, 4.0 * model.num_params / cluster.shard_size)
     return allreduce_time(cluster, 4.0 * model.num_params)
+
+
+def replica_sync_time(cluster: ClusterSpec, num_bytes: float) -> float:
+    """All-reduce of ``num_bytes`` per rank among the ranks that hold the same shard: one rank
+    in each block of s, so g / s of them in a node (s < g GPUs per node) or one in every s / g
+    nodes. Hierarchical as `allreduce_time`: inside each node over NVLink, then a ring of each
+    rank's part across nodes."""
+    s, g = cluster.shard_size, min(cluster.gpus_per_node, cluster.world_size)
+    replicas = cluster.world_size // s
+    local = max(1, g // s)  # replicas of one shard inside a node
+    nodes = replicas // local  # nodes the replicas span
+    t = 0.0
+    if local > 1:
+        t += 2 * (local - 1) / local * num_bytes / cluster.intra_bw + 2 * (local - 1) * cluster.intra_latency
+    if nodes > 1:
+        t += 2 * (nodes - 1) / nodes * (num_bytes / local) / cluster.inter_bw + 2 * (nodes - 1) * cluster.inter_latency
+    return t
+
+
+def block_collective_time(cluster: ClusterSpec, num_bytes: float) -> float:
+    """A ring all-gather (or reduce-scatter) inside one shard block: each rank receives (sends)
+    (s - 1) / s of ``num_bytes`` (the whole tensor), over NVLink inside a node and over the
+    inter-node link for a block larger than a node (conservative, as `alltoall_time`)."""
+    s = cluster.shard_size
+    if s == 1:
+        return 0.0
+    volume = num_bytes * (s - 1) / s
+    if cluster.spans_nodes(s):
+        return cluster.inter_latency * (s - 1) + volume / cluster.inter_bw
+    return cluster.intra_latency * (s - 1) + volume / cluster.intra_bw
 
 
 def alltoall_time(cluster: ClusterSpec, sp: int, bytes_per_rank: float) -> float:

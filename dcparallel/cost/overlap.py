@@ -28,6 +28,11 @@ def num_buckets(num_params: float, bucket_bytes: int = BUCKET_BYTES) -> int:
     return max(1, math.ceil((4.0 * num_params + 8) / bucket_bytes))
 
 
+def sync_buckets(num_params: float, shard_size: int = 1) -> int:
+    """The buckets of a rank's gradient sync: its 1/shard_size of the flat fp32 gradients."""
+    return num_buckets(num_params / shard_size)
+
+
 def exposed_sync(sync_s: float, last_micro_batch_s: float, buckets: int) -> float:
     """Sync time left after the critical rank's compute (``last_micro_batch_s``: forward +
     backward of its last micro-batch; 0 when overlap is off or it ran nothing)."""

@@ -15,8 +15,9 @@ import logging
 from collections import Counter
 from typing import Sequence
 
-from dcparallel.cost.base import MicroBatchTerms, cache_put
+from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, grad_sync_time
 from dcparallel.cost.schema import Profile
+from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class ProfiledCost:
             raise ValueError(f"the profile was measured at world size {profile.world_size} but the cluster has "
                              f"{cluster.world_size} ranks; SP groups and the gradient sync differ: profile at "
                              f"this world size (dcparallel profile, or prepare() on this launch)")
+        self._state, self._sync, self._shard = profile.model_state_bytes, profile.grad_sync_s, None
+        if cluster.shard_size != profile.shard_size:
+            self._reshard(profile, cluster)
         tokens = {b.key: b.tokens for b in profile.buckets}
         #: (sp, mode) -> the fewest tokens at which one sample did not fit
         self._unfit: dict[tuple[int, str], int] = {}
@@ -69,11 +73,30 @@ class ProfiledCost:
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
 
+    def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:
+        """Plans shard blocks of ``cluster.shard_size`` ranks from a profile measured without
+        them: parameters and gradients (the model's parameter bytes + 4 fp32 gradient bytes per
+        parameter) shrink to 1/s and the gathered parameters are added (`base.gathered_bytes`);
+        the block's collectives (`cost.shard`) and the replicas' gradient sync are priced on the
+        cluster's links. A profile measured at another shard size is refused."""
+        s, m = cluster.shard_size, profile.model
+        if profile.shard_size != 1:
+            raise ValueError(f"the profile was measured at shard size {profile.shard_size} but the cluster plans for "
+                             f"shard size {s}; profile at this shard size (or at 1, which any shard size can use)")
+        if cluster.world_size > 1 and cluster.intra_bw <= 0 or cluster.num_nodes > 1 and cluster.inter_bw <= 0:
+            raise ValueError(f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
+                             f"inter_bw={cluster.inter_bw}); pricing shard blocks of {s} ranks from an unsharded "
+                             f"profile needs both: set them in bytes/s (spec.h200_cluster has datasheet values)")
+        sharded = m.num_params * (m.bytes_per_value + 4) * (1 - 1 / s)
+        self._state = profile.model_state_bytes - sharded + gathered_bytes(m)
+        self._sync = grad_sync_time(m, cluster)
+        self._shard = ShardComm.of(m, cluster)
+
     def grad_sync_time(self) -> float:
-        return self.profile.grad_sync_s
+        return self._sync
 
     def model_state_bytes(self) -> float:
-        return self.profile.model_state_bytes
+        return self._state
 
     def _at(self, bucket: str, sp: int, mode: str, n: int) -> tuple[float, float]:
         """(time, memory) per sample of a micro-batch of n samples of `bucket`: interpolated
@@ -183,6 +206,10 @@ class ProfiledCost:
         else:  # only full recomputation was feasible: keeping activations fits no budget
             t_full, m_full = tot["full"]
             t_none, m_none = t_full, m_full
+        if self._shard is not None:  # a block's collectives, on top of the unsharded measurement
+            extra = self._shard.exposed(t_none / L, L)
+            t_none, t_full = t_none + extra, t_full + extra
+            tot = {k: [v[0] + extra, v[1]] for k, v in tot.items()}
 
         # Recomputation adds work: a measured recompute faster than keeping everything is
         # timing noise, and taken at face value it would let a planner beat the lower bound
@@ -196,6 +223,6 @@ class ProfiledCost:
         dtm, svm = delta("mlp")
         return MicroBatchTerms(
             num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=max(0.0, (t_full - t_none) / L),
-            fixed_bytes=self.profile.model_state_bytes, act_layer=m_none / L,
+            fixed_bytes=self._state, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)

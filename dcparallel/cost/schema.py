@@ -17,7 +17,10 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
                    "memory_bytes": 3.4e8 | null,    # peak activation bytes per rank, model
                                                     # states excluded (extrapolated)
                    "feasible": true}],              # false: ran out of memory
-      "unfit_buckets": ["t65536"]       # optional: buckets with no feasible layout at all
+      "unfit_buckets": ["t65536"],      # optional: buckets with no feasible layout at all
+      "shard_size": 1                   # optional (absent = 1): the parameter-shard block size
+                                        # it was measured at (times include the block's
+                                        # collectives, model_state_bytes the sharded states)
     }
 
 Optional entry fields (absent = none): ``ranks`` (the SP group that measured it),
@@ -125,6 +128,8 @@ class Profile:
     buckets: list[ProfileBucket]
     entries: list[ProfileEntry]
     unfit_buckets: list[str] = field(default_factory=list)
+    #: the parameter-shard block size the profile was measured at (`ClusterSpec.shard_size`)
+    shard_size: int = 1
 
     def __post_init__(self) -> None:  # JSON-shaped buckets and entries are accepted too
         self.buckets = [b if isinstance(b, ProfileBucket) else ProfileBucket.from_json(b) for b in self.buckets]
@@ -136,7 +141,7 @@ class Profile:
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
                 "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
                 "buckets": [b.to_json() for b in self.buckets], "entries": [e.to_json() for e in self.entries],
-                "unfit_buckets": self.unfit_buckets}
+                "unfit_buckets": self.unfit_buckets, "shard_size": self.shard_size}
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON atomically (a reader never sees half a file)."""
@@ -172,7 +177,7 @@ class Profile:
                            world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
                            model_state_bytes=float(d["model_state_bytes"]),
                            grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
-                           unfit_buckets=unfit)
+                           unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 

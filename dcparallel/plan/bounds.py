@@ -58,7 +58,7 @@ from typing import Iterable
 
 import numpy as np
 
-from dcparallel.cost.overlap import exposed_sync, num_buckets
+from dcparallel.cost.overlap import exposed_sync, sync_buckets
 from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
@@ -145,7 +145,8 @@ class LowerBound:
     def with_sync(self, compute: float) -> float:
         """A step bound from a compute bound: plus the gradient sync that compute cannot hide."""
         ctx = self.ctx
-        return compute + exposed_sync(ctx.cost.grad_sync_time(), compute, num_buckets(ctx.cost.model.num_params))
+        return compute + exposed_sync(ctx.cost.grad_sync_time(), compute,
+                                      sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size))
 
     def epoch(self, steps: Iterable[Step]) -> float:
         return sum(self.step(s) for s in steps)

@@ -48,6 +48,9 @@ class PlanContext:
                  sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False):
         if cost.model != workload.model:
             raise ValueError(f"cost model is for {cost.model.name!r}, workload for {workload.model.name!r}")
+        if cost.cluster.shard_size != cluster.shard_size:
+            raise ValueError(f"the cost model prices shard blocks of {cost.cluster.shard_size} ranks but the cluster "
+                             f"plans for {cluster.shard_size}; build the cost model on the same ClusterSpec")
         self.workload, self.cost, self.cluster = workload, cost, cluster
         self.model = workload.model
         self.budget = float(cluster.memory_bytes)
@@ -202,7 +205,8 @@ class PlanContext:
                 f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
                 f"full recomputation it needs {format_bytes(need)} per rank, more than the "
                 f"{format_bytes(self.budget)} usable; {len(bad)} sample(s) are too large. Use more "
-                f"memory or a larger SP degree, or pass skip_oversize=True to skip and report them")
+                f"memory, a larger SP degree or a larger shard size (shard_size, now {self.cluster.shard_size}: "
+                f"'auto' picks one that fits), or pass skip_oversize=True to skip and report them")
         self.skipped = bad
         if bad:
             skip = {i for i, _, _ in bad}

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, num_buckets
+from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
@@ -73,7 +73,7 @@ class SamplePacker:
         self.kf = np.asarray(self.sp, dtype=float)
         self._mbs: dict = {}  # per bucket, its preferred micro-batch size
         self.sync = ctx.cost.grad_sync_time()
-        self.buckets = num_buckets(ctx.cost.model.num_params)
+        self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
 
     def exposed(self, last: float) -> float:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""

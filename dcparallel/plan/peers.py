@@ -136,6 +136,7 @@ class HierarchicalBalancePacking(_LevelPlanner):
         widest = max((self._fits_at(b, 1) for b in self._rep_ids()), default=1)
         widest = max(widest, max((min(self.chain[-1], 1 << (-(-ctx.tokens[i] // self.cap) - 1).bit_length())
                                   for i in self._rep_ids()), default=1))
+        widest = next(k for k in self.chain if k >= widest)  # a power of two may fall between chain sizes
         mid = [k for k in self.chain if k <= widest]
         self._levels = sorted({self.chain[0], mid[len(mid) // 2], widest})
 

@@ -201,6 +201,19 @@ class StepPlan:
         used = sorted(i for m in self.micro_batches() for i in m.sample_ids)
         assert used == sorted(self.sample_ids), f"step {self.index} does not use each sample once"
 
+    def check_shard_blocks(self, shard_size: int) -> None:
+        """Refuses (ValueError) a plan in which a parameter-shard block of ``shard_size`` ranks
+        would run two different micro-batch sequences: every group that runs micro-batches must
+        be an aligned block of a multiple of ``shard_size`` ranks, so each shard block lies inside
+        it (idle groups, which run nothing, may be single ranks). Otherwise the block's per-layer
+        all-gathers would not match and the step would hang."""
+        s = shard_size
+        for g in self.groups:
+            if g.micro_batches and (len(g.ranks) % s or g.ranks[0] % s):
+                raise ValueError(f"step {self.index}: the group of ranks {g.ranks[0]}-{g.ranks[-1]} runs micro-batches "
+                                 f"but cuts a parameter-shard block of {s} ranks (groups must be aligned multiples of "
+                                 f"the shard size); plan with a ClusterSpec whose shard_size is {s}")
+
 
 #: the predicted seconds of one step's plan (compute + the exposed gradient sync), passed in to
 #: the policies that tune or compare plans (the simulator's: `sim.replay.step_seconds(ctx)`)

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from dcparallel.cost.overlap import exposed_sync, num_buckets
+from dcparallel.cost.overlap import exposed_sync, sync_buckets
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import StepPlan
 
@@ -136,7 +136,8 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
     if overlap:
         # the groups that finish last: the shortest last micro-batch among them hides the least
         last = [gs[-1].end - gs[-1].start for gs in segs if gs and gs[-1].end >= compute * (1 - 1e-12)]
-        sync = exposed_sync(sync, min(last, default=0.0), num_buckets(ctx.cost.model.num_params))
+        sync = exposed_sync(sync, min(last, default=0.0),
+                            sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size))
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
 
 

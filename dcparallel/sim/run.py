@@ -52,12 +52,14 @@ def _bar(steps: Sequence[Step], desc: str, progress: bool):
 
 
 def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, policies: Sequence[str], *,
-                 tokens_per_step: int, seed: int = 0, epoch: int = 0, progress: bool = False
-                 ) -> tuple[PlanContext, list[Step], dict[str, PolicyRun], float]:
-    """Plans and simulates one epoch per policy; returns the context, the (shared) steps,
-    each policy's run and the epoch's lower bound."""
+                 tokens_per_step: int, seed: int = 0, epoch: int = 0, progress: bool = False,
+                 max_steps: int | None = None) -> tuple[PlanContext, list[Step], dict[str, PolicyRun], float]:
+    """Plans and simulates one epoch per policy (its first ``max_steps`` steps, if given);
+    returns the context, the (shared) steps, each policy's run and the epoch's lower bound."""
     ctx = PlanContext(workload, cost, cluster)
     steps = form_steps(workload.tokens, seed=seed, epoch=epoch, tokens_per_step=tokens_per_step)
+    if max_steps is not None:
+        steps = steps[:max_steps]
     runs = {}
     for name in policies:
         runs[name] = plan_epoch(ctx, steps, name, progress)
@@ -69,9 +71,9 @@ def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, poli
 def summary(workload: Workload, runs: dict[str, PolicyRun], bound: float) -> dict:
     """The per-policy numbers of `simulate --json`."""
     out = {}
-    n = len(workload)
     for name, r in runs.items():
         planned = sorted(i for p in r.plans for mb in p.micro_batches() for i in mb.sample_ids)
+        n = len({i for p in r.plans for i in p.sample_ids})  # the steps' samples (all, for a whole epoch)
         s = r.sim
         out[name] = {
             "samples_planned": len(planned),
@@ -86,6 +88,7 @@ def summary(workload: Workload, runs: dict[str, PolicyRun], bound: float) -> dic
             "plan_ms_per_step": round(r.plan_ms_per_step, 3),
             "setup_ms": round(r.setup_ms, 1),
             "peak_memory_fraction": round(s.peak_memory_fraction, 4),
+            "peak_memory_bytes": round(s.peak_memory_fraction * s.memory_bytes),
             "memory_violations": s.memory_violations,
             "settings": r.settings,
         }

@@ -1,0 +1,85 @@
+"""The planner's `ModelSpec` of a transformers or diffusers model from its config file alone.
+
+`dcparallel simulate --model-config config.json` plans for models too large to build here:
+the model is built on the meta device (shapes only, no weights, no memory), in bf16, and its
+spec comes from the same adapter `DataCentricParallel` would use (`adapters.find_adapter`),
+so the parameter counts are exact. A diffusers config names its class (``_class_name``); any
+other JSON is a transformers config (``model_type``). Video sizes are planned in pixels: the
+adapter's latent rule is widened by a 4x temporal / 8x spatial VAE (Wan's), so the built-in
+video distributions and pixel lengths files apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from dcparallel.spec import ModelSpec
+
+#: the VAE between pixels and the transformer's latents: (temporal, spatial) downsampling
+VAE_FACTORS = (4, 8)
+
+
+def _read(path: Path) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the model config {p}: {exc}; give a transformers or diffusers config.json") \
+            from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{p} holds {type(d).__name__}, not a config object; give a config.json")
+    return d
+
+
+def _transformers(d: dict, path: Path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if "model_type" not in d:
+        raise ValueError(f"{path} has neither '_class_name' (a diffusers config) nor 'model_type' (a transformers "
+                         f"config); give the model's config.json")
+    try:
+        cfg = AutoConfig.for_model(**d)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: transformers does not know model_type {d['model_type']!r} ({exc})") from None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {type(cfg).__name__} has no causal-LM class ({exc}); dcparallel plans "
+                         f"decoder-only *ForCausalLM models and diffusers' WanTransformer3DModel") from None
+
+
+def _diffusers(d: dict, path: Path):
+    import diffusers
+    import torch
+
+    name = d["_class_name"]
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise ValueError(f"{path}: {name!r} is not a diffusers model class")
+    with torch.device("meta"):
+        return cls.from_config(d).to(torch.bfloat16)
+
+
+def spec_from_config(path: str | Path, name: str | None = None) -> ModelSpec:
+    """The `ModelSpec` of the model a transformers or diffusers config file describes (built on
+    the meta device; see the module docstring). ``name`` defaults to the file's folder or stem."""
+    from dcparallel.adapters import find_adapter
+
+    path = Path(path)
+    d = _read(path)
+    model = _diffusers(d, path) if "_class_name" in d else _transformers(d, path)
+    try:
+        spec = find_adapter(model).spec
+    except ValueError as exc:
+        raise ValueError(f"{path}: dcparallel has no adapter for {type(model).__name__} ({exc})") from None
+    if spec.kind == "video":
+        t, s = VAE_FACTORS
+        spec = dataclasses.replace(spec, t_num=spec.t_num, t_den=spec.t_den * t, spatial_patch=spec.spatial_patch * s)
+    label = name or (path.name if path.is_dir() else path.parent.name if path.stem == "config" else path.stem)
+    return dataclasses.replace(spec, name=label)

@@ -1,0 +1,73 @@
+"""``shard_size="auto"``: the smallest parameter-shard block size with which a model fits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.base import CostModel
+from dcparallel.spec import ClusterSpec, ModelSpec, Recompute, Size, format_bytes
+from dcparallel.topology import Topology
+
+
+def _smallest_need(cost: CostModel, size: Size, sp: int) -> float:
+    """Peak bytes of one sample alone at SP ``sp`` with full recomputation."""
+    L = cost.model.num_layers
+    return cost.terms((size,), sp).memory(Recompute(L, L))
+
+
+def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size] | None = None, *,
+                    make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None) -> int:
+    """``shard_size="auto"``: the smallest shard size (of `ClusterSpec.shard_sizes`) with which
+    the model states and the smallest micro-batch fit the memory budget — the smallest sample of
+    ``sizes`` alone on a group of s ranks with full recomputation — and with which the largest
+    sample still fits some layout (alone on the widest SP group, full recomputation), so that
+    the epoch can be planned. Without ``sizes`` only the model states (with the gathered
+    parameters) must fit. ``make_cost`` builds the cost model for each candidate
+    (default `AnalyticCost`). A ValueError names the model, the memory the largest shard size
+    still needs and what is available, and the fixes."""
+    make_cost = make_cost or AnalyticCost
+    budget = float(cluster.memory_bytes)
+    smallest = largest = None
+    if sizes:
+        smallest = min(sizes, key=model.tokens)
+        largest = max(sizes, key=model.tokens)
+    need, why, tried, refused = 0.0, "", [], []
+    candidates = cluster.shard_sizes()
+    for s in candidates:
+        c = dataclasses.replace(cluster, shard_size=s)
+        try:
+            top = Topology.of(c, model.num_heads)
+        except ValueError:
+            continue  # no SP group of at least s ranks divides the heads
+        try:
+            cost = make_cost(model, c)
+        except ValueError as e:  # e.g. a profile measured at another shard size
+            refused.append(f"shard size {s}: {e}")
+            continue
+        tried.append(s)
+        need = cost.model_state_bytes()
+        why = "its model states"
+        if smallest is not None:
+            need = _smallest_need(cost, smallest, top.sizes[0])
+            why = f"its smallest sample ({smallest!r}) alone at SP {top.sizes[0]} with full recomputation"
+        if need > budget:
+            continue
+        if largest is not None:
+            need_l = _smallest_need(cost, largest, top.sizes[-1])
+            if need_l > budget:
+                need, why = need_l, f"its largest sample ({largest!r}) at SP {top.sizes[-1]} with full recomputation"
+                continue
+        return s
+    if not tried and refused:
+        raise ValueError(f"no shard size could be priced for model {model.name!r}: " + "; ".join(refused))
+    if not tried:
+        raise ValueError(f"model {model.name!r} has {model.num_heads} attention heads, which no SP group of at least "
+                         f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
+                         f"groups divide the heads")
+    raise ValueError(
+        f"model {model.name!r} ({model.num_params / 1e9:.2f}B parameters) does not fit {cluster.world_size} GPUs of "
+        f"{format_bytes(budget)} usable memory at any shard size (tried {tried}): at shard size "
+        f"{tried[-1]} {why} needs {format_bytes(need)} per rank. Use more GPUs (the optimizer states shrink "
+        f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples")
