@@ -140,10 +140,22 @@ class ModelSpec:
     bytes_per_value: int = 2
     #: key/value heads (grouped-query attention); 0 = as many as query heads
     num_kv_heads: int = 0
+    #: query/key head size; 0 = hidden / num_heads
+    head_dim: int = 0
+    #: value head size (multi-head latent attention: unlike the query/key one); 0 = head_dim
+    v_head_dim: int = 0
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def qk_head_dim(self) -> float:
+        return self.head_dim or self.hidden / self.num_heads
+
+    @property
+    def value_head_dim(self) -> float:
+        return self.v_head_dim or self.qk_head_dim
 
     @property
     def num_params(self) -> int:
@@ -184,6 +196,14 @@ def kv_repeats(num_kv_heads: int, sp: int) -> int:
 def kv_heads_sent(num_kv_heads: int, sp: int) -> int:
     """Key/value heads that one Ulysses all-to-all moves at SP degree ``sp`` (after repeats)."""
     return num_kv_heads * kv_repeats(num_kv_heads, sp) if sp > 1 else num_kv_heads
+
+
+def a2a_values_per_token(model: ModelSpec, sp: int) -> float:
+    """Values per token that one attention sub-block's Ulysses all-to-alls move forward: q and
+    the (repeated) k to head sharding at the query/key head size, v there and the output back
+    at the value head size."""
+    kv = kv_heads_sent(model.kv_heads, sp)
+    return (model.num_heads + kv) * model.qk_head_dim + (kv + model.num_heads) * model.value_head_dim
 
 
 def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,
