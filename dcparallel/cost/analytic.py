@@ -32,8 +32,7 @@ from dcparallel.cost.base import (
     grad_sync_time,
     model_state_bytes,
 )
-from dcparallel.spec import (LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size,
-                             a2a_values_per_token)
+from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, a2a_values_per_token
 
 
 @dataclass(frozen=True, kw_only=True)
