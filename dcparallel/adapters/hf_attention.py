@@ -55,7 +55,14 @@ HANDLED: dict[str, str] = {
     "output_hidden_states": "a model-level output switch; attention does not read it",
     "num_items_in_batch": "a loss normalizer of transformers' own loss; attention does not read it",
     "seq_idx": "a packed-sequence index for state-space layers; attention does not read it",
+    "return_dict": "a model-level output switch; attention does not read it",
+    "max_seqlen": "the longest packed segment, flash-attention metadata of cu_seqlens (refused itself)",
 }
+
+_STATE = ("keys and values read inside the attention function from a cache or another layer are not "
+          "implemented; dcparallel's attention sees only this call's q, k, v (train a model without them)")
+_UNVERIFIED = ("a model-specific input dcparallel has not verified the attention ignores; dcparallel drives causal "
+               "text decoders (train one of those)")
 
 #: keyword -> why it is refused and what to do instead
 REFUSED: dict[str, str] = {
@@ -66,6 +73,13 @@ REFUSED: dict[str, str] = {
     "block_indices": "block-sparse attention is not implemented; train a dense-attention model",
     "sinks": "this model's own sink tensor convention is not implemented (dcparallel implements gpt-oss's "
              "per-head `s_aux` logits); train a model that passes s_aux",
+    "cu_seqlens": "segment boundaries of a vision encoder's packed images are not implemented; dcparallel drives "
+                  "causal text decoders and packs their documents itself",
+    "position_embeddings": "rotary embeddings handed to the attention function (to apply or undo inside it) are "
+                           "not implemented; dcparallel's attention takes q, k, v already rotated",
+    "cache": _STATE, "cache_offset": _STATE, "shared_kv_states": _STATE,
+    **{word: _UNVERIFIED for word in ("inputs_embeds", "cycle_offset", "t_cond", "grid_thw", "always_partition",
+                                      "output_hidden_states_before_downsampling")},
 }
 
 assert not set(HANDLED) & set(REFUSED)
