@@ -3,7 +3,8 @@ any ``*ForCausalLM`` whose decoder layers sit in ``model.model.layers`` with ``s
 and ``mlp``).
 
 Attention goes through transformers' own registry: `AttentionInterface.register` under the
-name ``"dcparallel"`` and ``model.set_attn_implementation("dcparallel")``. For a name its mask
+name ``"dcparallel"`` and ``model.set_attn_implementation("dcparallel")``; the function and
+its keyword contract (each keyword handled exactly or refused) are `hf_attention`'s. For a name its mask
 registry does not know, transformers builds no mask and passes ``attention_mask=None``, so
 the function applies causality and the packed row's document boundaries itself (the
 runtime's attention does both). The model is called by keyword with ``position_ids`` (each

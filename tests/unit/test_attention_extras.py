@@ -62,7 +62,7 @@ def test_eager_path_matches_attention_written_out(softcap, use_sinks, dv):
     sinks = s if use_sinks else None
     pattern = AttnPattern("causal", softcap=softcap)
     for kernel in (sdpa_attention, cuda_varlen_attention):  # on CPU tensors the CUDA kernel takes the same path
-        out, grads = _run(lambda: kernel(q, k, v, pattern, CU, sinks), q, k, v, sinks)
+        out, grads = _run(lambda kernel=kernel: kernel(q, k, v, pattern, CU, sinks), q, k, v, sinks)
         ref, ref_grads = _run(lambda: _reference(q, k, v, softcap, sinks, CU), q, k, v, sinks)
         assert out.shape == (2, LENGTH, HEADS, dv)
         assert rel_err(out, ref) <= 1e-5 and torch.all(out[:, CU[-1]:] == 0)
