@@ -149,13 +149,6 @@ class ModelSpec:
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
-    @property
-    def qk_head_dim(self) -> float:
-        return self.head_dim or self.hidden / self.num_heads
-
-    @property
-    def value_head_dim(self) -> float:
-        return self.v_head_dim or self.qk_head_dim
 
     @property
     def num_params(self) -> int:
@@ -198,12 +191,14 @@ def kv_heads_sent(num_kv_heads: int, sp: int) -> int:
     return num_kv_heads * kv_repeats(num_kv_heads, sp) if sp > 1 else num_kv_heads
 
 
-def a2a_values_per_token(model: ModelSpec, sp: int) -> float:
-    """Values per token that one attention sub-block's Ulysses all-to-alls move forward: q and
-    the (repeated) k to head sharding at the query/key head size, v there and the output back
-    at the value head size."""
-    kv = kv_heads_sent(model.kv_heads, sp)
-    return (model.num_heads + kv) * model.qk_head_dim + (kv + model.num_heads) * model.value_head_dim
+def a2a_hidden_units(model: ModelSpec, sp: int) -> float:
+    """What one attention sub-block's Ulysses all-to-alls move forward per token, in units of
+    the hidden size: q and the (repeated) k to head sharding at the query/key head size, v
+    there and the output back at the value head size — (H + kv) (Dqk + Dv) / hidden; 2 + 2 kv / H
+    when the heads split the hidden size."""
+    qk = model.head_dim * model.num_heads / model.hidden if model.head_dim else 1.0
+    v = model.v_head_dim * model.num_heads / model.hidden if model.v_head_dim else qk
+    return (1 + kv_heads_sent(model.kv_heads, sp) / model.num_heads) * (qk + v)
 
 
 def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,

@@ -13,7 +13,7 @@ from dcparallel.adapters import find_adapter
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
-from dcparallel.spec import Layout, a2a_values_per_token, h200_cluster, kv_heads_sent, llama_like
+from dcparallel.spec import Layout, a2a_hidden_units, h200_cluster, kv_heads_sent, llama_like
 from tests import hf_families
 
 pytest.importorskip("transformers")
@@ -23,7 +23,7 @@ def test_deepseek_v3_spec_knows_the_value_head_size_and_the_cost_model_prices_it
     spec = find_adapter(hf_families.build("hf-deepseek-v3")).spec
     assert (spec.num_heads, spec.kv_heads, spec.head_dim, spec.v_head_dim) == (4, 4, 12, 6)
     # q, k at 12 values per head to head sharding, v at 6, the output (6 per head) back
-    assert a2a_values_per_token(spec, 2) == 4 * 12 + 4 * 12 + 4 * 6 + 4 * 6
+    assert a2a_hidden_units(spec, 2) == (4 * 12 + 4 * 12 + 4 * 6 + 4 * 6) / 32
     wide_v = dataclasses.replace(spec, v_head_dim=12)
     cluster = h200_cluster(8)
     t = lambda s, sp: AnalyticCost(s, cluster).terms([4096], sp).time_none
@@ -34,7 +34,7 @@ def test_models_of_hidden_sized_heads_are_priced_as_before():
     llama = llama_like("l", num_layers=2, hidden=4096, num_heads=32, ffn_hidden=11008, vocab_size=32000)
     for kv, sp in ((32, 4), (8, 4), (2, 8)):
         m = dataclasses.replace(llama, num_kv_heads=kv)
-        assert a2a_values_per_token(m, sp) / m.hidden == pytest.approx(2 + 2 * kv_heads_sent(kv, sp) / 32)
+        assert a2a_hidden_units(m, sp) == 2 + 2 * kv_heads_sent(kv, sp) / 32  # exactly: the same plans
 
 
 @pytest.mark.parametrize("kind", ["hf-gemma2", "hf-gpt-oss"])
