@@ -8,8 +8,9 @@ weights). The keywords are the module's own (``scaling``, ``dropout``, ``sliding
 ``softcap``, ``s_aux``, ...) plus whatever reached its forward through ``**kwargs`` (the
 model's `TransformersKwargs`, e.g. ``position_ids``). `HANDLED` lists the keywords this
 function implements exactly (or whose value it checks, refusing the values it cannot honor);
-`REFUSED` lists the ones it refuses, with the reason. Any other keyword is refused too: a new
-transformers release that passes something new fails loudly instead of training wrongly.
+`REFUSED` lists the ones it refuses, with the reason, unless passed as None (the feature off).
+Any other keyword is refused, whatever its value: a new transformers release that passes
+something new fails loudly instead of training wrongly.
 ``tests/unit/test_hf_attention_keywords.py`` reads the installed transformers' attention
 call sites and fails on a keyword that is on neither list.
 
@@ -89,13 +90,15 @@ def _refuse(module: nn.Module, word: str, why: str) -> ValueError:
     return ValueError(f"{type(module).__name__} passes `{word}` to the attention function: {why}")
 
 
-def check_keywords(module: nn.Module, keywords: Iterable[str]) -> None:
-    """Raises for the first keyword not in `HANDLED`: refused ones with their reason, unknown
-    ones as unknown (never ignored)."""
+def check_keywords(module: nn.Module, keywords: dict[str, Any]) -> None:
+    """Raises for the first keyword not in `HANDLED`: a refused one with its reason unless its
+    value is None (the feature is off: nothing to drop), an unknown one always (never ignored)."""
     for word in sorted(keywords):
         if word in HANDLED:
             continue
         if word in REFUSED:
+            if keywords[word] is None:
+                continue
             raise _refuse(module, word, REFUSED[word])
         raise _refuse(module, word, "dcparallel does not know this keyword, so it refuses it rather than ignore it "
                                     "(ignoring it could train wrongly); use a transformers version whose model does "

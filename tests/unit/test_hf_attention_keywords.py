@@ -265,6 +265,9 @@ def test_unknown_and_refused_keywords_are_refused_naming_them_and_the_module():
         hf_attention(m, q, kv, kv, None, scaling=0.3, future_bias=torch.ones(4))
     with pytest.raises(ValueError, match=r"ToyAttention passes `position_bias` .*relative-position bias"):
         hf_attention(m, q, kv, kv, None, position_bias=torch.zeros(1, 4, 6, 6))
+    with pytest.raises(ValueError, match=r"ToyAttention passes `future_bias` .* refuses it rather than ignore it"):
+        hf_attention(m, q, kv, kv, None, future_bias=None)  # an unknown keyword, whatever its value
+    hf_attention(m, q, kv, kv, None, position_bias=None, indices=None)  # refused features, passed as off
     with pytest.raises(ValueError, match=r"`is_causal` .*bidirectional"):
         hf_attention(m, q, kv, kv, None, is_causal=False)
     m.is_causal = False
