@@ -184,6 +184,12 @@ def cuda_varlen_attention(
     return out.unsqueeze(0)
 
 
+# the kernels here implement AttnPattern.softcap and sinks= exactly; a user's kernel declares
+# the same by this attribute, else the runtime refuses a model that needs them
+sdpa_attention.supports_softcap_and_sinks = True
+cuda_varlen_attention.supports_softcap_and_sinks = True
+
+
 @functools.cache
 def _varlen_attn():
     try:

@@ -77,6 +77,11 @@ def ulysses_attention(
         raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: one sink logit per query head is "
                          f"({hq},)")
     kernel = kernel or default_kernel(q.device)
+    if (pattern.softcap is not None or sinks is not None) and not getattr(kernel, "supports_softcap_and_sinks", False):
+        raise ValueError(f"the model needs logit softcapping or attention sinks, which the attention kernel "
+                         f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
+                         f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
+                         f"and sinks= that attribute")
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)

@@ -86,3 +86,12 @@ def test_sinks_and_head_sizes_are_checked():
         ulysses_attention(q, v, v, AttnPattern("causal"), group=None)
     with pytest.raises(ValueError, match="softcap -1.0 must be a positive number"):
         AttnPattern("causal", softcap=-1.0)
+
+    def plain_kernel(q, k, v, pattern, cu_seqlens=None):  # a user's kernel that knows neither
+        return sdpa_attention(q, k, v, pattern, cu_seqlens)
+
+    q, k, v, sinks = _inputs(8)
+    assert ulysses_attention(q, k, v, AttnPattern("causal"), group=None, kernel=plain_kernel).shape == q.shape
+    for pattern, s in ((AttnPattern("causal", softcap=5.0), None), (AttnPattern("causal"), sinks)):
+        with pytest.raises(ValueError, match="kernel 'plain_kernel' does not declare"):
+            ulysses_attention(q, k, v, pattern, group=None, kernel=plain_kernel, sinks=s)
