@@ -36,7 +36,8 @@ def build(kind: str, seed: int = 0, *, softcap: bool = True) -> nn.Module:
         from transformers import GptOssConfig, GptOssForCausalLM
 
         cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           max_position_embeddings=32 * 4096,  # YaRN's factor 32 over its 4096 original positions
                            num_local_experts=2, num_experts_per_tok=1, sliding_window=64)
         model = GptOssForCausalLM._from_config(cfg, attn_implementation="eager").float()
         with torch.no_grad():

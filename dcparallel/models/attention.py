@@ -8,8 +8,8 @@ heads, value_head_dim). ``pattern`` says which tokens of a sample see which: cau
 full (video, 3D), or factorized spatial / temporal attention over a (frames, spatial
 tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2).
 ``sinks`` (optional, one logit per query head, gpt-oss) add a learned column to each
-softmax's denominator that takes part in normalization and is then dropped. Documents packed in one
-row (``cu_seqlens``) never attend to each other, and positions at or after
+softmax's denominator that takes part in normalization and is then dropped. Documents
+packed in one row (``cu_seqlens``) never attend to each other, and positions at or after
 ``cu_seqlens[-1]`` are padding: they attend to nothing, nothing attends to them, and their
 output is zero.
 
