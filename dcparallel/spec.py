@@ -143,6 +143,10 @@ class ModelSpec:
     #: parameters of the largest repeated block that a shard block gathers at once (a model
     #: whose blocks differ, e.g. dual- and single-stream); 0 = one layer's
     max_unit_params: int = 0
+    #: query/key head size; 0 = hidden / num_heads
+    head_dim: int = 0
+    #: value head size (multi-head latent attention: unlike the query/key one); 0 = head_dim
+    v_head_dim: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -192,6 +196,16 @@ def kv_repeats(num_kv_heads: int, sp: int) -> int:
 def kv_heads_sent(num_kv_heads: int, sp: int) -> int:
     """Key/value heads that one Ulysses all-to-all moves at SP degree ``sp`` (after repeats)."""
     return num_kv_heads * kv_repeats(num_kv_heads, sp) if sp > 1 else num_kv_heads
+
+
+def a2a_hidden_units(model: ModelSpec, sp: int) -> float:
+    """What one attention sub-block's Ulysses all-to-alls move forward per token, in units of
+    the hidden size: q and the (repeated) k to head sharding at the query/key head size, v
+    there and the output back at the value head size — (H + kv) (Dqk + Dv) / hidden; 2 + 2 kv / H
+    when the heads split the hidden size."""
+    qk = model.head_dim * model.num_heads / model.hidden if model.head_dim else 1.0
+    v = model.v_head_dim * model.num_heads / model.hidden if model.v_head_dim else qk
+    return (1 + kv_heads_sent(model.kv_heads, sp) / model.num_heads) * (qk + v)
 
 
 def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,

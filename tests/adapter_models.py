@@ -12,11 +12,12 @@ from torch import Tensor, nn
 
 from dcparallel.models.attention import AttnPattern, local_attention
 from dcparallel.runtime.engine import sample_seed
+from tests import hf_families
 from tests.support import Data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TEXT_KINDS = ("hf-llama", "hf-qwen3", "custom")
+TEXT_KINDS = ("hf-llama", "hf-qwen3", "custom", *hf_families.KINDS)
 VOCAB = 96
 
 
@@ -88,6 +89,8 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
     if kind == "custom":
         return TinyGQA()
+    if kind in hf_families.KINDS:
+        return hf_families.build(kind, seed)
     if kind == "wan":
         from diffusers import WanTransformer3DModel
 

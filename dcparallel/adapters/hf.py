@@ -3,7 +3,8 @@ any ``*ForCausalLM`` whose decoder layers sit in ``model.model.layers`` with ``s
 and ``mlp``).
 
 Attention goes through transformers' own registry: `AttentionInterface.register` under the
-name ``"dcparallel"`` and ``model.set_attn_implementation("dcparallel")``. For a name its mask
+name ``"dcparallel"`` and ``model.set_attn_implementation("dcparallel")``; the function and
+its keyword contract (each keyword handled exactly or refused) are `hf_attention`'s. For a name its mask
 registry does not know, transformers builds no mask and passes ``attention_mask=None``, so
 the function applies causality and the packed row's document boundaries itself (the
 runtime's attention does both). The model is called by keyword with ``position_ids`` (each
@@ -18,11 +19,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
-from dcparallel.models.attention import AttnPattern
-
-NAME = "dcparallel"
-CAUSAL = AttnPattern("causal")
+from dcparallel.adapters.hf_attention import hf_attention  # noqa: F401  (the function transformers calls)
 
 
 def matches(model: nn.Module) -> bool:
@@ -43,38 +42,15 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                 scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-                 **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention signature: q (B, H, L, D), k, v (B, H_kv, L, D) ->
-    ((B, L, H, D), no weights), through the runtime attention installed on ``module``."""
-    fn = getattr(module, "_dcp_attention", None)
-    if fn is None:
-        raise RuntimeError(f"{type(module).__name__} runs dcparallel's attention but none was installed; wrap the "
-                           f"model with dcparallel.DataCentricParallel first")
-    if attention_mask is not None:
-        raise ValueError("dcparallel's attention builds causality and document boundaries itself; call the model "
-                         "without attention_mask (pass position_ids=batch.positions)")
-    if dropout and module.training:
-        raise ValueError(f"attention dropout {dropout} is not supported under dcparallel; set the config's "
-                         f"attention_dropout to 0")
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    d = q.shape[-1]
-    if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-9:
-        q = q * (scaling * d**0.5)  # the kernel scales by 1/sqrt(D)
-    if sliding_window is not None:
-        longest = fn.longest_document(q.shape[1])
-        if longest > sliding_window:
-            raise ValueError(f"a document of {longest} tokens is longer than the model's sliding window "
-                             f"{sliding_window}; dcparallel's attention is full causal: set the config's "
-                             f"sliding_window to None or keep documents within it")
-    return fn(q, k, v, CAUSAL), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, hf_attention)
+def _head_dims(cfg: Any) -> tuple[int, int]:
+    """(query/key, value) head sizes: multi-head latent attention (DeepSeek-V2/V3) has a
+    query/key head of qk_nope_head_dim + qk_rope_head_dim (its ``head_dim`` is the rotary
+    part only) and a value head of v_head_dim; other models one ``head_dim``."""
+    if getattr(cfg, "qk_nope_head_dim", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    else:
+        qk = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return qk, getattr(cfg, "v_head_dim", None) or qk
 
 
 def hf_lm_loss(model: nn.Module, batch: Any, ctx: Any) -> Tensor:
@@ -96,19 +72,19 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             raise ValueError(f"{what}={given} but the model's config has {own}; leave {what} out (it is read from "
                              f"model.config)")
     heads, kv = cfg.num_attention_heads, own_kv
+    qk_dim, v_dim = _head_dims(cfg)
     vocab = cfg.vocab_size
     attn_modules = lambda b: [b.self_attn]
     mlp_modules = lambda b: [b.mlp]
     spec = derive_spec(model, blocks, name=name or f"{cfg.model_type}-h{cfg.hidden_size}-l{len(blocks)}",
                        kind="text", hidden=cfg.hidden_size, num_heads=heads, ffn_hidden=cfg.intermediate_size,
                        attention="causal", attn_modules=attn_modules, mlp_modules=mlp_modules, vocab_size=vocab,
-                       num_kv_heads=kv if kv != heads else 0)
+                       num_kv_heads=kv if kv != heads else 0,
+                       head_dim=qk_dim if qk_dim * heads != cfg.hidden_size else 0,
+                       v_head_dim=v_dim if v_dim != qk_dim else 0)
 
     def install(fn: Any) -> None:
-        _register()
-        for b in blocks:
-            b.self_attn._dcp_attention = fn
-        model.set_attn_implementation(NAME)
+        attention.install(model, [b.self_attn for b in blocks], fn)
 
     return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,

@@ -33,7 +33,7 @@ from dcparallel.cost.base import (
     model_state_bytes,
 )
 from dcparallel.cost.shard import ShardComm
-from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, kv_heads_sent
+from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, a2a_hidden_units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,8 +284,9 @@ class AnalyticCost:
         act_bytes = n * m.hidden * m.bytes_per_value
         if m.attention == "factorized":
             a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
-        else:  # q, k, v to head sharding, output back; grouped k, v are smaller (repeated if sp needs)
-            a2a_fwd = m.attn_per_layer * (2 + 2 * kv_heads_sent(m.kv_heads, sp) / m.num_heads)
+        else:  # q, k, v to head sharding, output back, in units of a hidden-sized activation; grouped
+            # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
+            a2a_fwd = m.attn_per_layer * a2a_hidden_units(m, sp)
         t_a2a = alltoall_time(self.cluster, sp, act_bytes)
         layer_time = compute + 2 * a2a_fwd * t_a2a
         dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a

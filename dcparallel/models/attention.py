@@ -1,11 +1,15 @@
 """The attention seam between single-device models and the runtime.
 
 A model calls ``attention(q, k, v, pattern)`` with ``q`` of shape (batch, tokens, heads,
-head_dim) and ``k, v`` of shape (batch, tokens, kv_heads, head_dim) — kv_heads dividing heads
-(grouped-query attention) — and gets the output shaped like ``q``. ``pattern`` says
-which tokens of a sample see which: causal (text), full (video, 3D), or factorized
-spatial / temporal attention over a (frames, spatial tokens) grid. Documents packed in one
-row (``cu_seqlens``) never attend to each other, and positions at or after
+head_dim) and ``k, v`` of shape (batch, tokens, kv_heads, head_dim / value_head_dim) —
+kv_heads dividing heads (grouped-query attention); the value head size may differ from the
+query/key one (multi-head latent attention) — and gets the output of shape (batch, tokens,
+heads, value_head_dim). ``pattern`` says which tokens of a sample see which: causal (text),
+full (video, 3D), or factorized spatial / temporal attention over a (frames, spatial
+tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2).
+``sinks`` (optional, one logit per query head, gpt-oss) add a learned column to each
+softmax's denominator that takes part in normalization and is then dropped. Documents
+packed in one row (``cu_seqlens``) never attend to each other, and positions at or after
 ``cu_seqlens[-1]`` are padding: they attend to nothing, nothing attends to them, and their
 output is zero.
 
@@ -38,6 +42,13 @@ class AttnPattern:
 
     kind: PatternKind
     frames: int = 1
+    softcap: float | None = None
+    """logit softcapping: scores ``s`` (already scaled) become ``softcap * tanh(s / softcap)``
+    before masking and softmax; None = none"""
+
+    def __post_init__(self) -> None:
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention softcap {self.softcap} must be a positive number (or None for no capping)")
 
     @property
     def causal(self) -> bool:
@@ -45,7 +56,37 @@ class AttnPattern:
 
 
 class AttentionFn(Protocol):
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor: ...
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None
+                 ) -> Tensor: ...
+
+
+def _needs_eager(pattern: AttnPattern, sinks: Tensor | None) -> bool:
+    """SDPA has neither logit softcapping nor sink logits: those go to `_eager`."""
+    return pattern.softcap is not None or sinks is not None
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """Attention written out, for what SDPA cannot do: (N, L, H, D) q, k (N, L, H_kv, D),
+    v (N, L, H_kv, Dv) -> (N, L, H, Dv). Scores q.k / sqrt(D), then the softcap, the causal
+    mask, the sink column (head h's logit ``sinks[h]``), a float32 softmax, the sink column
+    dropped, @ v — the order of transformers' eager Gemma 2 and gpt-oss attention."""
+    n, length, h, d = q.shape
+    if k.shape[2] != h:  # consecutive query heads share a key/value head
+        r = h // k.shape[2]
+        k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    scores = torch.einsum("nlhd,nmhd->nhlm", q, k) * d**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    if sinks is not None:
+        col = sinks.to(scores.dtype).view(1, h, 1, 1).expand(n, h, length, 1)
+        scores = torch.cat([scores, col], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("nhlm,nmhd->nlhd", probs.to(v.dtype), v)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
@@ -59,29 +100,36 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     return out.transpose(1, 2)
 
 
-def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
-    """Attention within one document / sample of length L: (B, L, H, D)."""
+def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
+    """Attention within one document / sample of length L: (B, L, H, Dv)."""
+    if _needs_eager(pattern, sinks):
+        core = lambda q, k, v, causal: _eager(q, k, v, causal, pattern.softcap, sinks)
+    else:
+        core = _sdpa
     if pattern.kind in ("causal", "full"):
-        return _sdpa(q, k, v, pattern.causal)
-    b, n, h, d = q.shape
+        return core(q, k, v, pattern.causal)
+    b, n, h, _ = q.shape
+    dv = v.shape[-1]
     t = pattern.frames
     if t < 1 or n % t:
         raise ValueError(f"factorized attention over {n} tokens needs frames dividing it; got frames={t}")
     s = n // t
     if pattern.kind == "spatial":  # (B, T, S) -> (B*T, S)
-        fold = lambda x: x.reshape(b * t, s, x.shape[2], d)
-        return _sdpa(fold(q), fold(k), fold(v), False).reshape(b, n, h, d)
+        fold = lambda x: x.reshape(b * t, s, x.shape[2], x.shape[3])
+        return core(fold(q), fold(k), fold(v), False).reshape(b, n, h, dv)
     if pattern.kind == "temporal":  # (B, T, S) -> (B*S, T)
-        fold = lambda x: x.reshape(b, t, s, x.shape[2], d).transpose(1, 2).reshape(b * s, t, x.shape[2], d)
-        out = _sdpa(fold(q), fold(k), fold(v), False)
-        return out.reshape(b, s, t, h, d).transpose(1, 2).reshape(b, n, h, d)
+        fold = lambda x: x.reshape(b, t, s, *x.shape[2:]).transpose(1, 2).reshape(b * s, t, *x.shape[2:])
+        out = core(fold(q), fold(k), fold(v), False)
+        return out.reshape(b, s, t, h, dv).transpose(1, 2).reshape(b, n, h, dv)
     raise ValueError(f"unknown attention pattern {pattern.kind!r}; use causal, full, spatial or temporal")
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Reference kernel for full (unsharded) rows: a loop of SDPA per document.
+    """Reference kernel for full (unsharded) rows: a loop of SDPA per document (of the
+    eager `_eager` when the pattern softcaps or ``sinks`` (H,) are given).
 
     ``cu_seqlens`` (same for every row) marks the documents; positions past its last entry
     are padding and get a zero output. ``None`` means one document filling the row."""
@@ -95,26 +143,30 @@ def sdpa_attention(
     ):
         raise ValueError(f"cu_seqlens {list(cu_seqlens)} must rise from 0 to at most the row length {length}")
     if len(cu_seqlens) == 2 and cu_seqlens[1] == length:
-        return _attend_segment(q, k, v, pattern)
+        return _attend_segment(q, k, v, pattern, sinks)
     pieces = [
-        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern)
+        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern, sinks)
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
         if b > a
     ]
     pad = length - cu_seqlens[-1]
     if pad:
-        pieces.append(q.new_zeros(q.shape[0], pad, *q.shape[2:]))
+        pieces.append(q.new_zeros(q.shape[0], pad, q.shape[2], v.shape[3]))
     return torch.cat(pieces, dim=1)
 
 
 def cuda_varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Packed causal documents on CUDA with ``torch.nn.attention.varlen.varlen_attn``
-    (window (-1, 0) is causal); every other case, and every CPU tensor, goes to SDPA.
-    varlen_attn raises NotImplementedError on CPU, so it is never called there."""
-    if not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None:
-        return sdpa_attention(q, k, v, pattern, cu_seqlens)
+    (window (-1, 0) is causal); every other case, and every CPU tensor, goes to
+    `sdpa_attention`: softcapping and sinks (its exact eager path; varlen_attn has neither),
+    a value head size unlike the query/key one, factorized patterns. varlen_attn raises
+    NotImplementedError on CPU, so it is never called there."""
+    if (not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None
+            or _needs_eager(pattern, sinks) or v.shape[-1] != q.shape[-1]):
+        return sdpa_attention(q, k, v, pattern, cu_seqlens, sinks)
     varlen_attn = _varlen_attn()
     if k.shape[2] != q.shape[2]:  # not every varlen kernel takes grouped key/value heads
         rep = q.shape[2] // k.shape[2]
@@ -130,6 +182,12 @@ def cuda_varlen_attention(
     if real < length:
         out = torch.cat([out, out.new_zeros(length - real, *out.shape[1:])], dim=0)
     return out.unsqueeze(0)
+
+
+# the kernels here implement AttnPattern.softcap and sinks= exactly; a user's kernel declares
+# the same by this attribute, else the runtime refuses a model that needs them
+sdpa_attention.supports_softcap_and_sinks = True
+cuda_varlen_attention.supports_softcap_and_sinks = True
 
 
 @functools.cache
@@ -160,6 +218,6 @@ def default_kernel(device: torch.device):
     return cuda_varlen_attention if device.type == "cuda" else sdpa_attention
 
 
-def local_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
+def local_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
     """Single-device default: every row is one whole sample (no packing, no padding)."""
-    return default_kernel(q.device)(q, k, v, pattern, None)
+    return default_kernel(q.device)(q, k, v, pattern, None, sinks)

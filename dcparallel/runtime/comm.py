@@ -29,6 +29,13 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group) -> int:
+    """This rank's index in ``group`` (0 without a process group)."""
+    if group is None or not is_distributed():
+        return 0
+    return dist.get_rank(group)
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
@@ -69,19 +76,22 @@ def all_to_all(x: Tensor, group) -> Tensor:
 
 
 def seq_to_heads(xs: list[Tensor], group) -> list[Tensor]:
-    """Sequence-sharded (B, L/sp, H_i, D) tensors -> head-sharded (B, L, H_i/sp, D), all in
-    one all-to-all (each peer's head slices of every tensor travel together). The tensors may
-    have different head counts (query vs grouped key/value heads), each divisible by sp."""
+    """Sequence-sharded (B, L/sp, H_i, D_i) tensors -> head-sharded (B, L, H_i/sp, D_i), all
+    in one all-to-all (each peer's head slices of every tensor travel together). The tensors
+    may have different head counts (query vs grouped key/value heads), each divisible by sp,
+    and different head sizes (multi-head latent attention: values unlike queries and keys).
+    Rank p of the group receives heads p*H_i/sp .. (p+1)*H_i/sp - 1 of each tensor."""
     sp = group_size(group)
     if sp == 1:
         return list(xs)
-    b, ls, _, d = xs[0].shape
-    heads = [x.shape[2] // sp for x in xs]
-    # (B, Ls, sp, H_i/sp, D) per tensor, joined on the per-peer head axis
-    x = torch.cat([t.reshape(b, ls, sp, h, d) for t, h in zip(xs, heads, strict=True)], dim=3)
-    y = all_to_all(x.permute(2, 0, 1, 3, 4), group)  # (peer=sequence shard, B, Ls, sum H_i/sp, D)
-    y = y.permute(1, 0, 2, 3, 4).reshape(b, sp * ls, sum(heads), d)
-    return list(y.split(heads, dim=2))
+    b, ls = xs[0].shape[:2]
+    shapes = [(x.shape[2] // sp, x.shape[3]) for x in xs]
+    widths = [h * d for h, d in shapes]
+    # (B, Ls, sp, H_i/sp * D_i) per tensor, joined on the per-peer axis
+    x = torch.cat([t.reshape(b, ls, sp, w) for t, w in zip(xs, widths, strict=True)], dim=3)
+    y = all_to_all(x.permute(2, 0, 1, 3), group)  # (peer=sequence shard, B, Ls, sum widths)
+    y = y.permute(1, 0, 2, 3).reshape(b, sp * ls, sum(widths))
+    return [part.reshape(b, sp * ls, h, d) for part, (h, d) in zip(y.split(widths, dim=2), shapes, strict=True)]
 
 
 def heads_to_seq(x: Tensor, group) -> Tensor:

@@ -8,6 +8,13 @@ all-to-all returns the output to sequence sharding. Backward mirrors both all-to
 Rotary embeddings are applied by the model before the call, with the shard's global
 positions, so nothing about positions happens here.
 
+Values may have a head size unlike queries' and keys' (multi-head latent attention): each
+tensor travels with its own head size. Per-head sink logits (``sinks``, one per query head)
+are sliced to the rank's query heads after the all-to-all, so each rank's softmax uses its
+own heads' sinks; the slice's gradient lands in those entries only, and the gradient sync
+sums the entries over ranks (each head's entry comes from the rank that holds the head).
+Softcapping travels in the `AttnPattern`.
+
 Grouped-query / multi-query attention (k, v with H_kv < H query heads, H divisible by H_kv):
 when sp divides H_kv the key/value heads are sharded like the query heads; otherwise each
 key/value head is repeated r = sp / gcd(sp, H_kv) times first (r divides H / H_kv, so rank
@@ -25,10 +32,12 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dcparallel.models.attention import AttnPattern, default_kernel
-from dcparallel.runtime.comm import group_size, heads_to_seq, seq_to_heads
+from dcparallel.runtime.comm import group_rank, group_size, heads_to_seq, seq_to_heads
 from dcparallel.spec import kv_repeats
 
-Kernel = Callable[[Tensor, Tensor, Tensor, AttnPattern, "Sequence[int] | None"], Tensor]
+#: ``kernel(q, k, v, pattern, cu_seqlens)``, and ``sinks=`` (this rank's heads' sink logits)
+#: when the model has sinks (`dcparallel.models.attention.sdpa_attention` is one)
+Kernel = Callable[..., Tensor]
 
 
 def check_heads(num_heads: int, sp: int) -> None:
@@ -49,26 +58,45 @@ def ulysses_attention(
     group,
     cu_seqlens: Sequence[int] | None = None,
     kernel: Kernel | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """q (B, L/sp, H, D), k and v (B, L/sp, H_kv, D): this rank's shard of the padded rows ->
-    output (B, L/sp, H, D).
+    """q (B, L/sp, H, D), k (B, L/sp, H_kv, D), v (B, L/sp, H_kv, Dv): this rank's shard of
+    the padded rows -> output (B, L/sp, H, Dv). ``sinks``: (H,) sink logits or None.
 
     ``cu_seqlens`` are document boundaries in the whole unpadded row (global positions);
     None = one document filling the whole padded row."""
     sp = group_size(group)
     hq, hkv = q.shape[2], k.shape[2]
     check_heads(hq, sp)
-    if k.shape != v.shape or hq % hkv:
-        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must share a shape with a number of "
-                         f"heads that divides the {hq} query heads")
+    if k.shape[:3] != v.shape[:3] or k.shape[3] != q.shape[3] or hq % hkv:
+        raise ValueError(f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} (batch, tokens, "
+                         f"heads, head size): key and value need the same batch, tokens and heads, a number of "
+                         f"heads dividing the {hq} query heads, and keys the query head size (values may have "
+                         f"their own head size)")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: one sink logit per query head is "
+                         f"({hq},)")
     kernel = kernel or default_kernel(q.device)
+    if (pattern.softcap is not None or sinks is not None) and not getattr(kernel, "supports_softcap_and_sinks", False):
+        raise ValueError(f"the model needs logit softcapping or attention sinks, which the attention kernel "
+                         f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
+                         f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
+                         f"and sinks= that attribute")
     if sp == 1:
-        return kernel(q, k, v, pattern, cu_seqlens)
+        return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = seq_to_heads([q, k, v], group)
-    return heads_to_seq(kernel(q, k, v, pattern, cu_seqlens), group)
+    if sinks is not None:  # this rank's query heads (see seq_to_heads)
+        hs = hq // sp
+        sinks = sinks[group_rank(group) * hs:(group_rank(group) + 1) * hs]
+    return heads_to_seq(kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks)), group)
+
+
+def _sinks_kw(sinks: Tensor | None) -> dict:
+    """A kernel without sinks support is still called without the keyword."""
+    return {} if sinks is None else {"sinks": sinks}
 
 
 @dataclass
@@ -106,6 +134,14 @@ class UlyssesAttention:
             return local_len * (1 if a is None else group_size(a.group))
         return max(b - x for x, b in zip(a.cu_seqlens[:-1], a.cu_seqlens[1:], strict=True))
 
+    def document_boundaries(self, local_len: int) -> tuple[int, ...]:
+        """The active micro-batch's document boundaries in its whole unpadded rows (one
+        document of the whole row outside a micro-batch or without boundaries)."""
+        a = self._active
+        if a is None or a.cu_seqlens is None:
+            return 0, local_len * (1 if a is None else group_size(a.group))
+        return a.cu_seqlens
+
     @contextlib.contextmanager
     def restored(self, state: _Active | None) -> Iterator[None]:
         """Runs a block (a recomputed forward) with the state a forward saw."""
@@ -115,8 +151,10 @@ class UlyssesAttention:
         finally:
             self._active = prev
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None
+                 ) -> Tensor:
         a = self._active
         if a is None:
-            return ulysses_attention(q, k, v, pattern, group=None, kernel=self.kernel)
-        return ulysses_attention(q, k, v, pattern, group=a.group, cu_seqlens=a.cu_seqlens, kernel=self.kernel)
+            return ulysses_attention(q, k, v, pattern, group=None, kernel=self.kernel, sinks=sinks)
+        return ulysses_attention(q, k, v, pattern, group=a.group, cu_seqlens=a.cu_seqlens, kernel=self.kernel,
+                                 sinks=sinks)

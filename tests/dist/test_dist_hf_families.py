@@ -1,0 +1,63 @@
+"""transformers families with attention beyond a plain causal softmax, on gloo (world 2 and
+4; random plans with SP 1, 2 and 4, idle ranks, packed documents of uneven lengths,
+recompute on and off): Gemma 2 (logit softcapping, with weights large enough that the
+capping changes the result), gpt-oss (learned per-head attention sinks: each SP rank uses
+its heads' sinks) and DeepSeek-V3 (multi-head latent attention: value heads of another size
+than query/key heads). Loss and every parameter's gradient after `sync_gradients()` equal a
+single process running the unmodified model (transformers' eager attention) one sample at a
+time.
+
+Tolerance: fp32, 1e-5 relative per tensor, as in test_dist_adapters (sharding and packing
+reorder sums); a dropped softcap or sink moves gradients by 1e-1 or more (shown below for
+the softcap; a sink left out gets no gradient at all, relative error 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import hf_families
+from tests.adapter_models import build, make_data, reference
+from tests.dist import adapter_cases
+from tests.support import rel_err
+
+pytestmark = pytest.mark.dist
+
+pytest.importorskip("transformers")
+
+
+def test_gemma2_softcapping_changes_loss_and_gradients():
+    """Without this the parity test below could pass with the softcap dropped."""
+    data = make_data("hf-gemma2", 7, 21)
+    capped_loss, capped = reference(hf_families.build("hf-gemma2"), data, range(7))
+    plain_loss, plain = reference(hf_families.build("hf-gemma2", softcap=False), data, range(7))
+    assert abs(capped_loss - plain_loss) > 1e-3 * abs(capped_loss), (capped_loss, plain_loss)
+    assert max(rel_err(plain[n], capped[n]) for n in capped) > 1e-1
+
+
+@pytest.mark.parametrize("kind", hf_families.KINDS)
+def test_families_match_single_process_gradients(workers, kind):
+    seeds, num_samples = [21, 22, 23, 24], 7
+    out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)
+    sp_seen, uneven, rc_seen, worst = set(), False, set(), {}
+    for i, seed in enumerate(seeds):
+        data = make_data(kind, num_samples, seed)
+        ref_loss, ref_grads = reference(build(kind), data, range(num_samples))
+        plan = out[0][i]["plan"]
+        for g in plan["groups"]:
+            sp_seen.add(len(g["ranks"]))
+            for m in g["micro_batches"]:
+                uneven |= len({data.docs[s].shape[0] for s in m["sample_ids"]}) > 1
+                rc_seen.add((m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]))
+        for r, res in enumerate(out):
+            assert abs(res[i]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (kind, r, seed, res[i]["loss"], ref_loss)
+            assert set(res[i]["grads"]) == set(ref_grads)
+            for name, g in res[i]["grads"].items():
+                err = rel_err(g, ref_grads[name])
+                worst[name] = max(worst.get(name, 0.0), err)
+                assert err <= 1e-5, f"{kind} rank {r} seed {seed} {name}: rel err {err:.2e} plan {plan}"
+    assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
+    assert uneven and (0, 0) in rc_seen and len(rc_seen) >= 3
+    top = max(worst, key=worst.get)
+    print(f"\n{kind} world {workers.world}: max rel err {worst[top]:.2e} ({top})"
+          + "".join(f"; {n} {e:.2e}" for n, e in worst.items() if "sinks" in n))

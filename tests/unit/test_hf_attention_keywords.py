@@ -1,0 +1,284 @@
+"""The keyword contract of dcparallel's transformers attention function: every keyword the
+installed transformers' models pass to the attention interface is on `HANDLED` or
+`REFUSED` (dcparallel.adapters.hf_attention), and anything else is refused at run time.
+
+The keywords are read from the source of every ``transformers/models/*/modeling_*.py``
+(the AST, nothing imported but transformers' kwargs TypedDicts):
+
+* the explicit keywords of each call of the attention interface — a name bound from
+  ``ALL_ATTENTION_FUNCTIONS`` (``attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+  ...)``) or the registry subscripted and called directly;
+* what reaches such a call through ``**kwargs``: the keys of the TypedDict annotating the
+  ``**kwargs`` of every module class whose forward forwards them there (directly, or down
+  to a child module that does: decoder layer -> attention), and every keyword a caller
+  passes to such a module (``self.self_attn(..., use_cache=...)``, ``decoder_layer(...)``)
+  that its forward does not name.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from dcparallel.adapters.hf_attention import HANDLED, REFUSED, hf_attention  # noqa: E402
+from dcparallel.runtime.ulysses import UlyssesAttention  # noqa: E402
+
+REGISTRY = "ALL_ATTENTION_FUNCTIONS"
+
+
+def _mentions(node: ast.AST, name: str) -> bool:
+    return any((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+               for n in ast.walk(node))
+
+
+@dataclass
+class _Function:
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+    cls: str | None
+    calls: list[ast.Call] = field(default_factory=list)
+    bound: set[str] = field(default_factory=set)  # names bound from the registry
+    loops: dict[str, list[ast.AST]] = field(default_factory=lambda: defaultdict(list))  # loop var -> iterables
+
+    @property
+    def kwarg(self) -> str | None:
+        return self.node.args.kwarg.arg if self.node.args.kwarg else None
+
+    def splats_kwargs(self, call: ast.Call) -> bool:
+        return self.kwarg is not None and any(
+            k.arg is None and isinstance(k.value, ast.Name) and k.value.id == self.kwarg for k in call.keywords)
+
+    def interface_calls(self) -> list[ast.Call]:
+        return [c for c in self.calls
+                if (isinstance(c.func, ast.Name) and c.func.id in self.bound)
+                or (isinstance(c.func, (ast.Subscript, ast.Call)) and _mentions(c.func, REGISTRY))]
+
+
+class _File(ast.NodeVisitor):
+    """One modeling file, indexed in one pass: its classes, each function's calls, names
+    bound from the attention registry and loops, and what each class assigns to ``self.x``."""
+
+    def __init__(self, tree: ast.Module):
+        self.classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+        self.functions: list[_Function] = []
+        self.assigned: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self._cls: list[str] = []
+        self._fn: list[_Function] = []
+        self.visit(tree)
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self._cls.append(node.name)
+        self.generic_visit(node)
+        self._cls.pop()
+
+    def visit_FunctionDef(self, node) -> None:
+        self._fn.append(_Function(node, self._cls[-1] if self._cls else None))
+        self.functions.append(self._fn[-1])
+        self.generic_visit(node)
+        self._fn.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if self._fn:
+            self._fn[-1].calls.append(node)
+        self.generic_visit(node)
+
+    def visit_For(self, node: ast.For) -> None:
+        if self._fn and isinstance(node.target, ast.Name):
+            self._fn[-1].loops[node.target.id].append(node.iter)
+        self.generic_visit(node)
+
+    def _assign(self, targets: list[ast.AST], value: ast.AST | None) -> None:
+        if value is not None:
+            for t in targets:
+                if isinstance(t, ast.Name) and self._fn and _mentions(value, REGISTRY):
+                    self._fn[-1].bound.add(t.id)
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
+                        and self._cls:
+                    self.assigned[self._cls[-1]][t.attr] |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self._assign(node.targets, node.value)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._assign([node.target], node.value)
+        self.generic_visit(node)
+
+    def _bases(self, cls: str, seen=()) -> list[str]:
+        """``cls`` and its base classes defined in this file, nearest first."""
+        c = self.classes.get(cls)
+        if c is None or cls in seen:
+            return []
+        out = [cls]
+        for b in c.bases:
+            if isinstance(b, ast.Name):
+                out += self._bases(b.id, (*seen, cls))
+        return out
+
+    def forward(self, cls: str):
+        for c in self._bases(cls):
+            for f in self.classes[c].body:
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "forward":
+                    return f
+        return None
+
+    def attribute_classes(self, cls: str, attr: str) -> set[str]:
+        """Classes of this file named where class ``cls`` (or a base) assigns ``self.<attr>``."""
+        return {n for c in self._bases(cls) for n in self.assigned[c].get(attr, ()) if n in self.classes}
+
+    def callees(self, f: _Function, call: ast.Call) -> set[str]:
+        """Module classes a call in ``f`` may call: ``self.attr(...)``, or a loop variable over
+        ``self.attr`` (``for layer in self.layers: layer(...)``)."""
+        fn = call.func
+        if f.cls is None:
+            return set()
+        if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id == "self":
+            return self.attribute_classes(f.cls, fn.attr)
+        if isinstance(fn, ast.Name):
+            return {c for it in f.loops.get(fn.id, ()) for a in ast.walk(it)
+                    if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+                    for c in self.attribute_classes(f.cls, a.attr)}
+        return set()
+
+    def typed_dict_keys(self, name: str, where: str) -> set[str]:
+        """Keys of a TypedDict of this file (with its bases) or of transformers' own."""
+        c = self.classes.get(name)
+        if c is not None:
+            keys = {n.target.id for n in c.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            for b in c.bases:
+                if isinstance(b, ast.Name) and b.id != "TypedDict":
+                    keys |= self.typed_dict_keys(b.id, where)
+            return keys
+        td = getattr(transformers.utils.generic, name, None) or getattr(
+            transformers.modeling_flash_attention_utils, name, None)
+        if td is None or not hasattr(td, "__optional_keys__"):
+            raise AssertionError(f"{where}: **kwargs annotated with {name}: cannot resolve it to a TypedDict; teach "
+                                 f"this test where it lives")
+        return set(td.__required_keys__) | set(td.__optional_keys__)
+
+    def kwargs_keys(self, forward, where: str) -> set[str]:
+        """Keys of ``**kwargs: Unpack[SomeKwargs]``; an untyped ``**kwargs`` (no annotation,
+        ``Any``) declares none: its keys are its callers'."""
+        ann = forward.args.kwarg.annotation if forward.args.kwarg else None
+        if ann is None:
+            return set()
+        return {k for n in ast.walk(ann) if isinstance(n, ast.Name) and n.id.endswith("Kwargs")
+                for k in self.typed_dict_keys(n.id, where)}
+
+
+def attention_keywords() -> tuple[dict[str, set[str]], int]:
+    """{keyword: families passing it to the attention interface}, and how many files call it."""
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found: dict[str, set[str]] = defaultdict(set)
+    num_files = 0
+    for path in sorted(root.glob("*/modeling_*.py")):
+        src = path.read_text()
+        if REGISTRY not in src:
+            continue
+        family = path.parent.name
+        file = _File(ast.parse(src))
+        reaching: set[str] = set()  # classes whose forward's **kwargs reach the interface
+        sub_calls = []  # (function, call, classes it may call) for calls of sub-modules
+        any_call = False
+        for f in file.functions:
+            for call in f.interface_calls():
+                any_call = True
+                found.update({k.arg: found[k.arg] | {family} for k in call.keywords if k.arg is not None})
+                if f.splats_kwargs(call) and f.cls is not None:
+                    reaching.add(f.cls)
+            for call in f.calls:
+                if call.keywords and isinstance(call.func, (ast.Name, ast.Attribute)):
+                    callees = file.callees(f, call)
+                    if callees:
+                        sub_calls.append((f, call, callees))
+        num_files += any_call
+        changed = True
+        while changed:  # a class forwarding its **kwargs to a reaching child reaches too
+            changed = False
+            for f, call, callees in sub_calls:
+                if f.cls not in reaching and f.splats_kwargs(call) and callees & reaching:
+                    reaching.add(f.cls)
+                    changed = True
+        for cls in reaching:
+            fwd = file.forward(cls)
+            if fwd is None or fwd.args.kwarg is None:
+                continue
+            named = {a.arg for a in fwd.args.posonlyargs + fwd.args.args + fwd.args.kwonlyargs}
+            words = file.kwargs_keys(fwd, f"{family}.{cls}")
+            words |= {k.arg for _, call, callees in sub_calls if cls in callees
+                      for k in call.keywords if k.arg is not None and k.arg not in named}
+            for k in words:
+                found[k].add(family)
+    return dict(found), num_files
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    return attention_keywords()
+
+
+def test_every_attention_keyword_of_installed_transformers_is_handled_or_refused(scanned):
+    found, num_files = scanned
+    unlisted = {k: sorted(v)[:5] for k, v in found.items() if k not in HANDLED and k not in REFUSED}
+    assert not unlisted, (f"transformers {transformers.__version__} passes keywords dcparallel's attention neither "
+                          f"handles nor refuses (keyword: some families): {unlisted}; add each to HANDLED (with an "
+                          f"exact implementation and a parity test) or REFUSED in dcparallel/adapters/hf_attention.py")
+    assert num_files > 100
+
+
+def test_the_scan_sees_what_models_pass_at_run_time(scanned):
+    """The keywords these families' attention functions receive at run time (read by a probe
+    function in the interface): the scan must find them, including those forwarded through
+    ``**kwargs`` from the decoder layer (``use_cache``) and the model (``position_ids``)."""
+    found, _ = scanned
+    expected = {
+        "llama": {"dropout", "scaling", "position_ids", "use_cache"},
+        "gemma2": {"dropout", "scaling", "sliding_window", "softcap", "position_ids"},
+        "gpt_oss": {"dropout", "scaling", "sliding_window", "s_aux", "position_ids", "use_cache",
+                    "output_router_logits"},
+        "deepseek_v3": {"dropout", "scaling", "position_ids", "use_cache"},
+    }
+    for family, words in expected.items():
+        missing = {w for w in words if family not in found.get(w, set())}
+        assert not missing, (family, missing)
+
+
+def _module_with_attention(cls_name: str = "ToyAttention") -> nn.Module:
+    m = type(cls_name, (nn.Module,), {})()
+    m._dcp_attention = UlyssesAttention()
+    return m
+
+
+def test_unknown_and_refused_keywords_are_refused_naming_them_and_the_module():
+    m = _module_with_attention()
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"ToyAttention passes `future_bias` .* refuses it rather than ignore it"):
+        hf_attention(m, q, kv, kv, None, scaling=0.3, future_bias=torch.ones(4))
+    with pytest.raises(ValueError, match=r"ToyAttention passes `position_bias` .*relative-position bias"):
+        hf_attention(m, q, kv, kv, None, position_bias=torch.zeros(1, 4, 6, 6))
+    with pytest.raises(ValueError, match=r"ToyAttention passes `future_bias` .* refuses it rather than ignore it"):
+        hf_attention(m, q, kv, kv, None, future_bias=None)  # an unknown keyword, whatever its value
+    hf_attention(m, q, kv, kv, None, position_bias=None, indices=None)  # refused features, passed as off
+    with pytest.raises(ValueError, match=r"`is_causal` .*bidirectional"):
+        hf_attention(m, q, kv, kv, None, is_causal=False)
+    m.is_causal = False
+    with pytest.raises(ValueError, match=r"`is_causal` .*bidirectional"):
+        hf_attention(m, q, kv, kv, None)
+    m.is_causal = True
+    with pytest.raises(ValueError, match=r"`output_attentions`"):
+        hf_attention(m, q, kv, kv, None, output_attentions=True)
+    with pytest.raises(ValueError, match=r"`cu_seq_lens_q` .*\[0, 2, 6\] differ from the micro-batch's documents"):
+        hf_attention(m, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 2, 6]))
+    # harmless metadata passes: the result equals the call without it
+    out, _ = hf_attention(m, q, kv, kv, None, position_ids=torch.arange(6)[None], use_cache=False,
+                          cu_seq_lens_q=torch.tensor([0, 6]), max_length_q=6, is_causal=True)
+    assert torch.equal(out, hf_attention(m, q, kv, kv, None)[0])
