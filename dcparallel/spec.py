@@ -230,6 +230,9 @@ class ClusterSpec:
     inter_bw: float = 0.0
     inter_latency: float = 0.0
     name: str = "cluster"
+    #: ranks per parameter-shard block (FSDP2 inside aligned blocks; 1 = parameters replicated):
+    #: a power of two dividing a node, or a multiple of a node, dividing the world
+    shard_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -243,6 +246,13 @@ class ClusterSpec:
             )
         if self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0; got {self.memory_bytes}")
+        s, g = self.shard_size, self.gpus_per_node
+        if (isinstance(s, bool) or not isinstance(s, int) or s < 1
+                or not ((s <= g and g % s == 0 and s & (s - 1) == 0) or s % g == 0) or self.world_size % s):
+            raise ValueError(
+                f"shard_size={s!r} does not cut a world of {self.world_size} ranks ({g} per node) into aligned "
+                f"blocks; use a power of two dividing {g}, or a multiple of {g}, that divides {self.world_size}"
+            )
 
     @property
     def num_nodes(self) -> int:

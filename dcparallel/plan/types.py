@@ -179,6 +179,24 @@ class StepPlan:
         return {"step": self.index, "num_tokens": self.num_tokens,
                 "sample_ids": list(self.sample_ids), "groups": [g.to_json() for g in self.groups]}
 
+    def check_shard_size(self, shard_size: int) -> None:
+        """Refuses (ValueError) a plan with an SP group that splits a parameter-shard block:
+        with ``shard_size`` s > 1 every group must hold whole aligned blocks of s ranks (at
+        least s ranks, a multiple of s, starting at a multiple of s), so that a block's ranks
+        run the same micro-batches (FSDP's collectives inside the block would hang otherwise)."""
+        s = shard_size
+        if s <= 1:
+            return
+        for g in self.groups:
+            k = len(g.ranks)
+            if k < s or k % s or g.ranks[0] % s:
+                raise ValueError(
+                    f"step {self.index}: SP group {tuple(g.ranks)} splits a parameter-shard block of shard_size={s} "
+                    f"(blocks are ranks b*{s} .. b*{s}+{s - 1}); its ranks would run different micro-batches and "
+                    f"FSDP would hang. Plan with SP groups of whole blocks (sizes >= {s}, aligned): a cluster "
+                    f"spec with shard_size={s}"
+                )
+
     def validate(self, world_size: int, allowed: set[tuple[int, ...]] | None = None) -> None:
         """Internal invariants: groups are listed in phase order and each phase's groups tile
         the world, each micro-batch runs at its group's SP degree with as many samples as its

@@ -44,6 +44,8 @@ from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
 from dcparallel.runtime.recompute import LayerRecompute
+from dcparallel.runtime.sharded import ShardedGrads, check_group, check_shard_size
+from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
 from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, Recompute
@@ -145,6 +147,7 @@ class Engine:
         seed: int = 0,
         kernel: Kernel | None = None,
         groups: ProcessGroups | None = None,
+        shard_size: int | None = None,
     ):
         if getattr(model, "_dcparallel_wrapped", False):
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
@@ -157,6 +160,13 @@ class Engine:
             raise ValueError(
                 f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
             )
+        cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
+        if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
+            raise ValueError(f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; "
+                             f"give one of them")
+        self.shard_size = check_shard_size(shard_size if shard_size is not None else cluster_shard,
+                                           comm.world_size(),
+                                           cluster.gpus_per_node if isinstance(cluster, ClusterSpec) else None)
         self.model = model
         self.layers = list(self.adapter.blocks)
         self.num_heads = self.adapter.num_heads
@@ -172,8 +182,14 @@ class Engine:
         model._dcparallel_wrapped = True
 
         self.params = params
-        self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
-                                  group=getattr(self.groups, "grad_sync", None))
+        self.grad_sync: GradSync | ShardedGrads
+        if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
+            self.grad_sync = ShardedGrads(model, self.layers, self.shard_size,
+                                          stats_group=getattr(self.groups, "grad_sync", None))
+            self.params = self.grad_sync.params
+        else:
+            self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
+                                      group=getattr(self.groups, "grad_sync", None))
 
     # the flat buffers and the step's statistics live in `grad_sync`
     flat_param = property(lambda self: self.grad_sync.flat_param)
@@ -212,6 +228,7 @@ class Engine:
         if batch.layout.sp != len(batch.ranks):
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
         check_heads(self.num_heads, batch.sp)
+        check_group(batch.ranks, self.shard_size)
         group = self.groups.group(batch.ranks)
         if self.grad_sync.synced:
             self.zero_grad()
@@ -245,6 +262,35 @@ class Engine:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-    ) -> ZeroAdamW:
-        """The default optimizer: AdamW with ZeRO-1 sharded fp32 state."""
+    ) -> ZeroAdamW | ShardedAdamW:
+        """The default optimizer: AdamW with ZeRO-1 sharded fp32 state (shard_size > 1:
+        `runtime.sharded_optim.ShardedAdamW`, state sharded over the world)."""
+        if self.shard_size > 1:
+            return ShardedAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         return ZeroAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    # ------------------------------------------------------------------ after the sync
+
+    def check_plan(self, plan) -> None:
+        """Refuses (ValueError, on every rank alike) a `StepPlan` with an SP group that splits
+        a shard block; call before running any of its micro-batches (the loader does)."""
+        for g in plan.groups:
+            check_group(g.ranks, self.shard_size)
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """The step's whole gradient of every trainable parameter, by name (fp32 with
+        shard_size > 1, else the parameters' dtype; copies). Collective with shard_size > 1
+        (each block all-gathers its shards): every rank calls it, after `sync_gradients`."""
+        if self.shard_size > 1:
+            return self.grad_sync.full_gradients()
+        if not self.grad_sync.synced:
+            raise RuntimeError("full_gradients needs the step's gradients: call dc.sync_gradients() first")
+        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clips the step's gradients by their global norm as torch.nn.utils.clip_grad_norm_
+        does; returns the norm before clipping (after `sync_gradients`; collective with
+        shard_size > 1)."""
+        if self.shard_size > 1:
+            return self.grad_sync.clip_grad_norm_(max_norm, norm_type)
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type))

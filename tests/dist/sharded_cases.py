@@ -1,0 +1,140 @@
+"""Gloo worker functions for the parameter-sharded runtime (shard_size > 1; module level, for spawn)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.runtime.engine import Engine
+from dcparallel.spec import Layout
+from tests import adapter_models
+from tests import support
+
+#: kinds driven through their adapters (tests/adapter_models.py); "dit" is the reference DiT
+#: driven as tests/support.py's run_rank_step does
+ADAPTER_KINDS = ("hf-llama", "wan")
+MODES = ("phases", "idle", "random", "world")
+
+
+def _engine(kind: str, shard_size: int) -> Engine:
+    if kind == "dit":
+        model = support.make_model("dit")
+        return Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=shard_size)
+    return Engine(adapter_models.build(kind), shard_size=shard_size)
+
+
+def _data(kind: str, num_samples: int, seed: int):
+    return (support.make_data if kind == "dit" else adapter_models.make_data)(kind, num_samples, seed)
+
+
+def _plan(dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, recompute: bool,
+          min_size: int) -> StepPlan:
+    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
+                               num_layers=dc.adapter.spec.num_layers, mode=mode, min_size=min_size)
+    return plan if recompute else support.capped(plan, 0)
+
+
+def _run_step(dc: Engine, kind: str, data, plan: StepPlan) -> float:
+    rank = dist.get_rank()
+    if kind == "dit":
+        return support.run_rank_step(dc, data, plan, rank)
+    collate = dc.adapter.collate
+    if isinstance(collate, str):
+        from dcparallel.data.collate import resolve_collate
+
+        collate = resolve_collate(collate, dc.adapter.kind)
+    for mb, ranks in plan.work_of(rank):
+        batch = collate({s: adapter_models.item(data, s) for s in mb.sample_ids},
+                        MicroBatch(mb.sample_ids, mb.layout), ranks, rank)
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(dc.adapter.loss_fn(dc.model, batch, ctx))
+    return dc.sync_gradients()
+
+
+def case_sharded_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int,
+                        recompute: list[bool], max_norm_frac: float = 0.5) -> list[dict]:
+    """One engine with ``shard_size``, a step per seed (plans of whole shard blocks: modes in
+    `MODES` order, recompute random or off); per step the loss, the full gradients, then
+    `clip_grad_norm_` to ``max_norm_frac`` of the norm: its returned norm and the clipped
+    full gradients."""
+    dc = _engine(kind, shard_size)
+    out = []
+    for i, seed in enumerate(seeds):
+        data = _data(kind, num_samples, seed)
+        plan = _plan(dc, kind, data, num_samples, seed, MODES[i % len(MODES)], recompute[i], shard_size)
+        dc.check_plan(plan)
+        loss = _run_step(dc, kind, data, plan)
+        grads = dc.full_gradients()
+        norm0 = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
+        norm = dc.clip_grad_norm_(max_norm_frac * norm0)
+        clipped = dc.full_gradients()
+        out.append({"loss": loss, "grads": grads, "norm": norm, "max_norm": max_norm_frac * norm0,
+                    "clipped": clipped, "plan": plan.to_json(), "count": dc.last_count})
+    return out
+
+
+def case_sharded_steps(kind: str, shard_size: int, seed: int, num_samples: int, num_steps: int,
+                       scheduler: bool) -> dict:
+    """``num_steps`` optimizer steps (lr 1e-2, weight decay 0.1 on matrices) over plans of
+    whole blocks of 2 (valid for shard_size 1 and 2); optionally a StepLR halving lr each step.
+    The parameters afterwards (whole), and the lr of every step."""
+    dc = _engine(kind, shard_size)
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    lrs = []
+    for step in range(num_steps):
+        data = _data(kind, num_samples, seed + step)
+        plan = _plan(dc, kind, data, num_samples, seed + step, MODES[step % len(MODES)], True, 2)
+        _run_step(dc, kind, data, plan)
+        lrs.append(opt.param_groups[0]["lr"] if shard_size > 1 else opt.lr)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    params = {}
+    for n, p in dc.model.named_parameters():
+        params[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return {"params": params, "lrs": lrs}
+
+
+def case_refusals(kind: str) -> dict:
+    """Bad shard sizes and plans that split a block are refused with ValueError before any
+    collective runs; returns the messages."""
+    msgs = {}
+    for s in (3, 8):
+        try:
+            _engine(kind, s)
+        except ValueError as e:
+            msgs[f"shard_size={s}"] = str(e)
+    dc = _engine(kind, 2)
+    world = dist.get_world_size()
+    data = _data(kind, 4, 0)
+    # SP 1 groups: each rank its own group (the rule needs SP >= 2 and aligned blocks)
+    groups = tuple(GroupPlan((r,), (MicroBatch((r,), Layout(1, 1)),) if r < 4 else (), 0) for r in range(world))
+    plan = StepPlan(0, tuple(range(world)), groups, sum(int(data.docs[s].shape[0]) for s in range(world)))
+    try:
+        dc.check_plan(plan)
+    except ValueError as e:
+        msgs["plan"] = str(e)
+    try:
+        plan.check_shard_size(2)
+    except ValueError as e:
+        msgs["StepPlan.check_shard_size"] = str(e)
+    # a group of 2 that is not aligned on a block: ranks (1, 2)
+    from dcparallel.runtime.sharded import check_group
+
+    try:
+        check_group((1, 2), 2)
+    except ValueError as e:
+        msgs["unaligned"] = str(e)
+    return msgs
+
+
+def case_storage(shard_size: int) -> dict:
+    """Bytes of parameter and gradient storage this rank holds for the reference DiT."""
+    dc = _engine("dit", shard_size)
+    if shard_size > 1:
+        return dc.grad_sync.storage_bytes()
+    return {"params": dc.flat_param.numel() * dc.flat_param.element_size(),
+            "grads": dc.flat_grad.numel() * dc.flat_grad.element_size()}
