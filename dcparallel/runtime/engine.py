@@ -10,7 +10,10 @@ all-reduce over the whole world starts during the backward of this rank's last m
 of the step (`Batch.last_of_step`, or ``micro_batch(batch, last=True)``) and
 `sync_gradients` finishes it, on every rank (also ranks that ran nothing), and divides by
 the global count. Not DDP: docs/design.md, "Exact gradient".
-Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. The user-facing
+Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. With
+``shard_size`` s > 1 the parameters and gradients are sharded (FSDP2) inside aligned blocks
+of s ranks instead of replicated in the flat buffers: `runtime.sharded` (its `ShardedGrads`
+stands where `GradSync` does) and `runtime.sharded_optim`. The user-facing
 `dcparallel.DataCentricParallel` (api.py) holds one `Engine` and adds `prepare`.
 
     dc = Engine(model)                               # the adapter is found from the model

@@ -149,6 +149,16 @@ class ShardedGrads:
         assert g.to_local().numel() == 0 or g.to_local().data_ptr() == local.data_ptr(), "grad is not a view"
         return g
 
+    @property
+    def flat_param(self):
+        raise ValueError("with shard_size > 1 the parameters are FSDP shards (DTensors): there is no flat "
+                         "parameter buffer; use model.named_parameters() (p.to_local(), p.full_tensor())")
+
+    @property
+    def shard_numel(self):
+        raise ValueError("with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
+                         "state is ShardedAdamW's); checkpoints of sharded runs are not supported yet")
+
     # ------------------------------------------------------------------ the engine's calls
 
     def add_stats(self, loss_sum: Tensor, count: Tensor) -> None:

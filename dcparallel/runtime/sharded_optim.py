@@ -4,10 +4,11 @@ sharded over the whole world.
 Rank r holds shard ``r % s`` of every parameter (its block's FSDP shard): ``local`` elements,
 laid out one parameter after the other in ``ShardedGrads.flat_grad``. The W/s replicas of that
 shard (one rank per block) split it once more: replica j owns elements ``[j*m, (j+1)*m)``
-(m = ceil(local / replicas)) and keeps fp32 master weights and both moments of those only,
-so each rank holds the optimizer state of about P/W parameters (ZeRO-1 over the replicas on
-top of the block shard). A step updates the owned piece, then the replicas all-gather their
-pieces into the block shard of the parameters.
+(m = ceil(local / replicas)) and keeps both fp32 moments of those only, so each rank holds
+8 bytes of optimizer state per P/W parameters (ZeRO-1 over the replicas on top of the block
+shard). The sharded parameters themselves are fp32 (`runtime.sharded`), so they are the
+master weights: a step reads the owned piece out of them, updates it, and the replicas
+all-gather their pieces back into the block shard of the parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from dcparallel.runtime.sharded import ShardedGrads
 
-_STATE = ("master", "exp_avg", "exp_avg_sq")
+_STATE = ("exp_avg", "exp_avg_sq")
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -42,20 +43,27 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._lo = grads.replica_index * m
         self._hi = self._lo + m
         device = grads.flat_grad.device
-        self.master = torch.zeros(m, dtype=torch.float32, device=device)
         self._decay = torch.zeros(m, dtype=torch.float32, device=device)
         with torch.no_grad():
             self._locals = [p.to_local().view(-1) for p in grads.params]  # views of FSDP's shard storage
-            for p, local, (a, b) in zip(grads.params, self._locals, grads._ranges, strict=True):
-                x, y = max(a, self._lo), min(b, self._hi)
-                if x < y:
-                    self.master[x - self._lo: y - self._lo].copy_(local[x - a: y - a])
-                    if p.dim() >= 2:
-                        self._decay[x - self._lo: y - self._lo] = 1.0
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        self._gathered = None
+        # (param's local view, its slice, the piece's slice) for every parameter overlapping the piece
+        self._overlap: list[tuple[torch.Tensor, slice, slice]] = []
+        for p, local, (a, b) in zip(grads.params, self._locals, grads._ranges, strict=True):
+            x, y = max(a, self._lo), min(b, self._hi)
+            if x < y:
+                self._overlap.append((local, slice(x - a, y - a), slice(x - self._lo, y - self._lo)))
+                if p.dim() >= 2:
+                    self._decay[x - self._lo: y - self._lo] = 1.0
+        self.exp_avg = torch.zeros(m, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.num_steps = 0
+
+    def _read_piece(self) -> torch.Tensor:
+        """This rank's piece of the (fp32) parameter shard, as one tensor (padding zero)."""
+        piece = torch.zeros_like(self.exp_avg)
+        for local, src, dst in self._overlap:
+            piece[dst].copy_(local[src])
+        return piece
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -70,25 +78,26 @@ class ShardedAdamW(torch.optim.Optimizer):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
         g = self.grads.flat_grad[self._lo: self._hi]
+        master = self._read_piece()
         if wd:
-            self.master.mul_(1 - lr * wd * self._decay)
+            master.mul_(1 - lr * wd * self._decay)
         self.exp_avg.lerp_(g, 1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1 = 1 - b1**self.num_steps
         bc2 = 1 - b2**self.num_steps
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
-        self._write_back()
+        master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+        self._write_back(master)
         return loss
 
-    def _write_back(self) -> None:
+    def _write_back(self, piece: torch.Tensor) -> None:
         """Every replica's piece into this rank's block shard of the parameters."""
         r = self.grads.num_replicas
         if r > 1:
-            out = torch.empty(r * self.master.numel(), dtype=torch.float32, device=self.master.device)
-            dist.all_gather_into_tensor(out, self.master, group=self.grads.replica_group)
+            out = torch.empty(r * piece.numel(), dtype=torch.float32, device=piece.device)
+            dist.all_gather_into_tensor(out, piece, group=self.grads.replica_group)
         else:
-            out = self.master
+            out = piece
         for local, (a, b) in zip(self._locals, self.grads._ranges, strict=True):
             local.copy_(out[a:b])
 
@@ -98,7 +107,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.grads.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's (param groups) plus this rank's piece of the state and where it lies."""
+        """torch's (param groups) plus this rank's piece of the moments and where it lies (the
+        master weights are the parameters: the model's state dict)."""
         sd = super().state_dict()
         gr = self.grads
         sd["shard"] = {"num_steps": self.num_steps, "world_size": gr.world_size, "shard_size": gr.shard_size,
@@ -121,5 +131,3 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.num_steps = int(shard["num_steps"])
         for k in _STATE:
             getattr(self, k).copy_(shard[k])
-        with torch.no_grad():
-            self._write_back()
