@@ -138,3 +138,18 @@ def case_storage(shard_size: int) -> dict:
         return dc.grad_sync.storage_bytes()
     return {"params": dc.flat_param.numel() * dc.flat_param.element_size(),
             "grads": dc.flat_grad.numel() * dc.flat_grad.element_size()}
+
+
+def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
+    """The reference DiT in bf16 (shard_size 2: fp32 sharded parameters, bf16 compute, fp32
+    gradients); the loss and full gradients of one step of whole blocks of 2."""
+    model = support.make_model("dit").to(torch.bfloat16)
+    dc = Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=shard_size)
+    data = support.make_data("dit", num_samples, seed)
+    for k in list(data.docs):
+        data.docs[k] = data.docs[k].to(torch.bfloat16)
+    plan = _plan(dc, "dit", data, num_samples, seed, "world", True, 2)
+    loss = _run_step(dc, "dit", data, plan)
+    grads = dc.full_gradients()
+    return {"loss": loss, "grads": grads, "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
+            "grad_dtypes": sorted({str(g.dtype) for g in grads.values()})}

@@ -137,3 +137,16 @@ def test_parameter_and_gradient_storage_is_one_over_shard_size(workers):
         for b in per_rank:
             for k in ("params", "grads"):
                 assert b[k] <= full[k] / s * 1.05, (s, k, b[k], full[k])
+
+
+def test_bf16_model_keeps_fp32_shards_and_gradients(workers):
+    """A bf16 model: fp32 sharded parameters (the master weights) and fp32 gradients, bf16
+    compute; its loss is the fp32 reference's to bf16 precision (per-tensor gradient errors
+    are bf16's, ~1e-2, and not checked here)."""
+    out = workers.run(sharded_cases.case_bf16_step, 21, 5, 2)
+    ref_loss, ref_grads = support.reference(support.make_model("dit"), support.make_data("dit", 5, 21), list(range(5)))
+    for res in out:
+        assert res["param_dtypes"] == ["torch.float32"] and res["grad_dtypes"] == ["torch.float32"]
+        assert set(res["grads"]) == set(ref_grads)
+        assert abs(res["loss"] - ref_loss) <= 1e-3 * abs(ref_loss), (res["loss"], ref_loss)
+        assert rel_err(res["grads"]["final.weight"], ref_grads["final.weight"]) <= 5e-2
