@@ -124,7 +124,9 @@ def test_sharded_adamw_steps_match_torch_and_the_unsharded_path(workers):
 def test_bad_shard_sizes_and_plans_splitting_a_block_are_refused(workers):
     out = workers.run(sharded_cases.case_refusals, "dit")
     for msgs in out:
-        assert set(msgs) == {"shard_size=3", "shard_size=8", "plan", "StepPlan.check_shard_size", "unaligned"}, msgs
+        assert set(msgs) == {"shard_size=3", "shard_size=8", "plan", "StepPlan.check_shard_size", "unaligned",
+                             "profiler"}, msgs
+        assert "shard_size=2" in msgs["profiler"]
         assert "shard_size=3" in msgs["shard_size=3"] and "use one of [1, 2, 4]" in msgs["shard_size=3"]
         assert "(0,)" in msgs["plan"] and "whole blocks" in msgs["plan"]
         assert "(1, 2)" in msgs["unaligned"]
