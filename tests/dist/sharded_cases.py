@@ -11,21 +11,21 @@ from dcparallel.spec import Layout
 from tests import adapter_models
 from tests import support
 
-#: kinds driven through their adapters (tests/adapter_models.py); "dit" is the reference DiT
-#: driven as tests/support.py's run_rank_step does
-ADAPTER_KINDS = ("hf-llama", "wan")
+#: reference models (tests/support.py), driven as its run_rank_step does; the other kinds are
+#: library models driven through their adapters (tests/adapter_models.py)
+SUPPORT_KINDS = ("dit", "dit-factorized", "llama", "llama-tied")
 MODES = ("phases", "idle", "random", "world")
 
 
 def _engine(kind: str, shard_size: int) -> Engine:
-    if kind == "dit":
-        model = support.make_model("dit")
+    if kind in SUPPORT_KINDS:
+        model = support.make_model(kind)
         return Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=shard_size)
     return Engine(adapter_models.build(kind), shard_size=shard_size)
 
 
 def _data(kind: str, num_samples: int, seed: int):
-    return (support.make_data if kind == "dit" else adapter_models.make_data)(kind, num_samples, seed)
+    return (support.make_data if kind in SUPPORT_KINDS else adapter_models.make_data)(kind, num_samples, seed)
 
 
 def _plan(dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, recompute: bool,
@@ -37,7 +37,7 @@ def _plan(dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, r
 
 def _run_step(dc: Engine, kind: str, data, plan: StepPlan) -> float:
     rank = dist.get_rank()
-    if kind == "dit":
+    if kind in SUPPORT_KINDS:
         return support.run_rank_step(dc, data, plan, rank)
     collate = dc.adapter.collate
     if isinstance(collate, str):

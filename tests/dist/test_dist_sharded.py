@@ -38,7 +38,7 @@ def workers(tmp_path_factory):
 
 
 def _reference(kind: str, seed: int):
-    if kind == "dit":
+    if kind in sharded_cases.SUPPORT_KINDS:
         return support.reference(support.make_model(kind), support.make_data(kind, NUM_SAMPLES, seed),
                                  list(range(NUM_SAMPLES)))
     return adapter_models.reference(adapter_models.build(kind), adapter_models.make_data(kind, NUM_SAMPLES, seed),
@@ -91,7 +91,8 @@ def test_dit_shard2_matches_single_process(workers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,shard_size", [("dit", 4), ("hf-llama", 2), ("hf-llama", 4), ("wan", 2), ("wan", 4)])
+@pytest.mark.parametrize("kind,shard_size", [("dit", 4), ("hf-llama", 2), ("hf-llama", 4), ("wan", 2), ("wan", 4),
+                                             ("llama-tied", 2), ("dit-factorized", 2), ("hf-qwen3", 2)])
 def test_library_models_sharded_match_single_process(workers, kind, shard_size):
     pytest.importorskip("transformers")
     pytest.importorskip("diffusers")
