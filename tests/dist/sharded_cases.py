@@ -160,3 +160,27 @@ def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
     grads = dc.full_gradients()
     return {"loss": loss, "grads": grads, "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
             "grad_dtypes": sorted({str(g.dtype) for g in grads.values()})}
+
+
+def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed: int = 5, num_samples: int = 6
+                        ) -> dict:
+    """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
+    then a second step. Else: a fresh engine at ``shard_size`` loads ``path`` and runs the
+    second step. The whole parameters after the second step (plans of whole blocks of 4, valid
+    at every shard size)."""
+    from dcparallel.runtime.sharded_checkpoint import load_sharded, save_sharded
+
+    dc = _engine(kind, shard_size)
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    steps = [0, 1] if save else [1]
+    if not save:
+        load_sharded(path, dc, opt)
+    for step in steps:
+        data = _data(kind, num_samples, seed + step)
+        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, 4)
+        _run_step(dc, kind, data, plan)
+        opt.step()
+        opt.zero_grad()
+        if save and step == 0:
+            save_sharded(path, dc, opt)
+    return {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}

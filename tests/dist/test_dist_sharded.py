@@ -153,3 +153,13 @@ def test_bf16_model_keeps_fp32_shards_and_gradients(workers):
         assert set(res["grads"]) == set(ref_grads)
         assert abs(res["loss"] - ref_loss) <= 1e-3 * abs(ref_loss), (res["loss"], ref_loss)
         assert rel_err(res["grads"]["final.weight"], ref_grads["final.weight"]) <= 5e-2
+
+
+@pytest.mark.parametrize("saved,loaded", [(2, 4), (4, 2), (2, 2)])
+def test_sharded_checkpoint_resumes_at_another_shard_size(workers, tmp_path, saved, loaded):
+    path = str(tmp_path / "ck")
+    straight = workers.run(sharded_cases.case_sharded_resume, "dit", saved, path, True)
+    resumed = workers.run(sharded_cases.case_sharded_resume, "dit", loaded, path, False)
+    for r in range(4):
+        for name, p in straight[0].items():
+            assert rel_err(resumed[r][name], p) <= 1e-5, (saved, loaded, r, name)
