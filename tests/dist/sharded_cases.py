@@ -166,8 +166,8 @@ def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed:
                         ) -> dict:
     """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
     then a second step. Else: a fresh engine at ``shard_size`` loads ``path`` and runs the
-    second step. The whole parameters after the second step (plans of whole blocks of 4, valid
-    at every shard size)."""
+    second step. The whole parameters after the second step (plans of whole blocks of 4, or of
+    the world when smaller: valid at every shard size)."""
     from dcparallel.runtime.sharded_checkpoint import load_sharded, save_sharded
 
     dc = _engine(kind, shard_size)
@@ -177,7 +177,7 @@ def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed:
         load_sharded(path, dc, opt)
     for step in steps:
         data = _data(kind, num_samples, seed + step)
-        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, 4)
+        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, min(4, dist.get_world_size()))
         _run_step(dc, kind, data, plan)
         opt.step()
         opt.zero_grad()
