@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from dcparallel.spec import Layout
 
@@ -37,6 +37,14 @@ class Chunk(NamedTuple):
     sample_ids: tuple[int, ...]
     layout: Layout
     time: float
+
+
+def splits_shard_block(ranks: Sequence[int], shard_size: int) -> bool:
+    """Whether an SP group of ``ranks`` splits a parameter-shard block of ``shard_size`` ranks
+    (blocks: ranks b*s .. b*s+s-1): it must hold at least s ranks, a multiple of s, starting
+    at a multiple of s (s = 1: never)."""
+    k, s = len(ranks), shard_size
+    return s > 1 and (k < s or k % s != 0 or ranks[0] % s != 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +193,8 @@ class StepPlan:
         least s ranks, a multiple of s, starting at a multiple of s), so that a block's ranks
         run the same micro-batches (FSDP's collectives inside the block would hang otherwise)."""
         s = shard_size
-        if s <= 1:
-            return
         for g in self.groups:
-            k = len(g.ranks)
-            if k < s or k % s or g.ranks[0] % s:
+            if splits_shard_block(g.ranks, s):
                 raise ValueError(
                     f"step {self.index}: SP group {tuple(g.ranks)} splits a parameter-shard block of shard_size={s} "
                     f"(blocks are ranks b*{s} .. b*{s}+{s - 1}); its ranks would run different micro-batches and "

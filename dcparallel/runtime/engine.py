@@ -276,9 +276,9 @@ class Engine:
 
     def check_plan(self, plan) -> None:
         """Refuses (ValueError, on every rank alike) a `StepPlan` with an SP group that splits
-        a shard block; call before running any of its micro-batches (the loader does)."""
-        for g in plan.groups:
-            check_group(g.ranks, self.shard_size)
+        a shard block; call before running any of its micro-batches (the loader does, with
+        its cluster's shard size)."""
+        plan.check_shard_size(self.shard_size)
 
     def full_gradients(self) -> dict[str, Tensor]:
         """The step's whole gradient of every trainable parameter, by name (fp32 with
@@ -296,4 +296,15 @@ class Engine:
         shard_size > 1)."""
         if self.shard_size > 1:
             return self.grad_sync.clip_grad_norm_(max_norm, norm_type)
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type))
+        gs = self.grad_sync  # the flat fp32 gradients (the same on every rank) are what the optimizer reads
+        if not gs.synced:
+            raise RuntimeError("clip_grad_norm_ needs the step's gradients: call dc.sync_gradients() first")
+        flat = gs.flat_grad[:-2]
+        norm = float(torch.linalg.vector_norm(flat, norm_type))
+        coef = min(1.0, float(max_norm) / (norm + 1e-6))
+        if coef < 1.0:
+            flat.mul_(coef)
+            for p, view in zip(gs.params, gs.views, strict=True):
+                if p.grad is not view:  # a copy in the parameters' dtype
+                    p.grad.copy_(view)
+        return norm

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dcparallel.plan.types import splits_shard_block
 from dcparallel.runtime import comm
 
 
@@ -67,8 +68,8 @@ def check_group(ranks: Sequence[int], shard_size: int) -> None:
     """An SP group must be made of whole shard blocks (else FSDP's collectives inside a
     block would not match and hang): at least ``shard_size`` ranks, a multiple of it,
     starting at a multiple of it."""
-    k, s = len(ranks), shard_size
-    if s > 1 and (k < s or k % s or ranks[0] % s):
+    s = shard_size
+    if splits_shard_block(ranks, s):
         raise ValueError(
             f"the SP group {tuple(ranks)} splits a parameter-shard block of shard_size={s} (blocks are ranks "
             f"b*{s} .. b*{s}+{s - 1}): its ranks would run different micro-batches and FSDP would hang; plan "

@@ -61,3 +61,23 @@ def test_checkpoint_refuses_sharded_optimizer_state(tmp_path):
     with pytest.raises(ValueError, match="shard_size > 1"):
         checkpoint.save(tmp_path / "ck", 1, payload, {}, optimizer_range=(0, 0))
     assert not (tmp_path / "ck").exists()  # refused before anything was written
+
+
+def test_unsharded_clip_grad_norm_clips_the_flat_gradients_the_optimizer_reads():
+    import torch
+
+    from dcparallel.runtime.engine import Engine
+    from tests.support import NUM_HEADS, make_data, make_model, random_plan, reference, rel_err, run_rank_step
+
+    data = make_data("llama", 4, 3)
+    ref_loss, ref_grads = reference(make_model("llama"), data, list(range(4)))
+    ref_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in ref_grads.values())))
+    model = make_model("llama")
+    dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS)
+    run_rank_step(dc, data, random_plan(data, list(range(4)), 1, 3), 0)
+    norm = dc.clip_grad_norm_(ref_norm / 4)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm
+    grads = dc.full_gradients()
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g / 4) <= 1e-5, name
+    assert rel_err(dc.flat_grad[: dc.numel], torch.cat([g.reshape(-1) for g in ref_grads.values()]) / 4) <= 1e-5
