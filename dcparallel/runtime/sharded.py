@@ -36,7 +36,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dcparallel.plan.types import splits_shard_block
@@ -205,10 +204,8 @@ class ShardedGrads:
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
         self._fold_foreign_grads()
-        if self.replica_group is not None:
-            dist.all_reduce(self.flat_grad, op=dist.ReduceOp.SUM, group=self.replica_group)
-        if self.world_size > 1:
-            dist.all_reduce(self.stats, op=dist.ReduceOp.SUM, group=self.stats_group)
+        comm.all_reduce_(self.flat_grad, self.replica_group)  # None: one block, nothing to sum
+        comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)
         loss_sum, count = self.stats.tolist()
         if not count > 0:
             raise ValueError(f"the step has {count} targets over all ranks: nothing to normalize by; "
@@ -236,13 +233,10 @@ class ShardedGrads:
         mine = self.flat_grad[: self.local_numel]
         if math.isinf(norm_type):
             t = mine.abs().max() if mine.numel() else mine.new_zeros(())
-            t = t.reshape(1).clone()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
-            return float(t)
+            return float(comm.all_reduce_(t.reshape(1).clone(), self.shard_group, "max"))
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_ with shard_size > 1 supports norm_type 2 or inf; got {norm_type}")
-        t = mine.double().pow(2).sum().reshape(1)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.shard_group)
+        t = comm.all_reduce_(mine.double().pow(2).sum().reshape(1), self.shard_group)
         return float(t.sqrt())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+
+from dcparallel.runtime import comm
 
 if TYPE_CHECKING:
     from dcparallel.runtime.engine import Engine
@@ -40,11 +41,7 @@ def _moment_dtensors(opt: ShardedAdamW) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {n: {} for n in gr.names}
     for k in _MOMENTS:
         piece = getattr(opt, k)
-        if gr.num_replicas > 1:
-            full = torch.empty(gr.num_replicas * piece.numel(), dtype=piece.dtype, device=piece.device)
-            dist.all_gather_into_tensor(full, piece, group=gr.replica_group)
-        else:
-            full = piece.clone()
+        full = comm.all_gather_flat(piece, gr.replica_group) if gr.num_replicas > 1 else piece.clone()
         for n, p, (a, b) in zip(gr.names, gr.params, gr._ranges, strict=True):
             local = full[a:b].view(p.to_local().shape)
             out[n][k] = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),

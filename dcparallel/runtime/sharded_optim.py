@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+
+from dcparallel.runtime import comm
 
 if TYPE_CHECKING:
     from dcparallel.runtime.sharded import ShardedGrads
@@ -92,12 +93,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _write_back(self, piece: torch.Tensor) -> None:
         """Every replica's piece into this rank's block shard of the parameters."""
-        r = self.grads.num_replicas
-        if r > 1:
-            out = torch.empty(r * piece.numel(), dtype=torch.float32, device=piece.device)
-            dist.all_gather_into_tensor(out, piece, group=self.grads.replica_group)
-        else:
-            out = piece
+        out = comm.all_gather_flat(piece, self.grads.replica_group)  # None: one block
         for local, (a, b) in zip(self._locals, self.grads._ranges, strict=True):
             local.copy_(out[a:b])
 
