@@ -184,3 +184,29 @@ def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed:
         if save and step == 0:
             save_sharded(path, dc, opt)
     return {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}
+
+
+def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
+    """A loader planning for a cluster with shard_size 2 (the dcp policy, a dataset whose short
+    samples fit one rank): every step plan it yields has SP groups of whole blocks, or it
+    refuses the first that does not with ValueError (the same on every rank) — never a plan
+    that would hang a sharded engine."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.data import DataCentricLoader
+    from dcparallel.plan.types import splits_shard_block
+    from dcparallel.spec import ClusterSpec
+    from tests.dist.loader_cases import MEMORY_BYTES, TINY_SPEC, ArithmeticTokens
+
+    world = dist.get_world_size()
+    dataset = ArithmeticTokens(num_samples, seed)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9,
+                          intra_latency=1e-5, shard_size=2)
+    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                               policy="dcp", tokens_per_step=1200, seed=seed)
+    groups = []
+    try:
+        for step in loader:
+            groups += [tuple(g.ranks) for g in step.plan.groups]
+    except ValueError as e:
+        return {"error": str(e), "groups": groups}
+    return {"error": None, "groups": groups, "split": [g for g in groups if splits_shard_block(g, 2)]}

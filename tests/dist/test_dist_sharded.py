@@ -178,3 +178,12 @@ def test_sharded_checkpoint_resumes_at_another_world_size(workers, tmp_path_fact
     for r in range(2):
         for name, p in straight[0].items():
             assert rel_err(resumed[r][name], p) <= 1e-5, (r, name)
+
+
+def test_loader_never_yields_a_plan_that_splits_a_block(workers):
+    out = workers.run(sharded_cases.case_loader_shard_rule)
+    assert all(o == out[0] for o in out), "the ranks disagree"
+    if out[0]["error"] is not None:  # a planner that does not know the shard size: refused, not run
+        assert "splits a parameter-shard block of shard_size=2" in out[0]["error"]
+    else:
+        assert out[0]["groups"] and not out[0]["split"]
