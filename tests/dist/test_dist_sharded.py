@@ -3,7 +3,9 @@ on gloo at world 4: the step's loss and every parameter's full gradient (`Engine
 equal a single process running the unmodified model one sample at a time, for the reference
 DiT, a transformers Llama with grouped-query attention and the diffusers Wan transformer;
 `clip_grad_norm_` returns the single-process global norm and clips as torch does; AdamW steps
-(`ShardedAdamW`, driven by a torch LR scheduler) match torch's AdamW and the unsharded path.
+(`ShardedAdamW`, driven by a torch LR scheduler) match torch's AdamW and the unsharded path;
+checkpoints (`runtime.sharded_checkpoint`) resume at another shard size and world size; plans
+that split a block are refused (engine and loader).
 
 With shard_size 2 the blocks are {0, 1} and {2, 3}: the plans (whole blocks only) mix SP 2
 and SP 4 in one step, give the blocks different micro-batch counts, leave a block idle in some
