@@ -42,6 +42,7 @@ from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.launch import cluster_from_env, device_memory
+from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class DataCentricParallel:
     `dcparallel.plan.policies.POLICIES`. ``loss_fn(model, batch, ctx)``: one micro-batch's
     work (forward + `ctx` loss helper); the default is the adapter's (next-token loss for
     LMs, flow matching for video); the profiler measures exactly this function.
+    ``shard_size``: parameters and gradients sharded (FSDP2) inside aligned blocks of this
+    many ranks (`runtime.sharded`; 1 = replicated, in the flat buffers); every SP group the
+    plans use must then be made of whole blocks.
     ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
@@ -73,7 +77,10 @@ class DataCentricParallel:
     def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
                  num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
                  loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
-                 seed: int = 0, kernel: Any = None, groups: Any = None, **protocol: Any):
+                 seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int = 1, **protocol: Any):
+        if shard_size == "auto":
+            raise ValueError("shard_size='auto' is not available in DataCentricParallel yet; pass the shard size as "
+                             "an int (1, 2, 4, ... dividing a node, or a multiple of a node)")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if memory_bytes is not None and memory_bytes <= 0:
@@ -85,7 +92,8 @@ class DataCentricParallel:
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
         # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
-        self.cluster_spec = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
+        self.cluster_spec = dataclasses.replace(
+            cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device), shard_size=shard_size)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
                              groups=groups)
         self.policy, self.spec = policy, adapter.spec
@@ -114,6 +122,7 @@ class DataCentricParallel:
     shard_numel = _of_engine("shard_numel", "flat parameter elements per rank's ZeRO-1 shard")
     last_loss = _of_engine("last_loss", "the last step's mean loss")
     last_count = _of_engine("last_count", "the last step's global target count")
+    shard_size = _of_engine("shard_size", "ranks per parameter-shard block (1: parameters replicated)")
 
     def micro_batch(self, batch: Batch, last: bool | None = None
                     ) -> contextlib.AbstractContextManager[MicroBatchContext]:
@@ -124,19 +133,26 @@ class DataCentricParallel:
         """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""
         return self.engine.sync_gradients()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """`Engine.clip_grad_norm_`: scales the synced gradients to global L2 norm <= ``max_norm``
-        (torch's rule); the pre-clip norm. Between `sync_gradients` and ``opt.step()``."""
-        return self.engine.clip_grad_norm_(max_norm)
-
     def zero_grad(self) -> None:
         """`Engine.zero_grad`: starts a new step's accumulation."""
         self.engine.zero_grad()
 
     def optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float = 0.0) -> ZeroAdamW:
-        """`Engine.optimizer`: AdamW with ZeRO-1 sharded fp32 state."""
+                  weight_decay: float = 0.0) -> ZeroAdamW | ShardedAdamW:
+        """`Engine.optimizer`: AdamW with ZeRO-1 sharded fp32 state (`ShardedAdamW` with
+        shard_size > 1)."""
         return self.engine.optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def full_gradients(self) -> dict[str, Any]:
+        """`Engine.full_gradients`: the step's whole gradient of every trainable parameter by
+        name (collective with shard_size > 1: every rank calls it, after `sync_gradients`)."""
+        return self.engine.full_gradients()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """`Engine.clip_grad_norm_`: scales the synced gradients to a global norm <= ``max_norm``
+        (torch's rule, over shards and replicas); the pre-clip norm. Between `sync_gradients`
+        and ``opt.step()``."""
+        return self.engine.clip_grad_norm_(max_norm, norm_type)
 
     def recompute_modes(self) -> list[str]:
         """`Engine.recompute_modes`: the recompute mode of every block right now."""

@@ -181,6 +181,28 @@ def latest(root: str | Path, reads: Any = None) -> Committed | None:
     )
 
 
+def _refuse_sharded(payload: Mapping[str, Any]) -> None:
+    """This format holds replicated parameters (saved by rank 0) and ZeRO-1 ranges of one flat
+    vector: parameters sharded in blocks (DTensors, shard_size > 1) or a ShardedAdamW state
+    would be saved incomplete, so they are refused."""
+    from torch.distributed.tensor import DTensor
+
+    def walk(x: Any) -> bool:
+        if isinstance(x, DTensor):
+            return True
+        if isinstance(x, Mapping):
+            shard = x.get("shard")
+            return (isinstance(shard, Mapping) and "shard_size" in shard) or any(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return any(walk(v) for v in x)
+        return False
+
+    if walk(payload):
+        raise ValueError("this checkpoint holds parameter-sharded state (shard_size > 1: FSDP DTensors or a "
+                         "ShardedAdamW state), which this checkpoint format would save incomplete; checkpoints "
+                         "of sharded runs are not supported yet: train with shard_size=1 to checkpoint")
+
+
 def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any], *,
          optimizer_range: tuple[int, int], keep: int = 2) -> Path:
     """Writes this rank's ``payload`` as part of the checkpoint of ``step`` (collective).
@@ -188,6 +210,7 @@ def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[
     ``meta`` (JSON-serializable) goes into the commit marker. Keeps the ``keep`` newest."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1; got {keep}")
+    _refuse_sharded(payload)
     r = Path(root)
     rank, world = comm.world_rank(), comm.world_size()
     final = _step_dir(r, step)

@@ -252,9 +252,9 @@ class ClusterSpec:
     inter_bw: float = 0.0
     inter_latency: float = 0.0
     name: str = "cluster"
-    #: ranks per parameter-shard block: parameters and gradients are sharded over aligned
-    #: blocks of this many ranks (1 = every rank holds the whole model); SP groups are never
-    #: smaller than a block (`topology`)
+    #: ranks per parameter-shard block: parameters and gradients are sharded (FSDP2) over
+    #: aligned blocks of this many ranks (1 = every rank holds the whole model); SP groups are
+    #: never smaller than a block (`topology`)
     shard_size: int = 1
 
     def __post_init__(self) -> None:
@@ -273,7 +273,7 @@ class ClusterSpec:
 
     def shard_sizes(self) -> list[int]:
         """Every shard size this cluster allows, ascending (`check_shard_size`)."""
-        return [s for s in (1 << i for i in range(self.world_size.bit_length()))
+        return [s for s in range(1, self.world_size + 1)
                 if _shard_size_error(s, self.world_size, self.gpus_per_node) is None]
 
     @property
@@ -289,23 +289,20 @@ def _shard_size_error(shard_size: int, world_size: int, gpus_per_node: int) -> s
     s, g = shard_size, gpus_per_node
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         return "a positive integer"
-    if s & (s - 1):
-        return "a power of two"
-    if not (g % s == 0 or s % g == 0):
-        return f"a divisor of the {g} GPUs per node or a whole number of nodes"
+    if not ((g % s == 0 and s & (s - 1) == 0) or s % g == 0):
+        return f"a power of two dividing the {g} GPUs per node, or a whole number of nodes"
     if world_size % s:
         return f"a divisor of the world size {world_size}"
     return None
 
 
 def check_shard_size(shard_size: int, world_size: int, gpus_per_node: int) -> int:
-    """Validates a parameter-shard block size: a power of two that divides a node or is a whole
-    number of nodes, and divides the world (blocks of it tile the ranks). Returns it."""
+    """Validates a parameter-shard block size: a power of two that divides a node, or a whole
+    number of nodes, dividing the world (blocks of it tile the ranks). Returns it."""
     need = _shard_size_error(shard_size, world_size, gpus_per_node)
     if need is not None:
-        ok = [s for s in (1 << i for i in range(max(world_size, 1).bit_length()))
-              if _shard_size_error(s, world_size, gpus_per_node) is None]
-        raise ValueError(f"shard_size {shard_size!r} must be {need} (world {world_size}, {gpus_per_node} GPUs "
+        ok = [s for s in range(1, world_size + 1) if _shard_size_error(s, world_size, gpus_per_node) is None]
+        raise ValueError(f"shard_size={shard_size!r} must be {need} (world {world_size}, {gpus_per_node} GPUs "
                          f"per node); use one of {ok}")
     return shard_size
 

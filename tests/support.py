@@ -84,7 +84,7 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
 
 
 def _tile(start: int, size: int, rng: random.Random, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    if size in sizes and (size == 1 or rng.random() < 0.4):
+    if size in sizes and (size == min(sizes) or rng.random() < 0.4):
         return [tuple(range(start, start + size))]
     half = size // 2
     return _tile(start, half, rng, sizes) + _tile(start + half, half, rng, sizes)
@@ -98,6 +98,7 @@ def random_plan(
     num_layers: int = NUM_LAYERS,
     sizes: tuple[int, ...] = (1, 2, 4),
     mode: str = "random",
+    min_size: int = 1,
 ) -> StepPlan:
     """Aligned groups, samples dealt unevenly, micro-batches of 1-3 samples (video: same
     shape only), random recompute per micro-batch. ``mode``: "random" (random tiling with
@@ -105,15 +106,22 @@ def random_plan(
     (a group of half the world + single ranks, one group with no micro-batch), "phases"
     (three phases: narrow groups, then a group of the whole world, then narrow groups again,
     one of them idle: the packed plans' sub-groups run before their wide parent, and `dcp`'s
-    two-phase plans run their narrow groups after the wide ones)."""
+    two-phase plans run their narrow groups after the wide ones). ``min_size``: every group
+    is made of whole aligned blocks of this many ranks (the shard-block rule, shard_size);
+    "idle" then pairs the half-world group with blocks of ``min_size``."""
     rng = random.Random(seed)
-    allowed = tuple(s for s in sizes if s <= world)
+    allowed = tuple(s for s in sizes if min_size <= s <= world)
     if mode == "world":
         blocks = [(0, tuple(range(world)))]
     elif mode == "idle":
         half = world // 2
-        blocks = [(0, b) for b in ([tuple(range(half))] if half > 1 else [(0,)])
-                  + [(r,) for r in range(max(half, 1), world)]]
+        if min_size > 1:
+            k = max(half, min_size)
+            blocks = [(0, b) for b in [tuple(range(k))] + [tuple(range(r, r + min_size))
+                                                         for r in range(k, world, min_size)]]
+        else:
+            blocks = [(0, b) for b in ([tuple(range(half))] if half > 1 else [(0,)])
+                      + [(r,) for r in range(max(half, 1), world)]]
     elif mode == "phases":
         narrow = allowed[:-1] or allowed
         blocks = ([(0, b) for b in _tile(0, world, rng, narrow)] + [(1, tuple(range(world)))]

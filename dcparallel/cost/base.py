@@ -162,14 +162,17 @@ def mb_memory(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
 
 
 def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:
-    """The runtime's recipe per rank: bf16 parameters (2) and fp32 gradient accumulation (4)
-    bytes per parameter, sharded over the block of ``shard_size`` ranks; fp32 master weights +
-    Adam moments (12) sharded over the world. With blocks of more than one rank, the
-    parameters each micro-batch gathers are added (`gathered_bytes`)."""
+    """The runtime's recipe per rank. Unsharded (``shard_size`` 1): bf16 parameters (2) and
+    fp32 gradient accumulation (4) bytes per parameter on every rank, fp32 master weights +
+    Adam moments (12) sharded over the world (ZeRO-1). In blocks of ``shard_size`` > 1 ranks
+    (`runtime.sharded`): the fp32 parameter shards, which are also the master weights (4), and
+    the fp32 gradient shards (4) over the block, the Adam moments (8) over the world, plus the
+    parameters each micro-batch gathers (`gathered_bytes`). (The optimizer step's transient
+    4/s bytes per parameter come after the backward has freed the activations.)"""
     if shard_size == 1:
         return model.num_params * (2 + 4 + 12 / world_size)
     p = model.num_params
-    return p * (2 + 4) / shard_size + 12 * p / world_size + gathered_bytes(model)
+    return p * (4 + 4) / shard_size + 8 * p / world_size + gathered_bytes(model)
 
 
 def gathered_bytes(model: ModelSpec) -> float:

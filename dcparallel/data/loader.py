@@ -360,6 +360,7 @@ class DataCentricLoader:
         try:
             for k in range(start, len(steps)):
                 plan = stream.get(k, "assembler")
+                plan.check_shard_blocks(getattr(self.cluster, "shard_size", 1))  # same plan, same answer, every rank
                 if self.check_plans:
                     comm.check_equal(comm.digest(plan.to_json()), f"plan of epoch {epoch} step {k}")
                 work = plan.work_of(self.rank)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from dcparallel.spec import Layout
 
@@ -37,6 +37,14 @@ class Chunk(NamedTuple):
     sample_ids: tuple[int, ...]
     layout: Layout
     time: float
+
+
+def splits_shard_block(ranks: Sequence[int], shard_size: int) -> bool:
+    """Whether an SP group of ``ranks`` splits a parameter-shard block of ``shard_size`` ranks
+    (blocks: ranks b*s .. b*s+s-1): it must hold at least s ranks, a multiple of s, starting
+    at a multiple of s (s = 1: never)."""
+    k, s = len(ranks), shard_size
+    return s > 1 and (k < s or k % s != 0 or ranks[0] % s != 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,15 +212,17 @@ class StepPlan:
     def check_shard_blocks(self, shard_size: int) -> None:
         """Refuses (ValueError) a plan in which a parameter-shard block of ``shard_size`` ranks
         would run two different micro-batch sequences: every group that runs micro-batches must
-        be an aligned block of a multiple of ``shard_size`` ranks, so each shard block lies inside
-        it (idle groups, which run nothing, may be single ranks). Otherwise the block's per-layer
-        all-gathers would not match and the step would hang."""
+        hold whole aligned blocks (`splits_shard_block`); idle groups, which run nothing, may be
+        single ranks. Otherwise FSDP's per-layer collectives inside the block would not match
+        and the step would hang."""
         s = shard_size
         for g in self.groups:
-            if g.micro_batches and (len(g.ranks) % s or g.ranks[0] % s):
-                raise ValueError(f"step {self.index}: the group of ranks {g.ranks[0]}-{g.ranks[-1]} runs micro-batches "
-                                 f"but cuts a parameter-shard block of {s} ranks (groups must be aligned multiples of "
-                                 f"the shard size); plan with a ClusterSpec whose shard_size is {s}")
+            if g.micro_batches and splits_shard_block(g.ranks, s):
+                raise ValueError(
+                    f"step {self.index}: the group of ranks {tuple(g.ranks)} runs micro-batches but splits "
+                    f"a parameter-shard block of {s} ranks (blocks are ranks b*{s} .. b*{s}+{s - 1}): its ranks "
+                    f"would run different micro-batches and FSDP would hang; plan with a ClusterSpec whose "
+                    f"shard_size is {s} (SP groups of whole blocks, aligned)")
 
 
 #: the predicted seconds of one step's plan (compute + the exposed gradient sync), passed in to

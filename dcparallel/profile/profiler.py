@@ -58,6 +58,7 @@ from dcparallel.profile.measure import (
 )
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
+from dcparallel.runtime.sharded import refuse_sharded_profiling
 from dcparallel.spec import (
     STATIC_MODES,
     ClusterSpec,
@@ -111,6 +112,7 @@ class Profiler:
         self.unit = layers_per_unit
         self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads,
                                                     cluster=cluster)
+        refuse_sharded_profiling(getattr(self.engine, "shard_size", 1))
         self.world, self.rank = comm.world_size(), comm.world_rank()
         self.cluster = self.engine.groups.cluster
         allowed = list(self.engine.groups.topology.sizes)

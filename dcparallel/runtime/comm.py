@@ -151,6 +151,29 @@ def all_reduce_sum_async(t: Tensor, group=None):
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def all_reduce_(t: Tensor, group, op: str = "sum") -> Tensor:
+    """In-place sum (``op="max"``: maximum) of ``t`` over ``group`` (`WORLD`: every rank;
+    None: a one-rank group, nothing to do)."""
+    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    if group is WORLD:
+        if world_size() > 1:
+            dist.all_reduce(t, op=red)
+    elif group_size(group) > 1:
+        dist.all_reduce(t, op=red, group=group)
+    return t
+
+
+def all_gather_flat(t: Tensor, group) -> Tensor:
+    """Every rank's ``t`` (equal sizes) of ``group``, concatenated in rank order as one 1-D
+    tensor (None: a one-rank group, ``t`` flattened)."""
+    n = group_size(group)
+    if n == 1:
+        return t.reshape(-1)
+    out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_single(out, t.contiguous().reshape(-1), group=group)
+    return out
+
+
 def wait(handle) -> None:
     if handle is not None:
         handle.wait()

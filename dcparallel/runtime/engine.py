@@ -10,7 +10,10 @@ all-reduce over the whole world starts during the backward of this rank's last m
 of the step (`Batch.last_of_step`, or ``micro_batch(batch, last=True)``) and
 `sync_gradients` finishes it, on every rank (also ranks that ran nothing), and divides by
 the global count. Not DDP: docs/design.md, "Exact gradient".
-Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. The user-facing
+Recomputation wrappers: `runtime.recompute`; the optimizer: `runtime.zero`. With
+``shard_size`` s > 1 the parameters and gradients are sharded (FSDP2) inside aligned blocks
+of s ranks instead of replicated in the flat buffers: `runtime.sharded` (its `ShardedGrads`
+stands where `GradSync` does) and `runtime.sharded_optim`. The user-facing
 `dcparallel.DataCentricParallel` (api.py) holds one `Engine` and adds `prepare`.
 
     dc = Engine(model)                               # the adapter is found from the model
@@ -45,9 +48,11 @@ from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
 from dcparallel.runtime.recompute import LayerRecompute
+from dcparallel.runtime.sharded import ShardedGrads, check_group
+from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.ulysses import Kernel, UlyssesAttention, check_heads
 from dcparallel.runtime.zero import ZeroAdamW
-from dcparallel.spec import ClusterSpec, Recompute
+from dcparallel.spec import ClusterSpec, Recompute, check_shard_size
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -146,6 +151,7 @@ class Engine:
         seed: int = 0,
         kernel: Kernel | None = None,
         groups: ProcessGroups | None = None,
+        shard_size: int | None = None,
     ):
         if getattr(model, "_dcparallel_wrapped", False):
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
@@ -158,6 +164,14 @@ class Engine:
             raise ValueError(
                 f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
             )
+        cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
+        if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
+            raise ValueError(f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; "
+                             f"give one of them")
+        self.shard_size = check_shard_size(shard_size if shard_size is not None else cluster_shard,
+                                           comm.world_size(),
+                                           cluster.gpus_per_node if isinstance(cluster, ClusterSpec)
+                                           else comm.world_size())
         self.model = model
         self.layers = list(self.adapter.blocks)
         self.num_heads = self.adapter.num_heads
@@ -173,8 +187,14 @@ class Engine:
         model._dcparallel_wrapped = True
 
         self.params = params
-        self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
-                                  group=getattr(self.groups, "grad_sync", None))
+        self.grad_sync: GradSync | ShardedGrads
+        if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
+            self.grad_sync = ShardedGrads(model, self.layers, self.shard_size,
+                                          stats_group=getattr(self.groups, "grad_sync", None))
+            self.params = self.grad_sync.params
+        else:
+            self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
+                                      group=getattr(self.groups, "grad_sync", None))
 
     # the flat buffers and the step's statistics live in `grad_sync`
     flat_param = property(lambda self: self.grad_sync.flat_param)
@@ -213,6 +233,7 @@ class Engine:
         if batch.layout.sp != len(batch.ranks):
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
         check_heads(self.num_heads, batch.sp)
+        check_group(batch.ranks, self.shard_size)
         group = self.groups.group(batch.ranks)
         if self.grad_sync.synced:
             self.zero_grad()
@@ -240,21 +261,24 @@ class Engine:
         target count and exposes them as ``p.grad``. Returns the step's mean loss."""
         return self.grad_sync.finish()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Global-norm gradient clipping of the synced step, as `torch.nn.utils.clip_grad_norm_`
         does it on a single process: the L2 norm over every trainable parameter's fp32
         gradient (the synced buffer, the same on every rank, so no communication), and every
         gradient scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the
         pre-clip norm. A non-finite norm scales by nan / 0 as torch does: check the returned
         norm (`math.isfinite`) before ``opt.step()`` to skip such a step. Call after
-        `sync_gradients` and before the optimizer's step."""
+        `sync_gradients` and before the optimizer's step. With shard_size > 1 it is collective:
+        the norm is summed over the block's shards (norm types 2 and inf)."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
+        if self.shard_size > 1:
+            return self.grad_sync.clip_grad_norm_(max_norm, norm_type)
         gs = self.grad_sync
         if not gs.synced:
             raise RuntimeError("call dc.sync_gradients() before dc.clip_grad_norm_(): the step's gradients have "
                                "not been summed over the ranks yet")
-        norm = torch.nn.utils.get_total_norm(gs.views, 2.0)
+        norm = torch.nn.utils.get_total_norm(gs.views, norm_type)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         gs.flat_grad[: gs.numel].mul_(coef)
         for p, view in zip(gs.params, gs.views, strict=True):
@@ -268,6 +292,27 @@ class Engine:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-    ) -> ZeroAdamW:
-        """The default optimizer: AdamW with ZeRO-1 sharded fp32 state."""
+    ) -> ZeroAdamW | ShardedAdamW:
+        """The default optimizer: AdamW with ZeRO-1 sharded fp32 state (shard_size > 1:
+        `runtime.sharded_optim.ShardedAdamW`, state sharded over the world)."""
+        if self.shard_size > 1:
+            return ShardedAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         return ZeroAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    # ------------------------------------------------------------------ after the sync
+
+    def check_plan(self, plan) -> None:
+        """Refuses (ValueError, on every rank alike) a `StepPlan` with an SP group that splits
+        a shard block; call before running any of its micro-batches (the loader does, with
+        its cluster's shard size)."""
+        plan.check_shard_blocks(self.shard_size)
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """The step's whole gradient of every trainable parameter, by name (fp32 with
+        shard_size > 1, else the parameters' dtype; copies). Collective with shard_size > 1
+        (each block all-gathers its shards): every rank calls it, after `sync_gradients`."""
+        if self.shard_size > 1:
+            return self.grad_sync.full_gradients()
+        if not self.grad_sync.synced:
+            raise RuntimeError("full_gradients needs the step's gradients: call dc.sync_gradients() first")
+        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -32,19 +32,19 @@ LLAMA_70B = MODEL_PRESETS["llama-70b"]
 
 
 @pytest.mark.parametrize("world,gpn,s,needed", [
-    (8, 8, 3, "a power of two"), (8, 8, 16, "a divisor of the world size 8"), (12, 6, 4, "a divisor of the 6 GPUs"),
+    (8, 8, 3, "a power of two"), (8, 8, 16, "a divisor of the world size 8"), (12, 6, 4, "a power of two dividing the 6 GPUs per node, or a whole number of nodes"),
     (8, 8, 0, "a positive integer"), (32, 8, 64, "a divisor of the world size 32"),
 ])
 def test_a_shard_size_the_cluster_cannot_tile_is_refused_with_the_sizes_it_allows(world, gpn, s, needed):
     with pytest.raises(ValueError, match=needed) as e:
         ClusterSpec(world_size=world, gpus_per_node=gpn, shard_size=s)
-    assert f"shard_size {s}" in str(e.value) and "use one of" in str(e.value)
+    assert f"shard_size={s}" in str(e.value) and "use one of" in str(e.value)
 
 
 def test_shard_sizes_divide_a_node_or_are_whole_nodes():
     assert ClusterSpec(world_size=32, gpus_per_node=8).shard_sizes() == [1, 2, 4, 8, 16, 32]
-    assert ClusterSpec(world_size=12, gpus_per_node=6).shard_sizes() == [1, 2]
-    assert ClusterSpec(world_size=24, gpus_per_node=6).shard_sizes() == [1, 2]  # 12 and 24 are no powers of two
+    assert ClusterSpec(world_size=12, gpus_per_node=6).shard_sizes() == [1, 2, 6, 12]
+    assert ClusterSpec(world_size=24, gpus_per_node=6).shard_sizes() == [1, 2, 6, 12, 24]  # whole nodes, not 18
 
 
 @pytest.mark.parametrize("world,gpn,heads", [(32, 8, 32), (64, 8, 64), (24, 6, 48), (48, 12, 48), (16, 8, 40)])
@@ -73,11 +73,11 @@ def test_model_states_shrink_with_the_shard_size_as_stated():
     gathered = 2 * 2 * LLAMA_70B.extra_params + 10 * LLAMA_70B.unit_params
     assert gathered_bytes(LLAMA_70B) == gathered
     for s in (2, 4, 8):
-        assert model_state_bytes(LLAMA_70B, w, s) == pytest.approx(p * 6 / s + 12 * p / w + gathered, rel=1e-12)
+        assert model_state_bytes(LLAMA_70B, w, s) == pytest.approx(p * 8 / s + 8 * p / w + gathered, rel=1e-12)
     one, two, four = (model_state_bytes(LLAMA_70B, w, s) for s in (1, 2, 4))
     assert four < two < one
-    # parameters + gradients per rank are 1/s of the unsharded ones
-    assert (two - 12 * p / w - gathered) == pytest.approx((one - 12 * p / w) / 2)
+    # fp32 parameter + gradient shards per rank halve from s = 2 to s = 4
+    assert (four - 8 * p / w - gathered) == pytest.approx((two - 8 * p / w - gathered) / 2)
     # the cost model carries them into every micro-batch's memory
     for s in (1, 4):
         c = AnalyticCost(LLAMA_70B, h200_cluster(64, shard_size=s))
@@ -203,9 +203,9 @@ def test_a_plan_that_cuts_a_shard_block_is_refused():
     ok = StepPlan(0, (0,), (GroupPlan((0, 1), (mb,)), GroupPlan((2,), ()), GroupPlan((3,), ())), 10)
     ok.check_shard_blocks(2)
     bad = StepPlan(0, (0,), (GroupPlan((0,), ()), GroupPlan((1, 2), (mb,)), GroupPlan((3,), ())), 10)
-    with pytest.raises(ValueError, match="cuts a parameter-shard block of 2 ranks"):
+    with pytest.raises(ValueError, match="splits a parameter-shard block of 2 ranks"):
         bad.check_shard_blocks(2)
-    with pytest.raises(ValueError, match="ranks 0-1 runs micro-batches"):
+    with pytest.raises(ValueError, match=r"ranks \(0, 1\) runs micro-batches"):
         ok.check_shard_blocks(4)
 
 
@@ -311,7 +311,7 @@ def test_simulate_an_explicit_shard_size_and_refuse_a_bad_one(capsys):
     from dcparallel.apps.cli import main
 
     assert main(["simulate", "--model", "llama-8b", "--world", "16", "--shard-size", "3", "--json"]) == 2
-    assert "shard_size 3 must be a power of two" in capsys.readouterr().err
+    assert "shard_size=3 must be a power of two" in capsys.readouterr().err
 
 
 def test_simulate_from_a_profile_at_a_shard_size(tmp_path, capsys):

@@ -1,0 +1,234 @@
+"""Parameters and gradients sharded inside fixed blocks of ``shard_size`` ranks (FSDP2), with
+uneven gradient accumulation kept.
+
+The world is cut into aligned blocks of ``s`` ranks: block b is ranks ``b*s .. b*s+s-1``.
+Inside a block, every repeated block of the model (the adapter's ``blocks``) and the root
+are wrapped by PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) on a 1-D mesh of the
+block's ranks: each rank stores 1/s of every parameter, the layer's parameters are
+all-gathered for its forward and backward, and each micro-batch's backward reduce-scatters
+its gradients (a plain sum: divide factor 1) into this rank's shard. The ranks of a block
+are always in one SP group (the plan rule, `dcparallel.plan.types.StepPlan.check_shard_blocks`:
+every SP group is made of whole blocks), so they run the same micro-batch sequence and
+FSDP's collectives match inside the block whatever the other blocks do; a block that runs
+nothing calls no FSDP collective at all.
+
+The step's one reduction (`ShardedGrads.finish`, on every rank, idle blocks included):
+
+- this rank's gradient shards live in one flat fp32 buffer (``flat_grad``; each ``p.grad``
+  is a DTensor over a view of it, into which FSDP accumulates), summed over the *replicas*
+  (the ranks holding the same shard index in every block: ``r % s`` equal) by one
+  all-reduce; an idle block contributes its zeros;
+- this rank's summed loss and target count are summed over the world;
+- the gradients are divided by the global target count, as in `runtime.grad_sync`.
+
+Mixed precision: a bf16 / fp16 model keeps fp32 sharded parameters (they are the values the
+optimizer updates) and computes in its own dtype (`MixedPrecisionPolicy(param_dtype=...,
+reduce_dtype=float32)`); gradients are reduced and accumulated in fp32.
+
+The optimizer for this path (`runtime.sharded_optim.ShardedAdamW`) keeps fp32 master weights
+and moments of 1/W of the parameters per rank (ZeRO-1 over the replicas on top of the block
+shard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dcparallel.plan.types import splits_shard_block
+from dcparallel.runtime import comm
+
+
+def check_group(ranks: Sequence[int], shard_size: int) -> None:
+    """An SP group must be made of whole shard blocks (else FSDP's collectives inside a
+    block would not match and hang): at least ``shard_size`` ranks, a multiple of it,
+    starting at a multiple of it."""
+    s = shard_size
+    if splits_shard_block(ranks, s):
+        raise ValueError(
+            f"the SP group {tuple(ranks)} splits a parameter-shard block of shard_size={s} (blocks are ranks "
+            f"b*{s} .. b*{s}+{s - 1}): its ranks would run different micro-batches and FSDP would hang; plan "
+            f"with SP groups of whole blocks (sizes >= {s}, aligned), e.g. a Topology built with shard_size={s}"
+        )
+
+
+def refuse_sharded_profiling(shard_size: int) -> None:
+    """The profiler measures the replicated flat buffers: a sharded engine is refused."""
+    if shard_size > 1:
+        raise ValueError(f"profiling an engine with parameters sharded in blocks (shard_size={shard_size}) is not "
+                         f"implemented: the profiler measures the replicated flat buffers. Profile with "
+                         f"shard_size=1, or plan with an analytic cost model (dcparallel.cost.analytic) and drive "
+                         f"the Engine with the loader yourself")
+
+
+class ShardedGrads:
+    """FSDP2 on the model inside blocks of ``shard_size`` ranks, the flat buffer of this
+    rank's gradient shards and the step's reduction over replicas (module docstring).
+
+    Duck-types the part of `runtime.grad_sync.GradSync` the engine and the micro-batch
+    context use: ``params``, ``synced``, ``last_loss``, ``last_count``, `add_stats`, `arm`,
+    `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
+    (DTensors, sharded over the block's mesh)."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        world, rank = comm.world_size(), comm.world_rank()
+        s = shard_size  # validated by the engine against the cluster (`spec.check_shard_size`)
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = params[0].device
+        dtype = params[0].dtype
+        self.shard_size, self.world_size, self.rank = s, world, rank
+        self.num_replicas = world // s
+        self.replica_index = rank // s  # which block this rank is in
+        self.shard_index = rank % s  # which shard of every parameter it holds
+        self.mesh = init_device_mesh(device.type, (self.num_replicas, s), mesh_dim_names=("replica", "shard"))
+        self.shard_mesh = self.mesh["shard"]
+        self.shard_group = self.shard_mesh.get_group()
+        self.replica_group = self.mesh["replica"].get_group() if self.num_replicas > 1 else None
+        self.stats_group = stats_group
+        self.compute_dtype = dtype
+        if dtype != torch.float32:  # fp32 sharded parameters, compute in the model's dtype
+            model.float()
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        else:
+            mp = MixedPrecisionPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=self.shard_mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.shard_mesh, mp_policy=mp)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # a sum: the step divides by the target count
+                m.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        # this rank's shard of every parameter, one after the other, padded to a multiple of
+        # the replicas (the optimizer's ZeRO-1 pieces); the same layout on every replica
+        self._ranges: list[tuple[int, int]] = []
+        off = 0
+        for p in self.params:
+            n = p.to_local().numel()
+            self._ranges.append((off, off + n))
+            off += n
+        self.local_numel = off
+        self.piece_numel = math.ceil(off / self.num_replicas)
+        self.flat_grad = torch.zeros(self.piece_numel * self.num_replicas, dtype=torch.float32, device=device)
+        self._grads: list[Tensor] = []
+        for p, (lo, hi) in zip(self.params, self._ranges, strict=True):
+            self._grads.append(self._as_grad(p, self.flat_grad[lo:hi]))
+        self.numel = sum(p.numel() for p in self.params)
+        self.stats = torch.zeros(2, dtype=torch.float64, device=device)
+        self.synced = False
+        self.last_loss = float("nan")
+        self.last_count = 0.0
+        self.zero_grad()
+
+    @staticmethod
+    def _as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        local = view.view(p.to_local().shape)
+        g = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+        assert g.to_local().numel() == 0 or g.to_local().data_ptr() == local.data_ptr(), "grad is not a view"
+        return g
+
+    @property
+    def flat_param(self):
+        raise ValueError("with shard_size > 1 the parameters are FSDP shards (DTensors): there is no flat "
+                         "parameter buffer; use model.named_parameters() (p.to_local(), p.full_tensor())")
+
+    @property
+    def shard_numel(self):
+        raise ValueError("with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
+                         "state is ShardedAdamW's); dcparallel.checkpoint does not save sharded runs: "
+                         "use dcparallel.runtime.sharded_checkpoint")
+
+    # ------------------------------------------------------------------ the engine's calls
+
+    def add_stats(self, loss_sum: Tensor, count: Tensor) -> None:
+        """Adds a micro-batch's summed loss and target count (this rank's shard of it)."""
+        self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
+
+    def arm(self) -> None:
+        """The last micro-batch of the step begins (the sharded path does not overlap the
+        replica all-reduce with it: FSDP's reduce-scatters already run during backward)."""
+        if self.synced:
+            self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Starts a new step: gradient shards and statistics zero, every ``p.grad`` a view of
+        ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it)."""
+        self.flat_grad.zero_()
+        self.stats.zero_()
+        for p, g in zip(self.params, self._grads, strict=True):
+            p.grad = g
+        self.synced = False
+
+    def _fold_foreign_grads(self) -> None:
+        """A ``p.grad`` someone replaced (e.g. ``model.zero_grad()`` mid-step, after which FSDP
+        made a new one) is added into the buffer, so no gradient is dropped."""
+        for p, g, (lo, hi) in zip(self.params, self._grads, self._ranges, strict=True):
+            if p.grad is not g and p.grad is not None:
+                self.flat_grad[lo:hi].add_(p.grad.to_local().reshape(-1).float())
+            p.grad = g
+
+    def finish(self) -> float:
+        """The step's reduction (module docstring); every rank calls it once per step.
+        Returns the step's mean loss."""
+        if self.synced:  # this rank ran no micro-batch since the last step
+            self.zero_grad()
+        self._fold_foreign_grads()
+        comm.all_reduce_(self.flat_grad, self.replica_group)  # None: one block, nothing to sum
+        comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)
+        loss_sum, count = self.stats.tolist()
+        if not count > 0:
+            raise ValueError(f"the step has {count} targets over all ranks: nothing to normalize by; "
+                             f"check the labels / loss masks")
+        self.last_loss, self.last_count = loss_sum / count, count
+        self.flat_grad.div_(count)
+        self.synced = True
+        return self.last_loss
+
+    # ------------------------------------------------------------------ after the sync
+
+    def _require_synced(self, what: str) -> None:
+        if not self.synced:
+            raise RuntimeError(f"{what} needs the step's gradients: call dc.sync_gradients() first")
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every trainable parameter's whole gradient by name (fp32, on every rank).
+        Collective: every rank calls it (each block all-gathers its shards)."""
+        self._require_synced("full_gradients")
+        return {n: g.full_tensor() for n, g in zip(self.names, self._grads, strict=True)}
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The global norm of the step's gradients over shards and replicas (collective)."""
+        self._require_synced("the gradient norm")
+        mine = self.flat_grad[: self.local_numel]
+        if math.isinf(norm_type):
+            t = mine.abs().max() if mine.numel() else mine.new_zeros(())
+            return float(comm.all_reduce_(t.reshape(1).clone(), self.shard_group, "max"))
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_ with shard_size > 1 supports norm_type 2 or inf; got {norm_type}")
+        t = comm.all_reduce_(mine.double().pow(2).sum().reshape(1), self.shard_group)
+        return float(t.sqrt())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scales the gradients by min(1, max_norm / (norm + 1e-6)) as
+        `torch.nn.utils.clip_grad_norm_` does, with the global norm; returns the norm before
+        clipping. Collective."""
+        norm = self.grad_norm(norm_type)
+        coef = min(1.0, float(max_norm) / (norm + 1e-6))
+        if coef < 1.0:
+            self.flat_grad.mul_(coef)
+        return norm
+
+    def storage_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameter shards and gradient shards (for the memory report)."""
+        return {"params": sum(p.to_local().numel() * p.element_size() for p in self.params),
+                "grads": self.flat_grad.numel() * self.flat_grad.element_size()}

@@ -1,0 +1,212 @@
+"""Gloo worker functions for the parameter-sharded runtime (shard_size > 1; module level, for spawn)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.runtime.engine import Engine
+from dcparallel.spec import Layout
+from tests import adapter_models
+from tests import support
+
+#: reference models (tests/support.py), driven as its run_rank_step does; the other kinds are
+#: library models driven through their adapters (tests/adapter_models.py)
+SUPPORT_KINDS = ("dit", "dit-factorized", "llama", "llama-tied")
+MODES = ("phases", "idle", "random", "world")
+
+
+def _engine(kind: str, shard_size: int) -> Engine:
+    if kind in SUPPORT_KINDS:
+        model = support.make_model(kind)
+        return Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=shard_size)
+    return Engine(adapter_models.build(kind), shard_size=shard_size)
+
+
+def _data(kind: str, num_samples: int, seed: int):
+    return (support.make_data if kind in SUPPORT_KINDS else adapter_models.make_data)(kind, num_samples, seed)
+
+
+def _plan(dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, recompute: bool,
+          min_size: int) -> StepPlan:
+    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
+                               num_layers=dc.adapter.spec.num_layers, mode=mode, min_size=min_size)
+    return plan if recompute else support.capped(plan, 0)
+
+
+def _run_step(dc: Engine, kind: str, data, plan: StepPlan) -> float:
+    rank = dist.get_rank()
+    if kind in SUPPORT_KINDS:
+        return support.run_rank_step(dc, data, plan, rank)
+    collate = dc.adapter.collate
+    if isinstance(collate, str):
+        from dcparallel.data.collate import resolve_collate
+
+        collate = resolve_collate(collate, dc.adapter.kind)
+    for mb, ranks in plan.work_of(rank):
+        batch = collate({s: adapter_models.item(data, s) for s in mb.sample_ids},
+                        MicroBatch(mb.sample_ids, mb.layout), ranks, rank)
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(dc.adapter.loss_fn(dc.model, batch, ctx))
+    return dc.sync_gradients()
+
+
+def case_sharded_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int,
+                        recompute: list[bool], max_norm_frac: float = 0.5) -> list[dict]:
+    """One engine with ``shard_size``, a step per seed (plans of whole shard blocks: modes in
+    `MODES` order, recompute random or off); per step the loss, the full gradients, then
+    `clip_grad_norm_` to ``max_norm_frac`` of the norm: its returned norm and the clipped
+    full gradients."""
+    dc = _engine(kind, shard_size)
+    out = []
+    for i, seed in enumerate(seeds):
+        data = _data(kind, num_samples, seed)
+        plan = _plan(dc, kind, data, num_samples, seed, MODES[i % len(MODES)], recompute[i], shard_size)
+        dc.check_plan(plan)
+        loss = _run_step(dc, kind, data, plan)
+        grads = dc.full_gradients()
+        norm0 = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
+        norm = dc.clip_grad_norm_(max_norm_frac * norm0)
+        clipped = dc.full_gradients()
+        out.append({"loss": loss, "grads": grads, "norm": norm, "max_norm": max_norm_frac * norm0,
+                    "clipped": clipped, "plan": plan.to_json(), "count": dc.last_count})
+    return out
+
+
+def case_sharded_steps(kind: str, shard_size: int, seed: int, num_samples: int, num_steps: int,
+                       scheduler: bool) -> dict:
+    """``num_steps`` optimizer steps (lr 1e-2, weight decay 0.1 on matrices) over plans of
+    whole blocks of 2 (valid for shard_size 1 and 2); optionally a StepLR halving lr each step.
+    The parameters afterwards (whole), and the lr of every step."""
+    dc = _engine(kind, shard_size)
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    lrs = []
+    for step in range(num_steps):
+        data = _data(kind, num_samples, seed + step)
+        plan = _plan(dc, kind, data, num_samples, seed + step, MODES[step % len(MODES)], True, 2)
+        _run_step(dc, kind, data, plan)
+        lrs.append(opt.param_groups[0]["lr"] if shard_size > 1 else opt.lr)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    params = {}
+    for n, p in dc.model.named_parameters():
+        params[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return {"params": params, "lrs": lrs}
+
+
+def case_refusals(kind: str) -> dict:
+    """Bad shard sizes and plans that split a block are refused with ValueError before any
+    collective runs; returns the messages."""
+    msgs = {}
+    for s in (3, 8):
+        try:
+            _engine(kind, s)
+        except ValueError as e:
+            msgs[f"shard_size={s}"] = str(e)
+    dc = _engine(kind, 2)
+    world = dist.get_world_size()
+    data = _data(kind, 4, 0)
+    # SP 1 groups: each rank its own group (the rule needs SP >= 2 and aligned blocks)
+    groups = tuple(GroupPlan((r,), (MicroBatch((r,), Layout(1, 1)),) if r < 4 else (), 0) for r in range(world))
+    plan = StepPlan(0, tuple(range(world)), groups, sum(int(data.docs[s].shape[0]) for s in range(world)))
+    try:
+        dc.check_plan(plan)
+    except ValueError as e:
+        msgs["plan"] = str(e)
+    try:
+        plan.check_shard_blocks(2)
+    except ValueError as e:
+        msgs["StepPlan.check_shard_size"] = str(e)
+    from dcparallel.profile.profiler import Profiler, ProfilerConfig
+
+    try:  # the profiler measures the replicated flat buffers: refused for a sharded engine
+        Profiler(dc.model, dc.layers, None, spec=dc.adapter.spec, engine=dc,
+                 config=ProfilerConfig(depth=2), layers_per_unit=dc.adapter.blocks_per_layer)
+    except ValueError as e:
+        msgs["profiler"] = str(e)
+    # a group of 2 that is not aligned on a block: ranks (1, 2)
+    from dcparallel.runtime.sharded import check_group
+
+    try:
+        check_group((1, 2), 2)
+    except ValueError as e:
+        msgs["unaligned"] = str(e)
+    return msgs
+
+
+def case_storage(shard_size: int) -> dict:
+    """Bytes of parameter and gradient storage this rank holds for the reference DiT."""
+    dc = _engine("dit", shard_size)
+    if shard_size > 1:
+        return dc.grad_sync.storage_bytes()
+    return {"params": dc.flat_param.numel() * dc.flat_param.element_size(),
+            "grads": dc.flat_grad.numel() * dc.flat_grad.element_size()}
+
+
+def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
+    """The reference DiT in bf16 (shard_size 2: fp32 sharded parameters, bf16 compute, fp32
+    gradients); the loss and full gradients of one step of whole blocks of 2."""
+    model = support.make_model("dit").to(torch.bfloat16)
+    dc = Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=shard_size)
+    data = support.make_data("dit", num_samples, seed)
+    for k in list(data.docs):
+        data.docs[k] = data.docs[k].to(torch.bfloat16)
+    plan = _plan(dc, "dit", data, num_samples, seed, "world", True, 2)
+    loss = _run_step(dc, "dit", data, plan)
+    grads = dc.full_gradients()
+    return {"loss": loss, "grads": grads, "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
+            "grad_dtypes": sorted({str(g.dtype) for g in grads.values()})}
+
+
+def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed: int = 5, num_samples: int = 6
+                        ) -> dict:
+    """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
+    then a second step. Else: a fresh engine at ``shard_size`` loads ``path`` and runs the
+    second step. The whole parameters after the second step (plans of whole blocks of 4, or of
+    the world when smaller: valid at every shard size)."""
+    from dcparallel.runtime.sharded_checkpoint import load_sharded, save_sharded
+
+    dc = _engine(kind, shard_size)
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    steps = [0, 1] if save else [1]
+    if not save:
+        load_sharded(path, dc, opt)
+    for step in steps:
+        data = _data(kind, num_samples, seed + step)
+        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, min(4, dist.get_world_size()))
+        _run_step(dc, kind, data, plan)
+        opt.step()
+        opt.zero_grad()
+        if save and step == 0:
+            save_sharded(path, dc, opt)
+    return {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}
+
+
+def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
+    """A loader planning for a cluster with shard_size 2 (the dcp policy, a dataset whose short
+    samples fit one rank): every step plan it yields has SP groups of whole blocks, or it
+    refuses the first that does not with ValueError (the same on every rank) — never a plan
+    that would hang a sharded engine."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.data import DataCentricLoader
+    from dcparallel.plan.types import splits_shard_block
+    from dcparallel.spec import ClusterSpec
+    from tests.dist.loader_cases import MEMORY_BYTES, TINY_SPEC, ArithmeticTokens
+
+    world = dist.get_world_size()
+    dataset = ArithmeticTokens(num_samples, seed)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9,
+                          intra_latency=1e-5, shard_size=2)
+    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                               policy="dcp", tokens_per_step=1200, seed=seed)
+    groups = []
+    try:
+        for step in loader:
+            groups += [tuple(g.ranks) for g in step.plan.groups]
+    except ValueError as e:
+        return {"error": str(e), "groups": groups}
+    return {"error": None, "groups": groups, "split": [g for g in groups if splits_shard_block(g, 2)]}
