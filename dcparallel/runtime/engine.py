@@ -40,6 +40,7 @@ from dcparallel.adapters.find import find_adapter
 from dcparallel.data.batch import Batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.runtime import comm
+from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
@@ -169,6 +170,7 @@ class Engine:
         self.adapter.install_attention(self.attention)
         self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
         self.recompute = LayerRecompute(self.adapter, self.attention)
+        self.attention_verified = False  # every block called the installed attention (`attention_check`)
         model._dcparallel_wrapped = True
 
         self.params = params
@@ -219,14 +221,23 @@ class Engine:
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
         self.recompute.set(batch.layout.recompute)
+        probe = None
+        if not self.attention_verified:  # until one forward ran every block: see runtime/attention_check.py
+            probe = AttentionProbe(self.attention, self.layers)
+            self.adapter.install_attention(probe)
         try:
             yield MicroBatchContext(batch, self.grad_sync, self.seed, self.epoch)
+            if probe is not None:
+                self.attention_verified = probe.verify(self.adapter.name)
         except torch.OutOfMemoryError as exc:
             if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
                 raise
             abort_on_oom(exc, step=batch.step, epoch=self.epoch, layout=batch.layout, ranks=batch.ranks,
                          sample_ids=batch.sample_ids, seq_len=batch.seq_len)
         finally:
+            if probe is not None:
+                probe.remove()
+                self.adapter.install_attention(self.attention)
             self.attention.deactivate()
             self.recompute.set(Recompute.none())
 
