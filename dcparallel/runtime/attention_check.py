@@ -3,12 +3,13 @@
 An adapter installs the runtime's attention into the model's blocks; a block that mixes
 tokens another way (an attention module that calls its kernel itself, a linear-attention
 layer that keeps an attention's name) would never call it, and would silently attend over
-the rank's shard only and across packed documents. `AttentionProbe` stands in for the
-runtime attention during the engine's first micro-batch that runs the model: forward hooks
-on the blocks tell it which block is running, it records the blocks that called it and
-forwards every call (and attribute) to the real attention, so the micro-batch's results are
-unchanged (a block the profiler passes through, ``forward.skips_block``, is not judged). `verify` then raises for a block that never called it; the engine installs the
-real attention back and removes the hooks, so later micro-batches pay nothing.
+the rank's shard only and across packed documents. The engine installs `AttentionProbe`, a
+stand-in that forwards every call (and attribute) to the real attention. Until one forward
+has run every block, each micro-batch arms it (`start`): forward hooks on the blocks tell it
+which block is running and it records the blocks that called it. `finish` removes the hooks
+and raises for a block that ran without calling it; once every block was seen calling it,
+it is never armed again, and a call costs one Python frame more than the bare attention.
+A block the profiler passes through (``forward.skips_block``) is not judged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ class AttentionProbe:
         self._stack: list[int] = []
         self.ran: set[int] = set()
         self.called: set[int] = set()
-        self._handles = []
+        self._handles: list[Any] = []
+
+    def start(self) -> None:
+        """Arms the probe for one micro-batch: block hooks on, records cleared."""
+        self.remove()
+        self._stack, self.ran, self.called = [], set(), set()
         for i, b in enumerate(self._blocks):
             self._handles.append(b.register_forward_pre_hook(self._enter(i)))
             self._handles.append(b.register_forward_hook(self._leave))
@@ -57,6 +63,7 @@ class AttentionProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._stack = []
 
     def verify(self, model_name: str) -> bool:
         """True when the forward ran every block and each called the attention; False when no

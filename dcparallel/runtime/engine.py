@@ -167,7 +167,9 @@ class Engine:
         self.groups = groups if groups is not None else ProcessGroups(self.num_heads, cluster)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.attention = UlyssesAttention(kernel)
-        self.adapter.install_attention(self.attention)
+        # the attention behind a probe that checks, until a forward ran every block, that each calls it
+        self.attention_probe = AttentionProbe(self.attention, self.layers)
+        self.adapter.install_attention(self.attention_probe)
         self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
         self.recompute = LayerRecompute(self.adapter, self.attention)
         self.attention_verified = False  # every block called the installed attention (`attention_check`)
@@ -221,10 +223,9 @@ class Engine:
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
         self.recompute.set(batch.layout.recompute)
-        probe = None
-        if not self.attention_verified:  # until one forward ran every block: see runtime/attention_check.py
-            probe = AttentionProbe(self.attention, self.layers)
-            self.adapter.install_attention(probe)
+        probe = None if self.attention_verified else self.attention_probe  # runtime/attention_check.py
+        if probe is not None:
+            probe.start()
         try:
             yield MicroBatchContext(batch, self.grad_sync, self.seed, self.epoch)
             if probe is not None:
@@ -237,7 +238,6 @@ class Engine:
         finally:
             if probe is not None:
                 probe.remove()
-                self.adapter.install_attention(self.attention)
             self.attention.deactivate()
             self.recompute.set(Recompute.none())
 
