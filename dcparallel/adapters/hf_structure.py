@@ -154,8 +154,9 @@ def _token_modules(block: nn.Module) -> str:
 _SHARD = ("dcparallel shards each packed row over the SP group (Ulysses) and exchanges tokens only inside the "
           "attention it installs, which applies each document's causal boundaries")
 _RECURRENT = (f"{_SHARD}; this layer would see only its rank's shard under SP > 1 and, packed, would carry its "
-              f"state across documents even at SP 1. A recurrent state over the sequence cannot be split by "
-              f"Ulysses (that needs a scan whose state passes between the group's ranks in order)")
+              f"state across documents even at SP 1. A recurrent state (or a convolution) over the sequence "
+              f"cannot be split by Ulysses: it needs a scan whose state (or the last tokens) passes between "
+              f"the group's ranks in order")
 
 
 def _fix(who: str) -> str:
