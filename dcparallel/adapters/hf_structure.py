@@ -213,12 +213,6 @@ def resolve(model: nn.Module, layers: Sequence[nn.Module] | None, attn: Finder |
             ) -> tuple[list[nn.Module], Finder, Finder]:
     """(blocks, attention finder, MLP finder) of ``model``: overrides where given, else read
     from the structure; the attention finder must find at least one module in every block."""
-    who = type(model).__name__
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ValueError(f"{who}.forward takes no position_ids, so its positions come from the row index: packed "
-                         f"documents after the first, and every SP shard after the first, would get wrong positions. "
-                         f"dcparallel needs each document's own positions; use a causal LM whose forward takes "
-                         f"position_ids (README, \"Models\")")
     blocks = list(layers) if layers is not None else decoder_blocks(model)
     attn_of = attn or attention_modules
     mlp_of = mlp or mlp_modules
@@ -234,6 +228,12 @@ def resolve(model: nn.Module, layers: Sequence[nn.Module] | None, attn: Finder |
                                  f"that calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS): only "
                                  f"those call the attention dcparallel installs")
     check_token_mixing(model, blocks, attn_of)
+    who = type(model).__name__
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{who}.forward takes no position_ids, so its positions come from the row index: packed "
+                         f"documents after the first, and every SP shard after the first, would get wrong positions. "
+                         f"dcparallel needs each document's own positions; use a causal LM whose forward takes "
+                         f"position_ids (README, \"Models\")")
     return blocks, attn_of, mlp_of
 
 

@@ -171,3 +171,27 @@ def test_supported_families_at_world_1(family):
             assert rel_err(p.grad, ref_grads[name]) <= 1e-5, (family, name, rel_err(p.grad, ref_grads[name]))
         else:  # never used by the unmodified model either (an unused expert): no gradient
             assert p.grad is None or not p.grad.any(), (family, name)
+
+
+#: further families the README lists as refused, with the reason's words (structure only, meta device)
+MORE_REFUSED = {
+    "qwen3_5_text": "GatedDeltaNet", "bamba": "BambaMixer", "jamba": "Mamba",
+    "nemotron_h": "Mamba2Mixer", "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "mamba": "MambaMixer",
+    "rwkv": "RwkvSelfAttention", "xlstm": "xLSTMLayer", "gpt_neo": "GPTNeoAttention) itself",
+    "xglm": "XGLMAttention) itself", "bloom": "BloomAttention) itself", "mpt": "MptAttention) itself",
+    "deepseek_v32": "'indexed_attention'", "glm_moe_dsa": "'indexed_attention'",
+    "deepseek_v4": "'heavily_compressed_attention'", "zaya": "'hybrid'", "bart": "takes no position_ids",
+}
+
+
+OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}
+
+
+@pytest.mark.parametrize("family", list(MORE_REFUSED))
+def test_more_families_are_refused(family):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with pytest.raises(ValueError) as e:
+        find_adapter(tiny(family, meta=True, **OVERRIDES.get(family, {})))
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family] in str(e.value) and MORE_REFUSED[family] in str(e.value), \
+        str(e.value)
