@@ -249,14 +249,14 @@ class DocumentLimit:
         object.__setattr__(self, "fn", fn)
         self.limit, self.local, self.why = limit, local, why
 
-    def __call__(self, q, k, v, pattern):
+    def __call__(self, q, k, v, pattern, *args, **kwargs):
         longest = self.fn.longest_document(q.shape[1])
         if longest > self.limit or (self.local and q.shape[1] > self.limit):
             what = f"a document of {longest} tokens" if longest > self.limit else f"a row shard of {q.shape[1]} tokens"
             raise ValueError(f"{what} is longer than {self.limit}: {self.why}; dcparallel's attention is plain causal "
                              f"per document, equal to it only up to {self.limit} tokens. Keep documents (and "
                              f"micro-batch rows per rank) within {self.limit} tokens")
-        return self.fn(q, k, v, pattern)
+        return self.fn(q, k, v, pattern, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.fn, name)
