@@ -145,7 +145,8 @@ SUPPORTED = {
     "bitnet": {}, "arcee": {}, "apertus": {}, "exaone4": {}, "ernie4_5": {},
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
     "hunyuan_v1_dense": {}, "glm4_moe": {}, "cohere2": {},
-    "jetmoe": {"kv_channels": 16, "intermediate_size": 32}, "gpt_neox": {"rotary_pct": 0.5}, "granitemoe": {"intermediate_size": 32, "attention_multiplier": 0.25},
+    "jetmoe": {"kv_channels": 16, "intermediate_size": 32},
+    "gpt_neox": {"rotary_pct": 0.5}, "granitemoe": {"intermediate_size": 32, "attention_multiplier": 0.25},
     "llama4_text": {"intermediate_size": 32, "intermediate_size_mlp": 64, "num_experts_per_tok": 1,
                     "no_rope_layers": [1, 0]},
 }
