@@ -1,11 +1,14 @@
-"""Hugging Face transformers decoder-only causal LMs (Llama, Qwen2/Qwen3, Mistral, ... —
-any ``*ForCausalLM`` whose decoder layers sit in ``model.model.layers`` with ``self_attn``
-and ``mlp``).
+"""Hugging Face transformers decoder-only causal LMs (Llama, Qwen2/Qwen3, Mistral, GPT-NeoX,
+GraniteMoE, ... — any ``*ForCausalLM`` whose decoder layers' attention goes through
+transformers' attention interface). The blocks, their attention and MLP sub-modules, and the
+layers that must be refused (linear attention, state-space, convolutions, attention that
+computes its kernel or mask itself) are read from the model's structure by
+`adapters.hf_structure`; ``layers=``, ``attn_modules=`` and ``mlp_modules=`` override them.
 
 Attention goes through transformers' own registry: `AttentionInterface.register` under the
 name ``"dcparallel"`` and ``model.set_attn_implementation("dcparallel")``; the function and
-its keyword contract (each keyword handled exactly or refused) are `hf_attention`'s. For a name its mask
-registry does not know, transformers builds no mask and passes ``attention_mask=None``, so
+its keyword contract (each keyword handled exactly or refused) are `hf_attention`'s. For a
+name its mask registry does not know, transformers builds no mask and passes ``attention_mask=None``, so
 the function applies causality and the packed row's document boundaries itself (the
 runtime's attention does both). The model is called by keyword with ``position_ids`` (each
 document's positions, global over the SP shard) and ``use_cache=False``, without
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_attention import hf_attention  # noqa: F401  (the function transformers calls)
+from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
 
 
 def matches(model: nn.Module) -> bool:
@@ -30,16 +34,6 @@ def matches(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(model, PreTrainedModel)
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(b, "self_attn") and hasattr(b, "mlp") for b in layers):
-        raise ValueError(f"{type(model).__name__} is a transformers model but not a decoder-only causal LM with "
-                         f"decoder layers in model.model.layers (each with self_attn and mlp); dcparallel drives "
-                         f"*ForCausalLM models such as LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
-    return list(layers)
 
 
 def _head_dims(cfg: Any) -> tuple[int, int]:
@@ -60,32 +54,51 @@ def hf_lm_loss(model: nn.Module, batch: Any, ctx: Any) -> Tensor:
     return ctx.lm_loss(logits)
 
 
+def _config_int(cfg: Any, *names: str) -> int | None:
+    for n in names:
+        value = getattr(cfg, n, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, **unused: Any) -> ModelAdapter:
+            name: str | None = None, attn_modules=None, mlp_modules=None, **unused: Any) -> ModelAdapter:
+    """``attn_modules`` / ``mlp_modules``: ``block -> [modules]`` overrides of the attention
+    (classes that call transformers' attention interface) and feed-forward sub-modules."""
     if unused:
         raise ValueError(f"unexpected arguments for a transformers model: {sorted(unused)}")
     cfg = model.config
-    blocks = list(layers) if layers is not None else _decoder_layers(model)
-    own_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    for what, given, own in (("num_heads", num_heads, cfg.num_attention_heads), ("num_kv_heads", num_kv_heads, own_kv)):
+    blocks, attn_of, mlp_of = resolve(model, layers, attn_modules, mlp_modules)
+    own_heads = _config_int(cfg, "num_attention_heads", "n_head", "num_heads")
+    if own_heads is None:
+        raise ValueError(f"{type(model).__name__}'s config has no num_attention_heads; pass num_heads=")
+    own_kv = _config_int(cfg, "num_key_value_heads", "num_kv_heads") or own_heads
+    for what, given, own in (("num_heads", num_heads, own_heads), ("num_kv_heads", num_kv_heads, own_kv)):
         if given is not None and given != own:
             raise ValueError(f"{what}={given} but the model's config has {own}; leave {what} out (it is read from "
                              f"model.config)")
-    heads, kv = cfg.num_attention_heads, own_kv
+    heads, kv = own_heads, own_kv
     qk_dim, v_dim = _head_dims(cfg)
     vocab = cfg.vocab_size
-    attn_modules = lambda b: [b.self_attn]
-    mlp_modules = lambda b: [b.mlp]
-    spec = derive_spec(model, blocks, name=name or f"{cfg.model_type}-h{cfg.hidden_size}-l{len(blocks)}",
-                       kind="text", hidden=cfg.hidden_size, num_heads=heads, ffn_hidden=cfg.intermediate_size,
-                       attention="causal", attn_modules=attn_modules, mlp_modules=mlp_modules, vocab_size=vocab,
+    hidden = cfg.hidden_size
+    spec = derive_spec(model, blocks, name=name or f"{cfg.model_type}-h{hidden}-l{len(blocks)}",
+                       kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
+                       attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=vocab,
                        num_kv_heads=kv if kv != heads else 0,
-                       head_dim=qk_dim if qk_dim * heads != cfg.hidden_size else 0,
+                       head_dim=qk_dim if qk_dim * heads != hidden else 0,
                        v_head_dim=v_dim if v_dim != qk_dim else 0)
 
+    limits = {id(m): document_limit(model, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
+
     def install(fn: Any) -> None:
-        attention.install(model, [b.self_attn for b in blocks], fn)
+        attention.register()
+        for b in blocks:
+            for m in attn_of(b):
+                limit = limits[id(m)]
+                m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)
+        model.set_attn_implementation(attention.NAME)
 
     return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
+                        install_attention=install, spec=spec, attn_modules=attn_of, mlp_modules=mlp_of,
                         loss_fn=loss_fn or hf_lm_loss, sample=sample_fn or random_tokens(vocab), collate="text")

@@ -21,7 +21,6 @@ boundaries itself; transformers builds no mask for a name its mask registry does
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor, nn
@@ -165,11 +164,3 @@ def register() -> None:
 
     AttentionInterface.register(NAME, hf_attention)
 
-
-def install(model: nn.Module, attention_modules: Iterable[nn.Module], fn: Any) -> None:
-    """Registers `hf_attention`, puts the runtime attention ``fn`` on each attention module
-    and switches the model to it."""
-    register()
-    for m in attention_modules:
-        m._dcp_attention = fn
-    model.set_attn_implementation(NAME)

@@ -3,9 +3,15 @@
 `load_or_profile` is what `DataCentricParallel.prepare` calls: every rank checks the cached
 file; if any rank finds it missing, unreadable, of another version, measured for something
 else (fingerprint: model structure and parameter count, dtype, device, world size, torch
-version, memory budget, method) or lacking a bucket the dataset needs, all ranks profile
+version, method, search settings) or lacking a bucket the dataset needs, all ranks profile
 together and rank 0 writes the new file. The reason is logged, never raised from deep
 inside the planner.
+
+The memory budget is not part of the match: a profile measured under a budget holds every
+layout that fits it, measured, so it serves any budget at most as large — its entries are
+re-judged against the new budget (model state + measured memory, as the profiler judges
+them; `rebudget`). A larger budget than the cached one profiles again (layouts past the
+cached budget were never measured).
 
 Profiles are kept per world size: ``path`` holds the latest profile, and a copy of each
 world size's profile sits beside it (``profile.world4.json``). A launch at another world size
@@ -42,6 +48,23 @@ def fingerprint_diff(cached: dict, current: dict) -> list[str]:
     return out
 
 
+#: fingerprint keys of the memory budget: matched by `check_cached` as "at most the cached one"
+BUDGET_KEYS = ("memory_bytes", "memory_limited")
+
+
+def rebudget(prof: Profile, fingerprint: dict) -> Profile:
+    """The cached profile as a profile under ``fingerprint``'s (smaller or equal) budget: an
+    entry whose model state + memory exceeds it becomes infeasible ("over_budget")."""
+    budget = float(fingerprint["memory_bytes"])
+    d = prof.to_json()
+    d["fingerprint"] = {**d["fingerprint"], **{k: fingerprint[k] for k in BUDGET_KEYS if k in fingerprint}}
+    for e in d["entries"]:
+        if e.get("feasible") and e.get("memory_bytes") is not None \
+                and prof.model_state_bytes + float(e["memory_bytes"]) > budget:
+            e["feasible"], e["reason"] = False, "over_budget"
+    return Profile.from_json(d)
+
+
 def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> tuple[Profile | None, str]:
     """(the cached profile, "") if it can be reused, else (None, why not)."""
     p = Path(path)
@@ -51,9 +74,16 @@ def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> 
         prof = Profile.load(p)
     except ValueError as exc:
         return None, f"cached profile unusable: {exc}"
-    diff = fingerprint_diff(prof.fingerprint, fingerprint)
+    strip = lambda fp: {k: v for k, v in fp.items() if k not in BUDGET_KEYS}  # noqa: E731
+    diff = fingerprint_diff(strip(prof.fingerprint), strip(fingerprint))
+    cached_budget, budget = prof.fingerprint.get("memory_bytes"), fingerprint.get("memory_bytes")
+    if cached_budget is None or budget is None or float(budget) > float(cached_budget):
+        diff.append(f"memory_bytes: cached {cached_budget!r}, now {budget!r} (a larger budget than the cached "
+                    f"profile's: layouts past it were never measured)")
     if diff:
         return None, f"cached profile {p} was measured for something else ({'; '.join(diff)})"
+    if float(budget) < float(cached_budget):
+        prof = rebudget(prof, fingerprint)
     have = {b.key for b in prof.buckets}
     missing = [b.key for b in (ProfileBucket.of(prof.model, s) for s in sizes) if b.key not in have]
     if missing:

@@ -44,6 +44,7 @@ from dcparallel.adapters.find import find_adapter
 from dcparallel.data.batch import Batch
 from dcparallel.models.llama import per_token_loss
 from dcparallel.runtime import comm
+from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom
@@ -181,9 +182,12 @@ class Engine:
         self.groups = groups if groups is not None else ProcessGroups(self.num_heads, cluster)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.attention = UlyssesAttention(kernel)
-        self.adapter.install_attention(self.attention)
+        # the attention behind a probe that checks, until a forward ran every block, that each calls it
+        self.attention_probe = AttentionProbe(self.attention, self.layers)
+        self.adapter.install_attention(self.attention_probe)
         self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
         self.recompute = LayerRecompute(self.adapter, self.attention)
+        self.attention_verified = False  # every block called the installed attention (`attention_check`)
         model._dcparallel_wrapped = True
 
         self.params = params
@@ -241,14 +245,21 @@ class Engine:
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
         self.recompute.set(batch.layout.recompute)
+        probe = None if self.attention_verified else self.attention_probe  # runtime/attention_check.py
+        if probe is not None:
+            probe.start()
         try:
             yield MicroBatchContext(batch, self.grad_sync, self.seed, self.epoch)
+            if probe is not None:
+                self.attention_verified = probe.verify(self.adapter.name)
         except torch.OutOfMemoryError as exc:
             if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
                 raise
             abort_on_oom(exc, step=batch.step, epoch=self.epoch, layout=batch.layout, ranks=batch.ranks,
                          sample_ids=batch.sample_ids, seq_len=batch.seq_len)
         finally:
+            if probe is not None:
+                probe.remove()
             self.attention.deactivate()
             self.recompute.set(Recompute.none())
 
