@@ -88,16 +88,51 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
     if kind == "custom":
         return TinyGQA()
-    if kind == "wan":
+    if kind in WAN_KINDS:
         from diffusers import WanTransformer3DModel
 
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
-                                     out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
-                                     rope_max_seq_len=32).float()
+        extra = {"wan-i2v": {"image_dim": 12, "added_kv_proj_dim": 32},  # Wan 2.1 I2V: image embeddings
+                 "wan22-i2v": {"in_channels": 8}}.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
+        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+        return WanTransformer3DModel(**{**cfg, **extra}).float()
+    if kind == "ltx":
+        from diffusers import LTXVideoTransformer3DModel
+
+        return LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                          cross_attention_dim=32, num_layers=2, caption_channels=16).float()
+    if kind == "flux":  # one double-stream and two single-stream blocks; 4 latent channels packed 2 x 2
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                      attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+                                      pooled_projection_dim=8, guidance_embeds=False, axes_dims_rope=(2, 2, 4)).float()
     raise ValueError(kind)
 
 
-WAN_SHAPES = [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)]  # latent (frames, height, width), odd token counts at SP 4
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v")
+#: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
+SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
+          "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
+          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 6, 6), (1, 4, 14)]}  # images: 15, 15, 16, 9, 14 tokens
+WAN_SHAPES = SHAPES["wan"]
+
+
+def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tensor]:
+    """A sample's conditioning as its dataset item carries it."""
+    if kind == "wan":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
+    if kind == "wan-i2v":  # diffusers' I2V attention takes the last 512 context tokens as text
+        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
+                "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
+    if kind == "wan22-i2v":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "ltx":  # a text padding mask: the last 2 of 6 tokens are padding
+        return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
+                "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0])}
+    if kind == "flux":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "pooled_projections": torch.randn(8, generator=g)}
+    raise ValueError(kind)
 
 
 def make_data(kind: str, num_samples: int, seed: int) -> Data:
@@ -110,9 +145,10 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
             docs[i] = torch.randint(0, VOCAB, (n,), generator=g)
             shape_of[i] = (n,)
         else:
-            shape = rng.choice(WAN_SHAPES)
-            docs[i] = torch.randn(4, *shape, generator=g)
-            extras[i] = torch.randn(5, 16, generator=g)
+            shape = rng.choice(SHAPES["wan" if kind in WAN_KINDS else kind])
+            grid = shape[1:] if kind == "flux" else shape
+            docs[i] = torch.randn(4, *grid, generator=g)
+            extras[i] = conditioning(kind, grid, g)
             shape_of[i] = shape
     data = Data(kind, docs, labels, {}, {}, shape_of)
     data.extras = extras
@@ -123,7 +159,32 @@ def item(data: Data, sid: int):
     """dataset[sid] as the adapter's collate takes it."""
     if data.kind in TEXT_KINDS:
         return data.docs[sid]
-    return {"latents": data.docs[sid], "encoder_hidden_states": data.extras[sid]}
+    return {"latents": data.docs[sid], **data.extras[sid]}
+
+
+def predict(model: nn.Module, kind: str, xt: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+    """The unmodified model's prediction for one sample (batch of 1), in the latents' layout,
+    called the way each diffusers pipeline calls it."""
+    c = {k: v[None] for k, v in cond.items()}
+    if kind in WAN_KINDS:
+        if "condition" in c:
+            xt = torch.cat([xt, c.pop("condition")], dim=1)
+        return model(xt, timestep=(t * 1000)[None], return_dict=False, **c)[0]
+    if kind == "ltx":  # patch 1: tokens are the latent positions in (F, H, W) order
+        f, h, w = xt.shape[2:]
+        tokens = xt.flatten(2).transpose(1, 2)
+        out = model(tokens, timestep=(t * 1000)[None], num_frames=f, height=h, width=w,
+                    rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False, **c)[0]
+        return out.transpose(1, 2).reshape(xt.shape)
+    if kind == "flux":  # 2 x 2 patches packed as diffusers' Flux pipeline packs them
+        _, ch, h, w = xt.shape
+        packed = xt.view(1, ch, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, -1, ch * 4)
+        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0),
+                                         indexing="ij"), -1).reshape(-1, 3)
+        out = model(packed, timestep=t[None], img_ids=ids, txt_ids=torch.zeros(c["encoder_hidden_states"].shape[1], 3),
+                    return_dict=False, **c)[0]
+        return out.view(1, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(xt.shape)
+    raise ValueError(kind)
 
 
 def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: int = 0):
@@ -142,8 +203,7 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
             x0 = data.docs[sid][None]
             noise = torch.randn(x0.shape[1:], generator=g)[None]
             xt = (1 - t) * x0 + t * noise
-            pred = model(xt, timestep=(t * 1000)[None], encoder_hidden_states=data.extras[sid][None],
-                         return_dict=False)[0]
+            pred = predict(model, data.kind, xt, t, data.extras[sid])
             se = (pred - (noise - x0)).pow(2).mean(1)
             losses.append(se.sum())
             count += se.numel()

@@ -12,6 +12,7 @@ name, whole on every rank of the group (the model shards its tokens itself).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,7 +59,7 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
                  inputs=lat, positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
                  loss_mask=torch.ones(b, *grid, dtype=torch.bool),
                  token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
-                 num_targets=(n,) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
+                 num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
                  frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
 
 
