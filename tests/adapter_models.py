@@ -126,12 +126,14 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
         return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
                 "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
     if kind == "wan22-i2v":
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "condition": torch.randn(4, *shape, generator=g)}
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "condition": torch.randn(4, *shape, generator=g)}
     if kind == "ltx":  # a text padding mask: the last 2 of 6 tokens are padding
         return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
                 "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0])}
     if kind == "flux":
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "pooled_projections": torch.randn(8, generator=g)}
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "pooled_projections": torch.randn(8, generator=g)}
     raise ValueError(kind)
 
 
