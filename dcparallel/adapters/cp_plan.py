@@ -109,14 +109,14 @@ def submodules(model: nn.Module, name: str) -> list[nn.Module]:
 
 
 def shard(x: Tensor, dim: int, batch: Any) -> Tensor:
-    """This rank's ``shard_len`` positions along ``dim`` of a whole ``seq_len`` sequence:
-    a slice, padded with zeros only where it runs past the real tokens (the shard is the
-    only copy)."""
+    """This rank's ``shard_len`` positions along ``dim`` of a whole ``seq_len`` sequence, a
+    copy of its own (a view would keep the whole tensor alive wherever a block saves it for
+    backward), padded with zeros only where it runs past the real tokens."""
     lo, n = batch.shard_start, batch.shard_len
     real = max(0, min(n, batch.seq_len - lo))
     part = x.narrow(dim, min(lo, x.shape[dim]), real)
     if real == n:
-        return part
+        return part.clone()
     shape = list(x.shape)
     shape[dim] = n - real
     return torch.cat([part, x.new_zeros(shape)], dim=dim)

@@ -193,4 +193,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                         loss_fn=loss_fn or flux_loss(guidance), sample=sample_fn or random_items(parts),
                         collate=lambda s, mb, ranks, rank: collate_latents(s, mb, ranks, rank, tokens=tokens,
                                                                           what="image"),
-                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install())
+                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
+                        skip_block=skip_block)
+
+
+def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):
+    """A Flux block skipped by the profiler: both streams unchanged, as the blocks return them."""
+    return encoder_hidden_states, hidden_states
