@@ -33,7 +33,7 @@ def test_example_adds_at_most_ten_lines(name):
                                       ("diffusers_ltx", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
                                       ("custom_model", {"NUM_SAMPLES": "120"})])
 def test_example_trains_under_torchrun(name, env, tmp_path):
-    pytest.importorskip("transformers" if name == "hf_llama" else "diffusers" if name.startswith("diffusers") else "torch")
+    pytest.importorskip({"hf_llama": "transformers", "custom_model": "torch"}.get(name, "diffusers"))
     run_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", OUT_DIR=str(tmp_path), **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLES / f"{name}.py")]

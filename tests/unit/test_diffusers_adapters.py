@@ -54,7 +54,8 @@ def test_family_adapters_profile_with_the_conditioning_each_model_needs(kind):
 def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_path):
     model = build(kind)
     shapes = {"flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4)],
-              "ltx": [(2, 3, 5), (1, 5, 5), (2, 3, 3), (1, 3, 3)]}.get(kind, [(2, 4, 6), (1, 4, 4), (3, 4, 4), (1, 6, 6)])
+              "ltx": [(2, 3, 5), (1, 5, 5), (2, 3, 3), (1, 3, 3)],
+              "wan22-i2v": [(2, 4, 6), (1, 4, 4), (3, 4, 4), (1, 6, 6)]}[kind]
     shapes = shapes * 3
     dc = DataCentricParallel(model, memory_bytes=2**30, context_tokens=5)
     data = [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]
