@@ -110,7 +110,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v")
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
@@ -120,7 +120,7 @@ WAN_SHAPES = SHAPES["wan"]
 
 def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tensor]:
     """A sample's conditioning as its dataset item carries it."""
-    if kind == "wan":
+    if kind in ("wan", "wan-ti2v"):
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
     if kind == "wan-i2v":  # diffusers' I2V attention takes the last 512 context tokens as text
         return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
@@ -164,10 +164,34 @@ def item(data: Data, sid: int):
     return {"latents": data.docs[sid], **data.extras[sid]}
 
 
+def ti2v_timesteps(t: Tensor, grid: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """Wan 2.2 TI2V's per-token timesteps for per-sample t (B,) on a latent grid: the first
+    latent frame clean (t = 0, the conditioning image). Returns (per-frame t (B, F) for the
+    noising, timesteps (B, N) x 1000 for the model, N = F x H/2 x W/2)."""
+    f, h, w = grid
+    per_frame = t[:, None].expand(-1, f).clone()
+    per_frame[:, 0] = 0.0
+    return per_frame, (per_frame[:, :, None] * 1000).expand(-1, f, (h // 2) * (w // 2)).reshape(len(t), -1)
+
+
+def wan_ti2v_loss(model: nn.Module, batch, ctx) -> Tensor:
+    """A user's Wan 2.2 TI2V step: per-token timesteps, flow matching on the noised latents."""
+    x0 = batch.inputs
+    t = torch.stack([torch.sigmoid(torch.randn((), generator=ctx.generator(s))) for s in batch.sample_ids])
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(s)) for s in batch.sample_ids])
+    per_frame, timestep = ti2v_timesteps(t, tuple(x0.shape[2:]))
+    tb = per_frame[:, None, :, None, None]
+    pred = model((1 - tb) * x0 + tb * noise, timestep=timestep,
+                 encoder_hidden_states=batch.extras["encoder_hidden_states"], return_dict=False)[0]
+    return ctx.dense_loss((pred - (noise - x0)).pow(2).mean(1))
+
+
 def predict(model: nn.Module, kind: str, xt: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
     """The unmodified model's prediction for one sample (batch of 1), in the latents' layout,
     called the way each diffusers pipeline calls it."""
     c = {k: v[None] for k, v in cond.items()}
+    if kind == "wan-ti2v":  # xt was noised per frame by the caller
+        return model(xt, timestep=ti2v_timesteps(t[None], tuple(xt.shape[2:]))[1], return_dict=False, **c)[0]
     if kind in WAN_KINDS:
         if "condition" in c:
             xt = torch.cat([xt, c.pop("condition")], dim=1)
@@ -204,7 +228,8 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
             t = torch.sigmoid(torch.randn((), generator=g))
             x0 = data.docs[sid][None]
             noise = torch.randn(x0.shape[1:], generator=g)[None]
-            xt = (1 - t) * x0 + t * noise
+            tb = ti2v_timesteps(t[None], x0.shape[2:])[0][:, None, :, None, None] if data.kind == "wan-ti2v" else t
+            xt = (1 - tb) * x0 + tb * noise
             pred = predict(model, data.kind, xt, t, data.extras[sid])
             se = (pred - (noise - x0)).pow(2).mean(1)
             losses.append(se.sum())

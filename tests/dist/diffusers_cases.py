@@ -11,26 +11,9 @@ from dcparallel.profile import Profiler, ProfilerConfig
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import ClusterSpec, Layout, Recompute
-from tests.adapter_models import build
+from tests.adapter_models import build, wan_ti2v_loss
 
 ODD = (5, 6, 6)  # latent frames x height x width: 5 x 3 x 3 = 45 tokens, odd at SP 2
-
-
-def ti2v_loss(model, batch, ctx):
-    """Wan 2.2 TI2V's training step as a user writes it: per-token timesteps (B, N), the
-    first latent frame clean (t = 0, the conditioning image), flow matching on the rest."""
-    x0 = batch.inputs
-    t = torch.stack([torch.sigmoid(torch.randn((), generator=ctx.generator(s))) for s in batch.sample_ids])
-    noise = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(s)) for s in batch.sample_ids])
-    per_frame = t[:, None].expand(-1, x0.shape[2]).clone()
-    per_frame[:, 0] = 0.0
-    tb = per_frame[:, None, :, None, None]
-    xt = (1 - tb) * x0 + tb * noise
-    f, h, w = x0.shape[2:]
-    timestep = (per_frame[:, :, None] * 1000).expand(-1, f, (h // 2) * (w // 2)).reshape(len(t), -1)
-    pred = model(xt, timestep=timestep, encoder_hidden_states=batch.extras["encoder_hidden_states"],
-                 return_dict=False)[0]
-    return ctx.dense_loss((pred - (noise - x0)).pow(2).mean(1)[:, 1:])
 
 
 def case_odd_length_memory() -> dict:
@@ -38,7 +21,7 @@ def case_odd_length_memory() -> dict:
     the measured saved activations and the planner's memory from that profile."""
     model = build("wan")
     dc = Engine(model, adapter=find_adapter(model, context_tokens=5))  # text: 5 tokens, replicated
-    make = adapter_inputs(model, dc.adapter, ti2v_loss, torch.device("cpu"))
+    make = adapter_inputs(model, dc.adapter, wan_ti2v_loss, torch.device("cpu"))
     cfg = ProfilerConfig(repeats=1, warmup=1, max_mbs=1, min_time_s=0.0, modes=("none",))
     profile, _ = Profiler(model, dc.layers, make, spec=dc.adapter.spec, config=cfg, engine=dc).run([ODD])
     measured = {e.sp: e.memory_bytes for e in profile.entries if e.feasible and e.mbs == 1}

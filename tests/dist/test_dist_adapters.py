@@ -1,10 +1,13 @@
 """Library models through their adapters on gloo (world 2 and 4): a transformers Llama with
 grouped-query attention (8 query, 2 key/value heads: SP 4 exceeds the key/value heads, so
-they are repeated), a transformers Qwen3 (per-head q/k norms, GQA), a diffusers
-WanTransformer3DModel (dense latents of mixed shapes, sequence sharded inside the model by
-hooks, Ulysses in its self-attention processor), and a user's own module following the
-protocol. Loss and every parameter's gradient after `sync_gradients()` equal a single
-process running the unmodified model one sample at a time.
+they are repeated), a transformers Qwen3 (per-head q/k norms, GQA), diffusers transformers
+on whole latents of mixed shapes and odd token counts, their sequence sharded inside the model
+by hooks applying the model's `_cp_plan`, Ulysses in their attention processors — Wan
+text-to-video, Wan 2.1 image-to-video (image embeddings), Wan 2.2 image-to-video (condition
+channels), Wan 2.2 TI2V (per-token timesteps from the user's loss), LTX-Video (masked text)
+and Flux (joint text + image attention, images of several aspect ratios) — and a user's own
+module following the protocol. Loss and every parameter's gradient after `sync_gradients()`
+equal a single process running the unmodified model one sample at a time.
 
 Tolerance: fp32 throughout; sharding reorders sums (attention per head group, loss and
 gradients over shards, ranks and micro-batches, packed vs separate documents), a few fp32
@@ -26,7 +29,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "ltx", "flux", "custom"])
+@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "ltx",
+                                  "flux", "custom"])
 def test_library_models_match_single_process_gradients(workers, kind):
     seeds, num_samples = [21, 22, 23, 24], 7
     out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)
