@@ -177,8 +177,9 @@ def ti2v_timesteps(t: Tensor, grid: tuple[int, int, int]) -> tuple[Tensor, Tenso
 def wan_ti2v_loss(model: nn.Module, batch, ctx) -> Tensor:
     """A user's Wan 2.2 TI2V step: per-token timesteps, flow matching on the noised latents."""
     x0 = batch.inputs
-    t = torch.stack([torch.sigmoid(torch.randn((), generator=ctx.generator(s))) for s in batch.sample_ids])
-    noise = torch.stack([torch.randn(x0.shape[1:], generator=ctx.generator(s)) for s in batch.sample_ids])
+    gens = [ctx.generator(s) for s in batch.sample_ids]  # one per sample: t, then its noise
+    t = torch.stack([torch.sigmoid(torch.randn((), generator=g)) for g in gens])
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
     per_frame, timestep = ti2v_timesteps(t, tuple(x0.shape[2:]))
     tb = per_frame[:, None, :, None, None]
     pred = model((1 - tb) * x0 + tb * noise, timestep=timestep,
