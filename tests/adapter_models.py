@@ -95,6 +95,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
                  "wan22-i2v": {"in_channels": 8}}.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
         cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
                    text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+        if kind == "chronoedit":  # Wan image-to-video with ChronoEdit's rotary tables (2 frames: temporal skip)
+            from diffusers import ChronoEditTransformer3DModel
+
+            return ChronoEditTransformer3DModel(**cfg, image_dim=12, added_kv_proj_dim=32,
+                                                rope_temporal_skip_len=4).float()
         return WanTransformer3DModel(**{**cfg, **extra}).float()
     if kind == "ltx":
         from diffusers import LTXVideoTransformer3DModel
@@ -110,7 +115,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v")
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
@@ -122,7 +127,7 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
     """A sample's conditioning as its dataset item carries it."""
     if kind in ("wan", "wan-ti2v"):
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
-    if kind == "wan-i2v":  # diffusers' I2V attention takes the last 512 context tokens as text
+    if kind in ("wan-i2v", "chronoedit"):  # diffusers' I2V attention takes the last 512 context tokens as text
         return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
                 "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
     if kind == "wan22-i2v":

@@ -14,7 +14,7 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
                  num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
     """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
     reference model, a Hugging Face causal LM, a diffusers transformer with an adapter
-    (Wan, LTX-Video, Flux; other diffusers models are refused with the reason), or any module
+    (Wan, ChronoEdit, LTX-Video, Flux; other diffusers models are refused with the reason), or any module
     following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
     ``num_kv_heads`` override what the adapter reads from the model."""
     if hasattr(model, "dcp_adapter"):

@@ -16,8 +16,8 @@ from typing import Any
 from torch import nn
 
 #: the diffusers transformers dcparallel drives, and their adapter modules
-SUPPORTED = "WanTransformer3DModel (adapters.wan), LTXVideoTransformer3DModel (adapters.ltx), " \
-            "FluxTransformer2DModel (adapters.flux)"
+SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), LTXVideoTransformer3DModel "
+             "(adapters.ltx), FluxTransformer2DModel (adapters.flux)")
 
 
 def matches(model: nn.Module) -> bool:

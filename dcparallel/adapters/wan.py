@@ -1,4 +1,5 @@
-"""diffusers' `WanTransformer3DModel` in all its configurations: Wan 2.1 / 2.2 text-to-video,
+"""diffusers' `WanTransformer3DModel` in all its configurations (and ChronoEdit's
+`ChronoEditTransformer3DModel`, Wan's image-to-video with other rotary tables): Wan 2.1 / 2.2 text-to-video,
 image-to-video with image embeddings (Wan 2.1 I2V and FLF2V: ``image_dim`` /
 ``added_kv_proj_dim``), with condition channels (Wan 2.2 I2V: ``in_channels`` = latent +
 condition channels), and per-token timesteps (Wan 2.2 TI2V, through the user's loss).
@@ -45,8 +46,12 @@ from dcparallel.spec import Size
 FULL = AttnPattern("full")
 
 
+#: Wan's blocks, attention processors and forward; ChronoEdit differs in its rotary tables only
+CLASSES = ("WanTransformer3DModel", "ChronoEditTransformer3DModel")
+
+
 def matches(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "WanTransformer3DModel"
+    return type(model).__module__.startswith("diffusers.") and type(model).__name__ in CLASSES
 
 
 def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -145,10 +150,11 @@ ACCEPTED = ("context_tokens", "image_tokens")
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 512, image_tokens: int | None = None,
             **unused: Any) -> ModelAdapter:
-    check_args("diffusers WanTransformer3DModel", unused, ACCEPTED)
+    who = type(model).__name__
+    check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
     if (cfg.added_kv_proj_dim is None) != (cfg.image_dim is None):
-        raise ValueError(f"WanTransformer3DModel with image_dim={cfg.image_dim} and added_kv_proj_dim="
+        raise ValueError(f"{who} with image_dim={cfg.image_dim} and added_kv_proj_dim="
                          f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
                          f"projections), text-to-video neither")
     if cfg.image_dim is not None and context_tokens != 512:
@@ -157,7 +163,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                          f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512")
     out_channels = cfg.out_channels or cfg.in_channels
     if cfg.in_channels < out_channels:
-        raise ValueError(f"WanTransformer3DModel with in_channels={cfg.in_channels} < out_channels={out_channels}: "
+        raise ValueError(f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
                          f"dcparallel's loss takes the output channels as the target and extra input channels "
                          f"as condition; pass loss_fn for another layout")
     image_tokens = image_tokens or cfg.pos_embed_seq_len or 257
