@@ -20,7 +20,7 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers' `WanTransformer3DModel`; any other module follows the small protocol of
+diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`); any other module follows the small protocol of
 `protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
 """
 
