@@ -21,7 +21,8 @@ model specs are). It says:
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
 diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`); any other
-module follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
+module follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``,
+``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations
