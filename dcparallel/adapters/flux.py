@@ -30,7 +30,14 @@ from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, count_params
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.latents import check_args, collate_latents, extras_as, flow_draws, random_items
+from dcparallel.adapters.latents import (
+    check_args,
+    collate_latents,
+    extras_as,
+    flow_draws,
+    random_items,
+    replace_processors,
+)
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern, default_kernel
 from dcparallel.runtime import comm
@@ -185,8 +192,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                 "pooled_projections": (cfg.pooled_projection_dim,)}
 
     def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn.set_processor(UlyssesFluxAttention(fn))
+        replace_processors([b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn),
+                           "FluxTransformer2DModel")
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,

@@ -104,3 +104,18 @@ def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -
     if unused:
         raise ValueError(f"{who} does not take {sorted(unused)}; its adapter takes {', '.join(accepted)} (besides "
                          f"layers, num_heads, loss_fn, sample_fn, name); leave the others out")
+
+
+def replace_processors(modules: list, default: str, make: Callable[[], Any], who: str) -> None:
+    """Gives every attention module a dcparallel processor (``make()``), after checking that
+    each still has diffusers' ``default`` processor: another one (an IP-adapter's, a custom
+    one) adds work that dcparallel's processor would silently drop."""
+    ours = type(make()).__name__  # installed before (a model driven again): replaced alike
+    odd = sorted({type(m.processor).__name__ for m in modules} - {default, ours})
+    if odd:
+        raise ValueError(f"{who}'s attention modules use {', '.join(odd)}, not diffusers' {default}: dcparallel "
+                         f"replaces the default processor with its Ulysses one and would drop what those add "
+                         f"(IP-adapter or custom attention); restore the default (model.set_default_attn_processor() "
+                         f"or unload the adapter) or pass your own adapter")
+    for m in modules:
+        m.set_processor(make())

@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, derive_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.latents import check_args, collate_latents, extras_as, flow_draws, random_items
+from dcparallel.adapters.latents import (
+    check_args,
+    collate_latents,
+    extras_as,
+    flow_draws,
+    random_items,
+    replace_processors,
+)
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern
 from dcparallel.spec import Size
@@ -132,8 +139,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         return {"latents": (channels, *size), "encoder_hidden_states": (context_tokens, cfg.caption_channels)}
 
     def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn1.set_processor(UlyssesLTXSelfAttention(fn))
+        replace_processors([b.attn1 for b in blocks], "LTXVideoAttnProcessor", lambda: UlyssesLTXSelfAttention(fn),
+                           "LTXVideoTransformer3DModel")
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,

@@ -38,7 +38,14 @@ from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, derive_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.latents import check_args, collate_latents, extras_as, flow_draws, random_items
+from dcparallel.adapters.latents import (
+    check_args,
+    collate_latents,
+    extras_as,
+    flow_draws,
+    random_items,
+    replace_processors,
+)
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern
 from dcparallel.spec import Size
@@ -181,8 +188,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        spatial_patch=ph)
 
     def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn1.set_processor(UlyssesWanSelfAttention(fn))
+        replace_processors([b.attn1 for b in blocks], "WanAttnProcessor", lambda: UlyssesWanSelfAttention(fn), who)
 
     def collate(samples, mb, ranks, rank):
         return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, ph, pw)))

@@ -117,3 +117,17 @@ def test_image_to_video_wan_needs_512_text_tokens_and_both_image_settings():
                                  text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, image_dim=12)
     with pytest.raises(ValueError, match=r"image_dim=12 and added_kv_proj_dim=None: image-to-video needs both"):
         find_adapter(half)
+
+
+def test_a_processor_other_than_diffusers_default_is_refused_not_replaced():
+    """An IP-adapter's processor adds image-prompt attention: swapping in dcparallel's
+    processor would drop it silently, so the model is refused and left as it was."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    model = build("flux")
+    model.transformer_blocks[0].attn.set_processor(FluxIPAdapterAttnProcessor(32, 32))
+    with pytest.raises(ValueError, match=r"FluxTransformer2DModel's attention modules use FluxIPAdapterAttnProcessor, "
+                                         r"not diffusers' FluxAttnProcessor.*set_default_attn_processor"):
+        Engine(model)
+    assert {type(p).__name__ for p in model.attn_processors.values()} == {"FluxIPAdapterAttnProcessor",
+                                                                          "FluxAttnProcessor"}
