@@ -91,16 +91,58 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return TinyGQA()
     if kind in hf_families.KINDS:
         return hf_families.build(kind, seed)
-    if kind == "wan":
+    if kind in WAN_KINDS:
         from diffusers import WanTransformer3DModel
 
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
-                                     out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
-                                     rope_max_seq_len=32).float()
+        extra = {"wan-i2v": {"image_dim": 12, "added_kv_proj_dim": 32},  # Wan 2.1 I2V: image embeddings
+                 "wan22-i2v": {"in_channels": 8}}.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
+        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+        if kind == "chronoedit":  # Wan image-to-video with ChronoEdit's rotary tables (2 frames: temporal skip)
+            from diffusers import ChronoEditTransformer3DModel
+
+            return ChronoEditTransformer3DModel(**cfg, image_dim=12, added_kv_proj_dim=32,
+                                                rope_temporal_skip_len=4).float()
+        return WanTransformer3DModel(**{**cfg, **extra}).float()
+    if kind == "ltx":
+        from diffusers import LTXVideoTransformer3DModel
+
+        return LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                          cross_attention_dim=32, num_layers=2, caption_channels=16).float()
+    if kind == "flux":  # one double-stream and two single-stream blocks; 4 latent channels packed 2 x 2
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                      attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+                                      pooled_projection_dim=8, guidance_embeds=False, axes_dims_rope=(2, 2, 4)).float()
     raise ValueError(kind)
 
 
-WAN_SHAPES = [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)]  # latent (frames, height, width), odd token counts at SP 4
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit")
+#: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
+SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
+          "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
+          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 6, 6), (1, 4, 14)]}  # images: 15, 15, 16, 9, 14 tokens
+WAN_SHAPES = SHAPES["wan"]
+
+
+def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tensor]:
+    """A sample's conditioning as its dataset item carries it."""
+    if kind in ("wan", "wan-ti2v"):
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
+    if kind in ("wan-i2v", "chronoedit"):  # diffusers' I2V attention takes the last 512 context tokens as text
+        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
+                "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
+    if kind == "wan22-i2v":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "ltx":  # a text padding mask: the last 2 of 6 tokens are padding
+        return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
+                "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0])}
+    if kind == "flux":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "pooled_projections": torch.randn(8, generator=g)}
+    raise ValueError(kind)
 
 
 def make_data(kind: str, num_samples: int, seed: int) -> Data:
@@ -113,9 +155,10 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
             docs[i] = torch.randint(0, VOCAB, (n,), generator=g)
             shape_of[i] = (n,)
         else:
-            shape = rng.choice(WAN_SHAPES)
-            docs[i] = torch.randn(4, *shape, generator=g)
-            extras[i] = torch.randn(5, 16, generator=g)
+            shape = rng.choice(SHAPES["wan" if kind in WAN_KINDS else kind])
+            grid = shape[1:] if kind == "flux" else shape
+            docs[i] = torch.randn(4, *grid, generator=g)
+            extras[i] = conditioning(kind, grid, g)
             shape_of[i] = shape
     data = Data(kind, docs, labels, {}, {}, shape_of)
     data.extras = extras
@@ -126,7 +169,57 @@ def item(data: Data, sid: int):
     """dataset[sid] as the adapter's collate takes it."""
     if data.kind in TEXT_KINDS:
         return data.docs[sid]
-    return {"latents": data.docs[sid], "encoder_hidden_states": data.extras[sid]}
+    return {"latents": data.docs[sid], **data.extras[sid]}
+
+
+def ti2v_timesteps(t: Tensor, grid: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
+    """Wan 2.2 TI2V's per-token timesteps for per-sample t (B,) on a latent grid: the first
+    latent frame clean (t = 0, the conditioning image). Returns (per-frame t (B, F) for the
+    noising, timesteps (B, N) x 1000 for the model, N = F x H/2 x W/2)."""
+    f, h, w = grid
+    per_frame = t[:, None].expand(-1, f).clone()
+    per_frame[:, 0] = 0.0
+    return per_frame, (per_frame[:, :, None] * 1000).expand(-1, f, (h // 2) * (w // 2)).reshape(len(t), -1)
+
+
+def wan_ti2v_loss(model: nn.Module, batch, ctx) -> Tensor:
+    """A user's Wan 2.2 TI2V step: per-token timesteps, flow matching on the noised latents."""
+    x0 = batch.inputs
+    gens = [ctx.generator(s) for s in batch.sample_ids]  # one per sample: t, then its noise
+    t = torch.stack([torch.sigmoid(torch.randn((), generator=g)) for g in gens])
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
+    per_frame, timestep = ti2v_timesteps(t, tuple(x0.shape[2:]))
+    tb = per_frame[:, None, :, None, None]
+    pred = model((1 - tb) * x0 + tb * noise, timestep=timestep,
+                 encoder_hidden_states=batch.extras["encoder_hidden_states"], return_dict=False)[0]
+    return ctx.dense_loss((pred - (noise - x0)).pow(2).mean(1))
+
+
+def predict(model: nn.Module, kind: str, xt: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+    """The unmodified model's prediction for one sample (batch of 1), in the latents' layout,
+    called the way each diffusers pipeline calls it."""
+    c = {k: v[None] for k, v in cond.items()}
+    if kind == "wan-ti2v":  # xt was noised per frame by the caller
+        return model(xt, timestep=ti2v_timesteps(t[None], tuple(xt.shape[2:]))[1], return_dict=False, **c)[0]
+    if kind in WAN_KINDS:
+        if "condition" in c:
+            xt = torch.cat([xt, c.pop("condition")], dim=1)
+        return model(xt, timestep=(t * 1000)[None], return_dict=False, **c)[0]
+    if kind == "ltx":  # patch 1: tokens are the latent positions in (F, H, W) order
+        f, h, w = xt.shape[2:]
+        tokens = xt.flatten(2).transpose(1, 2)
+        out = model(tokens, timestep=(t * 1000)[None], num_frames=f, height=h, width=w,
+                    rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False, **c)[0]
+        return out.transpose(1, 2).reshape(xt.shape)
+    if kind == "flux":  # 2 x 2 patches packed as diffusers' Flux pipeline packs them
+        _, ch, h, w = xt.shape
+        packed = xt.view(1, ch, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, -1, ch * 4)
+        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0),
+                                         indexing="ij"), -1).reshape(-1, 3)
+        out = model(packed, timestep=t[None], img_ids=ids, txt_ids=torch.zeros(c["encoder_hidden_states"].shape[1], 3),
+                    return_dict=False, **c)[0]
+        return out.view(1, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(xt.shape)
+    raise ValueError(kind)
 
 
 def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: int = 0):
@@ -144,9 +237,9 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
             t = torch.sigmoid(torch.randn((), generator=g))
             x0 = data.docs[sid][None]
             noise = torch.randn(x0.shape[1:], generator=g)[None]
-            xt = (1 - t) * x0 + t * noise
-            pred = model(xt, timestep=(t * 1000)[None], encoder_hidden_states=data.extras[sid][None],
-                         return_dict=False)[0]
+            tb = ti2v_timesteps(t[None], x0.shape[2:])[0][:, None, :, None, None] if data.kind == "wan-ti2v" else t
+            xt = (1 - tb) * x0 + tb * noise
+            pred = predict(model, data.kind, xt, t, data.extras[sid])
             se = (pred - (noise - x0)).pow(2).mean(1)
             losses.append(se.sum())
             count += se.numel()
@@ -162,6 +255,11 @@ DIT_MIX = [(17, 60, 64), (17, 64, 64), (17, 64, 50), (1, 40, 56), (1, 48, 48), (
            (20, 48, 64), (1, 40, 50), (17, 50, 64)]
 #: latent shapes (frames, height, width) for Wan: odd and even sizes, several per token count
 WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3, 6, 4), (1, 4, 4)]
+#: LTX-Video latent shapes (patch 1: one token per position) and Flux latent images (1, H, W):
+#: mixed resolutions and aspect ratios, several shapes per token count
+MIXES = {"wan": WAN_MIX, "wan22-i2v": WAN_MIX,
+         "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
+         "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)]}
 
 
 class VideoSet:

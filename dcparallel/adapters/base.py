@@ -20,8 +20,9 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers' `WanTransformer3DModel`; any other module follows the small protocol of
-`protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
+diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`); any other
+module follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``,
+``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class ModelAdapter:
     install_hooks: Callable[[Any], list[Any]] | None = None
     """``install_hooks(attention)`` -> hook handles: shards and gathers the token sequence
     inside a model that takes whole samples (``Batch.sharded`` is False for its batches)"""
+    skip_block: Callable[..., Any] | None = None
+    """what a block returns when the profiler skips it (depth-limited runs), called with the
+    block's arguments; None: its hidden state (first argument or ``hidden_states=``)"""
 
     def __post_init__(self) -> None:
         self.blocks = list(self.blocks)
@@ -151,11 +155,20 @@ def random_tokens(vocab: int, seed: int = 0) -> SampleFn:
     return sample
 
 
+#: model-protocol arguments that only some families take, and which
+FAMILY_ARGS = {
+    "context_tokens": "diffusers video/image transformers (Wan, LTX-Video, Flux)",
+    "image_tokens": "diffusers WanTransformer3DModel (image-to-video)",
+    "rope_interpolation_scale": "diffusers LTXVideoTransformer3DModel",
+    "guidance": "diffusers FluxTransformer2DModel",
+}
+
+
 def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
                      num_kv_heads: int | None = None, kind: str = "text", attention: str | None = None,
                      hidden: int | None = None, ffn_hidden: int | None = None, blocks_per_layer: int = 1,
                      loss_fn: LossFn | None = None, sample_fn: SampleFn | None = None, collate: Any = "auto",
-                     name: str | None = None) -> ModelAdapter:
+                     name: str | None = None, **family_args: Any) -> ModelAdapter:
     """Any `nn.Module` that follows the small protocol:
 
     * ``model.set_attention(fn)`` installs the attention function every block calls as
@@ -171,6 +184,12 @@ def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = N
       pass ``sample_fn(size, index)``.
     """
     who = type(model).__name__
+    if family_args:
+        meant = {k: FAMILY_ARGS.get(k, "no adapter of dcparallel") for k in sorted(family_args)}
+        raise ValueError(f"{who} follows dcparallel's model protocol, which takes no "
+                         + ", ".join(f"{k}= (an argument of {v})" for k, v in meant.items())
+                         + "; leave it out, or give the protocol's own arguments (layers, num_heads, num_kv_heads, "
+                           "kind, attention, hidden, ffn_hidden, blocks_per_layer, loss_fn, sample_fn, collate, name)")
     missing = []
     if not hasattr(model, "set_attention"):
         missing.append("set_attention(fn): a method that installs the attention function every block calls "

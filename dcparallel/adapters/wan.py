@@ -1,48 +1,64 @@
-"""diffusers' `WanTransformer3DModel` (Wan 2.1 / 2.2 text-to-video): full 3D self-attention
-over frames x height x width patches, cross-attention to text embeddings.
+"""diffusers' `WanTransformer3DModel` in all its configurations (and ChronoEdit's
+`ChronoEditTransformer3DModel`, Wan's image-to-video with other rotary tables): Wan 2.1 / 2.2 text-to-video,
+image-to-video with image embeddings (Wan 2.1 I2V and FLF2V: ``image_dim`` /
+``added_kv_proj_dim``), with condition channels (Wan 2.2 I2V: ``in_channels`` = latent +
+condition channels), and per-token timesteps (Wan 2.2 TI2V, through the user's loss).
 
 The model takes whole latents (B, C, F, H, W) and patchifies them itself, so every rank of
 an SP group loads the whole samples (``Batch.sharded`` is False) and the token sequence is
-sharded inside the model, through module hooks (nothing of diffusers is patched):
+sharded inside the model by the model's own context-parallel plan (``_cp_plan``), applied
+by dcparallel's hooks (`adapters.cp_plan`): the rotary tables are cut after ``rope``, the
+hidden states before the first block, per-token timesteps (B, N) at the model's input (so
+their embeddings are computed for this rank's tokens only), and the output projection's
+tokens gathered (padding dropped) before unpatchify. Attention:
 
-* before each block: whatever of the hidden states (B, N, C), the rotary tables (1, N, 1, D)
-  and per-token timestep embeddings (Wan 2.2 TI2V) is still whole is padded to the batch's
-  ``padded_len`` and cut to this rank's ``shard_len`` tokens;
 * each block's self-attention (``attn1``) runs through `UlyssesWanSelfAttention`, an
-  attention processor (diffusers' supported seam, `set_processor`): projections, q/k RMS
-  norms and rotary per token, then the runtime's Ulysses attention over the whole sequence;
-  cross-attention (``attn2``) keeps diffusers' processor: its queries are this rank's tokens,
-  its keys the replicated text, so it needs no communication;
-* before the output norm: the shards are all-gathered (padding dropped), and the output
-  layer and unpatchify run on the whole sequence on every rank of the group; the loss
-  helper `MicroBatchContext.dense_loss` counts each position 1/sp times per rank, so the
-  group counts it once and the gather's backward (an all-reduce) gives exact gradients.
+  attention processor (diffusers' seam, `set_processor`): projections, q/k RMS norms and
+  rotary per token, then the runtime's Ulysses attention over the whole sequence;
+* cross-attention (``attn2``) keeps diffusers' processor: its queries are this rank's
+  tokens, its keys the text (and image embeddings), whole on every rank — no exchange.
 
 Sample sizes are latent shapes (frames, height, width) — the VAE's output, before the
 transformer's (1, 2, 2) patches — and a micro-batch holds samples of one shape (stacked).
-Dataset items are ``{"latents": (C, F, H, W), "encoder_hidden_states": (T, text_dim)}``.
+Dataset items: ``{"latents": (C_out, F, H, W), "encoder_hidden_states": (T, text_dim)}``
+plus ``"encoder_hidden_states_image": (I, image_dim)`` when the model has ``image_dim``
+and ``"condition": (C_in - C_out, F, H, W)`` when it has more input than output channels
+(the default loss feeds ``cat([noisy latents, condition])`` and takes the output channels
+as the target). diffusers' image-to-video processor takes the last 512 text tokens as text
+and the rest as image tokens, so image-conditioned Wan needs 512 text tokens per sample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, derive_spec
+from dcparallel.adapters.cp_plan import PlanHooks, read_plan
+from dcparallel.adapters.latents import (
+    check_args,
+    collate_latents,
+    extras_as,
+    flow_draws,
+    random_items,
+    replace_processors,
+)
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern
-from dcparallel.plan.types import MicroBatch
-from dcparallel.runtime import comm
 from dcparallel.spec import Size
 
 FULL = AttnPattern("full")
 
 
+#: Wan's blocks, attention processors and forward; ChronoEdit differs in its rotary tables only
+CLASSES = ("WanTransformer3DModel", "ChronoEditTransformer3DModel")
+
+
 def matches(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "WanTransformer3DModel"
+    return type(model).__module__.startswith("diffusers.") and type(model).__name__ in CLASSES
 
 
 def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -78,130 +94,86 @@ class UlyssesWanSelfAttention:
         return attn.to_out[1](out)
 
 
-def _shard(x: Tensor, batch: Batch, dim: int = 1) -> Tensor:
-    """This rank's ``shard_len`` positions along ``dim`` of the padded sequence."""
-    pad = batch.padded_len - x.shape[dim]
-    if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    return x.narrow(dim, batch.shard_start, batch.shard_len)
-
-
-def _sharding(attention: Any) -> tuple[Any, Batch] | None:
-    a = attention.state()
-    if a is None or a.batch is None or a.batch.sharded or comm.group_size(a.group) == 1:
-        return None
-    return a.group, a.batch
-
-
 def install_hooks(model: nn.Module, attention: Any) -> list[Any]:
-    def shard_inputs(block: nn.Module, args: tuple, kwargs: dict):
-        # every block gets the model's whole rotary tables (and per-token timestep embeddings);
-        # the first block also the whole hidden states: cut whatever is still whole
-        active = _sharding(attention)
-        if active is None:
-            return None
-        _, batch = active
-        cut = lambda x: _shard(x, batch) if x.shape[1] == batch.seq_len else x
-        hidden, context, temb, rotary = args
-        if temb.ndim == 4:  # per-token timestep embeddings (Wan 2.2 TI2V): (B, N, 6, C)
-            temb = cut(temb)
-        return (cut(hidden), context, temb, tuple(cut(r) for r in rotary)), kwargs
-
-    def gather_outputs(norm: nn.Module, args: tuple):
-        active = _sharding(attention)
-        if active is None:
-            return None
-        group, batch = active
-        return (comm.gather_seq(args[0], group, dim=1)[:, : batch.seq_len],)
-
-    return [*(b.register_forward_pre_hook(shard_inputs, with_kwargs=True) for b in model.blocks),
-            model.norm_out.register_forward_pre_hook(gather_outputs)]
+    """The model's context-parallel plan as dcparallel hooks (text and image embeddings whole)."""
+    return PlanHooks(model, read_plan(model), attention).install()
 
 
-# ---------------------------------------------------------------- data
+def patch_tokens(patch: tuple[int, int, int]):
+    def tokens(grid: tuple[int, ...]) -> int:
+        if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
+            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
+                             f"crop or pad the latents")
+        return math.prod(g // p for g, p in zip(grid, patch, strict=True))
 
-
-def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
-                    patch: tuple[int, int, int]) -> Batch:
-    """Stacks same-shape latents (and their text embeddings) whole on every rank of the group;
-    the model shards the tokens itself."""
-    ranks = tuple(ranks)
-    if rank not in ranks or mb.layout.sp != len(ranks):
-        raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
-    lat, ctx = [], []
-    for sid in mb.sample_ids:
-        s = samples[sid]
-        if not isinstance(s, Mapping) or "latents" not in s:
-            raise ValueError(f"video sample {sid} must be a mapping with 'latents' (C, frames, height, width) and "
-                             f"'encoder_hidden_states' (text tokens, text_dim); got {type(s).__name__}")
-        lat.append(torch.as_tensor(s["latents"]))
-        if s.get("encoder_hidden_states") is not None:
-            ctx.append(torch.as_tensor(s["encoder_hidden_states"]))
-    shapes = {tuple(x.shape) for x in lat}
-    if len(shapes) != 1 or any(x.dim() != 4 for x in lat):
-        raise ValueError(f"samples {mb.sample_ids} of one micro-batch must be latents of one shape (C, F, H, W); got "
-                         f"{sorted(shapes)}")
-    if ctx and (len(ctx) != len(lat) or len({tuple(c.shape) for c in ctx}) != 1):
-        raise ValueError(f"samples {mb.sample_ids}: give every sample encoder_hidden_states of one shape")
-    c, f, h, w = lat[0].shape
-    pt, ph, pw = patch
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape {(f, h, w)} is not divisible by the patch {patch}; crop or pad the latents")
-    n = (f // pt) * (h // ph) * (w // pw)
-    sp = len(ranks)
-    b = len(lat)
-    return Batch(sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=ranks, rank_in_group=ranks.index(rank),
-                 inputs=torch.stack(lat), positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
-                 loss_mask=torch.ones(b, f, h, w, dtype=torch.bool),
-                 token_sample=torch.arange(b)[:, None, None, None].expand(b, f, h, w),
-                 num_targets=(f * h * w,) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
-                 frames=f // pt, sharded=False,
-                 extras={"encoder_hidden_states": torch.stack(ctx)} if ctx else {})
+    return tokens
 
 
 def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified-flow training of Wan: per sample a timestep t (logit-normal) and noise from
-    its own generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared
-    error over channels per latent position."""
+    its own generator; x_t = (1 - t) x0 + t noise (condition channels, if any, appended
+    clean), target velocity noise - x0, mean squared error over the output channels per
+    latent position."""
     dtype = next(model.parameters()).dtype  # bf16 models take bf16 latents; the loss is fp32
     x0 = batch.inputs.to(dtype)
-    ts, noises = [], []
-    for sid in batch.sample_ids:
-        g = ctx.generator(sid)
-        ts.append(torch.sigmoid(torch.randn((), generator=g)))
-        noises.append(torch.randn(x0.shape[1:], generator=g))
-    t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
-    noise = torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
+    cfg = model.config
+    if x0.shape[1] != (cfg.out_channels or cfg.in_channels):
+        raise ValueError(f"latents have {x0.shape[1]} channels but the model predicts {cfg.out_channels}; give "
+                         f"'latents' the target channels (and extra input channels as 'condition')")
+    t, noise = flow_draws(batch, ctx, x0)
     tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
     xt = (1 - tb) * x0 + tb * noise
-    pred = model(xt, timestep=t * 1000, encoder_hidden_states=batch.extras["encoder_hidden_states"].to(dtype),
-                 return_dict=False)[0]
+    cond = extras_as(batch, dtype, "condition", "encoder_hidden_states", "encoder_hidden_states_image")
+    if "condition" in cond:
+        xt = torch.cat([xt, cond.pop("condition")], dim=1)
+    pred = model(xt, timestep=t * 1000, return_dict=False, **cond)[0]
     return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
+def item_parts(model: nn.Module, context_tokens: int, image_tokens: int):
+    """The shape of each tensor of a Wan dataset item of a latent size."""
     cfg = model.config
+    out = cfg.out_channels or cfg.in_channels
 
-    def sample(size: Size, index: int) -> dict:
-        if not isinstance(size, tuple):
-            raise ValueError(f"a video model takes latent (frames, height, width) sample sizes; got {size!r}")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {"latents": torch.randn(cfg.in_channels, *size, generator=g),
-                "encoder_hidden_states": torch.randn(context_tokens, cfg.text_dim, generator=g)}
+    def parts(size: Size) -> dict[str, tuple[int, ...]]:
+        p = {"latents": (out, *size), "encoder_hidden_states": (context_tokens, cfg.text_dim)}
+        if cfg.in_channels > out:
+            p["condition"] = (cfg.in_channels - out, *size)
+        if cfg.image_dim is not None:
+            p["encoder_hidden_states_image"] = (image_tokens, cfg.image_dim)
+        return p
 
-    return sample
+    return parts
+
+
+def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0, image_tokens: int = 257):
+    """Synthetic Wan items of a latent size, with the conditioning the model takes."""
+    return random_items(item_parts(model, context_tokens, image_tokens), seed)
+
+
+ACCEPTED = ("context_tokens", "image_tokens")
 
 
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 512, **unused: Any) -> ModelAdapter:
-    if unused:
-        raise ValueError(f"unexpected arguments for a diffusers Wan model: {sorted(unused)}")
+            name: str | None = None, context_tokens: int = 512, image_tokens: int | None = None,
+            **unused: Any) -> ModelAdapter:
+    who = type(model).__name__
+    check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
-    if cfg.added_kv_proj_dim is not None or cfg.image_dim is not None:
-        raise ValueError("image-conditioned Wan (I2V: added_kv_proj_dim / image_dim) is not supported yet; use a "
-                         "text-to-video configuration")
+    if (cfg.added_kv_proj_dim is None) != (cfg.image_dim is None):
+        raise ValueError(f"{who} with image_dim={cfg.image_dim} and added_kv_proj_dim="
+                         f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
+                         f"projections), text-to-video neither")
+    if cfg.image_dim is not None and context_tokens != 512:
+        raise ValueError(f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
+                         f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
+                         f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512")
+    out_channels = cfg.out_channels or cfg.in_channels
+    if cfg.in_channels < out_channels:
+        raise ValueError(f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
+                         f"dcparallel's loss takes the output channels as the target and extra input channels "
+                         f"as condition; pass loss_fn for another layout")
+    image_tokens = image_tokens or cfg.pos_embed_seq_len or 257
     blocks = list(layers) if layers is not None else list(model.blocks)
     heads = num_heads or cfg.num_attention_heads
     pt, ph, pw = cfg.patch_size
@@ -212,17 +184,18 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     spec = derive_spec(model, blocks, name=name or f"wan-h{heads * cfg.attention_head_dim}-l{len(blocks)}",
                        kind="video", hidden=heads * cfg.attention_head_dim, num_heads=heads, ffn_hidden=cfg.ffn_dim,
                        attention="full", attn_modules=attn_modules, mlp_modules=mlp_modules,
-                       context_tokens=context_tokens, t_num=1, t_den=pt, spatial_patch=ph)
+                       context_tokens=context_tokens + (image_tokens if cfg.image_dim else 0), t_num=1, t_den=pt,
+                       spatial_patch=ph)
 
     def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn1.set_processor(UlyssesWanSelfAttention(fn))
+        replace_processors([b.attn1 for b in blocks], "WanAttnProcessor", lambda: UlyssesWanSelfAttention(fn), who)
 
     def collate(samples, mb, ranks, rank):
-        return collate_latents(samples, mb, ranks, rank, patch=(pt, ph, pw))
+        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, ph, pw)))
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or wan_flow_loss, sample=sample_fn or latent_samples(model, context_tokens),
+                        loss_fn=loss_fn or wan_flow_loss,
+                        sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens),
                         collate=collate, install_hooks=lambda attention: install_hooks(model, attention))
 

@@ -12,8 +12,10 @@ under its column name. Sizes come from the frames / height / width columns or, w
 lacks them, from the latent file's header (a safetensors header is read without the data; a
 ``.pt`` file is memory-mapped); every file's header is checked against the manifest before
 training. Items: ``{"latents": (C, F, H, W), "encoder_hidden_states": (T, D), **extras}``;
-the Wan adapter's collate takes text-to-video inputs (latents and text) only, so extra
-columns need a collate of the user's own (``prepare(..., collate=fn)``) that uses them.
+the diffusers adapters' collate stacks every key into ``Batch.extras``, and a model's default
+loss passes the conditioning the model takes (e.g. Wan image-to-video's
+``encoder_hidden_states_image`` or ``condition``: name the columns so) and refuses any other
+key; a column for something else needs a ``loss_fn`` of the user's own that uses it.
 A file holding several tensors names the one to use by the column (or "latents" /
 "text_embeddings" / "encoder_hidden_states").
 """

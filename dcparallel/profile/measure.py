@@ -47,16 +47,21 @@ def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2)
 
 
 @contextlib.contextmanager
-def active_depth(layers: Sequence[nn.Module], depth: int) -> Iterator[None]:
-    """Runs only ``layers[:depth]``: every later layer passes its first argument (the hidden
-    state) through unchanged until the block exits. Layers must be residual blocks whose
-    forward takes the hidden state first and returns the new hidden state."""
+def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable | None = None) -> Iterator[None]:
+    """Runs only ``layers[:depth]``: every later layer passes its hidden state (its first
+    argument, or its ``hidden_states`` keyword) through unchanged until the block exits.
+    Layers must be residual blocks that return the new hidden state, or pass ``skip(*args,
+    **kwargs)``: what a skipped block returns (e.g. a block that returns a tuple of streams)."""
     if not 1 <= depth <= len(layers):
         raise ValueError(f"depth {depth} is outside 1..{len(layers)} (the number of layers)")
     saved: list[tuple[nn.Module, object]] = []
 
-    def passthrough(x, *args, **kwargs):
-        return x
+    def passthrough(*args, **kwargs):
+        if skip is not None:
+            return skip(*args, **kwargs)
+        if args:
+            return args[0]
+        return kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))
 
     passthrough.skips_block = True  # the engine's attention check does not count a skipped block as run
     try:

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
-from tests.adapter_models import build, item, make_data
+from dcparallel.adapters import find_adapter
+from tests.adapter_models import build, item, make_data, wan_ti2v_loss
 from tests.support import random_plan
 
 
@@ -17,7 +18,12 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build(kind)
     # the user's own module names its heads (the protocol); library models are read
-    dc = Engine(model, **({"num_heads": 4, "num_kv_heads": 2} if kind == "custom" else {}))
+    if kind == "custom":
+        dc = Engine(model, num_heads=4, num_kv_heads=2)
+    elif kind == "wan-ti2v":  # Wan 2.2 TI2V: the user's loss gives per-token timesteps
+        dc = Engine(model, adapter=find_adapter(model, loss_fn=wan_ti2v_loss))
+    else:
+        dc = Engine(model)
     collate = dc.adapter.collate
     if isinstance(collate, str):
         from dcparallel.data.collate import resolve_collate

@@ -1,7 +1,9 @@
 """A video dataset of mixed resolutions and frame counts that are not bucket-exact trains a
 whole epoch under every policy at world 2, through the public API (profile, plan, load,
-train), for the reference DiT (factorized attention) and diffusers' Wan: lossless — every
-sample exactly once — and every micro-batch stacks samples of one latent shape."""
+train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video and
+Wan 2.2 image-to-video with condition channels), LTX-Video and Flux (images of many aspect
+ratios): lossless — every sample exactly once — and every micro-batch stacks samples of one
+latent shape."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import pytest
 
 from dcparallel.plan.policies import ALL
-from tests.adapter_models import DIT_MIX, WAN_MIX
+from tests.adapter_models import DIT_MIX, MIXES
 from tests.dist import video_cases
 from tests.dist.harness import Workers
 
@@ -24,11 +26,11 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["dit", "wan"])
+@pytest.mark.parametrize("kind", ["dit", "wan", "wan22-i2v", "ltx", "flux"])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
-    shapes = (DIT_MIX if kind == "dit" else WAN_MIX) * 3
+    shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 3
     for policy in ALL:
         runs = {}
         for per_rank in out:
@@ -39,7 +41,7 @@ def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_pa
         trained = sorted(s for (_, _, sids) in runs for s in sids)
         assert trained == list(range(len(shapes))), (policy, trained)
         for (_, _, sids) in runs:
-            if kind == "wan":
+            if kind != "dit":
                 assert len({shapes[s] for s in sids}) == 1, (policy, [shapes[s] for s in sids])
             else:  # the reference DiT's latent grid: Open-Sora's rule, 16-pixel patches
                 grids = {(1 if shapes[s][0] == 1 else shapes[s][0] * 5 // 17, math.ceil(shapes[s][1] / 16),

@@ -1,0 +1,209 @@
+"""diffusers' `FluxTransformer2DModel` (Flux.1) on images of many resolutions and aspect
+ratios: joint attention over text and image tokens in every block (double-stream blocks
+project text and image apart, single-stream blocks carry them concatenated).
+
+Every rank of an SP group loads the whole images; the model's context-parallel plan
+(``_cp_plan``), applied by dcparallel's hooks (`adapters.cp_plan`), shards the image tokens
+and their position ids at the model's input and gathers the output projection. The plan
+also splits the text and its ids; dcparallel keeps the text whole on every rank, so each
+rank holds [all T text tokens, its shard of the image tokens] and the rotary tables the
+model computes from ``cat(txt_ids, img_ids)`` line up with them. `joint_attention`
+exchanges only the image tokens: an all-to-all gives every rank the whole image for its
+H/sp heads, the text's own heads are a slice of the replicated text, attention runs over
+[text, image] (image padding masked), the image output returns by the inverse all-to-all
+and the text output is all-gathered over heads (its backward sums the group's partial
+gradients of the replicated text stream, as the engine's gather does for the output).
+
+Sample sizes are latent shapes (1, height, width); the default loss packs latents (C, H, W)
+into 2 x 2 patches the way diffusers' Flux pipeline does. Dataset items: ``{"latents":
+(C, H, W), "encoder_hidden_states": (T, joint_attention_dim), "pooled_projections":
+(pooled_projection_dim,)}``. Guidance-distilled configurations (``guidance_embeds``) take a
+fixed ``guidance`` scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dcparallel.adapters.base import ModelAdapter, count_params
+from dcparallel.adapters.cp_plan import PlanHooks, read_plan
+from dcparallel.adapters.latents import (
+    check_args,
+    collate_latents,
+    extras_as,
+    flow_draws,
+    random_items,
+    replace_processors,
+)
+from dcparallel.data.batch import Batch
+from dcparallel.models.attention import AttnPattern, default_kernel
+from dcparallel.runtime import comm
+from dcparallel.runtime.ulysses import check_heads
+from dcparallel.spec import ModelSpec, Size
+
+FULL = AttnPattern("full")
+
+
+def matches(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "FluxTransformer2DModel"
+
+
+def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: int | None) -> Tensor:
+    """q, k, v (B, T + L, H, D): T text tokens whole on every rank, then this rank's L
+    image tokens (its shard of the padded image) -> (B, T + L, H, D). ``num_text`` None:
+    the rest of the row after this rank's shard is text (single-stream blocks)."""
+    a = attention.state()
+    kernel = attention.kernel or default_kernel(q.device)
+    if a is None or a.batch is None or comm.group_size(a.group) == 1:
+        return kernel(q, k, v, FULL, None)
+    group, batch = a.group, a.batch
+    sp, heads = comm.group_size(group), q.shape[2]
+    check_heads(heads, sp)
+    t = q.shape[1] - batch.shard_len if num_text is None else num_text
+    if q.shape[1] != t + batch.shard_len:
+        raise ValueError(f"joint attention got {q.shape[1]} tokens: {t} text + {q.shape[1] - t} image, but this "
+                         f"rank holds {batch.shard_len} image tokens")
+    h = heads // sp
+    own = slice(torch.distributed.get_rank(group) * h, (torch.distributed.get_rank(group) + 1) * h)
+    qi, ki, vi = comm.seq_to_heads([q[:, t:], k[:, t:], v[:, t:]], group)  # whole padded image, own heads
+    q2, k2, v2 = (torch.cat([x[:, :t, own], xi], dim=1) for x, xi in ((q, qi), (k, ki), (v, vi)))
+    out = kernel(q2, k2, v2, FULL, (0, t + batch.seq_len))
+    text = comm.gather_seq(out[:, :t].contiguous(), group, dim=2)
+    return torch.cat([text, comm.heads_to_seq(out[:, t:], group)], dim=1)
+
+
+class UlyssesFluxAttention:
+    """Attention processor for Flux's attention modules (double- and single-stream):
+    diffusers' projections, q/k norms and rotary, then `joint_attention`."""
+
+    def __init__(self, attention: Any):
+        self.attention = attention
+
+    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None, image_rotary_emb: Any = None):
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        if attention_mask is not None:
+            raise ValueError("dcparallel's Flux attention takes no attention_mask (Flux attends over all text tokens)")
+        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        num_text = None
+        if attn.added_kv_proj_dim is not None:
+            eq, ek, ev = (x.unflatten(-1, (-1, attn.head_dim)) for x in (eq, ek, ev))
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
+            num_text = eq.shape[1]
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out = joint_attention(self.attention, q, k, v, num_text).flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is None:
+            return out
+        t = encoder_hidden_states.shape[1]
+        text, image = out[:, :t], out[:, t:]
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
+
+
+def pack(x: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C), the Flux pipeline's 2 x 2 packing."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(x: Tensor, h: int, w: int) -> Tensor:
+    b, _, d = x.shape
+    return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+def image_ids(h: int, w: int, device: Any = None) -> Tensor:
+    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column)."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def flux_loss(guidance: float = 3.5):
+    def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
+        """Rectified flow on Flux: per-sample t and noise from the sample's generator, packed
+        noisy latents in, velocity noise - x0 out; mean squared error over channels per
+        latent pixel."""
+        dtype = next(model.parameters()).dtype
+        x0 = batch.inputs.to(dtype)
+        t, noise = flow_draws(batch, ctx, x0)
+        tb = t.to(x0.dtype).view(-1, 1, 1, 1)
+        xt = (1 - tb) * x0 + tb * noise
+        h, w = x0.shape[2:]
+        cond = extras_as(batch, dtype, "encoder_hidden_states", "pooled_projections")
+        text = cond["encoder_hidden_states"]
+        g = torch.full_like(t, guidance) if model.config.guidance_embeds else None
+        pred = model(pack(xt), timestep=t, img_ids=image_ids(h, w, x0.device),
+                     txt_ids=text.new_zeros(text.shape[1], 3), guidance=g, return_dict=False, **cond)[0]
+        return ctx.dense_loss((unpack(pred, h, w).float() - (noise - x0).float()).pow(2).mean(1))
+
+    return loss
+
+
+ACCEPTED = ("context_tokens", "guidance")
+
+
+def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
+            name: str | None = None, context_tokens: int = 512, guidance: float = 3.5,
+            **unused: Any) -> ModelAdapter:
+    check_args("diffusers FluxTransformer2DModel", unused, ACCEPTED)
+    cfg = model.config
+    if cfg.patch_size != 1 or cfg.in_channels % 4:
+        raise ValueError(f"FluxTransformer2DModel with patch_size={cfg.patch_size}, in_channels={cfg.in_channels}: "
+                         f"dcparallel's Flux loss packs latents into 2 x 2 patches (patch_size 1, in_channels = 4 x "
+                         f"latent channels); pass loss_fn for another layout")
+    blocks = list(layers) if layers is not None else [*model.transformer_blocks, *model.single_transformer_blocks]
+    heads = num_heads or cfg.num_attention_heads
+    hidden = heads * cfg.attention_head_dim
+    attn_modules = lambda b: [b.attn]
+    mlp_modules = lambda b: [b.ff, b.ff_context] if hasattr(b, "ff") else [b.proj_mlp]
+    # double- and single-stream blocks differ: the planner's layer is their mean, the rest outside
+    n = len(blocks)
+    attn = count_params([m for b in blocks for m in attn_modules(b)]) // n
+    mlp = count_params([m for b in blocks for m in mlp_modules(b)]) // n
+    other = count_params(blocks) // n - attn - mlp
+    total = count_params([model])
+    spec = ModelSpec(name=name or f"flux-h{hidden}-l{n}", kind="video", num_layers=n, hidden=hidden, num_heads=heads,
+                     ffn_hidden=4 * hidden, attention="full", attn_params=attn, mlp_params=mlp, other_params=other,
+                     extra_params=total - n * (attn + mlp + other), context_tokens=context_tokens, t_num=1, t_den=1,
+                     spatial_patch=2, bytes_per_value=next(model.parameters()).element_size())
+    channels = cfg.in_channels // 4
+
+    def tokens(grid: tuple[int, ...]) -> int:
+        if len(grid) != 2 or grid[0] % 2 or grid[1] % 2:
+            raise ValueError(f"Flux latents must be (C, height, width) with even height and width; got spatial "
+                             f"shape {grid}: crop or pad the latents")
+        return (grid[0] // 2) * (grid[1] // 2)
+
+    def parts(size: Size) -> dict[str, tuple[int, ...]]:
+        if len(size) != 3 or size[0] != 1:
+            raise ValueError(f"Flux sample sizes are latent (1, height, width); got {size!r}")
+        return {"latents": (channels, *size[1:]), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim),
+                "pooled_projections": (cfg.pooled_projection_dim,)}
+
+    def install(fn: Any) -> None:
+        replace_processors([b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn),
+                           "FluxTransformer2DModel")
+
+    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
+                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
+                        loss_fn=loss_fn or flux_loss(guidance), sample=sample_fn or random_items(parts),
+                        collate=lambda s, mb, ranks, rank: collate_latents(s, mb, ranks, rank, tokens=tokens,
+                                                                          what="image"),
+                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
+                        skip_block=skip_block)
+
+
+def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):
+    """A Flux block skipped by the profiler: both streams unchanged, as the blocks return them."""
+    return encoder_hidden_states, hidden_states

@@ -1,0 +1,128 @@
+"""What the diffusers adapters share: whole latents collated per micro-batch, per-sample flow
+draws, synthetic items with the conditioning a model needs, and the model-protocol
+arguments each family accepts.
+
+Dataset items are mappings: ``latents`` (C, F, H, W) — or (C, H, W) for image models — plus
+the conditioning the model takes, each a tensor of one shape within a micro-batch (text
+embeddings ``encoder_hidden_states``, image embeddings ``encoder_hidden_states_image``,
+condition channels ``condition``, a text mask ``encoder_attention_mask``, pooled text
+``pooled_projections``); the collate stacks every one into ``Batch.extras`` under its own
+name, whole on every rank of the group (the model shards its tokens itself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dcparallel.data.batch import Batch
+from dcparallel.plan.types import MicroBatch
+from dcparallel.spec import Size
+
+
+def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
+                    tokens: Callable[[tuple[int, ...]], int], what: str = "video") -> Batch:
+    """Stacks same-shape latents and each conditioning tensor whole on every rank of the
+    group; ``tokens(latent shape without channels)`` is the model's token count."""
+    ranks = tuple(ranks)
+    if rank not in ranks or mb.layout.sp != len(ranks):
+        raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
+    items = [samples[sid] for sid in mb.sample_ids]
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if not isinstance(s, Mapping) or "latents" not in s:
+            raise ValueError(f"{what} sample {sid} must be a mapping with 'latents' and the model's conditioning "
+                             f"(e.g. 'encoder_hidden_states'); got {type(s).__name__}")
+    keys = {k for k, v in items[0].items() if v is not None}
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if {k for k, v in s.items() if v is not None} != keys:
+            raise ValueError(f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
+                             f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
+                             f"{sorted(keys)}; give every sample the same keys")
+    stacked = {}
+    for k in sorted(keys):
+        vals = [torch.as_tensor(s[k]) for s in items]
+        shapes = {tuple(v.shape) for v in vals}
+        if len(shapes) != 1:
+            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must share the shape of {k!r}; got "
+                             f"{sorted(shapes)} (the planner groups samples of one latent shape; pad or crop the "
+                             f"conditioning to one shape per latent shape)")
+        stacked[k] = torch.stack(vals)
+    lat = stacked.pop("latents")
+    grid = tuple(lat.shape[2:])
+    n = tokens(grid)
+    b, sp = lat.shape[0], len(ranks)
+    return Batch(sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=ranks, rank_in_group=ranks.index(rank),
+                 inputs=lat, positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
+                 loss_mask=torch.ones(b, *grid, dtype=torch.bool),
+                 token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
+                 num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
+                 frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
+
+
+def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
+    """Rectified-flow draws per sample from its own generator (every rank of a group draws
+    the same): t (B,) logit-normal in fp32, noise shaped like ``x0``."""
+    ts, noises = [], []
+    for sid in batch.sample_ids:
+        g = ctx.generator(sid)
+        ts.append(torch.sigmoid(torch.randn((), generator=g)))
+        noises.append(torch.randn(x0.shape[1:], generator=g))
+    t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
+    return t, torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
+
+
+def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor]:
+    """The named conditioning of the batch present, floating ones in the model's dtype. A
+    default loss names everything its model takes: any other key the items carried is refused,
+    never dropped."""
+    unused = sorted(set(batch.extras) - set(names))
+    if unused:
+        raise ValueError(f"the micro-batch's items carry {unused}, which the model's default loss does not pass to "
+                         f"the model (it takes {list(names)}); pass a loss_fn(model, batch, ctx) that uses them "
+                         f"(batch.extras), or leave them out of the dataset items")
+    out = {}
+    for k in names:
+        v = batch.extras.get(k)
+        if v is not None:
+            out[k] = v.to(dtype) if v.is_floating_point() else v
+    return out
+
+
+def random_items(parts: Callable[[Size], dict[str, tuple[int, ...]]], seed: int = 0):
+    """Synthetic items: per size, ``parts(size)`` names each tensor's shape; random normal
+    values, fixed per index."""
+
+    def sample(size: Size, index: int) -> dict:
+        if not isinstance(size, tuple):
+            raise ValueError(f"a diffusers video/image model takes latent (frames, height, width) sample sizes; "
+                             f"got {size!r}")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        return {k: torch.randn(*shape, generator=g) for k, shape in parts(size).items()}
+
+    return sample
+
+
+def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
+    """A family adapter's unknown model-protocol arguments: named with what it takes."""
+    if unused:
+        raise ValueError(f"{who} does not take {sorted(unused)}; its adapter takes {', '.join(accepted)} (besides "
+                         f"layers, num_heads, loss_fn, sample_fn, name); leave the others out")
+
+
+def replace_processors(modules: list, default: str, make: Callable[[], Any], who: str) -> None:
+    """Gives every attention module a dcparallel processor (``make()``), after checking that
+    each still has diffusers' ``default`` processor: another one (an IP-adapter's, a custom
+    one) adds work that dcparallel's processor would silently drop."""
+    ours = type(make()).__name__  # installed before (a model driven again): replaced alike
+    odd = sorted({type(m.processor).__name__ for m in modules} - {default, ours})
+    if odd:
+        raise ValueError(f"{who}'s attention modules use {', '.join(odd)}, not diffusers' {default}: dcparallel "
+                         f"replaces the default processor with its Ulysses one and would drop what those add "
+                         f"(IP-adapter or custom attention); restore the default (model.set_default_attn_processor() "
+                         f"or unload the adapter) or pass your own adapter")
+    for m in modules:
+        m.set_processor(make())

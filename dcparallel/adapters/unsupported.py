@@ -1,0 +1,46 @@
+"""diffusers models dcparallel has no adapter for: refused at construction, saying which class,
+what is missing and what to do.
+
+dcparallel shards a diffusers transformer's tokens where the model's context-parallel plan
+(``_cp_plan``) says (`adapters.cp_plan`) and runs its attention through an attention
+processor that knows the model's layout (self-attention over the sharded tokens, cross- or
+joint attention to the text whole on every rank). A model without a plan has no declared
+place to cut its sequence; a model with a plan still needs its processors written and
+checked against the unmodified model (a parity test) before dcparallel drives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+#: the diffusers transformers dcparallel drives, and their adapter modules
+SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), LTXVideoTransformer3DModel "
+             "(adapters.ltx), FluxTransformer2DModel (adapters.flux)")
+
+
+def matches(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("diffusers.")
+
+
+def _processors(model: nn.Module) -> list[str]:
+    procs = getattr(model, "attn_processors", None)
+    if not isinstance(procs, dict):
+        return []
+    return sorted({type(p).__name__ for p in procs.values()})
+
+
+def adapter(model: nn.Module, **unused: Any):
+    who = type(model).__name__
+    fix = ("pass adapter=dcparallel.adapters.ModelAdapter(...) built for it (install_attention for its attention "
+           "processors, install_hooks that shard and gather its tokens, loss_fn, sample), or train one of: "
+           + SUPPORTED)
+    if not getattr(model, "_cp_plan", None):
+        raise ValueError(f"dcparallel cannot drive the diffusers model {who}: it has no context-parallel plan "
+                         f"(_cp_plan), so there is no declared place to split and gather its token sequence "
+                         f"(dcparallel applies that plan with its own hooks). To train it, {fix}")
+    procs = ", ".join(_processors(model)) or "unknown"
+    raise ValueError(f"dcparallel cannot drive the diffusers model {who} yet: it has a context-parallel plan "
+                     f"(_cp_plan), but dcparallel has no parity-tested attention processor for its attention layout "
+                     f"(processors: {procs}), so Ulysses cannot be installed in it. To train it, {fix}")

@@ -1,0 +1,151 @@
+"""diffusers transformers without a process group: what each family's adapter reads, the
+synthetic items it profiles with (the conditioning each model needs), `prepare` at world 1,
+and the refusals of models dcparallel cannot drive (class, missing piece, fix). Parity with
+the unmodified models over SP groups: tests/dist/test_dist_adapters.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcparallel.adapters import find_adapter, protocol_adapter
+from dcparallel.api import DataCentricParallel
+from dcparallel.plan.types import MicroBatch
+from dcparallel.profile.profiler import ProfilerConfig
+from dcparallel.runtime.engine import Engine
+from dcparallel.spec import Layout, Recompute
+from tests.adapter_models import TinyGQA, build
+
+pytest.importorskip("diffusers")
+
+#: per kind: a latent size, its token count, the keys of a dataset item
+ITEMS = {"wan-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "encoder_hidden_states_image"}),
+         "wan22-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "condition"}),
+         "ltx": ((2, 3, 5), 30, {"latents", "encoder_hidden_states"}),
+         "flux": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "pooled_projections"})}
+
+
+@pytest.mark.parametrize("kind", sorted(ITEMS))
+def test_family_adapters_profile_with_the_conditioning_each_model_needs(kind):
+    """The adapter's synthetic items carry what the model needs (image embeddings, condition
+    channels, pooled text): collated and run through the default loss in a micro-batch of
+    two, they train every parameter the model uses."""
+    size, tokens, keys = ITEMS[kind]
+    model = build(kind)
+    dc = Engine(model)
+    a = dc.adapter
+    assert a.kind == "video" and a.num_heads == 4 and a.spec.tokens(size) == tokens
+    assert a.spec.num_params == sum(p.numel() for p in model.parameters())
+    items = {i: a.sample(size, i) for i in range(2)}
+    assert set(items[0]) == keys
+    if kind == "wan22-i2v":  # latents: the 4 target channels; condition: the other 4 input channels
+        assert items[0]["latents"].shape[0] == 4 and items[0]["condition"].shape[0] == 4
+    batch = a.collate(items, MicroBatch((0, 1), Layout(1, 2, Recompute(1, 1))), (0,), 0)
+    assert batch.seq_len == tokens and set(batch.extras) == keys - {"latents"}
+    with dc.micro_batch(batch) as ctx:
+        ctx.backward(a.loss_fn(model, batch, ctx))
+    assert dc.sync_gradients() > 0
+    unused = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    # Flux's last single block's text output feeds nothing (the model returns the image only)
+    assert all(kind == "flux" and "single_transformer_blocks.1" in n for n in unused), unused
+
+
+@pytest.mark.parametrize("kind", ["wan22-i2v", "ltx", "flux"])
+def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_path):
+    model = build(kind)
+    shapes = {"flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4)],
+              "ltx": [(2, 3, 5), (1, 5, 5), (2, 3, 3), (1, 3, 3)],
+              "wan22-i2v": [(2, 4, 6), (1, 4, 4), (3, 4, 4), (1, 6, 6)]}[kind]
+    shapes = shapes * 3
+    dc = DataCentricParallel(model, memory_bytes=2**30, context_tokens=5)
+    data = [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]
+    loader = dc.prepare(data, lengths=shapes, samples_per_step=6, profile_path=str(tmp_path / "p.json"),
+                        profiler_config=ProfilerConfig.quick(64, repeats=1, max_repeats=1, min_time_s=0.0, max_mbs=2))
+    opt = dc.optimizer(lr=1e-3)
+    losses = []
+    for step in loader:
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(model, batch, ctx))
+        losses.append(dc.sync_gradients())
+        opt.step()
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert dc.profile.entries
+
+
+def test_diffusers_models_without_a_plan_are_refused_naming_class_missing_piece_and_fix():
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    model = SkyReelsV2Transformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+    with pytest.raises(ValueError, match=r"SkyReelsV2Transformer3DModel: it has no context-parallel plan \(_cp_plan\)"
+                                         r".*adapter=dcparallel.adapters.ModelAdapter.*WanTransformer3DModel"):
+        find_adapter(model)
+
+
+def test_diffusers_models_with_a_plan_but_no_processor_are_refused():
+    from diffusers import QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                        axes_dims_rope=(2, 2, 4))
+    with pytest.raises(ValueError, match=r"QwenImageTransformer2DModel yet: it has a context-parallel plan.*no "
+                                         r"parity-tested attention processor.*QwenDoubleStreamAttnProcessor"):
+        DataCentricParallel(model)
+
+
+def test_family_arguments_never_reach_another_family_as_a_type_error():
+    with pytest.raises(ValueError, match=r"TinyGQA follows dcparallel's model protocol, which takes no "
+                                         r"context_tokens= \(an argument of diffusers"):
+        protocol_adapter(TinyGQA(), num_heads=4, num_kv_heads=2, context_tokens=8)
+    with pytest.raises(ValueError, match=r"context_tokens="):
+        DataCentricParallel(TinyGQA(), num_heads=4, num_kv_heads=2, context_tokens=8)
+    with pytest.raises(ValueError, match=r"LTXVideoTransformer3DModel does not take \['image_tokens'\]; its adapter "
+                                         r"takes context_tokens, rope_interpolation_scale"):
+        find_adapter(build("ltx"), image_tokens=3)
+    with pytest.raises(ValueError, match=r"FluxTransformer2DModel does not take \['rope_interpolation_scale'\]"):
+        find_adapter(build("flux"), rope_interpolation_scale=(1, 1, 1))
+
+
+def test_image_to_video_wan_needs_512_text_tokens_and_both_image_settings():
+    with pytest.raises(ValueError, match=r"context_tokens=8: diffusers' Wan image-to-video attention takes the last "
+                                         r"512 text tokens"):
+        find_adapter(build("wan-i2v"), context_tokens=8)
+    from diffusers import WanTransformer3DModel
+
+    half = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, image_dim=12)
+    with pytest.raises(ValueError, match=r"image_dim=12 and added_kv_proj_dim=None: image-to-video needs both"):
+        find_adapter(half)
+
+
+def test_a_processor_other_than_diffusers_default_is_refused_not_replaced():
+    """An IP-adapter's processor adds image-prompt attention: swapping in dcparallel's
+    processor would drop it silently, so the model is refused and left as it was."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    model = build("flux")
+    model.transformer_blocks[0].attn.set_processor(FluxIPAdapterAttnProcessor(32, 32))
+    with pytest.raises(ValueError, match=r"FluxTransformer2DModel's attention modules use FluxIPAdapterAttnProcessor, "
+                                         r"not diffusers' FluxAttnProcessor.*set_default_attn_processor"):
+        Engine(model)
+    assert {type(p).__name__ for p in model.attn_processors.values()} == {"FluxIPAdapterAttnProcessor",
+                                                                          "FluxAttnProcessor"}
+
+
+def test_an_item_key_the_default_loss_does_not_use_is_refused_not_dropped():
+    """A dataset column (say image latents for a text-to-video Wan) reaches `batch.extras`;
+    the default loss passes only what the model takes, so it refuses the rest by name."""
+    model = build("wan")
+    dc = Engine(model, adapter=find_adapter(model, context_tokens=5))
+    item = dict(dc.adapter.sample((2, 4, 4), 0))
+    item["image_latents"] = torch.randn(4, 1, 4, 4)
+    batch = dc.adapter.collate({0: item}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    assert set(batch.extras) == {"encoder_hidden_states", "image_latents"}
+    with pytest.raises(ValueError, match=r"carry \['image_latents'\].*pass a loss_fn"):
+        with dc.micro_batch(batch) as ctx:
+            dc.adapter.loss_fn(model, batch, ctx)
+    del item["image_latents"]  # without it the same micro-batch trains
+    batch = dc.adapter.collate({0: item}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    with dc.micro_batch(batch) as ctx:
+        ctx.backward(dc.adapter.loss_fn(model, batch, ctx))
