@@ -67,6 +67,9 @@ class ModelAdapter:
     install_hooks: Callable[[Any], list[Any]] | None = None
     """``install_hooks(attention)`` -> hook handles: shards and gathers the token sequence
     inside a model that takes whole samples (``Batch.sharded`` is False for its batches)"""
+    skip_block: Callable[..., Any] | None = None
+    """what a block the profiler's shallow stacks skip returns, from the block's arguments
+    (None: its first argument; blocks that return (hidden, context) pairs pass both on)"""
 
     def __post_init__(self) -> None:
         self.blocks = list(self.blocks)

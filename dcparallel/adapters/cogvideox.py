@@ -182,4 +182,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or cogvideox_flow_loss,
                         sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention))
+                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention),
+                        skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

@@ -188,4 +188,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or hunyuan_flow_loss, sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention))
+                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention),
+                        skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

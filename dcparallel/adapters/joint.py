@@ -139,6 +139,16 @@ def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Seq
     return [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
 
 
+def two_stream_passthrough(names: Sequence[str]):
+    """`ModelAdapter.skip_block` for blocks returning (video, text): both streams unchanged."""
+
+    def skip(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        found = dict(zip(names, args, strict=False)) | kwargs
+        return found["hidden_states"], found["encoder_hidden_states"]
+
+    return skip
+
+
 def gather_before(module: nn.Module, attention: Any) -> Any:
     """A forward pre-hook on ``module`` (the output norm) that gathers its first argument."""
 

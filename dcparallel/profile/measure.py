@@ -28,6 +28,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,16 +48,20 @@ def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2)
 
 
 @contextlib.contextmanager
-def active_depth(layers: Sequence[nn.Module], depth: int) -> Iterator[None]:
+def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable[..., Any] | None = None
+                 ) -> Iterator[None]:
     """Runs only ``layers[:depth]``: every later layer passes its first argument (the hidden
-    state) through unchanged until the block exits. Layers must be residual blocks whose
-    forward takes the hidden state first and returns the new hidden state."""
+    state) through unchanged until the block exits — or returns ``skip(*args, **kwargs)``
+    (`ModelAdapter.skip_block`, for blocks that return several streams). Layers must be
+    residual blocks whose forward takes the hidden state first."""
     if not 1 <= depth <= len(layers):
         raise ValueError(f"depth {depth} is outside 1..{len(layers)} (the number of layers)")
     saved: list[tuple[nn.Module, object]] = []
 
     def passthrough(x, *args, **kwargs):
         return x
+
+    passthrough = skip or passthrough
 
     try:
         for layer in layers[depth:]:

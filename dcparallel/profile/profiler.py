@@ -226,7 +226,7 @@ class Profiler:
         def attempt(ds: Sequence[int]) -> str | None:
             try:
                 for d in ds:
-                    with active_depth(self.layers, d * self.unit):
+                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                         t0 = time.perf_counter()
                         mem[d] = self._memory_run(inputs, state)
                         took[d] = time.perf_counter() - t0
@@ -261,12 +261,12 @@ class Profiler:
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
                 for d in depths:
-                    with active_depth(self.layers, d * self.unit):
+                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                         for _ in range(cfg.warmup - 1):
                             self._run(inputs)
                 for _ in range(rounds):
                     for d in depths:
-                        with active_depth(self.layers, d * self.unit):
+                        with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                             times[d].append(self.timer.time(lambda: self._run(inputs)))
             except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
                 oom[0] = True
