@@ -1,0 +1,83 @@
+"""The joint-attention adapters at world 1 (HunyuanVideo, CogVideoX): the installed attention
+processors give the unmodified model's output bitwise, the planner's spec counts every
+parameter, and what dcparallel cannot drive is refused naming the class, the missing piece
+and the fix. Distributed parity: tests/dist/test_dist_joint.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dcparallel.adapters import find_adapter
+from dcparallel.runtime.ulysses import UlyssesAttention
+from tests.joint_models import TEXT_TOKENS, build, make_data
+
+pytest.importorskip("diffusers")
+
+
+@pytest.mark.parametrize("kind", ["hunyuan", "cogvideox", "cogvideox15"])
+def test_processors_give_the_unmodified_output_and_the_spec_counts_every_parameter(kind):
+    from tests.joint_models import _velocity
+
+    model = build(kind)
+    ours = copy.deepcopy(model)
+    adapter = find_adapter(ours, context_tokens=TEXT_TOKENS)
+    adapter.install_attention(UlyssesAttention())
+    assert adapter.spec.num_params == sum(p.numel() for p in model.parameters())
+    assert adapter.spec.num_layers == len(adapter.blocks) == (4 if kind == "hunyuan" else 2)
+    assert adapter.recompute_modes == ("none", "attn", "mlp", "full")
+    data = make_data(kind, 3, seed=5)
+    for sid in range(3):
+        x, t = data.docs[sid][None], torch.tensor(0.4)
+        ref = _velocity(model, kind, x, t, data.items[sid])
+        out = _velocity(ours, kind, x, t, data.items[sid])
+        assert torch.equal(out, ref), (kind, sid, float((out - ref).abs().max()))
+
+
+def test_arguments_for_another_family_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"HunyuanVideoTransformer3DModel.*\['text_dim'\].*context_tokens"):
+        find_adapter(build("hunyuan"), text_dim=16)
+    with pytest.raises(ValueError, match=r"CogVideoXTransformer3DModel.*leave layers= out"):
+        model = build("cogvideox")
+        find_adapter(model, layers=list(model.transformer_blocks))
+
+
+def test_image_to_video_variants_are_refused_with_the_fix():
+    from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel
+
+    hv = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                        num_layers=1, num_single_layers=1, num_refiner_layers=1, text_embed_dim=8,
+                                        pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
+                                        image_condition_type="token_replace")
+    with pytest.raises(ValueError, match=r"HunyuanVideoTransformer3DModel.*token_replace.*image_condition_type=None"):
+        find_adapter(hv)
+    cv = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=8, out_channels=4,
+                                     time_embed_dim=8, text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8,
+                                     max_text_seq_length=4, use_rotary_positional_embeddings=True)
+    with pytest.raises(ValueError, match=r"CogVideoXTransformer3DModel.*in_channels=8.*loss_fn= and sample_fn="):
+        find_adapter(cv)
+
+
+def test_mochi_is_refused_naming_its_layout_and_the_fix():
+    from diffusers import MochiTransformer3DModel
+
+    model = MochiTransformer3DModel(num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                                    pooled_projection_dim=8, in_channels=4, text_embed_dim=8, time_embed_dim=8)
+    with pytest.raises(ValueError, match=r"MochiTransformer3DModel.*no _cp_plan.*real text tokens.*adapter="):
+        find_adapter(model)
+
+
+def test_a_diffusers_model_without_a_cp_plan_or_joint_layout_is_refused():
+    from diffusers import LatteTransformer3DModel
+
+    model = LatteTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                    num_layers=1, sample_size=8, patch_size=2, caption_channels=8,
+                                    cross_attention_dim=16, video_length=2)
+    assert getattr(model, "_cp_plan", None) is None
+    with pytest.raises(ValueError) as err:
+        find_adapter(model, context_tokens=8)
+    msg = str(err.value)
+    assert "LatteTransformer3DModel" in msg and "no _cp_plan" in msg and "HunyuanVideoTransformer3DModel" in msg
+    assert "adapter=dcparallel.adapters.ModelAdapter" in msg
