@@ -1,5 +1,6 @@
-"""The three examples run as users run them — `torchrun --nproc-per-node 2` on CPU — with a
-transformers Llama (GQA), a diffusers Wan transformer on mixed latent shapes, and a module
+"""The examples run as users run them — `torchrun --nproc-per-node 2` on CPU — with a
+transformers Llama (GQA), diffusers Wan and HunyuanVideo transformers on mixed latent shapes
+(HunyuanVideo: joint video + text attention, padded captions), and a module
 written in the example: each profiles through its own loss function (no profiling code),
 plans, trains, and its loss falls. The lines each adds to an ordinary loop are counted."""
 
@@ -17,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MARK = re.compile(r"\s# dcparallel\b")  # code lines marked at their end (the docstrings say `# dcparallel`)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "custom_model"])
+@pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "diffusers_hunyuanvideo", "custom_model"])
 def test_example_adds_at_most_ten_lines(name):
     lines = (EXAMPLES / f"{name}.py").read_text().splitlines()
     marked = [line for line in lines if MARK.search(line)]
@@ -30,9 +31,10 @@ def test_example_adds_at_most_ten_lines(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,env", [("hf_llama", {"NUM_SAMPLES": "120"}),
                                       ("diffusers_wan", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
+                                      ("diffusers_hunyuanvideo", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
                                       ("custom_model", {"NUM_SAMPLES": "120"})])
 def test_example_trains_under_torchrun(name, env, tmp_path):
-    pytest.importorskip("transformers" if name == "hf_llama" else "diffusers" if name == "diffusers_wan" else "torch")
+    pytest.importorskip({"hf": "transformers", "diffusers": "diffusers"}.get(name.split("_")[0], "torch"))
     run_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", OUT_DIR=str(tmp_path), **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLES / f"{name}.py")]
