@@ -58,7 +58,8 @@ def _of_engine(name: str, doc: str) -> property:
 class DataCentricParallel:
     """A `runtime.engine.Engine` (``engine``) plus `prepare`: profile (cached) -> plan -> load.
 
-    ``model``: a reference model, a transformers causal LM, a diffusers Wan transformer, or
+    ``model``: a reference model, a transformers causal LM, a diffusers Wan, HunyuanVideo or
+    CogVideoX transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
     ``num_heads``, ...) — or pass ``adapter``. ``policy``: a name of
     `dcparallel.plan.policies.POLICIES`. ``loss_fn(model, batch, ctx)``: one micro-batch's
@@ -67,7 +68,7 @@ class DataCentricParallel:
     ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
-    for Wan, ...). Everything is validated before the model is touched."""
+    for diffusers video models, ...). Everything is validated before the model is touched."""
 
     def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
                  num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,

@@ -1,8 +1,8 @@
 """Model adapters: how dcparallel drives a model (`ModelAdapter`), found by `find_adapter`
-for the reference models, Hugging Face transformers causal LMs and diffusers Wan video
-transformers; any other `nn.Module` follows `protocol_adapter`'s protocol. transformers and
-diffusers are optional (`pip install dcparallel[hf]`, `[diffusers]`) and imported only for
-their models."""
+for the reference models, Hugging Face transformers causal LMs and diffusers Wan,
+HunyuanVideo and CogVideoX video transformers (joint video + text attention: `joint`); any
+other `nn.Module` follows `protocol_adapter`'s protocol. transformers and diffusers are
+optional (`pip install dcparallel[hf]`, `[diffusers]`) and imported only for their models."""
 
 from dcparallel.adapters.base import (
     LossFn,

@@ -20,8 +20,10 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers' `WanTransformer3DModel`; any other module follows the small protocol of
-`protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
+diffusers' `WanTransformer3DModel`, `HunyuanVideoTransformer3DModel` and
+`CogVideoXTransformer3DModel` (other diffusers models without a ``_cp_plan`` are refused);
+any other module follows the small protocol of `protocol_adapter` (``set_attention(fn)``,
+``layers``, ``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations
