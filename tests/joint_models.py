@@ -1,5 +1,5 @@
 """diffusers video transformers with joint video + text attention (HunyuanVideo, CogVideoX 1.0
-and 1.5), built from tiny configs (never downloaded), their synthetic data and their
+and 1.5, Mochi), built from tiny configs (never downloaded), their synthetic data and their
 single-process reference: the unmodified model, one sample at a time, plain autograd, with
 each sample's noise and timestep drawn from `sample_seed` as the adapters' loss draws them."""
 
@@ -17,15 +17,17 @@ from tests.support import Data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-JOINT_KINDS = ("hunyuan", "cogvideox", "cogvideox15")
+JOINT_KINDS = ("hunyuan", "cogvideox", "cogvideox15", "mochi")
 TEXT_TOKENS, TEXT_DIM = 5, 16
 #: latent (frames, height, width) per kind: 3, 9, 18 and 8 tokens (odd at SP 2, padded at SP 4)
 SHAPES = {"hunyuan": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
           "cogvideox": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
-          "cogvideox15": [(2, 2, 6), (2, 6, 6), (4, 2, 2), (4, 4, 6)]}  # frames in pairs: 3, 9, 2, 12 tokens
+          "cogvideox15": [(2, 2, 6), (2, 6, 6), (4, 2, 2), (4, 4, 6)],
+          "mochi": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)]}  # frames in pairs: 3, 9, 2, 12 tokens
 #: a mixed-resolution epoch per kind (several shapes per token count)
 MIX = {"hunyuan": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
-       "cogvideox": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)]}
+       "cogvideox": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
+       "mochi": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)]}
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
@@ -48,11 +50,18 @@ def build(kind: str, seed: int = 0) -> nn.Module:
                                            patch_size_t=2 if kind == "cogvideox15" else None,
                                            max_text_seq_length=TEXT_TOKENS,
                                            use_rotary_positional_embeddings=True).float()
+    if kind == "mochi":
+        from diffusers import MochiTransformer3DModel
+
+        return MochiTransformer3DModel(patch_size=2, num_attention_heads=4, attention_head_dim=8, num_layers=2,
+                                       pooled_projection_dim=16, in_channels=4, text_embed_dim=TEXT_DIM,
+                                       time_embed_dim=16).float()
     raise ValueError(kind)
 
 
 def make_data(kind: str, num_samples: int, seed: int) -> Data:
-    """Latents of mixed shapes and text; HunyuanVideo's text has 0-2 padded (masked) tokens."""
+    """Latents of mixed shapes and text; HunyuanVideo's text has 0-2 padded (masked) tokens at
+    its end, Mochi's 0-2 masked tokens anywhere (diffusers keeps its real tokens by position)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     docs, shape_of, items = {}, {}, {}
@@ -65,6 +74,10 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
             mask[TEXT_TOKENS - rng.randint(0, 2):] = 0
             items[i] |= {"encoder_attention_mask": mask, "pooled_projections": torch.randn(8, generator=g),
                          "guidance": torch.tensor(6.0)}
+        if kind == "mochi":
+            mask = torch.ones(TEXT_TOKENS, dtype=torch.long)
+            mask[rng.sample(range(TEXT_TOKENS), rng.randint(0, 2))] = 0
+            items[i]["encoder_attention_mask"] = mask
         shape_of[i] = shape
     data = Data(kind, docs, {}, {}, {}, shape_of)
     data.items = items
@@ -91,6 +104,9 @@ def _velocity(model: nn.Module, kind: str, xt, t, it: dict):
                      encoder_attention_mask=it["encoder_attention_mask"][None],
                      pooled_projections=it["pooled_projections"][None], guidance=it["guidance"].reshape(1) * 1000.0,
                      return_dict=False)[0]
+    if kind == "mochi":
+        return model(xt, encoder_hidden_states=it["encoder_hidden_states"][None], timestep=(t * 1000)[None],
+                     encoder_attention_mask=it["encoder_attention_mask"][None], return_dict=False)[0]
     _, _, f, h, w = xt.shape
     out = model(xt.transpose(1, 2), encoder_hidden_states=it["encoder_hidden_states"][None],
                 timestep=(t * 1000)[None], image_rotary_emb=_cogvideox_rotary(model, f, h, w), return_dict=False)[0]

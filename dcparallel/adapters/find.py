@@ -13,16 +13,16 @@ from dcparallel.adapters.base import ModelAdapter, protocol_adapter
 def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
                  num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
     """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
-    reference model, a Hugging Face causal LM, a diffusers Wan, HunyuanVideo or CogVideoX
+    reference model, a Hugging Face causal LM, a diffusers Wan, HunyuanVideo, CogVideoX or Mochi
     transformer (other diffusers models without a ``_cp_plan`` are refused), or any module
     following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
     ``num_kv_heads`` override what the adapter reads from the model."""
     if hasattr(model, "dcp_adapter"):
         return model.dcp_adapter()
     # imported here: the families' modules reach into data/ and runtime/, whose packages import the engine
-    from dcparallel.adapters import cogvideox, hf, hunyuan_video, joint, reference, wan
+    from dcparallel.adapters import cogvideox, hf, hunyuan_video, joint, mochi, reference, wan
 
-    for family in (reference, hf, wan, hunyuan_video, cogvideox):
+    for family in (reference, hf, wan, hunyuan_video, cogvideox, mochi):
         if family.matches(model):
             return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   **protocol)

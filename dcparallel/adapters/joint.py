@@ -1,5 +1,5 @@
 """Joint attention under Ulysses: diffusers video transformers that attend over video tokens
-and text tokens in one attention (HunyuanVideo, CogVideoX) and have no ``_cp_plan``.
+and text tokens in one attention (HunyuanVideo, CogVideoX, Mochi) and have no ``_cp_plan``.
 
 The model takes whole samples (``Batch.sharded`` is False): every rank of an SP group runs
 the text stream and the embeddings whole, module hooks cut the video tokens (and their rotary
@@ -252,7 +252,7 @@ def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, m
 
 # ---------------------------------------------------------------- what is refused
 
-SUPPORTED = ("HunyuanVideoTransformer3DModel", "CogVideoXTransformer3DModel")
+SUPPORTED = ("HunyuanVideoTransformer3DModel", "CogVideoXTransformer3DModel", "MochiTransformer3DModel")
 
 
 def refuse_unsupported_diffusers(model: nn.Module) -> None:
@@ -263,13 +263,6 @@ def refuse_unsupported_diffusers(model: nn.Module) -> None:
     if not cls.__module__.startswith("diffusers.") or getattr(model, "_cp_plan", None) is not None:
         return
     who = cls.__name__
-    if who == "MochiTransformer3DModel":
-        raise ValueError(
-            f"dcparallel cannot drive diffusers {who} yet: it has no _cp_plan, and its joint attention keeps only "
-            f"each sample's real text tokens inside the attention (a loop over the batch in MochiAttnProcessor2_0) "
-            f"with a last block that drops the text stream (context_pre_only) — a layout dcparallel's joint "
-            f"attention does not implement or test. Train one of {', '.join(SUPPORTED)}, or pass "
-            f"adapter=dcparallel.adapters.ModelAdapter(...) with an attention processor and sharding hooks for it")
     raise ValueError(
         f"dcparallel cannot drive diffusers {who}: it has no _cp_plan (diffusers' context-parallel plan of where "
         f"the token sequence is split and gathered) and its attention is not one of the joint video + text layouts "

@@ -1,6 +1,7 @@
 """diffusers video transformers with joint video + text attention under Ulysses on gloo
-(world 2 and 4): HunyuanVideo (dual- then single-stream blocks, text padding masks, guidance)
-and CogVideoX 1.0 and 1.5 (rotary tables of the pipeline). Video tokens are sharded over the
+(world 2 and 4): HunyuanVideo (dual- then single-stream blocks, text padding masks, guidance),
+CogVideoX 1.0 and 1.5 (rotary tables of the pipeline) and Mochi (caption masks anywhere in
+the caption, its text output compacted as diffusers does). Video tokens are sharded over the
 SP group (odd counts padded, the padding masked), text tokens replicated, and each rank
 attends over all video tokens and the text for its heads. Loss and every parameter's gradient
 after `sync_gradients()` equal a single process running the unmodified model one sample at a

@@ -1,5 +1,5 @@
 """A mixed-resolution video set (odd and even token counts, several shapes per count) trains
-a whole epoch of HunyuanVideo and of CogVideoX under every policy at world 2 through the
+a whole epoch of HunyuanVideo, CogVideoX and Mochi under every policy at world 2 through the
 public API (profile, plan, load, train): lossless — every sample exactly once, by every rank
 of its group — every micro-batch stacks samples of one latent shape, and both ranks see the
 same finite step losses."""
@@ -27,7 +27,7 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["hunyuan", "cogvideox"])
+@pytest.mark.parametrize("kind", ["hunyuan", "cogvideox", "mochi"])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     out = workers2.run(joint_cases.case_joint_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
     shapes = MIX[kind] * 3

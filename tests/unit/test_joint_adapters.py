@@ -1,6 +1,6 @@
-"""The joint-attention adapters at world 1 (HunyuanVideo, CogVideoX): the installed attention
-processors give the unmodified model's output bitwise, the planner's spec counts every
-parameter, and what dcparallel cannot drive is refused naming the class, the missing piece
+"""The joint-attention adapters at world 1 (HunyuanVideo, CogVideoX, Mochi): the installed
+attention processors give the unmodified model's output (bitwise; Mochi to fp32 rounding),
+the planner's spec counts every parameter, and what dcparallel cannot drive is refused naming the class, the missing piece
 and the fix. Distributed parity: tests/dist/test_dist_joint.py."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 
 from dcparallel.adapters import find_adapter
 from dcparallel.runtime.ulysses import UlyssesAttention
-from tests.joint_models import TEXT_TOKENS, build, make_data
+from tests.joint_models import JOINT_KINDS, TEXT_TOKENS, build, make_data
 
 pytest.importorskip("diffusers")
 
 
-@pytest.mark.parametrize("kind", ["hunyuan", "cogvideox", "cogvideox15"])
+@pytest.mark.parametrize("kind", JOINT_KINDS)
 def test_processors_give_the_unmodified_output_and_the_spec_counts_every_parameter(kind):
     from tests.joint_models import _velocity
 
@@ -27,13 +27,18 @@ def test_processors_give_the_unmodified_output_and_the_spec_counts_every_paramet
     adapter.install_attention(UlyssesAttention())
     assert adapter.spec.num_params == sum(p.numel() for p in model.parameters())
     assert adapter.spec.num_layers == len(adapter.blocks) == (4 if kind == "hunyuan" else 2)
+    if kind == "mochi":  # its processor is set by attribute (MochiAttention has no set_processor)
+        assert type(ours.transformer_blocks[0].attn1.processor).__name__ == "UlyssesMochiAttention"
     assert adapter.recompute_modes == ("none", "attn", "mlp", "full")
     data = make_data(kind, 3, seed=5)
     for sid in range(3):
         x, t = data.docs[sid][None], torch.tensor(0.4)
         ref = _velocity(model, kind, x, t, data.items[sid])
         out = _velocity(ours, kind, x, t, data.items[sid])
-        assert torch.equal(out, ref), (kind, sid, float((out - ref).abs().max()))
+        # Mochi: diffusers attends over each sample's real caption tokens only, dcparallel masks
+        # the others (the same result up to fp32 rounding); the other families: bitwise
+        tol = 1e-6 * float(ref.abs().max()) if kind == "mochi" else 0.0
+        assert float((out - ref).abs().max()) <= tol, (kind, sid, float((out - ref).abs().max()))
 
 
 def test_arguments_for_another_family_are_refused_by_name():
@@ -58,15 +63,6 @@ def test_image_to_video_variants_are_refused_with_the_fix():
                                      max_text_seq_length=4, use_rotary_positional_embeddings=True)
     with pytest.raises(ValueError, match=r"CogVideoXTransformer3DModel.*in_channels=8.*loss_fn= and sample_fn="):
         find_adapter(cv)
-
-
-def test_mochi_is_refused_naming_its_layout_and_the_fix():
-    from diffusers import MochiTransformer3DModel
-
-    model = MochiTransformer3DModel(num_attention_heads=2, attention_head_dim=8, num_layers=1,
-                                    pooled_projection_dim=8, in_channels=4, text_embed_dim=8, time_embed_dim=8)
-    with pytest.raises(ValueError, match=r"MochiTransformer3DModel.*no _cp_plan.*real text tokens.*adapter="):
-        find_adapter(model)
 
 
 def test_a_diffusers_model_without_a_cp_plan_or_joint_layout_is_refused():
