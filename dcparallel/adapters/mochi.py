@@ -11,9 +11,9 @@ norm; the caption embedding and the timestep run whole on every rank.
 
 Dataset items: ``{"latents": (C, F, H, W), "encoder_hidden_states": (T, text_embed_dim)}``,
 optional ``"encoder_attention_mask"`` (T,) (1 = real token; default all real). The default
-loss is rectified flow with timestep 1000 t; Mochi's pipeline runs time the other way and
-negates the velocity — pass ``loss_fn`` to fine-tune a released checkpoint in its own
-convention.
+loss is rectified flow with timestep 1000 t; Mochi's pipeline runs time the other way (its
+scheduler inverts the sigmas) — pass ``loss_fn`` to fine-tune a released checkpoint in its
+own convention.
 """
 
 from __future__ import annotations
@@ -157,4 +157,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or mochi_flow_loss, sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=install_hooks, skip_block=joint.two_stream_passthrough(BLOCK_ARGS))
+                        collate=collate, install_hooks=install_hooks,
+                        skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

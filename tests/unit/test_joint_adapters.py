@@ -1,7 +1,7 @@
 """The joint-attention adapters at world 1 (HunyuanVideo, CogVideoX, Mochi): the installed
 attention processors give the unmodified model's output (bitwise; Mochi to fp32 rounding),
-the planner's spec counts every parameter, and what dcparallel cannot drive is refused naming the class, the missing piece
-and the fix. Distributed parity: tests/dist/test_dist_joint.py."""
+the planner's spec counts every parameter, and what dcparallel cannot drive is refused
+naming the class, the missing piece and the fix. Distributed parity: tests/dist/test_dist_joint.py."""
 
 from __future__ import annotations
 
