@@ -154,9 +154,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{who} with in_channels={cfg.in_channels}, out_channels={cfg.out_channels}, "
                          f"ofs_embed_dim={cfg.ofs_embed_dim} is an image-to-video model: dcparallel's default loss and "
                          f"samples know text-to-video only; pass loss_fn= and sample_fn= (image latents in the item)")
-    if layers is not None:
-        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave layers= out")
     blocks = list(model.transformer_blocks)
+    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
+        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave "
+                         f"layers= out (or pass exactly those blocks)")
     heads = cfg.num_attention_heads
     if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
         raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "

@@ -161,9 +161,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{who} with image_condition_type={cfg.image_condition_type!r} (image-to-video) is not "
                          f"supported by dcparallel: its blocks modulate the first frame's tokens apart, by position; "
                          f"use a text-to-video configuration (image_condition_type=None)")
-    if layers is not None:
-        raise ValueError(f"{who}: dcparallel drives its dual- and single-stream blocks itself; leave layers= out")
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
+        raise ValueError(f"{who}: dcparallel drives its dual- and single-stream blocks itself; leave "
+                         f"layers= out (or pass exactly those blocks)")
     heads = cfg.num_attention_heads
     if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
         raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "

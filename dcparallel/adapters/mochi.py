@@ -126,10 +126,11 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     if unused:
         raise ValueError(f"unexpected arguments for diffusers {who}: {sorted(unused)}; it takes context_tokens=, "
                          f"loss_fn=, sample_fn=, name=")
-    if layers is not None:
-        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave layers= out")
     cfg = model.config
     blocks = list(model.transformer_blocks)
+    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
+        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave "
+                         f"layers= out (or pass exactly those blocks)")
     heads = cfg.num_attention_heads
     if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
         raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "

@@ -44,9 +44,10 @@ def test_processors_give_the_unmodified_output_and_the_spec_counts_every_paramet
 def test_arguments_for_another_family_are_refused_by_name():
     with pytest.raises(ValueError, match=r"HunyuanVideoTransformer3DModel.*\['text_dim'\].*context_tokens"):
         find_adapter(build("hunyuan"), text_dim=16)
+    model = build("cogvideox")
+    assert find_adapter(model, layers=list(model.transformer_blocks)).blocks == list(model.transformer_blocks)
     with pytest.raises(ValueError, match=r"CogVideoXTransformer3DModel.*leave layers= out"):
-        model = build("cogvideox")
-        find_adapter(model, layers=list(model.transformer_blocks))
+        find_adapter(model, layers=list(model.transformer_blocks)[:1])
 
 
 def test_image_to_video_variants_are_refused_with_the_fix():
@@ -77,3 +78,24 @@ def test_a_diffusers_model_without_a_cp_plan_or_joint_layout_is_refused():
     msg = str(err.value)
     assert "LatteTransformer3DModel" in msg and "no _cp_plan" in msg and "HunyuanVideoTransformer3DModel" in msg
     assert "adapter=dcparallel.adapters.ModelAdapter" in msg
+
+
+def test_collate_stacks_conditioning_and_names_what_is_missing_or_mixed():
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.spec import Layout
+
+    model = build("hunyuan")
+    collate = find_adapter(model, context_tokens=TEXT_TOKENS).collate
+    data = make_data("hunyuan", 6, seed=3)
+    same = [s for s in range(6) if data.shape_of[s] == data.shape_of[0]]
+    batch = collate({s: data.items[s] for s in same}, MicroBatch(tuple(same), Layout(2, len(same))), (0, 1), 1)
+    f, h, w = data.shape_of[0]
+    assert batch.seq_len == f * (h // 2) * (w // 2) and batch.padded_len % 2 == 0 and not batch.sharded
+    assert batch.extras["encoder_attention_mask"].shape == (len(same), TEXT_TOKENS)
+    assert set(batch.extras) == {"encoder_hidden_states", "pooled_projections", "encoder_attention_mask", "guidance"}
+    other = next(s for s in range(6) if data.shape_of[s] != data.shape_of[0])
+    with pytest.raises(ValueError, match="latents of one shape"):
+        collate({s: data.items[s] for s in (0, other)}, MicroBatch((0, other), Layout(1, 2)), (0,), 0)
+    missing = {0: {k: v for k, v in data.items[0].items() if k != "pooled_projections"}}
+    with pytest.raises(ValueError, match=r"HunyuanVideoTransformer3DModel sample 0 .*pooled_projections"):
+        collate(missing, MicroBatch((0,), Layout(1, 1)), (0,), 0)
