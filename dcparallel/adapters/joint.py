@@ -45,17 +45,18 @@ def sharding(attention: Any) -> tuple[Any, Batch] | None:
     return a.group, a.batch
 
 
-def shard_tokens(x: Tensor, batch: Batch, dim: int = 1) -> Tensor:
+def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> Tensor:
     """This rank's ``shard_len`` tokens along ``dim`` of the whole sequence (``batch.seq_len``
     long), padded with zeros past its end: only the shard is copied, and only where it runs
-    past the real tokens (the last ranks of an odd count)."""
+    past the real tokens (the last ranks of an odd count) or ``copy`` asks — a view would keep
+    the whole sequence's storage alive wherever the shard is saved for backward."""
     if x.shape[dim] != batch.seq_len:
         raise ValueError(f"expected the whole sequence of {batch.seq_len} video tokens on dim {dim}, got "
                          f"{tuple(x.shape)}; the model passed its blocks a tensor the sharding hooks do not know")
     start, n = batch.shard_start, batch.shard_len
     real = max(0, min(n, batch.seq_len - start))
     if real == n:
-        return x.narrow(dim, start, n)
+        return x.narrow(dim, start, n).clone() if copy else x.narrow(dim, start, n)
     shape = list(x.shape)
     shape[dim] = n - real
     return torch.cat([x.narrow(dim, min(start, batch.seq_len), real), x.new_zeros(shape)], dim=dim)
@@ -112,7 +113,8 @@ def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Seq
                       rotary: str | None) -> list[Any]:
     """Forward pre-hooks on the blocks: the first block's whole video hidden states (argument
     ``hidden``) and every block's whole rotary tables (argument ``rotary``: a (cos, sin) pair
-    of (N, D) tables) are cut to this rank's shard. ``names``: the blocks' positional
+    of (N, ...) tables, held whole by the model's forward anyway: views) are cut to this
+    rank's shard. ``names``: the blocks' positional
     parameter names, so arguments passed either way are found."""
     first = blocks[0]
 
@@ -130,8 +132,8 @@ def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Seq
             elif kwargs.get(name) is not None:
                 kwargs[name] = fn(kwargs[name])
 
-        if block is first:
-            update(hidden, lambda x: shard_tokens(x, batch, dim=1))
+        if block is first:  # a copy: the block saves its input, which must not pin the whole sequence
+            update(hidden, lambda x: shard_tokens(x, batch, dim=1, copy=True))
         if rotary is not None:
             update(rotary, lambda r: r if r is None else tuple(shard_tokens(x, batch, dim=0) for x in r))
         return tuple(args), kwargs
