@@ -61,7 +61,7 @@ class DataCentricParallel:
     """A `runtime.engine.Engine` (``engine``) plus `prepare`: profile (cached) -> plan -> load.
 
     ``model``: a reference model, a transformers causal LM, a diffusers Wan / ChronoEdit /
-    LTX-Video / Flux transformer, or
+    LTX-Video / Flux / HunyuanVideo / CogVideoX / Mochi transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
     ``num_heads``, ...) — or pass ``adapter``. ``policy``: a name of
     `dcparallel.plan.policies.POLICIES`. ``loss_fn(model, batch, ctx)``: one micro-batch's

@@ -20,9 +20,9 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`); any other
-module follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``,
-``num_heads``) or passes an adapter.
+diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`; HunyuanVideo,
+CogVideoX, Mochi: `adapters.joint`); any other module follows the small protocol of
+`protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class ModelAdapter:
     """``install_hooks(attention)`` -> hook handles: shards and gathers the token sequence
     inside a model that takes whole samples (``Batch.sharded`` is False for its batches)"""
     skip_block: Callable[..., Any] | None = None
-    """what a block returns when the profiler skips it (depth-limited runs), called with the
-    block's arguments; None: its hidden state (first argument or ``hidden_states=``)"""
+    """what a block the profiler's shallow stacks skip returns, called with the block's
+    arguments (None: its hidden state, the first argument or ``hidden_states=``; blocks that
+    return several streams, e.g. (video, text), pass them all on)"""
 
     def __post_init__(self) -> None:
         self.blocks = list(self.blocks)

@@ -17,7 +17,8 @@ from torch import nn
 
 #: the diffusers transformers dcparallel drives, and their adapter modules
 SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), LTXVideoTransformer3DModel "
-             "(adapters.ltx), FluxTransformer2DModel (adapters.flux)")
+             "(adapters.ltx), FluxTransformer2DModel (adapters.flux), and with joint video + text attention "
+             "HunyuanVideoTransformer3DModel, CogVideoXTransformer3DModel, MochiTransformer3DModel (adapters.joint)")
 
 
 def matches(model: nn.Module) -> bool:
@@ -38,8 +39,9 @@ def adapter(model: nn.Module, **unused: Any):
            + SUPPORTED)
     if not getattr(model, "_cp_plan", None):
         raise ValueError(f"dcparallel cannot drive the diffusers model {who}: it has no context-parallel plan "
-                         f"(_cp_plan), so there is no declared place to split and gather its token sequence "
-                         f"(dcparallel applies that plan with its own hooks). To train it, {fix}")
+                         f"(_cp_plan, which dcparallel applies with its own hooks), so there is no declared place to "
+                         f"split and gather its token sequence, and its attention is not a joint video + text layout "
+                         f"dcparallel implements. To train it, {fix}")
     procs = ", ".join(_processors(model)) or "unknown"
     raise ValueError(f"dcparallel cannot drive the diffusers model {who} yet: it has a context-parallel plan "
                      f"(_cp_plan), but dcparallel has no parity-tested attention processor for its attention layout "

@@ -51,7 +51,8 @@ def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable | None 
     """Runs only ``layers[:depth]``: every later layer passes its hidden state (its first
     argument, or its ``hidden_states`` keyword) through unchanged until the block exits.
     Layers must be residual blocks that return the new hidden state, or pass ``skip(*args,
-    **kwargs)``: what a skipped block returns (e.g. a block that returns a tuple of streams)."""
+    **kwargs)`` (`ModelAdapter.skip_block`): what a skipped block returns (e.g. a block that
+    returns a tuple of streams)."""
     if not 1 <= depth <= len(layers):
         raise ValueError(f"depth {depth} is outside 1..{len(layers)} (the number of layers)")
     saved: list[tuple[nn.Module, object]] = []

@@ -1,6 +1,7 @@
 """The examples run as users run them — `torchrun --nproc-per-node 2` on CPU — with a
-transformers Llama (GQA), diffusers Wan and LTX-Video transformers on mixed latent shapes,
-and a module written in the example: each profiles through its own loss function (no profiling code),
+transformers Llama (GQA), diffusers Wan, LTX-Video and HunyuanVideo transformers on mixed
+latent shapes (HunyuanVideo: joint video + text attention, padded captions), and a module
+written in the example: each profiles through its own loss function (no profiling code),
 plans, trains, and its loss falls. The lines each adds to an ordinary loop are counted."""
 
 import os
@@ -17,7 +18,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MARK = re.compile(r"\s# dcparallel\b")  # code lines marked at their end (the docstrings say `# dcparallel`)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "diffusers_ltx", "custom_model"])
+@pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "diffusers_ltx", "diffusers_hunyuanvideo",
+                                  "custom_model"])
 def test_example_adds_at_most_ten_lines(name):
     lines = (EXAMPLES / f"{name}.py").read_text().splitlines()
     marked = [line for line in lines if MARK.search(line)]
@@ -31,6 +33,7 @@ def test_example_adds_at_most_ten_lines(name):
 @pytest.mark.parametrize("name,env", [("hf_llama", {"NUM_SAMPLES": "120"}),
                                       ("diffusers_wan", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
                                       ("diffusers_ltx", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
+                                      ("diffusers_hunyuanvideo", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
                                       ("custom_model", {"NUM_SAMPLES": "120"})])
 def test_example_trains_under_torchrun(name, env, tmp_path):
     pytest.importorskip({"hf_llama": "transformers", "custom_model": "torch"}.get(name, "diffusers"))

@@ -1,0 +1,257 @@
+"""Joint attention under Ulysses: diffusers video transformers that attend over video tokens
+and text tokens in one attention (HunyuanVideo, CogVideoX, Mochi) and have no ``_cp_plan``.
+
+The model takes whole samples (``Batch.sharded`` is False): every rank of an SP group runs
+the text stream and the embeddings whole, module hooks cut the video tokens (and their rotary
+tables) to this rank's shard before the blocks and gather them before the output layer
+(`shard_tokens`, `gather_tokens`). Inside each joint attention (`joint_attention`):
+
+* the video queries, keys and values (B, L/sp, H, D) go through Ulysses' all-to-all to
+  (B, L, H/sp, D): all video tokens, this rank's heads;
+* the text ones (B, T, H, D) are replicated in the group: each rank takes its own H/sp heads;
+* each rank attends over [all video tokens, text tokens] for its heads, padding of the
+  video sequence (odd token counts) and the text padding mask never attended;
+* the video output returns through the reverse all-to-all; the text output (B, T, H/sp, D)
+  is all-gathered over heads, so every rank continues the text stream whole.
+
+Gradients: each rank's backward yields a share of every gradient, and the step's sync sums
+the shares over the world. Values every rank holds whole (the text stream, the timestep
+embedding) are consumed either by this rank's tokens or heads (its share) or after the final
+gather, where `MicroBatchContext.dense_loss` weights each position 1/sp; the head gather's
+backward sums the ranks' shares of the text output's gradient and hands each rank the full
+gradient of its own heads (`comm.gather_seq` on the head dim) — so the group's shares add up
+to the single-process gradient once, with nothing counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dcparallel.data.batch import Batch
+from dcparallel.plan.types import MicroBatch
+from dcparallel.runtime import comm
+
+
+def sharding(attention: Any) -> tuple[Any, Batch] | None:
+    """(group, batch) when the active micro-batch shards the model's tokens (SP > 1)."""
+    a = attention.state()
+    if a is None or a.batch is None or a.batch.sharded or comm.group_size(a.group) == 1:
+        return None
+    return a.group, a.batch
+
+
+def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> Tensor:
+    """This rank's ``shard_len`` tokens along ``dim`` of the whole sequence (``batch.seq_len``
+    long), padded with zeros past its end: only the shard is copied, and only where it runs
+    past the real tokens (the last ranks of an odd count) or ``copy`` asks — a view would keep
+    the whole sequence's storage alive wherever the shard is saved for backward."""
+    if x.shape[dim] != batch.seq_len:
+        raise ValueError(f"expected the whole sequence of {batch.seq_len} video tokens on dim {dim}, got "
+                         f"{tuple(x.shape)}; the model passed its blocks a tensor the sharding hooks do not know")
+    start, n = batch.shard_start, batch.shard_len
+    real = max(0, min(n, batch.seq_len - start))
+    if real == n:
+        return x.narrow(dim, start, n).clone() if copy else x.narrow(dim, start, n)
+    shape = list(x.shape)
+    shape[dim] = n - real
+    return torch.cat([x.narrow(dim, min(start, batch.seq_len), real), x.new_zeros(shape)], dim=dim)
+
+
+def gather_tokens(x: Tensor, attention: Any, dim: int = 1) -> Tensor:
+    """The whole video sequence from this rank's shard (padding dropped); unchanged outside SP."""
+    active = sharding(attention)
+    if active is None:
+        return x
+    group, batch = active
+    return comm.gather_seq(x, group, dim=dim).narrow(dim, 0, batch.seq_len)
+
+
+def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Tensor, v_text: Tensor,
+                    text_mask: Tensor | None, attention: Any, *, text_first: bool) -> tuple[Tensor, Tensor]:
+    """Video q, k, v (B, L_local, H, D) — this rank's shard inside an SP micro-batch, the whole
+    sequence otherwise — and replicated text q, k, v (B, T, H, D); ``text_mask`` (B, T) bool,
+    True where a text token may be attended (None: all). Returns the video output
+    (B, L_local, H, D) and the text output (B, T, H, D), whole on every rank. ``text_first``:
+    the model's own order of the joint sequence (the keys' order changes only rounding)."""
+    active = sharding(attention)
+    b, t, h = q.shape[0], q_text.shape[1], q.shape[2]
+    video_valid = None
+    if active is not None:
+        group, batch = active
+        if h % batch.sp:
+            raise ValueError(f"{h} attention heads do not split over SP {batch.sp}; use an SP degree dividing them")
+        q, k, v = comm.seq_to_heads([q, k, v], group)  # (B, padded L, H/sp, D)
+        hs = h // batch.sp
+        lo = batch.rank_in_group * hs
+        q_text, k_text, v_text = (x.narrow(2, lo, hs) for x in (q_text, k_text, v_text))
+        if batch.padded_len != batch.seq_len:
+            video_valid = (torch.arange(batch.padded_len, device=q.device) < batch.seq_len).expand(b, -1)
+    n = q.shape[1]
+    mask = None
+    if video_valid is not None or text_mask is not None:
+        vm = video_valid if video_valid is not None else torch.ones(b, n, dtype=torch.bool, device=q.device)
+        tm = text_mask.to(device=q.device, dtype=torch.bool) if text_mask is not None else \
+            torch.ones(b, t, dtype=torch.bool, device=q.device)
+        mask = (torch.cat([tm, vm], 1) if text_first else torch.cat([vm, tm], 1))[:, None, None, :]
+    join = (lambda x, y: torch.cat([y, x], 1)) if text_first else (lambda x, y: torch.cat([x, y], 1))
+    out = F.scaled_dot_product_attention(*(join(x, y).transpose(1, 2) for x, y in
+                                           ((q, q_text), (k, k_text), (v, v_text))), attn_mask=mask).transpose(1, 2)
+    out_text, out_video = (out[:, :t], out[:, t:]) if text_first else (out[:, n:], out[:, :n])
+    if active is not None:
+        group, _ = active
+        out_video = comm.heads_to_seq(out_video, group)
+        out_text = comm.gather_seq(out_text, group, dim=2)
+    return out_video, out_text
+
+
+def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Sequence[str], hidden: str,
+                      rotary: str | None) -> list[Any]:
+    """Forward pre-hooks on the blocks: the first block's whole video hidden states (argument
+    ``hidden``) and every block's whole rotary tables (argument ``rotary``: a (cos, sin) pair
+    of (N, ...) tables, held whole by the model's forward anyway: views) are cut to this
+    rank's shard. ``names``: the blocks' positional
+    parameter names, so arguments passed either way are found."""
+    first = blocks[0]
+
+    def hook(block: nn.Module, args: tuple, kwargs: dict):
+        active = sharding(attention)
+        if active is None:
+            return None
+        _, batch = active
+        args, kwargs = list(args), dict(kwargs)
+
+        def update(name: str, fn) -> None:
+            i = names.index(name)
+            if i < len(args):
+                args[i] = fn(args[i])
+            elif kwargs.get(name) is not None:
+                kwargs[name] = fn(kwargs[name])
+
+        if block is first:  # a copy: the block saves its input, which must not pin the whole sequence
+            update(hidden, lambda x: shard_tokens(x, batch, dim=1, copy=True))
+        if rotary is not None:
+            update(rotary, lambda r: r if r is None else tuple(shard_tokens(x, batch, dim=0) for x in r))
+        return tuple(args), kwargs
+
+    return [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
+
+
+def two_stream_passthrough(names: Sequence[str]):
+    """`ModelAdapter.skip_block` for blocks returning (video, text): both streams unchanged."""
+
+    def skip(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        found = dict(zip(names, args, strict=False)) | kwargs
+        return found["hidden_states"], found["encoder_hidden_states"]
+
+    return skip
+
+
+def gather_before(module: nn.Module, attention: Any) -> Any:
+    """A forward pre-hook on ``module`` (the output norm) that gathers its first argument."""
+
+    def hook(mod: nn.Module, args: tuple):
+        if sharding(attention) is None:
+            return None
+        return (gather_tokens(args[0], attention), *args[1:])
+
+    return module.register_forward_pre_hook(hook)
+
+
+# ---------------------------------------------------------------- data
+
+
+def collate_conditioned(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
+                        patch: tuple[int, int, int], required: Sequence[str], optional: Sequence[str] = (),
+                        family: str) -> Batch:
+    """Stacks same-shape latents (C, F, H, W) and their conditioning (``required`` keys on every
+    sample, ``optional`` keys on all or none) whole on every rank of the group, into
+    ``Batch.inputs`` and ``Batch.extras``; the model shards the video tokens itself."""
+    ranks = tuple(ranks)
+    if rank not in ranks or mb.layout.sp != len(ranks):
+        raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
+    keys = ["latents", *required]
+    lat, extras = [], {}
+    for sid in mb.sample_ids:
+        s = samples[sid]
+        if not isinstance(s, Mapping) or any(key not in s for key in keys):
+            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
+            raise ValueError(f"{family} sample {sid} must be a mapping with {keys} (optional: {list(optional)}); "
+                             f"got {got}")
+        lat.append(torch.as_tensor(s["latents"]))
+    for key in [*required, *optional]:
+        vals = [samples[sid].get(key) for sid in mb.sample_ids]
+        if all(x is None for x in vals):
+            continue
+        if any(x is None for x in vals):
+            raise ValueError(f"samples {mb.sample_ids}: give {key!r} for every sample or none")
+        vals = [torch.as_tensor(x) for x in vals]
+        if len({tuple(x.shape) for x in vals}) != 1:
+            raise ValueError(f"samples {mb.sample_ids} of one micro-batch need {key!r} of one shape; got "
+                             f"{sorted({tuple(x.shape) for x in vals})} (pad the text to one length, with a mask)")
+        extras[key] = torch.stack(vals)
+    shapes = {tuple(x.shape) for x in lat}
+    if len(shapes) != 1 or any(x.dim() != 4 for x in lat):
+        raise ValueError(f"samples {mb.sample_ids} of one micro-batch must be latents of one shape (C, F, H, W); got "
+                         f"{sorted(shapes)}")
+    _, f, h, w = lat[0].shape
+    pt, ph, pw = patch
+    if f % pt or h % ph or w % pw:
+        raise ValueError(f"latent shape {(f, h, w)} is not divisible by {family}'s patch {patch}; crop or pad the "
+                         f"latents")
+    n = (f // pt) * (h // ph) * (w // pw)
+    sp, b = len(ranks), len(lat)
+    return Batch(sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=ranks, rank_in_group=ranks.index(rank),
+                 inputs=torch.stack(lat), positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
+                 loss_mask=torch.ones(b, f, h, w, dtype=torch.bool),
+                 token_sample=torch.arange(b)[:, None, None, None].expand(b, f, h, w),
+                 num_targets=(f * h * w,) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
+                 frames=f // pt, sharded=False, extras=extras)
+
+
+def flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
+    """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
+    generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
+    channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
+    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
+    dtype = next(model.parameters()).dtype
+    x0 = batch.inputs.to(dtype)
+    ts, noises = [], []
+    for sid in batch.sample_ids:
+        g = ctx.generator(sid)
+        ts.append(torch.sigmoid(torch.randn((), generator=g)))
+        noises.append(torch.randn(x0.shape[1:], generator=g))
+    t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
+    noise = torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
+    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
+    pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
+    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+
+
+def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, mlp_modules, **fields: Any):
+    """The planner's `ModelSpec` of a model whose blocks differ in size (HunyuanVideo's dual-
+    and single-stream blocks): per layer the blocks' mean attention / MLP / other parameters
+    (the planner sees uniform layers), the rest, rounding included, as ``extra_params`` — so
+    the total is the model's exact parameter count."""
+    from dcparallel.adapters.base import count_params
+    from dcparallel.spec import ModelSpec
+
+    n = len(blocks)
+    attn = sum(count_params(attn_modules(b)) for b in blocks) // n
+    mlp = sum(count_params(mlp_modules(b)) for b in blocks) // n
+    other = sum(count_params([b]) for b in blocks) // n - attn - mlp
+    total = count_params([model])
+    spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
+                     extra_params=total - n * (attn + mlp + other),
+                     bytes_per_value=next(model.parameters()).element_size(), **fields)
+    assert spec.num_params == total, (spec.num_params, total)
+    return spec
+
+
+# ---------------------------------------------------------------- what is refused
+
+

@@ -1,0 +1,58 @@
+"""diffusers video transformers with joint video + text attention under Ulysses on gloo
+(world 2 and 4): HunyuanVideo (dual- then single-stream blocks, text padding masks, guidance),
+CogVideoX 1.0 and 1.5 (rotary tables of the pipeline) and Mochi (caption masks anywhere in
+the caption, its text output compacted as diffusers does). Video tokens are sharded over the
+SP group (odd counts padded, the padding masked), text tokens replicated, and each rank
+attends over all video tokens and the text for its heads. Loss and every parameter's gradient
+after `sync_gradients()` equal a single process running the unmodified model one sample at a
+time (plans with SP 1, 2 and 4, idle ranks, several phases, random recompute).
+
+Tolerance: fp32; sharding reorders sums (attention per head group and over a padded key set,
+loss and gradients over shards, ranks and micro-batches), a few fp32 roundings per value.
+The text stream's gradient counted once per rank of a group instead of once per group (or a
+lost video shard) moves gradients by far more than 1e-5. A key bias with no key norm after it
+(HunyuanVideo's token refiner) has a zero gradient in exact arithmetic (softmax ignores a
+shift shared by a query's keys): its values are rounding noise on both sides, so tensors whose
+reference gradient is below 1e-6 of the whole gradient's norm are held to 1e-5 of that norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import joint_cases
+from tests.joint_models import JOINT_KINDS, MIX, build, make_data, reference
+from tests.support import rel_err
+
+pytestmark = pytest.mark.dist
+
+pytest.importorskip("diffusers")
+
+
+@pytest.mark.parametrize("kind", JOINT_KINDS)
+def test_joint_attention_matches_single_process_gradients(workers, kind):
+    seeds, num_samples = [31, 32, 33, 34], 7
+    out = workers.run(joint_cases.case_joint_engine, kind, seeds, num_samples)
+    sp_seen, rc_seen, worst = set(), set(), 0.0
+    for i, seed in enumerate(seeds):
+        data = make_data(kind, num_samples, seed)
+        ref_loss, ref_grads = reference(build(kind), data, range(num_samples))
+        plan = out[0][i]["plan"]
+        for g in plan["groups"]:
+            sp_seen.add(len(g["ranks"]))
+            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
+                        for m in g["micro_batches"]}
+            assert all(len({data.shape_of[s] for s in m["sample_ids"]}) == 1 for m in g["micro_batches"])
+        total = torch.cat([x.flatten() for x in ref_grads.values()]).norm()
+        for r, res in enumerate(out):
+            assert abs(res[i]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (kind, r, seed, res[i]["loss"], ref_loss)
+            assert set(res[i]["grads"]) == set(ref_grads)
+            for name, g in res[i]["grads"].items():
+                ref = ref_grads[name]
+                err = rel_err(g, ref) if ref.norm() > 1e-6 * total else float((g - ref).norm() / total)
+                worst = max(worst, err)
+                assert err <= 1e-5, f"{kind} rank {r} seed {seed} {name}: rel err {err:.2e} plan {plan}"
+                assert torch.equal(g, out[0][i]["grads"][name])
+    print(f"{kind} world {workers.world}: max rel err {worst:.2e}")
+    assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
+    assert len(rc_seen) >= 3, rc_seen
