@@ -6,7 +6,8 @@ layer that keeps an attention's name) would never call it, and would silently at
 the rank's shard only and across packed documents. The engine installs `AttentionProbe`, a
 stand-in that forwards every call (and attribute) to the real attention. Until one forward
 has run every block, each micro-batch arms it (`start`): forward hooks on the blocks tell it
-which block is running and it records the blocks that called it. `finish` removes the hooks
+which block is running and it records the blocks that called it (or read its micro-batch
+state, as an attention that runs Ulysses itself does). `finish` removes the hooks
 and raises for a block that ran without calling it; once every block was seen calling it,
 it is never armed again, and a call costs one Python frame more than the bare attention.
 A block the profiler passes through (``forward.skips_block``) is not judged.
@@ -56,7 +57,14 @@ class AttentionProbe:
             self.called.add(self._stack[-1])
         return self._attention(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:  # longest_document, state, ... of the real attention
+    def state(self) -> Any:
+        """The real attention's micro-batch state. An attention that runs Ulysses itself from
+        it (a joint text + image attention reading the group) counts as a call."""
+        if self._stack:
+            self.called.add(self._stack[-1])
+        return self._attention.state()
+
+    def __getattr__(self, name: str) -> Any:  # longest_document, ... of the real attention
         return getattr(self._attention, name)
 
     def remove(self) -> None:
