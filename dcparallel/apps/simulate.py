@@ -18,8 +18,10 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL, make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import (
+    ALL_DISTRIBUTIONS,
     DEFAULT_SEED,
     DISTRIBUTIONS,
+    MIXES,
     SCENARIOS,
     long_token_share,
     read_lengths,
@@ -34,7 +36,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--distribution", choices=DISTRIBUTIONS, help="built-in length distribution")
+    src.add_argument("--distribution", choices=ALL_DISTRIBUTIONS,
+                     help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
+                          f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
                      help="one sample a line: `tokens` or `frames height width`; or a .npy array")
     p.add_argument("--world", type=int, default=32, help="GPUs (default 32)")
@@ -61,9 +65,15 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         scenario = None
     else:
         if args.scenario is None:
-            if args.lengths is None:
+            if sizes is not None:
+                args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
+            elif args.distribution in MIXES:
+                args.scenario = MIXES[args.distribution].kind
+            else:
                 raise SystemExit("error: give --scenario (and --distribution or --lengths)")
-            args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
+        if args.distribution in MIXES and MIXES[args.distribution].kind != args.scenario:
+            raise SystemExit(f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
+                             f"use it with --scenario {MIXES[args.distribution].kind}")
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node)
