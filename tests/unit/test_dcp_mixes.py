@@ -55,3 +55,69 @@ def test_plan_of_200_shapes_is_the_same_in_other_processes():
                            check=True, timeout=300)
         out.add(r.stdout.strip().splitlines()[-1])
     assert len(out) == 1 and len(next(iter(out))) == 64, out
+
+
+def _deal_by_definition(items, n):
+    """`deal_classes` as its docstring defines it, merging every class after each item class
+    once more than eight exist (a full pass, cost linear in classes x item classes)."""
+    import math
+    from bisect import bisect_left, bisect_right
+
+    from dcparallel.plan.dcp_classes import GroupClass
+    from dcparallel.plan.types import ROUND_EPS
+
+    def merge(classes):
+        out = {}
+        for c in classes:
+            key = (c.load, tuple(sorted(c.items.items())))
+            if key in out:
+                out[key].count += c.count
+            else:
+                out[key] = c
+        return list(out.values())
+
+    classes = [GroupClass(0.0, n, {})]
+    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            c = classes.pop(0)
+            loads = [x.load for x in classes]
+            per = max(1, math.ceil((loads[0] - c.load) / t - ROUND_EPS)) if loads else 1
+            more = None
+            if per * c.count <= q:
+                c.load += per * t
+                c.add(ic, per)
+                q -= per * c.count
+            else:
+                a, r = divmod(q, c.count)
+                if r:
+                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items), c.sig)
+                    more.add(ic, a + 1)
+                    c.count -= r
+                if a:
+                    c.load += a * t
+                    c.add(ic, a)
+                q = 0
+            classes.insert(bisect_left([x.load for x in classes], c.load), c)
+            if more is not None:
+                classes.insert(bisect_right([x.load for x in classes], more.load), more)
+        if len(classes) > 8:
+            classes = merge(classes)
+    return [c for c in merge(classes) if c.count > 0]
+
+
+def test_dealing_many_item_classes_is_dealing_by_definition():
+    """200 item classes of few distinct times (many groups end at equal loads, so classes
+    merge often): `deal_classes`, which merges only the runs of equal load that changed, deals
+    exactly as the definition's full merge after every item class."""
+    import random
+
+    from dcparallel.plan.dcp_classes import deal_classes
+
+    rng = random.Random(0)
+    for _ in range(20):
+        ni = rng.choice([3, 40, 200])
+        times = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3) for _ in range(ni)]
+        items = [(i, times[i], rng.randint(1, 40)) for i in range(ni)]
+        n = rng.choice([2, 16, 64])
+        got = [(c.load, c.count, c.items) for c in deal_classes(items, n)]
+        assert got == [(c.load, c.count, c.items) for c in _deal_by_definition(items, n)]
