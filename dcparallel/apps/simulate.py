@@ -28,7 +28,7 @@ from dcparallel.scenarios import (
     sample_sizes,
 )
 from dcparallel.sim.replay import replay_step, step_seconds
-from dcparallel.sim.run import run_policies, summary
+from dcparallel.sim.run import PLAN_TIME_NOTE, run_policies, summary
 from dcparallel.spec import ClusterSpec, Workload, h200_cluster
 
 
@@ -104,7 +104,7 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         "gpus_per_node": cluster.gpus_per_node, "seed": args.seed, "tokens_per_step": tps,
         "samples_total": len(workload), "steps": len(steps),
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
-        "lower_bound_s": round(bound, 4), "policies": per,
+        "lower_bound_s": round(bound, 4), "plan_time_includes": PLAN_TIME_NOTE, "policies": per,
     }
     if "bucket" in runs:
         out["bucket_sp"] = runs["bucket"].settings["sp"]
@@ -144,6 +144,8 @@ def _table(out: dict) -> str:
                     f"{v['peak_memory_fraction']:5.2f}  {st}")
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
+    rows.append(PLAN_TIME_NOTE + "; first step and setup ms: " + ", ".join(
+        f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items()))
     return "\n".join(rows)
 
 
