@@ -25,7 +25,6 @@ from dcparallel.plan.types import StepPlan
 from dcparallel.sim.replay import SimResult, simulate, step_seconds
 from dcparallel.spec import ClusterSpec, Workload
 
-
 #: what the planning times include, said wherever they are printed
 PLAN_TIME_NOTE = ("plan ms: CPU time (process_time) per step, median over the steady state (every step after "
                   "the first); the setup (building and tuning the planner) and the first step (filling its "

@@ -116,7 +116,8 @@ def test_dealing_many_item_classes_is_dealing_by_definition():
     rng = random.Random(0)
     for _ in range(20):
         ni = rng.choice([3, 40, 200])
-        times = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3) for _ in range(ni)]
+        times = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3)
+                 for _ in range(ni)]
         items = [(i, times[i], rng.randint(1, 40)) for i in range(ni)]
         n = rng.choice([2, 16, 64])
         got = [(c.load, c.count, c.items) for c in deal_classes(items, n)]
