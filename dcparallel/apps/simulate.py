@@ -27,7 +27,7 @@ from dcparallel.scenarios import (
     read_lengths,
     sample_sizes,
 )
-from dcparallel.sim.replay import replay_step, step_seconds
+from dcparallel.sim.replay import replay_step, simulate, step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, run_policies, summary
 from dcparallel.spec import ClusterSpec, Workload, h200_cluster
 
@@ -106,12 +106,31 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
         "lower_bound_s": round(bound, 4), "plan_time_includes": PLAN_TIME_NOTE, "policies": per,
     }
+    if isinstance(cost, ProfiledCost):
+        out.update(prediction_spread(cost, cluster, ctx, runs))
     if "bucket" in runs:
         out["bucket_sp"] = runs["bucket"].settings["sp"]
         out["bucket_recompute"] = runs["bucket"].settings["recompute"]
         base = runs["bucket"].sim.total_time
         out["speedup_vs_bucket"] = {k: round(base / r.sim.total_time, 4) for k, r in runs.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext, runs: dict) -> dict:
+    """How far each policy's predicted epoch time can be off through the profile's noise: its
+    plans replayed with every measured layout at the low and at the high end of its interval
+    (`ProfileEntry.time_range`), and the profile's noise warning (None when it is fine)."""
+    profile = cost.profile
+    out: dict = {"profile_noise_warning": profile.noise_warning()}
+    if profile.spreads() is None:
+        out["profile_spread"] = "unknown: the profile holds no spread per entry (profile again to measure it)"
+        return out
+    ends = {at: PlanContext(ctx.workload, ProfiledCost(profile, cluster, time_at=at), cluster)
+            for at in ("low", "high")}
+    for name, r in runs.items():
+        lo, hi = (simulate(r.plans, ends[at]).total_time for at in ("low", "high"))
+        out.setdefault("predicted_epoch_s_range", {})[name] = [round(lo, 4), round(hi, 4)]
     return out
 
 
