@@ -54,19 +54,11 @@ from dcparallel.profile.measure import (
     extrapolate,
     free_memory,
     grad_sync_seconds,
-    median,
 )
-from dcparallel.profile.robust import estimate, keep_mask, round_estimates, timed_until_stable
+from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
-from dcparallel.spec import (
-    STATIC_MODES,
-    ClusterSpec,
-    Layout,
-    ModelSpec,
-    Recompute,
-    Size,
-)
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, ModelSpec, Recompute, Size
 
 log = logging.getLogger(__name__)
 
@@ -254,21 +246,18 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            # rounds: at least `repeats`, more while a round is short (up to `min_time_s` of
-            # timing, as timeit's autorange), then more until the median is known to within
-            # `rel_tol` (`robust.timed_until_stable`), at most `max_repeats`; the group agrees
-            # on every decision (the slowest rank's round time, every rank done) so all its
-            # ranks run the same rounds
+            # rounds: >= `repeats`, more while short (`min_time_s`), then until the median is stable
+            # (`robust`); the group agrees on each decision (slowest rank, all done): same rounds
             round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
             rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
-            a, b = depths[0], depths[1]
 
             def one_round() -> float:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit):
                         times[d].append(self.timer.time(lambda: self._run(inputs)))
-                return round_estimates(times[a][-1:], times[b][-1:], a, b, self.spec.num_layers)[0]
+                return round_estimates(times[depths[0]][-1:], times[depths[1]][-1:], *depths[:2],
+                                       self.spec.num_layers)[0]
 
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
@@ -284,13 +273,7 @@ class Profiler:
                 return {"ok": False, "error": str(exc).splitlines()[0][:200]}
             finally:
                 gc.enable()
-            # outlier rounds (MAD of the rounds' full-depth estimates) are dropped from every depth
-            keep = keep_mask(xs, cfg.outlier_k)
-            kept = {d: [t for t, ok in zip(times[d], keep) if ok] for d in depths}
-            est = estimate(xs, cfg.outlier_k)
-            out.update(memory={d: mem[d] for d in depths}, time={d: median(kept[d]) for d in depths},
-                       slope=median([(y - x) / (b - a) for x, y in zip(kept[a], kept[b], strict=True)]),
-                       spread=est.rel_half_width, rounds=len(xs), rejected=est.rejected)
+            out.update(memory={d: mem[d] for d in depths}, **summarize_rounds(times, depths[:2], xs, cfg.outlier_k))
             return out
         finally:
             inputs = None
@@ -364,9 +347,8 @@ class Profiler:
                     m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
                     fits = self.memory_limit is None or state + m_l <= self.memory_limit
                     entry.time_s, entry.memory_bytes, entry.feasible = t_l, m_l, fits
-                    entry.time_spread = max(r["spread"] for r in res)  # the slowest rank's time is kept
-                    entry.rounds = res[0]["rounds"]
-                    entry.rejected = max(r["rejected"] for r in res)
+                    entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
+                        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
                     entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
                                       "memory_bytes": [m[d1], m[d2]]}
                     if not fits:
@@ -412,8 +394,7 @@ class Profiler:
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
                           grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer), buckets=buckets,
                           entries=entries, unfit_buckets=unfit)
-        noisy = profile.noise_warning()
-        if noisy and self.rank == 0:
-            log.warning(noisy)
+        if self.rank == 0 and profile.noise_warning():
+            log.warning(profile.noise_warning())
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
         return profile, stats

@@ -82,3 +82,17 @@ def timed_until_stable(run_round: Callable[[], float], *, min_rounds: int, max_r
             len(xs) >= MIN_SPREAD_ROUNDS and estimate(xs, k).rel_half_width <= rel_tol):
         xs.append(run_round())
     return xs
+
+
+def summarize_rounds(times: dict[int, list[float]], depths: Sequence[int], xs: Sequence[float],
+                     k: float = 3.5) -> dict:
+    """A layout's timing from its rounds: the outlier rounds (by their full-depth estimates
+    ``xs``) dropped from every depth, then per depth the median time, the median per-layer
+    time of the two depths ``depths`` (per round), and the spread, rounds and rejected."""
+    keep = keep_mask(xs, k)
+    kept = {d: [t for t, ok in zip(ts, keep) if ok] for d, ts in times.items()}
+    a, b = depths
+    est = estimate(xs, k)
+    return {"time": {d: statistics.median(ts) for d, ts in kept.items()},
+            "slope": statistics.median((y - x) / (b - a) for x, y in zip(kept[a], kept[b], strict=True)),
+            "spread": est.rel_half_width, "rounds": len(xs), "rejected": est.rejected}
