@@ -163,6 +163,12 @@ def _table(out: dict) -> str:
                     f"{v['peak_memory_fraction']:5.2f}  {st}")
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
+    if "predicted_epoch_s_range" in out:
+        rows.append("epoch s if every profiled layout were at the low / high end of its measured interval: " +
+                    ", ".join(f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in out["predicted_epoch_s_range"].items()))
+    for key in ("profile_spread", "profile_noise_warning"):
+        if out.get(key):
+            rows.append(f"{key.replace('_', ' ')}: {out[key]}")
     rows.append(PLAN_TIME_NOTE + "; first step and setup ms: " + ", ".join(
         f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items()))
     return "\n".join(rows)

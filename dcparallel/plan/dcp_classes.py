@@ -32,8 +32,13 @@ class GroupClass:
     def add(self, ic: int, n: int) -> None:
         """`n` more micro-batches of item class `ic` on each group."""
         self.items[ic] = self.items.get(ic, 0) + n
-        # sig = sum of count x a fixed odd multiplier per item class (the same in every process)
-        self.sig += n * ((ic + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFF)
+        self.sig += n * sig_weight(ic)
+
+
+def sig_weight(ic: int) -> int:
+    """What one micro-batch of item class `ic` adds to a class's `sig` (the same in every
+    process): `sig` is the sum over its items of count x weight."""
+    return (ic + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFF
 
 
 class ItemClass(NamedTuple):
@@ -59,6 +64,7 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
     touched: set[float] = set()  # loads a class was inserted at since the last merge
     ceil = math.ceil
     for ic, t, q in sorted(items, key=_longest_first):
+        w = sig_weight(ic)  # `GroupClass.add`, written out: this is the planner's inner loop
         while q > 0:
             c = classes.pop(0)
             low = loads.pop(0)
@@ -68,17 +74,19 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
             more = None
             if per * c.count <= q:
                 c.load += per * t
-                c.add(ic, per)
+                c.items[ic] = c.items.get(ic, 0) + per
+                c.sig += per * w
                 q -= per * c.count
             else:
                 a, r = divmod(q, c.count)
                 if r:
-                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items), c.sig)
-                    more.add(ic, a + 1)
+                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items), c.sig + (a + 1) * w)
+                    more.items[ic] = more.items.get(ic, 0) + a + 1
                     c.count -= r
                 if a:
                     c.load += a * t
-                    c.add(ic, a)
+                    c.items[ic] = c.items.get(ic, 0) + a
+                    c.sig += a * w
                 q = 0
             i = bisect_left(loads, c.load)
             classes.insert(i, c)
@@ -104,6 +112,8 @@ def _merge_runs(classes: list[GroupClass], loads: list[float], touched: set[floa
     inserted into since the last merge holds no alike classes (a class changes load or
     contents only between being popped and inserted again). So a merge costs what changed,
     not the number of classes."""
+    if len(set(loads)) == len(loads):  # no equal loads at all (ascending: strictly increasing)
+        return
     for load in sorted(touched, reverse=True):  # from the back: earlier runs keep their positions
         a, b = bisect_left(loads, load), bisect_right(loads, load)
         if b - a > 1:

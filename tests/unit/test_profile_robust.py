@@ -139,3 +139,6 @@ def test_simulate_reports_the_range_of_its_prediction(tmp_path):
         mid = out["policies"][name]["epoch_time_s"]
         assert lo < mid < hi, (name, lo, mid, hi)
     assert out["profile_noise_warning"] is None
+    from dcparallel.apps.simulate import _table
+
+    assert "low / high end of its measured interval: packed" in _table(out)
