@@ -11,7 +11,8 @@ run under cProfile: the total calls, and calls and cumulative share of the named
 For instruction counts run it under callgrind with `--callgrind`: instrumentation is off
 until the measured steps (a small helper built with `cc` against valgrind's `callgrind.h`
 switches it on and dumps the counts after them), so the dump `callgrind.out.*.1` holds the
-instructions of the measured steps only, and setup runs at valgrind's uninstrumented speed:
+instructions of the measured steps only (the cycle collector off: see `main`), and setup
+runs at valgrind's uninstrumented speed:
 
     valgrind --tool=callgrind --instr-atstart=no python benchmarks/plan_shapes.py ... --callgrind
     callgrind_annotate callgrind.out.<pid>.1 | head   # "PROGRAM TOTALS": instructions; / --steps
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import ctypes
 import pstats
 import subprocess
@@ -92,6 +94,11 @@ def main() -> int:
     prof = cProfile.Profile() if args.profile else None
     c0 = time.process_time()
     if cg:
+        # the cycle collector off: a full collection walks the whole heap (the workload, the
+        # cost caches), so whether one lands in the measured steps depends on the process,
+        # not on the planner, and would move the count by tens of millions
+        gc.collect()
+        gc.disable()
         cg.measure_start()
     for s in measured:
         if prof:
