@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import ctypes
+import gc
 import pstats
 import subprocess
 import tempfile
