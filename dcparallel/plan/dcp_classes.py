@@ -112,8 +112,8 @@ def _merge_runs(classes: list[GroupClass], loads: list[float], touched: set[floa
     inserted into since the last merge holds no alike classes (a class changes load or
     contents only between being popped and inserted again). So a merge costs what changed,
     not the number of classes."""
-    if len(set(loads)) == len(loads):  # no equal loads at all (ascending: strictly increasing)
-        return
+    if len(touched) > len(loads) // 8 and len(set(loads)) == len(loads):  # no equal loads at all
+        return  # (one pass in C: cheaper than the runs when much changed)
     for load in sorted(touched, reverse=True):  # from the back: earlier runs keep their positions
         a, b = bisect_left(loads, load), bisect_right(loads, load)
         if b - a > 1:
