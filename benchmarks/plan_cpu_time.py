@@ -2,10 +2,11 @@
 jobs on a shared machine inflate far less than wall-clock time, with where the time goes.
 
     PYTHONPATH=. .venv/bin/python benchmarks/plan_cpu_time.py --worlds 1024,4096 --budgets weak,strong \\
-        [--cells text/short,...] [--steps 4] [--profile]
+        [--cells text/short,video/video-mix,...] [--steps 4] [--profile]
 
-Each planner first plans one step that is not timed (the step after the timed ones), so
-its caches hold what a running planner's hold by then. With `--repeats R` every cell is
+Steps are timed as `dcparallel simulate` times them (`dcparallel.sim.run.PlanTiming`):
+the planner's setup and its first step apart, then `--steps` steady-state steps (median
+and maximum), in CPU time of this process. With `--repeats R` every cell is
 planned in R rounds over all cells, each time with a fresh planner, and each step keeps its
 least time: other jobs and slow spells of a shared machine only ever add time, and rounds
 spread each cell's tries over the whole run. A fixed workload timed before each round
@@ -40,6 +41,7 @@ from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
+from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
 from dcparallel.spec import Workload
 
 PARTS = {"search": ("table", "search", "_plan_part"), "expand": "expand", "refine+spill": ("refine", "spill"),
@@ -67,7 +69,7 @@ def main() -> int:
     ap.add_argument("--worlds", default="1024")
     ap.add_argument("--budgets", default="weak")
     ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in DISTRIBUTIONS))
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="steady-state steps timed (after the first step)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over all cells, each with fresh planners; each step keeps its least time "
@@ -85,22 +87,24 @@ def main() -> int:
                 cl = sc.cluster(world)
                 ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
                 steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps + 1]
-                cells.append((f"{budget} {world} {item}", ctx, steps[:-1], steps[-1]))
-    cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
-    wall = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}
+                cells.append((f"{budget} {world} {item}", ctx, steps[1:], steps[0]))
+    cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # steady-state steps
+    first = {name: math.inf for name, _, _, _ in cells}
+    setup = {name: math.inf for name, _, _, _ in cells}
     own = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # one rank's groups, built
     full = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # every rank's groups, built
     probes = []
     for _ in range(args.repeats):  # rounds over all cells, so a slow spell of the machine hits each cell once
         probes.append(speed_probe())
-        for name, ctx, steps, warm in cells:
+        for name, ctx, steps, first_step in cells:
+            c0 = time.process_time()
             planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-            planner.plan(warm)  # a step not timed: builds what a running planner has built by then
-            for i, s in enumerate(steps):
-                c0, w0 = time.process_time(), time.perf_counter()
-                plan = planner.plan(s)
-                cpu[name][i] = min(cpu[name][i], (time.process_time() - c0) * 1e3)
-                wall[name][i] = min(wall[name][i], (time.perf_counter() - w0) * 1e3)
+            setup[name] = min(setup[name], (time.process_time() - c0) * 1e3)
+            # as `simulate` times them (`sim.run.timed_plans`): the first step apart, then the steady state
+            plans, timing = timed_plans(planner.plan, [first_step, *steps])
+            first[name] = min(first[name], timing.first_step_ms)
+            for i, (plan, ms) in enumerate(zip(plans[1:], timing.steady_ms)):
+                cpu[name][i] = min(cpu[name][i], ms)
                 c0 = time.process_time()
                 plan.groups_of(ctx.cluster.world_size // 2)  # what the loader of one rank reads
                 own[name][i] = min(own[name][i], (time.process_time() - c0) * 1e3)
@@ -110,16 +114,17 @@ def main() -> int:
     probes.append(speed_probe())
     print(f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
           f"{', '.join(f'{x:.0f}' for x in probes)}", flush=True)
-    for name, ctx, steps, warm in cells:
+    print(PLAN_TIME_NOTE, flush=True)
+    for name, ctx, steps, first_step in cells:
         n = statistics.median(len(s.sample_ids) for s in steps)
         line = (f"{name}: {len(steps)} steps, {n} samples/step; "
-                f"CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f}; "
-                f"wall ms median {statistics.median(wall[name]):.1f} max {max(wall[name]):.1f}; "
+                f"plan CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f} "
+                f"(first step {first[name]:.1f}, setup {setup[name]:.0f}); "
                 f"one rank's groups built {statistics.median(own[name]):.2f} ms, "
                 f"every rank's {statistics.median(full[name]):.1f} ms")
         if args.profile:
             planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-            planner.plan(warm)
+            planner.plan(first_step)
             prof = cProfile.Profile()
             for s in steps:
                 prof.enable()

@@ -6,17 +6,23 @@ r_i = n - 1 - i (`long`), or r_i = |i - (n - 1) / 2| (`balanced`: the middle cla
 common). Video classes are the 25 Open-Sora buckets (144p..720p x 1, 51, 102, 204, 408
 frames); text classes are the 11 power-of-two length ranges [64, 128) .. [65536, 131072],
 lengths log-uniform inside a range.
+
+The realistic mixes (`MIXES`, `simulate --distribution NAME`) are generated from parameters
+written below that follow published statistics of real corpora (named at each one): video
+mixes of images beside clips in dozens of (frames, resolution) shapes, text mixes with heavy
+tails to 128k and 1M tokens. Nothing is downloaded; each is seeded and vectorized.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, check_size, h200_cluster
+from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, batch_key, check_size, h200_cluster
 
 Distribution = Literal["short", "balanced", "long"]
 DISTRIBUTIONS: tuple[Distribution, ...] = ("short", "balanced", "long")
@@ -125,15 +131,27 @@ def zipf_weights(n: int, distribution: Distribution) -> np.ndarray:
     return w / w.sum()
 
 
-def sample_sizes(scenario: str, distribution: Distribution, num_samples: int | None = None,
+def sample_sizes(scenario: str, distribution: str, num_samples: int | None = None,
                  seed: int = DEFAULT_SEED, epoch_tokens: int | None = None) -> list[Size]:
-    """`num_samples` samples of the distribution; by default as many as make about
-    `epoch_tokens` tokens (default: `EPOCH_STEPS` steps of the scenario's `tokens_per_step`;
-    the scale benchmark asks for more, so that a large world's larger steps are several).
+    """`num_samples` samples of the distribution (one of `DISTRIBUTIONS`, or a realistic mix
+    of `MIXES` of the scenario's kind); by default as many as make about `epoch_tokens`
+    tokens (default: `EPOCH_STEPS` steps of the scenario's `tokens_per_step`; the scale
+    benchmark asks for more, so that a large world's larger steps are several).
     Deterministic in `seed`; a larger `epoch_tokens` extends the same sequence."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; choose one of {sorted(SCENARIOS)}")
     sc = SCENARIOS[scenario]
     total_tokens = EPOCH_STEPS * sc.tokens_per_step if epoch_tokens is None else epoch_tokens
-    rng = np.random.default_rng([seed, 1 if scenario == "video" else 2, DISTRIBUTIONS.index(distribution)])
+    if distribution in MIXES:
+        mix = MIXES[distribution]
+        if mix.kind != scenario:
+            raise ValueError(f"mix {distribution!r} holds {mix.kind} samples, not {scenario}; use it with "
+                             f"--scenario {mix.kind}")
+        rng = np.random.default_rng([seed, 3, zlib.crc32(distribution.encode())])
+    elif distribution in DISTRIBUTIONS:
+        rng = np.random.default_rng([seed, 1 if scenario == "video" else 2, DISTRIBUTIONS.index(distribution)])
+    else:
+        raise ValueError(f"unknown distribution {distribution!r}; choose one of {ALL_DISTRIBUTIONS}")
     out: list[Size] = []
     total = 0
     while (num_samples is None and total < total_tokens) or (
@@ -147,7 +165,9 @@ def sample_sizes(scenario: str, distribution: Distribution, num_samples: int | N
     return out
 
 
-def _draw(scenario: str, distribution: Distribution, rng: np.random.Generator, n: int) -> list[Size]:
+def _draw(scenario: str, distribution: str, rng: np.random.Generator, n: int) -> list[Size]:
+    if distribution in MIXES:
+        return MIXES[distribution].draw(rng, n)
     if scenario == "video":
         shapes = video_buckets()
         idx = rng.choice(len(shapes), size=n, p=zipf_weights(len(shapes), distribution))
@@ -157,6 +177,140 @@ def _draw(scenario: str, distribution: Distribution, rng: np.random.Generator, n
     lo = np.log(np.array(TEXT_EDGES[:-1], float)[idx])
     hi = np.log(np.array(TEXT_EDGES[1:], float)[idx])
     return [int(x) for x in np.minimum(np.exp(rng.uniform(lo, hi)), TEXT_EDGES[-1]).astype(int)]
+
+
+#: width:height ratios of the aspect-ratio buckets video mixes use
+ASPECTS = {"16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1), "3:4": (3, 4), "9:16": (9, 16)}
+
+
+@dataclass(frozen=True)
+class VideoMix:
+    """Images beside clips in (frames, height, width) shapes. A sample is an image with
+    probability `image_share`; its height and aspect bucket are drawn from the weights
+    (images and clips have their own height weights); a clip's duration is log-normal, its
+    frame count the largest of `frame_buckets` not above duration x `fps` (the smallest
+    bucket for shorter clips), cut further to the largest bucket whose latent tokens stay
+    within `max_clip_tokens` (high resolutions get short clips, as in Open-Sora's buckets)."""
+
+    kind = "video"
+    heights: tuple[int, ...]
+    clip_height_weights: tuple[float, ...]
+    image_height_weights: tuple[float, ...]
+    aspects: tuple[str, ...]
+    aspect_weights: tuple[float, ...]
+    frame_buckets: tuple[int, ...]
+    image_share: float
+    duration_median_s: float
+    duration_sigma: float
+    fps: float
+    max_clip_tokens: int
+
+    def resolutions(self) -> list[tuple[int, int]]:
+        """(height, width) of every height x aspect bucket, widths rounded to even pixels;
+        the height is the short side (portrait aspects swap it)."""
+        out = []
+        for h in self.heights:
+            for a in self.aspects:
+                aw, ah = ASPECTS[a]
+                long = 2 * round(h * max(aw, ah) / min(aw, ah) / 2)
+                out.append((h, long) if aw >= ah else (long, h))
+        return out
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every shape the mix can draw: images at each resolution, clips at each resolution
+        and frame bucket within the token cap."""
+        na = len(self.aspects)
+        res = self.resolutions()
+        out = [(1, h, w) for i, (h, w) in enumerate(res) if self.image_height_weights[i // na] > 0]
+        for i, (h, w) in enumerate(res):
+            if self.clip_height_weights[i // na] > 0:
+                out += [(f, h, w) for f in self.frame_buckets[: self._top_bucket(h, w) + 1]]
+        return out
+
+    def _top_bucket(self, h: int, w: int) -> int:
+        fits = [i for i, f in enumerate(self.frame_buckets) if STDIT_1B.tokens((f, h, w)) <= self.max_clip_tokens]
+        return fits[-1] if fits else 0
+
+    def draw(self, rng: np.random.Generator, n: int) -> list[Size]:
+        res = self.resolutions()
+        na = len(self.aspects)
+        image = rng.random(n) < self.image_share
+        hw = np.asarray(self.clip_height_weights, float)
+        iw = np.asarray(self.image_height_weights, float)
+        aw = np.asarray(self.aspect_weights, float)
+        height = np.where(image, rng.choice(len(self.heights), n, p=iw / iw.sum()),
+                          rng.choice(len(self.heights), n, p=hw / hw.sum()))
+        r = height * na + rng.choice(na, n, p=aw / aw.sum())
+        frames_avail = self.fps * self.duration_median_s * np.exp(self.duration_sigma * rng.standard_normal(n))
+        b = np.maximum(np.searchsorted(np.asarray(self.frame_buckets, float), frames_avail, side="right") - 1, 0)
+        top = np.array([self._top_bucket(h, w) for h, w in res])
+        frames = np.where(image, 1, np.asarray(self.frame_buckets)[np.minimum(b, top[r])])
+        return [(int(f), *res[i]) for f, i in zip(frames, r)]
+
+
+@dataclass(frozen=True)
+class TextMix:
+    """Document lengths: a log-normal body (median `median` tokens) and, with probability
+    `tail_share`, a Pareto tail from `tail_min` tokens (index `tail_alpha`) truncated at
+    `max_tokens`; every length clipped to [`min_tokens`, `max_tokens`]."""
+
+    kind = "text"
+    median: float
+    sigma: float
+    tail_share: float
+    tail_min: int
+    tail_alpha: float
+    max_tokens: int
+    min_tokens: int = 16
+
+    def draw(self, rng: np.random.Generator, n: int) -> list[Size]:
+        body = self.median * np.exp(self.sigma * rng.standard_normal(n))
+        # inverse CDF of the Pareto truncated at max_tokens: exact, no resampling
+        top = 1.0 - (self.tail_min / self.max_tokens) ** self.tail_alpha
+        tail = self.tail_min * (1.0 - rng.uniform(0.0, top, n)) ** (-1.0 / self.tail_alpha)
+        x = np.where(rng.random(n) < self.tail_share, tail, body)
+        return [int(v) for v in np.clip(np.rint(x), self.min_tokens, self.max_tokens)]
+
+
+MIXES: dict[str, VideoMix | TextMix] = {
+    # 64 shapes, 40% images. Resolutions 144p..720p in 16:9, 4:3 and square
+    # (Open-Sora 1.2's resolution and aspect-ratio buckets; its bucket configuration keeps
+    # fewer clips the higher the resolution, hence the falling clip weights and the token
+    # cap); clip durations log-normal with median 6 s (mean about 8 s: Panda-70M reports
+    # 8.5 s on average, OpenVid-1M clips mostly 2-15 s) at 24 fps, cut to 16, 51, 102 or
+    # 204 frames; 40% images, which image-text corpora hold at higher resolutions.
+    "video-mix": VideoMix(
+        heights=(144, 240, 360, 480, 720), clip_height_weights=(0.30, 0.30, 0.20, 0.12, 0.08),
+        image_height_weights=(0.0, 0.20, 0.30, 0.25, 0.25), aspects=("16:9", "4:3", "1:1"),
+        aspect_weights=(0.60, 0.25, 0.15), frame_buckets=(16, 51, 102, 204), image_share=0.40,
+        duration_median_s=6.0, duration_sigma=0.8, fps=24.0, max_clip_tokens=60_000),
+    # 200 shapes: the same corpora bucketed finely, as a data set trained without a fixed
+    # bucket table is: nine heights 144p..720p, portrait aspects too, five frame buckets.
+    "video-wide": VideoMix(
+        heights=(144, 192, 240, 288, 360, 432, 480, 576, 720),
+        clip_height_weights=(0.18, 0.14, 0.16, 0.12, 0.14, 0.08, 0.08, 0.05, 0.05),
+        image_height_weights=(0.05, 0.05, 0.10, 0.10, 0.15, 0.10, 0.15, 0.15, 0.15),
+        aspects=("16:9", "4:3", "1:1", "3:4", "9:16"), aspect_weights=(0.45, 0.20, 0.15, 0.08, 0.12),
+        frame_buckets=(16, 51, 102, 136, 204), image_share=0.40,
+        duration_median_s=6.0, duration_sigma=0.8, fps=24.0, max_clip_tokens=31_000),
+    # long-context SFT: multi-turn chat (ShareGPT / UltraChat: median about 700 tokens) with
+    # 15% long-document tasks from 8k to 128k tokens (LongAlign-10k spans 8k-64k; ChatQA-2
+    # and LongAlpaca reach 128k)
+    "sft-long": TextMix(median=700, sigma=1.0, tail_share=0.15, tail_min=8192, tail_alpha=0.8,
+                        max_tokens=128 * 1024),
+    # long-context pretraining: web documents (RedPajama / SlimPajama: median about 600
+    # tokens, wide log-normal) with 3% books, arXiv papers and code repositories in a heavy
+    # tail to 1M tokens (the long-data upsampling of ProLong, Gao et al. 2024)
+    "pretrain-long": TextMix(median=600, sigma=1.4, tail_share=0.03, tail_min=16384, tail_alpha=0.7,
+                             max_tokens=1024 * 1024),
+}
+#: every name `sample_sizes` (and `simulate --distribution`) takes
+ALL_DISTRIBUTIONS: tuple[str, ...] = (*DISTRIBUTIONS, *MIXES)
+
+
+def distinct_shapes(model: ModelSpec, sizes: list[Size]) -> int:
+    """How many classes of samples the planner sees (`spec.batch_key`: video, one latent shape)."""
+    return len({batch_key(model, s) for s in sizes})
 
 
 def long_token_share(model: ModelSpec, sizes: list[Size], threshold: int = 64 * 1024) -> float:

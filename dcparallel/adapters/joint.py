@@ -236,7 +236,8 @@ def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, m
     """The planner's `ModelSpec` of a model whose blocks differ in size (HunyuanVideo's dual-
     and single-stream blocks): per layer the blocks' mean attention / MLP / other parameters
     (the planner sees uniform layers), the rest, rounding included, as ``extra_params`` — so
-    the total is the model's exact parameter count."""
+    the total is the model's exact parameter count; the largest block's parameters are what a
+    parameter-shard block gathers at once (``max_unit_params``)."""
     from dcparallel.adapters.base import count_params
     from dcparallel.spec import ModelSpec
 
@@ -247,6 +248,7 @@ def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, m
     total = count_params([model])
     spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
                      extra_params=total - n * (attn + mlp + other),
+                     max_unit_params=max(count_params([b]) for b in blocks),
                      bytes_per_value=next(model.parameters()).element_size(), **fields)
     assert spec.num_params == total, (spec.num_params, total)
     return spec

@@ -20,8 +20,10 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL, make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import (
+    ALL_DISTRIBUTIONS,
     DEFAULT_SEED,
     DISTRIBUTIONS,
+    MIXES,
     MODEL_PRESETS,
     SCENARIOS,
     long_token_share,
@@ -29,8 +31,8 @@ from dcparallel.scenarios import (
     read_lengths,
     sample_sizes,
 )
-from dcparallel.sim.replay import replay_step, step_seconds
-from dcparallel.sim.run import run_policies, summary
+from dcparallel.sim.replay import replay_step, simulate, step_seconds
+from dcparallel.sim.run import PLAN_TIME_NOTE, run_policies, summary
 from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster
 
 
@@ -60,7 +62,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
                         "with which the model states and the data fit")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--distribution", choices=DISTRIBUTIONS, help="built-in length distribution")
+    src.add_argument("--distribution", choices=ALL_DISTRIBUTIONS,
+                     help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
+                          f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
                      help="one sample a line: `tokens` or `frames height width`; or a .npy array")
     p.add_argument("--world", type=int, default=32, help="GPUs (default 32)")
@@ -98,9 +102,15 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         scenario = None
     else:
         if args.scenario is None:
-            if args.lengths is None:
+            if sizes is not None:
+                args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
+            elif args.distribution in MIXES:
+                args.scenario = MIXES[args.distribution].kind
+            else:
                 raise SystemExit("error: give --scenario (and --distribution or --lengths)")
-            args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
+        if args.distribution in MIXES and MIXES[args.distribution].kind != args.scenario:
+            raise SystemExit(f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
+                             f"use it with --scenario {MIXES[args.distribution].kind}")
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node)
@@ -155,14 +165,33 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         "peak_memory_bytes": max((v["peak_memory_bytes"] for v in per.values()), default=0),
         "samples_total": len(workload), "steps": len(steps),
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
-        "lower_bound_s": round(bound, 4), "policies": per,
+        "lower_bound_s": round(bound, 4), "plan_time_includes": PLAN_TIME_NOTE, "policies": per,
     }
+    if isinstance(cost, ProfiledCost):
+        out.update(prediction_spread(cost, cluster, ctx, runs))
     if "bucket" in runs:
         out["bucket_sp"] = runs["bucket"].settings["sp"]
         out["bucket_recompute"] = runs["bucket"].settings["recompute"]
         base = runs["bucket"].sim.total_time
         out["speedup_vs_bucket"] = {k: round(base / r.sim.total_time, 4) for k, r in runs.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext, runs: dict) -> dict:
+    """How far each policy's predicted epoch time can be off through the profile's noise: its
+    plans replayed with every measured layout at the low and at the high end of its interval
+    (`ProfileEntry.time_range`), and the profile's noise warning (None when it is fine)."""
+    profile = cost.profile
+    out: dict = {"profile_noise_warning": profile.noise_warning()}
+    if profile.spreads() is None:
+        out["profile_spread"] = "unknown: the profile holds no spread per entry (profile again to measure it)"
+        return out
+    ends = {at: PlanContext(ctx.workload, ProfiledCost(profile, cluster, time_at=at), cluster)
+            for at in ("low", "high")}
+    for name, r in runs.items():
+        lo, hi = (simulate(r.plans, ends[at]).total_time for at in ("low", "high"))
+        out.setdefault("predicted_epoch_s_range", {})[name] = [round(lo, 4), round(hi, 4)]
     return out
 
 
@@ -201,6 +230,14 @@ def _table(out: dict) -> str:
                     f"{' (auto)' if out['shard_size_auto'] else ''}: model states "
                     f"{format_bytes(out['model_state_bytes'])}, planned peak {format_bytes(out['peak_memory_bytes'])} "
                     f"of {format_bytes(out['memory_bytes'])} per rank")
+    if "predicted_epoch_s_range" in out:
+        rows.append("epoch s if every profiled layout were at the low / high end of its measured interval: " +
+                    ", ".join(f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in out["predicted_epoch_s_range"].items()))
+    for key in ("profile_spread", "profile_noise_warning"):
+        if out.get(key):
+            rows.append(f"{key.replace('_', ' ')}: {out[key]}")
+    rows.append(PLAN_TIME_NOTE + "; first step and setup ms: " + ", ".join(
+        f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items()))
     return "\n".join(rows)
 
 

@@ -36,10 +36,16 @@ def _non_decreasing(points: list[tuple[int, float, float]]) -> list[tuple[int, f
 
 
 class ProfiledCost:
-    """Cost model over a `Profile`, for a cluster whose world size the profile measured."""
+    """Cost model over a `Profile`, for a cluster whose world size the profile measured.
+    ``time_at`` prices every measured layout at its time ("value"), or at the low or high end
+    of its interval (`ProfileEntry.time_range`): the simulator replays a plan under both ends
+    to give the spread of its prediction."""
 
-    def __init__(self, profile: Profile, cluster: ClusterSpec):
+    def __init__(self, profile: Profile, cluster: ClusterSpec, time_at: str = "value"):
+        if time_at not in ("value", "low", "high"):
+            raise ValueError(f"time_at={time_at!r}; choose 'value', 'low' or 'high'")
         self.profile, self.model, self.cluster = profile, profile.model, cluster
+        self.time_at = time_at
         # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
         self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
         if profile.world_size != cluster.world_size:
@@ -58,8 +64,8 @@ class ProfiledCost:
                     k = (e.sp, e.recompute)
                     self._unfit[k] = min(self._unfit.get(k, tokens[e.bucket]), tokens[e.bucket])
                 continue
-            self._points.setdefault((e.bucket, e.sp, e.recompute), []).append(
-                (e.mbs, float(e.time_s), float(e.memory_bytes)))
+            t = float(e.time_s) if time_at == "value" else e.time_range()[0 if time_at == "low" else 1]
+            self._points.setdefault((e.bucket, e.sp, e.recompute), []).append((e.mbs, t, float(e.memory_bytes)))
         for key, v in self._points.items():
             self._points[key] = _non_decreasing(sorted(v))
         self._by_tokens: dict[tuple[int, str], list[tuple[int, str]]] = {}
@@ -72,6 +78,9 @@ class ProfiledCost:
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
+        noisy = profile.noise_warning() if time_at == "value" else None
+        if noisy:
+            log.warning(noisy)
 
     def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:
         """Plans shard blocks of ``cluster.shard_size`` ranks from a profile measured without

@@ -1,9 +1,10 @@
 """The profile's typed schema: `Profile`, `ProfileBucket`, `ProfileEntry` and their JSON form.
 
-Profile JSON, schema ``dcparallel.profile`` version 1::
+Profile JSON, schema ``dcparallel.profile`` version 2 (version 1, without the spread of
+each entry, still loads: its spread counts as unknown)::
 
     {
-      "schema": "dcparallel.profile", "version": 1,
+      "schema": "dcparallel.profile", "version": 2,
       "fingerprint": {...},            # what the profile is valid for (model, dtype, device,
                                        # world size, torch version); compared by the profiler
       "model": {ModelSpec fields},     # the model as the planner sees it
@@ -23,7 +24,10 @@ Profile JSON, schema ``dcparallel.profile`` version 1::
                                         # collectives, model_state_bytes the sharded states)
     }
 
-Optional entry fields (absent = none): ``ranks`` (the SP group that measured it),
+Optional entry fields (absent = none): ``time_spread`` (the relative half-width of the 95%
+interval of ``time_s``: the time is known to within time_s x (1 +- time_spread)),
+``rounds`` (timed rounds) and ``rejected`` (outlier rounds dropped; `profile.robust`),
+``ranks`` (the SP group that measured it),
 ``measured`` (``depths``, ``time_s``, ``memory_bytes``: the short stacks it was extrapolated
 from; ``layer_s``: the time of one layer used, the median of per-round differences),
 ``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
@@ -43,7 +47,12 @@ from typing import Any
 from dcparallel.spec import STATIC_MODES, ModelSpec, Size, check_size
 
 SCHEMA = "dcparallel.profile"
-VERSION = 1
+VERSION = 2
+#: versions `Profile.from_json` reads (1: no ``time_spread``)
+READABLE_VERSIONS = (1, 2)
+#: a profile whose median entry is known less well than +-this (`ProfileEntry.time_spread`),
+#: or whose worst entry less well than +-3x this, is too noisy to trust
+NOISY_SPREAD = 0.10
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class ProfileEntry:
     time_s: float | None = None
     memory_bytes: float | None = None
     feasible: bool = True
+    time_spread: float | None = None
+    rounds: int | None = None
+    rejected: int | None = None
     ranks: list[int] | None = None
     measured: dict | None = None
     validation: dict | None = None
@@ -107,7 +119,14 @@ class ProfileEntry:
                 if v is None:
                     raise ValueError(f"entry {i} ({e.bucket}, sp={e.sp}, mbs={e.mbs}) is feasible but has no {name}")
                 _check_number(f"entry {i} ({e.bucket}, sp={e.sp}, mbs={e.mbs}) has {name}", v)
+        if e.time_spread is not None:
+            _check_number(f"entry {i} ({e.bucket}, sp={e.sp}, mbs={e.mbs}) has time_spread", e.time_spread)
         return e
+
+    def time_range(self) -> tuple[float, float]:
+        """(low, high) of the time: time_s x (1 -+ time_spread); the point when no spread is known."""
+        t, r = float(self.time_s), float(self.time_spread or 0.0)
+        return max(0.0, t * (1 - r)), t * (1 + r)
 
 
 def _check_number(what: str, v: Any) -> None:
@@ -156,9 +175,9 @@ class Profile:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             raise ValueError(f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
                              f"expected {SCHEMA!r}); re-run `dcparallel profile`")
-        if d.get("version") != VERSION:
+        if d.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
-                             f"version {VERSION}: re-run `dcparallel profile` to regenerate it")
+                             f"versions {list(READABLE_VERSIONS)}: re-run `dcparallel profile` to regenerate it")
         try:
             model = ModelSpec(**d["model"])
             buckets = [ProfileBucket.from_json(b) for b in d["buckets"]]
@@ -180,6 +199,26 @@ class Profile:
                            unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
+
+    def spreads(self) -> list[float] | None:
+        """Each feasible entry's `ProfileEntry.time_spread`; None when the profile holds none
+        (version 1, or a profile built by hand)."""
+        out = [e.time_spread for e in self.entries if e.feasible and e.time_spread is not None]
+        return out or None
+
+    def noise_warning(self, threshold: float = NOISY_SPREAD) -> str | None:
+        """A sentence saying the profile is too noisy to trust (`NOISY_SPREAD`), or None."""
+        sp = self.spreads()
+        if sp is None:
+            return None
+        med, worst = sorted(sp)[len(sp) // 2], max(sp)
+        if med <= threshold and worst <= 3 * threshold:
+            return None
+        bad = sum(x > threshold for x in sp)
+        return (f"the profile is too noisy to trust: its layouts' times are known to within +-{100 * med:.0f}% "
+                f"(median), +-{100 * worst:.0f}% (worst), {bad} of {len(sp)} beyond +-{100 * threshold:.0f}%; "
+                f"predictions priced by it may be far off. Profile again on a quiet machine (no other jobs), "
+                f"or with more rounds (ProfilerConfig max_repeats, min_time_s)")
 
     @staticmethod
     def load(path: str | Path) -> Profile:

@@ -20,11 +20,25 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class GroupClass:
     """`count` alike groups of one SP degree with the same load and the same contents:
-    `items` maps an item-class index to how many of its micro-batches each group runs."""
+    `items` maps an item-class index to how many of its micro-batches each group runs;
+    `sig` is a hash of `items` kept up to date by `add` (equal contents, equal `sig`), so
+    that alike classes are found without comparing every class's contents."""
 
     load: float
     count: int
     items: dict[int, int]
+    sig: int = 0
+
+    def add(self, ic: int, n: int) -> None:
+        """`n` more micro-batches of item class `ic` on each group."""
+        self.items[ic] = self.items.get(ic, 0) + n
+        self.sig += n * sig_weight(ic)
+
+
+def sig_weight(ic: int) -> int:
+    """What one micro-batch of item class `ic` adds to a class's `sig` (the same in every
+    process): `sig` is the sum over its items of count x weight."""
+    return (ic + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFF
 
 
 class ItemClass(NamedTuple):
@@ -47,8 +61,10 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
     changed class first and the new one last would place them)."""
     classes = [GroupClass(0.0, n, {})]
     loads = [0.0]
+    touched: set[float] = set()  # loads a class was inserted at since the last merge
     ceil = math.ceil
     for ic, t, q in sorted(items, key=_longest_first):
+        w = sig_weight(ic)  # `GroupClass.add`, written out: this is the planner's inner loop
         while q > 0:
             c = classes.pop(0)
             low = loads.pop(0)
@@ -59,26 +75,31 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
             if per * c.count <= q:
                 c.load += per * t
                 c.items[ic] = c.items.get(ic, 0) + per
+                c.sig += per * w
                 q -= per * c.count
             else:
                 a, r = divmod(q, c.count)
                 if r:
-                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items))
+                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items), c.sig + (a + 1) * w)
                     more.items[ic] = more.items.get(ic, 0) + a + 1
                     c.count -= r
                 if a:
                     c.load += a * t
                     c.items[ic] = c.items.get(ic, 0) + a
+                    c.sig += a * w
                 q = 0
             i = bisect_left(loads, c.load)
             classes.insert(i, c)
             loads.insert(i, c.load)
+            touched.add(c.load)
             if more is not None:
                 i = bisect_right(loads, more.load)
                 classes.insert(i, more)
                 loads.insert(i, more.load)
+                touched.add(more.load)
         if len(classes) > 8:
-            classes, loads = _merge(classes, loads)
+            _merge_runs(classes, loads, touched)
+            touched = set()
     return [c for c in _merge(classes, loads)[0] if c.count > 0]
 
 
@@ -86,22 +107,39 @@ def _longest_first(item: tuple[int, float, int]) -> tuple[float, int]:
     return -item[1], item[0]
 
 
+def _merge_runs(classes: list[GroupClass], loads: list[float], touched: set[float]) -> None:
+    """`_merge` in place, of the runs of equal load in `touched` only: a run no class was
+    inserted into since the last merge holds no alike classes (a class changes load or
+    contents only between being popped and inserted again). So a merge costs what changed,
+    not the number of classes."""
+    if len(touched) > len(loads) // 8 and len(set(loads)) == len(loads):  # no equal loads at all
+        return  # (one pass in C: cheaper than the runs when much changed)
+    for load in sorted(touched, reverse=True):  # from the back: earlier runs keep their positions
+        a, b = bisect_left(loads, load), bisect_right(loads, load)
+        if b - a > 1:
+            run, _ = _merge(classes[a:b], loads[a:b])
+            classes[a:b] = run
+            loads[a:b] = [load] * len(run)
+
+
 def _merge(classes: list[GroupClass], loads: list[float]) -> tuple[list[GroupClass], list[float]]:
     """Alike group classes (same load, same contents) as one, in order (ascending load, first
-    seen first). Only classes of equal load can be alike, so the contents are compared only
-    then. A class's contents list its item classes in the order they were dealt, which is the
-    same for every class, so equal contents have equal item sequences."""
+    seen first). Only classes of equal load and equal `sig` can be alike, so the contents
+    are compared only then (a hash collision keeps unlike classes apart). The cost is linear
+    in the number of classes, whatever the number of item classes they hold."""
     if len(set(loads)) == len(loads):  # ascending, so all distinct = strictly increasing
         return classes, loads
-    out: dict[tuple, GroupClass] = {}
+    seen: dict[tuple[float, int], list[GroupClass]] = {}
+    merged: list[GroupClass] = []
     for c in classes:
-        key = (c.load, tuple(c.items.items()))
-        hit = out.get(key)
-        if hit is None:
-            out[key] = c
+        same = seen.setdefault((c.load, c.sig), [])
+        for hit in same:
+            if hit.items == c.items:
+                hit.count += c.count
+                break
         else:
-            hit.count += c.count
-    merged = list(out.values())
+            same.append(c)
+            merged.append(c)
     return merged, [c.load for c in merged]
 
 

@@ -24,6 +24,11 @@ class ProfilerConfig:
     """short layouts get more timed rounds, until a layout's rounds add up to about this"""
     max_repeats: int = 25
     """at most this many timed runs per depth"""
+    rel_tol: float = 0.03
+    """add timed rounds until the median's 95% interval is within +-this fraction of it
+    (`profile.robust`), up to ``max_repeats``"""
+    outlier_k: float = 3.5
+    """a round more than this many scaled MADs from the median is an outlier and dropped"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None
@@ -56,12 +61,13 @@ class ProfilerConfig:
 
     @staticmethod
     def quick(max_tokens: int | None = None, **kw) -> ProfilerConfig:
-        """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (at
-        most 10, about 0.2 s of timing), micro-batches doubled only up to ``max_tokens``
-        tokens (prepare passes the dataset's longest sample; the cost model extrapolates
-        larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
+        """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (about
+        0.2 s of timing; more, up to 12, until the median is known to +-5%), micro-batches
+        doubled only up to ``max_tokens`` tokens (prepare passes the dataset's longest sample;
+        the cost model extrapolates larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
         defaults for validation runs."""
-        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 10, "max_tokens": max_tokens, **kw})
+        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 12, "rel_tol": 0.05,
+                                 "max_tokens": max_tokens, **kw})
 
 
 @dataclass

@@ -6,10 +6,9 @@ size the world allows, run on the real SP groups with Ulysses attention), micro-
 recomputation (none / attn / mlp / full, applied to every layer) — the profiler runs
 forward + backward of stacks of ``depth - 1`` and ``depth`` layers (the other layers pass
 the hidden state through) and extrapolates time and activation memory linearly to the full
-depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). For time, t2 is
-the median over the timed rounds and (t2 - t1) the median of the per-round differences (the
-two depths of a round run back to back, so slow drifts of a shared machine cancel in each
-pair; on the noisy CPU this beat the difference of medians in 6 of 8 validated layouts).
+depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). Each timed round
+runs both depths back to back (slow drifts of a shared machine cancel in the pair) and gives
+one full-depth estimate; rounds go on until their median is stable (`profile.robust`).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
@@ -54,19 +53,12 @@ from dcparallel.profile.measure import (
     extrapolate,
     free_memory,
     grad_sync_seconds,
-    median,
 )
+from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.sharded import refuse_sharded_profiling
-from dcparallel.spec import (
-    STATIC_MODES,
-    ClusterSpec,
-    Layout,
-    ModelSpec,
-    Recompute,
-    Size,
-)
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, ModelSpec, Recompute, Size
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +102,7 @@ class Profiler:
             raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
-        self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads,
-                                                    cluster=cluster)
+        self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads, cluster=cluster)
         refuse_sharded_profiling(getattr(self.engine, "shard_size", 1))
         self.world, self.rank = comm.world_size(), comm.world_rank()
         self.cluster = self.engine.groups.cluster
@@ -255,29 +246,34 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            # rounds: at least `repeats`, more while a round is short (up to `min_time_s` of
-            # timing, as timeit's autorange); the slowest rank decides so the group agrees
+            # rounds: >= `repeats`, more while short (`min_time_s`), then until the median is stable
+            # (`robust`); the group agrees on each decision (slowest rank, all done): same rounds
             round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
             rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
+
+            def one_round() -> float:
+                for d in depths:
+                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
+                        times[d].append(self.timer.time(lambda: self._run(inputs)))
+                return round_estimates(times[depths[0]][-1:], times[depths[1]][-1:], *depths[:2],
+                                       self.spec.num_layers)[0]
+
             gc.disable()  # as timeit does: no collection pauses inside a timed run
             try:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                         for _ in range(cfg.warmup - 1):
                             self._run(inputs)
-                for _ in range(rounds):
-                    for d in depths:
-                        with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
-                            times[d].append(self.timer.time(lambda: self._run(inputs)))
+                xs = timed_until_stable(one_round, min_rounds=rounds, max_rounds=max(rounds, cfg.max_repeats),
+                                        rel_tol=cfg.rel_tol, k=cfg.outlier_k,
+                                        agree=lambda done: all(comm.all_gather_object(done, group)))
             except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
                 oom[0] = True
                 return {"ok": False, "error": str(exc).splitlines()[0][:200]}
             finally:
                 gc.enable()
-            a, b = depths[0], depths[1]
-            out.update(memory={d: mem[d] for d in depths}, time={d: median(times[d]) for d in depths},
-                       slope=median([(y - x) / (b - a) for x, y in zip(times[a], times[b], strict=True)]))
+            out.update(memory={d: mem[d] for d in depths}, **summarize_rounds(times, depths[:2], xs, cfg.outlier_k))
             return out
         finally:
             inputs = None
@@ -351,6 +347,8 @@ class Profiler:
                     m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
                     fits = self.memory_limit is None or state + m_l <= self.memory_limit
                     entry.time_s, entry.memory_bytes, entry.feasible = t_l, m_l, fits
+                    entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
+                        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
                     entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
                                       "memory_bytes": [m[d1], m[d2]]}
                     if not fits:
@@ -396,5 +394,7 @@ class Profiler:
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
                           grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer), buckets=buckets,
                           entries=entries, unfit_buckets=unfit)
+        if self.rank == 0 and profile.noise_warning():
+            log.warning(profile.noise_warning())
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
         return profile, stats

@@ -15,7 +15,7 @@ def _profiler(**cfg) -> Profiler:
     model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
     spec = model_spec(model, list(model.layers), name="tiny", kind="text", hidden=32, num_heads=4,
                       ffn_hidden=48, attention="causal", vocab_size=64)
-    config = ProfilerConfig(**{"repeats": 1, "warmup": 1, "max_mbs": 2, "min_time_s": 0.0, "modes": ("none", "full"),
+    config = ProfilerConfig(**{"repeats": 1, "max_repeats": 1, "warmup": 1, "max_mbs": 2, "min_time_s": 0.0, "modes": ("none", "full"),
                              **cfg})
     return Profiler(model, list(model.layers), text_inputs(model, torch.device("cpu")), spec=spec, config=config)
 

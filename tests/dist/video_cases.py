@@ -24,7 +24,7 @@ def case_video_epoch(kind: str, profile_path: str) -> dict:
     `prepare` (profiled once, the cache reused by the other policies); per policy the
     (step, micro-batch) sample ids this rank ran and the losses."""
     shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 3
-    config = ProfilerConfig(repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
+    config = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
     out = {}
     for policy in ALL:
         model = _model(kind)

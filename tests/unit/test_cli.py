@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 KEYS = {"samples_planned", "samples_dropped", "steps", "tokens_per_s", "step_time_s_median", "idle_fraction",
-        "lower_bound_efficiency", "plan_ms_per_step", "peak_memory_fraction"}
+        "lower_bound_efficiency", "plan_ms_per_step", "plan_ms_max", "plan_first_step_ms", "setup_ms",
+        "peak_memory_fraction"}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -34,6 +36,7 @@ def test_simulate_json_from_lengths_file(lengths_file):
         assert v["samples_planned"] == 351 and v["samples_dropped"] == 0
     assert out["bucket_sp"] in (1, 2, 4, 8, 16)
     assert out["speedup_vs_bucket"]["bucket"] == 1.0
+    assert "steady state" in out["plan_time_includes"] and "first step" in out["plan_time_includes"]
     assert "planning" in r.stderr  # progress goes to stderr
 
 
@@ -69,7 +72,8 @@ def test_table_without_bucket_says_so_instead_of_nan():
     from dcparallel.apps.simulate import _table
 
     row = {"settings": {}, "tokens_per_s": 1e6, "step_time_s_median": 1.5, "idle_fraction": 0.1,
-           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 2.0, "peak_memory_fraction": 0.5}
+           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 2.0, "plan_first_step_ms": 9.0, "setup_ms": 30.0,
+           "peak_memory_fraction": 0.5}
     out = {"scenario": "text", "distribution": "short", "samples_total": 10, "steps": 2, "tokens_per_step": 1000,
            "world": 8, "gpus_per_node": 8, "long_token_share": 0.0, "policies": {"dcp": row, "packed": row}}
     text = _table(out)
@@ -79,3 +83,31 @@ def test_table_without_bucket_says_so_instead_of_nan():
     out["speedup_vs_bucket"] = {"dcp": 1.234, "packed": 1.0}
     text = _table(out)
     assert "add --policy bucket" not in text and text.splitlines()[2].split()[1] == "1.23"
+
+
+def test_planning_time_is_the_steady_state_median_with_first_step_and_setup_apart():
+    """`simulate` and `benchmarks/plan_cpu_time.py` time planning through one function: CPU
+    ms per step, the first step apart from the steady state (the later steps)."""
+    from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
+
+    ticks = iter([0.0, 0.050, 1.0, 1.002, 2.0, 2.004, 3.0, 3.030])  # steps of 50, 2, 4 and 30 ms
+    plans, t = timed_plans(lambda s: f"plan {s}", ["a", "b", "c", "d"], setup_ms=7.0, clock=lambda: next(ticks))
+    assert plans == ["plan a", "plan b", "plan c", "plan d"]
+    assert t.setup_ms == 7.0 and abs(t.first_step_ms - 50) < 1e-9
+    assert [round(x, 6) for x in t.steady_ms] == [2.0, 4.0, 30.0]
+    assert abs(t.steady_median_ms - 4.0) < 1e-9 and abs(t.steady_max_ms - 30.0) < 1e-9
+    one = timed_plans(lambda s: s, ["a"])[1]  # one step: the first is all there is
+    assert one.steady_ms == () and one.steady_median_ms == one.first_step_ms
+    for words in ("CPU", "median", "steady state", "first step", "setup"):
+        assert words in PLAN_TIME_NOTE
+    from dcparallel.apps import simulate as cli
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_cpu_time.py"
+    assert "timed_plans" in bench.read_text()  # the benchmark times the same way
+    row = {"settings": {}, "tokens_per_s": 1e6, "step_time_s_median": 1.5, "idle_fraction": 0.1,
+           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 4.0, "plan_first_step_ms": 50.0, "setup_ms": 7.0,
+           "peak_memory_fraction": 0.5}
+    text = cli._table({"scenario": "text", "distribution": "short", "samples_total": 10, "steps": 4,
+                       "tokens_per_step": 1000, "world": 8, "gpus_per_node": 8, "long_token_share": 0.0,
+                       "policies": {"dcp": row}})
+    assert text.splitlines()[-1] == PLAN_TIME_NOTE + "; first step and setup ms: dcp 50.0 / 7"

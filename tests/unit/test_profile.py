@@ -40,7 +40,7 @@ from dcparallel.profile import (
 from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import ClusterSpec, Layout, Recompute, Workload
 
-FAST = dict(repeats=1, warmup=1, max_mbs=2, min_time_s=0.0)
+FAST = dict(repeats=1, max_repeats=1, warmup=1, max_mbs=2, min_time_s=0.0)  # one timed round: fast, no spread
 
 
 def tiny_llama(num_layers: int = 3, hidden: int = 32, seed: int = 0) -> Llama:

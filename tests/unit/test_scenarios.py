@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, long_token_share, read_lengths, sample_sizes
+from dcparallel.scenarios import (
+    ALL_DISTRIBUTIONS,
+    DISTRIBUTIONS,
+    MIXES,
+    SCENARIOS,
+    distinct_shapes,
+    long_token_share,
+    read_lengths,
+    sample_sizes,
+)
 from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import Workload
 
@@ -50,3 +59,65 @@ def test_lengths_files(tmp_path):
             read_lengths(p)
     with pytest.raises(ValueError, match="does not exist"):
         read_lengths(tmp_path / "missing.txt")
+
+
+# -- the realistic mixes ---------------------------------------------------------------
+
+def test_mixes_are_deterministic_and_seeded():
+    for name, mix in MIXES.items():
+        a = sample_sizes(mix.kind, name, num_samples=2000)
+        assert a == sample_sizes(mix.kind, name, num_samples=2000), name
+        assert a != sample_sizes(mix.kind, name, num_samples=2000, seed=1), name
+        # a larger epoch extends the same sequence
+        tps = SCENARIOS[mix.kind].tokens_per_step
+        short = sample_sizes(mix.kind, name, epoch_tokens=2 * tps)
+        assert sample_sizes(mix.kind, name, epoch_tokens=3 * tps)[: len(short)] == short, name
+
+
+@pytest.mark.parametrize("name,num_shapes", [("video-mix", 64), ("video-wide", 200)])
+def test_video_mixes_have_their_shapes(name, num_shapes):
+    mix = MIXES[name]
+    model = SCENARIOS["video"].model
+    sizes = sample_sizes("video", name)  # the default epoch
+    assert len(mix.shapes()) == num_shapes
+    # every shape the mix can draw is drawn, and each is its own class for the planner
+    assert set(sizes) == set(mix.shapes())
+    assert distinct_shapes(model, sizes) == num_shapes
+    images = sum(s[0] == 1 for s in sizes) / len(sizes)
+    assert 0.37 < images < 0.43
+    clips = [s for s in sizes if s[0] > 1]
+    assert min(s[0] for s in clips) == 16 and max(s[0] for s in clips) == 204
+    heights = {min(s[1], s[2]) for s in sizes}
+    assert min(heights) == 144 and max(heights) == 720
+    assert {"16:9", "4:3", "1:1"} <= set(mix.aspects)
+    assert max(model.tokens(s) for s in clips) <= mix.max_clip_tokens
+
+
+@pytest.mark.parametrize("name,top", [("sft-long", 128 * 1024), ("pretrain-long", 1024 * 1024)])
+def test_text_mixes_have_heavy_tails(name, top):
+    model = SCENARIOS["text"].model
+    sizes = np.array(sample_sizes("text", name))
+    assert sizes.max() <= top and sizes.min() >= 16
+    assert sizes.max() > top / 2  # the tail reaches its end
+    assert np.median(sizes) < 2048  # most documents are short ...
+    assert long_token_share(model, sizes.tolist(), threshold=32 * 1024) > 0.2  # ... most tokens sit in long ones
+
+
+def test_mix_names_are_checked():
+    with pytest.raises(ValueError, match="not text; use it with --scenario video"):
+        sample_sizes("text", "video-mix", num_samples=3)
+    with pytest.raises(ValueError, match="unknown distribution 'nope'"):
+        sample_sizes("text", "nope", num_samples=3)
+    assert set(ALL_DISTRIBUTIONS) == set(DISTRIBUTIONS) | set(MIXES)
+
+
+def test_simulate_takes_a_mix_by_name():
+    import argparse
+
+    from dcparallel.apps.simulate import _setup
+
+    ns = argparse.Namespace(scenario=None, distribution="video-mix", lengths=None, world=8, gpus_per_node=8,
+                            seed=0, tokens_per_step=None, profile=None)
+    name, workload, cluster, _, _ = _setup(ns)
+    assert name == "video-mix" and ns.scenario == "video" and workload.model.kind == "video"
+    assert list(workload.sizes) == sample_sizes("video", "video-mix")

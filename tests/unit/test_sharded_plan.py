@@ -391,8 +391,13 @@ def test_the_video_presets_match_diffusers_models_built_on_the_meta_device(tmp_p
     assert preset.num_params == sum(p.numel() for p in hv.parameters())
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert preset.max_unit_params == max(count(b) for b in [*hv.transformer_blocks, *hv.single_transformer_blocks])
-    # a config dcparallel has no adapter for is refused by name
+    # HunyuanVideo has an adapter (joint attention): its config plans with exact counts
     hv_path = tmp_path / "hv.json"
     hv_path.write_text(json.dumps({"_class_name": "HunyuanVideoTransformer3DModel"}))
-    with pytest.raises(ValueError, match="no adapter for HunyuanVideoTransformer3DModel"):
-        spec_from_config(hv_path)
+    spec = spec_from_config(hv_path)
+    assert (spec.num_params, spec.max_unit_params) == (preset.num_params, preset.max_unit_params)
+    # a config dcparallel has no adapter for is refused by name
+    no_adapter = tmp_path / "skyreels.json"
+    no_adapter.write_text(json.dumps({"_class_name": "SkyReelsV2Transformer3DModel"}))
+    with pytest.raises(ValueError, match="no adapter for SkyReelsV2Transformer3DModel"):
+        spec_from_config(no_adapter)

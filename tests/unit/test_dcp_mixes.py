@@ -1,0 +1,124 @@
+"""`dcp` on a realistic mix of 200 distinct video shapes (`scenarios.MIXES["video-wide"]`):
+every sample planned exactly once, every phase of every step tiling the world, and the same
+plans in other processes (ranks plan independently, each with its own string hashing)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dcparallel.scenarios import MIXES, SCENARIOS, distinct_shapes, sample_sizes
+from tests.unit._models import check_dcp_epoch
+
+WORLD = 64
+STEPS = 2
+
+
+def mix_200() -> tuple:
+    """Every shape of the 200-shape mix once, then 1000 draws of it: 200 classes for the planner."""
+    return tuple(MIXES["video-wide"].shapes()) + tuple(sample_sizes("video", "video-wide", num_samples=1000))
+
+
+def plan_digest() -> str:
+    """sha256 of the JSON of `dcp`'s plans of every step of `mix_200` on `WORLD` GPUs."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.plan.policies import make_planner
+    from dcparallel.plan.steps import form_steps
+    from dcparallel.sim.replay import step_seconds
+    from dcparallel.spec import Workload
+
+    sc = SCENARIOS["video"]
+    w, cl = Workload(sc.model, mix_200()), sc.cluster(WORLD)
+    steps = form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens) // STEPS)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+    return hashlib.sha256(json.dumps([planner.plan(s).to_json() for s in steps]).encode()).hexdigest()
+
+
+def test_plan_of_200_shapes_is_lossless_and_tiles_the_world():
+    sc = SCENARIOS["video"]
+    sizes = mix_200()
+    assert distinct_shapes(sc.model, list(sizes)) == 200
+    check_dcp_epoch(sc.model, sizes, sc.cluster(WORLD), seed=0, steps_per_epoch=STEPS)
+
+
+def test_plan_of_200_shapes_is_the_same_in_other_processes():
+    root = Path(__file__).resolve().parents[2]
+    code = "from tests.unit.test_dcp_mixes import plan_digest; print(plan_digest())"
+    out = set()
+    for seed in ("0", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
+        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                           check=True, timeout=300)
+        out.add(r.stdout.strip().splitlines()[-1])
+    assert len(out) == 1 and len(next(iter(out))) == 64, out
+
+
+def _deal_by_definition(items, n):
+    """`deal_classes` as its docstring defines it, merging every class after each item class
+    once more than eight exist (a full pass, cost linear in classes x item classes)."""
+    import math
+    from bisect import bisect_left, bisect_right
+
+    from dcparallel.plan.dcp_classes import GroupClass
+    from dcparallel.plan.types import ROUND_EPS
+
+    def merge(classes):
+        out = {}
+        for c in classes:
+            key = (c.load, tuple(sorted(c.items.items())))
+            if key in out:
+                out[key].count += c.count
+            else:
+                out[key] = c
+        return list(out.values())
+
+    classes = [GroupClass(0.0, n, {})]
+    for ic, t, q in sorted(items, key=lambda x: (-x[1], x[0])):
+        while q > 0:
+            c = classes.pop(0)
+            loads = [x.load for x in classes]
+            per = max(1, math.ceil((loads[0] - c.load) / t - ROUND_EPS)) if loads else 1
+            more = None
+            if per * c.count <= q:
+                c.load += per * t
+                c.add(ic, per)
+                q -= per * c.count
+            else:
+                a, r = divmod(q, c.count)
+                if r:
+                    more = GroupClass(c.load + (a + 1) * t, r, dict(c.items), c.sig)
+                    more.add(ic, a + 1)
+                    c.count -= r
+                if a:
+                    c.load += a * t
+                    c.add(ic, a)
+                q = 0
+            classes.insert(bisect_left([x.load for x in classes], c.load), c)
+            if more is not None:
+                classes.insert(bisect_right([x.load for x in classes], more.load), more)
+        if len(classes) > 8:
+            classes = merge(classes)
+    return [c for c in merge(classes) if c.count > 0]
+
+
+def test_dealing_many_item_classes_is_dealing_by_definition():
+    """200 item classes of few distinct times (many groups end at equal loads, so classes
+    merge often): `deal_classes`, which merges only the runs of equal load that changed, deals
+    exactly as the definition's full merge after every item class."""
+    import random
+
+    from dcparallel.plan.dcp_classes import deal_classes
+
+    rng = random.Random(0)
+    for _ in range(20):
+        ni = rng.choice([3, 40, 200])
+        times = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3)
+                 for _ in range(ni)]
+        items = [(i, times[i], rng.randint(1, 40)) for i in range(ni)]
+        n = rng.choice([2, 16, 64])
+        got = [(c.load, c.count, c.items) for c in deal_classes(items, n)]
+        assert got == [(c.load, c.count, c.items) for c in _deal_by_definition(items, n)]
