@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, count_params
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
@@ -40,7 +41,6 @@ from dcparallel.adapters.latents import (
 )
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern, default_kernel
-from dcparallel.runtime import comm
 from dcparallel.runtime.ulysses import check_heads
 from dcparallel.spec import ModelSpec, Size
 
@@ -53,26 +53,23 @@ def matches(model: nn.Module) -> bool:
 
 def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: int | None) -> Tensor:
     """q, k, v (B, T + L, H, D): T text tokens whole on every rank, then this rank's L
-    image tokens (its shard of the padded image) -> (B, T + L, H, D). ``num_text`` None:
-    the rest of the row after this rank's shard is text (single-stream blocks)."""
-    a = attention.state()
-    kernel = attention.kernel or default_kernel(q.device)
-    if a is None or a.batch is None or comm.group_size(a.group) == 1:
+    image tokens (its shard of the padded image) -> (B, T + L, H, D), through the joint
+    attention HunyuanVideo uses too (`joint.joint_attention`: only the image tokens travel,
+    text heads sliced, padding masked). ``num_text`` None: the rest of the row after this
+    rank's shard is text (single-stream blocks)."""
+    active = joint.sharding(attention)
+    if active is None:  # the whole row on this rank: plain attention over text and image
+        kernel = attention.kernel or default_kernel(q.device)
         return kernel(q, k, v, FULL, None)
-    group, batch = a.group, a.batch
-    sp, heads = comm.group_size(group), q.shape[2]
-    check_heads(heads, sp)
+    _, batch = active
+    check_heads(q.shape[2], batch.sp)
     t = q.shape[1] - batch.shard_len if num_text is None else num_text
     if q.shape[1] != t + batch.shard_len:
         raise ValueError(f"joint attention got {q.shape[1]} tokens: {t} text + {q.shape[1] - t} image, but this "
                          f"rank holds {batch.shard_len} image tokens")
-    h = heads // sp
-    own = slice(torch.distributed.get_rank(group) * h, (torch.distributed.get_rank(group) + 1) * h)
-    qi, ki, vi = comm.seq_to_heads([q[:, t:], k[:, t:], v[:, t:]], group)  # whole padded image, own heads
-    q2, k2, v2 = (torch.cat([x[:, :t, own], xi], dim=1) for x, xi in ((q, qi), (k, ki), (v, vi)))
-    out = kernel(q2, k2, v2, FULL, (0, t + batch.seq_len))
-    text = comm.gather_seq(out[:, :t].contiguous(), group, dim=2)
-    return torch.cat([text, comm.heads_to_seq(out[:, t:], group)], dim=1)
+    image, text = zip(*((x[:, t:], x[:, :t]) for x in (q, k, v)), strict=True)
+    out_image, out_text = joint.joint_attention(*image, *text, None, attention, text_first=True)
+    return torch.cat([out_text, out_image], dim=1)
 
 
 class UlyssesFluxAttention:

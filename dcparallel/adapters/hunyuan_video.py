@@ -65,17 +65,7 @@ class UlyssesHunyuanVideoAttention:
                 k = attn.norm_k(k)
             (q, qt), (k, kt), (v, vt) = ((y[:, :-t], y[:, -t:]) for y in (q, k, v))
         else:  # dual-stream: the text has its own projections and norms
-            q, k, v = split(attn.to_q(hidden_states)), split(attn.to_k(hidden_states)), split(attn.to_v(hidden_states))
-            if attn.norm_q is not None:
-                q = attn.norm_q(q)
-            if attn.norm_k is not None:
-                k = attn.norm_k(k)
-            e = encoder_hidden_states
-            qt, kt, vt = split(attn.add_q_proj(e)), split(attn.add_k_proj(e)), split(attn.add_v_proj(e))
-            if attn.norm_added_q is not None:
-                qt = attn.norm_added_q(qt)
-            if attn.norm_added_k is not None:
-                kt = attn.norm_added_k(kt)
+            q, k, v, qt, kt, vt = joint.project_two_streams(attn, hidden_states, encoder_hidden_states, split)
         if image_rotary_emb is not None:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dcparallel.adapters.latents import flow_draws
 from dcparallel.data.batch import Batch
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
@@ -220,16 +221,27 @@ def flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
     (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
     dtype = next(model.parameters()).dtype
     x0 = batch.inputs.to(dtype)
-    ts, noises = [], []
-    for sid in batch.sample_ids:
-        g = ctx.generator(sid)
-        ts.append(torch.sigmoid(torch.randn((), generator=g)))
-        noises.append(torch.randn(x0.shape[1:], generator=g))
-    t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
-    noise = torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
+    t, noise = flow_draws(batch, ctx, x0)
     tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
     pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
     return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+
+
+def project_two_streams(attn: nn.Module, hidden: Tensor, text: Tensor, split) -> tuple[Tensor, ...]:
+    """q, k, v of the video tokens (``to_q``/``to_k``/``to_v``, ``norm_q``/``norm_k``) and of
+    the text tokens (``add_q_proj``/``add_k_proj``/``add_v_proj``, ``norm_added_q``/``_k``),
+    each through ``split`` (B, L, H * D) -> (B, L, H, D): a dual-stream diffusers attention."""
+    q, k, v = split(attn.to_q(hidden)), split(attn.to_k(hidden)), split(attn.to_v(hidden))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    qt, kt, vt = split(attn.add_q_proj(text)), split(attn.add_k_proj(text)), split(attn.add_v_proj(text))
+    if attn.norm_added_q is not None:
+        qt = attn.norm_added_q(qt)
+    if attn.norm_added_k is not None:
+        kt = attn.norm_added_k(kt)
+    return q, k, v, qt, kt, vt
 
 
 def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, mlp_modules, **fields: Any):

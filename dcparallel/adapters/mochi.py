@@ -60,17 +60,7 @@ class UlyssesMochiAttention:
                  attention_mask: Tensor, image_rotary_emb: tuple[Tensor, Tensor] | None = None):
         heads = attn.heads
         split = lambda x: x.unflatten(2, (heads, -1))
-        q, k, v = split(attn.to_q(hidden_states)), split(attn.to_k(hidden_states)), split(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        e = encoder_hidden_states
-        qt, kt, vt = split(attn.add_q_proj(e)), split(attn.add_k_proj(e)), split(attn.add_v_proj(e))
-        if attn.norm_added_q is not None:
-            qt = attn.norm_added_q(qt)
-        if attn.norm_added_k is not None:
-            kt = attn.norm_added_k(kt)
+        q, k, v, qt, kt, vt = joint.project_two_streams(attn, hidden_states, encoder_hidden_states, split)
         if image_rotary_emb is not None:
             q, k = _rotate_pairs(q, *image_rotary_emb), _rotate_pairs(k, *image_rotary_emb)
         mask = attention_mask.bool()

@@ -77,12 +77,13 @@ def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> 
     strip = lambda fp: {k: v for k, v in fp.items() if k not in BUDGET_KEYS}  # noqa: E731
     diff = fingerprint_diff(strip(prof.fingerprint), strip(fingerprint))
     cached_budget, budget = prof.fingerprint.get("memory_bytes"), fingerprint.get("memory_bytes")
-    if cached_budget is None or budget is None or float(budget) > float(cached_budget):
+    # None: no budget (nothing was infeasible for want of memory), larger than any number
+    if cached_budget is not None and (budget is None or float(budget) > float(cached_budget)):
         diff.append(f"memory_bytes: cached {cached_budget!r}, now {budget!r} (a larger budget than the cached "
                     f"profile's: layouts past it were never measured)")
     if diff:
         return None, f"cached profile {p} was measured for something else ({'; '.join(diff)})"
-    if float(budget) < float(cached_budget):
+    if budget is not None and (cached_budget is None or float(budget) < float(cached_budget)):
         prof = rebudget(prof, fingerprint)
     have = {b.key for b in prof.buckets}
     missing = [b.key for b in (ProfileBucket.of(prof.model, s) for s in sizes) if b.key not in have]
