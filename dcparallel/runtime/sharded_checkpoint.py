@@ -28,6 +28,8 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,8 +212,45 @@ def after_load(engine: Engine, opt: Any) -> None:
     comm.all_gather_shards_(engine.flat_param, engine.shard_numel)
 
 
-# backwards-compatible names of the tensor-only API
+# the names the tensor-only API is also known by
 save_sharded, load_sharded = save, load
+
+
+def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any]]) -> None:
+    """Loads ZeRO-1 shards of the flat parameter vector (`runtime.zero.ZeroAdamW.state_dict`:
+    ``start``, ``stop``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``num_steps``; the per-rank
+    checkpoint format) into this engine at any shard size (collective). The flat vector holds
+    the trainable parameters in ``named_parameters`` order, whatever the shard size. ``shards``
+    may be a generator: each is used once and dropped. ValueError if they leave part of this
+    rank's state uncovered."""
+    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    numels = [p.numel() for n, p in engine.model.named_parameters() if p.requires_grad]
+    offset = dict(zip(names, [sum(numels[:i]) for i in range(len(numels))], strict=True))
+    mine = segments(engine, opt)
+    missing = sum(s.stop - s.start for s in mine)
+    steps = set()
+    for shard in shards:
+        if int(shard["numel"]) != sum(numels):
+            raise ValueError(f"the optimizer state is for {shard['numel']} parameters but this model has "
+                             f"{sum(numels)}; load a checkpoint of the same model")
+        a0, b0 = int(shard["start"]), int(shard["stop"])
+        steps.add(int(shard["num_steps"]))
+        for seg in mine:
+            lo, hi = offset[seg.name] + seg.start, offset[seg.name] + seg.stop
+            x, y = max(lo, a0), min(hi, b0)
+            if x >= y:
+                continue
+            with torch.no_grad():
+                for key, src in (("model", "master"), *((k, k) for k in _MOMENTS)):
+                    seg.views[key][x - lo: y - lo].copy_(shard[src][x - a0: y - a0])
+            missing -= y - x
+    if missing or len(steps) != 1:
+        raise ValueError(f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
+                         f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
+                         f"checkpoint")
+    opt.num_steps = steps.pop()
+    with torch.no_grad():
+        after_load(engine, opt)
 
 
 # ---------------------------------------------------------------- reading without an engine
@@ -282,5 +321,7 @@ def read_model(path: str | Path) -> dict[str, Tensor]:
 
     shapes = read_keys(path)
     state = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items() if k.startswith("model/")}
-    dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     return {k[len("model/"):]: v for k, v in state.items()}
