@@ -53,11 +53,9 @@ Config (every key optional; defaults below)::
     max_grad_norm = 0.0     # global-norm gradient clipping (0: off; the norm is logged either way)
     weight_decay = 0.0      # AdamW decoupled weight decay on matrices
     eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
-    export_dir = ""         # the trained model at the end ("": out_dir/final): save_pretrained for
-                            # transformers / diffusers, model.safetensors otherwise
+    export_dir = ""         # the trained model at the end ("": out_dir/final; model.safetensors if not HF)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
-    shard_size = 1          # parameters sharded (FSDP2) in blocks of this many ranks; 1: replicated.
-                            # A checkpoint resumes at any shard size
+    shard_size = 1          # parameters sharded (FSDP2) in blocks of this many ranks (1: replicated)
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)

@@ -1,6 +1,6 @@
 """What `dcparallel train` builds before its loop and writes after it: the model (a local
 pretrained directory or one built from the config) and its tokenizer, the datasets (real or
-synthetic, with the eval split), the learning-rate schedule, and the export.
+synthetic, with the eval split), the learning-rate schedule, and where the export goes.
 
 Pretrained models load with ``from_pretrained(dir, local_files_only=True)``: nothing is
 downloaded. Real datasets are read on rank 0 first (it computes and caches the lengths; a
