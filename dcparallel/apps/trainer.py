@@ -342,11 +342,11 @@ class Trainer:
 
     def _save(self, finished: bool) -> None:
         from dcparallel.apps import train_checkpoint
-        from dcparallel.apps.train_setup import param_dtype
 
         t = self.t
+        dtype = getattr(self.dc.grad_sync, "compute_dtype", None) or self.dc.params[0].dtype  # the model's own
         meta = {"config": self.key, "profile": self.profile_fp, "loader": self.loader.state_dict(),
                 "finished": finished, "run_length": [t.epochs, t.max_steps], "shard_size": self.dc.shard_size,
-                "dtype": str(param_dtype(self.cfg, self.launch.device)).removeprefix("torch.")}
+                "dtype": str(dtype).removeprefix("torch.")}
         train_checkpoint.save(self.ckroot, self.done, self.dc, self.opt, meta, keep=t.keep_checkpoints,
                               optimizer_range=self.opt_range or (0, 0))
