@@ -21,6 +21,20 @@ rank will read match their sha256, each file's own step and rank match); the ran
 which steps they found valid and take the newest valid on *every* rank, so all ranks resume
 from the same step. Torn, partial or mixed folders are skipped with a warning naming why.
 Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only.
+
+Two layouts share this protocol (the marker's ``version``):
+
+- version 1, per-rank files (``save``): ``rankR.pt`` holds rank R's payload (rank 0 also the
+  model); the optimizer state is ZeRO-1 ranges of the flat parameter vector. Written by
+  runs with shard_size 1.
+- version 2, `torch.distributed.checkpoint` (``save_dcp``): the tensors keyed by parameter
+  name (`dcparallel.runtime.sharded_checkpoint`: DCP's ``.metadata`` and one ``__R_0.distcp``
+  per rank) plus ``rngR.pt`` per rank; the marker also lists every file's bytes + sha256 and
+  the shard size. Written by runs with shard_size > 1. When such a checkpoint is verified,
+  the ranks split the sha256 checks of its files between them (file i on rank i mod W), and
+  `latest` takes a step only if every rank found its share whole.
+
+Both load at any world size and shard size (`dcparallel.apps.train_checkpoint`).
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +59,8 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMMIT.json"
 SCHEMA = "dcparallel.checkpoint"
-VERSION = 1
+VERSION = 1  # per-rank files
+VERSION_DCP = 2  # torch.distributed.checkpoint
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -95,6 +110,20 @@ class Committed:
     def meta(self) -> dict:
         return self.marker["meta"]
 
+    @property
+    def version(self) -> int:
+        return int(self.marker["version"])
+
+    @property
+    def shard_size(self) -> int:
+        return int(self.marker.get("shard_size", 1))
+
+    def load_rng(self, rank: int) -> dict:
+        """Rank ``rank``'s RNG states (`rng_state`) as saved."""
+        if self.version == VERSION:
+            return self.load(rank)["rng"]
+        return torch.load(self.path / f"rng{rank}.pt", map_location="cpu", weights_only=True)
+
     def load(self, rank: int) -> dict:
         """Rank ``rank``'s file of this checkpoint (tensors and containers only)."""
         return torch.load(self.path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
@@ -117,18 +146,35 @@ def committed_steps(root: str | Path) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def verify(root: str | Path, step: int, read_ranks: list[int] | None = None) -> tuple[Committed | None, str]:
-    """(the checkpoint, "") if the folder of ``step`` is whole, else (None, why not). Files
-    in ``read_ranks`` (default all) are also checked against their sha256."""
+def verify(root: str | Path, step: int, read_ranks: list[int] | None = None, *,
+           hash_files: bool = True) -> tuple[Committed | None, str]:
+    """(the checkpoint, "") if the folder of ``step`` is whole, else (None, why not). Version 1:
+    files in ``read_ranks`` (default all) are also checked against their sha256; version 2:
+    this rank's share of the files (file i on rank i mod W). ``hash_files`` False: sizes only."""
     d = _step_dir(Path(root), step)
     try:
         marker = json.loads((d / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return None, f"{d}: no readable commit marker ({exc.__class__.__name__}: {exc})"
-    if marker.get("schema") != SCHEMA or marker.get("version") != VERSION or marker.get("step") != step:
-        return None, f"{d}: the commit marker is not a version-{VERSION} marker of step {step}"
+    if (marker.get("schema") != SCHEMA or marker.get("version") not in (VERSION, VERSION_DCP)
+            or marker.get("step") != step):
+        return None, f"{d}: the commit marker is not a version-{VERSION} or -{VERSION_DCP} marker of step {step}"
     world = int(marker["world_size"])
     files = marker.get("files", {})
+    if marker["version"] == VERSION_DCP:
+        names = sorted(files)
+        for name in names:
+            p = d / name
+            if not p.exists():
+                return None, f"{d}: {name} is missing"
+            if p.stat().st_size != files[name]["bytes"]:
+                return None, (f"{d}: {name} has {p.stat().st_size} bytes, {files[name]['bytes']} were committed "
+                              f"(torn write?)")
+        rank, now = comm.world_rank(), comm.world_size()
+        for name in names[rank::now] if hash_files else []:
+            if _sha256(d / name) != files[name]["sha256"]:
+                return None, f"{d}: {name} does not match its committed sha256 (overwritten or corrupt)"
+        return Committed(d, step, world, marker), ""
     if sorted(int(r) for r in files) != list(range(world)):
         return None, f"{d}: the marker lists ranks {sorted(files)} for a world of {world}"
     for r, f in files.items():
@@ -138,7 +184,7 @@ def verify(root: str | Path, step: int, read_ranks: list[int] | None = None) -> 
         size = p.stat().st_size
         if size != f["bytes"]:
             return None, f"{d}: {p.name} has {size} bytes, {f['bytes']} were committed (torn write?)"
-    for r in range(world) if read_ranks is None else read_ranks:
+    for r in (range(world) if read_ranks is None else read_ranks) if hash_files else []:
         if r < world and _sha256(d / f"rank{r}.pt") != files[str(r)]["sha256"]:
             return None, f"{d}: rank{r}.pt does not match its committed sha256 (overwritten or corrupt)"
     return Committed(d, step, world, marker), ""
@@ -155,7 +201,8 @@ def latest(root: str | Path, reads: Any = None) -> Committed | None:
         read_ranks = None
         if reads is not None:
             try:
-                read_ranks = list(reads(json.loads((_step_dir(Path(root), step) / MARKER).read_text())))
+                marker = json.loads((_step_dir(Path(root), step) / MARKER).read_text())
+                read_ranks = list(reads(marker)) if marker.get("version") == VERSION else None
             except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
                 read_ranks = None  # verify() reports the unreadable marker
         ck, reason = verify(root, step, read_ranks)
@@ -171,7 +218,7 @@ def latest(root: str | Path, reads: Any = None) -> Committed | None:
         log.warning("ranks see different newest checkpoints %s; using the newest one every rank can read",
                     [max(s, default=None) for s in steps_by_rank])
     if common:
-        return verify(root, max(common), [])[0]
+        return verify(root, max(common), hash_files=False)[0]
     if not reasons and not any(steps_by_rank):
         return None
     seen = "; ".join(reasons) or f"the ranks see steps {[sorted(s) for s in steps_by_rank]}"
@@ -199,28 +246,55 @@ def _refuse_sharded(payload: Mapping[str, Any]) -> None:
 
     if walk(payload):
         raise ValueError("this checkpoint holds parameter-sharded state (shard_size > 1: FSDP DTensors or a "
-                         "ShardedAdamW state), which this checkpoint format would save incomplete; checkpoints "
-                         "of sharded runs are not supported yet: train with shard_size=1 to checkpoint")
+                         "ShardedAdamW state), which the per-rank format (version 1) would save incomplete; save "
+                         "a sharded run with checkpoint.save_dcp and runtime.sharded_checkpoint.save (dcparallel "
+                         "train does)")
+
+
+def _begin(root: Path, step: int) -> Path:
+    """The empty temporary folder of ``step`` (collective; rank 0 clears a stale one)."""
+    tmp = _step_dir(root, step).with_name(f"step_{step:08d}.tmp")
+    if comm.world_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    comm.barrier()
+    return tmp
+
+
+def _publish(root: Path, step: int, tmp: Path, marker: dict, keep: int) -> Path:
+    """Rank 0: writes the marker, renames the folder (the commit), then drops later and
+    older folders; a barrier on every rank ends the save."""
+    final = _step_dir(root, step)
+    if comm.world_rank() == 0:
+        _write_atomic(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        _fsync_dir(tmp)
+        if final.exists():  # a stale copy of the same step (a replayed step): replaced whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        # folders of later steps are torn leftovers (the run resumed from an earlier step)
+        for later in [s for s in committed_steps(root) if s > step]:
+            shutil.rmtree(_step_dir(root, later), ignore_errors=True)
+        for old in committed_steps(root)[keep:]:
+            shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+    comm.barrier()
+    return final
 
 
 def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any], *,
          optimizer_range: tuple[int, int], keep: int = 2) -> Path:
-    """Writes this rank's ``payload`` as part of the checkpoint of ``step`` (collective).
-    ``optimizer_range``: the flat range [start, stop) of the optimizer shard in the payload.
-    ``meta`` (JSON-serializable) goes into the commit marker. Keeps the ``keep`` newest."""
+    """Writes this rank's ``payload`` as part of the checkpoint of ``step`` (collective;
+    version 1). ``optimizer_range``: the flat range [start, stop) of the optimizer shard in
+    the payload. ``meta`` (JSON-serializable) goes into the commit marker. Keeps the ``keep``
+    newest."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1; got {keep}")
     _refuse_sharded(payload)
     r = Path(root)
     rank, world = comm.world_rank(), comm.world_size()
-    final = _step_dir(r, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        r.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    comm.barrier()
+    tmp = _begin(r, step)
     path = tmp / f"rank{rank}.pt"
     _write_atomic(path, lambda f: torch.save(dict(payload), f))
     info = {"bytes": path.stat().st_size, "sha256": _sha256(path), "start": optimizer_range[0],
@@ -231,21 +305,33 @@ def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[
         if missing:
             raise RuntimeError(f"checkpoint of step {step}: ranks {missing} wrote no file into {tmp}; is {r} a "
                                f"folder every rank shares?")
-        marker = {"schema": SCHEMA, "version": VERSION, "step": step, "world_size": world,
-                  "files": {str(i): x for i, x in enumerate(infos)}, "meta": dict(meta)}
-        _write_atomic(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
-        _fsync_dir(tmp)
-        if final.exists():  # a stale copy of the same step (a replayed step): replaced whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(r)
-        # folders of later steps are torn leftovers (the run resumed from an earlier step)
-        for later in [s for s in committed_steps(r) if s > step]:
-            shutil.rmtree(_step_dir(r, later), ignore_errors=True)
-        for old in committed_steps(r)[keep:]:
-            shutil.rmtree(_step_dir(r, old), ignore_errors=True)
-    comm.barrier()
-    return final
+    marker = {"schema": SCHEMA, "version": VERSION, "step": step, "world_size": world,
+              "files": {str(i): x for i, x in enumerate(infos)}, "meta": dict(meta)}
+    return _publish(r, step, tmp, marker, keep)
+
+
+def save_dcp(root: str | Path, step: int, write: Callable[[Path], None], meta: Mapping[str, Any], *,
+             shard_size: int, keep: int = 2) -> Path:
+    """Writes the checkpoint of ``step`` in version 2 (collective): ``write(folder)`` saves
+    the tensors through `torch.distributed.checkpoint` (every rank), each rank adds its RNG
+    states (``rngR.pt``), then the marker lists every file with its bytes and sha256 (each
+    rank hashes its own). Keeps the ``keep`` newest."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1; got {keep}")
+    r = Path(root)
+    rank, world = comm.world_rank(), comm.world_size()
+    tmp = _begin(r, step)
+    write(tmp)
+    _write_atomic(tmp / f"rng{rank}.pt", lambda f: torch.save(rng_state(), f))
+    mine = [p for p in tmp.iterdir() if p.name == f"rng{rank}.pt" or p.name.startswith(f"__{rank}_")
+            or (rank == 0 and p.name == ".metadata")]
+    infos = comm.all_gather_object({p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine})
+    files = {k: v for x in infos for k, v in x.items()}
+    if rank == 0 and ".metadata" not in files:
+        raise RuntimeError(f"checkpoint of step {step}: torch.distributed.checkpoint wrote no .metadata into {tmp}")
+    marker = {"schema": SCHEMA, "version": VERSION_DCP, "step": step, "world_size": world, "shard_size": shard_size,
+              "files": files, "meta": dict(meta)}
+    return _publish(r, step, tmp, marker, keep)
 
 
 # ---------------------------------------------------------------- RNG states

@@ -1,4 +1,4 @@
-"""`dcparallel` command line: simulate | plan | profile | train | demo.
+"""`dcparallel` command line: simulate | plan | profile | train | export | demo.
 
 Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
 progress and logs go to stderr.
@@ -24,6 +24,14 @@ def _train(path: Path, resume_anyway: bool = False) -> int:
     cfg = Config.load(path)
     cfg.train.resume_anyway = cfg.train.resume_anyway or resume_anyway
     return run(cfg)
+
+
+def _export(path: Path, out: Path | None, step: int | None) -> int:
+    from dcparallel.apps.train_export import export_run
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    print(export_run(path, out, step))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume-anyway", action="store_true",
                    help="resume a checkpoint written under another config (the differences are logged)")
     p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway))
+
+    p = sub.add_parser("export", help="a run's committed checkpoint as a model directory (save_pretrained), "
+                                      "without training")
+    p.add_argument("--config", required=True, type=Path, help="the run's TOML file (its out_dir holds the checkpoints)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the directory to write (default: out_dir/export/step_N)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest committed)")
+    p.set_defaults(func=lambda a: _export(a.config, a.out, a.step))
 
     p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
     demo.add_arguments(p)

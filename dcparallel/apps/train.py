@@ -9,31 +9,37 @@ or a latents manifest (``[data] path``; `dcparallel.data.text_dataset` / `latent
 or synthetic samples; optionally an eval split whose loss is measured every ``eval_every``
 steps with the same engine and planner, without gradients. The step: AdamW (ZeRO-1) under a
 warmup + cosine / linear / constant `torch.optim.lr_scheduler.LambdaLR`, global-norm
-clipping (``max_grad_norm``); at the end the trained weights are exported with
-``save_pretrained`` (+ tokenizer) to ``export_dir`` (transformers / diffusers models).
+clipping (``max_grad_norm``); parameters replicated, or sharded (FSDP2) in blocks of
+``shard_size`` ranks; at the end the trained weights are exported to ``export_dir``
+(``save_pretrained`` + tokenizer for transformers / diffusers models, a safetensors file
+otherwise; `apps.train_checkpoint`). `dcparallel export` exports a committed checkpoint
+without training (`apps.train_export`).
 
 One metrics line per step on rank 0 (loss, tokens/s, step time, idle fraction of the slowest
 vs the fastest rank, planned peak memory, SP degrees used, lr, gradient norm, eval loss, the
 step's sample ids), a progress bar on rank 0, the same metrics as JSONL in
 ``out_dir/metrics.jsonl`` and, with ``[log]``, TensorBoard / W&B (`apps.train_log`), events (start, resume,
 injected fault, skipped step, finish) in ``out_dir/events.jsonl``, and a crash-consistent
-checkpoint (`dcparallel.checkpoint`: model, ZeRO-1 optimizer shards, loader position, RNG
-states, config, profile fingerprint) every ``checkpoint_every`` steps and at the end, in
-``out_dir/checkpoint/``.
+checkpoint (`dcparallel.checkpoint`: model, optimizer state, loader position, RNG states,
+config, profile fingerprint; per-rank files with shard_size 1, torch.distributed.checkpoint
+keyed by parameter name with shard_size > 1) every ``checkpoint_every`` steps and at the
+end, in ``out_dir/checkpoint/``.
 
-Started again, a run resumes from its newest committed checkpoint, at any world size (the
-optimizer state is resharded, the rest of the epoch re-planned for the new world; the same
-samples per step). Metrics lines written after that checkpoint (steps a crash made replay)
-are dropped first, so every step appears once. A finished run says so and exits. A checkpoint
-written under another config (model, data, policy, step budget, lr, seed, memory) is refused
-with what differs, unless ``resume_anyway = true`` (or ``--resume-anyway``).
+Started again, a run resumes from its newest committed checkpoint, at any world size and
+shard size (the parameters and optimizer state are resharded, the rest of the epoch
+re-planned for the new world; the same samples per step). Metrics lines written after that
+checkpoint (steps a crash made replay) are dropped first, so every step appears once. A
+finished run says so and exits. A checkpoint written under another config (model, data,
+policy, step budget, lr, seed, memory) is refused with what differs, unless
+``resume_anyway = true`` (or ``--resume-anyway``).
 
 Everything is checked before anything runs: unknown keys and wrong types or ranges in the
 config (named, with the fix), the lengths file (file:line), the step budget, the model's
 heads and layers, the fault-injection variable.
 
-The config: `dcparallel.apps.train_config`; model, data, schedule and export:
-`dcparallel.apps.train_setup`; fault injection: `dcparallel.apps.faults`.
+The config: `dcparallel.apps.train_config`; model, data and schedule:
+`dcparallel.apps.train_setup`; checkpoints and export: `dcparallel.apps.train_checkpoint`;
+fault injection: `dcparallel.apps.faults`.
 """
 
 from __future__ import annotations

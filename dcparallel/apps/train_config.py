@@ -53,8 +53,9 @@ Config (every key optional; defaults below)::
     max_grad_norm = 0.0     # global-norm gradient clipping (0: off; the norm is logged either way)
     weight_decay = 0.0      # AdamW decoupled weight decay on matrices
     eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
-    export_dir = ""         # transformers / diffusers: save_pretrained at the end ("": out_dir/final)
+    export_dir = ""         # the trained model at the end ("": out_dir/final; model.safetensors if not HF)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
+    shard_size = 1          # parameters sharded (FSDP2) in blocks of this many ranks (1: replicated)
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)
@@ -203,6 +204,7 @@ class TrainConfig:
     eval_every: int = _opt(0, lo=0, resume=False)
     export_dir: str = _opt("", resume=False)
     dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16"))
+    shard_size: int = _opt(1, lo=1, resume=False)
 
     def check(self, where: str) -> None:
         if not self.out_dir:

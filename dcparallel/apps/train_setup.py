@@ -1,6 +1,6 @@
 """What `dcparallel train` builds before its loop and writes after it: the model (a local
 pretrained directory or one built from the config) and its tokenizer, the datasets (real or
-synthetic, with the eval split), the learning-rate schedule, and the export.
+synthetic, with the eval split), the learning-rate schedule, and where the export goes.
 
 Pretrained models load with ``from_pretrained(dir, local_files_only=True)``: nothing is
 downloaded. Real datasets are read on rank 0 first (it computes and caches the lengths; a
@@ -168,15 +168,6 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
     return factor
 
 
-def export(cfg: Config, model: nn.Module, tokenizer: Any, out: Path) -> Path | None:
-    """``save_pretrained`` of the trained weights (+ tokenizer) to ``export_dir`` (default
-    ``out_dir/final``) on rank 0, for transformers and diffusers models; the directory or None."""
-    if cfg.model.family == "reference":
-        return None
-    path = Path(cfg.train.export_dir) if cfg.train.export_dir else out / "final"
-    if comm.world_rank() == 0:  # the parameters are replicated: rank 0 holds all of them
-        model.save_pretrained(path)  # the runtime's attention is not part of the saved config
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-    comm.barrier()
-    return path
+def export_path(cfg: Config, out: Path) -> Path:
+    """Where the trained model is exported: ``export_dir``, default ``out_dir/final``."""
+    return Path(cfg.train.export_dir) if cfg.train.export_dir else out / "final"

@@ -91,6 +91,7 @@ class Trainer:
     def prepare(self) -> bool:
         """Everything before the first step; False when the run has nothing left to do."""
         from dcparallel import DataCentricParallel, checkpoint
+        from dcparallel.apps import train_checkpoint
         from dcparallel.apps.train_setup import load_model, read_data
         from dcparallel.runtime import comm
 
@@ -108,11 +109,15 @@ class Trainer:
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed,
-                                           memory_bytes=t.memory_mib * 2**20 or None, **extra)
-        self.lo = min(rank * dc.shard_numel, dc.numel)
-        self.hi = min(self.lo + dc.shard_numel, dc.numel)
+                                           memory_bytes=t.memory_mib * 2**20 or None, shard_size=t.shard_size,
+                                           **extra)
+        # this rank's ZeRO-1 range of the flat optimizer state (shard_size 1 only)
+        self.opt_range = None
+        if dc.shard_size == 1:
+            lo = min(rank * dc.shard_numel, dc.numel)
+            self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
         # the checkpoint is found and its config compared before any profiling
-        ck = checkpoint.latest(self.ckroot, reads=self._reads)
+        ck = checkpoint.latest(self.ckroot, reads=lambda marker: train_checkpoint.reads(marker, rank, self.opt_range))
         self.key = self.cfg.resume_key()
         if ck is not None and not self._check_resumable(ck):
             return False
@@ -132,11 +137,6 @@ class Trainer:
             return False
         self.scheduler = self._scheduler()
         return True
-
-    def _reads(self, marker: dict) -> list[int]:
-        files = marker["files"]
-        over = [int(r) for r, f in files.items() if max(self.lo, f["start"]) < min(self.hi, f["stop"])]
-        return sorted({0, *over, *([self.rank] if str(self.rank) in files else [])})
 
     def _check_resumable(self, ck) -> bool:
         t = self.t
@@ -164,22 +164,20 @@ class Trainer:
                                  collate=dc.adapter.collate, device=dc.params[0].device)
 
     def _resume(self, ck) -> None:
-        from dcparallel import checkpoint
+        from dcparallel.apps import train_checkpoint
 
-        rank, lo, hi = self.rank, self.lo, self.hi
-        zero = ck.load(0)
-        self.model.load_state_dict(zero["model"])
-        self.opt.load_state_dict([zero["optimizer"] if r == 0 else ck.load(r)["optimizer"]
-                                  for r in ck.ranks_overlapping(lo, hi)] if hi > lo else [zero["optimizer"]])
+        rank = self.rank
+        train_checkpoint.load(ck, self.dc, self.opt, self.opt_range)  # any version, world and shard size
         self.opt.param_groups[0]["initial_lr"] = self.t.lr  # the schedule's base is this config's lr
-        if ck.world_size == self.world:
-            checkpoint.set_rng_state((zero if rank == 0 else ck.load(rank))["rng"])
         self.loader.load_state_dict(ck.meta["loader"])
         self.done, self.start_epoch = ck.step, int(ck.meta["loader"]["epoch"])
         self.resumed_from = ck
         if ck.meta.get("profile") != self.profile_fp and rank == 0:
             log.warning("the profile differs from the checkpoint's (world size %d -> %d?): the rest of the "
                         "epoch is re-planned, with the same samples per step", ck.world_size, self.world)
+        if ck.shard_size != self.dc.shard_size and rank == 0:
+            log.warning("resharded the checkpoint of shard size %d to shard size %d", ck.shard_size,
+                        self.dc.shard_size)
 
     def _scheduler(self):
         """torch's LambdaLR over the optimizer, positioned at the step after ``done``."""
@@ -228,12 +226,13 @@ class Trainer:
                 self._save(finished=True)
         finally:
             self.sinks.close()
-        from dcparallel.apps.train_setup import export
+        from dcparallel.apps import train_checkpoint
+        from dcparallel.apps.train_setup import export_path
 
-        path = export(self.cfg, self.model, self.tokenizer, self.out)
+        path = train_checkpoint.export(self.cfg.model.family, self.dc, self.tokenizer, export_path(self.cfg, self.out))
         if rank == 0:
             if path is not None:
-                log.warning("exported the trained model to %s (save_pretrained)", path)
+                log.warning("exported the trained model to %s", path)
             append_event(self.events, {"event": "finish", "step": self.done, "world_size": self.world,
                                        **({"export_dir": str(path)} if path else {})})
         return 0
@@ -342,14 +341,12 @@ class Trainer:
                 "policy": self.t.policy, "world_size": self.world, "sample_ids": sorted(step.plan.sample_ids)}
 
     def _save(self, finished: bool) -> None:
-        from dcparallel import checkpoint
+        from dcparallel.apps import train_checkpoint
 
         t = self.t
-        payload = {"step": self.done, "rank": self.rank, "world_size": self.world, "optimizer": self.opt.state_dict(),
-                   "rng": checkpoint.rng_state()}
-        if self.rank == 0:
-            payload["model"] = self.model.state_dict()
+        dtype = getattr(self.dc.grad_sync, "compute_dtype", None) or self.dc.params[0].dtype  # the model's own
         meta = {"config": self.key, "profile": self.profile_fp, "loader": self.loader.state_dict(),
-                "finished": finished, "run_length": [t.epochs, t.max_steps]}
-        checkpoint.save(self.ckroot, self.done, payload, meta, optimizer_range=(self.lo, self.hi),
-                        keep=t.keep_checkpoints)
+                "finished": finished, "run_length": [t.epochs, t.max_steps], "shard_size": self.dc.shard_size,
+                "dtype": str(dtype).removeprefix("torch.")}
+        train_checkpoint.save(self.ckroot, self.done, self.dc, self.opt, meta, keep=t.keep_checkpoints,
+                              optimizer_range=self.opt_range or (0, 0))

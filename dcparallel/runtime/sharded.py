@@ -145,8 +145,8 @@ class ShardedGrads:
     @property
     def shard_numel(self):
         raise ValueError("with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
-                         "state is ShardedAdamW's); dcparallel.checkpoint does not save sharded runs: "
-                         "use dcparallel.runtime.sharded_checkpoint")
+                         "state is ShardedAdamW's); checkpoints of sharded runs are keyed by parameter name: "
+                         "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save_dcp")
 
     # ------------------------------------------------------------------ the engine's calls
 

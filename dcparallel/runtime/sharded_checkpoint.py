@@ -1,88 +1,327 @@
-"""Saving and loading a parameter-sharded run (shard_size > 1) with `torch.distributed.checkpoint`.
+"""The tensors of a run in `torch.distributed.checkpoint`'s format, keyed by parameter name,
+for any shard size: a checkpoint saved at one world size and shard size loads at any other.
 
-The state is keyed by parameter name (FQN) and every tensor is a DTensor sharded like its
-parameter, so `torch.distributed.checkpoint` reshards on load: a checkpoint saved at one
-world size and shard size loads at another (each rank reads the pieces of its own shard):
+    model/<name>                  the parameter's fp32 master values, in its own shape
+    optim/<name>/exp_avg          Adam's moments, in the parameter's shape
+    optim/<name>/exp_avg_sq
+    optim/num_steps               a plain int64 tensor (the same on every rank)
 
-    model/<name>                    the parameter (fp32 shard)
-    optim/<name>/exp_avg, ...sq     Adam's moments, sharded like the parameter
-    optim/num_steps                 a plain tensor (the same on every rank)
+Every rank writes (and reads) only what its optimizer owns: one contiguous flat range of
+each parameter (row-major). With shard_size 1 that is the ZeRO-1 range of the flat vector
+(`runtime.zero.ZeroAdamW`: the fp32 master and the moments); with shard_size s > 1 it is this
+replica's piece of the rank's FSDP shard (`runtime.sharded_optim.ShardedAdamW`: the fp32
+sharded parameter and the moments). The owned ranges of all ranks partition every parameter,
+so nothing is written twice and nothing is all-gathered. A flat range is cut into the few
+boxes (offsets, sizes) it covers (`flat_boxes`) and handed to DCP as a ShardedTensor whose
+local shards are views of the rank's own buffers, so DCP reads and writes in place and
+reshards on load by overlapping boxes.
 
-`ShardedAdamW` keeps the moments of one piece of the block shard per replica; saving
-all-gathers them over the replicas into per-parameter shards (a transient 8 bytes per
-parameter of the block shard), loading slices each rank's piece back out.
+The metadata file of a checkpoint is read with a restricted unpickler (`SafeReader`): only
+DCP's metadata classes and torch's dtypes, so a checkpoint cannot run code when read; the
+data files hold raw tensor bytes only.
 
-Only the tensors of the run: the loader position, RNG state, the commit protocol of
-`dcparallel.checkpoint` and export of consolidated weights are not here.
+Only tensors: the loader position, RNG state and commit protocol are `dcparallel.checkpoint`'s.
 """
 
 from __future__ import annotations
 
+import io
+import math
+import pickle
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from dcparallel.runtime import comm
 
 if TYPE_CHECKING:
     from dcparallel.runtime.engine import Engine
-    from dcparallel.runtime.sharded_optim import ShardedAdamW
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+STEPS_KEY = "optim/num_steps"
 
 
-def _moment_dtensors(opt: ShardedAdamW) -> dict[str, dict[str, Any]]:
-    """Per parameter name, its moments as DTensors sharded like the parameter (all-gathered
-    over the replicas), backed by one buffer per moment."""
-    from torch.distributed.tensor import DTensor
+def model_key(name: str) -> str:
+    return f"model/{name}"
 
-    gr = opt.grads
-    out: dict[str, dict[str, Any]] = {n: {} for n in gr.names}
-    for k in _MOMENTS:
-        piece = getattr(opt, k)
-        full = comm.all_gather_flat(piece, gr.replica_group) if gr.num_replicas > 1 else piece.clone()
-        for n, p, (a, b) in zip(gr.names, gr.params, gr._ranges, strict=True):
-            local = full[a:b].view(p.to_local().shape)
-            out[n][k] = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                           run_check=False)
-        out.setdefault("_buffers", {})[k] = full
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes (offsets, sizes) that the flat range [start, stop) of a row-major tensor of
+    ``shape`` covers, in order; each box is contiguous in memory (a range of one dimension
+    with every later dimension whole), so the range's elements are the boxes' one after the
+    other."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    r0, c0 = divmod(start, inner)
+    r1, c1 = divmod(stop, inner)
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def row(r: int, a: int, b: int) -> None:
+        out.extend(((r, *o), (1, *s)) for o, s in flat_boxes(shape[1:], a, b))
+
+    if r0 == r1:
+        row(r0, c0, c1)
+        return out
+    if c0:
+        row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:])))
+    if c1:
+        row(r1, 0, c1)
     return out
 
 
-def _state(engine: Engine, opt: ShardedAdamW) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if engine.shard_size <= 1 or opt.grads is not engine.grad_sync:
-        raise ValueError("sharded checkpoints are for an engine with shard_size > 1 and its own optimizer "
-                         "(engine.optimizer()); an unsharded run uses dcparallel.checkpoint")
-    moments = _moment_dtensors(opt)
-    buffers = moments.pop("_buffers")
-    state: dict[str, Any] = {f"model/{n}": p for n, p in engine.model.named_parameters() if p.requires_grad}
-    for n, m in moments.items():
-        for k in _MOMENTS:
-            state[f"optim/{n}/{k}"] = m[k]
-    state["optim/num_steps"] = torch.tensor([opt.num_steps], dtype=torch.int64)
-    return state, buffers
+@dataclass(frozen=True)
+class Segment:
+    """The part of parameter ``name`` a rank owns: flat elements [start, stop) of the whole
+    parameter (row-major), with its 1-D views of them (``model``: fp32 master values,
+    ``exp_avg``, ``exp_avg_sq``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    views: dict[str, Tensor]
 
 
-def save_sharded(path: str | Path, engine: Engine, opt: ShardedAdamW) -> None:
+def _zero_segments(engine: Engine, opt: Any) -> list[Segment]:
+    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    lo, hi = opt._lo, min(opt._hi, engine.numel)
+    out, off = [], 0
+    for n, p in zip(names, engine.params, strict=True):
+        x, y = max(off, lo), min(off + p.numel(), hi)
+        if x < y:
+            views = {"model": opt.master[x - lo: y - lo], **{k: getattr(opt, k)[x - lo: y - lo] for k in _MOMENTS}}
+            out.append(Segment(n, tuple(p.shape), x - off, y - off, views))
+        off += p.numel()
+    return out
+
+
+def _sharded_segments(engine: Engine, opt: Any) -> list[Segment]:
+    from torch.distributed.tensor import Shard
+
+    gr = opt.grads
+    out = []
+    for n, p, local, (a, b) in zip(gr.names, gr.params, opt._locals, gr._ranges, strict=True):
+        shape = tuple(p.shape)
+        inner = math.prod(shape[1:])
+        chunk = math.ceil(shape[0] / gr.shard_size)  # FSDP2: dim 0 cut as torch.chunk does
+        row0 = min(gr.shard_index * chunk, shape[0])
+        local_shape = tuple(p.to_local().shape)
+        assert tuple(p.placements) == (Shard(0),) and local_shape[1:] == shape[1:], (n, p.placements, local_shape)
+        assert row0 + local_shape[0] <= shape[0], (n, row0, local_shape)
+        x, y = max(a, opt._lo), min(b, opt._hi)
+        if x < y:
+            views = {"model": local[x - a: y - a], **{k: getattr(opt, k)[x - opt._lo: y - opt._lo] for k in _MOMENTS}}
+            out.append(Segment(n, shape, row0 * inner + x - a, row0 * inner + y - a, views))
+    return out
+
+
+def segments(engine: Engine, opt: Any) -> list[Segment]:
+    """What this rank's optimizer owns of every trainable parameter (module docstring)."""
+    from dcparallel.runtime.sharded_optim import ShardedAdamW
+    from dcparallel.runtime.zero import ZeroAdamW
+
+    if isinstance(opt, ShardedAdamW) and opt.grads is engine.grad_sync:
+        return _sharded_segments(engine, opt)
+    if isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
+        return _zero_segments(engine, opt)
+    raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a "
+                     f"{type(opt).__name__}")
+
+
+def _state(engine: Engine, opt: Any) -> dict[str, Any]:
+    """The DCP state dict: one ShardedTensor per key over every rank's owned boxes."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    mine = segments(engine, opt)
+    device = str(mine[0].views["model"].device) if mine else str(engine.params[0].device)
+    everyone = comm.all_gather_object((device, {s.name: (s.start, s.stop) for s in mine}))
+    shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters() if p.requires_grad}
+    rank = comm.world_rank()
+    by_name = {s.name: s for s in mine}
+    state: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        ckpt_shape = shape or (1,)  # a 0-d parameter is stored with one dimension of 1
+        metas, local = [], {"model": [], **{k: [] for k in _MOMENTS}}
+        for r, (dev, ranges) in enumerate(everyone):
+            if name not in ranges:
+                continue
+            a = 0  # where the box starts in the owner's segment
+            for off, size in flat_boxes(ckpt_shape, *ranges[name]):
+                md = ShardMetadata(shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{r}/{dev}")
+                metas.append(md)
+                n = math.prod(size)
+                if r == rank:
+                    for k in local:
+                        local[k].append(Shard(tensor=by_name[name].views[k][a: a + n].view(size), metadata=md))
+                a += n
+        for k, shards in local.items():
+            props = TensorProperties(dtype=torch.float32)
+            meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(ckpt_shape), tensor_properties=props)
+            key = model_key(name) if k == "model" else f"optim/{name}/{k}"
+            state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    state[STEPS_KEY] = torch.tensor([opt.num_steps], dtype=torch.int64)
+    return state
+
+
+def save(path: str | Path, engine: Engine, opt: Any) -> None:
     """Writes the parameters and the optimizer state into the folder ``path`` (collective:
-    every rank calls it; torch.distributed.checkpoint writes its metadata file once every rank
-    has written its part)."""
+    every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
     import torch.distributed.checkpoint as dcp
 
-    state, _ = _state(engine, opt)
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(_state(engine, opt), storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True,
+                                                                         sync_files=True))
 
 
-def load_sharded(path: str | Path, engine: Engine, opt: ShardedAdamW) -> None:
-    """Loads a checkpoint written by `save_sharded` at any world size and shard size into this
-    engine's parameters and optimizer (collective). The optimizer's hyperparameters (lr, ...)
-    stay as constructed."""
+def load(path: str | Path, engine: Engine, opt: Any) -> None:
+    """Loads a checkpoint written by `save` at any world size and shard size into this
+    engine's parameters and optimizer state (collective). The optimizer's hyperparameters
+    (lr, ...) stay as constructed."""
     import torch.distributed.checkpoint as dcp
 
-    state, buffers = _state(engine, opt)
+    state = _state(engine, opt)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=str(path))
-    opt.num_steps = int(state["optim/num_steps"][0])
-    for k in _MOMENTS:  # the loaded per-parameter shards -> this replica's piece
-        getattr(opt, k).copy_(buffers[k][opt._lo: opt._hi])
+        dcp.load(state, storage_reader=SafeReader(str(path)))
+        opt.num_steps = int(state[STEPS_KEY][0])
+        after_load(engine, opt)
+
+
+def after_load(engine: Engine, opt: Any) -> None:
+    """Makes the parameters agree with the loaded master values: with shard_size 1 the master
+    shard is copied into the parameters (bf16 models) and all-gathered; with shard_size > 1 the
+    loaded pieces are all-gathered over the replicas into the block shards."""
+    from dcparallel.runtime.sharded_optim import ShardedAdamW
+
+    if isinstance(opt, ShardedAdamW):
+        opt._write_back(opt._read_piece())
+        return
+    if opt.master is not opt._param_shard:
+        opt._param_shard.copy_(opt.master)
+    comm.all_gather_shards_(engine.flat_param, engine.shard_numel)
+
+
+# the names the tensor-only API is also known by
+save_sharded, load_sharded = save, load
+
+
+def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any]]) -> None:
+    """Loads ZeRO-1 shards of the flat parameter vector (`runtime.zero.ZeroAdamW.state_dict`:
+    ``start``, ``stop``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``num_steps``; the per-rank
+    checkpoint format) into this engine at any shard size (collective). The flat vector holds
+    the trainable parameters in ``named_parameters`` order, whatever the shard size. ``shards``
+    may be a generator: each is used once and dropped. ValueError if they leave part of this
+    rank's state uncovered."""
+    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    numels = [p.numel() for n, p in engine.model.named_parameters() if p.requires_grad]
+    offset = dict(zip(names, [sum(numels[:i]) for i in range(len(numels))], strict=True))
+    mine = segments(engine, opt)
+    missing = sum(s.stop - s.start for s in mine)
+    steps = set()
+    for shard in shards:
+        if int(shard["numel"]) != sum(numels):
+            raise ValueError(f"the optimizer state is for {shard['numel']} parameters but this model has "
+                             f"{sum(numels)}; load a checkpoint of the same model")
+        a0, b0 = int(shard["start"]), int(shard["stop"])
+        steps.add(int(shard["num_steps"]))
+        for seg in mine:
+            lo, hi = offset[seg.name] + seg.start, offset[seg.name] + seg.stop
+            x, y = max(lo, a0), min(hi, b0)
+            if x >= y:
+                continue
+            with torch.no_grad():
+                for key, src in (("model", "master"), *((k, k) for k in _MOMENTS)):
+                    seg.views[key][x - lo: y - lo].copy_(shard[src][x - a0: y - a0])
+            missing -= y - x
+    if missing or len(steps) != 1:
+        raise ValueError(f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
+                         f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
+                         f"checkpoint")
+    opt.num_steps = steps.pop()
+    with torch.no_grad():
+        after_load(engine, opt)
+
+
+# ---------------------------------------------------------------- reading without an engine
+
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch.Size / dtypes / layouts / memory formats, paths and plain
+    containers; anything else (code) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES and not name.startswith("__"):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                               (torch.dtype, torch.layout, torch.memory_format))):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":  # a layout by its name
+            return super().find_class(module, name)
+        if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return super().find_class(module, name)  # the checkpoint's id (its folder)
+        if module == "collections" and name == "OrderedDict":
+            return super().find_class(module, name)
+        if module in ("builtins", "copyreg") and name in ("set", "frozenset", "tuple", "list", "dict", "_reconstructor",
+                                                         "object", "getattr", "slice"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the checkpoint metadata names {module}.{name}, which is not part of "
+                                     f"torch.distributed.checkpoint's metadata; refusing to load it")
+
+
+def _safe_reader_cls():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _SafeReader
+
+
+def SafeReader(path: str | Path):  # noqa: N802 - a class factory (torch imported lazily)
+    """A `torch.distributed.checkpoint.FileSystemReader` of ``path`` whose metadata is read
+    with a restricted unpickler (module docstring)."""
+    return _safe_reader_cls()(str(path))
+
+
+def read_keys(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensor keys of a checkpoint folder and their shapes (no process group needed)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = SafeReader(path).read_metadata()
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def read_model(path: str | Path) -> dict[str, Tensor]:
+    """Every ``model/<name>`` tensor of a checkpoint folder, whole, on the CPU, in one process
+    (no process group needed): the trained parameters by name (fp32)."""
+    import torch.distributed.checkpoint as dcp
+
+    shapes = read_keys(path)
+    state = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items() if k.startswith("model/")}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    return {k[len("model/"):]: v for k, v in state.items()}

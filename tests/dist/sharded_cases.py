@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -210,3 +212,38 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
     except ValueError as e:
         return {"error": str(e), "groups": groups}
     return {"error": None, "groups": groups, "split": [g for g in groups if splits_shard_block(g, 2)]}
+
+
+def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, seed: int = 5,
+                             num_samples: int = 6) -> dict:
+    """Through the training loop's checkpoint functions (`apps.train_checkpoint`):
+    ``save``: a step and an optimizer step at ``shard_size``, the checkpoint of step 1 under
+    ``root`` (the per-rank format with shard_size 1, torch.distributed.checkpoint above), then
+    a second step. Else: a fresh engine at ``shard_size`` loads the newest checkpoint and runs
+    the second step. The whole parameters after the second step."""
+    from types import SimpleNamespace
+
+    from dcparallel import checkpoint
+    from dcparallel.apps import train_checkpoint
+
+    dc = _engine(kind, shard_size)
+    run = SimpleNamespace(shard_size=shard_size, model=dc.model, engine=dc)
+    opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
+    opt_range = None
+    if shard_size == 1:
+        lo = min(dist.get_rank() * dc.shard_numel, dc.numel)
+        opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
+    steps = [0, 1] if save else [1]
+    if not save:
+        ck = checkpoint.latest(root, reads=lambda m: train_checkpoint.reads(m, dist.get_rank(), opt_range))
+        train_checkpoint.load(ck, run, opt, opt_range)
+    for step in steps:
+        data = _data(kind, num_samples, seed + step)
+        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, min(4, dist.get_world_size()))
+        _run_step(dc, kind, data, plan)
+        opt.step()
+        opt.zero_grad()
+        if save and step == 0:
+            train_checkpoint.save(Path(root), 1, run, opt, {"loader": {}}, keep=2,
+                                  optimizer_range=opt_range or (0, 0))
+    return {n: (p.full_tensor() if shard_size > 1 else p).detach().clone() for n, p in dc.model.named_parameters()}

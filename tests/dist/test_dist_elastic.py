@@ -72,3 +72,36 @@ def test_world_4_to_2_to_4_loses_and_repeats_nothing(pools, tmp_path):
     events = [json.loads(x) for x in (el / "events.jsonl").read_text().splitlines()]
     assert [(e["from_world_size"], e["world_size"], e["step"]) for e in events if e["event"] == "resume"] == [
         (4, 2, 2), (2, 4, 4)]
+
+
+def test_sharded_run_checkpoints_in_dcp_resumes_at_world_2_and_exports(pools, tmp_path):
+    """`dcparallel train` with shard_size 2 at world 4 writes torch.distributed.checkpoint
+    checkpoints (version 2), resumes at world 2 with shard_size 2, trains the samples of an
+    unsharded world-2 run step by step with its losses (fp32 reduction order: the shard
+    reduce-scatters and the other world sum in another order), and exports the gathered
+    weights of its last checkpoint."""
+    from safetensors.torch import load_file
+
+    from dcparallel.runtime.sharded_checkpoint import read_model
+
+    ref, sh = tmp_path / "ref", tmp_path / "sharded"
+    assert pools[2].run(elastic_cases.case_train, _cfg(ref, 3)) == [0, 0]
+    cfg = _cfg(sh, 2)
+    cfg["train"]["shard_size"] = 2
+    assert pools[4].run(elastic_cases.case_train, cfg) == [0] * 4
+    ck = checkpoint.latest(sh / "checkpoint")
+    assert (ck.version, ck.step, ck.world_size, ck.shard_size) == (checkpoint.VERSION_DCP, 2, 4, 2)
+    cfg["train"]["max_steps"] = 3
+    assert pools[2].run(elastic_cases.case_train, cfg) == [0, 0]
+
+    a, b = _metrics(ref), _metrics(sh)
+    assert [m["world_size"] for m in b] == [4, 4, 2]
+    assert [m["sample_ids"] for m in b] == [m["sample_ids"] for m in a]
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["global_step"], x["loss"], y["loss"])
+    last = checkpoint.latest(sh / "checkpoint")
+    assert last.step == 3 and last.meta["finished"]
+    exported, trained = load_file(sh / "final" / "model.safetensors"), read_model(last.path)
+    assert set(trained) <= set(exported)
+    for name, value in trained.items():
+        assert torch.equal(exported[name], value.view(exported[name].shape)), name

@@ -189,3 +189,40 @@ def test_loader_never_yields_a_plan_that_splits_a_block(workers):
         assert "splits a parameter-shard block of shard_size=2" in out[0]["error"]
     else:
         assert out[0]["groups"] and not out[0]["split"]
+
+
+@pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 1)])
+def test_checkpoints_of_either_format_resume_at_another_shard_size(workers, tmp_path, saved, loaded):
+    """A shard_size-1 run's per-rank checkpoint resumed with shard_size 2 (its ZeRO-1 ranges
+    mapped onto each parameter's pieces), and a shard_size-2 run's torch.distributed.checkpoint
+    resumed with shard_size 1 (into ZeroAdamW's ranges): the second step's parameters equal the
+    uninterrupted run's. Then a torn data file makes the checkpoint unreadable, said so."""
+    from dcparallel import checkpoint
+
+    root = str(tmp_path / "ck")
+    straight = workers.run(sharded_cases.case_cross_format_resume, "dit", saved, root, True)
+    ck = checkpoint.latest(root)
+    assert (ck.version, ck.shard_size) == ((checkpoint.VERSION, 1) if saved == 1 else (checkpoint.VERSION_DCP, 2))
+    resumed = workers.run(sharded_cases.case_cross_format_resume, "dit", loaded, root, False)
+    for r in range(4):
+        for name, p in straight[0].items():
+            assert rel_err(resumed[r][name], p) <= 1e-5, (saved, loaded, r, name)
+    if saved == 2:
+        data = ck.path / "__1_0.distcp"
+        data.write_bytes(data.read_bytes()[:-7])
+        with pytest.raises(ValueError, match=r"__1_0.distcp has \d+ bytes, \d+ were committed \(torn write\?\)"):
+            checkpoint.latest(root)
+
+
+def test_checkpoint_metadata_is_read_without_running_code(tmp_path):
+    import pickle
+
+    from dcparallel.runtime.sharded_checkpoint import read_keys
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print, which is not part of torch.distributed"):
+        read_keys(tmp_path)

@@ -1,0 +1,151 @@
+"""How `dcparallel train` saves and resumes its tensors, and exports the trained model.
+
+Checkpoints (`dcparallel.checkpoint`): a run with shard_size 1 writes the per-rank format
+(version 1: rank 0's model state dict, every rank's ZeRO-1 range of the flat optimizer state);
+a run with shard_size > 1 writes `torch.distributed.checkpoint` (version 2: every tensor keyed
+by parameter name, `runtime.sharded_checkpoint`). Either loads at any world size and any
+shard size: version 2 through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`), version 1
+at shard size 1 as the ZeRO-1 shards it is and at shard size > 1 by mapping each parameter's
+flat range onto the shards (`sharded_checkpoint.load_flat_shards`).
+
+Export: ``save_pretrained`` (+ tokenizer) for transformers and diffusers models, a
+``model.safetensors`` file of the state dict for other models, written by rank 0. With
+shard_size > 1 the full state dict is gathered first
+(`torch.distributed.checkpoint.state_dict.get_model_state_dict`, collective, onto rank 0's CPU)
+and loaded into a copy of the model built on the meta device; the export holds the weights in
+the model's own dtype. `export_checkpoint` does the same from a committed checkpoint, in one
+process without training (`dcparallel export`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dcparallel import checkpoint
+from dcparallel.runtime import comm
+from dcparallel.runtime import sharded_checkpoint as dcp_tensors
+
+
+def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_range: tuple[int, int]) -> Path:
+    """The run's checkpoint of ``step`` (collective): version 1 with shard_size 1, else 2."""
+    if dc.shard_size == 1:
+        payload = {"step": step, "rank": comm.world_rank(), "world_size": comm.world_size(),
+                   "optimizer": opt.state_dict(), "rng": checkpoint.rng_state()}
+        if comm.world_rank() == 0:
+            payload["model"] = dc.model.state_dict()
+        return checkpoint.save(root, step, payload, meta, optimizer_range=optimizer_range, keep=keep)
+    return checkpoint.save_dcp(root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta,
+                               shard_size=dc.shard_size, keep=keep)
+
+
+def reads(marker: dict, rank: int, optimizer_range: tuple[int, int] | None) -> list[int] | None:
+    """The files of a version-1 checkpoint this rank will read (checked against their sha256):
+    rank 0's (the model), its own, and those overlapping its optimizer range; None (every
+    file) with shard_size > 1, which reads every shard."""
+    if optimizer_range is None:
+        return None
+    lo, hi = optimizer_range
+    files = marker["files"]
+    over = [int(r) for r, f in files.items() if max(lo, f["start"]) < min(hi, f["stop"])]
+    return sorted({0, *over, *([rank] if str(rank) in files else [])})
+
+
+def load(ck: checkpoint.Committed, dc, opt, optimizer_range: tuple[int, int] | None) -> None:
+    """The checkpoint's parameters and optimizer state into ``dc`` / ``opt``, and this rank's
+    RNG states when the world size is the checkpoint's (collective)."""
+    rank = comm.world_rank()
+    if ck.version == checkpoint.VERSION_DCP:
+        dcp_tensors.load(ck.path, dc.engine, opt)
+    elif dc.shard_size == 1:
+        lo, hi = optimizer_range
+        zero = ck.load(0)
+        dc.model.load_state_dict(zero["model"])
+        opt.load_state_dict([zero["optimizer"] if r == 0 else ck.load(r)["optimizer"]
+                             for r in ck.ranks_overlapping(lo, hi)] if hi > lo else [zero["optimizer"]])
+    else:
+        dcp_tensors.load_flat_shards(dc.engine, opt, (ck.load(r)["optimizer"] for r in range(ck.world_size)))
+    if ck.world_size == comm.world_size():
+        checkpoint.set_rng_state(ck.load_rng(rank))
+
+
+# ---------------------------------------------------------------- export
+
+
+def _unwrapped_class(model: nn.Module) -> type:
+    """The model's own class (FSDP2 swaps in a subclass of it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = None,
+                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
+    """Writes the model to ``path`` (one process): ``state`` (a full state dict) replaces the
+    model's own when given, cast to ``dtype``."""
+    if family == "reference":
+        from safetensors.torch import save_file
+
+        sd = state if state is not None else model.state_dict()
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().to(dtype or v.dtype).contiguous() for k, v in sd.items()}, path / "model.safetensors")
+        return
+    if state is not None:
+        cls = _unwrapped_class(model)
+        with torch.device("meta"):
+            shell = cls._from_config(model.config) if family == "transformers" else cls.from_config(model.config)
+        shell.load_state_dict({k: v.to(dtype or v.dtype) for k, v in state.items()}, strict=False, assign=True)
+        meta = [n for n, t in [*shell.named_parameters(), *shell.named_buffers()] if t.is_meta]
+        missing = [n for n in meta if n in dict(shell.named_parameters())]
+        if missing:
+            raise ValueError(f"the gathered state dict of {cls.__name__} lacks {missing[:5]}; cannot export it")
+        for n, b in list(shell.named_buffers()):  # non-persistent buffers: the trained model's own
+            if b.is_meta:
+                owner, _, leaf = n.rpartition(".")
+                src = model.get_buffer(n)
+                shell.get_submodule(owner).register_buffer(leaf, src.detach().cpu().clone(), persistent=False)
+        model = shell
+    model.save_pretrained(path)  # the runtime's attention is not part of the saved config
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def export(family: str, dc, tokenizer: Any, path: Path | None) -> Path | None:
+    """The trained model exported to ``path`` by rank 0 (collective; module docstring)."""
+    if path is None:
+        return None
+    state, dtype = None, None
+    if dc.shard_size > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(dc.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        dtype = dc.grad_sync.compute_dtype
+    if comm.world_rank() == 0:
+        write_export(family, dc.model, path, tokenizer, state, dtype)
+    comm.barrier()
+    return path
+
+
+def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, path: Path,
+                      tokenizer: Any = None) -> Path:
+    """Exports a committed checkpoint of any version and shard size (one process, no process
+    group): ``model`` is the run's model as built at its start (its non-trained state); the
+    checkpoint's trained parameters replace its own."""
+    dtype = next(model.parameters()).dtype
+    if ck.version == checkpoint.VERSION_DCP:
+        trained = dcp_tensors.read_model(ck.path)
+        params = dict(model.named_parameters())
+        unknown = sorted(set(trained) - set(params))
+        if unknown:
+            raise ValueError(f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
+                             f"config the run was trained with")
+        with torch.no_grad():
+            for name, value in trained.items():
+                params[name].copy_(value.view(params[name].shape).to(dtype))
+    else:
+        model.load_state_dict(ck.load(0)["model"])
+    write_export(family, model, path, tokenizer)
+    return path
