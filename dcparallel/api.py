@@ -39,6 +39,7 @@ from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
+from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.launch import cluster_from_env, device_memory
@@ -186,7 +187,7 @@ class DataCentricParallel:
                                                          memory_limit=self.memory_bytes,
                                                          progress=comm.world_rank() == 0)
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
-        device, dtype = self.params[0].device, self.params[0].dtype
+        device, dtype = self.params[0].device, compute_dtype(self.engine)
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
         profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self.engine,
                             layers_per_unit=self.adapter.blocks_per_layer)

@@ -1,0 +1,136 @@
+"""Gloo worker functions: `DataCentricParallel.prepare` with parameter-shard blocks (the
+profiler measuring with FSDP2 on, the loader planning whole blocks) and ``shard_size="auto"``
+(module level, for spawn)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from dcparallel.api import DataCentricParallel
+from dcparallel.plan.types import splits_shard_block
+from dcparallel.profile.profiler import ProfilerConfig
+from tests import adapter_models, support
+
+#: a tiny profiling run: one timed round per layout, micro-batches of 1 and 2
+CONFIG = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
+KIND, NUM_SAMPLES, SEED = "hf-llama", 12, 3
+
+
+def _count_gathers(dc: DataCentricParallel, depth: int) -> int:
+    """FSDP all-gathers (`FSDPParamGroup.unshard` calls) in one forward + backward of a stack
+    of ``depth`` layers (`profile.measure.active_depth`): a skipped layer must gather nothing."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from dcparallel.profile.inputs import adapter_inputs
+    from dcparallel.profile.measure import active_depth
+    from dcparallel.profile.shards import compute_dtype
+    from dcparallel.spec import Layout
+
+    calls = [0]
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return unshard(self, *a, **k)
+
+    ranks = tuple(range(dist.get_world_size()))
+    make = adapter_inputs(dc.model, dc.adapter, dc.loss_fn, dc.params[0].device, compute_dtype(dc.engine))
+    inputs = make(8, Layout(len(ranks), 1), ranks, dist.get_rank())
+    FSDPParamGroup.unshard = counted
+    try:
+        with active_depth(dc.layers, depth, dc.adapter.skip_block):
+            with dc.micro_batch(inputs.batch) as ctx:
+                ctx.backward(inputs.loss(ctx))
+    finally:
+        FSDPParamGroup.unshard = unshard
+        dc.zero_grad()
+    return calls[0]
+
+
+def text_data(num_samples: int = NUM_SAMPLES, seed: int = SEED) -> support.Data:
+    """Documents of 16..40 tokens (two profile buckets: a short profile), by sample id."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    docs = {i: torch.randint(0, adapter_models.VOCAB, (rng.randint(16, 40),), generator=g) for i in range(num_samples)}
+    return support.Data(KIND, docs, {}, {}, {}, {i: tuple(d.shape) for i, d in docs.items()})
+
+
+def case_prepare_sharded(shard_size: int, profile_path: str) -> dict:
+    """A transformers Llama (GQA) wrapped with ``shard_size``; `prepare` profiles it at world 4
+    with sharding on; the loader's first step runs and its loss and full gradients are kept;
+    then the epoch trains with the optimizer. Returns the profile, the plans (and the groups
+    that split a block: none expected), the first step's loss / gradients / sample ids, the
+    losses and the FSDP all-gathers of a stack of 1 and of 2 layers."""
+    data = text_data()
+    dataset = [data.docs[i] for i in range(NUM_SAMPLES)]
+    model = adapter_models.build(KIND)
+    dc = DataCentricParallel(model, shard_size=shard_size, memory_bytes=2**30)
+    loader = dc.prepare(dataset, lengths=[int(d.shape[0]) for d in dataset], tokens_per_step=240,
+                        profile_path=profile_path, profiler_config=CONFIG)
+    gathers = {d: _count_gathers(dc, d) for d in (1, 2)}
+    opt = dc.optimizer(lr=1e-3)
+    plans, losses, first = [], [], None
+    for step in loader:
+        plans.append(step.plan.to_json())
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(dc.model, batch, ctx))
+        losses.append(dc.sync_gradients())
+        if first is None:
+            first = {"loss": losses[-1], "grads": dc.full_gradients(), "sample_ids": sorted(step.plan.sample_ids)}
+        opt.step()
+    splits = [g["ranks"] for p in plans for g in p["groups"]
+              if g["micro_batches"] and splits_shard_block(g["ranks"], shard_size)]
+    return {"profile": dc.profile.to_json(), "plans": plans, "splits": splits, "first": first, "losses": losses,
+            "gathers": gathers, "shard_size": dc.shard_size, "planned_state": dc.cost.model_state_bytes()}
+
+
+def reference_first_step(sample_ids) -> tuple[float, dict]:
+    """The single-process loss and gradients of the unmodified model over ``sample_ids``."""
+    return adapter_models.reference(adapter_models.build(KIND), text_data(), sample_ids)
+
+
+def case_auto_shard_size(memory_bytes: int | None, kind: str = "dit") -> dict:
+    """``DataCentricParallel(model, shard_size="auto", memory_bytes=...)``: the shard size it
+    chose and its log line, or the ValueError's message."""
+    import logging
+
+    from tests import support
+
+    model = support.make_model(kind)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    log = logging.getLogger("dcparallel.api")
+    old = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        dc = DataCentricParallel(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size="auto",
+                                 memory_bytes=memory_bytes)
+        return {"shard_size": dc.shard_size, "log": [x for x in lines if "shard_size auto" in x],
+                "numel_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in dc.params)}
+    except ValueError as e:
+        return {"error": str(e)}
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+
+
+def state_bytes_at(kind: str, world: int, shard_size: int) -> float:
+    """The analytic model states per rank (`cost.base.model_state_bytes`) of ``kind`` — what
+    ``auto`` compares with the budget."""
+    from dcparallel.adapters.find import find_adapter
+    from dcparallel.cost.base import model_state_bytes
+    from tests import support
+
+    model = support.make_model(kind)
+    spec = find_adapter(model, layers=model.layers, num_heads=support.NUM_HEADS).spec
+    return model_state_bytes(spec, world, shard_size)
