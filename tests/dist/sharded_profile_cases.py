@@ -93,44 +93,53 @@ def reference_first_step(sample_ids) -> tuple[float, dict]:
     return adapter_models.reference(adapter_models.build(KIND), text_data(), sample_ids)
 
 
-def case_auto_shard_size(memory_bytes: int | None, kind: str = "dit") -> dict:
-    """``DataCentricParallel(model, shard_size="auto", memory_bytes=...)``: the shard size it
-    chose and its log line, or the ValueError's message."""
+def deep_dit():
+    """A reference DiT of 8 thin layers: its layers hold most parameters, so sharding them
+    saves more than the gathered layer costs (in a 2-layer model the gathered layer and the
+    embeddings dominate and shard size 1 always needs least)."""
+    from dcparallel.models.dit import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    return DiT(DiTConfig.tiny(num_layers=8, num_heads=4, hidden=32, freq_dim=16))
+
+
+def deep_dit_states(world: int) -> dict[int, float]:
+    """The analytic model states per rank of `deep_dit` at shard sizes 1, 2 and 4 — what
+    ``auto`` compares with the budget (`cost.base.model_state_bytes`)."""
+    from dcparallel.adapters.find import find_adapter
+    from dcparallel.cost.base import model_state_bytes
+
+    spec = find_adapter(deep_dit()).spec
+    return {s: model_state_bytes(spec, world, s) for s in (1, 2, 4)}
+
+
+def case_auto_shard_size(budgets: list[int]) -> list[dict]:
+    """Per budget, ``DataCentricParallel(deep_dit(), shard_size="auto", memory_bytes=budget)``:
+    the shard size it chose, the class of its gradient state (`ShardedGrads` when sharded),
+    its log lines about the choice — or the ValueError's message."""
     import logging
 
-    from tests import support
-
-    model = support.make_model(kind)
     lines: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    handler = Keep(level=logging.INFO)
     log = logging.getLogger("dcparallel.api")
-    old = log.level
+    handler, old = Keep(level=logging.INFO), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    out = []
     try:
-        dc = DataCentricParallel(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size="auto",
-                                 memory_bytes=memory_bytes)
-        return {"shard_size": dc.shard_size, "log": [x for x in lines if "shard_size auto" in x],
-                "numel_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in dc.params)}
-    except ValueError as e:
-        return {"error": str(e)}
+        for budget in budgets:
+            lines.clear()
+            try:
+                dc = DataCentricParallel(deep_dit(), shard_size="auto", memory_bytes=int(budget))
+                out.append({"shard_size": dc.shard_size, "grads": type(dc.engine.grad_sync).__name__,
+                            "log": [x for x in lines if "shard_size auto" in x]})
+            except ValueError as e:
+                out.append({"error": str(e)})
     finally:
         log.removeHandler(handler)
         log.setLevel(old)
-
-
-def state_bytes_at(kind: str, world: int, shard_size: int) -> float:
-    """The analytic model states per rank (`cost.base.model_state_bytes`) of ``kind`` — what
-    ``auto`` compares with the budget."""
-    from dcparallel.adapters.find import find_adapter
-    from dcparallel.cost.base import model_state_bytes
-    from tests import support
-
-    model = support.make_model(kind)
-    spec = find_adapter(model, layers=model.layers, num_heads=support.NUM_HEADS).spec
-    return model_state_bytes(spec, world, shard_size)
+    return out

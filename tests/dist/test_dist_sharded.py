@@ -240,3 +240,28 @@ def test_prepare_profiles_with_sharding_on_and_plans_whole_blocks(workers, tmp_p
             assert err <= 1e-5, (r, name, err)
         assert len(o["losses"]) == len(plans) and all(math.isfinite(x) for x in o["losses"])
     print(f"prepare at shard_size={shard_size}: {len(plans)} steps, first step max rel err {worst:.2e}")
+
+
+def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
+    """``shard_size="auto"``: budgets between the model states at successive shard sizes pick
+    1, 2 and 4, the same on every rank, logged with the reason; a budget below the states at
+    the largest shard size is refused, naming the model size, the budget, the shard sizes tried
+    and the fix."""
+    states = sharded_profile_cases.deep_dit_states(4)
+    assert states[1] > states[2] > states[4], states
+    budgets = [int(1.01 * states[1]), int((states[1] + states[2]) / 2), int((states[2] + states[4]) / 2),
+               int(0.9 * states[4])]
+    out = workers.run(sharded_profile_cases.case_auto_shard_size, budgets)
+    decided = [[(x.get("shard_size"), x.get("error")) for x in o] for o in out]
+    assert all(d == decided[0] for d in decided), decided  # the same on every rank
+    fits, two, four, none = out[0]
+    assert fits["shard_size"] == 1 and fits["grads"] == "GradSync"
+    assert fits["log"] and fits["log"][0].startswith("shard_size auto -> 1: model states")
+    assert two["shard_size"] == 2 and two["grads"] == "ShardedGrads"
+    assert two["log"][0].startswith("shard_size auto -> 2: model states need") and "at s=1" in two["log"][0]
+    assert "over the memory budget" in two["log"][0]
+    assert four["shard_size"] == 4 and "(" in four["log"][0] and "at s=2" in four["log"][0]
+    assert all(not o[1]["log"] for o in out[1:])  # logged once (rank 0)
+    msg = none["error"]
+    assert "shard_size='auto'" in msg and "parameters" in msg and "tried [1, 2, 4]" in msg
+    assert "at shard size 4" in msg and "memory_bytes" in msg and "Use more GPUs" in msg
