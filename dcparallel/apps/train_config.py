@@ -55,6 +55,8 @@ Config (every key optional; defaults below)::
     eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
     export_dir = ""         # transformers / diffusers: save_pretrained at the end ("": out_dir/final)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
+    shard_size = 1          # ranks per parameter-shard block (FSDP2): 1 (replicated), 2, 4, ... dividing a
+                            # node or a multiple of it, or "auto": the smallest whose model states fit
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)
@@ -203,10 +205,15 @@ class TrainConfig:
     eval_every: int = _opt(0, lo=0, resume=False)
     export_dir: str = _opt("", resume=False)
     dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16"))
+    shard_size: int | str = _opt(1, resume=False)
 
     def check(self, where: str) -> None:
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
+        s = self.shard_size
+        if s != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f'{where}: [train] shard_size = {s!r} must be a positive integer (1, 2, 4, ...) or "auto" '
+                             f'(e.g. shard_size = 2)')
 
 
 @dataclass(kw_only=True)

@@ -108,7 +108,8 @@ class Trainer:
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed,
-                                           memory_bytes=t.memory_mib * 2**20 or None, **extra)
+                                           memory_bytes=t.memory_mib * 2**20 or None, shard_size=t.shard_size,
+                                           **extra)
         self.lo = min(rank * dc.shard_numel, dc.numel)
         self.hi = min(self.lo + dc.shard_numel, dc.numel)
         # the checkpoint is found and its config compared before any profiling
