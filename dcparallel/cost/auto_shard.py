@@ -12,6 +12,11 @@ from dcparallel.spec import ClusterSpec, ModelSpec, Recompute, Size, format_byte
 from dcparallel.topology import Topology
 
 
+def _count(n: float) -> str:
+    """A parameter count: 70.55B, 350.2M, 133,440."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{int(n):,}"
+
+
 def _smallest_need(cost: CostModel, size: Size, sp: int) -> float:
     """Peak bytes of one sample alone at SP ``sp`` with full recomputation."""
     L = cost.model.num_layers
@@ -68,7 +73,7 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
                          f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
                          f"groups divide the heads")
     raise ValueError(
-        f"model {model.name!r} ({model.num_params / 1e9:.2f}B parameters) does not fit {cluster.world_size} GPUs of "
+        f"model {model.name!r} ({_count(model.num_params)} parameters) does not fit {cluster.world_size} GPUs of "
         f"{format_bytes(budget)} usable memory at any shard size (tried {tried}): at shard size "
         f"{tried[-1]} {why} needs {format_bytes(need)} per rank. Use more GPUs (the optimizer states shrink "
         f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples")

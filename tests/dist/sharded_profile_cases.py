@@ -137,6 +137,11 @@ def case_auto_shard_size(budgets: list[int]) -> list[dict]:
                 dc = DataCentricParallel(deep_dit(), shard_size="auto", memory_bytes=int(budget))
                 out.append({"shard_size": dc.shard_size, "grads": type(dc.engine.grad_sync).__name__,
                             "log": [x for x in lines if "shard_size auto" in x]})
+                try:  # a sample far too large for the budget: refused by prepare before profiling
+                    shapes = [(1, 4, 4), (64, 256, 256)]
+                    dc.prepare(list(range(2)), lengths=shapes, samples_per_step=2)
+                except ValueError as e:
+                    out[-1]["prepare_error"] = str(e)
             except ValueError as e:
                 out.append({"error": str(e)})
     finally:

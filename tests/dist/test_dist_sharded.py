@@ -262,6 +262,9 @@ def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
     assert "over the memory budget" in two["log"][0]
     assert four["shard_size"] == 4 and "(" in four["log"][0] and "at s=2" in four["log"][0]
     assert all(not o[1]["log"] for o in out[1:])  # logged once (rank 0)
+    # prepare checks the choice against the samples: one far too large is refused before profiling
+    assert "shard_size='auto' chose 2 from the model states, but with these samples" in two["prepare_error"]
+    assert "(64, 256, 256)" in two["prepare_error"]
     msg = none["error"]
     assert "shard_size='auto'" in msg and "parameters" in msg and "tried [1, 2, 4]" in msg
     assert "at shard size 4" in msg and "memory_bytes" in msg and "Use more GPUs" in msg
