@@ -55,8 +55,7 @@ Config (every key optional; defaults below)::
     eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
     export_dir = ""         # transformers / diffusers: save_pretrained at the end ("": out_dir/final)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
-    shard_size = 1          # ranks per parameter-shard block (FSDP2): 1 (replicated), 2, 4, ... dividing a
-                            # node or a multiple of it, or "auto": the smallest whose model states fit
+    shard_size = 1          # ranks per parameter-shard block (FSDP2): 1, 2, 4, ... or "auto" (smallest that fits)
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)
@@ -210,10 +209,8 @@ class TrainConfig:
     def check(self, where: str) -> None:
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
-        s = self.shard_size
-        if s != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-            raise ValueError(f'{where}: [train] shard_size = {s!r} must be a positive integer (1, 2, 4, ...) or "auto" '
-                             f'(e.g. shard_size = 2)')
+        if (s := self.shard_size) != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f'{where}: [train] shard_size = {s!r} must be a positive integer (1, 2, 4, ...) or "auto"')
 
 
 @dataclass(kw_only=True)
@@ -361,7 +358,6 @@ def _closest(name: str, known: set[str]) -> str | None:
 
     m = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return m[0] if m else None
-
 
 
 #: the builtin latent shapes (frames, height, width) of a diffusers video run

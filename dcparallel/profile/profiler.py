@@ -23,11 +23,8 @@ feasible layout at any SP degree is listed in the profile's ``unfit_buckets``.
 Runs happen through the training engine (`runtime.engine.Engine.micro_batch`), so what is
 timed is what training runs: the engine's SP groups, recompute wrappers and gradient hooks.
 
-Shard blocks (an engine with shard_size s > 1, `runtime.sharded`): the same runs, with FSDP2's
-per-layer all-gathers and reduce-scatters inside each block measured as part of every
-micro-batch; the SP degrees are the topology's (multiples of s: whole blocks), the model
-states the sharded recipe and the gradient sync the replicas' all-reduce (`profile.shards`).
-The profile records its shard size; the cost model plans with it as measured.
+Shard blocks (an engine with shard_size s > 1): the same runs, FSDP2's collectives included;
+the model states, memory meter and gradient sync of each case are in `profile.shards`.
 
 Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
 (it does for the fake limit: the ranks of a group hold equal shards); a device that fails on
@@ -136,15 +133,8 @@ class Profiler:
         return None if lim is None else float(lim)
 
     def model_state_bytes(self) -> float:
-        """Per rank, the engine's recipe: parameters, fp32 gradient buffer, and the ZeRO-1
-        shard of fp32 master weights (none for fp32 parameters) + Adam moments; with shard
-        blocks the sharded recipe (`shards.state_bytes`)."""
-        if self.shard_size > 1:
-            return shards.state_bytes(self.engine, self.spec, self.device)
-        n = sum(p.numel() for p in self.params)
-        pbytes = self.params[0].element_size()
-        master = 0 if self.dtype == torch.float32 else 4
-        return float(n * (pbytes + 4 + (master + 8) / self.world))
+        """Per rank, the engine's recipe (`shards.state_bytes`)."""
+        return shards.state_bytes(self.engine, self.spec, self.device)
 
     def fingerprint(self) -> dict:
         """What a profile is valid for; a cached profile is reused only if this matches."""
@@ -200,12 +190,7 @@ class Profiler:
                 raise torch.OutOfMemoryError(f"peak {state_bytes + peak:,.0f} bytes is over the budget "
                                              f"{self.memory_limit:,.0f}")
             return peak
-        if self.shard_size > 1:  # FSDP shards: local pieces, the gathered layers are parameters too
-            meter = SavedTensorMeter(exclude=[p.to_local() for p in self.params], base_bytes=state_bytes,
-                                     limit_bytes=self.memory_limit, skip_parameters=True)
-        else:
-            meter = SavedTensorMeter(exclude=[self.engine.flat_param, *self.params], base_bytes=state_bytes,
-                                     limit_bytes=self.memory_limit)
+        meter = shards.meter(self.engine, state_bytes, self.memory_limit)
         self._run(inputs, meter)
         if meter.bytes <= 0:
             raise RuntimeError("the forward saved no tensors for backward: the CPU memory estimate "
