@@ -13,7 +13,11 @@ into the folder it is given (the device tool's $OUT).
     Llama with grouped-query attention and a diffusers Wan transformer: planned vs measured
     step compute time and peak memory;
 (d) PAC on short data: a micro-batch of short documents with no recompute (what PAC plans when
-    memory allows) vs full recompute: measured speedup.
+    memory allows) vs full recompute: measured speedup;
+(e) the parameter-sharded runtime (FSDP2 in a block of all the node's GPUs,
+    benchmarks/sharded_device_check.py under torchrun): parity with the replicated engine,
+    parameter + gradient storage per rank, step time and peak memory. It needs two GPUs or
+    more in the node: with one GPU lent (or in the dry run) the report says it was skipped.
 
 Each part runs in a try block; a failure is written into the report and the rest still runs.
 ``--dry-run`` runs the same code on CPU with tiny sizes: it checks the script, not the numbers.
@@ -234,6 +238,27 @@ def part_d(device: torch.device, dry: bool) -> dict:
     return out
 
 
+#: what part (e) says when it cannot run
+ONE_GPU = "skipped: sharding needs ≥ 2 GPUs in a node (one GPU lent)"
+NO_GPU = ("skipped: sharding needs ≥ 2 GPUs in a node (dry run on CPU; `torchrun --nproc-per-node 2 "
+          "benchmarks/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)")
+
+
+def part_e(out_dir: Path, dry: bool) -> dict:
+    """The sharded runtime with shard size = the node's GPUs (benchmarks/sharded_device_check.py)."""
+    gpus = 0 if dry else torch.cuda.device_count()
+    if gpus < 2:
+        return {"skipped": ONE_GPU if gpus == 1 else NO_GPU, "gpus": gpus}
+    result = out_dir / "sharded_device_check.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
+           str(ROOT / "benchmarks" / "sharded_device_check.py"), "--out", str(result)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0 or not result.exists():
+        raise RuntimeError(f"sharded_device_check.py failed ({r.returncode}): {r.stderr[-2000:]}")
+    return {"gpus": gpus, **json.loads(result.read_text())}
+
+
 def write(out_dir: Path, meta: dict, results: dict) -> Path:
     path = out_dir / f"device-check_{meta['hardware']}_{meta['date']}.md"
     lines = [f"# Device check — {meta['device_name']} — {meta['date']}", "",
@@ -241,13 +266,16 @@ def write(out_dir: Path, meta: dict, results: dict) -> Path:
              f"{'DRY RUN on CPU with tiny sizes: checks the script, not the numbers' if meta['dry'] else 'GPU run'}; "
              f"{meta['seconds']:.0f} s.", ""]
     for key, title in (("a", "(a) profile --validate"), ("b", "(b) varlen_attn vs SDPA loop"),
-                       ("c", "(c) training steps at world 1"), ("d", "(d) PAC on short data")):
+                       ("c", "(c) training steps at world 1"), ("d", "(d) PAC on short data"),
+                       ("e", "(e) sharded runtime (FSDP2 blocks)")):
         lines += [f"## {title}", ""]
         res = results.get(key)
         if res is None:
             lines += ["not run", ""]
         elif "error" in res:
             lines += ["FAILED:", "", "```", res["error"], "```", ""]
+        elif "skipped" in res:
+            lines += [res["skipped"], ""]
         elif key == "a":
             lines += [f"profile_device_check.py exit {res['returncode']}, report `{res['report']}`:", "",
                       res["table"] or "```\n" + res["tail"] + "\n```", ""]
@@ -263,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--budget-a-s", type=float, default=240.0, help="time budget of part (a)")
-    ap.add_argument("--parts", default="abcd")
+    ap.add_argument("--parts", default="abcde")
     args = ap.parse_args(argv)
     dry = args.dry_run
     device = torch.device("cpu") if dry or not torch.cuda.is_available() else torch.device("cuda", 0)
@@ -279,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                                sys.argv[1:])])}
     results: dict = {}
     parts = {"a": lambda: part_a(args.out_dir, dry, 60.0 if dry else args.budget_a_s),
-             "b": lambda: part_b(device, dry), "c": lambda: part_c(args.out_dir, dry), "d": lambda: part_d(device, dry)}
+             "b": lambda: part_b(device, dry), "c": lambda: part_c(args.out_dir, dry), "d": lambda: part_d(device, dry),
+             "e": lambda: part_e(args.out_dir, dry)}
     for key in args.parts:
         print(f"[device_check] part ({key}) ...", file=sys.stderr, flush=True)
         try:

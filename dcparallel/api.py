@@ -31,6 +31,7 @@ from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
+from dcparallel.cost.auto_shard import auto_shard_size, explain_shard_size
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.data.batch import Batch
 from dcparallel.data.loader import DataCentricLoader
@@ -39,11 +40,13 @@ from dcparallel.plan.policies import POLICIES
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
+from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.launch import cluster_from_env, device_memory
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
+from dcparallel.spec import ClusterSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,25 @@ def _local_world() -> int:
 def _of_engine(name: str, doc: str) -> property:
     """A read-only attribute of the held `Engine`."""
     return property(lambda self: getattr(self.engine, name), doc=doc)
+
+
+def _auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
+    """``shard_size="auto"`` when the model is wrapped (its parameters are sharded then, before
+    any sample is seen): the smallest shard size with which the model states fit the smallest
+    memory budget of any rank (`cost.auto_shard`, the analytic recipe); the same on every rank,
+    logged once with the reason."""
+    budget = min(comm.all_gather_object(cluster.memory_bytes))
+    priced = dataclasses.replace(cluster, memory_bytes=budget, intra_bw=cluster.intra_bw or 1e10,
+                                 inter_bw=cluster.inter_bw or 1e10)
+    try:
+        s, why = explain_shard_size(spec, priced)
+    except ValueError as e:
+        raise ValueError(f"shard_size='auto': {e} (the budget is memory_bytes per rank: pass a larger one if the "
+                         f"device has more)") from None
+    comm.check_equal(str(s), "shard_size auto")
+    if comm.world_rank() == 0:
+        log.info(why)
+    return s
 
 
 class DataCentricParallel:
@@ -69,7 +91,9 @@ class DataCentricParallel:
     LMs, flow matching for video); the profiler measures exactly this function.
     ``shard_size``: parameters and gradients sharded (FSDP2) inside aligned blocks of this
     many ranks (`runtime.sharded`; 1 = replicated, in the flat buffers); every SP group the
-    plans use must then be made of whole blocks.
+    plans use (and the profiler measures) is then made of whole blocks. ``"auto"``: the
+    smallest shard size with which the model states fit ``memory_bytes`` (decided here, the
+    same on every rank, logged), checked in `prepare` against the smallest sample too.
     ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
@@ -78,14 +102,15 @@ class DataCentricParallel:
     def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
                  num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
                  loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
-                 seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int = 1, **protocol: Any):
-        if shard_size == "auto":
-            raise ValueError("shard_size='auto' is not available in DataCentricParallel yet; pass the shard size as "
-                             "an int (1, 2, 4, ... dividing a node, or a multiple of a node)")
+                 seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int | str = 1,
+                 **protocol: Any):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be a positive number of bytes per rank; got {memory_bytes!r}")
+        if shard_size != "auto" and (isinstance(shard_size, bool) or not isinstance(shard_size, int)):
+            raise ValueError(f"shard_size={shard_size!r}: give an int (1, 2, 4, ... dividing a node, or a multiple of "
+                             f"a node) or 'auto'")
         adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           **protocol)
         device = next(model.parameters()).device
@@ -93,8 +118,12 @@ class DataCentricParallel:
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
         # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
-        self.cluster_spec = dataclasses.replace(
-            cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device), shard_size=shard_size)
+        cluster = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
+        #: shard_size="auto" was asked for: `prepare` checks the choice against the samples too
+        self.shard_auto = shard_size == "auto"
+        if self.shard_auto:
+            shard_size = _auto_shard_size(adapter.spec, cluster)
+        self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
                              groups=groups)
         self.policy, self.spec = policy, adapter.spec
@@ -166,6 +195,24 @@ class DataCentricParallel:
         if self.loader is not None:
             self.loader.set_epoch(epoch)
 
+    def _check_auto_shard_size(self, sizes: Sequence[Any]) -> None:
+        """``shard_size="auto"`` chose from the model states alone; with the samples known, the
+        smallest must fit alone (and the largest some layout) at that shard size, else the
+        shard size that fits is named (`cost.auto_shard.auto_shard_size`)."""
+        c = self.cluster_spec
+        priced = dataclasses.replace(c, memory_bytes=min(comm.all_gather_object(c.memory_bytes)),
+                                     intra_bw=c.intra_bw or 1e10, inter_bw=c.inter_bw or 1e10)
+        try:
+            need = auto_shard_size(self.spec, priced, list(sizes))
+        except ValueError as e:
+            raise ValueError(f"shard_size='auto' chose {self.shard_size} from the model states, but with these "
+                             f"samples: {e}") from None
+        if need > self.shard_size:
+            _, why = explain_shard_size(self.spec, priced, list(sizes))
+            raise ValueError(f"shard_size='auto' chose {self.shard_size} from the model states when the model was "
+                             f"wrapped, but with these samples {why.removeprefix(f'shard_size auto -> {need}: ')}: "
+                             f"pass shard_size={need}")
+
     def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
                 samples_per_step: int | None = None, profile_path: str | Path = "dcparallel_profile.json",
                 profiler_config: ProfilerConfig | None = None, loss_fn: LossFn | None = None,
@@ -180,13 +227,15 @@ class DataCentricParallel:
             raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
                              f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained")
         sizes = read_sizes(lengths, len(dataset))
+        if self.shard_auto:
+            self._check_auto_shard_size(sizes)
         buckets = representative_sizes(self.spec, sizes)
         supported = self.adapter.recompute_modes
         config = profiler_config or ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets),
                                                          memory_limit=self.memory_bytes,
                                                          progress=comm.world_rank() == 0)
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
-        device, dtype = self.params[0].device, self.params[0].dtype
+        device, dtype = self.params[0].device, compute_dtype(self.engine)
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
         profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self.engine,
                             layers_per_unit=self.adapter.blocks_per_layer)

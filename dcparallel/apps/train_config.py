@@ -55,7 +55,7 @@ Config (every key optional; defaults below)::
     eval_every = 0          # eval loss every N steps and at the end (needs eval_fraction > 0)
     export_dir = ""         # the trained model at the end ("": out_dir/final; model.safetensors if not HF)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
-    shard_size = 1          # parameters sharded (FSDP2) in blocks of this many ranks (1: replicated)
+    shard_size = 1          # ranks per parameter-shard block (FSDP2): 1, 2, 4, ... or "auto" (smallest that fits)
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)
@@ -204,11 +204,13 @@ class TrainConfig:
     eval_every: int = _opt(0, lo=0, resume=False)
     export_dir: str = _opt("", resume=False)
     dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16"))
-    shard_size: int = _opt(1, lo=1, resume=False)
+    shard_size: int | str = _opt(1, resume=False)
 
     def check(self, where: str) -> None:
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
+        if (s := self.shard_size) != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f'{where}: [train] shard_size = {s!r} must be a positive integer (1, 2, 4, ...) or "auto"')
 
 
 @dataclass(kw_only=True)
@@ -356,7 +358,6 @@ def _closest(name: str, known: set[str]) -> str | None:
 
     m = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return m[0] if m else None
-
 
 
 #: the builtin latent shapes (frames, height, width) of a diffusers video run

@@ -1,4 +1,5 @@
-"""``shard_size="auto"``: the smallest parameter-shard block size with which a model fits."""
+"""``shard_size="auto"``: the smallest parameter-shard block size with which a model fits
+(`auto_shard_size`), and the sentence that says why (`explain_shard_size`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.base import CostModel
 from dcparallel.spec import ClusterSpec, ModelSpec, Recompute, Size, format_bytes
 from dcparallel.topology import Topology
+
+
+def _count(n: float) -> str:
+    """A parameter count: 70.55B, 350.2M, 133,440."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{int(n):,}"
 
 
 def _smallest_need(cost: CostModel, size: Size, sp: int) -> float:
@@ -67,7 +73,44 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
                          f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
                          f"groups divide the heads")
     raise ValueError(
-        f"model {model.name!r} ({model.num_params / 1e9:.2f}B parameters) does not fit {cluster.world_size} GPUs of "
+        f"model {model.name!r} ({_count(model.num_params)} parameters) does not fit {cluster.world_size} GPUs of "
         f"{format_bytes(budget)} usable memory at any shard size (tried {tried}): at shard size "
         f"{tried[-1]} {why} needs {format_bytes(need)} per rank. Use more GPUs (the optimizer states shrink "
         f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples")
+
+
+def explain_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size] | None = None, *,
+                       make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None) -> tuple[int, str]:
+    """(`auto_shard_size`'s choice, the sentence that says why), e.g. ``shard_size auto -> 2:
+    model states 3.10 GiB per rank at s=1 exceed the memory budget 2.00 GiB; at s=2: 1.60 GiB``."""
+    s = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
+    make_cost = make_cost or AnalyticCost
+    smallest = min(sizes, key=model.tokens) if sizes else None
+    budget = float(cluster.memory_bytes)
+
+    def need(k: int) -> float | None:
+        c = dataclasses.replace(cluster, shard_size=k)
+        try:
+            cost, top = make_cost(model, c), Topology.of(c, model.num_heads)
+        except ValueError:  # no SP group of this shard size divides the heads, or no cost model
+            return None
+        return cost.model_state_bytes() if smallest is None else _smallest_need(cost, smallest, top.sizes[0])
+
+    what = "model states" if smallest is None else f"model states + the smallest sample ({smallest!r}) alone"
+    head = f"shard_size auto -> {s}: {what}"
+    below = [k for k in cluster.shard_sizes() if k < s]
+    at_s = f"{format_bytes(need(s))} per rank at s={s}"
+    if not below:
+        return s, f"{head} need {at_s}, within the memory budget {format_bytes(budget)}"
+    k = below[0]
+    n = need(k)
+    if n is None:
+        why = f"cannot be planned at s={k} (no SP group of {k} ranks divides the {model.num_heads} heads)"
+    elif n > budget:
+        last = need(below[-1]) if below[-1] != k else None
+        also = f" ({format_bytes(last)} at s={below[-1]})" if last is not None else ""
+        why = f"need {format_bytes(n)} per rank at s={k}{also}, over the memory budget {format_bytes(budget)}"
+    else:
+        why = (f"fit at s={k} but the largest sample does not fit any layout below s={s} within the memory "
+               f"budget {format_bytes(budget)}")
+    return s, f"{head} {why}; {at_s}"

@@ -49,7 +49,10 @@ def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2)
 @contextlib.contextmanager
 def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable | None = None) -> Iterator[None]:
     """Runs only ``layers[:depth]``: every later layer passes its hidden state (its first
-    argument, or its ``hidden_states`` keyword) through unchanged until the block exits.
+    argument, or its ``hidden_states`` keyword) through unchanged until the block exits. A
+    later layer wrapped by FSDP2 (shard blocks, `runtime.sharded`) has its forward hooks
+    suspended too, so it gathers no parameters and reduces no gradients: a stack of d layers
+    costs d layers' collectives, and the depth extrapolation adds one layer's per layer.
     Layers must be residual blocks that return the new hidden state, or pass ``skip(*args,
     **kwargs)`` (`ModelAdapter.skip_block`): what a skipped block returns (e.g. a block that
     returns a tuple of streams)."""
@@ -65,12 +68,20 @@ def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable | None 
         return kwargs["hidden_states"] if "hidden_states" in kwargs else next(iter(kwargs.values()))
 
     passthrough.skips_block = True  # the engine's attention check does not count a skipped block as run
+    hooks: list[tuple[nn.Module, dict, dict]] = []
     try:
         for layer in layers[depth:]:
             saved.append((layer, layer.__dict__.get("forward")))  # the engine's wrapper, if any
             layer.forward = passthrough
+            if _is_fsdp(layer):  # a skipped block gathers no parameters and reduces no gradients
+                hooks.append((layer, dict(layer._forward_pre_hooks), dict(layer._forward_hooks)))
+                layer._forward_pre_hooks.clear()
+                layer._forward_hooks.clear()
         yield
     finally:
+        for layer, pre, post in hooks:
+            layer._forward_pre_hooks.update(pre)  # in their order (FSDP's pre-forward hook is prepended)
+            layer._forward_hooks.update(post)
         for layer, fwd in saved:
             if fwd is None:
                 del layer.forward
@@ -78,12 +89,27 @@ def active_depth(layers: Sequence[nn.Module], depth: int, skip: Callable | None 
                 layer.forward = fwd
 
 
+def _is_fsdp(module: nn.Module) -> bool:
+    """True for a block wrapped by FSDP2's ``fully_shard`` (`runtime.sharded`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed support has no FSDP
+        return False
+    return isinstance(module, FSDPModule)
+
+
 class SavedTensorMeter:
     """Counts bytes saved for backward (unique storages, parameters excluded) while active;
-    raises `torch.OutOfMemoryError` when ``base_bytes`` + the count passes ``limit_bytes``."""
+    raises `torch.OutOfMemoryError` when ``base_bytes`` + the count passes ``limit_bytes``.
+    ``exclude``: tensors whose storages are not activations (the parameter buffers).
+    ``skip_parameters``: also every saved `nn.Parameter` and view of one, whatever its
+    storage — the whole parameters FSDP2 gathers for a layer's forward live in storages made
+    and freed per layer (counted by the profiler as model states, `cost.base.gathered_bytes`)."""
 
-    def __init__(self, exclude: Sequence[Tensor] = (), base_bytes: float = 0.0, limit_bytes: float | None = None):
+    def __init__(self, exclude: Sequence[Tensor] = (), base_bytes: float = 0.0, limit_bytes: float | None = None,
+                 skip_parameters: bool = False):
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._skip_parameters = skip_parameters
         self._seen: set[int] = set()
         self.base_bytes = float(base_bytes)
         self.limit_bytes = limit_bytes
@@ -91,6 +117,8 @@ class SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Tensor:
+        if self._skip_parameters and (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            return t
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
@@ -165,15 +193,16 @@ def device_name(device: torch.device) -> str:
     return f"cpu: {name}"
 
 
-def grad_sync_seconds(flat_grad: Tensor, timer: Timer) -> float:
-    """The step's one all-reduce of the flat gradient buffer, measured: the median of three
-    timed rounds after a warm-up, the slowest rank's (0 on one rank)."""
-    if comm.world_size() == 1:
+def grad_sync_seconds(flat_grad: Tensor, timer: Timer, group=comm.WORLD) -> float:
+    """The step's one all-reduce of the flat gradient buffer over ``group`` (the world; with
+    shard blocks the replicas of this rank's shard, None when there is one block), measured:
+    the median of three timed rounds after a warm-up, the slowest rank's (0 on one rank)."""
+    if comm.world_size() == 1 or group is None:
         return 0.0
     times = []
     for i in range(4):
         comm.barrier()
-        t = timer.time(lambda: comm.all_reduce_sum_(flat_grad))
+        t = timer.time(lambda: comm.all_reduce_(flat_grad, group))
         if i:
             times.append(t)
     flat_grad.zero_()

@@ -23,6 +23,9 @@ feasible layout at any SP degree is listed in the profile's ``unfit_buckets``.
 Runs happen through the training engine (`runtime.engine.Engine.micro_batch`), so what is
 timed is what training runs: the engine's SP groups, recompute wrappers and gradient hooks.
 
+Shard blocks (an engine with shard_size s > 1): the same runs, FSDP2's collectives included;
+the model states, memory meter and gradient sync of each case are in `profile.shards`.
+
 Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
 (it does for the fake limit: the ranks of a group hold equal shards); a device that fails on
 one rank only leaves the others waiting in an all-to-all until the collective timeout. Any
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
+from dcparallel.profile import shards
 from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
@@ -57,7 +61,6 @@ from dcparallel.profile.measure import (
 from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
-from dcparallel.runtime.sharded import refuse_sharded_profiling
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, ModelSpec, Recompute, Size
 
 log = logging.getLogger(__name__)
@@ -103,7 +106,7 @@ class Profiler:
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
         self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads, cluster=cluster)
-        refuse_sharded_profiling(getattr(self.engine, "shard_size", 1))
+        self.shard_size = shards.shard_size(self.engine)  # > 1: measured with FSDP2 in blocks (profile/shards.py)
         self.world, self.rank = comm.world_size(), comm.world_rank()
         self.cluster = self.engine.groups.cluster
         allowed = list(self.engine.groups.topology.sizes)
@@ -114,7 +117,7 @@ class Profiler:
         self.sp_sizes = list(sizes)
         self.params = self.engine.params
         self.device = self.params[0].device
-        self.dtype = self.params[0].dtype
+        self.dtype = shards.compute_dtype(self.engine)
         self.timer = Timer(self.device)
         self.memory_limit = self._budget()
 
@@ -130,12 +133,8 @@ class Profiler:
         return None if lim is None else float(lim)
 
     def model_state_bytes(self) -> float:
-        """Per rank, the engine's recipe: parameters, fp32 gradient buffer, and the ZeRO-1
-        shard of fp32 master weights (none for fp32 parameters) + Adam moments."""
-        n = sum(p.numel() for p in self.params)
-        pbytes = self.params[0].element_size()
-        master = 0 if self.dtype == torch.float32 else 4
-        return float(n * (pbytes + 4 + (master + 8) / self.world))
+        """Per rank, the engine's recipe (`shards.state_bytes`)."""
+        return shards.state_bytes(self.engine, self.spec, self.device)
 
     def fingerprint(self) -> dict:
         """What a profile is valid for; a cached profile is reused only if this matches."""
@@ -164,6 +163,7 @@ class Profiler:
             "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
                        "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
             "timing": {k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+            **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
         }
 
     # ------------------------------------------------------------------ one run
@@ -190,8 +190,7 @@ class Profiler:
                 raise torch.OutOfMemoryError(f"peak {state_bytes + peak:,.0f} bytes is over the budget "
                                              f"{self.memory_limit:,.0f}")
             return peak
-        meter = SavedTensorMeter(exclude=[self.engine.flat_param, *self.params], base_bytes=state_bytes,
-                                 limit_bytes=self.memory_limit)
+        meter = shards.meter(self.engine, state_bytes, self.memory_limit)
         self._run(inputs, meter)
         if meter.bytes <= 0:
             raise RuntimeError("the forward saved no tensors for backward: the CPU memory estimate "
@@ -392,8 +391,9 @@ class Profiler:
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
-                          grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer), buckets=buckets,
-                          entries=entries, unfit_buckets=unfit)
+                          grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer,
+                                                        shards.sync_group(self.engine)),
+                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size)
         if self.rank == 0 and profile.noise_warning():
             log.warning(profile.noise_warning())
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))

@@ -55,15 +55,6 @@ def check_group(ranks: Sequence[int], shard_size: int) -> None:
         )
 
 
-def refuse_sharded_profiling(shard_size: int) -> None:
-    """The profiler measures the replicated flat buffers: a sharded engine is refused."""
-    if shard_size > 1:
-        raise ValueError(f"profiling an engine with parameters sharded in blocks (shard_size={shard_size}) is not "
-                         f"implemented: the profiler measures the replicated flat buffers. Profile with "
-                         f"shard_size=1, or plan with an analytic cost model (dcparallel.cost.analytic) and drive "
-                         f"the Engine with the loader yourself")
-
-
 class ShardedGrads:
     """FSDP2 on the model inside blocks of ``shard_size`` ranks, the flat buffer of this
     rank's gradient shards and the step's reduction over replicas (module docstring).

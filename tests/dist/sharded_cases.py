@@ -123,13 +123,6 @@ def case_refusals(kind: str) -> dict:
         plan.check_shard_blocks(2)
     except ValueError as e:
         msgs["StepPlan.check_shard_size"] = str(e)
-    from dcparallel.profile.profiler import Profiler, ProfilerConfig
-
-    try:  # the profiler measures the replicated flat buffers: refused for a sharded engine
-        Profiler(dc.model, dc.layers, None, spec=dc.adapter.spec, engine=dc,
-                 config=ProfilerConfig(depth=2), layers_per_unit=dc.adapter.blocks_per_layer)
-    except ValueError as e:
-        msgs["profiler"] = str(e)
     # a group of 2 that is not aligned on a block: ranks (1, 2)
     from dcparallel.runtime.sharded import check_group
 

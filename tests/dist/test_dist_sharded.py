@@ -18,11 +18,13 @@ moves gradients by 1e-2 or more."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from tests import adapter_models, support
-from tests.dist import sharded_cases
+from tests.dist import sharded_cases, sharded_profile_cases
 from tests.dist.harness import Workers
 from tests.support import rel_err
 
@@ -127,9 +129,7 @@ def test_sharded_adamw_steps_match_torch_and_the_unsharded_path(workers):
 def test_bad_shard_sizes_and_plans_splitting_a_block_are_refused(workers):
     out = workers.run(sharded_cases.case_refusals, "dit")
     for msgs in out:
-        assert set(msgs) == {"shard_size=3", "shard_size=8", "plan", "StepPlan.check_shard_size", "unaligned",
-                             "profiler"}, msgs
-        assert "shard_size=2" in msgs["profiler"]
+        assert set(msgs) == {"shard_size=3", "shard_size=8", "plan", "StepPlan.check_shard_size", "unaligned"}, msgs
         assert "shard_size=3" in msgs["shard_size=3"] and "use one of [1, 2, 4]" in msgs["shard_size=3"]
         assert "(0,)" in msgs["plan"] and "whole blocks" in msgs["plan"]
         assert "(1, 2)" in msgs["unaligned"]
@@ -226,3 +226,82 @@ def test_checkpoint_metadata_is_read_without_running_code(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(pickle.UnpicklingError, match="builtins.print, which is not part of torch.distributed"):
         read_keys(tmp_path)
+
+
+@pytest.mark.parametrize("shard_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_prepare_profiles_with_sharding_on_and_plans_whole_blocks(workers, tmp_path, shard_size):
+    """`prepare` on a transformers Llama (GQA) with shard blocks: the profiler measures with
+    FSDP2 on (a skipped layer gathers nothing, so a deeper stack gathers more), only SP degrees
+    of whole blocks, and records the sharded model states, which the cost model plans with;
+    every plan of the epoch keeps the blocks whole; the first planned step's loss and full
+    gradients equal a single process's over its samples; the epoch trains."""
+    pytest.importorskip("transformers")
+    from dcparallel.cost.base import gathered_bytes
+    from dcparallel.spec import ModelSpec
+
+    out = workers.run(sharded_profile_cases.case_prepare_sharded, shard_size, str(tmp_path / "profile.json"))
+    p = out[0]["profile"]
+    assert all(o["profile"] == p for o in out), "the ranks hold different profiles"
+    assert p["shard_size"] == shard_size and p["fingerprint"]["shard_size"] == shard_size
+    assert p["fingerprint"]["sp_sizes"] == [k for k in (2, 4) if k >= shard_size]
+    assert {e["sp"] for e in p["entries"]} == set(p["fingerprint"]["sp_sizes"])
+    assert any(e["feasible"] for e in p["entries"])
+    # the sharded states: fp32 shards of parameters and gradients (1/s each), Adam moments over
+    # the world, the gathered layer (CPU: not seen by the saved-tensor meter)
+    n, spec = p["fingerprint"]["num_params"], ModelSpec(**p["model"])
+    want = n * (4 + 4) / shard_size + 8 * n / 4 + gathered_bytes(spec)
+    assert abs(p["model_state_bytes"] - want) <= 0.01 * want, (p["model_state_bytes"], want)
+    assert all(o["planned_state"] == p["model_state_bytes"] for o in out)
+    # a skipped layer's hooks are suspended: two layers gather more than one (each layer's
+    # forward and backward); with the skipped layer's FSDP hooks running both would gather alike
+    g = out[0]["gathers"]
+    assert g[2] >= g[1] + 2, g
+    # the plans: whole blocks only, SP degrees of the profile
+    plans = out[0]["plans"]
+    assert plans and all(o["plans"] == plans for o in out) and out[0]["splits"] == []
+    for plan in plans:
+        for grp in plan["groups"]:
+            if grp["micro_batches"]:
+                assert len(grp["ranks"]) >= shard_size and grp["ranks"][0] % shard_size == 0, grp["ranks"]
+    sample_ids = out[0]["first"]["sample_ids"]
+    ref_loss, ref_grads = sharded_profile_cases.reference_first_step(sample_ids)
+    worst = 0.0
+    for r, o in enumerate(out):
+        first = o["first"]
+        assert first["sample_ids"] == sample_ids
+        assert abs(first["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (r, first["loss"], ref_loss)
+        assert set(first["grads"]) == set(ref_grads)
+        for name, grad in first["grads"].items():
+            err = rel_err(grad, ref_grads[name])
+            worst = max(worst, err)
+            assert err <= 1e-5, (r, name, err)
+        assert len(o["losses"]) == len(plans) and all(math.isfinite(x) for x in o["losses"])
+    print(f"prepare at shard_size={shard_size}: {len(plans)} steps, first step max rel err {worst:.2e}")
+
+
+def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
+    """``shard_size="auto"``: budgets between the model states at successive shard sizes pick
+    1, 2 and 4, the same on every rank, logged with the reason; a budget below the states at
+    the largest shard size is refused, naming the model size, the budget, the shard sizes tried
+    and the fix."""
+    states = sharded_profile_cases.deep_dit_states(4)
+    assert states[1] > states[2] > states[4], states
+    budgets = [int(1.01 * states[1]), int((states[1] + states[2]) / 2), int((states[2] + states[4]) / 2),
+               int(0.9 * states[4])]
+    out = workers.run(sharded_profile_cases.case_auto_shard_size, budgets)
+    decided = [[(x.get("shard_size"), x.get("error")) for x in o] for o in out]
+    assert all(d == decided[0] for d in decided), decided  # the same on every rank
+    fits, two, four, none = out[0]
+    assert fits["shard_size"] == 1 and fits["grads"] == "GradSync"
+    assert fits["log"] and fits["log"][0].startswith("shard_size auto -> 1: model states")
+    assert two["shard_size"] == 2 and two["grads"] == "ShardedGrads"
+    assert two["log"][0].startswith("shard_size auto -> 2: model states need") and "at s=1" in two["log"][0]
+    assert "over the memory budget" in two["log"][0]
+    assert four["shard_size"] == 4 and "(" in four["log"][0] and "at s=2" in four["log"][0]
+    assert all(not o[1]["log"] for o in out[1:])  # logged once (rank 0)
+    # prepare checks the choice against the samples: one far too large is refused before profiling
+    assert "shard_size='auto' chose 2 from the model states, but with these samples" in two["prepare_error"]
+    assert "(64, 256, 256)" in two["prepare_error"]
+    msg = none["error"]
+    assert "shard_size='auto'" in msg and "parameters" in msg and "tried [1, 2, 4]" in msg
+    assert "at shard size 4" in msg and "memory_bytes" in msg and "Use more GPUs" in msg

@@ -1,5 +1,6 @@
 """benchmarks/device_check.py --dry-run: the H200 check's code on CPU with tiny sizes; every
-part (a)-(d) writes its section (varlen_attn is GPU-only: its CPU error is reported)."""
+part (a)-(e) writes its section (varlen_attn is GPU-only: its CPU error is reported; the
+sharded runtime needs two GPUs or more: reported as skipped)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_device_check_dry_run_writes_every_part(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     report = next(tmp_path.glob("device-check_cpu_*.md")).read_text()
-    for title in ("(a) profile --validate", "(b) varlen_attn", "(c) training steps", "(d) PAC"):
+    for title in ("(a) profile --validate", "(b) varlen_attn", "(c) training steps", "(d) PAC", "(e) sharded runtime"):
         assert title in report
     assert "FAILED" not in report and "DRY RUN" in report
     res = json.loads(next(tmp_path.glob("device-check_cpu_*.json")).read_text())
@@ -34,3 +35,20 @@ def test_device_check_dry_run_writes_every_part(tmp_path):
     for family in ("transformers", "diffusers"):  # the adapters' model families train too
         assert len(res["c"][family]) == 3 and all(s["planned_compute_s"] > 0 for s in res["c"][family])
     assert res["d"]["none_s"] > 0 and res["d"]["full_s"] > 0
+    assert res["e"]["skipped"].startswith("skipped: sharding needs ≥ 2 GPUs in a node")  # no GPU in the dry run
+
+
+@pytest.mark.slow
+def test_sharded_part_runs_on_two_cpu_processes(tmp_path):
+    """Part (e)'s torchrun worker on gloo (what a multi-GPU node runs with NCCL): the sharded
+    engine's step equals the replicated one's, and parameters + gradients take 1/s per rank."""
+    out = tmp_path / "e.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                        str(ROOT / "benchmarks" / "sharded_device_check.py"), "--dry-run", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["shard_size"] == 2 and res["parity"]["max_rel_grad_err"] <= 1e-5
+    assert abs(res["parity"]["loss_sharded"] - res["parity"]["loss_replicated"]) <= 1e-5
+    assert res["storage"]["fraction_of_replicated"] <= 0.5 * 1.05 and res["step_s"] > 0

@@ -34,6 +34,8 @@ from dcparallel.scenarios import read_lengths
     ("train", "resume_anyway", "yes", "[train] resume_anyway = 'yes' must be true or false"),
     ("train", "lr", float("nan"), "[train] lr = nan must be a finite number"),
     ("train", "lr", 0, "[train] lr = 0 must be > 0"),
+    ("train", "shard_size", "big", "[train] shard_size = 'big' must be a positive integer (1, 2, 4, ...) or \"auto\""),
+    ("train", "shard_size", 0, "[train] shard_size = 0 must be a positive integer"),
 ])
 def test_config_wrong_type_or_range_is_named_with_the_fix(tmp_path, section, key, value, message):
     with pytest.raises(ValueError) as e:
@@ -53,6 +55,8 @@ def test_config_unknown_keys_sections_and_model_mismatch(tmp_path):
     with pytest.raises(ValueError, match="cannot read the config"):
         Config.load(p)
     assert Config.from_dict({"train": {"lr": 1}}).train.lr == 1.0  # an integer is a fine float
+    assert Config.from_dict({"train": {"shard_size": "auto"}}).train.shard_size == "auto"
+    assert Config.from_dict({"train": {"shard_size": 2}}).train.shard_size == 2
 
 
 def test_fault_spec_is_checked():
