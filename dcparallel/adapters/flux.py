@@ -17,8 +17,14 @@ gradients of the replicated text stream, as the engine's gather does for the out
 Sample sizes are latent shapes (1, height, width); the default loss packs latents (C, H, W)
 into 2 x 2 patches the way diffusers' Flux pipeline does. Dataset items: ``{"latents":
 (C, H, W), "encoder_hidden_states": (T, joint_attention_dim), "pooled_projections":
-(pooled_projection_dim,)}``. Guidance-distilled configurations (``guidance_embeds``) take a
-fixed ``guidance`` scale.
+(pooled_projection_dim,)}``, plus ``condition`` (C', H, W) where the model takes more input
+channels than it predicts (`latent_channels`). Guidance-distilled configurations
+(``guidance_embeds``) take a fixed ``guidance`` scale.
+
+The machinery every image transformer on packed latents shares lives here too (Flux 2:
+`adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
+channels read from the model's projections, the collate, and `packed_flow_loss`, into which
+a family passes only how its pipeline calls the model.
 """
 
 from __future__ import annotations

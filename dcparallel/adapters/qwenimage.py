@@ -21,12 +21,13 @@ optional ``encoder_hidden_states_mask`` (T,) (1 for text, 0 for padding; any pat
 
 Refused by name: configurations whose image sequence holds more than the target image
 (``zero_cond_t``: Qwen-Image-Edit's reference images; ``use_layer3d_rope`` /
-``use_additional_t_cond``: Qwen-Image-Layered), and, inside an SP group, ControlNet residuals
-(``controlnet_block_samples``, full-length per block).
+``use_additional_t_cond``: Qwen-Image-Layered) and ControlNet residuals
+(``controlnet_block_samples``, added to the whole image sequence after each block).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -87,15 +88,17 @@ def qwen_loss(condition_channels: int = 0):
     return packed_flow_loss(forward, ("encoder_hidden_states", "encoder_hidden_states_mask"), condition_channels)
 
 
-def refuse_controlnet(model: nn.Module, attention: Any):
-    """A forward pre-hook refusing ControlNet residuals inside an SP group: they are added to
-    the whole image sequence after each block, where each rank holds only its shard."""
+def refuse_controlnet(model: nn.Module):
+    """A forward pre-hook refusing ControlNet residuals: the model adds them to the whole image
+    sequence after each block, where inside an SP group each rank holds only its shard."""
+
+    at = list(inspect.signature(type(model).forward).parameters)[1:].index("controlnet_block_samples")
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict):
-        if kwargs.get("controlnet_block_samples") is not None and joint.sharding(attention) is not None:
-            raise ValueError(f"{WHO} got controlnet_block_samples inside an SP group: dcparallel does not shard "
-                             f"ControlNet residuals; train with the ControlNet at SP 1 (a plan with max_sp=1) or "
-                             f"without it")
+        if kwargs.get("controlnet_block_samples") is not None or (len(args) > at and args[at] is not None):
+            raise ValueError(f"{WHO} got controlnet_block_samples: dcparallel's Qwen-Image adapter does not shard "
+                             f"ControlNet residuals (added to the whole image sequence after each block); train "
+                             f"without them or pass your own adapter")
         return None
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -150,7 +153,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     def install_hooks(attention: Any) -> list[Any]:
         plan = read_plan(model, replicated_outputs={("pos_embed", 1)})  # the text's rotary table stays whole
-        return [*PlanHooks(model, plan, attention).install(), refuse_controlnet(model, attention)]
+        return [*PlanHooks(model, plan, attention).install(), refuse_controlnet(model)]
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
