@@ -20,9 +20,10 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux, Flux 2, Qwen-Image: `adapters.cp_plan`; HunyuanVideo,
-CogVideoX, Mochi: `adapters.joint`); any other module follows the small protocol of
-`protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
+diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux, Flux 2, Qwen-Image:
+`adapters.cp_plan`; HunyuanVideo, CogVideoX, Mochi: `adapters.joint`); any other module
+follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``,
+``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations

@@ -112,6 +112,18 @@ def test_diffusers_models_without_a_plan_are_refused_naming_class_missing_piece_
         find_adapter(model)
 
 
+def test_diffusers_models_with_a_plan_but_no_processor_are_refused():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    model = MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=1,
+                                        num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4,
+                                        text_dim=16, freq_dim=16, time_embed_hidden_dim=16, time_embed_dim=8,
+                                        rope_freq_dim=4)
+    with pytest.raises(ValueError, match=r"MiniMaxH3Transformer3DModel yet: it has a context-parallel plan.*no "
+                                         r"parity-tested attention processor.*MiniMaxH3AttnProcessor"):
+        DataCentricParallel(model)
+
+
 def test_ltx2_is_refused_naming_the_audio_stream_it_cannot_shard():
     from diffusers import LTX2VideoTransformer3DModel
 
