@@ -172,13 +172,16 @@ def collate_images(samples: Any, mb: Any, ranks: tuple[int, ...], rank: int) -> 
     return collate_latents(samples, mb, ranks, rank, tokens=image_tokens, what="image")
 
 
-def packed_flow_loss(forward, names: tuple[str, ...], condition_channels: int = 0):
+def packed_flow_loss(forward, names: tuple[str, ...], channels: tuple[int, int] | None = None):
     """Rectified flow on 2 x 2-packed latents: per-sample t and noise from the sample's
     generator, ``x_t = (1 - t) x0 + t noise`` (the items' condition channels appended after
     the noisy latents' own, as the pipelines concatenate them), packed; the model's packed
     prediction unpacked and compared with the velocity noise - x0, mean squared error over
     channels per latent pixel. ``forward(model, packed x_t, t, height, width, conditioning)``
-    calls the model the way its pipeline does; ``names``: the item keys it passes."""
+    calls the model the way its pipeline does; ``names``: the item keys it passes;
+    ``channels``: (target, condition) channels (`latent_channels`; None: the latents' own, no
+    condition)."""
+    target, condition_channels = channels or (None, 0)
     keys = (*names, "condition") if condition_channels else names
 
     def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
@@ -188,6 +191,11 @@ def packed_flow_loss(forward, names: tuple[str, ...], condition_channels: int = 
         tb = t.to(x0.dtype).view(-1, 1, 1, 1)
         xt = (1 - tb) * x0 + tb * noise
         h, w = x0.shape[2:]
+        if target is not None and x0.shape[1] != target:
+            raise ValueError(f"{type(model).__name__} predicts {target} latent channels, but the items' latents have "
+                             f"{x0.shape[1]}: give 'latents' the target's channels only"
+                             + (f" and the other {condition_channels} input channels as 'condition'"
+                                if condition_channels else ""))
         cond = extras_as(batch, dtype, *keys)
         if condition_channels:
             c = cond.pop("condition", None)
@@ -203,7 +211,7 @@ def packed_flow_loss(forward, names: tuple[str, ...], condition_channels: int = 
     return loss
 
 
-def flux_loss(guidance: float = 3.5, condition_channels: int = 0):
+def flux_loss(guidance: float = 3.5, channels: tuple[int, int] | None = None):
     """Flux.1's default loss (`packed_flow_loss`): position ids (0, row, column) for the
     image, zeros for the text, pooled text, a fixed guidance scale where the model embeds one."""
 
@@ -213,7 +221,7 @@ def flux_loss(guidance: float = 3.5, condition_channels: int = 0):
         return model(x, timestep=t, img_ids=image_ids(h, w, x.device), txt_ids=text.new_zeros(text.shape[1], 3),
                      guidance=g, return_dict=False, **cond)[0]
 
-    return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), condition_channels)
+    return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), channels)
 
 
 ACCEPTED = ("context_tokens", "guidance")
@@ -258,8 +266,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flux_loss(guidance, condition), sample=sample_fn or random_items(parts),
-                        collate=collate_images,
+                        loss_fn=loss_fn or flux_loss(guidance, (channels, condition)),
+                        sample=sample_fn or random_items(parts), collate=collate_images,
                         install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
                         skip_block=skip_block)
 

@@ -122,7 +122,7 @@ def text_ids(num_tokens: int, device: Any = None) -> Tensor:
     return ids
 
 
-def flux2_loss(guidance: float = 4.0, condition_channels: int = 0):
+def flux2_loss(guidance: float = 4.0, channels: tuple[int, int] | None = None):
     """Flux 2's default loss (`flux.packed_flow_loss`) with the pipelines' (B, N, 4) ids."""
 
     def forward(model: nn.Module, x: Tensor, t: Tensor, h: int, w: int, cond: dict[str, Tensor]) -> Tensor:
@@ -133,7 +133,7 @@ def flux2_loss(guidance: float = 4.0, condition_channels: int = 0):
                      txt_ids=text_ids(text.shape[1], x.device).expand(b, -1, -1), guidance=g, return_dict=False,
                      **cond)[0]
 
-    return packed_flow_loss(forward, ("encoder_hidden_states",), condition_channels)
+    return packed_flow_loss(forward, ("encoder_hidden_states",), channels)
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -195,7 +195,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flux2_loss(guidance, condition), sample=sample_fn or random_items(parts),
-                        collate=collate_images,
+                        loss_fn=loss_fn or flux2_loss(guidance, (channels, condition)),
+                        sample=sample_fn or random_items(parts), collate=collate_images,
                         install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
                         skip_block=skip_block)

@@ -78,14 +78,14 @@ class UlyssesQwenAttention:
         return out_image, attn.to_add_out(out_text.contiguous())
 
 
-def qwen_loss(condition_channels: int = 0):
+def qwen_loss(channels: tuple[int, int] | None = None):
     """Qwen-Image's default loss (`flux.packed_flow_loss`): ``img_shapes`` [(1, H/2, W/2)] per
     sample, timesteps t in [0, 1] (the model scales them by 1000), the text mask if items carry one."""
 
     def forward(model: nn.Module, x: Tensor, t: Tensor, h: int, w: int, cond: dict[str, Tensor]) -> Tensor:
         return model(x, timestep=t, img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0], return_dict=False, **cond)[0]
 
-    return packed_flow_loss(forward, ("encoder_hidden_states", "encoder_hidden_states_mask"), condition_channels)
+    return packed_flow_loss(forward, ("encoder_hidden_states", "encoder_hidden_states_mask"), channels)
 
 
 def refuse_controlnet(model: nn.Module):
@@ -157,5 +157,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or qwen_loss(condition), sample=sample_fn or random_items(parts),
+                        loss_fn=loss_fn or qwen_loss((channels, condition)), sample=sample_fn or random_items(parts),
                         collate=collate_images, install_hooks=install_hooks, skip_block=skip_block)

@@ -138,8 +138,9 @@ def test_ltx2_is_refused_naming_the_audio_stream_it_cannot_shard():
 
 
 def test_image_families_refuse_what_they_do_not_train_by_name():
-    """Flux 2's reference-image KV cache, Qwen-Image's edit / layered configurations and its
-    ControlNet residuals: refused, naming the keyword or setting and the fix."""
+    """Flux 2's reference-image KV cache, latents that carry the condition channels too,
+    Qwen-Image's edit / layered configurations and its ControlNet residuals: refused, naming
+    the keyword or setting and the fix."""
     from diffusers import QwenImageTransformer2DModel
 
     model = build("flux2")
@@ -150,6 +151,15 @@ def test_image_families_refuse_what_they_do_not_train_by_name():
         with dc.micro_batch(batch):
             model(x, encoder_hidden_states=torch.randn(1, 3, 16), timestep=torch.ones(1), img_ids=torch.zeros(1, 6, 4),
                   txt_ids=torch.zeros(1, 3, 4), guidance=torch.ones(1), kv_cache_mode="extract", num_ref_tokens=2)
+    model = build("flux2-cond")  # latents carrying every input channel: the target's are asked for by name
+    dc = Engine(model)
+    wrong = dict(dc.adapter.sample((1, 4, 6), 0))
+    wrong["latents"] = torch.cat([wrong["latents"], wrong.pop("condition")])
+    batch = dc.adapter.collate({0: wrong}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    with pytest.raises(ValueError, match=r"predicts 4 latent channels, but the items' latents have 8: give 'latents' "
+                                         r"the target's channels only and the other 4 input channels as 'condition'"):
+        with dc.micro_batch(batch) as ctx:
+            dc.adapter.loss_fn(model, batch, ctx)
     cfg = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=8,
                num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
     for setting in ("zero_cond_t", "use_layer3d_rope"):
