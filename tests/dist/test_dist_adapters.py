@@ -33,10 +33,7 @@ pytest.importorskip("diffusers")
 
 
 @pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit",
-                                  "ltx", "flux", "custom",
-                                  # about 30 s (world 2) and 60 s (world 4) each on 2 cores: DCPARALLEL_SLOW=1
-                                  pytest.param("flux2", marks=pytest.mark.slow),
-                                  pytest.param("qwenimage", marks=pytest.mark.slow)])
+                                  "ltx", "flux", "flux2", "qwenimage", "custom"])
 def test_library_models_match_single_process_gradients(workers, kind):
     seeds, num_samples = [21, 22, 23, 24], 7
     out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)
