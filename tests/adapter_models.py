@@ -115,14 +115,32 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
                                       attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
                                       pooled_projection_dim=8, guidance_embeds=False, axes_dims_rope=(2, 2, 4)).float()
+    if kind in ("flux2", "flux2-cond"):  # one double-stream and two single-stream blocks (fused MLP); guidance
+        from diffusers import Flux2Transformer2DModel
+
+        # flux2-cond: 4 condition channels after the 4 latent ones (inpainting-style), 4 predicted
+        chans = {"in_channels": 32, "out_channels": 16} if kind == "flux2-cond" else {"in_channels": 16}
+        return Flux2Transformer2DModel(patch_size=1, **chans, num_layers=1, num_single_layers=2,
+                                       attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+                                       timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
+                                       guidance_embeds=True).float()
+    if kind == "qwenimage":  # two dual-stream blocks; 4 latent channels packed 2 x 2 (patch 2 inside)
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                           attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+                                           axes_dims_rope=(2, 2, 4)).float()
     raise ValueError(kind)
 
 
+#: image transformers: latents (C, H, W), sample sizes (1, H, W), packed 2 x 2
+IMAGE_KINDS = ("flux", "flux2", "flux2-cond", "qwenimage")
 WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
           "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 6, 6), (1, 4, 14)]}  # images: 15, 15, 16, 9, 14 tokens
+SHAPES["flux2"] = SHAPES["flux2-cond"] = SHAPES["qwenimage"] = SHAPES["flux"]
 WAN_SHAPES = SHAPES["wan"]
 
 
@@ -142,6 +160,14 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
     if kind == "flux":
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
                 "pooled_projections": torch.randn(8, generator=g)}
+    if kind == "flux2":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
+    if kind == "flux2-cond":
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "qwenimage":  # a text mask of any pattern: tokens 2 and 5 are padding
+        return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
+                "encoder_hidden_states_mask": torch.tensor([1, 1, 0, 1, 1, 0])}
     raise ValueError(kind)
 
 
@@ -156,7 +182,7 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
             shape_of[i] = (n,)
         else:
             shape = rng.choice(SHAPES["wan" if kind in WAN_KINDS else kind])
-            grid = shape[1:] if kind == "flux" else shape
+            grid = shape[1:] if kind in IMAGE_KINDS else shape
             docs[i] = torch.randn(4, *grid, generator=g)
             extras[i] = conditioning(kind, grid, g)
             shape_of[i] = shape
@@ -219,7 +245,27 @@ def predict(model: nn.Module, kind: str, xt: Tensor, t: Tensor, cond: dict[str, 
         out = model(packed, timestep=t[None], img_ids=ids, txt_ids=torch.zeros(c["encoder_hidden_states"].shape[1], 3),
                     return_dict=False, **c)[0]
         return out.view(1, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(xt.shape)
+    if kind in ("flux2", "flux2-cond"):  # Flux 2's pipeline: the same packing, 4-axis ids (t, h, w, l), guidance 4
+        h, w = xt.shape[2:]
+        ids = torch.cartesian_prod(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0), torch.zeros(1))
+        num_text = c["encoder_hidden_states"].shape[1]
+        txt_ids = torch.cartesian_prod(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.arange(num_text * 1.0))
+        return _packed(xt, c, lambda x: model(x, timestep=t[None], img_ids=ids[None], txt_ids=txt_ids[None],
+                                              guidance=torch.tensor([4.0]), return_dict=False, **c)[0])
+    if kind == "qwenimage":  # the Qwen-Image pipeline's packing and img_shapes, t in [0, 1]
+        h, w = xt.shape[2:]
+        return _packed(xt, c, lambda x: model(x, timestep=t[None], img_shapes=[[(1, h // 2, w // 2)]],
+                                              return_dict=False, **c)[0])
     raise ValueError(kind)
+
+
+def _packed(xt: Tensor, c: dict[str, Tensor], call) -> Tensor:
+    """``call`` on the 2 x 2-packed latents (condition channels, if any, appended to the
+    channels as the inpainting pipelines concatenate them); its packed output unpacked."""
+    _, ch, h, w = xt.shape
+    x = torch.cat([xt, c.pop("condition")], dim=1) if "condition" in c else xt
+    packed = x.view(1, x.shape[1], h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, -1, x.shape[1] * 4)
+    return call(packed).view(1, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(xt.shape)
 
 
 def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: int = 0):
@@ -245,8 +291,9 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
             count += se.numel()
     loss = torch.stack(losses).sum() / count
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                  if p.grad is not None}
+    # a parameter the loss never reaches (Qwen-Image's last text MLP: the model returns the image only) has gradient 0
+    return float(loss.detach()), {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                  for n, p in model.named_parameters()}
 
 
 #: pixel shapes (frames, height, width) of a real mix: resolutions off the 16-pixel grid and
@@ -260,6 +307,7 @@ WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3,
 MIXES = {"wan": WAN_MIX, "wan22-i2v": WAN_MIX,
          "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)]}
+MIXES["flux2"] = MIXES["qwenimage"] = MIXES["flux"]
 
 
 class VideoSet:

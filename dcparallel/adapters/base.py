@@ -20,9 +20,10 @@ model specs are). It says:
   their handles).
 
 `find_adapter` recognises the reference models, Hugging Face transformers causal LMs and
-diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux: `adapters.cp_plan`; HunyuanVideo,
-CogVideoX, Mochi: `adapters.joint`); any other module follows the small protocol of
-`protocol_adapter` (``set_attention(fn)``, ``layers``, ``num_heads``) or passes an adapter.
+diffusers transformers (Wan, ChronoEdit, LTX-Video, Flux, Flux 2, Qwen-Image:
+`adapters.cp_plan`; HunyuanVideo, CogVideoX, Mochi: `adapters.joint`); any other module
+follows the small protocol of `protocol_adapter` (``set_attention(fn)``, ``layers``,
+``num_heads``) or passes an adapter.
 """
 
 from __future__ import annotations
@@ -158,10 +159,10 @@ def random_tokens(vocab: int, seed: int = 0) -> SampleFn:
 
 #: model-protocol arguments that only some families take, and which
 FAMILY_ARGS = {
-    "context_tokens": "diffusers video/image transformers (Wan, LTX-Video, Flux)",
+    "context_tokens": "diffusers video/image transformers (Wan, LTX-Video, Flux, Flux 2, Qwen-Image)",
     "image_tokens": "diffusers WanTransformer3DModel (image-to-video)",
     "rope_interpolation_scale": "diffusers LTXVideoTransformer3DModel",
-    "guidance": "diffusers FluxTransformer2DModel",
+    "guidance": "diffusers FluxTransformer2DModel and Flux2Transformer2DModel",
 }
 
 

@@ -17,8 +17,14 @@ gradients of the replicated text stream, as the engine's gather does for the out
 Sample sizes are latent shapes (1, height, width); the default loss packs latents (C, H, W)
 into 2 x 2 patches the way diffusers' Flux pipeline does. Dataset items: ``{"latents":
 (C, H, W), "encoder_hidden_states": (T, joint_attention_dim), "pooled_projections":
-(pooled_projection_dim,)}``. Guidance-distilled configurations (``guidance_embeds``) take a
-fixed ``guidance`` scale.
+(pooled_projection_dim,)}``, plus ``condition`` (C', H, W) where the model takes more input
+channels than it predicts (`latent_channels`). Guidance-distilled configurations
+(``guidance_embeds``) take a fixed ``guidance`` scale.
+
+The machinery every image transformer on packed latents shares lives here too (Flux 2:
+`adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
+channels read from the model's projections, the collate, and `packed_flow_loss`, into which
+a family passes only how its pipeline calls the model.
 """
 
 from __future__ import annotations
@@ -76,17 +82,22 @@ class UlyssesFluxAttention:
     """Attention processor for Flux's attention modules (double- and single-stream):
     diffusers' projections, q/k norms and rotary, then `joint_attention`."""
 
-    def __init__(self, attention: Any):
+    def __init__(self, attention: Any, projections: Any = None):
         self.attention = attention
+        self.projections = projections  # None: Flux.1's; Flux 2 passes its own module's
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, image_rotary_emb: Any = None):
         from diffusers.models.embeddings import apply_rotary_emb
-        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 
+        if self.projections is None:
+            from diffusers.models.transformers.transformer_flux import _get_qkv_projections as projections
+        else:
+            projections = self.projections
         if attention_mask is not None:
-            raise ValueError("dcparallel's Flux attention takes no attention_mask (Flux attends over all text tokens)")
-        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+            raise ValueError(f"dcparallel's {type(self).__name__} takes no attention_mask (the model attends over "
+                             f"all text tokens); leave it out of joint_attention_kwargs")
+        q, k, v, eq, ek, ev = projections(attn, hidden_states, encoder_hidden_states)
         q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
         q, k = attn.norm_q(q), attn.norm_k(k)
         num_text = None
@@ -118,33 +129,99 @@ def unpack(x: Tensor, h: int, w: int) -> Tensor:
     return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
-def image_ids(h: int, w: int, device: Any = None) -> Tensor:
-    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column)."""
-    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+def image_ids(h: int, w: int, device: Any = None, axes: int = 3) -> Tensor:
+    """(H/2 * W/2, axes) position ids of the packed tokens: row in axis 1, column in axis 2,
+    the other axes 0 (Flux.1: (0, row, column); Flux 2: (0, row, column, 0))."""
+    ids = torch.zeros(h // 2, w // 2, axes, device=device)
     ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
     ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
-    return ids.reshape(-1, 3)
+    return ids.reshape(-1, axes)
 
 
-def flux_loss(guidance: float = 3.5):
+def latent_channels(who: str, in_features: int, out_features: int) -> tuple[int, int]:
+    """(target channels, condition channels) of a model on 2 x 2-packed latents whose tokens
+    have ``in_features`` (the input projection's) and ``out_features`` (the output
+    projection's): the model predicts ``out_features / 4`` latent channels; input channels
+    beyond those are conditioning concatenated to the noisy latents (an inpainting mask and
+    masked image, say), which items carry as ``condition``."""
+    if in_features % 4 or out_features % 4 or out_features > in_features:
+        raise ValueError(f"{who} takes tokens of {in_features} features and predicts {out_features}: dcparallel's "
+                         f"default loss packs latents (C, H, W) into 2 x 2 patches (4 C features per token), the "
+                         f"target's channels first and condition channels after them, so both must be multiples of "
+                         f"4 with the input at least the output; pass loss_fn for another layout")
+    return out_features // 4, (in_features - out_features) // 4
+
+
+def image_tokens(grid: tuple[int, ...]) -> int:
+    """Tokens of a latent image (height, width) packed 2 x 2."""
+    if len(grid) != 2 or grid[0] % 2 or grid[1] % 2:
+        raise ValueError(f"image latents must be (C, height, width) with even height and width (2 x 2 packing); "
+                         f"got spatial shape {grid}: crop or pad the latents")
+    return (grid[0] // 2) * (grid[1] // 2)
+
+
+def image_size(size: Size) -> tuple[int, int]:
+    """(height, width) of a latent image's sample size (1, height, width)."""
+    if not isinstance(size, tuple) or len(size) != 3 or size[0] != 1:
+        raise ValueError(f"image models take latent sample sizes (1, height, width); got {size!r}")
+    return size[1], size[2]
+
+
+def collate_images(samples: Any, mb: Any, ranks: tuple[int, ...], rank: int) -> Batch:
+    """The image families' collate: same-shape latents (C, H, W) and conditioning, whole."""
+    return collate_latents(samples, mb, ranks, rank, tokens=image_tokens, what="image")
+
+
+def packed_flow_loss(forward, names: tuple[str, ...], channels: tuple[int, int] | None = None):
+    """Rectified flow on 2 x 2-packed latents: per-sample t and noise from the sample's
+    generator, ``x_t = (1 - t) x0 + t noise`` (the items' condition channels appended after
+    the noisy latents' own, as the pipelines concatenate them), packed; the model's packed
+    prediction unpacked and compared with the velocity noise - x0, mean squared error over
+    channels per latent pixel. ``forward(model, packed x_t, t, height, width, conditioning)``
+    calls the model the way its pipeline does; ``names``: the item keys it passes;
+    ``channels``: (target, condition) channels (`latent_channels`; None: the latents' own, no
+    condition)."""
+    target, condition_channels = channels or (None, 0)
+    keys = (*names, "condition") if condition_channels else names
+
     def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-        """Rectified flow on Flux: per-sample t and noise from the sample's generator, packed
-        noisy latents in, velocity noise - x0 out; mean squared error over channels per
-        latent pixel."""
         dtype = next(model.parameters()).dtype
         x0 = batch.inputs.to(dtype)
         t, noise = flow_draws(batch, ctx, x0)
         tb = t.to(x0.dtype).view(-1, 1, 1, 1)
         xt = (1 - tb) * x0 + tb * noise
         h, w = x0.shape[2:]
-        cond = extras_as(batch, dtype, "encoder_hidden_states", "pooled_projections")
-        text = cond["encoder_hidden_states"]
-        g = torch.full_like(t, guidance) if model.config.guidance_embeds else None
-        pred = model(pack(xt), timestep=t, img_ids=image_ids(h, w, x0.device),
-                     txt_ids=text.new_zeros(text.shape[1], 3), guidance=g, return_dict=False, **cond)[0]
+        if target is not None and x0.shape[1] != target:
+            raise ValueError(f"{type(model).__name__} predicts {target} latent channels, but the items' latents have "
+                             f"{x0.shape[1]}: give 'latents' the target's channels only"
+                             + (f" and the other {condition_channels} input channels as 'condition'"
+                                if condition_channels else ""))
+        cond = extras_as(batch, dtype, *keys)
+        if condition_channels:
+            c = cond.pop("condition", None)
+            if c is None or c.shape[1:] != (condition_channels, h, w):
+                got = None if c is None else tuple(c.shape[1:])
+                raise ValueError(f"{type(model).__name__} takes {condition_channels} condition channels after the "
+                                 f"{x0.shape[1]} latent channels: items need 'condition' of shape "
+                                 f"{(condition_channels, h, w)}, got {got}")
+            xt = torch.cat([xt, c], dim=1)
+        pred = forward(model, pack(xt), t, h, w, cond)
         return ctx.dense_loss((unpack(pred, h, w).float() - (noise - x0).float()).pow(2).mean(1))
 
     return loss
+
+
+def flux_loss(guidance: float = 3.5, channels: tuple[int, int] | None = None):
+    """Flux.1's default loss (`packed_flow_loss`): position ids (0, row, column) for the
+    image, zeros for the text, pooled text, a fixed guidance scale where the model embeds one."""
+
+    def forward(model: nn.Module, x: Tensor, t: Tensor, h: int, w: int, cond: dict[str, Tensor]) -> Tensor:
+        text = cond["encoder_hidden_states"]
+        g = torch.full_like(t, guidance) if model.config.guidance_embeds else None
+        return model(x, timestep=t, img_ids=image_ids(h, w, x.device), txt_ids=text.new_zeros(text.shape[1], 3),
+                     guidance=g, return_dict=False, **cond)[0]
+
+    return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), channels)
 
 
 ACCEPTED = ("context_tokens", "guidance")
@@ -155,10 +232,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             **unused: Any) -> ModelAdapter:
     check_args("diffusers FluxTransformer2DModel", unused, ACCEPTED)
     cfg = model.config
-    if cfg.patch_size != 1 or cfg.in_channels % 4:
-        raise ValueError(f"FluxTransformer2DModel with patch_size={cfg.patch_size}, in_channels={cfg.in_channels}: "
-                         f"dcparallel's Flux loss packs latents into 2 x 2 patches (patch_size 1, in_channels = 4 x "
-                         f"latent channels); pass loss_fn for another layout")
+    if cfg.patch_size != 1:
+        raise ValueError(f"FluxTransformer2DModel with patch_size={cfg.patch_size}: dcparallel's Flux loss packs "
+                         f"latents into 2 x 2 patches as the Flux pipelines do (patch_size 1); pass loss_fn for "
+                         f"another layout")
     blocks = list(layers) if layers is not None else [*model.transformer_blocks, *model.single_transformer_blocks]
     heads = num_heads or cfg.num_attention_heads
     hidden = heads * cfg.attention_head_dim
@@ -174,19 +251,14 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                      ffn_hidden=4 * hidden, attention="full", attn_params=attn, mlp_params=mlp, other_params=other,
                      extra_params=total - n * (attn + mlp + other), context_tokens=context_tokens, t_num=1, t_den=1,
                      spatial_patch=2, bytes_per_value=next(model.parameters()).element_size())
-    channels = cfg.in_channels // 4
-
-    def tokens(grid: tuple[int, ...]) -> int:
-        if len(grid) != 2 or grid[0] % 2 or grid[1] % 2:
-            raise ValueError(f"Flux latents must be (C, height, width) with even height and width; got spatial "
-                             f"shape {grid}: crop or pad the latents")
-        return (grid[0] // 2) * (grid[1] // 2)
+    channels, condition = latent_channels("FluxTransformer2DModel", model.x_embedder.in_features,
+                                          model.proj_out.out_features)
 
     def parts(size: Size) -> dict[str, tuple[int, ...]]:
-        if len(size) != 3 or size[0] != 1:
-            raise ValueError(f"Flux sample sizes are latent (1, height, width); got {size!r}")
-        return {"latents": (channels, *size[1:]), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim),
+        h, w = image_size(size)
+        item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim),
                 "pooled_projections": (cfg.pooled_projection_dim,)}
+        return item | ({"condition": (condition, h, w)} if condition else {})
 
     def install(fn: Any) -> None:
         replace_processors([b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn),
@@ -194,9 +266,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flux_loss(guidance), sample=sample_fn or random_items(parts),
-                        collate=lambda s, mb, ranks, rank: collate_latents(s, mb, ranks, rank, tokens=tokens,
-                                                                          what="image"),
+                        loss_fn=loss_fn or flux_loss(guidance, (channels, condition)),
+                        sample=sample_fn or random_items(parts), collate=collate_images,
                         install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
                         skip_block=skip_block)
 

@@ -14,7 +14,8 @@ from dcparallel.plan.types import MicroBatch
 from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout, Recompute
-from tests.adapter_models import TinyGQA, build
+from tests.adapter_models import TinyGQA, build, item, make_data, reference
+from tests.support import rel_err
 
 pytest.importorskip("diffusers")
 
@@ -22,7 +23,13 @@ pytest.importorskip("diffusers")
 ITEMS = {"wan-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "encoder_hidden_states_image"}),
          "wan22-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "condition"}),
          "ltx": ((2, 3, 5), 30, {"latents", "encoder_hidden_states"}),
-         "flux": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "pooled_projections"})}
+         "flux": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "pooled_projections"}),
+         "flux2": ((1, 6, 10), 15, {"latents", "encoder_hidden_states"}),
+         "flux2-cond": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "condition"}),
+         "qwenimage": ((1, 6, 10), 15, {"latents", "encoder_hidden_states"})}
+#: parameters the default loss cannot reach: the last block's text output feeds nothing (the
+#: models return the image only); Flux.1's last single block shares its parameters with the image
+UNREACHED = {"flux": "single_transformer_blocks.1.", "qwenimage": "transformer_blocks.1."}
 
 
 @pytest.mark.parametrize("kind", sorted(ITEMS))
@@ -38,7 +45,7 @@ def test_family_adapters_profile_with_the_conditioning_each_model_needs(kind):
     assert a.spec.num_params == sum(p.numel() for p in model.parameters())
     items = {i: a.sample(size, i) for i in range(2)}
     assert set(items[0]) == keys
-    if kind == "wan22-i2v":  # latents: the 4 target channels; condition: the other 4 input channels
+    if kind in ("wan22-i2v", "flux2-cond"):  # latents: the 4 target channels; condition: the other 4 input channels
         assert items[0]["latents"].shape[0] == 4 and items[0]["condition"].shape[0] == 4
     batch = a.collate(items, MicroBatch((0, 1), Layout(1, 2, Recompute(1, 1))), (0,), 0)
     assert batch.seq_len == tokens and set(batch.extras) == keys - {"latents"}
@@ -46,8 +53,30 @@ def test_family_adapters_profile_with_the_conditioning_each_model_needs(kind):
         ctx.backward(a.loss_fn(model, batch, ctx))
     assert dc.sync_gradients() > 0
     unused = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    # Flux's last single block's text output feeds nothing (the model returns the image only)
-    assert all(kind == "flux" and "single_transformer_blocks.1" in n for n in unused), unused
+    assert all(kind in UNREACHED and n.startswith(UNREACHED[kind]) for n in unused), unused
+
+
+@pytest.mark.parametrize("kind", ["flux2", "flux2-cond", "qwenimage"])
+def test_image_families_match_the_unmodified_model_at_world_1(kind):
+    """Micro-batches of several same-shape images through the default loss: loss and every
+    gradient equal the unmodified model called as its pipeline calls it, one image at a time
+    (with condition channels: the model predicts only the target's channels). SP groups:
+    tests/dist/test_dist_adapters.py."""
+    data = make_data(kind, 7, 3)
+    model = build(kind)
+    dc = Engine(model)
+    by_shape: dict = {}
+    for sid, shape in data.shape_of.items():
+        by_shape.setdefault(shape, []).append(sid)
+    for sids in by_shape.values():
+        batch = dc.adapter.collate({s: item(data, s) for s in sids},
+                                   MicroBatch(tuple(sids), Layout(1, len(sids), Recompute(1, 0))), (0,), 0)
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(dc.adapter.loss_fn(model, batch, ctx))
+    loss = dc.sync_gradients()
+    ref_loss, ref_grads = reference(build(kind), data, range(7))
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert max(rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()) <= 1e-5
 
 
 @pytest.mark.parametrize("kind", ["wan22-i2v", "ltx", "flux"])
@@ -84,14 +113,66 @@ def test_diffusers_models_without_a_plan_are_refused_naming_class_missing_piece_
 
 
 def test_diffusers_models_with_a_plan_but_no_processor_are_refused():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    model = MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=1,
+                                        num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4,
+                                        text_dim=16, freq_dim=16, time_embed_hidden_dim=16, time_embed_dim=8,
+                                        rope_freq_dim=4)
+    with pytest.raises(ValueError, match=r"MiniMaxH3Transformer3DModel yet: it has a context-parallel plan.*no "
+                                         r"parity-tested attention processor.*MiniMaxH3AttnProcessor"):
+        DataCentricParallel(model)
+
+
+def test_ltx2_is_refused_naming_the_audio_stream_it_cannot_shard():
+    from diffusers import LTX2VideoTransformer3DModel
+
+    model = LTX2VideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                                        audio_num_attention_heads=2, audio_attention_head_dim=8,
+                                        audio_cross_attention_dim=16, num_layers=1, caption_channels=16)
+    with pytest.raises(ValueError, match=r"LTX2VideoTransformer3DModel yet: its _cp_plan shards only the video tokens"
+                                         r".*video_to_audio_attn.*audio_proj_out.*To train it, pass adapter="
+                                         r"dcparallel.adapters.ModelAdapter"):
+        DataCentricParallel(model)
+
+
+def test_image_families_refuse_what_they_do_not_train_by_name():
+    """Flux 2's reference-image KV cache, latents that carry the condition channels too,
+    Qwen-Image's edit / layered configurations and its ControlNet residuals: refused, naming
+    the keyword or setting and the fix."""
     from diffusers import QwenImageTransformer2DModel
 
-    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
-                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                        axes_dims_rope=(2, 2, 4))
-    with pytest.raises(ValueError, match=r"QwenImageTransformer2DModel yet: it has a context-parallel plan.*no "
-                                         r"parity-tested attention processor.*QwenDoubleStreamAttnProcessor"):
-        DataCentricParallel(model)
+    model = build("flux2")
+    dc = Engine(model)
+    batch = dc.adapter.collate({0: dc.adapter.sample((1, 4, 6), 0)}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    x = torch.randn(1, 6, 16)
+    with pytest.raises(ValueError, match=r"kv_cache_mode='extract', num_ref_tokens=2: the reference-image KV cache"):
+        with dc.micro_batch(batch):
+            model(x, encoder_hidden_states=torch.randn(1, 3, 16), timestep=torch.ones(1), img_ids=torch.zeros(1, 6, 4),
+                  txt_ids=torch.zeros(1, 3, 4), guidance=torch.ones(1), kv_cache_mode="extract", num_ref_tokens=2)
+    model = build("flux2-cond")  # latents carrying every input channel: the target's are asked for by name
+    dc = Engine(model)
+    wrong = dict(dc.adapter.sample((1, 4, 6), 0))
+    wrong["latents"] = torch.cat([wrong["latents"], wrong.pop("condition")])
+    batch = dc.adapter.collate({0: wrong}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    with pytest.raises(ValueError, match=r"predicts 4 latent channels, but the items' latents have 8: give 'latents' "
+                                         r"the target's channels only and the other 4 input channels as 'condition'"):
+        with dc.micro_batch(batch) as ctx:
+            dc.adapter.loss_fn(model, batch, ctx)
+    cfg = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=8,
+               num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
+    for setting in ("zero_cond_t", "use_layer3d_rope"):
+        with pytest.raises(ValueError, match=rf"QwenImageTransformer2DModel with {setting}=True: .*pass your own"):
+            find_adapter(QwenImageTransformer2DModel(**cfg, **{setting: True}))
+    model = build("qwenimage")
+    dc = Engine(model)
+    batch = dc.adapter.collate({0: dc.adapter.sample((1, 4, 6), 0)}, MicroBatch((0,), Layout(1, 1)), (0,), 0)
+    with pytest.raises(ValueError, match=r"got controlnet_block_samples: dcparallel's Qwen-Image adapter does not "
+                                         r"shard ControlNet residuals"):
+        with dc.micro_batch(batch):
+            model(x, encoder_hidden_states=torch.randn(1, 3, 16), timestep=torch.ones(1), img_shapes=[[(1, 2, 3)]],
+                  controlnet_block_samples=[torch.zeros(1, 6, 32)])
 
 
 def test_family_arguments_never_reach_another_family_as_a_type_error():
