@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, derive_spec
+from dcparallel.adapters.latents import latent_flow_loss
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs")
@@ -113,7 +114,7 @@ def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
 
 def cogvideox_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified flow through `predict` (see the module docstring for CogVideoX's own objective)."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
 def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
+from dcparallel.adapters.latents import latent_flow_loss
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "attention_mask", "image_rotary_emb",
@@ -98,8 +99,8 @@ def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
 
 
 def hunyuan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-    """Rectified flow (HunyuanVideo's own objective): `joint.flow_loss` through `predict`."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    """Rectified flow (HunyuanVideo's own objective): `latents.latent_flow_loss` through `predict`."""
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
 def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
@@ -160,7 +161,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
                          f"out or pass {heads}")
     hidden = heads * cfg.attention_head_dim
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_modules,
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules,
                                name=name or f"hunyuanvideo-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
                                num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
                                context_tokens=context_tokens, t_num=1, t_den=cfg.patch_size_t,

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dcparallel.adapters.latents import flow_draws
 from dcparallel.data.batch import Batch
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
@@ -214,19 +213,6 @@ def collate_conditioned(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple
                  frames=f // pt, sharded=False, extras=extras)
 
 
-def flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
-    """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
-    generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
-    channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
-    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
-    dtype = next(model.parameters()).dtype
-    x0 = batch.inputs.to(dtype)
-    t, noise = flow_draws(batch, ctx, x0)
-    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
-    pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
-    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
-
-
 def project_two_streams(attn: nn.Module, hidden: Tensor, text: Tensor, split) -> tuple[Tensor, ...]:
     """q, k, v of the video tokens (``to_q``/``to_k``/``to_v``, ``norm_q``/``norm_k``) and of
     the text tokens (``add_q_proj``/``add_k_proj``/``add_v_proj``, ``norm_added_q``/``_k``),
@@ -242,30 +228,3 @@ def project_two_streams(attn: nn.Module, hidden: Tensor, text: Tensor, split) ->
     if attn.norm_added_k is not None:
         kt = attn.norm_added_k(kt)
     return q, k, v, qt, kt, vt
-
-
-def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, mlp_modules, **fields: Any):
-    """The planner's `ModelSpec` of a model whose blocks differ in size (HunyuanVideo's dual-
-    and single-stream blocks): per layer the blocks' mean attention / MLP / other parameters
-    (the planner sees uniform layers), the rest, rounding included, as ``extra_params`` — so
-    the total is the model's exact parameter count; the largest block's parameters are what a
-    parameter-shard block gathers at once (``max_unit_params``)."""
-    from dcparallel.adapters.base import count_params
-    from dcparallel.spec import ModelSpec
-
-    n = len(blocks)
-    attn = sum(count_params(attn_modules(b)) for b in blocks) // n
-    mlp = sum(count_params(mlp_modules(b)) for b in blocks) // n
-    other = sum(count_params([b]) for b in blocks) // n - attn - mlp
-    total = count_params([model])
-    spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
-                     extra_params=total - n * (attn + mlp + other),
-                     max_unit_params=max(count_params([b]) for b in blocks),
-                     bytes_per_value=next(model.parameters()).element_size(), **fields)
-    assert spec.num_params == total, (spec.num_params, total)
-    return spec
-
-
-# ---------------------------------------------------------------- what is refused
-
-

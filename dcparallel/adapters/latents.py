@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dcparallel.data.batch import Batch
 from dcparallel.plan.types import MicroBatch
@@ -75,6 +75,19 @@ def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
     return t, torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
 
 
+def latent_flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
+    """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
+    generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
+    channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
+    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
+    dtype = next(model.parameters()).dtype
+    x0 = batch.inputs.to(dtype)
+    t, noise = flow_draws(batch, ctx, x0)
+    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
+    pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
+    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+
+
 def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor]:
     """The named conditioning of the batch present, floating ones in the model's dtype. A
     default loss names everything its model takes: any other key the items carried is refused,
@@ -92,18 +105,26 @@ def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor
     return out
 
 
-def random_items(parts: Callable[[Size], dict[str, tuple[int, ...]]], seed: int = 0):
-    """Synthetic items: per size, ``parts(size)`` names each tensor's shape; random normal
-    values, fixed per index."""
+def random_items(parts: Callable[[Size], Mapping[str, tuple[int, ...] | Tensor]], seed: int = 0):
+    """Synthetic items: per size, ``parts(size)`` names each tensor's shape (random normal
+    values, fixed per index) or gives its value (a tensor: a mask, a guidance scale, an id)."""
 
     def sample(size: Size, index: int) -> dict:
         if not isinstance(size, tuple):
             raise ValueError(f"a diffusers video/image model takes latent (frames, height, width) sample sizes; "
                              f"got {size!r}")
         g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {k: torch.randn(*shape, generator=g) for k, shape in parts(size).items()}
+        return {k: v.clone() if isinstance(v, Tensor) else torch.randn(*v, generator=g)
+                for k, v in parts(size).items()}
 
     return sample
+
+
+def padded_text_mask(tokens: int) -> Tensor:
+    """A synthetic caption mask (1 = real token): the last quarter of the tokens padding."""
+    mask = torch.ones(tokens, dtype=torch.long)
+    mask[tokens - tokens // 4:] = 0
+    return mask
 
 
 def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -> None:

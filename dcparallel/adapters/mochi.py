@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
+from dcparallel.adapters.latents import latent_flow_loss
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_attention_mask", "image_rotary_emb")
@@ -82,7 +83,7 @@ def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
 
 def mochi_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified flow through `predict` (see the module docstring for Mochi's convention)."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
 def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
@@ -127,7 +128,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                          f"out or pass {heads}")
     hidden = heads * cfg.attention_head_dim
     ffn = max(m.out_features for m in blocks[0].ff.modules() if isinstance(m, nn.Linear))
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
                                kind="video", hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full",
                                context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=cfg.patch_size)
     patch = (1, cfg.patch_size, cfg.patch_size)

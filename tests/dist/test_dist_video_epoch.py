@@ -1,7 +1,8 @@
 """A video dataset of mixed resolutions and frame counts that are not bucket-exact trains a
 whole epoch under every policy at world 2, through the public API (profile, plan, load,
-train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video and
-Wan 2.2 image-to-video with condition channels), LTX-Video and Flux (images of many aspect
+train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video,
+Wan 2.1 image-to-video with image embeddings, Wan 2.2 image-to-video with condition
+channels), SkyReels-V2 and VACE (Wan look-alikes), LTX-Video and Flux (images of many aspect
 ratios): lossless — every sample exactly once — and every micro-batch stacks samples of one
 latent shape."""
 
@@ -26,7 +27,7 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["dit", "wan", "wan22-i2v", "ltx", "flux"])
+@pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", "skyreels", "vace", "ltx", "flux"])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
