@@ -13,7 +13,7 @@ name, whole on every rank of the group (the model shards its tokens itself).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,17 +25,21 @@ from dcparallel.spec import Size
 
 
 def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
-                    tokens: Callable[[tuple[int, ...]], int], what: str = "video") -> Batch:
+                    tokens: Callable[[tuple[int, ...]], int], what: str = "video",
+                    required: Sequence[str] = ()) -> Batch:
     """Stacks same-shape latents and each conditioning tensor whole on every rank of the
-    group; ``tokens(latent shape without channels)`` is the model's token count."""
+    group; ``tokens(latent shape without channels)`` is the model's token count; ``required``:
+    conditioning every item must carry (named with ``what`` when missing)."""
     ranks = tuple(ranks)
     if rank not in ranks or mb.layout.sp != len(ranks):
         raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
     items = [samples[sid] for sid in mb.sample_ids]
+    needed = ["latents", *required]
     for sid, s in zip(mb.sample_ids, items, strict=True):
-        if not isinstance(s, Mapping) or "latents" not in s:
-            raise ValueError(f"{what} sample {sid} must be a mapping with 'latents' and the model's conditioning "
-                             f"(e.g. 'encoder_hidden_states'); got {type(s).__name__}")
+        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
+            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
+            raise ValueError(f"{what} sample {sid} must be a mapping with {needed} and the model's other "
+                             f"conditioning; got {got}")
     keys = {k for k, v in items[0].items() if v is not None}
     for sid, s in zip(mb.sample_ids, items, strict=True):
         if {k for k, v in s.items() if v is not None} != keys:
@@ -47,9 +51,10 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
         vals = [torch.as_tensor(s[k]) for s in items]
         shapes = {tuple(v.shape) for v in vals}
         if len(shapes) != 1:
-            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must share the shape of {k!r}; got "
-                             f"{sorted(shapes)} (the planner groups samples of one latent shape; pad or crop the "
-                             f"conditioning to one shape per latent shape)")
+            what_k = "be latents of one shape" if k == "latents" else f"share the shape of {k!r}"
+            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
+                             f"planner groups samples of one latent shape; pad or crop the conditioning to one "
+                             f"shape per latent shape)")
         stacked[k] = torch.stack(vals)
     lat = stacked.pop("latents")
     grid = tuple(lat.shape[2:])
@@ -61,6 +66,16 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
                  token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
                  num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
                  frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
+
+
+def patch_tokens(patch: tuple[int, int, int]):
+    def tokens(grid: tuple[int, ...]) -> int:
+        if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
+            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
+                             f"crop or pad the latents")
+        return math.prod(g // p for g, p in zip(grid, patch, strict=True))
+
+    return tokens
 
 
 def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:

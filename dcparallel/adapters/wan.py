@@ -30,7 +30,6 @@ and the rest as image tokens, so image-conditioned Wan needs 512 text tokens per
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from dcparallel.adapters.latents import (
     collate_latents,
     extras_as,
     latent_flow_loss,
+    patch_tokens,
     random_items,
     replace_processors,
 )
@@ -94,16 +94,6 @@ class UlyssesWanSelfAttention:
         out = self.attention(q, k, v, FULL).flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
-
-
-def patch_tokens(patch: tuple[int, int, int]):
-    def tokens(grid: tuple[int, ...]) -> int:
-        if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
-            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
-                             f"crop or pad the latents")
-        return math.prod(g // p for g, p in zip(grid, patch, strict=True))
-
-    return tokens
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,9 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", "skyreels", "vace", "ltx", "flux"])
+# the Wan look-alikes (25-45 s each on 2 busy cores) with DCPARALLEL_SLOW=1
+@pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", pytest.param("skyreels", marks=pytest.mark.slow),
+                                  pytest.param("vace", marks=pytest.mark.slow), "ltx", "flux"])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
