@@ -102,6 +102,10 @@ def build(kind: str, seed: int = 0) -> nn.Module:
             from diffusers import SkyReelsV2Transformer3DModel
 
             return SkyReelsV2Transformer3DModel(**cfg, inject_sample_info=True).float()
+        if kind == "skyreels-i2v":  # SkyReels-V2 image-to-video: image embeddings and 4 condition channels
+            from diffusers import SkyReelsV2Transformer3DModel
+
+            return SkyReelsV2Transformer3DModel(**{**cfg, "in_channels": 8}, image_dim=12, added_kv_proj_dim=32).float()
         if kind == "vace":  # two control blocks, hints after both of Wan's blocks
             from diffusers import WanVACETransformer3DModel
 
@@ -126,7 +130,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "vace")
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "skyreels-i2v", "vace")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
@@ -143,6 +147,10 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
                 "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
     if kind == "wan22-i2v":
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "skyreels-i2v":
+        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
+                "encoder_hidden_states_image": torch.randn(3, 12, generator=g),
                 "condition": torch.randn(4, *shape, generator=g)}
     if kind == "skyreels":  # fps: the row of the fps embedding
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "fps": torch.tensor(shape[0] % 2)}

@@ -11,7 +11,6 @@ import torch
 from dcparallel.adapters import find_adapter, protocol_adapter
 from dcparallel.api import DataCentricParallel
 from dcparallel.plan.types import MicroBatch
-from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout, Recompute
 from tests.adapter_models import TinyGQA, build
@@ -61,8 +60,11 @@ def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_pat
     shapes = shapes * 3
     dc = DataCentricParallel(model, memory_bytes=2**30, context_tokens=5)
     data = [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]
+    with pytest.raises(ValueError, match=r"profiler_config names \['repeat'\], which are not ProfilerConfig fields"):
+        dc.prepare(data, lengths=shapes, samples_per_step=6, profiler_config={"repeat": 1})
+    # fields over prepare's default (capped at the longest sample and the memory budget)
     loader = dc.prepare(data, lengths=shapes, samples_per_step=6, profile_path=str(tmp_path / "p.json"),
-                        profiler_config=ProfilerConfig.quick(64, repeats=1, max_repeats=1, min_time_s=0.0, max_mbs=2))
+                        profiler_config={"repeats": 1, "max_repeats": 1, "min_time_s": 0.0, "max_mbs": 2})
     opt = dc.optimizer(lr=1e-3)
     losses = []
     for step in loader:
