@@ -106,6 +106,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
             from diffusers import SkyReelsV2Transformer3DModel
 
             return SkyReelsV2Transformer3DModel(**{**cfg, "in_channels": 8}, image_dim=12, added_kv_proj_dim=32).float()
+        if kind == "helios":  # Helios without history latents (their patch embeddings left out: unused)
+            from diffusers import HeliosTransformer3DModel
+
+            c = {k: v for k, v in cfg.items() if k not in ("rope_max_seq_len",)}
+            return HeliosTransformer3DModel(**c, rope_dim=(4, 2, 2), has_multi_term_memory_patch=False).float()
         if kind == "vace":  # two control blocks, hints after both of Wan's blocks
             from diffusers import WanVACETransformer3DModel
 
@@ -130,7 +135,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "skyreels-i2v", "vace")
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "skyreels-i2v", "vace", "helios")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
@@ -140,7 +145,7 @@ WAN_SHAPES = SHAPES["wan"]
 
 def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tensor]:
     """A sample's conditioning as its dataset item carries it."""
-    if kind in ("wan", "wan-ti2v"):
+    if kind in ("wan", "wan-ti2v", "helios"):
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
     if kind in ("wan-i2v", "chronoedit"):  # diffusers' I2V attention takes the last 512 context tokens as text
         return {"encoder_hidden_states": torch.randn(512, 16, generator=g),

@@ -16,23 +16,11 @@ from typing import Any
 from torch import nn
 
 #: the diffusers transformers dcparallel drives, and their adapter modules
-SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), SkyReelsV2Transformer3DModel "
-             "and WanVACETransformer3DModel (adapters.wan_variants), LTXVideoTransformer3DModel "
-             "(adapters.ltx), FluxTransformer2DModel (adapters.flux), and with joint video + text attention "
-             "HunyuanVideoTransformer3DModel, CogVideoXTransformer3DModel, MochiTransformer3DModel (adapters.joint)")
-
-
-#: models with a plan whose layout needs more than a processor, and what exactly
-LAYOUTS = {
-    "HeliosTransformer3DModel": (
-        "its history latents (multi-term memory: short, mid and long history patches) are prepended to the video "
-        "tokens, with modulation per token (history tokens at timestep 0), cross-attention on the current tokens only "
-        "(guidance_cross_attn) and the history keys scaled in self-attention (is_amplify_history), all located by "
-        "the count of current tokens (original_context_length) that each block receives whole; diffusers' plan cuts "
-        "and gathers the sequence around every attention and feed-forward, which dcparallel's hooks do not apply "
-        "to a block whose token positions mean different things, and no Ulysses processor of dcparallel implements "
-        "Helios' attention"),
-}
+SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), SkyReelsV2Transformer3DModel, "
+             "WanVACETransformer3DModel and HeliosTransformer3DModel (adapters.wan_variants), "
+             "LTXVideoTransformer3DModel (adapters.ltx), FluxTransformer2DModel (adapters.flux), and with joint "
+             "video + text attention HunyuanVideoTransformer3DModel, CogVideoXTransformer3DModel, "
+             "MochiTransformer3DModel (adapters.joint)")
 
 
 def matches(model: nn.Module) -> bool:
@@ -56,8 +44,6 @@ def adapter(model: nn.Module, **unused: Any):
                          f"(_cp_plan, which dcparallel applies with its own hooks), so there is no declared place to "
                          f"split and gather its token sequence, and its attention is not a joint video + text layout "
                          f"dcparallel implements. To train it, {fix}")
-    if who in LAYOUTS:
-        raise ValueError(f"dcparallel cannot drive the diffusers model {who}: {LAYOUTS[who]}. To train it, {fix}")
     procs = ", ".join(_processors(model)) or "unknown"
     raise ValueError(f"dcparallel cannot drive the diffusers model {who} yet: it has a context-parallel plan "
                      f"(_cp_plan), but dcparallel has no parity-tested attention processor for its attention layout "

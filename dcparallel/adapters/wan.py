@@ -115,9 +115,18 @@ class Variant:
     items) or values (`latents.random_items`)"""
     skip_block: Callable[..., Any] | None = None
     """`ModelAdapter.skip_block` (None: a block returns its hidden state)"""
+    self_attention: Callable[[Any], Any] | None = None
+    """the Ulysses processor of ``attn1`` made from the runtime's attention (None:
+    `UlyssesWanSelfAttention`)"""
 
 
 WAN = Variant()
+
+
+def image_dim(cfg: Any) -> int | None:
+    """The image embeddings' width of image-to-video models (None: text-to-video, or a
+    look-alike without the field)."""
+    return getattr(cfg, "image_dim", None)
 #: what Wan's default loss passes to the model besides the latents and the timestep
 WAN_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_image")
 
@@ -157,7 +166,7 @@ def item_parts(model: nn.Module, context_tokens: int, image_tokens: int, variant
         p = {"latents": (out, *size), "encoder_hidden_states": (context_tokens, cfg.text_dim)}
         if cfg.in_channels > out:
             p["condition"] = (cfg.in_channels - out, *size)
-        if cfg.image_dim is not None:
+        if image_dim(cfg) is not None:
             p["encoder_hidden_states_image"] = (image_tokens, cfg.image_dim)
         return p | variant.parts(cfg, size)
 
@@ -179,11 +188,11 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     who = type(model).__name__
     check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
-    if (cfg.added_kv_proj_dim is None) != (cfg.image_dim is None):
-        raise ValueError(f"{who} with image_dim={cfg.image_dim} and added_kv_proj_dim="
+    if (cfg.added_kv_proj_dim is None) != (image_dim(cfg) is None):
+        raise ValueError(f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
                          f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
                          f"projections), text-to-video neither")
-    if cfg.image_dim is not None and context_tokens != 512:
+    if image_dim(cfg) is not None and context_tokens != 512:
         raise ValueError(f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
                          f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
                          f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512")
@@ -192,7 +201,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
                          f"dcparallel's loss takes the output channels as the target and extra input channels "
                          f"as condition; pass loss_fn for another layout")
-    image_tokens = image_tokens or cfg.pos_embed_seq_len or 257
+    image_tokens = image_tokens or getattr(cfg, "pos_embed_seq_len", None) or 257
     blocks = list(layers) if layers is not None else variant.blocks(model)
     heads = num_heads or cfg.num_attention_heads
     pt, ph, pw = cfg.patch_size
@@ -203,7 +212,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     hidden = heads * cfg.attention_head_dim
     fields = dict(name=name or f"{variant.family.lower()}-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
                   num_heads=heads, ffn_hidden=cfg.ffn_dim, attention="full", t_num=1, t_den=pt, spatial_patch=ph,
-                  context_tokens=context_tokens + (image_tokens if cfg.image_dim else 0))
+                  context_tokens=context_tokens + (image_tokens if image_dim(cfg) else 0))
     if len({count_params([b]) for b in blocks}) == 1:
         spec = derive_spec(model, blocks, attn_modules=attn_modules, mlp_modules=mlp_modules, **fields)
     else:  # VACE: its control blocks carry projections of their own
@@ -211,7 +220,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     cuts = read_plan(model, plan=variant.plan)
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn1 for b in blocks], variant.processor, lambda: UlyssesWanSelfAttention(fn), who)
+        make = variant.self_attention or UlyssesWanSelfAttention
+        replace_processors([b.attn1 for b in blocks], variant.processor, lambda: make(fn), who)
 
     def collate(samples, mb, ranks, rank):
         return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, ph, pw)))

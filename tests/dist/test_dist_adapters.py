@@ -6,7 +6,8 @@ by hooks applying the model's `_cp_plan`, Ulysses in their attention processors 
 text-to-video, Wan 2.1 image-to-video (image embeddings), Wan 2.2 image-to-video (condition
 channels), Wan 2.2 TI2V (per-token timesteps from the user's loss), ChronoEdit (Wan
 image-to-video with its own rotary tables), SkyReels-V2 text-to-video (five-argument blocks,
-fps embedding) and image-to-video (image embeddings, condition channels), VACE (control blocks whose hints are added to the video tokens), LTX-Video
+fps embedding) and image-to-video (image embeddings, condition channels), VACE (control blocks whose hints are added to the video tokens), Helios (its own plan: tokens cut
+at each self-attention, whole in between), LTX-Video
 (masked text)
 and Flux (joint text + image attention, images of several aspect ratios) — and a user's own
 module following the protocol. Loss and every parameter's gradient after `sync_gradients()`
@@ -33,7 +34,7 @@ pytest.importorskip("diffusers")
 
 
 @pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit",
-                                  "skyreels", "skyreels-i2v", "vace", "ltx", "flux", "custom"])
+                                  "skyreels", "skyreels-i2v", "vace", "helios", "ltx", "flux", "custom"])
 def test_library_models_match_single_process_gradients(workers, kind):
     seeds, num_samples = [21, 22, 23, 24], 7
     out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)

@@ -22,6 +22,7 @@ ITEMS = {"wan-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "encode
          "wan22-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "condition"}),
          "skyreels": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "fps"}),
          "vace": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "control_hidden_states"}),
+         "helios": ((3, 4, 6), 18, {"latents", "encoder_hidden_states"}),
          "ltx": ((2, 3, 5), 30, {"latents", "encoder_hidden_states"}),
          "flux": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "pooled_projections"})}
 
@@ -89,15 +90,10 @@ def test_diffusers_models_without_a_plan_are_refused_naming_class_missing_piece_
 
 
 def test_wan_look_alikes_refuse_what_the_plan_does_not_cut():
-    """Helios (history tokens located by a count each block gets whole) and SkyReels-V2's
-    block-causal attention are refused, naming the class, the missing piece and the fix."""
-    from diffusers import HeliosTransformer3DModel, SkyReelsV2Transformer3DModel
+    """SkyReels-V2's block-causal attention is refused, naming the class, the missing piece
+    and the fix."""
+    from diffusers import SkyReelsV2Transformer3DModel
 
-    helios = HeliosTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                      text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_dim=(4, 6, 6))
-    with pytest.raises(ValueError, match=r"HeliosTransformer3DModel: its history latents.*original_context_length"
-                                         r".*adapter=dcparallel.adapters.ModelAdapter"):
-        find_adapter(helios)
     causal = SkyReelsV2Transformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                           text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
                                           num_frame_per_block=2)
