@@ -283,7 +283,7 @@ DIT_MIX = [(17, 60, 64), (17, 64, 64), (17, 64, 50), (1, 40, 56), (1, 48, 48), (
 WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3, 6, 4), (1, 4, 4)]
 #: LTX-Video latent shapes (patch 1: one token per position) and Flux latent images (1, H, W):
 #: mixed resolutions and aspect ratios, several shapes per token count
-MIXES = {"wan": WAN_MIX, "wan22-i2v": WAN_MIX, "wan-i2v": WAN_MIX, "skyreels": WAN_MIX, "vace": WAN_MIX,
+MIXES = {**dict.fromkeys(("wan", "wan22-i2v", "wan-i2v", "skyreels", "vace", "helios"), WAN_MIX),
          "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)]}
 

@@ -2,7 +2,7 @@
 whole epoch under every policy at world 2, through the public API (profile, plan, load,
 train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video,
 Wan 2.1 image-to-video with image embeddings, Wan 2.2 image-to-video with condition
-channels), SkyReels-V2 and VACE (Wan look-alikes), LTX-Video and Flux (images of many aspect
+channels), SkyReels-V2, VACE and Helios (Wan look-alikes), LTX-Video and Flux (images of many aspect
 ratios): lossless — every sample exactly once — and every micro-batch stacks samples of one
 latent shape."""
 
@@ -27,9 +27,10 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-# the Wan look-alikes (25-45 s each on 2 busy cores) with DCPARALLEL_SLOW=1
+# the Wan look-alikes (5-6 s each on 2 cores, 25-45 s when they are busy) with DCPARALLEL_SLOW=1
 @pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", pytest.param("skyreels", marks=pytest.mark.slow),
-                                  pytest.param("vace", marks=pytest.mark.slow), "ltx", "flux"])
+                                  pytest.param("vace", marks=pytest.mark.slow),
+                                  pytest.param("helios", marks=pytest.mark.slow), "ltx", "flux"])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
