@@ -20,6 +20,8 @@ counted twice or a document attending across a boundary moves gradients by 1e-3 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -62,3 +64,14 @@ def test_library_models_match_single_process_gradients(workers, kind):
     print(f"{kind} world {workers.world}: max rel err per gradient tensor {worst:.1e}")
     assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
     assert idle and uneven and len(rc_seen) >= 3
+
+
+@pytest.mark.parametrize("kind,inputs", [("skyreels", {"enable_diffusion_forcing": True}),
+                                         ("helios", {"latents_history_short": "latents"})])
+def test_inputs_the_plan_does_not_cut_are_refused_inside_an_sp_group(workers, kind, inputs):
+    """SkyReels-V2's diffusion forcing and Helios' history latents: refused inside an SP group
+    (naming the class, the input and the fix), never run with unsharded per-token inputs."""
+    name = next(iter(inputs))
+    for msg in workers.run(adapter_cases.case_refused_inside_sp, kind, inputs):
+        assert re.search(rf"Transformer3DModel with {name} is not supported by dcparallel inside an SP group: .+; "
+                         rf"train without it, or plan SP 1", msg), msg
