@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +215,14 @@ class DataCentricParallel:
 
     def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
                 samples_per_step: int | None = None, profile_path: str | Path = "dcparallel_profile.json",
-                profiler_config: ProfilerConfig | None = None, loss_fn: LossFn | None = None,
+                profiler_config: ProfilerConfig | Mapping[str, Any] | None = None, loss_fn: LossFn | None = None,
                 **loader_kw: Any) -> DataCentricLoader:
         """Profiles (or reuses the cached profile at ``profile_path``) and returns the loader.
         ``loss_fn`` (default: the one given at construction, else the adapter's) is what the
         profiler runs on synthetic micro-batches; run the same one in the training loop.
+        ``profiler_config``: a `ProfilerConfig`, or a mapping of its fields that override the
+        default (`ProfilerConfig.quick`, capped at the dataset's longest sample and the memory
+        budget), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
         Call on every rank together (profiling is collective)."""
         check_step_budget(tokens_per_step, samples_per_step)  # before minutes of profiling
         self.loss_fn = loss_fn or self.loss_fn
@@ -231,9 +234,15 @@ class DataCentricParallel:
             self._check_auto_shard_size(sizes)
         buckets = representative_sizes(self.spec, sizes)
         supported = self.adapter.recompute_modes
-        config = profiler_config or ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets),
-                                                         memory_limit=self.memory_bytes,
-                                                         progress=comm.world_rank() == 0)
+        config = profiler_config
+        if isinstance(config, Mapping):
+            odd = sorted(set(config) - {f.name for f in dataclasses.fields(ProfilerConfig)})
+            if odd:
+                raise ValueError(f"profiler_config names {odd}, which are not ProfilerConfig fields; give fields of "
+                                 f"dcparallel.profile.ProfilerConfig (e.g. max_repeats, modes) or a ProfilerConfig")
+        if not isinstance(config, ProfilerConfig):
+            config = ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets), **{
+                "memory_limit": self.memory_bytes, "progress": comm.world_rank() == 0, **(config or {})})
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
         device, dtype = self.params[0].device, compute_dtype(self.engine)
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)

@@ -98,6 +98,23 @@ def build(kind: str, seed: int = 0) -> nn.Module:
                  "wan22-i2v": {"in_channels": 8}}.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
         cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
                    text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+        if kind == "skyreels":  # SkyReels-V2 text-to-video with its fps embedding
+            from diffusers import SkyReelsV2Transformer3DModel
+
+            return SkyReelsV2Transformer3DModel(**cfg, inject_sample_info=True).float()
+        if kind == "skyreels-i2v":  # SkyReels-V2 image-to-video: image embeddings and 4 condition channels
+            from diffusers import SkyReelsV2Transformer3DModel
+
+            return SkyReelsV2Transformer3DModel(**{**cfg, "in_channels": 8}, image_dim=12, added_kv_proj_dim=32).float()
+        if kind == "helios":  # Helios without history latents (their patch embeddings left out: unused)
+            from diffusers import HeliosTransformer3DModel
+
+            c = {k: v for k, v in cfg.items() if k not in ("rope_max_seq_len",)}
+            return HeliosTransformer3DModel(**c, rope_dim=(4, 2, 2), has_multi_term_memory_patch=False).float()
+        if kind == "vace":  # two control blocks, hints after both of Wan's blocks
+            from diffusers import WanVACETransformer3DModel
+
+            return WanVACETransformer3DModel(**cfg, vace_layers=[0, 1], vace_in_channels=6).float()
         if kind == "chronoedit":  # Wan image-to-video with ChronoEdit's rotary tables (2 frames: temporal skip)
             from diffusers import ChronoEditTransformer3DModel
 
@@ -135,7 +152,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
 
 #: image transformers: latents (C, H, W), sample sizes (1, H, W), packed 2 x 2
 IMAGE_KINDS = ("flux", "flux2", "flux2-cond", "qwenimage")
-WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit")
+WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "skyreels-i2v", "vace", "helios")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
 SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
           "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
@@ -146,7 +163,7 @@ WAN_SHAPES = SHAPES["wan"]
 
 def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tensor]:
     """A sample's conditioning as its dataset item carries it."""
-    if kind in ("wan", "wan-ti2v"):
+    if kind in ("wan", "wan-ti2v", "helios"):
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
     if kind in ("wan-i2v", "chronoedit"):  # diffusers' I2V attention takes the last 512 context tokens as text
         return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
@@ -154,6 +171,15 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
     if kind == "wan22-i2v":
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
                 "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "skyreels-i2v":
+        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
+                "encoder_hidden_states_image": torch.randn(3, 12, generator=g),
+                "condition": torch.randn(4, *shape, generator=g)}
+    if kind == "skyreels":  # fps: the row of the fps embedding
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "fps": torch.tensor(shape[0] % 2)}
+    if kind == "vace":  # control latents (6 channels) of the video's shape
+        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
+                "control_hidden_states": torch.randn(6, *shape, generator=g)}
     if kind == "ltx":  # a text padding mask: the last 2 of 6 tokens are padding
         return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
                 "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0])}
@@ -304,7 +330,7 @@ DIT_MIX = [(17, 60, 64), (17, 64, 64), (17, 64, 50), (1, 40, 56), (1, 48, 48), (
 WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3, 6, 4), (1, 4, 4)]
 #: LTX-Video latent shapes (patch 1: one token per position) and Flux latent images (1, H, W):
 #: mixed resolutions and aspect ratios, several shapes per token count
-MIXES = {"wan": WAN_MIX, "wan22-i2v": WAN_MIX,
+MIXES = {**dict.fromkeys(("wan", "wan22-i2v", "wan-i2v", "skyreels", "vace", "helios"), WAN_MIX),
          "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)]}
 MIXES["flux2"] = MIXES["qwenimage"] = MIXES["flux"]

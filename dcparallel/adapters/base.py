@@ -136,6 +136,25 @@ def derive_spec(model: nn.Module, blocks: Sequence[nn.Module], *, name: str, kin
     return spec
 
 
+def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, mlp_modules, **fields: Any):
+    """The planner's `ModelSpec` of a model whose blocks differ in size (HunyuanVideo's dual-
+    and single-stream blocks): per layer the blocks' mean attention / MLP / other parameters
+    (the planner sees uniform layers), the rest, rounding included, as ``extra_params`` — so
+    the total is the model's exact parameter count; the largest block's parameters are what a
+    parameter-shard block gathers at once (``max_unit_params``)."""
+    n = len(blocks)
+    attn = sum(count_params(attn_modules(b)) for b in blocks) // n
+    mlp = sum(count_params(mlp_modules(b)) for b in blocks) // n
+    other = sum(count_params([b]) for b in blocks) // n - attn - mlp
+    total = count_params([model])
+    spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
+                     extra_params=total - n * (attn + mlp + other),
+                     max_unit_params=max(count_params([b]) for b in blocks),
+                     bytes_per_value=next(model.parameters()).element_size(), **fields)
+    assert spec.num_params == total, (spec.num_params, total)
+    return spec
+
+
 def embedding_vocab(model: nn.Module) -> int:
     """The vocabulary of a text model: rows of its first `nn.Embedding`."""
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)

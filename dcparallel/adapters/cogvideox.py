@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, derive_spec
+from dcparallel.adapters.latents import collate_latents, extras_as, latent_flow_loss, patch_tokens, random_items
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs")
@@ -106,33 +107,21 @@ def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
     """CogVideoX's velocity for latents x_t (B, C, F, H, W) at timesteps t in [0, 1]."""
     _, _, f, h, w = xt.shape
     rotary = rotary_tables(model, f, h, w, device=xt.device)
-    out = model(xt.transpose(1, 2), encoder_hidden_states=batch.extras["encoder_hidden_states"].to(xt.dtype),
+    text = extras_as(batch, xt.dtype, "encoder_hidden_states")["encoder_hidden_states"]
+    out = model(xt.transpose(1, 2), encoder_hidden_states=text,
                 timestep=t * 1000, image_rotary_emb=rotary, return_dict=False)[0]
     return out.transpose(1, 2)
 
 
 def cogvideox_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified flow through `predict` (see the module docstring for CogVideoX's own objective)."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
+def item_parts(model: nn.Module, context_tokens: int):
     cfg = model.config
-
-    def sample(size, index: int) -> dict:
-        if not isinstance(size, tuple):
-            raise ValueError(f"a video model takes latent (frames, height, width) sample sizes; got {size!r}")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {"latents": torch.randn(cfg.in_channels, *size, generator=g),
-                "encoder_hidden_states": torch.randn(context_tokens, cfg.text_embed_dim, generator=g)}
-
-    return sample
-
-
-def install_hooks(model: nn.Module, blocks: list[nn.Module], attention: Any) -> list[Any]:
-    return [*joint.block_input_hooks(blocks, attention, names=BLOCK_ARGS, hidden="hidden_states",
-                                     rotary="image_rotary_emb"),
-            joint.gather_before(model.norm_final, attention)]
+    return lambda size: {"latents": (cfg.in_channels, *size),
+                         "encoder_hidden_states": (context_tokens, cfg.text_embed_dim)}
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -146,22 +135,14 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int | None = None, **unused: Any) -> ModelAdapter:
     who = type(model).__name__
-    if unused:
-        raise ValueError(f"unexpected arguments for diffusers {who}: {sorted(unused)}; it takes context_tokens=, "
-                         f"loss_fn=, sample_fn=, name=")
     cfg = model.config
     if (cfg.in_channels != (cfg.out_channels or cfg.in_channels) or cfg.ofs_embed_dim) and not (loss_fn and sample_fn):
         raise ValueError(f"{who} with in_channels={cfg.in_channels}, out_channels={cfg.out_channels}, "
                          f"ofs_embed_dim={cfg.ofs_embed_dim} is an image-to-video model: dcparallel's default loss and "
                          f"samples know text-to-video only; pass loss_fn= and sample_fn= (image latents in the item)")
     blocks = list(model.transformer_blocks)
-    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave "
-                         f"layers= out (or pass exactly those blocks)")
-    heads = cfg.num_attention_heads
-    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               unused=unused)
     # 1.0's sinusoidal positions cover exactly max_text_seq_length text tokens
     context_tokens = context_tokens or cfg.max_text_seq_length
     p, pt = cfg.patch_size, cfg.patch_size_t or 1
@@ -176,12 +157,13 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             b.attn1.set_processor(UlyssesCogVideoXAttention(fn))
 
     def collate(samples, mb, ranks, rank):
-        return joint.collate_conditioned(samples, mb, ranks, rank, patch=(pt, p, p), family=who,
-                                         required=("encoder_hidden_states",))
+        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, p, p)), what=who,
+                               required=("encoder_hidden_states",))
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or cogvideox_flow_loss,
-                        sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention),
+                        sample=sample_fn or random_items(item_parts(model, context_tokens)), collate=collate,
+                        install_hooks=lambda attention: joint.video_token_hooks(blocks, model.norm_final, attention,
+                                                                                names=BLOCK_ARGS),
                         skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

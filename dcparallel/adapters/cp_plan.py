@@ -56,10 +56,11 @@ class Cut:
 
 
 def read_plan(model: nn.Module, replicated: Collection[str] = TEXT_INPUTS,
-              replicated_outputs: Collection[tuple[str, int]] = ()) -> list[Cut]:
+              replicated_outputs: Collection[tuple[str, int]] = (), plan: dict | None = None) -> list[Cut]:
     """The model's ``_cp_plan`` as `Cut` entries, without the inputs kept whole
-    (``replicated`` names, ``replicated_outputs`` (module, index) pairs)."""
-    plan = getattr(model, "_cp_plan", None)
+    (``replicated`` names, ``replicated_outputs`` (module, index) pairs). ``plan``: a plan in
+    diffusers' format for a model that declares none (a look-alike of a planned family)."""
+    plan = plan if plan is not None else getattr(model, "_cp_plan", None)
     who = type(model).__name__
     if not plan:
         raise ValueError(f"{who} has no context-parallel plan (_cp_plan): dcparallel shards a diffusers model's "

@@ -14,10 +14,10 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
                  num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
     """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
     reference model, a Hugging Face causal LM, a diffusers transformer with an adapter (Wan,
-    ChronoEdit, LTX-Video, Flux, Flux 2, Qwen-Image, HunyuanVideo, CogVideoX, Mochi; other
-    diffusers models are refused with the reason), or any module following the protocol of
-    `protocol_adapter`. ``layers`` / ``num_heads`` / ``num_kv_heads`` override what the
-    adapter reads from the model."""
+    ChronoEdit, SkyReels-V2, VACE, Helios, LTX-Video, Flux, Flux 2, Qwen-Image, HunyuanVideo,
+    CogVideoX, Mochi; other diffusers models are refused with the reason), or any module
+    following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
+    ``num_kv_heads`` override what the adapter reads from the model."""
     if hasattr(model, "dcp_adapter"):
         return model.dcp_adapter()
     # imported here: the families' modules reach into data/ and runtime/, whose packages import the engine
@@ -33,10 +33,12 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
         reference,
         unsupported,
         wan,
+        wan_variants,
     )
 
     # unsupported last: it refuses every diffusers model no family before it matched
-    for family in (reference, hf, wan, ltx, flux, flux2, qwenimage, hunyuan_video, cogvideox, mochi, unsupported):
+    for family in (reference, hf, wan, wan_variants, ltx, flux, flux2, qwenimage, hunyuan_video, cogvideox, mochi,
+                   unsupported):
         if family.matches(model):
             return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   **protocol)

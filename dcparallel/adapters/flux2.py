@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.flux import (
     UlyssesFluxAttention,
@@ -176,10 +175,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{WHO} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
                          f"out or pass {heads}")
     hidden = heads * cfg.attention_head_dim
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_params_of,
-                               name=name or f"flux2-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                               num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
-                               context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
+    spec = averaged_spec(model, blocks, attn_modules, mlp_params_of,
+                         name=name or f"flux2-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
+                         num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
+                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
     channels, condition = latent_channels(WHO, model.x_embedder.in_features, model.proj_out.out_features)
 
     def parts(size: Size) -> dict[str, tuple[int, ...]]:

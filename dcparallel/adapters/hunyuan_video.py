@@ -27,7 +27,15 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
+from dcparallel.adapters.latents import (
+    collate_latents,
+    extras_as,
+    latent_flow_loss,
+    padded_text_mask,
+    patch_tokens,
+    random_items,
+)
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "attention_mask", "image_rotary_emb",
@@ -73,61 +81,45 @@ class UlyssesHunyuanVideoAttention:
         if attention_mask is not None:  # (B, 1, 1, N + T): the model masks padded text keys only
             text_mask = attention_mask.reshape(attention_mask.shape[0], -1)[:, -t:].bool()
         out, out_text = joint.joint_attention(q, k, v, qt, kt, vt, text_mask, self.attention, text_first=False)
-        out, out_text = out.flatten(2, 3).to(q.dtype), out_text.flatten(2, 3).to(q.dtype)
-        if getattr(attn, "to_out", None) is not None:
-            out = attn.to_out[1](attn.to_out[0](out))
-        if getattr(attn, "to_add_out", None) is not None:
-            out_text = attn.to_add_out(out_text)
-        return out, out_text
+        return joint.project_out(attn, out.flatten(2, 3).to(q.dtype), out_text.flatten(2, 3).to(q.dtype))
 
 
 def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
     """HunyuanVideo's velocity for latents x_t at timesteps t in [0, 1] (diffusers scales by 1000)."""
-    ex, dtype = batch.extras, xt.dtype
-    text = ex["encoder_hidden_states"].to(dtype)
-    mask = ex.get("encoder_attention_mask")
-    mask = torch.ones(text.shape[:2], dtype=torch.long, device=xt.device) if mask is None else mask.to(xt.device)
+    ex = extras_as(batch, xt.dtype, "encoder_hidden_states", "encoder_attention_mask", "pooled_projections",
+                   "guidance")
+    text = ex["encoder_hidden_states"]
     guidance = None
     if model.config.guidance_embeds:
         if "guidance" not in ex:
             raise ValueError(f"{type(model).__name__} has guidance_embeds=True: give each sample a 'guidance' scale "
                              f"(the model gets 1000 x it), or pass loss_fn")
-        guidance = ex["guidance"].to(device=xt.device, dtype=dtype).reshape(-1) * 1000.0
-    return model(xt, timestep=t * 1000, encoder_hidden_states=text, encoder_attention_mask=mask,
-                 pooled_projections=ex["pooled_projections"].to(dtype), guidance=guidance, return_dict=False)[0]
+        guidance = ex["guidance"].to(xt.device).reshape(-1) * 1000.0
+    elif "guidance" in ex:
+        raise ValueError(f"{type(model).__name__} has guidance_embeds=False: it takes no 'guidance'; leave it out "
+                         f"of the items (or pass loss_fn)")
+    return model(xt, timestep=t * 1000, encoder_hidden_states=text,
+                 encoder_attention_mask=joint.caption_mask(batch, text), pooled_projections=ex["pooled_projections"],
+                 guidance=guidance, return_dict=False)[0]
 
 
 def hunyuan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-    """Rectified flow (HunyuanVideo's own objective): `joint.flow_loss` through `predict`."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    """Rectified flow (HunyuanVideo's own objective): `latents.latent_flow_loss` through `predict`."""
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
+def item_parts(model: nn.Module, context_tokens: int):
     """Synthetic items: random latents, text embeddings with the last quarter of the tokens
     padding (masked), pooled text, guidance 6 where the model embeds guidance."""
     cfg = model.config
 
-    def sample(size, index: int) -> dict:
-        if not isinstance(size, tuple):
-            raise ValueError(f"a video model takes latent (frames, height, width) sample sizes; got {size!r}")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        mask = torch.ones(context_tokens, dtype=torch.long)
-        mask[context_tokens - context_tokens // 4:] = 0
-        item = {"latents": torch.randn(cfg.in_channels, *size, generator=g),
-                "encoder_hidden_states": torch.randn(context_tokens, cfg.text_embed_dim, generator=g),
-                "encoder_attention_mask": mask,
-                "pooled_projections": torch.randn(cfg.pooled_projection_dim, generator=g)}
-        if cfg.guidance_embeds:
-            item["guidance"] = torch.tensor(6.0)
-        return item
+    def parts(size: tuple) -> dict:
+        p = {"latents": (cfg.in_channels, *size), "encoder_hidden_states": (context_tokens, cfg.text_embed_dim),
+             "encoder_attention_mask": padded_text_mask(context_tokens),
+             "pooled_projections": (cfg.pooled_projection_dim,)}
+        return p | ({"guidance": torch.tensor(6.0)} if cfg.guidance_embeds else {})
 
-    return sample
-
-
-def install_hooks(model: nn.Module, blocks: list[nn.Module], attention: Any) -> list[Any]:
-    return [*joint.block_input_hooks(blocks, attention, names=BLOCK_ARGS, hidden="hidden_states",
-                                     rotary="image_rotary_emb"),
-            joint.gather_before(model.norm_out, attention)]
+    return parts
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -143,28 +135,19 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 256, **unused: Any) -> ModelAdapter:
     who = type(model).__name__
-    if unused:
-        raise ValueError(f"unexpected arguments for diffusers {who}: {sorted(unused)}; it takes context_tokens=, "
-                         f"loss_fn=, sample_fn=, name=")
     cfg = model.config
     if cfg.image_condition_type is not None:
         raise ValueError(f"{who} with image_condition_type={cfg.image_condition_type!r} (image-to-video) is not "
                          f"supported by dcparallel: its blocks modulate the first frame's tokens apart, by position; "
                          f"use a text-to-video configuration (image_condition_type=None)")
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{who}: dcparallel drives its dual- and single-stream blocks itself; leave "
-                         f"layers= out (or pass exactly those blocks)")
-    heads = cfg.num_attention_heads
-    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               unused=unused)
     hidden = heads * cfg.attention_head_dim
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_modules,
-                               name=name or f"hunyuanvideo-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                               num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
-                               context_tokens=context_tokens, t_num=1, t_den=cfg.patch_size_t,
-                               spatial_patch=cfg.patch_size)
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules,
+                         name=name or f"hunyuanvideo-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
+                         num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
+                         context_tokens=context_tokens, t_num=1, t_den=cfg.patch_size_t, spatial_patch=cfg.patch_size)
     patch = (cfg.patch_size_t, cfg.patch_size, cfg.patch_size)
 
     def install(fn: Any) -> None:
@@ -172,12 +155,13 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             b.attn.set_processor(UlyssesHunyuanVideoAttention(fn))
 
     def collate(samples, mb, ranks, rank):
-        return joint.collate_conditioned(samples, mb, ranks, rank, patch=patch, family=who,
-                                         required=("encoder_hidden_states", "pooled_projections"),
-                                         optional=("encoder_attention_mask", "guidance"))
+        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens(patch), what=who,
+                               required=("encoder_hidden_states", "pooled_projections"))
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or hunyuan_flow_loss, sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=lambda attention: install_hooks(model, blocks, attention),
+                        loss_fn=loss_fn or hunyuan_flow_loss,
+                        sample=sample_fn or random_items(item_parts(model, context_tokens)), collate=collate,
+                        install_hooks=lambda attention: joint.video_token_hooks(blocks, model.norm_out, attention,
+                                                                                names=BLOCK_ARGS),
                         skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dcparallel.adapters.latents import flow_draws
+from dcparallel.adapters.latents import check_args
 from dcparallel.data.batch import Batch
-from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
 
 
@@ -163,68 +162,45 @@ def gather_before(module: nn.Module, attention: Any) -> Any:
     return module.register_forward_pre_hook(hook)
 
 
-# ---------------------------------------------------------------- data
+def video_token_hooks(blocks: Sequence[nn.Module], norm: nn.Module, attention: Any, *,
+                      names: Sequence[str]) -> list[Any]:
+    """The hooks of a joint-attention model: its video tokens and rotary tables
+    (``image_rotary_emb``) cut before the blocks (`block_input_hooks`), gathered before the
+    output norm ``norm`` (`gather_before`)."""
+    return [*block_input_hooks(blocks, attention, names=names, hidden="hidden_states", rotary="image_rotary_emb"),
+            gather_before(norm, attention)]
 
 
-def collate_conditioned(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
-                        patch: tuple[int, int, int], required: Sequence[str], optional: Sequence[str] = (),
-                        family: str) -> Batch:
-    """Stacks same-shape latents (C, F, H, W) and their conditioning (``required`` keys on every
-    sample, ``optional`` keys on all or none) whole on every rank of the group, into
-    ``Batch.inputs`` and ``Batch.extras``; the model shards the video tokens itself."""
-    ranks = tuple(ranks)
-    if rank not in ranks or mb.layout.sp != len(ranks):
-        raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
-    keys = ["latents", *required]
-    lat, extras = [], {}
-    for sid in mb.sample_ids:
-        s = samples[sid]
-        if not isinstance(s, Mapping) or any(key not in s for key in keys):
-            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
-            raise ValueError(f"{family} sample {sid} must be a mapping with {keys} (optional: {list(optional)}); "
-                             f"got {got}")
-        lat.append(torch.as_tensor(s["latents"]))
-    for key in [*required, *optional]:
-        vals = [samples[sid].get(key) for sid in mb.sample_ids]
-        if all(x is None for x in vals):
-            continue
-        if any(x is None for x in vals):
-            raise ValueError(f"samples {mb.sample_ids}: give {key!r} for every sample or none")
-        vals = [torch.as_tensor(x) for x in vals]
-        if len({tuple(x.shape) for x in vals}) != 1:
-            raise ValueError(f"samples {mb.sample_ids} of one micro-batch need {key!r} of one shape; got "
-                             f"{sorted({tuple(x.shape) for x in vals})} (pad the text to one length, with a mask)")
-        extras[key] = torch.stack(vals)
-    shapes = {tuple(x.shape) for x in lat}
-    if len(shapes) != 1 or any(x.dim() != 4 for x in lat):
-        raise ValueError(f"samples {mb.sample_ids} of one micro-batch must be latents of one shape (C, F, H, W); got "
-                         f"{sorted(shapes)}")
-    _, f, h, w = lat[0].shape
-    pt, ph, pw = patch
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape {(f, h, w)} is not divisible by {family}'s patch {patch}; crop or pad the "
-                         f"latents")
-    n = (f // pt) * (h // ph) * (w // pw)
-    sp, b = len(ranks), len(lat)
-    return Batch(sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=ranks, rank_in_group=ranks.index(rank),
-                 inputs=torch.stack(lat), positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
-                 loss_mask=torch.ones(b, f, h, w, dtype=torch.bool),
-                 token_sample=torch.arange(b)[:, None, None, None].expand(b, f, h, w),
-                 num_targets=(f * h * w,) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
-                 frames=f // pt, sharded=False, extras=extras)
+def check_driven(model: nn.Module, blocks: Sequence[nn.Module], *, layers: Any, num_heads: Any, num_kv_heads: Any,
+                 unused: Mapping[str, Any]) -> int:
+    """The model-protocol arguments a joint-attention adapter takes (it drives all of the
+    model's blocks and reads its heads): anything else is refused by name. Returns the heads."""
+    who = type(model).__name__
+    check_args(f"diffusers {who}", unused, ("context_tokens",))
+    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
+        raise ValueError(f"{who}: dcparallel drives all of its {len(blocks)} transformer blocks itself; leave "
+                         f"layers= out (or pass exactly those blocks)")
+    heads = model.config.num_attention_heads
+    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
+        raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
+                         f"out or pass {heads}")
+    return heads
 
 
-def flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
-    """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
-    generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
-    channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
-    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
-    dtype = next(model.parameters()).dtype
-    x0 = batch.inputs.to(dtype)
-    t, noise = flow_draws(batch, ctx, x0)
-    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
-    pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
-    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+def caption_mask(batch: Batch, text: Tensor) -> Tensor:
+    """The items' ``encoder_attention_mask`` (B, T) (1 = real token), all real where absent."""
+    mask = batch.extras.get("encoder_attention_mask")
+    return torch.ones(text.shape[:2], dtype=torch.long, device=text.device) if mask is None else mask.to(text.device)
+
+
+def project_out(attn: nn.Module, out: Tensor, out_text: Tensor) -> tuple[Tensor, Tensor]:
+    """The joint attention's outputs (B, L, H * D), (B, T, H * D) through the module's output
+    projections where it has them (``to_out``: video; ``to_add_out``: text)."""
+    if getattr(attn, "to_out", None) is not None:
+        out = attn.to_out[1](attn.to_out[0](out))
+    if getattr(attn, "to_add_out", None) is not None:
+        out_text = attn.to_add_out(out_text)
+    return out, out_text
 
 
 def project_two_streams(attn: nn.Module, hidden: Tensor, text: Tensor, split) -> tuple[Tensor, ...]:
@@ -242,30 +218,3 @@ def project_two_streams(attn: nn.Module, hidden: Tensor, text: Tensor, split) ->
     if attn.norm_added_k is not None:
         kt = attn.norm_added_k(kt)
     return q, k, v, qt, kt, vt
-
-
-def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, mlp_modules, **fields: Any):
-    """The planner's `ModelSpec` of a model whose blocks differ in size (HunyuanVideo's dual-
-    and single-stream blocks): per layer the blocks' mean attention / MLP / other parameters
-    (the planner sees uniform layers), the rest, rounding included, as ``extra_params`` — so
-    the total is the model's exact parameter count; the largest block's parameters are what a
-    parameter-shard block gathers at once (``max_unit_params``)."""
-    from dcparallel.adapters.base import count_params
-    from dcparallel.spec import ModelSpec
-
-    n = len(blocks)
-    attn = sum(count_params(attn_modules(b)) for b in blocks) // n
-    mlp = sum(count_params(mlp_modules(b)) for b in blocks) // n
-    other = sum(count_params([b]) for b in blocks) // n - attn - mlp
-    total = count_params([model])
-    spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
-                     extra_params=total - n * (attn + mlp + other),
-                     max_unit_params=max(count_params([b]) for b in blocks),
-                     bytes_per_value=next(model.parameters()).element_size(), **fields)
-    assert spec.num_params == total, (spec.num_params, total)
-    return spec
-
-
-# ---------------------------------------------------------------- what is refused
-
-

@@ -13,11 +13,11 @@ name, whole on every rank of the group (the model shards its tokens itself).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dcparallel.data.batch import Batch
 from dcparallel.plan.types import MicroBatch
@@ -25,17 +25,21 @@ from dcparallel.spec import Size
 
 
 def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
-                    tokens: Callable[[tuple[int, ...]], int], what: str = "video") -> Batch:
+                    tokens: Callable[[tuple[int, ...]], int], what: str = "video",
+                    required: Sequence[str] = ()) -> Batch:
     """Stacks same-shape latents and each conditioning tensor whole on every rank of the
-    group; ``tokens(latent shape without channels)`` is the model's token count."""
+    group; ``tokens(latent shape without channels)`` is the model's token count; ``required``:
+    conditioning every item must carry (named with ``what`` when missing)."""
     ranks = tuple(ranks)
     if rank not in ranks or mb.layout.sp != len(ranks):
         raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
     items = [samples[sid] for sid in mb.sample_ids]
+    needed = ["latents", *required]
     for sid, s in zip(mb.sample_ids, items, strict=True):
-        if not isinstance(s, Mapping) or "latents" not in s:
-            raise ValueError(f"{what} sample {sid} must be a mapping with 'latents' and the model's conditioning "
-                             f"(e.g. 'encoder_hidden_states'); got {type(s).__name__}")
+        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
+            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
+            raise ValueError(f"{what} sample {sid} must be a mapping with {needed} and the model's other "
+                             f"conditioning; got {got}")
     keys = {k for k, v in items[0].items() if v is not None}
     for sid, s in zip(mb.sample_ids, items, strict=True):
         if {k for k, v in s.items() if v is not None} != keys:
@@ -47,9 +51,10 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
         vals = [torch.as_tensor(s[k]) for s in items]
         shapes = {tuple(v.shape) for v in vals}
         if len(shapes) != 1:
-            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must share the shape of {k!r}; got "
-                             f"{sorted(shapes)} (the planner groups samples of one latent shape; pad or crop the "
-                             f"conditioning to one shape per latent shape)")
+            what_k = "be latents of one shape" if k == "latents" else f"share the shape of {k!r}"
+            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
+                             f"planner groups samples of one latent shape; pad or crop the conditioning to one "
+                             f"shape per latent shape)")
         stacked[k] = torch.stack(vals)
     lat = stacked.pop("latents")
     grid = tuple(lat.shape[2:])
@@ -63,6 +68,16 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
                  frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
 
 
+def patch_tokens(patch: tuple[int, int, int]):
+    def tokens(grid: tuple[int, ...]) -> int:
+        if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
+            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
+                             f"crop or pad the latents")
+        return math.prod(g // p for g, p in zip(grid, patch, strict=True))
+
+    return tokens
+
+
 def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
     """Rectified-flow draws per sample from its own generator (every rank of a group draws
     the same): t (B,) logit-normal in fp32, noise shaped like ``x0``."""
@@ -73,6 +88,19 @@ def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
         noises.append(torch.randn(x0.shape[1:], generator=g))
     t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
     return t, torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
+
+
+def latent_flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tensor:
+    """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
+    generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
+    channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
+    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
+    dtype = next(model.parameters()).dtype
+    x0 = batch.inputs.to(dtype)
+    t, noise = flow_draws(batch, ctx, x0)
+    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
+    pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
+    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
 
 
 def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor]:
@@ -92,18 +120,26 @@ def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor
     return out
 
 
-def random_items(parts: Callable[[Size], dict[str, tuple[int, ...]]], seed: int = 0):
-    """Synthetic items: per size, ``parts(size)`` names each tensor's shape; random normal
-    values, fixed per index."""
+def random_items(parts: Callable[[Size], Mapping[str, tuple[int, ...] | Tensor]], seed: int = 0):
+    """Synthetic items: per size, ``parts(size)`` names each tensor's shape (random normal
+    values, fixed per index) or gives its value (a tensor: a mask, a guidance scale, an id)."""
 
     def sample(size: Size, index: int) -> dict:
         if not isinstance(size, tuple):
             raise ValueError(f"a diffusers video/image model takes latent (frames, height, width) sample sizes; "
                              f"got {size!r}")
         g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {k: torch.randn(*shape, generator=g) for k, shape in parts(size).items()}
+        return {k: v.clone() if isinstance(v, Tensor) else torch.randn(*v, generator=g)
+                for k, v in parts(size).items()}
 
     return sample
+
+
+def padded_text_mask(tokens: int) -> Tensor:
+    """A synthetic caption mask (1 = real token): the last quarter of the tokens padding."""
+    mask = torch.ones(tokens, dtype=torch.long)
+    mask[tokens - tokens // 4:] = 0
+    return mask
 
 
 def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -> None:

@@ -24,7 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
+from dcparallel.adapters.latents import (
+    collate_latents,
+    extras_as,
+    latent_flow_loss,
+    padded_text_mask,
+    patch_tokens,
+    random_items,
+)
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_attention_mask", "image_rotary_emb")
@@ -65,41 +73,26 @@ class UlyssesMochiAttention:
             q, k = _rotate_pairs(q, *image_rotary_emb), _rotate_pairs(k, *image_rotary_emb)
         mask = attention_mask.bool()
         out, out_text = joint.joint_attention(q, k, v, qt, kt, vt, mask, self.attention, text_first=False)
-        out, out_text = out.flatten(2, 3), compact_text(out_text, mask).flatten(2, 3)
-        out = attn.to_out[1](attn.to_out[0](out))
-        if hasattr(attn, "to_add_out"):
-            out_text = attn.to_add_out(out_text)
-        return out, out_text
+        return joint.project_out(attn, out.flatten(2, 3), compact_text(out_text, mask).flatten(2, 3))
 
 
 def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
-    text = batch.extras["encoder_hidden_states"].to(xt.dtype)
-    mask = batch.extras.get("encoder_attention_mask")
-    mask = torch.ones(text.shape[:2], dtype=torch.long, device=xt.device) if mask is None else mask.to(xt.device)
-    return model(xt, encoder_hidden_states=text, timestep=t * 1000, encoder_attention_mask=mask,
-                 return_dict=False)[0]
+    text = extras_as(batch, xt.dtype, "encoder_hidden_states", "encoder_attention_mask")["encoder_hidden_states"]
+    return model(xt, encoder_hidden_states=text, timestep=t * 1000,
+                 encoder_attention_mask=joint.caption_mask(batch, text), return_dict=False)[0]
 
 
 def mochi_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
     """Rectified flow through `predict` (see the module docstring for Mochi's convention)."""
-    return joint.flow_loss(model, batch, ctx, predict)
+    return latent_flow_loss(model, batch, ctx, predict)
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0):
+def item_parts(model: nn.Module, context_tokens: int):
     """Synthetic items: random latents, captions with the last quarter of the tokens padding."""
     cfg = model.config
-
-    def sample(size, index: int) -> dict:
-        if not isinstance(size, tuple):
-            raise ValueError(f"a video model takes latent (frames, height, width) sample sizes; got {size!r}")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        mask = torch.ones(context_tokens, dtype=torch.long)
-        mask[context_tokens - context_tokens // 4:] = 0
-        return {"latents": torch.randn(cfg.in_channels, *size, generator=g),
-                "encoder_hidden_states": torch.randn(context_tokens, cfg.text_embed_dim, generator=g),
-                "encoder_attention_mask": mask}
-
-    return sample
+    return lambda size: {"latents": (cfg.in_channels, *size),
+                         "encoder_hidden_states": (context_tokens, cfg.text_embed_dim),
+                         "encoder_attention_mask": padded_text_mask(context_tokens)}
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -112,24 +105,15 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
 
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 256, **unused: Any) -> ModelAdapter:
-    who = type(model).__name__
-    if unused:
-        raise ValueError(f"unexpected arguments for diffusers {who}: {sorted(unused)}; it takes context_tokens=, "
-                         f"loss_fn=, sample_fn=, name=")
     cfg = model.config
     blocks = list(model.transformer_blocks)
-    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{who}: dcparallel drives all of its transformer_blocks itself; leave "
-                         f"layers= out (or pass exactly those blocks)")
-    heads = cfg.num_attention_heads
-    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               unused=unused)
     hidden = heads * cfg.attention_head_dim
     ffn = max(m.out_features for m in blocks[0].ff.modules() if isinstance(m, nn.Linear))
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
-                               kind="video", hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full",
-                               context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=cfg.patch_size)
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
+                         kind="video", hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full",
+                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=cfg.patch_size)
     patch = (1, cfg.patch_size, cfg.patch_size)
 
     def install(fn: Any) -> None:
@@ -137,16 +121,13 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             b.attn1.processor = UlyssesMochiAttention(fn)  # MochiAttention has no set_processor
 
     def collate(samples, mb, ranks, rank):
-        return joint.collate_conditioned(samples, mb, ranks, rank, patch=patch, family=who,
-                                         required=("encoder_hidden_states",), optional=("encoder_attention_mask",))
-
-    def install_hooks(attention: Any) -> list[Any]:
-        return [*joint.block_input_hooks(blocks, attention, names=BLOCK_ARGS, hidden="hidden_states",
-                                         rotary="image_rotary_emb"),
-                joint.gather_before(model.norm_out, attention)]
+        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens(patch), what=type(model).__name__,
+                               required=("encoder_hidden_states",))
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or mochi_flow_loss, sample=sample_fn or latent_samples(model, context_tokens),
-                        collate=collate, install_hooks=install_hooks,
+                        loss_fn=loss_fn or mochi_flow_loss,
+                        sample=sample_fn or random_items(item_parts(model, context_tokens)), collate=collate,
+                        install_hooks=lambda attention: joint.video_token_hooks(blocks, model.norm_out, attention,
+                                                                                names=BLOCK_ARGS),
                         skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.flux import collate_images, image_size, latent_channels, packed_flow_loss
 from dcparallel.adapters.latents import check_args, random_items, replace_processors
@@ -136,10 +136,10 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{WHO} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
                          f"out or pass {heads}")
     hidden = heads * cfg.attention_head_dim
-    spec = joint.averaged_spec(model, blocks, attn_modules, mlp_modules,
-                               name=name or f"qwenimage-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                               num_heads=heads, ffn_hidden=4 * hidden, attention="full",
-                               context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules,
+                         name=name or f"qwenimage-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
+                         num_heads=heads, ffn_hidden=4 * hidden, attention="full",
+                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
     channels, condition = latent_channels(WHO, model.img_in.in_features, model.proj_out.out_features)
 
     def parts(size: Size) -> dict[str, tuple[int, ...]]:

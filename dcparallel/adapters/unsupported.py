@@ -16,10 +16,12 @@ from typing import Any
 from torch import nn
 
 #: the diffusers transformers dcparallel drives, and their adapter modules
-SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), LTXVideoTransformer3DModel "
-             "(adapters.ltx), FluxTransformer2DModel (adapters.flux), Flux2Transformer2DModel (adapters.flux2), "
-             "QwenImageTransformer2DModel (adapters.qwenimage), and with joint video + text attention "
-             "HunyuanVideoTransformer3DModel, CogVideoXTransformer3DModel, MochiTransformer3DModel (adapters.joint)")
+SUPPORTED = ("WanTransformer3DModel and ChronoEditTransformer3DModel (adapters.wan), SkyReelsV2Transformer3DModel, "
+             "WanVACETransformer3DModel and HeliosTransformer3DModel (adapters.wan_variants), "
+             "LTXVideoTransformer3DModel (adapters.ltx), FluxTransformer2DModel (adapters.flux), "
+             "Flux2Transformer2DModel (adapters.flux2), QwenImageTransformer2DModel (adapters.qwenimage), and with "
+             "joint video + text attention HunyuanVideoTransformer3DModel, CogVideoXTransformer3DModel, "
+             "MochiTransformer3DModel (adapters.joint)")
 
 #: models with a plan whose layout needs more than the plan: what exactly is missing
 MISSING = {

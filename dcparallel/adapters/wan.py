@@ -30,19 +30,21 @@ and the rest as image tokens, so image-conditioned Wan needs 512 text tokens per
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dcparallel.adapters.base import ModelAdapter, derive_spec
+from dcparallel.adapters.base import ModelAdapter, averaged_spec, count_params, derive_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
     collate_latents,
     extras_as,
-    flow_draws,
+    latent_flow_loss,
+    patch_tokens,
     random_items,
     replace_processors,
 )
@@ -94,43 +96,68 @@ class UlyssesWanSelfAttention:
         return attn.to_out[1](out)
 
 
-def install_hooks(model: nn.Module, attention: Any) -> list[Any]:
-    """The model's context-parallel plan as dcparallel hooks (text and image embeddings whole)."""
-    return PlanHooks(model, read_plan(model), attention).install()
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """What a Wan look-alike (same patch embedding, rotary tables, self- and cross-attention
+    and output projection; `adapters.wan_variants`) changes in Wan's adapter."""
+
+    family: str = "Wan"
+    processor: str = "WanAttnProcessor"
+    """diffusers' default processor of its attention modules (replaced in ``attn1``)"""
+    plan: dict | None = None
+    """its context-parallel plan in diffusers' format (None: the model's own ``_cp_plan``)"""
+    blocks: Callable[[nn.Module], list[nn.Module]] = lambda model: list(model.blocks)
+    """its transformer blocks in the order they run (each with ``attn1``, ``attn2``, ``ffn``)"""
+    inputs: tuple[str, ...] = ()
+    """item keys the default loss passes to the model by name, besides Wan's"""
+    parts: Callable[[Any, Size], dict[str, tuple[int, ...] | Tensor]] = lambda cfg, size: {}
+    """those items of a latent size, from the model's config: shapes (random in synthetic
+    items) or values (`latents.random_items`)"""
+    skip_block: Callable[..., Any] | None = None
+    """`ModelAdapter.skip_block` (None: a block returns its hidden state)"""
+    self_attention: Callable[[Any], Any] | None = None
+    """the Ulysses processor of ``attn1`` made from the runtime's attention (None:
+    `UlyssesWanSelfAttention`)"""
 
 
-def patch_tokens(patch: tuple[int, int, int]):
-    def tokens(grid: tuple[int, ...]) -> int:
-        if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
-            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
-                             f"crop or pad the latents")
-        return math.prod(g // p for g, p in zip(grid, patch, strict=True))
-
-    return tokens
+WAN = Variant()
 
 
-def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-    """Rectified-flow training of Wan: per sample a timestep t (logit-normal) and noise from
-    its own generator; x_t = (1 - t) x0 + t noise (condition channels, if any, appended
-    clean), target velocity noise - x0, mean squared error over the output channels per
-    latent position."""
-    dtype = next(model.parameters()).dtype  # bf16 models take bf16 latents; the loss is fp32
-    x0 = batch.inputs.to(dtype)
-    cfg = model.config
-    if x0.shape[1] != (cfg.out_channels or cfg.in_channels):
-        raise ValueError(f"latents have {x0.shape[1]} channels but the model predicts {cfg.out_channels}; give "
-                         f"'latents' the target channels (and extra input channels as 'condition')")
-    t, noise = flow_draws(batch, ctx, x0)
-    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
-    xt = (1 - tb) * x0 + tb * noise
-    cond = extras_as(batch, dtype, "condition", "encoder_hidden_states", "encoder_hidden_states_image")
-    if "condition" in cond:
-        xt = torch.cat([xt, cond.pop("condition")], dim=1)
-    pred = model(xt, timestep=t * 1000, return_dict=False, **cond)[0]
-    return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+def image_dim(cfg: Any) -> int | None:
+    """The image embeddings' width of image-to-video models (None: text-to-video, or a
+    look-alike without the field)."""
+    return getattr(cfg, "image_dim", None)
+#: what Wan's default loss passes to the model besides the latents and the timestep
+WAN_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_image")
 
 
-def item_parts(model: nn.Module, context_tokens: int, image_tokens: int):
+def flow_loss(inputs: tuple[str, ...] = WAN_INPUTS):
+    """Rectified-flow training of a Wan model: per sample a timestep t (logit-normal) and
+    noise from its own generator; x_t = (1 - t) x0 + t noise (condition channels, if any,
+    appended clean), target velocity noise - x0, mean squared error over the output channels
+    per latent position; the items' ``inputs`` go to the model by name."""
+
+    def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
+        cond = extras_as(batch, xt.dtype, "condition", *inputs)
+        if "condition" in cond:
+            xt = torch.cat([xt, cond.pop("condition")], dim=1)
+        return model(xt, timestep=t * 1000, return_dict=False, **cond)[0]
+
+    def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
+        cfg = model.config
+        if batch.inputs.shape[1] != (cfg.out_channels or cfg.in_channels):
+            raise ValueError(f"latents have {batch.inputs.shape[1]} channels but the model predicts "
+                             f"{cfg.out_channels}; give 'latents' the target channels (and extra input channels "
+                             f"as 'condition')")
+        return latent_flow_loss(model, batch, ctx, predict)
+
+    return wan_flow_loss
+
+
+wan_flow_loss = flow_loss()
+
+
+def item_parts(model: nn.Module, context_tokens: int, image_tokens: int, variant: Variant = WAN):
     """The shape of each tensor of a Wan dataset item of a latent size."""
     cfg = model.config
     out = cfg.out_channels or cfg.in_channels
@@ -139,16 +166,17 @@ def item_parts(model: nn.Module, context_tokens: int, image_tokens: int):
         p = {"latents": (out, *size), "encoder_hidden_states": (context_tokens, cfg.text_dim)}
         if cfg.in_channels > out:
             p["condition"] = (cfg.in_channels - out, *size)
-        if cfg.image_dim is not None:
+        if image_dim(cfg) is not None:
             p["encoder_hidden_states_image"] = (image_tokens, cfg.image_dim)
-        return p
+        return p | variant.parts(cfg, size)
 
     return parts
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0, image_tokens: int = 257):
+def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0, image_tokens: int = 257,
+                   variant: Variant = WAN):
     """Synthetic Wan items of a latent size, with the conditioning the model takes."""
-    return random_items(item_parts(model, context_tokens, image_tokens), seed)
+    return random_items(item_parts(model, context_tokens, image_tokens, variant), seed)
 
 
 ACCEPTED = ("context_tokens", "image_tokens")
@@ -156,15 +184,15 @@ ACCEPTED = ("context_tokens", "image_tokens")
 
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 512, image_tokens: int | None = None,
-            **unused: Any) -> ModelAdapter:
+            variant: Variant = WAN, **unused: Any) -> ModelAdapter:
     who = type(model).__name__
     check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
-    if (cfg.added_kv_proj_dim is None) != (cfg.image_dim is None):
-        raise ValueError(f"{who} with image_dim={cfg.image_dim} and added_kv_proj_dim="
+    if (cfg.added_kv_proj_dim is None) != (image_dim(cfg) is None):
+        raise ValueError(f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
                          f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
                          f"projections), text-to-video neither")
-    if cfg.image_dim is not None and context_tokens != 512:
+    if image_dim(cfg) is not None and context_tokens != 512:
         raise ValueError(f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
                          f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
                          f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512")
@@ -173,29 +201,35 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         raise ValueError(f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
                          f"dcparallel's loss takes the output channels as the target and extra input channels "
                          f"as condition; pass loss_fn for another layout")
-    image_tokens = image_tokens or cfg.pos_embed_seq_len or 257
-    blocks = list(layers) if layers is not None else list(model.blocks)
+    image_tokens = image_tokens or getattr(cfg, "pos_embed_seq_len", None) or 257
+    blocks = list(layers) if layers is not None else variant.blocks(model)
     heads = num_heads or cfg.num_attention_heads
     pt, ph, pw = cfg.patch_size
     if ph != pw:
         raise ValueError(f"patch {cfg.patch_size}: dcparallel's size rule needs square spatial patches")
     attn_modules = lambda b: [b.attn1, b.attn2]
     mlp_modules = lambda b: [b.ffn]
-    spec = derive_spec(model, blocks, name=name or f"wan-h{heads * cfg.attention_head_dim}-l{len(blocks)}",
-                       kind="video", hidden=heads * cfg.attention_head_dim, num_heads=heads, ffn_hidden=cfg.ffn_dim,
-                       attention="full", attn_modules=attn_modules, mlp_modules=mlp_modules,
-                       context_tokens=context_tokens + (image_tokens if cfg.image_dim else 0), t_num=1, t_den=pt,
-                       spatial_patch=ph)
+    hidden = heads * cfg.attention_head_dim
+    fields = dict(name=name or f"{variant.family.lower()}-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
+                  num_heads=heads, ffn_hidden=cfg.ffn_dim, attention="full", t_num=1, t_den=pt, spatial_patch=ph,
+                  context_tokens=context_tokens + (image_tokens if image_dim(cfg) else 0))
+    if len({count_params([b]) for b in blocks}) == 1:
+        spec = derive_spec(model, blocks, attn_modules=attn_modules, mlp_modules=mlp_modules, **fields)
+    else:  # VACE: its control blocks carry projections of their own
+        spec = averaged_spec(model, blocks, attn_modules, mlp_modules, **fields)
+    cuts = read_plan(model, plan=variant.plan)
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn1 for b in blocks], "WanAttnProcessor", lambda: UlyssesWanSelfAttention(fn), who)
+        make = variant.self_attention or UlyssesWanSelfAttention
+        replace_processors([b.attn1 for b in blocks], variant.processor, lambda: make(fn), who)
 
     def collate(samples, mb, ranks, rank):
         return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, ph, pw)))
 
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or wan_flow_loss,
-                        sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens),
-                        collate=collate, install_hooks=lambda attention: install_hooks(model, attention))
-
+                        loss_fn=loss_fn or flow_loss((*WAN_INPUTS, *variant.inputs)),
+                        sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens,
+                                                           variant=variant),
+                        collate=collate, install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
+                        skip_block=variant.skip_block)

@@ -44,3 +44,24 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         results.append({"loss": loss, "grads": grads, "plan": plan.to_json()})
     return results
+
+
+def case_refused_inside_sp(kind: str, inputs: dict) -> str:
+    """One micro-batch at SP = world whose forward passes ``inputs`` (name -> "latents" for the
+    batch's latents, else the value) that dcparallel refuses inside an SP group: the error."""
+    from dcparallel.spec import Layout, Recompute
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build(kind)
+    dc = Engine(model)
+    data = make_data(kind, 1, seed=5)
+    batch = dc.adapter.collate({0: item(data, 0)}, MicroBatch((0,), Layout(world, 1, Recompute.none())),
+                               tuple(range(world)), rank)
+    extra = {k: batch.inputs if v == "latents" else v for k, v in inputs.items()}
+    try:
+        with dc.micro_batch(batch):
+            model(batch.inputs, timestep=torch.zeros(1), encoder_hidden_states=batch.extras["encoder_hidden_states"],
+                  **extra)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"

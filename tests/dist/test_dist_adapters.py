@@ -5,10 +5,13 @@ on whole latents of mixed shapes and odd token counts, their sequence sharded in
 by hooks applying the model's `_cp_plan`, Ulysses in their attention processors — Wan
 text-to-video, Wan 2.1 image-to-video (image embeddings), Wan 2.2 image-to-video (condition
 channels), Wan 2.2 TI2V (per-token timesteps from the user's loss), ChronoEdit (Wan
-image-to-video with its own rotary tables), LTX-Video (masked text) and the image
-transformers with joint text + image attention on images of several aspect ratios — Flux,
-Flux 2 (fused single-stream blocks, 4-axis positions, guidance) and Qwen-Image (dual-stream
-blocks, a text mask of any pattern, a complex rotary table per stream) — and a user's own
+image-to-video with its own rotary tables), SkyReels-V2 text-to-video (five-argument blocks,
+fps embedding) and image-to-video (image embeddings, condition channels), VACE (control
+blocks whose hints are added to the video tokens), Helios (its own plan: tokens cut at each
+self-attention, whole in between), LTX-Video (masked text) and the image transformers with
+joint text + image attention on images of several aspect ratios — Flux, Flux 2 (fused
+single-stream blocks, 4-axis positions, guidance) and Qwen-Image (dual-stream blocks, a text
+mask of any pattern, a complex rotary table per stream) — and a user's own
 module following the protocol. Loss and every parameter's gradient after `sync_gradients()`
 equal a single process running the unmodified model one sample at a time.
 
@@ -18,6 +21,8 @@ roundings per value. Measured well below 1e-5 relative per tensor; a lost shard,
 counted twice or a document attending across a boundary moves gradients by 1e-3 or more."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -33,7 +38,8 @@ pytest.importorskip("diffusers")
 
 
 @pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit",
-                                  "ltx", "flux", "flux2", "qwenimage", "custom"])
+                                  "skyreels", "skyreels-i2v", "vace", "helios", "ltx", "flux", "flux2",
+                                  "qwenimage", "custom"])
 def test_library_models_match_single_process_gradients(workers, kind):
     seeds, num_samples = [21, 22, 23, 24], 7
     out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)
@@ -61,3 +67,14 @@ def test_library_models_match_single_process_gradients(workers, kind):
     print(f"{kind} world {workers.world}: max rel err per gradient tensor {worst:.1e}")
     assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
     assert idle and uneven and len(rc_seen) >= 3
+
+
+@pytest.mark.parametrize("kind,inputs", [("skyreels", {"enable_diffusion_forcing": True}),
+                                         ("helios", {"latents_history_short": "latents"})])
+def test_inputs_the_plan_does_not_cut_are_refused_inside_an_sp_group(workers, kind, inputs):
+    """SkyReels-V2's diffusion forcing and Helios' history latents: refused inside an SP group
+    (naming the class, the input and the fix), never run with unsharded per-token inputs."""
+    name = next(iter(inputs))
+    for msg in workers.run(adapter_cases.case_refused_inside_sp, kind, inputs):
+        assert re.search(rf"Transformer3DModel with {name} is not supported by dcparallel inside an SP group: .+; "
+                         rf"train without it, or plan SP 1", msg), msg

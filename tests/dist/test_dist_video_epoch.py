@@ -1,9 +1,10 @@
 """A video dataset of mixed resolutions and frame counts that are not bucket-exact trains a
 whole epoch under every policy at world 2, through the public API (profile, plan, load,
-train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video and
-Wan 2.2 image-to-video with condition channels), LTX-Video and the image transformers Flux,
-Flux 2 and Qwen-Image (images of many aspect ratios): lossless — every sample exactly once —
-and every micro-batch stacks samples of one latent shape."""
+train), for the reference DiT (factorized attention) and diffusers' Wan (text-to-video,
+Wan 2.1 image-to-video with image embeddings, Wan 2.2 image-to-video with condition
+channels), SkyReels-V2, VACE and Helios (Wan look-alikes), LTX-Video and the image
+transformers Flux, Flux 2 and Qwen-Image (images of many aspect ratios): lossless — every
+sample exactly once — and every micro-batch stacks samples of one latent shape."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def workers2(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["dit", "wan", "wan22-i2v", "ltx", "flux", "qwenimage",
-                                  pytest.param("flux2", marks=pytest.mark.slow)])  # about 20 s on 2 cores
+# the Wan look-alikes (5-6 s each on 2 cores) and Flux 2 (about 20 s) with DCPARALLEL_SLOW=1
+@pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", pytest.param("skyreels", marks=pytest.mark.slow),
+                                  pytest.param("vace", marks=pytest.mark.slow),
+                                  pytest.param("helios", marks=pytest.mark.slow), "ltx", "flux", "qwenimage",
+                                  pytest.param("flux2", marks=pytest.mark.slow)])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))

@@ -11,7 +11,6 @@ import torch
 from dcparallel.adapters import find_adapter, protocol_adapter
 from dcparallel.api import DataCentricParallel
 from dcparallel.plan.types import MicroBatch
-from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout, Recompute
 from tests.adapter_models import TinyGQA, build, item, make_data, reference
@@ -22,6 +21,9 @@ pytest.importorskip("diffusers")
 #: per kind: a latent size, its token count, the keys of a dataset item
 ITEMS = {"wan-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "encoder_hidden_states_image"}),
          "wan22-i2v": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "condition"}),
+         "skyreels": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "fps"}),
+         "vace": ((3, 4, 6), 18, {"latents", "encoder_hidden_states", "control_hidden_states"}),
+         "helios": ((3, 4, 6), 18, {"latents", "encoder_hidden_states"}),
          "ltx": ((2, 3, 5), 30, {"latents", "encoder_hidden_states"}),
          "flux": ((1, 6, 10), 15, {"latents", "encoder_hidden_states", "pooled_projections"}),
          "flux2": ((1, 6, 10), 15, {"latents", "encoder_hidden_states"}),
@@ -88,8 +90,11 @@ def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_pat
     shapes = shapes * 3
     dc = DataCentricParallel(model, memory_bytes=2**30, context_tokens=5)
     data = [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]
+    with pytest.raises(ValueError, match=r"profiler_config names \['repeat'\], which are not ProfilerConfig fields"):
+        dc.prepare(data, lengths=shapes, samples_per_step=6, profiler_config={"repeat": 1})
+    # fields over prepare's default (capped at the longest sample and the memory budget)
     loader = dc.prepare(data, lengths=shapes, samples_per_step=6, profile_path=str(tmp_path / "p.json"),
-                        profiler_config=ProfilerConfig.quick(64, repeats=1, max_repeats=1, min_time_s=0.0, max_mbs=2))
+                        profiler_config={"repeats": 1, "max_repeats": 1, "min_time_s": 0.0, "max_mbs": 2})
     opt = dc.optimizer(lr=1e-3)
     losses = []
     for step in loader:
@@ -103,13 +108,27 @@ def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_pat
 
 
 def test_diffusers_models_without_a_plan_are_refused_naming_class_missing_piece_and_fix():
-    from diffusers import SkyReelsV2Transformer3DModel
+    from diffusers import LatteTransformer3DModel
 
-    model = SkyReelsV2Transformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
-    with pytest.raises(ValueError, match=r"SkyReelsV2Transformer3DModel: it has no context-parallel plan \(_cp_plan"
+    model = LatteTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                    num_layers=1, sample_size=8, patch_size=2, caption_channels=16,
+                                    cross_attention_dim=16)
+    with pytest.raises(ValueError, match=r"LatteTransformer3DModel: it has no context-parallel plan \(_cp_plan"
                                          r".*adapter=dcparallel.adapters.ModelAdapter.*WanTransformer3DModel"):
         find_adapter(model)
+
+
+def test_wan_look_alikes_refuse_what_the_plan_does_not_cut():
+    """SkyReels-V2's block-causal attention is refused, naming the class, the missing piece
+    and the fix."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    causal = SkyReelsV2Transformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                          text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+                                          num_frame_per_block=2)
+    with pytest.raises(ValueError, match=r"SkyReelsV2Transformer3DModel with num_frame_per_block=2 attends "
+                                         r"block-causally.*train it with num_frame_per_block=1"):
+        find_adapter(causal)
 
 
 def test_diffusers_models_with_a_plan_but_no_processor_are_refused():

@@ -397,7 +397,7 @@ def test_the_video_presets_match_diffusers_models_built_on_the_meta_device(tmp_p
     spec = spec_from_config(hv_path)
     assert (spec.num_params, spec.max_unit_params) == (preset.num_params, preset.max_unit_params)
     # a config dcparallel has no adapter for is refused by name
-    no_adapter = tmp_path / "skyreels.json"
-    no_adapter.write_text(json.dumps({"_class_name": "SkyReelsV2Transformer3DModel"}))
-    with pytest.raises(ValueError, match="no adapter for SkyReelsV2Transformer3DModel"):
+    no_adapter = tmp_path / "allegro.json"
+    no_adapter.write_text(json.dumps({"_class_name": "AllegroTransformer3DModel"}))
+    with pytest.raises(ValueError, match="no adapter for AllegroTransformer3DModel"):
         spec_from_config(no_adapter)
