@@ -151,12 +151,12 @@ FAMILIES = {
 
 
 def _train_steps(out_dir: Path, name: str, model_toml: str, data_toml: str, tokens_per_step: int, steps: int,
-                 max_tokens: int, cost: str = "profiled", min_time_s: float = 0.2) -> list[dict]:
+                 max_tokens: int, cost: str = "profiled", min_time_s: float = 0.2, max_repeats: int = 12) -> list[dict]:
     run_dir = out_dir / f"train_{name}"
     config = out_dir / f"train_{name}.toml"
     config.write_text(f"[data]\n{data_toml}[train]\npolicy = \"dcp\"\ntokens_per_step = {tokens_per_step}\n"
                       f"max_steps = {steps}\nout_dir = \"{run_dir}\"\n[profile]\nrepeats = 1\n"
-                      f"min_time_s = {min_time_s}\nmax_mbs = 4\n"
+                      f"max_repeats = {max_repeats}\nmin_time_s = {min_time_s}\nmax_mbs = 4\n"
                       f"max_tokens = {max_tokens}\ncost = \"{cost}\"\n[model]\n{model_toml}")
     r = subprocess.run([sys.executable, "-m", "dcparallel", "train", "--config", str(config)], cwd=ROOT,
                        capture_output=True, text=True, timeout=400,
@@ -180,7 +180,7 @@ def part_c(out_dir: Path, dry: bool) -> dict:
     budget, steps, cap = (700, 3, 512) if dry else (32768, 6, 16384)
     # the dry run times each layout once (it checks the code); on the GPU short layouts get more runs
     runs = {"steps": lambda: _train_steps(out_dir, "c", model, text_data, budget, steps, cap,
-                                          min_time_s=0.0 if dry else 0.2)}
+                                          min_time_s=0.0 if dry else 0.2, max_repeats=1 if dry else 12)}
     for family, (tiny, big) in FAMILIES.items():
         text = family == "transformers"
         data = text_data if text else 'lengths = "builtin"\nnum_samples = 24\ntext_tokens = 8\n'

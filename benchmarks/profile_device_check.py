@@ -46,9 +46,9 @@ GPU_RUNS = [
 ]
 DRY_RUNS = [
     {"model": "tiny-llama", "num_layers": 4, "buckets": "128,256", "repeats": 1, "max_mbs": 2, "max_tokens": 512,
-     "min_time": 0.0, "warmup": 1},
+     "min_time": 0.0, "warmup": 1, "max_repeats": 1},
     {"model": "tiny-dit", "num_layers": 4, "buckets": "17x64x64", "repeats": 1, "max_mbs": 2, "max_tokens": 512,
-     "min_time": 0.0, "warmup": 1},
+     "min_time": 0.0, "warmup": 1, "max_repeats": 1},
 ]
 
 
@@ -56,7 +56,7 @@ def namespace(run: dict, device: str, out_dir: Path) -> argparse.Namespace:
     return argparse.Namespace(
         model=run["model"], buckets=run["buckets"], depth=2, num_layers=run["num_layers"], validate=True,
         repeats=run["repeats"], min_time=run.get("min_time", 0.5), warmup=run.get("warmup", 2), max_mbs=run["max_mbs"],
-        max_tokens=run["max_tokens"],
+        max_tokens=run["max_tokens"], max_repeats=run.get("max_repeats", 25),
         modes="none,attn,mlp,full", memory_limit=None, device=device, dtype=None, threads=1,
         out=out_dir / f"profile-{run['model']}-{run['num_layers']}l.json", reuse=False, json=True, quiet=True)
 

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="also run a few layouts at full depth and report the extrapolation error")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per depth (median; default 5)")
+    p.add_argument("--max-repeats", type=int, default=25,
+                   help="more timed runs while the median is not known to +-3%% (noise), up to this (default 25)")
     p.add_argument("--min-time", type=float, default=1.0,
                    help="more timed runs for short layouts, up to about this many seconds a layout (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per depth first (default 1)")
@@ -93,7 +95,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     sizes = parse_buckets(args.buckets) if args.buckets else list(preset.buckets)
     built = preset.build(dev, dtype, args.num_layers)
     cfg = ProfilerConfig(depth=args.depth, warmup=args.warmup, repeats=args.repeats, max_mbs=args.max_mbs,
-                         min_time_s=args.min_time, max_repeats=max(25, args.repeats),
+                         min_time_s=args.min_time, max_repeats=max(args.max_repeats, args.repeats),
                          max_tokens=args.max_tokens or (2048 if device == "cpu" else None),
                          memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
                          modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),

@@ -67,7 +67,8 @@ Config (every key optional; defaults below)::
     cost = "profiled"       # or "analytic": plan from the analytic cost model, no profiling
     path = ""               # the profile cache; "": out_dir/profile.json (one copy per world size)
     repeats = 3             # timed runs per layout (median)
-    min_time_s = 0.2        # short layouts get more runs (up to 10), until they add up to this
+    max_repeats = 12        # more runs while the median is not known to +-5% (noise), up to this
+    min_time_s = 0.2        # short layouts get more runs, until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
 """
@@ -232,6 +233,7 @@ class ProfileConfig:
     cost: str = _opt("profiled", choices=("profiled", "analytic"))
     path: str = _opt("", resume=False)
     repeats: int = _opt(3, lo=1, resume=False)
+    max_repeats: int = _opt(12, lo=1, resume=False)
     min_time_s: float = _opt(0.2, lo=0, resume=False)
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)

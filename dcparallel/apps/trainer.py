@@ -36,7 +36,8 @@ def _loader(cfg: Config, dc, dataset, lengths: list, out: Path, rank: int):
                                       device=dc.params[0].device)  # the adapter's collate, as prepare uses
         return dc.loader
     check_fits(dc.spec, lengths, dc.cluster_spec.world_size, dc.cluster_spec.gpus_per_node, dc.memory_bytes)
-    config = ProfilerConfig.quick(pc.max_tokens, repeats=pc.repeats, min_time_s=pc.min_time_s, max_mbs=pc.max_mbs,
+    config = ProfilerConfig.quick(pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
+                                  min_time_s=pc.min_time_s, max_mbs=pc.max_mbs,
                                   memory_limit=dc.memory_bytes, progress=rank == 0)
     return dc.prepare(dataset, lengths=lengths, tokens_per_step=t.tokens_per_step,
                       profile_path=Path(pc.path) if pc.path else out / "profile.json", profiler_config=config)

@@ -22,7 +22,7 @@ def case_odd_length_memory() -> dict:
     model = build("wan")
     dc = Engine(model, adapter=find_adapter(model, context_tokens=5))  # text: 5 tokens, replicated
     make = adapter_inputs(model, dc.adapter, wan_ti2v_loss, torch.device("cpu"))
-    cfg = ProfilerConfig(repeats=1, warmup=1, max_mbs=1, min_time_s=0.0, modes=("none",))
+    cfg = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, max_mbs=1, min_time_s=0.0, modes=("none",))
     profile, _ = Profiler(model, dc.layers, make, spec=dc.adapter.spec, config=cfg, engine=dc).run([ODD])
     measured = {e.sp: e.memory_bytes for e in profile.entries if e.feasible and e.mbs == 1}
     cost = ProfiledCost(profile, ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=2**30))

@@ -41,7 +41,7 @@ def case_joint_epoch(kind: str, profile_path: str) -> dict:
     2 through `prepare` (profiled once, the cache reused); per policy the (step, group, sample
     ids) this rank ran and the step losses."""
     shapes = MIX[kind] * 3
-    config = ProfilerConfig(repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
+    config = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
     out = {}
     for policy in ALL:
         model = build(kind)

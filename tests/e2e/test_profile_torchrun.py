@@ -20,8 +20,8 @@ def test_torchrun_profile_two_ranks(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out = tmp_path / "p.json"
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dcparallel", "profile", "--model", "tiny-llama",
-           "--num-layers", "3", "--buckets", "32,64", "--modes", "none,full", "--repeats", "1", "--min-time", "0",
-           "--max-mbs", "1",
+           "--num-layers", "3", "--buckets", "32,64", "--modes", "none,full", "--repeats", "1",
+           "--max-repeats", "1", "--min-time", "0", "--max-mbs", "1",
            "--json", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

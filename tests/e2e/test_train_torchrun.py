@@ -37,6 +37,7 @@ out_dir = "{out}"
 checkpoint_every = 3
 [profile]
 repeats = 1
+max_repeats = 1
 min_time_s = 0
 max_mbs = 4
 max_tokens = 512

@@ -313,7 +313,8 @@ def test_cli_simulate_with_a_real_profile(real_profile, tmp_path):
 def test_cli_profile_json(tmp_path):
     out = tmp_path / "p.json"
     r = _cli("profile", "--model", "tiny-llama", "--num-layers", "4", "--buckets", "32,64", "--validate", "--json",
-             "--repeats", "1", "--min-time", "0", "--modes", "none,full", "--max-mbs", "2", "--out", str(out))
+             "--repeats", "1", "--max-repeats", "1", "--min-time", "0", "--modes", "none,full", "--max-mbs", "2",
+             "--out", str(out))
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"layouts_measured", "layouts_infeasible", "seconds", "time_error", "memory_error",
