@@ -13,8 +13,8 @@ tables, the baselines' tuning) and the first step (which fills the planner's cac
 the median and maximum over the later steps. `--timing-only` plans and times the steps
 without the bound or the simulation (a quick re-run of the timing column on a quiet
 machine). Policies too slow for a world are skipped there (`--limit POLICY=WORLD`), and a
-policy whose setup and planning in a cell run past `--time-limit` seconds is stopped and
-recorded as skipped there.
+policy whose setup and planning in a cell run past `--time-limit` seconds of CPU time is
+stopped and skipped in that cell and the later cells of its world and budget.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def distributions(scenario: str, names: str) -> list[str]:
 
 def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
              min_steps: int, max_steps: int | None, tune_steps: int | None = None, time_limit: float = 0.0,
-             timing_only: bool = False) -> dict:
+             timing_only: bool = False, too_slow: dict[str, str] | None = None) -> dict:
+    """One cell: every policy's efficiency, speedup and planning times. `too_slow` (policy ->
+    the cell where it ran past `time_limit`) is updated, and its policies are not run."""
+    too_slow = {} if too_slow is None else too_slow
     sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
     tps = max(tps, 1)
@@ -93,21 +96,25 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         if world > limits.get(name, 1 << 30):
             out["skipped"][name] = f"above --limit {name}={limits[name]}"
             continue
+        if name in too_slow:
+            out["skipped"][name] = f"past the time limit ({time_limit:.0f} CPU s) in {too_slow[name]}"
+            continue
         c1 = time.process_time()
         if time_limit:
-            signal.signal(signal.SIGALRM, _alarm)
-            signal.setitimer(signal.ITIMER_REAL, time_limit)
+            signal.signal(signal.SIGPROF, _alarm)
+            signal.setitimer(signal.ITIMER_PROF, time_limit)  # CPU time of this process
         try:
             planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps],
                                    score=step_seconds(ctx))
             setup = (time.process_time() - c1) * 1e3
             plans, timing = timed_plans(planner.plan, steps, setup)
         except TimeLimit:
-            out["skipped"][name] = f"past the time limit ({time_limit:.0f} s wall clock)"
+            out["skipped"][name] = f"past the time limit ({time_limit:.0f} CPU s)"
+            too_slow[name] = f"{budget} {world} {scenario}/{dist}"
             continue
         finally:
             if time_limit:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
         row = {"plan_ms_median": round(timing.steady_median_ms, 2), "plan_ms_max": round(timing.steady_max_ms, 2),
                "first_step_ms": round(timing.first_step_ms, 2), "setup_s": round(setup / 1e3, 2),
                "settings": {k: v for k, v in planner.describe().items()}}
@@ -215,7 +222,7 @@ def main() -> int:
     ap.add_argument("--tune-steps", type=int, default=None,
                     help="the static baselines tune their SP degree and recompute on this many first steps only")
     ap.add_argument("--time-limit", type=float, default=0.0,
-                    help="seconds (wall clock) a policy may take in a cell, setup and steps; past it it is skipped")
+                    help="CPU seconds a policy may take in a cell, setup and steps; past them it is skipped")
     ap.add_argument("--timing-only", action="store_true", help="plan and time only: no bound, no simulation")
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)
@@ -228,10 +235,11 @@ def main() -> int:
     t0 = time.perf_counter()
     for budget in args.budgets.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
+            too_slow: dict[str, str] = {}  # a policy past the time limit is not run again at this world
             for sc in args.scenarios.split(","):
                 for d in distributions(sc, args.distributions):
                     r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
-                                 args.max_steps, args.tune_steps, args.time_limit, args.timing_only)
+                                 args.max_steps, args.tune_steps, args.time_limit, args.timing_only, too_slow)
                     pols = "; ".join(f"{n} eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} ms "
                                      f"{p.get('plan_ms_median')}/{p.get('plan_ms_max')}"
                                      for n, p in r["policies"].items())
