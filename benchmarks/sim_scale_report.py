@@ -138,12 +138,13 @@ def summary(results: list[dict], worlds: list[int]) -> list[str]:
                          for p, v in r["policies"].items() if p != "dcp" and "epoch_s" in v), key=lambda x: -x[0])
         ms = [r["policies"]["dcp"]["plan_ms_median"] for r in cells]
         slower = [f"{cell(r)} vs {p} ({x:.4f})" for x, r, p in ratios if x > 1.01]
+        vs = (f"Worst dcp / other epoch time **{ratios[0][0]:.4f}** ({cell(ratios[0][1])} vs {ratios[0][2]}); more "
+              "than 1% slower than some policy: " + ("; ".join(slower) if slower else "none") + "."
+              if ratios else "No other policy ran in these cells.")
         out.append(f"- {'all worlds' if w is None else f'{w} GPUs'} ({len(cells)} cells): `dcp` efficiency median "
                    f"**{statistics.median(effs):.3f}**, worst **{min(effs):.3f}** ({cell(worst)}); below 0.95: "
-                   f"{sum(e < 0.95 for e in effs)}, below 0.90: {sum(e < 0.90 for e in effs)}. Worst dcp / other "
-                   f"epoch time **{ratios[0][0]:.4f}** ({cell(ratios[0][1])} vs {ratios[0][2]}); more than 1% "
-                   f"slower than some policy: " + ("; ".join(slower) if slower else "none") + ". Planning (CPU ms, "
-                   f"steady state): median over cells {statistics.median(ms):.1f}, worst cell "
+                   f"{sum(e < 0.95 for e in effs)}, below 0.90: {sum(e < 0.90 for e in effs)}. {vs} Planning (CPU "
+                   f"ms, steady state): median over cells {statistics.median(ms):.1f}, worst cell "
                    f"{max(ms):.1f}, worst step {max(r['policies']['dcp']['plan_ms_max'] for r in cells):.1f}.")
     return out
 
@@ -154,6 +155,7 @@ def main() -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--command", action="append", default=[])
     ap.add_argument("--note", action="append", default=[], help="a paragraph (markdown) after the setup")
+    ap.add_argument("--notes-file", type=Path, default=None, help="paragraphs (markdown) after the setup")
     ap.add_argument("--rebound", action="store_true",
                     help="recompute every cell's lower bound with the working tree's LowerBound (`rebound`)")
     args = ap.parse_args()
@@ -169,8 +171,9 @@ def main() -> int:
     pols = [p for p in POLICY_ORDER if any(p in r["policies"] for r in results)]
     worlds = sorted({r["world"] for r in results})
     have = {(r["budget"], r["world"], r["scenario"], r["distribution"]) for r in results}
+    # at 32 GPUs the strong budget is the weak one: those cells are listed once, as weak
     grid = [(b, w, sc, d) for b in ("weak", "strong") for w in worlds for sc in ("text", "video")
-            for d in distributions(sc, "all")]
+            for d in distributions(sc, "all") if not (b == "strong" and w == 32)]
     missing = [f"{b} {w} {sc}/{d}" for b, w, sc, d in grid if (b, w, sc, d) not in have]
     skipped: dict[str, list[str]] = {}
     for r in results:
@@ -188,7 +191,7 @@ def main() -> int:
     lines += ["", f"    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale_report.py {args.out} "
               + " ".join(str(p) for p in args.runs) + " --command ...", "",
               f"Machine: {platform.machine()} CPU ({platform.platform()}), 2 cores shared with about seven other "
-              f"jobs (load average about 20 during the runs); Python {platform.python_version()}, numpy "
+              f"jobs (load average 12-23 during the runs); Python {platform.python_version()}, numpy "
               f"{np.__version__}, scipy {scipy.__version__}. Raw numbers: `{args.out.with_suffix('.json').name}`.",
               "",
               "Cost model: `AnalyticCost` fitted to the H200 calibration, 8 GPUs per node, NVLink / InfiniBand "
@@ -205,8 +208,9 @@ def main() -> int:
               "first step (which fills the planner's caches) apart, median / max over the later steps. **On this "
               "loaded machine they are inflated** (CPU time counts the cache and memory contention of the other "
               "jobs); `sim_scale.py --timing-only --max-steps 3` re-measures this column alone on a quiet "
-              "machine. Instruction counts, which other jobs do not move, are below for `dcp`.", ""]
-    lines += [*args.note, ""] if args.note else []
+              "machine.", ""]
+    notes = [*args.note, *([args.notes_file.read_text().strip()] if args.notes_file else [])]
+    lines += [x for n in notes for x in (n, "")]
     lines += ["## Summary", "",
               f"- cells: {len(results)} of {len(grid)}; missing: " + (", ".join(missing) if missing else "none") + ".",
               *summary(results, worlds)]
