@@ -174,8 +174,9 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
              f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
              "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
              "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
-             "simulated epoch time. Planning ms = wall clock of one `plan(step)`, median / max over the cell's "
-             "steps (the first step also fills the planner's caches).", "",
+             "simulated epoch time. Planning ms = CPU time of one `plan(step)` as `simulate` reports it "
+             "(`sim.run.timed_plans`): median / max over the cell's steps after the first (which fills the "
+             "planner's caches).", "",
              f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
     pols = args.policies.split(",")
     lines += cell_table(results, pols)
