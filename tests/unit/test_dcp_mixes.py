@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dcparallel.scenarios import MIXES, SCENARIOS, distinct_shapes, sample_sizes
 from tests.unit._models import check_dcp_epoch
 
@@ -144,7 +142,6 @@ def heavy_tail_step(world: int = 128):
     return ctx, form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens))[0]
 
 
-@pytest.mark.slow
 def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     """Each wide group's time after its long document is filled with short ones at narrow
     degrees (`dcp_sample` on micro-batches of preferred size): the plan is at the step's
