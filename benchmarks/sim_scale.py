@@ -1,13 +1,20 @@
 """The planners from 8 to 4096 GPUs: lower-bound efficiency, speedup over `bucket` and planning
-time per step, for both scenarios, their three distributions, and two step budgets.
+time per step, for both scenarios, their three distributions and their realistic mixes
+(`scenarios.MIXES`), and two step budgets.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py [--worlds 8,32,...] [--out FILE.md]
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py --timing-only --max-steps 2 ...  # planning ms only
 
 "weak": the scenario's 32-GPU step budget scaled with the world; "strong": the default budget
 at every world (at 1024 GPUs, about one sample per GPU or fewer). Datasets hold enough tokens
-for at least `--min-steps` steps of the cell. Planning time is wall-clock per `plan(step)` on
-this machine (the planner's setup — per-bucket layout tables, the baselines' tuning — is
-reported apart). Policies too slow for a world are skipped there (`--limit POLICY=WORLD`).
+for at least `--min-steps` steps of the cell. Planning time is measured as `simulate` reports
+it (`sim.run.timed_plans`): CPU time per `plan(step)`, the planner's setup (per-bucket layout
+tables, the baselines' tuning) and the first step (which fills the planner's caches) apart,
+the median and maximum over the later steps. `--timing-only` plans and times the steps
+without the bound or the simulation (a quick re-run of the timing column on a quiet
+machine). Policies too slow for a world are skipped there (`--limit POLICY=WORLD`), and a
+policy whose setup and planning in a cell run past `--time-limit` seconds of CPU time is
+stopped and skipped in that cell and the later cells of its world and budget.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -28,11 +36,12 @@ from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, MIXES, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import simulate, step_seconds
+from dcparallel.sim.run import timed_plans
 from dcparallel.spec import Workload
 
-DEFAULT_LIMITS = {"packed": 1024, "dcp-intra": 128, "dcp-inter": 128, "dcp-inter-pac": 128, "dcp-v1": 128}
+DEFAULT_LIMITS = {"dcp-intra": 128, "dcp-inter": 128, "dcp-inter-pac": 128, "dcp-v1": 128}
 
 
 def cell_workload(scenario: str, dist: str, tps: int, min_steps: int) -> Workload:
@@ -43,8 +52,27 @@ def cell_workload(scenario: str, dist: str, tps: int, min_steps: int) -> Workloa
         EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))))
 
 
+class TimeLimit(Exception):
+    """A policy ran past the cell's time limit."""
+
+
+def _alarm(signum, frame):
+    raise TimeLimit
+
+
+def distributions(scenario: str, names: str) -> list[str]:
+    """`names` (comma-separated) that belong to the scenario: its three distributions and the
+    mixes of its kind; "all" is every one of them."""
+    own = [*DISTRIBUTIONS, *(m for m, mix in MIXES.items() if mix.kind == SCENARIOS[scenario].model.kind)]
+    return own if names == "all" else [d for d in names.split(",") if d in own]
+
+
 def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
-             min_steps: int, max_steps: int | None, tune_steps: int | None = None) -> dict:
+             min_steps: int, max_steps: int | None, tune_steps: int | None = None, time_limit: float = 0.0,
+             timing_only: bool = False, too_slow: dict[str, str] | None = None) -> dict:
+    """One cell: every policy's efficiency, speedup and planning times. `too_slow` (policy ->
+    the cell where it ran past `time_limit`) is updated, and its policies are not run."""
+    too_slow = {} if too_slow is None else too_slow
     sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
     tps = max(tps, 1)
@@ -55,37 +83,53 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
     steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)
     if max_steps is not None:
         steps = steps[:max_steps]
-    lb = LowerBound(ctx)
-    bounds = [lb.step(s) for s in steps]
-    simple = [lb.simple_step(s) for s in steps]
     out = {"scenario": scenario, "distribution": dist, "world": world, "budget": budget, "tokens_per_step": tps,
            "samples": len(wl), "steps": len(steps),
            "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),
-           "lower_bound_s": round(sum(bounds), 4), "simple_bound_s": round(sum(simple), 4), "policies": {}}
+           "policies": {}, "skipped": {}}
+    if not timing_only:
+        lb = LowerBound(ctx)
+        bounds = [lb.step(s) for s in steps]
+        simple = [lb.simple_step(s) for s in steps]
+        out["lower_bound_s"], out["simple_bound_s"] = round(sum(bounds), 4), round(sum(simple), 4)
     for name in policies:
         if world > limits.get(name, 1 << 30):
+            out["skipped"][name] = f"above --limit {name}={limits[name]}"
             continue
-        t1 = time.perf_counter()
-        planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps], score=step_seconds(ctx))
-        setup = time.perf_counter() - t1
-        plans, ms = [], []
-        for s in steps:
-            t2 = time.perf_counter()
-            plans.append(planner.plan(s))
-            ms.append((time.perf_counter() - t2) * 1e3)
-        for p in plans:
-            p.validate(world)
-        used = sorted(i for p in plans for mb in p.micro_batches() for i in mb.sample_ids)
-        assert used == sorted(i for s in steps for i in s.sample_ids), f"{name} is not lossless"
-        sim = simulate(plans, ctx)
-        assert sim.memory_violations == 0, name
-        out["policies"][name] = {
-            "efficiency": round(sum(bounds) / sim.total_time, 4), "epoch_s": round(sim.total_time, 4),
-            "plan_ms_median": round(statistics.median(ms), 2), "plan_ms_max": round(max(ms), 2),
-            "setup_s": round(setup, 2), "settings": {k: v for k, v in planner.describe().items()}}
+        if name in too_slow:
+            out["skipped"][name] = f"past the time limit ({time_limit:.0f} CPU s) in {too_slow[name]}"
+            continue
+        c1 = time.process_time()
+        if time_limit:
+            signal.signal(signal.SIGPROF, _alarm)
+            signal.setitimer(signal.ITIMER_PROF, time_limit)  # CPU time of this process
+        try:
+            planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps],
+                                   score=step_seconds(ctx))
+            setup = (time.process_time() - c1) * 1e3
+            plans, timing = timed_plans(planner.plan, steps, setup)
+        except TimeLimit:
+            out["skipped"][name] = f"past the time limit ({time_limit:.0f} CPU s)"
+            too_slow[name] = f"{budget} {world} {scenario}/{dist}"
+            continue
+        finally:
+            if time_limit:
+                signal.setitimer(signal.ITIMER_PROF, 0)
+        row = {"plan_ms_median": round(timing.steady_median_ms, 2), "plan_ms_max": round(timing.steady_max_ms, 2),
+               "first_step_ms": round(timing.first_step_ms, 2), "setup_s": round(setup / 1e3, 2),
+               "settings": {k: v for k, v in planner.describe().items()}}
+        if not timing_only:
+            for p in plans:
+                p.validate(world)
+            used = sorted(i for p in plans for mb in p.micro_batches() for i in mb.sample_ids)
+            assert used == sorted(i for s in steps for i in s.sample_ids), f"{name} is not lossless"
+            sim = simulate(plans, ctx)
+            assert sim.memory_violations == 0, name
+            row.update({"efficiency": round(sum(bounds) / sim.total_time, 4), "epoch_s": round(sim.total_time, 4)})
+        out["policies"][name] = row
     base = out["policies"].get("bucket", {}).get("epoch_s")
     for r in out["policies"].values():
-        r["speedup_vs_bucket"] = round(base / r["epoch_s"], 4) if base else None
+        r["speedup_vs_bucket"] = round(base / r["epoch_s"], 4) if base and "epoch_s" in r else None
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -100,7 +144,7 @@ def plot(results: list[dict], path: Path) -> None:
     for col, budget in enumerate(("weak", "strong")):
         ax_e, ax_t = axes[0][col], axes[1][col]
         for sc in SCENARIOS:
-            for d in DISTRIBUTIONS:
+            for d in distributions(sc, "all"):
                 cells = sorted((r for r in results if r["scenario"] == sc and r["distribution"] == d
                                 and r["budget"] == budget and "dcp" in r["policies"]), key=lambda r: r["world"])
                 if not cells:
@@ -130,8 +174,9 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
              f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
              "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
              "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
-             "simulated epoch time. Planning ms = wall clock of one `plan(step)`, median / max over the cell's "
-             "steps (the first step also fills the planner's caches).", "",
+             "simulated epoch time. Planning ms = CPU time of one `plan(step)` as `simulate` reports it "
+             "(`sim.run.timed_plans`): median / max over the cell's steps after the first (which fills the "
+             "planner's caches).", "",
              f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
     pols = args.policies.split(",")
     lines += cell_table(results, pols)
@@ -168,7 +213,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / f"sim-scale_cpu_{today}.md")
     ap.add_argument("--worlds", default="8,32,128,512,1024,2048,4096")
     ap.add_argument("--scenarios", default="text,video")
-    ap.add_argument("--distributions", default=",".join(DISTRIBUTIONS))
+    ap.add_argument("--distributions", default="all",
+                    help="comma-separated, or all: each scenario's three distributions and its mixes")
     ap.add_argument("--budgets", default="weak,strong")
     ap.add_argument("--policies", default="bucket,packed,dcp-inter-pac,dcp-v1,dcp")
     ap.add_argument("--limit", action="append", default=[], help="POLICY=WORLD: skip POLICY above WORLD GPUs")
@@ -176,8 +222,13 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=None, help="plan at most this many steps per cell")
     ap.add_argument("--tune-steps", type=int, default=None,
                     help="the static baselines tune their SP degree and recompute on this many first steps only")
+    ap.add_argument("--time-limit", type=float, default=0.0,
+                    help="CPU seconds a policy may take in a cell, setup and steps; past them it is skipped")
+    ap.add_argument("--timing-only", action="store_true", help="plan and time only: no bound, no simulation")
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)
+    if args.timing_only:  # no epoch times: the table and plot need them
+        args.out = args.out.with_name(args.out.stem + "-timing.md")
     for item in args.limit:
         k, v = item.split("=")
         limits[k] = int(v)
@@ -185,19 +236,23 @@ def main() -> int:
     t0 = time.perf_counter()
     for budget in args.budgets.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
+            too_slow: dict[str, str] = {}  # a policy past the time limit is not run again at this world
             for sc in args.scenarios.split(","):
-                for d in args.distributions.split(","):
+                for d in distributions(sc, args.distributions):
                     r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
-                                 args.max_steps, args.tune_steps)
-                    p = r["policies"].get("dcp", {})
-                    print(f"{budget:6s} {world:5d} {sc:5s} {d:8s} steps {r['steps']:3d} "
-                          f"spg {r['samples_per_gpu']:7.2f} dcp eff {p.get('efficiency')} "
-                          f"x{p.get('speedup_vs_bucket')} plan ms {p.get('plan_ms_median')}/{p.get('plan_ms_max')} "
-                          f"({r['seconds']} s)", file=sys.stderr, flush=True)
+                                 args.max_steps, args.tune_steps, args.time_limit, args.timing_only, too_slow)
+                    pols = "; ".join(f"{n} eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} ms "
+                                     f"{p.get('plan_ms_median')}/{p.get('plan_ms_max')}"
+                                     for n, p in r["policies"].items())
+                    print(f"{budget:6s} {world:5d} {sc:5s} {d:13s} steps {r['steps']:3d} "
+                          f"spg {r['samples_per_gpu']:7.2f} {pols}; skipped {r['skipped']} ({r['seconds']} s)",
+                          file=sys.stderr, flush=True)
                     results.append(r)
                     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-                    write_report(results, args, time.perf_counter() - t0)
-    write_report(results, args, time.perf_counter() - t0)
+                    if not args.timing_only:
+                        write_report(results, args, time.perf_counter() - t0)
+    if not args.timing_only:
+        write_report(results, args, time.perf_counter() - t0)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`dcp`'s per-sample packing, for steps with few samples per GPU.
+"""`dcp`'s per-sample packing, for steps with few samples per GPU (and, in micro-batches of
+each bucket's preferred size, for steps with a heavy tail of long samples).
 
 With about one sample per GPU or fewer, most groups run one or two samples, and the class
 level (every sample of a bucket laid out for the bucket's largest, group loads estimated
@@ -31,6 +32,13 @@ bucket's preferred size (the least GPU-seconds per sample: several short samples
 clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
 time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
 `open_first`). No one way packs every step tightest; the fastest packing is returned.
+
+Steps of many samples per GPU with a heavy tail (long-context pretraining: a few documents
+of 0.5-1M tokens that need the widest degree beside thousands of short ones) are packed too,
+in micro-batches of preferred size only (`plan`'s `max_items`): the class level runs a long
+document's group for the whole step at its wide degree, or puts the long documents in a
+phase of their own that every rank waits for; the sub-groups here fill each wide group's
+time after its long document with short ones at their narrow degrees.
 
 Deterministic (ties broken by sample id), so every rank computes the same plan.
 """
@@ -257,20 +265,30 @@ class SamplePacker:
                     heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
                 free -= k
 
-    def plan(self, ids: list[int]) -> tuple[list[Group], float] | None:
+    def plan(self, ids: list[int], max_items: int | None = None) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
         the best target, packing samples one per micro-batch or, when buckets prefer more,
         in micro-batches of their preferred size, each in three orders (see the module
-        docstring); the fastest of these."""
+        docstring); the fastest of these. With `max_items`, only the micro-batches of
+        preferred size are packed, opening new groups first (`pack`'s `open_first`), and only
+        if there are at most that many (None if more): steps of many samples per GPU, where
+        each way costs the most; on the heavy-tail steps measured the other ways packed no
+        tighter (`benchmarks/scale_cpu_2026-12-03.md`)."""
         if not ids:
             return None
-        ways = [[(i,) for i in ids]]
         merged = self.items(ids)
-        if len(merged) < len(ids):
-            ways.append(merged)
+        if max_items is not None:
+            if len(merged) > max_items:
+                return None
+            ways = [merged]
+        else:
+            ways = [[(i,) for i in ids]]
+            if len(merged) < len(ids):
+                ways.append(merged)
         timed = [(items, self.times(items)) for items in ways]
         best = None
-        for by_time, open_first in ((False, False), (True, False), (False, True)):
+        orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
+        for by_time, open_first in orders:
             for items, t in timed:
                 got = self._plan_items(items, t, by_time, open_first)
                 if got is not None and (best is None or got[1] < best[1] * (1 - MIN_GAIN)):

@@ -29,7 +29,9 @@ sample, so it fits every sample of the bucket. Per step:
    floor first, one whose floor (`dcp_search.expanded_floor`) is above a prediction made is skipped.
 5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted well above
    the step's bound, the step is also packed sample by sample (each sample timed alone at
-   every degree); the plan the score predicts faster is kept.
+   every degree); the plan the score predicts faster is kept. Larger steps predicted well
+   above it (a heavy tail of long samples) are packed the same way in micro-batches of each
+   bucket's preferred size, when there are at most `PACK_MAX_ITEMS` of them.
 
 Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU whose class plan is above the
 bound are also planned over finer classes (`SUB_BINS` length ranges per bucket, each sized by its
@@ -67,6 +69,7 @@ from dcparallel.plan.dcp_setup import (
     FIRST_DEGREES,
     PACK_GATE,
     PACK_GATE_ONE,
+    PACK_MAX_ITEMS,
     PACK_MAX_SAMPLES,
     PACK_PER_GPU,
     STALE_STOP,
@@ -277,9 +280,9 @@ class ScalePlanner:
         if self.fine is not None and n <= FINE_MAX_SAMPLES:
             others.append(self.fine.plan(step))
         gate = PACK_GATE_ONE if n <= self.world else PACK_GATE
-        if (self.packer is not None and n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-                and (predicted > bound * gate or chain_at > gate)):
-            got = self.packer.plan(list(step.sample_ids))
+        if self.packer is not None and (predicted > bound * gate or chain_at > gate):
+            few = n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
+            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS)
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))
         if others:

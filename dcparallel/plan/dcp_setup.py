@@ -40,6 +40,10 @@ PACK_GATE = 1.05
 #: ... or more than this factor, for steps with at most one sample per GPU (there the class
 #: level, which lays every sample out as its bucket's largest, is least exact)
 PACK_GATE_ONE = 1.03
+#: larger steps whose class-level plan is predicted more than PACK_GATE x the class-level bound
+#: (a heavy tail of long samples: `dcp_sample`) are packed in micro-batches of each bucket's
+#: preferred size, when there are at most this many of them
+PACK_MAX_ITEMS = 8192
 
 #: the search over a phase's smallest allowed SP degree stops when its best plan is within
 #: AT_BOUND of the phase's bound, or after STALE_STOP wider minimums in a row did not help

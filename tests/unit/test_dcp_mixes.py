@@ -122,3 +122,43 @@ def test_dealing_many_item_classes_is_dealing_by_definition():
         n = rng.choice([2, 16, 64])
         got = [(c.load, c.count, c.items) for c in deal_classes(items, n)]
         assert got == [(c.load, c.count, c.items) for c in _deal_by_definition(items, n)]
+
+
+def heavy_tail_step(world: int = 128):
+    """A long-context pretraining step on `world` GPUs: six documents of 0.5-1M tokens, which
+    hold most of its work and need SP 16-32, beside 2,400 short ones (about 19 per GPU)."""
+    import numpy as np
+
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.plan.steps import form_steps
+    from dcparallel.spec import Workload
+
+    sc = SCENARIOS["text"]
+    rng = np.random.default_rng(0)
+    short = np.clip(np.rint(600 * np.exp(1.4 * rng.standard_normal(2400))), 16, 60_000).astype(int).tolist()
+    w, cl = Workload(sc.model, (960_000, 850_000, 750_000, 700_000, 600_000, 520_000, *short)), sc.cluster(world)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    return ctx, form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens))[0]
+
+
+def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
+    """Each wide group's time after its long document is filled with short ones at narrow
+    degrees (`dcp_sample` on micro-batches of preferred size): the plan is at the step's
+    bound, where the class level alone is 8% above it (`PACK_MAX_ITEMS` = 0 turns the
+    packing off)."""
+    from dcparallel.plan import dcp_scale
+    from dcparallel.plan.bounds import LowerBound
+    from dcparallel.plan.policies import make_planner
+    from dcparallel.sim.replay import replay_step, step_seconds
+
+    ctx, step = heavy_tail_step()
+    assert len(step.sample_ids) > 8 * ctx.cluster.world_size  # above the per-sample packing's reach
+    planner = make_planner("dcp", ctx, [step], score=step_seconds(ctx))
+    bound = LowerBound(ctx).step(step)
+    plan = planner.plan(step)
+    plan.validate(ctx.cluster.world_size)
+    assert sorted(i for mb in plan.micro_batches() for i in mb.sample_ids) == sorted(step.sample_ids)
+    assert replay_step(plan, ctx).step_time <= bound * 1.01
+    monkeypatch.setattr(dcp_scale, "PACK_MAX_ITEMS", 0)
+    assert replay_step(planner.plan(step), ctx).step_time > bound * 1.05
