@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.flux import (
@@ -44,7 +45,7 @@ from dcparallel.adapters.flux import (
     latent_channels,
     packed_flow_loss,
 )
-from dcparallel.adapters.latents import check_args, random_items, replace_processors
+from dcparallel.adapters.latents import random_items, replace_processors
 from dcparallel.spec import Size
 
 WHO = "Flux2Transformer2DModel"
@@ -161,19 +162,13 @@ ACCEPTED = ("context_tokens", "guidance")
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 512, guidance: float = 4.0,
             **unused: Any) -> ModelAdapter:
-    check_args(f"diffusers {WHO}", unused, ACCEPTED)
     cfg = model.config
     if cfg.patch_size != 1:
         raise ValueError(f"{WHO} with patch_size={cfg.patch_size}: dcparallel's Flux 2 loss packs latents into 2 x 2 "
                          f"patches as the Flux 2 pipelines do (patch_size 1); pass loss_fn for another layout")
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{WHO}: dcparallel drives its double- and single-stream blocks itself; leave layers= out "
-                         f"(or pass exactly those blocks)")
-    heads = cfg.num_attention_heads
-    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{WHO} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               unused=unused, accepted=ACCEPTED)
     hidden = heads * cfg.attention_head_dim
     spec = averaged_spec(model, blocks, attn_modules, mlp_params_of,
                          name=name or f"flux2-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,

@@ -172,11 +172,12 @@ def video_token_hooks(blocks: Sequence[nn.Module], norm: nn.Module, attention: A
 
 
 def check_driven(model: nn.Module, blocks: Sequence[nn.Module], *, layers: Any, num_heads: Any, num_kv_heads: Any,
-                 unused: Mapping[str, Any]) -> int:
+                 unused: Mapping[str, Any], accepted: Sequence[str] = ("context_tokens",)) -> int:
     """The model-protocol arguments a joint-attention adapter takes (it drives all of the
-    model's blocks and reads its heads): anything else is refused by name. Returns the heads."""
+    model's blocks and reads its heads; ``accepted``: its family arguments): anything else is
+    refused by name. Returns the heads."""
     who = type(model).__name__
-    check_args(f"diffusers {who}", unused, ("context_tokens",))
+    check_args(f"diffusers {who}", unused, accepted)
     if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
         raise ValueError(f"{who}: dcparallel drives all of its {len(blocks)} transformer blocks itself; leave "
                          f"layers= out (or pass exactly those blocks)")

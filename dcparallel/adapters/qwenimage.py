@@ -36,7 +36,7 @@ from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.flux import collate_images, image_size, latent_channels, packed_flow_loss
-from dcparallel.adapters.latents import check_args, random_items, replace_processors
+from dcparallel.adapters.latents import random_items, replace_processors
 from dcparallel.spec import Size
 
 WHO = "QwenImageTransformer2DModel"
@@ -119,7 +119,6 @@ def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any,
 
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
             name: str | None = None, context_tokens: int = 512, **unused: Any) -> ModelAdapter:
-    check_args(f"diffusers {WHO}", unused, ("context_tokens",))
     cfg = model.config
     odd = {k: getattr(cfg, k) for k in ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond") if getattr(cfg, k)}
     if odd:
@@ -128,13 +127,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                          f"the image sequence, which dcparallel's Qwen-Image adapter does not shard or train; use a "
                          f"text-to-image configuration or pass your own adapter")
     blocks = list(model.transformer_blocks)
-    if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{WHO}: dcparallel drives its transformer blocks itself; leave layers= out (or pass exactly "
-                         f"those blocks)")
-    heads = cfg.num_attention_heads
-    if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{WHO} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               unused=unused)
     hidden = heads * cfg.attention_head_dim
     spec = averaged_spec(model, blocks, attn_modules, mlp_modules,
                          name=name or f"qwenimage-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,

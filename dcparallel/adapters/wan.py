@@ -71,6 +71,21 @@ def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)
 
 
+def self_attention_qkv(attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None,
+                       attention_mask: Tensor | None, who: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A Wan-style self-attention's q, k, v (B, N, heads, head_dim): its (fused or separate)
+    projections and q/k norms, as diffusers' processors compute them; a mask or a second
+    stream is refused (these processors serve ``attn1`` only)."""
+    if encoder_hidden_states is not None or attention_mask is not None:
+        raise ValueError(f"{who} serves self-attention without a mask only (attn1)")
+    if getattr(attn, "fused_projections", False):
+        q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+
+
 class UlyssesWanSelfAttention:
     """Attention processor for a Wan self-attention module: the same projections, q/k norms
     and rotary as diffusers' processor, with the runtime's attention (Ulysses inside a
@@ -81,14 +96,7 @@ class UlyssesWanSelfAttention:
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, rotary_emb: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("UlyssesWanSelfAttention serves self-attention without a mask only (attn1)")
-        if getattr(attn, "fused_projections", False):
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        q, k, v = self_attention_qkv(attn, hidden_states, encoder_hidden_states, attention_mask, type(self).__name__)
         if rotary_emb is not None:
             q, k = _rotate_pairs(q, *rotary_emb), _rotate_pairs(k, *rotary_emb)
         out = self.attention(q, k, v, FULL).flatten(2, 3).type_as(q)

@@ -95,14 +95,8 @@ class UlyssesHeliosSelfAttention:
                  original_context_length: int | None = None) -> Tensor:
         from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("UlyssesHeliosSelfAttention serves self-attention without a mask only (attn1)")
-        if getattr(attn, "fused_projections", False):
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        q, k, v = wan.self_attention_qkv(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                         type(self).__name__)
         if rotary_emb is not None:
             q, k = apply_rotary_emb_transposed(q, rotary_emb), apply_rotary_emb_transposed(k, rotary_emb)
         history = hidden_states.shape[1] - (original_context_length or hidden_states.shape[1])

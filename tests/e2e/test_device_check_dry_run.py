@@ -16,6 +16,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).parents[2]
 
 
+# about 55 s on 2 cores: with DCPARALLEL_SLOW=1 (run it before a device session)
+@pytest.mark.slow
 def test_device_check_dry_run_writes_every_part(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--dry-run", "--out-dir",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,

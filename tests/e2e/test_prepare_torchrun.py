@@ -23,6 +23,8 @@ def check_runs(runs: dict, world: int, out_dir) -> None:
         assert (out_dir / f"{name}.json").exists() or any(out_dir.glob(f"{name}*.json"))
 
 
+# about 40 s on 2 cores: with DCPARALLEL_SLOW=1 (tests/dist covers prepare at world 2 and 4)
+@pytest.mark.slow
 def test_prepare_profiles_and_trains_library_models_at_world_2(tmp_path):
     world = 2
     pytest.importorskip("transformers")

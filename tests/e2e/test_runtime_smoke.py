@@ -23,6 +23,8 @@ def run(cmd: list[str], tmp: Path) -> list[float]:
     return json.loads((tmp / "losses.json").read_text())["losses"]
 
 
+# about 25 s on 2 cores: with DCPARALLEL_SLOW=1 (test_train_torchrun launches torchrun in the suite)
+@pytest.mark.slow
 def test_torchrun_two_ranks_loss_decreases_and_matches_one_rank(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     args = ["-m", "dcparallel.apps.smoke", "--steps", str(STEPS), "--out", "losses.json"]
