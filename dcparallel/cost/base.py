@@ -190,13 +190,18 @@ def gathered_bytes(model: ModelSpec) -> float:
 def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
     """Hierarchical ring all-reduce: reduce-scatter + all-gather inside each node over
     NVLink, then a ring all-reduce of each GPU's 1/g shard across nodes."""
-    g = min(cluster.gpus_per_node, cluster.world_size)
-    n = cluster.num_nodes
+    return _two_level_allreduce(cluster, num_bytes, min(cluster.gpus_per_node, cluster.world_size),
+                                cluster.num_nodes)
+
+
+def _two_level_allreduce(cluster: ClusterSpec, num_bytes: float, local: int, nodes: int) -> float:
+    """Ring all-reduce of ``num_bytes`` per rank among ``local`` ranks in each of ``nodes``
+    nodes: inside each node over NVLink, then a ring of each rank's 1/local part across nodes."""
     t = 0.0
-    if g > 1:
-        t += 2 * (g - 1) / g * num_bytes / cluster.intra_bw + 2 * (g - 1) * cluster.intra_latency
-    if n > 1:
-        t += 2 * (n - 1) / n * (num_bytes / g) / cluster.inter_bw + 2 * (n - 1) * cluster.inter_latency
+    if local > 1:
+        t += 2 * (local - 1) / local * num_bytes / cluster.intra_bw + 2 * (local - 1) * cluster.intra_latency
+    if nodes > 1:
+        t += 2 * (nodes - 1) / nodes * (num_bytes / local) / cluster.inter_bw + 2 * (nodes - 1) * cluster.inter_latency
     return t
 
 
@@ -218,13 +223,7 @@ def replica_sync_time(cluster: ClusterSpec, num_bytes: float) -> float:
     s, g = cluster.shard_size, min(cluster.gpus_per_node, cluster.world_size)
     replicas = cluster.world_size // s
     local = max(1, g // s)  # replicas of one shard inside a node
-    nodes = replicas // local  # nodes the replicas span
-    t = 0.0
-    if local > 1:
-        t += 2 * (local - 1) / local * num_bytes / cluster.intra_bw + 2 * (local - 1) * cluster.intra_latency
-    if nodes > 1:
-        t += 2 * (nodes - 1) / nodes * (num_bytes / local) / cluster.inter_bw + 2 * (nodes - 1) * cluster.inter_latency
-    return t
+    return _two_level_allreduce(cluster, num_bytes, local, replicas // local)  # the nodes the replicas span
 
 
 def block_collective_time(cluster: ClusterSpec, num_bytes: float) -> float:
