@@ -161,8 +161,8 @@ _RECURRENT = (f"{_SHARD}; this layer would see only its rank's shard under SP > 
 
 def _fix(who: str) -> str:
     return (f"Fix: train {who} with one document per row and no sequence parallelism outside dcparallel, or use "
-            f"a model whose layers are all softmax attention through transformers' attention interface (README, "
-            f"\"Models\")")
+            f"a model whose layers are all softmax attention through transformers' attention interface "
+            "(docs/models.md)")
 
 
 def check_token_mixing(model: nn.Module, blocks: Sequence[nn.Module], attn_of: Finder = None) -> None:
@@ -233,7 +233,7 @@ def resolve(model: nn.Module, layers: Sequence[nn.Module] | None, attn: Finder |
         raise ValueError(f"{who}.forward takes no position_ids, so its positions come from the row index: packed "
                          f"documents after the first, and every SP shard after the first, would get wrong positions. "
                          f"dcparallel needs each document's own positions; use a causal LM whose forward takes "
-                         f"position_ids (README, \"Models\")")
+                         f"position_ids (docs/models.md)")
     return blocks, attn_of, mlp_of
 
 

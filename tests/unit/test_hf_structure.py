@@ -136,7 +136,7 @@ def test_the_probe_is_disarmed_once_every_block_called_the_attention():
     assert dc.attention_probe.called == {0, 1}
 
 
-#: families the adapter supports (the README's table), world-1 parity with packed documents;
+#: families the adapter supports (the table of docs/models.md), world-1 parity with packed documents;
 #: config overrides where the family needs them
 SUPPORTED = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen2_moe": {}, "qwen3_moe": {}, "mixtral": {},
@@ -174,7 +174,7 @@ def test_supported_families_at_world_1(family):
             assert p.grad is None or not p.grad.any(), (family, name)
 
 
-#: further families the README lists as refused, with the reason's words (structure only, meta device)
+#: further families docs/models.md lists as refused, with the reason's words (structure only, meta device)
 MORE_REFUSED = {
     "qwen3_5_text": "GatedDeltaNet", "bamba": "BambaMixer", "jamba": "Mamba",
     "nemotron_h": "Mamba2Mixer", "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "mamba": "MambaMixer",
