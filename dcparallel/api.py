@@ -36,7 +36,7 @@ from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.data.batch import Batch
 from dcparallel.data.loader import DataCentricLoader
 from dcparallel.data.sizes import check_step_budget, read_sizes
-from dcparallel.plan.policies import POLICIES
+from dcparallel.plan.policies import policy_spec
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
@@ -85,10 +85,11 @@ class DataCentricParallel:
     ``model``: a reference model, a transformers causal LM, a diffusers Wan / ChronoEdit /
     LTX-Video / Flux / HunyuanVideo / CogVideoX / Mochi transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
-    ``num_heads``, ...) — or pass ``adapter``. ``policy``: a name of
-    `dcparallel.plan.policies.POLICIES`. ``loss_fn(model, batch, ctx)``: one micro-batch's
-    work (forward + `ctx` loss helper); the default is the adapter's (next-token loss for
-    LMs, flow matching for video); the profiler measures exactly this function.
+    ``num_heads``, ...) — or pass ``adapter``. ``policy``: `dcp`, `bucket`
+    or `packed` (or a research policy's name, `dcparallel.plan.policies.RESEARCH`).
+    ``loss_fn(model, batch, ctx)``: one micro-batch's work (forward + `ctx` loss helper);
+    the default is the adapter's (next-token loss for LMs, flow matching for video);
+    the profiler measures exactly this function.
     ``shard_size``: parameters and gradients sharded (FSDP2) inside aligned blocks of this
     many ranks (`runtime.sharded`; 1 = replicated, in the flat buffers); every SP group the
     plans use (and the profiler measures) is then made of whole blocks. ``"auto"``: the
@@ -104,8 +105,7 @@ class DataCentricParallel:
                  loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
                  seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int | str = 1,
                  **protocol: Any):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        policy_spec(policy)  # an unknown name is refused here, naming the choices
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be a positive number of bytes per rank; got {memory_bytes!r}")
         if shard_size != "auto" and (isinstance(shard_size, bool) or not isinstance(shard_size, int)):

@@ -1,4 +1,7 @@
-"""Policies by name: one table that `--policy NAME` and `policy="NAME"` both resolve through.
+"""Policies by name: `--policy NAME` and `policy="NAME"` both resolve through `policy_spec`.
+
+Three are for users (`POLICIES`: `dcp`, `bucket`, `packed`); the ablations of `dcp` and the
+reproductions of other planners are research tools (`RESEARCH`), reachable by the same names.
 
 Policies that tune on the data or compare candidate plans need a plan's predicted step
 time; the planning core does not simulate, so that **score** is passed in by the caller
@@ -44,24 +47,36 @@ def _untuned(make: Callable[[PlanContext, Score], Planner]):
     return lambda ctx, steps, score: Tuned(make(ctx, score))
 
 
+#: the policies users choose from: `DataCentricParallel(policy=...)`, `dcparallel train`
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in [
+        PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
+                   "GPU), planned over (bucket, count) and group classes, two-phase steps",
+                   _untuned(dcp_scale.ScalePlanner)),
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
+        PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "
+                   "bins packed first-fit decreasing, dealt evenly", packed.tuned_packed),
+    ]
+}
+
+#: research tools, reached by the same names (`simulate`, `plan`, the benchmarks): the paper's
+#: ablations of `dcp` and reproductions of other systems' planners from their descriptions
+RESEARCH: dict[str, PolicySpec] = {
+    p.name: p
+    for p in [
         PolicySpec("bucket-default", "Open-Sora's default: smallest SP degree that fits the longest "
                    "sample with full recompute (context only)",
                    _untuned(lambda ctx, score: bucket.default_bucket(ctx))),
-        PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "
-                   "bins packed first-fit decreasing, dealt evenly", packed.tuned_packed),
         PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count",
                    _dcp("dcp-intra", "fit", balance=False)),
         PolicySpec("dcp-inter", "dcp-intra + per-group gradient accumulation balancing the step",
                    _dcp("dcp-inter", "fit", balance=True)),
         PolicySpec("dcp-inter-pac", "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
                    _dcp("dcp-inter-pac", "pac", balance=True)),
-        PolicySpec("dcp-v1", "the previous dcp: dcp-inter-pac + two-phase steps (per-sample planning; "
-                   "slow at scale, kept for comparison)", _dcp("dcp-v1", "pac", balance=True, phases=True)),
+        PolicySpec("dcp-v1", "per-sample dcp: dcp-inter-pac + two-phase steps (slow at scale, kept for "
+                   "comparison)", _dcp("dcp-v1", "pac", balance=True, phases=True)),
         PolicySpec("megatron-dcp", "reproduction of Megatron-Core's dynamic CP from its description: CP size = "
                    "next power of two of tokens / rank capacity, packed, balanced per CP size", peers.build_megatron),
         PolicySpec("hbp", "reproduction of hierarchical balance packing from its description: three packing "
@@ -69,22 +84,28 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec("flexsp", "reproduction of FlexSP's optimal assignment from its description: a MILP picks "
                    "heterogeneous SP groups and assigns bucketed samples to them (small clusters: solver-bound)",
                    _untuned(lambda ctx, score: flexsp.FlexSPPlanner(ctx))),
-        PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
-                   "GPU), planned over (bucket, count) and group classes, two-phase steps",
-                   _untuned(dcp_scale.ScalePlanner)),
     ]
 }
+
+#: every name `policy_spec` resolves: the user policies, then the research ones
+NAMES: tuple[str, ...] = (*POLICIES, *RESEARCH)
 
 #: the policies `--all` runs, baselines first
 ALL = ["bucket-default", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp"]
 
 
+def policy_spec(name: str) -> PolicySpec:
+    """The policy called ``name``, a user policy or a research one; a clear error otherwise."""
+    spec = POLICIES.get(name) or RESEARCH.get(name)
+    if spec is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)} "
+                         f"(research: {', '.join(RESEARCH)})")
+    return spec
+
+
 def tune(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Tuned:
     """Builds policy ``name``'s planner (tuning it on ``steps`` where it tunes)."""
-    spec = POLICIES.get(name)
-    if spec is None:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return spec.build(ctx, steps, score)
+    return policy_spec(name).build(ctx, steps, score)
 
 
 def make_planner(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Planner:

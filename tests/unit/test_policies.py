@@ -151,7 +151,7 @@ def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
     shapes in a micro-batch, since same-shape samples are what the runtime stacks."""
     import random
 
-    from dcparallel.plan.policies import POLICIES
+    from dcparallel.plan.policies import NAMES
     from dcparallel.spec import batch_key
 
     rng = random.Random(3)
@@ -162,8 +162,22 @@ def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
     ctx = PlanContext(wl, cost(TINY_DIT, cl), cl)
     assert len({batch_key(TINY_DIT, s) for s in sizes}) > len({ctx.model.latent_grid(s) for s in sizes}) // 2
     steps = form_steps(wl.tokens, seed=0, epoch=0, tokens_per_step=sum(wl.tokens) // 6)
-    for name in POLICIES:
+    for name in NAMES:
         planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
         for s in steps[-1:] if name == "flexsp" else steps:  # (its MILP: seconds per step here)
             for mb in planner.plan(s).micro_batches():
                 assert len({batch_key(TINY_DIT, sizes[i]) for i in mb.sample_ids}) == 1, (name, mb)
+
+
+def test_three_user_policies_and_research_ones_by_the_same_names():
+    from dcparallel.plan.policies import NAMES, POLICIES, RESEARCH, policy_spec
+
+    assert list(POLICIES) == ["dcp", "bucket", "packed"]
+    assert not set(POLICIES) & set(RESEARCH)
+    assert {"dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
+            "flexsp"} == set(RESEARCH)
+    for name in NAMES:
+        assert policy_spec(name).name == name
+    with pytest.raises(ValueError, match=r"unknown policy 'fast'; choose one of dcp, bucket, packed "
+                                         r"\(research: bucket-default, .*flexsp\)"):
+        policy_spec("fast")
