@@ -16,8 +16,10 @@ every SP degree, and for a makespan target T:
    later samples). A sample that fits nowhere opens a new group of its own degree. A group's
    finish counts the gradient sync its longest micro-batch's backward cannot hide
    (`cost.overlap`): a group of many short samples must end earlier;
-3. the smallest T (bisection over the samples' times) whose groups fit the world wins;
-   ranks left over then widen the slowest group, or split its samples over a second group,
+3. the smallest T whose groups fit the world wins, searched from a floor no target below
+   packs (the longest micro-batch, the GPU-seconds over the world) up at widening steps,
+   then by bisection over the samples' times in the last step and below the first of them
+   that packs; ranks left over then widen the slowest group, or split its samples over a second group,
    while that lowers the makespan. Each group runs its longest sample last, so the gradient
    sync overlaps the longest backward.
 
@@ -31,7 +33,9 @@ The step is packed six ways: one sample per micro-batch, or in micro-batches of 
 bucket's preferred size (the least GPU-seconds per sample: several short samples or video
 clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
 time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
-`open_first`). No one way packs every step tightest; the fastest packing is returned.
+`open_first`). No one way packs every step tightest; the fastest packing is returned. One
+sample per micro-batch is tried only with at most `ONE_PER_GPU` samples per GPU (with more,
+micro-batches of preferred size packed tighter on every step measured).
 
 Steps of many samples per GPU with a heavy tail (long-context pretraining: a few documents
 of 0.5-1M tokens that need the widest degree beside thousands of short ones) are packed too,
@@ -53,12 +57,14 @@ import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp_targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
 
-#: bisection steps for the makespan target between two of the samples' times
-CONTINUOUS_STEPS = 8
-
+#: steps with more samples per GPU are packed in micro-batches of preferred size only: one
+#: sample per micro-batch balances finer but spends more GPU-seconds, and packed tighter only
+#: with fewer samples per GPU on the scale report's steps
+ONE_PER_GPU = 2.0
 #: one packed group: (SP degree, predicted finish, its micro-batches' sample ids in run order,
 #: its sub-groups: the equal slices of its block that run before it, in block order)
 Group = tuple[int, float, list[tuple[int, ...]], list["Group"]]
@@ -267,13 +273,14 @@ class SamplePacker:
 
     def plan(self, ids: list[int], max_items: int | None = None) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
-        the best target, packing samples one per micro-batch or, when buckets prefer more,
-        in micro-batches of their preferred size, each in three orders (see the module
-        docstring); the fastest of these. With `max_items`, only the micro-batches of
-        preferred size are packed, opening new groups first (`pack`'s `open_first`), and only
-        if there are at most that many (None if more): steps of many samples per GPU, where
-        each way costs the most; on the heavy-tail steps measured the other ways packed no
-        tighter (`benchmarks/scale_cpu_2026-12-03.md`)."""
+        the best target, packing samples one per micro-batch (with at most `ONE_PER_GPU`
+        samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
+        size, each in three orders (see the module docstring); the fastest of these. With
+        `max_items`, only the micro-batches of preferred size are packed, opening new groups
+        first (`pack`'s `open_first`), and only if there are at most that many (None if
+        more): steps of many samples per GPU, where each way costs the most; on the
+        heavy-tail steps measured the other ways packed no tighter
+        (`benchmarks/scale_cpu_2026-12-03.md`)."""
         if not ids:
             return None
         merged = self.items(ids)
@@ -281,10 +288,10 @@ class SamplePacker:
             if len(merged) > max_items:
                 return None
             ways = [merged]
+        elif len(merged) == len(ids) or len(ids) <= ONE_PER_GPU * self.world:
+            ways = [[(i,) for i in ids]] + ([merged] if len(merged) < len(ids) else [])
         else:
-            ways = [[(i,) for i in ids]]
-            if len(merged) < len(ids):
-                ways.append(merged)
+            ways = [merged]
         timed = [(items, self.times(items)) for items in ways]
         best = None
         orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
@@ -302,7 +309,9 @@ class SamplePacker:
         fast = f.min(axis=1)
         if not np.isfinite(fast).all():
             return None
-        ts = np.unique(f[np.isfinite(f) & (f >= float(fast.max()))])
+        # no target below this packs: every micro-batch finishes within it, and the groups'
+        # GPU-seconds (at least each micro-batch's least) fit world x target
+        floor = max(float(fast.max()), float(np.min(t * self.kf, axis=1).sum()) / self.world)
         packed: dict[float, list[list] | None] = {}  # per target: the search and the final pass share them
 
         def pack(T: float) -> list[list] | None:
@@ -310,32 +319,9 @@ class SamplePacker:
                 packed[T] = self.pack(ids, t, f, T, by_time, open_first)
             return packed[T]
 
-        top = float(ts[-1])
-        for _ in range(64):  # more samples than groups at their own times: targets of several samples each
-            if pack(top) is not None:
-                break
-            top *= 2
-        else:
+        targets = search_targets(pack, f, floor)
+        if targets is None:
             return None
-        if top > ts[-1]:
-            ts = np.append(ts, top)
-        lo, hi = 0, len(ts) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pack(float(ts[mid])) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        targets = [float(ts[i]) for i in range(lo, min(lo + 3, len(ts)))]  # not monotone in T: a few above
-        if lo > 0:  # below the first feasible time the degrees stay those of the time before: bisect T there
-            a, b = float(ts[lo - 1]), float(ts[lo])
-            for _ in range(CONTINUOUS_STEPS):
-                mid = (a + b) / 2
-                if pack(mid) is not None:
-                    b = mid
-                else:
-                    a = mid
-            targets.append(b)
         best = None
         for T in targets:
             got = pack(T)

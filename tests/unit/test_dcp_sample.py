@@ -117,3 +117,32 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
     flat, flat_span = packer.plan(list(step.sample_ids))
     assert packer.step_plan(step, flat).num_phases == 1
     assert span < flat_span * 0.995, (span, flat_span)  # 1.930 s against 2.008 s when written
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 100.0), min_size=1, max_size=40), st.floats(0.5, 150.0), st.floats(0.01, 0.99))
+def test_target_search_finds_the_smallest_target_that_packs(finishes, first, below):
+    """Where packing at T succeeds exactly from some T* on (monotone), `search_targets` returns
+    T* if it is a micro-batch's finish, else a target at most CONTINUOUS_GAP above it (or, where
+    its last bisection starts from a step up to 8x wide, 8 x 2^-CONTINUOUS_STEPS), and first
+    the smallest finish at or above T* (or its own step above the floor); it never returns a
+    target that does not pack, and asks for none below the floor."""
+    import numpy as np
+
+    from dcparallel.plan.dcp_targets import CONTINUOUS_GAP, CONTINUOUS_STEPS, search_targets
+
+    f = np.array(finishes + [np.inf])
+    floor = min(first, max(finishes)) * below
+    asked = []
+
+    def pack(T):
+        asked.append(T)
+        return True if T >= first else None
+
+    got = search_targets(pack, f, floor)
+    assert got and all(T >= first for T in got)
+    assert min(asked) >= floor * (1 - 1e-9)
+    assert min(got) <= first * (1 + max(CONTINUOUS_GAP, 8 * 2.0 ** -CONTINUOUS_STEPS)) or min(got) in finishes
+    at_or_above = [x for x in finishes if x >= first]
+    if at_or_above and got[0] not in at_or_above:
+        assert got[0] <= min(at_or_above)  # a step of the search, below the next finish
