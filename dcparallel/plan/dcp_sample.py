@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from typing import Sequence
 
 import numpy as np
@@ -271,7 +272,8 @@ class SamplePacker:
                     heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
                 free -= k
 
-    def plan(self, ids: list[int], max_items: int | None = None) -> tuple[list[Group], float] | None:
+    def plan(self, ids: list[int], max_items: int | None = None,
+             beat: float = math.inf) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
         the best target, packing samples one per micro-batch (with at most `ONE_PER_GPU`
         samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
@@ -280,7 +282,9 @@ class SamplePacker:
         first (`pack`'s `open_first`), and only if there are at most that many (None if
         more): steps of many samples per GPU, where each way costs the most; on the
         heavy-tail steps measured the other ways packed no tighter
-        (`benchmarks/scale_cpu_2026-12-03.md`)."""
+        (`benchmarks/scale_cpu_2026-12-03.md`). Only packings faster than `beat` (another
+        plan's predicted time) and than the ways before are sought: a way stops where no
+        target up to that packs (preferred sizes first: they pack tighter more often)."""
         if not ids:
             return None
         merged = self.items(ids)
@@ -289,7 +293,7 @@ class SamplePacker:
                 return None
             ways = [merged]
         elif len(merged) == len(ids) or len(ids) <= ONE_PER_GPU * self.world:
-            ways = [[(i,) for i in ids]] + ([merged] if len(merged) < len(ids) else [])
+            ways = ([merged] if len(merged) < len(ids) else []) + [[(i,) for i in ids]]
         else:
             ways = [merged]
         timed = [(items, self.times(items)) for items in ways]
@@ -297,13 +301,14 @@ class SamplePacker:
         orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
         for by_time, open_first in orders:
             for items, t in timed:
-                got = self._plan_items(items, t, by_time, open_first)
+                ceiling = min(beat, math.inf if best is None else best[1]) * (1 - MIN_GAIN)
+                got = self._plan_items(items, t, by_time, open_first, ceiling)
                 if got is not None and (best is None or got[1] < best[1] * (1 - MIN_GAIN)):
                     best = got
         return best
 
-    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool,
-                    open_first: bool) -> tuple[list[Group], float] | None:
+    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool,
+                    ceiling: float = math.inf) -> tuple[list[Group], float] | None:
         ids = [it[0] for it in items]
         f = self.alone(t)
         fast = f.min(axis=1)
@@ -312,6 +317,8 @@ class SamplePacker:
         # no target below this packs: every micro-batch finishes within it, and the groups'
         # GPU-seconds (at least each micro-batch's least) fit world x target
         floor = max(float(fast.max()), float(np.min(t * self.kf, axis=1).sum()) / self.world)
+        if floor >= ceiling:
+            return None  # no packing of these finishes earlier than the ceiling
         packed: dict[float, list[list] | None] = {}  # per target: the search and the final pass share them
 
         def pack(T: float) -> list[list] | None:
@@ -319,7 +326,7 @@ class SamplePacker:
                 packed[T] = self.pack(ids, t, f, T, by_time, open_first)
             return packed[T]
 
-        targets = search_targets(pack, f, floor)
+        targets = search_targets(pack, f, floor, ceiling)
         if targets is None:
             return None
         best = None

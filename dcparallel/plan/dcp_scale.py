@@ -277,16 +277,18 @@ class ScalePlanner:
             others.append(self.fine.plan(step))
         # a heavy tail (its longest micro-batch takes much of the step) is where the packing's
         # sub-groups gain most, as with few samples per GPU
-        gate, best = PACK_GATE_ONE if longest >= bound * PACK_TAIL else PACK_GATE, None
-        if n <= self.world:
+        gate = PACK_GATE_ONE if n <= self.world or longest >= bound * PACK_TAIL else PACK_GATE
+        best = None
+        if n <= self.world and predicted > bound * AT_BOUND:
             # about a sample per GPU or fewer: the class level, which times its samples by weights
             # interpolated within a class, is least exact; its plan's score (cheap on so few
             # micro-batches) opens the gate too
-            gate, best = PACK_GATE_ONE, self.score(plan)
+            best = self.score(plan)
             predicted = max(predicted, best)
         if self.packer is not None and (predicted > bound * gate or chain_at > gate):
             few = n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS)
+            best = self.score(plan) if best is None else best  # the packing seeks only faster plans
+            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS, best)
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))
         if others:

@@ -8,6 +8,7 @@ targets from there are all packed and the fastest packing kept.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -24,9 +25,11 @@ GALLOP_GROWTH = 8
 FLOOR_SLACK = 1e-9
 
 
-def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, floor: float) -> list[float] | None:
-    """The targets to pack at (None if none packs): the smallest that packs and, as packing is
-    not monotone in the target, the next two of the micro-batches' finishes above it.
+def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, floor: float,
+                   ceiling: float = math.inf) -> list[float] | None:
+    """The targets to pack at (None if none up to `ceiling` packs): the smallest that packs
+    and, as packing is not monotone in the target, the next two of the micro-batches'
+    finishes above it.
 
     `pack(T)` packs at T (None where it does not; callers cache it: the same targets are
     asked again), `finish` holds every micro-batch's finish at every degree (inf where it
@@ -36,14 +39,19 @@ def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, f
     below it (where the micro-batches' degrees stay those of the finish before) until the
     bracket is CONTINUOUS_GAP of the target narrow. The last bisection's target is added
     when below the first. A few packings where the target is close to the floor (efficient
-    steps), about the log of the finishes in the step otherwise."""
+    steps), about the log of the finishes in the step otherwise. With a ceiling, one packing
+    there first: where it does not pack, the search ends (packing assumed monotone)."""
     floor *= 1 - FLOOR_SLACK
     ts = np.unique(finish[np.isfinite(finish) & (finish >= floor)])
+    if ceiling < math.inf and pack(ceiling) is None:
+        return None  # (a ceiling is a plan to beat: most often, nothing up to it packs)
     below, T = floor, floor
     for i in range(64):
         if pack(T) is not None:
             break
-        below, T = T, floor * (1 + GALLOP_FIRST * GALLOP_GROWTH ** i)
+        if T >= ceiling:
+            return None
+        below, T = T, min(floor * (1 + GALLOP_FIRST * GALLOP_GROWTH ** i), ceiling)
     else:
         return None
     inner = np.append(ts[(ts > below) & (ts < T)], T)
