@@ -67,7 +67,8 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     """The text scenario's long-context mix (7B model, H200 calibration) at 0.375 samples per
     GPU on 256 GPUs: the class-level plan times every sample of a bucket as its largest;
-    packing them one by one finishes sooner, and `dcp` keeps the faster plan."""
+    packing them one by one finishes sooner, and `dcp` keeps the faster plan. Asked to beat a
+    time, the packing returns its plan only if faster."""
     sc = SCENARIOS["text"]
     cl = sc.cluster(256)
     sizes = tuple(sample_sizes("text", "long", epoch_tokens=sc.tokens_per_step * 4))[:96]
@@ -82,6 +83,9 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     assert span < t(class_plan) * 0.9, (span, t(class_plan))  # 3.69 s against 4.69 s when written
     assert t(chosen) <= min(t(class_plan), span) * (1 + 1e-9)
     assert chosen.to_json() == p.packer.step_plan(step, packed).to_json()  # the packed plan was kept
+    # asked only for plans faster than another, it finds the same one, or none if it is not faster
+    assert p.packer.plan(list(step.sample_ids), beat=span * 1.01)[1] == span
+    assert p.packer.plan(list(step.sample_ids), beat=span) is None
 
 
 def test_wide_groups_split_into_sub_groups_for_short_samples():
