@@ -51,6 +51,7 @@ broken by fixed orders), so every rank computes the same plan.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
@@ -78,6 +79,7 @@ from dcparallel.plan.dcp_setup import (
     PACK_TAIL,
     STALE_STOP,
     SUB_BINS,
+    Once,
     cyclic_gc_paused,
     memo,
     planning_classes,
@@ -285,14 +287,15 @@ class ScalePlanner:
             # micro-batches) opens the gate too
             best = self.score(plan)
             predicted = max(predicted, best)
+        beat = Once(partial(self.score, plan), best)  # the plan's score, taken when first asked
         if self.packer is not None and (predicted > bound * gate or chain_at > gate):
             few = n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-            best = self.score(plan) if best is None else best  # the packing seeks only faster plans
-            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS, best)
+            # the packing seeks only plans faster than this one
+            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS, beat)
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))
         if others:
-            best = self.score(plan) if best is None else best
+            best = beat()
             for other in others:
                 s = self.score(other)
                 if s < best * (1 - REL_TOL):

@@ -88,6 +88,19 @@ def memo(cache: dict, key, make: Callable[[], Any], limit: int = ROW_CACHE_LIMIT
     return hit
 
 
+class Once:
+    """A function of no arguments returning `make()`, computed on its first call only
+    (`value`, if given, is that result already)."""
+
+    def __init__(self, make: Callable[[], Any], value: Any = None):
+        self.make, self.value = make, value
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
     """(largest sample size per class, the classes in order, each sample's class index; -1 for
     skipped samples). `sub_bins` == 1: the context's buckets; more: each bucket cut into length

@@ -84,8 +84,8 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     assert t(chosen) <= min(t(class_plan), span) * (1 + 1e-9)
     assert chosen.to_json() == p.packer.step_plan(step, packed).to_json()  # the packed plan was kept
     # asked only for plans faster than another, it finds the same one, or none if it is not faster
-    assert p.packer.plan(list(step.sample_ids), beat=span * 1.01)[1] == span
-    assert p.packer.plan(list(step.sample_ids), beat=span) is None
+    assert p.packer.plan(list(step.sample_ids), beat=lambda: span * 1.01)[1] == span
+    assert p.packer.plan(list(step.sample_ids), beat=lambda: span) is None
 
 
 def test_wide_groups_split_into_sub_groups_for_short_samples():
