@@ -1,7 +1,7 @@
 """`dcp`'s group classes: alike groups of one SP degree, and LPT dealing of whole classes.
 
 Micro-batch classes are dealt to them by the longest-processing-time rule applied to whole
-classes."""
+classes. Also what a class-level plan is (`ClassPlan`) and what tells two apart."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, memo
-from dcparallel.plan.types import ROUND_EPS, TIME_EPS
+from dcparallel.plan.types import ROUND_EPS, TIME_EPS, StepPlan
 
 if TYPE_CHECKING:
     from dcparallel.plan.dcp_scale import ScalePlanner
@@ -255,3 +255,31 @@ def cut_starts(items: Sequence[ItemClass], cursor: dict[int, int]) -> list[int]:
         out.append(at)
         cursor[it.bucket] = at + it.count * it.mbs
     return out
+
+
+def plan_sig(items, counts_by_k) -> tuple:
+    """What tells two class-level plans apart: their item classes and groups per degree."""
+    return tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items()))
+
+
+def distinct_plans(plans: list[tuple], keep: int) -> list[tuple]:
+    """The first `keep` of these (span, items, counts_by_k, bound) plans, sorted, that are distinct."""
+    out, seen = [], set()
+    for plan in plans:
+        sig = plan_sig(plan[1], plan[2])
+        if sig not in seen:
+            seen.add(sig)
+            out.append(plan)
+            if len(out) == keep:
+                break
+    return out
+
+
+class ClassPlan(NamedTuple):
+    """A step's class-level plan, its predicted compute time, the step's compute bound at class
+    level (`dcp_search.part_bound`) and the longest of its buckets' least micro-batch times."""
+
+    plan: StepPlan
+    predicted: float
+    bound: float
+    longest: float

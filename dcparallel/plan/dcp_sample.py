@@ -16,29 +16,29 @@ every SP degree, and for a makespan target T:
    later samples). A sample that fits nowhere opens a new group of its own degree. A group's
    finish counts the gradient sync its longest micro-batch's backward cannot hide
    (`cost.overlap`): a group of many short samples must end earlier;
-3. the smallest T (bisection over the samples' times) whose groups fit the world wins;
-   ranks left over then widen the slowest group, or split its samples over a second group,
+3. the smallest T whose groups fit the world wins, searched from a floor no target below
+   packs (the longest micro-batch, the GPU-seconds over the world) up at widening steps,
+   then by bisection over the samples' times in the last step and below the first of them
+   that packs; ranks left over then widen the slowest group, or split its samples over a second group,
    while that lowers the makespan. Each group runs its longest sample last, so the gradient
    sync overlaps the longest backward.
 
 Sub-groups fill the time a wide group leaves after a long sample with short samples at their
-own narrow degree, where re-timing them at the wide degree would spend more GPU-seconds. A
-plan with sub-groups has one phase per level: the deepest sub-groups run in phase 0 and the
-top-level groups in the last phase, each on its ranks once they are done with the phase
-before.
+own narrow degree (re-timed at the wide one they would spend more GPU-seconds). A plan with
+sub-groups has one phase per level: the deepest run in phase 0, the top-level groups last.
 
 The step is packed six ways: one sample per micro-batch, or in micro-batches of each
 bucket's preferred size (the least GPU-seconds per sample: several short samples or video
 clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
 time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
-`open_first`). No one way packs every step tightest; the fastest packing is returned.
+`open_first`). No one way packs every step tightest; the fastest packing is returned. One
+sample per micro-batch is tried only with at most `ONE_PER_GPU` samples per GPU (with more,
+micro-batches of preferred size packed tighter on every step measured).
 
-Steps of many samples per GPU with a heavy tail (long-context pretraining: a few documents
-of 0.5-1M tokens that need the widest degree beside thousands of short ones) are packed too,
-in micro-batches of preferred size only (`plan`'s `max_items`): the class level runs a long
-document's group for the whole step at its wide degree, or puts the long documents in a
-phase of their own that every rank waits for; the sub-groups here fill each wide group's
-time after its long document with short ones at their narrow degrees.
+Steps of many samples per GPU with a heavy tail (a few documents of 0.5-1M tokens beside
+thousands of short ones) are packed in micro-batches of preferred size only (`plan`'s
+`max_items`): the sub-groups fill each long document's wide group after it with short ones
+at their narrow degrees, where the class level keeps a group's degree for a whole phase.
 
 Deterministic (ties broken by sample id), so every rank computes the same plan.
 """
@@ -47,18 +47,21 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp_targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
 
-#: bisection steps for the makespan target between two of the samples' times
-CONTINUOUS_STEPS = 8
-
+#: steps with more samples per GPU are packed in micro-batches of preferred size only: one
+#: sample per micro-batch balances finer but spends more GPU-seconds, and packed tighter only
+#: with fewer samples per GPU on the scale report's steps
+ONE_PER_GPU = 2.0
 #: one packed group: (SP degree, predicted finish, its micro-batches' sample ids in run order,
 #: its sub-groups: the equal slices of its block that run before it, in block order)
 Group = tuple[int, float, list[tuple[int, ...]], list["Group"]]
@@ -80,6 +83,7 @@ class SamplePacker:
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
         self._mbs: dict = {}  # per bucket, its preferred micro-batch size
+        self._bpos = self._bkeys = None  # each sample's bucket as a position in the sorted buckets
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
 
@@ -87,22 +91,37 @@ class SamplePacker:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
         return exposed_sync(self.sync, last, self.buckets)
 
-    def items(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
+    def items(self, ids: Sequence[int], max_items: int | None = None) -> list[tuple[int, ...]] | None:
         """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
-        size (the least GPU-seconds per sample; 1 for long samples), longest first."""
+        size (the least GPU-seconds per sample; 1 for long samples), longest first; None if
+        more than `max_items`."""
         ctx = self.ctx
+        if max_items is not None and len(ids) > max_items:  # counted in arrays first (many samples)
+            if self._bpos is None:
+                self._bkeys = sorted(set(ctx.bucket_of))
+                pos = {b: j for j, b in enumerate(self._bkeys)}
+                self._bpos = np.array([pos[b] for b in ctx.bucket_of], dtype=np.int64)
+            count = np.bincount(self._bpos[np.asarray(ids, dtype=np.int64)], minlength=len(self._bkeys))
+            held = count.nonzero()[0]
+            if int((-(-count[held] // [self._preferred(self._bkeys[j]) for j in held.tolist()])).sum()) > max_items:
+                return None
         by: dict = {}
         for i in ids:
             by.setdefault(ctx.bucket_of[i], []).append(i)
         out = []
         for b in sorted(by):
-            m = self._mbs.get(b)
-            if m is None:
-                opts = ctx.bucket_options(b, self.mode)
-                m = self._mbs[b] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))].layout.mbs
+            m = self._preferred(b)
             members = sorted(by[b], key=lambda i: (-ctx.tokens[i], i))
             out.extend(tuple(members[a:a + m]) for a in range(0, len(members), m))
         return out
+
+    def _preferred(self, b) -> int:
+        """Bucket b's preferred micro-batch size (least GPU-seconds per sample), cached."""
+        m = self._mbs.get(b)
+        if m is None:
+            opts = self.ctx.bucket_options(b, self.mode)
+            m = self._mbs[b] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))].layout.mbs
+        return m
 
     def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Per micro-batch and degree, its time alone (inf where it does not fit)."""
@@ -265,44 +284,55 @@ class SamplePacker:
                     heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
                 free -= k
 
-    def plan(self, ids: list[int], max_items: int | None = None) -> tuple[list[Group], float] | None:
+    def plan(self, ids: list[int], max_items: int | None = None,
+             beat: Callable[[], float] | None = None) -> tuple[list[Group], float] | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
-        the best target, packing samples one per micro-batch or, when buckets prefer more,
-        in micro-batches of their preferred size, each in three orders (see the module
-        docstring); the fastest of these. With `max_items`, only the micro-batches of
-        preferred size are packed, opening new groups first (`pack`'s `open_first`), and only
-        if there are at most that many (None if more): steps of many samples per GPU, where
-        each way costs the most; on the heavy-tail steps measured the other ways packed no
-        tighter (`benchmarks/scale_cpu_2026-12-03.md`)."""
+        the best target, packing samples one per micro-batch (with at most `ONE_PER_GPU`
+        samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
+        size, each in three orders (see the module docstring); the fastest of these. With
+        `max_items`, only the micro-batches of preferred size are packed, opening new groups
+        first (`pack`'s `open_first`), and only if there are at most that many (None if
+        more): steps of many samples per GPU, where each way costs the most; on the
+        heavy-tail steps measured the other ways packed no tighter
+        (`benchmarks/scale_cpu_2026-12-03.md`). Only packings faster than `beat()` (another
+        plan's predicted time, asked once there is something to pack) and than the ways before
+        are sought: a way stops where no target up to that packs (preferred sizes first: they
+        pack tighter more often)."""
         if not ids:
             return None
-        merged = self.items(ids)
+        merged = self.items(ids, max_items)
+        if merged is None:
+            return None
         if max_items is not None:
-            if len(merged) > max_items:
-                return None
             ways = [merged]
+        elif len(merged) == len(ids) or len(ids) <= ONE_PER_GPU * self.world:
+            ways = ([merged] if len(merged) < len(ids) else []) + [[(i,) for i in ids]]
         else:
-            ways = [[(i,) for i in ids]]
-            if len(merged) < len(ids):
-                ways.append(merged)
+            ways = [merged]
         timed = [(items, self.times(items)) for items in ways]
+        beaten = math.inf if beat is None else beat()
         best = None
         orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
         for by_time, open_first in orders:
             for items, t in timed:
-                got = self._plan_items(items, t, by_time, open_first)
+                ceiling = min(beaten, math.inf if best is None else best[1]) * (1 - MIN_GAIN)
+                got = self._plan_items(items, t, by_time, open_first, ceiling)
                 if got is not None and (best is None or got[1] < best[1] * (1 - MIN_GAIN)):
                     best = got
         return best
 
-    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool,
-                    open_first: bool) -> tuple[list[Group], float] | None:
+    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool,
+                    ceiling: float = math.inf) -> tuple[list[Group], float] | None:
         ids = [it[0] for it in items]
         f = self.alone(t)
         fast = f.min(axis=1)
         if not np.isfinite(fast).all():
             return None
-        ts = np.unique(f[np.isfinite(f) & (f >= float(fast.max()))])
+        # no target below this packs: every micro-batch finishes within it, and the groups'
+        # GPU-seconds (at least each micro-batch's least) fit world x target
+        floor = max(float(fast.max()), float(np.min(t * self.kf, axis=1).sum()) / self.world)
+        if floor >= ceiling:
+            return None  # no packing of these finishes earlier than the ceiling
         packed: dict[float, list[list] | None] = {}  # per target: the search and the final pass share them
 
         def pack(T: float) -> list[list] | None:
@@ -310,32 +340,9 @@ class SamplePacker:
                 packed[T] = self.pack(ids, t, f, T, by_time, open_first)
             return packed[T]
 
-        top = float(ts[-1])
-        for _ in range(64):  # more samples than groups at their own times: targets of several samples each
-            if pack(top) is not None:
-                break
-            top *= 2
-        else:
+        targets = search_targets(pack, f, floor, ceiling)
+        if targets is None:
             return None
-        if top > ts[-1]:
-            ts = np.append(ts, top)
-        lo, hi = 0, len(ts) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pack(float(ts[mid])) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        targets = [float(ts[i]) for i in range(lo, min(lo + 3, len(ts)))]  # not monotone in T: a few above
-        if lo > 0:  # below the first feasible time the degrees stay those of the time before: bisect T there
-            a, b = float(ts[lo - 1]), float(ts[lo])
-            for _ in range(CONTINUOUS_STEPS):
-                mid = (a + b) / 2
-                if pack(mid) is not None:
-                    b = mid
-                else:
-                    a = mid
-            targets.append(b)
         best = None
         for T in targets:
             got = pack(T)

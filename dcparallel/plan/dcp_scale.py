@@ -16,22 +16,23 @@ sample, so it fits every sample of the bucket. Per step:
    every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
    batch of array operations per pass; a part that goes on searches the rest in its own.
    Work that a floor (`dcp_search.plan_floor`, `rows_floor`) proves cannot change the plans
-   kept, or the candidates expanded, is skipped: the plans are those of the full search.
+   kept, or the candidates expanded, is skipped: the plans are those of the full search. A
+   step whose one-phase plan is above its bound is searched again with the micro-batches
+   also capped below T (`CAP_FRACTIONS`: many shapes of a few samples each share groups).
 2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
    degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
    a number of groups, their contents — by the longest-processing-time rule applied to
    whole classes; ranks left over go to the degree that finishes last while that helps.
-3. **Two phases** (as `dcp` did before): the step's wide micro-batches first, then the
-   narrow ones on their own groups over the same ranks, for each split degree; kept when
-   predicted faster.
+3. **Two phases**: the step's wide micro-batches first, then the narrow ones on their own
+   groups over the same ranks, for each split degree; kept when predicted faster.
 4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept; least
    floor first, one whose floor (`dcp_search.expanded_floor`) is above a prediction made is skipped.
-5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted well above
-   the step's bound, the step is also packed sample by sample (each sample timed alone at
-   every degree); the plan the score predicts faster is kept. Larger steps predicted well
-   above it (a heavy tail of long samples) are packed the same way in micro-batches of each
-   bucket's preferred size, when there are at most `PACK_MAX_ITEMS` of them.
+5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted (or, with at
+   most a sample per GPU, scored) well above the step's bound, the step is also packed sample
+   by sample (each sample timed alone at every degree); the plan the score predicts faster
+   is kept. Larger steps predicted well above it (a heavy tail of long samples) are packed
+   in micro-batches of each bucket's preferred size, if at most `PACK_MAX_ITEMS` of them.
 
 Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU whose class plan is above the
 bound are also planned over finer classes (`SUB_BINS` length ranges per bucket, each sized by its
@@ -50,16 +51,19 @@ broken by fixed orders), so every rank computes the same plan.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import allocate, deal_classes
+from dcparallel.plan.dcp_classes import ClassPlan, allocate, deal_classes, distinct_plans, plan_sig
 from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp_sample import SamplePacker
 from dcparallel.plan.dcp_search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
 from dcparallel.plan.dcp_setup import (
     AT_BOUND,
+    CAP_FRACTIONS,
+    CAP_GATE,
     EXPAND_WITHIN,
     FEW_MAX_SAMPLES,
     FEW_PER_GPU,
@@ -72,8 +76,10 @@ from dcparallel.plan.dcp_setup import (
     PACK_MAX_ITEMS,
     PACK_MAX_SAMPLES,
     PACK_PER_GPU,
+    PACK_TAIL,
     STALE_STOP,
     SUB_BINS,
+    Once,
     cyclic_gc_paused,
     memo,
     planning_classes,
@@ -203,7 +209,7 @@ class ScalePlanner:
             if found and self._settled(found, keep, plan_floor(tab, rows_of_part, self.world, ki)):
                 break  # no candidate here or at a wider smallest degree can enter the plans kept
             if ki == len(found_by_k):
-                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)))[0]
+                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab["fracs"])[0]
             improved = False
             for c in found_by_k[ki]:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
@@ -224,16 +230,8 @@ class ScalePlanner:
             stale = 0 if improved or not found else stale + 1
             if stale >= STALE_STOP:  # wider minimums in a row did not help: stop (a heuristic bound on the search)
                 break
-        out, seen = [], set()
-        for span, items, counts_by_k in found:
-            sig = (tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items())))
-            if sig in seen:
-                continue
-            seen.add(sig)
-            out.append((span, items, counts_by_k, bnd))  # groups are dealt only for plans that get expanded
-            if len(out) == keep:
-                break
-        return out
+        # groups are dealt only for plans that get expanded
+        return distinct_plans([(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
 
     def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
         """Whether a candidate predicted at `floor` or above would never be expanded: above
@@ -251,7 +249,7 @@ class ScalePlanner:
         for span, items, counts_by_k in found:
             if span >= bound * (1 - 1e-9):
                 return False
-            sigs.add((tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items()))))
+            sigs.add(plan_sig(items, counts_by_k))
             if len(sigs) == keep:
                 return True
         return False
@@ -261,32 +259,43 @@ class ScalePlanner:
             return self._plan_step(step)
 
     def _plan_step(self, step: Step) -> StepPlan:
-        plan, predicted, bound = self._plan(step)
+        plan, predicted, bound, longest = self._plan(step)
         # the gates below open where the class-level plan is above the bound by a factor, or where
         # the chain's plan is above its own bound by it (as they would open on the chain alone)
         chain_at = 0.0
         if self.chained is not None:
-            other, pred_other, chain_bound = self.chained._plan(step)
+            other, pred_other, chain_bound, _ = self.chained._plan(step)
             chain_at = pred_other / chain_bound
             if pred_other < predicted * (1 - REL_TOL):
                 plan, predicted = other, pred_other
         n = len(step.sample_ids)
         if (self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES
                 and (predicted > bound * FINER_GATE or chain_at > FINER_GATE)):
-            other, pred_other, _ = self.finer._plan(step)
+            other, pred_other, _, _ = self.finer._plan(step)
             if pred_other < predicted * (1 - REL_TOL):
                 plan, predicted = other, pred_other
         others = []
         if self.fine is not None and n <= FINE_MAX_SAMPLES:
             others.append(self.fine.plan(step))
-        gate = PACK_GATE_ONE if n <= self.world else PACK_GATE
+        # a heavy tail (its longest micro-batch takes much of the step) is where the packing's
+        # sub-groups gain most, as with few samples per GPU
+        gate = PACK_GATE_ONE if n <= self.world or longest >= bound * PACK_TAIL else PACK_GATE
+        best = None
+        if n <= self.world and predicted > bound * AT_BOUND:
+            # about a sample per GPU or fewer: the class level, which times its samples by weights
+            # interpolated within a class, is least exact; its plan's score (cheap on so few
+            # micro-batches) opens the gate too
+            best = self.score(plan)
+            predicted = max(predicted, best)
+        beat = Once(partial(self.score, plan), best)  # the plan's score, taken when first asked
         if self.packer is not None and (predicted > bound * gate or chain_at > gate):
             few = n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS)
+            # the packing seeks only plans faster than this one
+            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS, beat)
             if got is not None:
                 others.append(self.packer.step_plan(step, got[0]))
         if others:
-            best = self.score(plan)
+            best = beat()
             for other in others:
                 s = self.score(other)
                 if s < best * (1 - REL_TOL):
@@ -307,9 +316,8 @@ class ScalePlanner:
         assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first
         return out, b
 
-    def _plan(self, step: Step) -> tuple[StepPlan, float, float]:
-        """The class-level plan of the step, its predicted compute time and the step's
-        compute bound at class level."""
+    def _plan(self, step: Step) -> ClassPlan:
+        """The class-level plan of the step (`ClassPlan`)."""
         ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
         ids_sorted, b = self._sort(ids)  # by bucket, then longest first, then id
         n = len(ids_sorted)
@@ -330,8 +338,14 @@ class ScalePlanner:
         tab = table(self, present, counts, scale)
         whole = list(range(len(present)))
         first = range(min(FIRST_DEGREES, len(self.sp)))
+        tab["fracs"] = (1.0,)
         ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
+        if ones[0][0] > ones[0][3] * CAP_GATE:  # above the bound: micro-batches capped lower too
+            tab["fracs"] = CAP_FRACTIONS
+            more = self._plan_part(tab, whole, search(self, tab, [whole], first, CAP_FRACTIONS)[0],
+                                   keep=self.expand_best)
+            ones = distinct_plans(sorted(ones + more, key=lambda c: c[0]), self.expand_best)
         one = ones[0]
         cands = [(c[0], [c]) for c in ones]
         if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
@@ -354,7 +368,7 @@ class ScalePlanner:
                     fw, fz = plan_floor(tab, wide, self.world), plan_floor(tab, narrow, self.world)
                     if not self._ranked_out(cands, fw + fz):
                         splits.append((wide, narrow, fw, fz))
-            found = search(self, tab, [part for split in splits for part in split[:2]], first)
+            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab["fracs"])
             for s, (wide, narrow, fw, fz) in enumerate(splits):
                 if self._ranked_out(cands, fw + fz):
                     continue
@@ -376,5 +390,6 @@ class ScalePlanner:
                 got[i] = expand(self, pool[i], ss)
                 least = min(least, got[i][1])
         best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
-        return build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3]
+        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3],
+                         max(tab["longest"]))
 

@@ -4,8 +4,10 @@ within T, if the groups those need fit the world.
 
 The candidate rows of a step's buckets are one array (`table`), a segment per bucket, least
 GPU-seconds first. A *problem* is a part of the step's buckets (one phase: the whole step,
-or one side of a two-phase split) with a smallest allowed SP degree; a target's choice is, per
-bucket of the part, its first row with SP at least that degree and time <= T. Every target
+or one side of a two-phase split) with a smallest allowed SP degree and a cap fraction f; a
+target's choice is, per bucket of the part, its first row with SP at least that degree and
+time <= f T (f < 1: shorter micro-batches, which share groups where f = 1 would give most of
+them a group each). Every target
 of every problem of a search pass is evaluated in one batch of array operations (`fits`), by
 counting per bucket the leading rows whose running minimum time exceeds each target; times
 are compared as integer ranks among the step's distinct times, so problems stack exactly.
@@ -207,7 +209,8 @@ def _floor(work: float, longest: float, world: int) -> float:
     return max(work / world, longest) * (1 - FLOOR_SLACK)
 
 
-def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray]):
+def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
+         fracs: Sequence[float] | None = None):
     """For every problem (a part's bucket positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
     `tab["times"]`; ``len(times)`` is T infinite): whether the choice fits the world, the
@@ -215,10 +218,11 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
 
     Returns (fit [problem, target], first [segment, target] row indices, need [problem,
     target, degree index], each problem's first segment); a problem's segments are its
-    buckets in order. Targets past a problem's own count are padding. A bucket's row for T
-    is its first row with SP >= the smallest degree and time <= T; the groups a degree needs
-    are its work over T, at least one per micro-batch longer than T / 2, at most one per
-    micro-batch (0 for a degree without micro-batches)."""
+    buckets in order. Targets past a problem's own count are padding. A target is a cap C on
+    the micro-batches' time and, with `fracs` (per problem, default 1), the makespan T =
+    C / frac: a bucket's row is its first row with SP >= the smallest degree and time <= C;
+    the groups a degree needs are its work over T, at least one per micro-batch longer than
+    T / 2, at most one per micro-batch (0 for a degree without micro-batches)."""
     nk, num = len(p.sp), len(problems)
     nts = np.array([len(x) for x in targets])
     ntmax = int(nts.max())
@@ -256,6 +260,8 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     # each problem's targets as times, padded with its last
     j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
     T = np.append(tab["times"], math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
+    if fracs is not None:
+        T = T / np.asarray(fracs, dtype=float)[:, None]
     half = (T.take(sprob, axis=0) / 2).ravel()  # [segment, j], flat
     flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab["kpos"][fr]
     size = num * ntmax * nk
@@ -276,24 +282,27 @@ def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
 
 
 class Candidate(NamedTuple):
-    """A layout choice the search found: its target T, the chosen row of each of the part's
-    buckets (`rows_at` gives them as tuples) and the groups it needs per SP degree."""
+    """A layout choice the search found: its makespan target T (its micro-batches' cap over
+    the cap fraction), the chosen row of each of the part's buckets (`rows_at` gives them as
+    tuples) and the groups it needs per SP degree."""
 
     T: float
     first: np.ndarray
     need: dict[int, int]
 
 
-def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: range | None = None
-           ) -> list[list[list[Candidate]]]:
+def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: range | None = None,
+           fracs: Sequence[float] = (1.0,)) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
-    feasible target T and at a few larger ones (distinct choices only). Targets are the part's
-    distinct micro-batch times at that degree or wider, from the longest of its buckets' least
-    times; a coarse pass over `SEARCH_COARSE` of them brackets the smallest that fits, a
-    second pass over the bracket finds it and the candidates after it. If none fits: least
-    work (T infinite), if that fits. All parts and degrees are searched together, one batch
-    per pass; each (part, degree) alone gives the same candidates."""
+    feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
+    first 1; distinct choices only). Targets are the part's distinct micro-batch times at that
+    degree or wider, from the longest of its buckets' least times, taken as caps C with the
+    makespan C / fraction (`fits`); a coarse pass over `SEARCH_COARSE` of them brackets the
+    smallest that fits, a second pass over the bracket finds it and the candidates after it.
+    If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
+    fractions are searched together, one batch per pass; each (part, degree) alone gives the
+    same candidates."""
     nk, nt = len(p.sp), len(tab["times"])
     degrees = range(nk) if degrees is None else degrees
     out: list[list[list[Candidate]]] = [[[] for _ in degrees] for _ in parts]
@@ -317,12 +326,14 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
         li, ri = np.nonzero(hit)
         mark[li, tab["rank"][rows_q][ri]] = True
         for x, ki in enumerate(live.tolist()):
-            problems.append((part, ki, q))
-            ranks.append(mark[x].nonzero()[0])
+            for frac in fracs:
+                problems.append((part, ki, q, frac))
+                ranks.append(mark[x].nonzero()[0])
     if not problems:
         return out
     grids = [_coarse(len(r)) for r in ranks]
-    fit = fits(p, tab, [(part, ki) for part, ki, _ in problems], [r[g] for r, g in zip(ranks, grids)])[0]
+    fit = fits(p, tab, [(part, ki) for part, ki, _, _ in problems], [r[g] for r, g in zip(ranks, grids)],
+               [a for *_, a in problems])[0]
     windows = []
     for x, g in enumerate(grids):
         f = fit[x, :len(g)]
@@ -332,31 +343,34 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
         i = int(f.argmax())
         lo = int(g[i - 1]) + 1 if i > 0 else 0
         windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + 9)))
+    got: list[list[Candidate]] = [[] for _ in problems]
     live = [x for x, w in enumerate(windows) if w is not None]
     if live:
-        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in live], [ranks[x][windows[x]] for x in live])
+        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in live], [ranks[x][windows[x]] for x in live],
+                                        [problems[x][3] for x in live])
         for y, x in enumerate(live):
-            part, ki, q = problems[x]
+            part, _, _, frac = problems[x]
             f = fit[y, :len(windows[x])]
             at = int(f.argmax())
-            got, seen = [], set()
             for i in (at + d for d in CANDIDATE_OFFSETS):
-                if i >= len(f) or not f[i]:
-                    continue
-                rows_i = first[pfirst[y]:pfirst[y] + len(part), i]
-                sig = rows_i.tobytes()  # a bucket's rows are distinct (degree, size) pairs
-                if sig not in seen:
-                    seen.add(sig)
-                    got.append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]), rows_i, _needs(p, need[y, i])))
-            out[q][ki - degrees.start] = got
-    rest = [x for x, w in enumerate(windows) if w is None]
-    if rest:
+                if i < len(f) and f[i]:
+                    got[x].append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]) / frac,
+                                            first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
+    rest = [x for x, w in enumerate(windows) if w is None and problems[x][3] == 1.0]
+    if rest:  # T infinite: the cap is infinite whatever its fraction
         fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in rest], [np.array([nt]) for _ in rest])
         for y, x in enumerate(rest):
-            part, ki, q = problems[x]
             if fit[y, 0]:
-                out[q][ki - degrees.start] = [Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(part), 0],
-                                                        _needs(p, need[y, 0]))]
+                got[x].append(Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(problems[x][0]), 0],
+                                        _needs(p, need[y, 0])))
+    seen: dict[tuple[int, int], set] = {}
+    for (_, ki, q, _), cands in zip(problems, got):  # a (part, degree)'s fractions in order
+        mine = seen.setdefault((q, ki), set())
+        for c in cands:
+            sig = c.first.tobytes()  # a bucket's rows are distinct (degree, size) pairs
+            if sig not in mine:
+                mine.add(sig)
+                out[q][ki - degrees.start].append(c)
     return out
 
 

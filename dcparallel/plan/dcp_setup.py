@@ -38,8 +38,11 @@ PACK_PER_GPU = 8.0
 PACK_MAX_SAMPLES = 4096
 PACK_GATE = 1.05
 #: ... or more than this factor, for steps with at most one sample per GPU (there the class
-#: level, which lays every sample out as its bucket's largest, is least exact)
+#: level, which lays every sample out as its bucket's largest, is least exact; its plan's score
+#: opens the gate too) and for steps whose longest micro-batch takes at least PACK_TAIL of the
+#: bound (a heavy tail: the packing's sub-groups fill a long sample's wide group after it)
 PACK_GATE_ONE = 1.03
+PACK_TAIL = 0.5
 #: larger steps whose class-level plan is predicted more than PACK_GATE x the class-level bound
 #: (a heavy tail of long samples: `dcp_sample`) are packed in micro-batches of each bucket's
 #: preferred size, when there are at most this many of them
@@ -58,6 +61,15 @@ FIRST_DEGREES = 3
 #: ones between the last that does not fit and the first that does
 SEARCH_COARSE = 32
 
+#: a step whose one-phase class-level plan is predicted more than CAP_GATE x its bound is
+#: searched again with its micro-batches also capped at these fractions of the makespan target
+#: (`dcp_search.fits`' `fracs`). At 1 each bucket takes its longest micro-batches that finish
+#: within the target T; with a few samples of each of many shapes (a realistic video mix at a
+#: strong budget) most of those are longer than T / 2 and need a group each, where capped
+#: lower they are shorter and share groups, at some cost in GPU-seconds
+CAP_FRACTIONS = (1.0, 0.75)
+CAP_GATE = 1.01
+
 #: a class-level candidate is expanded only within this factor of the best one's prediction
 EXPAND_WITHIN = 1.02
 
@@ -74,6 +86,19 @@ def memo(cache: dict, key, make: Callable[[], Any], limit: int = ROW_CACHE_LIMIT
             cache.clear()
         hit = cache[key] = make()
     return hit
+
+
+class Once:
+    """A function of no arguments returning `make()`, computed on its first call only
+    (`value`, if given, is that result already)."""
+
+    def __init__(self, make: Callable[[], Any], value: Any = None):
+        self.make, self.value = make, value
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
 
 
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:

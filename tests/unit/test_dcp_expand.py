@@ -28,7 +28,7 @@ from dcparallel.plan.dcp_search import (
     search,
     table,
 )
-from dcparallel.plan.dcp_setup import SEARCH_COARSE
+from dcparallel.plan.dcp_setup import CAP_FRACTIONS, SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -79,17 +79,19 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(p: ScalePlanner, tab: dict, part: list[int], T: float, kmin: int) -> list[tuple] | None:
+def _reference_rows(p: ScalePlanner, tab: dict, part: list[int], C: float, kmin: int,
+                    frac: float = 1.0) -> list[tuple] | None:
     """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
-    >= kmin and time <= T; the choice fits if the groups it needs fit the world."""
+    >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
+    fit the world."""
     chosen = []
     for i in part:
         s, n = int(tab["starts"][i]), int(tab["lens"][i])
-        hit = next((r for r in tab["a"][s:s + n].tolist() if r[3] <= T and r[1] >= kmin), None)
+        hit = next((r for r in tab["a"][s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
         if hit is None:
             return None
         chosen.append(hit)
-    need = _groups_needed(chosen, T)
+    need = _groups_needed(chosen, C / frac)
     if sum(k * g for k, g in need.items()) > p.world:
         return None
     return chosen
@@ -114,16 +116,18 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
     # every distinct time and T infinite; a random subset for every other problem
     targets = [np.arange(len(tab["times"]) + 1) if x % 2 == 0 else
                np.unique(rng.integers(0, len(tab["times"]) + 1, size=5)) for x in range(len(problems))]
-    ok, first, need, pfirst = fits(p, tab, problems, targets)
+    fracs = [(1.0, 0.75, 0.5)[x % 3] for x in range(len(problems))]
+    ok, first, need, pfirst = fits(p, tab, problems, targets, fracs)
     times = np.append(tab["times"], math.inf)
-    for x, ((part, ki), tg) in enumerate(zip(problems, targets)):
-        for j, T in enumerate(times[tg].tolist()):
-            ref = _reference_rows(p, tab, part, T, p.sp[ki])
-            assert bool(ok[x, j]) == (ref is not None), (T, ki)
+    for x, ((part, ki), tg, frac) in enumerate(zip(problems, targets, fracs)):
+        for j, C in enumerate(times[tg].tolist()):
+            ref = _reference_rows(p, tab, part, C, p.sp[ki], frac)
+            assert bool(ok[x, j]) == (ref is not None), (C, ki)
             if ref is not None:
                 assert rows_at(tab, first[pfirst[x]:pfirst[x] + len(part), j]) == [
                     (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref]
-                assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, T)
+                assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == \
+                    _groups_needed(ref, C / frac)
 
 
 def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
@@ -151,11 +155,13 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
 
 
 def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) -> list[tuple]:
-    """The search by its definition, one part and smallest degree at a time: the part's
-    distinct times at kmin or wider from the longest of its buckets' least times; a coarse
-    pass over SEARCH_COARSE of them evenly spread, then every target from after the last
-    coarse one that does not fit to 8 past the first that does; candidates at the first
-    fitting target and 1, 2, 4, 8 after it, distinct choices only; else T infinite."""
+    """The search by its definition, one part and smallest degree at a time, for each cap
+    fraction in turn: the part's distinct times at kmin or wider from the longest of its
+    buckets' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
+    then every cap from after the last coarse one that does not fit to 8 past the first that
+    does; candidates at the first fitting cap and 1, 2, 4, 8 after it (makespan: cap /
+    fraction), distinct choices only over all fractions; if none fits at fraction 1, T
+    infinite."""
     seg = [tab["a"][int(tab["starts"][i]):int(tab["starts"][i] + tab["lens"][i])] for i in part]
     elig = [r[r[:, 1] >= kmin] for r in seg]
     if any(len(r) == 0 for r in elig):
@@ -163,21 +169,26 @@ def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) ->
     floor = max(float(r[:, 3].min()) for r in elig)
     ts = sorted({float(t) for r in elig for t in r[:, 3] if t >= floor})
     coarse = sorted({int(x) for x in np.linspace(0, len(ts) - 1, min(len(ts), SEARCH_COARSE))})
-    hit = next((c for c in coarse if _reference_rows(p, tab, part, ts[c], kmin) is not None), None)
-    if hit is None:
-        ref = _reference_rows(p, tab, part, math.inf, kmin)
-        return [] if ref is None else [(math.inf, ref)]
-    i = coarse.index(hit)
-    window = list(range(coarse[i - 1] + 1 if i > 0 else 0, min(len(ts), hit + 9)))
-    fit = [_reference_rows(p, tab, part, ts[w], kmin) for w in window]
-    at = next(x for x, f in enumerate(fit) if f is not None)
     out, seen = [], set()
-    for x in (at, at + 1, at + 2, at + 4, at + 8):
-        if x < len(window) and fit[x] is not None:
-            sig = tuple((r[1], r[2]) for r in fit[x])
-            if sig not in seen:
-                seen.add(sig)
-                out.append((ts[window[x]], fit[x]))
+    for frac in CAP_FRACTIONS:
+        hit = next((c for c in coarse if _reference_rows(p, tab, part, ts[c], kmin, frac) is not None), None)
+        if hit is None:
+            if frac == 1.0:
+                ref = _reference_rows(p, tab, part, math.inf, kmin)
+                if ref is not None:
+                    seen.add(tuple((r[1], r[2]) for r in ref))
+                    out.append((math.inf, ref))
+            continue
+        i = coarse.index(hit)
+        window = list(range(coarse[i - 1] + 1 if i > 0 else 0, min(len(ts), hit + 9)))
+        fit = [_reference_rows(p, tab, part, ts[w], kmin, frac) for w in window]
+        at = next(x for x, f in enumerate(fit) if f is not None)
+        for x in (at, at + 1, at + 2, at + 4, at + 8):
+            if x < len(window) and fit[x] is not None:
+                sig = tuple((r[1], r[2]) for r in fit[x])
+                if sig not in seen:
+                    seen.add(sig)
+                    out.append((ts[window[x]] / frac, fit[x]))
     return out
 
 
@@ -192,10 +203,11 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     nb = len(present)
     parts = [list(range(nb)), list(range(0, nb, 2)), list(range(nb // 2, nb))]
     parts = [q for q in parts if q]
-    got = search(p, tab, parts)
+    got = search(p, tab, parts, fracs=CAP_FRACTIONS)
     # searched in two ranges of smallest degrees (as `dcp` does: the narrowest first), the same
     cut = min(2, len(p.sp))
-    halves = [a + b for a, b in zip(search(p, tab, parts, range(cut)), search(p, tab, parts, range(cut, len(p.sp))))]
+    halves = [a + b for a, b in zip(search(p, tab, parts, range(cut), CAP_FRACTIONS),
+                                    search(p, tab, parts, range(cut, len(p.sp)), CAP_FRACTIONS))]
     assert [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in halves] == \
         [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in got]
     for part, by_k in zip(parts, got):
@@ -224,7 +236,7 @@ def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
     nb = len(present)
     parts = [list(range(nb)), list(range(nb // 2)), list(range(nb // 2, nb))]
     checked = 0
-    for part, by_k in zip(parts, search(p, tab, parts)):
+    for part, by_k in zip(parts, search(p, tab, parts, fracs=CAP_FRACTIONS)):
         for ki, cands in enumerate(by_k):
             floor = plan_floor(tab, part, p.world, ki)
             assert ki == 0 or floor >= plan_floor(tab, part, p.world, ki - 1)  # it only rises
@@ -359,7 +371,7 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
     ctx = PlanContext(wl, cost(sc.model, cl), cl)
     step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    plan, predicted, bound = p._plan(step)
+    plan, predicted, bound, _ = p._plan(step)
     assert predicted >= bound * (1 - 1e-9)
     assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == sorted(step.sample_ids)
     checked = 0
@@ -587,7 +599,7 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
 
 
 @pytest.mark.parametrize("scenario,dist,world,skips,phases",
-                         [("text", "balanced", 1024, True, {1, 2}), ("video", "short", 1024, False, {1}),
+                         [("text", "balanced", 1024, True, {1, 2}), ("video", "short", 1024, False, {1, 2}),
                           ("text", "long", 512, False, {1, 2})])
 def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(scenario, dist, world, skips, phases,
                                                                                  monkeypatch):

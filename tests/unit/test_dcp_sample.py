@@ -67,7 +67,8 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     """The text scenario's long-context mix (7B model, H200 calibration) at 0.375 samples per
     GPU on 256 GPUs: the class-level plan times every sample of a bucket as its largest;
-    packing them one by one finishes sooner, and `dcp` keeps the faster plan."""
+    packing them one by one finishes sooner, and `dcp` keeps the faster plan. Asked to beat a
+    time, the packing returns its plan only if faster."""
     sc = SCENARIOS["text"]
     cl = sc.cluster(256)
     sizes = tuple(sample_sizes("text", "long", epoch_tokens=sc.tokens_per_step * 4))[:96]
@@ -75,13 +76,16 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     step = form_steps(w.tokens, seed=0, samples_per_step=96)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    class_plan, _, _ = p._plan(step)
+    class_plan = p._plan(step).plan
     packed, span = p.packer.plan(list(step.sample_ids))
     chosen = p.plan(step)
     t = p.score
     assert span < t(class_plan) * 0.9, (span, t(class_plan))  # 3.69 s against 4.69 s when written
     assert t(chosen) <= min(t(class_plan), span) * (1 + 1e-9)
     assert chosen.to_json() == p.packer.step_plan(step, packed).to_json()  # the packed plan was kept
+    # asked only for plans faster than another, it finds the same one, or none if it is not faster
+    assert p.packer.plan(list(step.sample_ids), beat=lambda: span * 1.01)[1] == span
+    assert p.packer.plan(list(step.sample_ids), beat=lambda: span) is None
 
 
 def test_wide_groups_split_into_sub_groups_for_short_samples():
@@ -117,3 +121,32 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
     flat, flat_span = packer.plan(list(step.sample_ids))
     assert packer.step_plan(step, flat).num_phases == 1
     assert span < flat_span * 0.995, (span, flat_span)  # 1.930 s against 2.008 s when written
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 100.0), min_size=1, max_size=40), st.floats(0.5, 150.0), st.floats(0.01, 0.99))
+def test_target_search_finds_the_smallest_target_that_packs(finishes, first, below):
+    """Where packing at T succeeds exactly from some T* on (monotone), `search_targets` returns
+    T* if it is a micro-batch's finish, else a target at most CONTINUOUS_GAP above it (or, where
+    its last bisection starts from a step up to 8x wide, 8 x 2^-CONTINUOUS_STEPS), and first
+    the smallest finish at or above T* (or its own step above the floor); it never returns a
+    target that does not pack, and asks for none below the floor."""
+    import numpy as np
+
+    from dcparallel.plan.dcp_targets import CONTINUOUS_GAP, CONTINUOUS_STEPS, search_targets
+
+    f = np.array(finishes + [np.inf])
+    floor = min(first, max(finishes)) * below
+    asked = []
+
+    def pack(T):
+        asked.append(T)
+        return True if T >= first else None
+
+    got = search_targets(pack, f, floor)
+    assert got and all(T >= first for T in got)
+    assert min(asked) >= floor * (1 - 1e-9)
+    assert min(got) <= first * (1 + max(CONTINUOUS_GAP, 8 * 2.0 ** -CONTINUOUS_STEPS)) or min(got) in finishes
+    at_or_above = [x for x in finishes if x >= first]
+    if at_or_above and got[0] not in at_or_above:
+        assert got[0] <= min(at_or_above)  # a step of the search, below the next finish

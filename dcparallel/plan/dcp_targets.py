@@ -1,0 +1,78 @@
+"""The makespan targets `dcp_sample` packs a step at: the smallest that packs and a few above.
+
+A target packs if every micro-batch fits a group finishing within it on the world's ranks.
+Whether one does is not monotone in the target (a larger one changes the degrees the
+micro-batches take), so the search assumes it only to find the first, and the best few
+targets from there are all packed and the fastest packing kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+#: the makespan target is bisected between two of the samples' times (or the floor) until the
+#: bracket is this fraction of it narrow, in at most CONTINUOUS_STEPS steps
+CONTINUOUS_GAP = 2.0 ** -14
+CONTINUOUS_STEPS = 12
+#: the search for the smallest target that packs steps up from the floor by this fraction of
+#: it, then by GALLOP_GROWTH times more each step
+GALLOP_FIRST = 2.0 ** -9
+GALLOP_GROWTH = 8
+#: the floor is lowered by this fraction, far above the rounding of its sums
+FLOOR_SLACK = 1e-9
+
+
+def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, floor: float,
+                   ceiling: float = math.inf) -> list[float] | None:
+    """The targets to pack at (None if none up to `ceiling` packs): the smallest that packs
+    and, as packing is not monotone in the target, the next two of the micro-batches'
+    finishes above it.
+
+    `pack(T)` packs at T (None where it does not; callers cache it: the same targets are
+    asked again), `finish` holds every micro-batch's finish at every degree (inf where it
+    does not fit), and no target below `floor` packs. The search steps up from the floor, by
+    GALLOP_FIRST of it and then GALLOP_GROWTH times more each step, until a target packs;
+    bisects among the finishes inside that last step for the first that packs; and bisects
+    below it (where the micro-batches' degrees stay those of the finish before) until the
+    bracket is CONTINUOUS_GAP of the target narrow. The last bisection's target is added
+    when below the first. A few packings where the target is close to the floor (efficient
+    steps), about the log of the finishes in the step otherwise. With a ceiling, one packing
+    there first: where it does not pack, the search ends (packing assumed monotone)."""
+    floor *= 1 - FLOOR_SLACK
+    ts = np.unique(finish[np.isfinite(finish) & (finish >= floor)])
+    if ceiling < math.inf and pack(ceiling) is None:
+        return None  # (a ceiling is a plan to beat: most often, nothing up to it packs)
+    below, T = floor, floor
+    for i in range(64):
+        if pack(T) is not None:
+            break
+        if T >= ceiling:
+            return None
+        below, T = T, min(floor * (1 + GALLOP_FIRST * GALLOP_GROWTH ** i), ceiling)
+    else:
+        return None
+    inner = np.append(ts[(ts > below) & (ts < T)], T)
+    lo, hi = 0, len(inner) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pack(float(inner[mid])) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    first = float(inner[lo])
+    targets = [first] + [float(x) for x in ts[ts > first][:2]]
+    a, b = (float(inner[lo - 1]) if lo > 0 else below), first
+    for _ in range(CONTINUOUS_STEPS):
+        if b - a <= b * CONTINUOUS_GAP:
+            break
+        mid = (a + b) / 2
+        if pack(mid) is not None:
+            b = mid
+        else:
+            a = mid
+    if b < first:
+        targets.append(b)
+    return targets
