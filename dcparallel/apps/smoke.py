@@ -23,7 +23,7 @@ import torch
 
 from dcparallel.apps.presets import LLAMAS, llama
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import per_token_loss
+from dcparallel.loss import per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
