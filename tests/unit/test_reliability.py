@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from dcparallel import checkpoint
-from dcparallel.apps.faults import Fault, parse_faults
-from dcparallel.apps.train import run
 from dcparallel.apps.train_config import Config
 from dcparallel.cost.schema import Profile
 from dcparallel.data.sizes import check_step_budget
 from dcparallel.scenarios import read_lengths
+from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DCPARALLEL_FAULT
 
 # ---------------------------------------------------------------- config
 
