@@ -78,7 +78,7 @@ class Trainer:
                              f"marker); it cannot be resumed safely: delete {self.ckroot} or choose another out_dir")
         self.model, self.tokenizer = load_model(self.cfg, self.launch.device)
         self.data = read_data(self.cfg, self.model, self.tokenizer, self.synthetic_sizes)
-        self.dc = self._wrap()
+        self._wrap()
         # the checkpoint is found and its config compared before any profiling
         ck = checkpoint.latest(self.ckroot, reads=lambda m: train_checkpoint.reads(m, self.rank, self.opt_range))
         self.key = self.cfg.resume_key()
@@ -99,21 +99,20 @@ class Trainer:
         self.scheduler = self._scheduler()
         return True
 
-    def _wrap(self):
-        """The model in a `DataCentricParallel`, and this rank's ZeRO-1 range of the flat
-        optimizer state (``opt_range``; shard_size 1 only)."""
+    def _wrap(self) -> None:
+        """The model in a `DataCentricParallel` (``dc``), and this rank's ZeRO-1 range of the
+        flat optimizer state (``opt_range``; shard_size 1 only)."""
         from dcparallel import DataCentricParallel
 
         t, extra = self.t, {}
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
-        dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, memory_bytes=t.memory_mib * 2**20 or None,
-                                 shard_size=t.shard_size, **extra)
+        self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
+                                           memory_bytes=t.memory_mib * 2**20 or None, **extra)
         self.opt_range = None
         if dc.shard_size == 1:
             lo = min(self.rank * dc.shard_numel, dc.numel)
             self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
-        return dc
 
     def _check_resumable(self, ck) -> bool:
         t = self.t
