@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from dcparallel.data.collate import text_batch, video_batch
+from dcparallel.loss import per_token_loss, shift_labels
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss, shift_labels
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine, sample_seed
 from dcparallel.spec import Layout, Recompute

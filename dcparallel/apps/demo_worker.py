@@ -43,7 +43,7 @@ def samples_hash(step_ids: list[list[int]]) -> str:
 def lm_micro_batch(dc, model, batch) -> None:
     """Forward and backward of one text `Batch` in its micro-batch context (the loss summed
     over the shard's targets; `dc.sync_gradients()` normalizes by the step's count)."""
-    from dcparallel.models.llama import per_token_loss
+    from dcparallel.loss import per_token_loss
 
     with dc.micro_batch(batch) as ctx:
         ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from dcparallel.apps.presets import PRESETS, parse_buckets
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.loss import per_token_loss
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL
 from dcparallel.plan.types import NoLayoutFits
