@@ -83,9 +83,11 @@ def worker(args: argparse.Namespace) -> int:
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
     t0 = time.perf_counter()
     # micro-batch sizes doubled while throughput does not fall (min_gain 0: a noisy small
-    # layout must not end a chain early; packed bins are priced from the largest measured)
+    # layout must not end a chain early; packed bins are priced from the largest measured);
+    # every layout on the reference clock (the machine's load drifts over the profile's
+    # minutes, `profile.drift`), so rounds stop at +-5% (more buy nothing the drift takes back)
     config = ProfilerConfig(repeats=3, min_time_s=0.4, min_gain=0.0, max_mbs=16, max_tokens=4096,
-                            progress=rank == 0)
+                            rel_tol=0.05, max_repeats=12, reference=True, progress=rank == 0)
     profiler = Profiler(model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config,
                         engine=dc)
     profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))

@@ -29,6 +29,10 @@ class ProfilerConfig:
     (`profile.robust`), up to ``max_repeats``"""
     outlier_k: float = 3.5
     """a round more than this many scaled MADs from the median is an outlier and dropped"""
+    reference: bool = False
+    """time a fixed reference run (smallest bucket, one sample, SP 1, one layer) in every round and
+    rescale every layout's time to the profile's median reference time (`profile.drift`): for
+    shared machines, whose load drifts over the minutes a profile takes"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None

@@ -9,6 +9,10 @@ the hidden state through) and extrapolates time and activation memory linearly t
 depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). Each timed round
 runs both depths back to back (slow drifts of a shared machine cancel in the pair) and gives
 one full-depth estimate; rounds go on until their median is stable (`profile.robust`).
+With ``ProfilerConfig.reference``, a fixed reference run is timed in every round too and each
+layout's time is rescaled to the profile's median machine speed (`profile.drift`: load that
+drifts over the minutes of a profile would otherwise price layouts measured at different
+moments on different clocks).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
@@ -47,6 +51,7 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
+from dcparallel.profile.drift import ReferenceClock, rescale
 from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
@@ -120,6 +125,7 @@ class Profiler:
         self.dtype = shards.compute_dtype(self.engine)
         self.timer = Timer(self.device)
         self.memory_limit = self._budget()
+        self.clock: ReferenceClock | None = None  # set by `run` with ProfilerConfig.reference
 
     # ------------------------------------------------------------------ what it is valid for
 
@@ -162,7 +168,8 @@ class Profiler:
             # narrowly (fewer micro-batch sizes, other modes) or timed more briefly is another profile
             "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
                        "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
-            "timing": {k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+            "timing": {**{k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+                       **({"reference": True} if self.config.reference else {})},
             **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
         }
 
@@ -250,11 +257,14 @@ class Profiler:
             round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
             rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
+            mark = self.clock.mark() if self.clock else 0
 
             def one_round() -> float:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                         times[d].append(self.timer.time(lambda: self._run(inputs)))
+                if self.clock:
+                    self.clock.tick()
                 return round_estimates(times[depths[0]][-1:], times[depths[1]][-1:], *depths[:2],
                                        self.spec.num_layers)[0]
 
@@ -273,12 +283,38 @@ class Profiler:
             finally:
                 gc.enable()
             out.update(memory={d: mem[d] for d in depths}, **summarize_rounds(times, depths[:2], xs, cfg.outlier_k))
+            if self.clock:
+                out["reference_s"] = self.clock.since(mark)
             return out
         finally:
             inputs = None
             self.engine.zero_grad()
             if oom[0]:
                 free_memory(self.device)
+
+    def _reference_clock(self, size: Size) -> ReferenceClock | None:
+        """The reference run (`profile.drift`): one sample of ``size`` on this rank alone (SP 1),
+        no recomputation, one layer; None when it does not fit (then no layout is rescaled)."""
+        layout = Layout(1, 1, Recompute.static("none", self.spec.num_layers))
+        inputs = self.make_inputs(size, layout, (self.rank,), self.rank)
+
+        def run() -> float:
+            with active_depth(self.layers, self.unit, self.engine.adapter.skip_block):
+                return self.timer.time(lambda: self._run(inputs))
+
+        try:
+            run()  # warm-up
+            fits = True
+        except torch.OutOfMemoryError:
+            fits = False
+            free_memory(self.device)
+        finally:
+            self.engine.zero_grad()
+        if not all(comm.all_gather_object(fits)):
+            log.warning("the reference run (one sample of %s, one layer) does not fit: layout times are not "
+                        "rescaled for load drift", size)
+            return None
+        return ReferenceClock(run)
 
     # ------------------------------------------------------------------ the whole profile
 
@@ -317,6 +353,8 @@ class Profiler:
         local: list[ProfileEntry] = []
         clamped = 0
         state = self.model_state_bytes()
+        if cfg.reference:
+            self.clock = self._reference_clock(min((b for b in buckets), key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
             group = self.engine.groups.group(ranks)
             size = b.size
@@ -350,6 +388,9 @@ class Profiler:
                         max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
                     entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
                                       "memory_bytes": [m[d1], m[d2]]}
+                    ref = [r.get("reference_s") for r in res]
+                    if all(ref):  # the group's ranks share the machine: their mean speed
+                        entry.measured["reference_s"] = sum(ref) / len(ref)
                     if not fits:
                         entry.reason = "over_budget"
                     if L in t and L > d2:
@@ -359,8 +400,10 @@ class Profiler:
                     local.append(entry)
                     if not fits:
                         break
-                    tput = mbs / t_l
-                    if mbs > 1 and tput < best * (1 + cfg.min_gain):
+                    # samples/s on the reference clock (load drift cancels); a drop within the
+                    # layout's own spread is noise and does not end the chain
+                    tput = mbs / t_l * entry.measured.get("reference_s", 1.0)
+                    if mbs > 1 and tput * (1 + (entry.time_spread or 0.0)) < best * (1 + cfg.min_gain):
                         break
                     best = max(best, tput)
                     tokens = self.spec.tokens(size)
@@ -377,6 +420,8 @@ class Profiler:
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
                          key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
+        reference_s = rescale(entries)  # every layout on the profile's median machine speed
+        self.clock = None
         clamped = sum(comm.all_gather_object(clamped))
 
         feasible = {e.bucket for e in entries if e.feasible}
@@ -393,7 +438,8 @@ class Profiler:
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
                           grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer,
                                                         shards.sync_group(self.engine)),
-                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size)
+                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size,
+                          reference_s=reference_s)
         if self.rank == 0 and profile.noise_warning():
             log.warning(profile.noise_warning())
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
