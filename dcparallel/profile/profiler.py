@@ -51,17 +51,17 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
-from dcparallel.profile.drift import ReferenceClock, rescale
 from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
+from dcparallel.profile.drift import ReferenceClock, rescale
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
     active_depth,
     device_name,
-    extrapolate,
     free_memory,
     grad_sync_seconds,
+    group_entry,
 )
 from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
@@ -354,7 +354,7 @@ class Profiler:
         clamped = 0
         state = self.model_state_bytes()
         if cfg.reference:
-            self.clock = self._reference_clock(min((b for b in buckets), key=lambda b: b.tokens).size)
+            self.clock = self._reference_clock(min(buckets, key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
             group = self.engine.groups.group(ranks)
             size = b.size
@@ -364,42 +364,12 @@ class Profiler:
                     full = mbs == 1 and (b.key, sp, mode) in validate and L > d2
                     mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
                     res = comm.all_gather_object(mine, group)
-                    depths = [d for d in res[0].get("time", {})] if all(r["ok"] for r in res) else []
                     entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks))
-                    if not all(r["ok"] for r in res):
-                        entry.feasible, entry.reason = False, "oom"
-                        entry.error = next(r["error"] for r in res if not r["ok"])
-                        local.append(entry)
-                        break
-                    t = {d: max(r["time"][d] for r in res) for d in depths}
-                    m = {d: max(r["memory"][d] for r in res) for d in depths}
-                    # t_L = t2 + (L - d2) x (time of one layer); the layer's time is the median of
-                    # the per-round differences (t2 - t1) / (d2 - d1): both depths of a round run
-                    # back to back, so load drifting on a shared machine cancels in each pair
-                    slope = max(r["slope"] for r in res)
-                    if slope < 0:  # noise larger than a layer: no per-layer time resolved
-                        clamped += 1
-                        slope = 0.0
-                    t_l = t[d2] + (L - d2) * slope
-                    m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
-                    fits = self.memory_limit is None or state + m_l <= self.memory_limit
-                    entry.time_s, entry.memory_bytes, entry.feasible = t_l, m_l, fits
-                    entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
-                        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
-                    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
-                                      "memory_bytes": [m[d1], m[d2]]}
-                    ref = [r.get("reference_s") for r in res]
-                    if all(ref):  # the group's ranks share the machine: their mean speed
-                        entry.measured["reference_s"] = sum(ref) / len(ref)
-                    if not fits:
-                        entry.reason = "over_budget"
-                    if L in t and L > d2:
-                        entry.validation = {"time_s": t[L], "memory_bytes": m[L]}
-                    elif res[0].get("validation_error"):
-                        entry.validation = {"error": res[0]["validation_error"]}
+                    clamped += group_entry(entry, res, d1, d2, L, state, self.memory_limit)
                     local.append(entry)
-                    if not fits:
+                    if not entry.feasible:
                         break
+                    t_l = entry.time_s
                     # samples/s on the reference clock (load drift cancels); a drop within the
                     # layout's own spread is noise and does not end the chain
                     tput = mbs / t_l * entry.measured.get("reference_s", 1.0)
