@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import logging
+import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -92,6 +93,10 @@ def worker(args: argparse.Namespace) -> int:
                         engine=dc)
     profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))
     profile_s = time.perf_counter() - t0
+    # the profile's reference run, timed between the steps of every timed run: the machine's
+    # speed during the run against the speed the profile prices at (`profile.drift`)
+    clock = (profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size)
+             if profile.reference_s else None)
 
     # -- the memory budget: the longest sample does not fit one rank even with full
     # recomputation, so it needs SP = 2 (and, at this budget, recomputation there too)
@@ -135,7 +140,7 @@ def worker(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     for rep in range(args.repeats):
         for policy in args.policies:
-            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups)
+            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
             prev = results.get(policy)
             if prev is not None and (run["samples_hash"], run["losses"]) != (prev["samples_hash"], prev["losses"]):
                 raise RuntimeError(f"{policy}: repeat {rep} trained different samples or got different losses "
@@ -159,10 +164,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> dict:
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
-    per-rank busy spans of each step."""
+    per-rank busy spans of each step. ``clock``: the profile's `ReferenceClock`, ticked twice
+    after every step outside the timed wall (``reference_s``: the median over both ranks)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
@@ -173,6 +179,8 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
     loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
                                tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
     losses, step_ids, steps_log = [], [], []
+    mark = clock.mark() if clock else 0
+    paused = 0.0
     comm.barrier()
     start = time.perf_counter()
     for step in loader:
@@ -189,14 +197,20 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
         steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
                           "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
-    wall = time.perf_counter() - start
+        if clock:
+            a = time.perf_counter()
+            clock.tick()
+            clock.tick()
+            paused += time.perf_counter() - a
+    wall = time.perf_counter() - start - paused
     logs = comm.all_gather_object(steps_log)
+    refs = [t for ts in comm.all_gather_object(clock.times[mark:] if clock else []) for t in ts]
     walls = comm.all_gather_object(wall)
     tokens = sum(lengths[i] for ids in step_ids for i in ids)
     return {
         "wall_s": max(walls), "tokens_per_s": tokens / max(walls), "steps": len(step_ids),
         "samples": sum(len(x) for x in step_ids), "samples_hash": samples_hash(step_ids),
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-        "rank_steps": logs,
+        "rank_steps": logs, "reference_s": statistics.median(refs) if refs else None,
     }
 

@@ -292,7 +292,7 @@ class Profiler:
             if oom[0]:
                 free_memory(self.device)
 
-    def _reference_clock(self, size: Size) -> ReferenceClock | None:
+    def reference_clock(self, size: Size) -> ReferenceClock | None:
         """The reference run (`profile.drift`): one sample of ``size`` on this rank alone (SP 1),
         no recomputation, one layer; None when it does not fit (then no layout is rescaled)."""
         layout = Layout(1, 1, Recompute.static("none", self.spec.num_layers))
@@ -354,7 +354,7 @@ class Profiler:
         clamped = 0
         state = self.model_state_bytes()
         if cfg.reference:
-            self.clock = self._reference_clock(min(buckets, key=lambda b: b.tokens).size)
+            self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
             group = self.engine.groups.group(ranks)
             size = b.size
