@@ -71,7 +71,9 @@ def worker(args: argparse.Namespace) -> int:
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
     torch.set_num_threads(1)
-    init_distributed(device="cpu", timeout=timedelta(seconds=120))  # the demo compares CPU ranks
+    # the demo compares CPU ranks; profiling waits up to minutes in a collective for the slower
+    # rank's SP-1 layouts on a loaded machine (ranks measure different buckets at SP 1)
+    init_distributed(device="cpu", timeout=timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
     lengths = [int(x) for x in (out / "lengths.txt").read_text().split()]
