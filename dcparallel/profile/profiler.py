@@ -9,10 +9,7 @@ the hidden state through) and extrapolates time and activation memory linearly t
 depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). Each timed round
 runs both depths back to back (slow drifts of a shared machine cancel in the pair) and gives
 one full-depth estimate; rounds go on until their median is stable (`profile.robust`).
-With ``ProfilerConfig.reference``, a fixed reference run is timed in every round too and each
-layout's time is rescaled to the profile's median machine speed (`profile.drift`: load that
-drifts over the minutes of a profile would otherwise price layouts measured at different
-moments on different clocks).
+``ProfilerConfig.reference`` puts every layout on one clock against load drift (`profile.drift`).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
@@ -51,7 +48,12 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
-from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
+from dcparallel.profile.config import (  # noqa: F401 (re-exported)
+    ProfilerConfig,
+    ProfileStats,
+    group_buckets,
+    representative_sizes,
+)
 from dcparallel.profile.drift import ReferenceClock, rescale
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
@@ -95,19 +97,7 @@ class Profiler:
             raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
                              f"model gives {len(self.layers)} blocks; pass layers_per_unit so that "
                              f"blocks = spec.num_layers x layers_per_unit")
-        if not 2 <= self.config.depth <= spec.num_layers:
-            raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
-                             f"layers (stacks of depth-1 and depth layers are measured)")
-        c = self.config
-        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1),
-                                 ("max_repeats", c.max_repeats, c.repeats)):
-            if value < low:
-                raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
-        if c.min_gain < 0:
-            raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {c.min_gain}")
-        bad = [m for m in self.config.modes if m not in STATIC_MODES]
-        if bad:
-            raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
+        self.config.check(spec.num_layers)
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
         self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads, cluster=cluster)
@@ -293,28 +283,26 @@ class Profiler:
                 free_memory(self.device)
 
     def reference_clock(self, size: Size) -> ReferenceClock | None:
-        """The reference run (`profile.drift`): one sample of ``size`` on this rank alone (SP 1),
-        no recomputation, one layer; None when it does not fit (then no layout is rescaled)."""
-        layout = Layout(1, 1, Recompute.static("none", self.spec.num_layers))
-        inputs = self.make_inputs(size, layout, (self.rank,), self.rank)
+        """The reference run (`profile.drift`): one sample of ``size`` alone on this rank, no
+        recomputation, one layer; None (no layout is rescaled) when it does not fit every rank."""
+        inputs = self.make_inputs(size, Layout(1, 1, Recompute.static("none", self.spec.num_layers)),
+                                  (self.rank,), self.rank)
 
         def run() -> float:
             with active_depth(self.layers, self.unit, self.engine.adapter.skip_block):
                 return self.timer.time(lambda: self._run(inputs))
 
+        fits = True
         try:
             run()  # warm-up
-            fits = True
         except torch.OutOfMemoryError:
             fits = False
-            free_memory(self.device)
-        finally:
-            self.engine.zero_grad()
-        if not all(comm.all_gather_object(fits)):
-            log.warning("the reference run (one sample of %s, one layer) does not fit: layout times are not "
-                        "rescaled for load drift", size)
-            return None
-        return ReferenceClock(run)
+        self.engine.zero_grad()
+        if all(comm.all_gather_object(fits)):
+            return ReferenceClock(run)
+        free_memory(self.device)
+        log.warning("the reference run (one sample of %s) does not fit: no rescaling for load drift", size)
+        return None
 
     # ------------------------------------------------------------------ the whole profile
 
@@ -336,13 +324,7 @@ class Profiler:
         d1 = d2 - 1
         validate = cfg.validation_set(buckets, self.sp_sizes)
 
-        plan = []  # (sp, ranks, bucket) this rank measures, in order
-        for sp in self.sp_sizes:
-            start = self.rank // sp * sp
-            ranks = tuple(range(start, start + sp))
-            num_groups = self.world // sp
-            for b in buckets[start // sp :: num_groups]:
-                plan.append((sp, ranks, b))
+        plan = group_buckets(buckets, self.sp_sizes, self.world, self.rank)  # (sp, ranks, bucket), in order
         bar = None
         if cfg.progress:
             from tqdm import tqdm
