@@ -29,7 +29,7 @@ import scipy
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.flexsp import slot_program
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps

@@ -12,13 +12,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.plan import dcp_refine
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_classes import allocate
-from dcparallel.plan.dcp_expand import Phase, deal_orders
-from dcparallel.plan.dcp_refine import refine, spill
-from dcparallel.plan.dcp_scale import ScalePlanner
-from dcparallel.plan.dcp_search import (
+from dcparallel.plan.dcp import refine as dcp_refine
+from dcparallel.plan.dcp.classes import allocate
+from dcparallel.plan.dcp.config import CAP_FRACTIONS, SEARCH_COARSE
+from dcparallel.plan.dcp.expand import Phase, deal_orders
+from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.refine import refine, spill
+from dcparallel.plan.dcp.search import (
     fits,
     part_bound,
     plan_floor,
@@ -28,7 +29,6 @@ from dcparallel.plan.dcp_search import (
     search,
     table,
 )
-from dcparallel.plan.dcp_setup import CAP_FRACTIONS, SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -491,7 +491,7 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
     and a plan sent to another process (pickled) is the same plan."""
     import pickle
 
-    from dcparallel.plan.dcp_expand import PhaseGroups
+    from dcparallel.plan.dcp.expand import PhaseGroups
 
     seen_phases, seen_idle = set(), 0
     for world, budget, scenario, dist in [(128, "weak", "text", "short"), (256, "weak", "video", "long"),
@@ -574,13 +574,13 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     whose parts' floors rank it below the candidates expanded. With every skip off (floors
     that never skip), the plans of weak-scaled steps of the scale report are the same, group
     by group."""
-    import dcparallel.plan.dcp_scale as dcp_scale
+    from dcparallel.plan.dcp import portfolio
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
     asked = {"rows_floor": 0, "plan_floor": 0}
 
     def counting(name):
-        floor = getattr(dcp_scale, name)
+        floor = getattr(portfolio, name)
 
         def ask(*args):
             asked[name] += 1
@@ -588,11 +588,11 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
         return ask
 
     for name in asked:
-        monkeypatch.setattr(dcp_scale, name, counting(name))
+        monkeypatch.setattr(portfolio, name, counting(name))
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     # floors that never skip: -inf is below every plan
-    monkeypatch.setattr(dcp_scale, "rows_floor", lambda tab, first, world: -math.inf)
-    monkeypatch.setattr(dcp_scale, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
+    monkeypatch.setattr(portfolio, "rows_floor", lambda tab, first, world: -math.inf)
+    monkeypatch.setattr(portfolio, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
@@ -610,10 +610,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
     and two-phase plans; the plans with skipping on are the same, group by group, and at
     weak 1024 text/balanced fewer candidates are expanded (`skips`; `phases`: the phase counts
     of the plans expanded in the cell)."""
-    import dcparallel.plan.dcp_scale as dcp_scale
+    from dcparallel.plan.dcp import portfolio
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
-    floor, expand = dcp_scale.expanded_floor, dcp_scale.expand
+    floor, expand = portfolio.expanded_floor, portfolio.expand
     seen = {"expanded": 0, "phases": set()}
 
     def checked(p, parts, ss):
@@ -623,10 +623,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
         seen["phases"].add(len(parts))
         return got
 
-    monkeypatch.setattr(dcp_scale, "expand", checked)
+    monkeypatch.setattr(portfolio, "expand", checked)
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     fast_count = seen["expanded"]
-    monkeypatch.setattr(dcp_scale, "expanded_floor", lambda p, parts, ss: -math.inf)
+    monkeypatch.setattr(portfolio, "expanded_floor", lambda p, parts, ss: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     full_count = seen["expanded"] - fast_count
     assert fast == full

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_classes import class_span as _span
-from dcparallel.plan.dcp_classes import deal_classes
-from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.dcp.classes import class_span as _span
+from dcparallel.plan.dcp.classes import deal_classes
+from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import simulate, step_seconds
@@ -144,7 +144,7 @@ def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
 _PLAN_SCRIPT = """
 import hashlib, json
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_sample import SamplePacker
+from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import step_seconds

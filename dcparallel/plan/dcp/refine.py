@@ -1,4 +1,4 @@
-"""`dcp`'s local searches over an expanded phase (`dcp_expand.Phase`): `refine` balances the
+"""`dcp`'s local searches over an expanded phase (`expand.Phase`): `refine` balances the
 groups of one SP degree by moving or swapping micro-batches between them, `spill` moves
 micro-batches off the phase's slowest group to another degree. Both time each micro-batch
 from its own samples and keep every micro-batch."""
@@ -14,8 +14,8 @@ import numpy as np
 from dcparallel.plan.types import BALANCED, MIN_GAIN
 
 if TYPE_CHECKING:
-    from dcparallel.plan.dcp_expand import Phase
-    from dcparallel.plan.dcp_scale import ScalePlanner
+    from dcparallel.plan.dcp.expand import Phase
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
 
 #: refinement rounds per SP degree; each round pairs up to REFINE_PAIRS of the degree's most
 #: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair

@@ -10,11 +10,12 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, memo
+from dcparallel.plan.dcp.config import ROW_CACHE_LIMIT
+from dcparallel.plan.dcp.tables import memo
 from dcparallel.plan.types import ROUND_EPS, TIME_EPS, StepPlan
 
 if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
 
 
 @dataclass(slots=True)
@@ -277,7 +278,7 @@ def distinct_plans(plans: list[tuple], keep: int) -> list[tuple]:
 
 class ClassPlan(NamedTuple):
     """A step's class-level plan, its predicted compute time, the step's compute bound at class
-    level (`dcp_search.part_bound`) and the longest of its buckets' least micro-batch times."""
+    level (`search.part_bound`) and the longest of its buckets' least micro-batch times."""
 
     plan: StepPlan
     predicted: float

@@ -54,7 +54,7 @@ import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp_targets import search_targets
+from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
 

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import cut_starts
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
+from dcparallel.plan.dcp.classes import cut_starts
+from dcparallel.plan.dcp.config import ROW_CACHE_LIMIT, SEARCH_COARSE
+from dcparallel.plan.dcp.tables import memo
 from dcparallel.plan.types import ROUND_EPS
 
 if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
@@ -174,14 +175,14 @@ def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
 
 
 def expanded_floor(p: ScalePlanner, parts, ss) -> float:
-    """No expansion of this class-level plan (`dcp_expand.expand` of `parts`, with the step's
+    """No expansion of this class-level plan (`expand.expand` of `parts`, with the step's
     samples `ss`) is predicted below this. Per phase: its groups' largest load is at least
     their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
     costs at least its least GPU-seconds at any degree of the phase (refining moves it within
     its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
     samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
     item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
-    samples `expand` cuts it from (`dcp_classes.cut_starts`).
+    samples `expand` cuts it from (`classes.cut_starts`).
     Slightly lowered against rounding."""
     cursor: dict[int, int] = {}
     total = 0.0

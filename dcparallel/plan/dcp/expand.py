@@ -1,7 +1,7 @@
 """`dcp`'s expansion of a chosen class-level plan to sample ids and plan objects.
 
 Micro-batches are dealt to groups, refined with each micro-batch's own time and moved across
-SP degrees (the local searches of `dcp_refine`), and placed on ranks.
+SP degrees (the local searches of `refine`), and placed on ranks.
 
 Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
 to the groups holding that bucket (so every group gets a mix of its bucket's longer and
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import GroupClass, cut_starts
-from dcparallel.plan.dcp_refine import refine, spill
-from dcparallel.plan.dcp_setup import memo
+from dcparallel.plan.dcp.classes import GroupClass, cut_starts
+from dcparallel.plan.dcp.refine import refine, spill
+from dcparallel.plan.dcp.tables import memo
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, StepPlan, micro_batches
 from dcparallel.spec import Layout
 
 if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
 
 #: the placements of the last few distinct group-size lists are kept (steps often repeat them)
 TILE_CACHE_LIMIT = 64

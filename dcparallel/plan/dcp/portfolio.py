@@ -10,12 +10,12 @@ sample, so it fits every sample of the bucket. Per step:
    and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
    efficient narrow layouts); the groups each SP degree needs are estimated from its work
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
-   found among the distinct micro-batch times (`dcp_search`: a coarse pass, then the
+   found among the distinct micro-batch times (`search`: a coarse pass, then the
    bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
    least that degree lets one phase hold a world-wide sample and the rest). The targets of
    every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
    batch of array operations per pass; a part that goes on searches the rest in its own.
-   Work that a floor (`dcp_search.plan_floor`, `rows_floor`) proves cannot change the plans
+   Work that a floor (`search.plan_floor`, `rows_floor`) proves cannot change the plans
    kept, or the candidates expanded, is skipped: the plans are those of the full search. A
    step whose one-phase plan is above its bound is searched again with the micro-batches
    also capped below T (`CAP_FRACTIONS`: many shapes of a few samples each share groups).
@@ -25,10 +25,10 @@ sample, so it fits every sample of the bucket. Per step:
    whole classes; ranks left over go to the degree that finishes last while that helps.
 3. **Two phases**: the step's wide micro-batches first, then the narrow ones on their own
    groups over the same ranks, for each split degree; kept when predicted faster.
-4. **Expansion** (`dcp_expand`): the best few class-level plans become sample ids, are
+4. **Expansion** (`expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept; least
-   floor first, one whose floor (`dcp_search.expanded_floor`) is above a prediction made is skipped.
-5. **Few samples per GPU** (`dcp_sample`): when the class-level plan is predicted (or, with at
+   floor first, one whose floor (`search.expanded_floor`) is above a prediction made is skipped.
+5. **Few samples per GPU** (`sample`): when the class-level plan is predicted (or, with at
    most a sample per GPU, scored) well above the step's bound, the step is also packed sample
    by sample (each sample timed alone at every degree); the plan the score predicts faster
    is kept. Larger steps predicted well above it (a heavy tail of long samples) are packed
@@ -56,11 +56,8 @@ from functools import partial
 import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp_classes import ClassPlan, allocate, deal_classes, distinct_plans, plan_sig
-from dcparallel.plan.dcp_expand import StepSamples, build_plan, expand
-from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
-from dcparallel.plan.dcp_setup import (
+from dcparallel.plan.dcp.classes import ClassPlan, allocate, deal_classes, distinct_plans, plan_sig
+from dcparallel.plan.dcp.config import (
     AT_BOUND,
     CAP_FRACTIONS,
     CAP_GATE,
@@ -79,12 +76,11 @@ from dcparallel.plan.dcp_setup import (
     PACK_TAIL,
     STALE_STOP,
     SUB_BINS,
-    Once,
-    cyclic_gc_paused,
-    memo,
-    planning_classes,
-    sample_weights,
 )
+from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
+from dcparallel.plan.dcp.sample import SamplePacker
+from dcparallel.plan.dcp.search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
+from dcparallel.plan.dcp.tables import Once, cyclic_gc_paused, memo, planning_classes, sample_weights
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, Score, StepPlan
 from dcparallel.spec import Layout
@@ -114,12 +110,12 @@ class ScalePlanner:
         self._packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
         self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
         self._rows: dict[tuple[int, int], np.ndarray] = {}
-        #: `dcp_classes.allocate`'s caches: spans by (classes' id, groups), ids by the classes
+        #: `classes.allocate`'s caches: spans by (classes' id, groups), ids by the classes
         self._spans: dict[tuple, float] = {}
         self._deals: dict[tuple, list] = {}
         self._sigs: dict[tuple, int] = {}
         self._tiles: dict[tuple, list] = {}
-        self._least_gpu: dict[tuple, list] = {}  # `dcp_search.expanded_floor`'s table per set of degrees
+        self._least_gpu: dict[tuple, list] = {}  # `search.expanded_floor`'s table per set of degrees
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
@@ -157,10 +153,10 @@ class ScalePlanner:
             self.finer = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
                                       sub_bins=SUB_BINS)
         if self.world <= FINE_MAX_WORLD and self.sub_bins == 1:
-            from dcparallel.plan.dcp import DCPPlanner
+            from dcparallel.plan.dcp_v1 import DCPPlanner
 
             self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
-        #: per-sample packing for steps with few samples per GPU (`dcp_sample`), at every world
+        #: per-sample packing for steps with few samples per GPU (`sample`), at every world
         #: size (it also beats the per-sample planner on some small-cluster steps)
         self.packer = SamplePacker(ctx, mode) if self.sub_bins == 1 else None
 
@@ -195,7 +191,7 @@ class ScalePlanner:
     def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
         bound) for these buckets (positions in the step's table) in one phase, best first, from
-        their search's candidates per smallest allowed degree (`dcp_search.search`; given for
+        their search's candidates per smallest allowed degree (`search.search`; given for
         the first `FIRST_DEGREES`, the rest searched here if the loop gets there); [] if none."""
         if not part:
             return []
