@@ -15,7 +15,7 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp import refine as dcp_refine
 from dcparallel.plan.dcp.classes import allocate
-from dcparallel.plan.dcp.config import CAP_FRACTIONS, SEARCH_COARSE
+from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.expand import Phase, deal_orders
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp.refine import refine, spill
@@ -36,6 +36,8 @@ from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
+
+CAP_FRACTIONS, SEARCH_COARSE = DEFAULT.cap_fractions, DEFAULT.search_coarse
 
 
 def _scale_cell(scenario: str, dist: str, world: int, steps: int, weak: bool = True,
@@ -371,7 +373,7 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
     ctx = PlanContext(wl, cost(sc.model, cl), cl)
     step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    plan, predicted, bound, _ = p._plan(step)
+    plan, predicted, bound, _ = p.class_plan(step)
     assert predicted >= bound * (1 - 1e-9)
     assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == sorted(step.sample_ids)
     checked = 0
@@ -499,7 +501,7 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
         ctx, steps = _scale_cell(scenario, dist, world, 2, weak=budget == "weak")
         p = ScalePlanner(ctx, step_seconds(ctx))
         for s in steps:
-            plan = p._plan(s)[0]
+            plan = p.class_plan(s)[0]
             assert isinstance(plan._source, PhaseGroups)
             alone = [plan.groups_of(r) for r in range(world)]
             assert plan._groups is None, "building one rank's groups builds no other"
@@ -562,7 +564,7 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
     monkeypatch.setattr(ScalePlanner, "_ranked_out", lambda self, cands, floor: False)
     for s in steps:
-        p._plan(s)
+        p.class_plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
 
 
@@ -574,13 +576,13 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     whose parts' floors rank it below the candidates expanded. With every skip off (floors
     that never skip), the plans of weak-scaled steps of the scale report are the same, group
     by group."""
-    from dcparallel.plan.dcp import portfolio
+    from dcparallel.plan.dcp import classlevel
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
     asked = {"rows_floor": 0, "plan_floor": 0}
 
     def counting(name):
-        floor = getattr(portfolio, name)
+        floor = getattr(classlevel, name)
 
         def ask(*args):
             asked[name] += 1
@@ -588,11 +590,11 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
         return ask
 
     for name in asked:
-        monkeypatch.setattr(portfolio, name, counting(name))
+        monkeypatch.setattr(classlevel, name, counting(name))
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     # floors that never skip: -inf is below every plan
-    monkeypatch.setattr(portfolio, "rows_floor", lambda tab, first, world: -math.inf)
-    monkeypatch.setattr(portfolio, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
+    monkeypatch.setattr(classlevel, "rows_floor", lambda tab, first, world: -math.inf)
+    monkeypatch.setattr(classlevel, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
@@ -610,10 +612,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
     and two-phase plans; the plans with skipping on are the same, group by group, and at
     weak 1024 text/balanced fewer candidates are expanded (`skips`; `phases`: the phase counts
     of the plans expanded in the cell)."""
-    from dcparallel.plan.dcp import portfolio
+    from dcparallel.plan.dcp import classlevel
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
-    floor, expand = portfolio.expanded_floor, portfolio.expand
+    floor, expand = classlevel.expanded_floor, classlevel.expand
     seen = {"expanded": 0, "phases": set()}
 
     def checked(p, parts, ss):
@@ -623,10 +625,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
         seen["phases"].add(len(parts))
         return got
 
-    monkeypatch.setattr(portfolio, "expand", checked)
+    monkeypatch.setattr(classlevel, "expand", checked)
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     fast_count = seen["expanded"]
-    monkeypatch.setattr(portfolio, "expanded_floor", lambda p, parts, ss: -math.inf)
+    monkeypatch.setattr(classlevel, "expanded_floor", lambda p, parts, ss: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     full_count = seen["expanded"] - fast_count
     assert fast == full

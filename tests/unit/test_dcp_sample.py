@@ -76,7 +76,7 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     step = form_steps(w.tokens, seed=0, samples_per_step=96)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    class_plan = p._plan(step).plan
+    class_plan = p.class_plan(step).plan
     packed, span = p.packer.plan(list(step.sample_ids))
     chosen = p.plan(step)
     t = p.score

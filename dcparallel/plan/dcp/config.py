@@ -1,60 +1,82 @@
-"""`dcp`'s tunable thresholds: when each candidate planner of the portfolio runs, how far the
-class-level search goes, how many candidates are expanded, cache sizes."""
+"""`dcp`'s tunables (`DcpConfig`): when each candidate planner of the portfolio runs, how far
+the class-level search goes, how many class-level plans are expanded; the bounds of its caches.
 
-#: worlds and steps small enough to also run the per-sample planner (`ScalePlanner.fine`)
-FINE_MAX_WORLD = 64
-FINE_MAX_SAMPLES = 1024
+One frozen instance is passed to the planner (`DEFAULT`: the values every plan of the scale
+report is made with); the planner and its parts read it, never a module constant."""
 
-#: text steps with at most this many samples per GPU (and FEW_MAX_SAMPLES) are also planned
-#: over `SUB_BINS` classes per bucket (length ranges of 2 ** (1 / SUB_BINS))
-FEW_PER_GPU = 8.0
-FEW_MAX_SAMPLES = 2048
-SUB_BINS = 4
-#: ... when the class-level plan is predicted more than this factor above the step's bound
-FINER_GATE = 1.01
+from __future__ import annotations
 
-#: steps with at most this many samples per GPU (and PACK_MAX_SAMPLES) whose class-level plan
-#: is predicted more than PACK_GATE x the class-level bound are also planned sample by sample
-#: (`sample`). The packing is Python work per sample and per target: about 0.2 s for 900
-#: samples and 2.5 s for 7,800 on the machine of benchmarks/plan-cpu-time_cpu_2026-12-01.md
-PACK_PER_GPU = 8.0
-PACK_MAX_SAMPLES = 4096
-PACK_GATE = 1.05
-#: ... or more than this factor, for steps with at most one sample per GPU (there the class
-#: level, which lays every sample out as its bucket's largest, is least exact; its plan's score
-#: opens the gate too) and for steps whose longest micro-batch takes at least PACK_TAIL of the
-#: bound (a heavy tail: the packing's sub-groups fill a long sample's wide group after it)
-PACK_GATE_ONE = 1.03
-PACK_TAIL = 0.5
-#: larger steps whose class-level plan is predicted more than PACK_GATE x the class-level bound
-#: (a heavy tail of long samples: `sample`) are packed in micro-batches of each bucket's
-#: preferred size, when there are at most this many of them
-PACK_MAX_ITEMS = 8192
+from dataclasses import dataclass
 
-#: the search over a phase's smallest allowed SP degree stops when its best plan is within
-#: AT_BOUND of the phase's bound, or after STALE_STOP wider minimums in a row did not help
-AT_BOUND = 1.002
-STALE_STOP = 2
-
-#: the search first covers this many of the narrowest smallest allowed degrees of every part
-#: at once; most parts stop there (STALE_STOP), the others search the rest when they get there
-FIRST_DEGREES = 3
-
-#: the search over makespan targets first tries this many of them, evenly spread, then the
-#: ones between the last that does not fit and the first that does
-SEARCH_COARSE = 32
-
-#: a step whose one-phase class-level plan is predicted more than CAP_GATE x its bound is
-#: searched again with its micro-batches also capped at these fractions of the makespan target
-#: (`search.fits`' `fracs`). At 1 each bucket takes its longest micro-batches that finish
-#: within the target T; with a few samples of each of many shapes (a realistic video mix at a
-#: strong budget) most of those are longer than T / 2 and need a group each, where capped
-#: lower they are shorter and share groups, at some cost in GPU-seconds
-CAP_FRACTIONS = (1.0, 0.75)
-CAP_GATE = 1.01
-
-#: a class-level candidate is expanded only within this factor of the best one's prediction
-EXPAND_WITHIN = 1.02
-
-#: bounded per-planner caches (candidate rows per (bucket, count)); emptied when full
+#: bounded per-planner caches (candidate rows per (bucket, count), group spans); emptied when
+#: full. They bound memory only: a planner's plans do not depend on what it has cached
 ROW_CACHE_LIMIT = 50_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpConfig:
+    # -- the per-sample planner `dcp-v1` (plan/dcp_v1.py): cheap on small clusters and steps,
+    #    it mixes SP degrees within a bucket, which the class level does not
+    #: worlds of at most this many GPUs also run it
+    v1_max_world: int = 64
+    #: ... on steps of at most this many samples
+    v1_max_samples: int = 1024
+
+    # -- the class level over finer text classes: each class laid out for its largest sample
+    #    wastes less where a step has few samples per GPU
+    #: length ranges per bucket (2 ** (1 / finer_sub_bins) apart)
+    finer_sub_bins: int = 4
+    #: steps of at most this many samples per GPU ...
+    finer_per_gpu: float = 8.0
+    #: ... and at most this many samples ...
+    finer_max_samples: int = 2048
+    #: ... whose class-level plan is predicted more than this factor above the step's bound
+    finer_gate: float = 1.01
+
+    # -- the per-sample packing (`sample.SamplePacker`): Python work per sample and target,
+    #    so it runs only where the class level is loose
+    #: steps of at most this many samples per GPU (and `pack_max_samples`) are packed sample by sample
+    pack_per_gpu: float = 8.0
+    pack_max_samples: int = 4096
+    #: ... when the class-level plan is predicted more than this factor above its bound
+    pack_gate: float = 1.05
+    #: ... or this factor, with at most a sample per GPU (the class level, which times its samples
+    #: by weights interpolated within a class, is least exact there) or a heavy tail (the longest
+    #: micro-batch at least `pack_tail` of the bound: sub-groups fill a wide group after it)
+    pack_gate_one: float = 1.03
+    pack_tail: float = 0.5
+    #: larger steps are packed in micro-batches of each bucket's preferred size, if at most this many
+    pack_max_items: int = 8192
+
+    # -- the class-level search
+    #: a phase's search over its smallest allowed SP degree stops within this factor of its bound ...
+    at_bound: float = 1.002
+    #: ... or after this many wider minimums in a row that did not help
+    stale_stop: int = 2
+    #: the first search pass covers this many of the narrowest smallest degrees of every part at
+    #: once (most parts stop there); a part that goes on searches the rest in a pass of its own
+    first_degrees: int = 3
+    #: makespan targets tried evenly spread first; then those between the last that does not fit
+    #: and the first that does
+    search_coarse: int = 32
+    #: a search's candidates: the first fitting target of its window, and these offsets after it
+    candidate_offsets: tuple[int, ...] = (0, 1, 2, 4, 8)
+    #: a step whose one-phase plan is predicted more than `cap_gate` x its bound is searched again
+    #: with its micro-batches also capped at these fractions of the target (with a few samples of
+    #: each of many shapes, capped micro-batches are shorter than T / 2 and share groups)
+    cap_fractions: tuple[float, ...] = (1.0, 0.75)
+    cap_gate: float = 1.01
+    #: two-phase splits are searched where the one-phase plan is more than this factor above its bound
+    two_phase_gate: float = 1.001
+
+    # -- expansion to sample ids
+    #: how many of the best class-level candidates are expanded and refined per step ...
+    expand_best: int = 3
+    #: ... each only within this factor of the best one's prediction
+    expand_within: float = 1.02
+    #: whether floors skip work they prove cannot change the plans (False: the full search, for
+    #: the tests that show the skipping lossless)
+    prune: bool = True
+
+
+DEFAULT = DcpConfig()

@@ -1,48 +1,24 @@
-"""`dcp`: our planner, built for thousands of GPUs. Its cost grows with what is distinct in a
-step — (bucket, count) pairs and classes of alike groups — not with the number of samples.
+"""`dcp`: our planner, built for thousands of GPUs, as a portfolio of candidate planners; the
+plan predicted fastest is kept.
 
-Samples of one bucket are interchangeable for planning: a bucket's micro-batch is timed and
-laid out (SP degree, micro-batch size, PAC recompute) for copies of the bucket's largest
-sample, so it fits every sample of the bucket. Per step:
+The candidates, in order, each with the gate that says when it runs:
 
-1. **Layouts by a makespan target.** For a target T, every bucket of the step takes the
-   layout of least GPU-seconds whose micro-batch finishes within T (so a small T widens SP
-   and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
-   efficient narrow layouts); the groups each SP degree needs are estimated from its work
-   and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
-   found among the distinct micro-batch times (`search`: a coarse pass, then the
-   bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
-   least that degree lets one phase hold a world-wide sample and the rest). The targets of
-   every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
-   batch of array operations per pass; a part that goes on searches the rest in its own.
-   Work that a floor (`search.plan_floor`, `rows_floor`) proves cannot change the plans
-   kept, or the candidates expanded, is skipped: the plans are those of the full search. A
-   step whose one-phase plan is above its bound is searched again with the micro-batches
-   also capped below T (`CAP_FRACTIONS`: many shapes of a few samples each share groups).
-2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
-   degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
-   a number of groups, their contents — by the longest-processing-time rule applied to
-   whole classes; ranks left over go to the degree that finishes last while that helps.
-3. **Two phases**: the step's wide micro-batches first, then the narrow ones on their own
-   groups over the same ranks, for each split degree; kept when predicted faster.
-4. **Expansion** (`expand`): the best few class-level plans become sample ids, are
-   refined with each micro-batch's own time, and the one predicted fastest is kept; least
-   floor first, one whose floor (`search.expanded_floor`) is above a prediction made is skipped.
-5. **Few samples per GPU** (`sample`): when the class-level plan is predicted (or, with at
-   most a sample per GPU, scored) well above the step's bound, the step is also packed sample
-   by sample (each sample timed alone at every degree); the plan the score predicts faster
-   is kept. Larger steps predicted well above it (a heavy tail of long samples) are packed
-   in micro-batches of each bucket's preferred size, if at most `PACK_MAX_ITEMS` of them.
+1. the class level on the SP degrees mixed (`classlevel.ClassLevelPlanner`, which this
+   planner is): every step;
+2. the class level on the chain alone (`ChainAlone`), where the degrees mixed
+   (`PlanContext.mix_sizes`) are not one chain: every step;
+3. the class level over finer text classes (`FinerClasses`), above `config.v1_max_world`
+   GPUs: steps of few samples per GPU whose class-level plan is above the bound
+   (`few_samples_per_gpu_above_bound`);
+4. the per-sample planner `dcp-v1` (`PerSampleV1`), up to `config.v1_max_world` GPUs: small
+   steps (`small_step`);
+5. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose
+   (`class_level_loose`).
 
-Above `FINE_MAX_WORLD` GPUs, text steps with few samples per GPU whose class plan is above the
-bound are also planned over finer classes (`SUB_BINS` length ranges per bucket, each sized by its
-own largest sample); the plan predicted faster is kept. On small clusters the per-sample
-planner (`dcp-v1`) is tried too.
-
-The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the sizes inside a
-node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
-another group only where `Topology.fits` places it, and the step is also planned on the chain
-alone (`chained`), the class-level plan predicted faster kept.
+The class-level candidates (1-3) are compared by their own predictions, the others (4, 5) by
+the score (the simulator's prediction) against the class-level plan kept; a candidate's plan
+replaces the one kept only where it is predicted faster by more than `types.REL_TOL`, so ties
+keep the earlier candidate's.
 
 Everything is a deterministic function of the step and the context (no randomness, ties
 broken by fixed orders), so every rank computes the same plan.
@@ -50,342 +26,191 @@ broken by fixed orders), so every rank computes the same plan.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
-
-from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp.classes import ClassPlan, allocate, deal_classes, distinct_plans, plan_sig
-from dcparallel.plan.dcp.config import (
-    AT_BOUND,
-    CAP_FRACTIONS,
-    CAP_GATE,
-    EXPAND_WITHIN,
-    FEW_MAX_SAMPLES,
-    FEW_PER_GPU,
-    FINE_MAX_SAMPLES,
-    FINE_MAX_WORLD,
-    FINER_GATE,
-    FIRST_DEGREES,
-    PACK_GATE,
-    PACK_GATE_ONE,
-    PACK_MAX_ITEMS,
-    PACK_MAX_SAMPLES,
-    PACK_PER_GPU,
-    PACK_TAIL,
-    STALE_STOP,
-    SUB_BINS,
-)
-from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
+from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.sample import SamplePacker
-from dcparallel.plan.dcp.search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
-from dcparallel.plan.dcp.tables import Once, cyclic_gc_paused, memo, planning_classes, sample_weights
+from dcparallel.plan.dcp.tables import Once, cyclic_gc_paused
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, Score, StepPlan
-from dcparallel.spec import Layout
 
 
-class ScalePlanner:
+class ScalePlanner(ClassLevelPlanner):
+    """The `dcp` policy's planner: the class level on the degrees mixed (this class's own) and
+    the other candidates of the portfolio (`class_level`: compared by prediction; `scored`:
+    compared by the score). `sub_bins` > 1 or `chain_only` make a portfolio of the class level
+    alone, with those classes or degrees."""
+
     name = "dcp"
 
     def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac", phases: bool = True,
-                 name: str = "dcp", expand_best: int = 3, sub_bins: int = 1, chain_only: bool = False):
-        self.ctx, self.mode, self.phases, self.name = ctx, mode, phases, name
-        #: a plan's predicted step seconds (`plan.types.Score`): picks between this planner's and
-        #: the per-sample planner's plan
+                 name: str = "dcp", sub_bins: int = 1, chain_only: bool = False, config: DcpConfig = DEFAULT):
+        super().__init__(ctx, mode=mode, phases=phases, sub_bins=sub_bins, chain_only=chain_only, config=config)
+        self.name = name
+        #: a plan's predicted step seconds (`plan.types.Score`): picks between the class-level
+        #: plan and the per-sample ones
         self.score = score
-        #: how many of the best class-level candidates are expanded and refined per step
-        self.expand_best = expand_best
-        self.world = ctx.cluster.world_size
-        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
-        #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
-        #: into `sub_bins` geometric length ranges, each sized by its own largest sample
-        self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
-        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
-        #: the SP degrees mixed (`PlanContext.mix_sizes`, or with `chain_only` its `sp_sizes`);
-        #: where they are not one chain, group counts must pass `Topology.fits` (else: at most
-        #: the world's ranks)
-        self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
-        self._packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
-        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
-        self._rows: dict[tuple[int, int], np.ndarray] = {}
-        #: `classes.allocate`'s caches: spans by (classes' id, groups), ids by the classes
-        self._spans: dict[tuple, float] = {}
-        self._deals: dict[tuple, list] = {}
-        self._sigs: dict[tuple, int] = {}
-        self._tiles: dict[tuple, list] = {}
-        self._least_gpu: dict[tuple, list] = {}  # `search.expanded_floor`'s table per set of degrees
-        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
-        self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
-                     for j in range(len(self.buckets)) for k in self.sp}
-        #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
-        width = 1 + max(self.top.values(), default=0)
-        self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
-                                      for j in range(len(self.buckets))]).reshape(len(self.buckets), width)
-                         for k in self.sp}
-        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
-        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
-        self._spa = np.asarray(self.sp)
-        self._pow2 = np.array(mbs_candidates(MAX_MBS))
-        self.weight = sample_weights(self)
-        #: every sample in planning order (by class, then longest first, then id) and each
-        #: sample's position in it: a step's samples are sorted by sorting their positions
-        self._order = np.lexsort((np.arange(len(self.tok)), -self.tok, self.bidx))
-        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2 ** 31 else np.int64)
-        self._rank[self._order] = np.arange(len(self.tok))
-        #: on small clusters and steps the per-sample planner (the previous `dcp`) is cheap; its plan
-        #: is kept when predicted faster (it mixes SP degrees within a bucket, which classes do not)
-        self.fine = None
-        #: the same planner over finer text classes, for steps with few samples per GPU (each
-        #: class laid out for its largest sample wastes less there); kept when predicted faster
-        self.finer = None
-        #: where the degrees mixed are not one chain, the same planner on the chain alone (kept
-        #: when predicted faster: more degrees are not always found better by the heuristics)
-        self.chained = None
-        if self._packs is not None and self.sub_bins == 1:
-            self.chained = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
-                                        chain_only=True)
-        if chain_only:
-            self.packer = None
-            return
-        if self.sub_bins == 1 and ctx.model.kind == "text" and self.world > FINE_MAX_WORLD:
-            self.finer = ScalePlanner(ctx, score, mode=mode, phases=phases, name=name, expand_best=expand_best,
-                                      sub_bins=SUB_BINS)
-        if self.world <= FINE_MAX_WORLD and self.sub_bins == 1:
+        alone = self.sub_bins > 1 or chain_only  # the class level alone
+        self.chain_alone = self.finer_classes = self.v1 = self.packer = None
+        if not alone and self.packs is not None:
+            self.chain_alone = ChainAlone(ClassLevelPlanner(ctx, mode=mode, phases=phases, chain_only=True,
+                                                            config=config))
+        if not alone and ctx.model.kind == "text" and self.world > config.v1_max_world:
+            self.finer_classes = FinerClasses(ClassLevelPlanner(ctx, mode=mode, phases=phases,
+                                                                sub_bins=config.finer_sub_bins, config=config), config)
+        if not alone and self.world <= config.v1_max_world:
             from dcparallel.plan.dcp_v1 import DCPPlanner
 
-            self.fine = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
-        #: per-sample packing for steps with few samples per GPU (`sample`), at every world
-        #: size (it also beats the per-sample planner on some small-cluster steps)
-        self.packer = SamplePacker(ctx, mode) if self.sub_bins == 1 else None
-
-    def describe(self) -> dict:
-        return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
-
-    # -- layouts ---------------------------------------------------------------------------
-    def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
-        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
-        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
-        return out
-
-    def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
-        """`deal_classes`, cached (the best few candidates of a step often share a degree's
-        micro-batch classes); the group classes are read, never changed."""
-        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
-
-    def placed(self, count: dict[int, int]) -> bool:
-        """Whether groups of these degrees (degree -> how many) can be placed on the world."""
-        if self._packs is None:
-            return sum(k * n for k, n in count.items()) <= self.world
-        return self._packs(count)
-
-    def room(self, count: dict[int, int], k: int, step: int) -> int:
-        """The largest of step, step // 2, ... more groups of degree k that can be placed along
-        with `count` (0: none). On a chain that is `step` (callers keep it within the free ranks)."""
-        if self._packs is not None:
-            while step and not self._packs({**count, k: count[k] + step}):
-                step //= 2
-        return step
-
-    def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
-        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
-        bound) for these buckets (positions in the step's table) in one phase, best first, from
-        their search's candidates per smallest allowed degree (`search.search`; given for
-        the first `FIRST_DEGREES`, the rest searched here if the loop gets there); [] if none."""
-        if not part:
-            return []
-        present = [tab["present"][i] for i in part]
-        bnd = part_bound(tab, part, self.world)
-        rows_of_part = np.asarray(part)
-        found: list = []
-        stale = 0
-        done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
-        for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
-            if found and self._settled(found, keep, plan_floor(tab, rows_of_part, self.world, ki)):
-                break  # no candidate here or at a wider smallest degree can enter the plans kept
-            if ki == len(found_by_k):
-                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab["fracs"])[0]
-            improved = False
-            for c in found_by_k[ki]:
-                key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
-                got = done.get(key, False)
-                if got is False:
-                    if found and self._settled(found, keep, rows_floor(tab, c.first, self.world)):
-                        continue  # predicted at or above its floor, it cannot enter the plans kept
-                    got = done[key] = allocate(self, present, rows_at(tab, c.first), c.need)
-                if got is None:
-                    continue
-                if not found or got[0] < found[0][0] * (1 - REL_TOL):
-                    improved = True
-                found.append(got)
-                found.sort(key=lambda g: g[0])
-                del found[keep + 2:]
-            if found and found[0][0] <= bnd * AT_BOUND:
-                break  # at the bound: wider minimums cannot help
-            stale = 0 if improved or not found else stale + 1
-            if stale >= STALE_STOP:  # wider minimums in a row did not help: stop (a heuristic bound on the search)
-                break
-        # groups are dealt only for plans that get expanded
-        return distinct_plans([(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
-
-    def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
-        """Whether a candidate predicted at `floor` or above would never be expanded: above
-        the best prediction x EXPAND_WITHIN, or ranked below the `expand_best` best (ties: the
-        earlier first)."""
-        values = sorted(c[0] for c in cands)
-        return floor > values[0] * EXPAND_WITHIN or (
-            len(values) >= self.expand_best and values[self.expand_best - 1] <= floor)
-
-    @staticmethod
-    def _settled(found: list, keep: int, bound: float) -> bool:
-        """Whether no plan predicted at `bound` or above can change the `keep` best distinct
-        plans of `found` (sorted): they are there, all below it."""
-        sigs = set()
-        for span, items, counts_by_k in found:
-            if span >= bound * (1 - 1e-9):
-                return False
-            sigs.add(plan_sig(items, counts_by_k))
-            if len(sigs) == keep:
-                return True
-        return False
+            self.v1 = PerSampleV1(DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases),
+                                  config)
+        if not alone:
+            #: the per-sample packing, at every world size (it also beats `dcp-v1` on some
+            #: small-cluster steps)
+            self.packer = SamplePacker(ctx, mode)
+        #: the candidates after this planner's own class level, in order: compared by their
+        #: predictions, then by the score
+        self.class_level = [c for c in (self.chain_alone, self.finer_classes) if c is not None]
+        self.scored = [c for c in (self.v1, None if self.packer is None else SamplePacking(self.packer, config))
+                       if c is not None]
 
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():
             return self._plan_step(step)
 
     def _plan_step(self, step: Step) -> StepPlan:
-        plan, predicted, bound, longest = self._plan(step)
-        # the gates below open where the class-level plan is above the bound by a factor, or where
-        # the chain's plan is above its own bound by it (as they would open on the chain alone)
-        chain_at = 0.0
-        if self.chained is not None:
-            other, pred_other, chain_bound, _ = self.chained._plan(step)
-            chain_at = pred_other / chain_bound
-            if pred_other < predicted * (1 - REL_TOL):
-                plan, predicted = other, pred_other
-        n = len(step.sample_ids)
-        if (self.finer is not None and n <= FEW_PER_GPU * self.world and n <= FEW_MAX_SAMPLES
-                and (predicted > bound * FINER_GATE or chain_at > FINER_GATE)):
-            other, pred_other, _, _ = self.finer._plan(step)
-            if pred_other < predicted * (1 - REL_TOL):
-                plan, predicted = other, pred_other
-        others = []
-        if self.fine is not None and n <= FINE_MAX_SAMPLES:
-            others.append(self.fine.plan(step))
-        # a heavy tail (its longest micro-batch takes much of the step) is where the packing's
-        # sub-groups gain most, as with few samples per GPU
-        gate = PACK_GATE_ONE if n <= self.world or longest >= bound * PACK_TAIL else PACK_GATE
-        best = None
-        if n <= self.world and predicted > bound * AT_BOUND:
-            # about a sample per GPU or fewer: the class level, which times its samples by weights
-            # interpolated within a class, is least exact; its plan's score (cheap on so few
-            # micro-batches) opens the gate too
-            best = self.score(plan)
-            predicted = max(predicted, best)
-        beat = Once(partial(self.score, plan), best)  # the plan's score, taken when first asked
-        if self.packer is not None and (predicted > bound * gate or chain_at > gate):
-            few = n <= min(PACK_PER_GPU * self.world, PACK_MAX_SAMPLES)
-            # the packing seeks only plans faster than this one
-            got = self.packer.plan(list(step.sample_ids), None if few else PACK_MAX_ITEMS, beat)
-            if got is not None:
-                others.append(self.packer.step_plan(step, got[0]))
+        own = self.class_plan(step)
+        s = Standing(step, len(step.sample_ids), self.world, own.plan, own.predicted, own.bound, own.longest)
+        for c in self.class_level:
+            if c.runs(s):
+                c.offer(s)
+        s.score = Once(partial(self.score, s.plan))  # the kept plan's score, taken when first asked
+        others = [c.plan(s) for c in self.scored if c.runs(s)]
+        others = [p for p in others if p is not None]
+        plan = s.plan
         if others:
-            best = beat()
+            best = s.score()
             for other in others:
-                s = self.score(other)
-                if s < best * (1 - REL_TOL):
-                    plan, best = other, s
+                t = self.score(other)
+                if t < best * (1 - REL_TOL):
+                    plan, best = other, t
         return plan
 
-    def _sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The step's ids by planning class, then longest first, then id, and their classes."""
-        r = self._rank[ids]
-        if 8 * len(r) >= len(self._rank):  # positions are distinct: a mask sorts them in O(samples)
-            mask = np.zeros(len(self._rank), dtype=bool)
-            mask[r] = True
-            r = np.flatnonzero(mask)
-        else:
-            r.sort()
-        out = self._order[r]
-        b = self.bidx[out]
-        assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first
-        return out, b
 
-    def _plan(self, step: Step) -> ClassPlan:
-        """The class-level plan of the step (`ClassPlan`)."""
-        ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
-        ids_sorted, b = self._sort(ids)  # by bucket, then longest first, then id
-        n = len(ids_sorted)
-        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
-        present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
-        wsorted = self.weight[ids_sorted]
-        # per class the running sum of its members' weights from 0, the runs concatenated
-        cumw = np.zeros(n + len(present))
-        cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
-        base = np.arange(len(present)) + starts
-        for x, c in zip(base.tolist(), counts):
-            cumw[x:x + c + 1].cumsum(out=cumw[x:x + c + 1])
-        ss = StepSamples(dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw,
-                         dict(zip(present, base.tolist())))
-        wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
-        wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
-        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
-        tab = table(self, present, counts, scale)
-        whole = list(range(len(present)))
-        first = range(min(FIRST_DEGREES, len(self.sp)))
-        tab["fracs"] = (1.0,)
-        ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.expand_best)
-        assert ones, "all buckets at the widest degree always fit the world"
-        if ones[0][0] > ones[0][3] * CAP_GATE:  # above the bound: micro-batches capped lower too
-            tab["fracs"] = CAP_FRACTIONS
-            more = self._plan_part(tab, whole, search(self, tab, [whole], first, CAP_FRACTIONS)[0],
-                                   keep=self.expand_best)
-            ones = distinct_plans(sorted(ones + more, key=lambda c: c[0]), self.expand_best)
-        one = ones[0]
-        cands = [(c[0], [c]) for c in ones]
-        if self.phases and one[0] > one[3] * 1.001:  # one phase is not at the step's bound
-            # split by the degree each bucket got in one phase, or by its cheapest degree
-            widest: dict[int, int] = {}
-            for it in one[1]:
-                widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
-            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
-            # a split's candidate is predicted at or above its parts' floors: skip the split
-            # where that already says it would not be expanded (`_ranked_out`; that only
-            # tightens as candidates are added, so a split skipped now is skipped later too)
-            splits, seen = [], set()
-            for key in keys:
-                for k in sorted(set(key.values()))[1:]:
-                    wide = [i for i, j in enumerate(present) if key[j] >= k]
-                    if tuple(wide) in seen:
-                        continue
-                    seen.add(tuple(wide))
-                    narrow = [i for i, j in enumerate(present) if key[j] < k]
-                    fw, fz = plan_floor(tab, wide, self.world), plan_floor(tab, narrow, self.world)
-                    if not self._ranked_out(cands, fw + fz):
-                        splits.append((wide, narrow, fw, fz))
-            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab["fracs"])
-            for s, (wide, narrow, fw, fz) in enumerate(splits):
-                if self._ranked_out(cands, fw + fz):
-                    continue
-                a = self._plan_part(tab, wide, found[2 * s])
-                if not a or self._ranked_out(cands, a[0][0] + fz):
-                    continue
-                z = self._plan_part(tab, narrow, found[2 * s + 1])
-                if z:
-                    cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
-        # the best few candidates by class-level prediction are expanded (least floor first, none
-        # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
-        cands.sort(key=lambda c: c[0])
-        pool = [parts for pre, parts in cands[: self.expand_best] if pre <= cands[0][0] * EXPAND_WITHIN]
-        floors = [expanded_floor(self, parts, ss) for parts in pool]
-        got: dict[int, tuple] = {}
-        least = math.inf  # the least prediction made
-        for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
-            if floors[i] <= least * (1 + REL_TOL):
-                got[i] = expand(self, pool[i], ss)
-                least = min(least, got[i][1])
-        best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3],
-                         max(tab["longest"]))
+@dataclass
+class Standing:
+    """What the portfolio's gates read about a step: its samples, the class-level plan kept so
+    far with its prediction, the step's class-level bound and longest least micro-batch time
+    (of the planner on the degrees mixed), and the chain's prediction over its own bound (0
+    where the chain is not planned apart)."""
 
+    step: Step
+    n: int
+    world: int
+    plan: StepPlan
+    predicted: float
+    bound: float
+    longest: float
+    chain_at: float = 0.0
+    #: the kept class-level plan's score, taken when first asked
+    score: Once | None = None
+
+
+class ChainAlone:
+    """The class level on the chain alone, where the degrees mixed are not one chain: the
+    heuristics do not always find the better plan in the larger space. Its prediction over its
+    own bound also opens the later gates (as they would open on the chain alone)."""
+
+    name = "chain"
+
+    def __init__(self, planner: ClassLevelPlanner):
+        self.planner = planner
+
+    def runs(self, s: Standing) -> bool:
+        return True  # on every step
+
+    def offer(self, s: Standing) -> None:
+        got = self.planner.class_plan(s.step)
+        s.chain_at = got.predicted / got.bound
+        if got.predicted < s.predicted * (1 - REL_TOL):
+            s.plan, s.predicted = got.plan, got.predicted
+
+
+class FinerClasses:
+    """The class level over finer text classes (`config.finer_sub_bins` length ranges per
+    bucket): a class laid out for its largest sample wastes less where a step has few samples
+    per GPU."""
+
+    name = "finer-classes"
+
+    def __init__(self, planner: ClassLevelPlanner, config: DcpConfig):
+        self.planner, self.config = planner, config
+
+    def runs(self, s: Standing) -> bool:
+        return self.few_samples_per_gpu_above_bound(s)
+
+    def few_samples_per_gpu_above_bound(self, s: Standing) -> bool:
+        c = self.config
+        return (s.n <= c.finer_per_gpu * s.world and s.n <= c.finer_max_samples
+                and (s.predicted > s.bound * c.finer_gate or s.chain_at > c.finer_gate))
+
+    def offer(self, s: Standing) -> None:
+        got = self.planner.class_plan(s.step)
+        if got.predicted < s.predicted * (1 - REL_TOL):
+            s.plan, s.predicted = got.plan, got.predicted
+
+
+class PerSampleV1:
+    """The per-sample planner `dcp-v1` (plan/dcp_v1.py), cheap on small clusters and steps; it
+    mixes SP degrees within a bucket, which the class level does not."""
+
+    name = "dcp-v1"
+
+    def __init__(self, planner, config: DcpConfig):
+        self.planner, self.config = planner, config
+
+    def runs(self, s: Standing) -> bool:
+        return self.small_step(s)
+
+    def small_step(self, s: Standing) -> bool:
+        return s.n <= self.config.v1_max_samples
+
+    def plan(self, s: Standing) -> StepPlan | None:
+        return self.planner.plan(s.step)
+
+
+class SamplePacking:
+    """The per-sample packing (`sample.SamplePacker`): each sample (or, on larger steps, each
+    micro-batch of its bucket's preferred size) timed alone at every degree; it runs where the
+    class level is loose, and seeks only plans faster than the class-level plan's score."""
+
+    name = "packing"
+
+    def __init__(self, packer: SamplePacker, config: DcpConfig):
+        self.packer, self.config = packer, config
+
+    def gate(self, s: Standing) -> float:
+        """How far above its bound the class-level plan must be: `pack_gate_one` with at most
+        a sample per GPU or a heavy tail (the longest micro-batch takes much of the step: the
+        packing's sub-groups gain most there), else `pack_gate`."""
+        c = self.config
+        return c.pack_gate_one if s.n <= s.world or s.longest >= s.bound * c.pack_tail else c.pack_gate
+
+    def runs(self, s: Standing) -> bool:
+        return self.class_level_loose(s)
+
+    def class_level_loose(self, s: Standing) -> bool:
+        """The class-level plan predicted (or, with about a sample per GPU or fewer, where the
+        class level is least exact, scored) above its bound by the gate, or the chain's."""
+        predicted, gate = s.predicted, self.gate(s)
+        if s.n <= s.world and predicted > s.bound * self.config.at_bound:
+            predicted = max(predicted, s.score())  # cheap on so few micro-batches
+        return predicted > s.bound * gate or s.chain_at > gate
+
+    def plan(self, s: Standing) -> StepPlan | None:
+        c = self.config
+        few = s.n <= min(c.pack_per_gpu * s.world, c.pack_max_samples)
+        got = self.packer.plan(list(s.step.sample_ids), None if few else c.pack_max_items, s.score)
+        return None if got is None else self.packer.step_plan(s.step, got[0])

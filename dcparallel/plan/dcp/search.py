@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from dcparallel.plan.dcp.classes import cut_starts
-from dcparallel.plan.dcp.config import ROW_CACHE_LIMIT, SEARCH_COARSE
+from dcparallel.plan.dcp.config import ROW_CACHE_LIMIT
 from dcparallel.plan.dcp.tables import memo
 from dcparallel.plan.types import ROUND_EPS
 
@@ -34,9 +34,6 @@ ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
 #: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
 #: sums they bound
 FLOOR_SLACK = 1e-9
-#: a search's candidates past the smallest target that fits: the first fitting target of its
-#: window, and these offsets after it
-CANDIDATE_OFFSETS = (0, 1, 2, 4, 8)
 #: `expanded_floor`'s tables kept per planner (one per set of degrees a phase uses)
 LEAST_GPU_LIMIT = 64
 
@@ -299,7 +296,7 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
     feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
     first 1; distinct choices only). Targets are the part's distinct micro-batch times at that
     degree or wider, from the longest of its buckets' least times, taken as caps C with the
-    makespan C / fraction (`fits`); a coarse pass over `SEARCH_COARSE` of them brackets the
+    makespan C / fraction (`fits`); a coarse pass over `config.search_coarse` of them brackets the
     smallest that fits, a second pass over the bracket finds it and the candidates after it.
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
@@ -332,7 +329,7 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
                 ranks.append(mark[x].nonzero()[0])
     if not problems:
         return out
-    grids = [_coarse(len(r)) for r in ranks]
+    grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
     fit = fits(p, tab, [(part, ki) for part, ki, _, _ in problems], [r[g] for r, g in zip(ranks, grids)],
                [a for *_, a in problems])[0]
     windows = []
@@ -353,7 +350,7 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
             part, _, _, frac = problems[x]
             f = fit[y, :len(windows[x])]
             at = int(f.argmax())
-            for i in (at + d for d in CANDIDATE_OFFSETS):
+            for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
                     got[x].append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]) / frac,
                                             first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
@@ -375,14 +372,14 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
     return out
 
 
-def _coarse(n: int) -> np.ndarray:
-    """The positions of the coarse pass among n sorted targets: `SEARCH_COARSE` of them,
-    evenly spread (i * (n - 1) / (SEARCH_COARSE - 1), rounded down), the first and the last
+def _coarse(n: int, coarse: int) -> np.ndarray:
+    """The positions of the coarse pass among n sorted targets: `coarse` of them,
+    evenly spread (i * (n - 1) / (coarse - 1), rounded down), the first and the last
     included."""
-    if n <= SEARCH_COARSE:
+    if n <= coarse:
         return np.arange(n)
     # spaced more than 1 apart, so the positions are distinct
-    out = (np.arange(SEARCH_COARSE) * ((n - 1) / (SEARCH_COARSE - 1))).astype(np.int64)
+    out = (np.arange(coarse) * ((n - 1) / (coarse - 1))).astype(np.int64)
     out[-1] = n - 1
     return out
 
