@@ -40,10 +40,10 @@ from dcparallel.spec import Workload
 
 #: the stages reported: (file suffix, function name)
 STAGES = [("dcp/search.py", "table"), ("dcp/search.py", "search"), ("dcp/search.py", "fits"),
-          ("dcp/search.py", "_rows"), ("dcp/classlevel.py", "_plan_part"), ("dcp/classes.py", "allocate"),
+          ("dcp/tables.py", "_build_rows"), ("dcp/classlevel.py", "_plan_part"), ("dcp/allocate.py", "allocate"),
           ("dcp/classes.py", "deal_classes"), ("dcp/classes.py", "class_span"), ("dcp/expand.py", "expand"),
           ("dcp/refine.py", "refine"), ("dcp/refine.py", "spill"), ("dcp/expand.py", "build_plan"),
-          ("dcp/classlevel.py", "_sort"), ("dcp/tables.py", "sample_weights"), ("dcp/sample.py", "plan")]
+          ("dcp/tables.py", "sort"), ("dcp/tables.py", "sample_weights"), ("dcp/sample.py", "plan")]
 
 
 CALLGRIND_HELPER = r"""

@@ -204,3 +204,28 @@ def test_examples_import_nothing_from_the_front_ends():
     for p in sorted((ROOT.parent / "examples").glob("*.py")):
         mods = imports(p.read_text(), "examples." + p.stem, set(tree_sources()))
         assert not [m for m in mods if package_of(m) in ("apps", "demo", "cli", "train")], (p.name, mods)
+
+
+def private_reads(source: str) -> list[str]:
+    """Every ``x._name`` in ``source`` where ``x`` is not ``self`` or ``cls`` (dunder names
+    aside): a read of another object's private state."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_module_under_plan_reads_another_objects_private_state():
+    """A class's state stays inside it: the planners' helpers get what they need through
+    public attributes and methods (the `dcp` helpers through `plan.dcp.tables.LayoutTable`)."""
+    bad = {m: private_reads(src) for m, src in tree_sources().items() if m.startswith("dcparallel.plan")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_private_state_rule_catches_a_helper_reading_a_planners_fields():
+    sources = tree_sources()
+    planted = sources["dcparallel.plan.dcp.search"] + "\n\ndef rows_of(p):\n    return p._rows\n"
+    assert private_reads(planted) == [f"line {planted.count(chr(10))}: p._rows"]
+    assert private_reads("class A:\n    def f(self):\n        return self._x, type(self).__name__\n") == []

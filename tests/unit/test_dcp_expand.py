@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp import refine as dcp_refine
-from dcparallel.plan.dcp.classes import allocate
+from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.expand import Phase, deal_orders
 from dcparallel.plan.dcp.portfolio import ScalePlanner
@@ -25,7 +25,6 @@ from dcparallel.plan.dcp.search import (
     plan_floor,
     rows_at,
     rows_floor,
-    rows_many,
     search,
     table,
 )
@@ -140,7 +139,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
     present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
     pairs = [(int(j), int(c)) for j, c in zip(present, counts)] + [(int(present[0]), 1), (int(present[-1]), 777)]
     p._rows.clear()
-    got = rows_many(p, pairs)
+    got = p.rows_many(pairs)
     for (j, c), r in zip(pairs, got):
         want = []
         for k in p.sp:
@@ -423,7 +422,7 @@ def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
         _, x, z, t, k = best
         loads[a] -= ph.t[x]
         loads[z] += t
-        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
+        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), k)[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
 
 
@@ -473,7 +472,7 @@ def test_the_steps_sort_is_by_class_then_longest_then_id():
     p, steps = _planner(64, False, 400, 3)
     every = np.concatenate([np.asarray(s.sample_ids) for s in steps])
     for ids in (np.asarray(steps[0].sample_ids[1:]), every[:3], every[1:]):
-        got, b = p._sort(ids)
+        got, b = p.sort(ids)
         want = sorted(ids.tolist(), key=lambda i: (int(p.bidx[i]), -int(p.tok[i]), i))
         assert got.tolist() == want and b.tolist() == [int(p.bidx[i]) for i in want]
 

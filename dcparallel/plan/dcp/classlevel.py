@@ -41,100 +41,36 @@ import math
 
 import numpy as np
 
-from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
-from dcparallel.plan.dcp.classes import ClassPlan, allocate, deal_classes, distinct_plans, plan_sig
+from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp.allocate import allocate
+from dcparallel.plan.dcp.classes import ClassPlan, PartPlan, distinct_plans, plan_sig
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp.search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
-from dcparallel.plan.dcp.tables import memo, planning_classes, sample_weights
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL
-from dcparallel.spec import Layout
 
 
-class ClassLevelPlanner:
-    """The class-level plan of a step (`class_plan`) on the degrees `PlanContext.mix_sizes`
-    (or, `chain_only`, the chain), over the context's buckets (or, `sub_bins` > 1, finer text
-    length classes)."""
+class ClassLevelPlanner(LayoutTable):
+    """The class-level plan of a step (`class_plan`) on its layout table (`tables.LayoutTable`):
+    the degrees `PlanContext.mix_sizes` (or, `chain_only`, the chain), the context's buckets
+    (or, `sub_bins` > 1, finer text length classes)."""
 
     name = "dcp"
 
     def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, sub_bins: int = 1,
                  chain_only: bool = False, config: DcpConfig = DEFAULT):
-        self.ctx, self.mode, self.phases = ctx, mode, phases
-        #: the tunables (`config.DcpConfig`)
-        self.config = config
-        self.world = ctx.cluster.world_size
-        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
-        #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
-        #: into `sub_bins` geometric length ranges, each sized by its own largest sample
-        self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
-        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
-        #: the SP degrees mixed (`PlanContext.mix_sizes`, or with `chain_only` its `sp_sizes`);
-        #: where they are not one chain, group counts must pass `Topology.fits` (else: at most
-        #: the world's ranks)
-        self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
-        self.packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
-        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
-        self._rows: dict[tuple[int, int], np.ndarray] = {}
-        #: `classes.allocate`'s caches: spans by (classes' id, groups), ids by the classes
-        self._spans: dict[tuple, float] = {}
-        self._deals: dict[tuple, list] = {}
-        self._sigs: dict[tuple, int] = {}
-        self._tiles: dict[tuple, list] = {}
-        self._least_gpu: dict[tuple, list] = {}  # `search.expanded_floor`'s table per set of degrees
-        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
-        self.ttab = {(j, k): [0.0] + [self._lt(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
-                     for j in range(len(self.buckets)) for k in self.sp}
-        #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
-        width = 1 + max(self.top.values(), default=0)
-        self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
-                                      for j in range(len(self.buckets))]).reshape(len(self.buckets), width)
-                         for k in self.sp}
-        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
-        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
-        self._spa = np.asarray(self.sp)
-        self._pow2 = np.array(mbs_candidates(MAX_MBS))
-        self.weight = sample_weights(self)
-        #: every sample in planning order (by class, then longest first, then id) and each
-        #: sample's position in it: a step's samples are sorted by sorting their positions
-        self._order = np.lexsort((np.arange(len(self.tok)), -self.tok, self.bidx))
-        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2 ** 31 else np.int64)
-        self._rank[self._order] = np.arange(len(self.tok))
-
+        super().__init__(ctx, mode=mode, sub_bins=sub_bins, chain_only=chain_only, config=config)
+        self.phases = phases
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
 
-    # -- layouts ---------------------------------------------------------------------------
-    def _lt(self, j: int, m: int, k: int) -> tuple[Layout, float]:
-        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
-        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
-        return out
-
-    def deal(self, items: list[tuple[int, float, int]], n: int) -> list:
-        """`deal_classes`, cached (the best few candidates of a step often share a degree's
-        micro-batch classes); the group classes are read, never changed."""
-        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
-
-    def placed(self, count: dict[int, int]) -> bool:
-        """Whether groups of these degrees (degree -> how many) can be placed on the world."""
-        if self.packs is None:
-            return sum(k * n for k, n in count.items()) <= self.world
-        return self.packs(count)
-
-    def room(self, count: dict[int, int], k: int, step: int) -> int:
-        """The largest of step, step // 2, ... more groups of degree k that can be placed along
-        with `count` (0: none). On a chain that is `step` (callers keep it within the free ranks)."""
-        if self.packs is not None:
-            while step and not self.packs({**count, k: count[k] + step}):
-                step //= 2
-        return step
-
     def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
-        """The best `keep` (predicted makespan, item classes, {degree: group classes}, step
-        bound) for these buckets (positions in the step's table) in one phase, best first, from
-        their search's candidates per smallest allowed degree (`search.search`; given for
-        the first `config.first_degrees`, the rest searched here if the loop gets there); [] if none."""
+        """The best `keep` `PartPlan`s for these buckets (positions in the step's table) in one
+        phase, best first, from their search's candidates per smallest allowed degree
+        (`search.search`; given for the first `config.first_degrees`, the rest searched here if
+        the loop gets there); [] if none."""
         if not part:
             return []
         present = [tab["present"][i] for i in part]
@@ -169,7 +105,7 @@ class ClassLevelPlanner:
             if stale >= self.config.stale_stop:  # wider minimums in a row did not help (a heuristic bound)
                 break
         # groups are dealt only for plans that get expanded
-        return distinct_plans([(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
+        return distinct_plans([PartPlan(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
 
     def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
         """Whether a candidate predicted at `floor` or above would never be expanded: above
@@ -196,24 +132,10 @@ class ClassLevelPlanner:
                 return True
         return False
 
-    def _sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The step's ids by planning class, then longest first, then id, and their classes."""
-        r = self._rank[ids]
-        if 8 * len(r) >= len(self._rank):  # positions are distinct: a mask sorts them in O(samples)
-            mask = np.zeros(len(self._rank), dtype=bool)
-            mask[r] = True
-            r = np.flatnonzero(mask)
-        else:
-            r.sort()
-        out = self._order[r]
-        b = self.bidx[out]
-        assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first
-        return out, b
-
     def class_plan(self, step: Step) -> ClassPlan:
         """The class-level plan of the step (`ClassPlan`)."""
         ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
-        ids_sorted, b = self._sort(ids)  # by bucket, then longest first, then id
+        ids_sorted, b = self.sort(ids)  # by bucket, then longest first, then id
         n = len(ids_sorted)
         starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
         present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
@@ -235,17 +157,17 @@ class ClassLevelPlanner:
         tab["fracs"] = (1.0,)
         ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.config.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
-        if ones[0][0] > ones[0][3] * self.config.cap_gate:  # above the bound: micro-batches capped lower too
+        if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
             tab["fracs"] = self.config.cap_fractions
             more = self._plan_part(tab, whole, search(self, tab, [whole], first, self.config.cap_fractions)[0],
                                    keep=self.config.expand_best)
-            ones = distinct_plans(sorted(ones + more, key=lambda c: c[0]), self.config.expand_best)
+            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
         one = ones[0]
-        cands = [(c[0], [c]) for c in ones]
-        if self.phases and one[0] > one[3] * self.config.two_phase_gate:  # one phase is not at the step's bound
+        cands = [(c.span, [c]) for c in ones]
+        if self.phases and one.span > one.bound * self.config.two_phase_gate:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
             widest: dict[int, int] = {}
-            for it in one[1]:
+            for it in one.items:
                 widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
             keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
             # a split's candidate is predicted at or above its parts' floors: skip the split
@@ -268,11 +190,11 @@ class ClassLevelPlanner:
                 if self._ranked_out(cands, fw + fz):
                     continue
                 a = self._plan_part(tab, wide, found[2 * s])
-                if not a or self._ranked_out(cands, a[0][0] + fz):
+                if not a or self._ranked_out(cands, a[0].span + fz):
                     continue
                 z = self._plan_part(tab, narrow, found[2 * s + 1])
                 if z:
-                    cands.append((a[0][0] + z[0][0], [a[0], z[0]]))
+                    cands.append((a[0].span + z[0].span, [a[0], z[0]]))
         # the best few candidates by class-level prediction are expanded (least floor first, none
         # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
         cands.sort(key=lambda c: c[0])
@@ -286,6 +208,6 @@ class ClassLevelPlanner:
                 got[i] = expand(self, pool[i], ss)
                 least = min(least, got[i][1])
         best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one[3],
+        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one.bound,
                          max(tab["longest"]))
 

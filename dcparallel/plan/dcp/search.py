@@ -16,87 +16,37 @@ are compared as integer ranks among the step's distinct times, so problems stack
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from dcparallel.plan.dcp.classes import cut_starts
-from dcparallel.plan.dcp.config import ROW_CACHE_LIMIT
-from dcparallel.plan.dcp.tables import memo
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import ROUND_EPS
-
-if TYPE_CHECKING:
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
 #: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
 #: sums they bound
 FLOOR_SLACK = 1e-9
-#: `expanded_floor`'s tables kept per planner (one per set of degrees a phase uses)
-LEAST_GPU_LIMIT = 64
 
 
-def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
+def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
     (`ROW_FIELDS`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
-    return rows_many(p, [(j, c)])[0]
+    return p.rows_many([(j, c)])[0]
 
 
-def rows_many(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-    """`rows` of every (bucket, count) pair; those not cached are built together, in a few
-    array operations."""
-    out = [p._rows.get(x) for x in pairs]
-    todo = sorted({x for x, r in zip(pairs, out) if r is None})
-    if todo:
-        if len(p._rows) + len(todo) > ROW_CACHE_LIMIT:
-            p._rows.clear()
-        for x, r in zip(todo, _rows(p, todo)):
-            p._rows[x] = r
-        out = [p._rows[x] for x in pairs]
-    return out
-
-
-def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-    js = np.array([j for j, _ in pairs])
-    cs = np.array([c for _, c in pairs])
-    # micro-batch sizes per pair: the powers of two, and c / 2^i rounded up
-    bits = int(cs.max()).bit_length()
-    splits = -(-cs[:, None] // (1 << np.arange(bits))[None, :])
-    x = np.sort(np.concatenate([np.broadcast_to(p._pow2, (len(pairs), len(p._pow2))), splits], axis=1), axis=1)
-    # per pair and degree that fits: sizes capped at the most that fit, repeats dropped
-    cap = np.minimum(p._tops[:, js].T, cs[:, None])  # [pair, degree index]
-    pr, kp = np.nonzero(cap > 0)
-    ms = np.minimum(cap[pr, kp][:, None], x[pr])  # sorted along each row, so repeats are adjacent
-    keep = np.ones(ms.shape, dtype=bool)
-    keep[:, 1:] = ms[:, 1:] != ms[:, :-1]
-    pr, kp = np.broadcast_to(pr[:, None], ms.shape)[keep], np.broadcast_to(kp[:, None], ms.shape)[keep]
-    ms, c, j = ms[keep], cs[pr], js[pr]
-    full, rem = np.divmod(c, ms)
-    t, tr = p._ttab3[kp, j, ms], p._ttab3[kp, j, rem]
-    total = full * t + tr
-    k = p._spa[kp]
-    a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
-    # the rows are in (pair, degree, size) order (the degrees ascend: a chain), so a stable
-    # sort by (pair, GPU-seconds) breaks ties by degree, then size
-    o = np.lexsort((a[:, 0], pr))
-    a = a[o]
-    ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
-    assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
-    return [a[i:j] for i, j in zip(ends, ends[1:])]
-
-
-def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
+def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
     step's distinct times; per bucket its least GPU-seconds (`part_bound`), and per bucket
     and smallest allowed degree its least time and least GPU-seconds at the class level's
     times (`plan_floor`)."""
-    arrs = rows_many(p, list(zip(present, counts)))
+    arrs = p.rows_many(list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
@@ -171,7 +121,7 @@ def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
     return _floor(float(tab["gpu_t"][first].sum()), float(tab["t"][first].max()), world)
 
 
-def expanded_floor(p: ScalePlanner, parts, ss) -> float:
+def expanded_floor(p: LayoutTable, parts, ss) -> float:
     """No expansion of this class-level plan (`expand.expand` of `parts`, with the step's
     samples `ss`) is predicted below this. Per phase: its groups' largest load is at least
     their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
@@ -186,7 +136,7 @@ def expanded_floor(p: ScalePlanner, parts, ss) -> float:
     cumw = ss.cumw
     for _, items, (by_k, count), _ in parts:
         kinds = tuple(sorted(by_k))
-        least = memo(p._least_gpu, kinds, partial(_least_gpu, p, kinds), LEAST_GPU_LIMIT)
+        least = p.least_gpu(kinds)
         work = 0.0
         for it, at in zip(items, cut_starts(items, cursor)):
             lo, n = ss.base[it.bucket] + at, it.count * it.mbs
@@ -195,19 +145,12 @@ def expanded_floor(p: ScalePlanner, parts, ss) -> float:
     return total * (1 - FLOOR_SLACK)
 
 
-def _least_gpu(p: ScalePlanner, kinds: tuple[int, ...]) -> list[list[float]]:
-    """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
-    fit none of them)."""
-    per = np.min([k * p.ttab_arr[k] for k in kinds], axis=0)
-    return (per / np.maximum(np.arange(per.shape[1]), 1)).tolist()
-
-
 def _floor(work: float, longest: float, world: int) -> float:
     """max(GPU-seconds / world, the longest micro-batch), lowered by FLOOR_SLACK."""
     return max(work / world, longest) * (1 - FLOOR_SLACK)
 
 
-def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
+def fits(p: LayoutTable, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
          fracs: Sequence[float] | None = None):
     """For every problem (a part's bucket positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
@@ -289,7 +232,7 @@ class Candidate(NamedTuple):
     need: dict[int, int]
 
 
-def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: range | None = None,
+def search(p: LayoutTable, tab: dict, parts: list[Sequence[int]], degrees: range | None = None,
            fracs: Sequence[float] = (1.0,)) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
@@ -384,5 +327,5 @@ def _coarse(n: int, coarse: int) -> np.ndarray:
     return out
 
 
-def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:
+def _needs(p: LayoutTable, need: np.ndarray) -> dict[int, int]:
     return {k: int(n) for k, n in zip(p.sp, need.tolist()) if n > 0}
