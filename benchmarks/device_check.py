@@ -206,7 +206,8 @@ def part_c(out_dir: Path, dry: bool) -> dict:
 
 def part_d(device: torch.device, dry: bool) -> dict:
     from dcparallel.data.collate import text_batch
-    from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+    from dcparallel.loss import per_token_loss
+    from dcparallel.models.llama import Llama, LlamaConfig
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import Engine
     from dcparallel.spec import Layout, Recompute

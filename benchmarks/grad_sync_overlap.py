@@ -33,7 +33,8 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
     import torch.distributed as dist
 
     from dcparallel.data.collate import text_batch
-    from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+    from dcparallel.loss import per_token_loss
+    from dcparallel.models.llama import Llama, LlamaConfig
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import Engine
     from dcparallel.spec import Layout

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 NUM_SAMPLES = 36
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(tmp: Path, name: str, **train) -> tuple[Path, Path]:
@@ -51,9 +52,11 @@ cost = "analytic"
 
 
 def launch(cfg: Path, ranks: int = 2, fault: str = "", restarts: int = 0) -> tuple[int, float, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault)
+    """`dcparallel train` with the faults of DCPARALLEL_FAULT (tests/faults.py installs them as
+    its ``before_step`` hook)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", str(restarts), "-m", "dcparallel", "train", "--config", str(cfg)]
+           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(cfg)]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     return r.returncode, time.perf_counter() - t0, r.stderr

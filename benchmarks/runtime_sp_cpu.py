@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.loss import per_token_loss
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine

@@ -37,7 +37,8 @@ def _storages(tensors) -> int:
 
 def _measure(shard_size: int, cfg: dict) -> dict:
     from dcparallel.data.collate import text_batch
-    from dcparallel.models.llama import Llama, LlamaConfig, shift_labels
+    from dcparallel.loss import shift_labels
+    from dcparallel.models.llama import Llama, LlamaConfig
     from dcparallel.plan.types import MicroBatch
     from dcparallel.runtime.engine import Engine
     from dcparallel.spec import Layout

@@ -38,7 +38,7 @@ def _llama(dry: bool, big: bool):
 def _step(engine, model, docs: dict, ranks: tuple, rank: int, recompute_last: bool) -> float:
     """One step: the documents in micro-batches of two on the group of every rank."""
     from dcparallel.data.collate import text_batch
-    from dcparallel.models.llama import per_token_loss
+    from dcparallel.loss import per_token_loss
     from dcparallel.plan.types import MicroBatch
     from dcparallel.spec import Layout, Recompute
 

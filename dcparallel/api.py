@@ -12,9 +12,10 @@
         opt.step()
 
 `prepare` profiles the model at the launch's world size (or reuses a matching cached
-profile), then returns the `DataCentricLoader` that plans every step with the policy. The
-steps themselves run on the `runtime.engine.Engine` this object holds (``engine``); its
-training-loop methods and attributes are exposed here unchanged.
+profile; ``cost="analytic"`` prices from the analytic cost model instead), then returns the
+`DataCentricLoader` that plans every step with the policy. The steps themselves run on the
+`runtime.engine.Engine` this object holds (``engine``); its training-loop methods and
+attributes are exposed here unchanged.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
+from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size, explain_shard_size
 from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.data.batch import Batch
 from dcparallel.data.loader import DataCentricLoader
 from dcparallel.data.sizes import check_step_budget, read_sizes
@@ -60,14 +63,19 @@ def _of_engine(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.engine, name), doc=doc)
 
 
+def _priced(cluster: ClusterSpec, **changes: Any) -> ClusterSpec:
+    """``cluster`` with link speeds the analytic cost model can price: 1e10 bytes/s per GPU
+    for a link the launch gave no speed for (`runtime.launch.cluster_from_env`)."""
+    return dataclasses.replace(cluster, intra_bw=cluster.intra_bw or 1e10, inter_bw=cluster.inter_bw or 1e10,
+                               **changes)
+
+
 def _auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
     """``shard_size="auto"`` when the model is wrapped (its parameters are sharded then, before
     any sample is seen): the smallest shard size with which the model states fit the smallest
     memory budget of any rank (`cost.auto_shard`, the analytic recipe); the same on every rank,
     logged once with the reason."""
-    budget = min(comm.all_gather_object(cluster.memory_bytes))
-    priced = dataclasses.replace(cluster, memory_bytes=budget, intra_bw=cluster.intra_bw or 1e10,
-                                 inter_bw=cluster.inter_bw or 1e10)
+    priced = _priced(cluster, memory_bytes=min(comm.all_gather_object(cluster.memory_bytes)))
     try:
         s, why = explain_shard_size(spec, priced)
     except ValueError as e:
@@ -200,8 +208,7 @@ class DataCentricParallel:
         smallest must fit alone (and the largest some layout) at that shard size, else the
         shard size that fits is named (`cost.auto_shard.auto_shard_size`)."""
         c = self.cluster_spec
-        priced = dataclasses.replace(c, memory_bytes=min(comm.all_gather_object(c.memory_bytes)),
-                                     intra_bw=c.intra_bw or 1e10, inter_bw=c.inter_bw or 1e10)
+        priced = _priced(c, memory_bytes=min(comm.all_gather_object(c.memory_bytes)))
         try:
             need = auto_shard_size(self.spec, priced, list(sizes))
         except ValueError as e:
@@ -214,16 +221,27 @@ class DataCentricParallel:
                              f"pass shard_size={need}")
 
     def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
-                samples_per_step: int | None = None, profile_path: str | Path = "dcparallel_profile.json",
+                samples_per_step: int | None = None, cost: str = "profiled",
+                profile_path: str | Path = "dcparallel_profile.json",
                 profiler_config: ProfilerConfig | Mapping[str, Any] | None = None, loss_fn: LossFn | None = None,
                 **loader_kw: Any) -> DataCentricLoader:
-        """Profiles (or reuses the cached profile at ``profile_path``) and returns the loader.
-        ``loss_fn`` (default: the one given at construction, else the adapter's) is what the
-        profiler runs on synthetic micro-batches; run the same one in the training loop.
-        ``profiler_config``: a `ProfilerConfig`, or a mapping of its fields that override the
-        default (`ProfilerConfig.quick`, capped at the dataset's longest sample and the memory
+        """Prices the model's layouts and returns the loader that plans every step with them.
+        ``cost``: "profiled" measures the model here (or reuses the cached profile at
+        ``profile_path``); "analytic" prices from the analytic model fitted to measured H200
+        numbers (`cost.analytic`), without profiling: plans for a GPU cluster, or for tests
+        and CPU runs whose step times do not matter. ``loss_fn`` (default: the one given at
+        construction, else the adapter's) is what the profiler runs on synthetic
+        micro-batches; run the same one in the training loop. ``profiler_config``: a
+        `ProfilerConfig`, or a mapping of its fields that override the default
+        (`ProfilerConfig.quick`, capped at the dataset's longest sample and the memory
         budget), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
-        Call on every rank together (profiling is collective)."""
+        ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together
+        (profiling is collective)."""
+        if cost not in ("profiled", "analytic"):
+            raise ValueError(f"cost={cost!r}: give 'profiled' (measure the model) or 'analytic' (the analytic "
+                             f"cost model, no profiling)")
+        if cost == "analytic" and profiler_config is not None:
+            raise ValueError("profiler_config is for cost='profiled'; cost='analytic' profiles nothing: drop it")
         check_step_budget(tokens_per_step, samples_per_step)  # before minutes of profiling
         self.loss_fn = loss_fn or self.loss_fn
         if self.loss_fn is None:
@@ -232,8 +250,24 @@ class DataCentricParallel:
         sizes = read_sizes(lengths, len(dataset))
         if self.shard_auto:
             self._check_auto_shard_size(sizes)
+        if cost == "analytic":
+            self.cost = AnalyticCost(self.spec, _priced(self.cluster_spec))
+        else:
+            self.profile = self._profile(sizes, Path(profile_path), profiler_config)
+            self.cost = ProfiledCost(self.profile, self.cluster_spec)
+        loader_kw.setdefault("collate", self.adapter.collate)
+        loader_kw.setdefault("device", self.params[0].device)  # batches go where the model is
+        loader_kw.setdefault("epoch", self.epoch)
+        self.loader = DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec,
+                                        policy=self.policy, tokens_per_step=tokens_per_step,
+                                        samples_per_step=samples_per_step, seed=self.seed, **loader_kw)
+        return self.loader
+
+    def _profile(self, sizes: Sequence[Any], path: Path,
+                 profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:
+        """The profile of this model at this launch: measured over representative sizes of
+        ``sizes`` (collective), or the matching one cached at ``path``."""
         buckets = representative_sizes(self.spec, sizes)
-        supported = self.adapter.recompute_modes
         config = profiler_config
         if isinstance(config, Mapping):
             odd = sorted(set(config) - {f.name for f in dataclasses.fields(ProfilerConfig)})
@@ -243,17 +277,11 @@ class DataCentricParallel:
         if not isinstance(config, ProfilerConfig):
             config = ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets), **{
                 "memory_limit": self.memory_bytes, "progress": comm.world_rank() == 0, **(config or {})})
+        supported = self.adapter.recompute_modes
         config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
         device, dtype = self.params[0].device, compute_dtype(self.engine)
         make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
         profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self.engine,
                             layers_per_unit=self.adapter.blocks_per_layer)
-        self.profile, _ = load_or_profile(profile_path, profiler, buckets)
-        self.cost = ProfiledCost(self.profile, self.cluster_spec)
-        loader_kw.setdefault("collate", self.adapter.collate)
-        loader_kw.setdefault("device", device)  # batches go where the model is
-        loader_kw.setdefault("epoch", self.epoch)
-        self.loader = DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec,
-                                        policy=self.policy, tokens_per_step=tokens_per_step,
-                                        samples_per_step=samples_per_step, seed=self.seed, **loader_kw)
-        return self.loader
+        profile, _ = load_or_profile(path, profiler, buckets)
+        return profile

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from dcparallel.data.collate import text_batch, video_batch
+from dcparallel.loss import per_token_loss, shift_labels
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss, shift_labels
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine, sample_seed
 from dcparallel.spec import Layout, Recompute
@@ -258,3 +259,15 @@ def capped(plan: StepPlan, num_layers: int) -> StepPlan:
 
     groups = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
     return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)
+
+
+_REFERENCES: dict = {}
+
+
+def reference_once(key: tuple, compute):
+    """``compute()`` (a single-process reference: loss and gradients), computed once per key in
+    this pytest process. A parity test runs at world 2 and again at world 4 against the same
+    model, data and seeds; the reference is the same, so the second world reuses it."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = compute()
+    return _REFERENCES[key]

@@ -1,1 +1,1 @@
-"""Front-ends: the `dcparallel` command line, the demo, `train`, `profile`, the runtime smoke test."""
+"""Front-ends: the `dcparallel` command line, the demo, `train`, `profile`."""

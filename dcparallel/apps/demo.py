@@ -62,6 +62,10 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
         pred[name] = {"wall_s": run.sim.total_time + len(steps) * real["optimizer_step_s"],
                       "idle_fraction": run.sim.idle_fraction,
                       "settings": {k: v for k, v in run.settings.items() if k != "tried_s"}}
+        ref = real["policies"][name].get("reference_s")
+        if ref and profile.reference_s:  # the machine's speed during the run, against the profile's
+            pred[name]["speed"] = ref / profile.reference_s
+            pred[name]["wall_s_at_run_speed"] = pred[name]["wall_s"] * pred[name]["speed"]
     return pred
 
 
@@ -113,6 +117,8 @@ def run(args: argparse.Namespace) -> dict:
     pred = predict(out, lengths, real)
     errors = {n: abs(pred[n]["wall_s"] - real["policies"][n]["wall_s"]) / real["policies"][n]["wall_s"]
               for n in real["policies"]}
+    errors_at_speed = {n: abs(pred[n]["wall_s_at_run_speed"] - real["policies"][n]["wall_s"])
+                       / real["policies"][n]["wall_s"] for n in real["policies"] if "speed" in pred[n]}
     simulated = []
     if not args.skip_paper_scale:
         print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
@@ -133,8 +139,10 @@ def run(args: argparse.Namespace) -> dict:
                               for n, v in p.items()},
                  "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
                  "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"]},
-        "predicted": {n: {"wall_s": v["wall_s"], "idle_fraction": v["idle_fraction"]} for n, v in pred.items()},
+        "predicted": {n: {k: v[k] for k in ("wall_s", "idle_fraction", "speed", "wall_s_at_run_speed") if k in v}
+                      for n, v in pred.items()},
         "prediction_error": max(errors.values()),
+        "prediction_error_at_run_speed": max(errors_at_speed.values()) if errors_at_speed else None,
         "trust_notes": trust_notes({n: v["walls"] for n, v in p.items()}, errors),
         "simulated": simulated,
         "profile_s": real["profile_s"], "profile_reused": real["profile_reused"], "launch_s": launch_s,

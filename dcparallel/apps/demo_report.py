@@ -83,6 +83,21 @@ widely (the error may be the machine's load, not the simulator's).
     return notes
 
 
+def speed_text(s: dict) -> str:
+    """The machine's speed during each policy's runs against the profile's (its reference run,
+    `profile.drift`) and the predictions priced at the runs' speed."""
+    walls = {n: v["wall_s"] for n, v in s["real"]["policies"].items()}
+    runs = ", ".join(f"{n} {v['speed']:.2f}x ({v['wall_s_at_run_speed']:.1f} s, "
+                     f"{100 * abs(v['wall_s_at_run_speed'] - walls[n]) / walls[n]:.0f}%)"
+                     for n, v in s["predicted"].items() if "speed" in v)
+    return (f"Machine speed: the profile's reference run took this many times its profiling time during each "
+            f"policy's runs (ticked between steps, outside the timed wall), and the prediction at that speed "
+            f"(error): {runs}; prediction error at the runs' speed (max over policies): "
+            f"{100 * s['prediction_error_at_run_speed']:.0f}%. The predicted wall s column prices at the profile's "
+            f"speed; on a machine whose load changes between profiling and training only the one at the runs' "
+            f"speed can be right.")
+
+
 def _spread_text(s: dict) -> str:
     return f"{s['min']:.1f} / {s['median']:.1f} / {s['max']:.1f} ({100 * s['relative']:.0f}%)"
 
@@ -114,6 +129,8 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
               f"prediction error (max over policies): {100 * s['prediction_error']:.0f}%. "
               f"All runs trained the same samples in the same steps: {'yes' if same else 'NO'} "
               f"(hash of each step's sample ids).", ""]
+    if s.get("prediction_error_at_run_speed") is not None:
+        lines += [speed_text(s), ""]
     if s["trust_notes"]:
         lines += ["**These timings cannot be trusted:** " + " ".join(s["trust_notes"]), ""]
     else:
@@ -152,6 +169,8 @@ def print_table(s: dict) -> None:
               f"{v['loss_first']:6.3f} -> {v['loss_last']:.3f}  {_spread_text(v['spread'])}")
     print(f"dcp speedup vs bucket {r['speedup']:.2f}x, vs packed {r['speedup_vs_packed']:.2f}x; "
           f"prediction error {100 * s['prediction_error']:.0f}%")
+    if s.get("prediction_error_at_run_speed") is not None:
+        print(speed_text(s))
     for note in s["trust_notes"]:
         print(f"NOTE: {note}")
     print(f"demo took {s['demo_s'] / 60:.1f} min (training launch {s['launch_s'] / 60:.1f} min)")

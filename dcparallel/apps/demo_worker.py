@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import logging
+import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +44,7 @@ def samples_hash(step_ids: list[list[int]]) -> str:
 def lm_micro_batch(dc, model, batch) -> None:
     """Forward and backward of one text `Batch` in its micro-batch context (the loss summed
     over the shard's targets; `dc.sync_gradients()` normalizes by the step's count)."""
-    from dcparallel.models.llama import per_token_loss
+    from dcparallel.loss import per_token_loss
 
     with dc.micro_batch(batch) as ctx:
         ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
@@ -70,7 +71,9 @@ def worker(args: argparse.Namespace) -> int:
     from dcparallel.spec import ClusterSpec, Layout, Recompute
 
     torch.set_num_threads(1)
-    init_distributed(device="cpu", timeout=timedelta(seconds=120))  # the demo compares CPU ranks
+    # the demo compares CPU ranks; profiling waits up to minutes in a collective for the slower
+    # rank's SP-1 layouts on a loaded machine (ranks measure different buckets at SP 1)
+    init_distributed(device="cpu", timeout=timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
     lengths = [int(x) for x in (out / "lengths.txt").read_text().split()]
@@ -83,13 +86,19 @@ def worker(args: argparse.Namespace) -> int:
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
     t0 = time.perf_counter()
     # micro-batch sizes doubled while throughput does not fall (min_gain 0: a noisy small
-    # layout must not end a chain early; packed bins are priced from the largest measured)
+    # layout must not end a chain early; packed bins are priced from the largest measured);
+    # every layout on the reference clock (the machine's load drifts over the profile's
+    # minutes, `profile.drift`), so rounds stop at +-5% (more buy nothing the drift takes back)
     config = ProfilerConfig(repeats=3, min_time_s=0.4, min_gain=0.0, max_mbs=16, max_tokens=4096,
-                            progress=rank == 0)
+                            rel_tol=0.05, max_repeats=12, reference=True, progress=rank == 0)
     profiler = Profiler(model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config,
                         engine=dc)
     profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))
     profile_s = time.perf_counter() - t0
+    # the profile's reference run, timed between the steps of every timed run: the machine's
+    # speed during the run against the speed the profile prices at (`profile.drift`)
+    clock = (profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size)
+             if profile.reference_s else None)
 
     # -- the memory budget: the longest sample does not fit one rank even with full
     # recomputation, so it needs SP = 2 (and, at this budget, recomputation there too)
@@ -133,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     for rep in range(args.repeats):
         for policy in args.policies:
-            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups)
+            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
             prev = results.get(policy)
             if prev is not None and (run["samples_hash"], run["losses"]) != (prev["samples_hash"], prev["losses"]):
                 raise RuntimeError(f"{policy}: repeat {rep} trained different samples or got different losses "
@@ -157,10 +166,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> dict:
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
-    per-rank busy spans of each step."""
+    per-rank busy spans of each step. ``clock``: the profile's `ReferenceClock`, ticked twice
+    after every step outside the timed wall (``reference_s``: the median over both ranks)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
@@ -171,6 +181,8 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
     loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
                                tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
     losses, step_ids, steps_log = [], [], []
+    mark = clock.mark() if clock else 0
+    paused = 0.0
     comm.barrier()
     start = time.perf_counter()
     for step in loader:
@@ -187,14 +199,20 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups) -> 
         steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
                           "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
-    wall = time.perf_counter() - start
+        if clock:
+            a = time.perf_counter()
+            clock.tick()
+            clock.tick()
+            paused += time.perf_counter() - a
+    wall = time.perf_counter() - start - paused
     logs = comm.all_gather_object(steps_log)
+    refs = [t for ts in comm.all_gather_object(clock.times[mark:] if clock else []) for t in ts]
     walls = comm.all_gather_object(wall)
     tokens = sum(lengths[i] for ids in step_ids for i in ids)
     return {
         "wall_s": max(walls), "tokens_per_s": tokens / max(walls), "steps": len(step_ids),
         "samples": sum(len(x) for x in step_ids), "samples_hash": samples_hash(step_ids),
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-        "rank_steps": logs,
+        "rank_steps": logs, "reference_s": statistics.median(refs) if refs else None,
     }
 

@@ -1,7 +1,7 @@
-"""The registry of reference models the front-ends build (profile, demo, smoke, train), by name.
+"""The registry of reference models the front-ends build (profile, demo, train), by name.
 
-The profile presets (`dcparallel profile --model NAME`, with default buckets), the demo's and
-the smoke test's LMs (`LLAMAS`, `llama`), and `train`'s `[model]` (`build_model`)."""
+The profile presets (`dcparallel profile --model NAME`, with default buckets), the demo's
+LMs (`LLAMAS`, `llama`), and `train`'s `[model]` (`build_model`)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ from dcparallel.profile.inputs import MakeInputs, reference_inputs, reference_sp
 from dcparallel.spec import ModelSpec, Size
 
 #: the reference LMs by name: "tiny-llama" is the demo's (at its --layers depth) and `train`'s default
-#: `[model]` shape; "smoke-llama" the runtime smoke test's
+#: `[model]` shape
 LLAMAS: dict[str, LlamaConfig] = {
     "tiny-llama": LlamaConfig(vocab_size=256, hidden=128, num_layers=8, num_heads=4, ffn_hidden=352),
     "small-llama": LlamaConfig.small(num_layers=8),
     "llama-7b": LlamaConfig.llama_7b(),
-    "smoke-llama": LlamaConfig.tiny(vocab_size=64, hidden=64, num_layers=2, num_heads=4, ffn_hidden=128),
 }
 
 

@@ -19,7 +19,7 @@ One metrics line per step on rank 0 (loss, tokens/s, step time, idle fraction of
 vs the fastest rank, planned peak memory, SP degrees used, lr, gradient norm, eval loss, the
 step's sample ids), a progress bar on rank 0, the same metrics as JSONL in
 ``out_dir/metrics.jsonl`` and, with ``[log]``, TensorBoard / W&B (`apps.train_log`), events (start, resume,
-injected fault, skipped step, finish) in ``out_dir/events.jsonl``, and a crash-consistent
+skipped step, finish) in ``out_dir/events.jsonl``, and a crash-consistent
 checkpoint (`dcparallel.checkpoint`: model, optimizer state, loader position, RNG states,
 config, profile fingerprint; per-rank files with shard_size 1, torch.distributed.checkpoint
 keyed by parameter name with shard_size > 1) every ``checkpoint_every`` steps and at the
@@ -35,11 +35,11 @@ policy, step budget, lr, seed, memory) is refused with what differs, unless
 
 Everything is checked before anything runs: unknown keys and wrong types or ranges in the
 config (named, with the fix), the lengths file (file:line), the step budget, the model's
-heads and layers, the fault-injection variable.
+heads and layers.
 
 The config: `dcparallel.apps.train_config`; model, data and schedule:
-`dcparallel.apps.train_setup`; checkpoints and export: `dcparallel.apps.train_checkpoint`;
-fault injection: `dcparallel.apps.faults`.
+`dcparallel.apps.train_setup`; the loop: `dcparallel.apps.trainer`; checkpoints and export:
+`dcparallel.apps.train_checkpoint`; metrics and events: `dcparallel.apps.train_log`.
 """
 
 from __future__ import annotations
@@ -47,15 +47,14 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from dcparallel.apps.faults import FAULT_ENV, Fault, parse_faults
 from dcparallel.apps.train_config import Config, read_train_lengths
+from dcparallel.apps.trainer import StepHook, Trainer
 
-# ---------------------------------------------------------------- the run
 
-
-def run(cfg: Config) -> int:
+def run(cfg: Config, before_step: StepHook | None = None) -> int:
     """Trains (or resumes, or reports a finished run); 0 on success. Initializes the process
-    group under torchrun (and destroys it at the end) unless one exists already."""
+    group under torchrun (and destroys it at the end) unless one exists already.
+    ``before_step(trainer, global_step)`` is called at the start of every step (`Trainer`)."""
     import faulthandler
 
     import torch
@@ -65,24 +64,16 @@ def run(cfg: Config) -> int:
 
     cfg.validate()
     t = cfg.train
-    faults = parse_faults(os.environ.get(FAULT_ENV, ""))
     lengths = read_train_lengths(cfg)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     own_pg = "RANK" in os.environ and not dist.is_initialized()
     # NCCL + cuda:LOCAL_RANK or gloo; restart-safe under torchrun --max-restarts (runtime/launch.py)
     init_distributed(timeout=timedelta(seconds=t.pg_timeout_s))
     try:
-        return _run(cfg, lengths, faults)
+        trainer = Trainer(cfg, lengths, before_step)
+        return trainer.train() if trainer.prepare() else 0
     finally:
         faulthandler.cancel_dump_traceback_later()
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _run(cfg: Config, lengths: list, faults: list[Fault]) -> int:
-    from dcparallel.apps.trainer import Trainer
-
-    trainer = Trainer(cfg, lengths, faults)
-    return trainer.train() if trainer.prepare() else 0
-
 

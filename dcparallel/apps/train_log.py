@@ -6,12 +6,15 @@ a progress bar with one line per step, and, when ``[log]`` asks, TensorBoard eve
 Each step's record has: loss, tokens/s, step time, idle fraction, planned and measured peak
 memory, SP degrees, learning rate, gradient norm (pre-clip), and on eval steps the eval loss;
 the dashboards get the numeric ones under ``train/``, ``eval/``, ``memory/``, ``plan/``.
+Events (start, resume, skipped step, finish; a ``before_step`` hook may add its own) go to
+``out_dir/events.jsonl`` (`append_event`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +91,32 @@ def _run_id(out: Path) -> str:
     if not f.exists():
         f.write_text(uuid.uuid4().hex[:12])
     return f.read_text().strip()
+
+
+def append_event(path: Path | None, record: dict) -> None:
+    """Appends one event line, stamped with the time (rank 0 writes them; None: nothing)."""
+    if path is None:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
+def trim_metrics(path: Path, done: int) -> int:
+    """Drops metrics lines of steps after ``done`` (replayed after a restart); returns how many."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1  # a torn last line
+            continue
+        if rec.get("global_step", 0) <= done:
+            keep.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    tmp.replace(path)
+    return dropped

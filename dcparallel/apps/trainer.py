@@ -1,67 +1,39 @@
-"""`Trainer`: one launch of `dcparallel train` (`dcparallel.apps.train` documents the run):
-set-up and resume, the steps with clipping and the lr schedule, evaluation, checkpoints,
-metrics and the export."""
+"""`Trainer`: one launch of `dcparallel train` (`dcparallel.apps.train` documents the run).
+
+Set-up (`prepare`: model, data, the checkpoint check, the loader from
+`DataCentricParallel.prepare`, the optimizer, resume), the step (`_step`: micro-batches,
+`_update`, the metrics `_record`), evaluation (`evaluate`), checkpoints (`_save`) and the
+export. A ``before_step`` hook, called at the start of every step, lets its caller act on
+the run (the tests inject faults with it)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-from dcparallel.apps.faults import Fault, append_event, fire
 from dcparallel.apps.train_config import Config, check_fits
+from dcparallel.apps.train_log import append_event, trim_metrics
 from dcparallel.runtime.launch import restart_attempt
 
 log = logging.getLogger("dcparallel.train")
 
-
-def _loader(cfg: Config, dc, dataset, lengths: list, out: Path, rank: int):
-    from dcparallel.profile.profiler import ProfilerConfig
-
-    t, pc = cfg.train, cfg.profile
-    if pc.cost == "analytic":
-        from dcparallel.cost.analytic import AnalyticCost
-        from dcparallel.data import DataCentricLoader
-        from dcparallel.data.sizes import check_step_budget
-
-        check_step_budget(t.tokens_per_step, None)
-        cluster = dataclasses.replace(dc.cluster_spec, intra_bw=dc.cluster_spec.intra_bw or 1e10,
-                                      inter_bw=dc.cluster_spec.inter_bw or 1e10)
-        dc.cost = AnalyticCost(dc.spec, cluster)
-        dc.loader = DataCentricLoader(dataset, lengths, cost=dc.cost, cluster=dc.cluster_spec, policy=t.policy,
-                                      tokens_per_step=t.tokens_per_step, seed=t.seed, collate=dc.adapter.collate,
-                                      device=dc.params[0].device)  # the adapter's collate, as prepare uses
-        return dc.loader
-    check_fits(dc.spec, lengths, dc.cluster_spec.world_size, dc.cluster_spec.gpus_per_node, dc.memory_bytes)
-    config = ProfilerConfig.quick(pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
-                                  min_time_s=pc.min_time_s, max_mbs=pc.max_mbs,
-                                  memory_limit=dc.memory_bytes, progress=rank == 0)
-    return dc.prepare(dataset, lengths=lengths, tokens_per_step=t.tokens_per_step,
-                      profile_path=Path(pc.path) if pc.path else out / "profile.json", profiler_config=config)
+#: called with the trainer and the global step about to run (1-based), once the step's
+#: watchdog is armed and before its first micro-batch
+StepHook = Callable[["Trainer", int], None]
 
 
-def _trim_metrics(path: Path, done: int) -> int:
-    """Drops metrics lines of steps after ``done`` (replayed after a restart); returns how many."""
-    if not path.exists():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            dropped += 1  # a torn last line
-            continue
-        if rec.get("global_step", 0) <= done:
-            keep.append(line)
-        else:
-            dropped += 1
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    tmp.replace(path)
-    return dropped
+class Update(NamedTuple):
+    """What one optimizer step did: its mean loss, the pre-clip gradient norm, the lr it used,
+    and whether both were finite (else the step changed nothing, or the run stopped)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    finite: bool
 
 
 def _diff(saved: dict, now: dict) -> list[str]:
@@ -73,31 +45,31 @@ class Trainer:
     """One launch of a run: `prepare` (model, data, checkpoint check, loader, optimizer,
     resume) then `train` (the steps, evals, checkpoints, metrics and the export)."""
 
-    def __init__(self, cfg: Config, synthetic_sizes: list, faults: list[Fault]):
+    def __init__(self, cfg: Config, synthetic_sizes: list, before_step: StepHook | None = None):
         from dcparallel.runtime import comm
         from dcparallel.runtime.launch import init_distributed
 
         self.cfg, self.t, self.synthetic_sizes = cfg, cfg.train, synthetic_sizes
+        self.before_step = before_step
         self.rank, self.world = comm.world_rank(), comm.world_size()
         self.attempt = restart_attempt()
-        self.faults = {f.step: f for f in faults if f.rank == self.rank and f.attempt == self.attempt}
         self.out = Path(self.t.out_dir)
         self.launch = init_distributed()  # the launch set up in `run`: its device
         self.cuda = self.launch.device.type == "cuda"
         self.events = self.out / "events.jsonl" if self.rank == 0 else None
         self.done, self.start_epoch = 0, 0
+        self.resumed_from = None
 
     # ---------------------------------------------------------------- set-up
 
     def prepare(self) -> bool:
         """Everything before the first step; False when the run has nothing left to do."""
-        from dcparallel import DataCentricParallel, checkpoint
+        from dcparallel import checkpoint
         from dcparallel.apps import train_checkpoint
         from dcparallel.apps.train_setup import load_model, read_data
         from dcparallel.runtime import comm
 
-        t, rank = self.t, self.rank
-        if rank == 0:
+        if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         comm.barrier()
         self.ckroot = self.out / "checkpoint"
@@ -106,38 +78,41 @@ class Trainer:
                              f"marker); it cannot be resumed safely: delete {self.ckroot} or choose another out_dir")
         self.model, self.tokenizer = load_model(self.cfg, self.launch.device)
         self.data = read_data(self.cfg, self.model, self.tokenizer, self.synthetic_sizes)
-        extra = {}
-        if self.cfg.model.family == "diffusers":
-            extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
-        self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed,
-                                           memory_bytes=t.memory_mib * 2**20 or None, shard_size=t.shard_size,
-                                           **extra)
-        # this rank's ZeRO-1 range of the flat optimizer state (shard_size 1 only)
-        self.opt_range = None
-        if dc.shard_size == 1:
-            lo = min(rank * dc.shard_numel, dc.numel)
-            self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
+        self._wrap()
         # the checkpoint is found and its config compared before any profiling
-        ck = checkpoint.latest(self.ckroot, reads=lambda marker: train_checkpoint.reads(marker, rank, self.opt_range))
+        ck = checkpoint.latest(self.ckroot, reads=lambda m: train_checkpoint.reads(m, self.rank, self.opt_range))
         self.key = self.cfg.resume_key()
         if ck is not None and not self._check_resumable(ck):
             return False
-        self.loader = _loader(self.cfg, dc, self.data.train, self.data.train_sizes, self.out, rank)
+        self.loader = self._loader()
         self.eval_loader = self._eval_loader()
-        self.opt = dc.optimizer(lr=t.lr, weight_decay=t.weight_decay)
-        self.profile_fp = dc.profile.fingerprint if getattr(dc, "profile", None) is not None else {"cost": "analytic"}
+        self.opt = self.dc.optimizer(lr=self.t.lr, weight_decay=self.t.weight_decay)
+        self.profile_fp = self.dc.profile.fingerprint if self.dc.profile is not None else {"cost": "analytic"}
         if ck is not None:
             self._resume(ck)
-        self.target = sum(len(self.loader.steps(e)) for e in range(t.epochs))
-        if t.max_steps:
-            self.target = min(self.target, t.max_steps)
+        self.target = sum(len(self.loader.steps(e)) for e in range(self.t.epochs))
+        if self.t.max_steps:
+            self.target = min(self.target, self.t.max_steps)
         if self.done >= self.target:
-            if rank == 0:
-                log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
-                            "epochs to train more)", self.out, self.done, self.target)
+            self._say_finished(self.done, self.target)
             return False
         self.scheduler = self._scheduler()
         return True
+
+    def _wrap(self) -> None:
+        """The model in a `DataCentricParallel` (``dc``), and this rank's ZeRO-1 range of the
+        flat optimizer state (``opt_range``; shard_size 1 only)."""
+        from dcparallel import DataCentricParallel
+
+        t, extra = self.t, {}
+        if self.cfg.model.family == "diffusers":
+            extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
+        self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
+                                           memory_bytes=t.memory_mib * 2**20 or None, **extra)
+        self.opt_range = None
+        if dc.shard_size == 1:
+            lo = min(self.rank * dc.shard_numel, dc.numel)
+            self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
 
     def _check_resumable(self, ck) -> bool:
         t = self.t
@@ -148,11 +123,33 @@ class Trainer:
         if diff and self.rank == 0:
             log.warning("resuming %s anyway, although the config differs: %s", ck.path, "; ".join(diff))
         if ck.meta.get("finished") and ck.meta.get("run_length") == [t.epochs, t.max_steps]:
-            if self.rank == 0:  # known without planning (nor profiling at a new world size)
-                log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps "
-                            "or epochs to train more)", self.out, ck.step, ck.step)
+            self._say_finished(ck.step, ck.step)  # known without planning (nor profiling at a new world size)
             return False
         return True
+
+    def _say_finished(self, done: int, target: int) -> None:
+        if self.rank == 0:
+            log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
+                        "epochs to train more)", self.out, done, target)
+
+    def _loader(self):
+        """The training loader from `DataCentricParallel.prepare`: priced by a profile of the
+        model (every sample checked first to fit some layout by the analytic model, which
+        catches samples the profiler would die on) or by the analytic cost model. Rank 0,
+        which writes the metrics, gets each step's prediction with its plan."""
+        from dcparallel.profile.profiler import ProfilerConfig
+
+        t, pc, dc = self.t, self.cfg.profile, self.dc
+        kw = {}
+        if pc.cost == "profiled":
+            c = dc.cluster_spec
+            check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, dc.memory_bytes)
+            kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
+            kw["profiler_config"] = ProfilerConfig.quick(
+                pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
+                min_time_s=pc.min_time_s, max_mbs=pc.max_mbs, memory_limit=dc.memory_bytes, progress=self.rank == 0)
+        return dc.prepare(self.data.train, lengths=self.data.train_sizes, tokens_per_step=t.tokens_per_step,
+                          cost=pc.cost, predict=self.rank == 0, **kw)
 
     def _eval_loader(self):
         if self.data.eval is None:
@@ -194,78 +191,72 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
 
     def train(self) -> int:
+        """The steps up to the target, then the export; 0."""
         from dcparallel.apps.train_log import MetricsSinks
 
-        t, rank = self.t, self.rank
-        if rank == 0:
-            replayed = _trim_metrics(self.out / "metrics.jsonl", self.done)
-            ck = getattr(self, "resumed_from", None)
-            if ck is not None:
-                log.warning("resumed from %s at step %d (world size %d -> %d; %d step(s) after it replayed)",
-                            ck.path, self.done, ck.world_size, self.world, replayed)
-                append_event(self.events, {"event": "resume", "step": self.done, "replayed": replayed,
-                                           "from_world_size": ck.world_size, "world_size": self.world,
-                                           "attempt": self.attempt})
-            append_event(self.events, {"event": "start", "step": self.done, "world_size": self.world,
-                                       "attempt": self.attempt})
-        self.sinks = MetricsSinks(self.cfg, self.out, rank, self.done, self.target - self.done)
-        saved_at = self.done
+        self._log_start()
+        self.sinks = MetricsSinks(self.cfg, self.out, self.rank, self.done, self.target - self.done)
         try:
-            for epoch in range(self.start_epoch, t.epochs):
-                self.loader.set_epoch(epoch)
-                self.dc.set_epoch(epoch)
-                for step in self.loader:
-                    self._step(epoch, step)
-                    if self.done >= self.target:
-                        break  # after the step: the loader's position counts only trained steps
-                    if t.checkpoint_every and self.done % t.checkpoint_every == 0:
-                        self._save(finished=False)
-                        saved_at = self.done
-                if self.done >= self.target:
-                    break
-            if self.done > saved_at:
-                self._save(finished=True)
+            self._epochs()
         finally:
             self.sinks.close()
-        from dcparallel.apps import train_checkpoint
-        from dcparallel.apps.train_setup import export_path
-
-        path = train_checkpoint.export(self.cfg.model.family, self.dc, self.tokenizer, export_path(self.cfg, self.out))
-        if rank == 0:
-            if path is not None:
-                log.warning("exported the trained model to %s", path)
-            append_event(self.events, {"event": "finish", "step": self.done, "world_size": self.world,
-                                       **({"export_dir": str(path)} if path else {})})
+        self._export()
         return 0
 
+    def _epochs(self) -> None:
+        """Every epoch's steps up to the target; a checkpoint every ``checkpoint_every`` steps
+        and one at the end."""
+        t = self.t
+        saved_at = self.done
+        for epoch in range(self.start_epoch, t.epochs):
+            self.loader.set_epoch(epoch)
+            self.dc.set_epoch(epoch)
+            for step in self.loader:
+                self._step(epoch, step)
+                if self.done >= self.target:
+                    break  # after the step: the loader's position counts only trained steps
+                if t.checkpoint_every and self.done % t.checkpoint_every == 0:
+                    self._save(finished=False)
+                    saved_at = self.done
+            if self.done >= self.target:
+                break
+        if self.done > saved_at:
+            self._save(finished=True)
+
     def _step(self, epoch: int, step) -> None:
-        """One optimizer step: micro-batches, sync, clipping, update (or the nan policy), the
-        lr schedule, an eval when due, and the step's metrics record."""
+        """One optimizer step under the step watchdog: the hook, the micro-batches, the
+        update, then an eval when due and the step's metrics record."""
         import faulthandler
 
         import torch
 
-        from dcparallel.runtime import comm
-
-        t, dc, rank = self.t, self.dc, self.rank
         t0 = time.perf_counter()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.launch.device)
-        if t.step_timeout_s:
-            faulthandler.dump_traceback_later(t.step_timeout_s, exit=True)
-        fault = self.faults.get(self.done + 1)
-        if fault is not None and fire(fault, self.out / "events.jsonl"):
-            # a NaN in this rank's summed loss and gradient, as an overflow would leave; put in
-            # before the step's backward (the overlapped sync may send them during it)
-            dc.zero_grad()
-            dc.flat_grad[0] += float("nan")
-            dc.grad_sync.stats[0] += float("nan")
+        if self.t.step_timeout_s:
+            faulthandler.dump_traceback_later(self.t.step_timeout_s, exit=True)
+        if self.before_step is not None:
+            self.before_step(self, self.done + 1)
         busy = 0.0
         for batch in step:
             a = time.perf_counter()
-            with dc.micro_batch(batch) as ctx:  # the adapter's loss: next-token, or flow matching
-                ctx.backward(dc.loss_fn(self.model, batch, ctx))
+            with self.dc.micro_batch(batch) as ctx:  # the adapter's loss: next-token, or flow matching
+                ctx.backward(self.dc.loss_fn(self.model, batch, ctx))
             busy += time.perf_counter() - a
+        update = self._update(epoch, step)
+        step_s = time.perf_counter() - t0
+        idle = self._idle_fraction(busy)
+        if self.t.step_timeout_s:
+            faulthandler.cancel_dump_traceback_later()
+        due = self.t.eval_every and (self.done % self.t.eval_every == 0 or self.done >= self.target)
+        eval_loss = self.evaluate() if self.eval_loader is not None and due else None
+        if self.sinks.active:
+            self.sinks.write(self._record(epoch, step, update, step_s, idle, eval_loss))
+
+    def _update(self, epoch: int, step) -> Update:
+        """The gradient sync, clipping and the optimizer step (or the nan policy), then the lr
+        schedule's step."""
+        dc, t = self.dc, self.t
         loss = dc.sync_gradients()
         lr = self.opt.param_groups[0]["lr"]
         # the synced gradients are the same on every rank: every rank decides the same
@@ -281,20 +272,24 @@ class Trainer:
                 f"to skip such steps")
         else:
             dc.zero_grad()
-            if rank == 0:
+            if self.rank == 0:
                 log.warning("step %d has a non-finite %s: skipped (no update, nan_policy = 'skip')",
                             self.done + 1, what)
                 append_event(self.events, {"event": "skip", "step": self.done + 1, "loss": str(loss)})
         self.scheduler.step()
         self.done += 1
-        step_s = time.perf_counter() - t0
-        busys = comm.all_gather_object(busy)
-        if t.step_timeout_s:
-            faulthandler.cancel_dump_traceback_later()
-        due = t.eval_every and (self.done % t.eval_every == 0 or self.done >= self.target)
-        eval_loss = self.evaluate() if self.eval_loader is not None and due else None
-        self.sinks.write(self._record(epoch, step, loss if finite else None, finite, step_s, busys, lr, grad_norm,
-                                      eval_loss))
+        return Update(loss, grad_norm, lr, finite)
+
+    def _idle_fraction(self, busy: float) -> float:
+        """1 - the least busy rank's micro-batch seconds / the busiest rank's (collective: one
+        max-reduction of (busy, -busy))."""
+        import torch
+
+        from dcparallel.runtime import comm
+
+        x = torch.tensor([busy, -busy], dtype=torch.float64, device=self.launch.device)
+        most, minus_least = comm.all_reduce_(x, comm.WORLD, op="max").tolist()
+        return 1 - (-minus_least) / most if most > 0 else 0.0
 
     def evaluate(self) -> float:
         """The eval split's loss: every eval step planned by the loader and run on the engine
@@ -322,24 +317,39 @@ class Trainer:
         loss_sum, count = stats.tolist()
         return loss_sum / count if count > 0 else float("nan")
 
-    def _record(self, epoch, step, loss, finite, step_s, busys, lr, grad_norm, eval_loss) -> dict:
+    # ---------------------------------------------------------------- log, checkpoint, export
+
+    def _log_start(self) -> None:
+        """Rank 0: drops metrics lines of steps a restart replays, logs the resume, and writes
+        the resume and start events."""
+        if self.rank != 0:
+            return
+        replayed = trim_metrics(self.out / "metrics.jsonl", self.done)
+        ck = self.resumed_from
+        if ck is not None:
+            log.warning("resumed from %s at step %d (world size %d -> %d; %d step(s) after it replayed)",
+                        ck.path, self.done, ck.world_size, self.world, replayed)
+            append_event(self.events, {"event": "resume", "step": self.done, "replayed": replayed,
+                                       "from_world_size": ck.world_size, "world_size": self.world,
+                                       "attempt": self.attempt})
+        append_event(self.events, {"event": "start", "step": self.done, "world_size": self.world,
+                                   "attempt": self.attempt})
+
+    def _record(self, epoch: int, step, update: Update, step_s: float, idle: float, eval_loss) -> dict:
+        """The step's metrics line (rank 0, whose loader predicts each plan: `StepPrediction`)."""
         import torch
 
-        from dcparallel.sim.replay import replay_step
-
-        loader = self.loader
-        # the plan is the same on every rank: its largest micro-batch is the planned peak
-        peak = max((loader.context.mb_memory(mb.sample_ids, mb.layout) for mb in step.plan.micro_batches()),
-                   default=0.0)
-        return {"epoch": epoch, "step": step.index, "global_step": self.done, "loss": loss, "skipped": not finite,
+        planned = step.predicted
+        return {"epoch": epoch, "step": step.index, "global_step": self.done,
+                "loss": update.loss if update.finite else None, "skipped": not update.finite,
                 "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
-                "idle_fraction": 1 - min(busys) / max(busys) if max(busys) > 0 else 0.0,
-                "planned_peak_memory_bytes": peak,
-                "planned_compute_s": replay_step(step.plan, loader.context).compute_time,
+                "idle_fraction": idle, "planned_peak_memory_bytes": planned.peak_memory_bytes,
+                "planned_compute_s": planned.compute_s,
                 "measured_peak_memory_bytes":
                     torch.cuda.max_memory_allocated(self.launch.device) if self.cuda else None,
-                "sp_degrees": step.plan.busy_sizes(), "lr": lr, "grad_norm": grad_norm, "eval_loss": eval_loss,
-                "policy": self.t.policy, "world_size": self.world, "sample_ids": sorted(step.plan.sample_ids)}
+                "sp_degrees": step.plan.busy_sizes(), "lr": update.lr, "grad_norm": update.grad_norm,
+                "eval_loss": eval_loss, "policy": self.t.policy, "world_size": self.world,
+                "sample_ids": sorted(step.plan.sample_ids)}
 
     def _save(self, finished: bool) -> None:
         from dcparallel.apps import train_checkpoint
@@ -351,3 +361,15 @@ class Trainer:
                 "dtype": str(dtype).removeprefix("torch.")}
         train_checkpoint.save(self.ckroot, self.done, self.dc, self.opt, meta, keep=t.keep_checkpoints,
                               optimizer_range=self.opt_range or (0, 0))
+
+    def _export(self) -> None:
+        """The trained model written to the export directory; the finish event."""
+        from dcparallel.apps import train_checkpoint
+        from dcparallel.apps.train_setup import export_path
+
+        path = train_checkpoint.export(self.cfg.model.family, self.dc, self.tokenizer, export_path(self.cfg, self.out))
+        if self.rank == 0:
+            if path is not None:
+                log.warning("exported the trained model to %s", path)
+            append_event(self.events, {"event": "finish", "step": self.done, "world_size": self.world,
+                                       **({"export_dir": str(path)} if path else {})})

@@ -138,7 +138,9 @@ class ProfiledCost:
 
     def _per_sample(self, tokens: int, sp: int, mode: str, n: int) -> tuple[float, float] | None:
         """Per-sample (time, memory) for a sample of `tokens` in a micro-batch of n, interpolated
-        linearly in tokens between the nearest measured buckets (proportional outside)."""
+        linearly in tokens between the nearest measured buckets; proportional beyond the largest.
+        Below the smallest, memory is proportional and time is the smallest bucket's times
+        `_short_share`."""
         row = self._by_tokens.get((sp, mode))
         if not row:
             return None
@@ -154,11 +156,28 @@ class ProfiledCost:
         if i == 0 or i == len(row):
             k0, b0 = row[0] if i == 0 else row[-1]
             t, m = self._at(b0, sp, mode, n)
-            return t * tokens / k0, m * tokens / k0
+            return t * (self._short_share(row, sp, mode, tokens) if i == 0 else tokens / k0), m * tokens / k0
         (k0, b0), (k1, b1) = row[i - 1], row[i]
         (t0, m0), (t1, m1) = self._at(b0, sp, mode, n), self._at(b1, sp, mode, n)
         w = (tokens - k0) / (k1 - k0)
         return t0 + w * (t1 - t0), m0 + w * (m1 - m0)
+
+    def _short_share(self, row: list[tuple[int, str]], sp: int, mode: str, tokens: int) -> float:
+        """A sample shorter than the smallest bucket (k0 tokens): its time as a share of that
+        bucket's, from the line through the two smallest buckets' times alone (one sample
+        each), never below tokens / k0. A sample's fixed cost (launches, the loss) does not
+        shrink with its tokens, and a proportional price makes a short sample alone look
+        almost free. One share for every micro-batch size keeps a sample's price in a
+        micro-batch of any size between its prices at the measured sizes, as the lower bound
+        assumes (`plan.bounds`, A2)."""
+        (k0, b0) = row[0]
+        if len(row) < 2:
+            return tokens / k0
+        (k1, b1) = row[1]
+        t0, t1 = self._at(b0, sp, mode, 1)[0], self._at(b1, sp, mode, 1)[0]
+        if t0 <= 0:
+            return tokens / k0
+        return max(tokens / k0, 1.0 - (k0 - tokens) * max(0.0, t1 - t0) / (k1 - k0) / t0)
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
         """`terms` of `count` copies of one size, in time independent of `count` (the

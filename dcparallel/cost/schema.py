@@ -19,9 +19,12 @@ each entry, still loads: its spread counts as unknown)::
                                                     # states excluded (extrapolated)
                    "feasible": true}],              # false: ran out of memory
       "unfit_buckets": ["t65536"],      # optional: buckets with no feasible layout at all
-      "shard_size": 1                   # optional (absent = 1): the parameter-shard block size
+      "shard_size": 1,                  # optional (absent = 1): the parameter-shard block size
                                         # it was measured at (times include the block's
                                         # collectives, model_state_bytes the sharded states)
+      "reference_s": 0.004              # optional (absent = none): the median time of the
+                                        # profiler's reference run; every entry's time_s is
+                                        # rescaled to it (`profile.drift`)
     }
 
 Optional entry fields (absent = none): ``time_spread`` (the relative half-width of the 95%
@@ -29,7 +32,9 @@ interval of ``time_s``: the time is known to within time_s x (1 +- time_spread))
 ``rounds`` (timed rounds) and ``rejected`` (outlier rounds dropped; `profile.robust`),
 ``ranks`` (the SP group that measured it),
 ``measured`` (``depths``, ``time_s``, ``memory_bytes``: the short stacks it was extrapolated
-from; ``layer_s``: the time of one layer used, the median of per-round differences),
+from; ``layer_s``: the time of one layer used, the median of per-round differences;
+``reference_s``: the reference run's time while it was measured, ``load_scale``: the factor
+its time_s was multiplied by, the profile's reference_s / this one),
 ``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
 out of memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
 extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
@@ -149,6 +154,8 @@ class Profile:
     unfit_buckets: list[str] = field(default_factory=list)
     #: the parameter-shard block size the profile was measured at (`ClusterSpec.shard_size`)
     shard_size: int = 1
+    #: the reference run's median time, the speed every entry is priced at (`profile.drift`); None: not rescaled
+    reference_s: float | None = None
 
     def __post_init__(self) -> None:  # JSON-shaped buckets and entries are accepted too
         self.buckets = [b if isinstance(b, ProfileBucket) else ProfileBucket.from_json(b) for b in self.buckets]
@@ -160,7 +167,8 @@ class Profile:
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
                 "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
                 "buckets": [b.to_json() for b in self.buckets], "entries": [e.to_json() for e in self.entries],
-                "unfit_buckets": self.unfit_buckets, "shard_size": self.shard_size}
+                "unfit_buckets": self.unfit_buckets, "shard_size": self.shard_size,
+                **({"reference_s": self.reference_s} if self.reference_s is not None else {})}
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON atomically (a reader never sees half a file)."""
@@ -192,11 +200,15 @@ class Profile:
                 raise ValueError("no entry is feasible and no bucket is listed as unfit")
             for name in ("model_state_bytes", "grad_sync_s"):
                 _check_number(name, d[name])
+            reference_s = d.get("reference_s")
+            if reference_s is not None:
+                _check_number("reference_s", reference_s)
             return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
                            world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
                            model_state_bytes=float(d["model_state_bytes"]),
                            grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
-                           unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)))
+                           unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)),
+                           reference_s=None if reference_s is None else float(reference_s))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 

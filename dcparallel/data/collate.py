@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dcparallel.data.batch import Batch
-from dcparallel.models.llama import IGNORE_INDEX, shift_labels
+from dcparallel.loss import IGNORE_INDEX, shift_labels
 from dcparallel.plan.types import MicroBatch
 
 __all__ = ["IGNORE_INDEX", "CollateFn", "collate_text", "collate_video", "padded_length", "resolve_collate",

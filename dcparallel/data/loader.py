@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 from dcparallel.cost.base import CostModel
 from dcparallel.data.batch import Batch
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
-from dcparallel.data.plan_stream import PlanStream, ProcessPlanStream
+from dcparallel.data.plan_stream import PlanStream, ProcessPlanStream, StepPrediction, predictor
 from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_sizes
 from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
@@ -75,6 +75,8 @@ class LoaderStep:
     """the whole step plan (every rank's groups); identical on every rank"""
     batches: tuple[Any, ...]
     """`Batch`es (or what a custom collate returns; the raw samples with collate=None)"""
+    predicted: StepPrediction | None = None
+    """the simulator's replay of the whole plan (the loader's ``predict``), else None"""
 
     @property
     def groups(self) -> tuple[GroupPlan, ...]:
@@ -156,6 +158,8 @@ class DataCentricLoader:
     - ``device``: where the `Batch`es go before the loop gets them (e.g. the model's
       ``cuda:LOCAL_RANK``, from pinned host memory without blocking; default: they stay where
       collate made them, the CPU).
+    - ``predict``: each step comes with the simulator's replay of its plan
+      (`LoaderStep.predicted`), made where the plan is, off the training loop.
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
@@ -186,6 +190,7 @@ class DataCentricLoader:
         ignore_index: int = IGNORE_INDEX,
         device: torch.device | str | None = None,
         planning: str = "process",
+        predict: bool = False,
     ):
         self.device = torch.device(device) if device is not None else None
         try:
@@ -231,6 +236,7 @@ class DataCentricLoader:
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
         self.check_plans = check_plans
         self.planning = planning
+        self.predict = predict
 
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
@@ -350,7 +356,7 @@ class DataCentricLoader:
             in_process = False
         kind = ProcessPlanStream if in_process else PlanStream
         stream = kind(functools.partial(self.planner, epoch), steps, start, self.lookahead,
-                      name=f"dcparallel-plan-e{epoch}")
+                      name=f"dcparallel-plan-e{epoch}", predict=predictor(self.context) if self.predict else None)
         loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, len(steps), self.rank),
                             batch_size=None, collate_fn=to_worker_result if self.num_workers else identity,
                             num_workers=self.num_workers,
@@ -359,7 +365,7 @@ class DataCentricLoader:
         t_epoch = time.perf_counter()
         try:
             for k in range(start, len(steps)):
-                plan = stream.get(k, "assembler")
+                plan, predicted = stream.get(k, "assembler"), stream.prediction(k)
                 plan.check_shard_blocks(getattr(self.cluster, "shard_size", 1))  # same plan, same answer, every rank
                 if self.check_plans:
                     comm.check_equal(comm.digest(plan.to_json()), f"plan of epoch {epoch} step {k}")
@@ -378,7 +384,7 @@ class DataCentricLoader:
                               epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
                 if self.lookahead:
                     stream.ahead(k + 2)
-                yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches)
+                yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches, predicted)
             log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
         finally:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dcparallel.data.readers import BadData, Row, content_hash, read_rows
-from dcparallel.models.llama import IGNORE_INDEX
+from dcparallel.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

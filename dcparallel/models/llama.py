@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from dcparallel.models.attention import AttentionFn, AttnPattern, local_attention
 
-IGNORE_INDEX = -100
 CAUSAL = AttnPattern("causal")
 
 
@@ -189,17 +188,3 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         return self.head(self.norm(x))
 
-
-def shift_labels(tokens: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Next-token targets of one document (1-D): labels[i] = tokens[i+1], the last ignored."""
-    labels = torch.full_like(tokens, ignore_index)
-    labels[:-1] = tokens[1:]
-    return labels
-
-
-def per_token_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
-    """Unreduced cross-entropy (B, L) and the mask of real targets (B, L)."""
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=ignore_index
-    ).view(labels.shape)
-    return loss, labels != ignore_index

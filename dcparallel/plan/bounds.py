@@ -4,8 +4,8 @@ The layout model: a micro-batch runs on a group of k ranks (an SP degree of the 
 its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). The degrees
 are every one a planner may use (`PlanContext.mix_sizes`). Per sample s
 and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds per sample
-of micro-batches of copies of s at k (time * k / m over the micro-batch sizes 1, 2, 4, ... and
-the largest that fits, up to 64; the fastest recompute that fits). A micro-batch of time d at
+of micro-batches of copies of s at k (time * k / m over the sizes m up to 64 that fit, with the
+fastest recompute that fits: `PlanContext.fewest_gpu_seconds`). A micro-batch of time d at
 degree k is assumed to satisfy
 
     (A1) f_k(s) <= d for each of its samples (a sample does not run faster in company),
@@ -59,7 +59,7 @@ from typing import Iterable
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, sync_buckets
-from dcparallel.plan.context import PlanContext, mbs_candidates
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
 
@@ -90,7 +90,7 @@ class LowerBound:
             if top == 0:
                 continue
             f[j] = ctx.copies_layout(size, 1, k, "pac").time
-            g[j] = min(ctx.copies_layout(size, m, k, "pac").time * k / m for m in mbs_candidates(top))
+            g[j] = ctx.fewest_gpu_seconds(size, k, top)
         assert np.isfinite(f).any(), f"size {size!r} fits no layout"
         self._fg[size] = (f, g)
         return f, g

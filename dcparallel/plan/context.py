@@ -8,7 +8,9 @@ SP degree. Pure python, no process group.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -147,6 +149,31 @@ class PlanContext:
                 hi = mid
         return lo
 
+    def fewest_gpu_seconds(self, size: Size, sp: int, top: int) -> float:
+        """The fewest GPU-seconds per sample (time * sp / m) of m = 1..top copies of `size` at
+        `sp`, with the fastest recompute that fits ("pac"; `top`: `max_mbs`). Any m, not only the
+        powers of two the planners try: the cost per sample falls as m grows but jumps where the
+        micro-batch must recompute more (6 copies keep everything, 7 recompute), so its least is
+        often between two powers of two. Those and top are priced; the m between two priced ones
+        are skipped where `_floor_between` proves none costs less, else the interval is halved."""
+        cands = mbs_candidates(top)
+        best = min(self.copies_layout(size, m, sp, "pac").time / m for m in cands)
+        terms: dict[int, MicroBatchTerms] = {}
+        todo = list(zip(cands, cands[1:]))
+        while todo:
+            a, b = todo.pop()
+            if b - a < 2:
+                continue
+            for m in (a, b):
+                if m not in terms:
+                    terms[m] = self.cost.terms_copies(size, m, sp)
+            if _floor_between(terms[a], terms[b], a, b, self.budget, best) >= best * (1 - 1e-12):
+                continue
+            mid = (a + b) // 2
+            best = min(best, self.copies_layout(size, mid, sp, "pac").time / mid)
+            todo += [(a, mid), (mid, b)]
+        return best * sp
+
     def bucket_options(self, bucket: tuple[int, int], mode: RecomputeMode) -> dict[int, Option]:
         """Per SP degree, the layout of least GPU-seconds per sample for this bucket (over
         micro-batch sizes 1, 2, 4, ... up to the largest that fits)."""
@@ -213,6 +240,27 @@ class PlanContext:
             self.usable_ids = [i for i in range(len(self.sizes)) if i not in skip]
         else:
             self.usable_ids = list(range(len(self.sizes)))
+
+
+def _floor_between(ta: MicroBatchTerms, tb: MicroBatchTerms, a: int, b: int, budget: float, stop: float) -> float:
+    """A floor on the time per sample of m copies of one size, for every m from a to b (terms
+    `ta`, `tb`) inside one interval between powers of two. There each term of the time (without
+    recompute, and each kind's recompute time) per sample is monotone in m (both cost models are
+    affine or falling there), so it is at least its smaller end; and a recompute setting that
+    fits m copies fits a copies. So the fastest setting that fits a copies, timed with those
+    smaller ends, is a floor: the knapsack, or its fractional relaxation if that reaches `stop`."""
+    ends = {k: min(getattr(ta, k) / a, getattr(tb, k) / b) for k in ("time_none", "dt_attn", "dt_mlp", "dt_full")}
+    if ta.memory(Recompute(0, 0)) <= budget:
+        return ends["time_none"]  # nothing need be recomputed, and recomputing adds time
+    need = ta.fixed_bytes + ta.num_layers * ta.act_layer + ta.transient_rec - budget  # bytes to save
+    rates = [dt / save for dt, save in ((ends["dt_attn"], ta.save_attn), (ends["dt_mlp"], ta.save_mlp),
+                                        (ends["dt_full"], ta.save_full)) if save > 0]
+    relaxed = ends["time_none"] + max(need, 0.0) * min(rates, default=0.0)
+    if relaxed >= stop:
+        return relaxed
+    floor = dataclasses.replace(ta, **ends)
+    r = floor.cheapest_recompute(budget)
+    return math.inf if r is None else floor.time(r)
 
 
 def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode: RecomputeMode) -> list[list[int]]:

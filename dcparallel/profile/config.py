@@ -29,6 +29,10 @@ class ProfilerConfig:
     (`profile.robust`), up to ``max_repeats``"""
     outlier_k: float = 3.5
     """a round more than this many scaled MADs from the median is an outlier and dropped"""
+    reference: bool = False
+    """time a fixed reference run (smallest bucket, one sample, SP 1, one layer) in every round and
+    rescale every layout's time to the profile's median reference time (`profile.drift`): for
+    shared machines, whose load drifts over the minutes a profile takes"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None
@@ -48,6 +52,21 @@ class ProfilerConfig:
     full, one sample) and report the extrapolation error"""
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
+
+    def check(self, num_layers: int) -> None:
+        """Refuses settings no profile can be measured with (ValueError naming the field)."""
+        if not 2 <= self.depth <= num_layers:
+            raise ValueError(f"depth {self.depth} must be between 2 and the model's {num_layers} "
+                             f"layers (stacks of depth-1 and depth layers are measured)")
+        for name, value, low in (("repeats", self.repeats, 1), ("warmup", self.warmup, 1),
+                                 ("max_mbs", self.max_mbs, 1), ("max_repeats", self.max_repeats, self.repeats)):
+            if value < low:
+                raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
+        if self.min_gain < 0:
+            raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {self.min_gain}")
+        bad = [m for m in self.modes if m not in STATIC_MODES]
+        if bad:
+            raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
 
     def validation_set(self, buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int]) -> set[tuple[str, int, str]]:
         """(bucket, SP degree, mode) run at full depth too: smallest and largest bucket,
@@ -116,3 +135,14 @@ def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 
         if k not in best or spec.tokens(s) > spec.tokens(best[k]):
             best[k] = s
     return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
+
+
+def group_buckets(buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int], world: int, rank: int
+                  ) -> list[tuple[int, tuple[int, ...], ProfileBucket]]:
+    """(SP degree, the group's ranks, bucket) that ``rank`` measures, in order: for each degree k
+    the world splits into aligned groups of k ranks and group i takes buckets i, i + world/k, ..."""
+    plan = []
+    for sp in sp_sizes:
+        start = rank // sp * sp
+        plan += [(sp, tuple(range(start, start + sp)), b) for b in buckets[start // sp :: world // sp]]
+    return plan

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from dcparallel.cost.schema import ProfileEntry
 from dcparallel.runtime import comm
 
 
@@ -207,3 +208,42 @@ def grad_sync_seconds(flat_grad: Tensor, timer: Timer, group=comm.WORLD) -> floa
             times.append(t)
     flat_grad.zero_()
     return max(comm.all_gather_object(median(times)))
+
+
+def group_entry(entry: ProfileEntry, res: Sequence[dict], d1: int, d2: int, num_layers: int, state_bytes: float,
+                memory_limit: float | None) -> bool:
+    """Fills ``entry`` from its SP group's per-rank measurements ``res`` (`Profiler._measure`):
+    out of memory if any rank was; else the full-depth time and memory extrapolated from the
+    stacks of ``d1`` and ``d2`` layers (the slowest rank's time, the largest rank's memory),
+    infeasible when model states + activations pass ``memory_limit``. Returns True when the
+    per-layer time was clamped at zero."""
+    if not all(r["ok"] for r in res):
+        entry.feasible, entry.reason = False, "oom"
+        entry.error = next(r["error"] for r in res if not r["ok"])
+        return False
+    L = num_layers
+    t = {d: max(r["time"][d] for r in res) for d in res[0]["time"]}
+    m = {d: max(r["memory"][d] for r in res) for d in res[0]["time"]}
+    # t_L = t2 + (L - d2) x (time of one layer); the layer's time is the median of the
+    # per-round differences (t2 - t1) / (d2 - d1): both depths of a round run back to back,
+    # so load drifting on a shared machine cancels in each pair
+    slope = max(r["slope"] for r in res)
+    clamped = slope < 0  # noise larger than a layer: no per-layer time resolved
+    slope = max(slope, 0.0)
+    m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
+    entry.time_s, entry.memory_bytes = t[d2] + (L - d2) * slope, m_l
+    entry.feasible = memory_limit is None or state_bytes + m_l <= memory_limit
+    entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
+        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
+    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
+                      "memory_bytes": [m[d1], m[d2]]}
+    ref = [r.get("reference_s") for r in res]
+    if all(ref):  # the group's ranks share the machine: their mean reference time
+        entry.measured["reference_s"] = sum(ref) / len(ref)
+    if not entry.feasible:
+        entry.reason = "over_budget"
+    if L in t and L > d2:
+        entry.validation = {"time_s": t[L], "memory_bytes": m[L]}
+    elif res[0].get("validation_error"):
+        entry.validation = {"error": res[0]["validation_error"]}
+    return clamped

@@ -9,6 +9,7 @@ the hidden state through) and extrapolates time and activation memory linearly t
 depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). Each timed round
 runs both depths back to back (slow drifts of a shared machine cancel in the pair) and gives
 one full-depth estimate; rounds go on until their median is stable (`profile.robust`).
+``ProfilerConfig.reference`` puts every layout on one clock against load drift (`profile.drift`).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
@@ -47,16 +48,22 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
-from dcparallel.profile.config import ProfilerConfig, ProfileStats, representative_sizes  # noqa: F401 (re-exported)
+from dcparallel.profile.config import (  # noqa: F401 (re-exported)
+    ProfilerConfig,
+    ProfileStats,
+    group_buckets,
+    representative_sizes,
+)
+from dcparallel.profile.drift import ReferenceClock, rescale
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
     active_depth,
     device_name,
-    extrapolate,
     free_memory,
     grad_sync_seconds,
+    group_entry,
 )
 from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
@@ -90,19 +97,7 @@ class Profiler:
             raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
                              f"model gives {len(self.layers)} blocks; pass layers_per_unit so that "
                              f"blocks = spec.num_layers x layers_per_unit")
-        if not 2 <= self.config.depth <= spec.num_layers:
-            raise ValueError(f"depth {self.config.depth} must be between 2 and the model's {spec.num_layers} "
-                             f"layers (stacks of depth-1 and depth layers are measured)")
-        c = self.config
-        for name, value, low in (("repeats", c.repeats, 1), ("warmup", c.warmup, 1), ("max_mbs", c.max_mbs, 1),
-                                 ("max_repeats", c.max_repeats, c.repeats)):
-            if value < low:
-                raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
-        if c.min_gain < 0:
-            raise ValueError(f"ProfilerConfig.min_gain must be >= 0 (a fraction, e.g. 0.05); got {c.min_gain}")
-        bad = [m for m in self.config.modes if m not in STATIC_MODES]
-        if bad:
-            raise ValueError(f"unknown recompute modes {bad}; use some of {list(STATIC_MODES)}")
+        self.config.check(spec.num_layers)
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
         self.engine = engine or Engine(model, layers=self.layers, num_heads=spec.num_heads, cluster=cluster)
@@ -120,6 +115,7 @@ class Profiler:
         self.dtype = shards.compute_dtype(self.engine)
         self.timer = Timer(self.device)
         self.memory_limit = self._budget()
+        self.clock: ReferenceClock | None = None  # set by `run` with ProfilerConfig.reference
 
     # ------------------------------------------------------------------ what it is valid for
 
@@ -162,7 +158,8 @@ class Profiler:
             # narrowly (fewer micro-batch sizes, other modes) or timed more briefly is another profile
             "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
                        "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
-            "timing": {k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+            "timing": {**{k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+                       **({"reference": True} if self.config.reference else {})},
             **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
         }
 
@@ -250,11 +247,14 @@ class Profiler:
             round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
             rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
             times: dict[int, list[float]] = {d: [] for d in depths}
+            mark = self.clock.mark() if self.clock else 0
 
             def one_round() -> float:
                 for d in depths:
                     with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
                         times[d].append(self.timer.time(lambda: self._run(inputs)))
+                if self.clock:
+                    self.clock.tick()
                 return round_estimates(times[depths[0]][-1:], times[depths[1]][-1:], *depths[:2],
                                        self.spec.num_layers)[0]
 
@@ -273,12 +273,36 @@ class Profiler:
             finally:
                 gc.enable()
             out.update(memory={d: mem[d] for d in depths}, **summarize_rounds(times, depths[:2], xs, cfg.outlier_k))
+            if self.clock:
+                out["reference_s"] = self.clock.since(mark)
             return out
         finally:
             inputs = None
             self.engine.zero_grad()
             if oom[0]:
                 free_memory(self.device)
+
+    def reference_clock(self, size: Size) -> ReferenceClock | None:
+        """The reference run (`profile.drift`): one sample of ``size`` alone on this rank, no
+        recomputation, one layer; None (no layout is rescaled) when it does not fit every rank."""
+        inputs = self.make_inputs(size, Layout(1, 1, Recompute.static("none", self.spec.num_layers)),
+                                  (self.rank,), self.rank)
+
+        def run() -> float:
+            with active_depth(self.layers, self.unit, self.engine.adapter.skip_block):
+                return self.timer.time(lambda: self._run(inputs))
+
+        fits = True
+        try:
+            run()  # warm-up
+        except torch.OutOfMemoryError:
+            fits = False
+        self.engine.zero_grad()
+        if all(comm.all_gather_object(fits)):
+            return ReferenceClock(run)
+        free_memory(self.device)
+        log.warning("the reference run (one sample of %s) does not fit: no rescaling for load drift", size)
+        return None
 
     # ------------------------------------------------------------------ the whole profile
 
@@ -300,13 +324,7 @@ class Profiler:
         d1 = d2 - 1
         validate = cfg.validation_set(buckets, self.sp_sizes)
 
-        plan = []  # (sp, ranks, bucket) this rank measures, in order
-        for sp in self.sp_sizes:
-            start = self.rank // sp * sp
-            ranks = tuple(range(start, start + sp))
-            num_groups = self.world // sp
-            for b in buckets[start // sp :: num_groups]:
-                plan.append((sp, ranks, b))
+        plan = group_buckets(buckets, self.sp_sizes, self.world, self.rank)  # (sp, ranks, bucket), in order
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -317,6 +335,8 @@ class Profiler:
         local: list[ProfileEntry] = []
         clamped = 0
         state = self.model_state_bytes()
+        if cfg.reference:
+            self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
             group = self.engine.groups.group(ranks)
             size = b.size
@@ -326,41 +346,16 @@ class Profiler:
                     full = mbs == 1 and (b.key, sp, mode) in validate and L > d2
                     mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
                     res = comm.all_gather_object(mine, group)
-                    depths = [d for d in res[0].get("time", {})] if all(r["ok"] for r in res) else []
                     entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks))
-                    if not all(r["ok"] for r in res):
-                        entry.feasible, entry.reason = False, "oom"
-                        entry.error = next(r["error"] for r in res if not r["ok"])
-                        local.append(entry)
-                        break
-                    t = {d: max(r["time"][d] for r in res) for d in depths}
-                    m = {d: max(r["memory"][d] for r in res) for d in depths}
-                    # t_L = t2 + (L - d2) x (time of one layer); the layer's time is the median of
-                    # the per-round differences (t2 - t1) / (d2 - d1): both depths of a round run
-                    # back to back, so load drifting on a shared machine cancels in each pair
-                    slope = max(r["slope"] for r in res)
-                    if slope < 0:  # noise larger than a layer: no per-layer time resolved
-                        clamped += 1
-                        slope = 0.0
-                    t_l = t[d2] + (L - d2) * slope
-                    m_l = max(extrapolate(m[d1], m[d2], L, d1, d2), m[d2])
-                    fits = self.memory_limit is None or state + m_l <= self.memory_limit
-                    entry.time_s, entry.memory_bytes, entry.feasible = t_l, m_l, fits
-                    entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
-                        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
-                    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
-                                      "memory_bytes": [m[d1], m[d2]]}
-                    if not fits:
-                        entry.reason = "over_budget"
-                    if L in t and L > d2:
-                        entry.validation = {"time_s": t[L], "memory_bytes": m[L]}
-                    elif res[0].get("validation_error"):
-                        entry.validation = {"error": res[0]["validation_error"]}
+                    clamped += group_entry(entry, res, d1, d2, L, state, self.memory_limit)
                     local.append(entry)
-                    if not fits:
+                    if not entry.feasible:
                         break
-                    tput = mbs / t_l
-                    if mbs > 1 and tput < best * (1 + cfg.min_gain):
+                    t_l = entry.time_s
+                    # samples/s on the reference clock (load drift cancels); a drop within the
+                    # layout's own spread is noise and does not end the chain
+                    tput = mbs / t_l * entry.measured.get("reference_s", 1.0)
+                    if mbs > 1 and tput * (1 + (entry.time_spread or 0.0)) < best * (1 + cfg.min_gain):
                         break
                     best = max(best, tput)
                     tokens = self.spec.tokens(size)
@@ -377,6 +372,8 @@ class Profiler:
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
                          key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
+        reference_s = rescale(entries)  # every layout on the profile's median machine speed
+        self.clock = None
         clamped = sum(comm.all_gather_object(clamped))
 
         feasible = {e.bucket for e in entries if e.feasible}
@@ -393,7 +390,8 @@ class Profiler:
                           gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
                           grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer,
                                                         shards.sync_group(self.engine)),
-                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size)
+                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size,
+                          reference_s=reference_s)
         if self.rank == 0 and profile.noise_warning():
             log.warning(profile.noise_warning())
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))

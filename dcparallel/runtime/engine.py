@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.find import find_adapter
 from dcparallel.data.batch import Batch
-from dcparallel.models.llama import per_token_loss
+from dcparallel.loss import per_token_loss
 from dcparallel.runtime import comm
 from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync

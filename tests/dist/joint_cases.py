@@ -37,10 +37,10 @@ def case_joint_engine(kind: str, seeds: list[int], num_samples: int) -> list[dic
 
 
 def case_joint_epoch(kind: str, profile_path: str) -> dict:
-    """Every policy trains one epoch of the mixed-resolution set (3 copies of the mix) at world
+    """Every policy trains one epoch of the mixed-resolution set (2 copies of the mix) at world
     2 through `prepare` (profiled once, the cache reused); per policy the (step, group, sample
     ids) this rank ran and the step losses."""
-    shapes = MIX[kind] * 3
+    shapes = MIX[kind] * 2
     config = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
     out = {}
     for policy in ALL:

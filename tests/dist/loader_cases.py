@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.data import DataCentricLoader
-from dcparallel.models.llama import per_token_loss
+from dcparallel.loss import per_token_loss
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import ClusterSpec, llama_like
 from tests.dist.cases import groups

@@ -32,7 +32,7 @@ def workers2(tmp_path_factory):
                                   pytest.param("mochi", marks=pytest.mark.slow)])
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     out = workers2.run(joint_cases.case_joint_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
-    shapes = MIX[kind] * 3
+    shapes = MIX[kind] * 2
     for policy in ALL:
         runs: dict[tuple, set[int]] = {}
         for per_rank in out:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dcparallel.models.llama import shift_labels
+from dcparallel.loss import shift_labels
 from tests.dist import loader_cases
 from tests.dist.harness import Workers
 from tests.support import Data, make_model, reference

@@ -35,7 +35,7 @@ def workers2(tmp_path_factory):
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
-    shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 3
+    shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 2
     for policy in ALL:
         runs = {}
         for per_rank in out:

@@ -24,10 +24,10 @@ def _model(kind: str):
 
 
 def case_video_epoch(kind: str, profile_path: str) -> dict:
-    """Every policy trains one epoch (repeated shapes: 3 copies of the mix) at world 2 through
+    """Every policy trains one epoch (repeated shapes: 2 copies of the mix) at world 2 through
     `prepare` (profiled once, the cache reused by the other policies); per policy the
     (step, micro-batch) sample ids this rank ran and the losses."""
-    shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 3
+    shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 2
     config = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
     out = {}
     for policy in ALL:

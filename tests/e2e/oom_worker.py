@@ -8,7 +8,8 @@ from datetime import timedelta
 import torch
 
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss
+from dcparallel.loss import per_token_loss
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import init_distributed

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 6
 
@@ -30,8 +31,8 @@ def _free_port() -> int:
 def test_two_torchrun_agents_one_c10d_rendezvous_groups_span_nodes(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     port = _free_port()
-    args = ["-m", "dcparallel.apps.smoke", "--steps", str(STEPS), "--bucket-kib", "8", "--out", "losses.json"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(ROOT / "tests/e2e/smoke_worker.py"), "--steps", str(STEPS), "--bucket-kib", "8", "--out", "losses.json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     agents = []
     for node in range(2):
         cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",

@@ -1,5 +1,5 @@
 """Process faults under `torchrun --max-restarts`: a rank that exits, raises or hangs mid-step
-(DCPARALLEL_FAULT) is restarted from the last committed checkpoint, and the finished run has
+(DCPARALLEL_FAULT, tests/faults.py) is restarted from the last committed checkpoint, and the finished run has
 the per-step losses of an uninterrupted run, bit for bit, with every sample of the epoch
 trained exactly once (2 gloo ranks, analytic cost: no profiling)."""
 
@@ -7,16 +7,19 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _launch(config, cwd, fault="", restarts=0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault)
+    # `dcparallel train` with the faults of DCPARALLEL_FAULT (tests/faults.py)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "dcparallel", "train", "--config", str(config)]
+           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(config)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

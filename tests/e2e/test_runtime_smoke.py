@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 24
 
 
 def run(cmd: list[str], tmp: Path) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp / "losses.json").read_text())["losses"]
@@ -27,7 +28,7 @@ def run(cmd: list[str], tmp: Path) -> list[float]:
 @pytest.mark.slow
 def test_torchrun_two_ranks_loss_decreases_and_matches_one_rank(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    args = ["-m", "dcparallel.apps.smoke", "--steps", str(STEPS), "--out", "losses.json"]
+    args = [str(ROOT / "tests/e2e/smoke_worker.py"), "--steps", str(STEPS), "--out", "losses.json"]
     two = run([torchrun, "--standalone", "--nproc-per-node", "2", *args], tmp_path)
     assert len(two) == STEPS
     first, last = sum(two[:3]) / 3, sum(two[-3:]) / 3

@@ -1,7 +1,8 @@
 """The package rules of docs/architecture.md, checked on the source tree.
 
-Every `import` of a dcparallel module (also those inside functions; not those under
-``if TYPE_CHECKING:``, which only annotate) is an edge. Each
+Every `import` of a dcparallel module is an edge, also those inside functions and those
+under ``if TYPE_CHECKING:`` (an annotation that names another module's class couples the two
+as much as a call does). Each
 package may import only the packages its row allows; the pure core (spec, topology,
 scenarios, cost, plan, sim, report) never imports torch; no module imports the front-ends
 (`apps/`) except the console entry; and the modules form no import cycle.
@@ -28,16 +29,26 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"spec", "topology", "cost", "plan", "scenarios"},
     "report": {"spec", "topology", "cost", "plan", "sim", "scenarios"},
     "models": set(),
-    "data": CORE | {"models", "runtime.comm"},
-    "adapters": CORE | {"models", "data", "runtime"},
-    "runtime": CORE | {"models", "data", "adapters"},
-    "profile": CORE | {"models", "data", "adapters", "runtime"},
+    "loss": set(),
+    "data": CORE | {"loss", "runtime.comm"},
+    "adapters": CORE | {"models", "loss", "data", "runtime"},
+    "runtime": CORE | {"models", "loss", "data", "adapters"},
+    "profile": CORE | {"models", "loss", "data", "adapters", "runtime"},
     "checkpoint": CORE | {"runtime"},
-    "api": CORE | {"models", "data", "adapters", "runtime", "profile", "checkpoint"},
-    "apps": CORE | {"models", "data", "adapters", "runtime", "profile", "checkpoint", "api", "__init__"},
+    "api": CORE | {"models", "loss", "data", "adapters", "runtime", "profile", "checkpoint"},
+    "apps": CORE | {"models", "loss", "data", "adapters", "runtime", "profile", "checkpoint", "api", "__init__"},
     "__init__": {"api", "data", "adapters", "models", "runtime", "plan", "spec", "topology"},
     "__main__": {"apps"},
 }
+
+#: Import cycles tolerated for now, each the full set of modules of one cycle. The `dcp`
+#: planner's helper modules annotate the `ScalePlanner` they serve (``p: ScalePlanner``, an
+#: import under TYPE_CHECKING) and the planner imports them: the planner's restructuring into
+#: a package without that circle deletes this entry (`test_every_tolerated_cycle_still_exists`
+#: fails once the circle is gone, so the entry cannot outlive it).
+TOLERATED_CYCLES: tuple[frozenset[str], ...] = (
+    frozenset(f"dcparallel.plan.dcp_{m}" for m in ("classes", "expand", "refine", "scale", "search", "setup")),
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -61,7 +72,7 @@ def imports(source: str, module: str, known: set[str]) -> set[str]:
     out = set()
     package = module if module in known and any(k.startswith(module + ".") for k in known) else \
         module.rsplit(".", 1)[0]
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
         elif isinstance(node, ast.ImportFrom):
@@ -74,19 +85,6 @@ def imports(source: str, module: str, known: set[str]) -> set[str]:
             for a in node.names:
                 out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
     return out
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                todo.extend(child.orelse)
-                continue
-            todo.append(child)
 
 
 def violations(sources: dict[str, str]) -> list[str]:
@@ -112,7 +110,7 @@ def violations(sources: dict[str, str]) -> list[str]:
             names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             if any(x == "torch" or x.startswith("torch.") for x in names):
                 bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
-    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph) if frozenset(c) not in TOLERATED_CYCLES]
     return bad
 
 
@@ -153,9 +151,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def read_sources(root: Path) -> dict[str, str]:
+    """{module name: source} of every module of the package at ``root``."""
+    return {module_name(p, root): p.read_text() for p in sorted(root.rglob("*.py"))}
+
+
 @functools.cache
 def _read_tree() -> tuple[tuple[str, str], ...]:
-    return tuple((module_name(p, ROOT), p.read_text()) for p in sorted(ROOT.rglob("*.py")))
+    return tuple(read_sources(ROOT).items())
 
 
 def tree_sources() -> dict[str, str]:
@@ -187,6 +190,28 @@ def test_the_rules_catch_an_import_cycle_between_front_ends():
     sources["dcparallel.apps.x_demo"] = "def f():\n    from dcparallel.apps.x_cli import paper_scale\n"
     found = [v for v in violations(sources) if v.startswith("import cycle") and "x_cli" in v]
     assert found == ["import cycle: dcparallel.apps.x_cli -> dcparallel.apps.x_demo -> dcparallel.apps.x_cli"]
+
+
+def test_the_rules_catch_a_cycle_through_an_annotation_import(tmp_path):
+    """A helper module that imports its planner class only to annotate ``p: Planner`` (under
+    TYPE_CHECKING), imported by that planner: a circle, in a package built on disk."""
+    plan = tmp_path / "dcparallel" / "plan"
+    plan.mkdir(parents=True)
+    (tmp_path / "dcparallel" / "__init__.py").write_text('"""the package"""\n')
+    (plan / "__init__.py").write_text("")
+    (plan / "planner.py").write_text("from dcparallel.plan.search import search\n\n\nclass Planner:\n    pass\n")
+    (plan / "search.py").write_text(
+        "from __future__ import annotations\n\nimport typing\n\nif typing.TYPE_CHECKING:\n"
+        "    from dcparallel.plan.planner import Planner\n\n\ndef search(p: Planner) -> None:\n    pass\n")
+    assert violations(read_sources(tmp_path / "dcparallel")) == [
+        "import cycle: dcparallel.plan.planner -> dcparallel.plan.search -> dcparallel.plan.planner"]
+
+
+def test_every_tolerated_cycle_still_exists():
+    graph = {m: imports(src, m, set(tree_sources())) for m, src in tree_sources().items()}
+    found = {frozenset(c) for c in cycles(graph)}
+    for allowed in TOLERATED_CYCLES:
+        assert allowed in found, f"the cycle {sorted(allowed)} is gone: delete it from TOLERATED_CYCLES"
 
 
 def test_every_module_is_short_and_says_what_it_owns():

@@ -181,3 +181,25 @@ def test_analytic_cost_needs_link_speeds():
     with pytest.raises(ValueError, match="no link bandwidth"):
         AnalyticCost(LLAMA_7B, ClusterSpec(world_size=16, gpus_per_node=8))
     AnalyticCost(LLAMA_7B, ClusterSpec(world_size=1, gpus_per_node=1))  # one GPU: nothing to price
+
+
+def test_a_sample_shorter_than_the_smallest_bucket_keeps_its_fixed_cost():
+    """Below the smallest bucket a sample's time follows the line through the two smallest
+    buckets (here t = 0.5 s + 0.5 ms per token: a 500-token sample costs 0.75 s, not the
+    proportional 0.5 s), the same share at every micro-batch size, and never below
+    proportional (a steeper line, from noise, would price a short sample at nothing)."""
+    d = _profile()
+    for e in d["entries"]:
+        if e["sp"] == 1 and e["recompute"] == "none" and e["mbs"] == 1:
+            e["time_s"] = 0.5 + 0.0005 * int(e["bucket"][1:])
+    c = ProfiledCost(Profile.from_json(d), cluster(2, 2))
+    assert mb_time(c, [500], Layout(1, 1)) == pytest.approx(0.75)
+    assert mb_time(c, [100], Layout(1, 1)) == pytest.approx(0.55)
+    assert mb_time(c, [500, 500], Layout(1, 2)) == pytest.approx(2.0 * 0.75)  # 2 x (mbs-2 time per sample 1.0 x share)
+    times = [mb_time(c, [k], Layout(1, 1)) for k in range(1, 1001, 37)]
+    assert times == sorted(times)  # never cheaper for more tokens
+    for e in d["entries"]:
+        if e["bucket"] == "t4000" and e["sp"] == 1 and e["recompute"] == "none" and e["mbs"] == 1:
+            e["time_s"] = 10.0
+    steep = ProfiledCost(Profile.from_json(d), cluster(2, 2))
+    assert mb_time(steep, [500], Layout(1, 1)) == pytest.approx(0.5 * 1.0)  # proportional floor

@@ -73,3 +73,15 @@ def test_trust_notes_say_when_the_spread_swamps_the_difference():
     # one run each: the spread is unknown
     one = trust_notes({"bucket": [80.0], "packed": [70.0], "dcp": [50.0]})
     assert "ran once" in one[0] and "--repeats" in one[-1]
+
+
+def test_speed_text_prices_the_prediction_at_the_runs_speed():
+    from dcparallel.apps.demo_report import speed_text
+
+    s = {"real": {"policies": {"bucket": {"wall_s": 50.0}, "dcp": {"wall_s": 30.0}}},
+         "predicted": {"bucket": {"wall_s": 40.0, "speed": 1.25, "wall_s_at_run_speed": 50.0},
+                       "dcp": {"wall_s": 20.0, "speed": 1.35, "wall_s_at_run_speed": 27.0}},
+         "prediction_error_at_run_speed": 0.1}
+    text = speed_text(s)
+    assert "bucket 1.25x (50.0 s, 0%)" in text and "dcp 1.35x (27.0 s, 10%)" in text
+    assert "(max over policies): 10%" in text

@@ -11,6 +11,7 @@ import torch
 
 from dcparallel.apps.train import run
 from dcparallel.apps.train_config import Config
+from tests import faults
 from tests import train_fixtures as tf
 
 pytest.importorskip("transformers")
@@ -132,7 +133,7 @@ def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path,
         config.write_text(config.read_text().replace("epochs = 3", "epochs = 2\ncheckpoint_every = 2")
                           .replace("tensorboard = true", "tensorboard = false"))
         monkeypatch.setenv("DCPARALLEL_FAULT", fault)
-        return run(Config.load(config))
+        return faults.run(Config.load(config))
 
     straight, crashed = tmp_path / "a", tmp_path / "b"
     straight.mkdir()

@@ -61,57 +61,55 @@ class _Function:
                 or (isinstance(c.func, (ast.Subscript, ast.Call)) and _mentions(c.func, REGISTRY))]
 
 
-class _File(ast.NodeVisitor):
+class _File:
     """One modeling file, indexed in one pass: its classes, each function's calls, names
-    bound from the attention registry and loops, and what each class assigns to ``self.x``."""
+    bound from the attention registry and loops, and what each class assigns to ``self.x``.
+    (A plain recursive walk over the fields: `ast.NodeVisitor`'s dispatch took half the
+    scan's time.)"""
 
     def __init__(self, tree: ast.Module):
         self.classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
         self.functions: list[_Function] = []
         self.assigned: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-        self._cls: list[str] = []
-        self._fn: list[_Function] = []
-        self.visit(tree)
+        self._walk(tree, None, None)
 
-    def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        self._cls.append(node.name)
-        self.generic_visit(node)
-        self._cls.pop()
+    def _walk(self, node: ast.AST, cls: str | None, fn: _Function | None) -> None:
+        """Indexes every node below ``node``; ``cls`` and ``fn``: the innermost class and
+        function around it."""
+        for name in node._fields:
+            value = getattr(node, name, None)
+            for child in value if isinstance(value, list) else (value,):
+                if not isinstance(child, ast.AST):
+                    continue
+                kind = type(child)
+                if kind is ast.ClassDef:
+                    self._walk(child, child.name, fn)
+                    continue
+                if kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
+                    inner = _Function(child, cls)
+                    self.functions.append(inner)
+                    self._walk(child, cls, inner)
+                    continue
+                if kind is ast.Call:
+                    if fn is not None:
+                        fn.calls.append(child)
+                elif kind is ast.For:
+                    if fn is not None and isinstance(child.target, ast.Name):
+                        fn.loops[child.target.id].append(child.iter)
+                elif kind is ast.Assign:
+                    self._assign(child.targets, child.value, cls, fn)
+                elif kind is ast.AnnAssign:
+                    self._assign([child.target], child.value, cls, fn)
+                self._walk(child, cls, fn)
 
-    def visit_FunctionDef(self, node) -> None:
-        self._fn.append(_Function(node, self._cls[-1] if self._cls else None))
-        self.functions.append(self._fn[-1])
-        self.generic_visit(node)
-        self._fn.pop()
-
-    visit_AsyncFunctionDef = visit_FunctionDef
-
-    def visit_Call(self, node: ast.Call) -> None:
-        if self._fn:
-            self._fn[-1].calls.append(node)
-        self.generic_visit(node)
-
-    def visit_For(self, node: ast.For) -> None:
-        if self._fn and isinstance(node.target, ast.Name):
-            self._fn[-1].loops[node.target.id].append(node.iter)
-        self.generic_visit(node)
-
-    def _assign(self, targets: list[ast.AST], value: ast.AST | None) -> None:
+    def _assign(self, targets: list[ast.AST], value: ast.AST | None, cls: str | None, fn: _Function | None) -> None:
         if value is not None:
             for t in targets:
-                if isinstance(t, ast.Name) and self._fn and _mentions(value, REGISTRY):
-                    self._fn[-1].bound.add(t.id)
+                if isinstance(t, ast.Name) and fn is not None and _mentions(value, REGISTRY):
+                    fn.bound.add(t.id)
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
-                        and self._cls:
-                    self.assigned[self._cls[-1]][t.attr] |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
-
-    def visit_Assign(self, node: ast.Assign) -> None:
-        self._assign(node.targets, node.value)
-        self.generic_visit(node)
-
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
-        self._assign([node.target], node.value)
-        self.generic_visit(node)
+                        and cls is not None:
+                    self.assigned[cls][t.attr] |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
 
     def _bases(self, cls: str, seen=()) -> list[str]:
         """``cls`` and its base classes defined in this file, nearest first."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import per_token_loss
+from dcparallel.loss import per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import Links, check_launch, choose_backend, cluster_from_env, init_distributed

@@ -241,6 +241,23 @@ def test_lookahead_and_workers_do_not_change_what_each_rank_gets():
                 assert all(torch.equal(a, b) for a, b in zip(g[2], x[2], strict=True))
 
 
+@pytest.mark.parametrize("lookahead,planning", [(0, "thread"), (2, "thread"), (2, "process")])
+def test_predict_hands_each_step_the_replay_of_its_whole_plan(lookahead, planning):
+    """``predict=True``: every step comes with the simulator's replay of its plan, made where
+    the plan is (the caller's thread, the planning thread or the planning process)."""
+    from dcparallel.sim.replay import replay_step
+
+    ds, lens = text_data(40, seed=1)
+    steps = list(make(ds, lens, world=4, rank=1, lookahead=lookahead, planning=planning, predict=True))
+    assert len(steps) > 3
+    ctx = make(ds, lens, world=4).context
+    for s in steps:
+        r = replay_step(s.plan, ctx)
+        assert (s.predicted.compute_s, s.predicted.step_s, s.predicted.peak_memory_bytes) == (
+            r.compute_time, r.step_time, r.peak_memory)
+    assert {s.predicted for s in make(ds, lens, world=4, rank=1, lookahead=lookahead, planning=planning)} == {None}
+
+
 def test_epochs_reshuffle_and_each_covers_everything():
     ds, lens = text_data(30)
     loader = make(ds, lens)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcparallel.loss import per_token_loss, shift_labels
 from dcparallel.models.attention import AttnPattern, sdpa_attention
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
-from dcparallel.models.llama import Llama, LlamaConfig, per_token_loss, shift_labels
+from dcparallel.models.llama import Llama, LlamaConfig
 
 torch.set_num_threads(1)
 

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from dcparallel import checkpoint
-from dcparallel.apps.faults import Fault, parse_faults
-from dcparallel.apps.train import run
 from dcparallel.apps.train_config import Config
 from dcparallel.cost.schema import Profile
 from dcparallel.data.sizes import check_step_budget
 from dcparallel.scenarios import read_lengths
+from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DCPARALLEL_FAULT
 
 # ---------------------------------------------------------------- config
 
@@ -113,6 +112,23 @@ def test_step_budget_is_checked_before_profiling(tmp_path):
     with pytest.raises(ValueError, match="tokens_per_step must be a positive integer; got 0"):
         dc.prepare(list(range(4)), lengths=[8] * 4, tokens_per_step=0, profile_path=tmp_path / "p.json")
     assert not (tmp_path / "p.json").exists()  # refused before any profiling
+
+
+def test_prepare_with_the_analytic_cost_profiles_nothing(tmp_path):
+    from dcparallel.api import DataCentricParallel
+    from dcparallel.cost.analytic import AnalyticCost
+    from tests.support import make_model
+
+    model = make_model("llama")
+    dc = DataCentricParallel(model, layers=model.layers)
+    data, path = [torch.arange(8)] * 6, tmp_path / "p.json"
+    with pytest.raises(ValueError, match="cost='fast': give 'profiled' .* or 'analytic'"):
+        dc.prepare(data, lengths=[8] * 6, tokens_per_step=16, cost="fast")
+    with pytest.raises(ValueError, match="profiler_config is for cost='profiled'"):
+        dc.prepare(data, lengths=[8] * 6, tokens_per_step=16, cost="analytic", profiler_config={"max_repeats": 1})
+    loader = dc.prepare(data, lengths=[8] * 6, tokens_per_step=16, cost="analytic", profile_path=path)
+    assert loader is dc.loader and isinstance(dc.cost, AnalyticCost) and loader.context.cost is dc.cost
+    assert dc.profile is None and not path.exists() and len(loader) == 3
 
 
 def _profile_json() -> dict:

@@ -1,6 +1,7 @@
-"""The runtime smoke test: a short training loop of the reference LM on hand-made step plans.
+"""The runtime smoke run: a short training loop of the reference LM on hand-made step plans
+(tests/e2e/test_runtime_smoke.py, tests/e2e/test_multinode_torchrun.py).
 
-    torchrun --standalone --nproc-per-node 2 -m dcparallel.apps.smoke --steps 30
+    torchrun --standalone --nproc-per-node 2 tests/e2e/smoke_worker.py --steps 30
 
 Every step has the same kind of samples (arithmetic token sequences of uneven lengths,
 learnable in a few dozen steps) but cycles through layouts: one SP=2 group running a
@@ -21,16 +22,17 @@ from datetime import timedelta
 
 import torch
 
-from dcparallel.apps.presets import LLAMAS, llama
 from dcparallel.data.collate import text_batch
-from dcparallel.models.llama import per_token_loss
+from dcparallel.loss import per_token_loss
+from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.launch import cluster_from_env, end_distributed, init_distributed
 from dcparallel.spec import Layout, Recompute
 
-VOCAB = LLAMAS["smoke-llama"].vocab_size
+CONFIG = LlamaConfig.tiny(vocab_size=64, hidden=64, num_layers=2, num_heads=4, ffn_hidden=128)
+VOCAB = CONFIG.vocab_size
 
 
 def make_docs(step: int, lengths: list[int]) -> dict[int, torch.Tensor]:
@@ -90,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if world not in (1, 2, 4):
         raise ValueError(f"the smoke plans are for 1, 2 or 4 ranks; got world size {world}")
 
-    cfg = LLAMAS["smoke-llama"]
-    model = llama("smoke-llama", seed=0).to(launch.device)
+    cfg = CONFIG
+    torch.manual_seed(0)
+    model = Llama(cfg).to(launch.device)
     cluster = cluster_from_env(num_heads=cfg.num_heads, memory_bytes=2**30, device=launch.device)
     dc = Engine(model, layers=model.layers, num_heads=cfg.num_heads, cluster=cluster)
     if args.bucket_kib is not None:

@@ -1,0 +1,111 @@
+"""Fault injection into `dcparallel train` runs (the reliability tests and
+benchmarks/reliability.py): a ``before_step`` hook built from an environment variable.
+
+``DCPARALLEL_FAULT="KIND@STEP:RANK[:ATTEMPT],..."`` makes rank RANK, during global step STEP
+(1-based), of restart ATTEMPT (torchrun's ``TORCHELASTIC_RESTART_COUNT``, default 0) ``exit``
+(os._exit(17)), ``raise`` (RuntimeError), ``hang`` (sleep until the watchdog or the
+process-group timeout ends it) or ``nan`` (its loss becomes NaN).
+
+In-process: `run(cfg)` is `dcparallel.apps.train.run` with the faults of the variable. Under
+torchrun, as `dcparallel train --config FILE` with them (the repository root on PYTHONPATH)::
+
+    DCPARALLEL_FAULT=exit@3:1 torchrun --nproc-per-node 2 --max-restarts 1 -m tests.faults --config run.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcparallel.apps import train
+from dcparallel.apps.train_config import Config
+from dcparallel.apps.train_log import append_event
+from dcparallel.apps.trainer import StepHook, Trainer
+
+log = logging.getLogger("dcparallel.train")
+
+FAULT_ENV = "DCPARALLEL_FAULT"
+FAULT_KINDS = ("exit", "raise", "hang", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int
+    attempt: int = 0
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``"exit@3:1,hang@5:0:1"`` -> faults; ValueError naming the bad item and the format."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            kind, rest = item.split("@")
+            nums = [int(x) for x in rest.split(":")]
+            if kind not in FAULT_KINDS or len(nums) not in (2, 3) or min(nums) < 0 or nums[0] < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}: bad item {item!r}; write KIND@STEP:RANK[:ATTEMPT] with KIND one of "
+                             f"{', '.join(FAULT_KINDS)}, STEP >= 1 (global, 1-based), e.g. exit@3:1") from None
+        out.append(Fault(kind, *nums))
+    return out
+
+
+def fire(fault: Fault, trainer: Trainer) -> None:
+    """Carries out a fault on this rank, after writing its event (every rank may write one)."""
+    append_event(trainer.out / "events.jsonl", {"event": "fault", "kind": fault.kind, "step": fault.step,
+                                                "rank": fault.rank, "attempt": fault.attempt})
+    log.error("injected fault: %s at step %d on rank %d (attempt %d)", fault.kind, fault.step, fault.rank,
+              fault.attempt)
+    if fault.kind == "exit":
+        sys.stderr.flush()
+        os._exit(17)
+    if fault.kind == "raise":
+        raise RuntimeError(f"injected fault: raise at step {fault.step} on rank {fault.rank}")
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+    # "nan": a NaN in this rank's summed loss and gradient, as an overflow would leave; put in
+    # before the step's backward (the overlapped sync may send them during it)
+    dc = trainer.dc
+    dc.zero_grad()
+    dc.flat_grad[0] += float("nan")
+    dc.grad_sync.stats[0] += float("nan")
+
+
+def fault_hook(faults: list[Fault]) -> StepHook | None:
+    """The ``before_step`` hook that fires each fault at its step, rank and restart attempt;
+    None without faults."""
+    if not faults:
+        return None
+    by_key = {(f.step, f.rank, f.attempt): f for f in faults}
+
+    def before_step(trainer: Trainer, step: int) -> None:
+        fault = by_key.get((step, trainer.rank, trainer.attempt))
+        if fault is not None:
+            fire(fault, trainer)
+
+    return before_step
+
+
+def run(cfg: Config) -> int:
+    """`dcparallel.apps.train.run` with the faults of ``DCPARALLEL_FAULT`` (checked first)."""
+    return train.run(cfg, before_step=fault_hook(parse_faults(os.environ.get(FAULT_ENV, ""))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="dcparallel train with the faults of DCPARALLEL_FAULT")
+    ap.add_argument("--config", required=True, type=Path)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    return run(Config.load(args.config))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
