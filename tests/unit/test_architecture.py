@@ -41,16 +41,6 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"apps"},
 }
 
-#: Import cycles tolerated for now, each the full set of modules of one cycle. The `dcp`
-#: planner's helper modules annotate the `ScalePlanner` they serve (``p: ScalePlanner``, an
-#: import under TYPE_CHECKING) and the planner imports them: the planner's restructuring into
-#: a package without that circle deletes this entry (`test_every_tolerated_cycle_still_exists`
-#: fails once the circle is gone, so the entry cannot outlive it).
-TOLERATED_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset(f"dcparallel.plan.dcp_{m}" for m in ("classes", "expand", "refine", "scale", "search", "setup")),
-)
-
-
 def module_name(path: Path, root: Path) -> str:
     rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
@@ -110,7 +100,7 @@ def violations(sources: dict[str, str]) -> list[str]:
             names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             if any(x == "torch" or x.startswith("torch.") for x in names):
                 bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
-    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph) if frozenset(c) not in TOLERATED_CYCLES]
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
 
 
@@ -205,13 +195,6 @@ def test_the_rules_catch_a_cycle_through_an_annotation_import(tmp_path):
         "    from dcparallel.plan.planner import Planner\n\n\ndef search(p: Planner) -> None:\n    pass\n")
     assert violations(read_sources(tmp_path / "dcparallel")) == [
         "import cycle: dcparallel.plan.planner -> dcparallel.plan.search -> dcparallel.plan.planner"]
-
-
-def test_every_tolerated_cycle_still_exists():
-    graph = {m: imports(src, m, set(tree_sources())) for m, src in tree_sources().items()}
-    found = {frozenset(c) for c in cycles(graph)}
-    for allowed in TOLERATED_CYCLES:
-        assert allowed in found, f"the cycle {sorted(allowed)} is gone: delete it from TOLERATED_CYCLES"
 
 
 def test_every_module_is_short_and_says_what_it_owns():
