@@ -46,7 +46,17 @@ from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.classes import ClassPlan, PartPlan, distinct_plans, plan_sig
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
-from dcparallel.plan.dcp.search import expanded_floor, part_bound, plan_floor, rows, rows_at, rows_floor, search, table
+from dcparallel.plan.dcp.search import (
+    K,
+    expanded_floor,
+    part_bound,
+    plan_floor,
+    rows,
+    rows_at,
+    rows_floor,
+    search,
+    table,
+)
 from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL
@@ -169,7 +179,7 @@ class ClassLevelPlanner(LayoutTable):
             widest: dict[int, int] = {}
             for it in one.items:
                 widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
-            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, 1]) for j, c in zip(present, counts)}]
+            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, K]) for j, c in zip(present, counts)}]
             # a split's candidate is predicted at or above its parts' floors: skip the split
             # where that already says it would not be expanded (`_ranked_out`; that only
             # tightens as candidates are added, so a split skipped now is skipped later too)

@@ -26,6 +26,8 @@ from dcparallel.plan.types import ROUND_EPS
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
+#: the columns of a candidate row, by name
+GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(len(ROW_FIELDS))
 #: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
 #: sums they bound
 FLOOR_SLACK = 1e-9
@@ -51,20 +53,20 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     a = np.concatenate(arrs)
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
     fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-    for col in (0, 7):  # work: the bucket's mean weight
+    for col in (GPU_S, TOTAL):  # work: the bucket's mean weight
         a[:, col] = a[:, col] * f
-    for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
+    for col in (T_FULL, T_REM):  # a micro-batch's time: its longest samples could land in any one
         a[:, col] = a[:, col] * fmax
     # each row's GPU-seconds at those times: what its micro-batches add to a class-level plan
-    gpu_t = (a[:, 4] * a[:, 3] + a[:, 5]) * a[:, 1]
+    gpu_t = (a[:, FULL] * a[:, T_FULL] + a[:, T_REM]) * a[:, K]
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
     starts = np.cumsum([0] + lens[:-1])
     seg = np.repeat(np.arange(len(lens)), lens)
-    t = a[:, 3]
+    t = a[:, T_FULL]
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
-    kpos = pos[a[:, 1].astype(np.int64)]
+    kpos = pos[a[:, K].astype(np.int64)]
     # per bucket and smallest degree: the least time of its rows at that degree or wider,
     # and their least GPU-seconds at those times
     least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
@@ -79,12 +81,12 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     prev[:, 1:] = run[:, :-1]
     prev[:, starts] = big
     stair = v < prev
-    return {"a": a, "t": t, "full": a[:, 4], "tr": a[:, 5],
-            "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": kpos,
+    return {"a": a, "t": t, "full": a[:, FULL], "tr": a[:, T_REM],
+            "tot": a[:, TOTAL], "items": a[:, FULL] + (a[:, REM] > 0), "kpos": kpos,
             "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
             "spf": np.asarray(p.sp, dtype=float), "present": list(present),
             "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
-            "area": np.minimum.reduceat(a[:, 0], starts).tolist(), "longest": least[:, 0].tolist(),
+            "area": np.minimum.reduceat(a[:, GPU_S], starts).tolist(), "longest": least[:, 0].tolist(),
             "gpu_t": gpu_t, "least_gpu_t": least_gpu_t}
 
 
