@@ -80,15 +80,15 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(p: ScalePlanner, tab: dict, part: list[int], C: float, kmin: int,
+def _reference_rows(p: ScalePlanner, tab, part: list[int], C: float, kmin: int,
                     frac: float = 1.0) -> list[tuple] | None:
     """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
     >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
     fit the world."""
     chosen = []
     for i in part:
-        s, n = int(tab["starts"][i]), int(tab["lens"][i])
-        hit = next((r for r in tab["a"][s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
+        s, n = int(tab.starts[i]), int(tab.lens[i])
+        hit = next((r for r in tab.a[s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
         if hit is None:
             return None
         chosen.append(hit)
@@ -113,13 +113,13 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
     rng = np.random.default_rng(seed)
     parts = [list(range(nb)), sorted(rng.choice(nb, size=max(1, nb // 2), replace=False).tolist())]
     # as `search` asks: every bucket of the part has a row at the smallest degree or wider
-    problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab["least"][part, ki]).all()]
+    problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab.least[part, ki]).all()]
     # every distinct time and T infinite; a random subset for every other problem
-    targets = [np.arange(len(tab["times"]) + 1) if x % 2 == 0 else
-               np.unique(rng.integers(0, len(tab["times"]) + 1, size=5)) for x in range(len(problems))]
+    targets = [np.arange(len(tab.times) + 1) if x % 2 == 0 else
+               np.unique(rng.integers(0, len(tab.times) + 1, size=5)) for x in range(len(problems))]
     fracs = [(1.0, 0.75, 0.5)[x % 3] for x in range(len(problems))]
     ok, first, need, pfirst = fits(p, tab, problems, targets, fracs)
-    times = np.append(tab["times"], math.inf)
+    times = np.append(tab.times, math.inf)
     for x, ((part, ki), tg, frac) in enumerate(zip(problems, targets, fracs)):
         for j, C in enumerate(times[tg].tolist()):
             ref = _reference_rows(p, tab, part, C, p.sp[ki], frac)
@@ -155,7 +155,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
         assert r.tolist() == [list(map(float, row)) for row in want], (j, c)
 
 
-def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) -> list[tuple]:
+def _reference_search(p: ScalePlanner, tab, part: list[int], kmin: int) -> list[tuple]:
     """The search by its definition, one part and smallest degree at a time, for each cap
     fraction in turn: the part's distinct times at kmin or wider from the longest of its
     buckets' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
@@ -163,7 +163,7 @@ def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) ->
     does; candidates at the first fitting cap and 1, 2, 4, 8 after it (makespan: cap /
     fraction), distinct choices only over all fractions; if none fits at fraction 1, T
     infinite."""
-    seg = [tab["a"][int(tab["starts"][i]):int(tab["starts"][i] + tab["lens"][i])] for i in part]
+    seg = [tab.a[int(tab.starts[i]):int(tab.starts[i] + tab.lens[i])] for i in part]
     elig = [r[r[:, 1] >= kmin] for r in seg]
     if any(len(r) == 0 for r in elig):
         return []

@@ -48,6 +48,7 @@ from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
 from dcparallel.plan.dcp.search import (
     K,
+    StepTable,
     expanded_floor,
     part_bound,
     plan_floor,
@@ -76,24 +77,24 @@ class ClassLevelPlanner(LayoutTable):
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
 
-    def _plan_part(self, tab: dict, part: list[int], found_by_k: list[list], keep: int = 1):
+    def _plan_part(self, tab: StepTable, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` `PartPlan`s for these buckets (positions in the step's table) in one
         phase, best first, from their search's candidates per smallest allowed degree
         (`search.search`; given for the first `config.first_degrees`, the rest searched here if
         the loop gets there); [] if none."""
         if not part:
             return []
-        present = [tab["present"][i] for i in part]
+        present = [tab.present[i] for i in part]
         bnd = part_bound(tab, part, self.world)
         rows_of_part = np.asarray(part)
         found: list = []
         stale = 0
-        done = tab.setdefault("allocated", {})  # the same choice found again (another smallest degree): same plan
+        done = tab.allocated  # the same choice found again (another smallest degree): same plan
         for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
             if found and self._settled(found, keep, self._floor(plan_floor(tab, rows_of_part, self.world, ki))):
                 break  # no candidate here or at a wider smallest degree can enter the plans kept
             if ki == len(found_by_k):
-                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab["fracs"])[0]
+                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab.fracs)[0]
             improved = False
             for c in found_by_k[ki]:
                 key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
@@ -164,11 +165,11 @@ class ClassLevelPlanner(LayoutTable):
         tab = table(self, present, counts, scale)
         whole = list(range(len(present)))
         first = range(min(self.config.first_degrees, len(self.sp)))
-        tab["fracs"] = (1.0,)
+        tab.fracs = (1.0,)
         ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.config.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
         if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
-            tab["fracs"] = self.config.cap_fractions
+            tab.fracs = self.config.cap_fractions
             more = self._plan_part(tab, whole, search(self, tab, [whole], first, self.config.cap_fractions)[0],
                                    keep=self.config.expand_best)
             ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
@@ -195,7 +196,7 @@ class ClassLevelPlanner(LayoutTable):
                     fz = self._floor(plan_floor(tab, narrow, self.world))
                     if not self._ranked_out(cands, fw + fz):
                         splits.append((wide, narrow, fw, fz))
-            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab["fracs"])
+            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
             for s, (wide, narrow, fw, fz) in enumerate(splits):
                 if self._ranked_out(cands, fw + fz):
                     continue
@@ -219,5 +220,5 @@ class ClassLevelPlanner(LayoutTable):
                 least = min(least, got[i][1])
         best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
         return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one.bound,
-                         max(tab["longest"]))
+                         max(tab.longest))
 

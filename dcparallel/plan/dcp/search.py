@@ -16,6 +16,7 @@ are compared as integer ranks among the step's distinct times, so problems stack
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -33,6 +34,38 @@ GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(len(ROW_FIELDS))
 FLOOR_SLACK = 1e-9
 
 
+@dataclass
+class StepTable:
+    """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
+    first, and what the search reads from them."""
+
+    a: np.ndarray  #: the rows, columns `ROW_FIELDS`, times scaled by the step's weights
+    t: np.ndarray  #: each row's full micro-batch time
+    full: np.ndarray  #: full micro-batches per row
+    tr: np.ndarray  #: the rest's time (0 without a rest)
+    tot: np.ndarray  #: busy seconds per row
+    items: np.ndarray  #: micro-batches per row
+    kpos: np.ndarray  #: each row's degree, as an index into the planner's degrees
+    starts: np.ndarray  #: each bucket's first row
+    n: int  #: rows
+    seg: np.ndarray  #: each row's bucket position
+    lens: np.ndarray  #: rows per bucket
+    spf: np.ndarray  #: the degrees, as floats
+    present: list[int]  #: the buckets (class indices), in table order
+    times: np.ndarray  #: the step's distinct row times, ascending
+    rank: np.ndarray  #: each row's time as a rank among `times`
+    least: np.ndarray  #: per bucket and smallest degree index: the least time at that degree or wider
+    stair_rows: list[np.ndarray]  #: per smallest degree index: the rows some target can choose
+    area: list[float]  #: per bucket: its least GPU-seconds
+    longest: list[float]  #: per bucket: its least time
+    gpu_t: np.ndarray  #: each row's GPU-seconds at the class level's times
+    least_gpu_t: np.ndarray  #: per bucket and smallest degree index: the least of `gpu_t` there
+    #: the cap fractions the step is searched with (`search`'s `fracs`)
+    fracs: tuple[float, ...] = (1.0,)
+    #: allocations made, by (part, rows, groups needed): the same choice found again, same plan
+    allocated: dict = field(default_factory=dict)
+
+
 def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
     (`ROW_FIELDS`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
@@ -42,7 +75,7 @@ def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     return p.rows_many([(j, c)])[0]
 
 
-def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
+def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> StepTable:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
     step's distinct times; per bucket its least GPU-seconds (`part_bound`), and per bucket
@@ -81,13 +114,12 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     prev[:, 1:] = run[:, :-1]
     prev[:, starts] = big
     stair = v < prev
-    return {"a": a, "t": t, "full": a[:, FULL], "tr": a[:, T_REM],
-            "tot": a[:, TOTAL], "items": a[:, FULL] + (a[:, REM] > 0), "kpos": kpos,
-            "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
-            "spf": np.asarray(p.sp, dtype=float), "present": list(present),
-            "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
-            "area": np.minimum.reduceat(a[:, GPU_S], starts).tolist(), "longest": least[:, 0].tolist(),
-            "gpu_t": gpu_t, "least_gpu_t": least_gpu_t}
+    return StepTable(a=a, t=t, full=a[:, FULL], tr=a[:, T_REM], tot=a[:, TOTAL], items=a[:, FULL] + (a[:, REM] > 0),
+                     kpos=kpos, starts=starts, n=len(a), seg=seg, lens=np.asarray(lens),
+                     spf=np.asarray(p.sp, dtype=float), present=list(present), times=times, rank=rank, least=least,
+                     stair_rows=[np.flatnonzero(x) for x in stair],
+                     area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(), longest=least[:, 0].tolist(),
+                     gpu_t=gpu_t, least_gpu_t=least_gpu_t)
 
 
 def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -97,30 +129,30 @@ def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int
     return np.minimum.accumulate(out[:, ::-1], axis=1)[:, ::-1]
 
 
-def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
+def part_bound(tab: StepTable, part: Sequence[int], world: int) -> float:
     """The class-level bound of a part's buckets (positions in the table) in one phase:
     max(least GPU-seconds / world, the longest least micro-batch time). No plan of theirs is
     predicted below it."""
     area = longest = 0.0
     for i in part:
-        area += tab["area"][i]
-        longest = max(longest, tab["longest"][i])
+        area += tab.area[i]
+        longest = max(longest, tab.longest[i])
     return max(area / world, longest)
 
 
-def plan_floor(tab: dict, part: Sequence[int], world: int, ki: int = 0) -> float:
+def plan_floor(tab: StepTable, part: Sequence[int], world: int, ki: int = 0) -> float:
     """No class-level plan of a part's buckets (positions in the table) with every bucket at
     the `ki`-th degree or wider is predicted below this: its groups' largest load is at least
     their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
     the class level's times (each micro-batch timed for the bucket's heaviest samples). It
     only rises with `ki`; slightly lowered against rounding."""
-    return _floor(float(tab["least_gpu_t"][part, ki].sum()), float(tab["least"][part, ki].max()), world)
+    return _floor(float(tab.least_gpu_t[part, ki].sum()), float(tab.least[part, ki].max()), world)
 
 
-def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
+def rows_floor(tab: StepTable, first: np.ndarray, world: int) -> float:
     """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
     predicted below this."""
-    return _floor(float(tab["gpu_t"][first].sum()), float(tab["t"][first].max()), world)
+    return _floor(float(tab.gpu_t[first].sum()), float(tab.t[first].max()), world)
 
 
 def expanded_floor(p: LayoutTable, parts, ss) -> float:
@@ -152,11 +184,11 @@ def _floor(work: float, longest: float, world: int) -> float:
     return max(work / world, longest) * (1 - FLOOR_SLACK)
 
 
-def fits(p: LayoutTable, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
+def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
          fracs: Sequence[float] | None = None):
     """For every problem (a part's bucket positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
-    `tab["times"]`; ``len(times)`` is T infinite): whether the choice fits the world, the
+    `tab.times`; ``len(times)`` is T infinite): whether the choice fits the world, the
     chosen rows and the groups they need per SP degree.
 
     Returns (fit [problem, target], first [segment, target] row indices, need [problem,
@@ -169,17 +201,17 @@ def fits(p: LayoutTable, tab: dict, problems: list[tuple[Sequence[int], int]], t
     nk, num = len(p.sp), len(problems)
     nts = np.array([len(x) for x in targets])
     ntmax = int(nts.max())
-    inpart = np.zeros((num, len(tab["lens"])), dtype=bool)
+    inpart = np.zeros((num, len(tab.lens)), dtype=bool)
     for q, (part, _) in enumerate(problems):
         inpart[q, part] = True
     kis = [ki for _, ki in problems]
     # each problem's choosable rows (`table`'s "stair_rows"): per bucket, times strictly falling
-    each = [tab["stair_rows"][ki] for ki in kis]
+    each = [tab.stair_rows[ki] for ki in kis]
     rr = np.concatenate(each)
     pp = np.repeat(np.arange(num), [len(x) for x in each])
-    keep = inpart[pp, tab["seg"][rr]]
+    keep = inpart[pp, tab.seg[rr]]
     pp, rr = pp[keep], rr[keep]
-    bkt = tab["seg"][rr]
+    bkt = tab.seg[rr]
     brk = np.ones(len(rr), dtype=bool)
     brk[1:] = (pp[1:] != pp[:-1]) | (bkt[1:] != bkt[:-1])
     sstart = np.flatnonzero(brk)
@@ -190,10 +222,10 @@ def fits(p: LayoutTable, tab: dict, problems: list[tuple[Sequence[int], int]], t
     sprob = pp[sstart]
     pfirst = np.searchsorted(sprob, np.arange(num))
     # each row's count of its problem's targets below its time (ranks offset per problem)
-    off = len(tab["times"]) + 2
+    off = len(tab.times) + 2
     tall = np.concatenate(targets)
     tstart = np.cumsum(nts) - nts
-    r = np.searchsorted(tall + np.repeat(np.arange(num) * off, nts), pp * off + tab["rank"][rr]) - tstart[pp]
+    r = np.searchsorted(tall + np.repeat(np.arange(num) * off, nts), pp * off + tab.rank[rr]) - tstart[pp]
     hist = np.bincount(seg * (ntmax + 1) + r, minlength=nseg * (ntmax + 1)).reshape(nseg, ntmax + 1)
     above = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [segment, j]: rows slower than target j
     ok = np.logical_and.reduceat(above < slen[:, None], pfirst, axis=0)
@@ -202,26 +234,26 @@ def fits(p: LayoutTable, tab: dict, problems: list[tuple[Sequence[int], int]], t
     fr = first.ravel()
     # each problem's targets as times, padded with its last
     j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
-    T = np.append(tab["times"], math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
+    T = np.append(tab.times, math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
     if fracs is not None:
         T = T / np.asarray(fracs, dtype=float)[:, None]
     half = (T.take(sprob, axis=0) / 2).ravel()  # [segment, j], flat
-    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab["kpos"][fr]
+    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab.kpos[fr]
     size = num * ntmax * nk
-    work = np.bincount(flat, weights=tab["tot"][fr], minlength=size).reshape(num, ntmax, nk)
+    work = np.bincount(flat, weights=tab.tot[fr], minlength=size).reshape(num, ntmax, nk)
     # micro-batches longer than T / 2 (the rest's time is 0 where there is no rest)
-    big = tab["full"][fr] * (tab["t"][fr] > half) + (tab["tr"][fr] > half)
+    big = tab.full[fr] * (tab.t[fr] > half) + (tab.tr[fr] > half)
     bigk = np.bincount(flat, weights=big, minlength=size).reshape(num, ntmax, nk)
-    items = np.bincount(flat, weights=tab["items"][fr], minlength=size).reshape(num, ntmax, nk)
+    items = np.bincount(flat, weights=tab.items[fr], minlength=size).reshape(num, ntmax, nk)
     need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T[:, :, None] - ROUND_EPS)))
     need = np.where(items > 0, need, 0.0)
-    return ok & (need @ tab["spf"] <= p.world), first, need, pfirst
+    return ok & (need @ tab.spf <= p.world), first, need, pfirst
 
 
-def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
+def rows_at(tab: StepTable, first: np.ndarray) -> list[tuple]:
     """The table's rows `first` as tuples (`ROW_FIELDS`, counts as ints)."""
     return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
-            for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
+            for g, k, m, t, full, tr, rem, tot in tab.a[first].tolist()]
 
 
 class Candidate(NamedTuple):
@@ -234,7 +266,7 @@ class Candidate(NamedTuple):
     need: dict[int, int]
 
 
-def search(p: LayoutTable, tab: dict, parts: list[Sequence[int]], degrees: range | None = None,
+def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: range | None = None,
            fracs: Sequence[float] = (1.0,)) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
@@ -246,28 +278,28 @@ def search(p: LayoutTable, tab: dict, parts: list[Sequence[int]], degrees: range
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
     same candidates."""
-    nk, nt = len(p.sp), len(tab["times"])
+    nk, nt = len(p.sp), len(tab.times)
     degrees = range(nk) if degrees is None else degrees
     out: list[list[list[Candidate]]] = [[[] for _ in degrees] for _ in parts]
     problems, ranks = [], []
     for q, part in enumerate(parts):
         part = np.asarray(part, dtype=np.int64)
-        floor = tab["least"][part].max(axis=0)  # per smallest degree
+        floor = tab.least[part].max(axis=0)  # per smallest degree
         live = np.flatnonzero(np.isfinite(floor))
         live = live[(live >= degrees.start) & (live < degrees.stop)]
         if not len(live):
             continue
         # the part's distinct times at each live smallest degree, from its floor up
-        if len(part) < len(tab["lens"]):
-            mine = np.zeros(len(tab["lens"]), dtype=bool)
+        if len(part) < len(tab.lens):
+            mine = np.zeros(len(tab.lens), dtype=bool)
             mine[part] = True
-            rows_q = mine[tab["seg"]].nonzero()[0]
+            rows_q = mine[tab.seg].nonzero()[0]
         else:
-            rows_q = np.arange(tab["n"])
-        hit = (tab["kpos"][rows_q][None, :] >= live[:, None]) & (tab["t"][rows_q][None, :] >= floor[live][:, None])
+            rows_q = np.arange(tab.n)
+        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
         mark = np.zeros((len(live), nt), dtype=bool)
         li, ri = np.nonzero(hit)
-        mark[li, tab["rank"][rows_q][ri]] = True
+        mark[li, tab.rank[rows_q][ri]] = True
         for x, ki in enumerate(live.tolist()):
             for frac in fracs:
                 problems.append((part, ki, q, frac))
@@ -297,7 +329,7 @@ def search(p: LayoutTable, tab: dict, parts: list[Sequence[int]], degrees: range
             at = int(f.argmax())
             for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
-                    got[x].append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]) / frac,
+                    got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac,
                                             first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
     rest = [x for x, w in enumerate(windows) if w is None and problems[x][3] == 1.0]
     if rest:  # T infinite: the cap is infinite whatever its fraction
