@@ -29,7 +29,7 @@ import scipy
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.flexsp import slot_program
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
@@ -88,7 +88,8 @@ def main() -> int:
             shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
             for st in steps:
                 counts, scale = class_model(p, st)
-                h = heuristic_makespan(p, p._plan(st)[0], scale)  # the class-level plan, not the packing's or dcp-v1's
+                # the class-level plan, not the packing's or dcp-v1's
+                h = heuristic_makespan(p, p.class_plan(st)[0], scale)
                 res, secs, nvar = solve(p, counts, scale, args.time_limit)
                 opt = float(res.fun) if res.x is not None else float("nan")
                 bound = float(getattr(res, "mip_dual_bound", opt) or opt)
@@ -122,7 +123,8 @@ def main() -> int:
     ship = [(r["dcp_compute_s"] / r["milp_s"] - 1, r) for r in rows if r["milp_s"] == r["milp_s"]]
     worst = max(ship, key=lambda x: x[0])
     lines += ["", "## The shipped `dcp` on the same steps", "",
-              "The gap above is the one-phase class-level heuristic's (`ScalePlanner(phases=False)._plan`), in the "
+              "The gap above is the one-phase class-level heuristic's "
+              "(`ScalePlanner(phases=False).class_plan`), in the "
               f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps, the "
               "per-sample packing (steps of few samples per GPU) and, on clusters of at most 64 GPUs, the "
               "per-sample planner, and keeps the plan the simulator scores faster. "

@@ -29,7 +29,7 @@ import numpy as np
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_expand import PhaseGroups
+from dcparallel.plan.dcp.expand import PhaseGroups
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
@@ -110,7 +110,7 @@ def report(rows: list[dict], args, seconds: float) -> str:
         f"{min(r['dcp-chain']['plan_ms_median'] for r in rows):.0f}-"
         f"{max(r['dcp-chain']['plan_ms_median'] for r in rows):.0f} for the chain alone: the chain "
         "is planned too, and a group is added only after the node-by-node packing places it.",
-        "- The per-sample packing of steps with few samples per GPU (`plan/dcp_sample.py`) places groups on "
+        "- The per-sample packing of steps with few samples per GPU (`plan/dcp/sample.py`) places groups on "
         "the chain only, as does the per-sample planner `dcp` also tries at 64 GPUs and fewer: where their "
         "plans win, mixing brings nothing. `dcp`'s plans that came from them: "
         + "; ".join(f"{budget} {sum(r['dcp']['steps_per_sample'] for r in rows if r['budget'] == budget)} of "

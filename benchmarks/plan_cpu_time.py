@@ -16,12 +16,12 @@ A `dcp` plan holds its groups as arrays: each rank builds the objects of its own
 building of every rank's objects (`StepPlan.groups`, what the simulator reads), after each
 timed `plan(step)`.
 `--profile` plans the timed steps again under cProfile and splits the time into the
-class-level search (`dcp_search.table` and `dcp_search.search`: candidate rows and the
+class-level search (`search.table` and `search.search`: candidate rows and the
 batched passes over targets; `ScalePlanner._plan_part`: group allocation), the expansion to
-sample ids (`dcp_expand.expand`: dealing classes, cutting micro-batches, `refine`, `spill`),
-building the plan objects (`dcp_expand.build_plan`:
+sample ids (`expand.expand`: dealing classes, cutting micro-batches, `refine`, `spill`),
+building the plan objects (`expand.build_plan`:
 `MicroBatch`, `GroupPlan`, `StepPlan`) and the rest (sorting the step's samples by bucket,
-weights, the per-sample packing of `dcp_sample` where it runs).
+weights, the per-sample packing of `sample` where it runs).
 """
 
 from __future__ import annotations

@@ -39,11 +39,11 @@ from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 #: the stages reported: (file suffix, function name)
-STAGES = [("dcp_search.py", "table"), ("dcp_search.py", "search"), ("dcp_search.py", "fits"),
-          ("dcp_search.py", "_rows"), ("dcp_scale.py", "_plan_part"), ("dcp_classes.py", "allocate"),
-          ("dcp_classes.py", "deal_classes"), ("dcp_classes.py", "class_span"), ("dcp_expand.py", "expand"),
-          ("dcp_refine.py", "refine"), ("dcp_refine.py", "spill"), ("dcp_expand.py", "build_plan"),
-          ("dcp_scale.py", "_sort"), ("dcp_setup.py", "sample_weights"), ("dcp_sample.py", "plan")]
+STAGES = [("dcp/search.py", "table"), ("dcp/search.py", "search"), ("dcp/search.py", "fits"),
+          ("dcp/tables.py", "_build_rows"), ("dcp/classlevel.py", "_plan_part"), ("dcp/allocate.py", "allocate"),
+          ("dcp/classes.py", "deal_classes"), ("dcp/classes.py", "class_span"), ("dcp/expand.py", "expand"),
+          ("dcp/refine.py", "refine"), ("dcp/refine.py", "spill"), ("dcp/expand.py", "build_plan"),
+          ("dcp/tables.py", "sort"), ("dcp/tables.py", "sample_weights"), ("dcp/sample.py", "plan")]
 
 
 CALLGRIND_HELPER = r"""

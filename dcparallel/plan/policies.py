@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, dcp_scale, flexsp, packed, peers
+from dcparallel.plan import bucket, flexsp, packed, peers
 from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp import DCPPlanner
+from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp_v1 import DCPPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
 
@@ -37,7 +38,7 @@ class PolicySpec:
 
 
 def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False):
-    """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp`)."""
+    """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp_v1`)."""
     def build(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
         return Tuned(DCPPlanner(ctx, name=name, mode=mode, balance=balance, promote=True, phases=phases))
     return build
@@ -53,7 +54,7 @@ POLICIES: dict[str, PolicySpec] = {
     for p in [
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
                    "GPU), planned over (bucket, count) and group classes, two-phase steps",
-                   _untuned(dcp_scale.ScalePlanner)),
+                   _untuned(ScalePlanner)),
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
         PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "

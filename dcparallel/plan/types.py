@@ -143,7 +143,8 @@ class StepPlan:
         return self.index, self.sample_ids, self.groups, self.num_tokens
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StepPlan) and self._key() == other._key()
+        return isinstance(other, StepPlan) and self._key() == (
+            other.index, other.sample_ids, other.groups, other.num_tokens)
 
     def __hash__(self) -> int:
         return hash(self._key())

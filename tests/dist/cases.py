@@ -15,7 +15,7 @@ from dcparallel.data.collate import padded_length, video_batch
 from dcparallel.models.attention import AttnPattern, sdpa_attention
 from dcparallel.models.dit import draw_flow
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_sample import SamplePacker
+from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MicroBatch, StepPlan
 from dcparallel.runtime import comm

@@ -41,16 +41,6 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"apps"},
 }
 
-#: Import cycles tolerated for now, each the full set of modules of one cycle. The `dcp`
-#: planner's helper modules annotate the `ScalePlanner` they serve (``p: ScalePlanner``, an
-#: import under TYPE_CHECKING) and the planner imports them: the planner's restructuring into
-#: a package without that circle deletes this entry (`test_every_tolerated_cycle_still_exists`
-#: fails once the circle is gone, so the entry cannot outlive it).
-TOLERATED_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset(f"dcparallel.plan.dcp_{m}" for m in ("classes", "expand", "refine", "scale", "search", "setup")),
-)
-
-
 def module_name(path: Path, root: Path) -> str:
     rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
@@ -110,7 +100,7 @@ def violations(sources: dict[str, str]) -> list[str]:
             names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             if any(x == "torch" or x.startswith("torch.") for x in names):
                 bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
-    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph) if frozenset(c) not in TOLERATED_CYCLES]
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
 
 
@@ -207,13 +197,6 @@ def test_the_rules_catch_a_cycle_through_an_annotation_import(tmp_path):
         "import cycle: dcparallel.plan.planner -> dcparallel.plan.search -> dcparallel.plan.planner"]
 
 
-def test_every_tolerated_cycle_still_exists():
-    graph = {m: imports(src, m, set(tree_sources())) for m, src in tree_sources().items()}
-    found = {frozenset(c) for c in cycles(graph)}
-    for allowed in TOLERATED_CYCLES:
-        assert allowed in found, f"the cycle {sorted(allowed)} is gone: delete it from TOLERATED_CYCLES"
-
-
 def test_every_module_is_short_and_says_what_it_owns():
     for p in sorted(ROOT.rglob("*.py")):
         text = p.read_text()
@@ -229,3 +212,28 @@ def test_examples_import_nothing_from_the_front_ends():
     for p in sorted((ROOT.parent / "examples").glob("*.py")):
         mods = imports(p.read_text(), "examples." + p.stem, set(tree_sources()))
         assert not [m for m in mods if package_of(m) in ("apps", "demo", "cli", "train")], (p.name, mods)
+
+
+def private_reads(source: str) -> list[str]:
+    """Every ``x._name`` in ``source`` where ``x`` is not ``self`` or ``cls`` (dunder names
+    aside): a read of another object's private state."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_module_under_plan_reads_another_objects_private_state():
+    """A class's state stays inside it: the planners' helpers get what they need through
+    public attributes and methods (the `dcp` helpers through `plan.dcp.tables.LayoutTable`)."""
+    bad = {m: private_reads(src) for m, src in tree_sources().items() if m.startswith("dcparallel.plan")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_private_state_rule_catches_a_helper_reading_a_planners_fields():
+    sources = tree_sources()
+    planted = sources["dcparallel.plan.dcp.search"] + "\n\ndef rows_of(p):\n    return p._rows\n"
+    assert private_reads(planted) == [f"line {planted.count(chr(10))}: p._rows"]
+    assert private_reads("class A:\n    def f(self):\n        return self._x, type(self).__name__\n") == []

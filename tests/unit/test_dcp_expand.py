@@ -12,23 +12,22 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.plan import dcp_refine
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_classes import allocate
-from dcparallel.plan.dcp_expand import Phase, deal_orders
-from dcparallel.plan.dcp_refine import refine, spill
-from dcparallel.plan.dcp_scale import ScalePlanner
-from dcparallel.plan.dcp_search import (
+from dcparallel.plan.dcp import refine as dcp_refine
+from dcparallel.plan.dcp.allocate import allocate
+from dcparallel.plan.dcp.config import DEFAULT
+from dcparallel.plan.dcp.expand import Phase, deal_orders
+from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.refine import refine, spill
+from dcparallel.plan.dcp.search import (
     fits,
     part_bound,
     plan_floor,
     rows_at,
     rows_floor,
-    rows_many,
     search,
     table,
 )
-from dcparallel.plan.dcp_setup import CAP_FRACTIONS, SEARCH_COARSE
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -36,6 +35,8 @@ from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
+
+CAP_FRACTIONS, SEARCH_COARSE = DEFAULT.cap_fractions, DEFAULT.search_coarse
 
 
 def _scale_cell(scenario: str, dist: str, world: int, steps: int, weak: bool = True,
@@ -79,15 +80,15 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(p: ScalePlanner, tab: dict, part: list[int], C: float, kmin: int,
+def _reference_rows(p: ScalePlanner, tab, part: list[int], C: float, kmin: int,
                     frac: float = 1.0) -> list[tuple] | None:
     """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
     >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
     fit the world."""
     chosen = []
     for i in part:
-        s, n = int(tab["starts"][i]), int(tab["lens"][i])
-        hit = next((r for r in tab["a"][s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
+        s, n = int(tab.starts[i]), int(tab.lens[i])
+        hit = next((r for r in tab.a[s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
         if hit is None:
             return None
         chosen.append(hit)
@@ -112,13 +113,13 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
     rng = np.random.default_rng(seed)
     parts = [list(range(nb)), sorted(rng.choice(nb, size=max(1, nb // 2), replace=False).tolist())]
     # as `search` asks: every bucket of the part has a row at the smallest degree or wider
-    problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab["least"][part, ki]).all()]
+    problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab.least[part, ki]).all()]
     # every distinct time and T infinite; a random subset for every other problem
-    targets = [np.arange(len(tab["times"]) + 1) if x % 2 == 0 else
-               np.unique(rng.integers(0, len(tab["times"]) + 1, size=5)) for x in range(len(problems))]
+    targets = [np.arange(len(tab.times) + 1) if x % 2 == 0 else
+               np.unique(rng.integers(0, len(tab.times) + 1, size=5)) for x in range(len(problems))]
     fracs = [(1.0, 0.75, 0.5)[x % 3] for x in range(len(problems))]
     ok, first, need, pfirst = fits(p, tab, problems, targets, fracs)
-    times = np.append(tab["times"], math.inf)
+    times = np.append(tab.times, math.inf)
     for x, ((part, ki), tg, frac) in enumerate(zip(problems, targets, fracs)):
         for j, C in enumerate(times[tg].tolist()):
             ref = _reference_rows(p, tab, part, C, p.sp[ki], frac)
@@ -138,7 +139,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
     present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
     pairs = [(int(j), int(c)) for j, c in zip(present, counts)] + [(int(present[0]), 1), (int(present[-1]), 777)]
     p._rows.clear()
-    got = rows_many(p, pairs)
+    got = p.rows_many(pairs)
     for (j, c), r in zip(pairs, got):
         want = []
         for k in p.sp:
@@ -154,7 +155,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
         assert r.tolist() == [list(map(float, row)) for row in want], (j, c)
 
 
-def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) -> list[tuple]:
+def _reference_search(p: ScalePlanner, tab, part: list[int], kmin: int) -> list[tuple]:
     """The search by its definition, one part and smallest degree at a time, for each cap
     fraction in turn: the part's distinct times at kmin or wider from the longest of its
     buckets' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
@@ -162,7 +163,7 @@ def _reference_search(p: ScalePlanner, tab: dict, part: list[int], kmin: int) ->
     does; candidates at the first fitting cap and 1, 2, 4, 8 after it (makespan: cap /
     fraction), distinct choices only over all fractions; if none fits at fraction 1, T
     infinite."""
-    seg = [tab["a"][int(tab["starts"][i]):int(tab["starts"][i] + tab["lens"][i])] for i in part]
+    seg = [tab.a[int(tab.starts[i]):int(tab.starts[i] + tab.lens[i])] for i in part]
     elig = [r[r[:, 1] >= kmin] for r in seg]
     if any(len(r) == 0 for r in elig):
         return []
@@ -371,7 +372,7 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
     ctx = PlanContext(wl, cost(sc.model, cl), cl)
     step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    plan, predicted, bound, _ = p._plan(step)
+    plan, predicted, bound, _ = p.class_plan(step)
     assert predicted >= bound * (1 - 1e-9)
     assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == sorted(step.sample_ids)
     checked = 0
@@ -421,7 +422,7 @@ def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
         _, x, z, t, k = best
         loads[a] -= ph.t[x]
         loads[z] += t
-        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), k)[0])
+        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), k)[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
 
 
@@ -471,7 +472,7 @@ def test_the_steps_sort_is_by_class_then_longest_then_id():
     p, steps = _planner(64, False, 400, 3)
     every = np.concatenate([np.asarray(s.sample_ids) for s in steps])
     for ids in (np.asarray(steps[0].sample_ids[1:]), every[:3], every[1:]):
-        got, b = p._sort(ids)
+        got, b = p.sort(ids)
         want = sorted(ids.tolist(), key=lambda i: (int(p.bidx[i]), -int(p.tok[i]), i))
         assert got.tolist() == want and b.tolist() == [int(p.bidx[i]) for i in want]
 
@@ -491,7 +492,7 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
     and a plan sent to another process (pickled) is the same plan."""
     import pickle
 
-    from dcparallel.plan.dcp_expand import PhaseGroups
+    from dcparallel.plan.dcp.expand import PhaseGroups
 
     seen_phases, seen_idle = set(), 0
     for world, budget, scenario, dist in [(128, "weak", "text", "short"), (256, "weak", "video", "long"),
@@ -499,7 +500,7 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
         ctx, steps = _scale_cell(scenario, dist, world, 2, weak=budget == "weak")
         p = ScalePlanner(ctx, step_seconds(ctx))
         for s in steps:
-            plan = p._plan(s)[0]
+            plan = p.class_plan(s)[0]
             assert isinstance(plan._source, PhaseGroups)
             alone = [plan.groups_of(r) for r in range(world)]
             assert plan._groups is None, "building one rank's groups builds no other"
@@ -562,7 +563,7 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
     monkeypatch.setattr(ScalePlanner, "_ranked_out", lambda self, cands, floor: False)
     for s in steps:
-        p._plan(s)
+        p.class_plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
 
 
@@ -574,13 +575,13 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     whose parts' floors rank it below the candidates expanded. With every skip off (floors
     that never skip), the plans of weak-scaled steps of the scale report are the same, group
     by group."""
-    import dcparallel.plan.dcp_scale as dcp_scale
+    from dcparallel.plan.dcp import classlevel
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
     asked = {"rows_floor": 0, "plan_floor": 0}
 
     def counting(name):
-        floor = getattr(dcp_scale, name)
+        floor = getattr(classlevel, name)
 
         def ask(*args):
             asked[name] += 1
@@ -588,11 +589,11 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
         return ask
 
     for name in asked:
-        monkeypatch.setattr(dcp_scale, name, counting(name))
+        monkeypatch.setattr(classlevel, name, counting(name))
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     # floors that never skip: -inf is below every plan
-    monkeypatch.setattr(dcp_scale, "rows_floor", lambda tab, first, world: -math.inf)
-    monkeypatch.setattr(dcp_scale, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
+    monkeypatch.setattr(classlevel, "rows_floor", lambda tab, first, world: -math.inf)
+    monkeypatch.setattr(classlevel, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
@@ -610,10 +611,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
     and two-phase plans; the plans with skipping on are the same, group by group, and at
     weak 1024 text/balanced fewer candidates are expanded (`skips`; `phases`: the phase counts
     of the plans expanded in the cell)."""
-    import dcparallel.plan.dcp_scale as dcp_scale
+    from dcparallel.plan.dcp import classlevel
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
-    floor, expand = dcp_scale.expanded_floor, dcp_scale.expand
+    floor, expand = classlevel.expanded_floor, classlevel.expand
     seen = {"expanded": 0, "phases": set()}
 
     def checked(p, parts, ss):
@@ -623,10 +624,10 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
         seen["phases"].add(len(parts))
         return got
 
-    monkeypatch.setattr(dcp_scale, "expand", checked)
+    monkeypatch.setattr(classlevel, "expand", checked)
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     fast_count = seen["expanded"]
-    monkeypatch.setattr(dcp_scale, "expanded_floor", lambda p, parts, ss: -math.inf)
+    monkeypatch.setattr(classlevel, "expanded_floor", lambda p, parts, ss: -math.inf)
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     full_count = seen["expanded"] - fast_count
     assert fast == full

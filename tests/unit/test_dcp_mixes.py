@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dcparallel.scenarios import MIXES, SCENARIOS, distinct_shapes, sample_sizes
@@ -63,7 +64,7 @@ def _deal_by_definition(items, n):
     import math
     from bisect import bisect_left, bisect_right
 
-    from dcparallel.plan.dcp_classes import GroupClass
+    from dcparallel.plan.dcp.classes import GroupClass
     from dcparallel.plan.types import ROUND_EPS
 
     def merge(classes):
@@ -111,7 +112,7 @@ def test_dealing_many_item_classes_is_dealing_by_definition():
     exactly as the definition's full merge after every item class."""
     import random
 
-    from dcparallel.plan.dcp_classes import deal_classes
+    from dcparallel.plan.dcp.classes import deal_classes
 
     rng = random.Random(0)
     for _ in range(20):
@@ -145,10 +146,11 @@ def heavy_tail_step(world: int = 128):
 def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     """Each wide group's time after its long document is filled with short ones at narrow
     degrees (`dcp_sample` on micro-batches of preferred size): the plan is at the step's
-    bound, where the class level alone is 8% above it (`PACK_MAX_ITEMS` = 0 turns the
-    packing off)."""
-    from dcparallel.plan import dcp_scale
+    bound, where the class level alone is 8% above it (`config.pack_max_items` = 0 turns
+    the packing off)."""
     from dcparallel.plan.bounds import LowerBound
+    from dcparallel.plan.dcp.config import DEFAULT
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
     from dcparallel.plan.policies import make_planner
     from dcparallel.sim.replay import replay_step, step_seconds
 
@@ -160,7 +162,7 @@ def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     plan.validate(ctx.cluster.world_size)
     assert sorted(i for mb in plan.micro_batches() for i in mb.sample_ids) == sorted(step.sample_ids)
     assert replay_step(plan, ctx).step_time <= bound * 1.01
-    monkeypatch.setattr(dcp_scale, "PACK_MAX_ITEMS", 0)
+    planner = ScalePlanner(ctx, step_seconds(ctx), config=replace(DEFAULT, pack_max_items=0))
     assert replay_step(planner.plan(step), ctx).step_time > bound * 1.05
 
 
@@ -187,9 +189,8 @@ def test_many_shapes_of_a_few_samples_share_groups_when_capped(monkeypatch):
     (`CAP_FRACTIONS`) they share groups. The class-level plan is predicted 10% faster with the
     cap than without (0.738 s against 0.827 s when written)."""
     from dcparallel.cost.analytic import AnalyticCost
-    from dcparallel.plan import dcp_scale
     from dcparallel.plan.context import PlanContext
-    from dcparallel.plan.dcp_scale import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
     from dcparallel.plan.steps import form_steps
     from dcparallel.sim.replay import step_seconds
     from dcparallel.spec import Workload
@@ -199,9 +200,9 @@ def test_many_shapes_of_a_few_samples_share_groups_when_capped(monkeypatch):
     step = form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens))[0]
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     p = ScalePlanner(ctx, step_seconds(ctx))
-    capped = p._plan(step)
-    monkeypatch.setattr(dcp_scale, "CAP_FRACTIONS", (1.0,))
-    uncapped = p._plan(step)
+    capped = p.class_plan(step)
+    monkeypatch.setattr(p, "config", replace(p.config, cap_fractions=(1.0,)))
+    uncapped = p.class_plan(step)
     assert capped.predicted < uncapped.predicted * 0.95, (capped.predicted, uncapped.predicted)
     assert sorted(i for mb in capped.plan.micro_batches() for i in mb.sample_ids) == sorted(step.sample_ids)
 
@@ -212,14 +213,15 @@ def test_few_samples_per_gpu_are_packed_where_the_class_plan_scores_above_its_pr
     plan 1.6% above the bound, under the packing's 3% gate, but the plan scores 5% above it;
     the score opens the gate, and the packed plan, at the bound, is kept."""
     from dcparallel.plan.bounds import LowerBound
-    from dcparallel.plan.dcp_scale import ScalePlanner
-    from dcparallel.plan.dcp_setup import PACK_GATE_ONE
+    from dcparallel.plan.dcp.config import DEFAULT
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
     from dcparallel.sim.replay import step_seconds
 
     ctx, step = _strong_cell("text", "long", 1024, 1)
     score = step_seconds(ctx)
     p = ScalePlanner(ctx, score)
-    cls = p._plan(step)
+    cls = p.class_plan(step)
+    PACK_GATE_ONE = DEFAULT.pack_gate_one
     assert cls.predicted < cls.bound * PACK_GATE_ONE < score(cls.plan)
     bound = LowerBound(ctx).step(step)
     assert score(p.plan(step)) <= bound * 1.001

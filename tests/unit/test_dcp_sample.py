@@ -1,4 +1,4 @@
-"""`dcp`'s per-sample packing (`plan.dcp_sample`), used for steps with few samples per GPU:
+"""`dcp`'s per-sample packing (`plan.dcp.sample`), used for steps with few samples per GPU:
 lossless, tiling, within memory, identical from scratch, its prediction the simulator's, and
 chosen by `dcp` where it beats the class-level plan."""
 
@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp_sample import SamplePacker
-from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import replay_step, step_seconds
@@ -76,7 +76,7 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     step = form_steps(w.tokens, seed=0, samples_per_step=96)[0]
     p = ScalePlanner(ctx, step_seconds(ctx))
-    class_plan = p._plan(step).plan
+    class_plan = p.class_plan(step).plan
     packed, span = p.packer.plan(list(step.sample_ids))
     chosen = p.plan(step)
     t = p.score
@@ -133,7 +133,7 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
     target that does not pack, and asks for none below the floor."""
     import numpy as np
 
-    from dcparallel.plan.dcp_targets import CONTINUOUS_GAP, CONTINUOUS_STEPS, search_targets
+    from dcparallel.plan.dcp.targets import CONTINUOUS_GAP, CONTINUOUS_STEPS, search_targets
 
     f = np.array(finishes + [np.inf])
     floor = min(first, max(finishes)) * below

@@ -16,107 +16,90 @@ are compared as integer ranks among the step's distinct times, so problems stack
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import cut_starts
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, SEARCH_COARSE, memo
+from dcparallel.plan.dcp.classes import cut_starts
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import ROUND_EPS
-
-if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
 
 #: a phase's candidate rows: columns of `table`'s "a"
 ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
+#: the columns of a candidate row, by name
+GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(len(ROW_FIELDS))
 #: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
 #: sums they bound
 FLOOR_SLACK = 1e-9
-#: a search's candidates past the smallest target that fits: the first fitting target of its
-#: window, and these offsets after it
-CANDIDATE_OFFSETS = (0, 1, 2, 4, 8)
-#: `expanded_floor`'s tables kept per planner (one per set of degrees a phase uses)
-LEAST_GPU_LIMIT = 64
 
 
-def rows(p: ScalePlanner, j: int, c: int) -> np.ndarray:
+@dataclass
+class StepTable:
+    """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
+    first, and what the search reads from them."""
+
+    a: np.ndarray  #: the rows, columns `ROW_FIELDS`, times scaled by the step's weights
+    t: np.ndarray  #: each row's full micro-batch time
+    full: np.ndarray  #: full micro-batches per row
+    tr: np.ndarray  #: the rest's time (0 without a rest)
+    tot: np.ndarray  #: busy seconds per row
+    items: np.ndarray  #: micro-batches per row
+    kpos: np.ndarray  #: each row's degree, as an index into the planner's degrees
+    starts: np.ndarray  #: each bucket's first row
+    n: int  #: rows
+    seg: np.ndarray  #: each row's bucket position
+    lens: np.ndarray  #: rows per bucket
+    spf: np.ndarray  #: the degrees, as floats
+    present: list[int]  #: the buckets (class indices), in table order
+    times: np.ndarray  #: the step's distinct row times, ascending
+    rank: np.ndarray  #: each row's time as a rank among `times`
+    least: np.ndarray  #: per bucket and smallest degree index: the least time at that degree or wider
+    stair_rows: list[np.ndarray]  #: per smallest degree index: the rows some target can choose
+    area: list[float]  #: per bucket: its least GPU-seconds
+    longest: list[float]  #: per bucket: its least time
+    gpu_t: np.ndarray  #: each row's GPU-seconds at the class level's times
+    least_gpu_t: np.ndarray  #: per bucket and smallest degree index: the least of `gpu_t` there
+    #: the cap fractions the step is searched with (`search`'s `fracs`)
+    fracs: tuple[float, ...] = (1.0,)
+    #: allocations made, by (part, rows, groups needed): the same choice found again, same plan
+    allocated: dict = field(default_factory=dict)
+
+
+def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
     (`ROW_FIELDS`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
-    return rows_many(p, [(j, c)])[0]
+    return p.rows_many([(j, c)])[0]
 
 
-def rows_many(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-    """`rows` of every (bucket, count) pair; those not cached are built together, in a few
-    array operations."""
-    out = [p._rows.get(x) for x in pairs]
-    todo = sorted({x for x, r in zip(pairs, out) if r is None})
-    if todo:
-        if len(p._rows) + len(todo) > ROW_CACHE_LIMIT:
-            p._rows.clear()
-        for x, r in zip(todo, _rows(p, todo)):
-            p._rows[x] = r
-        out = [p._rows[x] for x in pairs]
-    return out
-
-
-def _rows(p: ScalePlanner, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-    js = np.array([j for j, _ in pairs])
-    cs = np.array([c for _, c in pairs])
-    # micro-batch sizes per pair: the powers of two, and c / 2^i rounded up
-    bits = int(cs.max()).bit_length()
-    splits = -(-cs[:, None] // (1 << np.arange(bits))[None, :])
-    x = np.sort(np.concatenate([np.broadcast_to(p._pow2, (len(pairs), len(p._pow2))), splits], axis=1), axis=1)
-    # per pair and degree that fits: sizes capped at the most that fit, repeats dropped
-    cap = np.minimum(p._tops[:, js].T, cs[:, None])  # [pair, degree index]
-    pr, kp = np.nonzero(cap > 0)
-    ms = np.minimum(cap[pr, kp][:, None], x[pr])  # sorted along each row, so repeats are adjacent
-    keep = np.ones(ms.shape, dtype=bool)
-    keep[:, 1:] = ms[:, 1:] != ms[:, :-1]
-    pr, kp = np.broadcast_to(pr[:, None], ms.shape)[keep], np.broadcast_to(kp[:, None], ms.shape)[keep]
-    ms, c, j = ms[keep], cs[pr], js[pr]
-    full, rem = np.divmod(c, ms)
-    t, tr = p._ttab3[kp, j, ms], p._ttab3[kp, j, rem]
-    total = full * t + tr
-    k = p._spa[kp]
-    a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
-    # the rows are in (pair, degree, size) order (the degrees ascend: a chain), so a stable
-    # sort by (pair, GPU-seconds) breaks ties by degree, then size
-    o = np.lexsort((a[:, 0], pr))
-    a = a[o]
-    ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
-    assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
-    return [a[i:j] for i, j in zip(ends, ends[1:])]
-
-
-def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> dict:
+def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> StepTable:
     """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
     scaled by the bucket's mean weight in this step; each row's time as a rank among the
     step's distinct times; per bucket its least GPU-seconds (`part_bound`), and per bucket
     and smallest allowed degree its least time and least GPU-seconds at the class level's
     times (`plan_floor`)."""
-    arrs = rows_many(p, list(zip(present, counts)))
+    arrs = p.rows_many(list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
     fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-    for col in (0, 7):  # work: the bucket's mean weight
+    for col in (GPU_S, TOTAL):  # work: the bucket's mean weight
         a[:, col] = a[:, col] * f
-    for col in (3, 5):  # a micro-batch's time: its longest samples could land in any one
+    for col in (T_FULL, T_REM):  # a micro-batch's time: its longest samples could land in any one
         a[:, col] = a[:, col] * fmax
     # each row's GPU-seconds at those times: what its micro-batches add to a class-level plan
-    gpu_t = (a[:, 4] * a[:, 3] + a[:, 5]) * a[:, 1]
+    gpu_t = (a[:, FULL] * a[:, T_FULL] + a[:, T_REM]) * a[:, K]
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
     starts = np.cumsum([0] + lens[:-1])
     seg = np.repeat(np.arange(len(lens)), lens)
-    t = a[:, 3]
+    t = a[:, T_FULL]
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
-    kpos = pos[a[:, 1].astype(np.int64)]
+    kpos = pos[a[:, K].astype(np.int64)]
     # per bucket and smallest degree: the least time of its rows at that degree or wider,
     # and their least GPU-seconds at those times
     least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
@@ -131,13 +114,12 @@ def table(p: ScalePlanner, present: list[int], counts: list[int], scale: dict[in
     prev[:, 1:] = run[:, :-1]
     prev[:, starts] = big
     stair = v < prev
-    return {"a": a, "t": t, "full": a[:, 4], "tr": a[:, 5],
-            "tot": a[:, 7], "items": a[:, 4] + (a[:, 6] > 0), "kpos": kpos,
-            "starts": starts, "n": len(a), "seg": seg, "lens": np.asarray(lens),
-            "spf": np.asarray(p.sp, dtype=float), "present": list(present),
-            "times": times, "rank": rank, "least": least, "stair_rows": [np.flatnonzero(x) for x in stair],
-            "area": np.minimum.reduceat(a[:, 0], starts).tolist(), "longest": least[:, 0].tolist(),
-            "gpu_t": gpu_t, "least_gpu_t": least_gpu_t}
+    return StepTable(a=a, t=t, full=a[:, FULL], tr=a[:, T_REM], tot=a[:, TOTAL], items=a[:, FULL] + (a[:, REM] > 0),
+                     kpos=kpos, starts=starts, n=len(a), seg=seg, lens=np.asarray(lens),
+                     spf=np.asarray(p.sp, dtype=float), present=list(present), times=times, rank=rank, least=least,
+                     stair_rows=[np.flatnonzero(x) for x in stair],
+                     area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(), longest=least[:, 0].tolist(),
+                     gpu_t=gpu_t, least_gpu_t=least_gpu_t)
 
 
 def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -147,48 +129,48 @@ def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int
     return np.minimum.accumulate(out[:, ::-1], axis=1)[:, ::-1]
 
 
-def part_bound(tab: dict, part: Sequence[int], world: int) -> float:
+def part_bound(tab: StepTable, part: Sequence[int], world: int) -> float:
     """The class-level bound of a part's buckets (positions in the table) in one phase:
     max(least GPU-seconds / world, the longest least micro-batch time). No plan of theirs is
     predicted below it."""
     area = longest = 0.0
     for i in part:
-        area += tab["area"][i]
-        longest = max(longest, tab["longest"][i])
+        area += tab.area[i]
+        longest = max(longest, tab.longest[i])
     return max(area / world, longest)
 
 
-def plan_floor(tab: dict, part: Sequence[int], world: int, ki: int = 0) -> float:
+def plan_floor(tab: StepTable, part: Sequence[int], world: int, ki: int = 0) -> float:
     """No class-level plan of a part's buckets (positions in the table) with every bucket at
     the `ki`-th degree or wider is predicted below this: its groups' largest load is at least
     their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
     the class level's times (each micro-batch timed for the bucket's heaviest samples). It
     only rises with `ki`; slightly lowered against rounding."""
-    return _floor(float(tab["least_gpu_t"][part, ki].sum()), float(tab["least"][part, ki].max()), world)
+    return _floor(float(tab.least_gpu_t[part, ki].sum()), float(tab.least[part, ki].max()), world)
 
 
-def rows_floor(tab: dict, first: np.ndarray, world: int) -> float:
+def rows_floor(tab: StepTable, first: np.ndarray, world: int) -> float:
     """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
     predicted below this."""
-    return _floor(float(tab["gpu_t"][first].sum()), float(tab["t"][first].max()), world)
+    return _floor(float(tab.gpu_t[first].sum()), float(tab.t[first].max()), world)
 
 
-def expanded_floor(p: ScalePlanner, parts, ss) -> float:
-    """No expansion of this class-level plan (`dcp_expand.expand` of `parts`, with the step's
+def expanded_floor(p: LayoutTable, parts, ss) -> float:
+    """No expansion of this class-level plan (`expand.expand` of `parts`, with the step's
     samples `ss`) is predicted below this. Per phase: its groups' largest load is at least
     their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
     costs at least its least GPU-seconds at any degree of the phase (refining moves it within
     its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
     samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
     item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
-    samples `expand` cuts it from (`dcp_classes.cut_starts`).
+    samples `expand` cuts it from (`classes.cut_starts`).
     Slightly lowered against rounding."""
     cursor: dict[int, int] = {}
     total = 0.0
     cumw = ss.cumw
     for _, items, (by_k, count), _ in parts:
         kinds = tuple(sorted(by_k))
-        least = memo(p._least_gpu, kinds, partial(_least_gpu, p, kinds), LEAST_GPU_LIMIT)
+        least = p.least_gpu(kinds)
         work = 0.0
         for it, at in zip(items, cut_starts(items, cursor)):
             lo, n = ss.base[it.bucket] + at, it.count * it.mbs
@@ -197,23 +179,16 @@ def expanded_floor(p: ScalePlanner, parts, ss) -> float:
     return total * (1 - FLOOR_SLACK)
 
 
-def _least_gpu(p: ScalePlanner, kinds: tuple[int, ...]) -> list[list[float]]:
-    """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
-    fit none of them)."""
-    per = np.min([k * p.ttab_arr[k] for k in kinds], axis=0)
-    return (per / np.maximum(np.arange(per.shape[1]), 1)).tolist()
-
-
 def _floor(work: float, longest: float, world: int) -> float:
     """max(GPU-seconds / world, the longest micro-batch), lowered by FLOOR_SLACK."""
     return max(work / world, longest) * (1 - FLOOR_SLACK)
 
 
-def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
+def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
          fracs: Sequence[float] | None = None):
     """For every problem (a part's bucket positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
-    `tab["times"]`; ``len(times)`` is T infinite): whether the choice fits the world, the
+    `tab.times`; ``len(times)`` is T infinite): whether the choice fits the world, the
     chosen rows and the groups they need per SP degree.
 
     Returns (fit [problem, target], first [segment, target] row indices, need [problem,
@@ -226,17 +201,17 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     nk, num = len(p.sp), len(problems)
     nts = np.array([len(x) for x in targets])
     ntmax = int(nts.max())
-    inpart = np.zeros((num, len(tab["lens"])), dtype=bool)
+    inpart = np.zeros((num, len(tab.lens)), dtype=bool)
     for q, (part, _) in enumerate(problems):
         inpart[q, part] = True
     kis = [ki for _, ki in problems]
     # each problem's choosable rows (`table`'s "stair_rows"): per bucket, times strictly falling
-    each = [tab["stair_rows"][ki] for ki in kis]
+    each = [tab.stair_rows[ki] for ki in kis]
     rr = np.concatenate(each)
     pp = np.repeat(np.arange(num), [len(x) for x in each])
-    keep = inpart[pp, tab["seg"][rr]]
+    keep = inpart[pp, tab.seg[rr]]
     pp, rr = pp[keep], rr[keep]
-    bkt = tab["seg"][rr]
+    bkt = tab.seg[rr]
     brk = np.ones(len(rr), dtype=bool)
     brk[1:] = (pp[1:] != pp[:-1]) | (bkt[1:] != bkt[:-1])
     sstart = np.flatnonzero(brk)
@@ -247,10 +222,10 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     sprob = pp[sstart]
     pfirst = np.searchsorted(sprob, np.arange(num))
     # each row's count of its problem's targets below its time (ranks offset per problem)
-    off = len(tab["times"]) + 2
+    off = len(tab.times) + 2
     tall = np.concatenate(targets)
     tstart = np.cumsum(nts) - nts
-    r = np.searchsorted(tall + np.repeat(np.arange(num) * off, nts), pp * off + tab["rank"][rr]) - tstart[pp]
+    r = np.searchsorted(tall + np.repeat(np.arange(num) * off, nts), pp * off + tab.rank[rr]) - tstart[pp]
     hist = np.bincount(seg * (ntmax + 1) + r, minlength=nseg * (ntmax + 1)).reshape(nseg, ntmax + 1)
     above = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [segment, j]: rows slower than target j
     ok = np.logical_and.reduceat(above < slen[:, None], pfirst, axis=0)
@@ -259,26 +234,26 @@ def fits(p: ScalePlanner, tab: dict, problems: list[tuple[Sequence[int], int]], 
     fr = first.ravel()
     # each problem's targets as times, padded with its last
     j = np.minimum(np.arange(ntmax)[None, :], nts[:, None] - 1)
-    T = np.append(tab["times"], math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
+    T = np.append(tab.times, math.inf).take(tall.take(tstart[:, None] + j))  # [problem, j]
     if fracs is not None:
         T = T / np.asarray(fracs, dtype=float)[:, None]
     half = (T.take(sprob, axis=0) / 2).ravel()  # [segment, j], flat
-    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab["kpos"][fr]
+    flat = ((sprob[:, None] * ntmax + np.arange(ntmax)[None, :]) * nk).ravel() + tab.kpos[fr]
     size = num * ntmax * nk
-    work = np.bincount(flat, weights=tab["tot"][fr], minlength=size).reshape(num, ntmax, nk)
+    work = np.bincount(flat, weights=tab.tot[fr], minlength=size).reshape(num, ntmax, nk)
     # micro-batches longer than T / 2 (the rest's time is 0 where there is no rest)
-    big = tab["full"][fr] * (tab["t"][fr] > half) + (tab["tr"][fr] > half)
+    big = tab.full[fr] * (tab.t[fr] > half) + (tab.tr[fr] > half)
     bigk = np.bincount(flat, weights=big, minlength=size).reshape(num, ntmax, nk)
-    items = np.bincount(flat, weights=tab["items"][fr], minlength=size).reshape(num, ntmax, nk)
+    items = np.bincount(flat, weights=tab.items[fr], minlength=size).reshape(num, ntmax, nk)
     need = np.minimum(items, np.maximum(np.maximum(1.0, bigk), np.ceil(work / T[:, :, None] - ROUND_EPS)))
     need = np.where(items > 0, need, 0.0)
-    return ok & (need @ tab["spf"] <= p.world), first, need, pfirst
+    return ok & (need @ tab.spf <= p.world), first, need, pfirst
 
 
-def rows_at(tab: dict, first: np.ndarray) -> list[tuple]:
+def rows_at(tab: StepTable, first: np.ndarray) -> list[tuple]:
     """The table's rows `first` as tuples (`ROW_FIELDS`, counts as ints)."""
     return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
-            for g, k, m, t, full, tr, rem, tot in tab["a"][first].tolist()]
+            for g, k, m, t, full, tr, rem, tot in tab.a[first].tolist()]
 
 
 class Candidate(NamedTuple):
@@ -291,47 +266,47 @@ class Candidate(NamedTuple):
     need: dict[int, int]
 
 
-def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: range | None = None,
+def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: range | None = None,
            fracs: Sequence[float] = (1.0,)) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
     feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
     first 1; distinct choices only). Targets are the part's distinct micro-batch times at that
     degree or wider, from the longest of its buckets' least times, taken as caps C with the
-    makespan C / fraction (`fits`); a coarse pass over `SEARCH_COARSE` of them brackets the
+    makespan C / fraction (`fits`); a coarse pass over `config.search_coarse` of them brackets the
     smallest that fits, a second pass over the bracket finds it and the candidates after it.
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
     same candidates."""
-    nk, nt = len(p.sp), len(tab["times"])
+    nk, nt = len(p.sp), len(tab.times)
     degrees = range(nk) if degrees is None else degrees
     out: list[list[list[Candidate]]] = [[[] for _ in degrees] for _ in parts]
     problems, ranks = [], []
     for q, part in enumerate(parts):
         part = np.asarray(part, dtype=np.int64)
-        floor = tab["least"][part].max(axis=0)  # per smallest degree
+        floor = tab.least[part].max(axis=0)  # per smallest degree
         live = np.flatnonzero(np.isfinite(floor))
         live = live[(live >= degrees.start) & (live < degrees.stop)]
         if not len(live):
             continue
         # the part's distinct times at each live smallest degree, from its floor up
-        if len(part) < len(tab["lens"]):
-            mine = np.zeros(len(tab["lens"]), dtype=bool)
+        if len(part) < len(tab.lens):
+            mine = np.zeros(len(tab.lens), dtype=bool)
             mine[part] = True
-            rows_q = mine[tab["seg"]].nonzero()[0]
+            rows_q = mine[tab.seg].nonzero()[0]
         else:
-            rows_q = np.arange(tab["n"])
-        hit = (tab["kpos"][rows_q][None, :] >= live[:, None]) & (tab["t"][rows_q][None, :] >= floor[live][:, None])
+            rows_q = np.arange(tab.n)
+        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
         mark = np.zeros((len(live), nt), dtype=bool)
         li, ri = np.nonzero(hit)
-        mark[li, tab["rank"][rows_q][ri]] = True
+        mark[li, tab.rank[rows_q][ri]] = True
         for x, ki in enumerate(live.tolist()):
             for frac in fracs:
                 problems.append((part, ki, q, frac))
                 ranks.append(mark[x].nonzero()[0])
     if not problems:
         return out
-    grids = [_coarse(len(r)) for r in ranks]
+    grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
     fit = fits(p, tab, [(part, ki) for part, ki, _, _ in problems], [r[g] for r, g in zip(ranks, grids)],
                [a for *_, a in problems])[0]
     windows = []
@@ -352,9 +327,9 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
             part, _, _, frac = problems[x]
             f = fit[y, :len(windows[x])]
             at = int(f.argmax())
-            for i in (at + d for d in CANDIDATE_OFFSETS):
+            for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
-                    got[x].append(Candidate(float(tab["times"][ranks[x][windows[x][i]]]) / frac,
+                    got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac,
                                             first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
     rest = [x for x, w in enumerate(windows) if w is None and problems[x][3] == 1.0]
     if rest:  # T infinite: the cap is infinite whatever its fraction
@@ -374,17 +349,17 @@ def search(p: ScalePlanner, tab: dict, parts: list[Sequence[int]], degrees: rang
     return out
 
 
-def _coarse(n: int) -> np.ndarray:
-    """The positions of the coarse pass among n sorted targets: `SEARCH_COARSE` of them,
-    evenly spread (i * (n - 1) / (SEARCH_COARSE - 1), rounded down), the first and the last
+def _coarse(n: int, coarse: int) -> np.ndarray:
+    """The positions of the coarse pass among n sorted targets: `coarse` of them,
+    evenly spread (i * (n - 1) / (coarse - 1), rounded down), the first and the last
     included."""
-    if n <= SEARCH_COARSE:
+    if n <= coarse:
         return np.arange(n)
     # spaced more than 1 apart, so the positions are distinct
-    out = (np.arange(SEARCH_COARSE) * ((n - 1) / (SEARCH_COARSE - 1))).astype(np.int64)
+    out = (np.arange(coarse) * ((n - 1) / (coarse - 1))).astype(np.int64)
     out[-1] = n - 1
     return out
 
 
-def _needs(p: ScalePlanner, need: np.ndarray) -> dict[int, int]:
+def _needs(p: LayoutTable, need: np.ndarray) -> dict[int, int]:
     return {k: int(n) for k, n in zip(p.sp, need.tolist()) if n > 0}

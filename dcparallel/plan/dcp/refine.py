@@ -1,4 +1,4 @@
-"""`dcp`'s local searches over an expanded phase (`dcp_expand.Phase`): `refine` balances the
+"""`dcp`'s local searches over an expanded phase (`Phase`): `refine` balances the
 groups of one SP degree by moving or swapping micro-batches between them, `spill` moves
 micro-batches off the phase's slowest group to another degree. Both time each micro-batch
 from its own samples and keep every micro-batch."""
@@ -7,15 +7,35 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import BALANCED, MIN_GAIN
+from dcparallel.spec import Layout
 
-if TYPE_CHECKING:
-    from dcparallel.plan.dcp_expand import Phase
-    from dcparallel.plan.dcp_scale import ScalePlanner
+
+@dataclass(slots=True)
+class Phase:
+    """The groups of one phase (SP degrees, widest first) and its micro-batches as arrays:
+    each micro-batch's group, first position in the step's sorted sample ids, samples,
+    layout (an index into `layouts`), time and its samples' mean weight."""
+
+    sizes: list[int]
+    grp: np.ndarray
+    start: np.ndarray
+    m: np.ndarray
+    bucket: np.ndarray
+    lay: np.ndarray
+    t: np.ndarray
+    mw: np.ndarray
+    layouts: list[Layout]
+
+    def loads(self) -> np.ndarray:
+        return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
+
+
 
 #: refinement rounds per SP degree; each round pairs up to REFINE_PAIRS of the degree's most
 #: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
@@ -25,7 +45,7 @@ REFINE_PAIRS = 256
 REFINE_STALL = 3
 
 
-def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
+def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
     degree's recompute for copies of the bucket's largest sample), while the slowest
@@ -98,13 +118,13 @@ def spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> set[int]:
         heapq.heappush(slowest, (-loads[z], z))
         heapq.heappush(least[kinds.index(size_of[a])], (loads[a], a))
         heapq.heappush(least[kk], (loads[z], z))
-        ph.layouts.append(p._lt(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
+        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         t_cur[x] = t
     return touched
 
 
-def _first_move(p: ScalePlanner, ph: Phase, kinds: list[int]) -> bool:
+def _first_move(p: LayoutTable, ph: Phase, kinds: list[int]) -> bool:
     """Whether `spill` makes a first move: its first round with arrays, without the heaps
     (most phases make none, and the heaps cost more than this)."""
     loads = ph.loads()
@@ -141,7 +161,7 @@ def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: l
     return got
 
 
-def _times_at(p: ScalePlanner, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
+def _times_at(p: LayoutTable, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
     """The micro-batches `mbs` re-laid-out at every degree of `kinds`: their times there
     ([degree, micro-batch]; inf where one does not fit)."""
     return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]

@@ -8,13 +8,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
-from dcparallel.plan.dcp_setup import ROW_CACHE_LIMIT, memo
-from dcparallel.plan.types import ROUND_EPS, TIME_EPS, StepPlan
-
-if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
+from dcparallel.plan.types import ROUND_EPS, StepPlan
 
 
 @dataclass(slots=True)
@@ -178,73 +174,6 @@ def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
     return loads[-1]
 
 
-def allocate(p: ScalePlanner, present: list[int], chosen: list[tuple], need: dict[int, int]):
-    """(predicted makespan, item classes, (micro-batch classes, groups) per degree) for one
-    layout choice of `dcp` (`p`) and the groups per degree its search estimated it needs:
-    groups are taken away while they cannot all be placed (`ScalePlanner.placed`), then added
-    to the degree that finishes last while that shortens it and they can be placed; None if
-    one group per degree cannot be placed."""
-    items: list[ItemClass] = []
-    by_k: dict[int, list[tuple[int, float, int]]] = {}
-    for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
-        for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
-            if q:
-                by_k.setdefault(k, []).append((len(items), tt, q))
-                items.append(ItemClass(j, k, mm, tt, q))
-    count = {k: need[k] for k in by_k}
-    n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
-    while not p.placed(count):  # estimates can overshoot at the edge
-        k = max((k for k in count if count[k] > 1), key=lambda k: (count[k] * k, k), default=None)
-        if k is None:
-            return None
-        count[k] -= 1
-    sig = {k: _sig(p, v) for k, v in by_k.items()}
-    span = {k: _span_c(p, by_k[k], count[k], sig[k]) for k in by_k}
-    free = p.world - sum(k * n for k, n in count.items())
-    stuck: set[int] = set()  # degrees more groups did not help
-    for _ in range(64):
-        order = sorted(span, key=lambda j: (-span[j], j))  # slowest first, narrower first on ties
-        if order[0] in stuck:
-            break  # the slowest degree cannot be helped: nothing shortens the makespan
-        k = next((j for j in order if j not in stuck and j <= free and count[j] < n_items[j]), None)
-        if k is None:
-            break
-        others = max((span[j] for j in order if j != k), default=0.0)
-        # jump toward the groups that bring this degree down to the next slowest one
-        want = count[k] * span[k] / max(others, span[k] * 0.5, TIME_EPS)
-        step = p.room(count, k, max(1, min(free // k, n_items[k] - count[k], math.ceil(want) - count[k])))
-        new = _span_c(p, by_k[k], count[k] + step, sig[k]) if step else math.inf
-        while step > 1 and new >= span[k] - TIME_EPS:
-            step = p.room(count, k, step // 2)
-            new = _span_c(p, by_k[k], count[k] + step, sig[k]) if step else math.inf
-        if new >= span[k] - TIME_EPS:
-            if k == order[0]:
-                break
-            stuck.add(k)  # no help here (or no room); let another degree try
-            continue
-        count[k] += step
-        span[k] = new
-        free -= step * k
-    return max(span.values(), default=0.0), items, (by_k, count)
-
-
-def _span_c(p: ScalePlanner, items: Sequence[tuple[int, float, int]], n: int, sig: int) -> float:
-    """`class_span` of a degree's micro-batch classes over n groups, cached by `sig` (the
-    id of the classes' sorted (time, count) pairs: `_sig`)."""
-    return memo(p._spans, (sig, n), lambda: class_span(items, n))
-
-
-def _sig(p: ScalePlanner, items: Sequence[tuple[int, float, int]]) -> int:
-    sig = tuple(sorted((t, q) for _, t, q in items))
-    hit = p._sigs.get(sig)
-    if hit is None:
-        if len(p._sigs) >= ROW_CACHE_LIMIT:
-            p._sigs.clear()
-            p._spans.clear()  # its keys hold the ids
-        hit = p._sigs[sig] = len(p._sigs)
-    return hit
-
-
 def cut_starts(items: Sequence[ItemClass], cursor: dict[int, int]) -> list[int]:
     """Where each item class's micro-batches start among its bucket's samples (sorted longest
     first): item classes cut their bucket's samples in order, `count * mbs` each, from
@@ -262,11 +191,22 @@ def plan_sig(items, counts_by_k) -> tuple:
     return tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items()))
 
 
-def distinct_plans(plans: list[tuple], keep: int) -> list[tuple]:
-    """The first `keep` of these (span, items, counts_by_k, bound) plans, sorted, that are distinct."""
+class PartPlan(NamedTuple):
+    """A class-level plan of one phase's buckets: its predicted makespan, its item classes,
+    its micro-batch classes and groups per degree (`allocate.allocate`), and the class-level
+    bound of those buckets (`search.part_bound`)."""
+
+    span: float
+    items: list[ItemClass]
+    groups: tuple[dict, dict]
+    bound: float
+
+
+def distinct_plans(plans: list[PartPlan], keep: int) -> list[PartPlan]:
+    """The first `keep` of these plans, sorted, that are distinct."""
     out, seen = [], set()
     for plan in plans:
-        sig = plan_sig(plan[1], plan[2])
+        sig = plan_sig(plan.items, plan.groups)
         if sig not in seen:
             seen.add(sig)
             out.append(plan)
@@ -277,7 +217,7 @@ def distinct_plans(plans: list[tuple], keep: int) -> list[tuple]:
 
 class ClassPlan(NamedTuple):
     """A step's class-level plan, its predicted compute time, the step's compute bound at class
-    level (`dcp_search.part_bound`) and the longest of its buckets' least micro-batch times."""
+    level (`search.part_bound`) and the longest of its buckets' least micro-batch times."""
 
     plan: StepPlan
     predicted: float

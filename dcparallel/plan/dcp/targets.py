@@ -1,4 +1,4 @@
-"""The makespan targets `dcp_sample` packs a step at: the smallest that packs and a few above.
+"""The makespan targets `sample` packs a step at: the smallest that packs and a few above.
 
 A target packs if every micro-batch fits a group finishing within it on the world's ranks.
 Whether one does is not monotone in the target (a larger one changes the degrees the

@@ -1,7 +1,7 @@
 """`dcp`'s expansion of a chosen class-level plan to sample ids and plan objects.
 
 Micro-batches are dealt to groups, refined with each micro-batch's own time and moved across
-SP degrees (the local searches of `dcp_refine`), and placed on ranks.
+SP degrees (the local searches of `refine`), and placed on ranks.
 
 Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
 to the groups holding that bucket (so every group gets a mix of its bucket's longer and
@@ -17,43 +17,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from dcparallel.plan.dcp_classes import GroupClass, cut_starts
-from dcparallel.plan.dcp_refine import refine, spill
-from dcparallel.plan.dcp_setup import memo
+from dcparallel.plan.dcp.classes import GroupClass, cut_starts
+from dcparallel.plan.dcp.refine import Phase, refine, spill
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, StepPlan, micro_batches
 from dcparallel.spec import Layout
-
-if TYPE_CHECKING:
-    from dcparallel.plan.dcp_scale import ScalePlanner
-
-#: the placements of the last few distinct group-size lists are kept (steps often repeat them)
-TILE_CACHE_LIMIT = 64
-
-
-@dataclass(slots=True)
-class Phase:
-    """The groups of one phase (SP degrees, widest first) and its micro-batches as arrays:
-    each micro-batch's group, first position in the step's sorted sample ids, samples,
-    layout (an index into `layouts`), time and its samples' mean weight."""
-
-    sizes: list[int]
-    grp: np.ndarray
-    start: np.ndarray
-    m: np.ndarray
-    bucket: np.ndarray
-    lay: np.ndarray
-    t: np.ndarray
-    mw: np.ndarray
-    layouts: list[Layout]
-
-    def loads(self) -> np.ndarray:
-        return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
 
 def deal_orders(holders: np.ndarray) -> np.ndarray:
@@ -103,7 +76,7 @@ class StepSamples(NamedTuple):
     base: dict[int, int]
 
 
-def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]:
+def expand(p: LayoutTable, parts, ss: StepSamples) -> tuple[list[Phase], float]:
     """The phases of a class-level plan and the predicted step time, each micro-batch timed
     by its samples' weights."""
     cursor = {j: 0 for j in ss.offset}
@@ -145,7 +118,7 @@ def expand(p: ScalePlanner, parts, ss: StepSamples) -> tuple[list[Phase], float]
         w = ss.cumw[lo + m] - ss.cumw[lo]
         ph = Phase(sizes, grp, np.repeat([ss.offset[it.bucket] for it in its], num) + within, m, j,
                    np.repeat(dealt, num), np.repeat(t_one, num) * w, w / m,
-                   [p._lt(it.bucket, it.mbs, it.sp)[0] for it in items])
+                   [p.layout(it.bucket, it.mbs, it.sp)[0] for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         by_group = np.argsort(grp, kind="stable")  # each degree's micro-batches: a range of it
@@ -171,23 +144,18 @@ def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:
     return sorted(gcs, key=lambda c: (-c.load, sorted(c.items.items())))
 
 
-def build_plan(p: ScalePlanner, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
+def build_plan(p: LayoutTable, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks, each
     running its micro-batches shortest first (`ids`: the step's sample ids in the order the
     micro-batches' `start` positions refer to). The groups stay arrays (`PhaseGroups`) until
     read."""
     out = []
     for ph in phases:
-        starts = memo(p._tiles, tuple(ph.sizes), partial(_starts, p.ctx.topology, ph.sizes), TILE_CACHE_LIMIT)
+        starts = p.tile_starts(ph.sizes)
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
         out.append((tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
     return StepPlan(step.index, step.sample_ids, PhaseGroups(p.world, ids, tuple(out)), num_tokens)
-
-
-def _starts(topology, sizes: list[int]) -> tuple[int, ...]:
-    """Each group's first rank, as `Topology.tile` places groups of these sizes (validates)."""
-    return tuple(b[0] for b in topology.tile(sizes)[:len(sizes)])
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ clips of one shape share a micro-batch); each placed longest first by GPU-second
 time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
 `open_first`). No one way packs every step tightest; the fastest packing is returned. One
 sample per micro-batch is tried only with at most `ONE_PER_GPU` samples per GPU (with more,
-micro-batches of preferred size packed tighter on every step measured).
+micro-batches of preferred size pack tighter on the scale report's steps).
 
 Steps of many samples per GPU with a heavy tail (a few documents of 0.5-1M tokens beside
 thousands of short ones) are packed in micro-batches of preferred size only (`plan`'s
@@ -54,7 +54,7 @@ import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp_targets import search_targets
+from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
 
@@ -292,9 +292,8 @@ class SamplePacker:
         size, each in three orders (see the module docstring); the fastest of these. With
         `max_items`, only the micro-batches of preferred size are packed, opening new groups
         first (`pack`'s `open_first`), and only if there are at most that many (None if
-        more): steps of many samples per GPU, where each way costs the most; on the
-        heavy-tail steps measured the other ways packed no tighter
-        (`benchmarks/scale_cpu_2026-12-03.md`). Only packings faster than `beat()` (another
+        more): steps of many samples per GPU, where each way costs the most and, on the
+        scale report's heavy-tail steps, the other ways pack no tighter. Only packings faster than `beat()` (another
         plan's predicted time, asked once there is something to pack) and than the ways before
         are sought: a way stops where no target up to that packs (preferred sizes first: they
         pack tighter more often)."""

@@ -1,0 +1,224 @@
+"""`dcp`'s class level (`ClassLevelPlanner`): a step planned over what is distinct in it —
+(bucket, count) pairs and classes of alike groups — not over its samples.
+
+Samples of one bucket are interchangeable for planning: a bucket's micro-batch is timed and
+laid out (SP degree, micro-batch size, PAC recompute) for copies of the bucket's largest
+sample, so it fits every sample of the bucket. Per step:
+
+1. **Layouts by a makespan target.** For a target T, every bucket of the step takes the
+   layout of least GPU-seconds whose micro-batch finishes within T (so a small T widens SP
+   and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
+   efficient narrow layouts); the groups each SP degree needs are estimated from its work
+   and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
+   found among the distinct micro-batch times (`search`: a coarse pass, then the
+   bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
+   least that degree lets one phase hold a world-wide sample and the rest). The targets of
+   every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
+   batch of array operations per pass; a part that goes on searches the rest in its own.
+   Work that a floor (`search.plan_floor`, `rows_floor`) proves cannot change the plans
+   kept, or the candidates expanded, is skipped: the plans are those of the full search. A
+   step whose one-phase plan is above its bound is searched again with the micro-batches
+   also capped below T (`config.cap_fractions`: many shapes of a few samples each share groups).
+2. **Groups as classes.** The groups of one SP degree are alike until they get work: a
+   degree's micro-batches (classes of equal time) are dealt to *group classes* — a load,
+   a number of groups, their contents — by the longest-processing-time rule applied to
+   whole classes; ranks left over go to the degree that finishes last while that helps.
+3. **Two phases**: the step's wide micro-batches first, then the narrow ones on their own
+   groups over the same ranks, for each split degree; kept when predicted faster.
+4. **Expansion** (`expand`): the best few class-level plans become sample ids, are
+   refined with each micro-batch's own time, and the one predicted fastest is kept; least
+   floor first, one whose floor (`search.expanded_floor`) is above a prediction made is skipped.
+
+The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the sizes inside a
+node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
+another group only where `Topology.fits` places it, and the step is also planned on the chain
+alone (`portfolio.ChainAlone`), the plan predicted faster kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp.allocate import allocate
+from dcparallel.plan.dcp.classes import ClassPlan, PartPlan, distinct_plans, plan_sig
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
+from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
+from dcparallel.plan.dcp.search import (
+    K,
+    StepTable,
+    expanded_floor,
+    part_bound,
+    plan_floor,
+    rows,
+    rows_at,
+    rows_floor,
+    search,
+    table,
+)
+from dcparallel.plan.dcp.tables import LayoutTable
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import REL_TOL
+
+
+class ClassLevelPlanner(LayoutTable):
+    """The class-level plan of a step (`class_plan`) on its layout table (`tables.LayoutTable`):
+    the degrees `PlanContext.mix_sizes` (or, `chain_only`, the chain), the context's buckets
+    (or, `sub_bins` > 1, finer text length classes)."""
+
+    name = "dcp"
+
+    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, sub_bins: int = 1,
+                 chain_only: bool = False, config: DcpConfig = DEFAULT):
+        super().__init__(ctx, mode=mode, sub_bins=sub_bins, chain_only=chain_only, config=config)
+        self.phases = phases
+    def describe(self) -> dict:
+        return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+
+    def _plan_part(self, tab: StepTable, part: list[int], found_by_k: list[list], keep: int = 1):
+        """The best `keep` `PartPlan`s for these buckets (positions in the step's table) in one
+        phase, best first, from their search's candidates per smallest allowed degree
+        (`search.search`; given for the first `config.first_degrees`, the rest searched here if
+        the loop gets there); [] if none."""
+        if not part:
+            return []
+        present = [tab.present[i] for i in part]
+        bnd = part_bound(tab, part, self.world)
+        rows_of_part = np.asarray(part)
+        found: list = []
+        stale = 0
+        done = tab.allocated  # the same choice found again (another smallest degree): same plan
+        for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
+            if found and self._settled(found, keep, self._floor(plan_floor(tab, rows_of_part, self.world, ki))):
+                break  # no candidate here or at a wider smallest degree can enter the plans kept
+            if ki == len(found_by_k):
+                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab.fracs)[0]
+            improved = False
+            for c in found_by_k[ki]:
+                key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
+                got = done.get(key, False)
+                if got is False:
+                    if found and self._settled(found, keep, self._floor(rows_floor(tab, c.first, self.world))):
+                        continue  # predicted at or above its floor, it cannot enter the plans kept
+                    got = done[key] = allocate(self, present, rows_at(tab, c.first), c.need)
+                if got is None:
+                    continue
+                if not found or got[0] < found[0][0] * (1 - REL_TOL):
+                    improved = True
+                found.append(got)
+                found.sort(key=lambda g: g[0])
+                del found[keep + 2:]
+            if found and found[0][0] <= bnd * self.config.at_bound:
+                break  # at the bound: wider minimums cannot help
+            stale = 0 if improved or not found else stale + 1
+            if stale >= self.config.stale_stop:  # wider minimums in a row did not help (a heuristic bound)
+                break
+        # groups are dealt only for plans that get expanded
+        return distinct_plans([PartPlan(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
+
+    def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
+        """Whether a candidate predicted at `floor` or above would never be expanded: above
+        the best prediction x `config.expand_within`, or ranked below the `config.expand_best` best (ties: the
+        earlier first)."""
+        values = sorted(c[0] for c in cands)
+        return floor > values[0] * self.config.expand_within or (
+            len(values) >= self.config.expand_best and values[self.config.expand_best - 1] <= floor)
+
+    def _floor(self, floor: float) -> float:
+        """A floor the search skips work by, or -inf (nothing skipped) without `config.prune`."""
+        return floor if self.config.prune else -math.inf
+
+    @staticmethod
+    def _settled(found: list, keep: int, bound: float) -> bool:
+        """Whether no plan predicted at `bound` or above can change the `keep` best distinct
+        plans of `found` (sorted): they are there, all below it."""
+        sigs = set()
+        for span, items, counts_by_k in found:
+            if span >= bound * (1 - 1e-9):
+                return False
+            sigs.add(plan_sig(items, counts_by_k))
+            if len(sigs) == keep:
+                return True
+        return False
+
+    def class_plan(self, step: Step) -> ClassPlan:
+        """The class-level plan of the step (`ClassPlan`)."""
+        ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
+        ids_sorted, b = self.sort(ids)  # by bucket, then longest first, then id
+        n = len(ids_sorted)
+        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
+        present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
+        wsorted = self.weight[ids_sorted]
+        # per class the running sum of its members' weights from 0, the runs concatenated
+        cumw = np.zeros(n + len(present))
+        cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
+        base = np.arange(len(present)) + starts
+        for x, c in zip(base.tolist(), counts):
+            cumw[x:x + c + 1].cumsum(out=cumw[x:x + c + 1])
+        ss = StepSamples(dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw,
+                         dict(zip(present, base.tolist())))
+        wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
+        wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
+        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
+        tab = table(self, present, counts, scale)
+        whole = list(range(len(present)))
+        first = range(min(self.config.first_degrees, len(self.sp)))
+        tab.fracs = (1.0,)
+        ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.config.expand_best)
+        assert ones, "all buckets at the widest degree always fit the world"
+        if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
+            tab.fracs = self.config.cap_fractions
+            more = self._plan_part(tab, whole, search(self, tab, [whole], first, self.config.cap_fractions)[0],
+                                   keep=self.config.expand_best)
+            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
+        one = ones[0]
+        cands = [(c.span, [c]) for c in ones]
+        if self.phases and one.span > one.bound * self.config.two_phase_gate:  # one phase is not at the step's bound
+            # split by the degree each bucket got in one phase, or by its cheapest degree
+            widest: dict[int, int] = {}
+            for it in one.items:
+                widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
+            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, K]) for j, c in zip(present, counts)}]
+            # a split's candidate is predicted at or above its parts' floors: skip the split
+            # where that already says it would not be expanded (`_ranked_out`; that only
+            # tightens as candidates are added, so a split skipped now is skipped later too)
+            splits, seen = [], set()
+            for key in keys:
+                for k in sorted(set(key.values()))[1:]:
+                    wide = [i for i, j in enumerate(present) if key[j] >= k]
+                    if tuple(wide) in seen:
+                        continue
+                    seen.add(tuple(wide))
+                    narrow = [i for i, j in enumerate(present) if key[j] < k]
+                    fw = self._floor(plan_floor(tab, wide, self.world))
+                    fz = self._floor(plan_floor(tab, narrow, self.world))
+                    if not self._ranked_out(cands, fw + fz):
+                        splits.append((wide, narrow, fw, fz))
+            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
+            for s, (wide, narrow, fw, fz) in enumerate(splits):
+                if self._ranked_out(cands, fw + fz):
+                    continue
+                a = self._plan_part(tab, wide, found[2 * s])
+                if not a or self._ranked_out(cands, a[0].span + fz):
+                    continue
+                z = self._plan_part(tab, narrow, found[2 * s + 1])
+                if z:
+                    cands.append((a[0].span + z[0].span, [a[0], z[0]]))
+        # the best few candidates by class-level prediction are expanded (least floor first, none
+        # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
+        cands.sort(key=lambda c: c[0])
+        cfg = self.config
+        pool = [parts for pre, parts in cands[: cfg.expand_best] if pre <= cands[0][0] * cfg.expand_within]
+        floors = [self._floor(expanded_floor(self, parts, ss)) for parts in pool]
+        got: dict[int, tuple] = {}
+        least = math.inf  # the least prediction made
+        for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
+            if floors[i] <= least * (1 + REL_TOL):
+                got[i] = expand(self, pool[i], ss)
+                least = min(least, got[i][1])
+        best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
+        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one.bound,
+                         max(tab.longest))
+

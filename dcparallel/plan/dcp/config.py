@@ -1,0 +1,82 @@
+"""`dcp`'s tunables (`DcpConfig`): when each candidate planner of the portfolio runs, how far
+the class-level search goes, how many class-level plans are expanded; the bounds of its caches.
+
+One frozen instance is passed to the planner (`DEFAULT`: the values every plan of the scale
+report is made with); the planner and its parts read it, never a module constant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: bounded per-planner caches (candidate rows per (bucket, count), group spans); emptied when
+#: full. They bound memory only: a planner's plans do not depend on what it has cached
+ROW_CACHE_LIMIT = 50_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpConfig:
+    # -- the per-sample planner `dcp-v1` (plan/dcp_v1.py): cheap on small clusters and steps,
+    #    it mixes SP degrees within a bucket, which the class level does not
+    #: worlds of at most this many GPUs also run it
+    v1_max_world: int = 64
+    #: ... on steps of at most this many samples
+    v1_max_samples: int = 1024
+
+    # -- the class level over finer text classes: each class laid out for its largest sample
+    #    wastes less where a step has few samples per GPU
+    #: length ranges per bucket (2 ** (1 / finer_sub_bins) apart)
+    finer_sub_bins: int = 4
+    #: steps of at most this many samples per GPU ...
+    finer_per_gpu: float = 8.0
+    #: ... and at most this many samples ...
+    finer_max_samples: int = 2048
+    #: ... whose class-level plan is predicted more than this factor above the step's bound
+    finer_gate: float = 1.01
+
+    # -- the per-sample packing (`sample.SamplePacker`): Python work per sample and target,
+    #    so it runs only where the class level is loose
+    #: steps of at most this many samples per GPU (and `pack_max_samples`) are packed sample by sample
+    pack_per_gpu: float = 8.0
+    pack_max_samples: int = 4096
+    #: ... when the class-level plan is predicted more than this factor above its bound
+    pack_gate: float = 1.05
+    #: ... or this factor, with at most a sample per GPU (the class level, which times its samples
+    #: by weights interpolated within a class, is least exact there) or a heavy tail (the longest
+    #: micro-batch at least `pack_tail` of the bound: sub-groups fill a wide group after it)
+    pack_gate_one: float = 1.03
+    pack_tail: float = 0.5
+    #: larger steps are packed in micro-batches of each bucket's preferred size, if at most this many
+    pack_max_items: int = 8192
+
+    # -- the class-level search
+    #: a phase's search over its smallest allowed SP degree stops within this factor of its bound ...
+    at_bound: float = 1.002
+    #: ... or after this many wider minimums in a row that did not help
+    stale_stop: int = 2
+    #: the first search pass covers this many of the narrowest smallest degrees of every part at
+    #: once (most parts stop there); a part that goes on searches the rest in a pass of its own
+    first_degrees: int = 3
+    #: makespan targets tried evenly spread first; then those between the last that does not fit
+    #: and the first that does
+    search_coarse: int = 32
+    #: a search's candidates: the first fitting target of its window, and these offsets after it
+    candidate_offsets: tuple[int, ...] = (0, 1, 2, 4, 8)
+    #: a step whose one-phase plan is predicted more than `cap_gate` x its bound is searched again
+    #: with its micro-batches also capped at these fractions of the target (with a few samples of
+    #: each of many shapes, capped micro-batches are shorter than T / 2 and share groups)
+    cap_fractions: tuple[float, ...] = (1.0, 0.75)
+    cap_gate: float = 1.01
+    #: two-phase splits are searched where the one-phase plan is more than this factor above its bound
+    two_phase_gate: float = 1.001
+
+    # -- expansion to sample ids
+    #: how many of the best class-level candidates are expanded and refined per step ...
+    expand_best: int = 3
+    #: ... each only within this factor of the best one's prediction
+    expand_within: float = 1.02
+    #: whether floors skip work they prove cannot change the plans (False: the full search, for
+    #: the tests that show the skipping lossless)
+    prune: bool = True
+
+
+DEFAULT = DcpConfig()

@@ -1,0 +1,304 @@
+"""`dcp`'s per-run tables: planning classes, their largest samples, per-sample weights;
+bounded caches; the pause of the cycle collector while a step is planned.
+
+The classes are the context's buckets, or finer text length ranges."""
+
+from __future__ import annotations
+
+import gc
+import math
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+
+from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
+from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
+from dcparallel.plan.dcp.config import DEFAULT, ROW_CACHE_LIMIT, DcpConfig
+from dcparallel.plan.types import REL_TOL, TIME_EPS
+from dcparallel.spec import Layout
+
+#: `least_gpu`'s tables kept (one per set of degrees a phase uses)
+LEAST_GPU_LIMIT = 64
+#: the placements of the last few distinct group-size lists are kept (steps often repeat them)
+TILE_CACHE_LIMIT = 64
+
+def memo(cache: dict, key, make: Callable[[], Any], limit: int = ROW_CACHE_LIMIT):
+    """`cache[key]`, made by `make()` on a miss; a full cache is emptied first (bounded memory,
+    and a planner's results do not depend on what it has cached)."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= limit:
+            cache.clear()
+        hit = cache[key] = make()
+    return hit
+
+
+class Once:
+    """A function of no arguments returning `make()`, computed on its first call only
+    (`value`, if given, is that result already)."""
+
+    def __init__(self, make: Callable[[], Any], value: Any = None):
+        self.make, self.value = make, value
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
+    """(largest sample size per class, the classes in order, each sample's class index; -1 for
+    skipped samples). `sub_bins` == 1: the context's buckets; more: each bucket cut into length
+    ranges 2 ** (1 / sub_bins) apart (text)."""
+    if sub_bins == 1:
+        key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
+        rep = dict(ctx.rep)
+    else:
+        key = {i: (ctx.bucket_of[i], int(math.log2(max(1, ctx.tokens[i])) * sub_bins)) for i in ctx.usable_ids}
+        big: dict = {}
+        for i, c in key.items():
+            if c not in big or ctx.tokens[i] > ctx.tokens[big[c]]:
+                big[c] = i
+        rep = {c: ctx.sizes[i] for c, i in big.items()}
+    classes = sorted(rep)
+    pos = {b: j for j, b in enumerate(classes)}
+    bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
+    for i, c in key.items():
+        bidx[i] = pos[c]
+    return rep, classes, bidx
+
+
+def _cheapest_bucket(p: LayoutTable, b) -> tuple[int, int]:
+    opts = p.ctx.bucket_options(b, p.mode)
+    k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
+    return k, opts[k].layout.mbs
+
+
+def _cheapest(p: LayoutTable, j: int) -> tuple[int, int]:
+    """(SP degree, micro-batch size) of least GPU-seconds per sample for class j."""
+    best = None
+    for k in p.sp:
+        for m in mbs_candidates(p.top[(j, k)]) if p.top[(j, k)] else ():
+            g = p.layout(j, m, k)[1] * k / m
+            if best is None or g < best[0] * (1 - REL_TOL):
+                best = (g, k, m)
+    return best[1], best[2]
+
+
+def sample_weights(p: LayoutTable) -> np.ndarray:
+    """Per sample, its micro-batch time relative to its class's largest sample: a class's
+    times are planned for copies of its largest sample and scaled by the mean weight of the
+    samples a step holds (a text bucket spans 1.25x in length, more in attention work).
+    Linear in tokens between the class's smallest and largest sample, both timed by the
+    cost model as a full micro-batch of the class's preferred layout (convex times make
+    this slightly pessimistic, never optimistic)."""
+    ctx = p.ctx
+    tok = p.tok.astype(float)
+    w = np.ones(len(ctx.sizes))
+    small: dict[int, int] = {}
+    for i in ctx.usable_ids:
+        j = int(p.bidx[i])
+        if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
+            small[j] = i
+    lo = np.zeros(len(p.buckets))
+    t_lo = np.ones(len(p.buckets))
+    hi = np.ones(len(p.buckets))
+    for j, b in enumerate(p.buckets):
+        big_s, small_s = p.rep[b], ctx.sizes[small[j]]
+        k, m = _cheapest(p, j) if p.sub_bins > 1 else _cheapest_bucket(p, b)
+        tb = ctx.cost.terms_copies(big_s, m, k).time_none
+        ts = ctx.cost.terms_copies(small_s, m, k).time_none
+        lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
+        t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
+    ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+    j = p.bidx[ids]
+    span = np.maximum(hi[j] - lo[j], TIME_EPS)
+    u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
+    w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
+    return w
+
+
+class LayoutTable:
+    """Per run: the planning classes of `ctx` (`sub_bins` > 1: finer text length ranges) on the
+    SP degrees mixed (`PlanContext.mix_sizes`; `chain_only`: the chain), each class's layouts
+    and micro-batch times by degree and size, the samples' weights and planning order; and the
+    bounded caches of what the class level builds from them."""
+
+    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", sub_bins: int = 1, chain_only: bool = False,
+                 config: DcpConfig = DEFAULT):
+        self.ctx, self.mode = ctx, mode
+        #: the tunables (`config.DcpConfig`)
+        self.config = config
+        self.world = ctx.cluster.world_size
+        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
+        #: into `sub_bins` geometric length ranges, each sized by its own largest sample
+        self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
+        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
+        #: the SP degrees mixed (`PlanContext.mix_sizes`, or with `chain_only` its `sp_sizes`);
+        #: where they are not one chain, group counts must pass `Topology.fits` (else: at most
+        #: the world's ranks)
+        self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
+        self.packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
+        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
+        #: `allocate`'s caches: spans by (classes' id, groups), ids by the classes
+        self._spans: dict[tuple, float] = {}
+        self._deals: dict[tuple, list] = {}
+        self._sigs: dict[tuple, int] = {}
+        self._tiles: dict[tuple, list] = {}
+        self._least_gpu: dict[tuple, list] = {}  # `least_gpu`'s tables per set of degrees
+        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
+        self.ttab = {(j, k): [0.0] + [self.layout(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
+                     for j in range(len(self.buckets)) for k in self.sp}
+        #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
+        width = 1 + max(self.top.values(), default=0)
+        self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
+                                      for j in range(len(self.buckets))]).reshape(len(self.buckets), width)
+                         for k in self.sp}
+        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
+        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
+        self._spa = np.asarray(self.sp)
+        self._pow2 = np.array(mbs_candidates(MAX_MBS))
+        self.weight = sample_weights(self)
+        #: every sample in planning order (by class, then longest first, then id) and each
+        #: sample's position in it: a step's samples are sorted by sorting their positions
+        self._order = np.lexsort((np.arange(len(self.tok)), -self.tok, self.bidx))
+        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2 ** 31 else np.int64)
+        self._rank[self._order] = np.arange(len(self.tok))
+
+    # -- layouts ---------------------------------------------------------------------------
+    def layout(self, j: int, m: int, k: int) -> tuple[Layout, float]:
+        """The layout and time of a micro-batch of m copies of class j's largest sample at degree k."""
+        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
+        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
+        return out
+
+    def deal(self, items: list[tuple[int, float, int]], n: int) -> list[GroupClass]:
+        """`deal_classes`, cached (the best few candidates of a step often share a degree's
+        micro-batch classes); the group classes are read, never changed."""
+        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
+
+    def placed(self, count: dict[int, int]) -> bool:
+        """Whether groups of these degrees (degree -> how many) can be placed on the world."""
+        if self.packs is None:
+            return sum(k * n for k, n in count.items()) <= self.world
+        return self.packs(count)
+
+    def room(self, count: dict[int, int], k: int, step: int) -> int:
+        """The largest of step, step // 2, ... more groups of degree k that can be placed along
+        with `count` (0: none). On a chain that is `step` (callers keep it within the free ranks)."""
+        if self.packs is not None:
+            while step and not self.packs({**count, k: count[k] + step}):
+                step //= 2
+        return step
+
+    def sort(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step's ids by planning class, then longest first, then id, and their classes."""
+        r = self._rank[ids]
+        if 8 * len(r) >= len(self._rank):  # positions are distinct: a mask sorts them in O(samples)
+            mask = np.zeros(len(self._rank), dtype=bool)
+            mask[r] = True
+            r = np.flatnonzero(mask)
+        else:
+            r.sort()
+        out = self._order[r]
+        b = self.bidx[out]
+        assert not len(b) or b[0] >= 0, "a step holds a skipped sample"  # skipped samples sort first
+        return out, b
+
+    def rows_many(self, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`search.rows` of every (bucket, count) pair, cached; those not cached are built
+        together."""
+        out = [self._rows.get(x) for x in pairs]
+        todo = sorted({x for x, r in zip(pairs, out) if r is None})
+        if todo:
+            if len(self._rows) + len(todo) > ROW_CACHE_LIMIT:
+                self._rows.clear()
+            for x, r in zip(todo, self._build_rows(todo)):
+                self._rows[x] = r
+            out = [self._rows[x] for x in pairs]
+        return out
+
+    def _build_rows(self, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`rows_many` of pairs not cached, in a few array operations."""
+        js = np.array([j for j, _ in pairs])
+        cs = np.array([c for _, c in pairs])
+        # micro-batch sizes per pair: the powers of two, and c / 2^i rounded up
+        bits = int(cs.max()).bit_length()
+        splits = -(-cs[:, None] // (1 << np.arange(bits))[None, :])
+        pow2 = np.broadcast_to(self._pow2, (len(pairs), len(self._pow2)))
+        x = np.sort(np.concatenate([pow2, splits], axis=1), axis=1)
+        # per pair and degree that fits: sizes capped at the most that fit, repeats dropped
+        cap = np.minimum(self._tops[:, js].T, cs[:, None])  # [pair, degree index]
+        pr, kp = np.nonzero(cap > 0)
+        ms = np.minimum(cap[pr, kp][:, None], x[pr])  # sorted along each row, so repeats are adjacent
+        keep = np.ones(ms.shape, dtype=bool)
+        keep[:, 1:] = ms[:, 1:] != ms[:, :-1]
+        pr, kp = np.broadcast_to(pr[:, None], ms.shape)[keep], np.broadcast_to(kp[:, None], ms.shape)[keep]
+        ms, c, j = ms[keep], cs[pr], js[pr]
+        full, rem = np.divmod(c, ms)
+        t, tr = self._ttab3[kp, j, ms], self._ttab3[kp, j, rem]
+        total = full * t + tr
+        k = self._spa[kp]
+        a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
+        # the rows are in (pair, degree, size) order (the degrees ascend: a chain), so a stable
+        # sort by (pair, GPU-seconds) breaks ties by degree, then size
+        o = np.lexsort((a[:, 0], pr))
+        a = a[o]
+        ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
+        assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
+        return [a[i:j] for i, j in zip(ends, ends[1:])]
+
+    def _least_gpu_of(self, kinds: tuple[int, ...]) -> list[list[float]]:
+        """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
+        fit none of them)."""
+        per = np.min([k * self.ttab_arr[k] for k in kinds], axis=0)
+        return (per / np.maximum(np.arange(per.shape[1]), 1)).tolist()
+
+    def least_gpu(self, kinds: tuple[int, ...]) -> list[list[float]]:
+        """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds`, cached."""
+        return memo(self._least_gpu, kinds, partial(self._least_gpu_of, kinds), LEAST_GPU_LIMIT)
+
+    def tile_starts(self, sizes: list[int]) -> tuple[int, ...]:
+        """Each group's first rank, as `Topology.tile` places groups of these sizes (validates); cached."""
+        return memo(self._tiles, tuple(sizes), partial(_starts, self.ctx.topology, sizes), TILE_CACHE_LIMIT)
+
+    def span_id(self, items) -> int:
+        """The id of a degree's micro-batch classes' sorted (time, count) pairs (`group_span`'s key)."""
+        sig = tuple(sorted((t, q) for _, t, q in items))
+        hit = self._sigs.get(sig)
+        if hit is None:
+            if len(self._sigs) >= ROW_CACHE_LIMIT:
+                self._sigs.clear()
+                self._spans.clear()  # its keys hold the ids
+            hit = self._sigs[sig] = len(self._sigs)
+        return hit
+
+    def group_span(self, items, n: int, sig: int) -> float:
+        """`classes.class_span` of a degree's micro-batch classes over n groups, cached by `sig`
+        (`span_id`)."""
+        return memo(self._spans, (sig, n), lambda: class_span(items, n))
+
+
+@contextmanager
+def cyclic_gc_paused():
+    """Python's cycle collector paused while a step is planned. A plan at thousands of GPUs
+    allocates a few hundred thousand small objects (micro-batches, their id tuples), which
+    sets off collections that walk the whole heap — the workload, the model, the loader —
+    which can take half of a step's planning time at 4096 GPUs. Planning makes no
+    reference cycles (reference counting frees all it drops), so nothing piles up meanwhile;
+    the collector resumes, in every thread, when the step is planned."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _starts(topology, sizes: list[int]) -> tuple[int, ...]:
+    return tuple(b[0] for b in topology.tile(sizes)[:len(sizes)])
