@@ -1,5 +1,5 @@
 """`dcp`'s array-based pieces against their plain definitions: the search over makespan
-targets (`dcp_search.fits`), the dealing order, the refinement and the spill of a phase's
+targets (`plan.dcp.search.fits`), the dealing order, the refinement and the spill of a phase's
 micro-batches, the run order of a group, the step's sort, and the plan-object builder."""
 
 import functools

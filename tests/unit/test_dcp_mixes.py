@@ -145,7 +145,7 @@ def heavy_tail_step(world: int = 128):
 
 def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     """Each wide group's time after its long document is filled with short ones at narrow
-    degrees (`dcp_sample` on micro-batches of preferred size): the plan is at the step's
+    degrees (`plan.dcp.sample` on micro-batches of preferred size): the plan is at the step's
     bound, where the class level alone is 8% above it (`config.pack_max_items` = 0 turns
     the packing off)."""
     from dcparallel.plan.bounds import LowerBound
