@@ -21,6 +21,8 @@ from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
 
 log = logging.getLogger(__name__)
+#: the noise warnings this process has logged (`ProfiledCost`)
+_NOISE_WARNED: set[str] = set()
 
 
 def _non_decreasing(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
@@ -79,7 +81,8 @@ class ProfiledCost:
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
         noisy = profile.noise_warning() if time_at == "value" else None
-        if noisy:
+        if noisy and noisy not in _NOISE_WARNED:  # once per profile and process, not per cost object
+            _NOISE_WARNED.add(noisy)
             log.warning(noisy)
 
     def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:

@@ -106,6 +106,10 @@ def test_a_noisy_profile_is_said_to_be_untrustworthy(caplog):
     with caplog.at_level(logging.WARNING):
         ProfiledCost(p, ClusterSpec(world_size=1, gpus_per_node=1))  # pricing from it says so too
     assert "too noisy to trust" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ProfiledCost(p, ClusterSpec(world_size=1, gpus_per_node=1))  # once per profile, not per cost object
+    assert "too noisy to trust" not in caplog.text
 
 
 def test_version_1_profiles_load_without_a_spread():
