@@ -25,7 +25,8 @@ For each step:
 
 from __future__ import annotations
 
-from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt
+from dcparallel.plan.assemble import assemble, lpt, round_robin
+from dcparallel.plan.context import Option, PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, REL_TOL, TIME_EPS, Chunk, GroupPlan, MicroBatch, StepPlan
 
@@ -37,7 +38,7 @@ class DCPPlanner:
         self.phases = phases
         self.options: dict[tuple[int, int], dict[int, Option]] = {
             b: ctx.bucket_options(b, mode) for b in ctx.rep}
-        self.preferred = {b: min(o, key=lambda k: (o[k].gpu_s_per_sample, k)) for b, o in self.options.items()}
+        self.preferred = {b: ctx.preferred(b, mode).layout.sp for b in ctx.rep}
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "balance": self.balance, "promote": self.promote, "phases": self.phases}
@@ -81,10 +82,7 @@ class DCPPlanner:
             return 0.0
         if self.balance:
             return max(lpt(times, n)[1])
-        loads = [0.0] * n
-        for j, t in enumerate(times):
-            loads[j % n] += t
-        return max(loads)
+        return max(sum(times[j] for j in deal) for deal in round_robin(len(times), n))
 
     def _allocate(self, times: dict[int, list[float]], world: int) -> tuple[dict[int, int], int]:
         """Groups per SP degree minimizing the step's makespan: the smallest makespan T for
@@ -152,11 +150,9 @@ class DCPPlanner:
         for phase, (group_sizes, group_mbs) in enumerate(best[1]):
             order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
             ranks = ctx.topology.tile([group_sizes[g] for g in order])
-            for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
-                mbs = () if g is None else tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g])
-                groups.append(GroupPlan(r, mbs, phase))
-        return StepPlan(step.index, step.sample_ids, tuple(groups),
-                        ctx.step_tokens(step.sample_ids))
+            groups.extend(GroupPlan(r, tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g]), phase)
+                          for r, g in zip(ranks, order))
+        return assemble(ctx, step, groups)
 
     def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]):
         """(group sizes, each group's micro-batches, the step's predicted compute makespan)."""
@@ -193,7 +189,7 @@ class DCPPlanner:
             if self.balance:
                 assign, _ = lpt([c.time for c in items], n)
             else:
-                assign = [list(range(g, len(items), n)) for g in range(n)]
+                assign = round_robin(len(items), n)
             for g in range(n):
                 group_sizes.append(k)
                 group_mbs.append([items[j] for j in assign[g]])

@@ -219,6 +219,6 @@ class ClassLevelPlanner(LayoutTable):
                 got[i] = expand(self, pool[i], ss)
                 least = min(least, got[i][1])
         best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one.bound,
+        return ClassPlan(build_plan(self, step, best[0], ids_sorted), best[1], one.bound,
                          max(tab.longest))
 

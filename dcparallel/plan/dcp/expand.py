@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcparallel.plan.assemble import assemble, with_idle
 from dcparallel.plan.dcp.classes import GroupClass, cut_starts
 from dcparallel.plan.dcp.refine import Phase, refine, spill
 from dcparallel.plan.dcp.tables import LayoutTable
@@ -144,7 +145,7 @@ def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:
     return sorted(gcs, key=lambda c: (-c.load, sorted(c.items.items())))
 
 
-def build_plan(p: LayoutTable, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
+def build_plan(p: LayoutTable, step: Step, phases: list[Phase], ids: np.ndarray) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks, each
     running its micro-batches shortest first (`ids`: the step's sample ids in the order the
     micro-batches' `start` positions refer to). The groups stay arrays (`PhaseGroups`) until
@@ -155,14 +156,14 @@ def build_plan(p: LayoutTable, step: Step, phases: list[Phase], num_tokens: int,
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
         out.append((tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
-    return StepPlan(step.index, step.sample_ids, PhaseGroups(p.world, ids, tuple(out)), num_tokens)
+    return assemble(p.ctx, step, PhaseGroups(p.world, ids, tuple(out)), ids=ids)
 
 
 @dataclass(frozen=True)
 class PhaseGroups:
     """A `dcp` step's groups as arrays (a `plan.types.GroupSource`): per phase, its group sizes
     (widest first) and first ranks (`Topology.tile`: aligned blocks; ranks no group covers are
-    idle groups of one rank), each group's end among the phase's micro-batches, and the
+    idle groups of one rank, added by `assemble.with_idle`), each group's end among the phase's micro-batches, and the
     micro-batches in run order: first position in `ids` (the step's sample ids as sorted for
     planning), samples, layout (an index into the phase's layouts)."""
 
@@ -181,8 +182,7 @@ class PhaseGroups:
             for k, pos, hi in zip(sizes, starts, ends.tolist()):
                 groups.append(GroupPlan(tuple(range(pos, pos + k)), tuple(mbs[lo:hi]), phase))
                 lo = hi
-            groups.extend(GroupPlan((r,), (), phase) for r in _idle(self.world, sizes, starts))
-        return tuple(groups)
+        return with_idle(groups, self.world)
 
     def of_rank(self, rank: int) -> tuple[GroupPlan, ...]:
         out = []
@@ -201,17 +201,6 @@ class PhaseGroups:
 
     def busy_sizes(self) -> set[int]:
         return {k for sizes, _, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
-
-
-def _idle(world: int, sizes: tuple[int, ...], starts: tuple[int, ...]) -> list[int]:
-    """The ranks no group covers, ascending."""
-    covered = sum(sizes)
-    if max(map(sum, zip(sizes, starts)), default=0) == covered:  # no gaps: consecutive from rank 0
-        return list(range(covered, world))
-    used = np.zeros(world, dtype=bool)
-    for k, pos in zip(sizes, starts):
-        used[pos:pos + k] = True
-    return np.flatnonzero(~used).tolist()
 
 
 def run_order(ph: Phase) -> np.ndarray:

@@ -53,6 +53,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
+from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
@@ -82,7 +83,6 @@ class SamplePacker:
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
-        self._mbs: dict = {}  # per bucket, its preferred micro-batch size
         self._bpos = self._bkeys = None  # each sample's bucket as a position in the sorted buckets
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
@@ -116,12 +116,8 @@ class SamplePacker:
         return out
 
     def _preferred(self, b) -> int:
-        """Bucket b's preferred micro-batch size (least GPU-seconds per sample), cached."""
-        m = self._mbs.get(b)
-        if m is None:
-            opts = self.ctx.bucket_options(b, self.mode)
-            m = self._mbs[b] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))].layout.mbs
-        return m
+        """Bucket b's preferred micro-batch size (`PlanContext.preferred`)."""
+        return self.ctx.preferred(b, self.mode).layout.mbs
 
     def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Per micro-batch and degree, its time alone (inf where it does not fit)."""
@@ -270,12 +266,10 @@ class SamplePacker:
             else:
                 if k > free:
                     return
-                parts: list[list] = [[g[0], 0.0, [], 0.0, None, []], [g[0], 0.0, [], 0.0, None, []]]
-                for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
-                    q = parts[0] if parts[0][1] <= parts[1][1] else parts[1]
-                    q[1] += t[a, g[0]]
-                    q[2].append(a)
-                    q[3] = max(q[3], t[a, g[0]])
+                times = t[g[2], g[0]].tolist()
+                deal, loads = lpt(times, 2, dealt_order=True)
+                parts: list[list] = [[g[0], load, [g[2][j] for j in d], max([0.0] + [times[j] for j in d]), None, []]
+                                     for d, load in zip(deal, loads)]
                 if max(self.finish(q) for q in parts) >= top * (1 - MIN_GAIN):
                     return
                 g[:] = parts[0]
@@ -374,12 +368,7 @@ class SamplePacker:
         out: list[GroupPlan] = []
         for g, ranks in zip(groups, self.ctx.topology.tile([g[0] for g in groups])):
             self._emit(g, ranks, last, out)
-        busy: list[set[int]] = [set() for _ in range(last + 1)]
-        for g in out:
-            busy[g.phase].update(g.ranks)
-        out.extend(GroupPlan((r,), (), p) for p in range(last + 1) for r in range(self.world) if r not in busy[p])
-        out.sort(key=lambda g: (g.phase, g.ranks[0]))
-        return StepPlan(step.index, step.sample_ids, tuple(out), self.ctx.step_tokens(step.sample_ids))
+        return assemble(self.ctx, step, out, by_rank=True)
 
     def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan]) -> None:
         k, _, items, kids = g

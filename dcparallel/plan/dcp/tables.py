@@ -70,14 +70,10 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     return rep, classes, bidx
 
 
-def _cheapest_bucket(p: LayoutTable, b) -> tuple[int, int]:
-    opts = p.ctx.bucket_options(b, p.mode)
-    k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
-    return k, opts[k].layout.mbs
-
-
 def _cheapest(p: LayoutTable, j: int) -> tuple[int, int]:
-    """(SP degree, micro-batch size) of least GPU-seconds per sample for class j."""
+    """(SP degree, micro-batch size) of least GPU-seconds per sample for finer class j: finer
+    classes are not the context's buckets, so `PlanContext.preferred` cannot answer; their
+    layouts come from this table (on a near tie within REL_TOL, the narrower degree)."""
     best = None
     for k in p.sp:
         for m in mbs_candidates(p.top[(j, k)]) if p.top[(j, k)] else ():
@@ -107,7 +103,11 @@ def sample_weights(p: LayoutTable) -> np.ndarray:
     hi = np.ones(len(p.buckets))
     for j, b in enumerate(p.buckets):
         big_s, small_s = p.rep[b], ctx.sizes[small[j]]
-        k, m = _cheapest(p, j) if p.sub_bins > 1 else _cheapest_bucket(p, b)
+        if p.sub_bins > 1:
+            k, m = _cheapest(p, j)
+        else:
+            pref = ctx.preferred(b, p.mode).layout
+            k, m = pref.sp, pref.mbs
         tb = ctx.cost.terms_copies(big_s, m, k).time_none
         ts = ctx.cost.terms_copies(small_s, m, k).time_none
         lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
