@@ -39,10 +39,8 @@ class Row(NamedTuple):
     total: float  #: busy seconds
 
 
-#: a phase's candidate rows: columns of `table`'s "a"
-ROW_FIELDS = Row._fields
-#: the columns of a candidate row, by name
-GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(len(ROW_FIELDS))
+#: the columns of `StepTable.a`, by name: `Row`'s fields in order
+GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(8)
 
 
 @dataclass
@@ -50,7 +48,7 @@ class StepTable:
     """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
     first, and what the search reads from them."""
 
-    a: np.ndarray  #: the rows, columns `ROW_FIELDS`, times scaled by the step's weights
+    a: np.ndarray  #: the rows, columns `Row`'s fields, times scaled by the step's weights
     t: np.ndarray  #: each row's full micro-batch time
     full: np.ndarray  #: full micro-batches per row
     tr: np.ndarray  #: the rest's time (0 without a rest)
@@ -80,7 +78,7 @@ class StepTable:
 
 def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
-    (`ROW_FIELDS`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
+    (`Row`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
