@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
+from dcparallel.plan.assemble import assemble, round_robin
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
@@ -62,12 +63,9 @@ class BucketPlanner:
         done.extend(open_chunks.values())
         pos = {i: n for n, i in enumerate(step.sample_ids)}
         done.sort(key=lambda c: pos[c[0]])
-        per_group: list[list[MicroBatch]] = [[] for _ in self.groups]
-        for n, chunk in enumerate(done):
-            per_group[n % len(self.groups)].append(
-                MicroBatch(tuple(chunk), Layout(self.sp, len(chunk), self.recompute)))
-        groups = tuple(GroupPlan(r, tuple(m)) for r, m in zip(self.groups, per_group))
-        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
+        mbs = [MicroBatch(tuple(chunk), Layout(self.sp, len(chunk), self.recompute)) for chunk in done]
+        deal = round_robin(len(mbs), len(self.groups))
+        return assemble(ctx, step, [GroupPlan(r, tuple(mbs[j] for j in d)) for r, d in zip(self.groups, deal)])
 
 
 def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max_steps: int = 64) -> Tuned:

@@ -9,10 +9,11 @@ SP degree. Pure python, no process group.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
+
+import numpy as np
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.plan.types import REL_TOL, Fit, NoLayoutFits
@@ -82,6 +83,8 @@ class PlanContext:
         self._fit: dict = {}  # copies of one size (bucket layouts): a few per bucket
         self._mixed: dict = {}  # any micro-batch: bounded, see cost.base.cache_put
         self._options: dict = {}
+        self._preferred: dict = {}
+        self._tokens: np.ndarray | None = None  # `step_tokens`' array of `tokens`, made when first asked
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
         rep: dict[tuple[int, int], int] = {}
@@ -199,6 +202,16 @@ class PlanContext:
         self._options[key] = out
         return out
 
+    def preferred(self, bucket: tuple[int, ...], mode: RecomputeMode) -> Option:
+        """The bucket's preferred layout: of `bucket_options`, the one of fewest GPU-seconds per
+        sample, the narrowest SP degree on ties; cached."""
+        key = (bucket, mode)
+        hit = self._preferred.get(key)
+        if hit is None:
+            opts = self.bucket_options(bucket, mode)
+            hit = self._preferred[key] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))]
+        return hit
+
     def mb_terms(self, sample_ids: Sequence[int], sp: int) -> MicroBatchTerms:
         return self.terms(tuple(self.sizes[i] for i in sample_ids), sp)
 
@@ -208,8 +221,13 @@ class PlanContext:
     def mb_memory(self, sample_ids: Sequence[int], layout: Layout) -> float:
         return self.mb_terms(sample_ids, layout.sp).memory(layout.recompute)
 
-    def step_tokens(self, sample_ids: Sequence[int]) -> int:
-        return sum(self.tokens[i] for i in sample_ids)
+    def step_tokens(self, sample_ids: Sequence[int] | np.ndarray) -> int:
+        """The tokens of a step's samples (the ids as a sequence or an integer array)."""
+        if self._tokens is None:
+            self._tokens = np.asarray(self.tokens, dtype=np.int64)
+        ids = sample_ids if isinstance(sample_ids, np.ndarray) else \
+            np.fromiter(sample_ids, dtype=np.int64, count=len(sample_ids))
+        return int(self._tokens[ids].sum())
 
     # -- validation --------------------------------------------------------------------
     def _check_fit(self, skip_oversize: bool) -> None:
@@ -299,20 +317,3 @@ def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode
                 cur.append(i)
             out.append(cur)
     return out
-
-
-def lpt(times: Sequence[float], num_bins: int) -> tuple[list[list[int]], list[float]]:
-    """Longest-processing-time-first assignment of items to bins; returns item indices per
-    bin (in the items' original order) and bin loads."""
-    heap = [(0.0, b) for b in range(num_bins)]
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for i in sorted(range(len(times)), key=lambda j: -times[j]):
-        load, b = heapq.heappop(heap)
-        bins[b].append(i)
-        heapq.heappush(heap, (load + times[i], b))
-    loads = [0.0] * num_bins
-    for load, b in heap:
-        loads[b] = load
-    for b in bins:
-        b.sort()
-    return bins, loads

@@ -25,9 +25,32 @@ For each step:
 
 from __future__ import annotations
 
-from dcparallel.plan.context import Option, PlanContext, RecomputeMode, lpt
+from typing import NamedTuple
+
+from dcparallel.plan.assemble import assemble, lpt, round_robin
+from dcparallel.plan.context import Option, PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, REL_TOL, TIME_EPS, Chunk, GroupPlan, MicroBatch, StepPlan
+
+
+class Groups(NamedTuple):
+    """One phase's groups: their sizes, each one's micro-batches, the predicted compute makespan."""
+
+    sizes: list[int]
+    mbs: list[list[Chunk]]
+    span: float
+
+
+class Move(NamedTuple):
+    """A move of `_steal`: the larger load it leaves, the micro-batch's position on the slowest
+    group, the group it goes to, what stays behind (half of a split micro-batch, or None) and
+    what moves."""
+
+    end: float
+    index: int
+    dst: int
+    keep: Chunk | None
+    moved: Chunk
 
 
 class DCPPlanner:
@@ -37,7 +60,7 @@ class DCPPlanner:
         self.phases = phases
         self.options: dict[tuple[int, int], dict[int, Option]] = {
             b: ctx.bucket_options(b, mode) for b in ctx.rep}
-        self.preferred = {b: min(o, key=lambda k: (o[k].gpu_s_per_sample, k)) for b, o in self.options.items()}
+        self.preferred = {b: ctx.preferred(b, mode).layout.sp for b in ctx.rep}
 
     def describe(self) -> dict:
         return {"recompute": self.mode, "balance": self.balance, "promote": self.promote, "phases": self.phases}
@@ -81,10 +104,7 @@ class DCPPlanner:
             return 0.0
         if self.balance:
             return max(lpt(times, n)[1])
-        loads = [0.0] * n
-        for j, t in enumerate(times):
-            loads[j % n] += t
-        return max(loads)
+        return max(sum(times[j] for j in deal) for deal in round_robin(len(times), n))
 
     def _allocate(self, times: dict[int, list[float]], world: int) -> tuple[dict[int, int], int]:
         """Groups per SP degree minimizing the step's makespan: the smallest makespan T for
@@ -136,7 +156,8 @@ class DCPPlanner:
             promoted = self._choose_sp(by_bucket)
             if promoted != preferred:
                 candidates.append(promoted)
-        best = None  # (predicted end, phases: [(group sizes, group micro-batches)])
+        best: list[Groups] | None = None  # the phases predicted to end first
+        best_end = 0.0
         for c in candidates:
             splits = [[by_bucket]]
             if self.phases:
@@ -145,21 +166,19 @@ class DCPPlanner:
                                    {b: ids for b, ids in by_bucket.items() if c[b] < k}])
             for parts in splits:
                 phases = [self._groups(part, {b: c[b] for b in part}) for part in parts]
-                end = sum(span for _, _, span in phases)
-                if best is None or end < best[0] * (1 - REL_TOL):
-                    best = (end, [(sizes, mbs) for sizes, mbs, _ in phases])
+                end = sum(ph.span for ph in phases)
+                if best is None or end < best_end * (1 - REL_TOL):
+                    best, best_end = phases, end
         groups = []
-        for phase, (group_sizes, group_mbs) in enumerate(best[1]):
+        for phase, (group_sizes, group_mbs, _) in enumerate(best):
             order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
             ranks = ctx.topology.tile([group_sizes[g] for g in order])
-            for r, g in zip(ranks, order + [None] * (len(ranks) - len(order))):
-                mbs = () if g is None else tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g])
-                groups.append(GroupPlan(r, mbs, phase))
-        return StepPlan(step.index, step.sample_ids, tuple(groups),
-                        ctx.step_tokens(step.sample_ids))
+            groups.extend(GroupPlan(r, tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g]), phase)
+                          for r, g in zip(ranks, order))
+        return assemble(ctx, step, groups)
 
-    def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]):
-        """(group sizes, each group's micro-batches, the step's predicted compute makespan)."""
+    def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]) -> Groups:
+        """The groups of one phase holding these buckets at these SP degrees."""
         ctx = self.ctx
         world = ctx.cluster.world_size
 
@@ -193,7 +212,7 @@ class DCPPlanner:
             if self.balance:
                 assign, _ = lpt([c.time for c in items], n)
             else:
-                assign = [list(range(g, len(items), n)) for g in range(n)]
+                assign = round_robin(len(items), n)
             for g in range(n):
                 group_sizes.append(k)
                 group_mbs.append([items[j] for j in assign[g]])
@@ -208,7 +227,7 @@ class DCPPlanner:
         if self.balance:
             self._steal(group_sizes, group_mbs)
         makespan = max((sum(c.time for c in g) for g in group_mbs), default=0.0)
-        return group_sizes, group_mbs, makespan
+        return Groups(group_sizes, group_mbs, makespan)
 
     # -- 3b. move micro-batches off the slowest group ----------------------------------
     def _steal(self, sizes: list[int], mbs: list[list[Chunk]]) -> None:
@@ -254,8 +273,8 @@ class DCPPlanner:
                         if fit is None:
                             continue
                         new_max = max(rest, loads[dst] + fit.time)
-                        if new_max < top and (best is None or new_max < best[0]):
-                            best = (new_max, j, dst, keep, Chunk(moved, fit.layout, fit.time))
+                        if new_max < top and (best is None or new_max < best.end):
+                            best = Move(new_max, j, dst, keep, Chunk(moved, fit.layout, fit.time))
             if best is None:
                 return
             _, j, dst, keep, move = best

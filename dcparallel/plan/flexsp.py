@@ -35,7 +35,8 @@ import sys
 
 import numpy as np
 
-from dcparallel.plan.context import PlanContext, lpt, mbs_candidates
+from dcparallel.plan.assemble import assemble, lpt
+from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 
@@ -109,8 +110,7 @@ class FlexSPPlanner:
             groups.append((k, tuple(mb for _, mb in mbs)))
         assert all(taken[b] == len(ids) for b, ids in queue.items()), "every sample is planned once"
         ranks = ctx.topology.tile([k for k, _ in groups])
-        plans = tuple(GroupPlan(r, groups[g][1] if g < len(groups) else ()) for g, r in enumerate(ranks))
-        return StepPlan(step.index, step.sample_ids, plans, ctx.step_tokens(step.sample_ids))
+        return assemble(ctx, step, [GroupPlan(r, mbs) for r, (_, mbs) in zip(ranks, groups)])
 
     def _solve(self, buckets: list, counts: dict) -> tuple[str, list] | None:
         """The program of the module docstring. Returns (status, [(k, [(bucket, m, n)])] per
@@ -136,10 +136,9 @@ class FlexSPPlanner:
         fits = [ctx.copies_layout(ctx.sizes[i], 1, k, self.mode) for i in ids]
         assign, _ = lpt([f.time for f in fits], self.world // k)
         ranks = ctx.topology.tile([k] * (self.world // k))
-        groups = tuple(GroupPlan(r, tuple(MicroBatch((ids[j],), fits[j].layout)
-                                          for j in sorted(a, key=lambda j: (fits[j].time, j))))
-                       for r, a in zip(ranks, assign))
-        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
+        return assemble(ctx, step, [GroupPlan(r, tuple(MicroBatch((ids[j],), fits[j].layout)
+                                                       for j in sorted(a, key=lambda j: (fits[j].time, j))))
+                                    for r, a in zip(ranks, assign)])
 
 
 def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, options, *, gap: float,

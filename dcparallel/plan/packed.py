@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.bucket import tune_static
-from dcparallel.plan.context import PlanContext, RecomputeMode, lpt, pack_bins
+from dcparallel.plan.context import PlanContext, RecomputeMode, pack_bins
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
 from dcparallel.spec import Layout, Recompute
@@ -68,10 +69,8 @@ class PackedPlanner:
         layouts = [Layout(self.sp, len(b), self.recompute) for b in bins]
         times = [ctx.mb_time(b, lay) for b, lay in zip(bins, layouts)]
         assign, _ = lpt(times, len(self.groups))
-        groups = tuple(
-            GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
-            for g, r in enumerate(self.groups))
-        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
+        return assemble(ctx, step, [GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
+                                    for g, r in enumerate(self.groups)])
 
 
 def tuned_packed(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:

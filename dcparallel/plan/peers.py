@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.bucket import even_subset
-from dcparallel.plan.context import PlanContext, lpt, pack_bins
+from dcparallel.plan.context import PlanContext, pack_bins
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Chunk, GroupPlan, MicroBatch, Score, StepPlan, Tuned
 
@@ -111,9 +112,7 @@ class _LevelPlanner:
             for g in range(count[k]):
                 sizes.append(k)
                 mbs.append(tuple(MicroBatch(packs[k][j].sample_ids, packs[k][j].layout) for j in assign[g]))
-        ranks = self.ctx.topology.tile(sizes)
-        groups = tuple(GroupPlan(r, mbs[g] if g < len(mbs) else ()) for g, r in enumerate(ranks))
-        return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids))
+        return assemble(ctx, step, [GroupPlan(r, m) for r, m in zip(ctx.topology.tile(sizes), mbs)])
 
     def pack_length(self, k: int) -> int:
         return k * self.cap

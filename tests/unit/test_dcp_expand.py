@@ -2,6 +2,7 @@
 targets (`plan.dcp.search.fits`), the dealing order, the refinement and the spill of a phase's
 micro-batches, the run order of a group, the step's sort, and the plan-object builder."""
 
+import dataclasses
 import functools
 import gc
 import math
@@ -13,7 +14,6 @@ from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp import refine as dcp_refine
 from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.expand import Phase, deal_orders
@@ -328,7 +328,7 @@ def test_refine_balances_what_one_move_or_swap_can_balance():
     assert sorted(ph.loads().tolist()) == [2.0, 3.0]
 
 
-def test_refine_stops_once_the_slowest_group_stops_getting_lighter(monkeypatch):
+def test_refine_stops_once_the_slowest_group_stops_getting_lighter():
     # group 0 holds one micro-batch of 100 that no move or swap can help; group 1 holds 40 of
     # 1, which go one per round to the empty groups 2..8 (the only pair that can improve)
     def phase():
@@ -341,13 +341,13 @@ def test_refine_stops_once_the_slowest_group_stops_getting_lighter(monkeypatch):
     assert refine(ph, np.arange(9)), "stopped by the stall, so settled"
     loads = ph.loads()
     assert loads[0] == 100.0
-    # one moves per round; the round that finds group 0 no lighter for the REFINE_STALL-th time
-    # stops before moving, so REFINE_STALL moved
-    assert loads[1] == 40 - dcp_refine.REFINE_STALL, loads
-    monkeypatch.setattr(dcp_refine, "REFINE_STALL", dcp_refine.REFINE_ROUNDS + 1)
+    # one moves per round; the round that finds group 0 no lighter for the refine_stall-th time
+    # stops before moving, so refine_stall moved
+    assert loads[1] == 40 - DEFAULT.refine_stall, loads
+    never_stalls = dataclasses.replace(DEFAULT, refine_stall=DEFAULT.refine_rounds + 1)
     ph = phase()
-    assert not refine(ph, np.arange(9)), "ran out of rounds"
-    assert ph.loads()[1] == 40 - dcp_refine.REFINE_ROUNDS
+    assert not refine(ph, np.arange(9), config=never_stalls), "ran out of rounds"
+    assert ph.loads()[1] == 40 - DEFAULT.refine_rounds
 
 
 def test_refine_leaves_other_degrees_alone():

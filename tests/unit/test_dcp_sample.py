@@ -127,13 +127,14 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
 @given(st.lists(st.floats(1.0, 100.0), min_size=1, max_size=40), st.floats(0.5, 150.0), st.floats(0.01, 0.99))
 def test_target_search_finds_the_smallest_target_that_packs(finishes, first, below):
     """Where packing at T succeeds exactly from some T* on (monotone), `search_targets` returns
-    T* if it is a micro-batch's finish, else a target at most CONTINUOUS_GAP above it (or, where
-    its last bisection starts from a step up to 8x wide, 8 x 2^-CONTINUOUS_STEPS), and first
+    T* if it is a micro-batch's finish, else a target at most `continuous_gap` above it (or, where
+    its last bisection starts from a step up to 8x wide, 8 x 2^-`continuous_steps`), and first
     the smallest finish at or above T* (or its own step above the floor); it never returns a
     target that does not pack, and asks for none below the floor."""
     import numpy as np
 
-    from dcparallel.plan.dcp.targets import CONTINUOUS_GAP, CONTINUOUS_STEPS, search_targets
+    from dcparallel.plan.dcp.config import DEFAULT
+    from dcparallel.plan.dcp.targets import search_targets
 
     f = np.array(finishes + [np.inf])
     floor = min(first, max(finishes)) * below
@@ -146,7 +147,8 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
     got = search_targets(pack, f, floor)
     assert got and all(T >= first for T in got)
     assert min(asked) >= floor * (1 - 1e-9)
-    assert min(got) <= first * (1 + max(CONTINUOUS_GAP, 8 * 2.0 ** -CONTINUOUS_STEPS)) or min(got) in finishes
+    assert min(got) <= first * (1 + max(DEFAULT.continuous_gap, 8 * 2.0 ** -DEFAULT.continuous_steps)) \
+        or min(got) in finishes
     at_or_above = [x for x in finishes if x >= first]
     if at_or_above and got[0] not in at_or_above:
         assert got[0] <= min(at_or_above)  # a step of the search, below the next finish

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import math
 
-from dcparallel.plan.dcp.classes import ItemClass
+from dcparallel.plan.dcp.classes import Allocation, DegreeGroups, ItemClass, MbClass
+from dcparallel.plan.dcp.search import Row
 from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import TIME_EPS
 
 
-def allocate(p: LayoutTable, present: list[int], chosen: list[tuple], need: dict[int, int]):
-    """(predicted makespan, item classes, (micro-batch classes, groups) per degree) for one
-    layout choice of `dcp` (`p`) and the groups per degree its search estimated it needs:
+def allocate(p: LayoutTable, present: list[int], chosen: list[Row], need: dict[int, int]) -> Allocation | None:
+    """The `Allocation` of one layout choice of `dcp` (`p`; `chosen`: each bucket's row, in the
+    order of `present`) and the groups per degree its search estimated it needs:
     groups are taken away while they cannot all be placed (`ScalePlanner.placed`), then added
     to the degree that finishes last while that shortens it and they can be placed; None if
     one group per degree cannot be placed."""
     items: list[ItemClass] = []
-    by_k: dict[int, list[tuple[int, float, int]]] = {}
-    for j, (_, k, m, t, full, tr, rem, _) in zip(present, chosen):
-        for mm, tt, q in ((m, t, full), (rem, tr, 1 if rem else 0)):
+    by_k: dict[int, list[MbClass]] = {}
+    for j, row in zip(present, chosen):
+        k = row.k
+        for mm, tt, q in ((row.m, row.t_full, row.full), (row.rem, row.t_rem, 1 if row.rem else 0)):
             if q:
-                by_k.setdefault(k, []).append((len(items), tt, q))
+                by_k.setdefault(k, []).append(MbClass(len(items), tt, q))
                 items.append(ItemClass(j, k, mm, tt, q))
     count = {k: need[k] for k in by_k}
     n_items = {k: sum(q for _, _, q in v) for k, v in by_k.items()}
@@ -60,4 +62,4 @@ def allocate(p: LayoutTable, present: list[int], chosen: list[tuple], need: dict
         count[k] += step
         span[k] = new
         free -= step * k
-    return max(span.values(), default=0.0), items, (by_k, count)
+    return Allocation(max(span.values(), default=0.0), items, DegreeGroups(by_k, count))

@@ -47,8 +47,35 @@ class ItemClass(NamedTuple):
     count: int
 
 
-def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupClass]:
-    """LPT over classes: `items` are (item-class index, time, count), dealt longest first to
+class MbClass(NamedTuple):
+    """`count` micro-batches of one item class (an index into the phase's item classes), each
+    taking `time`: what a degree's groups are dealt (`deal_classes`, `class_span`)."""
+
+    item: int
+    time: float
+    count: int
+
+
+class DegreeGroups(NamedTuple):
+    """A phase's groups per SP degree: each degree's micro-batch classes and its number of groups."""
+
+    classes: dict[int, list[MbClass]]
+    count: dict[int, int]
+
+
+class Allocation(NamedTuple):
+    """One layout choice allocated (`allocate.allocate`): its predicted makespan, its item
+    classes and its groups per degree."""
+
+    span: float
+    items: list[ItemClass]
+    groups: DegreeGroups
+
+
+def deal_classes(items: Sequence[MbClass], n: int) -> list[GroupClass]:
+    """LPT over classes (whole classes of micro-batches to classes of alike groups, so not
+    `plan.assemble.lpt`, which deals single items): `items` (`MbClass`: item-class index, time,
+    count) are dealt longest first to
     `n` alike groups; each group class takes items while its load is below the next lowest
     class's load. Returns the group classes (counts sum to n).
 
@@ -99,8 +126,9 @@ def deal_classes(items: Sequence[tuple[int, float, int]], n: int) -> list[GroupC
     return [c for c in _merge(classes, loads)[0] if c.count > 0]
 
 
-def _longest_first(item: tuple[int, float, int]) -> tuple[float, int]:
-    return -item[1], item[0]
+def _longest_first(item: MbClass) -> tuple[float, int]:
+    ic, t, _ = item
+    return -t, ic
 
 
 def _merge_runs(classes: list[GroupClass], loads: list[float], touched: set[float]) -> None:
@@ -139,7 +167,7 @@ def _merge(classes: list[GroupClass], loads: list[float]) -> tuple[list[GroupCla
     return merged, [c.load for c in merged]
 
 
-def class_span(items: Sequence[tuple[int, float, int]], n: int) -> float:
+def class_span(items: Sequence[MbClass], n: int) -> float:
     """The makespan `deal_classes` reaches, tracking loads only (no contents): the distinct
     loads in ascending order, with how many groups carry each. (The planner's innermost
     loop: written out, without helper calls.)"""
@@ -186,9 +214,9 @@ def cut_starts(items: Sequence[ItemClass], cursor: dict[int, int]) -> list[int]:
     return out
 
 
-def plan_sig(items, counts_by_k) -> tuple:
+def plan_sig(items: list[ItemClass], groups: DegreeGroups) -> tuple:
     """What tells two class-level plans apart: their item classes and groups per degree."""
-    return tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(counts_by_k[1].items()))
+    return tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(groups.count.items()))
 
 
 class PartPlan(NamedTuple):
@@ -198,7 +226,7 @@ class PartPlan(NamedTuple):
 
     span: float
     items: list[ItemClass]
-    groups: tuple[dict, dict]
+    groups: DegreeGroups
     bound: float
 
 
@@ -213,6 +241,13 @@ def distinct_plans(plans: list[PartPlan], keep: int) -> list[PartPlan]:
             if len(out) == keep:
                 break
     return out
+
+
+class StepChoice(NamedTuple):
+    """A step's class-level candidate: a `PartPlan` per phase and their summed predicted time."""
+
+    span: float
+    parts: list[PartPlan]
 
 
 class ClassPlan(NamedTuple):

@@ -43,9 +43,9 @@ import numpy as np
 
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.allocate import allocate
-from dcparallel.plan.dcp.classes import ClassPlan, PartPlan, distinct_plans, plan_sig
+from dcparallel.plan.dcp.classes import Allocation, ClassPlan, PartPlan, StepChoice, distinct_plans, plan_sig
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
-from dcparallel.plan.dcp.expand import StepSamples, build_plan, expand
+from dcparallel.plan.dcp.expand import Expansion, StepSamples, build_plan, expand
 from dcparallel.plan.dcp.search import (
     K,
     StepTable,
@@ -87,7 +87,7 @@ class ClassLevelPlanner(LayoutTable):
         present = [tab.present[i] for i in part]
         bnd = part_bound(tab, part, self.world)
         rows_of_part = np.asarray(part)
-        found: list = []
+        found: list[Allocation] = []
         stale = 0
         done = tab.allocated  # the same choice found again (another smallest degree): same plan
         for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
@@ -105,24 +105,24 @@ class ClassLevelPlanner(LayoutTable):
                     got = done[key] = allocate(self, present, rows_at(tab, c.first), c.need)
                 if got is None:
                     continue
-                if not found or got[0] < found[0][0] * (1 - REL_TOL):
+                if not found or got.span < found[0].span * (1 - REL_TOL):
                     improved = True
                 found.append(got)
-                found.sort(key=lambda g: g[0])
+                found.sort(key=lambda g: g.span)
                 del found[keep + 2:]
-            if found and found[0][0] <= bnd * self.config.at_bound:
+            if found and found[0].span <= bnd * self.config.at_bound:
                 break  # at the bound: wider minimums cannot help
             stale = 0 if improved or not found else stale + 1
             if stale >= self.config.stale_stop:  # wider minimums in a row did not help (a heuristic bound)
                 break
         # groups are dealt only for plans that get expanded
-        return distinct_plans([PartPlan(span, items, counts_by_k, bnd) for span, items, counts_by_k in found], keep)
+        return distinct_plans([PartPlan(g.span, g.items, g.groups, bnd) for g in found], keep)
 
-    def _ranked_out(self, cands: list[tuple], floor: float) -> bool:
+    def _ranked_out(self, cands: list[StepChoice], floor: float) -> bool:
         """Whether a candidate predicted at `floor` or above would never be expanded: above
         the best prediction x `config.expand_within`, or ranked below the `config.expand_best` best (ties: the
         earlier first)."""
-        values = sorted(c[0] for c in cands)
+        values = sorted(c.span for c in cands)
         return floor > values[0] * self.config.expand_within or (
             len(values) >= self.config.expand_best and values[self.config.expand_best - 1] <= floor)
 
@@ -131,14 +131,14 @@ class ClassLevelPlanner(LayoutTable):
         return floor if self.config.prune else -math.inf
 
     @staticmethod
-    def _settled(found: list, keep: int, bound: float) -> bool:
+    def _settled(found: list[Allocation], keep: int, bound: float) -> bool:
         """Whether no plan predicted at `bound` or above can change the `keep` best distinct
         plans of `found` (sorted): they are there, all below it."""
         sigs = set()
-        for span, items, counts_by_k in found:
-            if span >= bound * (1 - 1e-9):
+        for g in found:
+            if g.span >= bound * (1 - 1e-9):
                 return False
-            sigs.add(plan_sig(items, counts_by_k))
+            sigs.add(plan_sig(g.items, g.groups))
             if len(sigs) == keep:
                 return True
         return False
@@ -174,7 +174,7 @@ class ClassLevelPlanner(LayoutTable):
                                    keep=self.config.expand_best)
             ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
         one = ones[0]
-        cands = [(c.span, [c]) for c in ones]
+        cands = [StepChoice(c.span, [c]) for c in ones]
         if self.phases and one.span > one.bound * self.config.two_phase_gate:  # one phase is not at the step's bound
             # split by the degree each bucket got in one phase, or by its cheapest degree
             widest: dict[int, int] = {}
@@ -205,20 +205,20 @@ class ClassLevelPlanner(LayoutTable):
                     continue
                 z = self._plan_part(tab, narrow, found[2 * s + 1])
                 if z:
-                    cands.append((a[0].span + z[0].span, [a[0], z[0]]))
+                    cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
         # the best few candidates by class-level prediction are expanded (least floor first, none
         # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
-        cands.sort(key=lambda c: c[0])
+        cands.sort(key=lambda c: c.span)
         cfg = self.config
-        pool = [parts for pre, parts in cands[: cfg.expand_best] if pre <= cands[0][0] * cfg.expand_within]
+        pool = [c.parts for c in cands[: cfg.expand_best] if c.span <= cands[0].span * cfg.expand_within]
         floors = [self._floor(expanded_floor(self, parts, ss)) for parts in pool]
-        got: dict[int, tuple] = {}
+        got: dict[int, Expansion] = {}
         least = math.inf  # the least prediction made
         for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
             if floors[i] <= least * (1 + REL_TOL):
                 got[i] = expand(self, pool[i], ss)
-                least = min(least, got[i][1])
-        best = got[min(i for i, g in got.items() if g[1] <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best[0], int(self.tok[ids].sum()), ids_sorted), best[1], one.bound,
+                least = min(least, got[i].predicted)
+        best = got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
+        return ClassPlan(build_plan(self, step, best.phases, ids_sorted), best.predicted, one.bound,
                          max(tab.longest))
 

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: bounded per-planner caches (candidate rows per (bucket, count), group spans); emptied when
-#: full. They bound memory only: a planner's plans do not depend on what it has cached
-ROW_CACHE_LIMIT = 50_000
-
 
 @dataclass(frozen=True, kw_only=True)
 class DcpConfig:
@@ -47,6 +43,17 @@ class DcpConfig:
     pack_tail: float = 0.5
     #: larger steps are packed in micro-batches of each bucket's preferred size, if at most this many
     pack_max_items: int = 8192
+    #: steps of at most this many samples per GPU are also packed one sample per micro-batch (with
+    #: more, micro-batches of preferred size pack tighter on the scale report's steps)
+    one_per_gpu: float = 2.0
+    #: the smallest makespan target that packs is sought from the floor up in steps of this fraction of it ...
+    gallop_first: float = 2.0 ** -9
+    #: ... each step this many times the one before
+    gallop_growth: int = 8
+    #: below the first target that packs, the target is bisected until the bracket is this fraction of it ...
+    continuous_gap: float = 2.0 ** -14
+    #: ... in at most this many steps
+    continuous_steps: int = 12
 
     # -- the class-level search
     #: a phase's search over its smallest allowed SP degree stops within this factor of its bound ...
@@ -69,14 +76,33 @@ class DcpConfig:
     #: two-phase splits are searched where the one-phase plan is more than this factor above its bound
     two_phase_gate: float = 1.001
 
+    #: floors (no plan is predicted below them) are lowered by this fraction, far above the
+    #: rounding of the sums they bound
+    floor_slack: float = 1e-9
+
     # -- expansion to sample ids
     #: how many of the best class-level candidates are expanded and refined per step ...
     expand_best: int = 3
     #: ... each only within this factor of the best one's prediction
     expand_within: float = 1.02
+    #: refinement rounds per SP degree (`refine.refine`); each pairs up to `refine_pairs` of the
+    #: degree's most loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
+    refine_rounds: int = 16
+    refine_pairs: int = 256
+    #: ... and stops once the degree's most loaded group has not got lighter for this many rounds
+    refine_stall: int = 3
     #: whether floors skip work they prove cannot change the plans (False: the full search, for
     #: the tests that show the skipping lossless)
     prune: bool = True
+
+    # -- bounded per-planner caches, emptied when full: they bound memory only (a planner's plans
+    #    do not depend on what it has cached)
+    #: entries of each large cache (candidate rows per (bucket, count), group spans, class deals)
+    row_cache_limit: int = 50_000
+    #: `LayoutTable.least_gpu`'s tables (one per set of degrees a phase uses)
+    least_gpu_cache_limit: int = 64
+    #: placements of distinct group-size lists (steps often repeat them)
+    tile_cache_limit: int = 64
 
 
 DEFAULT = DcpConfig()

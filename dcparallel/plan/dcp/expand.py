@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcparallel.plan.dcp.classes import GroupClass, cut_starts
+from dcparallel.plan.assemble import assemble, with_idle
+from dcparallel.plan.dcp.classes import GroupClass, PartPlan, cut_starts
 from dcparallel.plan.dcp.refine import Phase, refine, spill
 from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.steps import Step
@@ -76,13 +77,21 @@ class StepSamples(NamedTuple):
     base: dict[int, int]
 
 
-def expand(p: LayoutTable, parts, ss: StepSamples) -> tuple[list[Phase], float]:
+class Expansion(NamedTuple):
+    """A class-level plan expanded to sample ids: its phases and its predicted step time."""
+
+    phases: list[Phase]
+    predicted: float
+
+
+def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples) -> Expansion:
     """The phases of a class-level plan and the predicted step time, each micro-batch timed
     by its samples' weights."""
     cursor = {j: 0 for j in ss.offset}
     predicted = 0.0
     phases: list[Phase] = []
-    for _, items, (by_k, count), _ in parts:
+    for part in parts:
+        items, (by_k, count) = part.items, part.groups
         gclasses = {k: p.deal(by_k[k], count[k]) for k in by_k}
         # every group of the phase, widest first; a group class is a range of them
         ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
@@ -118,22 +127,22 @@ def expand(p: LayoutTable, parts, ss: StepSamples) -> tuple[list[Phase], float]:
         w = ss.cumw[lo + m] - ss.cumw[lo]
         ph = Phase(sizes, grp, np.repeat([ss.offset[it.bucket] for it in its], num) + within, m, j,
                    np.repeat(dealt, num), np.repeat(t_one, num) * w, w / m,
-                   [p.layout(it.bucket, it.mbs, it.sp)[0] for it in items])
+                   [p.layout(it.bucket, it.mbs, it.sp).layout for it in items])
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         by_group = np.argsort(grp, kind="stable")  # each degree's micro-batches: a range of it
         at = np.searchsorted(grp[by_group], [of_k[k][0] for k in gclasses] + [of_k[k][-1] + 1 for k in gclasses])
         settled = {k for x, k in enumerate(gclasses)
-                   if refine(ph, of_k[k], by_group[at[x]:at[x + len(gclasses)]])}
+                   if refine(ph, of_k[k], by_group[at[x]:at[x + len(gclasses)]], p.config)}
         for k in spill(p, ph):
             settled.discard(k)
         for k in gclasses:
             if k not in settled:  # settled: no pair could improve, or its slowest group stopped getting lighter
-                refine(ph, of_k[k])
+                refine(ph, of_k[k], config=p.config)
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
     assert cursor == ss.count, "every sample is planned once"
-    return phases, predicted
+    return Expansion(phases, predicted)
 
 
 def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:
@@ -144,7 +153,7 @@ def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:
     return sorted(gcs, key=lambda c: (-c.load, sorted(c.items.items())))
 
 
-def build_plan(p: LayoutTable, step: Step, phases: list[Phase], num_tokens: int, ids: np.ndarray) -> StepPlan:
+def build_plan(p: LayoutTable, step: Step, phases: list[Phase], ids: np.ndarray) -> StepPlan:
     """The step plan of an expansion: each phase's groups placed as aligned blocks, each
     running its micro-batches shortest first (`ids`: the step's sample ids in the order the
     micro-batches' `start` positions refer to). The groups stay arrays (`PhaseGroups`) until
@@ -154,22 +163,32 @@ def build_plan(p: LayoutTable, step: Step, phases: list[Phase], num_tokens: int,
         starts = p.tile_starts(ph.sizes)
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
-        out.append((tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts)))
-    return StepPlan(step.index, step.sample_ids, PhaseGroups(p.world, ids, tuple(out)), num_tokens)
+        out.append(PhaseArrays(tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order],
+                               tuple(ph.layouts)))
+    return assemble(p.ctx, step, PhaseGroups(p.world, ids, tuple(out)), ids=ids)
+
+
+class PhaseArrays(NamedTuple):
+    """One phase of a `PhaseGroups`: its groups and their micro-batches in run order."""
+
+    sizes: tuple[int, ...]  #: each group's SP degree, widest first
+    starts: tuple[int, ...]  #: each group's first rank (`Topology.tile`: aligned blocks)
+    ends: np.ndarray  #: each group's end among the phase's micro-batches
+    start: np.ndarray  #: each micro-batch's first position in the step's sorted ids
+    m: np.ndarray  #: each micro-batch's samples
+    lay: np.ndarray  #: each micro-batch's layout, an index into `layouts`
+    layouts: tuple[Layout, ...]
 
 
 @dataclass(frozen=True)
 class PhaseGroups:
-    """A `dcp` step's groups as arrays (a `plan.types.GroupSource`): per phase, its group sizes
-    (widest first) and first ranks (`Topology.tile`: aligned blocks; ranks no group covers are
-    idle groups of one rank), each group's end among the phase's micro-batches, and the
-    micro-batches in run order: first position in `ids` (the step's sample ids as sorted for
-    planning), samples, layout (an index into the phase's layouts)."""
+    """A `dcp` step's groups as arrays (a `plan.types.GroupSource`), per phase a `PhaseArrays`;
+    `ids`: the step's sample ids as sorted for planning. Ranks no group of a phase covers idle
+    in groups of one rank (`assemble.with_idle`)."""
 
     world: int
     ids: np.ndarray
-    phases: tuple[tuple[tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                        tuple[Layout, ...]], ...]
+    phases: tuple[PhaseArrays, ...]
 
     def build(self) -> tuple[GroupPlan, ...]:
         ids = self.ids.tolist()
@@ -181,8 +200,7 @@ class PhaseGroups:
             for k, pos, hi in zip(sizes, starts, ends.tolist()):
                 groups.append(GroupPlan(tuple(range(pos, pos + k)), tuple(mbs[lo:hi]), phase))
                 lo = hi
-            groups.extend(GroupPlan((r,), (), phase) for r in _idle(self.world, sizes, starts))
-        return tuple(groups)
+        return with_idle(groups, self.world)
 
     def of_rank(self, rank: int) -> tuple[GroupPlan, ...]:
         out = []
@@ -201,17 +219,6 @@ class PhaseGroups:
 
     def busy_sizes(self) -> set[int]:
         return {k for sizes, _, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
-
-
-def _idle(world: int, sizes: tuple[int, ...], starts: tuple[int, ...]) -> list[int]:
-    """The ranks no group covers, ascending."""
-    covered = sum(sizes)
-    if max(map(sum, zip(sizes, starts)), default=0) == covered:  # no gaps: consecutive from rank 0
-        return list(range(covered, world))
-    used = np.zeros(world, dtype=bool)
-    for k, pos in zip(sizes, starts):
-        used[pos:pos + k] = True
-    return np.flatnonzero(~used).tolist()
 
 
 def run_order(ph: Phase) -> np.ndarray:

@@ -69,7 +69,7 @@ class ScalePlanner(ClassLevelPlanner):
         if not alone:
             #: the per-sample packing, at every world size (it also beats `dcp-v1` on some
             #: small-cluster steps)
-            self.packer = SamplePacker(ctx, mode)
+            self.packer = SamplePacker(ctx, mode, config)
         #: the candidates after this planner's own class level, in order: compared by their
         #: predictions, then by the score
         self.class_level = [c for c in (self.chain_alone, self.finer_classes) if c is not None]
@@ -213,4 +213,4 @@ class SamplePacking:
         c = self.config
         few = s.n <= min(c.pack_per_gpu * s.world, c.pack_max_samples)
         got = self.packer.plan(list(s.step.sample_ids), None if few else c.pack_max_items, s.score)
-        return None if got is None else self.packer.step_plan(s.step, got[0])
+        return None if got is None else self.packer.step_plan(s.step, got.groups)

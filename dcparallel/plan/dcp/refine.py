@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import BALANCED, MIN_GAIN
 from dcparallel.spec import Layout
@@ -35,14 +36,6 @@ class Phase:
     def loads(self) -> np.ndarray:
         return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
-
-
-#: refinement rounds per SP degree; each round pairs up to REFINE_PAIRS of the degree's most
-#: loaded groups with its least loaded ones and moves or swaps one micro-batch in every pair
-REFINE_ROUNDS = 16
-REFINE_PAIRS = 256
-#: ... and stops once the degree's most loaded group has not got lighter for this many rounds
-REFINE_STALL = 3
 
 
 def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
@@ -118,7 +111,7 @@ def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
         heapq.heappush(slowest, (-loads[z], z))
         heapq.heappush(least[kinds.index(size_of[a])], (loads[a], a))
         heapq.heappush(least[kk], (loads[z], z))
-        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), kinds[kk])[0])
+        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), kinds[kk]).layout)
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         t_cur[x] = t
     return touched
@@ -167,13 +160,13 @@ def _times_at(p: LayoutTable, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
     return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
 
 
-def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
+def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None, config: DcpConfig = DEFAULT) -> bool:
     """Local search within one SP degree (groups `gs`), with each micro-batch timed from its
     own samples: in rounds, the degree's most loaded groups are paired with its least loaded
     ones, and in every pair one micro-batch moves, or two swap, so that the pair's larger
     load falls as close to their mean as a single move or swap allows; until the most loaded
     group is within 0.1% of the degree's mean load, no pair can improve, or the most loaded
-    group has not got lighter for `REFINE_STALL` rounds (the rounds after that only balance
+    group has not got lighter for `config.refine_stall` rounds (the rounds after that only balance
     lighter groups: the degree's time is its slowest group's). Returns whether it stopped so
     (settled) rather than after its last round. `idx`: the degree's micro-batches sorted by
     group (stable), if known."""
@@ -197,8 +190,8 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
     limit = float(loads.sum()) / num * BALANCED  # the mean (np.mean sums the same way)
     changed = settled = False
     top, stall = np.inf, 0
-    for _ in range(REFINE_ROUNDS):
-        n = min(int((loads > limit).sum()), num // 2, REFINE_PAIRS)
+    for _ in range(config.refine_rounds):
+        n = min(int((loads > limit).sum()), num // 2, config.refine_pairs)
         if n == 0:
             settled = True
             break
@@ -209,7 +202,7 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None) -> bool:
             top, stall = head, 0
         else:
             stall += 1
-            if stall == REFINE_STALL:
+            if stall == config.refine_stall:
                 settled = True
                 break
         a, z = order[:n], order[:-n - 1:-1]

@@ -32,7 +32,7 @@ bucket's preferred size (the least GPU-seconds per sample: several short samples
 clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
 time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
 `open_first`). No one way packs every step tightest; the fastest packing is returned. One
-sample per micro-batch is tried only with at most `ONE_PER_GPU` samples per GPU (with more,
+sample per micro-batch is tried only with at most `config.one_per_gpu` samples per GPU (with more,
 micro-batches of preferred size pack tighter on the scale report's steps).
 
 Steps of many samples per GPU with a heavy tail (a few documents of 0.5-1M tokens beside
@@ -53,36 +53,24 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
+from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
+from dcparallel.plan.dcp.packing import Group, Node, Packing
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
-
-#: steps with more samples per GPU are packed in micro-batches of preferred size only: one
-#: sample per micro-batch balances finer but spends more GPU-seconds, and packed tighter only
-#: with fewer samples per GPU on the scale report's steps
-ONE_PER_GPU = 2.0
-#: one packed group: (SP degree, predicted finish, its micro-batches' sample ids in run order,
-#: its sub-groups: the equal slices of its block that run before it, in block order)
-Group = tuple[int, float, list[tuple[int, ...]], list["Group"]]
-
-#: a group while packing: [degree index, load, member rows, longest member time, base,
-#: sub-group indices]. base is None for a top-level group (its finish adds the sync its longest
-#: member leaves exposed), else the parent's finish when it split: the sub-group runs on a slice
-#: of the parent's ranks before the parent's own micro-batches, which wait for it
-Node = list
 
 
 class SamplePacker:
     #: whether a wider group with room may split into sub-groups for a narrower micro-batch
     subgroups = True
 
-    def __init__(self, ctx: PlanContext, mode: RecomputeMode):
-        self.ctx, self.mode = ctx, mode
+    def __init__(self, ctx: PlanContext, mode: RecomputeMode, config: DcpConfig = DEFAULT):
+        self.ctx, self.mode, self.config = ctx, mode, config
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
-        self._mbs: dict = {}  # per bucket, its preferred micro-batch size
         self._bpos = self._bkeys = None  # each sample's bucket as a position in the sorted buckets
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
@@ -116,12 +104,8 @@ class SamplePacker:
         return out
 
     def _preferred(self, b) -> int:
-        """Bucket b's preferred micro-batch size (least GPU-seconds per sample), cached."""
-        m = self._mbs.get(b)
-        if m is None:
-            opts = self.ctx.bucket_options(b, self.mode)
-            m = self._mbs[b] = opts[min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))].layout.mbs
-        return m
+        """Bucket b's preferred micro-batch size (`PlanContext.preferred`)."""
+        return self.ctx.preferred(b, self.mode).layout.mbs
 
     def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Per micro-batch and degree, its time alone (inf where it does not fit)."""
@@ -145,7 +129,7 @@ class SamplePacker:
         return t + exposed_sync_many(self.sync, t, self.buckets)
 
     def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False,
-             open_first: bool = False) -> list[list] | None:
+             open_first: bool = False) -> list[Node] | None:
         """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
         finish stays within T. None if a micro-batch cannot finish within T or the top-level
         groups need more ranks than the world. Rows are micro-batches; `ids`: each one's
@@ -164,7 +148,7 @@ class SamplePacker:
             order = sorted(range(len(ids)), key=lambda a: (-own[a], ids[a]))
         else:
             order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
-        groups: list[list] = []
+        groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
         tl, nl, ol = t.tolist(), nar.tolist(), own.tolist()
@@ -181,17 +165,17 @@ class SamplePacker:
 
         def put(g: int, a: int, need: float) -> None:
             grp = groups[g]
-            grp[1] += need
-            grp[2].append(a)
-            if need > grp[3]:
-                grp[3] = need
-            if grp[4] is None:
-                ex = exposed.get(grp[3])
+            grp.load += need
+            grp.rows.append(a)
+            if need > grp.longest:
+                grp.longest = need
+            if grp.base is None:
+                ex = exposed.get(grp.longest)
                 if ex is None:
-                    ex = exposed[grp[3]] = self.exposed(grp[3])
-                bisect.insort(fins[grp[0]], (grp[1] + ex, g))
+                    ex = exposed[grp.longest] = self.exposed(grp.longest)
+                bisect.insort(fins[grp.deg], (grp.load + ex, g))
             else:
-                bisect.insort(fins[grp[0]], (grp[1] + grp[4], g))
+                bisect.insort(fins[grp.deg], (grp.load + grp.base, g))
 
         def fit(d: int, need: float) -> int | None:
             """An open group of degree index d with room for `need`, else a wider open group
@@ -204,8 +188,8 @@ class SamplePacker:
                 if p is not None:
                     base = self.finish(groups[p])  # the parent takes no more members
                     kids = list(range(len(groups), len(groups) + sp[w] // sp[d]))
-                    groups[p][5] = kids
-                    groups.extend([d, 0.0, [], 0.0, base, []] for _ in kids)
+                    groups[p].kids = kids
+                    groups.extend(Node(d, 0.0, [], 0.0, base, []) for _ in kids)
                     for c in kids[1:]:
                         bisect.insort(fins[d], (base, c))
                     return kids[0]
@@ -218,7 +202,7 @@ class SamplePacker:
             g = fit(b, row[b])
             if g is None and open_first and ranks + sp[b] <= self.world:
                 ranks += sp[b]
-                groups.append([b, 0.0, [], 0.0, None, []])
+                groups.append(Node(b, 0.0, [], 0.0, None, []))
                 g = len(groups) - 1
             d = b
             while g is None and d + 1 < deg:  # re-timed at a wider degree
@@ -231,64 +215,62 @@ class SamplePacker:
             ranks += sp[b]
             if ranks > self.world:
                 return None
-            groups.append([b, 0.0, [], 0.0, None, []])
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
             put(len(groups) - 1, a, ol[a])
         return groups
 
-    def finish(self, g: list) -> float:
+    def finish(self, g: Node) -> float:
         """When a group's ranks are done: a top-level group adds the sync its longest member
         leaves exposed; a sub-group starts at its base (see `Node`)."""
-        return g[1] + (self.exposed(g[3]) if g[4] is None else g[4])
+        return g.load + (self.exposed(g.longest) if g.base is None else g.base)
 
-    def tree_finish(self, groups: list[list], g: int) -> float:
+    def tree_finish(self, groups: list[Node], g: int) -> float:
         """When a top-level group and all its sub-groups are done."""
-        return max([self.finish(groups[g])] + [self.tree_finish(groups, c) for c in groups[g][5]])
+        return max([self.finish(groups[g])] + [self.tree_finish(groups, c) for c in groups[g].kids])
 
-    def widen(self, groups: list[list], t: np.ndarray) -> None:
+    def widen(self, groups: list[Node], t: np.ndarray) -> None:
         """Ranks left over go to the group that finishes last: a group of one micro-batch
         moves to the next degree of the chain (when it fits there), a group of several splits its samples over a
         second group of its degree; while the makespan falls."""
-        roots = [i for i, g in enumerate(groups) if g[4] is None]
-        free = self.world - sum(self.sp[groups[i][0]] for i in roots)
-        heap = [(-self.tree_finish(groups, i), groups[i][0], i) for i in roots]  # the last to finish first
+        roots = [i for i, g in enumerate(groups) if g.base is None]
+        free = self.world - sum(self.sp[groups[i].deg] for i in roots)
+        heap = [(-self.tree_finish(groups, i), groups[i].deg, i) for i in roots]  # the last to finish first
         heapq.heapify(heap)
         while free > 0 and heap:
             neg, _, i = heapq.heappop(heap)
             g, top = groups[i], -neg
-            k = self.sp[g[0]]
-            if g[5]:
+            k = self.sp[g.deg]
+            if g.kids:
                 return  # a group with sub-groups keeps its degree
-            if len(g[2]) == 1:
-                b = g[0] + 1  # the next degree of the chain
-                a = g[2][0]
+            if len(g.rows) == 1:
+                b = g.deg + 1  # the next degree of the chain
+                a = g.rows[0]
                 if b >= len(self.sp) or self.sp[b] - k > free or \
                         not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
                     return
-                g[0], g[1], g[3] = b, float(t[a, b]), float(t[a, b])
-                heapq.heappush(heap, (-self.finish(g), g[0], i))
+                g.deg, g.load, g.longest = b, float(t[a, b]), float(t[a, b])
+                heapq.heappush(heap, (-self.finish(g), g.deg, i))
                 free -= self.sp[b] - k
             else:
                 if k > free:
                     return
-                parts: list[list] = [[g[0], 0.0, [], 0.0, None, []], [g[0], 0.0, [], 0.0, None, []]]
-                for a in sorted(g[2], key=lambda a: -t[a, g[0]]):  # longest first to the lighter
-                    q = parts[0] if parts[0][1] <= parts[1][1] else parts[1]
-                    q[1] += t[a, g[0]]
-                    q[2].append(a)
-                    q[3] = max(q[3], t[a, g[0]])
+                times = t[g.rows, g.deg].tolist()  # its samples, longest first to the lighter of two
+                deal, loads = lpt(times, 2, dealt_order=True)
+                parts = [Node(g.deg, load, [g.rows[j] for j in d], max([0.0] + [times[j] for j in d]), None, [])
+                         for d, load in zip(deal, loads)]
                 if max(self.finish(q) for q in parts) >= top * (1 - MIN_GAIN):
                     return
-                g[:] = parts[0]
+                groups[i] = parts[0]
                 groups.append(parts[1])
                 for j in (i, len(groups) - 1):
-                    heapq.heappush(heap, (-self.finish(groups[j]), groups[j][0], j))
+                    heapq.heappush(heap, (-self.finish(groups[j]), groups[j].deg, j))
                 free -= k
 
     def plan(self, ids: list[int], max_items: int | None = None,
-             beat: Callable[[], float] | None = None) -> tuple[list[Group], float] | None:
+             beat: Callable[[], float] | None = None) -> Packing | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
-        the best target, packing samples one per micro-batch (with at most `ONE_PER_GPU`
-        samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
+        the best target, packing samples one per micro-batch (with at most
+        `config.one_per_gpu` samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
         size, each in three orders (see the module docstring); the fastest of these. With
         `max_items`, only the micro-batches of preferred size are packed, opening new groups
         first (`pack`'s `open_first`), and only if there are at most that many (None if
@@ -304,7 +286,7 @@ class SamplePacker:
             return None
         if max_items is not None:
             ways = [merged]
-        elif len(merged) == len(ids) or len(ids) <= ONE_PER_GPU * self.world:
+        elif len(merged) == len(ids) or len(ids) <= self.config.one_per_gpu * self.world:
             ways = ([merged] if len(merged) < len(ids) else []) + [[(i,) for i in ids]]
         else:
             ways = [merged]
@@ -314,14 +296,14 @@ class SamplePacker:
         orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
         for by_time, open_first in orders:
             for items, t in timed:
-                ceiling = min(beaten, math.inf if best is None else best[1]) * (1 - MIN_GAIN)
+                ceiling = min(beaten, math.inf if best is None else best.span) * (1 - MIN_GAIN)
                 got = self._plan_items(items, t, by_time, open_first, ceiling)
-                if got is not None and (best is None or got[1] < best[1] * (1 - MIN_GAIN)):
+                if got is not None and (best is None or got.span < best.span * (1 - MIN_GAIN)):
                     best = got
         return best
 
     def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool,
-                    ceiling: float = math.inf) -> tuple[list[Group], float] | None:
+                    ceiling: float = math.inf) -> Packing | None:
         ids = [it[0] for it in items]
         f = self.alone(t)
         fast = f.min(axis=1)
@@ -332,39 +314,39 @@ class SamplePacker:
         floor = max(float(fast.max()), float(np.min(t * self.kf, axis=1).sum()) / self.world)
         if floor >= ceiling:
             return None  # no packing of these finishes earlier than the ceiling
-        packed: dict[float, list[list] | None] = {}  # per target: the search and the final pass share them
+        packed: dict[float, list[Node] | None] = {}  # per target: the search and the final pass share them
 
-        def pack(T: float) -> list[list] | None:
+        def pack(T: float) -> list[Node] | None:
             if T not in packed:
                 packed[T] = self.pack(ids, t, f, T, by_time, open_first)
             return packed[T]
 
-        targets = search_targets(pack, f, floor, ceiling)
+        targets = search_targets(pack, f, floor, ceiling, self.config)
         if targets is None:
             return None
-        best = None
+        best: list[Node] | None = None
+        best_span = math.inf
         for T in targets:
             got = pack(T)
             if got is None:
                 continue
-            groups = [[g[0], g[1], list(g[2]), g[3], g[4], list(g[5])] for g in got]  # widened in place
+            groups = [g.copy() for g in got]  # widened in place
             self.widen(groups, t)
             span = max(self.finish(g) for g in groups)
-            if best is None or span < best[1] * (1 - MIN_GAIN):
-                best = (groups, span)
-        groups, span = best
-        top = [self._group(groups, i, items, t, ids) for i, g in enumerate(groups) if g[4] is None]
-        top.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
-        return top, span
+            if best is None or span < best_span * (1 - MIN_GAIN):
+                best, best_span = groups, span
+        top = [self._group(best, i, items, t, ids) for i, g in enumerate(best) if g.base is None]
+        top.sort(key=lambda g: (-g.sp, -g.finish, g.items[0]))
+        return Packing(top, best_span)
 
     def _group(self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: np.ndarray, ids: list[int]) -> Group:
         """Packed group i with its sub-groups; longest last: the gradient sync overlaps the
         last micro-batch's backward. (Methods, not nested functions: a recursive closure is a
         reference cycle, and planning makes none.)"""
         g = groups[i]
-        order = sorted(g[2], key=lambda a: (t[a, g[0]], ids[a]))
-        return (self.sp[g[0]], self.finish(g), [items[a] for a in order],
-                [self._group(groups, c, items, t, ids) for c in g[5]])
+        order = sorted(g.rows, key=lambda a: (t[a, g.deg], ids[a]))
+        return Group(self.sp[g.deg], self.finish(g), [items[a] for a in order],
+                     [self._group(groups, c, items, t, ids) for c in g.kids])
 
     def step_plan(self, step: Step, groups: list[Group]) -> StepPlan:
         """The step plan of packed groups: the top-level groups placed as aligned blocks
@@ -372,17 +354,12 @@ class SamplePacker:
         (the top-level groups run in the last phase); ranks without a group in a phase idle."""
         last = max((_depth(g) for g in groups), default=1) - 1
         out: list[GroupPlan] = []
-        for g, ranks in zip(groups, self.ctx.topology.tile([g[0] for g in groups])):
+        for g, ranks in zip(groups, self.ctx.topology.tile([g.sp for g in groups])):
             self._emit(g, ranks, last, out)
-        busy: list[set[int]] = [set() for _ in range(last + 1)]
-        for g in out:
-            busy[g.phase].update(g.ranks)
-        out.extend(GroupPlan((r,), (), p) for p in range(last + 1) for r in range(self.world) if r not in busy[p])
-        out.sort(key=lambda g: (g.phase, g.ranks[0]))
-        return StepPlan(step.index, step.sample_ids, tuple(out), self.ctx.step_tokens(step.sample_ids))
+        return assemble(self.ctx, step, out, by_rank=True)
 
     def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan]) -> None:
-        k, _, items, kids = g
+        k, items, kids = g.sp, g.items, g.subgroups
         ctx = self.ctx
         if items:
             out.append(GroupPlan(ranks, tuple(
@@ -395,4 +372,4 @@ class SamplePacker:
 
 def _depth(g: Group) -> int:
     """Levels of a packed group: 1 without sub-groups."""
-    return 1 + max((_depth(c) for c in g[3]), default=0)
+    return 1 + max((_depth(c) for c in g.subgroups), default=0)

@@ -25,13 +25,22 @@ from dcparallel.plan.dcp.classes import cut_starts
 from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.types import ROUND_EPS
 
-#: a phase's candidate rows: columns of `table`'s "a"
-ROW_FIELDS = ("gpu_s", "k", "m", "t_full", "full", "t_rem", "rem", "total")
-#: the columns of a candidate row, by name
-GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(len(ROW_FIELDS))
-#: `plan_floor` and `rows_floor` are lowered by this fraction, far above the rounding of the
-#: sums they bound
-FLOOR_SLACK = 1e-9
+
+class Row(NamedTuple):
+    """A candidate layout of a bucket's samples in a step (`rows`), one row of `StepTable.a`."""
+
+    gpu_s: float  #: GPU-seconds
+    k: int  #: SP degree
+    m: int  #: micro-batch size
+    t_full: float  #: a full micro-batch's time
+    full: int  #: full micro-batches
+    t_rem: float  #: the rest's time (0 without a rest)
+    rem: int  #: the rest's samples
+    total: float  #: busy seconds
+
+
+#: the columns of `StepTable.a`, by name: `Row`'s fields in order
+GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(8)
 
 
 @dataclass
@@ -39,7 +48,7 @@ class StepTable:
     """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
     first, and what the search reads from them."""
 
-    a: np.ndarray  #: the rows, columns `ROW_FIELDS`, times scaled by the step's weights
+    a: np.ndarray  #: the rows, columns `Row`'s fields, times scaled by the step's weights
     t: np.ndarray  #: each row's full micro-batch time
     full: np.ndarray  #: full micro-batches per row
     tr: np.ndarray  #: the rest's time (0 without a rest)
@@ -60,6 +69,7 @@ class StepTable:
     longest: list[float]  #: per bucket: its least time
     gpu_t: np.ndarray  #: each row's GPU-seconds at the class level's times
     least_gpu_t: np.ndarray  #: per bucket and smallest degree index: the least of `gpu_t` there
+    floor_slack: float  #: the floors are lowered by this fraction (`DcpConfig.floor_slack`)
     #: the cap fractions the step is searched with (`search`'s `fracs`)
     fracs: tuple[float, ...] = (1.0,)
     #: allocations made, by (part, rows, groups needed): the same choice found again, same plan
@@ -68,7 +78,7 @@ class StepTable:
 
 def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
     """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
-    (`ROW_FIELDS`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
+    (`Row`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
     fit. Cached per planner."""
@@ -119,7 +129,7 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
                      spf=np.asarray(p.sp, dtype=float), present=list(present), times=times, rank=rank, least=least,
                      stair_rows=[np.flatnonzero(x) for x in stair],
                      area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(), longest=least[:, 0].tolist(),
-                     gpu_t=gpu_t, least_gpu_t=least_gpu_t)
+                     gpu_t=gpu_t, least_gpu_t=least_gpu_t, floor_slack=p.config.floor_slack)
 
 
 def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -146,13 +156,13 @@ def plan_floor(tab: StepTable, part: Sequence[int], world: int, ki: int = 0) -> 
     their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
     the class level's times (each micro-batch timed for the bucket's heaviest samples). It
     only rises with `ki`; slightly lowered against rounding."""
-    return _floor(float(tab.least_gpu_t[part, ki].sum()), float(tab.least[part, ki].max()), world)
+    return _floor(float(tab.least_gpu_t[part, ki].sum()), float(tab.least[part, ki].max()), world, tab.floor_slack)
 
 
 def rows_floor(tab: StepTable, first: np.ndarray, world: int) -> float:
     """`plan_floor` of one layout choice (the table's rows `first`): no allocation of it is
     predicted below this."""
-    return _floor(float(tab.gpu_t[first].sum()), float(tab.t[first].max()), world)
+    return _floor(float(tab.gpu_t[first].sum()), float(tab.t[first].max()), world, tab.floor_slack)
 
 
 def expanded_floor(p: LayoutTable, parts, ss) -> float:
@@ -168,7 +178,8 @@ def expanded_floor(p: LayoutTable, parts, ss) -> float:
     cursor: dict[int, int] = {}
     total = 0.0
     cumw = ss.cumw
-    for _, items, (by_k, count), _ in parts:
+    for part in parts:
+        items, (by_k, count) = part.items, part.groups
         kinds = tuple(sorted(by_k))
         least = p.least_gpu(kinds)
         work = 0.0
@@ -176,12 +187,12 @@ def expanded_floor(p: LayoutTable, parts, ss) -> float:
             lo, n = ss.base[it.bucket] + at, it.count * it.mbs
             work += least[it.bucket][it.mbs] * float(cumw[lo + n] - cumw[lo])
         total += work / sum(k * count[k] for k in kinds)
-    return total * (1 - FLOOR_SLACK)
+    return total * (1 - p.config.floor_slack)
 
 
-def _floor(work: float, longest: float, world: int) -> float:
-    """max(GPU-seconds / world, the longest micro-batch), lowered by FLOOR_SLACK."""
-    return max(work / world, longest) * (1 - FLOOR_SLACK)
+def _floor(work: float, longest: float, world: int, slack: float) -> float:
+    """max(GPU-seconds / world, the longest micro-batch), lowered by the fraction `slack`."""
+    return max(work / world, longest) * (1 - slack)
 
 
 def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
@@ -250,10 +261,20 @@ def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int
     return ok & (need @ tab.spf <= p.world), first, need, pfirst
 
 
-def rows_at(tab: StepTable, first: np.ndarray) -> list[tuple]:
-    """The table's rows `first` as tuples (`ROW_FIELDS`, counts as ints)."""
-    return [(g, int(k), int(m), t, int(full), tr, int(rem), tot)
+def rows_at(tab: StepTable, first: np.ndarray) -> list[Row]:
+    """The table's rows `first` (counts as ints)."""
+    return [Row(g, int(k), int(m), t, int(full), tr, int(rem), tot)
             for g, k, m, t, full, tr, rem, tot in tab.a[first].tolist()]
+
+
+class Problem(NamedTuple):
+    """One problem of a search pass: a part (bucket positions in the table), the index of its
+    smallest allowed degree, the part's index among the searched parts, and the cap fraction."""
+
+    part: np.ndarray
+    ki: int
+    q: int
+    frac: float
 
 
 class Candidate(NamedTuple):
@@ -302,13 +323,13 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
         mark[li, tab.rank[rows_q][ri]] = True
         for x, ki in enumerate(live.tolist()):
             for frac in fracs:
-                problems.append((part, ki, q, frac))
+                problems.append(Problem(part, ki, q, frac))
                 ranks.append(mark[x].nonzero()[0])
     if not problems:
         return out
     grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
-    fit = fits(p, tab, [(part, ki) for part, ki, _, _ in problems], [r[g] for r, g in zip(ranks, grids)],
-               [a for *_, a in problems])[0]
+    fit = fits(p, tab, [(pr.part, pr.ki) for pr in problems], [r[g] for r, g in zip(ranks, grids)],
+               [pr.frac for pr in problems])[0]
     windows = []
     for x, g in enumerate(grids):
         f = fit[x, :len(g)]
@@ -321,31 +342,33 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
     got: list[list[Candidate]] = [[] for _ in problems]
     live = [x for x, w in enumerate(windows) if w is not None]
     if live:
-        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in live], [ranks[x][windows[x]] for x in live],
-                                        [problems[x][3] for x in live])
+        fit, first, need, pfirst = fits(p, tab, [(problems[x].part, problems[x].ki) for x in live],
+                                        [ranks[x][windows[x]] for x in live], [problems[x].frac for x in live])
         for y, x in enumerate(live):
-            part, _, _, frac = problems[x]
+            part, frac = problems[x].part, problems[x].frac
             f = fit[y, :len(windows[x])]
             at = int(f.argmax())
             for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
                     got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac,
                                             first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
-    rest = [x for x, w in enumerate(windows) if w is None and problems[x][3] == 1.0]
+    rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
     if rest:  # T infinite: the cap is infinite whatever its fraction
-        fit, first, need, pfirst = fits(p, tab, [problems[x][:2] for x in rest], [np.array([nt]) for _ in rest])
+        fit, first, need, pfirst = fits(p, tab, [(problems[x].part, problems[x].ki) for x in rest],
+                                        [np.array([nt]) for _ in rest])
         for y, x in enumerate(rest):
             if fit[y, 0]:
-                got[x].append(Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(problems[x][0]), 0],
+                got[x].append(Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(problems[x].part), 0],
                                         _needs(p, need[y, 0])))
     seen: dict[tuple[int, int], set] = {}
-    for (_, ki, q, _), cands in zip(problems, got):  # a (part, degree)'s fractions in order
-        mine = seen.setdefault((q, ki), set())
+    for pr, cands in zip(problems, got):  # a (part, degree)'s fractions in order
+        ki = pr.ki
+        mine = seen.setdefault((pr.q, ki), set())
         for c in cands:
             sig = c.first.tobytes()  # a bucket's rows are distinct (degree, size) pairs
             if sig not in mine:
                 mine.add(sig)
-                out[q][ki - degrees.start].append(c)
+                out[pr.q][ki - degrees.start].append(c)
     return out
 
 

@@ -15,18 +15,13 @@ import numpy as np
 
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
-from dcparallel.plan.dcp.config import DEFAULT, ROW_CACHE_LIMIT, DcpConfig
-from dcparallel.plan.types import REL_TOL, TIME_EPS
-from dcparallel.spec import Layout
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
+from dcparallel.plan.types import REL_TOL, TIME_EPS, Fit
 
-#: `least_gpu`'s tables kept (one per set of degrees a phase uses)
-LEAST_GPU_LIMIT = 64
-#: the placements of the last few distinct group-size lists are kept (steps often repeat them)
-TILE_CACHE_LIMIT = 64
 
-def memo(cache: dict, key, make: Callable[[], Any], limit: int = ROW_CACHE_LIMIT):
-    """`cache[key]`, made by `make()` on a miss; a full cache is emptied first (bounded memory,
-    and a planner's results do not depend on what it has cached)."""
+def memo(cache: dict, key, make: Callable[[], Any], limit: int):
+    """`cache[key]`, made by `make()` on a miss; a cache of `limit` entries is emptied first
+    (bounded memory, and a planner's results do not depend on what it has cached)."""
     hit = cache.get(key)
     if hit is None:
         if len(cache) >= limit:
@@ -70,18 +65,14 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     return rep, classes, bidx
 
 
-def _cheapest_bucket(p: LayoutTable, b) -> tuple[int, int]:
-    opts = p.ctx.bucket_options(b, p.mode)
-    k = min(opts, key=lambda k: (opts[k].gpu_s_per_sample, k))
-    return k, opts[k].layout.mbs
-
-
 def _cheapest(p: LayoutTable, j: int) -> tuple[int, int]:
-    """(SP degree, micro-batch size) of least GPU-seconds per sample for class j."""
+    """(SP degree, micro-batch size) of least GPU-seconds per sample for finer class j: finer
+    classes are not the context's buckets, so `PlanContext.preferred` cannot answer; their
+    layouts come from this table (on a near tie within REL_TOL, the narrower degree)."""
     best = None
     for k in p.sp:
         for m in mbs_candidates(p.top[(j, k)]) if p.top[(j, k)] else ():
-            g = p.layout(j, m, k)[1] * k / m
+            g = p.layout(j, m, k).time * k / m
             if best is None or g < best[0] * (1 - REL_TOL):
                 best = (g, k, m)
     return best[1], best[2]
@@ -107,7 +98,11 @@ def sample_weights(p: LayoutTable) -> np.ndarray:
     hi = np.ones(len(p.buckets))
     for j, b in enumerate(p.buckets):
         big_s, small_s = p.rep[b], ctx.sizes[small[j]]
-        k, m = _cheapest(p, j) if p.sub_bins > 1 else _cheapest_bucket(p, b)
+        if p.sub_bins > 1:
+            k, m = _cheapest(p, j)
+        else:
+            pref = ctx.preferred(b, p.mode).layout
+            k, m = pref.sp, pref.mbs
         tb = ctx.cost.terms_copies(big_s, m, k).time_none
         ts = ctx.cost.terms_copies(small_s, m, k).time_none
         lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
@@ -151,7 +146,7 @@ class LayoutTable:
         self._tiles: dict[tuple, list] = {}
         self._least_gpu: dict[tuple, list] = {}  # `least_gpu`'s tables per set of degrees
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
-        self.ttab = {(j, k): [0.0] + [self.layout(j, m, k)[1] for m in range(1, self.top[(j, k)] + 1)]
+        self.ttab = {(j, k): [0.0] + [self.layout(j, m, k).time for m in range(1, self.top[(j, k)] + 1)]
                      for j in range(len(self.buckets)) for k in self.sp}
         #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
         width = 1 + max(self.top.values(), default=0)
@@ -170,7 +165,7 @@ class LayoutTable:
         self._rank[self._order] = np.arange(len(self.tok))
 
     # -- layouts ---------------------------------------------------------------------------
-    def layout(self, j: int, m: int, k: int) -> tuple[Layout, float]:
+    def layout(self, j: int, m: int, k: int) -> Fit:
         """The layout and time of a micro-batch of m copies of class j's largest sample at degree k."""
         out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
@@ -179,7 +174,7 @@ class LayoutTable:
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list[GroupClass]:
         """`deal_classes`, cached (the best few candidates of a step often share a degree's
         micro-batch classes); the group classes are read, never changed."""
-        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n))
+        return memo(self._deals, (tuple(items), n), lambda: deal_classes(items, n), self.config.row_cache_limit)
 
     def placed(self, count: dict[int, int]) -> bool:
         """Whether groups of these degrees (degree -> how many) can be placed on the world."""
@@ -215,7 +210,7 @@ class LayoutTable:
         out = [self._rows.get(x) for x in pairs]
         todo = sorted({x for x, r in zip(pairs, out) if r is None})
         if todo:
-            if len(self._rows) + len(todo) > ROW_CACHE_LIMIT:
+            if len(self._rows) + len(todo) > self.config.row_cache_limit:
                 self._rows.clear()
             for x, r in zip(todo, self._build_rows(todo)):
                 self._rows[x] = r
@@ -260,18 +255,19 @@ class LayoutTable:
 
     def least_gpu(self, kinds: tuple[int, ...]) -> list[list[float]]:
         """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds`, cached."""
-        return memo(self._least_gpu, kinds, partial(self._least_gpu_of, kinds), LEAST_GPU_LIMIT)
+        return memo(self._least_gpu, kinds, partial(self._least_gpu_of, kinds), self.config.least_gpu_cache_limit)
 
     def tile_starts(self, sizes: list[int]) -> tuple[int, ...]:
         """Each group's first rank, as `Topology.tile` places groups of these sizes (validates); cached."""
-        return memo(self._tiles, tuple(sizes), partial(_starts, self.ctx.topology, sizes), TILE_CACHE_LIMIT)
+        return memo(self._tiles, tuple(sizes), partial(_starts, self.ctx.topology, sizes),
+                    self.config.tile_cache_limit)
 
     def span_id(self, items) -> int:
         """The id of a degree's micro-batch classes' sorted (time, count) pairs (`group_span`'s key)."""
         sig = tuple(sorted((t, q) for _, t, q in items))
         hit = self._sigs.get(sig)
         if hit is None:
-            if len(self._sigs) >= ROW_CACHE_LIMIT:
+            if len(self._sigs) >= self.config.row_cache_limit:
                 self._sigs.clear()
                 self._spans.clear()  # its keys hold the ids
             hit = self._sigs[sig] = len(self._sigs)
@@ -280,7 +276,7 @@ class LayoutTable:
     def group_span(self, items, n: int, sig: int) -> float:
         """`classes.class_span` of a degree's micro-batch classes over n groups, cached by `sig`
         (`span_id`)."""
-        return memo(self._spans, (sig, n), lambda: class_span(items, n))
+        return memo(self._spans, (sig, n), lambda: class_span(items, n), self.config.row_cache_limit)
 
 
 @contextmanager

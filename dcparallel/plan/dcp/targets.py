@@ -13,35 +13,28 @@ from typing import Callable
 
 import numpy as np
 
-#: the makespan target is bisected between two of the samples' times (or the floor) until the
-#: bracket is this fraction of it narrow, in at most CONTINUOUS_STEPS steps
-CONTINUOUS_GAP = 2.0 ** -14
-CONTINUOUS_STEPS = 12
-#: the search for the smallest target that packs steps up from the floor by this fraction of
-#: it, then by GALLOP_GROWTH times more each step
-GALLOP_FIRST = 2.0 ** -9
-GALLOP_GROWTH = 8
-#: the floor is lowered by this fraction, far above the rounding of its sums
-FLOOR_SLACK = 1e-9
+from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 
 
 def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, floor: float,
-                   ceiling: float = math.inf) -> list[float] | None:
+                   ceiling: float = math.inf, config: DcpConfig = DEFAULT) -> list[float] | None:
     """The targets to pack at (None if none up to `ceiling` packs): the smallest that packs
     and, as packing is not monotone in the target, the next two of the micro-batches'
     finishes above it.
 
     `pack(T)` packs at T (None where it does not; callers cache it: the same targets are
     asked again), `finish` holds every micro-batch's finish at every degree (inf where it
-    does not fit), and no target below `floor` packs. The search steps up from the floor, by
-    GALLOP_FIRST of it and then GALLOP_GROWTH times more each step, until a target packs;
-    bisects among the finishes inside that last step for the first that packs; and bisects
-    below it (where the micro-batches' degrees stay those of the finish before) until the
-    bracket is CONTINUOUS_GAP of the target narrow. The last bisection's target is added
-    when below the first. A few packings where the target is close to the floor (efficient
-    steps), about the log of the finishes in the step otherwise. With a ceiling, one packing
-    there first: where it does not pack, the search ends (packing assumed monotone)."""
-    floor *= 1 - FLOOR_SLACK
+    does not fit), and no target below `floor` (lowered by `config.floor_slack`) packs. The
+    search steps up from the floor, by `config.gallop_first` of it and then
+    `config.gallop_growth` times more each step, until a target packs; bisects among the
+    finishes inside that last step for the first that packs; and bisects below it (where the
+    micro-batches' degrees stay those of the finish before) until the bracket is
+    `config.continuous_gap` of the target narrow (at most `config.continuous_steps` steps).
+    The last bisection's target is added when below the first. A few packings where the
+    target is close to the floor (efficient steps), about the log of the finishes in the step
+    otherwise. With a ceiling, one packing there first: where it does not pack, the search
+    ends (packing assumed monotone)."""
+    floor *= 1 - config.floor_slack
     ts = np.unique(finish[np.isfinite(finish) & (finish >= floor)])
     if ceiling < math.inf and pack(ceiling) is None:
         return None  # (a ceiling is a plan to beat: most often, nothing up to it packs)
@@ -51,7 +44,7 @@ def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, f
             break
         if T >= ceiling:
             return None
-        below, T = T, min(floor * (1 + GALLOP_FIRST * GALLOP_GROWTH ** i), ceiling)
+        below, T = T, min(floor * (1 + config.gallop_first * config.gallop_growth ** i), ceiling)
     else:
         return None
     inner = np.append(ts[(ts > below) & (ts < T)], T)
@@ -65,8 +58,8 @@ def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, f
     first = float(inner[lo])
     targets = [first] + [float(x) for x in ts[ts > first][:2]]
     a, b = (float(inner[lo - 1]) if lo > 0 else below), first
-    for _ in range(CONTINUOUS_STEPS):
-        if b - a <= b * CONTINUOUS_GAP:
+    for _ in range(config.continuous_steps):
+        if b - a <= b * config.continuous_gap:
             break
         mid = (a + b) / 2
         if pack(mid) is not None:
