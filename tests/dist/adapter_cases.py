@@ -23,13 +23,7 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
         dc = Engine(model, adapter=find_adapter(model, loss_fn=wan_ti2v_loss))
     else:
         dc = Engine(model)
-    collate = dc.adapter.collate
-    if isinstance(collate, str):
-        from dcparallel.data.collate import resolve_collate
-
-        collate = resolve_collate(collate, dc.adapter.kind)
-    return adapter_plan_steps(model, dc, collate, lambda seed: make_data(kind, num_samples, seed), item, seeds,
-                              num_samples)
+    return adapter_plan_steps(dc, lambda seed: make_data(kind, num_samples, seed), item, seeds, num_samples)
 
 
 def case_refused_inside_sp(kind: str, inputs: dict) -> str:

@@ -1,5 +1,5 @@
-"""What the model-family parity and epoch tests share: on the workers, random step plans run
-through a model's adapter (`adapter_plan_steps`) and an epoch per policy through the public
+"""What the model-family parity and epoch tests share: on the workers, step plans run through a
+model's adapter (`adapter_step`, on random plans: `adapter_plan_steps`) and an epoch per policy through the public
 API (`epoch_per_policy`); in the test, the checks of their results against the single-process
 reference (`assert_matches_reference`) and of a lossless epoch (`assert_lossless_epochs`)."""
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import resolve_collate
 from dcparallel.plan.policies import ALL
 from dcparallel.plan.types import MicroBatch
 from dcparallel.profile.profiler import ProfilerConfig
@@ -23,25 +24,30 @@ PLAN_MODES = ("world", "idle", "random", "phases")
 EPOCH_PROFILE = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
 
 
-def adapter_plan_steps(model: torch.nn.Module, dc: Any, collate: Callable, make_data: Callable[[int], Any],
-                       item: Callable[[Any, int], Any], seeds: Sequence[int], num_samples: int) -> list[dict]:
+def adapter_step(dc: Any, plan: Any, data: Any, item: Callable[[Any, int], Any]) -> float:
+    """This rank's micro-batches of ``plan``, collated from ``item(data, sample id)`` by the
+    adapter's collate and run through its loss_fn, then the gradient sync: the step's loss."""
+    rank = dist.get_rank()
+    collate = resolve_collate(dc.adapter.collate, dc.adapter.kind)
+    for mb, ranks in plan.work_of(rank):
+        batch = collate({s: item(data, s) for s in mb.sample_ids}, MicroBatch(mb.sample_ids, mb.layout), ranks, rank)
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(dc.adapter.loss_fn(dc.model, batch, ctx))
+    return dc.sync_gradients()
+
+
+def adapter_plan_steps(dc: Any, make_data: Callable[[int], Any], item: Callable[[Any, int], Any],
+                       seeds: Sequence[int], num_samples: int) -> list[dict]:
     """Per seed a random plan of ``make_data(seed)`` (SP 1/2/4, idle ranks, uneven counts,
-    phases, random recompute; `PLAN_MODES` in turn), this rank's micro-batches collated from
-    ``item(data, sample id)`` and run through the adapter's loss_fn, then the gradient sync:
-    the loss, every gradient and the plan."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    phases, random recompute; `PLAN_MODES` in turn) run as `adapter_step`: the loss, every
+    gradient and the plan."""
     results = []
     for i, seed in enumerate(seeds):
         data = make_data(seed)
-        plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=dc.adapter.spec.num_layers,
-                           mode=PLAN_MODES[i % len(PLAN_MODES)])
-        for mb, ranks in plan.work_of(rank):
-            batch = collate({s: item(data, s) for s in mb.sample_ids}, MicroBatch(mb.sample_ids, mb.layout),
-                            ranks, rank)
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.adapter.loss_fn(model, batch, ctx))
-        loss = dc.sync_gradients()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        plan = random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
+                           num_layers=dc.adapter.spec.num_layers, mode=PLAN_MODES[i % len(PLAN_MODES)])
+        loss = adapter_step(dc, plan, data, item)
+        grads = {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}
         results.append({"loss": loss, "grads": grads, "plan": plan.to_json()})
     return results
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dcparallel.data.collate import resolve_collate
 from dcparallel.runtime.engine import Engine
 from tests.dist.cases_common import adapter_plan_steps
 from tests.hf_structure_families import build, make_data
@@ -11,8 +10,5 @@ from tests.hf_structure_families import build, make_data
 def case_family_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     """Random plans (SP 1/2/4, idle ranks, uneven counts, two phases, random recompute) of a
     transformers family driven through its adapter, as `adapter_cases.case_adapter_engine`."""
-    model = build(kind)
-    dc = Engine(model)
-    return adapter_plan_steps(model, dc, resolve_collate(dc.adapter.collate, dc.adapter.kind),
-                              lambda seed: make_data(num_samples, seed), lambda data, s: data.docs[s], seeds,
-                              num_samples)
+    return adapter_plan_steps(Engine(build(kind)), lambda seed: make_data(num_samples, seed),
+                              lambda data, s: data.docs[s], seeds, num_samples)

@@ -11,10 +11,8 @@ from tests.joint_models import MIX, TEXT_TOKENS, JointVideoSet, build, item, mak
 def case_joint_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     """Random plans (SP 1/2/4, idle ranks, uneven counts, phases, random recompute) of a joint
     attention model driven through its adapter: its collate, loss_fn and hooks."""
-    model = build(kind)
-    dc = Engine(model)
-    return adapter_plan_steps(model, dc, dc.adapter.collate, lambda seed: make_data(kind, num_samples, seed), item,
-                              seeds, num_samples)
+    return adapter_plan_steps(Engine(build(kind)), lambda seed: make_data(kind, num_samples, seed), item, seeds,
+                              num_samples)
 
 
 def case_joint_epoch(kind: str, profile_path: str) -> dict:
