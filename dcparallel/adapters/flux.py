@@ -23,8 +23,9 @@ channels than it predicts (`latent_channels`). Guidance-distilled configurations
 
 The machinery every image transformer on packed latents shares lives here too (Flux 2:
 `adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
-channels read from the model's projections, the collate, and `packed_flow_loss`, into which
-a family passes only how its pipeline calls the model.
+channels read from the model's projections, the collate, `packed_flow_loss`, into which a
+family passes only how its pipeline calls the model, and `image_adapter`, the assembly of
+their adapters.
 """
 
 from __future__ import annotations
