@@ -13,52 +13,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from tests.faults import launch as run_with_faults
+from tests.faults import run_config
+
 NUM_SAMPLES = 36
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(tmp: Path, name: str, **train) -> tuple[Path, Path]:
-    lengths = tmp / "lengths.txt"
-    lengths.write_text("\n".join(str(16 + (53 * i) % 200) for i in range(NUM_SAMPLES)) + "\n")
-    out = tmp / name
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
-    cfg = tmp / f"{name}.toml"
-    cfg.write_text(f"""[model]
-num_layers = 2
-hidden = 32
-num_heads = 4
-ffn_hidden = 64
-[data]
-lengths = "{lengths}"
-[train]
-tokens_per_step = 500
-out_dir = "{out}"
-checkpoint_every = 2
-keep_checkpoints = 3
-step_timeout_s = 6
-pg_timeout_s = 30
-{extra}[profile]
-cost = "analytic"
-""")
-    return cfg, out
+    return run_config(tmp, name, NUM_SAMPLES, keep_checkpoints=3, **train)
 
 
 def launch(cfg: Path, ranks: int = 2, fault: str = "", restarts: int = 0) -> tuple[int, float, str]:
     """`dcparallel train` with the faults of DCPARALLEL_FAULT (tests/faults.py installs them as
     its ``before_step`` hook)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(cfg)]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    r = run_with_faults(cfg, ranks=ranks, fault=fault, restarts=restarts, timeout=600)
     return r.returncode, time.perf_counter() - t0, r.stderr
 
 

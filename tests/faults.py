@@ -10,6 +10,8 @@ In-process: `run(cfg)` is `dcparallel.apps.train.run` with the faults of the var
 torchrun, as `dcparallel train --config FILE` with them (the repository root on PYTHONPATH)::
 
     DCPARALLEL_FAULT=exit@3:1 torchrun --nproc-per-node 2 --max-restarts 1 -m tests.faults --config run.toml
+
+`run_config` writes the small run these faults are injected into, `launch` runs it so.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dcparallel.apps import train
 from dcparallel.apps.train_config import Config
 from dcparallel.apps.train_log import append_event
 from dcparallel.apps.trainer import StepHook, Trainer
+from tests.train_fixtures import write_config
 
 log = logging.getLogger("dcparallel.train")
 
@@ -97,6 +102,33 @@ def fault_hook(faults: list[Fault]) -> StepHook | None:
 def run(cfg: Config) -> int:
     """`dcparallel.apps.train.run` with the faults of ``DCPARALLEL_FAULT`` (checked first)."""
     return train.run(cfg, before_step=fault_hook(parse_faults(os.environ.get(FAULT_ENV, ""))))
+
+
+def run_config(root: Path, name: str, num_samples: int = 36, **train: Any) -> tuple[Path, Path]:
+    """A tiny Llama's run for fault injection: ``num_samples`` synthetic lengths (16-215
+    tokens), checkpoints every 2 steps, a 6 s step watchdog, a 30 s process-group timeout,
+    analytic cost, plus the ``train`` keys given; (the config's path, the run's out_dir)."""
+    lengths = root / "lengths.txt"
+    lengths.write_text("\n".join(str(16 + (53 * i) % 200) for i in range(num_samples)) + "\n")
+    out = root / name
+    config = write_config(root / f"{name}.toml",
+                          model={"num_layers": 2, "hidden": 32, "num_heads": 4, "ffn_hidden": 64},
+                          data={"lengths": lengths},
+                          train={"tokens_per_step": 500, "out_dir": out, "checkpoint_every": 2, "step_timeout_s": 6,
+                                 "pg_timeout_s": 30, **train},
+                          profile={"cost": "analytic"})
+    return config, out
+
+
+def launch(config: Path, *, ranks: int = 2, fault: str = "", restarts: int = 0, cwd: Path | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """``config``'s run under torchrun (``ranks`` processes, ``restarts`` restarts) with the
+    faults ``fault`` (a ``DCPARALLEL_FAULT`` value) fired by this module's hook."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(config)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,12 @@
 """Shared by unit and dist tests: tiny models, random samples, random step plans, the
-single-process reference and one rank's run of a step."""
+single-process reference, one rank's run of a step and a user's training loop."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -271,3 +273,16 @@ def reference_once(key: tuple, compute):
     if key not in _REFERENCES:
         _REFERENCES[key] = compute()
     return _REFERENCES[key]
+
+
+def train_steps(dc: Any, model: torch.nn.Module, loader: Any, opt: Any) -> Iterator[tuple[Any, float]]:
+    """One pass of ``loader`` as a user's loop trains it: every micro-batch of a step through
+    ``dc.loss_fn`` (forward and backward), the gradient sync, the optimizer step; yields each
+    step and its loss after its optimizer step."""
+    for step in loader:
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(model, batch, ctx))
+        loss = dc.sync_gradients()
+        opt.step()
+        yield step, loss

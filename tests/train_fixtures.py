@@ -108,37 +108,44 @@ def latents_manifest(root: Path, shapes: list[tuple[int, int, int]], *, text_tok
     return write_jsonl(root / "manifest.jsonl", rows)
 
 
+def write_config(path: Path, **sections: dict) -> Path:
+    """A `dcparallel train` TOML at ``path``: one table per section, its keys in order
+    (strings and paths quoted, booleans lower case, numbers as Python writes them)."""
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(str(v)) if isinstance(v, (str, Path)) else repr(v)
+
+    path.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
+                            for name, keys in sections.items()))
+    return path
+
+
 def chat_run(root: Path, *, world: int, wandb: bool = False) -> Path:
     """A local Llama + tokenizer, a chat JSONL of 40 conversations and the TOML that fine-tunes
     it (warmup + cosine, clipping, eval split, TensorBoard, export); the config's path."""
     model = llama_dir(root / "model", len(tokenizer()))
     chat = write_jsonl(root / "chat.jsonl", conversations(40, seed=0))
-    config = root / "run.toml"
-    config.write_text(f"""
-[model]
-pretrained = "{model}"
-[data]
-path = "{chat}"
-format = "chat"
-max_tokens = 64
-eval_fraction = 0.1
-[train]
-tokens_per_step = {300 * world}
-epochs = 3
-lr = 0.01
-warmup_steps = 2
-schedule = "cosine"
-max_grad_norm = 1.0
-eval_every = 3
-out_dir = "{root / 'run'}"
-export_dir = "{root / 'final'}"
-[log]
-tensorboard = true
-wandb = {'true' if wandb else 'false'}
-[profile]
-cost = "analytic"
-""")
-    return config
+    return write_config(root / "run.toml", model={"pretrained": model},
+                        data={"path": chat, "format": "chat", "max_tokens": 64, "eval_fraction": 0.1},
+                        train={"tokens_per_step": 300 * world, "epochs": 3, "lr": 0.01, "warmup_steps": 2,
+                               "schedule": "cosine", "max_grad_norm": 1.0, "eval_every": 3, "out_dir": root / "run",
+                               "export_dir": root / "final"},
+                        log={"tensorboard": True, "wandb": wandb}, profile={"cost": "analytic"})
+
+
+def wan_run(root: Path, *, copies: int, tokens_per_step: int, schedule: str) -> Path:
+    """A local Wan transformer, a manifest of ``copies`` x 4 latent clips of mixed shapes and
+    the TOML that fine-tunes it (warmup + ``schedule``, clipping, eval split, TensorBoard,
+    W&B offline, analytic cost); the config's path."""
+    wan_dir(root / "wan")
+    manifest = latents_manifest(root, [(1, 4, 4), (2, 4, 4), (1, 4, 6), (2, 4, 6)] * copies)
+    return write_config(root / "run.toml", model={"pretrained": root / "wan"},
+                        data={"path": manifest, "eval_fraction": 0.2},
+                        train={"tokens_per_step": tokens_per_step, "epochs": 3, "lr": 0.003, "warmup_steps": 1,
+                               "schedule": schedule, "max_grad_norm": 0.5, "eval_every": 2, "out_dir": root / "run"},
+                        log={"tensorboard": True, "wandb": True}, profile={"cost": "analytic"})
 
 
 def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, derive_spec
-from dcparallel.adapters.latents import collate_latents, extras_as, latent_flow_loss, patch_tokens, random_items
+from dcparallel.adapters.latents import extras_as, latent_flow_loss
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs")
@@ -152,18 +152,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full", attn_modules=attn_modules,
                        mlp_modules=mlp_modules, context_tokens=context_tokens, t_num=1, t_den=pt, spatial_patch=p)
 
-    def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn1.set_processor(UlyssesCogVideoXAttention(fn))
-
-    def collate(samples, mb, ranks, rank):
-        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, p, p)), what=who,
-                               required=("encoder_hidden_states",))
-
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or cogvideox_flow_loss,
-                        sample=sample_fn or random_items(item_parts(model, context_tokens)), collate=collate,
-                        install_hooks=lambda attention: joint.video_token_hooks(blocks, model.norm_final, attention,
-                                                                                names=BLOCK_ARGS),
-                        skip_block=joint.two_stream_passthrough(BLOCK_ARGS))
+    return joint.video_adapter(model, blocks, spec, processor=UlyssesCogVideoXAttention, attn_modules=attn_modules,
+                               mlp_modules=mlp_modules, loss_fn=loss_fn or cogvideox_flow_loss,
+                               parts=item_parts(model, context_tokens), sample_fn=sample_fn, norm=model.norm_final,
+                               block_args=BLOCK_ARGS, patch=(pt, p, p), required=("encoder_hidden_states",))

@@ -23,8 +23,9 @@ channels than it predicts (`latent_channels`). Guidance-distilled configurations
 
 The machinery every image transformer on packed latents shares lives here too (Flux 2:
 `adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
-channels read from the model's projections, the collate, and `packed_flow_loss`, into which
-a family passes only how its pipeline calls the model.
+channels read from the model's projections, the collate, `packed_flow_loss`, into which a
+family passes only how its pipeline calls the model, and `image_adapter`, the assembly of
+their adapters.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter, count_params
+from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
     collate_latents,
     extras_as,
-    flow_draws,
+    latent_flow_loss,
     random_items,
     replace_processors,
 )
@@ -184,29 +185,26 @@ def packed_flow_loss(forward, names: tuple[str, ...], channels: tuple[int, int] 
     target, condition_channels = channels or (None, 0)
     keys = (*names, "condition") if condition_channels else names
 
-    def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-        dtype = next(model.parameters()).dtype
-        x0 = batch.inputs.to(dtype)
-        t, noise = flow_draws(batch, ctx, x0)
-        tb = t.to(x0.dtype).view(-1, 1, 1, 1)
-        xt = (1 - tb) * x0 + tb * noise
-        h, w = x0.shape[2:]
-        if target is not None and x0.shape[1] != target:
+    def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
+        h, w = xt.shape[2:]
+        if target is not None and xt.shape[1] != target:
             raise ValueError(f"{type(model).__name__} predicts {target} latent channels, but the items' latents have "
-                             f"{x0.shape[1]}: give 'latents' the target's channels only"
+                             f"{xt.shape[1]}: give 'latents' the target's channels only"
                              + (f" and the other {condition_channels} input channels as 'condition'"
                                 if condition_channels else ""))
-        cond = extras_as(batch, dtype, *keys)
+        cond = extras_as(batch, xt.dtype, *keys)
         if condition_channels:
             c = cond.pop("condition", None)
             if c is None or c.shape[1:] != (condition_channels, h, w):
                 got = None if c is None else tuple(c.shape[1:])
                 raise ValueError(f"{type(model).__name__} takes {condition_channels} condition channels after the "
-                                 f"{x0.shape[1]} latent channels: items need 'condition' of shape "
+                                 f"{xt.shape[1]} latent channels: items need 'condition' of shape "
                                  f"{(condition_channels, h, w)}, got {got}")
             xt = torch.cat([xt, c], dim=1)
-        pred = forward(model, pack(xt), t, h, w, cond)
-        return ctx.dense_loss((unpack(pred, h, w).float() - (noise - x0).float()).pow(2).mean(1))
+        return unpack(forward(model, pack(xt), t, h, w, cond), h, w)
+
+    def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
+        return latent_flow_loss(model, batch, ctx, predict)
 
     return loss
 
@@ -222,6 +220,33 @@ def flux_loss(guidance: float = 3.5, channels: tuple[int, int] | None = None):
                      guidance=g, return_dict=False, **cond)[0]
 
     return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), channels)
+
+
+def image_adapter(model: nn.Module, blocks: list[nn.Module], spec: ModelSpec, *, who: str, in_features: int,
+                  text_dim: int, context_tokens: int, install: Any, attn_modules: Any, mlp_modules: Any,
+                  loss_fn: Any, default_loss: Any, sample_fn: Any, skip_block: Any, install_hooks: Any = None,
+                  **fixed_parts: tuple[int, ...]) -> ModelAdapter:
+    """The `ModelAdapter` of an image transformer on 2 x 2-packed latents (Flux.1, Flux 2,
+    Qwen-Image), from what its family module says: ``install`` (its attention processors),
+    the `ModelSpec` ``spec`` (its heads), ``default_loss((target, condition channels))``
+    unless ``loss_fn``, the input projection's ``in_features`` (with the output projection
+    ``proj_out``: the channels, `latent_channels`), ``context_tokens`` text embeddings of
+    ``text_dim`` per synthetic item (plus ``fixed_parts``: shapes the same at every size),
+    ``install_hooks`` (None: the model's ``_cp_plan`` as it is) and ``skip_block``."""
+    channels, condition = latent_channels(who, in_features, model.proj_out.out_features)
+
+    def parts(size: Size) -> dict[str, tuple[int, ...]]:
+        h, w = image_size(size)
+        item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, text_dim), **fixed_parts}
+        return item | ({"condition": (condition, h, w)} if condition else {})
+
+    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=spec.num_heads,
+                        num_kv_heads=spec.num_heads, install_attention=install, spec=spec, attn_modules=attn_modules,
+                        mlp_modules=mlp_modules, loss_fn=loss_fn or default_loss((channels, condition)),
+                        sample=sample_fn or random_items(parts), collate=collate_images,
+                        install_hooks=install_hooks or (lambda attention: PlanHooks(model, read_plan(model),
+                                                                                    attention).install()),
+                        skip_block=skip_block)
 
 
 ACCEPTED = ("context_tokens", "guidance")
@@ -242,34 +267,19 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     attn_modules = lambda b: [b.attn]
     mlp_modules = lambda b: [b.ff, b.ff_context] if hasattr(b, "ff") else [b.proj_mlp]
     # double- and single-stream blocks differ: the planner's layer is their mean, the rest outside
-    n = len(blocks)
-    attn = count_params([m for b in blocks for m in attn_modules(b)]) // n
-    mlp = count_params([m for b in blocks for m in mlp_modules(b)]) // n
-    other = count_params(blocks) // n - attn - mlp
-    total = count_params([model])
-    spec = ModelSpec(name=name or f"flux-h{hidden}-l{n}", kind="video", num_layers=n, hidden=hidden, num_heads=heads,
-                     ffn_hidden=4 * hidden, attention="full", attn_params=attn, mlp_params=mlp, other_params=other,
-                     extra_params=total - n * (attn + mlp + other), context_tokens=context_tokens, t_num=1, t_den=1,
-                     spatial_patch=2, bytes_per_value=next(model.parameters()).element_size())
-    channels, condition = latent_channels("FluxTransformer2DModel", model.x_embedder.in_features,
-                                          model.proj_out.out_features)
-
-    def parts(size: Size) -> dict[str, tuple[int, ...]]:
-        h, w = image_size(size)
-        item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim),
-                "pooled_projections": (cfg.pooled_projection_dim,)}
-        return item | ({"condition": (condition, h, w)} if condition else {})
+    spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"flux-h{hidden}-l{len(blocks)}",
+                         kind="video", hidden=hidden, num_heads=heads, ffn_hidden=4 * hidden, attention="full",
+                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
 
     def install(fn: Any) -> None:
         replace_processors([b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn),
                            "FluxTransformer2DModel")
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flux_loss(guidance, (channels, condition)),
-                        sample=sample_fn or random_items(parts), collate=collate_images,
-                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
-                        skip_block=skip_block)
+    return image_adapter(model, blocks, spec, who="FluxTransformer2DModel", in_features=model.x_embedder.in_features,
+                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
+                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn,
+                         default_loss=lambda channels: flux_loss(guidance, channels), sample_fn=sample_fn,
+                         skip_block=skip_block, pooled_projections=(cfg.pooled_projection_dim,))
 
 
 def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):

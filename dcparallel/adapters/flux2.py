@@ -35,18 +35,8 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.flux import (
-    UlyssesFluxAttention,
-    collate_images,
-    image_ids,
-    image_size,
-    joint_attention,
-    latent_channels,
-    packed_flow_loss,
-)
-from dcparallel.adapters.latents import random_items, replace_processors
-from dcparallel.spec import Size
+from dcparallel.adapters.flux import UlyssesFluxAttention, image_adapter, image_ids, joint_attention, packed_flow_loss
+from dcparallel.adapters.latents import replace_processors
 
 WHO = "Flux2Transformer2DModel"
 
@@ -174,12 +164,6 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                          name=name or f"flux2-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
                          num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
                          context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
-    channels, condition = latent_channels(WHO, model.x_embedder.in_features, model.proj_out.out_features)
-
-    def parts(size: Size) -> dict[str, tuple[int, ...]]:
-        h, w = image_size(size)
-        item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim)}
-        return item | ({"condition": (condition, h, w)} if condition else {})
 
     def install(fn: Any) -> None:
         replace_processors([b.attn for b in model.transformer_blocks], "Flux2AttnProcessor",
@@ -187,9 +171,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         replace_processors([b.attn for b in model.single_transformer_blocks], "Flux2ParallelSelfAttnProcessor",
                            lambda: UlyssesFlux2SingleAttention(fn), WHO)
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flux2_loss(guidance, (channels, condition)),
-                        sample=sample_fn or random_items(parts), collate=collate_images,
-                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
-                        skip_block=skip_block)
+    return image_adapter(model, blocks, spec, who=WHO, in_features=model.x_embedder.in_features,
+                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
+                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn,
+                         default_loss=lambda channels: flux2_loss(guidance, channels), sample_fn=sample_fn,
+                         skip_block=skip_block)

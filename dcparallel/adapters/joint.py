@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dcparallel.adapters.latents import check_args
+from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.latents import check_args, patch_collate, random_items
 from dcparallel.data.batch import Batch
 from dcparallel.runtime import comm
 
@@ -186,6 +187,33 @@ def check_driven(model: nn.Module, blocks: Sequence[nn.Module], *, layers: Any, 
         raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
                          f"out or pass {heads}")
     return heads
+
+
+def video_adapter(model: nn.Module, blocks: Sequence[nn.Module], spec: Any, *, processor: Any, attn_modules: Any,
+                  mlp_modules: Any, loss_fn: Any, parts: Any, sample_fn: Any, norm: nn.Module,
+                  block_args: Sequence[str], patch: tuple[int, int, int], required: Sequence[str]) -> ModelAdapter:
+    """The `ModelAdapter` of a joint-attention video model, from what its family module says:
+    ``processor(attention)``, the Ulysses processor every block's attention module (its
+    ``attn_modules``) gets, the `ModelSpec` ``spec`` (its heads), the default loss
+    ``loss_fn`` and synthetic items ``parts`` (`random_items`, unless ``sample_fn``),
+    the output norm ``norm`` its video tokens are gathered before (`video_token_hooks`), its
+    blocks' positional argument names ``block_args``, the latent ``patch`` (frames, height,
+    width) and the conditioning every item must carry (``required``). Blocks return (video,
+    text): the profiler's skipped blocks pass both on (`two_stream_passthrough`)."""
+
+    def install(fn: Any) -> None:
+        for m in (m for b in blocks for m in attn_modules(b)):
+            if hasattr(m, "set_processor"):
+                m.set_processor(processor(fn))
+            else:  # Mochi's attention module has none
+                m.processor = processor(fn)
+
+    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=spec.num_heads,
+                        num_kv_heads=spec.num_heads, install_attention=install, spec=spec, attn_modules=attn_modules,
+                        mlp_modules=mlp_modules, loss_fn=loss_fn, sample=sample_fn or random_items(parts),
+                        collate=patch_collate(patch, what=type(model).__name__, required=required),
+                        install_hooks=lambda attention: video_token_hooks(blocks, norm, attention, names=block_args),
+                        skip_block=two_stream_passthrough(block_args))
 
 
 def caption_mask(batch: Batch, text: Tensor) -> Tensor:

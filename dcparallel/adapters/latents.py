@@ -78,6 +78,17 @@ def patch_tokens(patch: tuple[int, int, int]):
     return tokens
 
 
+def patch_collate(patch: tuple[int, int, int], *, what: str = "video", required: Sequence[str] = ()):
+    """The loader's collate of a video model on latent patches ``patch`` (frames, height,
+    width): `collate_latents` with the tokens `patch_tokens` counts."""
+    tokens = patch_tokens(patch)
+
+    def collate(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int) -> Batch:
+        return collate_latents(samples, mb, ranks, rank, tokens=tokens, what=what, required=required)
+
+    return collate
+
+
 def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
     """Rectified-flow draws per sample from its own generator (every rank of a group draws
     the same): t (B,) logit-normal in fp32, noise shaped like ``x0``."""
@@ -94,11 +105,12 @@ def latent_flow_loss(model: nn.Module, batch: Batch, ctx: Any, predict) -> Tenso
     """Rectified-flow training: per sample a timestep t (logit-normal) and noise from its own
     generator; x_t = (1 - t) x0 + t noise, target velocity noise - x0, mean squared error over
     channels per latent position. ``predict(model, x_t, t, batch)`` -> the velocity
-    (B, C, F, H, W) for latents x_t (B, C, F, H, W) and timesteps t (B,) in [0, 1]."""
+    (B, C, F, H, W) for latents x_t (B, C, F, H, W) — or (B, C, H, W) for image models — and
+    timesteps t (B,) in [0, 1]."""
     dtype = next(model.parameters()).dtype
     x0 = batch.inputs.to(dtype)
     t, noise = flow_draws(batch, ctx, x0)
-    tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
+    tb = t.to(x0.dtype).view(-1, *[1] * (x0.dim() - 1))
     pred = predict(model, (1 - tb) * x0 + tb * noise, t, batch)
     return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
 

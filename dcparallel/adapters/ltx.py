@@ -19,7 +19,6 @@ Sample sizes are latent shapes (frames, height, width). Dataset items:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch import Tensor, nn
@@ -28,9 +27,9 @@ from dcparallel.adapters.base import ModelAdapter, derive_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
-    collate_latents,
     extras_as,
-    flow_draws,
+    latent_flow_loss,
+    patch_collate,
     random_items,
     replace_processors,
 )
@@ -85,24 +84,20 @@ def unpack(x: Tensor, grid: tuple[int, int, int], p: int, pt: int) -> Tensor:
 
 
 def ltx_loss(rope_scale: Any = PIPELINE_ROPE_SCALE):
-    def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
-        """Rectified flow on LTX-Video: per-sample t and noise from the sample's generator,
-        packed noisy latents in, velocity noise - x0 out; mean squared error over channels
-        per latent position."""
+    def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
         cfg = model.config
-        dtype = next(model.parameters()).dtype
-        x0 = batch.inputs.to(dtype)
-        t, noise = flow_draws(batch, ctx, x0)
-        tb = t.to(x0.dtype).view(-1, 1, 1, 1, 1)
-        xt = (1 - tb) * x0 + tb * noise
         p, pt = cfg.patch_size, cfg.patch_size_t
-        grid = tuple(x0.shape[2:])
-        cond = extras_as(batch, dtype, "encoder_hidden_states", "encoder_attention_mask")
+        grid = tuple(xt.shape[2:])
+        cond = extras_as(batch, xt.dtype, "encoder_hidden_states", "encoder_attention_mask")
         pred = model(pack(xt, p, pt), timestep=t * 1000, num_frames=grid[0] // pt, height=grid[1] // p,
                      width=grid[2] // p, rope_interpolation_scale=rope_scale, return_dict=False,
                      encoder_attention_mask=cond.pop("encoder_attention_mask", None), **cond)[0]
-        pred = unpack(pred, grid, p, pt)
-        return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))
+        return unpack(pred, grid, p, pt)
+
+    def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
+        """Rectified flow on LTX-Video (`latents.latent_flow_loss`): packed noisy latents in,
+        the velocity unpacked out."""
+        return latent_flow_loss(model, batch, ctx, predict)
 
     return loss
 
@@ -129,12 +124,6 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        mlp_modules=mlp_modules, context_tokens=context_tokens, t_num=1, t_den=pt, spatial_patch=p)
     channels = cfg.in_channels // (p * p * pt)
 
-    def tokens(grid: tuple[int, ...]) -> int:
-        if len(grid) != 3 or grid[0] % pt or grid[1] % p or grid[2] % p:
-            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch "
-                             f"({pt}, {p}, {p}); crop or pad the latents")
-        return math.prod((grid[0] // pt, grid[1] // p, grid[2] // p))
-
     def parts(size: Size) -> dict[str, tuple[int, ...]]:
         return {"latents": (channels, *size), "encoder_hidden_states": (context_tokens, cfg.caption_channels)}
 
@@ -145,5 +134,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or ltx_loss(rope_interpolation_scale), sample=sample_fn or random_items(parts),
-                        collate=lambda s, mb, ranks, rank: collate_latents(s, mb, ranks, rank, tokens=tokens),
+                        collate=patch_collate((pt, p, p)),
                         install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install())

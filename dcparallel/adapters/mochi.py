@@ -25,14 +25,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.latents import (
-    collate_latents,
-    extras_as,
-    latent_flow_loss,
-    padded_text_mask,
-    patch_tokens,
-    random_items,
-)
+from dcparallel.adapters.latents import extras_as, latent_flow_loss, padded_text_mask
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_attention_mask", "image_rotary_emb")
@@ -114,20 +107,9 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
                          kind="video", hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full",
                          context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=cfg.patch_size)
-    patch = (1, cfg.patch_size, cfg.patch_size)
 
-    def install(fn: Any) -> None:
-        for b in blocks:
-            b.attn1.processor = UlyssesMochiAttention(fn)  # MochiAttention has no set_processor
-
-    def collate(samples, mb, ranks, rank):
-        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens(patch), what=type(model).__name__,
+    return joint.video_adapter(model, blocks, spec, processor=UlyssesMochiAttention, attn_modules=attn_modules,
+                               mlp_modules=mlp_modules, loss_fn=loss_fn or mochi_flow_loss,
+                               parts=item_parts(model, context_tokens), sample_fn=sample_fn, norm=model.norm_out,
+                               block_args=BLOCK_ARGS, patch=(1, cfg.patch_size, cfg.patch_size),
                                required=("encoder_hidden_states",))
-
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or mochi_flow_loss,
-                        sample=sample_fn or random_items(item_parts(model, context_tokens)), collate=collate,
-                        install_hooks=lambda attention: joint.video_token_hooks(blocks, model.norm_out, attention,
-                                                                                names=BLOCK_ARGS),
-                        skip_block=joint.two_stream_passthrough(BLOCK_ARGS))

@@ -35,9 +35,8 @@ from torch import Tensor, nn
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.flux import collate_images, image_size, latent_channels, packed_flow_loss
-from dcparallel.adapters.latents import random_items, replace_processors
-from dcparallel.spec import Size
+from dcparallel.adapters.flux import image_adapter, packed_flow_loss
+from dcparallel.adapters.latents import replace_processors
 
 WHO = "QwenImageTransformer2DModel"
 
@@ -134,12 +133,6 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                          name=name or f"qwenimage-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
                          num_heads=heads, ffn_hidden=4 * hidden, attention="full",
                          context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
-    channels, condition = latent_channels(WHO, model.img_in.in_features, model.proj_out.out_features)
-
-    def parts(size: Size) -> dict[str, tuple[int, ...]]:
-        h, w = image_size(size)
-        item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, cfg.joint_attention_dim)}
-        return item | ({"condition": (condition, h, w)} if condition else {})
 
     def install(fn: Any) -> None:
         replace_processors([b.attn for b in blocks], "QwenDoubleStreamAttnProcessor2_0",
@@ -149,7 +142,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         plan = read_plan(model, replicated_outputs={("pos_embed", 1)})  # the text's rotary table stays whole
         return [*PlanHooks(model, plan, attention).install(), refuse_controlnet(model)]
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or qwen_loss((channels, condition)), sample=sample_fn or random_items(parts),
-                        collate=collate_images, install_hooks=install_hooks, skip_block=skip_block)
+    return image_adapter(model, blocks, spec, who=WHO, in_features=model.img_in.in_features,
+                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
+                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn, default_loss=qwen_loss,
+                         sample_fn=sample_fn, skip_block=skip_block, install_hooks=install_hooks)

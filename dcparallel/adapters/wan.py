@@ -41,10 +41,9 @@ from dcparallel.adapters.base import ModelAdapter, averaged_spec, count_params, 
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
-    collate_latents,
     extras_as,
     latent_flow_loss,
-    patch_tokens,
+    patch_collate,
     random_items,
     replace_processors,
 )
@@ -231,13 +230,11 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         make = variant.self_attention or UlyssesWanSelfAttention
         replace_processors([b.attn1 for b in blocks], variant.processor, lambda: make(fn), who)
 
-    def collate(samples, mb, ranks, rank):
-        return collate_latents(samples, mb, ranks, rank, tokens=patch_tokens((pt, ph, pw)))
-
     return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
                         install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
                         loss_fn=loss_fn or flow_loss((*WAN_INPUTS, *variant.inputs)),
                         sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens,
                                                            variant=variant),
-                        collate=collate, install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
+                        collate=patch_collate((pt, ph, pw)),
+                        install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
                         skip_block=variant.skip_block)

@@ -230,22 +230,23 @@ def block_collective_time(cluster: ClusterSpec, num_bytes: float) -> float:
     """A ring all-gather (or reduce-scatter) inside one shard block: each rank receives (sends)
     (s - 1) / s of ``num_bytes`` (the whole tensor), over NVLink inside a node and over the
     inter-node link for a block larger than a node (conservative, as `alltoall_time`)."""
-    s = cluster.shard_size
-    if s == 1:
-        return 0.0
-    volume = num_bytes * (s - 1) / s
-    if cluster.spans_nodes(s):
-        return cluster.inter_latency * (s - 1) + volume / cluster.inter_bw
-    return cluster.intra_latency * (s - 1) + volume / cluster.intra_bw
+    return _group_exchange_time(cluster, cluster.shard_size, num_bytes)
 
 
 def alltoall_time(cluster: ClusterSpec, sp: int, bytes_per_rank: float) -> float:
     """One Ulysses all-to-all in a group of `sp` ranks where each rank holds
     `bytes_per_rank` and sends (sp - 1) / sp of it; a group larger than a node pays the
     inter-node link for all of it (conservative)."""
-    if sp == 1:
+    return _group_exchange_time(cluster, sp, bytes_per_rank)
+
+
+def _group_exchange_time(cluster: ClusterSpec, n: int, num_bytes: float) -> float:
+    """A collective inside a group of ``n`` ranks in which each rank exchanges (n - 1) / n of
+    ``num_bytes`` in n - 1 steps: over NVLink inside a node, over the inter-node link for a
+    group larger than a node."""
+    if n == 1:
         return 0.0
-    volume = bytes_per_rank * (sp - 1) / sp
-    if cluster.spans_nodes(sp):
-        return cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
-    return cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw
+    volume = num_bytes * (n - 1) / n
+    if cluster.spans_nodes(n):
+        return cluster.inter_latency * (n - 1) + volume / cluster.inter_bw
+    return cluster.intra_latency * (n - 1) + volume / cluster.intra_bw

@@ -5,17 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dcparallel.adapters import find_adapter
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
-from dcparallel.adapters import find_adapter
 from tests.adapter_models import build, item, make_data, wan_ti2v_loss
-from tests.support import random_plan
+from tests.dist.cases_common import adapter_plan_steps
 
 
 def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     """Random plans (SP 1/2/4, idle ranks, uneven counts, two phases, random recompute) of a
     library model driven through its adapter: the collate, loss_fn and hooks the API uses."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     model = build(kind)
     # the user's own module names its heads (the protocol); library models are read
     if kind == "custom":
@@ -24,26 +23,7 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
         dc = Engine(model, adapter=find_adapter(model, loss_fn=wan_ti2v_loss))
     else:
         dc = Engine(model)
-    collate = dc.adapter.collate
-    if isinstance(collate, str):
-        from dcparallel.data.collate import resolve_collate
-
-        collate = resolve_collate(collate, dc.adapter.kind)
-    results = []
-    for i, seed in enumerate(seeds):
-        data = make_data(kind, num_samples, seed)
-        mode = ("world", "idle", "random", "phases")[i % 4]
-        plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=dc.adapter.spec.num_layers,
-                           mode=mode)
-        for mb, ranks in plan.work_of(rank):
-            batch = collate({s: item(data, s) for s in mb.sample_ids}, MicroBatch(mb.sample_ids, mb.layout),
-                            ranks, rank)
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.adapter.loss_fn(model, batch, ctx))
-        loss = dc.sync_gradients()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        results.append({"loss": loss, "grads": grads, "plan": plan.to_json()})
-    return results
+    return adapter_plan_steps(dc, lambda seed: make_data(kind, num_samples, seed), item, seeds, num_samples)
 
 
 def case_refused_inside_sp(kind: str, inputs: dict) -> str:

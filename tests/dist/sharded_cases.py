@@ -10,8 +10,8 @@ import torch.distributed as dist
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout
-from tests import adapter_models
-from tests import support
+from tests import adapter_models, support
+from tests.dist.cases_common import adapter_step
 
 #: reference models (tests/support.py), driven as its run_rank_step does; the other kinds are
 #: library models driven through their adapters (tests/adapter_models.py)
@@ -41,17 +41,7 @@ def _run_step(dc: Engine, kind: str, data, plan: StepPlan) -> float:
     rank = dist.get_rank()
     if kind in SUPPORT_KINDS:
         return support.run_rank_step(dc, data, plan, rank)
-    collate = dc.adapter.collate
-    if isinstance(collate, str):
-        from dcparallel.data.collate import resolve_collate
-
-        collate = resolve_collate(collate, dc.adapter.kind)
-    for mb, ranks in plan.work_of(rank):
-        batch = collate({s: adapter_models.item(data, s) for s in mb.sample_ids},
-                        MicroBatch(mb.sample_ids, mb.layout), ranks, rank)
-        with dc.micro_batch(batch) as ctx:
-            ctx.backward(dc.adapter.loss_fn(dc.model, batch, ctx))
-    return dc.sync_gradients()
+    return adapter_step(dc, plan, data, adapter_models.item)
 
 
 def case_sharded_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int,
@@ -157,6 +147,16 @@ def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
             "grad_dtypes": sorted({str(g.dtype) for g in grads.values()})}
 
 
+def _optimizer_step(dc: Engine, opt, kind: str, num_samples: int, seed: int) -> None:
+    """A step of a random plan (whole blocks of 4, or of the world when smaller: valid at
+    every shard size) and its optimizer step."""
+    data = _data(kind, num_samples, seed)
+    plan = _plan(dc, kind, data, num_samples, seed, "random", True, min(4, dist.get_world_size()))
+    _run_step(dc, kind, data, plan)
+    opt.step()
+    opt.zero_grad()
+
+
 def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed: int = 5, num_samples: int = 6
                         ) -> dict:
     """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
@@ -171,11 +171,7 @@ def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed:
     if not save:
         load_sharded(path, dc, opt)
     for step in steps:
-        data = _data(kind, num_samples, seed + step)
-        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, min(4, dist.get_world_size()))
-        _run_step(dc, kind, data, plan)
-        opt.step()
-        opt.zero_grad()
+        _optimizer_step(dc, opt, kind, num_samples, seed + step)
         if save and step == 0:
             save_sharded(path, dc, opt)
     return {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}
@@ -231,11 +227,7 @@ def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, 
         ck = checkpoint.latest(root, reads=lambda m: train_checkpoint.reads(m, dist.get_rank(), opt_range))
         train_checkpoint.load(ck, run, opt, opt_range)
     for step in steps:
-        data = _data(kind, num_samples, seed + step)
-        plan = _plan(dc, kind, data, num_samples, seed + step, "random", True, min(4, dist.get_world_size()))
-        _run_step(dc, kind, data, plan)
-        opt.step()
-        opt.zero_grad()
+        _optimizer_step(dc, opt, kind, num_samples, seed + step)
         if save and step == 0:
             train_checkpoint.save(Path(root), 1, run, opt, {"loader": {}}, keep=2,
                                   optimizer_range=opt_range or (0, 0))

@@ -12,11 +12,11 @@ at a time (fp32, relative error per tensor <= 1e-5: the tolerance of
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist import hf_structure_cases
+from tests.dist.cases_common import assert_matches_reference
 from tests.hf_structure_families import PARITY, build, make_data, reference
-from tests.support import reference_once, rel_err
+from tests.support import reference_once
 
 pytestmark = pytest.mark.dist
 
@@ -36,14 +36,7 @@ def test_structure_families_match_single_process_gradients(workers, kind):
             sp_seen.add(len(g["ranks"]))
             rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
                         for m in g["micro_batches"]}
-        for r, res in enumerate(out):
-            assert abs(res[i]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (kind, r, seed, res[i]["loss"], ref_loss)
-            assert set(res[i]["grads"]) == set(ref_grads)
-            for name, g in res[i]["grads"].items():
-                err = rel_err(g, ref_grads[name])
-                worst = max(worst, err)
-                assert err <= 1e-5, f"{kind} rank {r} seed {seed} {name}: rel err {err:.2e} plan {plan}"
-                assert torch.equal(g, out[0][i]["grads"][name])
+        worst = max(worst, *assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed).values())
     packed = any(len(m["sample_ids"]) > 1 for i in range(len(seeds)) for g in out[0][i]["plan"]["groups"]
                  for m in g["micro_batches"])
     assert packed

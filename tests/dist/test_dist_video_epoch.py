@@ -12,19 +12,11 @@ import math
 
 import pytest
 
-from dcparallel.plan.policies import ALL
 from tests.adapter_models import DIT_MIX, MIXES
 from tests.dist import video_cases
-from tests.dist.harness import Workers
+from tests.dist.cases_common import assert_lossless_epochs
 
 pytestmark = pytest.mark.dist
-
-
-@pytest.fixture(scope="module")
-def workers2(tmp_path_factory):
-    w = Workers(2, tmp_path_factory.mktemp("rdv-video"))
-    yield w
-    w.close()
 
 
 # the Wan look-alikes (5-6 s each on 2 cores) and Flux 2 (about 20 s) with DCPARALLEL_SLOW=1
@@ -36,21 +28,11 @@ def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_pa
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
     shapes = (DIT_MIX if kind == "dit" else MIXES[kind]) * 2
-    for policy in ALL:
-        runs = {}
-        for per_rank in out:
-            for step, ranks, sids in per_rank[policy]["ran"]:
-                runs.setdefault((step, tuple(ranks), tuple(sids)), set()).add(per_rank[policy]["rank"])
-        # every rank of a micro-batch's group ran it; every sample exactly once in the epoch
-        assert all(ran == set(ranks) for (_, ranks, _), ran in runs.items()), policy
-        trained = sorted(s for (_, _, sids) in runs for s in sids)
-        assert trained == list(range(len(shapes))), (policy, trained)
-        for (_, _, sids) in runs:
-            if kind != "dit":
-                assert len({shapes[s] for s in sids}) == 1, (policy, [shapes[s] for s in sids])
-            else:  # the reference DiT's latent grid: Open-Sora's rule, 16-pixel patches
-                grids = {(1 if shapes[s][0] == 1 else shapes[s][0] * 5 // 17, math.ceil(shapes[s][1] / 16),
-                          math.ceil(shapes[s][2] / 16)) for s in sids}
-                assert len(grids) == 1, (policy, [shapes[s] for s in sids])
-        losses = out[0][policy]["losses"]
-        assert losses == out[1][policy]["losses"] and all(math.isfinite(x) for x in losses)
+
+    def grid(s: int) -> tuple:
+        if kind != "dit":
+            return shapes[s]
+        f, h, w = shapes[s]  # the reference DiT's latent grid: Open-Sora's rule, 16-pixel patches
+        return (1 if f == 1 else f * 5 // 17, math.ceil(h / 16), math.ceil(w / 16))
+
+    assert_lossless_epochs(out, shapes, grid)

@@ -14,6 +14,7 @@ from dcparallel.data.synthetic import SyntheticLatents, SyntheticText
 from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime.launch import init_distributed
 from tests.adapter_models import build
+from tests.support import train_steps
 
 CONFIG = ProfilerConfig.quick(256, repeats=1, max_repeats=1, min_time_s=0.0, max_mbs=4)
 
@@ -26,12 +27,8 @@ def train(out_dir, name, model, dataset, lengths, epochs, **budget):
     losses, sp = [], set()
     for epoch in range(epochs):
         dc.set_epoch(epoch)
-        for step in loader:
-            for batch in step:
-                with dc.micro_batch(batch) as ctx:
-                    ctx.backward(dc.loss_fn(model, batch, ctx))
-            losses.append(dc.sync_gradients())
-            opt.step()
+        for step, loss in train_steps(dc, model, loader, opt):
+            losses.append(loss)
             sp |= set(step.plan.busy_sizes())
     return {"model": name, "losses": losses, "sp": sorted(sp), "world": dc.world_size,
             "profiled": len(dc.profile.entries), "rank": dc.rank}

@@ -41,30 +41,7 @@ def test_finetune_a_local_wan_on_a_latents_manifest_under_torchrun(tmp_path):
     pytest.importorskip("wandb")
     from diffusers import WanTransformer3DModel
 
-    tf.wan_dir(tmp_path / "wan")
-    manifest = tf.latents_manifest(tmp_path, [(1, 4, 4), (2, 4, 4), (1, 4, 6), (2, 4, 6)] * 4)
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
-[model]
-pretrained = "{tmp_path / 'wan'}"
-[data]
-path = "{manifest}"
-eval_fraction = 0.2
-[train]
-tokens_per_step = 80
-epochs = 3
-lr = 0.003
-warmup_steps = 1
-schedule = "cosine"
-max_grad_norm = 0.5
-eval_every = 2
-out_dir = "{tmp_path / 'run'}"
-[log]
-tensorboard = true
-wandb = true
-[profile]
-cost = "analytic"
-""")
+    config = tf.wan_run(tmp_path, copies=4, tokens_per_step=80, schedule="cosine")
     r = _launch(config, tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

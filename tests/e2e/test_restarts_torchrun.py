@@ -4,48 +4,12 @@ the per-step losses of an uninterrupted run, bit for bit, with every sample of t
 trained exactly once (2 gloo ranks, analytic cost: no profiling)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.faults import launch, run_config
+
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _launch(config, cwd, fault="", restarts=0):
-    # `dcparallel train` with the faults of DCPARALLEL_FAULT (tests/faults.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DCPARALLEL_FAULT=fault, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(config)]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def _config(tmp_path, name):
-    lengths = tmp_path / "lengths.txt"
-    lengths.write_text("\n".join(str(16 + (53 * i) % 200) for i in range(36)) + "\n")
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(f"""
-[model]
-num_layers = 2
-hidden = 32
-num_heads = 4
-ffn_hidden = 64
-[data]
-lengths = "{lengths}"
-[train]
-tokens_per_step = 500
-out_dir = "{out}"
-checkpoint_every = 2
-step_timeout_s = 6
-pg_timeout_s = 30
-[profile]
-cost = "analytic"
-""")
-    return config, out
 
 
 def _metrics(out):
@@ -53,17 +17,17 @@ def _metrics(out):
 
 
 def test_exit_raise_and_hang_restart_and_lose_nothing(tmp_path):
-    config, ref = _config(tmp_path, "ref")
-    r = _launch(config, tmp_path)
+    config, ref = run_config(tmp_path, "ref")
+    r = launch(config, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     reference = _metrics(ref)
     num_steps = len(reference)
     assert num_steps >= 7
 
-    config, out = _config(tmp_path, "faults")
+    config, out = run_config(tmp_path, "faults")
     # attempt 0: rank 1 dies at step 3; attempt 1: rank 0 raises at step 6 (step 5 replayed);
     # attempt 2: rank 1 hangs at step 7 until the 6 s step watchdog ends it
-    r = _launch(config, tmp_path, fault="exit@3:1:0,raise@6:0:1,hang@7:1:2", restarts=3)
+    r = launch(config, cwd=tmp_path, fault="exit@3:1:0,raise@6:0:1,hang@7:1:2", restarts=3)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "injected fault: raise at step 6 on rank 0" in r.stderr and "Timeout (0:00:06)!" in r.stderr
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout, Recompute
 from tests.adapter_models import TinyGQA, build, item, make_data, reference
-from tests.support import rel_err
+from tests.support import rel_err, train_steps
 
 pytest.importorskip("diffusers")
 
@@ -95,14 +95,7 @@ def test_prepare_profiles_and_trains_diffusers_families_at_world_1(kind, tmp_pat
     # fields over prepare's default (capped at the longest sample and the memory budget)
     loader = dc.prepare(data, lengths=shapes, samples_per_step=6, profile_path=str(tmp_path / "p.json"),
                         profiler_config={"repeats": 1, "max_repeats": 1, "min_time_s": 0.0, "max_mbs": 2})
-    opt = dc.optimizer(lr=1e-3)
-    losses = []
-    for step in loader:
-        for batch in step:
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(model, batch, ctx))
-        losses.append(dc.sync_gradients())
-        opt.step()
+    losses = [loss for _, loss in train_steps(dc, model, loader, dc.optimizer(lr=1e-3))]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert dc.profile.entries
 

@@ -37,30 +37,7 @@ def test_finetune_wan_world1_from_a_latents_manifest_with_wandb_offline(tmp_path
     monkeypatch.setenv("WANDB_SILENT", "true")
     from diffusers import WanTransformer3DModel
 
-    tf.wan_dir(tmp_path / "wan")
-    manifest = tf.latents_manifest(tmp_path, [(1, 4, 4), (2, 4, 4), (1, 4, 6), (2, 4, 6)] * 3)
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
-[model]
-pretrained = "{tmp_path / 'wan'}"
-[data]
-path = "{manifest}"
-eval_fraction = 0.2
-[train]
-tokens_per_step = 60
-epochs = 3
-lr = 0.003
-warmup_steps = 1
-schedule = "linear"
-max_grad_norm = 0.5
-eval_every = 2
-out_dir = "{tmp_path / 'run'}"
-[log]
-tensorboard = true
-wandb = true
-[profile]
-cost = "analytic"
-""")
+    config = tf.wan_run(tmp_path, copies=3, tokens_per_step=60, schedule="linear")
     assert run(Config.load(config)) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 4 and sum(r["loss"] for r in rows[-2:]) < sum(r["loss"] for r in rows[:2])
