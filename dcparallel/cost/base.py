@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.spec import ClusterSpec, Layout, ModelSpec, Recompute, Size
 
 
@@ -132,6 +133,11 @@ class CostModel(Protocol):
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms: ...
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms: ...
+
+    def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
+        """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
+        len(sps)), each element equal to the scalar `terms` (`cost.batch`)."""
+        ...
 
     def grad_sync_time(self) -> float: ...
 
