@@ -28,6 +28,7 @@ import numpy as np
 from dcparallel.cost.base import (
     MicroBatchTerms,
     alltoall_time,
+    alltoall_time_many,
     cache_put,
     grad_sync_time,
     model_state_bytes,
@@ -288,18 +289,17 @@ class AnalyticCost:
         n_tok = batches.token_sums()
         assert n_tok.max(initial=0) < 2**53  # exact as float64, as Python's int / int divides
         pairs, lengths = batches.pair_sums(), batches.lengths
+        sp = np.asarray(sps, dtype=np.int64)[None, :]
+        fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True)
         shape = (len(batches), len(sps))
-        cols = [self._fields(n_tok, pairs, lengths, sp, True) for sp in sps]
-        names = [f for f in TermsArray.__slots__ if f not in ("num_layers", "keep_all_feasible")]
-        return TermsArray(self.model.num_layers,
-                          **{k: np.stack([np.broadcast_to(c[j], shape[:1]) for c in cols], axis=1) if cols
-                             else np.zeros(shape) for j, k in enumerate(names)},
+        return TermsArray(self.model.num_layers, *(np.broadcast_to(f, shape) for f in fields),
                           keep_all_feasible=np.ones(shape, dtype=bool))
 
     def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool) -> tuple:
         """`MicroBatchTerms`' fields after `num_layers`, in order, of a micro-batch of `n_tok`
         tokens, `pairs` attention pairs and `n_samples` samples at `sp`: floats, or (`array`)
-        arrays of many micro-batches, by the same operations in the same order."""
+        arrays of many micro-batches at many degrees (broadcast), by the same operations in
+        the same order."""
         m, cal = self.model, self.cal
         smax = _smoothmax_many if array else _smoothmax
         L = m.num_layers
@@ -314,8 +314,9 @@ class AnalyticCost:
             a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
         else:  # q, k, v to head sharding, output back, in units of a hidden-sized activation; grouped
             # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
-            a2a_fwd = m.attn_per_layer * a2a_hidden_units(m, sp)
-        t_a2a = alltoall_time(self.cluster, sp, act_bytes)
+            a2a_fwd = (np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
+                       if array else m.attn_per_layer * a2a_hidden_units(m, sp))
+        t_a2a = (alltoall_time_many if array else alltoall_time)(self.cluster, sp, act_bytes)
         layer_time = compute + 2 * a2a_fwd * t_a2a
         dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a
         dt_mlp = cal.phi_mlp * c_mlp

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.spec import ClusterSpec, Layout, ModelSpec, Recompute, Size
 
@@ -255,3 +257,12 @@ def alltoall_time(cluster: ClusterSpec, sp: int, bytes_per_rank: float) -> float
     if cluster.spans_nodes(sp):
         return cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
     return cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw
+
+
+def alltoall_time_many(cluster: ClusterSpec, sp: np.ndarray, bytes_per_rank: np.ndarray) -> np.ndarray:
+    """`alltoall_time` elementwise over arrays of degrees and bytes (broadcast), by the same
+    operations."""
+    volume = bytes_per_rank * (sp - 1) / sp
+    inter = cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
+    intra = cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw
+    return np.where(sp == 1, 0.0, np.where(sp > cluster.gpus_per_node, inter, intra))

@@ -166,40 +166,40 @@ class TermsArray:
         return attn, mlp
 
     def _scan(self, budget: float) -> tuple[np.ndarray, np.ndarray]:
-        """`cheapest_recompute` past its first two returns, on 1-D arrays: the scan over f
-        (layers recomputing both sub-blocks) of each kind, every element stepping through the
-        scalar loop's f in order with its own start (`_first_fit`) and end (the break)."""
+        """`cheapest_recompute` past its first two returns, on 1-D arrays: the scalar loop's
+        candidates (kind, f) for every element at once, each element's own start
+        (`_first_fit`) and end (the break) masked, then the best taken in the loop's order
+        with its tolerance (a later candidate wins only if faster by more than 1e-15)."""
         L, n = self.num_layers, self.shape[0]
-        need = self.fixed_bytes + L * self.act_layer + self.transient_rec - budget
-        best_t = np.full(n, np.inf)
-        best_f = np.zeros(n, dtype=np.int64)
-        best_x = np.zeros(n, dtype=np.int64)
-        best_kind = np.zeros(n, dtype=np.int64)
-        found = np.zeros(n, dtype=bool)
-        sf, tf = self.save_full, self.dt_full
+        need = (self.fixed_bytes + L * self.act_layer + self.transient_rec - budget)[:, None]
+        F = np.arange(L + 1)[None, :]
+        sf, tf = self.save_full[:, None], self.dt_full[:, None]
+        ts, xs, oks = [], [], []
         with np.errstate(all="ignore"):
-            for save, dt, kind in ((self.save_attn, self.dt_attn, 0), (self.save_mlp, self.dt_mlp, 1)):
-                first = _first_fit_many(need, sf, save, L)
-                live = np.ones(n, dtype=bool)  # not yet past the scalar loop's break
-                for f in range(int(first.min()), L + 1):
-                    act = live & (first <= f)
-                    if not act.any():
-                        if not live.any():
-                            break
-                        continue
-                    rest = need - f * sf
-                    ends = rest <= 0
-                    x = np.where(ends, 0 if f > 0 else 1, np.maximum(1, np.ceil(rest / save - 1e-9)))
-                    skip = np.where(ends, (f == 0) & (save <= 0), save <= 0) | (f + x > L)
-                    go = act & ~skip
-                    t = f * tf + x * dt
-                    better = go & (t < best_t - 1e-15)
-                    best_t = np.where(better, t, best_t)
-                    best_f = np.where(better, f, best_f)
-                    best_x = np.where(better, x, best_x).astype(np.int64)
-                    best_kind = np.where(better, kind, best_kind)
-                    found |= better
-                    live &= ~(go & ends)
+            for save, dt in ((self.save_attn, self.dt_attn), (self.save_mlp, self.dt_mlp)):
+                first = _first_fit_many(need[:, 0], sf[:, 0], save, L)[:, None]
+                save, dt = save[:, None], dt[:, None]
+                rest = need - F * sf
+                ends = rest <= 0
+                x = np.where(ends, np.where(F > 0, 0.0, 1.0), np.maximum(1, np.ceil(rest / save - 1e-9)))
+                skip = np.where(ends, (F == 0) & (save <= 0), save <= 0) | (F + x > L)
+                go = (F >= first) & ~skip
+                stop = go & ends  # the loop breaks after the first of these
+                last = np.where(stop.any(axis=1), stop.argmax(axis=1), L)[:, None]
+                oks.append(go & (F <= last))
+                ts.append(F * tf + x * dt)
+                xs.append(x)
+        ok, t, xx = np.hstack(oks), np.hstack(ts), np.hstack(xs)
+        best_t = np.full(n, np.inf)
+        best = np.full(n, -1, dtype=np.int64)  # column: kind * (L + 1) + f
+        for c in np.flatnonzero(ok.any(axis=0)).tolist():
+            better = ok[:, c] & (t[:, c] < best_t - 1e-15)
+            best_t = np.where(better, t[:, c], best_t)
+            best = np.where(better, c, best)
+        found = best >= 0
+        col = np.maximum(best, 0)
+        best_kind, best_f = col // (L + 1), col % (L + 1)
+        best_x = xx[np.arange(n), col].astype(np.int64)
         attn = np.where(best_kind == 0, best_f + best_x, best_f)
         mlp = np.where(best_kind == 0, best_f, best_f + best_x)
         # rounding at the boundary: one more layer of that kind, else full recomputation
@@ -231,6 +231,11 @@ def sequential_sums(values: Sequence[float], lengths: np.ndarray) -> np.ndarray:
     if n == 0:
         return out
     vals = np.asarray(values, dtype=float)
+    if len(vals) and float(np.abs(vals).max()) * len(vals) < 2**53 and np.array_equal(vals, np.trunc(vals)):
+        # integers whose every partial sum is below 2**53: exact in any order (attention pairs)
+        cum = np.concatenate([[0.0], np.cumsum(vals)])
+        ends = np.cumsum(lengths)
+        return cum[ends] - cum[ends - lengths]
     starts = np.zeros(n, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     for j in range(int(lengths.max(initial=0))):

@@ -29,6 +29,7 @@ from dcparallel.topology import Topology
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
 
 MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+GRID_MIN = 16  # `mb_costs` prices fewer of a degree one at a time (cached): one grid costs about as much
 
 
 def mbs_candidates(top: int) -> list[int]:
@@ -260,7 +261,8 @@ class PlanContext:
 
     def mb_costs(self, micro_batches: Sequence[MicroBatch]) -> tuple[list[float], list[float]]:
         """`mb_time` and `mb_memory` of each micro-batch at its layout, priced per SP degree
-        at once (`CostModel.terms_grid`): the same values, element by element."""
+        at once (`CostModel.terms_grid`; one at a time below `GRID_MIN` of a degree): the
+        same values either way, element by element."""
         times = [0.0] * len(micro_batches)
         memory = [0.0] * len(micro_batches)
         by_sp: dict[int, list[int]] = {}
@@ -268,6 +270,11 @@ class PlanContext:
             by_sp.setdefault(mb.layout.sp, []).append(j)
         for sp, js in by_sp.items():
             mbs = [micro_batches[j] for j in js]
+            if len(mbs) < GRID_MIN:
+                for j, mb in zip(js, mbs):
+                    terms1 = self.mb_terms(mb.sample_ids, sp)
+                    times[j], memory[j] = terms1.time(mb.layout.recompute), terms1.memory(mb.layout.recompute)
+                continue
             terms = self.cost.terms_grid(self.batches([mb.sample_ids for mb in mbs]), (sp,))
             attn = np.array([[mb.layout.recompute.attn] for mb in mbs], dtype=np.int64)
             mlp = np.array([[mb.layout.recompute.mlp] for mb in mbs], dtype=np.int64)

@@ -42,10 +42,10 @@ def _video_sizes(rng: random.Random, n: int) -> list[tuple[int, int, int]]:
     return [rng.choice(shapes) for _ in range(n)]
 
 
-def _batches(rng: random.Random, sizes: list) -> list[tuple]:
-    """Micro-batches of 1 to 64 samples drawn from `sizes`, mixed and of copies, and one empty."""
+def _batches(rng: random.Random, sizes: list, n: int = 150) -> list[tuple]:
+    """`n` micro-batches of 1 to 64 samples drawn from `sizes`, mixed and of copies, and one empty."""
     out = [()]
-    for _ in range(150):
+    for _ in range(n):
         n = rng.choice((1, 1, 2, 3, 5, 8, 16, 31, 64))
         out.append(tuple(rng.choice(sizes) for _ in range(n)) if rng.random() < 0.6 else (rng.choice(sizes),) * n)
     return out
@@ -118,7 +118,7 @@ def test_profiled_grid_equals_scalar_terms(seed, unfit):
     sizes = [rng.randrange(16, 6000) for _ in range(60)] + [64, 256, 1024, 4096]
     for time_at in ("value", "low", "high"):
         cost = ProfiledCost(prof, cl, time_at=time_at)
-        assert_grid_equals_scalar(cost, _batches(rng, sizes)[1:], (1, 2, 4), float(cl.memory_bytes))
+        assert_grid_equals_scalar(cost, _batches(rng, sizes, 60)[1:], (1, 2, 4), float(cl.memory_bytes))
 
 
 def _profiled(model, cl):

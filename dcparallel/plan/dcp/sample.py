@@ -85,10 +85,8 @@ class SamplePacker:
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
         self._mbs: dict = {}  # per bucket, its preferred micro-batch size
-        self._bpos = self._bkeys = None  # each sample's bucket as a position in the sorted buckets
-        self._tokens: np.ndarray | None = None
-        #: per micro-batch `times` priced in this `plan`: its `FitGrid` and row there
-        self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}
+        self._bpos = self._bkeys = self._tokens = None  # per sample: its bucket's position, its tokens
+        self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
@@ -116,8 +114,7 @@ class SamplePacker:
                 return None
         # by bucket (in key order), longest first, then by id
         members = arr[np.lexsort((arr, -self._tokens[arr], bpos))].tolist()
-        out = []
-        start = 0
+        out, start = [], 0
         for j in held:
             m, end = self._preferred(self._bkeys[j]), start + int(count[j])
             out.extend(tuple(members[a:min(a + m, end)]) for a in range(start, end, m))
@@ -391,8 +388,7 @@ class SamplePacker:
             ctx = self.ctx
             return ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout
         fits, a = got
-        b = self.sp.index(k)
-        key = (k, len(item), int(fits.attn[a, b]), int(fits.mlp[a, b]))
+        key = (k, len(item), int(fits.attn[a, self.sp.index(k)]), int(fits.mlp[a, self.sp.index(k)]))
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
