@@ -35,7 +35,7 @@ def _numpy_pow_is_libm() -> bool:
     if features.get("AVX512_SKX") or features.get("AVX512F"):
         return False
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.random(2000) * 10.0 ** e for e in range(-9, 7, 3)])
+    x = np.concatenate([rng.random(200) * 10.0 ** e for e in range(-9, 7, 3)])
     xs = x.tolist()
     for p in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.5, 0.25, 1 / 3, 1 / 6, 1 / 1.5):
         if np.power(x, np.full(x.shape, p)).tolist() != [v ** p for v in xs]:
