@@ -28,10 +28,12 @@ import numpy as np
 from dcparallel.cost.base import (
     MicroBatchTerms,
     alltoall_time,
+    alltoall_time_many,
     cache_put,
     grad_sync_time,
     model_state_bytes,
 )
+from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, a2a_hidden_units
 
@@ -70,6 +72,11 @@ class Calibration:
 
 def _smoothmax(floor: float, compute: float, p: float) -> float:
     return (floor**p + compute**p) ** (1.0 / p)
+
+
+def _smoothmax_many(floor: float, compute: np.ndarray, p: float) -> np.ndarray:
+    """`_smoothmax` elementwise, bit for bit (`cost.batch.exact_pow`)."""
+    return exact_pow(floor**p + exact_pow(compute, p), 1.0 / p)
 
 
 def _pairs(model: ModelSpec, size: Size) -> float:
@@ -273,39 +280,58 @@ class AnalyticCost:
         return cache_put(self._cache, key, self._terms(n_tok, pairs, n_samples, sp))
 
     def _terms(self, n_tok: int, pairs: float, n_samples: int, sp: int) -> MicroBatchTerms:
+        return MicroBatchTerms(self.model.num_layers, *self._fields(n_tok, pairs, n_samples, sp, False))
+
+    def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
+        """`terms` of every micro-batch of `batches` at every degree of `sps`, as arrays of
+        shape (len(batches), len(sps)): the same arithmetic on numpy arrays (`cost.batch`),
+        each element equal to `terms` of that micro-batch at that degree. Not cached."""
+        n_tok = batches.token_sums()
+        assert n_tok.max(initial=0) < 2**53  # exact as float64, as Python's int / int divides
+        pairs, lengths = batches.pair_sums(), batches.lengths
+        sp = np.asarray(sps, dtype=np.int64)[None, :]
+        fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True)
+        shape = (len(batches), len(sps))
+        return TermsArray(self.model.num_layers, *(np.broadcast_to(f, shape) for f in fields),
+                          keep_all_feasible=np.ones(shape, dtype=bool))
+
+    def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool) -> tuple:
+        """`MicroBatchTerms`' fields after `num_layers`, in order, of a micro-batch of `n_tok`
+        tokens, `pairs` attention pairs and `n_samples` samples at `sp`: floats, or (`array`)
+        arrays of many micro-batches at many degrees (broadcast), by the same operations in
+        the same order."""
         m, cal = self.model, self.cal
+        smax = _smoothmax_many if array else _smoothmax
         L = m.num_layers
         n = n_tok / sp  # tokens each rank holds; attention work is head-sharded likewise
         pr = pairs / sp
         lin = n * self._lin
-        compute = _smoothmax(cal.floor_s, lin + pr * self._attn, cal.p)
-        c_attn = _smoothmax(cal.floor_s * self._share, lin * self._share + pr * self._attn, cal.p)
-        c_mlp = _smoothmax(cal.floor_s * (1 - self._share), lin * (1 - self._share), cal.p)
+        compute = smax(cal.floor_s, lin + pr * self._attn, cal.p)
+        c_attn = smax(cal.floor_s * self._share, lin * self._share + pr * self._attn, cal.p)
+        c_mlp = smax(cal.floor_s * (1 - self._share), lin * (1 - self._share), cal.p)
         act_bytes = n * m.hidden * m.bytes_per_value
         if m.attention == "factorized":
             a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
         else:  # q, k, v to head sharding, output back, in units of a hidden-sized activation; grouped
             # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
-            a2a_fwd = m.attn_per_layer * a2a_hidden_units(m, sp)
-        t_a2a = alltoall_time(self.cluster, sp, act_bytes)
+            a2a_fwd = (np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
+                       if array else m.attn_per_layer * a2a_hidden_units(m, sp))
+        t_a2a = (alltoall_time_many if array else alltoall_time)(self.cluster, sp, act_bytes)
         layer_time = compute + 2 * a2a_fwd * t_a2a
         dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a
         dt_mlp = cal.phi_mlp * c_mlp
         head = n * self._head_s_per_token
         if self._shard is not None:  # the shard block's all-gathers and reduce-scatters
-            head += self._shard.exposed(compute, L)
+            head += self._shard.exposed_many(compute, L) if array else self._shard.exposed(compute, L)
         per_tok = self._act_attn + self._act_mlp + self._act_rest
         act_layer = n * per_tok + n_samples * self._act_sample
         logits = n * m.vocab_size * (2 + 4)
         fixed = self._state + logits
-        return MicroBatchTerms(
-            num_layers=L, time_none=L * layer_time + head,
-            dt_attn=dt_attn, dt_mlp=dt_mlp, dt_full=dt_attn + dt_mlp,
-            fixed_bytes=fixed, act_layer=act_layer,
-            save_attn=n * self._act_attn, save_mlp=n * self._act_mlp,
-            save_full=act_layer - n * self._act_full,
-            transient_none=cal.transient_none * act_layer, transient_rec=cal.transient_rec * act_layer,
-        )
+        # time_none, dt_attn, dt_mlp, dt_full, fixed_bytes, act_layer, save_attn, save_mlp,
+        # save_full, transient_none, transient_rec
+        return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, fixed, act_layer,
+                n * self._act_attn, n * self._act_mlp, act_layer - n * self._act_full,
+                cal.transient_none * act_layer, cal.transient_rec * act_layer)
 
 
 def fit_report() -> list[dict]:

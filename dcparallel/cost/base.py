@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
+
+from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.spec import ClusterSpec, Layout, ModelSpec, Recompute, Size
 
 
@@ -133,6 +136,11 @@ class CostModel(Protocol):
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms: ...
 
+    def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
+        """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
+        len(sps)), each element equal to the scalar `terms` (`cost.batch`)."""
+        ...
+
     def grad_sync_time(self) -> float: ...
 
     def model_state_bytes(self) -> float: ...
@@ -250,3 +258,12 @@ def _group_exchange_time(cluster: ClusterSpec, n: int, num_bytes: float) -> floa
     if cluster.spans_nodes(n):
         return cluster.inter_latency * (n - 1) + volume / cluster.inter_bw
     return cluster.intra_latency * (n - 1) + volume / cluster.intra_bw
+
+
+def alltoall_time_many(cluster: ClusterSpec, sp: np.ndarray, bytes_per_rank: np.ndarray) -> np.ndarray:
+    """`alltoall_time` elementwise over arrays of degrees and bytes (broadcast), by the same
+    operations."""
+    volume = bytes_per_rank * (sp - 1) / sp
+    inter = cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
+    intra = cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw
+    return np.where(sp == 1, 0.0, np.where(sp > cluster.gpus_per_node, inter, intra))

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Sequence
 
 from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, grad_sync_time
+from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.cost.schema import Profile
 from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
@@ -189,6 +190,18 @@ class ProfiledCost:
         key = ("copies", tk, count, sp)
         hit = self._cache.get(key)
         return hit if hit is not None else cache_put(self._cache, key, self._terms({tk: count}, sp))
+
+    def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
+        """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
+        len(sps)): through `terms`' own cache and arithmetic, one micro-batch and degree at a time."""
+        out = []
+        for run in batches.token_runs():
+            toks = tuple(sorted(run))
+            for sp in sps:
+                key = (toks, sp)
+                hit = self._cache.get(key)
+                out.append(hit if hit is not None else cache_put(self._cache, key, self._terms(Counter(toks), sp)))
+        return TermsArray.stack(out, (len(batches), len(sps)))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         toks = tuple(sorted(self.model.tokens(s) for s in sizes))

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dcparallel.cost.base import block_collective_time
 from dcparallel.spec import ClusterSpec, ModelSpec
 
@@ -58,4 +60,12 @@ class ShardComm:
         if ag == 0.0 and rs == 0.0 and self.ag_root == 0.0:
             return 0.0
         per_layer = max(0.0, ag - c / 3.0) + max(0.0, ag + rs - 2.0 * c / 3.0)
+        return num_layers * per_layer + 2.0 * ag + self.ag_root + self.rs_root
+
+    def exposed_many(self, compute_per_layer: np.ndarray, num_layers: int) -> np.ndarray:
+        """`exposed` elementwise, by the same operations."""
+        ag, rs, c = self.ag_layer, self.rs_layer, compute_per_layer
+        if ag == 0.0 and rs == 0.0 and self.ag_root == 0.0:
+            return np.zeros_like(c)
+        per_layer = np.maximum(0.0, ag - c / 3.0) + np.maximum(0.0, ag + rs - 2.0 * c / 3.0)
         return num_layers * per_layer + 2.0 * ag + self.ag_root + self.rs_root

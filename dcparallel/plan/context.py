@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from itertools import chain
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
-from dcparallel.plan.types import REL_TOL, Fit, NoLayoutFits
+from dcparallel.cost.batch import Batches, TermsArray
+from dcparallel.plan.types import REL_TOL, Fit, MicroBatch, NoLayoutFits
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, format_bytes
 from dcparallel.topology import Topology
 
@@ -26,6 +28,7 @@ from dcparallel.topology import Topology
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
 
 MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+GRID_MIN = 16  # `mb_costs` prices fewer of a degree one at a time (cached): one grid costs about as much
 
 
 def mbs_candidates(top: int) -> list[int]:
@@ -44,6 +47,15 @@ class Option:
     @property
     def gpu_s_per_sample(self) -> float:
         return self.time * self.layout.sp / self.layout.mbs
+
+
+class FitGrid(NamedTuple):
+    """`PlanContext.layout_for` of many micro-batches at many SP degrees, as arrays of one
+    shape: the time (inf where nothing fits) and the recompute counts (-1 there)."""
+
+    time: np.ndarray
+    attn: np.ndarray
+    mlp: np.ndarray
 
 
 class PlanContext:
@@ -85,6 +97,7 @@ class PlanContext:
         self._options: dict = {}
         self._preferred: dict = {}
         self._tokens: np.ndarray | None = None  # `step_tokens`' array of `tokens`, made when first asked
+        self._sample_stats: tuple[np.ndarray, np.ndarray] | None = None  # see `batches`
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
         rep: dict[tuple[int, int], int] = {}
@@ -133,6 +146,48 @@ class PlanContext:
         terms = self.terms(sizes, sp)
         r = self.recompute_for(terms, mode)
         return cache_put(self._mixed, key, None if r is None else Fit(Layout(sp, len(sizes), r), terms.time(r)))
+
+    def batches(self, micro_batches: Sequence[Sequence[int]]) -> Batches:
+        """Micro-batches (sample ids) as the cost models' `Batches`."""
+        if self._sample_stats is None:  # each sample's tokens and pairs, once
+            pairs: dict[Size, float] = {}
+            for s in set(self.sizes):
+                pairs[s] = float(self.model.attention_pairs(s))
+            self._sample_stats = (np.asarray(self.tokens, dtype=np.int64),
+                                  np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)))
+        tokens, pairs_of = self._sample_stats
+        ids = np.fromiter(chain.from_iterable(micro_batches), dtype=np.int64)
+        return Batches(tokens[ids], pairs_of[ids],
+                       np.fromiter(map(len, micro_batches), dtype=np.int64, count=len(micro_batches)))
+
+    def fits_grid(self, micro_batches: Sequence[Sequence[int]], sps: Sequence[int], mode: RecomputeMode) -> FitGrid:
+        """`layout_for` of every micro-batch (its sample ids) at every degree of `sps`,
+        priced at once (`CostModel.terms_grid`), arrays of shape (len(micro_batches),
+        len(sps)): the same times and recompute counts, element by element. Not cached: a
+        step's candidate micro-batches rarely repeat."""
+        terms = self.cost.terms_grid(self.batches(micro_batches), sps)
+        attn, mlp = self.recompute_grid(terms, mode)
+        ok = attn >= 0
+        return FitGrid(np.where(ok, terms.time(np.where(ok, attn, 0), np.where(ok, mlp, 0)), np.inf), attn, mlp)
+
+    def recompute_grid(self, terms: TermsArray, mode: RecomputeMode) -> tuple[np.ndarray, np.ndarray]:
+        """`recompute_for` of each element: the counts (attn, mlp), -1 where nothing fits."""
+        if mode == "pac":
+            return terms.cheapest_recompute(self.budget)
+        L = self.model.num_layers
+        attn = np.full(terms.shape, -1, dtype=np.int64)
+        mlp = np.full(terms.shape, -1, dtype=np.int64)
+        best_t = np.full(terms.shape, np.inf)
+        for m in STATIC_MODES if mode == "fit" else (mode,):
+            r = Recompute.static(m, L)
+            fits = terms.memory(r.attn, r.mlp) <= self.budget
+            if mode == "fit":  # the first of least time among those that fit, as min() picks
+                t = terms.time(r.attn, r.mlp)
+                fits &= (attn < 0) | (t < best_t)
+                best_t = np.where(fits, t, best_t)
+            attn[fits] = r.attn
+            mlp[fits] = r.mlp
+        return attn, mlp
 
     def max_mbs(self, size: Size, sp: int, mode: RecomputeMode, cap: int = MAX_MBS) -> int:
         """Largest micro-batch of copies of `size` that fits at `sp` with `mode` (0 if none)."""
@@ -214,6 +269,30 @@ class PlanContext:
 
     def mb_terms(self, sample_ids: Sequence[int], sp: int) -> MicroBatchTerms:
         return self.terms(tuple(self.sizes[i] for i in sample_ids), sp)
+
+    def mb_costs(self, micro_batches: Sequence[MicroBatch]) -> tuple[list[float], list[float]]:
+        """`mb_time` and `mb_memory` of each micro-batch at its layout, priced per SP degree
+        at once (`CostModel.terms_grid`; one at a time below `GRID_MIN` of a degree): the
+        same values either way, element by element."""
+        times = [0.0] * len(micro_batches)
+        memory = [0.0] * len(micro_batches)
+        by_sp: dict[int, list[int]] = {}
+        for j, mb in enumerate(micro_batches):
+            by_sp.setdefault(mb.layout.sp, []).append(j)
+        for sp, js in by_sp.items():
+            mbs = [micro_batches[j] for j in js]
+            if len(mbs) < GRID_MIN:
+                for j, mb in zip(js, mbs):
+                    terms1 = self.mb_terms(mb.sample_ids, sp)
+                    times[j], memory[j] = terms1.time(mb.layout.recompute), terms1.memory(mb.layout.recompute)
+                continue
+            terms = self.cost.terms_grid(self.batches([mb.sample_ids for mb in mbs]), (sp,))
+            attn = np.array([[mb.layout.recompute.attn] for mb in mbs], dtype=np.int64)
+            mlp = np.array([[mb.layout.recompute.mlp] for mb in mbs], dtype=np.int64)
+            for j, t, m in zip(js, terms.time(attn, mlp)[:, 0].tolist(), terms.memory(attn, mlp)[:, 0].tolist()):
+                times[j] = t
+                memory[j] = m
+        return times, memory
 
     def mb_time(self, sample_ids: Sequence[int], layout: Layout) -> float:
         return self.mb_terms(sample_ids, layout.sp).time(layout.recompute)

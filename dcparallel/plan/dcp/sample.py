@@ -48,18 +48,20 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from itertools import repeat
 from typing import Callable, Sequence
 
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
 from dcparallel.plan.assemble import assemble, lpt
-from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.context import FitGrid, PlanContext, RecomputeMode
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.packing import Group, Node, Packing
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
+from dcparallel.spec import Layout, Recompute
 
 
 class SamplePacker:
@@ -71,7 +73,9 @@ class SamplePacker:
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
-        self._bpos = self._bkeys = None  # each sample's bucket as a position in the sorted buckets
+        self._bpos = self._bkeys = self._tokens = None  # per sample: its bucket's position, its tokens
+        self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
+        self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
         self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size)
 
@@ -84,23 +88,25 @@ class SamplePacker:
         size (the least GPU-seconds per sample; 1 for long samples), longest first; None if
         more than `max_items`."""
         ctx = self.ctx
+        if self._bpos is None:
+            self._bkeys = sorted(set(ctx.bucket_of))
+            pos = {b: j for j, b in enumerate(self._bkeys)}
+            self._bpos = np.array([pos[b] for b in ctx.bucket_of], dtype=np.int64)
+            self._tokens = np.asarray(ctx.tokens, dtype=np.int64)
+        arr = np.asarray(ids, dtype=np.int64)
+        bpos = self._bpos[arr]
+        count = np.bincount(bpos, minlength=len(self._bkeys))
+        held = count.nonzero()[0].tolist()
         if max_items is not None and len(ids) > max_items:  # counted in arrays first (many samples)
-            if self._bpos is None:
-                self._bkeys = sorted(set(ctx.bucket_of))
-                pos = {b: j for j, b in enumerate(self._bkeys)}
-                self._bpos = np.array([pos[b] for b in ctx.bucket_of], dtype=np.int64)
-            count = np.bincount(self._bpos[np.asarray(ids, dtype=np.int64)], minlength=len(self._bkeys))
-            held = count.nonzero()[0]
-            if int((-(-count[held] // [self._preferred(self._bkeys[j]) for j in held.tolist()])).sum()) > max_items:
+            if int((-(-count[held] // [self._preferred(self._bkeys[j]) for j in held])).sum()) > max_items:
                 return None
-        by: dict = {}
-        for i in ids:
-            by.setdefault(ctx.bucket_of[i], []).append(i)
-        out = []
-        for b in sorted(by):
-            m = self._preferred(b)
-            members = sorted(by[b], key=lambda i: (-ctx.tokens[i], i))
-            out.extend(tuple(members[a:a + m]) for a in range(0, len(members), m))
+        # by bucket (in key order), longest first, then by id
+        members = arr[np.lexsort((arr, -self._tokens[arr], bpos))].tolist()
+        out, start = [], 0
+        for j in held:
+            m, end = self._preferred(self._bkeys[j]), start + int(count[j])
+            out.extend(tuple(members[a:min(a + m, end)]) for a in range(start, end, m))
+            start = end
         return out
 
     def _preferred(self, b) -> int:
@@ -108,21 +114,11 @@ class SamplePacker:
         return self.ctx.preferred(b, self.mode).layout.mbs
 
     def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """Per micro-batch and degree, its time alone (inf where it does not fit)."""
-        ctx = self.ctx
-        rows: dict = {}  # per distinct sizes (video steps repeat a few shapes)
-        t = np.full((len(items), len(self.sp)), np.inf)
-        for a, item in enumerate(items):
-            sizes = tuple(ctx.sizes[i] for i in item)
-            row = rows.get(sizes)
-            if row is None:
-                row = rows[sizes] = [np.inf] * len(self.sp)
-                for b, k in enumerate(self.sp):
-                    fit = ctx.layout_for(sizes, k, self.mode)  # the bounded cache the simulator also uses
-                    if fit is not None:
-                        row[b] = fit.time
-            t[a] = row
-        return t
+        """Per micro-batch and degree, its time alone (inf where it does not fit), all priced
+        at once (`PlanContext.fits_grid`); the recompute counts are kept for `step_plan`."""
+        fits = self.ctx.fits_grid(items, self.sp, self.mode)
+        self._priced.update(zip(items, zip(repeat(fits), range(len(items)))))
+        return fits.time
 
     def alone(self, t: np.ndarray) -> np.ndarray:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
@@ -144,24 +140,14 @@ class SamplePacker:
         nar = np.where(ok, t * self.kf, np.inf).argmin(axis=1)
         own = t[np.arange(len(ids)), nar]
         # longest first: by GPU-seconds (or `by_time`: by time) at the narrowest degree, then id
-        if by_time:
-            order = sorted(range(len(ids)), key=lambda a: (-own[a], ids[a]))
-        else:
-            order = sorted(range(len(ids)), key=lambda a: (-own[a] * self.sp[nar[a]], ids[a]))
+        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
         tl, nl, ol = t.tolist(), nar.tolist(), own.tolist()
         exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
         subgroups, sp, deg = self.subgroups, self.sp, len(self.sp)
-
-        def take(b: int, room: float) -> int | None:
-            """The fullest open group of degree index b whose finish is within `room` (a
-            member longer than the group's longest only hides more sync), out of the open list."""
-            lst = fins[b]
-            if not lst or lst[0][0] > room:
-                return None
-            return lst.pop(bisect.bisect_right(lst, (room, len(groups))) - 1)[1]
+        bisect_right = bisect.bisect_right
 
         def put(g: int, a: int, need: float) -> None:
             grp = groups[g]
@@ -181,11 +167,16 @@ class SamplePacker:
             """An open group of degree index d with room for `need`, else a wider open group
             with room, split into sub-groups of degree d (its ranks run them first); the first
             sub-group is returned, the others stay open. None if neither."""
+            # the fullest open group whose finish is within `room` (a member longer than the
+            # group's longest only hides more sync) is taken out of its degree's open list
             room = cap - need
-            g = take(d, room)
-            for w in range(d + 1, deg) if g is None and subgroups else ():
-                p = take(w, room)
-                if p is not None:
+            lst = fins[d]
+            if lst and lst[0][0] <= room:
+                return lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
+            for w in range(d + 1, deg) if subgroups else ():
+                lst = fins[w]
+                if lst and lst[0][0] <= room:
+                    p = lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
                     base = self.finish(groups[p])  # the parent takes no more members
                     kids = list(range(len(groups), len(groups) + sp[w] // sp[d]))
                     groups[p].kids = kids
@@ -193,7 +184,7 @@ class SamplePacker:
                     for c in kids[1:]:
                         bisect.insort(fins[d], (base, c))
                     return kids[0]
-            return g
+            return None
 
         ranks = 0
         for a in order:
@@ -281,6 +272,7 @@ class SamplePacker:
         pack tighter more often)."""
         if not ids:
             return None
+        self._priced = {}
         merged = self.items(ids, max_items)
         if merged is None:
             return None
@@ -360,14 +352,24 @@ class SamplePacker:
 
     def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan]) -> None:
         k, items, kids = g.sp, g.items, g.subgroups
-        ctx = self.ctx
         if items:
-            out.append(GroupPlan(ranks, tuple(
-                MicroBatch(item, ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout)
-                for item in items), phase))
+            out.append(GroupPlan(ranks, tuple(MicroBatch(item, self._layout(item, k)) for item in items), phase))
         w = k // max(len(kids), 1)
         for c, kid in enumerate(kids):
             self._emit(kid, ranks[c * w:(c + 1) * w], phase - 1, out)
+
+    def _layout(self, item: tuple[int, ...], k: int) -> Layout:
+        """The layout `times` priced for a micro-batch at degree k (else `layout_for`'s)."""
+        got = self._priced.get(item)
+        if got is None:
+            ctx = self.ctx
+            return ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout
+        fits, a = got
+        key = (k, len(item), int(fits.attn[a, self.sp.index(k)]), int(fits.mlp[a, self.sp.index(k)]))
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
+        return lay
 
 
 def _depth(g: Group) -> int:
