@@ -21,10 +21,11 @@ demo: $(STAMP)
 	$(BIN)/dcparallel demo
 
 # two pytest workers (CI has two cores); a test module stays on one worker, so its
-# gloo process pool is started once
+# gloo process pool is started once; modules are handed out in collection order, which
+# tests/conftest.py makes longest first (tests/schedule.py), not xdist's most-tests-first
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check dcparallel tests benchmarks

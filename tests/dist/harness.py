@@ -18,6 +18,13 @@ import torch.multiprocessing as mp
 
 COMMAND_TIMEOUT_S = 150
 
+#: what the fork server imports once, so that no worker imports it again: torch, and what most
+#: modules' workers import next — torch._dynamo (any torch optimizer imports it on first use;
+#: transformers imports it too), transformers' and diffusers' model base modules (a missing one
+#: is skipped: the fork server ignores an ImportError)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
+           "diffusers.models.modeling_utils", "tests.dist.harness"]
+
 
 def _worker(rank: int, world: int, init_file: str, commands, results) -> None:
     torch.set_num_threads(1)
@@ -52,7 +59,7 @@ class Workers:
         # The ranks share the server's hash seed: that plans do not depend on it is tested with
         # fresh interpreters (test_loader, test_dcp_scale) and by the torchrun launches
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.dist.harness"])
+        ctx.set_forkserver_preload(PRELOAD)
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         init_file = str(tmp / "rendezvous")

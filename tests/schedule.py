@@ -1,0 +1,57 @@
+"""The order in which `make test` hands test modules to its two pytest-xdist workers.
+
+``--dist loadfile`` keeps a module on one worker (its gloo process pool is started once) and,
+with ``--no-loadscope-reorder``, hands modules out in collection order, one to whichever worker
+is nearly out of work. Started longest first, the long modules run while the short ones fill
+the gaps, and the two workers end together; in xdist's default order (most tests first) the
+torchrun tests, one or two tests each, came last and ran side by side while the other worker
+had nothing left.
+
+`MODULE_SECONDS`: each long module's seconds in `make test` on 2 cores (pytest --durations=0,
+all phases of its tests added up). A module not listed counts 0 and keeps its collection
+place after the listed ones. Only the order depends on these numbers, never a result: refresh
+them when a module's time changes by more than a few seconds."""
+
+from __future__ import annotations
+
+MODULE_SECONDS: dict[str, float] = {
+    # gloo worker pools (world 2 and 4)
+    "tests/dist/test_dist_adapters.py": 150,
+    "tests/dist/test_dist_sharded.py": 120,
+    "tests/dist/test_dist_video_epoch.py": 80,
+    "tests/dist/test_dist_joint.py": 70,
+    "tests/dist/test_dist_runtime.py": 50,
+    "tests/dist/test_dist_joint_epoch.py": 45,
+    "tests/dist/test_dist_hf_families.py": 40,
+    "tests/dist/test_dist_hf_structure.py": 35,
+    "tests/dist/test_dist_grad_sync.py": 30,
+    "tests/dist/test_dist_diffusers_memory.py": 25,
+    "tests/dist/test_dist_elastic.py": 15,
+    "tests/dist/test_dist_loader.py": 15,
+    "tests/dist/test_dist_mixed_sizes.py": 10,
+    "tests/dist/test_dist_profile.py": 10,
+    # torchrun launches
+    "tests/e2e/test_restarts_torchrun.py": 85,
+    "tests/e2e/test_finetune_torchrun.py": 73,
+    "tests/e2e/test_train_torchrun.py": 60,
+    "tests/e2e/test_multinode_torchrun.py": 43,
+    "tests/e2e/test_profile_torchrun.py": 31,
+    "tests/e2e/test_oom_torchrun.py": 15,
+    # in the pytest process (and CLI subprocesses)
+    "tests/unit/test_hf_attention_keywords.py": 40,
+    "tests/unit/test_loader_properties.py": 35,
+    "tests/unit/test_dcp_expand.py": 33,
+    "tests/unit/test_profile.py": 30,
+    "tests/unit/test_dcp_mixes.py": 20,
+    "tests/unit/test_scenarios.py": 19,
+    "tests/unit/test_loader.py": 15,
+    "tests/unit/test_mixed_sizes.py": 13,
+    "tests/unit/test_dcp_scale.py": 12,
+    "tests/unit/test_sharded_plan.py": 11,
+}
+
+
+def longest_first(items: list) -> None:
+    """Sorts ``items`` in place by their module's `MODULE_SECONDS`, longest first; a module's
+    tests keep their order and stay together (the sort is stable)."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], 0.0))
