@@ -254,16 +254,19 @@ def _group_exchange_time(cluster: ClusterSpec, n: int, num_bytes: float) -> floa
     group larger than a node."""
     if n == 1:
         return 0.0
-    volume = num_bytes * (n - 1) / n
     if cluster.spans_nodes(n):
-        return cluster.inter_latency * (n - 1) + volume / cluster.inter_bw
-    return cluster.intra_latency * (n - 1) + volume / cluster.intra_bw
+        return _exchange(cluster.inter_latency, cluster.inter_bw, n, num_bytes)
+    return _exchange(cluster.intra_latency, cluster.intra_bw, n, num_bytes)
+
+
+def _exchange(latency: float, bw: float, n, num_bytes):
+    """n - 1 steps of `latency` and (n - 1) / n of `num_bytes` over `bw` (floats or arrays)."""
+    return latency * (n - 1) + num_bytes * (n - 1) / n / bw
 
 
 def alltoall_time_many(cluster: ClusterSpec, sp: np.ndarray, bytes_per_rank: np.ndarray) -> np.ndarray:
     """`alltoall_time` elementwise over arrays of degrees and bytes (broadcast), by the same
     operations."""
-    volume = bytes_per_rank * (sp - 1) / sp
-    inter = cluster.inter_latency * (sp - 1) + volume / cluster.inter_bw
-    intra = cluster.intra_latency * (sp - 1) + volume / cluster.intra_bw
-    return np.where(sp == 1, 0.0, np.where(sp > cluster.gpus_per_node, inter, intra))
+    inter = _exchange(cluster.inter_latency, cluster.inter_bw, sp, bytes_per_rank)
+    intra = _exchange(cluster.intra_latency, cluster.intra_bw, sp, bytes_per_rank)
+    return np.where(sp == 1, 0.0, np.where(cluster.spans_nodes(sp), inter, intra))

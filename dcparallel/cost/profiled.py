@@ -194,17 +194,14 @@ class ProfiledCost:
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
         len(sps)): through `terms`' own cache and arithmetic, one micro-batch and degree at a time."""
-        out = []
-        for run in batches.token_runs():
-            toks = tuple(sorted(run))
-            for sp in sps:
-                key = (toks, sp)
-                hit = self._cache.get(key)
-                out.append(hit if hit is not None else cache_put(self._cache, key, self._terms(Counter(toks), sp)))
+        out = [self._cached(tuple(sorted(run)), sp) for run in batches.token_runs() for sp in sps]
         return TermsArray.stack(out, (len(batches), len(sps)))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
-        toks = tuple(sorted(self.model.tokens(s) for s in sizes))
+        return self._cached(tuple(sorted(self.model.tokens(s) for s in sizes)), sp)
+
+    def _cached(self, toks: tuple[int, ...], sp: int) -> MicroBatchTerms:
+        """`terms` of a micro-batch of samples of these token counts (sorted), cached."""
         key = (toks, sp)
         hit = self._cache.get(key)
         return hit if hit is not None else cache_put(self._cache, key, self._terms(Counter(toks), sp))

@@ -56,16 +56,15 @@ class ShardComm:
     def exposed(self, compute_per_layer: float, num_layers: int) -> float:
         """Seconds the block's collectives add to one micro-batch whose layers each compute
         ``compute_per_layer`` seconds forward + backward (the module docstring)."""
-        ag, rs, c = self.ag_layer, self.rs_layer, compute_per_layer
-        if ag == 0.0 and rs == 0.0 and self.ag_root == 0.0:
-            return 0.0
-        per_layer = max(0.0, ag - c / 3.0) + max(0.0, ag + rs - 2.0 * c / 3.0)
-        return num_layers * per_layer + 2.0 * ag + self.ag_root + self.rs_root
+        return self._exposed(compute_per_layer, num_layers, max)
 
     def exposed_many(self, compute_per_layer: np.ndarray, num_layers: int) -> np.ndarray:
         """`exposed` elementwise, by the same operations."""
-        ag, rs, c = self.ag_layer, self.rs_layer, compute_per_layer
+        return self._exposed(compute_per_layer, num_layers, np.maximum)
+
+    def _exposed(self, c, num_layers: int, maximum):
+        ag, rs = self.ag_layer, self.rs_layer
         if ag == 0.0 and rs == 0.0 and self.ag_root == 0.0:
-            return np.zeros_like(c)
-        per_layer = np.maximum(0.0, ag - c / 3.0) + np.maximum(0.0, ag + rs - 2.0 * c / 3.0)
+            return np.zeros_like(c) if isinstance(c, np.ndarray) else 0.0
+        per_layer = maximum(0.0, ag - c / 3.0) + maximum(0.0, ag + rs - 2.0 * c / 3.0)
         return num_layers * per_layer + 2.0 * ag + self.ag_root + self.rs_root
