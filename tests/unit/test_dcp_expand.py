@@ -21,6 +21,7 @@ from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp.refine import refine, spill
 from dcparallel.plan.dcp.search import (
     fits,
+    needs,
     part_bound,
     plan_floor,
     rows_at,
@@ -209,8 +210,13 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     cut = min(2, len(p.sp))
     halves = [a + b for a, b in zip(search(p, tab, parts, range(cut), CAP_FRACTIONS),
                                     search(p, tab, parts, range(cut, len(p.sp)), CAP_FRACTIONS))]
-    assert [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in halves] == \
-        [[[(c.T, c.first.tolist(), c.need) for c in cs] for cs in by_k] for by_k in got]
+    def cands(found):
+        return [[[(c.T, c.first.tolist(), needs(p, c.need)) for c in cs] for cs in by_k] for by_k in found]
+
+    assert cands(halves) == cands(got)
+    # the capped fractions searched after the uncapped one (as `dcp` does), the same
+    later = search(p, tab, parts, fracs=CAP_FRACTIONS[1:], known=search(p, tab, parts, fracs=CAP_FRACTIONS[:1]))
+    assert cands(later) == cands(got)
     for part, by_k in zip(parts, got):
         for kmin, cands in zip(p.sp, by_k):
             ref = _reference_search(p, tab, part, kmin)
@@ -242,7 +248,7 @@ def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
             floor = plan_floor(tab, part, p.world, ki)
             assert ki == 0 or floor >= plan_floor(tab, part, p.world, ki - 1)  # it only rises
             for c in cands:
-                got = allocate(p, [int(present[i]) for i in part], rows_at(tab, c.first), c.need)
+                got = allocate(p, [int(present[i]) for i in part], rows_at(tab, c.first), needs(p, c.need))
                 if got is not None:
                     assert got[0] >= floor, (ki, got[0], floor)
                     assert got[0] >= rows_floor(tab, c.first, p.world), (ki, got[0])

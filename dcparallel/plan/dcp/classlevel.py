@@ -50,6 +50,7 @@ from dcparallel.plan.dcp.search import (
     K,
     StepTable,
     expanded_floor,
+    needs,
     part_bound,
     plan_floor,
     rows,
@@ -97,12 +98,12 @@ class ClassLevelPlanner(LayoutTable):
                 found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab.fracs)[0]
             improved = False
             for c in found_by_k[ki]:
-                key = (tuple(part), c.first.tobytes(), tuple(c.need.items()))
+                key = (tuple(part), c.first.tobytes(), c.need.tobytes())
                 got = done.get(key, False)
                 if got is False:
                     if found and self._settled(found, keep, self._floor(rows_floor(tab, c.first, self.world))):
                         continue  # predicted at or above its floor, it cannot enter the plans kept
-                    got = done[key] = allocate(self, present, rows_at(tab, c.first), c.need)
+                    got = done[key] = allocate(self, present, rows_at(tab, c.first), needs(self, c.need))
                 if got is None:
                     continue
                 if not found or got.span < found[0].span * (1 - REL_TOL):
@@ -166,12 +167,14 @@ class ClassLevelPlanner(LayoutTable):
         whole = list(range(len(present)))
         first = range(min(self.config.first_degrees, len(self.sp)))
         tab.fracs = (1.0,)
-        ones = self._plan_part(tab, whole, search(self, tab, [whole], first)[0], keep=self.config.expand_best)
+        uncapped = search(self, tab, [whole], first)
+        ones = self._plan_part(tab, whole, uncapped[0], keep=self.config.expand_best)
         assert ones, "all buckets at the widest degree always fit the world"
         if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
             tab.fracs = self.config.cap_fractions
-            more = self._plan_part(tab, whole, search(self, tab, [whole], first, self.config.cap_fractions)[0],
-                                   keep=self.config.expand_best)
+            assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
+            capped = search(self, tab, [whole], first, tab.fracs[1:], known=uncapped)
+            more = self._plan_part(tab, whole, capped[0], keep=self.config.expand_best)
             ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
         one = ones[0]
         cands = [StepChoice(c.span, [c]) for c in ones]

@@ -280,15 +280,17 @@ class Problem(NamedTuple):
 class Candidate(NamedTuple):
     """A layout choice the search found: its makespan target T (its micro-batches' cap over
     the cap fraction), the chosen row of each of the part's buckets (`rows_at` gives them as
-    tuples) and the groups it needs per SP degree."""
+    tuples) and the groups it needs per SP degree (an index into the planner's degrees; as a
+    dict by `needs`)."""
 
     T: float
     first: np.ndarray
-    need: dict[int, int]
+    need: np.ndarray
 
 
 def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: range | None = None,
-           fracs: Sequence[float] = (1.0,)) -> list[list[list[Candidate]]]:
+           fracs: Sequence[float] = (1.0,),
+           known: list[list[list[Candidate]]] | None = None) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
     feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
@@ -298,10 +300,12 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
     smallest that fits, a second pass over the bracket finds it and the candidates after it.
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
-    same candidates."""
+    same candidates. `known`: what a search of the same parts and degrees at the fractions before
+    `fracs` found; the result extends it as if those fractions had been searched again here."""
     nk, nt = len(p.sp), len(tab.times)
     degrees = range(nk) if degrees is None else degrees
-    out: list[list[list[Candidate]]] = [[[] for _ in degrees] for _ in parts]
+    out: list[list[list[Candidate]]] = [[list(x) for x in per] for per in known] if known else \
+        [[[] for _ in degrees] for _ in parts]
     problems, ranks = [], []
     for q, part in enumerate(parts):
         part = np.asarray(part, dtype=np.int64)
@@ -351,7 +355,7 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
             for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
                     got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac,
-                                            first[pfirst[y]:pfirst[y] + len(part), i], _needs(p, need[y, i])))
+                                            first[pfirst[y]:pfirst[y] + len(part), i], need[y, i]))
     rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
     if rest:  # T infinite: the cap is infinite whatever its fraction
         fit, first, need, pfirst = fits(p, tab, [(problems[x].part, problems[x].ki) for x in rest],
@@ -359,11 +363,13 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
         for y, x in enumerate(rest):
             if fit[y, 0]:
                 got[x].append(Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(problems[x].part), 0],
-                                        _needs(p, need[y, 0])))
+                                        need[y, 0]))
     seen: dict[tuple[int, int], set] = {}
     for pr, cands in zip(problems, got):  # a (part, degree)'s fractions in order
         ki = pr.ki
-        mine = seen.setdefault((pr.q, ki), set())
+        mine = seen.get((pr.q, ki))
+        if mine is None:
+            mine = seen[pr.q, ki] = {c.first.tobytes() for c in out[pr.q][ki - degrees.start]}
         for c in cands:
             sig = c.first.tobytes()  # a bucket's rows are distinct (degree, size) pairs
             if sig not in mine:
@@ -384,5 +390,6 @@ def _coarse(n: int, coarse: int) -> np.ndarray:
     return out
 
 
-def _needs(p: LayoutTable, need: np.ndarray) -> dict[int, int]:
+def needs(p: LayoutTable, need: np.ndarray) -> dict[int, int]:
+    """A `Candidate`'s groups per SP degree, degrees without groups left out."""
     return {k: int(n) for k, n in zip(p.sp, need.tolist()) if n > 0}
