@@ -39,7 +39,7 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, MIXES, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
 from dcparallel.spec import Workload
@@ -68,7 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="1024")
     ap.add_argument("--budgets", default="weak")
-    ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in DISTRIBUTIONS))
+    ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s, sc in SCENARIOS.items() for d in (
+        *DISTRIBUTIONS, *(m for m, mix in MIXES.items() if mix.kind == sc.model.kind))),
+                    help="scenario/distribution pairs (default: each scenario's distributions and realistic mixes)")
     ap.add_argument("--steps", type=int, default=4, help="steady-state steps timed (after the first step)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
@@ -134,6 +136,11 @@ def main() -> int:
             line += "; profiled: " + ", ".join(
                 f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
         print(line, flush=True)
+    for budget in args.budgets.split(","):
+        for world in args.worlds.split(","):
+            meds = [statistics.median(cpu[name]) for name, *_ in cells if name.startswith(f"{budget} {world} ")]
+            print(f"{budget} {world}: median over its {len(meds)} cells {statistics.median(meds):.1f} ms, "
+                  f"slowest cell {max(meds):.1f} ms", flush=True)
     return 0
 
 
