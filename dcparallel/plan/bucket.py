@@ -14,7 +14,7 @@ smallest SP degree at which the longest sample fits with full recomputation.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 from dcparallel.plan.assemble import assemble, round_robin
 from dcparallel.plan.context import PlanContext, RecomputeMode
@@ -72,23 +72,33 @@ def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max
     """Builds `make(ctx, sp, mode)` for every static SP degree and recompute setting and
     returns the one whose plans of (an even subset of) `steps` have the least predicted time
     (`score`: a plan's predicted step seconds), with the time of every candidate tried."""
-    subset = even_subset(steps, max_steps)
-    tried: dict[str, float] = {}
-    best = None
-    for sp in ctx.topology.static_sizes(ctx.sp_sizes):
-        for mode in STATIC_MODES:
-            try:
-                planner = make(ctx, sp, mode)
-            except NoLayoutFits:
-                continue
-            t = sum(score(planner.plan(s)) for s in subset)
-            tried[f"sp{sp}-{mode}"] = t
-            if best is None or t < best[0]:
-                best = (t, planner)
-    if best is None:
+
+    def candidates():
+        for sp in ctx.topology.static_sizes(ctx.sp_sizes):
+            for mode in STATIC_MODES:
+                try:
+                    yield f"sp{sp}-{mode}", make(ctx, sp, mode)
+                except NoLayoutFits:
+                    continue
+
+    got = best_tuned(candidates(), even_subset(steps, max_steps), score)
+    if got is None:
         raise NoLayoutFits("no single SP degree and recompute setting fits every sample; "
                            "static baselines cannot run this data on this cluster")
-    return Tuned(best[1], tried)
+    return got
+
+
+def best_tuned(candidates: Iterable[tuple[str, Any]], steps: Sequence[Step], score: Score) -> Tuned | None:
+    """Of the (name, planner) candidates (`plan.policies.Planner`s), the first whose plans of `steps` have the least
+    summed `score`, with every candidate's sum by name; None without candidates."""
+    tried: dict[str, float] = {}
+    best = None
+    for name, planner in candidates:
+        t = sum(score(planner.plan(s)) for s in steps)
+        tried[name] = t
+        if best is None or t < best[0]:
+            best = (t, planner)
+    return None if best is None else Tuned(best[1], tried)
 
 
 def even_subset(steps: Sequence[Step], max_steps: int) -> list[Step]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcparallel.plan.assemble import assemble, lpt
-from dcparallel.plan.bucket import even_subset
+from dcparallel.plan.bucket import best_tuned, even_subset
 from dcparallel.plan.context import PlanContext, pack_bins
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Chunk, GroupPlan, MicroBatch, Score, StepPlan, Tuned
@@ -163,17 +163,8 @@ def _tuned(cls, ctx: PlanContext, steps: Sequence[Step], score: Score, max_steps
     one rank holds and at 1/2 .. 1/64 of it; the one whose plans of (an even subset of) the
     steps have the least predicted time (`score`) is kept, as the static baselines are tuned."""
     top = _rank_capacity(ctx)
-    subset = even_subset(steps, max_steps)
-    best = None
-    tried = {}
-    for d in (1, 2, 4, 8, 16, 32, 64):
-        cap = max(1, top // d)
-        planner = cls(ctx, cap)
-        t = sum(score(planner.plan(s)) for s in subset)
-        tried[f"cap{cap}"] = t
-        if best is None or t < best[0]:
-            best = (t, planner)
-    return Tuned(best[1], tried)
+    caps = [max(1, top // d) for d in (1, 2, 4, 8, 16, 32, 64)]
+    return best_tuned(((f"cap{cap}", cls(ctx, cap)) for cap in caps), even_subset(steps, max_steps), score)
 
 
 def build_megatron(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
