@@ -89,8 +89,9 @@ def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max
 
 
 def best_tuned(candidates: Iterable[tuple[str, Any]], steps: Sequence[Step], score: Score) -> Tuned | None:
-    """Of the (name, planner) candidates (`plan.policies.Planner`s), the first whose plans of `steps` have the least
-    summed `score`, with every candidate's sum by name; None without candidates."""
+    """Of the (name, planner) candidates (`plan.policies.Planner`s), the first whose plans of
+    `steps` have the least summed `score`, with every candidate's sum by name; None without
+    candidates."""
     tried: dict[str, float] = {}
     best = None
     for name, planner in candidates:

@@ -210,13 +210,13 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     cut = min(2, len(p.sp))
     halves = [a + b for a, b in zip(search(p, tab, parts, range(cut), CAP_FRACTIONS),
                                     search(p, tab, parts, range(cut, len(p.sp)), CAP_FRACTIONS))]
-    def cands(found):
+    def values(found):
         return [[[(c.T, c.first.tolist(), needs(p, c.need)) for c in cs] for cs in by_k] for by_k in found]
 
-    assert cands(halves) == cands(got)
+    assert values(halves) == values(got)
     # the capped fractions searched after the uncapped one (as `dcp` does), the same
     later = search(p, tab, parts, fracs=CAP_FRACTIONS[1:], known=search(p, tab, parts, fracs=CAP_FRACTIONS[:1]))
-    assert cands(later) == cands(got)
+    assert values(later) == values(got)
     for part, by_k in zip(parts, got):
         for kmin, cands in zip(p.sp, by_k):
             ref = _reference_search(p, tab, part, kmin)

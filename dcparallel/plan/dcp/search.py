@@ -280,8 +280,8 @@ class Problem(NamedTuple):
 class Candidate(NamedTuple):
     """A layout choice the search found: its makespan target T (its micro-batches' cap over
     the cap fraction), the chosen row of each of the part's buckets (`rows_at` gives them as
-    tuples) and the groups it needs per SP degree (an index into the planner's degrees; as a
-    dict by `needs`)."""
+    tuples) and the groups it needs per SP degree (an array over the planner's degrees; `needs`
+    gives it as a dict)."""
 
     T: float
     first: np.ndarray
