@@ -35,11 +35,12 @@ import time
 
 import numpy as np
 
+from benchmarks.sim_scale import distributions
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.scenarios import DISTRIBUTIONS, EPOCH_STEPS, MIXES, SCENARIOS, sample_sizes
+from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
 from dcparallel.spec import Workload
@@ -68,8 +69,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="1024")
     ap.add_argument("--budgets", default="weak")
-    ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s, sc in SCENARIOS.items() for d in (
-        *DISTRIBUTIONS, *(m for m, mix in MIXES.items() if mix.kind == sc.model.kind))),
+    ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in distributions(s, "all")),
                     help="scenario/distribution pairs (default: each scenario's distributions and realistic mixes)")
     ap.add_argument("--steps", type=int, default=4, help="steady-state steps timed (after the first step)")
     ap.add_argument("--profile", action="store_true")
