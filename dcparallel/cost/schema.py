@@ -23,8 +23,8 @@ each entry, still loads: its spread counts as unknown)::
                                         # it was measured at (times include the block's
                                         # collectives, model_state_bytes the sharded states)
       "reference_s": 0.004              # optional (absent = none): the median time of the
-                                        # profiler's reference run; every entry's time_s is
-                                        # rescaled to it (`profile.drift`)
+                                        # profiler's reference run; entries with a load_scale
+                                        # were rescaled to it (`profile.drift`)
     }
 
 Optional entry fields (absent = none): ``time_spread`` (the relative half-width of the 95%
@@ -34,7 +34,7 @@ interval of ``time_s``: the time is known to within time_s x (1 +- time_spread))
 ``measured`` (``depths``, ``time_s``, ``memory_bytes``: the short stacks it was extrapolated
 from; ``layer_s``: the time of one layer used, the median of per-round differences;
 ``reference_s``: the reference run's time while it was measured, ``load_scale``: the factor
-its time_s was multiplied by, the profile's reference_s / this one),
+its time_s was multiplied by, the profile's reference_s / this one; absent when not rescaled),
 ``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
 out of memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
 extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
@@ -154,7 +154,8 @@ class Profile:
     unfit_buckets: list[str] = field(default_factory=list)
     #: the parameter-shard block size the profile was measured at (`ClusterSpec.shard_size`)
     shard_size: int = 1
-    #: the reference run's median time, the speed every entry is priced at (`profile.drift`); None: not rescaled
+    #: the reference run's median time (`profile.drift`): the machine's speed while profiling, and the speed
+    #: every entry is priced at when rescaled (entries' ``measured["load_scale"]``); None: no reference run
     reference_s: float | None = None
 
     def __post_init__(self) -> None:  # JSON-shaped buckets and entries are accepted too

@@ -30,9 +30,14 @@ class ProfilerConfig:
     outlier_k: float = 3.5
     """a round more than this many scaled MADs from the median is an outlier and dropped"""
     reference: bool = False
-    """time a fixed reference run (smallest bucket, one sample, SP 1, one layer) in every round and
-    rescale every layout's time to the profile's median reference time (`profile.drift`): for
-    shared machines, whose load drifts over the minutes a profile takes"""
+    """time a fixed reference run (smallest bucket, one sample, SP 1, one layer) in every round
+    (`profile.drift`): each entry keeps the reference time of its rounds and the profile their
+    median (`Profile.reference_s`), the machine's speed to compare a later run against"""
+    rescale: bool = True
+    """with ``reference``: also rescale every layout's time to the profile's median reference
+    time, for shared machines whose load drifts over the minutes a profile takes. The reference
+    run is slowed by the work before it (after SP 2 rounds, or longer rounds), so on a machine
+    whose load does not drift rescaling adds that bias instead of removing one (`profile.drift`)"""
     max_mbs: int = 64
     """micro-batch sizes doubled up to this (the planners use at most 64)"""
     max_tokens: int | None = None

@@ -17,6 +17,17 @@ would have been had both been measured at the same moment.
 What it cannot do: tell the speed the machine will have later. A profile measured while the
 machine was 2x busier than during training still predicts 2x too long; the reference time is
 kept in the profile (`Profile.reference_s`) so that a run can be compared against it.
+
+What it gets wrong: the reference run is slowed by the work just before it, not only by the
+machine's load. On 2 CPU ranks (gloo, one thread each) it took 4.9-6.1 ms (median per profile)
+between the rounds of SP 1 layouts and 6.3-7.0 ms between those of SP 2 layouts, and longer
+rounds slowed it more (4.5 ms after the shortest SP 1 rounds, 6.0 ms after the longest); a
+bare 1 MiB all-to-all before it slowed it from 3.3-3.8 to 4.7-5.5 ms. Rescaling divides each
+entry by that too: in five demo profiles it lowered the SP 2 entries of the largest
+micro-batches by up to 16%, and re-pricing the plans those runs executed put the worst
+prediction 18.2% off rescaled against 14.4% without. So rescaling pays where the load drifts by
+more than that (a shared machine); on a quiet one `ProfilerConfig.rescale` = False keeps the
+reference as a record of the machine's speed only (`median_reference`).
 """
 
 from __future__ import annotations
@@ -51,16 +62,25 @@ class ReferenceClock:
         return float(statistics.median(window)) if window else None
 
 
+def _timed(entries: Sequence[ProfileEntry]) -> list[ProfileEntry]:
+    return [e for e in entries if e.measured and e.measured.get("reference_s")]
+
+
+def median_reference(entries: Sequence[ProfileEntry]) -> float | None:
+    """The median of the entries' reference times (``measured["reference_s"]``); None: no entry has one."""
+    timed = _timed(entries)
+    return float(statistics.median(e.measured["reference_s"] for e in timed)) if timed else None
+
+
 def rescale(entries: Sequence[ProfileEntry]) -> float | None:
     """Puts every timed entry (``measured["reference_s"]`` set) on the profile's median
     reference time: ``time_s`` and a full-depth validation's time are multiplied by
     ``reference / reference_s`` (kept as ``measured["load_scale"]``; the short stacks'
     ``measured["time_s"]`` stay as measured). Returns the reference (None: no entry has one)."""
-    timed = [e for e in entries if e.measured and e.measured.get("reference_s")]
-    if not timed:
+    ref = median_reference(entries)
+    if ref is None:
         return None
-    ref = float(statistics.median(e.measured["reference_s"] for e in timed))
-    for e in timed:
+    for e in _timed(entries):
         scale = ref / e.measured["reference_s"]
         e.measured["load_scale"] = scale
         if e.time_s is not None:

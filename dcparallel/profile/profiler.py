@@ -54,7 +54,7 @@ from dcparallel.profile.config import (  # noqa: F401 (re-exported)
     group_buckets,
     representative_sizes,
 )
-from dcparallel.profile.drift import ReferenceClock, rescale
+from dcparallel.profile.drift import ReferenceClock, median_reference, rescale
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
     SavedTensorMeter,
@@ -159,7 +159,8 @@ class Profiler:
             "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
                        "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
             "timing": {**{k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
-                       **({"reference": True} if self.config.reference else {})},
+                       **({"reference": True} if self.config.reference else {}),
+                       **({"rescale": False} if self.config.reference and not self.config.rescale else {})},
             **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
         }
 
@@ -352,9 +353,9 @@ class Profiler:
                     if not entry.feasible:
                         break
                     t_l = entry.time_s
-                    # samples/s on the reference clock (load drift cancels); a drop within the
-                    # layout's own spread is noise and does not end the chain
-                    tput = mbs / t_l * entry.measured.get("reference_s", 1.0)
+                    # samples/s (on the reference clock when rescaling: load drift cancels); a
+                    # drop within the layout's own spread is noise and does not end the chain
+                    tput = mbs / t_l * (entry.measured.get("reference_s", 1.0) if cfg.rescale else 1.0)
                     if mbs > 1 and tput * (1 + (entry.time_spread or 0.0)) < best * (1 + cfg.min_gain):
                         break
                     best = max(best, tput)
@@ -372,7 +373,8 @@ class Profiler:
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
                          key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
-        reference_s = rescale(entries)  # every layout on the profile's median machine speed
+        # with rescaling, every layout on the profile's median machine speed
+        reference_s = rescale(entries) if cfg.rescale else median_reference(entries)
         self.clock = None
         clamped = sum(comm.all_gather_object(clamped))
 

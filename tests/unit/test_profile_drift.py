@@ -33,8 +33,9 @@ class DriftingTimer:
         return (ran + 1) * self.tokens * 1e-3 * self.load
 
 
-def drifting_profile(reference: bool) -> Profile:
-    prof = make_profiler(max_mbs=1, modes=("none",), repeats=5, max_repeats=5, reference=reference)
+def drifting_profile(reference: bool, rescale: bool = True) -> Profile:
+    prof = make_profiler(max_mbs=1, modes=("none",), repeats=5, max_repeats=5, reference=reference,
+                         rescale=rescale)
     prof.timer = DriftingTimer(prof)
     return prof.run([16, 64])[0]
 
@@ -55,6 +56,18 @@ def test_the_reference_run_removes_load_drift_between_layouts():
     again = Profile.from_json(json.loads(json.dumps(fixed.to_json())))
     assert again.reference_s == fixed.reference_s
     assert [e.time_s for e in again.entries] == [e.time_s for e in fixed.entries]
+
+
+def test_the_reference_run_recorded_without_rescaling():
+    plain, kept = drifting_profile(False), drifting_profile(True, rescale=False)
+    assert [e.time_s for e in kept.entries] == [pytest.approx(e.time_s) for e in plain.entries]  # as measured
+    assert kept.entries[1].time_s / kept.entries[0].time_s == pytest.approx(8.0)
+    assert [e.measured["reference_s"] for e in kept.entries] == [pytest.approx(0.032), pytest.approx(0.064)]
+    assert kept.reference_s == pytest.approx(0.048)  # the machine's speed, kept for a run to compare against
+    assert not any("load_scale" in e.measured for e in kept.entries)
+    timing = kept.fingerprint["timing"]
+    assert timing["reference"] is True and timing["rescale"] is False  # not reused as a rescaled profile
+    assert "rescale" not in drifting_profile(True).fingerprint["timing"]
 
 
 def test_rescale_and_the_clock_window():
