@@ -5,7 +5,7 @@
 
 Each run writes its own folder (`run1`, `run2`, ...) with no cached profile, so every run
 profiles the model again; `--collect DIR [DIR ...]` tabulates runs made before instead. The
-table has per run: profiling time, each policy's fastest wall time and its prediction, the
+table has per run: profiling time, each policy's counted (median) wall time and its prediction, the
 prediction error (max over policies, at the profile's speed, as the demo reports it) and
 `dcp`'s speedup over `bucket` and `packed`.
 """

@@ -7,7 +7,7 @@ the paper-scale simulation.
 2. One `torchrun` launch, 2 gloo ranks with one thread each (`dcparallel.apps.demo_worker`):
    profile the tiny LM at world 2, warm up every SP degree and recompute path, then train the
    same samples in the same steps per policy (bucket, packed, dcp; `--repeats` runs each,
-   interleaved, the fastest counts), timing the training loop only. A per-rank memory budget,
+   interleaved, the median counts), timing the training loop only. A per-rank memory budget,
    derived from the profile so that the longest sample needs SP = 2 *and* recomputation (as a
    device's memory would force), makes the run use all three levers.
 3. Each run is predicted by the simulator from the same profile.
@@ -36,8 +36,8 @@ POLICIES = ("bucket", "packed", "dcp")
 TOKENS_PER_STEP = 16384
 #: gloo ranks the demo launches
 WORLD = 2
-#: timed runs per policy (interleaved); each policy's fastest run is compared
-REPEATS = 2
+#: timed runs per policy (interleaved); each policy's median run is compared (`demo_worker.counted_run`)
+REPEATS = 3
 
 
 def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
@@ -161,7 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP)
     p.add_argument("--repeats", type=int, default=REPEATS,
-                   help="timed runs per policy, interleaved; each policy's fastest counts, all are reported with "
+                   help="timed runs per policy, interleaved; each policy's median counts, all are reported with "
                         "their spread (default %(default)s; raise it on a busy machine)")
     p.add_argument("--skip-paper-scale", action="store_true", help="do not simulate the paper-scale scenarios")
     p.add_argument("--json", action="store_true", help="one JSON object on one line, last on stdout")

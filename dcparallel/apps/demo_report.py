@@ -40,6 +40,12 @@ def rank_timelines(real: dict, names: tuple[str, ...]) -> dict[str, dict[int, li
     return out
 
 
+def counted(walls: list[float]) -> float:
+    """The wall time that counts of a policy's runs (`demo_worker.counted_run`): the median, of an
+    even number the faster of the middle two."""
+    return statistics.median_low(walls)
+
+
 def spread(walls: list[float]) -> dict:
     """min / median / max of a policy's repeated wall times and their relative spread
     ((max - min) / median)."""
@@ -52,7 +58,7 @@ def spread(walls: list[float]) -> dict:
 def trust_notes(walls: dict[str, list[float]], errors: dict[str, float] | None = None,
                 pairs: tuple[tuple[str, str], ...] = (("dcp", "bucket"), ("dcp", "packed"))) -> list[str]:
     """Plain sentences saying which comparisons the timings cannot support: a pair of policies
-    whose fastest runs differ by less than the spread (max - min) of either's repeats, a single
+    whose counted (median) runs differ by less than the spread (max - min) of either's repeats, a single
     run per policy (spread unknown), a large prediction error of a policy whose own runs spread
 widely (the error may be the machine's load, not the simulator's).
     Empty when every comparison holds; the last sentence says how to rerun."""
@@ -65,12 +71,12 @@ widely (the error may be the machine's load, not the simulator's).
         for a, b in pairs:
             if a not in spreads or b not in spreads:
                 continue
-            gap = abs(spreads[a]["min"] - spreads[b]["min"])
+            gap = abs(counted(walls[a]) - counted(walls[b]))
             wide = max((a, b), key=lambda n: spreads[n]["max"] - spreads[n]["min"])
             s = spreads[wide]
             if s["max"] - s["min"] >= gap:
-                notes.append(f"{a} vs {b}: the difference of their fastest runs ({gap:.1f} s, "
-                             f"{100 * gap / max(spreads[a]['min'], spreads[b]['min']):.0f}%) is smaller than the "
+                notes.append(f"{a} vs {b}: the difference of their median runs ({gap:.1f} s, "
+                             f"{100 * gap / max(counted(walls[a]), counted(walls[b])):.0f}%) is smaller than the "
                              f"spread of {wide}'s runs ({s['min']:.1f}-{s['max']:.1f} s, {100 * s['relative']:.0f}%): "
                              f"this comparison means nothing on this machine now.")
         for n, e in (errors or {}).items():
@@ -113,7 +119,8 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         f"{real['tokens_per_step']:,} tokens per step. Memory budget per rank: "
         f"{r['memory_budget_bytes'] / 2**20:.1f} MiB ({r['budget_rule']}). Profiling {profiling}; "
         f"training time below excludes start-up and profiling. The whole demo took {s['demo_s'] / 60:.1f} min.", "",
-        f"Each policy ran {r['repeats']} times, interleaved with the others; its fastest run counts (all runs: "
+        f"Each policy ran {r['repeats']} times, interleaved with the others; its median run counts (of an even "
+        "number, the faster of the middle two; all runs: "
         "\"runs\" column; their min / median / max and relative spread: \"spread\"). Every SP degree and "
         "recompute path was warmed up before the first timed run. Column meanings: docs/glossary.md.", "",
         "| policy | wall s | runs s | spread s (min / median / max) | tokens/s | steps | samples | "

@@ -56,6 +56,16 @@ def test_spread_of_repeats():
     assert s["relative"] == pytest.approx(32.5 / 60.0)
 
 
+def test_the_median_run_counts():
+    from dcparallel.apps.demo_report import counted
+    from dcparallel.apps.demo_worker import counted_run
+
+    runs = [{"wall_s": 26.8, "i": 0}, {"wall_s": 20.4, "i": 1}, {"wall_s": 24.0, "i": 2}]
+    assert counted_run(runs)["i"] == 2 and counted([r["wall_s"] for r in runs]) == 24.0
+    assert counted_run(runs[:2])["i"] == 1 and counted([26.8, 20.4]) == 20.4  # even: the faster middle one
+    assert counted_run(runs[:1])["i"] == 0
+
+
 def test_trust_notes_say_when_the_spread_swamps_the_difference():
     from dcparallel.apps.demo_report import trust_notes
 
