@@ -6,7 +6,8 @@
 Each run writes its own folder (`run1`, `run2`, ...) with no cached profile, so every run
 profiles the model again; `--collect DIR [DIR ...]` tabulates runs made before instead. The
 table has per run: profiling time, each policy's counted (median) wall time and its prediction, the
-prediction error (max over policies, at the profile's speed, as the demo reports it) and
+prediction error (max over policies, as the demo reports it: the profile's prices times the
+training factor measured before the timed runs), the factor and the error without it, and
 `dcp`'s speedup over `bucket` and `packed`.
 """
 from __future__ import annotations
@@ -38,18 +39,20 @@ def row(run_dir: Path) -> dict:
             "wall": {p: real[p]["wall_s"] for p in POLICIES},
             "spread": {p: real[p]["spread"]["relative"] for p in POLICIES},
             "pred": {p: pred[p]["wall_s"] for p in POLICIES}, "err": errs,
-            "error": s["prediction_error"], "speedup": s["real"]["speedup"],
+            "error": s["prediction_error"], "factor": s.get("training_factor", 1.0),
+            "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]), "speedup": s["real"]["speedup"],
             "speedup_vs_packed": s["real"]["speedup_vs_packed"]}
 
 
 def table(rows: list[dict]) -> str:
     head = ("| run | profiling s | " + " | ".join(f"{p} s (pred., error)" for p in POLICIES)
-            + " | prediction error (max) | dcp vs bucket | dcp vs packed |")
-    lines = [head, "| " + " | ".join(["---"] * (len(POLICIES) + 5)) + " |"]
+            + " | prediction error (max) | training factor | error at profile prices (max) | dcp vs bucket"
+            " | dcp vs packed |")
+    lines = [head, "| " + " | ".join(["---"] * (len(POLICIES) + 7)) + " |"]
     for r in rows:
         cells = [f"{r['wall'][p]:.1f} ({r['pred'][p]:.1f}, {r['err'][p]:.0%})" for p in POLICIES]
         lines.append(f"| {r['run']} | {r['profile_s']:.0f} | " + " | ".join(cells)
-                     + f" | {r['error']:.0%} | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
+                     + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%} | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
     return "\n".join(lines)
 
 

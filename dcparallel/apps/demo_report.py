@@ -97,11 +97,19 @@ def speed_text(s: dict) -> str:
                      f"{100 * abs(v['wall_s_at_run_speed'] - walls[n]) / walls[n]:.0f}%)"
                      for n, v in s["predicted"].items() if "speed" in v)
     return (f"Machine speed: the profile's reference run took this many times its profiling time during each "
-            f"policy's runs (ticked between steps, outside the timed wall), and the prediction at that speed "
-            f"(error): {runs}; prediction error at the runs' speed (max over policies): "
-            f"{100 * s['prediction_error_at_run_speed']:.0f}%. The predicted wall s column prices at the profile's "
-            f"speed; on a machine whose load changes between profiling and training only the one at the runs' "
-            f"speed can be right.")
+            f"policy's runs (ticked between steps, outside the timed wall), and the profile's prediction scaled "
+            f"by it instead of the training factor (error): {runs}; prediction error at the runs' speed (max over "
+            f"policies): {100 * s['prediction_error_at_run_speed']:.0f}%. One fixed micro-batch between steps "
+            f"tracks the machine's load, but not what training itself adds.")
+
+
+def factor_text(s: dict) -> str:
+    """The measured training factor the predictions are scaled by, and the error without it."""
+    return (f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
+            f"factor by which the first untimed training steps of every policy ran longer than the profile "
+            f"priced their micro-batches (the profile times each layout in a loop of that one micro-batch); "
+            f"at the profile's prices the prediction error (max over policies) is "
+            f"{100 * s['prediction_error_at_profile_prices']:.0f}%.")
 
 
 def _spread_text(s: dict) -> str:
@@ -136,6 +144,7 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
               f"prediction error (max over policies): {100 * s['prediction_error']:.0f}%. "
               f"All runs trained the same samples in the same steps: {'yes' if same else 'NO'} "
               f"(hash of each step's sample ids).", ""]
+    lines += [factor_text(s), ""]
     if s.get("prediction_error_at_run_speed") is not None:
         lines += [speed_text(s), ""]
     if s["trust_notes"]:
@@ -176,6 +185,7 @@ def print_table(s: dict) -> None:
               f"{v['loss_first']:6.3f} -> {v['loss_last']:.3f}  {_spread_text(v['spread'])}")
     print(f"dcp speedup vs bucket {r['speedup']:.2f}x, vs packed {r['speedup_vs_packed']:.2f}x; "
           f"prediction error {100 * s['prediction_error']:.0f}%")
+    print(factor_text(s))
     if s.get("prediction_error_at_run_speed") is not None:
         print(speed_text(s))
     for note in s["trust_notes"]:

@@ -1,7 +1,8 @@
-"""The demo's torchrun worker: profile, warm up, then train once per policy per repeat, timed.
+"""The demo's torchrun worker: profile, warm up, calibrate, then train once per policy per repeat, timed.
 
-Profiles the tiny LM at world 2, warms up, then trains the same samples in the same steps once
-per policy and repeat, timing the training loop only.
+Profiles the tiny LM at world 2, warms up, measures how much slower training runs the
+profile's layouts than the profile timed them (`training_factor`), then trains the same
+samples in the same steps once per policy and repeat, timing the training loop only.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m dcparallel.apps.demo --worker ...
 
@@ -29,6 +30,8 @@ MODEL = "tiny-llama"
 SEED = 0
 #: the budget is this fraction of the memory the longest sample needs on one rank with full recompute
 BUDGET_FRACTION = 0.95
+#: steps of every policy trained, untimed, before the timed runs to measure `training_factor`
+CALIBRATION_STEPS = 2
 
 
 def samples_hash(step_ids: list[list[int]]) -> str:
@@ -137,6 +140,15 @@ def worker(args: argparse.Namespace) -> int:
         opt.step()
         ts.append(time.perf_counter() - a)
     optimizer_s = sorted(ts)[2]
+    # -- the profile times each layout in a loop of that one micro-batch; training runs
+    # different shapes one after another between optimizer steps, which is slower on a CPU
+    # (caches). The first steps of every policy, untimed, measure by how much.
+    calibration = [_train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups,
+                               max_steps=CALIBRATION_STEPS) for policy in args.policies]
+    factor = training_factor(calibration)
+    if rank == 0:
+        log.warning("training runs the profile's layouts %.3fx as long as profiled (first %d steps of every "
+                    "policy, untimed); predictions are scaled by it", factor, CALIBRATION_STEPS)
 
     # -- the runs: policies interleaved, `repeats` rounds; each policy keeps its median run
     # (`counted_run`) and every run's wall time is reported
@@ -159,7 +171,8 @@ def worker(args: argparse.Namespace) -> int:
             "world": world, "memory_budget_bytes": budget, "budget_rule":
             f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs on one rank with full "
             f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
-            "optimizer_step_s": optimizer_s, "tokens_per_step": args.tokens_per_step, "layers": args.layers,
+            "optimizer_step_s": optimizer_s, "training_factor": factor,
+            "tokens_per_step": args.tokens_per_step, "layers": args.layers,
             "repeats": args.repeats, "policies": results}))
     del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
     end_distributed()
@@ -174,11 +187,28 @@ def counted_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
+def training_factor(runs: list[dict]) -> float:
+    """How many times the profile's price the micro-batches of these runs took: their
+    measured busy time over their priced time, summed over every step and rank."""
+    measured = priced = 0.0
+    for run in runs:
+        for rank_steps in run["rank_steps"]:
+            for st in rank_steps:
+                measured += sum(b - a for a, b, *_ in st["segs"])
+                priced += sum(st["priced"])
+    if priced <= 0:
+        raise ValueError("no micro-batch was trained to calibrate against the profile")
+    return measured / priced
+
+
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None,
+                max_steps: int | None = None) -> dict:
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
-    per-rank busy spans of each step. ``clock``: the profile's `ReferenceClock`, ticked twice
-    after every step outside the timed wall (``reference_s``: the median over both ranks)."""
+    per-rank busy spans of each step with each micro-batch's price (``priced``: its time by
+    the profile). ``clock``: the profile's `ReferenceClock`, ticked twice after every step
+    outside the timed wall (``reference_s``: the median over both ranks). ``max_steps``: stop
+    after that many steps (the calibration)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
@@ -195,16 +225,21 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
     start = time.perf_counter()
     for step in loader:
         t_step = time.perf_counter()
-        segs = []
+        segs, mbs = [], []
         for batch in step:
             a = time.perf_counter()
             lm_micro_batch(dc, model, batch)
             rc = batch.layout.recompute
             segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
+            mbs.append((batch.sample_ids, batch.layout))
         compute_end = time.perf_counter() - t_step
         losses.append(dc.sync_gradients())
         opt.step()
-        steps_log.append({"segs": segs, "compute_end": compute_end, "end": time.perf_counter() - t_step,
+        end = time.perf_counter() - t_step
+        a = time.perf_counter()  # pricing is outside the timed wall
+        priced = [cost.terms(tuple(lengths[i] for i in ids), lay.sp).time(lay.recompute) for ids, lay in mbs]
+        paused += time.perf_counter() - a
+        steps_log.append({"segs": segs, "priced": priced, "compute_end": compute_end, "end": end,
                           "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
         if clock:
@@ -212,6 +247,8 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
             clock.tick()
             clock.tick()
             paused += time.perf_counter() - a
+        if len(step_ids) == max_steps:
+            break
     wall = time.perf_counter() - start - paused
     logs = comm.all_gather_object(steps_log)
     refs = [t for ts in comm.all_gather_object(clock.times[mark:] if clock else []) for t in ts]

@@ -95,3 +95,18 @@ def test_speed_text_prices_the_prediction_at_the_runs_speed():
     text = speed_text(s)
     assert "bucket 1.25x (50.0 s, 0%)" in text and "dcp 1.35x (27.0 s, 10%)" in text
     assert "(max over policies): 10%" in text
+
+
+def test_training_factor_is_measured_busy_time_over_priced_time():
+    """Summed over runs, ranks, steps and micro-batches: (end - start) of each micro-batch
+    over its price; a calibration with no micro-batch is refused."""
+    import pytest
+
+    from dcparallel.apps.demo_worker import training_factor
+
+    step = {"segs": [(0.0, 0.3, 1, False), (0.3, 0.9, 2, True)], "priced": [0.25, 0.5]}
+    idle = {"segs": [], "priced": []}
+    runs = [{"rank_steps": [[step, idle], [step]]}, {"rank_steps": [[idle], [step]]}]
+    assert training_factor(runs) == pytest.approx(3 * 0.9 / (3 * 0.75))
+    with pytest.raises(ValueError, match="no micro-batch"):
+        training_factor([{"rank_steps": [[idle]]}])
