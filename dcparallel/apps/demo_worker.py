@@ -31,7 +31,8 @@ SEED = 0
 #: the budget is this fraction of the memory the longest sample needs on one rank with full recompute
 BUDGET_FRACTION = 0.95
 #: steps of every policy trained, untimed, before the timed runs to measure `training_factor`
-CALIBRATION_STEPS = 2
+#: (the first of each is not counted)
+CALIBRATION_STEPS = 3
 
 
 def samples_hash(step_ids: list[list[int]]) -> str:
@@ -147,7 +148,7 @@ def worker(args: argparse.Namespace) -> int:
                                max_steps=CALIBRATION_STEPS) for policy in args.policies]
     factor = training_factor(calibration)
     if rank == 0:
-        log.warning("training runs the profile's layouts %.3fx as long as profiled (first %d steps of every "
+        log.warning("training runs the profile's layouts %.3fx as long as profiled (steps 2-%d of every "
                     "policy, untimed); predictions are scaled by it", factor, CALIBRATION_STEPS)
 
     # -- the runs: policies interleaved, `repeats` rounds; each policy keeps its median run
@@ -172,6 +173,7 @@ def worker(args: argparse.Namespace) -> int:
             f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs on one rank with full "
             f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
             "optimizer_step_s": optimizer_s, "training_factor": factor,
+            "calibration": {p: step_factors(r) for p, r in zip(args.policies, calibration)},
             "tokens_per_step": args.tokens_per_step, "layers": args.layers,
             "repeats": args.repeats, "policies": results}))
     del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
@@ -187,18 +189,26 @@ def counted_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
 
 
-def training_factor(runs: list[dict]) -> float:
+def training_factor(runs: list[dict], skip: int = 1) -> float:
     """How many times the profile's price the micro-batches of these runs took: their
-    measured busy time over their priced time, summed over every step and rank."""
+    measured busy time over their priced time, summed over every rank and step but each
+    run's first `skip` (a fresh model's first step allocates its buffers: slower, and one
+    step in many of a timed run)."""
     measured = priced = 0.0
     for run in runs:
         for rank_steps in run["rank_steps"]:
-            for st in rank_steps:
+            for st in rank_steps[skip:]:
                 measured += sum(b - a for a, b, *_ in st["segs"])
                 priced += sum(st["priced"])
     if priced <= 0:
         raise ValueError("no micro-batch was trained to calibrate against the profile")
     return measured / priced
+
+
+def step_factors(run: dict) -> list[float]:
+    """Per step of a run, its micro-batches' measured busy time over their priced time (both ranks)."""
+    return [training_factor([{"rank_steps": [[rs[k]] for rs in run["rank_steps"]]}], skip=0)
+            for k in range(len(run["rank_steps"][0]))]
 
 
 def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None,
