@@ -40,7 +40,8 @@ def row(run_dir: Path) -> dict:
             "spread": {p: real[p]["spread"]["relative"] for p in POLICIES},
             "pred": {p: pred[p]["wall_s"] for p in POLICIES}, "err": errs,
             "error": s["prediction_error"], "factor": s.get("training_factor", 1.0),
-            "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]), "speedup": s["real"]["speedup"],
+            "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]),
+            "speedup": s["real"]["speedup"],
             "speedup_vs_packed": s["real"]["speedup_vs_packed"]}
 
 
@@ -52,7 +53,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells = [f"{r['wall'][p]:.1f} ({r['pred'][p]:.1f}, {r['err'][p]:.0%})" for p in POLICIES]
         lines.append(f"| {r['run']} | {r['profile_s']:.0f} | " + " | ".join(cells)
-                     + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%} | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
+                     + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%}"
+                     + f" | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -610,32 +610,44 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
                           ("text", "long", 512, False, {1, 2})])
 def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(scenario, dist, world, skips, phases,
                                                                                  monkeypatch):
-    """`dcp` expands its candidates least floor first and skips one whose floor
-    (`expanded_floor`) is above the best prediction made: lossless only if no expansion is
-    predicted below its floor. With the skipping off (floors of -inf), every candidate of two
-    weak-scaled steps of the scale report is expanded and checked against its real floor, one-
-    and two-phase plans; the plans with skipping on are the same, group by group, and at
-    weak 1024 text/balanced fewer candidates are expanded (`skips`; `phases`: the phase counts
-    of the plans expanded in the cell)."""
+    """`dcp` expands its candidates least floor first, skips one whose floor
+    (`expanded_floor`) is above the best prediction made, and gives one up once its phases
+    expanded and the later phases' floors (`expanded_floors`) are: lossless only if no phase
+    is predicted below its floor. Every candidate of two weak-scaled steps of the scale report
+    is also expanded whole and checked phase by phase against its floor, one- and two-phase
+    plans (`phases`: the phase counts seen); one given up would have been predicted above the
+    limit, one not given up is predicted as the whole. With both off (floors of -inf, no
+    limit), the plans are the same, group by group; at weak 1024 text/balanced fewer candidates
+    are expanded (`skips`), and in every cell some are given up."""
     from dcparallel.plan.dcp import classlevel
 
     ctx, steps = _scale_cell(scenario, dist, world, 2)
-    floor, expand = classlevel.expanded_floor, classlevel.expand
-    seen = {"expanded": 0, "phases": set()}
+    floors_of, expand = classlevel.expanded_floors, classlevel.expand
+    seen = {"expanded": 0, "given_up": 0, "phases": set()}
 
-    def checked(p, parts, ss):
-        got = expand(p, parts, ss)
-        assert got[1] >= floor(p, parts, ss), (got[1], floor(p, parts, ss))
+    def checked(p, parts, ss, limit=math.inf, floors=()):
+        whole = expand(p, parts, ss)
+        slack = 1 - p.config.floor_slack
+        for ph, fl in zip(whole.phases, floors_of(p, parts, ss), strict=True):
+            assert float(ph.loads().max(initial=0.0)) >= fl * slack, (ph.loads().max(), fl)
+        got = expand(p, parts, ss, limit, floors)
+        if got is None:
+            assert whole.predicted > limit
+            seen["given_up"] += 1
+        else:
+            assert got.predicted == whole.predicted
         seen["expanded"] += 1
         seen["phases"].add(len(parts))
         return got
 
     monkeypatch.setattr(classlevel, "expand", checked)
     fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
-    fast_count = seen["expanded"]
-    monkeypatch.setattr(classlevel, "expanded_floor", lambda p, parts, ss: -math.inf)
+    fast_count, given_up = seen["expanded"], seen["given_up"]
+    monkeypatch.setattr(classlevel, "expanded_floor", lambda p, floors: -math.inf)
+    monkeypatch.setattr(classlevel, "expand", lambda p, parts, ss, limit, floors: checked(p, parts, ss))
     full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     full_count = seen["expanded"] - fast_count
     assert fast == full
     assert fast_count <= full_count and (fast_count < full_count) == skips, (fast_count, full_count)
+    assert given_up > 0, "no expansion was given up: the limit never acted"
     assert seen["phases"] == phases, seen["phases"]

@@ -2,6 +2,7 @@
 lossless, tiling, within memory, identical from scratch, its prediction the simulator's, and
 chosen by `dcp` where it beats the class-level plan."""
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,7 @@ from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import cluster, cost, draw_samples
+from ._models import TINY_LM, cluster, cost, draw_samples
 
 
 @st.composite
@@ -131,8 +132,6 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
     its last bisection starts from a step up to 8x wide, 8 x 2^-`continuous_steps`), and first
     the smallest finish at or above T* (or its own step above the floor); it never returns a
     target that does not pack, and asks for none below the floor."""
-    import numpy as np
-
     from dcparallel.plan.dcp.config import DEFAULT
     from dcparallel.plan.dcp.targets import search_targets
 
@@ -152,3 +151,47 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
     at_or_above = [x for x in finishes if x >= first]
     if at_or_above and got[0] not in at_or_above:
         assert got[0] <= min(at_or_above)  # a step of the search, below the next finish
+
+
+
+def _packer(world: int) -> SamplePacker:
+    cl = cluster(world, min(8, world))
+    return SamplePacker(PlanContext(Workload(TINY_LM, (64,)), cost(TINY_LM, cl), cl), "pac")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([4, 8, 16]),
+       st.lists(st.tuples(st.floats(0.5, 40.0), st.floats(0.5, 1.0)), min_size=1, max_size=24),
+       st.floats(1.0, 60.0))
+def test_ranks_short_only_where_no_packing_fits_the_world(world, rows, T):
+    """`ranks_short` is a necessary condition: where it says the world is short at T, no way
+    of packing (every order, with sub-groups or without) fits at T, and it says so at every
+    smaller target too."""
+    packer = _packer(world)
+    # each micro-batch r times faster per doubling of its degree (r >= 1/2: communication)
+    t = np.array([[b * r ** j for j in range(len(packer.sp))] for b, r in rows])
+    f = packer.alone(t)
+    if not packer.ranks_short(t, f, T):
+        return
+    assert packer.ranks_short(t, f, T * 0.7)
+    for sub in (True, False):
+        packer.subgroups = sub
+        for by_time, open_first in ((False, False), (True, False), (False, True)):
+            assert packer.pack(list(range(len(rows))), t, f, T, by_time, open_first) is None
+
+
+def test_ranks_short_on_micro_batches_longer_than_half_the_target():
+    """On 8 ranks at target 10: a micro-batch of 14, 7, 5.5, 5.2 s at SP 1, 2, 4, 8 fits from SP 2
+    and is longer than 5 wherever it fits, so it holds 2 ranks alone; four of them fit the
+    world and pack, five do not (and packing agrees). One within 5 at some degree where it
+    fits is not counted, however many there are."""
+    packer = _packer(8)
+    assert packer.sp == [1, 2, 4, 8]
+    long, short = [14.0, 7.0, 5.5, 5.2], [4.0, 2.5, 2.0, 1.8]
+    for n, is_short in ((4, False), (5, True)):
+        t = np.array([long] * n + [short] * 2)
+        f = packer.alone(t)
+        assert packer.ranks_short(t, f, 10.0) is is_short
+        assert (packer.pack(list(range(len(t))), t, f, 10.0) is None) is is_short
+    t = np.array([[10.0, 6.0, 3.5, 3.0]] * 9)  # within 5 at SP 4 and 8
+    assert not packer.ranks_short(t, packer.alone(t), 10.0)

@@ -27,7 +27,8 @@ sample, so it fits every sample of the bucket. Per step:
    groups over the same ranks, for each split degree; kept when predicted faster.
 4. **Expansion** (`expand`): the best few class-level plans become sample ids, are
    refined with each micro-batch's own time, and the one predicted fastest is kept; least
-   floor first, one whose floor (`search.expanded_floor`) is above a prediction made is skipped.
+   floor first, one whose floor (`search.expanded_floor`) is above a prediction made is skipped,
+   and one given up once its phases expanded and the later ones' floors are.
 
 The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the sizes inside a
 node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
@@ -50,6 +51,7 @@ from dcparallel.plan.dcp.search import (
     K,
     StepTable,
     expanded_floor,
+    expanded_floors,
     needs,
     part_bound,
     plan_floor,
@@ -214,13 +216,17 @@ class ClassLevelPlanner(LayoutTable):
         cands.sort(key=lambda c: c.span)
         cfg = self.config
         pool = [c.parts for c in cands[: cfg.expand_best] if c.span <= cands[0].span * cfg.expand_within]
-        floors = [self._floor(expanded_floor(self, parts, ss)) for parts in pool]
+        phase_floors = [expanded_floors(self, parts, ss) for parts in pool]
+        floors = [self._floor(expanded_floor(self, f)) for f in phase_floors]
         got: dict[int, Expansion] = {}
         least = math.inf  # the least prediction made
         for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
             if floors[i] <= least * (1 + REL_TOL):
-                got[i] = expand(self, pool[i], ss)
-                least = min(least, got[i].predicted)
+                # given up once it cannot end within REL_TOL of the least (then never kept)
+                e = expand(self, pool[i], ss, least * (1 + REL_TOL) if cfg.prune else math.inf, phase_floors[i])
+                if e is not None:
+                    got[i] = e
+                    least = min(least, e.predicted)
         best = got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
         return ClassPlan(build_plan(self, step, best.phases, ids_sorted), best.predicted, one.bound,
                          max(tab.longest))

@@ -16,8 +16,9 @@ Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansi
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -84,13 +85,16 @@ class Expansion(NamedTuple):
     predicted: float
 
 
-def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples) -> Expansion:
+def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples, limit: float = math.inf,
+           floors: Sequence[float] = ()) -> Expansion | None:
     """The phases of a class-level plan and the predicted step time, each micro-batch timed
-    by its samples' weights."""
+    by its samples' weights. With a `limit` and the phases' `search.expanded_floors`: None
+    as soon as the phases expanded, plus the later phases' floors, are predicted above the
+    limit (the expansion could only end there)."""
     cursor = {j: 0 for j in ss.offset}
     predicted = 0.0
     phases: list[Phase] = []
-    for part in parts:
+    for x, part in enumerate(parts):
         items, (by_k, count) = part.items, part.groups
         gclasses = {k: p.deal(by_k[k], count[k]) for k in by_k}
         # every group of the phase, widest first; a group class is a range of them
@@ -141,6 +145,8 @@ def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples) -> Expansion:
                 refine(ph, of_k[k], config=p.config)
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
+        if limit < math.inf and predicted + sum(floors[x + 1:]) * (1 - p.config.floor_slack) > limit:
+            return None
     assert cursor == ss.count, "every sample is planned once"
     return Expansion(phases, predicted)
 

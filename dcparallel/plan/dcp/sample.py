@@ -124,6 +124,23 @@ class SamplePacker:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
         return t + exposed_sync_many(self.sync, t, self.buckets)
 
+    def ranks_short(self, t: np.ndarray, f: np.ndarray, T: float) -> bool:
+        """Whether no packing at target T fits the world, by a count `pack` need not make:
+        some micro-batch finishes within T at no degree, or the micro-batches longer than T / 2
+        at every degree where they fit in T need more ranks than the world. Two of those
+        cannot share a rank (a rank's micro-batches, its sub-groups' included, run within T),
+        so each holds at least its narrowest such degree's ranks alone. True for T implies
+        True for every smaller target (degrees only drop out, more micro-batches are long)."""
+        cap = T * (1 + TIME_EPS)
+        if not (f <= cap).any(axis=1).all():
+            return True
+        fits = t <= cap
+        long = ~(fits & (t <= cap / 2)).any(axis=1)
+        if not long.any():
+            return False
+        narrowest = self.kf[fits[long].argmax(axis=1)]  # its first degree where it fits
+        return float(narrowest.sum()) > self.world
+
     def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False,
              open_first: bool = False) -> list[Node] | None:
         """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
@@ -304,7 +321,7 @@ class SamplePacker:
         # no target below this packs: every micro-batch finishes within it, and the groups'
         # GPU-seconds (at least each micro-batch's least) fit world x target
         floor = max(float(fast.max()), float(np.min(t * self.kf, axis=1).sum()) / self.world)
-        if floor >= ceiling:
+        if floor >= ceiling or (ceiling < math.inf and self.ranks_short(t, f, ceiling)):
             return None  # no packing of these finishes earlier than the ceiling
         packed: dict[float, list[Node] | None] = {}  # per target: the search and the final pass share them
 

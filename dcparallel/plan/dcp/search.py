@@ -165,18 +165,18 @@ def rows_floor(tab: StepTable, first: np.ndarray, world: int) -> float:
     return _floor(float(tab.gpu_t[first].sum()), float(tab.t[first].max()), world, tab.floor_slack)
 
 
-def expanded_floor(p: LayoutTable, parts, ss) -> float:
-    """No expansion of this class-level plan (`expand.expand` of `parts`, with the step's
-    samples `ss`) is predicted below this. Per phase: its groups' largest load is at least
+def expanded_floors(p: LayoutTable, parts, ss) -> list[float]:
+    """Per phase, a time no expansion of this class-level plan (`expand.expand` of `parts`,
+    with the step's samples `ss`) predicts it below, before `config.floor_slack` (against
+    rounding; `expanded_floor` applies it). A phase's groups' largest load is at least
     their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
     costs at least its least GPU-seconds at any degree of the phase (refining moves it within
     its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
     samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
     item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
-    samples `expand` cuts it from (`classes.cut_starts`).
-    Slightly lowered against rounding."""
+    samples `expand` cuts it from (`classes.cut_starts`)."""
     cursor: dict[int, int] = {}
-    total = 0.0
+    out = []
     cumw = ss.cumw
     for part in parts:
         items, (by_k, count) = part.items, part.groups
@@ -186,8 +186,14 @@ def expanded_floor(p: LayoutTable, parts, ss) -> float:
         for it, at in zip(items, cut_starts(items, cursor)):
             lo, n = ss.base[it.bucket] + at, it.count * it.mbs
             work += least[it.bucket][it.mbs] * float(cumw[lo + n] - cumw[lo])
-        total += work / sum(k * count[k] for k in kinds)
-    return total * (1 - p.config.floor_slack)
+        out.append(work / sum(k * count[k] for k in kinds))
+    return out
+
+
+def expanded_floor(p: LayoutTable, floors: Sequence[float]) -> float:
+    """No expansion of a class-level plan whose phases have these `expanded_floors` is
+    predicted below this: their sum, slightly lowered against rounding."""
+    return sum(floors) * (1 - p.config.floor_slack)
 
 
 def _floor(work: float, longest: float, world: int, slack: float) -> float:
