@@ -191,8 +191,7 @@ def expanded_floors(p: LayoutTable, parts, ss) -> list[float]:
 
 
 def expanded_floor(p: LayoutTable, floors: Sequence[float]) -> float:
-    """No expansion of a class-level plan whose phases have these `expanded_floors` is
-    predicted below this: their sum, slightly lowered against rounding."""
+    """No expansion of a plan with these phase `expanded_floors` is predicted below their sum (lowered a little)."""
     return sum(floors) * (1 - p.config.floor_slack)
 
 
