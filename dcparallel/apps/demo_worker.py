@@ -141,9 +141,10 @@ def worker(args: argparse.Namespace) -> int:
         opt.step()
         ts.append(time.perf_counter() - a)
     optimizer_s = sorted(ts)[2]
-    # -- the profile times each layout in a loop of that one micro-batch; training runs
-    # different shapes one after another between optimizer steps, which is slower on a CPU
-    # (caches). The first steps of every policy, untimed, measure by how much.
+    # -- training does not run at the profile's prices: the machine's speed moves between
+    # profiling and training, and training runs different shapes one after another between
+    # optimizer steps where the profile timed a loop of one micro-batch. The first steps of
+    # every policy, untimed, measure by how much.
     calibration = [_train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups,
                                max_steps=CALIBRATION_STEPS) for policy in args.policies]
     factor = training_factor(calibration)
