@@ -75,6 +75,11 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     return pred
 
 
+def prediction_errors(pred: dict, real: dict, key: str) -> dict[str, float]:
+    """Per policy with a prediction under `key`: abs(predicted - measured) / measured."""
+    return {n: abs(pred[n][key] - v["wall_s"]) / v["wall_s"] for n, v in real["policies"].items() if key in pred[n]}
+
+
 def _check_fits(lengths: list[int], num_layers: int) -> None:
     """A sample far beyond this machine's memory is refused here, with the planner's message,
     before torchrun starts (inside, the profiler would die on a raw allocator error)."""
@@ -121,12 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     launch_s = time.perf_counter() - t0
     real = json.loads((out / "real.json").read_text())
     pred = predict(out, lengths, real)
-    errors = {n: abs(pred[n]["wall_s"] - real["policies"][n]["wall_s"]) / real["policies"][n]["wall_s"]
-              for n in real["policies"]}
-    errors_profile = {n: abs(pred[n]["wall_s_profile"] - real["policies"][n]["wall_s"]) / real["policies"][n]["wall_s"]
-                      for n in real["policies"]}
-    errors_at_speed = {n: abs(pred[n]["wall_s_at_run_speed"] - real["policies"][n]["wall_s"])
-                       / real["policies"][n]["wall_s"] for n in real["policies"] if "speed" in pred[n]}
+    errors, errors_profile, errors_at_speed = (prediction_errors(pred, real, key)
+                                               for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed"))
     simulated = []
     if not args.skip_paper_scale:
         print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)

@@ -195,21 +195,23 @@ def training_factor(runs: list[dict], skip: int = 1) -> float:
     measured busy time over their priced time, summed over every rank and step but each
     run's first `skip` (a fresh model's first step allocates its buffers: slower, and one
     step in many of a timed run)."""
-    measured = priced = 0.0
-    for run in runs:
-        for rank_steps in run["rank_steps"]:
-            for st in rank_steps[skip:]:
-                measured += sum(b - a for a, b, *_ in st["segs"])
-                priced += sum(st["priced"])
-    if priced <= 0:
-        raise ValueError("no micro-batch was trained to calibrate against the profile")
-    return measured / priced
+    return _busy_over_priced(st for run in runs for rank_steps in run["rank_steps"] for st in rank_steps[skip:])
 
 
 def step_factors(run: dict) -> list[float]:
     """Per step of a run, its micro-batches' measured busy time over their priced time (both ranks)."""
-    return [training_factor([{"rank_steps": [[rs[k]] for rs in run["rank_steps"]]}], skip=0)
-            for k in range(len(run["rank_steps"][0]))]
+    return [_busy_over_priced(steps) for steps in zip(*run["rank_steps"])]
+
+
+def _busy_over_priced(steps) -> float:
+    """Summed over these step logs: micro-batch busy time over priced time."""
+    measured = priced = 0.0
+    for st in steps:
+        measured += sum(b - a for a, b, *_ in st["segs"])
+        priced += sum(st["priced"])
+    if priced <= 0:
+        raise ValueError("no micro-batch was trained to calibrate against the profile")
+    return measured / priced
 
 
 def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None,
