@@ -1,8 +1,9 @@
 """The demo's torchrun worker: profile, warm up, calibrate, then train once per policy per repeat, timed.
 
 Profiles the tiny LM at world 2, warms up, measures how much slower training runs the
-profile's layouts than the profile timed them (`training_factor`), then trains the same
-samples in the same steps once per policy and repeat, timing the training loop only.
+profile's layouts than the profile timed them (`training_factor`, from one untimed run of
+every policy), then trains the same samples in the same steps once per policy and repeat,
+timing the training loop only.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m dcparallel.apps.demo --worker ...
 
@@ -30,9 +31,6 @@ MODEL = "tiny-llama"
 SEED = 0
 #: the budget is this fraction of the memory the longest sample needs on one rank with full recompute
 BUDGET_FRACTION = 0.95
-#: steps of every policy trained, untimed, before the timed runs to measure `training_factor`
-#: (the first of each is not counted)
-CALIBRATION_STEPS = 3
 
 
 def samples_hash(step_ids: list[list[int]]) -> str:
@@ -89,12 +87,13 @@ def worker(args: argparse.Namespace) -> int:
     big = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=2**40, name="cpu")
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
     t0 = time.perf_counter()
-    # micro-batch sizes doubled while throughput does not fall (min_gain 0: a noisy small
-    # layout must not end a chain early; packed bins are priced from the largest measured);
+    # micro-batch sizes doubled up to 4096 tokens (min_gain 0: a noisy small layout must not
+    # end a chain early), so packed's bins of up to ~50 short samples are priced between
+    # measured sizes, not extrapolated past 16 samples (which priced them 15-40% high);
     # rounds stop at +-5%. The reference run is timed in every round as a record of the
     # machine's speed, not to rescale: on a quiet machine it is slowed more by the SP 2 work
     # before it than by load, and rescaling would price SP 2 layouts too cheap (`profile.drift`)
-    config = ProfilerConfig(repeats=3, min_time_s=0.4, min_gain=0.0, max_mbs=16, max_tokens=4096,
+    config = ProfilerConfig(repeats=3, min_time_s=0.4, min_gain=0.0, max_tokens=4096,
                             rel_tol=0.05, max_repeats=12, reference=True, rescale=False, progress=rank == 0)
     profiler = Profiler(model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config,
                         engine=dc)
@@ -143,14 +142,15 @@ def worker(args: argparse.Namespace) -> int:
     optimizer_s = sorted(ts)[2]
     # -- training does not run at the profile's prices: the machine's speed moves between
     # profiling and training, and training runs different shapes one after another between
-    # optimizer steps where the profile timed a loop of one micro-batch. The first steps of
-    # every policy, untimed, measure by how much.
-    calibration = [_train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups,
-                               max_steps=CALIBRATION_STEPS) for policy in args.policies]
+    # optimizer steps where the profile timed a loop of one micro-batch. One whole run of
+    # every policy, untimed and built like the timed runs (a fresh model, every step),
+    # measures by how much: one factor for all policies, the machine's, not each policy's.
+    calibration = [_train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups)
+                   for policy in args.policies]
     factor = training_factor(calibration)
     if rank == 0:
-        log.warning("training runs the profile's layouts %.3fx as long as profiled (steps 2-%d of every "
-                    "policy, untimed); predictions are scaled by it", factor, CALIBRATION_STEPS)
+        log.warning("training runs the profile's layouts %.3fx as long as profiled (one untimed run of every "
+                    "policy); predictions are scaled by it", factor)
 
     # -- the runs: policies interleaved, `repeats` rounds; each policy keeps its median run
     # (`counted_run`) and every run's wall time is reported
@@ -190,11 +190,11 @@ def counted_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
 
 
-def training_factor(runs: list[dict], skip: int = 1) -> float:
+def training_factor(runs: list[dict], skip: int = 0) -> float:
     """How many times the profile's price the micro-batches of these runs took: their
     measured busy time over their priced time, summed over every rank and step but each
-    run's first `skip` (a fresh model's first step allocates its buffers: slower, and one
-    step in many of a timed run)."""
+    run's first `skip` (the demo counts them all: a fresh model's slower first step is part
+    of every timed run too)."""
     return _busy_over_priced(st for run in runs for rank_steps in run["rank_steps"] for st in rank_steps[skip:])
 
 
@@ -214,14 +214,12 @@ def _busy_over_priced(steps) -> float:
     return measured / priced
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None,
-                max_steps: int | None = None) -> dict:
+def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
     per-rank busy spans of each step with each micro-batch's price (``priced``: its time by
     the profile). ``clock``: the profile's `ReferenceClock`, ticked twice after every step
-    outside the timed wall (``reference_s``: the median over both ranks). ``max_steps``: stop
-    after that many steps (the calibration)."""
+    outside the timed wall (``reference_s``: the median over both ranks)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
@@ -260,8 +258,6 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
             clock.tick()
             clock.tick()
             paused += time.perf_counter() - a
-        if len(step_ids) == max_steps:
-            break
     wall = time.perf_counter() - start - paused
     logs = comm.all_gather_object(steps_log)
     refs = [t for ts in comm.all_gather_object(clock.times[mark:] if clock else []) for t in ts]

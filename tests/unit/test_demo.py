@@ -98,18 +98,18 @@ def test_speed_text_prices_the_prediction_at_the_runs_speed():
 
 
 def test_training_factor_is_measured_busy_time_over_priced_time():
-    """Summed over runs, ranks, steps (each run's first skipped) and micro-batches: (end -
+    """Summed over runs, ranks, steps (each run's first `skip` left out) and micro-batches: (end -
     start) of each micro-batch over its price; a calibration with no micro-batch is refused."""
     import pytest
 
     from dcparallel.apps.demo_worker import step_factors, training_factor
 
-    first = {"segs": [(0.0, 5.0, 1, False)], "priced": [1.0]}  # a first step: not counted
+    first = {"segs": [(0.0, 5.0, 1, False)], "priced": [1.0]}  # a slow first step
     step = {"segs": [(0.0, 0.3, 1, False), (0.3, 0.9, 2, True)], "priced": [0.25, 0.5]}
     idle = {"segs": [], "priced": []}
     runs = [{"rank_steps": [[first, step, idle], [first, step, idle]]}, {"rank_steps": [[first, idle], [first, step]]}]
-    assert training_factor(runs) == pytest.approx(3 * 0.9 / (3 * 0.75))
-    assert training_factor(runs, skip=0) == pytest.approx((4 * 5 + 3 * 0.9) / (4 + 3 * 0.75))
+    assert training_factor(runs) == pytest.approx((4 * 5 + 3 * 0.9) / (4 + 3 * 0.75))
+    assert training_factor(runs, skip=1) == pytest.approx(3 * 0.9 / (3 * 0.75))
     assert step_factors(runs[1]) == pytest.approx([5.0, 0.9 / 0.75])
     with pytest.raises(ValueError, match="no micro-batch"):
-        training_factor([{"rank_steps": [[first, idle]]}])
+        training_factor([{"rank_steps": [[first, idle]]}], skip=1)
