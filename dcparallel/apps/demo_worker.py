@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # micro-batch sizes doubled up to 4096 tokens (min_gain 0: a noisy small layout must not
     # end a chain early), so packed's bins of up to ~50 short samples are priced between
-    # measured sizes, not extrapolated past 16 samples (which priced them 15-40% high);
+    # measured sizes, not extrapolated past 16 samples (those bins ran at 0.6-0.9x that price);
     # rounds stop at +-5%. The reference run is timed in every round as a record of the
     # machine's speed, not to rescale: on a quiet machine it is slowed more by the SP 2 work
     # before it than by load, and rescaling would price SP 2 layouts too cheap (`profile.drift`)
