@@ -155,6 +155,10 @@ def sdpa_attention(
     return torch.cat(pieces, dim=1)
 
 
+#: the dtypes varlen_attn's flash kernel takes ("FlashAttention only support fp16 and bf16")
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def cuda_varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
     sinks: Tensor | None = None,
@@ -162,10 +166,11 @@ def cuda_varlen_attention(
     """Packed causal documents on CUDA with ``torch.nn.attention.varlen.varlen_attn``
     (window (-1, 0) is causal); every other case, and every CPU tensor, goes to
     `sdpa_attention`: softcapping and sinks (its exact eager path; varlen_attn has neither),
-    a value head size unlike the query/key one, factorized patterns. varlen_attn raises
+    a value head size unlike the query/key one, factorized patterns, and dtypes other than
+    `VARLEN_DTYPES` (its flash kernel raises on fp32; seen on an H200). varlen_attn raises
     NotImplementedError on CPU, so it is never called there."""
-    if (not q.is_cuda or pattern.kind not in ("causal", "full") or q.shape[0] != 1 or cu_seqlens is None
-            or _needs_eager(pattern, sinks) or v.shape[-1] != q.shape[-1]):
+    if (not q.is_cuda or q.dtype not in VARLEN_DTYPES or pattern.kind not in ("causal", "full")
+            or q.shape[0] != 1 or cu_seqlens is None or _needs_eager(pattern, sinks) or v.shape[-1] != q.shape[-1]):
         return sdpa_attention(q, k, v, pattern, cu_seqlens, sinks)
     varlen_attn = _varlen_attn()
     if k.shape[2] != q.shape[2]:  # not every varlen kernel takes grouped key/value heads

@@ -95,3 +95,35 @@ def test_sinks_and_head_sizes_are_checked():
     for pattern, s in ((AttnPattern("causal", softcap=5.0), None), (AttnPattern("causal"), sinks)):
         with pytest.raises(ValueError, match="kernel 'plain_kernel' does not declare"):
             ulysses_attention(q, k, v, pattern, group=None, kernel=plain_kernel, sinks=s)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: reaches the varlen branch's own gates on CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_varlen_attn_only_gets_the_dtypes_its_flash_kernel_takes(monkeypatch):
+    """varlen_attn's flash kernel raises on fp32 ("FlashAttention only support fp16 and bf16",
+    an H200 run): fp32 takes the exact SDPA loop, fp16 / bf16 go to varlen_attn."""
+    import dcparallel.models.attention as attention
+
+    called = []
+
+    def varlen(*args, **kwargs):
+        called.append(args[0].dtype)
+        raise RuntimeError("varlen_attn called")
+
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    q, k, v, _ = _inputs(8)  # one row, value heads the size of the query's: varlen_attn's case
+    q, k, v = (t.detach()[:1] for t in (q, k, v))
+    pattern = AttnPattern("causal")
+    on_cuda = [torch.Tensor._make_subclass(_OnCuda, t) for t in (q, k, v)]
+    out = cuda_varlen_attention(*on_cuda, pattern, CU)
+    assert not called and rel_err(out.as_subclass(torch.Tensor), sdpa_attention(q, k, v, pattern, CU)) <= 1e-6
+    for dtype in attention.VARLEN_DTYPES:
+        with pytest.raises(RuntimeError, match="varlen_attn called"):
+            cuda_varlen_attention(*(torch.Tensor._make_subclass(_OnCuda, t.to(dtype)) for t in (q, k, v)), pattern, CU)
+    assert called == list(attention.VARLEN_DTYPES)
