@@ -7,7 +7,7 @@ Each run writes its own folder (`run1`, `run2`, ...) with no cached profile, so 
 profiles the model again; `--collect DIR [DIR ...]` tabulates runs made before instead. The
 table has per run: profiling time, each policy's counted (median) wall time and its prediction, the
 prediction error (max over policies, as the demo reports it: the profile's prices times the
-training factor measured before the timed runs), the factor and the error without it, and
+training factor measured on untimed runs between the timed rounds), the factor and the error without it, and
 `dcp`'s speedup over `bucket` and `packed`.
 """
 from __future__ import annotations

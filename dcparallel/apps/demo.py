@@ -11,8 +11,8 @@ the paper-scale simulation.
    derived from the profile so that the longest sample needs SP = 2 *and* recomputation (as a
    device's memory would force), makes the run use all three levers.
 3. Each run is predicted by the simulator from the same profile, scaled by the factor the
-   worker measured on one untimed run of every policy before the timed runs (how many times
-   its price each micro-batch took there; `training_factor`).
+   worker measured on untimed runs, one of every policy before each timed round (how many
+   times its price each micro-batch took there, pooled; `training_factor`).
 4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution).
 5. `report.md`, PNG plots and a summary table (`dcparallel.apps.demo_report`), with the spread
    of each policy's repeats and a plain warning when it is too large for the comparison to

@@ -106,7 +106,7 @@ def speed_text(s: dict) -> str:
 def factor_text(s: dict) -> str:
     """The measured training factor the predictions are scaled by, and the error without it."""
     return (f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
-            f"measured busy time of one untimed run of every policy over the profile's "
+            f"measured busy time of the untimed runs (one of every policy before each timed round) over the profile's "
             f"price of their micro-batches (the profile times each layout in a loop of that one micro-batch); "
             f"at the profile's prices the prediction error (max over policies) is "
             f"{100 * s['prediction_error_at_profile_prices']:.0f}%.")

@@ -1,9 +1,9 @@
-"""The demo's torchrun worker: profile, warm up, calibrate, then train once per policy per repeat, timed.
+"""The demo's torchrun worker: profile, warm up, then per round calibrate and train every policy, timed.
 
-Profiles the tiny LM at world 2, warms up, measures how much slower training runs the
-profile's layouts than the profile timed them (`training_factor`, from one untimed run of
-every policy), then trains the same samples in the same steps once per policy and repeat,
-timing the training loop only.
+Profiles the tiny LM at world 2, warms up, then for each repeat trains the same samples in the
+same steps once per policy untimed and once timed (the training loop only). The untimed runs
+measure how much slower training runs the profile's layouts than the profile timed them
+(`training_factor`, pooled over every policy and round).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m dcparallel.apps.demo --worker ...
 
@@ -141,21 +141,18 @@ def worker(args: argparse.Namespace) -> int:
         ts.append(time.perf_counter() - a)
     optimizer_s = sorted(ts)[2]
     # -- training does not run at the profile's prices: the machine's speed moves between
-    # profiling and training, and training runs different shapes one after another between
-    # optimizer steps where the profile timed a loop of one micro-batch. One whole run of
-    # every policy, untimed and built like the timed runs (a fresh model, every step),
-    # measures by how much: one factor for all policies, the machine's, not each policy's.
-    calibration = [_train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups)
-                   for policy in args.policies]
-    factor = training_factor(calibration)
-    if rank == 0:
-        log.warning("training runs the profile's layouts %.3fx as long as profiled (one untimed run of every "
-                    "policy); predictions are scaled by it", factor)
-
-    # -- the runs: policies interleaved, `repeats` rounds; each policy keeps its median run
-    # (`counted_run`) and every run's wall time is reported
+    # profiling and training (and from minute to minute), and training runs different shapes
+    # one after another between optimizer steps where the profile timed a loop of one
+    # micro-batch. Before every timed round, one untimed run of every policy, built like the
+    # timed runs (a fresh model, every step), measures by how much: one factor for all
+    # policies, the machine's, not each policy's, pooled over the rounds so that it measures
+    # the minutes the timed runs ran in. The runs: policies interleaved, `repeats` rounds;
+    # each policy keeps its median run (`counted_run`) and every run's wall time is reported
+    calibration: list[dict[str, dict]] = []
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
+        calibration.append({policy: _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups,
+                                                clock) for policy in args.policies})
         for policy in args.policies:
             run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
             first = runs.setdefault(policy, [run])[0]
@@ -167,6 +164,10 @@ def worker(args: argparse.Namespace) -> int:
             if rank == 0:
                 log.warning("%-7s run %d/%d: wall %.1f s, %d steps, loss %.3f -> %.3f", policy, rep + 1,
                             args.repeats, run["wall_s"], run["steps"], run["loss_first"], run["loss_last"])
+    factor = training_factor([run for rnd in calibration for run in rnd.values()])
+    if rank == 0:
+        log.warning("training ran the profile's layouts %.3fx as long as profiled (one untimed run of every "
+                    "policy before each timed round); predictions are scaled by it", factor)
     results = {policy: {**counted_run(rs), "walls": [r["wall_s"] for r in rs]} for policy, rs in runs.items()}
     if rank == 0:
         (out / "real.json").write_text(json.dumps({
@@ -174,7 +175,9 @@ def worker(args: argparse.Namespace) -> int:
             f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs on one rank with full "
             f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
             "optimizer_step_s": optimizer_s, "training_factor": factor,
-            "calibration": {p: step_factors(r) for p, r in zip(args.policies, calibration)},
+            # per calibration round and policy, each step's factor; per policy, its timed runs' own
+            "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
+            "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
             "tokens_per_step": args.tokens_per_step, "layers": args.layers,
             "repeats": args.repeats, "policies": results}))
     del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
