@@ -144,10 +144,17 @@ def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 
 
 def group_buckets(buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int], world: int, rank: int
                   ) -> list[tuple[int, tuple[int, ...], ProfileBucket]]:
-    """(SP degree, the group's ranks, bucket) that ``rank`` measures, in order: for each degree k
-    the world splits into aligned groups of k ranks and group i takes buckets i, i + world/k, ..."""
-    plan = []
-    for sp in sp_sizes:
+    """(SP degree, the group's ranks, bucket) that ``rank`` measures, in the order measured: for
+    each degree k the world splits into aligned groups of k ranks and group i takes buckets
+    i, i + world/k, ...; the degrees take turns, one bucket each (the first bucket of every
+    degree, then the second, ...). Measured one degree after the other, a machine whose speed
+    drifts over the minutes of a profile priced one degree in a fast spell and the next in a
+    slow one, and that error fell on the policies that use one degree more than the others.
+    Every rank orders its items by the same key (position in the degree's list, degree), so
+    the ranks of a group reach the group's items in the same order."""
+    keyed = []
+    for j, sp in enumerate(sp_sizes):
         start = rank // sp * sp
-        plan += [(sp, tuple(range(start, start + sp)), b) for b in buckets[start // sp :: world // sp]]
-    return plan
+        ranks = tuple(range(start, start + sp))
+        keyed += [((i, j), (sp, ranks, b)) for i, b in enumerate(buckets[start // sp :: world // sp])]
+    return [item for _, item in sorted(keyed, key=lambda x: x[0])]

@@ -12,7 +12,7 @@ one full-depth estimate; rounds go on until their median is stable (`profile.rob
 ``ProfilerConfig.reference`` puts every layout on one clock against load drift (`profile.drift`).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
-takes buckets i, i + world/k, ...; every group measures its own buckets at the same time.
+takes buckets i, i + world/k, ...; the groups measure at once, the degrees in turn (`group_buckets`).
 All ranks of a group agree on every outcome (time = slowest rank, memory = largest rank,
 infeasible if any rank ran out of memory) before deciding to double the micro-batch, and at
 the end every rank gathers every group's entries, so every rank holds the same profile.

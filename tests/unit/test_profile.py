@@ -464,3 +464,36 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
             loss = dc.adapter.loss_fn(model, batch, ctx)
         ctx.backward(loss)
     assert old.bytes > 2 * profiled["full"], (old.bytes, profiled["full"])
+
+
+@pytest.mark.parametrize("world,sp_sizes,num_buckets", [(2, [1, 2], 7), (4, [1, 2, 4], 7), (6, [1, 2, 3, 6], 5)])
+def test_profile_order_takes_sp_degrees_in_turn_and_cannot_deadlock(world, sp_sizes, num_buckets):
+    """Every (degree, bucket) is measured by exactly one group, whose ranks meet the group's
+    items in the same order; the degrees alternate bucket by bucket; and ranks that run their
+    items in order, each group item once all its ranks reach it, all finish."""
+    from dcparallel.profile.config import group_buckets
+
+    buckets = [f"b{i}" for i in range(num_buckets)]
+    seqs = {r: group_buckets(buckets, sp_sizes, world, r) for r in range(world)}
+    owners: dict[tuple[int, str], set] = {}
+    for r, seq in seqs.items():
+        for sp, ranks, b in seq:
+            assert r in ranks and len(ranks) == sp
+            owners.setdefault((sp, b), set()).add(ranks)
+    assert set(owners) == {(sp, b) for sp in sp_sizes for b in buckets}
+    assert all(len(groups) == 1 for groups in owners.values())  # one group per (degree, bucket)
+    for (ranks,) in owners.values():
+        for r in ranks:  # the group's items in the same order on each of its ranks
+            assert [x for x in seqs[r] if x[1] == ranks] == [x for x in seqs[ranks[0]] if x[1] == ranks]
+    # rank 0 starts with the first bucket of every degree, in the degrees' order
+    assert [sp for sp, _, _ in seqs[0][:len(sp_sizes)]] == sp_sizes
+    assert [b for _, _, b in seqs[0][:len(sp_sizes)]] == ["b0"] * len(sp_sizes)
+    # run it: an item completes when every rank of its group is at it
+    pos = dict.fromkeys(seqs, 0)
+    while any(pos[r] < len(seqs[r]) for r in seqs):
+        ready = {seqs[r][pos[r]] for r in seqs if pos[r] < len(seqs[r])
+                 if all(pos[q] < len(seqs[q]) and seqs[q][pos[q]] == seqs[r][pos[r]] for q in seqs[r][pos[r]][1])}
+        assert ready, f"deadlock: ranks wait at {[seqs[r][pos[r]] for r in seqs if pos[r] < len(seqs[r])]}"
+        for r in seqs:
+            if pos[r] < len(seqs[r]) and seqs[r][pos[r]] in ready:
+                pos[r] += 1
