@@ -147,11 +147,10 @@ def group_buckets(buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int], wor
     """(SP degree, the group's ranks, bucket) that ``rank`` measures, in the order measured: for
     each degree k the world splits into aligned groups of k ranks and group i takes buckets
     i, i + world/k, ...; the degrees take turns, one bucket each (the first bucket of every
-    degree, then the second, ...). Measured one degree after the other, a machine whose speed
-    drifts over the minutes of a profile priced one degree in a fast spell and the next in a
-    slow one, and that error fell on the policies that use one degree more than the others.
-    Every rank orders its items by the same key (position in the degree's list, degree), so
-    the ranks of a group reach the group's items in the same order."""
+    degree, then the second, ...), so that a drift of the machine's speed over the minutes of
+    a profile falls on every degree alike rather than on the policies that use one degree more
+    than the others. Every rank orders its items by the same key (position in the degree's
+    list, degree), so the ranks of a group reach the group's items in the same order."""
     keyed = []
     for j, sp in enumerate(sp_sizes):
         start = rank // sp * sp
