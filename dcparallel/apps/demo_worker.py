@@ -221,8 +221,9 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
     per-rank busy spans of each step with each micro-batch's price (``priced``: its time by
-    the profile). ``clock``: the profile's `ReferenceClock`, ticked twice after every step
-    outside the timed wall (``reference_s``: the median over both ranks)."""
+    the profile) and shape (``shapes``: sample lengths, SP degree, recomputed layers).
+    ``clock``: the profile's `ReferenceClock`, ticked twice after every step outside the
+    timed wall (``reference_s``: the median over both ranks)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
@@ -253,8 +254,11 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
         a = time.perf_counter()  # pricing is outside the timed wall
         priced = [cost.terms(tuple(lengths[i] for i in ids), lay.sp).time(lay.recompute) for ids, lay in mbs]
         paused += time.perf_counter() - a
-        steps_log.append({"segs": segs, "priced": priced, "compute_end": compute_end, "end": end,
-                          "sp": step.plan.busy_sizes()})
+        # each micro-batch's sample lengths, SP degree and recompute, so that its price can be
+        # recomputed from another profile without planning the run again
+        shapes = [([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in mbs]
+        steps_log.append({"segs": segs, "priced": priced, "shapes": shapes, "compute_end": compute_end,
+                          "end": end, "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
         if clock:
             a = time.perf_counter()
