@@ -7,9 +7,9 @@ Each run writes its own folder (`run1`, `run2`, ...) with no cached profile, so 
 profiles the model again; `--collect DIR [DIR ...]` tabulates runs made before instead. The
 table has per run: profiling time, each policy's counted (median) wall time and its prediction, the
 prediction error (max over policies, as the demo reports it: the profile's prices times the
-training factor measured on untimed runs between the timed rounds and each policy's clock drift since
-its untimed runs), the factor, the error without the drift, the error without either, the error at the
-machine's speed during the timed runs alone (the profile's reference run ticked between their steps), and
+training factor measured on untimed runs between the timed rounds), the factor, the error without it, the
+error at the machine's speed during the timed runs instead (the profile's reference run ticked between
+their steps), and
 `dcp`'s speedup over `bucket` and `packed`.
 """
 from __future__ import annotations
@@ -44,22 +44,19 @@ def row(run_dir: Path) -> dict:
             "error": s["prediction_error"], "factor": s.get("training_factor", 1.0),
             "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]),
             "error_speed": s.get("prediction_error_at_run_speed"),
-            "error_factor": s.get("prediction_error_without_drift"),
             "speedup": s["real"]["speedup"],
             "speedup_vs_packed": s["real"]["speedup_vs_packed"]}
 
 
 def table(rows: list[dict]) -> str:
     head = ("| run | profiling s | " + " | ".join(f"{p} s (pred., error)" for p in POLICIES)
-            + " | prediction error (max) | training factor | error without the drift (max)"
-            " | error at profile prices (max) | error at the runs' speed (max) | dcp vs bucket | dcp vs packed |")
-    lines = [head, "| " + " | ".join(["---"] * (len(POLICIES) + 9)) + " |"]
+            + " | prediction error (max) | training factor | error at profile prices (max)"
+            " | error at the runs' speed (max) | dcp vs bucket | dcp vs packed |")
+    lines = [head, "| " + " | ".join(["---"] * (len(POLICIES) + 8)) + " |"]
     for r in rows:
         cells = [f"{r['wall'][p]:.1f} ({r['pred'][p]:.1f}, {r['err'][p]:.0%})" for p in POLICIES]
         lines.append(f"| {r['run']} | {r['profile_s']:.0f} | " + " | ".join(cells)
-                     + f" | {r['error']:.0%} | {r['factor']:.3f}"
-                     + (f" | {r['error_factor']:.0%}" if r["error_factor"] is not None else " | -")
-                     + f" | {r['error_profile']:.0%}"
+                     + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%}"
                      + (f" | {r['error_speed']:.0%}" if r["error_speed"] is not None else " | -")
                      + f" | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
     return "\n".join(lines)

@@ -12,8 +12,7 @@ the paper-scale simulation.
    device's memory would force), makes the run use all three levers.
 3. Each run is predicted by the simulator from the same profile, scaled by the factor the
    worker measured on untimed runs, one of every policy before each timed round (how many
-   times its price each micro-batch took there, pooled; `training_factor`), and by how much
-   slower the machine ran during the timed run than during those runs (`clock_drift`).
+   times its price each micro-batch took there, pooled; `training_factor`).
 4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution).
 5. `report.md`, PNG plots and a summary table (`dcparallel.apps.demo_report`), with the spread
    of each policy's repeats and a plain warning when it is too large for the comparison to
@@ -40,14 +39,13 @@ TOKENS_PER_STEP = 16384
 #: gloo ranks the demo launches
 WORLD = 2
 #: timed runs per policy (interleaved); each policy's median run is compared (`demo_worker.counted_run`)
-REPEATS = 3
+REPEATS = 5
 
 
 def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     """Simulated wall time of each policy's run from the same profile and budget: the plans'
-    compute + gradient sync times the measured `training_factor` and the machine's
-    `clock_drift`, plus the optimizer step measured before training (``wall_s_factor_only``:
-    without the drift; ``wall_s_profile``: at the profile's prices, unscaled)."""
+    compute + gradient sync times the measured `training_factor`, plus the optimizer step
+    measured before training (``wall_s_profile``: at the profile's prices, unscaled)."""
     from dcparallel.apps.demo_worker import SEED
     from dcparallel.cost.profiled import ProfiledCost
     from dcparallel.cost.schema import Profile
@@ -66,32 +64,15 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     for name in real["policies"]:
         run = plan_epoch(ctx, steps, name)
         optimizer = len(steps) * real["optimizer_step_s"]
-        drift = clock_drift(real, name)
-        pred[name] = {"wall_s": run.sim.total_time * factor * (drift or 1.0) + optimizer,
-                      "wall_s_factor_only": run.sim.total_time * factor + optimizer,
+        pred[name] = {"wall_s": run.sim.total_time * factor + optimizer,
                       "wall_s_profile": run.sim.total_time + optimizer, "factor": factor,
                       "idle_fraction": run.sim.idle_fraction,
                       "settings": {k: v for k, v in run.settings.items() if k != "tried_s"}}
-        if drift is not None:
-            pred[name]["drift"] = drift
         ref = real["policies"][name].get("reference_s")
         if ref and profile.reference_s:  # the machine's speed during the run, against the profile's
             pred[name]["speed"] = ref / profile.reference_s
             pred[name]["wall_s_at_run_speed"] = pred[name]["wall_s_profile"] * pred[name]["speed"]
     return pred
-
-
-def clock_drift(real: dict, name: str) -> float | None:
-    """How much slower the machine ran during `name`'s counted timed run than during the same
-    policy's untimed calibration runs, by the profile's reference run ticked between the
-    steps of both (its median time in the one over the mean of its medians in the others).
-    The training factor is measured in the calibration runs, and the machine's speed moves by
-    10-25% within minutes on a shared VM. The reference run is slowed by the work just before
-    it (more after SP 2 micro-batches, `profile.drift`), so it is compared within one policy,
-    whose steps precede it alike in both. None when the runs did not tick the clock."""
-    ref = real["policies"][name].get("reference_s")
-    before = [rnd[name] for rnd in real.get("calibration_reference_s", []) if rnd.get(name)]
-    return ref / (sum(before) / len(before)) if ref and before else None
 
 
 def prediction_errors(pred: dict, real: dict, key: str) -> dict[str, float]:
@@ -145,9 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     launch_s = time.perf_counter() - t0
     real = json.loads((out / "real.json").read_text())
     pred = predict(out, lengths, real)
-    errors, errors_factor, errors_profile, errors_at_speed = (
-        prediction_errors(pred, real, key)
-        for key in ("wall_s", "wall_s_factor_only", "wall_s_profile", "wall_s_at_run_speed"))
+    errors, errors_profile, errors_at_speed = (prediction_errors(pred, real, key)
+                                               for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed"))
     simulated = []
     if not args.skip_paper_scale:
         print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
@@ -168,12 +148,11 @@ def run(args: argparse.Namespace) -> dict:
                               for n, v in p.items()},
                  "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
                  "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"]},
-        "predicted": {n: {k: v[k] for k in ("wall_s", "wall_s_factor_only", "wall_s_profile", "factor", "drift",
-                                            "idle_fraction", "speed", "wall_s_at_run_speed") if k in v}
+        "predicted": {n: {k: v[k] for k in ("wall_s", "wall_s_profile", "factor", "idle_fraction", "speed",
+                                            "wall_s_at_run_speed") if k in v}
                       for n, v in pred.items()},
         "training_factor": real.get("training_factor", 1.0),
         "prediction_error": max(errors.values()),
-        "prediction_error_without_drift": max(errors_factor.values()),
         "prediction_error_at_profile_prices": max(errors_profile.values()),
         "prediction_error_at_run_speed": max(errors_at_speed.values()) if errors_at_speed else None,
         "trust_notes": trust_notes({n: v["walls"] for n, v in p.items()}, errors),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 #: the rerun advice when the timings cannot be trusted
 RERUN = ("rerun on an idle machine, with nothing else using the cores, and more repeats: "
-         "`dcparallel demo --repeats 4` (after `make demo`: `.venv/bin/dcparallel demo --repeats 4`)")
+         "`dcparallel demo --repeats 7` (after `make demo`: `.venv/bin/dcparallel demo --repeats 7`)")
 #: a spread of repeats (relative to their median) or a prediction error above this is large
 NOISY = 0.10
 
@@ -104,20 +104,12 @@ def speed_text(s: dict) -> str:
 
 
 def factor_text(s: dict) -> str:
-    """What the predictions are scaled by (the measured training factor, each policy's clock
-    drift), and the error without the drift and at the profile's prices."""
-    drifts = ", ".join(f"{n} {v['drift']:.3f}" for n, v in s["predicted"].items() if "drift" in v)
-    at_profile = f"{100 * s['prediction_error_at_profile_prices']:.0f}%"
-    text = (f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
-            f"measured busy time of the untimed runs (one of every policy before each timed round) over the "
-            f"profile's price of their micro-batches (the profile times each layout in a loop of that one "
-            f"micro-batch)")
-    if not drifts:
-        return text + f"; at the profile's prices the prediction error (max over policies) is {at_profile}."
-    return (text + f", and by how much slower the machine ran during each policy's timed run than during its "
-            f"untimed ones, by the profile's reference run ticked between their steps: {drifts}. Without that "
-            f"drift the prediction error (max over policies) is "
-            f"{100 * s['prediction_error_without_drift']:.0f}%, and at the profile's prices {at_profile}.")
+    """The measured training factor the predictions are scaled by, and the error without it."""
+    return (f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
+            f"measured busy time of the untimed runs (one of every policy before each timed round) over the profile's "
+            f"price of their micro-batches (the profile times each layout in a loop of that one micro-batch); "
+            f"at the profile's prices the prediction error (max over policies) is "
+            f"{100 * s['prediction_error_at_profile_prices']:.0f}%.")
 
 
 def _spread_text(s: dict) -> str:

@@ -177,8 +177,6 @@ def worker(args: argparse.Namespace) -> int:
             "optimizer_step_s": optimizer_s, "training_factor": factor,
             # per calibration round and policy, each step's factor; per policy, its timed runs' own
             "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
-            # per calibration round and policy, the reference run's median time between its steps
-            "calibration_reference_s": [{p: r["reference_s"] for p, r in rnd.items()} for rnd in calibration],
             "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
             "tokens_per_step": args.tokens_per_step, "layers": args.layers,
             "repeats": args.repeats, "policies": results}))

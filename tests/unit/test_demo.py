@@ -76,7 +76,7 @@ def test_trust_notes_say_when_the_spread_swamps_the_difference():
     assert "dcp vs bucket" in text and "means nothing" in text and "56.0-88.5 s" in text
     assert "bucket's prediction error (43%) comes with a 45% spread of its own runs" in text
     assert "dcp's prediction error" not in text  # 5%: small, whatever the spread
-    assert "--repeats 4" in notes[-1] and "idle machine" in notes[-1]
+    assert "--repeats 7" in notes[-1] and "idle machine" in notes[-1]
     # a clear difference with tight repeats: nothing to say
     assert trust_notes({"bucket": [80.0, 81.0], "packed": [70.0, 70.5], "dcp": [50.0, 50.4]},
                        {"bucket": 0.05, "packed": 0.04, "dcp": 0.06}) == []
@@ -113,27 +113,3 @@ def test_training_factor_is_measured_busy_time_over_priced_time():
     assert step_factors(runs[1]) == pytest.approx([5.0, 0.9 / 0.75])
     with pytest.raises(ValueError, match="no micro-batch"):
         training_factor([{"rank_steps": [[first, idle]]}], skip=1)
-
-
-def test_clock_drift_compares_a_policy_with_its_own_calibration_runs():
-    from dcparallel.apps.demo import clock_drift
-
-    real = {"policies": {"bucket": {"reference_s": 0.0044}, "dcp": {"reference_s": 0.003}, "packed": {}},
-            "calibration_reference_s": [{"bucket": 0.004, "dcp": 0.0025, "packed": 0.004},
-                                        {"bucket": 0.004, "dcp": 0.0035, "packed": 0.005}]}
-    assert clock_drift(real, "bucket") == pytest.approx(1.1)
-    assert clock_drift(real, "dcp") == pytest.approx(1.0)  # its own runs only, not the pooled 0.004
-    assert clock_drift(real, "packed") is None  # the timed run ticked no clock
-    assert clock_drift({"policies": {"bucket": {"reference_s": 0.004}}}, "bucket") is None  # no calibration ticks
-
-
-def test_factor_text_names_the_drift_and_the_errors_without_it():
-    from dcparallel.apps.demo_report import factor_text
-
-    s = {"training_factor": 1.05, "predicted": {"bucket": {"drift": 1.1}, "dcp": {"drift": 0.9}},
-         "prediction_error_without_drift": 0.17, "prediction_error_at_profile_prices": 0.2}
-    text = factor_text(s)
-    assert "x 1.050" in text and "bucket 1.100, dcp 0.900" in text
-    assert "Without that drift the prediction error (max over policies) is 17%, and at the profile's prices 20%" in text
-    s["predicted"] = {"bucket": {}, "dcp": {}}
-    assert factor_text(s).endswith("at the profile's prices the prediction error (max over policies) is 20%.")
