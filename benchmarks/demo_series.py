@@ -5,12 +5,11 @@
 
 Each run writes its own folder (`run1`, `run2`, ...) with no cached profile, so every run
 profiles the model again; `--collect DIR [DIR ...]` tabulates runs made before instead. The
-table has per run: profiling time, each policy's counted (median) wall time and its prediction, the
-prediction error (max over policies, as the demo reports it: the profile's prices times the
-training factor measured on untimed runs between the timed rounds), the factor, the error without it, the
-error at the machine's speed during the timed runs instead (the profile's reference run ticked between
-their steps), and
-`dcp`'s speedup over `bucket` and `packed`.
+table has per run: profiling time, each policy's counted (median) wall time and its prediction,
+the prediction error (max over policies, as the demo reports it: the profile's prices times the
+training factor measured on untimed runs between the timed rounds), the factor, the error
+without it, the error at the machine's speed during the timed runs instead (the profile's
+reference run ticked between their steps), and `dcp`'s speedup over `bucket` and `packed`.
 """
 from __future__ import annotations
 
