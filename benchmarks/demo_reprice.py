@@ -10,7 +10,7 @@ its entries over the consensus, iterated). Per run it prints each policy's busy 
 price for the counted (median) timed run, by the run's own profile and by the consensus scaled
 to that profile's speed, and the largest deviation of a policy from the pooled ratio. If the
 policies stay apart under the consensus, the gap was in training, not in one profile's noise.
-Needs each micro-batch's shape in real.json (``shapes``, logged by the demo since b3bf31b).
+Needs each micro-batch's shape in real.json (``shapes``, which the demo logs).
 """
 from __future__ import annotations
 
@@ -20,22 +20,20 @@ import statistics
 import sys
 from pathlib import Path
 
+from dcparallel.apps.demo import budget_cluster
+from dcparallel.apps.demo_worker import training_factor
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
-from dcparallel.spec import ClusterSpec, Recompute
+from dcparallel.spec import Recompute
 
 POLICIES = ("bucket", "packed", "dcp")
 
 
-def busy_and_priced(run: dict, cost: ProfiledCost) -> tuple[float, float]:
-    """A timed run's micro-batch busy time and its price by `cost`, summed over ranks and steps."""
-    busy = priced = 0.0
-    for rank_steps in run["rank_steps"]:
-        for st in rank_steps:
-            busy += sum(b - a for a, b, *_ in st["segs"])
-            priced += sum(cost.terms(tuple(lens), sp).time(Recompute(attn, mlp))
-                          for lens, sp, attn, mlp in st["shapes"])
-    return busy, priced
+def repriced(run: dict, cost: ProfiledCost) -> dict:
+    """A timed run with each micro-batch's price recomputed by `cost` from its logged shape."""
+    return {"rank_steps": [[{**st, "priced": [cost.terms(tuple(lens), sp).time(Recompute(attn, mlp))
+                                              for lens, sp, attn, mlp in st["shapes"]]} for st in rank_steps]
+                           for rank_steps in run["rank_steps"]]}
 
 
 def consensus(profiles: list[Profile]) -> tuple[dict, list[float]]:
@@ -55,8 +53,7 @@ def main(dirs: list[Path]) -> None:
     print("profile speeds against the consensus:", ", ".join(f"{d.name} {s:.3f}" for d, s in zip(dirs, speed)))
     for d, prof, s in zip(dirs, profiles, speed):
         real = json.loads((d / "real.json").read_text())
-        cluster = ClusterSpec(world_size=real["world"], gpus_per_node=real["world"],
-                              memory_bytes=real["memory_budget_bytes"], name="cpu-budget")
+        cluster = budget_cluster(real)
         priced_by = copy.deepcopy(prof)
         for e in priced_by.entries:
             key = (e.bucket, e.sp, e.mbs, e.recompute)
@@ -65,9 +62,9 @@ def main(dirs: list[Path]) -> None:
         cells = []
         for name, p in (("own profile", prof), ("consensus", priced_by)):
             cost = ProfiledCost(p, cluster)
-            parts = {pol: busy_and_priced(real["policies"][pol], cost) for pol in POLICIES}
-            ratio = {pol: b / c for pol, (b, c) in parts.items()}
-            pooled = sum(b for b, _ in parts.values()) / sum(c for _, c in parts.values())
+            runs = {pol: repriced(real["policies"][pol], cost) for pol in POLICIES}
+            ratio = {pol: training_factor([run]) for pol, run in runs.items()}
+            pooled = training_factor(list(runs.values()))
             worst = max(abs(r / pooled - 1) for r in ratio.values())
             cells.append(f"{name}: " + " ".join(f"{pol} {r:.3f}" for pol, r in ratio.items())
                          + f" (largest off the pooled {worst:.1%})")

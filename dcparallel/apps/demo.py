@@ -52,11 +52,10 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     from dcparallel.plan.context import PlanContext
     from dcparallel.plan.steps import form_steps
     from dcparallel.sim.run import plan_epoch
-    from dcparallel.spec import ClusterSpec, Workload
+    from dcparallel.spec import Workload
 
     profile = Profile.load(out / "profile.json")
-    cluster = ClusterSpec(world_size=real["world"], gpus_per_node=real["world"],
-                          memory_bytes=real["memory_budget_bytes"], name="cpu-budget")
+    cluster = budget_cluster(real)
     ctx = PlanContext(Workload(profile.model, tuple(lengths)), ProfiledCost(profile, cluster), cluster)
     steps = form_steps(ctx.tokens, seed=SEED, tokens_per_step=real["tokens_per_step"])
     factor = real.get("training_factor", 1.0)
@@ -73,6 +72,14 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
             pred[name]["speed"] = ref / profile.reference_s
             pred[name]["wall_s_at_run_speed"] = pred[name]["wall_s_profile"] * pred[name]["speed"]
     return pred
+
+
+def budget_cluster(real: dict):
+    """The cluster a demo run trained on (real.json): its world on one node, its memory budget per rank."""
+    from dcparallel.spec import ClusterSpec
+
+    return ClusterSpec(world_size=real["world"], gpus_per_node=real["world"],
+                       memory_bytes=real["memory_budget_bytes"], name="cpu-budget")
 
 
 def prediction_errors(pred: dict, real: dict, key: str) -> dict[str, float]:

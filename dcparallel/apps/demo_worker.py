@@ -251,12 +251,13 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
         losses.append(dc.sync_gradients())
         opt.step()
         end = time.perf_counter() - t_step
-        a = time.perf_counter()  # pricing is outside the timed wall
-        priced = [cost.terms(tuple(lengths[i] for i in ids), lay.sp).time(lay.recompute) for ids, lay in mbs]
-        paused += time.perf_counter() - a
+        a = time.perf_counter()  # pricing and logging are outside the timed wall
+        lens = [tuple(lengths[i] for i in ids) for ids, _ in mbs]
+        priced = [cost.terms(ls, lay.sp).time(lay.recompute) for ls, (_, lay) in zip(lens, mbs)]
         # each micro-batch's sample lengths, SP degree and recompute, so that its price can be
         # recomputed from another profile without planning the run again
-        shapes = [([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in mbs]
+        shapes = [(ls, lay.sp, lay.recompute.attn, lay.recompute.mlp) for ls, (_, lay) in zip(lens, mbs)]
+        paused += time.perf_counter() - a
         steps_log.append({"segs": segs, "priced": priced, "shapes": shapes, "compute_end": compute_end,
                           "end": end, "sp": step.plan.busy_sizes()})
         step_ids.append(list(step.plan.sample_ids))
