@@ -19,8 +19,11 @@ communicating (`check_plans=True` compares a hash of every plan across ranks).
 Threads and processes: a planning process (or, with ``planning="thread"``, a background
 thread) plans `lookahead` steps ahead of what the DataLoader has asked for (plans are pure
 functions of the step, so timing cannot change them; the process holds at most `lookahead`
-unsent plans); the DataLoader's workers (forked when an epoch's iteration starts, before
-the planner starts) load each micro-batch's samples and collate them.
+unsent plans). The planning process is a fresh interpreter, not a fork of the training
+process (whose W&B, TensorBoard and tqdm threads make a fork unsafe), started at the first
+epoch and kept for the next ones. The DataLoader's workers (forked when an epoch's
+iteration starts, before the planning thread starts) load each micro-batch's samples and
+collate them.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import multiprocessing
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +43,7 @@ from torch.utils.data import DataLoader
 from dcparallel.cost.base import CostModel
 from dcparallel.data.batch import Batch
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
-from dcparallel.data.plan_stream import PlanStream, ProcessPlanStream, StepPrediction, predictor
+from dcparallel.data.plan_stream import PlanStream, PlanWorker, StepPrediction, close_workers, predictor, process_stream
 from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_sizes
 from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
@@ -139,9 +142,8 @@ class DataCentricLoader:
     - ``tokens_per_step`` | ``samples_per_step``: the step budget (exactly one).
     - ``seed``: shuffles the samples per (seed, epoch).
     - ``lookahead``: steps planned ahead (0 = plan when needed, in the iterating thread);
-      ``planning``: where: "process" (default: a forked child process, off the training
-      process's interpreter lock; a thread in a daemonic process, which may not fork) or
-      "thread" (a background thread).
+      ``planning``: where: "process" (default: a planning process, off the training
+      process's interpreter lock; see above) or "thread" (a background thread).
     - ``num_workers``: DataLoader worker processes loading and collating micro-batches
       (0 = in the iterating process); ``prefetch_factor``: micro-batches each worker
       loads ahead.
@@ -237,6 +239,8 @@ class DataCentricLoader:
         self.check_plans = check_plans
         self.planning = planning
         self.predict = predict
+        self._idle_workers: list[PlanWorker] = []  # planning processes between epochs
+        weakref.finalize(self, close_workers, self._idle_workers)
 
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
@@ -349,19 +353,18 @@ class DataCentricLoader:
         self._start = 0
         self._step = start
         steps = self.steps(epoch)
-        in_process = self.planning == "process" and self.lookahead > 0
-        if in_process and multiprocessing.current_process().daemon:
-            # a daemonic process (e.g. a multiprocessing pool worker) may not start children
-            log.warning("rank %d: planning in a thread, not a process: this process is daemonic", self.rank)
-            in_process = False
-        kind = ProcessPlanStream if in_process else PlanStream
-        stream = kind(functools.partial(self.planner, epoch), steps, start, self.lookahead,
-                      name=f"dcparallel-plan-e{epoch}", predict=predictor(self.context) if self.predict else None)
+        if self.planning == "process" and self.lookahead > 0:
+            stream = process_stream(self._idle_workers, self.policy, self.context, self.predict, steps, start,
+                                    self.lookahead)
+        else:
+            stream = PlanStream(functools.partial(self.planner, epoch), steps, start, self.lookahead,
+                                name=f"dcparallel-plan-e{epoch}",
+                                predict=predictor(self.context) if self.predict else None)
         loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, len(steps), self.rank),
                             batch_size=None, collate_fn=to_worker_result if self.num_workers else identity,
                             num_workers=self.num_workers,
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
-        it = iter(loader)  # forks the workers (before the planning thread exists)
+        it = iter(loader)  # forks the DataLoader's workers (before the planning thread exists)
         t_epoch = time.perf_counter()
         try:
             for k in range(start, len(steps)):

@@ -1,4 +1,4 @@
-"""The planning stream: an epoch's step plans made ahead of the loader, in a thread or a forked process.
+"""The planning stream: an epoch's step plans made ahead of the loader, in a thread or a planning process.
 
 Plans are pure functions of the step, so where and when they are made cannot change them.
 Two readers walk the steps in order at their own pace (the DataLoader's sampler and the step
@@ -9,10 +9,17 @@ the `StepPrediction` to the assembler with the plan.
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 from dcparallel.plan import steps as step_former
 from dcparallel.plan.context import PlanContext
@@ -140,60 +147,97 @@ class PlanStream:
         if self._thread is not None:
             self._thread.join()
 
+class PlanWorker:
+    """A planning process (`sim.plan_worker`): a fresh interpreter, not a fork of this one,
+    set up once with a loader's policy, `PlanContext` and ``predict``, then planning one
+    epoch at a time for a `ProcessPlanStream`. A loader keeps its idle workers for its
+    next epochs; the process ends when it is closed or this process ends."""
 
-def _plan_process_main(conn, parent_end, build: Callable[[], Planner], steps: Sequence[step_former.Step],
-                       start: int, lookahead: int, predict: Predict | None) -> None:
-    """The planning process: plans steps start.. in order, at most `lookahead` steps past the
-    furthest step the loader asked for, and sends each plan as it is done. Holds no plan once
-    it is sent, so its memory is the planner's bounded caches plus one step. It ends when the
-    training process does: the fork copied the parent's end of the pipe, which is closed
-    first, so the parent's death is an EOF here (else an orphan planner would outlive a
-    crashed rank and hold the launcher's output pipes open)."""
-    parent_end.close()
-    try:
-        planner = build()
-        nxt, demand = start, start
-        while nxt < len(steps):
-            while nxt >= demand + lookahead or conn.poll():
-                msg = conn.recv()
-                if msg is None:
-                    return
-                demand = max(demand, msg)
-            t0 = time.perf_counter()
-            plan = planner.plan(steps[nxt])
-            assert plan.sample_ids == steps[nxt].sample_ids, "the planner changed the step's samples"
-            seconds = time.perf_counter() - t0
-            conn.send(("plan", nxt, plan, seconds, predict(plan) if predict is not None else None))
-            nxt += 1
-        while conn.recv() is not None:  # wait for the loader to close
-            pass
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+    def __init__(self, policy: str, ctx: PlanContext, predict: bool):
+        parent, child = socket.socketpair()
+        # the worker module must import as it does here; the pickles it gets then find
+        # their modules on the sys.path sent first
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        with child:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dcparallel.sim.plan_worker", str(child.fileno())],
+                                         pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        self.conn = Connection(parent.detach())
+        self._jobs = itertools.count()
+        self.conn.send(list(sys.path))
+        self.conn.send((policy, ctx, predict))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        """The process's exit code once it has ended (waits up to 5 s for that)."""
         try:
-            conn.send(("error", -1, f"{type(e).__name__}: {e}", 0.0, None))
-        except (BrokenPipeError, OSError):
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def new_job(self) -> int:
+        return next(self._jobs)
+
+    def end_job(self, jid: int, timeout: float = 60.0) -> bool:
+        """Ends job ``jid`` and drops its plans still in flight; False if the worker did not
+        answer in ``timeout`` seconds or is gone (then it is closed: do not reuse it)."""
+        try:
+            self.conn.send(("end", jid))
+            deadline = time.monotonic() + timeout
+            while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                msg = self.conn.recv()
+                if msg[0] == "ended" and msg[1] == jid:
+                    return True
+        except (EOFError, OSError):
             pass
+        self.close()
+        return False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.conn.close()
+
+
+def process_stream(idle: list[PlanWorker], policy: str, ctx: PlanContext, predict: bool,
+                   steps: Sequence[step_former.Step], start: int, lookahead: int) -> ProcessPlanStream:
+    """An epoch's `ProcessPlanStream` on one of a loader's ``idle`` workers (those that ended
+    since their last epoch, killed, are dropped), or on a new one."""
+    while idle and not idle[-1].alive():
+        idle.pop().close()
+    worker = idle.pop() if idle else PlanWorker(policy, ctx, predict)
+    return ProcessPlanStream(worker, steps, start, lookahead, idle)
+
+
+def close_workers(workers: list[PlanWorker]) -> None:
+    """Ends every worker of the list (a loader's idle ones, when it is collected)."""
+    while workers:
+        workers.pop().close()
 
 
 class ProcessPlanStream:
-    """`PlanStream`'s interface, the planning done by a child process (forked when the epoch's
-    iteration starts, like the DataLoader's workers), so that planning never holds the training
-    process's interpreter lock. Plans are pure functions of the step: the same as in-process."""
+    """`PlanStream`'s interface, the planning done by a `PlanWorker` (so that planning never
+    holds the training process's interpreter lock). Plans are pure functions of the step:
+    the same as in-process. On `close` the worker goes back to ``idle`` (the loader's list
+    of idle workers) once it has ended this stream's job, or is closed if it did not."""
 
-    def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                 lookahead: int, name: str, predict: Predict | None = None):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_plan_process_main,
-                                 args=(child, self._conn, build, steps, start, max(1, lookahead), predict),
-                                 name=name,
-                                 daemon=True)
-        self._proc.start()
-        child.close()
+    def __init__(self, worker: PlanWorker, steps: Sequence[step_former.Step], start: int, lookahead: int,
+                 idle: list[PlanWorker]):
+        self._worker, self._idle = worker, idle
+        self._conn = worker.conn
+        self._jid = worker.new_job()
         self._lock = threading.Lock()
+        self._send(("job", self._jid, steps, start, lookahead))
         self._plans: dict[int, StepPlan] = {}
         self._predicted: dict[int, StepPrediction | None] = {}
         self._pos = {"sampler": start, "assembler": start}
@@ -208,16 +252,18 @@ class ProcessPlanStream:
                 del self._plans[j]
             if k not in self._plans and k + 1 > self._demand:
                 self._demand = k + 1
-                self._conn.send(self._demand)
+                self._send(("demand", self._jid, self._demand))
             while k not in self._plans:
                 try:
-                    kind, j, plan, seconds, predicted = self._conn.recv()
-                except EOFError:
+                    kind, _, *rest = self._conn.recv()  # this job's: a worker ends one job before the next
+                except (EOFError, OSError):  # closed, or reset with our demand unread
                     raise RuntimeError(f"the planning process ended before step {k} was planned "
-                                       f"(exit code {self._proc.exitcode})") from None
+                                       f"(exit code {self._worker.exit_code()})") from None
                 if kind == "error":
-                    raise RuntimeError(f"planning step {k} failed in the planning process: {plan}")
-                self._plans[j], self._predicted[j] = plan, predicted
+                    raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
+                j, plan, seconds, predicted = rest
+                self._plans[j] = plan
+                self._predicted[j] = StepPrediction(*predicted) if predicted is not None else None
                 self.plan_seconds += seconds
             return self._plans[k]
 
@@ -229,15 +275,14 @@ class ProcessPlanStream:
         with self._lock:
             if k > self._demand:
                 self._demand = k
-                self._conn.send(k)
+                self._send(("demand", self._jid, k))
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError:
+            pass  # the process is gone: `get` says so, with its exit code, when it reads the end
 
     def close(self) -> None:
-        try:
-            self._conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join()
-        self._conn.close()
+        if self._worker.end_job(self._jid):
+            self._idle.append(self._worker)

@@ -29,7 +29,7 @@ def cases(draw):
     return {"world": world, "lengths": lengths, "budget": budget, "policy": draw(st.sampled_from(ALL)),
             "seed": draw(st.integers(0, 3)), "epoch": draw(st.integers(0, 2)),
             "lookahead": draw(st.sampled_from([0, 1, 3])), "stop": draw(st.floats(0, 1)),
-            # both planning paths; a forked planning process per loader is the slow one to test
+            # both planning paths; a planning process per loader is the slow one to test
             "planning": draw(st.sampled_from(["process", "thread", "thread"]))}
 
 

@@ -1,14 +1,17 @@
-"""Planning ahead in a separate process: the same plans as planning in-process, the planner
-really runs in another process, a resumed epoch starts where it stopped, and a planning
-failure reaches the training loop as an error."""
+"""Planning ahead in a planning process: the same plans as planning in-process, the planner
+really runs in another process (a fresh interpreter, not a fork, kept across epochs), a
+resumed epoch starts where it stopped, and a planning failure or a dead planning process
+reaches the training loop as an error."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 
 from dcparallel.data import loader as loader_mod
+from dcparallel.plan import policies
 
 from .test_loader import make, text_data
 
@@ -26,20 +29,85 @@ def test_process_plans_equal_thread_and_in_place_plans():
         assert plans == ref, key
 
 
-def test_the_planner_runs_in_another_process(monkeypatch):
-    pids = []
-    original = loader_mod.DataCentricLoader.planner
+def test_the_planner_runs_in_another_process_kept_for_the_next_epochs(monkeypatch):
+    def not_here(*a, **k):
+        raise AssertionError("a planner was built in the training process")
 
-    def spy(self, epoch):
-        pids.append(os.getpid())
-        return original(self, epoch)
-
-    monkeypatch.setattr(loader_mod.DataCentricLoader, "planner", spy)
+    monkeypatch.setattr(loader_mod, "make_planner", not_here)
+    monkeypatch.setattr(policies, "make_planner", not_here)
     ds, lens = text_data(30, seed=1)
     ld = make(ds, lens, planning="process", lookahead=2)
     steps = list(ld)
     assert steps and ld.last_plan_seconds > 0
-    assert pids == []  # built in the child: this process never built a planner
+    (worker,) = ld._idle_workers  # back in the loader's hands once the epoch ended
+    assert worker.proc.pid != os.getpid() and worker.proc.poll() is None
+    ld.set_epoch(1)
+    assert [s.epoch for s in ld] == [1] * len(ld)
+    assert ld._idle_workers == [worker] and worker.proc.poll() is None  # the same process, reused
+    del ld
+    gc.collect()
+    assert worker.proc.wait(timeout=10) == 0  # the loader collected: its planning process ends
+
+
+def test_two_iterations_at_once_get_a_process_each():
+    ds, lens = text_data(40, seed=4)
+    ld = make(ds, lens, planning="process", lookahead=1)
+    ref = [(s.index, s.sample_ids) for s in make(ds, lens, planning="thread")]
+    a, b = iter(ld), iter(ld)
+    got_a, got_b = [next(a)], [next(b)]
+    got_a += list(a)
+    got_b += list(b)
+    assert [(s.index, s.sample_ids) for s in got_a] == ref == [(s.index, s.sample_ids) for s in got_b]
+    assert len({w.proc.pid for w in ld._idle_workers}) == 2
+
+
+_FORKED = {"marker": None}
+
+
+def _mark_fork() -> None:
+    if _FORKED["marker"] is not None:
+        _FORKED["marker"].touch()
+
+
+os.register_at_fork(after_in_child=_mark_fork)
+
+
+def test_the_planning_process_is_not_a_fork(tmp_path):
+    """At-fork hooks (W&B's and OpenTelemetry's start threads) never run in the planning
+    process: it is a fresh interpreter, not a fork of the training process."""
+    marker = tmp_path / "forked"
+    _FORKED["marker"] = marker
+    try:
+        ds, lens = text_data(30, seed=1)
+        steps = list(make(ds, lens, planning="process", lookahead=2))
+    finally:
+        _FORKED["marker"] = None
+    assert steps and not marker.exists()
+
+
+def test_a_planning_process_that_dies_is_an_error_naming_the_step():
+    ds, lens = text_data(60, seed=5)
+    ld = make(ds, lens, planning="process", lookahead=1)
+    it = iter(ld)
+    next(it)
+    ld_worker = it.gi_frame.f_locals["stream"]._worker
+    ld_worker.proc.kill()
+    ld_worker.proc.wait()
+    with pytest.raises(RuntimeError, match=r"the planning process ended before step \d+ was planned \(exit code -9\)"):
+        list(it)
+    assert ld._idle_workers == []  # a dead worker is not kept
+
+
+def test_an_idle_planning_process_that_died_is_replaced():
+    ds, lens = text_data(30, seed=6)
+    ld = make(ds, lens, planning="process", lookahead=2)
+    first = [(s.index, s.sample_ids) for s in ld]
+    (dead,) = ld._idle_workers
+    dead.proc.kill()
+    dead.proc.wait()
+    assert [(s.index, s.sample_ids) for s in ld] == first  # the same epoch again, a new process
+    (worker,) = ld._idle_workers
+    assert worker is not dead and worker.alive()
 
 
 def test_process_planning_resumes_mid_epoch():
@@ -55,14 +123,12 @@ def test_process_planning_resumes_mid_epoch():
     assert [(s.index, s.sample_ids) for s in again] == full[2:]
 
 
-def test_planning_error_reaches_the_loop(monkeypatch):
-    def broken(self, epoch):
-        raise RuntimeError("planner exploded")
-
-    monkeypatch.setattr(loader_mod.DataCentricLoader, "planner", broken)
+def test_planning_error_reaches_the_loop():
     ds, lens = text_data(20, seed=0)
-    with pytest.raises(RuntimeError, match="planner exploded"):
-        list(make(ds, lens, planning="process"))
+    ld = make(ds, lens, planning="process")
+    ld.policy = "exploded"  # the planning process cannot build this planner
+    with pytest.raises(RuntimeError, match="failed in the planning process: ValueError: unknown policy 'exploded'"):
+        list(ld)
 
 
 def test_unknown_planning_mode_is_named():

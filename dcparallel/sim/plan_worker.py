@@ -1,0 +1,83 @@
+"""The planning process of a loader: ``python -m dcparallel.sim.plan_worker FD``.
+
+A fresh interpreter, not a fork of the training process: a training process runs threads
+of its own (W&B's, OpenTelemetry's, TensorBoard's writer, tqdm's monitor) and their
+at-fork hooks start more of them in a forked child, so a fork of it may deadlock on a
+lock one of those threads held. This module is pure core (no torch), so the process
+starts in well under a second; the loader starts one when it first plans ahead and keeps
+it for its later epochs (`data.plan_stream.PlanWorker`).
+
+Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
+
+- in: the training process's ``sys.path``, then ``(policy, PlanContext, predict)`` once;
+  then per epoch ``("job", jid, steps, start, lookahead)``, ``("demand", jid, k)`` (plan
+  up to step ``k - 1 + lookahead``), ``("end", jid)``; None or EOF ends the process.
+- out: ``("plan", jid, k, StepPlan, seconds, prediction)`` in step order (prediction:
+  the simulator's (compute, step, peak memory) of the plan, or None), ``("error", jid,
+  text)`` once a job fails, ``("ended", jid)`` as the answer to ``("end", jid)``: nothing
+  of that job follows it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from dcparallel.plan.policies import make_planner
+from dcparallel.sim.replay import replay_step, step_seconds
+
+
+class _Job:
+    def __init__(self, jid: int, steps, start: int, lookahead: int):
+        self.jid, self.steps, self.next, self.demand, self.lookahead = jid, steps, start, start, max(1, lookahead)
+        self.planner = None
+        self.failed = False
+
+    def wants_more(self) -> bool:
+        return not self.failed and self.next < len(self.steps) and self.next < self.demand + self.lookahead
+
+
+def serve(conn: Connection) -> None:
+    """Answers the training process until it sends None or closes the connection."""
+    sys.path[:] = conn.recv()  # where the training process imports from: the pickles below need it
+    policy, ctx, predict = conn.recv()
+    job: _Job | None = None
+    while True:
+        if job is None or not job.wants_more() or conn.poll():
+            msg = conn.recv()
+            if msg is None:
+                return
+            kind, jid = msg[0], msg[1]
+            if kind == "job":
+                job = _Job(jid, *msg[2:])
+            elif kind == "demand" and job is not None and job.jid == jid:
+                job.demand = max(job.demand, msg[2])
+            elif kind == "end":
+                job = None
+                conn.send(("ended", jid))
+            continue
+        k = job.next
+        try:
+            t0 = time.perf_counter()
+            if job.planner is None:
+                job.planner = make_planner(policy, ctx, job.steps, score=step_seconds(ctx))
+            plan = job.planner.plan(job.steps[k])
+            if plan.sample_ids != job.steps[k].sample_ids:
+                raise AssertionError(f"the {policy} planner changed the samples of step {k}")
+            seconds = time.perf_counter() - t0
+            r = replay_step(plan, ctx) if predict else None
+        except Exception as e:  # noqa: BLE001 - handed to the training process
+            job.failed = True
+            conn.send(("error", job.jid, f"{type(e).__name__}: {e}"))
+            continue
+        conn.send(("plan", job.jid, k, plan, seconds,
+                   None if r is None else (r.compute_time, r.step_time, r.peak_memory)))
+        job.next = k + 1
+
+
+if __name__ == "__main__":
+    try:
+        serve(Connection(int(sys.argv[1])))
+    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        pass  # the training process ended: so does its planner
