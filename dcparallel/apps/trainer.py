@@ -86,6 +86,8 @@ class Trainer:
             return False
         self.loader = self._loader()
         self.eval_loader = self._eval_loader()
+        for ld in filter(None, (self.loader, self.eval_loader)):
+            ld.start_planning()  # now, not in step 1's time
         self.opt = self.dc.optimizer(lr=self.t.lr, weight_decay=self.t.weight_decay)
         self.profile_fp = self.dc.profile.fingerprint if self.dc.profile is not None else {"cost": "analytic"}
         if ck is not None:

@@ -19,11 +19,8 @@ communicating (`check_plans=True` compares a hash of every plan across ranks).
 Threads and processes: a planning process (or, with ``planning="thread"``, a background
 thread) plans `lookahead` steps ahead of what the DataLoader has asked for (plans are pure
 functions of the step, so timing cannot change them; the process holds at most `lookahead`
-unsent plans). The planning process is a fresh interpreter, not a fork of the training
-process (whose W&B, TensorBoard and tqdm threads make a fork unsafe), started at the first
-epoch and kept for the next ones. The DataLoader's workers (forked when an epoch's
-iteration starts, before the planning thread starts) load each micro-batch's samples and
-collate them.
+unsent plans; a fresh interpreter, not a fork, kept for later epochs: `plan_stream`).
+DataLoader workers (forked as an epoch's iteration starts) load and collate micro-batches.
 """
 
 from __future__ import annotations
@@ -41,9 +38,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from dcparallel.cost.base import CostModel
+from dcparallel.data import plan_stream
 from dcparallel.data.batch import Batch
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
-from dcparallel.data.plan_stream import PlanStream, PlanWorker, StepPrediction, close_workers, predictor, process_stream
+from dcparallel.data.plan_stream import PlanStream, StepPrediction, predictor
 from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_sizes
 from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
@@ -239,8 +237,8 @@ class DataCentricLoader:
         self.check_plans = check_plans
         self.planning = planning
         self.predict = predict
-        self._idle_workers: list[PlanWorker] = []  # planning processes between epochs
-        weakref.finalize(self, close_workers, self._idle_workers)
+        self._idle_workers: list[plan_stream.PlanWorker] = []  # planning processes between epochs
+        weakref.finalize(self, plan_stream.close_workers, self._idle_workers)
 
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
@@ -298,6 +296,12 @@ class DataCentricLoader:
         """Steps in the current epoch."""
         return len(self.steps(self.epoch))
 
+    def start_planning(self) -> None:
+        """Starts the planning process now and waits until it is ready (about 0.2 s), not in step 1."""
+        if self.planning == "process" and self.lookahead > 0:
+            idle = self._idle_workers
+            idle.append(plan_stream.idle_worker(idle, self.policy, self.context, self.predict))
+
     def set_epoch(self, epoch: int) -> None:
         """Moves to `epoch`, starting at its first step, unless a state loaded with
         `load_state_dict` is for this very epoch (then iteration resumes where it stopped)."""
@@ -354,8 +358,8 @@ class DataCentricLoader:
         self._step = start
         steps = self.steps(epoch)
         if self.planning == "process" and self.lookahead > 0:
-            stream = process_stream(self._idle_workers, self.policy, self.context, self.predict, steps, start,
-                                    self.lookahead)
+            worker = plan_stream.idle_worker(self._idle_workers, self.policy, self.context, self.predict)
+            stream = plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers)
         else:
             stream = PlanStream(functools.partial(self.planner, epoch), steps, start, self.lookahead,
                                 name=f"dcparallel-plan-e{epoch}",

@@ -4,7 +4,9 @@ Plans are pure functions of the step, so where and when they are made cannot cha
 Two readers walk the steps in order at their own pace (the DataLoader's sampler and the step
 assembler); a plan is dropped once both have passed it. Asked to (``predict``), the stream
 also replays each plan on the simulator where it was made, off the training loop, and hands
-the `StepPrediction` to the assembler with the plan.
+the `StepPrediction` to the assembler with the plan. The planning process (`PlanWorker`)
+is a fresh interpreter running `sim.plan_worker`, not a fork of the training process: that
+module says why.
 """
 
 from __future__ import annotations
@@ -164,8 +166,25 @@ class PlanWorker:
                                          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
         self.conn = Connection(parent.detach())
         self._jobs = itertools.count()
+        self._ready = False
         self.conn.send(list(sys.path))
         self.conn.send((policy, ctx, predict))
+
+    def wait_ready(self) -> None:
+        """Returns once the process has loaded the policy and the context (at once after the
+        first time); a RuntimeError saying why if it could not."""
+        if self._ready:
+            return
+        try:
+            kind, _, *rest = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the planning process ended as it started (exit code {self.exit_code()})") from None
+        if kind == "error":
+            self.close()
+            raise RuntimeError(f"the planning process could not load the loader's policy and cost model: {rest[0]}. "
+                               f"It imports what it gets from this process's sys.path; a class defined in the "
+                               f"training script cannot be imported there: pass planning='thread'")
+        self._ready = True
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -209,14 +228,14 @@ class PlanWorker:
         self.conn.close()
 
 
-def process_stream(idle: list[PlanWorker], policy: str, ctx: PlanContext, predict: bool,
-                   steps: Sequence[step_former.Step], start: int, lookahead: int) -> ProcessPlanStream:
-    """An epoch's `ProcessPlanStream` on one of a loader's ``idle`` workers (those that ended
-    since their last epoch, killed, are dropped), or on a new one."""
+def idle_worker(idle: list[PlanWorker], policy: str, ctx: PlanContext, predict: bool) -> PlanWorker:
+    """A ready worker taken off a loader's ``idle`` list (those that ended since their last
+    epoch, killed, are dropped), or a new one."""
     while idle and not idle[-1].alive():
         idle.pop().close()
     worker = idle.pop() if idle else PlanWorker(policy, ctx, predict)
-    return ProcessPlanStream(worker, steps, start, lookahead, idle)
+    worker.wait_ready()
+    return worker
 
 
 def close_workers(workers: list[PlanWorker]) -> None:

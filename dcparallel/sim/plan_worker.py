@@ -9,7 +9,8 @@ it for its later epochs (`data.plan_stream.PlanWorker`).
 
 Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
 
-- in: the training process's ``sys.path``, then ``(policy, PlanContext, predict)`` once;
+- in: the training process's ``sys.path``, then ``(policy, PlanContext, predict)`` once
+  (answered ``("ready", None)``, or ``("error", None, text)`` and the end);
   then per epoch ``("job", jid, steps, start, lookahead)``, ``("demand", jid, k)`` (plan
   up to step ``k - 1 + lookahead``), ``("end", jid)``; None or EOF ends the process.
 - out: ``("plan", jid, k, StepPlan, seconds, prediction)`` in step order (prediction:
@@ -41,7 +42,12 @@ class _Job:
 def serve(conn: Connection) -> None:
     """Answers the training process until it sends None or closes the connection."""
     sys.path[:] = conn.recv()  # where the training process imports from: the pickles below need it
-    policy, ctx, predict = conn.recv()
+    try:
+        policy, ctx, predict = conn.recv()
+    except Exception as e:  # noqa: BLE001 - e.g. a class of the training script's __main__
+        conn.send(("error", None, f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
     job: _Job | None = None
     while True:
         if job is None or not job.wants_more() or conn.poll():

@@ -49,6 +49,35 @@ def test_the_planner_runs_in_another_process_kept_for_the_next_epochs(monkeypatc
     assert worker.proc.wait(timeout=10) == 0  # the loader collected: its planning process ends
 
 
+def test_start_planning_starts_the_process_the_first_epoch_uses():
+    ds, lens = text_data(30, seed=1)
+    ld = make(ds, lens, planning="process", lookahead=2)
+    ld.start_planning()
+    (worker,) = ld._idle_workers
+    assert worker.alive()
+    ld.start_planning()  # once is enough
+    assert ld._idle_workers == [worker]
+    assert len(list(ld)) == len(ld) and ld._idle_workers == [worker]
+    thread = make(ds, lens, planning="thread")
+    thread.start_planning()
+    assert thread._idle_workers == []
+
+
+def test_a_cost_model_the_planning_process_cannot_import_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "script_only.py").write_text("class Extra:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import script_only
+
+    ds, lens = text_data(20, seed=0)
+    ld = make(ds, lens, planning="process")
+    ld.context.cost.extra = script_only.Extra()  # a class the planning process cannot import
+    (tmp_path / "script_only.py").unlink()
+    with pytest.raises(RuntimeError, match=r"could not load the loader's policy and cost model: ModuleNotFoundError: "
+                                           r"No module named 'script_only'.*pass planning='thread'"):
+        list(ld)
+    assert ld._idle_workers == []
+
+
 def test_two_iterations_at_once_get_a_process_each():
     ds, lens = text_data(40, seed=4)
     ld = make(ds, lens, planning="process", lookahead=1)
