@@ -61,8 +61,10 @@ def epoch_per_policy(setup: Callable[[str], tuple[torch.nn.Module, Any, Any]], s
     out = {}
     for policy in ALL:
         model, dc, data = setup(policy)
+        # planned in a thread: the planning process makes the same plans (test_plan_process)
+        # and would start a process per policy and rank
         loader = dc.prepare(data, lengths=shapes, samples_per_step=8, profile_path=profile_path,
-                            profiler_config=EPOCH_PROFILE)
+                            profiler_config=EPOCH_PROFILE, planning="thread")
         ran, losses = [], []
         for step, loss in train_steps(dc, model, loader, dc.optimizer(lr=1e-3)):
             ran += [(step.index, batch.ranks, batch.sample_ids) for batch in step]
