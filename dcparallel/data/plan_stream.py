@@ -149,6 +149,7 @@ class PlanStream:
         if self._thread is not None:
             self._thread.join()
 
+
 class PlanWorker:
     """A planning process (`sim.plan_worker`): a fresh interpreter, not a fork of this one,
     set up once with a loader's policy, `PlanContext` and ``predict``, then planning one
