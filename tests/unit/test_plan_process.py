@@ -117,11 +117,12 @@ def test_the_planning_process_is_not_a_fork(tmp_path):
 def test_a_planning_process_that_dies_is_an_error_naming_the_step():
     ds, lens = text_data(60, seed=5)
     ld = make(ds, lens, planning="process", lookahead=1)
+    ld.start_planning()
+    (worker,) = ld._idle_workers  # the process the epoch below plans in
     it = iter(ld)
     next(it)
-    ld_worker = it.gi_frame.f_locals["stream"]._worker
-    ld_worker.proc.kill()
-    ld_worker.proc.wait()
+    worker.proc.kill()
+    worker.proc.wait()
     with pytest.raises(RuntimeError, match=r"the planning process ended before step \d+ was planned \(exit code -9\)"):
         list(it)
     assert ld._idle_workers == []  # a dead worker is not kept
