@@ -21,18 +21,16 @@ import sys
 from pathlib import Path
 
 from dcparallel.apps.demo import budget_cluster
-from dcparallel.apps.demo_worker import training_factor
+from dcparallel.apps.demo_worker import shape_price, training_factor
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
-from dcparallel.spec import Recompute
 
 POLICIES = ("bucket", "packed", "dcp")
 
 
 def repriced(run: dict, cost: ProfiledCost) -> dict:
     """A timed run with each micro-batch's price recomputed by `cost` from its logged shape."""
-    return {"rank_steps": [[{**st, "priced": [cost.terms(tuple(lens), sp).time(Recompute(attn, mlp))
-                                              for lens, sp, attn, mlp in st["shapes"]]} for st in rank_steps]
+    return {"rank_steps": [[{**st, "priced": [shape_price(cost, sh) for sh in st["shapes"]]} for st in rank_steps]
                            for rank_steps in run["rank_steps"]]}
 
 

@@ -217,6 +217,15 @@ def _busy_over_priced(steps) -> float:
     return measured / priced
 
 
+def shape_price(cost, shape) -> float:
+    """A logged micro-batch shape's price (``shapes`` in real.json: sample lengths, SP degree,
+    recomputed attention and MLP layers) by ``cost``."""
+    from dcparallel.spec import Recompute
+
+    lens, sp, attn, mlp = shape
+    return cost.terms(tuple(lens), sp).time(Recompute(attn, mlp))
+
+
 def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
     """One timed training run of `policy` from a fresh model, on the process groups created
     (and warmed up) once: wall time of the loop, losses, the samples of each step, and
@@ -253,11 +262,10 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
         opt.step()
         end = time.perf_counter() - t_step
         a = time.perf_counter()  # pricing and logging are outside the timed wall
-        lens = [tuple(lengths[i] for i in ids) for ids, _ in mbs]
-        priced = [cost.terms(ls, lay.sp).time(lay.recompute) for ls, (_, lay) in zip(lens, mbs)]
         # each micro-batch's sample lengths, SP degree and recompute, so that its price can be
         # recomputed from another profile without planning the run again
-        shapes = [(ls, lay.sp, lay.recompute.attn, lay.recompute.mlp) for ls, (_, lay) in zip(lens, mbs)]
+        shapes = [([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in mbs]
+        priced = [shape_price(cost, sh) for sh in shapes]
         paused += time.perf_counter() - a
         steps_log.append({"segs": segs, "priced": priced, "shapes": shapes, "compute_end": compute_end,
                           "end": end, "sp": step.plan.busy_sizes()})

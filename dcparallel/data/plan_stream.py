@@ -11,6 +11,7 @@ module says why.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -19,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -27,31 +27,15 @@ from dcparallel.plan import steps as step_former
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import Planner
 from dcparallel.plan.types import StepPlan
-from dcparallel.sim.replay import replay_step
-
-
-@dataclass(frozen=True)
-class StepPrediction:
-    """The simulator's replay of one whole step plan on the loader's cost model."""
-
-    compute_s: float
-    """when the last rank is done with its micro-batches"""
-    step_s: float
-    """``compute_s`` plus the part of the gradient sync the last backward cannot hide"""
-    peak_memory_bytes: float
-    """the peak memory of the step's largest micro-batch"""
-
+from dcparallel.sim.plan_worker import checked_plan
+from dcparallel.sim.replay import StepPrediction, predict_step
 
 Predict = Callable[[StepPlan], StepPrediction]
 
 
 def predictor(ctx: PlanContext) -> Predict:
-    """The prediction of a plan on ``ctx`` (`sim.replay.replay_step`)."""
-    def predict(plan: StepPlan) -> StepPrediction:
-        r = replay_step(plan, ctx)
-        return StepPrediction(r.compute_time, r.step_time, r.peak_memory)
-
-    return predict
+    """The prediction of a plan on ``ctx`` (`sim.replay.predict_step`)."""
+    return functools.partial(predict_step, ctx=ctx)
 
 
 class PlanStream:
@@ -79,8 +63,7 @@ class PlanStream:
         t0 = time.perf_counter()
         if self._planner is None:
             self._planner = self._build()
-        plan = self._planner.plan(self._steps[k])
-        assert plan.sample_ids == self._steps[k].sample_ids, "the planner changed the step's samples"
+        plan = checked_plan(self._planner, self._steps[k])
         self.plan_seconds += time.perf_counter() - t0
         return plan, self._predict(plan) if self._predict is not None else None
 
@@ -282,8 +265,7 @@ class ProcessPlanStream:
                 if kind == "error":
                     raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
                 j, plan, seconds, predicted = rest
-                self._plans[j] = plan
-                self._predicted[j] = StepPrediction(*predicted) if predicted is not None else None
+                self._plans[j], self._predicted[j] = plan, predicted
                 self.plan_seconds += seconds
             return self._plans[k]
 

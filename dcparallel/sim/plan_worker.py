@@ -14,7 +14,7 @@ Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
   then per epoch ``("job", jid, steps, start, lookahead)``, ``("demand", jid, k)`` (plan
   up to step ``k - 1 + lookahead``), ``("end", jid)``; None or EOF ends the process.
 - out: ``("plan", jid, k, StepPlan, seconds, prediction)`` in step order (prediction:
-  the simulator's (compute, step, peak memory) of the plan, or None), ``("error", jid,
+  the plan's `sim.replay.StepPrediction`, or None), ``("error", jid,
   text)`` once a job fails, ``("ended", jid)`` as the answer to ``("end", jid)``: nothing
   of that job follows it.
 """
@@ -25,8 +25,18 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from dcparallel.plan.policies import make_planner
-from dcparallel.sim.replay import replay_step, step_seconds
+from dcparallel.plan.policies import Planner, make_planner
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import StepPlan
+from dcparallel.sim.replay import predict_step, step_seconds
+
+
+def checked_plan(planner: Planner, step: Step) -> StepPlan:
+    """The planner's plan of ``step``; an error if it changed the step's samples."""
+    plan = planner.plan(step)
+    if plan.sample_ids != step.sample_ids:
+        raise AssertionError(f"the planner changed the samples of step {step.index}")
+    return plan
 
 
 class _Job:
@@ -68,17 +78,14 @@ def serve(conn: Connection) -> None:
             t0 = time.perf_counter()
             if job.planner is None:
                 job.planner = make_planner(policy, ctx, job.steps, score=step_seconds(ctx))
-            plan = job.planner.plan(job.steps[k])
-            if plan.sample_ids != job.steps[k].sample_ids:
-                raise AssertionError(f"the {policy} planner changed the samples of step {k}")
+            plan = checked_plan(job.planner, job.steps[k])
             seconds = time.perf_counter() - t0
-            r = replay_step(plan, ctx) if predict else None
+            predicted = predict_step(plan, ctx) if predict else None
         except Exception as e:  # noqa: BLE001 - handed to the training process
             job.failed = True
             conn.send(("error", job.jid, f"{type(e).__name__}: {e}"))
             continue
-        conn.send(("plan", job.jid, k, plan, seconds,
-                   None if r is None else (r.compute_time, r.step_time, r.peak_memory)))
+        conn.send(("plan", job.jid, k, plan, seconds, predicted))
         job.next = k + 1
 
 

@@ -142,6 +142,24 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
 
 
+@dataclass(frozen=True)
+class StepPrediction:
+    """The simulator's replay of one whole step plan, as a loader hands it to the training loop."""
+
+    compute_s: float
+    """when the last rank is done with its micro-batches"""
+    step_s: float
+    """``compute_s`` plus the part of the gradient sync the last backward cannot hide"""
+    peak_memory_bytes: float
+    """the peak memory of the step's largest micro-batch"""
+
+
+def predict_step(plan: StepPlan, ctx: PlanContext) -> StepPrediction:
+    """`replay_step` of ``plan`` on ``ctx``, reduced to its `StepPrediction`."""
+    r = replay_step(plan, ctx)
+    return StepPrediction(r.compute_time, r.step_time, r.peak_memory)
+
+
 def step_seconds(ctx: PlanContext, overlap: bool = True) -> Callable[[StepPlan], float]:
     """The simulator's score of a plan (`plan.types.Score`): its predicted step seconds."""
     return lambda plan: replay_step(plan, ctx, overlap).step_time
