@@ -8,7 +8,9 @@ object helpers (`all_gather_object`, `check_equal`, `barrier`) default to `WORLD
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +44,45 @@ def world_size() -> int:
 
 def world_rank() -> int:
     return dist.get_rank() if is_distributed() else 0
+
+
+# ---------------------------------------------------------------- the control group
+
+#: seconds a collective of the control group may wait (env DCPARALLEL_CONTROL_TIMEOUT_S)
+DEFAULT_CONTROL_TIMEOUT_S = 1800.0
+
+_control: dict[int, Any] = {}
+
+
+def control_timeout_s() -> float:
+    """The control group's collective timeout: ``DCPARALLEL_CONTROL_TIMEOUT_S`` or 30 min."""
+    raw = os.environ.get("DCPARALLEL_CONTROL_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else DEFAULT_CONTROL_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"DCPARALLEL_CONTROL_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"DCPARALLEL_CONTROL_TIMEOUT_S={raw!r} must be > 0 seconds")
+    return value
+
+
+def control_group():
+    """A gloo (CPU) process group of the whole world for agreements and object exchanges:
+    profiling's turn-taking, configuration and plan digests, checkpoint commits.
+
+    It is apart from the training collectives for two reasons: objects and small flags need
+    no CUDA tensors (an object collective on NCCL copies to the GPU and synchronizes), and a
+    rank that waits here for a slower rank (one profiling the busiest group, one writing a
+    checkpoint) waits under this group's long timeout (`control_timeout_s`), not the NCCL
+    watchdog's. Collective on first use: every rank must make its first call at the same
+    point. None in a one-rank world (the object helpers then do the single-rank thing)."""
+    if world_size() == 1:
+        return None
+    key = id(dist.group.WORLD)  # a new default group (re-initialized world) gets a new one
+    if key not in _control:
+        _control.clear()
+        _control[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s()))
+    return _control[key]
 
 
 # ---------------------------------------------------------------- Ulysses all-to-alls

@@ -89,6 +89,19 @@ def case_comm() -> dict:
     return {"gathered": gathered, "mismatch": mismatch}
 
 
+def case_control_group(timeout_s: str) -> dict:
+    import os
+
+    os.environ["DCPARALLEL_CONTROL_TIMEOUT_S"] = timeout_s
+    try:
+        g = comm.control_group()
+        gathered = comm.all_gather_object(comm.world_rank() * 10, g)
+        return {"backend": dist.get_backend(g), "same": comm.control_group() is g, "gathered": gathered,
+                "timeout": comm.control_timeout_s()}
+    finally:
+        del os.environ["DCPARALLEL_CONTROL_TIMEOUT_S"]
+
+
 # ---------------------------------------------------------------- Ulysses attention
 
 

@@ -44,6 +44,13 @@ def test_gather_dict_and_check_equal(workers):
         assert "ranks [0" in o["mismatch"] and "ranks [1" in o["mismatch"]
 
 
+def test_control_group_is_one_gloo_group_with_its_own_timeout(workers):
+    out = workers.run(cases.case_control_group, "7.5")
+    for o in out:
+        assert o["backend"] == "gloo" and o["same"] and o["timeout"] == 7.5
+        assert o["gathered"] == [10 * r for r in range(workers.world)]
+
+
 @pytest.mark.parametrize("pattern", ["causal", "full", "spatial", "temporal"])
 def test_ulysses_equals_full_attention_forward_and_backward(workers, pattern):
     for seed in (0, 1):
