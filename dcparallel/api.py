@@ -134,11 +134,52 @@ class DataCentricParallel:
         self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
                              groups=groups)
+        #: the budget was measured here, not given: `prepare` agrees on the smallest over ranks
+        self.memory_measured = memory_bytes is None
+        if self.memory_measured:  # the process groups' communicators hold device memory too
+            self._set_memory(self.memory_bytes - int(getattr(self.engine.groups, "communicator_bytes", 0)))
         self.policy, self.spec = policy, adapter.spec
         self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
         self.profile = None
         self.cost = None
         self.loader: DataCentricLoader | None = None
+
+    def _set_memory(self, memory_bytes: int) -> None:
+        if memory_bytes <= 0:
+            raise ValueError(f"the process groups' communicators take all of the device memory budget (left: "
+                             f"{memory_bytes} bytes); pass memory_bytes, or use fewer SP sizes (a larger shard_size)")
+        self.memory_bytes = int(memory_bytes)
+        self.cluster_spec = dataclasses.replace(self.cluster_spec, memory_bytes=self.memory_bytes)
+
+    def _agree_inputs(self, sizes: Sequence[Any], plan_kw: dict[str, Any]) -> None:
+        """Every rank plans on its own, so every input of the plans must be the same on every
+        rank: checked once on the control group (a ValueError names what differs). A budget
+        measured from the device is first agreed as the smallest over ranks."""
+        group = comm.control_group()
+        if self.memory_measured:
+            least = min(comm.all_gather_object(self.memory_bytes, group))
+            if least != self.memory_bytes:
+                log.info("rank %d: memory budget %s -> %s, the smallest of any rank", comm.world_rank(),
+                         self.memory_bytes, least)
+                self._set_memory(least)
+        c = self.cluster_spec
+        comm.check_agree({
+            "memory budget (memory_bytes)": (c.memory_bytes, "pass the same memory_bytes on every rank, or none "
+                                             "(then the smallest device's is used)"),
+            "cluster spec": (dataclasses.replace(c, memory_bytes=1), "launch every rank with the same world size, "
+                             "GPUs per node (LOCAL_WORLD_SIZE) and link speeds ($DCPARALLEL_LINKS)"),
+            "policy and step budget": ((self.policy, self.seed, sorted(plan_kw.items())),
+                                       "pass the same policy, seed and step budget on every rank"),
+            "sample sizes": (comm.digest(tuple(sizes)), "read the same dataset and lengths on every rank"),
+        }, "prepare", group)
+
+    def _agree_cost(self) -> None:
+        """The cost model's content (a profile's every entry, not its fingerprint: a node-local
+        cached profile may differ) is the same on every rank, else a ValueError."""
+        content = self.profile.to_json() if self.profile is not None else (self.spec, self.cost.cluster)
+        comm.check_agree({"cost model": (content, "delete the cached profile files on every node and profile "
+                                         "again (or share one profile_path between nodes)")},
+                         "prepare", comm.control_group())
 
     # ------------------------------------------------------------------ the engine's, unchanged
 
@@ -248,6 +289,9 @@ class DataCentricParallel:
             raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
                              f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained")
         sizes = read_sizes(lengths, len(dataset))
+        plan_kw = {"tokens_per_step": tokens_per_step, "samples_per_step": samples_per_step,
+                   **{k: loader_kw[k] for k in ("skip_oversize", "epoch") if k in loader_kw}}
+        self._agree_inputs(sizes, plan_kw)  # before minutes of profiling
         if self.shard_auto:
             self._check_auto_shard_size(sizes)
         if cost == "analytic":
@@ -255,6 +299,7 @@ class DataCentricParallel:
         else:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
+        self._agree_cost()
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", self.params[0].device)  # batches go where the model is
         loader_kw.setdefault("epoch", self.epoch)

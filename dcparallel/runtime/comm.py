@@ -275,3 +275,25 @@ def barrier(group=WORLD) -> None:
             dist.barrier()
     elif group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def check_agree(fields: dict[str, tuple[Any, str]], what: str, group=WORLD) -> None:
+    """Raises ValueError on every rank of ``group`` unless each of ``fields`` (name -> (value,
+    the fix to name when it differs)) is the same on all its ranks. One object exchange of
+    digests and short previews; the message names the first field that differs, which ranks
+    hold which value, and its fix."""
+    mine = {name: (digest(value), repr(value)[:160]) for name, (value, _) in fields.items()}
+    every = all_gather_object(mine, group)
+    for name, (_, fix) in fields.items():
+        by_value: dict[str, tuple[str, list[int]]] = {}
+        for r, theirs in enumerate(every):
+            d, preview = theirs[name]
+            by_value.setdefault(d, (preview, []))[1].append(r)
+        if len(by_value) > 1:
+            detail = "; ".join(f"ranks {_ranks_text(rs)}: {preview}" for preview, rs in by_value.values())
+            raise ValueError(f"{what}: {name} differs across ranks ({detail}); every rank must plan from the same "
+                             f"{name}: {fix}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"

@@ -94,3 +94,20 @@ def case_plan_mismatch() -> str:
     except RuntimeError as e:
         return str(e)
     return ""
+
+
+
+def case_prepare_budgets(budgets: list[int]) -> dict:
+    """`DataCentricParallel.prepare` on the reference LM with ``budgets[rank]`` bytes of memory
+    per rank (analytic cost): the steps of the loader, or the error."""
+    import dcparallel
+
+    dataset = ArithmeticTokens(24, 0)
+    dc = dcparallel.DataCentricParallel(make_model("llama"), memory_bytes=budgets[dist.get_rank()],
+                                        gpus_per_node=dist.get_world_size())
+    try:
+        loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=400, cost="analytic",
+                            planning="thread")
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": "", "steps": len(loader)}

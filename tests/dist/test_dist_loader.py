@@ -81,3 +81,15 @@ def test_epoch_through_the_reference_lm_covers_every_sample_once(workers, tmp_pa
 def test_plan_check_stops_ranks_that_disagree(workers):
     for msg in workers.run(loader_cases.case_plan_mismatch):
         assert "plan of epoch 0 step 0 differs across ranks" in msg and "ranks [0]" in msg
+
+
+def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
+    """Each rank plans on its own from its memory budget: budgets that differ would give
+    different plans (and a hang), so prepare stops every rank with the field, the values per
+    rank and the fix; equal budgets prepare."""
+    for out in workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_300_000]):
+        assert out["error"].startswith("prepare: memory budget (memory_bytes) differs across ranks (ranks [0]: "
+                                       "1200000; ranks [1]: 1300000)"), out
+        assert "pass the same memory_bytes on every rank" in out["error"]
+    same = workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_200_000])
+    assert same[0]["error"] == "" and same[0]["steps"] == same[1]["steps"] > 1, same

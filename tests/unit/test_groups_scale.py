@@ -139,3 +139,25 @@ def test_communicator_memory_is_measured_around_creation_and_warm_up(monkeypatch
         assert ProcessGroups(8).communicator_bytes == 4 * 2**28  # nothing new, the same total
         assert group_cache().creations == 4
 
+
+def test_the_default_memory_budget_leaves_out_the_communicators(monkeypatch):
+    """The budget the planner gets (measured from the device) is what is left after the
+    communicators; a budget the user gives is taken as given."""
+    import dcparallel
+    from dcparallel.runtime.launch import device_memory
+
+    free = [10 * 2**30]
+
+    def warm_up(group, device):
+        free[0] -= 2**28
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(groups_mod, "_comm_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(groups_mod, "_warm_up", warm_up)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * 2**30))
+    with fake_world(64, rank=3):
+        dc = dcparallel.DataCentricParallel(llama32())
+        assert dc.groups.communicator_bytes == 6 * 2**28  # sizes 2..32 and the sync's group
+        assert dc.memory_bytes == dc.cluster_spec.memory_bytes == device_memory(torch.device("cpu"), 1) - 6 * 2**28
+        given = dcparallel.DataCentricParallel(llama32(), memory_bytes=2**30)
+        assert given.memory_bytes == given.cluster_spec.memory_bytes == 2**30
