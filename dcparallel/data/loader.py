@@ -4,7 +4,7 @@ Per epoch the loader forms the steps with the planning core's step former (shuff
 (seed, epoch), consecutive samples up to the step budget), plans each step with a policy,
 and hands this rank the micro-batches of its group, loaded and collated by torch
 DataLoader workers. Every rank computes the same plans from the same inputs without
-communicating (`check_plans=True` compares a hash of every plan across ranks).
+communicating; `check_plans` compares them across ranks every so many steps (`plan_check`).
 
     loader = DataCentricLoader(dataset, lengths, policy="dcp", cost=cost, cluster=cluster,
                                tokens_per_step=2**16, seed=0, num_workers=2)
@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dcparallel.cost.base import CostModel
-from dcparallel.data import plan_stream
+from dcparallel.data import plan_check, plan_stream
 from dcparallel.data.batch import Batch
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
 from dcparallel.data.plan_stream import PlanStream, StepPrediction, predictor
@@ -152,8 +152,8 @@ class DataCentricLoader:
       group); given explicitly they let one process act as any rank (tests, planning tools).
     - ``skip_oversize``: skip samples that fit no layout (logged, in `summary()`) instead
       of raising.
-    - ``check_plans``: debug mode, compares a hash of every step plan across ranks
-      (`runtime.comm.check_equal`, one collective per step).
+    - ``check_plans``: the ranks compare their plans (`plan_check`) on the first step iterated
+      and every step whose index is a multiple of this (1: every step, 0: never).
     - ``epoch``: the first epoch (also set by `set_epoch` / `load_state_dict`).
     - ``device``: where the `Batch`es go before the loop gets them (e.g. the model's
       ``cuda:LOCAL_RANK``, from pinned host memory without blocking; default: they stay where
@@ -185,7 +185,7 @@ class DataCentricLoader:
         rank: int | None = None,
         world_size: int | None = None,
         skip_oversize: bool = False,
-        check_plans: bool = False,
+        check_plans: int = plan_check.CHECK_PLANS_EVERY,
         epoch: int = 0,
         ignore_index: int = IGNORE_INDEX,
         device: torch.device | str | None = None,
@@ -234,7 +234,7 @@ class DataCentricLoader:
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.seed = int(seed)
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
-        self.check_plans = check_plans
+        self.check_plans = plan_check.check_every(check_plans)
         self.planning = planning
         self.predict = predict
         self._idle_workers: list[plan_stream.PlanWorker] = []  # planning processes between epochs
@@ -374,8 +374,8 @@ class DataCentricLoader:
             for k in range(start, len(steps)):
                 plan, predicted = stream.get(k, "assembler"), stream.prediction(k)
                 plan.check_shard_blocks(getattr(self.cluster, "shard_size", 1))  # same plan, same answer, every rank
-                if self.check_plans:
-                    comm.check_equal(comm.digest(plan.to_json()), f"plan of epoch {epoch} step {k}")
+                if self.check_plans and (k == start or k % self.check_plans == 0):
+                    plan_check.check_same_plan(plan, epoch, k)
                 work = plan.work_of(self.rank)
                 batches: tuple[Any, ...] = ()
                 if work:

@@ -97,6 +97,44 @@ def case_plan_mismatch() -> str:
 
 
 
+class _PlantedPlanner:
+    """Plans the steps from ``at`` on with another planner (valid plans of the same samples,
+    different groups), the steps before with the loader's own."""
+
+    def __init__(self, planner, other, at: int):
+        self.planner, self.other, self.at = planner, other, at
+
+    def plan(self, step):
+        return (self.other if step.index >= self.at else self.planner).plan(step)
+
+
+def case_planted_divergence(check_every: int, at: int) -> dict:
+    """Same inputs on both ranks, but rank 1 plans from step ``at`` on with `bucket`: the
+    loader's periodic plan check (every ``check_every`` steps) must stop both ranks at the
+    first checked step from ``at`` on. Returns the steps each rank got and the error text."""
+    from dcparallel.plan.policies import make_planner
+    from dcparallel.sim.replay import step_seconds
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = ArithmeticTokens(40, 0)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
+                          intra_bw=300e9, intra_latency=1e-5)
+    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                               tokens_per_step=400, seed=0, check_plans=check_every, planning="thread",
+                               lookahead=0)
+    if rank == 1:
+        real = loader.planner
+        loader.planner = lambda epoch: _PlantedPlanner(real(epoch), make_planner(
+            "bucket", loader.context, loader.steps(epoch), score=step_seconds(loader.context)), at)
+    got = []
+    try:
+        for step in loader:
+            got.append(step.index)
+    except RuntimeError as e:
+        return {"steps": got, "error": str(e), "num_steps": len(loader)}
+    return {"steps": got, "error": "", "num_steps": len(loader)}
+
+
 def case_prepare_budgets(budgets: list[int]) -> dict:
     """`DataCentricParallel.prepare` on the reference LM with ``budgets[rank]`` bytes of memory
     per rank (analytic cost): the steps of the loader, or the error."""

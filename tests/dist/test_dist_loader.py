@@ -83,6 +83,21 @@ def test_plan_check_stops_ranks_that_disagree(workers):
         assert "plan of epoch 0 step 0 differs across ranks" in msg and "ranks [0]" in msg
 
 
+def test_a_plan_that_differs_on_one_rank_is_caught_at_the_next_checked_step(workers):
+    """Rank 1 plans from step 3 on with another policy; with the check every 2 steps the
+    plans agree at steps 0 and 2, and both ranks stop at step 4 (not hang), with a message
+    naming the epoch, the step and the differing group. With check_plans=1 both stop at
+    step 3 itself."""
+    every2 = workers.run(loader_cases.case_planted_divergence, 2, 3)
+    assert every2[0]["num_steps"] > 5
+    for out in every2:
+        assert out["steps"] == [0, 1, 2, 3], out
+        assert "the plan of epoch 0 step 4 differs across ranks: ranks [0] hold one plan, rank 1 another" in out["error"]
+        assert "group 0: rank 0 has {'ranks'" in out["error"] and "rank 1 has {'ranks'" in out["error"]
+    for out in workers.run(loader_cases.case_planted_divergence, 1, 3):
+        assert out["steps"] == [0, 1, 2] and "epoch 0 step 3 differs" in out["error"], out
+
+
 def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
     """Each rank plans on its own from its memory budget: budgets that differ would give
     different plans (and a hang), so prepare stops every rank with the field, the values per
