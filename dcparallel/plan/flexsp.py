@@ -16,10 +16,11 @@ under a limit. Here:
   sizes sum to at most the world and, being chain sizes, tile it as aligned blocks), integer
   counts of micro-batches of each (b, m) per slot, every sample exactly once, each slot's
   load at most the makespan C; minimize C (HiGHS through `scipy.optimize.milp`);
-- **the limit**: `NODE_LIMIT` branch-and-bound nodes (deterministic), with `TIME_LIMIT`
-  seconds as a guard; the best solution found is used. Where the solver finds none, the step
-  is planned by a simple fallback (each sample alone at the narrowest degree every sample
-  fits, longest first to the least-loaded group) and counted in `describe()`.
+- **the limit**: `NODE_LIMIT` branch-and-bound nodes and no wall clock: every rank plans on
+  its own, so a step's plan must not depend on how fast a rank solved it (``time_limit=`` is
+  for offline comparisons only); the best solution found is used. Where the solver finds
+  none, the step is planned by a simple fallback (each sample alone at the narrowest degree
+  every sample fits, longest first to the least-loaded group) and counted in `describe()`.
 
 The program grows with slots x buckets x micro-batch sizes, so this policy runs only where it
 solves in time: clusters of at most `MAX_WORLD` GPUs (the scale report runs it at 8 and 32).
@@ -40,20 +41,19 @@ from dcparallel.plan.context import PlanContext, mbs_candidates
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 
-#: branch-and-bound nodes per step (a deterministic limit), and a wall-clock guard
+#: branch-and-bound nodes per step: the limit of a training run's plans (deterministic)
 NODE_LIMIT = 2000
-TIME_LIMIT = 30.0
 #: relative optimality gap at which the solver stops
 MIP_GAP = 1e-4
 #: the largest cluster it plans for: the program has about 2 x world slots, and at 32 GPUs it
-#: already stops at the time limit on most steps
+#: already stops at its limit on most steps
 MAX_WORLD = 64
 
 
 class FlexSPPlanner:
     name = "flexsp"
 
-    def __init__(self, ctx: PlanContext, node_limit: int = NODE_LIMIT, time_limit: float = TIME_LIMIT):
+    def __init__(self, ctx: PlanContext, node_limit: int = NODE_LIMIT, time_limit: float | None = None):
         self.ctx = ctx
         self.world = ctx.cluster.world_size
         if self.world > MAX_WORLD:
@@ -142,7 +142,7 @@ class FlexSPPlanner:
 
 
 def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, options, *, gap: float,
-                 time_limit: float, node_limit: int | None = None):
+                 time_limit: float | None, node_limit: int | None = None):
     """The least makespan over group slots (world / k of each degree k; open slots' sizes sum
     to at most the world) and integer counts of micro-batches per slot: `options(b, k)` lists
     (m, seconds) of a micro-batch of m samples of bucket b at degree k; every bucket's
@@ -191,7 +191,9 @@ def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, o
     cost[-1] = 1.0
     ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
     integrality = np.concatenate([np.ones(nx + ns), [0]])
-    limits = {"time_limit": time_limit, "mip_rel_gap": gap}
+    limits: dict[str, float] = {"mip_rel_gap": gap}
+    if time_limit is not None:  # a wall clock makes the result depend on the machine's speed
+        limits["time_limit"] = time_limit
     if node_limit is not None:
         limits["node_limit"] = node_limit
     with c_stdout_to_stderr():

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.flexsp import FlexSPPlanner
+from dcparallel.plan.flexsp import NODE_LIMIT, FlexSPPlanner
+from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step, form_steps
 from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
@@ -170,3 +171,27 @@ def test_solver_prints_go_to_stderr_and_stdout_keeps_only_python_output():
     assert r.returncode == 0, r.stderr
     assert r.stdout == "before\nafter\n"
     assert "from C printf" in r.stderr and "raw fd 1" in r.stderr
+
+
+def test_a_training_run_plans_under_a_node_limit_alone_never_a_wall_clock(monkeypatch):
+    """Every rank solves each step's program on its own: a wall-clock limit would let a busy
+    rank stop earlier than the others with another solution (another plan, a hang). The
+    policy's planner passes HiGHS a node limit and no time limit."""
+    import scipy.optimize
+
+    seen = []
+    real = scipy.optimize.milp
+
+    def milp(*args, options=None, **kw):
+        seen.append(dict(options or {}))
+        return real(*args, options=options, **kw)
+
+    monkeypatch.setattr(scipy.optimize, "milp", milp)
+    sizes = (64, 300, 2000, 9000, 120, 5000)
+    cl = cluster(8, 4)
+    w = Workload(TINY_LM, sizes)
+    ctx = PlanContext(w, cost(TINY_LM, cl), cl)
+    planner = make_planner("flexsp", ctx, [Step(0, tuple(range(len(sizes))))], score=step_seconds(ctx))
+    planner.plan(Step(0, tuple(range(len(sizes)))))
+    assert seen and all("time_limit" not in o and o["node_limit"] == NODE_LIMIT for o in seen), seen
+    assert planner.describe()["time_limit_s"] is None
