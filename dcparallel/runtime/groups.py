@@ -183,8 +183,8 @@ class ProcessGroups:
         return list(self.topology.sizes)
 
     def group(self, ranks: Sequence[int]):
-        """The process group of an aligned block holding this rank (None when the block is
-        one rank or the world is)."""
+        """The process group of an aligned block holding this rank (None for a block of one
+        rank, any rank's: it needs no collective)."""
         key = tuple(int(r) for r in ranks)
         if not self.topology.is_block(key) or key[0] < 0:
             raise ValueError(
@@ -192,7 +192,7 @@ class ProcessGroups:
                 f"ranks): the groups of world {self.world_size} with {self.num_heads} heads are aligned blocks "
                 f"of sizes {self.sizes}; plan with dcparallel.topology.Topology"
             )
-        if self.rank not in key:
+        if len(key) > 1 and self.rank not in key:
             raise ValueError(f"rank {self.rank} asked for the group of ranks {key}, which it is not in; a rank "
                              f"runs only the micro-batches of its own groups (StepPlan.work_of)")
         return self._by_size[len(key)]
