@@ -46,7 +46,8 @@ from dcparallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
-#: default-group backends whose groups are made one creation per SP size
+#: default-group backends whose groups are made one creation per SP size (also when one
+#: device type's backend of several, e.g. "cpu:gloo,cuda:nccl")
 PER_SIZE_BACKENDS = ("nccl", "fake")
 
 
@@ -54,9 +55,14 @@ def _backend() -> str:
     return str(dist.get_backend()).lower()
 
 
+def _per_size() -> bool:
+    backend = _backend()
+    return any(b == backend or f":{b}" in backend for b in PER_SIZE_BACKENDS)
+
+
 def _comm_device() -> torch.device | None:
     """The CUDA device whose free memory the communicators take (None: not measured)."""
-    if _backend() == "nccl" and torch.cuda.is_available():
+    if "nccl" in _backend() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return None
 
@@ -82,7 +88,7 @@ def _create_size(k: int, world: int, rank: int):
     ``k`` holds it), made with one collective creation on NCCL / fake, one per block on gloo."""
     blocks = _blocks_of(k, world)
     mine = next((b for b in blocks if rank in b), None)
-    if _backend() not in PER_SIZE_BACKENDS:
+    if not _per_size():
         made = [dist.new_group(b) for b in blocks]  # collective: every rank, every block
         return None if mine is None else made[blocks.index(mine)]
     if _device_bound() and hasattr(dist, "split_group"):

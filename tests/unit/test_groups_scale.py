@@ -161,3 +161,10 @@ def test_the_default_memory_budget_leaves_out_the_communicators(monkeypatch):
         assert dc.memory_bytes == dc.cluster_spec.memory_bytes == device_memory(torch.device("cpu"), 1) - 6 * 2**28
         given = dcparallel.DataCentricParallel(llama32(), memory_bytes=2**30)
         assert given.memory_bytes == given.cluster_spec.memory_bytes == 2**30
+
+
+@pytest.mark.parametrize(("backend", "per_size"), [("gloo", False), ("nccl", True), ("fake", True),
+                                                    ("cpu:gloo,cuda:nccl", True)])
+def test_which_backends_make_one_group_per_size(monkeypatch, backend, per_size):
+    monkeypatch.setattr(groups_mod, "_backend", lambda: backend)
+    assert groups_mod._per_size() is per_size
