@@ -202,7 +202,8 @@ class StateRecipe:
         return self.params + self.grads + self.optimizer + self.step_transient
 
 
-def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1) -> StateRecipe:
+def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
+                 bytes_per_value: float | None = None) -> StateRecipe:
     """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, P parameters,
     W ranks, s the shard size), as `runtime.zero` / `runtime.sharded` allocate it.
 
@@ -217,8 +218,11 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1) -> Stat
     parameters each micro-batch gathers (`gathered_bytes`). The step: the replica all-reduce
     and the clip in place; the update reads and writes the parameter shards one chunk at a
     time: its denominator and the replicas' gathered chunks, this rank's among them
-    (1 + W / s chunks)."""
-    p, b, w, s = float(model.num_params), float(model.bytes_per_value), world_size, shard_size
+    (1 + W / s chunks). ``num_params`` / ``bytes_per_value``: counts of a built model where
+    they differ from the spec's (the profiler's)."""
+    p = float(model.num_params if num_params is None else num_params)
+    b = float(model.bytes_per_value if bytes_per_value is None else bytes_per_value)
+    w, s = world_size, shard_size
     chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about P / W
     if s == 1:
         master = 0.0 if b >= 4 else 4 * p / w
