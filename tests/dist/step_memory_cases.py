@@ -1,16 +1,11 @@
 """Gloo worker functions measuring what a rank holds around the optimizer step (module level,
 for spawn): live storages after ``opt.step()`` and the peak of sync + clip + step, each storage
-counted once (`LiveBytes`)."""
+counted once (`tests.memory`)."""
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dcparallel.cost.base import state_recipe
 from dcparallel.data.collate import text_batch
@@ -18,63 +13,10 @@ from dcparallel.loss import per_token_loss
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.runtime.engine import Engine
 from tests import support
+from tests.memory import LiveBytes, live_storages
 
 #: a bf16 reference Llama of 17.3M parameters: big enough that the 16 MiB step chunk is small
 CONFIG = {"vocab_size": 8192, "hidden": 384, "num_layers": 6, "num_heads": 4, "ffn_hidden": 1024}
-
-
-def live_storages() -> dict[int, int]:
-    """{storage address: bytes} of every tensor the garbage collector can see (each storage once)."""
-    gc.collect()
-    out = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            try:
-                st = obj.untyped_storage()
-                if st.device.type == "cpu" and st.nbytes():
-                    out[st.data_ptr()] = st.nbytes()
-            except (RuntimeError, NotImplementedError):  # DTensors, freed storages: their locals are seen
-                continue
-    return out
-
-
-class LiveBytes(TorchDispatchMode):
-    """Inside the block: bytes of live storages, those alive at entry and every storage an op
-    creates, each until it is freed (weak references to the storages); ``peak`` the most."""
-
-    def __enter__(self):
-        self.live: dict[int, int] = {}
-        gc.collect()
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                try:
-                    self._track(obj.untyped_storage())
-                except (RuntimeError, NotImplementedError):
-                    continue
-        self.peak = self.now
-        return super().__enter__()
-
-    @property
-    def now(self) -> int:
-        return sum(self.live.values())
-
-    def _track(self, st) -> None:
-        try:
-            key = st.data_ptr()
-        except RuntimeError:  # a storage FSDP freed (resized to nothing)
-            return
-        if st.device.type != "cpu" or not st.nbytes() or key in self.live:
-            return
-        self.live[key] = st.nbytes()
-        weakref.finalize(st, self.live.pop, key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 def _micro_batches(dc: Engine, data, plan) -> None:
