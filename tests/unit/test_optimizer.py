@@ -174,3 +174,25 @@ def test_cosine_annealing_sets_the_same_lrs_as_on_torch_adamw():
         for s in scheds:
             s.step()
     assert [a for a, _ in seen] == [b for _, b in seen] and len({a for a, _ in seen}) > 4
+
+
+def test_zero1_all_gather_writes_into_the_flat_buffer_in_place(monkeypatch):
+    """The post-step all-gather is one all_gather_into_tensor whose output is the flat buffer
+    itself and whose input is this rank's slice of it: the in-place form NCCL runs without a
+    full-size temporary (fake process group, rank 1 of 4)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcparallel.runtime import comm
+
+    calls = []
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: calls.append((out, inp)))
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        flat = torch.zeros(20, dtype=torch.bfloat16)
+        assert comm.all_gather_shards_(flat, 5) is flat
+    finally:
+        dist.destroy_process_group()
+    [(out, inp)] = calls
+    assert out.data_ptr() == flat.data_ptr() and out.numel() == 20
+    assert inp.data_ptr() == flat[5:10].data_ptr() and inp.numel() == 5
