@@ -7,7 +7,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.cost.base import CostModel, state_recipe
+from dcparallel.cost.base import CostModel
 from dcparallel.spec import ClusterSpec, ModelSpec, Recompute, Size, format_bytes
 from dcparallel.topology import Topology
 
@@ -30,8 +30,7 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
     ``sizes`` alone on a group of s ranks with full recomputation — and with which the largest
     sample still fits some layout (alone on the widest SP group, full recomputation), so that
     the epoch can be planned. Without ``sizes`` only the model states (with the gathered
-    parameters) must fit. The optimizer step's peak (`cost.base.state_recipe`) must fit too.
-    ``make_cost`` builds the cost model for each candidate
+    parameters) must fit. ``make_cost`` builds the cost model for each candidate
     (default `AnalyticCost`). A ValueError names the model, the memory the largest shard size
     still needs and what is available, and the fixes."""
     make_cost = make_cost or AnalyticCost
@@ -54,10 +53,6 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
             refused.append(f"shard size {s}: {e}")
             continue
         tried.append(s)
-        need = state_recipe(model, c.world_size, s).step_peak
-        why = "its optimizer step (model states + the step's transients, `cost.base.state_recipe`)"
-        if need > budget:
-            continue
         need = cost.model_state_bytes()
         why = "its model states"
         if smallest is not None:
