@@ -169,18 +169,72 @@ def mb_memory(cost: CostModel, sizes: Sequence[Size], layout: Layout) -> float:
     return cost.terms(sizes, layout.sp).memory(layout.recompute)
 
 
+#: elements per chunk of the optimizer step (`runtime.zero`, `runtime.sharded_optim`): the
+#: step's fp32 temporaries (the Adam denominator, the replicas' gathered pieces) are one chunk
+#: each, not a copy of the shard. 16 MiB of fp32: a few hundred kernels per step at 7B.
+STEP_CHUNK_NUMEL = 2**22
+
+
+@dataclass(frozen=True, slots=True)
+class StateRecipe:
+    """Bytes per rank the runtime holds for the model, by part (`state_recipe`).
+
+    ``params``: the parameters this rank stores; ``grads``: its fp32 gradient buffer;
+    ``optimizer``: its fp32 master weights (where the parameters are not them) and Adam
+    moments; ``gathered``: whole parameters a micro-batch gathers (shard blocks only, during
+    the micro-batches); ``step_transient``: the peak of sync + clip + optimizer step on top of
+    the states (the activations are freed by then)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    step_transient: float
+
+    @property
+    def states(self) -> float:
+        """What every micro-batch finds allocated: the planner's fixed bytes per rank."""
+        return self.params + self.grads + self.optimizer + self.gathered
+
+    @property
+    def step_peak(self) -> float:
+        """Peak bytes of the step's sync, clip and optimizer update."""
+        return self.params + self.grads + self.optimizer + self.step_transient
+
+
+def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
+                 bytes_per_value: float | None = None) -> StateRecipe:
+    """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, P parameters,
+    W ranks, s the shard size), as `runtime.zero` / `runtime.sharded` allocate it.
+
+    Shard size 1 (ZeRO-1): parameters (b P) and the fp32 gradient buffer (4 P) on every rank;
+    fp32 master weights (4 P / W, none when b = 4: the parameters are the master) and both
+    moments (8 P / W). The step: the gradient all-reduce and the clip work in place (no
+    low-precision ``p.grad`` copies), the parameter all-gather writes into the flat buffer
+    itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL` fp32 values.
+
+    Shard size s > 1 (`runtime.sharded`): fp32 parameter shards, which are the master weights
+    (4 P / s), fp32 gradient shards (4 P / s), moments over the world (8 P / W) and the whole
+    parameters each micro-batch gathers (`gathered_bytes`). The step: the replica all-reduce
+    and the clip in place; the update reads and writes the parameter shards one chunk at a
+    time: its denominator and the replicas' gathered chunks, this rank's among them
+    (1 + W / s chunks). ``num_params`` / ``bytes_per_value``: counts of a built model where
+    they differ from the spec's (the profiler's)."""
+    p = float(model.num_params if num_params is None else num_params)
+    b = float(model.bytes_per_value if bytes_per_value is None else bytes_per_value)
+    w, s = world_size, shard_size
+    chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about P / W
+    if s == 1:
+        master = 0.0 if b >= 4 else 4 * p / w
+        return StateRecipe(params=b * p, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
+                           step_transient=chunk)
+    return StateRecipe(params=4 * p / s, grads=4 * p / s, optimizer=8 * p / w, gathered=gathered_bytes(model),
+                       step_transient=(1 + w // s) * chunk)
+
+
 def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:
-    """The runtime's recipe per rank. Unsharded (``shard_size`` 1): bf16 parameters (2) and
-    fp32 gradient accumulation (4) bytes per parameter on every rank, fp32 master weights +
-    Adam moments (12) sharded over the world (ZeRO-1). In blocks of ``shard_size`` > 1 ranks
-    (`runtime.sharded`): the fp32 parameter shards, which are also the master weights (4), and
-    the fp32 gradient shards (4) over the block, the Adam moments (8) over the world, plus the
-    parameters each micro-batch gathers (`gathered_bytes`). (The optimizer step's transient
-    4/s bytes per parameter come after the backward has freed the activations.)"""
-    if shard_size == 1:
-        return model.num_params * (2 + 4 + 12 / world_size)
-    p = model.num_params
-    return p * (4 + 4) / shard_size + 8 * p / world_size + gathered_bytes(model)
+    """The model states per rank of `state_recipe`: what every micro-batch finds allocated."""
+    return state_recipe(model, world_size, shard_size).states
 
 
 def gathered_bytes(model: ModelSpec) -> float:

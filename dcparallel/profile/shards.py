@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dcparallel.cost.base import gathered_bytes
+from dcparallel.cost.base import state_recipe
 from dcparallel.profile.measure import SavedTensorMeter
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
@@ -34,22 +34,15 @@ def compute_dtype(engine: Engine) -> torch.dtype:
 
 
 def state_bytes(engine: Engine, spec: ModelSpec, device: torch.device) -> float:
-    """Model states per rank, the engine's recipe. Shard size 1: the parameters, the fp32
-    gradient buffer, and the ZeRO-1 shard of fp32 master weights (none for fp32 parameters)
-    + Adam moments. Shard size s > 1: fp32 parameter shards (also the master weights) and fp32
-    gradient shards, 1/s of the parameters each, plus the Adam moments (8 bytes a parameter)
-    over the world (`runtime.sharded_optim`); on CPU the whole parameters a layer gathers are
-    added too (`cost.base.gathered_bytes`): the saved-tensor meter does not see them; on a GPU
-    the allocator's peak of every measured run already holds them."""
-    if shard_size(engine) == 1:
-        n = sum(p.numel() for p in engine.params)
-        dtype = engine.params[0].dtype
-        master = 0 if dtype == torch.float32 else 4
-        return float(n * (engine.params[0].element_size() + 4 + (master + 8) / comm.world_size()))
-    g = engine.grad_sync
-    local = sum(p.to_local().numel() for p in g.params)
-    states = 4.0 * local + 4.0 * g.flat_grad.numel() + 8.0 * g.numel / comm.world_size()
-    return states + (gathered_bytes(spec) if device.type != "cuda" else 0.0)
+    """Model states per rank: the engine's recipe (`cost.base.state_recipe`) for its parameter
+    count and dtype. On a GPU the whole parameters a shard block gathers are left out: the
+    allocator's peak of every measured run already holds them; on CPU the saved-tensor meter
+    does not see them, so they are counted here."""
+    s = shard_size(engine)
+    n = sum(p.numel() for p in engine.params)
+    b = torch.empty((), dtype=compute_dtype(engine)).element_size()
+    recipe = state_recipe(spec, comm.world_size(), s, num_params=n, bytes_per_value=b)
+    return recipe.states - (recipe.gathered if device.type == "cuda" else 0.0)
 
 
 def meter(engine: Engine, base_bytes: float, limit_bytes: float | None) -> SavedTensorMeter:

@@ -220,15 +220,18 @@ def wait(handle) -> None:
         handle.wait()
 
 
-def all_gather_shards_(flat: Tensor, shard_numel: int) -> Tensor:
-    """Every rank r holds ``flat[r*shard_numel:(r+1)*shard_numel]`` up to date; afterwards
-    every rank holds all of ``flat`` (ZeRO-1's post-step parameter all-gather, whole world)."""
-    n = world_size()
+def all_gather_shards_(flat: Tensor, shard_numel: int, group=WORLD) -> Tensor:
+    """Rank i of ``group`` (default: the whole world; None: a one-rank group) holds
+    ``flat[i*shard_numel:(i+1)*shard_numel]`` up to date; afterwards every rank holds all of
+    ``flat``. In place (ZeRO-1's post-step parameter all-gather): the input is this rank's
+    slice of the output, the form NCCL's all-gather runs without a temporary (gloo too)."""
+    n = world_size() if group is WORLD else group_size(group)
     if n == 1:
         return flat
-    views = list(flat[: n * shard_numel].view(n, shard_numel).unbind(0))
-    mine = views[world_rank()].clone()
-    dist.all_gather(views, mine)
+    i = world_rank() if group is WORLD else group_rank(group)
+    out = flat[: n * shard_numel]
+    dist.all_gather_into_tensor(out, out[i * shard_numel : (i + 1) * shard_numel],
+                                group=None if group is WORLD else group)
     return flat
 
 

@@ -269,7 +269,8 @@ class Engine:
         """The step's one reduction: sums gradients, losses and target counts over the world
         in fixed buckets (every rank calls it exactly once per step; buckets the last
         backward already launched are only waited for), divides the gradients by the global
-        target count and exposes them as ``p.grad``. Returns the step's mean loss."""
+        target count; `gradients` reads them (``p.grad``: `GradSync.expose_grads`). Returns
+        the step's mean loss."""
         return self.grad_sync.finish()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -292,9 +293,7 @@ class Engine:
         norm = torch.nn.utils.get_total_norm(gs.views, norm_type)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         gs.flat_grad[: gs.numel].mul_(coef)
-        for p, view in zip(gs.params, gs.views, strict=True):
-            if p.grad is not view:  # a low-precision parameter holds a copy of its fp32 gradient
-                p.grad = view.to(p.dtype)
+        gs.expose_grads()  # low-precision p.grad copies (if any) follow the scaled buffer
         return float(norm)
 
     def optimizer(
@@ -318,12 +317,26 @@ class Engine:
         its cluster's shard size)."""
         plan.check_shard_blocks(self.shard_size)
 
+    def gradients(self) -> dict[str, Tensor]:
+        """The step's synced gradient of every trainable parameter by name, fp32, without a
+        copy: views of the gradient buffer (writing to one changes what the optimizer reads).
+        How gradients are read: a bf16 parameter's ``p.grad`` is None once the engine's
+        optimizer exists (`GradSync.materialize_grads`). Shard size 1 only (with shard blocks
+        a rank holds shards: `full_gradients`)."""
+        if self.shard_size > 1:
+            raise ValueError(f"gradients() returns whole gradients without a copy, which with shard_size="
+                             f"{self.shard_size} no rank holds; use dc.full_gradients() (collective)")
+        if not self.grad_sync.synced:
+            raise RuntimeError("gradients needs the step's gradients: call dc.sync_gradients() first")
+        return dict(zip(self._param_names(), self.grad_sync.views, strict=True))
+
+    def _param_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
     def full_gradients(self) -> dict[str, Tensor]:
-        """The step's whole gradient of every trainable parameter, by name (fp32 with
-        shard_size > 1, else the parameters' dtype; copies). Collective with shard_size > 1
-        (each block all-gathers its shards): every rank calls it, after `sync_gradients`."""
+        """The step's whole gradient of every trainable parameter, by name (fp32 copies).
+        Collective with shard_size > 1 (each block all-gathers its shards): every rank calls
+        it, after `sync_gradients`."""
         if self.shard_size > 1:
             return self.grad_sync.full_gradients()
-        if not self.grad_sync.synced:
-            raise RuntimeError("full_gradients needs the step's gradients: call dc.sync_gradients() first")
-        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return {n: g.detach().clone() for n, g in self.gradients().items()}

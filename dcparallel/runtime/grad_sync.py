@@ -52,7 +52,9 @@ class GradSync:
 
     Read by the micro-batch context and the optimizer: ``params``, ``numel``, ``shard_numel``,
     ``rank``, ``flat_param``, ``flat_grad``, ``views``, ``stats`` (this rank's summed loss and
-    targets of the step), ``synced`` (the step's sync is done), `add_stats`, `zero_grad`."""
+    targets of the step), ``synced`` (the step's sync is done), `add_stats`, `zero_grad`.
+    ``materialize_grads``: low-precision parameters get ``p.grad`` copies after the sync
+    (`expose_grads`)."""
 
     def __init__(self, params: Sequence[nn.Parameter], *, world_size: int = 1, rank: int = 0, group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
@@ -85,6 +87,9 @@ class GradSync:
         # this rank's (summed loss, targets), on the gradients' device: no host sync per micro-batch
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
         self.synced = False
+        # low-precision parameters get a p.grad copy of their fp32 gradient after the sync
+        # (2 bytes a parameter for bf16); `ZeroAdamW` reads the buffer and turns this off
+        self.materialize_grads = True
         self.last_loss = float("nan")
         self.last_count = 0.0
         self.last_overlapped = 0
@@ -186,7 +191,7 @@ class GradSync:
 
     def finish(self) -> float:
         """Launches the buckets not yet launched (in order), waits for all, divides by the
-        global target count and exposes the gradients as ``p.grad``. Returns the mean loss."""
+        global target count and exposes the gradients (`expose_grads`). Returns the mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
         self.last_overlapped = self._next  # buckets the last backward launched
@@ -203,7 +208,21 @@ class GradSync:
         self.last_loss = loss_sum / count
         self.last_count = count
         self.flat_grad[:-2].div_(count)
-        for p, view in zip(self.params, self.views, strict=True):
-            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+        self.expose_grads()
         self.synced = True
         return self.last_loss
+
+    def expose_grads(self) -> None:
+        """Sets each ``p.grad`` to the synced gradient: fp32 parameters get their view of the
+        buffer itself; lower-precision ones a copy in their dtype if ``materialize_grads``
+        (for an optimizer outside the engine, which reads ``p.grad``), else None. A copy
+        already there is refreshed in place."""
+        for p, view in zip(self.params, self.views, strict=True):
+            if view.dtype == p.dtype:
+                p.grad = view
+            elif not self.materialize_grads:
+                p.grad = None
+            elif p.grad is not None and p.grad.shape == view.shape and p.grad.dtype == p.dtype:
+                p.grad.copy_(view)
+            else:
+                p.grad = view.to(p.dtype)

@@ -206,7 +206,8 @@ class ShardedGrads:
             return float(comm.all_reduce_(t.reshape(1).clone(), self.shard_group, "max"))
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_ with shard_size > 1 supports norm_type 2 or inf; got {norm_type}")
-        t = comm.all_reduce_(mine.double().pow(2).sum().reshape(1), self.shard_group)
+        # the shard's norm reduced in fp32 without a copy; the squares summed over shards in fp64
+        t = comm.all_reduce_(torch.linalg.vector_norm(mine).double().square().reshape(1), self.shard_group)
         return float(t.sqrt())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:

@@ -205,7 +205,7 @@ def after_load(engine: Engine, opt: Any) -> None:
     from dcparallel.runtime.sharded_optim import ShardedAdamW
 
     if isinstance(opt, ShardedAdamW):
-        opt._write_back(opt._read_piece())
+        opt.sync_replicas()
         return
     if opt.master is not opt._param_shard:
         opt._param_shard.copy_(opt.master)

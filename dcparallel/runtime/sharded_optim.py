@@ -13,13 +13,15 @@ all-gather their pieces back into the block shard of the parameters.
 
 from __future__ import annotations
 
-import math
+import bisect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dcparallel.cost.base import STEP_CHUNK_NUMEL
 from dcparallel.runtime import comm
+from dcparallel.runtime.zero import adamw_update_, decay_ranges
 
 if TYPE_CHECKING:
     from dcparallel.runtime.sharded import ShardedGrads
@@ -44,30 +46,36 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._lo = grads.replica_index * m
         self._hi = self._lo + m
         device = grads.flat_grad.device
-        self._decay = torch.zeros(m, dtype=torch.float32, device=device)
         with torch.no_grad():
             self._locals = [p.to_local().view(-1) for p in grads.params]  # views of FSDP's shard storage
-        # (param's local view, its slice, the piece's slice) for every parameter overlapping the piece
-        self._overlap: list[tuple[torch.Tensor, slice, slice]] = []
-        for p, local, (a, b) in zip(grads.params, self._locals, grads._ranges, strict=True):
-            x, y = max(a, self._lo), min(b, self._hi)
-            if x < y:
-                self._overlap.append((local, slice(x - a, y - a), slice(x - self._lo, y - self._lo)))
-                if p.dim() >= 2:
-                    self._decay[x - self._lo: y - self._lo] = 1.0
+        self._starts = [a for a, _ in grads._ranges]
+        self.decay_ranges = decay_ranges(grads.params, self._lo, self._hi, sizes=[n.numel() for n in self._locals])
         self.exp_avg = torch.zeros(m, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.num_steps = 0
 
-    def _read_piece(self) -> torch.Tensor:
-        """This rank's piece of the (fp32) parameter shard, as one tensor (padding zero)."""
-        piece = torch.zeros_like(self.exp_avg)
-        for local, src, dst in self._overlap:
-            piece[dst].copy_(local[src])
-        return piece
+    def _copy(self, lo: int, hi: int, buf: torch.Tensor, to_params: bool) -> None:
+        """Elements ``[lo, hi)`` of this rank's parameter shards laid end to end (the layout of
+        ``flat_grad``) into ``buf`` (``to_params``: from ``buf`` into the shards); the
+        padding past the last parameter is left alone."""
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        for local, (a, b) in zip(self._locals[i:], self.grads._ranges[i:]):
+            if a >= hi:
+                break
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                if to_params:
+                    local[x - a: y - a].copy_(buf[x - lo: y - lo])
+                else:
+                    buf[x - lo: y - lo].copy_(local[x - a: y - a])
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW update of this rank's piece, `STEP_CHUNK_NUMEL` elements at a time: the
+        chunk is read out of the fp32 parameter shards (the master weights), updated, and the
+        replicas all-gather their chunks in place into one buffer, copied back into the shards.
+        Temporaries: that buffer (one chunk per replica) and the update's denominator
+        (`cost.base.state_recipe`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -76,26 +84,45 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise RuntimeError("call dc.sync_gradients() before optimizer.step(): the gradients of this step "
                                "have not been summed over the ranks yet")
         group = self.param_groups[0]
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
         g = self.grads.flat_grad[self._lo: self._hi]
-        master = self._read_piece()
-        if wd:
-            master.mul_(1 - lr * wd * self._decay)
-        self.exp_avg.lerp_(g, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1**self.num_steps
-        bc2 = 1 - b2**self.num_steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-        master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
-        self._write_back(master)
+
+        def update(chunk: torch.Tensor, c0: int, c1: int) -> None:
+            for a, b in self.decay_ranges if wd else ():
+                if max(a, c0) < min(b, c1):
+                    chunk[max(a, c0) - c0: min(b, c1) - c0].mul_(1 - lr * wd)
+            adamw_update_(chunk, g[c0:c1], self.exp_avg[c0:c1], self.exp_avg_sq[c0:c1], lr=lr, betas=betas,
+                          eps=eps, step=self.num_steps)
+
+        self._by_chunks(update)
         return loss
 
-    def _write_back(self, piece: torch.Tensor) -> None:
-        """Every replica's piece into this rank's block shard of the parameters."""
-        out = comm.all_gather_flat(piece, self.grads.replica_group)  # None: one block
-        for local, (a, b) in zip(self._locals, self.grads._ranges, strict=True):
-            local.copy_(out[a:b])
+    def sync_replicas(self) -> None:
+        """Every replica's piece of the parameter shards (e.g. just loaded) into the other
+        replicas' shards. Collective over the replicas."""
+        with torch.no_grad():
+            self._by_chunks(None)
+
+    def _by_chunks(self, update) -> None:
+        """For each `STEP_CHUNK_NUMEL` elements of this rank's piece: read them out of the
+        parameter shards, ``update(chunk, start, stop)`` them in place (None: leave them), and
+        all-gather every replica's chunk in place into one buffer, copied back into the shards."""
+        gr, m = self.grads, self.grads.piece_numel
+        replicas, j = gr.num_replicas, gr.replica_index
+        buf = torch.empty(replicas * min(m, STEP_CHUNK_NUMEL), dtype=torch.float32, device=gr.flat_grad.device)
+        for c0 in range(0, m, STEP_CHUNK_NUMEL):
+            c1 = min(m, c0 + STEP_CHUNK_NUMEL)
+            n = c1 - c0
+            gathered = buf[: replicas * n]
+            chunk = gathered[j * n: (j + 1) * n]
+            chunk.zero_()
+            self._copy(self._lo + c0, self._lo + c1, chunk, to_params=False)
+            if update is not None:
+                update(chunk, c0, c1)
+            comm.all_gather_shards_(gathered, n, gr.replica_group)  # None: one block
+            for k in range(replicas):
+                self._copy(k * m + c0, k * m + c1, gathered[k * n: (k + 1) * n], to_params=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Starts a new step's accumulation (the gradient shards stay views of the flat

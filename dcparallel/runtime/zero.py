@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from dcparallel.cost.base import STEP_CHUNK_NUMEL
 from dcparallel.runtime import comm
 
 if TYPE_CHECKING:
@@ -28,14 +29,53 @@ if TYPE_CHECKING:
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
+def decay_ranges(params: Sequence[Tensor], lo: int, hi: int,
+                 sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Where decoupled weight decay applies (matrices: dim >= 2) inside the flat range
+    ``[lo, hi)`` of ``params`` laid out one after the other (``sizes``: the elements each
+    takes there; default their numel), as ``(start, stop)`` offsets from ``lo``; adjacent
+    matrices are merged into one range."""
+    out: list[tuple[int, int]] = []
+    off = 0
+    for p, size in zip(params, sizes if sizes is not None else [p.numel() for p in params], strict=True):
+        a, b = max(off, lo), min(off + size, hi)
+        if p.dim() >= 2 and a < b:
+            if out and out[-1][1] == a - lo:
+                out[-1] = (out[-1][0], b - lo)
+            else:
+                out.append((a - lo, b - lo))
+        off += size
+    return out
+
+
+def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float,
+                  betas: tuple[float, float], eps: float, step: int) -> None:
+    """torch.optim.AdamW's moment update and parameter step (weight decay applied by the
+    caller), in place, `STEP_CHUNK_NUMEL` elements at a time: the denominator, the one
+    temporary, is a chunk, not a copy of the shard (`cost.base.state_recipe` counts it)."""
+    b1, b2 = betas
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
+    for i in range(0, master.numel(), STEP_CHUNK_NUMEL):
+        j = slice(i, i + STEP_CHUNK_NUMEL)
+        g, m, v = grad[j], exp_avg[j], exp_avg_sq[j]
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
+        master[j].addcdiv_(m, denom, value=-lr / bc1)
+        del denom  # freed before the next chunk's is allocated
+
+
 class ZeroAdamW(torch.optim.Optimizer):
     """AdamW whose fp32 master weights and moments are sharded over the world (ZeRO-1).
 
     Rank r owns elements ``[r*S, (r+1)*S)`` of the flat parameters: it updates its fp32
     master copy of them (for fp32 parameters the master is the parameters' own storage),
     copies the result into the parameters and all-gathers, so that parameters stay
-    replicated. Memory: params + fp32 grads + 12/world bytes per parameter. Decoupled
-    weight decay applies to matrices (dim >= 2) only; the update is torch.optim.AdamW's.
+    replicated. Memory: `cost.base.state_recipe` (params + fp32 grads + 12/world bytes per
+    parameter, one chunk of temporaries in the step). Decoupled weight decay applies to
+    matrices (dim >= 2) only (``decay_ranges``); the update is torch.optim.AdamW's.
+    Building it turns off the low-precision ``p.grad`` copies of ``flat``
+    (`GradSync.materialize_grads`): read gradients with `Engine.gradients`.
     ``flat``: the flat parameter and gradient buffers it updates (an engine's ``grad_sync``).
     The hyperparameters live in ``param_groups[0]`` (one group; schedulers may change them
     between steps)."""
@@ -62,14 +102,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._grad_shard = flat.flat_grad[lo:hi]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        # 1 where weight decay applies (matrices), for this rank's shard only
-        self._decay = torch.zeros(hi - lo, dtype=torch.float32, device=self.master.device)
-        off = 0
-        for p in flat.params:
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if p.dim() >= 2 and a < b:
-                self._decay[a - lo : b - lo] = 1.0
-            off += p.numel()
+        self.decay_ranges = decay_ranges(flat.params, lo, hi)
+        flat.materialize_grads = False  # the step reads the fp32 buffer: no low-precision p.grad copies
         self.num_steps = 0
 
     @property
@@ -98,15 +132,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         group = self.param_groups[0]
         lr, (b1, b2), eps, weight_decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
-        g = self._grad_shard
         if weight_decay:
-            self.master.mul_(1 - lr * weight_decay * self._decay)
-        self.exp_avg.lerp_(g, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1**self.num_steps
-        bc2 = 1 - b2**self.num_steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+            for a, b in self.decay_ranges:
+                self.master[a:b].mul_(1 - lr * weight_decay)
+        adamw_update_(self.master, self._grad_shard, self.exp_avg, self.exp_avg_sq, lr=lr, betas=(b1, b2), eps=eps,
+                      step=self.num_steps)
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
         comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)

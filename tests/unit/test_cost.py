@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dcparallel.cost.analytic import AnalyticCost, _load, _shape, fit_calibration
-from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes
+from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes, state_recipe
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Layout, Recompute, h200_cluster
@@ -203,3 +203,26 @@ def test_a_sample_shorter_than_the_smallest_bucket_keeps_its_fixed_cost():
             e["time_s"] = 10.0
     steep = ProfiledCost(Profile.from_json(d), cluster(2, 2))
     assert mb_time(steep, [500], Layout(1, 1)) == pytest.approx(0.5 * 1.0)  # proportional floor
+
+
+def test_llama_7b_recipe_at_world_8_leaves_80gb_cards_room_for_activations():
+    """ZeRO-1 at W = 8 in bf16: 2 + 4 + 12/8 = 7.5 bytes a parameter (50.5 GB for 6.74B), the
+    step's peak one 16 MiB chunk more, so an 80 GB card keeps 29.5 GB for activations (the
+    runtime's measured bytes: tests/dist/test_dist_step_memory.py)."""
+    r = state_recipe(LLAMA_7B, 8, 1)
+    p = LLAMA_7B.num_params
+    assert r.states == model_state_bytes(LLAMA_7B, 8) == pytest.approx(p * 7.5)
+    assert r.step_peak - r.states == 4 * 2**22  # the update's one chunk of fp32 temporaries
+    left = 80e9 - max(r.states, r.step_peak)
+    assert 29e9 < left < 30e9
+    cl = h200_cluster(world_size=8, gpus_per_node=8, memory_bytes=80 * 10**9)
+    assert AnalyticCost(LLAMA_7B, cl).model_state_bytes() == r.states
+
+
+def test_sharded_recipe_states_its_step_transients():
+    """Shard blocks: fp32 shards 8 / s bytes a parameter, moments 8 / W, the gathered layer
+    during micro-batches only, and the step's 1 + W/s chunks."""
+    r = state_recipe(LLAMA_7B, 16, 8)
+    p = LLAMA_7B.num_params
+    assert r.params + r.grads == pytest.approx(8 * p / 8) and r.optimizer == pytest.approx(8 * p / 16)
+    assert r.step_transient == 3 * 4 * 2**22 and r.states - r.step_peak == r.gathered - r.step_transient

@@ -129,16 +129,37 @@ def test_clip_grad_norm_needs_synced_grads_and_follows_torch_on_non_finite():
         assert torch.equal(torch.isnan(p.grad), torch.isnan(q.grad)) and torch.isnan(p.grad).all()
 
 
-def test_clip_grad_norm_refreshes_low_precision_grads():
+def test_clip_grad_norm_refreshes_low_precision_grads_of_a_foreign_optimizer():
+    """Without the engine's optimizer a bf16 parameter's p.grad is a copy of its fp32
+    gradient (for torch optimizers, which read p.grad); clipping refreshes the copy."""
+    m = make_model("llama").to(torch.bfloat16)
+    dc = Engine(m, layers=m.layers, num_heads=NUM_HEADS)
+    data = make_data("llama", 2, seed=0)
+    run_rank_step(dc, data, random_plan(data, [0, 1], 1, 0, len(dc.layers)), 0)
+    dc.clip_grad_norm_(1e-3)
+    for p, view in zip(dc.params, dc.grad_sync.views, strict=True):
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, view.to(torch.bfloat16))
+
+
+def test_zero_adamw_leaves_no_low_precision_grad_copies():
+    """With ZeroAdamW a bf16 parameter holds no p.grad (2 bytes a parameter the memory recipe
+    does not count); `gradients` gives the clipped fp32 gradients, views of the buffer."""
     m = make_model("llama").to(torch.bfloat16)
     dc = Engine(m, layers=m.layers, num_heads=NUM_HEADS)
     opt = dc.optimizer(lr=1e-2)
     assert isinstance(opt, ZeroAdamW)
     data = make_data("llama", 2, seed=0)
     run_rank_step(dc, data, random_plan(data, [0, 1], 1, 0, len(dc.layers)), 0)
-    dc.clip_grad_norm_(1e-3)
-    for p, view in zip(dc.params, dc.grad_sync.views, strict=True):
-        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, view.to(torch.bfloat16))
+    norm = dc.clip_grad_norm_(1e-3)
+    assert norm > 1e-3 and all(p.grad is None for p in dc.params)
+    grads = dc.gradients()
+    assert list(grads) == [n for n, _ in m.named_parameters()]
+    for g, view in zip(grads.values(), dc.grad_sync.views, strict=True):
+        assert g.dtype == torch.float32 and g.data_ptr() == view.data_ptr()
+    clipped = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
+    assert float(clipped) == pytest.approx(1e-3, rel=1e-4)
+    full = dc.full_gradients()
+    assert all(torch.equal(full[n], g) and full[n].data_ptr() != g.data_ptr() for n, g in grads.items())
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
@@ -153,3 +174,25 @@ def test_cosine_annealing_sets_the_same_lrs_as_on_torch_adamw():
         for s in scheds:
             s.step()
     assert [a for a, _ in seen] == [b for _, b in seen] and len({a for a, _ in seen}) > 4
+
+
+def test_zero1_all_gather_writes_into_the_flat_buffer_in_place(monkeypatch):
+    """The post-step all-gather is one all_gather_into_tensor whose output is the flat buffer
+    itself and whose input is this rank's slice of it: the in-place form NCCL runs without a
+    full-size temporary (fake process group, rank 1 of 4)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcparallel.runtime import comm
+
+    calls = []
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: calls.append((out, inp)))
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        flat = torch.zeros(20, dtype=torch.bfloat16)
+        assert comm.all_gather_shards_(flat, 5) is flat
+    finally:
+        dist.destroy_process_group()
+    [(out, inp)] = calls
+    assert out.data_ptr() == flat.data_ptr() and out.numel() == 20
+    assert inp.data_ptr() == flat[5:10].data_ptr() and inp.numel() == 5
