@@ -24,28 +24,34 @@ from dcparallel.apps.train_config import Config
 from dcparallel.runtime import comm
 
 
+def on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """[train] dtype: "auto" is bfloat16 on GPUs (the optimizer keeps fp32 master weights)
-    and float32 on CPU."""
-    if cfg.train.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.train.dtype)
+    and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32."""
+    dtype = (torch.bfloat16 if on_gpu(device) else torch.float32) if cfg.train.dtype == "auto" \
+        else getattr(torch, cfg.train.dtype)
+    if dtype == torch.float32 and on_gpu(device):
+        torch.set_float32_matmul_precision("high")
+    return dtype
 
 
 def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
-    """The model on ``device`` in the run's dtype, and the tokenizer of a pretrained
-    transformers directory (else None)."""
+    """The model on ``device`` in the run's dtype (`param_dtype`), and the tokenizer of a
+    pretrained transformers directory (else None)."""
     m = cfg.model
-    if not m.pretrained:
-        return build_model(m, cfg.train.seed).to(device), None
     dtype = param_dtype(cfg, device)
+    if not m.pretrained:
+        return build_model(m, cfg.train.seed).to(device=device, dtype=dtype), None
     if m.family == "transformers":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
-        return model.to(device), tokenizer
+        return model.to(device=device, dtype=dtype), tokenizer
     import importlib.util
     import json
 
@@ -58,7 +64,9 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     cls = getattr(diffusers, name, None)
     if cls is None:
         raise ValueError(f"[model] pretrained = {m.pretrained!r} holds a {name}, which this diffusers does not have")
-    return cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype).to(device), None
+    # one dtype for every parameter (the engine's flat buffers), also the modules a class keeps in fp32
+    model = cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype)
+    return model.to(device=device, dtype=dtype), None
 
 
 @dataclass
