@@ -210,10 +210,6 @@ class TrainConfig:
     def check(self, where: str) -> None:
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
-        if self.dtype == "float16":
-            raise ValueError(f'{where}: [train] dtype = "float16" is not supported: the loss is a sum over '
-                             f'tokens with no loss scaling, so fp16 gradients underflow or overflow; use '
-                             f'"bfloat16" (or "auto": bfloat16 on GPUs, float32 on CPU)')
         if (s := self.shard_size) != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f'{where}: [train] shard_size = {s!r} must be a positive integer (1, 2, 4, ...) or "auto"')
 

@@ -30,7 +30,12 @@ def on_gpu(device: torch.device) -> bool:
 
 def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """[train] dtype: "auto" is bfloat16 on GPUs (the optimizer keeps fp32 master weights)
-    and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32."""
+    and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32. float16 is
+    refused: the loss is a sum with no loss scaling, so its gradients would underflow."""
+    if cfg.train.dtype == "float16":
+        raise ValueError('[train] dtype = "float16" is not supported: the loss is a sum over tokens with no loss '
+                         'scaling, so fp16 gradients underflow or overflow; use "bfloat16" (or "auto": bfloat16 '
+                         'on GPUs, float32 on CPU)')
     dtype = (torch.bfloat16 if on_gpu(device) else torch.float32) if cfg.train.dtype == "auto" \
         else getattr(torch, cfg.train.dtype)
     if dtype == torch.float32 and on_gpu(device):

@@ -62,7 +62,7 @@ def test_the_cpu_default_stays_float32():
 def test_float16_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r'\[train\] dtype = "float16" is not supported: the loss is a sum over '
                                          r'tokens with no loss scaling.*use "bfloat16"'):
-        Config.from_dict({"train": {"dtype": "float16"}})
+        train_setup.load_model(Config.from_dict({"train": {"dtype": "float16"}}), torch.device("cpu"))
 
 
 def test_the_engine_warns_once_about_float32_parameters_on_a_gpu(monkeypatch):
