@@ -28,6 +28,26 @@ def on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+#: DataLoader worker processes per rank on GPUs (at most; fewer when the node has fewer cores)
+GPU_LOADER_WORKERS = 4
+
+
+def loader_workers(device: torch.device, local_world_size: int = 1) -> dict:
+    """`DataCentricLoader` arguments of `dcparallel train`: on GPUs, workers that read and
+    collate while the GPU computes, started by spawn (set process-wide: the training process
+    already runs CUDA, NCCL and planning threads, and a fork of a threaded process can
+    deadlock in the child); on CPU none (the ranks use the cores)."""
+    if not on_gpu(device):
+        return {}
+    import multiprocessing
+    import os
+
+    if multiprocessing.get_start_method(allow_none=True) != "spawn":
+        multiprocessing.set_start_method("spawn", force=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"num_workers": max(1, min(GPU_LOADER_WORKERS, cores // max(1, local_world_size) - 1))}
+
+
 def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """[train] dtype: "auto" is bfloat16 on GPUs (the optimizer keeps fp32 master weights)
     and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32. float16 is

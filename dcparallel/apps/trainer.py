@@ -160,10 +160,11 @@ class Trainer:
         model (every sample checked first to fit some layout by the analytic model, which
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
+        from dcparallel.apps.train_setup import loader_workers
         from dcparallel.profile.profiler import ProfilerConfig
 
         t, pc, dc = self.t, self.cfg.profile, self.dc
-        kw = {}
+        kw = loader_workers(self.launch.device, self.launch.local_world_size)
         if pc.cost == "profiled":
             c = dc.cluster_spec
             check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, dc.memory_bytes)
