@@ -63,20 +63,30 @@ def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter in ``dtype`` (the engine's flat buffers take one dtype, also
+    for modules a class keeps in fp32); buffers stay as the class made them (RoPE frequencies
+    are fp32 on purpose: rounded to bf16, long positions lose their angle)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     """The model on ``device`` in the run's dtype (`param_dtype`), and the tokenizer of a
     pretrained transformers directory (else None)."""
     m = cfg.model
     dtype = param_dtype(cfg, device)
     if not m.pretrained:
-        return build_model(m, cfg.train.seed).to(device=device, dtype=dtype), None
+        return cast_parameters(build_model(m, cfg.train.seed).to(device), dtype), None
     if m.family == "transformers":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
-        return model.to(device=device, dtype=dtype), tokenizer
+        return cast_parameters(model.to(device), dtype), tokenizer
     import importlib.util
     import json
 
@@ -89,9 +99,8 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     cls = getattr(diffusers, name, None)
     if cls is None:
         raise ValueError(f"[model] pretrained = {m.pretrained!r} holds a {name}, which this diffusers does not have")
-    # one dtype for every parameter (the engine's flat buffers), also the modules a class keeps in fp32
     model = cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype)
-    return model.to(device=device, dtype=dtype), None
+    return cast_parameters(model.to(device), dtype), None
 
 
 @dataclass
