@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dcparallel.profile import measure
 from dcparallel.runtime import launch
 
 
@@ -37,3 +38,24 @@ def test_cuda_steps_report_allocated_reserved_and_device_memory(monkeypatch):
         "measured_peak_memory_bytes": 3 * 2**30, "measured_peak_reserved_bytes": 4 * 2**30,
         "device_free_bytes": 100 * 2**30, "device_total_bytes": 140 * 2**30}
     assert set(launch.cuda_memory(torch.device("cpu")).values()) == {None}
+
+
+def test_a_profile_memory_run_reads_activations_and_keeps_the_worst_device_memory(monkeypatch):
+    state = {"allocated": 10, "peak": 10}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 2 * state["peak"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000 - 2 * state["peak"], 1000))
+
+    def run(peak: int):
+        return lambda: state.update(peak=peak)
+
+    cuda = torch.device("cuda", 0)
+    first, seen1 = measure.cuda_run_memory(cuda, run(110))
+    second, seen2 = measure.cuda_run_memory(cuda, run(60))
+    assert (first, second) == (100.0, 50.0)  # the peak above what was allocated before the run
+    worst = measure.worst_cuda_memory(measure.worst_cuda_memory(None, seen1), seen2)
+    assert worst == {"measured_peak_memory_bytes": 110, "measured_peak_reserved_bytes": 220,
+                     "device_free_bytes": 780, "device_total_bytes": 1000}
