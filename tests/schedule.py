@@ -44,6 +44,8 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_profile.py": 30,
     "tests/unit/test_dcp_mixes.py": 20,
     "tests/unit/test_scenarios.py": 19,
+    "tests/unit/test_train_dtype.py": 17,  # diffusers and transformers models built five ways
+    "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,

@@ -121,6 +121,7 @@ def run_profile(args: argparse.Namespace) -> dict:
         "validation": [] if stats is None else [
             {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()} for row in stats.validation],
         "slopes_clamped": 0 if stats is None else stats.slopes_clamped,
+        "cuda_memory": None if stats is None else stats.cuda_memory,
         "model_state_bytes": profile.model_state_bytes,
         "profile_path": str(out),
     }

@@ -204,7 +204,7 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, lo=0)
     eval_every: int = _opt(0, lo=0, resume=False)
     export_dir: str = _opt("", resume=False)
-    dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16"))
+    dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16", "float16"))
     shard_size: int | str = _opt(1, resume=False)
 
     def check(self, where: str) -> None:

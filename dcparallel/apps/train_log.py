@@ -22,7 +22,9 @@ from typing import Any
 SCALARS = {"loss": "train/loss", "tokens_per_s": "train/tokens_per_s", "step_s": "train/step_s",
            "idle_fraction": "train/idle_fraction", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "eval_loss": "eval/loss", "planned_peak_memory_bytes": "memory/planned_peak_bytes",
-           "measured_peak_memory_bytes": "memory/measured_peak_bytes", "sp_max": "plan/sp_max",
+           "measured_peak_memory_bytes": "memory/measured_peak_bytes",
+           "measured_peak_reserved_bytes": "memory/measured_peak_reserved_bytes",
+           "device_free_bytes": "memory/device_free_bytes", "sp_max": "plan/sp_max",
            "sp_mean": "plan/sp_mean"}
 
 

@@ -24,28 +24,69 @@ from dcparallel.apps.train_config import Config
 from dcparallel.runtime import comm
 
 
+def on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+#: DataLoader worker processes per rank on GPUs (at most; fewer when the node has fewer cores)
+GPU_LOADER_WORKERS = 4
+
+
+def loader_workers(device: torch.device, local_world_size: int = 1) -> dict:
+    """`DataCentricLoader` arguments of `dcparallel train`: on GPUs, workers that read and
+    collate while the GPU computes, started by spawn (set process-wide: the training process
+    already runs CUDA, NCCL and planning threads, and a fork of a threaded process can
+    deadlock in the child); on CPU none (the ranks use the cores)."""
+    if not on_gpu(device):
+        return {}
+    import multiprocessing
+    import os
+
+    if multiprocessing.get_start_method(allow_none=True) != "spawn":
+        multiprocessing.set_start_method("spawn", force=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"num_workers": max(1, min(GPU_LOADER_WORKERS, cores // max(1, local_world_size) - 1))}
+
+
 def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """[train] dtype: "auto" is bfloat16 on GPUs (the optimizer keeps fp32 master weights)
-    and float32 on CPU."""
-    if cfg.train.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.train.dtype)
+    and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32. float16 is
+    refused: the loss is a sum with no loss scaling, so its gradients would underflow."""
+    if cfg.train.dtype == "float16":
+        raise ValueError('[train] dtype = "float16" is not supported: the loss is a sum over tokens with no loss '
+                         'scaling, so fp16 gradients underflow or overflow; use "bfloat16" (or "auto": bfloat16 '
+                         'on GPUs, float32 on CPU)')
+    dtype = (torch.bfloat16 if on_gpu(device) else torch.float32) if cfg.train.dtype == "auto" \
+        else getattr(torch, cfg.train.dtype)
+    if dtype == torch.float32 and on_gpu(device):
+        torch.set_float32_matmul_precision("high")
+    return dtype
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter in ``dtype`` (the engine's flat buffers take one dtype, also
+    for modules a class keeps in fp32); buffers stay as the class made them (RoPE frequencies
+    are fp32 on purpose: rounded to bf16, long positions lose their angle)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
-    """The model on ``device`` in the run's dtype, and the tokenizer of a pretrained
-    transformers directory (else None)."""
+    """The model on ``device`` in the run's dtype (`param_dtype`), and the tokenizer of a
+    pretrained transformers directory (else None)."""
     m = cfg.model
-    if not m.pretrained:
-        return build_model(m, cfg.train.seed).to(device), None
     dtype = param_dtype(cfg, device)
+    if not m.pretrained:
+        return cast_parameters(build_model(m, cfg.train.seed).to(device), dtype), None
     if m.family == "transformers":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
-        return model.to(device), tokenizer
+        return cast_parameters(model.to(device), dtype), tokenizer
     import importlib.util
     import json
 
@@ -58,7 +99,8 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     cls = getattr(diffusers, name, None)
     if cls is None:
         raise ValueError(f"[model] pretrained = {m.pretrained!r} holds a {name}, which this diffusers does not have")
-    return cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype).to(device), None
+    model = cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype)
+    return cast_parameters(model.to(device), dtype), None
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from dcparallel.apps.train_config import Config, check_fits
 from dcparallel.apps.train_log import append_event, trim_metrics
-from dcparallel.runtime.launch import restart_attempt
+from dcparallel.runtime.launch import cuda_memory, record_ooms_in, restart_attempt
 
 log = logging.getLogger("dcparallel.train")
 
@@ -72,6 +72,7 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         comm.barrier()
+        record_ooms_in(self.out)
         self.ckroot = self.out / "checkpoint"
         if (self.ckroot / "rank0.pt").exists():
             raise ValueError(f"{self.ckroot} holds a checkpoint of an older dcparallel (rank*.pt without a commit "
@@ -110,11 +111,31 @@ class Trainer:
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
-                                           memory_bytes=t.memory_mib * 2**20 or None, **extra)
+                                           memory_bytes=self._memory_budget(), **extra)
         self.opt_range = None
         if dc.shard_size == 1:
             lo = min(self.rank * dc.shard_numel, dc.numel)
             self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
+
+    def _memory_budget(self) -> int | None:
+        """[train] memory_mib (None: the device's default), times `OOM_BUDGET_FACTOR` for every
+        earlier attempt that ran out of memory (`launch.oom_restarts`; the ranks agree on the
+        count, so all plan with one budget)."""
+        from dcparallel.runtime import comm
+        from dcparallel.runtime.launch import OOM_BUDGET_FACTOR, device_memory, oom_budget, oom_restarts
+
+        budget = self.t.memory_mib * 2**20 or None
+        num_ooms = max(comm.all_gather_object(oom_restarts(self.out)))
+        if num_ooms == 0:
+            return budget
+        base = budget or device_memory(self.launch.device, self.launch.local_world_size)
+        lowered = oom_budget(base, num_ooms)
+        if self.rank == 0:
+            log.warning("%d earlier attempt(s) ran out of memory (%s/oom-*): planning with a memory budget of "
+                        "%.0f MiB, %g x %.0f MiB", num_ooms, self.out, lowered / 2**20,
+                        OOM_BUDGET_FACTOR ** num_ooms, base / 2**20)
+        append_event(self.events, {"event": "memory_budget", "bytes": lowered, "oom_restarts": num_ooms})
+        return lowered
 
     def _check_resumable(self, ck) -> bool:
         t = self.t
@@ -139,10 +160,11 @@ class Trainer:
         model (every sample checked first to fit some layout by the analytic model, which
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
+        from dcparallel.apps.train_setup import loader_workers
         from dcparallel.profile.profiler import ProfilerConfig
 
         t, pc, dc = self.t, self.cfg.profile, self.dc
-        kw = {}
+        kw = loader_workers(self.launch.device, self.launch.local_world_size)
         if pc.cost == "profiled":
             c = dc.cluster_spec
             check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, dc.memory_bytes)
@@ -339,16 +361,13 @@ class Trainer:
 
     def _record(self, epoch: int, step, update: Update, step_s: float, idle: float, eval_loss) -> dict:
         """The step's metrics line (rank 0, whose loader predicts each plan: `StepPrediction`)."""
-        import torch
-
         planned = step.predicted
         return {"epoch": epoch, "step": step.index, "global_step": self.done,
                 "loss": update.loss if update.finite else None, "skipped": not update.finite,
                 "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
                 "idle_fraction": idle, "planned_peak_memory_bytes": planned.peak_memory_bytes,
                 "planned_compute_s": planned.compute_s,
-                "measured_peak_memory_bytes":
-                    torch.cuda.max_memory_allocated(self.launch.device) if self.cuda else None,
+                **cuda_memory(self.launch.device),
                 "sp_degrees": step.plan.busy_sizes(), "lr": update.lr, "grad_norm": update.grad_norm,
                 "eval_loss": eval_loss, "policy": self.t.policy, "world_size": self.world,
                 "sample_ids": sorted(step.plan.sample_ids)}

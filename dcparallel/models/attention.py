@@ -206,7 +206,8 @@ def _varlen_attn():
 
 @functools.cache
 def _causal_kw(causal: bool) -> dict:
-    """torch 2.9-2.10 spell causality `is_causal`; later releases a `window_size` of (-1, 0)."""
+    """torch 2.10 spells causality `is_causal`; later releases a `window_size` of (-1, 0)
+    (2.9 has no varlen_attn: `cuda_varlen_attention` runs the SDPA loop there)."""
     if "window_size" in inspect.signature(_varlen_attn()).parameters:
         return {"window_size": (-1, 0) if causal else (-1, -1)}
     return {"is_causal": causal}

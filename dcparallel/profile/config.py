@@ -104,6 +104,9 @@ class ProfileStats:
     validation: list[dict] = field(default_factory=list)
     unfit_buckets: list[str] = field(default_factory=list)
     slopes_clamped: int = 0
+    #: CUDA only: the largest allocated and reserved peaks and the least free device memory
+    #: of this rank's memory runs (`measure.worst_cuda_memory`)
+    cuda_memory: dict | None = None
 
     def add_validation(self, entries: Sequence[ProfileEntry]) -> None:
         """The extrapolation error of every entry validated at full depth (worst in

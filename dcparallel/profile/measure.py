@@ -4,7 +4,8 @@ Memory, per device:
 
 * CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`) minus what was allocated
   before the forward (parameters, gradient buffer, optimizer state): the activations and
-  transients of one forward + backward.
+  transients of one forward + backward. The reserved peak and ``torch.cuda.mem_get_info``
+  are read with it; the profile's stats keep the worst of them (`cuda_run_memory`).
 * CPU: there is no allocator to ask, so the profiler estimates. `SavedTensorMeter` counts the
   bytes autograd saves for backward during the forward (`saved_tensors_hooks`), each storage
   once (views of one storage, e.g. q/k/v split from one projection, count once), parameters
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 
 from dcparallel.cost.schema import ProfileEntry
 from dcparallel.runtime import comm
+from dcparallel.runtime.launch import cuda_memory
 
 
 def extrapolate(v1: float, v2: float, num_layers: int, d1: int = 1, d2: int = 2) -> float:
@@ -247,3 +249,23 @@ def group_entry(entry: ProfileEntry, res: Sequence[dict], d1: int, d2: int, num_
     elif res[0].get("validation_error"):
         entry.validation = {"error": res[0]["validation_error"]}
     return clamped
+
+
+def cuda_run_memory(device: torch.device, run: Callable[[], None]) -> tuple[float, dict]:
+    """Runs ``run`` once on CUDA: the bytes its peak allocated above what was allocated
+    before (activations and transients), and `launch.cuda_memory` after it (the allocated
+    and reserved peaks, the device's free and total memory)."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    seen = cuda_memory(device)
+    return float(seen["measured_peak_memory_bytes"] - base), seen
+
+
+def worst_cuda_memory(a: dict | None, b: dict) -> dict:
+    """Of two `launch.cuda_memory` readings, the larger peaks and the smaller free memory."""
+    if a is None:
+        return dict(b)
+    return {k: (min if k == "device_free_bytes" else max)(a[k], b[k]) for k in b}

@@ -60,10 +60,12 @@ from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
     active_depth,
+    cuda_run_memory,
     device_name,
     free_memory,
     grad_sync_seconds,
     group_entry,
+    worst_cuda_memory,
 )
 from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
 from dcparallel.runtime import comm
@@ -115,6 +117,7 @@ class Profiler:
         self.dtype = shards.compute_dtype(self.engine)
         self.timer = Timer(self.device)
         self.memory_limit = self._budget()
+        self.cuda_memory: dict | None = None  # the worst `launch.cuda_memory` of the memory runs
         self.clock: ReferenceClock | None = None  # set by `run` with ProfilerConfig.reference
 
     # ------------------------------------------------------------------ what it is valid for
@@ -178,12 +181,8 @@ class Profiler:
     def _memory_run(self, inputs, state_bytes: float) -> float:
         """Runs once (a warm-up) and returns the activation bytes of the run."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._run(inputs)
-            torch.cuda.synchronize(self.device)
-            peak = float(torch.cuda.max_memory_allocated(self.device) - base)
+            peak, seen = cuda_run_memory(self.device, lambda: self._run(inputs))
+            self.cuda_memory = worst_cuda_memory(self.cuda_memory, seen)
             if self.memory_limit is not None and state_bytes + peak > self.memory_limit:
                 raise torch.OutOfMemoryError(f"peak {state_bytes + peak:,.0f} bytes is over the budget "
                                              f"{self.memory_limit:,.0f}")
@@ -385,7 +384,7 @@ class Profiler:
                         "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
         stats = ProfileStats(layouts_measured=len(entries),
                              layouts_infeasible=sum(not e.feasible for e in entries),
-                             unfit_buckets=unfit, slopes_clamped=clamped)
+                             unfit_buckets=unfit, slopes_clamped=clamped, cuda_memory=self.cuda_memory)
         stats.add_validation(entries)
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,

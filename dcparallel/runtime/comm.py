@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dcparallel.runtime import compat
+
 #: the whole world as a ``group`` argument (None would mean a one-rank group)
 WORLD = "world"
 
@@ -211,7 +213,7 @@ def all_gather_flat(t: Tensor, group) -> Tensor:
     if n == 1:
         return t.reshape(-1)
     out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_single(out, t.contiguous().reshape(-1), group=group)
+    compat.all_gather_into_tensor(out, t.contiguous().reshape(-1), group)
     return out
 
 

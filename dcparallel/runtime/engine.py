@@ -33,6 +33,7 @@ views of one flat buffer.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -128,6 +129,22 @@ class MicroBatchContext:
         summed_loss.backward()
 
 
+_warned_fp32_cuda = False
+
+
+def warn_fp32_cuda(params: Sequence[Tensor]) -> None:
+    """Warns, once per process, when trainable parameters are float32 on a GPU: every matmul
+    then runs at a fraction of the bf16 rate and activations take twice the memory. The
+    optimizer keeps fp32 master weights either way, so bf16 parameters lose no update."""
+    global _warned_fp32_cuda
+    if _warned_fp32_cuda or not any(p.device.type == "cuda" and p.dtype == torch.float32 for p in params):
+        return
+    _warned_fp32_cuda = True
+    warnings.warn("the model's parameters are float32 on CUDA: cast it with model.to(torch.bfloat16) before "
+                  "wrapping (the optimizer keeps fp32 master weights); `dcparallel train` does so unless "
+                  "[train] dtype = \"float32\"", stacklevel=3)
+
+
 class Engine:
     """Wraps a single-device model for data-centric steps.
 
@@ -165,6 +182,7 @@ class Engine:
             raise ValueError(
                 f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
             )
+        warn_fp32_cuda(params)
         cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
         if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
             raise ValueError(f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; "

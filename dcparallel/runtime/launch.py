@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: exit status of a rank that ran out of memory in a planned micro-batch (EX_TEMPFAIL)
 OOM_EXIT_CODE = 75
+#: each restart after an out-of-memory exit plans with this fraction of the budget before it
+OOM_BUDGET_FACTOR = 0.9
 #: usable fraction of a GPU's memory when no budget is given (the rest: CUDA context,
 #: NCCL buffers, allocator fragmentation)
 GPU_MEMORY_FRACTION = 0.9
@@ -85,13 +87,45 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+#: the CUDA allocator's setting unless the user gave one: shapes change every micro-batch, and
+#: expandable segments grow one mapping instead of leaving blocks of each old size reserved
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_cuda_allocator(env: os._Environ | dict = os.environ) -> None:
+    """Sets ``PYTORCH_CUDA_ALLOC_CONF`` to `CUDA_ALLOC_CONF` when neither it nor
+    ``PYTORCH_ALLOC_CONF`` is set (a user's setting is kept). The allocator reads it when
+    CUDA initializes, so this runs first in `init_distributed`; later it has no effect."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in env or "PYTORCH_ALLOC_CONF" in env:
+        return
+    if torch.cuda.is_initialized():
+        log.warning("CUDA is already initialized: PYTORCH_CUDA_ALLOC_CONF=%s (set by dcparallel) takes no effect; "
+                    "set it in the environment before starting", CUDA_ALLOC_CONF)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
+
+
+def cuda_memory(device: torch.device) -> dict[str, int | None]:
+    """The allocator's peaks since the last ``reset_peak_memory_stats`` (allocated: tensors;
+    reserved: held by the caching allocator) and the device's free and total memory
+    (``mem_get_info``: also other processes and the CUDA context). None off CUDA."""
+    if device.type != "cuda":
+        return dict.fromkeys(("measured_peak_memory_bytes", "measured_peak_reserved_bytes", "device_free_bytes",
+                              "device_total_bytes"))
+    free, total = torch.cuda.mem_get_info(device)
+    return {"measured_peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+            "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            "device_free_bytes": free, "device_total_bytes": total}
+
+
 def init_distributed(device: str | None = None, timeout: timedelta = timedelta(seconds=300)) -> Launch:
     """Initializes torch.distributed from the torchrun environment (once; a second call
     returns the same answer): on CUDA ``torch.cuda.set_device(LOCAL_RANK)`` then NCCL bound to
     that device, on CPU gloo. ``timeout``: per collective; keep it short so that a rank that
-    died does not leave the others waiting for 30 minutes."""
+    died does not leave the others waiting for 30 minutes. The CUDA allocator is configured
+    first (`configure_cuda_allocator`)."""
     import torch.distributed as dist
 
+    configure_cuda_allocator()
     env = os.environ
     backend, kind = choose_backend(device, torch.cuda.is_available())
     world = _env_int(env, "WORLD_SIZE", 1)
@@ -260,5 +294,40 @@ def abort_on_oom(exc: BaseException, *, step: int, epoch: int, layout, ranks, sa
         raise torch.OutOfMemoryError(msg) from exc
     print(f"[dcparallel] {msg}", file=sys.stderr, flush=True)
     log.critical(msg)
+    _record_oom()
     sys.stdout.flush()
     os._exit(OOM_EXIT_CODE)
+
+
+# ---------------------------------------------------------------- the budget after an OOM exit
+
+_oom_dir: list[Path] = []
+
+
+def record_ooms_in(directory: str | Path) -> None:
+    """Where `abort_on_oom` leaves one file per failed attempt (the run's out_dir): the
+    restarted run counts them (`oom_restarts`) and plans with a lower budget instead of
+    replaying the plan that ran out of memory."""
+    _oom_dir[:] = [Path(directory)]
+
+
+def _record_oom() -> None:
+    if not _oom_dir:
+        return
+    # one name per (launch, attempt): every rank that failed in this attempt writes the same file
+    name = f"oom-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-attempt{restart_attempt()}"
+    try:
+        (_oom_dir[0] / name).touch()
+    except OSError as exc:
+        print(f"[dcparallel] could not record the out-of-memory exit in {_oom_dir[0]}: {exc}", file=sys.stderr)
+
+
+def oom_restarts(directory: str | Path) -> int:
+    """How many attempts of runs in ``directory`` ended out of memory (delete its oom-* files
+    to plan with the whole budget again)."""
+    return len(list(Path(directory).glob("oom-*-attempt*")))
+
+
+def oom_budget(memory_bytes: int, num_ooms: int) -> int:
+    """The memory budget after ``num_ooms`` out-of-memory exits: `OOM_BUDGET_FACTOR` each."""
+    return int(memory_bytes * OOM_BUDGET_FACTOR ** num_ooms)

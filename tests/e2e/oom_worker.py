@@ -12,11 +12,12 @@ from dcparallel.loss import per_token_loss
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
-from dcparallel.runtime.launch import init_distributed
+from dcparallel.runtime.launch import init_distributed, record_ooms_in
 from dcparallel.spec import Layout
 
 torch.set_num_threads(1)
 launch = init_distributed(device="cpu", timeout=timedelta(seconds=600))
+record_ooms_in(".")  # as the trainer does with its out_dir: the restart lowers its budget
 torch.manual_seed(0)
 model = Llama(LlamaConfig.tiny(vocab_size=64, hidden=32, num_layers=2, num_heads=4, ffn_hidden=48))
 dc = Engine(model, layers=model.layers, num_heads=4)

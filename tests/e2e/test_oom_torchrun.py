@@ -27,3 +27,4 @@ def test_oom_on_one_rank_ends_every_rank_with_a_message(tmp_path):
     assert "rank 1: out of memory in step 3 (epoch 0)" in out
     assert "layout sp=2 mbs=2 recompute attn=0 mlp=0 on ranks (0, 1), samples (7, 9)" in out
     assert "exitcode  : 75" in out  # the aborting rank's status, as torchrun reports it
+    assert len(list(tmp_path.glob("oom-*-attempt0"))) == 1  # for the restart's lower budget

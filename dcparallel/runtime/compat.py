@@ -1,0 +1,19 @@
+"""The one home of fallbacks between torch releases (the floor is pyproject's ``torch>=``).
+
+A name newer than the oldest supported release is reached only here, behind a ``hasattr``,
+so tests/unit/test_torch_floor.py can hold the rest of the package to the floor's API.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def all_gather_into_tensor(out, t, group) -> None:
+    """All-gather equal 1-D ``t`` of every rank of ``group`` into ``out``, in rank order.
+    Releases that have ``all_gather_single`` deprecate ``all_gather_into_tensor`` (a
+    FutureWarning per call site); older ones have only the latter, the same collective."""
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(out, t, group=group)
+    else:
+        dist.all_gather_into_tensor(out, t, group=group)
