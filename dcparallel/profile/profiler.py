@@ -32,7 +32,7 @@ the model states, memory meter and gradient sync of each case are in `profile.sh
 An out-of-memory on one rank of an SP group stops the layout on all of them: the group
 agrees after each run, and before each collective of an untimed run, whether every rank is
 still running (`control.run_together`; its docstring names what it cannot cover). Any other
-error stops the profile on every rank of the group.
+error in a layout's inputs or runs stops the profile on every rank of the group, with it.
 """
 
 from __future__ import annotations
