@@ -122,8 +122,9 @@ def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
         if mine.exists():
             cached, why2 = check_cached(mine, fp, sizes)
             why = why2 and f"{why}; {why2}"
-    # every rank must take the same branch (profiling is collective)
-    reasons = comm.all_gather_object(why)
+    # every rank must take the same branch (profiling is collective); a rank reading a large
+    # file waits for the others on the control group
+    reasons = comm.all_gather_object(why, comm.control_group())
     why = next((r for r in reasons if r), "")
     if not why:
         assert cached is not None
@@ -147,5 +148,5 @@ def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
                 p.replace(world_path(p, old.world_size))  # another world size's profile: kept, not overwritten
         profile.save(p)
         profile.save(world_path(p, profile.world_size))
-    comm.barrier()
+    comm.barrier(comm.control_group())  # the others wait for rank 0's writes
     return profile, stats

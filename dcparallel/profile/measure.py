@@ -199,17 +199,18 @@ def device_name(device: torch.device) -> str:
 def grad_sync_seconds(flat_grad: Tensor, timer: Timer, group=comm.WORLD) -> float:
     """The step's one all-reduce of the flat gradient buffer over ``group`` (the world; with
     shard blocks the replicas of this rank's shard, None when there is one block), measured:
-    the median of three timed rounds after a warm-up, the slowest rank's (0 on one rank)."""
+    the median of three timed rounds after a warm-up, the slowest rank's (0 on one rank). The
+    ranks line up for each round, and exchange their times, on the control group."""
     if comm.world_size() == 1 or group is None:
         return 0.0
     times = []
     for i in range(4):
-        comm.barrier()
+        comm.barrier(comm.control_group())
         t = timer.time(lambda: comm.all_reduce_(flat_grad, group))
         if i:
             times.append(t)
     flat_grad.zero_()
-    return max(comm.all_gather_object(median(times)))
+    return max(comm.all_gather_object(median(times), comm.control_group()))
 
 
 def group_entry(entry: ProfileEntry, res: Sequence[dict], d1: int, d2: int, num_layers: int, state_bytes: float,

@@ -16,6 +16,8 @@ takes buckets i, i + world/k, ...; the groups measure at once, the degrees in tu
 All ranks of a group agree on every outcome (time = slowest rank, memory = largest rank,
 infeasible if any rank ran out of memory) before deciding to double the micro-batch, and at
 the end every rank gathers every group's entries, so every rank holds the same profile.
+Every agreement and exchange runs on gloo control groups with a long timeout, never on a
+training group (`profile.control`): a rank waiting for a slower group waits there.
 
 Out of memory is an outcome, not an error: the layout is marked infeasible (larger
 micro-batches of that mode are not tried) and profiling continues. A bucket with no
@@ -27,17 +29,15 @@ timed is what training runs: the engine's SP groups, recompute wrappers and grad
 Shard blocks (an engine with shard_size s > 1): the same runs, FSDP2's collectives included;
 the model states, memory meter and gradient sync of each case are in `profile.shards`.
 
-Limits: an out-of-memory must hit every rank of an SP group at the same point of the forward
-(it does for the fake limit: the ranks of a group hold equal shards); a device that fails on
-one rank only leaves the others waiting in an all-to-all until the collective timeout. Any
-other error stops the profile.
+An out-of-memory on one rank of an SP group stops the layout on all of them: the group
+agrees after each run, and before each collective of an untimed run, whether every rank is
+still running (`control.run_together`; its docstring names what it cannot cover). Any other
+error in a layout's inputs or runs stops the profile on every rank of the group, with it.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import math
 import os
 import sys
 import time
@@ -54,6 +54,7 @@ from dcparallel.profile.config import (  # noqa: F401 (re-exported)
     group_buckets,
     representative_sizes,
 )
+from dcparallel.profile.control import ControlGroups, run_together
 from dcparallel.profile.drift import ReferenceClock, median_reference, rescale
 from dcparallel.profile.inputs import MakeInputs
 from dcparallel.profile.measure import (
@@ -67,7 +68,7 @@ from dcparallel.profile.measure import (
     group_entry,
     worst_cuda_memory,
 )
-from dcparallel.profile.robust import round_estimates, summarize_rounds, timed_until_stable
+from dcparallel.profile.rounds import timed_rounds
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, ModelSpec, Recompute, Size
@@ -119,6 +120,7 @@ class Profiler:
         self.memory_limit = self._budget()
         self.cuda_memory: dict | None = None  # the worst `launch.cuda_memory` of the memory runs
         self.clock: ReferenceClock | None = None  # set by `run` with ProfilerConfig.reference
+        self.control: ControlGroups | None = None  # set by `run`: where the ranks agree (`profile.control`)
 
     # ------------------------------------------------------------------ what it is valid for
 
@@ -198,89 +200,65 @@ class Profiler:
                  full_depth: int | None = None) -> dict:
         """This rank's medians per depth (in units) of one layout, or its out-of-memory.
 
-        Memory first (one run per depth, also the first warm-up); the group agrees whether
-        every rank fitted before anything is timed, so all its ranks run the same collectives.
-        ``full_depth`` (validation) is tried after the short stacks: if only it runs out of
-        memory the layout keeps its short-stack measurement and the validation is skipped."""
-        cfg = self.config
-        group = self.engine.groups.group(ranks)
+        The group's ranks build their inputs, then run each depth once for its memory (the
+        first warm-up) and agree after each whether every rank fitted (`control.run_together`),
+        so all of them run the same collectives and stop at the same point. ``full_depth``
+        (validation) is tried after the short stacks: if only it runs out of memory the layout
+        keeps its short-stack measurement and the validation is skipped."""
+        group = self.control.of(ranks)
         layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers))  # planner layers
         state = self.model_state_bytes()
-        inputs = None
+        box: dict = {}
         mem: dict[int, float] = {}
-        out: dict = {"ok": True}
-        oom = [False]  # free memory (a full collection: ~0.1 s) only after an out-of-memory
         took: dict[int, float] = {}  # seconds of each depth's first (memory) run
-
-        def attempt(ds: Sequence[int]) -> str | None:
-            try:
-                for d in ds:
-                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
-                        t0 = time.perf_counter()
-                        mem[d] = self._memory_run(inputs, state)
-                        took[d] = time.perf_counter() - t0
-                return None
-            except torch.OutOfMemoryError as exc:
-                oom[0] = True
-                return str(exc).splitlines()[0][:200] if str(exc) else "out of memory"
-            finally:
-                self.engine.zero_grad()
-
-        def agreed(err: str | None) -> str | None:
-            errs = comm.all_gather_object(err, group)
-            return next((e for e in errs if e), None)
-
+        failed = False  # free memory (a full collection: ~0.1 s) only after an out-of-memory
         try:
-            inputs = self.make_inputs(size, layout, ranks, self.rank)
-            err = agreed(attempt(depths))
+            err = run_together(lambda: box.update(inputs=self.make_inputs(size, layout, ranks, self.rank)),
+                               group, ranks, guarded=False)
+            for d in depths:
+                if err:
+                    break
+                err = run_together(lambda d=d: self._memory_depth(box["inputs"], d, state, mem, took),
+                                   group, ranks)
             if err:
+                failed = True
                 return {"ok": False, "error": err}
             depths = list(depths)
+            out: dict = {"ok": True}
             if full_depth is not None:
-                err = agreed(attempt([full_depth]))
+                err = run_together(lambda: self._memory_depth(box["inputs"], full_depth, state, mem, took),
+                                   group, ranks)
                 if err:
+                    failed = True
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            # rounds: >= `repeats`, more while short (`min_time_s`), then until the median is stable
-            # (`robust`); the group agrees on each decision (slowest rank, all done): same rounds
-            round_s = max(comm.all_gather_object(sum(took[d] for d in depths), group))
-            rounds = min(cfg.max_repeats, max(cfg.repeats, math.ceil(cfg.min_time_s / max(round_s, 1e-9))))
-            times: dict[int, list[float]] = {d: [] for d in depths}
-            mark = self.clock.mark() if self.clock else 0
-
-            def one_round() -> float:
-                for d in depths:
-                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
-                        times[d].append(self.timer.time(lambda: self._run(inputs)))
-                if self.clock:
-                    self.clock.tick()
-                return round_estimates(times[depths[0]][-1:], times[depths[1]][-1:], *depths[:2],
-                                       self.spec.num_layers)[0]
-
-            gc.disable()  # as timeit does: no collection pauses inside a timed run
-            try:
-                for d in depths:
-                    with active_depth(self.layers, d * self.unit, self.engine.adapter.skip_block):
-                        for _ in range(cfg.warmup - 1):
-                            self._run(inputs)
-                xs = timed_until_stable(one_round, min_rounds=rounds, max_rounds=max(rounds, cfg.max_repeats),
-                                        rel_tol=cfg.rel_tol, k=cfg.outlier_k,
-                                        agree=lambda done: all(comm.all_gather_object(done, group)))
-            except torch.OutOfMemoryError as exc:  # a device allocator can still fail here
-                oom[0] = True
-                return {"ok": False, "error": str(exc).splitlines()[0][:200]}
-            finally:
-                gc.enable()
-            out.update(memory={d: mem[d] for d in depths}, **summarize_rounds(times, depths[:2], xs, cfg.outlier_k))
-            if self.clock:
-                out["reference_s"] = self.clock.since(mark)
-            return out
+            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.config,
+                                 num_layers=self.spec.num_layers, timer=self.timer, group=group, ranks=ranks,
+                                 clock=self.clock)
+            if isinstance(timed, str):
+                failed = True
+                return {"ok": False, "error": timed}
+            return {**out, "memory": {d: mem[d] for d in depths}, **timed}
         finally:
-            inputs = None
+            box.clear()
             self.engine.zero_grad()
-            if oom[0]:
+            if failed:
                 free_memory(self.device)
+
+    def _memory_depth(self, inputs, depth: int, state: float, mem: dict[int, float], took: dict[int, float]) -> None:
+        """One run of a ``depth``-layer stack: its activation bytes into ``mem``, seconds into ``took``."""
+        with self._depth(depth):
+            t0 = time.perf_counter()
+            try:
+                mem[depth] = self._memory_run(inputs, state)
+            finally:
+                self.engine.zero_grad()
+            took[depth] = time.perf_counter() - t0
+
+    def _depth(self, depth: int):
+        """Only the first ``depth`` layers (units) run inside this block (`measure.active_depth`)."""
+        return active_depth(self.layers, depth * self.unit, self.engine.adapter.skip_block)
 
     def reference_clock(self, size: Size) -> ReferenceClock | None:
         """The reference run (`profile.drift`): one sample of ``size`` alone on this rank, no
@@ -298,7 +276,7 @@ class Profiler:
         except torch.OutOfMemoryError:
             fits = False
         self.engine.zero_grad()
-        if all(comm.all_gather_object(fits)):
+        if all(comm.all_gather_object(fits, comm.control_group())):
             return ReferenceClock(run)
         free_memory(self.device)
         log.warning("the reference run (one sample of %s) does not fit: no rescaling for load drift", size)
@@ -318,7 +296,8 @@ class Profiler:
         if len(set(keys)) != len(keys):
             raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
         fp = self.fingerprint()
-        comm.check_equal(comm.digest((fp, keys, cfg.modes)), "profiler configuration")
+        comm.check_equal(comm.digest((fp, keys, cfg.modes)), "profiler configuration", comm.control_group())
+        self.control = ControlGroups(self.sp_sizes)
         L = self.spec.num_layers
         d2 = cfg.depth
         d1 = d2 - 1
@@ -338,7 +317,7 @@ class Profiler:
         if cfg.reference:
             self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
-            group = self.engine.groups.group(ranks)
+            group = self.control.of(ranks)
             size = b.size
             for mode in cfg.modes:
                 mbs, best = 1, 0.0
@@ -368,14 +347,14 @@ class Profiler:
             bar.close()
 
         # every group's entries on every rank (each group's first rank speaks for it)
-        gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank])
+        gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank], self.control.control)
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
                          key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
         # with rescaling, every layout on the profile's median machine speed
         reference_s = rescale(entries) if cfg.rescale else median_reference(entries)
         self.clock = None
-        clamped = sum(comm.all_gather_object(clamped))
+        clamped = sum(comm.all_gather_object(clamped, self.control.control))
 
         feasible = {e.bucket for e in entries if e.feasible}
         unfit = [b.key for b in buckets if b.key not in feasible]
@@ -395,5 +374,5 @@ class Profiler:
                           reference_s=reference_s)
         if self.rank == 0 and profile.noise_warning():
             log.warning(profile.noise_warning())
-        stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start))
+        stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start, self.control.control))
         return profile, stats

@@ -7,9 +7,11 @@ object helpers (`all_gather_object`, `check_equal`, `barrier`) default to `WORLD
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -87,6 +89,31 @@ def control_group():
     return _control[key]
 
 
+# ---------------------------------------------------------------- a check before a run's collectives
+
+_guards: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def collective_guard(check: Callable[[], None]) -> Iterator[None]:
+    """While active, ``check()`` runs before each collective of a micro-batch's autograd ops
+    (the Ulysses all-to-alls and sequence gathers, forward, backward and recomputed forward),
+    after its output is allocated. The profiler's untimed runs agree there, on a control
+    group, that no rank of the SP group has stopped (`profile.control.run_together`); an
+    exception from ``check`` ends the run on this rank. A module-level stack, not a thread
+    local: a CUDA backward runs on autograd's device thread."""
+    _guards.append(check)
+    try:
+        yield
+    finally:
+        _guards.pop()
+
+
+def _before_collective() -> None:
+    if _guards:
+        _guards[-1]()
+
+
 # ---------------------------------------------------------------- Ulysses all-to-alls
 
 
@@ -100,6 +127,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
+        _before_collective()
         dist.all_to_all_single(out, x, group=group)
         return out
 
@@ -107,6 +135,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
         out = torch.empty_like(grad)
+        _before_collective()
         dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
@@ -158,12 +187,14 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group, ctx.dim = group, dim
         ctx.rank, ctx.n = dist.get_rank(group), x.shape[dim]
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        _before_collective()
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
+        _before_collective()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n), None, None
 

@@ -1,9 +1,9 @@
 """Multi-process gloo workers, started once per test module.
 
 Each worker initializes gloo through a file rendezvous (one thread, a 60 s collective
-timeout so a mismatched collective fails instead of hanging), then runs commands: a
-module-level function + arguments, called on every rank at once; results come back in
-rank order. A failure on any rank fails the test with every rank's traceback."""
+timeout unless the module asks for another, so a mismatched collective fails instead of
+hanging), then runs commands: a module-level function + arguments, called on every rank at
+once; results come back in rank order. A failure on any rank fails the test with every rank's traceback."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers.modeling
            "diffusers.models.modeling_utils", "tests.dist.harness"]
 
 
-def _worker(rank: int, world: int, init_file: str, commands, results) -> None:
+def _worker(rank: int, world: int, init_file: str, commands, results, timeout_s: float = 60) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=timeout_s))
     try:
         while True:
             item = commands.get()
@@ -49,9 +49,9 @@ def _worker(rank: int, world: int, init_file: str, commands, results) -> None:
 
 class Workers:
     """``daemon=False`` lets the workers start processes of their own (DataLoader workers);
-    `close` still joins or kills them."""
+    `close` still joins or kills them. ``timeout_s``: the default group's collective timeout."""
 
-    def __init__(self, world: int, tmp: Path, daemon: bool = True):
+    def __init__(self, world: int, tmp: Path, daemon: bool = True, timeout_s: float = 60):
         self.world = world
         # a fork server that has imported torch once per test process: each worker forks
         # from it instead of starting an interpreter and importing torch (about 3 s of CPU
@@ -63,7 +63,7 @@ class Workers:
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         init_file = str(tmp / "rendezvous")
-        self.procs = [ctx.Process(target=_worker, args=(r, world, init_file, self.commands[r], self.results),
+        self.procs = [ctx.Process(target=_worker, args=(r, world, init_file, self.commands[r], self.results, timeout_s),
                                   daemon=daemon) for r in range(world)]
         for p in self.procs:
             p.start()
