@@ -69,6 +69,8 @@ def run_part(key: str, out_dir: Path, dry: bool) -> dict:
     budget = DRY_LIMIT_S if dry else BUDGETS[key][1]
     cmd = [sys.executable, str(PARTS_SCRIPT), key, "--out-dir", str(out_dir)] + (["--dry-run"] if dry else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    result = out_dir / f"part_{key}.json"
+    result.unlink(missing_ok=True)  # what a part saves as it goes; never a former run's
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     t = time.perf_counter()
@@ -77,11 +79,13 @@ def run_part(key: str, out_dir: Path, dry: bool) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        return {"error": f"timed out after its {budget} s budget\n{log[-2500:]}", "seconds": budget}
+        partial = json.loads(result.read_text()) if result.exists() else None
+        return {"error": f"timed out after its {budget} s budget\n{log[-2500:]}", "seconds": budget,
+                "partial": partial}
     seconds = time.perf_counter() - t
-    result = out_dir / f"part_{key}.json"
     if proc.returncode or not result.exists():
-        return {"error": f"exit {proc.returncode}\n{log[-2500:]}", "seconds": seconds}
+        partial = json.loads(result.read_text()) if result.exists() else None
+        return {"error": f"exit {proc.returncode}\n{log[-2500:]}", "seconds": seconds, "partial": partial}
     return {**json.loads(result.read_text()), "seconds": seconds}
 
 
@@ -98,6 +102,8 @@ def write(out_dir: Path, meta: dict, results: dict) -> Path:
             lines += ["not run", ""]
         elif "error" in res:
             lines += [f"FAILED after {res.get('seconds', 0):.0f} s:", "", "```", res["error"], "```", ""]
+            if res.get("partial"):
+                lines += ["What it measured before:", "", "```json", json.dumps(res["partial"], indent=1), "```", ""]
         elif "skipped" in res:
             lines += [res["skipped"], ""]
         elif key == "a":

@@ -61,6 +61,11 @@ def _memory(dev: torch.device) -> dict:
             "mem_get_info_free": free, "mem_get_info_total": total}
 
 
+def save(out_dir: Path, key: str, result: dict) -> None:
+    """The part's result so far: device_check.py reports it if the part runs out of time."""
+    (out_dir / f"part_{key}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
@@ -107,6 +112,7 @@ def part_b(out_dir: Path, dry: bool) -> dict:
             out[name] = json.loads((out_dir / f"train_{name}.json").read_text())
         except Exception as exc:  # noqa: BLE001 - one model's failure is reported, the other still runs
             out[name] = {"error": f"{_err(exc)}\n{str(exc)[-1500:]}"}
+        save(out_dir, "b", out)
     return out
 
 
@@ -169,6 +175,7 @@ def part_c(out_dir: Path, dry: bool) -> dict:
                           "rank0_went_on": "rank 0 finished after the OOM" in r.stderr,
                           "stopped_every_rank": r.returncode != 0 and "rank 0 finished after the OOM" not in r.stderr}
         out[f"world{world}"] = got
+        save(out_dir, "c", out)
     return out
 
 
@@ -395,6 +402,7 @@ def part_d(out_dir: Path, dry: bool) -> dict:
             out[name] = _attn_case(docs, dev, dry)
         except Exception as exc:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc()[-1500:] or _err(exc)}
+        save(out_dir, "d", out)
     return out
 
 
@@ -573,8 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         res = train_one(args.out_dir, args.dry_run, args.model)
         (args.out_dir / f"train_{args.model}.json").write_text(json.dumps(res, indent=1))
         return 0
-    res = PARTS[args.part](args.out_dir, args.dry_run)
-    (args.out_dir / f"part_{args.part}.json").write_text(json.dumps(res, indent=1, default=str))
+    save(args.out_dir, args.part, PARTS[args.part](args.out_dir, args.dry_run))
     return 0
 
 

@@ -32,6 +32,20 @@ def test_the_gpu_budgets_fit_the_device_time():
         device_check.main(["--dry-run", "--parts", "a,x"])
 
 
+def test_a_part_past_its_budget_is_killed_and_reports_what_it_saved(tmp_path, monkeypatch):
+    import device_check
+
+    fake = tmp_path / "parts.py"  # saves a first result, then hangs in a child process
+    fake.write_text("import json, subprocess, sys\nfrom pathlib import Path\n"
+                    "Path(sys.argv[3], 'part_d.json').write_text(json.dumps({'short': 1}))\n"
+                    "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])\n")
+    (tmp_path / "part_d.json").write_text(json.dumps({"former": "run"}))
+    monkeypatch.setattr(device_check, "PARTS_SCRIPT", fake)
+    monkeypatch.setattr(device_check, "DRY_LIMIT_S", 3)
+    res = device_check.run_part("d", tmp_path, dry=True)
+    assert res["error"].startswith("timed out after its 3 s budget") and res["partial"] == {"short": 1}
+
+
 # about 60 s on 2 shared cores (the parts run side by side in the dry run)
 def test_device_check_dry_run_writes_every_part(tmp_path):
     r = _dry_run(tmp_path, "--parts", "a,b,c,d,e,f")
