@@ -191,6 +191,13 @@ def _c_plan(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool]]:
 
 
 def _c_step(engine, model, docs: dict, rank: int, world: int, *, overlap: bool = True) -> float:
+    _c_micro_batches(engine, model, docs, rank, world, overlap)
+    return engine.sync_gradients()
+
+
+def _c_micro_batches(engine, model, docs: dict, rank: int, world: int, overlap: bool = True) -> None:
+    """This rank's micro-batches of `_c_plan`; the last one's backward launches the gradient
+    sync when ``overlap``."""
     from dcparallel.data.collate import text_batch
     from dcparallel.loss import per_token_loss
     from dcparallel.plan.types import MicroBatch
@@ -203,7 +210,6 @@ def _c_step(engine, model, docs: dict, rank: int, world: int, *, overlap: bool =
         with engine.micro_batch(batch, last=overlap and j == len(mine) - 1) as ctx:
             ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
             ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
-    return engine.sync_gradients()
 
 
 def _c_model(dry: bool, dev: torch.device):
@@ -256,8 +262,9 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
         out |= {"loss_world1": ref["loss"], "loss_rel_err": abs(out["loss"] - ref["loss"]) / abs(ref["loss"]),
                 "max_rel_grad_err": max(errs.values()), "worst_tensor": max(errs, key=errs.get),
                 "tensors": len(errs), "within_1e-2": max(errs.values()) <= 1e-2}
-    if dev.type == "cuda":  # two micro-batches of this rank (a step) under the sync debugger
-        out["syncs"] = _count_syncs(lambda e=engine, m=model: _c_step(e, m, docs, rank, world))
+    if dev.type == "cuda":  # this rank's micro-batches (two or three) under the sync debugger
+        out["syncs"] = _count_syncs(lambda e=engine, m=model: _c_micro_batches(e, m, docs, rank, world))
+        engine.sync_gradients()  # returns the loss as a float: one sync a step, by design
     times = {}
     for overlap in (True, False, True, False):
         comm.barrier()
