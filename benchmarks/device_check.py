@@ -51,12 +51,12 @@ PARTS_SCRIPT = ROOT / "benchmarks" / "device_check_parts.py"
 
 #: part: (title, seconds it may take on the GPU); they add up to `DEVICE_SECONDS`
 BUDGETS = {
-    "a": ("(a) profile --validate", 150),
+    "a": ("(a) profile --validate", 155),
     "b": ("(b) bf16 training steps at world 1", 110),
     "c": ("(c) ranks sharing one GPU over gloo", 100),
     "d": ("(d) attention kernels: SDPA loop, varlen_attn, FlexAttention", 45),
     "e": ("(e) world-1 NCCL process group", 20),
-    "f": ("(f) optimizer-step memory of a 1.3B bf16 model", 35),
+    "f": ("(f) optimizer-step memory of a 1.3B bf16 model", 30),
     "g": ("(g) sharded runtime (FSDP2 blocks)", 20),
 }
 #: a part's limit in the dry run, which checks code on a CPU that other work may share
