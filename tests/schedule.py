@@ -37,6 +37,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/e2e/test_multinode_torchrun.py": 43,
     "tests/e2e/test_profile_torchrun.py": 31,
     "tests/e2e/test_oom_torchrun.py": 15,
+    "tests/e2e/test_device_check_dry_run.py": 60,
     # in the pytest process (and CLI subprocesses)
     "tests/unit/test_hf_attention_keywords.py": 40,
     "tests/unit/test_loader_properties.py": 35,

@@ -60,16 +60,61 @@ class Launch:
     local_world_size: int
 
 
-def choose_backend(device: str | None, cuda_available: bool) -> tuple[str, str]:
+#: environment variable that picks the backend on CUDA: "nccl" (the default) or "gloo"
+BACKEND_ENV = "DCPARALLEL_BACKEND"
+#: environment variable ("1") that lets several ranks of a node share one CUDA device (gloo only)
+SHARE_DEVICE_ENV = "DCPARALLEL_SHARE_DEVICE"
+
+
+def choose_backend(device: str | None, cuda_available: bool,
+                   env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(backend, device type): NCCL on CUDA, gloo on CPU. ``device``: "cuda", "cpu" or None
-    (CUDA when available)."""
+    (CUDA when available). ``DCPARALLEL_BACKEND=gloo`` in ``env`` (default: os.environ) runs
+    gloo on CUDA tensors: gloo, unlike NCCL, lets several ranks share one GPU (with
+    ``DCPARALLEL_SHARE_DEVICE=1``), which is how one GPU tests a multi-rank launch."""
+    env = os.environ if env is None else env
     kind = device or ("cuda" if cuda_available else "cpu")
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu'; got {device!r}")
     if kind == "cuda" and not cuda_available:
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu' "
                          "(gloo) or install a CUDA build of torch")
-    return ("nccl" if kind == "cuda" else "gloo"), kind
+    asked = env.get(BACKEND_ENV, "").strip().lower()
+    if asked not in ("", "nccl", "gloo"):
+        raise ValueError(f"{BACKEND_ENV}={asked!r}: the backend must be 'nccl' or 'gloo'; unset it for the "
+                         f"default (NCCL on CUDA, gloo on CPU)")
+    if asked == "nccl" and kind == "cpu":
+        raise ValueError(f"{BACKEND_ENV}=nccl needs CUDA devices but this launch runs on CPU; unset it or "
+                         f"set it to 'gloo'")
+    return (asked or ("nccl" if kind == "cuda" else "gloo")), kind
+
+
+def cuda_device_index(local_rank: int, device_count: int, backend: str,
+                      env: Mapping[str, str] | None = None) -> int:
+    """The CUDA device (index among the visible ones) of the rank with ``local_rank``:
+    ``local_rank`` when the node shows one device per rank; 0 when the process sees exactly one
+    device because ``CUDA_VISIBLE_DEVICES`` names one (Slurm's one GPU per task: the ranks of a
+    node see different GPUs, each as cuda:0); ``local_rank % device_count`` when
+    ``DCPARALLEL_SHARE_DEVICE=1`` lets ranks share devices, which only gloo allows (NCCL
+    refuses two ranks on one GPU). Anything else is a ValueError naming the fixes."""
+    env = os.environ if env is None else env
+    if 0 <= local_rank < device_count:
+        return local_rank
+    if device_count < 1:
+        raise ValueError("torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                         f"{env.get('CUDA_VISIBLE_DEVICES')!r}); make a GPU visible or run on CPU")
+    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if device_count == 1 and len(visible) == 1:
+        return 0
+    if env.get(SHARE_DEVICE_ENV, "") == "1":
+        if backend != "gloo":
+            raise ValueError(f"{SHARE_DEVICE_ENV}=1 puts LOCAL_RANK={local_rank} on a GPU another rank "
+                             f"uses, which {backend} refuses; set {BACKEND_ENV}=gloo as well")
+        return local_rank % device_count
+    raise ValueError(f"LOCAL_RANK={local_rank} but this process sees {device_count} CUDA device(s); launch at "
+                     f"most that many processes per node (--nproc-per-node), give each task one GPU of its "
+                     f"own (CUDA_VISIBLE_DEVICES=<one id>, Slurm --gpus-per-task=1), or share devices for a "
+                     f"test with {BACKEND_ENV}=gloo {SHARE_DEVICE_ENV}=1")
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -119,32 +164,30 @@ def cuda_memory(device: torch.device) -> dict[str, int | None]:
 
 def init_distributed(device: str | None = None, timeout: timedelta = timedelta(seconds=300)) -> Launch:
     """Initializes torch.distributed from the torchrun environment (once; a second call
-    returns the same answer): on CUDA ``torch.cuda.set_device(LOCAL_RANK)`` then NCCL bound to
-    that device, on CPU gloo. ``timeout``: per collective; keep it short so that a rank that
-    died does not leave the others waiting for 30 minutes. The CUDA allocator is configured
-    first (`configure_cuda_allocator`)."""
+    returns the same answer): on CUDA ``torch.cuda.set_device`` to the rank's device
+    (`cuda_device_index`: cuda:LOCAL_RANK as a rule) then NCCL bound to that device, or gloo
+    with ``DCPARALLEL_BACKEND=gloo`` (`choose_backend`); on CPU gloo. ``timeout``: per
+    collective; keep it short so that a rank that died does not leave the others waiting for
+    30 minutes. The CUDA allocator is configured first (`configure_cuda_allocator`)."""
     import torch.distributed as dist
 
     configure_cuda_allocator()
     env = os.environ
-    backend, kind = choose_backend(device, torch.cuda.is_available())
+    backend, kind = choose_backend(device, torch.cuda.is_available(), env)
     world = _env_int(env, "WORLD_SIZE", 1)
     local_rank = _env_int(env, "LOCAL_RANK", 0)
     local_world = _env_int(env, "LOCAL_WORLD_SIZE", world)
     dev = torch.device("cpu")
     if kind == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA "
-                             f"devices; launch at most that many processes per node (--nproc-per-node)")
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count(), backend, env))
+        torch.cuda.set_device(dev)
     if dist.is_initialized():
         if dist.get_backend() != backend:
             log.warning("torch.distributed already runs %s (asked for %s)", dist.get_backend(), backend)
     elif "RANK" not in env or world == 1:
         return Launch(backend=None, device=dev, rank=0, local_rank=0, world_size=1, local_world_size=1)
     else:
-        kw = {"device_id": dev} if kind == "cuda" else {}
+        kw = {"device_id": dev} if backend == "nccl" else {}  # NCCL binds its communicator to the device
         rank = _env_int(env, "RANK", 0)
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         # Under torchrun the agent's TCPStore outlives a restart: without a prefix of its own,

@@ -1,0 +1,602 @@
+"""The parts of the device check (benchmarks/device_check.py), one per process:
+
+    python benchmarks/device_check_parts.py PART --out-dir DIR [--dry-run]
+
+writes DIR/part_PART.json. ``c-rank`` is the torchrun worker of part (c) and ``b-train`` the
+one-model training process of part (b); device_check.py runs the others, each with its own
+time limit. ``--dry-run``: CPU, gloo and tiny sizes (checks the code, not the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn, dev: torch.device, repeats: int) -> float:
+    fn()
+    _sync(dev)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _memory(dev: torch.device) -> dict:
+    """Peak allocated and reserved bytes since the last reset, and the device's free / total."""
+    if dev.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"max_allocated": torch.cuda.max_memory_allocated(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),
+            "mem_get_info_free": free, "mem_get_info_total": total}
+
+
+def save(out_dir: Path, key: str, result: dict) -> None:
+    """The part's result so far: device_check.py reports it if the part runs out of time."""
+    (out_dir / f"part_{key}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or ENV)
+
+
+# ---------------------------------------------------------------- (a) profile validation
+
+
+def part_a(out_dir: Path, dry: bool) -> dict:
+    """`profile --validate` of two stacks (benchmarks/profile_device_check.py): extrapolated
+    time and memory against the full-depth run."""
+    budget = 40.0 if dry else 90.0  # no model starts past it; the part's limit is 155 s
+    cmd = [sys.executable, str(BENCH / "profile_device_check.py"), "--out-dir", str(out_dir), "--budget-s",
+           str(budget)] + (["--dry-run"] if dry else [])
+    try:
+        r = _run(cmd, timeout=budget + 50)
+        code, tail = r.returncode, (r.stdout + r.stderr)[-1500:]
+    except subprocess.TimeoutExpired as exc:  # the report holds the models it finished
+        code, tail = "timed out", str(exc.stderr or "")[-1500:]
+    reports = sorted(out_dir.glob("profile-device_*.md"))
+    return {"returncode": code, "report": reports[-1].name if reports else None, "tail": tail,
+            "table": reports[-1].read_text() if reports else ""}
+
+
+# ---------------------------------------------------------------- (b) bf16 training at world 1
+
+#: the [model] TOML of (b)'s two models: (dry run, GPU)
+MODELS_B = {
+    "reference": ('hidden = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden = 176\nvocab_size = 256\n',
+                  'hidden = 2048\nnum_layers = 8\nnum_heads = 16\nffn_hidden = 5632\nvocab_size = 32000\n'),
+    "transformers": ('family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 256\n'
+                     'hidden_size = 64\nintermediate_size = 128\nnum_hidden_layers = 2\nnum_attention_heads = 8\n'
+                     'num_key_value_heads = 2\n',
+                     'family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 32000\n'
+                     'hidden_size = 2048\nintermediate_size = 8192\nnum_hidden_layers = 8\nnum_attention_heads = 32\n'
+                     'num_key_value_heads = 8\nmax_position_embeddings = 32768\n'),
+}
+
+
+def part_b(out_dir: Path, dry: bool) -> dict:
+    """A few `dcparallel train` steps at world 1 in bf16 of the reference LM and a transformers
+    Llama (GQA 32/8), each in a process of its own: planned vs measured step time and peak."""
+    out = {}
+    for name in MODELS_B:
+        try:
+            r = _run([sys.executable, __file__, "b-train", "--model", name, "--out-dir", str(out_dir)]
+                     + (["--dry-run"] if dry else []), timeout=200 if dry else 52)
+            if r.returncode:
+                raise RuntimeError(f"exit {r.returncode}: {r.stderr[-1500:]}")
+            out[name] = json.loads((out_dir / f"train_{name}.json").read_text())
+        except Exception as exc:  # noqa: BLE001 - one model's failure is reported, the other still runs
+            out[name] = {"error": f"{_err(exc)}\n{str(exc)[-1500:]}"}
+        save(out_dir, "b", out)
+    return out
+
+
+def train_one(out_dir: Path, dry: bool, name: str) -> dict:
+    from dcparallel.apps.cli import main as cli
+
+    lengths = out_dir / "lengths_b.txt"
+    lengths.write_text("\n".join(str(n) for n in ([24, 40, 64, 100, 180, 30] * 4 if dry else
+                                                   [512, 2048, 8192, 1024, 300, 4096, 700, 16384] * 4)) + "\n")
+    tokens, steps, cap = (700, 3, 512) if dry else (32768, 5, 16384)
+    cost = "analytic" if dry else "profiled"  # the dry run's profiling is part (a)'s
+    run_dir = out_dir / f"train_{name}"
+    config = out_dir / f"train_{name}.toml"
+    config.write_text(f'[data]\nlengths = "{lengths}"\n[train]\npolicy = "dcp"\ntokens_per_step = {tokens}\n'
+                      f'max_steps = {steps}\nout_dir = "{run_dir}"\ndtype = "{"float32" if dry else "bfloat16"}"\n'
+                      f'[profile]\nrepeats = 1\nmax_repeats = {1 if dry else 4}\nmin_time_s = {0.0 if dry else 0.05}\n'
+                      f'max_mbs = 2\nmax_tokens = {cap}\ncost = "{cost}"\n'
+                      f'[model]\n{MODELS_B[name][0 if dry else 1]}')
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() and not dry else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    if cli(["train", "--config", str(config)]):
+        raise RuntimeError(f"dcparallel train {name} failed")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("global_step", "step_s", "planned_compute_s", "planned_peak_memory_bytes", "measured_peak_memory_bytes",
+            "loss")
+    return {"steps": [{k: x.get(k) for k in keys} for x in rows], "process_memory": _memory(dev)}
+
+
+# ---------------------------------------------------------------- (c) several ranks on one GPU
+
+
+def part_c(out_dir: Path, dry: bool) -> dict:
+    """World 1 (the reference), then torchrun worlds 2 and 4 sharing cuda:0 over gloo
+    (DCPARALLEL_BACKEND=gloo, DCPARALLEL_SHARE_DEVICE=1): loss and gradients against world 1,
+    host syncs, the overlap of the gradient sync; world 2 ends in an out-of-memory error on
+    rank 1 that must stop both ranks."""
+    env = {**ENV, "DCPARALLEL_BACKEND": "gloo", "DCPARALLEL_SHARE_DEVICE": "1", "OMP_NUM_THREADS": "1"}
+    flag = ["--dry-run"] if dry else []
+    out: dict = {}
+    r = _run([sys.executable, __file__, "c-rank", "--out-dir", str(out_dir)] + flag, 200 if dry else 25, env)
+    if r.returncode:
+        raise RuntimeError(f"world 1 reference failed ({r.returncode}): {r.stderr[-1500:]}")
+    out["world1"] = json.loads((out_dir / "c_world1.json").read_text())
+    for world in (2,) if dry else (2, 4):
+        t = time.perf_counter()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
+               "c-rank", "--out-dir", str(out_dir)] + flag + (["--oom"] if world == 2 else [])
+        try:
+            r = _run(cmd, 200 if dry else 35, env)
+        except subprocess.TimeoutExpired as exc:
+            out[f"world{world}"] = {"error": f"timed out (a hang?): {str(exc.stderr or '')[-1500:]}"}
+            continue
+        res = out_dir / f"c_world{world}.json"
+        got = json.loads(res.read_text()) if res.exists() else {"error": f"no result ({r.returncode}): "
+                                                                          f"{r.stderr[-1500:]}"}
+        if world == 2:
+            got["oom"] = {"returncode": r.returncode, "seconds": time.perf_counter() - t,
+                          "rank1_message": "rank 1: out of memory in step" in r.stderr,
+                          "rank0_went_on": "rank 0 finished after the OOM" in r.stderr,
+                          "stopped_every_rank": r.returncode != 0 and "rank 0 finished after the OOM" not in r.stderr}
+        out[f"world{world}"] = got
+        save(out_dir, "c", out)
+    return out
+
+
+def _c_plan(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool]]:
+    """(ranks, documents, recompute) of each micro-batch: SP 4 and 2 (world 4) or 2 and 1
+    (world 2) in one step; world 1 runs every document on rank 0."""
+    if world == 4:
+        every = (0, 1, 2, 3)
+        return [(every, (3,), False), ((0, 1), (1, 2), True), ((2, 3), (4, 5), False), (every, (0,), False)]
+    if world == 2:
+        return [((0, 1), (3, 1), False), ((0,), (0, 2), True), ((1,), (4, 5), False)]
+    return [((0,), (3,), False), ((0,), (1, 2), True), ((0,), (0, 4, 5), False)]
+
+
+def _c_step(engine, model, docs: dict, rank: int, world: int, *, overlap: bool = True) -> float:
+    _c_micro_batches(engine, model, docs, rank, world, overlap)
+    return engine.sync_gradients()
+
+
+def _c_micro_batches(engine, model, docs: dict, rank: int, world: int, overlap: bool = True) -> None:
+    """This rank's micro-batches of `_c_plan`; the last one's backward launches the gradient
+    sync when ``overlap``."""
+    from dcparallel.data.collate import text_batch
+    from dcparallel.loss import per_token_loss
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.spec import Layout, Recompute
+
+    mine = [m for m in _c_plan(world) if rank in m[0]]
+    for j, (ranks, ids, rc) in enumerate(mine):
+        layout = Layout(len(ranks), len(ids), Recompute.full(len(engine.layers)) if rc else Recompute.none())
+        batch = text_batch(MicroBatch(ids, layout), ranks, rank, docs).to(engine.params[0].device)
+        with engine.micro_batch(batch, last=overlap and j == len(mine) - 1) as ctx:
+            ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+            ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+
+
+def _c_model(dry: bool, dev: torch.device):
+    from dcparallel.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = (LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, ffn_hidden=176) if dry else
+           LlamaConfig(vocab_size=32000, hidden=1024, num_layers=4, num_heads=16, ffn_hidden=2816))
+    return Llama(cfg).to(dev, torch.float32 if dry else torch.bfloat16)
+
+
+def _count_syncs(fn) -> dict:
+    """Runs ``fn`` under torch.cuda.set_sync_debug_mode("warn"): the host syncs it makes, by
+    the source line that made them."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    where: dict[str, int] = {}
+    for w in syncs:
+        key = f"{Path(w.filename).name}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    return {"host_syncs": len(syncs), "by_line": where}
+
+
+def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
+    from dcparallel.runtime import comm
+    from dcparallel.runtime.engine import Engine
+    from dcparallel.runtime.launch import end_distributed, init_distributed
+
+    launch = init_distributed("cpu" if dry else None)
+    rank, world, dev = launch.rank, launch.world_size, launch.device
+    g = torch.Generator().manual_seed(1)
+    lengths = [37, 120, 64, 9, 200, 50] if dry else [700, 2048, 1300, 77, 4000, 900]
+    docs = {i: torch.randint(0, 256, (n,), generator=g) for i, n in enumerate(lengths)}
+    model = _c_model(dry, dev)
+    engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads)
+    out: dict = {"world": world, "backend": launch.backend, "device": str(dev)}
+    out["loss"] = _c_step(engine, model, docs, rank, world)
+    grads = {k: v.float().cpu() for k, v in engine.full_gradients().items()}
+    if world == 1:
+        torch.save({"loss": out["loss"], "grads": grads}, out_dir / "c_ref.pt")
+    else:
+        ref = torch.load(out_dir / "c_ref.pt")
+        errs = {k: _rel(grads[k], v) for k, v in ref["grads"].items()}
+        out |= {"loss_world1": ref["loss"], "loss_rel_err": abs(out["loss"] - ref["loss"]) / abs(ref["loss"]),
+                "max_rel_grad_err": max(errs.values()), "worst_tensor": max(errs, key=errs.get),
+                "tensors": len(errs), "within_1e-2": max(errs.values()) <= 1e-2}
+    if dev.type == "cuda":  # this rank's micro-batches (two or three) under the sync debugger
+        out["syncs"] = _count_syncs(lambda e=engine, m=model: _c_micro_batches(e, m, docs, rank, world))
+        engine.sync_gradients()  # returns the loss as a float: one sync a step, by design
+    times = {}
+    for overlap in (True, False, True, False):
+        comm.barrier()
+        t = time.perf_counter()
+        _c_step(engine, model, docs, rank, world, overlap=overlap)
+        _sync(dev)
+        times.setdefault(overlap, []).append(time.perf_counter() - t)
+    out["step_s_overlapped"], out["step_s_not_overlapped"] = min(times[True]), min(times[False])
+    out["memory"] = _memory(dev)
+    if rank == 0:
+        (out_dir / f"c_world{world}.json").write_text(json.dumps(out, indent=1))
+    if oom:
+        _c_oom(engine, model, rank, dev)
+        print(f"rank {rank} finished after the OOM phase", file=sys.stderr, flush=True)
+    del engine, model
+    end_distributed()
+
+
+def _c_oom(engine, model, rank: int, dev: torch.device) -> None:
+    """A micro-batch of a loader step (``step`` set) on both ranks, too big for rank 1 only: its
+    memory fraction is cut to what it holds (CUDA), or its forward raises the error (CPU)."""
+    import dataclasses
+
+    from dcparallel.data.collate import text_batch
+    from dcparallel.loss import per_token_loss
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.spec import Layout, Recompute
+
+    n = 256 if dev.type == "cpu" else 16384
+    docs = {0: torch.randint(0, 256, (n,))}
+    batch = text_batch(MicroBatch((0,), Layout(2, 1, Recompute.none())), (0, 1), rank, docs)
+    batch = dataclasses.replace(batch.to(dev), step=7)
+    if rank == 1:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(dev) + 2**20) / total, dev)
+        else:
+            def boom(*_):
+                raise torch.OutOfMemoryError("CPU stand-in for CUDA out of memory")
+            model.layers[0].register_forward_pre_hook(boom)
+    with engine.micro_batch(batch, last=True) as ctx:
+        ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+        ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+    engine.sync_gradients()
+
+
+# ---------------------------------------------------------------- (d) attention kernels
+
+
+def _attn_inputs(docs: list[int], heads: int, kv_heads: int, dim: int, dev: torch.device, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    n = sum(docs)
+    q = torch.randn(1, n, heads, dim, generator=g)
+    k, v = (torch.randn(1, n, kv_heads, dim, generator=g) for _ in range(2))
+    grad = torch.randn(1, n, heads, dim, generator=g)
+    cu = (0, *torch.tensor(docs).cumsum(0).tolist())
+    return [t.to(dev, dtype) for t in (q, k, v)], grad.to(dev, dtype), cu
+
+
+def _fwd_bwd(fn, inputs, grad):
+    """Output and input gradients of ``fn`` (fresh leaves each call)."""
+    xs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*xs)
+    out.backward(grad)
+    return out.detach(), [x.grad for x in xs]
+
+
+def _flex(cu: tuple, n: int, dev: torch.device, softcap: float, compiled: bool):
+    """FlexAttention over packed documents (document-causal block mask, GQA, softcap); sinks
+    applied from its log-sum-exp: out * sigmoid(lse - sink)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev),
+                                  torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], device=dev))
+    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None, n, n,
+                             device=str(dev))
+    flex = torch.compile(flex_attention) if compiled else flex_attention
+
+    def score(s, b, h, qi, ki):
+        return softcap * torch.tanh(s / softcap)
+
+    def run(q, k, v, sinks=None):
+        out, lse = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score, block_mask=mask,
+                        enable_gqa=True, return_lse=True)
+        if sinks is not None:
+            out = out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+        return out.transpose(1, 2)
+    return run
+
+
+def _attn_case(docs: list[int], dev: torch.device, dry: bool) -> dict:
+    from dcparallel.models import attention as A
+
+    heads, kv, dim = (4, 2, 16) if dry else (32, 8, 128)
+    dtype = torch.float32 if dry else torch.bfloat16
+    inputs, grad, cu = _attn_inputs(docs, heads, kv, dim, dev, dtype)
+    causal = A.AttnPattern("causal")
+    out: dict = {"documents": len(docs), "tokens": cu[-1], "heads": f"{heads}/{kv}", "head_dim": dim,
+                 "dtype": str(dtype)}
+    ref_o, ref_g = _fwd_bwd(lambda q, k, v: A.sdpa_attention(q.float(), k.float(), v.float(), causal, cu),
+                            inputs, grad.float())
+    loop = lambda q, k, v: A.sdpa_attention(q, k, v, causal, cu)  # noqa: E731
+    var = lambda q, k, v: A.cuda_varlen_attention(q, k, v, causal, cu)  # noqa: E731
+    for name, fn in (("sdpa_loop", loop), ("varlen", var)):
+        try:
+            o, gs = _fwd_bwd(fn, inputs, grad)
+            out[f"{name}_rel_err_out"] = _rel(o, ref_o)
+            out[f"{name}_rel_err_grads"] = max(_rel(a, b) for a, b in zip(gs, ref_g, strict=True))
+            out[f"{name}_fwd_bwd_s"] = _time(lambda fn=fn: _fwd_bwd(fn, inputs, grad), dev, 3)
+        except Exception as exc:  # noqa: BLE001 - reported; the other kernels still run
+            out[f"{name}_error"] = _err(exc)
+    cap = 30.0
+    sinks = torch.linspace(-1.0, 1.0, heads, device=dev)
+    try:
+        capped = A.AttnPattern("causal", softcap=cap)
+        ref_o, ref_g = _fwd_bwd(lambda q, k, v: A.sdpa_attention(q.float(), k.float(), v.float(), capped, cu, sinks),
+                                inputs, grad.float())
+        flex = _flex(cu, cu[-1], dev, cap, compiled=dev.type == "cuda")
+        with torch.no_grad():  # the forward alone: flex has no backward on CPU
+            out["flex_softcap_sinks_rel_err_out_forward"] = _rel(flex(*inputs, sinks), ref_o)
+        o, gs = _fwd_bwd(lambda q, k, v: flex(q, k, v, sinks), inputs, grad)
+        out["flex_softcap_sinks_rel_err_out"] = _rel(o, ref_o)
+        out["flex_softcap_sinks_rel_err_grads"] = max(_rel(a, b) for a, b in zip(gs, ref_g, strict=True))
+        out["flex_fwd_bwd_s"] = _time(lambda: _fwd_bwd(lambda q, k, v: flex(q, k, v, sinks), inputs, grad), dev, 3)
+        out["eager_loop_softcap_sinks_fwd_bwd_s"] = _time(
+            lambda: _fwd_bwd(lambda q, k, v: A.sdpa_attention(q, k, v, capped, cu, sinks), inputs, grad), dev, 2)
+    except Exception as exc:  # noqa: BLE001 - flex has no CPU backward; reported
+        out["flex_error"] = _err(exc)
+    return out
+
+
+def part_d(out_dir: Path, dry: bool) -> dict:
+    """Packed causal attention: the runtime's kernels (SDPA loop, varlen_attn) and FlexAttention
+    with softcap + sinks against an fp32 reference, on many short documents and a few long."""
+    dev = torch.device("cpu") if dry else torch.device("cuda", 0)
+    cases = {"short_256x64": [16] * 16 if dry else [64] * 256,
+             "long_7": [37, 80, 20] if dry else [512, 4096, 1024, 8192, 2048, 300, 700]}
+    out = {}
+    for name, docs in cases.items():
+        try:
+            out[name] = _attn_case(docs, dev, dry)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc()[-1500:] or _err(exc)}
+        save(out_dir, "d", out)
+    return out
+
+
+# ---------------------------------------------------------------- (e) a world-1 NCCL group
+
+
+def part_e(out_dir: Path, dry: bool) -> dict:
+    """A process group of one rank forced on (the launcher makes none at world 1): NCCL bound
+    to cuda:0 with ``device_id`` (gloo on CPU in the dry run), a split group, object
+    collectives, the control group, and one engine step with the group live."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dcparallel.runtime import comm
+
+    dev = torch.device("cpu") if dry else torch.device("cuda", 0)
+    backend = "gloo" if dry else "nccl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kw = {"device_id": dev} if backend == "nccl" else {}
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), **kw)
+    out: dict = {"backend": dist.get_backend(), "torch": torch.__version__}
+    checks = {
+        "all_reduce": lambda: _reduced(None, dev),
+        "split_group": lambda: _reduced(dist.split_group(split_ranks=[[0]]), dev) if hasattr(dist, "split_group")
+        else "absent in this torch",
+        "new_group": lambda: _reduced(dist.new_group([0]), dev),
+        "all_gather_object": lambda: comm.all_gather_object({"rank": 0}),
+        "broadcast_object_list": lambda: _broadcast_objects(),
+        "control_group": lambda: str(comm.control_group()) if hasattr(comm, "control_group") else "absent",
+        "engine_step": lambda: _engine_step(dev, dry),
+    }
+    for name, fn in checks.items():
+        try:
+            out[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - each check reports on its own
+            out[name] = {"error": _err(exc)}
+    dist.destroy_process_group()
+    return out
+
+
+def _reduced(group, dev: torch.device) -> float:
+    import torch.distributed as dist
+
+    t = torch.full((4,), 3.0, device=dev)
+    dist.all_reduce(t, group=group)
+    return float(t.sum())
+
+
+def _broadcast_objects():
+    import torch.distributed as dist
+
+    objs = [{"plan": [1, 2, 3]}]
+    dist.broadcast_object_list(objs, src=0)
+    return objs[0]
+
+
+def _engine_step(dev: torch.device, dry: bool) -> dict:
+    from dcparallel.runtime.engine import Engine
+
+    model = _c_model(dry, dev)
+    engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads)
+    g = torch.Generator().manual_seed(1)
+    docs = {i: torch.randint(0, 256, (n,), generator=g) for i, n in enumerate([37, 120, 64, 9, 200, 50])}
+    loss = _c_step(engine, model, docs, 0, 1)
+    return {"loss": loss, "grad_norm": float(torch.cat([g.flatten() for g in engine.full_gradients().values()]).norm())}
+
+
+# ---------------------------------------------------------------- (f) optimizer-step memory
+
+
+def recipe_bytes_per_param(num_params: int, bytes_per_value: int = 2) -> float:
+    """The cost model's model-state bytes per parameter at world 1 (cost/base.py): the one
+    place this check reads the recipe."""
+    from types import SimpleNamespace
+
+    from dcparallel.cost.base import model_state_bytes
+
+    spec = SimpleNamespace(num_params=num_params, bytes_per_value=bytes_per_value, extra_params=0, unit_params=0)
+    return model_state_bytes(spec, 1) / num_params
+
+
+def _live_bytes() -> int:
+    """Bytes of every live CPU tensor storage, each storage once."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            st = obj.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def part_f(out_dir: Path, dry: bool) -> dict:
+    """A 1.3B-parameter Llama in bf16 at world 1: bytes held after the optimizer step and its
+    peak, per parameter, against the cost model's recipe."""
+    from dcparallel.models.llama import Llama, LlamaConfig
+    from dcparallel.runtime.engine import Engine
+
+    dev = torch.device("cpu") if dry else torch.device("cuda", 0)
+    cfg = (LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, ffn_hidden=176) if dry else
+           LlamaConfig(vocab_size=32000, hidden=2048, num_layers=24, num_heads=16, ffn_hidden=5632))
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Llama(cfg).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, layers=model.layers, num_heads=cfg.num_heads)
+    opt = engine.optimizer(lr=1e-4)
+    lengths = [30, 50, 20, 40, 10, 25] if dry else [300, 500, 224, 128, 400, 256]  # (c)'s plan: six documents
+    docs = {i: torch.randint(0, cfg.vocab_size, (k,)) for i, k in enumerate(lengths)}
+    held = _live_bytes if dev.type == "cpu" else (lambda: torch.cuda.memory_allocated(dev))
+    out: dict = {"num_params": n, "recipe_bytes_per_param": recipe_bytes_per_param(n)}
+    for _ in range(2):  # the second step: the optimizer's state exists already
+        _c_step(engine, model, docs, 0, 1)
+        before = held()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        opt.step()
+        _sync(dev)
+        after = held()
+    out |= {"held_before_step_bytes_per_param": before / n, "held_after_step_bytes_per_param": after / n}
+    if dev.type == "cuda":
+        out["peak_in_step_bytes_per_param"] = torch.cuda.max_memory_allocated(dev) / n
+        out["memory"] = _memory(dev)
+    out["held_after_vs_recipe"] = out["held_after_step_bytes_per_param"] / out["recipe_bytes_per_param"]
+    return out
+
+
+# ---------------------------------------------------------------- (g) the sharded runtime
+
+ONE_GPU = "skipped: sharding needs ≥ 2 GPUs in a node (one GPU lent)"
+NO_GPU = ("skipped: sharding needs ≥ 2 GPUs in a node (dry run on CPU; `torchrun --nproc-per-node 2 "
+          "benchmarks/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)")
+
+
+def part_g(out_dir: Path, dry: bool) -> dict:
+    """The sharded runtime with shard size = the node's GPUs (benchmarks/sharded_device_check.py)."""
+    gpus = 0 if dry else torch.cuda.device_count()
+    if gpus < 2:
+        return {"skipped": ONE_GPU if gpus == 1 else NO_GPU, "gpus": gpus}
+    result = out_dir / "sharded_device_check.json"
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+              str(BENCH / "sharded_device_check.py"), "--out", str(result)], timeout=300)
+    if r.returncode != 0 or not result.exists():
+        raise RuntimeError(f"sharded_device_check.py failed ({r.returncode}): {r.stderr[-2000:]}")
+    return {"gpus": gpus, **json.loads(result.read_text())}
+
+
+PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=[*PARTS, "b-train", "c-rank"])
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--model", choices=list(MODELS_B), help="b-train: which model")
+    ap.add_argument("--oom", action="store_true", help="c-rank: end in an out-of-memory error on rank 1")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        torch.set_num_threads(1)
+    if args.part == "c-rank":
+        rank_c(args.out_dir, args.dry_run, args.oom)
+        return 0
+    if args.part == "b-train":
+        res = train_one(args.out_dir, args.dry_run, args.model)
+        (args.out_dir / f"train_{args.model}.json").write_text(json.dumps(res, indent=1))
+        return 0
+    save(args.out_dir, args.part, PARTS[args.part](args.out_dir, args.dry_run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
