@@ -263,8 +263,8 @@ def all_gather_shards_(flat: Tensor, shard_numel: int, group=WORLD) -> Tensor:
         return flat
     i = world_rank() if group is WORLD else group_rank(group)
     out = flat[: n * shard_numel]
-    dist.all_gather_into_tensor(out, out[i * shard_numel : (i + 1) * shard_numel],
-                                group=None if group is WORLD else group)
+    compat.all_gather_into_tensor(out, out[i * shard_numel : (i + 1) * shard_numel],
+                                  None if group is WORLD else group)
     return flat
 
 

@@ -177,16 +177,16 @@ def test_cosine_annealing_sets_the_same_lrs_as_on_torch_adamw():
 
 
 def test_zero1_all_gather_writes_into_the_flat_buffer_in_place(monkeypatch):
-    """The post-step all-gather is one all_gather_into_tensor whose output is the flat buffer
+    """The post-step all-gather is one `compat.all_gather_into_tensor` whose output is the flat buffer
     itself and whose input is this rank's slice of it: the in-place form NCCL runs without a
     full-size temporary (fake process group, rank 1 of 4)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dcparallel.runtime import comm
+    from dcparallel.runtime import comm, compat
 
     calls = []
-    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: calls.append((out, inp)))
+    monkeypatch.setattr(compat, "all_gather_into_tensor", lambda out, inp, group=None: calls.append((out, inp)))
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     try:
         flat = torch.zeros(20, dtype=torch.bfloat16)
