@@ -46,7 +46,7 @@ from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative
 from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
-from dcparallel.runtime.launch import cluster_from_env, device_memory
+from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, ModelSpec
@@ -122,6 +122,8 @@ class DataCentricParallel:
         adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           **protocol)
         device = next(model.parameters()).device
+        if device.type == "meta":  # built under `empty_init`: its shards get storage on this launch's device
+            device = default_device()
         world = comm.world_size()
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
@@ -166,6 +168,12 @@ class DataCentricParallel:
                     ) -> contextlib.AbstractContextManager[MicroBatchContext]:
         """`Engine.micro_batch`: runs one micro-batch on this rank (a context manager)."""
         return self.engine.micro_batch(batch, last)
+
+    def load_weights(self, folder: str | Path) -> None:
+        """`Engine.load_weights`: the weights of a ``save_pretrained`` folder (safetensors),
+        each rank reading only its shards. A model built under `dcparallel.empty_init` (on the
+        meta device, shard_size > 1) gets its weights this way, before `prepare`."""
+        self.engine.load_weights(folder)
 
     def sync_gradients(self) -> float:
         """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""

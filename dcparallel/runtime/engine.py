@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,7 +48,8 @@ from dcparallel.runtime import comm
 from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.launch import abort_on_oom
+from dcparallel.runtime.launch import abort_on_oom, default_device
+from dcparallel.runtime.meta_init import check_meta_model, load_weights, on_meta
 from dcparallel.runtime.recompute import LayerRecompute
 from dcparallel.runtime.sharded import ShardedGrads, check_group
 from dcparallel.runtime.sharded_optim import ShardedAdamW
@@ -153,6 +155,7 @@ class Engine:
         kernel: Kernel | None = None,
         groups: ProcessGroups | None = None,
         shard_size: int | None = None,
+        device: torch.device | None = None,
     ):
         if getattr(model, "_dcparallel_wrapped", False):
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
@@ -173,6 +176,10 @@ class Engine:
                                            comm.world_size(),
                                            cluster.gpus_per_node if isinstance(cluster, ClusterSpec)
                                            else comm.world_size())
+        #: built on the meta device (`runtime.meta_init`): its weights come from `load_weights`
+        self.weights_pending = on_meta(model)
+        if self.weights_pending:
+            check_meta_model(model, self.shard_size)
         self.model = model
         self.layers = list(self.adapter.blocks)
         self.num_heads = self.adapter.num_heads
@@ -194,7 +201,8 @@ class Engine:
         self.grad_sync: GradSync | ShardedGrads
         if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
             self.grad_sync = ShardedGrads(model, self.layers, self.shard_size,
-                                          stats_group=getattr(self.groups, "grad_sync", None))
+                                          stats_group=getattr(self.groups, "grad_sync", None),
+                                          device=device or default_device())
             self.params = self.grad_sync.params
         else:
             self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
@@ -207,6 +215,13 @@ class Engine:
     shard_numel = property(lambda self: self.grad_sync.shard_numel)
     last_loss = property(lambda self: self.grad_sync.last_loss)
     last_count = property(lambda self: self.grad_sync.last_count)
+
+    def load_weights(self, folder: str | Path) -> None:
+        """Loads a ``save_pretrained`` folder's safetensors into the wrapped model, each rank
+        reading only its shards (`runtime.meta_init.load_weights`): the way a model built on
+        the meta device gets its weights. Not collective."""
+        load_weights(self.model, folder)
+        self.weights_pending = False
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -229,6 +244,9 @@ class Engine:
         the gradient sync (default: ``batch.last_of_step``, set by the loader; None: no
         overlap). An out-of-memory error in a micro-batch of a loader step ends every rank
         (`runtime.launch.abort_on_oom`) instead of leaving its SP group waiting."""
+        if self.weights_pending:
+            raise ValueError("the model was built on the meta device and has no weights yet: call "
+                             "dc.load_weights(folder) (a save_pretrained folder) or resume a checkpoint first")
         if self.rank not in batch.ranks:
             raise ValueError(
                 f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from dcparallel.plan.types import splits_shard_block
 from dcparallel.runtime import comm
+from dcparallel.runtime.meta_init import materialize
 
 
 def check_group(ranks: Sequence[int], shard_size: int) -> None:
@@ -64,15 +65,20 @@ class ShardedGrads:
     `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
     (DTensors, sharded over the block's mesh)."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None):
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None,
+                 device: torch.device | None = None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         world, rank = comm.world_size(), comm.world_rank()
         s = shard_size  # validated by the engine against the cluster (`spec.check_shard_size`)
-        params = [p for p in model.parameters() if p.requires_grad]
-        device = params[0].device
-        dtype = params[0].dtype
+        first = next(p for p in model.parameters() if p.requires_grad)
+        #: built on the meta device: sharded first, then only this rank's shards get storage
+        self.from_meta = first.device.type == "meta"
+        device = device if self.from_meta else first.device
+        assert device is not None and device.type != "meta", "a meta model needs the run's device"
+        dtype = first.dtype
+        del first  # no reference to a whole parameter outlives the sharding
         self.shard_size, self.world_size, self.rank = s, world, rank
         self.num_replicas = world // s
         self.replica_index = rank // s  # which block this rank is in
@@ -91,6 +97,8 @@ class ShardedGrads:
         for block in blocks:
             fully_shard(block, mesh=self.shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=self.shard_mesh, mp_policy=mp)
+        #: persistent buffers that were on meta: only a checkpoint can fill them (`load_weights`)
+        self.unfilled_buffers = materialize(model, device) if self.from_meta else []
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # a sum: the step divides by the target count
