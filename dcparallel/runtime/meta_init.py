@@ -83,7 +83,12 @@ def materialize(model: nn.Module, device: torch.device) -> list[str]:
     check_buffers(model)
     saved = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
     missing = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    tied = [names for names in _names_by_tensor(model.named_parameters(remove_duplicate=False)) if len(names) > 1]
     model.to_empty(device=device)
+    for first, *aliases in tied:  # to_empty makes a new parameter per module: tie them again
+        for alias in aliases:
+            owner, _, attr = alias.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = model.get_parameter(first)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n in saved:
@@ -134,11 +139,17 @@ def _local_box(t: Tensor) -> tuple[Tensor, tuple[slice, ...]]:
 def _keys(model: nn.Module) -> dict[str, list[str]]:
     """Every parameter and persistent buffer by its first name, with all its names (tied
     weights have several; a checkpoint may hold any one of them)."""
-    names: dict[int, list[str]] = {}
-    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), []).append(n)
     skip = _non_persistent(model)
-    return {ns[0]: ns for ns in names.values() if ns[0] not in skip}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {ns[0]: ns for ns in _names_by_tensor(named) if ns[0] not in skip}
+
+
+def _names_by_tensor(named) -> list[list[str]]:
+    """The names of each distinct tensor of ``(name, tensor)`` pairs, in order of appearance."""
+    names: dict[int, list[str]] = {}
+    for n, t in named:
+        names.setdefault(id(t), []).append(n)
+    return list(names.values())
 
 
 def load_weights(model: nn.Module, folder: str | Path) -> None:

@@ -21,13 +21,13 @@ HF_VOCAB = 512  # a vocabulary large enough that the embeddings are not the whol
 
 def build(kind: str, meta: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
     """``kind`` "hf-llama": a transformers Llama (8 query heads, 2 kv heads, 4 layers, rotary
-    ``inv_freq`` buffers); "llama": the reference LM. On the meta device under `empty_init`,
+    ``inv_freq`` buffers); "llama", "llama-tied": the reference LM (tied: one embedding matrix). On the meta device under `empty_init`,
     else on CPU with ``seed``."""
     ctx = empty_init() if meta else torch.random.fork_rng()
     with ctx:
         torch.manual_seed(seed)
-        if kind == "llama":
-            return support.make_model("llama", seed).to(dtype)
+        if kind in ("llama", "llama-tied"):
+            return support.make_model(kind, seed).to(dtype)
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -39,7 +39,7 @@ def save(kind: str, folder: str, dtype: torch.dtype, seed: int = 0) -> None:
     """The CPU model of ``kind`` written as a checkpoint folder (transformers: save_pretrained;
     the reference LM: its state_dict in model.safetensors, as `dcparallel export` writes it)."""
     model = build(kind, meta=False, dtype=dtype, seed=seed)
-    if kind == "llama":
+    if kind != "hf-llama":
         from safetensors.torch import save_model
 
         save_model(model, f"{folder}/model.safetensors")
@@ -104,7 +104,7 @@ def case_wrap_and_load(kind: str, folder: str, dtype: str, meta: bool) -> dict:
 
 
 def _wrap(kind: str, model: torch.nn.Module) -> Engine:
-    if kind == "llama":
+    if kind != "hf-llama":
         return Engine(model, layers=model.layers, num_heads=support.NUM_HEADS, shard_size=2)
     return Engine(model, shard_size=2)
 
@@ -115,6 +115,8 @@ def case_meta_parity(kind: str, folder: str, seeds: list[int], num_samples: int)
     dc = _wrap(kind, build(kind, meta=True))
     dc.load_weights(folder)
     buffers = {n: b.clone() for n, b in dc.model.named_buffers()}
+    names = dict(dc.model.named_parameters(remove_duplicate=False))
+    tied = sorted(n for n, p in names.items() if any(q is p and m != n for m, q in names.items()))
     steps = []
     for seed in seeds:
         data = sharded_cases._data(kind, num_samples, seed)
@@ -122,7 +124,7 @@ def case_meta_parity(kind: str, folder: str, seeds: list[int], num_samples: int)
         loss = sharded_cases._run_step(dc, kind, data, plan)
         steps.append({"loss": loss, "grads": dc.full_gradients()})
     assert dist.get_world_size() == 2
-    return {"buffers": buffers, "steps": steps}
+    return {"buffers": buffers, "steps": steps, "tied": tied}
 
 
 def case_refusals(folder: str) -> dict:

@@ -74,12 +74,12 @@ def test_meta_model_loads_within_a_shard_of_memory(workers, tmp_path, kind):
 
 
 def _reference(kind: str, model: torch.nn.Module, seed: int):
-    if kind == "llama":
+    if kind != "hf-llama":
         return support.reference(model, support.make_data(kind, NUM_SAMPLES, seed), list(range(NUM_SAMPLES)))
     return adapter_models.reference(model, adapter_models.make_data(kind, NUM_SAMPLES, seed), range(NUM_SAMPLES))
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "llama"])
+@pytest.mark.parametrize("kind", ["hf-llama", "llama", "llama-tied"])
 def test_meta_model_step_matches_the_saved_model(workers, tmp_path, kind):
     folder = _saved(tmp_path, kind, torch.float32)
     cpu = meta_cases.build(kind, meta=False)
@@ -91,6 +91,9 @@ def test_meta_model_step_matches_the_saved_model(workers, tmp_path, kind):
             assert torch.equal(out[r]["buffers"][n], b), (r, n)
     if kind == "hf-llama":
         assert "model.rotary_emb.inv_freq" in bufs
+    tied = sorted(n for n, p in cpu.named_parameters(remove_duplicate=False)
+                  if any(q is p and m != n for m, q in cpu.named_parameters(remove_duplicate=False)))
+    assert out[0]["tied"] == tied and (kind != "llama-tied" or tied)  # the tie survives materializing
     for i, seed in enumerate(SEEDS):
         ref_loss, ref_grads = _reference(kind, cpu, seed)
         for r in range(2):
