@@ -178,6 +178,7 @@ class Engine:
                                            else comm.world_size())
         #: built on the meta device (`runtime.meta_init`): its weights come from `load_weights`
         self.weights_pending = on_meta(model)
+        self.optimizer_made = False  # `load_weights` must come first with shard_size 1 (ZeRO-1 copies masters)
         if self.weights_pending:
             check_meta_model(model, self.shard_size)
         self.model = model
@@ -220,6 +221,10 @@ class Engine:
         """Loads a ``save_pretrained`` folder's safetensors into the wrapped model, each rank
         reading only its shards (`runtime.meta_init.load_weights`): the way a model built on
         the meta device gets its weights. Not collective."""
+        if self.shard_size == 1 and self.optimizer_made:
+            raise ValueError("load_weights after dc.optimizer() with shard_size 1: the ZeRO-1 optimizer already "
+                             "copied the weights it updates (fp32 masters of a low-precision model); call "
+                             "dc.load_weights(folder) before dc.optimizer()")
         load_weights(self.model, folder)
         self.weights_pending = False
 
@@ -324,6 +329,7 @@ class Engine:
     ) -> ZeroAdamW | ShardedAdamW:
         """The default optimizer: AdamW with ZeRO-1 sharded fp32 state (shard_size > 1:
         `runtime.sharded_optim.ShardedAdamW`, state sharded over the world)."""
+        self.optimizer_made = True
         if self.shard_size > 1:
             return ShardedAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         return ZeroAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -85,3 +85,21 @@ def test_load_weights_refuses_a_folder_without_safetensors(tmp_path):
         load_weights(model, tmp_path)
     with pytest.raises(ValueError, match="not a directory"):
         load_weights(model, tmp_path / "nope")
+
+
+def test_load_weights_at_shard_size_1_before_the_optimizer_only(tmp_path):
+    from safetensors.torch import save_model
+
+    from dcparallel.runtime.engine import Engine
+    from tests import support
+
+    saved = support.make_model("llama", seed=1).to(torch.bfloat16)
+    save_model(saved, str(tmp_path / "model.safetensors"))
+    model = support.make_model("llama", seed=2).to(torch.bfloat16)
+    dc = Engine(model, layers=model.layers, num_heads=support.NUM_HEADS)
+    dc.load_weights(tmp_path)  # into the flat buffer's views
+    for n, p in model.named_parameters():
+        assert torch.equal(p, saved.get_parameter(n)), n
+    dc.optimizer()  # its fp32 masters are copies: a later load would be undone by the first step
+    with pytest.raises(ValueError, match="before dc.optimizer"):
+        dc.load_weights(tmp_path)
