@@ -155,3 +155,14 @@ def case_refusals(folder: str) -> dict:
     except ValueError as e:
         msgs["mismatch"] = str(e)
     return msgs
+
+
+def case_api_load(folder: str) -> dict:
+    """`DataCentricParallel` given a meta transformers Llama with shard_size 2, then
+    `load_weights`: the device it chose and every whole parameter (gathered)."""
+    from dcparallel import DataCentricParallel
+
+    dc = DataCentricParallel(build("hf-llama", meta=True), shard_size=2, memory_bytes=2**30)
+    dc.load_weights(folder)
+    return {"device": str(dc.params[0].device),
+            "params": {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}}

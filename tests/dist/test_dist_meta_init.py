@@ -111,3 +111,14 @@ def test_meta_refusals(workers, tmp_path):
     assert "inv_freq" in msgs["meta_buffers"] and "empty_init" in msgs["meta_buffers"]
     assert "load_weights" in msgs["unloaded"]
     assert "missing" in msgs["mismatch"] and "unexpected" in msgs["mismatch"]
+
+
+def test_the_api_wraps_a_meta_model_and_loads_it(workers, tmp_path):
+    folder = _saved(tmp_path, "hf-llama", torch.float32)
+    cpu = meta_cases.build("hf-llama", meta=False)
+    out = workers.run(meta_cases.case_api_load, folder)
+    for r in range(2):
+        assert out[r]["device"] == "cpu"  # the launch's device, not meta
+        assert set(out[r]["params"]) == {n for n, _ in cpu.named_parameters()}
+        for n, p in cpu.named_parameters():
+            assert torch.equal(out[r]["params"][n], p), (r, n)
