@@ -93,7 +93,8 @@ class DataCentricParallel:
     ``model``: a reference model, a transformers causal LM, a diffusers Wan / ChronoEdit /
     LTX-Video / Flux / HunyuanVideo / CogVideoX / Mochi transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
-    ``num_heads``, ...) — or pass ``adapter``. ``policy``: `dcp`, `bucket`
+    ``num_heads``, ...) — or pass ``adapter``; built under `dcparallel.empty_init` (on the
+    meta device) with shard_size > 1, it gets its weights from `load_weights`. ``policy``: `dcp`, `bucket`
     or `packed` (or a research policy's name, `dcparallel.plan.policies.RESEARCH`).
     ``loss_fn(model, batch, ctx)``: one micro-batch's work (forward + `ctx` loss helper);
     the default is the adapter's (next-token loss for LMs, flow matching for video);

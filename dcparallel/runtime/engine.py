@@ -27,7 +27,9 @@ stands where `GradSync` does) and `runtime.sharded_optim`. The user-facing
         opt.step()
 
 Wrap the model after moving it to its device and dtype: the trainable parameters become
-views of one flat buffer.
+views of one flat buffer. A model too large for one device is built under
+`runtime.meta_init.empty_init`, wrapped with shard_size > 1 (``device``: where its shards
+live; default the launch's) and given its weights by `Engine.load_weights`.
 """
 
 from __future__ import annotations

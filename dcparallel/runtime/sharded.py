@@ -25,6 +25,10 @@ Mixed precision: a bf16 / fp16 model keeps fp32 sharded parameters (they are the
 optimizer updates) and computes in its own dtype (`MixedPrecisionPolicy(param_dtype=...,
 reduce_dtype=float32)`); gradients are reduced and accumulated in fp32.
 
+A model built on the meta device (`runtime.meta_init.empty_init`) is wrapped the same way
+on meta; only then do its parameters get storage on the run's device: this rank's fp32
+shards (`runtime.meta_init.materialize`), filled by `Engine.load_weights`.
+
 The optimizer for this path (`runtime.sharded_optim.ShardedAdamW`) keeps fp32 master weights
 and moments of 1/W of the parameters per rank (ZeRO-1 over the replicas on top of the block
 shard).
