@@ -157,6 +157,11 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     rank reading only its shard of every parameter (whole tensors for unsharded ones),
     cast to the parameter's dtype. Every parameter and persistent buffer must be in the
     checkpoint and every checkpoint key must name one: ValueError naming them otherwise."""
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:
+        raise ValueError("load_weights reads safetensors files and needs the safetensors package: pip install "
+                         "safetensors (or 'dcparallel[train]')")
     from safetensors import safe_open
 
     folder = Path(folder)
