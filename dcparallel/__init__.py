@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["DataCentricParallel"]
+__all__ = ["DataCentricParallel", "empty_init"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from dcparallel.api import DataCentricParallel
 
         return DataCentricParallel
+    if name == "empty_init":  # a model built without its weights (runtime/meta_init.py)
+        from dcparallel.runtime.meta_init import empty_init
+
+        return empty_init
     raise AttributeError(f"module 'dcparallel' has no attribute {name!r}")

@@ -46,7 +46,7 @@ from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative
 from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
-from dcparallel.runtime.launch import cluster_from_env, device_memory
+from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, ModelSpec
@@ -93,7 +93,8 @@ class DataCentricParallel:
     ``model``: a reference model, a transformers causal LM, a diffusers Wan / ChronoEdit /
     LTX-Video / Flux / HunyuanVideo / CogVideoX / Mochi transformer, or
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
-    ``num_heads``, ...) — or pass ``adapter``. ``policy``: `dcp`, `bucket`
+    ``num_heads``, ...) — or pass ``adapter``; built under `dcparallel.empty_init` (on the
+    meta device) with shard_size > 1, it gets its weights from `load_weights`. ``policy``: `dcp`, `bucket`
     or `packed` (or a research policy's name, `dcparallel.plan.policies.RESEARCH`).
     ``loss_fn(model, batch, ctx)``: one micro-batch's work (forward + `ctx` loss helper);
     the default is the adapter's (next-token loss for LMs, flow matching for video);
@@ -122,6 +123,8 @@ class DataCentricParallel:
         adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           **protocol)
         device = next(model.parameters()).device
+        if device.type == "meta":  # built under `empty_init`: its shards get storage on this launch's device
+            device = default_device()
         world = comm.world_size()
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
@@ -207,6 +210,12 @@ class DataCentricParallel:
                     ) -> contextlib.AbstractContextManager[MicroBatchContext]:
         """`Engine.micro_batch`: runs one micro-batch on this rank (a context manager)."""
         return self.engine.micro_batch(batch, last)
+
+    def load_weights(self, folder: str | Path) -> None:
+        """`Engine.load_weights`: the weights of a ``save_pretrained`` folder (safetensors),
+        each rank reading only its shards. A model built under `dcparallel.empty_init` (on the
+        meta device, shard_size > 1) gets its weights this way, before `prepare`."""
+        self.engine.load_weights(folder)
 
     def sync_gradients(self) -> float:
         """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""

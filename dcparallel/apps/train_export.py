@@ -46,6 +46,8 @@ def export_run(config: Path, out: Path | None = None, step: int | None = None) -
     dtype = ck.meta.get("dtype")
     if dtype in ("float32", "bfloat16"):  # the dtype the run trained in (bf16 on GPUs for "auto")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
+    # one process: the model loads whole (never on the meta device, whatever the run's shard size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, shard_size=1))
     model, tokenizer = load_model(cfg, torch.device("cpu"))
     path = out if out is not None else Path(cfg.train.out_dir) / "export" / f"step_{ck.step:08d}"
     return export_checkpoint(ck, model, cfg.model.family, path, tokenizer)

@@ -3,8 +3,10 @@ pretrained directory or one built from the config) and its tokenizer, the datase
 synthetic, with the eval split), the learning-rate schedule, and where the export goes.
 
 Pretrained models load with ``from_pretrained(dir, local_files_only=True)``: nothing is
-downloaded. Real datasets are read on rank 0 first (it computes and caches the lengths; a
-bad-data error is raised on every rank), then on the others from the cache.
+downloaded. With a fixed shard_size > 1 they are built on the meta device instead and their
+weights read shard by shard after wrapping (`builds_on_meta`). Real datasets are read on
+rank 0 first (it computes and caches the lengths; a bad-data error is raised on every rank),
+then on the others from the cache.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from dcparallel.apps.presets import build_model
 from dcparallel.apps.train_config import Config
 from dcparallel.runtime import comm
+from dcparallel.runtime.meta_init import empty_init
 
 
 def on_gpu(device: torch.device) -> bool:
@@ -73,19 +76,34 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def builds_on_meta(cfg: Config) -> bool:
+    """A pretrained model trained with a fixed shard_size > 1 is built on the meta device and
+    loaded shard by shard after wrapping (`runtime.meta_init`): no rank holds it whole.
+    shard_size "auto" decides from the model's size only when it is wrapped, so it loads whole."""
+    s = cfg.train.shard_size
+    return bool(cfg.model.pretrained) and isinstance(s, int) and s > 1
+
+
 def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
-    """The model on ``device`` in the run's dtype (`param_dtype`), and the tokenizer of a
+    """The model on ``device`` in the run's dtype (`param_dtype`; on the meta device, without
+    its weights, when `builds_on_meta`: the trainer loads them after wrapping), and the tokenizer of a
     pretrained transformers directory (else None)."""
     m = cfg.model
     dtype = param_dtype(cfg, device)
+    meta = builds_on_meta(cfg)
     if not m.pretrained:
         return cast_parameters(build_model(m, cfg.train.seed).to(device), dtype), None
     if m.family == "transformers":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
+        if meta:
+            config = AutoConfig.from_pretrained(m.pretrained, local_files_only=True)
+            with empty_init():
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            return cast_parameters(model, dtype), tokenizer
         model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(m.pretrained, local_files_only=True)
         return cast_parameters(model.to(device), dtype), tokenizer
     import importlib.util
     import json
@@ -99,6 +117,10 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     cls = getattr(diffusers, name, None)
     if cls is None:
         raise ValueError(f"[model] pretrained = {m.pretrained!r} holds a {name}, which this diffusers does not have")
+    if meta:
+        with empty_init():
+            model = cls.from_config(cls.load_config(m.pretrained, local_files_only=True))
+        return cast_parameters(model, dtype), None
     model = cls.from_pretrained(m.pretrained, local_files_only=True, torch_dtype=dtype)
     return cast_parameters(model.to(device), dtype), None
 

@@ -106,12 +106,17 @@ class Trainer:
         """The model in a `DataCentricParallel` (``dc``), and this rank's ZeRO-1 range of the
         flat optimizer state (``opt_range``; shard_size 1 only)."""
         from dcparallel import DataCentricParallel
+        from dcparallel.apps.train_setup import builds_on_meta
 
         t, extra = self.t, {}
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
                                            memory_bytes=self._memory_budget(), **extra)
+        #: the pretrained model was built on the meta device, its shards read after wrapping
+        self.loaded_on_meta = builds_on_meta(self.cfg)
+        if self.loaded_on_meta:
+            dc.load_weights(self.cfg.model.pretrained)
         self.opt_range = None
         if dc.shard_size == 1:
             lo = min(self.rank * dc.shard_numel, dc.numel)
@@ -357,7 +362,7 @@ class Trainer:
                                        "from_world_size": ck.world_size, "world_size": self.world,
                                        "attempt": self.attempt})
         append_event(self.events, {"event": "start", "step": self.done, "world_size": self.world,
-                                   "attempt": self.attempt})
+                                   "attempt": self.attempt, "loaded_on_meta": self.loaded_on_meta})
 
     def _record(self, epoch: int, step, update: Update, step_s: float, idle: float, eval_loss) -> dict:
         """The step's metrics line (rank 0, whose loader predicts each plan: `StepPrediction`)."""

@@ -27,7 +27,9 @@ stands where `GradSync` does) and `runtime.sharded_optim`. The user-facing
         opt.step()
 
 Wrap the model after moving it to its device and dtype: the trainable parameters become
-views of one flat buffer.
+views of one flat buffer. A model too large for one device is built under
+`runtime.meta_init.empty_init`, wrapped with shard_size > 1 (``device``: where its shards
+live; default the launch's) and given its weights by `Engine.load_weights`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,7 +51,8 @@ from dcparallel.runtime import comm
 from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
-from dcparallel.runtime.launch import abort_on_oom
+from dcparallel.runtime.launch import abort_on_oom, default_device
+from dcparallel.runtime.meta_init import check_meta_model, load_weights, on_meta
 from dcparallel.runtime.recompute import LayerRecompute
 from dcparallel.runtime.sharded import ShardedGrads, check_group
 from dcparallel.runtime.sharded_optim import ShardedAdamW
@@ -170,6 +174,7 @@ class Engine:
         kernel: Kernel | None = None,
         groups: ProcessGroups | None = None,
         shard_size: int | None = None,
+        device: torch.device | None = None,
     ):
         if getattr(model, "_dcparallel_wrapped", False):
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
@@ -191,6 +196,11 @@ class Engine:
                                            comm.world_size(),
                                            cluster.gpus_per_node if isinstance(cluster, ClusterSpec)
                                            else comm.world_size())
+        #: built on the meta device (`runtime.meta_init`): its weights come from `load_weights`
+        self.weights_pending = on_meta(model)
+        self.optimizer_made = False  # `load_weights` must come first with shard_size 1 (ZeRO-1 copies masters)
+        if self.weights_pending:
+            check_meta_model(model, self.shard_size)
         self.model = model
         self.layers = list(self.adapter.blocks)
         self.num_heads = self.adapter.num_heads
@@ -212,7 +222,8 @@ class Engine:
         self.grad_sync: GradSync | ShardedGrads
         if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
             self.grad_sync = ShardedGrads(model, self.layers, self.shard_size,
-                                          stats_group=getattr(self.groups, "grad_sync", None))
+                                          stats_group=getattr(self.groups, "grad_sync", None),
+                                          device=device or default_device())
             self.params = self.grad_sync.params
         else:
             self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
@@ -225,6 +236,17 @@ class Engine:
     shard_numel = property(lambda self: self.grad_sync.shard_numel)
     last_loss = property(lambda self: self.grad_sync.last_loss)
     last_count = property(lambda self: self.grad_sync.last_count)
+
+    def load_weights(self, folder: str | Path) -> None:
+        """Loads a ``save_pretrained`` folder's safetensors into the wrapped model, each rank
+        reading only its shards (`runtime.meta_init.load_weights`): the way a model built on
+        the meta device gets its weights. Not collective."""
+        if self.shard_size == 1 and self.optimizer_made:
+            raise ValueError("load_weights after dc.optimizer() with shard_size 1: the ZeRO-1 optimizer already "
+                             "copied the weights it updates (fp32 masters of a low-precision model); call "
+                             "dc.load_weights(folder) before dc.optimizer()")
+        load_weights(self.model, folder)
+        self.weights_pending = False
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -247,6 +269,9 @@ class Engine:
         the gradient sync (default: ``batch.last_of_step``, set by the loader; None: no
         overlap). An out-of-memory error in a micro-batch of a loader step ends every rank
         (`runtime.launch.abort_on_oom`) instead of leaving its SP group waiting."""
+        if self.weights_pending:
+            raise ValueError("the model was built on the meta device and has no weights yet: call "
+                             "dc.load_weights(folder) (a save_pretrained folder) or resume a checkpoint first")
         if self.rank not in batch.ranks:
             raise ValueError(
                 f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "
@@ -323,6 +348,7 @@ class Engine:
     ) -> ZeroAdamW | ShardedAdamW:
         """The default optimizer: AdamW with ZeRO-1 sharded fp32 state (shard_size > 1:
         `runtime.sharded_optim.ShardedAdamW`, state sharded over the world)."""
+        self.optimizer_made = True
         if self.shard_size > 1:
             return ShardedAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         return ZeroAdamW(self.grad_sync, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -272,6 +272,11 @@ def device_memory(device: torch.device, local_world_size: int = 1) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size))
 
 
+def default_device() -> torch.device:
+    """This process's device: the current CUDA device (set by `init_distributed`), else CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def cluster_from_env(*, num_heads: int | None = None, memory_bytes: int | None = None,
                      gpus_per_node: int | None = None, links: Links | None = None,
                      device: torch.device | None = None, env: Mapping[str, str] | None = None) -> ClusterSpec:
@@ -288,8 +293,7 @@ def cluster_from_env(*, num_heads: int | None = None, memory_bytes: int | None =
     if local < 1 or world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks; "
                          f"launch the same number of processes on every node (--nproc-per-node)")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = device or default_device()
     memory = int(memory_bytes or device_memory(device, local))
     lk = links or Links.load()
     cluster = ClusterSpec(world_size=world, gpus_per_node=local, memory_bytes=memory, intra_bw=lk.intra_bw,

@@ -25,6 +25,10 @@ Mixed precision: a bf16 / fp16 model keeps fp32 sharded parameters (they are the
 optimizer updates) and computes in its own dtype (`MixedPrecisionPolicy(param_dtype=...,
 reduce_dtype=float32)`); gradients are reduced and accumulated in fp32.
 
+A model built on the meta device (`runtime.meta_init.empty_init`) is wrapped the same way
+on meta; only then do its parameters get storage on the run's device: this rank's fp32
+shards (`runtime.meta_init.materialize`), filled by `Engine.load_weights`.
+
 The optimizer for this path (`runtime.sharded_optim.ShardedAdamW`) keeps fp32 master weights
 and moments of 1/W of the parameters per rank (ZeRO-1 over the replicas on top of the block
 shard).
@@ -40,6 +44,7 @@ from torch import Tensor, nn
 
 from dcparallel.plan.types import splits_shard_block
 from dcparallel.runtime import comm
+from dcparallel.runtime.meta_init import materialize
 
 
 def check_group(ranks: Sequence[int], shard_size: int) -> None:
@@ -64,15 +69,20 @@ class ShardedGrads:
     `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
     (DTensors, sharded over the block's mesh)."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None):
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None,
+                 device: torch.device | None = None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         world, rank = comm.world_size(), comm.world_rank()
         s = shard_size  # validated by the engine against the cluster (`spec.check_shard_size`)
-        params = [p for p in model.parameters() if p.requires_grad]
-        device = params[0].device
-        dtype = params[0].dtype
+        first = next(p for p in model.parameters() if p.requires_grad)
+        #: built on the meta device: sharded first, then only this rank's shards get storage
+        self.from_meta = first.device.type == "meta"
+        device = device if self.from_meta else first.device
+        assert device is not None and device.type != "meta", "a meta model needs the run's device"
+        dtype = first.dtype
+        del first  # no reference to a whole parameter outlives the sharding
         self.shard_size, self.world_size, self.rank = s, world, rank
         self.num_replicas = world // s
         self.replica_index = rank // s  # which block this rank is in
@@ -91,6 +101,8 @@ class ShardedGrads:
         for block in blocks:
             fully_shard(block, mesh=self.shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=self.shard_mesh, mp_policy=mp)
+        #: persistent buffers that were on meta: only a checkpoint can fill them (`load_weights`)
+        self.unfilled_buffers = materialize(model, device) if self.from_meta else []
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # a sum: the step divides by the target count

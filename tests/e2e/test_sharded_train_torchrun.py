@@ -1,5 +1,6 @@
 """`dcparallel train` with parameters sharded in blocks (shard_size > 1) under torchrun on gloo:
-a local transformers Llama fine-tuned on a chat JSONL checkpoints through
+a local transformers Llama (built on the meta device, its weights read shard by shard: the
+first step's loss is that of the model loaded whole) fine-tuned on a chat JSONL checkpoints through
 torch.distributed.checkpoint at world 4 with shard size 2, resumes at world 2 with shard size
 2 and then at world 4 with shard size 4; every step trains the samples of an uninterrupted
 world-4 / shard-size-2 run, none lost or repeated, with its loss to fp32 reduction order. The
@@ -18,7 +19,7 @@ import torch
 
 from tests import train_fixtures as tf
 
-# seven torch processes per launch, four launches: about 2 minutes on two free cores
+# up to seven torch processes per launch, five launches: about 2.5 minutes on two free cores
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
@@ -69,6 +70,15 @@ def test_sharded_run_resumes_at_other_world_and_shard_sizes_and_exports(tmp_path
     tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(40, seed=0))
     r = _launch(_config(tmp_path, "ref", 6, 2), 4)
     assert r.returncode == 0, r.stderr[-4000:]
+    # shard_size 2: the model was built on the meta device and read shard by shard; its first
+    # step's loss is that of the model loaded whole (shard_size 1), so the weights are the folder's
+    events = [json.loads(x) for x in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
+    assert [e["loaded_on_meta"] for e in events if e["event"] == "start"] == [True]
+    r = _launch(_config(tmp_path, "whole", 1, 1), 2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    first, whole = _metrics(tmp_path / "ref")[0], _metrics(tmp_path / "whole")[0]
+    assert first["sample_ids"] == whole["sample_ids"]
+    assert abs(first["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"]), (first["loss"], whole["loss"])
     for world, max_steps, s in [(4, 2, 2), (2, 4, 2), (4, 6, 4)]:
         r = _launch(_config(tmp_path, "el", max_steps, s), world)
         assert r.returncode == 0, (world, s, r.stderr[-4000:])
