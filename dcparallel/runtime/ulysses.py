@@ -13,7 +13,7 @@ tensor travels with its own head size. Per-head sink logits (``sinks``, one per 
 are sliced to the rank's query heads after the all-to-all, so each rank's softmax uses its
 own heads' sinks; the slice's gradient lands in those entries only, and the gradient sync
 sums the entries over ranks (each head's entry comes from the rank that holds the head).
-Softcapping travels in the `AttnPattern`.
+Softcapping and sliding windows travel in the `AttnPattern`.
 
 Grouped-query / multi-query attention (k, v with H_kv < H query heads, H divisible by H_kv):
 when sp divides H_kv the key/value heads are sharded like the query heads; otherwise each
@@ -82,6 +82,11 @@ def ulysses_attention(
                          f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
                          f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
                          f"and sinks= that attribute")
+    if pattern.window is not None and not getattr(kernel, "supports_window", False):
+        raise ValueError(f"the model needs a sliding attention window of {pattern.window} keys, which the attention "
+                         f"kernel {getattr(kernel, '__name__', kernel)!r} does not declare (supports_window); leave "
+                         f"kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.window that "
+                         f"attribute")
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)
