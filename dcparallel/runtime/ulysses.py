@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dcparallel.models.attention import AttnPattern, default_kernel
+from dcparallel.models.flex import CuSeqlens
 from dcparallel.runtime.comm import group_rank, group_size, heads_to_seq, seq_to_heads
 from dcparallel.spec import kv_repeats
 
@@ -123,7 +124,10 @@ class UlyssesAttention:
         self._active: _Active | None = None
 
     def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None) -> None:
-        self._active = _Active(group, None if cu_seqlens is None else tuple(cu_seqlens), batch)
+        """``cu_seqlens`` travel with the batch's int32 copy (``cu_seqlens_tensor``, on the
+        device when the batch was moved there) for the fused kernels."""
+        docs = None if cu_seqlens is None else CuSeqlens(cu_seqlens, getattr(batch, "cu_seqlens_tensor", None))
+        self._active = _Active(group, docs, batch)
 
     def deactivate(self) -> None:
         self._active = None
