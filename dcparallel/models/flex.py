@@ -64,8 +64,9 @@ def flex_packed(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *, causal: b
     mask = _document_mask(CuSeqlens(cu, getattr(cu, "tensor", None)), length, causal, window, q.device)
     fn = _compiled_flex() if q.is_cuda else flex_attention
     out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), pad_head(v, d).transpose(1, 2),
-                  score_mod=_softcap_mod(softcap), block_mask=mask, enable_gqa=k.shape[2] != h,
-                  return_lse=True)
+                  score_mod=_softcap_mod(softcap), block_mask=mask, enable_gqa=k.shape[2] != h, **_lse_kw())
+    if not isinstance(lse, Tensor):  # return_aux gives an AuxOutput
+        lse = lse.lse
     out = out[..., :dv]
     return (out if sinks is None else sink_rescale(out, lse, sinks)).transpose(1, 2)
 
@@ -77,6 +78,16 @@ def sink_rescale(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     sees nothing (lse -inf) stays zero. Differentiable in all three inputs."""
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+
+
+@functools.cache
+def _lse_kw() -> dict:
+    """The log-sum-exp request: ``return_aux`` where torch has it (``return_lse`` is deprecated)."""
+    from torch.nn.attention import flex_attention as flex
+
+    if hasattr(flex, "AuxRequest"):
+        return {"return_aux": flex.AuxRequest(lse=True)}
+    return {"return_lse": True}
 
 
 @functools.cache
