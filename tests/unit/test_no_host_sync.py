@@ -77,7 +77,19 @@ def _dit():
     return DiT(DiTConfig(num_layers=2, num_heads=4, hidden=32, freq_dim=16, attention="full")), "video"
 
 
+def _wan():
+    pytest.importorskip("diffusers")
+    from tests.adapter_models import build
+
+    return build("wan"), "wan"
+
+
 def _samples(kind: str, model):
+    if kind == "wan":
+        from tests.adapter_models import item, make_data
+
+        data = make_data("wan", 2, 3)
+        return {i: item(data, i) for i in range(2)}
     if kind == "text":
         return {i: torch.randint(0, 96, (n,)) for i, n in enumerate((11, 6))}
     from dcparallel.adapters.reference import dit_samples
@@ -85,7 +97,8 @@ def _samples(kind: str, model):
     return {i: dit_samples(model)((17, 32, 48), i) for i in range(2)}
 
 
-@pytest.mark.parametrize("build", [_reference_llama, _hf_llama, _dit], ids=["reference-llama", "hf-llama", "dit"])
+@pytest.mark.parametrize("build", [_reference_llama, _hf_llama, _dit, _wan],
+                         ids=["reference-llama", "hf-llama", "dit", "diffusers-wan"])
 def test_a_micro_batch_on_cuda_creates_no_host_tensor_and_reads_nothing_back(monkeypatch, build):
     model, kind = build()
     samples = _samples(kind, model)
@@ -101,8 +114,9 @@ def test_a_micro_batch_on_cuda_creates_no_host_tensor_and_reads_nothing_back(mon
 
         monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
     dc = engine.Engine(model.to("meta"), kernel=attention.cuda_varlen_attention)
-    collate = resolve_collate(dc.adapter.collate, kind)
-    batch = collate(samples, MicroBatch((0, 1), Layout(1, 2)), (0,), 0)
+    collate = resolve_collate(dc.adapter.collate, "text" if kind == "text" else "video")
+    sids = (0, 1) if kind != "wan" else (0,)  # the two Wan samples differ in shape
+    batch = collate(samples, MicroBatch(sids, Layout(1, len(sids))), (0,), 0)
     monkeypatch.setattr(engine, "device_generator", lambda device, seed: torch.Generator().manual_seed(seed),
                         raising=False)
     batch = batch.to("meta", non_blocking=True)
