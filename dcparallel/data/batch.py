@@ -59,10 +59,11 @@ class Batch:
     (set by the loader; None: unknown, the sync runs whole in `sync_gradients`)"""
     cu_seqlens_tensor: Tensor | None = None
     """``cu_seqlens`` as int32, built where the batch is (the loader's workers) and moved
-    with it, so fused attention kernels never copy boundaries to the device mid-step"""
+    with it, so fused attention kernels never copy boundaries to the device mid-step; None
+    builds it (pass None with new ``cu_seqlens`` in `dataclasses.replace`)"""
     inverse_targets: Tensor | None = None
     """(samples + 1,) float32: 1 / targets of each whole sample, then 0 (for padding's -1),
-    moved with the batch for `sample_mean_weights`"""
+    moved with the batch for `sample_mean_weights`; None builds it from ``num_targets``"""
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_tensor is None:

@@ -33,7 +33,7 @@ class CuSeqlens(tuple):
 def device_cu(cu: Sequence[int], device: torch.device) -> Tensor:
     """The int32 boundaries on ``device``: the batch's own tensor when it is there already."""
     t = getattr(cu, "tensor", None)
-    if t is not None and t.device == device:
+    if t is not None and t.device == device and t.numel() == len(cu):
         return t
     return _cu_tensor(tuple(cu), device)
 
