@@ -37,8 +37,8 @@ HANDLED: dict[str, str] = {
     "attention_mask": "None only: causality and document boundaries come from the micro-batch; a mask is refused",
     "scaling": "the logit scale: the query is multiplied so the kernel's 1/sqrt(Dqk) gives it",
     "dropout": "0 (evaluation, or attention_dropout 0) is exact; a non-zero probability in training is refused",
-    "sliding_window": "exact while no document is longer than the window (then the window masks nothing); a "
-                      "longer document is refused",
+    "sliding_window": "a query sees the window's latest keys of its document (key > query - window, "
+                      "transformers' mask), in the kernel (AttnPattern.window)",
     "softcap": "logit softcapping cap * tanh(logits / cap) before the causal mask, in the kernel's eager path",
     "s_aux": "per-head sink logits in the softmax's denominator (gpt-oss), each SP rank using its own heads'",
     "is_causal": "True or None (causal, the module's own is_causal True); False (bidirectional) is refused",
@@ -120,13 +120,6 @@ def _check_values(module: nn.Module, fn: Any, length: int, kw: dict[str, Any]) -
     if kw.get("output_attentions"):
         raise _refuse(module, "output_attentions", "attention weights are never formed; call the model with "
                                                    "output_attentions=False")
-    window = kw.get("sliding_window")
-    if window is not None:
-        longest = fn.longest_document(length)
-        if longest > window:
-            raise ValueError(f"a document of {longest} tokens is longer than the model's sliding window "
-                             f"{window}; dcparallel's attention is full causal: set the config's sliding_window to "
-                             f"None or keep documents within it")
     for word in ("cu_seq_lens_q", "cu_seq_lens_k"):
         given = kw.get(word)
         if given is not None:
@@ -152,7 +145,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     d = q.shape[-1]
     if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-9:
         q = q * (scaling * d**0.5)  # the kernel scales by 1/sqrt(Dqk)
-    pattern = AttnPattern("causal", softcap=kwargs.get("softcap"))
+    pattern = AttnPattern("causal", softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))
     sinks = kwargs.get("s_aux")
     if sinks is None:
         return fn(q, k, v, pattern), None

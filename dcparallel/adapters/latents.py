@@ -91,12 +91,12 @@ def patch_collate(patch: tuple[int, int, int], *, what: str = "video", required:
 
 def flow_draws(batch: Batch, ctx: Any, x0: Tensor) -> tuple[Tensor, Tensor]:
     """Rectified-flow draws per sample from its own generator (every rank of a group draws
-    the same): t (B,) logit-normal in fp32, noise shaped like ``x0``."""
+    the same), on ``x0``'s device: t (B,) logit-normal in fp32, noise shaped like ``x0``."""
     ts, noises = [], []
     for sid in batch.sample_ids:
         g = ctx.generator(sid)
-        ts.append(torch.sigmoid(torch.randn((), generator=g)))
-        noises.append(torch.randn(x0.shape[1:], generator=g))
+        ts.append(torch.sigmoid(torch.randn((), generator=g, device=x0.device)))
+        noises.append(torch.randn(x0.shape[1:], generator=g, device=x0.device))
     t = torch.stack(ts).to(device=x0.device, dtype=torch.float32)
     return t, torch.stack(noises).to(device=x0.device, dtype=x0.dtype)
 

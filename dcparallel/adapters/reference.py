@@ -38,8 +38,8 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 def dit_flow_loss(model: DiT, batch: Any, ctx: Any) -> Tensor:
     """Flow matching on the reference DiT: each sample's timestep and noise come from its own
     generator (seed, epoch, sample id), so every rank of an SP group draws the same ones."""
-    draws = [draw_flow(ctx.generator(s), batch.seq_len, model.cfg.patch_dim) for s in batch.sample_ids]
     x = batch.inputs.to(next(model.parameters()).dtype)  # bf16 models take bf16 tokens; the loss is fp32
+    draws = [draw_flow(ctx.generator(s), batch.seq_len, model.cfg.patch_dim, x.device) for s in batch.sample_ids]
     t = torch.stack([d[0] for d in draws]).to(x.device)
     noise = torch.stack([batch.shard_sample(d[1]) for d in draws]).to(device=x.device, dtype=x.dtype)
     ptl = flow_matching_loss(model, x, batch.positions, t, noise, batch.frames)

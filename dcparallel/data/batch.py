@@ -57,6 +57,20 @@ class Batch:
     last_of_step: bool | None = None
     """this rank's last micro-batch of the step: its backward overlaps the gradient sync
     (set by the loader; None: unknown, the sync runs whole in `sync_gradients`)"""
+    cu_seqlens_tensor: Tensor | None = None
+    """``cu_seqlens`` as int32, built where the batch is (the loader's workers) and moved
+    with it, so fused attention kernels never copy boundaries to the device mid-step; None
+    builds it (pass None with new ``cu_seqlens`` in `dataclasses.replace`)"""
+    inverse_targets: Tensor | None = None
+    """(samples + 1,) float32: 1 / targets of each whole sample, then 0 (for padding's -1),
+    moved with the batch for `sample_mean_weights`; None builds it from ``num_targets``"""
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens_tensor is None:
+            object.__setattr__(self, "cu_seqlens_tensor", torch.tensor(self.cu_seqlens, dtype=torch.int32))
+        if self.inverse_targets is None:
+            inv = [1.0 / max(n, 1) for n in self.num_targets] + [0.0]
+            object.__setattr__(self, "inverse_targets", torch.tensor(inv, dtype=torch.float32))
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> Batch:
         """The batch with every tensor on ``device`` (floating ones cast to ``dtype`` if
@@ -106,9 +120,5 @@ class Batch:
     def sample_mean_weights(self) -> Tensor:
         """Per-token weight 1 / (targets of its whole sample): with these, `token_loss`
         gives the mean over samples instead of the mean over target tokens."""
-        inv = torch.tensor(
-            [1.0 / max(n, 1) for n in self.num_targets] + [0.0],
-            dtype=torch.float32,
-            device=self.token_sample.device,
-        )
+        inv = self.inverse_targets.to(self.token_sample.device)  # already there when moved with the batch
         return inv[self.token_sample]  # index -1 picks the trailing 0 for padding

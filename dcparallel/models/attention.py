@@ -6,15 +6,17 @@ kv_heads dividing heads (grouped-query attention); the value head size may diffe
 query/key one (multi-head latent attention) — and gets the output of shape (batch, tokens,
 heads, value_head_dim). ``pattern`` says which tokens of a sample see which: causal (text),
 full (video, 3D), or factorized spatial / temporal attention over a (frames, spatial
-tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2).
+tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2) and
+its ``window`` limits causal attention to the latest keys (sliding windows).
 ``sinks`` (optional, one logit per query head, gpt-oss) add a learned column to each
 softmax's denominator that takes part in normalization and is then dropped. Documents
 packed in one row (``cu_seqlens``) never attend to each other, and positions at or after
 ``cu_seqlens[-1]`` are padding: they attend to nothing, nothing attends to them, and their
 output is zero.
 
-The runtime replaces the attention function (Ulysses); here is the plain kernel both use.
-No torch.distributed.
+The runtime replaces the attention function (Ulysses); here are the kernels both use:
+`attention_kernel` picks one per call (fused on CUDA, the exact per-document reference on
+CPU). No torch.distributed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from dcparallel.models.flex import device_cu, flex_packed, pad_head
 
 PatternKind = Literal["causal", "full", "spatial", "temporal"]
 
@@ -45,10 +49,16 @@ class AttnPattern:
     softcap: float | None = None
     """logit softcapping: scores ``s`` (already scaled) become ``softcap * tanh(s / softcap)``
     before masking and softmax; None = none"""
+    window: int | None = None
+    """causal sliding window: a query sees the ``window`` latest keys of its document, itself
+    included (transformers' ``sliding_window``: key > query - window); None = all earlier keys"""
 
     def __post_init__(self) -> None:
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"attention softcap {self.softcap} must be a positive number (or None for no capping)")
+        if self.window is not None and (self.kind != "causal" or not self.window >= 1):
+            raise ValueError(f"attention window {self.window} with kind {self.kind!r}: a sliding window is a "
+                             f"positive number of keys of causal attention; use kind 'causal' or window None")
 
     @property
     def causal(self) -> bool:
@@ -65,7 +75,15 @@ def _needs_eager(pattern: AttnPattern, sinks: Tensor | None) -> bool:
     return pattern.softcap is not None or sinks is not None
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None, sinks: Tensor | None) -> Tensor:
+def _masked(length: int, window: int | None, device: torch.device) -> Tensor:
+    """(L, L) True where a query may not see a key: later keys, and keys ``window`` or more back."""
+    idx = torch.arange(length, device=device)
+    back = idx[:, None] - idx[None, :]
+    return (back < 0) if window is None else (back < 0) | (back >= window)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None, sinks: Tensor | None,
+           window: int | None = None) -> Tensor:
     """Attention written out, for what SDPA cannot do: (N, L, H, D) q, k (N, L, H_kv, D),
     v (N, L, H_kv, Dv) -> (N, L, H, Dv). Scores q.k / sqrt(D), then the softcap, the causal
     mask, the sink column (head h's logit ``sinks[h]``), a float32 softmax, the sink column
@@ -78,8 +96,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None,
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if causal:
-        above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(above, float("-inf"))
+        scores = scores.masked_fill(_masked(length, window, q.device), float("-inf"))
     if sinks is not None:
         col = sinks.to(scores.dtype).view(1, h, 1, 1).expand(n, h, length, 1)
         scores = torch.cat([scores, col], dim=-1)
@@ -89,25 +106,28 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None,
     return torch.einsum("nhlm,nmhd->nlhd", probs.to(v.dtype), v)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None) -> Tensor:
     """(N, L, H, D), k and v (N, L, H_kv, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D)
     inputs: 3-D inputs take a 4-5x slower kernel on CPU. Fewer key/value heads than query
-    heads (grouped-query attention) are shared by consecutive query heads."""
+    heads (grouped-query attention) are shared by consecutive query heads. A sliding window
+    goes in as a boolean mask (True = attend)."""
     kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **kw
-    )
+    if window is not None and window < q.shape[1]:
+        kw["attn_mask"] = ~_masked(q.shape[1], window, q.device)
+    else:
+        kw["is_causal"] = causal
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
     return out.transpose(1, 2)
 
 
 def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
     """Attention within one document / sample of length L: (B, L, H, Dv)."""
     if _needs_eager(pattern, sinks):
-        core = lambda q, k, v, causal: _eager(q, k, v, causal, pattern.softcap, sinks)
+        core = lambda q, k, v, causal, window=None: _eager(q, k, v, causal, pattern.softcap, sinks, window)
     else:
         core = _sdpa
     if pattern.kind in ("causal", "full"):
-        return core(q, k, v, pattern.causal)
+        return core(q, k, v, pattern.causal, pattern.window)
     b, n, h, _ = q.shape
     dv = v.shape[-1]
     t = pattern.frames
@@ -157,42 +177,102 @@ def sdpa_attention(
 
 #: the dtypes varlen_attn's flash kernel takes ("FlashAttention only support fp16 and bf16")
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+#: the first torch releases with `varlen_attn`, with its ``window_size`` (sliding windows), and
+#: with a FlexAttention whose backward takes the log-sum-exp's gradient (the sinks' rescale)
+VARLEN_MIN, VARLEN_WINDOW_MIN, FLEX_MIN = (2, 9), (2, 11), (2, 9)
+
+KernelName = Literal["varlen", "flex", "loop", "eager"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttnFeatures:
+    """What one attention call asks of a kernel: the inputs of `attention_kernel`."""
+
+    kind: PatternKind
+    softcap: bool = False
+    sinks: bool = False
+    window: bool = False
+    one_row: bool = True
+    """one packed row (batch 1): what varlen_attn takes; several rows go to one SDPA call"""
+
+    @classmethod
+    def of(cls, q: Tensor, pattern: AttnPattern, sinks: Tensor | None) -> AttnFeatures:
+        return cls(pattern.kind, pattern.softcap is not None, sinks is not None, pattern.window is not None,
+                   q.shape[0] == 1)
+
+
+def attention_kernel(device_type: str, dtype: torch.dtype, features: AttnFeatures,
+                     torch_version: tuple[int, int]) -> KernelName:
+    """Which kernel computes a call. ``varlen``: varlen_attn over the packed documents (flash;
+    grouped key/value heads as they are, a smaller value head zero-padded); ``flex``:
+    FlexAttention with a document block mask, the softcap as a score mod and the sinks as an
+    exact rescale by its log-sum-exp; ``loop``: SDPA per document (one call for rows of one
+    document each); ``eager``: scores written out per document. CPU has no varlen_attn and
+    no FlexAttention backward: the loop and eager path are the exact reference there."""
+    needs_mod = features.softcap or features.sinks
+    fallback: KernelName = "eager" if needs_mod else "loop"
+    if device_type != "cuda" or features.kind not in ("causal", "full"):
+        return fallback  # factorized kinds fold into rows: one call per fold
+    if needs_mod or (features.window and torch_version < VARLEN_WINDOW_MIN):
+        return "flex" if torch_version >= FLEX_MIN else fallback
+    if dtype not in VARLEN_DTYPES or not features.one_row or torch_version < VARLEN_MIN:
+        return "loop"
+    return "varlen"
 
 
 def cuda_varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Packed causal documents on CUDA with ``torch.nn.attention.varlen.varlen_attn``
-    (window (-1, 0) is causal); every other case, and every CPU tensor, goes to
-    `sdpa_attention`: softcapping and sinks (its exact eager path; varlen_attn has neither),
-    a value head size unlike the query/key one, factorized patterns, and dtypes other than
-    `VARLEN_DTYPES` (its flash kernel raises on fp32; seen on an H200). varlen_attn raises
-    NotImplementedError on CPU, so it is never called there."""
-    if (not q.is_cuda or q.dtype not in VARLEN_DTYPES or pattern.kind not in ("causal", "full")
-            or q.shape[0] != 1 or cu_seqlens is None or _needs_eager(pattern, sinks) or v.shape[-1] != q.shape[-1]):
-        return sdpa_attention(q, k, v, pattern, cu_seqlens, sinks)
-    varlen_attn = _varlen_attn()
-    if k.shape[2] != q.shape[2]:  # not every varlen kernel takes grouped key/value heads
-        rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    if varlen_attn is None:  # torch without the varlen API: the SDPA loop is exact, only slower
-        return sdpa_attention(q, k, v, pattern, cu_seqlens)
+    """dcparallel's kernel on any device: `attention_kernel` picks varlen_attn, FlexAttention,
+    the SDPA loop or the eager path (`sdpa_attention` runs the last two)."""
+    choice = attention_kernel(_device_type(q), q.dtype, AttnFeatures.of(q, pattern, sinks), _torch_version())
     length = q.shape[1]
-    real = cu_seqlens[-1]
-    # every layer of a micro-batch has the same documents: one host-to-device copy for all
-    cu, max_len = _cu_seqlens(tuple(cu_seqlens), q.device)
-    out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu, cu, max_len, max_len,
-                      **_causal_kw(pattern.causal))
+    cu = (0, length) if cu_seqlens is None else cu_seqlens
+    if choice == "varlen":
+        return _varlen(q, k, v, pattern, cu)
+    if choice == "flex":
+        return _flex(q, k, v, pattern, cu, sinks)
+    return sdpa_attention(q, k, v, pattern, cu_seqlens, sinks)
+
+
+# the kernels here implement AttnPattern.softcap / .window and sinks= exactly; a user's kernel
+# declares the same by these attributes, else the runtime refuses a model that needs them
+sdpa_attention.supports_softcap_and_sinks = True
+cuda_varlen_attention.supports_softcap_and_sinks = True
+sdpa_attention.supports_window = True
+cuda_varlen_attention.supports_window = True
+
+
+def _device_type(q: Tensor) -> str:
+    return "cuda" if q.is_cuda else q.device.type
+
+
+@functools.cache
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu: Sequence[int]) -> Tensor:
+    """One packed row through varlen_attn: (1, L, H, D) -> (1, L, H, Dv), padding zero."""
+    varlen_attn = _varlen_attn()
+    length, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
+    v = pad_head(v, d)
+    kw = dict(_window_kw(pattern.causal, pattern.window))
+    if k.shape[2] != q.shape[2]:
+        if "enable_gqa" in _varlen_params():
+            kw["enable_gqa"] = True  # key/value heads reach the kernel with their own count
+        else:
+            rep = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    real = cu[-1]
+    max_len = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))  # host ints: no device read
+    cu_t = device_cu(cu, q.device)
+    out = varlen_attn(q[0, :real], k[0, :real], v[0, :real], cu_t, cu_t, max_len, max_len, **kw)[..., :dv]
     if real < length:
         out = torch.cat([out, out.new_zeros(length - real, *out.shape[1:])], dim=0)
     return out.unsqueeze(0)
-
-
-# the kernels here implement AttnPattern.softcap and sinks= exactly; a user's kernel declares
-# the same by this attribute, else the runtime refuses a model that needs them
-sdpa_attention.supports_softcap_and_sinks = True
-cuda_varlen_attention.supports_softcap_and_sinks = True
 
 
 @functools.cache
@@ -205,22 +285,29 @@ def _varlen_attn():
 
 
 @functools.cache
-def _causal_kw(causal: bool) -> dict:
-    """torch 2.10 spells causality `is_causal`; later releases a `window_size` of (-1, 0)
-    (2.9 has no varlen_attn: `cuda_varlen_attention` runs the SDPA loop there)."""
-    if "window_size" in inspect.signature(_varlen_attn()).parameters:
-        return {"window_size": (-1, 0) if causal else (-1, -1)}
+def _varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_varlen_attn()).parameters)
+
+
+def _window_kw(causal: bool, window: int | None) -> dict:
+    """torch 2.10 spells causality `is_causal`; later releases a `window_size` (left, right):
+    a window of w keys back is (w - 1, 0). torch 2.9 has no varlen_attn (`attention_kernel`
+    sends nothing to it there)."""
+    if "window_size" in _varlen_params():
+        left = -1 if window is None else window - 1
+        return {"window_size": (left, 0) if causal else (-1, -1)}
+    assert window is None, "attention_kernel sends windows to varlen_attn only where it has window_size"
     return {"is_causal": causal}
 
 
-@functools.lru_cache(maxsize=8)
-def _cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
-    return cu, max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
+def _flex(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu: Sequence[int], sinks: Tensor | None
+          ) -> Tensor:
+    return flex_packed(q, k, v, cu, causal=pattern.causal, softcap=pattern.softcap, window=pattern.window,
+                       sinks=sinks)
 
 
 def default_kernel(device: torch.device):
-    """SDPA on CPU, varlen_attn for packed causal text on CUDA."""
+    """The exact reference on CPU; on CUDA the kernel `attention_kernel` picks per call."""
     return cuda_varlen_attention if device.type == "cuda" else sdpa_attention
 
 

@@ -191,11 +191,13 @@ class DiT(nn.Module):
         return self.final(modulate(self.final_norm(h), shift, scale))
 
 
-def draw_flow(generator: torch.Generator, num_tokens: int, patch_dim: int) -> tuple[Tensor, Tensor]:
-    """Flow-matching randomness of one sample from its generator: timestep t (logit-normal,
-    a 0-d tensor) and noise (num_tokens, patch_dim) over the whole sample's tokens."""
-    t = torch.sigmoid(torch.randn((), generator=generator))
-    noise = torch.randn(num_tokens, patch_dim, generator=generator)
+def draw_flow(generator: torch.Generator, num_tokens: int, patch_dim: int, device: torch.device | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """Flow-matching randomness of one sample from its generator (on ``device``, the
+    generator's): timestep t (logit-normal, a 0-d tensor) and noise (num_tokens, patch_dim)
+    over the whole sample's tokens."""
+    t = torch.sigmoid(torch.randn((), generator=generator, device=device))
+    noise = torch.randn(num_tokens, patch_dim, generator=generator, device=device)
     return t, noise
 
 

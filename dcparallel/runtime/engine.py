@@ -67,6 +67,10 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
+def device_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class MicroBatchContext:
     """What the training loop uses inside `Engine.micro_batch`: per-sample generators and
     the loss helpers, which count the shard's loss and targets into ``grad_sync``."""
@@ -75,13 +79,12 @@ class MicroBatchContext:
         self.batch, self.grad_sync, self.seed, self.epoch = batch, grad_sync, seed, epoch
 
     def generator(self, sample_id: int) -> torch.Generator:
-        """A generator seeded by (seed, epoch, sample id): every rank of the group draws the
-        same noise / timesteps / masks for the sample."""
+        """A generator seeded by (seed, epoch, sample id) on the batch's device: every rank of
+        the group draws the same noise / timesteps / masks for the sample, where the model
+        runs (a draw on the host would be copied to the device mid-step)."""
         if sample_id not in self.batch.sample_ids:
             raise ValueError(f"sample {sample_id} is not in this micro-batch {self.batch.sample_ids}")
-        g = torch.Generator(device="cpu")
-        g.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
-        return g
+        return device_generator(self.batch.inputs.device, sample_seed(self.seed, self.epoch, sample_id))
 
     def lm_loss(self, logits: Tensor) -> Tensor:
         """The shard's summed next-token loss from (B, L, vocab) logits — a transformers

@@ -13,7 +13,7 @@ tensor travels with its own head size. Per-head sink logits (``sinks``, one per 
 are sliced to the rank's query heads after the all-to-all, so each rank's softmax uses its
 own heads' sinks; the slice's gradient lands in those entries only, and the gradient sync
 sums the entries over ranks (each head's entry comes from the rank that holds the head).
-Softcapping travels in the `AttnPattern`.
+Softcapping and sliding windows travel in the `AttnPattern`.
 
 Grouped-query / multi-query attention (k, v with H_kv < H query heads, H divisible by H_kv):
 when sp divides H_kv the key/value heads are sharded like the query heads; otherwise each
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dcparallel.models.attention import AttnPattern, default_kernel
+from dcparallel.models.flex import CuSeqlens
 from dcparallel.runtime.comm import group_rank, group_size, heads_to_seq, seq_to_heads
 from dcparallel.spec import kv_repeats
 
@@ -82,6 +83,11 @@ def ulysses_attention(
                          f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
                          f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
                          f"and sinks= that attribute")
+    if pattern.window is not None and not getattr(kernel, "supports_window", False):
+        raise ValueError(f"the model needs a sliding attention window of {pattern.window} keys, which the attention "
+                         f"kernel {getattr(kernel, '__name__', kernel)!r} does not declare (supports_window); leave "
+                         f"kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.window that "
+                         f"attribute")
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)
@@ -118,7 +124,10 @@ class UlyssesAttention:
         self._active: _Active | None = None
 
     def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None) -> None:
-        self._active = _Active(group, None if cu_seqlens is None else tuple(cu_seqlens), batch)
+        """``cu_seqlens`` travel with the batch's int32 copy (``cu_seqlens_tensor``, on the
+        device when the batch was moved there) for the fused kernels."""
+        docs = None if cu_seqlens is None else CuSeqlens(cu_seqlens, getattr(batch, "cu_seqlens_tensor", None))
+        self._active = _Active(group, docs, batch)
 
     def deactivate(self) -> None:
         self._active = None

@@ -153,8 +153,12 @@ def test_transformers_attention_refuses_masks_dropout_and_long_windows():
     m.train()
     with pytest.raises(ValueError, match="attention dropout 0.1"):
         hf_attention(m, q, kv, kv, None, dropout=0.1)
-    with pytest.raises(ValueError, match="10 tokens is longer than the model's sliding window 4"):
-        hf_attention(m, q, kv, kv, None, sliding_window=4)
+    # a sliding window of 4 keys (key > query - 4, transformers' mask) shorter than the 10 tokens
+    idx = torch.arange(10)
+    band = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - 4)
+    kv4 = kv.repeat_interleave(2, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, kv4, kv4, attn_mask=band).transpose(1, 2)
+    assert torch.allclose(hf_attention(m, q, kv, kv, None, sliding_window=4)[0], want, atol=1e-6)
     # a non-default scale is applied: same as scaling q by hand
     out2, _ = hf_attention(m, q, kv, kv, None, scaling=0.5)
     ref, _ = hf_attention(m, q * (0.5 * 8**0.5), kv, kv, None)
