@@ -113,6 +113,8 @@ def test_a_micro_batch_on_cuda_creates_no_host_tensor_and_reads_nothing_back(mon
             return q.new_empty(q.shape)
 
         monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    # meta plays the accelerator here, not a model waiting for `load_weights`
+    monkeypatch.setattr(engine, "on_meta", lambda m: False)
     dc = engine.Engine(model.to("meta"), kernel=attention.cuda_varlen_attention)
     collate = resolve_collate(dc.adapter.collate, "text" if kind == "text" else "video")
     sids = (0, 1) if kind != "wan" else (0,)  # the two Wan samples differ in shape
