@@ -42,12 +42,15 @@ RUNNING, DONE, OOM, ERROR = "running", "done", "oom", "error"
 class ControlGroups:
     """The control group of each SP group a profile measures: None for one rank, the world's
     `comm.control_group` for the whole world, else a gloo twin of the group's ranks with the
-    control timeout. The twins are created for every aligned group of every degree by every
-    rank at once (`new_group` is collective over the world), kept for the process's world."""
+    control timeout. ``num_buckets``: how many buckets the profile measures; with `group_buckets`
+    only the first ``num_buckets`` aligned groups of each degree get items, so only those get
+    twins (a few per degree rather than world / k of them at thousands of ranks). Every rank
+    creates them at once (`new_group` is collective over the world), kept for the process's
+    world."""
 
     _twins: dict[int, dict[tuple[int, ...], object]] = {}
 
-    def __init__(self, sp_sizes: Sequence[int]):
+    def __init__(self, sp_sizes: Sequence[int], num_buckets: int | None = None):
         self.world = comm.world_size()
         self.control = comm.control_group()
         key = id(dist.group.WORLD) if self.world > 1 else 0
@@ -58,7 +61,8 @@ class ControlGroups:
         timeout = timedelta(seconds=comm.control_timeout_s())
         for k in sorted(set(sp_sizes)):
             if 1 < k < self.world:
-                for start in range(0, self.world, k):
+                used = self.world // k if num_buckets is None else min(self.world // k, num_buckets)
+                for start in range(0, used * k, k):
                     ranks = tuple(range(start, start + k))
                     if ranks not in self.twins:
                         self.twins[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=timeout)

@@ -297,7 +297,7 @@ class Profiler:
             raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
         fp = self.fingerprint()
         comm.check_equal(comm.digest((fp, keys, cfg.modes)), "profiler configuration", comm.control_group())
-        self.control = ControlGroups(self.sp_sizes)
+        self.control = ControlGroups(self.sp_sizes, len(buckets))
         L = self.spec.num_layers
         d2 = cfg.depth
         d1 = d2 - 1
