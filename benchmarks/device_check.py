@@ -25,7 +25,8 @@ Each part runs in a process of its own (benchmarks/device_check_parts.py) with a
     and peak memory of forward + backward;
 (e) a world-1 NCCL process group forced on: device_id, split groups, object collectives, the
     control group, an engine step;
-(f) a 1.3B bf16 model's memory around the optimizer step against the cost model's recipe;
+(f) a 1.3B bf16 model at world 1 (ZeRO-1): bytes held after the optimizer step against the cost
+    model's states (`state_recipe`), and the peak of sync + clip + step against its step peak;
 (g) the sharded runtime (FSDP2 blocks, benchmarks/sharded_device_check.py): needs 2+ GPUs, so
     with one GPU lent the report says it was skipped.
 

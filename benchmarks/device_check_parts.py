@@ -548,17 +548,6 @@ def _engine_step(dev: torch.device, dry: bool) -> dict:
 # ---------------------------------------------------------------- (f) optimizer-step memory
 
 
-def recipe_bytes_per_param(num_params: int, bytes_per_value: int = 2) -> float:
-    """The cost model's model-state bytes per parameter at world 1 (cost/base.py): the one
-    place this check reads the recipe."""
-    from types import SimpleNamespace
-
-    from dcparallel.cost.base import model_state_bytes
-
-    spec = SimpleNamespace(num_params=num_params, bytes_per_value=bytes_per_value, extra_params=0, unit_params=0)
-    return model_state_bytes(spec, 1) / num_params
-
-
 def _live_bytes() -> int:
     """Bytes of every live CPU tensor storage, each storage once."""
     import gc
@@ -575,9 +564,13 @@ def _live_bytes() -> int:
 
 
 def part_f(out_dir: Path, dry: bool) -> dict:
-    """A 1.3B-parameter Llama in bf16 at world 1: bytes held after the optimizer step and its
-    peak, per parameter, against the cost model's recipe."""
+    """A 1.3B-parameter Llama in bf16 at world 1 with the engine's ZeRO-1 AdamW: the bytes held
+    after ``opt.step()`` against the cost model's states (`cost.base.state_recipe`), and the
+    peak of the step (sync, clip and update: torch.cuda.max_memory_allocated) against the
+    recipe's step peak; the second step's, when the optimizer's state exists."""
+    from dcparallel.cost.base import state_recipe
     from dcparallel.models.llama import Llama, LlamaConfig
+    from dcparallel.profile.inputs import reference_spec
     from dcparallel.runtime.engine import Engine
 
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
@@ -587,25 +580,30 @@ def part_f(out_dir: Path, dry: bool) -> dict:
     with torch.device(dev):
         model = Llama(cfg).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
+    recipe = state_recipe(reference_spec(model, model.layers)[0], 1, 1, num_params=n, bytes_per_value=2)
     engine = Engine(model, layers=model.layers, num_heads=cfg.num_heads)
     opt = engine.optimizer(lr=1e-4)
     lengths = [30, 50, 20, 40, 10, 25] if dry else [300, 500, 224, 128, 400, 256]  # (c)'s plan: six documents
     docs = {i: torch.randint(0, cfg.vocab_size, (k,)) for i, k in enumerate(lengths)}
     held = _live_bytes if dev.type == "cpu" else (lambda: torch.cuda.memory_allocated(dev))
-    out: dict = {"num_params": n, "recipe_bytes_per_param": recipe_bytes_per_param(n)}
-    for _ in range(2):  # the second step: the optimizer's state exists already
-        _c_step(engine, model, docs, 0, 1)
-        before = held()
+    for _ in range(2):
+        _c_micro_batches(engine, model, docs, 0, 1)
         if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+        before = held()  # the activations are freed: what the step starts from
+        engine.sync_gradients()
+        engine.clip_grad_norm_(1.0)
         opt.step()
         _sync(dev)
         after = held()
-    out |= {"held_before_step_bytes_per_param": before / n, "held_after_step_bytes_per_param": after / n}
+    out: dict = {"num_params": n, "recipe": dataclasses.asdict(recipe), "recipe_states_bytes": recipe.states,
+                 "recipe_step_peak_bytes": recipe.step_peak, "held_before_sync_bytes": before,
+                 "held_after_step_bytes": after, "held_after_vs_recipe_states": after / recipe.states}
     if dev.type == "cuda":
-        out["peak_in_step_bytes_per_param"] = torch.cuda.max_memory_allocated(dev) / n
-        out["memory"] = _memory(dev)
-    out["held_after_vs_recipe"] = out["held_after_step_bytes_per_param"] / out["recipe_bytes_per_param"]
+        peak = torch.cuda.max_memory_allocated(dev)
+        out |= {"step_peak_bytes": peak, "step_peak_vs_recipe": peak / recipe.step_peak, "memory": _memory(dev)}
+    out["bytes_per_param"] = {k: v / n for k, v in out.items() if k.endswith("_bytes")}
     return out
 
 
