@@ -18,11 +18,15 @@ Each part runs in a process of its own (benchmarks/device_check_parts.py) with a
     bf16 loss and gradients against world 1, host syncs (set_sync_debug_mode), step time with
     and without the overlapped gradient sync, and an out-of-memory error on one rank
     (set_per_process_memory_fraction) that must stop every rank;
-(d) attention kernels: the SDPA loop and varlen_attn on 256 documents of 64 tokens and on 7 long
-    ones, GQA 32/8, and FlexAttention with softcap and sinks: time and error against fp32;
+(d) attention kernels as training takes them (`cuda_varlen_attention`: varlen_attn, FlexAttention
+    for softcap and sinks) on 256 documents of 64 tokens and on 7 long ones, for GQA 32/8, a
+    sliding window, softcap (Gemma 2), sinks with and without a window (gpt-oss), MLA (DeepSeek)
+    and full attention (Wan): the kernel taken, output and gradient error against fp32, time
+    and peak memory of forward + backward;
 (e) a world-1 NCCL process group forced on: device_id, split groups, object collectives, the
     control group, an engine step;
-(f) a 1.3B bf16 model's memory around the optimizer step against the cost model's recipe;
+(f) a 1.3B bf16 model at world 1 (ZeRO-1): bytes held after the optimizer step against the cost
+    model's states (`state_recipe`), and the peak of sync + clip + step against its step peak;
 (g) the sharded runtime (FSDP2 blocks, benchmarks/sharded_device_check.py): needs 2+ GPUs, so
     with one GPU lent the report says it was skipped.
 
@@ -54,7 +58,7 @@ BUDGETS = {
     "a": ("(a) profile --validate", 155),
     "b": ("(b) bf16 training steps at world 1", 110),
     "c": ("(c) ranks sharing one GPU over gloo", 100),
-    "d": ("(d) attention kernels: SDPA loop, varlen_attn, FlexAttention", 45),
+    "d": ("(d) attention kernels training takes, against fp32", 45),
     "e": ("(e) world-1 NCCL process group", 20),
     "f": ("(f) optimizer-step memory of a 1.3B bf16 model", 30),
     "g": ("(g) sharded runtime (FSDP2 blocks)", 20),

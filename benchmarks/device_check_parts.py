@@ -10,6 +10,8 @@ time limit. ``--dry-run``: CPU, gloo and tiny sizes (checks the code, not the nu
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -291,8 +293,6 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
 def _c_oom(engine, model, rank: int, dev: torch.device) -> None:
     """A micro-batch of a loader step (``step`` set) on both ranks, too big for rank 1 only: its
     memory fraction is cut to what it holds (CUDA), or its forward raises the error (CPU)."""
-    import dataclasses
-
     from dcparallel.data.collate import text_batch
     from dcparallel.loss import per_token_loss
     from dcparallel.plan.types import MicroBatch
@@ -320,100 +320,156 @@ def _c_oom(engine, model, rank: int, dev: torch.device) -> None:
 # ---------------------------------------------------------------- (d) attention kernels
 
 
-def _attn_inputs(docs: list[int], heads: int, kv_heads: int, dim: int, dev: torch.device, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(0)
-    n = sum(docs)
-    q = torch.randn(1, n, heads, dim, generator=g)
-    k, v = (torch.randn(1, n, kv_heads, dim, generator=g) for _ in range(2))
-    grad = torch.randn(1, n, heads, dim, generator=g)
-    cu = (0, *torch.tensor(docs).cumsum(0).tolist())
-    return [t.to(dev, dtype) for t in (q, k, v)], grad.to(dev, dtype), cu
+@dataclasses.dataclass(frozen=True)
+class AttnCase:
+    """One model family's attention, at the GPU run's sizes (`tiny` gives the dry run's)."""
+
+    name: str
+    kind: str
+    """``causal`` (text) or ``full`` (video)"""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    """query / key head size"""
+    value_head_dim: int
+    softcap: float | None = None
+    window: int | None = None
+    sinks: bool = False
+    long: bool = True
+    """also run on the long documents; False keeps a second FlexAttention case off them (each
+    case at each length costs the part a compile or an eager reference of 8192 tokens)"""
+
+    def pattern(self):
+        from dcparallel.models.attention import AttnPattern
+
+        return AttnPattern(self.kind, softcap=self.softcap, window=self.window)
+
+    def takes_flex(self) -> bool:
+        """Whether a GPU takes FlexAttention for it under this torch (bf16, one packed row)."""
+        from dcparallel.models.attention import AttnFeatures, _torch_version, attention_kernel
+
+        features = AttnFeatures(self.kind, self.softcap is not None, self.sinks, self.window is not None)
+        return attention_kernel("cuda", torch.bfloat16, features, _torch_version()) == "flex"
+
+    def tiny(self) -> AttnCase:
+        """4 query heads, the grouping kept where it fits, head sizes / 8."""
+        kv = max(1, 4 * self.kv_heads // self.heads)
+        return dataclasses.replace(self, heads=4, kv_heads=kv, head_dim=self.head_dim // 8,
+                                   value_head_dim=self.value_head_dim // 8)
 
 
-def _fwd_bwd(fn, inputs, grad):
-    """Output and input gradients of ``fn`` (fresh leaves each call)."""
+#: the window of both window cases: shorter than the short documents, so both layouts mask by it
+WINDOW = 48
+ATTN_CASES = (
+    AttnCase("llama-gqa", "causal", 32, 8, 128, 128),
+    AttnCase("mistral-window", "causal", 32, 8, 128, 128, window=WINDOW),
+    AttnCase("gpt-oss-sinks-window", "causal", 16, 2, 64, 64, window=WINDOW, sinks=True),
+    AttnCase("gemma2-softcap", "causal", 16, 8, 128, 128, softcap=50.0, long=False),
+    AttnCase("gpt-oss-sinks", "causal", 16, 2, 64, 64, sinks=True, long=False),
+    AttnCase("deepseek-mla", "causal", 16, 16, 192, 128),
+    AttnCase("wan-full", "full", 12, 12, 128, 128),
+)
+#: document lengths of one packed row: (GPU, dry run); each row ends in `ATTN_PAD` padding tokens
+ATTN_LAYOUTS = {"short_256x64": ([64] * 256, [64] * 6),
+                "long_7": ([512, 4096, 1024, 8192, 2048, 300, 700], [37, 300, 20, 150, 64, 9, 90])}
+ATTN_PAD = 7
+#: no case starts past this many seconds of the part (its budget is 45 s): a case with a cold
+#: FlexAttention compile may take 10-20 s; what finished is saved before a kill
+ATTN_START_LIMIT_S = 25.0
+
+
+def _attn_order(run: tuple[str, AttnCase]) -> tuple[bool, int]:
+    """The kernels varlen_attn and SDPA take first, layout by layout; then FlexAttention's, one
+    case on both layouts in a row (the second reuses the compiled kernel: `dynamic=True`)."""
+    case = run[1]
+    flex = case.takes_flex()
+    return flex, [c.name for c in ATTN_CASES].index(case.name) if flex else 0
+
+
+def _attn_fwd_bwd(fn, inputs: list[torch.Tensor], weight: torch.Tensor, dev: torch.device):
+    """One forward + backward of ``fn`` on fresh leaves: the output, every input's gradient
+    (fp32), the seconds, and the bytes the call added to what was allocated at its peak."""
     xs = [t.detach().requires_grad_() for t in inputs]
+    start = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+    t = time.perf_counter()
     out = fn(*xs)
-    out.backward(grad)
-    return out.detach(), [x.grad for x in xs]
+    (out.float() * weight).sum().backward()
+    _sync(dev)
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated(dev) - start if dev.type == "cuda" else None
+    return out.detach().float(), [x.grad.float() for x in xs], seconds, peak
 
 
-def _flex(cu: tuple, n: int, dev: torch.device, softcap: float, compiled: bool):
-    """FlexAttention over packed documents (document-causal block mask, GQA, softcap); sinks
-    applied from its log-sum-exp: out * sigmoid(lse - sink)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def attn_case(case: AttnCase, docs: list[int], dev: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """The package's kernel (`cuda_varlen_attention`, as training calls it) against the exact
+    per-document reference (`sdpa_attention`) on fp32 copies of the same inputs (fp64 on CPU,
+    where the kernel itself runs in fp32): the kernel `attention_kernel` takes, the relative
+    error of the output and of each gradient (q, k, v, sinks), the median seconds of a
+    forward + backward, and its peak memory. On CPU, a case FlexAttention takes on a GPU
+    also runs flex's forward (it has no CPU backward)."""
+    from dcparallel.models import attention as attn
+    from dcparallel.models.flex import flex_packed
 
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev),
-                                  torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], device=dev))
-    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None, n, n,
-                             device=str(dev))
-    flex = torch.compile(flex_attention) if compiled else flex_attention
-
-    def score(s, b, h, qi, ki):
-        return softcap * torch.tanh(s / softcap)
-
-    def run(q, k, v, sinks=None):
-        out, lse = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score, block_mask=mask,
-                        enable_gqa=True, return_lse=True)
-        if sinks is not None:
-            out = out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
-        return out.transpose(1, 2)
-    return run
-
-
-def _attn_case(docs: list[int], dev: torch.device, dry: bool) -> dict:
-    from dcparallel.models import attention as A
-
-    heads, kv, dim = (4, 2, 16) if dry else (32, 8, 128)
-    dtype = torch.float32 if dry else torch.bfloat16
-    inputs, grad, cu = _attn_inputs(docs, heads, kv, dim, dev, dtype)
-    causal = A.AttnPattern("causal")
-    out: dict = {"documents": len(docs), "tokens": cu[-1], "heads": f"{heads}/{kv}", "head_dim": dim,
-                 "dtype": str(dtype)}
-    ref_o, ref_g = _fwd_bwd(lambda q, k, v: A.sdpa_attention(q.float(), k.float(), v.float(), causal, cu),
-                            inputs, grad.float())
-    loop = lambda q, k, v: A.sdpa_attention(q, k, v, causal, cu)  # noqa: E731
-    var = lambda q, k, v: A.cuda_varlen_attention(q, k, v, causal, cu)  # noqa: E731
-    for name, fn in (("sdpa_loop", loop), ("varlen", var)):
-        try:
-            o, gs = _fwd_bwd(fn, inputs, grad)
-            out[f"{name}_rel_err_out"] = _rel(o, ref_o)
-            out[f"{name}_rel_err_grads"] = max(_rel(a, b) for a, b in zip(gs, ref_g, strict=True))
-            out[f"{name}_fwd_bwd_s"] = _time(lambda fn=fn: _fwd_bwd(fn, inputs, grad), dev, 3)
-        except Exception as exc:  # noqa: BLE001 - reported; the other kernels still run
-            out[f"{name}_error"] = _err(exc)
-    cap = 30.0
-    sinks = torch.linspace(-1.0, 1.0, heads, device=dev)
-    try:
-        capped = A.AttnPattern("causal", softcap=cap)
-        ref_o, ref_g = _fwd_bwd(lambda q, k, v: A.sdpa_attention(q.float(), k.float(), v.float(), capped, cu, sinks),
-                                inputs, grad.float())
-        flex = _flex(cu, cu[-1], dev, cap, compiled=dev.type == "cuda")
-        with torch.no_grad():  # the forward alone: flex has no backward on CPU
-            out["flex_softcap_sinks_rel_err_out_forward"] = _rel(flex(*inputs, sinks), ref_o)
-        o, gs = _fwd_bwd(lambda q, k, v: flex(q, k, v, sinks), inputs, grad)
-        out["flex_softcap_sinks_rel_err_out"] = _rel(o, ref_o)
-        out["flex_softcap_sinks_rel_err_grads"] = max(_rel(a, b) for a, b in zip(gs, ref_g, strict=True))
-        out["flex_fwd_bwd_s"] = _time(lambda: _fwd_bwd(lambda q, k, v: flex(q, k, v, sinks), inputs, grad), dev, 3)
-        out["eager_loop_softcap_sinks_fwd_bwd_s"] = _time(
-            lambda: _fwd_bwd(lambda q, k, v: A.sdpa_attention(q, k, v, capped, cu, sinks), inputs, grad), dev, 2)
-    except Exception as exc:  # noqa: BLE001 - flex has no CPU backward; reported
-        out["flex_error"] = _err(exc)
-    return out
+    tokens, cu, pattern = sum(docs) + ATTN_PAD, (0, *itertools.accumulate(docs)), case.pattern()
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = [(1, tokens, case.heads, case.head_dim), (1, tokens, case.kv_heads, case.head_dim),
+              (1, tokens, case.kv_heads, case.value_head_dim)] + ([(case.heads,)] if case.sinks else [])
+    base = [torch.randn(s, generator=g, device=dev) for s in shapes]
+    weight = torch.randn(1, tokens, case.heads, case.value_head_dim, generator=g, device=dev)
+    fast = [t.to(dtype) for t in base]
+    call = lambda kernel: lambda q, k, v, *s: kernel(q, k, v, pattern, cu, *s)  # noqa: E731
+    features = attn.AttnFeatures.of(fast[0], pattern, fast[3] if case.sinks else None)
+    row = {"kernel": attn.attention_kernel(dev.type, dtype, features, attn._torch_version()), "tokens": tokens,
+           "documents": len(docs), "heads": f"{case.heads}/{case.kv_heads}",
+           "head_dims": f"{case.head_dim}/{case.value_head_dim}", "window": case.window, "dtype": str(dtype)}
+    ref = [t.to(torch.float64 if dev.type == "cpu" else torch.float32) for t in base]
+    ref_out, ref_grads, row["reference_s"], row["reference_peak_bytes"] = _attn_fwd_bwd(
+        call(attn.sdpa_attention), ref, weight, dev)
+    del ref
+    times, kernel = [], call(attn.cuda_varlen_attention)
+    for _ in range(1 + repeats):  # the first compiles FlexAttention's kernels
+        out, grads, seconds, row["kernel_peak_bytes"] = _attn_fwd_bwd(kernel, fast, weight, dev)
+        times.append(seconds)
+    row["kernel_s"] = sorted(times[1:])[len(times[1:]) // 2]
+    row["rel_err_out"] = _rel(out, ref_out)
+    for label, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=False):
+        row[f"rel_err_{label}"] = _rel(a, b)
+    if dev.type == "cpu" and case.takes_flex():
+        with torch.no_grad():
+            flex = flex_packed(*fast[:3], cu, causal=pattern.causal, softcap=case.softcap, window=case.window,
+                               sinks=fast[3] if case.sinks else None)
+        row["flex_forward_rel_err_out"] = _rel(flex, ref_out)
+    return row
 
 
 def part_d(out_dir: Path, dry: bool) -> dict:
-    """Packed causal attention: the runtime's kernels (SDPA loop, varlen_attn) and FlexAttention
-    with softcap + sinks against an fp32 reference, on many short documents and a few long."""
+    """The attention kernels training takes (varlen_attn, FlexAttention for softcap, sinks and
+    windows varlen_attn lacks, the SDPA loop) against the fp32 reference, for each model
+    family of `ATTN_CASES` on 256 documents of 64 tokens and on 7 long ones. The cases
+    FlexAttention takes run last (`_attn_order`), and none starts past `ATTN_START_LIMIT_S`.
+    Alone: ``python benchmarks/device_check_parts.py d --out-dir DIR [--dry-run]``."""
+    start = time.perf_counter()
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
-    cases = {"short_256x64": [16] * 16 if dry else [64] * 256,
-             "long_7": [37, 80, 20] if dry else [512, 4096, 1024, 8192, 2048, 300, 700]}
-    out = {}
-    for name, docs in cases.items():
+    dtype = torch.float32 if dry else torch.bfloat16
+    runs = [(layout, case.tiny() if dry else case) for layout in ATTN_LAYOUTS for case in ATTN_CASES
+            if case.long or layout == "short_256x64"]
+    runs.sort(key=_attn_order)
+    out: dict = {"torch": torch.__version__, **{layout: {} for layout in ATTN_LAYOUTS}}
+    for layout, case in runs:
+        if time.perf_counter() - start > ATTN_START_LIMIT_S and not dry:
+            out[layout][case.name] = {"skipped": f"not started: past {ATTN_START_LIMIT_S:.0f} s of the part"}
+            continue
+        docs = ATTN_LAYOUTS[layout][1 if dry else 0]
         try:
-            out[name] = _attn_case(docs, dev, dry)
-        except Exception as exc:  # noqa: BLE001
-            out[name] = {"error": traceback.format_exc()[-1500:] or _err(exc)}
+            out[layout][case.name] = attn_case(case, docs, dev, dtype, repeats=1 if dry else 3)
+        except Exception as exc:  # noqa: BLE001 - reported; the other cases still run
+            out[layout][case.name] = {"error": _err(exc), "traceback": traceback.format_exc()[-1500:]}
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         save(out_dir, "d", out)
     return out
 
@@ -492,17 +548,6 @@ def _engine_step(dev: torch.device, dry: bool) -> dict:
 # ---------------------------------------------------------------- (f) optimizer-step memory
 
 
-def recipe_bytes_per_param(num_params: int, bytes_per_value: int = 2) -> float:
-    """The cost model's model-state bytes per parameter at world 1 (cost/base.py): the one
-    place this check reads the recipe."""
-    from types import SimpleNamespace
-
-    from dcparallel.cost.base import model_state_bytes
-
-    spec = SimpleNamespace(num_params=num_params, bytes_per_value=bytes_per_value, extra_params=0, unit_params=0)
-    return model_state_bytes(spec, 1) / num_params
-
-
 def _live_bytes() -> int:
     """Bytes of every live CPU tensor storage, each storage once."""
     import gc
@@ -519,9 +564,13 @@ def _live_bytes() -> int:
 
 
 def part_f(out_dir: Path, dry: bool) -> dict:
-    """A 1.3B-parameter Llama in bf16 at world 1: bytes held after the optimizer step and its
-    peak, per parameter, against the cost model's recipe."""
+    """A 1.3B-parameter Llama in bf16 at world 1 with the engine's ZeRO-1 AdamW: the bytes held
+    after ``opt.step()`` against the cost model's states (`cost.base.state_recipe`), and the
+    peak of the step (sync, clip and update: torch.cuda.max_memory_allocated) against the
+    recipe's step peak; the second step's, when the optimizer's state exists."""
+    from dcparallel.cost.base import state_recipe
     from dcparallel.models.llama import Llama, LlamaConfig
+    from dcparallel.profile.inputs import reference_spec
     from dcparallel.runtime.engine import Engine
 
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
@@ -531,25 +580,30 @@ def part_f(out_dir: Path, dry: bool) -> dict:
     with torch.device(dev):
         model = Llama(cfg).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
+    recipe = state_recipe(reference_spec(model, model.layers)[0], 1, 1, num_params=n, bytes_per_value=2)
     engine = Engine(model, layers=model.layers, num_heads=cfg.num_heads)
     opt = engine.optimizer(lr=1e-4)
     lengths = [30, 50, 20, 40, 10, 25] if dry else [300, 500, 224, 128, 400, 256]  # (c)'s plan: six documents
     docs = {i: torch.randint(0, cfg.vocab_size, (k,)) for i, k in enumerate(lengths)}
     held = _live_bytes if dev.type == "cpu" else (lambda: torch.cuda.memory_allocated(dev))
-    out: dict = {"num_params": n, "recipe_bytes_per_param": recipe_bytes_per_param(n)}
-    for _ in range(2):  # the second step: the optimizer's state exists already
-        _c_step(engine, model, docs, 0, 1)
-        before = held()
+    for _ in range(2):
+        _c_micro_batches(engine, model, docs, 0, 1)
         if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+        before = held()  # the activations are freed: what the step starts from
+        engine.sync_gradients()
+        engine.clip_grad_norm_(1.0)
         opt.step()
         _sync(dev)
         after = held()
-    out |= {"held_before_step_bytes_per_param": before / n, "held_after_step_bytes_per_param": after / n}
+    out: dict = {"num_params": n, "recipe": dataclasses.asdict(recipe), "recipe_states_bytes": recipe.states,
+                 "recipe_step_peak_bytes": recipe.step_peak, "held_before_sync_bytes": before,
+                 "held_after_step_bytes": after, "held_after_vs_recipe_states": after / recipe.states}
     if dev.type == "cuda":
-        out["peak_in_step_bytes_per_param"] = torch.cuda.max_memory_allocated(dev) / n
-        out["memory"] = _memory(dev)
-    out["held_after_vs_recipe"] = out["held_after_step_bytes_per_param"] / out["recipe_bytes_per_param"]
+        peak = torch.cuda.max_memory_allocated(dev)
+        out |= {"step_peak_bytes": peak, "step_peak_vs_recipe": peak / recipe.step_peak, "memory": _memory(dev)}
+    out["bytes_per_param"] = {k: v / n for k, v in out.items() if k.endswith("_bytes")}
     return out
 
 
