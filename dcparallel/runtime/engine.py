@@ -285,8 +285,7 @@ class Engine:
         check_heads(self.num_heads, batch.sp)
         check_group(batch.ranks, self.shard_size)
         group = self.groups.group(batch.ranks)
-        if self.grad_sync.synced:
-            self.zero_grad()
+        self.grad_sync.begin()  # a new step's gradients start at zero
         if last if last is not None else getattr(batch, "last_of_step", None):
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)

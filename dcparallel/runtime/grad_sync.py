@@ -52,7 +52,7 @@ class GradSync:
 
     Read by the micro-batch context and the optimizer: ``params``, ``numel``, ``shard_numel``,
     ``rank``, ``flat_param``, ``flat_grad``, ``views``, ``stats`` (this rank's summed loss and
-    targets of the step), ``synced`` (the step's sync is done), `add_stats`, `zero_grad`.
+    targets of the step), ``synced`` (the step's sync is done), `add_stats`, `begin`, `zero_grad`.
     ``materialize_grads``: low-precision parameters get ``p.grad`` copies after the sync
     (`expose_grads`)."""
 
@@ -162,6 +162,11 @@ class GradSync:
             raise RuntimeError("a loss was counted after the step's gradient sync began; count every "
                                "loss of the step (ctx.token_loss) before the last micro-batch's backward")
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
+
+    def begin(self) -> None:
+        """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`)."""
+        if self.synced:
+            self.zero_grad()
 
     def arm(self) -> None:
         """This rank's last micro-batch of the step begins: its backward launches each bucket

@@ -10,10 +10,12 @@ loaded shard by shard.
 model's constructor computes them (on CPU): non-persistent buffers such as rotary
 ``inv_freq`` are in no checkpoint, so they must be exact from the start. `materialize`
 (called by `runtime.sharded.ShardedGrads` after ``fully_shard``) gives the sharded parameters
-storage on the run's device (``to_empty``: only this rank's shards, in the dtype FSDP keeps)
-and puts back the buffers it saved. `load_weights` reads every parameter's shard with
-``safetensors.safe_open(...).get_slice`` straight into the local storage: no rank ever
-holds a whole model, in any dtype; at most one parameter's slice is in transit.
+storage on the run's device (as ``to_empty``: only this rank's shards, in the dtype FSDP keeps)
+and keeps the buffers the constructor computed (their own storage, never a copy). `load_weights`
+reads every parameter's shard with ``safetensors.safe_open(...).get_slice`` straight into the
+local storage: no rank ever holds a whole model, in any dtype; at most one parameter's slice is
+in transit. The gradient shards get storage at the first micro-batch (`runtime.sharded`), so
+wrapping and loading hold the parameter shards, the buffers and that one slice.
 """
 
 from __future__ import annotations
@@ -77,22 +79,20 @@ def check_meta_model(model: nn.Module, shard_size: int) -> None:
 
 def materialize(model: nn.Module, device: torch.device) -> list[str]:
     """Storage on ``device`` for every parameter and buffer of a (sharded) meta model: the
-    parameters are left uninitialized (`load_weights` fills them), the buffers that held
-    values get them back exactly. Returns the names of persistent buffers that were on meta
+    parameters are left uninitialized (`load_weights` fills them), the buffers that hold
+    values keep them (and their storage, on ``device``). Returns the names of persistent buffers that were on meta
     (the checkpoint must supply them)."""
     check_buffers(model)
-    saved = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
     missing = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     tied = [names for names in _names_by_tensor(model.named_parameters(remove_duplicate=False)) if len(names) > 1]
-    model.to_empty(device=device)
-    for first, *aliases in tied:  # to_empty makes a new parameter per module: tie them again
+    # `Module.to_empty`'s walk (`_apply`, which FSDP2 extends to re-register its shards), except
+    # that a tensor with values (a computed buffer) keeps its storage (moved only across devices):
+    # no copy of it is held, no empty twice allocated
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t.to(device))
+    for first, *aliases in tied:  # the walk makes a new parameter per module: tie them again
         for alias in aliases:
             owner, _, attr = alias.rpartition(".")
             model.get_submodule(owner)._parameters[attr] = model.get_parameter(first)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n in saved:
-                b.copy_(saved[n])
     return missing
 
 

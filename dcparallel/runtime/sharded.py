@@ -15,7 +15,8 @@ nothing calls no FSDP collective at all.
 The step's one reduction (`ShardedGrads.finish`, on every rank, idle blocks included):
 
 - this rank's gradient shards live in one flat fp32 buffer (``flat_grad``; each ``p.grad``
-  is a DTensor over a view of it, into which FSDP accumulates), summed over the *replicas*
+  is a DTensor over a view of it, into which FSDP accumulates; allocated at the first
+  micro-batch, so wrapping and loading weights hold no gradient), summed over the *replicas*
   (the ranks holding the same shard index in every block: ``r % s`` equal) by one
   all-reduce; an idle block contributes its zeros;
 - this rank's summed loss and target count are summed over the world;
@@ -65,8 +66,8 @@ class ShardedGrads:
     rank's gradient shards and the step's reduction over replicas (module docstring).
 
     Duck-types the part of `runtime.grad_sync.GradSync` the engine and the micro-batch
-    context use: ``params``, ``synced``, ``last_loss``, ``last_count``, `add_stats`, `arm`,
-    `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
+    context use: ``params``, ``synced``, ``last_loss``, ``last_count``, `add_stats`, `begin`,
+    `arm`, `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
     (DTensors, sharded over the block's mesh)."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None,
@@ -120,16 +121,25 @@ class ShardedGrads:
             off += n
         self.local_numel = off
         self.piece_numel = math.ceil(off / self.num_replicas)
-        self.flat_grad = torch.zeros(self.piece_numel * self.num_replicas, dtype=torch.float32, device=device)
-        self._grads: list[Tensor] = []
-        for p, (lo, hi) in zip(self.params, self._ranges, strict=True):
-            self._grads.append(self._as_grad(p, self.flat_grad[lo:hi]))
+        self.device = device
+        self._flat_grad: Tensor | None = None  # `flat_grad`: made by the first micro-batch
+        self._grads: list[Tensor] = []  # each p.grad: a DTensor over a view of it
         self.numel = sum(p.numel() for p in self.params)
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
         self.synced = False
         self.last_loss = float("nan")
         self.last_count = 0.0
-        self.zero_grad()
+
+    @property
+    def flat_grad(self) -> Tensor:
+        """This rank's fp32 gradient shards end to end (the layout of ``_ranges``, padded to a
+        multiple of the replicas), zeros when first read: `begin` reads it before the first
+        backward, so until then (wrap, `load_weights`) no gradient memory is held."""
+        if self._flat_grad is None:
+            flat = torch.zeros(self.piece_numel * self.num_replicas, dtype=torch.float32, device=self.device)
+            self._grads = [self._as_grad(p, flat[lo:hi]) for p, (lo, hi) in zip(self.params, self._ranges, strict=True)]
+            self._flat_grad = flat
+        return self._flat_grad
 
     @staticmethod
     def _as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
@@ -157,6 +167,12 @@ class ShardedGrads:
         """Adds a micro-batch's summed loss and target count (this rank's shard of it)."""
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
+    def begin(self) -> None:
+        """A micro-batch starts: the first one of a step (the first of all, or the first after
+        `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them."""
+        if self.synced or self._flat_grad is None:
+            self.zero_grad()
+
     def arm(self) -> None:
         """The last micro-batch of the step begins (the sharded path does not overlap the
         replica all-reduce with it: FSDP's reduce-scatters already run during backward)."""
@@ -173,11 +189,13 @@ class ShardedGrads:
         self.synced = False
 
     def _fold_foreign_grads(self) -> None:
-        """A ``p.grad`` someone replaced (e.g. ``model.zero_grad()`` mid-step, after which FSDP
-        made a new one) is added into the buffer, so no gradient is dropped."""
+        """A ``p.grad`` someone replaced (e.g. ``model.zero_grad()`` mid-step, or a backward run
+        outside a micro-batch, after which FSDP made a new one) is added into the buffer, so no
+        gradient is dropped."""
+        flat = self.flat_grad
         for p, g, (lo, hi) in zip(self.params, self._grads, self._ranges, strict=True):
             if p.grad is not g and p.grad is not None:
-                self.flat_grad[lo:hi].add_(p.grad.to_local().reshape(-1).float())
+                flat[lo:hi].add_(p.grad.to_local().reshape(-1).float())
             p.grad = g
 
     def finish(self) -> float:
@@ -233,6 +251,7 @@ class ShardedGrads:
         return norm
 
     def storage_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameter shards and gradient shards (for the memory report)."""
+        """Bytes this rank holds for parameter shards and gradient shards during training
+        (for the memory report; the gradient buffer is counted before its first micro-batch too)."""
         return {"params": sum(p.to_local().numel() * p.element_size() for p in self.params),
-                "grads": self.flat_grad.numel() * self.flat_grad.element_size()}
+                "grads": self.piece_numel * self.num_replicas * 4}

@@ -45,7 +45,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         m = grads.piece_numel
         self._lo = grads.replica_index * m
         self._hi = self._lo + m
-        device = grads.flat_grad.device
+        device = grads.device
         with torch.no_grad():
             self._locals = [p.to_local().view(-1) for p in grads.params]  # views of FSDP's shard storage
         self._starts = [a for a, _ in grads._ranges]
@@ -110,7 +110,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         all-gather every replica's chunk in place into one buffer, copied back into the shards."""
         gr, m = self.grads, self.grads.piece_numel
         replicas, j = gr.num_replicas, gr.replica_index
-        buf = torch.empty(replicas * min(m, STEP_CHUNK_NUMEL), dtype=torch.float32, device=gr.flat_grad.device)
+        buf = torch.empty(replicas * min(m, STEP_CHUNK_NUMEL), dtype=torch.float32, device=gr.device)
         for c0 in range(0, m, STEP_CHUNK_NUMEL):
             c1 = min(m, c0 + STEP_CHUNK_NUMEL)
             n = c1 - c0

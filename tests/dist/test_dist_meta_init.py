@@ -2,10 +2,11 @@
 built on the meta device under `dcparallel.empty_init`, wrapped (FSDP2 per block, then storage
 for this rank's shards only) and loaded shard by shard from a ``save_pretrained`` folder.
 
-- Memory: the peak live CPU bytes per rank during wrap + load (each storage once) stay within
-  (model in its dtype)/s + one block in fp32 + the fp32 parameter shard + the fp32 gradient
-  shard (both held from the wrap on) + the buffers twice — a bound derived from the model's
-  real sizes, which the whole-model recipe (the model built on CPU, then wrapped) exceeds.
+- Memory: the peak live CPU bytes per rank during build + wrap + load (each storage once) stay
+  within (bf16 model)/s + one block (bf16) + the fp32 parameter shard — the gradient shards
+  get storage at the first micro-batch, the computed buffers are kept, not copied — a bound
+  derived from the model's real sizes, which the whole-model recipe (the model built on CPU,
+  then wrapped) exceeds.
 - Exactness: the buffers the constructor computes (rotary ``inv_freq``, in no checkpoint) are
   bit-equal to the CPU model's, and the loss and every gradient of a step equal a single
   process running the unmodified CPU model that was saved (fp32; sharding reorders sums: a
@@ -45,14 +46,22 @@ def _saved(tmp_path, kind: str, dtype: torch.dtype) -> str:
 
 
 def _bound(model: torch.nn.Module, blocks, s: int) -> int:
-    """(model in its dtype)/s + one block (fp32) + fp32 parameter and gradient shards (FSDP2
-    pads each parameter's dim 0 to a multiple of s) + buffers twice (saved and restored)."""
+    """Issue 51's bound on a rank of a block of ``s``, for ``model`` in the dtype it is saved and
+    loaded in (bf16 here): ``whole / s + block + shard32``, with
+
+    - ``whole``: every parameter's bytes in that dtype (the model a rank must never hold);
+    - ``block``: the largest of ``blocks`` in that dtype (room for what is in transit: the
+      loader holds one parameter's slice at a time, and no parameter outgrows its block);
+    - ``shard32``: this rank's fp32 parameter shards, 4 P / s (FSDP2 pads each parameter's
+      dim 0 to a multiple of s; the models here have even dims, so no padding).
+
+    Nothing for gradients: their shards get storage at the first micro-batch, after the load."""
     params = list(model.parameters())
     whole = sum(p.numel() * p.element_size() for p in params)
     shard32 = sum(-(-p.shape[0] // s) * (p.numel() // max(1, p.shape[0])) * 4 for p in params)
-    block32 = max(sum(p.numel() * 4 for p in b.parameters()) for b in blocks)
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return whole // s + block32 + 2 * shard32 + 2 * buffers
+    assert shard32 == 4 * sum(p.numel() for p in params) // s  # no padding: exactly 4 P / s
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
+    return whole // s + block + shard32
 
 
 @pytest.mark.parametrize("kind", ["hf-llama", "llama"])
