@@ -12,7 +12,9 @@ to a multiple of the world size | this rank's summed loss | its target count. Ea
 parameter's post-accumulate-grad hook adds its gradient into its view of the buffer, so the
 buffer accumulates over any number of micro-batches.
 
-Buckets: fixed-size element ranges of the whole buffer, taken from its end (the last
+Buckets: fixed-size element ranges of the whole buffer (by default
+`cost.overlap.default_bucket_bytes`: at least 25 MiB, at most 64 buckets, larger as the world
+grows so the ring latency each all-reduce pays stays small), taken from its end (the last
 parameters get their gradients first in backward), so bucket 0 holds the loss and the count.
 Every rank has the same buckets and launches them in the same order on a process group used
 for nothing else (``group``): a bucket's asynchronous all-reduce starts when it and every
@@ -37,17 +39,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dcparallel.cost.overlap import default_bucket_bytes
 from dcparallel.runtime import comm
-
-#: DDP's default bucket size: big enough to reach the link's bandwidth, small enough to overlap
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class GradSync:
     """Owns ``flat_param`` and ``flat_grad``, the per-parameter views and hooks, the loss /
     target statistics and the bucketed all-reduce. Rank ``rank`` of ``world_size`` owns
     elements ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat parameters.
-    ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer). ``overlap``:
+    ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer; None: chosen
+    from the buffer's size and the world's, `cost.overlap.default_bucket_bytes`). ``overlap``:
     launch buckets during the last backward (False: all in `finish`).
 
     Read by the micro-batch context and the optimizer: ``params``, ``numel``, ``shard_numel``,
@@ -57,7 +58,7 @@ class GradSync:
     (`expose_grads`)."""
 
     def __init__(self, params: Sequence[nn.Parameter], *, world_size: int = 1, rank: int = 0, group=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int | None = None, overlap: bool = True):
         self.params = list(params)
         device = self.params[0].device
         self.rank, self.world_size = rank, world_size
@@ -100,12 +101,15 @@ class GradSync:
 
     # ------------------------------------------------------------------ buckets
 
-    def set_bucket_bytes(self, bucket_bytes: int) -> None:
-        """Re-cuts the buckets (only between steps; every rank must use the same size)."""
+    def set_bucket_bytes(self, bucket_bytes: int | None) -> None:
+        """Re-cuts the buckets (only between steps; every rank must use the same size). None:
+        the default for this buffer and world (`cost.overlap.default_bucket_bytes`)."""
+        total = self.flat_grad.numel()
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(4 * total, self.world_size)
         if bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one bucket); got {bucket_bytes}")
         assert not self._works and not self._armed, "re-bucketing in the middle of a step"
-        total = self.flat_grad.numel()
         size = total if bucket_bytes == 0 else max(1, bucket_bytes // 4)
         self.bucket_bytes = bucket_bytes
         # bucket k = [total - (k+1) size, total - k size), clipped at 0: launch order = index
