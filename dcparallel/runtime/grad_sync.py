@@ -20,9 +20,11 @@ Every rank has the same buckets and launches them in the same order on a process
 for nothing else (``group``): a bucket's asynchronous all-reduce starts when it and every
 bucket before it are final. They are final only during this rank's last micro-batch of the
 step (`arm` is called when it begins): a bucket is launched as soon as every parameter
-touching it has had its hook run in that backward. `finish` launches what is left (all of
-it on a rank that ran no micro-batch, or when the last micro-batch was not announced), waits,
-and divides by the global target count.
+touching it is final: its hook has run in that backward, or that backward cannot reach it
+(`skip_unreached`: an expert no token of the micro-batch was routed to adds nothing, so it
+must not hold back its bucket and every bucket after it). `finish` launches what is left
+(all of it on a rank that ran no micro-batch, or when the last micro-batch was not
+announced), waits, and divides by the global target count.
 
 Exactness: each element is summed over the ranks by the same all-reduce as one unbucketed
 call would use, so with two ranks (a + b = b + a) the result is bitwise the same; with more
@@ -95,6 +97,9 @@ class GradSync:
         self.last_count = 0.0
         self.last_overlapped = 0
         self._armed = False
+        self._final = [False] * len(self.params)  # armed: parameter i is final for the step
+        self._walked = False  # armed: the last backward's graph was searched (`skip_unreached`)
+        self._unreached: set[int] = set()  # armed: parameters that search found unreached
         self._next = 0  # buckets [0, _next) are launched
         self._works: list = []
         self.set_bucket_bytes(bucket_bytes)
@@ -140,23 +145,51 @@ class GradSync:
         self._works.append(comm.all_reduce_sum_async(self.flat_grad[lo:hi], self.group))
         self._next = k + 1
 
+    def _set_final(self, i: int) -> None:
+        """Parameter i adds nothing more this step: its buckets wait for one parameter less."""
+        if not self._final[i]:
+            self._final[i] = True
+            for k in self._param_buckets[i]:
+                self._pending[k] -= 1
+
     def _make_hook(self, i: int, view: Tensor):
         def hook(p: Tensor) -> None:
             ks = self._param_buckets[i]
             if ks and ks[0] < self._next:
-                raise RuntimeError(
-                    f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's all-reduce "
-                    f"was launched: the step's last micro-batch must run exactly one backward (call "
-                    f"ctx.backward once, or pass last=False to micro_batch)"
-                )
+                why = ("the last backward's graph did not reach it (a parameter used through a function that "
+                       "hides it from autograd's graph, such as reentrant checkpointing: call loss.backward() "
+                       "yourself in the last micro-batch)" if i in self._unreached else
+                       "the step's last micro-batch must run exactly one backward (call ctx.backward once, "
+                       "or pass last=False to micro_batch)")
+                raise RuntimeError(f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's "
+                                   f"all-reduce was launched: {why}")
             view.add_(p.grad)
             p.grad = None
             if self._armed:
-                for k in ks:
-                    self._pending[k] -= 1
+                self._set_final(i)
                 self._launch_ready()
 
         return hook
+
+    def skip_unreached(self, loss: Tensor) -> None:
+        """The armed micro-batch's one backward, of ``loss``, is about to run: the trainable
+        parameters its autograd graph does not reach get no hook in it, so they are final now
+        (their gradient of this micro-batch is zero; earlier micro-batches' are in the buffer),
+        and the buckets this completes are launched. Every rank still launches every bucket in
+        the same order: only the moment differs. Searches the graph once, on the armed
+        micro-batch only; a backward run outside `MicroBatchContext.backward` leaves the
+        unreached parameters' buckets to `finish`."""
+        if not self._armed or self._walked or self._next > 0:
+            return
+        self._walked = True
+        reached = reached_leaves(loss)
+        if reached is None:
+            return
+        for i, p in enumerate(self.params):
+            if id(p) not in reached:
+                self._unreached.add(i)
+                self._set_final(i)
+        self._launch_ready()
 
     # ------------------------------------------------------------------ per step
 
@@ -169,12 +202,15 @@ class GradSync:
 
     def arm(self) -> None:
         """This rank's last micro-batch of the step begins: its backward launches each bucket
-        once it is final (no bucket goes out before that backward's first hook)."""
+        once it is final (no bucket goes out before that backward begins)."""
         if self.synced:
             self.zero_grad()
         if not self.overlap or self._armed:
             return
         self._pending = list(self._num_params_in)
+        self._final = [False] * len(self.params)
+        self._walked = False
+        self._unreached = set()
         self._armed = True
 
     def zero_grad(self) -> None:
@@ -230,3 +266,28 @@ class GradSync:
                 p.grad.copy_(view)
             else:
                 p.grad = view.to(p.dtype)
+
+
+#: autograd nodes that run a backward of their own over parameters their graph does not show
+_OPAQUE_NODES = ("CheckpointFunctionBackward",)
+
+
+def reached_leaves(loss: Tensor) -> set[int] | None:
+    """The ids of the leaf tensors (parameters) whose AccumulateGrad node ``loss``'s backward
+    graph reaches, as DDP's find_unused_parameters searches it; None when the graph holds a
+    node that may reach parameters it does not show (reentrant checkpointing)."""
+    leaves: set[int] = set()
+    seen: set = set()  # the nodes themselves: holding them keeps their Python wrappers (and ids) alive
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ in _OPAQUE_NODES:
+            return None
+        var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if var is not None:
+            leaves.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return leaves
