@@ -132,7 +132,10 @@ class MicroBatchContext:
     def backward(self, summed_loss: Tensor) -> None:
         """Backward of the shard's summed loss. Every rank of the batch's group must call it
         for the same micro-batch (backward runs the mirrored all-to-alls in that group);
-        recomputed forwards get the batch's group back even after the block has exited."""
+        recomputed forwards get the batch's group back even after the block has exited. In
+        the rank's last micro-batch, parameters the loss does not reach (an expert no token
+        went to) stop holding back the gradient sync's buckets (`GradSync.skip_unreached`)."""
+        self.grad_sync.skip_unreached(summed_loss)
         summed_loss.backward()
 
 

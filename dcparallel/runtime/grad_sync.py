@@ -12,15 +12,19 @@ to a multiple of the world size | this rank's summed loss | its target count. Ea
 parameter's post-accumulate-grad hook adds its gradient into its view of the buffer, so the
 buffer accumulates over any number of micro-batches.
 
-Buckets: fixed-size element ranges of the whole buffer, taken from its end (the last
+Buckets: fixed-size element ranges of the whole buffer (by default
+`cost.overlap.default_bucket_bytes`: at least 25 MiB, at most 64 buckets, larger as the world
+grows so the ring latency each all-reduce pays stays small), taken from its end (the last
 parameters get their gradients first in backward), so bucket 0 holds the loss and the count.
 Every rank has the same buckets and launches them in the same order on a process group used
 for nothing else (``group``): a bucket's asynchronous all-reduce starts when it and every
 bucket before it are final. They are final only during this rank's last micro-batch of the
 step (`arm` is called when it begins): a bucket is launched as soon as every parameter
-touching it has had its hook run in that backward. `finish` launches what is left (all of
-it on a rank that ran no micro-batch, or when the last micro-batch was not announced), waits,
-and divides by the global target count.
+touching it is final: its hook has run in that backward, or that backward cannot reach it
+(`skip_unreached`: an expert no token of the micro-batch was routed to adds nothing, so it
+must not hold back its bucket and every bucket after it). `finish` launches what is left
+(all of it on a rank that ran no micro-batch, or when the last micro-batch was not
+announced), waits, and divides by the global target count.
 
 Exactness: each element is summed over the ranks by the same all-reduce as one unbucketed
 call would use, so with two ranks (a + b = b + a) the result is bitwise the same; with more
@@ -37,17 +41,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dcparallel.cost.overlap import default_bucket_bytes
 from dcparallel.runtime import comm
-
-#: DDP's default bucket size: big enough to reach the link's bandwidth, small enough to overlap
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class GradSync:
     """Owns ``flat_param`` and ``flat_grad``, the per-parameter views and hooks, the loss /
     target statistics and the bucketed all-reduce. Rank ``rank`` of ``world_size`` owns
     elements ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat parameters.
-    ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer). ``overlap``:
+    ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer; None: chosen
+    from the buffer's size and the world's, `cost.overlap.default_bucket_bytes`). ``overlap``:
     launch buckets during the last backward (False: all in `finish`).
 
     Read by the micro-batch context and the optimizer: ``params``, ``numel``, ``shard_numel``,
@@ -57,7 +60,7 @@ class GradSync:
     (`expose_grads`)."""
 
     def __init__(self, params: Sequence[nn.Parameter], *, world_size: int = 1, rank: int = 0, group=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int | None = None, overlap: bool = True):
         self.params = list(params)
         device = self.params[0].device
         self.rank, self.world_size = rank, world_size
@@ -94,18 +97,24 @@ class GradSync:
         self.last_count = 0.0
         self.last_overlapped = 0
         self._armed = False
+        self._final = [False] * len(self.params)  # armed: parameter i is final for the step
+        self._walked = False  # armed: the last backward's graph was searched (`skip_unreached`)
+        self._unreached: set[int] = set()  # armed: parameters that search found unreached
         self._next = 0  # buckets [0, _next) are launched
         self._works: list = []
         self.set_bucket_bytes(bucket_bytes)
 
     # ------------------------------------------------------------------ buckets
 
-    def set_bucket_bytes(self, bucket_bytes: int) -> None:
-        """Re-cuts the buckets (only between steps; every rank must use the same size)."""
+    def set_bucket_bytes(self, bucket_bytes: int | None) -> None:
+        """Re-cuts the buckets (only between steps; every rank must use the same size). None:
+        the default for this buffer and world (`cost.overlap.default_bucket_bytes`)."""
+        total = self.flat_grad.numel()
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(4 * total, self.world_size)
         if bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one bucket); got {bucket_bytes}")
         assert not self._works and not self._armed, "re-bucketing in the middle of a step"
-        total = self.flat_grad.numel()
         size = total if bucket_bytes == 0 else max(1, bucket_bytes // 4)
         self.bucket_bytes = bucket_bytes
         # bucket k = [total - (k+1) size, total - k size), clipped at 0: launch order = index
@@ -136,23 +145,51 @@ class GradSync:
         self._works.append(comm.all_reduce_sum_async(self.flat_grad[lo:hi], self.group))
         self._next = k + 1
 
+    def _set_final(self, i: int) -> None:
+        """Parameter i adds nothing more this step: its buckets wait for one parameter less."""
+        if not self._final[i]:
+            self._final[i] = True
+            for k in self._param_buckets[i]:
+                self._pending[k] -= 1
+
     def _make_hook(self, i: int, view: Tensor):
         def hook(p: Tensor) -> None:
             ks = self._param_buckets[i]
             if ks and ks[0] < self._next:
-                raise RuntimeError(
-                    f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's all-reduce "
-                    f"was launched: the step's last micro-batch must run exactly one backward (call "
-                    f"ctx.backward once, or pass last=False to micro_batch)"
-                )
+                why = ("the last backward's graph did not reach it (a parameter used through a function that "
+                       "hides it from autograd's graph, such as reentrant checkpointing: call loss.backward() "
+                       "yourself in the last micro-batch)" if i in self._unreached else
+                       "the step's last micro-batch must run exactly one backward (call ctx.backward once, "
+                       "or pass last=False to micro_batch)")
+                raise RuntimeError(f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's "
+                                   f"all-reduce was launched: {why}")
             view.add_(p.grad)
             p.grad = None
             if self._armed:
-                for k in ks:
-                    self._pending[k] -= 1
+                self._set_final(i)
                 self._launch_ready()
 
         return hook
+
+    def skip_unreached(self, loss: Tensor) -> None:
+        """The armed micro-batch's one backward, of ``loss``, is about to run: the trainable
+        parameters its autograd graph does not reach get no hook in it, so they are final now
+        (their gradient of this micro-batch is zero; earlier micro-batches' are in the buffer),
+        and the buckets this completes are launched. Every rank still launches every bucket in
+        the same order: only the moment differs. Searches the graph once, on the armed
+        micro-batch only; a backward run outside `MicroBatchContext.backward` leaves the
+        unreached parameters' buckets to `finish`."""
+        if not self._armed or self._walked or self._next > 0:
+            return
+        self._walked = True
+        reached = reached_leaves(loss)
+        if reached is None:
+            return
+        for i, p in enumerate(self.params):
+            if id(p) not in reached:
+                self._unreached.add(i)
+                self._set_final(i)
+        self._launch_ready()
 
     # ------------------------------------------------------------------ per step
 
@@ -170,12 +207,15 @@ class GradSync:
 
     def arm(self) -> None:
         """This rank's last micro-batch of the step begins: its backward launches each bucket
-        once it is final (no bucket goes out before that backward's first hook)."""
+        once it is final (no bucket goes out before that backward begins)."""
         if self.synced:
             self.zero_grad()
         if not self.overlap or self._armed:
             return
         self._pending = list(self._num_params_in)
+        self._final = [False] * len(self.params)
+        self._walked = False
+        self._unreached = set()
         self._armed = True
 
     def zero_grad(self) -> None:
@@ -231,3 +271,28 @@ class GradSync:
                 p.grad.copy_(view)
             else:
                 p.grad = view.to(p.dtype)
+
+
+#: autograd nodes that run a backward of their own over parameters their graph does not show
+_OPAQUE_NODES = ("CheckpointFunctionBackward",)
+
+
+def reached_leaves(loss: Tensor) -> set[int] | None:
+    """The ids of the leaf tensors (parameters) whose AccumulateGrad node ``loss``'s backward
+    graph reaches, as DDP's find_unused_parameters searches it; None when the graph holds a
+    node that may reach parameters it does not show (reentrant checkpointing)."""
+    leaves: set[int] = set()
+    seen: set = set()  # the nodes themselves: holding them keeps their Python wrappers (and ids) alive
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ in _OPAQUE_NODES:
+            return None
+        var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if var is not None:
+            leaves.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return leaves

@@ -179,6 +179,9 @@ class ShardedGrads:
         if self.synced:
             self.zero_grad()
 
+    def skip_unreached(self, loss: Tensor) -> None:
+        """Nothing to do: the replica all-reduce does not overlap the last backward (`arm`)."""
+
     def zero_grad(self) -> None:
         """Starts a new step: gradient shards and statistics zero, every ``p.grad`` a view of
         ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it)."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from dcparallel.data.collate import text_batch
+from dcparallel.loss import per_token_loss
 from dcparallel.runtime.engine import Engine
 from tests.dist.cases import groups
 from tests.support import NUM_HEADS, make_data, make_model, random_plan, run_rank_step
@@ -74,3 +77,62 @@ def case_idle_steps(kind: str, num_steps: int, bucket_bytes: int) -> list[float]
         losses.append(run_rank_step(dc, data, plan, rank))
         opt.step()
     return losses
+
+
+#: which (expert, rank, last micro-batch?) the loss reaches, per mode of `case_unreached_experts`
+REACH = {
+    "never": lambda name, rank, last: False,
+    "rank0": lambda name, rank, last: rank == 0,
+    "earlier": lambda name, rank, last: not last,  # in the buffer from earlier micro-batches only
+    "split": lambda name, rank, last: rank == (0 if name == "tail" else 1),
+}
+
+
+def _model_with_experts() -> tuple[nn.Module, dict[str, nn.Module]]:
+    """The reference Llama plus two "experts" its forward never uses: one in the middle of the
+    parameter order (a child of block 1), one last (so in bucket 0, with the loss)."""
+    model = make_model("llama")
+    torch.manual_seed(1)
+    model.layers[1].expert = nn.Linear(6, 5, bias=False)
+    model.tail = nn.Linear(7, 3, bias=False)
+    return model, {"middle": model.layers[1].expert, "tail": model.tail}
+
+
+def _expert_step(dc: Engine, experts: dict[str, nn.Module], data, plan, rank: int, reach) -> float:
+    work = plan.work_of(rank)
+    for j, (mb, ranks) in enumerate(work):
+        batch = text_batch(mb, ranks, rank, data.docs, data.labels)
+        last = j == len(work) - 1
+        with dc.micro_batch(batch, last=last) as ctx:
+            ptl, _ = per_token_loss(dc.model(batch.inputs, batch.positions), batch.labels)
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            for name, expert in experts.items():
+                if reach(name, rank, last):  # a token routed to this expert
+                    loss = loss + expert.weight.square().sum()
+            ctx.backward(loss)
+    return dc.sync_gradients()
+
+
+def case_unreached_experts(seeds: list[int], bucket_bytes: int, num_samples: int = 8) -> list[dict]:
+    """Parameters the last backward does not reach on some ranks (`REACH`): engine A syncs
+    in one all-reduce after the last micro-batch, B in `bucket_bytes` buckets overlapped
+    with the last backward on every rank. Returns per plan both buffers and how many of B's
+    buckets went out during that backward."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    (a_model, a_experts), (b_model, b_experts) = _model_with_experts(), _model_with_experts()
+    a = Engine(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
+    b = Engine(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
+    a.grad_sync.set_bucket_bytes(0)
+    a.grad_sync.overlap = False
+    b.grad_sync.set_bucket_bytes(bucket_bytes)
+    out = []
+    for i, seed in enumerate(seeds):
+        mode = list(REACH)[i % len(REACH)]
+        data = make_data("llama", num_samples, seed)
+        plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(a_model.layers))
+        loss_a = _expert_step(a, a_experts, data, plan, rank, REACH[mode])
+        loss_b = _expert_step(b, b_experts, data, plan, rank, REACH[mode])
+        out.append({"mode": mode, "num_mbs": len(plan.work_of(rank)), "loss_a": loss_a, "loss_b": loss_b,
+                    "a": a.flat_grad.clone(), "b": b.flat_grad.clone(), "num_buckets": b.grad_sync.num_buckets,
+                    "overlapped": b.grad_sync.last_overlapped})
+    return out

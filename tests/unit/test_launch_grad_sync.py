@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from dcparallel.cost.overlap import MAX_BUCKETS, MIN_BUCKET_BYTES, sync_buckets
 from dcparallel.data.collate import text_batch
 from dcparallel.loss import per_token_loss
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
+from dcparallel.runtime.grad_sync import GradSync, reached_leaves
 from dcparallel.runtime.launch import Links, check_launch, choose_backend, cluster_from_env, init_distributed
 from dcparallel.spec import ClusterSpec, Layout, h200_cluster
 from tests.support import NUM_HEADS, make_data, make_model
@@ -63,7 +67,7 @@ def test_launches_the_plan_cannot_use_are_clear_errors():
     check_launch(ClusterSpec(world_size=16, gpus_per_node=8), 12)  # SP 2 and 4 divide 12
 
 
-def _engine(bucket_bytes: int):
+def _engine(bucket_bytes: int | None):
     model = make_model("llama")
     dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS)
     dc.grad_sync.set_bucket_bytes(bucket_bytes)
@@ -126,3 +130,56 @@ def test_two_backwards_in_the_last_micro_batch_are_caught():
     _run(model, dc, data, [1], last=True)
     with pytest.raises(RuntimeError, match="loss was counted after the step's gradient sync began"):
         _run(model, dc, data, [0], last=False)  # a micro-batch after the one announced as last
+
+
+def test_default_buckets_stay_few_and_grow_with_the_world():
+    """A 7B model's 28 GB of fp32 gradients: 25 MiB buckets would be about 1000 sequential
+    all-reduces; the default keeps them <= 64 and larger as the ring gets longer. A small
+    model still gets the 25 MiB floor (one bucket here). Built on the meta device: no memory."""
+    sizes = {}
+    for world in (8, 1024):
+        gs = GradSync([nn.Parameter(torch.empty(7 * 10**9, device="meta"))], world_size=world)
+        assert 1 < gs.num_buckets <= MAX_BUCKETS, (world, gs.num_buckets)
+        assert gs.bucket_bytes % 4 == 0 and (gs.num_buckets - 1) * gs.bucket_bytes < 4 * gs.flat_grad.numel()
+        sizes[world] = gs.bucket_bytes
+    assert sizes[1024] > sizes[8]
+    assert sync_buckets(7e9, 1, 8) == 64 and sync_buckets(7e9, 1, 1024) == 4  # the cost model agrees
+    _, dc = _engine(None)
+    assert dc.grad_sync.bucket_bytes == MIN_BUCKET_BYTES and dc.grad_sync.num_buckets == 1
+    dc.grad_sync.set_bucket_bytes(1000)  # an explicit size wins
+    assert dc.grad_sync.num_buckets == -(-dc.flat_grad.numel() // 250)
+
+
+def test_a_parameter_the_last_backward_cannot_reach_holds_back_no_bucket():
+    """A parameter the loss never reaches, last in the parameter order (so in bucket 0): its
+    hook never runs. ctx.backward searches the graph first, so every bucket goes out in that
+    backward; a backward called outside ctx.backward leaves them all to sync_gradients."""
+    data = make_data("llama", 2, 0)
+    grads = {}
+    for outside in (False, True):
+        model = make_model("llama")
+        model.tail = nn.Linear(4, 3, bias=False)  # registered last: the last parameter
+        dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS)
+        dc.grad_sync.set_bucket_bytes(1000)
+        mb = MicroBatch((0, 1), Layout(1, 2))
+        batch = text_batch(mb, (0,), 0, data.docs, data.labels)
+        with dc.micro_batch(batch, last=True) as ctx:
+            ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            if not outside:
+                ctx.backward(loss)
+        if outside:
+            loss.backward()
+        launched = dc.grad_sync._next
+        dc.sync_gradients()
+        grads[outside] = dc.flat_grad.clone()
+        assert launched == dc.grad_sync.last_overlapped == (0 if outside else dc.grad_sync.num_buckets)
+    assert grads[False].equal(grads[True])
+
+
+def test_reentrant_checkpointing_hides_parameters_so_nothing_is_skipped():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert reached_leaves(lin(x).sum()) == {id(lin.weight), id(lin.bias), id(x)}
+    hidden = checkpoint(lin, x, use_reentrant=True).sum()
+    assert reached_leaves(hidden) is None  # the parameters are only seen when it recomputes
