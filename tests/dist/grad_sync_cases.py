@@ -33,6 +33,17 @@ def _plan(data, num_samples: int, world: int, seed: int, mode: str, num_layers: 
     return plan
 
 
+def _unbucketed_and_bucketed(a_model, b_model, bucket_bytes: int) -> tuple[Engine, Engine]:
+    """Engine A syncs its whole buffer in one all-reduce after the last micro-batch; engine B
+    in ``bucket_bytes`` buckets (overlapped with the last backward unless a case turns it off)."""
+    a = Engine(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
+    b = Engine(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
+    a.grad_sync.set_bucket_bytes(0)
+    a.grad_sync.overlap = False
+    b.grad_sync.set_bucket_bytes(bucket_bytes)
+    return a, b
+
+
 def case_bucketed_vs_unbucketed(kind: str, seeds: list[int], bucket_bytes: int, num_samples: int = 8) -> list[dict]:
     """The same plans on two engines over identical models: A reduces the whole buffer in
     one all-reduce after the last micro-batch (the unbucketed sync), B in `bucket_bytes`
@@ -41,11 +52,7 @@ def case_bucketed_vs_unbucketed(kind: str, seeds: list[int], bucket_bytes: int, 
     both buffers and how many of B's buckets went out during backward."""
     world, rank = dist.get_world_size(), dist.get_rank()
     a_model, b_model = make_model(kind), make_model(kind)
-    a = Engine(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
-    b = Engine(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
-    a.grad_sync.set_bucket_bytes(0)
-    a.grad_sync.overlap = False
-    b.grad_sync.set_bucket_bytes(bucket_bytes)
+    a, b = _unbucketed_and_bucketed(a_model, b_model, bucket_bytes)
     out = []
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
@@ -120,11 +127,7 @@ def case_unreached_experts(seeds: list[int], bucket_bytes: int, num_samples: int
     buckets went out during that backward."""
     world, rank = dist.get_world_size(), dist.get_rank()
     (a_model, a_experts), (b_model, b_experts) = _model_with_experts(), _model_with_experts()
-    a = Engine(a_model, layers=a_model.layers, num_heads=NUM_HEADS, groups=groups())
-    b = Engine(b_model, layers=b_model.layers, num_heads=NUM_HEADS, groups=groups())
-    a.grad_sync.set_bucket_bytes(0)
-    a.grad_sync.overlap = False
-    b.grad_sync.set_bucket_bytes(bucket_bytes)
+    a, b = _unbucketed_and_bucketed(a_model, b_model, bucket_bytes)
     out = []
     for i, seed in enumerate(seeds):
         mode = list(REACH)[i % len(REACH)]
