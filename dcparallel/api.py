@@ -38,6 +38,7 @@ from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.data.batch import Batch
 from dcparallel.data.loader import DataCentricLoader
+from dcparallel.data.rollouts import rollout_sizes
 from dcparallel.data.sizes import check_step_budget, read_sizes
 from dcparallel.plan.policies import policy_spec
 from dcparallel.profile.cache import load_or_profile
@@ -47,6 +48,7 @@ from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
+from dcparallel.runtime.rollout_step import RolloutPlanner, RolloutStep
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
 from dcparallel.spec import ClusterSpec, ModelSpec
@@ -146,6 +148,7 @@ class DataCentricParallel:
         self.profile = None
         self.cost = None
         self.loader: DataCentricLoader | None = None
+        self.rollouts: RolloutPlanner | None = None
 
     def _set_memory(self, memory_bytes: int) -> None:
         if memory_bytes <= 0:
@@ -217,9 +220,10 @@ class DataCentricParallel:
         meta device, shard_size > 1) gets its weights this way, before `prepare`."""
         self.engine.load_weights(folder)
 
-    def sync_gradients(self) -> float:
-        """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss."""
-        return self.engine.sync_gradients()
+    def sync_gradients(self, normalizer: float | None = None) -> float:
+        """`Engine.sync_gradients`: the step's one gradient sync; the step's mean loss.
+        ``normalizer``: divide by this constant instead of the step's target count."""
+        return self.engine.sync_gradients(normalizer)
 
     def zero_grad(self) -> None:
         """`Engine.zero_grad`: starts a new step's accumulation."""
@@ -322,6 +326,37 @@ class DataCentricParallel:
                                         policy=self.policy, tokens_per_step=tokens_per_step,
                                         samples_per_step=samples_per_step, seed=self.seed, **loader_kw)
         return self.loader
+
+    def prepare_rollouts(self, *, max_tokens: int, cost: str = "profiled",
+                         profile_path: str | Path = "dcparallel_profile.json",
+                         profiler_config: ProfilerConfig | Mapping[str, Any] | None = None,
+                         loss_fn: LossFn | None = None, check_plans: int = 50) -> RolloutPlanner:
+        """`prepare` for steps made at run time (RL rollouts): prices the model's layouts for
+        samples of up to ``max_tokens`` tokens (``cost``, ``profile_path``, ``profiler_config``,
+        ``loss_fn`` as in `prepare`), after which `plan_batch` plans each step. Collective."""
+        if cost not in ("profiled", "analytic") or (cost == "analytic" and profiler_config is not None):
+            raise ValueError(f"cost={cost!r}: give 'profiled' or 'analytic' (with no profiler_config)")
+        self.loss_fn = loss_fn or self.loss_fn
+        sizes = rollout_sizes(max_tokens)
+        self._agree_inputs(sizes, {"max_tokens": max_tokens})
+        if cost == "analytic":
+            self.cost = AnalyticCost(self.spec, _priced(self.cluster_spec))
+        else:
+            self.profile = self._profile(sizes, Path(profile_path), profiler_config)
+            self.cost = ProfiledCost(self.profile, self.cluster_spec)
+        self._agree_cost()
+        self.rollouts = RolloutPlanner(self.cost, self.cluster_spec, self.policy, device=self.params[0].device,
+                                       check_plans=check_plans)
+        return self.rollouts
+
+    def plan_batch(self, samples: Sequence[Mapping[str, Any]]) -> RolloutStep:
+        """Plans one step from the rollouts every rank holds (`runtime.rollout_step`): lengths
+        exchanged, the policy's plan, each rollout moved to the ranks that run it. ``samples``:
+        this rank's rollouts, mappings of ``input_ids`` and per-token tensors (`data.rollouts`).
+        Collective: every rank calls it, with its own rollouts (maybe none)."""
+        if self.rollouts is None:
+            raise ValueError("plan_batch needs a cost model: call dc.prepare_rollouts(max_tokens=...) first")
+        return self.rollouts.plan(samples)
 
     def _profile(self, sizes: Sequence[Any], path: Path,
                  profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:

@@ -64,6 +64,10 @@ class Batch:
     inverse_targets: Tensor | None = None
     """(samples + 1,) float32: 1 / targets of each whole sample, then 0 (for padding's -1),
     moved with the batch for `sample_mean_weights`; None builds it from ``num_targets``"""
+    per_token: Mapping[str, Tensor] = field(default_factory=dict)
+    """(B, Ls, ...) per-token tensors of the samples (RL advantages, old and reference
+    log-probs: `data.rollouts`), shifted like ``labels`` (position p holds the value of the
+    token predicted at p) and sharded like them; 0 on padding"""
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_tensor is None:
@@ -84,6 +88,7 @@ class Batch:
         changes = {f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), Tensor)}
         changes["extras"] = {k: move(v) for k, v in self.extras.items()}
+        changes["per_token"] = {k: move(v) for k, v in self.per_token.items()}
         return dataclasses.replace(self, **changes)
 
     def pin_memory(self) -> Batch:
@@ -91,6 +96,7 @@ class Batch:
         changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), Tensor)}
         changes["extras"] = {k: v.pin_memory() for k, v in self.extras.items()}
+        changes["per_token"] = {k: v.pin_memory() for k, v in self.per_token.items()}
         return dataclasses.replace(self, **changes)
 
     @property

@@ -248,6 +248,21 @@ def all_gather_flat(t: Tensor, group) -> Tensor:
     return out
 
 
+def all_to_all_bytes(parts: list[Tensor], recv_sizes: list[int], group=WORLD) -> list[Tensor]:
+    """One variable-size all-to-all of 1-D uint8 buffers: ``parts[j]`` goes to rank j of
+    ``group`` (default: the whole world); returns what each rank sent here, ``recv_sizes[j]``
+    bytes from rank j (every rank computes those from what it already knows)."""
+    n = world_size() if group is WORLD else group_size(group)
+    assert len(parts) == len(recv_sizes) == n, (len(parts), len(recv_sizes), n)
+    if n == 1:
+        return [parts[0]]
+    send = torch.cat(parts)
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(out, send, output_split_sizes=list(recv_sizes),
+                           input_split_sizes=[p.numel() for p in parts], group=None if group is WORLD else group)
+    return list(out.split(list(recv_sizes)))
+
+
 def wait(handle) -> None:
     if handle is not None:
         handle.wait()

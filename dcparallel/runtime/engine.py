@@ -313,13 +313,13 @@ class Engine:
 
     # ------------------------------------------------------------------ per step
 
-    def sync_gradients(self) -> float:
+    def sync_gradients(self, normalizer: float | None = None) -> float:
         """The step's one reduction: sums gradients, losses and target counts over the world
         in fixed buckets (every rank calls it exactly once per step; buckets the last
         backward already launched are only waited for), divides the gradients by the global
-        target count; `gradients` reads them (``p.grad``: `GradSync.expose_grads`). Returns
-        the step's mean loss."""
-        return self.grad_sync.finish()
+        target count (by ``normalizer`` if given: a fixed constant, as Dr. GRPO's); `gradients`
+        reads them (``p.grad``: `GradSync.expose_grads`). Returns the step's mean loss."""
+        return self.grad_sync.finish(normalizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Global-norm gradient clipping of the synced step, as `torch.nn.utils.clip_grad_norm_`

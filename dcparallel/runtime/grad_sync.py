@@ -234,9 +234,10 @@ class GradSync:
             comm.wait(w)
         self._works = []
 
-    def finish(self) -> float:
+    def finish(self, normalizer: float | None = None) -> float:
         """Launches the buckets not yet launched (in order), waits for all, divides by the
-        global target count and exposes the gradients (`expose_grads`). Returns the mean loss."""
+        global target count (or by ``normalizer``, a fixed constant) and exposes the gradients
+        (`expose_grads`). Returns the mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
         self.last_overlapped = self._next  # buckets the last backward launched
@@ -250,9 +251,10 @@ class GradSync:
                 f"the step has {count} targets over all ranks: nothing to normalize by; "
                 f"check the labels / loss masks"
             )
-        self.last_loss = loss_sum / count
+        divisor = count if normalizer is None else check_normalizer(normalizer)
+        self.last_loss = loss_sum / divisor
         self.last_count = count
-        self.flat_grad[:-2].div_(count)
+        self.flat_grad[:-2].div_(divisor)
         self.expose_grads()
         self.synced = True
         return self.last_loss
@@ -275,6 +277,14 @@ class GradSync:
 
 #: autograd nodes that run a backward of their own over parameters their graph does not show
 _OPAQUE_NODES = ("CheckpointFunctionBackward",)
+
+
+def check_normalizer(normalizer: float) -> float:
+    """A fixed divisor of the step's summed gradients (Dr. GRPO's constant): a positive number."""
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
+        raise ValueError(f"normalizer={normalizer!r}: give a positive number to divide the step's summed loss "
+                         f"and gradients by (None: the step's global target count)")
+    return float(normalizer)
 
 
 def reached_leaves(loss: Tensor) -> set[int] | None:

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from dcparallel.plan.types import splits_shard_block
 from dcparallel.runtime import comm
+from dcparallel.runtime.grad_sync import check_normalizer
 from dcparallel.runtime.meta_init import materialize
 
 
@@ -201,9 +202,10 @@ class ShardedGrads:
                 flat[lo:hi].add_(p.grad.to_local().reshape(-1).float())
             p.grad = g
 
-    def finish(self) -> float:
+    def finish(self, normalizer: float | None = None) -> float:
         """The step's reduction (module docstring); every rank calls it once per step.
-        Returns the step's mean loss."""
+        ``normalizer``: divide by this constant instead of the global target count. Returns
+        the step's mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
         self._fold_foreign_grads()
@@ -213,8 +215,9 @@ class ShardedGrads:
         if not count > 0:
             raise ValueError(f"the step has {count} targets over all ranks: nothing to normalize by; "
                              f"check the labels / loss masks")
-        self.last_loss, self.last_count = loss_sum / count, count
-        self.flat_grad.div_(count)
+        divisor = count if normalizer is None else check_normalizer(normalizer)
+        self.last_loss, self.last_count = loss_sum / divisor, count
+        self.flat_grad.div_(divisor)
         self.synced = True
         return self.last_loss
 
