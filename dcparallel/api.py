@@ -47,6 +47,7 @@ from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative
 from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine, MicroBatchContext
+from dcparallel.runtime.forward_pass import ForwardFn, ForwardPass
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
 from dcparallel.runtime.rollout_step import RolloutPlanner, RolloutStep
 from dcparallel.runtime.sharded_optim import ShardedAdamW
@@ -347,6 +348,8 @@ class DataCentricParallel:
         self._agree_cost()
         self.rollouts = RolloutPlanner(self.cost, self.cluster_spec, self.policy, device=self.params[0].device,
                                        check_plans=check_plans)
+        self.forward_pass = ForwardPass(self.engine, self.cost, self.cluster_spec, self.policy,
+                                        device=self.params[0].device, check_plans=check_plans)
         return self.rollouts
 
     def plan_batch(self, samples: Sequence[Mapping[str, Any]]) -> RolloutStep:
@@ -357,6 +360,15 @@ class DataCentricParallel:
         if self.rollouts is None:
             raise ValueError("plan_batch needs a cost model: call dc.prepare_rollouts(max_tokens=...) first")
         return self.rollouts.plan(samples)
+
+    def forward_batch(self, samples: Sequence[Mapping[str, Any]], fn: ForwardFn) -> list[Any]:
+        """A forward-only pass over the ranks' rollouts, planned with forward-only costs
+        (`runtime.forward_pass`): ``fn(model, batch)`` gives (B, Ls) outputs aligned with
+        ``batch.labels`` (e.g. the labels' log-probs); returns one float32 tensor per rollout
+        of this rank, in its order, entry t for token t. Collective, like `plan_batch`."""
+        if self.rollouts is None:
+            raise ValueError("forward_batch needs a cost model: call dc.prepare_rollouts(max_tokens=...) first")
+        return self.forward_pass.run(samples, fn)
 
     def _profile(self, sizes: Sequence[Any], path: Path,
                  profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -225,3 +226,26 @@ def rollout_sizes(max_tokens: int) -> tuple[int, ...]:
                          f"have, an int >= 2")
     sizes = [n for n in (2**k for k in range(6, 40)) if n < max_tokens]
     return (*sizes, max_tokens)
+
+
+class Piece(NamedTuple):
+    """The tokens ``lo:hi`` (positions in rollout ``sample``) that one shard of a micro-batch holds."""
+
+    sample: int
+    lo: int
+    hi: int
+
+
+def shard_pieces(mb: MicroBatch, slot: int, lengths: Sequence[int]) -> list[Piece]:
+    """The rollouts' tokens shard ``slot`` of micro-batch ``mb`` holds (its packed row cut
+    as `rollout_batch` cuts it), in the micro-batch's sample order; empty pieces left out."""
+    seq = sum(lengths[i] for i in mb.sample_ids)
+    ls = padded_length(seq, mb.layout.sp) // mb.layout.sp
+    col_lo, col_hi = slot * ls, (slot + 1) * ls
+    out, start = [], 0
+    for i in mb.sample_ids:
+        lo, hi = max(start, col_lo), min(start + lengths[i], col_hi)
+        if hi > lo:
+            out.append(Piece(i, lo - start, hi - start))
+        start += lengths[i]
+    return out

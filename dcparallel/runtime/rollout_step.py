@@ -65,6 +65,8 @@ class RolloutStep:
     """global id -> (rank that holds the rollout, its index in that rank's list)"""
     local_ids: tuple[int, ...]
     """the global ids of this rank's own rollouts, in the order it gave them"""
+    lengths: tuple[int, ...]
+    """tokens of every rollout of the step, by global id"""
     num_targets: int
     """trained tokens of the whole step (every rank's rollouts)"""
     plan_seconds: float
@@ -141,7 +143,8 @@ class RolloutPlanner:
         self.steps += 1
         origin = tuple((r, j) for r, n in enumerate(counts) for j in range(n))
         return RolloutStep(index, self.rank, plan, batches, origin, tuple(range(offset, offset + len(samples))),
-                           sum(t for h in everyone for t in h.targets), t1 - t0, time.perf_counter() - t1)
+                           tuple(lengths), sum(t for h in everyone for t in h.targets), t1 - t0,
+                           time.perf_counter() - t1)
 
     def _exchange(self, plan: StepPlan, owner: list[int], lengths: list[int], schema: Schema,
                   mine: dict[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:

@@ -20,6 +20,8 @@ from tests.support import make_model, rel_err
 
 VOCAB = 64
 MEMORY_BYTES = 1_200_000
+#: the forward pass keeps no activations: under this budget its long rollouts still need SP >= 2
+FORWARD_MEMORY_BYTES = 1_000_000
 NUM_ROLLOUTS = 14
 CLIP, KL_COEF, ENT_COEF = 0.2, 0.05, 0.01
 #: Dr. GRPO's fixed normalizer: rollouts x the longest completion allowed
@@ -87,11 +89,14 @@ def reference_step(rollouts: list[dict[str, torch.Tensor]], norm: str) -> tuple[
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def case_rl_step(norm: str, policy: str = "dcp") -> dict:
-    """One GRPO step planned from the ranks' uneven holdings (`plan_batch`), the loss
-    normalized per ``norm``: "token" (over the step's trained tokens), "sequence" (per
-    rollout mean, then the mean over rollouts), "constant" (Dr. GRPO). Rank 0 compares the
-    synced gradients with the single process's."""
+NORMS = ("token", "sequence", "constant")
+
+
+def case_rl_step(policy: str = "dcp") -> dict:
+    """One GRPO step planned from the ranks' uneven holdings (`plan_batch`), its micro-batches
+    run once per normalization (`NORMS`): "token" (over the step's trained tokens),
+    "sequence" (per rollout mean, then the mean over rollouts), "constant" (Dr. GRPO). Rank 0
+    compares each synced gradient with the single process's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rollouts = make_rollouts()
     mine = holding(rank, world)
@@ -99,6 +104,21 @@ def case_rl_step(norm: str, policy: str = "dcp") -> dict:
     dc = dcparallel.DataCentricParallel(model, policy=policy, memory_bytes=MEMORY_BYTES, groups=groups())
     dc.prepare_rollouts(max_tokens=600, cost="analytic", check_plans=1)
     step = dc.plan_batch([rollouts[i] for i in mine])
+    out = {"mine": [step.local_ids[j] for j in range(len(mine))], "held": mine, "origin": list(step.origin),
+           "num_targets": step.num_targets, "work": [(list(b.ranks), list(b.sample_ids), b.sp) for b in step],
+           "plan_groups": [(list(g.ranks), [list(mb.sample_ids) for mb in g.micro_batches])
+                           for g in step.plan.groups]}
+    for norm in NORMS:
+        out[norm] = _run_step(dc, model, step, norm)
+        if rank == 0:
+            ref_loss, ref_grads = reference_step(rollouts_in_global_order(rollouts, world), norm)
+            grads = dc.gradients()
+            out[norm]["ref_loss"] = ref_loss
+            out[norm]["rel"] = {n: rel_err(grads[n], ref_grads[n]) for n in ref_grads}
+    return out
+
+
+def _run_step(dc, model, step, norm: str) -> dict:
     for batch in step:
         with dc.micro_batch(batch) as ctx:
             pt = batch.per_token
@@ -107,18 +127,38 @@ def case_rl_step(norm: str, policy: str = "dcp") -> dict:
             weights = batch.sample_mean_weights() if norm == "sequence" else None
             ctx.backward(ctx.token_loss(per, batch.loss_mask, weights))
     loss = dc.sync_gradients(DR_GRPO_CONSTANT if norm == "constant" else None)
-    out = {"loss": loss, "mine": [step.local_ids[j] for j in range(len(mine))], "held": mine,
-           "origin": list(step.origin), "num_targets": step.num_targets, "count": dc.last_count,
-           "work": [(list(b.ranks), list(b.sample_ids), b.sp) for b in step],
-           "plan_groups": [(list(g.ranks), [list(mb.sample_ids) for mb in g.micro_batches]) for g in step.plan.groups]}
-    if rank == 0:
-        ref_loss, ref_grads = reference_step(rollouts_in_global_order(rollouts, world), norm)
-        grads = dc.gradients()
-        out["ref_loss"] = ref_loss
-        out["rel"] = {n: rel_err(grads[n], ref_grads[n]) for n in ref_grads}
-    return out
+    return {"loss": loss, "count": dc.last_count}
 
 
 def rollouts_in_global_order(rollouts: list[dict[str, torch.Tensor]], world: int) -> list[dict[str, torch.Tensor]]:
     """The rollouts in global-id order (rank-major over the holdings)."""
     return [rollouts[i] for r in range(world) for i in holding(r, world)]
+
+
+def _label_logprobs(model, batch) -> torch.Tensor:
+    return -per_token_loss(model(batch.inputs, batch.positions), batch.labels)[0]
+
+
+def case_forward_logprobs() -> dict:
+    """A forward-only pass over the uneven holdings (`forward_batch`): the log-prob of every
+    next token, back on the rank that holds the rollout, in its order. Each rank compares
+    with the unmodified model run on each of its rollouts alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rollouts = [{k: v for k, v in r.items() if k != "loss_mask"} for r in make_rollouts()]
+    mine = holding(rank, world)
+    model = make_model("llama")
+    dc = dcparallel.DataCentricParallel(model, memory_bytes=FORWARD_MEMORY_BYTES, groups=groups())
+    dc.prepare_rollouts(max_tokens=600, cost="analytic", check_plans=1)
+    got = dc.forward_batch([rollouts[i] for i in mine], _label_logprobs)
+    ref_model = make_model("llama")
+    rel, exact_first = [], True
+    with torch.no_grad():
+        for i, out in zip(mine, got, strict=True):
+            ids = rollouts[i]["input_ids"]
+            ref = torch.log_softmax(ref_model(ids[None])[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+            rel.append(rel_err(out[1:], ref))
+            exact_first &= out.shape == ids.shape and float(out[0]) == 0.0
+    fwd = dc.forward_pass.last_step.plan
+    return {"rel": rel, "exact_first": exact_first, "num": len(got),
+            "sps": sorted({mb.layout.sp for mb in fwd.micro_batches()}),
+            "recompute": sorted({(mb.layout.recompute.attn, mb.layout.recompute.mlp) for mb in fwd.micro_batches()})}

@@ -110,3 +110,30 @@ def test_rollout_sizes_end_at_the_longest():
     assert rollout_sizes(600) == (64, 128, 256, 512, 600)
     with pytest.raises(ValueError, match="max_tokens"):
         rollout_sizes(1)
+
+
+def test_forward_only_costs_keep_no_activations_and_pack_bigger_micro_batches():
+    from dcparallel.cost.batch import Batches
+    from dcparallel.cost.forward import ForwardOnlyCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.spec import Recompute, Workload
+
+    cluster = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9,
+                          intra_latency=1e-5)
+    base = AnalyticCost(SPEC, cluster)
+    fwd = ForwardOnlyCost(base)
+    full = Recompute(SPEC.num_layers, SPEC.num_layers)
+    for sizes in [(100,), (100, 40, 7), (550,)]:
+        for sp in (1, 2):
+            t, f = base.terms(sizes, sp), fwd.terms(sizes, sp)
+            # no recompute setting changes a forward pass; it costs less memory than any training one
+            assert f.memory(Recompute.none()) == f.memory(full) < t.memory(full) < t.memory(Recompute.none())
+            assert f.time(full) == f.time(Recompute.none()) < t.time(Recompute.none()) / 2
+            grid = fwd.terms_grid(Batches.of(SPEC, [sizes]), [sp])
+            assert grid.time_none[0, 0] == pytest.approx(f.time_none, rel=1e-12)
+            assert grid.fixed_bytes[0, 0] == pytest.approx(f.fixed_bytes, rel=1e-12)
+    assert fwd.grad_sync_time() == 0.0
+    work = Workload(SPEC, (100,) * 12)
+    train, forward = PlanContext(work, base, cluster), PlanContext(work, fwd, cluster)
+    for sp in (1, 2):
+        assert forward.max_mbs(100, sp, "fit") > train.max_mbs(100, sp, "fit")
