@@ -19,7 +19,7 @@ MARK = re.compile(r"\s# dcparallel\b")  # code lines marked at their end (the do
 
 
 @pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "diffusers_ltx", "diffusers_hunyuanvideo",
-                                  "custom_model"])
+                                  "custom_model", "rl_grpo"])
 def test_example_adds_at_most_ten_lines(name):
     lines = (EXAMPLES / f"{name}.py").read_text().splitlines()
     marked = [line for line in lines if MARK.search(line)]
@@ -46,3 +46,19 @@ def test_example_trains_under_torchrun(name, env, tmp_path):
     assert len(losses) >= 3, r.stdout
     assert losses[-1] < losses[0], losses
     assert (tmp_path / f"{name}_profile.json").exists()
+
+
+# about 40 s on 2 cores (30 GRPO steps, generation included): `DCPARALLEL_SLOW=1 make test`
+@pytest.mark.slow
+def test_rl_example_reward_rises_under_torchrun(tmp_path):
+    pytest.importorskip("transformers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", STEPS="30")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / "rl_grpo.py")]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rewards = [float(x) for x in re.findall(r"reward ([0-9.]+)", r.stdout)]
+    assert len(rewards) == 30, r.stdout
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
+    sps = {int(x) for group in re.findall(r"SP degrees \[([0-9, ]+)\]", r.stdout) for x in group.split(",")}
+    assert sps == {1, 2}, sps  # long rollouts ran on SP=2 groups in some step
