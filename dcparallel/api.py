@@ -347,7 +347,7 @@ class DataCentricParallel:
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
         self._agree_cost()
         self.rollouts = RolloutPlanner(self.cost, self.cluster_spec, self.policy, device=self.params[0].device,
-                                       check_plans=check_plans)
+                                       check_plans=check_plans, max_tokens=max_tokens)
         self.forward_pass = ForwardPass(self.engine, self.cost, self.cluster_spec, self.policy,
                                         device=self.params[0].device, check_plans=check_plans)
         return self.rollouts

@@ -103,14 +103,21 @@ def agree_schema(everyone: Sequence[Holdings]) -> Schema:
 
 class RolloutPlanner:
     """Plans each step from the ranks' rollouts with one policy (see the module docstring).
-    ``device``: where the batches go (the model's device). Every rank calls `plan` together."""
+    ``device``: where the batches go (the model's device). ``max_tokens``: the longest rollout
+    to expect, checked here to fit some layout (`NoLayoutFits` otherwise), before any step.
+    Every rank calls `plan` together."""
 
     def __init__(self, cost: CostModel, cluster: ClusterSpec, policy: str, *, device: torch.device | None = None,
-                 check_plans: int = plan_check.CHECK_PLANS_EVERY):
+                 check_plans: int = plan_check.CHECK_PLANS_EVERY, max_tokens: int | None = None):
         self.cost, self.cluster, self.policy, self.device = cost, cluster, policy, device
         self.check_plans = plan_check.check_every(check_plans)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.steps = 0
+        if max_tokens is not None:
+            try:
+                PlanContext(Workload(cost.model, (int(max_tokens),)), cost, cluster)
+            except ValueError as e:
+                raise ValueError(f"max_tokens={max_tokens}: {e}") from None
 
     def plan_step(self, lengths: Sequence[int], index: int) -> tuple[StepPlan, PlanContext]:
         """The policy's plan of one step over these global lengths (pure: no collective)."""

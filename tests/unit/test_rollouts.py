@@ -137,3 +137,12 @@ def test_forward_only_costs_keep_no_activations_and_pack_bigger_micro_batches():
     train, forward = PlanContext(work, base, cluster), PlanContext(work, fwd, cluster)
     for sp in (1, 2):
         assert forward.max_mbs(100, sp, "fit") > train.max_mbs(100, sp, "fit")
+
+
+def test_a_longest_rollout_that_fits_no_layout_is_refused_before_any_step():
+    cluster = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9,
+                          intra_latency=1e-5)
+    cost = AnalyticCost(SPEC, cluster)
+    RolloutPlanner(cost, cluster, "dcp", max_tokens=600)
+    with pytest.raises(ValueError, match="max_tokens=5000: sample 0 .* fits no layout"):
+        RolloutPlanner(cost, cluster, "dcp", max_tokens=5000)
