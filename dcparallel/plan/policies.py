@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, flexsp, packed, peers
+from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp_v1 import DCPPlanner
@@ -85,6 +85,10 @@ RESEARCH: dict[str, PolicySpec] = {
         PolicySpec("flexsp", "reproduction of FlexSP's optimal assignment from its description: a MILP picks "
                    "heterogeneous SP groups and assigns bucketed samples to them (small clusters: solver-bound)",
                    _untuned(lambda ctx, score: flexsp.FlexSPPlanner(ctx))),
+        PolicySpec("token-budget", "reproduction of RL frameworks' dynamic batch size from its description: one SP "
+                   "degree (the longest sample's), full recompute, equal sample counts per data-parallel group, "
+                   "token-budget micro-batches, the same micro-batch count on every group",
+                   token_budget.build_token_budget),
     ]
 }
 

@@ -175,9 +175,9 @@ def test_three_user_policies_and_research_ones_by_the_same_names():
     assert list(POLICIES) == ["dcp", "bucket", "packed"]
     assert not set(POLICIES) & set(RESEARCH)
     assert {"dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
-            "flexsp"} == set(RESEARCH)
+            "flexsp", "token-budget"} == set(RESEARCH)
     for name in NAMES:
         assert policy_spec(name).name == name
     with pytest.raises(ValueError, match=r"unknown policy 'fast'; choose one of dcp, bucket, packed "
-                                         r"\(research: bucket-default, .*flexsp\)"):
+                                         r"\(research: bucket-default, .*flexsp, token-budget\)"):
         policy_spec("fast")
