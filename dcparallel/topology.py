@@ -118,10 +118,10 @@ class Topology:
 
     def splits(self, k: int) -> list[tuple[int, int]]:
         """The (Ulysses, ring) degrees an SP group of k ranks may run (`ring_splits`); only
-        (k, 1) without ``ring``."""
-        if not self.ring:
-            return [(k, 1)] if k in self.sizes else []
-        return ring_splits(k, self.num_heads, self.sizes)
+        (k, 1) without ``ring``; none for a size that is not allowed."""
+        if k not in self.sizes:
+            return []
+        return ring_splits(k, self.num_heads, self.sizes) if self.ring else [(k, 1)]
 
     @property
     def cluster(self) -> ClusterSpec:

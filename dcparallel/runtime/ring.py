@@ -10,9 +10,11 @@ partial output joins the running one through the log-sum-exps: with ``m = logadd
 
 Backward (an autograd Function, so nothing of the r steps but q, k, v, the output and its
 log-sum-exp is kept): the blocks go round again; at each step the rank adds the gradient
-its queries give the visiting block's keys and values to that block's accumulator, which
-travels one step behind the block and reaches its home rank after r steps, holding the sum
-of every rank's contribution: dK and dV are exact. dQ stays on its rank.
+its queries give the visiting block's keys and values to that block's accumulator (fp32),
+which travels one step behind the block and reaches its home rank after r steps, holding
+the sum of every rank's contribution: dK and dV are exact. dQ stays on its rank. Blocks
+travel in the inputs' dtype (2 x (r - 1) block sends per layer, forward and backward), the
+accumulators in fp32 (r sends, the last one not overlapped).
 
 Masks are exact per (query, key) column pair: the same document of ``cu_seqlens`` (padding
 attends to nothing and its output is zero), the key not after the query for causal
@@ -167,11 +169,11 @@ class _RingAttention(torch.autograd.Function):
         out = q.new_zeros(b, n, h, v.shape[-1], dtype=torch.float32)
         lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
         shapes = (k.shape, v.shape)
-        kv = _pack(k.float(), v.float())
+        kv = _pack(k, v)  # blocks travel in their own dtype; attention runs in fp32
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = _unpack(kv, shapes)
+            kk, vv = (t.float() for t in _unpack(kv, shapes))
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
                 o, lse_o = _attend(qf[:, qs], kk[:, ks], vv[:, ks], mask, scale)
                 out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o, lse_o)
@@ -189,11 +191,11 @@ class _RingAttention(torch.autograd.Function):
         delta = (do * out).sum(-1).transpose(1, 2)  # (B, H, L): the softmax backward's row term
         dq = torch.zeros_like(qf)
         shapes = (k.shape, v.shape)
-        kv, incoming = _pack(k.float(), v.float()), None
+        kv, incoming = _pack(k, v), None
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = _unpack(kv, shapes)
+            kk, vv = (t.float() for t in _unpack(kv, shapes))
             dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
                 _chunk_grads(qf[:, qs], kk[:, ks], vv[:, ks], do[:, qs], lse[:, :, qs], delta[:, :, qs], mask,
@@ -204,7 +206,7 @@ class _RingAttention(torch.autograd.Function):
             incoming = peers.shift(acc)
             if pending is not None:
                 kv = pending.wait()
-        dk, dv = _unpack(incoming.wait(), shapes)  # this rank's own block, every rank's share summed
+        dk, dv = _unpack(incoming.wait(), shapes)  # this rank's own block, every rank's share summed (fp32)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
