@@ -288,10 +288,6 @@ class Engine:
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
         check_heads(self.num_heads, batch.layout.ulysses)
         check_group(batch.ranks, self.shard_size)
-        if batch.layout.ring > 1 and not batch.sharded:
-            raise ValueError(f"ring degree {batch.layout.ring}: the {self.adapter.name} adapter shards the tokens "
-                             f"inside the model (Batch.sharded False), which ring attention's zigzag order does "
-                             f"not reach; plan this model with ring degree 1")
         group, ring = self.groups.split(batch.ranks, batch.layout.ring)
         self.grad_sync.begin()  # a new step's gradients start at zero
         if last if last is not None else getattr(batch, "last_of_step", None):

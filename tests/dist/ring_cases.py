@@ -144,3 +144,30 @@ def case_hf_two_heads(seed: int, num_samples: int) -> dict:
     plan = StepPlan(0, tuple(ids), (GroupPlan(tuple(range(world)), mbs, 0),), 0)
     loss = adapter_step(dc, plan, hf_data("hf-llama", num_samples, seed), item)
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _diffusers_engine(model):
+    from dcparallel.adapters import find_adapter
+
+    adapter = find_adapter(model)
+    return Engine(model, adapter=adapter, groups=ProcessGroups(adapter.num_heads, ring=True))
+
+
+def case_wan_ring(seed: int) -> dict:
+    """A diffusers Wan step: one sample at Ulysses world / 2 x ring 2 on the whole world, one
+    at ring = world with recompute, and one at ring 2 on the first half-world group (phase 1)."""
+    from tests.adapter_models import build, item
+    from tests.adapter_models import make_data as wan_data
+
+    world = dist.get_world_size()
+    model = build("wan")
+    dc = _diffusers_engine(model)
+    full = Recompute(dc.adapter.spec.num_layers, dc.adapter.spec.num_layers)
+    half = world // 2
+    wide = (MicroBatch((0,), Layout(world, 1, Recompute.none(), 2)), MicroBatch((1,), Layout(world, 1, full, world)))
+    plan = StepPlan(0, (0, 1, 2), (GroupPlan(tuple(range(world)), wide, 0),
+                                   GroupPlan(tuple(range(half)), (MicroBatch((2,), Layout(half, 1, ring=2)),), 1),
+                                   GroupPlan(tuple(range(half, world)), (), 1)), 0)
+    loss = adapter_step(dc, plan, wan_data("wan", 3, seed), item)
+    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}}
+

@@ -107,3 +107,17 @@ def _assert_matches(out: list[dict], ref_loss: float, ref_grads: dict) -> None:
         assert set(res["grads"]) == set(ref_grads)
         for name, g in res["grads"].items():
             assert rel_err(g, ref_grads[name]) <= RTOL, (r, name, rel_err(g, ref_grads[name]))
+
+
+@pytest.mark.slow  # the workers' first diffusers import alone takes ~30 s on 2 cores
+def test_diffusers_wan_runs_ring_2_exactly(workers4):
+    pytest.importorskip("diffusers")
+    from tests.adapter_models import build
+    from tests.adapter_models import make_data as wan_data
+    from tests.adapter_models import reference as wan_reference
+
+    seed = 4
+    out = workers4.run(ring_cases.case_wan_ring, seed)
+    ref_loss, ref_grads = wan_reference(build("wan"), wan_data("wan", 3, seed), range(3))
+    _assert_matches(out, ref_loss, ref_grads)
+

@@ -74,3 +74,47 @@ def test_text_shards_under_ring_are_the_zigzag_columns_of_the_packed_row():
         assert b.shard_sample(torch.arange(14))[[c < 14 for c in cols]].tolist() == [c for c in cols if c < 14]
     with pytest.raises(ValueError, match="zigzag columns"):
         _ = b.shard_start
+
+
+def _video_batch(slot: int, ring: int = 2):
+    from dcparallel.data.collate import video_batch
+
+    tokens = {0: torch.arange(13 * 2, dtype=torch.float32).view(13, 2)}
+    positions = {0: torch.zeros(13, 3, dtype=torch.long)}
+    return video_batch(MicroBatch((0,), Layout(4, 1, ring=ring)), (0, 1, 2, 3), slot, tokens, positions, 1)
+
+
+def test_joint_attention_is_refused_under_ring():
+    """HunyuanVideo / CogVideoX / Mochi / Flux share `adapters.joint`: under ring it names the
+    feature and the fix instead of attending with replicated text in every block."""
+    import dataclasses
+
+    from dcparallel.adapters import joint
+    from dcparallel.runtime.ring import RingPeers
+    from dcparallel.runtime.ulysses import UlyssesAttention
+
+    attention = UlyssesAttention()
+    batch = dataclasses.replace(_video_batch(0), sharded=False)
+    attention.activate(None, batch.cu_seqlens, batch, RingPeers(None, (0, 1), 0))
+    with pytest.raises(ValueError, match="joint text \\+ video / image attention under ring degree 2.*ring degree 1"):
+        joint.sharding(attention)
+
+
+def test_a_models_own_split_and_gather_follow_the_zigzag_columns(monkeypatch):
+    """`adapters.cp_plan`'s cut of a whole sequence is the batch's zigzag shard, and joining
+    the group's shards in rank order gives the sequence back, padding dropped."""
+    from dcparallel.adapters import cp_plan
+
+    x = torch.randn(2, 13, 3)
+    shards = []
+    for slot in range(4):
+        b = _video_batch(slot)
+        s = cp_plan.shard(x, 1, b)
+        cols = b.shard_columns()
+        real = [c < 13 for c in cols]
+        assert s.shape == (2, 4, 3) and torch.equal(s[:, real], x[:, [c for c in cols if c < 13]])
+        assert float(s[:, [not r for r in real]].abs().sum()) == 0.0
+        shards.append(s)
+    whole = torch.cat(shards, dim=1)  # what the group's gather_seq returns: the shards in rank order
+    monkeypatch.setattr(cp_plan.comm, "gather_seq", lambda t, group, dim: whole)
+    assert torch.equal(cp_plan.gather(shards[1], 1, None, _video_batch(1)), x)
