@@ -14,7 +14,8 @@ Each part runs in a process of its own (benchmarks/device_check_parts.py) with a
 (b) bf16 `dcparallel train` steps at world 1 of the reference LM and a transformers Llama (GQA):
     planned vs measured step time and peak memory (allocated, reserved, mem_get_info);
 (c) several ranks on one GPU: torchrun worlds 2 and 4 on cuda:0 over gloo
-    (DCPARALLEL_BACKEND=gloo DCPARALLEL_SHARE_DEVICE=1) with SP 4, 2 and 1 mixed in a step:
+    (DCPARALLEL_BACKEND=gloo DCPARALLEL_SHARE_DEVICE=1) with SP 4, 2 and 1 mixed in a step, one
+    SP 4 (world 4) or SP 2 (world 2) micro-batch at ring degree 2 (`runtime.ring`):
     bf16 loss and gradients against world 1, host syncs (set_sync_debug_mode), step time with
     and without the overlapped gradient sync, and an out-of-memory error on one rank
     (set_per_process_memory_fraction) that must stop every rank;

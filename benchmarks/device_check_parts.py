@@ -186,15 +186,17 @@ def part_c(out_dir: Path, dry: bool) -> dict:
     return out
 
 
-def _c_plan(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool]]:
-    """(ranks, documents, recompute) of each micro-batch: SP 4 and 2 (world 4) or 2 and 1
-    (world 2) in one step; world 1 runs every document on rank 0."""
+def _c_plan(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool, int]]:
+    """(ranks, documents, recompute, ring degree) of each micro-batch: SP 4 (Ulysses 2 x ring 2
+    and Ulysses 4) and 2 (world 4) or 2 (ring 2) and 1 (world 2) in one step; world 1 runs
+    every document on rank 0."""
     if world == 4:
         every = (0, 1, 2, 3)
-        return [(every, (3,), False), ((0, 1), (1, 2), True), ((2, 3), (4, 5), False), (every, (0,), False)]
+        return [(every, (3,), False, 2), ((0, 1), (1, 2), True, 1), ((2, 3), (4, 5), False, 1),
+                (every, (0,), False, 1)]
     if world == 2:
-        return [((0, 1), (3, 1), False), ((0,), (0, 2), True), ((1,), (4, 5), False)]
-    return [((0,), (3,), False), ((0,), (1, 2), True), ((0,), (0, 4, 5), False)]
+        return [((0, 1), (3, 1), False, 2), ((0,), (0, 2), True, 1), ((1,), (4, 5), False, 1)]
+    return [((0,), (3,), False, 1), ((0,), (1, 2), True, 1), ((0,), (0, 4, 5), False, 1)]
 
 
 def _c_step(engine, model, docs: dict, rank: int, world: int, *, overlap: bool = True) -> float:
@@ -211,8 +213,8 @@ def _c_micro_batches(engine, model, docs: dict, rank: int, world: int, overlap: 
     from dcparallel.spec import Layout, Recompute
 
     mine = [m for m in _c_plan(world) if rank in m[0]]
-    for j, (ranks, ids, rc) in enumerate(mine):
-        layout = Layout(len(ranks), len(ids), Recompute.full(len(engine.layers)) if rc else Recompute.none())
+    for j, (ranks, ids, rc, ring) in enumerate(mine):
+        layout = Layout(len(ranks), len(ids), Recompute.full(len(engine.layers)) if rc else Recompute.none(), ring)
         batch = text_batch(MicroBatch(ids, layout), ranks, rank, docs).to(engine.params[0].device)
         with engine.micro_batch(batch, last=overlap and j == len(mine) - 1) as ctx:
             ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
@@ -249,6 +251,7 @@ def _count_syncs(fn) -> dict:
 def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
+    from dcparallel.runtime.groups import ProcessGroups
     from dcparallel.runtime.launch import end_distributed, init_distributed
 
     launch = init_distributed("cpu" if dry else None)
@@ -257,7 +260,8 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
     lengths = [37, 120, 64, 9, 200, 50] if dry else [700, 2048, 1300, 77, 4000, 900]
     docs = {i: torch.randint(0, 256, (n,), generator=g) for i, n in enumerate(lengths)}
     model = _c_model(dry, dev)
-    engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads)
+    groups = ProcessGroups(model.cfg.num_heads, ring=True)  # ring splits of the SP groups (`_c_plan`)
+    engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads, groups=groups)
     out: dict = {"world": world, "backend": launch.backend, "device": str(dev)}
     out["loss"] = _c_step(engine, model, docs, rank, world)
     grads = {k: v.float().cpu() for k, v in engine.full_gradients().items()}

@@ -84,26 +84,42 @@ class Recompute:
 
 @dataclass(frozen=True, slots=True, order=True)
 class Layout:
-    """How one micro-batch runs: on a group of `sp` ranks, `mbs` samples, `recompute`."""
+    """How one micro-batch runs: on a group of `sp` ranks, `mbs` samples, `recompute`, and
+    the group's split into Ulysses degree ``sp // ring`` inside ring degree `ring`."""
 
     sp: int
     mbs: int
     recompute: Recompute = Recompute()
+    #: ring-attention degree r (dividing sp): K/V blocks pass between r sub-groups of
+    #: sp / r Ulysses ranks (`runtime.ring`); 1 = Ulysses over the whole group
+    ring: int = 1
 
     def __post_init__(self) -> None:
         if self.sp < 1 or self.mbs < 1:
             raise ValueError(f"Layout needs sp >= 1 and mbs >= 1; got sp={self.sp}, mbs={self.mbs}")
+        if self.ring < 1 or self.sp % self.ring:
+            raise ValueError(f"Layout ring degree {self.ring} must divide sp={self.sp}; use a divisor of sp "
+                             f"(1 = Ulysses only)")
         if self.recompute.attn < 0 or self.recompute.mlp < 0:
             raise ValueError(f"recompute counts must be >= 0; got {self.recompute}")
 
+    @property
+    def ulysses(self) -> int:
+        """The Ulysses degree u = sp / ring: the ranks that split the heads."""
+        return self.sp // self.ring
+
     def to_json(self) -> dict:
-        return {"sp": self.sp, "mbs": self.mbs,
-                "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
+        out = {"sp": self.sp, "mbs": self.mbs,
+               "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
+        if self.ring > 1:
+            out["ring"] = self.ring
+        return out
 
     @staticmethod
     def from_json(d: dict) -> Layout:
         r = d.get("recompute", {})
-        return Layout(int(d["sp"]), int(d["mbs"]), Recompute(int(r.get("attn", 0)), int(r.get("mlp", 0))))
+        return Layout(int(d["sp"]), int(d["mbs"]), Recompute(int(r.get("attn", 0)), int(r.get("mlp", 0))),
+                      int(d.get("ring", 1)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,9 @@ Every consumer of group shapes takes a `Topology`: the planners (through
 `PlanContext.topology`), the simulator, the profiler and the runtime's
 `ProcessGroups`. A group is an *aligned block*: ``k`` consecutive ranks starting at a
 multiple of ``k``. The rules, for a world of whole nodes of ``gpus_per_node`` GPUs and a
-model of ``num_heads`` attention heads (Ulysses splits heads, so ``k`` divides them):
+model of ``num_heads`` attention heads (Ulysses splits heads, so ``k`` divides them, unless
+the topology allows ``ring`` attention: then a group of k = u x r ranks runs Ulysses degree
+u dividing the heads inside ring degree r, `splits`):
 
 - **allowed sizes** (`sizes`): ``k`` divides the GPUs per node (a group inside one node) or
   is a multiple of a node (whole nodes), divides the heads, and is a multiple of the
@@ -34,20 +36,28 @@ from dataclasses import dataclass, field
 from dcparallel.spec import ClusterSpec
 
 
-def group_sizes(cluster: ClusterSpec, num_heads: int) -> list[int]:
+def group_sizes(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> list[int]:
     """Every allowed SP degree: k divides the GPUs per node or is a multiple of a node,
-    divides the attention heads, is a multiple of the shard size, and at least one aligned
-    block of k ranks fits the world."""
+    divides the attention heads (any k with ``ring``: `ring_splits`), is a multiple of the
+    shard size, and at least one aligned block of k ranks fits the world."""
     g, s = cluster.gpus_per_node, cluster.shard_size
     return [k for k in range(s, cluster.world_size + 1)
-            if (g % k == 0 or k % g == 0) and num_heads % k == 0 and k % s == 0]
+            if (g % k == 0 or k % g == 0) and (ring or num_heads % k == 0) and k % s == 0]
 
 
-def allowed_groups(cluster: ClusterSpec, num_heads: int) -> list[tuple[int, ...]]:
+def ring_splits(k: int, num_heads: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The (Ulysses degree u, ring degree r) splits of an SP group of k ranks, u ascending:
+    u divides k and the heads and is 1 or an allowed size (its sub-groups of u consecutive
+    ranks are aligned blocks that exist), r = k / u."""
+    return [(u, k // u) for u in range(1, k + 1)
+            if k % u == 0 and num_heads % u == 0 and (u == 1 or u in sizes)]
+
+
+def allowed_groups(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> list[tuple[int, ...]]:
     """Every aligned block the runtime creates, in a fixed order (by size, then start rank):
     k ranks starting at a multiple of k, for every k of `group_sizes`."""
     out = []
-    for k in group_sizes(cluster, num_heads):
+    for k in group_sizes(cluster, num_heads, ring):
         for start in range(0, cluster.world_size - k + 1, k):
             out.append(tuple(range(start, start + k)))
     return out
@@ -78,6 +88,8 @@ class Topology:
     num_heads: int
     #: ranks per parameter-shard block (`ClusterSpec.shard_size`): no group is smaller
     shard_size: int = 1
+    #: sizes need not divide the heads: a group runs Ulysses x ring attention (`splits`)
+    ring: bool = False
     #: every allowed SP group size, ascending
     sizes: tuple[int, ...] = field(init=False)
     #: the divisibility chain of allowed sizes the planners mix within one step
@@ -90,7 +102,7 @@ class Topology:
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1; got {self.num_heads}")
         cluster = self.cluster  # validates world size, whole nodes and the shard size
-        sizes = tuple(group_sizes(cluster, self.num_heads))
+        sizes = tuple(group_sizes(cluster, self.num_heads, self.ring))
         if not sizes:
             raise ValueError(f"no SP group size of at least the shard size {self.shard_size} divides the model's "
                              f"{self.num_heads} attention heads and fits {self.gpus_per_node}-GPU nodes (world "
@@ -101,8 +113,15 @@ class Topology:
         object.__setattr__(self, "mix", tuple(k for k in self.sizes if k <= g or k in self.chain))
 
     @staticmethod
-    def of(cluster: ClusterSpec, num_heads: int) -> Topology:
-        return Topology(cluster.world_size, cluster.gpus_per_node, num_heads, cluster.shard_size)
+    def of(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> Topology:
+        return Topology(cluster.world_size, cluster.gpus_per_node, num_heads, cluster.shard_size, ring)
+
+    def splits(self, k: int) -> list[tuple[int, int]]:
+        """The (Ulysses, ring) degrees an SP group of k ranks may run (`ring_splits`); only
+        (k, 1) without ``ring``; none for a size that is not allowed."""
+        if k not in self.sizes:
+            return []
+        return ring_splits(k, self.num_heads, self.sizes) if self.ring else [(k, 1)]
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -111,7 +130,7 @@ class Topology:
 
     def blocks(self) -> list[tuple[int, ...]]:
         """Every aligned block of an allowed size, by size then start rank (creation order)."""
-        return allowed_groups(self.cluster, self.num_heads)
+        return allowed_groups(self.cluster, self.num_heads, self.ring)
 
     def is_block(self, ranks: Sequence[int]) -> bool:
         """Whether ``ranks`` is an aligned block of an allowed size."""

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.data.ring_order import shard_columns
 from dcparallel.runtime import comm
 
 #: inputs that carry text (or its mask / position ids): kept whole on every rank of a group
@@ -113,6 +114,11 @@ def shard(x: Tensor, dim: int, batch: Any) -> Tensor:
     """This rank's ``shard_len`` positions along ``dim`` of a whole ``seq_len`` sequence, a
     copy of its own (a view would keep the whole tensor alive wherever a block saves it for
     backward), padded with zeros only where it runs past the real tokens."""
+    if batch.ring > 1:  # the zigzag columns of ring attention (`data.ring_order`)
+        cols = torch.tensor(batch.shard_columns(), device=x.device)
+        part = x.index_select(dim, cols[cols < batch.seq_len])
+        pad = len(cols) - part.shape[dim]
+        return part if pad == 0 else torch.cat([part, part.new_zeros(_resized(part.shape, dim, pad))], dim=dim)
     lo, n = batch.shard_start, batch.shard_len
     real = max(0, min(n, batch.seq_len - lo))
     part = x.narrow(dim, min(lo, x.shape[dim]), real)
@@ -124,8 +130,21 @@ def shard(x: Tensor, dim: int, batch: Any) -> Tensor:
 
 
 def gather(x: Tensor, dim: int, group: Any, batch: Any) -> Tensor:
-    """The group's shards along ``dim`` joined, padding dropped (gradients summed in backward)."""
-    return comm.gather_seq(x, group, dim=dim).narrow(dim, 0, batch.seq_len)
+    """The group's shards along ``dim`` joined, padding dropped (gradients summed in backward);
+    under ring attention put back from the zigzag order into the sequence's."""
+    whole = comm.gather_seq(x, group, dim=dim)
+    if batch.ring > 1:
+        order = [c for slot in range(batch.sp) for c in shard_columns(batch.padded_len, batch.sp, batch.ring, slot)]
+        where = torch.empty(len(order), dtype=torch.long)
+        where[torch.tensor(order)] = torch.arange(len(order))
+        return whole.index_select(dim, where[:batch.seq_len].to(x.device))
+    return whole.narrow(dim, 0, batch.seq_len)
+
+
+def _resized(shape: torch.Size, dim: int, n: int) -> list[int]:
+    out = list(shape)
+    out[dim] = n
+    return out
 
 
 class PlanHooks:
@@ -139,9 +158,9 @@ class PlanHooks:
 
     def active(self) -> tuple[Any, Any] | None:
         a = self.attention.state()
-        if a is None or a.batch is None or a.batch.sharded or comm.group_size(a.group) == 1:
+        if a is None or a.batch is None or a.batch.sharded or a.sp == 1:
             return None
-        return a.group, a.batch
+        return (a.group if a.ring is None else a.ring.group), a.batch  # the whole SP group
 
     def _cut(self, cut: Cut, x: Any, batch: Any) -> Any:
         if not isinstance(x, Tensor) or (cut.expected_dims is not None and x.dim() != cut.expected_dims):

@@ -41,8 +41,12 @@ from dcparallel.runtime import comm
 def sharding(attention: Any) -> tuple[Any, Batch] | None:
     """(group, batch) when the active micro-batch shards the model's tokens (SP > 1)."""
     a = attention.state()
-    if a is None or a.batch is None or a.batch.sharded or comm.group_size(a.group) == 1:
+    if a is None or a.batch is None or a.batch.sharded or a.sp == 1:
         return None
+    if a.ring is not None:
+        raise ValueError(f"joint text + video / image attention under ring degree {a.ring.size}: the replicated "
+                         f"text tokens would join every ring block, which dcparallel does not compute; plan this "
+                         f"model with ring degree 1 (Ulysses)")
     return a.group, a.batch
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.data.batch import Batch
+from dcparallel.data.ring_order import ring_padded_length
 from dcparallel.plan.types import MicroBatch
 from dcparallel.spec import Size
 
@@ -64,7 +65,8 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
                  inputs=lat, positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
                  loss_mask=torch.ones(b, *grid, dtype=torch.bool),
                  token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
-                 num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n, padded_len=-(-n // sp) * sp,
+                 num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n,
+                 padded_len=ring_padded_length(n, sp, mb.layout.ring),
                  frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
 
 

@@ -34,6 +34,7 @@ from dcparallel.cost.base import (
     model_state_bytes,
 )
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
+from dcparallel.cost.ring import SplitTime, best_split
 from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, a2a_hidden_units
 
@@ -255,6 +256,12 @@ class AnalyticCost:
 
     def model_state_bytes(self) -> float:
         return self._state
+
+    def best_split(self, sizes: Sequence[Size], sp: int) -> SplitTime:
+        """The (Ulysses, ring) split of a group of `sp` ranks predicted fastest for a
+        micro-batch of these samples: the least exposed communication (`cost.ring`)."""
+        n = sum(self.model.tokens(s) for s in sizes)
+        return best_split(self.model, self.cluster, sp, n, sum(_pairs(self.model, s) for s in sizes), self._attn)
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         n_tok = 0

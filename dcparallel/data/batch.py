@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dcparallel.data.ring_order import shard_columns
 from dcparallel.spec import Layout
 
 
@@ -19,7 +20,8 @@ class Batch:
     Rows (dim 0) are packed text (one row holding several documents, ``cu_seqlens``) or
     same-shape video samples (one sample per row). Every row has ``seq_len`` real tokens,
     padded to ``padded_len`` (a multiple of the SP degree); this rank holds columns
-    ``shard_start : shard_start + padded_len // sp`` of every row."""
+    ``shard_start : shard_start + padded_len // sp`` of every row (under ring attention the
+    zigzag columns `shard_columns`)."""
 
     sample_ids: tuple[int, ...]
     """the micro-batch's samples, in plan order"""
@@ -108,16 +110,35 @@ class Batch:
         return self.padded_len // self.sp
 
     @property
+    def ring(self) -> int:
+        """The ring-attention degree of the layout (1: Ulysses only; `data.ring_order`)."""
+        return self.layout.ring
+
+    @property
     def shard_start(self) -> int:
+        """The first column of this rank's contiguous shard; under ring attention a shard is
+        not contiguous (`shard_columns`)."""
+        if self.ring > 1:
+            raise ValueError(f"this micro-batch runs ring attention (ring degree {self.ring}): its shard is the "
+                             f"zigzag columns Batch.shard_columns(), not one contiguous range")
         return self.rank_in_group * self.shard_len
+
+    def shard_columns(self) -> list[int]:
+        """The columns of the padded row this rank holds, in order (`data.ring_order`)."""
+        return shard_columns(self.padded_len, self.sp, self.ring, self.rank_in_group)
 
     def shard_sample(self, x: Tensor) -> Tensor:
         """A tensor over one whole row's real tokens (seq_len, ...) -> this rank's slice
         (shard_len, ...), zero on padding. For per-sample noise drawn over the whole sample."""
         if x.shape[0] != self.seq_len:
             raise ValueError(f"expected {self.seq_len} tokens along dim 0, got shape {tuple(x.shape)}")
-        lo, hi = self.shard_start, self.shard_start + self.shard_len
         out = x.new_zeros(self.shard_len, *x.shape[1:])
+        if self.ring > 1:
+            cols = torch.tensor(self.shard_columns())
+            real = cols < self.seq_len
+            out[real] = x[cols[real]]
+            return out
+        lo, hi = self.shard_start, self.shard_start + self.shard_len
         real_hi = min(hi, self.seq_len)
         if real_hi > lo:
             out[: real_hi - lo] = x[lo:real_hi]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dcparallel.data.batch import Batch
+from dcparallel.data.ring_order import ring_padded_length, shard_columns
 from dcparallel.loss import IGNORE_INDEX, shift_labels
 from dcparallel.plan.types import MicroBatch
 
@@ -35,10 +36,17 @@ def _group_slot(ranks: Sequence[int], rank: int, mb: MicroBatch) -> int:
     return ranks.index(rank)
 
 
-def _pad_shard(x: Tensor, padded_len: int, sp: int, slot: int, fill) -> Tensor:
+def _pad_shard(x: Tensor, padded_len: int, sp: int, slot: int, fill, ring: int = 1) -> Tensor:
     """(B, L, ...) padded to (B, padded_len, ...) with ``fill`` -> columns of shard ``slot``
-    (only the shard is copied, and padded where it runs past L)."""
+    (only the shard is copied, and padded where it runs past L). Under ring attention
+    (``ring`` > 1) the shard is the slot's zigzag columns (`data.ring_order`)."""
     b, n = x.shape[:2]
+    if ring > 1:
+        cols = torch.tensor(shard_columns(padded_len, sp, ring, slot))
+        out = x.new_full((b, len(cols), *x.shape[2:]), fill)
+        real = cols < n
+        out[:, real] = x[:, cols[real]]
+        return out
     ls = padded_len // sp
     lo = slot * ls
     out = x.new_full((b, ls, *x.shape[2:]), fill)
@@ -47,8 +55,8 @@ def _pad_shard(x: Tensor, padded_len: int, sp: int, slot: int, fill) -> Tensor:
     return out
 
 
-def padded_length(seq_len: int, sp: int) -> int:
-    return -(-seq_len // sp) * sp
+def padded_length(seq_len: int, sp: int, ring: int = 1) -> int:
+    return ring_padded_length(seq_len, sp, ring)
 
 
 def text_batch(
@@ -85,19 +93,20 @@ def text_batch(
         cu.append(cu[-1] + d.numel())
         targets.append(int((lab != ignore_index).sum()))
     seq_len = cu[-1]
-    plen = padded_length(seq_len, sp)
+    ring = mb.layout.ring
+    plen = padded_length(seq_len, sp, ring)
     lab_row = torch.cat(labs)[None]
-    labels_shard = _pad_shard(lab_row, plen, sp, slot, ignore_index)
+    labels_shard = _pad_shard(lab_row, plen, sp, slot, ignore_index, ring)
     return Batch(
         sample_ids=tuple(mb.sample_ids),
         layout=mb.layout,
         ranks=tuple(ranks),
         rank_in_group=slot,
-        inputs=_pad_shard(torch.cat(toks)[None], plen, sp, slot, 0),
-        positions=_pad_shard(torch.cat(pos)[None], plen, sp, slot, 0),
+        inputs=_pad_shard(torch.cat(toks)[None], plen, sp, slot, 0, ring),
+        positions=_pad_shard(torch.cat(pos)[None], plen, sp, slot, 0, ring),
         labels=labels_shard,
         loss_mask=labels_shard != ignore_index,
-        token_sample=_pad_shard(torch.cat(owner)[None], plen, sp, slot, -1),
+        token_sample=_pad_shard(torch.cat(owner)[None], plen, sp, slot, -1, ring),
         num_targets=tuple(targets),
         cu_seqlens=tuple(cu),
         seq_len=seq_len,
@@ -129,7 +138,8 @@ def video_batch(
         )
     if n % frames:
         raise ValueError(f"{n} tokens per sample do not split into {frames} frames")
-    plen = padded_length(n, sp)
+    ring = mb.layout.ring
+    plen = padded_length(n, sp, ring)
     b = len(x)
     real = torch.ones(b, n, dtype=torch.bool)
     owner = torch.arange(b)[:, None].expand(b, n)
@@ -138,11 +148,11 @@ def video_batch(
         layout=mb.layout,
         ranks=tuple(ranks),
         rank_in_group=slot,
-        inputs=_pad_shard(torch.stack(x), plen, sp, slot, 0.0),
-        positions=_pad_shard(torch.stack([positions[s] for s in mb.sample_ids]), plen, sp, slot, 0),
+        inputs=_pad_shard(torch.stack(x), plen, sp, slot, 0.0, ring),
+        positions=_pad_shard(torch.stack([positions[s] for s in mb.sample_ids]), plen, sp, slot, 0, ring),
         labels=None,
-        loss_mask=_pad_shard(real, plen, sp, slot, False),
-        token_sample=_pad_shard(owner, plen, sp, slot, -1),
+        loss_mask=_pad_shard(real, plen, sp, slot, False, ring),
+        token_sample=_pad_shard(owner, plen, sp, slot, -1, ring),
         num_targets=(n,) * b,
         cu_seqlens=(0, n),
         seq_len=n,

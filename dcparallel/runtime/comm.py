@@ -207,6 +207,31 @@ def gather_seq(x: Tensor, group, dim: int = 1) -> Tensor:
     return _GatherSeq.apply(x, group, dim)
 
 
+# ---------------------------------------------------------------- ring attention's point-to-point
+
+
+class RingShift:
+    """One ring step in flight: ``tensor`` sent to the next rank of a ring while a tensor
+    of the same shape comes from the previous one; `wait` returns it. ``send_to`` and
+    ``recv_from`` are global ranks. A CUDA tensor on a gloo group goes through host memory
+    (gloo's send and receive take host buffers)."""
+
+    def __init__(self, tensor: Tensor, send_to: int, recv_from: int, group):
+        _before_collective()
+        self._device = None
+        if tensor.is_cuda and dist.get_backend(group) == "gloo":
+            self._device, tensor = tensor.device, tensor.cpu()
+        self.received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), send_to, group),
+               dist.P2POp(dist.irecv, self.received, recv_from, group)]
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> Tensor:
+        for r in self._requests:
+            r.wait()
+        return self.received if self._device is None else self.received.to(self._device)
+
+
 # ---------------------------------------------------------------- gradients and parameters
 
 

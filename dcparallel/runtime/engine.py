@@ -269,8 +269,9 @@ class Engine:
 
     @contextlib.contextmanager
     def micro_batch(self, batch: Batch, last: bool | None = None) -> Iterator[MicroBatchContext]:
-        """Runs one micro-batch on this rank: activates the batch's SP group in attention and
-        the layout's recomputation. Forward and `ctx.backward` both go inside the block.
+        """Runs one micro-batch on this rank: activates the batch's SP group in attention (its
+        Ulysses sub-group and ring under `Layout.ring` > 1) and the layout's recomputation.
+        Forward and `ctx.backward` both go inside the block.
         ``last``: this is the rank's last micro-batch of the step, so its backward overlaps
         the gradient sync (default: ``batch.last_of_step``, set by the loader; None: no
         overlap). An out-of-memory error in a micro-batch of a loader step ends every rank
@@ -285,13 +286,13 @@ class Engine:
             )
         if batch.layout.sp != len(batch.ranks):
             raise ValueError(f"layout sp={batch.layout.sp} does not match the group {batch.ranks}")
-        check_heads(self.num_heads, batch.sp)
+        check_heads(self.num_heads, batch.layout.ulysses)
         check_group(batch.ranks, self.shard_size)
-        group = self.groups.group(batch.ranks)
+        group, ring = self.groups.split(batch.ranks, batch.layout.ring)
         self.grad_sync.begin()  # a new step's gradients start at zero
         if last if last is not None else getattr(batch, "last_of_step", None):
             self.grad_sync.arm()
-        self.attention.activate(group, batch.cu_seqlens, batch)
+        self.attention.activate(group, batch.cu_seqlens, batch, ring)
         self.recompute.set(batch.layout.recompute)
         probe = None if self.attention_verified else self.attention_probe  # runtime/attention_check.py
         if probe is not None:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dcparallel.runtime import comm
+from dcparallel.runtime.ring import RingPeers
 from dcparallel.spec import ClusterSpec
 from dcparallel.topology import Topology
 
@@ -148,9 +149,10 @@ class ProcessGroups:
     see the module docstring).
 
     ``cluster``: a ClusterSpec (multi-node: groups follow its GPUs per node), or the world
-    size, or None = one node holding the whole launched world."""
+    size, or None = one node holding the whole launched world. ``ring``: also the sizes the
+    heads do not divide, whose micro-batches run Ulysses x ring attention (`split`)."""
 
-    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None):
+    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None, ring: bool = False):
         world, rank = comm.world_size(), comm.world_rank()
         if cluster is None or isinstance(cluster, int):
             size = world if cluster is None else cluster
@@ -166,7 +168,7 @@ class ProcessGroups:
                 f"{world} ranks; build the ClusterSpec from the launched world size"
             )
         self.cluster = cluster
-        self.topology = Topology.of(cluster, num_heads)  # validates num_heads
+        self.topology = Topology.of(cluster, num_heads, ring)  # validates num_heads
         self.num_heads = num_heads
         self.world_size = world
         self.rank = rank
@@ -202,6 +204,27 @@ class ProcessGroups:
             raise ValueError(f"rank {self.rank} asked for the group of ranks {key}, which it is not in; a rank "
                              f"runs only the micro-batches of its own groups (StepPlan.work_of)")
         return self._by_size[len(key)]
+
+    def split(self, ranks: Sequence[int], ring: int) -> tuple[object, RingPeers | None]:
+        """A micro-batch's groups under ring degree ``ring``: this rank's Ulysses sub-group
+        (the ``len(ranks) / ring`` consecutive ranks of its ring block; None for one rank) and
+        its ring (`RingPeers`: the ranks at the same place in every sub-group, in block order,
+        sending through the group of ``ranks``); with ring 1, the group of ``ranks`` and None.
+
+            k = 4, (u, r) = (2, 2):  Ulysses (0 1) (2 3)    rings (0 2) (1 3)
+        """
+        key = tuple(int(r) for r in ranks)
+        whole = self.group(key)  # validates the block and that this rank is in it
+        if ring == 1:
+            return whole, None
+        u = len(key) // ring
+        if (u, ring) not in self.topology.splits(len(key)):
+            raise ValueError(f"an SP group of {len(key)} ranks cannot run Ulysses degree {u} x ring degree {ring} "
+                             f"with {self.num_heads} heads here; the splits are {self.topology.splits(len(key))} "
+                             f"(ProcessGroups(..., ring=True) offers sizes beyond the heads)")
+        j, i = divmod(key.index(self.rank), u)
+        sub = None if u == 1 else self.group(key[j * u:(j + 1) * u])
+        return sub, RingPeers(whole, key[i::u], j)
 
     def describe(self) -> str:
         lines = []

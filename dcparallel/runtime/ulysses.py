@@ -34,6 +34,7 @@ from torch import Tensor
 from dcparallel.models.attention import AttnPattern, default_kernel
 from dcparallel.models.flex import CuSeqlens
 from dcparallel.runtime.comm import group_rank, group_size, heads_to_seq, seq_to_heads
+from dcparallel.runtime.ring import RingPeers, check_ring_pattern, ring_attention
 from dcparallel.spec import kv_repeats
 
 #: ``kernel(q, k, v, pattern, cu_seqlens)``, and ``sinks=`` (this rank's heads' sink logits)
@@ -60,15 +61,21 @@ def ulysses_attention(
     cu_seqlens: Sequence[int] | None = None,
     kernel: Kernel | None = None,
     sinks: Tensor | None = None,
+    ring: RingPeers | None = None,
 ) -> Tensor:
     """q (B, L/sp, H, D), k (B, L/sp, H_kv, D), v (B, L/sp, H_kv, Dv): this rank's shard of
     the padded rows -> output (B, L/sp, H, Dv). ``sinks``: (H,) sink logits or None.
 
     ``cu_seqlens`` are document boundaries in the whole unpadded row (global positions);
-    None = one document filling the whole padded row."""
+    None = one document filling the whole padded row. ``ring``: this rank's ring when the
+    micro-batch runs ring degree r > 1 (``group`` is then its Ulysses sub-group; the shard
+    is its zigzag columns, `data.ring_order`): the all-to-all gives the rank its ring block
+    for its heads and `runtime.ring` attends over the whole row."""
     sp = group_size(group)
     hq, hkv = q.shape[2], k.shape[2]
     check_heads(hq, sp)
+    if ring is not None and ring.size > 1:
+        return _ulysses_ring(q, k, v, pattern, group, ring, cu_seqlens, sinks)
     if k.shape[:3] != v.shape[:3] or k.shape[3] != q.shape[3] or hq % hkv:
         raise ValueError(f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} (batch, tokens, "
                          f"heads, head size): key and value need the same batch, tokens and heads, a number of "
@@ -100,6 +107,21 @@ def ulysses_attention(
     return heads_to_seq(kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks)), group)
 
 
+def _ulysses_ring(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, group, ring: RingPeers,
+                  cu_seqlens: Sequence[int] | None, sinks: Tensor | None) -> Tensor:
+    """Ulysses over ``group`` around ring attention over ``ring`` (its own block kernel)."""
+    check_ring_pattern(pattern, sinks, ring.size)
+    sp = group_size(group)
+    padded_len = q.shape[1] * sp * ring.size
+    if sp == 1:
+        return ring_attention(q, k, v, pattern, ring, cu_seqlens, padded_len)
+    r = kv_repeats(k.shape[2], sp)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    q, k, v = seq_to_heads([q, k, v], group)
+    return heads_to_seq(ring_attention(q, k, v, pattern, ring, cu_seqlens, padded_len), group)
+
+
 def _sinks_kw(sinks: Tensor | None) -> dict:
     """A kernel without sinks support is still called without the keyword."""
     return {} if sinks is None else {"sinks": sinks}
@@ -111,6 +133,13 @@ class _Active:
     cu_seqlens: tuple[int, ...] | None
     batch: object = None
     """the micro-batch's `Batch` (its shard geometry, for models that shard inside)"""
+    ring: RingPeers | None = None
+    """this rank's ring under ring degree > 1 (``group`` is then the Ulysses sub-group)"""
+
+    @property
+    def sp(self) -> int:
+        """The micro-batch's whole SP degree: Ulysses x ring."""
+        return group_size(self.group) * (1 if self.ring is None else self.ring.size)
 
 
 class UlyssesAttention:
@@ -123,11 +152,13 @@ class UlyssesAttention:
         self.kernel = kernel
         self._active: _Active | None = None
 
-    def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None) -> None:
+    def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None,
+                 ring: RingPeers | None = None) -> None:
         """``cu_seqlens`` travel with the batch's int32 copy (``cu_seqlens_tensor``, on the
-        device when the batch was moved there) for the fused kernels."""
+        device when the batch was moved there) for the fused kernels. ``ring``: this rank's
+        ring (``group`` its Ulysses sub-group) when the micro-batch runs ring degree > 1."""
         docs = None if cu_seqlens is None else CuSeqlens(cu_seqlens, getattr(batch, "cu_seqlens_tensor", None))
-        self._active = _Active(group, docs, batch)
+        self._active = _Active(group, docs, batch, ring)
 
     def deactivate(self) -> None:
         self._active = None
@@ -140,7 +171,7 @@ class UlyssesAttention:
         ``local_len`` tokens per rank outside a micro-batch)."""
         a = self._active
         if a is None or a.cu_seqlens is None:
-            return local_len * (1 if a is None else group_size(a.group))
+            return local_len * (1 if a is None else a.sp)
         return max(b - x for x, b in zip(a.cu_seqlens[:-1], a.cu_seqlens[1:], strict=True))
 
     def document_boundaries(self, local_len: int) -> tuple[int, ...]:
@@ -148,7 +179,7 @@ class UlyssesAttention:
         document of the whole row outside a micro-batch or without boundaries)."""
         a = self._active
         if a is None or a.cu_seqlens is None:
-            return 0, local_len * (1 if a is None else group_size(a.group))
+            return 0, local_len * (1 if a is None else a.sp)
         return a.cu_seqlens
 
     @contextlib.contextmanager
@@ -166,4 +197,4 @@ class UlyssesAttention:
         if a is None:
             return ulysses_attention(q, k, v, pattern, group=None, kernel=self.kernel, sinks=sinks)
         return ulysses_attention(q, k, v, pattern, group=a.group, cu_seqlens=a.cu_seqlens, kernel=self.kernel,
-                                 sinks=sinks)
+                                 sinks=sinks, ring=a.ring)

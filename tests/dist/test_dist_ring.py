@@ -1,0 +1,123 @@
+"""Ulysses x ring attention on 4 gloo ranks (8 in the slow test) against a single process.
+
+The op: every (u, r) split of a world-sized SP group, packed documents of uneven lengths
+with padding, causal (zigzag) and full attention, a sliding window, grouped-query attention
+down to one key/value head: output, dq, dk and dv against the reference kernel on the whole
+rows. Whole steps: a Llama mixing (4, 1), (2, 2) and (1, 4) micro-batches in one step (and
+(1, 2), (2, 1) on half-world groups), recompute on and off; a transformers model with 2
+query heads and 1 key/value head trained at SP 4. Reference: the unmodified model, one
+sample at a time, fp32; tolerance 1e-5 per tensor (the ring sums softmax pieces in another
+order, well inside it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcparallel.models.attention import AttnPattern, sdpa_attention
+from tests.dist import ring_cases
+from tests.dist.harness import Workers
+from tests.support import make_data, reference, rel_err
+
+pytestmark = pytest.mark.dist
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def workers4(tmp_path_factory):
+    w = Workers(4, tmp_path_factory.mktemp("rdv-ring4"))
+    yield w
+    w.close()
+
+
+def _assemble(out: list[dict], name: str) -> torch.Tensor:
+    """The ranks' columns of one tensor put back into whole rows."""
+    cols = torch.cat([o["cols"] for o in out])
+    parts = torch.cat([o[name] for o in out], dim=1)
+    whole = torch.empty_like(parts)
+    whole[:, cols] = parts
+    return whole
+
+
+@pytest.mark.parametrize(("ring", "pattern", "heads", "kv_heads"), [
+    (2, AttnPattern("causal"), 4, 2),
+    (4, AttnPattern("causal"), 4, 1),
+    (2, AttnPattern("full"), 4, 4),
+    (4, AttnPattern("causal", window=5), 2, 1),
+    (1, AttnPattern("causal"), 4, 2),
+], ids=["u2r2-causal-gqa", "u1r4-causal-1kv", "u2r2-full", "u1r4-window", "u4r1"])
+def test_ring_op_matches_full_attention(workers4, ring, pattern, heads, kv_heads):
+    out = workers4.run(ring_cases.case_op, ring, pattern, heads, kv_heads, 11)
+    cu = ring_cases.cu_of(ring_cases.OP_DOCS)
+    padded = sum(o["out"].shape[1] for o in out)
+    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(ring_cases.op_inputs(11, heads, kv_heads,
+                                                                                       padded_len=padded)))
+    ref = sdpa_attention(q, k, v, pattern, cu)
+    ref.backward(dout)
+    for name, want in (("out", ref.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        got = _assemble(out, name)
+        assert rel_err(got, want) <= RTOL, (name, rel_err(got, want))
+    assert float(_assemble(out, "out")[:, cu[-1]:].abs().max()) == 0.0  # padding's output is zero
+
+
+@pytest.mark.parametrize(("pattern", "sinks", "needle"), [
+    (AttnPattern("causal", softcap=5.0), False, "softcapping (softcap=5.0)"),
+    (AttnPattern("causal"), True, "attention sinks"),
+    (AttnPattern("spatial", frames=2), False, "'spatial' attention factorizes by frames"),
+], ids=["softcap", "sinks", "spatial"])
+def test_ring_refuses_what_it_does_not_compute(workers4, pattern, sinks, needle):
+    for msg in workers4.run(ring_cases.case_op_refused, pattern, sinks):
+        assert needle in msg and "ring degree 1" in msg, msg
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_step_mixing_ulysses_and_ring_splits_matches_the_reference(workers4, recompute):
+    seed, n = 7, ring_cases.split_samples(4)
+    out = workers4.run(ring_cases.case_llama_mixed_splits, seed, recompute, n)
+    ref_loss, ref_grads = reference(ring_cases.llama(), make_data("llama", n, seed), list(range(n)))
+    _assert_matches(out, ref_loss, ref_grads)
+
+
+def test_two_query_heads_train_at_sp4(workers4):
+    from tests.adapter_models import make_data as hf_data
+    from tests.adapter_models import reference as hf_reference
+
+    seed, n = 5, 6
+    out = workers4.run(ring_cases.case_hf_two_heads, seed, n)
+    ref_loss, ref_grads = hf_reference(ring_cases.hf_two_heads(), hf_data("hf-llama", n, seed), list(range(n)))
+    _assert_matches(out, ref_loss, ref_grads)
+
+
+@pytest.mark.slow
+def test_world8_step_mixing_splits_matches_the_reference(tmp_path_factory):
+    w = Workers(8, tmp_path_factory.mktemp("rdv-ring8"))
+    try:
+        seed, n = 9, ring_cases.split_samples(8)
+        out = w.run(ring_cases.case_llama_mixed_splits, seed, True, n)
+    finally:
+        w.close()
+    ref_loss, ref_grads = reference(ring_cases.llama(), make_data("llama", n, seed), list(range(n)))
+    _assert_matches(out, ref_loss, ref_grads)
+
+
+def _assert_matches(out: list[dict], ref_loss: float, ref_grads: dict) -> None:
+    for r, res in enumerate(out):
+        assert abs(res["loss"] - ref_loss) <= RTOL * abs(ref_loss), (r, res["loss"], ref_loss)
+        assert set(res["grads"]) == set(ref_grads)
+        for name, g in res["grads"].items():
+            assert rel_err(g, ref_grads[name]) <= RTOL, (r, name, rel_err(g, ref_grads[name]))
+
+
+@pytest.mark.slow  # the workers' first diffusers import alone takes ~30 s on 2 cores
+def test_diffusers_wan_runs_ring_2_exactly(workers4):
+    pytest.importorskip("diffusers")
+    from tests.adapter_models import build
+    from tests.adapter_models import make_data as wan_data
+    from tests.adapter_models import reference as wan_reference
+
+    seed = 4
+    out = workers4.run(ring_cases.case_wan_ring, seed)
+    ref_loss, ref_grads = wan_reference(build("wan"), wan_data("wan", 3, seed), range(3))
+    _assert_matches(out, ref_loss, ref_grads)
+
