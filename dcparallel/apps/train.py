@@ -47,7 +47,8 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from dcparallel.apps.train_config import Config, read_train_lengths
+from dcparallel.apps.train_config import Config
+from dcparallel.apps.train_inputs import read_train_lengths
 from dcparallel.apps.trainer import StepHook, Trainer
 
 

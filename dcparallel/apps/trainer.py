@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from dcparallel.apps.train_config import Config, check_fits
+from dcparallel.apps.train_config import Config
 from dcparallel.apps.train_log import append_event, trim_metrics
 from dcparallel.runtime.launch import cuda_memory, record_ooms_in, restart_attempt
 
@@ -164,14 +164,14 @@ class Trainer:
         model (every sample checked first to fit some layout by the analytic model, which
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
-        from dcparallel.apps.train_setup import loader_workers
+        from dcparallel.apps import train_inputs, train_setup
         from dcparallel.profile.profiler import ProfilerConfig
 
-        t, pc, dc = self.t, self.cfg.profile, self.dc
-        kw = loader_workers(self.launch.device, self.launch.local_world_size)
+        t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
+        kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
         if pc.cost == "profiled":
             c = dc.cluster_spec
-            check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, dc.memory_bytes)
+            train_inputs.check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, c.memory_bytes, skip)
             kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
             kw["profiler_config"] = ProfilerConfig.quick(
                 pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
@@ -184,9 +184,9 @@ class Trainer:
             return None
         from dcparallel.data import DataCentricLoader
 
-        dc = self.dc
+        dc, t, skip = self.dc, self.t, self.cfg.data.skip_oversize
         return DataCentricLoader(self.data.eval, self.data.eval_sizes, cost=dc.cost, cluster=dc.cluster_spec,
-                                 policy=self.t.policy, tokens_per_step=self.t.tokens_per_step, seed=self.t.seed,
+                                 policy=t.policy, tokens_per_step=t.tokens_per_step, seed=t.seed, skip_oversize=skip,
                                  collate=dc.adapter.collate, device=dc.params[0].device)
 
     def _resume(self, ck) -> None:
