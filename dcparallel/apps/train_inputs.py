@@ -43,3 +43,42 @@ def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes:
                           intra_bw=1e10, inter_bw=1e10, name="up-front check")
     PlanContext(Workload(spec, tuple(lengths)), AnalyticCost(spec, cluster), cluster, skip_oversize=skip_oversize)
 
+
+
+def check_config(cfg: Config, where: str) -> str:
+    """`dcparallel train --check`: what can be checked in one process before torchrun starts
+    the workers (the config is validated on loading): the lengths file, the dataset (every
+    row read, tokenized and counted, bad samples named; the counts are cached for the run).
+    A one-line summary, or a ValueError naming what is wrong."""
+    d = cfg.data
+    sizes = read_train_lengths(cfg)
+    if d.path:
+        from pathlib import Path
+
+        if not Path(d.path).exists():
+            raise ValueError(f"{where}: [data] path = {d.path!r} does not exist")
+        sizes = _read_dataset_sizes(cfg)
+    tokens = [s if isinstance(s, int) else s[0] * s[1] * s[2] for s in sizes]
+    data = f"{d.path or 'synthetic'}: {len(sizes)} samples of {min(tokens)}-{max(tokens)} " + \
+        ("tokens" if cfg.model.family != "diffusers" else "latent positions")
+    model = cfg.model.pretrained or f"{cfg.model.family} {cfg.model.architecture or cfg.model.kind}".strip()
+    return (f"{where}: config OK; model {model}; data {data}; policy {cfg.train.policy}, tokens_per_step "
+            f"{cfg.train.tokens_per_step}, out_dir {cfg.train.out_dir}. Launch: torchrun --nproc-per-node N -m "
+            f"dcparallel train --config {where}")
+
+
+def _read_dataset_sizes(cfg: Config) -> list:
+    """Every sample's size from the real dataset, read as the run reads it."""
+    d = cfg.data
+    if cfg.model.family == "diffusers":
+        from dcparallel.data.latents_data import latents_dataset
+
+        return latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column,
+                               skip_bad=d.skip_bad)[1]
+    from transformers import AutoTokenizer
+
+    from dcparallel.data.text_data import text_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.pretrained, local_files_only=True)
+    return text_dataset(d.path, tokenizer, format=d.format or "text", field=d.field or None,
+                        max_tokens=d.max_tokens or None, truncate=d.truncate, skip_bad=d.skip_bad)[1]

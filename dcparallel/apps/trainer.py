@@ -51,14 +51,12 @@ class Trainer:
 
         self.cfg, self.t, self.synthetic_sizes = cfg, cfg.train, synthetic_sizes
         self.before_step = before_step
-        self.rank, self.world = comm.world_rank(), comm.world_size()
-        self.attempt = restart_attempt()
+        self.rank, self.world, self.attempt = comm.world_rank(), comm.world_size(), restart_attempt()
         self.out = Path(self.t.out_dir)
         self.launch = init_distributed()  # the launch set up in `run`: its device
         self.cuda = self.launch.device.type == "cuda"
         self.events = self.out / "events.jsonl" if self.rank == 0 else None
-        self.done, self.start_epoch = 0, 0
-        self.resumed_from = None
+        self.done, self.start_epoch, self.resumed_from = 0, 0, None
 
     # ---------------------------------------------------------------- set-up
 
@@ -94,8 +92,10 @@ class Trainer:
         if ck is not None:
             self._resume(ck)
         self.target = sum(len(self.loader.steps(e)) for e in range(self.t.epochs))
-        if self.t.max_steps:
-            self.target = min(self.target, self.t.max_steps)
+        self.target = min(self.target, self.t.max_steps or self.target)
+        if ck is not None:  # a changed run length moves the lr schedule: refused or stated
+            train_checkpoint.check_schedule(ck.meta, self.t, self.target, lambda e: len(self.loader.steps(e)),
+                                            self.done, self.rank)
         if self.done >= self.target:
             self._say_finished(self.done, self.target)
             return False
@@ -157,7 +157,7 @@ class Trainer:
     def _say_finished(self, done: int, target: int) -> None:
         if self.rank == 0:
             log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
-                        "epochs to train more)", self.out, done, target)
+                        "epochs to train more; with a cosine / linear lr: --resume-anyway)", self.out, done, target)
 
     def _loader(self):
         """The training loader from `DataCentricParallel.prepare`: priced by a profile of the

@@ -116,7 +116,8 @@ def encode(tokenizer: Any, value: dict, s: TextSettings) -> tuple[list[int], lis
     """One row -> (token ids, next-token labels or None for "text"), cut at ``max_tokens``;
     `BadSample` if it cannot be trained on."""
     if s.field not in value or value[s.field] is None:
-        raise BadSample(f"no '{s.field}' field (fields: {sorted(value)})")
+        raise BadSample(f"no '{s.field}' field (fields: {sorted(value)}; another field is named by [data] field, "
+                        f"text_dataset(field=...))")
     if s.format == "text":
         text = value[s.field]
         if not isinstance(text, str) or not text.strip():
