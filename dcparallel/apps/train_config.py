@@ -75,6 +75,7 @@ Config (every key optional; defaults below)::
     min_time_s = 0.2        # short layouts get more runs, until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
+    budget_s = 300          # wall time; past it the rest is measured coarsely (0: no budget)
 """
 
 from __future__ import annotations
@@ -245,9 +246,18 @@ class ProfileConfig:
     min_time_s: float = _opt(0.2, lo=0, resume=False)
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)
+    budget_s: float = _opt(300.0, lo=0, resume=False)
 
     def check(self, where: str) -> None:
         pass
+
+    def profiler_config(self, memory_limit: int, progress: bool) -> Any:
+        """The `dcparallel.profile.ProfilerConfig` of these settings."""
+        from dcparallel.profile.profiler import ProfilerConfig
+
+        return ProfilerConfig.quick(self.max_tokens, repeats=self.repeats, max_repeats=max(self.repeats,
+                                    self.max_repeats), min_time_s=self.min_time_s, max_mbs=self.max_mbs,
+                                    memory_limit=memory_limit, progress=progress, budget_s=self.budget_s or None)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig,

@@ -165,17 +165,13 @@ class Trainer:
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
         from dcparallel.apps import train_inputs, train_setup
-        from dcparallel.profile.profiler import ProfilerConfig
-
         t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
         kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
         if pc.cost == "profiled":
             c = dc.cluster_spec
             train_inputs.check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, c.memory_bytes, skip)
             kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
-            kw["profiler_config"] = ProfilerConfig.quick(
-                pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
-                min_time_s=pc.min_time_s, max_mbs=pc.max_mbs, memory_limit=dc.memory_bytes, progress=self.rank == 0)
+            kw["profiler_config"] = pc.profiler_config(dc.memory_bytes, progress=self.rank == 0)
         return dc.prepare(self.data.train, lengths=self.data.train_sizes, tokens_per_step=t.tokens_per_step,
                           cost=pc.cost, predict=self.rank == 0, **kw)
 
