@@ -51,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
     simulate.add_workload_arguments(p)
     p.add_argument("--policy", action="append", choices=NAMES, help="policy (repeatable)")
-    p.add_argument("--all", action="store_true", help="every policy (the default)")
+    p.add_argument("--all", action="store_true",
+                   help="the research policies too (bucket-default, dcp-intra, dcp-inter, dcp-inter-pac); "
+                        "default: bucket, packed, dcp")
     p.add_argument("--json", action="store_true", help="one JSON object on one line")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--max-steps", type=int, default=None, help="plan and simulate only the epoch's first N steps")
