@@ -59,7 +59,7 @@ class ProfilerConfig:
     """a tqdm bar on stderr (rank 0)"""
     budget_s: float | None = None
     """wall-time budget in seconds (None: none): past it the rest is measured coarsely, one
-    micro-batch size and recompute none / full only (`profile.journal.Budget`)"""
+    micro-batch size, recompute none / full only, one timed round (`profile.journal.Budget`)"""
 
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""

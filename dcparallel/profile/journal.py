@@ -10,9 +10,10 @@ whole profile is saved.
 
 `Budget`: ``ProfilerConfig.budget_s`` seconds of wall time, the same on every rank. Once it
 has passed on any rank of a group, the group measures the rest coarsely: no larger micro-
-batches (the cost model extrapolates them from one sample) and only recompute "none" and
-"full" (the planners then choose between those two). Each chain still measured costs one
-micro-batch per remaining layout, so a profile ends a little past its budget, not at it.
+batches (the cost model extrapolates them from one sample), only recompute "none" and "full"
+(the planners then choose between those two), and one timed round per layout instead of
+rounds until the median is stable. Each chain still measured costs a warm-up and one round,
+so a profile ends past its budget by about that much per remaining chain, not at it.
 """
 
 from __future__ import annotations

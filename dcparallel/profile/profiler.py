@@ -97,6 +97,7 @@ class Profiler:
                  engine: Engine | None = None, cluster: ClusterSpec | None = None,
                  layers_per_unit: int = 1):
         self.config = config or ProfilerConfig()
+        self.round_config = self.config  # the timing of the layout being measured: one round past the budget
         self.layers = list(layers)
         if layers_per_unit < 1 or len(self.layers) != spec.num_layers * layers_per_unit:
             raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
@@ -235,7 +236,7 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.config,
+            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.round_config,
                                  num_layers=self.spec.num_layers, timer=self.timer, group=group, ranks=ranks,
                                  clock=self.clock)
             if isinstance(timed, str):
@@ -331,6 +332,7 @@ class Profiler:
             for mode in cfg.modes:
                 chain, n_before = (b.key, sp, mode), len(local)
                 coarse = any(comm.all_gather_object(budget.over(), group))  # the group agrees
+                self.round_config = dataclasses.replace(cfg, repeats=1, max_repeats=1, min_time_s=0) if coarse else cfg
                 if all(chain in done[r] for r in ranks) or (coarse and mode not in COARSE_MODES):
                     local += journal.entries(chain) if journal and chain in done[self.rank] else []
                     bar is not None and bar.update(1)

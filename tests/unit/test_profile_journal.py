@@ -45,7 +45,8 @@ def test_a_killed_profile_resumes_from_the_chains_it_saved(tmp_path, monkeypatch
 
 
 def test_past_its_budget_a_profile_is_coarse():
-    prof = make_profiler(modes=MODES, max_mbs=4, budget_s=0.0)
+    prof = make_profiler(modes=MODES, max_mbs=4, budget_s=0.0, repeats=3, max_repeats=6)
     profile, _ = prof.run([16, 32])
     assert {(e.mbs, e.recompute) for e in profile.entries} == {(1, "none"), (1, "full")}
+    assert {e.rounds for e in profile.entries} == {1}  # one timed round each, not the 3 asked for
     assert ProfilerConfig.quick().budget_s == 300.0  # the default profile's budget (docs/training.md)
