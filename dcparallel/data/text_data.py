@@ -222,6 +222,9 @@ def text_dataset(path: str | Path, tokenizer: Any, *, format: str = "text", fiel
     rows = read_rows(p)
     if not rows:
         raise ValueError(f"{p} holds no samples")
+    if not any(settings.field in r.value for r in rows):  # before tokenizing: a whole file under another field
+        raise ValueError(f"{p}: no row has the field '{settings.field}' (the first row's fields: "
+                         f"{sorted(rows[0].value)}); name the field: [data] field = \"...\" (text_dataset(field=...))")
     counts = _cached_lengths(p, rows, tokenizer, settings, cache, num_workers)
     bad = BadData(str(p), skip_bad)
     good = []
