@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["DataCentricParallel", "empty_init"]
+__all__ = ["DataCentricParallel", "empty_init", "init_distributed"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from dcparallel.runtime.meta_init import empty_init
 
         return empty_init
+    if name == "init_distributed":  # the process group and device of a torchrun launch (runtime/launch.py)
+        from dcparallel.runtime.launch import init_distributed
+
+        return init_distributed
     raise AttributeError(f"module 'dcparallel' has no attribute {name!r}")

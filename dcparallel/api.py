@@ -2,7 +2,7 @@
 
     dc = dcparallel.DataCentricParallel(model, policy="dcp")   # finds the model's adapter
     loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=2**20, loss_fn=loss_fn)
-    opt = dc.optimizer(lr=3e-4)
+    opt = dc.optimizer(lr=3e-4)                                 # AdamW, torch's defaults
     for step in loader:
         for batch in step:
             with dc.micro_batch(batch) as ctx:
@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,11 @@ from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
 from dcparallel.profile.shards import compute_dtype
 from dcparallel.runtime import comm
+from dcparallel.runtime.auto_launch import set_up_launch
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.forward_pass import ForwardFn, ForwardPass
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
+from dcparallel.runtime.param_groups import GroupedZeroAdamW, as_groups
 from dcparallel.runtime.rollout_step import RolloutPlanner, RolloutStep
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
@@ -110,7 +112,10 @@ class DataCentricParallel:
     ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
-    for diffusers models, ...). Everything is validated before the model is touched."""
+    for diffusers models, ...). Everything is validated before the model is touched.
+    Started by torchrun with no process group set up, it sets one up and moves a CPU model to
+    this rank's device (`runtime.auto_launch`); one set up before (`dcparallel.init_distributed`)
+    is used as it is."""
 
     def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
                  num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
@@ -125,6 +130,7 @@ class DataCentricParallel:
                              f"a node) or 'auto'")
         adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           **protocol)
+        set_up_launch(model)  # under torchrun: the process group and this rank's device, unless set up already
         device = next(model.parameters()).device
         if device.type == "meta":  # built under `empty_init`: its shards get storage on this launch's device
             device = default_device()
@@ -230,11 +236,25 @@ class DataCentricParallel:
         """`Engine.zero_grad`: starts a new step's accumulation."""
         self.engine.zero_grad()
 
-    def optimizer(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float = 0.0) -> ZeroAdamW | ShardedAdamW:
-        """`Engine.optimizer`: AdamW with ZeRO-1 sharded fp32 state (`ShardedAdamW` with
-        shard_size > 1)."""
-        return self.engine.optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    def optimizer(self, params_or_groups: Iterable[Any] | None = None, lr: float = 1e-3,
+                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 1e-2) -> ZeroAdamW | ShardedAdamW:
+        """AdamW with ZeRO-1 sharded fp32 state, a `torch.optim.Optimizer` (schedulers drive
+        it). The defaults are torch.optim.AdamW's (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+        weight_decay 1e-2). ``params_or_groups``: None (every trainable parameter, one group;
+        weight decay on matrices only, not on biases and norms: `Engine.optimizer`), or as for
+        torch's AdamW, parameters or groups (dicts with ``params`` and any of ``lr``,
+        ``betas``, ``eps``, ``weight_decay``): torch's rule then, every tensor of a group
+        decayed by its group's weight_decay, a parameter in no group not updated
+        (`runtime.param_groups`). Groups need shard_size 1."""
+        if params_or_groups is None:
+            return self.engine.optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        groups = as_groups(params_or_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        if self.shard_size > 1:
+            raise ValueError(f"dc.optimizer() with parameter groups needs shard_size 1 (this model's is "
+                             f"{self.shard_size}); give no groups (one group, weight decay on matrices)")
+        self.engine.optimizer_made = True
+        return GroupedZeroAdamW(self.engine.grad_sync, groups)
 
     def full_gradients(self) -> dict[str, Any]:
         """`Engine.full_gradients`: the step's whole gradient of every trainable parameter by
@@ -294,8 +314,9 @@ class DataCentricParallel:
         construction, else the adapter's) is what the profiler runs on synthetic
         micro-batches; run the same one in the training loop. ``profiler_config``: a
         `ProfilerConfig`, or a mapping of its fields that override the default
-        (`ProfilerConfig.quick`, capped at the dataset's longest sample and the memory
-        budget), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
+        (`ProfilerConfig.quick`: a 300 s wall-time budget, coarser past it; capped at the
+        dataset's longest sample and the memory budget; saved as it goes, so a killed profile
+        resumes), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
         ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together
         (profiling is collective)."""
         if cost not in ("profiled", "analytic"):

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dcparallel
+import dcparallel  # dcparallel
 from dcparallel.data.synthetic import SyntheticText, builtin_lengths
 from dcparallel.models.attention import AttnPattern, local_attention
-from dcparallel.runtime.launch import init_distributed
 
 
 class Attention(nn.Module):
@@ -74,7 +73,7 @@ class GPT(nn.Module):
 
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 model = GPT().to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))

@@ -19,12 +19,11 @@ from datetime import timedelta
 import torch
 from diffusers import HunyuanVideoTransformer3DModel
 
-import dcparallel
+import dcparallel  # dcparallel
 from dcparallel.data.synthetic import SyntheticLatents
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
                                        num_layers=2, num_single_layers=2, num_refiner_layers=1, mlp_ratio=2.0,

@@ -18,12 +18,11 @@ from datetime import timedelta
 import torch
 from diffusers import LTXVideoTransformer3DModel
 
-import dcparallel
+import dcparallel  # dcparallel
 from dcparallel.data.synthetic import SyntheticLatents
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
                                    cross_attention_dim=64, num_layers=4, caption_channels=32).to(launch.device)

@@ -16,12 +16,11 @@ from datetime import timedelta
 import torch
 from diffusers import WanTransformer3DModel
 
-import dcparallel
+import dcparallel  # dcparallel
 from dcparallel.data.synthetic import SyntheticLatents
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
                               out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4,

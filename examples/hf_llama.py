@@ -14,12 +14,11 @@ from datetime import timedelta
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dcparallel
+import dcparallel  # dcparallel
 from dcparallel.data.synthetic import SyntheticText, builtin_lengths
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)

@@ -21,16 +21,15 @@ from datetime import timedelta
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import dcparallel
-from dcparallel.loss import per_token_loss
-from dcparallel.runtime.launch import init_distributed
+import dcparallel  # dcparallel
+from dcparallel.loss import per_token_loss  # dcparallel
 
 PAD, EOS, VOCAB = 0, 1, 32
 PROMPTS, GROUP, MAX_NEW = 4, 4, 48  # per rank and step: 4 prompts x 4 completions
 CLIP, KL_COEF, ENT_COEF = 0.2, 0.02, 0.001
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

@@ -12,10 +12,9 @@ import torch
 import dcparallel
 from dcparallel.data.synthetic import SyntheticText, builtin_lengths
 from dcparallel.models.llama import Llama, LlamaConfig
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # process group, device
 torch.manual_seed(0)
 model = Llama(LlamaConfig(vocab_size=256, hidden=128, num_layers=4, num_heads=4, ffn_hidden=352)).to(launch.device)
 lengths = builtin_lengths(num_samples=160)

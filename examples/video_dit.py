@@ -11,10 +11,9 @@ import torch
 
 import dcparallel
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
-from dcparallel.runtime.launch import init_distributed
 
 torch.set_num_threads(1)
-launch = init_distributed(timeout=timedelta(seconds=120))  # NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPUs
+launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # process group, device
 torch.manual_seed(0)
 cfg = DiTConfig(hidden=64, num_layers=4, num_heads=4, freq_dim=32, attention="factorized")
 model = DiT(cfg).to(launch.device)

@@ -16,13 +16,19 @@ from dcparallel.apps import demo, simulate
 from dcparallel.plan.policies import NAMES
 
 
-def _train(path: Path, resume_anyway: bool = False) -> int:
-    from dcparallel.apps.train import run
+def _train(path: Path, resume_anyway: bool = False, check: bool = False) -> int:
     from dcparallel.apps.train_config import Config
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     cfg = Config.load(path)
     cfg.train.resume_anyway = cfg.train.resume_anyway or resume_anyway
+    if check:  # no torchrun, no torch: what can be checked before the workers start
+        from dcparallel.apps.train_inputs import check_config
+
+        print(check_config(cfg, str(path)), flush=True)
+        return 0
+    from dcparallel.apps.train import run
+
     return run(cfg)
 
 
@@ -45,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
     simulate.add_workload_arguments(p)
     p.add_argument("--policy", action="append", choices=NAMES, help="policy (repeatable)")
-    p.add_argument("--all", action="store_true", help="every policy (the default)")
+    p.add_argument("--all", action="store_true",
+                   help="the research policies too (bucket-default, dcp-intra, dcp-inter, dcp-inter-pac); "
+                        "default: bucket, packed, dcp")
     p.add_argument("--json", action="store_true", help="one JSON object on one line")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--max-steps", type=int, default=None, help="plan and simulate only the epoch's first N steps")
@@ -65,11 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile.add_arguments(p)
         p.set_defaults(func=profile.cmd_profile)
 
-    p = sub.add_parser("train", help="train a reference model from a TOML config (run under torchrun)")
-    p.add_argument("--config", required=True, type=Path, help="TOML file: [model], [data], [train]")
+    p = sub.add_parser("train", help="train or fine-tune a model (a local transformers / diffusers model "
+                                     "directory, or the reference model) from a TOML config, under torchrun")
+    p.add_argument("--config", required=True, type=Path,
+                   help="TOML file: [model], [data], [train], [profile], [log] (docs/training.md)")
     p.add_argument("--resume-anyway", action="store_true",
                    help="resume a checkpoint written under another config (the differences are logged)")
-    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway))
+    p.add_argument("--check", action="store_true",
+                   help="check the config, its files and lengths in this process and exit; run it without "
+                        "torchrun, before launching")
+    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway, a.check))
 
     p = sub.add_parser("export", help="a run's committed checkpoint as a model directory (save_pretrained), "
                                       "without training")
@@ -86,8 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # one write, newline included: two ranks' errors do not run together
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
         return 2
 
 

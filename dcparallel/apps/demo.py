@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dcparallel.apps.demo_report import print_table, rank_timelines, spread, trust_notes, write_report
 from dcparallel.apps.simulate import paper_scale
-from dcparallel.apps.train_config import check_fits
+from dcparallel.apps.train_inputs import check_fits
 
 POLICIES = ("bucket", "packed", "dcp")
 TOKENS_PER_STEP = 16384

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from dcparallel.apps.simulate_words import USER_POLICIES, layout_words, plan_stats, verdict
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.cost.profiled import ProfiledCost
@@ -67,8 +68,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                           f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
                      help="one sample a line: `tokens` or `frames height width`; or a .npy array")
-    p.add_argument("--world", type=int, default=32, help="GPUs (default 32)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--world", type=int, default=None, help="GPUs (default: the --profile's world size, else 32)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: the --profile's, else 8 or the world if smaller)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
     p.add_argument("--tokens-per-step", type=int, default=None,
                    help="tokens per optimizer step (default: the scenario's)")
@@ -80,6 +82,7 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
     sizes = read_lengths(args.lengths) if args.lengths is not None else None
     spec = _model_of(args)
+    _default_world(args)
     if spec is not None and args.profile is not None:
         raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
     if spec is not None:
@@ -137,6 +140,14 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
 
 
+def _default_world(args) -> None:
+    """--world and --gpus-per-node not given: the profile's launch, else 32 GPUs, 8 a node."""
+    if args.world is None or args.gpus_per_node is None:
+        launch = Profile.load(args.profile) if args.profile is not None else None
+        args.world = args.world or (launch.world_size if launch else 32)
+        args.gpus_per_node = args.gpus_per_node or (launch.gpus_per_node if launch else min(8, args.world))
+
+
 def _model_of(args) -> ModelSpec | None:
     """The model of --model or --model-config (None: the scenario's or the profile's)."""
     if getattr(args, "model", None):
@@ -155,6 +166,8 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
                                            seed=args.seed, progress=progress,
                                            max_steps=getattr(args, "max_steps", None))
     per = summary(workload, runs, bound)
+    for k, r in runs.items():  # what the plans did, for the line under the table (`simulate_words`)
+        per[k].update(plan_stats(r.plans, workload.tokens))
     m = workload.model
     out = {
         "scenario": args.scenario or m.name, "distribution": name, "world": cluster.world_size,
@@ -211,18 +224,21 @@ def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scal
 
 def _table(out: dict) -> str:
     rows = [f"{out['scenario']} / {out['distribution']}: {out['samples_total']} samples, {out['steps']} steps "
-            f"of {out['tokens_per_step']:,} tokens, world {out['world']} ({out['gpus_per_node']}/node), "
+            f"of {out['tokens_per_step']:,} tokens, world {out['world']} GPUs ({out['gpus_per_node']} per node), "
             f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k"]
-    hdr = f"{'policy':15s} {'speedup':>8s} {'tokens/s':>12s} {'step_s':>8s} {'idle':>6s} {'bound_eff':>9s} " \
-          f"{'plan_ms':>8s} {'mem':>5s}  settings"
+    hdr = f"{'policy':15s} {'vs bucket':>9s} {'tokens/s':>12s} {'step time s':>11s} {'ranks idle':>10s} " \
+          f"{'of lower bound':>14s} {'planning ms/step':>16s} {'peak memory':>11s}  layout"
     rows.append(hdr)
     speedup = out.get("speedup_vs_bucket")
     for k, v in out["policies"].items():
-        sp = f"{speedup[k]:8.2f}" if speedup else f"{'-':>8s}"
-        st = {a: b for a, b in v["settings"].items() if a != "tried_s"}
-        rows.append(f"{k:15s} {sp} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:8.3f} "
-                    f"{v['idle_fraction']:6.3f} {v['lower_bound_efficiency']:9.3f} {v['plan_ms_per_step']:8.2f} "
-                    f"{v['peak_memory_fraction']:5.2f}  {st}")
+        sp = f"{speedup[k]:8.2f}x" if speedup else f"{'-':>9s}"
+        rows.append(f"{k:15s} {sp} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:11.3f} "
+                    f"{100 * v['idle_fraction']:9.1f}% {100 * v['lower_bound_efficiency']:13.1f}% "
+                    f"{v['plan_ms_per_step']:16.2f} {100 * v['peak_memory_fraction']:10.0f}%  "
+                    f"{layout_words(k, v['settings'])}")
+    line = verdict(out["policies"]) if all("sp_mean_per_token" in v for v in out["policies"].values()) else None
+    if line:
+        rows.append(line)
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
     if "model" in out:
@@ -242,7 +258,7 @@ def _table(out: dict) -> str:
 
 
 def cmd_simulate(args) -> int:
-    policies = ALL if args.all or not args.policy else args.policy
+    policies = ALL if args.all else args.policy or list(USER_POLICIES)
     out = simulate_json(args, policies, progress=not args.quiet)
     if args.json:
         print(json.dumps(out))
@@ -273,8 +289,8 @@ def cmd_plan(args) -> int:
                   f"predicted {res.step_time:.3f} s")
             phased = plan.num_phases > 1
             for g, busy in zip(plan.groups, res.group_busy):
-                lay = [f"{len(m.sample_ids)}x sp{m.layout.sp} rc={m.layout.recompute.describe(ctx.model.num_layers)}"
-                       for m in g.micro_batches]
+                lay = [f"[{len(m.sample_ids)} sample{'s' * (len(m.sample_ids) > 1)} at SP {m.layout.sp}, recompute "
+                       f"{m.layout.recompute.describe(ctx.model.num_layers)}]" for m in g.micro_batches]
                 phase = f"phase {g.phase} " if phased else ""
                 print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")

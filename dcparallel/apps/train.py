@@ -31,7 +31,11 @@ re-planned for the new world; the same samples per step). Metrics lines written 
 checkpoint (steps a crash made replay) are dropped first, so every step appears once. A
 finished run says so and exits. A checkpoint written under another config (model, data,
 policy, step budget, lr, seed, memory) is refused with what differs, unless
-``resume_anyway = true`` (or ``--resume-anyway``).
+``resume_anyway = true`` (or ``--resume-anyway``); so is a changed run length (epochs,
+max_steps) that would move a cosine / linear lr (a constant one's new length is stated).
+Messages and progress bars come from rank 0; the other ranks log errors only
+(`runtime.launch.quiet_other_ranks`). ``dcparallel train --check --config FILE`` checks the
+config, its lengths file and its dataset in one process before torchrun starts any worker.
 
 Everything is checked before anything runs: unknown keys and wrong types or ranges in the
 config (named, with the fix), the lengths file (file:line), the step budget, the model's
@@ -47,7 +51,8 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from dcparallel.apps.train_config import Config, read_train_lengths
+from dcparallel.apps.train_config import Config
+from dcparallel.apps.train_inputs import read_train_lengths
 from dcparallel.apps.trainer import StepHook, Trainer
 
 

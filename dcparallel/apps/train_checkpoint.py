@@ -19,6 +19,8 @@ process without training (`dcparallel export`).
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from torch import nn
 from dcparallel import checkpoint
 from dcparallel.runtime import comm
 from dcparallel.runtime import sharded_checkpoint as dcp_tensors
+
+log = logging.getLogger("dcparallel.train")
 
 
 def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_range: tuple[int, int]) -> Path:
@@ -149,3 +153,29 @@ def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, p
         model.load_state_dict(ck.load(0)["model"])
     write_export(family, model, path, tokenizer)
     return path
+
+
+def check_schedule(meta: dict, t: Any, target: int, steps_in_epoch: Any, done: int, rank: int) -> None:
+    """A resumed run whose length changed ([train] epochs / max_steps): the lr schedule's
+    total steps change with it. Where that changes the lr of the next step (cosine, linear)
+    it is refused unless ``resume_anyway``, naming both lrs; otherwise it is stated (rank 0).
+    ``steps_in_epoch(e)``: the steps of epoch e; ``meta``: the checkpoint's."""
+    from dcparallel.apps.train_setup import lr_lambda
+
+    old_epochs, old_max = meta.get("run_length", [t.epochs, t.max_steps])
+    if [old_epochs, old_max] == [t.epochs, t.max_steps]:
+        return
+    old_target = sum(steps_in_epoch(e) for e in range(old_epochs))
+    old_target = min(old_target, old_max or old_target)
+    if old_target == target:
+        return
+    was = t.lr * lr_lambda(t.warmup_steps, old_target, t.schedule)(done)
+    now = t.lr * lr_lambda(t.warmup_steps, target, t.schedule)(done)
+    what = (f"the run's length changed (epochs {old_epochs} -> {t.epochs}, max_steps {old_max} -> {t.max_steps}): "
+            f"it now ends at step {target}, not {old_target}")
+    if not math.isclose(was, now, rel_tol=1e-12) and not t.resume_anyway:
+        raise ValueError(f"{what}, and the {t.schedule} lr of step {done + 1} would jump from {was:.4g} to "
+                         f"{now:.4g}. Resume with the same epochs and max_steps (then start a new run from the "
+                         f"export), or resume_anyway = true (--resume-anyway) to continue on the new schedule")
+    if rank == 0:
+        log.warning("%s; the %s lr of step %d: %.4g (was %.4g)", what, t.schedule, done + 1, now, was)

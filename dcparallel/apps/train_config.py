@@ -1,7 +1,6 @@
-"""The TOML config of `dcparallel train`, validated, and the up-front checks of a run's inputs.
+"""The TOML config of `dcparallel train`, validated (the run's inputs: `apps.train_inputs`).
 
-Unknown keys, types and ranges are each named with the fix; the inputs checked are the lengths
-file and whether every sample fits some layout.
+Unknown keys, types and ranges are each named with the fix.
 
 Config (every key optional; defaults below)::
 
@@ -24,10 +23,15 @@ Config (every key optional; defaults below)::
     path = ""               # real data: .jsonl / .csv / .parquet / a save_to_disk directory
                             # (text, chat) or a latents manifest .csv / .jsonl; "": synthetic
     format = ""             # "text" | "chat" | "latents"; "": text for LMs, latents for video
+    field = ""              # text / chat: the field holding a row's text ("": "text") or its
+                            # messages ("": "messages"), e.g. field = "content"
+    latents_column = "latents"          # latents manifest: the column naming a clip's latents file
+    text_column = "text_embeddings"     # ... and its text-embeddings file
     max_tokens = 0          # longer documents cut there (or bad with truncate = false); 0: no limit
     truncate = true
     eval_fraction = 0.0     # samples held out for the eval loss (0: no eval split)
     skip_bad = false        # bad samples dropped and reported instead of an error
+    skip_oversize = false   # samples no layout fits in memory skipped and reported instead of an error
     lengths = "builtin"     # synthetic data: "builtin" or a file: one token count a line
                             # (diffusers: latent "frames height width" a line), or a .npy array
     num_samples = 200       # builtin: how many samples
@@ -71,6 +75,7 @@ Config (every key optional; defaults below)::
     min_time_s = 0.2        # short layouts get more runs, until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
+    budget_s = 300          # wall time; past it the rest is measured coarsely (0: no budget)
 """
 
 from __future__ import annotations
@@ -162,10 +167,14 @@ class ModelConfig:
 class DataConfig:
     path: str = _opt("")
     format: str = _opt("", choices=("", "text", "chat", "latents"))
+    field: str = _opt("")
+    latents_column: str = _opt("latents")
+    text_column: str = _opt("text_embeddings")
     max_tokens: int = _opt(0, lo=0)
     truncate: bool = _opt(True)
     eval_fraction: float = _opt(0.0, lo=0)
     skip_bad: bool = _opt(False)
+    skip_oversize: bool = _opt(False)
     lengths: str = _opt("builtin")
     num_samples: int = _opt(200, lo=1)
     text_tokens: int = _opt(16, lo=1)
@@ -237,9 +246,18 @@ class ProfileConfig:
     min_time_s: float = _opt(0.2, lo=0, resume=False)
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)
+    budget_s: float = _opt(300.0, lo=0, resume=False)
 
     def check(self, where: str) -> None:
         pass
+
+    def profiler_config(self, memory_limit: int, progress: bool) -> Any:
+        """The `dcparallel.profile.ProfilerConfig` of these settings."""
+        from dcparallel.profile.profiler import ProfilerConfig
+
+        return ProfilerConfig.quick(self.max_tokens, repeats=self.repeats, max_repeats=max(self.repeats,
+                                    self.max_repeats), min_time_s=self.min_time_s, max_mbs=self.max_mbs,
+                                    memory_limit=memory_limit, progress=progress, budget_s=self.budget_s or None)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig,
@@ -342,6 +360,9 @@ class Config:
             raise ValueError(f"{where}: [data] path = {self.data.path!r} needs a tokenizer: train a [model] pretrained "
                              f"= \"dir\" (a transformers model directory with its tokenizer)")
         video, fmt = self.model.family == "diffusers", self.data.format
+        if video and self.data.field:
+            raise ValueError(f"{where}: [data] field = {self.data.field!r} names a text field; a latents manifest "
+                             f"names its files' columns with latents_column and text_column")
         if fmt and (fmt == "latents") != video:
             want = '"latents"' if video else '"text" or "chat"'
             raise ValueError(f"{where}: [data] format = {fmt!r} does not suit a {self.model.family} model; use {want}")
@@ -360,41 +381,3 @@ def _closest(name: str, known: set[str]) -> str | None:
 
     m = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return m[0] if m else None
-
-
-#: the builtin latent shapes (frames, height, width) of a diffusers video run
-BUILTIN_LATENTS = ((1, 8, 8), (1, 8, 12), (2, 8, 8), (3, 8, 12), (3, 12, 8), (5, 12, 16))
-
-
-def read_train_lengths(cfg: Config) -> list:
-    """The sizes of the synthetic dataset ([data] lengths); empty for a real dataset (path)."""
-    from dcparallel.data.synthetic import builtin_lengths
-    from dcparallel.scenarios import read_lengths
-
-    video_model = cfg.model.family == "diffusers"
-    if cfg.data.path:
-        return []  # a real dataset's lengths are computed (and cached) when it is read
-    if cfg.data.lengths == "builtin":
-        if video_model:
-            return [BUILTIN_LATENTS[(i * 7) % len(BUILTIN_LATENTS)] for i in range(cfg.data.num_samples)]
-        return builtin_lengths(cfg.data.num_samples, cfg.train.seed)
-    sizes = read_lengths(cfg.data.lengths)
-    wrong = next((i for i, s in enumerate(sizes) if isinstance(s, tuple) != video_model), None)
-    if wrong is not None:
-        want = "a latent shape 'frames height width'" if video_model else "one token count"
-        raise ValueError(f"{cfg.data.lengths}: sample {wrong} is {sizes[wrong]!r}; this model takes {want} a line")
-    return [tuple(int(v) for v in x) if video_model else int(x) for x in sizes]
-
-
-def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int) -> None:
-    """Raises the planner's `NoLayoutFits` before any profiling when a sample fits no layout
-    by the analytic cost model (calibrated constants: it catches samples far beyond memory,
-    which the profiler would die on with a raw allocator error; the profile decides the rest)."""
-    from dcparallel.cost.analytic import AnalyticCost
-    from dcparallel.plan.context import PlanContext
-    from dcparallel.spec import ClusterSpec, Workload
-
-    cluster = ClusterSpec(world_size=world_size, gpus_per_node=gpus_per_node, memory_bytes=int(memory_bytes),
-                          intra_bw=1e10, inter_bw=1e10, name="up-front check")
-    PlanContext(Workload(spec, tuple(lengths)), AnalyticCost(spec, cluster), cluster)
-

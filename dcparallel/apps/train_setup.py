@@ -155,7 +155,8 @@ def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list
         from dcparallel.data.latents_data import latents_dataset
 
         c = model.config
-        ds, sizes = latents_dataset(d.path, channels=c.in_channels, text_dim=c.text_dim, skip_bad=d.skip_bad)
+        ds, sizes = latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column,
+                                    channels=c.in_channels, text_dim=c.text_dim, skip_bad=d.skip_bad)
         if len(set(ds.text_tokens)) > 1:  # the adapter stacks a micro-batch's text embeddings
             first = {n: ds.where(i) for i, n in reversed(list(enumerate(ds.text_tokens)))}
             raise ValueError(f"{d.path}: the clips' text embeddings have different lengths ("
@@ -167,8 +168,8 @@ def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list
     if tokenizer is None:
         raise ValueError(f"[data] path = {d.path!r} needs a tokenizer: [model] pretrained must name a directory "
                          f"holding one (save it there with tokenizer.save_pretrained)")
-    ds, lengths = text_dataset(d.path, tokenizer, format=d.format or "text", max_tokens=d.max_tokens or None,
-                               truncate=d.truncate, skip_bad=d.skip_bad)
+    ds, lengths = text_dataset(d.path, tokenizer, format=d.format or "text", field=d.field or None,
+                               max_tokens=d.max_tokens or None, truncate=d.truncate, skip_bad=d.skip_bad)
     return ds, lengths, None
 
 

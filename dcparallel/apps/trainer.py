@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from dcparallel.apps.train_config import Config, check_fits
+from dcparallel.apps.train_config import Config
 from dcparallel.apps.train_log import append_event, trim_metrics
 from dcparallel.runtime.launch import cuda_memory, record_ooms_in, restart_attempt
 
@@ -51,14 +51,12 @@ class Trainer:
 
         self.cfg, self.t, self.synthetic_sizes = cfg, cfg.train, synthetic_sizes
         self.before_step = before_step
-        self.rank, self.world = comm.world_rank(), comm.world_size()
-        self.attempt = restart_attempt()
+        self.rank, self.world, self.attempt = comm.world_rank(), comm.world_size(), restart_attempt()
         self.out = Path(self.t.out_dir)
         self.launch = init_distributed()  # the launch set up in `run`: its device
         self.cuda = self.launch.device.type == "cuda"
         self.events = self.out / "events.jsonl" if self.rank == 0 else None
-        self.done, self.start_epoch = 0, 0
-        self.resumed_from = None
+        self.done, self.start_epoch, self.resumed_from = 0, 0, None
 
     # ---------------------------------------------------------------- set-up
 
@@ -94,8 +92,10 @@ class Trainer:
         if ck is not None:
             self._resume(ck)
         self.target = sum(len(self.loader.steps(e)) for e in range(self.t.epochs))
-        if self.t.max_steps:
-            self.target = min(self.target, self.t.max_steps)
+        self.target = min(self.target, self.t.max_steps or self.target)
+        if ck is not None:  # a changed run length moves the lr schedule: refused or stated
+            train_checkpoint.check_schedule(ck.meta, self.t, self.target, lambda e: len(self.loader.steps(e)),
+                                            self.done, self.rank)
         if self.done >= self.target:
             self._say_finished(self.done, self.target)
             return False
@@ -157,25 +157,21 @@ class Trainer:
     def _say_finished(self, done: int, target: int) -> None:
         if self.rank == 0:
             log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
-                        "epochs to train more)", self.out, done, target)
+                        "epochs to train more; with a cosine / linear lr: --resume-anyway)", self.out, done, target)
 
     def _loader(self):
         """The training loader from `DataCentricParallel.prepare`: priced by a profile of the
         model (every sample checked first to fit some layout by the analytic model, which
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
-        from dcparallel.apps.train_setup import loader_workers
-        from dcparallel.profile.profiler import ProfilerConfig
-
-        t, pc, dc = self.t, self.cfg.profile, self.dc
-        kw = loader_workers(self.launch.device, self.launch.local_world_size)
+        from dcparallel.apps import train_inputs, train_setup
+        t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
+        kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
         if pc.cost == "profiled":
             c = dc.cluster_spec
-            check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, dc.memory_bytes)
+            train_inputs.check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, c.memory_bytes, skip)
             kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
-            kw["profiler_config"] = ProfilerConfig.quick(
-                pc.max_tokens, repeats=pc.repeats, max_repeats=max(pc.repeats, pc.max_repeats),
-                min_time_s=pc.min_time_s, max_mbs=pc.max_mbs, memory_limit=dc.memory_bytes, progress=self.rank == 0)
+            kw["profiler_config"] = pc.profiler_config(dc.memory_bytes, progress=self.rank == 0)
         return dc.prepare(self.data.train, lengths=self.data.train_sizes, tokens_per_step=t.tokens_per_step,
                           cost=pc.cost, predict=self.rank == 0, **kw)
 
@@ -184,9 +180,9 @@ class Trainer:
             return None
         from dcparallel.data import DataCentricLoader
 
-        dc = self.dc
+        dc, t, skip = self.dc, self.t, self.cfg.data.skip_oversize
         return DataCentricLoader(self.data.eval, self.data.eval_sizes, cost=dc.cost, cluster=dc.cluster_spec,
-                                 policy=self.t.policy, tokens_per_step=self.t.tokens_per_step, seed=self.t.seed,
+                                 policy=t.policy, tokens_per_step=t.tokens_per_step, seed=t.seed, skip_oversize=skip,
                                  collate=dc.adapter.collate, device=dc.params[0].device)
 
     def _resume(self, ck) -> None:

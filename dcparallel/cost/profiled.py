@@ -78,6 +78,9 @@ class ProfiledCost:
             v.sort()
         self.token_range = (min(tokens.values()), max(tokens.values())) if tokens else (0, 0)
         self._warned_range = False
+        #: tokens of the longest sample of the workloads planned with this cost model (`PlanContext`
+        #: notes it): a longer sequence priced is a packed bin of several samples
+        self.longest_sample = 0
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
@@ -151,9 +154,9 @@ class ProfiledCost:
         toks = [r[0] for r in row]
         if tokens > 2 * self.token_range[1] and not self._warned_range:
             self._warned_range = True
-            log.warning("a sample of %d tokens is far beyond the profiled range %d..%d tokens (profile of %r): its "
-                        "time and memory are extrapolated proportionally and may be wrong; profile with these "
-                        "lengths (dcparallel profile --lengths ...)", tokens, *self.token_range, self.model.name)
+            log.warning("%s is far beyond the profiled range %d..%d tokens (profile of %r): its time and memory "
+                        "are extrapolated proportionally and may be wrong; %s", *self._beyond(tokens),
+                        self.model.name, self._beyond_fix(tokens))
         i = bisect.bisect_left(toks, tokens)
         if i < len(row) and toks[i] == tokens:
             return self._at(row[i][1], sp, mode, n)
@@ -165,6 +168,21 @@ class ProfiledCost:
         (t0, m0), (t1, m1) = self._at(b0, sp, mode, n), self._at(b1, sp, mode, n)
         w = (tokens - k0) / (k1 - k0)
         return t0 + w * (t1 - t0), m0 + w * (m1 - m0)
+
+    def _beyond(self, tokens: int) -> tuple[str, int, int]:
+        if self.longest_sample and tokens > self.longest_sample:
+            what = (f"a packed bin of {tokens} tokens (policy packed: several samples in one sequence; the longest "
+                    f"sample has {self.longest_sample})")
+        else:
+            what = f"a sample of {tokens} tokens"
+        return (what, *self.token_range)
+
+    def _beyond_fix(self, tokens: int) -> str:
+        if self.longest_sample and tokens > self.longest_sample:
+            return (f"the packed policy's bin capacity rests on it: for packed plans priced by measurement, "
+                    f"profile buckets up to {tokens} tokens (dcparallel profile --buckets ...,{tokens})")
+        return ("profile buckets that cover these lengths (dcparallel profile --buckets ...; DataCentricParallel."
+                "prepare profiles the dataset's own lengths once its cached profile is deleted)")
 
     def _short_share(self, row: list[tuple[int, str]], sp: int, mode: str, tokens: int) -> float:
         """A sample shorter than the smallest bucket (k0 tokens): its time as a share of that

@@ -116,7 +116,8 @@ def encode(tokenizer: Any, value: dict, s: TextSettings) -> tuple[list[int], lis
     """One row -> (token ids, next-token labels or None for "text"), cut at ``max_tokens``;
     `BadSample` if it cannot be trained on."""
     if s.field not in value or value[s.field] is None:
-        raise BadSample(f"no '{s.field}' field (fields: {sorted(value)})")
+        raise BadSample(f"no '{s.field}' field (fields: {sorted(value)}; another field is named by [data] field, "
+                        f"text_dataset(field=...))")
     if s.format == "text":
         text = value[s.field]
         if not isinstance(text, str) or not text.strip():
@@ -221,6 +222,9 @@ def text_dataset(path: str | Path, tokenizer: Any, *, format: str = "text", fiel
     rows = read_rows(p)
     if not rows:
         raise ValueError(f"{p} holds no samples")
+    if not any(settings.field in r.value for r in rows):  # before tokenizing: a whole file under another field
+        raise ValueError(f"{p}: no row has the field '{settings.field}' (the first row's fields: "
+                         f"{sorted(rows[0].value)}); name the field: [data] field = \"...\" (text_dataset(field=...))")
     counts = _cached_lengths(p, rows, tokenizer, settings, cache, num_workers)
     bad = BadData(str(p), skip_bad)
     good = []

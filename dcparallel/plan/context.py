@@ -18,8 +18,9 @@ import numpy as np
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.cost.batch import Batches, TermsArray
+from dcparallel.plan.fit_messages import sample_does_not_fit, states_do_not_fit
 from dcparallel.plan.types import REL_TOL, Fit, MicroBatch, NoLayoutFits
-from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, format_bytes
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key
 from dcparallel.topology import Topology
 
 #: How a policy picks recompute: a `spec.STATIC_MODES` setting fixed for every layer,
@@ -67,6 +68,8 @@ class PlanContext:
             raise ValueError(f"the cost model prices shard blocks of {cost.cluster.shard_size} ranks but the cluster "
                              f"plans for {cluster.shard_size}; build the cost model on the same ClusterSpec")
         self.workload, self.cost, self.cluster = workload, cost, cluster
+        if hasattr(cost, "longest_sample"):  # a longer sequence it prices is a packed bin: its warning says so
+            cost.longest_sample = max(cost.longest_sample, max(workload.tokens, default=0))
         self.model = workload.model
         self.budget = float(cluster.memory_bytes)
         #: the group geometry every planner places its groups with
@@ -323,14 +326,13 @@ class PlanContext:
             need = checked[s]
             if need is not None:
                 bad.append((i, s, need))
+        states = self.cost.model_state_bytes()
+        if states >= self.budget and bad:
+            raise NoLayoutFits(states_do_not_fit(states, self.budget, self.cluster.shard_size))
         if bad and not skip_oversize:
             i, s, need = max(bad, key=lambda b: (b[2], -b[0]))
-            raise NoLayoutFits(
-                f"sample {i} (size {s!r}, {self.tokens[i]} tokens) fits no layout: even at SP={k} with "
-                f"full recomputation it needs {format_bytes(need)} per rank, more than the "
-                f"{format_bytes(self.budget)} usable; {len(bad)} sample(s) are too large. Use more "
-                f"memory, a larger SP degree or a larger shard size (shard_size, now {self.cluster.shard_size}: "
-                f"'auto' picks one that fits), or pass skip_oversize=True to skip and report them")
+            raise NoLayoutFits(sample_does_not_fit(i, s, self.tokens[i], k, need, states, self.budget, len(bad),
+                                                   self.cluster.shard_size))
         self.skipped = bad
         if bad:
             skip = {i for i, _, _ in bad}

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dcparallel.cost.schema import Profile, ProfileBucket
+from dcparallel.profile.journal import Journal
 from dcparallel.profile.profiler import Profiler, ProfileStats
 from dcparallel.runtime import comm
 from dcparallel.spec import Size
@@ -136,7 +137,12 @@ def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
 
 def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats]:
     """Profiles on every rank together; rank 0 writes the profile to ``path``."""
-    profile, stats = profiler.run(sizes)
+    profile, stats = profiler.run(sizes, journal_path=path)
+    budget = profiler.config.budget_s
+    if comm.world_rank() == 0 and budget is not None:
+        (log.warning if stats.seconds > budget else log.info)(
+            "profiled in %.0f s (budget %.0f s%s)", stats.seconds, budget,
+            "; measured coarsely past it" if stats.seconds > budget else "")
     if comm.world_rank() == 0:
         p = Path(path)
         if p.exists():
@@ -149,4 +155,5 @@ def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
         profile.save(p)
         profile.save(world_path(p, profile.world_size))
     comm.barrier(comm.control_group())  # the others wait for rank 0's writes
+    Journal(path, comm.world_rank(), "").remove()  # saved whole: the chains saved as it went are done with
     return profile, stats

@@ -57,6 +57,9 @@ class ProfilerConfig:
     full, one sample) and report the extrapolation error"""
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
+    budget_s: float | None = None
+    """wall-time budget in seconds (None: none): past it the rest is measured coarsely, one
+    micro-batch size, recompute none / full only, one timed round (`profile.journal.Budget`)"""
 
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""
@@ -88,10 +91,14 @@ class ProfilerConfig:
         """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (about
         0.2 s of timing; more, up to 12, until the median is known to +-5%), micro-batches
         doubled only up to ``max_tokens`` tokens (prepare passes the dataset's longest sample;
-        the cost model extrapolates larger micro-batches by their marginal cost). `dcparallel profile` keeps the fuller
-        defaults for validation runs."""
+        the cost model extrapolates larger micro-batches by their marginal cost), coarser past
+        `DEFAULT_BUDGET_S`. `dcparallel profile` keeps the fuller defaults for validation runs."""
         return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 12, "rel_tol": 0.05,
-                                 "max_tokens": max_tokens, **kw})
+                                 "max_tokens": max_tokens, "budget_s": DEFAULT_BUDGET_S, **kw})
+
+
+#: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, then coarser
+DEFAULT_BUDGET_S = 300.0
 
 
 @dataclass

@@ -37,6 +37,7 @@ error in a layout's inputs or runs stops the profile on every rank of the group,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -57,6 +58,7 @@ from dcparallel.profile.config import (  # noqa: F401 (re-exported)
 from dcparallel.profile.control import ControlGroups, run_together
 from dcparallel.profile.drift import ReferenceClock, median_reference, rescale
 from dcparallel.profile.inputs import MakeInputs
+from dcparallel.profile.journal import COARSE_MODES, Budget, Journal
 from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
@@ -95,6 +97,7 @@ class Profiler:
                  engine: Engine | None = None, cluster: ClusterSpec | None = None,
                  layers_per_unit: int = 1):
         self.config = config or ProfilerConfig()
+        self.round_config = self.config  # the timing of the layout being measured: one round past the budget
         self.layers = list(layers)
         if layers_per_unit < 1 or len(self.layers) != spec.num_layers * layers_per_unit:
             raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
@@ -233,7 +236,7 @@ class Profiler:
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.config,
+            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.round_config,
                                  num_layers=self.spec.num_layers, timer=self.timer, group=group, ranks=ranks,
                                  clock=self.clock)
             if isinstance(timed, str):
@@ -284,9 +287,12 @@ class Profiler:
 
     # ------------------------------------------------------------------ the whole profile
 
-    def run(self, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats]:
+    def run(self, sizes: Sequence[Size], journal_path: str | os.PathLike | None = None
+            ) -> tuple[Profile, ProfileStats]:
         """Profiles every bucket of ``sizes`` (one representative sample size each) on every
-        rank together; returns the same `Profile` on every rank and this run's stats."""
+        rank together; returns the same `Profile` on every rank and this run's stats.
+        ``journal_path``: the profile's path; each finished layout chain is saved beside it
+        and a profile started again skips what was saved (`profile.journal`)."""
         t_start = time.perf_counter()
         cfg = self.config
         if not sizes:
@@ -304,11 +310,15 @@ class Profiler:
         validate = cfg.validation_set(buckets, self.sp_sizes)
 
         plan = group_buckets(buckets, self.sp_sizes, self.world, self.rank)  # (sp, ranks, bucket), in order
-        bar = None
+        key = comm.digest((fp, keys, dataclasses.replace(cfg, progress=False, budget_s=None)))
+        journal = Journal(journal_path, self.rank, key) if journal_path is not None else None
+        done = comm.all_gather_object(set(journal.done) if journal else set(), self.control.control)
+        budget, bar = Budget(cfg.budget_s), None
         if cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(plan) * len(cfg.modes), desc=f"profiling {self.spec.name}", file=sys.stderr,
+            limit = f", budget {cfg.budget_s:.0f} s" if cfg.budget_s is not None else ""
+            bar = tqdm(total=len(plan) * len(cfg.modes), desc=f"profiling {self.spec.name}{limit}", file=sys.stderr,
                        disable=self.rank != 0, unit="layout-chain")
 
         local: list[ProfileEntry] = []
@@ -320,6 +330,13 @@ class Profiler:
             group = self.control.of(ranks)
             size = b.size
             for mode in cfg.modes:
+                chain, n_before = (b.key, sp, mode), len(local)
+                coarse = any(comm.all_gather_object(budget.over(), group))  # the group agrees
+                self.round_config = dataclasses.replace(cfg, repeats=1, max_repeats=1, min_time_s=0) if coarse else cfg
+                if all(chain in done[r] for r in ranks) or (coarse and mode not in COARSE_MODES):
+                    local += journal.entries(chain) if journal and chain in done[self.rank] else []
+                    bar is not None and bar.update(1)
+                    continue
                 mbs, best = 1, 0.0
                 while True:
                     full = mbs == 1 and (b.key, sp, mode) in validate and L > d2
@@ -338,9 +355,12 @@ class Profiler:
                         break
                     best = max(best, tput)
                     tokens = self.spec.tokens(size)
-                    if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens):
+                    if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens) \
+                            or any(comm.all_gather_object(budget.over(), group)):
                         break
                     mbs *= 2
+                if journal is not None:
+                    journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

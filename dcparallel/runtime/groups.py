@@ -144,6 +144,14 @@ def group_cache() -> _GroupCache:
     return _cache[0]
 
 
+def _world_fix(planned: int, world: int) -> str:
+    """The fix for a cluster spec whose world size is not the process group's."""
+    if world == 1 and planned > 1 and not dist.is_initialized():
+        return ("no process group is set up: launch with torchrun and create the DataCentricParallel there (it "
+                "sets the process group up), or call dcparallel.init_distributed() before building the engine")
+    return "plan for the launched world size (dcparallel.runtime.launch.cluster_from_env() reads it)"
+
+
 class ProcessGroups:
     """Hands out every allowed SP group of a cluster by its ranks (made once per process:
     see the module docstring).
@@ -163,10 +171,8 @@ class ProcessGroups:
                 )
             cluster = ClusterSpec(world_size=world, gpus_per_node=world)
         if cluster.world_size != world:
-            raise ValueError(
-                f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
-                f"{world} ranks; build the ClusterSpec from the launched world size"
-            )
+            raise ValueError(f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
+                             f"{world} ranks; {_world_fix(cluster.world_size, world)}")
         self.cluster = cluster
         self.topology = Topology.of(cluster, num_heads, ring)  # validates num_heads
         self.num_heads = num_heads

@@ -197,8 +197,18 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(s
                               timeout=timeout)
         store = dist.PrefixStore(f"dcparallel/attempt{restart_attempt()}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+        quiet_other_ranks(rank)
     return Launch(backend=dist.get_backend(), device=dev, rank=dist.get_rank(), local_rank=local_rank,
                   world_size=dist.get_world_size(), local_world_size=local_world)
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Rank 0 speaks: on every other rank dcparallel's loggers pass errors only (every rank
+    runs the same set-up, so their warnings would repeat rank 0's, interleaved). A level the
+    user set on the ``dcparallel`` logger is kept."""
+    logger = logging.getLogger("dcparallel")
+    if rank != 0 and logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
 
 
 # ---------------------------------------------------------------- the cluster of this launch

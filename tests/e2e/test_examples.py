@@ -18,14 +18,21 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MARK = re.compile(r"\s# dcparallel\b")  # code lines marked at their end (the docstrings say `# dcparallel`)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "diffusers_wan", "diffusers_ltx", "diffusers_hunyuanvideo",
-                                  "custom_model", "rl_grpo"])
-def test_example_adds_at_most_ten_lines(name):
+# at most ten lines; twelve for the diffusion models, whose loss draws per-sample noise (two lines);
+# thirteen for the RL loop, which wraps and prepares a second model, the reference (three lines)
+@pytest.mark.parametrize("name,most", [("hf_llama", 10), ("diffusers_wan", 12), ("diffusers_ltx", 12),
+                                       ("diffusers_hunyuanvideo", 12), ("custom_model", 10),
+                                       ("rl_grpo", 13)])
+def test_example_adds_at_most_ten_lines(name, most):
     lines = (EXAMPLES / f"{name}.py").read_text().splitlines()
     marked = [line for line in lines if MARK.search(line)]
-    assert 5 <= len(marked) <= 10, (name, len(marked), marked)
-    assert any("DataCentricParallel(" in line for line in marked)
-    assert any("sync_gradients()" in line for line in marked)
+    assert 5 <= len(marked) <= most, (name, len(marked), marked)
+    # every line dcparallel adds is counted: the import, the process-group set-up, the wrapper, the sync
+    for needle in ("import dcparallel", "init_distributed(", "DataCentricParallel(", "sync_gradients()"):
+        assert any(needle in line for line in marked), (name, needle)
+    uses = re.compile(r"^import dcparallel|\bdcparallel\.\w+\(|\bdc\.\w+\(")  # a call into dcparallel
+    unmarked = [line for line in lines if uses.search(line.split("#")[0]) and not MARK.search(line)]
+    assert not unmarked, (name, unmarked)
 
 
 # ~2 minutes each on 2 cores: `DCPARALLEL_SLOW=1 make test` (tests/e2e/test_prepare_torchrun.py is the quick one)

@@ -44,7 +44,7 @@ def test_simulate_scenario_table():
     r = _run("simulate", "--scenario", "video", "--distribution", "long", "--policy", "bucket",
              "--policy", "dcp", "--quiet", "--world", "8")
     assert r.returncode == 0, r.stderr
-    assert "speedup" in r.stdout and "dcp" in r.stdout and "bucket" in r.stdout
+    assert "vs bucket" in r.stdout and "dcp" in r.stdout and "bucket" in r.stdout
 
 
 def test_plan_json_lists_groups_and_predictions(lengths_file):
@@ -82,7 +82,7 @@ def test_table_without_bucket_says_so_instead_of_nan():
     assert lines["dcp"][1] == "-" and lines["packed"][1] == "-"
     out["speedup_vs_bucket"] = {"dcp": 1.234, "packed": 1.0}
     text = _table(out)
-    assert "add --policy bucket" not in text and text.splitlines()[2].split()[1] == "1.23"
+    assert "add --policy bucket" not in text and text.splitlines()[2].split()[1] == "1.23x"
 
 
 def test_planning_time_is_the_steady_state_median_with_first_step_and_setup_apart():

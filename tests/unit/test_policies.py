@@ -75,7 +75,8 @@ def test_oversize_sample_is_named_or_skipped():
     cl = cluster(2, 2, memory_mib=64)
     w = Workload(TINY_LM, (100, 5_000_000, 200))
     # a budget under 1 GiB is written in MiB, not as "0.1 GiB"
-    with pytest.raises(NoLayoutFits, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB per rank, "
+    with pytest.raises(NoLayoutFits, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB per rank "
+                                          r"\(model states [0-9.]+ MiB \+ this sample [0-9.]+ GiB\), [0-9.]+ GiB "
                                           r"more than the [1-9][0-9.]* MiB usable"):
         PlanContext(w, cost(TINY_LM, cl), cl)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)

@@ -141,7 +141,7 @@ def test_bad_text_samples_are_named_with_file_and_line_or_skipped(tmp_path, tok,
     msg = str(e.value)
     assert "4 bad sample(s) of 6" in msg and "skip_bad = true" in msg
     assert f"{path}:2: 'messages' must be a non-empty list" in msg  # empty sample
-    assert f"{path}:3: no 'messages' field (fields: ['text'])" in msg  # missing field
+    assert f"{path}:3: no 'messages' field (fields: ['text']; another field is named by [data] field" in msg
     assert f"{path}:4: the conversation has no assistant message" in msg
     assert f"{path}:6: message 0 (user) has empty content" in msg
     with caplog.at_level(logging.WARNING):
