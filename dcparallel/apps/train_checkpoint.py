@@ -9,7 +9,8 @@ at shard size 1 as the ZeRO-1 shards it is and at shard size > 1 by mapping each
 flat range onto the shards (`sharded_checkpoint.load_flat_shards`).
 
 Export: ``save_pretrained`` (+ tokenizer) for transformers and diffusers models, a
-``model.safetensors`` file of the state dict for other models, written by rank 0. With
+``model.safetensors`` file of the state dict for other models, the PEFT adapter folder for a
+LoRA run (`apps.train_lora`), written by rank 0. With
 shard_size > 1 the full state dict is gathered first
 (`torch.distributed.checkpoint.state_dict.get_model_state_dict`, collective, onto rank 0's CPU)
 and loaded into a copy of the model built on the meta device; the export holds the weights in
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from dcparallel import checkpoint
+from dcparallel.apps.train_lora import is_lora, write_lora_export
 from dcparallel.runtime import comm
 from dcparallel.runtime import sharded_checkpoint as dcp_tensors
 
@@ -83,9 +85,14 @@ def _unwrapped_class(model: nn.Module) -> type:
 
 
 def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = None,
-                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
+                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                 merged: bool = False) -> None:
     """Writes the model to ``path`` (one process): ``state`` (a full state dict) replaces the
-    model's own when given, cast to ``dtype``."""
+    model's own when given, cast to ``dtype``. A PEFT model writes its adapter folder (and with
+    ``merged`` the merged model under ``merged/``: `apps.train_lora.write_lora_export`)."""
+    if is_lora(model):
+        write_lora_export(model, path, tokenizer, state, merged)
+        return
     if family == "reference":
         from safetensors.torch import save_file
 
@@ -113,8 +120,9 @@ def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = Non
         tokenizer.save_pretrained(path)
 
 
-def export(family: str, dc, tokenizer: Any, path: Path | None) -> Path | None:
-    """The trained model exported to ``path`` by rank 0 (collective; module docstring)."""
+def export(cfg, dc, tokenizer: Any, path: Path | None) -> Path | None:
+    """The trained model of the run ``cfg`` (`apps.train_config.Config`) exported to ``path``
+    by rank 0 (collective; module docstring)."""
     if path is None:
         return None
     state, dtype = None, None
@@ -124,13 +132,13 @@ def export(family: str, dc, tokenizer: Any, path: Path | None) -> Path | None:
         state = get_model_state_dict(dc.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         dtype = dc.grad_sync.compute_dtype
     if comm.world_rank() == 0:
-        write_export(family, dc.model, path, tokenizer, state, dtype)
+        write_export(cfg.model.family, dc.model, path, tokenizer, state, dtype, merged=cfg.lora.export_merged)
     comm.barrier()
     return path
 
 
 def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, path: Path,
-                      tokenizer: Any = None) -> Path:
+                      tokenizer: Any = None, merged: bool = False) -> Path:
     """Exports a committed checkpoint of any version and shard size (one process, no process
     group): ``model`` is the run's model as built at its start (its non-trained state); the
     checkpoint's trained parameters replace its own."""
@@ -147,5 +155,5 @@ def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, p
                 params[name].copy_(value.view(params[name].shape).to(dtype))
     else:
         model.load_state_dict(ck.load(0)["model"])
-    write_export(family, model, path, tokenizer)
+    write_export(family, model, path, tokenizer, merged=merged)
     return path
