@@ -19,13 +19,15 @@ LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 WAN_LINEARS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 
-def build(kind: str, seed: int = 0, base_dtype: torch.dtype | None = None) -> nn.Module:
-    """The model of ``kind``, the same for the same seed. ``base_dtype``: the frozen
-    parameters cast to it (the adapters stay fp32)."""
+def build(kind: str, seed: int = 0, base_dtype: torch.dtype | None = None, adapter_seed: int | None = None
+          ) -> nn.Module:
+    """The model of ``kind``, the same for the same seeds (``adapter_seed``: the adapters'
+    initialization, default ``seed + 1``). ``base_dtype``: the frozen parameters cast to it
+    (the adapters stay fp32)."""
     from peft import LoraConfig, get_peft_model
 
     model = adapter_models.build(BASE[kind], seed)
-    torch.manual_seed(seed + 1)
+    torch.manual_seed(seed + 1 if adapter_seed is None else adapter_seed)
     if kind == "lora-llama":
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_LINEARS,
                                                  init_lora_weights=False))

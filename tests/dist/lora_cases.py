@@ -83,3 +83,18 @@ def case_state_bytes(kind: str, shard_size: int) -> dict:
             "adapter_numel": lora_models.adapter_numel(model),
             "model_numel": sum(p.numel() for p in model.parameters()),
             "world": dist.get_world_size()}
+
+
+def case_prepare_refuses_diverged_adapters() -> str:
+    """Each rank initializes its adapters from its own generator: `prepare` refuses (the message)."""
+    from dcparallel.api import DataCentricParallel
+
+    rank = dist.get_rank()
+    dc = DataCentricParallel(lora_models.build("lora-llama", seed=0, adapter_seed=rank), memory_bytes=2**30)
+    data = adapter_models.make_data("hf-llama", 6, 5)
+    try:
+        dc.prepare([data.docs[i] for i in range(6)], lengths=[len(data.docs[i]) for i in range(6)],
+                   samples_per_step=4, cost="analytic", planning="thread")
+    except ValueError as e:
+        return str(e)
+    return "not refused"

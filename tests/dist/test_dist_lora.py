@@ -119,3 +119,12 @@ def test_gradient_and_optimizer_bytes_are_the_adapters(workers, shard_size):
     r = out[0]
     print(f"\nshard {shard_size}: adapters {r['adapter_numel']} of {r['model_numel']} parameters; per rank "
           f"gradients {r['grad_bytes']} B, optimizer {r['optimizer_bytes']} B")
+
+
+def test_prepare_refuses_adapters_initialized_apart(workers):
+    """Adapters drawn from each rank's own generator: replicas that would train different
+    weights; `prepare` names it and the fix."""
+    if workers.world != 2:
+        pytest.skip("one world is enough")
+    for msg in workers.run(lora_cases.case_prepare_refuses_diverged_adapters):
+        assert "trainable parameters" in msg and "torch.manual_seed" in msg, msg
