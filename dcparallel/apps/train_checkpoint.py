@@ -1,7 +1,8 @@
 """How `dcparallel train` saves and resumes its tensors, and exports the trained model.
 
 Checkpoints (`dcparallel.checkpoint`): a run with shard_size 1 writes the per-rank format
-(version 1: rank 0's model state dict, every rank's ZeRO-1 range of the flat optimizer state);
+(version 1: rank 0's model state dict without frozen parameters, every rank's ZeRO-1 range
+of the flat optimizer state);
 a run with shard_size > 1 writes `torch.distributed.checkpoint` (version 2: every tensor keyed
 by parameter name, `runtime.sharded_checkpoint`). Either loads at any world size and any
 shard size: version 2 through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`), version 1
@@ -38,10 +39,32 @@ def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_ran
         payload = {"step": step, "rank": comm.world_rank(), "world_size": comm.world_size(),
                    "optimizer": opt.state_dict(), "rng": checkpoint.rng_state()}
         if comm.world_rank() == 0:
-            payload["model"] = dc.model.state_dict()
+            payload["model"] = model_state(dc.model)
         return checkpoint.save(root, step, payload, meta, optimizer_range=optimizer_range, keep=keep)
     return checkpoint.save_dcp(root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta,
                                shard_size=dc.shard_size, keep=keep)
+
+
+def _frozen(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0's model tensors of a version-1 checkpoint: the state dict without the frozen
+    parameters (a LoRA's base: they come back from the model as built, the pretrained
+    directory), so a LoRA run's checkpoint holds its adapters, not a copy of the base."""
+    frozen = _frozen(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    """`model_state`'s tensors into ``model``: every key but the frozen parameters must be
+    there (a ValueError names what is missing or foreign)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = sorted(set(missing) - _frozen(model))
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint {where} does not fit this model: missing {missing[:5]}, foreign "
+                         f"{sorted(unexpected)[:5]}; resume or export with the config the run was trained with")
 
 
 def reads(marker: dict, rank: int, optimizer_range: tuple[int, int] | None) -> list[int] | None:
@@ -65,7 +88,7 @@ def load(ck: checkpoint.Committed, dc, opt, optimizer_range: tuple[int, int] | N
     elif dc.shard_size == 1:
         lo, hi = optimizer_range
         zero = ck.load(0)
-        dc.model.load_state_dict(zero["model"])
+        load_model_state(dc.model, zero["model"], ck.path)
         opt.load_state_dict([zero["optimizer"] if r == 0 else ck.load(r)["optimizer"]
                              for r in ck.ranks_overlapping(lo, hi)] if hi > lo else [zero["optimizer"]])
     else:
@@ -154,6 +177,6 @@ def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, p
             for name, value in trained.items():
                 params[name].copy_(value.view(params[name].shape).to(dtype))
     else:
-        model.load_state_dict(ck.load(0)["model"])
+        load_model_state(model, ck.load(0)["model"], ck.path)
     write_export(family, model, path, tokenizer, merged=merged)
     return path

@@ -51,6 +51,10 @@ class LoraConfig:
     use_dora: bool = _opt(False)
     export_merged: bool = _opt(False, resume=False)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, tuple):  # a list, as a checkpoint's saved config reads back
+            self.target_modules = list(self.target_modules)
+
     def check(self, where: str) -> None:
         if not isinstance(self.target_modules, (list, tuple)) or not all(isinstance(t, str) and t
                                                                          for t in self.target_modules):

@@ -52,9 +52,10 @@ def test_lora_finetune_resumes_and_exports_the_peft_adapter_and_merged_weights(t
     rows = _rows(straight)
     assert len(rows) == 4 and _rows(resumed) == rows
 
-    # the checkpoint's optimizer state: the adapters' elements only
+    # the checkpoint holds the adapters (not the frozen base) and their optimizer state only
     last = torch.load(sorted((straight / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
     adapters = {k: v for k, v in last["model"].items() if "lora_" in k}
+    assert set(last["model"]) == set(adapters) | {k for k in last["model"] if "rotary_emb" in k}, sorted(last["model"])
     # 2 layers of rank-4 A, B on q (32 -> 32), v (32 -> 16) and down (64 -> 32) projections
     assert last["optimizer"]["numel"] == sum(v.numel() for v in adapters.values()) == 2 * 4 * (64 + 48 + 96)
 
@@ -65,7 +66,8 @@ def test_lora_finetune_resumes_and_exports_the_peft_adapter_and_merged_weights(t
     peft = PeftModel.from_pretrained(base, straight / "final").eval()
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True),
                                         straight / "final").eval()
-    trained.load_state_dict(last["model"])  # the engine's weights at the last step
+    missing, unexpected = trained.load_state_dict(last["model"], strict=False)
+    assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not checkpointed
     merged = AutoModelForCausalLM.from_pretrained(straight / "final" / "merged", local_files_only=True).eval()
     with torch.no_grad():
         a, b, c = (m(input_ids=ids).logits for m in (peft, trained, merged))
@@ -73,6 +75,14 @@ def test_lora_finetune_resumes_and_exports_the_peft_adapter_and_merged_weights(t
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the export holds the trained adapters
     torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)  # merged: the same function
     assert (straight / "final" / "tokenizer_config.json").exists()
+    # `dcparallel export` of the last checkpoint writes the same adapters
+    from dcparallel.apps.train_export import export_run
+
+    again = export_run(straight / "run.toml", out=tmp_path / "again")
+    with torch.no_grad():
+        d = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True),
+                                      again).eval()(input_ids=ids).logits
+    torch.testing.assert_close(d, a, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("lora,match", [
@@ -113,7 +123,8 @@ def test_lora_finetune_of_a_diffusers_wan_exports_its_peft_adapter(tmp_path):
     peft = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
     trained = PeftModel.from_pretrained(WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True),
                                         tmp_path / "run" / "final").eval()
-    trained.load_state_dict(last["model"])
+    missing, unexpected = trained.load_state_dict(last["model"], strict=False)
+    assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not in the checkpoint
     merged = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "final" / "merged", local_files_only=True).eval()
     g = torch.Generator().manual_seed(0)
     x, ctx = torch.randn(1, 4, 2, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
