@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter
@@ -184,7 +185,17 @@ class DataCentricParallel:
             "policy and step budget": ((self.policy, self.seed, sorted(plan_kw.items())),
                                        "pass the same policy, seed and step budget on every rank"),
             "sample sizes": (comm.digest(tuple(sizes)), "read the same dataset and lengths on every rank"),
+            **({"trainable parameters": (self._weights_fingerprint(), "build the same weights on every rank: seed "
+                                         "random initialization (e.g. torch.manual_seed before peft.get_peft_model)"
+                                         " or load the same checkpoint")} if self.shard_size == 1 else {}),
         }, "prepare", group)
+
+    def _weights_fingerprint(self) -> tuple[float, float]:
+        """The sum and norm (fp64, on the device, no copy) of the replicated trainable parameters:
+        replicas that start apart (adapters initialized from each rank's own generator) would
+        each train other weights, so `prepare` refuses them."""
+        flat = self.engine.flat_param.detach()
+        return float(flat.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(flat, dtype=torch.float64))
 
     def _agree_cost(self) -> None:
         """The cost model's content (a profile's every entry, not its fingerprint: a node-local

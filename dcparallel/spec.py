@@ -5,6 +5,7 @@ The geometry of groups on a cluster (allowed SP sizes, tilings) is `dcparallel.t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
@@ -163,6 +164,9 @@ class ModelSpec:
     head_dim: int = 0
     #: value head size (multi-head latent attention: unlike the query/key one); 0 = head_dim
     v_head_dim: int = 0
+    #: parameters that do not train (``requires_grad=False``: a LoRA's base, a frozen encoder):
+    #: stored, but with no gradient, no optimizer state and no weight-gradient compute
+    frozen_params: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -177,6 +181,11 @@ class ModelSpec:
     def num_params(self) -> int:
         per_layer = self.attn_params + self.mlp_params + self.other_params
         return self.num_layers * per_layer + self.extra_params
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters with a gradient: what the gradient sync and the optimizer hold."""
+        return self.num_params - self.frozen_params
 
     def latent_grid(self, size: Size) -> tuple[int, int]:
         """(latent frames T, spatial tokens S) of a sample; text is (1, tokens)."""
@@ -232,6 +241,21 @@ def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_h
         attn_params=4 * hidden * hidden, mlp_params=3 * hidden * ffn_hidden,
         extra_params=2 * vocab_size * hidden, vocab_size=vocab_size,
     )
+
+
+def with_lora(model: ModelSpec, rank: int) -> ModelSpec:
+    """``model`` fine-tuned with LoRA of ``rank`` on every linear layer of its blocks: the base
+    frozen, rank x (inputs + outputs) adapter parameters per linear trained. The linears are
+    read from the per-layer counts as square hidden x hidden ones (attention, and the
+    ``other_params`` cross-attention) and hidden x ffn ones (MLP), an estimate (grouped k / v
+    projections are narrower); the adapters count in ``other_params`` (their FLOPs too)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1; got {rank}")
+    d, f = model.hidden, model.ffn_hidden
+    per_layer = rank * (2 * (model.attn_params + model.other_params) // d + model.mlp_params * (d + f) // (d * f))
+    return dataclasses.replace(model, name=f"{model.name}-lora{rank}", other_params=model.other_params + per_layer,
+                               frozen_params=model.num_params,
+                               max_unit_params=model.max_unit_params + per_layer if model.max_unit_params else 0)
 
 
 def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, context_tokens: int = 300

@@ -105,12 +105,14 @@ class ModelAdapter:
 # ---------------------------------------------------------------- the planner's view
 
 
-def count_params(modules: Sequence[nn.Module]) -> int:
-    """Parameters of the modules, each tensor once (shared or tied weights count once)."""
+def count_params(modules: Sequence[nn.Module], frozen: bool | None = None) -> int:
+    """Parameters of the modules, each tensor once (shared or tied weights count once);
+    ``frozen``: only those without (True) or with (False) ``requires_grad``."""
     seen: dict[int, int] = {}
     for m in modules:
         for p in m.parameters():
-            seen[id(p)] = p.numel()
+            if frozen is None or frozen != p.requires_grad:
+                seen[id(p)] = p.numel()
     return sum(seen.values())
 
 
@@ -131,7 +133,8 @@ def derive_spec(model: nn.Module, blocks: Sequence[nn.Module], *, name: str, kin
     spec = ModelSpec(name=name, kind=kind, num_layers=num_layers, hidden=hidden, num_heads=num_heads,
                      ffn_hidden=ffn_hidden, attention=attention, attn_params=attn, mlp_params=mlp,
                      other_params=other, extra_params=total - num_layers * (attn + mlp + other),
-                     attn_per_layer=blocks_per_layer, bytes_per_value=bytes_per_value, **extra)
+                     attn_per_layer=blocks_per_layer, bytes_per_value=bytes_per_value,
+                     frozen_params=count_params([model], frozen=True), **extra)
     assert spec.num_params == total, (spec.num_params, total)
     return spec
 
@@ -150,7 +153,8 @@ def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, m
     spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
                      extra_params=total - n * (attn + mlp + other),
                      max_unit_params=max(count_params([b]) for b in blocks),
-                     bytes_per_value=next(model.parameters()).element_size(), **fields)
+                     bytes_per_value=next(model.parameters()).element_size(),
+                     frozen_params=count_params([model], frozen=True), **fields)
     assert spec.num_params == total, (spec.num_params, total)
     return spec
 

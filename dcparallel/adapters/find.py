@@ -16,10 +16,14 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
     reference model, a Hugging Face causal LM, a diffusers transformer with an adapter (Wan,
     ChronoEdit, SkyReels-V2, VACE, Helios, LTX-Video, Flux, Flux 2, Qwen-Image, HunyuanVideo,
     CogVideoX, Mochi; other diffusers models are refused with the reason), or any module
-    following the protocol of `protocol_adapter`. ``layers`` / ``num_heads`` /
+    following the protocol of `protocol_adapter`; a PEFT model as its base model
+    (`adapters.peft`: LoRA, DoRA; other adapter types refused). ``layers`` / ``num_heads`` /
     ``num_kv_heads`` override what the adapter reads from the model."""
     if hasattr(model, "dcp_adapter"):
         return model.dcp_adapter()
+    from dcparallel.adapters.peft import base_model
+
+    model = base_model(model)  # a PeftModel is driven as its base model (`adapters.peft`)
     # imported here: the families' modules reach into data/ and runtime/, whose packages import the engine
     from dcparallel.adapters import (
         cogvideox,

@@ -34,7 +34,7 @@ from dcparallel.scenarios import (
 )
 from dcparallel.sim.replay import replay_step, simulate, step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, run_policies, summary
-from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster
+from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster, with_lora
 
 
 def shard_size_argument(text: str) -> int | str:
@@ -68,6 +68,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                           f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
                      help="one sample a line: `tokens` or `frames height width`; or a .npy array")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
+                        "on every linear of the blocks trained (`spec.with_lora`)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="usable memory per GPU in GiB (default: an H200's 128; e.g. 72 for an 80 GB H100)")
     p.add_argument("--world", type=int, default=None, help="GPUs (default: the --profile's world size, else 32)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the --profile's, else 8 or the world if smaller)")
@@ -92,7 +97,7 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         args.scenario = args.scenario or spec.kind
         scenario = SCENARIOS[args.scenario]
         model = spec
-        cluster = h200_cluster(args.world, args.gpus_per_node)
+        cluster = h200_cluster(args.world, args.gpus_per_node, memory_bytes=_memory(args))
     elif args.profile is not None:
         profile = Profile.load(args.profile)
         model = profile.model
@@ -116,7 +121,7 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
                              f"use it with --scenario {MIXES[args.distribution].kind}")
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
-        cluster = h200_cluster(args.world, args.gpus_per_node)
+        cluster = h200_cluster(args.world, args.gpus_per_node, memory_bytes=_memory(args))
     if sizes is not None:
         name = args.lengths.name
         kind = "video" if isinstance(sizes[0], tuple) else "text"
@@ -148,15 +153,32 @@ def _default_world(args) -> None:
         args.gpus_per_node = args.gpus_per_node or (launch.gpus_per_node if launch else min(8, args.world))
 
 
+def _memory(args) -> int | None:
+    gib = getattr(args, "memory_gib", None)
+    if gib is not None and not gib > 0:
+        raise SystemExit(f"error: --memory-gib {gib}: give the usable GiB per GPU (> 0)")
+    return None if gib is None else int(gib * 2**30)
+
+
 def _model_of(args) -> ModelSpec | None:
-    """The model of --model or --model-config (None: the scenario's or the profile's)."""
+    """The model of --model or --model-config (None: the scenario's or the profile's), with
+    LoRA adapters of --lora-rank."""
+    rank = getattr(args, "lora_rank", None)
+    spec = None
     if getattr(args, "model", None):
-        return model_preset(args.model)
-    if getattr(args, "model_config", None) is not None:
+        spec = model_preset(args.model)
+    elif getattr(args, "model_config", None) is not None:
         from dcparallel.apps.model_config import spec_from_config
 
-        return spec_from_config(args.model_config)
-    return None
+        spec = spec_from_config(args.model_config)
+    if rank is not None:
+        if spec is None:
+            raise SystemExit("error: --lora-rank needs --model or --model-config")
+        try:
+            spec = with_lora(spec, rank)
+        except ValueError as e:
+            raise SystemExit(f"error: --lora-rank: {e}") from None
+    return spec
 
 
 def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:

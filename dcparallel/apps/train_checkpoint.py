@@ -1,7 +1,8 @@
 """How `dcparallel train` saves and resumes its tensors, and exports the trained model.
 
 Checkpoints (`dcparallel.checkpoint`): a run with shard_size 1 writes the per-rank format
-(version 1: rank 0's model state dict, every rank's ZeRO-1 range of the flat optimizer state);
+(version 1: rank 0's model state dict without frozen parameters, every rank's ZeRO-1 range
+of the flat optimizer state);
 a run with shard_size > 1 writes `torch.distributed.checkpoint` (version 2: every tensor keyed
 by parameter name, `runtime.sharded_checkpoint`). Either loads at any world size and any
 shard size: version 2 through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`), version 1
@@ -9,7 +10,8 @@ at shard size 1 as the ZeRO-1 shards it is and at shard size > 1 by mapping each
 flat range onto the shards (`sharded_checkpoint.load_flat_shards`).
 
 Export: ``save_pretrained`` (+ tokenizer) for transformers and diffusers models, a
-``model.safetensors`` file of the state dict for other models, written by rank 0. With
+``model.safetensors`` file of the state dict for other models, the PEFT adapter folder for a
+LoRA run (`apps.train_lora`), written by rank 0. With
 shard_size > 1 the full state dict is gathered first
 (`torch.distributed.checkpoint.state_dict.get_model_state_dict`, collective, onto rank 0's CPU)
 and loaded into a copy of the model built on the meta device; the export holds the weights in
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from dcparallel import checkpoint
+from dcparallel.apps.train_lora import is_lora, write_lora_export
 from dcparallel.runtime import comm
 from dcparallel.runtime import sharded_checkpoint as dcp_tensors
 
@@ -40,10 +43,32 @@ def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_ran
         payload = {"step": step, "rank": comm.world_rank(), "world_size": comm.world_size(),
                    "optimizer": opt.state_dict(), "rng": checkpoint.rng_state()}
         if comm.world_rank() == 0:
-            payload["model"] = dc.model.state_dict()
+            payload["model"] = model_state(dc.model)
         return checkpoint.save(root, step, payload, meta, optimizer_range=optimizer_range, keep=keep)
     return checkpoint.save_dcp(root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta,
                                shard_size=dc.shard_size, keep=keep)
+
+
+def _frozen(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0's model tensors of a version-1 checkpoint: the state dict without the frozen
+    parameters (a LoRA's base: they come back from the model as built, the pretrained
+    directory), so a LoRA run's checkpoint holds its adapters, not a copy of the base."""
+    frozen = _frozen(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    """`model_state`'s tensors into ``model``: every key but the frozen parameters must be
+    there (a ValueError names what is missing or foreign)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = sorted(set(missing) - _frozen(model))
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint {where} does not fit this model: missing {missing[:5]}, foreign "
+                         f"{sorted(unexpected)[:5]}; resume or export with the config the run was trained with")
 
 
 def reads(marker: dict, rank: int, optimizer_range: tuple[int, int] | None) -> list[int] | None:
@@ -67,7 +92,7 @@ def load(ck: checkpoint.Committed, dc, opt, optimizer_range: tuple[int, int] | N
     elif dc.shard_size == 1:
         lo, hi = optimizer_range
         zero = ck.load(0)
-        dc.model.load_state_dict(zero["model"])
+        load_model_state(dc.model, zero["model"], ck.path)
         opt.load_state_dict([zero["optimizer"] if r == 0 else ck.load(r)["optimizer"]
                              for r in ck.ranks_overlapping(lo, hi)] if hi > lo else [zero["optimizer"]])
     else:
@@ -87,9 +112,14 @@ def _unwrapped_class(model: nn.Module) -> type:
 
 
 def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = None,
-                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
+                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                 merged: bool = False) -> None:
     """Writes the model to ``path`` (one process): ``state`` (a full state dict) replaces the
-    model's own when given, cast to ``dtype``."""
+    model's own when given, cast to ``dtype``. A PEFT model writes its adapter folder (and with
+    ``merged`` the merged model under ``merged/``: `apps.train_lora.write_lora_export`)."""
+    if is_lora(model):
+        write_lora_export(model, path, tokenizer, state, merged)
+        return
     if family == "reference":
         from safetensors.torch import save_file
 
@@ -117,8 +147,9 @@ def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = Non
         tokenizer.save_pretrained(path)
 
 
-def export(family: str, dc, tokenizer: Any, path: Path | None) -> Path | None:
-    """The trained model exported to ``path`` by rank 0 (collective; module docstring)."""
+def export(cfg, dc, tokenizer: Any, path: Path | None) -> Path | None:
+    """The trained model of the run ``cfg`` (`apps.train_config.Config`) exported to ``path``
+    by rank 0 (collective; module docstring)."""
     if path is None:
         return None
     state, dtype = None, None
@@ -128,13 +159,13 @@ def export(family: str, dc, tokenizer: Any, path: Path | None) -> Path | None:
         state = get_model_state_dict(dc.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         dtype = dc.grad_sync.compute_dtype
     if comm.world_rank() == 0:
-        write_export(family, dc.model, path, tokenizer, state, dtype)
+        write_export(cfg.model.family, dc.model, path, tokenizer, state, dtype, merged=cfg.lora.export_merged)
     comm.barrier()
     return path
 
 
 def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, path: Path,
-                      tokenizer: Any = None) -> Path:
+                      tokenizer: Any = None, merged: bool = False) -> Path:
     """Exports a committed checkpoint of any version and shard size (one process, no process
     group): ``model`` is the run's model as built at its start (its non-trained state); the
     checkpoint's trained parameters replace its own."""
@@ -150,8 +181,8 @@ def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, p
             for name, value in trained.items():
                 params[name].copy_(value.view(params[name].shape).to(dtype))
     else:
-        model.load_state_dict(ck.load(0)["model"])
-    write_export(family, model, path, tokenizer)
+        load_model_state(model, ck.load(0)["model"], ck.path)
+    write_export(family, model, path, tokenizer, merged=merged)
     return path
 
 

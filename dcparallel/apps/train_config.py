@@ -81,15 +81,17 @@ Config (every key optional; defaults below)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import tomllib
+
+from dcparallel.apps.train_lora import LoraConfig
 
 POLICY_NAMES = ("bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp")
 
@@ -261,7 +263,7 @@ class ProfileConfig:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig,
-            "log": LogConfig}
+            "log": LogConfig, "lora": LoraConfig}
 
 
 def _divisor(n: int) -> int:
@@ -313,6 +315,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # `apps.train_lora`
 
     @staticmethod
     def load(path: str | Path) -> Config:
@@ -326,7 +329,6 @@ class Config:
     @staticmethod
     def from_dict(raw: dict, where: str = "config") -> Config:
         """A validated config from a dict of sections (as TOML gives it)."""
-        raw = dict(raw)
         unknown = sorted(set(raw) - set(SECTIONS))
         if unknown:
             raise ValueError(f"{where}: unknown section(s) {unknown}; use {', '.join(f'[{s}]' for s in SECTIONS)}")
@@ -349,7 +351,7 @@ class Config:
         """Types and ranges of every field, then the checks across fields."""
         for section, cls in SECTIONS.items():
             obj = getattr(self, section)
-            hints = typing.get_type_hints(cls)
+            hints = get_type_hints(cls)
             for f in fields(cls):
                 setattr(obj, f.name, _check_value(where, section, f, hints[f.name], getattr(obj, f.name)))
             obj.check(where)
@@ -377,7 +379,5 @@ class Config:
 
 
 def _closest(name: str, known: set[str]) -> str | None:
-    import difflib
-
     m = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return m[0] if m else None

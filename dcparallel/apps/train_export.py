@@ -50,4 +50,4 @@ def export_run(config: Path, out: Path | None = None, step: int | None = None) -
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, shard_size=1))
     model, tokenizer = load_model(cfg, torch.device("cpu"))
     path = out if out is not None else Path(cfg.train.out_dir) / "export" / f"step_{ck.step:08d}"
-    return export_checkpoint(ck, model, cfg.model.family, path, tokenizer)
+    return export_checkpoint(ck, model, cfg.model.family, path, tokenizer, merged=cfg.lora.export_merged)

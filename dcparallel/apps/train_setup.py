@@ -23,6 +23,7 @@ from torch import nn
 
 from dcparallel.apps.presets import build_model
 from dcparallel.apps.train_config import Config
+from dcparallel.apps.train_lora import apply_lora
 from dcparallel.runtime import comm
 from dcparallel.runtime.meta_init import empty_init
 
@@ -87,7 +88,19 @@ def builds_on_meta(cfg: Config) -> bool:
 def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     """The model on ``device`` in the run's dtype (`param_dtype`; on the meta device, without
     its weights, when `builds_on_meta`: the trainer loads them after wrapping), and the tokenizer of a
-    pretrained transformers directory (else None)."""
+    pretrained transformers directory (else None); with ``[lora]`` rank > 0 wrapped by PEFT
+    (`apps.train_lora`: the base frozen, fp32 adapters)."""
+    if cfg.lora.rank:
+        cfg.lora.check_family("[lora]", cfg.model.family)
+        if builds_on_meta(cfg):
+            raise ValueError(f"[lora] with [train] shard_size = {cfg.train.shard_size} and a pretrained model: the "
+                             f"model would be built on the meta device, which LoRA does not load into yet; use "
+                             f'shard_size = 1 or "auto" (the frozen base needs no gradient or optimizer memory)')
+    model, tokenizer = _load_base(cfg, device)
+    return apply_lora(model, cfg.lora, cfg.model.family, cfg.train.seed), tokenizer
+
+
+def _load_base(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     m = cfg.model
     dtype = param_dtype(cfg, device)
     meta = builds_on_meta(cfg)

@@ -388,7 +388,7 @@ class Trainer:
         from dcparallel.apps import train_checkpoint
         from dcparallel.apps.train_setup import export_path
 
-        path = train_checkpoint.export(self.cfg.model.family, self.dc, self.tokenizer, export_path(self.cfg, self.out))
+        path = train_checkpoint.export(self.cfg, self.dc, self.tokenizer, export_path(self.cfg, self.out))
         if self.rank == 0:
             if path is not None:
                 log.warning("exported the trained model to %s", path)

@@ -203,6 +203,12 @@ def _layer_params(model: ModelSpec) -> int:
     return model.attn_params + model.mlp_params + model.other_params
 
 
+def _weight_work(model: ModelSpec) -> float:
+    """The share of the calibrated linear work (forward, input gradient and weight gradient:
+    three equal matmuls per weight) left when frozen weights skip their weight gradient."""
+    return 1.0 - model.frozen_params / model.num_params / 3.0 if model.num_params else 1.0
+
+
 def _shape(r: dict) -> tuple[int, int, int]:
     h = {"144p": 144, "240p": 240, "360p": 360, "480p": 480, "720p": 720}[r["res"]]
     w = {144: 256, 240: 426, 360: 640, 480: 853, 720: 1280}[h]
@@ -212,7 +218,8 @@ def _shape(r: dict) -> tuple[int, int, int]:
 class AnalyticCost:
     """Cost model from a `Calibration` scaled to `model`, on `cluster`.
 
-    Scaling: linear time by the layer's FLOPs per token (weights touched per token),
+    Scaling: linear time by the layer's FLOPs per token (weights touched per token; a frozen
+    weight computes no weight gradient, a third of its work: `_weight_work`),
     attention time by hidden size and attention sub-blocks, memory by hidden size (the
     MLP's kept activations by the FFN width). For the calibrated block itself the factors
     are 1. Text models add the output head's logits (bf16 logits + fp32 loss gradient).
@@ -231,7 +238,7 @@ class AnalyticCost:
         self.model, self.cluster, self.cal = model, cluster, calibration
         self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
-        self._lin = calibration.lin_s_per_token * _layer_params(model) / _layer_params(ref)
+        self._lin = calibration.lin_s_per_token * _layer_params(model) / _layer_params(ref) * _weight_work(model)
         self._attn = calibration.attn_s_per_pair * (model.hidden * model.attn_per_layer) / (
             ref.hidden * ref.attn_per_layer)
         self._share = _attn_share(model)
@@ -247,7 +254,7 @@ class AnalyticCost:
         self._sync = grad_sync_time(model, cluster)
         # the output head of a text model: linear work per token outside the layers
         self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
-            model.vocab_size * model.hidden)
+            model.vocab_size * model.hidden) * _weight_work(model)
         self._cache: dict = {}
         self._stats: dict[Size, tuple[int, float]] = {}  # per size: (tokens, attention pairs)
 

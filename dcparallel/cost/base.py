@@ -203,33 +203,41 @@ class StateRecipe:
 
 
 def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
-                 bytes_per_value: float | None = None) -> StateRecipe:
-    """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, P parameters,
-    W ranks, s the shard size), as `runtime.zero` / `runtime.sharded` allocate it.
+                 bytes_per_value: float | None = None, frozen_params: float | None = None,
+                 trainable_bytes: float | None = None) -> StateRecipe:
+    """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, T trainable and
+    F frozen parameters, P = T + F, W ranks, s the shard size), as `runtime.zero` /
+    `runtime.sharded` allocate it. Frozen parameters (``requires_grad=False``) are stored
+    only: no gradient, no master weight, no moments.
 
-    Shard size 1 (ZeRO-1): parameters (b P) and the fp32 gradient buffer (4 P) on every rank;
-    fp32 master weights (4 P / W, none when b = 4: the parameters are the master) and both
-    moments (8 P / W). The step: the gradient all-reduce and the clip work in place (no
-    low-precision ``p.grad`` copies), the parameter all-gather writes into the flat buffer
+    Shard size 1 (ZeRO-1): parameters (b P; the trainable ones at ``trainable_bytes``, default
+    b: fp32 adapters on a bf16 base) and the fp32 gradient buffer (4 T) on every rank; fp32
+    master weights (4 T / W, none when the trainable parameters are fp32: they are the master)
+    and both moments (8 T / W). The step: the gradient all-reduce and the clip work in place
+    (no low-precision ``p.grad`` copies), the parameter all-gather writes into the flat buffer
     itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL` fp32 values.
 
-    Shard size s > 1 (`runtime.sharded`): fp32 parameter shards, which are the master weights
-    (4 P / s), fp32 gradient shards (4 P / s), moments over the world (8 P / W) and the whole
-    parameters each micro-batch gathers (`gathered_bytes`). The step: the replica all-reduce
-    and the clip in place; the update reads and writes the parameter shards one chunk at a
-    time: its denominator and the replicas' gathered chunks, this rank's among them
-    (1 + W / s chunks). ``num_params`` / ``bytes_per_value``: counts of a built model where
-    they differ from the spec's (the profiler's)."""
-    p = float(model.num_params if num_params is None else num_params)
+    Shard size s > 1 (`runtime.sharded`): fp32 trainable parameter shards, which are the master
+    weights (4 T / s), frozen shards in the model's dtype (b F / s), fp32 gradient shards
+    (4 T / s), moments over the world (8 T / W) and the whole parameters each micro-batch
+    gathers (`gathered_bytes`). The step: the replica all-reduce and the clip in place; the
+    update reads and writes the parameter shards one chunk at a time: its denominator and the
+    replicas' gathered chunks, this rank's among them (1 + W / s chunks). ``num_params`` /
+    ``bytes_per_value`` / ``frozen_params``: counts of a built model where they differ from the
+    spec's (the profiler's)."""
+    total = float(model.num_params if num_params is None else num_params)
+    f = float(model.frozen_params if frozen_params is None else frozen_params)
+    p = total - f  # trainable
     b = float(model.bytes_per_value if bytes_per_value is None else bytes_per_value)
+    bt = b if trainable_bytes is None else float(trainable_bytes)
     w, s = world_size, shard_size
-    chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about P / W
+    chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about T / W
     if s == 1:
-        master = 0.0 if b >= 4 else 4 * p / w
-        return StateRecipe(params=b * p, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
+        master = 0.0 if bt >= 4 else 4 * p / w
+        return StateRecipe(params=bt * p + b * f, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
                            step_transient=chunk)
-    return StateRecipe(params=4 * p / s, grads=4 * p / s, optimizer=8 * p / w, gathered=gathered_bytes(model),
-                       step_transient=(1 + w // s) * chunk)
+    return StateRecipe(params=(4 * p + b * f) / s, grads=4 * p / s, optimizer=8 * p / w,
+                       gathered=gathered_bytes(model), step_transient=(1 + w // s) * chunk)
 
 
 def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:
@@ -244,9 +252,11 @@ def gathered_bytes(model: ModelSpec) -> float:
     their bf16 gradient from the head's backward to the end; of the largest layer, its bf16
     parameters twice (the layer running and the next one prefetched) and, in backward, its
     unsharded gradient in bf16 plus the fp32 copy the reduce-scatter sums (6 bytes). (bf16
-    stands for the model's `bytes_per_value`.)"""
+    stands for the model's `bytes_per_value`.) Frozen parameters get no gradient: the
+    gradients are counted for the trainable share of the parameters only."""
     b = model.bytes_per_value
-    return 2.0 * b * model.extra_params + (3 * b + 4) * model.unit_params
+    share = model.trainable_params / model.num_params if model.num_params else 1.0
+    return b * model.extra_params * (1 + share) + (2 * b + (b + 4) * share) * model.unit_params
 
 
 def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
@@ -268,13 +278,14 @@ def _two_level_allreduce(cluster: ClusterSpec, num_bytes: float, local: int, nod
 
 
 def grad_sync_time(model: ModelSpec, cluster: ClusterSpec) -> float:
-    """The once-per-step all-reduce of the flat fp32 gradient buffer; with shard blocks of
-    s > 1 ranks, of each rank's 1/s of it over the W/s replicas of its shard (`replica_sync_time`)."""
+    """The once-per-step all-reduce of the flat fp32 gradient buffer (trainable parameters only);
+    with shard blocks of s > 1 ranks, of each rank's 1/s of it over the W/s replicas of its
+    shard (`replica_sync_time`)."""
     if cluster.world_size == 1:
         return 0.0
     if cluster.shard_size > 1:
-        return replica_sync_time(cluster, 4.0 * model.num_params / cluster.shard_size)
-    return allreduce_time(cluster, 4.0 * model.num_params)
+        return replica_sync_time(cluster, 4.0 * model.trainable_params / cluster.shard_size)
+    return allreduce_time(cluster, 4.0 * model.trainable_params)
 
 
 def replica_sync_time(cluster: ClusterSpec, num_bytes: float) -> float:

@@ -103,7 +103,7 @@ class ProfiledCost:
             raise ValueError(f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
                              f"inter_bw={cluster.inter_bw}); pricing shard blocks of {s} ranks from an unsharded "
                              f"profile needs both: set them in bytes/s (spec.h200_cluster has datasheet values)")
-        sharded = m.num_params * (m.bytes_per_value + 4) * (1 - 1 / s)
+        sharded = (m.num_params * m.bytes_per_value + 4 * m.trainable_params) * (1 - 1 / s)
         self._state = profile.model_state_bytes - sharded + gathered_bytes(m)
         self._sync = grad_sync_time(m, cluster)
         self._shard = ShardComm.of(m, cluster)

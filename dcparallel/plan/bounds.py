@@ -145,7 +145,7 @@ class LowerBound:
     def with_sync(self, compute: float) -> float:
         """A step bound from a compute bound: plus the gradient sync that compute cannot hide."""
         ctx = self.ctx
-        buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size, ctx.cluster.world_size)
+        buckets = sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size)
         return compute + exposed_sync(ctx.cost.grad_sync_time(), compute, buckets)
 
     def epoch(self, steps: Iterable[Step]) -> float:

@@ -30,18 +30,22 @@ def compute_dtype(engine: Engine) -> torch.dtype:
     master weights) and FSDP casts them to the model's own dtype for compute."""
     if shard_size(engine) > 1:
         return engine.grad_sync.compute_dtype
-    return engine.params[0].dtype
+    return next(engine.model.parameters()).dtype  # the base's: fp32 adapters on a bf16 base compute in bf16
 
 
 def state_bytes(engine: Engine, spec: ModelSpec, device: torch.device) -> float:
-    """Model states per rank: the engine's recipe (`cost.base.state_recipe`) for its parameter
-    count and dtype. On a GPU the whole parameters a shard block gathers are left out: the
-    allocator's peak of every measured run already holds them; on CPU the saved-tensor meter
-    does not see them, so they are counted here."""
+    """Model states per rank: the engine's recipe (`cost.base.state_recipe`) for its trainable
+    and frozen parameter counts and dtypes. On a GPU the whole parameters a shard block
+    gathers are left out: the allocator's peak of every measured run already holds them; on
+    CPU the saved-tensor meter does not see them, so they are counted here."""
     s = shard_size(engine)
     n = sum(p.numel() for p in engine.params)
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+    f = sum(p.numel() for p in frozen)
     b = torch.empty((), dtype=compute_dtype(engine)).element_size()
-    recipe = state_recipe(spec, comm.world_size(), s, num_params=n, bytes_per_value=b)
+    bt = 4 if s > 1 else engine.params[0].element_size()  # fp32 adapters on a bf16 base
+    recipe = state_recipe(spec, comm.world_size(), s, num_params=n + f, frozen_params=f, bytes_per_value=b,
+                          trainable_bytes=bt)
     return recipe.states - (recipe.gathered if device.type == "cuda" else 0.0)
 
 

@@ -22,9 +22,13 @@ The step's one reduction (`ShardedGrads.finish`, on every rank, idle blocks incl
 - this rank's summed loss and target count are summed over the world;
 - the gradients are divided by the global target count, as in `runtime.grad_sync`.
 
-Mixed precision: a bf16 / fp16 model keeps fp32 sharded parameters (they are the values the
-optimizer updates) and computes in its own dtype (`MixedPrecisionPolicy(param_dtype=...,
-reduce_dtype=float32)`); gradients are reduced and accumulated in fp32.
+Mixed precision: a bf16 / fp16 model keeps fp32 sharded trainable parameters (they are the
+values the optimizer updates) and computes in its own dtype
+(`MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)`); gradients are reduced and
+accumulated in fp32. fp32 trainable parameters on a bf16 base (LoRA adapters) compute as they
+do unsharded, each parameter in its own dtype. Frozen parameters (``requires_grad=False``: a LoRA's base) are sharded in
+the blocks too, in their own dtype, and get no gradient: FSDP gathers them with the trainable
+ones and reduce-scatters only gradients, so the buffer below holds the trainable ones' alone.
 
 A model built on the meta device (`runtime.meta_init.empty_init`) is wrapped the same way
 on meta; only then do its parameters get storage on the run's device: this rank's fp32
@@ -83,8 +87,9 @@ class ShardedGrads:
         self.from_meta = first.device.type == "meta"
         device = device if self.from_meta else first.device
         assert device is not None and device.type != "meta", "a meta model needs the run's device"
-        dtype = first.dtype
-        del first  # no reference to a whole parameter outlives the sharding
+        # the model computes in its base weights' dtype (the first parameter's: a frozen bf16
+        # base under fp32 adapters computes in bf16, as it does unsharded)
+        dtype = next(model.parameters()).dtype
         self.shard_size, self.world_size, self.rank = s, world, rank
         self.num_replicas = world // s
         self.replica_index = rank // s  # which block this rank is in
@@ -95,10 +100,17 @@ class ShardedGrads:
         self.replica_group = self.mesh["replica"].get_group() if self.num_replicas > 1 else None
         self.stats_group = stats_group
         self.compute_dtype = dtype
-        if dtype != torch.float32:  # fp32 sharded parameters, compute in the model's dtype
-            model.float()
-            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        else:
+        train_dtype = first.dtype
+        del first  # no reference to a whole parameter outlives the sharding
+        if train_dtype != torch.float32:
+            # fp32 sharded trainable parameters (the optimizer's master weights) and buffers,
+            # computing in the trainable parameters' dtype; frozen ones keep theirs (nothing
+            # updates them: a bf16 base stays bf16)
+            for t in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
+                if t.is_floating_point() and t.dtype != torch.float32:
+                    t.data = t.data.float()
+            mp = MixedPrecisionPolicy(param_dtype=train_dtype, reduce_dtype=torch.float32)
+        else:  # fp32 adapters on a bf16 base compute as unsharded: each parameter in its dtype
             mp = MixedPrecisionPolicy()
         for block in blocks:
             fully_shard(block, mesh=self.shard_mesh, mp_policy=mp)

@@ -138,7 +138,8 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
         # the groups that finish last: the shortest last micro-batch among them hides the least
         last = [gs[-1].end - gs[-1].start for gs in segs if gs and gs[-1].end >= compute * (1 - 1e-12)]
         sync = exposed_sync(sync, min(last, default=0.0),
-                            sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size, ctx.cluster.world_size))
+                            sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size,
+                                         ctx.cluster.world_size))
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
 
 

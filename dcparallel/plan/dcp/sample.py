@@ -77,7 +77,7 @@ class SamplePacker:
         self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
-        self.buckets = sync_buckets(ctx.cost.model.num_params, ctx.cluster.shard_size, ctx.cluster.world_size)
+        self.buckets = sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size)
 
     def exposed(self, last: float) -> float:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
