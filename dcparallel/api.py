@@ -42,12 +42,10 @@ from dcparallel.data.loader import DataCentricLoader
 from dcparallel.data.rollouts import rollout_sizes
 from dcparallel.data.sizes import check_step_budget, read_sizes
 from dcparallel.plan.policies import policy_spec
-from dcparallel.profile.cache import load_or_profile
-from dcparallel.profile.inputs import adapter_inputs
-from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
-from dcparallel.profile.shards import compute_dtype
+from dcparallel.profile.of_engine import profile_engine
+from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime import comm
-from dcparallel.runtime.auto_launch import set_up_launch
+from dcparallel.runtime.auto_launch import agreed_auto_shard_size, priced_cluster, set_up_launch
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.forward_pass import ForwardFn, ForwardPass
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
@@ -55,7 +53,6 @@ from dcparallel.runtime.param_groups import GroupedZeroAdamW, as_groups
 from dcparallel.runtime.rollout_step import RolloutPlanner, RolloutStep
 from dcparallel.runtime.sharded_optim import ShardedAdamW
 from dcparallel.runtime.zero import ZeroAdamW
-from dcparallel.spec import ClusterSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +64,6 @@ def _local_world() -> int:
 def _of_engine(name: str, doc: str) -> property:
     """A read-only attribute of the held `Engine`."""
     return property(lambda self: getattr(self.engine, name), doc=doc)
-
-
-def _priced(cluster: ClusterSpec, **changes: Any) -> ClusterSpec:
-    """``cluster`` with link speeds the analytic cost model can price: 1e10 bytes/s per GPU
-    for a link the launch gave no speed for (`runtime.launch.cluster_from_env`)."""
-    return dataclasses.replace(cluster, intra_bw=cluster.intra_bw or 1e10, inter_bw=cluster.inter_bw or 1e10,
-                               **changes)
-
-
-def _auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
-    """``shard_size="auto"`` when the model is wrapped (its parameters are sharded then, before
-    any sample is seen): the smallest shard size with which the model states fit the smallest
-    memory budget of any rank (`cost.auto_shard`, the analytic recipe); the same on every rank,
-    logged once with the reason."""
-    priced = _priced(cluster, memory_bytes=min(comm.all_gather_object(cluster.memory_bytes)))
-    try:
-        s, why = explain_shard_size(spec, priced)
-    except ValueError as e:
-        raise ValueError(f"shard_size='auto': {e} (the budget is memory_bytes per rank: pass a larger one if the "
-                         f"device has more)") from None
-    comm.check_equal(str(s), "shard_size auto")
-    if comm.world_rank() == 0:
-        log.info(why)
-    return s
 
 
 class DataCentricParallel:
@@ -143,7 +116,7 @@ class DataCentricParallel:
         #: shard_size="auto" was asked for: `prepare` checks the choice against the samples too
         self.shard_auto = shard_size == "auto"
         if self.shard_auto:
-            shard_size = _auto_shard_size(adapter.spec, cluster)
+            shard_size = agreed_auto_shard_size(adapter.spec, cluster)
         self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
                              groups=groups)
@@ -300,7 +273,7 @@ class DataCentricParallel:
         smallest must fit alone (and the largest some layout) at that shard size, else the
         shard size that fits is named (`cost.auto_shard.auto_shard_size`)."""
         c = self.cluster_spec
-        priced = _priced(c, memory_bytes=min(comm.all_gather_object(c.memory_bytes)))
+        priced = priced_cluster(c, memory_bytes=min(comm.all_gather_object(c.memory_bytes)))
         try:
             need = auto_shard_size(self.spec, priced, list(sizes))
         except ValueError as e:
@@ -347,7 +320,7 @@ class DataCentricParallel:
         if self.shard_auto:
             self._check_auto_shard_size(sizes)
         if cost == "analytic":
-            self.cost = AnalyticCost(self.spec, _priced(self.cluster_spec))
+            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
         else:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
@@ -373,7 +346,7 @@ class DataCentricParallel:
         sizes = rollout_sizes(max_tokens)
         self._agree_inputs(sizes, {"max_tokens": max_tokens})
         if cost == "analytic":
-            self.cost = AnalyticCost(self.spec, _priced(self.cluster_spec))
+            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
         else:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
@@ -404,23 +377,4 @@ class DataCentricParallel:
 
     def _profile(self, sizes: Sequence[Any], path: Path,
                  profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:
-        """The profile of this model at this launch: measured over representative sizes of
-        ``sizes`` (collective), or the matching one cached at ``path``."""
-        buckets = representative_sizes(self.spec, sizes)
-        config = profiler_config
-        if isinstance(config, Mapping):
-            odd = sorted(set(config) - {f.name for f in dataclasses.fields(ProfilerConfig)})
-            if odd:
-                raise ValueError(f"profiler_config names {odd}, which are not ProfilerConfig fields; give fields of "
-                                 f"dcparallel.profile.ProfilerConfig (e.g. max_repeats, modes) or a ProfilerConfig")
-        if not isinstance(config, ProfilerConfig):
-            config = ProfilerConfig.quick(max(self.spec.tokens(s) for s in buckets), **{
-                "memory_limit": self.memory_bytes, "progress": comm.world_rank() == 0, **(config or {})})
-        supported = self.adapter.recompute_modes
-        config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in supported))
-        device, dtype = self.params[0].device, compute_dtype(self.engine)
-        make_inputs = adapter_inputs(self.model, self.adapter, self.loss_fn, device, dtype)
-        profiler = Profiler(self.model, self.layers, make_inputs, spec=self.spec, config=config, engine=self.engine,
-                            layers_per_unit=self.adapter.blocks_per_layer)
-        profile, _ = load_or_profile(path, profiler, buckets)
-        return profile
+        return profile_engine(self.engine, self.spec, self.loss_fn, sizes, path, profiler_config, self.memory_bytes)

@@ -34,9 +34,10 @@ from dcparallel.cost.base import (
     model_state_bytes,
 )
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
+from dcparallel.cost.heads import a2a_hidden_units
 from dcparallel.cost.ring import SplitTime, best_split
 from dcparallel.cost.shard import ShardComm
-from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size, a2a_hidden_units
+from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dcparallel.cost.base import alltoall_time
-from dcparallel.spec import ClusterSpec, ModelSpec, a2a_hidden_units, kv_heads_sent
+from dcparallel.cost.heads import a2a_hidden_units, kv_heads_sent
+from dcparallel.spec import ClusterSpec, ModelSpec
 from dcparallel.topology import Topology
 
 

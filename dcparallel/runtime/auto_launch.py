@@ -14,15 +14,27 @@ Three cases, decided from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL
 
 A model already on another GPU than this rank's (``model.cuda()`` puts every rank's copy on
 cuda:0) is refused, naming the device it needs.
+
+Also here: what the launch means for the cost model — link speeds it can price
+(`priced_cluster`) and ``shard_size="auto"`` agreed by every rank (`agreed_auto_shard_size`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
+
+from dcparallel.cost.auto_shard import explain_shard_size
+from dcparallel.runtime import comm
+from dcparallel.spec import ClusterSpec, ModelSpec
+
+log = logging.getLogger(__name__)
 
 #: seconds a collective may wait when `DataCentricParallel` sets the process group up
 DEFAULT_TIMEOUT_S = 300
@@ -54,3 +66,27 @@ def set_up_launch(model: nn.Module) -> torch.device | None:
                          f"it, or move it to cuda:LOCAL_RANK yourself (or call dcparallel.init_distributed() first "
                          f"and use its .device)")
     return device
+
+
+def priced_cluster(cluster: ClusterSpec, **changes: Any) -> ClusterSpec:
+    """``cluster`` with link speeds the analytic cost model can price: 1e10 bytes/s per GPU
+    for a link the launch gave no speed for (`runtime.launch.cluster_from_env`)."""
+    return dataclasses.replace(cluster, intra_bw=cluster.intra_bw or 1e10, inter_bw=cluster.inter_bw or 1e10,
+                               **changes)
+
+
+def agreed_auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
+    """``shard_size="auto"`` when the model is wrapped (its parameters are sharded then, before
+    any sample is seen): the smallest shard size with which the model states fit the smallest
+    memory budget of any rank (`cost.auto_shard`, the analytic recipe); the same on every rank,
+    logged once with the reason."""
+    priced = priced_cluster(cluster, memory_bytes=min(comm.all_gather_object(cluster.memory_bytes)))
+    try:
+        s, why = explain_shard_size(spec, priced)
+    except ValueError as e:
+        raise ValueError(f"shard_size='auto': {e} (the budget is memory_bytes per rank: pass a larger one if the "
+                         f"device has more)") from None
+    comm.check_equal(str(s), "shard_size auto")
+    if comm.world_rank() == 0:
+        log.info(why)
+    return s

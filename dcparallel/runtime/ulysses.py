@@ -19,7 +19,7 @@ Grouped-query / multi-query attention (k, v with H_kv < H query heads, H divisib
 when sp divides H_kv the key/value heads are sharded like the query heads; otherwise each
 key/value head is repeated r = sp / gcd(sp, H_kv) times first (r divides H / H_kv, so rank
 p's query heads still find their own key/value heads among its H_kv * r / sp). Either way
-the SP degree is limited by the query heads only (`spec.kv_heads_sent` gives the all-to-all's
+the SP degree is limited by the query heads only (`cost.heads.kv_heads_sent` gives the all-to-all's
 key/value head count for the cost model).
 """
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from dcparallel.cost.heads import kv_repeats
 from dcparallel.models.attention import AttnPattern, default_kernel
 from dcparallel.models.flex import CuSeqlens
 from dcparallel.runtime.comm import group_rank, group_size, heads_to_seq, seq_to_heads
 from dcparallel.runtime.ring import RingPeers, check_ring_pattern, ring_attention
-from dcparallel.spec import kv_repeats
 
 #: ``kernel(q, k, v, pattern, cu_seqlens)``, and ``sinks=`` (this rank's heads' sink logits)
 #: when the model has sinks (`dcparallel.models.attention.sdpa_attention` is one)

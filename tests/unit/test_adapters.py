@@ -10,9 +10,10 @@ from torch import nn
 from dcparallel.adapters import find_adapter
 from dcparallel.api import DataCentricParallel
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.heads import kv_heads_sent, kv_repeats
 from dcparallel.models.attention import AttnPattern
 from dcparallel.models.llama import Llama, LlamaConfig
-from dcparallel.spec import ClusterSpec, Layout, Recompute, h200_cluster, kv_heads_sent, kv_repeats, llama_like
+from dcparallel.spec import ClusterSpec, Layout, Recompute, h200_cluster, llama_like
 from tests.adapter_models import TinyGQA, build
 
 

@@ -11,9 +11,10 @@ import torch
 
 from dcparallel.adapters import find_adapter
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.heads import a2a_hidden_units, kv_heads_sent
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
-from dcparallel.spec import Layout, a2a_hidden_units, h200_cluster, kv_heads_sent, llama_like
+from dcparallel.spec import Layout, h200_cluster, llama_like
 from tests import hf_families
 
 pytest.importorskip("transformers")

@@ -1,0 +1,30 @@
+"""What Ulysses moves for a model's heads: how often each key / value head is repeated so
+that the heads split evenly over an SP group, and the all-to-all volume that follows (read by
+the cost models and by `runtime.ulysses`)."""
+
+from __future__ import annotations
+
+import math
+
+from dcparallel.spec import ModelSpec
+
+
+def kv_repeats(num_kv_heads: int, sp: int) -> int:
+    """How many times Ulysses repeats each key/value head at SP degree ``sp`` so that the
+    heads split evenly over the group: 1 when sp divides them, else sp / gcd(sp, kv heads)."""
+    return sp // math.gcd(sp, num_kv_heads)
+
+
+def kv_heads_sent(num_kv_heads: int, sp: int) -> int:
+    """Key/value heads that one Ulysses all-to-all moves at SP degree ``sp`` (after repeats)."""
+    return num_kv_heads * kv_repeats(num_kv_heads, sp) if sp > 1 else num_kv_heads
+
+
+def a2a_hidden_units(model: ModelSpec, sp: int) -> float:
+    """What one attention sub-block's Ulysses all-to-alls move forward per token, in units of
+    the hidden size: q and the (repeated) k to head sharding at the query/key head size, v
+    there and the output back at the value head size — (H + kv) (Dqk + Dv) / hidden; 2 + 2 kv / H
+    when the heads split the hidden size."""
+    qk = model.head_dim * model.num_heads / model.hidden if model.head_dim else 1.0
+    v = model.v_head_dim * model.num_heads / model.hidden if model.v_head_dim else qk
+    return (1 + kv_heads_sent(model.kv_heads, sp) / model.num_heads) * (qk + v)
