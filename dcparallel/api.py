@@ -233,13 +233,14 @@ class DataCentricParallel:
 
     def full_gradients(self) -> dict[str, Any]:
         """`Engine.full_gradients`: the step's whole gradient of every trainable parameter by
-        name, fp32 copies (collective with shard_size > 1: every rank calls it, after
-        `sync_gradients`)."""
+        name, fp32 copies (collective with shard_size > 1 or with the ZeRO-1 optimizer on several
+        ranks: every rank calls it, after `sync_gradients`)."""
         return self.engine.full_gradients()
 
     def gradients(self) -> dict[str, Any]:
         """`Engine.gradients`: the step's fp32 gradients by name, views of the synced buffer (no
-        copy; shard size 1). A bf16 parameter's ``p.grad`` is None with the engine's optimizer."""
+        copy; shard size 1, and one rank once the engine's optimizer exists: on several its sync
+        sums only each rank's shard). A bf16 parameter's ``p.grad`` is None with the engine's optimizer."""
         return self.engine.gradients()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:

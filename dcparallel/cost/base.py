@@ -209,9 +209,10 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
 
     Shard size 1 (ZeRO-1): parameters (b P) and the fp32 gradient buffer (4 P) on every rank;
     fp32 master weights (4 P / W, none when b = 4: the parameters are the master) and both
-    moments (8 P / W). The step: the gradient all-reduce and the clip work in place (no
-    low-precision ``p.grad`` copies), the parameter all-gather writes into the flat buffer
-    itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL` fp32 values.
+    moments (8 P / W). The gradient buffer stays whole: micro-batches accumulate into all of
+    it, though the sync sums only this rank's shard. The step: the sync and the clip work in
+    place (no low-precision ``p.grad`` copies), the parameter all-gather writes into the flat
+    buffer itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL` fp32 values.
 
     Shard size s > 1 (`runtime.sharded`): fp32 parameter shards, which are the master weights
     (4 P / s), fp32 gradient shards (4 P / s), moments over the world (8 P / W) and the whole
