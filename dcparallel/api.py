@@ -34,6 +34,8 @@ from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size, explain_shard_size
+from dcparallel.cost.base import unsharded_grad_bytes
+from dcparallel.cost.grad_hold import hold_unsharded_grads
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.data.batch import Batch
@@ -260,6 +262,16 @@ class DataCentricParallel:
         if self.loader is not None:
             self.loader.set_epoch(epoch)
 
+    def _choose_grad_hold(self, sizes: Sequence[Any]) -> None:
+        """Shard blocks: FSDP keeps the gradients whole until a block's last micro-batch of the
+        step when they fit with the epoch's samples (`cost.grad_hold`); the planner then counts
+        them in the states every micro-batch finds."""
+        hold, why = hold_unsharded_grads(self.cost, self.spec, self.cost.cluster, sizes)
+        if hold:
+            self.cost.add_state_bytes(unsharded_grad_bytes(self.spec))
+        self.engine.grad_sync.set_accumulate_unsharded(hold)
+        log.info("gradient accumulation %s: %s", "whole" if hold else "sharded", why)
+
     def _check_auto_shard_size(self, sizes: Sequence[Any]) -> None:
         """``shard_size="auto"`` chose from the model states alone; with the samples known, the
         smallest must fit alone (and the largest some layout) at that shard size, else the
@@ -316,6 +328,8 @@ class DataCentricParallel:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
         self._agree_cost()
+        if self.shard_size > 1:
+            self._choose_grad_hold(sizes)
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", self.params[0].device)  # batches go where the model is
         loader_kw.setdefault("epoch", self.epoch)

@@ -256,6 +256,12 @@ class AnalyticCost:
     def model_state_bytes(self) -> float:
         return self._state
 
+    def add_state_bytes(self, extra: float) -> None:
+        """Bytes every micro-batch finds allocated on top of the model states counted so far
+        (FSDP's whole gradients held between micro-batches: `cost.grad_hold`)."""
+        self._state += float(extra)
+        self._cache.clear()
+
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         n_tok = 0
         pairs = 0.0

@@ -183,18 +183,21 @@ class StateRecipe:
     ``optimizer``: its fp32 master weights (where the parameters are not them) and Adam
     moments; ``gathered``: whole parameters a micro-batch gathers (shard blocks only, during
     the micro-batches); ``step_transient``: the peak of sync + clip + optimizer step on top of
-    the states (the activations are freed by then)."""
+    the states (the activations are freed by then); ``held``: whole fp32 gradients FSDP keeps
+    between a shard block's micro-batches (`unsharded_grad_bytes`; reduce-scattered and freed
+    by the last micro-batch's backward, so not in the step)."""
 
     params: float
     grads: float
     optimizer: float
     gathered: float
     step_transient: float
+    held: float = 0.0
 
     @property
     def states(self) -> float:
         """What every micro-batch finds allocated: the planner's fixed bytes per rank."""
-        return self.params + self.grads + self.optimizer + self.gathered
+        return self.params + self.grads + self.optimizer + self.gathered + self.held
 
     @property
     def step_peak(self) -> float:
@@ -203,7 +206,7 @@ class StateRecipe:
 
 
 def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
-                 bytes_per_value: float | None = None) -> StateRecipe:
+                 bytes_per_value: float | None = None, unsharded_grads: bool = False) -> StateRecipe:
     """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, P parameters,
     W ranks, s the shard size), as `runtime.zero` / `runtime.sharded` allocate it.
 
@@ -219,8 +222,10 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
     parameters each micro-batch gathers (`gathered_bytes`). The step: the replica all-reduce
     and the clip in place; the update reads and writes the parameter shards one chunk at a
     time: its denominator and the replicas' gathered chunks, this rank's among them
-    (1 + W / s chunks). ``num_params`` / ``bytes_per_value``: counts of a built model where
-    they differ from the spec's (the profiler's)."""
+    (1 + W / s chunks). ``unsharded_grads`` (s > 1): FSDP holds the step's gradients whole
+    between micro-batches (`runtime.sharded.ShardedGrads.set_accumulate_unsharded`): ``held``
+    = 4 P (fp32, `unsharded_grad_bytes`). ``num_params`` / ``bytes_per_value``: counts of a built
+    model where they differ from the spec's (the profiler's)."""
     p = float(model.num_params if num_params is None else num_params)
     b = float(model.bytes_per_value if bytes_per_value is None else bytes_per_value)
     w, s = world_size, shard_size
@@ -230,7 +235,14 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
         return StateRecipe(params=b * p, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
                            step_transient=chunk)
     return StateRecipe(params=4 * p / s, grads=4 * p / s, optimizer=8 * p / w, gathered=gathered_bytes(model),
-                       step_transient=(1 + w // s) * chunk)
+                       step_transient=(1 + w // s) * chunk, held=4 * p if unsharded_grads else 0.0)
+
+
+def unsharded_grad_bytes(model: ModelSpec) -> float:
+    """What FSDP holds per rank while a shard block's gradients accumulate whole between
+    micro-batches: every trainable parameter's gradient in fp32 (a low-precision model's
+    gradients are kept in the fp32 reduce dtype)."""
+    return 4.0 * model.num_params
 
 
 def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:

@@ -288,8 +288,9 @@ class Engine:
         check_heads(self.num_heads, batch.sp)
         check_group(batch.ranks, self.shard_size)
         group = self.groups.group(batch.ranks)
-        self.grad_sync.begin()  # a new step's gradients start at zero
-        if last if last is not None else getattr(batch, "last_of_step", None):
+        last = last if last is not None else getattr(batch, "last_of_step", None)
+        self.grad_sync.begin(last)  # a new step's gradients start at zero
+        if last:
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch)
         self.recompute.set(batch.layout.recompute)

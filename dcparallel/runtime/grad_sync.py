@@ -246,8 +246,9 @@ class GradSync:
                                "loss of the step (ctx.token_loss) before the last micro-batch's backward")
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
-    def begin(self) -> None:
-        """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`)."""
+    def begin(self, last: bool | None = None) -> None:
+        """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`).
+        ``last`` (whether it is the step's last here) is for `ShardedGrads.begin`."""
         if self.synced:
             self.zero_grad()
 

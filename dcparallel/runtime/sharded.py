@@ -6,7 +6,9 @@ Inside a block, every repeated block of the model (the adapter's ``blocks``) and
 are wrapped by PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) on a 1-D mesh of the
 block's ranks: each rank stores 1/s of every parameter, the layer's parameters are
 all-gathered for its forward and backward, and each micro-batch's backward reduce-scatters
-its gradients (a plain sum: divide factor 1) into this rank's shard. The ranks of a block
+its gradients (a plain sum: divide factor 1) into this rank's shard — with
+`ShardedGrads.set_accumulate_unsharded`, only the step's last (the others keep them whole,
+FSDP's gradient sync off: `cost.grad_hold` decides when they fit). The ranks of a block
 are always in one SP group (the plan rule, `dcparallel.plan.types.StepPlan.check_shard_blocks`:
 every SP group is made of whole blocks), so they run the same micro-batch sequence and
 FSDP's collectives match inside the block whatever the other blocks do; a block that runs
@@ -129,6 +131,8 @@ class ShardedGrads:
         self.synced = False
         self.last_loss = float("nan")
         self.last_count = 0.0
+        self.accumulate_unsharded = False  # `set_accumulate_unsharded`
+        self._unsynced = False  # FSDP holds whole gradients a reduce-scatter has yet to take
 
     @property
     def flat_grad(self) -> Tensor:
@@ -167,11 +171,26 @@ class ShardedGrads:
         """Adds a micro-batch's summed loss and target count (this rank's shard of it)."""
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
-    def begin(self) -> None:
+    def set_accumulate_unsharded(self, on: bool) -> None:
+        """``on``: a micro-batch announced as not the step's last (``last=False``, or a loader
+        batch's ``last_of_step``) runs with FSDP's gradient sync off, so its gradients stay
+        whole (fp32, 4 bytes a parameter: `cost.base.state_recipe` with ``unsharded_grads``)
+        and accumulate until the block's last micro-batch, whose backward reduce-scatters the
+        sum once: one reduce-scatter per step instead of one per micro-batch. Between steps."""
+        if self._unsynced:
+            raise RuntimeError("set_accumulate_unsharded in the middle of a step: call it between steps")
+        self.accumulate_unsharded = bool(on)
+
+    def begin(self, last: bool | None = None) -> None:
         """A micro-batch starts: the first one of a step (the first of all, or the first after
-        `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them."""
+        `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them.
+        ``last``: whether it is this rank's last of the step (None: not known, so its backward
+        reduce-scatters); with `set_accumulate_unsharded` only a known last one does."""
         if self.synced or self._flat_grad is None:
             self.zero_grad()
+        hold = self.accumulate_unsharded and last is False
+        self.model.set_requires_gradient_sync(not hold)
+        self._unsynced = hold  # a micro-batch with the sync on reduce-scatters what earlier ones held
 
     def arm(self) -> None:
         """The last micro-batch of the step begins (the sharded path does not overlap the
@@ -206,6 +225,14 @@ class ShardedGrads:
         Returns the step's mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
+        if self._unsynced:
+            self._unsynced = False
+            self.model.set_requires_gradient_sync(True)
+            raise RuntimeError("the step's last micro-batch on this rank was announced as not the last (last=False "
+                               "or Batch.last_of_step False), so its gradients are still whole and unreduced in "
+                               "FSDP, and this step's gradients are incomplete (resume from a checkpoint): announce "
+                               "the last micro-batch of each step (micro_batch(batch, last=True)), or call "
+                               "dc.grad_sync.set_accumulate_unsharded(False)")
         self._fold_foreign_grads()
         comm.all_reduce_(self.flat_grad, self.replica_group)  # None: one block, nothing to sum
         comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)
