@@ -225,8 +225,11 @@ class AnalyticCost:
                 f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
                 f"inter_bw={cluster.inter_bw}); AnalyticCost needs both to price all-to-alls and the "
                 f"gradient all-reduce: use spec.h200_cluster(...) or set them in bytes/s")
+        #: the packaged calibration fitted (`cost.provenance`); None: the caller's ``calibration``
+        self.calibration_name = None if calibration is not None else "stdit-1.1b" if model.kind == "video" \
+            else "llama-7b"
         if calibration is None:
-            calibration = fit_calibration("stdit-1.1b" if model.kind == "video" else "llama-7b")
+            calibration = fit_calibration(self.calibration_name)
         self.model, self.cluster, self.cal = model, cluster, calibration
         self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
