@@ -170,7 +170,7 @@ class GradSync:
         """ZeRO-1 (`runtime.zero.ZeroAdamW`) reads only this rank's shard: with ``sharded``
         (and more than one rank) each bucket lies in one rank's shard and is reduced to that
         rank alone; the others' shards are not summed here (``p.grad`` is None after the sync,
-        `gradients_flat` gathers). Between steps only."""
+        `runtime.synced_grads.gathered` gathers them). Between steps only."""
         self.sharded = bool(sharded) and self.world_size > 1
         self.set_bucket_bytes(self.bucket_bytes)
 
