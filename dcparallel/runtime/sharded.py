@@ -133,6 +133,7 @@ class ShardedGrads:
         self.last_count = 0.0
         self.accumulate_unsharded = False  # `set_accumulate_unsharded`
         self._unsynced = False  # FSDP holds whole gradients a reduce-scatter has yet to take
+        self._broken = ""  # why no further step may run (a step ended with gradients held)
 
     @property
     def flat_grad(self) -> Tensor:
@@ -186,9 +187,11 @@ class ShardedGrads:
         `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them.
         ``last``: whether it is this rank's last of the step (None: not known, so its backward
         reduce-scatters); with `set_accumulate_unsharded` only a known last one does."""
+        if self._broken:
+            raise RuntimeError(self._broken)
         if self.synced or self._flat_grad is None:
             self.zero_grad()
-        hold = self.accumulate_unsharded and last is False
+        hold = self.accumulate_unsharded and last is False and torch.is_grad_enabled()  # no_grad: nothing held
         self.model.set_requires_gradient_sync(not hold)
         self._unsynced = hold  # a micro-batch with the sync on reduce-scatters what earlier ones held
 
@@ -203,7 +206,13 @@ class ShardedGrads:
 
     def zero_grad(self) -> None:
         """Starts a new step: gradient shards and statistics zero, every ``p.grad`` a view of
-        ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it)."""
+        ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it).
+        Refused while FSDP holds whole gradients no reduce-scatter has taken yet (they are
+        FSDP's, out of reach here, and would join the next step's)."""
+        if self._unsynced or self._broken:
+            raise RuntimeError(self._broken or "zero_grad in the middle of a step whose gradients FSDP holds whole "
+                               "(micro-batches announced as not the last): run the step's last micro-batch and "
+                               "sync_gradients first")
         self.flat_grad.zero_()
         self.stats.zero_()
         for p, g in zip(self.params, self._grads, strict=True):
@@ -225,14 +234,14 @@ class ShardedGrads:
         Returns the step's mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
-        if self._unsynced:
-            self._unsynced = False
-            self.model.set_requires_gradient_sync(True)
-            raise RuntimeError("the step's last micro-batch on this rank was announced as not the last (last=False "
-                               "or Batch.last_of_step False), so its gradients are still whole and unreduced in "
-                               "FSDP, and this step's gradients are incomplete (resume from a checkpoint): announce "
-                               "the last micro-batch of each step (micro_batch(batch, last=True)), or call "
-                               "dc.grad_sync.set_accumulate_unsharded(False)")
+        if self._unsynced:  # FSDP keeps what it holds: no later step may run on this engine
+            self._broken = ("the step's last micro-batch on this rank was announced as not the last (last=False or "
+                            "Batch.last_of_step False), so its gradients are still whole and unreduced in FSDP and "
+                            "the step's gradients are incomplete; this engine runs no further step (resume from a "
+                            "checkpoint): announce the last micro-batch of each step (micro_batch(batch, last=True)), "
+                            "or call dc.grad_sync.set_accumulate_unsharded(False)")
+        if self._broken:
+            raise RuntimeError(self._broken)
         self._fold_foreign_grads()
         comm.all_reduce_(self.flat_grad, self.replica_group)  # None: one block, nothing to sum
         comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)

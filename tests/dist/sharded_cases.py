@@ -257,17 +257,37 @@ def _count_reduce_scatters(run) -> tuple[object, int]:
             setattr(dist, n, fn)
 
 
+def _forward_only(dc: Engine, data, plan: StepPlan, rank: int, backward: bool = False) -> None:
+    """This rank's micro-batches of ``plan``, every one announced as not the step's last."""
+    for mb, ranks in plan.work_of(rank):
+        batch = text_batch(mb, ranks, rank, data.docs, data.labels)
+        with dc.micro_batch(batch, last=False) as ctx:
+            ptl, _ = per_token_loss(dc.model(batch.inputs, batch.positions), batch.labels)
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            if backward:
+                ctx.backward(loss)
+
+
 def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[dict]:
-    """One sharded Llama; per seed the same step twice, FSDP's gradient sync on in every
-    micro-batch, then held off until the last (`ShardedGrads.set_accumulate_unsharded`):
-    reduce-scatters counted, losses and full gradients of both; then a step whose last
-    micro-batch is announced as not the last, with the gradients held: its error."""
+    """One sharded Llama; an evaluation first (no_grad micro-batches announced as not the
+    last, with the hold on: nothing held, so zero_grad and idle ranks' syncs go on); per seed
+    the same step twice, FSDP's gradient sync on in every micro-batch, then held off until the
+    last (`ShardedGrads.set_accumulate_unsharded`): reduce-scatters counted, losses and full
+    gradients of both; then a step whose last micro-batch is announced as not the last, with
+    the gradients held: its error."""
     dc = _engine("llama", shard_size)
     rank = dist.get_rank()
+    data = _data("llama", num_samples, seeds[0])
+    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
+                               num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
+    dc.grad_sync.set_accumulate_unsharded(True)
+    with torch.no_grad():  # an evaluation (the trainer's): micro-batches announced as not the last hold nothing
+        _forward_only(dc, data, plan, rank)
+    dc.zero_grad()
     out = []
     for i, seed in enumerate(seeds):
         data = _data("llama", num_samples, seed)
-        plan = _plan(dc, "llama", data, num_samples, seed, ("phases", "random")[i % 2], True, shard_size)
+        plan = _plan(dc, "llama", data, num_samples, seed, ("idle", "phases", "random")[i % 3], True, shard_size)
         res = {"num_mbs": len(plan.work_of(rank))}
         for hold in (False, True):
             dc.grad_sync.set_accumulate_unsharded(hold)
@@ -277,11 +297,7 @@ def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[
     data = _data("llama", num_samples, seeds[0])
     plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
                                num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
-    for mb, ranks in plan.work_of(rank):
-        batch = text_batch(mb, ranks, rank, data.docs, data.labels)
-        with dc.micro_batch(batch, last=False) as ctx:
-            ptl, _ = per_token_loss(dc.model(batch.inputs, batch.positions), batch.labels)
-            ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
+    _forward_only(dc, data, plan, rank, backward=True)
     try:
         dc.sync_gradients()
         out.append({"error": None, "ran": bool(plan.work_of(rank))})

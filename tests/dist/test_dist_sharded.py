@@ -329,4 +329,5 @@ def test_gradients_held_whole_reduce_scatter_once_per_step(workers):
         assert (last["error"] is not None) == last["ran"], last
         if last["ran"]:
             assert "announced as not the last" in last["error"] and "last=True" in last["error"]
+            assert "runs no further step" in last["error"]
     assert multi > 0  # some rank ran several micro-batches: the held path really held
