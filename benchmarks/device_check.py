@@ -16,7 +16,9 @@ Each part runs in a process of its own (benchmarks/device_check_parts.py) with a
 (c) several ranks on one GPU: torchrun worlds 2 and 4 on cuda:0 over gloo
     (DCPARALLEL_BACKEND=gloo DCPARALLEL_SHARE_DEVICE=1) with SP 4, 2 and 1 mixed in a step, one
     SP 4 (world 4) or SP 2 (world 2) micro-batch at ring degree 2 (`runtime.ring`):
-    bf16 loss and gradients against world 1, host syncs (set_sync_debug_mode), step time with
+    bf16 loss and gradients against world 1 under the ZeRO-1 optimizer (each gradient bucket
+    reduced into its shard's owner; gradients gathered and the clipping norm taken from the
+    shards), host syncs (set_sync_debug_mode), step time with
     and without the overlapped gradient sync, and an out-of-memory error on one rank
     (set_per_process_memory_fraction) that must stop every rank;
 (d) attention kernels as training takes them (`cuda_varlen_attention`: varlen_attn, FlexAttention

@@ -154,9 +154,11 @@ def train_one(out_dir: Path, dry: bool, name: str) -> dict:
 
 def part_c(out_dir: Path, dry: bool) -> dict:
     """World 1 (the reference), then torchrun worlds 2 and 4 sharing cuda:0 over gloo
-    (DCPARALLEL_BACKEND=gloo, DCPARALLEL_SHARE_DEVICE=1): loss and gradients against world 1,
-    host syncs, the overlap of the gradient sync; world 2 ends in an out-of-memory error on
-    rank 1 that must stop both ranks."""
+    (DCPARALLEL_BACKEND=gloo, DCPARALLEL_SHARE_DEVICE=1), with the ZeRO-1 optimizer, so the
+    sync reduces each bucket into its shard's owner: loss, gradients (gathered from the
+    shards) and the clipping norm (on the shards) against world 1, host syncs, the overlap of
+    the gradient sync; world 2 ends in an out-of-memory error on rank 1 that must stop both
+    ranks."""
     env = {**ENV, "DCPARALLEL_BACKEND": "gloo", "DCPARALLEL_SHARE_DEVICE": "1", "OMP_NUM_THREADS": "1"}
     flag = ["--dry-run"] if dry else []
     out: dict = {}
@@ -262,17 +264,26 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
     model = _c_model(dry, dev)
     groups = ProcessGroups(model.cfg.num_heads, ring=True)  # ring splits of the SP groups (`_c_plan`)
     engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads, groups=groups)
-    out: dict = {"world": world, "backend": launch.backend, "device": str(dev)}
+    engine.optimizer(lr=1e-4)  # ZeRO-1: with several ranks each bucket is reduced into its shard's owner
+    gs = engine.grad_sync
+    into_rank0 = sum(hi - lo for (lo, hi), o in zip(gs.buckets, gs.bucket_owners, strict=True) if o in (None, 0))
+    out: dict = {"world": world, "backend": launch.backend, "device": str(dev),
+                 "sync": {"sharded": gs.sharded, "buckets": gs.num_buckets,
+                          "all_reduced": sum(o is None for o in gs.bucket_owners),
+                          "bytes_summed_into_rank0": 4 * into_rank0, "buffer_bytes": 4 * gs.flat_grad.numel()}}
     out["loss"] = _c_step(engine, model, docs, rank, world)
-    grads = {k: v.float().cpu() for k, v in engine.full_gradients().items()}
+    out["sync"]["overlapped_buckets"] = gs.last_overlapped
+    grads = {k: v.float().cpu() for k, v in engine.full_gradients().items()}  # gathered from the shards
+    norm = engine.clip_grad_norm_(1e30)  # on the shards: one scalar all-reduce
     if world == 1:
-        torch.save({"loss": out["loss"], "grads": grads}, out_dir / "c_ref.pt")
+        torch.save({"loss": out["loss"], "grads": grads, "norm": norm}, out_dir / "c_ref.pt")
     else:
         ref = torch.load(out_dir / "c_ref.pt")
         errs = {k: _rel(grads[k], v) for k, v in ref["grads"].items()}
         out |= {"loss_world1": ref["loss"], "loss_rel_err": abs(out["loss"] - ref["loss"]) / abs(ref["loss"]),
                 "max_rel_grad_err": max(errs.values()), "worst_tensor": max(errs, key=errs.get),
-                "tensors": len(errs), "within_1e-2": max(errs.values()) <= 1e-2}
+                "tensors": len(errs), "within_1e-2": max(errs.values()) <= 1e-2,
+                "grad_norm_rel_err": abs(norm - ref["norm"]) / ref["norm"]}
     if dev.type == "cuda":  # this rank's micro-batches (two or three) under the sync debugger
         out["syncs"] = _count_syncs(lambda e=engine, m=model: _c_micro_batches(e, m, docs, rank, world))
         engine.sync_gradients()  # returns the loss as a float: one sync a step, by design

@@ -1,12 +1,16 @@
-"""Step time with and without the overlapped gradient sync: measured on 2 CPU ranks (gloo,
-one thread each) on a model whose sync is visible, and simulated at 32 x H200 for the 7B
-text scenario (analytic cost model, `cost.overlap`).
+"""The gradient sync of a ZeRO-1 step, all-reduce vs reduced to each shard's owner, with and
+without the overlap with the last backward: measured on 2 and 4 CPU ranks (gloo, one thread
+each) on a model whose sync is visible, and simulated at 32 x H200 for the 7B text scenario
+(analytic cost model, `cost.overlap`).
 
     .venv/bin/python benchmarks/grad_sync_overlap.py [--out benchmarks/grad-sync-overlap_cpu_<date>.md]
 
 CPU run: a Llama-style LM (hidden 512, 4 layers, vocab 8192: ~21 M parameters, 84 MB of
-fp32 gradients); each rank runs 2 micro-batches of 512 tokens per step; `overlap` on / off
-alternate step by step after 2 warm-up steps, the median of each counts.
+fp32 gradients) with the ZeRO-1 optimizer; each rank runs 2 micro-batches of 512 tokens per
+step. Four modes alternate step by step after 2 warm-up steps: the sync replicated
+(`GradSync.set_sharded(False)`: every bucket all-reduced) or sharded (the default under
+ZeRO-1: every bucket reduced into its owner), overlapped or not; the median of each counts.
+Unoverlapped, `sync_gradients` runs the whole sync, so its wait is the sync's time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,18 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-STEPS = 12  # timed, alternating on / off
+STEPS = 12  # timed, the modes in turn
+MODES = [(sharded, overlap) for sharded in (False, True) for overlap in (False, True)]
+
+
+def _mode(sharded: bool, overlap: bool) -> str:
+    return f"{'reduce-to-owner' if sharded else 'all-reduce'} {'overlapped' if overlap else 'unoverlapped'}"
+
+
+def _received(gs) -> dict[str, int]:
+    """Bytes of summed gradient the sync delivers to rank 0 (its result), per kind of sync."""
+    owned = sum(hi - lo for (lo, hi), o in zip(gs.buckets, gs.bucket_owners, strict=True) if o in (None, 0))
+    return {"elements": owned, "bytes": 4 * owned}
 
 
 def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None:
@@ -50,11 +65,15 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
     g = torch.Generator().manual_seed(rank)
     docs = {i: torch.randint(0, 8192, (512,), generator=g) for i in range(2)}
     batches = [text_batch(MicroBatch((i,), Layout(1, 1)), (rank,), rank, docs) for i in range(2)]
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    sync_s: dict[str, list[float]] = {"on": [], "off": []}
+    times: dict[str, list[float]] = {_mode(*m): [] for m in MODES}
+    sync_s: dict[str, list[float]] = {_mode(*m): [] for m in MODES}
+    received, buckets = {}, {}
     for step in range(2 + STEPS):
-        mode = "on" if step % 2 == 0 else "off"
-        dc.grad_sync.overlap = mode == "on"
+        sharded, overlap = MODES[step % len(MODES)]
+        mode = _mode(sharded, overlap)
+        dc.grad_sync.set_sharded(sharded)
+        dc.grad_sync.overlap = overlap
+        received[mode], buckets[mode] = _received(dc.grad_sync), dc.grad_sync.num_buckets
         dist.barrier()
         t0 = time.perf_counter()
         for j, b in enumerate(batches):
@@ -69,8 +88,8 @@ def _worker(rank: int, world: int, init: str, out: str, bucket_mib: int) -> None
             times[mode].append(t2 - t0)  # compute + sync (the optimizer step is the same either way)
             sync_s[mode].append(t2 - t1)  # what sync_gradients still waited for
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "sync_wait": sync_s, "num_params": dc.numel,
-                                         "num_buckets": dc.grad_sync.num_buckets}))
+        Path(out).write_text(json.dumps({"world": world, "times": times, "sync_wait": sync_s, "num_params": dc.numel,
+                                         "received_rank0": received, "num_buckets": buckets}))
     dist.destroy_process_group()
 
 
@@ -105,43 +124,63 @@ def simulated_7b(world: int = 32) -> dict:
     return out
 
 
+def _measure(world: int, bucket_mib: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = Path(tmp) / "res.json"
+        mp.start_processes(_worker, args=(world, str(Path(tmp) / "rdv"), str(res), bucket_mib), nprocs=world,
+                           start_method="spawn")
+        return json.loads(res.read_text())
+
+
+def _cpu_table(cpu: dict) -> list[str]:
+    w, n = cpu["world"], cpu["num_params"]
+    ring = {"all-reduce": 2 * (w - 1) / w * 4 * n, "reduce-to-owner": (w - 1) / w * 4 * n}
+    lines = [f"### {w} ranks", "",
+             "| sync | buckets | summed gradient bytes rank 0 receives | ring wire bytes per rank (model) | "
+             "step s (fwd+bwd+sync) | sync_gradients waited s |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in MODES:
+        mode = _mode(*m)
+        lines.append(f"| {mode} | {cpu['num_buckets'][mode]} | {cpu['received_rank0'][mode]['bytes'] / 1e6:.1f} MB | "
+                     f"{ring[mode.split()[0]] / 1e6:.1f} MB | {statistics.median(cpu['times'][mode]):.3f} | "
+                     f"{statistics.median(cpu['sync_wait'][mode]):.3f} |")
+    return lines + ["", "All steps (s): " + "; ".join(f"{k} {[round(x, 3) for x in v]}"
+                                                     for k, v in cpu["times"].items()), ""]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     today = dt.date.today().isoformat()
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / f"grad-sync-overlap_cpu_{today}.md")
     ap.add_argument("--bucket-mib", type=int, default=4)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        res = Path(tmp) / "res.json"
-        mp.start_processes(_worker, args=(2, str(Path(tmp) / "rdv"), str(res), args.bucket_mib), nprocs=2,
-                           start_method="spawn")
-        cpu = json.loads(res.read_text())
+    cpu = {w: _measure(w, args.bucket_mib) for w in args.worlds}
     sim = simulated_7b()
-    med = {k: statistics.median(v) for k, v in cpu["times"].items()}
-    wait = {k: statistics.median(v) for k, v in cpu["sync_wait"].items()}
     args.out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "sim_32xh200_text7b": sim}, indent=1))
-    lines = [f"# Overlapped gradient sync — CPU (2 gloo ranks) and simulated 32 × H200 — {today}", "",
-             f"Command: `.venv/bin/python benchmarks/grad_sync_overlap.py --bucket-mib {args.bucket_mib}` "
-             f"(torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores shared with "
-             "other jobs; numbers vary 20-40% between runs). Raw numbers: "
+    n = next(iter(cpu.values()))["num_params"]
+    lines = [f"# ZeRO-1 gradient sync: all-reduce vs reduce to the shard owners, overlapped or not — CPU "
+             f"(gloo) and simulated 32 × H200 — {today}", "",
+             f"Command: `.venv/bin/python benchmarks/grad_sync_overlap.py --bucket-mib {args.bucket_mib} --worlds "
+             f"{' '.join(map(str, args.worlds))}` (torch {torch.__version__}, Python {platform.python_version()}, "
+             f"{os.cpu_count()} CPU cores shared with other jobs; numbers vary 20-40% between runs). Raw numbers: "
              f"`{args.out.with_suffix('.json').name}`.", "",
-             f"## Measured: 2 ranks x 1 thread, {cpu['num_params'] / 1e6:.1f} M parameters "
-             f"({4 * cpu['num_params'] / 1e6:.0f} MB fp32 gradients, {cpu['num_buckets']} buckets of "
-             f"{args.bucket_mib} MiB), 2 micro-batches of 512 tokens per rank and step, {STEPS // 2} steps each "
-             "(alternating), median", "",
-             "| sync | step s (fwd+bwd+sync) | sync_gradients waited s |", "| --- | --- | --- |",
-             f"| unoverlapped (all buckets in sync_gradients) | {med['off']:.3f} | {wait['off']:.3f} |",
-             f"| overlapped with the last backward | {med['on']:.3f} | {wait['on']:.3f} |", "",
-             f"Difference: {1e3 * (med['off'] - med['on']):.0f} ms per step "
-             f"({100 * (med['off'] - med['on']) / med['off']:.1f}%). All runs per step: "
-             f"on {[round(x, 3) for x in cpu['times']['on']]}, off {[round(x, 3) for x in cpu['times']['off']]}.", "",
-             "## Simulated: 32 × H200 (4 nodes × 8), Llama-7B-like text scenario, analytic cost model", "",
-             "Sync = one all-reduce of 4 B x parameters (hierarchical ring on the datasheet links, "
-             "`cost/base.py:allreduce_time`); exposed with overlap = max(sync - 2/3 x the critical rank's last "
-             "micro-batch, sync / buckets) (`cost/overlap.py`).", "",
-             "| distribution | policy | sync s | exposed sync s (median step) | epoch s no overlap | epoch s overlap | "
-             "saved |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"## Measured: 1 thread per rank, {n / 1e6:.1f} M parameters ({4 * n / 1e6:.0f} MB fp32 gradients, "
+             f"buckets of {args.bucket_mib} MiB), ZeRO-1, 2 micro-batches of 512 tokens per rank and step, "
+             f"{STEPS // len(MODES)} steps per mode (in turn), median", "",
+             "`summed gradient bytes rank 0 receives`: the part of the buffer the sync sums into rank 0 (its "
+             "result). `ring wire bytes per rank (model)`: what a ring algorithm (NCCL's) sends per rank for the "
+             "whole buffer, 2 (W-1)/W x 4 P for all-reduce, (W-1)/W x 4 P for the owners' reduces together (a "
+             "reduce-scatter's); gloo's own algorithms are not measured here.", ""]
+    for w in args.worlds:
+        lines += _cpu_table(cpu[w])
+    lines += ["## Simulated: 32 × H200 (4 nodes × 8), Llama-7B-like text scenario, analytic cost model", "",
+              "Sync = one all-reduce of 4 B x parameters (hierarchical ring on the datasheet links, "
+              "`cost/base.py:allreduce_time`; the analytic model still prices the ZeRO-1 sync as an all-reduce, "
+              "twice the reduce-scatter's bytes); exposed with overlap = max(sync - 2/3 x the critical rank's "
+              "last micro-batch, sync / buckets) (`cost/overlap.py`).", "",
+              "| distribution | policy | sync s | exposed sync s (median step) | epoch s no overlap | "
+              "epoch s overlap | saved |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for d, row in sim.items():
         for p in ("bucket", "dcp"):
             r = row[p]

@@ -35,6 +35,8 @@ from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size, explain_shard_size
+from dcparallel.cost.base import unsharded_grad_bytes
+from dcparallel.cost.grad_hold import hold_unsharded_grads
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.data.batch import Batch
@@ -242,13 +244,14 @@ class DataCentricParallel:
 
     def full_gradients(self) -> dict[str, Any]:
         """`Engine.full_gradients`: the step's whole gradient of every trainable parameter by
-        name, fp32 copies (collective with shard_size > 1: every rank calls it, after
-        `sync_gradients`)."""
+        name, fp32 copies (collective with shard_size > 1 or with the ZeRO-1 optimizer on several
+        ranks: every rank calls it, after `sync_gradients`)."""
         return self.engine.full_gradients()
 
     def gradients(self) -> dict[str, Any]:
         """`Engine.gradients`: the step's fp32 gradients by name, views of the synced buffer (no
-        copy; shard size 1). A bf16 parameter's ``p.grad`` is None with the engine's optimizer."""
+        copy; shard size 1, and one rank once the engine's optimizer exists: on several its sync
+        sums only each rank's shard). A bf16 parameter's ``p.grad`` is None with the engine's optimizer."""
         return self.engine.gradients()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -267,6 +270,16 @@ class DataCentricParallel:
         self.engine.set_epoch(epoch)
         if self.loader is not None:
             self.loader.set_epoch(epoch)
+
+    def _choose_grad_hold(self, sizes: Sequence[Any]) -> None:
+        """Shard blocks: FSDP keeps the gradients whole until a block's last micro-batch of the
+        step when they fit with the epoch's samples (`cost.grad_hold`); the planner then counts
+        them in the states every micro-batch finds."""
+        hold, why = hold_unsharded_grads(self.cost, self.spec, self.cost.cluster, sizes)
+        if hold:
+            self.cost.add_state_bytes(unsharded_grad_bytes(self.spec))
+        self.engine.grad_sync.set_accumulate_unsharded(hold)
+        log.info("gradient accumulation %s: %s", "whole" if hold else "sharded", why)
 
     def _check_auto_shard_size(self, sizes: Sequence[Any]) -> None:
         """``shard_size="auto"`` chose from the model states alone; with the samples known, the
@@ -325,6 +338,8 @@ class DataCentricParallel:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
         self._agree_cost()
+        if self.shard_size > 1:
+            self._choose_grad_hold(sizes)
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", self.params[0].device)  # batches go where the model is
         loader_kw.setdefault("epoch", self.epoch)

@@ -16,6 +16,7 @@ from dcparallel.apps.simulate_words import USER_POLICIES, layout_words, plan_sta
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.provenance import calibration_source, describe
 from dcparallel.cost.schema import Profile
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import ALL, make_planner
@@ -201,6 +202,7 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         "samples_total": len(workload), "steps": len(steps),
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
         "lower_bound_s": round(bound, 4), "plan_time_includes": PLAN_TIME_NOTE, "policies": per,
+        "calibration": calibration_source(cost, getattr(args, "profile", None)),
     }
     if isinstance(cost, ProfiledCost):
         out.update(prediction_spread(cost, cluster, ctx, runs))
@@ -274,6 +276,8 @@ def _table(out: dict) -> str:
     for key in ("profile_spread", "profile_noise_warning"):
         if out.get(key):
             rows.append(f"{key.replace('_', ' ')}: {out[key]}")
+    if "calibration" in out:
+        rows.append(describe(out["calibration"]))
     rows.append(PLAN_TIME_NOTE + "; first step and setup ms: " + ", ".join(
         f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items()))
     return "\n".join(rows)

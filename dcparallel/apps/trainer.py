@@ -283,7 +283,7 @@ class Trainer:
         dc, t = self.dc, self.t
         loss = dc.sync_gradients()
         lr = self.opt.param_groups[0]["lr"]
-        # the synced gradients are the same on every rank: every rank decides the same
+        # the norm is the same on every rank (whole gradients, or shards' norms all-reduced): all decide alike
         grad_norm = dc.clip_grad_norm_(t.max_grad_norm or math.inf)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"

@@ -234,8 +234,11 @@ class AnalyticCost:
                 f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
                 f"inter_bw={cluster.inter_bw}); AnalyticCost needs both to price all-to-alls and the "
                 f"gradient all-reduce: use spec.h200_cluster(...) or set them in bytes/s")
+        #: the packaged calibration fitted (`cost.provenance`); None: the caller's ``calibration``
+        self.calibration_name = None if calibration is not None else "stdit-1.1b" if model.kind == "video" \
+            else "llama-7b"
         if calibration is None:
-            calibration = fit_calibration("stdit-1.1b" if model.kind == "video" else "llama-7b")
+            calibration = fit_calibration(self.calibration_name)
         self.model, self.cluster, self.cal = model, cluster, calibration
         self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
@@ -270,6 +273,12 @@ class AnalyticCost:
         micro-batch of these samples: the least exposed communication (`cost.ring`)."""
         n = sum(self.model.tokens(s) for s in sizes)
         return best_split(self.model, self.cluster, sp, n, sum(_pairs(self.model, s) for s in sizes), self._attn)
+
+    def add_state_bytes(self, extra: float) -> None:
+        """Bytes every micro-batch finds allocated on top of the model states counted so far
+        (FSDP's whole gradients held between micro-batches: `cost.grad_hold`)."""
+        self._state += float(extra)
+        self._cache.clear()
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         n_tok = 0

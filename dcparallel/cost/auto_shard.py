@@ -17,7 +17,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{int(n):,}"
 
 
-def _smallest_need(cost: CostModel, size: Size, sp: int) -> float:
+def smallest_need(cost: CostModel, size: Size, sp: int) -> float:
     """Peak bytes of one sample alone at SP ``sp`` with full recomputation."""
     L = cost.model.num_layers
     return cost.terms((size,), sp).memory(Recompute(L, L))
@@ -56,12 +56,12 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
         need = cost.model_state_bytes()
         why = "its model states"
         if smallest is not None:
-            need = _smallest_need(cost, smallest, top.sizes[0])
+            need = smallest_need(cost, smallest, top.sizes[0])
             why = f"its smallest sample ({smallest!r}) alone at SP {top.sizes[0]} with full recomputation"
         if need > budget:
             continue
         if largest is not None:
-            need_l = _smallest_need(cost, largest, top.sizes[-1])
+            need_l = smallest_need(cost, largest, top.sizes[-1])
             if need_l > budget:
                 need, why = need_l, f"its largest sample ({largest!r}) at SP {top.sizes[-1]} with full recomputation"
                 continue
@@ -94,7 +94,7 @@ def explain_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[S
             cost, top = make_cost(model, c), Topology.of(c, model.num_heads)
         except ValueError:  # no SP group of this shard size divides the heads, or no cost model
             return None
-        return cost.model_state_bytes() if smallest is None else _smallest_need(cost, smallest, top.sizes[0])
+        return cost.model_state_bytes() if smallest is None else smallest_need(cost, smallest, top.sizes[0])
 
     what = "model states" if smallest is None else f"model states + the smallest sample ({smallest!r}) alone"
     head = f"shard_size auto -> {s}: {what}"

@@ -183,18 +183,21 @@ class StateRecipe:
     ``optimizer``: its fp32 master weights (where the parameters are not them) and Adam
     moments; ``gathered``: whole parameters a micro-batch gathers (shard blocks only, during
     the micro-batches); ``step_transient``: the peak of sync + clip + optimizer step on top of
-    the states (the activations are freed by then)."""
+    the states (the activations are freed by then); ``held``: whole fp32 gradients FSDP keeps
+    between a shard block's micro-batches (`unsharded_grad_bytes`; reduce-scattered and freed
+    by the last micro-batch's backward, so not in the step)."""
 
     params: float
     grads: float
     optimizer: float
     gathered: float
     step_transient: float
+    held: float = 0.0
 
     @property
     def states(self) -> float:
         """What every micro-batch finds allocated: the planner's fixed bytes per rank."""
-        return self.params + self.grads + self.optimizer + self.gathered
+        return self.params + self.grads + self.optimizer + self.gathered + self.held
 
     @property
     def step_peak(self) -> float:
@@ -204,7 +207,7 @@ class StateRecipe:
 
 def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
                  bytes_per_value: float | None = None, frozen_params: float | None = None,
-                 trainable_bytes: float | None = None) -> StateRecipe:
+                 trainable_bytes: float | None = None, unsharded_grads: bool = False) -> StateRecipe:
     """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, T trainable and
     F frozen parameters, P = T + F, W ranks, s the shard size), as `runtime.zero` /
     `runtime.sharded` allocate it. Frozen parameters (``requires_grad=False``) are stored
@@ -213,18 +216,22 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
     Shard size 1 (ZeRO-1): parameters (b P; the trainable ones at ``trainable_bytes``, default
     b: fp32 adapters on a bf16 base) and the fp32 gradient buffer (4 T) on every rank; fp32
     master weights (4 T / W, none when the trainable parameters are fp32: they are the master)
-    and both moments (8 T / W). The step: the gradient all-reduce and the clip work in place
-    (no low-precision ``p.grad`` copies), the parameter all-gather writes into the flat buffer
-    itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL` fp32 values.
+    and both moments (8 T / W). The gradient buffer stays whole: micro-batches accumulate into
+    all of it, though the sync sums only this rank's shard. The step: the sync and the clip
+    work in place (no low-precision ``p.grad`` copies), the parameter all-gather writes into
+    the flat buffer itself, and the update's one temporary is a chunk of `STEP_CHUNK_NUMEL`
+    fp32 values.
 
     Shard size s > 1 (`runtime.sharded`): fp32 trainable parameter shards, which are the master
     weights (4 T / s), frozen shards in the model's dtype (b F / s), fp32 gradient shards
     (4 T / s), moments over the world (8 T / W) and the whole parameters each micro-batch
     gathers (`gathered_bytes`). The step: the replica all-reduce and the clip in place; the
     update reads and writes the parameter shards one chunk at a time: its denominator and the
-    replicas' gathered chunks, this rank's among them (1 + W / s chunks). ``num_params`` /
-    ``bytes_per_value`` / ``frozen_params``: counts of a built model where they differ from the
-    spec's (the profiler's)."""
+    replicas' gathered chunks, this rank's among them (1 + W / s chunks). ``unsharded_grads``
+    (s > 1): FSDP holds the step's gradients whole between micro-batches
+    (`runtime.sharded.ShardedGrads.set_accumulate_unsharded`): ``held`` = 4 T (fp32,
+    `unsharded_grad_bytes`). ``num_params`` / ``bytes_per_value`` / ``frozen_params``: counts
+    of a built model where they differ from the spec's (the profiler's)."""
     total = float(model.num_params if num_params is None else num_params)
     f = float(model.frozen_params if frozen_params is None else frozen_params)
     p = total - f  # trainable
@@ -237,7 +244,15 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
         return StateRecipe(params=bt * p + b * f, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
                            step_transient=chunk)
     return StateRecipe(params=(4 * p + b * f) / s, grads=4 * p / s, optimizer=8 * p / w,
-                       gathered=gathered_bytes(model), step_transient=(1 + w // s) * chunk)
+                       gathered=gathered_bytes(model), step_transient=(1 + w // s) * chunk,
+                       held=4 * p if unsharded_grads else 0.0)
+
+
+def unsharded_grad_bytes(model: ModelSpec) -> float:
+    """What FSDP holds per rank while a shard block's gradients accumulate whole between
+    micro-batches: every trainable parameter's gradient in fp32 (a low-precision model's
+    gradients are kept in the fp32 reduce dtype)."""
+    return 4.0 * model.trainable_params
 
 
 def model_state_bytes(model: ModelSpec, world_size: int, shard_size: int = 1) -> float:

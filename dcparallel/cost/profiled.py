@@ -114,6 +114,12 @@ class ProfiledCost:
     def model_state_bytes(self) -> float:
         return self._state
 
+    def add_state_bytes(self, extra: float) -> None:
+        """Bytes every micro-batch finds allocated on top of the model states counted so far
+        (FSDP's whole gradients held between micro-batches: `cost.grad_hold`)."""
+        self._state += float(extra)
+        self._cache.clear()
+
     def _at(self, bucket: str, sp: int, mode: str, n: int) -> tuple[float, float]:
         """(time, memory) per sample of a micro-batch of n samples of `bucket`: interpolated
         linearly in n between measured micro-batch sizes; beyond the largest, extended by the

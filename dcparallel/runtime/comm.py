@@ -250,6 +250,22 @@ def all_reduce_sum_async(t: Tensor, group=None):
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def reduce_sum_async(t: Tensor, owner: int, group=None):
+    """Starts a sum of ``t`` over ``group`` (default: the world) into rank ``owner`` of the
+    group (the others' ``t`` is unspecified afterwards); a handle for `wait` (None on a single
+    rank)."""
+    if world_size() == 1:
+        return None
+    dst = owner if group is None else dist.get_global_rank(group, owner)
+    return dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def world_group():
+    """The default group as a ``group`` argument of the functions that take a real group
+    (None without a process group: a one-rank world)."""
+    return dist.group.WORLD if is_distributed() else None
+
+
 def all_reduce_(t: Tensor, group, op: str = "sum") -> Tensor:
     """In-place sum (``op="max"``: maximum) of ``t`` over ``group`` (`WORLD`: every rank;
     None: a one-rank group, nothing to do)."""

@@ -47,7 +47,7 @@ from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.find import find_adapter
 from dcparallel.data.batch import Batch
 from dcparallel.loss import per_token_loss
-from dcparallel.runtime import comm
+from dcparallel.runtime import comm, synced_grads
 from dcparallel.runtime.attention_check import AttentionProbe
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
@@ -289,8 +289,9 @@ class Engine:
         check_heads(self.num_heads, batch.layout.ulysses)
         check_group(batch.ranks, self.shard_size)
         group, ring = self.groups.split(batch.ranks, batch.layout.ring)
-        self.grad_sync.begin()  # a new step's gradients start at zero
-        if last if last is not None else getattr(batch, "last_of_step", None):
+        last = last if last is not None else getattr(batch, "last_of_step", None)
+        self.grad_sync.begin(last)  # a new step's gradients start at zero
+        if last:
             self.grad_sync.arm()
         self.attention.activate(group, batch.cu_seqlens, batch, ring)
         self.recompute.set(batch.layout.recompute)
@@ -325,25 +326,18 @@ class Engine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Global-norm gradient clipping of the synced step, as `torch.nn.utils.clip_grad_norm_`
         does it on a single process: the L2 norm over every trainable parameter's fp32
-        gradient (the synced buffer, the same on every rank, so no communication), and every
+        gradient (replicated: the synced buffer, the same on every rank, no communication), and every
         gradient scaled by ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the
         pre-clip norm. A non-finite norm scales by nan / 0 as torch does: check the returned
         norm (`math.isfinite`) before ``opt.step()`` to skip such a step. Call after
-        `sync_gradients` and before the optimizer's step. With shard_size > 1 it is collective:
-        the norm is summed over the block's shards (norm types 2 and inf)."""
+        `sync_gradients` and before the optimizer's step. Collective with shard_size > 1 (the
+        norm summed over the block's shards, norm types 2 and inf) and with the ZeRO-1
+        optimizer on several ranks (over the ranks' shards: `runtime.synced_grads`)."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
         if self.shard_size > 1:
             return self.grad_sync.clip_grad_norm_(max_norm, norm_type)
-        gs = self.grad_sync
-        if not gs.synced:
-            raise RuntimeError("call dc.sync_gradients() before dc.clip_grad_norm_(): the step's gradients have "
-                               "not been summed over the ranks yet")
-        norm = torch.nn.utils.get_total_norm(gs.views, norm_type)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        gs.flat_grad[: gs.numel].mul_(coef)
-        gs.expose_grads()  # low-precision p.grad copies (if any) follow the scaled buffer
-        return float(norm)
+        return synced_grads.clip_grad_norm_(self.grad_sync, max_norm, norm_type)
 
     def optimizer(
         self,
@@ -378,6 +372,9 @@ class Engine:
                              f"{self.shard_size} no rank holds; use dc.full_gradients() (collective)")
         if not self.grad_sync.synced:
             raise RuntimeError("gradients needs the step's gradients: call dc.sync_gradients() first")
+        if self.grad_sync.sharded:
+            raise ValueError("gradients() returns whole gradients without a copy, but with the ZeRO-1 optimizer "
+                             "each rank holds only its shard's sum; use dc.full_gradients() (collective)")
         return dict(zip(self._param_names(), self.grad_sync.views, strict=True))
 
     def _param_names(self) -> list[str]:
@@ -385,8 +382,9 @@ class Engine:
 
     def full_gradients(self) -> dict[str, Tensor]:
         """The step's whole gradient of every trainable parameter, by name (fp32 copies).
-        Collective with shard_size > 1 (each block all-gathers its shards): every rank calls
-        it, after `sync_gradients`."""
+        Collective with shard_size > 1 (each block all-gathers its shards) and with the ZeRO-1
+        optimizer on several ranks (the ranks' shards all-gathered): every rank calls it, after
+        `sync_gradients`."""
         if self.shard_size > 1:
             return self.grad_sync.full_gradients()
-        return {n: g.detach().clone() for n, g in self.gradients().items()}
+        return dict(zip(self._param_names(), synced_grads.gathered(self.grad_sync), strict=True))

@@ -1,6 +1,7 @@
 """The flat parameter and gradient buffers, and the step's gradient sync over the gradient buffer.
 
-The sync: one fp32 buffer, reduced in fixed buckets, overlapped with the last backward.
+The sync: one fp32 buffer, summed over the ranks in fixed buckets, overlapped with the last
+backward; all-reduced, or, under ZeRO-1, each bucket reduced to the one rank whose shard it is.
 
 ``flat_param``: the trainable parameters (in parameter order, their dtype), padded to a
 multiple of the world size; each parameter's storage becomes a view of it (names and
@@ -10,14 +11,28 @@ and all-gathers.
 Layout of ``flat_grad``: the trainable parameters' gradients (in parameter order) | padding
 to a multiple of the world size | this rank's summed loss | its target count. Each
 parameter's post-accumulate-grad hook adds its gradient into its view of the buffer, so the
-buffer accumulates over any number of micro-batches.
+buffer accumulates over any number of micro-batches (so it is held whole on every rank, also
+under ZeRO-1: a micro-batch's gradient reaches every element).
 
 Buckets: fixed-size element ranges of the whole buffer (by default
 `cost.overlap.default_bucket_bytes`: at least 25 MiB, at most 64 buckets, larger as the world
-grows so the ring latency each all-reduce pays stays small), taken from its end (the last
+grows so the ring latency each collective pays stays small), taken from its end (the last
 parameters get their gradients first in backward), so bucket 0 holds the loss and the count.
+Replicated (a torch optimizer reading ``p.grad``), each bucket is all-reduced. Sharded
+(`set_sharded`, turned on by `runtime.zero.ZeroAdamW` with several ranks: its step reads only
+elements ``[r S, (r + 1) S)`` of rank r): bucket 0 is the two statistics slots alone
+(all-reduced: every rank needs the loss and the count), then each shard is cut from its end,
+the last shard first, so every bucket lies in one rank's shard and is reduced (summed) into
+that rank alone. Each rank receives 4 S bytes of gradient instead of the whole buffer: the
+step's reductions together are a reduce-scatter of the buffer along the optimizer's shards,
+split into buckets that keep the backward order. (One reduce-scatter per bucket would need
+every rank's piece in each bucket: with contiguous shards the first bucket would then wait
+for the first shard's parameters, the last ones backward reaches, and nothing would overlap.)
+The other shards' elements are left unspecified on this rank: ``p.grad`` is None after a
+sharded sync, and `runtime.synced_grads` reads (all-gathers) and clips the shards.
+
 Every rank has the same buckets and launches them in the same order on a process group used
-for nothing else (``group``): a bucket's asynchronous all-reduce starts when it and every
+for nothing else (``group``): a bucket's asynchronous collective starts when it and every
 bucket before it are final. They are final only during this rank's last micro-batch of the
 step (`arm` is called when it begins): a bucket is launched as soon as every parameter
 touching it is final: its hook has run in that backward, or that backward cannot reach it
@@ -26,16 +41,17 @@ must not hold back its bucket and every bucket after it). `finish` launches what
 (all of it on a rank that ran no micro-batch, or when the last micro-batch was not
 announced), waits, and divides by the global target count.
 
-Exactness: each element is summed over the ranks by the same all-reduce as one unbucketed
-call would use, so with two ranks (a + b = b + a) the result is bitwise the same; with more
-ranks the all-reduce's order of additions for an element can depend on its position in the
-message, so bucketing may change the result by fp32 rounding (tests: bitwise at world 2,
-<= 1e-6 relative at world 4).
+Exactness: each element is summed over the ranks by one collective, as one unbucketed call
+would sum it, so with two ranks (a + b = b + a) the result is bitwise the same, and the same
+as an all-reduce's; with more ranks the order of additions for an element can depend on its
+position in the message and on the collective, so bucketing or reducing may change the
+result by fp32 rounding (tests: bitwise at world 2, <= 1e-6 relative at world 4).
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
@@ -47,7 +63,8 @@ from dcparallel.runtime import comm
 
 class GradSync:
     """Owns ``flat_param`` and ``flat_grad``, the per-parameter views and hooks, the loss /
-    target statistics and the bucketed all-reduce. Rank ``rank`` of ``world_size`` owns
+    target statistics and the bucketed sum over the ranks (all-reduce, or reduce to each
+    shard's owner when ``sharded``). Rank ``rank`` of ``world_size`` owns
     elements ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat parameters.
     ``bucket_bytes``: fp32 bytes per bucket (0: one bucket for the whole buffer; None: chosen
     from the buffer's size and the world's, `cost.overlap.default_bucket_bytes`). ``overlap``:
@@ -102,6 +119,7 @@ class GradSync:
         self._unreached: set[int] = set()  # armed: parameters that search found unreached
         self._next = 0  # buckets [0, _next) are launched
         self._works: list = []
+        self.sharded = False  # `set_sharded`: each rank receives only its shard's sum
         self.set_bucket_bytes(bucket_bytes)
 
     # ------------------------------------------------------------------ buckets
@@ -117,18 +135,44 @@ class GradSync:
         assert not self._works and not self._armed, "re-bucketing in the middle of a step"
         size = total if bucket_bytes == 0 else max(1, bucket_bytes // 4)
         self.bucket_bytes = bucket_bytes
-        # bucket k = [total - (k+1) size, total - k size), clipped at 0: launch order = index
-        self.buckets: list[tuple[int, int]] = [(max(0, hi - size), hi) for hi in range(total, 0, -size)]
+        cut = self._cut(size)
+        self.buckets: list[tuple[int, int]] = [(lo, hi) for lo, hi, _ in cut]
+        self.bucket_owners: list[int | None] = [owner for _, _, owner in cut]  # None: all-reduced
+        # the buckets tile [0, total) from its end: the bucket of an element by the starts
+        starts = [lo for lo, _ in reversed(self.buckets)]
+        last = len(self.buckets) - 1
         self._param_buckets: list[tuple[int, ...]] = []
         counts = [0] * len(self.buckets)
         for lo, hi in self._ranges:
-            first, last = (total - hi) // size, (total - 1 - lo) // size  # buckets overlapping [lo, hi)
-            ks = tuple(range(first, last + 1)) if hi > lo else ()
+            ks = tuple(range(last - bisect_right(starts, hi - 1) + 1, last - bisect_right(starts, lo) + 2)) \
+                if hi > lo else ()
             for k in ks:
                 counts[k] += 1
             self._param_buckets.append(ks)
         self._num_params_in = counts
         self._pending = list(counts)
+
+    def _cut(self, size: int) -> list[tuple[int, int, int | None]]:
+        """The buckets ``(lo, hi, owner)`` in launch order, from the buffer's end. Owner None:
+        all-reduced. Sharded (`set_sharded`): the statistics' two slots first (all-reduced),
+        then each rank's shard from its end, the last shard first, cut in ``size`` pieces, each
+        reduced to the rank that owns it."""
+        total = self.flat_grad.numel()
+        if not self.sharded:
+            return [(max(0, hi - size), hi, None) for hi in range(total, 0, -size)]
+        s = self.shard_numel
+        out: list[tuple[int, int, int | None]] = [(total - 2, total, None)]
+        for r in reversed(range(self.world_size)):
+            out += [(max(r * s, hi - size), hi, r) for hi in range((r + 1) * s, r * s, -size)]
+        return out
+
+    def set_sharded(self, sharded: bool) -> None:
+        """ZeRO-1 (`runtime.zero.ZeroAdamW`) reads only this rank's shard: with ``sharded``
+        (and more than one rank) each bucket lies in one rank's shard and is reduced to that
+        rank alone; the others' shards are not summed here (``p.grad`` is None after the sync,
+        `runtime.synced_grads.gathered` gathers them). Between steps only."""
+        self.sharded = bool(sharded) and self.world_size > 1
+        self.set_bucket_bytes(self.bucket_bytes)
 
     @property
     def num_buckets(self) -> int:
@@ -141,8 +185,10 @@ class GradSync:
     def _launch(self, k: int) -> None:
         if k == 0:  # bucket 0 holds the loss and the count: final once the last backward runs
             self.flat_grad[-2:] = self.stats.to(self.flat_grad)
-        lo, hi = self.buckets[k]
-        self._works.append(comm.all_reduce_sum_async(self.flat_grad[lo:hi], self.group))
+        (lo, hi), owner = self.buckets[k], self.bucket_owners[k]
+        part = self.flat_grad[lo:hi]
+        self._works.append(comm.all_reduce_sum_async(part, self.group) if owner is None else
+                           comm.reduce_sum_async(part, owner, self.group))
         self._next = k + 1
 
     def _set_final(self, i: int) -> None:
@@ -200,8 +246,9 @@ class GradSync:
                                "loss of the step (ctx.token_loss) before the last micro-batch's backward")
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
-    def begin(self) -> None:
-        """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`)."""
+    def begin(self, last: bool | None = None) -> None:
+        """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`).
+        ``last`` (whether it is the step's last here) is for `ShardedGrads.begin`."""
         if self.synced:
             self.zero_grad()
 
@@ -254,18 +301,28 @@ class GradSync:
         divisor = count if normalizer is None else check_normalizer(normalizer)
         self.last_loss = loss_sum / divisor
         self.last_count = count
-        self.flat_grad[:-2].div_(divisor)
+        self.owned_grad().div_(divisor)
         self.expose_grads()
         self.synced = True
         return self.last_loss
+
+    def owned_grad(self) -> Tensor:
+        """The part of the gradient buffer the sync sums on this rank: its shard when
+        ``sharded``, else every gradient (and the padding)."""
+        if self.sharded:
+            return self.flat_grad[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+        return self.flat_grad[:-2]
 
     def expose_grads(self) -> None:
         """Sets each ``p.grad`` to the synced gradient: fp32 parameters get their view of the
         buffer itself; lower-precision ones a copy in their dtype if ``materialize_grads``
         (for an optimizer outside the engine, which reads ``p.grad``), else None. A copy
-        already there is refreshed in place."""
+        already there is refreshed in place. None for every parameter when ``sharded``: no
+        rank holds whole gradients (`runtime.synced_grads.gathered`)."""
         for p, view in zip(self.params, self.views, strict=True):
-            if view.dtype == p.dtype:
+            if self.sharded:
+                p.grad = None
+            elif view.dtype == p.dtype:
                 p.grad = view
             elif not self.materialize_grads:
                 p.grad = None

@@ -6,7 +6,9 @@ Inside a block, every repeated block of the model (the adapter's ``blocks``) and
 are wrapped by PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) on a 1-D mesh of the
 block's ranks: each rank stores 1/s of every parameter, the layer's parameters are
 all-gathered for its forward and backward, and each micro-batch's backward reduce-scatters
-its gradients (a plain sum: divide factor 1) into this rank's shard. The ranks of a block
+its gradients (a plain sum: divide factor 1) into this rank's shard — with
+`ShardedGrads.set_accumulate_unsharded`, only the step's last (the others keep them whole,
+FSDP's gradient sync off: `cost.grad_hold` decides when they fit). The ranks of a block
 are always in one SP group (the plan rule, `dcparallel.plan.types.StepPlan.check_shard_blocks`:
 every SP group is made of whole blocks), so they run the same micro-batch sequence and
 FSDP's collectives match inside the block whatever the other blocks do; a block that runs
@@ -142,6 +144,9 @@ class ShardedGrads:
         self.synced = False
         self.last_loss = float("nan")
         self.last_count = 0.0
+        self.accumulate_unsharded = False  # `set_accumulate_unsharded`
+        self._unsynced = False  # FSDP holds whole gradients a reduce-scatter has yet to take
+        self._broken = ""  # why no further step may run (a step ended with gradients held)
 
     @property
     def flat_grad(self) -> Tensor:
@@ -180,11 +185,28 @@ class ShardedGrads:
         """Adds a micro-batch's summed loss and target count (this rank's shard of it)."""
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
-    def begin(self) -> None:
+    def set_accumulate_unsharded(self, on: bool) -> None:
+        """``on``: a micro-batch announced as not the step's last (``last=False``, or a loader
+        batch's ``last_of_step``) runs with FSDP's gradient sync off, so its gradients stay
+        whole (fp32, 4 bytes a parameter: `cost.base.state_recipe` with ``unsharded_grads``)
+        and accumulate until the block's last micro-batch, whose backward reduce-scatters the
+        sum once: one reduce-scatter per step instead of one per micro-batch. Between steps."""
+        if self._unsynced:
+            raise RuntimeError("set_accumulate_unsharded in the middle of a step: call it between steps")
+        self.accumulate_unsharded = bool(on)
+
+    def begin(self, last: bool | None = None) -> None:
         """A micro-batch starts: the first one of a step (the first of all, or the first after
-        `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them."""
+        `finish`) zeroes the gradient shards and makes every ``p.grad`` a view of them.
+        ``last``: whether it is this rank's last of the step (None: not known, so its backward
+        reduce-scatters); with `set_accumulate_unsharded` only a known last one does."""
+        if self._broken:
+            raise RuntimeError(self._broken)
         if self.synced or self._flat_grad is None:
             self.zero_grad()
+        hold = self.accumulate_unsharded and last is False and torch.is_grad_enabled()  # no_grad: nothing held
+        self.model.set_requires_gradient_sync(not hold)
+        self._unsynced = hold  # a micro-batch with the sync on reduce-scatters what earlier ones held
 
     def arm(self) -> None:
         """The last micro-batch of the step begins (the sharded path does not overlap the
@@ -197,7 +219,13 @@ class ShardedGrads:
 
     def zero_grad(self) -> None:
         """Starts a new step: gradient shards and statistics zero, every ``p.grad`` a view of
-        ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it)."""
+        ``flat_grad`` again (FSDP accumulates each micro-batch's reduce-scatter into it).
+        Refused while FSDP holds whole gradients no reduce-scatter has taken yet (they are
+        FSDP's, out of reach here, and would join the next step's)."""
+        if self._unsynced or self._broken:
+            raise RuntimeError(self._broken or "zero_grad in the middle of a step whose gradients FSDP holds whole "
+                               "(micro-batches announced as not the last): run the step's last micro-batch and "
+                               "sync_gradients first")
         self.flat_grad.zero_()
         self.stats.zero_()
         for p, g in zip(self.params, self._grads, strict=True):
@@ -220,6 +248,14 @@ class ShardedGrads:
         the step's mean loss."""
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
+        if self._unsynced:  # FSDP keeps what it holds: no later step may run on this engine
+            self._broken = ("the step's last micro-batch on this rank was announced as not the last (last=False or "
+                            "Batch.last_of_step False), so its gradients are still whole and unreduced in FSDP and "
+                            "the step's gradients are incomplete; this engine runs no further step (resume from a "
+                            "checkpoint): announce the last micro-batch of each step (micro_batch(batch, last=True)), "
+                            "or call dc.grad_sync.set_accumulate_unsharded(False)")
+        if self._broken:
+            raise RuntimeError(self._broken)
         self._fold_foreign_grads()
         comm.all_reduce_(self.flat_grad, self.replica_group)  # None: one block, nothing to sum
         comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)

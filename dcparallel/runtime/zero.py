@@ -75,7 +75,9 @@ class ZeroAdamW(torch.optim.Optimizer):
     parameter, one chunk of temporaries in the step). Decoupled weight decay applies to
     matrices (dim >= 2) only (``decay_ranges``); the update is torch.optim.AdamW's.
     Building it turns off the low-precision ``p.grad`` copies of ``flat``
-    (`GradSync.materialize_grads`): read gradients with `Engine.gradients`.
+    (`GradSync.materialize_grads`) and, with several ranks, makes its sync deliver each rank
+    only its shard's sum (`GradSync.set_sharded`): read gradients with `Engine.full_gradients`
+    (collective), or `Engine.gradients` on one rank.
     ``flat``: the flat parameter and gradient buffers it updates (an engine's ``grad_sync``).
     The hyperparameters live in ``param_groups[0]`` (one group; schedulers may change them
     between steps)."""
@@ -104,6 +106,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.decay_ranges = decay_ranges(flat.params, lo, hi)
         flat.materialize_grads = False  # the step reads the fp32 buffer: no low-precision p.grad copies
+        flat.set_sharded(True)  # and only its shard of it: the sync reduces each bucket to its owner
         self.num_steps = 0
 
     @property

@@ -139,3 +139,68 @@ def case_unreached_experts(seeds: list[int], bucket_bytes: int, num_samples: int
                     "a": a.flat_grad.clone(), "b": b.flat_grad.clone(), "num_buckets": b.grad_sync.num_buckets,
                     "overlapped": b.grad_sync.last_overlapped})
     return out
+
+
+def _record_sync(group, flat: torch.Tensor, calls: list) -> dict:
+    """Wraps torch.distributed's all-reduce, reduce and reduce-scatters so that each call on
+    ``group`` is appended to ``calls`` as (op, element offset in ``flat``, numel, dst); returns
+    the originals (`_restore`)."""
+    names = [n for n in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+             if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def wrap(name, fn):
+        def call(t, *args, **kwargs):
+            if kwargs.get("group") is group:
+                offset = (t.data_ptr() - flat.data_ptr()) // 4
+                calls.append((name, offset, t.numel(), kwargs.get("dst")))
+            return fn(t, *args, **kwargs)
+        return call
+
+    for n, fn in originals.items():
+        setattr(dist, n, wrap(n, fn))
+    return originals
+
+
+def _restore(originals: dict) -> None:
+    for n, fn in originals.items():
+        setattr(dist, n, fn)
+
+
+def case_zero1_sync(seeds: list[int], bucket_bytes: int, max_norm: float, num_samples: int = 8) -> list[dict]:
+    """Engine A: replicated, one all-reduce of its whole buffer after the last micro-batch, no
+    optimizer. Engine B: `bucket_bytes` buckets overlapped with the last backward and the
+    ZeRO-1 optimizer. Per plan (`MODES` in turn): the collectives B's sync issued on its group
+    (`_record_sync`), both buffers, both losses, B's whole gradients gathered
+    (`full_gradients`), whether B left any p.grad or let `gradients()` through, and both
+    clipped norms and buffers (B's clip works on shards)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a_model, b_model = make_model("llama"), make_model("llama")
+    a, b = _unbucketed_and_bucketed(a_model, b_model, bucket_bytes)
+    b.optimizer(lr=1e-2)
+    out = []
+    for i, seed in enumerate(seeds):
+        data = make_data("llama", num_samples, seed)
+        mode = MODES[i % len(MODES)]
+        plan = _plan(data, num_samples, world, seed, mode, len(a_model.layers))
+        loss_a = run_rank_step(a, data, plan, rank)
+        calls: list = []
+        originals = _record_sync(b.grad_sync.group, b.flat_grad, calls)
+        try:
+            loss_b = run_rank_step(b, data, plan, rank)
+        finally:
+            _restore(originals)
+        res = {"mode": mode, "num_mbs": len(plan.work_of(rank)), "loss_a": loss_a, "loss_b": loss_b,
+               "calls": calls, "num_buckets": b.grad_sync.num_buckets, "overlapped": b.grad_sync.last_overlapped,
+               "shard_numel": b.shard_numel, "numel": b.numel, "a": a.flat_grad.clone(), "b": b.flat_grad.clone(),
+               "grads_none": all(p.grad is None for p in b.params)}
+        try:
+            b.gradients()
+            res["gradients_refused"] = False
+        except ValueError:
+            res["gradients_refused"] = True
+        res["full_a"], res["full_b"] = a.full_gradients(), b.full_gradients()
+        res["norm_a"], res["norm_b"] = a.clip_grad_norm_(max_norm), b.clip_grad_norm_(max_norm)
+        res["clipped_a"], res["clipped_b"] = a.flat_grad.clone(), b.flat_grad.clone()
+        out.append(res)
+    return out

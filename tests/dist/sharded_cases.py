@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dcparallel.data.collate import text_batch
+from dcparallel.loss import per_token_loss
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import Layout
@@ -232,3 +234,73 @@ def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, 
             train_checkpoint.save(Path(root), 1, run, opt, {"loader": {}}, keep=2,
                                   optimizer_range=opt_range or (0, 0))
     return {n: (p.full_tensor() if shard_size > 1 else p).detach().clone() for n, p in dc.model.named_parameters()}
+
+
+def _count_reduce_scatters(run) -> tuple[object, int]:
+    """``run()``'s result and how many reduce-scatters it issued (FSDP's, on any group)."""
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+    count = [0]
+
+    def wrap(fn):
+        def call(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for n, fn in originals.items():
+        setattr(dist, n, wrap(fn))
+    try:
+        return run(), count[0]
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+def _forward_only(dc: Engine, data, plan: StepPlan, rank: int, backward: bool = False) -> None:
+    """This rank's micro-batches of ``plan``, every one announced as not the step's last."""
+    for mb, ranks in plan.work_of(rank):
+        batch = text_batch(mb, ranks, rank, data.docs, data.labels)
+        with dc.micro_batch(batch, last=False) as ctx:
+            ptl, _ = per_token_loss(dc.model(batch.inputs, batch.positions), batch.labels)
+            loss = ctx.token_loss(ptl, batch.loss_mask)
+            if backward:
+                ctx.backward(loss)
+
+
+def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[dict]:
+    """One sharded Llama; an evaluation first (no_grad micro-batches announced as not the
+    last, with the hold on: nothing held, so zero_grad and idle ranks' syncs go on); per seed
+    the same step twice, FSDP's gradient sync on in every micro-batch, then held off until the
+    last (`ShardedGrads.set_accumulate_unsharded`): reduce-scatters counted, losses and full
+    gradients of both; then a step whose last micro-batch is announced as not the last, with
+    the gradients held: its error."""
+    dc = _engine("llama", shard_size)
+    rank = dist.get_rank()
+    data = _data("llama", num_samples, seeds[0])
+    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
+                               num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
+    dc.grad_sync.set_accumulate_unsharded(True)
+    with torch.no_grad():  # an evaluation (the trainer's): micro-batches announced as not the last hold nothing
+        _forward_only(dc, data, plan, rank)
+    dc.zero_grad()
+    out = []
+    for i, seed in enumerate(seeds):
+        data = _data("llama", num_samples, seed)
+        plan = _plan(dc, "llama", data, num_samples, seed, ("idle", "phases", "random")[i % 3], True, shard_size)
+        res = {"num_mbs": len(plan.work_of(rank))}
+        for hold in (False, True):
+            dc.grad_sync.set_accumulate_unsharded(hold)
+            loss, n = _count_reduce_scatters(lambda: support.run_rank_step(dc, data, plan, rank))
+            res[hold] = {"loss": loss, "reduce_scatters": n, "grads": dc.full_gradients()}
+        out.append(res)
+    data = _data("llama", num_samples, seeds[0])
+    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
+                               num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
+    _forward_only(dc, data, plan, rank, backward=True)
+    try:
+        dc.sync_gradients()
+        out.append({"error": None, "ran": bool(plan.work_of(rank))})
+    except RuntimeError as e:
+        out.append({"error": str(e), "ran": bool(plan.work_of(rank))})
+    return out

@@ -85,7 +85,8 @@ def case_prepare_sharded(shard_size: int, profile_path: str) -> dict:
     splits = [g["ranks"] for p in plans for g in p["groups"]
               if g["micro_batches"] and splits_shard_block(g["ranks"], shard_size)]
     return {"profile": dc.profile.to_json(), "plans": plans, "splits": splits, "first": first, "losses": losses,
-            "gathers": gathers, "shard_size": dc.shard_size, "planned_state": dc.cost.model_state_bytes()}
+            "gathers": gathers, "shard_size": dc.shard_size, "planned_state": dc.cost.model_state_bytes(),
+            "held": dc.grad_sync.accumulate_unsharded}
 
 
 def reference_first_step(sample_ids) -> tuple[float, dict]:

@@ -75,3 +75,40 @@ def test_unreached_parameters_do_not_hold_back_later_buckets(workers):
             expected = res["num_buckets"] if res["num_mbs"] else 0
             assert res["overlapped"] == expected, (res["mode"], res["num_mbs"], res["overlapped"], expected)
     assert any(res["num_mbs"] for per_rank in out for res in per_rank if res["mode"] == "split")
+
+
+def test_zero1_sync_reduces_each_bucket_to_its_shard_owner(workers):
+    """With the ZeRO-1 optimizer each rank reads only its shard, so the sync sums each bucket
+    into the rank whose shard holds it: no gradient all-reduce (only the two statistics
+    slots), every bucket inside one shard, launched in the buffer's order from its end (most
+    of them during the last backward), and each rank receives exactly its shard's elements
+    (4 S bytes, not the whole buffer's 4 W S). That shard equals the replicated all-reduce's
+    (bitwise at world 2), whole gradients gathered from the shards equal it everywhere, p.grad
+    stays None and gradients() refuses, and clipping on shards gives the replicated norm."""
+    world = workers.world
+    out = workers.run(cases.case_zero1_sync, [3, 4, 5, 6, 7], 4100, 0.05)
+    for rank, per_rank in enumerate(out):
+        for res in per_rank:
+            s, calls = res["shard_numel"], res["calls"]
+            assert [c for c in calls if c[0] != "reduce"] == [("all_reduce", world * s, 2, None)], calls[:3]
+            reduces = [c for c in calls if c[0] == "reduce"]
+            assert len(reduces) == res["num_buckets"] - 1 > 5
+            assert all(dst * s <= off and off + n <= (dst + 1) * s for _, off, n, dst in reduces)  # one owner each
+            assert [off for _, off, _, _ in reduces] == sorted((off for _, off, _, _ in reduces), reverse=True)
+            received = {r: sum(n for _, _, n, dst in reduces if dst == r) for r in range(world)}
+            assert received == dict.fromkeys(range(world), s)  # each rank: its shard, once
+            if res["num_mbs"]:
+                assert res["overlapped"] > res["num_buckets"] // 2, res["overlapped"]
+            mine = slice(rank * s, min((rank + 1) * s, res["numel"]))
+            a, b = res["a"][mine], res["b"][mine]
+            ca, cb = res["clipped_a"][mine], res["clipped_b"][mine]
+            assert res["grads_none"] and res["gradients_refused"]
+            assert res["norm_a"] > 0.05 and abs(res["norm_a"] - res["norm_b"]) <= 1e-6 * res["norm_a"]
+            if world == 2:
+                assert a.equal(b) and res["loss_a"] == res["loss_b"], (a - b).abs().max().item()
+                assert all(res["full_a"][n].equal(g) for n, g in res["full_b"].items())
+            else:
+                assert ((a - b).norm() / a.norm()).item() <= 1e-6
+                assert all(((res["full_a"][n] - g).norm() / res["full_a"][n].norm()).item() <= 1e-6
+                           for n, g in res["full_b"].items())
+            assert ((ca - cb).norm() / ca.norm()).item() <= 1e-6

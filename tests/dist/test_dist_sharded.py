@@ -251,7 +251,8 @@ def test_prepare_profiles_with_sharding_on_and_plans_whole_blocks(workers, tmp_p
     n, spec = p["fingerprint"]["num_params"], ModelSpec(**p["model"])
     want = n * (4 + 4) / shard_size + 8 * n / 4 + gathered_bytes(spec)
     assert abs(p["model_state_bytes"] - want) <= 0.01 * want, (p["model_state_bytes"], want)
-    assert all(o["planned_state"] == p["model_state_bytes"] for o in out)
+    # a small model in 1 GiB: the gradients are held whole between micro-batches, and planned for
+    assert all(o["held"] and o["planned_state"] == p["model_state_bytes"] + 4 * n for o in out)
     # a skipped layer's hooks are suspended: two layers gather more than one (each layer's
     # forward and backward); with the skipped layer's FSDP hooks running both would gather alike
     g = out[0]["gathers"]
@@ -305,3 +306,28 @@ def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
     msg = none["error"]
     assert "shard_size='auto'" in msg and "parameters" in msg and "tried [1, 2, 4]" in msg
     assert "at shard size 4" in msg and "memory_bytes" in msg and "Use more GPUs" in msg
+
+
+def test_gradients_held_whole_reduce_scatter_once_per_step(workers):
+    """FSDP's gradient sync off until a block's last micro-batch: the gradients accumulate
+    whole and each FSDP unit reduce-scatters once per step instead of once per micro-batch
+    (counted both ways on the same plans), with the same loss and gradients (fp32 sums in
+    another order: 1e-6); a step whose last micro-batch was announced as not the last is
+    refused instead of losing the held gradients."""
+    out = workers.run(sharded_cases.case_grad_hold, 2, [5, 6, 7], 8)
+    multi = 0
+    for per_rank in out:
+        *steps, last = per_rank
+        for res in steps:
+            off, on, n = res[False], res[True], res["num_mbs"]
+            assert off["reduce_scatters"] == n * on["reduce_scatters"], res
+            assert (on["reduce_scatters"] > 0) == (n > 0)
+            multi += n > 1
+            assert abs(off["loss"] - on["loss"]) <= 1e-6 * abs(off["loss"])
+            for name, g in off["grads"].items():
+                assert rel_err(on["grads"][name], g) <= 1e-6, name
+        assert (last["error"] is not None) == last["ran"], last
+        if last["ran"]:
+            assert "announced as not the last" in last["error"] and "last=True" in last["error"]
+            assert "runs no further step" in last["error"]
+    assert multi > 0  # some rank ran several micro-batches: the held path really held

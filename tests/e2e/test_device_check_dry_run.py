@@ -74,6 +74,11 @@ def test_device_check_dry_run_writes_every_part(tmp_path):
                                        for s in steps)
     c2 = res["c"]["world2"]
     assert c2["backend"] == "gloo" and c2["within_1e-2"] and c2["max_rel_grad_err"] <= 1e-5
+    # ZeRO-1: every bucket but the loss / count slots reduced into one owner; rank 0 receives its
+    # half; the norm clipped on the shards is world 1's to the gradients' own 1e-5 (other layouts)
+    sync = c2["sync"]
+    assert sync["sharded"] and sync["all_reduced"] == 1 and sync["overlapped_buckets"] == sync["buckets"]
+    assert sync["bytes_summed_into_rank0"] <= 0.5 * sync["buffer_bytes"] + 8 and c2["grad_norm_rel_err"] <= 1e-5
     # rank 1's out-of-memory error (a raised stand-in on CPU) ends both ranks with its message
     assert c2["oom"]["rank1_message"] and c2["oom"]["stopped_every_rank"], c2["oom"]
     # on CPU the package's kernel is the reference's own path in fp32: errors against fp64 are
