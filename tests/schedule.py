@@ -50,6 +50,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_loader.py": 15,
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,
+    "tests/unit/test_dcp_static.py": 10,
     "tests/unit/test_sharded_plan.py": 11,
 }
 

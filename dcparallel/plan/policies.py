@@ -16,6 +16,7 @@ from typing import Callable, Protocol, Sequence
 from dcparallel.plan import bucket, flexsp, packed, peers
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
@@ -44,6 +45,11 @@ def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False)
     return build
 
 
+def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates."""
+    return Tuned(ScalePlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+
+
 def _untuned(make: Callable[[PlanContext, Score], Planner]):
     return lambda ctx, steps, score: Tuned(make(ctx, score))
 
@@ -53,8 +59,8 @@ POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in [
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
-                   "GPU), planned over (bucket, count) and group classes, two-phase steps",
-                   _untuned(ScalePlanner)),
+                   "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
+                   "than the tuned bucket and packed plans, which it also offers", _dcp_portfolio),
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
         PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "

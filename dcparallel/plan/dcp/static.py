@@ -1,0 +1,53 @@
+"""The static layouts as candidates of the `dcp` portfolio: the `bucket` and `packed`
+baselines, tuned on the epoch's steps exactly as their own policies tune them
+(`bucket.tune_static`), offer their plan of every step, scored like every other candidate.
+
+Why: the class level plans each bucket's samples in micro-batches of their own, priced one
+layout at a time. Where a micro-batch's fixed cost dominates (small models: a few million
+parameters, most samples a few hundred tokens), one bin of documents of every length per
+group is faster than many per-bucket micro-batches, and `packed` forms exactly that. Offering
+the baselines' own plans makes the portfolio never predicted slower than either on any step:
+the kept plan is the least scored, and the score is the simulator's step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from dcparallel.plan.bucket import BucketPlanner, tune_static
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.packed import PackedPlanner
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import NoLayoutFits, Score, StepPlan
+
+
+@dataclass
+class StaticLayout:
+    """One tuned static planner (`bucket` or `packed`) as a scored candidate of the portfolio:
+    it runs on every step (its plan costs a deal of the step's micro-batches, no search)."""
+
+    name: str
+    #: the tuned planner (`plan.policies.Planner`)
+    planner: Any
+
+    def runs(self, s) -> bool:
+        return True
+
+    def plan(self, s) -> StepPlan | None:
+        return self.planner.plan(s.step)
+
+
+def static_layouts(ctx: PlanContext, steps: Sequence[Step], score: Score) -> list[StaticLayout]:
+    """`bucket` and `packed`, each tuned on ``steps`` as its policy tunes (none of a baseline
+    that no single SP degree and recompute setting fits, and none without steps: untuned,
+    they would be a guess)."""
+    if not steps:
+        return []
+    out = []
+    for name, make in (("bucket", BucketPlanner), ("packed", PackedPlanner)):
+        try:
+            out.append(StaticLayout(name, tune_static(ctx, steps, make, score).planner))
+        except NoLayoutFits:
+            continue
+    return out
