@@ -46,7 +46,8 @@ def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False)
 
 
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
-    """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates."""
+    """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
+    (on steps of at most `DcpConfig.static_max_samples` samples)."""
     return Tuned(ScalePlanner(ctx, score, static=static_layouts(ctx, steps, score)))
 
 
@@ -60,7 +61,8 @@ POLICIES: dict[str, PolicySpec] = {
     for p in [
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
                    "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
-                   "than the tuned bucket and packed plans, which it also offers", _dcp_portfolio),
+                   "than the tuned bucket and packed plans, which it also offers (steps of <= 4096 samples)",
+                   _dcp_portfolio),
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
         PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "

@@ -110,3 +110,24 @@ def test_simulate_warns_when_another_policy_beats_the_chosen_one(tmp_path, capsy
     quiet = capsys.readouterr().err
     assert "warning: bucket is not the fastest policy here: packed is" in warned
     assert "warning" not in quiet
+
+
+def test_static_layouts_are_offered_only_on_steps_of_few_samples():
+    """Above `DcpConfig.static_max_samples` samples a step is not offered the static plans (their
+    packing is Python work per sample), and they are tuned only on the steps they will meet."""
+    from dcparallel.plan.dcp.portfolio import ScalePlanner, Standing
+    from dcparallel.plan.dcp.static import static_layouts
+    from dcparallel.sim.replay import step_seconds
+
+    cluster = h200_cluster(8, 8)
+    ctx = PlanContext(Workload(LLAMA_7M, code_files(767)), AnalyticCost(LLAMA_7M, cluster), cluster)
+    steps = form_steps(ctx.workload.tokens, seed=0, tokens_per_step=2**18)[:3]
+    score = step_seconds(ctx)
+    fewest = min(len(s.sample_ids) for s in steps)
+    assert static_layouts(ctx, steps, score, max_samples=fewest - 1) == []
+    got = static_layouts(ctx, steps, score, max_samples=fewest)
+    assert [c.name for c in got] == ["bucket", "packed"]
+    own = ScalePlanner(ctx, score).class_plan(steps[0])
+    for s in steps:
+        standing = Standing(s, len(s.sample_ids), 8, own.plan, own.predicted, own.bound, own.longest)
+        assert all(c.runs(standing) == (len(s.sample_ids) <= fewest) for c in got)

@@ -15,7 +15,8 @@ The candidates, in order, each with the gate that says when it runs:
 5. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose
    (`class_level_loose`);
 6. the static layouts (`static.StaticLayout`): the `bucket` and `packed` baselines tuned on
-   the epoch's steps as their policies tune, where the planner is given them: every step.
+   the epoch's steps as their policies tune, where the planner is given them: steps of at
+   most `config.static_max_samples` samples.
 
 The class-level candidates (1-3) are compared by their own predictions, the others (4-6) by
 the score (the simulator's prediction) against the class-level plan kept; a candidate's plan
