@@ -78,6 +78,8 @@ RESEARCH: dict[str, PolicySpec] = {
         PolicySpec("bucket-default", "Open-Sora's default: smallest SP degree that fits the longest "
                    "sample with full recompute (context only)",
                    _untuned(lambda ctx, score: bucket.default_bucket(ctx))),
+        PolicySpec("dcp-own", "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
+                   "phases), for tests that exercise them", _untuned(ScalePlanner)),
         PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count",
                    _dcp("dcp-intra", "fit", balance=False)),
         PolicySpec("dcp-inter", "dcp-intra + per-group gradient accumulation balancing the step",

@@ -180,7 +180,7 @@ def test_three_user_policies_and_research_ones_by_the_same_names():
 
     assert list(POLICIES) == ["dcp", "bucket", "packed"]
     assert not set(POLICIES) & set(RESEARCH)
-    assert {"dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
+    assert {"dcp-own", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
             "flexsp"} == set(RESEARCH)
     for name in NAMES:
         assert policy_spec(name).name == name

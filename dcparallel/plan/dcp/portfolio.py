@@ -48,8 +48,8 @@ class ScalePlanner(ClassLevelPlanner):
     """The `dcp` policy's planner: the class level on the degrees mixed (this class's own) and
     the other candidates of the portfolio (`class_level`: compared by prediction; `scored`:
     compared by the score). `sub_bins` > 1 or `chain_only` make a portfolio of the class level
-    alone, with those classes or degrees; `static` (`static.static_layouts`) are offered on
-    every step otherwise."""
+    alone, with those classes or degrees; otherwise `static` (`static.static_layouts`) are
+    offered too."""
 
     name = "dcp"
 
