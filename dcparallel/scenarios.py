@@ -10,7 +10,9 @@ lengths log-uniform inside a range.
 The realistic mixes (`MIXES`, `simulate --distribution NAME`) are generated from parameters
 written below that follow published statistics of real corpora (named at each one): video
 mixes of images beside clips in dozens of (frames, resolution) shapes, text mixes with heavy
-tails to 128k and 1M tokens. Nothing is downloaded; each is seeded and vectorized.
+tails to 128k and 1M tokens; and those of `mixes.py` (image aspect buckets, a public video
+trainer's bucket configuration, long-context continued pretraining, chat beside long-document
+SFT). Nothing is downloaded; each is seeded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Literal
 
 import numpy as np
 
+from dcparallel.mixes import NEW_MIXES, BucketConfig, ImageBuckets, TextBlend
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, batch_key, check_size, h200_cluster
 
 Distribution = Literal["short", "balanced", "long"]
@@ -272,7 +275,7 @@ class TextMix:
         return [int(v) for v in np.clip(np.rint(x), self.min_tokens, self.max_tokens)]
 
 
-MIXES: dict[str, VideoMix | TextMix] = {
+MIXES: dict[str, VideoMix | TextMix | ImageBuckets | BucketConfig | TextBlend] = {
     # 64 shapes, 40% images. Resolutions 144p..720p in 16:9, 4:3 and square
     # (Open-Sora 1.2's resolution and aspect-ratio buckets; its bucket configuration keeps
     # fewer clips the higher the resolution, hence the falling clip weights and the token
@@ -303,6 +306,7 @@ MIXES: dict[str, VideoMix | TextMix] = {
     # tail to 1M tokens (the long-data upsampling of ProLong, Gao et al. 2024)
     "pretrain-long": TextMix(median=600, sigma=1.4, tail_share=0.03, tail_min=16384, tail_alpha=0.7,
                              max_tokens=1024 * 1024),
+    **NEW_MIXES,
 }
 #: every name `sample_sizes` (and `simulate --distribution`) takes
 ALL_DISTRIBUTIONS: tuple[str, ...] = (*DISTRIBUTIONS, *MIXES)

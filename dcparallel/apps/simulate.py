@@ -212,7 +212,23 @@ def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
         base = runs["bucket"].sim.total_time
         out["speedup_vs_bucket"] = {k: round(base / r.sim.total_time, 4) for k, r in runs.items()}
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["warning"] = beaten_warning(per)
     return out
+
+
+def beaten_warning(per: dict) -> str | None:
+    """A warning naming every policy whose simulated epoch is faster than the chosen one's
+    (`dcp` where it ran, else the first policy given), by how much; None where none is."""
+    if len(per) < 2:
+        return None
+    chosen = "dcp" if "dcp" in per else next(iter(per))
+    t = per[chosen]["epoch_time_s"]
+    faster = {k: v["epoch_time_s"] for k, v in per.items() if k != chosen and v["epoch_time_s"] < t}
+    if not faster:
+        return None
+    return (f"warning: {chosen} is not the fastest policy here: " +
+            ", ".join(f"{k} is {t / f:.3f}x faster" for k, f in sorted(faster.items(), key=lambda kv: kv[1])) +
+            f"; train with --policy {min(faster, key=faster.get)} or report this mix")
 
 
 def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext, runs: dict) -> dict:
@@ -290,6 +306,8 @@ def cmd_simulate(args) -> int:
         print(json.dumps(out))
     else:
         print(_table(out))
+    if out["warning"]:
+        print(out["warning"], file=sys.stderr)
     return 0
 
 

@@ -250,7 +250,7 @@ class DataCentricLoader:
         self._step = 0  # steps of this epoch handed out (what state_dict reports)
         self._start = 0  # where the next iteration starts
         self._steps_cache: tuple[int, list[step_former.Step]] | None = None
-        self.last_plan_seconds = 0.0
+        self.last_plan_seconds, self.last_plan_waits = 0.0, []  # last epoch: s planning, steps that waited
         if self.context.skipped:
             log.warning("skipping %d sample(s) that fit no layout: %s", len(self.context.skipped),
                         ", ".join(f"sample {i} (size {s!r}, needs {format_bytes(need)})"
@@ -396,5 +396,5 @@ class DataCentricLoader:
                      start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
         finally:
             stream.close()
-            self.last_plan_seconds = stream.plan_seconds
+            self.last_plan_seconds, self.last_plan_waits = stream.plan_seconds, list(stream.waited)
             del it

@@ -58,6 +58,8 @@ class PlanStream:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.plan_seconds = 0.0
+        #: the steps whose plan the step assembler asked for before it was made (it waited)
+        self.waited: list[int] = []
 
     def _plan(self, k: int) -> tuple[StepPlan, StepPrediction | None]:
         t0 = time.perf_counter()
@@ -76,6 +78,8 @@ class PlanStream:
             keep = min(self._pos.values())
             for j in [j for j in self._plans if j < keep]:
                 del self._plans[j]
+            if reader == "assembler" and k not in self._plans:
+                self.waited.append(k)
             if self._lookahead == 0:
                 if k not in self._plans:
                     self._plans[k], self._predicted[k] = self._plan(k)
@@ -246,6 +250,8 @@ class ProcessPlanStream:
         self._pos = {"sampler": start, "assembler": start}
         self._demand = start
         self.plan_seconds = 0.0
+        #: the steps whose plan the step assembler asked for before it had arrived (it waited)
+        self.waited: list[int] = []
 
     def get(self, k: int, reader: str) -> StepPlan:
         with self._lock:
@@ -253,21 +259,29 @@ class ProcessPlanStream:
             keep = min(self._pos.values())
             for j in [j for j in self._plans if j < keep]:
                 del self._plans[j]
+            while k not in self._plans and self._conn.poll():  # plans already sent count as arrived
+                self._receive(k)
+            if reader == "assembler" and k not in self._plans:
+                self.waited.append(k)
             if k not in self._plans and k + 1 > self._demand:
                 self._demand = k + 1
                 self._send(("demand", self._jid, self._demand))
             while k not in self._plans:
-                try:
-                    kind, _, *rest = self._conn.recv()  # this job's: a worker ends one job before the next
-                except (EOFError, OSError):  # closed, or reset with our demand unread
-                    raise RuntimeError(f"the planning process ended before step {k} was planned "
-                                       f"(exit code {self._worker.exit_code()})") from None
-                if kind == "error":
-                    raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
-                j, plan, seconds, predicted = rest
-                self._plans[j], self._predicted[j] = plan, predicted
-                self.plan_seconds += seconds
+                self._receive(k)
             return self._plans[k]
+
+    def _receive(self, k: int) -> None:
+        """One message of the worker, waiting for it: a plan kept, or the error raised."""
+        try:
+            kind, _, *rest = self._conn.recv()  # this job's: a worker ends one job before the next
+        except (EOFError, OSError):  # closed, or reset with our demand unread
+            raise RuntimeError(f"the planning process ended before step {k} was planned "
+                               f"(exit code {self._worker.exit_code()})") from None
+        if kind == "error":
+            raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
+        j, plan, seconds, predicted = rest
+        self._plans[j], self._predicted[j] = plan, predicted
+        self.plan_seconds += seconds
 
     def prediction(self, k: int) -> StepPrediction | None:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Callable, Protocol, Sequence
 from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
@@ -44,6 +45,12 @@ def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False)
     return build
 
 
+def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
+    """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
+    (on steps of at most `DcpConfig.static_max_samples` samples)."""
+    return Tuned(ScalePlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+
+
 def _untuned(make: Callable[[PlanContext, Score], Planner]):
     return lambda ctx, steps, score: Tuned(make(ctx, score))
 
@@ -53,8 +60,9 @@ POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in [
         PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
-                   "GPU), planned over (bucket, count) and group classes, two-phase steps",
-                   _untuned(ScalePlanner)),
+                   "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
+                   "than the tuned bucket and packed plans, which it also offers (steps of <= 4096 samples)",
+                   _dcp_portfolio),
         PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
                    "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
         PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "
@@ -70,6 +78,8 @@ RESEARCH: dict[str, PolicySpec] = {
         PolicySpec("bucket-default", "Open-Sora's default: smallest SP degree that fits the longest "
                    "sample with full recompute (context only)",
                    _untuned(lambda ctx, score: bucket.default_bucket(ctx))),
+        PolicySpec("dcp-own", "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
+                   "phases), for tests that exercise them", _untuned(ScalePlanner)),
         PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count",
                    _dcp("dcp-intra", "fit", balance=False)),
         PolicySpec("dcp-inter", "dcp-intra + per-group gradient accumulation balancing the step",

@@ -45,8 +45,9 @@ class ArithmeticTokens(torch.utils.data.Dataset):
 
 
 def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: int) -> dict:
-    """One epoch of the dataset through the Engine with the loader's plans (plan
-    hashes compared across ranks every step); each rank logs the loader's lines to its own
+    """One epoch of the dataset through the Engine with the loader's plans (`dcp-own`: `dcp`'s
+    own plans, which mix SP degrees and leave ranks idle; plan hashes compared across ranks
+    every step); each rank logs the loader's lines to its own
     file. Returns per step the loss, the global target count and this rank's work."""
     rank, world = dist.get_rank(), dist.get_world_size()
     handler = logging.FileHandler(Path(log_dir) / f"rank{rank}.log", mode="w")
@@ -59,7 +60,7 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
         cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
                               intra_bw=300e9, intra_latency=1e-5)
         loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                                   policy="dcp", tokens_per_step=1200, seed=seed, num_workers=num_workers,
+                                   policy="dcp-own", tokens_per_step=1200, seed=seed, num_workers=num_workers,
                                    check_plans=True)
         model = make_model("llama")
         dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.policies import make_planner
+from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime.engine import Engine
@@ -30,14 +30,15 @@ def six_head_model(seed: int = 0) -> Llama:
 
 
 def mixed_plan(world: int) -> StepPlan:
-    """`dcp`'s plan of `MIXED_SIZES` on one node of `world` GPUs, its recompute capped at the
-    test model's layers (the planning model has more)."""
+    """`dcp`'s own plan of `MIXED_SIZES` on one node of `world` GPUs (its portfolio without the
+    static layouts, whose one SP degree for the step would not mix sizes), its recompute
+    capped at the test model's layers (the planning model has more)."""
     from tests.unit._models import cluster, cost
 
     cl = cluster(world, world)
     ctx = PlanContext(Workload(PLANNING_LM, MIXED_SIZES), cost(PLANNING_LM, cl), cl)
     step = Step(0, tuple(range(len(MIXED_SIZES))))
-    return capped(make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step), LAYERS)
+    return capped(ScalePlanner(ctx, step_seconds(ctx)).plan(step), LAYERS)
 
 
 def case_mixed_step(seed: int) -> dict:

@@ -113,15 +113,19 @@ def test_every_policy_plans_around_skipped_samples():
 
 def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     """At world 2 a sample that needs SP=2 takes both ranks; dcp-inter-pac (one phase) then
-    runs the step's short samples at SP=2 too, `dcp` runs them at SP=1 on each rank in a
-    second phase, and is predicted faster (by 1.5% here: all-to-alls on NVLink are cheap)."""
+    runs the step's short samples at SP=2 too, `dcp`'s own planners (without the static
+    layouts it also offers: the packed bin of all 13 at SP=2 wins this tiny step) run them at
+    SP=1 on each rank in a second phase, and are predicted faster (by 1.5% here: all-to-alls on
+    NVLink are cheap)."""
+    from dcparallel.plan.dcp.portfolio import ScalePlanner
+
     cl = cluster(2, 2, memory_mib=1024)
     w = Workload(TINY_LM, (60_000,) + (2000,) * 12)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
     assert ctx.layout_for((60_000,), 1, "pac") is None
     steps = form_steps(w.tokens, seed=0, samples_per_step=13)
     one = make_planner("dcp-inter-pac", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
-    two = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
+    two = ScalePlanner(ctx, step_seconds(ctx)).plan(steps[0])
     two.validate(2, set(allowed_groups(cl, TINY_LM.num_heads)))
     assert one.num_phases == 1 and {m.layout.sp for m in one.micro_batches()} == {2}
     assert two.num_phases == 2
@@ -130,6 +134,8 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     assert short and all(m.layout.sp == 1 for m in short)
     t_one, t_two = (simulate([p], ctx).steps[0].compute_time for p in (one, two))
     assert t_two < t_one
+    kept = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
+    assert step_seconds(ctx)(kept) <= step_seconds(ctx)(two)
 
 
 def test_packed_capacity_fits_memory_with_a_skipped_sample():
@@ -175,7 +181,7 @@ def test_three_user_policies_and_research_ones_by_the_same_names():
 
     assert list(POLICIES) == ["dcp", "bucket", "packed"]
     assert not set(POLICIES) & set(RESEARCH)
-    assert {"dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
+    assert {"dcp-own", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
             "flexsp", "token-budget"} == set(RESEARCH)
     for name in NAMES:
         assert policy_spec(name).name == name

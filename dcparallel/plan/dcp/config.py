@@ -29,6 +29,11 @@ class DcpConfig:
     #: ... whose class-level plan is predicted more than this factor above the step's bound
     finer_gate: float = 1.01
 
+    # -- the static layouts (`static.StaticLayout`: the tuned `bucket` and `packed` plans): a
+    #    first-fit packing of the whole step per plan, about a second at 27k samples
+    #: steps of at most this many samples are offered them (and they are tuned on those steps)
+    static_max_samples: int = 4096
+
     # -- the per-sample packing (`sample.SamplePacker`): Python work per sample and target,
     #    so it runs only where the class level is loose
     #: steps of at most this many samples per GPU (and `pack_max_samples`) are packed sample by sample

@@ -13,9 +13,12 @@ The candidates, in order, each with the gate that says when it runs:
 4. the per-sample planner `dcp-v1` (`PerSampleV1`), up to `config.v1_max_world` GPUs: small
    steps (`small_step`);
 5. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose
-   (`class_level_loose`).
+   (`class_level_loose`);
+6. the static layouts (`static.StaticLayout`): the `bucket` and `packed` baselines tuned on
+   the epoch's steps as their policies tune, where the planner is given them: steps of at
+   most `config.static_max_samples` samples.
 
-The class-level candidates (1-3) are compared by their own predictions, the others (4, 5) by
+The class-level candidates (1-3) are compared by their own predictions, the others (4-6) by
 the score (the simulator's prediction) against the class-level plan kept; a candidate's plan
 replaces the one kept only where it is predicted faster by more than `types.REL_TOL`, so ties
 keep the earlier candidate's.
@@ -26,13 +29,16 @@ broken by fixed orders), so every rank computes the same plan.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
+from typing import Sequence
 
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.sample import SamplePacker
+from dcparallel.plan.dcp.static import StaticLayout
 from dcparallel.plan.dcp.tables import Once, cyclic_gc_paused
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, Score, StepPlan
@@ -42,12 +48,14 @@ class ScalePlanner(ClassLevelPlanner):
     """The `dcp` policy's planner: the class level on the degrees mixed (this class's own) and
     the other candidates of the portfolio (`class_level`: compared by prediction; `scored`:
     compared by the score). `sub_bins` > 1 or `chain_only` make a portfolio of the class level
-    alone, with those classes or degrees."""
+    alone, with those classes or degrees; otherwise `static` (`static.static_layouts`) are
+    offered too."""
 
     name = "dcp"
 
     def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac", phases: bool = True,
-                 name: str = "dcp", sub_bins: int = 1, chain_only: bool = False, config: DcpConfig = DEFAULT):
+                 name: str = "dcp", sub_bins: int = 1, chain_only: bool = False, config: DcpConfig = DEFAULT,
+                 static: Sequence[StaticLayout] = ()):
         super().__init__(ctx, mode=mode, phases=phases, sub_bins=sub_bins, chain_only=chain_only, config=config)
         self.name = name
         #: a plan's predicted step seconds (`plan.types.Score`): picks between the class-level
@@ -75,6 +83,18 @@ class ScalePlanner(ClassLevelPlanner):
         self.class_level = [c for c in (self.chain_alone, self.finer_classes) if c is not None]
         self.scored = [c for c in (self.v1, None if self.packer is None else SamplePacking(self.packer, config))
                        if c is not None]
+        self.static = [] if alone else list(static)
+        self.scored += self.static
+        #: steps planned, by the name of the scored candidate whose plan was kept ("class
+        #: level" where none was)
+        self.kept_by: Counter[str] = Counter()
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.static:
+            out["static"] = {c.name: c.planner.describe() for c in self.static}
+            out["kept_by"] = dict(sorted(self.kept_by.items()))
+        return out
 
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():
@@ -87,15 +107,16 @@ class ScalePlanner(ClassLevelPlanner):
             if c.runs(s):
                 c.offer(s)
         s.score = Once(partial(self.score, s.plan))  # the kept plan's score, taken when first asked
-        others = [c.plan(s) for c in self.scored if c.runs(s)]
-        others = [p for p in others if p is not None]
-        plan = s.plan
+        others = [(c.name, c.plan(s)) for c in self.scored if c.runs(s)]
+        others = [(name, p) for name, p in others if p is not None]
+        plan, kept = s.plan, "class level"
         if others:
             best = s.score()
-            for other in others:
+            for name, other in others:
                 t = self.score(other)
                 if t < best * (1 - REL_TOL):
-                    plan, best = other, t
+                    plan, best, kept = other, t, name
+        self.kept_by[kept] += 1
         return plan
 
 
