@@ -175,9 +175,10 @@ def main() -> int:
     for w in args.worlds:
         lines += _cpu_table(cpu[w])
     lines += ["## Simulated: 32 × H200 (4 nodes × 8), Llama-7B-like text scenario, analytic cost model", "",
-              "Sync = one all-reduce of 4 B x parameters (hierarchical ring on the datasheet links, "
-              "`cost/base.py:allreduce_time`; the analytic model still prices the ZeRO-1 sync as an all-reduce, "
-              "twice the reduce-scatter's bytes); exposed with overlap = max(sync - 2/3 x the critical rank's "
+              "Sync = the ZeRO-1 sync as the runtime runs it (`cost/base.py:grad_sync_time`): the reduces into "
+              "the shard owners, together a reduce-scatter of 4 B x parameters, plus the all-gather of the updated "
+              "bf16 parameters — each half a hierarchical ring all-reduce of its bytes on the datasheet links "
+              "(`cost/base.py:allreduce_time`); exposed with overlap = max(sync - 2/3 x the critical rank's "
               "last micro-batch, sync / buckets) (`cost/overlap.py`).", "",
               "| distribution | policy | sync s | exposed sync s (median step) | epoch s no overlap | "
               "epoch s overlap | saved |", "| --- | --- | --- | --- | --- | --- | --- |"]

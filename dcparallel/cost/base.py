@@ -293,14 +293,18 @@ def _two_level_allreduce(cluster: ClusterSpec, num_bytes: float, local: int, nod
 
 
 def grad_sync_time(model: ModelSpec, cluster: ClusterSpec) -> float:
-    """The once-per-step all-reduce of the flat fp32 gradient buffer (trainable parameters only);
-    with shard blocks of s > 1 ranks, of each rank's 1/s of it over the W/s replicas of its
-    shard (`replica_sync_time`)."""
+    """The once-per-step gradient sync (trainable parameters only). Shard size 1 (ZeRO-1,
+    `runtime.zero`): each bucket of the flat fp32 gradients is reduced into the rank that owns
+    its shard — together a reduce-scatter, half an all-reduce's ring traffic — and the updated
+    parameters (in the model's dtype) are all-gathered after the step, half an all-reduce of
+    theirs. Shard blocks of s > 1 ranks: the all-reduce of each rank's 1/s of the gradients
+    over the W/s replicas of its shard (`replica_sync_time`)."""
     if cluster.world_size == 1:
         return 0.0
     if cluster.shard_size > 1:
         return replica_sync_time(cluster, 4.0 * model.trainable_params / cluster.shard_size)
-    return allreduce_time(cluster, 4.0 * model.trainable_params)
+    t = model.trainable_params
+    return (allreduce_time(cluster, 4.0 * t) + allreduce_time(cluster, model.bytes_per_value * t)) / 2
 
 
 def replica_sync_time(cluster: ClusterSpec, num_bytes: float) -> float:

@@ -77,6 +77,20 @@ def test_model_state_and_grad_sync():
     assert grad_sync_time(LLAMA_7B, h200_cluster(1, 1)) == 0.0
 
 
+def test_zero1_sync_is_priced_as_reduce_scatter_plus_parameter_all_gather():
+    """ZeRO-1 reduces each gradient bucket into its shard's owner (a reduce-scatter in all)
+    and all-gathers the updated parameters: half an all-reduce of the fp32 gradients plus half
+    one of the parameters in their dtype, less than the all-reduce of the fp32 gradients."""
+    from dcparallel.cost.base import allreduce_time
+
+    c = h200_cluster(32)
+    t = LLAMA_7B.trainable_params
+    full = allreduce_time(c, 4.0 * t)
+    zero1 = grad_sync_time(LLAMA_7B, c)
+    assert zero1 == pytest.approx(full / 2 + allreduce_time(c, LLAMA_7B.bytes_per_value * t) / 2)
+    assert zero1 < full
+
+
 def _profile() -> dict:
     cl = cluster(2, 2)
     entries = []
