@@ -25,6 +25,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
     "tests/dist/test_dist_grad_sync.py": 30,
+    "tests/dist/test_dist_vlm.py": 28,
     "tests/dist/test_dist_diffusers_memory.py": 25,
     "tests/dist/test_dist_elastic.py": 15,
     "tests/dist/test_dist_loader.py": 15,
@@ -48,6 +49,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_train_dtype.py": 17,  # diffusers and transformers models built five ways
     "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,
+    "tests/unit/test_vlm.py": 15,  # Qwen2.5-VL built and imported in the pytest process
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,
     "tests/unit/test_sharded_plan.py": 11,

@@ -1,0 +1,186 @@
+"""Vision-language models of transformers (image-text-to-text): the language model under
+Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
+(`adapters.vlm_vision`). Trained exactly: Qwen2.5-VL (images of any size, several per
+sample, videos). Every other class with a vision tower is refused with what is missing
+(`REFUSED`, or the generic reason).
+
+One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
+images and videos encoded by the group's ranks (each item whole on one rank, dealt by patch
+count in the collate, `data.vision_collate`) and their embeddings placed at the shard's
+placeholder tokens; the multimodal rotary positions (Qwen's 3-D M-RoPE: temporal, height,
+width) computed by the model's own ``get_rope_index`` per document on the whole row, then cut
+like the tokens; the language model called with ``inputs_embeds`` and those positions; the
+loss only on the targets the labels mark (the chat template's trained tokens).
+
+``freeze_vision=True`` freezes the vision tower but its projector (the patch merger): the
+tower still runs forward, its parameters get no gradient and stay out of the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dcparallel.adapters import hf_attention as attention
+from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
+from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
+from dcparallel.adapters.vlm_vision import group_embeddings, place
+from dcparallel.data.batch import Batch
+from dcparallel.data.vision_collate import collate_vision
+
+_NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
+_FIX = ("train Qwen2_5_VLForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
+        "loss_fn that encodes its images and a parity test against the unmodified model")
+
+#: vision-language classes refused: what their layout needs that dcparallel does not implement
+REFUSED: dict[str, str] = {
+    "MllamaForConditionalGeneration": "its cross-attention layers attend from the text to the image states "
+                                      "(cross_attention_states); dcparallel's attention is causal self-attention over "
+                                      "the sharded text and has no cross-attention to a second stream",
+    "Gemma3ForConditionalGeneration": "its image tokens attend to each other bidirectionally inside each image "
+                                      "(a token_type_ids mask); dcparallel's text attention is causal only, so the "
+                                      "image tokens would train with the wrong mask",
+    "Qwen3VLForConditionalGeneration": "its DeepStack layers add vision features from several tower depths to the "
+                                       "hidden states of the first decoder layers at the placeholder tokens; "
+                                       f"{_NO_ADAPTER} (the injection is not placed on the sequence shards)",
+    "Qwen3VLMoeForConditionalGeneration": "its DeepStack layers add vision features to the first decoder layers' "
+                                          f"hidden states; {_NO_ADAPTER}",
+    "LlavaOnevisionForConditionalGeneration": "its any-resolution tiling (image_sizes, image_newline rows, "
+                                              f"pack_image_features) decides the placeholder layout; {_NO_ADAPTER}",
+    "Idefics3ForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
+                                        f"connector; {_NO_ADAPTER}",
+    "SmolVLMForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
+                                       f"connector; {_NO_ADAPTER}",
+    "InternVLForConditionalGeneration": f"its tiled images and pixel-shuffle projector; {_NO_ADAPTER}",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a supported vision-language class keeps its parts."""
+
+    text: str
+    """attribute path of the language model (blocks, attention, ``set_attn_implementation``)"""
+    tower: str
+    """attribute path of the vision tower"""
+    projector: str
+    """attribute path, inside the tower, of what ``freeze_vision`` leaves trainable"""
+
+
+FAMILIES = {"Qwen2_5_VLForConditionalGeneration": Family("model.language_model", "model.visual", "merger")}
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def matches(model: nn.Module) -> bool:
+    """A transformers model with a vision tower (its config has a ``vision_config``)."""
+    return (type(model).__module__.startswith("transformers.")
+            and getattr(getattr(model, "config", None), "vision_config", None) is not None)
+
+
+def _refuse(model: nn.Module) -> ValueError:
+    who = type(model).__name__
+    why = REFUSED.get(who, f"{_NO_ADAPTER} (a vision tower whose outputs, positions and masks dcparallel has not "
+                           f"placed on sequence shards with a parity test)")
+    return ValueError(f"dcparallel cannot train the vision-language model {who}: {why}. To train it, {_FIX}")
+
+
+def qwen_positions(model: nn.Module, batch: Batch) -> Tensor:
+    """(3, seq_len) M-RoPE positions of the whole row: the model's ``get_rope_index`` on each
+    document with its own images and videos (each document starts at 0, as a single sample)."""
+    cfg = model.config
+    ex = batch.extras
+    row = ex["row_ids"].to(batch.inputs.device)
+    grid, kind, doc = ex["vision_grid"], ex["vision_kind"], ex["vision_doc"]
+    seconds = ex["vision_seconds"].view(torch.float64)
+    out = []
+    for d, (a, b) in enumerate(zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)):
+        ids = row[:, a:b]
+        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+        img, vid = (doc == d) & (kind == 1), (doc == d) & (kind == 2)
+        pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid[img] if img.any() else None,
+                                            video_grid_thw=grid[vid] if vid.any() else None,
+                                            second_per_grid_ts=seconds[vid] if vid.any() else None)
+        out.append(pos[:, 0])
+    return torch.cat(out, dim=1)
+
+
+def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: dict[str, Any]) -> Tensor:
+    """One micro-batch of a vision-language model (see the module docstring): the summed loss."""
+    state = attn["fn"].state() if "fn" in attn else None
+    group = state.group if state is not None else None
+    cfg = model.config
+    tower = _get(model, family.tower)
+    merge = cfg.vision_config.spatial_merge_size
+    embeds = model.get_input_embeddings()(batch.inputs)
+    if len(batch.extras["vision_grid"]):
+        trainable = any(p.requires_grad for p in tower.parameters())
+
+        def encode(pixels: Tensor, grid: Tensor) -> Tensor:
+            return tower(pixels.to(tower.dtype), grid_thw=grid).pooler_output
+
+        whole = group_embeddings(batch, group, encode, merge, embeds.shape[-1], embeds.dtype, trainable)
+        embeds = place(embeds, batch, whole.to(embeds.dtype), merge, {1: cfg.image_token_id, 2: cfg.video_token_id})
+    positions = batch.shard_sample(qwen_positions(model, batch).T).T[:, None]  # (3, 1, shard_len)
+    logits = model(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits
+    return ctx.lm_loss(logits)
+
+
+def _freeze(tower: nn.Module, projector: nn.Module) -> None:
+    keep = {id(p) for p in projector.parameters()}
+    for p in tower.parameters():
+        if id(p) not in keep:
+            p.requires_grad_(False)
+
+
+def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
+            name: str | None = None, freeze_vision: bool = False, **unused: Any) -> ModelAdapter:
+    """``freeze_vision``: the vision tower frozen, its projector trainable."""
+    family = FAMILIES.get(type(model).__name__)
+    if family is None:
+        raise _refuse(model)
+    if unused:
+        raise ValueError(f"unexpected arguments for a vision-language model: {sorted(unused)}")
+    text = _get(model, family.text)
+    cfg = text.config
+    blocks, attn_of, mlp_of = resolve(text, layers, None, None)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    for what, given, own in (("num_heads", num_heads, heads), ("num_kv_heads", num_kv_heads, kv)):
+        if given is not None and given != own:
+            raise ValueError(f"{what}={given} but the model's text config has {own}; leave {what} out")
+    hidden = cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    spec = derive_spec(model, blocks, name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
+                       kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
+                       attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=cfg.vocab_size,
+                       num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
+    if freeze_vision:
+        tower = _get(model, family.tower)
+        _freeze(tower, _get(tower, family.projector))
+    limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
+    attn: dict[str, Any] = {}
+
+    def install(fn: Any) -> None:
+        attention.register()
+        for b in blocks:
+            for m in attn_of(b):
+                limit = limits[id(m)]
+                m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)
+        text.set_attn_implementation(attention.NAME)
+        attn["fn"] = fn
+
+    def default_loss(m: nn.Module, batch: Batch, ctx: Any) -> Tensor:
+        return vlm_loss(m, batch, ctx, family=family, attn=attn)
+
+    return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
+                        install_attention=install, spec=spec, attn_modules=attn_of, mlp_modules=mlp_of,
+                        loss_fn=loss_fn or default_loss, sample=sample_fn or random_tokens(cfg.vocab_size),
+                        collate=collate_vision)

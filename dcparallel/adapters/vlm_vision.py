@@ -1,0 +1,93 @@
+"""The vision tower inside an SP group: each rank encodes the images and videos dealt to it
+(`data.vision_collate.deal_by_patches`, each item whole on one rank), the group exchanges the
+embeddings, and each rank places those of the placeholder tokens its sequence shard holds.
+
+Exchange: every rank pads its items' embeddings to the group's largest share and all-gathers
+them (`comm.gather_seq`); the gather's backward sums the gradient over the group and hands
+each rank the rows of its own items, so an item's embeddings get the gradient of every shard
+that holds one of its tokens, once: the single-process gradient. The backward is a collective,
+so every rank of the group must reach it in every micro-batch that has vision items: the
+gathered rows always enter this rank's input embeddings (`place`), even when its shard holds
+none of their tokens (a rank with no item sends an empty share that still asks for a gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dcparallel.data.batch import Batch
+from dcparallel.runtime import comm
+
+#: (patches of this rank's items, their grids (m, 3)) -> embeddings (their tokens, D), items in order
+Encode = Callable[[Tensor, Tensor], Tensor]
+
+
+def tokens_per_item(grid: Tensor, merge: int) -> list[int]:
+    """Language-model tokens of each item: its patches over the spatial merge (merge x merge)."""
+    return (grid.prod(-1) // (merge * merge)).tolist()
+
+
+def group_embeddings(batch: Batch, group: Any, encode: Encode, merge: int, width: int, dtype: torch.dtype,
+                     trainable: bool) -> Tensor:
+    """Every vision item's embeddings (all their tokens, ``width``), items in order, on every
+    rank of the group; this rank encodes only its own items (``vision_owner``)."""
+    ex = batch.extras
+    tokens = tokens_per_item(ex["vision_grid"], merge)
+    owner = ex["vision_owner"].tolist()
+    me = batch.rank_in_group
+    mine = [i for i, o in enumerate(owner) if o == me]
+    if mine:
+        out = encode(ex["pixels"], ex["vision_grid"][mine])
+        if out.shape[0] != sum(tokens[i] for i in mine):
+            raise ValueError(f"the vision tower returned {out.shape[0]} embeddings for items {mine} of grids "
+                             f"{ex['vision_grid'][mine].tolist()}, expected {sum(tokens[i] for i in mine)}")
+    else:
+        out = torch.zeros(0, width, dtype=dtype, device=batch.inputs.device, requires_grad=trainable)
+    if batch.sp == 1:
+        return out
+    share = [sum(t for t, o in zip(tokens, owner, strict=True) if o == r) for r in range(batch.sp)]
+    rows = max(share)
+    gathered = comm.gather_seq(F.pad(out, (0, 0, 0, rows - out.shape[0])), group, dim=0)
+    index, filled = [], [0] * batch.sp
+    for t, o in zip(tokens, owner, strict=True):
+        index += range(o * rows + filled[o], o * rows + filled[o] + t)
+        filled[o] += t
+    return gathered[torch.tensor(index, dtype=torch.long, device=gathered.device)]
+
+
+def place(embeds: Tensor, batch: Batch, whole: Tensor, merge: int, token_ids: dict[int, int]) -> Tensor:
+    """``embeds`` (1, shard_len, D), the shard's token embeddings, with each placeholder token
+    of vision kind k (``token_ids[k]``) replaced by its row of ``whole`` (every item's
+    embeddings, items in order): the j-th placeholder of kind k in the whole row takes the j-th
+    row of kind k's items."""
+    ex = batch.extras
+    row = ex["row_ids"][0].to(embeds.device)
+    kinds = ex["vision_kind"].tolist()
+    tokens = tokens_per_item(ex["vision_grid"], merge)
+    lo, n = batch.shard_start, batch.shard_len
+    hi = min(lo + n, batch.seq_len)
+    placed = torch.zeros_like(embeds[0])
+    mask = torch.zeros(n, dtype=torch.bool, device=embeds.device)
+    start = 0
+    per_kind = []
+    for t, k in zip(tokens, kinds, strict=True):
+        per_kind.append((k, start, t))
+        start += t
+    for k, tok in token_ids.items():
+        rows = [torch.arange(s, s + t) for kk, s, t in per_kind if kk == k]
+        rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        is_tok = row == tok
+        if int(is_tok.sum()) != rows.numel():
+            raise ValueError(f"samples {batch.sample_ids}: {int(is_tok.sum())} placeholder tokens {tok} in the row but "
+                             f"their grids give {rows.numel()} embeddings; pass each sample's processor output whole")
+        before = int(is_tok[:lo].sum()) if lo < batch.seq_len else rows.numel()
+        local = is_tok[lo:hi].nonzero()[:, 0] if hi > lo else torch.zeros(0, dtype=torch.long)
+        take = rows[before:before + local.numel()].to(whole.device)
+        placed = placed.index_put((local,), whole[take])
+        mask[local] = True
+    return torch.where(mask[None, :, None], placed[None], embeds)

@@ -1,0 +1,65 @@
+"""Vision-language models on gloo (world 2 and 4): Qwen2.5-VL on random plans (SP 1, 2 and 4,
+idle ranks, packed chats, recompute on and off) of a mix of text-only chats, single images
+of three resolutions, several images in one chat and a short video, the vision tower
+trainable and frozen (its projector trainable). Loss and every trainable parameter's
+gradient after `sync_gradients()`, vision tower included, equal a single process running
+the unmodified model one chat at a time (its own M-RoPE positions from the grids).
+
+Tolerance: fp32, 1e-5 relative per tensor, as in test_dist_hf_families (sharding, packing
+and encoding several images in one call reorder sums)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcparallel.data.vision_collate import deal_by_patches
+from tests import vlm_families
+from tests.dist import vlm_cases
+from tests.dist.cases_common import assert_matches_reference
+from tests.support import reference_once
+
+pytestmark = pytest.mark.dist
+
+pytest.importorskip("transformers")
+
+SEEDS, NUM_SAMPLES = [31, 32, 33, 34], 8
+
+
+def _vision_items(data, sids) -> list[int]:
+    """Patch counts of the chats' images and videos, in the collate's item order."""
+    out = []
+    for s in sids:
+        for key in ("image_grid_thw", "video_grid_thw"):
+            if key in data.samples[s]:
+                out += [int(g.prod()) for g in data.samples[s][key]]
+    return out
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("kind", vlm_families.KINDS)
+def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
+    seeds = SEEDS if not freeze_vision else SEEDS[:2]
+    out = workers.run(vlm_cases.case_vlm_engine, kind, seeds, NUM_SAMPLES, freeze_vision)
+    sp_seen, rc_seen, dealt, worst = set(), set(), False, {}
+    for i, seed in enumerate(seeds):
+        data = vlm_families.make_data(NUM_SAMPLES, seed)
+        ref_loss, ref_grads = reference_once(
+            ("vlm", kind, seed, freeze_vision),
+            lambda: vlm_families.reference(vlm_families.build(kind, freeze_vision=freeze_vision), data,
+                                           range(NUM_SAMPLES)))
+        assert any(n.startswith("model.visual.blocks") for n in ref_grads) != freeze_vision
+        plan = out[0][i]["plan"]
+        for g in plan["groups"]:
+            sp_seen.add(len(g["ranks"]))
+            for m in g["micro_batches"]:
+                rc_seen.add((m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]))
+                dealt |= len(set(deal_by_patches(_vision_items(data, m["sample_ids"]), len(g["ranks"])))) > 1
+        errs = assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed, same_on_ranks=False)
+        worst.update({name: max(worst.get(name, 0.0), e) for name, e in errs.items()})
+    if not freeze_vision:
+        assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
+        assert dealt and (0, 0) in rc_seen and len(rc_seen) >= 3, (dealt, rc_seen)
+    top = max(worst, key=worst.get)
+    vis = max((e for n, e in worst.items() if "visual" in n), default=0.0)
+    print(f"\n{kind} {'frozen' if freeze_vision else 'trainable'} world {workers.world}: max rel err "
+          f"{worst[top]:.2e} ({top}); vision tower {vis:.2e}")

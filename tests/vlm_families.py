@@ -1,0 +1,115 @@
+"""Vision-language models built from tiny configs (never downloaded) and chats made for the
+parity tests: text-only samples, single images of three resolutions, several images in one
+sample, a short video; each sample's trained tokens a span of its answer (as a chat template
+marks the assistant's turn), never a placeholder token.
+
+The unmodified reference runs transformers' eager attention one sample at a time, the model
+computing its own M-RoPE positions from ``mm_token_type_ids`` and the grids."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dcparallel.loss import IGNORE_INDEX
+
+KINDS = ("qwen2.5-vl",)
+VOCAB = 96
+IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
+#: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
+#: merge; windows of 2 x 2 merged tokens, so the 6 x 8 and 8 x 12 images have several) and a
+#: video of two temporal steps (four frames at temporal patch 2)
+IMAGE_GRIDS = [(1, 4, 4), (1, 6, 8), (1, 8, 12)]
+VIDEO_GRID = (2, 4, 6)
+PATCH_WIDTH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+
+
+def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = False) -> nn.Module:
+    """A tiny fp32 Qwen2.5-VL with eager attention in both towers: 2 decoder layers (GQA 4/2,
+    M-RoPE sections 1/1/2), a 2-block vision tower (window attention, then full attention)."""
+    if kind != "qwen2.5-vl":
+        raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, temporal_patch_size=2,
+                  spatial_merge_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1], in_channels=3,
+                  tokens_per_second=2, initializer_range=0.1)
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+                           vision_start_token_id=START, vision_end_token_id=END, bos_token_id=0, eos_token_id=1,
+                           pad_token_id=0)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, attn_implementation="eager").float()
+    if freeze_vision:
+        for name, p in model.model.visual.named_parameters():
+            p.requires_grad_(name.startswith("merger."))
+    return model
+
+
+def _text(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, VOCAB - 4) for _ in range(n)]
+
+
+def _sample(rng: random.Random, images: list[tuple], video: tuple | None) -> dict:
+    ids, pix, vpix = _text(rng, rng.randint(2, 6)), [], []
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for grid in images:
+        ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END] + _text(rng, rng.randint(1, 4))
+        pix.append(torch.randn(grid[0] * grid[1] * grid[2], PATCH_WIDTH, generator=g))
+    if video is not None:
+        ids += [START] + [VIDEO] * (video[0] * video[1] * video[2] // 4) + [END] + _text(rng, 2)
+        vpix.append(torch.randn(video[0] * video[1] * video[2], PATCH_WIDTH, generator=g))
+    prompt = len(ids)
+    ids += _text(rng, rng.randint(3, 9))  # the answer: its tokens are the targets
+    labels = [IGNORE_INDEX] * len(ids)
+    for i in range(prompt - 1, len(ids) - 1):
+        labels[i] = ids[i + 1]
+    out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+    if images:
+        out |= {"pixel_values": torch.cat(pix), "image_grid_thw": torch.tensor(images)}
+    if video is not None:
+        out |= {"pixel_values_videos": torch.cat(vpix), "video_grid_thw": torch.tensor([video]),
+                "second_per_grid_ts": torch.tensor([0.5])}
+    return out
+
+
+def make_data(num_samples: int, seed: int) -> SimpleNamespace:
+    """The mix, shuffled by ``seed``: text-only, each image resolution alone, two and three
+    images in one sample, a video (with an image before it), repeated to ``num_samples``."""
+    rng = random.Random(seed)
+    layouts = [([], None), ([IMAGE_GRIDS[0]], None), ([IMAGE_GRIDS[1]], None), ([IMAGE_GRIDS[2]], None),
+               ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
+               ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
+    rng.shuffle(layouts)
+    samples = [_sample(rng, *layouts[i % len(layouts)]) for i in range(num_samples)]
+    # random_plan packs text-kind samples (micro-batches of 1-3 documents)
+    return SimpleNamespace(kind="hf-vlm", samples=samples, docs=[s["input_ids"] for s in samples])
+
+
+def item(data: SimpleNamespace, sid: int) -> dict:
+    return data.samples[sid]
+
+
+def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[float, dict]:
+    """Mean loss over every target of the samples, one sample at a time through the unmodified
+    model, and the gradients of its trainable parameters."""
+    model.zero_grad(set_to_none=True)
+    losses, count = [], 0
+    for sid in sample_ids:
+        s = data.samples[sid]
+        ids = s["input_ids"][None]
+        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                "second_per_grid_ts") if k in s}
+        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits
+        losses.append(F.cross_entropy(logits[0].float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += int((s["labels"] != IGNORE_INDEX).sum())
+    loss = torch.stack(losses).sum() / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
