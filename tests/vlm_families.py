@@ -17,7 +17,7 @@ from torch import nn
 
 from dcparallel.loss import IGNORE_INDEX
 
-KINDS = ("qwen2.5-vl",)
+KINDS = ("qwen2.5-vl", "qwen3-vl")
 VOCAB = 96
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 #: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
@@ -29,26 +29,37 @@ PATCH_WIDTH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 
 
 def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = False) -> nn.Module:
-    """A tiny fp32 Qwen2.5-VL with eager attention in both towers: 2 decoder layers (GQA 4/2,
-    M-RoPE sections 1/1/2), a 2-block vision tower (window attention, then full attention)."""
-    if kind != "qwen2.5-vl":
-        raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """A tiny fp32 model of ``kind`` with eager attention in both towers: 2 decoder layers (GQA
+    4/2, M-RoPE sections 1/1/2), a 2-block vision tower. Qwen2.5-VL: window attention, then
+    full attention; Qwen3-VL: interleaved M-RoPE, learned position embeddings interpolated to
+    each grid, one DeepStack level (after the first vision block, added after the first decoder
+    layer). ``freeze_vision``: the tower frozen but its projectors (as the adapter freezes it)."""
+    import transformers
 
     torch.manual_seed(seed)
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
                 rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
     vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, temporal_patch_size=2,
-                  spatial_merge_size=2, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1], in_channels=3,
-                  tokens_per_second=2, initializer_range=0.1)
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=START, vision_end_token_id=END, bos_token_id=0, eos_token_id=1,
-                           pad_token_id=0)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, attn_implementation="eager").float()
+                  spatial_merge_size=2, out_hidden_size=32, in_channels=3, initializer_range=0.1)
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if kind == "qwen2.5-vl":
+        vision |= dict(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
+                                            pad_token_id=0, **tokens)
+        cls, projectors = transformers.Qwen2_5_VLForConditionalGeneration, ("merger.",)
+    elif kind == "qwen3-vl":
+        text |= dict(head_dim=8)
+        text["rope_parameters"] |= {"mrope_interleaved": True}
+        vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        cls, projectors = transformers.Qwen3VLForConditionalGeneration, ("merger.", "deepstack_merger_list.")
+    else:
+        raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
+    model = cls._from_config(cfg, attn_implementation="eager").float()
     if freeze_vision:
         for name, p in model.model.visual.named_parameters():
-            p.requires_grad_(name.startswith("merger."))
+            p.requires_grad_(name.startswith(projectors))
     return model
 
 
@@ -56,14 +67,23 @@ def _text(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, VOCAB - 4) for _ in range(n)]
 
 
-def _sample(rng: random.Random, images: list[tuple], video: tuple | None) -> dict:
+def _video_tokens(rng: random.Random, grid: tuple, timestamps: bool) -> list[int]:
+    """A video's placeholders: one block, or (Qwen3-VL) one block per temporal step, each
+    after its timestamp's text tokens."""
+    per_step = [START] + [VIDEO] * (grid[1] * grid[2] // 4) + [END]
+    if not timestamps:
+        return [START] + [VIDEO] * (grid[0] * grid[1] * grid[2] // 4) + [END]
+    return [t for _ in range(grid[0]) for t in _text(rng, 2) + per_step]
+
+
+def _sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool) -> dict:
     ids, pix, vpix = _text(rng, rng.randint(2, 6)), [], []
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for grid in images:
         ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END] + _text(rng, rng.randint(1, 4))
         pix.append(torch.randn(grid[0] * grid[1] * grid[2], PATCH_WIDTH, generator=g))
     if video is not None:
-        ids += [START] + [VIDEO] * (video[0] * video[1] * video[2] // 4) + [END] + _text(rng, 2)
+        ids += _video_tokens(rng, video, timestamps) + _text(rng, 2)
         vpix.append(torch.randn(video[0] * video[1] * video[2], PATCH_WIDTH, generator=g))
     prompt = len(ids)
     ids += _text(rng, rng.randint(3, 9))  # the answer: its tokens are the targets
@@ -74,12 +94,13 @@ def _sample(rng: random.Random, images: list[tuple], video: tuple | None) -> dic
     if images:
         out |= {"pixel_values": torch.cat(pix), "image_grid_thw": torch.tensor(images)}
     if video is not None:
-        out |= {"pixel_values_videos": torch.cat(vpix), "video_grid_thw": torch.tensor([video]),
-                "second_per_grid_ts": torch.tensor([0.5])}
+        out |= {"pixel_values_videos": torch.cat(vpix), "video_grid_thw": torch.tensor([video])}
+        if not timestamps:
+            out["second_per_grid_ts"] = torch.tensor([0.5])
     return out
 
 
-def make_data(num_samples: int, seed: int) -> SimpleNamespace:
+def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNamespace:
     """The mix, shuffled by ``seed``: text-only, each image resolution alone, two and three
     images in one sample, a video (with an image before it), repeated to ``num_samples``."""
     rng = random.Random(seed)
@@ -87,7 +108,7 @@ def make_data(num_samples: int, seed: int) -> SimpleNamespace:
                ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
                ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
     rng.shuffle(layouts)
-    samples = [_sample(rng, *layouts[i % len(layouts)]) for i in range(num_samples)]
+    samples = [_sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
     # random_plan packs text-kind samples (micro-batches of 1-3 documents)
     return SimpleNamespace(kind="hf-vlm", samples=samples, docs=[s["input_ids"] for s in samples])
 

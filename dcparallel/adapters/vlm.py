@@ -1,8 +1,9 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
-(`adapters.vlm_vision`). Trained exactly: Qwen2.5-VL (images of any size, several per
-sample, videos). Every other class with a vision tower is refused with what is missing
-(`REFUSED`, or the generic reason).
+(`adapters.vlm_vision`). Trained exactly: Qwen2.5-VL and Qwen3-VL (images of any size,
+several per sample, videos; Qwen3-VL's DeepStack features added after its first decoder
+layers at the shard's placeholder tokens). Every other class with a vision tower is refused
+with what is missing (`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
 images and videos encoded by the group's ranks (each item whole on one rank, dealt by patch
@@ -12,12 +13,13 @@ width) computed by the model's own ``get_rope_index`` per document on the whole 
 like the tokens; the language model called with ``inputs_embeds`` and those positions; the
 loss only on the targets the labels mark (the chat template's trained tokens).
 
-``freeze_vision=True`` freezes the vision tower but its projector (the patch merger): the
-tower still runs forward, its parameters get no gradient and stay out of the optimizer.
+``freeze_vision=True`` freezes the vision tower but its projectors (the patch merger; Qwen3-VL
+also its DeepStack mergers): the tower still runs forward, its parameters get no gradient and stay out of the optimizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +45,9 @@ REFUSED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "its image tokens attend to each other bidirectionally inside each image "
                                       "(a token_type_ids mask); dcparallel's text attention is causal only, so the "
                                       "image tokens would train with the wrong mask",
-    "Qwen3VLForConditionalGeneration": "its DeepStack layers add vision features from several tower depths to the "
-                                       "hidden states of the first decoder layers at the placeholder tokens; "
-                                       f"{_NO_ADAPTER} (the injection is not placed on the sequence shards)",
-    "Qwen3VLMoeForConditionalGeneration": "its DeepStack layers add vision features to the first decoder layers' "
-                                          f"hidden states; {_NO_ADAPTER}",
+    "Qwen3VLMoeForConditionalGeneration": "its mixture-of-experts decoder under DeepStack has not been "
+                                          "parity-tested with its vision tower (the dense "
+                                          "Qwen3VLForConditionalGeneration trains)",
     "LlavaOnevisionForConditionalGeneration": "its any-resolution tiling (image_sizes, image_newline rows, "
                                               f"pack_image_features) decides the placeholder layout; {_NO_ADAPTER}",
     "Idefics3ForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
@@ -58,19 +58,55 @@ REFUSED: dict[str, str] = {
 }
 
 
+def _qwen25_encode(tower: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
+    return tower(pixels.to(tower.dtype), grid_thw=grid).pooler_output
+
+
+def _qwen3_encode(tower: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
+    """The merged embeddings and each DeepStack level's, joined along the feature dim."""
+    out = tower(pixels.to(tower.dtype), grid_thw=grid)
+    return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+
+
+def _qwen25_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
+                   levels: list[Tensor] | None) -> Tensor:
+    return model(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits
+
+
+def _qwen3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
+                  levels: list[Tensor] | None) -> Tensor:
+    """The language model with the shard's DeepStack rows added after its first decoder
+    layers at the shard's placeholder tokens (``mask``), then the LM head."""
+    hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
+                                        visual_pos_masks=mask, deepstack_visual_embeds=levels).last_hidden_state
+    return model.lm_head(hidden)
+
+
 @dataclass(frozen=True)
 class Family:
-    """Where a supported vision-language class keeps its parts."""
+    """Where a supported vision-language class keeps its parts, and how it is called."""
 
     text: str
     """attribute path of the language model (blocks, attention, ``set_attn_implementation``)"""
     tower: str
     """attribute path of the vision tower"""
-    projector: str
-    """attribute path, inside the tower, of what ``freeze_vision`` leaves trainable"""
+    projectors: tuple[str, ...]
+    """attribute paths, inside the tower, of what ``freeze_vision`` leaves trainable"""
+    encode: Callable[[nn.Module, Tensor, Tensor], Tensor]
+    """(tower, patches, grids) -> (tokens, D x (1 + levels)): embeddings, then DeepStack levels"""
+    logits: Callable[..., Tensor]
+    """(model, embeds, positions, placeholder mask or None, DeepStack rows or None) -> logits"""
+    levels: Callable[[Any], int] = lambda cfg: 0
+    """DeepStack levels of a config (vision features added after the first decoder layers)"""
 
 
-FAMILIES = {"Qwen2_5_VLForConditionalGeneration": Family("model.language_model", "model.visual", "merger")}
+FAMILIES = {
+    "Qwen2_5_VLForConditionalGeneration": Family("model.language_model", "model.visual", ("merger",),
+                                                 _qwen25_encode, _qwen25_logits),
+    "Qwen3VLForConditionalGeneration": Family("model.language_model", "model.visual",
+                                              ("merger", "deepstack_merger_list"), _qwen3_encode, _qwen3_logits,
+                                              lambda cfg: len(cfg.vision_config.deepstack_visual_indexes)),
+}
 
 
 def _get(root: nn.Module, path: str) -> nn.Module:
@@ -119,22 +155,24 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
     cfg = model.config
     tower = _get(model, family.tower)
     merge = cfg.vision_config.spatial_merge_size
-    embeds = model.get_input_embeddings()(batch.inputs)
+    embeds = model.get_input_embeddings()(batch.inputs)  # (1, shard_len, D)
+    mask = levels = None
     if len(batch.extras["vision_grid"]):
+        d = embeds.shape[-1]
+        width = d * (1 + family.levels(cfg))
         trainable = any(p.requires_grad for p in tower.parameters())
-
-        def encode(pixels: Tensor, grid: Tensor) -> Tensor:
-            return tower(pixels.to(tower.dtype), grid_thw=grid).pooler_output
-
-        whole = group_embeddings(batch, group, encode, merge, embeds.shape[-1], embeds.dtype, trainable)
-        embeds = place(embeds, batch, whole.to(embeds.dtype), merge, {1: cfg.image_token_id, 2: cfg.video_token_id})
+        whole = group_embeddings(batch, group, lambda px, g: family.encode(tower, px, g), merge, width,
+                                 embeds.dtype, trainable)
+        rows, mask = place(batch, whole.to(embeds.dtype), merge, {1: cfg.image_token_id, 2: cfg.video_token_id})
+        embeds = torch.where(mask[None, :, None], rows[None, :, :d], embeds)
+        levels = [rows[mask][:, d * (i + 1):d * (i + 2)] for i in range(family.levels(cfg))] or None
+        mask = mask[None]
     positions = batch.shard_sample(qwen_positions(model, batch).T).T[:, None]  # (3, 1, shard_len)
-    logits = model(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits
-    return ctx.lm_loss(logits)
+    return ctx.lm_loss(family.logits(model, embeds, positions, mask, levels))
 
 
-def _freeze(tower: nn.Module, projector: nn.Module) -> None:
-    keep = {id(p) for p in projector.parameters()}
+def _freeze(tower: nn.Module, projectors: list[nn.Module]) -> None:
+    keep = {id(p) for m in projectors for p in m.parameters()}
     for p in tower.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
@@ -164,7 +202,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
     if freeze_vision:
         tower = _get(model, family.tower)
-        _freeze(tower, _get(tower, family.projector))
+        _freeze(tower, [_get(tower, path) for path in family.projectors])
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
     attn: dict[str, Any] = {}
 

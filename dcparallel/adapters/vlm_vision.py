@@ -7,8 +7,11 @@ them (`comm.gather_seq`); the gather's backward sums the gradient over the group
 each rank the rows of its own items, so an item's embeddings get the gradient of every shard
 that holds one of its tokens, once: the single-process gradient. The backward is a collective,
 so every rank of the group must reach it in every micro-batch that has vision items: the
-gathered rows always enter this rank's input embeddings (`place`), even when its shard holds
-none of their tokens (a rank with no item sends an empty share that still asks for a gradient).
+gathered rows always enter this rank's input embeddings (`place` indexes them, the caller
+selects with its mask), even when its shard holds none of their tokens (a rank with no item
+sends an empty share that still asks for a gradient). A family whose tower also feeds later
+decoder layers (Qwen3-VL's DeepStack features) joins those features to the embeddings along
+the feature dim, so one exchange carries all of them.
 """
 
 from __future__ import annotations
@@ -60,34 +63,30 @@ def group_embeddings(batch: Batch, group: Any, encode: Encode, merge: int, width
     return gathered[torch.tensor(index, dtype=torch.long, device=gathered.device)]
 
 
-def place(embeds: Tensor, batch: Batch, whole: Tensor, merge: int, token_ids: dict[int, int]) -> Tensor:
-    """``embeds`` (1, shard_len, D), the shard's token embeddings, with each placeholder token
-    of vision kind k (``token_ids[k]``) replaced by its row of ``whole`` (every item's
-    embeddings, items in order): the j-th placeholder of kind k in the whole row takes the j-th
-    row of kind k's items."""
+def place(batch: Batch, whole: Tensor, merge: int, token_ids: dict[int, int]) -> tuple[Tensor, Tensor]:
+    """(rows (shard_len, W), mask (shard_len,) bool): at each placeholder token of the shard, of
+    vision kind k (``token_ids[k]``), its row of ``whole`` (every item's embeddings, items in
+    order; the j-th placeholder of kind k in the whole row takes the j-th row of kind k's
+    items); zeros and False elsewhere."""
     ex = batch.extras
-    row = ex["row_ids"][0].to(embeds.device)
+    row = ex["row_ids"][0].to(whole.device)
     kinds = ex["vision_kind"].tolist()
     tokens = tokens_per_item(ex["vision_grid"], merge)
     lo, n = batch.shard_start, batch.shard_len
     hi = min(lo + n, batch.seq_len)
-    placed = torch.zeros_like(embeds[0])
-    mask = torch.zeros(n, dtype=torch.bool, device=embeds.device)
-    start = 0
-    per_kind = []
-    for t, k in zip(tokens, kinds, strict=True):
-        per_kind.append((k, start, t))
-        start += t
+    placed = whole.new_zeros(n, whole.shape[1])
+    mask = torch.zeros(n, dtype=torch.bool, device=whole.device)
+    starts = [sum(tokens[:i]) for i in range(len(tokens))]
     for k, tok in token_ids.items():
-        rows = [torch.arange(s, s + t) for kk, s, t in per_kind if kk == k]
+        rows = [torch.arange(s, s + t) for s, t, kk in zip(starts, tokens, kinds, strict=True) if kk == k]
         rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         is_tok = row == tok
         if int(is_tok.sum()) != rows.numel():
             raise ValueError(f"samples {batch.sample_ids}: {int(is_tok.sum())} placeholder tokens {tok} in the row but "
                              f"their grids give {rows.numel()} embeddings; pass each sample's processor output whole")
         before = int(is_tok[:lo].sum()) if lo < batch.seq_len else rows.numel()
-        local = is_tok[lo:hi].nonzero()[:, 0] if hi > lo else torch.zeros(0, dtype=torch.long)
+        local = is_tok[lo:hi].nonzero()[:, 0] if hi > lo else torch.zeros(0, dtype=torch.long, device=whole.device)
         take = rows[before:before + local.numel()].to(whole.device)
         placed = placed.index_put((local,), whole[take])
         mask[local] = True
-    return torch.where(mask[None, :, None], placed[None], embeds)
+    return placed, mask

@@ -42,7 +42,7 @@ def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
     out = workers.run(vlm_cases.case_vlm_engine, kind, seeds, NUM_SAMPLES, freeze_vision)
     sp_seen, rc_seen, dealt, worst = set(), set(), False, {}
     for i, seed in enumerate(seeds):
-        data = vlm_families.make_data(NUM_SAMPLES, seed)
+        data = vlm_families.make_data(NUM_SAMPLES, seed, kind)
         ref_loss, ref_grads = reference_once(
             ("vlm", kind, seed, freeze_vision),
             lambda: vlm_families.reference(vlm_families.build(kind, freeze_vision=freeze_vision), data,

@@ -19,7 +19,7 @@ def case_vlm_engine(kind: str, seeds: list[int], num_samples: int, freeze_vision
     dc = Engine(model, adapter=find_adapter(model, freeze_vision=freeze_vision))
     results = []
     for i, seed in enumerate(seeds):
-        data = vlm_families.make_data(num_samples, seed)
+        data = vlm_families.make_data(num_samples, seed, kind)
         plan = random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
                            num_layers=dc.adapter.spec.num_layers, mode=PLAN_MODES[i % len(PLAN_MODES)])
         loss = adapter_step(dc, plan, data, vlm_families.item)

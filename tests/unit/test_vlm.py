@@ -59,12 +59,25 @@ def test_mrope_positions_change_the_loss():
     assert rel_err(plain, mrope) > 1e-2
 
 
-def test_packed_chats_match_one_chat_at_a_time():
+def test_deepstack_features_change_the_loss():
+    """Without this the Qwen3-VL parity test could pass with the DeepStack features dropped."""
+    data = vlm_families.make_data(9, seed=3, kind="qwen3-vl")
+    model = vlm_families.build("qwen3-vl")
+    with_levels, _ = vlm_families.reference(model, data, range(9))
+    with torch.no_grad():
+        for p in model.model.visual.deepstack_merger_list.parameters():
+            p.zero_()
+    without, _ = vlm_families.reference(model, data, range(9))
+    assert abs(with_levels - without) > 1e-3 * abs(without), (with_levels, without)
+
+
+@pytest.mark.parametrize("kind", vlm_families.KINDS)
+def test_packed_chats_match_one_chat_at_a_time(kind):
     """SP 1, one process: the packed micro-batches of the mix (documents with images, videos
     and none) give the unmodified model's loss and gradients, vision tower included."""
-    data = vlm_families.make_data(9, seed=3)
-    ref_loss, ref = vlm_families.reference(vlm_families.build(), data, range(9))
-    model = vlm_families.build()
+    data = vlm_families.make_data(9, seed=3, kind=kind)
+    ref_loss, ref = vlm_families.reference(vlm_families.build(kind), data, range(9))
+    model = vlm_families.build(kind)
     dc = Engine(model)
     for sids in ((0, 1, 2), (3, 4), (5, 6, 7, 8)):
         b = dc.adapter.collate({s: vlm_families.item(data, s) for s in sids},
@@ -77,18 +90,22 @@ def test_packed_chats_match_one_chat_at_a_time():
         assert rel_err(p.grad, ref[n]) <= 1e-5, n
 
 
-def test_freeze_vision_leaves_the_projector_trainable():
-    model = vlm_families.build()
+@pytest.mark.parametrize("kind", vlm_families.KINDS)
+def test_freeze_vision_leaves_the_projectors_trainable(kind):
+    model = vlm_families.build(kind)
     find_adapter(model, freeze_vision=True)
     trainable = {n for n, p in model.model.visual.named_parameters() if p.requires_grad}
-    assert trainable and all(n.startswith("merger.") for n in trainable)
+    assert trainable == {n for n, p in vlm_families.build(kind, freeze_vision=True).model.visual.named_parameters()
+                         if p.requires_grad}
+    assert any(n.startswith("merger.") for n in trainable)
+    assert not any(n.startswith("blocks.") for n in trainable)
     assert all(p.requires_grad for p in model.model.language_model.parameters())
 
 
 REFUSED = {
     "MllamaForConditionalGeneration": "cross-attention layers",
     "Gemma3ForConditionalGeneration": "bidirectionally inside each image",
-    "Qwen3VLForConditionalGeneration": "DeepStack",
+    "Qwen3VLMoeForConditionalGeneration": "mixture-of-experts",
     "LlavaOnevisionForConditionalGeneration": "any-resolution tiling",
     "Idefics3ForConditionalGeneration": "pixel-shuffle",
     "SmolVLMForConditionalGeneration": "pixel-shuffle",
