@@ -25,7 +25,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
     "tests/dist/test_dist_grad_sync.py": 30,
-    "tests/dist/test_dist_vlm.py": 20,
+    "tests/dist/test_dist_vlm.py": 30,
     "tests/dist/test_dist_diffusers_memory.py": 25,
     "tests/dist/test_dist_elastic.py": 15,
     "tests/dist/test_dist_loader.py": 15,

@@ -17,7 +17,7 @@ from torch import nn
 
 from dcparallel.loss import IGNORE_INDEX
 
-KINDS = ("qwen2.5-vl", "qwen3-vl")
+KINDS = ("qwen2.5-vl", "qwen3-vl", "internvl")
 VOCAB = 96
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 #: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
@@ -26,6 +26,10 @@ IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 IMAGE_GRIDS = [(1, 4, 4), (1, 6, 8), (1, 8, 12)]
 VIDEO_GRID = (2, 4, 6)
 PATCH_WIDTH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+#: InternVL: square tiles of TILE pixels; an image of n tiles (the processor's dynamic tiling
+#: gives 1 to many per resolution) has 4 n placeholder tokens
+TILE = 8
+TILES = [1, 2, 5]
 
 
 def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = False) -> nn.Module:
@@ -54,13 +58,25 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
         vision |= dict(num_position_embeddings=16, deepstack_visual_indexes=[0])
         cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
         cls, projectors = transformers.Qwen3VLForConditionalGeneration, ("merger.", "deepstack_merger_list.")
+    elif kind == "internvl":  # tiles of 8 x 8 pixels, patches of 2: 16 patches, 4 tokens after the shuffle
+        text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="qwen2")
+        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                      image_size=TILE, patch_size=2, initializer_range=0.1, layer_scale_init_value=0.5)
+        cfg = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                          image_seq_length=4)
+        cls, projectors = transformers.InternVLForConditionalGeneration, ()
     else:
         raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
     model = cls._from_config(cfg, attn_implementation="eager").float()
     if freeze_vision:
-        for name, p in model.model.visual.named_parameters():
+        for name, p in tower(model).named_parameters():
             p.requires_grad_(name.startswith(projectors))
     return model
+
+
+def tower(model: nn.Module) -> nn.Module:
+    """The vision tower (InternVL's projector is outside it)."""
+    return model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
 
 
 def _text(rng: random.Random, n: int) -> list[int]:
@@ -100,6 +116,23 @@ def _sample(rng: random.Random, images: list[tuple], video: tuple | None, timest
     return out
 
 
+def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool) -> dict:
+    """InternVL: image i of the layout as TILES[its resolution's index] tiles (no videos)."""
+    ids, pix = _text(rng, rng.randint(2, 6)), []
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for grid in images:
+        n = TILES[IMAGE_GRIDS.index(tuple(grid))]
+        ids += [START] + [IMAGE] * (4 * n) + [END] + _text(rng, rng.randint(1, 4))
+        pix.append(torch.randn(n, 3, TILE, TILE, generator=g))
+    prompt = len(ids)
+    ids += _text(rng, rng.randint(3, 9))
+    labels = [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX]
+    out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+    if images:
+        out["pixel_values"] = torch.cat(pix)
+    return out
+
+
 def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNamespace:
     """The mix, shuffled by ``seed``: text-only, each image resolution alone, two and three
     images in one sample, a video (with an image before it), repeated to ``num_samples``."""
@@ -108,7 +141,8 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
                ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
                ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
     rng.shuffle(layouts)
-    samples = [_sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
+    make = _tiled_sample if kind == "internvl" else _sample
+    samples = [make(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
     # random_plan packs text-kind samples (micro-batches of 1-3 documents)
     return SimpleNamespace(kind="hf-vlm", samples=samples, docs=[s["input_ids"] for s in samples])
 
@@ -127,8 +161,9 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
         ids = s["input_ids"][None]
         kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
                                 "second_per_grid_ts") if k in s}
-        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
-        logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits
+        if "Qwen" in type(model).__name__:  # the model computes its M-RoPE positions from these
+            kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        logits = model(input_ids=ids, use_cache=False, **kw).logits
         losses.append(F.cross_entropy(logits[0].float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum"))
         count += int((s["labels"] != IGNORE_INDEX).sum())
     loss = torch.stack(losses).sum() / count

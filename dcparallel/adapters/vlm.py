@@ -1,26 +1,23 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
-(`adapters.vlm_vision`). Trained exactly: Qwen2.5-VL and Qwen3-VL (images of any size,
-several per sample, videos; Qwen3-VL's DeepStack features added after its first decoder
-layers at the shard's placeholder tokens). Every other class with a vision tower is refused
-with what is missing (`REFUSED`, or the generic reason).
+(`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2.5-VL,
+Qwen3-VL, InternVL). Every other class with a vision tower is refused with what is missing
+(`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
 images and videos encoded by the group's ranks (each item whole on one rank, dealt by patch
 count in the collate, `data.vision_collate`) and their embeddings placed at the shard's
-placeholder tokens; the multimodal rotary positions (Qwen's 3-D M-RoPE: temporal, height,
-width) computed by the model's own ``get_rope_index`` per document on the whole row, then cut
-like the tokens; the language model called with ``inputs_embeds`` and those positions; the
-loss only on the targets the labels mark (the chat template's trained tokens).
+placeholder tokens; the positions computed on the whole row, then cut like the tokens
+(Qwen's 3-D M-RoPE by the model's own ``get_rope_index`` per document); the language model
+called with ``inputs_embeds`` and those positions; the loss only on the targets the labels
+mark (the chat template's trained tokens).
 
-``freeze_vision=True`` freezes the vision tower but its projectors (the patch merger; Qwen3-VL
-also its DeepStack mergers): the tower still runs forward, its parameters get no gradient and stay out of the optimizer.
+``freeze_vision=True`` freezes the vision tower but its projectors (`Family.projectors`): the
+tower still runs forward, its parameters get no gradient and stay out of the optimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,12 +26,14 @@ from torch import Tensor, nn
 from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
+from dcparallel.adapters.vlm_families import FAMILIES, Family
 from dcparallel.adapters.vlm_vision import group_embeddings, place
 from dcparallel.data.batch import Batch
 from dcparallel.data.vision_collate import collate_vision
 
 _NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
-_FIX = ("train Qwen2_5_VLForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
+_FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration or "
+        "InternVLForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
         "loss_fn that encodes its images and a parity test against the unmodified model")
 
 #: vision-language classes refused: what their layout needs that dcparallel does not implement
@@ -54,58 +53,6 @@ REFUSED: dict[str, str] = {
                                         f"connector; {_NO_ADAPTER}",
     "SmolVLMForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
                                        f"connector; {_NO_ADAPTER}",
-    "InternVLForConditionalGeneration": f"its tiled images and pixel-shuffle projector; {_NO_ADAPTER}",
-}
-
-
-def _qwen25_encode(tower: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
-    return tower(pixels.to(tower.dtype), grid_thw=grid).pooler_output
-
-
-def _qwen3_encode(tower: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
-    """The merged embeddings and each DeepStack level's, joined along the feature dim."""
-    out = tower(pixels.to(tower.dtype), grid_thw=grid)
-    return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
-
-
-def _qwen25_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                   levels: list[Tensor] | None) -> Tensor:
-    return model(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits
-
-
-def _qwen3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                  levels: list[Tensor] | None) -> Tensor:
-    """The language model with the shard's DeepStack rows added after its first decoder
-    layers at the shard's placeholder tokens (``mask``), then the LM head."""
-    hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                                        visual_pos_masks=mask, deepstack_visual_embeds=levels).last_hidden_state
-    return model.lm_head(hidden)
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where a supported vision-language class keeps its parts, and how it is called."""
-
-    text: str
-    """attribute path of the language model (blocks, attention, ``set_attn_implementation``)"""
-    tower: str
-    """attribute path of the vision tower"""
-    projectors: tuple[str, ...]
-    """attribute paths, inside the tower, of what ``freeze_vision`` leaves trainable"""
-    encode: Callable[[nn.Module, Tensor, Tensor], Tensor]
-    """(tower, patches, grids) -> (tokens, D x (1 + levels)): embeddings, then DeepStack levels"""
-    logits: Callable[..., Tensor]
-    """(model, embeds, positions, placeholder mask or None, DeepStack rows or None) -> logits"""
-    levels: Callable[[Any], int] = lambda cfg: 0
-    """DeepStack levels of a config (vision features added after the first decoder layers)"""
-
-
-FAMILIES = {
-    "Qwen2_5_VLForConditionalGeneration": Family("model.language_model", "model.visual", ("merger",),
-                                                 _qwen25_encode, _qwen25_logits),
-    "Qwen3VLForConditionalGeneration": Family("model.language_model", "model.visual",
-                                              ("merger", "deepstack_merger_list"), _qwen3_encode, _qwen3_logits,
-                                              lambda cfg: len(cfg.vision_config.deepstack_visual_indexes)),
 }
 
 
@@ -128,47 +75,32 @@ def _refuse(model: nn.Module) -> ValueError:
     return ValueError(f"dcparallel cannot train the vision-language model {who}: {why}. To train it, {_FIX}")
 
 
-def qwen_positions(model: nn.Module, batch: Batch) -> Tensor:
-    """(3, seq_len) M-RoPE positions of the whole row: the model's ``get_rope_index`` on each
-    document with its own images and videos (each document starts at 0, as a single sample)."""
-    cfg = model.config
-    ex = batch.extras
-    row = ex["row_ids"].to(batch.inputs.device)
-    grid, kind, doc = ex["vision_grid"], ex["vision_kind"], ex["vision_doc"]
-    seconds = ex["vision_seconds"].view(torch.float64)
-    out = []
-    for d, (a, b) in enumerate(zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)):
-        ids = row[:, a:b]
-        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-        img, vid = (doc == d) & (kind == 1), (doc == d) & (kind == 2)
-        pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid[img] if img.any() else None,
-                                            video_grid_thw=grid[vid] if vid.any() else None,
-                                            second_per_grid_ts=seconds[vid] if vid.any() else None)
-        out.append(pos[:, 0])
-    return torch.cat(out, dim=1)
-
-
 def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: dict[str, Any]) -> Tensor:
     """One micro-batch of a vision-language model (see the module docstring): the summed loss."""
     state = attn["fn"].state() if "fn" in attn else None
     group = state.group if state is not None else None
     cfg = model.config
-    tower = _get(model, family.tower)
-    merge = cfg.vision_config.spatial_merge_size
     embeds = model.get_input_embeddings()(batch.inputs)  # (1, shard_len, D)
     mask = levels = None
-    if len(batch.extras["vision_grid"]):
+    ex = batch.extras
+    if len(ex["vision_grid"]):
+        kinds = family.kinds(cfg)
+        extra = sorted(set(ex["vision_kind"].tolist()) - set(kinds))
+        if extra:
+            raise ValueError(f"samples {batch.sample_ids} hold {'videos' if 2 in extra else 'vision items'} but "
+                             f"{type(model).__name__} takes only {sorted(kinds)} (1 image, 2 video); leave "
+                             f"pixel_values_videos out of its samples")
         d = embeds.shape[-1]
-        width = d * (1 + family.levels(cfg))
-        trainable = any(p.requires_grad for p in tower.parameters())
-        whole = group_embeddings(batch, group, lambda px, g: family.encode(tower, px, g), merge, width,
-                                 embeds.dtype, trainable)
-        rows, mask = place(batch, whole.to(embeds.dtype), merge, {1: cfg.image_token_id, 2: cfg.video_token_id})
+        trainable = any(p.requires_grad for path in (family.tower, *family.projectors)
+                        for p in _get(model, path).parameters())
+        tokens = family.tokens(cfg, ex["vision_grid"])
+        whole = group_embeddings(batch, group, lambda px, g: family.encode(model, px, g), tokens,
+                                 d * (1 + family.levels(cfg)), embeds.dtype, trainable)
+        rows, mask = place(batch, whole.to(embeds.dtype), tokens, kinds)
         embeds = torch.where(mask[None, :, None], rows[None, :, :d], embeds)
         levels = [rows[mask][:, d * (i + 1):d * (i + 2)] for i in range(family.levels(cfg))] or None
         mask = mask[None]
-    positions = batch.shard_sample(qwen_positions(model, batch).T).T[:, None]  # (3, 1, shard_len)
-    return ctx.lm_loss(family.logits(model, embeds, positions, mask, levels))
+    return ctx.lm_loss(family.logits(model, embeds, family.positions(model, batch), mask, levels))
 
 
 def _freeze(tower: nn.Module, projectors: list[nn.Module]) -> None:
@@ -201,8 +133,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=cfg.vocab_size,
                        num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
     if freeze_vision:
-        tower = _get(model, family.tower)
-        _freeze(tower, [_get(tower, path) for path in family.projectors])
+        _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
     attn: dict[str, Any] = {}
 

@@ -30,17 +30,11 @@ from dcparallel.runtime import comm
 Encode = Callable[[Tensor, Tensor], Tensor]
 
 
-def tokens_per_item(grid: Tensor, merge: int) -> list[int]:
-    """Language-model tokens of each item: its patches over the spatial merge (merge x merge)."""
-    return (grid.prod(-1) // (merge * merge)).tolist()
-
-
-def group_embeddings(batch: Batch, group: Any, encode: Encode, merge: int, width: int, dtype: torch.dtype,
+def group_embeddings(batch: Batch, group: Any, encode: Encode, tokens: list[int], width: int, dtype: torch.dtype,
                      trainable: bool) -> Tensor:
-    """Every vision item's embeddings (all their tokens, ``width``), items in order, on every
-    rank of the group; this rank encodes only its own items (``vision_owner``)."""
+    """Every vision item's embeddings (``tokens[i]`` rows of ``width`` for item i), items in
+    order, on every rank of the group; this rank encodes only its own items (``vision_owner``)."""
     ex = batch.extras
-    tokens = tokens_per_item(ex["vision_grid"], merge)
     owner = ex["vision_owner"].tolist()
     me = batch.rank_in_group
     mine = [i for i, o in enumerate(owner) if o == me]
@@ -63,7 +57,7 @@ def group_embeddings(batch: Batch, group: Any, encode: Encode, merge: int, width
     return gathered[torch.tensor(index, dtype=torch.long, device=gathered.device)]
 
 
-def place(batch: Batch, whole: Tensor, merge: int, token_ids: dict[int, int]) -> tuple[Tensor, Tensor]:
+def place(batch: Batch, whole: Tensor, tokens: list[int], token_ids: dict[int, int]) -> tuple[Tensor, Tensor]:
     """(rows (shard_len, W), mask (shard_len,) bool): at each placeholder token of the shard, of
     vision kind k (``token_ids[k]``), its row of ``whole`` (every item's embeddings, items in
     order; the j-th placeholder of kind k in the whole row takes the j-th row of kind k's
@@ -71,7 +65,6 @@ def place(batch: Batch, whole: Tensor, merge: int, token_ids: dict[int, int]) ->
     ex = batch.extras
     row = ex["row_ids"][0].to(whole.device)
     kinds = ex["vision_kind"].tolist()
-    tokens = tokens_per_item(ex["vision_grid"], merge)
     lo, n = batch.shard_start, batch.shard_len
     hi = min(lo + n, batch.seq_len)
     placed = whole.new_zeros(n, whole.shape[1])

@@ -5,7 +5,9 @@ A sample is what a transformers processor returns for one chat, without the batc
 ``input_ids`` (L,), optionally ``labels`` (L,: next-token targets aligned with the inputs,
 ``ignore_index`` where the chat template marks no training), ``pixel_values`` (patches, C) with
 ``image_grid_thw`` (images, 3), ``pixel_values_videos`` with ``video_grid_thw`` (videos, 3) and
-``second_per_grid_ts`` (videos,). The placeholder tokens of each image stay in ``input_ids``.
+``second_per_grid_ts`` (videos,); or, for a model whose images are fixed-size tiles (InternVL),
+``pixel_values`` (tiles, C, H, W) alone, each tile an item of grid (1, H, W). The placeholder
+tokens of each image stay in ``input_ids``.
 A 1-D tensor of token ids is a text-only sample.
 
 The micro-batch's images and videos ("vision items", per document its images then its videos,
@@ -55,8 +57,19 @@ def deal_by_patches(patches: Sequence[int], sp: int) -> list[int]:
     return owner
 
 
+def _tiles(sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
+    """Image tiles (``pixel_values`` (tiles, C, H, W), no grid: InternVL): one item each, of
+    grid (1, H, W) and one row of patches (its pixels flattened)."""
+    pix = torch.as_tensor(sample["pixel_values"])
+    grid = torch.tensor([1, pix.shape[2], pix.shape[3]], dtype=torch.long)
+    return [(1, grid, t.reshape(1, -1), 1.0, doc) for t in pix]
+
+
 def _items(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
     """(kind, grid, patches, seconds, doc) of the sample's images, then its videos."""
+    pix = sample.get("pixel_values")
+    if pix is not None and sample.get("image_grid_thw") is None and torch.as_tensor(pix).dim() == 4:
+        return _tiles(sample, doc)
     out = []
     for kind, (pix_key, grid_key) in KINDS.items():
         grid = sample.get(grid_key)

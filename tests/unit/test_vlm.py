@@ -94,11 +94,12 @@ def test_packed_chats_match_one_chat_at_a_time(kind):
 def test_freeze_vision_leaves_the_projectors_trainable(kind):
     model = vlm_families.build(kind)
     find_adapter(model, freeze_vision=True)
-    trainable = {n for n, p in model.model.visual.named_parameters() if p.requires_grad}
-    assert trainable == {n for n, p in vlm_families.build(kind, freeze_vision=True).model.visual.named_parameters()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in vlm_families.build(kind, freeze_vision=True).named_parameters()
                          if p.requires_grad}
-    assert any(n.startswith("merger.") for n in trainable)
-    assert not any(n.startswith("blocks.") for n in trainable)
+    assert not any(p.requires_grad for n, p in vlm_families.tower(model).named_parameters()
+                   if n.startswith(("blocks.", "encoder.")))
+    assert any("merger." in n or "multi_modal_projector." in n for n in trainable)
     assert all(p.requires_grad for p in model.model.language_model.parameters())
 
 
@@ -109,7 +110,6 @@ REFUSED = {
     "LlavaOnevisionForConditionalGeneration": "any-resolution tiling",
     "Idefics3ForConditionalGeneration": "pixel-shuffle",
     "SmolVLMForConditionalGeneration": "pixel-shuffle",
-    "InternVLForConditionalGeneration": "pixel-shuffle projector",
     "LlavaForConditionalGeneration": "no adapter for its vision inputs",
 }
 
@@ -122,4 +122,14 @@ def test_other_vision_language_classes_are_refused_with_the_reason(name):
     with pytest.raises(ValueError) as err:
         find_adapter(model)
     msg = str(err.value)
-    assert name in msg and REFUSED[name] in msg and "Qwen2_5_VLForConditionalGeneration" in msg, msg
+    assert name in msg and REFUSED[name] in msg and "InternVLForConditionalGeneration, or pass adapter=" in msg, msg
+
+
+def test_a_video_for_a_model_without_videos_is_refused():
+    """InternVL takes images only: a sample with a video is refused, not trained without it."""
+    video = next(s for s in vlm_families.make_data(9, seed=3).samples if "video_grid_thw" in s)
+    model = vlm_families.build("internvl")
+    dc = Engine(model)
+    b = dc.adapter.collate({0: video}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)
+    with pytest.raises(ValueError, match="leave pixel_values_videos out"), dc.micro_batch(b) as ctx:
+        dc.adapter.loss_fn(model, b, ctx)
