@@ -17,7 +17,7 @@ from torch import nn
 
 from dcparallel.loss import IGNORE_INDEX
 
-KINDS = ("qwen2.5-vl", "qwen3-vl", "internvl")
+KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl")
 VOCAB = 96
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 #: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
@@ -52,6 +52,11 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
                                             pad_token_id=0, **tokens)
         cls, projectors = transformers.Qwen2_5_VLForConditionalGeneration, ("merger.",)
+    elif kind == "qwen2-vl":  # the tower's width is embed_dim, its output hidden_size
+        vision = {k: v for k, v in vision.items() if k not in ("hidden_size", "intermediate_size", "out_hidden_size")}
+        vision |= dict(embed_dim=16, hidden_size=32, mlp_ratio=2)
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        cls, projectors = transformers.Qwen2VLForConditionalGeneration, ("merger.",)
     elif kind == "qwen3-vl":
         text |= dict(head_dim=8)
         text["rope_parameters"] |= {"mrope_interleaved": True}
@@ -143,6 +148,9 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
     rng.shuffle(layouts)
     make = _tiled_sample if kind == "internvl" else _sample
     samples = [make(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
+    if kind != "qwen2.5-vl":  # only Qwen2.5-VL's positions take seconds per temporal step
+        for s in samples:
+            s.pop("second_per_grid_ts", None)
     # random_plan packs text-kind samples (micro-batches of 1-3 documents)
     return SimpleNamespace(kind="hf-vlm", samples=samples, docs=[s["input_ids"] for s in samples])
 

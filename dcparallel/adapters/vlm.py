@@ -1,7 +1,7 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
-(`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2.5-VL,
-Qwen3-VL, InternVL). Every other class with a vision tower is refused with what is missing
+(`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, InternVL). Every other class with a vision tower is refused with what is missing
 (`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the

@@ -2,8 +2,9 @@
 vision tower and projectors are, and how one micro-batch calls them (`adapters.vlm` drives
 them the same way).
 
-* Qwen2.5-VL: the tower encodes patches of any (t, h, w) grid, merged 2 x 2 into language
-  tokens; 3-D M-RoPE positions from the model's own ``get_rope_index``.
+* Qwen2-VL, Qwen2.5-VL: the tower encodes patches of any (t, h, w) grid, merged 2 x 2 into
+  language tokens (Qwen2.5-VL: window attention inside the tower); 3-D M-RoPE positions from
+  the model's own ``get_rope_index``.
 * Qwen3-VL: as Qwen2.5-VL, and DeepStack: features of inner tower blocks added to the hidden
   states after the first decoder layers at the placeholder tokens. They are encoded joined to
   the merged embeddings along the feature dim, so one exchange in the SP group carries all.
@@ -132,6 +133,9 @@ def _qwen_kinds(cfg: Any) -> dict[int, int]:
 
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": Family(
+        "model.language_model", "model.visual", ("model.visual.merger",), _qwen25_encode, _qwen_tokens,
+        _qwen_positions, _model_logits, _qwen_kinds),
+    "Qwen2VLForConditionalGeneration": Family(
         "model.language_model", "model.visual", ("model.visual.merger",), _qwen25_encode, _qwen_tokens,
         _qwen_positions, _model_logits, _qwen_kinds),
     "Qwen3VLForConditionalGeneration": Family(

@@ -1,4 +1,4 @@
-"""Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen3-VL and InternVL on
+"""Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen2-VL, Qwen3-VL and InternVL on
 random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on and off) of a mix of
 text-only chats, single images of three resolutions (InternVL: 1, 2 and 5 tiles), several
 images in one chat and (Qwen) a short video, the vision tower trainable and frozen (its
