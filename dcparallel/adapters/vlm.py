@@ -27,7 +27,7 @@ from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
 from dcparallel.adapters.vlm_families import FAMILIES, Family
-from dcparallel.adapters.vlm_vision import group_embeddings, place
+from dcparallel.adapters.vlm_vision import check_placeholders, group_embeddings, place
 from dcparallel.data.batch import Batch
 from dcparallel.data.vision_collate import collate_vision
 
@@ -83,8 +83,10 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
     embeds = model.get_input_embeddings()(batch.inputs)  # (1, shard_len, D)
     mask = levels = None
     ex = batch.extras
-    if len(ex["vision_grid"]):
-        kinds = family.kinds(cfg)
+    kinds = family.kinds(cfg)
+    tokens = family.tokens(cfg, ex["vision_grid"]) if len(ex["vision_grid"]) else []
+    check_placeholders(batch, tokens, kinds)
+    if tokens:
         extra = sorted(set(ex["vision_kind"].tolist()) - set(kinds))
         if extra:
             raise ValueError(f"samples {batch.sample_ids} hold {'videos' if 2 in extra else 'vision items'} but "
@@ -93,7 +95,6 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
         d = embeds.shape[-1]
         trainable = any(p.requires_grad for path in (family.tower, *family.projectors)
                         for p in _get(model, path).parameters())
-        tokens = family.tokens(cfg, ex["vision_grid"])
         whole = group_embeddings(batch, group, lambda px, g: family.encode(model, px, g), tokens,
                                  d * (1 + family.levels(cfg)), embeds.dtype, trainable)
         rows, mask = place(batch, whole.to(embeds.dtype), tokens, kinds)
@@ -101,6 +102,19 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
         levels = [rows[mask][:, d * (i + 1):d * (i + 2)] for i in range(family.levels(cfg))] or None
         mask = mask[None]
     return ctx.lm_loss(family.logits(model, embeds, family.positions(model, batch), mask, levels))
+
+
+def text_samples(vocab: int, placeholders: list[int]):
+    """The profiler's synthetic samples: random token ids, none of them a placeholder (a
+    placeholder without its image is refused)."""
+    draw = random_tokens(vocab)
+    free = next(i for i in range(vocab) if i not in placeholders)
+
+    def sample(size: Any, index: int) -> Tensor:
+        ids = draw(size, index)
+        return torch.where(torch.isin(ids, torch.tensor(placeholders)), free, ids)
+
+    return sample
 
 
 def _freeze(tower: nn.Module, projectors: list[nn.Module]) -> None:
@@ -134,6 +148,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
                        num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
     if freeze_vision:
         _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
+    placeholders = list(family.kinds(model.config).values())
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
     attn: dict[str, Any] = {}
 
@@ -151,5 +166,5 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
                         install_attention=install, spec=spec, attn_modules=attn_of, mlp_modules=mlp_of,
-                        loss_fn=loss_fn or default_loss, sample=sample_fn or random_tokens(cfg.vocab_size),
+                        loss_fn=loss_fn or default_loss, sample=sample_fn or text_samples(cfg.vocab_size, placeholders),
                         collate=collate_vision)

@@ -57,6 +57,23 @@ def group_embeddings(batch: Batch, group: Any, encode: Encode, tokens: list[int]
     return gathered[torch.tensor(index, dtype=torch.long, device=gathered.device)]
 
 
+def check_placeholders(batch: Batch, tokens: list[int], token_ids: dict[int, int]) -> None:
+    """Each document's placeholder tokens of each vision kind number exactly the tokens of its
+    items of that kind (``tokens``: per item): otherwise an image would be dropped, or a
+    placeholder trained as text."""
+    ex = batch.extras
+    row = ex["row_ids"][0]
+    kinds, docs = ex["vision_kind"].tolist(), ex["vision_doc"].tolist()
+    for d, (a, b) in enumerate(zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)):
+        for k, tok in token_ids.items():
+            found = int((row[a:b] == tok).sum())
+            given = sum(t for t, kk, dd in zip(tokens, kinds, docs, strict=True) if kk == k and dd == d)
+            if found != given:
+                raise ValueError(f"sample {batch.sample_ids[d]} has {found} placeholder tokens {tok} but its "
+                                 f"{'images' if k == 1 else 'videos'} give {given} embeddings; pass each sample's "
+                                 f"processor output whole (input_ids with the pixel values and grids it made)")
+
+
 def place(batch: Batch, whole: Tensor, tokens: list[int], token_ids: dict[int, int]) -> tuple[Tensor, Tensor]:
     """(rows (shard_len, W), mask (shard_len,) bool): at each placeholder token of the shard, of
     vision kind k (``token_ids[k]``), its row of ``whole`` (every item's embeddings, items in
@@ -74,9 +91,6 @@ def place(batch: Batch, whole: Tensor, tokens: list[int], token_ids: dict[int, i
         rows = [torch.arange(s, s + t) for s, t, kk in zip(starts, tokens, kinds, strict=True) if kk == k]
         rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         is_tok = row == tok
-        if int(is_tok.sum()) != rows.numel():
-            raise ValueError(f"samples {batch.sample_ids}: {int(is_tok.sum())} placeholder tokens {tok} in the row but "
-                             f"their grids give {rows.numel()} embeddings; pass each sample's processor output whole")
         before = int(is_tok[:lo].sum()) if lo < batch.seq_len else rows.numel()
         local = is_tok[lo:hi].nonzero()[:, 0] if hi > lo else torch.zeros(0, dtype=torch.long, device=whole.device)
         take = rows[before:before + local.numel()].to(whole.device)

@@ -65,3 +65,19 @@ def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
     vis = max((e for n, e in worst.items() if n.startswith(VISION)), default=0.0)
     print(f"\n{kind} {'frozen' if freeze_vision else 'trainable'} world {workers.world}: max rel err "
           f"{worst[top]:.2e} ({top}); vision tower {vis:.2e}")
+
+
+@pytest.mark.slow  # a profile and an epoch: about 25 s of the pool's time on a loaded 2-core machine
+def test_vlm_epoch_through_the_public_api(workers, tmp_path):
+    """Every chat trained once in an epoch planned by `dcp` on a profile of the model, its
+    batches collated by the loader's workers; every rank sees the same step losses."""
+    if workers.world != 2:
+        pytest.skip("the loader's path is the same at world 4; the parity test above covers the SP degrees")
+    out = workers.run(vlm_cases.case_vlm_epoch, "qwen2.5-vl", 16, str(tmp_path / "profile.json"))
+    runs: dict[tuple, int] = {}
+    for per_rank in out:
+        for step, ranks, sids, _ in per_rank["ran"]:
+            runs[(step, tuple(ranks), tuple(sids))] = runs.get((step, tuple(ranks), tuple(sids)), 0) + 1
+    assert all(n == len(ranks) for (_, ranks, _), n in runs.items())
+    assert sorted(s for (_, _, sids) in runs for s in sids) == list(range(16))
+    assert out[0]["losses"] == out[1]["losses"]

@@ -133,3 +133,18 @@ def test_a_video_for_a_model_without_videos_is_refused():
     b = dc.adapter.collate({0: video}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)
     with pytest.raises(ValueError, match="leave pixel_values_videos out"), dc.micro_batch(b) as ctx:
         dc.adapter.loss_fn(model, b, ctx)
+
+
+def test_placeholders_without_their_image_are_refused():
+    """A chat whose placeholder tokens do not match its images (here: none given) is refused,
+    not trained with the placeholders as text; the profiler's synthetic samples hold none."""
+    data = vlm_families.make_data(9, seed=3)
+    s = next(s for s in data.samples if "image_grid_thw" in s)
+    model = vlm_families.build()
+    dc = Engine(model)
+    b = dc.adapter.collate({0: {"input_ids": s["input_ids"]}}, MicroBatch((0,), Layout(1, 1, Recompute.none())),
+                           (0,), 0)
+    with pytest.raises(ValueError, match="placeholder tokens"), dc.micro_batch(b) as ctx:
+        dc.adapter.loss_fn(model, b, ctx)
+    synthetic = torch.cat([dc.adapter.sample(500, i) for i in range(4)])
+    assert not torch.isin(synthetic, torch.tensor([vlm_families.IMAGE, vlm_families.VIDEO])).any()
