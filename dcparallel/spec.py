@@ -9,8 +9,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-#: A sample's size as known before loading: a token count (text) or a video shape
-#: ``(frames, height, width)`` in pixels, turned into tokens by `ModelSpec.tokens`.
+from dcparallel.vision_spec import VisionSize, VisionTower
+
+#: A sample's size as known before loading: a token count (text; a `VisionSize` for a
+#: vision-language sample) or a video shape ``(frames, height, width)`` in pixels, turned
+#: into tokens by `ModelSpec.tokens`.
 Size = Union[int, tuple[int, int, int]]
 
 AttentionPattern = Literal["causal", "full", "factorized"]
@@ -41,7 +44,7 @@ def check_size(size: Size, index: int | None = None) -> Size:
         return tuple(out)  # type: ignore[return-value]
     if isinstance(size, bool) or not float(size).is_integer() or int(size) <= 0:
         raise ValueError(f"{where}a text size is a positive integer token count; got {size!r}")
-    return int(size)
+    return size if isinstance(size, VisionSize) else int(size)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -147,6 +150,8 @@ class ModelSpec:
     head_dim: int = 0
     #: value head size (multi-head latent attention: unlike the query/key one); 0 = head_dim
     v_head_dim: int = 0
+    #: a vision-language model's vision tower, priced from `VisionSize.patches`; None: none
+    vision: VisionTower | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -160,7 +165,7 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         per_layer = self.attn_params + self.mlp_params + self.other_params
-        return self.num_layers * per_layer + self.extra_params
+        return self.num_layers * per_layer + self.extra_params + (self.vision.num_params if self.vision else 0)
 
     def latent_grid(self, size: Size) -> tuple[int, int]:
         """(latent frames T, spatial tokens S) of a sample; text is (1, tokens)."""
