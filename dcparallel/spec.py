@@ -352,6 +352,9 @@ def batch_key(model: ModelSpec, size: Size) -> tuple[int, ...]:
     exact latent grid (frames, patch rows, patch columns): same-shape samples stack as rows,
     so a 240x256 and a 256x256 clip never share a micro-batch."""
     key = bucket_key(model, size)
+    if isinstance(size, VisionSize):  # and the class of its vision patches, all and the largest image's
+        return (*key, *(int(math.floor(math.log(p) / math.log(1.25) + 1e-9)) for p in (sum(size.patches),
+                                                                                       max(size.patches))))
     if not isinstance(size, tuple):
         return key
     frames, height, width = size

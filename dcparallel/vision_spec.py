@@ -54,6 +54,12 @@ class VisionTower:
     #: weights outside the blocks (patch embedding, merger / projector into the language model)
     extra_params: int = 0
     trainable: bool = True
+    #: how the model's processor grids an image (Qwen2-VL family): `patch`-pixel patches,
+    #: `merge` x `merge` of them per language token, the pixel count clamped to these bounds
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 16384
 
     def __post_init__(self) -> None:
         if not 0 <= self.full_layers <= self.num_layers or self.window < 0:

@@ -66,7 +66,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                      help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
                           f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
-                     help="one sample a line: `tokens` or `frames height width`; or a .npy array")
+                     help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
+                          "vision-language --model) a .jsonl of {\"text\": tokens, \"vision\": [image sizes]}")
     p.add_argument("--world", type=int, default=32, help="GPUs (default 32)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
@@ -78,8 +79,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
-    sizes = read_lengths(args.lengths) if args.lengths is not None else None
     spec = _model_of(args)
+    sizes = None if args.lengths is None else _read_lengths(args.lengths, spec)
     if spec is not None and args.profile is not None:
         raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
     if spec is not None:
@@ -135,6 +136,23 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         shard = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
     cluster = dataclasses.replace(cluster, shard_size=shard)
     return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
+
+
+def _read_lengths(path: Path, spec: ModelSpec | None) -> list:
+    """--lengths: a .jsonl of vision-language samples (with a vision-language --model) or
+    `read_lengths`' formats."""
+    if path.suffix != ".jsonl":
+        return read_lengths(path)
+    if spec is None or spec.vision is None:
+        vlms = sorted(k for k, m in MODEL_PRESETS.items() if m.vision is not None)
+        raise SystemExit(f"error: {path} is a .jsonl lengths file of vision-language samples; give a vision-language "
+                         f"--model ({', '.join(vlms)})")
+    from dcparallel.data.vision_sizes import read_vision_lengths
+
+    try:
+        return read_vision_lengths(path, spec.vision)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _model_of(args) -> ModelSpec | None:

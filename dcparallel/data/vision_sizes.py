@@ -11,10 +11,14 @@ multiple of patch x merge pixels, the pixel count clamped to the processor's
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+from dcparallel.spec import Size, VisionSize, VisionTower
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,39 @@ def record_items(entries: Sequence[Mapping[str, Any]], image_processor: Any,
 def sample_length(text_tokens: int, items: Sequence[VisionItem]) -> int:
     """The planner's length of a sample: its text tokens and its images' placeholder tokens."""
     return int(text_tokens) + sum(it.tokens for it in items)
+
+
+def tower_processor(tower: VisionTower) -> SimpleNamespace:
+    """The image-processor fields `image_item` reads, from a `VisionTower`'s grid rule (a
+    preset without a model folder: `simulate --model qwen2.5-vl-7b`)."""
+    return SimpleNamespace(patch_size=tower.patch, merge_size=tower.merge,
+                           size={"shortest_edge": tower.min_pixels, "longest_edge": tower.max_pixels})
+
+
+def read_vision_lengths(path: str | Path, tower: VisionTower) -> list[Size]:
+    """A vision-language lengths file (JSONL): one sample a line, ``{"text": tokens, "vision":
+    [entry, ...]}``, each entry as `record_items` reads it (``{"width": w, "height": h}`` pixels,
+    ``{"image": path}`` or ``{"grid": [t, h, w]}`` patches, e.g. a video). A sample with
+    entries is a `VisionSize` (text + placeholder tokens, each entry's patches), one without
+    a text size (its tokens)."""
+    p = Path(path)
+    proc, out = tower_processor(tower), []
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            text = rec["text"]
+            if isinstance(text, bool) or not isinstance(text, int) or text < 0:
+                raise ValueError(f"'text' is a token count >= 0, got {text!r}")
+            items = record_items(rec.get("vision", []), proc, root=p.parent)
+            size = sample_length(text, items)
+            if size <= 0:
+                raise ValueError("the sample has no tokens")
+            out.append(VisionSize(size, tuple(it.patches for it in items)) if items else size)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f'{p}:{lineno}: {exc!s}; a line is {{"text": tokens, "vision": [{{"width": w, '
+                             f'"height": h}} | {{"image": path}} | {{"grid": [t, h, w]}}, ...]}}') from None
+    if not out:
+        raise ValueError(f"lengths file {p} holds no samples; one JSON object a line")
+    return out

@@ -18,7 +18,7 @@ from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import decoder_lm
 from dcparallel.sim.replay import simulate, step_seconds
-from dcparallel.spec import VisionSize, VisionTower, Workload, check_size, h200_cluster
+from dcparallel.spec import VisionSize, VisionTower, Workload, batch_key, check_size, h200_cluster
 
 from ._models import cluster
 from .test_cost import _profile
@@ -117,6 +117,13 @@ def test_the_planner_balances_both_towers():
     t_seeing = simulate(plans["seeing"], seeing).total_time
     t_blind = simulate(plans["blind"], seeing).total_time
     assert t_seeing < t_blind * 0.98, (t_seeing, t_blind)
+
+
+def test_vision_samples_of_equal_tokens_but_far_apart_patches_are_not_batched_alike():
+    key = [batch_key(VLM, s) for s in (VisionSize(2400, (DOC,)), VisionSize(2400, (256,)), 2400,
+                                       VisionSize(2400, (DOC // 2, DOC // 2)), VisionSize(2450, (DOC + 100,)))]
+    assert len({key[0], key[1], key[2], key[3]}) == 4 and key[4] == key[0]
+    assert batch_key(LM, 2400) == key[2]
 
 
 def test_a_profile_refuses_a_vision_sample():
