@@ -59,3 +59,23 @@ class VisionPrice:
 
     def kept_bytes(self, vp):
         return vp * self.bytes_per_patch
+
+
+def class_rep(sizes: Sequence[Size], tokens: Sequence[int]) -> Size:
+    """The size that sizes a class's layouts (copies of it must fit for any of its members to):
+    its member of most `tokens` (the first of equals); of a class holding vision samples, a size
+    no member exceeds in tokens or in its k-th largest image for any k: the most tokens, and as
+    k-th largest image the largest k-th largest image of any member. Every term of a micro-batch
+    (`sample_vision`'s patches, pairs and largest image) only grows with each, so such a size
+    costs at least as much as any member, at every degree and count."""
+    i = max(range(len(sizes)), key=tokens.__getitem__)
+    if not any(isinstance(s, VisionSize) for s in sizes):
+        return sizes[i]
+    items: list[int] = []
+    for s in sizes:
+        for k, p in enumerate(sorted(getattr(s, "patches", ()), reverse=True)):
+            if k == len(items):
+                items.append(p)
+            else:
+                items[k] = max(items[k], p)
+    return VisionSize(int(tokens[i]), tuple(items))

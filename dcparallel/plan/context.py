@@ -18,7 +18,7 @@ import numpy as np
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.cost.batch import Batches, TermsArray
-from dcparallel.cost.vision import vision_stats
+from dcparallel.cost.vision import class_rep, vision_stats
 from dcparallel.plan.types import REL_TOL, Fit, MicroBatch, NoLayoutFits
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key, format_bytes
 from dcparallel.topology import Topology
@@ -101,14 +101,12 @@ class PlanContext:
         self._sample_stats: tuple | None = None  # see `batches`
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
-        rep: dict[tuple[int, int], int] = {}
+        members: dict[tuple[int, ...], list[int]] = {}
         for i in self.usable_ids:  # skipped samples must not size (or empty) their bucket
-            b = self.bucket_of[i]
-            j = rep.get(b)
-            if j is None or self.tokens[i] > self.tokens[j]:
-                rep[b] = i
-        #: the largest usable sample of each bucket: layouts chosen for a bucket must fit it
-        self.rep: dict[tuple[int, int], Size] = {b: self.sizes[i] for b, i in rep.items()}
+            members.setdefault(self.bucket_of[i], []).append(i)
+        #: the largest usable sample of each bucket (`cost.vision.class_rep`): its layouts must fit it
+        self.rep: dict[tuple[int, ...], Size] = {
+            b: class_rep([self.sizes[i] for i in ids], [self.tokens[i] for i in ids]) for b, ids in members.items()}
 
     # -- cost access -------------------------------------------------------------------
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:

@@ -13,12 +13,13 @@ from dcparallel.cost.analytic import AnalyticCost, fit_calibration
 from dcparallel.cost.batch import Batches
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
+from dcparallel.cost.vision import class_rep
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import decoder_lm
 from dcparallel.sim.replay import simulate, step_seconds
-from dcparallel.spec import VisionSize, VisionTower, Workload, batch_key, check_size, h200_cluster
+from dcparallel.spec import Recompute, VisionSize, VisionTower, Workload, batch_key, check_size, h200_cluster
 
 from ._models import cluster
 from .test_cost import _profile
@@ -124,6 +125,20 @@ def test_vision_samples_of_equal_tokens_but_far_apart_patches_are_not_batched_al
                                        VisionSize(2400, (DOC // 2, DOC // 2)), VisionSize(2450, (DOC + 100,)))]
     assert len({key[0], key[1], key[2], key[3]}) == 4 and key[4] == key[0]
     assert batch_key(LM, 2400) == key[2]
+
+
+def test_a_class_is_sized_by_a_size_no_member_exceeds():
+    members = [VisionSize(5881, (5808, 6512, 5544)), VisionSize(5647, (6720, 6364, 4640)), VisionSize(5700, (9000,))]
+    rep = class_rep(members, [int(s) for s in members])
+    assert rep == VisionSize(5881, (9000, 6364, 5544))
+    c = AnalyticCost(VLM, h200_cluster(64))
+    for sp in (1, 2, 4):
+        for n in (1, 2, 3):
+            big = c.terms_copies(rep, n, sp)
+            for s in members:
+                t = c.terms_copies(s, n, sp)
+                assert t.time_none <= big.time_none and t.memory(Recompute(0, 0)) <= big.memory(Recompute(0, 0))
+    assert class_rep([300, 500, 500, 20], [300, 500, 500, 20]) == 500  # text: the longest member
 
 
 def test_a_profile_refuses_a_vision_sample():
