@@ -18,7 +18,6 @@ Image = pytest.importorskip("PIL.Image")
 VLM = MODEL_PRESETS["qwen2.5-vl-7b"]
 
 
-@pytest.mark.slow  # about 10 s: transformers' Qwen2.5-VL modeling import
 def test_the_preset_has_qwen2_5_vl_7b_parameters():
     import torch
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
