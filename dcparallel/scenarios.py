@@ -26,6 +26,7 @@ import numpy as np
 
 from dcparallel.mixes import NEW_MIXES, BucketConfig, ImageBuckets, TextBlend
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, ModelSpec, Size, batch_key, check_size, h200_cluster
+from dcparallel.vision_spec import VisionTower
 
 Distribution = Literal["short", "balanced", "long"]
 DISTRIBUTIONS: tuple[Distribution, ...] = ("short", "balanced", "long")
@@ -61,7 +62,8 @@ SCENARIOS = {
 
 
 def decoder_lm(name: str, *, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, ffn_hidden: int,
-               vocab_size: int, qkv_bias: bool = False, tied: bool = False) -> ModelSpec:
+               vocab_size: int, qkv_bias: bool = False, tied: bool = False, vision: VisionTower | None = None
+               ) -> ModelSpec:
     """A Llama-family decoder (grouped-query attention, SwiGLU, RMSNorm) with its exact
     parameter counts, as transformers builds it: q, k, v, o projections (q, k, v with biases
     for Qwen2), gate / up / down, two norms per layer; embeddings, head (unless tied), final norm."""
@@ -71,7 +73,8 @@ def decoder_lm(name: str, *, num_layers: int, hidden: int, num_heads: int, num_k
     return ModelSpec(name=name, kind="text", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
                      ffn_hidden=ffn_hidden, attention="causal", attn_params=attn, mlp_params=3 * hidden * ffn_hidden,
                      other_params=2 * hidden, extra_params=vocab_size * hidden * (1 if tied else 2) + hidden,
-                     vocab_size=vocab_size, num_kv_heads=num_kv_heads if num_kv_heads != num_heads else 0)
+                     vocab_size=vocab_size, num_kv_heads=num_kv_heads if num_kv_heads != num_heads else 0,
+                     vision=vision)
 
 
 #: Published architectures for `dcparallel simulate --model NAME`, parameters counted exactly
@@ -86,6 +89,13 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                    vocab_size=128256),  # Llama 3.1 70B
         decoder_lm("qwen-32b", num_layers=64, hidden=5120, num_heads=40, num_kv_heads=8, ffn_hidden=27648,
                    vocab_size=152064, qkv_bias=True),  # Qwen2.5 32B
+        # Qwen2.5-VL 7B: its language model and its 676M vision tower (32 blocks of width 1280,
+        # SwiGLU 3420, biases; blocks 7, 15, 23, 31 attend over the whole image, the others in
+        # 112-pixel windows = 64 patches; patch embedding 2x14x14 and the 2x2 merger)
+        decoder_lm("qwen2.5-vl-7b", num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4, ffn_hidden=18944,
+                   vocab_size=152064, qkv_bias=True,
+                   vision=VisionTower(num_layers=32, hidden=1280, layer_params=19_702_200, full_layers=4, window=64,
+                                      extra_params=46_079_744)),
         # Wan 2.1 T2V 14B (diffusers WanTransformer3DModel): per block self- and cross-attention
         # (q, k, v, o with biases, q/k RMS norms), a GELU MLP (13824), a cross-attention norm
         # and the modulation table; counted as the Wan adapter derives it

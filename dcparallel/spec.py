@@ -5,13 +5,15 @@ The geometry of groups on a cluster (allowed SP sizes, tilings) is `dcparallel.t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-#: A sample's size as known before loading: a token count (text) or a video shape
-#: ``(frames, height, width)`` in pixels, turned into tokens by `ModelSpec.tokens`.
+from dcparallel.vision_spec import VisionSize, VisionTower
+
+#: A sample's size as known before loading: a token count (text; a `VisionSize` for a
+#: vision-language sample) or a video shape ``(frames, height, width)`` in pixels, turned
+#: into tokens by `ModelSpec.tokens`.
 Size = Union[int, tuple[int, int, int]]
 
 AttentionPattern = Literal["causal", "full", "factorized"]
@@ -42,7 +44,7 @@ def check_size(size: Size, index: int | None = None) -> Size:
         return tuple(out)  # type: ignore[return-value]
     if isinstance(size, bool) or not float(size).is_integer() or int(size) <= 0:
         raise ValueError(f"{where}a text size is a positive integer token count; got {size!r}")
-    return int(size)
+    return size if isinstance(size, VisionSize) else int(size)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -167,6 +169,8 @@ class ModelSpec:
     #: parameters that do not train (``requires_grad=False``: a LoRA's base, a frozen encoder):
     #: stored, but with no gradient, no optimizer state and no weight-gradient compute
     frozen_params: int = 0
+    #: a vision-language model's vision tower, priced from `VisionSize.patches`; None: none
+    vision: VisionTower | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -180,7 +184,7 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         per_layer = self.attn_params + self.mlp_params + self.other_params
-        return self.num_layers * per_layer + self.extra_params
+        return self.num_layers * per_layer + self.extra_params + (self.vision.num_params if self.vision else 0)
 
     @property
     def trainable_params(self) -> int:
@@ -220,21 +224,6 @@ def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_h
         attn_params=4 * hidden * hidden, mlp_params=3 * hidden * ffn_hidden,
         extra_params=2 * vocab_size * hidden, vocab_size=vocab_size,
     )
-
-
-def with_lora(model: ModelSpec, rank: int) -> ModelSpec:
-    """``model`` fine-tuned with LoRA of ``rank`` on every linear layer of its blocks: the base
-    frozen, rank x (inputs + outputs) adapter parameters per linear trained. The linears are
-    read from the per-layer counts as square hidden x hidden ones (attention, and the
-    ``other_params`` cross-attention) and hidden x ffn ones (MLP), an estimate (grouped k / v
-    projections are narrower); the adapters count in ``other_params`` (their FLOPs too)."""
-    if rank < 1:
-        raise ValueError(f"LoRA rank must be >= 1; got {rank}")
-    d, f = model.hidden, model.ffn_hidden
-    per_layer = rank * (2 * (model.attn_params + model.other_params) // d + model.mlp_params * (d + f) // (d * f))
-    return dataclasses.replace(model, name=f"{model.name}-lora{rank}", other_params=model.other_params + per_layer,
-                               frozen_params=model.num_params,
-                               max_unit_params=model.max_unit_params + per_layer if model.max_unit_params else 0)
 
 
 def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, context_tokens: int = 300
@@ -366,6 +355,9 @@ def batch_key(model: ModelSpec, size: Size) -> tuple[int, ...]:
     exact latent grid (frames, patch rows, patch columns): same-shape samples stack as rows,
     so a 240x256 and a 256x256 clip never share a micro-batch."""
     key = bucket_key(model, size)
+    if isinstance(size, VisionSize):  # and the class of its vision patches, all and the largest image's
+        return (*key, *(int(math.floor(math.log(p) / math.log(1.25) + 1e-9)) for p in (sum(size.patches),
+                                                                                       max(size.patches))))
     if not isinstance(size, tuple):
         return key
     frames, height, width = size

@@ -22,6 +22,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_joint.py": 70,
     "tests/dist/test_dist_runtime.py": 50,
     "tests/dist/test_dist_joint_epoch.py": 45,
+    "tests/dist/test_dist_vlm.py": 45,
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
     "tests/dist/test_dist_ring.py": 30,
@@ -51,6 +52,8 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_train_dtype.py": 17,  # diffusers and transformers models built five ways
     "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,
+    "tests/unit/test_vision_sizes.py": 14,  # imports transformers' image processors
+    "tests/unit/test_vlm.py": 15,  # Qwen2.5-VL built and imported in the pytest process
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,
     "tests/unit/test_dcp_static.py": 10,

@@ -36,12 +36,14 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
         qwenimage,
         reference,
         unsupported,
+        vlm,
         wan,
         wan_variants,
     )
 
     # unsupported last: it refuses every diffusers model no family before it matched
-    for family in (reference, hf, wan, wan_variants, ltx, flux, flux2, qwenimage, hunyuan_video, cogvideox, mochi,
+    # vlm before hf: a vision-language model is a transformers model that hf would take for a text LM
+    for family in (reference, vlm, hf, wan, wan_variants, ltx, flux, flux2, qwenimage, hunyuan_video, cogvideox, mochi,
                    unsupported):
         if family.matches(model):
             return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,

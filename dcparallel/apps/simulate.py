@@ -15,6 +15,7 @@ from typing import Sequence
 from dcparallel.apps.simulate_words import USER_POLICIES, layout_words, plan_stats, verdict
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
+from dcparallel.cost.lora import with_lora
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.provenance import calibration_source, describe
 from dcparallel.cost.schema import Profile
@@ -35,7 +36,7 @@ from dcparallel.scenarios import (
 )
 from dcparallel.sim.replay import replay_step, simulate, step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, run_policies, summary
-from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster, with_lora
+from dcparallel.spec import ClusterSpec, ModelSpec, Workload, format_bytes, h200_cluster
 
 
 def shard_size_argument(text: str) -> int | str:
@@ -68,10 +69,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                      help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
                           f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
     src.add_argument("--lengths", type=Path,
-                     help="one sample a line: `tokens` or `frames height width`; or a .npy array")
+                     help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
+                          "vision-language --model) a .jsonl of {\"text\": tokens, \"vision\": [image sizes]}")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
-                        "on every linear of the blocks trained (`spec.with_lora`)")
+                        "on every linear of the blocks trained (`cost.lora.with_lora`)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="usable memory per GPU in GiB (default: an H200's 128; e.g. 72 for an 80 GB H100)")
     p.add_argument("--world", type=int, default=None, help="GPUs (default: the --profile's world size, else 32)")
@@ -86,9 +88,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     """(name, workload, cluster, cost model, tokens per step) from the common arguments."""
-    sizes = read_lengths(args.lengths) if args.lengths is not None else None
     spec = _model_of(args)
     _default_world(args)
+    sizes = None if args.lengths is None else _read_lengths(args.lengths, spec)
     if spec is not None and args.profile is not None:
         raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
     if spec is not None:
@@ -159,6 +161,23 @@ def _memory(args) -> int | None:
     if gib is not None and not gib > 0:
         raise SystemExit(f"error: --memory-gib {gib}: give the usable GiB per GPU (> 0)")
     return None if gib is None else int(gib * 2**30)
+
+
+def _read_lengths(path: Path, spec: ModelSpec | None) -> list:
+    """--lengths: a .jsonl of vision-language samples (with a vision-language --model) or
+    `read_lengths`' formats."""
+    if path.suffix != ".jsonl":
+        return read_lengths(path)
+    if spec is None or spec.vision is None:
+        vlms = sorted(k for k, m in MODEL_PRESETS.items() if m.vision is not None)
+        raise SystemExit(f"error: {path} is a .jsonl lengths file of vision-language samples; give a vision-language "
+                         f"--model ({', '.join(vlms)})")
+    from dcparallel.data.vision_sizes import read_vision_lengths
+
+    try:
+        return read_vision_lengths(path, spec.vision)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _model_of(args) -> ModelSpec | None:

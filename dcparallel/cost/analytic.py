@@ -37,6 +37,7 @@ from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.heads import a2a_hidden_units
 from dcparallel.cost.ring import SplitTime, best_split
 from dcparallel.cost.shard import ShardComm
+from dcparallel.cost.vision import VisionPrice, sample_vision
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size
 
 
@@ -259,8 +260,12 @@ class AnalyticCost:
         # the output head of a text model: linear work per token outside the layers
         self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
             model.vocab_size * model.hidden) * _weight_work(model)
+        # a vision-language model's tower: scaled from the same calibration (`cost.vision`)
+        self._vision = None if model.vision is None else VisionPrice(
+            model.vision, calibration.lin_s_per_token / _layer_params(ref), calibration.attn_s_per_pair / ref.hidden,
+            (calibration.act_attn + calibration.act_mlp + calibration.act_rest) / ref.hidden)
         self._cache: dict = {}
-        self._stats: dict[Size, tuple[int, float]] = {}  # per size: (tokens, attention pairs)
+        self._stats: dict[Size, tuple] = {}  # per size: (tokens, attention pairs, `sample_vision`)
 
     def grad_sync_time(self) -> float:
         return self._sync
@@ -283,28 +288,37 @@ class AnalyticCost:
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         n_tok = 0
         pairs = 0.0
+        vis = [0, 0, 0, 0]
         stats = self._stats
+        tower = self.model.vision
         for s in sizes:
             st = stats.get(s)
             if st is None:
-                st = stats[s] = (self.model.tokens(s), _pairs(self.model, s))
+                st = stats[s] = (self.model.tokens(s), _pairs(self.model, s),
+                                 None if tower is None else sample_vision(tower, s))
             n_tok += st[0]
             pairs += st[1]
-        return self._cached(n_tok, pairs, len(sizes), sp)
+            if st[2] is not None:
+                v = st[2]
+                vis = [vis[0] + v[0], vis[1] + v[1], max(vis[2], v[2]), max(vis[3], v[3])]
+        return self._cached(n_tok, pairs, len(sizes), sp, tuple(vis))
 
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
         """`terms` of a micro-batch of `count` copies of one size, in O(1)."""
-        return self._cached(count * self.model.tokens(size), count * _pairs(self.model, size), count, sp)
+        vis = (0, 0, 0, 0)
+        if self.model.vision is not None:
+            p, q, mp, mq = sample_vision(self.model.vision, size)
+            vis = (count * p, count * q, mp, mq)
+        return self._cached(count * self.model.tokens(size), count * _pairs(self.model, size), count, sp, vis)
 
-    def _cached(self, n_tok: int, pairs: float, n_samples: int, sp: int) -> MicroBatchTerms:
-        key = (n_tok, pairs, n_samples, sp)
+    def _cached(self, n_tok: int, pairs: float, n_samples: int, sp: int,
+                vis: tuple[int, int, int, int]) -> MicroBatchTerms:
+        key = (n_tok, pairs, n_samples, sp, vis)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        return cache_put(self._cache, key, self._terms(n_tok, pairs, n_samples, sp))
-
-    def _terms(self, n_tok: int, pairs: float, n_samples: int, sp: int) -> MicroBatchTerms:
-        return MicroBatchTerms(self.model.num_layers, *self._fields(n_tok, pairs, n_samples, sp, False))
+        fields = self._fields(n_tok, pairs, n_samples, sp, False, vis)
+        return cache_put(self._cache, key, MicroBatchTerms(self.model.num_layers, *fields))
 
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         """`terms` of every micro-batch of `batches` at every degree of `sps`, as arrays of
@@ -314,16 +328,18 @@ class AnalyticCost:
         assert n_tok.max(initial=0) < 2**53  # exact as float64, as Python's int / int divides
         pairs, lengths = batches.pair_sums(), batches.lengths
         sp = np.asarray(sps, dtype=np.int64)[None, :]
-        fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True)
+        vis = None if self._vision is None else tuple(v[:, None] for v in batches.vision_sums())
+        fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True, vis)
         shape = (len(batches), len(sps))
         return TermsArray(self.model.num_layers, *(np.broadcast_to(f, shape) for f in fields),
                           keep_all_feasible=np.ones(shape, dtype=bool))
 
-    def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool) -> tuple:
+    def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool, vis=None) -> tuple:
         """`MicroBatchTerms`' fields after `num_layers`, in order, of a micro-batch of `n_tok`
-        tokens, `pairs` attention pairs and `n_samples` samples at `sp`: floats, or (`array`)
-        arrays of many micro-batches at many degrees (broadcast), by the same operations in
-        the same order."""
+        tokens, `pairs` attention pairs and `n_samples` samples at `sp` (and `vis`, its vision
+        patches and pairs, summed, and its largest image's: `cost.vision`): floats, or
+        (`array`) arrays of many micro-batches at many degrees (broadcast), by the same
+        operations in the same order."""
         m, cal = self.model, self.cal
         smax = _smoothmax_many if array else _smoothmax
         L = m.num_layers
@@ -351,6 +367,10 @@ class AnalyticCost:
         act_layer = n * per_tok + n_samples * self._act_sample
         logits = n * m.vocab_size * (2 + 4)
         fixed = self._state + logits
+        if self._vision is not None:  # the tower before the layers: its time and kept activations
+            vp, vq = self._vision.rank_work(vis, sp, array)
+            head = head + self._vision.time(vp, vq)
+            fixed = fixed + self._vision.kept_bytes(vp)
         # time_none, dt_attn, dt_mlp, dt_full, fixed_bytes, act_layer, save_attn, save_mlp,
         # save_full, transient_none, transient_rec
         return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, fixed, act_layer,

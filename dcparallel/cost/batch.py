@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dcparallel.cost.vision import vision_stats
 from dcparallel.spec import ModelSpec, Size
 
 
@@ -57,11 +58,13 @@ def exact_pow(x: np.ndarray, p: float) -> np.ndarray:
 class Batches:
     """Micro-batches as runs of consecutive samples: each sample's tokens
     (`ModelSpec.tokens`) and query-key pairs (`ModelSpec.attention_pairs`, as a float), the
-    first `lengths[0]` samples the first micro-batch's, and so on."""
+    first `lengths[0]` samples the first micro-batch's, and so on; with a vision tower, each
+    sample's `cost.vision.sample_vision` as an (n, 4) int64 array (None: no vision tower)."""
 
     tokens: np.ndarray
     pairs: np.ndarray
     lengths: np.ndarray
+    vision: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -71,13 +74,24 @@ class Batches:
         flat = [s for b in batches for s in b]
         return Batches(np.array([model.tokens(s) for s in flat], dtype=np.int64),
                        np.array([float(model.attention_pairs(s)) for s in flat], dtype=float),
-                       np.fromiter(map(len, batches), dtype=np.int64, count=len(batches)))
+                       np.fromiter(map(len, batches), dtype=np.int64, count=len(batches)), vision_stats(model, flat))
 
     def token_sums(self) -> np.ndarray:
         """Each micro-batch's tokens (exact integers)."""
         cum = np.concatenate([[0], np.cumsum(self.tokens, dtype=np.int64)])
         ends = np.cumsum(self.lengths)
         return cum[ends] - cum[ends - self.lengths]
+
+    def vision_sums(self) -> tuple[np.ndarray, ...]:
+        """Each micro-batch's vision patches and pairs (sums) and its largest item's (maxima):
+        four int64 arrays, exact."""
+        assert self.vision is not None and bool((self.lengths > 0).all())
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        cum = np.concatenate([np.zeros((1, 4), np.int64), np.cumsum(self.vision, axis=0, dtype=np.int64)])
+        sums = cum[ends] - cum[starts]
+        peaks = np.maximum.reduceat(self.vision, starts, axis=0) if len(self) else sums
+        return sums[:, 0], sums[:, 1], peaks[:, 2], peaks[:, 3]
 
     def pair_sums(self) -> np.ndarray:
         """Each micro-batch's pairs, summed as `sequential_sums` does."""

@@ -19,7 +19,7 @@ from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, gra
 from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.cost.schema import Profile
 from dcparallel.cost.shard import ShardComm
-from dcparallel.spec import STATIC_MODES, ClusterSpec, Size
+from dcparallel.spec import STATIC_MODES, ClusterSpec, Size, VisionSize
 
 log = logging.getLogger(__name__)
 #: the noise warnings this process has logged (`ProfiledCost`)
@@ -210,6 +210,7 @@ class ProfiledCost:
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
         """`terms` of `count` copies of one size, in time independent of `count` (the
         planners probe micro-batch sizes up to thousands of copies)."""
+        _refuse_vision((size,))
         tk = self.model.tokens(size)
         key = ("copies", tk, count, sp)
         hit = self._cache.get(key)
@@ -218,10 +219,13 @@ class ProfiledCost:
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
         len(sps)): through `terms`' own cache and arithmetic, one micro-batch and degree at a time."""
+        if batches.vision is not None:
+            raise ValueError(_VISION_REFUSED)
         out = [self._cached(tuple(sorted(run)), sp) for run in batches.token_runs() for sp in sps]
         return TermsArray.stack(out, (len(batches), len(sps)))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
+        _refuse_vision(sizes)
         return self._cached(tuple(sorted(self.model.tokens(s) for s in sizes)), sp)
 
     def _cached(self, toks: tuple[int, ...], sp: int) -> MicroBatchTerms:
@@ -291,3 +295,13 @@ class ProfiledCost:
             fixed_bytes=self._state, act_layer=m_none / L,
             save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
+
+
+_VISION_REFUSED = ("a profile measures the language model only, not a vision tower: a vision-language sample "
+                   "(VisionSize) would be priced without its images; plan it with AnalyticCost (simulate without "
+                   "--profile), whose model prices the tower from each image's patches")
+
+
+def _refuse_vision(sizes: Sequence[Size]) -> None:
+    if any(type(s) is VisionSize for s in sizes):
+        raise ValueError(_VISION_REFUSED)

@@ -18,6 +18,7 @@ import numpy as np
 
 from dcparallel.cost.base import CostModel, MicroBatchTerms, cache_put
 from dcparallel.cost.batch import Batches, TermsArray
+from dcparallel.cost.vision import class_rep, vision_stats
 from dcparallel.plan.fit_messages import sample_does_not_fit, states_do_not_fit
 from dcparallel.plan.types import REL_TOL, Fit, MicroBatch, NoLayoutFits
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Layout, Recompute, Size, Workload, batch_key
@@ -100,17 +101,15 @@ class PlanContext:
         self._options: dict = {}
         self._preferred: dict = {}
         self._tokens: np.ndarray | None = None  # `step_tokens`' array of `tokens`, made when first asked
-        self._sample_stats: tuple[np.ndarray, np.ndarray] | None = None  # see `batches`
+        self._sample_stats: tuple | None = None  # see `batches`
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
-        rep: dict[tuple[int, int], int] = {}
+        members: dict[tuple[int, ...], list[int]] = {}
         for i in self.usable_ids:  # skipped samples must not size (or empty) their bucket
-            b = self.bucket_of[i]
-            j = rep.get(b)
-            if j is None or self.tokens[i] > self.tokens[j]:
-                rep[b] = i
-        #: the largest usable sample of each bucket: layouts chosen for a bucket must fit it
-        self.rep: dict[tuple[int, int], Size] = {b: self.sizes[i] for b, i in rep.items()}
+            members.setdefault(self.bucket_of[i], []).append(i)
+        #: the largest usable sample of each bucket (`cost.vision.class_rep`): its layouts must fit it
+        self.rep: dict[tuple[int, ...], Size] = {
+            b: class_rep([self.sizes[i] for i in ids], [self.tokens[i] for i in ids]) for b, ids in members.items()}
 
     # -- cost access -------------------------------------------------------------------
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:
@@ -152,16 +151,15 @@ class PlanContext:
 
     def batches(self, micro_batches: Sequence[Sequence[int]]) -> Batches:
         """Micro-batches (sample ids) as the cost models' `Batches`."""
-        if self._sample_stats is None:  # each sample's tokens and pairs, once
-            pairs: dict[Size, float] = {}
-            for s in set(self.sizes):
-                pairs[s] = float(self.model.attention_pairs(s))
+        if self._sample_stats is None:  # each sample's tokens, pairs and vision patches, once
+            pairs = {s: float(self.model.attention_pairs(s)) for s in set(self.sizes)}
             self._sample_stats = (np.asarray(self.tokens, dtype=np.int64),
-                                  np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)))
-        tokens, pairs_of = self._sample_stats
+                                  np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)),
+                                  vision_stats(self.model, self.sizes))
+        tokens, pairs_of, vision = self._sample_stats
         ids = np.fromiter(chain.from_iterable(micro_batches), dtype=np.int64)
-        return Batches(tokens[ids], pairs_of[ids],
-                       np.fromiter(map(len, micro_batches), dtype=np.int64, count=len(micro_batches)))
+        return Batches(tokens[ids], pairs_of[ids], np.fromiter(map(len, micro_batches), dtype=np.int64,
+                       count=len(micro_batches)), None if vision is None else vision[ids])
 
     def fits_grid(self, micro_batches: Sequence[Sequence[int]], sps: Sequence[int], mode: RecomputeMode) -> FitGrid:
         """`layout_for` of every micro-batch (its sample ids) at every degree of `sps`,

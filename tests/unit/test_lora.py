@@ -16,10 +16,11 @@ import torch
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.base import grad_sync_time, state_recipe
+from dcparallel.cost.lora import with_lora
 from dcparallel.profile.shards import state_bytes
 from dcparallel.runtime.engine import Engine
 from dcparallel.scenarios import model_preset
-from dcparallel.spec import h200_cluster, with_lora
+from dcparallel.spec import h200_cluster
 from tests import adapter_models, lora_models
 
 pytest.importorskip("peft")

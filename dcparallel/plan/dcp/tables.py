@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dcparallel.cost.vision import class_rep
 from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
@@ -52,11 +53,10 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
         rep = dict(ctx.rep)
     else:
         key = {i: (ctx.bucket_of[i], int(math.log2(max(1, ctx.tokens[i])) * sub_bins)) for i in ctx.usable_ids}
-        big: dict = {}
+        members: dict = {}
         for i, c in key.items():
-            if c not in big or ctx.tokens[i] > ctx.tokens[big[c]]:
-                big[c] = i
-        rep = {c: ctx.sizes[i] for c, i in big.items()}
+            members.setdefault(c, []).append(i)
+        rep = {c: class_rep([ctx.sizes[i] for i in ids], [ctx.tokens[i] for i in ids]) for c, ids in members.items()}
     classes = sorted(rep)
     pos = {b: j for j, b in enumerate(classes)}
     bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
