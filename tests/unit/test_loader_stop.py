@@ -33,8 +33,7 @@ class UserError(Exception):
     pass
 
 
-@pytest.mark.parametrize("planning", ["process", "thread"])
-@pytest.mark.parametrize("stop", ["break", "raise"])
+@pytest.mark.parametrize("planning,stop", [("process", "break"), ("process", "raise"), ("thread", "break")])
 def test_a_loop_that_stops_early_leaves_at_once(planning, stop):
     ld = slow_loader(planning)
     assert len(ld) > 2
@@ -54,6 +53,28 @@ def test_a_loop_that_stops_early_leaves_at_once(planning, stop):
     for w in workers:  # the busy planning process is gone, not left planning
         assert w.proc.wait(timeout=5) is not None
     assert ld._idle_workers == []
+
+
+def test_close_ends_an_iteration_kept_by_hand_and_the_idle_planners():
+    ld = slow_loader("process")
+    ld.start_planning()
+    (busy,) = ld._idle_workers
+    with ld:
+        it = iter(ld)
+        assert next(it).index == 0
+        other = make(*text_data(20, seed=1), planning="process")  # a second loader, left alone
+        time.sleep(1.0)  # the planner takes on step 1
+        t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 10
+    assert busy.proc.wait(timeout=5) is not None and ld._idle_workers == []
+    with pytest.raises(StopIteration):
+        next(it)  # the iteration is over
+    ld.policy = "packed"  # the loader is still usable: a new planning process, the whole epoch
+    assert [s.index for s in ld] == list(range(len(ld)))
+    (idle,) = ld._idle_workers
+    ld.close()
+    assert idle.proc.wait(timeout=5) == 0
+    assert len(list(other)) == len(other)
 
 
 SCRIPT = """
