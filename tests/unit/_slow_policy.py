@@ -1,8 +1,8 @@
 """A research policy, `slow`, whose plans of every step after the first take a set time:
 a stand-in for a planner busy with a large step (minutes for a big `dcp` step on a
-loaded machine) when the training loop stops. Importing this module registers it, in
-whichever process imports it: the planning process imports it as it unpickles the
-`SlowMark` a test hangs on the cost model, so the policy exists there too."""
+loaded machine) when the training loop stops. Registered only where it is needed: in a
+test by `SPEC` (monkeypatched into `RESEARCH`, so other tests see the usual table), in
+the planning process as it unpickles the `SlowMark` a test hangs on the cost model."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from dcparallel.plan.types import Tuned
 class SlowMark:
     seconds: float
     """how long each plan of a step after step 0 takes"""
+
+    def __reduce__(self):
+        return _registered_mark, (self.seconds,)
 
 
 class SlowPlanner:
@@ -34,5 +37,9 @@ def _build(ctx, steps, score):
     return Tuned(SlowPlanner(ctx, steps, score))
 
 
-RESEARCH.setdefault("slow", PolicySpec("slow", "test only: `packed`, each plan after step 0 taking "
-                                               "cost.slow.seconds", _build))
+SPEC = PolicySpec("slow", "test only: `packed`, each plan after step 0 taking cost.slow.seconds", _build)
+
+
+def _registered_mark(seconds: float) -> SlowMark:
+    RESEARCH.setdefault("slow", SPEC)  # in the planning process, which needs the policy
+    return SlowMark(seconds)

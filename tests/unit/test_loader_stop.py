@@ -15,11 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from dcparallel.plan import policies
+
+from . import _slow_policy
 from ._slow_policy import SlowMark
 from .test_loader import make, text_data
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN_S = 60.0  # a plan in flight when the loop stops: far longer than any wait below
+
+
+@pytest.fixture(autouse=True)
+def slow_policy(monkeypatch):
+    monkeypatch.setitem(policies.RESEARCH, "slow", _slow_policy.SPEC)
 
 
 def slow_loader(planning: str):
@@ -80,7 +88,10 @@ def test_close_ends_an_iteration_kept_by_hand_and_the_idle_planners():
 SCRIPT = """
 import os, sys, time
 sys.path[:0] = [{root!r}]
+from dcparallel.plan.policies import RESEARCH
+from tests.unit._slow_policy import SPEC
 from tests.unit.test_loader_stop import slow_loader
+RESEARCH["slow"] = SPEC
 ld = slow_loader("process")
 it = iter(ld)
 next(it)
