@@ -49,6 +49,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_profile.py": 30,
     "tests/unit/test_dcp_mixes.py": 20,
     "tests/unit/test_scenarios.py": 19,
+    "tests/unit/test_loader_stop.py": 20,  # planners busy for a minute, stopped; a killed run
     "tests/unit/test_train_dtype.py": 17,  # diffusers and transformers models built five ways
     "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,

@@ -21,6 +21,9 @@ thread) plans `lookahead` steps ahead of what the DataLoader has asked for (plan
 functions of the step, so timing cannot change them; the process holds at most `lookahead`
 unsent plans; a fresh interpreter, not a fork, kept for later epochs: `plan_stream`).
 DataLoader workers (forked as an epoch's iteration starts) load and collate micro-batches.
+A `break` or an exception out of the loop ends the iteration at once (a plan in flight is
+not awaited: `plan_stream`); `close()` / ``with loader:`` end open iterations and idle
+planning processes by hand.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import logging
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,15 +41,15 @@ from torch.utils.data import DataLoader
 
 from dcparallel.cost.base import CostModel
 from dcparallel.data import plan_check, plan_stream
-from dcparallel.data.batch import Batch
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
-from dcparallel.data.plan_stream import PlanStream, StepPrediction, predictor
+from dcparallel.data.loader_step import LoaderStep
+from dcparallel.data.plan_stream import PlanStream, predictor
 from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_sizes
 from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import Planner, make_planner, policy_spec
-from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
+from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import ClusterSpec, Size, Workload, format_bytes
@@ -56,69 +58,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DataCentricLoader", "LoaderStep", "check_step_budget", "read_sizes"]
 
-
-# ---------------------------------------------------------------- what the loop gets
-
-
-@dataclass(frozen=True)
-class LoaderStep:
-    """This rank's part of one optimizer step: one item per micro-batch it runs, in order
-    (its group's micro-batches in each phase of the step, phase by phase). Empty when the
-    rank's groups have no micro-batch this step (the rank still joins the gradient sync)."""
-
-    epoch: int
-    index: int
-    """step index within the epoch (0-based)"""
-    num_steps: int
-    """steps in this epoch"""
-    rank: int
-    plan: StepPlan
-    """the whole step plan (every rank's groups); identical on every rank"""
-    batches: tuple[Any, ...]
-    """`Batch`es (or what a custom collate returns; the raw samples with collate=None)"""
-    predicted: StepPrediction | None = None
-    """the simulator's replay of the whole plan (the loader's ``predict``), else None"""
-
-    @property
-    def groups(self) -> tuple[GroupPlan, ...]:
-        """This rank's group in each phase of the step."""
-        return self.plan.groups_of(self.rank)
-
-    @property
-    def micro_batches(self) -> tuple[MicroBatch, ...]:
-        return tuple(mb for mb, _ in self.plan.work_of(self.rank))
-
-    @property
-    def sample_ids(self) -> tuple[int, ...]:
-        """This rank's samples in this step (shared with the other ranks of their SP groups)."""
-        return tuple(i for mb in self.micro_batches for i in mb.sample_ids)
-
-    @property
-    def num_samples(self) -> int:
-        """Samples of the whole step, over all ranks: the normalizer of a sample-mean loss."""
-        return len(self.plan.sample_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the whole step as planned (the exact target count is summed at run time,
-        in the gradient all-reduce)."""
-        return self.plan.num_tokens
-
-    @property
-    def num_targets(self) -> dict[int, int]:
-        """Targets of each of this rank's samples, counted on the whole sample before
-        sharding (empty unless the batches are `Batch`es)."""
-        out: dict[int, int] = {}
-        for b in self.batches:
-            if isinstance(b, Batch):
-                out.update(zip(b.sample_ids, b.num_targets, strict=True))
-        return out
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
 
 # ---------------------------------------------------------------- the loader
 
@@ -239,6 +178,7 @@ class DataCentricLoader:
         self.predict = predict
         self._idle_workers: list[plan_stream.PlanWorker] = []  # planning processes between epochs
         weakref.finalize(self, plan_stream.close_workers, self._idle_workers)
+        self._open: weakref.WeakSet[Iterator[LoaderStep]] = weakref.WeakSet()  # iterations not yet closed
 
         fn = resolve_collate(collate, model.kind, ignore_index)
         self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
@@ -351,7 +291,25 @@ class DataCentricLoader:
     # -------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[LoaderStep]:
-        return self._iterate(self.epoch, self._start)
+        it = self._iterate(self.epoch, self._start)
+        self._open.add(it)
+        return it
+
+    def close(self) -> None:
+        """Ends every iteration still open (its planning, its DataLoader workers) and the idle
+        planning processes, at once (a plan in flight is not awaited). A `break` or an
+        exception out of ``for step in loader`` ends its iteration by itself; this is for
+        iterators kept by hand, and for a run that wants nothing left running now. The
+        loader stays usable: the next iteration starts a new planning process."""
+        for it in list(self._open):
+            it.close()
+        plan_stream.close_workers(self._idle_workers)
+
+    def __enter__(self) -> DataCentricLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _iterate(self, epoch: int, start: int) -> Iterator[LoaderStep]:
         self._start = 0

@@ -7,6 +7,15 @@ also replays each plan on the simulator where it was made, off the training loop
 the `StepPrediction` to the assembler with the plan. The planning process (`PlanWorker`)
 is a fresh interpreter running `sim.plan_worker`, not a fork of the training process: that
 module says why.
+
+A loop that stops early (a `break`, an exception) closes its stream while the planner may be
+busy with a step the loop will never take, and a plan of a large step can take minutes: so
+closing waits at most `END_WAIT_S` for the planner to stop (a process answers between
+plans), then kills a planning process (a new one starts in well under a second) or leaves a
+planning thread to end after its plan. A planning process also ends, even mid-plan, when
+the training process does, however it ends: its stdin is a pipe the training process holds
+open and never writes (`sim.plan_worker`), so it never holds the launcher's output pipe
+after the run.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ from dcparallel.sim.plan_worker import checked_plan
 from dcparallel.sim.replay import StepPrediction, predict_step
 
 Predict = Callable[[StepPlan], StepPrediction]
+
+END_WAIT_S = 2.0
+"""how long closing a stream waits for its planner to stop (plans in flight are not awaited)"""
 
 
 def predictor(ctx: PlanContext) -> Predict:
@@ -133,15 +145,16 @@ class PlanStream:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # a daemon thread: one busy with a plan ends after it
+            self._thread.join(timeout=END_WAIT_S)
 
 
 class PlanWorker:
     """A planning process (`sim.plan_worker`): a fresh interpreter, not a fork of this one,
     set up once with a loader's policy, `PlanContext` and ``predict``, then planning one
     epoch at a time for a `ProcessPlanStream`. A loader keeps its idle workers for its
-    next epochs; the process ends when it is closed or this process ends."""
+    next epochs; the process ends when it is closed or this process ends (its stdin, a
+    pipe this process holds open, is its lifeline: `sim.plan_worker`)."""
 
     def __init__(self, policy: str, ctx: PlanContext, predict: bool):
         parent, child = socket.socketpair()
@@ -151,7 +164,7 @@ class PlanWorker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
         with child:
             self.proc = subprocess.Popen([sys.executable, "-m", "dcparallel.sim.plan_worker", str(child.fileno())],
-                                         pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+                                         pass_fds=(child.fileno(),), stdin=subprocess.PIPE, env=env)
         self.conn = Connection(parent.detach())
         self._jobs = itertools.count()
         self._ready = False
@@ -187,9 +200,10 @@ class PlanWorker:
     def new_job(self) -> int:
         return next(self._jobs)
 
-    def end_job(self, jid: int, timeout: float = 60.0) -> bool:
+    def end_job(self, jid: int, timeout: float = END_WAIT_S) -> bool:
         """Ends job ``jid`` and drops its plans still in flight; False if the worker did not
-        answer in ``timeout`` seconds or is gone (then it is closed: do not reuse it)."""
+        answer in ``timeout`` seconds (busy with a plan) or is gone (then it is killed: do not
+        reuse it)."""
         try:
             self.conn.send(("end", jid))
             deadline = time.monotonic() + timeout
@@ -199,11 +213,13 @@ class PlanWorker:
                     return True
         except (EOFError, OSError):
             pass
-        self.close()
+        self.close(kill=True)
         return False
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def close(self, kill: bool = False) -> None:
+        """Ends the process: asks it to (it answers between plans) and waits up to 10 s, or
+        with ``kill`` (busy with a plan nobody will take) kills it at once."""
+        if self.proc.poll() is None and not kill:
             try:
                 self.conn.send(None)
             except OSError:
@@ -211,8 +227,12 @@ class PlanWorker:
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                kill = True
+        if self.proc.poll() is None and kill:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         self.conn.close()
 
 

@@ -17,11 +17,16 @@ Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
   the plan's `sim.replay.StepPrediction`, or None), ``("error", jid,
   text)`` once a job fails, ``("ended", jid)`` as the answer to ``("end", jid)``: nothing
   of that job follows it.
+- stdin: a pipe the training process holds open and never writes; its end (the training
+  process ended, however: killed, or exiting without closing its loader) ends this
+  process at once, even in the middle of a plan of minutes.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -89,7 +94,15 @@ def serve(conn: Connection) -> None:
         job.next = k + 1
 
 
+def exit_with_parent() -> None:
+    """Blocks until stdin ends (the training process is gone), then ends this process."""
+    while os.read(0, 4096):  # the fd itself: sys.stdin's reader would hold its lock at interpreter exit
+        pass
+    os._exit(0)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=exit_with_parent, name="dcparallel-lifeline", daemon=True).start()
     try:
         serve(Connection(int(sys.argv[1])))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
