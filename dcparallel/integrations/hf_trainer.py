@@ -136,7 +136,8 @@ class DataCentricTrainer(Trainer):
                              f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
                              f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
         if a.optim not in ADAMW_NAMES:
-            raise ValueError(f"optim={a.optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
+            optim = getattr(a.optim, "value", a.optim)
+            raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
                              f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
         if a.fp16:
             raise ValueError("fp16=True: dcparallel keeps fp32 gradients and needs no loss scaler; train in bf16 "
