@@ -83,3 +83,37 @@ def test_steps_equal_dcparallel_loop(tmp_path):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert not torch.equal(model.lm_head.weight, _model().lm_head.weight)  # it trained
+
+
+def _lora(seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _lora_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_model_resumes_to_the_same_weights(tmp_path):
+    """A PEFT LoRA model: a run of 3 steps saving every step, and a second trainer resumed from
+    the step-1 checkpoint (the adapter loaded by the Trainer into the engine's parameters),
+    end at the same adapter weights; the frozen base is unchanged."""
+    pytest.importorskip("peft")
+    rows = _rows()
+    runs = []
+    for resume in (None, str(tmp_path / "checkpoint-1")):
+        model = _lora()
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        trainer = DataCentricTrainer(model=model, args=_args(tmp_path, save_strategy="steps", save_steps=1),
+                                     train_dataset=rows,
+                                     dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append(_lora_weights(model))
+        assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    first, resumed = runs
+    assert first.keys() == resumed.keys() and any("lora_B" in n for n in first)
+    for name, w in first.items():
+        torch.testing.assert_close(resumed[name], w, rtol=1e-6, atol=0, msg=name)
+    assert any(not torch.equal(w, v) for w, v in zip(first.values(), _lora_weights(_lora()).values()))
