@@ -139,9 +139,11 @@ class DataCentricTrainer(Trainer):
             optim = getattr(a.optim, "value", a.optim)
             raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
                              f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
-        if a.fp16:
-            raise ValueError("fp16=True: dcparallel keeps fp32 gradients and needs no loss scaler; train in bf16 "
-                             "(load the model in torch.bfloat16) or fp32")
+        if a.fp16 or a.bf16:
+            raise ValueError(f"{'fp16' if a.fp16 else 'bf16'}=True asks for autocast mixed precision, which "
+                             f"DataCentricTrainer does not run: load the model in torch.bfloat16 (dcparallel keeps "
+                             f"fp32 master weights and gradients) or fp32, and pass {'fp16' if a.fp16 else 'bf16'}"
+                             f"=False")
         # recompute is chosen per micro-batch by the planner; transformers' own checkpointing
         # of every layer would recompute a second time
         self._dc_gradient_checkpointing = a.gradient_checkpointing

@@ -38,6 +38,7 @@ def _args(tmp_path, **kw):
 @pytest.mark.parametrize("change, words", [
     ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
     ({"optim": "sgd"}, "optim='sgd'"),
+    ({"bf16": True}, "bf16=True asks for autocast"),
 ])
 def test_refuses_what_it_would_not_do_exactly(tmp_path, change, words):
     with pytest.raises(ValueError, match=words):
