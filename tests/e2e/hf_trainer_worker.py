@@ -4,12 +4,14 @@ run three ways in one launch (``torchrun --nproc-per-node 2 hf_trainer_worker.py
 1. the Trainer, 4 planned steps, evaluation and a checkpoint every 2, TensorBoard events;
 2. dcparallel's own loop on the same model, steps, optimizer, schedule and clipping;
 3. the Trainer resumed from the step-2 checkpoint;
-4. the plain Trainer's evaluation of the unmodified model holding run 1's weights.
+4. TRL's SFTTrainer (`DataCentricSFTTrainer`) on the raw chats, the same 4 steps;
+5. the plain Trainer's evaluation of the unmodified model holding run 1's weights.
 
 Rank 0 writes OUT/result.pt: each run's per-step losses and final trainable weights, and
 the Trainer's log history.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -42,7 +44,8 @@ def tokenized(row):  # completion-only loss: labels only on the assistant's toke
     return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, enc["assistant_masks"])]}
 
 
-rows = [tokenized(r) for r in map(__import__("json").loads, CHAT.read_text().splitlines())]
+chats = [json.loads(line) for line in CHAT.read_text().splitlines()]
+rows = [tokenized(r) for r in chats]
 train, test = rows[:-6], rows[-6:]
 
 
@@ -74,6 +77,25 @@ def run_trainer(out, resume=None):
     trainer.train(resume_from_checkpoint=resume)
     return {"losses": losses.losses, "weights": trainable(model), "log": trainer.state.log_history,
             "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def run_sft():
+    """The same run as TRL's SFTTrainer script: TRL formats the chats (assistant-only loss)."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from dcparallel.integrations import DataCentricSFTTrainer  # dcparallel
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
+    args = SFTConfig(output_dir=str(OUT / "sft"), learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP,
+                     weight_decay=DECAY, max_grad_norm=CLIP, max_steps=STEPS, logging_steps=1, report_to=[],
+                     use_cpu=True, seed=0, bf16=False, assistant_only_loss=True, packing=True, save_strategy="no")
+    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats[:-6]),  # dcparallel
+                                    processing_class=tok,
+                                    dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    trainer.train()
+    return {"losses": [r["loss"] for r in trainer.state.log_history if "loss" in r], "weights": trainable(model)}
 
 
 def reference_eval(weights):
@@ -112,7 +134,8 @@ def run_loop():
 trained = run_trainer(OUT / "trainer")
 loop = run_loop()
 resumed = run_trainer(OUT / "trainer", resume=str(OUT / "trainer" / "checkpoint-2"))
+sft = run_sft()
 plain_eval = reference_eval(trained["weights"])["eval_loss"]
 if dcparallel.runtime.comm.world_rank() == 0:
-    torch.save({"trainer": trained, "loop": loop, "resumed": resumed, "plain_eval": plain_eval,
+    torch.save({"trainer": trained, "loop": loop, "resumed": resumed, "sft": sft, "plain_eval": plain_eval,
                 "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt")

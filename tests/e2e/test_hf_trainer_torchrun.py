@@ -1,9 +1,10 @@
 """`DataCentricTrainer` under torchrun (2 gloo ranks): a transformers Trainer script switched
-by its `# dcparallel` lines fine-tunes a local Llama on chat JSONL with completion-only
-labels (`hf_trainer_worker.py`). Its per-step losses and final weights equal dcparallel's own
-loop on the same planned steps (same AdamW, linear warmup schedule, clipping), its evaluation
-equals the plain Trainer's on the unmodified model, a resume from the step-2 checkpoint ends
-at the same weights, and report_to="tensorboard" writes event files."""
+by its `# dcparallel` lines fine-tunes a local Llama on chat JSONL with completion-only labels
+(`hf_trainer_worker.py`). Its per-step losses and final weights equal dcparallel's own loop
+on the same planned steps (same AdamW, linear warmup schedule, clipping), and so do those of
+`DataCentricSFTTrainer` on the raw chats (TRL's formatting, assistant-only loss); its
+evaluation equals the plain Trainer's on the unmodified model, a resume from the step-2
+checkpoint ends at the same weights, and report_to="tensorboard" writes event files."""
 
 import os
 import subprocess
@@ -45,7 +46,9 @@ def test_trainer_equals_dcparallel_loop_evaluates_resumes_and_logs(tmp_path):
     for name, w in loop["weights"].items():
         assert _rel(trainer["weights"][name], w) <= 1e-5, name
         assert _rel(resumed["weights"][name], w) <= 1e-5, name
+        assert _rel(res["sft"]["weights"][name], w) <= 1e-5, name
         assert _rel(w, initial[name]) > 1e-4, name  # trained
+    assert res["sft"]["losses"] == pytest.approx(loop["losses"], rel=1e-6)
     assert resumed["losses"] == pytest.approx(trainer["losses"][2:], rel=1e-6)
     evals = [row for row in trainer["log"] if "eval_loss" in row]
     assert [row["step"] for row in evals] == [2, 4, 4]  # eval_steps=2, then trainer.evaluate()
