@@ -11,16 +11,20 @@ Adam betas and epsilon, ``max_grad_norm``, logging, evaluation, saving, resuming
 optimizer step, so ``gradient_accumulation_steps`` must be 1 and batch sizes are not used),
 `training_step` runs the micro-batches under `dc.micro_batch` and ends with the step's one
 gradient sync (`dc.sync_gradients`), clipping is `dc.clip_grad_norm_`, the optimizer is
-`dc.optimizer` (ZeRO-1 AdamW) and the model is not wrapped in DDP. ``gradient_checkpointing``
-does not turn on transformers' whole-model checkpointing: recompute is the planner's choice
-per micro-batch, always. Evaluation runs transformers' own loop on the unwrapped model.
+`dc.optimizer` (ZeRO-1 AdamW) and the model is not wrapped in DDP.
+``gradient_checkpointing`` (or ``activation_checkpointing``) does not turn on transformers'
+whole-model checkpointing: recompute is the planner's choice per micro-batch, always.
+Evaluation runs transformers' own loop on the unwrapped model.
 
-Checkpoints are the Trainer's own folders, plus each rank's ZeRO-1 optimizer shard and the
-loader's position; `resume_from_checkpoint` continues at the next planned step.
+Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard;
+`resume_from_checkpoint` continues at the next planned step (the loader's position follows
+from the saved global step). Autocast (``bf16`` / ``fp16`` = True) is refused: load the
+model in bf16 instead.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -146,8 +150,11 @@ class DataCentricTrainer(Trainer):
                              f"=False")
         # recompute is chosen per micro-batch by the planner; transformers' own checkpointing
         # of every layer would recompute a second time
-        self._dc_gradient_checkpointing = a.gradient_checkpointing
-        a.gradient_checkpointing = False
+        names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if getattr(a, n, False)]
+        if names:  # transformers 5 reads activation_checkpointing, its older name an alias
+            self.args = a = copy.copy(a)  # the caller's arguments stay as given
+            for n in names:
+                setattr(a, n, False)
         self.dc = DataCentricParallel(self.model, policy=self.dc_args.policy, memory_bytes=self.dc_args.memory_bytes,
                                       shard_size=self.dc_args.shard_size, seed=a.seed, loss_fn=self.dc_args.loss_fn)
         self._dc_loader = None

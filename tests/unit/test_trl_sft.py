@@ -43,8 +43,9 @@ def test_sft_steps_equal_dcparallel_loop(tmp_path):
     trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
                                     processing_class=tok,
                                     dc_args=DataCentricArguments(tokens_per_step=120, cost="analytic"))
-    assert args.packing  # the caller's config is left as given
+    assert args.packing and args.gradient_checkpointing  # the caller's config is left as given (TRL's defaults)
     trainer.train()
+    assert not model.is_gradient_checkpointing  # recompute is the planner's, per micro-batch
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
     ref = _model(len(tok))
