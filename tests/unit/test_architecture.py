@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": CORE | {"runtime"},
     "api": CORE | {"models", "loss", "data", "adapters", "runtime", "profile", "checkpoint"},
     "apps": CORE | {"models", "loss", "data", "adapters", "runtime", "profile", "checkpoint", "api", "__init__"},
+    "integrations": CORE | {"loss", "data", "adapters", "runtime", "api"},
     "__init__": {"api", "data", "adapters", "models", "runtime", "plan", "spec", "topology"},
     "__main__": {"apps"},
 }

@@ -1,0 +1,120 @@
+"""`DataCentricTrainer` at world 1, in process: what it refuses (each naming the argument and
+the fix), and its steps against dcparallel's own loop on the same planned steps (the
+two-rank run with evaluation, checkpoints and resume: tests/e2e/test_hf_trainer_torchrun.py)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+
+import dcparallel  # noqa: E402
+from dcparallel.integrations import DataCentricArguments, DataCentricTrainer  # noqa: E402
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def _rows(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (int(torch.randint(6, 40, (1,), generator=g)),), generator=g).tolist()
+        cut = len(ids) // 3  # completion-only: no loss on the first third
+        rows.append({"input_ids": ids, "labels": [-100] * cut + ids[cut:]})
+    return rows
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), learning_rate=0.01, max_steps=3, logging_steps=1, use_cpu=True,
+                report_to=[], save_strategy="no", max_grad_norm=0.5, weight_decay=0.01, warmup_steps=1)
+    return TrainingArguments(**{**base, **kw})
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+    ({"optim": "sgd"}, "optim='sgd'"),
+    ({"bf16": True}, "bf16=True asks for autocast"),
+])
+def test_refuses_what_it_would_not_do_exactly(tmp_path, change, words):
+    with pytest.raises(ValueError, match=words):
+        DataCentricTrainer(model=_model(), args=_args(tmp_path, **change), train_dataset=_rows(),
+                           dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+
+
+def test_refuses_epochs_of_different_step_counts(tmp_path):
+    trainer = DataCentricTrainer(model=_model(), args=_args(tmp_path, max_steps=-1, num_train_epochs=3),
+                                 train_dataset=_rows(16), dc_args=DataCentricArguments(tokens_per_step=60,
+                                                                                       cost="analytic"))
+    with pytest.raises(ValueError, match=r"epochs' planned steps differ in number \(\[5, 6, 5\]\)"):
+        trainer.get_train_dataloader()
+
+
+def test_steps_equal_dcparallel_loop(tmp_path):
+    from transformers import get_scheduler
+
+    rows = _rows()
+    model = _model()
+    trainer = DataCentricTrainer(model=model, args=_args(tmp_path), train_dataset=rows,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+    ref = _model()
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    dc = dcparallel.DataCentricParallel(ref, seed=42)  # TrainingArguments.seed, the default
+    loader = dc.prepare(data, lengths=[len(r["input_ids"]) for r in rows], tokens_per_step=100, cost="analytic")
+    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
+    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
+    want = []
+    for step in list(loader)[:3]:
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(ref, batch, ctx))
+        want.append(dc.sync_gradients())
+        dc.clip_grad_norm_(0.5)
+        opt.step()
+        sched.step()
+    assert losses == pytest.approx(want, rel=1e-6)  # fp64 step means, logged as fp32
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(model.lm_head.weight, _model().lm_head.weight)  # it trained
+
+
+def _lora(seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _lora_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_model_resumes_to_the_same_weights(tmp_path):
+    """A PEFT LoRA model: a run of 3 steps saving every step, and a second trainer resumed from
+    the step-1 checkpoint (the adapter loaded by the Trainer into the engine's parameters),
+    end at the same adapter weights; the frozen base is unchanged."""
+    pytest.importorskip("peft")
+    rows = _rows()
+    runs = []
+    for resume in (None, str(tmp_path / "checkpoint-1")):
+        model = _lora()
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        trainer = DataCentricTrainer(model=model, args=_args(tmp_path, save_strategy="steps", save_steps=1),
+                                     train_dataset=rows,
+                                     dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append(_lora_weights(model))
+        assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    first, resumed = runs
+    assert first.keys() == resumed.keys() and any("lora_B" in n for n in first)
+    for name, w in first.items():
+        torch.testing.assert_close(resumed[name], w, rtol=1e-6, atol=0, msg=name)
+    assert any(not torch.equal(w, v) for w, v in zip(first.values(), _lora_weights(_lora()).values()))

@@ -1,0 +1,78 @@
+"""`DataCentricSFTTrainer` at world 1: TRL formats a chat dataset (chat template,
+assistant-only loss; its packing handed to the planner) and the steps equal dcparallel's own
+loop on labels built independently from the template's assistant mask."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler  # noqa: E402
+from trl import SFTConfig  # noqa: E402
+
+import dcparallel  # noqa: E402
+from dcparallel.integrations import DataCentricArguments, DataCentricSFTTrainer  # noqa: E402
+from tests import train_fixtures as tf  # noqa: E402
+
+
+def _model(vocab):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def _targets(tok, messages):
+    """Next-token targets on the assistant's tokens only, from the template's mask."""
+    enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = torch.tensor(enc["input_ids"])
+    labels = torch.where(torch.tensor(enc["assistant_masks"]) == 1, ids, -100)
+    return {"input_ids": ids, "labels": torch.cat([labels[1:], torch.tensor([-100])])}
+
+
+def test_sft_steps_equal_dcparallel_loop(tmp_path):
+    from datasets import Dataset
+
+    tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
+    chats = tf.conversations(16, seed=1)
+    model = _model(len(tok))
+    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, packing=True, max_steps=3,
+                     learning_rate=0.01, warmup_steps=1, weight_decay=0.01, max_grad_norm=0.5, logging_steps=1,
+                     report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                     bf16=False)  # SFTConfig's default bf16=True (autocast) is refused: see below
+    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
+                                    processing_class=tok,
+                                    dc_args=DataCentricArguments(tokens_per_step=120, cost="analytic"))
+    assert args.packing and args.gradient_checkpointing  # the caller's config is left as given (TRL's defaults)
+    trainer.train()
+    assert not model.is_gradient_checkpointing  # recompute is the planner's, per micro-batch
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+    ref = _model(len(tok))
+    data = [_targets(tok, c["messages"]) for c in chats]
+    dc = dcparallel.DataCentricParallel(ref, seed=0)
+    loader = dc.prepare(data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=120, cost="analytic")
+    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
+    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
+    want = []
+    for step in list(loader)[:3]:
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(ref, batch, ctx))
+        want.append(dc.sync_gradients())
+        dc.clip_grad_norm_(0.5)
+        opt.step()
+        sched.step()
+    assert len(losses) == 3 and losses == pytest.approx(want, rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_autocast_bf16_is_refused(tmp_path):
+    from datasets import Dataset
+
+    tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)  # bf16=True by default
+    with pytest.raises(ValueError, match="bf16=True asks for autocast"):
+        DataCentricSFTTrainer(model=_model(len(tok)), args=args, train_dataset=Dataset.from_list(tf.conversations(4)),
+                              processing_class=tok, dc_args=DataCentricArguments(tokens_per_step=120))
