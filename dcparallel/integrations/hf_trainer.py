@@ -216,7 +216,7 @@ class DataCentricTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         """`dc.optimizer`: ZeRO-1 AdamW over the trainable parameters, with the arguments' lr,
-        betas, epsilon and weight decay (applied to every trainable parameter)."""
+        betas, epsilon and weight decay (on weight matrices, not biases and norms: `Engine.optimizer`)."""
         if self.optimizer is None:
             a = self.args
             self.optimizer = self.dc.optimizer(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
