@@ -250,7 +250,21 @@ class GradSync:
         """A micro-batch starts: the first after `finish` starts a new step (`zero_grad`).
         ``last`` (whether it is the step's last here) is for `ShardedGrads.begin`."""
         if self.synced:
+            self.check_params_in_buffer()
             self.zero_grad()
+
+    def check_params_in_buffer(self) -> None:
+        """Every parameter must still be a view of ``flat_param``: ``model.to(...)``, ``.cuda()``
+        or ``.half()`` after wrapping gives it new storage, and the optimizer would then update
+        a buffer the model no longer reads — silently. A RuntimeError naming the fix instead."""
+        base = self.flat_param.untyped_storage().data_ptr()
+        for i, p in enumerate(self.params):
+            if p.untyped_storage().data_ptr() != base:
+                raise RuntimeError(
+                    f"parameter {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) no longer lives in dcparallel's "
+                    f"flat buffer ({self.flat_param.dtype} on {self.flat_param.device}): the model was moved or cast "
+                    f"after DataCentricParallel(model) (model.to / .cuda / .half), so the optimizer would update a "
+                    f"copy the model does not read. Move and cast the model before wrapping it")
 
     def arm(self) -> None:
         """This rank's last micro-batch of the step begins: its backward launches each bucket

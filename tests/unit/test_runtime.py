@@ -271,3 +271,23 @@ def test_process_groups_check_the_world_size():
         ProcessGroups(NUM_HEADS, 4)
     with pytest.raises(ValueError, match="world_size=8"):
         ProcessGroups(NUM_HEADS, ClusterSpec(world_size=8))
+
+
+def test_a_model_cast_after_wrapping_is_refused_at_the_next_step():
+    """model.double() (like model.to / .cuda / .half) after wrapping gives the parameters new
+    storage: the optimizer would update the flat buffer the model no longer reads. The next
+    step's first micro-batch refuses it instead of training silently wrong."""
+    dc = engine("llama")
+    data = make_data("llama", 2, seed=0)
+    batch = text_batch(MicroBatch((0,), Layout(1, 1)), (0,), 0, data.docs, data.labels)
+
+    def step():
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(ctx.token_loss(dc.params[0].sum() * torch.ones(batch.loss_mask.shape), batch.loss_mask))
+        dc.sync_gradients()
+
+    step()
+    step()  # the parameters still live in the buffer: accepted
+    dc.model.double()
+    with pytest.raises(RuntimeError, match="moved or cast after DataCentricParallel"):
+        step()
