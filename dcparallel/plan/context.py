@@ -62,7 +62,7 @@ class FitGrid(NamedTuple):
 
 class PlanContext:
     def __init__(self, workload: Workload, cost: CostModel, cluster: ClusterSpec,
-                 sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False):
+                 sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False, layouts: dict | None = None):
         if cost.model != workload.model:
             raise ValueError(f"cost model is for {cost.model.name!r}, workload for {workload.model.name!r}")
         if cost.cluster.shard_size != cluster.shard_size:
@@ -96,7 +96,7 @@ class PlanContext:
         self.tokens = workload.tokens
         #: the class a micro-batch's samples share (`spec.batch_key`: video, one latent shape)
         self.bucket_of: list[tuple[int, ...]] = [batch_key(self.model, s) for s in self.sizes]
-        self._fit: dict = {}  # copies of one size (bucket layouts): a few per bucket
+        self._fit: dict = {} if layouts is None else layouts  # `copies_layout`'s; given: shared (`plan.reuse`)
         self._mixed: dict = {}  # any micro-batch: bounded, see cost.base.cache_put
         self._options: dict = {}
         self._preferred: dict = {}

@@ -8,7 +8,11 @@ is planned from them in three moves, the same on every rank:
    (rank-major, `data.rollouts.owners`);
 2. the policy plans the step over those lengths (a pure function of them, the cost model,
    the cluster and the policy, so every rank gets the same plan without talking; compared
-   across ranks on the first step and every ``check_plans`` steps);
+   across ranks on the first step and every ``check_plans`` steps). A step's planner is built
+   on that step's lengths (its classes are sized by the step's longest samples), but the
+   layouts it prices — micro-batches of copies of one length — are a function of the length
+   alone on a fixed cost model, so they are kept across steps (`LAYOUT_CACHE_LIMIT`) and a
+   step prices only lengths no earlier step met;
 3. one variable-size all-to-all of the packed rollouts: each goes whole to every rank of
    the SP group that runs it (`data.rollouts.routes`), and each rank collates its
    micro-batches (`data.rollouts.rollout_batch`: per-token tensors cut like the tokens).
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dcparallel.cost.base import CostModel
+from dcparallel.cost.base import CACHE_LIMIT, CostModel
 from dcparallel.data import plan_check
 from dcparallel.data.batch import Batch
 from dcparallel.data.rollouts import (
@@ -49,6 +53,10 @@ from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import ClusterSpec, Workload
+
+#: `PlanContext.copies_layout`'s results kept across steps: emptied before a step past this
+#: many (a few tens of thousands are met per step at 1024 GPUs; the plans do not depend on it)
+LAYOUT_CACHE_LIMIT = CACHE_LIMIT
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,8 @@ class RolloutPlanner:
         self.check_plans = plan_check.check_every(check_plans)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
         self.steps = 0
+        self._layouts: dict = {}  # see the module docstring, move 2
+        self._state_bytes = cost.model_state_bytes()  # the layouts kept were priced with these states
         if max_tokens is not None:
             try:
                 PlanContext(Workload(cost.model, (int(max_tokens),)), cost, cluster)
@@ -121,8 +131,13 @@ class RolloutPlanner:
 
     def plan_step(self, lengths: Sequence[int], index: int) -> tuple[StepPlan, PlanContext]:
         """The policy's plan of one step over these global lengths (pure: no collective)."""
+        state = self.cost.model_state_bytes()
+        if len(self._layouts) >= LAYOUT_CACHE_LIMIT or state != self._state_bytes:
+            self._layouts.clear()
+            self._state_bytes = state
         try:
-            ctx = PlanContext(Workload(self.cost.model, tuple(lengths)), self.cost, self.cluster)
+            ctx = PlanContext(Workload(self.cost.model, tuple(lengths)), self.cost, self.cluster,
+                              layouts=self._layouts)
         except ValueError as e:
             raise ValueError(f"{e} (a rollout's sample id is global: rank-major over the ranks' rollouts)") from None
         planner = make_planner(self.policy, ctx, [Step(index, tuple(range(len(lengths))))], score=step_seconds(ctx))

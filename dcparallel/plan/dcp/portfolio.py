@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
@@ -67,8 +67,8 @@ class ScalePlanner(ClassLevelPlanner):
             self.chain_alone = ChainAlone(ClassLevelPlanner(ctx, mode=mode, phases=phases, chain_only=True,
                                                             config=config))
         if not alone and ctx.model.kind == "text" and self.world > config.v1_max_world:
-            self.finer_classes = FinerClasses(ClassLevelPlanner(ctx, mode=mode, phases=phases,
-                                                                sub_bins=config.finer_sub_bins, config=config), config)
+            self.finer_classes = FinerClasses(partial(ClassLevelPlanner, ctx, mode=mode, phases=phases,
+                                                      sub_bins=config.finer_sub_bins, config=config), config)
         if not alone and self.world <= config.v1_max_world:
             from dcparallel.plan.dcp_v1 import DCPPlanner
 
@@ -162,12 +162,17 @@ class ChainAlone:
 class FinerClasses:
     """The class level over finer text classes (`config.finer_sub_bins` length ranges per
     bucket): a class laid out for its largest sample wastes less where a step has few samples
-    per GPU."""
+    per GPU. Its tables are built on the first step that opens its gate: a planner built for
+    each step (`dc.plan_batch`) pays for them only on such steps."""
 
     name = "finer-classes"
 
-    def __init__(self, planner: ClassLevelPlanner, config: DcpConfig):
-        self.planner, self.config = planner, config
+    def __init__(self, make: Callable[[], ClassLevelPlanner], config: DcpConfig):
+        self._planner, self.config = Once(make), config
+
+    @property
+    def planner(self) -> ClassLevelPlanner:
+        return self._planner()
 
     def runs(self, s: Standing) -> bool:
         return self.few_samples_per_gpu_above_bound(s)
