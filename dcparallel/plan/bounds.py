@@ -4,7 +4,7 @@ The layout model: a micro-batch runs on a group of k ranks (an SP degree of the 
 its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). The degrees
 are every one a planner may use (`PlanContext.mix_sizes`). Per sample s
 and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds per sample
-of micro-batches of copies of s at k (time * k / m over the sizes m up to 64 that fit, with the
+of micro-batches of copies of s at k (time * k / m over every size m that fits, with the
 fastest recompute that fits: `PlanContext.fewest_gpu_seconds`). A micro-batch of time d at
 degree k is assumed to satisfy
 
@@ -65,6 +65,9 @@ from dcparallel.spec import Size
 
 #: the midpoint and per-rank bounds are computed for steps of at most this many samples per GPU
 TIGHT_PER_GPU = 2.0
+#: the most copies of one size per micro-batch the bound considers (A2): more than any step
+#: holds, so that no packed micro-batch of many short samples beats it
+BOUND_MAX_COPIES = 1 << 16
 #: the per-rank bound's thresholds e tried at every T, besides the step's own
 PER_RANK_EPS = (0.0, 0.1, 0.2, 0.25, 0.3, 1 / 3, 0.4, 0.5)
 
@@ -86,7 +89,9 @@ class LowerBound:
         f = np.full(len(ctx.mix_sizes), np.inf)
         g = np.full(len(ctx.mix_sizes), np.inf)
         for j, k in enumerate(ctx.mix_sizes):
-            top = ctx.max_mbs(size, k, "pac")
+            # any number of copies that fits, not only the planners' 64: `packed` (and `dcp`'s
+            # static candidate) put more short samples in one micro-batch
+            top = ctx.max_mbs(size, k, "pac", cap=BOUND_MAX_COPIES)
             if top == 0:
                 continue
             f[j] = ctx.copies_layout(size, 1, k, "pac").time

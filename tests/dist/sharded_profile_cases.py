@@ -126,7 +126,7 @@ def case_auto_shard_size(budgets: list[int]) -> list[dict]:
         def emit(self, record):
             lines.append(record.getMessage())
 
-    log = logging.getLogger("dcparallel.api")
+    log = logging.getLogger("dcparallel.runtime.auto_launch")  # `agreed_auto_shard_size` logs the choice
     handler, old = Keep(level=logging.INFO), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

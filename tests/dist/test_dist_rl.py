@@ -14,7 +14,9 @@ pytestmark = pytest.mark.dist
 
 
 def test_rl_step_from_uneven_holdings_matches_one_process(workers):
-    out = workers.run(rl_cases.case_rl_step)
+    # dcp's own planners: on a step this small dcp also offers a static layout of one SP degree
+    # and keeps it when faster; its own plans mix SP 1 and 2, which this test must exercise
+    out = workers.run(rl_cases.case_rl_step, "dcp-own")
     world = workers.world
     # every rank holds what the case dealt it (one rank with most of the long ones; at world 4 one with none)
     assert [o["held"] for o in out] == [rl_cases.holding(r, world) for r in range(world)]

@@ -17,6 +17,7 @@ from dcparallel import checkpoint
 from dcparallel.apps.train_config import Config
 from dcparallel.cost.schema import Profile
 from dcparallel.data.sizes import check_step_budget
+from dcparallel.profile.config import ProfilerConfig
 from dcparallel.scenarios import read_lengths
 from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DCPARALLEL_FAULT
 
@@ -302,11 +303,12 @@ def test_profile_cache_keeps_every_world_size(tmp_path):
 
     class Stub:
         calls = 0
+        config = ProfilerConfig(budget_s=None)
 
         def fingerprint(self):
             return {"world_size": 1}
 
-        def run(self, sizes):
+        def run(self, sizes, journal_path=None):
             Stub.calls += 1
             return Profile.from_json({**_profile_json(), "fingerprint": {"world_size": 1}}), None
 
