@@ -5,7 +5,8 @@ run three ways in one launch (``torchrun --nproc-per-node 2 hf_trainer_worker.py
 2. dcparallel's own loop on the same model, steps, optimizer, schedule and clipping;
 3. the Trainer resumed from the step-2 checkpoint;
 4. TRL's SFTTrainer (`DataCentricSFTTrainer`) on the raw chats, the same 4 steps;
-5. the plain Trainer's evaluation of the unmodified model holding run 1's weights.
+5. the plain Trainer's evaluation of the unmodified model holding run 1's weights;
+6. the Trainer on a PEFT LoRA model, 2 steps, its adapter saved by `trainer.save_model`.
 
 Rank 0 writes OUT/result.pt: each run's per-step losses and final trainable weights, and
 the Trainer's log history.
@@ -131,11 +132,29 @@ def run_loop():
     return {"losses": losses, "weights": trainable(model)}
 
 
+def run_lora():
+    """The Trainer on a PEFT LoRA model: ``trainer.save_model`` writes the adapter folder."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    args = TrainingArguments(output_dir=str(OUT / "lora"), learning_rate=LR, max_steps=2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, save_strategy="no")
+    trainer = DataCentricTrainer(model=model, args=args, train_dataset=train,  # dcparallel
+                                 data_collator=DataCollatorForSeq2Seq(tok),
+                                 dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    trainer.train()
+    trainer.save_model(str(OUT / "lora_export"))
+    return {"weights": trainable(model)}
+
+
 trained = run_trainer(OUT / "trainer")
 loop = run_loop()
 resumed = run_trainer(OUT / "trainer", resume=str(OUT / "trainer" / "checkpoint-2"))
 sft = run_sft()
 plain_eval = reference_eval(trained["weights"])["eval_loss"]
+lora = run_lora()
 if dcparallel.runtime.comm.world_rank() == 0:
     torch.save({"trainer": trained, "loop": loop, "resumed": resumed, "sft": sft, "plain_eval": plain_eval,
-                "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt")
+                "lora": lora, "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt")

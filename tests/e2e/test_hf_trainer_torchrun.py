@@ -4,7 +4,9 @@ by its `# dcparallel` lines fine-tunes a local Llama on chat JSONL with completi
 on the same planned steps (same AdamW, linear warmup schedule, clipping), and so do those of
 `DataCentricSFTTrainer` on the raw chats (TRL's formatting, assistant-only loss); its
 evaluation equals the plain Trainer's on the unmodified model, a resume from the step-2
-checkpoint ends at the same weights, and report_to="tensorboard" writes event files."""
+checkpoint ends at the same weights, and report_to="tensorboard" writes event files. A PEFT
+LoRA model trained by the Trainer is saved by ``trainer.save_model`` as an adapter folder that
+``PeftModel.from_pretrained`` loads with the trained adapter weights."""
 
 import os
 import subprocess
@@ -55,3 +57,17 @@ def test_trainer_equals_dcparallel_loop_evaluates_resumes_and_logs(tmp_path):
     assert trainer["eval_loss"] == pytest.approx(res["plain_eval"], rel=1e-5)
     assert sorted((tmp_path / "out" / "trainer").glob("checkpoint-*/dc_optimizer_rank1.pt"))
     assert list((tmp_path / "out" / "trainer" / "runs").rglob("events.out.tfevents.*"))
+    # the LoRA run's adapter export loads with PEFT and holds the trained adapters
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = tmp_path / "out" / "lora_export"
+    assert (export / "adapter_config.json").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True), export)
+    got = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
+    trained_lora = {n: w for n, w in res["lora"]["weights"].items() if "lora_" in n}
+    assert trained_lora and len(got) == len(trained_lora)
+    for name, w in trained_lora.items():
+        key = next(k for k in got if k.replace(".default", "") == name.replace(".default", ""))
+        assert _rel(got[key], w) <= 1e-6, name
+    assert any(_rel(w, torch.zeros_like(w)) > 0 for n, w in trained_lora.items() if "lora_B" in n)  # trained
