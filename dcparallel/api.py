@@ -332,12 +332,7 @@ class DataCentricParallel:
         self._agree_inputs(sizes, plan_kw)  # before minutes of profiling
         if self.shard_auto:
             self._check_auto_shard_size(sizes)
-        if cost == "analytic":
-            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
-        else:
-            self.profile = self._profile(sizes, Path(profile_path), profiler_config)
-            self.cost = ProfiledCost(self.profile, self.cluster_spec)
-        self._agree_cost()
+        self._price(cost, sizes, profile_path, profiler_config)
         if self.shard_size > 1:
             self._choose_grad_hold(sizes)
         loader_kw.setdefault("collate", self.adapter.collate)
@@ -360,12 +355,7 @@ class DataCentricParallel:
         self.loss_fn = loss_fn or self.loss_fn
         sizes = rollout_sizes(max_tokens)
         self._agree_inputs(sizes, {"max_tokens": max_tokens})
-        if cost == "analytic":
-            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
-        else:
-            self.profile = self._profile(sizes, Path(profile_path), profiler_config)
-            self.cost = ProfiledCost(self.profile, self.cluster_spec)
-        self._agree_cost()
+        self._price(cost, sizes, profile_path, profiler_config)
         self.rollouts = RolloutPlanner(self.cost, self.cluster_spec, self.policy, device=self.params[0].device,
                                        check_plans=check_plans, max_tokens=max_tokens)
         self.forward_pass = ForwardPass(self.engine, self.cost, self.cluster_spec, self.policy,
@@ -389,6 +379,17 @@ class DataCentricParallel:
         if self.rollouts is None:
             raise ValueError("forward_batch needs a cost model: call dc.prepare_rollouts(max_tokens=...) first")
         return self.forward_pass.run(samples, fn)
+
+    def _price(self, cost: str, sizes: Sequence[Any], profile_path: str | Path,
+               profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> None:
+        """The cost model of ``cost``: the analytic one, or a profile of this model (measured
+        now, collective, or cached) — the same on every rank (checked)."""
+        if cost == "analytic":
+            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
+        else:
+            self.profile = self._profile(sizes, Path(profile_path), profiler_config)
+            self.cost = ProfiledCost(self.profile, self.cluster_spec)
+        self._agree_cost()
 
     def _profile(self, sizes: Sequence[Any], path: Path,
                  profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_attention import hf_attention  # noqa: F401  (the function transformers calls)
-from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
+from dcparallel.adapters.hf_structure import document_limit, ffn_size, resolve, set_block_attention
 
 
 def matches(model: nn.Module) -> bool:
@@ -93,10 +93,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     def install(fn: Any) -> None:
         attention.register()
-        for b in blocks:
-            for m in attn_of(b):
-                limit = limits[id(m)]
-                m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)
+        set_block_attention(fn, blocks, attn_of, limits)
         model.set_attn_implementation(attention.NAME)
 
     return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,

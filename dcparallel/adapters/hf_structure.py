@@ -28,6 +28,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
+from typing import Any
 
 from torch import nn
 
@@ -277,3 +278,12 @@ def document_limit(model: nn.Module, index: int, attn: nn.Module) -> tuple[int, 
         out.append((floor - 1, True, f"layer {index} scales its queries by the row position from {floor} tokens on "
                                      f"(attention temperature tuning of a no-RoPE layer)"))
     return min(out) if out else None
+
+
+def set_block_attention(fn: Any, blocks: Any, attn_of: Any, limits: dict[int, Any]) -> None:
+    """Points every attention module of ``blocks`` at ``fn``, wrapped in its `DocumentLimit`
+    where ``limits`` (by module id, from `document_limit`) has one."""
+    for b in blocks:
+        for m in attn_of(b):
+            limit = limits[id(m)]
+            m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)

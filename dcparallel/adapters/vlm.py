@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
-from dcparallel.adapters.hf_structure import DocumentLimit, document_limit, ffn_size, resolve
+from dcparallel.adapters.hf_structure import document_limit, ffn_size, resolve, set_block_attention
 from dcparallel.adapters.vlm_families import FAMILIES, Family
 from dcparallel.adapters.vlm_vision import check_placeholders, group_embeddings, place
 from dcparallel.data.batch import Batch
@@ -154,10 +154,7 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
 
     def install(fn: Any) -> None:
         attention.register()
-        for b in blocks:
-            for m in attn_of(b):
-                limit = limits[id(m)]
-                m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)
+        set_block_attention(fn, blocks, attn_of, limits)
         text.set_attn_implementation(attention.NAME)
         attn["fn"] = fn
 
