@@ -22,8 +22,6 @@ from dcparallel.cost.shard import ShardComm
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size, VisionSize
 
 log = logging.getLogger(__name__)
-#: the noise warnings this process has logged (`ProfiledCost`)
-_NOISE_WARNED: set[str] = set()
 
 
 def _non_decreasing(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
@@ -84,10 +82,8 @@ class ProfiledCost:
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
-        noisy = profile.noise_warning() if time_at == "value" else None
-        if noisy and noisy not in _NOISE_WARNED:  # once per profile and process, not per cost object
-            _NOISE_WARNED.add(noisy)
-            log.warning(noisy)
+        if time_at == "value":
+            profile.warn_if_noisy(log)  # once per profile and process, not per cost object
 
     def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:
         """Plans shard blocks of ``cluster.shard_size`` ranks from a profile measured without

@@ -51,6 +51,9 @@ from typing import Any
 
 from dcparallel.spec import STATIC_MODES, ModelSpec, Size, check_size
 
+#: noise warnings already logged by this process (`Profile.warn_if_noisy`)
+_NOISE_WARNED: set[str] = set()
+
 SCHEMA = "dcparallel.profile"
 VERSION = 2
 #: versions `Profile.from_json` reads (1: no ``time_spread``)
@@ -232,6 +235,14 @@ class Profile:
                 f"(median), +-{100 * worst:.0f}% (worst), {bad} of {len(sp)} beyond +-{100 * threshold:.0f}%; "
                 f"predictions priced by it may be far off. Profile again on a quiet machine (no other jobs), "
                 f"or with more rounds (ProfilerConfig max_repeats, min_time_s)")
+
+    def warn_if_noisy(self, log: Any) -> None:
+        """Logs `noise_warning` once per process for the same sentence: the profiler that
+        measured the profile and the cost model that prices with it would each say it."""
+        noisy = self.noise_warning()
+        if noisy and noisy not in _NOISE_WARNED:
+            _NOISE_WARNED.add(noisy)
+            log.warning(noisy)
 
     @staticmethod
     def load(path: str | Path) -> Profile:

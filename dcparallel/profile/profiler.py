@@ -392,7 +392,7 @@ class Profiler:
                                                         shards.sync_group(self.engine)),
                           buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size,
                           reference_s=reference_s)
-        if self.rank == 0 and profile.noise_warning():
-            log.warning(profile.noise_warning())
+        if self.rank == 0:
+            profile.warn_if_noisy(log)
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start, self.control.control))
         return profile, stats
