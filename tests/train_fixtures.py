@@ -212,3 +212,28 @@ def pytest_approx(x: float, rel: float = 1e-6):
     import pytest
 
     return pytest.approx(x, rel=rel)  # TensorBoard stores float32
+
+
+def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps: int = 3) -> list[float]:
+    """dcparallel's own loop with what the integration tests give the Trainer (AdamW lr 0.01,
+    weight decay 0.01, linear schedule with 1 warmup step, clipping at 0.5): the first
+    ``steps`` step losses; ``ref`` is trained in place."""
+    from transformers import get_scheduler
+
+    import dcparallel
+
+    dc = dcparallel.DataCentricParallel(ref, seed=seed)
+    loader = dc.prepare(data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=tokens_per_step,
+                        cost="analytic")
+    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
+    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=steps)
+    losses = []
+    for step in list(loader)[:steps]:
+        for batch in step:
+            with dc.micro_batch(batch) as ctx:
+                ctx.backward(dc.loss_fn(ref, batch, ctx))
+        losses.append(dc.sync_gradients())
+        dc.clip_grad_norm_(0.5)
+        opt.step()
+        sched.step()
+    return losses

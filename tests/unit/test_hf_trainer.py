@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
-import dcparallel  # noqa: E402
 from dcparallel.integrations import DataCentricArguments, DataCentricTrainer  # noqa: E402
+from tests import train_fixtures as tf  # noqa: E402
 
 
 def _model():
@@ -55,7 +55,6 @@ def test_refuses_epochs_of_different_step_counts(tmp_path):
 
 
 def test_steps_equal_dcparallel_loop(tmp_path):
-    from transformers import get_scheduler
 
     rows = _rows()
     model = _model()
@@ -67,19 +66,7 @@ def test_steps_equal_dcparallel_loop(tmp_path):
     ref = _model()
     data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
             for r in rows]
-    dc = dcparallel.DataCentricParallel(ref, seed=42)  # TrainingArguments.seed, the default
-    loader = dc.prepare(data, lengths=[len(r["input_ids"]) for r in rows], tokens_per_step=100, cost="analytic")
-    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
-    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
-    want = []
-    for step in list(loader)[:3]:
-        for batch in step:
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(ref, batch, ctx))
-        want.append(dc.sync_gradients())
-        dc.clip_grad_norm_(0.5)
-        opt.step()
-        sched.step()
+    want = tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100)  # seed: TrainingArguments'
     assert losses == pytest.approx(want, rel=1e-6)  # fp64 step means, logged as fp32
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), name

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
-import dcparallel  # noqa: E402
 from dcparallel.integrations import DataCentricArguments, DataCentricSFTTrainer  # noqa: E402
 from tests import train_fixtures as tf  # noqa: E402
 
@@ -50,19 +49,7 @@ def test_sft_steps_equal_dcparallel_loop(tmp_path):
 
     ref = _model(len(tok))
     data = [_targets(tok, c["messages"]) for c in chats]
-    dc = dcparallel.DataCentricParallel(ref, seed=0)
-    loader = dc.prepare(data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=120, cost="analytic")
-    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
-    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
-    want = []
-    for step in list(loader)[:3]:
-        for batch in step:
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(ref, batch, ctx))
-        want.append(dc.sync_gradients())
-        dc.clip_grad_norm_(0.5)
-        opt.step()
-        sched.step()
+    want = tf.trainer_reference_steps(ref, data, seed=0, tokens_per_step=120)
     assert len(losses) == 3 and losses == pytest.approx(want, rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), name
