@@ -69,6 +69,7 @@ def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: i
         kernel = attention.kernel or default_kernel(q.device)
         return kernel(q, k, v, FULL, None)
     _, batch = active
+    joint.refuse_ring(batch, "Flux (FluxTransformer2DModel, Flux2Transformer2DModel)")
     check_heads(q.shape[2], batch.sp)
     t = q.shape[1] - batch.shard_len if num_text is None else num_text
     if q.shape[1] != t + batch.shard_len:

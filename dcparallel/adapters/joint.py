@@ -21,6 +21,14 @@ gather, where `MicroBatchContext.dense_loss` weights each position 1/sp; the hea
 backward sums the ranks' shares of the text output's gradient and hands each rank the full
 gradient of its own heads (`comm.gather_seq` on the head dim) — so the group's shares add up
 to the single-process gradient once, with nothing counted twice.
+
+Under ring attention (``Layout.ring`` r > 1, SP = u x r) the video tokens are the zigzag
+columns of `data.ring_order` (`shard_tokens`, `gather_tokens` follow them); the all-to-all
+over the Ulysses sub-group gives each rank its ring block for its H/u heads, and
+`runtime.ring_joint` attends it: the video queries over every block (the ring) and the text
+once, the text queries over every block once (partial softmaxes merged round the ring).
+HunyuanVideo, CogVideoX and Mochi run there (tests/dist/test_dist_joint.py); Flux, Flux 2
+and Qwen-Image, which no ring parity test covers, are refused there (`refuse_ring`).
 """
 
 from __future__ import annotations
@@ -32,22 +40,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dcparallel.adapters import cp_plan
 from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.latents import check_args, patch_collate, random_items
 from dcparallel.data.batch import Batch
 from dcparallel.runtime import comm
+from dcparallel.runtime.ring_joint import ring_joint_attention
 
 
 def sharding(attention: Any) -> tuple[Any, Batch] | None:
-    """(group, batch) when the active micro-batch shards the model's tokens (SP > 1)."""
+    """(group, batch) when the active micro-batch shards the model's tokens (SP > 1): the
+    whole SP group (under ring attention the ring's group, whose ranks are its slots)."""
     a = attention.state()
     if a is None or a.batch is None or a.batch.sharded or a.sp == 1:
         return None
-    if a.ring is not None:
-        raise ValueError(f"joint text + video / image attention under ring degree {a.ring.size}: the replicated "
-                         f"text tokens would join every ring block, which dcparallel does not compute; plan this "
-                         f"model with ring degree 1 (Ulysses)")
-    return a.group, a.batch
+    return (a.group if a.ring is None else a.ring.group), a.batch
+
+
+def refuse_ring(batch: Batch, who: str) -> None:
+    """Refuses ring attention for a joint-attention family no ring parity test covers."""
+    if batch.ring > 1:
+        raise ValueError(f"{who}'s joint text + image attention under ring degree {batch.ring}: dcparallel runs "
+                         f"joint attention under ring for HunyuanVideo, CogVideoX and Mochi only (their exactness "
+                         f"tested); plan this model with ring degree 1 (Ulysses)")
 
 
 def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> Tensor:
@@ -58,6 +73,8 @@ def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> T
     if x.shape[dim] != batch.seq_len:
         raise ValueError(f"expected the whole sequence of {batch.seq_len} video tokens on dim {dim}, got "
                          f"{tuple(x.shape)}; the model passed its blocks a tensor the sharding hooks do not know")
+    if batch.ring > 1:  # the zigzag columns of ring attention (a copy)
+        return cp_plan.shard(x, dim, batch)
     start, n = batch.shard_start, batch.shard_len
     real = max(0, min(n, batch.seq_len - start))
     if real == n:
@@ -73,6 +90,8 @@ def gather_tokens(x: Tensor, attention: Any, dim: int = 1) -> Tensor:
     if active is None:
         return x
     group, batch = active
+    if batch.ring > 1:
+        return cp_plan.gather(x, dim, group, batch)
     return comm.gather_seq(x, group, dim=dim).narrow(dim, 0, batch.seq_len)
 
 
@@ -86,6 +105,8 @@ def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Ten
     active = sharding(attention)
     b, t, h = q.shape[0], q_text.shape[1], q.shape[2]
     video_valid = None
+    if active is not None and active[1].ring > 1:
+        return _under_ring(q, k, v, q_text, k_text, v_text, text_mask, attention.state())
     if active is not None:
         group, batch = active
         if h % batch.sp:
@@ -112,6 +133,25 @@ def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Ten
         out_video = comm.heads_to_seq(out_video, group)
         out_text = comm.gather_seq(out_text, group, dim=2)
     return out_video, out_text
+
+
+def _under_ring(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Tensor, v_text: Tensor,
+                text_mask: Tensor | None, active: Any) -> tuple[Tensor, Tensor]:
+    """`joint_attention` at ring degree > 1: Ulysses over the sub-group ``active.group``
+    gives this rank its ring block for its heads, `ring_joint_attention` attends it and its
+    heads of the text over the whole row; the outputs go back as under Ulysses alone."""
+    group, batch, h = active.group, active.batch, q.shape[2]
+    u = comm.group_size(group)
+    if h % u:
+        raise ValueError(f"{h} attention heads do not split over Ulysses degree {u} (SP {batch.sp} = Ulysses {u} x "
+                         f"ring {batch.ring}); plan a split whose Ulysses degree divides them")
+    q, k, v = comm.seq_to_heads([q, k, v], group)
+    hs = h // u
+    lo = comm.group_rank(group) * hs
+    q_text, k_text, v_text = (x.narrow(2, lo, hs) for x in (q_text, k_text, v_text))
+    out, out_text = ring_joint_attention(q, k, v, q_text, k_text, v_text, text_mask, active.ring, batch.seq_len,
+                                         batch.padded_len)
+    return comm.heads_to_seq(out, group), comm.gather_seq(out_text, group, dim=2)
 
 
 def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Sequence[str], hidden: str,

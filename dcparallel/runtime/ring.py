@@ -22,7 +22,9 @@ attention, and fewer than ``window`` columns back for a sliding window. Each blo
 chunks, and a chunk pair with nothing to attend is skipped: under causal attention every
 rank computes two of the four chunk pairs per step (three on its own block), so the zigzag
 order gives every rank the same work. Grouped-query attention: each key / value head serves
-its consecutive query heads, and its gradient is the sum over them.
+its consecutive query heads, and its gradient is the sum over them. A block every rank holds
+itself (the replicated text of joint attention, `runtime.ring_joint`) joins the softmax once,
+after the ring's steps, with its own mask.
 
 Refused under ring (a ValueError naming the feature): logit softcapping and attention sinks
 (their backward is not written here), and the factorized spatial / temporal patterns (a
@@ -132,7 +134,7 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
     return s.masked_fill(~mask, float("-inf"))
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def attend_block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """One chunk pair, fp32: output (B, Lq, H, Dv) normalized over these keys, and the
     log-sum-exp (B, H, Lq) of its scores (-inf where a query sees none of them)."""
     s = _scores(q, k, mask, scale)
@@ -141,18 +143,18 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tupl
     return torch.einsum("bhlm,bmhd->blhd", p, _expand(v, q.shape[2])), lse
 
 
-def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> tuple[Tensor, Tensor]:
+def merge_lse(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> tuple[Tensor, Tensor]:
     new = torch.logaddexp(lse, lse_o)
     keep = torch.exp(lse - _finite(new)).transpose(1, 2)[..., None]
     add = torch.exp(lse_o - _finite(new)).transpose(1, 2)[..., None]
     return out * keep + o * add, new
 
 
-def _pack(*ts: Tensor) -> Tensor:
+def pack(*ts: Tensor) -> Tensor:
     return torch.cat([t.reshape(-1) for t in ts])
 
 
-def _unpack(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+def unpack(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
     out, pos = [], 0
     for shape in shapes:
         n = shape.numel()
@@ -163,54 +165,63 @@ def _unpack(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, peers: RingPeers, masks: _Masks, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor | None, v_x: Tensor | None, mask_x: Tensor | None,
+                peers: RingPeers, masks: _Masks, scale: float) -> Tensor:
         qf = q.float()
         b, n, h, _ = q.shape
         out = q.new_zeros(b, n, h, v.shape[-1], dtype=torch.float32)
         lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
         shapes = (k.shape, v.shape)
-        kv = _pack(k, v)  # blocks travel in their own dtype; attention runs in fp32
+        kv = pack(k, v)  # blocks travel in their own dtype; attention runs in fp32
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = (t.float() for t in _unpack(kv, shapes))
+            kk, vv = (t.float() for t in unpack(kv, shapes))
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
-                o, lse_o = _attend(qf[:, qs], kk[:, ks], vv[:, ks], mask, scale)
-                out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o, lse_o)
+                o, lse_o = attend_block(qf[:, qs], kk[:, ks], vv[:, ks], mask, scale)
+                out[:, qs], lse[:, :, qs] = merge_lse(out[:, qs], lse[:, :, qs], o, lse_o)
             if pending is not None:
                 kv = pending.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        if k_x is not None:  # the local extra block, attended once (see ring_attention)
+            out, lse = merge_lse(out, lse, *attend_block(qf, k_x.float(), v_x.float(), mask_x, scale))
+        ctx.save_for_backward(q, k, v, out, lse, k_x, v_x, mask_x)
         ctx.peers, ctx.masks, ctx.scale = peers, masks, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, k_x, v_x, mask_x = ctx.saved_tensors
         peers, masks, scale = ctx.peers, ctx.masks, ctx.scale
         qf, do = q.float(), dout.float()
         delta = (do * out).sum(-1).transpose(1, 2)  # (B, H, L): the softmax backward's row term
         dq = torch.zeros_like(qf)
         shapes = (k.shape, v.shape)
-        kv, incoming = _pack(k, v), None
+        kv, incoming = pack(k, v), None
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = (t.float() for t in _unpack(kv, shapes))
+            kk, vv = (t.float() for t in unpack(kv, shapes))
             dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
-                _chunk_grads(qf[:, qs], kk[:, ks], vv[:, ks], do[:, qs], lse[:, :, qs], delta[:, :, qs], mask,
+                block_grads(qf[:, qs], kk[:, ks], vv[:, ks], do[:, qs], lse[:, :, qs], delta[:, :, qs], mask,
                              scale, dq[:, qs], dk[:, ks], dv[:, ks])
-            acc = _pack(dk, dv)
+            acc = pack(dk, dv)
             if incoming is not None:  # block src's accumulator, from the ranks it visited before
                 acc += incoming.wait()
             incoming = peers.shift(acc)
             if pending is not None:
                 kv = pending.wait()
-        dk, dv = _unpack(incoming.wait(), shapes)  # this rank's own block, every rank's share summed (fp32)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dk, dv = unpack(incoming.wait(), shapes)  # this rank's own block, every rank's share summed (fp32)
+        dk_x = dv_x = None
+        if k_x is not None:  # this rank's queries' share of the extra block's gradients
+            kx, vx = k_x.float(), v_x.float()
+            dk_x, dv_x = torch.zeros_like(kx), torch.zeros_like(vx)
+            block_grads(qf, kx, vx, do, lse, delta, mask_x, scale, dq, dk_x, dv_x)
+            dk_x, dv_x = dk_x.to(k_x.dtype), dv_x.to(v_x.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_x, dv_x, None, None, None, None
 
 
-def _chunk_grads(q, k, v, do, lse, delta, mask, scale, dq, dk, dv) -> None:
+def block_grads(q, k, v, do, lse, delta, mask, scale, dq, dk, dv) -> None:
     """Adds one chunk pair's gradients into the views ``dq``, ``dk``, ``dv`` (fp32), with
     the probabilities of the whole softmax (``lse`` over every key)."""
     h = q.shape[2]
@@ -225,11 +236,16 @@ def _chunk_grads(q, k, v, do, lse, delta, mask, scale, dq, dk, dv) -> None:
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, peers: RingPeers,
-                   cu_seqlens: Sequence[int] | None, padded_len: int, sinks: Tensor | None = None) -> Tensor:
+                   cu_seqlens: Sequence[int] | None, padded_len: int, sinks: Tensor | None = None,
+                   extra: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """q (B, Lb, H, D), k (B, Lb, H_kv, D), v (B, Lb, H_kv, Dv): ring block ``peers.index``
     of rows of ``padded_len`` columns (Lb = padded_len / ring) -> output (B, Lb, H, Dv).
     ``cu_seqlens``: document boundaries in the whole unpadded row (None: one document
-    filling the row)."""
+    filling the row). ``extra``: keys (B, X, H_kv, D), values (B, X, H_kv, Dv) and a mask
+    broadcasting to (B, 1, Lb, X) (True: the query attends the key) of a block every rank
+    holds itself (the replicated text of joint attention, `runtime.ring_joint`): joined to
+    the softmax once, after the ring's steps; its key / value gradients are this rank's
+    queries' share."""
     r = peers.size
     check_ring_pattern(pattern, sinks, r)
     if q.shape[1] * r != padded_len or k.shape[1] != q.shape[1] or q.shape[2] % k.shape[2]:
@@ -238,4 +254,5 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, peers:
                          f"and key heads divide query heads")
     cu = (0, padded_len) if cu_seqlens is None else tuple(cu_seqlens)
     masks = _Masks(_doc_ids(cu, padded_len), padded_len, r, pattern.causal, pattern.window)
-    return _RingAttention.apply(q, k, v, peers, masks, q.shape[-1] ** -0.5)
+    k_x, v_x, mask_x = (None, None, None) if extra is None else extra
+    return _RingAttention.apply(q, k, v, k_x, v_x, mask_x, peers, masks, q.shape[-1] ** -0.5)

@@ -171,3 +171,48 @@ def case_wan_ring(seed: int) -> dict:
     loss = adapter_step(dc, plan, wan_data("wan", 3, seed), item)
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}}
 
+
+
+# ---------------------------------------------------------------- joint video + text attention
+
+#: video tokens of a joint-attention row (padded at every split of 4 ranks) and text tokens
+JOINT_VIDEO, JOINT_TEXT = 11, 5
+
+
+def joint_inputs(seed: int, heads: int, padded_len: int, dim: int = 8, batch: int = 2) -> dict:
+    """Whole padded video rows and the text of a joint attention, the output gradients, and
+    a text mask with the last token of the first row and the second of the second padded."""
+    g = torch.Generator().manual_seed(seed)
+    video = [torch.randn(batch, padded_len, heads, dim, generator=g) for _ in range(4)]
+    text = [torch.randn(batch, JOINT_TEXT, heads, dim, generator=g) for _ in range(4)]
+    mask = torch.ones(batch, JOINT_TEXT, dtype=torch.bool)
+    mask[0, -1] = mask[1, 1] = False
+    return {"video": video, "text": text, "mask": mask}
+
+
+def case_joint_op(ring: int, seed: int) -> dict:
+    """This rank's columns of the joint op's video output and video dq, dk, dv; its text
+    output; its share of the text's dq, dk, dv. The text output's gradient is split into
+    unequal shares over the ranks (rank i gets (i + 1) / sum of (j + 1) of it), as the
+    ranks' text streams hand it back; the shares sum to the whole gradient."""
+    from dcparallel.runtime.comm import gather_seq, group_rank, heads_to_seq, seq_to_heads
+    from dcparallel.runtime.ring_joint import ring_joint_attention
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    heads = 4
+    padded = ring_padded_length(JOINT_VIDEO, world, ring)
+    x = joint_inputs(seed, heads, padded)
+    cols = torch.tensor(shard_columns(padded, world, ring, rank))
+    group, peers = ProcessGroups(heads, ring=True).split(tuple(range(world)), ring)
+    video = [t[:, cols].clone().requires_grad_(True) for t in x["video"][:3]]
+    text = [t.clone().requires_grad_(True) for t in x["text"][:3]]
+    q, k, v = seq_to_heads(video, group)
+    hs = heads // (world // ring)
+    qt, kt, vt = (t.narrow(2, group_rank(group) * hs, hs) for t in text)
+    out, out_text = ring_joint_attention(q, k, v, qt, kt, vt, x["mask"], peers, JOINT_VIDEO, padded)
+    out, out_text = heads_to_seq(out, group), gather_seq(out_text, group, dim=2)
+    share = (rank + 1) / sum(range(1, world + 1))
+    torch.autograd.backward([out, out_text], [x["video"][3][:, cols], x["text"][3] * share])
+    return {"cols": cols, "out": out.detach(), "out_text": out_text.detach(),
+            **{f"d{n}": t.grad for n, t in zip("qkv", video, strict=True)},
+            **{f"d{n}_text": t.grad for n, t in zip("qkv", text, strict=True)}}

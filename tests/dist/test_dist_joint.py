@@ -54,3 +54,46 @@ def test_joint_attention_matches_single_process_gradients(workers, kind):
     print(f"{kind} world {workers.world}: max rel err {worst:.2e}")
     assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
     assert len(rc_seen) >= 3, rc_seen
+
+
+@pytest.mark.parametrize("kind", JOINT_KINDS)
+def test_joint_attention_under_ring_matches_single_process_gradients(workers, kind):
+    """Ring degree 2 on the whole world ((1, 2) at world 2, (2, 2) at world 4), ring = world
+    with every block recomputed, ring 2 on half the world: each video ring block's queries
+    see the replicated text once, the text's queries every block (`runtime.ring_joint`)."""
+    seed = 41
+    out = workers.run(joint_cases.case_joint_ring, kind, seed)
+    ref_loss, ref_grads = reference(build(kind), make_data(kind, 3, seed), range(3))
+    total = torch.cat([x.flatten() for x in ref_grads.values()]).norm()
+    worst = 0.0
+    for r, res in enumerate(out):
+        assert abs(res["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (kind, r, res["loss"], ref_loss)
+        assert set(res["grads"]) == set(ref_grads)
+        for name, g in res["grads"].items():
+            ref = ref_grads[name]
+            e = rel_err(g, ref) if ref.norm() > 1e-6 * total else float((g - ref).norm() / total)
+            assert e <= 1e-5, (kind, r, name, e)
+            worst = max(worst, e)
+    print(f"{kind} ring, world {workers.world}: max rel err {worst:.2e}")
+
+
+def test_qwen_image_is_refused_under_ring():
+    """Qwen-Image's joint attention has no ring parity test: under ring it names itself and
+    the fix (Flux's refusal: tests/unit/test_ring_layout.py)."""
+    import dataclasses
+
+    from dcparallel.adapters.qwenimage import UlyssesQwenAttention
+    from dcparallel.data.collate import video_batch
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.runtime.ring import RingPeers
+    from dcparallel.runtime.ulysses import UlyssesAttention
+    from dcparallel.spec import Layout
+
+    batch = video_batch(MicroBatch((0,), Layout(4, 1, ring=2)), (0, 1, 2, 3), 0, {0: torch.zeros(13, 2)},
+                        {0: torch.zeros(13, 3, dtype=torch.long)}, 1)
+    attention = UlyssesAttention()
+    attention.activate(None, batch.cu_seqlens, dataclasses.replace(batch, sharded=False), RingPeers(None, (0, 1), 0))
+    x = torch.zeros(1, batch.shard_len, 8)
+    with pytest.raises(ValueError, match=r"QwenImageTransformer2DModel's joint text \+ image attention under ring "
+                                         r"degree 2.*ring degree 1"):
+        UlyssesQwenAttention(attention)(None, x, encoder_hidden_states=x)

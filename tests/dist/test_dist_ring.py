@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dcparallel.models.attention import AttnPattern, sdpa_attention
 from tests.dist import ring_cases
@@ -59,6 +60,33 @@ def test_ring_op_matches_full_attention(workers4, ring, pattern, heads, kv_heads
         got = _assemble(out, name)
         assert rel_err(got, want) <= RTOL, (name, rel_err(got, want))
     assert float(_assemble(out, "out")[:, cu[-1]:].abs().max()) == 0.0  # padding's output is zero
+
+
+@pytest.mark.parametrize("ring", [2, 4], ids=["u2r2", "u1r4"])
+def test_joint_text_video_attention_under_ring_matches_one_softmax(workers4, ring):
+    """Joint attention: each rank's video block and the text replicated on every rank, text
+    keys masked per row; against one softmax over [real video tokens, text] per row. The
+    text gradients are the sum of the ranks' shares; video padding gets zero output."""
+    out = workers4.run(ring_cases.case_joint_op, ring, 3)
+    padded = sum(o["out"].shape[1] for o in out)
+    n = ring_cases.JOINT_VIDEO
+    x = ring_cases.joint_inputs(3, 4, padded)
+    video = [t[:, :n].clone().requires_grad_(True) for t in x["video"][:3]]
+    text = [t.clone().requires_grad_(True) for t in x["text"][:3]]
+    keys = torch.cat([torch.ones(2, n, dtype=torch.bool), x["mask"]], 1)[:, None, None, :]
+    q, k, v = (torch.cat([a, b], 1).transpose(1, 2) for a, b in zip(video, text, strict=True))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keys).transpose(1, 2)
+    torch.autograd.backward([ref[:, :n], ref[:, n:]], [x["video"][3][:, :n], x["text"][3]])
+    for name, want in (("out", ref[:, :n].detach()), ("dq", video[0].grad), ("dk", video[1].grad),
+                       ("dv", video[2].grad)):
+        got = _assemble(out, name)
+        assert rel_err(got[:, :n], want) <= RTOL, (name, rel_err(got[:, :n], want))
+        assert float(got[:, n:].abs().max()) == 0.0, name  # padding: no output, no gradient
+    for o in out:
+        assert rel_err(o["out_text"], ref[:, n:].detach()) <= RTOL
+    for name, t in zip(("dq_text", "dk_text", "dv_text"), text, strict=True):
+        got = sum(o[name] for o in out)
+        assert rel_err(got, t.grad) <= RTOL, (name, rel_err(got, t.grad))
 
 
 @pytest.mark.parametrize(("pattern", "sinks", "needle"), [
