@@ -6,6 +6,7 @@ so tests/unit/test_torch_floor.py can hold the rest of the package to the floor'
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -17,3 +18,14 @@ def all_gather_into_tensor(out, t, group) -> None:
         dist.all_gather_single(out, t, group=group)
     else:
         dist.all_gather_into_tensor(out, t, group=group)
+
+
+def efficient_attention_ops() -> tuple[object, object] | None:
+    """torch's memory-efficient attention and its backward as aten ops (forward returns the
+    log-sum-exp on request, backward takes an output and log-sum-exp of the caller's): private
+    names, so reached only here; None where this build lacks them."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_scaled_dot_product_efficient_attention")
+            and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")):
+        return None
+    return aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward

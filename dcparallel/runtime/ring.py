@@ -28,8 +28,10 @@ after the ring's steps, with its own mask.
 
 Refused under ring (a ValueError naming the feature): logit softcapping and attention sinks
 (their backward is not written here), and the factorized spatial / temporal patterns (a
-frame is not a ring block). The block attention is written out in fp32 (the exact
-reference on any device): no fused kernel returns the log-sum-exp this op needs here.
+frame is not a ring block). The block attention runs through torch's memory-efficient SDPA
+on CUDA where the inputs allow (`runtime.ring_fused`: it returns the log-sum-exp, and its
+backward takes the merged output and log-sum-exp), and is written out in fp32 elsewhere: the
+exact reference, on CPU and for the inputs the fused kernel does not take.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import Tensor
 from dcparallel.data.ring_order import block_columns
 from dcparallel.models.attention import AttnPattern
 from dcparallel.runtime.comm import RingShift
+from dcparallel.runtime.ring_fused import FusedKernel, fused_attend, fused_grads, fused_kernel
 
 
 @dataclass(frozen=True)
@@ -167,44 +170,44 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor | None, v_x: Tensor | None, mask_x: Tensor | None,
                 peers: RingPeers, masks: _Masks, scale: float) -> Tensor:
-        qf = q.float()
         b, n, h, _ = q.shape
         out = q.new_zeros(b, n, h, v.shape[-1], dtype=torch.float32)
         lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
         shapes = (k.shape, v.shape)
-        kv = pack(k, v)  # blocks travel in their own dtype; attention runs in fp32
+        kernel = fused_kernel(q, k, v)
+        kv = pack(k, v)  # blocks travel in their own dtype; outputs merge in fp32
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = (t.float() for t in unpack(kv, shapes))
+            kk, vv = unpack(kv, shapes)
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
-                o, lse_o = attend_block(qf[:, qs], kk[:, ks], vv[:, ks], mask, scale)
+                o, lse_o = pair_attend(kernel, q[:, qs], kk[:, ks], vv[:, ks], mask, scale)
                 out[:, qs], lse[:, :, qs] = merge_lse(out[:, qs], lse[:, :, qs], o, lse_o)
             if pending is not None:
                 kv = pending.wait()
         if k_x is not None:  # the local extra block, attended once (see ring_attention)
-            out, lse = merge_lse(out, lse, *attend_block(qf, k_x.float(), v_x.float(), mask_x, scale))
+            out, lse = merge_lse(out, lse, *pair_attend(fused_kernel(q, k_x, v_x), q, k_x, v_x, mask_x, scale))
         ctx.save_for_backward(q, k, v, out, lse, k_x, v_x, mask_x)
-        ctx.peers, ctx.masks, ctx.scale = peers, masks, scale
+        ctx.peers, ctx.masks, ctx.scale, ctx.kernel = peers, masks, scale, kernel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse, k_x, v_x, mask_x = ctx.saved_tensors
-        peers, masks, scale = ctx.peers, ctx.masks, ctx.scale
-        qf, do = q.float(), dout.float()
+        peers, masks, scale, kernel = ctx.peers, ctx.masks, ctx.scale, ctx.kernel
+        do = dout.float()
         delta = (do * out).sum(-1).transpose(1, 2)  # (B, H, L): the softmax backward's row term
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         shapes = (k.shape, v.shape)
         kv, incoming = pack(k, v), None
         for s in range(peers.size):
             src = (peers.index - s) % peers.size
             pending = peers.shift(kv) if s < peers.size - 1 else None
-            kk, vv = (t.float() for t in unpack(kv, shapes))
-            dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+            kk, vv = unpack(kv, shapes)
+            dk, dv = torch.zeros_like(kk, dtype=torch.float32), torch.zeros_like(vv, dtype=torch.float32)
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
-                block_grads(qf[:, qs], kk[:, ks], vv[:, ks], do[:, qs], lse[:, :, qs], delta[:, :, qs], mask,
-                             scale, dq[:, qs], dk[:, ks], dv[:, ks])
+                pair_grads(kernel, q[:, qs], kk[:, ks], vv[:, ks], do[:, qs], out[:, qs], lse[:, :, qs],
+                           delta[:, :, qs], mask, scale, dq[:, qs], dk[:, ks], dv[:, ks])
             acc = pack(dk, dv)
             if incoming is not None:  # block src's accumulator, from the ranks it visited before
                 acc += incoming.wait()
@@ -214,11 +217,32 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = unpack(incoming.wait(), shapes)  # this rank's own block, every rank's share summed (fp32)
         dk_x = dv_x = None
         if k_x is not None:  # this rank's queries' share of the extra block's gradients
-            kx, vx = k_x.float(), v_x.float()
-            dk_x, dv_x = torch.zeros_like(kx), torch.zeros_like(vx)
-            block_grads(qf, kx, vx, do, lse, delta, mask_x, scale, dq, dk_x, dv_x)
+            dk_x, dv_x = torch.zeros_like(k_x, dtype=torch.float32), torch.zeros_like(v_x, dtype=torch.float32)
+            pair_grads(fused_kernel(q, k_x, v_x), q, k_x, v_x, do, out, lse, delta, mask_x, scale, dq, dk_x, dv_x)
             dk_x, dv_x = dk_x.to(k_x.dtype), dv_x.to(v_x.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_x, dv_x, None, None, None, None
+
+
+def pair_attend(kernel: FusedKernel | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk pair's output and log-sum-exp (fp32): through the fused ``kernel`` where
+    `fused_kernel` chose one, else written out in fp32 (`attend_block`)."""
+    if kernel is None:
+        return attend_block(q.float(), k.float(), v.float(), mask, scale)
+    return fused_attend(kernel, q, k, v, mask, scale)
+
+
+def pair_grads(kernel: FusedKernel | None, q, k, v, do, out, lse, delta, mask, scale, dq, dk, dv) -> None:
+    """Adds one chunk pair's gradients into ``dq``, ``dk``, ``dv`` (fp32 views) under the
+    whole softmax (``out``, ``lse`` and its row term ``delta`` over every key): through the
+    fused ``kernel`` or in fp32 (`block_grads`)."""
+    if kernel is None:
+        block_grads(q.float(), k.float(), v.float(), do, lse, delta, mask, scale, dq, dk, dv)
+        return
+    gq, gk, gv = fused_grads(kernel, q, k, v, do, out, lse, mask, scale)
+    dq += gq
+    dk += gk
+    dv += gv
 
 
 def block_grads(q, k, v, do, lse, delta, mask, scale, dq, dk, dv) -> None:

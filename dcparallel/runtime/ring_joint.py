@@ -22,8 +22,8 @@ counted once in every query's softmax:
   j, the text's dk and dv come from the first rank only.
 
 Padding of the video rows is neither attended nor attends (its output is zero); the text
-mask (False: a padded caption token) masks text keys only, as the models do. All of it in
-fp32, like the ring's block attention.
+mask (False: a padded caption token) masks text keys only, as the models do. Each block pair
+runs through the ring's block attention (`ring.pair_attend`: fused on CUDA, fp32 elsewhere).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from torch import Tensor
 
 from dcparallel.data.ring_order import block_columns
 from dcparallel.models.attention import AttnPattern
-from dcparallel.runtime.ring import RingPeers, attend_block, block_grads, merge_lse, pack, ring_attention, unpack
+from dcparallel.runtime.ring import RingPeers, merge_lse, pack, pair_attend, pair_grads, ring_attention, unpack
+from dcparallel.runtime.ring_fused import fused_kernel
 
 FULL = AttnPattern("full")
 
@@ -53,10 +54,9 @@ class _TextQueries(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_t: Tensor, k: Tensor, v: Tensor, k_t: Tensor, v_t: Tensor, video_mask: Tensor,
                 text_mask: Tensor, peers: RingPeers, scale: float) -> Tensor:
-        qf = q_t.float()
-        out, lse = attend_block(qf, k.float(), v.float(), video_mask, scale)
+        out, lse = pair_attend(fused_kernel(q_t, k, v), q_t, k, v, video_mask, scale)
         if peers.index == 0:
-            out, lse = merge_lse(out, lse, *attend_block(qf, k_t.float(), v_t.float(), text_mask, scale))
+            out, lse = merge_lse(out, lse, *pair_attend(fused_kernel(q_t, k_t, v_t), q_t, k_t, v_t, text_mask, scale))
         shapes = (out.shape, lse.shape)
         parts = [unpack(p, shapes) for p in _ring_gather(pack(out, lse), peers)]
         out, lse = parts[0]
@@ -75,14 +75,13 @@ class _TextQueries(torch.autograd.Function):
         for share in shares[1:]:
             do = do + share
         delta = (do * out).sum(-1).transpose(1, 2)
-        qf, kf, vf = q_t.float(), k.float(), v.float()
-        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        block_grads(qf, kf, vf, do, lse, delta, video_mask, scale, dq, dk, dv)
+        dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q_t, k, v))
+        pair_grads(fused_kernel(q_t, k, v), q_t, k, v, do, out, lse, delta, video_mask, scale, dq, dk, dv)
         dk_t = dv_t = None
         if peers.index == 0:
-            ktf, vtf = k_t.float(), v_t.float()
-            dk_t, dv_t = torch.zeros_like(ktf), torch.zeros_like(vtf)
-            block_grads(qf, ktf, vtf, do, lse, delta, text_mask, scale, dq, dk_t, dv_t)
+            dk_t, dv_t = torch.zeros_like(k_t, dtype=torch.float32), torch.zeros_like(v_t, dtype=torch.float32)
+            pair_grads(fused_kernel(q_t, k_t, v_t), q_t, k_t, v_t, do, out, lse, delta, text_mask, scale, dq, dk_t,
+                       dv_t)
             dk_t, dv_t = dk_t.to(k_t.dtype), dv_t.to(v_t.dtype)
         return dq.to(q_t.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_t, dv_t, None, None, None, None
 
