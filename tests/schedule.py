@@ -19,7 +19,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_adapters.py": 150,
     "tests/dist/test_dist_sharded.py": 120,
     "tests/dist/test_dist_video_epoch.py": 80,
-    "tests/dist/test_dist_joint.py": 80,
+    "tests/dist/test_dist_joint.py": 85,
     "tests/dist/test_dist_runtime.py": 50,
     "tests/dist/test_dist_joint_epoch.py": 45,
     "tests/dist/test_dist_vlm.py": 45,

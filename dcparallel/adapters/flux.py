@@ -12,7 +12,10 @@ exchanges only the image tokens: an all-to-all gives every rank the whole image 
 H/sp heads, the text's own heads are a slice of the replicated text, attention runs over
 [text, image] (image padding masked), the image output returns by the inverse all-to-all
 and the text output is all-gathered over heads (its backward sums the group's partial
-gradients of the replicated text stream, as the engine's gather does for the output).
+gradients of the replicated text stream, as the engine's gather does for the output). Under
+ring attention the image tokens are the plan's zigzag columns and `joint.joint_attention`
+attends them with the text over the ring (`runtime.ring_joint`); Ulysses then shards the
+heads over the group's Ulysses degree only.
 
 Sample sizes are latent shapes (1, height, width); the default loss packs latents (C, H, W)
 into 2 x 2 patches the way diffusers' Flux pipeline does. Dataset items: ``{"latents":
@@ -69,8 +72,7 @@ def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: i
         kernel = attention.kernel or default_kernel(q.device)
         return kernel(q, k, v, FULL, None)
     _, batch = active
-    joint.refuse_ring(batch, "Flux (FluxTransformer2DModel, Flux2Transformer2DModel)")
-    check_heads(q.shape[2], batch.sp)
+    check_heads(q.shape[2], batch.sp // batch.ring)  # Ulysses shards the heads; ring the blocks
     t = q.shape[1] - batch.shard_len if num_text is None else num_text
     if q.shape[1] != t + batch.shard_len:
         raise ValueError(f"joint attention got {q.shape[1]} tokens: {t} text + {q.shape[1] - t} image, but this "

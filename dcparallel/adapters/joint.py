@@ -27,8 +27,8 @@ columns of `data.ring_order` (`shard_tokens`, `gather_tokens` follow them); the 
 over the Ulysses sub-group gives each rank its ring block for its H/u heads, and
 `runtime.ring_joint` attends it: the video queries over every block (the ring) and the text
 once, the text queries over every block once (partial softmaxes merged round the ring).
-HunyuanVideo, CogVideoX and Mochi run there (tests/dist/test_dist_joint.py); Flux, Flux 2
-and Qwen-Image, which no ring parity test covers, are refused there (`refuse_ring`).
+Every family here runs there (HunyuanVideo, CogVideoX, Mochi, and through `adapters.flux` /
+`adapters.qwenimage` Flux, Flux 2 and Qwen-Image: tests/dist/test_dist_joint.py).
 """
 
 from __future__ import annotations
@@ -55,14 +55,6 @@ def sharding(attention: Any) -> tuple[Any, Batch] | None:
     if a is None or a.batch is None or a.batch.sharded or a.sp == 1:
         return None
     return (a.group if a.ring is None else a.ring.group), a.batch
-
-
-def refuse_ring(batch: Batch, who: str) -> None:
-    """Refuses ring attention for a joint-attention family no ring parity test covers."""
-    if batch.ring > 1:
-        raise ValueError(f"{who}'s joint text + image attention under ring degree {batch.ring}: dcparallel runs "
-                         f"joint attention under ring for HunyuanVideo, CogVideoX and Mochi only (their exactness "
-                         f"tested); plan this model with ring degree 1 (Ulysses)")
 
 
 def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> Tensor:

@@ -61,9 +61,6 @@ class UlyssesQwenAttention:
         if attention_mask is not None:
             raise ValueError(f"{WHO}'s attention takes no attention_mask: pass encoder_hidden_states_mask, from which "
                              f"it builds the joint mask")
-        active = joint.sharding(self.attention)
-        if active is not None:
-            joint.refuse_ring(active[1], WHO)
         head_dim = attn.inner_dim // attn.heads
         q, k, v, qt, kt, vt = joint.project_two_streams(attn, hidden_states, encoder_hidden_states,
                                                          lambda x: x.unflatten(-1, (-1, head_dim)))

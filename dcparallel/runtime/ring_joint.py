@@ -1,8 +1,9 @@
 """Joint attention under ring: video tokens split into ring blocks, text tokens on every rank.
 
-Joint attention (HunyuanVideo, CogVideoX, Mochi) attends over [video tokens, text tokens]
-in one softmax; inside an SP micro-batch the video tokens are sharded and the text (a few
-hundred tokens) is replicated on every rank of the group. Under ring degree r each rank
+Joint attention (HunyuanVideo, CogVideoX, Mochi; Flux, Flux 2 and Qwen-Image over image
+tokens the same way) attends over [video tokens, text tokens] in one softmax; inside an SP
+micro-batch the video tokens are sharded and the text (a few hundred tokens) is replicated
+on every rank of the group. Under ring degree r each rank
 holds ring block j of the video rows (after its Ulysses all-to-all: its heads), and the
 same text for the same heads as the other ranks of its ring. Exactness needs every key
 counted once in every query's softmax:

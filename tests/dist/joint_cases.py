@@ -11,7 +11,8 @@ from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.spec import Layout, Recompute
 from tests.dist.cases_common import adapter_plan_steps, adapter_step, epoch_per_policy
-from tests.joint_models import MIX, TEXT_TOKENS, JointVideoSet, build, item, make_data
+from tests import adapter_models, joint_models
+from tests.joint_models import JOINT_KINDS, MIX, TEXT_TOKENS, JointVideoSet, build, item, make_data
 
 
 def case_joint_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
@@ -49,10 +50,12 @@ def ring_plan(world: int, num_layers: int) -> StepPlan:
 
 
 def case_joint_ring(kind: str, seed: int) -> dict:
-    """One step of `ring_plan` through the model's adapter, with groups that offer ring."""
-    model = build(kind)
+    """One step of `ring_plan` through the model's adapter, with groups that offer ring: a
+    joint video model (`tests.joint_models`) or an image model (`tests.adapter_models`)."""
+    models = joint_models if kind in JOINT_KINDS else adapter_models
+    model = models.build(kind)
     adapter = find_adapter(model)
     dc = Engine(model, adapter=adapter, groups=ProcessGroups(adapter.num_heads, ring=True))
     loss = adapter_step(dc, ring_plan(dist.get_world_size(), dc.adapter.spec.num_layers),
-                        make_data(kind, 3, seed), item)
+                        models.make_data(kind, 3, seed), models.item)
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}

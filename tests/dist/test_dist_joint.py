@@ -13,13 +13,18 @@ The text stream's gradient counted once per rank of a group instead of once per 
 lost video shard) moves gradients by far more than 1e-5. A key bias with no key norm after it
 (HunyuanVideo's token refiner) has a zero gradient in exact arithmetic (softmax ignores a
 shift shared by a query's keys): its values are rounding noise on both sides, so tensors whose
-reference gradient is below 1e-6 of the whole gradient's norm are held to 1e-5 of that norm."""
+reference gradient is below 1e-6 of the whole gradient's norm are held to 1e-5 of that norm.
+
+Under ring attention (`runtime.ring_joint`): the same families and Flux, Qwen-Image and Flux 2
+(slow), one step with (u, r) = (1, 2) at world 2 or (2, 2) and (1, 4) at world 4 (recompute
+on the second) and ring 2 on half the world, against the same reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests import adapter_models, joint_models
 from tests.dist import joint_cases
 from tests.dist.cases_common import assert_matches_reference
 from tests.joint_models import JOINT_KINDS, build, make_data, reference
@@ -56,14 +61,16 @@ def test_joint_attention_matches_single_process_gradients(workers, kind):
     assert len(rc_seen) >= 3, rc_seen
 
 
-@pytest.mark.parametrize("kind", JOINT_KINDS)
+# Flux 2 (about 20 s a world on 2 cores) with DCPARALLEL_SLOW=1
+@pytest.mark.parametrize("kind", [*JOINT_KINDS, "flux", "qwenimage", pytest.param("flux2", marks=pytest.mark.slow)])
 def test_joint_attention_under_ring_matches_single_process_gradients(workers, kind):
     """Ring degree 2 on the whole world ((1, 2) at world 2, (2, 2) at world 4), ring = world
     with every block recomputed, ring 2 on half the world: each video ring block's queries
     see the replicated text once, the text's queries every block (`runtime.ring_joint`)."""
     seed = 41
     out = workers.run(joint_cases.case_joint_ring, kind, seed)
-    ref_loss, ref_grads = reference(build(kind), make_data(kind, 3, seed), range(3))
+    models = joint_models if kind in JOINT_KINDS else adapter_models
+    ref_loss, ref_grads = models.reference(models.build(kind), models.make_data(kind, 3, seed), range(3))
     total = torch.cat([x.flatten() for x in ref_grads.values()]).norm()
     worst = 0.0
     for r, res in enumerate(out):
@@ -75,25 +82,3 @@ def test_joint_attention_under_ring_matches_single_process_gradients(workers, ki
             assert e <= 1e-5, (kind, r, name, e)
             worst = max(worst, e)
     print(f"{kind} ring, world {workers.world}: max rel err {worst:.2e}")
-
-
-def test_qwen_image_is_refused_under_ring():
-    """Qwen-Image's joint attention has no ring parity test: under ring it names itself and
-    the fix (Flux's refusal: tests/unit/test_ring_layout.py)."""
-    import dataclasses
-
-    from dcparallel.adapters.qwenimage import UlyssesQwenAttention
-    from dcparallel.data.collate import video_batch
-    from dcparallel.plan.types import MicroBatch
-    from dcparallel.runtime.ring import RingPeers
-    from dcparallel.runtime.ulysses import UlyssesAttention
-    from dcparallel.spec import Layout
-
-    batch = video_batch(MicroBatch((0,), Layout(4, 1, ring=2)), (0, 1, 2, 3), 0, {0: torch.zeros(13, 2)},
-                        {0: torch.zeros(13, 3, dtype=torch.long)}, 1)
-    attention = UlyssesAttention()
-    attention.activate(None, batch.cu_seqlens, dataclasses.replace(batch, sharded=False), RingPeers(None, (0, 1), 0))
-    x = torch.zeros(1, batch.shard_len, 8)
-    with pytest.raises(ValueError, match=r"QwenImageTransformer2DModel's joint text \+ image attention under ring "
-                                         r"degree 2.*ring degree 1"):
-        UlyssesQwenAttention(attention)(None, x, encoder_hidden_states=x)

@@ -84,25 +84,21 @@ def _video_batch(slot: int, ring: int = 2):
     return video_batch(MicroBatch((0,), Layout(4, 1, ring=ring)), (0, 1, 2, 3), slot, tokens, positions, 1)
 
 
-def test_joint_attention_families_without_a_ring_test_are_refused_under_ring():
-    """HunyuanVideo, CogVideoX and Mochi run joint attention under ring (`runtime.ring_joint`,
-    tests/dist/test_dist_joint.py); Flux and Flux 2, which no ring parity test covers, name
-    themselves and the fix (Qwen-Image: tests/dist/test_dist_joint.py, where diffusers is
-    imported anyway)."""
+def test_joint_attention_under_ring_shards_over_the_whole_sp_group():
+    """Under ring the joint-attention hooks cut and gather over the whole SP group (the
+    ring's group, whose ranks are the slots), not the Ulysses sub-group."""
     import dataclasses
 
-    from dcparallel.adapters import flux, joint
+    from dcparallel.adapters import joint
     from dcparallel.runtime.ring import RingPeers
     from dcparallel.runtime.ulysses import UlyssesAttention
 
     attention = UlyssesAttention()
     batch = dataclasses.replace(_video_batch(0), sharded=False)
-    attention.activate(None, batch.cu_seqlens, batch, RingPeers("ring-group", (0, 1), 0))
-    assert joint.sharding(attention) == ("ring-group", batch)  # the whole SP group: the ring's
-    q = torch.zeros(1, 3 + batch.shard_len, 4, 8)
-    with pytest.raises(ValueError, match=r"Flux \(FluxTransformer2DModel, Flux2Transformer2DModel\)'s joint text "
-                                         r"\+ image attention under ring degree 2.*ring degree 1"):
-        flux.joint_attention(attention, q, q, q, 3)
+    attention.activate("ulysses-group", batch.cu_seqlens, batch, RingPeers("ring-group", (0, 1), 0))
+    assert joint.sharding(attention) == ("ring-group", batch)
+    x = torch.arange(13.0)[None, :, None]
+    assert joint.shard_tokens(x, batch)[0, :, 0].tolist() == [c if c < 13 else 0 for c in batch.shard_columns()]
 
 
 def test_a_models_own_split_and_gather_follow_the_zigzag_columns(monkeypatch):
