@@ -17,7 +17,8 @@ reference gradient is below 1e-6 of the whole gradient's norm are held to 1e-5 o
 
 Under ring attention (`runtime.ring_joint`): the same families and Flux, Qwen-Image and Flux 2
 (slow), one step with (u, r) = (1, 2) at world 2 or (2, 2) and (1, 4) at world 4 (recompute
-on the second) and ring 2 on half the world, against the same reference."""
+on the second) and ring 2 on half the world, against the same reference; HunyuanVideo also
+at world 8 (slow)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 from tests import adapter_models, joint_models
 from tests.dist import joint_cases
 from tests.dist.cases_common import assert_matches_reference
+from tests.dist.harness import Workers
 from tests.joint_models import JOINT_KINDS, build, make_data, reference
 from tests.support import reference_once, rel_err
 
@@ -67,8 +69,21 @@ def test_joint_attention_under_ring_matches_single_process_gradients(workers, ki
     """Ring degree 2 on the whole world ((1, 2) at world 2, (2, 2) at world 4), ring = world
     with every block recomputed, ring 2 on half the world: each video ring block's queries
     see the replicated text once, the text's queries every block (`runtime.ring_joint`)."""
-    seed = 41
-    out = workers.run(joint_cases.case_joint_ring, kind, seed)
+    _assert_ring_step(workers.run(joint_cases.case_joint_ring, kind, 41), kind, 41, workers.world)
+
+
+@pytest.mark.slow  # eight workers importing diffusers on 2 cores
+def test_hunyuan_video_under_ring_at_world8(tmp_path_factory):
+    """(4, 2) and (1, 8) on the whole world, (2, 2) on half of it."""
+    w = Workers(8, tmp_path_factory.mktemp("rdv-joint8"))
+    try:
+        out = w.run(joint_cases.case_joint_ring, "hunyuan", 43)
+    finally:
+        w.close()
+    _assert_ring_step(out, "hunyuan", 43, 8)
+
+
+def _assert_ring_step(out: list[dict], kind: str, seed: int, world: int) -> None:
     models = joint_models if kind in JOINT_KINDS else adapter_models
     ref_loss, ref_grads = models.reference(models.build(kind), models.make_data(kind, 3, seed), range(3))
     total = torch.cat([x.flatten() for x in ref_grads.values()]).norm()
@@ -81,4 +96,4 @@ def test_joint_attention_under_ring_matches_single_process_gradients(workers, ki
             e = rel_err(g, ref) if ref.norm() > 1e-6 * total else float((g - ref).norm() / total)
             assert e <= 1e-5, (kind, r, name, e)
             worst = max(worst, e)
-    print(f"{kind} ring, world {workers.world}: max rel err {worst:.2e}")
+    print(f"{kind} ring, world {world}: max rel err {worst:.2e}")
