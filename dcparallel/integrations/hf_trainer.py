@@ -126,6 +126,33 @@ class _Steps:
         self.dc.set_epoch(epoch)
 
 
+def _refuse_inexact(a, compute_loss_func) -> None:
+    """Refuses the `TrainingArguments` a planned step would not honour exactly, each by name
+    with its fix."""
+    if a.gradient_accumulation_steps != 1:
+        raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
+                         f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
+                         f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
+    if a.optim not in ADAMW_NAMES:
+        optim = getattr(a.optim, "value", a.optim)
+        raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
+                         f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
+    if a.fp16 or a.bf16:
+        raise ValueError(f"{'fp16' if a.fp16 else 'bf16'}=True asks for autocast mixed precision, which "
+                         f"DataCentricTrainer does not run: load the model in torch.bfloat16 (dcparallel keeps "
+                         f"fp32 master weights and gradients) or fp32, and pass {'fp16' if a.fp16 else 'bf16'}"
+                         f"=False")
+    if a.label_smoothing_factor or compute_loss_func is not None:
+        what = (f"label_smoothing_factor={a.label_smoothing_factor}" if a.label_smoothing_factor
+                else "compute_loss_func")
+        raise ValueError(f"{what}: DataCentricTrainer's steps compute the next-token cross-entropy of each "
+                         f"micro-batch (the step's mean over all ranks' targets); give dc_args.loss_fn a loss of "
+                         f"(model, batch, ctx) computing yours instead")
+    if a.neftune_noise_alpha is not None:
+        raise ValueError(f"neftune_noise_alpha={a.neftune_noise_alpha}: NEFTune's embedding noise is not drawn "
+                         f"per sample by the planned steps (it would differ with the layout); set it to None")
+
+
 class DataCentricTrainer(Trainer):
     """`transformers.Trainer` with dcparallel's loader, micro-batch loop, gradient sync and
     optimizer (module docstring). ``dc_args``: `DataCentricArguments`; the other arguments
@@ -135,19 +162,7 @@ class DataCentricTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.dc_args = dc_args or DataCentricArguments()
         a = self.args
-        if a.gradient_accumulation_steps != 1:
-            raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
-                             f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
-                             f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
-        if a.optim not in ADAMW_NAMES:
-            optim = getattr(a.optim, "value", a.optim)
-            raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
-                             f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
-        if a.fp16 or a.bf16:
-            raise ValueError(f"{'fp16' if a.fp16 else 'bf16'}=True asks for autocast mixed precision, which "
-                             f"DataCentricTrainer does not run: load the model in torch.bfloat16 (dcparallel keeps "
-                             f"fp32 master weights and gradients) or fp32, and pass {'fp16' if a.fp16 else 'bf16'}"
-                             f"=False")
+        _refuse_inexact(a, self.compute_loss_func)
         # recompute is chosen per micro-batch by the planner; transformers' own checkpointing
         # of every layer would recompute a second time
         names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if getattr(a, n, False)]

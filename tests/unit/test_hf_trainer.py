@@ -39,10 +39,19 @@ def _args(tmp_path, **kw):
     ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
     ({"optim": "sgd"}, "optim='sgd'"),
     ({"bf16": True}, "bf16=True asks for autocast"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1: .* give dc_args.loss_fn"),
+    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0: .* set it to None"),
 ])
 def test_refuses_what_it_would_not_do_exactly(tmp_path, change, words):
     with pytest.raises(ValueError, match=words):
         DataCentricTrainer(model=_model(), args=_args(tmp_path, **change), train_dataset=_rows(),
+                           dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+
+
+def test_refuses_a_compute_loss_func(tmp_path):
+    with pytest.raises(ValueError, match="compute_loss_func: .* give dc_args.loss_fn"):
+        DataCentricTrainer(model=_model(), args=_args(tmp_path), train_dataset=_rows(),
+                           compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
                            dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
 
 

@@ -63,3 +63,15 @@ def test_autocast_bf16_is_refused(tmp_path):
     with pytest.raises(ValueError, match="bf16=True asks for autocast"):
         DataCentricSFTTrainer(model=_model(len(tok)), args=args, train_dataset=Dataset.from_list(tf.conversations(4)),
                               processing_class=tok, dc_args=DataCentricArguments(tokens_per_step=120))
+
+
+@pytest.mark.parametrize("loss_type", ["dft"])
+def test_other_loss_types_are_refused(tmp_path, loss_type):
+    from datasets import Dataset
+
+    tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False,
+                     loss_type=loss_type)
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}'.*set loss_type='nll'"):
+        DataCentricSFTTrainer(model=_model(len(tok)), args=args, train_dataset=Dataset.from_list(tf.conversations(4)),
+                              processing_class=tok, dc_args=DataCentricArguments(tokens_per_step=120))
