@@ -18,8 +18,9 @@ Evaluation runs transformers' own loop on the unwrapped model.
 
 Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard;
 `resume_from_checkpoint` continues at the next planned step (the loader's position follows
-from the saved global step). Autocast (``bf16`` / ``fp16`` = True) is refused: load the
-model in bf16 instead.
+from the saved global step). ``bf16=True`` runs each micro-batch's forward under autocast to
+bfloat16, as the Trainer does (the parameters, gradients and AdamW states stay fp32, or
+fp32 masters of a model loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
 """
 
 from __future__ import annotations
@@ -137,11 +138,14 @@ def _refuse_inexact(a, compute_loss_func) -> None:
         optim = getattr(a.optim, "value", a.optim)
         raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
                          f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
-    if a.fp16 or a.bf16:
-        raise ValueError(f"{'fp16' if a.fp16 else 'bf16'}=True asks for autocast mixed precision, which "
-                         f"DataCentricTrainer does not run: load the model in torch.bfloat16 (dcparallel keeps "
-                         f"fp32 master weights and gradients) or fp32, and pass {'fp16' if a.fp16 else 'bf16'}"
-                         f"=False")
+    if a.fp16:
+        raise ValueError("fp16=True needs a loss scaler, which the planned steps do not run: pass bf16=True "
+                         "(autocast to bfloat16, no scaling) or load the model in torch.bfloat16 (dcparallel keeps "
+                         "fp32 master weights and gradients)")
+    for name in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(a, name, False):
+            raise ValueError(f"{name}=True casts the model for evaluation, and its parameters are dcparallel's "
+                             f"flat buffers: pass {name}=False (evaluation runs under bf16's autocast)")
     if a.label_smoothing_factor or compute_loss_func is not None:
         what = (f"label_smoothing_factor={a.label_smoothing_factor}" if a.label_smoothing_factor
                 else "compute_loss_func")
@@ -245,7 +249,9 @@ class DataCentricTrainer(Trainer):
         loss_fn = self.dc.loss_fn
         for batch in inputs:
             with self.dc.micro_batch(batch) as ctx:
-                ctx.backward(loss_fn(model, batch, ctx))
+                with self.accelerator.autocast():  # bf16=True: the forward in bfloat16, as the Trainer's
+                    loss = loss_fn(model, batch, ctx)
+                ctx.backward(loss)
         return torch.tensor(self.dc.sync_gradients(), device=self.args.device)
 
     def _clip_grad_norm(self, model):

@@ -38,7 +38,8 @@ def _args(tmp_path, **kw):
 @pytest.mark.parametrize("change, words", [
     ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
     ({"optim": "sgd"}, "optim='sgd'"),
-    ({"bf16": True}, "bf16=True asks for autocast"),
+    ({"fp16": True}, "fp16=True needs a loss scaler.*pass bf16=True"),
+    ({"bf16": True, "bf16_full_eval": True}, "bf16_full_eval=True casts the model.*pass bf16_full_eval=False"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1: .* give dc_args.loss_fn"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0: .* set it to None"),
 ])
@@ -80,6 +81,49 @@ def test_steps_equal_dcparallel_loop(tmp_path):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert not torch.equal(model.lm_head.weight, _model().lm_head.weight)  # it trained
+
+
+def test_bf16_autocasts_the_forward_and_keeps_fp32_states(tmp_path):
+    """bf16=True on an fp32 model: each forward under autocast to bfloat16, as the Trainer's.
+    Its steps equal dcparallel's loop with the same autocast, track the fp32 run's losses
+    within bf16 rounding, and parameters, gradients and AdamW moments stay fp32."""
+    rows = _rows()
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    model = _model()
+    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+    ref = _model()
+    assert losses == pytest.approx(tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100,
+                                                              autocast=True), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
+    assert losses == pytest.approx(fp32, rel=2e-2) and losses != pytest.approx(fp32, rel=1e-6)  # bf16 ran
+    opt = trainer.optimizer
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {t.dtype for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat.flat_grad)} == {torch.float32}
+
+
+def test_bf16_model_keeps_fp32_masters(tmp_path):
+    """A model loaded in bfloat16 with bf16=True: the AdamW masters and moments are fp32 and
+    the losses track the fp32 run's within bf16 rounding."""
+    rows = _rows()
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    model = _model().to(torch.bfloat16)
+    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
+    assert losses == pytest.approx(fp32, rel=3e-2)
+    opt = trainer.optimizer
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat.flat_grad)} == {torch.float32}
 
 
 def _lora(seed=0):
