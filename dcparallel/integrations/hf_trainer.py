@@ -18,9 +18,10 @@ Evaluation runs transformers' own loop on the unwrapped model.
 
 Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard;
 `resume_from_checkpoint` continues at the next planned step (the loader's position follows
-from the saved global step). ``bf16=True`` runs each micro-batch's forward under autocast to
-bfloat16, as the Trainer does (the parameters, gradients and AdamW states stay fp32, or
-fp32 masters of a model loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
+from the saved global step), at any world size with shard_size 1 (the shards reshard).
+``bf16=True`` runs each micro-batch's forward under autocast to bfloat16, as the Trainer
+does (the parameters, gradients and AdamW states stay fp32, or fp32 masters of a model
+loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from dcparallel.api import DataCentricParallel
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.runtime import comm
+from dcparallel.runtime.zero import ZeroAdamW
 
 #: the optimizers `dc.optimizer` (AdamW with decoupled weight decay) computes exactly
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -278,9 +280,24 @@ class DataCentricTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        path = Path(checkpoint) / f"dc_optimizer_rank{comm.world_rank()}.pt"
-        if not path.is_file():
-            raise ValueError(f"{checkpoint} has no {path.name}: resume a DataCentricTrainer from its own checkpoint, "
-                             f"at the world size it was saved with")
-        self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        self.optimizer.load_state_dict(_optimizer_state(Path(checkpoint), self.optimizer))
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+
+
+def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:
+    """What ``optimizer.load_state_dict`` takes from a checkpoint: for `ZeroAdamW`
+    (shard_size 1) every saved rank's shard, so that a world of any size takes its ranges
+    from them (the planned steps do not depend on the world size); for the sharded AdamW of
+    shard_size > 1 this rank's own file, at the world size it was saved with."""
+    files = {int(f.stem.removeprefix("dc_optimizer_rank")): f for f in checkpoint.glob("dc_optimizer_rank*.pt")}
+    if not files:
+        raise ValueError(f"{checkpoint} has no dc_optimizer_rank*.pt: resume a DataCentricTrainer from its own "
+                         f"checkpoint")
+    rank, world = comm.world_rank(), comm.world_size()
+    if isinstance(optimizer, ZeroAdamW):
+        return [torch.load(files[r], weights_only=True) for r in sorted(files)]
+    if len(files) != world or rank not in files:
+        raise ValueError(f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
+                         f"the optimizer state resumes at the world size it was saved with (resume with "
+                         f"{len(files)} ranks, or train with shard_size=1, whose state reshards)")
+    return torch.load(files[rank], weights_only=True)

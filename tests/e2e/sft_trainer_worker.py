@@ -11,7 +11,8 @@ conversational prompt-completion rows (TRL's completion-only loss):
    ``trainer.save_model``.
 
 Rank 0 writes OUT/result.pt: each run's per-step losses and final trainable weights, and the
-log history.
+log history. ``sft_trainer_worker.py MODEL OUT CHECKPOINT`` runs 3 alone, resumed from
+another launch's CHECKPOINT (another world size: the optimizer shards reshard).
 """
 
 import sys
@@ -112,6 +113,10 @@ def run_lora():
     return {"weights": trainable(trainer.model)}
 
 
+if len(sys.argv) > 3:  # a resume of another launch's checkpoint at this launch's world size
+    torch.save({"resumed": run_sft(resume=sys.argv[3]), "world": dcparallel.runtime.comm.world_size()},
+               OUT / "result.pt")
+    sys.exit()
 trained = run_sft()
 loop = run_loop()
 resumed = run_sft(resume=str(OUT / "sft" / "checkpoint-2"))

@@ -3,9 +3,10 @@ by its `# dcparallel` lines fine-tunes a local Llama on conversational prompt-co
 with TRL's completion-only loss (`sft_trainer_worker.py`). Its per-step losses and final
 weights equal dcparallel's own loop on labels masked here from the chat template; its
 evaluation equals the unmodified SFTTrainer's on the same weights; a resume from the step-2
-checkpoint ends at the same weights; report_to="tensorboard" writes the logged losses; a
-``peft_config`` LoRA run's ``trainer.save_model`` folder loads with
-``PeftModel.from_pretrained`` holding the trained adapters."""
+checkpoint ends at the same weights, at 2 ranks and in 1 process (the optimizer shards
+reshard); report_to="tensorboard" writes the logged losses; a ``peft_config`` LoRA run's
+``trainer.save_model`` folder loads with ``PeftModel.from_pretrained`` holding the trained
+adapters."""
 
 import os
 import subprocess
@@ -60,6 +61,15 @@ def test_sft_trainer_equals_loop_evaluates_resumes_logs_and_exports(tmp_path):
     out = tmp_path / "out" / "sft"
     assert {p.name for p in (out / "checkpoint-2").iterdir()} >= {"dc_optimizer_rank0.pt", "dc_optimizer_rank1.pt",
                                                                   "scheduler.pt", "trainer_state.json"}
+    # the step-2 checkpoint of 2 ranks resumed by 1 process (no torchrun): the same weights
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"), str(model),
+                        str(tmp_path / "one"), str(out / "checkpoint-2")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    one = torch.load(tmp_path / "one" / "result.pt", weights_only=False)
+    assert one["world"] == 1 and one["resumed"]["losses"] == pytest.approx(sft["losses"], rel=1e-6)
+    for name, w in loop["weights"].items():
+        assert _rel(one["resumed"]["weights"][name], w) <= 1e-5, name
     runs = []  # one events folder per run: the first run's steps 1-4, the resumed run's 3-4
     for folder in sorted({p.parent for p in (out / "runs").rglob("events.out.tfevents.*")}):
         acc = EventAccumulator(str(folder))
