@@ -158,3 +158,16 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
     for name, w in first.items():
         torch.testing.assert_close(resumed[name], w, rtol=1e-6, atol=0, msg=name)
     assert any(not torch.equal(w, v) for w, v in zip(first.values(), _lora_weights(_lora()).values()))
+
+
+def test_sharded_state_of_another_world_size_is_refused(tmp_path):
+    """With shard_size > 1 the optimizer (not ZeroAdamW) resumes only at the saved world
+    size: a checkpoint of 2 ranks read by this 1-rank process is refused, naming both."""
+    from dcparallel.integrations.hf_trainer import _optimizer_state
+
+    for r in range(2):
+        torch.save({"shard": {"rank": r}}, tmp_path / f"dc_optimizer_rank{r}.pt")
+    with pytest.raises(ValueError, match="saved by 2 ranks, this run has 1.*shard_size=1"):
+        _optimizer_state(tmp_path, torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+    with pytest.raises(ValueError, match="has no dc_optimizer_rank"):
+        _optimizer_state(tmp_path / "none", None)
