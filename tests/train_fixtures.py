@@ -243,3 +243,22 @@ def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps
         opt.step()
         sched.step()
     return losses
+
+
+def readme_block(call: str) -> str:
+    """The README's ```python block that holds ``call``."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if call in b)
+
+
+def analytic_arguments(monkeypatch) -> None:
+    """`DataCentricArguments` as the README's blocks import it, with cost="analytic" (no
+    profiling in these tests; the profiled cost: tests/unit/test_profile*)."""
+    import functools
+
+    from dcparallel.integrations import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "DataCentricArguments",
+                        functools.partial(hf_trainer.DataCentricArguments, cost="analytic"))

@@ -171,3 +171,22 @@ def test_sharded_state_of_another_world_size_is_refused(tmp_path):
         _optimizer_state(tmp_path, torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
     with pytest.raises(ValueError, match="has no dc_optimizer_rank"):
         _optimizer_state(tmp_path / "none", None)
+
+
+def test_readme_lines_train_as_written(tmp_path, monkeypatch):
+    """The README's two changed lines, run as written on a Trainer script's names: one step
+    whose loss is dcparallel's loop's."""
+    from transformers import DataCollatorForSeq2Seq
+
+    tf.analytic_arguments(monkeypatch)
+    rows = _rows()
+    names = {"model": _model(), "training_args": _args(tmp_path, max_steps=1), "train": rows, "test": rows[:4],
+             "collator": DataCollatorForSeq2Seq(tf.tokenizer())}
+    exec(tf.readme_block("trainer = DataCentricTrainer("), names)
+    assert names["trainer"].dc_args.tokens_per_step == 65536
+    names["trainer"].train()
+    losses = [row["loss"] for row in names["trainer"].state.log_history if "loss" in row]
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    assert losses == pytest.approx(tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536,
+                                                              steps=1), rel=1e-6)
