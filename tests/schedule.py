@@ -29,7 +29,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_grad_sync.py": 38,
     "tests/dist/test_dist_rl.py": 28,
     "tests/dist/test_dist_diffusers_memory.py": 25,
-    "tests/dist/test_dist_lora.py": 30,
+    "tests/dist/test_dist_lora.py": 40,
     "tests/dist/test_dist_elastic.py": 15,
     "tests/dist/test_dist_loader.py": 15,
     "tests/dist/test_dist_mixed_sizes.py": 10,
