@@ -90,8 +90,12 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_states(tmp_path):
     rows = _rows()
     data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
             for r in rows]
+    from transformers import DataCollatorForSeq2Seq, Trainer
+
     model = _model()
+    collator = DataCollatorForSeq2Seq(tf.tokenizer())
     trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
+                                 eval_dataset=rows[:5], data_collator=collator,
                                  dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
@@ -101,6 +105,15 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_states(tmp_path):
                                                               autocast=True), rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    # evaluation under the same autocast as the plain Trainer's with bf16=True
+    plain = Trainer(model=ref, args=_args(tmp_path / "plain", bf16=True), eval_dataset=rows[:5],
+                    data_collator=collator)
+    ref32 = _model()
+    ref32.load_state_dict(ref.state_dict())  # a model of its own: the Trainer patches the forward it prepares
+    plain32 = Trainer(model=ref32, args=_args(tmp_path / "plain32"), eval_dataset=rows[:5], data_collator=collator)
+    got = trainer.evaluate()["eval_loss"]
+    assert got == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
+    assert got != pytest.approx(plain32.evaluate()["eval_loss"], rel=1e-6)  # the autocast ran
     fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
     assert losses == pytest.approx(fp32, rel=2e-2) and losses != pytest.approx(fp32, rel=1e-6)  # bf16 ran
     opt = trainer.optimizer
