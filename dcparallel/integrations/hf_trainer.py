@@ -295,7 +295,13 @@ def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:
                          f"checkpoint")
     rank, world = comm.world_rank(), comm.world_size()
     if isinstance(optimizer, ZeroAdamW):
-        return [torch.load(files[r], weights_only=True) for r in sorted(files)]
+        states = [torch.load(files[r], weights_only=True) for r in sorted(files)]
+        saved = sorted({int(s["world_size"]) for s in states})
+        if saved != [len(states)] or sorted(files) != list(range(len(states))):
+            raise ValueError(f"{checkpoint} holds dc_optimizer_rank*.pt of ranks {sorted(files)} saved at world "
+                             f"sizes {saved}: one checkpoint is one file per rank of one run; remove the files "
+                             f"another run left there")
+        return states
     if len(files) != world or rank not in files:
         raise ValueError(f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
                          f"the optimizer state resumes at the world size it was saved with (resume with "

@@ -203,3 +203,18 @@ def test_readme_lines_train_as_written(tmp_path, monkeypatch):
             for r in rows]
     assert losses == pytest.approx(tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536,
                                                               steps=1), rel=1e-6)
+
+
+def test_optimizer_files_of_two_runs_are_refused(tmp_path):
+    """Shards of ZeroAdamW that are not one run's files, one per rank (a world-4 run's rank 2
+    left beside a world-2 run's): refused, not mixed into the state."""
+    import dcparallel
+    from dcparallel.integrations.hf_trainer import _optimizer_state
+
+    opt = dcparallel.DataCentricParallel(_model()).optimizer()
+    for r, world in ((0, 2), (1, 2), (2, 4)):
+        torch.save({"world_size": world, "rank": r}, tmp_path / f"dc_optimizer_rank{r}.pt")
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] saved at world sizes \[2, 4\].*remove the files"):
+        _optimizer_state(tmp_path, opt)
+    (tmp_path / "dc_optimizer_rank2.pt").unlink()
+    assert [s["rank"] for s in _optimizer_state(tmp_path, opt)] == [0, 1]
