@@ -29,7 +29,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_grad_sync.py": 38,
     "tests/dist/test_dist_rl.py": 28,
     "tests/dist/test_dist_diffusers_memory.py": 25,
-    "tests/dist/test_dist_lora.py": 30,
+    "tests/dist/test_dist_lora.py": 40,
     "tests/dist/test_dist_elastic.py": 15,
     "tests/dist/test_dist_loader.py": 15,
     "tests/dist/test_dist_mixed_sizes.py": 10,
@@ -63,6 +63,8 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_mixes.py": 10,
     "tests/unit/test_sharded_plan.py": 11,
     "tests/unit/test_resume_schedule.py": 12,  # four short `dcparallel train` runs, world 1
+    "tests/unit/test_hf_trainer.py": 30,  # eight short Trainer runs, world 1
+    "tests/unit/test_trl_sft.py": 20,  # TRL imported, three short SFTTrainer runs
 }
 
 

@@ -214,10 +214,14 @@ def pytest_approx(x: float, rel: float = 1e-6):
     return pytest.approx(x, rel=rel)  # TensorBoard stores float32
 
 
-def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps: int = 3) -> list[float]:
+def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps: int = 3,
+                            autocast: bool = False) -> list[float]:
     """dcparallel's own loop with what the integration tests give the Trainer (AdamW lr 0.01,
     weight decay 0.01, linear schedule with 1 warmup step, clipping at 0.5): the first
-    ``steps`` step losses; ``ref`` is trained in place."""
+    ``steps`` step losses; ``ref`` is trained in place. ``autocast``: each forward under CPU
+    autocast to bfloat16."""
+    import contextlib
+
     from transformers import get_scheduler
 
     import dcparallel
@@ -231,9 +235,30 @@ def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps
     for step in list(loader)[:steps]:
         for batch in step:
             with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(ref, batch, ctx))
+                with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                    loss = dc.loss_fn(ref, batch, ctx)
+                ctx.backward(loss)
         losses.append(dc.sync_gradients())
         dc.clip_grad_norm_(0.5)
         opt.step()
         sched.step()
     return losses
+
+
+def readme_block(call: str) -> str:
+    """The README's ```python block that holds ``call``."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if call in b)
+
+
+def analytic_arguments(monkeypatch) -> None:
+    """`DataCentricArguments` as the README's blocks import it, with cost="analytic" (no
+    profiling in these tests; the profiled cost: tests/unit/test_profile*)."""
+    import functools
+
+    from dcparallel.integrations import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "DataCentricArguments",
+                        functools.partial(hf_trainer.DataCentricArguments, cost="analytic"))

@@ -18,8 +18,10 @@ Evaluation runs transformers' own loop on the unwrapped model.
 
 Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard;
 `resume_from_checkpoint` continues at the next planned step (the loader's position follows
-from the saved global step). Autocast (``bf16`` / ``fp16`` = True) is refused: load the
-model in bf16 instead.
+from the saved global step), at any world size with shard_size 1 (the shards reshard).
+``bf16=True`` runs each micro-batch's forward under autocast to bfloat16, as the Trainer
+does (the parameters, gradients and AdamW states stay fp32, or fp32 masters of a model
+loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from dcparallel.api import DataCentricParallel
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.runtime import comm
+from dcparallel.runtime.zero import ZeroAdamW
 
 #: the optimizers `dc.optimizer` (AdamW with decoupled weight decay) computes exactly
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -126,6 +129,36 @@ class _Steps:
         self.dc.set_epoch(epoch)
 
 
+def _refuse_inexact(a, compute_loss_func) -> None:
+    """Refuses the `TrainingArguments` a planned step would not honour exactly, each by name
+    with its fix."""
+    if a.gradient_accumulation_steps != 1:
+        raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
+                         f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
+                         f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
+    if a.optim not in ADAMW_NAMES:
+        optim = getattr(a.optim, "value", a.optim)
+        raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
+                         f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
+    if a.fp16:
+        raise ValueError("fp16=True needs a loss scaler, which the planned steps do not run: pass bf16=True "
+                         "(autocast to bfloat16, no scaling) or load the model in torch.bfloat16 (dcparallel keeps "
+                         "fp32 master weights and gradients)")
+    for name in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(a, name, False):
+            raise ValueError(f"{name}=True casts the model for evaluation, and its parameters are dcparallel's "
+                             f"flat buffers: pass {name}=False (evaluation runs under bf16's autocast)")
+    if a.label_smoothing_factor or compute_loss_func is not None:
+        what = (f"label_smoothing_factor={a.label_smoothing_factor}" if a.label_smoothing_factor
+                else "compute_loss_func")
+        raise ValueError(f"{what}: DataCentricTrainer's steps compute the next-token cross-entropy of each "
+                         f"micro-batch (the step's mean over all ranks' targets); give dc_args.loss_fn a loss of "
+                         f"(model, batch, ctx) computing yours instead")
+    if a.neftune_noise_alpha is not None:
+        raise ValueError(f"neftune_noise_alpha={a.neftune_noise_alpha}: NEFTune's embedding noise is not drawn "
+                         f"per sample by the planned steps (it would differ with the layout); set it to None")
+
+
 class DataCentricTrainer(Trainer):
     """`transformers.Trainer` with dcparallel's loader, micro-batch loop, gradient sync and
     optimizer (module docstring). ``dc_args``: `DataCentricArguments`; the other arguments
@@ -135,19 +168,7 @@ class DataCentricTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.dc_args = dc_args or DataCentricArguments()
         a = self.args
-        if a.gradient_accumulation_steps != 1:
-            raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
-                             f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
-                             f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
-        if a.optim not in ADAMW_NAMES:
-            optim = getattr(a.optim, "value", a.optim)
-            raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
-                             f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
-        if a.fp16 or a.bf16:
-            raise ValueError(f"{'fp16' if a.fp16 else 'bf16'}=True asks for autocast mixed precision, which "
-                             f"DataCentricTrainer does not run: load the model in torch.bfloat16 (dcparallel keeps "
-                             f"fp32 master weights and gradients) or fp32, and pass {'fp16' if a.fp16 else 'bf16'}"
-                             f"=False")
+        _refuse_inexact(a, self.compute_loss_func)
         # recompute is chosen per micro-batch by the planner; transformers' own checkpointing
         # of every layer would recompute a second time
         names = [n for n in ("gradient_checkpointing", "activation_checkpointing") if getattr(a, n, False)]
@@ -230,7 +251,9 @@ class DataCentricTrainer(Trainer):
         loss_fn = self.dc.loss_fn
         for batch in inputs:
             with self.dc.micro_batch(batch) as ctx:
-                ctx.backward(loss_fn(model, batch, ctx))
+                with self.accelerator.autocast():  # bf16=True: the forward in bfloat16, as the Trainer's
+                    loss = loss_fn(model, batch, ctx)
+                ctx.backward(loss)
         return torch.tensor(self.dc.sync_gradients(), device=self.args.device)
 
     def _clip_grad_norm(self, model):
@@ -257,9 +280,30 @@ class DataCentricTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        path = Path(checkpoint) / f"dc_optimizer_rank{comm.world_rank()}.pt"
-        if not path.is_file():
-            raise ValueError(f"{checkpoint} has no {path.name}: resume a DataCentricTrainer from its own checkpoint, "
-                             f"at the world size it was saved with")
-        self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        self.optimizer.load_state_dict(_optimizer_state(Path(checkpoint), self.optimizer))
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+
+
+def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:
+    """What ``optimizer.load_state_dict`` takes from a checkpoint: for `ZeroAdamW`
+    (shard_size 1) every saved rank's shard, so that a world of any size takes its ranges
+    from them (the planned steps do not depend on the world size); for the sharded AdamW of
+    shard_size > 1 this rank's own file, at the world size it was saved with."""
+    files = {int(f.stem.removeprefix("dc_optimizer_rank")): f for f in checkpoint.glob("dc_optimizer_rank*.pt")}
+    if not files:
+        raise ValueError(f"{checkpoint} has no dc_optimizer_rank*.pt: resume a DataCentricTrainer from its own "
+                         f"checkpoint")
+    rank, world = comm.world_rank(), comm.world_size()
+    if isinstance(optimizer, ZeroAdamW):
+        states = [torch.load(files[r], weights_only=True) for r in sorted(files)]
+        saved = sorted({int(s["world_size"]) for s in states})
+        if saved != [len(states)] or sorted(files) != list(range(len(states))):
+            raise ValueError(f"{checkpoint} holds dc_optimizer_rank*.pt of ranks {sorted(files)} saved at world "
+                             f"sizes {saved}: one checkpoint is one file per rank of one run; remove the files "
+                             f"another run left there")
+        return states
+    if len(files) != world or rank not in files:
+        raise ValueError(f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
+                         f"the optimizer state resumes at the world size it was saved with (resume with "
+                         f"{len(files)} ranks, or train with shard_size=1, whose state reshards)")
+    return torch.load(files[rank], weights_only=True)

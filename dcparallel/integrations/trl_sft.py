@@ -5,7 +5,8 @@ TRL prepares the train dataset into ``input_ids`` and ``labels`` (-100 where no 
 `DataCentricTrainer` turns into dcparallel's next-token targets. ``packing=True`` is TRL
 packing rows into fixed-length sequences; here the planner packs the unpacked samples itself
 (each step's micro-batches, documents kept apart by the attention), so TRL's packing is
-turned off before TRL prepares the dataset.
+turned off before TRL prepares the dataset. The step's loss is dcparallel's next-token
+cross-entropy (or ``dc_args.loss_fn``): a TRL ``loss_type`` other than "nll" is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ class DataCentricSFTTrainer(DataCentricTrainer, SFTTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         config = kwargs.get("args")
+        loss_type = getattr(config, "loss_type", "nll")
+        if loss_type != "nll":
+            raise ValueError(f"loss_type={loss_type!r}: DataCentricSFTTrainer's steps compute the next-token "
+                             f"cross-entropy ('nll'); set loss_type='nll', or give dc_args.loss_fn a loss of "
+                             f"(model, batch, ctx) computing yours")
         if config is not None and getattr(config, "packing", False):
             config = copy.copy(config)
             config.packing = False  # the planner packs: TRL's fixed-length packing would hide the lengths

@@ -64,6 +64,37 @@ def case_mixed_dtype_step(kind: str, shard_size: int, seed: int, num_samples: in
             "trainable_dtypes": sorted({str(after[n].dtype) for n in grads})}
 
 
+def case_autocast_step(seed: int, num_samples: int) -> list[dict]:
+    """PEFT LoRA Llama (fp32) on a random plan with SP 1 and SP > 1 in one step, each
+    micro-batch's forward under CPU autocast to bfloat16 (what DataCentricTrainer runs for
+    bf16=True), as planned and again with recompute off: per run the loss, the trainable
+    parameters' gradients and their dtypes, the plan."""
+    from dcparallel.data.collate import resolve_collate
+    from dcparallel.plan.types import MicroBatch
+
+    model = lora_models.build("lora-llama")
+    dc = Engine(model)
+    data = adapter_models.make_data("hf-llama", num_samples, seed)
+    planned = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
+                                  num_layers=dc.adapter.spec.num_layers, mode="phases")
+    rank = dist.get_rank()
+    collate = resolve_collate(dc.adapter.collate, dc.adapter.kind)
+    runs = []
+    for plan in (planned, support.capped(planned, 0)):
+        for mb, ranks in plan.work_of(rank):
+            items = {s: adapter_models.item(data, s) for s in mb.sample_ids}
+            batch = collate(items, MicroBatch(mb.sample_ids, mb.layout), ranks, rank)
+            with dc.micro_batch(batch) as ctx:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = dc.adapter.loss_fn(dc.model, batch, ctx)
+                ctx.backward(loss)
+        loss = dc.sync_gradients()
+        grads = dc.full_gradients()
+        runs.append({"loss": loss, "grads": grads, "dtypes": sorted({str(g.dtype) for g in grads.values()}),
+                     "plan": plan.to_json()})
+    return runs
+
+
 def case_state_bytes(kind: str, shard_size: int) -> dict:
     """Bytes this rank holds for gradients and optimizer state after one step of ``kind``, from
     the tensors themselves, with the adapters' element count and the model's."""

@@ -6,7 +6,8 @@ buffers) and 2 (FSDP2 blocks holding the frozen weights too), on random plans wi
 `sync_gradients()` equal a single process running the unmodified PEFT model one sample at a
 time (fp32, 1e-5 relative per tensor); after an AdamW step every frozen parameter is bit for
 bit unchanged and every trainable one moved. A bf16 frozen base under fp32 adapters trains at
-both shard sizes. Gradient and optimizer bytes per rank are the adapters' only."""
+both shard sizes, and so does a forward under bf16 autocast (the Trainer's bf16=True) on a
+plan with SP 1 and 2 (4). Gradient and optimizer bytes per rank are the adapters' only."""
 
 from __future__ import annotations
 
@@ -97,6 +98,43 @@ def test_bf16_frozen_base_with_fp32_adapters(workers, shard_size):
         worst = max(rel_err(g, ref_grads[n]) for n, g in res["grads"].items())
         assert worst <= 5e-2, worst
     print(f"\nbf16 base, shard {shard_size}: loss {out[0]['loss']:.5f} vs {ref_loss:.5f}, max rel err {worst:.2e}")
+
+
+def _autocast_reference(seed: int) -> tuple[float, dict]:
+    def compute():
+        model = lora_models.build("lora-llama")
+        data = adapter_models.make_data("hf-llama", NUM_SAMPLES, seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, grads = adapter_models.reference(model, data, range(NUM_SAMPLES))
+        return loss, {n: grads[n] for n in lora_models.trainable_names(model)}
+
+    return reference_once(("lora-autocast", seed), compute)
+
+
+def test_autocast_bf16_forward_with_sp_mixed(workers):
+    """DataCentricTrainer's bf16=True path: each forward under autocast to bfloat16 on a plan
+    with SP 1 and SP > 1 in one step, recompute as planned and off. The gradients stay fp32; against the single process under the
+    same autocast (one sample at a time) they differ by bf16 rounding only: less than the
+    single process's own distance to fp32."""
+    out = workers.run(lora_cases.case_autocast_step, 75, NUM_SAMPLES)
+    ref_loss, ref_grads = _autocast_reference(75)
+    fp32_loss, fp32_grads = _reference("lora-llama", 75)
+    bf16_vs_fp32 = max(rel_err(g, fp32_grads[n]) for n, g in ref_grads.items())
+    recompute, worst = set(), 0.0
+    for i, run in enumerate(out[0]):
+        groups = run["plan"]["groups"]
+        sizes = {len(g["ranks"]) for g in groups if g["micro_batches"]}
+        assert 1 in sizes and max(sizes) > 1, sizes  # SP 1 and 2 at world 2 (1 and 4 at world 4)
+        recompute |= {bool(m["layout"]["recompute"]["attn"] or m["layout"]["recompute"]["mlp"])
+                      for g in groups for m in g["micro_batches"]}
+        for res in (runs[i] for runs in out):
+            assert res["dtypes"] == ["torch.float32"] and set(res["grads"]) == set(ref_grads)
+            assert abs(res["loss"] - ref_loss) <= 1e-3 * abs(ref_loss), (res["loss"], ref_loss)
+            worst = max([worst] + [rel_err(g, ref_grads[n]) for n, g in res["grads"].items()])
+    assert recompute == {True, False}, recompute  # torch's checkpoint recomputes under the autocast
+    print(f"\nautocast world {workers.world}: loss {out[0][0]['loss']:.6f}, one process {ref_loss:.6f}, fp32 "
+          f"{fp32_loss:.6f}; max rel err {worst:.2e} (one process's to fp32: {bf16_vs_fp32:.2e})")
+    assert worst <= bf16_vs_fp32, (worst, bf16_vs_fp32)
 
 
 @pytest.mark.parametrize("shard_size", [1, 2])

@@ -38,11 +38,21 @@ def _args(tmp_path, **kw):
 @pytest.mark.parametrize("change, words", [
     ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
     ({"optim": "sgd"}, "optim='sgd'"),
-    ({"bf16": True}, "bf16=True asks for autocast"),
+    ({"fp16": True}, "fp16=True needs a loss scaler.*pass bf16=True"),
+    ({"bf16": True, "bf16_full_eval": True}, "bf16_full_eval=True casts the model.*pass bf16_full_eval=False"),
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1: .* give dc_args.loss_fn"),
+    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0: .* set it to None"),
 ])
 def test_refuses_what_it_would_not_do_exactly(tmp_path, change, words):
     with pytest.raises(ValueError, match=words):
         DataCentricTrainer(model=_model(), args=_args(tmp_path, **change), train_dataset=_rows(),
+                           dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+
+
+def test_refuses_a_compute_loss_func(tmp_path):
+    with pytest.raises(ValueError, match="compute_loss_func: .* give dc_args.loss_fn"):
+        DataCentricTrainer(model=_model(), args=_args(tmp_path), train_dataset=_rows(),
+                           compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
                            dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
 
 
@@ -71,6 +81,62 @@ def test_steps_equal_dcparallel_loop(tmp_path):
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert not torch.equal(model.lm_head.weight, _model().lm_head.weight)  # it trained
+
+
+def test_bf16_autocasts_the_forward_and_keeps_fp32_states(tmp_path):
+    """bf16=True on an fp32 model: each forward under autocast to bfloat16, as the Trainer's.
+    Its steps equal dcparallel's loop with the same autocast, track the fp32 run's losses
+    within bf16 rounding, and parameters, gradients and AdamW moments stay fp32."""
+    rows = _rows()
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    from transformers import DataCollatorForSeq2Seq, Trainer
+
+    model = _model()
+    collator = DataCollatorForSeq2Seq(tf.tokenizer())
+    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
+                                 eval_dataset=rows[:5], data_collator=collator,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+    ref = _model()
+    assert losses == pytest.approx(tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100,
+                                                              autocast=True), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    # evaluation under the same autocast as the plain Trainer's with bf16=True
+    plain = Trainer(model=ref, args=_args(tmp_path / "plain", bf16=True), eval_dataset=rows[:5],
+                    data_collator=collator)
+    ref32 = _model()
+    ref32.load_state_dict(ref.state_dict())  # a model of its own: the Trainer patches the forward it prepares
+    plain32 = Trainer(model=ref32, args=_args(tmp_path / "plain32"), eval_dataset=rows[:5], data_collator=collator)
+    got = trainer.evaluate()["eval_loss"]
+    assert got == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
+    assert got != pytest.approx(plain32.evaluate()["eval_loss"], rel=1e-6)  # the autocast ran
+    fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
+    assert losses == pytest.approx(fp32, rel=2e-2) and losses != pytest.approx(fp32, rel=1e-6)  # bf16 ran
+    opt = trainer.optimizer
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {t.dtype for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat.flat_grad)} == {torch.float32}
+
+
+def test_bf16_model_keeps_fp32_masters(tmp_path):
+    """A model loaded in bfloat16 with bf16=True: the AdamW masters and moments are fp32 and
+    the losses track the fp32 run's within bf16 rounding."""
+    rows = _rows()
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    model = _model().to(torch.bfloat16)
+    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
+    assert losses == pytest.approx(fp32, rel=3e-2)
+    opt = trainer.optimizer
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat.flat_grad)} == {torch.float32}
 
 
 def _lora(seed=0):
@@ -105,3 +171,50 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
     for name, w in first.items():
         torch.testing.assert_close(resumed[name], w, rtol=1e-6, atol=0, msg=name)
     assert any(not torch.equal(w, v) for w, v in zip(first.values(), _lora_weights(_lora()).values()))
+
+
+def test_sharded_state_of_another_world_size_is_refused(tmp_path):
+    """With shard_size > 1 the optimizer (not ZeroAdamW) resumes only at the saved world
+    size: a checkpoint of 2 ranks read by this 1-rank process is refused, naming both."""
+    from dcparallel.integrations.hf_trainer import _optimizer_state
+
+    for r in range(2):
+        torch.save({"shard": {"rank": r}}, tmp_path / f"dc_optimizer_rank{r}.pt")
+    with pytest.raises(ValueError, match="saved by 2 ranks, this run has 1.*shard_size=1"):
+        _optimizer_state(tmp_path, torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+    with pytest.raises(ValueError, match="has no dc_optimizer_rank"):
+        _optimizer_state(tmp_path / "none", None)
+
+
+def test_readme_lines_train_as_written(tmp_path, monkeypatch):
+    """The README's two changed lines, run as written on a Trainer script's names: one step
+    whose loss is dcparallel's loop's."""
+    from transformers import DataCollatorForSeq2Seq
+
+    tf.analytic_arguments(monkeypatch)
+    rows = _rows()
+    names = {"model": _model(), "training_args": _args(tmp_path, max_steps=1), "train": rows, "test": rows[:4],
+             "collator": DataCollatorForSeq2Seq(tf.tokenizer())}
+    exec(tf.readme_block("trainer = DataCentricTrainer("), names)
+    assert names["trainer"].dc_args.tokens_per_step == 65536
+    names["trainer"].train()
+    losses = [row["loss"] for row in names["trainer"].state.log_history if "loss" in row]
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
+            for r in rows]
+    assert losses == pytest.approx(tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536,
+                                                              steps=1), rel=1e-6)
+
+
+def test_optimizer_files_of_two_runs_are_refused(tmp_path):
+    """Shards of ZeroAdamW that are not one run's files, one per rank (a world-4 run's rank 2
+    left beside a world-2 run's): refused, not mixed into the state."""
+    import dcparallel
+    from dcparallel.integrations.hf_trainer import _optimizer_state
+
+    opt = dcparallel.DataCentricParallel(_model()).optimizer()
+    for r, world in ((0, 2), (1, 2), (2, 4)):
+        torch.save({"world_size": world, "rank": r}, tmp_path / f"dc_optimizer_rank{r}.pt")
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] saved at world sizes \[2, 4\].*remove the files"):
+        _optimizer_state(tmp_path, opt)
+    (tmp_path / "dc_optimizer_rank2.pt").unlink()
+    assert [s["rank"] for s in _optimizer_state(tmp_path, opt)] == [0, 1]
