@@ -12,6 +12,7 @@ import pytest
 
 from dcparallel.apps.cli import main
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.forward import ForwardOnlyCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
@@ -67,18 +68,20 @@ def test_the_split_follows_the_link_speed(policy):
     assert [(lay.sp, lay.ring) for lay in _busy(nvlink)] == [(8, 1)], _busy(nvlink)
 
 
-def test_the_split_set_is_the_one_priced():
-    """Every micro-batch of a mixed step runs the split its time was priced at: its layout's
-    ring degree is `best_split`'s for its samples, and the replayed step time equals the
-    time with those splits (the cost's terms price the best split)."""
+@pytest.mark.parametrize("forward_only", [False, True], ids=["training", "forward-only"])
+def test_the_split_set_is_the_one_priced(forward_only):
+    """Every micro-batch of a mixed step runs the split its time was priced at (`terms` price
+    each micro-batch at `best_split`'s split): its layout's ring degree is `best_split`'s for
+    its samples; forward-only passes (`ForwardOnlyCost`) take their training terms' split."""
     cluster = dataclasses.replace(h200_cluster(64), ring=True)
     sizes = [1 << 20, 300_000] + [4096 * (1 + i % 8) for i in range(60)]
-    ctx = PlanContext(Workload(LLAMA_8B, tuple(sizes)), AnalyticCost(LLAMA_8B, cluster), cluster)
+    cost = AnalyticCost(LLAMA_8B, cluster)
+    ctx = PlanContext(Workload(LLAMA_8B, tuple(sizes)), ForwardOnlyCost(cost) if forward_only else cost, cluster)
     step = Step(0, tuple(range(len(sizes))))
     plan = make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step)
     rings = set()
     for mb in plan.micro_batches():
-        best = ctx.cost.best_split([ctx.sizes[i] for i in mb.sample_ids], mb.layout.sp)
+        best = cost.best_split([ctx.sizes[i] for i in mb.sample_ids], mb.layout.sp)
         assert (mb.layout.ulysses, mb.layout.ring) == (best.ulysses, best.ring)
         rings.add(mb.layout.ring)
     assert max(rings) > 1
