@@ -111,6 +111,10 @@ class Layout:
         """The Ulysses degree u = sp / ring: the ranks that split the heads."""
         return self.sp // self.ring
 
+    def sp_words(self) -> str:
+        """The SP degree and its split: "SP 64 = 8u×8r" (Ulysses u x ring r), "SP 8" without ring."""
+        return f"SP {self.sp} = {self.ulysses}u×{self.ring}r" if self.ring > 1 else f"SP {self.sp}"
+
     def to_json(self) -> dict:
         out = {"sp": self.sp, "mbs": self.mbs,
                "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
@@ -264,6 +268,10 @@ class ClusterSpec:
     #: aligned blocks of this many ranks (1 = every rank holds the whole model); SP groups are
     #: never smaller than a block (`topology`)
     shard_size: int = 1
+    #: SP groups may run Ulysses x ring attention (`runtime.ring`): sizes need not divide the
+    #: heads, and the planners price every (Ulysses, ring) split of a size and run each
+    #: micro-batch at the one predicted fastest (`cost.ring`). False: Ulysses only
+    ring: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -67,11 +67,11 @@ def _is_pow2(x: int) -> bool:
     return x & (x - 1) == 0
 
 
-def sp_chain(cluster: ClusterSpec, num_heads: int) -> list[int]:
+def sp_chain(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> list[int]:
     """The SP degrees the planners use: the longest chain of allowed sizes in which each
     divides the next (so groups of mixed sizes always tile the world when placed largest
     first at aligned offsets). Ties prefer powers of two."""
-    sizes = group_sizes(cluster, num_heads)
+    sizes = group_sizes(cluster, num_heads, ring)
     best: dict[int, list[int]] = {}
     for k in sizes:  # ascending: longest chain ending at k
         cands = [best[j] + [k] for j in sizes if j < k and k % j == 0 and j in best]
@@ -108,12 +108,15 @@ class Topology:
                              f"{self.num_heads} attention heads and fits {self.gpus_per_node}-GPU nodes (world "
                              f"{self.world_size}); use a smaller shard_size (or 'auto')")
         object.__setattr__(self, "sizes", sizes)
-        object.__setattr__(self, "chain", tuple(sp_chain(cluster, self.num_heads)))
+        object.__setattr__(self, "chain", tuple(sp_chain(cluster, self.num_heads, self.ring)))
         g = self.gpus_per_node
         object.__setattr__(self, "mix", tuple(k for k in self.sizes if k <= g or k in self.chain))
 
     @staticmethod
-    def of(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> Topology:
+    def of(cluster: ClusterSpec, num_heads: int, ring: bool | None = None) -> Topology:
+        """The topology of ``cluster`` for a model of ``num_heads`` heads; ``ring`` None: the
+        cluster's (`ClusterSpec.ring`)."""
+        ring = cluster.ring if ring is None else ring
         return Topology(cluster.world_size, cluster.gpus_per_node, num_heads, cluster.shard_size, ring)
 
     def splits(self, k: int) -> list[tuple[int, int]]:
@@ -126,7 +129,8 @@ class Topology:
     @property
     def cluster(self) -> ClusterSpec:
         """A ClusterSpec with this geometry (link speeds and memory at their defaults)."""
-        return ClusterSpec(world_size=self.world_size, gpus_per_node=self.gpus_per_node, shard_size=self.shard_size)
+        return ClusterSpec(world_size=self.world_size, gpus_per_node=self.gpus_per_node, shard_size=self.shard_size,
+                           ring=self.ring)
 
     def blocks(self) -> list[tuple[int, ...]]:
         """Every aligned block of an allowed size, by size then start rank (creation order)."""

@@ -257,7 +257,8 @@ def capped(plan: StepPlan, num_layers: int) -> StepPlan:
     def cap(mb: MicroBatch) -> MicroBatch:
         rc = mb.layout.recompute
         return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
-                                                Recompute(min(rc.attn, num_layers), min(rc.mlp, num_layers))))
+                                                Recompute(min(rc.attn, num_layers), min(rc.mlp, num_layers)),
+                                                mb.layout.ring))
 
     groups = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
     return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from dcparallel.apps.simulate_words import USER_POLICIES, layout_words, plan_stats, verdict
+from dcparallel.apps.simulate_words import USER_POLICIES, layout_words, plan_stats, ring_words, verdict
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.cost.lora import with_lora
@@ -71,6 +71,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--lengths", type=Path,
                      help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
                           "vision-language --model) a .jsonl of {\"text\": tokens, \"vision\": [image sizes]}")
+    p.add_argument("--ring", action="store_true",
+                   help="SP groups past the head count: each micro-batch at its fastest Ulysses x ring split")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
                         "on every linear of the blocks trained (`cost.lora.with_lora`)")
@@ -144,7 +146,7 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     shard = getattr(args, "shard_size", 1)
     if shard == "auto":
         shard = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
-    cluster = dataclasses.replace(cluster, shard_size=shard)
+    cluster = dataclasses.replace(cluster, shard_size=shard, ring=getattr(args, "ring", False))
     return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
 
 
@@ -295,6 +297,8 @@ def _table(out: dict) -> str:
                     f"{100 * v['idle_fraction']:9.1f}% {100 * v['lower_bound_efficiency']:13.1f}% "
                     f"{v['plan_ms_per_step']:16.2f} {100 * v['peak_memory_fraction']:10.0f}%  "
                     f"{layout_words(k, v['settings'])}")
+    if ring_words(out["policies"]):
+        rows.append(ring_words(out["policies"]))
     line = verdict(out["policies"]) if all("sp_mean_per_token" in v for v in out["policies"].values()) else None
     if line:
         rows.append(line)
@@ -352,8 +356,8 @@ def cmd_plan(args) -> int:
                   f"predicted {res.step_time:.3f} s")
             phased = plan.num_phases > 1
             for g, busy in zip(plan.groups, res.group_busy):
-                lay = [f"[{len(m.sample_ids)} sample{'s' * (len(m.sample_ids) > 1)} at SP {m.layout.sp}, recompute "
-                       f"{m.layout.recompute.describe(ctx.model.num_layers)}]" for m in g.micro_batches]
+                lay = [f"[{len(m.sample_ids)} sample{'s' * (len(m.sample_ids) > 1)} at {m.layout.sp_words()}, "
+                       f"recompute {m.layout.recompute.describe(ctx.model.num_layers)}]" for m in g.micro_batches]
                 phase = f"phase {g.phase} " if phased else ""
                 print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
                       f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")

@@ -19,18 +19,31 @@ STATIC = ("bucket", "packed")
 USER_POLICIES = ("bucket", "packed", "dcp")
 
 
-def plan_stats(plans: Sequence[StepPlan], tokens: Sequence[int]) -> dict[str, float]:
-    """The tokens' mean SP degree and the share of micro-batches that recompute anything."""
+def plan_stats(plans: Sequence[StepPlan], tokens: Sequence[int]) -> dict:
+    """The tokens' mean SP degree, the share of micro-batches that recompute anything, and
+    the micro-batches run under ring attention by split ("SP 64 = 8u×8r" -> how many)."""
     weighted = total = recomputing = count = 0
+    rings: dict[str, int] = {}
     for p in plans:
         for mb in p.micro_batches():
+            if mb.layout.ring > 1:
+                rings[mb.layout.sp_words()] = rings.get(mb.layout.sp_words(), 0) + 1
             n = sum(tokens[i] for i in mb.sample_ids)
             weighted += n * mb.layout.sp
             total += n
             recomputing += bool(mb.layout.recompute.attn or mb.layout.recompute.mlp)
             count += 1
-    return {"sp_mean_per_token": round(weighted / total, 3) if total else 0.0,
-            "recompute_share": round(recomputing / count, 4) if count else 0.0}
+    out = {"sp_mean_per_token": round(weighted / total, 3) if total else 0.0,
+           "recompute_share": round(recomputing / count, 4) if count else 0.0}
+    return {**out, "ring_splits": rings} if rings else out
+
+
+def ring_words(policies: dict[str, dict]) -> str | None:
+    """One line on the policies whose plans ran micro-batches under ring attention: how many
+    at each split ("dcp ran 5 micro-batches at SP 64 = 8u×8r, ..."); None where none did."""
+    runs = [f"{k} ran " + ", ".join(f"{n} micro-batch{'es' * (n != 1)} at {w}" for w, n in v["ring_splits"].items())
+            for k, v in policies.items() if v.get("ring_splits")]
+    return "ring attention: " + "; ".join(runs) if runs else None
 
 
 def layout_words(policy: str, settings: dict) -> str:

@@ -35,7 +35,7 @@ from dcparallel.cost.base import (
 )
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.heads import a2a_hidden_units
-from dcparallel.cost.ring import SplitTime, best_split
+from dcparallel.cost.ring import SplitTime, best_split, check_ring, layer_comm
 from dcparallel.cost.shard import ShardComm
 from dcparallel.cost.vision import VisionPrice, sample_vision
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size
@@ -241,6 +241,7 @@ class AnalyticCost:
         if calibration is None:
             calibration = fit_calibration(self.calibration_name)
         self.model, self.cluster, self.cal = model, cluster, calibration
+        check_ring(model, cluster)
         self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
         self._lin = calibration.lin_s_per_token * _layer_params(model) / _layer_params(ref) * _weight_work(model)
@@ -356,9 +357,13 @@ class AnalyticCost:
             # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
             a2a_fwd = (np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
                        if array else m.attn_per_layer * a2a_hidden_units(m, sp))
-        t_a2a = (alltoall_time_many if array else alltoall_time)(self.cluster, sp, act_bytes)
-        layer_time = compute + 2 * a2a_fwd * t_a2a
-        dt_attn = cal.phi_attn * c_attn + a2a_fwd * t_a2a  # recomputed attention repeats its a2a
+        if self.cluster.ring:  # each micro-batch at its best (Ulysses, ring) split (`cost.ring`)
+            comm, comm_fwd = layer_comm(m, self.cluster, n_tok, pairs, sp, self._attn, array)
+        else:
+            t_a2a = (alltoall_time_many if array else alltoall_time)(self.cluster, sp, act_bytes)
+            comm, comm_fwd = 2 * a2a_fwd * t_a2a, a2a_fwd * t_a2a
+        layer_time = compute + comm
+        dt_attn = cal.phi_attn * c_attn + comm_fwd  # recomputed attention repeats its forward communication
         dt_mlp = cal.phi_mlp * c_mlp
         head = n * self._head_s_per_token
         if self._shard is not None:  # the shard block's all-gathers and reduce-scatters

@@ -59,6 +59,8 @@ class ForwardOnlyCost:
     def __init__(self, base: CostModel):
         self.base = base
         self.model, self.cluster, self.sp_sizes = base.model, base.cluster, base.sp_sizes
+        if hasattr(base, "best_split"):  # the (Ulysses, ring) split its terms are priced at (`cost.ring`)
+            self.best_split = base.best_split
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
         return forward_terms(self.base.terms(sizes, sp))

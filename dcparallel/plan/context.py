@@ -73,7 +73,7 @@ class PlanContext:
             cost.longest_sample = max(cost.longest_sample, max(workload.tokens, default=0))
         self.model = workload.model
         self.budget = float(cluster.memory_bytes)
-        #: the group geometry every planner places its groups with
+        #: the group geometry every planner places its groups with (sizes past the heads with ring)
         self.topology = Topology.of(cluster, self.model.num_heads)
         supported = cost.sp_sizes
 

@@ -18,6 +18,7 @@ from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
+from dcparallel.plan.splits import SplitPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
 
@@ -119,8 +120,12 @@ def policy_spec(name: str) -> PolicySpec:
 
 
 def tune(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Tuned:
-    """Builds policy ``name``'s planner (tuning it on ``steps`` where it tunes)."""
-    return policy_spec(name).build(ctx, steps, score)
+    """Builds policy ``name``'s planner (tuning it on ``steps`` where it tunes); where the
+    cluster allows ring, its plans get each micro-batch's priced split (`splits`)."""
+    tuned = policy_spec(name).build(ctx, steps, score)
+    if ctx.topology.ring:
+        return Tuned(SplitPlanner(tuned.planner, ctx), tuned.tried)
+    return tuned
 
 
 def make_planner(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Planner:

@@ -158,9 +158,10 @@ class ProcessGroups:
 
     ``cluster``: a ClusterSpec (multi-node: groups follow its GPUs per node), or the world
     size, or None = one node holding the whole launched world. ``ring``: also the sizes the
-    heads do not divide, whose micro-batches run Ulysses x ring attention (`split`)."""
+    heads do not divide, whose micro-batches run Ulysses x ring attention (`split`); None:
+    the ClusterSpec's `ClusterSpec.ring` (off for a world size or None)."""
 
-    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None, ring: bool = False):
+    def __init__(self, num_heads: int, cluster: ClusterSpec | int | None = None, ring: bool | None = None):
         world, rank = comm.world_size(), comm.world_rank()
         if cluster is None or isinstance(cluster, int):
             size = world if cluster is None else cluster

@@ -7,16 +7,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.data.ring_order import ring_padded_length, shard_columns
 from dcparallel.models.attention import AttnPattern
 from dcparallel.models.llama import Llama, LlamaConfig
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.ulysses import ulysses_attention
-from dcparallel.spec import Layout, Recompute
+from dcparallel.sim.replay import step_seconds
+from dcparallel.spec import ClusterSpec, Layout, Recompute, Workload, llama_like
 from tests.dist.cases_common import adapter_step
-from tests.support import make_data, run_rank_step
+from tests.support import capped, make_data, run_rank_step
 
 #: documents of uneven lengths packed in one row, and the padding after them: 3 + 14 + 1 + 9
 #: = 27 real columns of 32 at SP 4 x ring 2 (padded to a multiple of 2 x 4 x 2)
@@ -113,6 +118,41 @@ def case_llama_mixed_splits(seed: int, recompute: bool, num_samples: int) -> dic
     dc = Engine(model, layers=model.layers, num_heads=LLAMA_HEADS, groups=ProcessGroups(LLAMA_HEADS, ring=True))
     loss = run_rank_step(dc, make_data("llama", num_samples, seed), plan, dist.get_rank())
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+#: planning lengths (tokens) of a step whose first sample fits no group of 2 ranks of the
+#: 2-head planning model under a 1.5 GiB budget, so the planner (ring on) runs it at SP 4 =
+#: Ulysses 1 x ring 4, the others on single ranks in the next phase
+PLANNED_SIZES = (120000, 2464, 6670, 3000)
+PLANNING_2H = llama_like("tiny-lm-2h", num_layers=4, hidden=384, num_heads=2, ffn_hidden=1032, vocab_size=1000)
+
+
+def two_head_llama(seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig.tiny(num_layers=LLAMA_LAYERS, num_heads=2, hidden=32, ffn_hidden=48, vocab_size=64))
+
+
+def planned_ring_plan(world: int) -> StepPlan:
+    """`dcp`'s plan of `PLANNED_SIZES` on one node of ``world`` GPUs with ring on, its
+    recompute capped at the test model's layers (the planning model has more)."""
+    cl = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=1536 * 2**20, intra_bw=300e9,
+                     intra_latency=10e-6, inter_bw=40e9, inter_latency=20e-6, ring=True)
+    ctx = PlanContext(Workload(PLANNING_2H, PLANNED_SIZES), AnalyticCost(PLANNING_2H, cl), cl)
+    step = Step(0, tuple(range(len(PLANNED_SIZES))))
+    return capped(make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step), LLAMA_LAYERS)
+
+
+def case_planned_ring(seed: int) -> dict:
+    """Every rank plans the step itself and runs its part; the groups come from the same
+    ClusterSpec (ring on): loss, gradients, plan."""
+    world = dist.get_world_size()
+    plan = planned_ring_plan(world)
+    model = two_head_llama()
+    groups = ProcessGroups(2, ClusterSpec(world_size=world, gpus_per_node=world, ring=True))
+    dc = Engine(model, layers=model.layers, num_heads=2, groups=groups)
+    loss = run_rank_step(dc, make_data("llama", len(PLANNED_SIZES), seed), plan, dist.get_rank())
+    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "plan": plan.to_json()}
 
 
 def hf_two_heads(seed: int = 0):

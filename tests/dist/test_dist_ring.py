@@ -117,6 +117,23 @@ def test_two_query_heads_train_at_sp4(workers4):
     _assert_matches(out, ref_loss, ref_grads)
 
 
+def test_a_step_the_planner_made_with_ring_matches_the_reference(workers4):
+    """`dcp` with ring on plans a sample no 2 ranks hold onto all 4 ranks of a model with 2
+    query heads (Ulysses alone stops at 2): the plan runs it at Ulysses 1 x ring 4 with part
+    of the layers recomputed, the rest on single ranks in the next phase; every rank plans
+    the same step, and the step matches one process of the unmodified model."""
+    seed = 12
+    out = workers4.run(ring_cases.case_planned_ring, seed)
+    plan = out[0]["plan"]
+    assert all(o["plan"] == plan for o in out)
+    wide = [mb["layout"] for g in plan["groups"] for mb in g["micro_batches"] if mb["layout"]["sp"] == 4]
+    assert wide and all(lay.get("ring", 1) > 1 for lay in wide), wide
+    assert any(0 < lay["recompute"]["attn"] < ring_cases.LLAMA_LAYERS for lay in wide), wide
+    n = len(ring_cases.PLANNED_SIZES)
+    ref_loss, ref_grads = reference(ring_cases.two_head_llama(), make_data("llama", n, seed), list(range(n)))
+    _assert_matches(out, ref_loss, ref_grads)
+
+
 @pytest.mark.slow
 def test_world8_step_mixing_splits_matches_the_reference(tmp_path_factory):
     w = Workers(8, tmp_path_factory.mktemp("rdv-ring8"))

@@ -76,6 +76,10 @@ ANALYTIC = [
     (STDIT_1B, h200_cluster(256), "video", 0),
     (VIDEO_FULL, h200_cluster(32, memory_bytes=24 * GiB), "video", 0),
     (TINY_DIT, cluster(16), "tiny-video", 0),
+    # ring: every micro-batch at its own best (Ulysses, ring) split, on NVLink and PCIe-class nodes
+    (GQA_MLA, dataclasses.replace(h200_cluster(64), ring=True), "text", 262144),
+    (dataclasses.replace(LLAMA_7B, name="llama-24h", num_heads=24, hidden=3072),
+     dataclasses.replace(h200_cluster(32, 32), ring=True, intra_bw=25e9, intra_latency=20e-6), "text", 131072),
 ]
 
 

@@ -32,8 +32,9 @@ def test_pcie_links_pick_ring_for_a_long_sample_where_ulysses_loses():
     best = cost.best_split([131072], 8)
     times = _times(cost, 131072, 8)
     assert best.ring > 1 and (best.ulysses, best.ring) == min(times, key=times.get)
-    # Ulysses' all-to-alls lie bare on the slow link; the ring's sends hide under the block attention
-    assert times[(8, 1)] > 3 * best.seconds, times
+    # Ulysses' all-to-alls lie bare on the slow link; the ring's sends hide under the block
+    # attention, and its merges cost less than the all-to-alls
+    assert times[(8, 1)] > 2.5 * best.seconds, times
     # a short sample has too little attention to hide the ring's sends: Ulysses
     assert (cost.best_split([8192], 8).ulysses, cost.best_split([8192], 8).ring) == (8, 1)
 
@@ -45,12 +46,12 @@ def test_two_nodes_run_ulysses_inside_a_node_and_ring_across():
     assert _times(cost, 32768, 16)[(16, 1)] > 3 * best.seconds  # Ulysses 16 crosses the inter-node link
 
 
-@pytest.mark.parametrize(("inter_bw", "split"), [(100e9, (1, 16)), (40e9, (2, 8)), (12.5e9, (4, 4))])
+@pytest.mark.parametrize(("inter_bw", "split"), [(200e9, (4, 4)), (100e9, (4, 4)), (40e9, (8, 2)), (12.5e9, (8, 2))])
 def test_the_split_follows_the_inter_node_link_speed(inter_bw, split):
-    """A 128k-token sample at SP 16 on two nodes: the slower the inter-node link, the less of
+    """A 32k-token sample at SP 16 on two nodes: the slower the inter-node link, the less of
     the sequence the ring moves across it (a larger Ulysses degree inside each block)."""
     cost = AnalyticCost(LLAMA_8B, dataclasses.replace(h200_cluster(16, 8), inter_bw=inter_bw))
-    best = cost.best_split([131072], 16)
+    best = cost.best_split([32768], 16)
     assert (best.ulysses, best.ring) == split
 
 

@@ -1,0 +1,141 @@
+"""The planners with ring attention on (`ClusterSpec.ring`): the sizes they are offered past
+the head count, the (Ulysses, ring) split each micro-batch gets (`plan.splits`) following the
+links, `simulate` planning a 1M-token Llama-8B sample and long Wan 14B videos past their
+heads and showing u x r, and `megatron-dcp` going past the heads the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dcparallel.apps.cli import main
+from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.forward import ForwardOnlyCost
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.policies import make_planner
+from dcparallel.plan.steps import Step
+from dcparallel.plan.types import NoLayoutFits
+from dcparallel.scenarios import MODEL_PRESETS
+from dcparallel.sim.replay import step_seconds
+from dcparallel.spec import STDIT_1B, Workload, h200_cluster
+
+LLAMA_8B = MODEL_PRESETS["llama-8b"]  # 32 query heads, 8 key/value heads
+WAN_14B = MODEL_PRESETS["wan-14b"]  # 40 heads
+
+
+def _plan(model, cluster, sizes, policy="dcp"):
+    """One step of every sample, planned by ``policy``: (plan, its predicted seconds)."""
+    ctx = PlanContext(Workload(model, tuple(sizes)), AnalyticCost(model, cluster), cluster)
+    step = Step(0, tuple(range(len(sizes))))
+    plan = make_planner(policy, ctx, [step], score=step_seconds(ctx)).plan(step)
+    return plan, step_seconds(ctx)(plan)
+
+
+def _busy(plan):
+    return [mb.layout for mb in plan.micro_batches()]
+
+
+def _pcie(world: int, ring: bool = True):
+    """One node of GPUs on PCIe-class links (25 GB/s, 20 us) instead of NVLink."""
+    return dataclasses.replace(h200_cluster(world, world), intra_bw=25e9, intra_latency=20e-6, name="pcie", ring=ring)
+
+
+def test_ring_offers_sizes_past_the_heads_only_when_asked():
+    sizes = (1 << 20,)
+    off = PlanContext(Workload(LLAMA_8B, sizes), AnalyticCost(LLAMA_8B, h200_cluster(128)), h200_cluster(128))
+    on_cluster = dataclasses.replace(h200_cluster(128), ring=True)
+    on = PlanContext(Workload(LLAMA_8B, sizes), AnalyticCost(LLAMA_8B, on_cluster), on_cluster)
+    assert off.sp_sizes == [1, 2, 4, 8, 16, 32] and on.sp_sizes == [1, 2, 4, 8, 16, 32, 64, 128]
+    # u dividing the heads: inside a node, or whole nodes
+    assert on.topology.splits(64) == [(1, 64), (2, 32), (4, 16), (8, 8), (16, 4), (32, 2)]
+
+
+@pytest.mark.parametrize("policy", ["dcp", "megatron-dcp"])
+def test_the_split_follows_the_link_speed(policy):
+    """A 128k-token sample on one 8-GPU node, heads allowing Ulysses 8: over PCIe-class links
+    the planner runs it under ring (Ulysses' all-to-alls lie bare there, the ring's sends
+    hide under the block attention) and predicts it faster than Ulysses alone; over NVLink
+    the same sample runs Ulysses 8."""
+    sample = [131072]
+    pcie, t_pcie = _plan(LLAMA_8B, _pcie(8), sample, policy)
+    ulysses, t_ulysses = _plan(LLAMA_8B, _pcie(8, ring=False), sample, policy)
+    nvlink, _ = _plan(LLAMA_8B, dataclasses.replace(h200_cluster(8), ring=True), sample, policy)
+    assert [(lay.sp, lay.ring > 1) for lay in _busy(pcie)] == [(8, True)], _busy(pcie)
+    assert [(lay.sp, lay.ring) for lay in _busy(ulysses)] == [(8, 1)]
+    assert t_pcie < 0.95 * t_ulysses, (t_pcie, t_ulysses)  # 5.45 s against 6.04 s
+    assert [(lay.sp, lay.ring) for lay in _busy(nvlink)] == [(8, 1)], _busy(nvlink)
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["training", "forward-only"])
+def test_the_split_set_is_the_one_priced(forward_only):
+    """Every micro-batch of a mixed step runs the split its time was priced at (`terms` price
+    each micro-batch at `best_split`'s split): its layout's ring degree is `best_split`'s for
+    its samples; forward-only passes (`ForwardOnlyCost`) take their training terms' split."""
+    cluster = dataclasses.replace(h200_cluster(64), ring=True)
+    sizes = [1 << 20, 300_000] + [4096 * (1 + i % 8) for i in range(60)]
+    cost = AnalyticCost(LLAMA_8B, cluster)
+    ctx = PlanContext(Workload(LLAMA_8B, tuple(sizes)), ForwardOnlyCost(cost) if forward_only else cost, cluster)
+    step = Step(0, tuple(range(len(sizes))))
+    plan = make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step)
+    rings = set()
+    for mb in plan.micro_batches():
+        best = cost.best_split([ctx.sizes[i] for i in mb.sample_ids], mb.layout.sp)
+        assert (mb.layout.ulysses, mb.layout.ring) == (best.ulysses, best.ring)
+        rings.add(mb.layout.ring)
+    assert max(rings) > 1
+    plan.validate(64)
+
+
+def test_a_factorized_video_model_is_refused_under_ring():
+    with pytest.raises(ValueError, match=r"factorized spatial / temporal attention cannot run under ring.*ring=False"):
+        AnalyticCost(STDIT_1B, dataclasses.replace(h200_cluster(16), ring=True))
+
+
+def _simulate(capsys, tmp_path, lines, *args) -> dict:
+    path = tmp_path / "lengths.txt"
+    path.write_text("".join(f"{x}\n" for x in lines))
+    assert main(["simulate", "--lengths", str(path), "--json", "--quiet", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("world", [64, 128])
+def test_simulate_plans_a_1m_token_llama_8b_sample_past_its_32_heads(capsys, tmp_path, world):
+    out = _simulate(capsys, tmp_path, [1 << 20], "--model", "llama-8b", "--world", str(world), "--ring",
+                    "--policy", "dcp")
+    splits = out["policies"]["dcp"]["ring_splits"]
+    # one micro-batch, on 64 ranks at 64 GPUs and on all 128 at 128 (its step has nothing else)
+    assert splits == {f"SP {world} = 8u×{world // 8}r": 1}, splits
+
+
+def test_plan_prints_the_split(capsys, tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text(f"{1 << 20}\n")
+    assert main(["plan", "--model", "llama-8b", "--lengths", str(path), "--world", "64", "--ring",
+                 "--policy", "dcp"]) == 0
+    assert "1 sample at SP 64 = 8u×8r, recompute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("world", "video"), [(16, (321, 1088, 1920)), (32, (641, 1088, 1920))])
+def test_wan_14b_videos_too_long_for_its_head_limit_run_at_sp_16_and_32(world, video):
+    """Wan 14B's 40 heads allow Ulysses at 1, 2, 4, 8 (and 40): a 653k-token video needs
+    more than 8 ranks, a 1.3M-token one more than 16. Without ring neither fits; with ring
+    they run at the whole world, u x r."""
+    with pytest.raises(NoLayoutFits, match="fits no layout"):
+        _plan(WAN_14B, h200_cluster(world), [video])
+    plan, _ = _plan(WAN_14B, dataclasses.replace(h200_cluster(world), ring=True), [video])
+    (lay,) = _busy(plan)
+    assert lay.sp == world and lay.ring > 1 and 40 % lay.ulysses == 0, lay
+
+
+def test_dcp_is_at_least_as_fast_as_megatron_dcp_with_ring_on_a_long_mix(capsys, tmp_path):
+    """megatron-dcp's CP goes past the heads through ring as Megatron's does (its levels are
+    the ring topology's sizes, each micro-batch at its best split), so both policies plan
+    with the same sizes and prices; dcp's plans are predicted no slower."""
+    lines = [1 << 20, 700_000, 400_000] + [2048 << (i % 6) for i in range(150)]
+    out = _simulate(capsys, tmp_path, lines, "--model", "llama-8b", "--world", "64", "--ring",
+                    "--tokens-per-step", "3000000", "--policy", "dcp", "--policy", "megatron-dcp")
+    dcp, meg = out["policies"]["dcp"], out["policies"]["megatron-dcp"]
+    assert max(int(w.split()[1]) for w in meg["ring_splits"]) == 64  # megatron-dcp went past 32 heads
+    assert dcp["epoch_time_s"] <= meg["epoch_time_s"], (dcp["epoch_time_s"], meg["epoch_time_s"])
