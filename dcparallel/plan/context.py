@@ -127,6 +127,18 @@ class PlanContext:
         self._fit[key] = out
         return out
 
+    def copies_times(self, sizes: Sequence[Size], tops: Sequence[int], sp: int,
+                     mode: RecomputeMode) -> list[np.ndarray]:
+        """Per size of ``sizes``, `copies_layout(size, m, sp, mode).time` for m = 1..its top,
+        all priced at once (`CostModel.terms_copies_grid`, `recompute_grid`): the same times,
+        element by element; inf where m copies do not fit. Not cached."""
+        counts = np.concatenate([np.arange(1, top + 1, dtype=np.int64) for top in tops] or [np.zeros(0, np.int64)])
+        terms = self.cost.terms_copies_grid([s for s, top in zip(sizes, tops) for _ in range(top)], counts, sp)
+        attn, mlp = self.recompute_grid(terms, mode)
+        ok = attn >= 0
+        times = np.where(ok, terms.time(np.where(ok, attn, 0), np.where(ok, mlp, 0)), np.inf)[:, 0]
+        return np.split(times, np.cumsum(tops)[:-1])
+
     def recompute_for(self, terms: MicroBatchTerms, mode: RecomputeMode) -> Recompute | None:
         """The recompute setting `mode` picks for a micro-batch, or None if it cannot fit."""
         L = self.model.num_layers
