@@ -8,9 +8,8 @@ of samples of one length (every sample of a video shape) goes into a bin as many
 as the bin holds: first fit would put them there one by one, since every bin left of it has
 less room than one of them. The bins and their order are first fit's exactly.
 
-Each bin is then checked against memory, all at once (`PlanContext.fits_grid`: the same
-recompute counts as `layout_for`, element by element), and a bin that does not fit is cut
-where it stops fitting (`layout_for` on each prefix), as before.
+Each bin is then checked against memory (`PlanContext.layout_for`, whose terms the planner's
+pricing of the bins reuses), and a bin that does not fit is cut where it stops fitting.
 """
 
 from __future__ import annotations
@@ -23,19 +22,24 @@ if TYPE_CHECKING:
 
 
 class RoomTree:
-    """Bins' free room, in bin order, in a max-tree over a power-of-two number of leaves:
-    `leftmost(t)` is the first bin with room >= t in O(log n)."""
+    """Bins' free room, in bin order, in a max-tree over a power-of-two number of leaves,
+    doubled as bins open (a step of few bins keeps a shallow tree): `leftmost(t)` is the first
+    bin with room >= t in O(log bins)."""
 
-    def __init__(self, max_bins: int):
-        self.size = 1
-        while self.size < max(1, max_bins):
-            self.size *= 2
+    def __init__(self):
+        self.size = 16
         self.room = [float("-inf")] * (2 * self.size)  # an unopened bin has no room
         self.num_bins = 0
 
     def open(self, room: float) -> int:
         """A new bin (the last), with ``room``; its index."""
         b = self.num_bins
+        if b == self.size:  # full: twice the leaves, the inner nodes rebuilt
+            leaves = self.room[self.size:] + [float("-inf")] * self.size
+            self.size *= 2
+            self.room = [float("-inf")] * self.size + leaves
+            for node in range(self.size - 1, 0, -1):
+                self.room[node] = max(self.room[2 * node], self.room[2 * node + 1])
         self.num_bins += 1
         self.set(b, room)
         return b
@@ -66,7 +70,7 @@ def first_fit_decreasing(ids: Sequence[int], tokens: Sequence[int], capacity: in
     """``ids`` packed first fit, longest first (ties by id), into bins of ``capacity``
     tokens (``tokens[i]``: sample i's); the bins in the order they were opened."""
     order = sorted(ids, key=lambda j: (-tokens[j], j))
-    tree = RoomTree(len(order))
+    tree = RoomTree()
     bins: list[list[int]] = []
     room: list[int] = []
     pos = 0
@@ -100,13 +104,9 @@ def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode
         for i in ids:
             by_key.setdefault(ctx.bucket_of[i], []).append(i)
         classes = [by_key[k] for k in sorted(by_key)]
-    bins = [b for members in classes for b in first_fit_decreasing(members, ctx.tokens, capacity)]
-    if not bins:
-        return []
-    fits = (ctx.fits_grid(bins, [sp], mode).attn[:, 0] >= 0).tolist()
     out: list[list[int]] = []
-    for b, ok in zip(bins, fits):
-        if ok:
+    for b in (b for members in classes for b in first_fit_decreasing(members, ctx.tokens, capacity)):
+        if ctx.layout_for(tuple(ctx.sizes[j] for j in b), sp, mode) is not None:
             out.append(b)
             continue
         cur: list[int] = []

@@ -94,9 +94,9 @@ def test_first_fit_with_runs_of_one_length_and_items_over_the_capacity():
 
 def test_room_tree_finds_the_leftmost_bin_with_room():
     rng = random.Random(3)
-    tree, rooms = RoomTree(50), []
+    tree, rooms = RoomTree(), []
     for _ in range(2000):
-        if len(rooms) < 50 and rng.random() < 0.3:
+        if len(rooms) < 100 and rng.random() < 0.3:  # past 16 and 32 bins: the tree grows
             rooms.append(rng.randint(-5, 100))
             assert tree.open(rooms[-1]) == len(rooms) - 1
         elif rooms:
