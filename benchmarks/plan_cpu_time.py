@@ -15,6 +15,13 @@ A `dcp` plan holds its groups as arrays: each rank builds the objects of its own
 (`StepPlan.groups_of`, what the loader reads); the script times that for one rank, and the
 building of every rank's objects (`StepPlan.groups`, what the simulator reads), after each
 timed `plan(step)`.
+Tail steps: an epoch's last step holds what is left of the shuffled order, a prefix of a
+full step. After the steady steps, the same planner plans `--tails` such steps (default: the
+first 1/2, 1/8 and 1/32 of the samples of a further full step), each timed the same way; the
+report gives the slowest against the cell's steady median. The planner is built and tuned on
+the whole epoch (its first, steady and tail steps), as `simulate` builds it. Each plan's
+simulated step time (`sim.replay.step_seconds`) gives planning as a fraction of the step it
+plans for: the loader plans a step while the one before trains, so below 1 it is hidden.
 `--profile` plans the timed steps again under cProfile and splits the time into the
 class-level search (`search.table` and `search.search`: candidate rows and the
 batched passes over targets; `ScalePlanner._plan_part`: group allocation), the expansion to
@@ -39,7 +46,7 @@ from benchmarks.sim_scale import distributions
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
-from dcparallel.plan.steps import form_steps
+from dcparallel.plan.steps import Step, form_steps
 from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
@@ -72,12 +79,16 @@ def main() -> int:
     ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in distributions(s, "all")),
                     help="scenario/distribution pairs (default: each scenario's distributions and realistic mixes)")
     ap.add_argument("--steps", type=int, default=4, help="steady-state steps timed (after the first step)")
+    ap.add_argument("--tails", default="2,8,32",
+                    help="tail steps timed after the steady ones: 1/k of a further full step's samples, per k")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over all cells, each with fresh planners; each step keeps its least time "
                          "(on a shared machine, other jobs only ever add time)")
     args = ap.parse_args()
     cells = []
+    tails: dict[str, list[Step]] = {}
+    fractions = [int(k) for k in args.tails.split(",") if k]
     for budget in args.budgets.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
             for item in args.cells.split(","):
@@ -85,22 +96,26 @@ def main() -> int:
                 sc = SCENARIOS[sc_name]
                 tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
                 wl = Workload(sc.model, tuple(sample_sizes(
-                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, (args.steps + 1) * tps))))
+                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, (args.steps + 2) * tps))))
                 cl = sc.cluster(world)
                 ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
-                steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps + 1]
-                cells.append((f"{budget} {world} {item}", ctx, steps[1:], steps[0]))
+                steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps + 2]
+                tails[f"{budget} {world} {item}"] = tail_steps(steps[args.steps + 1], fractions)
+                cells.append((f"{budget} {world} {item}", ctx, steps[1: args.steps + 1], steps[0]))
     cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # steady-state steps
     first = {name: math.inf for name, _, _, _ in cells}
     setup = {name: math.inf for name, _, _, _ in cells}
     own = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # one rank's groups, built
     full = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # every rank's groups, built
+    tail = {name: [math.inf] * len(tails[name]) for name, *_ in cells}
+    step_s: dict[str, tuple[list[float], list[float]]] = {}  # steady steps', tails' simulated seconds
     probes = []
     for _ in range(args.repeats):  # rounds over all cells, so a slow spell of the machine hits each cell once
         probes.append(speed_probe())
         for name, ctx, steps, first_step in cells:
             c0 = time.process_time()
-            planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+            # tuned on the whole epoch, its short last step included, as `simulate` tunes
+            planner = make_planner("dcp", ctx, [first_step, *steps, *tails[name]], score=step_seconds(ctx))
             setup[name] = min(setup[name], (time.process_time() - c0) * 1e3)
             # as `simulate` times them (`sim.run.timed_plans`): the first step apart, then the steady state
             plans, timing = timed_plans(planner.plan, [first_step, *steps])
@@ -113,6 +128,11 @@ def main() -> int:
                 c0 = time.process_time()
                 _ = plan.groups  # every rank's GroupPlan objects (the simulator reads them)
                 full[name][i] = min(full[name][i], (time.process_time() - c0) * 1e3)
+            tail_plans, timing = timed_plans(planner.plan, tails[name])  # after the steady steps, as an epoch ends
+            tail[name] = [min(a, b) for a, b in zip(tail[name], (timing.first_step_ms, *timing.steady_ms))]
+            if name not in step_s:  # the simulator's step seconds (the same plans every round)
+                score = step_seconds(ctx)
+                step_s[name] = ([score(p) for p in plans[1:]], [score(p) for p in tail_plans])
     probes.append(speed_probe())
     print(f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
           f"{', '.join(f'{x:.0f}' for x in probes)}", flush=True)
@@ -124,8 +144,13 @@ def main() -> int:
                 f"(first step {first[name]:.1f}, setup {setup[name]:.0f}); "
                 f"one rank's groups built {statistics.median(own[name]):.2f} ms, "
                 f"every rank's {statistics.median(full[name]):.1f} ms")
+        if tails[name]:
+            line += "; tails " + ", ".join(f"{len(t.sample_ids)} samples {ms:.1f} ms"
+                                           for t, ms in zip(tails[name], tail[name]))
+            line += f" (slowest {max(tail[name]) / statistics.median(cpu[name]):.2f}x the median)"
+        line += f"; planning / simulated step time: {fraction(cpu[name], tail[name], *step_s[name])}"
         if args.profile:
-            planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+            planner = make_planner("dcp", ctx, [first_step, *steps, *tails[name]], score=step_seconds(ctx))
             planner.plan(first_step)
             prof = cProfile.Profile()
             for s in steps:
@@ -138,10 +163,28 @@ def main() -> int:
         print(line, flush=True)
     for budget in args.budgets.split(","):
         for world in args.worlds.split(","):
-            meds = [statistics.median(cpu[name]) for name, *_ in cells if name.startswith(f"{budget} {world} ")]
+            names = [name for name, *_ in cells if name.startswith(f"{budget} {world} ")]
+            meds = [statistics.median(cpu[name]) for name in names]
+            worst = max([max(cpu[n]) for n in names] + [max(tail[n], default=0.0) for n in names])
             print(f"{budget} {world}: median over its {len(meds)} cells {statistics.median(meds):.1f} ms, "
-                  f"slowest cell {max(meds):.1f} ms", flush=True)
+                  f"slowest cell {max(meds):.1f} ms, slowest step (tails included) {worst:.1f} ms", flush=True)
     return 0
+
+
+def fraction(steady_ms: list[float], tail_ms: list[float], steady_s: list[float], tail_s: list[float]) -> str:
+    """Planning CPU time over the simulated step time: the steady steps' median, the tails'
+    largest (the loader plans a step while the one before trains: below 1 it is hidden)."""
+    out = f"steady median {statistics.median(ms / (1e3 * s) for ms, s in zip(steady_ms, steady_s)):.4f}"
+    if tail_ms:
+        out += f", tails max {max(ms / (1e3 * s) for ms, s in zip(tail_ms, tail_s)):.4f}"
+    return out
+
+
+def tail_steps(step: Step, fractions: list[int]) -> list[Step]:
+    """An epoch's possible last steps: the first 1/k of ``step``'s samples for each k (the
+    tail of an epoch is what is left of the shuffled order, a prefix of a full step)."""
+    ids = step.sample_ids
+    return [Step(step.index, ids[: max(1, len(ids) // k)]) for k in fractions]
 
 
 def speed_probe() -> float:

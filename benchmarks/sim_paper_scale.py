@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dcparallel.apps.simulate import paper_scale
-from dcparallel.cost.analytic import fit_report
+from dcparallel.cost.analytic import fit_calibration
 from dcparallel.plan.policies import ALL
 from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups
 from dcparallel.scenarios import ALPHA, DEFAULT_SEED, EPOCH_STEPS, SCENARIOS
@@ -109,6 +109,21 @@ def main() -> int:
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out)
     return 0
+
+
+def fit_report() -> list[dict]:
+    """The fitted constants and fit errors, for reports."""
+    out = []
+    for kind in ("llama-7b", "stdit-1.1b"):
+        c = fit_calibration(kind)
+        out.append({"calibration": kind, "rows": c.num_rows, "time_err_mean": round(c.time_err_mean, 4),
+                    "time_err_max": round(c.time_err_max, 4), "floor_ms": round(c.floor_s * 1e3, 3),
+                    "p": c.p, "lin_ns_per_token": round(c.lin_s_per_token * 1e9, 3),
+                    "attn_ps_per_pair": round(c.attn_s_per_pair * 1e12, 4),
+                    "phi_attn": round(c.phi_attn, 3), "phi_mlp": round(c.phi_mlp, 3),
+                    "act_bytes_per_token": round(c.act_attn + c.act_mlp + c.act_rest),
+                    "transient_none": round(c.transient_none, 3), "transient_rec": round(c.transient_rec, 3)})
+    return out
 
 
 if __name__ == "__main__":

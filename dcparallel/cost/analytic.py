@@ -325,13 +325,31 @@ class AnalyticCost:
         """`terms` of every micro-batch of `batches` at every degree of `sps`, as arrays of
         shape (len(batches), len(sps)): the same arithmetic on numpy arrays (`cost.batch`),
         each element equal to `terms` of that micro-batch at that degree. Not cached."""
-        n_tok = batches.token_sums()
+        vis = None if self._vision is None else batches.vision_sums()
+        return self._grid(batches.token_sums(), batches.pair_sums(), batches.lengths, sps, vis)
+
+    def terms_copies_grid(self, sizes: Sequence[Size], counts: np.ndarray, sp: int) -> TermsArray:
+        """`terms_copies(sizes[i], counts[i], sp)` of every i, as arrays of shape (len(counts), 1),
+        each element equal to it (the same arithmetic). Not cached."""
+        counts = np.asarray(counts, dtype=np.int64)
+        one = {s: (self.model.tokens(s), _pairs(self.model, s)) for s in set(sizes)}
+        tok = np.fromiter((one[s][0] for s in sizes), dtype=np.int64, count=len(counts))
+        pairs = np.fromiter((one[s][1] for s in sizes), dtype=float, count=len(counts))
+        vis = None
+        if self._vision is not None:
+            p, q, mp, mq = np.array([sample_vision(self.model.vision, s) for s in sizes], dtype=np.int64).T
+            vis = (counts * p, counts * q, mp, mq)
+        return self._grid(counts * tok, counts * pairs, counts, [sp], vis)
+
+    def _grid(self, n_tok: np.ndarray, pairs: np.ndarray, lengths: np.ndarray, sps: Sequence[int],
+              vis: tuple[np.ndarray, ...] | None) -> TermsArray:
+        """The terms of micro-batches of these token, pair and sample counts (and vision sums)
+        at every degree of `sps`, as arrays of shape (micro-batches, degrees)."""
         assert n_tok.max(initial=0) < 2**53  # exact as float64, as Python's int / int divides
-        pairs, lengths = batches.pair_sums(), batches.lengths
         sp = np.asarray(sps, dtype=np.int64)[None, :]
-        vis = None if self._vision is None else tuple(v[:, None] for v in batches.vision_sums())
+        vis = None if vis is None else tuple(v[:, None] for v in vis)
         fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True, vis)
-        shape = (len(batches), len(sps))
+        shape = (len(n_tok), len(sps))
         return TermsArray(self.model.num_layers, *(np.broadcast_to(f, shape) for f in fields),
                           keep_all_feasible=np.ones(shape, dtype=bool))
 
@@ -381,18 +399,3 @@ class AnalyticCost:
         return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, fixed, act_layer,
                 n * self._act_attn, n * self._act_mlp, act_layer - n * self._act_full,
                 cal.transient_none * act_layer, cal.transient_rec * act_layer)
-
-
-def fit_report() -> list[dict]:
-    """The fitted constants and fit errors, for reports."""
-    out = []
-    for kind in ("llama-7b", "stdit-1.1b"):
-        c = fit_calibration(kind)
-        out.append({"calibration": kind, "rows": c.num_rows, "time_err_mean": round(c.time_err_mean, 4),
-                    "time_err_max": round(c.time_err_max, 4), "floor_ms": round(c.floor_s * 1e3, 3),
-                    "p": c.p, "lin_ns_per_token": round(c.lin_s_per_token * 1e9, 3),
-                    "attn_ps_per_pair": round(c.attn_s_per_pair * 1e12, 4),
-                    "phi_attn": round(c.phi_attn, 3), "phi_mlp": round(c.phi_mlp, 3),
-                    "act_bytes_per_token": round(c.act_attn + c.act_mlp + c.act_rest),
-                    "transient_none": round(c.transient_none, 3), "transient_rec": round(c.transient_rec, 3)})
-    return out

@@ -68,6 +68,9 @@ class ForwardOnlyCost:
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
         return forward_terms(self.base.terms_copies(size, count, sp))
 
+    def terms_copies_grid(self, sizes: Sequence[Size], counts: np.ndarray, sp: int) -> TermsArray:
+        return forward_terms_array(self.base.terms_copies_grid(sizes, counts, sp))
+
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         return forward_terms_array(self.base.terms_grid(batches, sps))
 

@@ -212,6 +212,11 @@ class ProfiledCost:
         hit = self._cache.get(key)
         return hit if hit is not None else cache_put(self._cache, key, self._terms({tk: count}, sp))
 
+    def terms_copies_grid(self, sizes: Sequence[Size], counts: Sequence[int], sp: int) -> TermsArray:
+        """`terms_copies(sizes[i], counts[i], sp)` of every i, as arrays of shape (len(counts), 1):
+        one at a time."""
+        return TermsArray.stack([self.terms_copies(s, int(c), sp) for s, c in zip(sizes, counts)], (len(counts), 1))
+
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
         len(sps)): through `terms`' own cache and arithmetic, one micro-batch and degree at a time."""

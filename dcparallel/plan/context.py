@@ -127,6 +127,18 @@ class PlanContext:
         self._fit[key] = out
         return out
 
+    def copies_times(self, sizes: Sequence[Size], tops: Sequence[int], sp: int,
+                     mode: RecomputeMode) -> list[np.ndarray]:
+        """Per size of ``sizes``, `copies_layout(size, m, sp, mode).time` for m = 1..its top,
+        all priced at once (`CostModel.terms_copies_grid`, `recompute_grid`): the same times,
+        element by element; inf where m copies do not fit. Not cached."""
+        counts = np.concatenate([np.arange(1, top + 1, dtype=np.int64) for top in tops] or [np.zeros(0, np.int64)])
+        terms = self.cost.terms_copies_grid([s for s, top in zip(sizes, tops) for _ in range(top)], counts, sp)
+        attn, mlp = self.recompute_grid(terms, mode)
+        ok = attn >= 0
+        times = np.where(ok, terms.time(np.where(ok, attn, 0), np.where(ok, mlp, 0)), np.inf)[:, 0]
+        return np.split(times, np.cumsum(tops)[:-1])
+
     def recompute_for(self, terms: MicroBatchTerms, mode: RecomputeMode) -> Recompute | None:
         """The recompute setting `mode` picks for a micro-batch, or None if it cannot fit."""
         L = self.model.num_layers
@@ -358,41 +370,3 @@ def _floor_between(ta: MicroBatchTerms, tb: MicroBatchTerms, a: int, b: int, bud
     floor = dataclasses.replace(ta, **ends)
     r = floor.cheapest_recompute(budget)
     return math.inf if r is None else floor.time(r)
-
-
-def pack_bins(ctx: PlanContext, ids: Sequence[int], capacity: int, sp: int, mode: RecomputeMode) -> list[list[int]]:
-    """Samples packed first-fit decreasing into bins of ``capacity`` tokens, each bin then split
-    where it would not fit memory at (``sp``, ``mode``). Video bins are filled within one batch
-    key (`spec.batch_key`: same-shape samples stack; shapes never mix in a micro-batch)."""
-    if ctx.model.kind == "text":
-        classes = [list(ids)]
-    else:
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for i in ids:
-            by_key.setdefault(ctx.bucket_of[i], []).append(i)
-        classes = [by_key[k] for k in sorted(by_key)]
-    out: list[list[int]] = []
-    for members in classes:
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(members, key=lambda j: (-ctx.tokens[j], j)):
-            t = ctx.tokens[i]
-            b = next((b for b in range(len(bins)) if room[b] >= t), None)
-            if b is None:
-                bins.append([i])
-                room.append(capacity - t)
-            else:
-                bins[b].append(i)
-                room[b] -= t
-        for b in bins:
-            if ctx.layout_for(tuple(ctx.sizes[j] for j in b), sp, mode) is not None:
-                out.append(b)
-                continue
-            cur: list[int] = []
-            for i in b:
-                if cur and ctx.layout_for(tuple(ctx.sizes[j] for j in cur + [i]), sp, mode) is None:
-                    out.append(cur)
-                    cur = []
-                cur.append(i)
-            out.append(cur)
-    return out

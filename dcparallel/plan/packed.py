@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcparallel.plan.assemble import assemble, lpt
+from dcparallel.plan.binpack import pack_bins
 from dcparallel.plan.bucket import tune_static
-from dcparallel.plan.context import PlanContext, RecomputeMode, pack_bins
+from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
 from dcparallel.spec import Layout, Recompute

@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcparallel.plan.assemble import assemble, lpt
+from dcparallel.plan.binpack import pack_bins
 from dcparallel.plan.bucket import best_tuned, even_subset
-from dcparallel.plan.context import PlanContext, pack_bins
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Chunk, GroupPlan, MicroBatch, Score, StepPlan, Tuned
 

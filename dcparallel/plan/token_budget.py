@@ -24,7 +24,8 @@ import math
 from typing import Sequence
 
 from dcparallel.plan.assemble import assemble, lpt
-from dcparallel.plan.context import PlanContext, pack_bins
+from dcparallel.plan.binpack import pack_bins
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.packed import PackedPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned

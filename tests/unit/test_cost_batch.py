@@ -17,13 +17,15 @@ import pytest
 from dcparallel.cost import batch
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
+from dcparallel.cost.forward import ForwardOnlyCost
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import MicroBatch
-from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Recompute, Workload, h200_cluster
+from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Recompute, VisionSize, Workload, h200_cluster
 
 from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster
+from .test_vision_cost import VLM
 
 GiB = 2**30
 MODES = ("none", "attn", "mlp", "full", "fit", "pac")
@@ -164,6 +166,44 @@ def test_fits_grid_and_mb_costs_equal_layout_for(model, cl, kind, top):
     times, memory = ctx.mb_costs(mbs)
     assert times == [ctx.mb_time(mb.sample_ids, mb.layout) for mb in mbs]
     assert memory == [ctx.mb_memory(mb.sample_ids, mb.layout) for mb in mbs]
+
+
+COPIES = [*CONTEXTS, (TINY_DIT, cluster(16), "tiny-video", 0), (VLM, h200_cluster(64), "vlm", 0),
+          (TINY_LM, "forward", "text", 6000)]
+
+
+@pytest.mark.parametrize("model,cl,kind,top", COPIES, ids=lambda v: getattr(v, "name", None))
+def test_copies_times_equal_copies_layout(model, cl, kind, top):
+    """The `dcp` tables' micro-batch times of m copies of one size, priced at once
+    (`PlanContext.copies_times`, `terms_copies_grid`), against `copies_layout` one at a time:
+    equal floats, inf exactly where m copies do not fit, for every mode and degree (analytic
+    text, video and vision-language, profiled, forward-only over a profile)."""
+    rng = random.Random(5)
+    if kind == "vlm":
+        sizes = [VisionSize(t, tuple(rng.choice((256, 1024, 4096)) for _ in range(n)))
+                 for t, n in ((500, 1), (3000, 1), (9000, 2), (20000, 3))] + [700]
+    else:
+        sizes = (_text_sizes(rng, 30, top) if kind == "text" else _video_sizes(rng, 30) if kind == "video"
+                 else list(VIDEO_SHAPES))
+    if cl in ("profiled", "forward"):
+        cost, cl2 = _profiled(model, cl)
+        cost, cl = (ForwardOnlyCost(cost) if cl == "forward" else cost), cl2
+    else:
+        cost = AnalyticCost(model, cl)
+    ctx = PlanContext(Workload(model, tuple(sizes)), cost, cl, skip_oversize=True)
+    unfit = 0
+    some = sorted({ctx.sizes[i] for i in ctx.usable_ids}, key=str)[:8]
+    tops = [64, 1, *(rng.randint(2, 64) for _ in some[2:])][:len(some)]
+    for mode in MODES:
+        for k in ctx.sp_sizes:
+            rows = ctx.copies_times(some, tops, k, mode)  # all sizes at once, as the tables price them
+            assert [len(r) for r in rows] == tops
+            for size, top, got in zip(some, tops, rows):
+                for m in range(1, top + 1):
+                    fit = ctx.copies_layout(size, m, k, mode)
+                    assert got[m - 1] == (np.inf if fit is None else fit.time), (mode, size, k, m)
+                    unfit += fit is None
+    assert unfit > 0  # some counts do not fit: the inf path is compared too
 
 
 def test_exact_pow_is_pythons_pow_on_either_path(monkeypatch):

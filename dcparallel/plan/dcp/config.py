@@ -30,7 +30,9 @@ class DcpConfig:
     finer_gate: float = 1.01
 
     # -- the static layouts (`static.StaticLayout`: the tuned `bucket` and `packed` plans): a
-    #    first-fit packing of the whole step per plan, about a second at 27k samples
+    #    first-fit packing of the whole step per plan (`plan/binpack.py`: about 0.1 s at 27k
+    #    text samples; a video step's bins are cut for memory sample by sample, over a second
+    #    at 75k images)
     #: steps of at most this many samples are offered them (and they are tuned on those steps)
     static_max_samples: int = 4096
 

@@ -146,8 +146,7 @@ class LayoutTable:
         self._tiles: dict[tuple, list] = {}
         self._least_gpu: dict[tuple, list] = {}  # `least_gpu`'s tables per set of degrees
         #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
-        self.ttab = {(j, k): [0.0] + [self.layout(j, m, k).time for m in range(1, self.top[(j, k)] + 1)]
-                     for j in range(len(self.buckets)) for k in self.sp}
+        self.ttab = {key: row for k in self.sp for key, row in self._copies_times(k).items()}
         #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
         width = 1 + max(self.top.values(), default=0)
         self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
@@ -170,6 +169,14 @@ class LayoutTable:
         out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
         assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
         return out
+
+    def _copies_times(self, k: int) -> dict[tuple[int, int], list[float]]:
+        """Per class j: (j, k) -> [0, then `layout(j, m, k).time` for m = 1..top], priced at once."""
+        n = len(self.buckets)
+        got = self.ctx.copies_times([self.rep[b] for b in self.buckets], [self.top[(j, k)] for j in range(n)], k,
+                                    self.mode)
+        assert all(np.isfinite(t).all() for t in got), "the bucket's largest micro-batch fits, so smaller ones do"
+        return {(j, k): [0.0, *t.tolist()] for j, t in enumerate(got)}
 
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list[GroupClass]:
         """`deal_classes`, cached (the best few candidates of a step often share a degree's
