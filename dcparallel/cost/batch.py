@@ -213,7 +213,7 @@ class TermsArray:
         found = best >= 0
         col = np.maximum(best, 0)
         best_kind, best_f = col // (L + 1), col % (L + 1)
-        best_x = xx[np.arange(n), col].astype(np.int64)
+        best_x = np.where(found, xx[np.arange(n), col], 0).astype(np.int64)  # rows not found: unused
         attn = np.where(best_kind == 0, best_f + best_x, best_f)
         mlp = np.where(best_kind == 0, best_f, best_f + best_x)
         # rounding at the boundary: one more layer of that kind, else full recomputation
