@@ -24,7 +24,8 @@ Config (every key optional; defaults below)::
     [data]
     path = ""               # real data: .jsonl / .csv / .parquet / a save_to_disk directory
                             # (text, chat) or a latents manifest .csv / .jsonl; "": synthetic
-    format = ""             # "text" | "chat" | "latents"; "": text for LMs, latents for video
+    format = ""             # "text" | "chat" | "latents"; "": text for LMs, chat with images for
+                            # a vision-language model, latents for video
     field = ""              # text / chat: the field holding a row's text ("": "text") or its
                             # messages ("": "messages"), e.g. field = "content"
     latents_column = "latents"          # latents manifest: the column naming a clip's latents file
