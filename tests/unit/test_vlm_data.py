@@ -56,6 +56,13 @@ def test_lengths_from_headers_equal_the_decoded_samples(tmp_path, parts):
         assert int((item["input_ids"] == image).sum()) == want
         seen_grids |= {tuple(g) for g in decoded["image_grid_thw"].tolist()}
     assert seen_grids == {(1, 8, 8), (1, 8, 12), (1, 12, 16)}  # the three sizes
+    # spawned DataLoader workers get the dataset pickled: they decode the same items
+    import pickle
+
+    again = pickle.loads(pickle.dumps(ds))
+    for i in range(len(ds)):
+        a, b = ds[i], again[i]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_loss_counts_the_assistant_answer_only(tmp_path, parts):
