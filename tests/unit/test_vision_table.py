@@ -98,3 +98,39 @@ def test_the_tower_of_a_tiny_qwen25_vl_is_measured_per_bucket():
         measure_tower(model, (16, 64), repeats=1)
     with pytest.raises(ValueError, match="no grid-based vision tower"):
         measure_tower(vlmf.build("internvl"), (16, 64), repeats=1)
+
+
+def test_a_profile_with_a_measured_tower_prices_vision_samples(tmp_path):
+    """A `Profile` holding the tower's table (and its model spec the tower) prices a
+    `VisionSize` as the language model's measured terms plus the table's tower; saved and
+    loaded, it prices alike. Without a table a vision sample stays refused."""
+    import json
+
+    from dcparallel.cost.profiled import ProfiledCost
+    from dcparallel.cost.schema import Profile
+
+    from .test_cost import _profile
+
+    tower = dataclasses.replace(TOWER, num_layers=2, full_layers=1, window=64)
+    d = _profile()
+    d["model"]["vision"] = dataclasses.asdict(tower)
+    d["vision"] = VisionTable(BUCKETS, tuple(S_PATCH * p + S_PAIR * tower.pairs(p) for p in BUCKETS),
+                              tuple(B_PATCH * p + B_PAIR * tower.pairs(p) for p in BUCKETS), True).to_json()
+    (tmp_path / "p.json").write_text(json.dumps(Profile.from_json(d).to_json()))
+    profile = Profile.load(tmp_path / "p.json")
+    assert profile.model.vision == tower and profile.vision.patches == BUCKETS
+    c, text = ProfiledCost(profile, cluster(2, 2)), ProfiledCost(Profile.from_json(_profile()), cluster(2, 2))
+    samples = [VisionSize(1500, (4096,)), VisionSize(1200, (1024, 256)), 900]
+    for sp in (1, 2):
+        base, got = text.terms([int(s) for s in samples], sp), c.terms(samples, sp)
+        patches = [4096, 1024, 256]
+        vp = max(sum(patches) / sp, 4096)
+        vq = max(sum(tower.pairs(p) for p in patches) / sp, tower.pairs(4096))
+        assert got.time_none - base.time_none == pytest.approx(S_PATCH * vp + S_PAIR * vq, rel=1e-9)
+        assert got.fixed_bytes - base.fixed_bytes == pytest.approx(B_PATCH * vp + B_PAIR * vq, rel=1e-9)
+        assert dataclasses.replace(got, time_none=base.time_none, fixed_bytes=base.fixed_bytes) == base
+        grid = c.terms_grid(Batches.of(profile.model, [samples, [900]]), [sp])
+        assert grid.time_none[0, 0] == got.time_none and grid.time_none[1, 0] == text.terms([900], sp).time_none
+        assert c.terms_copies(samples[0], 3, sp) == c.terms([samples[0]] * 3, sp)
+    with pytest.raises(ValueError, match="not a vision tower"):
+        text.terms([samples[0]], 1)
