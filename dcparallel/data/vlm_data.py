@@ -94,6 +94,9 @@ def encode_vlm(value: dict, field: str, tokenizer: Any, image_processor: Any, im
     if field not in value or value[field] is None:
         raise BadSample(f"no '{field}' field (fields: {sorted(value)}; another field is named by [data] field)")
     entries = _image_entries(value[field], field)
+    missing = [e["image"] for e in entries if not (root / e["image"]).is_file()]
+    if missing:
+        raise BadSample(f"image file(s) {missing} not found (paths are relative to the data file, {root})")
     try:
         items = record_items(entries, image_processor, root=root)
     except OSError as exc:

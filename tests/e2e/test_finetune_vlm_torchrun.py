@@ -3,7 +3,7 @@
 image processor), images drawn at three sizes. The run stops after 4 steps and a second
 launch resumes it; the loss falls, the eval split is evaluated, and the export loads with
 ``from_pretrained`` (model, tokenizer, image processor), holds the trained weights (the
-vision tower's too) and generates."""
+vision tower's too) and generates; `dcparallel export` of the last checkpoint writes the same."""
 
 import json
 import os
@@ -98,3 +98,10 @@ def test_finetune_a_local_qwen25_vl_on_chats_with_images_under_torchrun(tmp_path
 
     ids, out = _generate(final, tmp_path / "img" / "0_0.png")
     assert out.shape[1] > ids.shape[1] and torch.equal(out[0, : ids.shape[1]], ids[0])
+
+    from dcparallel.apps.train_export import export_run
+
+    again = export_run(tmp_path / "run.toml", out=tmp_path / "exported")
+    assert {p.name for p in again.iterdir()} == {p.name for p in final.iterdir()}
+    reloaded = dict(AutoModelForImageTextToText.from_pretrained(again, local_files_only=True).named_parameters())
+    assert all(torch.equal(reloaded[n], p) for n, p in params.items())

@@ -100,6 +100,7 @@ def test_sizes_in_the_record_spare_the_header_and_a_truncated_file_fails_on_deco
 
 def test_bad_records_are_named_or_skipped(tmp_path, parts):
     vf.draw(tmp_path / "a.png", (16, 16), "red")
+    (tmp_path / "junk.png").write_text("not an image")
     img = {"type": "image", "image": "a.png"}
     user = {"role": "user", "content": [img, {"type": "text", "text": "what color is this"}]}
     good = {"messages": [user, {"role": "assistant", "content": "red"}]}
@@ -110,13 +111,15 @@ def test_bad_records_are_named_or_skipped(tmp_path, parts):
         {"messages": [{"role": "user", "content": [{"type": "image", "image": "missing.png"}]},
                       {"role": "assistant", "content": "red"}]},
         {"messages": [user]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "junk.png"}]},
+                      {"role": "assistant", "content": "red"}]},
     ]
     with pytest.raises(ValueError) as err:
         _read(tmp_path, [good, *bad], parts)
     msg = str(err.value)
-    assert "4 bad sample(s) of 5" in msg
-    for line, what in ((2, "video entry"), (3, "(assistant) holds an image"), (4, "cannot read an image's header"),
-                       (5, "no assistant message")):
+    assert "5 bad sample(s) of 6" in msg
+    for line, what in ((2, "video entry"), (3, "(assistant) holds an image"), (4, "['missing.png'] not found"),
+                       (5, "no assistant message"), (6, "cannot read an image's header")):
         named = [x for x in msg.splitlines() if f"chat.jsonl:{line}: " in x]
         assert len(named) == 1 and what in named[0], (line, msg)
     ds, lengths = _read(tmp_path, [good, *bad], parts, skip_bad=True)
