@@ -9,11 +9,9 @@ adapter's latent rule is widened by a 4x temporal / 8x spatial VAE (Wan's), so t
 video distributions and pixel lengths files apply.
 
 A vision-language config (a ``vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is built as its
-image-text-to-text class, and its spec gets the vision tower as the cost model prices it
-(`spec.VisionTower`, `vision_tower`): the blocks' exact parameter counts, the full-attention
-blocks and the window of the others, the patch and merge sizes, and the image processor's
-pixel bounds from the folder's ``preprocessor_config.json`` (the tower's defaults without one).
-The tower's parameters move from the language model's ``extra_params`` to the tower.
+image-text-to-text class; its adapter's spec holds the vision tower as the cost model prices
+it (`spec.VisionTower`, `adapters.vlm_tower`), here with the image processor's pixel bounds
+from the folder's ``preprocessor_config.json`` (the tower's defaults without one).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dcparallel.spec import ModelSpec, VisionTower
+from dcparallel.spec import ModelSpec
 
 #: the VAE between pixels and the transformer's latents: (temporal, spatial) downsampling
 VAE_FACTORS = (4, 8)
@@ -88,29 +86,11 @@ def _pixel_bounds(folder: Path) -> dict:
     return {"min_pixels": int(lo), "max_pixels": int(hi)} if lo and hi else {}
 
 
-def vision_tower(model, folder: Path) -> VisionTower:
-    """The `VisionTower` of a Qwen-VL model built from its config (module docstring)."""
-    from dcparallel.adapters.base import count_params
-
-    visual, vc = getattr(getattr(model, "model", None), "visual", None), model.config.vision_config
-    if visual is None or not hasattr(visual, "blocks"):
-        raise ValueError(f"{type(model).__name__}: its vision tower has no grid of patches to price (Qwen2-VL, "
-                         f"Qwen2.5-VL and Qwen3-VL have); plan it without --model-config's tower")
-    blocks = list(visual.blocks)
-    per_block = count_params([blocks[0]])
-    windowed = getattr(vc, "window_size", 0) and getattr(vc, "fullatt_block_indexes", None) is not None
-    full = len(vc.fullatt_block_indexes) if windowed else len(blocks)
-    window = (vc.window_size // vc.patch_size) ** 2 if windowed else 0
-    return VisionTower(num_layers=len(blocks), hidden=getattr(vc, "embed_dim", None) or vc.hidden_size,
-                       layer_params=per_block, full_layers=full, window=window,
-                       extra_params=count_params([visual]) - len(blocks) * per_block, patch=vc.patch_size,
-                       merge=vc.spatial_merge_size, **_pixel_bounds(folder))
-
-
 def spec_from_config(path: str | Path, name: str | None = None) -> ModelSpec:
     """The `ModelSpec` of the model a transformers or diffusers config file describes (built on
     the meta device; see the module docstring). ``name`` defaults to the file's folder or stem."""
     from dcparallel.adapters import find_adapter
+    from dcparallel.adapters.vlm_tower import vision_tower
 
     path = Path(path)
     d = _read(path)
@@ -120,8 +100,10 @@ def spec_from_config(path: str | Path, name: str | None = None) -> ModelSpec:
     except ValueError as exc:
         raise ValueError(f"{path}: dcparallel has no adapter for {type(model).__name__} ({exc})") from None
     if getattr(getattr(model, "config", None), "vision_config", None) is not None:
-        tower = vision_tower(model, path if path.is_dir() else path.parent)
-        spec = dataclasses.replace(spec, extra_params=spec.extra_params - tower.num_params, vision=tower)
+        if spec.vision is None:  # the adapter gives grid towers theirs (`adapters.vlm_tower`)
+            vision_tower(model)  # raises: the tower has no grid to price
+        bounds = _pixel_bounds(path if path.is_dir() else path.parent)
+        spec = dataclasses.replace(spec, vision=dataclasses.replace(spec.vision, **bounds))
     if spec.kind == "video":
         t, s = VAE_FACTORS
         spec = dataclasses.replace(spec, t_num=spec.t_num, t_den=spec.t_den * t, spatial_patch=spec.spatial_patch * s)
