@@ -10,21 +10,33 @@ steps with gradients set to None; refused otherwise), and sets them back to None
 run: a measurement never leaves a gradient behind for a training step to add. Grid-based
 towers only (Qwen2-VL, Qwen2.5-VL, Qwen3-VL);
 InternVL's fixed-size tiles have one patch count, so there is nothing to bucket.
+
+`profile_tower` is what `DataCentricParallel.prepare` runs after the language model's
+profile (`profile.of_engine`): where the adapter's spec has a tower and the profile holds no
+table measured as the tower trains (trainable or frozen), rank 0 measures it, every rank
+takes rank 0's table (the profile is the same on every rank), and rank 0 saves the profile
+with it, so a cached profile brings it back. One timed run per bucket once the profile is
+past its wall-time budget (``ProfilerConfig.budget_s``), three within it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from dcparallel.adapters.vlm_families import FAMILIES
+from dcparallel.cost.schema import Profile
 from dcparallel.cost.vision import VisionTable
 from dcparallel.profile.measure import SavedTensorMeter
+from dcparallel.runtime import comm
+from dcparallel.spec import ModelSpec
 
 #: patches per image of the default buckets: square grids from 16 x 16 to 64 x 64 patches
 #: (images of about 224 to 900 pixels a side at Qwen2.5-VL's 14-pixel patches)
@@ -97,3 +109,33 @@ def _run(model: nn.Module, family, pixels: torch.Tensor, grid: torch.Tensor, par
     for p in params:
         p.grad = None
     return took
+
+
+def profile_tower(profile: Profile, spec: ModelSpec, model: nn.Module, path: Path, zero_grad, past_budget: bool
+                  ) -> Profile:
+    """``profile`` with its model's tower measured (module docstring); collective, every rank.
+    ``spec``: the adapter's (its `VisionTower`, trainable as the run trains); ``zero_grad``:
+    the engine's, run after the measurement (its gradient hooks saw the tower's backward)."""
+    from dcparallel.profile.cache import world_path
+
+    tower = spec.vision
+    if tower is None or (profile.vision is not None and profile.vision.trainable == tower.trainable
+                         and profile.model.vision == tower):
+        return profile
+    error = table = None
+    if comm.world_rank() == 0:
+        try:
+            table = measure_tower(model, repeats=1 if past_budget else 3)
+        except ValueError as exc:
+            error = str(exc)
+    zero_grad()
+    table, error = comm.all_gather_object((table, error), comm.control_group())[0]
+    if error is not None:
+        raise ValueError(f"measuring the vision tower of {spec.name}: {error}")
+    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, vision=tower,
+                                                                     extra_params=spec.extra_params), vision=table)
+    if comm.world_rank() == 0:
+        profile.save(path)
+        profile.save(world_path(path, profile.world_size))
+    comm.barrier(comm.control_group())
+    return profile
