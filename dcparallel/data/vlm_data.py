@@ -16,8 +16,9 @@ template, finds the assistant tokens exactly as `text_data.chat_tokens` does (th
 only those), takes each image's patch grid from its size by the image processor's own resize
 rule (`vision_sizes.record_items`: the header, never the pixels) and expands each image's one
 placeholder token to the grid's tokens (patches / merge², the rule of transformers' Qwen-VL
-processors). A sample's length is its expanded token count: the epoch is planned before any
-image is decoded. Images are taken in the order of their entries in the messages, as the
+processors). A sample's size is its expanded token count carrying its images' tower patches
+(`sample_size`, a `VisionSize`): the epoch is planned before any image is decoded, with both
+towers priced. Images are taken in the order of their entries in the messages, as the
 processor takes them, and the template must render one placeholder per image entry (else the
 sample is bad).
 
@@ -38,6 +39,7 @@ from dcparallel.data.readers import BadData, read_rows
 from dcparallel.data.text_data import BadSample, chat_tokens, masked_labels
 from dcparallel.data.vision_sizes import record_items
 from dcparallel.loss import IGNORE_INDEX
+from dcparallel.vision_spec import VisionSize
 
 ENTRY_KEYS = ("image", "width", "height")
 
@@ -160,7 +162,8 @@ def vlm_dataset(path: str | Path, tokenizer: Any, image_processor: Any, *, image
                 field: str | None = None, max_tokens: int | None = None,
                 skip_bad: bool = False) -> tuple[VlmDataset, list[int]]:
     """The dataset of a chat-with-images file (JSONL, or any format `read_rows` reads) and
-    every sample's token count (text and image placeholders), from metadata only. Bad samples
+    every sample's size (`sample_size`: text and image placeholder tokens, and each image's
+    patches), from metadata only. Bad samples
     raise one error naming each (file:line), or are dropped and logged with ``skip_bad``."""
     p = Path(path)
     field = field or "messages"
@@ -182,4 +185,13 @@ def vlm_dataset(path: str | Path, tokenizer: Any, image_processor: Any, *, image
     if not good:
         raise ValueError(f"{p}: every one of its {len(rows)} samples is bad")
     ds = VlmDataset([s for _, s in good], [w for w, _ in good], image_processor)
-    return ds, [len(s.input_ids) for _, s in good]
+    return ds, [sample_size(s) for _, s in good]
+
+
+def sample_size(s: VlmSample) -> int | VisionSize:
+    """The planner's size of a sample: its token count, carrying each image's tower patches
+    (t x h x w of its grid) when it has images (`VisionSize`), so the cost model prices both
+    towers; a text-only chat is its token count."""
+    if not s.grids:
+        return len(s.input_ids)
+    return VisionSize(len(s.input_ids), tuple(t * h * w for t, h, w in s.grids))

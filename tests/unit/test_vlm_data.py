@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from dcparallel.loss import IGNORE_INDEX  # noqa: E402
+from dcparallel.spec import VisionSize  # noqa: E402
 from tests import vlm_train_fixtures as vf  # noqa: E402
 
 
@@ -39,10 +40,11 @@ def test_lengths_from_headers_equal_the_decoded_samples(tmp_path, parts):
     seen_grids = set()
     for i, row in enumerate(rows):
         item = ds[i]
-        assert len(item["input_ids"]) == lengths[i]  # the planner's length is the trained length
+        assert len(item["input_ids"]) == int(lengths[i])  # the planner's length is the trained length
         paths = [c["image"] for m in row["messages"] if isinstance(m["content"], list)
                  for c in m["content"] if c["type"] == "image"]
         if not paths:
+            assert type(lengths[i]) is int  # a text-only chat is its token count
             assert set(item) == {"input_ids", "labels"}
             assert not (item["input_ids"] == image).any()
             continue
@@ -51,6 +53,8 @@ def test_lengths_from_headers_equal_the_decoded_samples(tmp_path, parts):
         decoded = ip(images=[Image.open(tmp_path / p).convert("RGB") for p in paths], return_tensors="pt")
         torch.testing.assert_close(item["pixel_values"], decoded["pixel_values"])
         assert item["image_grid_thw"].tolist() == decoded["image_grid_thw"].tolist()
+        # the planner's size carries each image's tower patches, as the tower encodes them
+        assert lengths[i].patches == tuple(int(n) for n in decoded["image_grid_thw"].prod(-1))
         # one placeholder per merged 2 x 2 patches of each image, in one run per image
         want = int(decoded["image_grid_thw"].prod(-1).sum()) // 4
         assert int((item["input_ids"] == image).sum()) == want
@@ -93,7 +97,8 @@ def test_sizes_in_the_record_spare_the_header_and_a_truncated_file_fails_on_deco
     given["messages"][0]["content"][0] |= {"width": 16, "height": 16}
     ds, lengths = _read(tmp_path, [row, given], parts)
     text = len(tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
-    assert lengths == [text - 1 + 48, text - 1 + 16]  # 32 x 24: 12 x 16 patches; 16 x 16: 8 x 8
+    # 32 x 24: 12 x 16 patches (48 tokens); 16 x 16: 8 x 8 (16 tokens)
+    assert lengths == [VisionSize(text - 1 + 48, (192,)), VisionSize(text - 1 + 16, (64,))]
     with pytest.raises(OSError):
         ds[0]
 
