@@ -327,9 +327,10 @@ class ProfiledCost:
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
 
 
-_VISION_REFUSED = ("a profile measures the language model only, not a vision tower: a vision-language sample "
-                   "(VisionSize) would be priced without its images; plan it with AnalyticCost (simulate without "
-                   "--profile), whose model prices the tower from each image's patches")
+_VISION_REFUSED = ("this profile measures the language model only, not a vision tower: a vision-language sample "
+                   "(VisionSize) would be priced without its images; profile the model with prepare (which measures "
+                   "a Qwen-VL tower per patch bucket) or plan it with AnalyticCost (simulate without --profile), "
+                   "whose model prices the tower from each image's patches")
 
 
 def _refuse_vision(sizes: Sequence[Size]) -> None:
