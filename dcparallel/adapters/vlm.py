@@ -147,13 +147,13 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             raise ValueError(f"{what}={given} but the model's text config has {own}; leave {what} out")
     hidden = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    if freeze_vision:  # before the spec: its frozen_params (no gradient, no optimizer state) count the tower
+        _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
     spec = derive_spec(model, blocks, name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
                        kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
                        attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=cfg.vocab_size,
                        num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
     spec = with_tower(spec, model, trainable=not freeze_vision)  # the Qwen-VL towers, priced per image
-    if freeze_vision:
-        _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
     placeholders = list(family.kinds(model.config).values())
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
     attn: dict[str, Any] = {}

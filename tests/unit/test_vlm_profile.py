@@ -37,8 +37,12 @@ def test_the_adapter_spec_holds_the_tower_as_from_its_config():
     assert spec.vision.num_params == count_params([visual]) and spec.num_params == count_params([model])
     assert (spec.vision.num_layers, spec.vision.full_layers, spec.vision.window) == (2, 1, 16)  # window 8 px / 2 px
     assert spec.vision == vision_tower(model)
-    frozen = DataCentricParallel(vlmf.build("qwen2.5-vl"), memory_bytes=2**30, freeze_vision=True).spec
+    frozen_model = vlmf.build("qwen2.5-vl")
+    frozen = DataCentricParallel(frozen_model, memory_bytes=2**30, freeze_vision=True).spec
     assert frozen.vision == dataclasses.replace(spec.vision, trainable=False)
+    # the frozen tower holds no gradient or optimizer state: the spec's model states leave it out
+    merger = count_params([visual.merger])
+    assert frozen.frozen_params == count_params([frozen_model], frozen=True) == spec.vision.num_params - merger > 0
     assert DataCentricParallel(vlmf.build("internvl"), memory_bytes=2**30).spec.vision is None  # tiles: no grid
 
 
