@@ -13,8 +13,8 @@ from dcparallel.cost.schema import Profile
 from dcparallel.profile.cache import load_or_profile
 from dcparallel.profile.inputs import adapter_inputs
 from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
-from dcparallel.profile.shards import compute_dtype
-from dcparallel.profile.vision import profile_tower
+from dcparallel.profile.shards import compute_dtype, shard_size
+from dcparallel.profile.vision import check_tower_shards, profile_tower
 from dcparallel.runtime import comm
 from dcparallel.runtime.engine import Engine
 from dcparallel.spec import ModelSpec, VisionSize
@@ -27,6 +27,7 @@ def profile_engine(engine: Engine, spec: ModelSpec, loss_fn: LossFn | None, size
     ProfilerConfig, or a mapping of its fields over the quick defaults; the recompute modes the
     adapter does not support are left out. A vision-language model's language model is
     measured at its samples' token counts, then its tower per patch bucket (`profile_tower`)."""
+    check_tower_shards(spec, shard_size(engine))
     sizes = [int(s) if isinstance(s, VisionSize) else s for s in sizes]
     buckets = representative_sizes(spec, sizes)
     config = profiler_config

@@ -111,6 +111,16 @@ def _run(model: nn.Module, family, pixels: torch.Tensor, grid: torch.Tensor, par
     return took
 
 
+def check_tower_shards(spec: ModelSpec, shard_size: int) -> None:
+    """Refuses a model with a tower under parameter-shard blocks (``shard_size`` > 1), before
+    anything is profiled: one rank cannot run a tower whose weights are sharded, and sharding
+    has no parity test with a vision tower."""
+    if spec.vision is not None and shard_size > 1:
+        raise ValueError(f"{spec.name}: its vision tower is measured on one rank, which cannot run it with "
+                         f"parameters sharded in blocks of {shard_size}; use shard_size=1 with a vision-language "
+                         f"model (parameter sharding has no parity test with a vision tower)")
+
+
 def profile_tower(profile: Profile, spec: ModelSpec, model: nn.Module, path: Path, zero_grad, past_budget: bool
                   ) -> Profile:
     """``profile`` with its model's tower measured (module docstring); collective, every rank.
@@ -126,8 +136,8 @@ def profile_tower(profile: Profile, spec: ModelSpec, model: nn.Module, path: Pat
     if comm.world_rank() == 0:
         try:
             table = measure_tower(model, repeats=1 if past_budget else 3)
-        except ValueError as exc:
-            error = str(exc)
+        except Exception as exc:  # every rank raises it, none waits for a table that never comes
+            error = f"{type(exc).__name__}: {exc}"
     zero_grad()
     table, error = comm.all_gather_object((table, error), comm.control_group())[0]
     if error is not None:

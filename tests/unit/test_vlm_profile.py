@@ -44,6 +44,11 @@ def test_the_adapter_spec_holds_the_tower_as_from_its_config():
     merger = count_params([visual.merger])
     assert frozen.frozen_params == count_params([frozen_model], frozen=True) == spec.vision.num_params - merger > 0
     assert DataCentricParallel(vlmf.build("internvl"), memory_bytes=2**30).spec.vision is None  # tiles: no grid
+    from dcparallel.profile.vision import check_tower_shards
+
+    with pytest.raises(ValueError, match="parameters sharded in blocks of 2; use shard_size=1"):
+        check_tower_shards(spec, 2)  # refused before anything is profiled
+    check_tower_shards(spec, 1)
 
 
 def test_prepare_measures_the_tower_and_plans_a_large_image_dearer(tmp_path, monkeypatch):
