@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dcparallel.loss import IGNORE_INDEX
+from dcparallel.spec import VisionSize
 
 KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl")
 VOCAB = 96
@@ -153,6 +154,14 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
             s.pop("second_per_grid_ts", None)
     # random_plan packs text-kind samples (micro-batches of 1-3 documents)
     return SimpleNamespace(kind="hf-vlm", samples=samples, docs=[s["input_ids"] for s in samples])
+
+
+def size(sample: dict) -> int | VisionSize:
+    """The planner's size of a sample: its tokens carrying each image's and video's tower
+    patches (`VisionSize`, as `data.vlm_data` gives a chat's), its tokens without any."""
+    grids = [g for k in ("image_grid_thw", "video_grid_thw") if k in sample for g in sample[k].tolist()]
+    n = len(sample["input_ids"])
+    return VisionSize(n, tuple(t * h * w for t, h, w in grids)) if grids else n
 
 
 def item(data: SimpleNamespace, sid: int) -> dict:

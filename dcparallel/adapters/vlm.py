@@ -14,6 +14,10 @@ mark (the chat template's trained tokens).
 
 ``freeze_vision=True`` freezes the vision tower but its projectors (`Family.projectors`): the
 tower still runs forward, its parameters get no gradient and stay out of the optimizer.
+
+The spec of a grid-based tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) holds its `VisionTower`
+(`adapters.vlm_tower`, trainable unless ``freeze_vision``), so the cost models price a
+`VisionSize` sample's images; InternVL's spec has none (its tiles have one patch count).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_structure import document_limit, ffn_size, resolve, set_block_attention
 from dcparallel.adapters.vlm_families import FAMILIES, Family
+from dcparallel.adapters.vlm_tower import with_tower
 from dcparallel.adapters.vlm_vision import check_placeholders, group_embeddings, place
 from dcparallel.data.batch import Batch
 from dcparallel.data.vision_collate import collate_vision
@@ -142,12 +147,13 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
             raise ValueError(f"{what}={given} but the model's text config has {own}; leave {what} out")
     hidden = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    if freeze_vision:  # before the spec: its frozen_params (no gradient, no optimizer state) count the tower
+        _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
     spec = derive_spec(model, blocks, name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
                        kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
                        attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=cfg.vocab_size,
                        num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
-    if freeze_vision:
-        _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
+    spec = with_tower(spec, model, trainable=not freeze_vision)  # the Qwen-VL towers, priced per image
     placeholders = list(family.kinds(model.config).values())
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
     attn: dict[str, Any] = {}

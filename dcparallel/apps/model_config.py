@@ -7,6 +7,11 @@ so the parameter counts are exact. A diffusers config names its class (``_class_
 other JSON is a transformers config (``model_type``). Video sizes are planned in pixels: the
 adapter's latent rule is widened by a 4x temporal / 8x spatial VAE (Wan's), so the built-in
 video distributions and pixel lengths files apply.
+
+A vision-language config (a ``vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is built as its
+image-text-to-text class; its adapter's spec holds the vision tower as the cost model prices
+it (`spec.VisionTower`, `adapters.vlm_tower`), here with the image processor's pixel bounds
+from the folder's ``preprocessor_config.json`` (the tower's defaults without one).
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ def _transformers(d: dict, path: Path):
         raise ValueError(f"{path}: transformers does not know model_type {d['model_type']!r} ({exc})") from None
     try:
         with torch.device("meta"):
+            if "vision_config" in d:
+                from transformers import AutoModelForImageTextToText
+
+                return AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)
             return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     except ValueError as exc:
         raise ValueError(f"{path}: {type(cfg).__name__} has no causal-LM class ({exc}); dcparallel plans "
@@ -66,10 +75,22 @@ def _diffusers(d: dict, path: Path):
         return cls.from_config(d).to(torch.bfloat16)
 
 
+def _pixel_bounds(folder: Path) -> dict:
+    """VisionTower's min_pixels / max_pixels from the folder's image processor config, if any."""
+    try:
+        d = json.loads((folder / "preprocessor_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    size = d.get("size") or {}
+    lo, hi = size.get("shortest_edge", d.get("min_pixels")), size.get("longest_edge", d.get("max_pixels"))
+    return {"min_pixels": int(lo), "max_pixels": int(hi)} if lo and hi else {}
+
+
 def spec_from_config(path: str | Path, name: str | None = None) -> ModelSpec:
     """The `ModelSpec` of the model a transformers or diffusers config file describes (built on
     the meta device; see the module docstring). ``name`` defaults to the file's folder or stem."""
     from dcparallel.adapters import find_adapter
+    from dcparallel.adapters.vlm_tower import vision_tower
 
     path = Path(path)
     d = _read(path)
@@ -78,6 +99,11 @@ def spec_from_config(path: str | Path, name: str | None = None) -> ModelSpec:
         spec = find_adapter(model).spec
     except ValueError as exc:
         raise ValueError(f"{path}: dcparallel has no adapter for {type(model).__name__} ({exc})") from None
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        if spec.vision is None:  # the adapter gives grid towers theirs (`adapters.vlm_tower`)
+            vision_tower(model)  # raises: the tower has no grid to price
+        bounds = _pixel_bounds(path if path.is_dir() else path.parent)
+        spec = dataclasses.replace(spec, vision=dataclasses.replace(spec.vision, **bounds))
     if spec.kind == "video":
         t, s = VAE_FACTORS
         spec = dataclasses.replace(spec, t_num=spec.t_num, t_den=spec.t_den * t, spatial_patch=spec.spatial_patch * s)

@@ -5,8 +5,9 @@
 
 The model: a local pretrained transformers causal LM or diffusers transformer (``[model]
 pretrained``, never downloaded) or one built from the config; the data: a text / chat file
-or a latents manifest (``[data] path``; `dcparallel.data.text_dataset` / `latents_dataset`)
-or synthetic samples; optionally an eval split whose loss is measured every ``eval_every``
+or a latents manifest (``[data] path``; `dcparallel.data.text_dataset` / `latents_dataset`),
+for a vision-language folder a JSONL of chats with images (`apps.train_vlm`), or synthetic
+samples; optionally an eval split whose loss is measured every ``eval_every``
 steps with the same engine and planner, without gradients. The step: AdamW (ZeRO-1) under a
 warmup + cosine / linear / constant `torch.optim.lr_scheduler.LambdaLR`, global-norm
 clipping (``max_grad_norm``); parameters replicated, or sharded (FSDP2) in blocks of

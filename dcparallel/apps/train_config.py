@@ -5,8 +5,10 @@ Unknown keys, types and ranges are each named with the fix.
 Config (every key optional; defaults below)::
 
     [model]
-    pretrained = ""         # a local transformers causal LM or diffusers transformer directory
-                            # (save_pretrained); its family is read from its config.json
+    pretrained = ""         # a local transformers causal LM, vision-language model (Qwen-VL) or
+                            # diffusers transformer directory (save_pretrained); its family is
+                            # read from its config.json
+    freeze_vision = false   # vision-language model: the vision tower frozen, its projector trained
     family = "reference"    # "reference" (dcparallel's Llama), "transformers" or "diffusers"
     kind = "llama"          # reference family: "llama" (text)
     hidden = 128            # reference family: must be a multiple of num_heads
@@ -22,7 +24,8 @@ Config (every key optional; defaults below)::
     [data]
     path = ""               # real data: .jsonl / .csv / .parquet / a save_to_disk directory
                             # (text, chat) or a latents manifest .csv / .jsonl; "": synthetic
-    format = ""             # "text" | "chat" | "latents"; "": text for LMs, latents for video
+    format = ""             # "text" | "chat" | "latents"; "": text for LMs, chat with images for
+                            # a vision-language model, latents for video
     field = ""              # text / chat: the field holding a row's text ("": "text") or its
                             # messages ("": "messages"), e.g. field = "content"
     latents_column = "latents"          # latents manifest: the column naming a clip's latents file
@@ -117,6 +120,16 @@ class ModelConfig:
     num_heads: int = _opt(4, lo=1)
     ffn_hidden: int = _opt(352, lo=1)
     vocab_size: int = _opt(256, lo=2)
+    freeze_vision: bool = _opt(False)
+
+    def is_vlm(self) -> bool:
+        """``pretrained`` holds a transformers vision-language model (its config has a
+        ``vision_config``): `apps.train_vlm` loads and feeds it."""
+        p = Path(self.pretrained) / "config.json"
+        try:
+            return bool(self.pretrained) and "vision_config" in json.loads(p.read_text())
+        except (OSError, ValueError):
+            return False
 
     def pretrained_family(self) -> str:
         """"transformers" or "diffusers", read from ``pretrained``'s config.json (``architectures``
@@ -137,10 +150,10 @@ class ModelConfig:
         if meta.get("_class_name") and meta.get("_diffusers_version"):
             return "diffusers"
         archs = meta.get("architectures") or []
-        if any(str(a).endswith("ForCausalLM") for a in archs):
+        if any(str(a).endswith("ForCausalLM") for a in archs) or self.is_vlm():
             return "transformers"
         raise ValueError(f"{what}: {p / 'config.json'} names neither a transformers *ForCausalLM (architectures = "
-                         f"{archs}) nor a diffusers class (_class_name); {fix}")
+                         f"{archs}) or vision-language model (vision_config) nor a diffusers class; {fix}")
 
     def check(self, where: str) -> None:
         if not isinstance(self.config, dict):
@@ -368,6 +381,9 @@ class Config:
         if fmt and (fmt == "latents") != video:
             want = '"latents"' if video else '"text" or "chat"'
             raise ValueError(f"{where}: [data] format = {fmt!r} does not suit a {self.model.family} model; use {want}")
+        if self.model.freeze_vision and not self.model.is_vlm():
+            raise ValueError(f"{where}: [model] freeze_vision = true needs a vision-language model: [model] pretrained "
+                             f"= a folder whose config has a vision_config; remove freeze_vision")
         if self.model.family == "reference" and self.model.kind != "llama":
             raise ValueError(f"{where}: `dcparallel train` trains the text model (kind = 'llama') for now; "
                              f"see examples/video_dit.py for video")

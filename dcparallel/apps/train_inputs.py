@@ -75,6 +75,11 @@ def _read_dataset_sizes(cfg: Config) -> list:
 
         return latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column,
                                skip_bad=d.skip_bad)[1]
+    if cfg.model.is_vlm():
+        from dcparallel.apps.train_vlm import check_vlm_config, load_processor, read_vlm_data
+
+        check_vlm_config(cfg)
+        return read_vlm_data(cfg, load_processor(cfg.model.pretrained))[1]
     from transformers import AutoTokenizer
 
     from dcparallel.data.text_data import text_dataset

@@ -106,6 +106,11 @@ def _load_base(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     meta = builds_on_meta(cfg)
     if not m.pretrained:
         return cast_parameters(build_model(m, cfg.train.seed).to(device), dtype), None
+    if m.is_vlm():  # its "tokenizer" is the processor's tokenizer and image processor
+        from dcparallel.apps.train_vlm import load_vlm
+
+        model, processor = load_vlm(cfg, device, dtype)
+        return cast_parameters(model, dtype), processor
     if m.family == "transformers":
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -176,6 +181,10 @@ def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list
                              f"{', '.join(f'{n} tokens at {w}' for n, w in sorted(first.items()))}); pad them to one "
                              f"length when encoding (Wan pads to 512 tokens)")
         return ds, sizes, ds.text_tokens[0]
+    if cfg.model.is_vlm():
+        from dcparallel.apps.train_vlm import read_vlm_data
+
+        return (*read_vlm_data(cfg, tokenizer), None)
     from dcparallel.data.text_data import text_dataset
 
     if tokenizer is None:

@@ -111,6 +111,8 @@ class Trainer:
         t, extra = self.t, {}
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
+        if self.cfg.model.freeze_vision:  # a vision-language model (Config.validate)
+            extra = {"freeze_vision": True}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
                                            memory_bytes=self._memory_budget(), **extra)
         self.loaded_on_meta = builds_on_meta(self.cfg)  # built on meta: its shards are read now

@@ -37,7 +37,7 @@ from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.heads import a2a_hidden_units
 from dcparallel.cost.ring import SplitTime, best_split, check_ring, layer_comm
 from dcparallel.cost.shard import ShardComm
-from dcparallel.cost.vision import VisionPrice, sample_vision
+from dcparallel.cost.vision import VisionTable, sample_vision, vision_price
 from dcparallel.spec import LLAMA_7B, STATIC_MODES, STDIT_1B, ClusterSpec, ModelSpec, Size
 
 
@@ -229,7 +229,8 @@ class AnalyticCost:
     (`base.model_state_bytes`) and each micro-batch pays its block's collectives (`cost.shard`).
     """
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None):
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None,
+                 vision_table: VisionTable | None = None):
         if cluster.world_size > 1 and cluster.intra_bw <= 0 or cluster.num_nodes > 1 and cluster.inter_bw <= 0:
             raise ValueError(
                 f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
@@ -261,10 +262,11 @@ class AnalyticCost:
         # the output head of a text model: linear work per token outside the layers
         self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
             model.vocab_size * model.hidden) * _weight_work(model)
-        # a vision-language model's tower: scaled from the same calibration (`cost.vision`)
-        self._vision = None if model.vision is None else VisionPrice(
-            model.vision, calibration.lin_s_per_token / _layer_params(ref), calibration.attn_s_per_pair / ref.hidden,
-            (calibration.act_attn + calibration.act_mlp + calibration.act_rest) / ref.hidden)
+        # a vision-language model's tower: measured (``vision_table``, `profile.vision`), else scaled
+        # from the same calibration (`cost.vision`)
+        self._vision = vision_price(model, vision_table, calibration.lin_s_per_token / _layer_params(ref),
+                                    calibration.attn_s_per_pair / ref.hidden,
+                                    (calibration.act_attn + calibration.act_mlp + calibration.act_rest) / ref.hidden)
         self._cache: dict = {}
         self._stats: dict[Size, tuple] = {}  # per size: (tokens, attention pairs, `sample_vision`)
 
@@ -393,7 +395,7 @@ class AnalyticCost:
         if self._vision is not None:  # the tower before the layers: its time and kept activations
             vp, vq = self._vision.rank_work(vis, sp, array)
             head = head + self._vision.time(vp, vq)
-            fixed = fixed + self._vision.kept_bytes(vp)
+            fixed = fixed + self._vision.kept_bytes(vp, vq)
         # time_none, dt_attn, dt_mlp, dt_full, fixed_bytes, act_layer, save_attn, save_mlp,
         # save_full, transient_none, transient_rec
         return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, fixed, act_layer,

@@ -6,11 +6,17 @@ tokens between measured buckets, and the terms of every recompute setting follow
 four whole-model modes. The model is kept monotone, as the lower bound needs: measured times
 and memory never fall as the micro-batch grows, and a micro-batch of mixed sizes costs at least
 what the copies of any one of its sizes cost alone.
+
+A vision-language sample (`VisionSize`) is priced where the profile holds its tower measured
+per patch bucket (`Profile.vision`) and the model spec its `VisionTower`: the language model
+from its tokens as above, plus the tower's time and kept bytes by `cost.vision.VisionPrice`
+fitted to the measurement; without such a table it is refused.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import Counter
 from typing import Sequence
@@ -19,6 +25,7 @@ from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, gra
 from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.cost.schema import Profile
 from dcparallel.cost.shard import ShardComm
+from dcparallel.cost.vision import VisionPrice, sample_vision
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size, VisionSize
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,10 @@ class ProfiledCost:
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
         self._cache: dict = {}
+        #: the tower priced from the profile's measurement; None: vision-language samples refused
+        self._vision = None
+        if profile.vision is not None and self.model.vision is not None:
+            self._vision = VisionPrice.from_table(self.model.vision, profile.vision)
         if time_at == "value":
             profile.warn_if_noisy(log)  # once per profile and process, not per cost object
 
@@ -206,11 +217,16 @@ class ProfiledCost:
     def terms_copies(self, size: Size, count: int, sp: int) -> MicroBatchTerms:
         """`terms` of `count` copies of one size, in time independent of `count` (the
         planners probe micro-batch sizes up to thousands of copies)."""
-        _refuse_vision((size,))
+        if self._vision is None:
+            _refuse_vision((size,))
         tk = self.model.tokens(size)
         key = ("copies", tk, count, sp)
         hit = self._cache.get(key)
-        return hit if hit is not None else cache_put(self._cache, key, self._terms({tk: count}, sp))
+        terms = hit if hit is not None else cache_put(self._cache, key, self._terms({tk: count}, sp))
+        if self._vision is None:
+            return terms
+        p, q, mp, mq = sample_vision(self.model.vision, size)
+        return self._with_tower(terms, (count * p, count * q, mp, mq), sp)
 
     def terms_copies_grid(self, sizes: Sequence[Size], counts: Sequence[int], sp: int) -> TermsArray:
         """`terms_copies(sizes[i], counts[i], sp)` of every i, as arrays of shape (len(counts), 1):
@@ -220,14 +236,32 @@ class ProfiledCost:
     def terms_grid(self, batches: Batches, sps: Sequence[int]) -> TermsArray:
         """`terms` of every micro-batch at every degree, as arrays of shape (len(batches),
         len(sps)): through `terms`' own cache and arithmetic, one micro-batch and degree at a time."""
-        if batches.vision is not None:
+        if batches.vision is not None and self._vision is None:
             raise ValueError(_VISION_REFUSED)
-        out = [self._cached(tuple(sorted(run)), sp) for run in batches.token_runs() for sp in sps]
+        runs = list(batches.token_runs())
+        vis = list(zip(*batches.vision_sums())) if batches.vision is not None else [None] * len(runs)
+        out = [self._with_tower(self._cached(tuple(sorted(run)), sp), v, sp)
+               for run, v in zip(runs, vis, strict=True) for sp in sps]
         return TermsArray.stack(out, (len(batches), len(sps)))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
-        _refuse_vision(sizes)
-        return self._cached(tuple(sorted(self.model.tokens(s) for s in sizes)), sp)
+        if self._vision is None:
+            _refuse_vision(sizes)
+        terms = self._cached(tuple(sorted(self.model.tokens(s) for s in sizes)), sp)
+        if self._vision is None:
+            return terms
+        stats = [sample_vision(self.model.vision, s) for s in sizes]
+        return self._with_tower(terms, (sum(v[0] for v in stats), sum(v[1] for v in stats),
+                                        max(v[2] for v in stats), max(v[3] for v in stats)), sp)
+
+    def _with_tower(self, terms: MicroBatchTerms, vis: tuple | None, sp: int) -> MicroBatchTerms:
+        """``terms`` plus the tower's time and kept bytes of a micro-batch whose vision stats
+        are ``vis`` (patches, pairs, the largest item's patches and pairs: `cost.vision`)."""
+        if vis is None or self._vision is None or not vis[0]:
+            return terms
+        vp, vq = self._vision.rank_work(tuple(int(x) for x in vis), sp, False)
+        return dataclasses.replace(terms, time_none=terms.time_none + self._vision.time(vp, vq),
+                                   fixed_bytes=terms.fixed_bytes + self._vision.kept_bytes(vp, vq))
 
     def _cached(self, toks: tuple[int, ...], sp: int) -> MicroBatchTerms:
         """`terms` of a micro-batch of samples of these token counts (sorted), cached."""
@@ -298,9 +332,10 @@ class ProfiledCost:
             transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
 
 
-_VISION_REFUSED = ("a profile measures the language model only, not a vision tower: a vision-language sample "
-                   "(VisionSize) would be priced without its images; plan it with AnalyticCost (simulate without "
-                   "--profile), whose model prices the tower from each image's patches")
+_VISION_REFUSED = ("this profile measures the language model only, not a vision tower: a vision-language sample "
+                   "(VisionSize) would be priced without its images; profile the model with prepare (which measures "
+                   "a Qwen-VL tower per patch bucket) or plan it with AnalyticCost (simulate without --profile), "
+                   "whose model prices the tower from each image's patches")
 
 
 def _refuse_vision(sizes: Sequence[Size]) -> None:

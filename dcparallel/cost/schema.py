@@ -22,9 +22,13 @@ each entry, still loads: its spread counts as unknown)::
       "shard_size": 1,                  # optional (absent = 1): the parameter-shard block size
                                         # it was measured at (times include the block's
                                         # collectives, model_state_bytes the sharded states)
-      "reference_s": 0.004              # optional (absent = none): the median time of the
+      "reference_s": 0.004,             # optional (absent = none): the median time of the
                                         # profiler's reference run; entries with a load_scale
                                         # were rescaled to it (`profile.drift`)
+      "vision": {"patches": [...], "seconds": [...], "kept_bytes": [...], "trainable": true}
+                                        # optional (absent = none): a vision-language model's
+                                        # tower measured per patch bucket (`cost.vision.VisionTable`);
+                                        # the model's "vision" holds its VisionTower fields
     }
 
 Optional entry fields (absent = none): ``time_spread`` (the relative half-width of the 95%
@@ -49,7 +53,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dcparallel.spec import STATIC_MODES, ModelSpec, Size, check_size
+from dcparallel.cost.vision import VisionTable
+from dcparallel.spec import STATIC_MODES, ModelSpec, Size, VisionTower, check_size
 
 #: noise warnings already logged by this process (`Profile.warn_if_noisy`)
 _NOISE_WARNED: set[str] = set()
@@ -160,6 +165,8 @@ class Profile:
     #: the reference run's median time (`profile.drift`): the machine's speed while profiling, and the speed
     #: every entry is priced at when rescaled (entries' ``measured["load_scale"]``); None: no reference run
     reference_s: float | None = None
+    #: a vision-language model's tower measured per patch bucket (`profile.vision`); None: not measured
+    vision: VisionTable | None = None
 
     def __post_init__(self) -> None:  # JSON-shaped buckets and entries are accepted too
         self.buckets = [b if isinstance(b, ProfileBucket) else ProfileBucket.from_json(b) for b in self.buckets]
@@ -167,12 +174,15 @@ class Profile:
 
     def to_json(self) -> dict:
         model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
+        if self.model.vision is not None:
+            model["vision"] = dataclasses.asdict(self.model.vision)
         return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
                 "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
                 "buckets": [b.to_json() for b in self.buckets], "entries": [e.to_json() for e in self.entries],
                 "unfit_buckets": self.unfit_buckets, "shard_size": self.shard_size,
-                **({"reference_s": self.reference_s} if self.reference_s is not None else {})}
+                **({"reference_s": self.reference_s} if self.reference_s is not None else {}),
+                **({"vision": self.vision.to_json()} if self.vision is not None else {})}
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON atomically (a reader never sees half a file)."""
@@ -191,7 +201,8 @@ class Profile:
             raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
                              f"versions {list(READABLE_VERSIONS)}: re-run `dcparallel profile` to regenerate it")
         try:
-            model = ModelSpec(**d["model"])
+            tower = d["model"].get("vision")
+            model = ModelSpec(**{**d["model"], "vision": VisionTower(**tower) if tower is not None else None})
             buckets = [ProfileBucket.from_json(b) for b in d["buckets"]]
             keys = {b.key for b in buckets}
             entries = [ProfileEntry.from_json(e, i, keys) for i, e in enumerate(d["entries"])]
@@ -212,7 +223,8 @@ class Profile:
                            model_state_bytes=float(d["model_state_bytes"]),
                            grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
                            unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)),
-                           reference_s=None if reference_s is None else float(reference_s))
+                           reference_s=None if reference_s is None else float(reference_s),
+                           vision=VisionTable.from_json(d["vision"]) if d.get("vision") is not None else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 

@@ -81,3 +81,4 @@ def test_vlm_epoch_through_the_public_api(workers, tmp_path):
     assert all(n == len(ranks) for (_, ranks, _), n in runs.items())
     assert sorted(s for (_, _, sids) in runs for s in sids) == list(range(16))
     assert out[0]["losses"] == out[1]["losses"]
+    assert out[0]["vision"] is not None and out[0]["vision"] == out[1]["vision"]  # one measured tower

@@ -30,8 +30,9 @@ def case_vlm_engine(kind: str, seeds: list[int], num_samples: int, freeze_vision
 
 def case_vlm_epoch(kind: str, num_samples: int, profile_path: str) -> dict:
     """One epoch of the mixed chats through the public API: `prepare` profiles the model
-    (synthetic text samples through the VLM collate and loss), the loader plans each step
-    (`dcp`) and its DataLoader workers collate the chats (images, videos, their extras)."""
+    (synthetic text samples through the VLM collate and loss, then the vision tower per patch
+    bucket), the loader plans each step (`dcp`, the chats' sizes carrying their patches) and
+    its DataLoader workers collate the chats (images, videos, their extras)."""
     import math
 
     from dcparallel import DataCentricParallel
@@ -41,7 +42,7 @@ def case_vlm_epoch(kind: str, num_samples: int, profile_path: str) -> dict:
     data = vlm_families.make_data(num_samples, 5, kind)
     model = vlm_families.build(kind)
     dc = DataCentricParallel(model, memory_bytes=2**30, gpus_per_node=dist.get_world_size())
-    loader = dc.prepare(data.samples, lengths=[int(s["input_ids"].numel()) for s in data.samples],
+    loader = dc.prepare(data.samples, lengths=[vlm_families.size(s) for s in data.samples],
                         samples_per_step=8, profile_path=profile_path, profiler_config=EPOCH_PROFILE,
                         planning="thread")
     ran, losses = [], []
@@ -49,4 +50,4 @@ def case_vlm_epoch(kind: str, num_samples: int, profile_path: str) -> dict:
         ran += [(step.index, batch.ranks, batch.sample_ids, batch.layout.sp) for batch in step]
         losses.append(loss)
     assert all(math.isfinite(x) for x in losses)
-    return {"ran": ran, "losses": losses}
+    return {"ran": ran, "losses": losses, "vision": dc.profile.vision}

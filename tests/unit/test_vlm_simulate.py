@@ -82,3 +82,35 @@ def test_simulate_plans_the_vlm_preset_from_a_lengths_file(tmp_path, capsys):
         assert v["samples_dropped"] == 0 and v["memory_violations"] == 0 and v["epoch_time_s"] > 0
     with pytest.raises(SystemExit, match=r"vision-language samples; give a vision-language --model \(qwen2.5-vl-7b"):
         main(["simulate", "--model", "llama-8b", "--lengths", str(p), "--world", "8", "--json"])
+
+
+def test_model_config_of_a_vlm_folder_prices_its_own_tower(tmp_path, capsys):
+    """`--model-config` on a Qwen2.5-VL-7B folder (its config.json and preprocessor_config.json,
+    no weights) reads the vision_config: the same tower and parameters as the preset, and
+    simulate prices it from a lengths file with image sizes."""
+    from dcparallel.apps.cli import main
+    from dcparallel.apps.model_config import _pixel_bounds, spec_from_config
+
+    folder = tmp_path / "qwen2.5-vl-7b"
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+    transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                  architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+         "size": {"shortest_edge": 3136, "longest_edge": 12845056}}))
+    spec = spec_from_config(folder)
+    assert spec.vision == VLM.vision and spec.num_params == VLM.num_params
+    assert spec.extra_params == VLM.extra_params  # the tower's parameters counted once, in the tower
+    (folder / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 64 * 28 * 28,
+                                                                          "longest_edge": 256 * 28 * 28}}))
+    assert _pixel_bounds(folder) == {"min_pixels": 64 * 28 * 28, "max_pixels": 256 * 28 * 28}
+
+    p = _write(tmp_path, [{"text": 300, "vision": [{"width": 1344, "height": 1344}]}, {"text": 2000}] * 40)
+    assert main(["simulate", "--model-config", str(folder), "--lengths", str(p), "--world", "8", "--max-steps", "1",
+                 "--tokens-per-step", str(2**16), "--policy", "dcp", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == "qwen2.5-vl-7b" and out["num_params"] == VLM.num_params
+    assert out["policies"]["dcp"]["samples_dropped"] == 0 and out["policies"]["dcp"]["epoch_time_s"] > 0
