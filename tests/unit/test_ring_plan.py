@@ -1,7 +1,8 @@
 """The planners with ring attention on (`ClusterSpec.ring`): the sizes they are offered past
 the head count, the (Ulysses, ring) split each micro-batch gets (`plan.splits`) following the
 links, `simulate` planning a 1M-token Llama-8B sample and long Wan 14B videos past their
-heads and showing u x r, and `megatron-dcp` going past the heads the same way."""
+heads and showing u x r, `megatron-dcp` going past the heads the same way; a `ProfiledCost`
+pricing sizes past the heads at their measured split; `DataCentricParallel(ring=True)`."""
 
 from __future__ import annotations
 
@@ -184,3 +185,18 @@ def test_a_profiled_cost_prices_sizes_past_the_heads_at_their_measured_split():
     assert [(mb.layout.sp, mb.layout.ring) for mb in wide] == [(4, 2)]
     off = dataclasses.replace(ring, ring=False)
     assert PlanContext(Workload(TWO_HEADS, (500,)), ProfiledCost(_two_head_profile(), off), off).sp_sizes == [1, 2]
+    with pytest.raises(ValueError, match="an SP group of 3 ranks is not allowed"):
+        cost.best_split((500,), 3)
+
+
+def test_the_wrapper_turns_ring_on_for_its_groups_and_plans():
+    """``DataCentricParallel(ring=True)``: the ClusterSpec it plans and prices with and its
+    engine's process groups carry ring; off by default; a non-boolean is refused."""
+    from dcparallel.api import DataCentricParallel
+    from tests.support import make_model
+
+    with pytest.raises(ValueError, match="ring='yes': give True"):
+        DataCentricParallel(make_model("llama"), ring="yes")
+    dc = DataCentricParallel(make_model("llama"), ring=True)
+    assert dc.cluster_spec.ring and dc.groups.topology.ring
+    assert not DataCentricParallel(make_model("llama")).cluster_spec.ring
