@@ -88,7 +88,9 @@ class DataCentricParallel:
     ``memory_bytes``: usable memory per rank for model states and activations (default: 90%
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
-    for diffusers models, ...). Everything is validated before the model is touched.
+    for diffusers models, ...). ``ring``: SP groups past the head count too, Ulysses x ring
+    attention (`runtime.ring`; profiled at `Topology.measured_split`, `cost.profiled`).
+    Everything is validated before the model is touched.
     Started by torchrun with no process group set up, it sets one up and moves a CPU model to
     this rank's device (`runtime.auto_launch`); one set up before (`dcparallel.init_distributed`)
     is used as it is."""
@@ -97,8 +99,10 @@ class DataCentricParallel:
                  num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
                  loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
                  seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int | str = 1,
-                 **protocol: Any):
+                 ring: bool = False, **protocol: Any):
         policy_spec(policy)  # an unknown name is refused here, naming the choices
+        if not isinstance(ring, bool):
+            raise ValueError(f"ring={ring!r}: give True (SP groups past the head count, Ulysses x ring) or False")
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be a positive number of bytes per rank; got {memory_bytes!r}")
         if shard_size != "auto" and (isinstance(shard_size, bool) or not isinstance(shard_size, int)):
@@ -119,7 +123,7 @@ class DataCentricParallel:
         self.shard_auto = shard_size == "auto"
         if self.shard_auto:
             shard_size = agreed_auto_shard_size(adapter.spec, cluster)
-        self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size)
+        self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size, ring=ring)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
                              groups=groups)
         #: the budget was measured here, not given: `prepare` agrees on the smallest over ranks

@@ -126,6 +126,17 @@ class Topology:
             return []
         return ring_splits(k, self.num_heads, self.sizes) if self.ring else [(k, 1)]
 
+    def measured_split(self, k: int) -> tuple[int, int]:
+        """The split a profile measures an SP group of k ranks at, and a profiled plan runs it
+        at (`cost.profiled.ProfiledCost.best_split`): the largest Ulysses degree, so ring 1
+        where k divides the heads and the fewest ring steps past them."""
+        splits = self.splits(k)
+        if not splits:
+            raise ValueError(f"an SP group of {k} ranks is not allowed at world {self.world_size} with "
+                             f"{self.gpus_per_node} GPUs per node and {self.num_heads} heads; "
+                             f"sizes: {list(self.sizes)}")
+        return splits[-1]
+
     @property
     def cluster(self) -> ClusterSpec:
         """A ClusterSpec with this geometry (link speeds and memory at their defaults)."""

@@ -63,6 +63,7 @@ Config (every key optional; defaults below)::
     export_dir = ""         # the trained model at the end ("": out_dir/final; model.safetensors if not HF)
     dtype = "auto"          # parameters: "auto" (bfloat16 on GPUs, float32 on CPU), "float32", "bfloat16"
     shard_size = 1          # ranks per parameter-shard block (FSDP2): 1, 2, 4, ... or "auto" (smallest that fits)
+    ring = false            # SP groups past the head count: Ulysses x ring attention, profiled like the rest
 
     [log]
     tensorboard = false     # event files in out_dir/tb (needs tensorboard)
@@ -230,6 +231,7 @@ class TrainConfig:
     export_dir: str = _opt("", resume=False)
     dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16", "float16"))
     shard_size: int | str = _opt(1, resume=False)
+    ring: bool = _opt(False, resume=False)
 
     def check(self, where: str) -> None:
         if not self.out_dir:

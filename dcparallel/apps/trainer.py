@@ -114,7 +114,7 @@ class Trainer:
         if self.cfg.model.freeze_vision:  # a vision-language model (Config.validate)
             extra = {"freeze_vision": True}
         self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
-                                           memory_bytes=self._memory_budget(), **extra)
+                                           ring=t.ring, memory_bytes=self._memory_budget(), **extra)
         self.loaded_on_meta = builds_on_meta(self.cfg)  # built on meta: its shards are read now
         if self.loaded_on_meta:
             dc.load_weights(self.cfg.model.pretrained)

@@ -11,6 +11,11 @@ A vision-language sample (`VisionSize`) is priced where the profile holds its to
 per patch bucket (`Profile.vision`) and the model spec its `VisionTower`: the language model
 from its tokens as above, plus the tower's time and kept bytes by `cost.vision.VisionPrice`
 fitted to the measurement; without such a table it is refused.
+
+With ring (`ClusterSpec.ring`) a profile of this launch holds the sizes past the heads too,
+measured at the largest Ulysses degree times ring (`Topology.measured_split`); every size is
+priced at the split it was measured at, and `best_split` names that split, so a plan runs
+what was measured. Sizes that divide the heads are measured with Ulysses only (ring 1).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from typing import Sequence
 
 from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, grad_sync_time
 from dcparallel.cost.batch import Batches, TermsArray
+from dcparallel.cost.ring import SplitTime, check_ring
 from dcparallel.cost.schema import Profile
 from dcparallel.cost.shard import ShardComm
 from dcparallel.cost.vision import VisionPrice, sample_vision
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size, VisionSize
+from dcparallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class ProfiledCost:
             raise ValueError(f"time_at={time_at!r}; choose 'value', 'low' or 'high'")
         self.profile, self.model, self.cluster = profile, profile.model, cluster
         self.time_at = time_at
+        check_ring(profile.model, cluster)
         # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
         self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
         if profile.world_size != cluster.world_size:
@@ -120,6 +128,14 @@ class ProfiledCost:
 
     def model_state_bytes(self) -> float:
         return self._state
+
+    def best_split(self, sizes: Sequence[Size], sp: int) -> SplitTime:
+        """The (Ulysses, ring) split of a group of ``sp`` ranks its price is for: the one the
+        profile measured (`Topology.measured_split`: ring 1 where ``sp`` divides the heads, the
+        largest Ulysses degree past them). Its communication is inside the measured time, so
+        the returned times are zero."""
+        u, r = Topology.of(self.cluster, self.model.num_heads).measured_split(sp)
+        return SplitTime(u, r, 0.0, 0.0, 0.0, 0.0)
 
     def add_state_bytes(self, extra: float) -> None:
         """Bytes every micro-batch finds allocated on top of the model states counted so far

@@ -1,15 +1,15 @@
 """`Profiler`: measures a real model on this device, layout by layout, from short stacks.
 
 For each bucket (a representative sample size) and each candidate layout — SP degree (every
-size the world allows, run on the real SP groups with Ulysses attention), micro-batch size
-(1, 2, 4, ... until memory runs out or samples/s stops improving by ``min_gain``),
-recomputation (none / attn / mlp / full, applied to every layer) — the profiler runs
-forward + backward of stacks of ``depth - 1`` and ``depth`` layers (the other layers pass
-the hidden state through) and extrapolates time and activation memory linearly to the full
-depth L (`measure.extrapolate`; with depth 2: t_L = t2 + (L - 2)(t2 - t1)). Each timed round
-runs both depths back to back (slow drifts of a shared machine cancel in the pair) and gives
-one full-depth estimate; rounds go on until their median is stable (`profile.robust`).
-``ProfilerConfig.reference`` puts every layout on one clock against load drift (`profile.drift`).
+size the world allows, on the real SP groups: Ulysses, and past the heads Ulysses x ring at
+`Topology.measured_split`), micro-batch size (1, 2, 4, ... until memory runs out or
+samples/s stops improving by ``min_gain``), recomputation (none / attn / mlp / full, on
+every layer) — the profiler runs forward + backward of stacks of ``depth - 1`` and ``depth``
+layers (the others pass the hidden state through) and extrapolates time and activation
+memory linearly to the full depth L (`measure.extrapolate`; depth 2: t_L = t2 + (L - 2)(t2 -
+t1)). Each timed round runs both depths back to back (slow drifts of a shared machine cancel
+in the pair) and gives one full-depth estimate; rounds go on until their median is stable
+(`profile.robust`). ``ProfilerConfig.reference`` puts every layout on one clock (`profile.drift`).
 
 Concurrency: for SP degree k the world splits into its aligned groups of k ranks; group i
 takes buckets i, i + world/k, ...; the groups measure at once, the degrees in turn (`group_buckets`).
@@ -209,7 +209,8 @@ class Profiler:
         (validation) is tried after the short stacks: if only it runs out of memory the layout
         keeps its short-stack measurement and the validation is skipped."""
         group = self.control.of(ranks)
-        layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers))  # planner layers
+        _, ring = self.engine.groups.topology.measured_split(len(ranks))  # > 1 only past the heads
+        layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers), ring)  # planner layers
         state = self.model_state_bytes()
         box: dict = {}
         mem: dict[int, float] = {}

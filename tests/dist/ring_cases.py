@@ -256,3 +256,45 @@ def case_joint_op(ring: int, seed: int) -> dict:
     return {"cols": cols, "out": out.detach(), "out_text": out_text.detach(),
             **{f"d{n}": t.grad for n, t in zip("qkv", video, strict=True)},
             **{f"d{n}_text": t.grad for n, t in zip("qkv", text, strict=True)}}
+
+
+#: `case_prepare_ring`'s documents: one of 200 tokens (no 2 ranks hold it in
+#: `PREPARE_MEMORY`, 4 do at Ulysses 2 x ring 2) and short ones
+PREPARE_LENGTHS = (200, 23, 31, 17, 40, 12)
+#: bytes per rank: the model states (~217 kB) and, measured by the profiler's saved-tensor
+#: meter, the 200-token sample's activations with full recompute: ~105 kB at SP 2 (over),
+#: ~52 kB at SP 4 (under); the test checks both in the profile it made
+PREPARE_MEMORY = 295_000
+#: a tiny profiling run: one timed round per layout, micro-batches of 1, recompute off and full
+PREPARE_PROFILE = {"repeats": 1, "max_repeats": 1, "warmup": 1, "min_time_s": 0.0, "max_mbs": 1,
+                   "modes": ("none", "full"), "budget_s": 0}
+
+
+def prepare_data(seed: int):
+    """`PREPARE_LENGTHS` documents of random tokens, by sample id (`tests.support.Data`)."""
+    from tests import support
+
+    g = torch.Generator().manual_seed(seed)
+    docs = {i: torch.randint(0, 96, (n,), generator=g) for i, n in enumerate(PREPARE_LENGTHS)}
+    return support.Data("hf-llama", docs, {}, {}, {}, {i: (n,) for i, n in enumerate(PREPARE_LENGTHS)})
+
+
+def case_prepare_ring(seed: int, memory_bytes: int, profile_path: str) -> dict:
+    """`hf_two_heads` wrapped by ``DataCentricParallel(ring=True)``: `prepare` profiles it at
+    this world (its default profiled cost) and plans the epoch in one step; the step runs.
+    Returns the profile, the plan, the step's loss and full gradients."""
+    from dcparallel.api import DataCentricParallel
+
+    data = prepare_data(seed)
+    dataset = [data.docs[i] for i in range(len(PREPARE_LENGTHS))]
+    model = hf_two_heads()
+    dc = DataCentricParallel(model, ring=True, memory_bytes=memory_bytes)
+    loader = dc.prepare(dataset, lengths=list(PREPARE_LENGTHS), tokens_per_step=sum(PREPARE_LENGTHS),
+                        profile_path=profile_path, profiler_config=PREPARE_PROFILE, planning="thread")
+    step = next(iter(loader))
+    for batch in step:
+        with dc.micro_batch(batch) as ctx:
+            ctx.backward(dc.loss_fn(dc.model, batch, ctx))
+    loss = dc.sync_gradients()
+    return {"profile": dc.profile.to_json(), "plan": step.plan.to_json(), "loss": loss,
+            "grads": dc.full_gradients(), "state": dc.cost.model_state_bytes()}

@@ -134,6 +134,28 @@ def test_a_step_the_planner_made_with_ring_matches_the_reference(workers4):
     _assert_matches(out, ref_loss, ref_grads)
 
 
+def test_prepare_with_ring_profiles_past_the_heads_and_trains_exactly(workers4, tmp_path):
+    """``DataCentricParallel(ring=True)`` with its default profiled cost on a model with 2
+    query heads: the profiler measures SP 4 (past the heads) at Ulysses 2 x ring 2; a sample
+    that SP 2 cannot hold within the memory budget is planned at SP 4 on that split, and the
+    step matches one process of the unmodified model."""
+    from tests.adapter_models import reference as hf_reference
+
+    seed = 3
+    out = workers4.run(ring_cases.case_prepare_ring, seed, ring_cases.PREPARE_MEMORY, str(tmp_path / "p.json"))
+    prof, plan = out[0]["profile"], out[0]["plan"]
+    assert all(o["plan"] == plan for o in out)
+    long = [e for e in prof["entries"] if e["bucket"] == "t200" and e["mbs"] == 1]
+    assert long and not any(e["feasible"] for e in long if e["sp"] <= 2), long  # SP 2 cannot hold it
+    assert any(e["feasible"] for e in long if e["sp"] == 4), long  # measured past the heads, fits
+    wide = [mb for g in plan["groups"] for mb in g["micro_batches"] if mb["layout"]["sp"] == 4]
+    assert [mb["sample_ids"] for mb in wide] == [[0]] and wide[0]["layout"]["ring"] == 2, wide
+    n = len(ring_cases.PREPARE_LENGTHS)
+    assert sorted(plan["sample_ids"]) == list(range(n))
+    ref_loss, ref_grads = hf_reference(ring_cases.hf_two_heads(), ring_cases.prepare_data(seed), list(range(n)))
+    _assert_matches(out, ref_loss, ref_grads)
+
+
 @pytest.mark.slow
 def test_world8_step_mixing_splits_matches_the_reference(tmp_path_factory):
     w = Workers(8, tmp_path_factory.mktemp("rdv-ring8"))

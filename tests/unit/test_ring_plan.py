@@ -1,7 +1,8 @@
 """The planners with ring attention on (`ClusterSpec.ring`): the sizes they are offered past
 the head count, the (Ulysses, ring) split each micro-batch gets (`plan.splits`) following the
 links, `simulate` planning a 1M-token Llama-8B sample and long Wan 14B videos past their
-heads and showing u x r, and `megatron-dcp` going past the heads the same way."""
+heads and showing u x r, `megatron-dcp` going past the heads the same way; a `ProfiledCost`
+pricing sizes past the heads at their measured split; `DataCentricParallel(ring=True)`."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import pytest
 
 from dcparallel.apps.cli import main
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.base import mb_time
 from dcparallel.cost.forward import ForwardOnlyCost
+from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import NoLayoutFits
 from dcparallel.scenarios import MODEL_PRESETS
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import STDIT_1B, Workload, h200_cluster
+from dcparallel.spec import STDIT_1B, ClusterSpec, Layout, Workload, h200_cluster, llama_like
 
 LLAMA_8B = MODEL_PRESETS["llama-8b"]  # 32 query heads, 8 key/value heads
 WAN_14B = MODEL_PRESETS["wan-14b"]  # 40 heads
@@ -139,3 +143,60 @@ def test_dcp_is_at_least_as_fast_as_megatron_dcp_with_ring_on_a_long_mix(capsys,
     dcp, meg = out["policies"]["dcp"], out["policies"]["megatron-dcp"]
     assert max(int(w.split()[1]) for w in meg["ring_splits"]) == 64  # megatron-dcp went past 32 heads
     assert dcp["epoch_time_s"] <= meg["epoch_time_s"], (dcp["epoch_time_s"], meg["epoch_time_s"])
+
+
+TWO_HEADS = llama_like("tiny-lm-2h", num_layers=4, hidden=64, num_heads=2, ffn_hidden=160, vocab_size=1000)
+
+
+def _two_head_profile() -> Profile:
+    """A profile of a 2-head model at world 4 as `prepare` with ring measures it: SP 1 and 2
+    Ulysses, SP 4 (past the heads) at its measured split, Ulysses 2 x ring 2; the
+    4000-token bucket does not fit one or two ranks."""
+    entries = []
+    for key, tok in (("t500", 500), ("t4000", 4000)):
+        for sp in (1, 2, 4):
+            for mode, tf, mf in (("none", 1.0, 1.0), ("full", 1.3, 0.2)):
+                fits = tok < 4000 or sp == 4
+                entries.append({"bucket": key, "sp": sp, "mbs": 1, "recompute": mode,
+                                "time_s": 1e-3 * tok / sp * tf + 0.01 * (sp == 4),
+                                "memory_bytes": 100.0 * tok / sp * mf,
+                                "feasible": fits, **({} if fits else {"reason": "over_budget"})})
+    return Profile.from_json(Profile(
+        fingerprint={"world_size": 4}, model=TWO_HEADS, world_size=4, gpus_per_node=4, model_state_bytes=1e4,
+        grad_sync_s=1e-3, buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
+        entries=entries).to_json())
+
+
+def test_a_profiled_cost_prices_sizes_past_the_heads_at_their_measured_split():
+    """With ring, a `ProfiledCost` prices SP 4 of a 2-head model from the profile's SP 4
+    measurements, names Ulysses 2 x ring 2 as its split (ring 1 at SP 2), and the plans run
+    the 4000-token sample there; without ring SP 4 is not offered."""
+    ring = ClusterSpec(world_size=4, gpus_per_node=4, memory_bytes=10**6, ring=True)
+    cost = ProfiledCost(_two_head_profile(), ring)
+    assert cost.sp_sizes == [1, 2, 4]
+    assert (cost.best_split((4000,), 4).ulysses, cost.best_split((4000,), 4).ring) == (2, 2)
+    assert (cost.best_split((500,), 2).ulysses, cost.best_split((500,), 2).ring) == (2, 1)
+    assert mb_time(cost, [4000], Layout(4, 1)) == pytest.approx(1.0 + 0.01)  # the measured time
+    sizes = (4000, 500, 500, 500)
+    ctx = PlanContext(Workload(TWO_HEADS, sizes), cost, ring)
+    step = Step(0, tuple(range(len(sizes))))
+    plan = make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step)
+    wide = [mb for mb in plan.micro_batches() if 0 in mb.sample_ids]
+    assert [(mb.layout.sp, mb.layout.ring) for mb in wide] == [(4, 2)]
+    off = dataclasses.replace(ring, ring=False)
+    assert PlanContext(Workload(TWO_HEADS, (500,)), ProfiledCost(_two_head_profile(), off), off).sp_sizes == [1, 2]
+    with pytest.raises(ValueError, match="an SP group of 3 ranks is not allowed"):
+        cost.best_split((500,), 3)
+
+
+def test_the_wrapper_turns_ring_on_for_its_groups_and_plans():
+    """``DataCentricParallel(ring=True)``: the ClusterSpec it plans and prices with and its
+    engine's process groups carry ring; off by default; a non-boolean is refused."""
+    from dcparallel.api import DataCentricParallel
+    from tests.support import make_model
+
+    with pytest.raises(ValueError, match="ring='yes': give True"):
+        DataCentricParallel(make_model("llama"), ring="yes")
+    dc = DataCentricParallel(make_model("llama"), ring=True)
+    assert dc.cluster_spec.ring and dc.groups.topology.ring
+    assert not DataCentricParallel(make_model("llama")).cluster_spec.ring

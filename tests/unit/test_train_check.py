@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dcparallel.apps.cli import main
+from dcparallel.apps.train_config import Config
 from tests.train_fixtures import WORDS, tokenizer, write_config, write_jsonl
 
 
@@ -55,3 +56,17 @@ def test_check_reads_a_corpus_under_another_field_named_by_data_field(tmp_path, 
     else:
         assert "no row has the field 'text' (the first row's fields: ['content']); name the field: [data] field" \
             in got.err and "skip_bad" not in got.err  # skipping every row would be no fix
+
+
+def test_check_takes_the_ring_key_and_refuses_a_non_boolean(tmp_path, capsys):
+    """``[train] ring = true`` is a run's way to `DataCentricParallel(ring=True)`; a value that
+    is not a boolean is refused, naming the key and value."""
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("10\n200\n")
+    cfg = write_config(tmp_path / "run.toml", data={"lengths": str(lengths)}, train={"ring": True})
+    assert main(["train", "--check", "--config", str(cfg)]) == 0
+    assert Config.load(cfg).train.ring is True
+    bad = write_config(tmp_path / "bad.toml", data={"lengths": str(lengths)}, train={"ring": "yes"})
+    assert main(["train", "--check", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "[train] ring = 'yes' must be true or false" in err, err

@@ -1,6 +1,7 @@
 """`dcparallel train` builds transformers and diffusers models described in the TOML
 (family + architecture + [model.config]) and trains them through their adapters (world 1,
-in-process; `tests/e2e/test_train_torchrun.py` covers torchrun)."""
+in-process; `tests/e2e/test_train_torchrun.py` covers torchrun); ``[train] ring`` reaches
+the wrapper."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def test_family_errors_name_the_fix():
         Config.from_dict({"model": {"family": "jax"}})
     with pytest.raises(ValueError, match=r"config = 3 must be a table"):
         Config.from_dict({"model": {"family": "diffusers", "architecture": "X", "config": 3}})
+
+
+def test_train_ring_key_reaches_the_wrapper_and_its_groups(tmp_path):
+    """``[train] ring = true`` trains with `DataCentricParallel(ring=True)`: the run's
+    ClusterSpec and process groups carry ring (world 1 here: every group is one rank)."""
+    seen = []
+    cfg = Config.from_dict({"data": {"lengths": "builtin", "num_samples": 8},
+                            "train": {"tokens_per_step": 256, "max_steps": 1, "ring": True,
+                                      "out_dir": str(tmp_path / "run")}, "profile": {"cost": "analytic"}})
+    assert run(cfg, before_step=lambda t, step: seen.append((t.dc.cluster_spec.ring, t.dc.groups.topology.ring))) == 0
+    assert seen == [(True, True)]
