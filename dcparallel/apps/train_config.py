@@ -124,8 +124,7 @@ class ModelConfig:
     freeze_vision: bool = _opt(False)
 
     def is_vlm(self) -> bool:
-        """``pretrained`` holds a transformers vision-language model (its config has a
-        ``vision_config``): `apps.train_vlm` loads and feeds it."""
+        """``pretrained`` holds a vision-language model (a ``vision_config``; `apps.train_vlm`)."""
         p = Path(self.pretrained) / "config.json"
         try:
             return bool(self.pretrained) and "vision_config" in json.loads(p.read_text())

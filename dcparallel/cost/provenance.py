@@ -19,7 +19,7 @@ from typing import Any
 
 from dcparallel.cost.profiled import ProfiledCost
 
-#: the calibration files `cost.analytic.fit_calibration` reads for each reference block
+#: the calibration files `cost.calibration_fit.fit_calibration` reads for each reference block
 CALIBRATION_FILES = {"llama-7b": ("h200_blocks.jsonl", "h200_blocks_2.jsonl"),
                      "stdit-1.1b": ("h200_stdit_buckets.jsonl", "h200_stdit_selective.jsonl")}
 LINKS = "analytic, no measurement (datasheet link speeds, derated: spec.h200_cluster)"

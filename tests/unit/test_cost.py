@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from dcparallel.cost.analytic import AnalyticCost, _load, _shape, fit_calibration
+from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.base import grad_sync_time, mb_memory, mb_time, model_state_bytes, state_recipe
+from dcparallel.cost.calibration_fit import _load, _shape, fit_calibration
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.spec import LLAMA_7B, STDIT_1B, ClusterSpec, Layout, Recompute, h200_cluster

@@ -10,7 +10,7 @@ import datetime
 import pytest
 
 from dcparallel.apps.simulate import _table, simulate_json
-from dcparallel.cost import analytic
+from dcparallel.cost import calibration_fit
 from dcparallel.cost.provenance import CALIBRATION_FILES, NOT_DATED
 from tests.unit.test_profile import make_profiler
 
@@ -40,9 +40,9 @@ def test_analytic_numbers_name_their_calibration_files_gpu_and_missing_date(tmp_
 @pytest.mark.parametrize("cal", sorted(CALIBRATION_FILES))
 def test_the_files_named_are_the_files_the_fit_reads(monkeypatch, cal):
     read = []
-    load = analytic._load
-    monkeypatch.setattr(analytic, "_load", lambda name: read.append(name) or load(name))
-    analytic.fit_calibration.__wrapped__(cal)
+    load = calibration_fit._load
+    monkeypatch.setattr(calibration_fit, "_load", lambda name: read.append(name) or load(name))
+    calibration_fit.fit_calibration.__wrapped__(cal)
     assert sorted(set(read)) == sorted(CALIBRATION_FILES[cal])
 
 
