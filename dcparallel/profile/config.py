@@ -58,8 +58,9 @@ class ProfilerConfig:
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
     budget_s: float | None = None
-    """wall-time budget in seconds (None: none): past it the rest is measured coarsely, one
-    micro-batch size, recompute none / full only, one timed round (`profile.journal.Budget`)"""
+    """wall-time budget in seconds (None: none), enforced (`profile.budget`): the large buckets'
+    chains are measured coarsely (one micro-batch size, recompute none / full only, one timed
+    round) when the rest would not fit otherwise, and past it nothing more is measured"""
 
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""
@@ -111,6 +112,10 @@ class ProfileStats:
     validation: list[dict] = field(default_factory=list)
     unfit_buckets: list[str] = field(default_factory=list)
     slopes_clamped: int = 0
+    #: layout chains measured coarsely, and not measured, for the budget (`profile.budget`; summed
+    #: over ranks: a chain of an SP group of k ranks counts k times)
+    chains_coarse: int = 0
+    chains_skipped: int = 0
     #: CUDA only: the largest allocated and reserved peaks and the least free device memory
     #: of this rank's memory runs (`measure.worst_cuda_memory`)
     cuda_memory: dict | None = None
