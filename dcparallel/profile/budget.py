@@ -18,7 +18,9 @@ measure it, from the time spent and what the rest would cost:
 What a chain costs is estimated from what this rank measured: the seconds of one run of the
 short stacks (both depths, one sample: `ProfileEntry.measured["time_s"]`) at each bucket
 measured, extended to larger buckets as a power of their tokens (between 1 and 2, fitted on
-the two largest measured), times the ratio of a chain's wall time to that run seen so far
+the two largest measured), times the samples a chain runs (a full chain doubles its
+micro-batch up to its largest size M: 1 + 2 + ... + M = 2M - 1 samples; a coarse one runs
+one), times the median ratio of a chain's wall time to that product seen so far
 (separately for full and coarse chains). The estimate of the whole profile measured fully
 (`Budget.estimate`) is what the progress bar shows from the first chain on.
 """
@@ -45,20 +47,29 @@ FULL, COARSE, SKIP = 0, 1, 2
 COARSE_RUNS = 2.5
 
 
+def largest_mbs(tokens: int, max_mbs: int, max_tokens: int | None) -> int:
+    """The largest micro-batch a full chain of a bucket of ``tokens`` may reach (`ProfilerConfig`'s caps)."""
+    m = 1
+    while 2 * m <= max_mbs and (max_tokens is None or 2 * m * tokens <= max_tokens):
+        m *= 2
+    return m
+
+
 def _now() -> float:
     return time.perf_counter()
 
 
 class Budget:
     """``seconds`` of wall time (None: no budget) for ``chains``, this rank's chains in the
-    order measured, each with its bucket's tokens; ``full_runs``: a full chain's wall time in
-    runs of both short stacks, until one was seen."""
+    order measured, each with its bucket's tokens and the largest micro-batch a full chain
+    may reach; ``full_runs``: a full chain's wall time in runs of both short stacks per
+    sample, until one was seen."""
 
-    def __init__(self, seconds: float | None, chains: Sequence[tuple[Chain, int]], full_runs: float):
+    def __init__(self, seconds: float | None, chains: Sequence[tuple[Chain, int, int]], full_runs: float):
         self.seconds = seconds
         self.start = _now()
         self.chains = list(chains)
-        self.index = {c: i for i, (c, _) in enumerate(self.chains)}
+        self.index = {c[0]: i for i, c in enumerate(self.chains)}
         self.runs: dict[int, dict[int, float]] = {}  # sp -> tokens -> seconds of one run of both stacks
         self.ratio: dict[bool, list[float]] = {False: [], True: []}  # coarse? -> chain wall / run
         self.default_ratio = {False: full_runs, True: COARSE_RUNS}
@@ -92,14 +103,15 @@ class Budget:
     def cost(self, i: int, coarse: bool) -> float:
         """Estimated wall seconds of chain ``i`` measured coarsely or fully (0 when nothing is known yet,
         or a coarse chain of a mode coarse chains skip)."""
-        (_, sp, mode), tokens = self.chains[i]
+        (_, sp, mode), tokens, largest = self.chains[i]
         if coarse and mode not in COARSE_MODES:
             return 0.0
         run = self.run_s(sp, tokens)
         if run is None:
             return 0.0
         seen = self.ratio[coarse]
-        return run * (statistics.median(seen) if seen else self.default_ratio[coarse])
+        ratio = statistics.median(seen) if seen else self.default_ratio[coarse]
+        return run * (1 if coarse else 2 * largest - 1) * ratio
 
     def level(self, chain: Chain) -> int:
         """FULL, COARSE or SKIP for ``chain`` now (the caller's group takes its ranks' largest)."""
@@ -115,7 +127,7 @@ class Budget:
         """``chain`` was measured at ``level`` in ``seconds`` (``entries``: its layouts on this
         rank), skipped (SKIP, or COARSE for a mode coarse chains skip), or brought back from the
         journal (None)."""
-        (_, sp, mode), tokens = self.chains[self.index[chain]]
+        (_, sp, mode), tokens, largest = self.chains[self.index[chain]]
         if level == SKIP or level == COARSE and mode not in COARSE_MODES:
             self.skipped += 1
             return
@@ -128,7 +140,8 @@ class Budget:
             run = sum(one[0].measured["time_s"])
             self.runs.setdefault(sp, {})[tokens] = max(run, self.runs.get(sp, {}).get(tokens, 0.0))
             if run > 0 and level is not None:
-                self.ratio[level == COARSE].append(seconds / run)
+                samples = 1 if level == COARSE else 2 * max(e.mbs for e in entries) - 1
+                self.ratio[level == COARSE].append(seconds / (run * samples))
 
     def progress_bar(self, name: str, rank: int):
         """A tqdm bar on stderr, shown on rank 0: the budget, then the chains and the estimate (`show`)."""

@@ -48,7 +48,7 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
-from dcparallel.profile.budget import COARSE, COARSE_MODES, SKIP, Budget
+from dcparallel.profile.budget import COARSE, COARSE_MODES, SKIP, Budget, largest_mbs
 from dcparallel.profile.config import (  # noqa: F401 (re-exported)
     ProfilerConfig,
     ProfileStats,
@@ -313,7 +313,8 @@ class Profiler:
         key = comm.digest((fp, keys, dataclasses.replace(cfg, progress=False, budget_s=None)))
         journal = Journal(journal_path, self.rank, key) if journal_path is not None else None
         done = comm.all_gather_object(set(journal.done) if journal else set(), self.control.control)
-        chains = [((b.key, sp, mode), b.tokens) for sp, _, b in plan for mode in cfg.modes]
+        chains = [((b.key, sp, m), b.tokens, largest_mbs(b.tokens, cfg.max_mbs, cfg.max_tokens)) for sp, _, b in plan
+                  for m in cfg.modes]
         budget = Budget(cfg.budget_s, chains, full_runs=2.0 * (cfg.warmup + cfg.repeats))
         bar = budget.progress_bar(self.spec.name, self.rank) if cfg.progress else None
 
