@@ -312,7 +312,7 @@ class DataCentricParallel:
         construction, else the adapter's) is what the profiler runs on synthetic
         micro-batches; run the same one in the training loop. ``profiler_config``: a
         `ProfilerConfig`, or a mapping of its fields that override the default
-        (`ProfilerConfig.quick`: a 300 s wall-time budget, coarser past it; capped at the
+        (`ProfilerConfig.quick`: a 300 s wall-time budget, enforced; capped at the
         dataset's longest sample and the memory budget; saved as it goes, so a killed profile
         resumes), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
         ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together

@@ -92,13 +92,13 @@ class ProfilerConfig:
         """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (about
         0.2 s of timing; more, up to 12, until the median is known to +-5%), micro-batches
         doubled only up to ``max_tokens`` tokens (prepare passes the dataset's longest sample;
-        the cost model extrapolates larger micro-batches by their marginal cost), coarser past
-        `DEFAULT_BUDGET_S`. `dcparallel profile` keeps the fuller defaults for validation runs."""
+        the cost model extrapolates larger micro-batches by their marginal cost), within
+        `DEFAULT_BUDGET_S` (`profile.budget`). `dcparallel profile` keeps the fuller defaults for validation runs."""
         return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 12, "rel_tol": 0.05,
                                  "max_tokens": max_tokens, "budget_s": DEFAULT_BUDGET_S, **kw})
 
 
-#: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, then coarser
+#: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, enforced
 DEFAULT_BUDGET_S = 300.0
 
 
