@@ -332,8 +332,7 @@ class Profiler:
                 coarse = level >= COARSE
                 self.round_config = dataclasses.replace(cfg, repeats=1, max_repeats=1, min_time_s=0) if coarse else cfg
                 if all(chain in done[r] for r in ranks) or level == SKIP or (coarse and mode not in COARSE_MODES):
-                    saved = journal.entries(chain) if journal and chain in done[self.rank] else []
-                    local += saved
+                    local += (saved := journal.entries(chain) if journal and chain in done[self.rank] else [])
                     budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
                     budget.show(bar)
                     continue
@@ -376,8 +375,9 @@ class Profiler:
         self.clock = None
         clamped = sum(comm.all_gather_object(clamped, self.control.control))
 
-        feasible, measured = {e.bucket for e in entries if e.feasible}, {e.bucket for e in entries}
-        unfit = [b.key for b in buckets if b.key in measured and b.key not in feasible]  # not: skipped by the budget
+        feasible, measured = {e.bucket for e in entries if e.feasible}, {(e.bucket, e.sp) for e in entries}
+        # unfit: measured at every degree (not cut by the budget) and infeasible at each
+        unfit = [b.key for b in buckets if b.key not in feasible and all((b.key, k) in measured for k in self.sp_sizes)]
         for k in unfit:
             log.warning("bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
                         "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
