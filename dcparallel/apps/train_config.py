@@ -75,7 +75,7 @@ Config (every key optional; defaults below)::
     min_time_s = 0.2        # short layouts get more runs, until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
-    budget_s = 300          # wall time; past it the rest is measured coarsely (0: no budget)
+    budget_s = 300          # wall time, enforced: coarser for large buckets, none past it (0: no budget)
 """
 
 from __future__ import annotations
