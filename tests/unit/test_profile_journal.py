@@ -103,3 +103,17 @@ def test_a_profile_keeps_its_budget_and_reserves_it_for_the_large_buckets(budget
     prof.config.budget_s = None
     prof.run(sizes)
     assert unbudgeted.t > 2.5 * budget  # what the budget saved
+
+
+def test_the_bar_states_the_budget_then_the_estimate_of_a_full_profile(monkeypatch, capsys):
+    clock, calls = FakeClock(), []
+    monkeypatch.setattr(budget_mod, "_now", clock)
+    prof = make_profiler(modes=MODES, max_mbs=4, budget_s=8.0, repeats=3, max_repeats=3, progress=True)
+    monkeypatch.setattr(prof, "_measure", slow_measure(prof, clock, calls))
+    prof.run([16, 32, 64, 128])
+    err = capsys.readouterr().err
+    assert "profiling tiny, budget 8 s" in err
+    # after the first chain (bucket 16, recompute none: mbs 1, 2, 4 at 0.4 s a sample): 2.8 s measured,
+    # the rest estimated from it, all larger chains dearer than this one
+    first = err.split("estimate ")[1].split(" s in full")[0]
+    assert float(first) > 12 * 2.8
