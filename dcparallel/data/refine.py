@@ -1,0 +1,51 @@
+"""The loader's online refinement: micro-batch times measured in the first steps of training
+correct the cost model (`cost.refined.RefinedCost`) that plans the later steps.
+
+What is fed: per micro-batch of a step, its samples' sizes, its SP degree, its recompute
+setting and the seconds it took on the lowest rank of its group. Every rank gathers every
+rank's times (`step_rows`, one `all_gather_object` per refined step), so every rank, and
+every planning process, refits on the same rows in the same order (`sim.plan_worker.refit`):
+the plans stay identical across ranks. A row is plain data (lists and numbers) so that it travels in a loader's
+`state_dict` and over a planning process's connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dcparallel.plan.types import StepPlan
+from dcparallel.runtime import comm
+from dcparallel.spec import Size
+
+#: (sizes, sp, recompute attention layers, recompute MLP layers, seconds); a video size is a list
+Row = tuple[list, int, int, int, float]
+
+
+def check_steps(refine_steps: int) -> int:
+    """``refine_steps``, checked (an int >= 0)."""
+    if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
+        raise ValueError(f"refine_steps must be an integer >= 0 (0: no refinement); got {refine_steps!r}")
+    return refine_steps
+
+
+def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size], seconds: Sequence[float],
+              ) -> list[Row]:
+    """The rows of one step, the same on every rank: ``seconds`` are this rank's times of its
+    micro-batches (`plan.work_of(rank)`'s order), gathered over the world."""
+    work = plan.work_of(rank)
+    if len(seconds) != len(work):
+        raise ValueError(f"rank {rank} ran {len(work)} micro-batch(es) in step {plan.index} but {len(seconds)} "
+                         f"time(s) were given: give one time per batch of the step, in order")
+    times = comm.all_gather_object([float(s) for s in seconds]) if world_size > 1 else [[float(s) for s in seconds]]
+    rows: list[Row] = []
+    for r in range(world_size):
+        for (mb, ranks), s in zip(plan.work_of(r), times[r], strict=True):
+            if r == min(ranks):
+                lay = mb.layout
+                rows.append(([_plain(sizes[i]) for i in mb.sample_ids], lay.sp, lay.recompute.attn,
+                             lay.recompute.mlp, s))
+    return rows
+
+
+def _plain(size: Size) -> int | list[int]:
+    return list(size) if isinstance(size, tuple) else int(size)
