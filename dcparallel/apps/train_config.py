@@ -76,6 +76,7 @@ Config (every key optional; defaults below)::
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
     budget_s = 300          # wall time, enforced: coarser for large buckets, none past it (0: no budget)
+    refine_steps = 0        # the first N steps' micro-batch times correct the cost model (0: off)
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ class ProfileConfig:
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)
     budget_s: float = _opt(300.0, lo=0, resume=False)
+    refine_steps: int = _opt(0, lo=0, resume=False)
 
     def check(self, where: str) -> None:
         pass

@@ -66,6 +66,11 @@ class RefinedCost:
             seen.append((priced, float(seconds)))
             self._fit[key] = _fit(seen)
 
+    @property
+    def fitted(self) -> list[int]:
+        """The SP degrees measured so far, each with a fit of its own."""
+        return sorted(k for k in self._fit if k is not None)
+
     def correction(self, sp: int) -> tuple[float, float]:
         """(a, b) at degree ``sp``; at a degree not observed yet, the fit of every degree
         observed (the same machine); (1, 0) before any observation."""

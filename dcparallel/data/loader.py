@@ -52,7 +52,6 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import Planner, make_planner, policy_spec
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
-from dcparallel.sim.plan_worker import refit
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import ClusterSpec, Size, Workload, format_bytes
 
@@ -304,11 +303,7 @@ class DataCentricLoader:
         return True
 
     def observe_rows(self, rows: list, count: bool = True) -> None:  # rows: `data.refine.Row`s, alike on every rank
-        self.context = refit(self.context, rows)
-        for worker in self._idle_workers:
-            worker.observe(rows)
-        self._refined.extend(rows)
-        self.refine_left -= int(count)
+        refine.feed(self, rows, count)
 
     def summary(self) -> dict[str, Any]:
         """What the loader plans over: sample counts, skipped samples, steps of the epoch."""

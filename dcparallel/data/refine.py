@@ -11,11 +11,15 @@ the plans stay identical across ranks. A row is plain data (lists and numbers) s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
+from dcparallel.sim.plan_worker import refit
 from dcparallel.spec import Size
+
+log = logging.getLogger(__name__)
 
 #: (sizes, sp, recompute attention layers, recompute MLP layers, seconds); a video size is a list
 Row = tuple[list, int, int, int, float]
@@ -45,6 +49,23 @@ def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size],
                 rows.append(([_plain(sizes[i]) for i in mb.sample_ids], lay.sp, lay.recompute.attn,
                              lay.recompute.mlp, s))
     return rows
+
+
+def feed(loader, rows: Sequence[Row], count: bool = True) -> None:
+    """``loader`` (a `DataCentricLoader`) refits on ``rows``, as do its idle planning processes
+    (the next job of each plans on the new fit); ``count``: they end one of the steps to
+    refine. Rank 0 logs the fits once the last step is fed."""
+    loader.context = refit(loader.context, rows)
+    for worker in loader._idle_workers:
+        worker.observe(list(rows))
+    loader._refined.extend(rows)
+    loader.refine_left -= int(count)
+    if count and not loader.refine_left and loader.rank == 0:
+        cost = loader.context.cost
+        fits = ", ".join(f"SP {k}: {a:.3g} x price + {b * 1e3:.3g} ms"
+                         for k in loader.context.sp_sizes if k in cost.fitted for a, b in [cost.correction(k)])
+        log.info("the cost model is refined on %d measured micro-batches (%s); later steps are planned with it",
+                 len(loader._refined), fits or "none")
 
 
 def _plain(size: Size) -> int | list[int]:
