@@ -5,8 +5,8 @@ What is fed: per micro-batch of a step, its samples' sizes, its SP degree, its r
 setting and the seconds it took on the lowest rank of its group. Every rank gathers every
 rank's times (`step_rows`, one `all_gather_object` per refined step), so every rank, and
 every planning process, refits on the same rows in the same order (`sim.plan_worker.refit`):
-the plans stay identical across ranks. A row is plain data (lists and numbers) so that it travels in a loader's
-`state_dict` and over a planning process's connection.
+the plans stay identical across ranks. A row is plain data (lists and numbers) so that it
+travels in a loader's `state_dict` and over a planning process's connection.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def check_steps(refine_steps: int) -> int:
     return refine_steps
 
 
-def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size], seconds: Sequence[float],
-              ) -> list[Row]:
+def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size],
+              seconds: Sequence[float]) -> list[Row]:
     """The rows of one step, the same on every rank: ``seconds`` are this rank's times of its
     micro-batches (`plan.work_of(rank)`'s order), gathered over the world."""
     work = plan.work_of(rank)
