@@ -4,11 +4,13 @@ byte-level BPE tokenizer trained on it offline, a tiny transformers Llama saved 
 TOML of `dcparallel train` and the user's own loop with the README's lines, all in ``OUT``.
 
     .venv/bin/python benchmarks/first_hour.py OUT [/usr/lib/python3.11]   # then the commands it prints
+    .venv/bin/python benchmarks/first_hour.py OUT --generated   # 767 log-normal files cut from it instead
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -29,9 +31,10 @@ warmup_steps = 2
 schedule = "cosine"
 out_dir = "{out}/run"
 eval_every = 4
-[profile]
-budget_s = 120
 """
+
+#: files of the generated corpus (``--generated``)
+GENERATED_FILES = 767
 
 LOOP = '''import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
@@ -66,14 +69,35 @@ for step in loader:
 '''
 
 
-def main(out: Path, corpus: str = "/usr/lib/python3.11") -> None:
+def generated_rows(corpus: str, count: int = GENERATED_FILES, seed: int = 0) -> list[dict]:
+    """``count`` code-like files cut from ``corpus``'s source lines (the library's files end to
+    end, from a random line), log-normal in length: about 67 to 191k tokens at 3.5 characters
+    a token, as the corpus of issue 58 was."""
+    rng = random.Random(seed)
+    files = sorted(Path(corpus).rglob("*.py"))[:2000]
+    lines = [x for f in files for x in f.read_text(errors="replace").splitlines(True)]
+    rows = []
+    for _ in range(count):
+        tokens = min(191_000, max(67, int(rng.lognormvariate(7.3, 1.5))))
+        start, text = rng.randrange(len(lines)), []
+        size = 0
+        while size < 3.5 * tokens:
+            text.append(lines[start % len(lines)])
+            size, start = size + len(text[-1]), start + 1
+        rows.append({"content": "".join(text)})
+    return rows
+
+
+def main(out: Path, corpus: str = "/usr/lib/python3.11", generated: bool = False) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     t = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    files = sorted(Path(corpus).glob("*.py"))
-    rows = [{"content": f.read_text(errors="replace")} for f in files]
+    if generated:
+        rows = generated_rows(corpus)
+    else:
+        rows = [{"content": f.read_text(errors="replace")} for f in sorted(Path(corpus).glob("*.py"))]
     (out / "stdlib.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -94,4 +118,5 @@ def main(out: Path, corpus: str = "/usr/lib/python3.11") -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]).resolve(), *sys.argv[2:3])
+    args = [a for a in sys.argv[1:] if a != "--generated"]
+    main(Path(args[0]).resolve(), *args[1:2], generated="--generated" in sys.argv)

@@ -33,7 +33,6 @@ from torch import nn
 
 from dcparallel.adapters.base import LossFn, ModelAdapter
 from dcparallel.adapters.find import find_adapter
-from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size, explain_shard_size
 from dcparallel.cost.base import unsharded_grad_bytes
 from dcparallel.cost.grad_hold import hold_unsharded_grads
@@ -44,6 +43,7 @@ from dcparallel.data.loader import DataCentricLoader
 from dcparallel.data.rollouts import rollout_sizes
 from dcparallel.data.sizes import check_step_budget, read_sizes
 from dcparallel.plan.policies import policy_spec
+from dcparallel.profile.cpu_calibration import analytic_cost
 from dcparallel.profile.of_engine import profile_engine
 from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime import comm
@@ -310,12 +310,13 @@ class DataCentricParallel:
         """Prices the model's layouts and returns the loader that plans every step with them.
         ``cost``: "profiled" measures the model here (or reuses the cached profile at
         ``profile_path``); "analytic" prices from the analytic model fitted to measured H200
-        numbers (`cost.analytic`), without profiling: plans for a GPU cluster, or for tests
-        and CPU runs whose step times do not matter. ``loss_fn`` (default: the one given at
+        numbers (`cost.analytic`), without profiling: plans for a GPU cluster; on a CPU its
+        time constants are timed here first, seconds, cached beside ``profile_path``
+        (`profile.cpu_calibration`). ``loss_fn`` (default: the one given at
         construction, else the adapter's) is what the profiler runs on synthetic
         micro-batches; run the same one in the training loop. ``profiler_config``: a
         `ProfilerConfig`, or a mapping of its fields that override the default
-        (`ProfilerConfig.quick`: a 300 s wall-time budget, coarser past it; capped at the
+        (`ProfilerConfig.quick`: a 300 s wall-time budget, enforced; capped at the
         dataset's longest sample and the memory budget; saved as it goes, so a killed profile
         resumes), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
         ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together
@@ -388,8 +389,8 @@ class DataCentricParallel:
                profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> None:
         """The cost model of ``cost``: the analytic one, or a profile of this model (measured
         now, collective, or cached) — the same on every rank (checked)."""
-        if cost == "analytic":
-            self.cost = AnalyticCost(self.spec, priced_cluster(self.cluster_spec))
+        if cost == "analytic":  # on a CPU, its time constants timed here (`profile.cpu_calibration`)
+            self.cost = analytic_cost(self.spec, priced_cluster(self.cluster_spec), self.params[0].device, profile_path)
         else:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)

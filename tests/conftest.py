@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs; never downloaded
+# cost="analytic" prices with the packaged calibration: plans the same on every machine and run
+os.environ.setdefault("DCPARALLEL_CPU_CALIBRATION", "0")
 
 import pytest  # noqa: E402
 

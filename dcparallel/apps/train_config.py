@@ -79,7 +79,8 @@ Config (every key optional; defaults below)::
     min_time_s = 0.2        # short layouts get more runs, until they add up to this
     max_mbs = 16            # micro-batch sizes doubled up to this
     max_tokens = 4096       # ... or up to this many tokens
-    budget_s = 300          # wall time; past it the rest is measured coarsely (0: no budget)
+    budget_s = 300          # wall time, enforced: coarser for large buckets, none past it (0: no budget)
+    refine_steps = 0        # the first N steps' micro-batch times correct the cost model (0: off)
 """
 
 from __future__ import annotations
@@ -263,6 +264,7 @@ class ProfileConfig:
     max_mbs: int = _opt(16, lo=1, resume=False)
     max_tokens: int = _opt(4096, lo=1, resume=False)
     budget_s: float = _opt(300.0, lo=0, resume=False)
+    refine_steps: int = _opt(0, lo=0, resume=False)
 
     def check(self, where: str) -> None:
         pass

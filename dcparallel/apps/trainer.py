@@ -175,7 +175,7 @@ class Trainer:
             kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
             kw["profiler_config"] = pc.profiler_config(dc.memory_bytes, progress=self.rank == 0)
         return dc.prepare(self.data.train, lengths=self.data.train_sizes, tokens_per_step=t.tokens_per_step,
-                          cost=pc.cost, predict=self.rank == 0, **kw)
+                          cost=pc.cost, predict=self.rank == 0, refine_steps=pc.refine_steps, **kw)
 
     def _eval_loader(self):
         if self.data.eval is None:
@@ -263,15 +263,18 @@ class Trainer:
             faulthandler.dump_traceback_later(self.t.step_timeout_s, exit=True)
         if self.before_step is not None:
             self.before_step(self, self.done + 1)
-        busy = 0.0
+        times = []  # each micro-batch's seconds: the idle share, and the cost model's refinement
         for batch in step:
             a = time.perf_counter()
             with self.dc.micro_batch(batch) as ctx:  # the adapter's loss: next-token, or flow matching
                 ctx.backward(self.dc.loss_fn(self.model, batch, ctx))
-            busy += time.perf_counter() - a
+            if self.cuda and self.loader.refine_left:  # the micro-batch's time, not its launch's
+                torch.cuda.synchronize(self.launch.device)
+            times.append(time.perf_counter() - a)
         update = self._update(epoch, step)
+        self.loader.observe(step, times)  # while steps remain to refine (collective); else nothing
         step_s = time.perf_counter() - t0
-        idle = self._idle_fraction(busy)
+        idle = self._idle_fraction(sum(times))
         if self.t.step_timeout_s:
             faulthandler.cancel_dump_traceback_later()
         due = self.t.eval_every and (self.done % self.t.eval_every == 0 or self.done >= self.target)

@@ -40,7 +40,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dcparallel.cost.base import CostModel
-from dcparallel.data import plan_check, plan_stream
+from dcparallel.cost.refined import RefinedCost
+from dcparallel.data import plan_check, plan_stream, refine
 from dcparallel.data.collate import IGNORE_INDEX, CollateFn, resolve_collate
 from dcparallel.data.loader_step import LoaderStep
 from dcparallel.data.plan_stream import PlanStream, predictor
@@ -99,6 +100,9 @@ class DataCentricLoader:
       collate made them, the CPU).
     - ``predict``: each step comes with the simulator's replay of its plan
       (`LoaderStep.predicted`), made where the plan is, off the training loop.
+    - ``refine_steps``: the first this many steps feed their micro-batch times (`observe`) to
+      the cost model, wrapped in a `RefinedCost`; each is planned after the last was fed
+      (`data.refine`). 0 (default): the cost model is used as given.
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
@@ -130,6 +134,7 @@ class DataCentricLoader:
         device: torch.device | str | None = None,
         planning: str = "process",
         predict: bool = False,
+        refine_steps: int = 0,
     ):
         self.device = torch.device(device) if device is not None else None
         try:
@@ -161,6 +166,8 @@ class DataCentricLoader:
                 f"{self.world_size} ranks; build the ClusterSpec from the launched world size"
             )
 
+        self.refine_left, self._refined = refine.check_steps(refine_steps), []  # steps still to feed; rows fed
+        cost = RefinedCost(cost) if refine_steps and not isinstance(cost, RefinedCost) else cost
         sizes = read_sizes(lengths, num_samples)
         model = cost.model
         check_kind(sizes, model)
@@ -256,7 +263,7 @@ class DataCentricLoader:
         return {"epoch": self.epoch, "step": self._step, "num_steps": len(self), "seed": self.seed,
                 "policy": self.policy, "world_size": self.world_size, "num_samples": len(self.sizes),
                 "tokens_per_step": self.tokens_per_step, "samples_per_step": self.samples_per_step,
-                "data_digest": self._data_digest}
+                "data_digest": self._data_digest, "refine": {"left": self.refine_left, "rows": list(self._refined)}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues at ``state['step']`` of ``state['epoch']``: the remaining steps hold
@@ -280,6 +287,23 @@ class DataCentricLoader:
                 log.info("resuming with %s=%r (saved with %r): same samples per step, re-planned",
                          key, getattr(self, key), state[key])
         self.epoch, self._step, self._start = epoch, step, step
+        if self.refine_left or self._refined:  # the fits the saved run planned with, from its rows
+            plan_stream.close_workers(self._idle_workers)  # they hold the fits of this process's run
+            self.context.cost, self._refined = RefinedCost(self.context.cost.inner), []
+            saved = state.get("refine", {"left": self.refine_left, "rows": []})
+            self.observe_rows(saved["rows"], count=False)
+            self.refine_left = saved["left"]
+
+    def observe(self, step: LoaderStep, seconds: list[float]) -> bool:
+        """Feeds the seconds each of ``step``'s batches took on this rank (in order) to the cost model, a
+        collective (every rank, every step) while steps remain to refine; else False, no collective."""
+        if not self.refine_left:
+            return False
+        self.observe_rows(refine.step_rows(step.plan, self.rank, self.world_size, self.sizes, seconds))
+        return True
+
+    def observe_rows(self, rows: list, count: bool = True) -> None:  # rows: `data.refine.Row`s, alike on every rank
+        refine.feed(self, rows, count)
 
     def summary(self) -> dict[str, Any]:
         """What the loader plans over: sample counts, skipped samples, steps of the epoch."""
@@ -314,22 +338,33 @@ class DataCentricLoader:
     def _iterate(self, epoch: int, start: int) -> Iterator[LoaderStep]:
         self._start = 0
         self._step = start
+        self.last_plan_seconds, self.last_plan_waits = 0.0, []
+        k, num_steps = start, len(self.steps(epoch))
+        while k < num_steps and self.refine_left:  # one step at a time, each planned after the last was fed
+            left = self.refine_left
+            yield from list(self._segment(epoch, k, k + 1))  # its stream and DataLoader closed before the yield
+            k += 1
+            if self.refine_left == left:  # the loop did not feed this step: refining ends (alike on every rank)
+                self.refine_left = 0
+        yield from self._segment(epoch, k, num_steps)
+
+    def _segment(self, epoch: int, start: int, end: int) -> Iterator[LoaderStep]:
         steps = self.steps(epoch)
         if self.planning == "process" and self.lookahead > 0:
             worker = plan_stream.idle_worker(self._idle_workers, self.policy, self.context, self.predict)
-            stream = plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers)
+            stream = plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers, stop=end)
         else:
             stream = PlanStream(functools.partial(self.planner, epoch), steps, start, self.lookahead,
-                                name=f"dcparallel-plan-e{epoch}",
+                                name=f"dcparallel-plan-e{epoch}", stop=end,
                                 predict=predictor(self.context) if self.predict else None)
-        loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, len(steps), self.rank),
+        loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, end, self.rank),
                             batch_size=None, collate_fn=to_worker_result if self.num_workers else identity,
                             num_workers=self.num_workers,
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         it = iter(loader)  # forks the DataLoader's workers (before the planning thread exists)
         t_epoch = time.perf_counter()
         try:
-            for k in range(start, len(steps)):
+            for k in range(start, end):
                 plan, predicted = stream.get(k, "assembler"), stream.prediction(k)
                 plan.check_shard_blocks(getattr(self.cluster, "shard_size", 1))  # same plan, same answer, every rank
                 if self.check_plans and (k == start or k % self.check_plans == 0):
@@ -350,9 +385,11 @@ class DataCentricLoader:
                 if self.lookahead:
                     stream.ahead(k + 2)
                 yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches, predicted)
-            log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
-                     start, len(steps) - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
+            if end == len(steps):
+                log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
+                         start, end - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
         finally:
             stream.close()
-            self.last_plan_seconds, self.last_plan_waits = stream.plan_seconds, list(stream.waited)
+            self.last_plan_seconds += stream.plan_seconds
+            self.last_plan_waits += stream.waited
             del it

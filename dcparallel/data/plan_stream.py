@@ -53,11 +53,13 @@ def predictor(ctx: PlanContext) -> Predict:
 class PlanStream:
     """Plans the steps of one epoch in order on a background thread, `lookahead` steps ahead
     of the furthest step anyone asked for. ``lookahead=0`` plans in the caller's thread.
-    ``predict``: each plan's `StepPrediction`, made with the plan (`prediction`)."""
+    ``predict``: each plan's `StepPrediction`, made with the plan (`prediction`); ``stop``:
+    no step from ``stop`` on is planned (default: to the epoch's end)."""
 
     def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                 lookahead: int, name: str, predict: Predict | None = None):
+                 lookahead: int, name: str, predict: Predict | None = None, stop: int | None = None):
         self._build, self._steps, self._lookahead, self._name = build, steps, lookahead, name
+        self._end = len(steps) if stop is None else min(stop, len(steps))  # plans no step from here on
         self._predict = predict
         self._planner: Planner | None = None
         self._cond = threading.Condition()
@@ -125,10 +127,10 @@ class PlanStream:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and self._next < len(self._steps) and \
+                    while not self._stop and self._next < self._end and \
                             self._next >= self._demand + self._lookahead:
                         self._cond.wait()
-                    if self._stop or self._next >= len(self._steps):
+                    if self._stop or self._next >= self._end:
                         return
                     k = self._next
                 plan, predicted = self._plan(k)
@@ -197,6 +199,14 @@ class PlanWorker:
         except subprocess.TimeoutExpired:
             return None
 
+    def observe(self, rows: list) -> None:
+        """Refits the process's cost model on measured micro-batches (`sim.plan_worker.refit`)
+        before its next job; a process that is gone is dropped when next taken (`idle_worker`)."""
+        try:
+            self.conn.send(("observe", None, rows))
+        except OSError:
+            pass
+
     def new_job(self) -> int:
         return next(self._jobs)
 
@@ -256,15 +266,16 @@ class ProcessPlanStream:
     """`PlanStream`'s interface, the planning done by a `PlanWorker` (so that planning never
     holds the training process's interpreter lock). Plans are pure functions of the step:
     the same as in-process. On `close` the worker goes back to ``idle`` (the loader's list
-    of idle workers) once it has ended this stream's job, or is closed if it did not."""
+    of idle workers) once it has ended this stream's job, or is closed if it did not.
+    ``stop``: plan no step from ``stop`` on (default: to the epoch's end)."""
 
     def __init__(self, worker: PlanWorker, steps: Sequence[step_former.Step], start: int, lookahead: int,
-                 idle: list[PlanWorker]):
+                 idle: list[PlanWorker], stop: int | None = None):
         self._worker, self._idle = worker, idle
         self._conn = worker.conn
         self._jid = worker.new_job()
         self._lock = threading.Lock()
-        self._send(("job", self._jid, steps, start, lookahead))
+        self._send(("job", self._jid, steps, start, lookahead, stop))
         self._plans: dict[int, StepPlan] = {}
         self._predicted: dict[int, StepPrediction | None] = {}
         self._pos = {"sampler": start, "assembler": start}

@@ -141,8 +141,8 @@ def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
     budget = profiler.config.budget_s
     if comm.world_rank() == 0 and budget is not None:
         (log.warning if stats.seconds > budget else log.info)(
-            "profiled in %.0f s (budget %.0f s%s)", stats.seconds, budget,
-            "; measured coarsely past it" if stats.seconds > budget else "")
+            "profiled in %.0f s (budget %.0f s): %d layout chains measured coarsely, %d not measured "
+            "(priced from the measured ones)", stats.seconds, budget, stats.chains_coarse, stats.chains_skipped)
     if comm.world_rank() == 0:
         p = Path(path)
         if p.exists():

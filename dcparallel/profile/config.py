@@ -58,8 +58,9 @@ class ProfilerConfig:
     progress: bool = False
     """a tqdm bar on stderr (rank 0)"""
     budget_s: float | None = None
-    """wall-time budget in seconds (None: none): past it the rest is measured coarsely, one
-    micro-batch size, recompute none / full only, one timed round (`profile.journal.Budget`)"""
+    """wall-time budget in seconds (None: none), enforced (`profile.budget`): the large buckets'
+    chains are measured coarsely (one micro-batch size, recompute none / full only, one timed
+    round) when the rest would not fit otherwise, and past it nothing more is measured"""
 
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""
@@ -91,13 +92,13 @@ class ProfilerConfig:
         """What `DataCentricParallel.prepare` measures by default: 3 timed rounds per layout (about
         0.2 s of timing; more, up to 12, until the median is known to +-5%), micro-batches
         doubled only up to ``max_tokens`` tokens (prepare passes the dataset's longest sample;
-        the cost model extrapolates larger micro-batches by their marginal cost), coarser past
-        `DEFAULT_BUDGET_S`. `dcparallel profile` keeps the fuller defaults for validation runs."""
+        the cost model extrapolates larger micro-batches by their marginal cost), within
+        `DEFAULT_BUDGET_S` (`profile.budget`). `dcparallel profile` keeps the fuller defaults for validation runs."""
         return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 12, "rel_tol": 0.05,
                                  "max_tokens": max_tokens, "budget_s": DEFAULT_BUDGET_S, **kw})
 
 
-#: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, then coarser
+#: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, enforced
 DEFAULT_BUDGET_S = 300.0
 
 
@@ -111,6 +112,10 @@ class ProfileStats:
     validation: list[dict] = field(default_factory=list)
     unfit_buckets: list[str] = field(default_factory=list)
     slopes_clamped: int = 0
+    #: layout chains measured coarsely, and not measured, for the budget (`profile.budget`; summed
+    #: over ranks: a chain of an SP group of k ranks counts k times)
+    chains_coarse: int = 0
+    chains_skipped: int = 0
     #: CUDA only: the largest allocated and reserved peaks and the least free device memory
     #: of this rank's memory runs (`measure.worst_cuda_memory`)
     cuda_memory: dict | None = None

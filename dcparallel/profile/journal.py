@@ -8,28 +8,17 @@ skips every chain that all of its group's ranks finished, and the rank that spea
 group (its first) brings those entries back from its file. The files are removed once the
 whole profile is saved.
 
-`Budget`: ``ProfilerConfig.budget_s`` seconds of wall time, the same on every rank. Once it
-has passed on any rank of a group, the group measures the rest coarsely: no larger micro-
-batches (the cost model extrapolates them from one sample), only recompute "none" and "full"
-(the planners then choose between those two), and one timed round per layout instead of
-rounds until the median is stable. Each chain still measured costs a warm-up and one round,
-so a profile ends past its budget by about that much per remaining chain, not at it.
+The budget that decides how much of a profile is measured is `profile.budget`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 from dcparallel.cost.schema import ProfileEntry
-
-Chain = tuple[str, int, str]
-"""(bucket key, SP degree, recompute mode)"""
-
-#: the recompute modes a profile past its budget still measures
-COARSE_MODES = ("none", "full")
+from dcparallel.profile.budget import Chain
 
 
 class Journal:
@@ -60,13 +49,3 @@ class Journal:
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
-
-class Budget:
-    """Wall time left of ``seconds`` (None: no budget) from when it is made."""
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self.start = time.perf_counter()
-
-    def over(self) -> bool:
-        return self.seconds is not None and time.perf_counter() - self.start > self.seconds

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 
@@ -49,6 +48,7 @@ from torch import nn
 
 from dcparallel.cost.schema import Profile, ProfileBucket, ProfileEntry
 from dcparallel.profile import shards
+from dcparallel.profile.budget import COARSE, COARSE_MODES, SKIP, Budget, largest_mbs
 from dcparallel.profile.config import (  # noqa: F401 (re-exported)
     ProfilerConfig,
     ProfileStats,
@@ -58,7 +58,7 @@ from dcparallel.profile.config import (  # noqa: F401 (re-exported)
 from dcparallel.profile.control import ControlGroups, run_together
 from dcparallel.profile.drift import ReferenceClock, median_reference, rescale
 from dcparallel.profile.inputs import MakeInputs
-from dcparallel.profile.journal import COARSE_MODES, Budget, Journal
+from dcparallel.profile.journal import Journal
 from dcparallel.profile.measure import (
     SavedTensorMeter,
     Timer,
@@ -314,13 +314,10 @@ class Profiler:
         key = comm.digest((fp, keys, dataclasses.replace(cfg, progress=False, budget_s=None)))
         journal = Journal(journal_path, self.rank, key) if journal_path is not None else None
         done = comm.all_gather_object(set(journal.done) if journal else set(), self.control.control)
-        budget, bar = Budget(cfg.budget_s), None
-        if cfg.progress:
-            from tqdm import tqdm
-
-            limit = f", budget {cfg.budget_s:.0f} s" if cfg.budget_s is not None else ""
-            bar = tqdm(total=len(plan) * len(cfg.modes), desc=f"profiling {self.spec.name}{limit}", file=sys.stderr,
-                       disable=self.rank != 0, unit="layout-chain")
+        chains = [((b.key, sp, m), b.tokens, largest_mbs(b.tokens, cfg.max_mbs, cfg.max_tokens)) for sp, _, b in plan
+                  for m in cfg.modes]
+        budget = Budget(cfg.budget_s, chains, full_runs=2.0 * (cfg.warmup + cfg.repeats))
+        bar = budget.progress_bar(self.spec.name, self.rank) if cfg.progress else None
 
         local: list[ProfileEntry] = []
         clamped = 0
@@ -331,12 +328,14 @@ class Profiler:
             group = self.control.of(ranks)
             size = b.size
             for mode in cfg.modes:
-                chain, n_before = (b.key, sp, mode), len(local)
-                coarse = any(comm.all_gather_object(budget.over(), group))  # the group agrees
+                chain, n_before, t0 = (b.key, sp, mode), len(local), budget.elapsed()
+                level = max(comm.all_gather_object(budget.level(chain), group))  # the group agrees
+                coarse = level >= COARSE
                 self.round_config = dataclasses.replace(cfg, repeats=1, max_repeats=1, min_time_s=0) if coarse else cfg
-                if all(chain in done[r] for r in ranks) or (coarse and mode not in COARSE_MODES):
-                    local += journal.entries(chain) if journal and chain in done[self.rank] else []
-                    bar is not None and bar.update(1)
+                if all(chain in done[r] for r in ranks) or level == SKIP or (coarse and mode not in COARSE_MODES):
+                    local += (saved := journal.entries(chain) if journal and chain in done[self.rank] else [])
+                    budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
+                    budget.show(bar)
                     continue
                 mbs, best = 1, 0.0
                 while True:
@@ -357,13 +356,13 @@ class Profiler:
                     best = max(best, tput)
                     tokens = self.spec.tokens(size)
                     if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens) \
-                            or any(comm.all_gather_object(budget.over(), group)):
+                            or coarse or any(comm.all_gather_object(budget.over(), group)):
                         break
                     mbs *= 2
                 if journal is not None:
                     journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])
-                if bar is not None:
-                    bar.update(1)
+                budget.done(chain, level, budget.elapsed() - t0, local[n_before:])
+                budget.show(bar)
         if bar is not None:
             bar.close()
 
@@ -377,14 +376,17 @@ class Profiler:
         self.clock = None
         clamped = sum(comm.all_gather_object(clamped, self.control.control))
 
-        feasible = {e.bucket for e in entries if e.feasible}
-        unfit = [b.key for b in buckets if b.key not in feasible]
+        feasible, measured = {e.bucket for e in entries if e.feasible}, {(e.bucket, e.sp) for e in entries}
+        # unfit: measured at every degree (not cut by the budget) and infeasible at each
+        unfit = [b.key for b in buckets if b.key not in feasible and all((b.key, k) in measured for k in self.sp_sizes)]
         for k in unfit:
             log.warning("bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
                         "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
         stats = ProfileStats(layouts_measured=len(entries),
                              layouts_infeasible=sum(not e.feasible for e in entries),
-                             unfit_buckets=unfit, slopes_clamped=clamped, cuda_memory=self.cuda_memory)
+                             unfit_buckets=unfit, slopes_clamped=clamped, cuda_memory=self.cuda_memory,
+                             chains_coarse=sum(comm.all_gather_object(budget.coarse, self.control.control)),
+                             chains_skipped=sum(comm.all_gather_object(budget.skipped, self.control.control)))
         stats.add_validation(entries)
 
         profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,

@@ -11,8 +11,10 @@ Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
 
 - in: the training process's ``sys.path``, then ``(policy, PlanContext, predict)`` once
   (answered ``("ready", None)``, or ``("error", None, text)`` and the end);
-  then per epoch ``("job", jid, steps, start, lookahead)``, ``("demand", jid, k)`` (plan
-  up to step ``k - 1 + lookahead``), ``("end", jid)``; None or EOF ends the process.
+  then per epoch ``("job", jid, steps, start, lookahead[, stop])`` (steps ``start ..
+  stop - 1``), ``("demand", jid, k)`` (plan up to step ``k - 1 + lookahead``), ``("end",
+  jid)``; ``("observe", None, rows)`` refits the context's `RefinedCost` on measured
+  micro-batches (`refit`; the loader sends it between jobs); None or EOF ends the process.
 - out: ``("plan", jid, k, StepPlan, seconds, prediction)`` in step order (prediction:
   the plan's `sim.replay.StepPrediction`, or None), ``("error", jid,
   text)`` once a job fails, ``("ended", jid)`` as the answer to ``("end", jid)``: nothing
@@ -30,10 +32,13 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from dcparallel.cost.refined import RefinedCost
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import Planner, make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
 from dcparallel.sim.replay import predict_step, step_seconds
+from dcparallel.spec import Recompute
 
 
 def checked_plan(planner: Planner, step: Step) -> StepPlan:
@@ -44,14 +49,27 @@ def checked_plan(planner: Planner, step: Step) -> StepPlan:
     return plan
 
 
+def refit(ctx: PlanContext, rows) -> PlanContext:
+    """A new context over ``ctx``'s `RefinedCost` after observing ``rows`` (`data.refine.Row`:
+    sizes, sp, recompute attention and MLP layers, seconds); a context keeps the prices it
+    has seen, so the plans after a refit need a new one."""
+    cost = ctx.cost
+    if not isinstance(cost, RefinedCost):
+        raise TypeError(f"refining needs the context's cost model to be a RefinedCost; got {type(cost).__name__}")
+    for sizes, sp, attn, mlp, seconds in rows:
+        cost.observe([tuple(s) if isinstance(s, list) else s for s in sizes], sp, Recompute(attn, mlp), seconds)
+    return PlanContext(ctx.workload, cost, ctx.cluster, skip_oversize=bool(ctx.skipped))
+
+
 class _Job:
-    def __init__(self, jid: int, steps, start: int, lookahead: int):
+    def __init__(self, jid: int, steps, start: int, lookahead: int, stop: int | None = None):
         self.jid, self.steps, self.next, self.demand, self.lookahead = jid, steps, start, start, max(1, lookahead)
+        self.stop = len(steps) if stop is None else min(stop, len(steps))
         self.planner = None
         self.failed = False
 
     def wants_more(self) -> bool:
-        return not self.failed and self.next < len(self.steps) and self.next < self.demand + self.lookahead
+        return not self.failed and self.next < self.stop and self.next < self.demand + self.lookahead
 
 
 def serve(conn: Connection) -> None:
@@ -74,6 +92,8 @@ def serve(conn: Connection) -> None:
                 job = _Job(jid, *msg[2:])
             elif kind == "demand" and job is not None and job.jid == jid:
                 job.demand = max(job.demand, msg[2])
+            elif kind == "observe":  # between jobs: the next job plans on the refitted context
+                ctx = refit(ctx, msg[2])
             elif kind == "end":
                 job = None
                 conn.send(("ended", jid))

@@ -150,3 +150,25 @@ def case_prepare_budgets(budgets: list[int]) -> dict:
     except ValueError as e:
         return {"error": str(e)}
     return {"error": "", "steps": len(loader)}
+
+
+def case_refine(refine_steps: int) -> dict:
+    """The loader fed each step's micro-batch times (synthetic, rank-dependent: 10 ms x (rank
+    + 1) plus 10 us a token) for ``refine_steps`` steps, planning in a planning process: what
+    each rank planned and predicted, and its cost model's corrections."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = ArithmeticTokens(40, 0)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
+                          intra_bw=300e9, intra_latency=1e-5)
+    with DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
+                           tokens_per_step=400, seed=0, predict=True, refine_steps=refine_steps) as loader:
+        plans, predicted, fed = [], [], []
+        for step in loader:
+            plans.append(step.plan.to_json())
+            predicted.append(step.predicted)
+            times = [0.01 * (rank + 1) + 1e-5 * sum(dataset.lengths[i] for i in mb.sample_ids)
+                     for mb in step.micro_batches]
+            fed.append(loader.observe(step, times))
+        cost = loader.context.cost
+        return {"plans": plans, "predicted": predicted, "fed": fed, "refine_left": loader.refine_left,
+                "corrections": {sp: cost.correction(sp) for sp in (1, 2)}}

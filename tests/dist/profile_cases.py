@@ -33,3 +33,31 @@ def case_profile(path: str) -> dict:
     return {"profile": p.to_json(), "stats": dataclasses.asdict(stats), "reused": stats2 is None,
             "reused_same": again.to_json() == p.to_json(), "limit": limit, "limited": limited.to_json(),
             "limited_stats": dataclasses.asdict(lstats)}
+
+
+def case_budget(budget_s: float) -> dict:
+    """A profile whose measurements are made slow on a fake clock (`profile.budget._now`),
+    rank 1's twice as slow as rank 0's: the SP 2 group agrees on how to measure each chain
+    (else their collectives would not match) and each rank stops within the budget."""
+    from dcparallel.profile import budget as budget_mod
+
+    rank = torch.distributed.get_rank()
+    clock, calls = [0.0], []
+    prof = _profiler(modes=("none", "attn", "full"), max_mbs=4, budget_s=budget_s, repeats=3, max_repeats=3)
+
+    def measure(size, ranks, mbs, mode, depths, full_depth=None):
+        run = 0.1 * (1 + rank) * mbs * size / 16
+        rounds = prof.round_config.repeats
+        clock[0] += run * (1 + rounds)
+        calls.append(run * (1 + rounds))
+        return {"ok": True, "memory": {d: 1000.0 * d * mbs * size for d in depths},
+                "time": {depths[0]: run / 3, depths[1]: 2 * run / 3}, "slope": run / 3,
+                "spread": 0.0, "rounds": rounds, "rejected": 0}
+
+    prof._measure = measure
+    saved, budget_mod._now = budget_mod._now, lambda: clock[0]
+    try:
+        p, stats = prof.run([16, 32, 64, 128])
+    finally:
+        budget_mod._now = saved
+    return {"profile": p.to_json(), "clock": clock[0], "longest": max(calls), "stats": dataclasses.asdict(stats)}

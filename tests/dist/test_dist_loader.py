@@ -108,3 +108,14 @@ def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
         assert "pass the same memory_bytes on every rank" in out["error"]
     same = workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_200_000])
     assert same[0]["error"] == "" and same[0]["steps"] == same[1]["steps"] > 1, same
+
+
+def test_refined_plans_are_identical_on_every_rank(workers):
+    """Each rank feeds its own micro-batch times; the loader gathers them, so both ranks (and
+    their planning processes) refit alike and plan alike."""
+    out = workers.run(loader_cases.case_refine, 3)
+    assert out[0]["plans"] == out[1]["plans"] and out[0]["predicted"] == out[1]["predicted"]
+    assert out[0]["corrections"] == out[1]["corrections"]
+    assert all(c != (1.0, 0.0) for c in out[0]["corrections"].values())  # fitted
+    assert out[0]["fed"] == out[1]["fed"] == [True] * 3 + [False] * (len(out[0]["plans"]) - 3)
+    assert out[0]["refine_left"] == 0

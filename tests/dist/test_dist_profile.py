@@ -14,13 +14,31 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prof2")
     w = Workers(2, tmp)
     try:
-        yield w.run(profile_cases.case_profile, str(tmp / "profile.json"))
+        yield w, tmp
     finally:
         w.close()
+
+
+@pytest.fixture(scope="module")
+def out(workers):
+    w, tmp = workers
+    return w.run(profile_cases.case_profile, str(tmp / "profile.json"))
+
+
+def test_both_ranks_keep_the_budget_and_agree_on_each_chain(workers):
+    budget = 6.0
+    out = workers[0].run(profile_cases.case_budget, budget)
+    assert out[0]["profile"] == out[1]["profile"]
+    for o in out:
+        assert o["clock"] <= budget + o["longest"]
+        assert o["stats"]["chains_coarse"] > 0 and o["stats"]["chains_skipped"] > 0
+    entries = out[0]["profile"]["entries"]
+    for sp in (1, 2):  # what a cost model needs at all: recompute none and full at every degree
+        assert {e["recompute"] for e in entries if e["sp"] == sp and e["feasible"]} >= {"none", "full"}, sp
 
 
 def test_every_rank_holds_the_same_whole_profile(out):

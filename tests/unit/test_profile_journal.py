@@ -11,6 +11,7 @@ import pytest
 
 from dcparallel.cost.schema import ProfileBucket
 from dcparallel.profile import ProfilerConfig, load_or_profile
+from dcparallel.profile import budget as budget_mod
 from tests.unit.test_profile import make_profiler
 
 MODES = ("none", "attn", "full")
@@ -44,9 +45,75 @@ def test_a_killed_profile_resumes_from_the_chains_it_saved(tmp_path, monkeypatch
     assert path.exists() and not partial.exists()
 
 
-def test_past_its_budget_a_profile_is_coarse():
+def test_a_profile_past_its_budget_measures_only_what_a_cost_model_needs():
     prof = make_profiler(modes=MODES, max_mbs=4, budget_s=0.0, repeats=3, max_repeats=6)
-    profile, _ = prof.run([16, 32])
-    assert {(e.mbs, e.recompute) for e in profile.entries} == {(1, "none"), (1, "full")}
-    assert {e.rounds for e in profile.entries} == {1}  # one timed round each, not the 3 asked for
+    profile, stats = prof.run([16, 32])
+    small = ProfileBucket.of(prof.spec, 16).key
+    # recompute none and full once, coarsely (one sample, one timed round); nothing else
+    assert {(e.bucket, e.mbs, e.recompute) for e in profile.entries} == {(small, 1, "none"), (small, 1, "full")}
+    assert {e.rounds for e in profile.entries} == {1}
+    assert (stats.chains_coarse, stats.chains_skipped) == (2, 4) and profile.unfit_buckets == []
     assert ProfilerConfig.quick().budget_s == 300.0  # the default profile's budget (docs/training.md)
+
+
+class FakeClock:
+    """The budget's clock (`profile.budget._now`), moved only by the fake measurements."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def slow_measure(prof, clock: FakeClock, calls: list):
+    """A measurement of one layout that takes (on ``clock``) 0.1 s per 16 tokens per run of
+    both short stacks, once for memory and once per timed round, and reports that time."""
+
+    def measure(size, ranks, mbs, mode, depths, full_depth=None):
+        run = 0.1 * mbs * size / 16
+        rounds = prof.round_config.repeats
+        clock.t += run * (1 + rounds)
+        calls.append((size, mbs, mode, rounds))
+        return {"ok": True, "memory": {d: 1000.0 * d * mbs * size for d in depths},
+                "time": {depths[0]: run / 3, depths[1]: 2 * run / 3}, "slope": run / 3,
+                "spread": 0.0, "rounds": rounds, "rejected": 0}
+    return measure
+
+
+@pytest.mark.parametrize("budget", [8.0, 14.0])
+def test_a_profile_keeps_its_budget_and_reserves_it_for_the_large_buckets(budget, tmp_path, monkeypatch):
+    """Measurements made slow on a fake clock (all chains measured fully take 2.5-4x the
+    budget): the profile ends within its budget plus the one layout measured when it passed,
+    the small buckets are measured fully and the largest still coarsely (the reserve kept for it)."""
+    clock, calls = FakeClock(), []
+    monkeypatch.setattr(budget_mod, "_now", clock)
+    prof = make_profiler(modes=MODES, max_mbs=4, budget_s=budget, repeats=3, max_repeats=3)
+    monkeypatch.setattr(prof, "_measure", slow_measure(prof, clock, calls))
+    sizes = [16, 32, 64, 128]
+    profile, stats = load_or_profile(tmp_path / "p.json", prof, sizes)
+    longest = max(0.1 * mbs * size / 16 * (1 + rounds) for size, mbs, _, rounds in calls)
+    assert clock.t <= budget + longest
+    assert {(c[0], c[2]) for c in calls if c[3] == 1} >= {(128, "none"), (128, "full")}  # coarse, not skipped
+    assert {(e.bucket, e.recompute) for e in profile.entries if e.feasible} >= {
+        (ProfileBucket.of(prof.spec, s).key, m) for s in sizes for m in ("none", "full")}
+    assert any(c[3] == 3 for c in calls) and stats.chains_coarse > 0  # the small buckets measured fully
+    unbudgeted = FakeClock()
+    monkeypatch.setattr(prof, "_measure", slow_measure(prof, unbudgeted, []))
+    prof.config.budget_s = None
+    prof.run(sizes)
+    assert unbudgeted.t > 2.5 * budget  # what the budget saved
+
+
+def test_the_bar_states_the_budget_then_the_estimate_of_a_full_profile(monkeypatch, capsys):
+    clock, calls = FakeClock(), []
+    monkeypatch.setattr(budget_mod, "_now", clock)
+    prof = make_profiler(modes=MODES, max_mbs=4, budget_s=8.0, repeats=3, max_repeats=3, progress=True)
+    monkeypatch.setattr(prof, "_measure", slow_measure(prof, clock, calls))
+    prof.run([16, 32, 64, 128])
+    err = capsys.readouterr().err
+    assert "profiling tiny, budget 8 s" in err
+    # after the first chain (bucket 16, recompute none: mbs 1, 2, 4 at 0.4 s a sample): 2.8 s measured,
+    # the rest estimated from it, all larger chains dearer than this one
+    first = err.split("estimate ")[1].split(" s in full")[0]
+    assert float(first) > 12 * 2.8
