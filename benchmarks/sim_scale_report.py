@@ -162,6 +162,7 @@ def main() -> int:
                     help="recompute every cell's lower bound with the working tree's LowerBound (`rebound`)")
     ap.add_argument("--rebound-kind", default=None, help="with --rebound: only the cells of this model kind")
     ap.add_argument("--worlds", default=None, help="comma-separated: keep only the cells of these worlds")
+    ap.add_argument("--min-steps", type=int, default=4, help="with --rebound: the runs' --min-steps")
     args = ap.parse_args()
     from benchmarks.sim_scale import distributions
 
@@ -169,7 +170,7 @@ def main() -> int:
     if args.worlds:
         results = [r for r in results if str(r["world"]) in args.worlds.split(",")]
     if args.rebound:
-        rebound(results, kind=args.rebound_kind)
+        rebound(results, min_steps=args.min_steps, kind=args.rebound_kind)
     results.sort(key=lambda r: (r["budget"] != "weak", r["world"], r["scenario"],
                                 distributions(r["scenario"], "all").index(r["distribution"])))
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -189,8 +190,8 @@ def main() -> int:
                                                               f"{r['scenario']}/{r['distribution']}")
     import scipy
 
-    lines = [f"# Planner scale — every policy on the scenarios and the realistic mixes, 32 to 4096 GPUs "
-             f"(simulated H200, planned on this CPU) — {args.out.stem.rsplit('_', 1)[-1]}", "",
+    lines = [f"# Planner scale — every policy on the scenarios and the realistic mixes, {worlds[0]} to "
+             f"{worlds[-1]} GPUs (simulated H200, planned on this CPU) — {args.out.stem.rsplit('_', 1)[-1]}", "",
              "Commands (each writes a JSON file; this report merges them, later runs winning per cell and "
              "policy):", ""]
     lines += [f"    {c}" for c in args.command]
@@ -199,7 +200,8 @@ def main() -> int:
               + (f" --notes-file {args.notes_file}" if args.notes_file else "")
               + (" --rebound" if args.rebound else "")
               + (f" --rebound-kind {args.rebound_kind}" if args.rebound_kind else "")
-              + (f" --worlds {args.worlds}" if args.worlds else "") + " --command ...", "",
+              + (f" --worlds {args.worlds}" if args.worlds else "")
+              + (f" --min-steps {args.min_steps}" if args.rebound else "") + " --command ...", "",
               f"Machine: {platform.machine()} CPU ({platform.platform()}), 2 cores shared with about seven other "
               f"jobs (load average 12-23 during the runs); Python {platform.python_version()}, numpy "
               f"{np.__version__}, scipy {scipy.__version__}. Raw numbers: `{args.out.with_suffix('.json').name}`.",
@@ -208,8 +210,10 @@ def main() -> int:
               "from datasheets (assumptions). Every policy plans the same steps (shared step former). "
               "`weak` = the scenario's 32-GPU step budget × world / 32; `strong` = the 32-GPU budget at every "
               "world. Distributions: the scenarios' `short`, `balanced`, `long` and the realistic mixes "
-              "(`scenarios.MIXES`: `video-mix`, `video-wide`, `sft-long`, `pretrain-long`). Efficiency = Σ per-step "
-              "lower bound (`plan.bounds.LowerBound`) / simulated epoch time over the cell's steps; `×` = speedup "
+              "(`scenarios.MIXES`: `video-mix`, `video-wide`, `sft-long`, `pretrain-long`, and those of "
+              "`dcparallel/mixes.py`: `image-buckets`, `opensora-stage3`, `long-cpt`, `sft-chat-long`). "
+              "Efficiency = Σ per-step lower bound (`plan.bounds.LowerBound`, with its shape part on video "
+              "steps) / simulated epoch time over the cell's steps; `×` = speedup "
               "over tuned `bucket`. `megatron-dcp` and `hbp` are reproductions from the published descriptions "
               "(`dcparallel/plan/peers.py`); `flexsp` reproduces FlexSP's optimal assignment (a MILP per step, "
               "`dcparallel/plan/flexsp.py`).", "",
