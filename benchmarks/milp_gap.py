@@ -12,6 +12,15 @@ the world as aligned blocks), how many micro-batches of each (b, m) each group r
 makespan C; minimize C. Both the heuristic's plan and the MILP optimum are evaluated in this
 model, so the gap is the heuristic's alone (two-phase plans are outside the MILP's space:
 the heuristic is run with `phases=False` here).
+
+`--mixes NAME=DIVIDE,...` adds reduced steps of the mixes of `dcparallel/mixes.py` (each
+mix's 32-GPU budget / DIVIDE) and, on every step, the step's compute bound
+(`LowerBound.compute`) and the same bound without its shape part: the best plan known
+(the MILP's or `dcp`'s) over the bound is the most of a plan's distance to the bound that
+can be the bound's. On video steps
+every class is one latent shape (all its samples cost alike), so the class-level model is
+the simulator's and the MILP optimum is the best one-phase plan on the chain's degrees; on
+text steps it times each sample by its class's weight, an approximation.
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ import numpy as np
 import scipy
 
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.flexsp import slot_program
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
-from dcparallel.scenarios import DISTRIBUTIONS, SCENARIOS, sample_sizes
+from dcparallel.scenarios import DISTRIBUTIONS, MIXES, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.spec import Workload
 
@@ -68,6 +78,28 @@ def solve(p: ScalePlanner, counts: dict[int, int], scale: dict[int, float], time
     return res, time.perf_counter() - t0, len(var) + len(slots) + 1
 
 
+def bound_without_shapes(lb: LowerBound, step) -> float:
+    """`LowerBound.compute` as it was before its shape part: the simple bound, and on steps of
+    at most `TIGHT_PER_GPU` samples per GPU the midpoint and (video) per-rank bounds."""
+    out = lb.simple(step)
+    if len(step.sample_ids) <= TIGHT_PER_GPU * lb.world:
+        out = max(out, lb.midpoint(step))
+        if lb.ctx.model.kind == "video":
+            out = max(out, lb.per_rank(step, out))
+    return out
+
+
+def cases(args) -> list[tuple[str, str, int]]:
+    """(scenario, distribution, budget divisor) of every cell: the scenarios' three
+    distributions at `--divide`, then each `--mixes` entry in its scenario (by the mix's kind)."""
+    out = [(sc, d, args.divide) for sc in SCENARIOS for d in DISTRIBUTIONS]
+    for item in filter(None, args.mixes.split(",")):
+        name, div = item.split("=")
+        sc = next(n for n, s in SCENARIOS.items() if s.model.kind == MIXES[name].kind)
+        out.append((sc, name, int(div)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     today = dt.date.today().isoformat()
@@ -76,36 +108,40 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps per scenario x distribution")
     ap.add_argument("--divide", type=int, default=16, help="step budget = the scenario's 32-GPU budget / this")
     ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--mixes", default="", help="NAME=DIVIDE,...: reduced steps of these mixes too")
     args = ap.parse_args()
     rows = []
-    for sc_name, sc in SCENARIOS.items():
-        for d in DISTRIBUTIONS:
-            wl = Workload(sc.model, tuple(sample_sizes(sc_name, d)))
-            cl = sc.cluster(args.world)
-            ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
-            steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // args.divide)[: args.steps]
-            p = ScalePlanner(ctx, step_seconds(ctx), phases=False)
-            shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-            for st in steps:
-                counts, scale = class_model(p, st)
-                # the class-level plan, not the packing's or dcp-v1's
-                h = heuristic_makespan(p, p.class_plan(st)[0], scale)
-                res, secs, nvar = solve(p, counts, scale, args.time_limit)
-                opt = float(res.fun) if res.x is not None else float("nan")
-                bound = float(getattr(res, "mip_dual_bound", opt) or opt)
-                rows.append({"scenario": sc_name, "distribution": d, "step": st.index, "samples": len(st.sample_ids),
-                             "buckets": len(counts), "heuristic_s": h, "milp_s": opt, "milp_dual_bound_s": bound,
-                             "optimal": res.status == 0, "milp_seconds": round(secs, 2), "variables": nvar,
-                             "dcp_compute_s": replay_step(shipped.plan(st), ctx).compute_time,
-                             "gap": h / opt - 1 if opt == opt else None})
-                r = rows[-1]
-                print(f"{sc_name} {d} step {st.index}: {r['samples']} samples, heuristic {h:.4f} s, MILP {opt:.4f} s "
-                      f"({'optimal' if r['optimal'] else res.message}), gap {100 * r['gap']:.2f}%", flush=True)
+    for sc_name, d, divide in cases(args):
+        sc = SCENARIOS[sc_name]
+        wl = Workload(sc.model, tuple(sample_sizes(sc_name, d)))
+        cl = sc.cluster(args.world)
+        ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+        steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // divide)[: args.steps]
+        p = ScalePlanner(ctx, step_seconds(ctx), phases=False)
+        shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+        lb = LowerBound(ctx)
+        for st in steps:
+            counts, scale = class_model(p, st)
+            # the class-level plan, not the packing's or dcp-v1's
+            h = heuristic_makespan(p, p.class_plan(st)[0], scale)
+            res, secs, nvar = solve(p, counts, scale, args.time_limit)
+            opt = float(res.fun) if res.x is not None else float("nan")
+            bound = float(getattr(res, "mip_dual_bound", opt) or opt)
+            rows.append({"scenario": sc_name, "distribution": d, "step": st.index, "samples": len(st.sample_ids),
+                         "buckets": len(counts), "heuristic_s": h, "milp_s": opt, "milp_dual_bound_s": bound,
+                         "optimal": res.status == 0, "milp_seconds": round(secs, 2), "variables": nvar,
+                         "dcp_compute_s": replay_step(shipped.plan(st), ctx).compute_time,
+                         "bound_s": lb.compute(st), "bound_without_shapes_s": bound_without_shapes(lb, st),
+                         "gap": h / opt - 1 if opt == opt else None})
+            r = rows[-1]
+            print(f"{sc_name} {d} step {st.index}: {r['samples']} samples, heuristic {h:.4f} s, MILP {opt:.4f} s "
+                  f"({'optimal' if r['optimal'] else res.message}), gap {100 * r['gap']:.2f}%", flush=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     gaps = [r["gap"] for r in rows if r["gap"] is not None]
     lines = [f"# dcp heuristic vs exact MILP on small steps — {today}", "",
              f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
-             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}`; "
+             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}"
+             + (f" --mixes {args.mixes}" if args.mixes else "") + "`; "
              f"machine: {platform.machine()} CPU, Python {platform.python_version()}, "
              f"scipy {scipy.__version__} (HiGHS).", "",
              "Same class-level cost model and layout space for both (see the script's docstring); one phase; "
@@ -139,8 +175,29 @@ def main() -> int:
               "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['dcp_compute_s']:.4f} | {r['milp_s']:.4f} | "
               f"{100 * g:+.2f}% |" for g, r in ship]
+    lines += bound_section(rows)
     args.out.write_text("\n".join(lines) + "\n")
     return 0
+
+
+def bound_section(rows: list[dict]) -> list[str]:
+    """The step's compute bound against the best plan known per step (the MILP's or dcp's)."""
+    lines = ["", "## The step bound against the best plan known", "",
+             "Compute only (no sync). `bound` = `LowerBound.compute`; `without shapes` = the same "
+             "without `plan/shape_bound.py`. The MILP's optimum is the best one-phase plan on fixed groups "
+             "of the chain's degrees (an upper bound where it stopped at its time limit), and `dcp`'s "
+             "multi-phase plans often beat it: the optimum of a step lies between the bound and the best of "
+             "the two, so best / bound - 1 is the most of `dcp`'s distance to the bound that can be the "
+             "bound's, and dcp / best - 1 the least that is the plan's.", "",
+             "| scenario | distribution | step | samples | classes | without shapes s | bound s | MILP s | "
+             "dcp s | best / bound | dcp / bound | dcp / best |", "|" + " --- |" * 12]
+    for r in rows:
+        b, o, c = r["bound_s"], r["milp_s"], r["dcp_compute_s"]
+        best = min(o, c) if o == o else c
+        lines.append(f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
+                     f"{r['bound_without_shapes_s']:.4f} | {b:.4f} | {o:.4f}{'' if r['optimal'] else ' (limit)'} | "
+                     f"{c:.4f} | {best / b:.3f} | {c / b:.3f} | {c / best:.3f} |")
+    return lines
 
 
 if __name__ == "__main__":

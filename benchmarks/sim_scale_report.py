@@ -64,12 +64,12 @@ def simple_line(results: list[dict]) -> list[str]:
             f"{max((r['lower_bound_s'] / r['simple_bound_s'] for r in raised), default=1.0):.3f}x)."]
 
 
-def rebound(results: list[dict], min_steps: int = 4) -> None:
+def rebound(results: list[dict], min_steps: int = 4, kind: str | None = None) -> None:
     """Each cell's lower bound recomputed with the working tree's `LowerBound`, in place, from
     the cell's steps rebuilt as `sim_scale.run_cell` builds them; the efficiencies follow. The
     simple bound is recomputed too (`simple_bound_s`); it is never above the one a run recorded.
-    Cells with no step of at most `TIGHT_PER_GPU` samples per GPU keep it as their bound, as the
-    library does."""
+    Text cells with no step of at most `TIGHT_PER_GPU` samples per GPU keep it as their bound, as
+    the library does (video steps of any size also take the shape bound)."""
     from tqdm import tqdm
 
     from dcparallel.cost.analytic import AnalyticCost
@@ -78,7 +78,8 @@ def rebound(results: list[dict], min_steps: int = 4) -> None:
     from dcparallel.plan.steps import form_steps
     from dcparallel.scenarios import SCENARIOS
 
-    for r in tqdm(results, desc="bounds", unit="cell"):
+    for r in tqdm([r for r in results if kind is None or SCENARIOS[r["scenario"]].model.kind == kind],
+                  desc="bounds", unit="cell"):
         recorded = r.get("simple_bound_s", r["lower_bound_s"])
         sc = SCENARIOS[r["scenario"]]
         tps = r["tokens_per_step"]
@@ -93,7 +94,7 @@ def rebound(results: list[dict], min_steps: int = 4) -> None:
         # sizes a recorded run may have priced: the bound can only come out lower
         assert simple <= recorded * (1 + 1e-4), (r["budget"], r["world"], simple, recorded)
         r["simple_bound_s"] = round(simple, 4)
-        if all(len(s.sample_ids) > TIGHT_PER_GPU * r["world"] for s in steps):
+        if sc.model.kind != "video" and all(len(s.sample_ids) > TIGHT_PER_GPU * r["world"] for s in steps):
             r["lower_bound_s"] = r["simple_bound_s"]
         else:
             r["lower_bound_s"] = round(lb.epoch(steps), 4)
@@ -159,12 +160,17 @@ def main() -> int:
     ap.add_argument("--notes-file", type=Path, default=None, help="paragraphs (markdown) after the setup")
     ap.add_argument("--rebound", action="store_true",
                     help="recompute every cell's lower bound with the working tree's LowerBound (`rebound`)")
+    ap.add_argument("--rebound-kind", default=None, help="with --rebound: only the cells of this model kind")
+    ap.add_argument("--worlds", default=None, help="comma-separated: keep only the cells of these worlds")
+    ap.add_argument("--min-steps", type=int, default=4, help="with --rebound: the runs' --min-steps")
     args = ap.parse_args()
     from benchmarks.sim_scale import distributions
 
     results = merge([r for p in args.runs for r in json.loads(p.read_text())])
+    if args.worlds:
+        results = [r for r in results if str(r["world"]) in args.worlds.split(",")]
     if args.rebound:
-        rebound(results)
+        rebound(results, min_steps=args.min_steps, kind=args.rebound_kind)
     results.sort(key=lambda r: (r["budget"] != "weak", r["world"], r["scenario"],
                                 distributions(r["scenario"], "all").index(r["distribution"])))
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -184,15 +190,18 @@ def main() -> int:
                                                               f"{r['scenario']}/{r['distribution']}")
     import scipy
 
-    lines = [f"# Planner scale — every policy on the scenarios and the realistic mixes, 32 to 4096 GPUs "
-             f"(simulated H200, planned on this CPU) — {args.out.stem.rsplit('_', 1)[-1]}", "",
+    lines = [f"# Planner scale — every policy on the scenarios and the realistic mixes, {worlds[0]} to "
+             f"{worlds[-1]} GPUs (simulated H200, planned on this CPU) — {args.out.stem.rsplit('_', 1)[-1]}", "",
              "Commands (each writes a JSON file; this report merges them, later runs winning per cell and "
              "policy):", ""]
     lines += [f"    {c}" for c in args.command]
     lines += ["", f"    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale_report.py {args.out} "
               + " ".join(str(p) for p in args.runs)
               + (f" --notes-file {args.notes_file}" if args.notes_file else "")
-              + (" --rebound" if args.rebound else "") + " --command ...", "",
+              + (" --rebound" if args.rebound else "")
+              + (f" --rebound-kind {args.rebound_kind}" if args.rebound_kind else "")
+              + (f" --worlds {args.worlds}" if args.worlds else "")
+              + (f" --min-steps {args.min_steps}" if args.rebound else "") + " --command ...", "",
               f"Machine: {platform.machine()} CPU ({platform.platform()}), 2 cores shared with about seven other "
               f"jobs (load average 12-23 during the runs); Python {platform.python_version()}, numpy "
               f"{np.__version__}, scipy {scipy.__version__}. Raw numbers: `{args.out.with_suffix('.json').name}`.",
@@ -201,8 +210,10 @@ def main() -> int:
               "from datasheets (assumptions). Every policy plans the same steps (shared step former). "
               "`weak` = the scenario's 32-GPU step budget × world / 32; `strong` = the 32-GPU budget at every "
               "world. Distributions: the scenarios' `short`, `balanced`, `long` and the realistic mixes "
-              "(`scenarios.MIXES`: `video-mix`, `video-wide`, `sft-long`, `pretrain-long`). Efficiency = Σ per-step "
-              "lower bound (`plan.bounds.LowerBound`) / simulated epoch time over the cell's steps; `×` = speedup "
+              "(`scenarios.MIXES`: `video-mix`, `video-wide`, `sft-long`, `pretrain-long`, and those of "
+              "`dcparallel/mixes.py`: `image-buckets`, `opensora-stage3`, `long-cpt`, `sft-chat-long`). "
+              "Efficiency = Σ per-step lower bound (`plan.bounds.LowerBound`, with its shape part on video "
+              "steps) / simulated epoch time over the cell's steps; `×` = speedup "
               "over tuned `bucket`. `megatron-dcp` and `hbp` are reproductions from the published descriptions "
               "(`dcparallel/plan/peers.py`); `flexsp` reproduces FlexSP's optimal assignment (a MILP per step, "
               "`dcparallel/plan/flexsp.py`).", "",
