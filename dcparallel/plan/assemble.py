@@ -73,3 +73,9 @@ def assemble(ctx: PlanContext, step: Step, groups: Iterable[GroupPlan] | GroupSo
     if not hasattr(groups, "of_rank"):
         groups = with_idle(groups, ctx.cluster.world_size, by_rank=by_rank)
     return StepPlan(step.index, step.sample_ids, groups, ctx.step_tokens(step.sample_ids if ids is None else ids))
+
+
+def regroup(plan: StepPlan, groups: Iterable[GroupPlan]) -> StepPlan:
+    """``plan`` with its groups replaced by ``groups`` of the same ranks, samples and phases
+    (e.g. their micro-batches' layouts changed): the step's samples and tokens stay."""
+    return StepPlan(plan.index, plan.sample_ids, tuple(groups), plan.num_tokens)

@@ -14,6 +14,7 @@ model without `best_split` keeps ring degree 1.
 
 from __future__ import annotations
 
+from dcparallel.plan.assemble import regroup
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan, micro_batches
@@ -36,7 +37,7 @@ def with_splits(ctx: PlanContext, plan: StepPlan) -> StepPlan:
     groups = tuple(GroupPlan(g.ranks, tuple(micro_batches((m.sample_ids, split_layout(ctx, m))
                                                           for m in g.micro_batches)), g.phase)
                    for g in plan.groups)
-    return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)
+    return regroup(plan, groups)
 
 
 class SplitPlanner:
