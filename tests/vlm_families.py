@@ -18,7 +18,9 @@ from torch import nn
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.spec import VisionSize
 
-KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl")
+KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl", "idefics3", "smolvlm")
+#: the families whose images are fixed-size tiles; Idefics3 and SmolVLM with a pixel mask per tile
+TILED, MASKED = ("internvl", "idefics3", "smolvlm"), ("idefics3", "smolvlm")
 VOCAB = 96
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 #: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
@@ -71,6 +73,14 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
         cfg = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
                                           image_seq_length=4)
         cls, projectors = transformers.InternVLForConditionalGeneration, ()
+    elif kind in MASKED:  # the same tiles; a Llama decoder, the pixel-shuffle connector (scale 2) outside the tower
+        text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="llama")
+        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                      image_size=TILE, patch_size=2, initializer_range=0.1)
+        config = transformers.Idefics3Config if kind == "idefics3" else transformers.SmolVLMConfig
+        cfg = config(text_config=text, vision_config=vision, image_token_id=IMAGE, scale_factor=2)
+        cls = getattr(transformers, config.__name__.replace("Config", "ForConditionalGeneration"))
+        projectors = ()
     else:
         raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
     model = cls._from_config(cfg, attn_implementation="eager").float()
@@ -81,8 +91,11 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
 
 
 def tower(model: nn.Module) -> nn.Module:
-    """The vision tower (InternVL's projector is outside it)."""
-    return model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    """The vision tower (InternVL's projector and Idefics3's connector are outside it)."""
+    for name in ("visual", "vision_tower", "vision_model"):
+        if hasattr(model.model, name):
+            return getattr(model.model, name)
+    raise ValueError(f"{type(model).__name__} has no vision tower")
 
 
 def _text(rng: random.Random, n: int) -> list[int]:
@@ -122,20 +135,34 @@ def _sample(rng: random.Random, images: list[tuple], video: tuple | None, timest
     return out
 
 
-def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool) -> dict:
-    """InternVL: image i of the layout as TILES[its resolution's index] tiles (no videos)."""
-    ids, pix = _text(rng, rng.randint(2, 6)), []
+def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool,
+                  masked: bool = False) -> dict:
+    """InternVL: image i of the layout as TILES[its resolution's index] tiles (no videos).
+    ``masked`` (Idefics3, SmolVLM; with the processor's batch dim of 1): a ``pixel_attention_mask``
+    too, each image's last tile (its global view, resized) padded on the right by 2 to 4 pixel
+    columns (zero pixels, zero mask), and after several images an all-zero padding tile that
+    has no placeholders (the model drops it)."""
+    ids, pix, masks = _text(rng, rng.randint(2, 6)), [], []
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for grid in images:
         n = TILES[IMAGE_GRIDS.index(tuple(grid))]
         ids += [START] + [IMAGE] * (4 * n) + [END] + _text(rng, rng.randint(1, 4))
-        pix.append(torch.randn(n, 3, TILE, TILE, generator=g))
+        tiles, mask = torch.randn(n, 3, TILE, TILE, generator=g), torch.ones(n, TILE, TILE, dtype=torch.long)
+        if masked:
+            mask[-1, :, TILE - rng.randint(2, 4):] = 0
+        pix.append(tiles * mask[:, None])
+        masks.append(mask)
+    if masked and len(images) > 1:
+        pix.append(torch.zeros(1, 3, TILE, TILE))
+        masks.append(torch.zeros(1, TILE, TILE, dtype=torch.long))
     prompt = len(ids)
     ids += _text(rng, rng.randint(3, 9))
     labels = [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX]
     out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
     if images:
         out["pixel_values"] = torch.cat(pix)
+    if images and masked:
+        out["pixel_values"], out["pixel_attention_mask"] = out["pixel_values"][None], torch.cat(masks)[None]
     return out
 
 
@@ -147,8 +174,8 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
                ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
                ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
     rng.shuffle(layouts)
-    make = _tiled_sample if kind == "internvl" else _sample
-    samples = [make(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
+    samples = [_tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED) if kind in TILED
+               else _sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
     if kind != "qwen2.5-vl":  # only Qwen2.5-VL's positions take seconds per temporal step
         for s in samples:
             s.pop("second_per_grid_ts", None)
@@ -177,7 +204,7 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
         s = data.samples[sid]
         ids = s["input_ids"][None]
         kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                "second_per_grid_ts") if k in s}
+                                "second_per_grid_ts", "pixel_attention_mask") if k in s}
         if "Qwen" in type(model).__name__:  # the model computes its M-RoPE positions from these
             kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
         logits = model(input_ids=ids, use_cache=False, **kw).logits

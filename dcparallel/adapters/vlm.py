@@ -1,8 +1,8 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
 (`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, InternVL). Every other class with a vision tower is refused with what is missing
-(`REFUSED`, or the generic reason).
+Qwen2.5-VL, Qwen3-VL, InternVL, Idefics3, SmolVLM). Every other class with a vision tower is
+refused with what is missing (`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
 images and videos encoded by the group's ranks (each item whole on one rank, dealt by patch
@@ -17,7 +17,8 @@ tower still runs forward, its parameters get no gradient and stay out of the opt
 
 The spec of a grid-based tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) holds its `VisionTower`
 (`adapters.vlm_tower`, trainable unless ``freeze_vision``), so the cost models price a
-`VisionSize` sample's images; InternVL's spec has none (its tiles have one patch count).
+`VisionSize` sample's images; InternVL's, Idefics3's and SmolVLM's specs have none (their
+tiles have one patch count).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from dcparallel.data.batch import Batch
 from dcparallel.data.vision_collate import collate_vision
 
 _NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
-_FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration or "
-        "InternVLForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
+_FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
+        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration or "
+        "SmolVLMForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
         "loss_fn that encodes its images and a parity test against the unmodified model")
 
 #: vision-language classes refused: what their layout needs that dcparallel does not implement
@@ -54,10 +56,6 @@ REFUSED: dict[str, str] = {
                                           "Qwen3VLForConditionalGeneration trains)",
     "LlavaOnevisionForConditionalGeneration": "its any-resolution tiling (image_sizes, image_newline rows, "
                                               f"pack_image_features) decides the placeholder layout; {_NO_ADAPTER}",
-    "Idefics3ForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
-                                        f"connector; {_NO_ADAPTER}",
-    "SmolVLMForConditionalGeneration": "its image splitting into tiles (pixel_attention_mask) and pixel-shuffle "
-                                       f"connector; {_NO_ADAPTER}",
 }
 
 

@@ -10,6 +10,9 @@ them the same way).
   the merged embeddings along the feature dim, so one exchange in the SP group carries all.
 * InternVL: images as fixed-size tiles (each tile an item), pixel shuffle and an MLP projector
   outside the tower; a causal text decoder with 1-D positions (the packed row's own).
+* Idefics3, SmolVLM: as InternVL, fixed-size tiles (each tile an item) with a pixel mask per
+  tile (its padding zero), a SigLIP-like tower that masks the padded patches, and the
+  pixel-shuffle connector outside it; a Llama decoder with 1-D positions.
 """
 
 from __future__ import annotations
@@ -127,6 +130,32 @@ def _internvl_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
 
 
+def _idefics3_tokens(cfg: Any, grid: Tensor) -> list[int]:
+    """Per tile: its patches shrunk by the connector's pixel shuffle (``scale_factor`` squared)."""
+    p, keep = cfg.vision_config.patch_size, cfg.scale_factor ** 2
+    return [int(h // p * (w // p) // keep) for _, h, w in grid.tolist()]
+
+
+def _idefics3_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
+    """Each row a tile: its pixels (C, H, W), then its pixel mask (H, W), flattened
+    (`data.vision_collate`); the model's own ``get_image_features`` (patch mask, tower,
+    connector) on them."""
+    if (grid != grid[0]).any():
+        raise ValueError(f"{type(model).__name__}: tiles of different sizes {sorted(set(map(tuple, grid.tolist())))} "
+                         f"in one micro-batch; pass the image processor's tiles (all of its max_image_size)")
+    _, h, w = grid[0].tolist()
+    size = model.config.vision_config.num_channels * h * w
+    tiles = pixels[:, :size].reshape(1, -1, model.config.vision_config.num_channels, h, w)
+    mask = pixels[:, size:].reshape(1, -1, h, w) != 0
+    return torch.cat(list(model.model.get_image_features(pixel_values=tiles, pixel_attention_mask=mask).pooler_output))
+
+
+def _idefics3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
+                     levels: list[Tensor] | None) -> Tensor:
+    hidden = model.model.text_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
+    return model.lm_head(hidden.last_hidden_state)
+
+
 def _qwen_kinds(cfg: Any) -> dict[int, int]:
     return {1: cfg.image_token_id, 2: cfg.video_token_id}
 
@@ -145,4 +174,8 @@ FAMILIES = {
     "InternVLForConditionalGeneration": Family(
         "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), _internvl_encode,
         _internvl_tokens, lambda model, batch: batch.positions, _text_logits, lambda cfg: {1: cfg.image_token_id}),
+    **{name: Family("model.text_model", "model.vision_model", ("model.connector",), _idefics3_encode,
+                    _idefics3_tokens, lambda model, batch: batch.positions, _idefics3_logits,
+                    lambda cfg: {1: cfg.image_token_id})
+       for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")},
 }

@@ -6,7 +6,9 @@ A sample is what a transformers processor returns for one chat, without the batc
 ``ignore_index`` where the chat template marks no training), ``pixel_values`` (patches, C) with
 ``image_grid_thw`` (images, 3), ``pixel_values_videos`` with ``video_grid_thw`` (videos, 3) and
 ``second_per_grid_ts`` (videos,); or, for a model whose images are fixed-size tiles (InternVL),
-``pixel_values`` (tiles, C, H, W) alone, each tile an item of grid (1, H, W). The placeholder
+``pixel_values`` (tiles, C, H, W) alone, each tile an item of grid (1, H, W), and (Idefics3,
+SmolVLM) ``pixel_attention_mask`` (tiles, H, W) with it (either may keep the processor's batch
+dim of 1). The placeholder
 tokens of each image stay in ``input_ids``.
 A 1-D tensor of token ids is a text-only sample.
 
@@ -23,7 +25,8 @@ so that positions and placeholder masks are computed on the whole sequence befor
 * ``vision_owner`` (n,) long: the rank in the group that encodes it;
 * ``vision_seconds`` (n,) long: seconds per temporal grid step (videos; 1.0 for images), the
   float64 bits held as int64 so that moving the batch to a low-precision dtype never rounds them;
-* ``pixels`` (patches, C): this rank's items' patches, concatenated in item order.
+* ``pixels`` (patches, C): this rank's items' patches, concatenated in item order (a tile:
+  one row, `_tiles`).
 """
 
 from __future__ import annotations
@@ -58,17 +61,25 @@ def deal_by_patches(patches: Sequence[int], sp: int) -> list[int]:
 
 
 def _tiles(sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
-    """Image tiles (``pixel_values`` (tiles, C, H, W), no grid: InternVL): one item each, of
-    grid (1, H, W) and one row of patches (its pixels flattened)."""
+    """Image tiles (``pixel_values`` (tiles, C, H, W), no grid: InternVL, Idefics3, SmolVLM):
+    one item each, of grid (1, H, W) and one row of patches (its pixels flattened, then, with a
+    ``pixel_attention_mask`` (tiles, H, W), its mask flattened as 0 / 1). A tile whose pixels
+    are all zero is the processor's padding, no image: dropped, as Idefics3 and SmolVLM drop it."""
     pix = torch.as_tensor(sample["pixel_values"])
+    pix = pix.reshape(-1, *pix.shape[-3:])
     grid = torch.tensor([1, pix.shape[2], pix.shape[3]], dtype=torch.long)
-    return [(1, grid, t.reshape(1, -1), 1.0, doc) for t in pix]
+    rows = pix.reshape(pix.shape[0], -1)
+    mask = sample.get("pixel_attention_mask")
+    if mask is not None:
+        rows = torch.cat([rows, torch.as_tensor(mask).reshape(pix.shape[0], -1).to(rows.dtype)], dim=1)
+        rows = rows[(pix != 0).flatten(1).any(1)]
+    return [(1, grid, r[None], 1.0, doc) for r in rows]
 
 
 def _items(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
     """(kind, grid, patches, seconds, doc) of the sample's images, then its videos."""
     pix = sample.get("pixel_values")
-    if pix is not None and sample.get("image_grid_thw") is None and torch.as_tensor(pix).dim() == 4:
+    if pix is not None and sample.get("image_grid_thw") is None and torch.as_tensor(pix).dim() in (4, 5):
         return _tiles(sample, doc)
     out = []
     for kind, (pix_key, grid_key) in KINDS.items():

@@ -1,17 +1,21 @@
-"""Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen2-VL, Qwen3-VL and InternVL on
-random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on and off) of a mix of
-text-only chats, single images of three resolutions (InternVL: 1, 2 and 5 tiles), several
-images in one chat and (Qwen) a short video, the vision tower trainable and frozen (its
-projectors trainable). Loss and every trainable parameter's
+"""Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen2-VL, Qwen3-VL, InternVL,
+Idefics3 and SmolVLM on random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on
+and off) of a mix of text-only chats, single images of three resolutions (tiled families: 1, 2
+and 5 tiles; Idefics3 / SmolVLM: each image's last tile padded, its pixel mask zero there, and
+an all-zero padding tile after several images), several images in one chat and (Qwen) a short
+video, the vision tower trainable and frozen (its projectors trainable). Loss and every trainable parameter's
 gradient after `sync_gradients()`, vision tower included, equal a single process running
 the unmodified model one chat at a time (its own M-RoPE positions from the grids).
 
 Tolerance: fp32, 1e-5 relative per tensor, as in test_dist_hf_families (sharding, packing
-and encoding several images in one call reorder sums)."""
+and encoding several images in one call reorder sums); a gradient that is zero in exact
+arithmetic (the SigLIP-like towers' key biases: softmax ignores a shift shared by every key;
+below 1e-6 of the whole gradient's norm) is held to 1e-5 of the whole gradient's norm instead."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dcparallel.data.vision_collate import collate_vision
 from dcparallel.plan.types import MicroBatch
@@ -19,15 +23,16 @@ from dcparallel.spec import Layout, Recompute
 from tests import vlm_families
 from tests.dist import vlm_cases
 from tests.dist.cases_common import assert_matches_reference
-from tests.support import reference_once
+from tests.support import reference_once, rel_err
 
 pytestmark = pytest.mark.dist
 
 pytest.importorskip("transformers")
 
 SEEDS, NUM_SAMPLES = [31, 32, 33, 34], 8
-TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.")
-VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.")
+VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.",
+          "model.connector.")
 
 
 def _owners(data, sids, sp: int) -> set[int]:
@@ -56,7 +61,12 @@ def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
             for m in g["micro_batches"]:
                 rc_seen.add((m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]))
                 dealt |= len(_owners(data, m["sample_ids"], len(g["ranks"]))) > 1
-        errs = assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed, same_on_ranks=False)
+        total = torch.cat([g.flatten() for g in ref_grads.values()]).norm()
+
+        def err(g, ref, total=total):
+            return rel_err(g, ref) if ref.norm() > 1e-6 * total else float((g - ref).norm() / total)
+
+        errs = assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed, err=err, same_on_ranks=False)
         worst.update({name: max(worst.get(name, 0.0), e) for name, e in errs.items()})
     if not freeze_vision:
         assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen

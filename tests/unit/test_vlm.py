@@ -1,8 +1,9 @@
 """Vision-language models without a process group: the dealing of images to an SP group's
-ranks, the collate's vision items, why the parity test's positions and placement matter
-(M-RoPE positions change the loss, so a model called with per-document positions could not
-pass), single-process exactness with packed chats, and the refusal of every other
-vision-language class with its reason (built on the meta device: no weights)."""
+ranks, the collate's vision items (tiles with their pixel masks), why the parity test's
+positions and placement matter (M-RoPE positions change the loss, so a model called with
+per-document positions could not pass), single-process exactness with packed chats, and the
+refusal of every other vision-language class with its reason (built on the meta device: no
+weights)."""
 
 from __future__ import annotations
 
@@ -86,8 +87,10 @@ def test_packed_chats_match_one_chat_at_a_time(kind):
             ctx.backward(dc.adapter.loss_fn(model, b, ctx))
     loss = dc.sync_gradients()
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for n, p in model.named_parameters():
-        assert rel_err(p.grad, ref[n]) <= 1e-5, n
+    total = torch.cat([g.flatten() for g in ref.values()]).norm()
+    for n, p in model.named_parameters():  # a gradient zero in exact arithmetic (a key bias): against the total
+        err = rel_err(p.grad, ref[n]) if ref[n].norm() > 1e-6 * total else float((p.grad - ref[n]).norm() / total)
+        assert err <= 1e-5, n
 
 
 @pytest.mark.parametrize("kind", vlm_families.KINDS)
@@ -99,8 +102,9 @@ def test_freeze_vision_leaves_the_projectors_trainable(kind):
                          if p.requires_grad}
     assert not any(p.requires_grad for n, p in vlm_families.tower(model).named_parameters()
                    if n.startswith(("blocks.", "encoder.")))
-    assert any("merger." in n or "multi_modal_projector." in n for n in trainable)
-    assert all(p.requires_grad for p in model.model.language_model.parameters())
+    assert any(("merger." in n or "multi_modal_projector." in n or "connector." in n) for n in trainable)
+    text = getattr(model.model, "language_model", None) or model.model.text_model
+    assert all(p.requires_grad for p in text.parameters())
 
 
 REFUSED = {
@@ -108,8 +112,6 @@ REFUSED = {
     "Gemma3ForConditionalGeneration": "bidirectionally inside each image",
     "Qwen3VLMoeForConditionalGeneration": "mixture-of-experts",
     "LlavaOnevisionForConditionalGeneration": "any-resolution tiling",
-    "Idefics3ForConditionalGeneration": "pixel-shuffle",
-    "SmolVLMForConditionalGeneration": "pixel-shuffle",
     "LlavaForConditionalGeneration": "no adapter for its vision inputs",
 }
 
@@ -122,7 +124,7 @@ def test_other_vision_language_classes_are_refused_with_the_reason(name):
     with pytest.raises(ValueError) as err:
         find_adapter(model)
     msg = str(err.value)
-    assert name in msg and REFUSED[name] in msg and "InternVLForConditionalGeneration, or pass adapter=" in msg, msg
+    assert name in msg and REFUSED[name] in msg and "SmolVLMForConditionalGeneration, or pass adapter=" in msg, msg
 
 
 def test_a_video_for_a_model_without_videos_is_refused():
@@ -133,6 +135,21 @@ def test_a_video_for_a_model_without_videos_is_refused():
     b = dc.adapter.collate({0: video}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)
     with pytest.raises(ValueError, match="leave pixel_values_videos out"), dc.micro_batch(b) as ctx:
         dc.adapter.loss_fn(model, b, ctx)
+
+
+def test_collate_keeps_each_tiles_pixel_mask_and_drops_padding_tiles():
+    """Idefics3 / SmolVLM: each tile an item, its row its pixels then its pixel mask (the padded
+    columns zero); the all-zero tile the processor pads with is no image and no item."""
+    data = vlm_families.make_data(9, seed=3, kind="idefics3")
+    sid, s = next((i, s) for i, s in enumerate(data.samples) if s.get("pixel_values", torch.zeros(0)).dim() == 5
+                  and not s["pixel_values"][0, -1].any())
+    pix, mask = s["pixel_values"][0], s["pixel_attention_mask"][0]
+    b = collate_vision({sid: s}, MicroBatch((sid,), Layout(1, 1, Recompute.none())), (0,), 0)
+    tile = 3 * vlm_families.TILE ** 2
+    assert len(b.extras["vision_grid"]) == pix.shape[0] - 1 == int((s["input_ids"] == vlm_families.IMAGE).sum()) // 4
+    assert torch.equal(b.extras["pixels"][:, :tile], pix[:-1].flatten(1))
+    assert torch.equal(b.extras["pixels"][:, tile:], mask[:-1].flatten(1).float())
+    assert (mask[:-1] == 0).any()  # a padded tile among them
 
 
 def test_placeholders_without_their_image_are_refused():
