@@ -137,6 +137,13 @@ class Topology:
                              f"sizes: {list(self.sizes)}")
         return splits[-1]
 
+    def profiled_splits(self, k: int) -> list[tuple[int, int]]:
+        """The splits a profile measures an SP group of k ranks at: `measured_split` first and,
+        with ring, the all-ring split (1, k) where it differs: the two extremes of `splits`
+        (most all-to-all, most ring steps), so the profile grows by at most one split per size."""
+        first, splits = self.measured_split(k), self.splits(k)
+        return [first] + ([splits[0]] if splits[0] != first else [])
+
     @property
     def cluster(self) -> ClusterSpec:
         """A ClusterSpec with this geometry (link speeds and memory at their defaults)."""
