@@ -127,9 +127,9 @@ class Topology:
         return ring_splits(k, self.num_heads, self.sizes) if self.ring else [(k, 1)]
 
     def measured_split(self, k: int) -> tuple[int, int]:
-        """The split a profile measures an SP group of k ranks at, and a profiled plan runs it
-        at (`cost.profiled.ProfiledCost.best_split`): the largest Ulysses degree, so ring 1
-        where k divides the heads and the fewest ring steps past them."""
+        """The split a profile measures an SP group of k ranks at first (`profiled_splits`), and
+        the one an entry without a ring degree was measured at: the largest Ulysses degree, so
+        ring 1 where k divides the heads and the fewest ring steps past them."""
         splits = self.splits(k)
         if not splits:
             raise ValueError(f"an SP group of {k} ranks is not allowed at world {self.world_size} with "
