@@ -98,7 +98,7 @@ class ProfiledCost:
 
     def _by_split(self, entries: Sequence[ProfileEntry]) -> tuple[list[ProfileEntry], dict[int, list[ProfileEntry]]]:
         """The entries at each size's `Topology.measured_split` (those without a ring degree,
-        and those of a size this cluster does not offer, as before splits were recorded), and
+        and those of a size that no split of this world offers), and
         by ring degree those at another split this cluster can run; a split it cannot run
         (ring measured, the cluster without ring) is not priced."""
         profiled = Topology.of(self.cluster, self.model.num_heads, ring=True)  # the splits a profile measures

@@ -40,10 +40,10 @@ from; ``layer_s``: the time of one layer used, the median of per-round differenc
 ``reference_s``: the reference run's time while it was measured, ``load_scale``: the factor
 its time_s was multiplied by, the profile's reference_s / this one; absent when not rescaled),
 ``ring`` (the ring degree of the Ulysses x ring split it was measured at, ``sp / ring`` the
-Ulysses degree; absent: the size's `Topology.measured_split`, as every profile without it was
-measured), ``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
-out of memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
-extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
+Ulysses degree; absent: the size's `Topology.measured_split`), ``validation`` (``time_s``,
+``memory_bytes`` measured at full depth, or ``error`` if that ran out of memory), ``reason``
+("oom": a short stack ran out of memory; "over_budget": the extrapolation does not fit the
+memory budget) and ``error`` (the out-of-memory message).
 """
 
 from __future__ import annotations
