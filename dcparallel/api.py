@@ -89,7 +89,7 @@ class DataCentricParallel:
     of the GPU; on CPU the machine's memory / local ranks). ``protocol``: further arguments
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
     for diffusers models, ...). ``ring``: SP groups past the head count too, Ulysses x ring
-    attention (`runtime.ring`; profiled at `Topology.measured_split`, `cost.profiled`).
+    attention (`runtime.ring`; profiled at `Topology.profiled_splits`, `cost.profiled`).
     Everything is validated before the model is touched.
     Started by torchrun with no process group set up, it sets one up and moves a CPU model to
     this rank's device (`runtime.auto_launch`); one set up before (`dcparallel.init_distributed`)

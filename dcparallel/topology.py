@@ -127,15 +127,22 @@ class Topology:
         return ring_splits(k, self.num_heads, self.sizes) if self.ring else [(k, 1)]
 
     def measured_split(self, k: int) -> tuple[int, int]:
-        """The split a profile measures an SP group of k ranks at, and a profiled plan runs it
-        at (`cost.profiled.ProfiledCost.best_split`): the largest Ulysses degree, so ring 1
-        where k divides the heads and the fewest ring steps past them."""
+        """The split a profile measures an SP group of k ranks at first (`profiled_splits`), and
+        the one an entry without a ring degree was measured at: the largest Ulysses degree, so
+        ring 1 where k divides the heads and the fewest ring steps past them."""
         splits = self.splits(k)
         if not splits:
             raise ValueError(f"an SP group of {k} ranks is not allowed at world {self.world_size} with "
                              f"{self.gpus_per_node} GPUs per node and {self.num_heads} heads; "
                              f"sizes: {list(self.sizes)}")
         return splits[-1]
+
+    def profiled_splits(self, k: int) -> list[tuple[int, int]]:
+        """The splits a profile measures an SP group of k ranks at: `measured_split` first and,
+        with ring, the all-ring split (1, k) where it differs: the two extremes of `splits`
+        (most all-to-all, most ring steps), so the profile grows by at most one split per size."""
+        first, splits = self.measured_split(k), self.splits(k)
+        return [first] + ([splits[0]] if splits[0] != first else [])
 
     @property
     def cluster(self) -> ClusterSpec:

@@ -25,7 +25,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_vlm.py": 52,
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
-    "tests/dist/test_dist_ring.py": 46,
+    "tests/dist/test_dist_ring.py": 57,
     "tests/dist/test_dist_grad_sync.py": 38,
     "tests/dist/test_dist_rl.py": 28,
     "tests/dist/test_dist_diffusers_memory.py": 25,

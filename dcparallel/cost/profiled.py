@@ -13,14 +13,17 @@ from its tokens as above, plus the tower's time and kept bytes by `cost.vision.V
 fitted to the measurement; without such a table it is refused.
 
 With ring (`ClusterSpec.ring`) a profile of this launch holds the sizes past the heads too,
-measured at the largest Ulysses degree times ring (`Topology.measured_split`); every size is
-priced at the split it was measured at, and `best_split` names that split, so a plan runs
-what was measured. Sizes that divide the heads are measured with Ulysses only (ring 1).
+and each size above one at two splits (`Topology.profiled_splits`: the largest Ulysses
+degree, `Topology.measured_split`, and all-ring); each entry carries its ring degree (an
+entry without one is its size's measured split). Each split's entries are priced as above,
+on their own tables; a micro-batch at a size is priced at the split whose price for it is
+least, and `best_split` names that split, so a plan runs what was measured fastest.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import logging
 from collections import Counter
@@ -29,7 +32,7 @@ from typing import Sequence
 from dcparallel.cost.base import MicroBatchTerms, cache_put, gathered_bytes, grad_sync_time
 from dcparallel.cost.batch import Batches, TermsArray
 from dcparallel.cost.ring import SplitTime, check_ring
-from dcparallel.cost.schema import Profile
+from dcparallel.cost.schema import Profile, ProfileEntry
 from dcparallel.cost.shard import ShardComm
 from dcparallel.cost.vision import VisionPrice, sample_vision
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Size, VisionSize
@@ -62,8 +65,6 @@ class ProfiledCost:
         self.profile, self.model, self.cluster = profile, profile.model, cluster
         self.time_at = time_at
         check_ring(profile.model, cluster)
-        # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
-        self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
         if profile.world_size != cluster.world_size:
             raise ValueError(f"the profile was measured at world size {profile.world_size} but the cluster has "
                              f"{cluster.world_size} ranks; SP groups and the gradient sync differ: profile at "
@@ -72,9 +73,53 @@ class ProfiledCost:
         if cluster.shard_size != profile.shard_size:
             self._reshard(profile, cluster)
         tokens = {b.key: b.tokens for b in profile.buckets}
+        self.token_range = (min(tokens.values()), max(tokens.values())) if tokens else (0, 0)
+        self._topology = Topology.of(cluster, profile.model.num_heads)
+        primary, others = self._by_split(profile.entries)
+        self._tables(primary, tokens)
+        self._warned_range = False
+        #: tokens of the longest sample of the workloads planned with this cost model (`PlanContext`
+        #: notes it): a longer sequence priced is a packed bin of several samples
+        self.longest_sample = 0
+        self._cache: dict = {}
+        #: ring degree -> the same cost model over the entries measured at that other split
+        self._alts: dict[int, ProfiledCost] = {}
+        for ring, entries in sorted(others.items()):
+            alt = copy.copy(self)
+            alt._cache, alt._alts = {}, {}
+            alt._tables(entries, tokens)
+            self._alts[ring] = alt
+        #: the tower priced from the profile's measurement; None: vision-language samples refused
+        self._vision = None
+        if profile.vision is not None and self.model.vision is not None:
+            self._vision = VisionPrice.from_table(self.model.vision, profile.vision)
+        if time_at == "value":
+            profile.warn_if_noisy(log)  # once per profile and process, not per cost object
+
+    def _by_split(self, entries: Sequence[ProfileEntry]) -> tuple[list[ProfileEntry], dict[int, list[ProfileEntry]]]:
+        """The entries at each size's `Topology.measured_split` (those without a ring degree,
+        and those of a size that no split of this world offers), and
+        by ring degree those at another split this cluster can run; a split it cannot run
+        (ring measured, the cluster without ring) is not priced."""
+        profiled = Topology.of(self.cluster, self.model.num_heads, ring=True)  # the splits a profile measures
+        primary: list[ProfileEntry] = []
+        others: dict[int, list[ProfileEntry]] = {}
+        for e in entries:
+            measured = profiled.splits(e.sp)
+            if e.ring is None or not measured or e.ring == measured[-1][1]:
+                primary.append(e)
+            elif (e.sp // e.ring, e.ring) in self._topology.splits(e.sp):
+                others.setdefault(e.ring, []).append(e)
+        return primary, others
+
+    def _tables(self, entries: Sequence[ProfileEntry], tokens: dict[str, int]) -> None:
+        """The interpolation tables of ``entries`` (one split per size)."""
+        time_at = self.time_at
         #: (sp, mode) -> the fewest tokens at which one sample did not fit
         self._unfit: dict[tuple[int, str], int] = {}
-        for e in profile.entries:
+        # (sp, mode) -> sorted list of (tokens, bucket key); (bucket, sp, mode) -> sorted [(mbs, t, mem)]
+        self._points: dict[tuple[str, int, str], list[tuple[int, float, float]]] = {}
+        for e in entries:
             if not e.feasible or e.time_s is None or e.memory_bytes is None:
                 if e.mbs == 1:
                     k = (e.sp, e.recompute)
@@ -89,20 +134,8 @@ class ProfiledCost:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
         for v in self._by_tokens.values():
             v.sort()
-        self.token_range = (min(tokens.values()), max(tokens.values())) if tokens else (0, 0)
-        self._warned_range = False
-        #: tokens of the longest sample of the workloads planned with this cost model (`PlanContext`
-        #: notes it): a longer sequence priced is a packed bin of several samples
-        self.longest_sample = 0
         self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
                                | {sp for sp, mode in self._unfit})
-        self._cache: dict = {}
-        #: the tower priced from the profile's measurement; None: vision-language samples refused
-        self._vision = None
-        if profile.vision is not None and self.model.vision is not None:
-            self._vision = VisionPrice.from_table(self.model.vision, profile.vision)
-        if time_at == "value":
-            profile.warn_if_noisy(log)  # once per profile and process, not per cost object
 
     def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:
         """Plans shard blocks of ``cluster.shard_size`` ranks from a profile measured without
@@ -130,18 +163,24 @@ class ProfiledCost:
         return self._state
 
     def best_split(self, sizes: Sequence[Size], sp: int) -> SplitTime:
-        """The (Ulysses, ring) split of a group of ``sp`` ranks its price is for: the one the
-        profile measured (`Topology.measured_split`: ring 1 where ``sp`` divides the heads, the
-        largest Ulysses degree past them). Its communication is inside the measured time, so
-        the returned times are zero."""
-        u, r = Topology.of(self.cluster, self.model.num_heads).measured_split(sp)
-        return SplitTime(u, r, 0.0, 0.0, 0.0, 0.0)
+        """The (Ulysses, ring) split of a group of ``sp`` ranks the micro-batch of ``sizes`` is
+        priced at (`terms`): among the splits the profile measured at ``sp``, the one predicted
+        fastest for it (`_fastest`); the size's `Topology.measured_split` where it measured
+        one. Its communication is inside the measured time, so the returned times are zero."""
+        if any(sp in alt.sp_sizes for alt in self._alts.values()):
+            ring = self._fastest(Counter(self.model.tokens(s) for s in sizes), sp)[0]
+        else:
+            ring = 0
+        ring = ring or self._topology.measured_split(sp)[1]
+        return SplitTime(sp // ring, ring, 0.0, 0.0, 0.0, 0.0)
 
     def add_state_bytes(self, extra: float) -> None:
         """Bytes every micro-batch finds allocated on top of the model states counted so far
         (FSDP's whole gradients held between micro-batches: `cost.grad_hold`)."""
         self._state += float(extra)
         self._cache.clear()
+        for alt in self._alts.values():
+            alt.add_state_bytes(extra)
 
     def _at(self, bucket: str, sp: int, mode: str, n: int) -> tuple[float, float]:
         """(time, memory) per sample of a micro-batch of n samples of `bucket`: interpolated
@@ -286,7 +325,26 @@ class ProfiledCost:
         return hit if hit is not None else cache_put(self._cache, key, self._terms(Counter(toks), sp))
 
     def _terms(self, counts: dict[int, int], sp: int) -> MicroBatchTerms:
-        """The terms of a micro-batch holding `counts[tokens]` samples of each token count."""
+        """The terms of a micro-batch holding `counts[tokens]` samples of each token count, at
+        the measured split predicted fastest for it (`_fastest`)."""
+        return self._fastest(counts, sp)[1]
+
+    def _fastest(self, counts: dict[int, int], sp: int) -> tuple[int, MicroBatchTerms]:
+        """(ring degree, terms) of the split of ``sp`` ranks whose measurements, interpolated
+        for this micro-batch as every price is, give it the least time without recomputation
+        (with full recomputation where keeping everything does not fit; infinite where no mode
+        fits); ties to the size's measured split, whose ring degree is given as 0."""
+        best = (0, self._terms_at(counts, sp))
+        for ring, alt in self._alts.items():
+            if sp in alt.sp_sizes:
+                terms = alt._terms_at(counts, sp)
+                if terms.time_none < best[1].time_none:
+                    best = (ring, terms)
+        return best
+
+    def _terms_at(self, counts: dict[int, int], sp: int) -> MicroBatchTerms:
+        """The terms of a micro-batch holding `counts[tokens]` samples of each token count, from
+        this object's tables (one split per size)."""
         n = sum(counts.values())
         largest = max(counts)
         tot: dict[str, list[float]] = {}

@@ -39,9 +39,11 @@ interval of ``time_s``: the time is known to within time_s x (1 +- time_spread))
 from; ``layer_s``: the time of one layer used, the median of per-round differences;
 ``reference_s``: the reference run's time while it was measured, ``load_scale``: the factor
 its time_s was multiplied by, the profile's reference_s / this one; absent when not rescaled),
-``validation`` (``time_s``, ``memory_bytes`` measured at full depth, or ``error`` if that ran
-out of memory), ``reason`` ("oom": a short stack ran out of memory; "over_budget": the
-extrapolation does not fit the memory budget) and ``error`` (the out-of-memory message).
+``ring`` (the ring degree of the Ulysses x ring split it was measured at, ``sp / ring`` the
+Ulysses degree; absent: the size's `Topology.measured_split`), ``validation`` (``time_s``,
+``memory_bytes`` measured at full depth, or ``error`` if that ran out of memory), ``reason``
+("oom": a short stack ran out of memory; "over_budget": the extrapolation does not fit the
+memory budget) and ``error`` (the out-of-memory message).
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class ProfileEntry:
     validation: dict | None = None
     reason: str | None = None
     error: str | None = None
+    #: the ring degree of the split it was measured at; None: the size's `Topology.measured_split`
+    ring: int | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -126,6 +130,10 @@ class ProfileEntry:
             raise ValueError(f"entry {i} has an unknown recompute mode or bucket: {d}")
         if e.sp < 1 or e.mbs < 1:
             raise ValueError(f"entry {i} has sp={e.sp}, mbs={e.mbs}; both must be >= 1")
+        if e.ring is not None:
+            e.ring = int(e.ring)
+            if e.ring < 1 or e.sp % e.ring:
+                raise ValueError(f"entry {i} has ring={e.ring} at sp={e.sp}; the ring degree must divide the SP degree")
         if e.feasible:
             for name in ("time_s", "memory_bytes"):
                 v = getattr(e, name)

@@ -7,9 +7,9 @@ each micro-batch's `Layout.ring` to the split its price was for (`cost.ring.best
 same choice), so the plan runs what was priced. Without ring nothing is touched: plans stay
 as the planners made them.
 
-A `ProfiledCost` names the split each size was measured at (`Topology.measured_split`:
-ring 1 where the size divides the heads), so a profiled plan runs what was timed. A cost
-model without `best_split` keeps ring degree 1.
+A `ProfiledCost` names, among the splits each size was measured at
+(`Topology.profiled_splits`), the one measured fastest for the micro-batch, so a profiled
+plan runs what was timed. A cost model without `best_split` keeps ring degree 1.
 """
 
 from __future__ import annotations

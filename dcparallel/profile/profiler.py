@@ -1,8 +1,9 @@
 """`Profiler`: measures a real model on this device, layout by layout, from short stacks.
 
 For each bucket (a representative sample size) and each candidate layout — SP degree (every
-size the world allows, on the real SP groups: Ulysses, and past the heads Ulysses x ring at
-`Topology.measured_split`), micro-batch size (1, 2, 4, ... until memory runs out or
+size the world allows, on the real SP groups: Ulysses; with ring, past the heads too and
+every size above one at two splits, `Topology.profiled_splits`, each entry carrying its ring
+degree, the two in one chain), micro-batch size (1, 2, 4, ... until memory runs out or
 samples/s stops improving by ``min_gain``), recomputation (none / attn / mlp / full, on
 every layer) — the profiler runs forward + backward of stacks of ``depth - 1`` and ``depth``
 layers (the others pass the hidden state through) and extrapolates time and activation
@@ -170,6 +171,9 @@ class Profiler:
                        **({"reference": True} if self.config.reference else {}),
                        **({"rescale": False} if self.config.reference and not self.config.rescale else {})},
             **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
+            # with ring, the (Ulysses, ring) splits measured per size: a profile of other splits is another profile
+            **({"splits": {str(k): [list(s) for s in self.engine.groups.topology.profiled_splits(k)]
+                           for k in self.sp_sizes}} if self.engine.groups.topology.ring else {}),
         }
 
     # ------------------------------------------------------------------ one run
@@ -200,7 +204,7 @@ class Profiler:
         return float(meter.bytes)
 
     def _measure(self, size: Size, ranks: tuple[int, ...], mbs: int, mode: str, depths: Sequence[int],
-                 full_depth: int | None = None) -> dict:
+                 full_depth: int | None = None, ring: int | None = None) -> dict:
         """This rank's medians per depth (in units) of one layout, or its out-of-memory.
 
         The group's ranks build their inputs, then run each depth once for its memory (the
@@ -209,7 +213,8 @@ class Profiler:
         (validation) is tried after the short stacks: if only it runs out of memory the layout
         keeps its short-stack measurement and the validation is skipped."""
         group = self.control.of(ranks)
-        _, ring = self.engine.groups.topology.measured_split(len(ranks))  # > 1 only past the heads
+        if ring is None:  # the size's measured split: ring > 1 only past the heads
+            ring = self.engine.groups.topology.measured_split(len(ranks))[1]
         layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers), ring)  # planner layers
         state = self.model_state_bytes()
         box: dict = {}
@@ -286,6 +291,39 @@ class Profiler:
         log.warning("the reference run (one sample of %s) does not fit: no rescaling for load drift", size)
         return None
 
+    def _rings(self, sp: int) -> list[int]:
+        """The ring degrees a group of ``sp`` ranks is measured at (`Topology.profiled_splits`)."""
+        return [r for _, r in self.engine.groups.topology.profiled_splits(sp)]
+
+    def _chain(self, b: ProfileBucket, ranks: tuple[int, ...], mode: str, ring: int, local: list[ProfileEntry],
+               budget: Budget, coarse: bool, full: bool) -> int:
+        """Measures micro-batch sizes 1, 2, 4, ... of one bucket, SP group, recompute mode and
+        split into ``local`` until one does not fit or stops paying (`ProfilerConfig.min_gain`);
+        ``full``: the first is validated at full depth. Returns the slopes clamped."""
+        cfg, group, sp = self.config, self.control.of(ranks), len(ranks)
+        d2, L = cfg.depth, self.spec.num_layers
+        d1, state, clamped = d2 - 1, self.model_state_bytes(), 0
+        mbs, best = 1, 0.0
+        while True:
+            mine = self._measure(b.size, ranks, mbs, mode, [d1, d2], L if full and mbs == 1 else None, ring)
+            res = comm.all_gather_object(mine, group)
+            entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks), ring=ring)
+            clamped += group_entry(entry, res, d1, d2, L, state, self.memory_limit)
+            local.append(entry)
+            if not entry.feasible:
+                return clamped
+            # samples/s (on the reference clock when rescaling: load drift cancels); a
+            # drop within the layout's own spread is noise and does not end the chain
+            tput = mbs / entry.time_s * (entry.measured.get("reference_s", 1.0) if cfg.rescale else 1.0)
+            if mbs > 1 and tput * (1 + (entry.time_spread or 0.0)) < best * (1 + cfg.min_gain):
+                return clamped
+            best = max(best, tput)
+            tokens = self.spec.tokens(b.size)
+            if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens) \
+                    or coarse or any(comm.all_gather_object(budget.over(), group)):
+                return clamped
+            mbs *= 2
+
     # ------------------------------------------------------------------ the whole profile
 
     def run(self, sizes: Sequence[Size], journal_path: str | os.PathLike | None = None
@@ -307,7 +345,6 @@ class Profiler:
         self.control = ControlGroups(self.sp_sizes, len(buckets))
         L = self.spec.num_layers
         d2 = cfg.depth
-        d1 = d2 - 1
         validate = cfg.validation_set(buckets, self.sp_sizes)
 
         plan = group_buckets(buckets, self.sp_sizes, self.world, self.rank)  # (sp, ranks, bucket), in order
@@ -326,7 +363,6 @@ class Profiler:
             self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
         for sp, ranks, b in plan:
             group = self.control.of(ranks)
-            size = b.size
             for mode in cfg.modes:
                 chain, n_before, t0 = (b.key, sp, mode), len(local), budget.elapsed()
                 level = max(comm.all_gather_object(budget.level(chain), group))  # the group agrees
@@ -337,28 +373,9 @@ class Profiler:
                     budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
                     budget.show(bar)
                     continue
-                mbs, best = 1, 0.0
-                while True:
-                    full = mbs == 1 and (b.key, sp, mode) in validate and L > d2
-                    mine = self._measure(size, ranks, mbs, mode, [d1, d2], L if full else None)
-                    res = comm.all_gather_object(mine, group)
-                    entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks))
-                    clamped += group_entry(entry, res, d1, d2, L, state, self.memory_limit)
-                    local.append(entry)
-                    if not entry.feasible:
-                        break
-                    t_l = entry.time_s
-                    # samples/s (on the reference clock when rescaling: load drift cancels); a
-                    # drop within the layout's own spread is noise and does not end the chain
-                    tput = mbs / t_l * (entry.measured.get("reference_s", 1.0) if cfg.rescale else 1.0)
-                    if mbs > 1 and tput * (1 + (entry.time_spread or 0.0)) < best * (1 + cfg.min_gain):
-                        break
-                    best = max(best, tput)
-                    tokens = self.spec.tokens(size)
-                    if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens) \
-                            or coarse or any(comm.all_gather_object(budget.over(), group)):
-                        break
-                    mbs *= 2
+                for i, ring in enumerate(self._rings(sp)):  # the measured split first: the one validated
+                    full = i == 0 and (b.key, sp, mode) in validate and L > d2
+                    clamped += self._chain(b, ranks, mode, ring, local, budget, coarse, full)
                 if journal is not None:
                     journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])
                 budget.done(chain, level, budget.elapsed() - t0, local[n_before:])
@@ -370,7 +387,7 @@ class Profiler:
         gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank], self.control.control)
         order = {k: i for i, k in enumerate(keys)}
         entries = sorted((e for part in gathered for e in part),
-                         key=lambda e: (order[e.bucket], e.sp, STATIC_MODES.index(e.recompute), e.mbs))
+                         key=lambda e: (order[e.bucket], e.sp, e.ring or 0, STATIC_MODES.index(e.recompute), e.mbs))
         # with rescaling, every layout on the profile's median machine speed
         reference_s = rescale(entries) if cfg.rescale else median_reference(entries)
         self.clock = None

@@ -45,7 +45,7 @@ def case_budget(budget_s: float) -> dict:
     clock, calls = [0.0], []
     prof = _profiler(modes=("none", "attn", "full"), max_mbs=4, budget_s=budget_s, repeats=3, max_repeats=3)
 
-    def measure(size, ranks, mbs, mode, depths, full_depth=None):
+    def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
         run = 0.1 * (1 + rank) * mbs * size / 16
         rounds = prof.round_config.repeats
         clock[0] += run * (1 + rounds)

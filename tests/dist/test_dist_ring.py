@@ -15,7 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dcparallel.cost.profiled import ProfiledCost
+from dcparallel.cost.schema import Profile
 from dcparallel.models.attention import AttnPattern, sdpa_attention
+from dcparallel.spec import ClusterSpec
 from tests.dist import ring_cases
 from tests.dist.harness import Workers
 from tests.support import make_data, reference, rel_err
@@ -136,9 +139,10 @@ def test_a_step_the_planner_made_with_ring_matches_the_reference(workers4):
 
 def test_prepare_with_ring_profiles_past_the_heads_and_trains_exactly(workers4, tmp_path):
     """``DataCentricParallel(ring=True)`` with its default profiled cost on a model with 2
-    query heads: the profiler measures SP 4 (past the heads) at Ulysses 2 x ring 2; a sample
-    that SP 2 cannot hold within the memory budget is planned at SP 4 on that split, and the
-    step matches one process of the unmodified model."""
+    query heads: the profiler measures SP 2 at Ulysses 2 and at ring 2, SP 4 (past the heads)
+    at Ulysses 2 x ring 2 and at ring 4; a sample that SP 2 cannot hold within the memory
+    budget is planned at SP 4 on the split measured faster for it, and the step matches one
+    process of the unmodified model."""
     from tests.adapter_models import reference as hf_reference
 
     seed = 3
@@ -148,8 +152,14 @@ def test_prepare_with_ring_profiles_past_the_heads_and_trains_exactly(workers4, 
     long = [e for e in prof["entries"] if e["bucket"] == "t200" and e["mbs"] == 1]
     assert long and not any(e["feasible"] for e in long if e["sp"] <= 2), long  # SP 2 cannot hold it
     assert any(e["feasible"] for e in long if e["sp"] == 4), long  # measured past the heads, fits
+    assert {(e["sp"], e["ring"]) for e in prof["entries"]} == {(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)}
     wide = [mb for g in plan["groups"] for mb in g["micro_batches"] if mb["layout"]["sp"] == 4]
-    assert [mb["sample_ids"] for mb in wide] == [[0]] and wide[0]["layout"]["ring"] == 2, wide
+    assert [mb["sample_ids"] for mb in wide] == [[0]], wide
+    assert wide[0]["layout"].get("ring", 1) == _fastest_measured(long, 4), (wide, long)
+    cost = ProfiledCost(Profile.from_json(prof), ClusterSpec(**out[0]["cluster"]))
+    for mb in (mb for g in plan["groups"] for mb in g["micro_batches"]):
+        sizes = [ring_cases.PREPARE_LENGTHS[i] for i in mb["sample_ids"]]
+        assert mb["layout"].get("ring", 1) == cost.best_split(sizes, mb["layout"]["sp"]).ring, mb
     n = len(ring_cases.PREPARE_LENGTHS)
     assert sorted(plan["sample_ids"]) == list(range(n))
     ref_loss, ref_grads = hf_reference(ring_cases.hf_two_heads(), ring_cases.prepare_data(seed), list(range(n)))
@@ -166,6 +176,18 @@ def test_world8_step_mixing_splits_matches_the_reference(tmp_path_factory):
         w.close()
     ref_loss, ref_grads = reference(ring_cases.llama(), make_data("llama", n, seed), list(range(n)))
     _assert_matches(out, ref_loss, ref_grads)
+
+
+def _fastest_measured(entries: list[dict], sp: int) -> int:
+    """The ring degree of the split measured fastest for one sample of a bucket at ``sp`` (its
+    time without recomputation where that fits, else with full recomputation); ties to the
+    smaller ring degree (the larger Ulysses degree)."""
+    def seconds(ring: int) -> float:
+        by_mode = {e["recompute"]: e["time_s"] for e in entries
+                   if e["sp"] == sp and e["ring"] == ring and e["feasible"]}
+        return by_mode.get("none", by_mode.get("full", float("inf")))
+
+    return min(sorted({e["ring"] for e in entries if e["sp"] == sp}), key=seconds)
 
 
 def _assert_matches(out: list[dict], ref_loss: float, ref_grads: dict) -> None:

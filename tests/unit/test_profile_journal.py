@@ -70,7 +70,7 @@ def slow_measure(prof, clock: FakeClock, calls: list):
     """A measurement of one layout that takes (on ``clock``) 0.1 s per 16 tokens per run of
     both short stacks, once for memory and once per timed round, and reports that time."""
 
-    def measure(size, ranks, mbs, mode, depths, full_depth=None):
+    def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
         run = 0.1 * mbs * size / 16
         rounds = prof.round_config.repeats
         clock.t += run * (1 + rounds)
