@@ -65,7 +65,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_shape_bound.py": 10,
     "tests/unit/test_sharded_plan.py": 11,
     "tests/unit/test_resume_schedule.py": 12,  # four short `dcparallel train` runs, world 1
-    "tests/unit/test_hf_trainer.py": 30,  # eight short Trainer runs, world 1
+    "tests/unit/test_hf_trainer.py": 35,  # eleven short Trainer runs, world 1
     "tests/unit/test_trl_sft.py": 20,  # TRL imported, three short SFTTrainer runs
 }
 

@@ -256,6 +256,8 @@ class Trainer:
 
         import torch
 
+        from dcparallel.data import refine
+
         t0 = time.perf_counter()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.launch.device)
@@ -268,9 +270,7 @@ class Trainer:
             a = time.perf_counter()
             with self.dc.micro_batch(batch) as ctx:  # the adapter's loss: next-token, or flow matching
                 ctx.backward(self.dc.loss_fn(self.model, batch, ctx))
-            if self.cuda and self.loader.refine_left:  # the micro-batch's time, not its launch's
-                torch.cuda.synchronize(self.launch.device)
-            times.append(time.perf_counter() - a)
+            times.append(refine.seconds_since(a, self.launch.device, bool(self.loader.refine_left)))
         update = self._update(epoch, step)
         self.loader.observe(step, times)  # while steps remain to refine (collective); else nothing
         step_s = time.perf_counter() - t0

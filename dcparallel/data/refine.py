@@ -12,7 +12,9 @@ travels in a loader's `state_dict` and over a planning process's connection.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
@@ -30,6 +32,17 @@ def check_steps(refine_steps: int) -> int:
     if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
         raise ValueError(f"refine_steps must be an integer >= 0 (0: no refinement); got {refine_steps!r}")
     return refine_steps
+
+
+def seconds_since(start: float, device: Any, sync: bool) -> float:
+    """The seconds of the micro-batch begun at ``start`` (a `time.perf_counter`): on a CUDA
+    ``device`` with ``sync`` (while steps remain to refine) it first waits for the device,
+    so that the time is the micro-batch's, not its launch's."""
+    if sync and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size],

@@ -16,9 +16,13 @@ gradient sync (`dc.sync_gradients`), clipping is `dc.clip_grad_norm_`, the optim
 whole-model checkpointing: recompute is the planner's choice per micro-batch, always.
 Evaluation runs transformers' own loop on the unwrapped model.
 
-Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard;
-`resume_from_checkpoint` continues at the next planned step (the loader's position follows
-from the saved global step), at any world size with shard_size 1 (the shards reshard).
+Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard and the
+loader's state; `resume_from_checkpoint` continues at the next planned step (the loader's
+position follows from the saved global step, the cost model's refinement from the saved
+state), at any world size with shard_size 1 (the shards reshard). With
+``dc_args.refine_steps = N`` the first N steps time each micro-batch and feed the times to
+the loader (`DataCentricLoader.observe`, as ``dcparallel train`` does), which plans the later
+steps with the corrected cost model.
 ``bf16=True`` runs each micro-batch's forward under autocast to bfloat16, as the Trainer
 does (the parameters, gradients and AdamW states stay fp32, or fp32 masters of a model
 loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +42,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from dcparallel.api import DataCentricParallel
+from dcparallel.data import refine
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.runtime import comm
 from dcparallel.runtime.zero import ZeroAdamW
 
 #: the optimizers `dc.optimizer` (AdamW with decoupled weight decay) computes exactly
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
+#: the train loader's `state_dict` in a checkpoint folder
+LOADER_STATE = "dc_loader_state.json"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -66,6 +75,8 @@ class DataCentricArguments:
     profiler_config: dict[str, Any] | None = None
     #: one micro-batch's loss(model, batch, ctx); None: the adapter's (next-token loss for LMs)
     loss_fn: Any = None
+    #: the first this many steps' measured micro-batch times correct the cost model (0: off)
+    refine_steps: int = 0
 
 
 class _Tokens:
@@ -190,7 +201,8 @@ class DataCentricTrainer(Trainer):
             path = d.profile_path or os.path.join(self.args.output_dir, "dcparallel_profile.json")
             self._dc_loader = self.dc.prepare(data, lengths=data.lengths(), tokens_per_step=d.tokens_per_step,
                                               samples_per_step=d.samples_per_step, cost=d.cost, profile_path=path,
-                                              profiler_config=d.profiler_config, collate="text")
+                                              profiler_config=d.profiler_config, collate="text",
+                                              refine_steps=d.refine_steps)
             self._check_epochs_alike(self._dc_loader)
             self.add_callback(_EpochFraction(len(self._dc_loader)))
         return _Steps(self.dc)
@@ -230,9 +242,10 @@ class DataCentricTrainer(Trainer):
         (it skips by step, not by re-reading batches)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
-        if steps_trained > 0:
-            loader = self._dc_loader
-            loader.load_state_dict({**loader.state_dict(), "epoch": epochs_trained, "step": steps_trained})
+        loader = self._dc_loader
+        saved = _loader_state(resume_from_checkpoint)  # the measured times the saved run planned with
+        if steps_trained > 0 or saved:
+            loader.load_state_dict({**(saved or loader.state_dict()), "epoch": epochs_trained, "step": steps_trained})
         return epochs_trained, 0
 
     def create_optimizer(self, model=None):
@@ -248,13 +261,18 @@ class DataCentricTrainer(Trainer):
         """One planned optimizer step: this rank's micro-batches, then the one gradient sync.
         Returns the step's mean loss over all ranks' targets."""
         model.train()
-        loss_fn = self.dc.loss_fn
+        loss_fn, loader = self.dc.loss_fn, self._dc_loader
+        times = []  # each micro-batch's seconds, for the cost model's refinement (refine_steps)
         for batch in inputs:
+            start = time.perf_counter()
             with self.dc.micro_batch(batch) as ctx:
                 with self.accelerator.autocast():  # bf16=True: the forward in bfloat16, as the Trainer's
                     loss = loss_fn(model, batch, ctx)
                 ctx.backward(loss)
-        return torch.tensor(self.dc.sync_gradients(), device=self.args.device)
+            times.append(refine.seconds_since(start, self.args.device, bool(loader.refine_left)))
+        loss = self.dc.sync_gradients()
+        loader.observe(inputs, times)  # while steps remain to refine (collective), before the next is planned
+        return torch.tensor(loss, device=self.args.device)
 
     def _clip_grad_norm(self, model):
         return self.dc.clip_grad_norm_(self.args.max_grad_norm)
@@ -271,17 +289,26 @@ class DataCentricTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each rank's ZeRO-1 optimizer shard, and (rank 0) the scheduler, in the checkpoint."""
+        """Each rank's ZeRO-1 optimizer shard, and (rank 0) the scheduler and the loader's state,
+        in the checkpoint."""
         Path(output_dir).mkdir(parents=True, exist_ok=True)  # every rank writes, not only the saving one
         torch.save(self.optimizer.state_dict(), Path(output_dir) / f"dc_optimizer_rank{comm.world_rank()}.pt")
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+            # alike on every rank; the refinement's measured times among it (`data.refine`)
+            (Path(output_dir) / LOADER_STATE).write_text(json.dumps(self._dc_loader.state_dict()))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
         self.optimizer.load_state_dict(_optimizer_state(Path(checkpoint), self.optimizer))
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+
+
+def _loader_state(checkpoint: str | None) -> dict[str, Any] | None:
+    """The loader's state a checkpoint holds; None without one (no checkpoint, or none saved)."""
+    path = Path(checkpoint) / LOADER_STATE if checkpoint is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:

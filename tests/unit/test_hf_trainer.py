@@ -218,3 +218,65 @@ def test_optimizer_files_of_two_runs_are_refused(tmp_path):
         _optimizer_state(tmp_path, opt)
     (tmp_path / "dc_optimizer_rank2.pt").unlink()
     assert [s["rank"] for s in _optimizer_state(tmp_path, opt)] == [0, 1]
+
+
+def _spied(trainer):
+    """The trainer's loader, its `observe` recording (step index, plan, seconds, fed?)."""
+    loader = trainer.get_train_dataloader().dc.loader
+    calls, observe = [], loader.observe
+
+    def spy(step, seconds):
+        fed = observe(step, seconds)
+        calls.append((step.index, step.plan, list(seconds), fed))
+        return fed
+    loader.observe = spy
+    return loader, calls
+
+
+def test_refine_steps_feed_the_measured_times_and_resume_with_them(tmp_path):
+    """refine_steps=2: steps 0 and 1 feed one measured time per micro-batch to the loader,
+    step 2 nothing; the checkpoint after step 2 holds the fed rows, and a resume from it
+    plans with the same fit without measuring again."""
+    from dcparallel.cost.refined import RefinedCost
+
+    dc_args = DataCentricArguments(tokens_per_step=100, cost="analytic", refine_steps=2)
+    args = _args(tmp_path, save_strategy="steps", save_steps=2)
+    trainer = DataCentricTrainer(model=_model(), args=args, train_dataset=_rows(), dc_args=dc_args)
+    loader, calls = _spied(trainer)
+    trainer.train()
+    assert [(i, fed) for i, _, _, fed in calls] == [(0, True), (1, True), (2, False)]
+    times = [s for _, plan, seconds, _ in calls[:2] for s in seconds]
+    assert len(calls[0][2]) == len(calls[0][1].work_of(0)) and all(s > 0 for s in times)
+    assert [row[-1] for row in loader.state_dict()["refine"]["rows"]] == times  # world 1: every row is rank 0's
+    cost = loader.context.cost
+    assert isinstance(cost, RefinedCost) and cost.fitted and loader.refine_left == 0
+
+    resumed = DataCentricTrainer(model=_model(), args=args, train_dataset=_rows(), dc_args=dc_args)
+    again, again_calls = _spied(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert [(i, fed) for i, _, _, fed in again_calls] == [(2, False)]
+    assert again.state_dict()["refine"] == {"left": 0, "rows": [list(map(_plain, r)) for r in
+                                                                loader.state_dict()["refine"]["rows"]]}
+    assert again_calls[0][1] == calls[2][1]  # step 2 planned alike
+    assert {k: again.context.cost.correction(k) for k in cost.fitted} == {k: cost.correction(k) for k in cost.fitted}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def test_refine_steps_0_feeds_nothing_and_plans_as_the_loader(tmp_path):
+    from dcparallel import DataCentricParallel
+    from dcparallel.cost.refined import RefinedCost
+
+    rows = _rows()
+    trainer = DataCentricTrainer(model=_model(), args=_args(tmp_path), train_dataset=rows,
+                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    loader, calls = _spied(trainer)
+    trainer.train()
+    assert [(i, fed) for i, _, _, fed in calls] == [(0, False), (1, False), (2, False)]
+    assert not isinstance(loader.context.cost, RefinedCost) and loader.state_dict()["refine"]["rows"] == []
+    data = [{"input_ids": torch.tensor(r["input_ids"])} for r in rows]
+    plain = DataCentricParallel(_model(), seed=42).prepare(data, lengths=[len(r["input_ids"]) for r in rows],
+                                                          tokens_per_step=100, cost="analytic")
+    assert [plan for _, plan, _, _ in calls] == [step.plan for step in list(plain)[:3]]
