@@ -1,17 +1,19 @@
 """`cost = "analytic"` on CPU: the step times it predicts against the step times measured,
-with this CPU's calibration (`profile.cpu_calibration`) and with the packaged H200 one.
+with this CPU's calibration (`profile.cpu_calibration`: the layer's constants and the launch's
+links, `profile.cpu_links`), with the same layer constants on GPU link speeds, and with the
+packaged H200 one.
 
-    .venv/bin/python benchmarks/analytic_cpu.py [--steps 8] [--policies dcp bucket packed]
+    .venv/bin/python benchmarks/analytic_cpu.py [--steps 8] [--policies dcp bucket packed] [--out DIR]
 
 The demo's configuration (`dcparallel demo`: its 4-layer reference LM, its 420 skewed
 lengths of 32 to 3072 tokens, 16,384 tokens a step) trained through the public API
 (`DataCentricParallel(model, policy=...)`, `prepare(..., cost="analytic", predict=True)`),
 one torchrun launch of 2 gloo ranks with one thread each per policy, no memory limit. Each
 step's time is measured on rank 0 from a barrier to the end of `sync_gradients` (the
-optimizer step, which no prediction includes, is left out) and set against the loader's
-prediction of the same plan (`LoaderStep.predicted.step_s`, CPU calibration) and the same
-plan priced by the H200 calibration. The first step of each run (first-time allocations)
-is reported but not counted.
+optimizer step, which no prediction includes, is left out), and so is each micro-batch and
+the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
+cost model's micro-batch terms and gradient sync). The first step of each run (first-time
+allocations) is reported but not counted. ``--out DIR`` reprints an earlier run's tables.
 """
 
 from __future__ import annotations
@@ -54,20 +56,31 @@ def worker(args: argparse.Namespace) -> None:
                         profile_path=Path(args.out) / "profile.json", loss_fn=loss_fn, predict=True)
     prepare_s = time.perf_counter() - t0
     cluster = priced_cluster(dc.cluster_spec)
-    h200 = PlanContext(Workload(dc.spec, tuple(lengths)), AnalyticCost(dc.spec, cluster), cluster)
+    work = Workload(dc.spec, tuple(lengths))
+    h200 = PlanContext(work, AnalyticCost(dc.spec, cluster), cluster)
+    gpu_links = AnalyticCost(dc.spec, cluster, dc.cost.cal)  # this CPU's layer, the GPU links
+    untimed_links = PlanContext(work, gpu_links, cluster)
     opt = dc.optimizer(lr=1e-3)
     rows = []
     for step in loader:
         torch.distributed.barrier()
         t0 = time.perf_counter()
+        mbs = []
         for batch in step:
+            t1 = time.perf_counter()
             with dc.micro_batch(batch) as ctx:
                 ctx.backward(loss_fn(model, batch, ctx))
+            sizes, lay = [lengths[i] for i in batch.sample_ids], batch.layout
+            mbs.append([time.perf_counter() - t1, dc.cost.terms(sizes, lay.sp).time(lay.recompute),
+                        gpu_links.terms(sizes, lay.sp).time(lay.recompute)])
+        t1 = time.perf_counter()
         dc.sync_gradients()
         measured = time.perf_counter() - t0
         opt.step()
         rows.append({"step": step.index, "measured_s": measured, "cpu_s": step.predicted.step_s,
-                     "h200_s": predict_step(step.plan, h200).step_s,
+                     "before_s": predict_step(step.plan, untimed_links).step_s,
+                     "h200_s": predict_step(step.plan, h200).step_s, "mbs": mbs,
+                     "sync_s": [measured - (t1 - t0), dc.cost.grad_sync_time(), gpu_links.grad_sync_time()],
                      "sp": sorted({g.sp for g in step.plan.groups_of(0)})})
         if len(rows) == args.steps:
             break
@@ -82,35 +95,59 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["dcp", "bucket", "packed"])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--out", help="a folder of earlier results: only print their report")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.out:
+        return report(args.policies, Path(args.out))
     out = Path(tempfile.mkdtemp(prefix="analytic-cpu-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     for policy in args.policies:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
                "--worker", "--policy", policy, "--out", str(out), "--steps", str(args.steps)]
         subprocess.run(cmd, env=env, check=True)
-    print("| policy | step | SP | measured s | CPU calibration s (error) | H200 calibration s (error) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    summary = []
-    for policy in args.policies:
+    report(args.policies, out)
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{pred:.2f} ({pred / meas - 1:+.0%})"
+
+
+def report(policies: list[str], out: Path) -> None:
+    """The tables of the report: each step, each policy's summary (the first step not
+    counted), and where the time went on rank 0 (micro-batches, gradient sync, the rest)."""
+    print("| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) "
+          "| H200 s (error) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    summary, terms = [], []
+    for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
             m = r["measured_s"]
-            print(f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {r['cpu_s']:.2f} ({r['cpu_s'] / m - 1:+.0%}) "
+            print(f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {_err(r['cpu_s'], m)} | {_err(r['before_s'], m)} "
                   f"| {r['h200_s']:.3f} ({r['h200_s'] / m - 1:+.0%}) |")
         counted = res["steps"][1:]
-        cpu = statistics.median(abs(r["cpu_s"] / r["measured_s"] - 1) for r in counted)
-        worst = max(abs(r["cpu_s"] / r["measured_s"] - 1) for r in counted)
-        total = sum(r["cpu_s"] for r in counted) / sum(r["measured_s"] for r in counted) - 1
-        h200 = statistics.median(abs(r["h200_s"] / r["measured_s"] - 1) for r in counted)
-        summary.append(f"| {policy} | {res['prepare_s']:.1f} | {cpu:.0%} | {worst:.0%} | {total:+.0%} | {h200:.0%} |")
-    print("\n| policy | prepare s (calibration) | CPU: median abs error | CPU: worst | CPU: sum of steps | "
-          "H200: median abs error |\n| --- | --- | --- | --- | --- | --- |")
+        cols = []
+        for key in ("cpu_s", "before_s"):
+            errs = [r[key] / r["measured_s"] - 1 for r in counted]
+            total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
+            cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
+        summary.append(f"| {policy} | {res['prepare_s']:.1f} | {' | '.join(cols)} |")
+        mbs = [mb for r in counted for mb in r["mbs"]]
+        mb_m, mb_c, mb_g = (sum(mb[i] for mb in mbs) for i in range(3))
+        sync_m, sync_c, sync_g = (sum(r["sync_s"][i] for r in counted) for i in range(3))
+        rest = sum(r["measured_s"] for r in counted) - mb_m - sync_m
+        mb_err = statistics.median(abs(mb[1] / mb[0] - 1) for mb in mbs)
+        terms.append(f"| {policy} | {len(mbs)} | {mb_m:.1f} | {_err(mb_c, mb_m)} | {_err(mb_g, mb_m)} | {mb_err:.0%} "
+                     f"| {sync_m:.2f} | {sync_c:.3f} | {sync_g:.4f} | {rest:.1f} |")
+    print("\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
+          "| GPU links: median abs error | worst | sum of steps |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(summary))
-
+    print("\n| policy | rank 0's micro-batches | measured s | CPU, timed links s | CPU, GPU links s | median abs error "
+          "of one | sync measured s | sync, timed links s | sync, GPU links s | rest of the steps s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(terms))
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,10 @@ floor and compute becomes a sum (p = 1: a CPU has no idle launch time to hide wo
 `cpu_calibration` caches the constants in a JSON file (``cpu-calibration.json`` beside the
 profile path) keyed by the CPU, threads, torch version and the model's sizes. Under
 torchrun every rank times at once, loading the machine as training does, and every rank
-uses the ranks' mean, so their cost models are the same.
+uses the ranks' mean, so their cost models are the same. With more than one rank the
+launch's links are timed too (`cpu_cluster`, `profile.cpu_links`: gloo's all-to-all latency
+and bandwidth at the world size, cached in the same file) and price the all-to-alls and the
+gradient sync in place of the GPU link speeds a CPU launch is given.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dcparallel.cost.analytic import AnalyticCost, Calibration, fit_calibration
+from dcparallel.profile import cpu_links
 from dcparallel.runtime import comm
 from dcparallel.spec import ClusterSpec, ModelSpec
 
@@ -140,14 +144,16 @@ def calibration(spec: ModelSpec, measured: dict) -> Calibration:
         time_err_mean=0.0, time_err_max=0.0, num_rows=0)  # nothing fitted: timed
 
 
-def _key(spec: ModelSpec) -> str:
-    cpu = "cpu"
+def _cpu_name() -> str:
     try:
-        cpu = next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                   if x.startswith("model name"))
+        return next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return json.dumps([cpu, torch.get_num_threads(), torch.__version__, comm.world_size(), spec.hidden,
+        return "cpu"
+
+
+def _key(spec: ModelSpec) -> str:
+    return json.dumps([_cpu_name(), torch.get_num_threads(), torch.__version__, comm.world_size(), spec.hidden,
                        spec.ffn_hidden, spec.num_heads, spec.head_dim, spec.attn_params, spec.mlp_params,
                        spec.bytes_per_value])
 
@@ -157,12 +163,7 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
     machine's and model's constants, else timed now on every rank (collective) and saved there
     by rank 0. The same on every rank."""
     key, path = _key(spec), Path(cache) if cache is not None else None
-    saved: dict = {}
-    if path is not None and path.exists():
-        try:
-            saved = json.loads(path.read_text())
-        except ValueError:
-            saved = {}
+    saved = _load(path)
     hit = saved.get(key)
     if not all(comm.all_gather_object(hit is not None)):
         t0 = time.perf_counter()
@@ -173,18 +174,52 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
             log.info("calibrated the analytic cost model on this CPU in %.1f s: %.3g s per token of linear work, "
                      "%.3g s per attention pair, floor %.3g s per layer (cached in %s)", time.perf_counter() - t0,
                      hit["lin_s_per_token"], hit["attn_s_per_pair"], hit["floor_s"], path)
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({**saved, key: hit}, indent=1))
+            _save(path, key, hit)
     hit = comm.all_gather_object(hit)[0]  # rank 0's (every rank's when they all read the same file)
     return calibration(spec, hit)
 
 
+def _load(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}
+
+
+def _save(path: Path | None, key: str, entry: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**_load(path), key: entry}, indent=1))
+
+
+def cpu_cluster(cluster: ClusterSpec, cache: str | Path | None) -> ClusterSpec:
+    """``cluster`` with this launch's links (`profile.cpu_links`): from ``cache`` when it holds
+    this machine's at this world size, else timed now on every rank (collective) and saved
+    there by rank 0. Unchanged in a world of one rank. The same on every rank."""
+    if comm.world_size() < 2:
+        return cluster
+    key, path = json.dumps(["links", _cpu_name(), torch.__version__, comm.world_size()]), \
+        Path(cache) if cache is not None else None
+    hit = _load(path).get(key)
+    if not all(comm.all_gather_object(hit is not None)):
+        hit = cpu_links.measure_links()
+        if comm.world_rank() == 0:
+            log.info("timed this launch's links for the analytic cost model: %.3g bytes/s, latency %.3g s "
+                     "(cached in %s)", hit["bw"], hit["latency"], path)
+            _save(path, key, hit)
+    return cpu_links.with_links(cluster, comm.all_gather_object(hit)[0])
+
+
 def analytic_cost(spec: ModelSpec, cluster: ClusterSpec, device: torch.device,
                   profile_path: str | Path) -> AnalyticCost:
-    """``cost = "analytic"``: the packaged calibration on a GPU, this CPU's (cached beside
-    ``profile_path``) on a CPU unless ``DCPARALLEL_CPU_CALIBRATION=0`` asks for the packaged
-    one (plans that do not depend on the machine's timings: the tests'). Collective on a CPU."""
+    """``cost = "analytic"``: the packaged calibration on a GPU, this CPU's and this launch's
+    links (`cpu_cluster`; both cached beside ``profile_path``) on a CPU unless
+    ``DCPARALLEL_CPU_CALIBRATION=0`` asks for the packaged one (plans that do not depend on
+    the machine's timings: the tests'). Collective on a CPU."""
     on = device.type == "cpu" and os.environ.get("DCPARALLEL_CPU_CALIBRATION", "1") != "0"
-    cal = cpu_calibration(spec, Path(profile_path).with_name(CACHE_NAME)) if on else None
-    return AnalyticCost(spec, cluster, cal)
+    if not on:
+        return AnalyticCost(spec, cluster)
+    cache = Path(profile_path).with_name(CACHE_NAME)
+    return AnalyticCost(spec, cpu_cluster(cluster, cache), cpu_calibration(spec, cache))

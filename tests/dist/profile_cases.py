@@ -61,3 +61,19 @@ def case_budget(budget_s: float) -> dict:
     finally:
         budget_mod._now = saved
     return {"profile": p.to_json(), "clock": clock[0], "longest": max(calls), "stats": dataclasses.asdict(stats)}
+
+
+def case_cpu_links(path: str) -> dict:
+    """This launch's links timed for the analytic cost model (`profile.cpu_calibration.cpu_cluster`),
+    then read back from the cache without timing."""
+    from dcparallel.profile import cpu_calibration, cpu_links
+    from dcparallel.spec import ClusterSpec
+
+    gpu = ClusterSpec(world_size=2, gpus_per_node=2, intra_bw=1e10, inter_bw=1e10, name="cpu")
+    timed = cpu_calibration.cpu_cluster(gpu, path)
+    measure, cpu_links.measure_links = cpu_links.measure_links, None  # a second timing would fail
+    try:
+        again = cpu_calibration.cpu_cluster(gpu, path)
+    finally:
+        cpu_links.measure_links = measure
+    return {"timed": dataclasses.asdict(timed), "again": dataclasses.asdict(again)}

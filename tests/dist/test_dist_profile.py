@@ -85,3 +85,13 @@ def test_fake_limit_oom_in_an_sp_group_is_survived_and_sp2_fits_what_sp1_cannot(
     reasons = {e.get("reason") for e in lim["entries"] if not e["feasible"]}
     assert "oom" in reasons  # at least one short stack really raised torch.OutOfMemoryError
     assert lim["unfit_buckets"] == []
+
+
+def test_the_launchs_links_are_timed_alike_on_both_ranks_and_cached(workers):
+    w, tmp = workers
+    out = w.run(profile_cases.case_cpu_links, str(tmp / "cpu-calibration.json"))
+    timed = out[0]["timed"]
+    assert out[1]["timed"] == timed and all(o["again"] == timed for o in out)
+    # gloo on one machine: slower than the GPU link it replaces
+    assert 0 < timed["intra_bw"] < 1e10 and timed["intra_bw"] == timed["inter_bw"]
+    assert timed["intra_latency"] >= 0 and timed["intra_latency"] == timed["inter_latency"]

@@ -1,0 +1,69 @@
+"""The links of a CPU launch timed for ``cost = "analytic"`` (`profile.cpu_calibration`).
+
+The analytic model prices an all-to-all in a group of n ranks holding b bytes each as
+``latency * (n - 1) + b * (n - 1) / n / bw`` (`cost.base.alltoall_time`); the gradient sync
+is priced from the same link. A launch without link speeds gets GPU ones
+(`runtime.auto_launch.priced_cluster`), a thousand times too fast for gloo on one machine.
+Here every rank runs ``all_to_all_single`` over the launch's world at two sizes (64 KiB and
+4 MiB a rank, the median of five after a warm-up, each from a barrier); the slowest rank's
+times give the latency (intercept) and bandwidth (slope) of that formula, used for both the
+intra- and inter-node link of the cluster the CPU run is priced on. About a second; cached
+with the calibration. A world of one rank has no links to time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dcparallel.runtime import comm
+from dcparallel.spec import ClusterSpec
+
+#: bytes each rank holds in the two timed all-to-alls
+TIMED_BYTES = (64 * 1024, 4 * 1024 * 1024)
+
+
+def fit_link(n: int, timed: list[tuple[float, float]]) -> dict:
+    """Latency (s per step) and bandwidth (bytes/s) of `cost.base.alltoall_time`'s formula
+    through two (bytes per rank, seconds) timings of an all-to-all among ``n`` ranks: the
+    slope gives the bandwidth, the intercept the latency (never below 0; a slope no larger
+    than 0, timing noise, takes the larger timing as all bandwidth)."""
+    (b1, t1), (b2, t2) = sorted(timed)
+    share = (n - 1) / n
+    slope = (t2 - t1) / (b2 - b1)
+    bw = share / slope if slope > 0 else share * b2 / t2
+    latency = max(0.0, (t1 - share * b1 / bw) / (n - 1))
+    return {"bw": bw, "latency": latency}
+
+
+def _timed_alltoall(num_bytes: int, repeats: int = 5) -> float:
+    n = comm.world_size()
+    x = torch.zeros(num_bytes // 4 // n * n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(y, x)
+        if i:  # the first is the warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_links() -> dict:
+    """This launch's link, timed on every rank at once (collective): `fit_link` of the
+    slowest rank's timings."""
+    mine = [(float(b), _timed_alltoall(b)) for b in TIMED_BYTES]
+    every = comm.all_gather_object(mine)
+    slowest = [(b, max(r[i][1] for r in every)) for i, (b, _) in enumerate(mine)]
+    return fit_link(comm.world_size(), slowest)
+
+
+def with_links(cluster: ClusterSpec, link: dict) -> ClusterSpec:
+    """``cluster`` with ``link``'s bandwidth and latency for every link."""
+    return dataclasses.replace(cluster, intra_bw=link["bw"], inter_bw=link["bw"], intra_latency=link["latency"],
+                               inter_latency=link["latency"])
