@@ -22,7 +22,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_joint.py": 85,
     "tests/dist/test_dist_runtime.py": 50,
     "tests/dist/test_dist_joint_epoch.py": 45,
-    "tests/dist/test_dist_vlm.py": 52,
+    "tests/dist/test_dist_vlm.py": 64,
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
     "tests/dist/test_dist_ring.py": 46,
@@ -54,7 +54,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,
     "tests/unit/test_vision_sizes.py": 14,  # imports transformers' image processors
-    "tests/unit/test_vlm.py": 15,  # Qwen2.5-VL built and imported in the pytest process
+    "tests/unit/test_vlm.py": 25,  # Qwen2.5-VL built and imported in the pytest process
     "tests/unit/test_vlm_profile.py": 15,  # a tiny Qwen2.5-VL profiled, tower included, at world 1
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
 
 SEEDS, NUM_SAMPLES = [31, 32, 33, 34], 8
-TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.")
+TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.",
+                "model.vision_tower.vision_model.encoder.")
 VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.",
           "model.connector.")
 
