@@ -54,7 +54,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
     "tests/unit/test_loader.py": 15,
     "tests/unit/test_vision_sizes.py": 14,  # imports transformers' image processors
-    "tests/unit/test_vlm.py": 25,  # Qwen2.5-VL built and imported in the pytest process
+    "tests/unit/test_vlm.py": 15,  # Qwen2.5-VL built and imported in the pytest process
     "tests/unit/test_vlm_profile.py": 15,  # a tiny Qwen2.5-VL profiled, tower included, at world 1
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,
