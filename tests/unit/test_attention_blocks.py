@@ -9,7 +9,7 @@ import torch
 
 from dcparallel.adapters.vlm_gemma3 import image_blocks
 from dcparallel.data.vision_collate import collate_vision
-from dcparallel.models.attention import AttnPattern, sdpa_attention
+from dcparallel.models.attention import AttnFeatures, AttnPattern, attention_kernel, sdpa_attention
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.ring import check_ring_pattern
 from dcparallel.runtime.ulysses import ulysses_attention
@@ -85,6 +85,16 @@ def test_blocks_are_refused_under_ring_and_by_an_undeclared_kernel():
         ulysses_attention(q, q, q, pattern, group=None, kernel=kernel)
     with pytest.raises(ValueError, match="blocks open spans of causal attention"):
         AttnPattern("full", blocks=((0, 2),))
+
+
+def test_blocks_go_to_the_per_document_reference_on_cuda_too():
+    """varlen_attn and FlexAttention get no block mask: the reference computes blocks."""
+    assert AttnFeatures.of(torch.zeros(1, 4, 2, 4), AttnPattern("causal", blocks=((0, 2),)), None).blocks
+    for version in ((2, 10), (2, 11)):
+        assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal", blocks=True), version) == "loop"
+        assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal", softcap=True, blocks=True),
+                                version) == "eager"
+    assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal"), (2, 11)) == "varlen"
 
 
 def test_pan_and_scan_crops_are_refused():
