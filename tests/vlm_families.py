@@ -18,9 +18,10 @@ from torch import nn
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.spec import VisionSize
 
-KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl", "idefics3", "smolvlm")
-#: the families whose images are fixed-size tiles; Idefics3 and SmolVLM with a pixel mask per tile
-TILED, MASKED = ("internvl", "idefics3", "smolvlm"), ("idefics3", "smolvlm")
+KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl", "idefics3", "smolvlm", "gemma3")
+#: the families whose images are fixed-size tiles; Idefics3 and SmolVLM with a pixel mask per tile;
+#: Gemma 3's images each one tile of its own block
+TILED, MASKED = ("internvl", "idefics3", "smolvlm", "gemma3"), ("idefics3", "smolvlm")
 VOCAB = 96
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 #: (t, h, w) patch grids: images of three resolutions (4, 12 and 24 tokens after the 2 x 2
@@ -81,6 +82,17 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
         cfg = config(text_config=text, vision_config=vision, image_token_id=IMAGE, scale_factor=2)
         cls = getattr(transformers, config.__name__.replace("Config", "ForConditionalGeneration"))
         projectors = ()
+    elif kind == "gemma3":  # sliding window 3 < an image's 4 tokens: the window cuts into image blocks
+        text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=3,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                    initializer_range=0.1)
+        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                      image_size=TILE, patch_size=2, vision_use_head=False)  # as Gemma 3's checkpoints
+        cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                        image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
+                                        initializer_range=0.1)
+        cls, projectors = transformers.Gemma3ForConditionalGeneration, ()
     else:
         raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
     model = cls._from_config(cfg, attn_implementation="eager").float()
@@ -92,7 +104,7 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
 
 def tower(model: nn.Module) -> nn.Module:
     """The vision tower (InternVL's projector and Idefics3's connector are outside it)."""
-    for name in ("visual", "vision_tower", "vision_model"):
+    for name in ("visual", "vision_tower", "vision_model"):  # Gemma 3's projector is outside its tower
         if hasattr(model.model, name):
             return getattr(model.model, name)
     raise ValueError(f"{type(model).__name__} has no vision tower")
@@ -136,16 +148,17 @@ def _sample(rng: random.Random, images: list[tuple], video: tuple | None, timest
 
 
 def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool,
-                  masked: bool = False) -> dict:
+                  masked: bool = False, single: bool = False) -> dict:
     """InternVL: image i of the layout as TILES[its resolution's index] tiles (no videos).
     ``masked`` (Idefics3, SmolVLM; with the processor's batch dim of 1): a ``pixel_attention_mask``
     too, each image's last tile (its global view, resized) padded on the right by 2 to 4 pixel
     columns (zero pixels, zero mask), and after several images an all-zero padding tile that
-    has no placeholders (the model drops it)."""
+    has no placeholders (the model drops it). ``single`` (Gemma 3): each image one tile, its 4
+    placeholders in their own block, whatever the resolution of the layout."""
     ids, pix, masks = _text(rng, rng.randint(2, 6)), [], []
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for grid in images:
-        n = TILES[IMAGE_GRIDS.index(tuple(grid))]
+        n = 1 if single else TILES[IMAGE_GRIDS.index(tuple(grid))]
         ids += [START] + [IMAGE] * (4 * n) + [END] + _text(rng, rng.randint(1, 4))
         tiles, mask = torch.randn(n, 3, TILE, TILE, generator=g), torch.ones(n, TILE, TILE, dtype=torch.long)
         if masked:
@@ -174,7 +187,7 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
                ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
                ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
     rng.shuffle(layouts)
-    samples = [_tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED) if kind in TILED
+    samples = [_tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED, kind == "gemma3") if kind in TILED
                else _sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
     if kind != "qwen2.5-vl":  # only Qwen2.5-VL's positions take seconds per temporal step
         for s in samples:
@@ -207,6 +220,8 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
                                 "second_per_grid_ts", "pixel_attention_mask") if k in s}
         if "Qwen" in type(model).__name__:  # the model computes its M-RoPE positions from these
             kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        if "Gemma3" in type(model).__name__:  # its image tokens' bidirectional mask
+            kw["token_type_ids"] = (ids == IMAGE).long()
         logits = model(input_ids=ids, use_cache=False, **kw).logits
         losses.append(F.cross_entropy(logits[0].float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum"))
         count += int((s["labels"] != IGNORE_INDEX).sum())

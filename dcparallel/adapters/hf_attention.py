@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from dcparallel.models.attention import AttnPattern
 
 NAME = "dcparallel"
+#: the keyword dcparallel's VLM adapter passes through the language model for Gemma 3's images
+BLOCKS = "dcp_bidirectional_blocks"
 
 #: keyword -> how this function honors it exactly (values it cannot honor are refused)
 HANDLED: dict[str, str] = {
@@ -57,6 +59,8 @@ HANDLED: dict[str, str] = {
     "seq_idx": "a packed-sequence index for state-space layers; attention does not read it",
     "return_dict": "a model-level output switch; attention does not read it",
     "max_seqlen": "the longest packed segment, flash-attention metadata of cu_seqlens (refused itself)",
+    BLOCKS: "bidirectional spans of the whole row (dcparallel's own keyword, passed by its Gemma 3 adapter: each "
+            "image's token block, per document), in the kernel (AttnPattern.blocks)",
 }
 
 _STATE = ("keys and values read inside the attention function from a cache or another layer are not "
@@ -145,7 +149,8 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     d = q.shape[-1]
     if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-9:
         q = q * (scaling * d**0.5)  # the kernel scales by 1/sqrt(Dqk)
-    pattern = AttnPattern("causal", softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))
+    pattern = AttnPattern("causal", softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"),
+                          blocks=tuple(kwargs.get(BLOCKS) or ()))
     sinks = kwargs.get("s_aux")
     if sinks is None:
         return fn(q, k, v, pattern), None

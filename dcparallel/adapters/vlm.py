@@ -1,7 +1,7 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
 (`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, InternVL, Idefics3, SmolVLM). Every other class with a vision tower is
+Qwen2.5-VL, Qwen3-VL, InternVL, Idefics3, SmolVLM, Gemma 3). Every other class with a vision tower is
 refused with what is missing (`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
@@ -17,8 +17,8 @@ tower still runs forward, its parameters get no gradient and stay out of the opt
 
 The spec of a grid-based tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) holds its `VisionTower`
 (`adapters.vlm_tower`, trainable unless ``freeze_vision``), so the cost models price a
-`VisionSize` sample's images; InternVL's, Idefics3's and SmolVLM's specs have none (their
-tiles have one patch count).
+`VisionSize` sample's images; InternVL's, Idefics3's, SmolVLM's and Gemma 3's specs have none
+(their tiles and images have one patch count).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dcparallel.data.vision_collate import collate_vision
 
 _NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
 _FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
-        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration or "
+        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, Gemma3ForConditionalGeneration or "
         "SmolVLMForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
         "loss_fn that encodes its images and a parity test against the unmodified model")
 
@@ -48,9 +48,6 @@ REFUSED: dict[str, str] = {
     "MllamaForConditionalGeneration": "its cross-attention layers attend from the text to the image states "
                                       "(cross_attention_states); dcparallel's attention is causal self-attention over "
                                       "the sharded text and has no cross-attention to a second stream",
-    "Gemma3ForConditionalGeneration": "its image tokens attend to each other bidirectionally inside each image "
-                                      "(a token_type_ids mask); dcparallel's text attention is causal only, so the "
-                                      "image tokens would train with the wrong mask",
     "Qwen3VLMoeForConditionalGeneration": "its mixture-of-experts decoder under DeepStack has not been "
                                           "parity-tested with its vision tower (the dense "
                                           "Qwen3VLForConditionalGeneration trains)",
@@ -104,7 +101,8 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
         embeds = torch.where(mask[None, :, None], rows[None, :, :d], embeds)
         levels = [rows[mask][:, d * (i + 1):d * (i + 2)] for i in range(family.levels(cfg))] or None
         mask = mask[None]
-    return ctx.lm_loss(family.logits(model, embeds, family.positions(model, batch), mask, levels))
+    more = {"batch": batch} if family.needs_batch else {}
+    return ctx.lm_loss(family.logits(model, embeds, family.positions(model, batch), mask, levels, **more))
 
 
 def text_samples(vocab: int, placeholders: list[int]):

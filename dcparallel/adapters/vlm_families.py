@@ -10,6 +10,8 @@ them the same way).
   the merged embeddings along the feature dim, so one exchange in the SP group carries all.
 * InternVL: images as fixed-size tiles (each tile an item), pixel shuffle and an MLP projector
   outside the tower; a causal text decoder with 1-D positions (the packed row's own).
+* Gemma 3: fixed-size images (each an item), a SigLIP tower, the projector outside it; its
+  decoder's image tokens attend bidirectionally inside each image (`adapters.vlm_gemma3`).
 * Idefics3, SmolVLM: as InternVL, fixed-size tiles (each tile an item) with a pixel mask per
   tile (its padding zero), a SigLIP-like tower that masks the padded patches, and the
   pixel-shuffle connector outside it; a Llama decoder with 1-D positions.
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters.vlm_gemma3 import gemma3_encode, gemma3_logits, gemma3_tokens
 from dcparallel.data.batch import Batch
 
 
@@ -50,6 +53,8 @@ class Family:
     """config -> placeholder token id of each vision kind it takes (1 image, 2 video)"""
     levels: Callable[[Any], int] = lambda cfg: 0
     """DeepStack levels of a config (vision features added after the first decoder layers)"""
+    needs_batch: bool = False
+    """``logits`` also takes the batch (Gemma 3: its image blocks, computed on the whole row)"""
 
 
 def _qwen_tokens(cfg: Any, grid: Tensor) -> list[int]:
@@ -178,4 +183,8 @@ FAMILIES = {
                     _idefics3_tokens, lambda model, batch: batch.positions, _idefics3_logits,
                     lambda cfg: {1: cfg.image_token_id})
        for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")},
+    "Gemma3ForConditionalGeneration": Family(
+        "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), gemma3_encode,
+        gemma3_tokens, lambda model, batch: batch.positions, gemma3_logits, lambda cfg: {1: cfg.image_token_id},
+        needs_batch=True),
 }

@@ -8,7 +8,8 @@ A sample is what a transformers processor returns for one chat, without the batc
 ``second_per_grid_ts`` (videos,); or, for a model whose images are fixed-size tiles (InternVL),
 ``pixel_values`` (tiles, C, H, W) alone, each tile an item of grid (1, H, W), and (Idefics3,
 SmolVLM) ``pixel_attention_mask`` (tiles, H, W) with it (either may keep the processor's batch
-dim of 1). The placeholder
+dim of 1); Gemma 3's fixed-size images are such tiles too (its pan-and-scan crops, a non-zero
+``num_crops``, are refused). The placeholder
 tokens of each image stay in ``input_ids``.
 A 1-D tensor of token ids is a text-only sample.
 
@@ -110,6 +111,11 @@ def collate_vision(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int,
         if not isinstance(s, Mapping) or "input_ids" not in s:
             raise ValueError(f"vision-language sample {sid} must be a mapping with 'input_ids' (a processor's output "
                              f"for one chat); got {type(s).__name__}")
+        crops = s.get("num_crops")
+        if crops is not None and torch.as_tensor(crops).any():
+            raise ValueError(f"vision-language sample {sid} has pan-and-scan crops (num_crops "
+                             f"{torch.as_tensor(crops).tolist()}), which dcparallel has not parity-tested (Gemma 3); "
+                             f"process its images with do_pan_and_scan=False")
         text[sid] = {"input_ids": torch.as_tensor(s["input_ids"]).reshape(-1), "labels": s.get("labels")}
         items += _items(sid, s, doc)
     batch = collate_text(text, mb, ranks, rank, ignore_index)

@@ -6,8 +6,9 @@ kv_heads dividing heads (grouped-query attention); the value head size may diffe
 query/key one (multi-head latent attention) — and gets the output of shape (batch, tokens,
 heads, value_head_dim). ``pattern`` says which tokens of a sample see which: causal (text),
 full (video, 3D), or factorized spatial / temporal attention over a (frames, spatial
-tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2) and
-its ``window`` limits causal attention to the latest keys (sliding windows).
+tokens) grid; its ``softcap`` caps the logits (``cap * tanh(logits / cap)``, Gemma 2), its
+``window`` limits causal attention to the latest keys (sliding windows) and its ``blocks``
+make spans of the row bidirectional inside themselves (Gemma 3's images).
 ``sinks`` (optional, one logit per query head, gpt-oss) add a learned column to each
 softmax's denominator that takes part in normalization and is then dropped. Documents
 packed in one row (``cu_seqlens``) never attend to each other, and positions at or after
@@ -21,6 +22,7 @@ CPU). No torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Sequence
@@ -52,6 +54,10 @@ class AttnPattern:
     window: int | None = None
     """causal sliding window: a query sees the ``window`` latest keys of its document, itself
     included (transformers' ``sliding_window``: key > query - window); None = all earlier keys"""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """bidirectional spans [start, end) of row positions (Gemma 3's image token blocks): a
+    query inside a span also sees the span's later keys, so it sees (causal OR same span) AND
+    within the window (transformers' Gemma 3 masks); empty = none"""
 
     def __post_init__(self) -> None:
         if self.softcap is not None and not self.softcap > 0:
@@ -59,6 +65,17 @@ class AttnPattern:
         if self.window is not None and (self.kind != "causal" or not self.window >= 1):
             raise ValueError(f"attention window {self.window} with kind {self.kind!r}: a sliding window is a "
                              f"positive number of keys of causal attention; use kind 'causal' or window None")
+        if self.blocks and self.kind != "causal":
+            raise ValueError(f"bidirectional blocks {list(self.blocks)} with kind {self.kind!r}: blocks open spans of "
+                             f"causal attention; use kind 'causal' or no blocks")
+
+    def within(self, start: int, end: int) -> AttnPattern:
+        """This pattern for the document [start, end) of the row: its blocks cut to it and
+        counted from its start."""
+        if not self.blocks:
+            return self
+        cut = tuple((max(a, start) - start, min(b, end) - start) for a, b in self.blocks if a < end and b > start)
+        return dataclasses.replace(self, blocks=cut)
 
     @property
     def causal(self) -> bool:
@@ -75,15 +92,20 @@ def _needs_eager(pattern: AttnPattern, sinks: Tensor | None) -> bool:
     return pattern.softcap is not None or sinks is not None
 
 
-def _masked(length: int, window: int | None, device: torch.device) -> Tensor:
-    """(L, L) True where a query may not see a key: later keys, and keys ``window`` or more back."""
+def _masked(length: int, window: int | None, device: torch.device, blocks: tuple[tuple[int, int], ...] = ()
+            ) -> Tensor:
+    """(L, L) True where a query may not see a key: later keys (but those of the query's own
+    block), and keys ``window`` or more back."""
     idx = torch.arange(length, device=device)
     back = idx[:, None] - idx[None, :]
-    return (back < 0) if window is None else (back < 0) | (back >= window)
+    hidden = back < 0
+    for a, b in blocks:
+        hidden[a:b, a:b] = False
+    return hidden if window is None else hidden | (back >= window)
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None, sinks: Tensor | None,
-           window: int | None = None) -> Tensor:
+           window: int | None = None, blocks: tuple[tuple[int, int], ...] = ()) -> Tensor:
     """Attention written out, for what SDPA cannot do: (N, L, H, D) q, k (N, L, H_kv, D),
     v (N, L, H_kv, Dv) -> (N, L, H, Dv). Scores q.k / sqrt(D), then the softcap, the causal
     mask, the sink column (head h's logit ``sinks[h]``), a float32 softmax, the sink column
@@ -96,7 +118,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None,
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if causal:
-        scores = scores.masked_fill(_masked(length, window, q.device), float("-inf"))
+        scores = scores.masked_fill(_masked(length, window, q.device, blocks), float("-inf"))
     if sinks is not None:
         col = sinks.to(scores.dtype).view(1, h, 1, 1).expand(n, h, length, 1)
         scores = torch.cat([scores, col], dim=-1)
@@ -106,14 +128,15 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None,
     return torch.einsum("nhlm,nmhd->nlhd", probs.to(v.dtype), v)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None,
+          blocks: tuple[tuple[int, int], ...] = ()) -> Tensor:
     """(N, L, H, D), k and v (N, L, H_kv, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D)
     inputs: 3-D inputs take a 4-5x slower kernel on CPU. Fewer key/value heads than query
     heads (grouped-query attention) are shared by consecutive query heads. A sliding window
-    goes in as a boolean mask (True = attend)."""
+    goes in as a boolean mask (True = attend), and so do bidirectional blocks."""
     kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    if window is not None and window < q.shape[1]:
-        kw["attn_mask"] = ~_masked(q.shape[1], window, q.device)
+    if blocks or (window is not None and window < q.shape[1]):
+        kw["attn_mask"] = ~_masked(q.shape[1], window, q.device, blocks)
     else:
         kw["is_causal"] = causal
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
@@ -123,11 +146,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = No
 def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
     """Attention within one document / sample of length L: (B, L, H, Dv)."""
     if _needs_eager(pattern, sinks):
-        core = lambda q, k, v, causal, window=None: _eager(q, k, v, causal, pattern.softcap, sinks, window)
+        core = lambda q, k, v, causal, window=None, blocks=(): _eager(q, k, v, causal, pattern.softcap, sinks,
+                                                                     window, blocks)
     else:
         core = _sdpa
     if pattern.kind in ("causal", "full"):
-        return core(q, k, v, pattern.causal, pattern.window)
+        return core(q, k, v, pattern.causal, pattern.window, pattern.blocks)
     b, n, h, _ = q.shape
     dv = v.shape[-1]
     t = pattern.frames
@@ -165,7 +189,7 @@ def sdpa_attention(
     if len(cu_seqlens) == 2 and cu_seqlens[1] == length:
         return _attend_segment(q, k, v, pattern, sinks)
     pieces = [
-        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern, sinks)
+        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern.within(a, b), sinks)
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
         if b > a
     ]
@@ -194,11 +218,13 @@ class AttnFeatures:
     window: bool = False
     one_row: bool = True
     """one packed row (batch 1): what varlen_attn takes; several rows go to one SDPA call"""
+    blocks: bool = False
+    """bidirectional blocks (Gemma 3's images): only the per-document reference computes them"""
 
     @classmethod
     def of(cls, q: Tensor, pattern: AttnPattern, sinks: Tensor | None) -> AttnFeatures:
         return cls(pattern.kind, pattern.softcap is not None, sinks is not None, pattern.window is not None,
-                   q.shape[0] == 1)
+                   q.shape[0] == 1, bool(pattern.blocks))
 
 
 def attention_kernel(device_type: str, dtype: torch.dtype, features: AttnFeatures,
@@ -208,10 +234,11 @@ def attention_kernel(device_type: str, dtype: torch.dtype, features: AttnFeature
     FlexAttention with a document block mask, the softcap as a score mod and the sinks as an
     exact rescale by its log-sum-exp; ``loop``: SDPA per document (one call for rows of one
     document each); ``eager``: scores written out per document. CPU has no varlen_attn and
-    no FlexAttention backward: the loop and eager path are the exact reference there."""
+    no FlexAttention backward: the loop and eager path are the exact reference there, and on
+    every device for bidirectional blocks (a boolean mask per document)."""
     needs_mod = features.softcap or features.sinks
     fallback: KernelName = "eager" if needs_mod else "loop"
-    if device_type != "cuda" or features.kind not in ("causal", "full"):
+    if device_type != "cuda" or features.kind not in ("causal", "full") or features.blocks:
         return fallback  # factorized kinds fold into rows: one call per fold
     if needs_mod or (features.window and torch_version < VARLEN_WINDOW_MIN):
         return "flex" if torch_version >= FLEX_MIN else fallback
@@ -242,6 +269,8 @@ sdpa_attention.supports_softcap_and_sinks = True
 cuda_varlen_attention.supports_softcap_and_sinks = True
 sdpa_attention.supports_window = True
 cuda_varlen_attention.supports_window = True
+sdpa_attention.supports_blocks = True
+cuda_varlen_attention.supports_blocks = True
 
 
 def _device_type(q: Tensor) -> str:

@@ -27,11 +27,12 @@ itself (the replicated text of joint attention, `runtime.ring_joint`) joins the 
 after the ring's steps, with its own mask.
 
 Refused under ring (a ValueError naming the feature): logit softcapping and attention sinks
-(their backward is not written here), and the factorized spatial / temporal patterns (a
-frame is not a ring block). The block attention runs through torch's memory-efficient SDPA
-on CUDA where the inputs allow (`runtime.ring_fused`: it returns the log-sum-exp, and its
-backward takes the merged output and log-sum-exp), and is written out in fp32 elsewhere: the
-exact reference, on CPU and for the inputs the fused kernel does not take.
+(their backward is not written here), bidirectional blocks (Gemma 3's images), and the
+factorized spatial / temporal patterns (a frame is not a ring block). The block attention
+runs through torch's memory-efficient SDPA on CUDA where the inputs allow
+(`runtime.ring_fused`: it returns the log-sum-exp, and its backward takes the merged output
+and log-sum-exp), and is written out in fp32 elsewhere: the exact reference, on CPU and for
+the inputs the fused kernel does not take.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def check_ring_pattern(pattern: AttnPattern, sinks: Tensor | None, ring: int) ->
     if sinks is not None:
         raise ValueError(f"ring attention (ring degree {ring}) does not implement attention sinks; plan this model "
                          f"with ring degree 1 (Ulysses)")
+    if pattern.blocks:
+        raise ValueError(f"ring attention (ring degree {ring}) does not implement bidirectional blocks (Gemma 3's "
+                         f"image tokens attending to each other inside each image, spans {list(pattern.blocks)}); "
+                         f"plan this model with ring degree 1 (Ulysses)")
 
 
 def _doc_ids(cu_seqlens: Sequence[int], padded_len: int) -> Tensor:

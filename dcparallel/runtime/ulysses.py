@@ -95,6 +95,10 @@ def ulysses_attention(
                          f"kernel {getattr(kernel, '__name__', kernel)!r} does not declare (supports_window); leave "
                          f"kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.window that "
                          f"attribute")
+    if pattern.blocks and not getattr(kernel, "supports_blocks", False):
+        raise ValueError(f"the model needs bidirectional blocks (Gemma 3's image tokens), which the attention kernel "
+                         f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_blocks); leave kernel= "
+                         f"out for dcparallel's own, or give a kernel implementing AttnPattern.blocks that attribute")
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)

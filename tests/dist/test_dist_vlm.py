@@ -1,5 +1,6 @@
 """Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen2-VL, Qwen3-VL, InternVL,
-Idefics3 and SmolVLM on random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on
+Idefics3, SmolVLM and Gemma 3 (each image one 4-token block, bidirectional inside, under a
+sliding window of 3) on random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on
 and off) of a mix of text-only chats, single images of three resolutions (tiled families: 1, 2
 and 5 tiles; Idefics3 / SmolVLM: each image's last tile padded, its pixel mask zero there, and
 an all-zero padding tile after several images), several images in one chat and (Qwen) a short
@@ -30,7 +31,8 @@ pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
 
 SEEDS, NUM_SAMPLES = [31, 32, 33, 34], 8
-TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.")
+TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.",
+                "model.vision_tower.vision_model.encoder.")
 VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.",
           "model.connector.")
 

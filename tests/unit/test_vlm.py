@@ -109,7 +109,6 @@ def test_freeze_vision_leaves_the_projectors_trainable(kind):
 
 REFUSED = {
     "MllamaForConditionalGeneration": "cross-attention layers",
-    "Gemma3ForConditionalGeneration": "bidirectionally inside each image",
     "Qwen3VLMoeForConditionalGeneration": "mixture-of-experts",
     "LlavaOnevisionForConditionalGeneration": "any-resolution tiling",
     "LlavaForConditionalGeneration": "no adapter for its vision inputs",
