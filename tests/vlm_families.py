@@ -18,7 +18,7 @@ from torch import nn
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.spec import VisionSize
 
-KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl", "idefics3", "smolvlm", "gemma3")
+KINDS = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "internvl", "idefics3", "smolvlm", "gemma3", "llava-ov")
 #: the families whose images are fixed-size tiles; Idefics3 and SmolVLM with a pixel mask per tile;
 #: Gemma 3's images each one tile of its own block
 TILED, MASKED = ("internvl", "idefics3", "smolvlm", "gemma3"), ("idefics3", "smolvlm")
@@ -34,6 +34,9 @@ PATCH_WIDTH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 #: gives 1 to many per resolution) has 4 n placeholder tokens
 TILE = 8
 TILES = [1, 2, 5]
+#: LLaVA-OneVision: the original (H, W) of the image of each resolution of the layout; tiles of
+#: TILE pixels, grid pinpoints 8 x 16, 16 x 8 and 16 x 16 (3, 3 and 5 tiles with the base view)
+ANYRES_SIZES = [(6, 13), (15, 7), (14, 16)]
 
 
 def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = False) -> nn.Module:
@@ -93,6 +96,14 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
                                         image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
                                         initializer_range=0.1)
         cls, projectors = transformers.Gemma3ForConditionalGeneration, ()
+    elif kind == "llava-ov":  # SigLIP over 8 x 8 tiles (16 features each), a Qwen2 decoder
+        text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="qwen2")
+        vision = dict(model_type="siglip_vision_model", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=24, image_size=TILE, patch_size=2, vision_use_head=False)
+        cfg = transformers.LlavaOnevisionConfig(text_config=text, vision_config=vision, image_token_index=IMAGE,
+                                                video_token_index=VIDEO, vision_feature_layer=-1,
+                                                image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]])
+        cls, projectors = transformers.LlavaOnevisionForConditionalGeneration, ()
     else:
         raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
     model = cls._from_config(cfg, attn_implementation="eager").float()
@@ -179,6 +190,34 @@ def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, 
     return out
 
 
+def _anyres_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool) -> dict:
+    """LLaVA-OneVision: image i of the layout at ANYRES_SIZES[its resolution's index], its tiles
+    padded (zeros) to the sample's most; a sample of two images carries ``batch_num_images``
+    (the model then encodes their base views only, as its processor asks), one of three does
+    not (each image tiled). Its placeholder count is what ``pack_image_features`` gives."""
+    from dcparallel.adapters.vlm_llava import _used_tiles, llava_tokens
+
+    cfg = _llava_config()
+    sizes = [ANYRES_SIZES[IMAGE_GRIDS.index(tuple(grid))] for grid in images]
+    base = len(images) == 2
+    grids = torch.tensor([[1 if base else 2, h, w] for h, w in sizes]).reshape(-1, 3)
+    tiles = [_used_tiles(cfg, g) for g in grids.tolist()]
+    ids, pix = _text(rng, rng.randint(2, 6)), torch.zeros(len(images), max(tiles, default=1), 3, TILE, TILE)
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for i, n in enumerate(llava_tokens(cfg, grids) if images else []):
+        ids += [IMAGE] * n + _text(rng, rng.randint(1, 4))
+        pix[i, :tiles[i]] = torch.randn(tiles[i], 3, TILE, TILE, generator=g)
+    prompt = len(ids)
+    ids += _text(rng, rng.randint(3, 9))
+    labels = [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX]
+    out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+    if images:
+        out |= {"pixel_values": pix, "image_sizes": torch.tensor(sizes)}
+    if base:
+        out["batch_num_images"] = torch.tensor([2])
+    return out
+
+
 def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNamespace:
     """The mix, shuffled by ``seed``: text-only, each image resolution alone, two and three
     images in one sample, a video (with an image before it), repeated to ``num_samples``."""
@@ -187,7 +226,11 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
                ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
                ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
     rng.shuffle(layouts)
-    samples = [_tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED, kind == "gemma3") if kind in TILED
+    if kind == "llava-ov":  # images only
+        layouts = [(im, None) for im, _ in layouts]
+    samples = [_anyres_sample(rng, *layouts[i % len(layouts)], False) if kind == "llava-ov"
+               else _tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED, kind == "gemma3")
+               if kind in TILED
                else _sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
     if kind != "qwen2.5-vl":  # only Qwen2.5-VL's positions take seconds per temporal step
         for s in samples:
@@ -217,7 +260,8 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
         s = data.samples[sid]
         ids = s["input_ids"][None]
         kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                "second_per_grid_ts", "pixel_attention_mask") if k in s}
+                                "second_per_grid_ts", "pixel_attention_mask", "image_sizes", "batch_num_images")
+              if k in s}
         if "Qwen" in type(model).__name__:  # the model computes its M-RoPE positions from these
             kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
         if "Gemma3" in type(model).__name__:  # its image tokens' bidirectional mask
@@ -227,4 +271,18 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
         count += int((s["labels"] != IGNORE_INDEX).sum())
     loss = torch.stack(losses).sum() / count
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # a parameter the forward never reads (LLaVA-OneVision's tower's post_layernorm: its features are
+    # the last hidden state before it) has a zero gradient
+    return float(loss.detach()), {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                  for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _llava_config():
+    """The tiny LLaVA-OneVision's config (built once: the samples' placeholder counts)."""
+    global _LLAVA
+    if _LLAVA is None:
+        _LLAVA = build("llava-ov").config
+    return _LLAVA
+
+
+_LLAVA = None

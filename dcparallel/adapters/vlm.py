@@ -1,7 +1,7 @@
 """Vision-language models of transformers (image-text-to-text): the language model under
 Ulysses as any causal LM (`adapters.hf`), the vision tower inside the micro-batch's SP group
 (`adapters.vlm_vision`). Trained exactly: the classes of `adapters.vlm_families` (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, InternVL, Idefics3, SmolVLM, Gemma 3). Every other class with a vision tower is
+Qwen2.5-VL, Qwen3-VL, InternVL, Idefics3, SmolVLM, Gemma 3, LLaVA-OneVision). Every other class with a vision tower is
 refused with what is missing (`REFUSED`, or the generic reason).
 
 One micro-batch (`vlm_loss`): the packed row's token embeddings of this rank's shard; the
@@ -17,8 +17,8 @@ tower still runs forward, its parameters get no gradient and stay out of the opt
 
 The spec of a grid-based tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) holds its `VisionTower`
 (`adapters.vlm_tower`, trainable unless ``freeze_vision``), so the cost models price a
-`VisionSize` sample's images; InternVL's, Idefics3's, SmolVLM's and Gemma 3's specs have none
-(their tiles and images have one patch count).
+`VisionSize` sample's images; InternVL's, Idefics3's, SmolVLM's, Gemma 3's and LLaVA-OneVision's
+specs have none (their tiles have one patch count).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from dcparallel.data.vision_collate import collate_vision
 
 _NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
 _FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
-        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, Gemma3ForConditionalGeneration or "
+        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, Gemma3ForConditionalGeneration, "
+        "LlavaOnevisionForConditionalGeneration or "
         "SmolVLMForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
         "loss_fn that encodes its images and a parity test against the unmodified model")
 
@@ -51,8 +52,6 @@ REFUSED: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "its mixture-of-experts decoder under DeepStack has not been "
                                           "parity-tested with its vision tower (the dense "
                                           "Qwen3VLForConditionalGeneration trains)",
-    "LlavaOnevisionForConditionalGeneration": "its any-resolution tiling (image_sizes, image_newline rows, "
-                                              f"pack_image_features) decides the placeholder layout; {_NO_ADAPTER}",
 }
 
 

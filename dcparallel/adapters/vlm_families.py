@@ -15,6 +15,8 @@ them the same way).
 * Idefics3, SmolVLM: as InternVL, fixed-size tiles (each tile an item) with a pixel mask per
   tile (its padding zero), a SigLIP-like tower that masks the padded patches, and the
   pixel-shuffle connector outside it; a Llama decoder with 1-D positions.
+* LLaVA-OneVision: each image an item of any-resolution tiles, packed by the model's own
+  ``get_image_features`` (`adapters.vlm_llava`); a Qwen2 decoder with 1-D positions.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters.vlm_gemma3 import gemma3_encode, gemma3_logits, gemma3_tokens
+from dcparallel.adapters.vlm_llava import llava_encode, llava_logits, llava_tokens
 from dcparallel.data.batch import Batch
 
 
@@ -187,4 +190,7 @@ FAMILIES = {
         "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), gemma3_encode,
         gemma3_tokens, lambda model, batch: batch.positions, gemma3_logits, lambda cfg: {1: cfg.image_token_id},
         needs_batch=True),
+    "LlavaOnevisionForConditionalGeneration": Family(
+        "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), llava_encode,
+        llava_tokens, lambda model, batch: batch.positions, llava_logits, lambda cfg: {1: cfg.image_token_id}),
 }

@@ -77,9 +77,32 @@ def _tiles(sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tenso
     return [(1, grid, r[None], 1.0, doc) for r in rows]
 
 
+def _anyres(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
+    """LLaVA-OneVision: ``pixel_values`` (images, tiles, C, S, S) with ``image_sizes`` (images,
+    2); each image an item of grid (tiles carried, H, W), one row per tile. A sample of several
+    images (``batch_num_images`` above 1) carries each image's base view only, as the model
+    encodes it."""
+    if sample.get("pixel_values_videos") is not None:
+        raise ValueError(f"sample {sid} holds a video (pixel_values_videos) for an any-resolution model "
+                         f"(LLaVA-OneVision), whose videos dcparallel has not parity-tested; leave videos out")
+    pix = torch.as_tensor(sample["pixel_values"])
+    pix = pix.reshape(-1, *pix.shape[-4:])
+    sizes = torch.as_tensor(sample["image_sizes"]).reshape(-1, 2).long()
+    if pix.shape[0] != sizes.shape[0]:
+        raise ValueError(f"sample {sid}: pixel_values holds {pix.shape[0]} images but image_sizes {sizes.tolist()}; "
+                         f"pass the processor's outputs for this sample unchanged")
+    many = sample.get("batch_num_images")
+    if many is not None and int(torch.as_tensor(many).sum()) != pix.shape[0]:
+        raise ValueError(f"sample {sid}: batch_num_images {torch.as_tensor(many).tolist()} but {pix.shape[0]} images")
+    keep = 1 if many is not None and pix.shape[0] > 1 else pix.shape[1]
+    return [(1, torch.tensor([keep, *s.tolist()]), p[:keep].reshape(keep, -1), 1.0, doc) for p, s in zip(pix, sizes)]
+
+
 def _items(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Tensor, Tensor, float, int]]:
     """(kind, grid, patches, seconds, doc) of the sample's images, then its videos."""
     pix = sample.get("pixel_values")
+    if pix is not None and sample.get("image_sizes") is not None:
+        return _anyres(sid, sample, doc)
     if pix is not None and sample.get("image_grid_thw") is None and torch.as_tensor(pix).dim() in (4, 5):
         return _tiles(sample, doc)
     out = []

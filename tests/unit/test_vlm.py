@@ -110,7 +110,6 @@ def test_freeze_vision_leaves_the_projectors_trainable(kind):
 REFUSED = {
     "MllamaForConditionalGeneration": "cross-attention layers",
     "Qwen3VLMoeForConditionalGeneration": "mixture-of-experts",
-    "LlavaOnevisionForConditionalGeneration": "any-resolution tiling",
     "LlavaForConditionalGeneration": "no adapter for its vision inputs",
 }
 
@@ -134,6 +133,15 @@ def test_a_video_for_a_model_without_videos_is_refused():
     b = dc.adapter.collate({0: video}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)
     with pytest.raises(ValueError, match="leave pixel_values_videos out"), dc.micro_batch(b) as ctx:
         dc.adapter.loss_fn(model, b, ctx)
+
+
+def test_a_video_for_llava_onevision_is_refused():
+    """LLaVA-OneVision's videos are not parity-tested: a sample with one is refused in the collate."""
+    sample = next(s for s in vlm_families.make_data(9, seed=3, kind="llava-ov").samples if "image_sizes" in s)
+    sample = sample | {"pixel_values_videos": torch.zeros(1, 2, 3, 8, 8)}
+    adapter = find_adapter(vlm_families.build("llava-ov"))
+    with pytest.raises(ValueError, match="holds a video .*LLaVA-OneVision.*leave videos out"):
+        adapter.collate({0: sample}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)
 
 
 def test_collate_keeps_each_tiles_pixel_mask_and_drops_padding_tiles():
