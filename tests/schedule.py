@@ -22,7 +22,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/dist/test_dist_joint.py": 85,
     "tests/dist/test_dist_runtime.py": 50,
     "tests/dist/test_dist_joint_epoch.py": 45,
-    "tests/dist/test_dist_vlm.py": 64,
+    "tests/dist/test_dist_vlm.py": 70,
     "tests/dist/test_dist_hf_families.py": 40,
     "tests/dist/test_dist_hf_structure.py": 35,
     "tests/dist/test_dist_ring.py": 57,

@@ -9,7 +9,8 @@ A sample is what a transformers processor returns for one chat, without the batc
 ``pixel_values`` (tiles, C, H, W) alone, each tile an item of grid (1, H, W), and (Idefics3,
 SmolVLM) ``pixel_attention_mask`` (tiles, H, W) with it (either may keep the processor's batch
 dim of 1); Gemma 3's fixed-size images are such tiles too (its pan-and-scan crops, a non-zero
-``num_crops``, are refused). The placeholder
+``num_crops``, are refused); LLaVA-OneVision's ``pixel_values`` (images, tiles, C, S, S)
+with ``image_sizes`` make each image an item (`_anyres`). The placeholder
 tokens of each image stay in ``input_ids``.
 A 1-D tensor of token ids is a text-only sample.
 

@@ -1,5 +1,6 @@
 """Vision-language models on gloo (world 2 and 4): Qwen2.5-VL, Qwen2-VL, Qwen3-VL, InternVL,
-Idefics3, SmolVLM and Gemma 3 (each image one 4-token block, bidirectional inside, under a
+Idefics3, SmolVLM, LLaVA-OneVision (any-resolution tiles packed by the model's own code) and
+Gemma 3 (each image one 4-token block, bidirectional inside, under a
 sliding window of 3) on random plans (SP 1, 2 and 4, idle ranks, packed chats, recompute on
 and off) of a mix of text-only chats, single images of three resolutions (tiled families: 1, 2
 and 5 tiles; Idefics3 / SmolVLM: each image's last tile padded, its pixel mask zero there, and
