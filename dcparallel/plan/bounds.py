@@ -63,7 +63,7 @@ import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, sync_buckets
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.shape_bound import dff, shape_bound
+from dcparallel.plan.shape_bound import bisect_too_short, dff, shape_bound
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
 
@@ -226,15 +226,7 @@ class LowerBound:
         hi = lo
         while not per_rank_feasible(opts, hi, world):
             lo, hi = hi, hi * 2.0
-        for _ in range(40):  # lo: proven infeasible (or a bound given); hi: feasible
-            if hi - lo <= 1e-7 * hi:
-                break
-            mid = (lo + hi) / 2
-            if per_rank_feasible(opts, mid, world):
-                hi = mid
-            else:
-                lo = mid
-        return lo
+        return bisect_too_short(lambda T: per_rank_feasible(opts, T, world), lo, hi)
 
 
 def breakpoints(f: np.ndarray) -> np.ndarray:

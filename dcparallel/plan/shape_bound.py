@@ -32,7 +32,7 @@ of different shapes would share a micro-batch (A1, A2 of `plan/bounds.py`) is ne
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -132,9 +132,15 @@ def shape_bound(lb: Pricer, step: Step, floor: float = 0.0) -> float:
     hi = lo * 2.0
     while not shape_feasible(opts, hi, world):
         lo, hi = hi, hi * 2.0
-    while hi - lo > 1e-7 * hi:  # lo: proven too short (or a bound given); hi: survives
+    return bisect_too_short(lambda T: shape_feasible(opts, T, world), lo, hi)
+
+
+def bisect_too_short(feasible: Callable[[float], bool], lo: float, hi: float) -> float:
+    """The largest step time T found too short by halving [lo, hi) until it is within 1e-7 of
+    hi: ``lo`` is proven too short (or a bound given), ``hi`` is not (``feasible(hi)``)."""
+    while hi - lo > 1e-7 * hi:
         mid = (lo + hi) / 2
-        if shape_feasible(opts, mid, world):
+        if feasible(mid):
             hi = mid
         else:
             lo = mid
