@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint format venv clean
 
 # torch is pinned to the CPU build that installs from a local file on these machines;
 # an unpinned torch would pull a multi-GB CUDA build.
@@ -28,7 +28,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
-	$(BIN)/ruff check dcparallel tests benchmarks
+	$(BIN)/ruff check dcparallel tests benchmarks examples
+	$(BIN)/ruff format --check dcparallel tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/ruff format dcparallel tests benchmarks examples
+	$(BIN)/ruff check --fix dcparallel tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) out

@@ -52,8 +52,15 @@ def worker(args: argparse.Namespace) -> None:
 
     dc = dcparallel.DataCentricParallel(model, policy=args.policy)
     t0 = time.perf_counter()
-    loader = dc.prepare(SyntheticText(lengths), lengths=lengths, tokens_per_step=16384, cost="analytic",
-                        profile_path=Path(args.out) / "profile.json", loss_fn=loss_fn, predict=True)
+    loader = dc.prepare(
+        SyntheticText(lengths),
+        lengths=lengths,
+        tokens_per_step=16384,
+        cost="analytic",
+        profile_path=Path(args.out) / "profile.json",
+        loss_fn=loss_fn,
+        predict=True,
+    )
     prepare_s = time.perf_counter() - t0
     cluster = priced_cluster(dc.cluster_spec)
     work = Workload(dc.spec, tuple(lengths))
@@ -71,17 +78,29 @@ def worker(args: argparse.Namespace) -> None:
             with dc.micro_batch(batch) as ctx:
                 ctx.backward(loss_fn(model, batch, ctx))
             sizes, lay = [lengths[i] for i in batch.sample_ids], batch.layout
-            mbs.append([time.perf_counter() - t1, dc.cost.terms(sizes, lay.sp).time(lay.recompute),
-                        gpu_links.terms(sizes, lay.sp).time(lay.recompute)])
+            mbs.append(
+                [
+                    time.perf_counter() - t1,
+                    dc.cost.terms(sizes, lay.sp).time(lay.recompute),
+                    gpu_links.terms(sizes, lay.sp).time(lay.recompute),
+                ]
+            )
         t1 = time.perf_counter()
         dc.sync_gradients()
         measured = time.perf_counter() - t0
         opt.step()
-        rows.append({"step": step.index, "measured_s": measured, "cpu_s": step.predicted.step_s,
-                     "before_s": predict_step(step.plan, untimed_links).step_s,
-                     "h200_s": predict_step(step.plan, h200).step_s, "mbs": mbs,
-                     "sync_s": [measured - (t1 - t0), dc.cost.grad_sync_time(), gpu_links.grad_sync_time()],
-                     "sp": sorted({g.sp for g in step.plan.groups_of(0)})})
+        rows.append(
+            {
+                "step": step.index,
+                "measured_s": measured,
+                "cpu_s": step.predicted.step_s,
+                "before_s": predict_step(step.plan, untimed_links).step_s,
+                "h200_s": predict_step(step.plan, h200).step_s,
+                "mbs": mbs,
+                "sync_s": [measured - (t1 - t0), dc.cost.grad_sync_time(), gpu_links.grad_sync_time()],
+                "sp": sorted({g.sp for g in step.plan.groups_of(0)}),
+            }
+        )
         if len(rows) == args.steps:
             break
     loader.close()
@@ -104,8 +123,22 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="analytic-cpu-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     for policy in args.policies:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--worker", "--policy", policy, "--out", str(out), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--worker",
+            "--policy",
+            policy,
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+        ]
         subprocess.run(cmd, env=env, check=True)
     report(args.policies, out)
 
@@ -117,16 +150,19 @@ def _err(pred: float, meas: float) -> str:
 def report(policies: list[str], out: Path) -> None:
     """The tables of the report: each step, each policy's summary (the first step not
     counted), and where the time went on rank 0 (micro-batches, gradient sync, the rest)."""
-    print("| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) "
-          "| H200 s (error) |")
+    print(
+        "| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) | H200 s (error) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     summary, terms = [], []
     for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
             m = r["measured_s"]
-            print(f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {_err(r['cpu_s'], m)} | {_err(r['before_s'], m)} "
-                  f"| {r['h200_s']:.3f} ({r['h200_s'] / m - 1:+.0%}) |")
+            print(
+                f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {_err(r['cpu_s'], m)} | {_err(r['before_s'], m)} "
+                f"| {r['h200_s']:.3f} ({r['h200_s'] / m - 1:+.0%}) |"
+            )
         counted = res["steps"][1:]
         cols = []
         for key in ("cpu_s", "before_s"):
@@ -139,15 +175,22 @@ def report(policies: list[str], out: Path) -> None:
         sync_m, sync_c, sync_g = (sum(r["sync_s"][i] for r in counted) for i in range(3))
         rest = sum(r["measured_s"] for r in counted) - mb_m - sync_m
         mb_err = statistics.median(abs(mb[1] / mb[0] - 1) for mb in mbs)
-        terms.append(f"| {policy} | {len(mbs)} | {mb_m:.1f} | {_err(mb_c, mb_m)} | {_err(mb_g, mb_m)} | {mb_err:.0%} "
-                     f"| {sync_m:.2f} | {sync_c:.3f} | {sync_g:.4f} | {rest:.1f} |")
-    print("\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
-          "| GPU links: median abs error | worst | sum of steps |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+        terms.append(
+            f"| {policy} | {len(mbs)} | {mb_m:.1f} | {_err(mb_c, mb_m)} | {_err(mb_g, mb_m)} | {mb_err:.0%} "
+            f"| {sync_m:.2f} | {sync_c:.3f} | {sync_g:.4f} | {rest:.1f} |"
+        )
+    print(
+        "\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
+        "| GPU links: median abs error | worst | sum of steps |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     print("\n".join(summary))
-    print("\n| policy | rank 0's micro-batches | measured s | CPU, timed links s | CPU, GPU links s | median abs error "
-          "of one | sync measured s | sync, timed links s | sync, GPU links s | rest of the steps s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| policy | rank 0's micro-batches | measured s | CPU, timed links s | CPU, GPU links s | median abs error "
+        "of one | sync measured s | sync, timed links s | sync, GPU links s | rest of the steps s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     print("\n".join(terms))
+
 
 if __name__ == "__main__":
     main()

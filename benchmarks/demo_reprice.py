@@ -12,6 +12,7 @@ to that profile's speed, and the largest deviation of a policy from the pooled r
 policies stay apart under the consensus, the gap was in training, not in one profile's noise.
 Needs each micro-batch's shape in real.json (``shapes``, which the demo logs).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,12 @@ POLICIES = ("bucket", "packed", "dcp")
 
 def repriced(run: dict, cost: ProfiledCost) -> dict:
     """A timed run with each micro-batch's price recomputed by `cost` from its logged shape."""
-    return {"rank_steps": [[{**st, "priced": [shape_price(cost, sh) for sh in st["shapes"]]} for st in rank_steps]
-                           for rank_steps in run["rank_steps"]]}
+    return {
+        "rank_steps": [
+            [{**st, "priced": [shape_price(cost, sh) for sh in st["shapes"]]} for st in rank_steps]
+            for rank_steps in run["rank_steps"]
+        ]
+    }
 
 
 def consensus(profiles: list[Profile]) -> tuple[dict, list[float]]:
@@ -64,8 +69,11 @@ def main(dirs: list[Path]) -> None:
             ratio = {pol: training_factor([run]) for pol, run in runs.items()}
             pooled = training_factor(list(runs.values()))
             worst = max(abs(r / pooled - 1) for r in ratio.values())
-            cells.append(f"{name}: " + " ".join(f"{pol} {r:.3f}" for pol, r in ratio.items())
-                         + f" (largest off the pooled {worst:.1%})")
+            cells.append(
+                f"{name}: "
+                + " ".join(f"{pol} {r:.3f}" for pol, r in ratio.items())
+                + f" (largest off the pooled {worst:.1%})"
+            )
         print(f"{d.name}: " + " | ".join(cells))
 
 

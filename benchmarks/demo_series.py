@@ -11,6 +11,7 @@ training factor measured on untimed runs between the timed rounds), the factor, 
 without it, the error at the machine's speed during the timed runs instead (the profile's
 reference run ticked between their steps), and `dcp`'s speedup over `bucket` and `packed`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,7 @@ POLICIES = ("bucket", "packed", "dcp")
 
 
 def run_demo(out: Path, lengths: str) -> None:
-    cmd = [sys.executable, "-m", "dcparallel", "demo", "--lengths", lengths, "--out", str(out),
-           "--skip-paper-scale"]
+    cmd = [sys.executable, "-m", "dcparallel", "demo", "--lengths", lengths, "--out", str(out), "--skip-paper-scale"]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
@@ -36,28 +36,40 @@ def row(run_dir: Path) -> dict:
         raise ValueError(f"{run_dir}: the demo reused a cached profile; a series needs a fresh one per run")
     real, pred = s["real"]["policies"], s["predicted"]
     errs = {p: abs(pred[p]["wall_s"] - real[p]["wall_s"]) / real[p]["wall_s"] for p in POLICIES}
-    return {"run": run_dir.name, "profile_s": s["profile_s"], "demo_s": s["demo_s"],
-            "wall": {p: real[p]["wall_s"] for p in POLICIES},
-            "spread": {p: real[p]["spread"]["relative"] for p in POLICIES},
-            "pred": {p: pred[p]["wall_s"] for p in POLICIES}, "err": errs,
-            "error": s["prediction_error"], "factor": s.get("training_factor", 1.0),
-            "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]),
-            "error_speed": s.get("prediction_error_at_run_speed"),
-            "speedup": s["real"]["speedup"],
-            "speedup_vs_packed": s["real"]["speedup_vs_packed"]}
+    return {
+        "run": run_dir.name,
+        "profile_s": s["profile_s"],
+        "demo_s": s["demo_s"],
+        "wall": {p: real[p]["wall_s"] for p in POLICIES},
+        "spread": {p: real[p]["spread"]["relative"] for p in POLICIES},
+        "pred": {p: pred[p]["wall_s"] for p in POLICIES},
+        "err": errs,
+        "error": s["prediction_error"],
+        "factor": s.get("training_factor", 1.0),
+        "error_profile": s.get("prediction_error_at_profile_prices", s["prediction_error"]),
+        "error_speed": s.get("prediction_error_at_run_speed"),
+        "speedup": s["real"]["speedup"],
+        "speedup_vs_packed": s["real"]["speedup_vs_packed"],
+    }
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| run | profiling s | " + " | ".join(f"{p} s (pred., error)" for p in POLICIES)
-            + " | prediction error (max) | training factor | error at profile prices (max)"
-            " | error at the runs' speed (max) | dcp vs bucket | dcp vs packed |")
+    head = (
+        "| run | profiling s | "
+        + " | ".join(f"{p} s (pred., error)" for p in POLICIES)
+        + " | prediction error (max) | training factor | error at profile prices (max)"
+        " | error at the runs' speed (max) | dcp vs bucket | dcp vs packed |"
+    )
     lines = [head, "| " + " | ".join(["---"] * (len(POLICIES) + 8)) + " |"]
     for r in rows:
         cells = [f"{r['wall'][p]:.1f} ({r['pred'][p]:.1f}, {r['err'][p]:.0%})" for p in POLICIES]
-        lines.append(f"| {r['run']} | {r['profile_s']:.0f} | " + " | ".join(cells)
-                     + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%}"
-                     + (f" | {r['error_speed']:.0%}" if r["error_speed"] is not None else " | -")
-                     + f" | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |")
+        lines.append(
+            f"| {r['run']} | {r['profile_s']:.0f} | "
+            + " | ".join(cells)
+            + f" | {r['error']:.0%} | {r['factor']:.3f} | {r['error_profile']:.0%}"
+            + (f" | {r['error_speed']:.0%}" if r["error_speed"] is not None else " | -")
+            + f" | {r['speedup']:.2f}x | {r['speedup_vs_packed']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -80,13 +92,18 @@ def main() -> None:
     rows = [row(d) for d in dirs]
     worst = max(r["error"] for r in rows)
     least = min(r["speedup"] for r in rows)
-    text = (table(rows) + f"\n\nWorst prediction error {worst:.0%}; least `dcp` speedup over `bucket` "
-            f"{least:.2f}x over {len(rows)} runs.\n")
+    text = (
+        table(rows) + f"\n\nWorst prediction error {worst:.0%}; least `dcp` speedup over `bucket` "
+        f"{least:.2f}x over {len(rows)} runs.\n"
+    )
     print(text)
     if args.report:
         import torch
-        meta = (f"Machine: {platform.machine()}, {platform.processor() or 'CPU'}; Python "
-                f"{platform.python_version()}, torch {torch.__version__}.\n\n")
+
+        meta = (
+            f"Machine: {platform.machine()}, {platform.processor() or 'CPU'}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}.\n\n"
+        )
         Path(args.report).write_text(meta + text)
 
 

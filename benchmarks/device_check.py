@@ -78,8 +78,9 @@ def run_part(key: str, out_dir: Path, dry: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     result = out_dir / f"part_{key}.json"
     result.unlink(missing_ok=True)  # what a part saves as it goes; never a former run's
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     t = time.perf_counter()
     try:
         log, _ = proc.communicate(timeout=budget)
@@ -87,8 +88,7 @@ def run_part(key: str, out_dir: Path, dry: bool) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         partial = json.loads(result.read_text()) if result.exists() else None
-        return {"error": f"timed out after its {budget} s budget\n{log[-2500:]}", "seconds": budget,
-                "partial": partial}
+        return {"error": f"timed out after its {budget} s budget\n{log[-2500:]}", "seconds": budget, "partial": partial}
     seconds = time.perf_counter() - t
     if proc.returncode or not result.exists():
         partial = json.loads(result.read_text()) if result.exists() else None
@@ -98,10 +98,13 @@ def run_part(key: str, out_dir: Path, dry: bool) -> dict:
 
 def write(out_dir: Path, meta: dict, results: dict) -> Path:
     stem = out_dir / f"device-check_{meta['hardware']}_{meta['date']}"
-    lines = [f"# Device check — {meta['device_name']} — {meta['date']}", "",
-             f"Command: `{meta['command']}`; torch {meta['torch']}, Python {meta['python']}; "
-             f"{'DRY RUN on CPU with tiny sizes: checks the script, not the numbers' if meta['dry'] else 'GPU run'}.",
-             ""]
+    lines = [
+        f"# Device check — {meta['device_name']} — {meta['date']}",
+        "",
+        f"Command: `{meta['command']}`; torch {meta['torch']}, Python {meta['python']}; "
+        f"{'DRY RUN on CPU with tiny sizes: checks the script, not the numbers' if meta['dry'] else 'GPU run'}.",
+        "",
+    ]
     for key, (title, _) in BUDGETS.items():
         res = results.get(key)
         lines += [f"## {title}", ""]
@@ -114,8 +117,12 @@ def write(out_dir: Path, meta: dict, results: dict) -> Path:
         elif "skipped" in res:
             lines += [res["skipped"], ""]
         elif key == "a":
-            lines += [f"{res['seconds']:.0f} s; profile_device_check.py exit {res['returncode']}, report "
-                      f"`{res['report']}`:", "", res["table"] or "```\n" + res["tail"] + "\n```", ""]
+            lines += [
+                f"{res['seconds']:.0f} s; profile_device_check.py exit {res['returncode']}, report `{res['report']}`:",
+                "",
+                res["table"] or "```\n" + res["tail"] + "\n```",
+                "",
+            ]
         else:
             lines += [f"{res['seconds']:.0f} s:", "", "```json", json.dumps(res, indent=1, default=str), "```", ""]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -125,11 +132,18 @@ def write(out_dir: Path, meta: dict, results: dict) -> Path:
 
 def _meta(dry: bool, argv: list[str]) -> dict:
     name = torch.cuda.get_device_name(0) if not dry else (platform.processor() or "cpu")
-    hardware = "cpu" if dry else next((h for h in ("h100", "h200") if h in name.lower()),
-                                      name.lower().replace(" ", "-"))
-    return {"date": dt.date.today().isoformat(), "hardware": hardware, "device_name": name, "dry": dry,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join(["benchmarks/device_check.py", *argv])}
+    hardware = (
+        "cpu" if dry else next((h for h in ("h100", "h200") if h in name.lower()), name.lower().replace(" ", "-"))
+    )
+    return {
+        "date": dt.date.today().isoformat(),
+        "hardware": hardware,
+        "device_name": name,
+        "dry": dry,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["benchmarks/device_check.py", *argv]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,8 +59,12 @@ def _memory(dev: torch.device) -> dict:
     if dev.type != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info(dev)
-    return {"max_allocated": torch.cuda.max_memory_allocated(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),
-            "mem_get_info_free": free, "mem_get_info_total": total}
+    return {
+        "max_allocated": torch.cuda.max_memory_allocated(dev),
+        "max_reserved": torch.cuda.max_memory_reserved(dev),
+        "mem_get_info_free": free,
+        "mem_get_info_total": total,
+    }
 
 
 def save(out_dir: Path, key: str, result: dict) -> None:
@@ -79,30 +83,44 @@ def part_a(out_dir: Path, dry: bool) -> dict:
     """`profile --validate` of two stacks (benchmarks/profile_device_check.py): extrapolated
     time and memory against the full-depth run."""
     budget = 40.0 if dry else 90.0  # no model starts past it; the part's limit is 155 s
-    cmd = [sys.executable, str(BENCH / "profile_device_check.py"), "--out-dir", str(out_dir), "--budget-s",
-           str(budget)] + (["--dry-run"] if dry else [])
+    cmd = [
+        sys.executable,
+        str(BENCH / "profile_device_check.py"),
+        "--out-dir",
+        str(out_dir),
+        "--budget-s",
+        str(budget),
+    ] + (["--dry-run"] if dry else [])
     try:
         r = _run(cmd, timeout=budget + 50)
         code, tail = r.returncode, (r.stdout + r.stderr)[-1500:]
     except subprocess.TimeoutExpired as exc:  # the report holds the models it finished
         code, tail = "timed out", str(exc.stderr or "")[-1500:]
     reports = sorted(out_dir.glob("profile-device_*.md"))
-    return {"returncode": code, "report": reports[-1].name if reports else None, "tail": tail,
-            "table": reports[-1].read_text() if reports else ""}
+    return {
+        "returncode": code,
+        "report": reports[-1].name if reports else None,
+        "tail": tail,
+        "table": reports[-1].read_text() if reports else "",
+    }
 
 
 # ---------------------------------------------------------------- (b) bf16 training at world 1
 
 #: the [model] TOML of (b)'s two models: (dry run, GPU)
 MODELS_B = {
-    "reference": ('hidden = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden = 176\nvocab_size = 256\n',
-                  'hidden = 2048\nnum_layers = 8\nnum_heads = 16\nffn_hidden = 5632\nvocab_size = 32000\n'),
-    "transformers": ('family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 256\n'
-                     'hidden_size = 64\nintermediate_size = 128\nnum_hidden_layers = 2\nnum_attention_heads = 8\n'
-                     'num_key_value_heads = 2\n',
-                     'family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 32000\n'
-                     'hidden_size = 2048\nintermediate_size = 8192\nnum_hidden_layers = 8\nnum_attention_heads = 32\n'
-                     'num_key_value_heads = 8\nmax_position_embeddings = 32768\n'),
+    "reference": (
+        "hidden = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden = 176\nvocab_size = 256\n",
+        "hidden = 2048\nnum_layers = 8\nnum_heads = 16\nffn_hidden = 5632\nvocab_size = 32000\n",
+    ),
+    "transformers": (
+        'family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 256\n'
+        "hidden_size = 64\nintermediate_size = 128\nnum_hidden_layers = 2\nnum_attention_heads = 8\n"
+        "num_key_value_heads = 2\n",
+        'family = "transformers"\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 32000\n'
+        "hidden_size = 2048\nintermediate_size = 8192\nnum_hidden_layers = 8\nnum_attention_heads = 32\n"
+        "num_key_value_heads = 8\nmax_position_embeddings = 32768\n",
+    ),
 }
 
 
@@ -112,8 +130,11 @@ def part_b(out_dir: Path, dry: bool) -> dict:
     out = {}
     for name in MODELS_B:
         try:
-            r = _run([sys.executable, __file__, "b-train", "--model", name, "--out-dir", str(out_dir)]
-                     + (["--dry-run"] if dry else []), timeout=200 if dry else 52)
+            r = _run(
+                [sys.executable, __file__, "b-train", "--model", name, "--out-dir", str(out_dir)]
+                + (["--dry-run"] if dry else []),
+                timeout=200 if dry else 52,
+            )
             if r.returncode:
                 raise RuntimeError(f"exit {r.returncode}: {r.stderr[-1500:]}")
             out[name] = json.loads((out_dir / f"train_{name}.json").read_text())
@@ -127,25 +148,38 @@ def train_one(out_dir: Path, dry: bool, name: str) -> dict:
     from dcparallel.apps.cli import main as cli
 
     lengths = out_dir / "lengths_b.txt"
-    lengths.write_text("\n".join(str(n) for n in ([24, 40, 64, 100, 180, 30] * 4 if dry else
-                                                   [512, 2048, 8192, 1024, 300, 4096, 700, 16384] * 4)) + "\n")
+    lengths.write_text(
+        "\n".join(
+            str(n)
+            for n in ([24, 40, 64, 100, 180, 30] * 4 if dry else [512, 2048, 8192, 1024, 300, 4096, 700, 16384] * 4)
+        )
+        + "\n"
+    )
     tokens, steps, cap = (700, 3, 512) if dry else (32768, 5, 16384)
     cost = "analytic" if dry else "profiled"  # the dry run's profiling is part (a)'s
     run_dir = out_dir / f"train_{name}"
     config = out_dir / f"train_{name}.toml"
-    config.write_text(f'[data]\nlengths = "{lengths}"\n[train]\npolicy = "dcp"\ntokens_per_step = {tokens}\n'
-                      f'max_steps = {steps}\nout_dir = "{run_dir}"\ndtype = "{"float32" if dry else "bfloat16"}"\n'
-                      f'[profile]\nrepeats = 1\nmax_repeats = {1 if dry else 4}\nmin_time_s = {0.0 if dry else 0.05}\n'
-                      f'max_mbs = 2\nmax_tokens = {cap}\ncost = "{cost}"\n'
-                      f'[model]\n{MODELS_B[name][0 if dry else 1]}')
+    config.write_text(
+        f'[data]\nlengths = "{lengths}"\n[train]\npolicy = "dcp"\ntokens_per_step = {tokens}\n'
+        f'max_steps = {steps}\nout_dir = "{run_dir}"\ndtype = "{"float32" if dry else "bfloat16"}"\n'
+        f"[profile]\nrepeats = 1\nmax_repeats = {1 if dry else 4}\nmin_time_s = {0.0 if dry else 0.05}\n"
+        f'max_mbs = 2\nmax_tokens = {cap}\ncost = "{cost}"\n'
+        f"[model]\n{MODELS_B[name][0 if dry else 1]}"
+    )
     dev = torch.device("cuda", 0) if torch.cuda.is_available() and not dry else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if cli(["train", "--config", str(config)]):
         raise RuntimeError(f"dcparallel train {name} failed")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keys = ("global_step", "step_s", "planned_compute_s", "planned_peak_memory_bytes", "measured_peak_memory_bytes",
-            "loss")
+    keys = (
+        "global_step",
+        "step_s",
+        "planned_compute_s",
+        "planned_peak_memory_bytes",
+        "measured_peak_memory_bytes",
+        "loss",
+    )
     return {"steps": [{k: x.get(k) for k in keys} for x in rows], "process_memory": _memory(dev)}
 
 
@@ -168,21 +202,40 @@ def part_c(out_dir: Path, dry: bool) -> dict:
     out["world1"] = json.loads((out_dir / "c_world1.json").read_text())
     for world in (2,) if dry else (2, 4):
         t = time.perf_counter()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-               "c-rank", "--out-dir", str(out_dir)] + flag + (["--oom"] if world == 2 else [])
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                __file__,
+                "c-rank",
+                "--out-dir",
+                str(out_dir),
+            ]
+            + flag
+            + (["--oom"] if world == 2 else [])
+        )
         try:
             r = _run(cmd, 200 if dry else 35, env)
         except subprocess.TimeoutExpired as exc:
             out[f"world{world}"] = {"error": f"timed out (a hang?): {str(exc.stderr or '')[-1500:]}"}
             continue
         res = out_dir / f"c_world{world}.json"
-        got = json.loads(res.read_text()) if res.exists() else {"error": f"no result ({r.returncode}): "
-                                                                          f"{r.stderr[-1500:]}"}
+        got = (
+            json.loads(res.read_text())
+            if res.exists()
+            else {"error": f"no result ({r.returncode}): {r.stderr[-1500:]}"}
+        )
         if world == 2:
-            got["oom"] = {"returncode": r.returncode, "seconds": time.perf_counter() - t,
-                          "rank1_message": "rank 1: out of memory in step" in r.stderr,
-                          "rank0_went_on": "rank 0 finished after the OOM" in r.stderr,
-                          "stopped_every_rank": r.returncode != 0 and "rank 0 finished after the OOM" not in r.stderr}
+            got["oom"] = {
+                "returncode": r.returncode,
+                "seconds": time.perf_counter() - t,
+                "rank1_message": "rank 1: out of memory in step" in r.stderr,
+                "rank0_went_on": "rank 0 finished after the OOM" in r.stderr,
+                "stopped_every_rank": r.returncode != 0 and "rank 0 finished after the OOM" not in r.stderr,
+            }
         out[f"world{world}"] = got
         save(out_dir, "c", out)
     return out
@@ -194,8 +247,7 @@ def _c_plan(world: int) -> list[tuple[tuple[int, ...], tuple[int, ...], bool, in
     every document on rank 0."""
     if world == 4:
         every = (0, 1, 2, 3)
-        return [(every, (3,), False, 2), ((0, 1), (1, 2), True, 1), ((2, 3), (4, 5), False, 1),
-                (every, (0,), False, 1)]
+        return [(every, (3,), False, 2), ((0, 1), (1, 2), True, 1), ((2, 3), (4, 5), False, 1), (every, (0,), False, 1)]
     if world == 2:
         return [((0, 1), (3, 1), False, 2), ((0,), (0, 2), True, 1), ((1,), (4, 5), False, 1)]
     return [((0,), (3,), False, 1), ((0,), (1, 2), True, 1), ((0,), (0, 4, 5), False, 1)]
@@ -227,8 +279,11 @@ def _c_model(dry: bool, dev: torch.device):
     from dcparallel.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = (LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, ffn_hidden=176) if dry else
-           LlamaConfig(vocab_size=32000, hidden=1024, num_layers=4, num_heads=16, ffn_hidden=2816))
+    cfg = (
+        LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, ffn_hidden=176)
+        if dry
+        else LlamaConfig(vocab_size=32000, hidden=1024, num_layers=4, num_heads=16, ffn_hidden=2816)
+    )
     return Llama(cfg).to(dev, torch.float32 if dry else torch.bfloat16)
 
 
@@ -267,10 +322,18 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
     engine.optimizer(lr=1e-4)  # ZeRO-1: with several ranks each bucket is reduced into its shard's owner
     gs = engine.grad_sync
     into_rank0 = sum(hi - lo for (lo, hi), o in zip(gs.buckets, gs.bucket_owners, strict=True) if o in (None, 0))
-    out: dict = {"world": world, "backend": launch.backend, "device": str(dev),
-                 "sync": {"sharded": gs.sharded, "buckets": gs.num_buckets,
-                          "all_reduced": sum(o is None for o in gs.bucket_owners),
-                          "bytes_summed_into_rank0": 4 * into_rank0, "buffer_bytes": 4 * gs.flat_grad.numel()}}
+    out: dict = {
+        "world": world,
+        "backend": launch.backend,
+        "device": str(dev),
+        "sync": {
+            "sharded": gs.sharded,
+            "buckets": gs.num_buckets,
+            "all_reduced": sum(o is None for o in gs.bucket_owners),
+            "bytes_summed_into_rank0": 4 * into_rank0,
+            "buffer_bytes": 4 * gs.flat_grad.numel(),
+        },
+    }
     out["loss"] = _c_step(engine, model, docs, rank, world)
     out["sync"]["overlapped_buckets"] = gs.last_overlapped
     grads = {k: v.float().cpu() for k, v in engine.full_gradients().items()}  # gathered from the shards
@@ -280,10 +343,15 @@ def rank_c(out_dir: Path, dry: bool, oom: bool) -> None:
     else:
         ref = torch.load(out_dir / "c_ref.pt")
         errs = {k: _rel(grads[k], v) for k, v in ref["grads"].items()}
-        out |= {"loss_world1": ref["loss"], "loss_rel_err": abs(out["loss"] - ref["loss"]) / abs(ref["loss"]),
-                "max_rel_grad_err": max(errs.values()), "worst_tensor": max(errs, key=errs.get),
-                "tensors": len(errs), "within_1e-2": max(errs.values()) <= 1e-2,
-                "grad_norm_rel_err": abs(norm - ref["norm"]) / ref["norm"]}
+        out |= {
+            "loss_world1": ref["loss"],
+            "loss_rel_err": abs(out["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "max_rel_grad_err": max(errs.values()),
+            "worst_tensor": max(errs, key=errs.get),
+            "tensors": len(errs),
+            "within_1e-2": max(errs.values()) <= 1e-2,
+            "grad_norm_rel_err": abs(norm - ref["norm"]) / ref["norm"],
+        }
     if dev.type == "cuda":  # this rank's micro-batches (two or three) under the sync debugger
         out["syncs"] = _count_syncs(lambda e=engine, m=model: _c_micro_batches(e, m, docs, rank, world))
         engine.sync_gradients()  # returns the loss as a float: one sync a step, by design
@@ -323,8 +391,10 @@ def _c_oom(engine, model, rank: int, dev: torch.device) -> None:
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(dev) + 2**20) / total, dev)
         else:
+
             def boom(*_):
                 raise torch.OutOfMemoryError("CPU stand-in for CUDA out of memory")
+
             model.layers[0].register_forward_pre_hook(boom)
     with engine.micro_batch(batch, last=True) as ctx:
         ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
@@ -369,8 +439,9 @@ class AttnCase:
     def tiny(self) -> AttnCase:
         """4 query heads, the grouping kept where it fits, head sizes / 8."""
         kv = max(1, 4 * self.kv_heads // self.heads)
-        return dataclasses.replace(self, heads=4, kv_heads=kv, head_dim=self.head_dim // 8,
-                                   value_head_dim=self.value_head_dim // 8)
+        return dataclasses.replace(
+            self, heads=4, kv_heads=kv, head_dim=self.head_dim // 8, value_head_dim=self.value_head_dim // 8
+        )
 
 
 #: the window of both window cases: shorter than the short documents, so both layouts mask by it
@@ -385,8 +456,10 @@ ATTN_CASES = (
     AttnCase("wan-full", "full", 12, 12, 128, 128),
 )
 #: document lengths of one packed row: (GPU, dry run); each row ends in `ATTN_PAD` padding tokens
-ATTN_LAYOUTS = {"short_256x64": ([64] * 256, [64] * 6),
-                "long_7": ([512, 4096, 1024, 8192, 2048, 300, 700], [37, 300, 20, 150, 64, 9, 90])}
+ATTN_LAYOUTS = {
+    "short_256x64": ([64] * 256, [64] * 6),
+    "long_7": ([512, 4096, 1024, 8192, 2048, 300, 700], [37, 300, 20, 150, 64, 9, 90]),
+}
 ATTN_PAD = 7
 #: no case starts past this many seconds of the part (its budget is 45 s): a case with a cold
 #: FlexAttention compile may take 10-20 s; what finished is saved before a kill
@@ -431,19 +504,29 @@ def attn_case(case: AttnCase, docs: list[int], dev: torch.device, dtype: torch.d
 
     tokens, cu, pattern = sum(docs) + ATTN_PAD, (0, *itertools.accumulate(docs)), case.pattern()
     g = torch.Generator(device=dev).manual_seed(0)
-    shapes = [(1, tokens, case.heads, case.head_dim), (1, tokens, case.kv_heads, case.head_dim),
-              (1, tokens, case.kv_heads, case.value_head_dim)] + ([(case.heads,)] if case.sinks else [])
+    shapes = [
+        (1, tokens, case.heads, case.head_dim),
+        (1, tokens, case.kv_heads, case.head_dim),
+        (1, tokens, case.kv_heads, case.value_head_dim),
+    ] + ([(case.heads,)] if case.sinks else [])
     base = [torch.randn(s, generator=g, device=dev) for s in shapes]
     weight = torch.randn(1, tokens, case.heads, case.value_head_dim, generator=g, device=dev)
     fast = [t.to(dtype) for t in base]
     call = lambda kernel: lambda q, k, v, *s: kernel(q, k, v, pattern, cu, *s)  # noqa: E731
     features = attn.AttnFeatures.of(fast[0], pattern, fast[3] if case.sinks else None)
-    row = {"kernel": attn.attention_kernel(dev.type, dtype, features, attn._torch_version()), "tokens": tokens,
-           "documents": len(docs), "heads": f"{case.heads}/{case.kv_heads}",
-           "head_dims": f"{case.head_dim}/{case.value_head_dim}", "window": case.window, "dtype": str(dtype)}
+    row = {
+        "kernel": attn.attention_kernel(dev.type, dtype, features, attn._torch_version()),
+        "tokens": tokens,
+        "documents": len(docs),
+        "heads": f"{case.heads}/{case.kv_heads}",
+        "head_dims": f"{case.head_dim}/{case.value_head_dim}",
+        "window": case.window,
+        "dtype": str(dtype),
+    }
     ref = [t.to(torch.float64 if dev.type == "cpu" else torch.float32) for t in base]
     ref_out, ref_grads, row["reference_s"], row["reference_peak_bytes"] = _attn_fwd_bwd(
-        call(attn.sdpa_attention), ref, weight, dev)
+        call(attn.sdpa_attention), ref, weight, dev
+    )
     del ref
     times, kernel = [], call(attn.cuda_varlen_attention)
     for _ in range(1 + repeats):  # the first compiles FlexAttention's kernels
@@ -455,8 +538,14 @@ def attn_case(case: AttnCase, docs: list[int], dev: torch.device, dtype: torch.d
         row[f"rel_err_{label}"] = _rel(a, b)
     if dev.type == "cpu" and case.takes_flex():
         with torch.no_grad():
-            flex = flex_packed(*fast[:3], cu, causal=pattern.causal, softcap=case.softcap, window=case.window,
-                               sinks=fast[3] if case.sinks else None)
+            flex = flex_packed(
+                *fast[:3],
+                cu,
+                causal=pattern.causal,
+                softcap=case.softcap,
+                window=case.window,
+                sinks=fast[3] if case.sinks else None,
+            )
         row["flex_forward_rel_err_out"] = _rel(flex, ref_out)
     return row
 
@@ -470,8 +559,12 @@ def part_d(out_dir: Path, dry: bool) -> dict:
     start = time.perf_counter()
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
     dtype = torch.float32 if dry else torch.bfloat16
-    runs = [(layout, case.tiny() if dry else case) for layout in ATTN_LAYOUTS for case in ATTN_CASES
-            if case.long or layout == "short_256x64"]
+    runs = [
+        (layout, case.tiny() if dry else case)
+        for layout in ATTN_LAYOUTS
+        for case in ATTN_CASES
+        if case.long or layout == "short_256x64"
+    ]
     runs.sort(key=_attn_order)
     out: dict = {"torch": torch.__version__, **{layout: {} for layout in ATTN_LAYOUTS}}
     for layout, case in runs:
@@ -511,13 +604,17 @@ def part_e(out_dir: Path, dry: bool) -> dict:
     kw = {"device_id": dev} if backend == "nccl" else {}
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60), **kw)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60), **kw
+    )
     out: dict = {"backend": dist.get_backend(), "torch": torch.__version__}
     checks = {
         "all_reduce": lambda: _reduced(None, dev),
-        "split_group": lambda: _reduced(dist.split_group(split_ranks=[[0]]), dev) if hasattr(dist, "split_group")
-        else "absent in this torch",
+        "split_group": lambda: (
+            _reduced(dist.split_group(split_ranks=[[0]]), dev)
+            if hasattr(dist, "split_group")
+            else "absent in this torch"
+        ),
         "new_group": lambda: _reduced(dist.new_group([0]), dev),
         "all_gather_object": lambda: comm.all_gather_object({"rank": 0}),
         "broadcast_object_list": lambda: _broadcast_objects(),
@@ -589,8 +686,11 @@ def part_f(out_dir: Path, dry: bool) -> dict:
     from dcparallel.runtime.engine import Engine
 
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
-    cfg = (LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, ffn_hidden=176) if dry else
-           LlamaConfig(vocab_size=32000, hidden=2048, num_layers=24, num_heads=16, ffn_hidden=5632))
+    cfg = (
+        LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, ffn_hidden=176)
+        if dry
+        else LlamaConfig(vocab_size=32000, hidden=2048, num_layers=24, num_heads=16, ffn_hidden=5632)
+    )
     torch.manual_seed(0)
     with torch.device(dev):
         model = Llama(cfg).to(torch.bfloat16)
@@ -612,9 +712,15 @@ def part_f(out_dir: Path, dry: bool) -> dict:
         opt.step()
         _sync(dev)
         after = held()
-    out: dict = {"num_params": n, "recipe": dataclasses.asdict(recipe), "recipe_states_bytes": recipe.states,
-                 "recipe_step_peak_bytes": recipe.step_peak, "held_before_sync_bytes": before,
-                 "held_after_step_bytes": after, "held_after_vs_recipe_states": after / recipe.states}
+    out: dict = {
+        "num_params": n,
+        "recipe": dataclasses.asdict(recipe),
+        "recipe_states_bytes": recipe.states,
+        "recipe_step_peak_bytes": recipe.step_peak,
+        "held_before_sync_bytes": before,
+        "held_after_step_bytes": after,
+        "held_after_vs_recipe_states": after / recipe.states,
+    }
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev)
         out |= {"step_peak_bytes": peak, "step_peak_vs_recipe": peak / recipe.step_peak, "memory": _memory(dev)}
@@ -625,8 +731,10 @@ def part_f(out_dir: Path, dry: bool) -> dict:
 # ---------------------------------------------------------------- (g) the sharded runtime
 
 ONE_GPU = "skipped: sharding needs ≥ 2 GPUs in a node (one GPU lent)"
-NO_GPU = ("skipped: sharding needs ≥ 2 GPUs in a node (dry run on CPU; `torchrun --nproc-per-node 2 "
-          "benchmarks/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)")
+NO_GPU = (
+    "skipped: sharding needs ≥ 2 GPUs in a node (dry run on CPU; `torchrun --nproc-per-node 2 "
+    "benchmarks/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)"
+)
 
 
 def part_g(out_dir: Path, dry: bool) -> dict:
@@ -635,8 +743,19 @@ def part_g(out_dir: Path, dry: bool) -> dict:
     if gpus < 2:
         return {"skipped": ONE_GPU if gpus == 1 else NO_GPU, "gpus": gpus}
     result = out_dir / "sharded_device_check.json"
-    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-              str(BENCH / "sharded_device_check.py"), "--out", str(result)], timeout=300)
+    r = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={gpus}",
+            str(BENCH / "sharded_device_check.py"),
+            "--out",
+            str(result),
+        ],
+        timeout=300,
+    )
     if r.returncode != 0 or not result.exists():
         raise RuntimeError(f"sharded_device_check.py failed ({r.returncode}): {r.stderr[-2000:]}")
     return {"gpus": gpus, **json.loads(result.read_text())}

@@ -36,7 +36,7 @@ eval_every = 4
 #: files of the generated corpus (``--generated``)
 GENERATED_FILES = 767
 
-LOOP = '''import torch
+LOOP = """import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from dcparallel.data import text_dataset
@@ -66,7 +66,7 @@ for step in loader:
         print(f"step {{step.index}}: loss {{loss:.3f}}", flush=True)
     if step.index == 3:
         break
-'''
+"""
 
 
 def generated_rows(corpus: str, count: int = GENERATED_FILES, seed: int = 0) -> list[dict]:
@@ -101,20 +101,30 @@ def main(out: Path, corpus: str = "/usr/lib/python3.11", generated: bool = False
     (out / "stdlib.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator((r["content"] for r in rows),
-                            trainers.BpeTrainer(vocab_size=2048, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        (r["content"] for r in rows), trainers.BpeTrainer(vocab_size=2048, special_tokens=["<unk>", "<s>", "</s>"])
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out / "tiny-llama")
     fast.save_pretrained(out / "tiny-llama")
     (out / "run.toml").write_text(TOML.format(out=out))
     (out / "ten_lines.py").write_text(LOOP.format(out=out))
-    print(f"{len(rows)} files, {time.time() - t:.0f} s. Then:\n"
-          f"  .venv/bin/python -m dcparallel train --check --config {out}/run.toml\n"
-          f"  .venv/bin/torchrun --standalone --nproc-per-node 2 -m dcparallel train --config {out}/run.toml\n"
-          f"  .venv/bin/torchrun --standalone --nproc-per-node 2 {out}/ten_lines.py")
+    print(
+        f"{len(rows)} files, {time.time() - t:.0f} s. Then:\n"
+        f"  .venv/bin/python -m dcparallel train --check --config {out}/run.toml\n"
+        f"  .venv/bin/torchrun --standalone --nproc-per-node 2 -m dcparallel train --config {out}/run.toml\n"
+        f"  .venv/bin/torchrun --standalone --nproc-per-node 2 {out}/ten_lines.py"
+    )
 
 
 if __name__ == "__main__":

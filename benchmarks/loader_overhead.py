@@ -105,22 +105,38 @@ def main(argv: list[str] | None = None) -> int:
     cluster = h200_cluster(args.world, min(args.world, 8))
     cost = AnalyticCost(LLAMA_7B, cluster)
     steps = form_steps(ds.lengths, seed=0, tokens_per_step=args.tokens_per_step)
-    results: dict = {"config": vars(args), "num_steps": len(steps), "torch": torch.__version__,
-                     "python": platform.python_version(), "machine": platform.machine(),
-                     "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results: dict = {
+        "config": vars(args),
+        "num_steps": len(steps),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
     def dcp(**kw) -> DataCentricLoader:
-        return DataCentricLoader(ds, ds.lengths, cost=cost, cluster=cluster, policy=args.policy,
-                                 tokens_per_step=args.tokens_per_step, seed=0, rank=0, world_size=args.world, **kw)
+        return DataCentricLoader(
+            ds,
+            ds.lengths,
+            cost=cost,
+            cluster=cluster,
+            policy=args.policy,
+            tokens_per_step=args.tokens_per_step,
+            seed=0,
+            rank=0,
+            world_size=args.world,
+            **kw,
+        )
 
     # the plain per-rank baseline (as under DDP): rank 0 loads every world-th sample of the step
     share = [list(s.sample_ids)[0 :: args.world] for s in steps]
-    results["tokens_per_rank_step"] = {
-        "plain": statistics.fmean(sum(ds.lengths[i] for i in ids) for ids in share)}
+    results["tokens_per_rank_step"] = {"plain": statistics.fmean(sum(ds.lengths[i] for i in ids) for ids in share)}
 
     def plain(workers: int) -> DataLoader:
-        return DataLoader(ds, batch_sampler=share, collate_fn=pack,
-                          num_workers=workers, prefetch_factor=4 if workers else None)
+        return DataLoader(
+            ds, batch_sampler=share, collate_fn=pack, num_workers=workers, prefetch_factor=4 if workers else None
+        )
 
     t0 = time.perf_counter()
     loader = dcp(lookahead=0)
@@ -153,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(make())
             xs = timed_next(it, ms)
             rows.append({"loader": name, "mode": mode, **stats(xs)})
-            print(f"{name:38s} {mode:8s} median {rows[-1]['median_ms']:7.2f} ms  mean {rows[-1]['mean_ms']:7.2f} ms"
-                  f"  ({len(xs)} steps)", flush=True)
+            print(
+                f"{name:38s} {mode:8s} median {rows[-1]['median_ms']:7.2f} ms  mean {rows[-1]['mean_ms']:7.2f} ms"
+                f"  ({len(xs)} steps)",
+                flush=True,
+            )
     results["rows"] = rows
-    print(f"plan alone: median {results['plan']['median_ms']:.2f} ms, mean {results['plan']['mean_ms']:.2f} ms "
-          f"per step; build {results['build_s']:.2f} s; {len(steps)} steps")
+    print(
+        f"plan alone: median {results['plan']['median_ms']:.2f} ms, mean {results['plan']['mean_ms']:.2f} ms "
+        f"per step; build {results['build_s']:.2f} s; {len(steps)} steps"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

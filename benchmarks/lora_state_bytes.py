@@ -22,9 +22,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONFIG = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
-          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-          "tie_word_embeddings": False}
+CONFIG = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -65,8 +72,9 @@ def _measure(variant: str, shard_size: int, rank: int) -> dict:
     dc = dcparallel.DataCentricParallel(model, shard_size=shard_size, memory_bytes=2**32, seed=0)
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, CONFIG["vocab_size"], (int(n),), generator=g) for n in (96, 64, 160, 48, 200, 80)]
-    loader = dc.prepare([{"input_ids": d} for d in docs], lengths=[len(d) for d in docs], tokens_per_step=1024,
-                        cost="analytic")
+    loader = dc.prepare(
+        [{"input_ids": d} for d in docs], lengths=[len(d) for d in docs], tokens_per_step=1024, cost="analytic"
+    )
     opt = dc.optimizer(lr=1e-3)
     for batch in next(iter(loader)):
         with dc.micro_batch(batch) as ctx:
@@ -77,15 +85,24 @@ def _measure(variant: str, shard_size: int, rank: int) -> dict:
     master = getattr(opt, "master", None)
     if master is not None and master.data_ptr() != opt._param_shard.data_ptr():
         state.append(master)
-    return {"variant": variant, "shard_size": shard_size, "rank": dist.get_rank(), "total": total,
-            "trainable": trainable, "loss": loss, "params": _storages(list(dc.model.parameters())),
-            "grads": _storages([dc.engine.grad_sync.flat_grad]), "optimizer": _storages(state)}
+    return {
+        "variant": variant,
+        "shard_size": shard_size,
+        "rank": dist.get_rank(),
+        "total": total,
+        "trainable": trainable,
+        "loss": loss,
+        "params": _storages(list(dc.model.parameters())),
+        "grads": _storages([dc.engine.grad_sync.flat_grad]),
+        "optimizer": _storages(state),
+    }
 
 
 def _worker(rank: int, world: int, init: str, runs: list[tuple[str, int]], lora_rank: int, q) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         for variant, s in runs:
             q.put(_measure(variant, s, lora_rank))
@@ -111,16 +128,20 @@ def main() -> None:
     for p in procs:
         p.join()
     print(f"model: transformers Llama {CONFIG}; LoRA r={args.rank} on {', '.join(LINEARS)}; world {args.world}\n")
-    print("| shard_size | variant | rank | trainable / total parameters | params (MiB) | grads (B) | "
-          "optimizer state (B) | grads + optimizer vs full | bytes per trainable parameter | step loss |")
+    print(
+        "| shard_size | variant | rank | trainable / total parameters | params (MiB) | grads (B) | "
+        "optimizer state (B) | grads + optimizer vs full | bytes per trainable parameter | step loss |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     full = {(r["shard_size"], r["rank"]): r["grads"] + r["optimizer"] for r in rows if r["variant"] == "full"}
     order = {v: i for i, (v, _) in enumerate(runs)}
     for r in sorted(rows, key=lambda x: (x["shard_size"], order[x["variant"]], x["rank"])):
         both = r["grads"] + r["optimizer"]
-        print(f"| {r['shard_size']} | {r['variant']} | {r['rank']} | {r['trainable']:,} / {r['total']:,} | "
-              f"{r['params'] / 2**20:.2f} | {r['grads']:,} | {r['optimizer']:,} | "
-              f"{both / full[(r['shard_size'], r['rank'])]:.4f} | {both / r['trainable']:.2f} | {r['loss']:.4f} |")
+        print(
+            f"| {r['shard_size']} | {r['variant']} | {r['rank']} | {r['trainable']:,} / {r['total']:,} | "
+            f"{r['params'] / 2**20:.2f} | {r['grads']:,} | {r['optimizer']:,} | "
+            f"{both / full[(r['shard_size'], r['rank'])]:.4f} | {both / r['trainable']:.2f} | {r['loss']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

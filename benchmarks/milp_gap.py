@@ -70,6 +70,7 @@ def heuristic_makespan(p: ScalePlanner, plan, scale: dict[int, float]) -> float:
 def solve(p: ScalePlanner, counts: dict[int, int], scale: dict[int, float], time_limit: float):
     """The exact program (`plan.flexsp.slot_program`) over every micro-batch size that fits,
     timed at the class level: returns scipy's result, its seconds and its variable count."""
+
     def options(j: int, k: int) -> list[tuple[int, float]]:
         return [(m, p.ttab[(j, k)][m] * scale[j]) for m in range(1, min(counts[j], p.top[(j, k)]) + 1)]
 
@@ -127,54 +128,88 @@ def main() -> int:
             res, secs, nvar = solve(p, counts, scale, args.time_limit)
             opt = float(res.fun) if res.x is not None else float("nan")
             bound = float(getattr(res, "mip_dual_bound", opt) or opt)
-            rows.append({"scenario": sc_name, "distribution": d, "step": st.index, "samples": len(st.sample_ids),
-                         "buckets": len(counts), "heuristic_s": h, "milp_s": opt, "milp_dual_bound_s": bound,
-                         "optimal": res.status == 0, "milp_seconds": round(secs, 2), "variables": nvar,
-                         "dcp_compute_s": replay_step(shipped.plan(st), ctx).compute_time,
-                         "bound_s": lb.compute(st), "bound_without_shapes_s": bound_without_shapes(lb, st),
-                         "gap": h / opt - 1 if opt == opt else None})
+            rows.append(
+                {
+                    "scenario": sc_name,
+                    "distribution": d,
+                    "step": st.index,
+                    "samples": len(st.sample_ids),
+                    "buckets": len(counts),
+                    "heuristic_s": h,
+                    "milp_s": opt,
+                    "milp_dual_bound_s": bound,
+                    "optimal": res.status == 0,
+                    "milp_seconds": round(secs, 2),
+                    "variables": nvar,
+                    "dcp_compute_s": replay_step(shipped.plan(st), ctx).compute_time,
+                    "bound_s": lb.compute(st),
+                    "bound_without_shapes_s": bound_without_shapes(lb, st),
+                    "gap": h / opt - 1 if opt == opt else None,
+                }
+            )
             r = rows[-1]
-            print(f"{sc_name} {d} step {st.index}: {r['samples']} samples, heuristic {h:.4f} s, MILP {opt:.4f} s "
-                  f"({'optimal' if r['optimal'] else res.message}), gap {100 * r['gap']:.2f}%", flush=True)
+            print(
+                f"{sc_name} {d} step {st.index}: {r['samples']} samples, heuristic {h:.4f} s, MILP {opt:.4f} s "
+                f"({'optimal' if r['optimal'] else res.message}), gap {100 * r['gap']:.2f}%",
+                flush=True,
+            )
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     gaps = [r["gap"] for r in rows if r["gap"] is not None]
-    lines = [f"# dcp heuristic vs exact MILP on small steps — {today}", "",
-             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
-             f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}"
-             + (f" --mixes {args.mixes}" if args.mixes else "") + "`; "
-             f"machine: {platform.machine()} CPU, Python {platform.python_version()}, "
-             f"scipy {scipy.__version__} (HiGHS).", "",
-             "Same class-level cost model and layout space for both (see the script's docstring); one phase; "
-             f"world {args.world} (8 GPUs per node); step budget = the scenario's 32-GPU budget / {args.divide}.", "",
-             f"Gap (heuristic / optimum - 1) over {len(gaps)} steps: median {100 * statistics.median(gaps):.2f}%, "
-             f"mean {100 * statistics.mean(gaps):.2f}%, max {100 * max(gaps):.2f}%; "
-             f"{sum(r['optimal'] for r in rows)} of {len(rows)} MILPs solved to optimality "
-             f"(time limit {args.time_limit:.0f} s).", "",
-             "| scenario | distribution | step | samples | buckets | heuristic s | MILP s | gap | MILP status | "
-             "MILP seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# dcp heuristic vs exact MILP on small steps — {today}",
+        "",
+        f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/milp_gap.py --world {args.world} "
+        f"--steps {args.steps} --divide {args.divide} --time-limit {args.time_limit:g}"
+        + (f" --mixes {args.mixes}" if args.mixes else "")
+        + "`; "
+        f"machine: {platform.machine()} CPU, Python {platform.python_version()}, "
+        f"scipy {scipy.__version__} (HiGHS).",
+        "",
+        "Same class-level cost model and layout space for both (see the script's docstring); one phase; "
+        f"world {args.world} (8 GPUs per node); step budget = the scenario's 32-GPU budget / {args.divide}.",
+        "",
+        f"Gap (heuristic / optimum - 1) over {len(gaps)} steps: median {100 * statistics.median(gaps):.2f}%, "
+        f"mean {100 * statistics.mean(gaps):.2f}%, max {100 * max(gaps):.2f}%; "
+        f"{sum(r['optimal'] for r in rows)} of {len(rows)} MILPs solved to optimality "
+        f"(time limit {args.time_limit:.0f} s).",
+        "",
+        "| scenario | distribution | step | samples | buckets | heuristic s | MILP s | gap | MILP status | "
+        "MILP seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
-                     f"{r['heuristic_s']:.4f} | {r['milp_s']:.4f} | {100 * r['gap']:.2f}% | "
-                     f"{'optimal' if r['optimal'] else 'time limit'} | {r['milp_seconds']} |")
+        lines.append(
+            f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
+            f"{r['heuristic_s']:.4f} | {r['milp_s']:.4f} | {100 * r['gap']:.2f}% | "
+            f"{'optimal' if r['optimal'] else 'time limit'} | {r['milp_seconds']} |"
+        )
     ship = [(r["dcp_compute_s"] / r["milp_s"] - 1, r) for r in rows if r["milp_s"] == r["milp_s"]]
     worst = max(ship, key=lambda x: x[0])
-    lines += ["", "## The shipped `dcp` on the same steps", "",
-              "The gap above is the one-phase class-level heuristic's "
-              "(`ScalePlanner(phases=False).class_plan`), in the "
-              f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps, the "
-              "per-sample packing (steps of few samples per GPU) and, on clusters of at most 64 GPUs, the "
-              "per-sample planner, and keeps the plan the simulator scores faster. "
-              "Its simulated compute time per step (`sim.replay.replay_step(...).compute_time`: each micro-batch "
-              "timed from its own samples, no gradient sync) against the MILP optimum above — not the same model: "
-              "the MILP times every sample as its bucket's largest, scaled by the bucket's mean weight, and runs "
-              "one phase, so the shipped plan can come out below it: "
-              f"median {100 * statistics.median(g for g, _ in ship):+.2f}%, max {100 * worst[0]:+.2f}% "
-              f"({worst[1]['scenario']} {worst[1]['distribution']} step {worst[1]['step']}: "
-              f"{worst[1]['dcp_compute_s']:.3f} s vs {worst[1]['milp_s']:.3f} s).", "",
-              "| scenario | distribution | step | shipped dcp s | MILP s | vs MILP |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['dcp_compute_s']:.4f} | {r['milp_s']:.4f} | "
-              f"{100 * g:+.2f}% |" for g, r in ship]
+    lines += [
+        "",
+        "## The shipped `dcp` on the same steps",
+        "",
+        "The gap above is the one-phase class-level heuristic's "
+        "(`ScalePlanner(phases=False).class_plan`), in the "
+        f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps, the "
+        "per-sample packing (steps of few samples per GPU) and, on clusters of at most 64 GPUs, the "
+        "per-sample planner, and keeps the plan the simulator scores faster. "
+        "Its simulated compute time per step (`sim.replay.replay_step(...).compute_time`: each micro-batch "
+        "timed from its own samples, no gradient sync) against the MILP optimum above — not the same model: "
+        "the MILP times every sample as its bucket's largest, scaled by the bucket's mean weight, and runs "
+        "one phase, so the shipped plan can come out below it: "
+        f"median {100 * statistics.median(g for g, _ in ship):+.2f}%, max {100 * worst[0]:+.2f}% "
+        f"({worst[1]['scenario']} {worst[1]['distribution']} step {worst[1]['step']}: "
+        f"{worst[1]['dcp_compute_s']:.3f} s vs {worst[1]['milp_s']:.3f} s).",
+        "",
+        "| scenario | distribution | step | shipped dcp s | MILP s | vs MILP |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['dcp_compute_s']:.4f} | {r['milp_s']:.4f} | "
+        f"{100 * g:+.2f}% |"
+        for g, r in ship
+    ]
     lines += bound_section(rows)
     args.out.write_text("\n".join(lines) + "\n")
     return 0
@@ -182,21 +217,29 @@ def main() -> int:
 
 def bound_section(rows: list[dict]) -> list[str]:
     """The step's compute bound against the best plan known per step (the MILP's or dcp's)."""
-    lines = ["", "## The step bound against the best plan known", "",
-             "Compute only (no sync). `bound` = `LowerBound.compute`; `without shapes` = the same "
-             "without `plan/shape_bound.py`. The MILP's optimum is the best one-phase plan on fixed groups "
-             "of the chain's degrees (an upper bound where it stopped at its time limit), and `dcp`'s "
-             "multi-phase plans often beat it: the optimum of a step lies between the bound and the best of "
-             "the two, so best / bound - 1 is the most of `dcp`'s distance to the bound that can be the "
-             "bound's, and dcp / best - 1 the least that is the plan's.", "",
-             "| scenario | distribution | step | samples | classes | without shapes s | bound s | MILP s | "
-             "dcp s | best / bound | dcp / bound | dcp / best |", "|" + " --- |" * 12]
+    lines = [
+        "",
+        "## The step bound against the best plan known",
+        "",
+        "Compute only (no sync). `bound` = `LowerBound.compute`; `without shapes` = the same "
+        "without `plan/shape_bound.py`. The MILP's optimum is the best one-phase plan on fixed groups "
+        "of the chain's degrees (an upper bound where it stopped at its time limit), and `dcp`'s "
+        "multi-phase plans often beat it: the optimum of a step lies between the bound and the best of "
+        "the two, so best / bound - 1 is the most of `dcp`'s distance to the bound that can be the "
+        "bound's, and dcp / best - 1 the least that is the plan's.",
+        "",
+        "| scenario | distribution | step | samples | classes | without shapes s | bound s | MILP s | "
+        "dcp s | best / bound | dcp / bound | dcp / best |",
+        "|" + " --- |" * 12,
+    ]
     for r in rows:
         b, o, c = r["bound_s"], r["milp_s"], r["dcp_compute_s"]
         best = min(o, c) if o == o else c
-        lines.append(f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
-                     f"{r['bound_without_shapes_s']:.4f} | {b:.4f} | {o:.4f}{'' if r['optimal'] else ' (limit)'} | "
-                     f"{c:.4f} | {best / b:.3f} | {c / b:.3f} | {c / best:.3f} |")
+        lines.append(
+            f"| {r['scenario']} | {r['distribution']} | {r['step']} | {r['samples']} | {r['buckets']} | "
+            f"{r['bound_without_shapes_s']:.4f} | {b:.4f} | {o:.4f}{'' if r['optimal'] else ' (limit)'} | "
+            f"{c:.4f} | {best / b:.3f} | {c / b:.3f} | {c / best:.3f} |"
+        )
     return lines
 
 

@@ -55,10 +55,18 @@ def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps:
     chain = PlanContext(w, cost, cl, sp_sizes=mix.sp_sizes)
     steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:num_steps]
     bound = LowerBound(mix).epoch(steps)
-    out = {"scenario": scenario, "distribution": distribution, "budget": budget, "world": world,
-           "gpus_per_node": per_node,
-           "steps": len(steps), "samples_per_step": statistics.median(len(s.sample_ids) for s in steps),
-           "mix_sizes": mix.mix_sizes, "chain": mix.sp_sizes, "lower_bound_s": bound}
+    out = {
+        "scenario": scenario,
+        "distribution": distribution,
+        "budget": budget,
+        "world": world,
+        "gpus_per_node": per_node,
+        "steps": len(steps),
+        "samples_per_step": statistics.median(len(s.sample_ids) for s in steps),
+        "mix_sizes": mix.mix_sizes,
+        "chain": mix.sp_sizes,
+        "lower_bound_s": bound,
+    }
     for name, ctx, policy in (("dcp", mix, "dcp"), ("dcp-chain", chain, "dcp"), ("bucket", mix, "bucket")):
         planner = make_planner(policy, ctx, steps, score=step_seconds(ctx))
         ms = []
@@ -71,8 +79,13 @@ def cell(scenario: str, distribution: str, world: int, per_node: int, num_steps:
         off_chain = sum(bool(set(p.busy_sizes()) - set(mix.sp_sizes)) for p in plans)
         # a class-level plan keeps its groups as `PhaseGroups`; the per-sample packing's are objects
         packed = sum(not isinstance(getattr(p, "_source", None), PhaseGroups) for p in plans)
-        out[name] = {"time_s": total, "efficiency": bound / total, "plan_ms_median": statistics.median(ms),
-                     "steps_off_chain": off_chain, "steps_per_sample": packed}
+        out[name] = {
+            "time_s": total,
+            "efficiency": bound / total,
+            "plan_ms_median": statistics.median(ms),
+            "steps_off_chain": off_chain,
+            "steps_per_sample": packed,
+        }
     out["dcp_vs_chain"] = out["dcp-chain"]["time_s"] / out["dcp"]["time_s"]
     out["dcp_vs_bucket"] = out["bucket"]["time_s"] / out["dcp"]["time_s"]
     return out
@@ -92,13 +105,16 @@ def report(rows: list[dict], args, seconds: float) -> str:
         "(over every size of the mix) / simulated time; `off chain` = steps whose plan runs a group of a "
         "size outside the chain.",
         "",
-        *[f"{budget}: `dcp` / `dcp-chain` speed over {len(g)} cells: median "
-          f"{statistics.median(r['dcp_vs_chain'] for r in g):.4f}x, min {min(r['dcp_vs_chain'] for r in g):.4f}x, "
-          f"max {max(r['dcp_vs_chain'] for r in g):.4f}x; `dcp` efficiency median "
-          f"{statistics.median(r['dcp']['efficiency'] for r in g):.3f}, "
-          f"min {min(r['dcp']['efficiency'] for r in g):.3f}; "
-          f"steps off the chain {sum(r['dcp']['steps_off_chain'] for r in g)} of {sum(r['steps'] for r in g)}."
-          for budget in args.budgets.split(",") for g in [[r for r in rows if r["budget"] == budget]]],
+        *[
+            f"{budget}: `dcp` / `dcp-chain` speed over {len(g)} cells: median "
+            f"{statistics.median(r['dcp_vs_chain'] for r in g):.4f}x, min {min(r['dcp_vs_chain'] for r in g):.4f}x, "
+            f"max {max(r['dcp_vs_chain'] for r in g):.4f}x; `dcp` efficiency median "
+            f"{statistics.median(r['dcp']['efficiency'] for r in g):.3f}, "
+            f"min {min(r['dcp']['efficiency'] for r in g):.3f}; "
+            f"steps off the chain {sum(r['dcp']['steps_off_chain'] for r in g)} of {sum(r['steps'] for r in g)}."
+            for budget in args.budgets.split(",")
+            for g in [[r for r in rows if r["budget"] == budget]]
+        ],
         "",
         "- A step's plan may run sizes outside the chain only where that is predicted faster; the "
         "rest of `dcp`'s gain is from the larger search itself: where `off chain` is 0 and `dcp` is "
@@ -113,9 +129,12 @@ def report(rows: list[dict], args, seconds: float) -> str:
         "- The per-sample packing of steps with few samples per GPU (`plan/dcp/sample.py`) places groups on "
         "the chain only, as does the per-sample planner `dcp` also tries at 64 GPUs and fewer: where their "
         "plans win, mixing brings nothing. `dcp`'s plans that came from them: "
-        + "; ".join(f"{budget} {sum(r['dcp']['steps_per_sample'] for r in rows if r['budget'] == budget)} of "
-                    f"{sum(r['steps'] for r in rows if r['budget'] == budget)} steps"
-                    for budget in args.budgets.split(",")) + ".",
+        + "; ".join(
+            f"{budget} {sum(r['dcp']['steps_per_sample'] for r in rows if r['budget'] == budget)} of "
+            f"{sum(r['steps'] for r in rows if r['budget'] == budget)} steps"
+            for budget in args.budgets.split(",")
+        )
+        + ".",
         "- On 8-GPU nodes (every scenario of the scale report) the sizes inside a node are one chain, "
         "so none of this runs and `dcp`'s plans are unchanged.",
         "",
@@ -130,7 +149,8 @@ def report(rows: list[dict], args, seconds: float) -> str:
             f"| {','.join(map(str, r['mix_sizes']))} | {','.join(map(str, r['chain']))} "
             f"| {r['dcp']['efficiency']:.3f} | {r['dcp-chain']['efficiency']:.3f} | {r['bucket']['efficiency']:.3f} "
             f"| {r['dcp_vs_chain']:.4f}x | {r['dcp_vs_bucket']:.2f}x | {r['dcp']['steps_off_chain']}/{r['steps']} "
-            f"| {r['dcp']['plan_ms_median']:.0f} | {r['dcp-chain']['plan_ms_median']:.0f} |")
+            f"| {r['dcp']['plan_ms_median']:.0f} | {r['dcp-chain']['plan_ms_median']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -149,10 +169,12 @@ def main() -> int:
                     for d in DISTRIBUTIONS:
                         r = cell(scenario, d, world, per_node, args.steps, budget)
                         rows.append(r)
-                        print(f"{budget} {scenario}/{d} {world} GPUs ({per_node}/node): dcp eff "
-                              f"{r['dcp']['efficiency']:.3f}, chain {r['dcp-chain']['efficiency']:.3f}, bucket "
-                              f"{r['bucket']['efficiency']:.3f}; off chain {r['dcp']['steps_off_chain']}/{r['steps']}",
-                              flush=True)
+                        print(
+                            f"{budget} {scenario}/{d} {world} GPUs ({per_node}/node): dcp eff "
+                            f"{r['dcp']['efficiency']:.3f}, chain {r['dcp-chain']['efficiency']:.3f}, bucket "
+                            f"{r['bucket']['efficiency']:.3f}; off chain {r['dcp']['steps_off_chain']}/{r['steps']}",
+                            flush=True,
+                        )
     text = report(rows, args, time.perf_counter() - t0)
     print(text)
     if args.out is not None:

@@ -45,16 +45,19 @@ def main() -> int:
             lb, tb = LowerBound(ctx), TightBound(ctx)
             bound = [lb.step(s) for s in steps]
             best = [max(b, tb.midpoint_step(s)) for b, s in zip(bound, steps)]
-            shapes = statistics.median(distinct_shapes(sc.model, [wl.sizes[i] for i in s.sample_ids])
-                                       for s in steps)
-            line = (f"{world} {cell}: {len(steps)} steps, {statistics.median(len(s.sample_ids) for s in steps)} "
-                    f"samples/step, {shapes} shapes/step; midpoint/library bound "
-                    f"{sum(best) / sum(bound):.4f}")
+            shapes = statistics.median(distinct_shapes(sc.model, [wl.sizes[i] for i in s.sample_ids]) for s in steps)
+            line = (
+                f"{world} {cell}: {len(steps)} steps, {statistics.median(len(s.sample_ids) for s in steps)} "
+                f"samples/step, {shapes} shapes/step; midpoint/library bound "
+                f"{sum(best) / sum(bound):.4f}"
+            )
             for name in args.policies.split(","):
                 planner = make_planner(name, ctx, steps, score=step_seconds(ctx))
                 times = [replay_step(planner.plan(s), ctx).step_time for s in steps]
-                line += (f"; {name} efficiency {sum(bound) / sum(times):.4f} (vs midpoint "
-                         f"{sum(best) / sum(times):.4f}, worst step {min(b / t for b, t in zip(bound, times)):.4f})")
+                line += (
+                    f"; {name} efficiency {sum(bound) / sum(times):.4f} (vs midpoint "
+                    f"{sum(best) / sum(times):.4f}, worst step {min(b / t for b, t in zip(bound, times)):.4f})"
+                )
             print(line, flush=True)
     return 0
 

@@ -52,8 +52,12 @@ from dcparallel.sim.replay import step_seconds
 from dcparallel.sim.run import PLAN_TIME_NOTE, timed_plans
 from dcparallel.spec import Workload
 
-PARTS = {"search": ("table", "search", "_plan_part"), "expand": "expand", "refine+spill": ("refine", "spill"),
-         "objects": "build_plan"}
+PARTS = {
+    "search": ("table", "search", "_plan_part"),
+    "expand": "expand",
+    "refine+spill": ("refine", "spill"),
+    "objects": "build_plan",
+}
 
 
 def breakdown(prof: cProfile.Profile) -> dict[str, float]:
@@ -76,15 +80,25 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="1024")
     ap.add_argument("--budgets", default="weak")
-    ap.add_argument("--cells", default=",".join(f"{s}/{d}" for s in SCENARIOS for d in distributions(s, "all")),
-                    help="scenario/distribution pairs (default: each scenario's distributions and realistic mixes)")
+    ap.add_argument(
+        "--cells",
+        default=",".join(f"{s}/{d}" for s in SCENARIOS for d in distributions(s, "all")),
+        help="scenario/distribution pairs (default: each scenario's distributions and realistic mixes)",
+    )
     ap.add_argument("--steps", type=int, default=4, help="steady-state steps timed (after the first step)")
-    ap.add_argument("--tails", default="2,8,32",
-                    help="tail steps timed after the steady ones: 1/k of a further full step's samples, per k")
+    ap.add_argument(
+        "--tails",
+        default="2,8,32",
+        help="tail steps timed after the steady ones: 1/k of a further full step's samples, per k",
+    )
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds over all cells, each with fresh planners; each step keeps its least time "
-                         "(on a shared machine, other jobs only ever add time)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over all cells, each with fresh planners; each step keeps its least time "
+        "(on a shared machine, other jobs only ever add time)",
+    )
     args = ap.parse_args()
     cells = []
     tails: dict[str, list[Step]] = {}
@@ -95,13 +109,19 @@ def main() -> int:
                 sc_name, d = item.split("/")
                 sc = SCENARIOS[sc_name]
                 tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
-                wl = Workload(sc.model, tuple(sample_sizes(
-                    sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, (args.steps + 2) * tps))))
+                wl = Workload(
+                    sc.model,
+                    tuple(
+                        sample_sizes(
+                            sc_name, d, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, (args.steps + 2) * tps)
+                        )
+                    ),
+                )
                 cl = sc.cluster(world)
                 ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
                 steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[: args.steps + 2]
                 tails[f"{budget} {world} {item}"] = tail_steps(steps[args.steps + 1], fractions)
-                cells.append((f"{budget} {world} {item}", ctx, steps[1: args.steps + 1], steps[0]))
+                cells.append((f"{budget} {world} {item}", ctx, steps[1 : args.steps + 1], steps[0]))
     cpu = {name: [math.inf] * len(steps) for name, _, steps, _ in cells}  # steady-state steps
     first = {name: math.inf for name, _, _, _ in cells}
     setup = {name: math.inf for name, _, _, _ in cells}
@@ -134,19 +154,25 @@ def main() -> int:
                 score = step_seconds(ctx)
                 step_s[name] = ([score(p) for p in plans[1:]], [score(p) for p in tail_plans])
     probes.append(speed_probe())
-    print(f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
-          f"{', '.join(f'{x:.0f}' for x in probes)}", flush=True)
+    print(
+        f"speed probe (a fixed CPU workload, ms) before each round and after the last: "
+        f"{', '.join(f'{x:.0f}' for x in probes)}",
+        flush=True,
+    )
     print(PLAN_TIME_NOTE, flush=True)
     for name, ctx, steps, first_step in cells:
         n = statistics.median(len(s.sample_ids) for s in steps)
-        line = (f"{name}: {len(steps)} steps, {n} samples/step; "
-                f"plan CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f} "
-                f"(first step {first[name]:.1f}, setup {setup[name]:.0f}); "
-                f"one rank's groups built {statistics.median(own[name]):.2f} ms, "
-                f"every rank's {statistics.median(full[name]):.1f} ms")
+        line = (
+            f"{name}: {len(steps)} steps, {n} samples/step; "
+            f"plan CPU ms median {statistics.median(cpu[name]):.1f} max {max(cpu[name]):.1f} "
+            f"(first step {first[name]:.1f}, setup {setup[name]:.0f}); "
+            f"one rank's groups built {statistics.median(own[name]):.2f} ms, "
+            f"every rank's {statistics.median(full[name]):.1f} ms"
+        )
         if tails[name]:
-            line += "; tails " + ", ".join(f"{len(t.sample_ids)} samples {ms:.1f} ms"
-                                           for t, ms in zip(tails[name], tail[name]))
+            line += "; tails " + ", ".join(
+                f"{len(t.sample_ids)} samples {ms:.1f} ms" for t, ms in zip(tails[name], tail[name])
+            )
             line += f" (slowest {max(tail[name]) / statistics.median(cpu[name]):.2f}x the median)"
         line += f"; planning / simulated step time: {fraction(cpu[name], tail[name], *step_s[name])}"
         if args.profile:
@@ -158,16 +184,18 @@ def main() -> int:
                 planner.plan(s)
                 prof.disable()
             b = breakdown(prof)
-            line += "; profiled: " + ", ".join(
-                f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
+            line += "; profiled: " + ", ".join(f"{k} {100 * v / b['total']:.0f}%" for k, v in b.items() if k != "total")
         print(line, flush=True)
     for budget in args.budgets.split(","):
         for world in args.worlds.split(","):
             names = [name for name, *_ in cells if name.startswith(f"{budget} {world} ")]
             meds = [statistics.median(cpu[name]) for name in names]
             worst = max([max(cpu[n]) for n in names] + [max(tail[n], default=0.0) for n in names])
-            print(f"{budget} {world}: median over its {len(meds)} cells {statistics.median(meds):.1f} ms, "
-                  f"slowest cell {max(meds):.1f} ms, slowest step (tails included) {worst:.1f} ms", flush=True)
+            print(
+                f"{budget} {world}: median over its {len(meds)} cells {statistics.median(meds):.1f} ms, "
+                f"slowest cell {max(meds):.1f} ms, slowest step (tails included) {worst:.1f} ms",
+                flush=True,
+            )
     return 0
 
 

@@ -45,8 +45,12 @@ def cell_hashes(scenario: str, dist: str, world: int, budget: str, policy: str, 
     plans = [planner.plan(s) for s in todo]
     cpu = time.process_time() - t0
     hashes = [plan_hash(p) for p in plans]
-    return {"hash": hashlib.sha256("".join(hashes).encode()).hexdigest()[:16], "steps": hashes,
-            "epoch_s": round(simulate(plans, ctx).total_time, 6), "cpu_s": round(cpu, 2)}
+    return {
+        "hash": hashlib.sha256("".join(hashes).encode()).hexdigest()[:16],
+        "steps": hashes,
+        "epoch_s": round(simulate(plans, ctx).total_time, 6),
+        "cpu_s": round(cpu, 2),
+    }
 
 
 def cells(worlds: list[int], budgets: list[str], scenarios: list[str], dists: str):
@@ -72,8 +76,14 @@ def main() -> int:
     args = ap.parse_args()
     golden = json.loads(Path(args.check).read_text())["cells"] if args.check else None
     out, changed = {}, []
-    todo = list(cells([int(w) for w in args.worlds.split(",")], args.budgets.split(","),
-                      args.scenarios.split(","), args.distributions))
+    todo = list(
+        cells(
+            [int(w) for w in args.worlds.split(",")],
+            args.budgets.split(","),
+            args.scenarios.split(","),
+            args.distributions,
+        )
+    )
     for i, (budget, world, scenario, dist) in enumerate(todo):
         key = f"{budget} {world} {scenario}/{dist}"
         if golden is not None and key not in golden:
@@ -86,14 +96,18 @@ def main() -> int:
             if old["hash"] != got["hash"]:
                 diff = sum(a != b for a, b in zip(old["steps"], got["steps"]))
                 changed.append(key)
-                mark = (f"  CHANGED: {diff} of {len(got['steps'])} steps, "
-                        f"epoch {old['epoch_s']:.4f} -> {got['epoch_s']:.4f} s")
+                mark = (
+                    f"  CHANGED: {diff} of {len(got['steps'])} steps, "
+                    f"epoch {old['epoch_s']:.4f} -> {got['epoch_s']:.4f} s"
+                )
         print(f"[{i + 1}/{len(todo)}] {key}: {got['hash']} ({got['cpu_s']:.1f} CPU s){mark}", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps({"policy": args.policy, "steps": args.steps, "cells": out}, indent=1))
     if golden is not None:
-        print(f"{len(out) - len(changed)} of {len(out)} cells identical" + (f"; changed: {', '.join(changed)}"
-                                                                          if changed else ""))
+        print(
+            f"{len(out) - len(changed)} of {len(out)} cells identical"
+            + (f"; changed: {', '.join(changed)}" if changed else "")
+        )
         return 1 if changed else 0
     return 0
 

@@ -39,11 +39,23 @@ from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload
 
 #: the stages reported: (file suffix, function name)
-STAGES = [("dcp/search.py", "table"), ("dcp/search.py", "search"), ("dcp/search.py", "fits"),
-          ("dcp/tables.py", "_build_rows"), ("dcp/classlevel.py", "_plan_part"), ("dcp/allocate.py", "allocate"),
-          ("dcp/classes.py", "deal_classes"), ("dcp/classes.py", "class_span"), ("dcp/expand.py", "expand"),
-          ("dcp/refine.py", "refine"), ("dcp/refine.py", "spill"), ("dcp/expand.py", "build_plan"),
-          ("dcp/tables.py", "sort"), ("dcp/tables.py", "sample_weights"), ("dcp/sample.py", "plan")]
+STAGES = [
+    ("dcp/search.py", "table"),
+    ("dcp/search.py", "search"),
+    ("dcp/search.py", "fits"),
+    ("dcp/tables.py", "_build_rows"),
+    ("dcp/classlevel.py", "_plan_part"),
+    ("dcp/allocate.py", "allocate"),
+    ("dcp/classes.py", "deal_classes"),
+    ("dcp/classes.py", "class_span"),
+    ("dcp/expand.py", "expand"),
+    ("dcp/refine.py", "refine"),
+    ("dcp/refine.py", "spill"),
+    ("dcp/expand.py", "build_plan"),
+    ("dcp/tables.py", "sort"),
+    ("dcp/tables.py", "sample_weights"),
+    ("dcp/sample.py", "plan"),
+]
 
 
 CALLGRIND_HELPER = r"""
@@ -73,13 +85,19 @@ def main() -> int:
     ap.add_argument("--epoch-steps", type=int, default=4, help="steps' worth of samples drawn (not with --lengths)")
     ap.add_argument("--policy", default="dcp")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--callgrind", action="store_true",
-                    help="under valgrind --tool=callgrind --instr-atstart=no: count the measured steps only")
+    ap.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="under valgrind --tool=callgrind --instr-atstart=no: count the measured steps only",
+    )
     args = ap.parse_args()
     cg = callgrind_helper() if args.callgrind else None
     sc = SCENARIOS[args.scenario]
-    sizes = read_lengths(args.lengths) if args.lengths else sample_sizes(
-        args.scenario, args.distribution, epoch_tokens=args.epoch_steps * args.tokens_per_step)
+    sizes = (
+        read_lengths(args.lengths)
+        if args.lengths
+        else sample_sizes(args.scenario, args.distribution, epoch_tokens=args.epoch_steps * args.tokens_per_step)
+    )
     wl = Workload(sc.model, tuple(sizes))
     cl = sc.cluster(args.world)
     ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
@@ -110,10 +128,12 @@ def main() -> int:
         cg.measure_stop()
     cpu = time.process_time() - c0
     shapes = [distinct_shapes(sc.model, [wl.sizes[i] for i in s.sample_ids]) for s in measured]
-    print(f"{args.distribution if not args.lengths else args.lengths} world {args.world}: {len(wl)} samples, "
-          f"{distinct_shapes(sc.model, list(wl.sizes))} shapes; steps of {[len(s.sample_ids) for s in measured]} "
-          f"samples, {shapes} shapes; CPU s (noisy here): setup+first {setup:.2f}, per step "
-          f"{cpu / max(1, len(measured)):.3f}")
+    print(
+        f"{args.distribution if not args.lengths else args.lengths} world {args.world}: {len(wl)} samples, "
+        f"{distinct_shapes(sc.model, list(wl.sizes))} shapes; steps of {[len(s.sample_ids) for s in measured]} "
+        f"samples, {shapes} shapes; CPU s (noisy here): setup+first {setup:.2f}, per step "
+        f"{cpu / max(1, len(measured)):.3f}"
+    )
     if prof:
         st = pstats.Stats(prof).stats
         total = sum(cc for (cc, _, _, _, _) in st.values())

@@ -31,9 +31,12 @@ def run_case(model, sizes, world: int, tps: int, num_steps: int) -> dict:
     ctx = PlanContext(Workload(model, sizes), AnalyticCost(model, cluster), cluster)
     steps = form_steps(ctx.workload.tokens, seed=0, tokens_per_step=tps)[:num_steps]
     score = step_seconds(ctx)
-    planners = {"dcp": make_planner("dcp", ctx, steps, score=score), "class level": ScalePlanner(ctx, score),
-                "bucket": make_planner("bucket", ctx, steps, score=score),
-                "packed": make_planner("packed", ctx, steps, score=score)}
+    planners = {
+        "dcp": make_planner("dcp", ctx, steps, score=score),
+        "class level": ScalePlanner(ctx, score),
+        "bucket": make_planner("bucket", ctx, steps, score=score),
+        "packed": make_planner("packed", ctx, steps, score=score),
+    }
     out = {"steps": len(steps), "shard": cluster.shard_size}
     for name, p in planners.items():
         secs, ms = 0.0, []
@@ -52,16 +55,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
-    print("| model | params | mix | GPUs | shard | steps | dcp / best static | class level alone / best static | "
-          "dcp ms | class level ms | dcp steps kept from |")
+    print(
+        "| model | params | mix | GPUs | shard | steps | dcp / best static | class level alone / best static | "
+        "dcp ms | class level ms | dcp steps kept from |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for model, mix, n, world, tps in CASES:
         r = run_case(model, _mix(model, mix, n), world, tps, args.steps)
         best = min(r["bucket"], r["packed"])
         kept = ", ".join(f"{k} {v}" for k, v in r["kept_by"].items())
-        print(f"| {model.name} | {model.num_params / 1e9:.3g}B | {mix} | {world} | {r['shard']} | {r['steps']} | "
-              f"{r['dcp'] / best:.3f} | {r['class level'] / best:.3f} | {r['dcp ms']:.1f} | "
-              f"{r['class level ms']:.1f} | {kept} |", flush=True)
+        print(
+            f"| {model.name} | {model.num_params / 1e9:.3g}B | {mix} | {world} | {r['shard']} | {r['steps']} | "
+            f"{r['dcp'] / best:.3f} | {r['class level'] / best:.3f} | {r['dcp ms']:.1f} | "
+            f"{r['class level ms']:.1f} | {kept} |",
+            flush=True,
+        )
     return 0
 
 

@@ -39,67 +39,133 @@ sys.path.insert(0, str(ROOT))
 from dcparallel.apps.profile import run_profile  # noqa: E402
 
 GPU_RUNS = [  # the shorter model first: a run cut short keeps it
-    {"model": "dit-1b", "num_layers": 12, "buckets": "51x240x426,51x480x853,102x720x1280", "repeats": 3,
-     "max_mbs": 8, "max_tokens": 131072},
-    {"model": "llama-7b", "num_layers": 8, "buckets": "2048,8192,32768", "repeats": 3, "max_mbs": 8,
-     "max_tokens": 65536},
+    {
+        "model": "dit-1b",
+        "num_layers": 12,
+        "buckets": "51x240x426,51x480x853,102x720x1280",
+        "repeats": 3,
+        "max_mbs": 8,
+        "max_tokens": 131072,
+    },
+    {
+        "model": "llama-7b",
+        "num_layers": 8,
+        "buckets": "2048,8192,32768",
+        "repeats": 3,
+        "max_mbs": 8,
+        "max_tokens": 65536,
+    },
 ]
 DRY_RUNS = [
-    {"model": "tiny-llama", "num_layers": 4, "buckets": "128,256", "repeats": 1, "max_mbs": 2, "max_tokens": 512,
-     "min_time": 0.0, "warmup": 1, "max_repeats": 1},
-    {"model": "tiny-dit", "num_layers": 4, "buckets": "17x64x64", "repeats": 1, "max_mbs": 2, "max_tokens": 512,
-     "min_time": 0.0, "warmup": 1, "max_repeats": 1},
+    {
+        "model": "tiny-llama",
+        "num_layers": 4,
+        "buckets": "128,256",
+        "repeats": 1,
+        "max_mbs": 2,
+        "max_tokens": 512,
+        "min_time": 0.0,
+        "warmup": 1,
+        "max_repeats": 1,
+    },
+    {
+        "model": "tiny-dit",
+        "num_layers": 4,
+        "buckets": "17x64x64",
+        "repeats": 1,
+        "max_mbs": 2,
+        "max_tokens": 512,
+        "min_time": 0.0,
+        "warmup": 1,
+        "max_repeats": 1,
+    },
 ]
 
 
 def namespace(run: dict, device: str, out_dir: Path) -> argparse.Namespace:
     return argparse.Namespace(
-        model=run["model"], buckets=run["buckets"], depth=2, num_layers=run["num_layers"], validate=True,
-        repeats=run["repeats"], min_time=run.get("min_time", 0.5), warmup=run.get("warmup", 2), max_mbs=run["max_mbs"],
-        max_tokens=run["max_tokens"], max_repeats=run.get("max_repeats", 25),
-        modes="none,attn,mlp,full", memory_limit=None, device=device, dtype=None, threads=1,
-        out=out_dir / f"profile-{run['model']}-{run['num_layers']}l.json", reuse=False, json=True, quiet=True)
+        model=run["model"],
+        buckets=run["buckets"],
+        depth=2,
+        num_layers=run["num_layers"],
+        validate=True,
+        repeats=run["repeats"],
+        min_time=run.get("min_time", 0.5),
+        warmup=run.get("warmup", 2),
+        max_mbs=run["max_mbs"],
+        max_tokens=run["max_tokens"],
+        max_repeats=run.get("max_repeats", 25),
+        modes="none,attn,mlp,full",
+        memory_limit=None,
+        device=device,
+        dtype=None,
+        threads=1,
+        out=out_dir / f"profile-{run['model']}-{run['num_layers']}l.json",
+        reuse=False,
+        json=True,
+        quiet=True,
+    )
 
 
 def report(results: list[dict], meta: dict) -> str:
-    lines = [f"# Profiler device check: {meta['device']}, {meta['date']}", "",
-             f"Command: `{meta['command']}`", "",
-             f"torch {meta['torch']}, Python {meta['python']}, host {meta['host']}. World 1 (SP=1), "
-             f"bf16 on GPU. Each layout is measured on stacks of 1 and 2 layers (median of the repeats "
-             f"after warm-up, CUDA events) and extrapolated to full depth, t_L = t2 + (L-2)(t2-t1), the same "
-             f"for memory (allocator peak minus what was allocated before the forward). Validation runs "
-             f"the smallest and largest bucket with recompute none and full at full depth in the same "
-             f"interleaved rounds.", ""]
+    lines = [
+        f"# Profiler device check: {meta['device']}, {meta['date']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"torch {meta['torch']}, Python {meta['python']}, host {meta['host']}. World 1 (SP=1), "
+        f"bf16 on GPU. Each layout is measured on stacks of 1 and 2 layers (median of the repeats "
+        f"after warm-up, CUDA events) and extrapolated to full depth, t_L = t2 + (L-2)(t2-t1), the same "
+        f"for memory (allocator peak minus what was allocated before the forward). Validation runs "
+        f"the smallest and largest bucket with recompute none and full at full depth in the same "
+        f"interleaved rounds.",
+        "",
+    ]
     if meta.get("dry_run"):
-        lines += ["**DRY RUN on CPU** (tiny models, tiny buckets): checks the script only; the numbers "
-                  "are not a device measurement.", ""]
-    lines += ["| model | blocks | layers (units) | layouts | infeasible | unfit buckets | seconds | time_error "
-              "| memory_error |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "**DRY RUN on CPU** (tiny models, tiny buckets): checks the script only; the numbers "
+            "are not a device measurement.",
+            "",
+        ]
+    lines += [
+        "| model | blocks | layers (units) | layouts | infeasible | unfit buckets | seconds | time_error "
+        "| memory_error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['num_layers']} | | failed: {r['error'][:80]} | | | | | |")
             continue
         s = r["summary"]
-        lines.append(f"| {r['model']} | {r['num_layers']} | {s['num_layers']} | {s['layouts_measured']} | "
-                     f"{s['layouts_infeasible']} | "
-                     f"{', '.join(s['unfit_buckets']) or '-'} | {s['seconds']} | {s['time_error']} | "
-                     f"{s['memory_error']} |")
-    lines += ["", "Validated layouts (predicted = extrapolated from 1 and 2 layers):", "",
-              "| model | bucket | sp | mbs | recompute | time predicted s | time full s | err | "
-              "memory predicted GiB | memory full GiB | err |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['model']} | {r['num_layers']} | {s['num_layers']} | {s['layouts_measured']} | "
+            f"{s['layouts_infeasible']} | "
+            f"{', '.join(s['unfit_buckets']) or '-'} | {s['seconds']} | {s['time_error']} | "
+            f"{s['memory_error']} |"
+        )
+    lines += [
+        "",
+        "Validated layouts (predicted = extrapolated from 1 and 2 layers):",
+        "",
+        "| model | bucket | sp | mbs | recompute | time predicted s | time full s | err | "
+        "memory predicted GiB | memory full GiB | err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         for v in r.get("summary", {}).get("validation", []):
             if "error" in v:
-                lines.append(f"| {r['model']} | {v['bucket']} | {v['sp']} | {v['mbs']} | {v['recompute']} | "
-                             f"full depth out of memory: {v['error'][:60]} | | | | | |")
+                lines.append(
+                    f"| {r['model']} | {v['bucket']} | {v['sp']} | {v['mbs']} | {v['recompute']} | "
+                    f"full depth out of memory: {v['error'][:60]} | | | | | |"
+                )
                 continue
             gib = 2**30
-            lines.append(f"| {r['model']} | {v['bucket']} | {v['sp']} | {v['mbs']} | {v['recompute']} | "
-                         f"{v['predicted_time_s']:.4f} | {v['full_depth_time_s']:.4f} | {v['time_error']:.3f} | "
-                         f"{v['predicted_memory_bytes'] / gib:.2f} | {v['full_depth_memory_bytes'] / gib:.2f} | "
-                         f"{v['memory_error']:.4f} |")
+            lines.append(
+                f"| {r['model']} | {v['bucket']} | {v['sp']} | {v['mbs']} | {v['recompute']} | "
+                f"{v['predicted_time_s']:.4f} | {v['full_depth_time_s']:.4f} | {v['time_error']:.3f} | "
+                f"{v['predicted_memory_bytes'] / gib:.2f} | {v['full_depth_memory_bytes'] / gib:.2f} | "
+                f"{v['memory_error']:.4f} |"
+            )
     for r in results:
         if "traceback" in r:
             lines += ["", f"Failure of {r['model']}:", "", "```", r["traceback"][-3000:], "```"]
@@ -118,19 +184,33 @@ def main() -> int:
         return 2
     device = "cpu" if args.dry_run else "cuda"
     torch.set_num_threads(1)
-    name = "cpu-dryrun" if args.dry_run else re.sub(r"[^a-z0-9]+", "", torch.cuda.get_device_name().lower().
-                                                     replace("nvidia", ""))
+    name = (
+        "cpu-dryrun"
+        if args.dry_run
+        else re.sub(r"[^a-z0-9]+", "", torch.cuda.get_device_name().lower().replace("nvidia", ""))
+    )
     date = dt.date.today().isoformat()
-    meta = {"device": "CPU dry run" if args.dry_run else torch.cuda.get_device_name(), "date": date,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "torch": torch.__version__,
-            "python": platform.python_version(), "host": platform.machine(), "dry_run": args.dry_run}
+    meta = {
+        "device": "CPU dry run" if args.dry_run else torch.cuda.get_device_name(),
+        "date": date,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.machine(),
+        "dry_run": args.dry_run,
+    }
     base = args.out_dir / f"profile-device_{name}_{date}"
     results: list[dict] = []
     t0 = time.perf_counter()
     for run in DRY_RUNS if args.dry_run else GPU_RUNS:
         if time.perf_counter() - t0 > args.budget_s:
-            results.append({"model": run["model"], "num_layers": run["num_layers"],
-                            "error": f"skipped: {args.budget_s:.0f} s budget spent"})
+            results.append(
+                {
+                    "model": run["model"],
+                    "num_layers": run["num_layers"],
+                    "error": f"skipped: {args.budget_s:.0f} s budget spent",
+                }
+            )
             continue
         print(f"profiling {run['model']} ({run['num_layers']} layers) ...", file=sys.stderr, flush=True)
         try:
@@ -138,8 +218,14 @@ def main() -> int:
             results.append({"model": run["model"], "num_layers": run["num_layers"], "summary": summary})
             print(json.dumps(summary), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, the other models still run
-            results.append({"model": run["model"], "num_layers": run["num_layers"], "error": repr(exc),
-                            "traceback": traceback.format_exc()})
+            results.append(
+                {
+                    "model": run["model"],
+                    "num_layers": run["num_layers"],
+                    "error": repr(exc),
+                    "traceback": traceback.format_exc(),
+                }
+            )
             print(traceback.format_exc(), file=sys.stderr, flush=True)
         finally:
             gc.collect()  # the last model and its engine

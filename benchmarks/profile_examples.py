@@ -28,11 +28,23 @@ EXAMPLES = {"hf_llama": {}, "diffusers_wan": {"EPOCHS": "1"}, "custom_model": {}
 
 
 def launch(name: str, out_dir: Path, env: dict) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / f"{name}.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / f"{name}.py"),
+    ]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", OUT_DIR=str(out_dir),
-                                     **env), capture_output=True, text=True, cwd=out_dir)
+    r = subprocess.run(
+        cmd,
+        env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", OUT_DIR=str(out_dir), **env),
+        capture_output=True,
+        text=True,
+        cwd=out_dir,
+    )
     if r.returncode:
         raise SystemExit(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return time.perf_counter() - t0, r.stdout
@@ -50,21 +62,36 @@ def main() -> None:
             cached, stdout = launch(name, Path(d), EXAMPLES[name])
             profile = next(Path(d).glob(f"{name}_profile*.json"))
             entries = len(json.loads(profile.read_text())["entries"])
-        rows.append({"example": name, "fresh_s": fresh, "cached_s": cached, "profile_s": fresh - cached,
-                     "layouts": entries, "steps": stdout.count("loss ")})
+        rows.append(
+            {
+                "example": name,
+                "fresh_s": fresh,
+                "cached_s": cached,
+                "profile_s": fresh - cached,
+                "layouts": entries,
+                "steps": stdout.count("loss "),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     load = os.getloadavg()
-    lines = [f"# Profiling the examples at world 2 (CPU), {date.today()}", "",
-             f"Command: `.venv/bin/python benchmarks/profile_examples.py` · torch {torch.__version__} · "
-             f"Python {platform.python_version()} · {os.cpu_count()} cores · load average at the end "
-             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}", "",
-             "Each example launched twice with 2 gloo ranks: a fresh output folder (profile + train), then again "
-             "(cached profile + the same training). Profiling time = the difference.", "",
-             "| example | fresh launch s | cached launch s | profiling s | layouts measured | steps |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Profiling the examples at world 2 (CPU), {date.today()}",
+        "",
+        f"Command: `.venv/bin/python benchmarks/profile_examples.py` · torch {torch.__version__} · "
+        f"Python {platform.python_version()} · {os.cpu_count()} cores · load average at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+        "",
+        "Each example launched twice with 2 gloo ranks: a fresh output folder (profile + train), then again "
+        "(cached profile + the same training). Profiling time = the difference.",
+        "",
+        "| example | fresh launch s | cached launch s | profiling s | layouts measured | steps |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| `{r['example']}` | {r['fresh_s']:.1f} | {r['cached_s']:.1f} | {r['profile_s']:.1f} | "
-                     f"{r['layouts']} | {r['steps']} |")
+        lines.append(
+            f"| `{r['example']}` | {r['fresh_s']:.1f} | {r['cached_s']:.1f} | {r['profile_s']:.1f} | "
+            f"{r['layouts']} | {r['steps']} |"
+        )
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

@@ -62,7 +62,7 @@ def recovery_times(out: Path) -> list[float]:
     times = []
     for i, e in enumerate(ev):
         if e["event"] == "fault":
-            nxt = next((x for x in ev[i + 1:] if x["event"] == "start"), None)
+            nxt = next((x for x in ev[i + 1 :] if x["event"] == "start"), None)
             times.append(nxt["time"] - e["time"] if nxt else float("nan"))
     return times
 
@@ -77,17 +77,37 @@ def main() -> int:
     rc, wall, _ = launch(cfg)
     assert rc == 0
     ref = metrics(ref_out)
-    rows.append({"fault": "none (reference, 2 ranks)", "recovered": rc == 0, "lost": coverage(ref_out)[0],
-                 "duplicated": coverage(ref_out)[1], "recover_s": [], "loss_rel_diff": 0.0, "wall_s": wall})
+    rows.append(
+        {
+            "fault": "none (reference, 2 ranks)",
+            "recovered": rc == 0,
+            "lost": coverage(ref_out)[0],
+            "duplicated": coverage(ref_out)[1],
+            "recover_s": [],
+            "loss_rel_diff": 0.0,
+            "wall_s": wall,
+        }
+    )
 
-    for kind, spec in (("kill (rank 1 os._exit at step 3)", "exit@3:1"),
-                       ("raise (rank 0 RuntimeError at step 6)", "raise@6:0"),
-                       ("hang (rank 1 sleeps at step 7; 6 s watchdog)", "hang@7:1")):
+    for kind, spec in (
+        ("kill (rank 1 os._exit at step 3)", "exit@3:1"),
+        ("raise (rank 0 RuntimeError at step 6)", "raise@6:0"),
+        ("hang (rank 1 sleeps at step 7; 6 s watchdog)", "hang@7:1"),
+    ):
         cfg, out = write_config(tmp, spec.replace("@", "_").replace(":", "_"))
         rc, wall, _ = launch(cfg, fault=spec, restarts=1)
         lost, dup = coverage(out)
-        rows.append({"fault": kind, "recovered": rc == 0, "lost": lost, "duplicated": dup,
-                     "recover_s": recovery_times(out), "loss_rel_diff": loss_diff(out, ref), "wall_s": wall})
+        rows.append(
+            {
+                "fault": kind,
+                "recovered": rc == 0,
+                "lost": lost,
+                "duplicated": dup,
+                "recover_s": recovery_times(out),
+                "loss_rel_diff": loss_diff(out, ref),
+                "wall_s": wall,
+            }
+        )
 
     # torn and mixed-step checkpoints: a run stopped at step 6 (checkpoints 2, 4, 6), the newest broken
     for kind in ("torn checkpoint (newest rank1.pt truncated)", "mixed-step files (newest rank1.pt from step 4)"):
@@ -103,9 +123,18 @@ def main() -> int:
         rc, wall, err = launch(cfg)
         start = next(e for e in events(out) if e["event"] == "start" and e["time"] > t0)
         lost, dup = coverage(out)
-        rows.append({"fault": kind, "recovered": rc == 0 and start["step"] == 4, "lost": lost, "duplicated": dup,
-                     "recover_s": [start["time"] - t0], "loss_rel_diff": loss_diff(out, ref), "wall_s": wall,
-                     "note": f"resumed from step {start['step']}"})
+        rows.append(
+            {
+                "fault": kind,
+                "recovered": rc == 0 and start["step"] == 4,
+                "lost": lost,
+                "duplicated": dup,
+                "recover_s": [start["time"] - t0],
+                "loss_rel_diff": loss_diff(out, ref),
+                "wall_s": wall,
+                "note": f"resumed from step {start['step']}",
+            }
+        )
 
     # world 4 -> 2 -> 4
     cfg, out = write_config(tmp, "elastic", max_steps=2)
@@ -121,17 +150,30 @@ def main() -> int:
         ok &= rc == 0
         walls.append(wall)
     lost, dup = coverage(out)
-    rows.append({"fault": "world 4 -> 2 -> 4 (stopped after steps 2 and 4)", "recovered": ok, "lost": lost,
-                 "duplicated": dup, "recover_s": [], "loss_rel_diff": loss_diff(out, ref), "wall_s": sum(walls),
-                 "note": f"world sizes {[m['world_size'] for m in metrics(out)]}"})
+    rows.append(
+        {
+            "fault": "world 4 -> 2 -> 4 (stopped after steps 2 and 4)",
+            "recovered": ok,
+            "lost": lost,
+            "duplicated": dup,
+            "recover_s": [],
+            "loss_rel_diff": loss_diff(out, ref),
+            "wall_s": sum(walls),
+            "note": f"world sizes {[m['world_size'] for m in metrics(out)]}",
+        }
+    )
 
-    print("| fault | recovered | samples lost | samples duplicated | time to recover (s) | max rel. loss diff "
-          "vs reference | launch wall (s) | note |")
+    print(
+        "| fault | recovered | samples lost | samples duplicated | time to recover (s) | max rel. loss diff "
+        "vs reference | launch wall (s) | note |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rec = ", ".join(f"{x:.1f}" for x in r["recover_s"]) or "-"
-        print(f"| {r['fault']} | {'yes' if r['recovered'] else 'NO'} | {r['lost']} | {r['duplicated']} | {rec} | "
-              f"{r['loss_rel_diff']:.2e} | {r['wall_s']:.1f} | {r.get('note', '')} |")
+        print(
+            f"| {r['fault']} | {'yes' if r['recovered'] else 'NO'} | {r['lost']} | {r['duplicated']} | {rec} | "
+            f"{r['loss_rel_diff']:.2e} | {r['wall_s']:.1f} | {r.get('note', '')} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -39,8 +39,9 @@ def pcie(world: int) -> ClusterSpec:
 def long_mix(seed: int = 0) -> list[int]:
     """A text mix with long samples: 1M, 700k, 400k and 300k tokens among 200 of 2k-64k."""
     rng = random.Random(seed)
-    return [1 << 20, 700_000, 400_000, 300_000] + [rng.choice([2048, 4096, 8192, 16384, 32768, 65536])
-                                                   for _ in range(200)]
+    return [1 << 20, 700_000, 400_000, 300_000] + [
+        rng.choice([2048, 4096, 8192, 16384, 32768, 65536]) for _ in range(200)
+    ]
 
 
 def one_step(model, cluster: ClusterSpec, sizes) -> tuple[str, float] | None:
@@ -56,33 +57,45 @@ def one_step(model, cluster: ClusterSpec, sizes) -> tuple[str, float] | None:
 
 
 def single_cases() -> list[str]:
-    rows = ["| model | sample | GPUs | Ulysses only: plan, step s | ring on: plan, step s |",
-            "| --- | --- | ---: | --- | --- |"]
-    cases = [("llama-8b", 1 << 20, 64), ("llama-8b", 1 << 20, 128),
-             ("wan-14b", (321, 1088, 1920), 16), ("wan-14b", (641, 1088, 1920), 32)]
+    rows = [
+        "| model | sample | GPUs | Ulysses only: plan, step s | ring on: plan, step s |",
+        "| --- | --- | ---: | --- | --- |",
+    ]
+    cases = [
+        ("llama-8b", 1 << 20, 64),
+        ("llama-8b", 1 << 20, 128),
+        ("wan-14b", (321, 1088, 1920), 16),
+        ("wan-14b", (641, 1088, 1920), 32),
+    ]
     for name, size, world in cases:
         model = MODEL_PRESETS[name]
         cells = []
         for ring in (False, True):
             got = one_step(model, dataclasses.replace(h200_cluster(world), ring=ring), [size])
             cells.append("fits no layout" if got is None else f"{got[0]}, {got[1]:.2f}")
-        rows.append(f"| {name} ({model.num_heads} heads) | {size} ({model.tokens(size):,} tokens) | {world} | "
-                    f"{cells[0]} | {cells[1]} |")
+        rows.append(
+            f"| {name} ({model.num_heads} heads) | {size} ({model.tokens(size):,} tokens) | {world} | "
+            f"{cells[0]} | {cells[1]} |"
+        )
     return rows
 
 
 def mix_table() -> list[str]:
     model = MODEL_PRESETS["llama-8b"]
-    rows = ["| cluster | GPUs | ring | " + " | ".join(f"{p} step s" for p in POLICIES) +
-            " | dcp / megatron-dcp | splits dcp ran (micro-batches) |",
-            "| --- | ---: | --- | " + " | ".join("---:" for _ in POLICIES) + " | ---: | --- |"]
+    rows = [
+        "| cluster | GPUs | ring | "
+        + " | ".join(f"{p} step s" for p in POLICIES)
+        + " | dcp / megatron-dcp | splits dcp ran (micro-batches) |",
+        "| --- | ---: | --- | " + " | ".join("---:" for _ in POLICIES) + " | ---: | --- |",
+    ]
     for cl_name, make in (("H200 NVLink", h200_cluster), ("H200 PCIe", pcie)):
         for world in (64, 128):
             for ring in (False, True):
                 cluster = dataclasses.replace(make(world), ring=ring)
                 w = Workload(model, tuple(long_mix()))
-                _, steps, runs, _ = run_policies(w, AnalyticCost(model, cluster), cluster, POLICIES,
-                                                 tokens_per_step=TOKENS_PER_STEP)
+                _, steps, runs, _ = run_policies(
+                    w, AnalyticCost(model, cluster), cluster, POLICIES, tokens_per_step=TOKENS_PER_STEP
+                )
                 per = {k: r.sim.total_time / len(steps) for k, r in runs.items()}
                 splits: dict[str, int] = {}
                 for p in runs["dcp"].plans:
@@ -90,9 +103,11 @@ def mix_table() -> list[str]:
                         if mb.layout.ring > 1:
                             splits[mb.layout.sp_words()] = splits.get(mb.layout.sp_words(), 0) + 1
                 words = ", ".join(f"{k} ({n})" for k, n in sorted(splits.items(), key=lambda kv: -kv[1])) or "-"
-                rows.append(f"| {cl_name} | {world} | {'on' if ring else 'off'} | " +
-                            " | ".join(f"{per[p]:.3f}" for p in POLICIES) +
-                            f" | {per['megatron-dcp'] / per['dcp']:.3f}x | {words} |")
+                rows.append(
+                    f"| {cl_name} | {world} | {'on' if ring else 'off'} | "
+                    + " | ".join(f"{per[p]:.3f}" for p in POLICIES)
+                    + f" | {per['megatron-dcp'] / per['dcp']:.3f}x | {words} |"
+                )
     return rows
 
 
@@ -100,9 +115,11 @@ def main() -> int:
     t0 = time.perf_counter()
     single = single_cases()
     mix = mix_table()
-    print(f"<!-- {time.strftime('%Y-%m-%d')}: {sys.argv[0]} in {time.perf_counter() - t0:.0f} s; python "
-          f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
-          f"{platform.machine()} -->")
+    print(
+        f"<!-- {time.strftime('%Y-%m-%d')}: {sys.argv[0]} in {time.perf_counter() - t0:.0f} s; python "
+        f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"{platform.machine()} -->"
+    )
     print("\n".join(single))
     print()
     print("\n".join(mix))

@@ -52,8 +52,9 @@ def compare(world: int, num_steps: int) -> list[dict]:
     n = ROLLOUTS[world]
     cluster = h200_cluster(world, 8)
     lengths = rl.rollout_lengths(n * num_steps)
-    ctx = PlanContext(Workload(model_preset(MODEL), tuple(lengths)), AnalyticCost(model_preset(MODEL), cluster),
-                      cluster)
+    ctx = PlanContext(
+        Workload(model_preset(MODEL), tuple(lengths)), AnalyticCost(model_preset(MODEL), cluster), cluster
+    )
     steps = rl.rl_steps(n, num_steps)
     rows = []
     for policy in POLICIES:
@@ -62,8 +63,16 @@ def compare(world: int, num_steps: int) -> list[dict]:
         t = float(np.mean([r.step_time for r in results]))
         tokens = float(np.mean([r.num_tokens for r in results]))
         idle = float(np.mean([r.idle_gpu_s / (world * r.step_time) for r in results]))
-        rows.append({"world": world, "policy": policy, "step_s": t, "tok_s_gpu": tokens / t / world, "idle": idle,
-                     "violations": sum(r.memory_violations for r in results)})
+        rows.append(
+            {
+                "world": world,
+                "policy": policy,
+                "step_s": t,
+                "tok_s_gpu": tokens / t / world,
+                "idle": idle,
+                "violations": sum(r.memory_violations for r in results),
+            }
+        )
     base = next(r["step_s"] for r in rows if r["policy"] == "token-budget")
     for r in rows:
         r["speedup"] = base / r["step_s"]
@@ -114,13 +123,14 @@ def from_scratch(lengths: list[int], k: int, cluster: ClusterSpec):
 def plan_cost(world: int, num_steps: int) -> dict:
     n = ROLLOUTS[world]
     cluster = h200_cluster(world, 8)
-    planner = RolloutPlanner(AnalyticCost(model_preset(MODEL), cluster), cluster, "dcp",
-                             max_tokens=rl.RESPONSE_CAP + rl.PROMPT_CAP)
+    planner = RolloutPlanner(
+        AnalyticCost(model_preset(MODEL), cluster), cluster, "dcp", max_tokens=rl.RESPONSE_CAP + rl.PROMPT_CAP
+    )
     lengths_all = rl.rollout_lengths(n * num_steps)
     owner = rl.generators(n, world)
     plan_s, scratch_s, a2a, step_s = [], [], [], []
     for k in range(num_steps):
-        lengths = lengths_all[k * n:(k + 1) * n]
+        lengths = lengths_all[k * n : (k + 1) * n]
         t0 = time.process_time()
         plan, ctx = planner.plan_step(lengths, k)
         plan_s.append(time.process_time() - t0)
@@ -130,53 +140,83 @@ def plan_cost(world: int, num_steps: int) -> dict:
         assert again == plan, f"step {k}: the planner keeping layouts planned differently"
         a2a.append(alltoall_seconds(plan, owner, lengths, cluster))
         step_s.append(replay_step(plan, ctx).step_time)
-    return {"world": world, "rollouts": n, "steps": num_steps, "plan_s": float(np.median(plan_s)),
-            "first_plan_s": plan_s[0], "scratch_s": float(np.median(scratch_s)),
-            "gather_s": gather_seconds(n, cluster), "a2a_s": float(np.mean(a2a)), "step_s": float(np.mean(step_s))}
+    return {
+        "world": world,
+        "rollouts": n,
+        "steps": num_steps,
+        "plan_s": float(np.median(plan_s)),
+        "first_plan_s": plan_s[0],
+        "scratch_s": float(np.median(scratch_s)),
+        "gather_s": gather_seconds(n, cluster),
+        "a2a_s": float(np.mean(a2a)),
+        "step_s": float(np.mean(step_s)),
+    }
 
 
 def report(rows: list[dict], costs: list[dict], num_steps: int, plan_steps: int, seconds: float) -> str:
     today = datetime.date.today().isoformat()
-    lines = [f"# RL steps planned at run time, simulated H200 ({today})", "",
-             "Command: `PYTHONPATH=. .venv/bin/python benchmarks/rl_steps.py --steps "
-             f"{num_steps} --plan-steps {plan_steps}` ({seconds:.0f} s).", "",
-             f"Machine: {platform.processor() or platform.machine()}, {platform.system()} {platform.release()}; "
-             f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}. Simulated: "
-             f"{MODEL}, analytic cost model (H200 calibration), `h200_cluster` (8 GPUs a node).", "",
-             "Scenario: `dcparallel/sim/rl.py` — DAPO's long-reasoning run (arXiv:2503.14476: 16 responses a "
-             "prompt, responses up to 20,480 tokens, prompts up to 2,048; log-normal shapes inside those bounds "
-             "are ours, stated in the module), steps formed from rollouts in generation order. "
-             f"{num_steps} steps per cell; rollouts per step: " +
-             ", ".join(f"{n} on {w} GPUs" for w, n in ROLLOUTS.items()) + ".", "",
-             "## Policies (simulated step seconds, mean over the steps)", "",
-             "| GPUs | policy | step s | tokens/s/GPU | idle | vs token-budget | memory violations |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['world']} | {r['policy']} | {r['step_s']:.2f} | {r['tok_s_gpu']:.0f} | {r['idle']:.1%} | "
-              f"{r['speedup']:.2f}x | {r['violations']} |" for r in rows]
-    lines += ["", "`token-budget` is RL frameworks' dynamic batch size (`plan/token_budget.py`): one SP degree, "
-              "full recompute, equal sample counts per data-parallel group, the same micro-batch count on every "
-              "group. `megatron-dcp` is the reproduction of Megatron-Core's dynamic CP (`plan/peers.py`).", "",
-              "## What `plan_batch` adds to a step (`dcp`)", "",
-              f"Planning measured here over {plan_steps} consecutive steps: `plan_step` as `plan_batch` runs it "
-              "(median, and the run's first step), and the same plans as `plan_batch` made them before it kept "
-              "layouts across steps: from scratch each step, every candidate's tables built (median).", "",
-              "| GPUs | rollouts | planning s | first step's planning s | planning s before | "
-              "length all-gather s (modeled) | payload all-to-all s (modeled) | step s (simulated) | "
-              "planning + exchange / step | the same before |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# RL steps planned at run time, simulated H200 ({today})",
+        "",
+        "Command: `PYTHONPATH=. .venv/bin/python benchmarks/rl_steps.py --steps "
+        f"{num_steps} --plan-steps {plan_steps}` ({seconds:.0f} s).",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}. Simulated: "
+        f"{MODEL}, analytic cost model (H200 calibration), `h200_cluster` (8 GPUs a node).",
+        "",
+        "Scenario: `dcparallel/sim/rl.py` — DAPO's long-reasoning run (arXiv:2503.14476: 16 responses a "
+        "prompt, responses up to 20,480 tokens, prompts up to 2,048; log-normal shapes inside those bounds "
+        "are ours, stated in the module), steps formed from rollouts in generation order. "
+        f"{num_steps} steps per cell; rollouts per step: "
+        + ", ".join(f"{n} on {w} GPUs" for w, n in ROLLOUTS.items())
+        + ".",
+        "",
+        "## Policies (simulated step seconds, mean over the steps)",
+        "",
+        "| GPUs | policy | step s | tokens/s/GPU | idle | vs token-budget | memory violations |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r['world']} | {r['policy']} | {r['step_s']:.2f} | {r['tok_s_gpu']:.0f} | {r['idle']:.1%} | "
+        f"{r['speedup']:.2f}x | {r['violations']} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "`token-budget` is RL frameworks' dynamic batch size (`plan/token_budget.py`): one SP degree, "
+        "full recompute, equal sample counts per data-parallel group, the same micro-batch count on every "
+        "group. `megatron-dcp` is the reproduction of Megatron-Core's dynamic CP (`plan/peers.py`).",
+        "",
+        "## What `plan_batch` adds to a step (`dcp`)",
+        "",
+        f"Planning measured here over {plan_steps} consecutive steps: `plan_step` as `plan_batch` runs it "
+        "(median, and the run's first step), and the same plans as `plan_batch` made them before it kept "
+        "layouts across steps: from scratch each step, every candidate's tables built (median).",
+        "",
+        "| GPUs | rollouts | planning s | first step's planning s | planning s before | "
+        "length all-gather s (modeled) | payload all-to-all s (modeled) | step s (simulated) | "
+        "planning + exchange / step | the same before |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for c in costs:
         comm_s = c["gather_s"] + c["a2a_s"]
-        lines.append(f"| {c['world']} | {c['rollouts']} | {c['plan_s']:.3f} | {c['first_plan_s']:.3f} | "
-                     f"{c['scratch_s']:.3f} | {c['gather_s']:.5f} | {c['a2a_s']:.4f} | {c['step_s']:.2f} | "
-                     f"{(c['plan_s'] + comm_s) / c['step_s']:.1%} | {(c['scratch_s'] + comm_s) / c['step_s']:.1%} |")
-    lines += ["", "Planning runs on every rank at once (each plans alone from the same lengths), on the CPU, while "
-              "nothing else runs in the step: it is on the critical path, measured here as CPU seconds of one "
-              "process on this machine. A step's planner is built on its own lengths (its classes are sized by "
-              "the step's longest samples); what is kept across steps is the layouts priced for micro-batches of "
-              "copies of one length, so a step prices only lengths no earlier step met, and the `dcp` portfolio "
-              "builds its finer-classes tables only on steps that open that candidate's gate. The exchange times "
-              "are priced from bytes on the links (NVLink 315 GB/s per GPU inside a node, 40 GB/s NIC per GPU "
-              "between nodes, one latency per peer), not measured."]
+        lines.append(
+            f"| {c['world']} | {c['rollouts']} | {c['plan_s']:.3f} | {c['first_plan_s']:.3f} | "
+            f"{c['scratch_s']:.3f} | {c['gather_s']:.5f} | {c['a2a_s']:.4f} | {c['step_s']:.2f} | "
+            f"{(c['plan_s'] + comm_s) / c['step_s']:.1%} | {(c['scratch_s'] + comm_s) / c['step_s']:.1%} |"
+        )
+    lines += [
+        "",
+        "Planning runs on every rank at once (each plans alone from the same lengths), on the CPU, while "
+        "nothing else runs in the step: it is on the critical path, measured here as CPU seconds of one "
+        "process on this machine. A step's planner is built on its own lengths (its classes are sized by "
+        "the step's longest samples); what is kept across steps is the layouts priced for micro-batches of "
+        "copies of one length, so a step prices only lengths no earlier step met, and the `dcp` portfolio "
+        "builds its finer-classes tables only on steps that open that candidate's gate. The exchange times "
+        "are priced from bytes on the links (NVLink 315 GB/s per GPU inside a node, 40 GB/s NIC per GPU "
+        "between nodes, one latency per peer), not measured.",
+    ]
     return "\n".join(lines) + "\n"
 
 

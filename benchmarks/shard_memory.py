@@ -64,14 +64,22 @@ def _measure(shard_size: int, cfg: dict) -> dict:
     else:
         grads = [dc.flat_grad]
         state = [opt.exp_avg, opt.exp_avg_sq] + ([] if opt.master is opt._param_shard else [opt.master])
-    return {"shard_size": shard_size, "rank": rank, "num_params": num_params, "loss": loss,
-            "params": _storages(params), "grads": _storages(grads), "optimizer": _storages(state)}
+    return {
+        "shard_size": shard_size,
+        "rank": rank,
+        "num_params": num_params,
+        "loss": loss,
+        "params": _storages(params),
+        "grads": _storages(grads),
+        "optimizer": _storages(state),
+    }
 
 
 def _worker(rank: int, world: int, init: str, sizes: list[int], cfg: dict, q) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         for s in sizes:
             q.put(_measure(s, cfg))
@@ -89,8 +97,9 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = os.path.join(tempfile.mkdtemp(), "rdv")
-    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args.shard_sizes, cfg, q))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, init, args.shard_sizes, cfg, q)) for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     rows = [q.get(timeout=600) for _ in range(args.world * len(args.shard_sizes))]
@@ -104,8 +113,10 @@ def main() -> None:
     for r in sorted(rows, key=lambda x: (x["shard_size"], x["rank"])):
         pg = r["params"] + r["grads"]
         base.setdefault(r["rank"], pg)
-        print(f"| {r['shard_size']} | {r['rank']} | {r['params'] / mib:.3f} | {r['grads'] / mib:.3f} | "
-              f"{pg / base[r['rank']]:.3f} | {r['optimizer'] / mib:.3f} | {r['loss']:.6f} |")
+        print(
+            f"| {r['shard_size']} | {r['rank']} | {r['params'] / mib:.3f} | {r['grads'] / mib:.3f} | "
+            f"{pg / base[r['rank']]:.3f} | {r['optimizer'] / mib:.3f} | {r['loss']:.6f} |"
+        )
 
 
 if __name__ == "__main__":

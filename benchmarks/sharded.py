@@ -40,8 +40,13 @@ def cell(name: str, world: int, num_steps: int, distribution: str) -> dict:
     sc = SCENARIOS[model.kind]
     tps = sc.tokens_per_step * world // 32
     base = h200_cluster(world)
-    out = {"model": name, "params_b": round(model.num_params / 1e9, 2), "world": world, "tokens_per_step": tps,
-           "states_s1_gib": round(model_state_bytes(model, world) / GiB, 1)}
+    out = {
+        "model": name,
+        "params_b": round(model.num_params / 1e9, 2),
+        "world": world,
+        "tokens_per_step": tps,
+        "states_s1_gib": round(model_state_bytes(model, world) / GiB, 1),
+    }
     # samples drawn by the scenario (its own token rule) until the preset's tokens fill the steps
     sizes, toks = [], 0
     pool = sample_sizes(model.kind, distribution, epoch_tokens=4 * num_steps * tps)
@@ -61,9 +66,15 @@ def cell(name: str, world: int, num_steps: int, distribution: str) -> dict:
     w = Workload(model, tuple(sizes))
     ctx = PlanContext(w, cost, cluster)
     steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)[:num_steps]
-    out.update(shard_size=shard, states_gib=round(cost.model_state_bytes() / GiB, 1),
-               budget_gib=round(cluster.memory_bytes / GiB, 1), sync_s=round(cost.grad_sync_time(), 3),
-               steps=len(steps), samples=sum(len(s.sample_ids) for s in steps), policies={})
+    out.update(
+        shard_size=shard,
+        states_gib=round(cost.model_state_bytes() / GiB, 1),
+        budget_gib=round(cluster.memory_bytes / GiB, 1),
+        sync_s=round(cost.grad_sync_time(), 3),
+        steps=len(steps),
+        samples=sum(len(s.sample_ids) for s in steps),
+        policies={},
+    )
     for pol in POLICIES:
         try:
             run = plan_epoch(ctx, steps, pol)
@@ -72,8 +83,10 @@ def cell(name: str, world: int, num_steps: int, distribution: str) -> dict:
             continue
         sim = run.sim
         out["policies"][pol] = {
-            "time_s": round(sim.total_time, 2), "step_s_median": round(sim.step_time_median, 2),
-            "tokens_per_s_per_gpu": round(sim.tokens_per_s / world, 1), "idle": round(sim.idle_fraction, 4),
+            "time_s": round(sim.total_time, 2),
+            "step_s_median": round(sim.step_time_median, 2),
+            "tokens_per_s_per_gpu": round(sim.tokens_per_s / world, 1),
+            "idle": round(sim.idle_fraction, 4),
             "peak_gib": round(sim.peak_memory_fraction * sim.memory_bytes / GiB, 1),
             "memory_violations": sim.memory_violations,
             "sp_sizes": sorted({g.sp for p in run.plans for g in p.groups if g.micro_batches}),
@@ -99,36 +112,46 @@ def cell(name: str, world: int, num_steps: int, distribution: str) -> dict:
 
 def report(rows: list[dict], args, seconds: float) -> str:
     import numpy
+
     lines = [
-        "# Models larger than one GPU: shard blocks planned and simulated (CPU, analytic H200 model)", "",
+        "# Models larger than one GPU: shard blocks planned and simulated (CPU, analytic H200 model)",
+        "",
         f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sharded.py --steps {args.steps} --out {args.out}` "
         f"({seconds:.0f} s).",
         f"Machine: a 2-core {platform.machine()} CPU machine shared with other work, "
         f"Python {platform.python_version()}, numpy {numpy.__version__}; no GPU: every number is the analytic "
         f"H200 cost model (`cost/analytic.py`, `cost/shard.py`) on simulated 8-GPU nodes (NVLink 4 at 315 GB/s, "
-        f"400 Gb/s InfiniBand per GPU at 40 GB/s, 128 GiB usable per GPU).", "",
+        f"400 Gb/s InfiniBand per GPU at 40 GB/s, 128 GiB usable per GPU).",
+        "",
         f"Data: the `balanced` distribution of each kind's scenario, weak scaling (text 4M tokens, video 8M latent "
         f"tokens per step per 32 GPUs); the first {args.steps} steps of each cell, the same steps for every policy. "
         "`auto` = the smallest shard size with which the model states and the smallest sample at the narrowest "
         "SP fit, and the largest sample fits at the widest SP (full recomputation). States at s=1 = what every "
-        "rank would hold without shard blocks (P(2 + 4 + 12/W)).", "",
+        "rank would hold without shard blocks (P(2 + 4 + 12/W)).",
+        "",
         "| model | GPUs | states s=1 (GiB) | auto s | states (GiB) | sync (s) | policy | time (s) | step (s) "
         "| tokens/s/GPU | idle | peak (GiB) | SP sizes |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    side = ["", "`auto` is the smallest shard size that fits, not the fastest: `dcp` one shard size up, and the "
-            "shard size `auto` picks on 80 GB cards (72 GiB usable; the same states and data):", "",
-            "| model | GPUs | auto s | dcp time (s) | next s | dcp time (s) | auto s on 80 GB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    side = [
+        "",
+        "`auto` is the smallest shard size that fits, not the fastest: `dcp` one shard size up, and the "
+        "shard size `auto` picks on 80 GB cards (72 GiB usable; the same states and data):",
+        "",
+        "| model | GPUs | auto s | dcp time (s) | next s | dcp time (s) | auto s on 80 GB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if "error" in r:
             side.append(f"| {r['model']} | {r['world']} | does not fit | | | | |")
             continue
         nxt = r.get("dcp_next", {})
         d = r["policies"]["dcp"]
-        side.append(f"| {r['model']} | {r['world']} | {r['shard_size']} | {d.get('time_s', '-')} | "
-                    f"{nxt.get('shard_size', '-')} | {nxt.get('time_s', nxt.get('error', '-'))} | "
-                    f"{r['auto_80gb'] if r['auto_80gb'] is not None else 'does not fit'} |")
+        side.append(
+            f"| {r['model']} | {r['world']} | {r['shard_size']} | {d.get('time_s', '-')} | "
+            f"{nxt.get('shard_size', '-')} | {nxt.get('time_s', nxt.get('error', '-'))} | "
+            f"{r['auto_80gb'] if r['auto_80gb'] is not None else 'does not fit'} |"
+        )
     for r in rows:
         head = f"| {r['model']} ({r['params_b']}B) | {r['world']} | {r['states_s1_gib']} |"
         if "error" in r:
@@ -141,8 +164,10 @@ def report(rows: list[dict], args, seconds: float) -> str:
                 lines.append(f"{pre}{mid} {pol} | cannot run: {v['error']} | | | | | |")
                 continue
             viol = f" ({v['memory_violations']} over)" if v["memory_violations"] else ""
-            lines.append(f"{pre}{mid} {pol} | {v['time_s']} | {v['step_s_median']} | {v['tokens_per_s_per_gpu']:,.0f} "
-                         f"| {v['idle']:.3f} | {v['peak_gib']}{viol} | {v['sp_sizes']} |")
+            lines.append(
+                f"{pre}{mid} {pol} | {v['time_s']} | {v['step_s_median']} | {v['tokens_per_s_per_gpu']:,.0f} "
+                f"| {v['idle']:.3f} | {v['peak_gib']}{viol} | {v['sp_sizes']} |"
+            )
     lines += side
     errors = [r for r in rows if "error" in r]
     if errors:

@@ -43,7 +43,7 @@ def _step(engine, model, docs: dict, ranks: tuple, rank: int, recompute_last: bo
     from dcparallel.spec import Layout, Recompute
 
     ids = sorted(docs)
-    chunks = [tuple(ids[i:i + 2]) for i in range(0, len(ids), 2)]
+    chunks = [tuple(ids[i : i + 2]) for i in range(0, len(ids), 2)]
     L = len(engine.layers)
     for j, mb in enumerate(chunks):
         rc = Recompute.full(L) if recompute_last and j == len(chunks) - 1 else Recompute.none()
@@ -78,8 +78,12 @@ def run(dry: bool) -> dict:
         grads[shard] = {k: v.float().cpu() for k, v in engine.full_gradients().items()}
         del engine, model
     worst = max(float((grads[s][k] - v).norm() / v.norm().clamp_min(1e-30)) for k, v in grads[1].items())
-    out["parity"] = {"loss_sharded": losses[s], "loss_replicated": losses[1],
-                     "max_rel_grad_err": worst, "tensors": len(grads[1])}
+    out["parity"] = {
+        "loss_sharded": losses[s],
+        "loss_replicated": losses[1],
+        "max_rel_grad_err": worst,
+        "tensors": len(grads[1]),
+    }
 
     # (2) storage, step time and peak memory at shard size s, bf16 on the GPU
     model = _llama(dry, big=True).to(dev, torch.float32 if dry else torch.bfloat16)
@@ -88,8 +92,10 @@ def run(dry: bool) -> dict:
     engine = Engine(model, layers=model.layers, num_heads=model.cfg.num_heads, shard_size=s)
     opt = engine.optimizer(lr=1e-4)
     vocab = model.cfg.vocab_size
-    big_docs = {i: torch.randint(0, vocab, (k,), generator=g) for i, k in
-                enumerate([64, 100, 32, 80] if dry else [4096, 8192, 2048, 6000, 1024, 3000, 500, 7000])}
+    big_docs = {
+        i: torch.randint(0, vocab, (k,), generator=g)
+        for i, k in enumerate([64, 100, 32, 80] if dry else [4096, 8192, 2048, 6000, 1024, 3000, 500, 7000])
+    }
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = []
@@ -103,9 +109,13 @@ def run(dry: bool) -> dict:
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t)
     store = engine.grad_sync.storage_bytes()
-    out["storage"] = {"num_params": n, "param_bytes_per_rank": store["params"], "grad_bytes_per_rank": store["grads"],
-                      "replicated_param_grad_bytes": replicated,
-                      "fraction_of_replicated": (store["params"] + store["grads"]) / replicated}
+    out["storage"] = {
+        "num_params": n,
+        "param_bytes_per_rank": store["params"],
+        "grad_bytes_per_rank": store["grads"],
+        "replicated_param_grad_bytes": replicated,
+        "fraction_of_replicated": (store["params"] + store["grads"]) / replicated,
+    }
     out["step_s"] = sorted(times[1:])[len(times[1:]) // 2]
     out["tokens_per_step"] = sum(int(d.shape[0]) for d in big_docs.values())
     if dev.type == "cuda":

@@ -71,38 +71,57 @@ def main() -> int:
         lines.append(
             f"| {r['scenario']} | {r['distribution']} | {100 * r['long_token_share']:.0f}% | "
             f"1.00 (sp={r['bucket_sp']}, {r['bucket_recompute']}) | {s['bucket-default']:.2f} | {s['packed']:.2f} | "
-            f"{s['dcp-intra']:.2f} | {s['dcp-inter']:.2f} | {s['dcp-inter-pac']:.2f} | **{s['dcp']:.2f}** | {pub} |")
+            f"{s['dcp-intra']:.2f} | {s['dcp-inter']:.2f} | {s['dcp-inter-pac']:.2f} | **{s['dcp']:.2f}** | {pub} |"
+        )
     lines += ["", "## Per policy", ""]
     for r in results:
-        lines += [f"### {r['scenario']} / {r['distribution']} — {r['samples_total']} samples, {r['steps']} steps, "
-                  f"lower bound {r['lower_bound_s']:.1f} s", "",
-                  "| policy | tokens/s | step s (median) | idle | lower-bound efficiency | plan ms/step | "
-                  "setup ms | peak memory | settings |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {r['scenario']} / {r['distribution']} — {r['samples_total']} samples, {r['steps']} steps, "
+            f"lower bound {r['lower_bound_s']:.1f} s",
+            "",
+            "| policy | tokens/s | step s (median) | idle | lower-bound efficiency | plan ms/step | "
+            "setup ms | peak memory | settings |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, v in r["policies"].items():
             st = {k: x for k, x in v["settings"].items() if k != "tried_s"}
-            lines.append(f"| {name} | {v['tokens_per_s']:,.0f} | {v['step_time_s_median']:.2f} | "
-                         f"{v['idle_fraction']:.3f} | {v['lower_bound_efficiency']:.3f} | "
-                         f"{v['plan_ms_per_step']:.1f} | {v['setup_ms']:.0f} | {v['peak_memory_fraction']:.2f} | "
-                         f"{st} |")
+            lines.append(
+                f"| {name} | {v['tokens_per_s']:,.0f} | {v['step_time_s_median']:.2f} | "
+                f"{v['idle_fraction']:.3f} | {v['lower_bound_efficiency']:.3f} | "
+                f"{v['plan_ms_per_step']:.1f} | {v['setup_ms']:.0f} | {v['peak_memory_fraction']:.2f} | "
+                f"{st} |"
+            )
         tried = r["policies"]["bucket"]["settings"].get("tried_s", {})
         if tried:
             best = min(tried.values())
-            lines += ["", "Bucket tuning (simulated seconds on the tuning steps, relative to the best): " +
-                      ", ".join(f"{k} {v / best:.2f}" for k, v in sorted(tried.items(), key=lambda kv: kv[1]))]
+            lines += [
+                "",
+                "Bucket tuning (simulated seconds on the tuning steps, relative to the best): "
+                + ", ".join(f"{k} {v / best:.2f}" for k, v in sorted(tried.items(), key=lambda kv: kv[1])),
+            ]
         lines.append("")
-    lines += ["## Where the time goes: the first steps of video / short, per rank", "",
-              f"![timeline]({timeline.name})", "",
-              "Simulated busy / idle / gradient-sync spans of every rank for the first four steps; "
-              "each panel is on the same time axis.", ""]
-    lines += ["## Cost-model fit (H200 calibration rows)", "",
-              "| calibration | rows | time error mean | time error max | floor ms | lin ns/token | "
-              "attn ps/pair | phi attn | phi mlp | act bytes/token/layer |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "## Where the time goes: the first steps of video / short, per rank",
+        "",
+        f"![timeline]({timeline.name})",
+        "",
+        "Simulated busy / idle / gradient-sync spans of every rank for the first four steps; "
+        "each panel is on the same time axis.",
+        "",
+    ]
+    lines += [
+        "## Cost-model fit (H200 calibration rows)",
+        "",
+        "| calibration | rows | time error mean | time error max | floor ms | lin ns/token | "
+        "attn ps/pair | phi attn | phi mlp | act bytes/token/layer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for f in fit_report():
-        lines.append(f"| {f['calibration']} | {f['rows']} | {f['time_err_mean']:.3f} | {f['time_err_max']:.3f} | "
-                     f"{f['floor_ms']} | {f['lin_ns_per_token']} | {f['attn_ps_per_pair']} | {f['phi_attn']} | "
-                     f"{f['phi_mlp']} | {f['act_bytes_per_token']} |")
+        lines.append(
+            f"| {f['calibration']} | {f['rows']} | {f['time_err_mean']:.3f} | {f['time_err_max']:.3f} | "
+            f"{f['floor_ms']} | {f['lin_ns_per_token']} | {f['attn_ps_per_pair']} | {f['phi_attn']} | "
+            f"{f['phi_mlp']} | {f['act_bytes_per_token']} |"
+        )
     notes = Path(__file__).parent / "sim_paper_scale_notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]
@@ -116,13 +135,23 @@ def fit_report() -> list[dict]:
     out = []
     for kind in ("llama-7b", "stdit-1.1b"):
         c = fit_calibration(kind)
-        out.append({"calibration": kind, "rows": c.num_rows, "time_err_mean": round(c.time_err_mean, 4),
-                    "time_err_max": round(c.time_err_max, 4), "floor_ms": round(c.floor_s * 1e3, 3),
-                    "p": c.p, "lin_ns_per_token": round(c.lin_s_per_token * 1e9, 3),
-                    "attn_ps_per_pair": round(c.attn_s_per_pair * 1e12, 4),
-                    "phi_attn": round(c.phi_attn, 3), "phi_mlp": round(c.phi_mlp, 3),
-                    "act_bytes_per_token": round(c.act_attn + c.act_mlp + c.act_rest),
-                    "transient_none": round(c.transient_none, 3), "transient_rec": round(c.transient_rec, 3)})
+        out.append(
+            {
+                "calibration": kind,
+                "rows": c.num_rows,
+                "time_err_mean": round(c.time_err_mean, 4),
+                "time_err_max": round(c.time_err_max, 4),
+                "floor_ms": round(c.floor_s * 1e3, 3),
+                "p": c.p,
+                "lin_ns_per_token": round(c.lin_s_per_token * 1e9, 3),
+                "attn_ps_per_pair": round(c.attn_s_per_pair * 1e12, 4),
+                "phi_attn": round(c.phi_attn, 3),
+                "phi_mlp": round(c.phi_mlp, 3),
+                "act_bytes_per_token": round(c.act_attn + c.act_mlp + c.act_rest),
+                "transient_none": round(c.transient_none, 3),
+                "transient_rec": round(c.transient_rec, 3),
+            }
+        )
     return out
 
 

@@ -48,8 +48,10 @@ def cell_workload(scenario: str, dist: str, tps: int, min_steps: int) -> Workloa
     """A cell's dataset: the scenario's distribution, enough for at least `min_steps` steps of
     `tps` tokens (and the scenario's own epoch)."""
     sc = SCENARIOS[scenario]
-    return Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=max(
-        EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))))
+    return Workload(
+        sc.model,
+        tuple(sample_sizes(scenario, dist, epoch_tokens=max(EPOCH_STEPS * sc.tokens_per_step, min_steps * tps))),
+    )
 
 
 class TimeLimit(Exception):
@@ -67,9 +69,20 @@ def distributions(scenario: str, names: str) -> list[str]:
     return own if names == "all" else [d for d in names.split(",") if d in own]
 
 
-def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[str], limits: dict[str, int],
-             min_steps: int, max_steps: int | None, tune_steps: int | None = None, time_limit: float = 0.0,
-             timing_only: bool = False, too_slow: dict[str, str] | None = None) -> dict:
+def run_cell(
+    scenario: str,
+    dist: str,
+    world: int,
+    budget: str,
+    policies: list[str],
+    limits: dict[str, int],
+    min_steps: int,
+    max_steps: int | None,
+    tune_steps: int | None = None,
+    time_limit: float = 0.0,
+    timing_only: bool = False,
+    too_slow: dict[str, str] | None = None,
+) -> dict:
     """One cell: every policy's efficiency, speedup and planning times. `too_slow` (policy ->
     the cell where it ran past `time_limit`) is updated, and its policies are not run."""
     too_slow = {} if too_slow is None else too_slow
@@ -83,10 +96,18 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
     steps = form_steps(wl.tokens, seed=0, tokens_per_step=tps)
     if max_steps is not None:
         steps = steps[:max_steps]
-    out = {"scenario": scenario, "distribution": dist, "world": world, "budget": budget, "tokens_per_step": tps,
-           "samples": len(wl), "steps": len(steps),
-           "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),
-           "policies": {}, "skipped": {}}
+    out = {
+        "scenario": scenario,
+        "distribution": dist,
+        "world": world,
+        "budget": budget,
+        "tokens_per_step": tps,
+        "samples": len(wl),
+        "steps": len(steps),
+        "samples_per_gpu": round(statistics.median(len(s.sample_ids) for s in steps) / world, 3),
+        "policies": {},
+        "skipped": {},
+    }
     if not timing_only:
         lb = LowerBound(ctx)
         bounds = [lb.step(s) for s in steps]
@@ -104,8 +125,9 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
             signal.signal(signal.SIGPROF, _alarm)
             signal.setitimer(signal.ITIMER_PROF, time_limit)  # CPU time of this process
         try:
-            planner = make_planner(name, ctx, steps if tune_steps is None else steps[:tune_steps],
-                                   score=step_seconds(ctx))
+            planner = make_planner(
+                name, ctx, steps if tune_steps is None else steps[:tune_steps], score=step_seconds(ctx)
+            )
             setup = (time.process_time() - c1) * 1e3
             plans, timing = timed_plans(planner.plan, steps, setup)
         except TimeLimit:
@@ -115,9 +137,13 @@ def run_cell(scenario: str, dist: str, world: int, budget: str, policies: list[s
         finally:
             if time_limit:
                 signal.setitimer(signal.ITIMER_PROF, 0)
-        row = {"plan_ms_median": round(timing.steady_median_ms, 2), "plan_ms_max": round(timing.steady_max_ms, 2),
-               "first_step_ms": round(timing.first_step_ms, 2), "setup_s": round(setup / 1e3, 2),
-               "settings": {k: v for k, v in planner.describe().items()}}
+        row = {
+            "plan_ms_median": round(timing.steady_median_ms, 2),
+            "plan_ms_max": round(timing.steady_max_ms, 2),
+            "first_step_ms": round(timing.first_step_ms, 2),
+            "setup_s": round(setup / 1e3, 2),
+            "settings": {k: v for k, v in planner.describe().items()},
+        }
         if not timing_only:
             for p in plans:
                 p.validate(world)
@@ -145,8 +171,17 @@ def plot(results: list[dict], path: Path) -> None:
         ax_e, ax_t = axes[0][col], axes[1][col]
         for sc in SCENARIOS:
             for d in distributions(sc, "all"):
-                cells = sorted((r for r in results if r["scenario"] == sc and r["distribution"] == d
-                                and r["budget"] == budget and "dcp" in r["policies"]), key=lambda r: r["world"])
+                cells = sorted(
+                    (
+                        r
+                        for r in results
+                        if r["scenario"] == sc
+                        and r["distribution"] == d
+                        and r["budget"] == budget
+                        and "dcp" in r["policies"]
+                    ),
+                    key=lambda r: r["world"],
+                )
                 if not cells:
                     continue
                 w = [r["world"] for r in cells]
@@ -167,17 +202,24 @@ def plot(results: list[dict], path: Path) -> None:
 def write_report(results: list[dict], args, elapsed: float) -> None:
     today = args.out.stem.rsplit("_", 1)[-1]
     plot(results, args.out.with_suffix(".png"))
-    lines = [f"# Planner scale — simulated H200 clusters, planned on this CPU — {today}", "",
-             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py {' '.join(sys.argv[1:])}`", "",
-             f"Machine: {platform.machine()} CPU ({platform.processor() or 'unknown'}), 2 cores shared with other "
-             f"jobs; Python {platform.python_version()}, numpy {np.__version__}. {elapsed:.0f} s in all. "
-             f"Raw numbers: `{args.out.with_suffix('.json').name}`.", "",
-             "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
-             "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
-             "simulated epoch time. Planning ms = CPU time of one `plan(step)` as `simulate` reports it "
-             "(`sim.run.timed_plans`): median / max over the cell's steps after the first (which fills the "
-             "planner's caches).", "",
-             f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})", ""]
+    lines = [
+        f"# Planner scale — simulated H200 clusters, planned on this CPU — {today}",
+        "",
+        f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"Machine: {platform.machine()} CPU ({platform.processor() or 'unknown'}), 2 cores shared with other "
+        f"jobs; Python {platform.python_version()}, numpy {np.__version__}. {elapsed:.0f} s in all. "
+        f"Raw numbers: `{args.out.with_suffix('.json').name}`.",
+        "",
+        "Cost model: `AnalyticCost` (fitted to the H200 calibration; links are datasheet assumptions), "
+        "8 GPUs per node. Every policy plans the same steps. Efficiency = sum of per-step lower bounds / "
+        "simulated epoch time. Planning ms = CPU time of one `plan(step)` as `simulate` reports it "
+        "(`sim.run.timed_plans`): median / max over the cell's steps after the first (which fills the "
+        "planner's caches).",
+        "",
+        f"![dcp efficiency and planning time]({args.out.with_suffix('.png').name})",
+        "",
+    ]
     pols = args.policies.split(",")
     lines += cell_table(results, pols)
     args.out.write_text("\n".join(lines) + "\n")
@@ -186,9 +228,12 @@ def write_report(results: list[dict], args, elapsed: float) -> None:
 def cell_table(results: list[dict], pols: list[str]) -> list[str]:
     """The markdown table of every cell: the lower bound over the simple bound alone, per policy
     its efficiency (and speedup over bucket), and dcp's planning ms (median / max)."""
-    lines = ["| budget | world | scenario | dist | steps | samples/GPU | bound / simple bound | "
-             + " | ".join(f"{p} eff (×bucket)" for p in pols) + " | dcp plan ms med / max |",
-             "|" + " --- |" * (8 + len(pols))]
+    lines = [
+        "| budget | world | scenario | dist | steps | samples/GPU | bound / simple bound | "
+        + " | ".join(f"{p} eff (×bucket)" for p in pols)
+        + " | dcp plan ms med / max |",
+        "|" + " --- |" * (8 + len(pols)),
+    ]
     for r in results:
         cells = []
         for p in pols:
@@ -202,8 +247,10 @@ def cell_table(results: list[dict], pols: list[str]) -> list[str]:
         t = "—" if d is None else f"{d['plan_ms_median']:.1f} / {d['plan_ms_max']:.1f}"
         simple = r.get("simple_bound_s")
         ratio = "—" if simple is None else f"{r['lower_bound_s'] / simple:.3f}"
-        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
-                     f"{r['samples_per_gpu']} | {ratio} | " + " | ".join(cells) + f" | {t} |")
+        lines.append(
+            f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | {r['steps']} | "
+            f"{r['samples_per_gpu']} | {ratio} | " + " | ".join(cells) + f" | {t} |"
+        )
     return lines
 
 
@@ -213,17 +260,28 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / f"sim-scale_cpu_{today}.md")
     ap.add_argument("--worlds", default="8,32,128,512,1024,2048,4096")
     ap.add_argument("--scenarios", default="text,video")
-    ap.add_argument("--distributions", default="all",
-                    help="comma-separated, or all: each scenario's three distributions and its mixes")
+    ap.add_argument(
+        "--distributions",
+        default="all",
+        help="comma-separated, or all: each scenario's three distributions and its mixes",
+    )
     ap.add_argument("--budgets", default="weak,strong")
     ap.add_argument("--policies", default="bucket,packed,dcp-inter-pac,dcp-v1,dcp")
     ap.add_argument("--limit", action="append", default=[], help="POLICY=WORLD: skip POLICY above WORLD GPUs")
     ap.add_argument("--min-steps", type=int, default=4)
     ap.add_argument("--max-steps", type=int, default=None, help="plan at most this many steps per cell")
-    ap.add_argument("--tune-steps", type=int, default=None,
-                    help="the static baselines tune their SP degree and recompute on this many first steps only")
-    ap.add_argument("--time-limit", type=float, default=0.0,
-                    help="CPU seconds a policy may take in a cell, setup and steps; past them it is skipped")
+    ap.add_argument(
+        "--tune-steps",
+        type=int,
+        default=None,
+        help="the static baselines tune their SP degree and recompute on this many first steps only",
+    )
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="CPU seconds a policy may take in a cell, setup and steps; past them it is skipped",
+    )
     ap.add_argument("--timing-only", action="store_true", help="plan and time only: no bound, no simulation")
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)
@@ -239,14 +297,31 @@ def main() -> int:
             too_slow: dict[str, str] = {}  # a policy past the time limit is not run again at this world
             for sc in args.scenarios.split(","):
                 for d in distributions(sc, args.distributions):
-                    r = run_cell(sc, d, world, budget, args.policies.split(","), limits, args.min_steps,
-                                 args.max_steps, args.tune_steps, args.time_limit, args.timing_only, too_slow)
-                    pols = "; ".join(f"{n} eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} ms "
-                                     f"{p.get('plan_ms_median')}/{p.get('plan_ms_max')}"
-                                     for n, p in r["policies"].items())
-                    print(f"{budget:6s} {world:5d} {sc:5s} {d:13s} steps {r['steps']:3d} "
-                          f"spg {r['samples_per_gpu']:7.2f} {pols}; skipped {r['skipped']} ({r['seconds']} s)",
-                          file=sys.stderr, flush=True)
+                    r = run_cell(
+                        sc,
+                        d,
+                        world,
+                        budget,
+                        args.policies.split(","),
+                        limits,
+                        args.min_steps,
+                        args.max_steps,
+                        args.tune_steps,
+                        args.time_limit,
+                        args.timing_only,
+                        too_slow,
+                    )
+                    pols = "; ".join(
+                        f"{n} eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} ms "
+                        f"{p.get('plan_ms_median')}/{p.get('plan_ms_max')}"
+                        for n, p in r["policies"].items()
+                    )
+                    print(
+                        f"{budget:6s} {world:5d} {sc:5s} {d:13s} steps {r['steps']:3d} "
+                        f"spg {r['samples_per_gpu']:7.2f} {pols}; skipped {r['skipped']} ({r['seconds']} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     results.append(r)
                     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
                     if not args.timing_only:

@@ -236,10 +236,12 @@ def check(worlds=(8, 16), real_steps: int = 2, small_steps: int = 6, seed: int =
         if np.isfinite(want):
             lp_gap = max(lp_gap, abs(got - want) / abs(want))
             binding += want > (cnt * np.where(np.isfinite(G), G, np.inf).min(axis=1)).sum() * (1 + 1e-9)
-    print(f"(c') 500 random LPs: cutting-plane dual = exact primal (max relative difference {lp_gap:.1e}; "
-          f"the rank limit binds in {binding})", flush=True)
-    worst = {"mid/tight": 1.0, "exact": 0.0, "f/time": 0.0, "sum g/(k time)": 0.0, "tau/time": 0.0,
-             "per-rank/mid": 0.0}
+    print(
+        f"(c') 500 random LPs: cutting-plane dual = exact primal (max relative difference {lp_gap:.1e}; "
+        f"the rank limit binds in {binding})",
+        flush=True,
+    )
+    worst = {"mid/tight": 1.0, "exact": 0.0, "f/time": 0.0, "sum g/(k time)": 0.0, "tau/time": 0.0, "per-rank/mid": 0.0}
     per_rank_n = 0
     slack: dict[str, float] = {}
     n = raised = exact_n = 0
@@ -289,18 +291,23 @@ def check(worlds=(8, 16), real_steps: int = 2, small_steps: int = 6, seed: int =
                             fg = [tb.degrees(ctx.sizes[i]) for i in mb.sample_ids]
                             worst["f/time"] = max(worst["f/time"], max(x[0][c] for x in fg) / d)
                             worst["sum g/(k time)"] = max(worst["sum g/(k time)"], sum(x[1][c] for x in fg) / (k * d))
-                print(f"world {world:3d} {scenario:5s} {dist:8s}: {len(steps)} steps ok "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{n} steps: (a) midpoint >= tight >= simple compute on all; midpoint > tight on {raised}, "
-          f"midpoint / tight up to {worst['mid/tight']:.3f}; (b) simulated plan / the larger of the midpoint and "
-          f"(video) per-rank bounds >= "
-          + ", ".join(f"{k} {v:.4f}" for k, v in slack.items())
-          + f"; (c) on {exact_n} steps, midpoint vs exact LP scan: max relative difference {worst['exact']:.1e}; "
-          f"assumptions over the planned micro-batches: max f_k / time {worst['f/time']:.4f}, "
-          f"max sum g_k / (k time) {worst['sum g/(k time)']:.4f}; (d) per-rank bound on {per_rank_n} video steps, "
-          f"up to {worst['per-rank/mid']:.3f} x the midpoint bound, never above a simulated plan; planned video "
-          f"micro-batches: max tau_k(m) / time {worst['tau/time']:.4f} (<= 1: the per-rank bound's assumption holds)",
-          flush=True)
+                print(
+                    f"world {world:3d} {scenario:5s} {dist:8s}: {len(steps)} steps ok "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+    print(
+        f"{n} steps: (a) midpoint >= tight >= simple compute on all; midpoint > tight on {raised}, "
+        f"midpoint / tight up to {worst['mid/tight']:.3f}; (b) simulated plan / the larger of the midpoint and "
+        f"(video) per-rank bounds >= "
+        + ", ".join(f"{k} {v:.4f}" for k, v in slack.items())
+        + f"; (c) on {exact_n} steps, midpoint vs exact LP scan: max relative difference {worst['exact']:.1e}; "
+        f"assumptions over the planned micro-batches: max f_k / time {worst['f/time']:.4f}, "
+        f"max sum g_k / (k time) {worst['sum g/(k time)']:.4f}; (d) per-rank bound on {per_rank_n} video steps, "
+        f"up to {worst['per-rank/mid']:.3f} x the midpoint bound, never above a simulated plan; planned video "
+        f"micro-batches: max tau_k(m) / time {worst['tau/time']:.4f} (<= 1: the per-rank bound's assumption holds)",
+        flush=True,
+    )
     return 0
 
 
@@ -372,41 +379,54 @@ def main() -> int:
     ap.add_argument("--below", type=float, default=0.95)
     ap.add_argument("--min-steps", type=int, default=4, help="as the scale runs used (dataset size)")
     ap.add_argument("--check", action="store_true", help="run the validity checks (see `check`) instead")
-    ap.add_argument("--plans", default="",
-                    help="POLICY,...: also plan each cell's steps with these policies (the working tree's "
-                         "planners; packed only up to 1024 GPUs, as the scale run) and check, per step, that "
-                         "the midpoint bound is not above the simulated step")
+    ap.add_argument(
+        "--plans",
+        default="",
+        help="POLICY,...: also plan each cell's steps with these policies (the working tree's "
+        "planners; packed only up to 1024 GPUs, as the scale run) and check, per step, that "
+        "the midpoint bound is not above the simulated step",
+    )
     args = ap.parse_args()
     if args.check:
         return check()
     if args.scale_json is None or args.out is None:
         ap.error("give SCALE_JSON and OUT (or --check)")
+
     def simple_s(r: dict) -> float:  # reports before the bounds were merged hold only the simple one
         return r.get("simple_bound_s", r["lower_bound_s"])
 
-    cells = [r for r in json.loads(args.scale_json.read_text())
-             if "dcp" in r["policies"] and simple_s(r) / r["policies"]["dcp"]["epoch_s"] < args.below]
-    lines = [f"# Where the step lower bound is loose — {args.out.stem.rsplit('_', 1)[-1]}", "",
-             f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/tight_bound.py {' '.join(sys.argv[1:])}`; "
-             f"machine: {platform.machine()} CPU ({platform.platform()}), Python {platform.python_version()}, "
-             f"numpy {np.__version__}.", "",
-             "The cells of the scale report where `dcp` reaches less than "
-             f"{args.below} of the simple bound (`plan.bounds.LowerBound.simple`), with the tight, the midpoint "
-             "and (video) the per-rank bounds of `benchmarks/tight_bound.py` (see its docstring: the tight bound "
-             "limits the degrees a sample may use by the makespan; the midpoint bound also requires the "
-             "micro-batches longer than half the makespan to fit the world side by side; the per-rank bound "
-             "uses that a video micro-batch is copies of one shape, and that the micro-batches each rank runs "
-             "fit in the makespan, through dual feasible functions) over the same steps (each cell's steps rebuilt "
-             "as `sim_scale.run_cell` builds them, the same number as the scale run planned). Efficiency = "
-             "bound / simulated epoch time (the scale report's `epoch_s`).", "",
-             "`per-sample FFD s` is not a bound but a simple per-sample plan's compute time summed over the "
-             "steps (`TightBound.ffd_makespan`; compute only, no gradient sync; — for steps of more than 2048 "
-             "samples), for comparison with dcp's simulated epoch.", "",
-             "| budget | world | scenario | dist | samples/GPU | simple bound s | tight bound s | tight / simple | "
-             "midpoint bound s | midpoint / simple | per-rank bound s | per-rank / simple | dcp epoch s | "
-             "per-sample FFD s | dcp eff (simple) | dcp eff (tight) | dcp eff (midpoint) | dcp eff (per-rank) | "
-             "dcp eff (best valid bound) | best other policy eff (simple) |",
-             "|" + " --- |" * 20]
+    cells = [
+        r
+        for r in json.loads(args.scale_json.read_text())
+        if "dcp" in r["policies"] and simple_s(r) / r["policies"]["dcp"]["epoch_s"] < args.below
+    ]
+    lines = [
+        f"# Where the step lower bound is loose — {args.out.stem.rsplit('_', 1)[-1]}",
+        "",
+        f"Command: `PYTHONPATH=. .venv/bin/python benchmarks/tight_bound.py {' '.join(sys.argv[1:])}`; "
+        f"machine: {platform.machine()} CPU ({platform.platform()}), Python {platform.python_version()}, "
+        f"numpy {np.__version__}.",
+        "",
+        "The cells of the scale report where `dcp` reaches less than "
+        f"{args.below} of the simple bound (`plan.bounds.LowerBound.simple`), with the tight, the midpoint "
+        "and (video) the per-rank bounds of `benchmarks/tight_bound.py` (see its docstring: the tight bound "
+        "limits the degrees a sample may use by the makespan; the midpoint bound also requires the "
+        "micro-batches longer than half the makespan to fit the world side by side; the per-rank bound "
+        "uses that a video micro-batch is copies of one shape, and that the micro-batches each rank runs "
+        "fit in the makespan, through dual feasible functions) over the same steps (each cell's steps rebuilt "
+        "as `sim_scale.run_cell` builds them, the same number as the scale run planned). Efficiency = "
+        "bound / simulated epoch time (the scale report's `epoch_s`).",
+        "",
+        "`per-sample FFD s` is not a bound but a simple per-sample plan's compute time summed over the "
+        "steps (`TightBound.ffd_makespan`; compute only, no gradient sync; — for steps of more than 2048 "
+        "samples), for comparison with dcp's simulated epoch.",
+        "",
+        "| budget | world | scenario | dist | samples/GPU | simple bound s | tight bound s | tight / simple | "
+        "midpoint bound s | midpoint / simple | per-rank bound s | per-rank / simple | dcp epoch s | "
+        "per-sample FFD s | dcp eff (simple) | dcp eff (tight) | dcp eff (midpoint) | dcp eff (per-rank) | "
+        "dcp eff (best valid bound) | best other policy eff (simple) |",
+        "|" + " --- |" * 20,
+    ]
     policies = [p for p in args.plans.split(",") if p]
     checked: list[str] = []
     for r in cells:
@@ -429,9 +449,15 @@ def main() -> int:
             assert best_bound <= v["epoch_s"] * (1 + 1e-9), (p, best_bound, v["epoch_s"])
         if policies:
             got = plan_check(ctx, steps, tb, policies)
-            checked.append(f"{r['budget']} {r['world']} {r['scenario']} {r['distribution']}: " + "; ".join(
-                f"{p} {v[0]:.3f} (epoch {v[1]:.3f} s, sum g / (k time) up to {v[2]:.3f}"
-                + ("" if v[3] is None else f", tau_k(m) / time up to {v[3]:.4f}") + ")" for p, v in got.items()))
+            checked.append(
+                f"{r['budget']} {r['world']} {r['scenario']} {r['distribution']}: "
+                + "; ".join(
+                    f"{p} {v[0]:.3f} (epoch {v[1]:.3f} s, sum g / (k time) up to {v[2]:.3f}"
+                    + ("" if v[3] is None else f", tau_k(m) / time up to {v[3]:.4f}")
+                    + ")"
+                    for p, v in got.items()
+                )
+            )
             print(checked[-1], flush=True)
         # the per-sample comparison is quadratic in samples: only for steps of few samples
         ffd = sum(tb.ffd_makespan(s) for s in steps) if max(len(s.sample_ids) for s in steps) <= 2048 else None
@@ -440,21 +466,30 @@ def main() -> int:
         best = max(others, default=None)
         ffd_s = "—" if ffd is None else f"{ffd:.3f}"
         best_s = "—" if best is None else f"{best[0]:.3f} ({best[1]})"
-        pr_s, pr_ratio, pr_eff = (("—", "—", "—") if per_rank is None else
-                                  (f"{per_rank:.3f}", f"{per_rank / simple:.3f}", f"{per_rank / d:.3f}"))
-        lines.append(f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | "
-                     f"{r['samples_per_gpu']} | {simple:.3f} | {tight:.3f} | {tight / simple:.3f} | "
-                     f"{mid:.3f} | {mid / simple:.3f} | {pr_s} | {pr_ratio} | {d:.3f} | {ffd_s} | "
-                     f"{simple / d:.3f} | {tight / d:.3f} | {mid / d:.3f} | {pr_eff} | {best_bound / d:.3f} | "
-                     f"{best_s} |")
+        pr_s, pr_ratio, pr_eff = (
+            ("—", "—", "—")
+            if per_rank is None
+            else (f"{per_rank:.3f}", f"{per_rank / simple:.3f}", f"{per_rank / d:.3f}")
+        )
+        lines.append(
+            f"| {r['budget']} | {r['world']} | {r['scenario']} | {r['distribution']} | "
+            f"{r['samples_per_gpu']} | {simple:.3f} | {tight:.3f} | {tight / simple:.3f} | "
+            f"{mid:.3f} | {mid / simple:.3f} | {pr_s} | {pr_ratio} | {d:.3f} | {ffd_s} | "
+            f"{simple / d:.3f} | {tight / d:.3f} | {mid / d:.3f} | {pr_eff} | {best_bound / d:.3f} | "
+            f"{best_s} |"
+        )
         print(lines[-1], f"({time.perf_counter() - t0:.1f} s)", flush=True)
     if checked:
-        lines += ["", f"Per-step check (`--plans {args.plans}`): each cell's steps planned by the working tree's "
-                  "planners and simulated step by step; the smallest simulated step / the larger of the midpoint "
-                  "and (video) per-rank bounds of each policy (>= 1: no step beat them), its simulated epoch, the "
-                  "largest sum of g_k over a planned micro-batch's samples / (k x its time) (<= 1 where the layout "
-                  "model's work assumption holds) and, video, the largest tau_k(m) / time (<= 1 where the "
-                  "per-rank bound's assumption holds):", ""] + [f"- {c}" for c in checked]
+        lines += [
+            "",
+            f"Per-step check (`--plans {args.plans}`): each cell's steps planned by the working tree's "
+            "planners and simulated step by step; the smallest simulated step / the larger of the midpoint "
+            "and (video) per-rank bounds of each policy (>= 1: no step beat them), its simulated epoch, the "
+            "largest sum of g_k over a planned micro-batch's samples / (k x its time) (<= 1 where the layout "
+            "model's work assumption holds) and, video, the largest tau_k(m) / time (<= 1 where the "
+            "per-rank bound's assumption holds):",
+            "",
+        ] + [f"- {c}" for c in checked]
     args.out.write_text("\n".join(lines) + "\n")
     return 0
 

@@ -95,21 +95,38 @@ class DataCentricParallel:
     this rank's device (`runtime.auto_launch`); one set up before (`dcparallel.init_distributed`)
     is used as it is."""
 
-    def __init__(self, model: nn.Module, *, layers: Sequence[nn.Module] | None = None, policy: str = "dcp",
-                 num_heads: int | None = None, num_kv_heads: int | None = None, adapter: ModelAdapter | None = None,
-                 loss_fn: LossFn | None = None, memory_bytes: int | None = None, gpus_per_node: int | None = None,
-                 seed: int = 0, kernel: Any = None, groups: Any = None, shard_size: int | str = 1,
-                 ring: bool = False, **protocol: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Sequence[nn.Module] | None = None,
+        policy: str = "dcp",
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        adapter: ModelAdapter | None = None,
+        loss_fn: LossFn | None = None,
+        memory_bytes: int | None = None,
+        gpus_per_node: int | None = None,
+        seed: int = 0,
+        kernel: Any = None,
+        groups: Any = None,
+        shard_size: int | str = 1,
+        ring: bool = False,
+        **protocol: Any,
+    ):
         policy_spec(policy)  # an unknown name is refused here, naming the choices
         if not isinstance(ring, bool):
             raise ValueError(f"ring={ring!r}: give True (SP groups past the head count, Ulysses x ring) or False")
         if memory_bytes is not None and memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be a positive number of bytes per rank; got {memory_bytes!r}")
         if shard_size != "auto" and (isinstance(shard_size, bool) or not isinstance(shard_size, int)):
-            raise ValueError(f"shard_size={shard_size!r}: give an int (1, 2, 4, ... dividing a node, or a multiple of "
-                             f"a node) or 'auto'")
-        adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                          **protocol)
+            raise ValueError(
+                f"shard_size={shard_size!r}: give an int (1, 2, 4, ... dividing a node, or a multiple of "
+                f"a node) or 'auto'"
+            )
+        adapter = adapter or find_adapter(
+            model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol
+        )
         set_up_launch(model)  # under torchrun: the process group and this rank's device, unless set up already
         device = next(model.parameters()).device
         if device.type == "meta":  # built under `empty_init`: its shards get storage on this launch's device
@@ -124,8 +141,7 @@ class DataCentricParallel:
         if self.shard_auto:
             shard_size = agreed_auto_shard_size(adapter.spec, cluster)
         self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size, ring=ring)
-        self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel,
-                             groups=groups)
+        self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel, groups=groups)
         #: the budget was measured here, not given: `prepare` agrees on the smallest over ranks
         self.memory_measured = memory_bytes is None
         if self.memory_measured:  # the process groups' communicators hold device memory too
@@ -139,8 +155,10 @@ class DataCentricParallel:
 
     def _set_memory(self, memory_bytes: int) -> None:
         if memory_bytes <= 0:
-            raise ValueError(f"the process groups' communicators take all of the device memory budget (left: "
-                             f"{memory_bytes} bytes); pass memory_bytes, or use fewer SP sizes (a larger shard_size)")
+            raise ValueError(
+                f"the process groups' communicators take all of the device memory budget (left: "
+                f"{memory_bytes} bytes); pass memory_bytes, or use fewer SP sizes (a larger shard_size)"
+            )
         self.memory_bytes = int(memory_bytes)
         self.cluster_spec = dataclasses.replace(self.cluster_spec, memory_bytes=self.memory_bytes)
 
@@ -152,22 +170,46 @@ class DataCentricParallel:
         if self.memory_measured:
             least = min(comm.all_gather_object(self.memory_bytes, group))
             if least != self.memory_bytes:
-                log.info("rank %d: memory budget %s -> %s, the smallest of any rank", comm.world_rank(),
-                         self.memory_bytes, least)
+                log.info(
+                    "rank %d: memory budget %s -> %s, the smallest of any rank",
+                    comm.world_rank(),
+                    self.memory_bytes,
+                    least,
+                )
                 self._set_memory(least)
         c = self.cluster_spec
-        comm.check_agree({
-            "memory budget (memory_bytes)": (c.memory_bytes, "pass the same memory_bytes on every rank, or none "
-                                             "(then the smallest device's is used)"),
-            "cluster spec": (dataclasses.replace(c, memory_bytes=1), "launch every rank with the same world size, "
-                             "GPUs per node (LOCAL_WORLD_SIZE) and link speeds ($DCPARALLEL_LINKS)"),
-            "policy and step budget": ((self.policy, self.seed, sorted(plan_kw.items())),
-                                       "pass the same policy, seed and step budget on every rank"),
-            "sample sizes": (comm.digest(tuple(sizes)), "read the same dataset and lengths on every rank"),
-            **({"trainable parameters": (self._weights_fingerprint(), "build the same weights on every rank: seed "
-                                         "random initialization (e.g. torch.manual_seed before peft.get_peft_model)"
-                                         " or load the same checkpoint")} if self.shard_size == 1 else {}),
-        }, "prepare", group)
+        comm.check_agree(
+            {
+                "memory budget (memory_bytes)": (
+                    c.memory_bytes,
+                    "pass the same memory_bytes on every rank, or none (then the smallest device's is used)",
+                ),
+                "cluster spec": (
+                    dataclasses.replace(c, memory_bytes=1),
+                    "launch every rank with the same world size, "
+                    "GPUs per node (LOCAL_WORLD_SIZE) and link speeds ($DCPARALLEL_LINKS)",
+                ),
+                "policy and step budget": (
+                    (self.policy, self.seed, sorted(plan_kw.items())),
+                    "pass the same policy, seed and step budget on every rank",
+                ),
+                "sample sizes": (comm.digest(tuple(sizes)), "read the same dataset and lengths on every rank"),
+                **(
+                    {
+                        "trainable parameters": (
+                            self._weights_fingerprint(),
+                            "build the same weights on every rank: seed "
+                            "random initialization (e.g. torch.manual_seed before peft.get_peft_model)"
+                            " or load the same checkpoint",
+                        )
+                    }
+                    if self.shard_size == 1
+                    else {}
+                ),
+            },
+            "prepare",
+            group,
+        )
 
     def _weights_fingerprint(self) -> tuple[float, float]:
         """The sum and norm (fp64, on the device, no copy) of the replicated trainable parameters:
@@ -180,9 +222,17 @@ class DataCentricParallel:
         """The cost model's content (a profile's every entry, not its fingerprint: a node-local
         cached profile may differ) is the same on every rank, else a ValueError."""
         content = self.profile.to_json() if self.profile is not None else (self.spec, self.cost.cluster)
-        comm.check_agree({"cost model": (content, "delete the cached profile files on every node and profile "
-                                         "again (or share one profile_path between nodes)")},
-                         "prepare", comm.control_group())
+        comm.check_agree(
+            {
+                "cost model": (
+                    content,
+                    "delete the cached profile files on every node and profile "
+                    "again (or share one profile_path between nodes)",
+                )
+            },
+            "prepare",
+            comm.control_group(),
+        )
 
     # ------------------------------------------------------------------ the engine's, unchanged
 
@@ -206,8 +256,9 @@ class DataCentricParallel:
     last_count = _of_engine("last_count", "the last step's global target count")
     shard_size = _of_engine("shard_size", "ranks per parameter-shard block (1: parameters replicated)")
 
-    def micro_batch(self, batch: Batch, last: bool | None = None
-                    ) -> contextlib.AbstractContextManager[MicroBatchContext]:
+    def micro_batch(
+        self, batch: Batch, last: bool | None = None
+    ) -> contextlib.AbstractContextManager[MicroBatchContext]:
         """`Engine.micro_batch`: runs one micro-batch on this rank (a context manager)."""
         return self.engine.micro_batch(batch, last)
 
@@ -226,9 +277,14 @@ class DataCentricParallel:
         """`Engine.zero_grad`: starts a new step's accumulation."""
         self.engine.zero_grad()
 
-    def optimizer(self, params_or_groups: Iterable[Any] | None = None, lr: float = 1e-3,
-                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float = 1e-2) -> ZeroAdamW | ShardedAdamW:
+    def optimizer(
+        self,
+        params_or_groups: Iterable[Any] | None = None,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> ZeroAdamW | ShardedAdamW:
         """AdamW with ZeRO-1 sharded fp32 state, a `torch.optim.Optimizer` (schedulers drive
         it). The defaults are torch.optim.AdamW's (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
         weight_decay 1e-2). ``params_or_groups``: None (every trainable parameter, one group;
@@ -241,8 +297,10 @@ class DataCentricParallel:
             return self.engine.optimizer(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         groups = as_groups(params_or_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         if self.shard_size > 1:
-            raise ValueError(f"dc.optimizer() with parameter groups needs shard_size 1 (this model's is "
-                             f"{self.shard_size}); give no groups (one group, weight decay on matrices)")
+            raise ValueError(
+                f"dc.optimizer() with parameter groups needs shard_size 1 (this model's is "
+                f"{self.shard_size}); give no groups (one group, weight decay on matrices)"
+            )
         self.engine.optimizer_made = True
         return GroupedZeroAdamW(self.engine.grad_sync, groups)
 
@@ -294,19 +352,30 @@ class DataCentricParallel:
         try:
             need = auto_shard_size(self.spec, priced, list(sizes))
         except ValueError as e:
-            raise ValueError(f"shard_size='auto' chose {self.shard_size} from the model states, but with these "
-                             f"samples: {e}") from None
+            raise ValueError(
+                f"shard_size='auto' chose {self.shard_size} from the model states, but with these samples: {e}"
+            ) from None
         if need > self.shard_size:
             _, why = explain_shard_size(self.spec, priced, list(sizes))
-            raise ValueError(f"shard_size='auto' chose {self.shard_size} from the model states when the model was "
-                             f"wrapped, but with these samples {why.removeprefix(f'shard_size auto -> {need}: ')}: "
-                             f"pass shard_size={need}")
+            raise ValueError(
+                f"shard_size='auto' chose {self.shard_size} from the model states when the model was "
+                f"wrapped, but with these samples {why.removeprefix(f'shard_size auto -> {need}: ')}: "
+                f"pass shard_size={need}"
+            )
 
-    def prepare(self, dataset: Any, *, lengths: Any, tokens_per_step: int | None = None,
-                samples_per_step: int | None = None, cost: str = "profiled",
-                profile_path: str | Path = "dcparallel_profile.json",
-                profiler_config: ProfilerConfig | Mapping[str, Any] | None = None, loss_fn: LossFn | None = None,
-                **loader_kw: Any) -> DataCentricLoader:
+    def prepare(
+        self,
+        dataset: Any,
+        *,
+        lengths: Any,
+        tokens_per_step: int | None = None,
+        samples_per_step: int | None = None,
+        cost: str = "profiled",
+        profile_path: str | Path = "dcparallel_profile.json",
+        profiler_config: ProfilerConfig | Mapping[str, Any] | None = None,
+        loss_fn: LossFn | None = None,
+        **loader_kw: Any,
+    ) -> DataCentricLoader:
         """Prices the model's layouts and returns the loader that plans every step with them.
         ``cost``: "profiled" measures the model here (or reuses the cached profile at
         ``profile_path``); "analytic" prices from the analytic model fitted to measured H200
@@ -322,18 +391,25 @@ class DataCentricParallel:
         ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together
         (profiling is collective)."""
         if cost not in ("profiled", "analytic"):
-            raise ValueError(f"cost={cost!r}: give 'profiled' (measure the model) or 'analytic' (the analytic "
-                             f"cost model, no profiling)")
+            raise ValueError(
+                f"cost={cost!r}: give 'profiled' (measure the model) or 'analytic' (the analytic "
+                f"cost model, no profiling)"
+            )
         if cost == "analytic" and profiler_config is not None:
             raise ValueError("profiler_config is for cost='profiled'; cost='analytic' profiles nothing: drop it")
         check_step_budget(tokens_per_step, samples_per_step)  # before minutes of profiling
         self.loss_fn = loss_fn or self.loss_fn
         if self.loss_fn is None:
-            raise ValueError(f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
-                             f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained")
+            raise ValueError(
+                f"{self.adapter.name} has no default loss: pass loss_fn(model, batch, ctx) returning "
+                f"the micro-batch's summed loss (e.g. ctx.token_loss(...)); it is profiled and trained"
+            )
         sizes = read_sizes(lengths, len(dataset))
-        plan_kw = {"tokens_per_step": tokens_per_step, "samples_per_step": samples_per_step,
-                   **{k: loader_kw[k] for k in ("skip_oversize", "epoch") if k in loader_kw}}
+        plan_kw = {
+            "tokens_per_step": tokens_per_step,
+            "samples_per_step": samples_per_step,
+            **{k: loader_kw[k] for k in ("skip_oversize", "epoch") if k in loader_kw},
+        }
         self._agree_inputs(sizes, plan_kw)  # before minutes of profiling
         if self.shard_auto:
             self._check_auto_shard_size(sizes)
@@ -343,15 +419,29 @@ class DataCentricParallel:
         loader_kw.setdefault("collate", self.adapter.collate)
         loader_kw.setdefault("device", self.params[0].device)  # batches go where the model is
         loader_kw.setdefault("epoch", self.epoch)
-        self.loader = DataCentricLoader(dataset, sizes, cost=self.cost, cluster=self.cluster_spec,
-                                        policy=self.policy, tokens_per_step=tokens_per_step,
-                                        samples_per_step=samples_per_step, seed=self.seed, **loader_kw)
+        self.loader = DataCentricLoader(
+            dataset,
+            sizes,
+            cost=self.cost,
+            cluster=self.cluster_spec,
+            policy=self.policy,
+            tokens_per_step=tokens_per_step,
+            samples_per_step=samples_per_step,
+            seed=self.seed,
+            **loader_kw,
+        )
         return self.loader
 
-    def prepare_rollouts(self, *, max_tokens: int, cost: str = "profiled",
-                         profile_path: str | Path = "dcparallel_profile.json",
-                         profiler_config: ProfilerConfig | Mapping[str, Any] | None = None,
-                         loss_fn: LossFn | None = None, check_plans: int = 50) -> RolloutPlanner:
+    def prepare_rollouts(
+        self,
+        *,
+        max_tokens: int,
+        cost: str = "profiled",
+        profile_path: str | Path = "dcparallel_profile.json",
+        profiler_config: ProfilerConfig | Mapping[str, Any] | None = None,
+        loss_fn: LossFn | None = None,
+        check_plans: int = 50,
+    ) -> RolloutPlanner:
         """`prepare` for steps made at run time (RL rollouts): prices the model's layouts for
         samples of up to ``max_tokens`` tokens (``cost``, ``profile_path``, ``profiler_config``,
         ``loss_fn`` as in `prepare`), after which `plan_batch` plans each step. Collective."""
@@ -361,10 +451,22 @@ class DataCentricParallel:
         sizes = rollout_sizes(max_tokens)
         self._agree_inputs(sizes, {"max_tokens": max_tokens})
         self._price(cost, sizes, profile_path, profiler_config)
-        self.rollouts = RolloutPlanner(self.cost, self.cluster_spec, self.policy, device=self.params[0].device,
-                                       check_plans=check_plans, max_tokens=max_tokens)
-        self.forward_pass = ForwardPass(self.engine, self.cost, self.cluster_spec, self.policy,
-                                        device=self.params[0].device, check_plans=check_plans)
+        self.rollouts = RolloutPlanner(
+            self.cost,
+            self.cluster_spec,
+            self.policy,
+            device=self.params[0].device,
+            check_plans=check_plans,
+            max_tokens=max_tokens,
+        )
+        self.forward_pass = ForwardPass(
+            self.engine,
+            self.cost,
+            self.cluster_spec,
+            self.policy,
+            device=self.params[0].device,
+            check_plans=check_plans,
+        )
         return self.rollouts
 
     def plan_batch(self, samples: Sequence[Mapping[str, Any]]) -> RolloutStep:
@@ -385,8 +487,13 @@ class DataCentricParallel:
             raise ValueError("forward_batch needs a cost model: call dc.prepare_rollouts(max_tokens=...) first")
         return self.forward_pass.run(samples, fn)
 
-    def _price(self, cost: str, sizes: Sequence[Any], profile_path: str | Path,
-               profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> None:
+    def _price(
+        self,
+        cost: str,
+        sizes: Sequence[Any],
+        profile_path: str | Path,
+        profiler_config: ProfilerConfig | Mapping[str, Any] | None,
+    ) -> None:
         """The cost model of ``cost``: the analytic one, or a profile of this model (measured
         now, collective, or cached) — the same on every rank (checked)."""
         if cost == "analytic":  # on a CPU, its time constants timed here (`profile.cpu_calibration`)
@@ -396,6 +503,7 @@ class DataCentricParallel:
             self.cost = ProfiledCost(self.profile, self.cluster_spec)
         self._agree_cost()
 
-    def _profile(self, sizes: Sequence[Any], path: Path,
-                 profiler_config: ProfilerConfig | Mapping[str, Any] | None) -> Profile:
+    def _profile(
+        self, sizes: Sequence[Any], path: Path, profiler_config: ProfilerConfig | Mapping[str, Any] | None
+    ) -> Profile:
         return profile_engine(self.engine, self.spec, self.loss_fn, sizes, path, profiler_config, self.memory_bytes)

@@ -130,8 +130,11 @@ class Committed:
 
     def ranks_overlapping(self, start: int, stop: int) -> list[int]:
         """The saved ranks whose optimizer range overlaps ``[start, stop)``."""
-        return [int(r) for r, f in sorted(self.marker["files"].items(), key=lambda kv: int(kv[0]))
-                if max(start, f["start"]) < min(stop, f["stop"])]
+        return [
+            int(r)
+            for r, f in sorted(self.marker["files"].items(), key=lambda kv: int(kv[0]))
+            if max(start, f["start"]) < min(stop, f["stop"])
+        ]
 
 
 def committed_steps(root: str | Path) -> list[int]:
@@ -146,8 +149,9 @@ def committed_steps(root: str | Path) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def verify(root: str | Path, step: int, read_ranks: list[int] | None = None, *,
-           hash_files: bool = True) -> tuple[Committed | None, str]:
+def verify(
+    root: str | Path, step: int, read_ranks: list[int] | None = None, *, hash_files: bool = True
+) -> tuple[Committed | None, str]:
     """(the checkpoint, "") if the folder of ``step`` is whole, else (None, why not). Version 1:
     files in ``read_ranks`` (default all) are also checked against their sha256; version 2:
     this rank's share of the files (file i on rank i mod W). ``hash_files`` False: sizes only."""
@@ -156,8 +160,11 @@ def verify(root: str | Path, step: int, read_ranks: list[int] | None = None, *,
         marker = json.loads((d / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return None, f"{d}: no readable commit marker ({exc.__class__.__name__}: {exc})"
-    if (marker.get("schema") != SCHEMA or marker.get("version") not in (VERSION, VERSION_DCP)
-            or marker.get("step") != step):
+    if (
+        marker.get("schema") != SCHEMA
+        or marker.get("version") not in (VERSION, VERSION_DCP)
+        or marker.get("step") != step
+    ):
         return None, f"{d}: the commit marker is not a version-{VERSION} or -{VERSION_DCP} marker of step {step}"
     world = int(marker["world_size"])
     files = marker.get("files", {})
@@ -168,8 +175,9 @@ def verify(root: str | Path, step: int, read_ranks: list[int] | None = None, *,
             if not p.exists():
                 return None, f"{d}: {name} is missing"
             if p.stat().st_size != files[name]["bytes"]:
-                return None, (f"{d}: {name} has {p.stat().st_size} bytes, {files[name]['bytes']} were committed "
-                              f"(torn write?)")
+                return None, (
+                    f"{d}: {name} has {p.stat().st_size} bytes, {files[name]['bytes']} were committed (torn write?)"
+                )
         rank, now = comm.world_rank(), comm.world_size()
         for name in names[rank::now] if hash_files else []:
             if _sha256(d / name) != files[name]["sha256"]:
@@ -215,8 +223,10 @@ def latest(root: str | Path, reads: Any = None) -> Committed | None:
     steps_by_rank = [set(v) for v, _ in everyone]
     common = set.intersection(*steps_by_rank)
     if len({max(s, default=None) for s in steps_by_rank}) > 1 and comm.world_rank() == 0:
-        log.warning("ranks see different newest checkpoints %s; using the newest one every rank can read",
-                    [max(s, default=None) for s in steps_by_rank])
+        log.warning(
+            "ranks see different newest checkpoints %s; using the newest one every rank can read",
+            [max(s, default=None) for s in steps_by_rank],
+        )
     if common:
         return verify(root, max(common), hash_files=False)[0]
     if not reasons and not any(steps_by_rank):
@@ -245,10 +255,12 @@ def _refuse_sharded(payload: Mapping[str, Any]) -> None:
         return False
 
     if walk(payload):
-        raise ValueError("this checkpoint holds parameter-sharded state (shard_size > 1: FSDP DTensors or a "
-                         "ShardedAdamW state), which the per-rank format (version 1) would save incomplete; save "
-                         "a sharded run with checkpoint.save_dcp and runtime.sharded_checkpoint.save (dcparallel "
-                         "train does)")
+        raise ValueError(
+            "this checkpoint holds parameter-sharded state (shard_size > 1: FSDP DTensors or a "
+            "ShardedAdamW state), which the per-rank format (version 1) would save incomplete; save "
+            "a sharded run with checkpoint.save_dcp and runtime.sharded_checkpoint.save (dcparallel "
+            "train does)"
+        )
 
 
 def _begin(root: Path, step: int) -> Path:
@@ -283,8 +295,15 @@ def _publish(root: Path, step: int, tmp: Path, marker: dict, keep: int) -> Path:
     return final
 
 
-def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any], *,
-         optimizer_range: tuple[int, int], keep: int = 2) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    payload: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    optimizer_range: tuple[int, int],
+    keep: int = 2,
+) -> Path:
     """Writes this rank's ``payload`` as part of the checkpoint of ``step`` (collective;
     version 1). ``optimizer_range``: the flat range [start, stop) of the optimizer shard in
     the payload. ``meta`` (JSON-serializable) goes into the commit marker. Keeps the ``keep``
@@ -297,21 +316,40 @@ def save(root: str | Path, step: int, payload: Mapping[str, Any], meta: Mapping[
     tmp = _begin(r, step)
     path = tmp / f"rank{rank}.pt"
     _write_atomic(path, lambda f: torch.save(dict(payload), f))
-    info = {"bytes": path.stat().st_size, "sha256": _sha256(path), "start": optimizer_range[0],
-            "stop": optimizer_range[1]}
+    info = {
+        "bytes": path.stat().st_size,
+        "sha256": _sha256(path),
+        "start": optimizer_range[0],
+        "stop": optimizer_range[1],
+    }
     infos = comm.all_gather_object(info)
     if rank == 0:
         missing = [i for i in range(world) if not (tmp / f"rank{i}.pt").exists()]
         if missing:
-            raise RuntimeError(f"checkpoint of step {step}: ranks {missing} wrote no file into {tmp}; is {r} a "
-                               f"folder every rank shares?")
-    marker = {"schema": SCHEMA, "version": VERSION, "step": step, "world_size": world,
-              "files": {str(i): x for i, x in enumerate(infos)}, "meta": dict(meta)}
+            raise RuntimeError(
+                f"checkpoint of step {step}: ranks {missing} wrote no file into {tmp}; is {r} a "
+                f"folder every rank shares?"
+            )
+    marker = {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "step": step,
+        "world_size": world,
+        "files": {str(i): x for i, x in enumerate(infos)},
+        "meta": dict(meta),
+    }
     return _publish(r, step, tmp, marker, keep)
 
 
-def save_dcp(root: str | Path, step: int, write: Callable[[Path], None], meta: Mapping[str, Any], *,
-             shard_size: int, keep: int = 2) -> Path:
+def save_dcp(
+    root: str | Path,
+    step: int,
+    write: Callable[[Path], None],
+    meta: Mapping[str, Any],
+    *,
+    shard_size: int,
+    keep: int = 2,
+) -> Path:
     """Writes the checkpoint of ``step`` in version 2 (collective): ``write(folder)`` saves
     the tensors through `torch.distributed.checkpoint` (every rank), each rank adds its RNG
     states (``rngR.pt``), then the marker lists every file with its bytes and sha256 (each
@@ -323,14 +361,24 @@ def save_dcp(root: str | Path, step: int, write: Callable[[Path], None], meta: M
     tmp = _begin(r, step)
     write(tmp)
     _write_atomic(tmp / f"rng{rank}.pt", lambda f: torch.save(rng_state(), f))
-    mine = [p for p in tmp.iterdir() if p.name == f"rng{rank}.pt" or p.name.startswith(f"__{rank}_")
-            or (rank == 0 and p.name == ".metadata")]
+    mine = [
+        p
+        for p in tmp.iterdir()
+        if p.name == f"rng{rank}.pt" or p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")
+    ]
     infos = comm.all_gather_object({p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine})
     files = {k: v for x in infos for k, v in x.items()}
     if rank == 0 and ".metadata" not in files:
         raise RuntimeError(f"checkpoint of step {step}: torch.distributed.checkpoint wrote no .metadata into {tmp}")
-    marker = {"schema": SCHEMA, "version": VERSION_DCP, "step": step, "world_size": world, "shard_size": shard_size,
-              "files": files, "meta": dict(meta)}
+    marker = {
+        "schema": SCHEMA,
+        "version": VERSION_DCP,
+        "step": step,
+        "world_size": world,
+        "shard_size": shard_size,
+        "files": files,
+        "meta": dict(meta),
+    }
     return _publish(r, step, tmp, marker, keep)
 
 
@@ -340,8 +388,11 @@ def save_dcp(root: str | Path, step: int, write: Callable[[Path], None], meta: M
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch CPU and CUDA, Python, NumPy) as tensors and plain values."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                           "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out

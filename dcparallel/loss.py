@@ -57,8 +57,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         starts, rows = _chunks(logits)
         for i in starts:
-            out[i: i + rows] = F.cross_entropy(logits[i: i + rows].float(), labels[i: i + rows], reduction="none",
-                                               ignore_index=ignore_index)
+            out[i : i + rows] = F.cross_entropy(
+                logits[i : i + rows].float(), labels[i : i + rows], reduction="none", ignore_index=ignore_index
+            )
         return out
 
     @staticmethod
@@ -68,11 +69,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         starts, rows = _chunks(logits)
         for i in starts:
-            lab = labels[i: i + rows]
-            lsm = torch.log_softmax(logits[i: i + rows].float(), dim=-1)
+            lab = labels[i : i + rows]
+            lsm = torch.log_softmax(logits[i : i + rows].float(), dim=-1)
             keep = lab != ctx.ignore_index
             g_nll = torch.zeros_like(lsm)
-            g_nll[keep, lab[keep]] = -grad_loss[i: i + rows][keep].to(lsm.dtype)
-            grad[i: i + rows] = torch.ops.aten._log_softmax_backward_data(g_nll, lsm, 1, torch.float32)
+            g_nll[keep, lab[keep]] = -grad_loss[i : i + rows][keep].to(lsm.dtype)
+            grad[i : i + rows] = torch.ops.aten._log_softmax_backward_data(g_nll, lsm, 1, torch.float32)
             del lsm, g_nll
         return grad, None, None

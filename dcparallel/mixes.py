@@ -54,7 +54,8 @@ class ImageBuckets:
         shapes = self._grid()
         tw, aw = np.asarray(self.tier_weights, float), np.asarray(self.aspect_weights, float)
         i = rng.choice(len(self.tiers), n, p=tw / tw.sum()) * len(self.aspects) + rng.choice(
-            len(self.aspects), n, p=aw / aw.sum())
+            len(self.aspects), n, p=aw / aw.sum()
+        )
         return [shapes[j] for j in i]
 
 
@@ -89,8 +90,15 @@ class BucketConfig:
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every shape a sample can take (a clip's last resort, the smallest clip at the lowest
         resolution, is one of them)."""
-        return sorted({(f, *self._hw(r, a)) for r, b in enumerate(self.buckets) for f, p in b if p > 0
-                       for a in range(len(self.aspects))})
+        return sorted(
+            {
+                (f, *self._hw(r, a))
+                for r, b in enumerate(self.buckets)
+                for f, p in b
+                if p > 0
+                for a in range(len(self.aspects))
+            }
+        )
 
     def draw(self, rng: np.random.Generator, n: int) -> list[Size]:
         rw, aw = np.asarray(self.resolution_weights, float), np.asarray(self.aspect_weights, float)
@@ -98,8 +106,14 @@ class BucketConfig:
         asp = rng.choice(len(self.aspects), n, p=aw / aw.sum())
         image = rng.random(n) < self.image_share
         # a clip reaches at least the smallest clip bucket (shorter clips are not kept apart)
-        frames = np.where(image, 1.0, np.maximum(self.fps * self.duration_median_s * np.exp(
-            self.duration_sigma * rng.standard_normal(n)), min(f for b in self.buckets for f, _ in b if f > 1)))
+        frames = np.where(
+            image,
+            1.0,
+            np.maximum(
+                self.fps * self.duration_median_s * np.exp(self.duration_sigma * rng.standard_normal(n)),
+                min(f for b in self.buckets for f, _ in b if f > 1),
+            ),
+        )
         out: list[Size] = []
         for j in range(n):
             r, f = self._assign(int(res[j]), float(frames[j]), rng)
@@ -144,9 +158,18 @@ class TextBlend:
 IMAGE_ASPECTS = (2.0, 16 / 9, 3 / 2, 4 / 3, 1.0, 3 / 4, 2 / 3, 9 / 16, 1 / 2)
 
 #: Open-Sora 1.2's resolutions (`opensora/datasets/aspect.py`): name, height, width of the area
-OPENSORA_RESOLUTIONS = (("144p", 144, 256), ("256", 256, 256), ("240p", 240, 426), ("360p", 360, 640),
-                        ("512", 512, 512), ("480p", 480, 853), ("720p", 720, 1280), ("1024", 1024, 1024),
-                        ("1080p", 1080, 1920), ("2048", 2048, 2048))
+OPENSORA_RESOLUTIONS = (
+    ("144p", 144, 256),
+    ("256", 256, 256),
+    ("240p", 240, 426),
+    ("360p", 360, 640),
+    ("512", 512, 512),
+    ("480p", 480, 853),
+    ("720p", 720, 1280),
+    ("1024", 1024, 1024),
+    ("1080p", 1080, 1920),
+    ("2048", 2048, 2048),
+)
 
 NEW_MIXES: dict[str, ImageBuckets | BucketConfig | TextBlend] = {
     # 45 image shapes: SDXL's aspect buckets (Podell et al. 2023, appendix: 64-pixel sides,
@@ -155,8 +178,11 @@ NEW_MIXES: dict[str, ImageBuckets | BucketConfig | TextBlend] = {
     # most images at 512-1024 (LAION-Aesthetics' sizes, as SDXL reports its pre-training data),
     # aspects led by 4:3, 3:2 and 1:1 (photographs), portrait less common than landscape
     "image-buckets": ImageBuckets(
-        tiers=(256, 512, 1024, 1536, 2048), tier_weights=(0.15, 0.35, 0.35, 0.10, 0.05),
-        aspects=IMAGE_ASPECTS, aspect_weights=(0.04, 0.12, 0.18, 0.22, 0.20, 0.10, 0.08, 0.04, 0.02)),
+        tiers=(256, 512, 1024, 1536, 2048),
+        tier_weights=(0.15, 0.35, 0.35, 0.10, 0.05),
+        aspects=IMAGE_ASPECTS,
+        aspect_weights=(0.04, 0.12, 0.18, 0.22, 0.20, 0.10, 0.08, 0.04, 0.02),
+    ),
     # Open-Sora 1.2 stage 3 (hpcaitech/Open-Sora, configs/opensora-v1-2/train/stage3.py): its
     # bucket_config's keep probabilities per resolution and frame count (a pair's first,
     # frame-count entry); resolutions weighted as its training data (most clips 240p-480p,
@@ -164,26 +190,35 @@ NEW_MIXES: dict[str, ImageBuckets | BucketConfig | TextBlend] = {
     "opensora-stage3": BucketConfig(
         resolutions=OPENSORA_RESOLUTIONS,
         resolution_weights=(0.10, 0.10, 0.20, 0.20, 0.10, 0.12, 0.08, 0.05, 0.03, 0.02),
-        buckets=(((1, 1.0), (51, 1.0), (102, 1.0), (204, 1.0), (408, 1.0)),
-                 ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
-                 ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
-                 ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
-                 ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
-                 ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5)),
-                 ((1, 0.3), (51, 0.2), (102, 0.1)),
-                 ((1, 0.3), (51, 0.1), (102, 0.1)),
-                 ((1, 0.1),),
-                 ((1, 0.05),)),
-        aspects=(16 / 9, 4 / 3, 1.0, 3 / 4, 9 / 16), aspect_weights=(0.55, 0.15, 0.10, 0.05, 0.15),
-        image_share=0.3, duration_median_s=6.0, duration_sigma=0.8, fps=24.0),
+        buckets=(
+            ((1, 1.0), (51, 1.0), (102, 1.0), (204, 1.0), (408, 1.0)),
+            ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
+            ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
+            ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
+            ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5), (408, 0.5)),
+            ((1, 1.0), (51, 0.5), (102, 0.5), (204, 0.5)),
+            ((1, 0.3), (51, 0.2), (102, 0.1)),
+            ((1, 0.3), (51, 0.1), (102, 0.1)),
+            ((1, 0.1),),
+            ((1, 0.05),),
+        ),
+        aspects=(16 / 9, 4 / 3, 1.0, 3 / 4, 9 / 16),
+        aspect_weights=(0.55, 0.15, 0.10, 0.05, 0.15),
+        image_share=0.3,
+        duration_median_s=6.0,
+        duration_sigma=0.8,
+        fps=24.0,
+    ),
     # long-context continued pretraining: the original pretraining mix (web documents, median
     # about 600 tokens) with long documents up-sampled to about 30% of the documents' tokens
     # per domain (Fu et al. 2024, "Data Engineering for Scaling Language Models to 128K
     # Context"; ProLong, Gao et al. 2024: books and code repositories of 64k-512k)
-    "long-cpt": TextBlend(sources=((0.97, 600, 1.4), (0.025, 48_000, 0.8), (0.005, 200_000, 0.6)),
-                          max_tokens=512 * 1024),
+    "long-cpt": TextBlend(
+        sources=((0.97, 600, 1.4), (0.025, 48_000, 0.8), (0.005, 200_000, 0.6)), max_tokens=512 * 1024
+    ),
     # chat SFT (Tulu 3 / UltraChat conversations: median about 800 tokens) mixed with
     # long-document SFT (LongAlign-10k: 8k-64k, median about 16k; ChatQA-2's long tasks to 128k)
-    "sft-chat-long": TextBlend(sources=((0.92, 800, 0.9), (0.07, 16_000, 0.6), (0.01, 80_000, 0.3)),
-                               max_tokens=128 * 1024),
+    "sft-chat-long": TextBlend(
+        sources=((0.92, 800, 0.9), (0.07, 16_000, 0.6), (0.01, 80_000, 0.3)), max_tokens=128 * 1024
+    ),
 }

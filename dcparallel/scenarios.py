@@ -33,8 +33,7 @@ DISTRIBUTIONS: tuple[Distribution, ...] = ("short", "balanced", "long")
 ALPHA = 1.2
 DEFAULT_SEED = 0
 
-RESOLUTIONS = {"144p": (144, 256), "240p": (240, 426), "360p": (360, 640), "480p": (480, 853),
-               "720p": (720, 1280)}
+RESOLUTIONS = {"144p": (144, 256), "240p": (240, 426), "360p": (360, 640), "480p": (480, 853), "720p": (720, 1280)}
 FRAMES = (1, 51, 102, 204, 408)
 TEXT_EDGES = [64 * 2**i for i in range(12)]  # 64 .. 131072
 
@@ -61,20 +60,41 @@ SCENARIOS = {
 }
 
 
-def decoder_lm(name: str, *, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, ffn_hidden: int,
-               vocab_size: int, qkv_bias: bool = False, tied: bool = False, vision: VisionTower | None = None
-               ) -> ModelSpec:
+def decoder_lm(
+    name: str,
+    *,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    ffn_hidden: int,
+    vocab_size: int,
+    qkv_bias: bool = False,
+    tied: bool = False,
+    vision: VisionTower | None = None,
+) -> ModelSpec:
     """A Llama-family decoder (grouped-query attention, SwiGLU, RMSNorm) with its exact
     parameter counts, as transformers builds it: q, k, v, o projections (q, k, v with biases
     for Qwen2), gate / up / down, two norms per layer; embeddings, head (unless tied), final norm."""
     hd = hidden // num_heads
     bias = (num_heads + 2 * num_kv_heads) * hd if qkv_bias else 0
     attn = 2 * hidden * num_heads * hd + 2 * hidden * num_kv_heads * hd + bias
-    return ModelSpec(name=name, kind="text", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
-                     ffn_hidden=ffn_hidden, attention="causal", attn_params=attn, mlp_params=3 * hidden * ffn_hidden,
-                     other_params=2 * hidden, extra_params=vocab_size * hidden * (1 if tied else 2) + hidden,
-                     vocab_size=vocab_size, num_kv_heads=num_kv_heads if num_kv_heads != num_heads else 0,
-                     vision=vision)
+    return ModelSpec(
+        name=name,
+        kind="text",
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden,
+        attention="causal",
+        attn_params=attn,
+        mlp_params=3 * hidden * ffn_hidden,
+        other_params=2 * hidden,
+        extra_params=vocab_size * hidden * (1 if tied else 2) + hidden,
+        vocab_size=vocab_size,
+        num_kv_heads=num_kv_heads if num_kv_heads != num_heads else 0,
+        vision=vision,
+    )
 
 
 #: Published architectures for `dcparallel simulate --model NAME`, parameters counted exactly
@@ -83,35 +103,81 @@ def decoder_lm(name: str, *, num_layers: int, hidden: int, num_heads: int, num_k
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        decoder_lm("llama-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
-                   vocab_size=128256),  # Llama 3.1 8B
-        decoder_lm("llama-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, ffn_hidden=28672,
-                   vocab_size=128256),  # Llama 3.1 70B
-        decoder_lm("qwen-32b", num_layers=64, hidden=5120, num_heads=40, num_kv_heads=8, ffn_hidden=27648,
-                   vocab_size=152064, qkv_bias=True),  # Qwen2.5 32B
+        decoder_lm(
+            "llama-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336, vocab_size=128256
+        ),  # Llama 3.1 8B
+        decoder_lm(
+            "llama-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, ffn_hidden=28672, vocab_size=128256
+        ),  # Llama 3.1 70B
+        decoder_lm(
+            "qwen-32b",
+            num_layers=64,
+            hidden=5120,
+            num_heads=40,
+            num_kv_heads=8,
+            ffn_hidden=27648,
+            vocab_size=152064,
+            qkv_bias=True,
+        ),  # Qwen2.5 32B
         # Qwen2.5-VL 7B: its language model and its 676M vision tower (32 blocks of width 1280,
         # SwiGLU 3420, biases; blocks 7, 15, 23, 31 attend over the whole image, the others in
         # 112-pixel windows = 64 patches; patch embedding 2x14x14 and the 2x2 merger)
-        decoder_lm("qwen2.5-vl-7b", num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4, ffn_hidden=18944,
-                   vocab_size=152064, qkv_bias=True,
-                   vision=VisionTower(num_layers=32, hidden=1280, layer_params=19_702_200, full_layers=4, window=64,
-                                      extra_params=46_079_744)),
+        decoder_lm(
+            "qwen2.5-vl-7b",
+            num_layers=28,
+            hidden=3584,
+            num_heads=28,
+            num_kv_heads=4,
+            ffn_hidden=18944,
+            vocab_size=152064,
+            qkv_bias=True,
+            vision=VisionTower(
+                num_layers=32, hidden=1280, layer_params=19_702_200, full_layers=4, window=64, extra_params=46_079_744
+            ),
+        ),
         # Wan 2.1 T2V 14B (diffusers WanTransformer3DModel): per block self- and cross-attention
         # (q, k, v, o with biases, q/k RMS norms), a GELU MLP (13824), a cross-attention norm
         # and the modulation table; counted as the Wan adapter derives it
-        ModelSpec(name="wan-14b", kind="video", num_layers=40, hidden=5120, num_heads=40, ffn_hidden=13824,
-                  attention="full", attn_params=209_776_640, mlp_params=141_576_704, other_params=40_960,
-                  extra_params=232_719_424, context_tokens=512, t_num=1, t_den=4, spatial_patch=16),
+        ModelSpec(
+            name="wan-14b",
+            kind="video",
+            num_layers=40,
+            hidden=5120,
+            num_heads=40,
+            ffn_hidden=13824,
+            attention="full",
+            attn_params=209_776_640,
+            mlp_params=141_576_704,
+            other_params=40_960,
+            extra_params=232_719_424,
+            context_tokens=512,
+            t_num=1,
+            t_den=4,
+            spatial_patch=16,
+        ),
         # HunyuanVideo 13B (diffusers HunyuanVideoTransformer3DModel): 20 dual-stream blocks (video
         # and text tokens through their own weights) + 40 single-stream blocks, all joint full
         # attention; every token meets 12 d^2 weights per block (q, k, v, o and a 4x MLP), so a
         # planner layer is one block of those; the text stream's weights, modulations and
         # embedders are outside the layers; a dual-stream block (339.8M) is gathered whole
-        ModelSpec(name="hunyuanvideo-13b", kind="video", num_layers=60, hidden=3072, num_heads=24,
-                  ffn_hidden=12288, attention="full", attn_params=4 * 3072 * 3072 + 4 * 3072,
-                  mlp_params=8 * 3072 * 3072 + 5 * 3072, other_params=2 * 128,
-                  extra_params=12_821_012_544 - 60 * (12 * 3072 * 3072 + 9 * 3072 + 256),
-                  max_unit_params=339_831_296, context_tokens=256, t_num=1, t_den=4, spatial_patch=16),
+        ModelSpec(
+            name="hunyuanvideo-13b",
+            kind="video",
+            num_layers=60,
+            hidden=3072,
+            num_heads=24,
+            ffn_hidden=12288,
+            attention="full",
+            attn_params=4 * 3072 * 3072 + 4 * 3072,
+            mlp_params=8 * 3072 * 3072 + 5 * 3072,
+            other_params=2 * 128,
+            extra_params=12_821_012_544 - 60 * (12 * 3072 * 3072 + 9 * 3072 + 256),
+            max_unit_params=339_831_296,
+            context_tokens=256,
+            t_num=1,
+            t_den=4,
+            spatial_patch=16,
+        ),
     )
 }
 
@@ -121,8 +187,10 @@ def model_preset(name: str) -> ModelSpec:
     try:
         return MODEL_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a transformers / "
-                         f"diffusers config file (--model-config)") from None
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {sorted(MODEL_PRESETS)}, or give a transformers / "
+            f"diffusers config file (--model-config)"
+        ) from None
 
 
 def video_buckets() -> list[tuple[int, int, int]]:
@@ -144,8 +212,13 @@ def zipf_weights(n: int, distribution: Distribution) -> np.ndarray:
     return w / w.sum()
 
 
-def sample_sizes(scenario: str, distribution: str, num_samples: int | None = None,
-                 seed: int = DEFAULT_SEED, epoch_tokens: int | None = None) -> list[Size]:
+def sample_sizes(
+    scenario: str,
+    distribution: str,
+    num_samples: int | None = None,
+    seed: int = DEFAULT_SEED,
+    epoch_tokens: int | None = None,
+) -> list[Size]:
     """`num_samples` samples of the distribution (one of `DISTRIBUTIONS`, or a realistic mix
     of `MIXES` of the scenario's kind); by default as many as make about `epoch_tokens`
     tokens (default: `EPOCH_STEPS` steps of the scenario's `tokens_per_step`; the scale
@@ -158,8 +231,9 @@ def sample_sizes(scenario: str, distribution: str, num_samples: int | None = Non
     if distribution in MIXES:
         mix = MIXES[distribution]
         if mix.kind != scenario:
-            raise ValueError(f"mix {distribution!r} holds {mix.kind} samples, not {scenario}; use it with "
-                             f"--scenario {mix.kind}")
+            raise ValueError(
+                f"mix {distribution!r} holds {mix.kind} samples, not {scenario}; use it with --scenario {mix.kind}"
+            )
         rng = np.random.default_rng([seed, 3, zlib.crc32(distribution.encode())])
     elif distribution in DISTRIBUTIONS:
         rng = np.random.default_rng([seed, 1 if scenario == "video" else 2, DISTRIBUTIONS.index(distribution)])
@@ -167,8 +241,7 @@ def sample_sizes(scenario: str, distribution: str, num_samples: int | None = Non
         raise ValueError(f"unknown distribution {distribution!r}; choose one of {ALL_DISTRIBUTIONS}")
     out: list[Size] = []
     total = 0
-    while (num_samples is None and total < total_tokens) or (
-            num_samples is not None and len(out) < num_samples):
+    while (num_samples is None and total < total_tokens) or (num_samples is not None and len(out) < num_samples):
         batch = _draw(scenario, distribution, rng, 256 if num_samples is None else num_samples - len(out))
         for s in batch:
             if num_samples is None and total >= total_tokens:
@@ -251,8 +324,9 @@ class VideoMix:
         hw = np.asarray(self.clip_height_weights, float)
         iw = np.asarray(self.image_height_weights, float)
         aw = np.asarray(self.aspect_weights, float)
-        height = np.where(image, rng.choice(len(self.heights), n, p=iw / iw.sum()),
-                          rng.choice(len(self.heights), n, p=hw / hw.sum()))
+        height = np.where(
+            image, rng.choice(len(self.heights), n, p=iw / iw.sum()), rng.choice(len(self.heights), n, p=hw / hw.sum())
+        )
         r = height * na + rng.choice(na, n, p=aw / aw.sum())
         frames_avail = self.fps * self.duration_median_s * np.exp(self.duration_sigma * rng.standard_normal(n))
         b = np.maximum(np.searchsorted(np.asarray(self.frame_buckets, float), frames_avail, side="right") - 1, 0)
@@ -293,29 +367,43 @@ MIXES: dict[str, VideoMix | TextMix | ImageBuckets | BucketConfig | TextBlend] =
     # 8.5 s on average, OpenVid-1M clips mostly 2-15 s) at 24 fps, cut to 16, 51, 102 or
     # 204 frames; 40% images, which image-text corpora hold at higher resolutions.
     "video-mix": VideoMix(
-        heights=(144, 240, 360, 480, 720), clip_height_weights=(0.30, 0.30, 0.20, 0.12, 0.08),
-        image_height_weights=(0.0, 0.20, 0.30, 0.25, 0.25), aspects=("16:9", "4:3", "1:1"),
-        aspect_weights=(0.60, 0.25, 0.15), frame_buckets=(16, 51, 102, 204), image_share=0.40,
-        duration_median_s=6.0, duration_sigma=0.8, fps=24.0, max_clip_tokens=60_000),
+        heights=(144, 240, 360, 480, 720),
+        clip_height_weights=(0.30, 0.30, 0.20, 0.12, 0.08),
+        image_height_weights=(0.0, 0.20, 0.30, 0.25, 0.25),
+        aspects=("16:9", "4:3", "1:1"),
+        aspect_weights=(0.60, 0.25, 0.15),
+        frame_buckets=(16, 51, 102, 204),
+        image_share=0.40,
+        duration_median_s=6.0,
+        duration_sigma=0.8,
+        fps=24.0,
+        max_clip_tokens=60_000,
+    ),
     # 200 shapes: the same corpora bucketed finely, as a data set trained without a fixed
     # bucket table is: nine heights 144p..720p, portrait aspects too, five frame buckets.
     "video-wide": VideoMix(
         heights=(144, 192, 240, 288, 360, 432, 480, 576, 720),
         clip_height_weights=(0.18, 0.14, 0.16, 0.12, 0.14, 0.08, 0.08, 0.05, 0.05),
         image_height_weights=(0.05, 0.05, 0.10, 0.10, 0.15, 0.10, 0.15, 0.15, 0.15),
-        aspects=("16:9", "4:3", "1:1", "3:4", "9:16"), aspect_weights=(0.45, 0.20, 0.15, 0.08, 0.12),
-        frame_buckets=(16, 51, 102, 136, 204), image_share=0.40,
-        duration_median_s=6.0, duration_sigma=0.8, fps=24.0, max_clip_tokens=31_000),
+        aspects=("16:9", "4:3", "1:1", "3:4", "9:16"),
+        aspect_weights=(0.45, 0.20, 0.15, 0.08, 0.12),
+        frame_buckets=(16, 51, 102, 136, 204),
+        image_share=0.40,
+        duration_median_s=6.0,
+        duration_sigma=0.8,
+        fps=24.0,
+        max_clip_tokens=31_000,
+    ),
     # long-context SFT: multi-turn chat (ShareGPT / UltraChat: median about 700 tokens) with
     # 15% long-document tasks from 8k to 128k tokens (LongAlign-10k spans 8k-64k; ChatQA-2
     # and LongAlpaca reach 128k)
-    "sft-long": TextMix(median=700, sigma=1.0, tail_share=0.15, tail_min=8192, tail_alpha=0.8,
-                        max_tokens=128 * 1024),
+    "sft-long": TextMix(median=700, sigma=1.0, tail_share=0.15, tail_min=8192, tail_alpha=0.8, max_tokens=128 * 1024),
     # long-context pretraining: web documents (RedPajama / SlimPajama: median about 600
     # tokens, wide log-normal) with 3% books, arXiv papers and code repositories in a heavy
     # tail to 1M tokens (the long-data upsampling of ProLong, Gao et al. 2024)
-    "pretrain-long": TextMix(median=600, sigma=1.4, tail_share=0.03, tail_min=16384, tail_alpha=0.7,
-                             max_tokens=1024 * 1024),
+    "pretrain-long": TextMix(
+        median=600, sigma=1.4, tail_share=0.03, tail_min=16384, tail_alpha=0.7, max_tokens=1024 * 1024
+    ),
     **NEW_MIXES,
 }
 #: every name `sample_sizes` (and `simulate --distribution`) takes
@@ -355,15 +443,21 @@ def read_lengths(path: str | Path) -> list[Size]:
         if arr.size == 0:
             raise ValueError(f"{p}: the lengths array is empty (shape {arr.shape}); it needs one size per sample")
         if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-            raise ValueError(f"{p}: the lengths array holds {arr.dtype} values, not numbers; save token counts "
-                             f"(shape (n,)) or frames, height, width (shape (n, 3)) as integers")
+            raise ValueError(
+                f"{p}: the lengths array holds {arr.dtype} values, not numbers; save token counts "
+                f"(shape (n,)) or frames, height, width (shape (n, 3)) as integers"
+            )
         if arr.ndim == 1:
             vals = arr.tolist()
-            return [_at(p, f"[{i}]", lambda v=v, i=i: check_size(int(v) if float(v).is_integer() else float(v), i))
-                    for i, v in enumerate(vals)]
+            return [
+                _at(p, f"[{i}]", lambda v=v, i=i: check_size(int(v) if float(v).is_integer() else float(v), i))
+                for i, v in enumerate(vals)
+            ]
         if arr.ndim == 2 and arr.shape[1] == 3:
-            return [_at(p, f"[{i}]", lambda row=row, i=i: check_size(tuple(float(x) for x in row), i))
-                    for i, row in enumerate(arr.tolist())]
+            return [
+                _at(p, f"[{i}]", lambda row=row, i=i: check_size(tuple(float(x) for x in row), i))
+                for i, row in enumerate(arr.tolist())
+            ]
         raise ValueError(f"{p}: a lengths array has shape (n,) or (n, 3); got {arr.shape}")
     out: list[Size] = []
     try:
@@ -380,8 +474,9 @@ def read_lengths(path: str | Path) -> list[Size]:
         except ValueError:
             raise ValueError(f"{p}:{lineno}: expected integers, got {line!r}") from None
         if len(vals) == 1:
-            out.append(_at(p, f":{lineno}", lambda v=vals[0]: check_size(v if not v.is_integer() else int(v),
-                                                                        len(out))))
+            out.append(
+                _at(p, f":{lineno}", lambda v=vals[0]: check_size(v if not v.is_integer() else int(v), len(out)))
+            )
         elif len(vals) == 3:
             out.append(_at(p, f":{lineno}", lambda v=vals: check_size(tuple(v), len(out))))
         else:

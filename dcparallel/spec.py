@@ -33,8 +33,7 @@ def check_size(size: Size, index: int | None = None) -> Size:
     if isinstance(size, (tuple, list)):
         if len(size) != 3:
             raise ValueError(
-                f"{where}a video size is (frames, height, width); got {tuple(size)!r} "
-                f"with {len(size)} values"
+                f"{where}a video size is (frames, height, width); got {tuple(size)!r} with {len(size)} values"
             )
         out = []
         for v in size:
@@ -101,8 +100,9 @@ class Layout:
         if self.sp < 1 or self.mbs < 1:
             raise ValueError(f"Layout needs sp >= 1 and mbs >= 1; got sp={self.sp}, mbs={self.mbs}")
         if self.ring < 1 or self.sp % self.ring:
-            raise ValueError(f"Layout ring degree {self.ring} must divide sp={self.sp}; use a divisor of sp "
-                             f"(1 = Ulysses only)")
+            raise ValueError(
+                f"Layout ring degree {self.ring} must divide sp={self.sp}; use a divisor of sp (1 = Ulysses only)"
+            )
         if self.recompute.attn < 0 or self.recompute.mlp < 0:
             raise ValueError(f"recompute counts must be >= 0; got {self.recompute}")
 
@@ -116,8 +116,7 @@ class Layout:
         return f"SP {self.sp} = {self.ulysses}u×{self.ring}r" if self.ring > 1 else f"SP {self.sp}"
 
     def to_json(self) -> dict:
-        out = {"sp": self.sp, "mbs": self.mbs,
-               "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
+        out = {"sp": self.sp, "mbs": self.mbs, "recompute": {"attn": self.recompute.attn, "mlp": self.recompute.mlp}}
         if self.ring > 1:
             out["ring"] = self.ring
         return out
@@ -125,8 +124,9 @@ class Layout:
     @staticmethod
     def from_json(d: dict) -> Layout:
         r = d.get("recompute", {})
-        return Layout(int(d["sp"]), int(d["mbs"]), Recompute(int(r.get("attn", 0)), int(r.get("mlp", 0))),
-                      int(d.get("ring", 1)))
+        return Layout(
+            int(d["sp"]), int(d["mbs"]), Recompute(int(r.get("attn", 0)), int(r.get("mlp", 0))), int(d.get("ring", 1))
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,34 +220,46 @@ class ModelSpec:
         return t * s * s + s * t * t  # spatial: per frame S x S; temporal: per position T x T
 
 
-def llama_like(name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int,
-               vocab_size: int) -> ModelSpec:
+def llama_like(
+    name: str, *, num_layers: int, hidden: int, num_heads: int, ffn_hidden: int, vocab_size: int
+) -> ModelSpec:
     return ModelSpec(
-        name=name, kind="text", num_layers=num_layers, hidden=hidden, num_heads=num_heads,
-        ffn_hidden=ffn_hidden, attention="causal",
-        attn_params=4 * hidden * hidden, mlp_params=3 * hidden * ffn_hidden,
-        extra_params=2 * vocab_size * hidden, vocab_size=vocab_size,
+        name=name,
+        kind="text",
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden,
+        attention="causal",
+        attn_params=4 * hidden * hidden,
+        mlp_params=3 * hidden * ffn_hidden,
+        extra_params=2 * vocab_size * hidden,
+        vocab_size=vocab_size,
     )
 
 
-def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, context_tokens: int = 300
-               ) -> ModelSpec:
+def stdit_like(name: str, *, num_pairs: int, hidden: int, num_heads: int, context_tokens: int = 300) -> ModelSpec:
     """Open-Sora-1.2-like: per pair a spatial and a temporal block, each with self-attention,
     cross-attention to replicated text and a GELU MLP (ffn = 4 x hidden)."""
     d = hidden
     return ModelSpec(
-        name=name, kind="video", num_layers=num_pairs, hidden=d, num_heads=num_heads,
-        ffn_hidden=4 * d, attention="factorized", attn_per_layer=2,
-        attn_params=2 * 4 * d * d,      # q, k, v, o of the two self-attentions
-        mlp_params=2 * 2 * d * 4 * d,   # two MLPs
-        other_params=2 * 2 * d * d,     # q, o of the two cross-attentions (per video token)
+        name=name,
+        kind="video",
+        num_layers=num_pairs,
+        hidden=d,
+        num_heads=num_heads,
+        ffn_hidden=4 * d,
+        attention="factorized",
+        attn_per_layer=2,
+        attn_params=2 * 4 * d * d,  # q, k, v, o of the two self-attentions
+        mlp_params=2 * 2 * d * 4 * d,  # two MLPs
+        other_params=2 * 2 * d * d,  # q, o of the two cross-attentions (per video token)
         extra_params=num_pairs * 2 * 2 * d * d,  # their k, v act on the text tokens only
         context_tokens=context_tokens,
     )
 
 
-LLAMA_7B = llama_like("llama-7b", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=11008,
-                      vocab_size=32000)
+LLAMA_7B = llama_like("llama-7b", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=11008, vocab_size=32000)
 STDIT_1B = stdit_like("stdit-1.1b", num_pairs=28, hidden=1152, num_heads=16)
 
 
@@ -289,8 +301,11 @@ class ClusterSpec:
 
     def shard_sizes(self) -> list[int]:
         """Every shard size this cluster allows, ascending (`check_shard_size`)."""
-        return [s for s in range(1, self.world_size + 1)
-                if _shard_size_error(s, self.world_size, self.gpus_per_node) is None]
+        return [
+            s
+            for s in range(1, self.world_size + 1)
+            if _shard_size_error(s, self.world_size, self.gpus_per_node) is None
+        ]
 
     @property
     def num_nodes(self) -> int:
@@ -318,23 +333,31 @@ def check_shard_size(shard_size: int, world_size: int, gpus_per_node: int) -> in
     need = _shard_size_error(shard_size, world_size, gpus_per_node)
     if need is not None:
         ok = [s for s in range(1, world_size + 1) if _shard_size_error(s, world_size, gpus_per_node) is None]
-        raise ValueError(f"shard_size={shard_size!r} must be {need} (world {world_size}, {gpus_per_node} GPUs "
-                         f"per node); use one of {ok}")
+        raise ValueError(
+            f"shard_size={shard_size!r} must be {need} (world {world_size}, {gpus_per_node} GPUs "
+            f"per node); use one of {ok}"
+        )
     return shard_size
 
 
-def h200_cluster(world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int | None = None,
-                 shard_size: int = 1) -> ClusterSpec:
+def h200_cluster(
+    world_size: int = 32, gpus_per_node: int = 8, memory_bytes: int | None = None, shard_size: int = 1
+) -> ClusterSpec:
     """H200 SXM nodes. Link speeds are datasheet assumptions (not measured here), derated to
     achievable bus bandwidth: NVLink 4 is 900 GB/s per GPU both directions together
     (450 GB/s one way), taken at 70% = 315 GB/s; one 400 Gb/s InfiniBand NIC per GPU is
     50 GB/s, taken at 80% = 40 GB/s. Usable memory: 128 GiB of the 139.8 GiB the card reports,
     the rest left for the CUDA context, communication buffers and allocator fragmentation."""
     return ClusterSpec(
-        world_size=world_size, gpus_per_node=gpus_per_node,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
         memory_bytes=memory_bytes if memory_bytes is not None else 128 * GiB,
-        intra_bw=0.7 * 450e9, intra_latency=10e-6,
-        inter_bw=0.8 * 50e9, inter_latency=20e-6, name="h200", shard_size=shard_size,
+        intra_bw=0.7 * 450e9,
+        intra_latency=10e-6,
+        inter_bw=0.8 * 50e9,
+        inter_latency=20e-6,
+        name="h200",
+        shard_size=shard_size,
     )
 
 
@@ -364,8 +387,10 @@ def batch_key(model: ModelSpec, size: Size) -> tuple[int, ...]:
     so a 240x256 and a 256x256 clip never share a micro-batch."""
     key = bucket_key(model, size)
     if isinstance(size, VisionSize):  # and the class of its vision patches, all and the largest image's
-        return (*key, *(int(math.floor(math.log(p) / math.log(1.25) + 1e-9)) for p in (sum(size.patches),
-                                                                                       max(size.patches))))
+        return (
+            *key,
+            *(int(math.floor(math.log(p) / math.log(1.25) + 1e-9)) for p in (sum(size.patches), max(size.patches))),
+        )
     if not isinstance(size, tuple):
         return key
     frames, height, width = size

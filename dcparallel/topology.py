@@ -41,16 +41,18 @@ def group_sizes(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> lis
     divides the attention heads (any k with ``ring``: `ring_splits`), is a multiple of the
     shard size, and at least one aligned block of k ranks fits the world."""
     g, s = cluster.gpus_per_node, cluster.shard_size
-    return [k for k in range(s, cluster.world_size + 1)
-            if (g % k == 0 or k % g == 0) and (ring or num_heads % k == 0) and k % s == 0]
+    return [
+        k
+        for k in range(s, cluster.world_size + 1)
+        if (g % k == 0 or k % g == 0) and (ring or num_heads % k == 0) and k % s == 0
+    ]
 
 
 def ring_splits(k: int, num_heads: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
     """The (Ulysses degree u, ring degree r) splits of an SP group of k ranks, u ascending:
     u divides k and the heads and is 1 or an allowed size (its sub-groups of u consecutive
     ranks are aligned blocks that exist), r = k / u."""
-    return [(u, k // u) for u in range(1, k + 1)
-            if k % u == 0 and num_heads % u == 0 and (u == 1 or u in sizes)]
+    return [(u, k // u) for u in range(1, k + 1) if k % u == 0 and num_heads % u == 0 and (u == 1 or u in sizes)]
 
 
 def allowed_groups(cluster: ClusterSpec, num_heads: int, ring: bool = False) -> list[tuple[int, ...]]:
@@ -104,9 +106,11 @@ class Topology:
         cluster = self.cluster  # validates world size, whole nodes and the shard size
         sizes = tuple(group_sizes(cluster, self.num_heads, self.ring))
         if not sizes:
-            raise ValueError(f"no SP group size of at least the shard size {self.shard_size} divides the model's "
-                             f"{self.num_heads} attention heads and fits {self.gpus_per_node}-GPU nodes (world "
-                             f"{self.world_size}); use a smaller shard_size (or 'auto')")
+            raise ValueError(
+                f"no SP group size of at least the shard size {self.shard_size} divides the model's "
+                f"{self.num_heads} attention heads and fits {self.gpus_per_node}-GPU nodes (world "
+                f"{self.world_size}); use a smaller shard_size (or 'auto')"
+            )
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "chain", tuple(sp_chain(cluster, self.num_heads, self.ring)))
         g = self.gpus_per_node
@@ -132,9 +136,11 @@ class Topology:
         ring 1 where k divides the heads and the fewest ring steps past them."""
         splits = self.splits(k)
         if not splits:
-            raise ValueError(f"an SP group of {k} ranks is not allowed at world {self.world_size} with "
-                             f"{self.gpus_per_node} GPUs per node and {self.num_heads} heads; "
-                             f"sizes: {list(self.sizes)}")
+            raise ValueError(
+                f"an SP group of {k} ranks is not allowed at world {self.world_size} with "
+                f"{self.gpus_per_node} GPUs per node and {self.num_heads} heads; "
+                f"sizes: {list(self.sizes)}"
+            )
         return splits[-1]
 
     def profiled_splits(self, k: int) -> list[tuple[int, int]]:
@@ -147,8 +153,9 @@ class Topology:
     @property
     def cluster(self) -> ClusterSpec:
         """A ClusterSpec with this geometry (link speeds and memory at their defaults)."""
-        return ClusterSpec(world_size=self.world_size, gpus_per_node=self.gpus_per_node, shard_size=self.shard_size,
-                           ring=self.ring)
+        return ClusterSpec(
+            world_size=self.world_size, gpus_per_node=self.gpus_per_node, shard_size=self.shard_size, ring=self.ring
+        )
 
     def blocks(self) -> list[tuple[int, ...]]:
         """Every aligned block of an allowed size, by size then start rank (creation order)."""
@@ -157,8 +164,12 @@ class Topology:
     def is_block(self, ranks: Sequence[int]) -> bool:
         """Whether ``ranks`` is an aligned block of an allowed size."""
         k = len(ranks)
-        return (k in self.sizes and ranks[0] % k == 0 and ranks[-1] < self.world_size
-                and tuple(ranks) == tuple(range(ranks[0], ranks[0] + k)))
+        return (
+            k in self.sizes
+            and ranks[0] % k == 0
+            and ranks[-1] < self.world_size
+            and tuple(ranks) == tuple(range(ranks[0], ranks[0] + k))
+        )
 
     def static_sizes(self, usable: Sequence[int] | None = None) -> list[int]:
         """Chain sizes (among ``usable``) whose blocks alone tile the world."""
@@ -168,8 +179,10 @@ class Topology:
     def data_parallel(self, sp: int) -> list[tuple[int, ...]]:
         """The world cut into aligned blocks of ``sp`` ranks (a static layout's groups)."""
         if sp not in self.sizes or self.world_size % sp:
-            raise ValueError(f"SP degree {sp} does not tile a world of {self.world_size} with blocks of an "
-                             f"allowed size (allowed: {list(self.sizes)}); use one of {self.static_sizes()}")
+            raise ValueError(
+                f"SP degree {sp} does not tile a world of {self.world_size} with blocks of an "
+                f"allowed size (allowed: {list(self.sizes)}); use one of {self.static_sizes()}"
+            )
         return [tuple(range(s, s + sp)) for s in range(0, self.world_size, sp)]
 
     def tile(self, sizes_desc: Sequence[int]) -> list[tuple[int, ...]]:
@@ -181,9 +194,11 @@ class Topology:
             out, pos = [], 0
             for k in sizes_desc:
                 if pos % k or pos + k > self.world_size:
-                    raise ValueError(f"group sizes {list(sizes_desc)} do not tile a world of {self.world_size} "
-                                     f"as aligned blocks: give chain sizes ({list(self.chain)}), largest first, "
-                                     f"summing to at most the world")
+                    raise ValueError(
+                        f"group sizes {list(sizes_desc)} do not tile a world of {self.world_size} "
+                        f"as aligned blocks: give chain sizes ({list(self.chain)}), largest first, "
+                        f"summing to at most the world"
+                    )
                 out.append(tuple(range(pos, pos + k)))
                 pos += k
             out.extend((r,) for r in range(pos, self.world_size))
@@ -195,9 +210,11 @@ class Topology:
             counts[k] = counts.get(k, 0) + 1
         packed = self._pack(counts)
         if packed is None:
-            raise ValueError(f"group sizes {list(sizes_desc)} do not pack into a world of {self.world_size} "
-                             f"({self.gpus_per_node} GPUs per node) as aligned blocks of sizes {list(self.mix)}; "
-                             f"check `Topology.fits` before placing")
+            raise ValueError(
+                f"group sizes {list(sizes_desc)} do not pack into a world of {self.world_size} "
+                f"({self.gpus_per_node} GPUs per node) as aligned blocks of sizes {list(self.mix)}; "
+                f"check `Topology.fits` before placing"
+            )
         wide, runs = packed
         starts: dict[int, list[int]] = {}
         pos = 0
@@ -218,7 +235,7 @@ class Topology:
             s = starts[k][taken[k]]
             taken[k] += 1
             out.append(tuple(range(s, s + k)))
-            used[s:s + k] = [True] * k
+            used[s : s + k] = [True] * k
         out.extend((r,) for r in range(self.world_size) if not used[r])
         return out
 

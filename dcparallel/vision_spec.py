@@ -17,8 +17,9 @@ class VisionSize(int):
 
     def __new__(cls, tokens: int, patches: tuple[int, ...]) -> VisionSize:
         if not patches or any(isinstance(p, bool) or int(p) != p or int(p) <= 0 for p in patches):
-            raise ValueError(f"a vision sample has one positive integer patch count per image or video; "
-                             f"got {tuple(patches)!r}")
+            raise ValueError(
+                f"a vision sample has one positive integer patch count per image or video; got {tuple(patches)!r}"
+            )
         self = super().__new__(cls, tokens)
         self.patches = tuple(int(p) for p in patches)
         return self
@@ -63,11 +64,15 @@ class VisionTower:
 
     def __post_init__(self) -> None:
         if not 0 <= self.full_layers <= self.num_layers or self.window < 0:
-            raise ValueError(f"a vision tower has 0..num_layers={self.num_layers} full-attention blocks and a "
-                             f"window >= 0; got full_layers={self.full_layers}, window={self.window}")
+            raise ValueError(
+                f"a vision tower has 0..num_layers={self.num_layers} full-attention blocks and a "
+                f"window >= 0; got full_layers={self.full_layers}, window={self.window}"
+            )
         if self.full_layers < self.num_layers and self.window == 0:
-            raise ValueError(f"{self.num_layers - self.full_layers} windowed blocks need window > 0 (patches "
-                             f"per window), or set full_layers = num_layers")
+            raise ValueError(
+                f"{self.num_layers - self.full_layers} windowed blocks need window > 0 (patches "
+                f"per window), or set full_layers = num_layers"
+            )
 
     @property
     def num_params(self) -> int:

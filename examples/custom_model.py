@@ -54,8 +54,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 128, num_layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                 max_len: int = 4096):
+    def __init__(
+        self,
+        vocab: int = 256,
+        dim: int = 128,
+        num_layers: int = 4,
+        heads: int = 4,
+        kv_heads: int = 2,
+        max_len: int = 4096,
+    ):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
         self.layers = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(num_layers))
@@ -83,20 +90,20 @@ profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "custom_model
 
 def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the profiler runs it too)
     logits = model(batch.inputs, batch.positions)
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="none",
-                                ignore_index=-100).view(batch.labels.shape)
+    per_token = F.cross_entropy(
+        logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="none", ignore_index=-100
+    ).view(batch.labels.shape)
     return ctx.token_loss(per_token, batch.loss_mask)  # dcparallel: summed over this shard's targets
 
 
 dc = dcparallel.DataCentricParallel(model, num_heads=4, num_kv_heads=2, memory_bytes=96 * 2**20)  # dcparallel
 loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, loss_fn=loss_fn, profile_path=profile)  # dcparallel
-opt = dc.optimizer(lr=3e-3)                                                          # dcparallel
-for step in loader:                                  # dcparallel: this rank's micro-batches of one step
+opt = dc.optimizer(lr=3e-3)  # dcparallel
+for step in loader:  # dcparallel: this rank's micro-batches of one step
     for batch in step:
-        with dc.micro_batch(batch) as ctx:           # dcparallel: SP group, recompute, per-sample RNG
+        with dc.micro_batch(batch) as ctx:  # dcparallel: SP group, recompute, per-sample RNG
             ctx.backward(loss_fn(model, batch, ctx))  # dcparallel
-    loss = dc.sync_gradients()                       # dcparallel: one all-reduce, exact mean over targets
+    loss = dc.sync_gradients()  # dcparallel: one all-reduce, exact mean over targets
     opt.step()
     if dc.rank == 0:
-        print(f"step {step.index}: loss {loss:.3f}, SP degrees {sorted({g.sp for g in step.plan.groups})}",
-              flush=True)
+        print(f"step {step.index}: loss {loss:.3f}, SP degrees {sorted({g.sp for g in step.plan.groups})}", flush=True)

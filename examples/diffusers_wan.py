@@ -22,38 +22,53 @@ from dcparallel.data.synthetic import SyntheticLatents
 torch.set_num_threads(1)
 launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
-model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                              out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4,
-                              rope_max_seq_len=64).to(launch.device)
+model = WanTransformer3DModel(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=128,
+    num_layers=4,
+    rope_max_seq_len=64,
+).to(launch.device)
 rng = random.Random(0)  # latent frames 1 (images) to 7, resolutions from 8x8 to 16x24 latent pixels
-shapes = [(rng.choice([1, 1, 2, 3, 5, 7]), *rng.choice([(8, 8), (8, 12), (12, 8), (12, 16), (16, 24)]))
-          for _ in range(int(os.environ.get("NUM_SAMPLES", 48)))]
+shapes = [
+    (rng.choice([1, 1, 2, 3, 5, 7]), *rng.choice([(8, 8), (8, 12), (12, 8), (12, 16), (16, 24)]))
+    for _ in range(int(os.environ.get("NUM_SAMPLES", 48)))
+]
 dataset = SyntheticLatents(shapes, channels=4, text_dim=32, text_tokens=8)  # {"latents", "encoder_hidden_states"}
 profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "diffusers_wan_profile.json")
 
 
 def loss_fn(model, batch, ctx):  # rectified flow: one micro-batch, forward + summed loss
-    x0 = batch.inputs                                                     # (B, C, F, H, W) latents
-    gens = [ctx.generator(s) for s in batch.sample_ids]                   # dcparallel: per-sample RNG
+    x0 = batch.inputs  # (B, C, F, H, W) latents
+    gens = [ctx.generator(s) for s in batch.sample_ids]  # dcparallel: per-sample RNG
     t = torch.stack([torch.sigmoid(torch.randn((), generator=g)) for g in gens]).to(x0.device)
     noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0)
     xt = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
-    pred = model(xt, timestep=t * 1000, encoder_hidden_states=batch.extras["encoder_hidden_states"],
-                 return_dict=False)[0]
+    pred = model(xt, timestep=t * 1000, encoder_hidden_states=batch.extras["encoder_hidden_states"], return_dict=False)[
+        0
+    ]
     return ctx.dense_loss((pred.float() - (noise - x0).float()).pow(2).mean(1))  # dcparallel: summed loss
 
 
 dc = dcparallel.DataCentricParallel(model, policy="dcp", context_tokens=8, memory_bytes=64 * 2**20)  # dcparallel
 loader = dc.prepare(dataset, lengths=shapes, samples_per_step=16, loss_fn=loss_fn, profile_path=profile)  # dcparallel
-opt = dc.optimizer(lr=1e-3)                                                                  # dcparallel
+opt = dc.optimizer(lr=1e-3)  # dcparallel
 for epoch in range(int(os.environ.get("EPOCHS", 2))):
-    dc.set_epoch(epoch)                              # dcparallel: new shuffle and noise each epoch
-    for step in loader:                              # dcparallel: this rank's micro-batches of one step
+    dc.set_epoch(epoch)  # dcparallel: new shuffle and noise each epoch
+    for step in loader:  # dcparallel: this rank's micro-batches of one step
         for batch in step:
-            with dc.micro_batch(batch) as ctx:       # dcparallel: SP group, recompute, per-sample RNG
+            with dc.micro_batch(batch) as ctx:  # dcparallel: SP group, recompute, per-sample RNG
                 ctx.backward(loss_fn(model, batch, ctx))  # dcparallel
-        loss = dc.sync_gradients()                   # dcparallel: one all-reduce, exact mean
+        loss = dc.sync_gradients()  # dcparallel: one all-reduce, exact mean
         opt.step()
         if dc.rank == 0:
-            print(f"epoch {epoch} step {step.index}: loss {loss:.4f}, SP degrees "
-                  f"{sorted({g.sp for g in step.plan.groups})}", flush=True)
+            print(
+                f"epoch {epoch} step {step.index}: loss {loss:.4f}, SP degrees "
+                f"{sorted({g.sp for g in step.plan.groups})}",
+                flush=True,
+            )

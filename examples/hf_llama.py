@@ -20,11 +20,18 @@ from dcparallel.data.synthetic import SyntheticText, builtin_lengths
 torch.set_num_threads(1)
 launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+config = LlamaConfig(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(launch.device)
 lengths = builtin_lengths(num_samples=int(os.environ.get("NUM_SAMPLES", 96)))  # token counts, known up front
-dataset = SyntheticText(lengths, vocab=config.vocab_size)                        # dataset[i]: 1-D token ids
+dataset = SyntheticText(lengths, vocab=config.vocab_size)  # dataset[i]: 1-D token ids
 profile = os.path.join(os.environ.get("OUT_DIR", "runs/examples"), "hf_llama_profile.json")
 
 
@@ -35,13 +42,12 @@ def loss_fn(model, batch, ctx):  # one micro-batch: forward + summed loss (the p
 
 dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=96 * 2**20)  # dcparallel
 loader = dc.prepare(dataset, lengths=lengths, tokens_per_step=8192, loss_fn=loss_fn, profile_path=profile)  # dcparallel
-opt = dc.optimizer(lr=3e-3)                                                          # dcparallel
-for step in loader:                                  # dcparallel: this rank's micro-batches of one step
+opt = dc.optimizer(lr=3e-3)  # dcparallel
+for step in loader:  # dcparallel: this rank's micro-batches of one step
     for batch in step:
-        with dc.micro_batch(batch) as ctx:           # dcparallel: SP group, recompute, per-sample RNG
+        with dc.micro_batch(batch) as ctx:  # dcparallel: SP group, recompute, per-sample RNG
             ctx.backward(loss_fn(model, batch, ctx))  # dcparallel
-    loss = dc.sync_gradients()                       # dcparallel: one all-reduce, exact mean over targets
+    loss = dc.sync_gradients()  # dcparallel: one all-reduce, exact mean over targets
     opt.step()
     if dc.rank == 0:
-        print(f"step {step.index}: loss {loss:.3f}, SP degrees {sorted({g.sp for g in step.plan.groups})}",
-              flush=True)
+        print(f"step {step.index}: loss {loss:.3f}, SP degrees {sorted({g.sp for g in step.plan.groups})}", flush=True)

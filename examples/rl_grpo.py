@@ -31,9 +31,18 @@ CLIP, KL_COEF, ENT_COEF = 0.2, 0.02, 0.001
 torch.set_num_threads(1)
 launch = dcparallel.init_distributed(timeout=timedelta(seconds=120))  # dcparallel: process group, device
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                     bos_token_id=None, eos_token_id=EOS, pad_token_id=PAD)
+config = LlamaConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=EOS,
+    pad_token_id=PAD,
+)
 model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(launch.device)
 sampler, ref_model = copy.deepcopy(model), copy.deepcopy(model)  # generation copy; reference (never stepped)
 prompts = torch.Generator().manual_seed(1 + launch.rank)  # each rank its own prompts
@@ -45,12 +54,18 @@ def rollouts_of_this_rank() -> tuple[list[dict], float]:
     for _ in range(PROMPTS):
         prompt = torch.randint(2, VOCAB, (int(torch.randint(4, 41, (), generator=prompts)),), generator=prompts)
         with torch.no_grad():
-            seqs = sampler.generate(prompt.repeat(GROUP, 1).to(launch.device), do_sample=True, top_k=0,
-                                    max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=PAD).cpu()
+            seqs = sampler.generate(
+                prompt.repeat(GROUP, 1).to(launch.device),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=MAX_NEW,
+                eos_token_id=EOS,
+                pad_token_id=PAD,
+            ).cpu()
         group = []
         for seq in seqs:
-            done = (seq[len(prompt):] == EOS).nonzero()
-            completion = seq[len(prompt):][: int(done[0]) + 1 if len(done) else MAX_NEW]
+            done = (seq[len(prompt) :] == EOS).nonzero()
+            completion = seq[len(prompt) :][: int(done[0]) + 1 if len(done) else MAX_NEW]
             words = completion[completion != EOS]
             group.append(float((words % 2 == 0).float().mean()) if len(words) else 0.0)
             ids = torch.cat([prompt, completion])
@@ -77,11 +92,11 @@ def grpo_loss(model, batch):  # per token: clipped ratio x advantage, k3 KL to t
     return pg + KL_COEF * kl + ENT_COEF * (lsm.exp() * lsm).sum(-1)
 
 
-dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=2 * 2**20)      # dcparallel
+dc = dcparallel.DataCentricParallel(model, policy="dcp", memory_bytes=2 * 2**20)  # dcparallel
 ref = dcparallel.DataCentricParallel(ref_model, policy="dcp", memory_bytes=2 * 2**20)  # dcparallel
-dc.prepare_rollouts(max_tokens=40 + MAX_NEW, cost="analytic")                        # dcparallel
-ref.prepare_rollouts(max_tokens=40 + MAX_NEW, cost="analytic")                       # dcparallel
-opt = dc.optimizer(lr=3e-3)                                                            # dcparallel
+dc.prepare_rollouts(max_tokens=40 + MAX_NEW, cost="analytic")  # dcparallel
+ref.prepare_rollouts(max_tokens=40 + MAX_NEW, cost="analytic")  # dcparallel
+opt = dc.optimizer(lr=3e-3)  # dcparallel
 for it in range(int(os.environ.get("STEPS", 30))):
     sampler.load_state_dict(model.state_dict())  # the sampler generates with the current policy
     rollouts, reward = rollouts_of_this_rank()
@@ -89,12 +104,15 @@ for it in range(int(os.environ.get("STEPS", 30))):
     old, reference = dc.forward_batch(rollouts, logprobs), ref.forward_batch(rollouts, logprobs)  # dcparallel
     for r, o, f in zip(rollouts, old, reference):
         r["old_logp"], r["ref_logp"] = o, f
-    step = dc.plan_batch(rollouts)                          # dcparallel: lengths exchanged, planned, rollouts moved
+    step = dc.plan_batch(rollouts)  # dcparallel: lengths exchanged, planned, rollouts moved
     for batch in step:
-        with dc.micro_batch(batch) as ctx:                  # dcparallel
+        with dc.micro_batch(batch) as ctx:  # dcparallel
             ctx.backward(ctx.token_loss(grpo_loss(model, batch), batch.loss_mask))  # dcparallel
-    loss = dc.sync_gradients()                              # dcparallel: mean over the step's trained tokens
+    loss = dc.sync_gradients()  # dcparallel: mean over the step's trained tokens
     opt.step()
     if dc.rank == 0:
-        print(f"step {it}: reward {reward:.3f} (rank 0), loss {loss:.4f}, {step.num_samples} rollouts, "
-              f"SP degrees {sorted({g.sp for g in step.plan.groups})}", flush=True)
+        print(
+            f"step {it}: reward {reward:.3f} (rank 0), loss {loss:.4f}, {step.num_samples} rollouts, "
+            f"SP degrees {sorted({g.sp for g in step.plan.groups})}",
+            flush=True,
+        )

@@ -56,6 +56,6 @@ for step in loader:
             ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
     loss = dc.sync_gradients()
     opt.step()
-# ---------------------------------------------------------------------------------------------
+    # ---------------------------------------------------------------------------------------------
     if dc.rank == 0:
         print(f"step {step.index}: loss {loss:.3f}, SP degrees {sorted({g.sp for g in step.plan.groups})}")

@@ -78,14 +78,29 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     if kind == "hf-llama":  # GQA: 8 query heads, 2 key/value heads: SP 4 repeats each kv head twice
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
     if kind == "hf-qwen3":  # q/k norms per head, 4 query heads, 2 kv heads
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+        cfg = Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+        )
         return Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
     if kind == "custom":
         return TinyGQA()
@@ -94,10 +109,22 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     if kind in WAN_KINDS:
         from diffusers import WanTransformer3DModel
 
-        extra = {"wan-i2v": {"image_dim": 12, "added_kv_proj_dim": 32},  # Wan 2.1 I2V: image embeddings
-                 "wan22-i2v": {"in_channels": 8}}.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
-        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+        extra = {
+            "wan-i2v": {"image_dim": 12, "added_kv_proj_dim": 32},  # Wan 2.1 I2V: image embeddings
+            "wan22-i2v": {"in_channels": 8},
+        }.get(kind, {})  # Wan 2.2 I2V: 4 condition channels
+        cfg = dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
         if kind == "skyreels":  # SkyReels-V2 text-to-video with its fps embedding
             from diffusers import SkyReelsV2Transformer3DModel
 
@@ -118,35 +145,67 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         if kind == "chronoedit":  # Wan image-to-video with ChronoEdit's rotary tables (2 frames: temporal skip)
             from diffusers import ChronoEditTransformer3DModel
 
-            return ChronoEditTransformer3DModel(**cfg, image_dim=12, added_kv_proj_dim=32,
-                                                rope_temporal_skip_len=4).float()
+            return ChronoEditTransformer3DModel(
+                **cfg, image_dim=12, added_kv_proj_dim=32, rope_temporal_skip_len=4
+            ).float()
         return WanTransformer3DModel(**{**cfg, **extra}).float()
     if kind == "ltx":
         from diffusers import LTXVideoTransformer3DModel
 
-        return LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
-                                          cross_attention_dim=32, num_layers=2, caption_channels=16).float()
+        return LTXVideoTransformer3DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            cross_attention_dim=32,
+            num_layers=2,
+            caption_channels=16,
+        ).float()
     if kind == "flux":  # one double-stream and two single-stream blocks; 4 latent channels packed 2 x 2
         from diffusers import FluxTransformer2DModel
 
-        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
-                                      attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
-                                      pooled_projection_dim=8, guidance_embeds=False, axes_dims_rope=(2, 2, 4)).float()
+        return FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=16,
+            pooled_projection_dim=8,
+            guidance_embeds=False,
+            axes_dims_rope=(2, 2, 4),
+        ).float()
     if kind in ("flux2", "flux2-cond"):  # one double-stream and two single-stream blocks (fused MLP); guidance
         from diffusers import Flux2Transformer2DModel
 
         # flux2-cond: 4 condition channels after the 4 latent ones (inpainting-style), 4 predicted
         chans = {"in_channels": 32, "out_channels": 16} if kind == "flux2-cond" else {"in_channels": 16}
-        return Flux2Transformer2DModel(patch_size=1, **chans, num_layers=1, num_single_layers=2,
-                                       attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
-                                       timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
-                                       guidance_embeds=True).float()
+        return Flux2Transformer2DModel(
+            patch_size=1,
+            **chans,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=16,
+            timestep_guidance_channels=16,
+            axes_dims_rope=(2, 2, 2, 2),
+            guidance_embeds=True,
+        ).float()
     if kind == "qwenimage":  # two dual-stream blocks; 4 latent channels packed 2 x 2 (patch 2 inside)
         from diffusers import QwenImageTransformer2DModel
 
-        return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                                           attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
-                                           axes_dims_rope=(2, 2, 4)).float()
+        return QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=16,
+            axes_dims_rope=(2, 2, 4),
+        ).float()
     raise ValueError(kind)
 
 
@@ -154,9 +213,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
 IMAGE_KINDS = ("flux", "flux2", "flux2-cond", "qwenimage")
 WAN_KINDS = ("wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit", "skyreels", "skyreels-i2v", "vace", "helios")
 #: latent (frames, height, width) per kind: token counts odd at SP 2 or 4, several shapes per count
-SHAPES = {"wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
-          "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
-          "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 6, 6), (1, 4, 14)]}  # images: 15, 15, 16, 9, 14 tokens
+SHAPES = {
+    "wan": [(2, 4, 6), (3, 4, 4), (1, 6, 6), (2, 6, 4)],
+    "ltx": [(2, 3, 5), (3, 3, 3), (1, 5, 5), (2, 3, 3), (1, 3, 5)],  # patch 1: 30, 27, 25, 18, 15 tokens
+    "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 6, 6), (1, 4, 14)],
+}  # images: 15, 15, 16, 9, 14 tokens
 SHAPES["flux2"] = SHAPES["flux2-cond"] = SHAPES["qwenimage"] = SHAPES["flux"]
 WAN_SHAPES = SHAPES["wan"]
 
@@ -166,34 +227,50 @@ def conditioning(kind: str, shape: tuple, g: torch.Generator) -> dict[str, Tenso
     if kind in ("wan", "wan-ti2v", "helios"):
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
     if kind in ("wan-i2v", "chronoedit"):  # diffusers' I2V attention takes the last 512 context tokens as text
-        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
-                "encoder_hidden_states_image": torch.randn(3, 12, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(512, 16, generator=g),
+            "encoder_hidden_states_image": torch.randn(3, 12, generator=g),
+        }
     if kind == "wan22-i2v":
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
-                "condition": torch.randn(4, *shape, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(5, 16, generator=g),
+            "condition": torch.randn(4, *shape, generator=g),
+        }
     if kind == "skyreels-i2v":
-        return {"encoder_hidden_states": torch.randn(512, 16, generator=g),
-                "encoder_hidden_states_image": torch.randn(3, 12, generator=g),
-                "condition": torch.randn(4, *shape, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(512, 16, generator=g),
+            "encoder_hidden_states_image": torch.randn(3, 12, generator=g),
+            "condition": torch.randn(4, *shape, generator=g),
+        }
     if kind == "skyreels":  # fps: the row of the fps embedding
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g), "fps": torch.tensor(shape[0] % 2)}
     if kind == "vace":  # control latents (6 channels) of the video's shape
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
-                "control_hidden_states": torch.randn(6, *shape, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(5, 16, generator=g),
+            "control_hidden_states": torch.randn(6, *shape, generator=g),
+        }
     if kind == "ltx":  # a text padding mask: the last 2 of 6 tokens are padding
-        return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
-                "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0])}
+        return {
+            "encoder_hidden_states": torch.randn(6, 16, generator=g),
+            "encoder_attention_mask": torch.tensor([1, 1, 1, 1, 0, 0]),
+        }
     if kind == "flux":
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
-                "pooled_projections": torch.randn(8, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(5, 16, generator=g),
+            "pooled_projections": torch.randn(8, generator=g),
+        }
     if kind == "flux2":
         return {"encoder_hidden_states": torch.randn(5, 16, generator=g)}
     if kind == "flux2-cond":
-        return {"encoder_hidden_states": torch.randn(5, 16, generator=g),
-                "condition": torch.randn(4, *shape, generator=g)}
+        return {
+            "encoder_hidden_states": torch.randn(5, 16, generator=g),
+            "condition": torch.randn(4, *shape, generator=g),
+        }
     if kind == "qwenimage":  # a text mask of any pattern: tokens 2 and 5 are padding
-        return {"encoder_hidden_states": torch.randn(6, 16, generator=g),
-                "encoder_hidden_states_mask": torch.tensor([1, 1, 0, 1, 1, 0])}
+        return {
+            "encoder_hidden_states": torch.randn(6, 16, generator=g),
+            "encoder_hidden_states_mask": torch.tensor([1, 1, 0, 1, 1, 0]),
+        }
     raise ValueError(kind)
 
 
@@ -242,8 +319,12 @@ def wan_ti2v_loss(model: nn.Module, batch, ctx) -> Tensor:
     noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
     per_frame, timestep = ti2v_timesteps(t, tuple(x0.shape[2:]))
     tb = per_frame[:, None, :, None, None]
-    pred = model((1 - tb) * x0 + tb * noise, timestep=timestep,
-                 encoder_hidden_states=batch.extras["encoder_hidden_states"], return_dict=False)[0]
+    pred = model(
+        (1 - tb) * x0 + tb * noise,
+        timestep=timestep,
+        encoder_hidden_states=batch.extras["encoder_hidden_states"],
+        return_dict=False,
+    )[0]
     return ctx.dense_loss((pred - (noise - x0)).pow(2).mean(1))
 
 
@@ -260,28 +341,55 @@ def predict(model: nn.Module, kind: str, xt: Tensor, t: Tensor, cond: dict[str, 
     if kind == "ltx":  # patch 1: tokens are the latent positions in (F, H, W) order
         f, h, w = xt.shape[2:]
         tokens = xt.flatten(2).transpose(1, 2)
-        out = model(tokens, timestep=(t * 1000)[None], num_frames=f, height=h, width=w,
-                    rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False, **c)[0]
+        out = model(
+            tokens,
+            timestep=(t * 1000)[None],
+            num_frames=f,
+            height=h,
+            width=w,
+            rope_interpolation_scale=(8 / 25, 32, 32),
+            return_dict=False,
+            **c,
+        )[0]
         return out.transpose(1, 2).reshape(xt.shape)
     if kind == "flux":  # 2 x 2 patches packed as diffusers' Flux pipeline packs them
         _, ch, h, w = xt.shape
         packed = xt.view(1, ch, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, -1, ch * 4)
-        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0),
-                                         indexing="ij"), -1).reshape(-1, 3)
-        out = model(packed, timestep=t[None], img_ids=ids, txt_ids=torch.zeros(c["encoder_hidden_states"].shape[1], 3),
-                    return_dict=False, **c)[0]
+        ids = torch.stack(
+            torch.meshgrid(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0), indexing="ij"), -1
+        ).reshape(-1, 3)
+        out = model(
+            packed,
+            timestep=t[None],
+            img_ids=ids,
+            txt_ids=torch.zeros(c["encoder_hidden_states"].shape[1], 3),
+            return_dict=False,
+            **c,
+        )[0]
         return out.view(1, h // 2, w // 2, ch, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(xt.shape)
     if kind in ("flux2", "flux2-cond"):  # Flux 2's pipeline: the same packing, 4-axis ids (t, h, w, l), guidance 4
         h, w = xt.shape[2:]
         ids = torch.cartesian_prod(torch.zeros(1), torch.arange(h // 2.0), torch.arange(w // 2.0), torch.zeros(1))
         num_text = c["encoder_hidden_states"].shape[1]
         txt_ids = torch.cartesian_prod(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.arange(num_text * 1.0))
-        return _packed(xt, c, lambda x: model(x, timestep=t[None], img_ids=ids[None], txt_ids=txt_ids[None],
-                                              guidance=torch.tensor([4.0]), return_dict=False, **c)[0])
+        return _packed(
+            xt,
+            c,
+            lambda x: model(
+                x,
+                timestep=t[None],
+                img_ids=ids[None],
+                txt_ids=txt_ids[None],
+                guidance=torch.tensor([4.0]),
+                return_dict=False,
+                **c,
+            )[0],
+        )
     if kind == "qwenimage":  # the Qwen-Image pipeline's packing and img_shapes, t in [0, 1]
         h, w = xt.shape[2:]
-        return _packed(xt, c, lambda x: model(x, timestep=t[None], img_shapes=[[(1, h // 2, w // 2)]],
-                                              return_dict=False, **c)[0])
+        return _packed(
+            xt, c, lambda x: model(x, timestep=t[None], img_shapes=[[(1, h // 2, w // 2)]], return_dict=False, **c)[0]
+        )
     raise ValueError(kind)
 
 
@@ -318,21 +426,34 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
     loss = torch.stack(losses).sum() / count
     loss.backward()
     # a parameter the loss never reaches (Qwen-Image's last text MLP: the model returns the image only) has gradient 0
-    return float(loss.detach()), {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                                  for n, p in model.named_parameters()}
+    return float(loss.detach()), {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
+    }
 
 
 #: pixel shapes (frames, height, width) of a real mix: resolutions off the 16-pixel grid and
 #: frame counts off Open-Sora's buckets, so one bucket holds several latent shapes
-DIT_MIX = [(17, 60, 64), (17, 64, 64), (17, 64, 50), (1, 40, 56), (1, 48, 48), (34, 64, 96), (34, 60, 96),
-           (20, 48, 64), (1, 40, 50), (17, 50, 64)]
+DIT_MIX = [
+    (17, 60, 64),
+    (17, 64, 64),
+    (17, 64, 50),
+    (1, 40, 56),
+    (1, 48, 48),
+    (34, 64, 96),
+    (34, 60, 96),
+    (20, 48, 64),
+    (1, 40, 50),
+    (17, 50, 64),
+]
 #: latent shapes (frames, height, width) for Wan: odd and even sizes, several per token count
 WAN_MIX = [(2, 4, 6), (2, 6, 4), (3, 4, 4), (1, 6, 8), (1, 8, 6), (2, 4, 4), (3, 6, 4), (1, 4, 4)]
 #: LTX-Video latent shapes (patch 1: one token per position) and Flux latent images (1, H, W):
 #: mixed resolutions and aspect ratios, several shapes per token count
-MIXES = {**dict.fromkeys(("wan", "wan22-i2v", "wan-i2v", "skyreels", "vace", "helios"), WAN_MIX),
-         "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
-         "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)]}
+MIXES = {
+    **dict.fromkeys(("wan", "wan22-i2v", "wan-i2v", "skyreels", "vace", "helios"), WAN_MIX),
+    "ltx": [(2, 3, 5), (2, 5, 3), (1, 5, 5), (2, 3, 3), (1, 3, 3), (3, 3, 3), (1, 4, 6), (1, 6, 4)],
+    "flux": [(1, 6, 10), (1, 10, 6), (1, 8, 8), (1, 4, 4), (1, 6, 6), (1, 4, 8), (1, 8, 4), (1, 12, 4)],
+}
 MIXES["flux2"] = MIXES["qwenimage"] = MIXES["flux"]
 
 

@@ -56,18 +56,23 @@ def parse_faults(spec: str) -> list[Fault]:
             if kind not in FAULT_KINDS or len(nums) not in (2, 3) or min(nums) < 0 or nums[0] < 1:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"{FAULT_ENV}: bad item {item!r}; write KIND@STEP:RANK[:ATTEMPT] with KIND one of "
-                             f"{', '.join(FAULT_KINDS)}, STEP >= 1 (global, 1-based), e.g. exit@3:1") from None
+            raise ValueError(
+                f"{FAULT_ENV}: bad item {item!r}; write KIND@STEP:RANK[:ATTEMPT] with KIND one of "
+                f"{', '.join(FAULT_KINDS)}, STEP >= 1 (global, 1-based), e.g. exit@3:1"
+            ) from None
         out.append(Fault(kind, *nums))
     return out
 
 
 def fire(fault: Fault, trainer: Trainer) -> None:
     """Carries out a fault on this rank, after writing its event (every rank may write one)."""
-    append_event(trainer.out / "events.jsonl", {"event": "fault", "kind": fault.kind, "step": fault.step,
-                                                "rank": fault.rank, "attempt": fault.attempt})
-    log.error("injected fault: %s at step %d on rank %d (attempt %d)", fault.kind, fault.step, fault.rank,
-              fault.attempt)
+    append_event(
+        trainer.out / "events.jsonl",
+        {"event": "fault", "kind": fault.kind, "step": fault.step, "rank": fault.rank, "attempt": fault.attempt},
+    )
+    log.error(
+        "injected fault: %s at step %d on rank %d (attempt %d)", fault.kind, fault.step, fault.rank, fault.attempt
+    )
     if fault.kind == "exit":
         sys.stderr.flush()
         os._exit(17)
@@ -111,23 +116,44 @@ def run_config(root: Path, name: str, num_samples: int = 36, **train: Any) -> tu
     lengths = root / "lengths.txt"
     lengths.write_text("\n".join(str(16 + (53 * i) % 200) for i in range(num_samples)) + "\n")
     out = root / name
-    config = write_config(root / f"{name}.toml",
-                          model={"num_layers": 2, "hidden": 32, "num_heads": 4, "ffn_hidden": 64},
-                          data={"lengths": lengths},
-                          train={"tokens_per_step": 500, "out_dir": out, "checkpoint_every": 2, "step_timeout_s": 6,
-                                 "pg_timeout_s": 30, **train},
-                          profile={"cost": "analytic"})
+    config = write_config(
+        root / f"{name}.toml",
+        model={"num_layers": 2, "hidden": 32, "num_heads": 4, "ffn_hidden": 64},
+        data={"lengths": lengths},
+        train={
+            "tokens_per_step": 500,
+            "out_dir": out,
+            "checkpoint_every": 2,
+            "step_timeout_s": 6,
+            "pg_timeout_s": 30,
+            **train,
+        },
+        profile={"cost": "analytic"},
+    )
     return config, out
 
 
-def launch(config: Path, *, ranks: int = 2, fault: str = "", restarts: int = 0, cwd: Path | None = None,
-           timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(
+    config: Path, *, ranks: int = 2, fault: str = "", restarts: int = 0, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``config``'s run under torchrun (``ranks`` processes, ``restarts`` restarts) with the
     faults ``fault`` (a ``DCPARALLEL_FAULT`` value) fired by this module's hook."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env[FAULT_ENV] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", str(restarts), "-m", "tests.faults", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "tests.faults",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -20,14 +20,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 JOINT_KINDS = ("hunyuan", "cogvideox", "cogvideox15", "mochi")
 TEXT_TOKENS, TEXT_DIM = 5, 16
 #: latent (frames, height, width) per kind: 3, 9, 18 and 8 tokens (odd at SP 2, padded at SP 4)
-SHAPES = {"hunyuan": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
-          "cogvideox": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
-          "cogvideox15": [(2, 2, 6), (2, 6, 6), (4, 2, 2), (4, 4, 6)],
-          "mochi": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)]}  # frames in pairs: 3, 9, 2, 12 tokens
+SHAPES = {
+    "hunyuan": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
+    "cogvideox": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
+    "cogvideox15": [(2, 2, 6), (2, 6, 6), (4, 2, 2), (4, 4, 6)],
+    "mochi": [(3, 2, 2), (1, 6, 6), (3, 4, 6), (2, 4, 4)],
+}  # frames in pairs: 3, 9, 2, 12 tokens
 #: a mixed-resolution epoch per kind (several shapes per token count)
-MIX = {"hunyuan": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
-       "cogvideox": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
-       "mochi": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)]}
+MIX = {
+    "hunyuan": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
+    "cogvideox": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
+    "mochi": [(3, 2, 2), (1, 6, 2), (1, 2, 6), (3, 4, 6), (2, 4, 4), (1, 6, 6), (2, 6, 4), (1, 4, 4)],
+}
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
@@ -35,27 +39,55 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     if kind == "hunyuan":
         from diffusers import HunyuanVideoTransformer3DModel
 
-        return HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4,
-                                              attention_head_dim=8, num_layers=2, num_single_layers=2,
-                                              num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
-                                              text_embed_dim=TEXT_DIM, pooled_projection_dim=8,
-                                              rope_axes_dim=(2, 2, 4), guidance_embeds=True).float()
+        return HunyuanVideoTransformer3DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=2,
+            num_single_layers=2,
+            num_refiner_layers=1,
+            mlp_ratio=2.0,
+            patch_size=2,
+            patch_size_t=1,
+            text_embed_dim=TEXT_DIM,
+            pooled_projection_dim=8,
+            rope_axes_dim=(2, 2, 4),
+            guidance_embeds=True,
+        ).float()
     if kind in ("cogvideox", "cogvideox15"):
         from diffusers import CogVideoXTransformer3DModel
 
         # head dim 16: CogVideoX's 3D rotary splits a head into 1/4 time, 3/8 height, 3/8 width
-        return CogVideoXTransformer3DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                           out_channels=4, time_embed_dim=16, text_embed_dim=TEXT_DIM, num_layers=2,
-                                           sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
-                                           patch_size_t=2 if kind == "cogvideox15" else None,
-                                           max_text_seq_length=TEXT_TOKENS,
-                                           use_rotary_positional_embeddings=True).float()
+        return CogVideoXTransformer3DModel(
+            num_attention_heads=4,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=4,
+            time_embed_dim=16,
+            text_embed_dim=TEXT_DIM,
+            num_layers=2,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=9,
+            patch_size=2,
+            patch_size_t=2 if kind == "cogvideox15" else None,
+            max_text_seq_length=TEXT_TOKENS,
+            use_rotary_positional_embeddings=True,
+        ).float()
     if kind == "mochi":
         from diffusers import MochiTransformer3DModel
 
-        return MochiTransformer3DModel(patch_size=2, num_attention_heads=4, attention_head_dim=8, num_layers=2,
-                                       pooled_projection_dim=16, in_channels=4, text_embed_dim=TEXT_DIM,
-                                       time_embed_dim=16).float()
+        return MochiTransformer3DModel(
+            patch_size=2,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            num_layers=2,
+            pooled_projection_dim=16,
+            in_channels=4,
+            text_embed_dim=TEXT_DIM,
+            time_embed_dim=16,
+        ).float()
     raise ValueError(kind)
 
 
@@ -71,9 +103,12 @@ def make_data(kind: str, num_samples: int, seed: int) -> Data:
         items[i] = {"latents": docs[i], "encoder_hidden_states": torch.randn(TEXT_TOKENS, TEXT_DIM, generator=g)}
         if kind == "hunyuan":
             mask = torch.ones(TEXT_TOKENS, dtype=torch.long)
-            mask[TEXT_TOKENS - rng.randint(0, 2):] = 0
-            items[i] |= {"encoder_attention_mask": mask, "pooled_projections": torch.randn(8, generator=g),
-                         "guidance": torch.tensor(6.0)}
+            mask[TEXT_TOKENS - rng.randint(0, 2) :] = 0
+            items[i] |= {
+                "encoder_attention_mask": mask,
+                "pooled_projections": torch.randn(8, generator=g),
+                "guidance": torch.tensor(6.0),
+            }
         if kind == "mochi":
             mask = torch.ones(TEXT_TOKENS, dtype=torch.long)
             mask[rng.sample(range(TEXT_TOKENS), rng.randint(0, 2))] = 0
@@ -100,16 +135,31 @@ def _cogvideox_rotary(model: nn.Module, frames: int, height: int, width: int):
 
 def _velocity(model: nn.Module, kind: str, xt, t, it: dict):
     if kind == "hunyuan":
-        return model(xt, timestep=(t * 1000)[None], encoder_hidden_states=it["encoder_hidden_states"][None],
-                     encoder_attention_mask=it["encoder_attention_mask"][None],
-                     pooled_projections=it["pooled_projections"][None], guidance=it["guidance"].reshape(1) * 1000.0,
-                     return_dict=False)[0]
+        return model(
+            xt,
+            timestep=(t * 1000)[None],
+            encoder_hidden_states=it["encoder_hidden_states"][None],
+            encoder_attention_mask=it["encoder_attention_mask"][None],
+            pooled_projections=it["pooled_projections"][None],
+            guidance=it["guidance"].reshape(1) * 1000.0,
+            return_dict=False,
+        )[0]
     if kind == "mochi":
-        return model(xt, encoder_hidden_states=it["encoder_hidden_states"][None], timestep=(t * 1000)[None],
-                     encoder_attention_mask=it["encoder_attention_mask"][None], return_dict=False)[0]
+        return model(
+            xt,
+            encoder_hidden_states=it["encoder_hidden_states"][None],
+            timestep=(t * 1000)[None],
+            encoder_attention_mask=it["encoder_attention_mask"][None],
+            return_dict=False,
+        )[0]
     _, _, f, h, w = xt.shape
-    out = model(xt.transpose(1, 2), encoder_hidden_states=it["encoder_hidden_states"][None],
-                timestep=(t * 1000)[None], image_rotary_emb=_cogvideox_rotary(model, f, h, w), return_dict=False)[0]
+    out = model(
+        xt.transpose(1, 2),
+        encoder_hidden_states=it["encoder_hidden_states"][None],
+        timestep=(t * 1000)[None],
+        image_rotary_emb=_cogvideox_rotary(model, f, h, w),
+        return_dict=False,
+    )[0]
     return out.transpose(1, 2)
 
 
@@ -129,8 +179,7 @@ def reference(model: nn.Module, data: Data, sample_ids, seed: int = 0, epoch: in
         count += se.numel()
     loss = torch.stack(losses).sum() / count
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                  if p.grad is not None}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 class JointVideoSet:

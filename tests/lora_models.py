@@ -19,8 +19,9 @@ LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 WAN_LINEARS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 
-def build(kind: str, seed: int = 0, base_dtype: torch.dtype | None = None, adapter_seed: int | None = None
-          ) -> nn.Module:
+def build(
+    kind: str, seed: int = 0, base_dtype: torch.dtype | None = None, adapter_seed: int | None = None
+) -> nn.Module:
     """The model of ``kind``, the same for the same seeds (``adapter_seed``: the adapters'
     initialization, default ``seed + 1``). ``base_dtype``: the frozen parameters cast to it
     (the adapters stay fp32)."""
@@ -29,11 +30,20 @@ def build(kind: str, seed: int = 0, base_dtype: torch.dtype | None = None, adapt
     model = adapter_models.build(BASE[kind], seed)
     torch.manual_seed(seed + 1 if adapter_seed is None else adapter_seed)
     if kind == "lora-llama":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_LINEARS,
-                                                 init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_LINEARS, init_lora_weights=False)
+        )
     elif kind == "dora-emb-llama":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, use_dora=True, init_lora_weights=False,
-                                                 target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=4,
+                use_dora=True,
+                init_lora_weights=False,
+                target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"],
+            ),
+        )
     elif kind == "lora-wan":
         model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=WAN_LINEARS, init_lora_weights=False))
     elif kind == "frozen-llama":  # a frozen text part: the embeddings and the first block

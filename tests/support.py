@@ -29,9 +29,7 @@ def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
         return Llama(
-            LlamaConfig.tiny(
-                num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48, vocab_size=64
-            )
+            LlamaConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, ffn_hidden=48, vocab_size=64)
         )
     if kind == "llama-tied":
         return Llama(
@@ -47,9 +45,7 @@ def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
     if kind == "dit":
         return DiT(DiTConfig.tiny(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, hidden=32, freq_dim=16))
     if kind == "dit-factorized":
-        return DiT(
-            DiTConfig.tiny(num_layers=4, num_heads=NUM_HEADS, hidden=32, freq_dim=16, attention="factorized")
-        )
+        return DiT(DiTConfig.tiny(num_layers=4, num_heads=NUM_HEADS, hidden=32, freq_dim=16, attention="factorized"))
     raise ValueError(kind)
 
 
@@ -120,15 +116,21 @@ def random_plan(
         half = world // 2
         if min_size > 1:
             k = max(half, min_size)
-            blocks = [(0, b) for b in [tuple(range(k))] + [tuple(range(r, r + min_size))
-                                                         for r in range(k, world, min_size)]]
+            blocks = [
+                (0, b) for b in [tuple(range(k))] + [tuple(range(r, r + min_size)) for r in range(k, world, min_size)]
+            ]
         else:
-            blocks = [(0, b) for b in ([tuple(range(half))] if half > 1 else [(0,)])
-                      + [(r,) for r in range(max(half, 1), world)]]
+            blocks = [
+                (0, b)
+                for b in ([tuple(range(half))] if half > 1 else [(0,)]) + [(r,) for r in range(max(half, 1), world)]
+            ]
     elif mode == "phases":
         narrow = allowed[:-1] or allowed
-        blocks = ([(0, b) for b in _tile(0, world, rng, narrow)] + [(1, tuple(range(world)))]
-                  + [(2, b) for b in _tile(0, world, rng, narrow)])
+        blocks = (
+            [(0, b) for b in _tile(0, world, rng, narrow)]
+            + [(1, tuple(range(world)))]
+            + [(2, b) for b in _tile(0, world, rng, narrow)]
+        )
     else:
         blocks = [(0, b) for b in _tile(0, world, rng, allowed)]
     assigned: dict[tuple[int, tuple[int, ...]], list[int]] = {b: [] for b in blocks}
@@ -192,9 +194,7 @@ def reference(
             g = torch.Generator().manual_seed(sample_seed(seed, epoch, sid))
             x0 = data.docs[sid]
             t, noise = draw_flow(g, x0.shape[0], x0.shape[1])
-            ptl = flow_matching_loss(
-                model, x0[None], data.positions[sid][None], t[None], noise[None], data.frames[sid]
-            )
+            ptl = flow_matching_loss(model, x0[None], data.positions[sid][None], t[None], noise[None], data.frames[sid])
             mask = torch.ones_like(ptl, dtype=torch.bool)
         losses.append(ptl[mask].sum())
         count += float(mask.sum())
@@ -205,9 +205,7 @@ def reference(
     return total, grads
 
 
-def run_rank_step(
-    dc: Engine, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False
-) -> float:
+def run_rank_step(dc: Engine, data: Data, plan: StepPlan, rank: int, backward_outside: bool = False) -> float:
     """This rank's micro-batches of the plan, then the step's gradient sync.
     ``backward_outside``: call backward after the micro-batch block has exited."""
     model = dc.model
@@ -246,8 +244,7 @@ def reference_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     """torch's AdamW as ZeroAdamW(lr=1e-2, weight_decay=0.1) is set up: decay on matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                             lr=1e-2)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=1e-2)
 
 
 def capped(plan: StepPlan, num_layers: int) -> StepPlan:
@@ -256,9 +253,15 @@ def capped(plan: StepPlan, num_layers: int) -> StepPlan:
 
     def cap(mb: MicroBatch) -> MicroBatch:
         rc = mb.layout.recompute
-        return MicroBatch(mb.sample_ids, Layout(mb.layout.sp, mb.layout.mbs,
-                                                Recompute(min(rc.attn, num_layers), min(rc.mlp, num_layers)),
-                                                mb.layout.ring))
+        return MicroBatch(
+            mb.sample_ids,
+            Layout(
+                mb.layout.sp,
+                mb.layout.mbs,
+                Recompute(min(rc.attn, num_layers), min(rc.mlp, num_layers)),
+                mb.layout.ring,
+            ),
+        )
 
     groups = tuple(GroupPlan(g.ranks, tuple(cap(mb) for mb in g.micro_batches), g.phase) for g in plan.groups)
     return StepPlan(plan.index, plan.sample_ids, groups, plan.num_tokens)

@@ -13,16 +13,21 @@ from pathlib import Path
 import torch
 
 SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 #: the same rendering with transformers' {% generation %} markers around assistant turns
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
     "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-WORDS = ("red green blue cyan pink gold gray black white one two three four five six seven eight nine "
-         "what is the color of sky grass sun snow coal count after before say repeat please word next").split()
+WORDS = (
+    "red green blue cyan pink gold gray black white one two three four five six seven eight nine "
+    "what is the color of sky grass sun snow coal count after before say repeat please word next"
+).split()
 
 
 def conversations(n: int, seed: int = 0) -> list[dict]:
@@ -48,8 +53,14 @@ def tokenizer(template: str = CHAT_TEMPLATE):
     vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set(WORDS) | {"system", "user", "assistant"}))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = template
     return fast
 
@@ -59,17 +70,34 @@ def llama_dir(path: Path, vocab_size: int, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, torch_dtype="float32")
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").save_pretrained(path)
     tokenizer().save_pretrained(path)
     return path
 
 
-WAN_CONFIG = {"patch_size": [1, 2, 2], "num_attention_heads": 4, "attention_head_dim": 8, "in_channels": 4,
-              "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2,
-              "rope_max_seq_len": 32}
+WAN_CONFIG = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 4,
+    "attention_head_dim": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 16,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "rope_max_seq_len": 32,
+}
 
 
 def wan_dir(path: Path, seed: int = 0) -> Path:
@@ -85,8 +113,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def latents_manifest(root: Path, shapes: list[tuple[int, int, int]], *, text_tokens: int = 4, channels: int = 4,
-                     text_dim: int = 16, fmt: str = "safetensors", seed: int = 0) -> Path:
+def latents_manifest(
+    root: Path,
+    shapes: list[tuple[int, int, int]],
+    *,
+    text_tokens: int = 4,
+    channels: int = 4,
+    text_dim: int = 16,
+    fmt: str = "safetensors",
+    seed: int = 0,
+) -> Path:
     """Latent files (C, F, H, W) and text embeddings (T, text_dim) per clip, and a JSONL
     manifest naming them (paths relative to the manifest) with frames / height / width."""
     from safetensors.torch import save_file
@@ -103,8 +139,9 @@ def latents_manifest(root: Path, shapes: list[tuple[int, int, int]], *, text_tok
                 save_file({"latents" if name == "lat" else "text_embeddings": tensor}, root / f"{name}{i}.safetensors")
             else:
                 torch.save(tensor, root / f"{name}{i}.pt")
-        rows.append({"latents": f"lat{i}.{fmt}", "text_embeddings": f"txt{i}.{fmt}", "frames": f, "height": h,
-                     "width": w})
+        rows.append(
+            {"latents": f"lat{i}.{fmt}", "text_embeddings": f"txt{i}.{fmt}", "frames": f, "height": h, "width": w}
+        )
     return write_jsonl(root / "manifest.jsonl", rows)
 
 
@@ -117,8 +154,11 @@ def write_config(path: Path, **sections: dict) -> Path:
             return "true" if v else "false"
         return json.dumps(str(v)) if isinstance(v, (str, Path)) else repr(v)
 
-    path.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
-                            for name, keys in sections.items()))
+    path.write_text(
+        "".join(
+            f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) for name, keys in sections.items()
+        )
+    )
     return path
 
 
@@ -127,12 +167,24 @@ def chat_run(root: Path, *, world: int, wandb: bool = False) -> Path:
     it (warmup + cosine, clipping, eval split, TensorBoard, export); the config's path."""
     model = llama_dir(root / "model", len(tokenizer()))
     chat = write_jsonl(root / "chat.jsonl", conversations(40, seed=0))
-    return write_config(root / "run.toml", model={"pretrained": model},
-                        data={"path": chat, "format": "chat", "max_tokens": 64, "eval_fraction": 0.1},
-                        train={"tokens_per_step": 300 * world, "epochs": 3, "lr": 0.01, "warmup_steps": 2,
-                               "schedule": "cosine", "max_grad_norm": 1.0, "eval_every": 3, "out_dir": root / "run",
-                               "export_dir": root / "final"},
-                        log={"tensorboard": True, "wandb": wandb}, profile={"cost": "analytic"})
+    return write_config(
+        root / "run.toml",
+        model={"pretrained": model},
+        data={"path": chat, "format": "chat", "max_tokens": 64, "eval_fraction": 0.1},
+        train={
+            "tokens_per_step": 300 * world,
+            "epochs": 3,
+            "lr": 0.01,
+            "warmup_steps": 2,
+            "schedule": "cosine",
+            "max_grad_norm": 1.0,
+            "eval_every": 3,
+            "out_dir": root / "run",
+            "export_dir": root / "final",
+        },
+        log={"tensorboard": True, "wandb": wandb},
+        profile={"cost": "analytic"},
+    )
 
 
 def wan_run(root: Path, *, copies: int, tokens_per_step: int, schedule: str) -> Path:
@@ -141,11 +193,23 @@ def wan_run(root: Path, *, copies: int, tokens_per_step: int, schedule: str) -> 
     W&B offline, analytic cost); the config's path."""
     wan_dir(root / "wan")
     manifest = latents_manifest(root, [(1, 4, 4), (2, 4, 4), (1, 4, 6), (2, 4, 6)] * copies)
-    return write_config(root / "run.toml", model={"pretrained": root / "wan"},
-                        data={"path": manifest, "eval_fraction": 0.2},
-                        train={"tokens_per_step": tokens_per_step, "epochs": 3, "lr": 0.003, "warmup_steps": 1,
-                               "schedule": schedule, "max_grad_norm": 0.5, "eval_every": 2, "out_dir": root / "run"},
-                        log={"tensorboard": True, "wandb": True}, profile={"cost": "analytic"})
+    return write_config(
+        root / "run.toml",
+        model={"pretrained": root / "wan"},
+        data={"path": manifest, "eval_fraction": 0.2},
+        train={
+            "tokens_per_step": tokens_per_step,
+            "epochs": 3,
+            "lr": 0.003,
+            "warmup_steps": 1,
+            "schedule": schedule,
+            "max_grad_norm": 0.5,
+            "eval_every": 2,
+            "out_dir": root / "run",
+        },
+        log={"tensorboard": True, "wandb": True},
+        profile={"cost": "analytic"},
+    )
 
 
 def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:
@@ -183,8 +247,9 @@ def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:
     last = sorted((run / "checkpoint").glob("step_*"))[-1]
     trained.load_state_dict(torch.load(last / "rank0.pt", weights_only=True)["model"])  # the engine's weights
     tok = AutoTokenizer.from_pretrained(root / "final", local_files_only=True)
-    ids = torch.tensor([tok.apply_chat_template(conversations(1, seed=9)[0]["messages"], tokenize=True,
-                                                return_dict=True)["input_ids"]])
+    ids = torch.tensor(
+        [tok.apply_chat_template(conversations(1, seed=9)[0]["messages"], tokenize=True, return_dict=True)["input_ids"]]
+    )
     with torch.no_grad():
         a, b, c = (m(input_ids=ids).logits for m in (initial, exported, trained))
     assert (a - b).abs().max() > 1e-2  # fine-tuned
@@ -214,8 +279,9 @@ def pytest_approx(x: float, rel: float = 1e-6):
     return pytest.approx(x, rel=rel)  # TensorBoard stores float32
 
 
-def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps: int = 3,
-                            autocast: bool = False) -> list[float]:
+def trainer_reference_steps(
+    ref, data, *, seed: int, tokens_per_step: int, steps: int = 3, autocast: bool = False
+) -> list[float]:
     """dcparallel's own loop with what the integration tests give the Trainer (AdamW lr 0.01,
     weight decay 0.01, linear schedule with 1 warmup step, clipping at 0.5): the first
     ``steps`` step losses; ``ref`` is trained in place. ``autocast``: each forward under CPU
@@ -227,8 +293,9 @@ def trainer_reference_steps(ref, data, *, seed: int, tokens_per_step: int, steps
     import dcparallel
 
     dc = dcparallel.DataCentricParallel(ref, seed=seed)
-    loader = dc.prepare(data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=tokens_per_step,
-                        cost="analytic")
+    loader = dc.prepare(
+        data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=tokens_per_step, cost="analytic"
+    )
     opt = dc.optimizer(lr=0.01, weight_decay=0.01)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=steps)
     losses = []
@@ -260,5 +327,6 @@ def analytic_arguments(monkeypatch) -> None:
 
     from dcparallel.integrations import hf_trainer
 
-    monkeypatch.setattr(hf_trainer, "DataCentricArguments",
-                        functools.partial(hf_trainer.DataCentricArguments, cost="analytic"))
+    monkeypatch.setattr(
+        hf_trainer, "DataCentricArguments", functools.partial(hf_trainer.DataCentricArguments, cost="analytic")
+    )

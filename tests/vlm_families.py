@@ -48,16 +48,35 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
     import transformers
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
-    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, temporal_patch_size=2,
-                  spatial_merge_size=2, out_hidden_size=32, in_channels=3, initializer_range=0.1)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=24,
+        num_heads=2,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=32,
+        in_channels=3,
+        initializer_range=0.1,
+    )
     tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     if kind == "qwen2.5-vl":
         vision |= dict(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
-        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
-                                            pad_token_id=0, **tokens)
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1, pad_token_id=0, **tokens
+        )
         cls, projectors = transformers.Qwen2_5_VLForConditionalGeneration, ("merger.",)
     elif kind == "qwen2-vl":  # the tower's width is embed_dim, its output hidden_size
         vision = {k: v for k, v in vision.items() if k not in ("hidden_size", "intermediate_size", "out_hidden_size")}
@@ -72,37 +91,89 @@ def build(kind: str = "qwen2.5-vl", seed: int = 0, *, freeze_vision: bool = Fals
         cls, projectors = transformers.Qwen3VLForConditionalGeneration, ("merger.", "deepstack_merger_list.")
     elif kind == "internvl":  # tiles of 8 x 8 pixels, patches of 2: 16 patches, 4 tokens after the shuffle
         text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="qwen2")
-        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-                      image_size=TILE, patch_size=2, initializer_range=0.1, layer_scale_init_value=0.5)
-        cfg = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                          image_seq_length=4)
+        vision = dict(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=TILE,
+            patch_size=2,
+            initializer_range=0.1,
+            layer_scale_init_value=0.5,
+        )
+        cfg = transformers.InternVLConfig(
+            text_config=text, vision_config=vision, image_token_id=IMAGE, image_seq_length=4
+        )
         cls, projectors = transformers.InternVLForConditionalGeneration, ()
     elif kind in MASKED:  # the same tiles; a Llama decoder, the pixel-shuffle connector (scale 2) outside the tower
         text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="llama")
-        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-                      image_size=TILE, patch_size=2, initializer_range=0.1)
+        vision = dict(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=TILE,
+            patch_size=2,
+            initializer_range=0.1,
+        )
         config = transformers.Idefics3Config if kind == "idefics3" else transformers.SmolVLMConfig
         cfg = config(text_config=text, vision_config=vision, image_token_id=IMAGE, scale_factor=2)
         cls = getattr(transformers, config.__name__.replace("Config", "ForConditionalGeneration"))
         projectors = ()
     elif kind == "gemma3":  # sliding window 3 < an image's 4 tokens: the window cuts into image blocks
-        text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=3,
-                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
-                    initializer_range=0.1)
-        vision = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-                      image_size=TILE, patch_size=2, vision_use_head=False)  # as Gemma 3's checkpoints
-        cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                        image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
-                                        initializer_range=0.1)
+        text = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=512,
+            initializer_range=0.1,
+        )
+        vision = dict(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=TILE,
+            patch_size=2,
+            vision_use_head=False,
+        )  # as Gemma 3's checkpoints
+        cfg = transformers.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=IMAGE,
+            boi_token_index=START,
+            eoi_token_index=END,
+            initializer_range=0.1,
+        )
         cls, projectors = transformers.Gemma3ForConditionalGeneration, ()
     elif kind == "llava-ov":  # SigLIP over 8 x 8 tiles (16 features each), a Qwen2 decoder
         text = {k: v for k, v in text.items() if k != "rope_parameters"} | dict(model_type="qwen2")
-        vision = dict(model_type="siglip_vision_model", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=24, image_size=TILE, patch_size=2, vision_use_head=False)
-        cfg = transformers.LlavaOnevisionConfig(text_config=text, vision_config=vision, image_token_index=IMAGE,
-                                                video_token_index=VIDEO, vision_feature_layer=-1,
-                                                image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]])
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=TILE,
+            patch_size=2,
+            vision_use_head=False,
+        )
+        cfg = transformers.LlavaOnevisionConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_index=IMAGE,
+            video_token_index=VIDEO,
+            vision_feature_layer=-1,
+            image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]],
+        )
         cls, projectors = transformers.LlavaOnevisionForConditionalGeneration, ()
     else:
         raise ValueError(f"unknown family {kind!r}; one of {KINDS}")
@@ -158,8 +229,14 @@ def _sample(rng: random.Random, images: list[tuple], video: tuple | None, timest
     return out
 
 
-def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, timestamps: bool,
-                  masked: bool = False, single: bool = False) -> dict:
+def _tiled_sample(
+    rng: random.Random,
+    images: list[tuple],
+    video: tuple | None,
+    timestamps: bool,
+    masked: bool = False,
+    single: bool = False,
+) -> dict:
     """InternVL: image i of the layout as TILES[its resolution's index] tiles (no videos).
     ``masked`` (Idefics3, SmolVLM; with the processor's batch dim of 1): a ``pixel_attention_mask``
     too, each image's last tile (its global view, resized) padded on the right by 2 to 4 pixel
@@ -173,7 +250,7 @@ def _tiled_sample(rng: random.Random, images: list[tuple], video: tuple | None, 
         ids += [START] + [IMAGE] * (4 * n) + [END] + _text(rng, rng.randint(1, 4))
         tiles, mask = torch.randn(n, 3, TILE, TILE, generator=g), torch.ones(n, TILE, TILE, dtype=torch.long)
         if masked:
-            mask[-1, :, TILE - rng.randint(2, 4):] = 0
+            mask[-1, :, TILE - rng.randint(2, 4) :] = 0
         pix.append(tiles * mask[:, None])
         masks.append(mask)
     if masked and len(images) > 1:
@@ -206,7 +283,7 @@ def _anyres_sample(rng: random.Random, images: list[tuple], video: tuple | None,
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for i, n in enumerate(llava_tokens(cfg, grids) if images else []):
         ids += [IMAGE] * n + _text(rng, rng.randint(1, 4))
-        pix[i, :tiles[i]] = torch.randn(tiles[i], 3, TILE, TILE, generator=g)
+        pix[i, : tiles[i]] = torch.randn(tiles[i], 3, TILE, TILE, generator=g)
     prompt = len(ids)
     ids += _text(rng, rng.randint(3, 9))
     labels = [IGNORE_INDEX] * (prompt - 1) + ids[prompt:] + [IGNORE_INDEX]
@@ -222,16 +299,28 @@ def make_data(num_samples: int, seed: int, kind: str = "qwen2.5-vl") -> SimpleNa
     """The mix, shuffled by ``seed``: text-only, each image resolution alone, two and three
     images in one sample, a video (with an image before it), repeated to ``num_samples``."""
     rng = random.Random(seed)
-    layouts = [([], None), ([IMAGE_GRIDS[0]], None), ([IMAGE_GRIDS[1]], None), ([IMAGE_GRIDS[2]], None),
-               ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None), ([], VIDEO_GRID), (IMAGE_GRIDS, None),
-               ([IMAGE_GRIDS[1]], VIDEO_GRID), ([], None)]
+    layouts = [
+        ([], None),
+        ([IMAGE_GRIDS[0]], None),
+        ([IMAGE_GRIDS[1]], None),
+        ([IMAGE_GRIDS[2]], None),
+        ([IMAGE_GRIDS[0], IMAGE_GRIDS[2]], None),
+        ([], VIDEO_GRID),
+        (IMAGE_GRIDS, None),
+        ([IMAGE_GRIDS[1]], VIDEO_GRID),
+        ([], None),
+    ]
     rng.shuffle(layouts)
     if kind == "llava-ov":  # images only
         layouts = [(im, None) for im, _ in layouts]
-    samples = [_anyres_sample(rng, *layouts[i % len(layouts)], False) if kind == "llava-ov"
-               else _tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED, kind == "gemma3")
-               if kind in TILED
-               else _sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl") for i in range(num_samples)]
+    samples = [
+        _anyres_sample(rng, *layouts[i % len(layouts)], False)
+        if kind == "llava-ov"
+        else _tiled_sample(rng, *layouts[i % len(layouts)], False, kind in MASKED, kind == "gemma3")
+        if kind in TILED
+        else _sample(rng, *layouts[i % len(layouts)], timestamps=kind == "qwen3-vl")
+        for i in range(num_samples)
+    ]
     if kind != "qwen2.5-vl":  # only Qwen2.5-VL's positions take seconds per temporal step
         for s in samples:
             s.pop("second_per_grid_ts", None)
@@ -259,9 +348,20 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
     for sid in sample_ids:
         s = data.samples[sid]
         ids = s["input_ids"][None]
-        kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                "second_per_grid_ts", "pixel_attention_mask", "image_sizes", "batch_num_images")
-              if k in s}
+        kw = {
+            k: s[k]
+            for k in (
+                "pixel_values",
+                "image_grid_thw",
+                "pixel_values_videos",
+                "video_grid_thw",
+                "second_per_grid_ts",
+                "pixel_attention_mask",
+                "image_sizes",
+                "batch_num_images",
+            )
+            if k in s
+        }
         if "Qwen" in type(model).__name__:  # the model computes its M-RoPE positions from these
             kw["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
         if "Gemma3" in type(model).__name__:  # its image tokens' bidirectional mask
@@ -273,8 +373,11 @@ def reference(model: nn.Module, data: SimpleNamespace, sample_ids) -> tuple[floa
     loss.backward()
     # a parameter the forward never reads (LLaVA-OneVision's tower's post_layernorm: its features are
     # the last hidden state before it) has a zero gradient
-    return float(loss.detach()), {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                                  for n, p in model.named_parameters() if p.requires_grad}
+    return float(loss.detach()), {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _llava_config():

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import torch
 
-SPECIALS = ["<unk>", "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-            "<|image_pad|>", "<|video_pad|>"]
+SPECIALS = [
+    "<unk>",
+    "<pad>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 220)}
 WORDS = sorted(set(COLORS) | set("what color is this and say please system user assistant".split()))
 #: the image sizes (width, height): patch grids (1, 8, 8), (1, 8, 12), (1, 12, 16), i.e. 16, 24
@@ -23,7 +32,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tokenizer():
@@ -33,8 +43,13 @@ def tokenizer():
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token="<|endoftext|>", additional_special_tokens=SPECIALS[3:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[3:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -42,8 +57,9 @@ def tokenizer():
 def image_processor():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2,
-                                    size={"shortest_edge": 16, "longest_edge": 64 * 64})
+    return Qwen2VLImageProcessorPil(
+        patch_size=2, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 16, "longest_edge": 64 * 64}
+    )
 
 
 def save_processor(path: Path) -> Path:
@@ -59,18 +75,46 @@ def qwen25_vl_dir(path: Path, seed: int = 0) -> Path:
     import transformers
 
     tok = tokenizer()
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (("image_token_id", "<|image_pad|>"),
-           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-           ("vision_end_token_id", "<|vision_end|>"))}
+    ids = {
+        name: tok.convert_tokens_to_ids(t)
+        for name, t in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(seed)
-    text = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=tok.pad_token_id, vocab_size=len(tok),
-                hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=1024, initializer_range=0.1,
-                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
-    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, temporal_patch_size=2,
-                  spatial_merge_size=2, out_hidden_size=32, in_channels=3, initializer_range=0.1, window_size=8,
-                  fullatt_block_indexes=[1], tokens_per_second=2)
+    text = dict(
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=24,
+        num_heads=2,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=32,
+        in_channels=3,
+        initializer_range=0.1,
+        window_size=8,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+    )
     cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").float()
     model.save_pretrained(path)
@@ -96,8 +140,10 @@ def chats(root: Path, n: int, seed: int = 0) -> list[dict]:
         kind = i % 4
         if kind == 3:
             words = [rng.choice(sorted(COLORS)) for _ in range(rng.randint(2, 4))]
-            msgs = [{"role": "user", "content": "say " + " ".join(words)},
-                    {"role": "assistant", "content": " ".join(reversed(words))}]
+            msgs = [
+                {"role": "user", "content": "say " + " ".join(words)},
+                {"role": "assistant", "content": " ".join(reversed(words))},
+            ]
             out.append({"messages": msgs})
             continue
         colors = [rng.choice(sorted(COLORS)) for _ in range(2 if kind == 2 else 1)]
@@ -107,8 +153,10 @@ def chats(root: Path, n: int, seed: int = 0) -> list[dict]:
             draw(root / name, SIZES[(i + j) % len(SIZES)], c)
             content.append({"type": "image", "image": name})
         content.append({"type": "text", "text": "what color is this"})
-        msgs = [{"role": "user", "content": content},
-                {"role": "assistant", "content": [{"type": "text", "text": " and ".join(colors)}]}]
+        msgs = [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": " and ".join(colors)}]},
+        ]
         out.append({"messages": msgs})
     return out
 

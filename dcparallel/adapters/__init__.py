@@ -17,5 +17,12 @@ from dcparallel.adapters.base import (
 )
 from dcparallel.adapters.find import find_adapter
 
-__all__ = ["LossFn", "ModelAdapter", "SampleFn", "derive_spec", "find_adapter", "positional_lm_loss",
-           "protocol_adapter"]
+__all__ = [
+    "LossFn",
+    "ModelAdapter",
+    "SampleFn",
+    "derive_spec",
+    "find_adapter",
+    "positional_lm_loss",
+    "protocol_adapter",
+]

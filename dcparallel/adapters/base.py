@@ -77,17 +77,24 @@ class ModelAdapter:
     def __post_init__(self) -> None:
         self.blocks = list(self.blocks)
         if not self.blocks:
-            raise ValueError(f"{self.name}: the model has no repeated blocks (layers); pass layers=[...] "
-                             f"with its transformer blocks")
+            raise ValueError(
+                f"{self.name}: the model has no repeated blocks (layers); pass layers=[...] with its transformer blocks"
+            )
         if self.blocks_per_layer < 1 or len(self.blocks) % self.blocks_per_layer:
-            raise ValueError(f"{self.name}: {len(self.blocks)} blocks do not split into planner layers of "
-                             f"{self.blocks_per_layer}; pass blocks_per_layer dividing the number of blocks")
+            raise ValueError(
+                f"{self.name}: {len(self.blocks)} blocks do not split into planner layers of "
+                f"{self.blocks_per_layer}; pass blocks_per_layer dividing the number of blocks"
+            )
         if self.spec.num_layers * self.blocks_per_layer != len(self.blocks):
-            raise ValueError(f"{self.name}: the spec has {self.spec.num_layers} layers of {self.blocks_per_layer} "
-                             f"blocks, but the model has {len(self.blocks)} blocks")
+            raise ValueError(
+                f"{self.name}: the spec has {self.spec.num_layers} layers of {self.blocks_per_layer} "
+                f"blocks, but the model has {len(self.blocks)} blocks"
+            )
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: {self.num_heads} query heads and {self.num_kv_heads} key/value heads: "
-                             f"the key/value heads must divide the query heads")
+            raise ValueError(
+                f"{self.name}: {self.num_heads} query heads and {self.num_kv_heads} key/value heads: "
+                f"the key/value heads must divide the query heads"
+            )
 
     def layer_of(self, block_index: int) -> int:
         """The planner layer (`Recompute` counts these) that block ``block_index`` belongs to."""
@@ -116,10 +123,21 @@ def count_params(modules: Sequence[nn.Module], frozen: bool | None = None) -> in
     return sum(seen.values())
 
 
-def derive_spec(model: nn.Module, blocks: Sequence[nn.Module], *, name: str, kind: str, hidden: int,
-                num_heads: int, ffn_hidden: int, attention: str, blocks_per_layer: int = 1,
-                attn_modules: Callable[[nn.Module], list[nn.Module]] = _no_modules,
-                mlp_modules: Callable[[nn.Module], list[nn.Module]] = _no_modules, **extra: Any) -> ModelSpec:
+def derive_spec(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    *,
+    name: str,
+    kind: str,
+    hidden: int,
+    num_heads: int,
+    ffn_hidden: int,
+    attention: str,
+    blocks_per_layer: int = 1,
+    attn_modules: Callable[[nn.Module], list[nn.Module]] = _no_modules,
+    mlp_modules: Callable[[nn.Module], list[nn.Module]] = _no_modules,
+    **extra: Any,
+) -> ModelSpec:
     """The planner's `ModelSpec` of a real model with its exact parameter counts: per planner
     layer (``blocks_per_layer`` consecutive blocks) the parameters of the attention and MLP
     sub-modules and the rest of the blocks; what is outside the blocks is ``extra_params``."""
@@ -130,11 +148,23 @@ def derive_spec(model: nn.Module, blocks: Sequence[nn.Module], *, name: str, kin
     num_layers = len(blocks) // blocks_per_layer
     total = count_params([model])
     bytes_per_value = next(model.parameters()).element_size()
-    spec = ModelSpec(name=name, kind=kind, num_layers=num_layers, hidden=hidden, num_heads=num_heads,
-                     ffn_hidden=ffn_hidden, attention=attention, attn_params=attn, mlp_params=mlp,
-                     other_params=other, extra_params=total - num_layers * (attn + mlp + other),
-                     attn_per_layer=blocks_per_layer, bytes_per_value=bytes_per_value,
-                     frozen_params=count_params([model], frozen=True), **extra)
+    spec = ModelSpec(
+        name=name,
+        kind=kind,
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden,
+        attention=attention,
+        attn_params=attn,
+        mlp_params=mlp,
+        other_params=other,
+        extra_params=total - num_layers * (attn + mlp + other),
+        attn_per_layer=blocks_per_layer,
+        bytes_per_value=bytes_per_value,
+        frozen_params=count_params([model], frozen=True),
+        **extra,
+    )
     assert spec.num_params == total, (spec.num_params, total)
     return spec
 
@@ -150,11 +180,17 @@ def averaged_spec(model: nn.Module, blocks: Sequence[nn.Module], attn_modules, m
     mlp = sum(count_params(mlp_modules(b)) for b in blocks) // n
     other = sum(count_params([b]) for b in blocks) // n - attn - mlp
     total = count_params([model])
-    spec = ModelSpec(num_layers=n, attn_params=attn, mlp_params=mlp, other_params=other,
-                     extra_params=total - n * (attn + mlp + other),
-                     max_unit_params=max(count_params([b]) for b in blocks),
-                     bytes_per_value=next(model.parameters()).element_size(),
-                     frozen_params=count_params([model], frozen=True), **fields)
+    spec = ModelSpec(
+        num_layers=n,
+        attn_params=attn,
+        mlp_params=mlp,
+        other_params=other,
+        extra_params=total - n * (attn + mlp + other),
+        max_unit_params=max(count_params([b]) for b in blocks),
+        bytes_per_value=next(model.parameters()).element_size(),
+        frozen_params=count_params([model], frozen=True),
+        **fields,
+    )
     assert spec.num_params == total, (spec.num_params, total)
     return spec
 
@@ -163,8 +199,10 @@ def embedding_vocab(model: nn.Module) -> int:
     """The vocabulary of a text model: rows of its first `nn.Embedding`."""
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if emb is None:
-        raise ValueError(f"{type(model).__name__} has no nn.Embedding to read the vocabulary from; pass "
-                         f"sample_fn= (a synthetic dataset item per size) to profile it")
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Embedding to read the vocabulary from; pass "
+            f"sample_fn= (a synthetic dataset item per size) to profile it"
+        )
     return emb.num_embeddings
 
 
@@ -189,11 +227,23 @@ FAMILY_ARGS = {
 }
 
 
-def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
-                     num_kv_heads: int | None = None, kind: str = "text", attention: str | None = None,
-                     hidden: int | None = None, ffn_hidden: int | None = None, blocks_per_layer: int = 1,
-                     loss_fn: LossFn | None = None, sample_fn: SampleFn | None = None, collate: Any = "auto",
-                     name: str | None = None, **family_args: Any) -> ModelAdapter:
+def protocol_adapter(
+    model: nn.Module,
+    *,
+    layers: Sequence[nn.Module] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    kind: str = "text",
+    attention: str | None = None,
+    hidden: int | None = None,
+    ffn_hidden: int | None = None,
+    blocks_per_layer: int = 1,
+    loss_fn: LossFn | None = None,
+    sample_fn: SampleFn | None = None,
+    collate: Any = "auto",
+    name: str | None = None,
+    **family_args: Any,
+) -> ModelAdapter:
     """Any `nn.Module` that follows the small protocol:
 
     * ``model.set_attention(fn)`` installs the attention function every block calls as
@@ -211,23 +261,30 @@ def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = N
     who = type(model).__name__
     if family_args:
         meant = {k: FAMILY_ARGS.get(k, "no adapter of dcparallel") for k in sorted(family_args)}
-        raise ValueError(f"{who} follows dcparallel's model protocol, which takes no "
-                         + ", ".join(f"{k}= (an argument of {v})" for k, v in meant.items())
-                         + "; leave it out, or give the protocol's own arguments (layers, num_heads, num_kv_heads, "
-                           "kind, attention, hidden, ffn_hidden, blocks_per_layer, loss_fn, sample_fn, collate, name)")
+        raise ValueError(
+            f"{who} follows dcparallel's model protocol, which takes no "
+            + ", ".join(f"{k}= (an argument of {v})" for k, v in meant.items())
+            + "; leave it out, or give the protocol's own arguments (layers, num_heads, num_kv_heads, "
+            "kind, attention, hidden, ffn_hidden, blocks_per_layer, loss_fn, sample_fn, collate, name)"
+        )
     missing = []
     if not hasattr(model, "set_attention"):
-        missing.append("set_attention(fn): a method that installs the attention function every block calls "
-                       "(see dcparallel.models.attention.AttentionFn)")
+        missing.append(
+            "set_attention(fn): a method that installs the attention function every block calls "
+            "(see dcparallel.models.attention.AttentionFn)"
+        )
     if layers is None:
         layers = getattr(model, "layers", None)
         if layers is None:
-            missing.append("layers: pass layers=[...] (the repeated transformer blocks) or give the model a "
-                           ".layers ModuleList")
+            missing.append(
+                "layers: pass layers=[...] (the repeated transformer blocks) or give the model a .layers ModuleList"
+            )
     own_heads = getattr(getattr(model, "cfg", None), "num_heads", None)
     if num_heads is not None and own_heads is not None and num_heads != own_heads:
-        raise ValueError(f"num_heads={num_heads} but {who} has {own_heads} attention heads (model.cfg.num_heads); "
-                         f"leave num_heads out or pass the model's own")
+        raise ValueError(
+            f"num_heads={num_heads} but {who} has {own_heads} attention heads (model.cfg.num_heads); "
+            f"leave num_heads out or pass the model's own"
+        )
     if num_heads is None:
         num_heads = own_heads
         if num_heads is None:
@@ -235,9 +292,12 @@ def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = N
     if kind not in ("text", "video"):
         missing.append(f"kind: 'text' or 'video' (got {kind!r})")
     if missing:
-        raise ValueError(f"dcparallel cannot drive {who}: it is not a reference, Hugging Face or diffusers model, "
-                         f"and it lacks what the model protocol needs:\n  - " + "\n  - ".join(missing)
-                         + "\nOr pass adapter=dcparallel.adapters.ModelAdapter(...) built for it.")
+        raise ValueError(
+            f"dcparallel cannot drive {who}: it is not a reference, Hugging Face or diffusers model, "
+            f"and it lacks what the model protocol needs:\n  - "
+            + "\n  - ".join(missing)
+            + "\nOr pass adapter=dcparallel.adapters.ModelAdapter(...) built for it."
+        )
     blocks = list(layers)
     kv = num_kv_heads or num_heads
 
@@ -256,14 +316,36 @@ def protocol_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = N
         extra["vocab_size"] = vocab
         if loss_fn is None:
             loss_fn = positional_lm_loss
-    spec = derive_spec(model, blocks, name=name or f"{who.lower()}-l{len(blocks)}", kind=kind, hidden=hidden,
-                       num_heads=num_heads, ffn_hidden=ffn_hidden or 4 * hidden, attention=attention,
-                       blocks_per_layer=blocks_per_layer, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                       num_kv_heads=kv if kv != num_heads else 0, **extra)
-    return ModelAdapter(name=spec.name, kind=kind, blocks=blocks, num_heads=num_heads, num_kv_heads=kv,
-                        install_attention=model.set_attention, spec=spec, blocks_per_layer=blocks_per_layer,
-                        attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn, sample=sample_fn,
-                        collate=collate)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"{who.lower()}-l{len(blocks)}",
+        kind=kind,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden or 4 * hidden,
+        attention=attention,
+        blocks_per_layer=blocks_per_layer,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        num_kv_heads=kv if kv != num_heads else 0,
+        **extra,
+    )
+    return ModelAdapter(
+        name=spec.name,
+        kind=kind,
+        blocks=blocks,
+        num_heads=num_heads,
+        num_kv_heads=kv,
+        install_attention=model.set_attention,
+        spec=spec,
+        blocks_per_layer=blocks_per_layer,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        sample=sample_fn,
+        collate=collate,
+    )
 
 
 def _guess_hidden(block: nn.Module) -> int:

@@ -44,13 +44,21 @@ class UlyssesCogVideoXAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor,
-                 attention_mask: Tensor | None = None, image_rotary_emb: tuple[Tensor, Tensor] | None = None):
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ):
         from diffusers.models.embeddings import apply_rotary_emb
 
         if attention_mask is not None:
-            raise ValueError("CogVideoX joint attention with an attention_mask (passed through attention_kwargs) is "
-                             "not supported by dcparallel; leave the mask out (CogVideoX's text is not padded-out)")
+            raise ValueError(
+                "CogVideoX joint attention with an attention_mask (passed through attention_kwargs) is "
+                "not supported by dcparallel; leave the mask out (CogVideoX's text is not padded-out)"
+            )
         t, heads = encoder_hidden_states.shape[1], attn.heads
         x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         if getattr(attn, "fused_projections", False):
@@ -96,11 +104,22 @@ def rotary_tables(model: nn.Module, frames: int, height: int, width: int, device
     gh, gw = height // p, width // p
     bw, bh = cfg.sample_width // p, cfg.sample_height // p
     if pt is None:
-        return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=_crop_region((gh, gw), bw, bh),
-                                       grid_size=(gh, gw), temporal_size=frames, device=device)
-    return get_3d_rotary_pos_embed(embed_dim=cfg.attention_head_dim, crops_coords=None, grid_size=(gh, gw),
-                                   temporal_size=(frames + pt - 1) // pt, grid_type="slice", max_size=(bh, bw),
-                                   device=device)
+        return get_3d_rotary_pos_embed(
+            embed_dim=cfg.attention_head_dim,
+            crops_coords=_crop_region((gh, gw), bw, bh),
+            grid_size=(gh, gw),
+            temporal_size=frames,
+            device=device,
+        )
+    return get_3d_rotary_pos_embed(
+        embed_dim=cfg.attention_head_dim,
+        crops_coords=None,
+        grid_size=(gh, gw),
+        temporal_size=(frames + pt - 1) // pt,
+        grid_type="slice",
+        max_size=(bh, bw),
+        device=device,
+    )
 
 
 def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
@@ -108,8 +127,9 @@ def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
     _, _, f, h, w = xt.shape
     rotary = rotary_tables(model, f, h, w, device=xt.device)
     text = extras_as(batch, xt.dtype, "encoder_hidden_states")["encoder_hidden_states"]
-    out = model(xt.transpose(1, 2), encoder_hidden_states=text,
-                timestep=t * 1000, image_rotary_emb=rotary, return_dict=False)[0]
+    out = model(
+        xt.transpose(1, 2), encoder_hidden_states=text, timestep=t * 1000, image_rotary_emb=rotary, return_dict=False
+    )[0]
     return out.transpose(1, 2)
 
 
@@ -120,8 +140,10 @@ def cogvideox_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
 
 def item_parts(model: nn.Module, context_tokens: int):
     cfg = model.config
-    return lambda size: {"latents": (cfg.in_channels, *size),
-                         "encoder_hidden_states": (context_tokens, cfg.text_embed_dim)}
+    return lambda size: {
+        "latents": (cfg.in_channels, *size),
+        "encoder_hidden_states": (context_tokens, cfg.text_embed_dim),
+    }
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -132,27 +154,64 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
     return [block.ff]
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int | None = None, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int | None = None,
+    **unused: Any,
+) -> ModelAdapter:
     who = type(model).__name__
     cfg = model.config
     if (cfg.in_channels != (cfg.out_channels or cfg.in_channels) or cfg.ofs_embed_dim) and not (loss_fn and sample_fn):
-        raise ValueError(f"{who} with in_channels={cfg.in_channels}, out_channels={cfg.out_channels}, "
-                         f"ofs_embed_dim={cfg.ofs_embed_dim} is an image-to-video model: dcparallel's default loss and "
-                         f"samples know text-to-video only; pass loss_fn= and sample_fn= (image latents in the item)")
+        raise ValueError(
+            f"{who} with in_channels={cfg.in_channels}, out_channels={cfg.out_channels}, "
+            f"ofs_embed_dim={cfg.ofs_embed_dim} is an image-to-video model: dcparallel's default loss and "
+            f"samples know text-to-video only; pass loss_fn= and sample_fn= (image latents in the item)"
+        )
     blocks = list(model.transformer_blocks)
-    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                               unused=unused)
+    heads = joint.check_driven(
+        model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused
+    )
     # 1.0's sinusoidal positions cover exactly max_text_seq_length text tokens
     context_tokens = context_tokens or cfg.max_text_seq_length
     p, pt = cfg.patch_size, cfg.patch_size_t or 1
     hidden = heads * cfg.attention_head_dim
     ffn = max((m.out_features for m in blocks[0].ff.modules() if isinstance(m, nn.Linear)), default=4 * hidden)
-    spec = derive_spec(model, blocks, name=name or f"cogvideox-h{hidden}-l{len(blocks)}", kind="video",
-                       hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full", attn_modules=attn_modules,
-                       mlp_modules=mlp_modules, context_tokens=context_tokens, t_num=1, t_den=pt, spatial_patch=p)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"cogvideox-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=ffn,
+        attention="full",
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=pt,
+        spatial_patch=p,
+    )
 
-    return joint.video_adapter(model, blocks, spec, processor=UlyssesCogVideoXAttention, attn_modules=attn_modules,
-                               mlp_modules=mlp_modules, loss_fn=loss_fn or cogvideox_flow_loss,
-                               parts=item_parts(model, context_tokens), sample_fn=sample_fn, norm=model.norm_final,
-                               block_args=BLOCK_ARGS, patch=(pt, p, p), required=("encoder_hidden_states",))
+    return joint.video_adapter(
+        model,
+        blocks,
+        spec,
+        processor=UlyssesCogVideoXAttention,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn or cogvideox_flow_loss,
+        parts=item_parts(model, context_tokens),
+        sample_fn=sample_fn,
+        norm=model.norm_final,
+        block_args=BLOCK_ARGS,
+        patch=(pt, p, p),
+        required=("encoder_hidden_states",),
+    )

@@ -39,8 +39,7 @@ from dcparallel.data.ring_order import shard_columns
 from dcparallel.runtime import comm
 
 #: inputs that carry text (or its mask / position ids): kept whole on every rank of a group
-TEXT_INPUTS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_mask",
-                         "txt_ids"})
+TEXT_INPUTS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_mask", "txt_ids"})
 
 
 @dataclass(frozen=True)
@@ -56,17 +55,23 @@ class Cut:
     gather: bool = False
 
 
-def read_plan(model: nn.Module, replicated: Collection[str] = TEXT_INPUTS,
-              replicated_outputs: Collection[tuple[str, int]] = (), plan: dict | None = None) -> list[Cut]:
+def read_plan(
+    model: nn.Module,
+    replicated: Collection[str] = TEXT_INPUTS,
+    replicated_outputs: Collection[tuple[str, int]] = (),
+    plan: dict | None = None,
+) -> list[Cut]:
     """The model's ``_cp_plan`` as `Cut` entries, without the inputs kept whole
     (``replicated`` names, ``replicated_outputs`` (module, index) pairs). ``plan``: a plan in
     diffusers' format for a model that declares none (a look-alike of a planned family)."""
     plan = plan if plan is not None else getattr(model, "_cp_plan", None)
     who = type(model).__name__
     if not plan:
-        raise ValueError(f"{who} has no context-parallel plan (_cp_plan): dcparallel shards a diffusers model's "
-                         f"tokens where that plan says; train it on one rank per sample (SP 1) with your own "
-                         f"adapter, or pass adapter=dcparallel.adapters.ModelAdapter(...) with install_hooks")
+        raise ValueError(
+            f"{who} has no context-parallel plan (_cp_plan): dcparallel shards a diffusers model's "
+            f"tokens where that plan says; train it on one rank per sample (SP 1) with your own "
+            f"adapter, or pass adapter=dcparallel.adapters.ModelAdapter(...) with install_hooks"
+        )
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     cuts = []
@@ -75,12 +80,16 @@ def read_plan(model: nn.Module, replicated: Collection[str] = TEXT_INPUTS,
             for target, spec in entry.items():
                 specs = spec if isinstance(spec, (list, tuple)) else [spec]
                 if len(specs) != 1 or not isinstance(specs[0], ContextParallelInput):
-                    raise ValueError(f"{who}._cp_plan[{module!r}][{target!r}] = {spec!r}: dcparallel applies one "
-                                     f"ContextParallelInput per input or output; pass your own adapter")
+                    raise ValueError(
+                        f"{who}._cp_plan[{module!r}][{target!r}] = {spec!r}: dcparallel applies one "
+                        f"ContextParallelInput per input or output; pass your own adapter"
+                    )
                 s = specs[0]
                 if isinstance(target, int) != s.split_output:
-                    raise ValueError(f"{who}._cp_plan[{module!r}][{target!r}]: output indices need split_output=True "
-                                     f"and input names split_output=False")
+                    raise ValueError(
+                        f"{who}._cp_plan[{module!r}][{target!r}]: output indices need split_output=True "
+                        f"and input names split_output=False"
+                    )
                 if target in replicated or (module, target) in replicated_outputs:
                     continue
                 cuts.append(Cut(module, target, s.split_dim, s.expected_dims))
@@ -137,7 +146,7 @@ def gather(x: Tensor, dim: int, group: Any, batch: Any) -> Tensor:
         order = [c for slot in range(batch.sp) for c in shard_columns(batch.padded_len, batch.sp, batch.ring, slot)]
         where = torch.empty(len(order), dtype=torch.long)
         where[torch.tensor(order)] = torch.arange(len(order))
-        return whole.index_select(dim, where[:batch.seq_len].to(x.device))
+        return whole.index_select(dim, where[: batch.seq_len].to(x.device))
     return whole.narrow(dim, 0, batch.seq_len)
 
 
@@ -166,10 +175,12 @@ class PlanHooks:
         if not isinstance(x, Tensor) or (cut.expected_dims is not None and x.dim() != cut.expected_dims):
             return x  # the plan's rule: only tensors of the expected rank are split (e.g. per-token timesteps)
         if x.shape[cut.dim] != batch.seq_len:
-            raise ValueError(f"{self.who}'s context-parallel plan splits {cut.module or 'the model'}'s "
-                             f"{cut.target!r} along dim {cut.dim}, but that tensor {tuple(x.shape)} has "
-                             f"{x.shape[cut.dim]} positions there, not the micro-batch's {batch.seq_len} tokens; "
-                             f"give per-token inputs one entry per token (or the collate a matching token count)")
+            raise ValueError(
+                f"{self.who}'s context-parallel plan splits {cut.module or 'the model'}'s "
+                f"{cut.target!r} along dim {cut.dim}, but that tensor {tuple(x.shape)} has "
+                f"{x.shape[cut.dim]} positions there, not the micro-batch's {batch.seq_len} tokens; "
+                f"give per-token inputs one entry per token (or the collate a matching token count)"
+            )
         return shard(x, cut.dim, batch)
 
     def install(self) -> list[Any]:
@@ -191,9 +202,11 @@ class PlanHooks:
         params = list(inspect.signature(type(module).forward).parameters)[1:]
         for c in cuts:
             if c.target not in params:
-                raise ValueError(f"{self.who}'s context-parallel plan splits the input {c.target!r} of "
-                                 f"{c.module or 'the model'} ({type(module).__name__}), whose forward takes "
-                                 f"{params}; this diffusers version's plan and model disagree")
+                raise ValueError(
+                    f"{self.who}'s context-parallel plan splits the input {c.target!r} of "
+                    f"{c.module or 'the model'} ({type(module).__name__}), whose forward takes "
+                    f"{params}; this diffusers version's plan and model disagree"
+                )
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict):
             active = self.active()

@@ -10,8 +10,14 @@ from torch import nn
 from dcparallel.adapters.base import ModelAdapter, protocol_adapter
 
 
-def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None, num_heads: int | None = None,
-                 num_kv_heads: int | None = None, **protocol: Any) -> ModelAdapter:
+def find_adapter(
+    model: nn.Module,
+    *,
+    layers: Sequence[nn.Module] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    **protocol: Any,
+) -> ModelAdapter:
     """The adapter for ``model``: a model that brings its own (``model.dcp_adapter()``), a
     reference model, a Hugging Face causal LM, a diffusers transformer with an adapter (Wan,
     ChronoEdit, SkyReels-V2, VACE, Helios, LTX-Video, Flux, Flux 2, Qwen-Image, HunyuanVideo,
@@ -43,9 +49,21 @@ def find_adapter(model: nn.Module, *, layers: Sequence[nn.Module] | None = None,
 
     # unsupported last: it refuses every diffusers model no family before it matched
     # vlm before hf: a vision-language model is a transformers model that hf would take for a text LM
-    for family in (reference, vlm, hf, wan, wan_variants, ltx, flux, flux2, qwenimage, hunyuan_video, cogvideox, mochi,
-                   unsupported):
+    for family in (
+        reference,
+        vlm,
+        hf,
+        wan,
+        wan_variants,
+        ltx,
+        flux,
+        flux2,
+        qwenimage,
+        hunyuan_video,
+        cogvideox,
+        mochi,
+        unsupported,
+    ):
         if family.matches(model):
-            return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  **protocol)
+            return family.adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol)
     return protocol_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol)

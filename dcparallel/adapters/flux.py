@@ -75,8 +75,10 @@ def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: i
     check_heads(q.shape[2], batch.sp // batch.ring)  # Ulysses shards the heads; ring the blocks
     t = q.shape[1] - batch.shard_len if num_text is None else num_text
     if q.shape[1] != t + batch.shard_len:
-        raise ValueError(f"joint attention got {q.shape[1]} tokens: {t} text + {q.shape[1] - t} image, but this "
-                         f"rank holds {batch.shard_len} image tokens")
+        raise ValueError(
+            f"joint attention got {q.shape[1]} tokens: {t} text + {q.shape[1] - t} image, but this "
+            f"rank holds {batch.shard_len} image tokens"
+        )
     image, text = zip(*((x[:, t:], x[:, :t]) for x in (q, k, v)), strict=True)
     out_image, out_text = joint.joint_attention(*image, *text, None, attention, text_first=True)
     return torch.cat([out_text, out_image], dim=1)
@@ -90,8 +92,14 @@ class UlyssesFluxAttention:
         self.attention = attention
         self.projections = projections  # None: Flux.1's; Flux 2 passes its own module's
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, image_rotary_emb: Any = None):
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: Any = None,
+    ):
         from diffusers.models.embeddings import apply_rotary_emb
 
         if self.projections is None:
@@ -99,8 +107,10 @@ class UlyssesFluxAttention:
         else:
             projections = self.projections
         if attention_mask is not None:
-            raise ValueError(f"dcparallel's {type(self).__name__} takes no attention_mask (the model attends over "
-                             f"all text tokens); leave it out of joint_attention_kwargs")
+            raise ValueError(
+                f"dcparallel's {type(self).__name__} takes no attention_mask (the model attends over "
+                f"all text tokens); leave it out of joint_attention_kwargs"
+            )
         q, k, v, eq, ek, ev = projections(attn, hidden_states, encoder_hidden_states)
         q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
         q, k = attn.norm_q(q), attn.norm_k(k)
@@ -149,18 +159,22 @@ def latent_channels(who: str, in_features: int, out_features: int) -> tuple[int,
     beyond those are conditioning concatenated to the noisy latents (an inpainting mask and
     masked image, say), which items carry as ``condition``."""
     if in_features % 4 or out_features % 4 or out_features > in_features:
-        raise ValueError(f"{who} takes tokens of {in_features} features and predicts {out_features}: dcparallel's "
-                         f"default loss packs latents (C, H, W) into 2 x 2 patches (4 C features per token), the "
-                         f"target's channels first and condition channels after them, so both must be multiples of "
-                         f"4 with the input at least the output; pass loss_fn for another layout")
+        raise ValueError(
+            f"{who} takes tokens of {in_features} features and predicts {out_features}: dcparallel's "
+            f"default loss packs latents (C, H, W) into 2 x 2 patches (4 C features per token), the "
+            f"target's channels first and condition channels after them, so both must be multiples of "
+            f"4 with the input at least the output; pass loss_fn for another layout"
+        )
     return out_features // 4, (in_features - out_features) // 4
 
 
 def image_tokens(grid: tuple[int, ...]) -> int:
     """Tokens of a latent image (height, width) packed 2 x 2."""
     if len(grid) != 2 or grid[0] % 2 or grid[1] % 2:
-        raise ValueError(f"image latents must be (C, height, width) with even height and width (2 x 2 packing); "
-                         f"got spatial shape {grid}: crop or pad the latents")
+        raise ValueError(
+            f"image latents must be (C, height, width) with even height and width (2 x 2 packing); "
+            f"got spatial shape {grid}: crop or pad the latents"
+        )
     return (grid[0] // 2) * (grid[1] // 2)
 
 
@@ -191,18 +205,21 @@ def packed_flow_loss(forward, names: tuple[str, ...], channels: tuple[int, int] 
     def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
         h, w = xt.shape[2:]
         if target is not None and xt.shape[1] != target:
-            raise ValueError(f"{type(model).__name__} predicts {target} latent channels, but the items' latents have "
-                             f"{xt.shape[1]}: give 'latents' the target's channels only"
-                             + (f" and the other {condition_channels} input channels as 'condition'"
-                                if condition_channels else ""))
+            raise ValueError(
+                f"{type(model).__name__} predicts {target} latent channels, but the items' latents have "
+                f"{xt.shape[1]}: give 'latents' the target's channels only"
+                + (f" and the other {condition_channels} input channels as 'condition'" if condition_channels else "")
+            )
         cond = extras_as(batch, xt.dtype, *keys)
         if condition_channels:
             c = cond.pop("condition", None)
             if c is None or c.shape[1:] != (condition_channels, h, w):
                 got = None if c is None else tuple(c.shape[1:])
-                raise ValueError(f"{type(model).__name__} takes {condition_channels} condition channels after the "
-                                 f"{xt.shape[1]} latent channels: items need 'condition' of shape "
-                                 f"{(condition_channels, h, w)}, got {got}")
+                raise ValueError(
+                    f"{type(model).__name__} takes {condition_channels} condition channels after the "
+                    f"{xt.shape[1]} latent channels: items need 'condition' of shape "
+                    f"{(condition_channels, h, w)}, got {got}"
+                )
             xt = torch.cat([xt, c], dim=1)
         return unpack(forward(model, pack(xt), t, h, w, cond), h, w)
 
@@ -219,16 +236,38 @@ def flux_loss(guidance: float = 3.5, channels: tuple[int, int] | None = None):
     def forward(model: nn.Module, x: Tensor, t: Tensor, h: int, w: int, cond: dict[str, Tensor]) -> Tensor:
         text = cond["encoder_hidden_states"]
         g = torch.full_like(t, guidance) if model.config.guidance_embeds else None
-        return model(x, timestep=t, img_ids=image_ids(h, w, x.device), txt_ids=text.new_zeros(text.shape[1], 3),
-                     guidance=g, return_dict=False, **cond)[0]
+        return model(
+            x,
+            timestep=t,
+            img_ids=image_ids(h, w, x.device),
+            txt_ids=text.new_zeros(text.shape[1], 3),
+            guidance=g,
+            return_dict=False,
+            **cond,
+        )[0]
 
     return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), channels)
 
 
-def image_adapter(model: nn.Module, blocks: list[nn.Module], spec: ModelSpec, *, who: str, in_features: int,
-                  text_dim: int, context_tokens: int, install: Any, attn_modules: Any, mlp_modules: Any,
-                  loss_fn: Any, default_loss: Any, sample_fn: Any, skip_block: Any, install_hooks: Any = None,
-                  **fixed_parts: tuple[int, ...]) -> ModelAdapter:
+def image_adapter(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    spec: ModelSpec,
+    *,
+    who: str,
+    in_features: int,
+    text_dim: int,
+    context_tokens: int,
+    install: Any,
+    attn_modules: Any,
+    mlp_modules: Any,
+    loss_fn: Any,
+    default_loss: Any,
+    sample_fn: Any,
+    skip_block: Any,
+    install_hooks: Any = None,
+    **fixed_parts: tuple[int, ...],
+) -> ModelAdapter:
     """The `ModelAdapter` of an image transformer on 2 x 2-packed latents (Flux.1, Flux 2,
     Qwen-Image), from what its family module says: ``install`` (its attention processors),
     the `ModelSpec` ``spec`` (its heads), ``default_loss((target, condition channels))``
@@ -243,46 +282,93 @@ def image_adapter(model: nn.Module, blocks: list[nn.Module], spec: ModelSpec, *,
         item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, text_dim), **fixed_parts}
         return item | ({"condition": (condition, h, w)} if condition else {})
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=spec.num_heads,
-                        num_kv_heads=spec.num_heads, install_attention=install, spec=spec, attn_modules=attn_modules,
-                        mlp_modules=mlp_modules, loss_fn=loss_fn or default_loss((channels, condition)),
-                        sample=sample_fn or random_items(parts), collate=collate_images,
-                        install_hooks=install_hooks or (lambda attention: PlanHooks(model, read_plan(model),
-                                                                                    attention).install()),
-                        skip_block=skip_block)
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn or default_loss((channels, condition)),
+        sample=sample_fn or random_items(parts),
+        collate=collate_images,
+        install_hooks=install_hooks or (lambda attention: PlanHooks(model, read_plan(model), attention).install()),
+        skip_block=skip_block,
+    )
 
 
 ACCEPTED = ("context_tokens", "guidance")
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 512, guidance: float = 3.5,
-            **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 512,
+    guidance: float = 3.5,
+    **unused: Any,
+) -> ModelAdapter:
     check_args("diffusers FluxTransformer2DModel", unused, ACCEPTED)
     cfg = model.config
     if cfg.patch_size != 1:
-        raise ValueError(f"FluxTransformer2DModel with patch_size={cfg.patch_size}: dcparallel's Flux loss packs "
-                         f"latents into 2 x 2 patches as the Flux pipelines do (patch_size 1); pass loss_fn for "
-                         f"another layout")
+        raise ValueError(
+            f"FluxTransformer2DModel with patch_size={cfg.patch_size}: dcparallel's Flux loss packs "
+            f"latents into 2 x 2 patches as the Flux pipelines do (patch_size 1); pass loss_fn for "
+            f"another layout"
+        )
     blocks = list(layers) if layers is not None else [*model.transformer_blocks, *model.single_transformer_blocks]
     heads = num_heads or cfg.num_attention_heads
     hidden = heads * cfg.attention_head_dim
     attn_modules = lambda b: [b.attn]
     mlp_modules = lambda b: [b.ff, b.ff_context] if hasattr(b, "ff") else [b.proj_mlp]
     # double- and single-stream blocks differ: the planner's layer is their mean, the rest outside
-    spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"flux-h{hidden}-l{len(blocks)}",
-                         kind="video", hidden=hidden, num_heads=heads, ffn_hidden=4 * hidden, attention="full",
-                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
+    spec = averaged_spec(
+        model,
+        blocks,
+        attn_modules,
+        mlp_modules,
+        name=name or f"flux-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=4 * hidden,
+        attention="full",
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=1,
+        spatial_patch=2,
+    )
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn),
-                           "FluxTransformer2DModel")
+        replace_processors(
+            [b.attn for b in blocks], "FluxAttnProcessor", lambda: UlyssesFluxAttention(fn), "FluxTransformer2DModel"
+        )
 
-    return image_adapter(model, blocks, spec, who="FluxTransformer2DModel", in_features=model.x_embedder.in_features,
-                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
-                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn,
-                         default_loss=lambda channels: flux_loss(guidance, channels), sample_fn=sample_fn,
-                         skip_block=skip_block, pooled_projections=(cfg.pooled_projection_dim,))
+    return image_adapter(
+        model,
+        blocks,
+        spec,
+        who="FluxTransformer2DModel",
+        in_features=model.x_embedder.in_features,
+        text_dim=cfg.joint_attention_dim,
+        context_tokens=context_tokens,
+        install=install,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        default_loss=lambda channels: flux_loss(guidance, channels),
+        sample_fn=sample_fn,
+        skip_block=skip_block,
+        pooled_projections=(cfg.pooled_projection_dim,),
+    )
 
 
 def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):

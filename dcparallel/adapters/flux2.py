@@ -47,10 +47,12 @@ def matches(model: nn.Module) -> bool:
 
 def refuse_kv_cache(kv_cache: Any, kv_cache_mode: Any, num_ref_tokens: int) -> None:
     if kv_cache is not None or kv_cache_mode is not None or num_ref_tokens:
-        raise ValueError(f"{WHO} called with kv_cache_mode={kv_cache_mode!r}, num_ref_tokens={num_ref_tokens}: the "
-                         f"reference-image KV cache makes reference tokens attend only to themselves, which "
-                         f"dcparallel's Flux 2 attention does not implement; train without kv_cache_mode (an "
-                         f"inference feature) or pass your own adapter")
+        raise ValueError(
+            f"{WHO} called with kv_cache_mode={kv_cache_mode!r}, num_ref_tokens={num_ref_tokens}: the "
+            f"reference-image KV cache makes reference tokens attend only to themselves, which "
+            f"dcparallel's Flux 2 attention does not implement; train without kv_cache_mode (an "
+            f"inference feature) or pass your own adapter"
+        )
 
 
 def _projections(attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None):
@@ -66,9 +68,17 @@ class UlyssesFlux2Attention(UlyssesFluxAttention):
     def __init__(self, attention: Any):
         super().__init__(attention, projections=_projections)
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, image_rotary_emb: Any = None, kv_cache: Any = None,
-                 kv_cache_mode: str | None = None, num_ref_tokens: int = 0):
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: Any = None,
+        kv_cache: Any = None,
+        kv_cache_mode: str | None = None,
+        num_ref_tokens: int = 0,
+    ):
         refuse_kv_cache(kv_cache, kv_cache_mode, num_ref_tokens)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
@@ -82,15 +92,25 @@ class UlyssesFlux2SingleAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, attention_mask: Tensor | None = None,
-                 image_rotary_emb: Any = None, kv_cache: Any = None, kv_cache_mode: str | None = None,
-                 num_txt_tokens: int = 0, num_ref_tokens: int = 0) -> Tensor:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: Any = None,
+        kv_cache: Any = None,
+        kv_cache_mode: str | None = None,
+        num_txt_tokens: int = 0,
+        num_ref_tokens: int = 0,
+    ) -> Tensor:
         from diffusers.models.embeddings import apply_rotary_emb
 
         refuse_kv_cache(kv_cache, kv_cache_mode, num_ref_tokens)
         if attention_mask is not None:
-            raise ValueError(f"dcparallel's {type(self).__name__} takes no attention_mask (Flux 2 attends over all "
-                             f"text tokens); leave it out of joint_attention_kwargs")
+            raise ValueError(
+                f"dcparallel's {type(self).__name__} takes no attention_mask (Flux 2 attends over all "
+                f"text tokens); leave it out of joint_attention_kwargs"
+            )
         x = attn.to_qkv_mlp_proj(hidden_states)
         qkv_dim = 3 * attn.inner_dim
         mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
@@ -119,9 +139,15 @@ def flux2_loss(guidance: float = 4.0, channels: tuple[int, int] | None = None):
         text = cond["encoder_hidden_states"]
         b = x.shape[0]
         g = torch.full_like(t, guidance) if model.config.guidance_embeds else None
-        return model(x, timestep=t, img_ids=image_ids(h, w, x.device, axes=4).expand(b, -1, -1),
-                     txt_ids=text_ids(text.shape[1], x.device).expand(b, -1, -1), guidance=g, return_dict=False,
-                     **cond)[0]
+        return model(
+            x,
+            timestep=t,
+            img_ids=image_ids(h, w, x.device, axes=4).expand(b, -1, -1),
+            txt_ids=text_ids(text.shape[1], x.device).expand(b, -1, -1),
+            guidance=g,
+            return_dict=False,
+            **cond,
+        )[0]
 
     return packed_flow_loss(forward, ("encoder_hidden_states",), channels)
 
@@ -149,30 +175,71 @@ def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor | None = Non
 ACCEPTED = ("context_tokens", "guidance")
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 512, guidance: float = 4.0,
-            **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 512,
+    guidance: float = 4.0,
+    **unused: Any,
+) -> ModelAdapter:
     cfg = model.config
     if cfg.patch_size != 1:
-        raise ValueError(f"{WHO} with patch_size={cfg.patch_size}: dcparallel's Flux 2 loss packs latents into 2 x 2 "
-                         f"patches as the Flux 2 pipelines do (patch_size 1); pass loss_fn for another layout")
+        raise ValueError(
+            f"{WHO} with patch_size={cfg.patch_size}: dcparallel's Flux 2 loss packs latents into 2 x 2 "
+            f"patches as the Flux 2 pipelines do (patch_size 1); pass loss_fn for another layout"
+        )
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                               unused=unused, accepted=ACCEPTED)
+    heads = joint.check_driven(
+        model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused, accepted=ACCEPTED
+    )
     hidden = heads * cfg.attention_head_dim
-    spec = averaged_spec(model, blocks, attn_modules, mlp_params_of,
-                         name=name or f"flux2-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                         num_heads=heads, ffn_hidden=int(hidden * cfg.mlp_ratio), attention="full",
-                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
+    spec = averaged_spec(
+        model,
+        blocks,
+        attn_modules,
+        mlp_params_of,
+        name=name or f"flux2-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=int(hidden * cfg.mlp_ratio),
+        attention="full",
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=1,
+        spatial_patch=2,
+    )
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn for b in model.transformer_blocks], "Flux2AttnProcessor",
-                           lambda: UlyssesFlux2Attention(fn), WHO)
-        replace_processors([b.attn for b in model.single_transformer_blocks], "Flux2ParallelSelfAttnProcessor",
-                           lambda: UlyssesFlux2SingleAttention(fn), WHO)
+        replace_processors(
+            [b.attn for b in model.transformer_blocks], "Flux2AttnProcessor", lambda: UlyssesFlux2Attention(fn), WHO
+        )
+        replace_processors(
+            [b.attn for b in model.single_transformer_blocks],
+            "Flux2ParallelSelfAttnProcessor",
+            lambda: UlyssesFlux2SingleAttention(fn),
+            WHO,
+        )
 
-    return image_adapter(model, blocks, spec, who=WHO, in_features=model.x_embedder.in_features,
-                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
-                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn,
-                         default_loss=lambda channels: flux2_loss(guidance, channels), sample_fn=sample_fn,
-                         skip_block=skip_block)
+    return image_adapter(
+        model,
+        blocks,
+        spec,
+        who=WHO,
+        in_features=model.x_embedder.in_features,
+        text_dim=cfg.joint_attention_dim,
+        context_tokens=context_tokens,
+        install=install,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        default_loss=lambda channels: flux2_loss(guidance, channels),
+        sample_fn=sample_fn,
+        skip_block=skip_block,
+    )

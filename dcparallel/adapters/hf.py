@@ -62,8 +62,19 @@ def _config_int(cfg: Any, *names: str) -> int | None:
     return None
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, attn_modules=None, mlp_modules=None, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    attn_modules=None,
+    mlp_modules=None,
+    **unused: Any,
+) -> ModelAdapter:
     """``attn_modules`` / ``mlp_modules``: ``block -> [modules]`` overrides of the attention
     (classes that call transformers' attention interface) and feed-forward sub-modules."""
     if unused:
@@ -76,18 +87,29 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     own_kv = _config_int(cfg, "num_key_value_heads", "num_kv_heads") or own_heads
     for what, given, own in (("num_heads", num_heads, own_heads), ("num_kv_heads", num_kv_heads, own_kv)):
         if given is not None and given != own:
-            raise ValueError(f"{what}={given} but the model's config has {own}; leave {what} out (it is read from "
-                             f"model.config)")
+            raise ValueError(
+                f"{what}={given} but the model's config has {own}; leave {what} out (it is read from model.config)"
+            )
     heads, kv = own_heads, own_kv
     qk_dim, v_dim = _head_dims(cfg)
     vocab = cfg.vocab_size
     hidden = cfg.hidden_size
-    spec = derive_spec(model, blocks, name=name or f"{cfg.model_type}-h{hidden}-l{len(blocks)}",
-                       kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
-                       attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=vocab,
-                       num_kv_heads=kv if kv != heads else 0,
-                       head_dim=qk_dim if qk_dim * heads != hidden else 0,
-                       v_head_dim=v_dim if v_dim != qk_dim else 0)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"{cfg.model_type}-h{hidden}-l{len(blocks)}",
+        kind="text",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=ffn_size(cfg, blocks, hidden),
+        attention="causal",
+        attn_modules=attn_of,
+        mlp_modules=mlp_of,
+        vocab_size=vocab,
+        num_kv_heads=kv if kv != heads else 0,
+        head_dim=qk_dim if qk_dim * heads != hidden else 0,
+        v_head_dim=v_dim if v_dim != qk_dim else 0,
+    )
 
     limits = {id(m): document_limit(model, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
 
@@ -96,6 +118,17 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         set_block_attention(fn, blocks, attn_of, limits)
         model.set_attn_implementation(attention.NAME)
 
-    return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
-                        install_attention=install, spec=spec, attn_modules=attn_of, mlp_modules=mlp_of,
-                        loss_fn=loss_fn or hf_lm_loss, sample=sample_fn or random_tokens(vocab), collate="text")
+    return ModelAdapter(
+        name=spec.name,
+        kind="text",
+        blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=kv,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_of,
+        mlp_modules=mlp_of,
+        loss_fn=loss_fn or hf_lm_loss,
+        sample=sample_fn or random_tokens(vocab),
+        collate="text",
+    )

@@ -63,8 +63,10 @@ def shard_tokens(x: Tensor, batch: Batch, dim: int = 1, copy: bool = False) -> T
     past the real tokens (the last ranks of an odd count) or ``copy`` asks — a view would keep
     the whole sequence's storage alive wherever the shard is saved for backward."""
     if x.shape[dim] != batch.seq_len:
-        raise ValueError(f"expected the whole sequence of {batch.seq_len} video tokens on dim {dim}, got "
-                         f"{tuple(x.shape)}; the model passed its blocks a tensor the sharding hooks do not know")
+        raise ValueError(
+            f"expected the whole sequence of {batch.seq_len} video tokens on dim {dim}, got "
+            f"{tuple(x.shape)}; the model passed its blocks a tensor the sharding hooks do not know"
+        )
     if batch.ring > 1:  # the zigzag columns of ring attention (a copy)
         return cp_plan.shard(x, dim, batch)
     start, n = batch.shard_start, batch.shard_len
@@ -87,8 +89,18 @@ def gather_tokens(x: Tensor, attention: Any, dim: int = 1) -> Tensor:
     return comm.gather_seq(x, group, dim=dim).narrow(dim, 0, batch.seq_len)
 
 
-def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Tensor, v_text: Tensor,
-                    text_mask: Tensor | None, attention: Any, *, text_first: bool) -> tuple[Tensor, Tensor]:
+def joint_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_text: Tensor,
+    k_text: Tensor,
+    v_text: Tensor,
+    text_mask: Tensor | None,
+    attention: Any,
+    *,
+    text_first: bool,
+) -> tuple[Tensor, Tensor]:
     """Video q, k, v (B, L_local, H, D) — this rank's shard inside an SP micro-batch, the whole
     sequence otherwise — and replicated text q, k, v (B, T, H, D); ``text_mask`` (B, T) bool,
     True where a text token may be attended (None: all). Returns the video output
@@ -113,12 +125,16 @@ def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Ten
     mask = None
     if video_valid is not None or text_mask is not None:
         vm = video_valid if video_valid is not None else torch.ones(b, n, dtype=torch.bool, device=q.device)
-        tm = text_mask.to(device=q.device, dtype=torch.bool) if text_mask is not None else \
-            torch.ones(b, t, dtype=torch.bool, device=q.device)
+        tm = (
+            text_mask.to(device=q.device, dtype=torch.bool)
+            if text_mask is not None
+            else torch.ones(b, t, dtype=torch.bool, device=q.device)
+        )
         mask = (torch.cat([tm, vm], 1) if text_first else torch.cat([vm, tm], 1))[:, None, None, :]
     join = (lambda x, y: torch.cat([y, x], 1)) if text_first else (lambda x, y: torch.cat([x, y], 1))
-    out = F.scaled_dot_product_attention(*(join(x, y).transpose(1, 2) for x, y in
-                                           ((q, q_text), (k, k_text), (v, v_text))), attn_mask=mask).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        *(join(x, y).transpose(1, 2) for x, y in ((q, q_text), (k, k_text), (v, v_text))), attn_mask=mask
+    ).transpose(1, 2)
     out_text, out_video = (out[:, :t], out[:, t:]) if text_first else (out[:, n:], out[:, :n])
     if active is not None:
         group, _ = active
@@ -127,27 +143,39 @@ def joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Ten
     return out_video, out_text
 
 
-def _under_ring(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Tensor, v_text: Tensor,
-                text_mask: Tensor | None, active: Any) -> tuple[Tensor, Tensor]:
+def _under_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_text: Tensor,
+    k_text: Tensor,
+    v_text: Tensor,
+    text_mask: Tensor | None,
+    active: Any,
+) -> tuple[Tensor, Tensor]:
     """`joint_attention` at ring degree > 1: Ulysses over the sub-group ``active.group``
     gives this rank its ring block for its heads, `ring_joint_attention` attends it and its
     heads of the text over the whole row; the outputs go back as under Ulysses alone."""
     group, batch, h = active.group, active.batch, q.shape[2]
     u = comm.group_size(group)
     if h % u:
-        raise ValueError(f"{h} attention heads do not split over Ulysses degree {u} (SP {batch.sp} = Ulysses {u} x "
-                         f"ring {batch.ring}); plan a split whose Ulysses degree divides them")
+        raise ValueError(
+            f"{h} attention heads do not split over Ulysses degree {u} (SP {batch.sp} = Ulysses {u} x "
+            f"ring {batch.ring}); plan a split whose Ulysses degree divides them"
+        )
     q, k, v = comm.seq_to_heads([q, k, v], group)
     hs = h // u
     lo = comm.group_rank(group) * hs
     q_text, k_text, v_text = (x.narrow(2, lo, hs) for x in (q_text, k_text, v_text))
-    out, out_text = ring_joint_attention(q, k, v, q_text, k_text, v_text, text_mask, active.ring, batch.seq_len,
-                                         batch.padded_len)
+    out, out_text = ring_joint_attention(
+        q, k, v, q_text, k_text, v_text, text_mask, active.ring, batch.seq_len, batch.padded_len
+    )
     return comm.heads_to_seq(out, group), comm.gather_seq(out_text, group, dim=2)
 
 
-def block_input_hooks(blocks: Sequence[nn.Module], attention: Any, *, names: Sequence[str], hidden: str,
-                      rotary: str | None) -> list[Any]:
+def block_input_hooks(
+    blocks: Sequence[nn.Module], attention: Any, *, names: Sequence[str], hidden: str, rotary: str | None
+) -> list[Any]:
     """Forward pre-hooks on the blocks: the first block's whole video hidden states (argument
     ``hidden``) and every block's whole rotary tables (argument ``rotary``: a (cos, sin) pair
     of (N, ...) tables, held whole by the model's forward anyway: views) are cut to this
@@ -199,35 +227,63 @@ def gather_before(module: nn.Module, attention: Any) -> Any:
     return module.register_forward_pre_hook(hook)
 
 
-def video_token_hooks(blocks: Sequence[nn.Module], norm: nn.Module, attention: Any, *,
-                      names: Sequence[str]) -> list[Any]:
+def video_token_hooks(
+    blocks: Sequence[nn.Module], norm: nn.Module, attention: Any, *, names: Sequence[str]
+) -> list[Any]:
     """The hooks of a joint-attention model: its video tokens and rotary tables
     (``image_rotary_emb``) cut before the blocks (`block_input_hooks`), gathered before the
     output norm ``norm`` (`gather_before`)."""
-    return [*block_input_hooks(blocks, attention, names=names, hidden="hidden_states", rotary="image_rotary_emb"),
-            gather_before(norm, attention)]
+    return [
+        *block_input_hooks(blocks, attention, names=names, hidden="hidden_states", rotary="image_rotary_emb"),
+        gather_before(norm, attention),
+    ]
 
 
-def check_driven(model: nn.Module, blocks: Sequence[nn.Module], *, layers: Any, num_heads: Any, num_kv_heads: Any,
-                 unused: Mapping[str, Any], accepted: Sequence[str] = ("context_tokens",)) -> int:
+def check_driven(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    *,
+    layers: Any,
+    num_heads: Any,
+    num_kv_heads: Any,
+    unused: Mapping[str, Any],
+    accepted: Sequence[str] = ("context_tokens",),
+) -> int:
     """The model-protocol arguments a joint-attention adapter takes (it drives all of the
     model's blocks and reads its heads; ``accepted``: its family arguments): anything else is
     refused by name. Returns the heads."""
     who = type(model).__name__
     check_args(f"diffusers {who}", unused, accepted)
     if layers is not None and [id(b) for b in layers] != [id(b) for b in blocks]:
-        raise ValueError(f"{who}: dcparallel drives all of its {len(blocks)} transformer blocks itself; leave "
-                         f"layers= out (or pass exactly those blocks)")
+        raise ValueError(
+            f"{who}: dcparallel drives all of its {len(blocks)} transformer blocks itself; leave "
+            f"layers= out (or pass exactly those blocks)"
+        )
     heads = model.config.num_attention_heads
     if num_heads not in (None, heads) or num_kv_heads not in (None, heads):
-        raise ValueError(f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
-                         f"out or pass {heads}")
+        raise ValueError(
+            f"{who} has {heads} attention heads (query and key/value); leave num_heads / num_kv_heads "
+            f"out or pass {heads}"
+        )
     return heads
 
 
-def video_adapter(model: nn.Module, blocks: Sequence[nn.Module], spec: Any, *, processor: Any, attn_modules: Any,
-                  mlp_modules: Any, loss_fn: Any, parts: Any, sample_fn: Any, norm: nn.Module,
-                  block_args: Sequence[str], patch: tuple[int, int, int], required: Sequence[str]) -> ModelAdapter:
+def video_adapter(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    spec: Any,
+    *,
+    processor: Any,
+    attn_modules: Any,
+    mlp_modules: Any,
+    loss_fn: Any,
+    parts: Any,
+    sample_fn: Any,
+    norm: nn.Module,
+    block_args: Sequence[str],
+    patch: tuple[int, int, int],
+    required: Sequence[str],
+) -> ModelAdapter:
     """The `ModelAdapter` of a joint-attention video model, from what its family module says:
     ``processor(attention)``, the Ulysses processor every block's attention module (its
     ``attn_modules``) gets, the `ModelSpec` ``spec`` (its heads), the default loss
@@ -244,12 +300,22 @@ def video_adapter(model: nn.Module, blocks: Sequence[nn.Module], spec: Any, *, p
             else:  # Mochi's attention module has none
                 m.processor = processor(fn)
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=spec.num_heads,
-                        num_kv_heads=spec.num_heads, install_attention=install, spec=spec, attn_modules=attn_modules,
-                        mlp_modules=mlp_modules, loss_fn=loss_fn, sample=sample_fn or random_items(parts),
-                        collate=patch_collate(patch, what=type(model).__name__, required=required),
-                        install_hooks=lambda attention: video_token_hooks(blocks, norm, attention, names=block_args),
-                        skip_block=two_stream_passthrough(block_args))
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        sample=sample_fn or random_items(parts),
+        collate=patch_collate(patch, what=type(model).__name__, required=required),
+        install_hooks=lambda attention: video_token_hooks(blocks, norm, attention, names=block_args),
+        skip_block=two_stream_passthrough(block_args),
+    )
 
 
 def caption_mask(batch: Batch, text: Tensor) -> Tensor:

@@ -25,9 +25,16 @@ from dcparallel.plan.types import MicroBatch
 from dcparallel.spec import Size
 
 
-def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, *,
-                    tokens: Callable[[tuple[int, ...]], int], what: str = "video",
-                    required: Sequence[str] = ()) -> Batch:
+def collate_latents(
+    samples: Mapping[int, Any],
+    mb: MicroBatch,
+    ranks: tuple[int, ...],
+    rank: int,
+    *,
+    tokens: Callable[[tuple[int, ...]], int],
+    what: str = "video",
+    required: Sequence[str] = (),
+) -> Batch:
     """Stacks same-shape latents and each conditioning tensor whole on every rank of the
     group; ``tokens(latent shape without channels)`` is the model's token count; ``required``:
     conditioning every item must carry (named with ``what`` when missing)."""
@@ -39,42 +46,60 @@ def collate_latents(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int
     for sid, s in zip(mb.sample_ids, items, strict=True):
         if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
             got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
-            raise ValueError(f"{what} sample {sid} must be a mapping with {needed} and the model's other "
-                             f"conditioning; got {got}")
+            raise ValueError(
+                f"{what} sample {sid} must be a mapping with {needed} and the model's other conditioning; got {got}"
+            )
     keys = {k for k, v in items[0].items() if v is not None}
     for sid, s in zip(mb.sample_ids, items, strict=True):
         if {k for k, v in s.items() if v is not None} != keys:
-            raise ValueError(f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
-                             f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
-                             f"{sorted(keys)}; give every sample the same keys")
+            raise ValueError(
+                f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
+                f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
+                f"{sorted(keys)}; give every sample the same keys"
+            )
     stacked = {}
     for k in sorted(keys):
         vals = [torch.as_tensor(s[k]) for s in items]
         shapes = {tuple(v.shape) for v in vals}
         if len(shapes) != 1:
             what_k = "be latents of one shape" if k == "latents" else f"share the shape of {k!r}"
-            raise ValueError(f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
-                             f"planner groups samples of one latent shape; pad or crop the conditioning to one "
-                             f"shape per latent shape)")
+            raise ValueError(
+                f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
+                f"planner groups samples of one latent shape; pad or crop the conditioning to one "
+                f"shape per latent shape)"
+            )
         stacked[k] = torch.stack(vals)
     lat = stacked.pop("latents")
     grid = tuple(lat.shape[2:])
     n = tokens(grid)
     b, sp = lat.shape[0], len(ranks)
-    return Batch(sample_ids=tuple(mb.sample_ids), layout=mb.layout, ranks=ranks, rank_in_group=ranks.index(rank),
-                 inputs=lat, positions=torch.zeros(b, 0, dtype=torch.long), labels=None,
-                 loss_mask=torch.ones(b, *grid, dtype=torch.bool),
-                 token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
-                 num_targets=(math.prod(grid),) * b, cu_seqlens=(0, n), seq_len=n,
-                 padded_len=ring_padded_length(n, sp, mb.layout.ring),
-                 frames=grid[0] if len(grid) == 3 else 1, sharded=False, extras=stacked)
+    return Batch(
+        sample_ids=tuple(mb.sample_ids),
+        layout=mb.layout,
+        ranks=ranks,
+        rank_in_group=ranks.index(rank),
+        inputs=lat,
+        positions=torch.zeros(b, 0, dtype=torch.long),
+        labels=None,
+        loss_mask=torch.ones(b, *grid, dtype=torch.bool),
+        token_sample=torch.arange(b).view(-1, *([1] * len(grid))).expand(b, *grid),
+        num_targets=(math.prod(grid),) * b,
+        cu_seqlens=(0, n),
+        seq_len=n,
+        padded_len=ring_padded_length(n, sp, mb.layout.ring),
+        frames=grid[0] if len(grid) == 3 else 1,
+        sharded=False,
+        extras=stacked,
+    )
 
 
 def patch_tokens(patch: tuple[int, int, int]):
     def tokens(grid: tuple[int, ...]) -> int:
         if len(grid) != 3 or any(g % p for g, p in zip(grid, patch, strict=True)):
-            raise ValueError(f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
-                             f"crop or pad the latents")
+            raise ValueError(
+                f"latent shape {grid} is not (frames, height, width) divisible by the patch {patch}; "
+                f"crop or pad the latents"
+            )
         return math.prod(g // p for g, p in zip(grid, patch, strict=True))
 
     return tokens
@@ -123,9 +148,11 @@ def extras_as(batch: Batch, dtype: torch.dtype, *names: str) -> dict[str, Tensor
     never dropped."""
     unused = sorted(set(batch.extras) - set(names))
     if unused:
-        raise ValueError(f"the micro-batch's items carry {unused}, which the model's default loss does not pass to "
-                         f"the model (it takes {list(names)}); pass a loss_fn(model, batch, ctx) that uses them "
-                         f"(batch.extras), or leave them out of the dataset items")
+        raise ValueError(
+            f"the micro-batch's items carry {unused}, which the model's default loss does not pass to "
+            f"the model (it takes {list(names)}); pass a loss_fn(model, batch, ctx) that uses them "
+            f"(batch.extras), or leave them out of the dataset items"
+        )
     out = {}
     for k in names:
         v = batch.extras.get(k)
@@ -140,11 +167,11 @@ def random_items(parts: Callable[[Size], Mapping[str, tuple[int, ...] | Tensor]]
 
     def sample(size: Size, index: int) -> dict:
         if not isinstance(size, tuple):
-            raise ValueError(f"a diffusers video/image model takes latent (frames, height, width) sample sizes; "
-                             f"got {size!r}")
+            raise ValueError(
+                f"a diffusers video/image model takes latent (frames, height, width) sample sizes; got {size!r}"
+            )
         g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {k: v.clone() if isinstance(v, Tensor) else torch.randn(*v, generator=g)
-                for k, v in parts(size).items()}
+        return {k: v.clone() if isinstance(v, Tensor) else torch.randn(*v, generator=g) for k, v in parts(size).items()}
 
     return sample
 
@@ -152,15 +179,17 @@ def random_items(parts: Callable[[Size], Mapping[str, tuple[int, ...] | Tensor]]
 def padded_text_mask(tokens: int) -> Tensor:
     """A synthetic caption mask (1 = real token): the last quarter of the tokens padding."""
     mask = torch.ones(tokens, dtype=torch.long)
-    mask[tokens - tokens // 4:] = 0
+    mask[tokens - tokens // 4 :] = 0
     return mask
 
 
 def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
     """A family adapter's unknown model-protocol arguments: named with what it takes."""
     if unused:
-        raise ValueError(f"{who} does not take {sorted(unused)}; its adapter takes {', '.join(accepted)} (besides "
-                         f"layers, num_heads, loss_fn, sample_fn, name); leave the others out")
+        raise ValueError(
+            f"{who} does not take {sorted(unused)}; its adapter takes {', '.join(accepted)} (besides "
+            f"layers, num_heads, loss_fn, sample_fn, name); leave the others out"
+        )
 
 
 def replace_processors(modules: list, default: str, make: Callable[[], Any], who: str) -> None:
@@ -170,9 +199,11 @@ def replace_processors(modules: list, default: str, make: Callable[[], Any], who
     ours = type(make()).__name__  # installed before (a model driven again): replaced alike
     odd = sorted({type(m.processor).__name__ for m in modules} - {default, ours})
     if odd:
-        raise ValueError(f"{who}'s attention modules use {', '.join(odd)}, not diffusers' {default}: dcparallel "
-                         f"replaces the default processor with its Ulysses one and would drop what those add "
-                         f"(IP-adapter or custom attention); restore the default (model.set_default_attn_processor() "
-                         f"or unload the adapter) or pass your own adapter")
+        raise ValueError(
+            f"{who}'s attention modules use {', '.join(odd)}, not diffusers' {default}: dcparallel "
+            f"replaces the default processor with its Ulysses one and would drop what those add "
+            f"(IP-adapter or custom attention); restore the default (model.set_default_attn_processor() "
+            f"or unload the adapter) or pass your own adapter"
+        )
     for m in modules:
         m.set_processor(make())

@@ -53,8 +53,14 @@ class UlyssesLTXSelfAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, image_rotary_emb: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
 
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -89,9 +95,17 @@ def ltx_loss(rope_scale: Any = PIPELINE_ROPE_SCALE):
         p, pt = cfg.patch_size, cfg.patch_size_t
         grid = tuple(xt.shape[2:])
         cond = extras_as(batch, xt.dtype, "encoder_hidden_states", "encoder_attention_mask")
-        pred = model(pack(xt, p, pt), timestep=t * 1000, num_frames=grid[0] // pt, height=grid[1] // p,
-                     width=grid[2] // p, rope_interpolation_scale=rope_scale, return_dict=False,
-                     encoder_attention_mask=cond.pop("encoder_attention_mask", None), **cond)[0]
+        pred = model(
+            pack(xt, p, pt),
+            timestep=t * 1000,
+            num_frames=grid[0] // pt,
+            height=grid[1] // p,
+            width=grid[2] // p,
+            rope_interpolation_scale=rope_scale,
+            return_dict=False,
+            encoder_attention_mask=cond.pop("encoder_attention_mask", None),
+            **cond,
+        )[0]
         return unpack(pred, grid, p, pt)
 
     def loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
@@ -105,34 +119,73 @@ def ltx_loss(rope_scale: Any = PIPELINE_ROPE_SCALE):
 ACCEPTED = ("context_tokens", "rope_interpolation_scale")
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 128, rope_interpolation_scale: Any = PIPELINE_ROPE_SCALE,
-            **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 128,
+    rope_interpolation_scale: Any = PIPELINE_ROPE_SCALE,
+    **unused: Any,
+) -> ModelAdapter:
     check_args("diffusers LTXVideoTransformer3DModel", unused, ACCEPTED)
     cfg = model.config
     blocks = list(layers) if layers is not None else list(model.transformer_blocks)
     heads = num_heads or cfg.num_attention_heads
     p, pt = cfg.patch_size, cfg.patch_size_t
     if (cfg.out_channels or cfg.in_channels) != cfg.in_channels:
-        raise ValueError(f"LTXVideoTransformer3DModel with in_channels={cfg.in_channels} and out_channels="
-                         f"{cfg.out_channels}: dcparallel's loss needs equal channels; pass loss_fn")
+        raise ValueError(
+            f"LTXVideoTransformer3DModel with in_channels={cfg.in_channels} and out_channels="
+            f"{cfg.out_channels}: dcparallel's loss needs equal channels; pass loss_fn"
+        )
     hidden = heads * cfg.attention_head_dim
     attn_modules = lambda b: [b.attn1, b.attn2]
     mlp_modules = lambda b: [b.ff]
-    spec = derive_spec(model, blocks, name=name or f"ltx-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                       num_heads=heads, ffn_hidden=4 * hidden, attention="full", attn_modules=attn_modules,
-                       mlp_modules=mlp_modules, context_tokens=context_tokens, t_num=1, t_den=pt, spatial_patch=p)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"ltx-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=4 * hidden,
+        attention="full",
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=pt,
+        spatial_patch=p,
+    )
     channels = cfg.in_channels // (p * p * pt)
 
     def parts(size: Size) -> dict[str, tuple[int, ...]]:
         return {"latents": (channels, *size), "encoder_hidden_states": (context_tokens, cfg.caption_channels)}
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn1 for b in blocks], "LTXVideoAttnProcessor", lambda: UlyssesLTXSelfAttention(fn),
-                           "LTXVideoTransformer3DModel")
+        replace_processors(
+            [b.attn1 for b in blocks],
+            "LTXVideoAttnProcessor",
+            lambda: UlyssesLTXSelfAttention(fn),
+            "LTXVideoTransformer3DModel",
+        )
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or ltx_loss(rope_interpolation_scale), sample=sample_fn or random_items(parts),
-                        collate=patch_collate((pt, p, p)),
-                        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install())
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn or ltx_loss(rope_interpolation_scale),
+        sample=sample_fn or random_items(parts),
+        collate=patch_collate((pt, p, p)),
+        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
+    )

@@ -57,8 +57,14 @@ class UlyssesMochiAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor,
-                 attention_mask: Tensor, image_rotary_emb: tuple[Tensor, Tensor] | None = None):
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor,
+        attention_mask: Tensor,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ):
         heads = attn.heads
         split = lambda x: x.unflatten(2, (heads, -1))
         q, k, v, qt, kt, vt = joint.project_two_streams(attn, hidden_states, encoder_hidden_states, split)
@@ -71,8 +77,13 @@ class UlyssesMochiAttention:
 
 def predict(model: nn.Module, xt: Tensor, t: Tensor, batch: Batch) -> Tensor:
     text = extras_as(batch, xt.dtype, "encoder_hidden_states", "encoder_attention_mask")["encoder_hidden_states"]
-    return model(xt, encoder_hidden_states=text, timestep=t * 1000,
-                 encoder_attention_mask=joint.caption_mask(batch, text), return_dict=False)[0]
+    return model(
+        xt,
+        encoder_hidden_states=text,
+        timestep=t * 1000,
+        encoder_attention_mask=joint.caption_mask(batch, text),
+        return_dict=False,
+    )[0]
 
 
 def mochi_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
@@ -83,9 +94,11 @@ def mochi_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
 def item_parts(model: nn.Module, context_tokens: int):
     """Synthetic items: random latents, captions with the last quarter of the tokens padding."""
     cfg = model.config
-    return lambda size: {"latents": (cfg.in_channels, *size),
-                         "encoder_hidden_states": (context_tokens, cfg.text_embed_dim),
-                         "encoder_attention_mask": padded_text_mask(context_tokens)}
+    return lambda size: {
+        "latents": (cfg.in_channels, *size),
+        "encoder_hidden_states": (context_tokens, cfg.text_embed_dim),
+        "encoder_attention_mask": padded_text_mask(context_tokens),
+    }
 
 
 def attn_modules(block: nn.Module) -> list[nn.Module]:
@@ -96,20 +109,54 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
     return [m for m in (block.ff, block.ff_context) if m is not None]
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 256, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 256,
+    **unused: Any,
+) -> ModelAdapter:
     cfg = model.config
     blocks = list(model.transformer_blocks)
-    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                               unused=unused)
+    heads = joint.check_driven(
+        model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused
+    )
     hidden = heads * cfg.attention_head_dim
     ffn = max(m.out_features for m in blocks[0].ff.modules() if isinstance(m, nn.Linear))
-    spec = averaged_spec(model, blocks, attn_modules, mlp_modules, name=name or f"mochi-h{hidden}-l{len(blocks)}",
-                         kind="video", hidden=hidden, num_heads=heads, ffn_hidden=ffn, attention="full",
-                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=cfg.patch_size)
+    spec = averaged_spec(
+        model,
+        blocks,
+        attn_modules,
+        mlp_modules,
+        name=name or f"mochi-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=ffn,
+        attention="full",
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=1,
+        spatial_patch=cfg.patch_size,
+    )
 
-    return joint.video_adapter(model, blocks, spec, processor=UlyssesMochiAttention, attn_modules=attn_modules,
-                               mlp_modules=mlp_modules, loss_fn=loss_fn or mochi_flow_loss,
-                               parts=item_parts(model, context_tokens), sample_fn=sample_fn, norm=model.norm_out,
-                               block_args=BLOCK_ARGS, patch=(1, cfg.patch_size, cfg.patch_size),
-                               required=("encoder_hidden_states",))
+    return joint.video_adapter(
+        model,
+        blocks,
+        spec,
+        processor=UlyssesMochiAttention,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn or mochi_flow_loss,
+        parts=item_parts(model, context_tokens),
+        sample_fn=sample_fn,
+        norm=model.norm_out,
+        block_args=BLOCK_ARGS,
+        patch=(1, cfg.patch_size, cfg.patch_size),
+        required=("encoder_hidden_states",),
+    )

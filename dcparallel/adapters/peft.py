@@ -51,15 +51,22 @@ def check_configs(model: nn.Module) -> None:
     for name, cfg in configs.items():
         kind = _type_name(cfg)
         if kind not in SUPPORTED:
-            why = ("prompt learning adds virtual tokens to every sequence, so a sample's length would not be the "
-                   "one it was planned with" if getattr(cfg, "is_prompt_learning", False)
-                   else "only LoRA (linear layers, embeddings, DoRA) is tested to train exactly")
-            raise ValueError(f"PEFT adapter {name!r} is of type {kind}, which dcparallel does not train: {why}; "
-                             f"use a LoraConfig (use_dora=True for DoRA)")
+            why = (
+                "prompt learning adds virtual tokens to every sequence, so a sample's length would not be the "
+                "one it was planned with"
+                if getattr(cfg, "is_prompt_learning", False)
+                else "only LoRA (linear layers, embeddings, DoRA) is tested to train exactly"
+            )
+            raise ValueError(
+                f"PEFT adapter {name!r} is of type {kind}, which dcparallel does not train: {why}; "
+                f"use a LoraConfig (use_dora=True for DoRA)"
+            )
         if getattr(cfg, "layer_replication", None):
-            raise ValueError(f"PEFT adapter {name!r} sets layer_replication={cfg.layer_replication!r}: its repeated "
-                             f"blocks share weights, which the block-wise runtime does not handle; train without "
-                             f"layer_replication")
+            raise ValueError(
+                f"PEFT adapter {name!r} sets layer_replication={cfg.layer_replication!r}: its repeated "
+                f"blocks share weights, which the block-wise runtime does not handle; train without "
+                f"layer_replication"
+            )
 
 
 def base_model(model: nn.Module) -> nn.Module:

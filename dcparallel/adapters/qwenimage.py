@@ -51,25 +51,35 @@ class UlyssesQwenAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 encoder_hidden_states_mask: Tensor | None = None, attention_mask: Tensor | None = None,
-                 image_rotary_emb: Any = None) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_hidden_states_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: Any = None,
+    ) -> tuple[Tensor, Tensor]:
         from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
         if encoder_hidden_states is None:
             raise ValueError(f"{WHO}'s attention needs encoder_hidden_states (the text stream)")
         if attention_mask is not None:
-            raise ValueError(f"{WHO}'s attention takes no attention_mask: pass encoder_hidden_states_mask, from which "
-                             f"it builds the joint mask")
+            raise ValueError(
+                f"{WHO}'s attention takes no attention_mask: pass encoder_hidden_states_mask, from which "
+                f"it builds the joint mask"
+            )
         head_dim = attn.inner_dim // attn.heads
-        q, k, v, qt, kt, vt = joint.project_two_streams(attn, hidden_states, encoder_hidden_states,
-                                                         lambda x: x.unflatten(-1, (-1, head_dim)))
+        q, k, v, qt, kt, vt = joint.project_two_streams(
+            attn, hidden_states, encoder_hidden_states, lambda x: x.unflatten(-1, (-1, head_dim))
+        )
         if image_rotary_emb is not None:
             image, text = image_rotary_emb
             q, k = (apply_rotary_emb_qwen(x, image, use_real=False) for x in (q, k))
             qt, kt = (apply_rotary_emb_qwen(x, text, use_real=False) for x in (qt, kt))
-        out_image, out_text = joint.joint_attention(q, k, v, qt, kt, vt, encoder_hidden_states_mask, self.attention,
-                                                    text_first=True)
+        out_image, out_text = joint.joint_attention(
+            q, k, v, qt, kt, vt, encoder_hidden_states_mask, self.attention, text_first=True
+        )
         out_image, out_text = (x.flatten(2, 3).to(q.dtype) for x in (out_image, out_text))
         out_image = attn.to_out[0](out_image.contiguous())
         if len(attn.to_out) > 1:
@@ -95,9 +105,11 @@ def refuse_controlnet(model: nn.Module):
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict):
         if kwargs.get("controlnet_block_samples") is not None or (len(args) > at and args[at] is not None):
-            raise ValueError(f"{WHO} got controlnet_block_samples: dcparallel's Qwen-Image adapter does not shard "
-                             f"ControlNet residuals (added to the whole image sequence after each block); train "
-                             f"without them or pass your own adapter")
+            raise ValueError(
+                f"{WHO} got controlnet_block_samples: dcparallel's Qwen-Image adapter does not shard "
+                f"ControlNet residuals (added to the whole image sequence after each block); train "
+                f"without them or pass your own adapter"
+            )
         return None
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -116,33 +128,72 @@ def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any,
     return encoder_hidden_states, hidden_states
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 512, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 512,
+    **unused: Any,
+) -> ModelAdapter:
     cfg = model.config
     odd = {k: getattr(cfg, k) for k in ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond") if getattr(cfg, k)}
     if odd:
-        raise ValueError(f"{WHO} with {', '.join(f'{k}=True' for k in odd)}: these configurations (Qwen-Image-Edit "
-                         f"2511's reference images, Qwen-Image-Layered's layers) put more than the target image in "
-                         f"the image sequence, which dcparallel's Qwen-Image adapter does not shard or train; use a "
-                         f"text-to-image configuration or pass your own adapter")
+        raise ValueError(
+            f"{WHO} with {', '.join(f'{k}=True' for k in odd)}: these configurations (Qwen-Image-Edit "
+            f"2511's reference images, Qwen-Image-Layered's layers) put more than the target image in "
+            f"the image sequence, which dcparallel's Qwen-Image adapter does not shard or train; use a "
+            f"text-to-image configuration or pass your own adapter"
+        )
     blocks = list(model.transformer_blocks)
-    heads = joint.check_driven(model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                               unused=unused)
+    heads = joint.check_driven(
+        model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused
+    )
     hidden = heads * cfg.attention_head_dim
-    spec = averaged_spec(model, blocks, attn_modules, mlp_modules,
-                         name=name or f"qwenimage-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                         num_heads=heads, ffn_hidden=4 * hidden, attention="full",
-                         context_tokens=context_tokens, t_num=1, t_den=1, spatial_patch=2)
+    spec = averaged_spec(
+        model,
+        blocks,
+        attn_modules,
+        mlp_modules,
+        name=name or f"qwenimage-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=4 * hidden,
+        attention="full",
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=1,
+        spatial_patch=2,
+    )
 
     def install(fn: Any) -> None:
-        replace_processors([b.attn for b in blocks], "QwenDoubleStreamAttnProcessor2_0",
-                           lambda: UlyssesQwenAttention(fn), WHO)
+        replace_processors(
+            [b.attn for b in blocks], "QwenDoubleStreamAttnProcessor2_0", lambda: UlyssesQwenAttention(fn), WHO
+        )
 
     def install_hooks(attention: Any) -> list[Any]:
         plan = read_plan(model, replicated_outputs={("pos_embed", 1)})  # the text's rotary table stays whole
         return [*PlanHooks(model, plan, attention).install(), refuse_controlnet(model)]
 
-    return image_adapter(model, blocks, spec, who=WHO, in_features=model.img_in.in_features,
-                         text_dim=cfg.joint_attention_dim, context_tokens=context_tokens, install=install,
-                         attn_modules=attn_modules, mlp_modules=mlp_modules, loss_fn=loss_fn, default_loss=qwen_loss,
-                         sample_fn=sample_fn, skip_block=skip_block, install_hooks=install_hooks)
+    return image_adapter(
+        model,
+        blocks,
+        spec,
+        who=WHO,
+        in_features=model.img_in.in_features,
+        text_dim=cfg.joint_attention_dim,
+        context_tokens=context_tokens,
+        install=install,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        default_loss=qwen_loss,
+        sample_fn=sample_fn,
+        skip_block=skip_block,
+        install_hooks=install_hooks,
+    )

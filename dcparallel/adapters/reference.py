@@ -22,17 +22,34 @@ def matches(model: nn.Module) -> bool:
 def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, **kw: Any) -> ModelAdapter:
     c = model.cfg
     if isinstance(model, Llama):
-        return protocol_adapter(model, layers=layers, num_heads=num_heads or c.num_heads, kind="text",
-                                attention="causal", hidden=c.hidden, ffn_hidden=c.ffn_hidden,
-                                loss_fn=kw.pop("loss_fn", None) or positional_lm_loss,
-                                name=kw.pop("name", None) or f"llama-h{c.hidden}-l{c.num_layers}", **kw)
+        return protocol_adapter(
+            model,
+            layers=layers,
+            num_heads=num_heads or c.num_heads,
+            kind="text",
+            attention="causal",
+            hidden=c.hidden,
+            ffn_hidden=c.ffn_hidden,
+            loss_fn=kw.pop("loss_fn", None) or positional_lm_loss,
+            name=kw.pop("name", None) or f"llama-h{c.hidden}-l{c.num_layers}",
+            **kw,
+        )
     pair = c.attention == "factorized"  # a spatial + temporal block pair is one planner layer
-    return protocol_adapter(model, layers=layers, num_heads=num_heads or c.num_heads, kind="video",
-                            attention="factorized" if pair else "full", hidden=c.hidden,
-                            ffn_hidden=c.mlp_ratio * c.hidden, blocks_per_layer=2 if pair else 1,
-                            loss_fn=kw.pop("loss_fn", None) or dit_flow_loss,
-                            sample_fn=kw.pop("sample_fn", None) or dit_samples(model),
-                            name=kw.pop("name", None) or f"dit-h{c.hidden}-l{c.num_layers}", collate="video", **kw)
+    return protocol_adapter(
+        model,
+        layers=layers,
+        num_heads=num_heads or c.num_heads,
+        kind="video",
+        attention="factorized" if pair else "full",
+        hidden=c.hidden,
+        ffn_hidden=c.mlp_ratio * c.hidden,
+        blocks_per_layer=2 if pair else 1,
+        loss_fn=kw.pop("loss_fn", None) or dit_flow_loss,
+        sample_fn=kw.pop("sample_fn", None) or dit_samples(model),
+        name=kw.pop("name", None) or f"dit-h{c.hidden}-l{c.num_layers}",
+        collate="video",
+        **kw,
+    )
 
 
 def dit_flow_loss(model: DiT, batch: Any, ctx: Any) -> Tensor:
@@ -60,7 +77,10 @@ def dit_samples(model: DiT, seed: int = 0):
         nh, nw = math.ceil(height / 16), math.ceil(width / 16)
         grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(nh), torch.arange(nw), indexing="ij"), -1)
         g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return {"tokens": torch.randn(t * nh * nw, patch_dim, generator=g), "positions": grid.reshape(-1, 3),
-                "frames": t}
+        return {
+            "tokens": torch.randn(t * nh * nw, patch_dim, generator=g),
+            "positions": grid.reshape(-1, 3),
+            "frames": t,
+        }
 
     return sample

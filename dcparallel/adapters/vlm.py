@@ -38,20 +38,22 @@ from dcparallel.data.batch import Batch
 from dcparallel.data.vision_collate import collate_vision
 
 _NO_ADAPTER = "dcparallel has no adapter for its vision inputs yet"
-_FIX = ("train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
-        "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, Gemma3ForConditionalGeneration, "
-        "LlavaOnevisionForConditionalGeneration or "
-        "SmolVLMForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
-        "loss_fn that encodes its images and a parity test against the unmodified model")
+_FIX = (
+    "train Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
+    "InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, Gemma3ForConditionalGeneration, "
+    "LlavaOnevisionForConditionalGeneration or "
+    "SmolVLMForConditionalGeneration, or pass adapter=dcparallel.adapters.ModelAdapter(...) with a "
+    "loss_fn that encodes its images and a parity test against the unmodified model"
+)
 
 #: vision-language classes refused: what their layout needs that dcparallel does not implement
 REFUSED: dict[str, str] = {
     "MllamaForConditionalGeneration": "its cross-attention layers attend from the text to the image states "
-                                      "(cross_attention_states); dcparallel's attention is causal self-attention over "
-                                      "the sharded text and has no cross-attention to a second stream",
+    "(cross_attention_states); dcparallel's attention is causal self-attention over "
+    "the sharded text and has no cross-attention to a second stream",
     "Qwen3VLMoeForConditionalGeneration": "its mixture-of-experts decoder under DeepStack has not been "
-                                          "parity-tested with its vision tower (the dense "
-                                          "Qwen3VLForConditionalGeneration trains)",
+    "parity-tested with its vision tower (the dense "
+    "Qwen3VLForConditionalGeneration trains)",
 }
 
 
@@ -63,14 +65,19 @@ def _get(root: nn.Module, path: str) -> nn.Module:
 
 def matches(model: nn.Module) -> bool:
     """A transformers model with a vision tower (its config has a ``vision_config``)."""
-    return (type(model).__module__.startswith("transformers.")
-            and getattr(getattr(model, "config", None), "vision_config", None) is not None)
+    return (
+        type(model).__module__.startswith("transformers.")
+        and getattr(getattr(model, "config", None), "vision_config", None) is not None
+    )
 
 
 def _refuse(model: nn.Module) -> ValueError:
     who = type(model).__name__
-    why = REFUSED.get(who, f"{_NO_ADAPTER} (a vision tower whose outputs, positions and masks dcparallel has not "
-                           f"placed on sequence shards with a parity test)")
+    why = REFUSED.get(
+        who,
+        f"{_NO_ADAPTER} (a vision tower whose outputs, positions and masks dcparallel has not "
+        f"placed on sequence shards with a parity test)",
+    )
     return ValueError(f"dcparallel cannot train the vision-language model {who}: {why}. To train it, {_FIX}")
 
 
@@ -88,17 +95,27 @@ def vlm_loss(model: nn.Module, batch: Batch, ctx: Any, *, family: Family, attn: 
     if tokens:
         extra = sorted(set(ex["vision_kind"].tolist()) - set(kinds))
         if extra:
-            raise ValueError(f"samples {batch.sample_ids} hold {'videos' if 2 in extra else 'vision items'} but "
-                             f"{type(model).__name__} takes only {sorted(kinds)} (1 image, 2 video); leave "
-                             f"pixel_values_videos out of its samples")
+            raise ValueError(
+                f"samples {batch.sample_ids} hold {'videos' if 2 in extra else 'vision items'} but "
+                f"{type(model).__name__} takes only {sorted(kinds)} (1 image, 2 video); leave "
+                f"pixel_values_videos out of its samples"
+            )
         d = embeds.shape[-1]
-        trainable = any(p.requires_grad for path in (family.tower, *family.projectors)
-                        for p in _get(model, path).parameters())
-        whole = group_embeddings(batch, group, lambda px, g: family.encode(model, px, g), tokens,
-                                 d * (1 + family.levels(cfg)), embeds.dtype, trainable)
+        trainable = any(
+            p.requires_grad for path in (family.tower, *family.projectors) for p in _get(model, path).parameters()
+        )
+        whole = group_embeddings(
+            batch,
+            group,
+            lambda px, g: family.encode(model, px, g),
+            tokens,
+            d * (1 + family.levels(cfg)),
+            embeds.dtype,
+            trainable,
+        )
         rows, mask = place(batch, whole.to(embeds.dtype), tokens, kinds)
         embeds = torch.where(mask[None, :, None], rows[None, :, :d], embeds)
-        levels = [rows[mask][:, d * (i + 1):d * (i + 2)] for i in range(family.levels(cfg))] or None
+        levels = [rows[mask][:, d * (i + 1) : d * (i + 2)] for i in range(family.levels(cfg))] or None
         mask = mask[None]
     more = {"batch": batch} if family.needs_batch else {}
     return ctx.lm_loss(family.logits(model, embeds, family.positions(model, batch), mask, levels, **more))
@@ -124,8 +141,18 @@ def _freeze(tower: nn.Module, projectors: list[nn.Module]) -> None:
             p.requires_grad_(False)
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, freeze_vision: bool = False, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    freeze_vision: bool = False,
+    **unused: Any,
+) -> ModelAdapter:
     """``freeze_vision``: the vision tower frozen, its projector trainable."""
     family = FAMILIES.get(type(model).__name__)
     if family is None:
@@ -144,10 +171,21 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     if freeze_vision:  # before the spec: its frozen_params (no gradient, no optimizer state) count the tower
         _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
-    spec = derive_spec(model, blocks, name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
-                       kind="text", hidden=hidden, num_heads=heads, ffn_hidden=ffn_size(cfg, blocks, hidden),
-                       attention="causal", attn_modules=attn_of, mlp_modules=mlp_of, vocab_size=cfg.vocab_size,
-                       num_kv_heads=kv if kv != heads else 0, head_dim=head_dim if head_dim * heads != hidden else 0)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
+        kind="text",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=ffn_size(cfg, blocks, hidden),
+        attention="causal",
+        attn_modules=attn_of,
+        mlp_modules=mlp_of,
+        vocab_size=cfg.vocab_size,
+        num_kv_heads=kv if kv != heads else 0,
+        head_dim=head_dim if head_dim * heads != hidden else 0,
+    )
     spec = with_tower(spec, model, trainable=not freeze_vision)  # the Qwen-VL towers, priced per image
     placeholders = list(family.kinds(model.config).values())
     limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
@@ -162,7 +200,17 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     def default_loss(m: nn.Module, batch: Batch, ctx: Any) -> Tensor:
         return vlm_loss(m, batch, ctx, family=family, attn=attn)
 
-    return ModelAdapter(name=spec.name, kind="text", blocks=blocks, num_heads=heads, num_kv_heads=kv,
-                        install_attention=install, spec=spec, attn_modules=attn_of, mlp_modules=mlp_of,
-                        loss_fn=loss_fn or default_loss, sample=sample_fn or text_samples(cfg.vocab_size, placeholders),
-                        collate=collate_vision)
+    return ModelAdapter(
+        name=spec.name,
+        kind="text",
+        blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=kv,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_of,
+        mlp_modules=mlp_of,
+        loss_fn=loss_fn or default_loss,
+        sample=sample_fn or text_samples(cfg.vocab_size, placeholders),
+        collate=collate_vision,
+    )

@@ -89,9 +89,13 @@ def qwen_row_positions(model: nn.Module, batch: Batch) -> Tensor:
         ids = row[:, a:b]
         types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         img, vid = (doc == d) & (kind == 1), (doc == d) & (kind == 2)
-        pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid[img] if img.any() else None,
-                                            video_grid_thw=grid[vid] if vid.any() else None,
-                                            second_per_grid_ts=seconds[vid] if vid.any() else None)
+        pos, _ = model.model.get_rope_index(
+            ids,
+            types,
+            image_grid_thw=grid[img] if img.any() else None,
+            video_grid_thw=grid[vid] if vid.any() else None,
+            second_per_grid_ts=seconds[vid] if vid.any() else None,
+        )
         out.append(pos[:, 0])
     return torch.cat(out, dim=1)
 
@@ -100,22 +104,30 @@ def _qwen_positions(model: nn.Module, batch: Batch) -> Tensor:
     return batch.shard_sample(qwen_row_positions(model, batch).T).T[:, None]  # (3, 1, shard_len)
 
 
-def _model_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                  levels: list[Tensor] | None) -> Tensor:
+def _model_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None
+) -> Tensor:
     return model(inputs_embeds=embeds, position_ids=positions, use_cache=False).logits
 
 
-def _qwen3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                  levels: list[Tensor] | None) -> Tensor:
+def _qwen3_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None
+) -> Tensor:
     """The language model with the shard's DeepStack rows added after its first decoder
     layers at the shard's placeholder tokens (``mask``), then the LM head."""
-    hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                                        visual_pos_masks=mask, deepstack_visual_embeds=levels).last_hidden_state
+    hidden = model.model.language_model(
+        inputs_embeds=embeds,
+        position_ids=positions,
+        use_cache=False,
+        visual_pos_masks=mask,
+        deepstack_visual_embeds=levels,
+    ).last_hidden_state
     return model.lm_head(hidden)
 
 
-def _text_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                 levels: list[Tensor] | None) -> Tensor:
+def _text_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None
+) -> Tensor:
     """The language model and LM head called directly: InternVL's own forward hands its image
     arguments (``image_sizes``) down to the decoder's attention."""
     hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
@@ -125,7 +137,7 @@ def _text_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tens
 def _internvl_tokens(cfg: Any, grid: Tensor) -> list[int]:
     """Per tile: its patches (pixels over the patch size) shrunk by the pixel shuffle."""
     ph, pw = cfg.vision_config.patch_size
-    keep = cfg.downsample_ratio ** 2
+    keep = cfg.downsample_ratio**2
     return [int(h // ph * (w // pw) * keep) for _, h, w in grid.tolist()]
 
 
@@ -133,14 +145,17 @@ def _internvl_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     cfg = model.config
     _, h, w = grid[0].tolist()
     tiles = pixels.reshape(-1, cfg.vision_config.num_channels, h, w)
-    out = model.model.get_image_features(pixel_values=tiles, vision_feature_layer=cfg.vision_feature_layer,
-                                         vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+    out = model.model.get_image_features(
+        pixel_values=tiles,
+        vision_feature_layer=cfg.vision_feature_layer,
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+    )
     return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
 
 
 def _idefics3_tokens(cfg: Any, grid: Tensor) -> list[int]:
     """Per tile: its patches shrunk by the connector's pixel shuffle (``scale_factor`` squared)."""
-    p, keep = cfg.vision_config.patch_size, cfg.scale_factor ** 2
+    p, keep = cfg.vision_config.patch_size, cfg.scale_factor**2
     return [int(h // p * (w // p) // keep) for _, h, w in grid.tolist()]
 
 
@@ -149,8 +164,10 @@ def _idefics3_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     (`data.vision_collate`); the model's own ``get_image_features`` (patch mask, tower,
     connector) on them."""
     if (grid != grid[0]).any():
-        raise ValueError(f"{type(model).__name__}: tiles of different sizes {sorted(set(map(tuple, grid.tolist())))} "
-                         f"in one micro-batch; pass the image processor's tiles (all of its max_image_size)")
+        raise ValueError(
+            f"{type(model).__name__}: tiles of different sizes {sorted(set(map(tuple, grid.tolist())))} "
+            f"in one micro-batch; pass the image processor's tiles (all of its max_image_size)"
+        )
     _, h, w = grid[0].tolist()
     size = model.config.vision_config.num_channels * h * w
     tiles = pixels[:, :size].reshape(1, -1, model.config.vision_config.num_channels, h, w)
@@ -158,8 +175,9 @@ def _idefics3_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     return torch.cat(list(model.model.get_image_features(pixel_values=tiles, pixel_attention_mask=mask).pooler_output))
 
 
-def _idefics3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                     levels: list[Tensor] | None) -> Tensor:
+def _idefics3_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None
+) -> Tensor:
     hidden = model.model.text_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
     return model.lm_head(hidden.last_hidden_state)
 
@@ -170,27 +188,78 @@ def _qwen_kinds(cfg: Any) -> dict[int, int]:
 
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": Family(
-        "model.language_model", "model.visual", ("model.visual.merger",), _qwen25_encode, _qwen_tokens,
-        _qwen_positions, _model_logits, _qwen_kinds),
+        "model.language_model",
+        "model.visual",
+        ("model.visual.merger",),
+        _qwen25_encode,
+        _qwen_tokens,
+        _qwen_positions,
+        _model_logits,
+        _qwen_kinds,
+    ),
     "Qwen2VLForConditionalGeneration": Family(
-        "model.language_model", "model.visual", ("model.visual.merger",), _qwen25_encode, _qwen_tokens,
-        _qwen_positions, _model_logits, _qwen_kinds),
+        "model.language_model",
+        "model.visual",
+        ("model.visual.merger",),
+        _qwen25_encode,
+        _qwen_tokens,
+        _qwen_positions,
+        _model_logits,
+        _qwen_kinds,
+    ),
     "Qwen3VLForConditionalGeneration": Family(
-        "model.language_model", "model.visual", ("model.visual.merger", "model.visual.deepstack_merger_list"),
-        _qwen3_encode, _qwen_tokens, _qwen_positions, _qwen3_logits, _qwen_kinds,
-        lambda cfg: len(cfg.vision_config.deepstack_visual_indexes)),
+        "model.language_model",
+        "model.visual",
+        ("model.visual.merger", "model.visual.deepstack_merger_list"),
+        _qwen3_encode,
+        _qwen_tokens,
+        _qwen_positions,
+        _qwen3_logits,
+        _qwen_kinds,
+        lambda cfg: len(cfg.vision_config.deepstack_visual_indexes),
+    ),
     "InternVLForConditionalGeneration": Family(
-        "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), _internvl_encode,
-        _internvl_tokens, lambda model, batch: batch.positions, _text_logits, lambda cfg: {1: cfg.image_token_id}),
-    **{name: Family("model.text_model", "model.vision_model", ("model.connector",), _idefics3_encode,
-                    _idefics3_tokens, lambda model, batch: batch.positions, _idefics3_logits,
-                    lambda cfg: {1: cfg.image_token_id})
-       for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")},
+        "model.language_model",
+        "model.vision_tower",
+        ("model.multi_modal_projector",),
+        _internvl_encode,
+        _internvl_tokens,
+        lambda model, batch: batch.positions,
+        _text_logits,
+        lambda cfg: {1: cfg.image_token_id},
+    ),
+    **{
+        name: Family(
+            "model.text_model",
+            "model.vision_model",
+            ("model.connector",),
+            _idefics3_encode,
+            _idefics3_tokens,
+            lambda model, batch: batch.positions,
+            _idefics3_logits,
+            lambda cfg: {1: cfg.image_token_id},
+        )
+        for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+    },
     "Gemma3ForConditionalGeneration": Family(
-        "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), gemma3_encode,
-        gemma3_tokens, lambda model, batch: batch.positions, gemma3_logits, lambda cfg: {1: cfg.image_token_id},
-        needs_batch=True),
+        "model.language_model",
+        "model.vision_tower",
+        ("model.multi_modal_projector",),
+        gemma3_encode,
+        gemma3_tokens,
+        lambda model, batch: batch.positions,
+        gemma3_logits,
+        lambda cfg: {1: cfg.image_token_id},
+        needs_batch=True,
+    ),
     "LlavaOnevisionForConditionalGeneration": Family(
-        "model.language_model", "model.vision_tower", ("model.multi_modal_projector",), llava_encode,
-        llava_tokens, lambda model, batch: batch.positions, llava_logits, lambda cfg: {1: cfg.image_token_id}),
+        "model.language_model",
+        "model.vision_tower",
+        ("model.multi_modal_projector",),
+        llava_encode,
+        llava_tokens,
+        lambda model, batch: batch.positions,
+        llava_logits,
+        lambda cfg: {1: cfg.image_token_id},
+    ),
 }

@@ -33,8 +33,10 @@ def gemma3_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     projector) on them, all of the configured size."""
     vc = model.config.vision_config
     if (grid[:, 1:] != vc.image_size).any():
-        raise ValueError(f"{type(model).__name__}: images of sizes {sorted({tuple(g[1:]) for g in grid.tolist()})} "
-                         f"but its tower takes {vc.image_size} x {vc.image_size}; pass the image processor's output")
+        raise ValueError(
+            f"{type(model).__name__}: images of sizes {sorted({tuple(g[1:]) for g in grid.tolist()})} "
+            f"but its tower takes {vc.image_size} x {vc.image_size}; pass the image processor's output"
+        )
     tiles = pixels.reshape(-1, vc.num_channels, vc.image_size, vc.image_size)
     out = model.model.get_image_features(pixel_values=tiles).pooler_output
     return out.reshape(-1, out.shape[-1])
@@ -52,11 +54,13 @@ def image_blocks(batch: Batch, image_token: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def gemma3_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                  levels: list[Tensor] | None, batch: Batch) -> Tensor:
+def gemma3_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None, batch: Batch
+) -> Tensor:
     """The text decoder with the row's image blocks bidirectional, then the LM head (the
     model's own forward caps no logits: ``final_logit_softcapping`` is its causal LM's)."""
     blocks = image_blocks(batch, model.config.image_token_id)
-    hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                                        **{BLOCKS: blocks})
+    hidden = model.model.language_model(
+        inputs_embeds=embeds, position_ids=positions, use_cache=False, **{BLOCKS: blocks}
+    )
     return model.lm_head(hidden.last_hidden_state)

@@ -43,8 +43,12 @@ def llava_tokens(cfg: Any, grid: Tensor) -> list[int]:
     for g in grid.tolist():
         feats = [torch.zeros(_used_tiles(cfg, g), length, 1)]
         packed, _ = LlavaOnevisionModel.pack_image_features(
-            SimpleNamespace(config=cfg), feats, torch.tensor([g[1:]]), image_newline=torch.zeros(1),
-            vision_aspect_ratio=cfg.vision_aspect_ratio)
+            SimpleNamespace(config=cfg),
+            feats,
+            torch.tensor([g[1:]]),
+            image_newline=torch.zeros(1),
+            vision_aspect_ratio=cfg.vision_aspect_ratio,
+        )
         out.append(int(packed[0].shape[0]))
     return out
 
@@ -65,7 +69,8 @@ def llava_encode(model: nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
     return torch.cat(out)
 
 
-def llava_logits(model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None,
-                 levels: list[Tensor] | None) -> Tensor:
+def llava_logits(
+    model: nn.Module, embeds: Tensor, positions: Tensor, mask: Tensor | None, levels: list[Tensor] | None
+) -> Tensor:
     hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
     return model.lm_head(hidden.last_hidden_state)

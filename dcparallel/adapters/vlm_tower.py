@@ -31,18 +31,28 @@ def vision_tower(model: nn.Module, trainable: bool = True, **bounds: Any) -> Vis
     """The tower of ``model`` (module docstring); ``bounds``: the image processor's
     ``min_pixels`` / ``max_pixels`` (the `VisionTower` defaults without them)."""
     if not has_grid_tower(model):
-        raise ValueError(f"{type(model).__name__}: its vision tower has no grid of patches to price (Qwen2-VL, "
-                         f"Qwen2.5-VL and Qwen3-VL have); plan it without a vision tower")
+        raise ValueError(
+            f"{type(model).__name__}: its vision tower has no grid of patches to price (Qwen2-VL, "
+            f"Qwen2.5-VL and Qwen3-VL have); plan it without a vision tower"
+        )
     visual, vc = model.model.visual, model.config.vision_config
     blocks = list(visual.blocks)
     per_block = count_params([blocks[0]])
     windowed = getattr(vc, "window_size", 0) and getattr(vc, "fullatt_block_indexes", None) is not None
     full = len(vc.fullatt_block_indexes) if windowed else len(blocks)
     window = (vc.window_size // vc.patch_size) ** 2 if windowed else 0
-    return VisionTower(num_layers=len(blocks), hidden=getattr(vc, "embed_dim", None) or vc.hidden_size,
-                       layer_params=per_block, full_layers=full, window=window, trainable=trainable,
-                       extra_params=count_params([visual]) - len(blocks) * per_block, patch=vc.patch_size,
-                       merge=vc.spatial_merge_size, **bounds)
+    return VisionTower(
+        num_layers=len(blocks),
+        hidden=getattr(vc, "embed_dim", None) or vc.hidden_size,
+        layer_params=per_block,
+        full_layers=full,
+        window=window,
+        trainable=trainable,
+        extra_params=count_params([visual]) - len(blocks) * per_block,
+        patch=vc.patch_size,
+        merge=vc.spatial_merge_size,
+        **bounds,
+    )
 
 
 def with_tower(spec: ModelSpec, model: nn.Module, trainable: bool = True) -> ModelSpec:

@@ -30,8 +30,9 @@ from dcparallel.runtime import comm
 Encode = Callable[[Tensor, Tensor], Tensor]
 
 
-def group_embeddings(batch: Batch, group: Any, encode: Encode, tokens: list[int], width: int, dtype: torch.dtype,
-                     trainable: bool) -> Tensor:
+def group_embeddings(
+    batch: Batch, group: Any, encode: Encode, tokens: list[int], width: int, dtype: torch.dtype, trainable: bool
+) -> Tensor:
     """Every vision item's embeddings (``tokens[i]`` rows of ``width`` for item i), items in
     order, on every rank of the group; this rank encodes only its own items (``vision_owner``)."""
     ex = batch.extras
@@ -41,8 +42,10 @@ def group_embeddings(batch: Batch, group: Any, encode: Encode, tokens: list[int]
     if mine:
         out = encode(ex["pixels"], ex["vision_grid"][mine])
         if out.shape[0] != sum(tokens[i] for i in mine):
-            raise ValueError(f"the vision tower returned {out.shape[0]} embeddings for items {mine} of grids "
-                             f"{ex['vision_grid'][mine].tolist()}, expected {sum(tokens[i] for i in mine)}")
+            raise ValueError(
+                f"the vision tower returned {out.shape[0]} embeddings for items {mine} of grids "
+                f"{ex['vision_grid'][mine].tolist()}, expected {sum(tokens[i] for i in mine)}"
+            )
     else:
         out = torch.zeros(0, width, dtype=dtype, device=batch.inputs.device, requires_grad=trainable)
     if batch.sp == 1:
@@ -69,9 +72,11 @@ def check_placeholders(batch: Batch, tokens: list[int], token_ids: dict[int, int
             found = int((row[a:b] == tok).sum())
             given = sum(t for t, kk, dd in zip(tokens, kinds, docs, strict=True) if kk == k and dd == d)
             if found != given:
-                raise ValueError(f"sample {batch.sample_ids[d]} has {found} placeholder tokens {tok} but its "
-                                 f"{'images' if k == 1 else 'videos'} give {given} embeddings; pass each sample's "
-                                 f"processor output whole (input_ids with the pixel values and grids it made)")
+                raise ValueError(
+                    f"sample {batch.sample_ids[d]} has {found} placeholder tokens {tok} but its "
+                    f"{'images' if k == 1 else 'videos'} give {given} embeddings; pass each sample's "
+                    f"processor output whole (input_ids with the pixel values and grids it made)"
+                )
 
 
 def place(batch: Batch, whole: Tensor, tokens: list[int], token_ids: dict[int, int]) -> tuple[Tensor, Tensor]:
@@ -93,7 +98,7 @@ def place(batch: Batch, whole: Tensor, tokens: list[int], token_ids: dict[int, i
         is_tok = row == tok
         before = int(is_tok[:lo].sum()) if lo < batch.seq_len else rows.numel()
         local = is_tok[lo:hi].nonzero()[:, 0] if hi > lo else torch.zeros(0, dtype=torch.long, device=whole.device)
-        take = rows[before:before + local.numel()].to(whole.device)
+        take = rows[before : before + local.numel()].to(whole.device)
         placed = placed.index_put((local,), whole[take])
         mask[local] = True
     return placed, mask

@@ -70,8 +70,13 @@ def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)
 
 
-def self_attention_qkv(attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None,
-                       attention_mask: Tensor | None, who: str) -> tuple[Tensor, Tensor, Tensor]:
+def self_attention_qkv(
+    attn: nn.Module,
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor | None,
+    attention_mask: Tensor | None,
+    who: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     """A Wan-style self-attention's q, k, v (B, N, heads, head_dim): its (fused or separate)
     projections and q/k norms, as diffusers' processors compute them; a mask or a second
     stream is refused (these processors serve ``attn1`` only)."""
@@ -93,8 +98,14 @@ class UlyssesWanSelfAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, rotary_emb: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         q, k, v = self_attention_qkv(attn, hidden_states, encoder_hidden_states, attention_mask, type(self).__name__)
         if rotary_emb is not None:
             q, k = _rotate_pairs(q, *rotary_emb), _rotate_pairs(k, *rotary_emb)
@@ -134,6 +145,8 @@ def image_dim(cfg: Any) -> int | None:
     """The image embeddings' width of image-to-video models (None: text-to-video, or a
     look-alike without the field)."""
     return getattr(cfg, "image_dim", None)
+
+
 #: what Wan's default loss passes to the model besides the latents and the timestep
 WAN_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_image")
 
@@ -153,9 +166,11 @@ def flow_loss(inputs: tuple[str, ...] = WAN_INPUTS):
     def wan_flow_loss(model: nn.Module, batch: Batch, ctx: Any) -> Tensor:
         cfg = model.config
         if batch.inputs.shape[1] != (cfg.out_channels or cfg.in_channels):
-            raise ValueError(f"latents have {batch.inputs.shape[1]} channels but the model predicts "
-                             f"{cfg.out_channels}; give 'latents' the target channels (and extra input channels "
-                             f"as 'condition')")
+            raise ValueError(
+                f"latents have {batch.inputs.shape[1]} channels but the model predicts "
+                f"{cfg.out_channels}; give 'latents' the target channels (and extra input channels "
+                f"as 'condition')"
+            )
         return latent_flow_loss(model, batch, ctx, predict)
 
     return wan_flow_loss
@@ -180,8 +195,9 @@ def item_parts(model: nn.Module, context_tokens: int, image_tokens: int, variant
     return parts
 
 
-def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0, image_tokens: int = 257,
-                   variant: Variant = WAN):
+def latent_samples(
+    model: nn.Module, context_tokens: int, seed: int = 0, image_tokens: int = 257, variant: Variant = WAN
+):
     """Synthetic Wan items of a latent size, with the conditioning the model takes."""
     return random_items(item_parts(model, context_tokens, image_tokens, variant), seed)
 
@@ -189,25 +205,42 @@ def latent_samples(model: nn.Module, context_tokens: int, seed: int = 0, image_t
 ACCEPTED = ("context_tokens", "image_tokens")
 
 
-def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None, loss_fn=None, sample_fn=None,
-            name: str | None = None, context_tokens: int = 512, image_tokens: int | None = None,
-            variant: Variant = WAN, **unused: Any) -> ModelAdapter:
+def adapter(
+    model: nn.Module,
+    *,
+    layers=None,
+    num_heads=None,
+    num_kv_heads=None,
+    loss_fn=None,
+    sample_fn=None,
+    name: str | None = None,
+    context_tokens: int = 512,
+    image_tokens: int | None = None,
+    variant: Variant = WAN,
+    **unused: Any,
+) -> ModelAdapter:
     who = type(model).__name__
     check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
     if (cfg.added_kv_proj_dim is None) != (image_dim(cfg) is None):
-        raise ValueError(f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
-                         f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
-                         f"projections), text-to-video neither")
+        raise ValueError(
+            f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
+            f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
+            f"projections), text-to-video neither"
+        )
     if image_dim(cfg) is not None and context_tokens != 512:
-        raise ValueError(f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
-                         f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
-                         f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512")
+        raise ValueError(
+            f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
+            f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
+            f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512"
+        )
     out_channels = cfg.out_channels or cfg.in_channels
     if cfg.in_channels < out_channels:
-        raise ValueError(f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
-                         f"dcparallel's loss takes the output channels as the target and extra input channels "
-                         f"as condition; pass loss_fn for another layout")
+        raise ValueError(
+            f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
+            f"dcparallel's loss takes the output channels as the target and extra input channels "
+            f"as condition; pass loss_fn for another layout"
+        )
     image_tokens = image_tokens or getattr(cfg, "pos_embed_seq_len", None) or 257
     blocks = list(layers) if layers is not None else variant.blocks(model)
     heads = num_heads or cfg.num_attention_heads
@@ -217,9 +250,18 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
     attn_modules = lambda b: [b.attn1, b.attn2]
     mlp_modules = lambda b: [b.ffn]
     hidden = heads * cfg.attention_head_dim
-    fields = dict(name=name or f"{variant.family.lower()}-h{hidden}-l{len(blocks)}", kind="video", hidden=hidden,
-                  num_heads=heads, ffn_hidden=cfg.ffn_dim, attention="full", t_num=1, t_den=pt, spatial_patch=ph,
-                  context_tokens=context_tokens + (image_tokens if image_dim(cfg) else 0))
+    fields = dict(
+        name=name or f"{variant.family.lower()}-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=cfg.ffn_dim,
+        attention="full",
+        t_num=1,
+        t_den=pt,
+        spatial_patch=ph,
+        context_tokens=context_tokens + (image_tokens if image_dim(cfg) else 0),
+    )
     if len({count_params([b]) for b in blocks}) == 1:
         spec = derive_spec(model, blocks, attn_modules=attn_modules, mlp_modules=mlp_modules, **fields)
     else:  # VACE: its control blocks carry projections of their own
@@ -230,11 +272,19 @@ def adapter(model: nn.Module, *, layers=None, num_heads=None, num_kv_heads=None,
         make = variant.self_attention or UlyssesWanSelfAttention
         replace_processors([b.attn1 for b in blocks], variant.processor, lambda: make(fn), who)
 
-    return ModelAdapter(name=spec.name, kind="video", blocks=blocks, num_heads=heads, num_kv_heads=heads,
-                        install_attention=install, spec=spec, attn_modules=attn_modules, mlp_modules=mlp_modules,
-                        loss_fn=loss_fn or flow_loss((*WAN_INPUTS, *variant.inputs)),
-                        sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens,
-                                                           variant=variant),
-                        collate=patch_collate((pt, ph, pw)),
-                        install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
-                        skip_block=variant.skip_block)
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn or flow_loss((*WAN_INPUTS, *variant.inputs)),
+        sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens, variant=variant),
+        collate=patch_collate((pt, ph, pw)),
+        install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
+        skip_block=variant.skip_block,
+    )

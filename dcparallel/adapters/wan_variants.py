@@ -71,15 +71,25 @@ def vace_skip_block(*args: Any, **kwargs: Any) -> Any:
 
 
 def vace_variant() -> wan.Variant:
-    return wan.Variant(family="VACE", plan=vace_plan(), blocks=lambda model: [*model.vace_blocks, *model.blocks],
-                       inputs=("control_hidden_states",), skip_block=vace_skip_block,
-                       parts=lambda cfg, size: {"control_hidden_states": (cfg.vace_in_channels, *size)})
+    return wan.Variant(
+        family="VACE",
+        plan=vace_plan(),
+        blocks=lambda model: [*model.vace_blocks, *model.blocks],
+        inputs=("control_hidden_states",),
+        skip_block=vace_skip_block,
+        parts=lambda cfg, size: {"control_hidden_states": (cfg.vace_in_channels, *size)},
+    )
 
 
 def skyreels_variant(cfg: Any) -> wan.Variant:
     fps = bool(cfg.inject_sample_info)
-    return wan.Variant(family="SkyReelsV2", processor="SkyReelsV2AttnProcessor", plan=wan_plan(),
-                       inputs=("fps",) if fps else (), parts=lambda cfg, size: {"fps": torch.tensor(1)} if fps else {})
+    return wan.Variant(
+        family="SkyReelsV2",
+        processor="SkyReelsV2AttnProcessor",
+        plan=wan_plan(),
+        inputs=("fps",) if fps else (),
+        parts=lambda cfg, size: {"fps": torch.tensor(1)} if fps else {},
+    )
 
 
 class UlyssesHeliosSelfAttention:
@@ -90,13 +100,20 @@ class UlyssesHeliosSelfAttention:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, rotary_emb: Tensor | None = None,
-                 original_context_length: int | None = None) -> Tensor:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: Tensor | None = None,
+        original_context_length: int | None = None,
+    ) -> Tensor:
         from diffusers.models.transformers.transformer_helios import apply_rotary_emb_transposed
 
-        q, k, v = wan.self_attention_qkv(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                         type(self).__name__)
+        q, k, v = wan.self_attention_qkv(
+            attn, hidden_states, encoder_hidden_states, attention_mask, type(self).__name__
+        )
         if rotary_emb is not None:
             q, k = apply_rotary_emb_transposed(q, rotary_emb), apply_rotary_emb_transposed(k, rotary_emb)
         history = hidden_states.shape[1] - (original_context_length or hidden_states.shape[1])
@@ -137,16 +154,22 @@ def refuse_inputs(model: nn.Module, attention: Any, refused: dict[str, str]) -> 
             return None
         for name, why in refused.items():
             if kwargs.get(name) is not None and kwargs.get(name) is not False:
-                raise ValueError(f"{type(mod).__name__} with {name} is not supported by dcparallel inside an SP "
-                                 f"group: {why}; train without it, or plan SP 1")
+                raise ValueError(
+                    f"{type(mod).__name__} with {name} is not supported by dcparallel inside an SP "
+                    f"group: {why}; train without it, or plan SP 1"
+                )
         return None
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def helios_variant(model: nn.Module) -> wan.Variant:
-    return wan.Variant(family="Helios", processor="HeliosAttnProcessor", plan=helios_plan(model),
-                       self_attention=UlyssesHeliosSelfAttention)
+    return wan.Variant(
+        family="Helios",
+        processor="HeliosAttnProcessor",
+        plan=helios_plan(model),
+        self_attention=UlyssesHeliosSelfAttention,
+    )
 
 
 def adapter(model: nn.Module, **kw: Any) -> ModelAdapter:
@@ -157,17 +180,23 @@ def adapter(model: nn.Module, **kw: Any) -> ModelAdapter:
         a = wan.adapter(model, variant=helios_variant(model), **kw)
         plan_hooks = a.install_hooks
         why = "history tokens are prepended to the sequence the plan cuts by the current tokens' count"
-        a.install_hooks = lambda attention: [*plan_hooks(attention),
-                                             refuse_inputs(model, attention, dict.fromkeys(HISTORY, why))]
+        a.install_hooks = lambda attention: [
+            *plan_hooks(attention),
+            refuse_inputs(model, attention, dict.fromkeys(HISTORY, why)),
+        ]
         return a
     cfg = model.config
     if cfg.num_frame_per_block > 1:
-        raise ValueError(f"{who} with num_frame_per_block={cfg.num_frame_per_block} attends block-causally over "
-                         f"frames (an (N, N) mask in every block), which dcparallel's Ulysses attention does not "
-                         f"take; train it with num_frame_per_block=1 (full attention) or pass your own adapter")
+        raise ValueError(
+            f"{who} with num_frame_per_block={cfg.num_frame_per_block} attends block-causally over "
+            f"frames (an (N, N) mask in every block), which dcparallel's Ulysses attention does not "
+            f"take; train it with num_frame_per_block=1 (full attention) or pass your own adapter"
+        )
     a = wan.adapter(model, variant=skyreels_variant(cfg), **kw)
     plan_hooks = a.install_hooks
     why = "its per-frame modulation (B, 6, N, dim) reaches the blocks whole while their tokens are cut"
-    a.install_hooks = lambda attention: [*plan_hooks(attention),
-                                         refuse_inputs(model, attention, {"enable_diffusion_forcing": why})]
+    a.install_hooks = lambda attention: [
+        *plan_hooks(attention),
+        refuse_inputs(model, attention, {"enable_diffusion_forcing": why}),
+    ]
     return a

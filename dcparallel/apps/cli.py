@@ -51,9 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
     simulate.add_workload_arguments(p)
     p.add_argument("--policy", action="append", choices=NAMES, help="policy (repeatable)")
-    p.add_argument("--all", action="store_true",
-                   help="the research policies too (bucket-default, dcp-intra, dcp-inter, dcp-inter-pac); "
-                        "default: bucket, packed, dcp")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="the research policies too (bucket-default, dcp-intra, dcp-inter, dcp-inter-pac); "
+        "default: bucket, packed, dcp",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on one line")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--max-steps", type=int, default=None, help="plan and simulate only the epoch's first N steps")
@@ -73,22 +76,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile.add_arguments(p)
         p.set_defaults(func=profile.cmd_profile)
 
-    p = sub.add_parser("train", help="train or fine-tune a model (a local transformers / diffusers model "
-                                     "directory, or the reference model) from a TOML config, under torchrun")
-    p.add_argument("--config", required=True, type=Path,
-                   help="TOML file: [model], [data], [train], [profile], [log] (docs/training.md)")
-    p.add_argument("--resume-anyway", action="store_true",
-                   help="resume a checkpoint written under another config (the differences are logged)")
-    p.add_argument("--check", action="store_true",
-                   help="check the config, its files and lengths in this process and exit; run it without "
-                        "torchrun, before launching")
+    p = sub.add_parser(
+        "train",
+        help="train or fine-tune a model (a local transformers / diffusers model "
+        "directory, or the reference model) from a TOML config, under torchrun",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        type=Path,
+        help="TOML file: [model], [data], [train], [profile], [log] (docs/training.md)",
+    )
+    p.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="resume a checkpoint written under another config (the differences are logged)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, its files and lengths in this process and exit; run it without "
+        "torchrun, before launching",
+    )
     p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway, a.check))
 
-    p = sub.add_parser("export", help="a run's committed checkpoint as a model directory (save_pretrained), "
-                                      "without training")
+    p = sub.add_parser(
+        "export", help="a run's committed checkpoint as a model directory (save_pretrained), without training"
+    )
     p.add_argument("--config", required=True, type=Path, help="the run's TOML file (its out_dir holds the checkpoints)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="the directory to write (default: out_dir/export/step_N)")
+    p.add_argument("--out", type=Path, default=None, help="the directory to write (default: out_dir/export/step_N)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest committed)")
     p.set_defaults(func=lambda a: _export(a.config, a.out, a.step))
 

@@ -63,10 +63,13 @@ def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
     for name in real["policies"]:
         run = plan_epoch(ctx, steps, name)
         optimizer = len(steps) * real["optimizer_step_s"]
-        pred[name] = {"wall_s": run.sim.total_time * factor + optimizer,
-                      "wall_s_profile": run.sim.total_time + optimizer, "factor": factor,
-                      "idle_fraction": run.sim.idle_fraction,
-                      "settings": {k: v for k, v in run.settings.items() if k != "tried_s"}}
+        pred[name] = {
+            "wall_s": run.sim.total_time * factor + optimizer,
+            "wall_s_profile": run.sim.total_time + optimizer,
+            "factor": factor,
+            "idle_fraction": run.sim.idle_fraction,
+            "settings": {k: v for k, v in run.settings.items() if k != "tried_s"},
+        }
         ref = real["policies"][name].get("reference_s")
         if ref and profile.reference_s:  # the machine's speed during the run, against the profile's
             pred[name]["speed"] = ref / profile.reference_s
@@ -78,8 +81,12 @@ def budget_cluster(real: dict):
     """The cluster a demo run trained on (real.json): its world on one node, its memory budget per rank."""
     from dcparallel.spec import ClusterSpec
 
-    return ClusterSpec(world_size=real["world"], gpus_per_node=real["world"],
-                       memory_bytes=real["memory_budget_bytes"], name="cpu-budget")
+    return ClusterSpec(
+        world_size=real["world"],
+        gpus_per_node=real["world"],
+        memory_bytes=real["memory_budget_bytes"],
+        name="cpu-budget",
+    )
 
 
 def prediction_errors(pred: dict, real: dict, key: str) -> dict[str, float]:
@@ -122,9 +129,26 @@ def run(args: argparse.Namespace) -> dict:
     _check_fits(lengths, args.layers)
     (out / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           "-m", "dcparallel.apps.demo", "--worker", "--out", str(out), "--layers", str(args.layers),
-           "--tokens-per-step", str(args.tokens_per_step), "--repeats", str(args.repeats), "--policies", *POLICIES]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        "-m",
+        "dcparallel.apps.demo",
+        "--worker",
+        "--out",
+        str(out),
+        "--layers",
+        str(args.layers),
+        "--tokens-per-step",
+        str(args.tokens_per_step),
+        "--repeats",
+        str(args.repeats),
+        "--policies",
+        *POLICIES,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     print(f"[demo] training {len(lengths)} samples on {WORLD} gloo ranks: {' '.join(POLICIES)}", file=sys.stderr)
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
@@ -133,39 +157,73 @@ def run(args: argparse.Namespace) -> dict:
     launch_s = time.perf_counter() - t0
     real = json.loads((out / "real.json").read_text())
     pred = predict(out, lengths, real)
-    errors, errors_profile, errors_at_speed = (prediction_errors(pred, real, key)
-                                               for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed"))
+    errors, errors_profile, errors_at_speed = (
+        prediction_errors(pred, real, key) for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed")
+    )
     simulated = []
     if not args.skip_paper_scale:
         print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
         simulated = paper_scale()
     p = real["policies"]
-    artifacts = [plot_timelines(rank_timelines(real, ("bucket", "dcp")), out / "timeline.png",
-                                title=f"real run on {WORLD} CPU ranks: bucket vs dcp (busy / idle per rank)")]
+    artifacts = [
+        plot_timelines(
+            rank_timelines(real, ("bucket", "dcp")),
+            out / "timeline.png",
+            title=f"real run on {WORLD} CPU ranks: bucket vs dcp (busy / idle per rank)",
+        )
+    ]
     if simulated:
         artifacts.append(plot_speedups(simulated, out / "speedups.png"))
         artifacts.append(plot_paper_scale_timeline(out / "timeline_paper_scale.png"))
     summary = {
-        "real": {"world": real["world"], "memory_budget_bytes": real["memory_budget_bytes"],
-                 "budget_rule": real["budget_rule"], "lengths": source, "samples_total": len(lengths),
-                 "repeats": real["repeats"],
-                 "policies": {n: {**{k: v[k] for k in ("wall_s", "tokens_per_s", "steps", "samples", "samples_hash",
-                                                       "loss_first", "loss_last")}, "wall_s_runs": v["walls"],
-                                  "spread": spread(v["walls"])}
-                              for n, v in p.items()},
-                 "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
-                 "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"]},
-        "predicted": {n: {k: v[k] for k in ("wall_s", "wall_s_profile", "factor", "idle_fraction", "speed",
-                                            "wall_s_at_run_speed") if k in v}
-                      for n, v in pred.items()},
+        "real": {
+            "world": real["world"],
+            "memory_budget_bytes": real["memory_budget_bytes"],
+            "budget_rule": real["budget_rule"],
+            "lengths": source,
+            "samples_total": len(lengths),
+            "repeats": real["repeats"],
+            "policies": {
+                n: {
+                    **{
+                        k: v[k]
+                        for k in (
+                            "wall_s",
+                            "tokens_per_s",
+                            "steps",
+                            "samples",
+                            "samples_hash",
+                            "loss_first",
+                            "loss_last",
+                        )
+                    },
+                    "wall_s_runs": v["walls"],
+                    "spread": spread(v["walls"]),
+                }
+                for n, v in p.items()
+            },
+            "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
+            "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"],
+        },
+        "predicted": {
+            n: {
+                k: v[k]
+                for k in ("wall_s", "wall_s_profile", "factor", "idle_fraction", "speed", "wall_s_at_run_speed")
+                if k in v
+            }
+            for n, v in pred.items()
+        },
         "training_factor": real.get("training_factor", 1.0),
         "prediction_error": max(errors.values()),
         "prediction_error_at_profile_prices": max(errors_profile.values()),
         "prediction_error_at_run_speed": max(errors_at_speed.values()) if errors_at_speed else None,
         "trust_notes": trust_notes({n: v["walls"] for n, v in p.items()}, errors),
         "simulated": simulated,
-        "profile_s": real["profile_s"], "profile_reused": real["profile_reused"], "launch_s": launch_s,
-        "vocab": LLAMAS[MODEL].vocab_size, "artifacts": [],
+        "profile_s": real["profile_s"],
+        "profile_reused": real["profile_reused"],
+        "launch_s": launch_s,
+        "vocab": LLAMAS[MODEL].vocab_size,
+        "artifacts": [],
     }
     summary["demo_s"] = time.perf_counter() - t_demo
     report = write_report(out, summary, pred, errors, real)
@@ -179,9 +237,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None, help="token counts, one per line, instead of the built-in data")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP)
-    p.add_argument("--repeats", type=int, default=REPEATS,
-                   help="timed runs per policy, interleaved; each policy's median counts, all are reported with "
-                        "their spread (default %(default)s; raise it on a busy machine)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=REPEATS,
+        help="timed runs per policy, interleaved; each policy's median counts, all are reported with "
+        "their spread (default %(default)s; raise it on a busy machine)",
+    )
     p.add_argument("--skip-paper-scale", action="store_true", help="do not simulate the paper-scale scenarios")
     p.add_argument("--json", action="store_true", help="one JSON object on one line, last on stdout")
 

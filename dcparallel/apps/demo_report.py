@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 #: the rerun advice when the timings cannot be trusted
-RERUN = ("rerun on an idle machine, with nothing else using the cores, and more repeats: "
-         "`dcparallel demo --repeats 7` (after `make demo`: `.venv/bin/dcparallel demo --repeats 7`)")
+RERUN = (
+    "rerun on an idle machine, with nothing else using the cores, and more repeats: "
+    "`dcparallel demo --repeats 7` (after `make demo`: `.venv/bin/dcparallel demo --repeats 7`)"
+)
 #: a spread of repeats (relative to their median) or a prediction error above this is large
 NOISY = 0.10
 
@@ -51,22 +53,32 @@ def spread(walls: list[float]) -> dict:
     ((max - min) / median)."""
     s = sorted(walls)
     med = statistics.median(s)
-    return {"runs": len(s), "min": s[0], "median": med, "max": s[-1],
-            "relative": (s[-1] - s[0]) / med if med > 0 else 0.0}
+    return {
+        "runs": len(s),
+        "min": s[0],
+        "median": med,
+        "max": s[-1],
+        "relative": (s[-1] - s[0]) / med if med > 0 else 0.0,
+    }
 
 
-def trust_notes(walls: dict[str, list[float]], errors: dict[str, float] | None = None,
-                pairs: tuple[tuple[str, str], ...] = (("dcp", "bucket"), ("dcp", "packed"))) -> list[str]:
+def trust_notes(
+    walls: dict[str, list[float]],
+    errors: dict[str, float] | None = None,
+    pairs: tuple[tuple[str, str], ...] = (("dcp", "bucket"), ("dcp", "packed")),
+) -> list[str]:
     """Plain sentences saying which comparisons the timings cannot support: a pair of policies
-    whose counted (median) runs differ by less than the spread (max - min) of either's repeats, a single
-    run per policy (spread unknown), a large prediction error of a policy whose own runs spread
-widely (the error may be the machine's load, not the simulator's).
-    Empty when every comparison holds; the last sentence says how to rerun."""
+        whose counted (median) runs differ by less than the spread (max - min) of either's repeats, a single
+        run per policy (spread unknown), a large prediction error of a policy whose own runs spread
+    widely (the error may be the machine's load, not the simulator's).
+        Empty when every comparison holds; the last sentence says how to rerun."""
     notes = []
     spreads = {n: spread(w) for n, w in walls.items()}
     if min(s["runs"] for s in spreads.values()) < 2:
-        notes.append("Each policy ran once, so the spread of its timings is unknown and no difference between "
-                     "policies can be told apart from noise.")
+        notes.append(
+            "Each policy ran once, so the spread of its timings is unknown and no difference between "
+            "policies can be told apart from noise."
+        )
     else:
         for a, b in pairs:
             if a not in spreads or b not in spreads:
@@ -75,15 +87,19 @@ widely (the error may be the machine's load, not the simulator's).
             wide = max((a, b), key=lambda n: spreads[n]["max"] - spreads[n]["min"])
             s = spreads[wide]
             if s["max"] - s["min"] >= gap:
-                notes.append(f"{a} vs {b}: the difference of their median runs ({gap:.1f} s, "
-                             f"{100 * gap / max(counted(walls[a]), counted(walls[b])):.0f}%) is smaller than the "
-                             f"spread of {wide}'s runs ({s['min']:.1f}-{s['max']:.1f} s, {100 * s['relative']:.0f}%): "
-                             f"this comparison means nothing on this machine now.")
+                notes.append(
+                    f"{a} vs {b}: the difference of their median runs ({gap:.1f} s, "
+                    f"{100 * gap / max(counted(walls[a]), counted(walls[b])):.0f}%) is smaller than the "
+                    f"spread of {wide}'s runs ({s['min']:.1f}-{s['max']:.1f} s, {100 * s['relative']:.0f}%): "
+                    f"this comparison means nothing on this machine now."
+                )
         for n, e in (errors or {}).items():
             if e > NOISY and spreads[n]["relative"] > NOISY:
                 rel = spreads[n]["relative"]
-                notes.append(f"{n}'s prediction error ({100 * e:.0f}%) comes with a {100 * rel:.0f}% "
-                             f"spread of its own runs: it may measure the machine's load, not the simulator.")
+                notes.append(
+                    f"{n}'s prediction error ({100 * e:.0f}%) comes with a {100 * rel:.0f}% "
+                    f"spread of its own runs: it may measure the machine's load, not the simulator."
+                )
     if notes:
         notes.append(f"To compare: {RERUN}.")
     return notes
@@ -93,23 +109,30 @@ def speed_text(s: dict) -> str:
     """The machine's speed during each policy's runs against the profile's (its reference run,
     `profile.drift`) and the predictions priced at the runs' speed."""
     walls = {n: v["wall_s"] for n, v in s["real"]["policies"].items()}
-    runs = ", ".join(f"{n} {v['speed']:.2f}x ({v['wall_s_at_run_speed']:.1f} s, "
-                     f"{100 * abs(v['wall_s_at_run_speed'] - walls[n]) / walls[n]:.0f}%)"
-                     for n, v in s["predicted"].items() if "speed" in v)
-    return (f"Machine speed: the profile's reference run took this many times its profiling time during each "
-            f"policy's runs (ticked between steps, outside the timed wall), and the profile's prediction scaled "
-            f"by it instead of the training factor (error): {runs}; prediction error at the runs' speed (max over "
-            f"policies): {100 * s['prediction_error_at_run_speed']:.0f}%. One fixed micro-batch between steps "
-            f"tracks the machine's load, but not what training itself adds.")
+    runs = ", ".join(
+        f"{n} {v['speed']:.2f}x ({v['wall_s_at_run_speed']:.1f} s, "
+        f"{100 * abs(v['wall_s_at_run_speed'] - walls[n]) / walls[n]:.0f}%)"
+        for n, v in s["predicted"].items()
+        if "speed" in v
+    )
+    return (
+        f"Machine speed: the profile's reference run took this many times its profiling time during each "
+        f"policy's runs (ticked between steps, outside the timed wall), and the profile's prediction scaled "
+        f"by it instead of the training factor (error): {runs}; prediction error at the runs' speed (max over "
+        f"policies): {100 * s['prediction_error_at_run_speed']:.0f}%. One fixed micro-batch between steps "
+        f"tracks the machine's load, but not what training itself adds."
+    )
 
 
 def factor_text(s: dict) -> str:
     """The measured training factor the predictions are scaled by, and the error without it."""
-    return (f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
-            f"measured busy time of the untimed runs (one of every policy before each timed round) over the profile's "
-            f"price of their micro-batches (the profile times each layout in a loop of that one micro-batch); "
-            f"at the profile's prices the prediction error (max over policies) is "
-            f"{100 * s['prediction_error_at_profile_prices']:.0f}%.")
+    return (
+        f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
+        f"measured busy time of the untimed runs (one of every policy before each timed round) over the profile's "
+        f"price of their micro-batches (the profile times each layout in a loop of that one micro-batch); "
+        f"at the profile's prices the prediction error (max over policies) is "
+        f"{100 * s['prediction_error_at_profile_prices']:.0f}%."
+    )
 
 
 def _spread_text(s: dict) -> str:
@@ -121,29 +144,39 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
     same = len({v["samples_hash"] for v in r["policies"].values()}) == 1
     profiling = "reused a cached profile" if s["profile_reused"] else f"took {s['profile_s']:.0f} s"
     lines = [
-        f"# dcparallel demo — {time.strftime('%Y-%m-%d %H:%M')}", "",
+        f"# dcparallel demo — {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
         f"Real training of a {real['layers']}-layer Llama-style LM (hidden 128, vocab {s['vocab']}) on {r['world']} "
         f"gloo ranks (one CPU thread each), {r['samples_total']} samples ({r['lengths']}), "
         f"{real['tokens_per_step']:,} tokens per step. Memory budget per rank: "
         f"{r['memory_budget_bytes'] / 2**20:.1f} MiB ({r['budget_rule']}). Profiling {profiling}; "
-        f"training time below excludes start-up and profiling. The whole demo took {s['demo_s'] / 60:.1f} min.", "",
+        f"training time below excludes start-up and profiling. The whole demo took {s['demo_s'] / 60:.1f} min.",
+        "",
         f"Each policy ran {r['repeats']} times, interleaved with the others; its median run counts (of an even "
         "number, the faster of the middle two; all runs: "
-        "\"runs\" column; their min / median / max and relative spread: \"spread\"). Every SP degree and "
-        "recompute path was warmed up before the first timed run. Column meanings: docs/glossary.md.", "",
+        '"runs" column; their min / median / max and relative spread: "spread"). Every SP degree and '
+        "recompute path was warmed up before the first timed run. Column meanings: docs/glossary.md.",
+        "",
         "| policy | wall s | runs s | spread s (min / median / max) | tokens/s | steps | samples | "
         "loss first → last | predicted wall s | error | speedup vs bucket |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     base = r["policies"]["bucket"]["wall_s"]
     for n, v in r["policies"].items():
         runs = ", ".join(f"{w:.1f}" for w in v["wall_s_runs"])
-        lines.append(f"| {n} | {v['wall_s']:.1f} | {runs} | {_spread_text(v['spread'])} | {v['tokens_per_s']:,.0f} | "
-                     f"{v['steps']} | {v['samples']} | {v['loss_first']:.3f} → {v['loss_last']:.3f} | "
-                     f"{pred[n]['wall_s']:.1f} | {100 * errors[n]:.0f}% | {base / v['wall_s']:.2f} |")
-    lines += ["", f"dcp vs bucket: **{r['speedup']:.2f}×**; dcp vs packed: **{r['speedup_vs_packed']:.2f}×**; "
-              f"prediction error (max over policies): {100 * s['prediction_error']:.0f}%. "
-              f"All runs trained the same samples in the same steps: {'yes' if same else 'NO'} "
-              f"(hash of each step's sample ids).", ""]
+        lines.append(
+            f"| {n} | {v['wall_s']:.1f} | {runs} | {_spread_text(v['spread'])} | {v['tokens_per_s']:,.0f} | "
+            f"{v['steps']} | {v['samples']} | {v['loss_first']:.3f} → {v['loss_last']:.3f} | "
+            f"{pred[n]['wall_s']:.1f} | {100 * errors[n]:.0f}% | {base / v['wall_s']:.2f} |"
+        )
+    lines += [
+        "",
+        f"dcp vs bucket: **{r['speedup']:.2f}×**; dcp vs packed: **{r['speedup_vs_packed']:.2f}×**; "
+        f"prediction error (max over policies): {100 * s['prediction_error']:.0f}%. "
+        f"All runs trained the same samples in the same steps: {'yes' if same else 'NO'} "
+        f"(hash of each step's sample ids).",
+        "",
+    ]
     lines += [factor_text(s), ""]
     if s.get("prediction_error_at_run_speed") is not None:
         lines += [speed_text(s), ""]
@@ -151,24 +184,37 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         lines += ["**These timings cannot be trusted:** " + " ".join(s["trust_notes"]), ""]
     else:
         lines += ["Every policy's runs spread less than the differences compared above.", ""]
-    lines += ["Planner settings (from the simulator's replanning): " +
-              "; ".join(f"{n}: {pred[n]['settings']}" for n in pred), "",
-              "![timeline](timeline.png)", "",
-              "Reading the timeline: colour is the SP degree of the micro-batch a rank runs, hatching marks "
-              "recomputation, red is a rank waiting, dashed lines are step boundaries. With the longest samples "
-              "needing SP = 2 on 2 ranks, the tuned `bucket` (like `packed`) runs everything as one SP = 2 group over "
-              "both ranks: it never waits, it pays all-to-alls and recomputation on every micro-batch instead. `dcp` "
-              "runs a step's long samples at SP = 2 first, then the short ones at SP = 1 on each rank (two phases), "
-              "balanced so that neither rank waits long. Idle time under static data parallelism shows at scale: the "
-              "simulated 32-GPU timeline below.", ""]
+    lines += [
+        "Planner settings (from the simulator's replanning): " + "; ".join(f"{n}: {pred[n]['settings']}" for n in pred),
+        "",
+        "![timeline](timeline.png)",
+        "",
+        "Reading the timeline: colour is the SP degree of the micro-batch a rank runs, hatching marks "
+        "recomputation, red is a rank waiting, dashed lines are step boundaries. With the longest samples "
+        "needing SP = 2 on 2 ranks, the tuned `bucket` (like `packed`) runs everything as one SP = 2 group over "
+        "both ranks: it never waits, it pays all-to-alls and recomputation on every micro-batch instead. `dcp` "
+        "runs a step's long samples at SP = 2 first, then the short ones at SP = 1 on each rank (two phases), "
+        "balanced so that neither rank waits long. Idle time under static data parallelism shows at scale: the "
+        "simulated 32-GPU timeline below.",
+        "",
+    ]
     if s["simulated"]:
-        lines += ["## Paper scale (simulated, 32 × H200)", "", "![speedups](speedups.png)", "",
-                  "![paper-scale timeline](timeline_paper_scale.png)", "",
-                  "| scenario | distribution | " + " | ".join(s["simulated"][0]["speedup_vs_bucket"]) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in s["simulated"][0]["speedup_vs_bucket"]) + " |"]
+        lines += [
+            "## Paper scale (simulated, 32 × H200)",
+            "",
+            "![speedups](speedups.png)",
+            "",
+            "![paper-scale timeline](timeline_paper_scale.png)",
+            "",
+            "| scenario | distribution | " + " | ".join(s["simulated"][0]["speedup_vs_bucket"]) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in s["simulated"][0]["speedup_vs_bucket"]) + " |",
+        ]
         for x in s["simulated"]:
-            lines.append(f"| {x['scenario']} | {x['distribution']} | " +
-                         " | ".join(f"{v:.2f}" for v in x["speedup_vs_bucket"].values()) + " |")
+            lines.append(
+                f"| {x['scenario']} | {x['distribution']} | "
+                + " | ".join(f"{v:.2f}" for v in x["speedup_vs_bucket"].values())
+                + " |"
+            )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -176,15 +222,23 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
 
 def print_table(s: dict) -> None:
     r = s["real"]
-    print(f"real run, {r['world']} CPU ranks, {r['samples_total']} samples, budget "
-          f"{r['memory_budget_bytes'] / 2**20:.1f} MiB/rank")
-    print(f"{'policy':8s} {'wall s':>8s} {'tokens/s':>9s} {'predicted s':>12s} {'loss':>15s}  "
-          f"runs s: min / median / max (spread)")
+    print(
+        f"real run, {r['world']} CPU ranks, {r['samples_total']} samples, budget "
+        f"{r['memory_budget_bytes'] / 2**20:.1f} MiB/rank"
+    )
+    print(
+        f"{'policy':8s} {'wall s':>8s} {'tokens/s':>9s} {'predicted s':>12s} {'loss':>15s}  "
+        f"runs s: min / median / max (spread)"
+    )
     for n, v in r["policies"].items():
-        print(f"{n:8s} {v['wall_s']:8.1f} {v['tokens_per_s']:9,.0f} {s['predicted'][n]['wall_s']:12.1f} "
-              f"{v['loss_first']:6.3f} -> {v['loss_last']:.3f}  {_spread_text(v['spread'])}")
-    print(f"dcp speedup vs bucket {r['speedup']:.2f}x, vs packed {r['speedup_vs_packed']:.2f}x; "
-          f"prediction error {100 * s['prediction_error']:.0f}%")
+        print(
+            f"{n:8s} {v['wall_s']:8.1f} {v['tokens_per_s']:9,.0f} {s['predicted'][n]['wall_s']:12.1f} "
+            f"{v['loss_first']:6.3f} -> {v['loss_last']:.3f}  {_spread_text(v['spread'])}"
+        )
+    print(
+        f"dcp speedup vs bucket {r['speedup']:.2f}x, vs packed {r['speedup_vs_packed']:.2f}x; "
+        f"prediction error {100 * s['prediction_error']:.0f}%"
+    )
     print(factor_text(s))
     if s.get("prediction_error_at_run_speed") is not None:
         print(speed_text(s))

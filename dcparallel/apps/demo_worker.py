@@ -93,16 +93,25 @@ def worker(args: argparse.Namespace) -> int:
     # rounds stop at +-5%. The reference run is timed in every round as a record of the
     # machine's speed, not to rescale: on a quiet machine it is slowed more by the SP 2 work
     # before it than by load, and rescaling would price SP 2 layouts too cheap (`profile.drift`)
-    config = ProfilerConfig(repeats=3, min_time_s=0.4, min_gain=0.0, max_tokens=4096,
-                            rel_tol=0.05, max_repeats=12, reference=True, rescale=False, progress=rank == 0)
-    profiler = Profiler(model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config,
-                        engine=dc)
+    config = ProfilerConfig(
+        repeats=3,
+        min_time_s=0.4,
+        min_gain=0.0,
+        max_tokens=4096,
+        rel_tol=0.05,
+        max_repeats=12,
+        reference=True,
+        rescale=False,
+        progress=rank == 0,
+    )
+    profiler = Profiler(
+        model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config, engine=dc
+    )
     profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))
     profile_s = time.perf_counter() - t0
     # the profile's reference run, timed between the steps of every timed run: the machine's
     # speed during the run against the speed the profile prices at (`profile.drift`)
-    clock = (profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size)
-             if profile.reference_s else None)
+    clock = profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size) if profile.reference_s else None
 
     # -- the memory budget: the longest sample does not fit one rank even with full
     # recomputation, so it needs SP = 2 (and, at this budget, recomputation there too)
@@ -113,9 +122,11 @@ def worker(args: argparse.Namespace) -> int:
     two_ranks_full = probe.terms((longest,), 2).memory(Recompute(L, L))
     budget = int(BUDGET_FRACTION * one_rank_full)
     if budget < two_ranks_full:
-        raise ValueError(f"the longest sample ({longest} tokens) needs {two_ranks_full / 2**20:.1f} MiB per rank "
-                         f"even at SP=2 with full recomputation, more than the {budget / 2**20:.1f} MiB budget; "
-                         f"use shorter samples")
+        raise ValueError(
+            f"the longest sample ({longest} tokens) needs {two_ranks_full / 2**20:.1f} MiB per rank "
+            f"even at SP=2 with full recomputation, more than the {budget / 2**20:.1f} MiB budget; "
+            f"use shorter samples"
+        )
     cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=budget, name="cpu-budget")
     cost = ProfiledCost(profile, cluster)
 
@@ -128,8 +139,9 @@ def worker(args: argparse.Namespace) -> int:
     for sp in (1, world):
         ranks = (rank,) if sp == 1 else tuple(range(world))
         for rc in (Recompute(0, 0), Recompute(L, L)):
-            lm_micro_batch(dc, model, text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank,
-                                                 {i_long: dataset[i_long]}))
+            lm_micro_batch(
+                dc, model, text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank, {i_long: dataset[i_long]})
+            )
             dc.sync_gradients()
     warm = text_batch(MicroBatch((0,), Layout(1, 1)), (rank,), rank, {0: dataset[0]})
     ts = []
@@ -151,35 +163,63 @@ def worker(args: argparse.Namespace) -> int:
     calibration: list[dict[str, dict]] = []
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
-        calibration.append({policy: _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups,
-                                                clock) for policy in args.policies})
+        calibration.append(
+            {
+                policy: _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
+                for policy in args.policies
+            }
+        )
         for policy in args.policies:
             run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
             first = runs.setdefault(policy, [run])[0]
             if (run["samples_hash"], run["losses"]) != (first["samples_hash"], first["losses"]):
-                raise RuntimeError(f"{policy}: repeat {rep} trained different samples or got different losses "
-                                   f"than repeat 0; runs must be deterministic")
+                raise RuntimeError(
+                    f"{policy}: repeat {rep} trained different samples or got different losses "
+                    f"than repeat 0; runs must be deterministic"
+                )
             if rep:
                 runs[policy].append(run)
             if rank == 0:
-                log.warning("%-7s run %d/%d: wall %.1f s, %d steps, loss %.3f -> %.3f", policy, rep + 1,
-                            args.repeats, run["wall_s"], run["steps"], run["loss_first"], run["loss_last"])
+                log.warning(
+                    "%-7s run %d/%d: wall %.1f s, %d steps, loss %.3f -> %.3f",
+                    policy,
+                    rep + 1,
+                    args.repeats,
+                    run["wall_s"],
+                    run["steps"],
+                    run["loss_first"],
+                    run["loss_last"],
+                )
     factor = training_factor([run for rnd in calibration for run in rnd.values()])
     if rank == 0:
-        log.warning("training ran the profile's layouts %.3fx as long as profiled (one untimed run of every "
-                    "policy before each timed round); predictions are scaled by it", factor)
+        log.warning(
+            "training ran the profile's layouts %.3fx as long as profiled (one untimed run of every "
+            "policy before each timed round); predictions are scaled by it",
+            factor,
+        )
     results = {policy: {**counted_run(rs), "walls": [r["wall_s"] for r in rs]} for policy, rs in runs.items()}
     if rank == 0:
-        (out / "real.json").write_text(json.dumps({
-            "world": world, "memory_budget_bytes": budget, "budget_rule":
-            f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs on one rank with full "
-            f"recomputation: it must run at SP=2", "profile_s": profile_s, "profile_reused": stats is None,
-            "optimizer_step_s": optimizer_s, "training_factor": factor,
-            # per calibration round and policy, each step's factor; per policy, its timed runs' own
-            "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
-            "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
-            "tokens_per_step": args.tokens_per_step, "layers": args.layers,
-            "repeats": args.repeats, "policies": results}))
+        (out / "real.json").write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "memory_budget_bytes": budget,
+                    "budget_rule": f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs "
+                    f"on one rank with full recomputation: it must run at SP=2",
+                    "profile_s": profile_s,
+                    "profile_reused": stats is None,
+                    "optimizer_step_s": optimizer_s,
+                    "training_factor": factor,
+                    # per calibration round and policy, each step's factor; per policy, its timed runs' own
+                    "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
+                    "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
+                    "tokens_per_step": args.tokens_per_step,
+                    "layers": args.layers,
+                    "repeats": args.repeats,
+                    "policies": results,
+                }
+            )
+        )
     del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
     end_distributed()
     return 0
@@ -240,8 +280,17 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
     model = demo_model(args.layers)
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)
     opt = dc.optimizer(lr=args.lr)
-    loader = DataCentricLoader(dataset, lengths, cost=cost, cluster=cluster, policy=policy,
-                               tokens_per_step=args.tokens_per_step, seed=SEED, num_workers=0, lookahead=2)
+    loader = DataCentricLoader(
+        dataset,
+        lengths,
+        cost=cost,
+        cluster=cluster,
+        policy=policy,
+        tokens_per_step=args.tokens_per_step,
+        seed=SEED,
+        num_workers=0,
+        lookahead=2,
+    )
     loader.start_planning()  # before the timed wall
     losses, step_ids, steps_log = [], [], []
     mark = clock.mark() if clock else 0
@@ -267,8 +316,16 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
         shapes = [([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in mbs]
         priced = [shape_price(cost, sh) for sh in shapes]
         paused += time.perf_counter() - a
-        steps_log.append({"segs": segs, "priced": priced, "shapes": shapes, "compute_end": compute_end,
-                          "end": end, "sp": step.plan.busy_sizes()})
+        steps_log.append(
+            {
+                "segs": segs,
+                "priced": priced,
+                "shapes": shapes,
+                "compute_end": compute_end,
+                "end": end,
+                "sp": step.plan.busy_sizes(),
+            }
+        )
         step_ids.append(list(step.plan.sample_ids))
         if clock:
             a = time.perf_counter()
@@ -281,9 +338,14 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
     walls = comm.all_gather_object(wall)
     tokens = sum(lengths[i] for ids in step_ids for i in ids)
     return {
-        "wall_s": max(walls), "tokens_per_s": tokens / max(walls), "steps": len(step_ids),
-        "samples": sum(len(x) for x in step_ids), "samples_hash": samples_hash(step_ids),
-        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-        "rank_steps": logs, "reference_s": statistics.median(refs) if refs else None,
+        "wall_s": max(walls),
+        "tokens_per_s": tokens / max(walls),
+        "steps": len(step_ids),
+        "samples": sum(len(x) for x in step_ids),
+        "samples_hash": samples_hash(step_ids),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "losses": losses,
+        "rank_steps": logs,
+        "reference_s": statistics.median(refs) if refs else None,
     }
-

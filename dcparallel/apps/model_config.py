@@ -33,8 +33,9 @@ def _read(path: Path) -> dict:
     try:
         d = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read the model config {p}: {exc}; give a transformers or diffusers config.json") \
-            from None
+        raise ValueError(
+            f"cannot read the model config {p}: {exc}; give a transformers or diffusers config.json"
+        ) from None
     if not isinstance(d, dict):
         raise ValueError(f"{p} holds {type(d).__name__}, not a config object; give a config.json")
     return d
@@ -45,8 +46,10 @@ def _transformers(d: dict, path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if "model_type" not in d:
-        raise ValueError(f"{path} has neither '_class_name' (a diffusers config) nor 'model_type' (a transformers "
-                         f"config); give the model's config.json")
+        raise ValueError(
+            f"{path} has neither '_class_name' (a diffusers config) nor 'model_type' (a transformers "
+            f"config); give the model's config.json"
+        )
     try:
         cfg = AutoConfig.for_model(**d)
     except (ValueError, KeyError) as exc:
@@ -59,8 +62,10 @@ def _transformers(d: dict, path: Path):
                 return AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)
             return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     except ValueError as exc:
-        raise ValueError(f"{path}: {type(cfg).__name__} has no causal-LM class ({exc}); dcparallel plans "
-                         f"decoder-only *ForCausalLM models and diffusers' WanTransformer3DModel") from None
+        raise ValueError(
+            f"{path}: {type(cfg).__name__} has no causal-LM class ({exc}); dcparallel plans "
+            f"decoder-only *ForCausalLM models and diffusers' WanTransformer3DModel"
+        ) from None
 
 
 def _diffusers(d: dict, path: Path):

@@ -47,19 +47,29 @@ def build_model(m, seed: int) -> nn.Module:
         model_cls = getattr(transformers, m.architecture, None)
         config_cls = getattr(transformers, m.architecture.replace("ForCausalLM", "Config"), None)
         if model_cls is None or config_cls is None or not m.architecture.endswith("ForCausalLM"):
-            raise ValueError(f"[model] architecture = {m.architecture!r} is not a transformers *ForCausalLM class "
-                             f"with a matching *Config (e.g. LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)")
+            raise ValueError(
+                f"[model] architecture = {m.architecture!r} is not a transformers *ForCausalLM class "
+                f"with a matching *Config (e.g. LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)"
+            )
         return model_cls._from_config(config_cls(**m.config), attn_implementation="sdpa").float()
     if m.family == "diffusers":
         import diffusers
 
         model_cls = getattr(diffusers, m.architecture, None)
         if model_cls is None:
-            raise ValueError(f"[model] architecture = {m.architecture!r} is not a diffusers class "
-                             f"(e.g. WanTransformer3DModel)")
+            raise ValueError(
+                f"[model] architecture = {m.architecture!r} is not a diffusers class (e.g. WanTransformer3DModel)"
+            )
         return model_cls(**m.config).float()
-    return Llama(LlamaConfig(vocab_size=m.vocab_size, hidden=m.hidden, num_layers=m.num_layers,
-                             num_heads=m.num_heads, ffn_hidden=m.ffn_hidden))
+    return Llama(
+        LlamaConfig(
+            vocab_size=m.vocab_size,
+            hidden=m.hidden,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            ffn_hidden=m.ffn_hidden,
+        )
+    )
 
 
 @dataclass
@@ -84,6 +94,7 @@ def _reference(name: str, cfg: LlamaConfig | DiTConfig) -> Callable[[torch.devic
     """Builds a reference model of `cfg` (optionally another depth) with its spec and inputs. For
     video, pixels -> latent follow Open-Sora's rule (frames * 5 // 17 latent frames, 16-pixel
     tokens: a 4x temporal / 8x spatial VAE, then the model's 1x2x2 patches)."""
+
     def build(device: torch.device, dtype: torch.dtype, num_layers: int | None) -> Built:
         c = cfg if num_layers is None else type(cfg)(**{**cfg.__dict__, "num_layers": num_layers})
         if isinstance(c, DiTConfig) and c.attention == "factorized" and c.num_layers % 2:
@@ -102,19 +113,38 @@ def _reference(name: str, cfg: LlamaConfig | DiTConfig) -> Callable[[torch.devic
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("tiny-llama", _reference("tiny-llama", LLAMAS["tiny-llama"]),
-               (256, 512, 1024, 2048), "8 layers, hidden 128, vocab 256 (CPU)"),
-        Preset("small-llama", _reference("small-llama", LLAMAS["small-llama"]),
-               (512, 1024, 2048, 4096), "8 layers, hidden 256, vocab 4096 (CPU demos)"),
-        Preset("tiny-dit", _reference("tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32,
-                                                      attention="factorized")),
-               ((1, 128, 128), (17, 128, 128), (51, 128, 128), (51, 256, 256)),
-               "4 spatial+temporal pairs, hidden 64 (CPU)"),
-        Preset("llama-7b", _reference("llama-7b", LLAMAS["llama-7b"]),
-               (1024, 2048, 4096, 8192, 16384, 32768), "Llama-7B dimensions, 32 layers (GPU)"),
-        Preset("dit-1b", _reference("dit-1b", DiTConfig.dit_1b()),
-               ((1, 240, 426), (51, 240, 426), (51, 480, 853), (102, 720, 1280)),
-               "~1.1B video DiT, 23 pairs (GPU)"),
+        Preset(
+            "tiny-llama",
+            _reference("tiny-llama", LLAMAS["tiny-llama"]),
+            (256, 512, 1024, 2048),
+            "8 layers, hidden 128, vocab 256 (CPU)",
+        ),
+        Preset(
+            "small-llama",
+            _reference("small-llama", LLAMAS["small-llama"]),
+            (512, 1024, 2048, 4096),
+            "8 layers, hidden 256, vocab 4096 (CPU demos)",
+        ),
+        Preset(
+            "tiny-dit",
+            _reference(
+                "tiny-dit", DiTConfig(hidden=64, num_layers=8, num_heads=4, freq_dim=32, attention="factorized")
+            ),
+            ((1, 128, 128), (17, 128, 128), (51, 128, 128), (51, 256, 256)),
+            "4 spatial+temporal pairs, hidden 64 (CPU)",
+        ),
+        Preset(
+            "llama-7b",
+            _reference("llama-7b", LLAMAS["llama-7b"]),
+            (1024, 2048, 4096, 8192, 16384, 32768),
+            "Llama-7B dimensions, 32 layers (GPU)",
+        ),
+        Preset(
+            "dit-1b",
+            _reference("dit-1b", DiTConfig.dit_1b()),
+            ((1, 240, 426), (51, 240, 426), (51, 480, 853), (102, 720, 1280)),
+            "~1.1B video DiT, 23 pairs (GPU)",
+        ),
     )
 }
 
@@ -142,9 +172,10 @@ def parse_buckets(text: str) -> list[Size]:
             else:
                 out.append(int(part))
         except ValueError:
-            raise ValueError(f"bad bucket {part!r} in --buckets {text!r}; give token counts (1024) or "
-                             f"frames x height x width (51x240x426), comma-separated") from None
+            raise ValueError(
+                f"bad bucket {part!r} in --buckets {text!r}; give token counts (1024) or "
+                f"frames x height x width (51x240x426), comma-separated"
+            ) from None
     if not out:
         raise ValueError(f"--buckets {text!r} names no bucket")
     return out
-

@@ -53,39 +53,81 @@ def shard_size_argument(text: str) -> int | str:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
-                   help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)")
+    p.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=None,
+        help="model and step budget (text: Llama-7B-like; video: Open-Sora-1.2-like DiT)",
+    )
     mod = p.add_mutually_exclusive_group()
-    mod.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
-                     help="a published architecture (with its scenario's data unless --lengths)")
-    mod.add_argument("--model-config", type=Path, default=None,
-                     help="a transformers or diffusers config.json: the model is built on the meta device (no "
-                          "weights) and planned with exact parameter counts")
-    p.add_argument("--shard-size", type=shard_size_argument, default=1,
-                   help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
-                        "with which the model states and the data fit")
+    mod.add_argument(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="a published architecture (with its scenario's data unless --lengths)",
+    )
+    mod.add_argument(
+        "--model-config",
+        type=Path,
+        default=None,
+        help="a transformers or diffusers config.json: the model is built on the meta device (no "
+        "weights) and planned with exact parameter counts",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=shard_size_argument,
+        default=1,
+        help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
+        "with which the model states and the data fit",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--distribution", choices=ALL_DISTRIBUTIONS,
-                     help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
-                          f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced")
-    src.add_argument("--lengths", type=Path,
-                     help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
-                          "vision-language --model) a .jsonl of {\"text\": tokens, \"vision\": [image sizes]}")
-    p.add_argument("--ring", action="store_true",
-                   help="SP groups past the head count: each micro-batch at its fastest Ulysses x ring split")
-    p.add_argument("--lora-rank", type=int, default=None,
-                   help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
-                        "on every linear of the blocks trained (`cost.lora.with_lora`)")
-    p.add_argument("--memory-gib", type=float, default=None,
-                   help="usable memory per GPU in GiB (default: an H200's 128; e.g. 72 for an 80 GB H100)")
+    src.add_argument(
+        "--distribution",
+        choices=ALL_DISTRIBUTIONS,
+        help=f"built-in length distribution ({', '.join(DISTRIBUTIONS)}) or realistic mix "
+        f"({', '.join(f'{k}: {v.kind}' for k, v in MIXES.items())}); default balanced",
+    )
+    src.add_argument(
+        "--lengths",
+        type=Path,
+        help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
+        'vision-language --model) a .jsonl of {"text": tokens, "vision": [image sizes]}',
+    )
+    p.add_argument(
+        "--ring",
+        action="store_true",
+        help="SP groups past the head count: each micro-batch at its fastest Ulysses x ring split",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
+        "on every linear of the blocks trained (`cost.lora.with_lora`)",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="usable memory per GPU in GiB (default: an H200's 128; e.g. 72 for an 80 GB H100)",
+    )
     p.add_argument("--world", type=int, default=None, help="GPUs (default: the --profile's world size, else 32)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node (default: the --profile's, else 8 or the world if smaller)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node (default: the --profile's, else 8 or the world if smaller)",
+    )
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
-    p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="tokens per optimizer step (default: the scenario's)")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="plan from a measured profile (ProfiledCost) instead of the analytic H200 model")
+    p.add_argument(
+        "--tokens-per-step", type=int, default=None, help="tokens per optimizer step (default: the scenario's)"
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="plan from a measured profile (ProfiledCost) instead of the analytic H200 model",
+    )
 
 
 def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
@@ -97,8 +139,10 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
     if spec is not None:
         if args.scenario is not None and SCENARIOS[args.scenario].model.kind != spec.kind:
-            raise SystemExit(f"error: --scenario {args.scenario} is for {SCENARIOS[args.scenario].model.kind} "
-                             f"models, {spec.name} is a {spec.kind} model")
+            raise SystemExit(
+                f"error: --scenario {args.scenario} is for {SCENARIOS[args.scenario].model.kind} "
+                f"models, {spec.name} is a {spec.kind} model"
+            )
         args.scenario = args.scenario or spec.kind
         scenario = SCENARIOS[args.scenario]
         model = spec
@@ -107,11 +151,15 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         profile = Profile.load(args.profile)
         model = profile.model
         # the H200 links price shard blocks planned from an unsharded profile (`ProfiledCost`)
-        cluster = h200_cluster(args.world, args.gpus_per_node,
-                               memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)))
+        cluster = h200_cluster(
+            args.world,
+            args.gpus_per_node,
+            memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)),
+        )
         if profile.world_size != args.world:
-            raise SystemExit(f"error: the profile was measured at world size {profile.world_size}; "
-                             f"pass --world {profile.world_size}")
+            raise SystemExit(
+                f"error: the profile was measured at world size {profile.world_size}; pass --world {profile.world_size}"
+            )
         scenario = None
     else:
         if args.scenario is None:
@@ -122,8 +170,10 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
             else:
                 raise SystemExit("error: give --scenario (and --distribution or --lengths)")
         if args.distribution in MIXES and MIXES[args.distribution].kind != args.scenario:
-            raise SystemExit(f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
-                             f"use it with --scenario {MIXES[args.distribution].kind}")
+            raise SystemExit(
+                f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
+                f"use it with --scenario {MIXES[args.distribution].kind}"
+            )
         scenario = SCENARIOS[args.scenario]
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node, memory_bytes=_memory(args))
@@ -172,8 +222,10 @@ def _read_lengths(path: Path, spec: ModelSpec | None) -> list:
         return read_lengths(path)
     if spec is None or spec.vision is None:
         vlms = sorted(k for k, m in MODEL_PRESETS.items() if m.vision is not None)
-        raise SystemExit(f"error: {path} is a .jsonl lengths file of vision-language samples; give a vision-language "
-                         f"--model ({', '.join(vlms)})")
+        raise SystemExit(
+            f"error: {path} is a .jsonl lengths file of vision-language samples; give a vision-language "
+            f"--model ({', '.join(vlms)})"
+        )
     from dcparallel.data.vision_sizes import read_vision_lengths
 
     try:
@@ -206,23 +258,40 @@ def _model_of(args) -> ModelSpec | None:
 def simulate_json(args, policies: Sequence[str], progress: bool = True) -> dict:
     name, workload, cluster, cost, tps = _setup(args)
     t0 = time.perf_counter()
-    ctx, steps, runs, bound = run_policies(workload, cost, cluster, policies, tokens_per_step=tps,
-                                           seed=args.seed, progress=progress,
-                                           max_steps=getattr(args, "max_steps", None))
+    ctx, steps, runs, bound = run_policies(
+        workload,
+        cost,
+        cluster,
+        policies,
+        tokens_per_step=tps,
+        seed=args.seed,
+        progress=progress,
+        max_steps=getattr(args, "max_steps", None),
+    )
     per = summary(workload, runs, bound)
     for k, r in runs.items():  # what the plans did, for the line under the table (`simulate_words`)
         per[k].update(plan_stats(r.plans, workload.tokens))
     m = workload.model
     out = {
-        "scenario": args.scenario or m.name, "distribution": name, "world": cluster.world_size,
-        "gpus_per_node": cluster.gpus_per_node, "seed": args.seed, "tokens_per_step": tps,
-        "model": m.name, "num_params": m.num_params,
-        "shard_size": cluster.shard_size, "shard_size_auto": getattr(args, "shard_size", 1) == "auto",
-        "memory_bytes": cluster.memory_bytes, "model_state_bytes": round(cost.model_state_bytes()),
+        "scenario": args.scenario or m.name,
+        "distribution": name,
+        "world": cluster.world_size,
+        "gpus_per_node": cluster.gpus_per_node,
+        "seed": args.seed,
+        "tokens_per_step": tps,
+        "model": m.name,
+        "num_params": m.num_params,
+        "shard_size": cluster.shard_size,
+        "shard_size_auto": getattr(args, "shard_size", 1) == "auto",
+        "memory_bytes": cluster.memory_bytes,
+        "model_state_bytes": round(cost.model_state_bytes()),
         "peak_memory_bytes": max((v["peak_memory_bytes"] for v in per.values()), default=0),
-        "samples_total": len(workload), "steps": len(steps),
+        "samples_total": len(workload),
+        "steps": len(steps),
         "long_token_share": round(long_token_share(workload.model, list(workload.sizes)), 4),
-        "lower_bound_s": round(bound, 4), "plan_time_includes": PLAN_TIME_NOTE, "policies": per,
+        "lower_bound_s": round(bound, 4),
+        "plan_time_includes": PLAN_TIME_NOTE,
+        "policies": per,
         "calibration": calibration_source(cost, getattr(args, "profile", None)),
     }
     if isinstance(cost, ProfiledCost):
@@ -247,9 +316,11 @@ def beaten_warning(per: dict) -> str | None:
     faster = {k: v["epoch_time_s"] for k, v in per.items() if k != chosen and v["epoch_time_s"] < t}
     if not faster:
         return None
-    return (f"warning: {chosen} is not the fastest policy here: " +
-            ", ".join(f"{k} is {t / f:.3f}x faster" for k, f in sorted(faster.items(), key=lambda kv: kv[1])) +
-            f"; train with --policy {min(faster, key=faster.get)} or report this mix")
+    return (
+        f"warning: {chosen} is not the fastest policy here: "
+        + ", ".join(f"{k} is {t / f:.3f}x faster" for k, f in sorted(faster.items(), key=lambda kv: kv[1]))
+        + f"; train with --policy {min(faster, key=faster.get)} or report this mix"
+    )
 
 
 def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext, runs: dict) -> dict:
@@ -261,8 +332,9 @@ def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext
     if profile.spreads() is None:
         out["profile_spread"] = "unknown: the profile holds no spread per entry (profile again to measure it)"
         return out
-    ends = {at: PlanContext(ctx.workload, ProfiledCost(profile, cluster, time_at=at), cluster)
-            for at in ("low", "high")}
+    ends = {
+        at: PlanContext(ctx.workload, ProfiledCost(profile, cluster, time_at=at), cluster) for at in ("low", "high")
+    }
     for name, r in runs.items():
         lo, hi = (simulate(r.plans, ends[at]).total_time for at in ("low", "high"))
         out.setdefault("predicted_epoch_s_range", {})[name] = [round(lo, 4), round(hi, 4)]
@@ -276,27 +348,43 @@ def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scal
     combos = [(sc, d) for sc in ("video", "text") for d in DISTRIBUTIONS]
     out = []
     for sc, d in tqdm(combos, desc=desc, file=sys.stderr):
-        ns = argparse.Namespace(scenario=sc, distribution=d, lengths=None, world=world, gpus_per_node=gpus_per_node,
-                                seed=DEFAULT_SEED, tokens_per_step=None, profile=None, model=None, model_config=None,
-                                shard_size=1)
+        ns = argparse.Namespace(
+            scenario=sc,
+            distribution=d,
+            lengths=None,
+            world=world,
+            gpus_per_node=gpus_per_node,
+            seed=DEFAULT_SEED,
+            tokens_per_step=None,
+            profile=None,
+            model=None,
+            model_config=None,
+            shard_size=1,
+        )
         out.append(simulate_json(ns, ALL, progress=False))
     return out
 
 
 def _table(out: dict) -> str:
-    rows = [f"{out['scenario']} / {out['distribution']}: {out['samples_total']} samples, {out['steps']} steps "
-            f"of {out['tokens_per_step']:,} tokens, world {out['world']} GPUs ({out['gpus_per_node']} per node), "
-            f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k"]
-    hdr = f"{'policy':15s} {'vs bucket':>9s} {'tokens/s':>12s} {'step time s':>11s} {'ranks idle':>10s} " \
-          f"{'of lower bound':>14s} {'planning ms/step':>16s} {'peak memory':>11s}  layout"
+    rows = [
+        f"{out['scenario']} / {out['distribution']}: {out['samples_total']} samples, {out['steps']} steps "
+        f"of {out['tokens_per_step']:,} tokens, world {out['world']} GPUs ({out['gpus_per_node']} per node), "
+        f"{100 * out['long_token_share']:.0f}% of tokens in samples > 64k"
+    ]
+    hdr = (
+        f"{'policy':15s} {'vs bucket':>9s} {'tokens/s':>12s} {'step time s':>11s} {'ranks idle':>10s} "
+        f"{'of lower bound':>14s} {'planning ms/step':>16s} {'peak memory':>11s}  layout"
+    )
     rows.append(hdr)
     speedup = out.get("speedup_vs_bucket")
     for k, v in out["policies"].items():
         sp = f"{speedup[k]:8.2f}x" if speedup else f"{'-':>9s}"
-        rows.append(f"{k:15s} {sp} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:11.3f} "
-                    f"{100 * v['idle_fraction']:9.1f}% {100 * v['lower_bound_efficiency']:13.1f}% "
-                    f"{v['plan_ms_per_step']:16.2f} {100 * v['peak_memory_fraction']:10.0f}%  "
-                    f"{layout_words(k, v['settings'])}")
+        rows.append(
+            f"{k:15s} {sp} {v['tokens_per_s']:12,.0f} {v['step_time_s_median']:11.3f} "
+            f"{100 * v['idle_fraction']:9.1f}% {100 * v['lower_bound_efficiency']:13.1f}% "
+            f"{v['plan_ms_per_step']:16.2f} {100 * v['peak_memory_fraction']:10.0f}%  "
+            f"{layout_words(k, v['settings'])}"
+        )
     if ring_words(out["policies"]):
         rows.append(ring_words(out["policies"]))
     line = verdict(out["policies"]) if all("sp_mean_per_token" in v for v in out["policies"].values()) else None
@@ -305,20 +393,27 @@ def _table(out: dict) -> str:
     if not speedup:
         rows.append("speedup is relative to bucket, which did not run: add --policy bucket to see it")
     if "model" in out:
-        rows.append(f"model {out['model']} ({out['num_params'] / 1e9:.2f}B parameters), shard size {out['shard_size']}"
-                    f"{' (auto)' if out['shard_size_auto'] else ''}: model states "
-                    f"{format_bytes(out['model_state_bytes'])}, planned peak {format_bytes(out['peak_memory_bytes'])} "
-                    f"of {format_bytes(out['memory_bytes'])} per rank")
+        rows.append(
+            f"model {out['model']} ({out['num_params'] / 1e9:.2f}B parameters), shard size {out['shard_size']}"
+            f"{' (auto)' if out['shard_size_auto'] else ''}: model states "
+            f"{format_bytes(out['model_state_bytes'])}, planned peak {format_bytes(out['peak_memory_bytes'])} "
+            f"of {format_bytes(out['memory_bytes'])} per rank"
+        )
     if "predicted_epoch_s_range" in out:
-        rows.append("epoch s if every profiled layout were at the low / high end of its measured interval: " +
-                    ", ".join(f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in out["predicted_epoch_s_range"].items()))
+        rows.append(
+            "epoch s if every profiled layout were at the low / high end of its measured interval: "
+            + ", ".join(f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in out["predicted_epoch_s_range"].items())
+        )
     for key in ("profile_spread", "profile_noise_warning"):
         if out.get(key):
             rows.append(f"{key.replace('_', ' ')}: {out[key]}")
     if "calibration" in out:
         rows.append(describe(out["calibration"]))
-    rows.append(PLAN_TIME_NOTE + "; first step and setup ms: " + ", ".join(
-        f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items()))
+    rows.append(
+        PLAN_TIME_NOTE
+        + "; first step and setup ms: "
+        + ", ".join(f"{k} {v['plan_first_step_ms']:.1f} / {v['setup_ms']:.0f}" for k, v in out["policies"].items())
+    )
     return "\n".join(rows)
 
 
@@ -352,14 +447,20 @@ def cmd_plan(args) -> int:
         if args.json:
             print(json.dumps(d))
         else:
-            print(f"step {plan.index}: {len(plan.sample_ids)} samples, {plan.num_tokens:,} tokens, "
-                  f"predicted {res.step_time:.3f} s")
+            print(
+                f"step {plan.index}: {len(plan.sample_ids)} samples, {plan.num_tokens:,} tokens, "
+                f"predicted {res.step_time:.3f} s"
+            )
             phased = plan.num_phases > 1
             for g, busy in zip(plan.groups, res.group_busy):
-                lay = [f"[{len(m.sample_ids)} sample{'s' * (len(m.sample_ids) > 1)} at {m.layout.sp_words()}, "
-                       f"recompute {m.layout.recompute.describe(ctx.model.num_layers)}]" for m in g.micro_batches]
+                lay = [
+                    f"[{len(m.sample_ids)} sample{'s' * (len(m.sample_ids) > 1)} at {m.layout.sp_words()}, "
+                    f"recompute {m.layout.recompute.describe(ctx.model.num_layers)}]"
+                    for m in g.micro_batches
+                ]
                 phase = f"phase {g.phase} " if phased else ""
-                print(f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
-                      f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}")
+                print(
+                    f"  {phase}ranks {g.ranks[0]}-{g.ranks[-1]}: {len(g.micro_batches)} micro-batches, "
+                    f"busy {busy:.3f} s  {', '.join(lay[:6])}{' ...' if len(lay) > 6 else ''}"
+                )
     return 0
-

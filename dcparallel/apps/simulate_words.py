@@ -33,16 +33,21 @@ def plan_stats(plans: Sequence[StepPlan], tokens: Sequence[int]) -> dict:
             total += n
             recomputing += bool(mb.layout.recompute.attn or mb.layout.recompute.mlp)
             count += 1
-    out = {"sp_mean_per_token": round(weighted / total, 3) if total else 0.0,
-           "recompute_share": round(recomputing / count, 4) if count else 0.0}
+    out = {
+        "sp_mean_per_token": round(weighted / total, 3) if total else 0.0,
+        "recompute_share": round(recomputing / count, 4) if count else 0.0,
+    }
     return {**out, "ring_splits": rings} if rings else out
 
 
 def ring_words(policies: dict[str, dict]) -> str | None:
     """One line on the policies whose plans ran micro-batches under ring attention: how many
     at each split ("dcp ran 5 micro-batches at SP 64 = 8u×8r, ..."); None where none did."""
-    runs = [f"{k} ran " + ", ".join(f"{n} micro-batch{'es' * (n != 1)} at {w}" for w, n in v["ring_splits"].items())
-            for k, v in policies.items() if v.get("ring_splits")]
+    runs = [
+        f"{k} ran " + ", ".join(f"{n} micro-batch{'es' * (n != 1)} at {w}" for w, n in v["ring_splits"].items())
+        for k, v in policies.items()
+        if v.get("ring_splits")
+    ]
     return "ring attention: " + "; ".join(runs) if runs else None
 
 
@@ -67,10 +72,12 @@ def verdict(policies: dict[str, dict]) -> str | None:
     best = min(static, key=lambda k: policies[k]["epoch_time_s"])
     d, s = policies["dcp"], policies[best]
     ratio = s["epoch_time_s"] / d["epoch_time_s"] if d["epoch_time_s"] else float("nan")
-    why = (f"its tokens ran at SP {d['sp_mean_per_token']:.1f} on average against {s['sp_mean_per_token']:.1f}, "
-           f"{100 * d['recompute_share']:.0f}% of its micro-batches recompute against "
-           f"{100 * s['recompute_share']:.0f}%, and ranks sat idle {100 * d['idle_fraction']:.1f}% of the time "
-           f"against {100 * s['idle_fraction']:.1f}%")
+    why = (
+        f"its tokens ran at SP {d['sp_mean_per_token']:.1f} on average against {s['sp_mean_per_token']:.1f}, "
+        f"{100 * d['recompute_share']:.0f}% of its micro-batches recompute against "
+        f"{100 * s['recompute_share']:.0f}%, and ranks sat idle {100 * d['idle_fraction']:.1f}% of the time "
+        f"against {100 * s['idle_fraction']:.1f}%"
+    )
     where = f"the best static layout here ({best}: {layout_words(best, s['settings'])})"
     if ratio >= 1.005:
         return f"dcp: {ratio:.2f}x faster than {where}, because {why}"

@@ -82,4 +82,3 @@ def run(cfg: Config, before_step: StepHook | None = None) -> int:
         faulthandler.cancel_dump_traceback_later()
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
-

@@ -40,13 +40,19 @@ log = logging.getLogger("dcparallel.train")
 def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_range: tuple[int, int]) -> Path:
     """The run's checkpoint of ``step`` (collective): version 1 with shard_size 1, else 2."""
     if dc.shard_size == 1:
-        payload = {"step": step, "rank": comm.world_rank(), "world_size": comm.world_size(),
-                   "optimizer": opt.state_dict(), "rng": checkpoint.rng_state()}
+        payload = {
+            "step": step,
+            "rank": comm.world_rank(),
+            "world_size": comm.world_size(),
+            "optimizer": opt.state_dict(),
+            "rng": checkpoint.rng_state(),
+        }
         if comm.world_rank() == 0:
             payload["model"] = model_state(dc.model)
         return checkpoint.save(root, step, payload, meta, optimizer_range=optimizer_range, keep=keep)
-    return checkpoint.save_dcp(root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta,
-                               shard_size=dc.shard_size, keep=keep)
+    return checkpoint.save_dcp(
+        root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta, shard_size=dc.shard_size, keep=keep
+    )
 
 
 def _frozen(model: nn.Module) -> set[str]:
@@ -67,8 +73,10 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: Pa
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = sorted(set(missing) - _frozen(model))
     if missing or unexpected:
-        raise ValueError(f"the checkpoint {where} does not fit this model: missing {missing[:5]}, foreign "
-                         f"{sorted(unexpected)[:5]}; resume or export with the config the run was trained with")
+        raise ValueError(
+            f"the checkpoint {where} does not fit this model: missing {missing[:5]}, foreign "
+            f"{sorted(unexpected)[:5]}; resume or export with the config the run was trained with"
+        )
 
 
 def reads(marker: dict, rank: int, optimizer_range: tuple[int, int] | None) -> list[int] | None:
@@ -93,8 +101,11 @@ def load(ck: checkpoint.Committed, dc, opt, optimizer_range: tuple[int, int] | N
         lo, hi = optimizer_range
         zero = ck.load(0)
         load_model_state(dc.model, zero["model"], ck.path)
-        opt.load_state_dict([zero["optimizer"] if r == 0 else ck.load(r)["optimizer"]
-                             for r in ck.ranks_overlapping(lo, hi)] if hi > lo else [zero["optimizer"]])
+        opt.load_state_dict(
+            [zero["optimizer"] if r == 0 else ck.load(r)["optimizer"] for r in ck.ranks_overlapping(lo, hi)]
+            if hi > lo
+            else [zero["optimizer"]]
+        )
     else:
         dcp_tensors.load_flat_shards(dc.engine, opt, (ck.load(r)["optimizer"] for r in range(ck.world_size)))
     if ck.world_size == comm.world_size():
@@ -111,9 +122,15 @@ def _unwrapped_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-def write_export(family: str, model: nn.Module, path: Path, tokenizer: Any = None,
-                 state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                 merged: bool = False) -> None:
+def write_export(
+    family: str,
+    model: nn.Module,
+    path: Path,
+    tokenizer: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    merged: bool = False,
+) -> None:
     """Writes the model to ``path`` (one process): ``state`` (a full state dict) replaces the
     model's own when given, cast to ``dtype``. A PEFT model writes its adapter folder (and with
     ``merged`` the merged model under ``merged/``: `apps.train_lora.write_lora_export`)."""
@@ -164,8 +181,9 @@ def export(cfg, dc, tokenizer: Any, path: Path | None) -> Path | None:
     return path
 
 
-def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, path: Path,
-                      tokenizer: Any = None, merged: bool = False) -> Path:
+def export_checkpoint(
+    ck: checkpoint.Committed, model: nn.Module, family: str, path: Path, tokenizer: Any = None, merged: bool = False
+) -> Path:
     """Exports a committed checkpoint of any version and shard size (one process, no process
     group): ``model`` is the run's model as built at its start (its non-trained state); the
     checkpoint's trained parameters replace its own."""
@@ -175,8 +193,10 @@ def export_checkpoint(ck: checkpoint.Committed, model: nn.Module, family: str, p
         params = dict(model.named_parameters())
         unknown = sorted(set(trained) - set(params))
         if unknown:
-            raise ValueError(f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
-                             f"config the run was trained with")
+            raise ValueError(
+                f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
+                f"config the run was trained with"
+            )
         with torch.no_grad():
             for name, value in trained.items():
                 params[name].copy_(value.view(params[name].shape).to(dtype))
@@ -202,11 +222,15 @@ def check_schedule(meta: dict, t: Any, target: int, steps_in_epoch: Any, done: i
         return
     was = t.lr * lr_lambda(t.warmup_steps, old_target, t.schedule)(done)
     now = t.lr * lr_lambda(t.warmup_steps, target, t.schedule)(done)
-    what = (f"the run's length changed (epochs {old_epochs} -> {t.epochs}, max_steps {old_max} -> {t.max_steps}): "
-            f"it now ends at step {target}, not {old_target}")
+    what = (
+        f"the run's length changed (epochs {old_epochs} -> {t.epochs}, max_steps {old_max} -> {t.max_steps}): "
+        f"it now ends at step {target}, not {old_target}"
+    )
     if not math.isclose(was, now, rel_tol=1e-12) and not t.resume_anyway:
-        raise ValueError(f"{what}, and the {t.schedule} lr of step {done + 1} would jump from {was:.4g} to "
-                         f"{now:.4g}. Resume with the same epochs and max_steps (then start a new run from the "
-                         f"export), or resume_anyway = true (--resume-anyway) to continue on the new schedule")
+        raise ValueError(
+            f"{what}, and the {t.schedule} lr of step {done + 1} would jump from {was:.4g} to "
+            f"{now:.4g}. Resume with the same epochs and max_steps (then start a new run from the "
+            f"export), or resume_anyway = true (--resume-anyway) to continue on the new schedule"
+        )
     if rank == 0:
         log.warning("%s; the %s lr of step %d: %.4g (was %.4g)", what, t.schedule, done + 1, now, was)

@@ -100,8 +100,10 @@ from dcparallel.apps.train_lora import LoraConfig
 
 POLICY_NAMES = ("bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp")
 
-def _opt(default: Any, *, lo: float | None = None, gt: float | None = None, choices: tuple = (),
-         resume: bool = True) -> Any:
+
+def _opt(
+    default: Any, *, lo: float | None = None, gt: float | None = None, choices: tuple = (), resume: bool = True
+) -> Any:
     """A config field: ``lo`` (>=), ``gt`` (>), ``choices``; ``resume``: a checkpoint written
     with another value is refused (False: the field may change between launches)."""
     return field(default=default, metadata={"lo": lo, "gt": gt, "choices": choices, "resume": resume})
@@ -133,7 +135,7 @@ class ModelConfig:
             return False
 
     def pretrained_family(self) -> str:
-        """"transformers" or "diffusers", read from ``pretrained``'s config.json (``architectures``
+        """ "transformers" or "diffusers", read from ``pretrained``'s config.json (``architectures``
         / ``_class_name``); ValueError naming the path when it is not such a model directory."""
         p = Path(self.pretrained)
         what = f"[model] pretrained = {self.pretrained!r}"
@@ -141,8 +143,11 @@ class ModelConfig:
         if not p.is_dir():
             raise ValueError(f"{what} is not a directory; {fix}")
         if not (p / "config.json").is_file():
-            hint = (f" ({p} is a diffusers pipeline: give its transformer folder, e.g. {p / 'transformer'})"
-                    if (p / "model_index.json").exists() else "")
+            hint = (
+                f" ({p} is a diffusers pipeline: give its transformer folder, e.g. {p / 'transformer'})"
+                if (p / "model_index.json").exists()
+                else ""
+            )
             raise ValueError(f"{what} has no config.json, so it is not a model directory{hint}; {fix}")
         try:
             meta = json.loads((p / "config.json").read_text())
@@ -153,8 +158,10 @@ class ModelConfig:
         archs = meta.get("architectures") or []
         if any(str(a).endswith("ForCausalLM") for a in archs) or self.is_vlm():
             return "transformers"
-        raise ValueError(f"{what}: {p / 'config.json'} names neither a transformers *ForCausalLM (architectures = "
-                         f"{archs}) or vision-language model (vision_config) nor a diffusers class; {fix}")
+        raise ValueError(
+            f"{what}: {p / 'config.json'} names neither a transformers *ForCausalLM (architectures = "
+            f"{archs}) or vision-language model (vision_config) nor a diffusers class; {fix}"
+        )
 
     def check(self, where: str) -> None:
         if not isinstance(self.config, dict):
@@ -162,12 +169,16 @@ class ModelConfig:
         if self.pretrained:
             family = self.pretrained_family()
             if self.family not in ("reference", family):
-                raise ValueError(f"{where}: [model] family = {self.family!r} but {self.pretrained} holds a {family} "
-                                 f"model; remove family (it is read from the directory)")
+                raise ValueError(
+                    f"{where}: [model] family = {self.family!r} but {self.pretrained} holds a {family} "
+                    f"model; remove family (it is read from the directory)"
+                )
             self.family = family
             if self.architecture or self.config:
-                raise ValueError(f"{where}: [model] pretrained = {self.pretrained!r} loads the directory's own "
-                                 f"config.json; remove architecture / [model.config] (they build a model from scratch)")
+                raise ValueError(
+                    f"{where}: [model] pretrained = {self.pretrained!r} loads the directory's own "
+                    f"config.json; remove architecture / [model.config] (they build a model from scratch)"
+                )
             return
         if self.family != "reference":
             if not self.architecture:
@@ -175,8 +186,10 @@ class ModelConfig:
                 raise ValueError(f'{where}: [model] family = {self.family!r} needs architecture, e.g. "{example}"')
             return
         if self.hidden % self.num_heads:
-            raise ValueError(f"{where}: [model] hidden = {self.hidden} is not a multiple of num_heads = "
-                             f"{self.num_heads}; pick num_heads dividing hidden (e.g. {_divisor(self.hidden)})")
+            raise ValueError(
+                f"{where}: [model] hidden = {self.hidden} is not a multiple of num_heads = "
+                f"{self.num_heads}; pick num_heads dividing hidden (e.g. {_divisor(self.hidden)})"
+            )
 
 
 @dataclass(kw_only=True)
@@ -199,8 +212,10 @@ class DataConfig:
         if not self.lengths:
             raise ValueError(f'{where}: [data] lengths is empty; give "builtin" or a lengths file')
         if self.path and self.lengths != "builtin":
-            raise ValueError(f"{where}: [data] path = {self.path!r} and lengths = {self.lengths!r}: a real dataset's "
-                             f"lengths are computed from it; remove lengths")
+            raise ValueError(
+                f"{where}: [data] path = {self.path!r} and lengths = {self.lengths!r}: a real dataset's "
+                f"lengths are computed from it; remove lengths"
+            )
         if not self.eval_fraction < 0.5:
             raise ValueError(f"{where}: [data] eval_fraction = {self.eval_fraction} holds out too much; use e.g. 0.05")
         if self.format and not self.path:
@@ -250,8 +265,10 @@ class LogConfig:
     def check(self, where: str) -> None:
         for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if getattr(self, name) and importlib.util.find_spec(module) is None:
-                raise ValueError(f"{where}: [log] {name} = true needs the {module} package: pip install {module} "
-                                 f"(or 'dcparallel[train]'), or set {name} = false")
+                raise ValueError(
+                    f"{where}: [log] {name} = true needs the {module} package: pip install {module} "
+                    f"(or 'dcparallel[train]'), or set {name} = false"
+                )
 
 
 @dataclass(kw_only=True)
@@ -273,13 +290,26 @@ class ProfileConfig:
         """The `dcparallel.profile.ProfilerConfig` of these settings."""
         from dcparallel.profile.profiler import ProfilerConfig
 
-        return ProfilerConfig.quick(self.max_tokens, repeats=self.repeats, max_repeats=max(self.repeats,
-                                    self.max_repeats), min_time_s=self.min_time_s, max_mbs=self.max_mbs,
-                                    memory_limit=memory_limit, progress=progress, budget_s=self.budget_s or None)
+        return ProfilerConfig.quick(
+            self.max_tokens,
+            repeats=self.repeats,
+            max_repeats=max(self.repeats, self.max_repeats),
+            min_time_s=self.min_time_s,
+            max_mbs=self.max_mbs,
+            memory_limit=memory_limit,
+            progress=progress,
+            budget_s=self.budget_s or None,
+        )
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "profile": ProfileConfig,
-            "log": LogConfig, "lora": LoraConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "profile": ProfileConfig,
+    "log": LogConfig,
+    "lora": LoraConfig,
+}
 
 
 def _divisor(n: int) -> int:
@@ -357,8 +387,10 @@ class Config:
             bad = sorted(set(values) - known)
             if bad:
                 hint = "; ".join(f"{b!r}: did you mean {m!r}?" for b in bad if (m := _closest(b, known)))
-                raise ValueError(f"{where}: unknown key(s) {bad} in [{section}]; known: {sorted(known)}"
-                                 + (f" ({hint})" if hint else ""))
+                raise ValueError(
+                    f"{where}: unknown key(s) {bad} in [{section}]; known: {sorted(known)}"
+                    + (f" ({hint})" if hint else "")
+                )
             setattr(out, section, cls(**values))
         out.validate(where)
         return out
@@ -372,29 +404,43 @@ class Config:
                 setattr(obj, f.name, _check_value(where, section, f, hints[f.name], getattr(obj, f.name)))
             obj.check(where)
         if self.train.eval_every and not self.data.eval_fraction:
-            raise ValueError(f"{where}: [train] eval_every = {self.train.eval_every} needs an eval split: set [data] "
-                             f"eval_fraction (e.g. 0.05)")
+            raise ValueError(
+                f"{where}: [train] eval_every = {self.train.eval_every} needs an eval split: set [data] "
+                f"eval_fraction (e.g. 0.05)"
+            )
         if self.data.path and self.model.family == "reference" and not self.model.pretrained:
-            raise ValueError(f"{where}: [data] path = {self.data.path!r} needs a tokenizer: train a [model] pretrained "
-                             f"= \"dir\" (a transformers model directory with its tokenizer)")
+            raise ValueError(
+                f"{where}: [data] path = {self.data.path!r} needs a tokenizer: train a [model] pretrained "
+                f'= "dir" (a transformers model directory with its tokenizer)'
+            )
         video, fmt = self.model.family == "diffusers", self.data.format
         if video and self.data.field:
-            raise ValueError(f"{where}: [data] field = {self.data.field!r} names a text field; a latents manifest "
-                             f"names its files' columns with latents_column and text_column")
+            raise ValueError(
+                f"{where}: [data] field = {self.data.field!r} names a text field; a latents manifest "
+                f"names its files' columns with latents_column and text_column"
+            )
         if fmt and (fmt == "latents") != video:
             want = '"latents"' if video else '"text" or "chat"'
             raise ValueError(f"{where}: [data] format = {fmt!r} does not suit a {self.model.family} model; use {want}")
         if self.model.freeze_vision and not self.model.is_vlm():
-            raise ValueError(f"{where}: [model] freeze_vision = true needs a vision-language model: [model] pretrained "
-                             f"= a folder whose config has a vision_config; remove freeze_vision")
+            raise ValueError(
+                f"{where}: [model] freeze_vision = true needs a vision-language model: [model] pretrained "
+                f"= a folder whose config has a vision_config; remove freeze_vision"
+            )
         if self.model.family == "reference" and self.model.kind != "llama":
-            raise ValueError(f"{where}: `dcparallel train` trains the text model (kind = 'llama') for now; "
-                             f"see examples/video_dit.py for video")
+            raise ValueError(
+                f"{where}: `dcparallel train` trains the text model (kind = 'llama') for now; "
+                f"see examples/video_dit.py for video"
+            )
 
     def resume_key(self) -> dict[str, Any]:
         """The settings a checkpoint must have been written under to be resumed."""
-        return {f"{s}.{f.name}": getattr(getattr(self, s), f.name)
-                for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("resume", True)}
+        return {
+            f"{s}.{f.name}": getattr(getattr(self, s), f.name)
+            for s, cls in SECTIONS.items()
+            for f in fields(cls)
+            if f.metadata.get("resume", True)
+        }
 
 
 def _closest(name: str, known: set[str]) -> str | None:

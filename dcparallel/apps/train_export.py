@@ -38,11 +38,16 @@ def export_run(config: Path, out: Path | None = None, step: int | None = None) -
             raise ValueError(f"cannot export step {step}: {why}; committed steps: {checkpoint.committed_steps(root)}")
     saved = ck.meta.get("config", {})
     now = cfg.resume_key()
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-            for k in sorted(set(saved) | set(now)) if k.startswith("model.") and saved.get(k) != now.get(k)]
+    diff = [
+        f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if k.startswith("model.") and saved.get(k) != now.get(k)
+    ]
     if diff:
-        raise ValueError(f"the checkpoint {ck.path} was written for another model: {'; '.join(diff)}; export with "
-                         f"the config the run was trained with")
+        raise ValueError(
+            f"the checkpoint {ck.path} was written for another model: {'; '.join(diff)}; export with "
+            f"the config the run was trained with"
+        )
     dtype = ck.meta.get("dtype")
     if dtype in ("float32", "bfloat16"):  # the dtype the run trained in (bf16 on GPUs for "auto")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))

@@ -29,8 +29,9 @@ def read_train_lengths(cfg: Config) -> list:
     return [tuple(int(v) for v in x) if video_model else int(x) for x in sizes]
 
 
-def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int,
-               skip_oversize: bool = False) -> None:
+def check_fits(
+    spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int, skip_oversize: bool = False
+) -> None:
     """Raises the planner's `NoLayoutFits` before any profiling when a sample fits no layout
     by the analytic cost model (calibrated constants: it catches samples far beyond memory,
     which the profiler would die on with a raw allocator error; the profile decides the rest);
@@ -39,10 +40,15 @@ def check_fits(spec, lengths, world_size: int, gpus_per_node: int, memory_bytes:
     from dcparallel.plan.context import PlanContext
     from dcparallel.spec import ClusterSpec, Workload
 
-    cluster = ClusterSpec(world_size=world_size, gpus_per_node=gpus_per_node, memory_bytes=int(memory_bytes),
-                          intra_bw=1e10, inter_bw=1e10, name="up-front check")
+    cluster = ClusterSpec(
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        memory_bytes=int(memory_bytes),
+        intra_bw=1e10,
+        inter_bw=1e10,
+        name="up-front check",
+    )
     PlanContext(Workload(spec, tuple(lengths)), AnalyticCost(spec, cluster), cluster, skip_oversize=skip_oversize)
-
 
 
 def check_config(cfg: Config, where: str) -> str:
@@ -59,12 +65,15 @@ def check_config(cfg: Config, where: str) -> str:
             raise ValueError(f"{where}: [data] path = {d.path!r} does not exist")
         sizes = _read_dataset_sizes(cfg)
     tokens = [s if isinstance(s, int) else s[0] * s[1] * s[2] for s in sizes]
-    data = f"{d.path or 'synthetic'}: {len(sizes)} samples of {min(tokens)}-{max(tokens)} " + \
-        ("tokens" if cfg.model.family != "diffusers" else "latent positions")
+    data = f"{d.path or 'synthetic'}: {len(sizes)} samples of {min(tokens)}-{max(tokens)} " + (
+        "tokens" if cfg.model.family != "diffusers" else "latent positions"
+    )
     model = cfg.model.pretrained or f"{cfg.model.family} {cfg.model.architecture or cfg.model.kind}".strip()
-    return (f"{where}: config OK; model {model}; data {data}; policy {cfg.train.policy}, tokens_per_step "
-            f"{cfg.train.tokens_per_step}, out_dir {cfg.train.out_dir}. Launch: torchrun --nproc-per-node N -m "
-            f"dcparallel train --config {where}")
+    return (
+        f"{where}: config OK; model {model}; data {data}; policy {cfg.train.policy}, tokens_per_step "
+        f"{cfg.train.tokens_per_step}, out_dir {cfg.train.out_dir}. Launch: torchrun --nproc-per-node N -m "
+        f"dcparallel train --config {where}"
+    )
 
 
 def _read_dataset_sizes(cfg: Config) -> list:
@@ -73,8 +82,9 @@ def _read_dataset_sizes(cfg: Config) -> list:
     if cfg.model.family == "diffusers":
         from dcparallel.data.latents_data import latents_dataset
 
-        return latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column,
-                               skip_bad=d.skip_bad)[1]
+        return latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column, skip_bad=d.skip_bad)[
+            1
+        ]
     if cfg.model.is_vlm():
         from dcparallel.apps.train_vlm import check_vlm_config, load_processor, read_vlm_data
 
@@ -85,5 +95,12 @@ def _read_dataset_sizes(cfg: Config) -> list:
     from dcparallel.data.text_data import text_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.pretrained, local_files_only=True)
-    return text_dataset(d.path, tokenizer, format=d.format or "text", field=d.field or None,
-                        max_tokens=d.max_tokens or None, truncate=d.truncate, skip_bad=d.skip_bad)[1]
+    return text_dataset(
+        d.path,
+        tokenizer,
+        format=d.format or "text",
+        field=d.field or None,
+        max_tokens=d.max_tokens or None,
+        truncate=d.truncate,
+        skip_bad=d.skip_bad,
+    )[1]

@@ -19,13 +19,21 @@ from pathlib import Path
 from typing import Any
 
 #: record key -> dashboard tag
-SCALARS = {"loss": "train/loss", "tokens_per_s": "train/tokens_per_s", "step_s": "train/step_s",
-           "idle_fraction": "train/idle_fraction", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "eval_loss": "eval/loss", "planned_peak_memory_bytes": "memory/planned_peak_bytes",
-           "measured_peak_memory_bytes": "memory/measured_peak_bytes",
-           "measured_peak_reserved_bytes": "memory/measured_peak_reserved_bytes",
-           "device_free_bytes": "memory/device_free_bytes", "sp_max": "plan/sp_max",
-           "sp_mean": "plan/sp_mean"}
+SCALARS = {
+    "loss": "train/loss",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_s": "train/step_s",
+    "idle_fraction": "train/idle_fraction",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "eval_loss": "eval/loss",
+    "planned_peak_memory_bytes": "memory/planned_peak_bytes",
+    "measured_peak_memory_bytes": "memory/measured_peak_bytes",
+    "measured_peak_reserved_bytes": "memory/measured_peak_reserved_bytes",
+    "device_free_bytes": "memory/device_free_bytes",
+    "sp_max": "plan/sp_max",
+    "sp_mean": "plan/sp_mean",
+}
 
 
 class MetricsSinks:
@@ -47,9 +55,14 @@ class MetricsSinks:
             import wandb
 
             (out / "wandb").mkdir(exist_ok=True)
-            self.wandb = wandb.init(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode, dir=str(out),
-                                    config={s: vars(getattr(cfg, s)) for s in ("model", "data", "train")},
-                                    resume="allow", id=_run_id(out))
+            self.wandb = wandb.init(
+                project=cfg.log.wandb_project,
+                mode=cfg.log.wandb_mode,
+                dir=str(out),
+                config={s: vars(getattr(cfg, s)) for s in ("model", "data", "train")},
+                resume="allow",
+                id=_run_id(out),
+            )
 
     def write(self, record: dict) -> None:
         if not self.active:
@@ -69,11 +82,13 @@ class MetricsSinks:
         self.bar.update(1)
         loss = record["loss"]
         extra = f"  eval {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
-        self.bar.write(f"step {step:4d}  loss {loss if loss is None else f'{loss:.4f}'}  "
-                       f"{record['tokens_per_s']:8.0f} tok/s  {record['step_s'] * 1e3:7.0f} ms  "
-                       f"idle {100 * record['idle_fraction']:4.1f}%  peak "
-                       f"{record['planned_peak_memory_bytes'] / 2**20:6.1f} MiB  sp {record['sp_degrees']}  "
-                       f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3g}{extra}")
+        self.bar.write(
+            f"step {step:4d}  loss {loss if loss is None else f'{loss:.4f}'}  "
+            f"{record['tokens_per_s']:8.0f} tok/s  {record['step_s'] * 1e3:7.0f} ms  "
+            f"idle {100 * record['idle_fraction']:4.1f}%  peak "
+            f"{record['planned_peak_memory_bytes'] / 2**20:6.1f} MiB  sp {record['sp_degrees']}  "
+            f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3g}{extra}"
+        )
 
     def close(self) -> None:
         self.bar.close()

@@ -32,8 +32,10 @@ import torch
 from torch import nn
 
 #: the attention projections adapted when target_modules is empty, per family
-DEFAULT_TARGETS = {"transformers": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                   "diffusers": ["to_q", "to_k", "to_v", "to_out.0"]}
+DEFAULT_TARGETS = {
+    "transformers": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "diffusers": ["to_q", "to_k", "to_v", "to_out.0"],
+}
 
 
 def _opt(default: Any, **meta: Any) -> Any:
@@ -56,10 +58,13 @@ class LoraConfig:
             self.target_modules = list(self.target_modules)
 
     def check(self, where: str) -> None:
-        if not isinstance(self.target_modules, (list, tuple)) or not all(isinstance(t, str) and t
-                                                                         for t in self.target_modules):
-            raise ValueError(f"{where}: [lora] target_modules = {self.target_modules!r} must be a list of module "
-                             f'names, e.g. ["q_proj", "v_proj"]')
+        if not isinstance(self.target_modules, (list, tuple)) or not all(
+            isinstance(t, str) and t for t in self.target_modules
+        ):
+            raise ValueError(
+                f"{where}: [lora] target_modules = {self.target_modules!r} must be a list of module "
+                f'names, e.g. ["q_proj", "v_proj"]'
+            )
         if not self.dropout < 1:
             raise ValueError(f"{where}: [lora] dropout = {self.dropout} must be < 1 (e.g. 0.05)")
         if not self.rank and (self.target_modules or self.use_dora or self.export_merged):
@@ -67,8 +72,10 @@ class LoraConfig:
 
     def check_family(self, where: str, family: str) -> None:
         if self.rank and family == "reference":
-            raise ValueError(f"{where}: [lora] rank = {self.rank} needs a transformers or diffusers model ([model] "
-                             f"pretrained or family); the reference model trains without LoRA")
+            raise ValueError(
+                f"{where}: [lora] rank = {self.rank} needs a transformers or diffusers model ([model] "
+                f"pretrained or family); the reference model trains without LoRA"
+            )
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig, family: str, seed: int = 0) -> nn.Module:
@@ -84,8 +91,13 @@ def apply_lora(model: nn.Module, lora: LoraConfig, family: str, seed: int = 0) -
     except ImportError:
         raise ValueError("[lora] rank > 0 needs the peft package: pip install 'dcparallel[lora]'") from None
     targets = list(lora.target_modules) or DEFAULT_TARGETS[family]
-    config = PeftLora(r=lora.rank, lora_alpha=lora.alpha or lora.rank, target_modules=targets,
-                      lora_dropout=lora.dropout, use_dora=lora.use_dora)
+    config = PeftLora(
+        r=lora.rank,
+        lora_alpha=lora.alpha or lora.rank,
+        target_modules=targets,
+        lora_dropout=lora.dropout,
+        use_dora=lora.use_dora,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return get_peft_model(model, config)
@@ -97,8 +109,13 @@ def is_lora(model: nn.Module) -> bool:
     return is_peft_model(model)
 
 
-def write_lora_export(model: nn.Module, path: Path, tokenizer: Any = None,
-                      state: dict[str, torch.Tensor] | None = None, merged: bool = False) -> None:
+def write_lora_export(
+    model: nn.Module,
+    path: Path,
+    tokenizer: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
+    merged: bool = False,
+) -> None:
     """The PEFT adapter folder of ``model`` (a ``PeftModel``) at ``path`` (+ tokenizer), and with
     ``merged`` the merged model at ``path / "merged"`` (one process). ``state``: the model's full
     state dict (gathered from shards), else the model's own."""
@@ -133,8 +150,9 @@ def _merged(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     for n, b in list(peft.named_buffers()):  # non-persistent buffers (rotary tables): the model's own
         if b.is_meta:
             owner, _, leaf = n.rpartition(".")
-            peft.get_submodule(owner).register_buffer(leaf, model.get_buffer(n).detach().cpu().clone(),
-                                                      persistent=False)
+            peft.get_submodule(owner).register_buffer(
+                leaf, model.get_buffer(n).detach().cpu().clone(), persistent=False
+            )
     left = [n for n, p in peft.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"the state dict lacks {left[:5]}: cannot merge the adapters into the base")

@@ -57,11 +57,16 @@ def param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     and float32 on CPU. Where float32 stays on a GPU, its matmuls may use TF32. float16 is
     refused: the loss is a sum with no loss scaling, so its gradients would underflow."""
     if cfg.train.dtype == "float16":
-        raise ValueError('[train] dtype = "float16" is not supported: the loss is a sum over tokens with no loss '
-                         'scaling, so fp16 gradients underflow or overflow; use "bfloat16" (or "auto": bfloat16 '
-                         'on GPUs, float32 on CPU)')
-    dtype = (torch.bfloat16 if on_gpu(device) else torch.float32) if cfg.train.dtype == "auto" \
+        raise ValueError(
+            '[train] dtype = "float16" is not supported: the loss is a sum over tokens with no loss '
+            'scaling, so fp16 gradients underflow or overflow; use "bfloat16" (or "auto": bfloat16 '
+            "on GPUs, float32 on CPU)"
+        )
+    dtype = (
+        (torch.bfloat16 if on_gpu(device) else torch.float32)
+        if cfg.train.dtype == "auto"
         else getattr(torch, cfg.train.dtype)
+    )
     if dtype == torch.float32 and on_gpu(device):
         torch.set_float32_matmul_precision("high")
     return dtype
@@ -93,9 +98,11 @@ def load_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     if cfg.lora.rank:
         cfg.lora.check_family("[lora]", cfg.model.family)
         if builds_on_meta(cfg):
-            raise ValueError(f"[lora] with [train] shard_size = {cfg.train.shard_size} and a pretrained model: the "
-                             f"model would be built on the meta device, which LoRA does not load into yet; use "
-                             f'shard_size = 1 or "auto" (the frozen base needs no gradient or optimizer memory)')
+            raise ValueError(
+                f"[lora] with [train] shard_size = {cfg.train.shard_size} and a pretrained model: the "
+                f"model would be built on the meta device, which LoRA does not load into yet; use "
+                f'shard_size = 1 or "auto" (the frozen base needs no gradient or optimizer memory)'
+            )
     model, tokenizer = _load_base(cfg, device)
     return apply_lora(model, cfg.lora, cfg.model.family, cfg.train.seed), tokenizer
 
@@ -120,8 +127,9 @@ def _load_base(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
             with empty_init():
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
             return cast_parameters(model, dtype), tokenizer
-        model = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True, dtype=dtype,
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            m.pretrained, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+        )
         return cast_parameters(model.to(device), dtype), tokenizer
     import importlib.util
     import json
@@ -129,8 +137,10 @@ def _load_base(cfg: Config, device: torch.device) -> tuple[nn.Module, Any]:
     import diffusers
 
     if importlib.util.find_spec("accelerate") is None:  # diffusers' from_pretrained needs it for Wan and others
-        raise ValueError(f"loading the diffusers model {m.pretrained} needs accelerate: pip install accelerate "
-                         f"(or 'dcparallel[train]')")
+        raise ValueError(
+            f"loading the diffusers model {m.pretrained} needs accelerate: pip install accelerate "
+            f"(or 'dcparallel[train]')"
+        )
     name = json.loads((Path(m.pretrained) / "config.json").read_text())["_class_name"]
     cls = getattr(diffusers, name, None)
     if cls is None:
@@ -173,13 +183,21 @@ def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list
         from dcparallel.data.latents_data import latents_dataset
 
         c = model.config
-        ds, sizes = latents_dataset(d.path, latents_column=d.latents_column, text_column=d.text_column,
-                                    channels=c.in_channels, text_dim=c.text_dim, skip_bad=d.skip_bad)
+        ds, sizes = latents_dataset(
+            d.path,
+            latents_column=d.latents_column,
+            text_column=d.text_column,
+            channels=c.in_channels,
+            text_dim=c.text_dim,
+            skip_bad=d.skip_bad,
+        )
         if len(set(ds.text_tokens)) > 1:  # the adapter stacks a micro-batch's text embeddings
             first = {n: ds.where(i) for i, n in reversed(list(enumerate(ds.text_tokens)))}
-            raise ValueError(f"{d.path}: the clips' text embeddings have different lengths ("
-                             f"{', '.join(f'{n} tokens at {w}' for n, w in sorted(first.items()))}); pad them to one "
-                             f"length when encoding (Wan pads to 512 tokens)")
+            raise ValueError(
+                f"{d.path}: the clips' text embeddings have different lengths ("
+                f"{', '.join(f'{n} tokens at {w}' for n, w in sorted(first.items()))}); pad them to one "
+                f"length when encoding (Wan pads to 512 tokens)"
+            )
         return ds, sizes, ds.text_tokens[0]
     if cfg.model.is_vlm():
         from dcparallel.apps.train_vlm import read_vlm_data
@@ -188,10 +206,19 @@ def _read_real(cfg: Config, model: nn.Module, tokenizer: Any) -> tuple[Any, list
     from dcparallel.data.text_data import text_dataset
 
     if tokenizer is None:
-        raise ValueError(f"[data] path = {d.path!r} needs a tokenizer: [model] pretrained must name a directory "
-                         f"holding one (save it there with tokenizer.save_pretrained)")
-    ds, lengths = text_dataset(d.path, tokenizer, format=d.format or "text", field=d.field or None,
-                               max_tokens=d.max_tokens or None, truncate=d.truncate, skip_bad=d.skip_bad)
+        raise ValueError(
+            f"[data] path = {d.path!r} needs a tokenizer: [model] pretrained must name a directory "
+            f"holding one (save it there with tokenizer.save_pretrained)"
+        )
+    ds, lengths = text_dataset(
+        d.path,
+        tokenizer,
+        format=d.format or "text",
+        field=d.field or None,
+        max_tokens=d.max_tokens or None,
+        truncate=d.truncate,
+        skip_bad=d.skip_bad,
+    )
     return ds, lengths, None
 
 
@@ -223,8 +250,9 @@ def read_data(cfg: Config, model: nn.Module, tokenizer: Any, synthetic_sizes: li
     held = set(np.random.default_rng([cfg.train.seed, 11]).permutation(n)[:num_eval].tolist())
     train_ids = [i for i in range(n) if i not in held]
     eval_ids = sorted(held)
-    return Data(Subset(ds, train_ids), [sizes[i] for i in train_ids], Subset(ds, eval_ids),
-                [sizes[i] for i in eval_ids], tokens)
+    return Data(
+        Subset(ds, train_ids), [sizes[i] for i in train_ids], Subset(ds, eval_ids), [sizes[i] for i in eval_ids], tokens
+    )
 
 
 def _synthetic(cfg: Config, model: nn.Module, sizes: list) -> Any:
@@ -232,8 +260,9 @@ def _synthetic(cfg: Config, model: nn.Module, sizes: list) -> Any:
 
     if cfg.model.family == "diffusers":
         c = model.config
-        return SyntheticLatents(sizes, channels=c.in_channels, text_dim=c.text_dim,
-                                text_tokens=cfg.data.text_tokens, seed=cfg.train.seed)
+        return SyntheticLatents(
+            sizes, channels=c.in_channels, text_dim=c.text_dim, text_tokens=cfg.data.text_tokens, seed=cfg.train.seed
+        )
     vocab = model.config.vocab_size if cfg.model.family == "transformers" else cfg.model.vocab_size
     return SyntheticText(sizes, vocab=vocab, seed=cfg.train.seed)
 

@@ -29,8 +29,12 @@ from torch import nn
 from dcparallel.apps.train_config import Config
 
 #: the processor's files besides the tokenizer's and the image processor's, copied verbatim
-PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "chat_template.json",
-                   "chat_template.jinja")
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass
@@ -55,17 +59,23 @@ class VlmProcessor:
 def check_vlm_config(cfg: Config, where: str = "config") -> None:
     """What `dcparallel train` does not do with a vision-language model, refused with the fix."""
     if cfg.lora.rank:
-        raise ValueError(f"{where}: [lora] rank = {cfg.lora.rank} with the vision-language model "
-                         f"{cfg.model.pretrained}: LoRA is not tested with a vision tower in dcparallel train; "
-                         f"fine-tune the whole model (remove [lora]) or freeze the tower ([model] freeze_vision = "
-                         f"true)")
+        raise ValueError(
+            f"{where}: [lora] rank = {cfg.lora.rank} with the vision-language model "
+            f"{cfg.model.pretrained}: LoRA is not tested with a vision tower in dcparallel train; "
+            f"fine-tune the whole model (remove [lora]) or freeze the tower ([model] freeze_vision = "
+            f"true)"
+        )
     s = cfg.train.shard_size
     if isinstance(s, int) and s > 1:
-        raise ValueError(f"{where}: [train] shard_size = {s} with the vision-language model {cfg.model.pretrained}: "
-                         f"parameter sharding is not tested with a vision tower; use shard_size = 1")
+        raise ValueError(
+            f"{where}: [train] shard_size = {s} with the vision-language model {cfg.model.pretrained}: "
+            f"parameter sharding is not tested with a vision tower; use shard_size = 1"
+        )
     if cfg.data.format == "text":
-        raise ValueError(f'{where}: [data] format = "text" with the vision-language model {cfg.model.pretrained}; it '
-                         f'trains on chats with images: format = "chat" (or leave format out)')
+        raise ValueError(
+            f'{where}: [data] format = "text" with the vision-language model {cfg.model.pretrained}; it '
+            f'trains on chats with images: format = "chat" (or leave format out)'
+        )
 
 
 def load_processor(folder: str | Path) -> VlmProcessor:
@@ -76,13 +86,16 @@ def load_processor(folder: str | Path) -> VlmProcessor:
     image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     try:
         known = all(getattr(image_processor, k) for k in ("patch_size", "merge_size")) and all(
-            image_processor.size[k] for k in ("shortest_edge", "longest_edge"))
+            image_processor.size[k] for k in ("shortest_edge", "longest_edge")
+        )
     except (AttributeError, KeyError, TypeError):
         known = False
     if not known:
-        raise ValueError(f"{folder}: the image processor {type(image_processor).__name__} has no Qwen-VL resize rule "
-                         f"(patch_size, merge_size, size shortest_edge / longest_edge), so images cannot be sized "
-                         f"before decoding; dcparallel train takes Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders")
+        raise ValueError(
+            f"{folder}: the image processor {type(image_processor).__name__} has no Qwen-VL resize rule "
+            f"(patch_size, merge_size, size shortest_edge / longest_edge), so images cannot be sized "
+            f"before decoding; dcparallel train takes Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders"
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{folder}: the tokenizer has no chat template; save the processor with its chat_template")
     return VlmProcessor(tokenizer, image_processor, Path(folder))
@@ -94,8 +107,9 @@ def load_vlm(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[nn.
 
     check_vlm_config(cfg)
     processor = load_processor(cfg.model.pretrained)
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=dtype,
-                                                        attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        cfg.model.pretrained, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+    )
     return model.to(device), processor
 
 
@@ -115,6 +129,12 @@ def read_vlm_data(cfg: Config, processor: VlmProcessor) -> tuple[Any, list[int]]
     from dcparallel.data.vlm_data import vlm_dataset
 
     d = cfg.data
-    return vlm_dataset(d.path, processor.tokenizer, processor.image_processor,
-                       image_token_id=image_token_id(cfg.model.pretrained), field=d.field or None,
-                       max_tokens=d.max_tokens or None, skip_bad=d.skip_bad)
+    return vlm_dataset(
+        d.path,
+        processor.tokenizer,
+        processor.image_processor,
+        image_token_id=image_token_id(cfg.model.pretrained),
+        field=d.field or None,
+        max_tokens=d.max_tokens or None,
+        skip_bad=d.skip_bad,
+    )

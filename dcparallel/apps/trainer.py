@@ -37,8 +37,11 @@ class Update(NamedTuple):
 
 
 def _diff(saved: dict, now: dict) -> list[str]:
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-            for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
 
 
 class Trainer:
@@ -73,8 +76,10 @@ class Trainer:
         record_ooms_in(self.out)
         self.ckroot = self.out / "checkpoint"
         if (self.ckroot / "rank0.pt").exists():
-            raise ValueError(f"{self.ckroot} holds a checkpoint of an older dcparallel (rank*.pt without a commit "
-                             f"marker); it cannot be resumed safely: delete {self.ckroot} or choose another out_dir")
+            raise ValueError(
+                f"{self.ckroot} holds a checkpoint of an older dcparallel (rank*.pt without a commit "
+                f"marker); it cannot be resumed safely: delete {self.ckroot} or choose another out_dir"
+            )
         self.model, self.tokenizer = load_model(self.cfg, self.launch.device)
         self.data = read_data(self.cfg, self.model, self.tokenizer, self.synthetic_sizes)
         self._wrap()
@@ -94,8 +99,9 @@ class Trainer:
         self.target = sum(len(self.loader.steps(e)) for e in range(self.t.epochs))
         self.target = min(self.target, self.t.max_steps or self.target)
         if ck is not None:  # a changed run length moves the lr schedule: refused or stated
-            train_checkpoint.check_schedule(ck.meta, self.t, self.target, lambda e: len(self.loader.steps(e)),
-                                            self.done, self.rank)
+            train_checkpoint.check_schedule(
+                ck.meta, self.t, self.target, lambda e: len(self.loader.steps(e)), self.done, self.rank
+            )
         if self.done >= self.target:
             self._say_finished(self.done, self.target)
             return False
@@ -113,8 +119,15 @@ class Trainer:
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
         if self.cfg.model.freeze_vision:  # a vision-language model (Config.validate)
             extra = {"freeze_vision": True}
-        self.dc = dc = DataCentricParallel(self.model, policy=t.policy, seed=t.seed, shard_size=t.shard_size,
-                                           ring=t.ring, memory_bytes=self._memory_budget(), **extra)
+        self.dc = dc = DataCentricParallel(
+            self.model,
+            policy=t.policy,
+            seed=t.seed,
+            shard_size=t.shard_size,
+            ring=t.ring,
+            memory_bytes=self._memory_budget(),
+            **extra,
+        )
         self.loaded_on_meta = builds_on_meta(self.cfg)  # built on meta: its shards are read now
         if self.loaded_on_meta:
             dc.load_weights(self.cfg.model.pretrained)
@@ -137,9 +150,15 @@ class Trainer:
         base = budget or device_memory(self.launch.device, self.launch.local_world_size)
         lowered = oom_budget(base, num_ooms)
         if self.rank == 0:
-            log.warning("%d earlier attempt(s) ran out of memory (%s/oom-*): planning with a memory budget of "
-                        "%.0f MiB, %g x %.0f MiB", num_ooms, self.out, lowered / 2**20,
-                        OOM_BUDGET_FACTOR ** num_ooms, base / 2**20)
+            log.warning(
+                "%d earlier attempt(s) ran out of memory (%s/oom-*): planning with a memory budget of "
+                "%.0f MiB, %g x %.0f MiB",
+                num_ooms,
+                self.out,
+                lowered / 2**20,
+                OOM_BUDGET_FACTOR**num_ooms,
+                base / 2**20,
+            )
         append_event(self.events, {"event": "memory_budget", "bytes": lowered, "oom_restarts": num_ooms})
         return lowered
 
@@ -147,8 +166,10 @@ class Trainer:
         t = self.t
         diff = _diff(ck.meta.get("config", {}), self.key)
         if diff and not t.resume_anyway:
-            raise ValueError(f"the checkpoint {ck.path} was written under another config: {'; '.join(diff)}. "
-                             f"Use the same config, another out_dir, or resume_anyway = true (--resume-anyway)")
+            raise ValueError(
+                f"the checkpoint {ck.path} was written under another config: {'; '.join(diff)}. "
+                f"Use the same config, another out_dir, or resume_anyway = true (--resume-anyway)"
+            )
         if diff and self.rank == 0:
             log.warning("resuming %s anyway, although the config differs: %s", ck.path, "; ".join(diff))
         if ck.meta.get("finished") and ck.meta.get("run_length") == [t.epochs, t.max_steps]:
@@ -158,8 +179,13 @@ class Trainer:
 
     def _say_finished(self, done: int, target: int) -> None:
         if self.rank == 0:
-            log.warning("the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
-                        "epochs to train more; with a cosine / linear lr: --resume-anyway)", self.out, done, target)
+            log.warning(
+                "the run in %s already finished: %d of %d steps done; nothing to do (raise max_steps or "
+                "epochs to train more; with a cosine / linear lr: --resume-anyway)",
+                self.out,
+                done,
+                target,
+            )
 
     def _loader(self):
         """The training loader from `DataCentricParallel.prepare`: priced by a profile of the
@@ -167,6 +193,7 @@ class Trainer:
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
         from dcparallel.apps import train_inputs, train_setup
+
         t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
         kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
         if pc.cost == "profiled":
@@ -174,8 +201,15 @@ class Trainer:
             train_inputs.check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, c.memory_bytes, skip)
             kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
             kw["profiler_config"] = pc.profiler_config(dc.memory_bytes, progress=self.rank == 0)
-        return dc.prepare(self.data.train, lengths=self.data.train_sizes, tokens_per_step=t.tokens_per_step,
-                          cost=pc.cost, predict=self.rank == 0, refine_steps=pc.refine_steps, **kw)
+        return dc.prepare(
+            self.data.train,
+            lengths=self.data.train_sizes,
+            tokens_per_step=t.tokens_per_step,
+            cost=pc.cost,
+            predict=self.rank == 0,
+            refine_steps=pc.refine_steps,
+            **kw,
+        )
 
     def _eval_loader(self):
         if self.data.eval is None:
@@ -183,9 +217,18 @@ class Trainer:
         from dcparallel.data import DataCentricLoader
 
         dc, t, skip = self.dc, self.t, self.cfg.data.skip_oversize
-        return DataCentricLoader(self.data.eval, self.data.eval_sizes, cost=dc.cost, cluster=dc.cluster_spec,
-                                 policy=t.policy, tokens_per_step=t.tokens_per_step, seed=t.seed, skip_oversize=skip,
-                                 collate=dc.adapter.collate, device=dc.params[0].device)
+        return DataCentricLoader(
+            self.data.eval,
+            self.data.eval_sizes,
+            cost=dc.cost,
+            cluster=dc.cluster_spec,
+            policy=t.policy,
+            tokens_per_step=t.tokens_per_step,
+            seed=t.seed,
+            skip_oversize=skip,
+            collate=dc.adapter.collate,
+            device=dc.params[0].device,
+        )
 
     def _resume(self, ck) -> None:
         from dcparallel.apps import train_checkpoint
@@ -197,11 +240,14 @@ class Trainer:
         self.done, self.start_epoch = ck.step, int(ck.meta["loader"]["epoch"])
         self.resumed_from = ck
         if ck.meta.get("profile") != self.profile_fp and rank == 0:
-            log.warning("the profile differs from the checkpoint's (world size %d -> %d?): the rest of the "
-                        "epoch is re-planned, with the same samples per step", ck.world_size, self.world)
+            log.warning(
+                "the profile differs from the checkpoint's (world size %d -> %d?): the rest of the "
+                "epoch is re-planned, with the same samples per step",
+                ck.world_size,
+                self.world,
+            )
         if ck.shard_size != self.dc.shard_size and rank == 0:
-            log.warning("resharded the checkpoint of shard size %d to shard size %d", ck.shard_size,
-                        self.dc.shard_size)
+            log.warning("resharded the checkpoint of shard size %d to shard size %d", ck.shard_size, self.dc.shard_size)
 
     def _scheduler(self):
         """torch's LambdaLR over the optimizer, positioned at the step after ``done``."""
@@ -298,12 +344,14 @@ class Trainer:
             raise FloatingPointError(
                 f"step {self.done + 1} (epoch {epoch}, step {step.index}) has a non-finite {what}; stopped "
                 f"(nan_policy = 'stop'). Resume from the last checkpoint with a lower lr, or set nan_policy = 'skip' "
-                f"to skip such steps")
+                f"to skip such steps"
+            )
         else:
             dc.zero_grad()
             if self.rank == 0:
-                log.warning("step %d has a non-finite %s: skipped (no update, nan_policy = 'skip')",
-                            self.done + 1, what)
+                log.warning(
+                    "step %d has a non-finite %s: skipped (no update, nan_policy = 'skip')", self.done + 1, what
+                )
                 append_event(self.events, {"event": "skip", "step": self.done + 1, "loss": str(loss)})
         self.scheduler.step()
         self.done += 1
@@ -356,37 +404,84 @@ class Trainer:
         replayed = trim_metrics(self.out / "metrics.jsonl", self.done)
         ck = self.resumed_from
         if ck is not None:
-            log.warning("resumed from %s at step %d (world size %d -> %d; %d step(s) after it replayed)",
-                        ck.path, self.done, ck.world_size, self.world, replayed)
-            append_event(self.events, {"event": "resume", "step": self.done, "replayed": replayed,
-                                       "from_world_size": ck.world_size, "world_size": self.world,
-                                       "attempt": self.attempt})
-        append_event(self.events, {"event": "start", "step": self.done, "world_size": self.world,
-                                   "attempt": self.attempt, "loaded_on_meta": self.loaded_on_meta})
+            log.warning(
+                "resumed from %s at step %d (world size %d -> %d; %d step(s) after it replayed)",
+                ck.path,
+                self.done,
+                ck.world_size,
+                self.world,
+                replayed,
+            )
+            append_event(
+                self.events,
+                {
+                    "event": "resume",
+                    "step": self.done,
+                    "replayed": replayed,
+                    "from_world_size": ck.world_size,
+                    "world_size": self.world,
+                    "attempt": self.attempt,
+                },
+            )
+        append_event(
+            self.events,
+            {
+                "event": "start",
+                "step": self.done,
+                "world_size": self.world,
+                "attempt": self.attempt,
+                "loaded_on_meta": self.loaded_on_meta,
+            },
+        )
 
     def _record(self, epoch: int, step, update: Update, step_s: float, idle: float, eval_loss) -> dict:
         """The step's metrics line (rank 0, whose loader predicts each plan: `StepPrediction`)."""
         planned = step.predicted
-        return {"epoch": epoch, "step": step.index, "global_step": self.done,
-                "loss": update.loss if update.finite else None, "skipped": not update.finite,
-                "tokens": step.num_tokens, "tokens_per_s": step.num_tokens / step_s, "step_s": step_s,
-                "idle_fraction": idle, "planned_peak_memory_bytes": planned.peak_memory_bytes,
-                "planned_compute_s": planned.compute_s,
-                **cuda_memory(self.launch.device),
-                "sp_degrees": step.plan.busy_sizes(), "lr": update.lr, "grad_norm": update.grad_norm,
-                "eval_loss": eval_loss, "policy": self.t.policy, "world_size": self.world,
-                "sample_ids": sorted(step.plan.sample_ids)}
+        return {
+            "epoch": epoch,
+            "step": step.index,
+            "global_step": self.done,
+            "loss": update.loss if update.finite else None,
+            "skipped": not update.finite,
+            "tokens": step.num_tokens,
+            "tokens_per_s": step.num_tokens / step_s,
+            "step_s": step_s,
+            "idle_fraction": idle,
+            "planned_peak_memory_bytes": planned.peak_memory_bytes,
+            "planned_compute_s": planned.compute_s,
+            **cuda_memory(self.launch.device),
+            "sp_degrees": step.plan.busy_sizes(),
+            "lr": update.lr,
+            "grad_norm": update.grad_norm,
+            "eval_loss": eval_loss,
+            "policy": self.t.policy,
+            "world_size": self.world,
+            "sample_ids": sorted(step.plan.sample_ids),
+        }
 
     def _save(self, finished: bool) -> None:
         from dcparallel.apps import train_checkpoint
 
         t = self.t
         dtype = getattr(self.dc.grad_sync, "compute_dtype", None) or self.dc.params[0].dtype  # the model's own
-        meta = {"config": self.key, "profile": self.profile_fp, "loader": self.loader.state_dict(),
-                "finished": finished, "run_length": [t.epochs, t.max_steps], "shard_size": self.dc.shard_size,
-                "dtype": str(dtype).removeprefix("torch.")}
-        train_checkpoint.save(self.ckroot, self.done, self.dc, self.opt, meta, keep=t.keep_checkpoints,
-                              optimizer_range=self.opt_range or (0, 0))
+        meta = {
+            "config": self.key,
+            "profile": self.profile_fp,
+            "loader": self.loader.state_dict(),
+            "finished": finished,
+            "run_length": [t.epochs, t.max_steps],
+            "shard_size": self.dc.shard_size,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        train_checkpoint.save(
+            self.ckroot,
+            self.done,
+            self.dc,
+            self.opt,
+            meta,
+            keep=t.keep_checkpoints,
+            optimizer_range=self.opt_range or (0, 0),
+        )
 
     def _export(self) -> None:
         """The trained model written to the export directory; the finish event."""
@@ -397,5 +492,12 @@ class Trainer:
         if self.rank == 0:
             if path is not None:
                 log.warning("exported the trained model to %s", path)
-            append_event(self.events, {"event": "finish", "step": self.done, "world_size": self.world,
-                                       **({"export_dir": str(path)} if path else {})})
+            append_event(
+                self.events,
+                {
+                    "event": "finish",
+                    "step": self.done,
+                    "world_size": self.world,
+                    **({"export_dir": str(path)} if path else {}),
+                },
+            )

@@ -65,16 +65,23 @@ class AnalyticCost:
     (`base.model_state_bytes`) and each micro-batch pays its block's collectives (`cost.shard`).
     """
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, calibration: Calibration | None = None,
-                 vision_table: VisionTable | None = None):
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        calibration: Calibration | None = None,
+        vision_table: VisionTable | None = None,
+    ):
         if cluster.world_size > 1 and cluster.intra_bw <= 0 or cluster.num_nodes > 1 and cluster.inter_bw <= 0:
             raise ValueError(
                 f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
                 f"inter_bw={cluster.inter_bw}); AnalyticCost needs both to price all-to-alls and the "
-                f"gradient all-reduce: use spec.h200_cluster(...) or set them in bytes/s")
+                f"gradient all-reduce: use spec.h200_cluster(...) or set them in bytes/s"
+            )
         #: the packaged calibration fitted (`cost.provenance`); None: the caller's ``calibration``
-        self.calibration_name = None if calibration is not None else "stdit-1.1b" if model.kind == "video" \
-            else "llama-7b"
+        self.calibration_name = (
+            None if calibration is not None else "stdit-1.1b" if model.kind == "video" else "llama-7b"
+        )
         if calibration is None:
             calibration = fit_calibration(self.calibration_name)
         self.model, self.cluster, self.cal = model, cluster, calibration
@@ -82,8 +89,9 @@ class AnalyticCost:
         self.sp_sizes = None  # the analytic model prices any SP degree
         ref = calibration.ref
         self._lin = calibration.lin_s_per_token * _layer_params(model) / _layer_params(ref) * _weight_work(model)
-        self._attn = calibration.attn_s_per_pair * (model.hidden * model.attn_per_layer) / (
-            ref.hidden * ref.attn_per_layer)
+        self._attn = (
+            calibration.attn_s_per_pair * (model.hidden * model.attn_per_layer) / (ref.hidden * ref.attn_per_layer)
+        )
         self._share = _attn_share(model)
         dr = model.hidden / ref.hidden
         fr = model.ffn_hidden / ref.ffn_hidden
@@ -96,13 +104,18 @@ class AnalyticCost:
         self._shard = ShardComm.of(model, cluster) if cluster.shard_size > 1 else None
         self._sync = grad_sync_time(model, cluster)
         # the output head of a text model: linear work per token outside the layers
-        self._head_s_per_token = (calibration.lin_s_per_token / _layer_params(ref)) * (
-            model.vocab_size * model.hidden) * _weight_work(model)
+        self._head_s_per_token = (
+            (calibration.lin_s_per_token / _layer_params(ref)) * (model.vocab_size * model.hidden) * _weight_work(model)
+        )
         # a vision-language model's tower: measured (``vision_table``, `profile.vision`), else scaled
         # from the same calibration (`cost.vision`)
-        self._vision = vision_price(model, vision_table, calibration.lin_s_per_token / _layer_params(ref),
-                                    calibration.attn_s_per_pair / ref.hidden,
-                                    (calibration.act_attn + calibration.act_mlp + calibration.act_rest) / ref.hidden)
+        self._vision = vision_price(
+            model,
+            vision_table,
+            calibration.lin_s_per_token / _layer_params(ref),
+            calibration.attn_s_per_pair / ref.hidden,
+            (calibration.act_attn + calibration.act_mlp + calibration.act_rest) / ref.hidden,
+        )
         self._cache: dict = {}
         self._stats: dict[Size, tuple] = {}  # per size: (tokens, attention pairs, `sample_vision`)
 
@@ -133,8 +146,11 @@ class AnalyticCost:
         for s in sizes:
             st = stats.get(s)
             if st is None:
-                st = stats[s] = (self.model.tokens(s), _pairs(self.model, s),
-                                 None if tower is None else sample_vision(tower, s))
+                st = stats[s] = (
+                    self.model.tokens(s),
+                    _pairs(self.model, s),
+                    None if tower is None else sample_vision(tower, s),
+                )
             n_tok += st[0]
             pairs += st[1]
             if st[2] is not None:
@@ -150,8 +166,9 @@ class AnalyticCost:
             vis = (count * p, count * q, mp, mq)
         return self._cached(count * self.model.tokens(size), count * _pairs(self.model, size), count, sp, vis)
 
-    def _cached(self, n_tok: int, pairs: float, n_samples: int, sp: int,
-                vis: tuple[int, int, int, int]) -> MicroBatchTerms:
+    def _cached(
+        self, n_tok: int, pairs: float, n_samples: int, sp: int, vis: tuple[int, int, int, int]
+    ) -> MicroBatchTerms:
         key = (n_tok, pairs, n_samples, sp, vis)
         hit = self._cache.get(key)
         if hit is not None:
@@ -179,8 +196,14 @@ class AnalyticCost:
             vis = (counts * p, counts * q, mp, mq)
         return self._grid(counts * tok, counts * pairs, counts, [sp], vis)
 
-    def _grid(self, n_tok: np.ndarray, pairs: np.ndarray, lengths: np.ndarray, sps: Sequence[int],
-              vis: tuple[np.ndarray, ...] | None) -> TermsArray:
+    def _grid(
+        self,
+        n_tok: np.ndarray,
+        pairs: np.ndarray,
+        lengths: np.ndarray,
+        sps: Sequence[int],
+        vis: tuple[np.ndarray, ...] | None,
+    ) -> TermsArray:
         """The terms of micro-batches of these token, pair and sample counts (and vision sums)
         at every degree of `sps`, as arrays of shape (micro-batches, degrees)."""
         assert n_tok.max(initial=0) < 2**53  # exact as float64, as Python's int / int divides
@@ -188,8 +211,11 @@ class AnalyticCost:
         vis = None if vis is None else tuple(v[:, None] for v in vis)
         fields = self._fields(n_tok[:, None], pairs[:, None], lengths[:, None], sp, True, vis)
         shape = (len(n_tok), len(sps))
-        return TermsArray(self.model.num_layers, *(np.broadcast_to(f, shape) for f in fields),
-                          keep_all_feasible=np.ones(shape, dtype=bool))
+        return TermsArray(
+            self.model.num_layers,
+            *(np.broadcast_to(f, shape) for f in fields),
+            keep_all_feasible=np.ones(shape, dtype=bool),
+        )
 
     def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool, vis=None) -> tuple:
         """`MicroBatchTerms`' fields after `num_layers`, in order, of a micro-batch of `n_tok`
@@ -211,8 +237,11 @@ class AnalyticCost:
             a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
         else:  # q, k, v to head sharding, output back, in units of a hidden-sized activation; grouped
             # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
-            a2a_fwd = (np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
-                       if array else m.attn_per_layer * a2a_hidden_units(m, sp))
+            a2a_fwd = (
+                np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
+                if array
+                else m.attn_per_layer * a2a_hidden_units(m, sp)
+            )
         if self.cluster.ring:  # each micro-batch at its best (Ulysses, ring) split (`cost.ring`)
             comm, comm_fwd = layer_comm(m, self.cluster, n_tok, pairs, sp, self._attn, array)
         else:
@@ -234,6 +263,16 @@ class AnalyticCost:
             fixed = fixed + self._vision.kept_bytes(vp, vq)
         # time_none, dt_attn, dt_mlp, dt_full, fixed_bytes, act_layer, save_attn, save_mlp,
         # save_full, transient_none, transient_rec
-        return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, fixed, act_layer,
-                n * self._act_attn, n * self._act_mlp, act_layer - n * self._act_full,
-                cal.transient_none * act_layer, cal.transient_rec * act_layer)
+        return (
+            L * layer_time + head,
+            dt_attn,
+            dt_mlp,
+            dt_attn + dt_mlp,
+            fixed,
+            act_layer,
+            n * self._act_attn,
+            n * self._act_mlp,
+            act_layer - n * self._act_full,
+            cal.transient_none * act_layer,
+            cal.transient_rec * act_layer,
+        )

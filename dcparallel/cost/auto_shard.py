@@ -23,8 +23,13 @@ def smallest_need(cost: CostModel, size: Size, sp: int) -> float:
     return cost.terms((size,), sp).memory(Recompute(L, L))
 
 
-def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size] | None = None, *,
-                    make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None) -> int:
+def auto_shard_size(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    sizes: Sequence[Size] | None = None,
+    *,
+    make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None,
+) -> int:
     """``shard_size="auto"``: the smallest shard size (of `ClusterSpec.shard_sizes`) with which
     the model states and the smallest micro-batch fit the memory budget — the smallest sample of
     ``sizes`` alone on a group of s ranks with full recomputation — and with which the largest
@@ -69,18 +74,26 @@ def auto_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size
     if not tried and refused:
         raise ValueError(f"no shard size could be priced for model {model.name!r}: " + "; ".join(refused))
     if not tried:
-        raise ValueError(f"model {model.name!r} has {model.num_heads} attention heads, which no SP group of at least "
-                         f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
-                         f"groups divide the heads")
+        raise ValueError(
+            f"model {model.name!r} has {model.num_heads} attention heads, which no SP group of at least "
+            f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
+            f"groups divide the heads"
+        )
     raise ValueError(
         f"model {model.name!r} ({_count(model.num_params)} parameters) does not fit {cluster.world_size} GPUs of "
         f"{format_bytes(budget)} usable memory at any shard size (tried {tried}): at shard size "
         f"{tried[-1]} {why} needs {format_bytes(need)} per rank. Use more GPUs (the optimizer states shrink "
-        f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples")
+        f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples"
+    )
 
 
-def explain_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size] | None = None, *,
-                       make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None) -> tuple[int, str]:
+def explain_shard_size(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    sizes: Sequence[Size] | None = None,
+    *,
+    make_cost: Callable[[ModelSpec, ClusterSpec], CostModel] | None = None,
+) -> tuple[int, str]:
     """(`auto_shard_size`'s choice, the sentence that says why), e.g. ``shard_size auto -> 2:
     model states 3.10 GiB per rank at s=1 exceed the memory budget 2.00 GiB; at s=2: 1.60 GiB``."""
     s = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
@@ -111,6 +124,8 @@ def explain_shard_size(model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[S
         also = f" ({format_bytes(last)} at s={below[-1]})" if last is not None else ""
         why = f"need {format_bytes(n)} per rank at s={k}{also}, over the memory budget {format_bytes(budget)}"
     else:
-        why = (f"fit at s={k} but the largest sample does not fit any layout below s={s} within the memory "
-               f"budget {format_bytes(budget)}")
+        why = (
+            f"fit at s={k} but the largest sample does not fit any layout below s={s} within the memory "
+            f"budget {format_bytes(budget)}"
+        )
     return s, f"{head} {why}; {at_s}"

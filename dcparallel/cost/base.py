@@ -210,9 +210,17 @@ class StateRecipe:
         return self.params + self.grads + self.optimizer + self.step_transient
 
 
-def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_params: float | None = None,
-                 bytes_per_value: float | None = None, frozen_params: float | None = None,
-                 trainable_bytes: float | None = None, unsharded_grads: bool = False) -> StateRecipe:
+def state_recipe(
+    model: ModelSpec,
+    world_size: int,
+    shard_size: int = 1,
+    *,
+    num_params: float | None = None,
+    bytes_per_value: float | None = None,
+    frozen_params: float | None = None,
+    trainable_bytes: float | None = None,
+    unsharded_grads: bool = False,
+) -> StateRecipe:
     """The runtime's memory recipe per rank (b = the model's `bytes_per_value`, T trainable and
     F frozen parameters, P = T + F, W ranks, s the shard size), as `runtime.zero` /
     `runtime.sharded` allocate it. Frozen parameters (``requires_grad=False``) are stored
@@ -246,11 +254,17 @@ def state_recipe(model: ModelSpec, world_size: int, shard_size: int = 1, *, num_
     chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about T / W
     if s == 1:
         master = 0.0 if bt >= 4 else 4 * p / w
-        return StateRecipe(params=bt * p + b * f, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0,
-                           step_transient=chunk)
-    return StateRecipe(params=(4 * p + b * f) / s, grads=4 * p / s, optimizer=8 * p / w,
-                       gathered=gathered_bytes(model), step_transient=(1 + w // s) * chunk,
-                       held=4 * p if unsharded_grads else 0.0)
+        return StateRecipe(
+            params=bt * p + b * f, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0, step_transient=chunk
+        )
+    return StateRecipe(
+        params=(4 * p + b * f) / s,
+        grads=4 * p / s,
+        optimizer=8 * p / w,
+        gathered=gathered_bytes(model),
+        step_transient=(1 + w // s) * chunk,
+        held=4 * p if unsharded_grads else 0.0,
+    )
 
 
 def unsharded_grad_bytes(model: ModelSpec) -> float:
@@ -282,8 +296,7 @@ def gathered_bytes(model: ModelSpec) -> float:
 def allreduce_time(cluster: ClusterSpec, num_bytes: float) -> float:
     """Hierarchical ring all-reduce: reduce-scatter + all-gather inside each node over
     NVLink, then a ring all-reduce of each GPU's 1/g shard across nodes."""
-    return _two_level_allreduce(cluster, num_bytes, min(cluster.gpus_per_node, cluster.world_size),
-                                cluster.num_nodes)
+    return _two_level_allreduce(cluster, num_bytes, min(cluster.gpus_per_node, cluster.world_size), cluster.num_nodes)
 
 
 def _two_level_allreduce(cluster: ClusterSpec, num_bytes: float, local: int, nodes: int) -> float:

@@ -36,10 +36,10 @@ def _numpy_pow_is_libm() -> bool:
     if features.get("AVX512_SKX") or features.get("AVX512F"):
         return False
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.random(200) * 10.0 ** e for e in range(-9, 7, 3)])
+    x = np.concatenate([rng.random(200) * 10.0**e for e in range(-9, 7, 3)])
     xs = x.tolist()
     for p in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.5, 0.25, 1 / 3, 1 / 6, 1 / 1.5):
-        if np.power(x, np.full(x.shape, p)).tolist() != [v ** p for v in xs]:
+        if np.power(x, np.full(x.shape, p)).tolist() != [v**p for v in xs]:
             return False
     return True
 
@@ -72,9 +72,12 @@ class Batches:
     @staticmethod
     def of(model: ModelSpec, batches: Sequence[Sequence[Size]]) -> Batches:
         flat = [s for b in batches for s in b]
-        return Batches(np.array([model.tokens(s) for s in flat], dtype=np.int64),
-                       np.array([float(model.attention_pairs(s)) for s in flat], dtype=float),
-                       np.fromiter(map(len, batches), dtype=np.int64, count=len(batches)), vision_stats(model, flat))
+        return Batches(
+            np.array([model.tokens(s) for s in flat], dtype=np.int64),
+            np.array([float(model.attention_pairs(s)) for s in flat], dtype=float),
+            np.fromiter(map(len, batches), dtype=np.int64, count=len(batches)),
+            vision_stats(model, flat),
+        )
 
     def token_sums(self) -> np.ndarray:
         """Each micro-batch's tokens (exact integers)."""
@@ -130,15 +133,21 @@ class TermsArray:
         """The `MicroBatchTerms` `terms` (in C order of `shape`) as arrays of `shape`."""
         L = {t.num_layers for t in terms}
         assert len(L) <= 1, L
-        cols = {f.name: np.array([getattr(t, f.name) for t in terms],
-                                 dtype=bool if f.name == "keep_all_feasible" else float).reshape(shape)
-                for f in fields(TermsArray) if f.name != "num_layers"}
+        cols = {
+            f.name: np.array(
+                [getattr(t, f.name) for t in terms], dtype=bool if f.name == "keep_all_feasible" else float
+            ).reshape(shape)
+            for f in fields(TermsArray)
+            if f.name != "num_layers"
+        }
         return TermsArray(num_layers=L.pop() if L else 0, **cols)
 
     def take(self, mask: np.ndarray) -> TermsArray:
         """The elements where `mask` holds, as 1-D arrays."""
-        return TermsArray(self.num_layers, **{f.name: getattr(self, f.name)[mask] for f in fields(TermsArray)
-                                               if f.name != "num_layers"})
+        return TermsArray(
+            self.num_layers,
+            **{f.name: getattr(self, f.name)[mask] for f in fields(TermsArray) if f.name != "num_layers"},
+        )
 
     def time(self, attn, mlp) -> np.ndarray:
         """`MicroBatchTerms.time` of each element with recompute counts (attn, mlp) (arrays

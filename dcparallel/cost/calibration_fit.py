@@ -89,12 +89,31 @@ def fit_calibration(kind: str) -> Calibration:
         mbs = [r for r in b2 if r["kind"] == "mbs" and r["cfg"] == "llama-7b-block"]
         sel = [r for r in b2 if r["kind"] == "selective" and r["cfg"] == "llama-7b-block"]
         # (tokens, pairs, samples, bs, recompute, time, saved, peak)
-        rows = [(r["L"], r["L"] * (r["L"] + 1) / 2, 1, r["recompute"], r["fwdbwd_s"],
-                 r["saved_act_bytes"], r["peak_bytes"] - 2 * 2 * _layer_params(ref)) for r in layer]
-        rows += [(r["L"] * r["bs"], r["bs"] * r["L"] * (r["L"] + 1) / 2, r["bs"], False, r["fwdbwd_s"],
-                  r["saved_act_bytes"], None) for r in mbs]
-        sel_rows = [(r["L"], r["L"] * (r["L"] + 1) / 2, 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"])
-                    for r in sel]
+        rows = [
+            (
+                r["L"],
+                r["L"] * (r["L"] + 1) / 2,
+                1,
+                r["recompute"],
+                r["fwdbwd_s"],
+                r["saved_act_bytes"],
+                r["peak_bytes"] - 2 * 2 * _layer_params(ref),
+            )
+            for r in layer
+        ]
+        rows += [
+            (
+                r["L"] * r["bs"],
+                r["bs"] * r["L"] * (r["L"] + 1) / 2,
+                r["bs"],
+                False,
+                r["fwdbwd_s"],
+                r["saved_act_bytes"],
+                None,
+            )
+            for r in mbs
+        ]
+        sel_rows = [(r["L"], r["L"] * (r["L"] + 1) / 2, 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
     elif kind == "stdit-1.1b":
         ref = STDIT_1B
         st = [r for r in _load("h200_stdit_buckets.jsonl") if r["kind"] == "stdit"]
@@ -104,8 +123,18 @@ def fit_calibration(kind: str) -> Calibration:
             t, s = ref.latent_grid(_shape(r))
             return float(t * s * s + s * t * t)
 
-        rows = [(r["tokens"] * r["bs"], r["bs"] * vp(r), r["bs"], r["recompute"], r["fwdbwd_s"],
-                 r["saved_act_bytes"], r["peak_bytes"]) for r in st]
+        rows = [
+            (
+                r["tokens"] * r["bs"],
+                r["bs"] * vp(r),
+                r["bs"],
+                r["recompute"],
+                r["fwdbwd_s"],
+                r["saved_act_bytes"],
+                r["peak_bytes"],
+            )
+            for r in st
+        ]
         sel_rows = [(r["tokens"], vp(r), 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
     else:
         raise ValueError(f"no calibration named {kind!r}; known: 'llama-7b', 'stdit-1.1b'")
@@ -153,18 +182,36 @@ def fit_calibration(kind: str) -> Calibration:
     kept = [(r[0], r[2], r[5]) for r in rows if not r[3]]
     c_sample = float(np.median([max(0.0, (s - m_none * n) / bs) for n, bs, s in kept]))
     # transient: peak - kept, relative to the kept activations of the layer without recompute
-    tr_none = [(pk - s) / s for n, bs, rec, s, pk in ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
-               if pk is not None and not rec and n >= 4096]
+    tr_none = [
+        (pk - s) / s
+        for n, bs, rec, s, pk in ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
+        if pk is not None and not rec and n >= 4096
+    ]
     kept_none = {(r[0], r[2]): r[5] for r in rows if not r[3]}
-    tr_rec = [(pk - s) / kept_none[(n, bs)] for n, bs, rec, s, pk in
-              ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
-              if pk is not None and rec and n >= 4096 and (n, bs) in kept_none]
+    tr_rec = [
+        (pk - s) / kept_none[(n, bs)]
+        for n, bs, rec, s, pk in ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
+        if pk is not None and rec and n >= 4096 and (n, bs) in kept_none
+    ]
     return Calibration(
-        name=kind, ref=ref, lin_s_per_token=a, attn_s_per_pair=b, floor_s=floor, p=p,
-        phi_attn=phi_attn, phi_mlp=phi_mlp, act_attn=act_attn, act_mlp=act_mlp, act_rest=act_rest,
-        act_full=m_full, act_per_sample=c_sample,
-        transient_none=float(np.max(tr_none)), transient_rec=float(np.max(tr_rec)),
-        time_err_mean=float(err.mean()), time_err_max=float(err.max()), num_rows=len(base),
+        name=kind,
+        ref=ref,
+        lin_s_per_token=a,
+        attn_s_per_pair=b,
+        floor_s=floor,
+        p=p,
+        phi_attn=phi_attn,
+        phi_mlp=phi_mlp,
+        act_attn=act_attn,
+        act_mlp=act_mlp,
+        act_rest=act_rest,
+        act_full=m_full,
+        act_per_sample=c_sample,
+        transient_none=float(np.max(tr_none)),
+        transient_rec=float(np.max(tr_rec)),
+        time_err_mean=float(err.mean()),
+        time_err_max=float(err.max()),
+        num_rows=len(base),
     )
 
 

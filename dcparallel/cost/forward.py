@@ -38,18 +38,40 @@ def _forward_time(time_none, dt_full, num_layers):
 def forward_terms(t: MicroBatchTerms) -> MicroBatchTerms:
     """The forward-only terms of a micro-batch from its training terms (module docstring)."""
     return dataclasses.replace(
-        t, time_none=float(_forward_time(t.time_none, t.dt_full, t.num_layers)), dt_attn=0.0, dt_mlp=0.0,
-        dt_full=0.0, fixed_bytes=t.fixed_bytes + t.act_layer, act_layer=0.0, save_attn=0.0, save_mlp=0.0,
-        save_full=0.0, transient_none=0.0, transient_rec=0.0, keep_all_feasible=True)
+        t,
+        time_none=float(_forward_time(t.time_none, t.dt_full, t.num_layers)),
+        dt_attn=0.0,
+        dt_mlp=0.0,
+        dt_full=0.0,
+        fixed_bytes=t.fixed_bytes + t.act_layer,
+        act_layer=0.0,
+        save_attn=0.0,
+        save_mlp=0.0,
+        save_full=0.0,
+        transient_none=0.0,
+        transient_rec=0.0,
+        keep_all_feasible=True,
+    )
 
 
 def forward_terms_array(t: TermsArray) -> TermsArray:
     """`forward_terms` elementwise."""
     zero = np.zeros_like(t.time_none)
     return dataclasses.replace(
-        t, time_none=_forward_time(t.time_none, t.dt_full, t.num_layers), dt_attn=zero, dt_mlp=zero, dt_full=zero,
-        fixed_bytes=t.fixed_bytes + t.act_layer, act_layer=zero, save_attn=zero, save_mlp=zero, save_full=zero,
-        transient_none=zero, transient_rec=zero, keep_all_feasible=np.ones_like(t.keep_all_feasible))
+        t,
+        time_none=_forward_time(t.time_none, t.dt_full, t.num_layers),
+        dt_attn=zero,
+        dt_mlp=zero,
+        dt_full=zero,
+        fixed_bytes=t.fixed_bytes + t.act_layer,
+        act_layer=zero,
+        save_attn=zero,
+        save_mlp=zero,
+        save_full=zero,
+        transient_none=zero,
+        transient_rec=zero,
+        keep_all_feasible=np.ones_like(t.keep_all_feasible),
+    )
 
 
 class ForwardOnlyCost:

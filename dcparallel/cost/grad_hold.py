@@ -21,8 +21,9 @@ from dcparallel.spec import ClusterSpec, ModelSpec, Size, format_bytes
 from dcparallel.topology import Topology
 
 
-def hold_unsharded_grads(cost: CostModel, model: ModelSpec, cluster: ClusterSpec,
-                         sizes: Sequence[Size]) -> tuple[bool, str]:
+def hold_unsharded_grads(
+    cost: CostModel, model: ModelSpec, cluster: ClusterSpec, sizes: Sequence[Size]
+) -> tuple[bool, str]:
     """(hold the gradients whole between micro-batches?, the sentence that says why) for
     ``cost`` priced at ``cluster.shard_size`` and the epoch's ``sizes``. Never at shard size 1
     (the replicated path accumulates into its own buffer and syncs once per step anyway)."""
@@ -37,9 +38,11 @@ def hold_unsharded_grads(cost: CostModel, model: ModelSpec, cluster: ClusterSpec
     need = max(smallest_need(cost, smallest, top.sizes[0]), smallest_need(cost, largest, top.sizes[-1])) + extra
     budget = float(cluster.memory_bytes)
     verdict = "fit" if need <= budget else "do not fit"
-    why = (f"whole fp32 gradients held between micro-batches ({format_bytes(extra)} per rank) with the largest "
-           f"sample alone at full recomputation need {format_bytes(need)}: they {verdict} the memory budget "
-           f"{format_bytes(budget)}")
+    why = (
+        f"whole fp32 gradients held between micro-batches ({format_bytes(extra)} per rank) with the largest "
+        f"sample alone at full recomputation need {format_bytes(need)}: they {verdict} the memory budget "
+        f"{format_bytes(budget)}"
+    )
     if need <= budget:
         return True, f"{why}; one reduce-scatter per step instead of one per micro-batch"
     return False, f"{why}; gradients reduce-scattered every micro-batch"

@@ -17,6 +17,10 @@ def with_lora(model: ModelSpec, rank: int) -> ModelSpec:
         raise ValueError(f"LoRA rank must be >= 1; got {rank}")
     d, f = model.hidden, model.ffn_hidden
     per_layer = rank * (2 * (model.attn_params + model.other_params) // d + model.mlp_params * (d + f) // (d * f))
-    return dataclasses.replace(model, name=f"{model.name}-lora{rank}", other_params=model.other_params + per_layer,
-                               frozen_params=model.num_params,
-                               max_unit_params=model.max_unit_params + per_layer if model.max_unit_params else 0)
+    return dataclasses.replace(
+        model,
+        name=f"{model.name}-lora{rank}",
+        other_params=model.other_params + per_layer,
+        frozen_params=model.num_params,
+        max_unit_params=model.max_unit_params + per_layer if model.max_unit_params else 0,
+    )

@@ -66,9 +66,11 @@ class ProfiledCost:
         self.time_at = time_at
         check_ring(profile.model, cluster)
         if profile.world_size != cluster.world_size:
-            raise ValueError(f"the profile was measured at world size {profile.world_size} but the cluster has "
-                             f"{cluster.world_size} ranks; SP groups and the gradient sync differ: profile at "
-                             f"this world size (dcparallel profile, or prepare() on this launch)")
+            raise ValueError(
+                f"the profile was measured at world size {profile.world_size} but the cluster has "
+                f"{cluster.world_size} ranks; SP groups and the gradient sync differ: profile at "
+                f"this world size (dcparallel profile, or prepare() on this launch)"
+            )
         self._state, self._sync, self._shard = profile.model_state_bytes, profile.grad_sync_s, None
         if cluster.shard_size != profile.shard_size:
             self._reshard(profile, cluster)
@@ -130,12 +132,13 @@ class ProfiledCost:
         for key, v in self._points.items():
             self._points[key] = _non_decreasing(sorted(v))
         self._by_tokens: dict[tuple[int, str], list[tuple[int, str]]] = {}
-        for (bucket, sp, mode) in self._points:
+        for bucket, sp, mode in self._points:
             self._by_tokens.setdefault((sp, mode), []).append((tokens[bucket], bucket))
         for v in self._by_tokens.values():
             v.sort()
-        self.sp_sizes = sorted({sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"}
-                               | {sp for sp, mode in self._unfit})
+        self.sp_sizes = sorted(
+            {sp for sp, mode in self._by_tokens if mode == "none" or mode == "full"} | {sp for sp, mode in self._unfit}
+        )
 
     def _reshard(self, profile: Profile, cluster: ClusterSpec) -> None:
         """Plans shard blocks of ``cluster.shard_size`` ranks from a profile measured without
@@ -145,12 +148,16 @@ class ProfiledCost:
         cluster's links. A profile measured at another shard size is refused."""
         s, m = cluster.shard_size, profile.model
         if profile.shard_size != 1:
-            raise ValueError(f"the profile was measured at shard size {profile.shard_size} but the cluster plans for "
-                             f"shard size {s}; profile at this shard size (or at 1, which any shard size can use)")
+            raise ValueError(
+                f"the profile was measured at shard size {profile.shard_size} but the cluster plans for "
+                f"shard size {s}; profile at this shard size (or at 1, which any shard size can use)"
+            )
         if cluster.world_size > 1 and cluster.intra_bw <= 0 or cluster.num_nodes > 1 and cluster.inter_bw <= 0:
-            raise ValueError(f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
-                             f"inter_bw={cluster.inter_bw}); pricing shard blocks of {s} ranks from an unsharded "
-                             f"profile needs both: set them in bytes/s (spec.h200_cluster has datasheet values)")
+            raise ValueError(
+                f"cluster {cluster.name!r} has no link bandwidth (intra_bw={cluster.intra_bw}, "
+                f"inter_bw={cluster.inter_bw}); pricing shard blocks of {s} ranks from an unsharded "
+                f"profile needs both: set them in bytes/s (spec.h200_cluster has datasheet values)"
+            )
         sharded = (m.num_params * m.bytes_per_value + 4 * m.trainable_params) * (1 - 1 / s)
         self._state = profile.model_state_bytes - sharded + gathered_bytes(m)
         self._sync = grad_sync_time(m, cluster)
@@ -222,9 +229,13 @@ class ProfiledCost:
         toks = [r[0] for r in row]
         if tokens > 2 * self.token_range[1] and not self._warned_range:
             self._warned_range = True
-            log.warning("%s is far beyond the profiled range %d..%d tokens (profile of %r): its time and memory "
-                        "are extrapolated proportionally and may be wrong; %s", *self._beyond(tokens),
-                        self.model.name, self._beyond_fix(tokens))
+            log.warning(
+                "%s is far beyond the profiled range %d..%d tokens (profile of %r): its time and memory "
+                "are extrapolated proportionally and may be wrong; %s",
+                *self._beyond(tokens),
+                self.model.name,
+                self._beyond_fix(tokens),
+            )
         i = bisect.bisect_left(toks, tokens)
         if i < len(row) and toks[i] == tokens:
             return self._at(row[i][1], sp, mode, n)
@@ -239,18 +250,24 @@ class ProfiledCost:
 
     def _beyond(self, tokens: int) -> tuple[str, int, int]:
         if self.longest_sample and tokens > self.longest_sample:
-            what = (f"a packed bin of {tokens} tokens (policy packed: several samples in one sequence; the longest "
-                    f"sample has {self.longest_sample})")
+            what = (
+                f"a packed bin of {tokens} tokens (policy packed: several samples in one sequence; the longest "
+                f"sample has {self.longest_sample})"
+            )
         else:
             what = f"a sample of {tokens} tokens"
         return (what, *self.token_range)
 
     def _beyond_fix(self, tokens: int) -> str:
         if self.longest_sample and tokens > self.longest_sample:
-            return (f"the packed policy's bin capacity rests on it: for packed plans priced by measurement, "
-                    f"profile buckets up to {tokens} tokens (dcparallel profile --buckets ...,{tokens})")
-        return ("profile buckets that cover these lengths (dcparallel profile --buckets ...; DataCentricParallel."
-                "prepare profiles the dataset's own lengths once its cached profile is deleted)")
+            return (
+                f"the packed policy's bin capacity rests on it: for packed plans priced by measurement, "
+                f"profile buckets up to {tokens} tokens (dcparallel profile --buckets ...,{tokens})"
+            )
+        return (
+            "profile buckets that cover these lengths (dcparallel profile --buckets ...; DataCentricParallel."
+            "prepare profiles the dataset's own lengths once its cached profile is deleted)"
+        )
 
     def _short_share(self, row: list[tuple[int, str]], sp: int, mode: str, tokens: int) -> float:
         """A sample shorter than the smallest bucket (k0 tokens): its time as a share of that
@@ -295,8 +312,11 @@ class ProfiledCost:
             raise ValueError(_VISION_REFUSED)
         runs = list(batches.token_runs())
         vis = list(zip(*batches.vision_sums())) if batches.vision is not None else [None] * len(runs)
-        out = [self._with_tower(self._cached(tuple(sorted(run)), sp), v, sp)
-               for run, v in zip(runs, vis, strict=True) for sp in sps]
+        out = [
+            self._with_tower(self._cached(tuple(sorted(run)), sp), v, sp)
+            for run, v in zip(runs, vis, strict=True)
+            for sp in sps
+        ]
         return TermsArray.stack(out, (len(batches), len(sps)))
 
     def terms(self, sizes: Sequence[Size], sp: int) -> MicroBatchTerms:
@@ -306,8 +326,11 @@ class ProfiledCost:
         if self._vision is None:
             return terms
         stats = [sample_vision(self.model.vision, s) for s in sizes]
-        return self._with_tower(terms, (sum(v[0] for v in stats), sum(v[1] for v in stats),
-                                        max(v[2] for v in stats), max(v[3] for v in stats)), sp)
+        return self._with_tower(
+            terms,
+            (sum(v[0] for v in stats), sum(v[1] for v in stats), max(v[2] for v in stats), max(v[3] for v in stats)),
+            sp,
+        )
 
     def _with_tower(self, terms: MicroBatchTerms, vis: tuple | None, sp: int) -> MicroBatchTerms:
         """``terms`` plus the tower's time and kept bytes of a micro-batch whose vision stats
@@ -315,8 +338,11 @@ class ProfiledCost:
         if vis is None or self._vision is None or not vis[0]:
             return terms
         vp, vq = self._vision.rank_work(tuple(int(x) for x in vis), sp, False)
-        return dataclasses.replace(terms, time_none=terms.time_none + self._vision.time(vp, vq),
-                                   fixed_bytes=terms.fixed_bytes + self._vision.kept_bytes(vp, vq))
+        return dataclasses.replace(
+            terms,
+            time_none=terms.time_none + self._vision.time(vp, vq),
+            fixed_bytes=terms.fixed_bytes + self._vision.kept_bytes(vp, vq),
+        )
 
     def _cached(self, toks: tuple[int, ...], sp: int) -> MicroBatchTerms:
         """`terms` of a micro-batch of samples of these token counts (sorted), cached."""
@@ -372,9 +398,20 @@ class ProfiledCost:
         if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
             # measured at this SP degree, and no mode fits: infinite memory, never planned
             return MicroBatchTerms(
-                num_layers=self.model.num_layers, time_none=float("inf"), dt_attn=0.0, dt_mlp=0.0, dt_full=0.0,
-                fixed_bytes=float("inf"), act_layer=0.0, save_attn=0.0, save_mlp=0.0, save_full=0.0,
-                transient_none=0.0, transient_rec=0.0, keep_all_feasible=False)
+                num_layers=self.model.num_layers,
+                time_none=float("inf"),
+                dt_attn=0.0,
+                dt_mlp=0.0,
+                dt_full=0.0,
+                fixed_bytes=float("inf"),
+                act_layer=0.0,
+                save_attn=0.0,
+                save_mlp=0.0,
+                save_full=0.0,
+                transient_none=0.0,
+                transient_rec=0.0,
+                keep_all_feasible=False,
+            )
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
@@ -400,16 +437,28 @@ class ProfiledCost:
         dta, sva = delta("attn")
         dtm, svm = delta("mlp")
         return MicroBatchTerms(
-            num_layers=L, time_none=t_none, dt_attn=dta, dt_mlp=dtm, dt_full=max(0.0, (t_full - t_none) / L),
-            fixed_bytes=self._state, act_layer=m_none / L,
-            save_attn=sva, save_mlp=svm, save_full=(m_none - m_full) / L,
-            transient_none=0.0, transient_rec=0.0, keep_all_feasible="none" in tot)
+            num_layers=L,
+            time_none=t_none,
+            dt_attn=dta,
+            dt_mlp=dtm,
+            dt_full=max(0.0, (t_full - t_none) / L),
+            fixed_bytes=self._state,
+            act_layer=m_none / L,
+            save_attn=sva,
+            save_mlp=svm,
+            save_full=(m_none - m_full) / L,
+            transient_none=0.0,
+            transient_rec=0.0,
+            keep_all_feasible="none" in tot,
+        )
 
 
-_VISION_REFUSED = ("this profile measures the language model only, not a vision tower: a vision-language sample "
-                   "(VisionSize) would be priced without its images; profile the model with prepare (which measures "
-                   "a Qwen-VL tower per patch bucket) or plan it with AnalyticCost (simulate without --profile), "
-                   "whose model prices the tower from each image's patches")
+_VISION_REFUSED = (
+    "this profile measures the language model only, not a vision tower: a vision-language sample "
+    "(VisionSize) would be priced without its images; profile the model with prepare (which measures "
+    "a Qwen-VL tower per patch bucket) or plan it with AnalyticCost (simulate without --profile), "
+    "whose model prices the tower from each image's patches"
+)
 
 
 def _refuse_vision(sizes: Sequence[Size]) -> None:

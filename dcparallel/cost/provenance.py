@@ -20,8 +20,10 @@ from typing import Any
 from dcparallel.cost.profiled import ProfiledCost
 
 #: the calibration files `cost.calibration_fit.fit_calibration` reads for each reference block
-CALIBRATION_FILES = {"llama-7b": ("h200_blocks.jsonl", "h200_blocks_2.jsonl"),
-                     "stdit-1.1b": ("h200_stdit_buckets.jsonl", "h200_stdit_selective.jsonl")}
+CALIBRATION_FILES = {
+    "llama-7b": ("h200_blocks.jsonl", "h200_blocks_2.jsonl"),
+    "stdit-1.1b": ("h200_stdit_buckets.jsonl", "h200_stdit_selective.jsonl"),
+}
 LINKS = "analytic, no measurement (datasheet link speeds, derated: spec.h200_cluster)"
 NOT_DATED = "not recorded in the calibration files"
 
@@ -45,15 +47,27 @@ def _device(files: tuple[str, ...]) -> tuple[dict | None, bool]:
 def _analytic(cost: Any) -> dict:
     name = getattr(cost, "calibration_name", None)
     if name is None:
-        return {"cost": "analytic", "calibration": "given by the caller (not a packaged file)",
-                "files": [], "gpu": "unknown", "torch": "unknown", "date": "unknown", "links": LINKS}
+        return {
+            "cost": "analytic",
+            "calibration": "given by the caller (not a packaged file)",
+            "files": [],
+            "gpu": "unknown",
+            "torch": "unknown",
+            "date": "unknown",
+            "links": LINKS,
+        }
     files = CALIBRATION_FILES[name]
     row, from_set = _device(files)
     gpu = row.get("name", "unknown") if row else "unknown"
-    return {"cost": "analytic", "calibration": name, "files": [f"dcparallel/calibration/{f}" for f in files],
-            "gpu": gpu + (" (the calibration set's device row)" if row and from_set else ""),
-            "torch": row.get("torch", "unknown") if row else "unknown",
-            "date": (row or {}).get("date", NOT_DATED), "links": LINKS}
+    return {
+        "cost": "analytic",
+        "calibration": name,
+        "files": [f"dcparallel/calibration/{f}" for f in files],
+        "gpu": gpu + (" (the calibration set's device row)" if row and from_set else ""),
+        "torch": row.get("torch", "unknown") if row else "unknown",
+        "date": (row or {}).get("date", NOT_DATED),
+        "links": LINKS,
+    }
 
 
 def _profiled(cost: Any, profile_path: Path | None) -> dict:
@@ -62,11 +76,20 @@ def _profiled(cost: Any, profile_path: Path | None) -> dict:
     if profile_path is not None and Path(profile_path).exists():
         mtime = Path(profile_path).stat().st_mtime
         date = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).strftime("%Y-%m-%d (file written)")
-    links = ("measured in the profile" if cost.cluster.shard_size == cost.profile.shard_size
-             else f"shard blocks priced from an unsharded profile: {LINKS}")
-    return {"cost": "profiled", "calibration": "the profile", "files": [str(profile_path)] if profile_path else [],
-            "gpu": str(fp.get("device", "unknown")), "torch": str(fp.get("torch", "unknown")), "date": date,
-            "links": links}
+    links = (
+        "measured in the profile"
+        if cost.cluster.shard_size == cost.profile.shard_size
+        else f"shard blocks priced from an unsharded profile: {LINKS}"
+    )
+    return {
+        "cost": "profiled",
+        "calibration": "the profile",
+        "files": [str(profile_path)] if profile_path else [],
+        "gpu": str(fp.get("device", "unknown")),
+        "torch": str(fp.get("torch", "unknown")),
+        "date": date,
+        "links": links,
+    }
 
 
 def calibration_source(cost: Any, profile_path: Path | None = None) -> dict:
@@ -81,5 +104,7 @@ def calibration_source(cost: Any, profile_path: Path | None = None) -> dict:
 def describe(src: dict) -> str:
     """One line for the printed table."""
     files = f" ({', '.join(src['files'])})" if src["files"] else ""
-    return (f"GPU numbers: {src['cost']} cost, calibration {src['calibration']}{files}, measured on {src['gpu']} "
-            f"(torch {src['torch']}), date {src['date']}; links: {src['links']}")
+    return (
+        f"GPU numbers: {src['cost']} cost, calibration {src['calibration']}{files}, measured on {src['gpu']} "
+        f"(torch {src['torch']}), date {src['date']}; links: {src['links']}"
+    )

@@ -88,8 +88,13 @@ class RefinedCost:
         grid = self.inner.terms_grid(batches, sps)
         a = np.array([self.correction(sp)[0] for sp in sps])
         b = np.array([self.correction(sp)[1] for sp in sps])
-        return dataclasses.replace(grid, time_none=grid.time_none * a + b, dt_attn=grid.dt_attn * a,
-                                   dt_mlp=grid.dt_mlp * a, dt_full=grid.dt_full * a)
+        return dataclasses.replace(
+            grid,
+            time_none=grid.time_none * a + b,
+            dt_attn=grid.dt_attn * a,
+            dt_mlp=grid.dt_mlp * a,
+            dt_full=grid.dt_full * a,
+        )
 
     def grad_sync_time(self) -> float:
         return self.inner.grad_sync_time()
@@ -104,8 +109,9 @@ class RefinedCost:
         a, b = self.correction(sp)
         if (a, b) == (1.0, 0.0):
             return t
-        return dataclasses.replace(t, time_none=a * t.time_none + b, dt_attn=a * t.dt_attn, dt_mlp=a * t.dt_mlp,
-                                   dt_full=a * t.dt_full)
+        return dataclasses.replace(
+            t, time_none=a * t.time_none + b, dt_attn=a * t.dt_attn, dt_mlp=a * t.dt_mlp, dt_full=a * t.dt_full
+        )
 
 
 def _fit(seen: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -96,8 +96,7 @@ def split_time(model: ModelSpec, cluster: ClusterSpec, u: int, r: int, n, pairs,
     backward = (r - 1) * (2 * latency + pos(send + acc - 2 * fwd_step, 0.0)) + latency + acc
     merge_fwd, merge_bwd = merge_bytes(model, n, u, r)
     merge = (r - 1) * (merge_fwd + merge_bwd) / MERGE_BYTES_PER_S
-    return SplitTime(u, r, a2a, forward + backward, merge,
-                     a2a / 2 + forward + (r - 1) * merge_fwd / MERGE_BYTES_PER_S)
+    return SplitTime(u, r, a2a, forward + backward, merge, a2a / 2 + forward + (r - 1) * merge_fwd / MERGE_BYTES_PER_S)
 
 
 def merge_bytes(model: ModelSpec, n, u: int, r: int):
@@ -117,17 +116,21 @@ def _splits(cluster: ClusterSpec, num_heads: int, sp: int) -> list[tuple[int, in
     """`Topology.splits` of a size, refused (ValueError) where it has none."""
     splits = Topology.of(cluster, num_heads, ring=True).splits(sp)
     if not splits:
-        raise ValueError(f"no Ulysses x ring split of an SP group of {sp} ranks fits a world of "
-                         f"{cluster.world_size} ({cluster.gpus_per_node} GPUs per node)")
+        raise ValueError(
+            f"no Ulysses x ring split of an SP group of {sp} ranks fits a world of "
+            f"{cluster.world_size} ({cluster.gpus_per_node} GPUs per node)"
+        )
     return splits
 
 
-def best_split(model: ModelSpec, cluster: ClusterSpec, sp: int, n: float, pairs: float,
-               attn_s_per_pair: float) -> SplitTime:
+def best_split(
+    model: ModelSpec, cluster: ClusterSpec, sp: int, n: float, pairs: float, attn_s_per_pair: float
+) -> SplitTime:
     """The split of a group of ``sp`` ranks with the least exposed communication, among the
     topology's (`Topology.splits`); ties go to the larger Ulysses degree."""
-    times = [split_time(model, cluster, u, r, n, pairs, attn_s_per_pair)
-             for u, r in _splits(cluster, model.num_heads, sp)]
+    times = [
+        split_time(model, cluster, u, r, n, pairs, attn_s_per_pair) for u, r in _splits(cluster, model.num_heads, sp)
+    ]
     return min(times, key=lambda t: (t.seconds, -t.ulysses))
 
 
@@ -167,5 +170,7 @@ def check_ring(model: ModelSpec, cluster: ClusterSpec) -> None:
     spatial / temporal attention attends within a frame or across frames at one place, and a
     frame is not a ring block."""
     if cluster.ring and model.attention == "factorized":
-        raise ValueError(f"{model.name}'s factorized spatial / temporal attention cannot run under ring attention "
-                         f"(a frame is not a ring block); plan it with ClusterSpec(ring=False)")
+        raise ValueError(
+            f"{model.name}'s factorized spatial / temporal attention cannot run under ring attention "
+            f"(a frame is not a ring block); plan it with ClusterSpec(ring=False)"
+        )

@@ -85,8 +85,11 @@ class ProfileBucket:
         return ProfileBucket(key, size, spec.tokens(size))
 
     def to_json(self) -> dict:
-        return {"key": self.key, "size": list(self.size) if isinstance(self.size, tuple) else self.size,
-                "tokens": self.tokens}
+        return {
+            "key": self.key,
+            "size": list(self.size) if isinstance(self.size, tuple) else self.size,
+            "tokens": self.tokens,
+        }
 
     @staticmethod
     def from_json(d: dict) -> ProfileBucket:
@@ -184,13 +187,22 @@ class Profile:
         model = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
         if self.model.vision is not None:
             model["vision"] = dataclasses.asdict(self.model.vision)
-        return {"schema": SCHEMA, "version": VERSION, "fingerprint": self.fingerprint, "model": model,
-                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
-                "model_state_bytes": self.model_state_bytes, "grad_sync_s": self.grad_sync_s,
-                "buckets": [b.to_json() for b in self.buckets], "entries": [e.to_json() for e in self.entries],
-                "unfit_buckets": self.unfit_buckets, "shard_size": self.shard_size,
-                **({"reference_s": self.reference_s} if self.reference_s is not None else {}),
-                **({"vision": self.vision.to_json()} if self.vision is not None else {})}
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "model": model,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "model_state_bytes": self.model_state_bytes,
+            "grad_sync_s": self.grad_sync_s,
+            "buckets": [b.to_json() for b in self.buckets],
+            "entries": [e.to_json() for e in self.entries],
+            "unfit_buckets": self.unfit_buckets,
+            "shard_size": self.shard_size,
+            **({"reference_s": self.reference_s} if self.reference_s is not None else {}),
+            **({"vision": self.vision.to_json()} if self.vision is not None else {}),
+        }
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON atomically (a reader never sees half a file)."""
@@ -203,11 +215,15 @@ class Profile:
     @staticmethod
     def from_json(d: dict, source: str = "profile") -> Profile:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise ValueError(f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
-                             f"expected {SCHEMA!r}); re-run `dcparallel profile`")
+            raise ValueError(
+                f"{source} is not a dcparallel profile (schema {d.get('schema')!r}, "
+                f"expected {SCHEMA!r}); re-run `dcparallel profile`"
+            )
         if d.get("version") not in READABLE_VERSIONS:
-            raise ValueError(f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
-                             f"versions {list(READABLE_VERSIONS)}: re-run `dcparallel profile` to regenerate it")
+            raise ValueError(
+                f"{source} has profile version {d.get('version')!r}; this dcparallel reads "
+                f"versions {list(READABLE_VERSIONS)}: re-run `dcparallel profile` to regenerate it"
+            )
         try:
             tower = d["model"].get("vision")
             model = ModelSpec(**{**d["model"], "vision": VisionTower(**tower) if tower is not None else None})
@@ -226,13 +242,20 @@ class Profile:
             reference_s = d.get("reference_s")
             if reference_s is not None:
                 _check_number("reference_s", reference_s)
-            return Profile(fingerprint=dict(d.get("fingerprint", {})), model=model,
-                           world_size=int(d["world_size"]), gpus_per_node=int(d["gpus_per_node"]),
-                           model_state_bytes=float(d["model_state_bytes"]),
-                           grad_sync_s=float(d["grad_sync_s"]), buckets=buckets, entries=entries,
-                           unfit_buckets=unfit, shard_size=int(d.get("shard_size", 1)),
-                           reference_s=None if reference_s is None else float(reference_s),
-                           vision=VisionTable.from_json(d["vision"]) if d.get("vision") is not None else None)
+            return Profile(
+                fingerprint=dict(d.get("fingerprint", {})),
+                model=model,
+                world_size=int(d["world_size"]),
+                gpus_per_node=int(d["gpus_per_node"]),
+                model_state_bytes=float(d["model_state_bytes"]),
+                grad_sync_s=float(d["grad_sync_s"]),
+                buckets=buckets,
+                entries=entries,
+                unfit_buckets=unfit,
+                shard_size=int(d.get("shard_size", 1)),
+                reference_s=None if reference_s is None else float(reference_s),
+                vision=VisionTable.from_json(d["vision"]) if d.get("vision") is not None else None,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source} is corrupt ({exc}); delete it and re-run `dcparallel profile`") from exc
 
@@ -251,10 +274,12 @@ class Profile:
         if med <= threshold and worst <= 3 * threshold:
             return None
         bad = sum(x > threshold for x in sp)
-        return (f"the profile is too noisy to trust: its layouts' times are known to within +-{100 * med:.0f}% "
-                f"(median), +-{100 * worst:.0f}% (worst), {bad} of {len(sp)} beyond +-{100 * threshold:.0f}%; "
-                f"predictions priced by it may be far off. Profile again on a quiet machine (no other jobs), "
-                f"or with more rounds (ProfilerConfig max_repeats, min_time_s)")
+        return (
+            f"the profile is too noisy to trust: its layouts' times are known to within +-{100 * med:.0f}% "
+            f"(median), +-{100 * worst:.0f}% (worst), {bad} of {len(sp)} beyond +-{100 * threshold:.0f}%; "
+            f"predictions priced by it may be far off. Profile again on a quiet machine (no other jobs), "
+            f"or with more rounds (ProfilerConfig max_repeats, min_time_s)"
+        )
 
     def warn_if_noisy(self, log: Any) -> None:
         """Logs `noise_warning` once per process for the same sentence: the profiler that

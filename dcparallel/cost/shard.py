@@ -48,10 +48,12 @@ class ShardComm:
     def of(model: ModelSpec, cluster: ClusterSpec) -> ShardComm:
         layer = model.attn_params + model.mlp_params + model.other_params
         root = model.extra_params
-        return ShardComm(ag_layer=block_collective_time(cluster, 2.0 * layer),
-                         rs_layer=block_collective_time(cluster, 4.0 * layer),
-                         ag_root=block_collective_time(cluster, 2.0 * root),
-                         rs_root=block_collective_time(cluster, 4.0 * root))
+        return ShardComm(
+            ag_layer=block_collective_time(cluster, 2.0 * layer),
+            rs_layer=block_collective_time(cluster, 4.0 * layer),
+            ag_root=block_collective_time(cluster, 2.0 * root),
+            rs_root=block_collective_time(cluster, 4.0 * root),
+        )
 
     def exposed(self, compute_per_layer: float, num_layers: int) -> float:
         """Seconds the block's collectives add to one micro-batch whose layers each compute

@@ -58,19 +58,29 @@ class VisionTable:
     def __post_init__(self) -> None:
         n = len(self.patches)
         if n < 2 or len(self.seconds) != n or len(self.kept_bytes) != n or len(set(self.patches)) != n:
-            raise ValueError(f"a vision table needs two or more distinct patch buckets, one time and one byte count "
-                             f"each; got patches {self.patches}, seconds {self.seconds}, bytes {self.kept_bytes}")
+            raise ValueError(
+                f"a vision table needs two or more distinct patch buckets, one time and one byte count "
+                f"each; got patches {self.patches}, seconds {self.seconds}, bytes {self.kept_bytes}"
+            )
         if min(self.patches) <= 0 or min(self.seconds) <= 0 or min(self.kept_bytes) < 0:
             raise ValueError(f"a vision table's patches and seconds are positive, its bytes >= 0; got {self}")
 
     def to_json(self) -> dict:
-        return {"patches": list(self.patches), "seconds": list(self.seconds), "kept_bytes": list(self.kept_bytes),
-                "trainable": self.trainable}
+        return {
+            "patches": list(self.patches),
+            "seconds": list(self.seconds),
+            "kept_bytes": list(self.kept_bytes),
+            "trainable": self.trainable,
+        }
 
     @staticmethod
     def from_json(d: dict) -> VisionTable:
-        return VisionTable(tuple(int(p) for p in d["patches"]), tuple(float(t) for t in d["seconds"]),
-                           tuple(float(b) for b in d["kept_bytes"]), bool(d["trainable"]))
+        return VisionTable(
+            tuple(int(p) for p in d["patches"]),
+            tuple(float(t) for t in d["seconds"]),
+            tuple(float(b) for b in d["kept_bytes"]),
+            bool(d["trainable"]),
+        )
 
 
 def fit_nonnegative(x1: Sequence[float], x2: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -93,8 +103,13 @@ class VisionPrice:
     """Seconds and kept bytes of the vision tower for one rank of a group: analytic, scaled
     from the language model's calibration, or measured (`from_table`)."""
 
-    def __init__(self, tower: VisionTower, lin_s_per_param_token: float, attn_s_per_pair_hidden: float,
-                 act_bytes_per_token_hidden: float):
+    def __init__(
+        self,
+        tower: VisionTower,
+        lin_s_per_param_token: float,
+        attn_s_per_pair_hidden: float,
+        act_bytes_per_token_hidden: float,
+    ):
         passes = 1.0 if tower.trainable else 1.0 / 3.0
         self.s_per_patch = lin_s_per_param_token * tower.layer_params * tower.num_layers * passes
         self.s_per_pair = attn_s_per_pair_hidden * tower.hidden * passes
@@ -106,10 +121,14 @@ class VisionPrice:
         """Coefficients fitted to a measured table: seconds and bytes per patch and per pair
         (`VisionTower.pairs` of each bucket's one image)."""
         if table.trainable != tower.trainable:
+
             def what(t: bool) -> str:
                 return "trainable" if t else "frozen"
-            raise ValueError(f"the vision tower was measured {what(table.trainable)} but is planned "
-                             f"{what(tower.trainable)}; profile it as it trains (freeze_vision as in the run)")
+
+            raise ValueError(
+                f"the vision tower was measured {what(table.trainable)} but is planned "
+                f"{what(tower.trainable)}; profile it as it trains (freeze_vision as in the run)"
+            )
         self = cls.__new__(cls)
         pairs = [tower.pairs(p) for p in table.patches]
         self.s_per_patch, self.s_per_pair = fit_nonnegative(table.patches, pairs, table.seconds)
@@ -130,14 +149,21 @@ class VisionPrice:
         return vp * self.bytes_per_patch + vq * self.bytes_per_pair
 
 
-def vision_price(model: ModelSpec, table: VisionTable | None, lin_s_per_param_token: float,
-                 attn_s_per_pair_hidden: float, act_bytes_per_token_hidden: float) -> VisionPrice | None:
+def vision_price(
+    model: ModelSpec,
+    table: VisionTable | None,
+    lin_s_per_param_token: float,
+    attn_s_per_pair_hidden: float,
+    act_bytes_per_token_hidden: float,
+) -> VisionPrice | None:
     """The tower's price of a model: measured where a table is given, else scaled from the
     calibration's constants; None for a model without a tower."""
     if model.vision is None:
         if table is not None:
-            raise ValueError(f"a measured vision table was given, but the model {model.name!r} has no vision tower "
-                             f"(ModelSpec.vision); leave the table out")
+            raise ValueError(
+                f"a measured vision table was given, but the model {model.name!r} has no vision tower "
+                f"(ModelSpec.vision); leave the table out"
+            )
         return None
     if table is not None:
         return VisionPrice.from_table(model.vision, table)

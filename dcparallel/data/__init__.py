@@ -8,5 +8,12 @@ from dcparallel.data.latents_data import latents_dataset
 from dcparallel.data.loader import DataCentricLoader, LoaderStep
 from dcparallel.data.text_data import text_dataset
 
-__all__ = ["Batch", "DataCentricLoader", "LoaderStep", "collate_text", "collate_video", "latents_dataset",
-           "text_dataset"]
+__all__ = [
+    "Batch",
+    "DataCentricLoader",
+    "LoaderStep",
+    "collate_text",
+    "collate_video",
+    "latents_dataset",
+    "text_dataset",
+]

@@ -87,16 +87,22 @@ class Batch:
                 v = v.to(dtype)
             return v.to(device, non_blocking=non_blocking)
 
-        changes = {f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
-                   if isinstance(getattr(self, f.name), Tensor)}
+        changes = {
+            f.name: move(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
         changes["extras"] = {k: move(v) for k, v in self.extras.items()}
         changes["per_token"] = {k: move(v) for k, v in self.per_token.items()}
         return dataclasses.replace(self, **changes)
 
     def pin_memory(self) -> Batch:
         """The batch with its host tensors in pinned memory (for non-blocking device copies)."""
-        changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
-                   if isinstance(getattr(self, f.name), Tensor)}
+        changes = {
+            f.name: getattr(self, f.name).pin_memory()
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
         changes["extras"] = {k: v.pin_memory() for k, v in self.extras.items()}
         changes["per_token"] = {k: v.pin_memory() for k, v in self.per_token.items()}
         return dataclasses.replace(self, **changes)
@@ -119,8 +125,10 @@ class Batch:
         """The first column of this rank's contiguous shard; under ring attention a shard is
         not contiguous (`shard_columns`)."""
         if self.ring > 1:
-            raise ValueError(f"this micro-batch runs ring attention (ring degree {self.ring}): its shard is the "
-                             f"zigzag columns Batch.shard_columns(), not one contiguous range")
+            raise ValueError(
+                f"this micro-batch runs ring attention (ring degree {self.ring}): its shard is the "
+                f"zigzag columns Batch.shard_columns(), not one contiguous range"
+            )
         return self.rank_in_group * self.shard_len
 
     def shard_columns(self) -> list[int]:

@@ -19,8 +19,16 @@ from dcparallel.data.ring_order import ring_padded_length, shard_columns
 from dcparallel.loss import IGNORE_INDEX, shift_labels
 from dcparallel.plan.types import MicroBatch
 
-__all__ = ["IGNORE_INDEX", "CollateFn", "collate_text", "collate_video", "padded_length", "resolve_collate",
-           "text_batch", "video_batch"]
+__all__ = [
+    "IGNORE_INDEX",
+    "CollateFn",
+    "collate_text",
+    "collate_video",
+    "padded_length",
+    "resolve_collate",
+    "text_batch",
+    "video_batch",
+]
 
 #: a custom collate: (loaded samples by id, the micro-batch, its group's ranks, this rank)
 #: -> whatever the training loop wants for that micro-batch (usually a `Batch`)
@@ -83,9 +91,7 @@ def text_batch(
         else:
             lab = labels[sid].reshape(-1).long()
             if lab.shape != d.shape:
-                raise ValueError(
-                    f"sample {sid}: labels {tuple(lab.shape)} and tokens {tuple(d.shape)} differ"
-                )
+                raise ValueError(f"sample {sid}: labels {tuple(lab.shape)} and tokens {tuple(d.shape)} differ")
         toks.append(d)
         labs.append(lab)
         pos.append(torch.arange(d.numel()))
@@ -128,13 +134,9 @@ def video_batch(
     x = [tokens[s] for s in mb.sample_ids]
     n = x[0].shape[0]
     pos0 = positions[mb.sample_ids[0]]
-    if any(
-        t.shape != x[0].shape or not torch.equal(positions[s], pos0)
-        for s, t in zip(mb.sample_ids, x, strict=True)
-    ):
+    if any(t.shape != x[0].shape or not torch.equal(positions[s], pos0) for s, t in zip(mb.sample_ids, x, strict=True)):
         raise ValueError(
-            f"samples {mb.sample_ids} of one video micro-batch must share a shape; got "
-            f"{[tuple(t.shape) for t in x]}"
+            f"samples {mb.sample_ids} of one video micro-batch must share a shape; got {[tuple(t.shape) for t in x]}"
         )
     if n % frames:
         raise ValueError(f"{n} tokens per sample do not split into {frames} frames")
@@ -161,8 +163,9 @@ def video_batch(
     )
 
 
-def collate_text(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int,
-                 ignore_index: int = IGNORE_INDEX) -> Batch:
+def collate_text(
+    samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, ignore_index: int = IGNORE_INDEX
+) -> Batch:
     """Packs the micro-batch's documents into one row (`cu_seqlens`, per-document positions;
     labels shifted per document before sharding) and returns this rank's shard.
 
@@ -173,8 +176,10 @@ def collate_text(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, .
         s = samples[sid]
         if isinstance(s, Mapping):
             if "input_ids" not in s:
-                raise ValueError(f"sample {sid} is a mapping without 'input_ids' (keys {sorted(s)}); "
-                                 f"return the token ids as 'input_ids' or as a 1-D tensor")
+                raise ValueError(
+                    f"sample {sid} is a mapping without 'input_ids' (keys {sorted(s)}); "
+                    f"return the token ids as 'input_ids' or as a 1-D tensor"
+                )
             docs[sid] = torch.as_tensor(s["input_ids"])
             if s.get("labels") is not None:
                 labels[sid] = torch.as_tensor(s["labels"])
@@ -192,17 +197,23 @@ def collate_video(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, 
     for sid in mb.sample_ids:
         s = samples[sid]
         if not isinstance(s, Mapping) or not {"tokens", "positions", "frames"} <= set(s):
-            raise ValueError(f"video sample {sid} must be a mapping with 'tokens', 'positions' and "
-                             f"'frames'; got {type(s).__name__}")
+            raise ValueError(
+                f"video sample {sid} must be a mapping with 'tokens', 'positions' and 'frames'; got {type(s).__name__}"
+            )
     frames = {int(samples[s]["frames"]) for s in mb.sample_ids}
     if len(frames) != 1:
         raise ValueError(f"samples {mb.sample_ids} of one micro-batch have different frame counts {sorted(frames)}")
-    return video_batch(mb, ranks, rank, {s: samples[s]["tokens"] for s in mb.sample_ids},
-                       {s: samples[s]["positions"] for s in mb.sample_ids}, frames.pop())
+    return video_batch(
+        mb,
+        ranks,
+        rank,
+        {s: samples[s]["tokens"] for s in mb.sample_ids},
+        {s: samples[s]["positions"] for s in mb.sample_ids},
+        frames.pop(),
+    )
 
 
-def resolve_collate(collate: str | CollateFn | None, kind: str, ignore_index: int = IGNORE_INDEX
-                    ) -> CollateFn | None:
+def resolve_collate(collate: str | CollateFn | None, kind: str, ignore_index: int = IGNORE_INDEX) -> CollateFn | None:
     """The collate function of a ``collate`` setting: "auto" (text or video by the model's
     kind), "text", "video", a function, or None (the raw samples)."""
     if collate == "auto":

@@ -101,8 +101,15 @@ class LatentsDataset:
         return item
 
 
-def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: str, text_column: str,
-               channels: int | None, text_dim: int | None) -> tuple[dict[str, Path], tuple[int, int, int], int]:
+def _check_row(
+    row: Row,
+    base: Path,
+    columns: tuple[str, ...],
+    latents_column: str,
+    text_column: str,
+    channels: int | None,
+    text_dim: int | None,
+) -> tuple[dict[str, Path], tuple[int, int, int], int]:
     """The row's files, latent shape (frames, height, width) and text tokens; ValueError with
     the problem."""
     v = row.value
@@ -115,8 +122,9 @@ def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: s
             raise ValueError(f"{c} file {files[c]} does not exist")
     shape = tensor_shape(files[latents_column], latents_column)
     if len(shape) != 4:
-        raise ValueError(f"latents {files[latents_column]} has shape {shape}; latents are (channels, frames, "
-                         f"height, width)")
+        raise ValueError(
+            f"latents {files[latents_column]} has shape {shape}; latents are (channels, frames, height, width)"
+        )
     if 0 in shape:
         raise ValueError(f"latents {files[latents_column]} are empty (shape {shape})")
     if channels is not None and shape[0] != channels:
@@ -125,11 +133,14 @@ def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: s
         try:
             listed = tuple(int(v[c]) for c in SHAPE_COLUMNS)
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"frames / height / width must all be integers, got "
-                             f"{[v.get(c) for c in SHAPE_COLUMNS]}") from None
+            raise ValueError(
+                f"frames / height / width must all be integers, got {[v.get(c) for c in SHAPE_COLUMNS]}"
+            ) from None
         if listed != tuple(shape[1:]):
-            raise ValueError(f"the manifest says (frames, height, width) = {listed} but {files[latents_column]} "
-                             f"holds latents of shape {shape}")
+            raise ValueError(
+                f"the manifest says (frames, height, width) = {listed} but {files[latents_column]} "
+                f"holds latents of shape {shape}"
+            )
     text = tensor_shape(files[text_column], text_column)
     if len(text) != 2 or 0 in text:
         raise ValueError(f"text embeddings {files[text_column]} have shape {text}; expected (tokens, dim)")
@@ -138,10 +149,16 @@ def _check_row(row: Row, base: Path, columns: tuple[str, ...], latents_column: s
     return files, (int(shape[1]), int(shape[2]), int(shape[3])), int(text[0])
 
 
-def latents_dataset(manifest: str | Path, *, latents_column: str = "latents", text_column: str = "text_embeddings",
-                    extra_columns: tuple[str, ...] | list[str] = (), channels: int | None = None,
-                    text_dim: int | None = None, skip_bad: bool = False
-                    ) -> tuple[LatentsDataset, list[tuple[int, int, int]]]:
+def latents_dataset(
+    manifest: str | Path,
+    *,
+    latents_column: str = "latents",
+    text_column: str = "text_embeddings",
+    extra_columns: tuple[str, ...] | list[str] = (),
+    channels: int | None = None,
+    text_dim: int | None = None,
+    skip_bad: bool = False,
+) -> tuple[LatentsDataset, list[tuple[int, int, int]]]:
     """The dataset of a latents manifest (.csv or .jsonl) and every clip's latent shape
     (frames, height, width). Every row is checked first (files exist, shapes agree with the
     manifest and, when given, the model's ``channels`` / ``text_dim``); bad rows raise one

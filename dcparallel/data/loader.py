@@ -145,15 +145,19 @@ class DataCentricLoader:
                 f"map-style dataset (len(dataset) and dataset[i])"
             ) from None
         if num_samples == 0:
-            raise ValueError("the dataset is empty (len(dataset) == 0): there is nothing to load; "
-                             "check the dataset's source and filters")
+            raise ValueError(
+                "the dataset is empty (len(dataset) == 0): there is nothing to load; "
+                "check the dataset's source and filters"
+            )
         check_step_budget(tokens_per_step, samples_per_step)
         if planning not in ("thread", "process"):
             raise ValueError(f"planning must be 'thread' or 'process'; got {planning!r}")
         policy_spec(policy)  # an unknown name is refused here, naming the choices
         if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
-            raise ValueError(f"lookahead and num_workers must be >= 0, prefetch_factor >= 1; got "
-                             f"lookahead={lookahead}, num_workers={num_workers}, prefetch_factor={prefetch_factor}")
+            raise ValueError(
+                f"lookahead and num_workers must be >= 0, prefetch_factor >= 1; got "
+                f"lookahead={lookahead}, num_workers={num_workers}, prefetch_factor={prefetch_factor}"
+            )
         self.world_size = comm.world_size() if world_size is None else int(world_size)
         self.rank = comm.world_rank() if rank is None else int(rank)
         if not 0 <= self.rank < self.world_size:
@@ -188,25 +192,38 @@ class DataCentricLoader:
         self._open: weakref.WeakSet[Iterator[LoaderStep]] = weakref.WeakSet()  # iterations not yet closed
 
         fn = resolve_collate(collate, model.kind, ignore_index)
-        self._tasks = TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (
-            collate == "auto" and model.kind == "text"))
+        self._tasks = TaskDataset(
+            dataset, fn, sizes, check_text=collate == "text" or (collate == "auto" and model.kind == "text")
+        )
 
-        self._data_digest = comm.digest((self.workload.tokens, tuple(self.context.usable_ids), self.seed,
-                                         tokens_per_step, samples_per_step))
+        self._data_digest = comm.digest(
+            (self.workload.tokens, tuple(self.context.usable_ids), self.seed, tokens_per_step, samples_per_step)
+        )
         self.epoch = int(epoch)
         self._step = 0  # steps of this epoch handed out (what state_dict reports)
         self._start = 0  # where the next iteration starts
         self._steps_cache: tuple[int, list[step_former.Step]] | None = None
         self.last_plan_seconds, self.last_plan_waits = 0.0, []  # last epoch: s planning, steps that waited
         if self.context.skipped:
-            log.warning("skipping %d sample(s) that fit no layout: %s", len(self.context.skipped),
-                        ", ".join(f"sample {i} (size {s!r}, needs {format_bytes(need)})"
-                                  for i, s, need in self.context.skipped[:10])
-                        + (" ..." if len(self.context.skipped) > 10 else ""))
+            log.warning(
+                "skipping %d sample(s) that fit no layout: %s",
+                len(self.context.skipped),
+                ", ".join(
+                    f"sample {i} (size {s!r}, needs {format_bytes(need)})" for i, s, need in self.context.skipped[:10]
+                )
+                + (" ..." if len(self.context.skipped) > 10 else ""),
+            )
         self.steps(self.epoch)  # validates the budget now
-        log.info("rank %d/%d: %d samples (%d usable), policy %s, %d steps in epoch %d",
-                 self.rank, self.world_size, num_samples, len(self.context.usable_ids), policy,
-                 len(self), self.epoch)
+        log.info(
+            "rank %d/%d: %d samples (%d usable), policy %s, %d steps in epoch %d",
+            self.rank,
+            self.world_size,
+            num_samples,
+            len(self.context.usable_ids),
+            policy,
+            len(self),
+            self.epoch,
+        )
 
     # -------------------------------------------------------------- epochs and state
 
@@ -214,9 +231,14 @@ class DataCentricLoader:
         """The steps (sample ids per optimizer step) of an epoch: the same for every policy
         and world size."""
         if self._steps_cache is None or self._steps_cache[0] != epoch:
-            steps = step_former.form_steps(self.workload.tokens, seed=self.seed, epoch=epoch,
-                                           tokens_per_step=self.tokens_per_step,
-                                           samples_per_step=self.samples_per_step, ids=self.context.usable_ids)
+            steps = step_former.form_steps(
+                self.workload.tokens,
+                seed=self.seed,
+                epoch=epoch,
+                tokens_per_step=self.tokens_per_step,
+                samples_per_step=self.samples_per_step,
+                ids=self.context.usable_ids,
+            )
             self._steps_cache = (epoch, steps)
         return self._steps_cache[1]
 
@@ -236,8 +258,12 @@ class DataCentricLoader:
 
         from tqdm import tqdm
 
-        return [planner.plan(s) for s in tqdm(steps, desc=f"planning epoch {e} ({self.policy})", unit="step",
-                                              file=sys.stderr, mininterval=1.0)]
+        return [
+            planner.plan(s)
+            for s in tqdm(
+                steps, desc=f"planning epoch {e} ({self.policy})", unit="step", file=sys.stderr, mininterval=1.0
+            )
+        ]
 
     def __len__(self) -> int:
         """Steps in the current epoch."""
@@ -260,10 +286,19 @@ class DataCentricLoader:
     def state_dict(self) -> dict[str, Any]:
         """{epoch, step (steps of the epoch already handed out), ...}: take it after the
         optimizer step of the step last yielded."""
-        return {"epoch": self.epoch, "step": self._step, "num_steps": len(self), "seed": self.seed,
-                "policy": self.policy, "world_size": self.world_size, "num_samples": len(self.sizes),
-                "tokens_per_step": self.tokens_per_step, "samples_per_step": self.samples_per_step,
-                "data_digest": self._data_digest, "refine": {"left": self.refine_left, "rows": list(self._refined)}}
+        return {
+            "epoch": self.epoch,
+            "step": self._step,
+            "num_steps": len(self),
+            "seed": self.seed,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "num_samples": len(self.sizes),
+            "tokens_per_step": self.tokens_per_step,
+            "samples_per_step": self.samples_per_step,
+            "data_digest": self._data_digest,
+            "refine": {"left": self.refine_left, "rows": list(self._refined)},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues at ``state['step']`` of ``state['epoch']``: the remaining steps hold
@@ -273,19 +308,27 @@ class DataCentricLoader:
         for key in ("seed", "num_samples", "tokens_per_step", "samples_per_step"):
             mine = getattr(self, key) if key != "num_samples" else len(self.sizes)
             if key in state and state[key] != mine:
-                raise ValueError(f"the state was saved with {key}={state[key]!r} but this loader has "
-                                 f"{key}={mine!r}; resume with the same {key} (it decides the epoch's steps)")
+                raise ValueError(
+                    f"the state was saved with {key}={state[key]!r} but this loader has "
+                    f"{key}={mine!r}; resume with the same {key} (it decides the epoch's steps)"
+                )
         if state.get("data_digest", self._data_digest) != self._data_digest:
-            raise ValueError("the state was saved for other sample lengths (or other skipped samples); "
-                             "resume with the same dataset, lengths and skip_oversize")
+            raise ValueError(
+                "the state was saved for other sample lengths (or other skipped samples); "
+                "resume with the same dataset, lengths and skip_oversize"
+            )
         epoch, step = int(state["epoch"]), int(state["step"])
         num_steps = len(self.steps(epoch))
         if not 0 <= step <= num_steps:
             raise ValueError(f"state step {step} is outside epoch {epoch}'s {num_steps} steps")
         for key in ("policy", "world_size"):
             if key in state and state[key] != getattr(self, key):
-                log.info("resuming with %s=%r (saved with %r): same samples per step, re-planned",
-                         key, getattr(self, key), state[key])
+                log.info(
+                    "resuming with %s=%r (saved with %r): same samples per step, re-planned",
+                    key,
+                    getattr(self, key),
+                    state[key],
+                )
         self.epoch, self._step, self._start = epoch, step, step
         if self.refine_left or self._refined:  # the fits the saved run planned with, from its rows
             plan_stream.close_workers(self._idle_workers)  # they hold the fits of this process's run
@@ -307,10 +350,16 @@ class DataCentricLoader:
 
     def summary(self) -> dict[str, Any]:
         """What the loader plans over: sample counts, skipped samples, steps of the epoch."""
-        return {"num_samples": len(self.sizes), "num_usable": len(self.context.usable_ids),
-                "skipped": [{"sample": i, "size": s, "needs_gib": need / 2**30} for i, s, need in self.context.skipped],
-                "epoch": self.epoch, "num_steps": len(self), "policy": self.policy,
-                "world_size": self.world_size, "rank": self.rank}
+        return {
+            "num_samples": len(self.sizes),
+            "num_usable": len(self.context.usable_ids),
+            "skipped": [{"sample": i, "size": s, "needs_gib": need / 2**30} for i, s, need in self.context.skipped],
+            "epoch": self.epoch,
+            "num_steps": len(self),
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
 
     # -------------------------------------------------------------- iteration
 
@@ -354,13 +403,23 @@ class DataCentricLoader:
             worker = plan_stream.idle_worker(self._idle_workers, self.policy, self.context, self.predict)
             stream = plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers, stop=end)
         else:
-            stream = PlanStream(functools.partial(self.planner, epoch), steps, start, self.lookahead,
-                                name=f"dcparallel-plan-e{epoch}", stop=end,
-                                predict=predictor(self.context) if self.predict else None)
-        loader = DataLoader(self._tasks, sampler=TaskSampler(stream, epoch, start, end, self.rank),
-                            batch_size=None, collate_fn=to_worker_result if self.num_workers else identity,
-                            num_workers=self.num_workers,
-                            prefetch_factor=self.prefetch_factor if self.num_workers else None)
+            stream = PlanStream(
+                functools.partial(self.planner, epoch),
+                steps,
+                start,
+                self.lookahead,
+                name=f"dcparallel-plan-e{epoch}",
+                stop=end,
+                predict=predictor(self.context) if self.predict else None,
+            )
+        loader = DataLoader(
+            self._tasks,
+            sampler=TaskSampler(stream, epoch, start, end, self.rank),
+            batch_size=None,
+            collate_fn=to_worker_result if self.num_workers else identity,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
+        )
         it = iter(loader)  # forks the DataLoader's workers (before the planning thread exists)
         t_epoch = time.perf_counter()
         try:
@@ -380,14 +439,27 @@ class DataCentricLoader:
                 batches = tuple(stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
                 self._step = k + 1
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s", self.rank,
-                              epoch, k, len(steps), json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]))
+                    log.debug(
+                        "rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s",
+                        self.rank,
+                        epoch,
+                        k,
+                        len(steps),
+                        json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]),
+                    )
                 if self.lookahead:
                     stream.ahead(k + 2)
                 yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches, predicted)
             if end == len(steps):
-                log.info("rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)", self.rank, epoch,
-                         start, end - 1, time.perf_counter() - t_epoch, stream.plan_seconds)
+                log.info(
+                    "rank %d: epoch %d done, steps %d..%d in %.2f s (planning %.3f s)",
+                    self.rank,
+                    epoch,
+                    start,
+                    end - 1,
+                    time.perf_counter() - t_epoch,
+                    stream.plan_seconds,
+                )
         finally:
             stream.close()
             self.last_plan_seconds += stream.plan_seconds

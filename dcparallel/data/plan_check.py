@@ -16,8 +16,10 @@ CHECK_PLANS_EVERY = 50
 def check_every(check_plans: int | bool) -> int:
     """``check_plans`` as a number of steps (True: 1, every step; False: 0, never)."""
     if isinstance(check_plans, float) or int(check_plans) < 0:
-        raise ValueError(f"check_plans={check_plans!r}: give how often (in steps) the ranks compare their plans, "
-                         f"an int >= 0 (1: every step, 0: never)")
+        raise ValueError(
+            f"check_plans={check_plans!r}: give how often (in steps) the ranks compare their plans, "
+            f"an int >= 0 (1: every step, 0: never)"
+        )
     return int(check_plans)
 
 
@@ -32,12 +34,14 @@ def check_same_plan(plan: StepPlan, epoch: int, step: int) -> None:
     plans = comm.all_gather_object(mine, group)
     odd = next(r for r, d in enumerate(digests) if d != digests[0])
     same = [r for r, d in enumerate(digests) if d == digests[0]]
-    raise RuntimeError(f"the plan of epoch {epoch} step {step} differs across ranks: ranks {same[:8]}"
-                       f"{' ...' if len(same) > 8 else ''} hold one plan, rank {odd} another; "
-                       f"{_first_difference(plans[0], plans[odd], 0, odd)}. Every rank plans on its own from the "
-                       f"same inputs (checked by DataCentricParallel.prepare): a different plan means the ranks' "
-                       f"inputs or planner versions differ (same dataset lengths, cost model, policy, seed and "
-                       f"dcparallel version on every rank)")
+    raise RuntimeError(
+        f"the plan of epoch {epoch} step {step} differs across ranks: ranks {same[:8]}"
+        f"{' ...' if len(same) > 8 else ''} hold one plan, rank {odd} another; "
+        f"{_first_difference(plans[0], plans[odd], 0, odd)}. Every rank plans on its own from the "
+        f"same inputs (checked by DataCentricParallel.prepare): a different plan means the ranks' "
+        f"inputs or planner versions differ (same dataset lengths, cost model, policy, seed and "
+        f"dcparallel version on every rank)"
+    )
 
 
 def _first_difference(a: dict, b: dict, ra: int, rb: int) -> str:

@@ -56,8 +56,16 @@ class PlanStream:
     ``predict``: each plan's `StepPrediction`, made with the plan (`prediction`); ``stop``:
     no step from ``stop`` on is planned (default: to the epoch's end)."""
 
-    def __init__(self, build: Callable[[], Planner], steps: Sequence[step_former.Step], start: int,
-                 lookahead: int, name: str, predict: Predict | None = None, stop: int | None = None):
+    def __init__(
+        self,
+        build: Callable[[], Planner],
+        steps: Sequence[step_former.Step],
+        start: int,
+        lookahead: int,
+        name: str,
+        predict: Predict | None = None,
+        stop: int | None = None,
+    ):
         self._build, self._steps, self._lookahead, self._name = build, steps, lookahead, name
         self._end = len(steps) if stop is None else min(stop, len(steps))  # plans no step from here on
         self._predict = predict
@@ -127,8 +135,7 @@ class PlanStream:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and self._next < self._end and \
-                            self._next >= self._demand + self._lookahead:
+                    while not self._stop and self._next < self._end and self._next >= self._demand + self._lookahead:
                         self._cond.wait()
                     if self._stop or self._next >= self._end:
                         return
@@ -165,8 +172,12 @@ class PlanWorker:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
         with child:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dcparallel.sim.plan_worker", str(child.fileno())],
-                                         pass_fds=(child.fileno(),), stdin=subprocess.PIPE, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dcparallel.sim.plan_worker", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.PIPE,
+                env=env,
+            )
         self.conn = Connection(parent.detach())
         self._jobs = itertools.count()
         self._ready = False
@@ -184,9 +195,11 @@ class PlanWorker:
             raise RuntimeError(f"the planning process ended as it started (exit code {self.exit_code()})") from None
         if kind == "error":
             self.close()
-            raise RuntimeError(f"the planning process could not load the loader's policy and cost model: {rest[0]}. "
-                               f"It imports what it gets from this process's sys.path; a class defined in the "
-                               f"training script cannot be imported there: pass planning='thread'")
+            raise RuntimeError(
+                f"the planning process could not load the loader's policy and cost model: {rest[0]}. "
+                f"It imports what it gets from this process's sys.path; a class defined in the "
+                f"training script cannot be imported there: pass planning='thread'"
+            )
         self._ready = True
 
     def alive(self) -> bool:
@@ -269,8 +282,15 @@ class ProcessPlanStream:
     of idle workers) once it has ended this stream's job, or is closed if it did not.
     ``stop``: plan no step from ``stop`` on (default: to the epoch's end)."""
 
-    def __init__(self, worker: PlanWorker, steps: Sequence[step_former.Step], start: int, lookahead: int,
-                 idle: list[PlanWorker], stop: int | None = None):
+    def __init__(
+        self,
+        worker: PlanWorker,
+        steps: Sequence[step_former.Step],
+        start: int,
+        lookahead: int,
+        idle: list[PlanWorker],
+        stop: int | None = None,
+    ):
         self._worker, self._idle = worker, idle
         self._conn = worker.conn
         self._jid = worker.new_job()
@@ -306,8 +326,9 @@ class ProcessPlanStream:
         try:
             kind, _, *rest = self._conn.recv()  # this job's: a worker ends one job before the next
         except (EOFError, OSError):  # closed, or reset with our demand unread
-            raise RuntimeError(f"the planning process ended before step {k} was planned "
-                               f"(exit code {self._worker.exit_code()})") from None
+            raise RuntimeError(
+                f"the planning process ended before step {k} was planned (exit code {self._worker.exit_code()})"
+            ) from None
         if kind == "error":
             raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
         j, plan, seconds, predicted = rest

@@ -51,15 +51,19 @@ class BadData:
         lines = "\n".join(f"  {w}: {m}" for w, m in self.problems[:SHOWN])
         more = f"\n  ... and {len(self.problems) - SHOWN} more" if len(self.problems) > SHOWN else ""
         if not self.skip_bad:
-            raise ValueError(f"{self.source}: {len(self.problems)} bad sample(s) of {total}:\n{lines}{more}\n"
-                             f"fix or remove them, or skip them with skip_bad = true")
-        log.warning("%s: skipped %d bad sample(s) of %d (skip_bad):\n%s%s", self.source, len(self.problems), total,
-                    lines, more)
+            raise ValueError(
+                f"{self.source}: {len(self.problems)} bad sample(s) of {total}:\n{lines}{more}\n"
+                f"fix or remove them, or skip them with skip_bad = true"
+            )
+        log.warning(
+            "%s: skipped %d bad sample(s) of %d (skip_bad):\n%s%s", self.source, len(self.problems), total, lines, more
+        )
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
-    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()
-                              or (path / "dataset_dict.json").exists())
+    return path.is_dir() and (
+        (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+    )
 
 
 def read_rows(path: str | Path) -> list[Row]:
@@ -67,8 +71,9 @@ def read_rows(path: str | Path) -> list[Row]:
     directory), in file order. A line that is not a JSON object is an error naming its line."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"the dataset {p} does not exist; give a .jsonl, .csv, .parquet file or a datasets "
-                         f"save_to_disk directory")
+        raise ValueError(
+            f"the dataset {p} does not exist; give a .jsonl, .csv, .parquet file or a datasets save_to_disk directory"
+        )
     if p.is_dir():
         return _read_hf(p)
     suffix = p.suffix.lower()
@@ -83,8 +88,9 @@ def read_rows(path: str | Path) -> list[Row]:
         except ImportError as exc:
             raise ValueError(f"reading {p} needs pyarrow: pip install 'dcparallel[train]' (or pyarrow)") from exc
         return [Row(f"{p} row {i}", r) for i, r in enumerate(pq.read_table(p).to_pylist())]
-    raise ValueError(f"{p}: unknown dataset format {suffix!r}; give .jsonl, .csv, .parquet or a datasets "
-                     f"save_to_disk directory")
+    raise ValueError(
+        f"{p}: unknown dataset format {suffix!r}; give .jsonl, .csv, .parquet or a datasets save_to_disk directory"
+    )
 
 
 def _read_jsonl(p: Path) -> list[Row]:
@@ -98,16 +104,17 @@ def _read_jsonl(p: Path) -> list[Row]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{p}:{i}: not a JSON object ({exc.msg}); write one JSON object a line") from None
             if not isinstance(value, dict):
-                raise ValueError(f"{p}:{i}: a JSON {type(value).__name__}, not an object; write one JSON object "
-                                 f"a line")
+                raise ValueError(f"{p}:{i}: a JSON {type(value).__name__}, not an object; write one JSON object a line")
             rows.append(Row(f"{p}:{i}", value))
     return rows
 
 
 def _read_hf(p: Path) -> list[Row]:
     if not is_hf_dataset_dir(p):
-        raise ValueError(f"{p} is a directory but not a datasets save_to_disk directory (no dataset_info.json / "
-                         f"state.json); give a .jsonl, .csv or .parquet file or such a directory")
+        raise ValueError(
+            f"{p} is a directory but not a datasets save_to_disk directory (no dataset_info.json / "
+            f"state.json); give a .jsonl, .csv or .parquet file or such a directory"
+        )
     try:
         import datasets
     except ImportError as exc:

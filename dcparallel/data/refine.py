@@ -45,22 +45,24 @@ def seconds_since(start: float, device: Any, sync: bool) -> float:
     return time.perf_counter() - start
 
 
-def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size],
-              seconds: Sequence[float]) -> list[Row]:
+def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size], seconds: Sequence[float]) -> list[Row]:
     """The rows of one step, the same on every rank: ``seconds`` are this rank's times of its
     micro-batches (`plan.work_of(rank)`'s order), gathered over the world."""
     work = plan.work_of(rank)
     if len(seconds) != len(work):
-        raise ValueError(f"rank {rank} ran {len(work)} micro-batch(es) in step {plan.index} but {len(seconds)} "
-                         f"time(s) were given: give one time per batch of the step, in order")
+        raise ValueError(
+            f"rank {rank} ran {len(work)} micro-batch(es) in step {plan.index} but {len(seconds)} "
+            f"time(s) were given: give one time per batch of the step, in order"
+        )
     times = comm.all_gather_object([float(s) for s in seconds]) if world_size > 1 else [[float(s) for s in seconds]]
     rows: list[Row] = []
     for r in range(world_size):
         for (mb, ranks), s in zip(plan.work_of(r), times[r], strict=True):
             if r == min(ranks):
                 lay = mb.layout
-                rows.append(([_plain(sizes[i]) for i in mb.sample_ids], lay.sp, lay.recompute.attn,
-                             lay.recompute.mlp, s))
+                rows.append(
+                    ([_plain(sizes[i]) for i in mb.sample_ids], lay.sp, lay.recompute.attn, lay.recompute.mlp, s)
+                )
     return rows
 
 
@@ -75,10 +77,17 @@ def feed(loader, rows: Sequence[Row], count: bool = True) -> None:
     loader.refine_left -= int(count)
     if count and not loader.refine_left and loader.rank == 0:
         cost = loader.context.cost
-        fits = ", ".join(f"SP {k}: {a:.3g} x price + {b * 1e3:.3g} ms"
-                         for k in loader.context.sp_sizes if k in cost.fitted for a, b in [cost.correction(k)])
-        log.info("the cost model is refined on %d measured micro-batches (%s); later steps are planned with it",
-                 len(loader._refined), fits or "none")
+        fits = ", ".join(
+            f"SP {k}: {a:.3g} x price + {b * 1e3:.3g} ms"
+            for k in loader.context.sp_sizes
+            if k in cost.fitted
+            for a, b in [cost.correction(k)]
+        )
+        log.info(
+            "the cost model is refined on %d measured micro-batches (%s); later steps are planned with it",
+            len(loader._refined),
+            fits or "none",
+        )
 
 
 def _plain(size: Size) -> int | list[int]:

@@ -28,8 +28,9 @@ def block_columns(padded_len: int, ring: int, block: int) -> list[int]:
     if ring == 1:
         return list(range(padded_len))
     if padded_len % (2 * ring):
-        raise ValueError(f"a row of {padded_len} columns does not cut into 2 x {ring} equal chunks; pad it with "
-                         f"ring_padded_length")
+        raise ValueError(
+            f"a row of {padded_len} columns does not cut into 2 x {ring} equal chunks; pad it with ring_padded_length"
+        )
     c = padded_len // (2 * ring)
     late = 2 * ring - 1 - block
     return list(range(block * c, (block + 1) * c)) + list(range(late * c, (late + 1) * c))
@@ -39,8 +40,10 @@ def shard_columns(padded_len: int, sp: int, ring: int, slot: int) -> list[int]:
     """The columns group slot ``slot`` holds (see the module docstring)."""
     u = sp // ring
     if ring < 1 or sp % ring or not 0 <= slot < sp:
-        raise ValueError(f"slot {slot} of an SP group of {sp} ranks with ring degree {ring}: the ring degree must "
-                         f"divide sp and the slot lie in 0..{sp - 1}")
+        raise ValueError(
+            f"slot {slot} of an SP group of {sp} ranks with ring degree {ring}: the ring degree must "
+            f"divide sp and the slot lie in 0..{sp - 1}"
+        )
     n = padded_len // sp
     j, i = divmod(slot, u)
-    return block_columns(padded_len, ring, j)[i * n:(i + 1) * n]
+    return block_columns(padded_len, ring, j)[i * n : (i + 1) * n]

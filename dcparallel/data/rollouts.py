@@ -90,22 +90,27 @@ def _field(name: str, t: Tensor) -> Field:
 
 def _check_one(j: int, s: Mapping[str, Tensor]) -> Schema:
     if not isinstance(s, Mapping) or INPUT_IDS not in s:
-        raise ValueError(f"rollout {j} must be a mapping with '{INPUT_IDS}' (1-D token ids) and per-token tensors; "
-                         f"got {type(s).__name__}" + (f" with keys {sorted(s)}" if isinstance(s, Mapping) else ""))
+        raise ValueError(
+            f"rollout {j} must be a mapping with '{INPUT_IDS}' (1-D token ids) and per-token tensors; "
+            f"got {type(s).__name__}" + (f" with keys {sorted(s)}" if isinstance(s, Mapping) else "")
+        )
     ids = s[INPUT_IDS]
     if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.numel() < 2:
-        raise ValueError(f"rollout {j}: '{INPUT_IDS}' must be a 1-D integer tensor of at least 2 tokens; got "
-                         f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}")
+        raise ValueError(
+            f"rollout {j}: '{INPUT_IDS}' must be a 1-D integer tensor of at least 2 tokens; got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}"
+        )
     fields = [Field(INPUT_IDS, "int64")]
     for name in sorted(k for k in s if k != INPUT_IDS):
         t = s[name]
         if not isinstance(t, Tensor) or t.dim() < 1 or t.shape[0] != ids.numel():
-            raise ValueError(f"rollout {j}: '{name}' must be a per-token tensor of {ids.numel()} entries along dim 0 "
-                             f"(one per input id); got shape {tuple(getattr(t, 'shape', ()))} — per-sample values "
-                             f"(a reward, an advantage) go to every token of the sample")
+            raise ValueError(
+                f"rollout {j}: '{name}' must be a per-token tensor of {ids.numel()} entries along dim 0 "
+                f"(one per input id); got shape {tuple(getattr(t, 'shape', ()))} — per-sample values "
+                f"(a reward, an advantage) go to every token of the sample"
+            )
         if name == LOSS_MASK and (t.dim() != 1 or t.dtype != torch.bool):
-            raise ValueError(f"rollout {j}: '{LOSS_MASK}' must be a 1-D bool tensor; got {t.dtype} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"rollout {j}: '{LOSS_MASK}' must be a 1-D bool tensor; got {t.dtype} {tuple(t.shape)}")
         fields.append(_field(name, t))
     return Schema(tuple(fields))
 
@@ -131,8 +136,10 @@ def read_rollouts(samples: Sequence[Mapping[str, Tensor]]) -> Holdings:
         if schema is None:
             schema = mine
         elif mine != schema:
-            raise ValueError(f"rollout {j} has fields {mine.fields} but rollout 0 has {schema.fields}; give every "
-                             f"rollout the same per-token tensors with the same dtypes")
+            raise ValueError(
+                f"rollout {j} has fields {mine.fields} but rollout 0 has {schema.fields}; give every "
+                f"rollout the same per-token tensors with the same dtypes"
+            )
     return Holdings(tuple(int(s[INPUT_IDS].numel()) for s in samples), tuple(num_targets(s) for s in samples), schema)
 
 
@@ -162,8 +169,11 @@ def nbytes(ids: Sequence[int], lengths: Sequence[int], schema: Schema) -> int:
 
 def pack(samples: Mapping[int, Mapping[str, Tensor]], ids: Sequence[int], schema: Schema) -> Tensor:
     """The rollouts ``ids`` as one flat uint8 buffer: sample by sample, field by field."""
-    parts = [samples[i][f.name].detach().to("cpu", f.torch_dtype).contiguous().reshape(-1).view(torch.uint8)
-             for i in ids for f in schema.fields]
+    parts = [
+        samples[i][f.name].detach().to("cpu", f.torch_dtype).contiguous().reshape(-1).view(torch.uint8)
+        for i in ids
+        for f in schema.fields
+    ]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
@@ -175,7 +185,7 @@ def unpack(buf: Tensor, ids: Sequence[int], lengths: Sequence[int], schema: Sche
         s = {}
         for f in schema.fields:
             n = lengths[i] * f.bytes_per_token()
-            s[f.name] = buf[at: at + n].clone().view(f.torch_dtype).reshape(lengths[i], *f.shape)
+            s[f.name] = buf[at : at + n].clone().view(f.torch_dtype).reshape(lengths[i], *f.shape)
             at += n
         out[i] = s
     assert at == buf.numel(), (at, buf.numel())
@@ -195,12 +205,13 @@ def _shard(row: Tensor, padded_len: int, sp: int, slot: int) -> Tensor:
     lo = slot * ls
     out = row.new_zeros((1, ls, *row.shape[1:]))
     real = max(0, min(ls, row.shape[0] - lo))
-    out[0, :real] = row[lo: lo + real]
+    out[0, :real] = row[lo : lo + real]
     return out
 
 
-def rollout_batch(mb: MicroBatch, ranks: Sequence[int], rank: int,
-                  samples: Mapping[int, Mapping[str, Tensor]]) -> Batch:
+def rollout_batch(
+    mb: MicroBatch, ranks: Sequence[int], rank: int, samples: Mapping[int, Mapping[str, Tensor]]
+) -> Batch:
     """This rank's `Batch` of a micro-batch of rollouts: packed into one row like text
     (`collate.text_batch`), labels only where ``loss_mask`` marks the token, and every other
     per-token tensor shifted like the labels and sharded (``Batch.per_token``)."""
@@ -213,8 +224,12 @@ def rollout_batch(mb: MicroBatch, ranks: Sequence[int], rank: int,
     batch = text_batch(mb, ranks, rank, docs, labels)
     names = [k for k in samples[mb.sample_ids[0]] if k not in (INPUT_IDS, LOSS_MASK)] if mb.sample_ids else []
     sp, slot = len(ranks), batch.rank_in_group
-    per_token = {k: _shard(torch.cat([shifted(samples[i][k]) for i in mb.sample_ids]),
-                           padded_length(batch.seq_len, sp), sp, slot) for k in names}
+    per_token = {
+        k: _shard(
+            torch.cat([shifted(samples[i][k]) for i in mb.sample_ids]), padded_length(batch.seq_len, sp), sp, slot
+        )
+        for k in names
+    }
     return dataclasses.replace(batch, per_token=per_token)
 
 
@@ -222,8 +237,9 @@ def rollout_sizes(max_tokens: int) -> tuple[int, ...]:
     """Sizes to price a cost model over for rollouts of up to ``max_tokens`` tokens: powers
     of two from 64, then ``max_tokens`` itself."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ValueError(f"max_tokens={max_tokens!r}: give the most tokens a rollout (prompt and completion) can "
-                         f"have, an int >= 2")
+        raise ValueError(
+            f"max_tokens={max_tokens!r}: give the most tokens a rollout (prompt and completion) can have, an int >= 2"
+        )
     sizes = [n for n in (2**k for k in range(6, 40)) if n < max_tokens]
     return (*sizes, max_tokens)
 

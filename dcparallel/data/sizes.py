@@ -46,8 +46,10 @@ def _one_size(i: int, value: Any) -> Size:
 def check_step_budget(tokens_per_step: Any, samples_per_step: Any) -> None:
     """Exactly one of the two, a positive integer (checked before anything is profiled)."""
     if (tokens_per_step is None) == (samples_per_step is None):
-        raise ValueError(f"give exactly one of tokens_per_step or samples_per_step; got "
-                         f"tokens_per_step={tokens_per_step!r}, samples_per_step={samples_per_step!r}")
+        raise ValueError(
+            f"give exactly one of tokens_per_step or samples_per_step; got "
+            f"tokens_per_step={tokens_per_step!r}, samples_per_step={samples_per_step!r}"
+        )
     for name, v in (("tokens_per_step", tokens_per_step), ("samples_per_step", samples_per_step)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0):
             raise ValueError(f"{name} must be a positive integer; got {v!r}")
@@ -80,5 +82,6 @@ def check_kind(sizes: Sequence[Size], model: ModelSpec) -> None:
     wrong = next((i for i, s in enumerate(sizes) if isinstance(s, tuple) != (model.kind == "video")), None)
     if wrong is not None:
         want = "(frames, height, width) video shapes" if model.kind == "video" else "token counts"
-        raise ValueError(f"lengths[{wrong}] = {sizes[wrong]!r}, but the model {model.name!r} is a "
-                         f"{model.kind} model: give {want}")
+        raise ValueError(
+            f"lengths[{wrong}] = {sizes[wrong]!r}, but the model {model.name!r} is a {model.kind} model: give {want}"
+        )

@@ -43,8 +43,9 @@ class SyntheticLatents:
     text embeddings of width ``text_dim`` (a stand-in for an encoded caption), as diffusers
     video transformers take them: ``{"latents": ..., "encoder_hidden_states": ...}``."""
 
-    def __init__(self, shapes: Sequence[tuple[int, int, int]], channels: int, text_dim: int,
-                 text_tokens: int = 8, seed: int = 0):
+    def __init__(
+        self, shapes: Sequence[tuple[int, int, int]], channels: int, text_dim: int, text_tokens: int = 8, seed: int = 0
+    ):
         self.shapes, self.channels, self.text_dim, self.text_tokens = list(shapes), channels, text_dim, text_tokens
         self.seed = seed
 

@@ -64,8 +64,9 @@ class TextSettings:
 def _tokenizer_key(tokenizer: Any) -> str:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else
-             json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(
+        backend.to_str().encode() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+    )
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     h.update(json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id]).encode())
     return h.hexdigest()
@@ -102,11 +103,14 @@ def chat_tokens(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[b
                 f"the tokenizer's chat template renders message {i} ({m['role']}) differently once the "
                 f"conversation goes on (the first {i} messages are not a prefix of the first {i + 1}), so the "
                 f"assistant tokens cannot be told apart exactly; use a template that renders earlier turns "
-                f"unchanged (set tokenizer.chat_template)")
+                f"unchanged (set tokenizer.chat_template)"
+            )
         spans.append((len(before), len(after)))
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer: the assistant mask needs character "
-                         f"offsets; load the fast tokenizer (AutoTokenizer.from_pretrained(path, use_fast=True))")
+        raise ValueError(
+            f"{type(tokenizer).__name__} is a slow tokenizer: the assistant mask needs character "
+            f"offsets; load the fast tokenizer (AutoTokenizer.from_pretrained(path, use_fast=True))"
+        )
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     mask = [any(s < b and e > a for a, b in spans) for s, e in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
@@ -116,8 +120,10 @@ def encode(tokenizer: Any, value: dict, s: TextSettings) -> tuple[list[int], lis
     """One row -> (token ids, next-token labels or None for "text"), cut at ``max_tokens``;
     `BadSample` if it cannot be trained on."""
     if s.field not in value or value[s.field] is None:
-        raise BadSample(f"no '{s.field}' field (fields: {sorted(value)}; another field is named by [data] field, "
-                        f"text_dataset(field=...))")
+        raise BadSample(
+            f"no '{s.field}' field (fields: {sorted(value)}; another field is named by [data] field, "
+            f"text_dataset(field=...))"
+        )
     if s.format == "text":
         text = value[s.field]
         if not isinstance(text, str) or not text.strip():
@@ -131,8 +137,10 @@ def encode(tokenizer: Any, value: dict, s: TextSettings) -> tuple[list[int], lis
         ids, mask = chat_tokens(tokenizer, value[s.field])
     if s.max_tokens is not None and len(ids) > s.max_tokens:
         if not s.truncate:
-            raise BadSample(f"{len(ids)} tokens > max_tokens = {s.max_tokens} (truncate = false): shorten it, "
-                            f"raise max_tokens or set truncate = true")
+            raise BadSample(
+                f"{len(ids)} tokens > max_tokens = {s.max_tokens} (truncate = false): shorten it, "
+                f"raise max_tokens or set truncate = true"
+            )
         ids = ids[: s.max_tokens]
         mask = mask[: s.max_tokens] if mask is not None else None
     if len(ids) < 2:
@@ -178,8 +186,9 @@ def compute_lengths(tokenizer: Any, values: list[dict], s: TextSettings, num_wor
     if num_workers <= 1 or len(values) <= CHUNK:
         return _lengths_of(tokenizer, values, s)
     chunks = [values[i : i + CHUNK] for i in range(0, len(values), CHUNK)]
-    with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_init_worker, initargs=(tokenizer, s)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(tokenizer, s)
+    ) as pool:
         return [x for part in pool.map(_worker_lengths, chunks) for x in part]
 
 
@@ -205,9 +214,18 @@ class TextDataset:
         return item
 
 
-def text_dataset(path: str | Path, tokenizer: Any, *, format: str = "text", field: str | None = None,
-                 max_tokens: int | None = None, truncate: bool = True, skip_bad: bool = False, cache: bool = True,
-                 num_workers: int | None = None) -> tuple[TextDataset, list[int]]:
+def text_dataset(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    format: str = "text",
+    field: str | None = None,
+    max_tokens: int | None = None,
+    truncate: bool = True,
+    skip_bad: bool = False,
+    cache: bool = True,
+    num_workers: int | None = None,
+) -> tuple[TextDataset, list[int]]:
     """The dataset of ``path`` (.jsonl, .csv, .parquet or a save_to_disk directory) and every
     sample's token count (cached beside the file). ``format``: "text" (``field`` default
     "text") or "chat" (``field`` default "messages"). Bad samples raise one error naming each
@@ -223,8 +241,10 @@ def text_dataset(path: str | Path, tokenizer: Any, *, format: str = "text", fiel
     if not rows:
         raise ValueError(f"{p} holds no samples")
     if not any(settings.field in r.value for r in rows):  # before tokenizing: a whole file under another field
-        raise ValueError(f"{p}: no row has the field '{settings.field}' (the first row's fields: "
-                         f"{sorted(rows[0].value)}); name the field: [data] field = \"...\" (text_dataset(field=...))")
+        raise ValueError(
+            f"{p}: no row has the field '{settings.field}' (the first row's fields: "
+            f'{sorted(rows[0].value)}); name the field: [data] field = "..." (text_dataset(field=...))'
+        )
     counts = _cached_lengths(p, rows, tokenizer, settings, cache, num_workers)
     bad = BadData(str(p), skip_bad)
     good = []
@@ -239,10 +259,12 @@ def text_dataset(path: str | Path, tokenizer: Any, *, format: str = "text", fiel
     return TextDataset([r for r, _ in good], tokenizer, settings), [n for _, n in good]
 
 
-def _cached_lengths(p: Path, rows: list[Row], tokenizer: Any, s: TextSettings, cache: bool,
-                    num_workers: int | None) -> list[int | str]:
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, content_hash(p), _tokenizer_key(tokenizer), asdict(s)])
-                         .encode()).hexdigest()[:20]
+def _cached_lengths(
+    p: Path, rows: list[Row], tokenizer: Any, s: TextSettings, cache: bool, num_workers: int | None
+) -> list[int | str]:
+    key = hashlib.sha256(
+        json.dumps([CACHE_VERSION, content_hash(p), _tokenizer_key(tokenizer), asdict(s)]).encode()
+    ).hexdigest()[:20]
     cache_path = p.with_name(f"{p.name}.lengths-{key}.json")
     if cache and cache_path.exists():
         try:

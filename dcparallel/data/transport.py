@@ -96,7 +96,7 @@ class OneBuffer:
     def unpack(self) -> list[Batch]:
         out = []
         for values, specs in zip(self.values, self.specs, strict=True):
-            tensors = {name: self.buffer[off:off + n].view(dtype).view(shape) for name, dtype, shape, off, n in specs}
+            tensors = {name: self.buffer[off : off + n].view(dtype).view(shape) for name, dtype, shape, off, n in specs}
             out.append(Batch(**values, **tensors))
         return out
 

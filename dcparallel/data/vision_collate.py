@@ -84,14 +84,18 @@ def _anyres(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Te
     images (``batch_num_images`` above 1) carries each image's base view only, as the model
     encodes it."""
     if sample.get("pixel_values_videos") is not None:
-        raise ValueError(f"sample {sid} holds a video (pixel_values_videos) for an any-resolution model "
-                         f"(LLaVA-OneVision), whose videos dcparallel has not parity-tested; leave videos out")
+        raise ValueError(
+            f"sample {sid} holds a video (pixel_values_videos) for an any-resolution model "
+            f"(LLaVA-OneVision), whose videos dcparallel has not parity-tested; leave videos out"
+        )
     pix = torch.as_tensor(sample["pixel_values"])
     pix = pix.reshape(-1, *pix.shape[-4:])
     sizes = torch.as_tensor(sample["image_sizes"]).reshape(-1, 2).long()
     if pix.shape[0] != sizes.shape[0]:
-        raise ValueError(f"sample {sid}: pixel_values holds {pix.shape[0]} images but image_sizes {sizes.tolist()}; "
-                         f"pass the processor's outputs for this sample unchanged")
+        raise ValueError(
+            f"sample {sid}: pixel_values holds {pix.shape[0]} images but image_sizes {sizes.tolist()}; "
+            f"pass the processor's outputs for this sample unchanged"
+        )
     many = sample.get("batch_num_images")
     if many is not None and int(torch.as_tensor(many).sum()) != pix.shape[0]:
         raise ValueError(f"sample {sid}: batch_num_images {torch.as_tensor(many).tolist()} but {pix.shape[0]} images")
@@ -115,8 +119,10 @@ def _items(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Ten
         pix = torch.as_tensor(sample[pix_key])
         counts = grid.prod(-1).tolist()
         if pix.shape[0] != sum(counts):
-            raise ValueError(f"sample {sid}: {pix_key} has {pix.shape[0]} patches but {grid_key} {grid.tolist()} "
-                             f"needs {sum(counts)}; pass the processor's outputs for this sample unchanged")
+            raise ValueError(
+                f"sample {sid}: {pix_key} has {pix.shape[0]} patches but {grid_key} {grid.tolist()} "
+                f"needs {sum(counts)}; pass the processor's outputs for this sample unchanged"
+            )
         secs = [1.0] * len(counts)
         if kind == 2 and sample.get("second_per_grid_ts") is not None:
             secs = [float(s) for s in torch.as_tensor(sample["second_per_grid_ts"]).reshape(-1).tolist()]
@@ -124,8 +130,9 @@ def _items(sid: int, sample: Mapping[str, Any], doc: int) -> list[tuple[int, Ten
     return out
 
 
-def collate_vision(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int,
-                   ignore_index: int = IGNORE_INDEX) -> Batch:
+def collate_vision(
+    samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int, ...], rank: int, ignore_index: int = IGNORE_INDEX
+) -> Batch:
     """This rank's `Batch` of a vision-language micro-batch (see the module docstring)."""
     text, items = {}, []
     for doc, sid in enumerate(mb.sample_ids):
@@ -133,13 +140,17 @@ def collate_vision(samples: Mapping[int, Any], mb: MicroBatch, ranks: tuple[int,
         if isinstance(s, Tensor):  # a text-only sample as token ids (the profiler's synthetic samples)
             s = {"input_ids": s}
         if not isinstance(s, Mapping) or "input_ids" not in s:
-            raise ValueError(f"vision-language sample {sid} must be a mapping with 'input_ids' (a processor's output "
-                             f"for one chat); got {type(s).__name__}")
+            raise ValueError(
+                f"vision-language sample {sid} must be a mapping with 'input_ids' (a processor's output "
+                f"for one chat); got {type(s).__name__}"
+            )
         crops = s.get("num_crops")
         if crops is not None and torch.as_tensor(crops).any():
-            raise ValueError(f"vision-language sample {sid} has pan-and-scan crops (num_crops "
-                             f"{torch.as_tensor(crops).tolist()}), which dcparallel has not parity-tested (Gemma 3); "
-                             f"process its images with do_pan_and_scan=False")
+            raise ValueError(
+                f"vision-language sample {sid} has pan-and-scan crops (num_crops "
+                f"{torch.as_tensor(crops).tolist()}), which dcparallel has not parity-tested (Gemma 3); "
+                f"process its images with do_pan_and_scan=False"
+            )
         text[sid] = {"input_ids": torch.as_tensor(s["input_ids"]).reshape(-1), "labels": s.get("labels")}
         items += _items(sid, s, doc)
     batch = collate_text(text, mb, ranks, rank, ignore_index)

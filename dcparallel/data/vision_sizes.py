@@ -58,13 +58,15 @@ def image_item(width: int, height: int, image_processor: Any) -> VisionItem:
 
     ps, merge = int(image_processor.patch_size), int(image_processor.merge_size)
     size = image_processor.size
-    h, w = smart_resize(int(height), int(width), factor=ps * merge, min_pixels=size["shortest_edge"],
-                        max_pixels=size["longest_edge"])
+    h, w = smart_resize(
+        int(height), int(width), factor=ps * merge, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+    )
     return VisionItem((1, h // ps, w // ps), merge)
 
 
-def record_items(entries: Sequence[Mapping[str, Any]], image_processor: Any,
-                 root: str | Path = ".") -> list[VisionItem]:
+def record_items(
+    entries: Sequence[Mapping[str, Any]], image_processor: Any, root: str | Path = "."
+) -> list[VisionItem]:
     """The vision items of one record's image entries, each ``{"width": ..., "height": ...}``
     (pixels) or ``{"image": path}`` (relative to ``root``, read from the header) or
     ``{"grid": [t, h, w]}`` (patches, as the processor gave them: videos)."""
@@ -79,8 +81,10 @@ def record_items(entries: Sequence[Mapping[str, Any]], image_processor: Any,
         elif "image" in e:
             out.append(image_item(*header_size(Path(root) / e["image"]), image_processor))
         else:
-            raise ValueError(f"vision entry {i} {dict(e)!r} has no size: give 'width' and 'height' (pixels), 'image' "
-                             f"(a path relative to the data file) or 'grid' ([t, h, w] patches)")
+            raise ValueError(
+                f"vision entry {i} {dict(e)!r} has no size: give 'width' and 'height' (pixels), 'image' "
+                f"(a path relative to the data file) or 'grid' ([t, h, w] patches)"
+            )
     return out
 
 
@@ -92,8 +96,11 @@ def sample_length(text_tokens: int, items: Sequence[VisionItem]) -> int:
 def tower_processor(tower: VisionTower) -> SimpleNamespace:
     """The image-processor fields `image_item` reads, from a `VisionTower`'s grid rule (a
     preset without a model folder: `simulate --model qwen2.5-vl-7b`)."""
-    return SimpleNamespace(patch_size=tower.patch, merge_size=tower.merge,
-                           size={"shortest_edge": tower.min_pixels, "longest_edge": tower.max_pixels})
+    return SimpleNamespace(
+        patch_size=tower.patch,
+        merge_size=tower.merge,
+        size={"shortest_edge": tower.min_pixels, "longest_edge": tower.max_pixels},
+    )
 
 
 def read_vision_lengths(path: str | Path, tower: VisionTower) -> list[Size]:
@@ -118,8 +125,10 @@ def read_vision_lengths(path: str | Path, tower: VisionTower) -> list[Size]:
                 raise ValueError("the sample has no tokens")
             out.append(VisionSize(size, tuple(it.patches for it in items)) if items else size)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f'{p}:{lineno}: {exc!s}; a line is {{"text": tokens, "vision": [{{"width": w, '
-                             f'"height": h}} | {{"image": path}} | {{"grid": [t, h, w]}}, ...]}}') from None
+            raise ValueError(
+                f'{p}:{lineno}: {exc!s}; a line is {{"text": tokens, "vision": [{{"width": w, '
+                f'"height": h}} | {{"image": path}} | {{"grid": [t, h, w]}}, ...]}}'
+            ) from None
     if not out:
         raise ValueError(f"lengths file {p} holds no samples; one JSON object a line")
     return out

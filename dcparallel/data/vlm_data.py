@@ -75,22 +75,35 @@ def _image_entries(messages: Any, field: str) -> list[dict]:
             if kind == "text" and isinstance(e.get("text"), str):
                 continue
             if kind == "video":
-                raise BadSample(f"message {j} ({m['role']}) holds a video entry; dcparallel train reads images "
-                                f"only: give the video's frames as images, or leave the sample out")
+                raise BadSample(
+                    f"message {j} ({m['role']}) holds a video entry; dcparallel train reads images "
+                    f"only: give the video's frames as images, or leave the sample out"
+                )
             if kind != "image" or not isinstance(e.get("image"), str):
-                raise BadSample(f"message {j} ({m['role']}): entry {e!r:.60} is neither {{'type': 'text', 'text': "
-                                f"...}} nor {{'type': 'image', 'image': 'path'}}")
+                raise BadSample(
+                    f"message {j} ({m['role']}): entry {e!r:.60} is neither {{'type': 'text', 'text': "
+                    f"...}} nor {{'type': 'image', 'image': 'path'}}"
+                )
             if m["role"] == "assistant":
-                raise BadSample(f"message {j} (assistant) holds an image; the loss trains assistant tokens, so "
-                                f"images belong to user or system turns")
+                raise BadSample(
+                    f"message {j} (assistant) holds an image; the loss trains assistant tokens, so "
+                    f"images belong to user or system turns"
+                )
             images.append({k: e[k] for k in ENTRY_KEYS if k in e})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadSample("the conversation has no assistant message: nothing to learn")
     return images
 
 
-def encode_vlm(value: dict, field: str, tokenizer: Any, image_processor: Any, image_token_id: int,
-               root: Path, max_tokens: int | None = None) -> VlmSample:
+def encode_vlm(
+    value: dict,
+    field: str,
+    tokenizer: Any,
+    image_processor: Any,
+    image_token_id: int,
+    root: Path,
+    max_tokens: int | None = None,
+) -> VlmSample:
     """One record as a `VlmSample` (module docstring), or `BadSample` saying why it cannot be
     trained on. No image is decoded: grids come from the entries' sizes or the files' headers."""
     if field not in value or value[field] is None:
@@ -106,8 +119,10 @@ def encode_vlm(value: dict, field: str, tokenizer: Any, image_processor: Any, im
     ids, mask = chat_tokens(tokenizer, value[field])
     at = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(at) != len(items):
-        raise BadSample(f"the chat template rendered {len(at)} image placeholder token(s) (id {image_token_id}) for "
-                        f"{len(items)} image entries; each image entry needs exactly one")
+        raise BadSample(
+            f"the chat template rendered {len(at)} image placeholder token(s) (id {image_token_id}) for "
+            f"{len(items)} image entries; each image entry needs exactly one"
+        )
     out_ids: list[int] = []
     out_mask: list[bool] = []
     for i, (t, a) in enumerate(zip(ids, mask, strict=True)):
@@ -115,13 +130,16 @@ def encode_vlm(value: dict, field: str, tokenizer: Any, image_processor: Any, im
         out_ids += [t] * n
         out_mask += [a and t != image_token_id] * n
     if max_tokens is not None and len(out_ids) > max_tokens:
-        raise BadSample(f"{len(out_ids)} tokens (text and image placeholders) > max_tokens = {max_tokens}; a chat "
-                        f"with images is not cut (an image's placeholders would be): raise max_tokens or shrink it")
+        raise BadSample(
+            f"{len(out_ids)} tokens (text and image placeholders) > max_tokens = {max_tokens}; a chat "
+            f"with images is not cut (an image's placeholders would be): raise max_tokens or shrink it"
+        )
     labels = masked_labels(out_ids[1:], out_mask[1:])
     if all(x == IGNORE_INDEX for x in labels):
         raise BadSample("no assistant token after the first: nothing to learn")
-    return VlmSample(tuple(out_ids), tuple(labels), tuple(str(root / e["image"]) for e in entries),
-                     tuple(it.grid for it in items))
+    return VlmSample(
+        tuple(out_ids), tuple(labels), tuple(str(root / e["image"]) for e in entries), tuple(it.grid for it in items)
+    )
 
 
 class VlmDataset:
@@ -141,8 +159,10 @@ class VlmDataset:
         from PIL import Image
 
         s = self.samples[i]
-        item = {"input_ids": torch.tensor(s.input_ids, dtype=torch.long),
-                "labels": torch.tensor(s.labels, dtype=torch.long)}
+        item = {
+            "input_ids": torch.tensor(s.input_ids, dtype=torch.long),
+            "labels": torch.tensor(s.labels, dtype=torch.long),
+        }
         if not s.images:
             return item
         pictures = []
@@ -153,14 +173,23 @@ class VlmDataset:
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
         if grids != list(s.grids):
             bad = next(j for j, (a, b) in enumerate(zip(grids, s.grids, strict=True)) if a != b)
-            raise ValueError(f"{self.wheres[i]}: image {s.images[bad]} decodes to the patch grid {grids[bad]}, but its "
-                             f"size in the record or header gave {s.grids[bad]}; fix its width / height")
+            raise ValueError(
+                f"{self.wheres[i]}: image {s.images[bad]} decodes to the patch grid {grids[bad]}, but its "
+                f"size in the record or header gave {s.grids[bad]}; fix its width / height"
+            )
         return item | {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def vlm_dataset(path: str | Path, tokenizer: Any, image_processor: Any, *, image_token_id: int,
-                field: str | None = None, max_tokens: int | None = None,
-                skip_bad: bool = False) -> tuple[VlmDataset, list[int]]:
+def vlm_dataset(
+    path: str | Path,
+    tokenizer: Any,
+    image_processor: Any,
+    *,
+    image_token_id: int,
+    field: str | None = None,
+    max_tokens: int | None = None,
+    skip_bad: bool = False,
+) -> tuple[VlmDataset, list[int]]:
     """The dataset of a chat-with-images file (JSONL, or any format `read_rows` reads) and
     every sample's size (`sample_size`: text and image placeholder tokens, and each image's
     patches), from metadata only. Bad samples
@@ -171,14 +200,20 @@ def vlm_dataset(path: str | Path, tokenizer: Any, image_processor: Any, *, image
     if not rows:
         raise ValueError(f"{p} holds no samples")
     if not any(field in r.value for r in rows):
-        raise ValueError(f"{p}: no row has the field '{field}' (the first row's fields: {sorted(rows[0].value)}); "
-                         f'name the field: [data] field = "..."')
+        raise ValueError(
+            f"{p}: no row has the field '{field}' (the first row's fields: {sorted(rows[0].value)}); "
+            f'name the field: [data] field = "..."'
+        )
     bad = BadData(str(p), skip_bad)
     good: list[tuple[str, VlmSample]] = []
     for row in rows:
         try:
-            good.append((row.where, encode_vlm(row.value, field, tokenizer, image_processor, image_token_id,
-                                               p.parent, max_tokens)))
+            good.append(
+                (
+                    row.where,
+                    encode_vlm(row.value, field, tokenizer, image_processor, image_token_id, p.parent, max_tokens),
+                )
+            )
         except BadSample as exc:
             bad.add(row.where, str(exc))
     bad.finish(len(rows))

@@ -88,8 +88,10 @@ class _Tokens:
         self.dataset = dataset
         names = getattr(dataset, "column_names", None)
         if names is not None and "input_ids" not in names:
-            raise ValueError(f"DataCentricTrainer trains on tokenized rows with 'input_ids'; the train dataset has "
-                             f"columns {sorted(names)}: tokenize it first (dataset.map(tokenizer...))")
+            raise ValueError(
+                f"DataCentricTrainer trains on tokenized rows with 'input_ids'; the train dataset has "
+                f"columns {sorted(names)}: tokenize it first (dataset.map(tokenizer...))"
+            )
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -104,8 +106,10 @@ class _Tokens:
             return {"input_ids": ids}
         labels = torch.as_tensor(row["labels"]).reshape(-1)
         if labels.shape != ids.shape:
-            raise ValueError(f"train row {i}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; "
-                             f"give one label per token (-100 where no loss)")
+            raise ValueError(
+                f"train row {i}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; "
+                f"give one label per token (-100 where no loss)"
+            )
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:-1] = labels[1:]
         return {"input_ids": ids, "labels": shifted}
@@ -144,30 +148,41 @@ def _refuse_inexact(a, compute_loss_func) -> None:
     """Refuses the `TrainingArguments` a planned step would not honour exactly, each by name
     with its fix."""
     if a.gradient_accumulation_steps != 1:
-        raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
-                         f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
-                         f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step")
+        raise ValueError(
+            f"gradient_accumulation_steps={a.gradient_accumulation_steps}: each item of the "
+            f"data-centric loader is a whole planned step (its micro-batches accumulate inside "
+            f"it); set gradient_accumulation_steps=1 and size steps with dc_args.tokens_per_step"
+        )
     if a.optim not in ADAMW_NAMES:
         optim = getattr(a.optim, "value", a.optim)
-        raise ValueError(f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
-                         f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)")
+        raise ValueError(
+            f"optim={optim!r}: DataCentricTrainer steps with dcparallel's ZeRO-1 AdamW; use "
+            f"optim='adamw_torch' (learning rate, betas, epsilon and weight decay are kept)"
+        )
     if a.fp16:
-        raise ValueError("fp16=True needs a loss scaler, which the planned steps do not run: pass bf16=True "
-                         "(autocast to bfloat16, no scaling) or load the model in torch.bfloat16 (dcparallel keeps "
-                         "fp32 master weights and gradients)")
+        raise ValueError(
+            "fp16=True needs a loss scaler, which the planned steps do not run: pass bf16=True "
+            "(autocast to bfloat16, no scaling) or load the model in torch.bfloat16 (dcparallel keeps "
+            "fp32 master weights and gradients)"
+        )
     for name in ("bf16_full_eval", "fp16_full_eval"):
         if getattr(a, name, False):
-            raise ValueError(f"{name}=True casts the model for evaluation, and its parameters are dcparallel's "
-                             f"flat buffers: pass {name}=False (evaluation runs under bf16's autocast)")
+            raise ValueError(
+                f"{name}=True casts the model for evaluation, and its parameters are dcparallel's "
+                f"flat buffers: pass {name}=False (evaluation runs under bf16's autocast)"
+            )
     if a.label_smoothing_factor or compute_loss_func is not None:
-        what = (f"label_smoothing_factor={a.label_smoothing_factor}" if a.label_smoothing_factor
-                else "compute_loss_func")
-        raise ValueError(f"{what}: DataCentricTrainer's steps compute the next-token cross-entropy of each "
-                         f"micro-batch (the step's mean over all ranks' targets); give dc_args.loss_fn a loss of "
-                         f"(model, batch, ctx) computing yours instead")
+        what = f"label_smoothing_factor={a.label_smoothing_factor}" if a.label_smoothing_factor else "compute_loss_func"
+        raise ValueError(
+            f"{what}: DataCentricTrainer's steps compute the next-token cross-entropy of each "
+            f"micro-batch (the step's mean over all ranks' targets); give dc_args.loss_fn a loss of "
+            f"(model, batch, ctx) computing yours instead"
+        )
     if a.neftune_noise_alpha is not None:
-        raise ValueError(f"neftune_noise_alpha={a.neftune_noise_alpha}: NEFTune's embedding noise is not drawn "
-                         f"per sample by the planned steps (it would differ with the layout); set it to None")
+        raise ValueError(
+            f"neftune_noise_alpha={a.neftune_noise_alpha}: NEFTune's embedding noise is not drawn "
+            f"per sample by the planned steps (it would differ with the layout); set it to None"
+        )
 
 
 class DataCentricTrainer(Trainer):
@@ -187,8 +202,14 @@ class DataCentricTrainer(Trainer):
             self.args = a = copy.copy(a)  # the caller's arguments stay as given
             for n in names:
                 setattr(a, n, False)
-        self.dc = DataCentricParallel(self.model, policy=self.dc_args.policy, memory_bytes=self.dc_args.memory_bytes,
-                                      shard_size=self.dc_args.shard_size, seed=a.seed, loss_fn=self.dc_args.loss_fn)
+        self.dc = DataCentricParallel(
+            self.model,
+            policy=self.dc_args.policy,
+            memory_bytes=self.dc_args.memory_bytes,
+            shard_size=self.dc_args.shard_size,
+            seed=a.seed,
+            loss_fn=self.dc_args.loss_fn,
+        )
         self._dc_loader = None
 
     # ------------------------------------------------------------------ data
@@ -199,10 +220,17 @@ class DataCentricTrainer(Trainer):
             d = self.dc_args
             data = _Tokens(self.train_dataset)
             path = d.profile_path or os.path.join(self.args.output_dir, "dcparallel_profile.json")
-            self._dc_loader = self.dc.prepare(data, lengths=data.lengths(), tokens_per_step=d.tokens_per_step,
-                                              samples_per_step=d.samples_per_step, cost=d.cost, profile_path=path,
-                                              profiler_config=d.profiler_config, collate="text",
-                                              refine_steps=d.refine_steps)
+            self._dc_loader = self.dc.prepare(
+                data,
+                lengths=data.lengths(),
+                tokens_per_step=d.tokens_per_step,
+                samples_per_step=d.samples_per_step,
+                cost=d.cost,
+                profile_path=path,
+                profiler_config=d.profiler_config,
+                collate="text",
+                refine_steps=d.refine_steps,
+            )
             self._check_epochs_alike(self._dc_loader)
             self.add_callback(_EpochFraction(len(self._dc_loader)))
         return _Steps(self.dc)
@@ -214,9 +242,11 @@ class DataCentricTrainer(Trainer):
         epochs = int(-(-a.num_train_epochs // 1)) if a.max_steps <= 0 else -(-a.max_steps // len(loader))
         counts = [len(loader.steps(e)) for e in range(max(1, epochs))]
         if len(set(counts)) > 1:
-            raise ValueError(f"the epochs' planned steps differ in number ({counts}); the Trainer counts one number "
-                             f"per epoch: give dc_args.samples_per_step (a fixed number of steps per epoch), or "
-                             f"train one epoch per call")
+            raise ValueError(
+                f"the epochs' planned steps differ in number ({counts}); the Trainer counts one number "
+                f"per epoch: give dc_args.samples_per_step (a fixed number of steps per epoch), or "
+                f"train one epoch per call"
+            )
 
     # ------------------------------------------------------------------ the step
 
@@ -236,12 +266,14 @@ class DataCentricTrainer(Trainer):
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial):
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
         """As the Trainer's; a resume inside an epoch moves the loader itself to the next step
         (it skips by step, not by re-reading batches)."""
         epochs_trained, steps_trained = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
         loader = self._dc_loader
         saved = _loader_state(resume_from_checkpoint)  # the measured times the saved run planned with
         if steps_trained > 0 or saved:
@@ -253,8 +285,9 @@ class DataCentricTrainer(Trainer):
         betas, epsilon and weight decay (on weight matrices, not biases and norms: `Engine.optimizer`)."""
         if self.optimizer is None:
             a = self.args
-            self.optimizer = self.dc.optimizer(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                               eps=a.adam_epsilon, weight_decay=a.weight_decay)
+            self.optimizer = self.dc.optimizer(
+                lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon, weight_decay=a.weight_decay
+            )
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -318,19 +351,24 @@ def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:
     shard_size > 1 this rank's own file, at the world size it was saved with."""
     files = {int(f.stem.removeprefix("dc_optimizer_rank")): f for f in checkpoint.glob("dc_optimizer_rank*.pt")}
     if not files:
-        raise ValueError(f"{checkpoint} has no dc_optimizer_rank*.pt: resume a DataCentricTrainer from its own "
-                         f"checkpoint")
+        raise ValueError(
+            f"{checkpoint} has no dc_optimizer_rank*.pt: resume a DataCentricTrainer from its own checkpoint"
+        )
     rank, world = comm.world_rank(), comm.world_size()
     if isinstance(optimizer, ZeroAdamW):
         states = [torch.load(files[r], weights_only=True) for r in sorted(files)]
         saved = sorted({int(s["world_size"]) for s in states})
         if saved != [len(states)] or sorted(files) != list(range(len(states))):
-            raise ValueError(f"{checkpoint} holds dc_optimizer_rank*.pt of ranks {sorted(files)} saved at world "
-                             f"sizes {saved}: one checkpoint is one file per rank of one run; remove the files "
-                             f"another run left there")
+            raise ValueError(
+                f"{checkpoint} holds dc_optimizer_rank*.pt of ranks {sorted(files)} saved at world "
+                f"sizes {saved}: one checkpoint is one file per rank of one run; remove the files "
+                f"another run left there"
+            )
         return states
     if len(files) != world or rank not in files:
-        raise ValueError(f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
-                         f"the optimizer state resumes at the world size it was saved with (resume with "
-                         f"{len(files)} ranks, or train with shard_size=1, whose state reshards)")
+        raise ValueError(
+            f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
+            f"the optimizer state resumes at the world size it was saved with (resume with "
+            f"{len(files)} ranks, or train with shard_size=1, whose state reshards)"
+        )
     return torch.load(files[rank], weights_only=True)

@@ -27,9 +27,11 @@ class DataCentricSFTTrainer(DataCentricTrainer, SFTTrainer):
         config = kwargs.get("args")
         loss_type = getattr(config, "loss_type", "nll")
         if loss_type != "nll":
-            raise ValueError(f"loss_type={loss_type!r}: DataCentricSFTTrainer's steps compute the next-token "
-                             f"cross-entropy ('nll'); set loss_type='nll', or give dc_args.loss_fn a loss of "
-                             f"(model, batch, ctx) computing yours")
+            raise ValueError(
+                f"loss_type={loss_type!r}: DataCentricSFTTrainer's steps compute the next-token "
+                f"cross-entropy ('nll'); set loss_type='nll', or give dc_args.loss_fn a loss of "
+                f"(model, batch, ctx) computing yours"
+            )
         if config is not None and getattr(config, "packing", False):
             config = copy.copy(config)
             config.packing = False  # the planner packs: TRL's fixed-length packing would hide the lengths

@@ -63,11 +63,15 @@ class AttnPattern:
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"attention softcap {self.softcap} must be a positive number (or None for no capping)")
         if self.window is not None and (self.kind != "causal" or not self.window >= 1):
-            raise ValueError(f"attention window {self.window} with kind {self.kind!r}: a sliding window is a "
-                             f"positive number of keys of causal attention; use kind 'causal' or window None")
+            raise ValueError(
+                f"attention window {self.window} with kind {self.kind!r}: a sliding window is a "
+                f"positive number of keys of causal attention; use kind 'causal' or window None"
+            )
         if self.blocks and self.kind != "causal":
-            raise ValueError(f"bidirectional blocks {list(self.blocks)} with kind {self.kind!r}: blocks open spans of "
-                             f"causal attention; use kind 'causal' or no blocks")
+            raise ValueError(
+                f"bidirectional blocks {list(self.blocks)} with kind {self.kind!r}: blocks open spans of "
+                f"causal attention; use kind 'causal' or no blocks"
+            )
 
     def within(self, start: int, end: int) -> AttnPattern:
         """This pattern for the document [start, end) of the row: its blocks cut to it and
@@ -83,8 +87,9 @@ class AttnPattern:
 
 
 class AttentionFn(Protocol):
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None
-                 ) -> Tensor: ...
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None
+    ) -> Tensor: ...
 
 
 def _needs_eager(pattern: AttnPattern, sinks: Tensor | None) -> bool:
@@ -92,8 +97,7 @@ def _needs_eager(pattern: AttnPattern, sinks: Tensor | None) -> bool:
     return pattern.softcap is not None or sinks is not None
 
 
-def _masked(length: int, window: int | None, device: torch.device, blocks: tuple[tuple[int, int], ...] = ()
-            ) -> Tensor:
+def _masked(length: int, window: int | None, device: torch.device, blocks: tuple[tuple[int, int], ...] = ()) -> Tensor:
     """(L, L) True where a query may not see a key: later keys (but those of the query's own
     block), and keys ``window`` or more back."""
     idx = torch.arange(length, device=device)
@@ -104,8 +108,16 @@ def _masked(length: int, window: int | None, device: torch.device, blocks: tuple
     return hidden if window is None else hidden | (back >= window)
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None, sinks: Tensor | None,
-           window: int | None = None, blocks: tuple[tuple[int, int], ...] = ()) -> Tensor:
+def _eager(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    softcap: float | None,
+    sinks: Tensor | None,
+    window: int | None = None,
+    blocks: tuple[tuple[int, int], ...] = (),
+) -> Tensor:
     """Attention written out, for what SDPA cannot do: (N, L, H, D) q, k (N, L, H_kv, D),
     v (N, L, H_kv, Dv) -> (N, L, H, Dv). Scores q.k / sqrt(D), then the softcap, the causal
     mask, the sink column (head h's logit ``sinks[h]``), a float32 softmax, the sink column
@@ -128,8 +140,9 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None,
     return torch.einsum("nhlm,nmhd->nlhd", probs.to(v.dtype), v)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None,
-          blocks: tuple[tuple[int, int], ...] = ()) -> Tensor:
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None, blocks: tuple[tuple[int, int], ...] = ()
+) -> Tensor:
     """(N, L, H, D), k and v (N, L, H_kv, D) -> (N, L, H, D). SDPA gets 4-D (N, H, L, D)
     inputs: 3-D inputs take a 4-5x slower kernel on CPU. Fewer key/value heads than query
     heads (grouped-query attention) are shared by consecutive query heads. A sliding window
@@ -146,8 +159,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = No
 def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
     """Attention within one document / sample of length L: (B, L, H, Dv)."""
     if _needs_eager(pattern, sinks):
-        core = lambda q, k, v, causal, window=None, blocks=(): _eager(q, k, v, causal, pattern.softcap, sinks,
-                                                                     window, blocks)
+        core = lambda q, k, v, causal, window=None, blocks=(): _eager(
+            q, k, v, causal, pattern.softcap, sinks, window, blocks
+        )
     else:
         core = _sdpa
     if pattern.kind in ("causal", "full"):
@@ -169,7 +183,11 @@ def _attend_segment(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttnPattern,
+    cu_seqlens: Sequence[int] | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Reference kernel for full (unsharded) rows: a loop of SDPA per document (of the
@@ -223,12 +241,19 @@ class AttnFeatures:
 
     @classmethod
     def of(cls, q: Tensor, pattern: AttnPattern, sinks: Tensor | None) -> AttnFeatures:
-        return cls(pattern.kind, pattern.softcap is not None, sinks is not None, pattern.window is not None,
-                   q.shape[0] == 1, bool(pattern.blocks))
+        return cls(
+            pattern.kind,
+            pattern.softcap is not None,
+            sinks is not None,
+            pattern.window is not None,
+            q.shape[0] == 1,
+            bool(pattern.blocks),
+        )
 
 
-def attention_kernel(device_type: str, dtype: torch.dtype, features: AttnFeatures,
-                     torch_version: tuple[int, int]) -> KernelName:
+def attention_kernel(
+    device_type: str, dtype: torch.dtype, features: AttnFeatures, torch_version: tuple[int, int]
+) -> KernelName:
     """Which kernel computes a call. ``varlen``: varlen_attn over the packed documents (flash;
     grouped key/value heads as they are, a smaller value head zero-padded); ``flex``:
     FlexAttention with a document block mask, the softcap as a score mod and the sinks as an
@@ -248,7 +273,11 @@ def attention_kernel(device_type: str, dtype: torch.dtype, features: AttnFeature
 
 
 def cuda_varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu_seqlens: Sequence[int] | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttnPattern,
+    cu_seqlens: Sequence[int] | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """dcparallel's kernel on any device: `attention_kernel` picks varlen_attn, FlexAttention,
@@ -329,10 +358,8 @@ def _window_kw(causal: bool, window: int | None) -> dict:
     return {"is_causal": causal}
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu: Sequence[int], sinks: Tensor | None
-          ) -> Tensor:
-    return flex_packed(q, k, v, cu, causal=pattern.causal, softcap=pattern.softcap, window=pattern.window,
-                       sinks=sinks)
+def _flex(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, cu: Sequence[int], sinks: Tensor | None) -> Tensor:
+    return flex_packed(q, k, v, cu, causal=pattern.causal, softcap=pattern.softcap, window=pattern.window, sinks=sinks)
 
 
 def default_kernel(device: torch.device):

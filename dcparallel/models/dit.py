@@ -72,15 +72,11 @@ def patchify(latent: Tensor, patch: tuple[int, int, int]) -> tuple[Tensor, Tenso
     c, t, h, w = latent.shape
     pt, ph, pw = patch
     if t % pt or h % ph or w % pw:
-        raise ValueError(
-            f"latent shape {(t, h, w)} is not divisible by the patch {patch}; crop or pad the latent"
-        )
+        raise ValueError(f"latent shape {(t, h, w)} is not divisible by the patch {patch}; crop or pad the latent")
     nt, nh, nw = t // pt, h // ph, w // pw
     x = latent.reshape(c, nt, pt, nh, ph, nw, pw).permute(1, 3, 5, 0, 2, 4, 6)
     tokens = x.reshape(nt * nh * nw, c * pt * ph * pw)
-    grid = torch.stack(
-        torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw), indexing="ij"), -1
-    )
+    grid = torch.stack(torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw), indexing="ij"), -1)
     return tokens, grid.reshape(-1, 3), (nt, nh * nw)
 
 
@@ -127,9 +123,7 @@ class DiTMLPBlock(nn.Module):
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
         shift, scale, gate = self.ada(F.silu(c)).chunk(3, dim=-1)
-        return gate[:, None] * self.fc2(
-            F.gelu(self.fc1(modulate(self.norm(x), shift, scale)), approximate="tanh")
-        )
+        return gate[:, None] * self.fc2(F.gelu(self.fc1(modulate(self.norm(x), shift, scale)), approximate="tanh"))
 
 
 class DiTLayer(nn.Module):
@@ -191,8 +185,9 @@ class DiT(nn.Module):
         return self.final(modulate(self.final_norm(h), shift, scale))
 
 
-def draw_flow(generator: torch.Generator, num_tokens: int, patch_dim: int, device: torch.device | None = None
-              ) -> tuple[Tensor, Tensor]:
+def draw_flow(
+    generator: torch.Generator, num_tokens: int, patch_dim: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
     """Flow-matching randomness of one sample from its generator (on ``device``, the
     generator's): timestep t (logit-normal, a 0-d tensor) and noise (num_tokens, patch_dim)
     over the whole sample's tokens."""
@@ -201,9 +196,7 @@ def draw_flow(generator: torch.Generator, num_tokens: int, patch_dim: int, devic
     return t, noise
 
 
-def flow_matching_loss(
-    model: DiT, x0: Tensor, positions: Tensor, t: Tensor, noise: Tensor, frames: int = 1
-) -> Tensor:
+def flow_matching_loss(model: DiT, x0: Tensor, positions: Tensor, t: Tensor, noise: Tensor, frames: int = 1) -> Tensor:
     """Per-token loss (B, L): mean over channels of (v_pred - (noise - x0))^2 at
     x_t = (1 - t) x0 + t noise; t (B,), noise like x0."""
     tb = t.to(x0.dtype)[:, None, None]

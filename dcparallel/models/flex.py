@@ -49,8 +49,17 @@ def pad_head(v: Tensor, d: int) -> Tensor:
     return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
 
 
-def flex_packed(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *, causal: bool, softcap: float | None,
-                window: int | None, sinks: Tensor | None) -> Tensor:
+def flex_packed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu: Sequence[int],
+    *,
+    causal: bool,
+    softcap: float | None,
+    window: int | None,
+    sinks: Tensor | None,
+) -> Tensor:
     """FlexAttention over packed rows: (B, L, H, D), k (B, L, H_kv, D), v (B, L, H_kv, Dv)
     -> (B, L, H, Dv), padding zero; ``softcap``, ``window`` and ``sinks`` as
     `dcparallel.models.attention.AttnPattern` and its kernels define them. Sinks
@@ -63,8 +72,15 @@ def flex_packed(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *, causal: b
     dv = v.shape[-1]
     mask = _document_mask(CuSeqlens(cu, getattr(cu, "tensor", None)), length, causal, window, q.device)
     fn = _compiled_flex() if q.is_cuda else flex_attention
-    out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), pad_head(v, d).transpose(1, 2),
-                  score_mod=_softcap_mod(softcap), block_mask=mask, enable_gqa=k.shape[2] != h, **_lse_kw())
+    out, lse = fn(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        pad_head(v, d).transpose(1, 2),
+        score_mod=_softcap_mod(softcap),
+        block_mask=mask,
+        enable_gqa=k.shape[2] != h,
+        **_lse_kw(),
+    )
     if not isinstance(lse, Tensor):  # return_aux gives an AuxOutput
         lse = lse.lse
     out = out[..., :dv]
@@ -117,8 +133,9 @@ def _document_mask(cu: CuSeqlens, length: int, causal: bool, window: int | None,
     from torch.nn.attention.flex_attention import create_block_mask
 
     num_docs = len(cu) - 1
-    doc = torch.searchsorted(device_cu(cu, device)[1:], torch.arange(length, device=device, dtype=torch.int32),
-                             right=True)
+    doc = torch.searchsorted(
+        device_cu(cu, device)[1:], torch.arange(length, device=device, dtype=torch.int32), right=True
+    )
 
     def mask_mod(b, h, q_idx, kv_idx):
         seen = (doc[q_idx] == doc[kv_idx]) & (doc[q_idx] < num_docs)

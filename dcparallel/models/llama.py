@@ -84,13 +84,9 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
 
-def rotary_tables(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+def rotary_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (B, L, 1, head_dim) for integer positions (B, L)."""
-    inv = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     ang = positions.to(torch.float32)[..., None] * inv
     ang = torch.cat([ang, ang], dim=-1)[:, :, None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -164,9 +160,7 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 scale = (
-                    std / math.sqrt(2 * self.cfg.num_layers)
-                    if name.endswith(("out.weight", "down.weight"))
-                    else std
+                    std / math.sqrt(2 * self.cfg.num_layers) if name.endswith(("out.weight", "down.weight")) else std
                 )
                 nn.init.normal_(p, std=scale)
 
@@ -187,4 +181,3 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x))
-

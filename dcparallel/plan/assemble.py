@@ -65,8 +65,14 @@ def with_idle(groups: Iterable[GroupPlan], world: int, *, by_rank: bool = False)
     return tuple(out)
 
 
-def assemble(ctx: PlanContext, step: Step, groups: Iterable[GroupPlan] | GroupSource, *,
-              by_rank: bool = False, ids: np.ndarray | None = None) -> StepPlan:
+def assemble(
+    ctx: PlanContext,
+    step: Step,
+    groups: Iterable[GroupPlan] | GroupSource,
+    *,
+    by_rank: bool = False,
+    ids: np.ndarray | None = None,
+) -> StepPlan:
     """The `StepPlan` of a step's groups (`with_idle` adds the idle ones; a `GroupSource` adds
     its own, with `with_idle`, when built) and its token count (`PlanContext.step_tokens`;
     `ids`: the step's sample ids as an array, in any order, where the planner holds them)."""

@@ -35,7 +35,7 @@ class RoomTree:
         """A new bin (the last), with ``room``; its index."""
         b = self.num_bins
         if b == self.size:  # full: twice the leaves, the inner nodes rebuilt
-            leaves = self.room[self.size:] + [float("-inf")] * self.size
+            leaves = self.room[self.size :] + [float("-inf")] * self.size
             self.size *= 2
             self.room = [float("-inf")] * self.size + leaves
             for node in range(self.size - 1, 0, -1):
@@ -86,7 +86,7 @@ def first_fit_decreasing(ids: Sequence[int], tokens: Sequence[int], capacity: in
                 take = 1  # a new bin takes the sample even where it exceeds the capacity
             else:
                 take = end - pos if t <= 0 else min(end - pos, room[b] // t)
-            bins[b].extend(order[pos:pos + take])
+            bins[b].extend(order[pos : pos + take])
             room[b] -= take * t
             tree.set(b, room[b])
             pos += take

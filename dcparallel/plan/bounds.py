@@ -122,8 +122,7 @@ class LowerBound:
             s = sizes[i]
             uniq[s] = uniq.get(s, 0) + 1
         fg = [self.degrees(s) for s in uniq]
-        return (np.array([x[0] for x in fg]), np.array([x[1] for x in fg]),
-                np.array(list(uniq.values()), dtype=float))
+        return (np.array([x[0] for x in fg]), np.array([x[1] for x in fg]), np.array(list(uniq.values()), dtype=float))
 
     def simple(self, step: Step) -> float:
         """The simple compute bound: max(sum g / world, max f)."""
@@ -356,8 +355,15 @@ def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float
     active = np.flatnonzero(np.isin(es, PER_RANK_EPS))
     while True:
         rows = nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :]  # [e, option]
-        res = linprog(np.zeros(len(of)), A_ub=rows, b_ub=np.full(len(active), cap), A_eq=eq,
-                      b_eq=np.ones(len(usable)), bounds=(0, None), method="highs")
+        res = linprog(
+            np.zeros(len(of)),
+            A_ub=rows,
+            b_ub=np.full(len(active), cap),
+            A_eq=eq,
+            b_eq=np.ones(len(usable)),
+            bounds=(0, None),
+            method="highs",
+        )
         if res.status == 2:  # infeasible: proven
             return False
         if res.status != 0:  # the solver could not tell (numerical trouble): nothing is proven

@@ -83,8 +83,10 @@ def tune_static(ctx: PlanContext, steps: Sequence[Step], make, score: Score, max
 
     got = best_tuned(candidates(), even_subset(steps, max_steps), score)
     if got is None:
-        raise NoLayoutFits("no single SP degree and recompute setting fits every sample; "
-                           "static baselines cannot run this data on this cluster")
+        raise NoLayoutFits(
+            "no single SP degree and recompute setting fits every sample; "
+            "static baselines cannot run this data on this cluster"
+        )
     return got
 
 

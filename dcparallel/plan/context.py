@@ -61,13 +61,22 @@ class FitGrid(NamedTuple):
 
 
 class PlanContext:
-    def __init__(self, workload: Workload, cost: CostModel, cluster: ClusterSpec,
-                 sp_sizes: Sequence[int] | None = None, skip_oversize: bool = False, layouts: dict | None = None):
+    def __init__(
+        self,
+        workload: Workload,
+        cost: CostModel,
+        cluster: ClusterSpec,
+        sp_sizes: Sequence[int] | None = None,
+        skip_oversize: bool = False,
+        layouts: dict | None = None,
+    ):
         if cost.model != workload.model:
             raise ValueError(f"cost model is for {cost.model.name!r}, workload for {workload.model.name!r}")
         if cost.cluster.shard_size != cluster.shard_size:
-            raise ValueError(f"the cost model prices shard blocks of {cost.cluster.shard_size} ranks but the cluster "
-                             f"plans for {cluster.shard_size}; build the cost model on the same ClusterSpec")
+            raise ValueError(
+                f"the cost model prices shard blocks of {cost.cluster.shard_size} ranks but the cluster "
+                f"plans for {cluster.shard_size}; build the cost model on the same ClusterSpec"
+            )
         self.workload, self.cost, self.cluster = workload, cost, cluster
         if hasattr(cost, "longest_sample"):  # a longer sequence it prices is a packed bin: its warning says so
             cost.longest_sample = max(cost.longest_sample, max(workload.tokens, default=0))
@@ -78,13 +87,16 @@ class PlanContext:
         supported = cost.sp_sizes
 
         def usable(sizes: Sequence[int]) -> list[int]:
-            return [k for k in sizes if (supported is None or k in supported)
-                    and (sp_sizes is None or k in set(sp_sizes))]
+            return [
+                k for k in sizes if (supported is None or k in supported) and (sp_sizes is None or k in set(sp_sizes))
+            ]
 
         chain = usable(self.topology.chain)
         if not chain:
-            raise ValueError(f"no usable SP degree: chain {list(self.topology.chain)}, "
-                             f"cost model supports {supported}, asked for {sp_sizes}")
+            raise ValueError(
+                f"no usable SP degree: chain {list(self.topology.chain)}, "
+                f"cost model supports {supported}, asked for {sp_sizes}"
+            )
         #: the SP degrees the planners use: the topology's chain (groups of any mix of them tile
         #: the world), less those the cost model cannot price or the caller left out
         self.sp_sizes: list[int] = chain
@@ -109,7 +121,8 @@ class PlanContext:
             members.setdefault(self.bucket_of[i], []).append(i)
         #: the largest usable sample of each bucket (`cost.vision.class_rep`): its layouts must fit it
         self.rep: dict[tuple[int, ...], Size] = {
-            b: class_rep([self.sizes[i] for i in ids], [self.tokens[i] for i in ids]) for b, ids in members.items()}
+            b: class_rep([self.sizes[i] for i in ids], [self.tokens[i] for i in ids]) for b, ids in members.items()
+        }
 
     # -- cost access -------------------------------------------------------------------
     def terms(self, sizes: tuple[Size, ...], sp: int) -> MicroBatchTerms:
@@ -127,8 +140,9 @@ class PlanContext:
         self._fit[key] = out
         return out
 
-    def copies_times(self, sizes: Sequence[Size], tops: Sequence[int], sp: int,
-                     mode: RecomputeMode) -> list[np.ndarray]:
+    def copies_times(
+        self, sizes: Sequence[Size], tops: Sequence[int], sp: int, mode: RecomputeMode
+    ) -> list[np.ndarray]:
         """Per size of ``sizes``, `copies_layout(size, m, sp, mode).time` for m = 1..its top,
         all priced at once (`CostModel.terms_copies_grid`, `recompute_grid`): the same times,
         element by element; inf where m copies do not fit. Not cached."""
@@ -165,13 +179,19 @@ class PlanContext:
         """Micro-batches (sample ids) as the cost models' `Batches`."""
         if self._sample_stats is None:  # each sample's tokens, pairs and vision patches, once
             pairs = {s: float(self.model.attention_pairs(s)) for s in set(self.sizes)}
-            self._sample_stats = (np.asarray(self.tokens, dtype=np.int64),
-                                  np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)),
-                                  vision_stats(self.model, self.sizes))
+            self._sample_stats = (
+                np.asarray(self.tokens, dtype=np.int64),
+                np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)),
+                vision_stats(self.model, self.sizes),
+            )
         tokens, pairs_of, vision = self._sample_stats
         ids = np.fromiter(chain.from_iterable(micro_batches), dtype=np.int64)
-        return Batches(tokens[ids], pairs_of[ids], np.fromiter(map(len, micro_batches), dtype=np.int64,
-                       count=len(micro_batches)), None if vision is None else vision[ids])
+        return Batches(
+            tokens[ids],
+            pairs_of[ids],
+            np.fromiter(map(len, micro_batches), dtype=np.int64, count=len(micro_batches)),
+            None if vision is None else vision[ids],
+        )
 
     def fits_grid(self, micro_batches: Sequence[Sequence[int]], sps: Sequence[int], mode: RecomputeMode) -> FitGrid:
         """`layout_for` of every micro-batch (its sample ids) at every degree of `sps`,
@@ -317,8 +337,11 @@ class PlanContext:
         """The tokens of a step's samples (the ids as a sequence or an integer array)."""
         if self._tokens is None:
             self._tokens = np.asarray(self.tokens, dtype=np.int64)
-        ids = sample_ids if isinstance(sample_ids, np.ndarray) else \
-            np.fromiter(sample_ids, dtype=np.int64, count=len(sample_ids))
+        ids = (
+            sample_ids
+            if isinstance(sample_ids, np.ndarray)
+            else np.fromiter(sample_ids, dtype=np.int64, count=len(sample_ids))
+        )
         return int(self._tokens[ids].sum())
 
     # -- validation --------------------------------------------------------------------
@@ -341,8 +364,11 @@ class PlanContext:
             raise NoLayoutFits(states_do_not_fit(states, self.budget, self.cluster.shard_size))
         if bad and not skip_oversize:
             i, s, need = max(bad, key=lambda b: (b[2], -b[0]))
-            raise NoLayoutFits(sample_does_not_fit(i, s, self.tokens[i], k, need, states, self.budget, len(bad),
-                                                   self.cluster.shard_size))
+            raise NoLayoutFits(
+                sample_does_not_fit(
+                    i, s, self.tokens[i], k, need, states, self.budget, len(bad), self.cluster.shard_size
+                )
+            )
         self.skipped = bad
         if bad:
             skip = {i for i, _, _ in bad}
@@ -362,8 +388,15 @@ def _floor_between(ta: MicroBatchTerms, tb: MicroBatchTerms, a: int, b: int, bud
     if ta.memory(Recompute(0, 0)) <= budget:
         return ends["time_none"]  # nothing need be recomputed, and recomputing adds time
     need = ta.fixed_bytes + ta.num_layers * ta.act_layer + ta.transient_rec - budget  # bytes to save
-    rates = [dt / save for dt, save in ((ends["dt_attn"], ta.save_attn), (ends["dt_mlp"], ta.save_mlp),
-                                        (ends["dt_full"], ta.save_full)) if save > 0]
+    rates = [
+        dt / save
+        for dt, save in (
+            (ends["dt_attn"], ta.save_attn),
+            (ends["dt_mlp"], ta.save_mlp),
+            (ends["dt_full"], ta.save_full),
+        )
+        if save > 0
+    ]
     relaxed = ends["time_none"] + max(need, 0.0) * min(rates, default=0.0)
     if relaxed >= stop:
         return relaxed

@@ -54,12 +54,12 @@ class Move(NamedTuple):
 
 
 class DCPPlanner:
-    def __init__(self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool,
-                 phases: bool = False):
+    def __init__(
+        self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool, phases: bool = False
+    ):
         self.ctx, self.name, self.mode, self.balance, self.promote = ctx, name, mode, balance, promote
         self.phases = phases
-        self.options: dict[tuple[int, int], dict[int, Option]] = {
-            b: ctx.bucket_options(b, mode) for b in ctx.rep}
+        self.options: dict[tuple[int, int], dict[int, Option]] = {b: ctx.bucket_options(b, mode) for b in ctx.rep}
         self.preferred = {b: ctx.preferred(b, mode).layout.sp for b in ctx.rep}
 
     def describe(self) -> dict:
@@ -76,8 +76,11 @@ class DCPPlanner:
         for b, ids in by_bucket.items():
             opts = self.options[b]
             # the time of the bucket's largest micro-batch in this step at each degree
-            mb_time = {k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode).time
-                       for k, o in opts.items() if k >= sp[b]}
+            mb_time = {
+                k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode).time
+                for k, o in opts.items()
+                if k >= sp[b]
+            }
             if mb_time[sp[b]] <= avg:
                 continue
             within = [k for k in sorted(mb_time) if mb_time[k] <= avg]
@@ -92,7 +95,7 @@ class DCPPlanner:
         m = self.options[b][k].layout.mbs
         out = []
         for s in range(0, len(ids), m):
-            chunk = tuple(ids[s:s + m])
+            chunk = tuple(ids[s : s + m])
             fit = ctx.layout_for(tuple(ctx.sizes[i] for i in chunk), k, self.mode)
             assert fit is not None, "a bucket's layout fits its largest sample, so it fits these"
             out.append(Chunk(chunk, fit.layout, fit.time))
@@ -122,8 +125,10 @@ class DCPPlanner:
         lo, hi = 0, len(candidates) - 1  # the largest candidate is always feasible
         while lo < hi:
             mid = (lo + hi) // 2
-            need = sum(k * next(n for n, t in enumerate(spans[k], 1) if t <= candidates[mid] or n == len(spans[k]))
-                       for k in spans)
+            need = sum(
+                k * next(n for n, t in enumerate(spans[k], 1) if t <= candidates[mid] or n == len(spans[k]))
+                for k in spans
+            )
             if need <= world and all(spans[k][-1] <= candidates[mid] for k in spans):
                 hi = mid
             else:
@@ -162,8 +167,12 @@ class DCPPlanner:
             splits = [[by_bucket]]
             if self.phases:
                 for k in sorted(set(c.values()))[1:]:
-                    splits.append([{b: ids for b, ids in by_bucket.items() if c[b] >= k},
-                                   {b: ids for b, ids in by_bucket.items() if c[b] < k}])
+                    splits.append(
+                        [
+                            {b: ids for b, ids in by_bucket.items() if c[b] >= k},
+                            {b: ids for b, ids in by_bucket.items() if c[b] < k},
+                        ]
+                    )
             for parts in splits:
                 phases = [self._groups(part, {b: c[b] for b in part}) for part in parts]
                 end = sum(ph.span for ph in phases)
@@ -173,8 +182,10 @@ class DCPPlanner:
         for phase, (group_sizes, group_mbs, _) in enumerate(best):
             order = sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g])
             ranks = ctx.topology.tile([group_sizes[g] for g in order])
-            groups.extend(GroupPlan(r, tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g]), phase)
-                          for r, g in zip(ranks, order))
+            groups.extend(
+                GroupPlan(r, tuple(MicroBatch(c.sample_ids, c.layout) for c in group_mbs[g]), phase)
+                for r, g in zip(ranks, order)
+            )
         return assemble(ctx, step, groups)
 
     def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]) -> Groups:
@@ -250,7 +261,7 @@ class DCPPlanner:
             for j, (chunk, _, t) in enumerate(mbs[src]):
                 moves = [(chunk, None)]
                 if len(chunk) > 1:
-                    moves.append((chunk[len(chunk) // 2:], chunk[: len(chunk) // 2]))
+                    moves.append((chunk[len(chunk) // 2 :], chunk[: len(chunk) // 2]))
                 for moved, kept in moves:
                     keep = None
                     rest = loads[src] - t

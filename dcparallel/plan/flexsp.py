@@ -57,8 +57,10 @@ class FlexSPPlanner:
         self.ctx = ctx
         self.world = ctx.cluster.world_size
         if self.world > MAX_WORLD:
-            raise ValueError(f"flexsp solves a MILP per step whose size grows with the world; it plans for at most "
-                             f"{MAX_WORLD} GPUs (got {self.world}): compare it on a smaller cluster")
+            raise ValueError(
+                f"flexsp solves a MILP per step whose size grows with the world; it plans for at most "
+                f"{MAX_WORLD} GPUs (got {self.world}): compare it on a smaller cluster"
+            )
         self.node_limit, self.time_limit = node_limit, time_limit
         self.mode = "fit"
         self._times: dict = {}
@@ -66,8 +68,13 @@ class FlexSPPlanner:
         self.outcomes: dict[str, int] = {}
 
     def describe(self) -> dict:
-        return {"recompute": self.mode, "solver": "HiGHS MILP", "node_limit": self.node_limit,
-                "time_limit_s": self.time_limit, "outcomes": dict(self.outcomes)}
+        return {
+            "recompute": self.mode,
+            "solver": "HiGHS MILP",
+            "node_limit": self.node_limit,
+            "time_limit_s": self.time_limit,
+            "outcomes": dict(self.outcomes),
+        }
 
     def _options(self, b, k: int, count: int) -> list[tuple[int, float]]:
         """(m, t(b, k, m)) for the micro-batch sizes of bucket b at degree k: powers of two up
@@ -78,8 +85,9 @@ class FlexSPPlanner:
         if hit is None:
             rep, ctx = self.ctx.rep[b], self.ctx
             top = ctx.max_mbs(rep, k, self.mode)
-            hit = self._times[key] = [(m, ctx.copies_layout(rep, m, k, self.mode).time)
-                                      for m in mbs_candidates(top)] if top else []
+            hit = self._times[key] = (
+                [(m, ctx.copies_layout(rep, m, k, self.mode).time) for m in mbs_candidates(top)] if top else []
+            )
         return [(m, t) for m, t in hit if m <= count]
 
     def plan(self, step: Step) -> StepPlan:
@@ -102,7 +110,7 @@ class FlexSPPlanner:
             mbs = []
             for b, m, n in work:
                 for _ in range(n):
-                    ids = tuple(queue[b][taken[b]:taken[b] + m])
+                    ids = tuple(queue[b][taken[b] : taken[b] + m])
                     taken[b] += m
                     fit = ctx.layout_for(tuple(ctx.sizes[i] for i in ids), k, self.mode)
                     mbs.append((fit.time, MicroBatch(ids, fit.layout)))
@@ -115,12 +123,19 @@ class FlexSPPlanner:
     def _solve(self, buckets: list, counts: dict) -> tuple[str, list] | None:
         """The program of the module docstring. Returns (status, [(k, [(bucket, m, n)])] per
         open slot), or None if the solver found no solution."""
-        res, var, slots = slot_program(self.world, self.ctx.sp_sizes, buckets, counts,
-                                       lambda b, k: self._options(b, k, counts[b]), gap=MIP_GAP,
-                                       time_limit=self.time_limit, node_limit=self.node_limit)
+        res, var, slots = slot_program(
+            self.world,
+            self.ctx.sp_sizes,
+            buckets,
+            counts,
+            lambda b, k: self._options(b, k, counts[b]),
+            gap=MIP_GAP,
+            time_limit=self.time_limit,
+            node_limit=self.node_limit,
+        )
         if res.x is None:
             return None
-        x = np.rint(res.x[:len(var)]).astype(int)
+        x = np.rint(res.x[: len(var)]).astype(int)
         out: dict[int, list] = {}
         for (s, b, m, _), c in zip(var, x.tolist()):
             if c:
@@ -136,13 +151,29 @@ class FlexSPPlanner:
         fits = [ctx.copies_layout(ctx.sizes[i], 1, k, self.mode) for i in ids]
         assign, _ = lpt([f.time for f in fits], self.world // k)
         ranks = ctx.topology.tile([k] * (self.world // k))
-        return assemble(ctx, step, [GroupPlan(r, tuple(MicroBatch((ids[j],), fits[j].layout)
-                                                       for j in sorted(a, key=lambda j: (fits[j].time, j))))
-                                    for r, a in zip(ranks, assign)])
+        return assemble(
+            ctx,
+            step,
+            [
+                GroupPlan(
+                    r, tuple(MicroBatch((ids[j],), fits[j].layout) for j in sorted(a, key=lambda j: (fits[j].time, j)))
+                )
+                for r, a in zip(ranks, assign)
+            ],
+        )
 
 
-def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, options, *, gap: float,
-                 time_limit: float | None, node_limit: int | None = None):
+def slot_program(
+    world: int,
+    sp_sizes: list[int],
+    buckets: list,
+    counts: dict,
+    options,
+    *,
+    gap: float,
+    time_limit: float | None,
+    node_limit: int | None = None,
+):
     """The least makespan over group slots (world / k of each degree k; open slots' sizes sum
     to at most the world) and integer counts of micro-batches per slot: `options(b, k)` lists
     (m, seconds) of a micro-batch of m samples of bucket b at degree k; every bucket's
@@ -197,8 +228,13 @@ def slot_program(world: int, sp_sizes: list[int], buckets: list, counts: dict, o
     if node_limit is not None:
         limits["node_limit"] = node_limit
     with c_stdout_to_stderr():
-        res = milp(cost, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-                   bounds=Bounds(np.zeros(n), ub), options=limits)
+        res = milp(
+            cost,
+            constraints=LinearConstraint(A.tocsr(), lo, hi),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(n), ub),
+            options=limits,
+        )
     return res, var, slots
 
 

@@ -70,8 +70,14 @@ class PackedPlanner:
         layouts = [Layout(self.sp, len(b), self.recompute) for b in bins]
         times = [ctx.mb_time(b, lay) for b, lay in zip(bins, layouts)]
         assign, _ = lpt(times, len(self.groups))
-        return assemble(ctx, step, [GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
-                                    for g, r in enumerate(self.groups)])
+        return assemble(
+            ctx,
+            step,
+            [
+                GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
+                for g, r in enumerate(self.groups)
+            ],
+        )
 
 
 def tuned_packed(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:

@@ -75,15 +75,19 @@ class _LevelPlanner:
         key = (size, k)
         hit = self._level.get(key)
         if hit is None:
-            hit = next((j for j in self.chain if j >= k and self.ctx.copies_layout(size, 1, j, "fit") is not None),
-                       self.chain[-1])
+            hit = next(
+                (j for j in self.chain if j >= k and self.ctx.copies_layout(size, 1, j, "fit") is not None),
+                self.chain[-1],
+            )
             self._level[key] = hit
         return hit
 
     def _pack(self, ids: list[int], k: int, length: int) -> list[Chunk]:
         ctx = self.ctx
-        return [Chunk(tuple(b), *ctx.layout_for(tuple(ctx.sizes[j] for j in b), k, "fit"))
-                for b in pack_bins(ctx, ids, length, k, "fit")]
+        return [
+            Chunk(tuple(b), *ctx.layout_for(tuple(ctx.sizes[j] for j in b), k, "fit"))
+            for b in pack_bins(ctx, ids, length, k, "fit")
+        ]
 
     def plan(self, step: Step) -> StepPlan:
         ctx = self.ctx
@@ -134,8 +138,13 @@ class HierarchicalBalancePacking(_LevelPlanner):
     def __init__(self, ctx: PlanContext, cap: int | None = None):
         super().__init__(ctx, cap)
         widest = max((self._fits_at(b, 1) for b in self._rep_ids()), default=1)
-        widest = max(widest, max((min(self.chain[-1], 1 << (-(-ctx.tokens[i] // self.cap) - 1).bit_length())
-                                  for i in self._rep_ids()), default=1))
+        widest = max(
+            widest,
+            max(
+                (min(self.chain[-1], 1 << (-(-ctx.tokens[i] // self.cap) - 1).bit_length()) for i in self._rep_ids()),
+                default=1,
+            ),
+        )
         widest = next(k for k in self.chain if k >= widest)  # a power of two may fall between chain sizes
         mid = [k for k in self.chain if k <= widest]
         self._levels = sorted({self.chain[0], mid[len(mid) // 2], widest})

@@ -41,8 +41,10 @@ class PolicySpec:
 
 def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False):
     """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp_v1`)."""
+
     def build(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
         return Tuned(DCPPlanner(ctx, name=name, mode=mode, balance=balance, promote=True, phases=phases))
+
     return build
 
 
@@ -60,14 +62,25 @@ def _untuned(make: Callable[[PlanContext, Score], Planner]):
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in [
-        PolicySpec("dcp", "ours: layouts by a makespan target (widens SP when a step has few samples per "
-                   "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
-                   "than the tuned bucket and packed plans, which it also offers (steps of <= 4096 samples)",
-                   _dcp_portfolio),
-        PolicySpec("bucket", "baseline: one SP degree + recompute setting (tuned on the data), "
-                   "per-bucket micro-batches dealt round-robin", bucket.tuned_bucket),
-        PolicySpec("packed", "baseline: one SP degree + recompute setting (tuned), token-capacity "
-                   "bins packed first-fit decreasing, dealt evenly", packed.tuned_packed),
+        PolicySpec(
+            "dcp",
+            "ours: layouts by a makespan target (widens SP when a step has few samples per "
+            "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
+            "than the tuned bucket and packed plans, which it also offers (steps of <= 4096 samples)",
+            _dcp_portfolio,
+        ),
+        PolicySpec(
+            "bucket",
+            "baseline: one SP degree + recompute setting (tuned on the data), "
+            "per-bucket micro-batches dealt round-robin",
+            bucket.tuned_bucket,
+        ),
+        PolicySpec(
+            "packed",
+            "baseline: one SP degree + recompute setting (tuned), token-capacity "
+            "bins packed first-fit decreasing, dealt evenly",
+            packed.tuned_packed,
+        ),
     ]
 }
 
@@ -76,30 +89,62 @@ POLICIES: dict[str, PolicySpec] = {
 RESEARCH: dict[str, PolicySpec] = {
     p.name: p
     for p in [
-        PolicySpec("bucket-default", "Open-Sora's default: smallest SP degree that fits the longest "
-                   "sample with full recompute (context only)",
-                   _untuned(lambda ctx, score: bucket.default_bucket(ctx))),
-        PolicySpec("dcp-own", "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
-                   "phases), for tests that exercise them", _untuned(ScalePlanner)),
-        PolicySpec("dcp-intra", "per-bucket SP degree and micro-batch size, dealt by count",
-                   _dcp("dcp-intra", "fit", balance=False)),
-        PolicySpec("dcp-inter", "dcp-intra + per-group gradient accumulation balancing the step",
-                   _dcp("dcp-inter", "fit", balance=True)),
-        PolicySpec("dcp-inter-pac", "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
-                   _dcp("dcp-inter-pac", "pac", balance=True)),
-        PolicySpec("dcp-v1", "per-sample dcp: dcp-inter-pac + two-phase steps (slow at scale, kept for "
-                   "comparison)", _dcp("dcp-v1", "pac", balance=True, phases=True)),
-        PolicySpec("megatron-dcp", "reproduction of Megatron-Core's dynamic CP from its description: CP size = "
-                   "next power of two of tokens / rank capacity, packed, balanced per CP size", peers.build_megatron),
-        PolicySpec("hbp", "reproduction of hierarchical balance packing from its description: three packing "
-                   "lengths, each with its own SP degree and checkpointing, packs balanced", peers.build_hbp),
-        PolicySpec("flexsp", "reproduction of FlexSP's optimal assignment from its description: a MILP picks "
-                   "heterogeneous SP groups and assigns bucketed samples to them (small clusters: solver-bound)",
-                   _untuned(lambda ctx, score: flexsp.FlexSPPlanner(ctx))),
-        PolicySpec("token-budget", "reproduction of RL frameworks' dynamic batch size from its description: one SP "
-                   "degree (the longest sample's), full recompute, equal sample counts per data-parallel group, "
-                   "token-budget micro-batches, the same micro-batch count on every group",
-                   token_budget.build_token_budget),
+        PolicySpec(
+            "bucket-default",
+            "Open-Sora's default: smallest SP degree that fits the longest sample with full recompute (context only)",
+            _untuned(lambda ctx, score: bucket.default_bucket(ctx)),
+        ),
+        PolicySpec(
+            "dcp-own",
+            "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
+            "phases), for tests that exercise them",
+            _untuned(ScalePlanner),
+        ),
+        PolicySpec(
+            "dcp-intra",
+            "per-bucket SP degree and micro-batch size, dealt by count",
+            _dcp("dcp-intra", "fit", balance=False),
+        ),
+        PolicySpec(
+            "dcp-inter",
+            "dcp-intra + per-group gradient accumulation balancing the step",
+            _dcp("dcp-inter", "fit", balance=True),
+        ),
+        PolicySpec(
+            "dcp-inter-pac",
+            "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
+            _dcp("dcp-inter-pac", "pac", balance=True),
+        ),
+        PolicySpec(
+            "dcp-v1",
+            "per-sample dcp: dcp-inter-pac + two-phase steps (slow at scale, kept for comparison)",
+            _dcp("dcp-v1", "pac", balance=True, phases=True),
+        ),
+        PolicySpec(
+            "megatron-dcp",
+            "reproduction of Megatron-Core's dynamic CP from its description: CP size = "
+            "next power of two of tokens / rank capacity, packed, balanced per CP size",
+            peers.build_megatron,
+        ),
+        PolicySpec(
+            "hbp",
+            "reproduction of hierarchical balance packing from its description: three packing "
+            "lengths, each with its own SP degree and checkpointing, packs balanced",
+            peers.build_hbp,
+        ),
+        PolicySpec(
+            "flexsp",
+            "reproduction of FlexSP's optimal assignment from its description: a MILP picks "
+            "heterogeneous SP groups and assigns bucketed samples to them (small clusters: solver-bound)",
+            _untuned(lambda ctx, score: flexsp.FlexSPPlanner(ctx)),
+        ),
+        PolicySpec(
+            "token-budget",
+            "reproduction of RL frameworks' dynamic batch size from its description: one SP "
+            "degree (the longest sample's), full recompute, equal sample counts per data-parallel group, "
+            "token-budget micro-batches, the same micro-batch count on every group",
+            token_budget.build_token_budget,
+        ),
     ]
 }
 
@@ -114,8 +159,9 @@ def policy_spec(name: str) -> PolicySpec:
     """The policy called ``name``, a user policy or a research one; a clear error otherwise."""
     spec = POLICIES.get(name) or RESEARCH.get(name)
     if spec is None:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)} "
-                         f"(research: {', '.join(RESEARCH)})")
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of {', '.join(POLICIES)} (research: {', '.join(RESEARCH)})"
+        )
     return spec
 
 

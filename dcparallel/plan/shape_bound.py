@@ -84,8 +84,11 @@ class ShapeOptions:
                 for m in range(1, max(tops.values()) + 1):
                     self.tau[c, j, m - 1] = lb.copies_time([z for z in uniq if tops[z] >= m], m, k)
         # a shape of many samples: each at its fewest GPU-seconds over copies of its sizes
-        self.work = sum(len(sizes) * min(lb.sample(z)[0] for z in set(sizes))
-                        for sizes in shapes.values() if len(sizes) > EXACT_SAMPLES)
+        self.work = sum(
+            len(sizes) * min(lb.sample(z)[0] for z in set(sizes))
+            for sizes in shapes.values()
+            if len(sizes) > EXACT_SAMPLES
+        )
         fastest = [self.tau[c, :, 0].min() for c in range(len(small))]
         fastest += [min(lb.sample(z)[1] for z in set(sizes)) for sizes in shapes.values() if len(sizes) > EXACT_SAMPLES]
         #: no schedule ends before the slowest shape's fastest single sample
@@ -102,7 +105,7 @@ def least_counts(cost: np.ndarray, n: np.ndarray) -> np.ndarray:
     W[:, :, 0] = 0.0
     for j in range(1, N + 1):
         w = min(j, M)
-        W[:, :, j] = (W[:, :, j - w:j][:, :, ::-1] + cost[:, :, :w]).min(axis=2)
+        W[:, :, j] = (W[:, :, j - w : j][:, :, ::-1] + cost[:, :, :w]).min(axis=2)
     return W[np.arange(S), :, n] if S else np.zeros((0, E))
 
 

@@ -34,9 +34,10 @@ def split_layout(ctx: PlanContext, mb: MicroBatch) -> Layout:
 
 def with_splits(ctx: PlanContext, plan: StepPlan) -> StepPlan:
     """``plan`` with every micro-batch at its priced split (`split_layout`)."""
-    groups = tuple(GroupPlan(g.ranks, tuple(micro_batches((m.sample_ids, split_layout(ctx, m))
-                                                          for m in g.micro_batches)), g.phase)
-                   for g in plan.groups)
+    groups = tuple(
+        GroupPlan(g.ranks, tuple(micro_batches((m.sample_ids, split_layout(ctx, m)) for m in g.micro_batches)), g.phase)
+        for g in plan.groups
+    )
     return regroup(plan, groups)
 
 

@@ -23,9 +23,15 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def form_steps(tokens: Sequence[int], *, seed: int, epoch: int = 0,
-               tokens_per_step: int | None = None, samples_per_step: int | None = None,
-               ids: Sequence[int] | None = None) -> list[Step]:
+def form_steps(
+    tokens: Sequence[int],
+    *,
+    seed: int,
+    epoch: int = 0,
+    tokens_per_step: int | None = None,
+    samples_per_step: int | None = None,
+    ids: Sequence[int] | None = None,
+) -> list[Step]:
     """Splits the epoch's shuffled samples into steps; every sample in exactly one step.
 
     `ids` restricts the epoch to those sample ids (e.g. after skipping oversize samples);

@@ -53,8 +53,9 @@ class TokenBudgetPlanner:
         longest = max(ctx.sizes[i] for i in ctx.usable_ids)
         fits = [k for k in ctx.sp_sizes if ctx.max_mbs(longest, k, "full") > 0]
         if not fits:
-            raise NoLayoutFits(f"the longest sample ({longest!r}) fits no SP degree of {ctx.sp_sizes} with full "
-                               f"recompute")
+            raise NoLayoutFits(
+                f"the longest sample ({longest!r}) fits no SP degree of {ctx.sp_sizes} with full recompute"
+            )
         self.sp = fits[0]
         self.recompute = Recompute.static("full", ctx.model.num_layers)
         self.budget = PackedPlanner(ctx, self.sp, "full").capacity  # tokens of one packed micro-batch
@@ -83,8 +84,10 @@ class TokenBudgetPlanner:
         return self._assemble(step, cut)
 
     def _assemble(self, step: Step, cut: list[list[list[int]]]) -> StepPlan:
-        groups = [GroupPlan(r, tuple(MicroBatch(tuple(mb), Layout(self.sp, len(mb), self.recompute)) for mb in mbs))
-                  for r, mbs in zip(self.groups, cut)]
+        groups = [
+            GroupPlan(r, tuple(MicroBatch(tuple(mb), Layout(self.sp, len(mb), self.recompute)) for mb in mbs))
+            for r, mbs in zip(self.groups, cut)
+        ]
         return assemble(self.ctx, step, groups)
 
 

@@ -90,8 +90,11 @@ class GroupPlan:
         return len(self.ranks)
 
     def to_json(self) -> dict:
-        return {"ranks": list(self.ranks), "phase": self.phase,
-                "micro_batches": [m.to_json() for m in self.micro_batches]}
+        return {
+            "ranks": list(self.ranks),
+            "phase": self.phase,
+            "micro_batches": [m.to_json() for m in self.micro_batches],
+        }
 
 
 class GroupSource(Protocol):
@@ -123,11 +126,17 @@ class StepPlan:
 
     __slots__ = ("index", "sample_ids", "num_tokens", "_groups", "_source")
 
-    def __init__(self, index: int, sample_ids: tuple[int, ...], groups: tuple[GroupPlan, ...] | GroupSource,
-                 num_tokens: int):
+    def __init__(
+        self, index: int, sample_ids: tuple[int, ...], groups: tuple[GroupPlan, ...] | GroupSource, num_tokens: int
+    ):
         source = groups if hasattr(groups, "of_rank") else None
-        for name, value in (("index", index), ("sample_ids", sample_ids), ("num_tokens", num_tokens),
-                            ("_groups", tuple(groups) if source is None else None), ("_source", source)):
+        for name, value in (
+            ("index", index),
+            ("sample_ids", sample_ids),
+            ("num_tokens", num_tokens),
+            ("_groups", tuple(groups) if source is None else None),
+            ("_source", source),
+        ):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -144,14 +153,20 @@ class StepPlan:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StepPlan) and self._key() == (
-            other.index, other.sample_ids, other.groups, other.num_tokens)
+            other.index,
+            other.sample_ids,
+            other.groups,
+            other.num_tokens,
+        )
 
     def __hash__(self) -> int:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        return (f"StepPlan(index={self.index!r}, sample_ids={self.sample_ids!r}, groups={self.groups!r}, "
-                f"num_tokens={self.num_tokens!r})")
+        return (
+            f"StepPlan(index={self.index!r}, sample_ids={self.sample_ids!r}, groups={self.groups!r}, "
+            f"num_tokens={self.num_tokens!r})"
+        )
 
     def __reduce__(self):
         return StepPlan, (self.index, self.sample_ids, self._source or self._groups, self.num_tokens)
@@ -185,8 +200,12 @@ class StepPlan:
             yield from g.micro_batches
 
     def to_json(self) -> dict:
-        return {"step": self.index, "num_tokens": self.num_tokens,
-                "sample_ids": list(self.sample_ids), "groups": [g.to_json() for g in self.groups]}
+        return {
+            "step": self.index,
+            "num_tokens": self.num_tokens,
+            "sample_ids": list(self.sample_ids),
+            "groups": [g.to_json() for g in self.groups],
+        }
 
     def validate(self, world_size: int, allowed: set[tuple[int, ...]] | None = None) -> None:
         """Internal invariants: groups are listed in phase order and each phase's groups tile
@@ -205,8 +224,9 @@ class StepPlan:
                 for m in g.micro_batches:
                     assert m.layout.sp == g.sp, f"micro-batch sp {m.layout.sp} on a group of {g.sp}"
                     assert m.layout.mbs == len(m.sample_ids), "layout mbs differs from its samples"
-            assert sorted(seen_ranks) == list(range(world_size)), \
+            assert sorted(seen_ranks) == list(range(world_size)), (
                 f"phase {p}'s groups do not tile the world: {seen_ranks}"
+            )
         used = sorted(i for m in self.micro_batches() for i in m.sample_ids)
         assert used == sorted(self.sample_ids), f"step {self.index} does not use each sample once"
 
@@ -223,7 +243,8 @@ class StepPlan:
                     f"step {self.index}: the group of ranks {tuple(g.ranks)} runs micro-batches but splits "
                     f"a parameter-shard block of {s} ranks (blocks are ranks b*{s} .. b*{s}+{s - 1}): its ranks "
                     f"would run different micro-batches and FSDP would hang; plan with a ClusterSpec whose "
-                    f"shard_size is {s} (SP groups of whole blocks, aligned)")
+                    f"shard_size is {s} (SP groups of whole blocks, aligned)"
+                )
 
 
 #: the predicted seconds of one step's plan (compute + the exposed gradient sync), passed in to

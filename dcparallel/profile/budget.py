@@ -148,8 +148,13 @@ class Budget:
         from tqdm import tqdm
 
         limit = f", budget {self.seconds:.0f} s" if self.seconds is not None else ""
-        return tqdm(total=len(self.chains), desc=f"profiling {name}{limit}", file=sys.stderr,
-                    disable=rank != 0, unit="layout-chain")
+        return tqdm(
+            total=len(self.chains),
+            desc=f"profiling {name}{limit}",
+            file=sys.stderr,
+            disable=rank != 0,
+            unit="layout-chain",
+        )
 
     def show(self, bar) -> None:
         """One more chain on ``bar`` (None: no bar), with the estimate of the whole profile measured fully."""

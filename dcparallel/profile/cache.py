@@ -60,8 +60,11 @@ def rebudget(prof: Profile, fingerprint: dict) -> Profile:
     d = prof.to_json()
     d["fingerprint"] = {**d["fingerprint"], **{k: fingerprint[k] for k in BUDGET_KEYS if k in fingerprint}}
     for e in d["entries"]:
-        if e.get("feasible") and e.get("memory_bytes") is not None \
-                and prof.model_state_bytes + float(e["memory_bytes"]) > budget:
+        if (
+            e.get("feasible")
+            and e.get("memory_bytes") is not None
+            and prof.model_state_bytes + float(e["memory_bytes"]) > budget
+        ):
             e["feasible"], e["reason"] = False, "over_budget"
     return Profile.from_json(d)
 
@@ -80,8 +83,10 @@ def check_cached(path: str | Path, fingerprint: dict, sizes: Sequence[Size]) -> 
     cached_budget, budget = prof.fingerprint.get("memory_bytes"), fingerprint.get("memory_bytes")
     # None: no budget (nothing was infeasible for want of memory), larger than any number
     if cached_budget is not None and (budget is None or float(budget) > float(cached_budget)):
-        diff.append(f"memory_bytes: cached {cached_budget!r}, now {budget!r} (a larger budget than the cached "
-                    f"profile's: layouts past it were never measured)")
+        diff.append(
+            f"memory_bytes: cached {cached_budget!r}, now {budget!r} (a larger budget than the cached "
+            f"profile's: layouts past it were never measured)"
+        )
     if diff:
         return None, f"cached profile {p} was measured for something else ({'; '.join(diff)})"
     if budget is not None and (cached_budget is None or float(budget) < float(cached_budget)):
@@ -111,8 +116,7 @@ def _other_world(path: str | Path) -> bool:
         return False
 
 
-def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
-                    ) -> tuple[Profile, ProfileStats | None]:
+def load_or_profile(path: str | Path, profiler: Profiler, sizes: Sequence[Size]) -> tuple[Profile, ProfileStats | None]:
     """The profile for ``profiler``'s model and these bucket sizes: the cached file at
     ``path`` (or its copy for this world size, `world_path`) if it matches (stats None), else
     a fresh profile written there. Call on every rank together."""
@@ -142,7 +146,12 @@ def profile_and_save(path: str | Path, profiler: Profiler, sizes: Sequence[Size]
     if comm.world_rank() == 0 and budget is not None:
         (log.warning if stats.seconds > budget else log.info)(
             "profiled in %.0f s (budget %.0f s): %d layout chains measured coarsely, %d not measured "
-            "(priced from the measured ones)", stats.seconds, budget, stats.chains_coarse, stats.chains_skipped)
+            "(priced from the measured ones)",
+            stats.seconds,
+            budget,
+            stats.chains_coarse,
+            stats.chains_skipped,
+        )
     if comm.world_rank() == 0:
         p = Path(path)
         if p.exists():

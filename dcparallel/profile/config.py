@@ -65,10 +65,16 @@ class ProfilerConfig:
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""
         if not 2 <= self.depth <= num_layers:
-            raise ValueError(f"depth {self.depth} must be between 2 and the model's {num_layers} "
-                             f"layers (stacks of depth-1 and depth layers are measured)")
-        for name, value, low in (("repeats", self.repeats, 1), ("warmup", self.warmup, 1),
-                                 ("max_mbs", self.max_mbs, 1), ("max_repeats", self.max_repeats, self.repeats)):
+            raise ValueError(
+                f"depth {self.depth} must be between 2 and the model's {num_layers} "
+                f"layers (stacks of depth-1 and depth layers are measured)"
+            )
+        for name, value, low in (
+            ("repeats", self.repeats, 1),
+            ("warmup", self.warmup, 1),
+            ("max_mbs", self.max_mbs, 1),
+            ("max_repeats", self.max_repeats, self.repeats),
+        ):
             if value < low:
                 raise ValueError(f"ProfilerConfig.{name} must be >= {low}; got {value}")
         if self.min_gain < 0:
@@ -94,8 +100,17 @@ class ProfilerConfig:
         doubled only up to ``max_tokens`` tokens (prepare passes the dataset's longest sample;
         the cost model extrapolates larger micro-batches by their marginal cost), within
         `DEFAULT_BUDGET_S` (`profile.budget`). `dcparallel profile` keeps the fuller defaults for validation runs."""
-        return ProfilerConfig(**{"repeats": 3, "min_time_s": 0.2, "max_repeats": 12, "rel_tol": 0.05,
-                                 "max_tokens": max_tokens, "budget_s": DEFAULT_BUDGET_S, **kw})
+        return ProfilerConfig(
+            **{
+                "repeats": 3,
+                "min_time_s": 0.2,
+                "max_repeats": 12,
+                "rel_tol": 0.05,
+                "max_tokens": max_tokens,
+                "budget_s": DEFAULT_BUDGET_S,
+                **kw,
+            }
+        )
 
 
 #: the wall-time budget of a default profile (`ProfilerConfig.quick`): five minutes, enforced
@@ -131,10 +146,17 @@ class ProfileStats:
             elif v:
                 te = abs(e.time_s - v["time_s"]) / v["time_s"]
                 me = abs(e.memory_bytes - v["memory_bytes"]) / v["memory_bytes"]
-                self.validation.append({**where, "time_error": te, "memory_error": me,
-                                        "predicted_time_s": e.time_s, "full_depth_time_s": v["time_s"],
-                                        "predicted_memory_bytes": e.memory_bytes,
-                                        "full_depth_memory_bytes": v["memory_bytes"]})
+                self.validation.append(
+                    {
+                        **where,
+                        "time_error": te,
+                        "memory_error": me,
+                        "predicted_time_s": e.time_s,
+                        "full_depth_time_s": v["time_s"],
+                        "predicted_memory_bytes": e.memory_bytes,
+                        "full_depth_memory_bytes": v["memory_bytes"],
+                    }
+                )
         checked = [v for v in self.validation if "error" not in v]
         if checked:
             self.time_error = max(v["time_error"] for v in checked)
@@ -157,8 +179,9 @@ def representative_sizes(spec: ModelSpec, sizes: Sequence[Size], ratio: float = 
     return sorted(best.values(), key=lambda s: (spec.tokens(s), str(s)))
 
 
-def group_buckets(buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int], world: int, rank: int
-                  ) -> list[tuple[int, tuple[int, ...], ProfileBucket]]:
+def group_buckets(
+    buckets: Sequence[ProfileBucket], sp_sizes: Sequence[int], world: int, rank: int
+) -> list[tuple[int, tuple[int, ...], ProfileBucket]]:
     """(SP degree, the group's ranks, bucket) that ``rank`` measures, in the order measured: for
     each degree k the world splits into aligned groups of k ranks and group i takes buckets
     i, i + world/k, ...; the degrees take turns, one bucket each (the first bucket of every

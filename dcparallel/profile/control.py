@@ -122,13 +122,16 @@ def _outcome(seen: Sequence[tuple[str, str]], ranks: Sequence[int], own: Excepti
         if own is not None:
             raise own
         r, msg = errors[0]
-        raise RuntimeError(f"rank {r} of SP group {list(ranks)} failed while profiling ({msg}); every rank of "
-                           f"the group stops")
+        raise RuntimeError(
+            f"rank {r} of SP group {list(ranks)} failed while profiling ({msg}); every rank of the group stops"
+        )
     oom = next((msg for what, msg in seen if what == OOM), None)
     if oom is not None:
         return oom
     if any(what == RUNNING for what, _ in seen):
-        raise RuntimeError(f"the ranks of SP group {list(ranks)} ran different collectives in one micro-batch "
-                           f"(statuses {[what for what, _ in seen]}): the model's run must be the same on every "
-                           f"rank of a group")
+        raise RuntimeError(
+            f"the ranks of SP group {list(ranks)} ran different collectives in one micro-batch "
+            f"(statuses {[what for what, _ in seen]}): the model's run must be the same on every "
+            f"rank of a group"
+        )
     return None

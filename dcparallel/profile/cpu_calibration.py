@@ -75,8 +75,12 @@ def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
     a_out = max(1, spec.attn_params // h - h)  # q, k, v (in) ... and the output projection (h x h)
     f = max(1, spec.mlp_params // (3 * h))  # gate, up, down
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(h, a_out, generator=g, dtype=dtype) / math.sqrt(h), torch.randn(h, h, generator=g, dtype=dtype),
-          torch.randn(h, 2 * f, generator=g, dtype=dtype) / math.sqrt(h), torch.randn(f, h, generator=g, dtype=dtype)]
+    ws = [
+        torch.randn(h, a_out, generator=g, dtype=dtype) / math.sqrt(h),
+        torch.randn(h, h, generator=g, dtype=dtype),
+        torch.randn(h, 2 * f, generator=g, dtype=dtype) / math.sqrt(h),
+        torch.randn(f, h, generator=g, dtype=dtype),
+    ]
     for w in ws:
         w.requires_grad_(True)
 
@@ -91,7 +95,9 @@ def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
             gate, up = (rms(y) @ ws[2]).chunk(2, dim=-1)
             out = y + (F.silu(gate) * up) @ ws[3]
             out.sum().backward()
+
         return _median_time(run)
+
     return fn
 
 
@@ -106,7 +112,9 @@ def _attention(spec: ModelSpec, dtype: torch.dtype):
 
         def run():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
         return _median_time(run)
+
     return fn
 
 
@@ -125,8 +133,13 @@ def measure(spec: ModelSpec) -> dict:
     p1, p2 = length * (length + 1) / 2, 4 * length * (4 * length + 1) / 2
     per_pair = max((a2 - a1) / (p2 - p1), 0.0)
     floor += max(0.0, a1 - per_pair * p1)
-    return {"lin_s_per_token": per_token, "attn_s_per_pair": per_pair, "floor_s": floor,
-            "timed_tokens": [n, 4 * n], "timed_lengths": [length, 4 * length]}
+    return {
+        "lin_s_per_token": per_token,
+        "attn_s_per_pair": per_pair,
+        "floor_s": floor,
+        "timed_tokens": [n, 4 * n],
+        "timed_lengths": [length, 4 * length],
+    }
 
 
 def calibration(spec: ModelSpec, measured: dict) -> Calibration:
@@ -137,25 +150,47 @@ def calibration(spec: ModelSpec, measured: dict) -> Calibration:
     ref_params = ref.attn_params + ref.mlp_params + ref.other_params
     params = spec.attn_params + spec.mlp_params + spec.other_params
     return dataclasses.replace(
-        base, name="cpu", p=1.0, floor_s=float(measured["floor_s"]),
+        base,
+        name="cpu",
+        p=1.0,
+        floor_s=float(measured["floor_s"]),
         lin_s_per_token=float(measured["lin_s_per_token"]) * ref_params / params,
-        attn_s_per_pair=float(measured["attn_s_per_pair"]) * (ref.hidden * ref.attn_per_layer)
+        attn_s_per_pair=float(measured["attn_s_per_pair"])
+        * (ref.hidden * ref.attn_per_layer)
         / (spec.hidden * spec.attn_per_layer),
-        time_err_mean=0.0, time_err_max=0.0, num_rows=0)  # nothing fitted: timed
+        time_err_mean=0.0,
+        time_err_max=0.0,
+        num_rows=0,
+    )  # nothing fitted: timed
 
 
 def _cpu_name() -> str:
     try:
-        return next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                    if x.startswith("model name"))
+        return next(
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        )
     except (OSError, StopIteration):
         return "cpu"
 
 
 def _key(spec: ModelSpec) -> str:
-    return json.dumps([_cpu_name(), torch.get_num_threads(), torch.__version__, comm.world_size(), spec.hidden,
-                       spec.ffn_hidden, spec.num_heads, spec.head_dim, spec.attn_params, spec.mlp_params,
-                       spec.bytes_per_value])
+    return json.dumps(
+        [
+            _cpu_name(),
+            torch.get_num_threads(),
+            torch.__version__,
+            comm.world_size(),
+            spec.hidden,
+            spec.ffn_hidden,
+            spec.num_heads,
+            spec.head_dim,
+            spec.attn_params,
+            spec.mlp_params,
+            spec.bytes_per_value,
+        ]
+    )
 
 
 def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
@@ -171,9 +206,15 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
         every = comm.all_gather_object(mine)
         hit = {k: statistics.fmean(m[k] for m in every) for k in ("lin_s_per_token", "attn_s_per_pair", "floor_s")}
         if comm.world_rank() == 0:
-            log.info("calibrated the analytic cost model on this CPU in %.1f s: %.3g s per token of linear work, "
-                     "%.3g s per attention pair, floor %.3g s per layer (cached in %s)", time.perf_counter() - t0,
-                     hit["lin_s_per_token"], hit["attn_s_per_pair"], hit["floor_s"], path)
+            log.info(
+                "calibrated the analytic cost model on this CPU in %.1f s: %.3g s per token of linear work, "
+                "%.3g s per attention pair, floor %.3g s per layer (cached in %s)",
+                time.perf_counter() - t0,
+                hit["lin_s_per_token"],
+                hit["attn_s_per_pair"],
+                hit["floor_s"],
+                path,
+            )
             _save(path, key, hit)
     hit = comm.all_gather_object(hit)[0]  # rank 0's (every rank's when they all read the same file)
     return calibration(spec, hit)
@@ -200,20 +241,27 @@ def cpu_cluster(cluster: ClusterSpec, cache: str | Path | None) -> ClusterSpec:
     there by rank 0. Unchanged in a world of one rank. The same on every rank."""
     if comm.world_size() < 2:
         return cluster
-    key, path = json.dumps(["links", _cpu_name(), torch.__version__, comm.world_size()]), \
-        Path(cache) if cache is not None else None
+    key, path = (
+        json.dumps(["links", _cpu_name(), torch.__version__, comm.world_size()]),
+        Path(cache) if cache is not None else None,
+    )
     hit = _load(path).get(key)
     if not all(comm.all_gather_object(hit is not None)):
         hit = cpu_links.measure_links()
         if comm.world_rank() == 0:
-            log.info("timed this launch's links for the analytic cost model: %.3g bytes/s, latency %.3g s "
-                     "(cached in %s)", hit["bw"], hit["latency"], path)
+            log.info(
+                "timed this launch's links for the analytic cost model: %.3g bytes/s, latency %.3g s (cached in %s)",
+                hit["bw"],
+                hit["latency"],
+                path,
+            )
             _save(path, key, hit)
     return cpu_links.with_links(cluster, comm.all_gather_object(hit)[0])
 
 
-def analytic_cost(spec: ModelSpec, cluster: ClusterSpec, device: torch.device,
-                  profile_path: str | Path) -> AnalyticCost:
+def analytic_cost(
+    spec: ModelSpec, cluster: ClusterSpec, device: torch.device, profile_path: str | Path
+) -> AnalyticCost:
     """``cost = "analytic"``: the packaged calibration on a GPU, this CPU's and this launch's
     links (`cpu_cluster`; both cached beside ``profile_path``) on a CPU unless
     ``DCPARALLEL_CPU_CALIBRATION=0`` asks for the packaged one (plans that do not depend on

@@ -65,5 +65,6 @@ def measure_links() -> dict:
 
 def with_links(cluster: ClusterSpec, link: dict) -> ClusterSpec:
     """``cluster`` with ``link``'s bandwidth and latency for every link."""
-    return dataclasses.replace(cluster, intra_bw=link["bw"], inter_bw=link["bw"], intra_latency=link["latency"],
-                               inter_latency=link["latency"])
+    return dataclasses.replace(
+        cluster, intra_bw=link["bw"], inter_bw=link["bw"], intra_latency=link["latency"], inter_latency=link["latency"]
+    )

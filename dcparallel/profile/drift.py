@@ -58,7 +58,7 @@ class ReferenceClock:
     def since(self, mark: int) -> float | None:
         """The median reference time of the runs since ``mark``, widened to the last
         `MIN_WINDOW` runs; None before any run."""
-        window = self.times[min(mark, max(0, len(self.times) - MIN_WINDOW)):]
+        window = self.times[min(mark, max(0, len(self.times) - MIN_WINDOW)) :]
         return float(statistics.median(window)) if window else None
 
 

@@ -36,14 +36,17 @@ class MakeInputs(Protocol):
     def __call__(self, size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs: ...
 
 
-def adapter_inputs(model: nn.Module, adapter: ModelAdapter, loss_fn: LossFn, device: torch.device,
-                   dtype: torch.dtype | None = None) -> MakeInputs:
+def adapter_inputs(
+    model: nn.Module, adapter: ModelAdapter, loss_fn: LossFn, device: torch.device, dtype: torch.dtype | None = None
+) -> MakeInputs:
     """Profiling inputs of any adapted model: the adapter's synthetic items of the bucket's
     size, collated by the loader's own collate, moved to the model's device (floating inputs
     in its dtype), and the training loop's ``loss_fn(model, batch, ctx)``."""
     if adapter.sample is None:
-        raise ValueError(f"{adapter.name}: no synthetic samples to profile with; pass sample_fn(size, index) "
-                         f"returning a dataset item of that size")
+        raise ValueError(
+            f"{adapter.name}: no synthetic samples to profile with; pass sample_fn(size, index) "
+            f"returning a dataset item of that size"
+        )
     collate = resolve_collate(adapter.collate, adapter.kind)
 
     def make(size: Size, layout: Layout, ranks: tuple[int, ...], rank: int) -> Inputs:
@@ -66,22 +69,43 @@ def video_inputs(model: DiT, spec: ModelSpec, device: torch.device, dtype: torch
     return adapter_inputs(model, a, a.loss_fn, device, dtype)
 
 
-def model_spec(model: nn.Module, layers: Sequence[nn.Module], *, name: str, kind: str, hidden: int,
-               num_heads: int, ffn_hidden: int, attention: str, layers_per_unit: int = 1,
-               **extra) -> ModelSpec:
+def model_spec(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    *,
+    name: str,
+    kind: str,
+    hidden: int,
+    num_heads: int,
+    ffn_hidden: int,
+    attention: str,
+    layers_per_unit: int = 1,
+    **extra,
+) -> ModelSpec:
     """The planner's `ModelSpec` of a model whose blocks expose ``attn_block`` / ``mlp_block``
     (`adapters.derive_spec` for any other)."""
     if layers_per_unit < 1 or len(layers) % layers_per_unit:
-        raise ValueError(f"{len(layers)} layers do not split into units of {layers_per_unit}; "
-                         f"pass a layers_per_unit that divides the number of layers")
-    return derive_spec(model, list(layers), name=name, kind=kind, hidden=hidden, num_heads=num_heads,
-                       ffn_hidden=ffn_hidden, attention=attention, blocks_per_layer=layers_per_unit,
-                       attn_modules=lambda b: [b.attn_block] if hasattr(b, "attn_block") else [],
-                       mlp_modules=lambda b: [b.mlp_block] if hasattr(b, "mlp_block") else [], **extra)
+        raise ValueError(
+            f"{len(layers)} layers do not split into units of {layers_per_unit}; "
+            f"pass a layers_per_unit that divides the number of layers"
+        )
+    return derive_spec(
+        model,
+        list(layers),
+        name=name,
+        kind=kind,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden,
+        attention=attention,
+        blocks_per_layer=layers_per_unit,
+        attn_modules=lambda b: [b.attn_block] if hasattr(b, "attn_block") else [],
+        mlp_modules=lambda b: [b.mlp_block] if hasattr(b, "mlp_block") else [],
+        **extra,
+    )
 
 
-def reference_spec(model: nn.Module, layers: Sequence[nn.Module], name: str | None = None
-                   ) -> tuple[ModelSpec, int]:
+def reference_spec(model: nn.Module, layers: Sequence[nn.Module], name: str | None = None) -> tuple[ModelSpec, int]:
     """(the planner's view, blocks per spec layer) of a reference model (Llama or DiT)."""
     if not reference.matches(model):
         raise ValueError(f"{type(model).__name__} is not a reference model: use dcparallel.adapters.find_adapter")

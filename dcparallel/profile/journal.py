@@ -48,4 +48,3 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
-

@@ -109,8 +109,13 @@ class SavedTensorMeter:
     storage — the whole parameters FSDP2 gathers for a layer's forward live in storages made
     and freed per layer (counted by the profiler as model states, `cost.base.gathered_bytes`)."""
 
-    def __init__(self, exclude: Sequence[Tensor] = (), base_bytes: float = 0.0, limit_bytes: float | None = None,
-                 skip_parameters: bool = False):
+    def __init__(
+        self,
+        exclude: Sequence[Tensor] = (),
+        base_bytes: float = 0.0,
+        limit_bytes: float | None = None,
+        skip_parameters: bool = False,
+    ):
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self._skip_parameters = skip_parameters
         self._seen: set[int] = set()
@@ -213,8 +218,15 @@ def grad_sync_seconds(flat_grad: Tensor, timer: Timer, group=comm.WORLD) -> floa
     return max(comm.all_gather_object(median(times), comm.control_group()))
 
 
-def group_entry(entry: ProfileEntry, res: Sequence[dict], d1: int, d2: int, num_layers: int, state_bytes: float,
-                memory_limit: float | None) -> bool:
+def group_entry(
+    entry: ProfileEntry,
+    res: Sequence[dict],
+    d1: int,
+    d2: int,
+    num_layers: int,
+    state_bytes: float,
+    memory_limit: float | None,
+) -> bool:
     """Fills ``entry`` from its SP group's per-rank measurements ``res`` (`Profiler._measure`):
     out of memory if any rank was; else the full-depth time and memory extrapolated from the
     stacks of ``d1`` and ``d2`` layers (the slowest rank's time, the largest rank's memory),
@@ -237,9 +249,11 @@ def group_entry(entry: ProfileEntry, res: Sequence[dict], d1: int, d2: int, num_
     entry.time_s, entry.memory_bytes = t[d2] + (L - d2) * slope, m_l
     entry.feasible = memory_limit is None or state_bytes + m_l <= memory_limit
     entry.time_spread, entry.rounds, entry.rejected = (  # the slowest rank's time is kept
-        max(r["spread"] for r in res), res[0]["rounds"], max(r["rejected"] for r in res))
-    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope,
-                      "memory_bytes": [m[d1], m[d2]]}
+        max(r["spread"] for r in res),
+        res[0]["rounds"],
+        max(r["rejected"] for r in res),
+    )
+    entry.measured = {"depths": [d1, d2], "time_s": [t[d1], t[d2]], "layer_s": slope, "memory_bytes": [m[d1], m[d2]]}
     ref = [r.get("reference_s") for r in res]
     if all(ref):  # the group's ranks share the machine: their mean reference time
         entry.measured["reference_s"] = sum(ref) / len(ref)

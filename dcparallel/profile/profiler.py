@@ -93,17 +93,27 @@ class Profiler:
     created, which wraps the model in place). Every rank of the launch constructs the
     profiler and calls `run` together."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], make_inputs: MakeInputs, *,
-                 spec: ModelSpec, config: ProfilerConfig | None = None,
-                 engine: Engine | None = None, cluster: ClusterSpec | None = None,
-                 layers_per_unit: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[nn.Module],
+        make_inputs: MakeInputs,
+        *,
+        spec: ModelSpec,
+        config: ProfilerConfig | None = None,
+        engine: Engine | None = None,
+        cluster: ClusterSpec | None = None,
+        layers_per_unit: int = 1,
+    ):
         self.config = config or ProfilerConfig()
         self.round_config = self.config  # the timing of the layout being measured: one round past the budget
         self.layers = list(layers)
         if layers_per_unit < 1 or len(self.layers) != spec.num_layers * layers_per_unit:
-            raise ValueError(f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
-                             f"model gives {len(self.layers)} blocks; pass layers_per_unit so that "
-                             f"blocks = spec.num_layers x layers_per_unit")
+            raise ValueError(
+                f"the spec has {spec.num_layers} layers of {layers_per_unit} blocks but the "
+                f"model gives {len(self.layers)} blocks; pass layers_per_unit so that "
+                f"blocks = spec.num_layers x layers_per_unit"
+            )
         self.config.check(spec.num_layers)
         self.model, self.make_inputs, self.spec = model, make_inputs, spec
         self.unit = layers_per_unit
@@ -114,8 +124,10 @@ class Profiler:
         allowed = list(self.engine.groups.topology.sizes)
         sizes = allowed if self.config.sp_sizes is None else sorted(set(self.config.sp_sizes))
         if any(k not in allowed for k in sizes):
-            raise ValueError(f"SP degrees {sizes} are not all allowed at world {self.world} with "
-                             f"{spec.num_heads} heads; allowed: {allowed}")
+            raise ValueError(
+                f"SP degrees {sizes} are not all allowed at world {self.world} with "
+                f"{spec.num_heads} heads; allowed: {allowed}"
+            )
         self.sp_sizes = list(sizes)
         self.params = self.engine.params
         self.device = self.params[0].device
@@ -165,15 +177,28 @@ class Profiler:
             "depth": self.config.depth,
             # what was searched and how long each layout was timed: a profile searched more
             # narrowly (fewer micro-batch sizes, other modes) or timed more briefly is another profile
-            "search": {"modes": list(self.config.modes), "max_mbs": self.config.max_mbs,
-                       "max_tokens": self.config.max_tokens, "min_gain": self.config.min_gain},
-            "timing": {**{k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
-                       **({"reference": True} if self.config.reference else {}),
-                       **({"rescale": False} if self.config.reference and not self.config.rescale else {})},
+            "search": {
+                "modes": list(self.config.modes),
+                "max_mbs": self.config.max_mbs,
+                "max_tokens": self.config.max_tokens,
+                "min_gain": self.config.min_gain,
+            },
+            "timing": {
+                **{k: getattr(self.config, k) for k in ("warmup", "repeats", "min_time_s", "max_repeats")},
+                **({"reference": True} if self.config.reference else {}),
+                **({"rescale": False} if self.config.reference and not self.config.rescale else {}),
+            },
             **({"shard_size": self.shard_size} if self.shard_size > 1 else {}),
             # with ring, the (Ulysses, ring) splits measured per size: a profile of other splits is another profile
-            **({"splits": {str(k): [list(s) for s in self.engine.groups.topology.profiled_splits(k)]
-                           for k in self.sp_sizes}} if self.engine.groups.topology.ring else {}),
+            **(
+                {
+                    "splits": {
+                        str(k): [list(s) for s in self.engine.groups.topology.profiled_splits(k)] for k in self.sp_sizes
+                    }
+                }
+                if self.engine.groups.topology.ring
+                else {}
+            ),
         }
 
     # ------------------------------------------------------------------ one run
@@ -193,18 +218,29 @@ class Profiler:
             peak, seen = cuda_run_memory(self.device, lambda: self._run(inputs))
             self.cuda_memory = worst_cuda_memory(self.cuda_memory, seen)
             if self.memory_limit is not None and state_bytes + peak > self.memory_limit:
-                raise torch.OutOfMemoryError(f"peak {state_bytes + peak:,.0f} bytes is over the budget "
-                                             f"{self.memory_limit:,.0f}")
+                raise torch.OutOfMemoryError(
+                    f"peak {state_bytes + peak:,.0f} bytes is over the budget {self.memory_limit:,.0f}"
+                )
             return peak
         meter = shards.meter(self.engine, state_bytes, self.memory_limit)
         self._run(inputs, meter)
         if meter.bytes <= 0:
-            raise RuntimeError("the forward saved no tensors for backward: the CPU memory estimate "
-                               "(saved-tensor accounting) cannot measure this model")
+            raise RuntimeError(
+                "the forward saved no tensors for backward: the CPU memory estimate "
+                "(saved-tensor accounting) cannot measure this model"
+            )
         return float(meter.bytes)
 
-    def _measure(self, size: Size, ranks: tuple[int, ...], mbs: int, mode: str, depths: Sequence[int],
-                 full_depth: int | None = None, ring: int | None = None) -> dict:
+    def _measure(
+        self,
+        size: Size,
+        ranks: tuple[int, ...],
+        mbs: int,
+        mode: str,
+        depths: Sequence[int],
+        full_depth: int | None = None,
+        ring: int | None = None,
+    ) -> dict:
         """This rank's medians per depth (in units) of one layout, or its out-of-memory.
 
         The group's ranks build their inputs, then run each depth once for its memory (the
@@ -222,29 +258,39 @@ class Profiler:
         took: dict[int, float] = {}  # seconds of each depth's first (memory) run
         failed = False  # free memory (a full collection: ~0.1 s) only after an out-of-memory
         try:
-            err = run_together(lambda: box.update(inputs=self.make_inputs(size, layout, ranks, self.rank)),
-                               group, ranks, guarded=False)
+            err = run_together(
+                lambda: box.update(inputs=self.make_inputs(size, layout, ranks, self.rank)), group, ranks, guarded=False
+            )
             for d in depths:
                 if err:
                     break
-                err = run_together(lambda d=d: self._memory_depth(box["inputs"], d, state, mem, took),
-                                   group, ranks)
+                err = run_together(lambda d=d: self._memory_depth(box["inputs"], d, state, mem, took), group, ranks)
             if err:
                 failed = True
                 return {"ok": False, "error": err}
             depths = list(depths)
             out: dict = {"ok": True}
             if full_depth is not None:
-                err = run_together(lambda: self._memory_depth(box["inputs"], full_depth, state, mem, took),
-                                   group, ranks)
+                err = run_together(
+                    lambda: self._memory_depth(box["inputs"], full_depth, state, mem, took), group, ranks
+                )
                 if err:
                     failed = True
                     out["validation_error"] = err
                 else:
                     depths.append(full_depth)
-            timed = timed_rounds(self._depth, lambda: self._run(box["inputs"]), depths, took, config=self.round_config,
-                                 num_layers=self.spec.num_layers, timer=self.timer, group=group, ranks=ranks,
-                                 clock=self.clock)
+            timed = timed_rounds(
+                self._depth,
+                lambda: self._run(box["inputs"]),
+                depths,
+                took,
+                config=self.round_config,
+                num_layers=self.spec.num_layers,
+                timer=self.timer,
+                group=group,
+                ranks=ranks,
+                clock=self.clock,
+            )
             if isinstance(timed, str):
                 failed = True
                 return {"ok": False, "error": timed}
@@ -272,8 +318,9 @@ class Profiler:
     def reference_clock(self, size: Size) -> ReferenceClock | None:
         """The reference run (`profile.drift`): one sample of ``size`` alone on this rank, no
         recomputation, one layer; None (no layout is rescaled) when it does not fit every rank."""
-        inputs = self.make_inputs(size, Layout(1, 1, Recompute.static("none", self.spec.num_layers)),
-                                  (self.rank,), self.rank)
+        inputs = self.make_inputs(
+            size, Layout(1, 1, Recompute.static("none", self.spec.num_layers)), (self.rank,), self.rank
+        )
 
         def run() -> float:
             with active_depth(self.layers, self.unit, self.engine.adapter.skip_block):
@@ -295,8 +342,17 @@ class Profiler:
         """The ring degrees a group of ``sp`` ranks is measured at (`Topology.profiled_splits`)."""
         return [r for _, r in self.engine.groups.topology.profiled_splits(sp)]
 
-    def _chain(self, b: ProfileBucket, ranks: tuple[int, ...], mode: str, ring: int, local: list[ProfileEntry],
-               budget: Budget, coarse: bool, full: bool) -> int:
+    def _chain(
+        self,
+        b: ProfileBucket,
+        ranks: tuple[int, ...],
+        mode: str,
+        ring: int,
+        local: list[ProfileEntry],
+        budget: Budget,
+        coarse: bool,
+        full: bool,
+    ) -> int:
         """Measures micro-batch sizes 1, 2, 4, ... of one bucket, SP group, recompute mode and
         split into ``local`` until one does not fit or stops paying (`ProfilerConfig.min_gain`);
         ``full``: the first is validated at full depth. Returns the slopes clamped."""
@@ -319,15 +375,18 @@ class Profiler:
                 return clamped
             best = max(best, tput)
             tokens = self.spec.tokens(b.size)
-            if 2 * mbs > cfg.max_mbs or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens) \
-                    or coarse or any(comm.all_gather_object(budget.over(), group)):
+            if (
+                2 * mbs > cfg.max_mbs
+                or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens)
+                or coarse
+                or any(comm.all_gather_object(budget.over(), group))
+            ):
                 return clamped
             mbs *= 2
 
     # ------------------------------------------------------------------ the whole profile
 
-    def run(self, sizes: Sequence[Size], journal_path: str | os.PathLike | None = None
-            ) -> tuple[Profile, ProfileStats]:
+    def run(self, sizes: Sequence[Size], journal_path: str | os.PathLike | None = None) -> tuple[Profile, ProfileStats]:
         """Profiles every bucket of ``sizes`` (one representative sample size each) on every
         rank together; returns the same `Profile` on every rank and this run's stats.
         ``journal_path``: the profile's path; each finished layout chain is saved beside it
@@ -351,8 +410,11 @@ class Profiler:
         key = comm.digest((fp, keys, dataclasses.replace(cfg, progress=False, budget_s=None)))
         journal = Journal(journal_path, self.rank, key) if journal_path is not None else None
         done = comm.all_gather_object(set(journal.done) if journal else set(), self.control.control)
-        chains = [((b.key, sp, m), b.tokens, largest_mbs(b.tokens, cfg.max_mbs, cfg.max_tokens)) for sp, _, b in plan
-                  for m in cfg.modes]
+        chains = [
+            ((b.key, sp, m), b.tokens, largest_mbs(b.tokens, cfg.max_mbs, cfg.max_tokens))
+            for sp, _, b in plan
+            for m in cfg.modes
+        ]
         budget = Budget(cfg.budget_s, chains, full_runs=2.0 * (cfg.warmup + cfg.repeats))
         bar = budget.progress_bar(self.spec.name, self.rank) if cfg.progress else None
 
@@ -386,8 +448,10 @@ class Profiler:
         # every group's entries on every rank (each group's first rank speaks for it)
         gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank], self.control.control)
         order = {k: i for i, k in enumerate(keys)}
-        entries = sorted((e for part in gathered for e in part),
-                         key=lambda e: (order[e.bucket], e.sp, e.ring or 0, STATIC_MODES.index(e.recompute), e.mbs))
+        entries = sorted(
+            (e for part in gathered for e in part),
+            key=lambda e: (order[e.bucket], e.sp, e.ring or 0, STATIC_MODES.index(e.recompute), e.mbs),
+        )
         # with rescaling, every layout on the profile's median machine speed
         reference_s = rescale(entries) if cfg.rescale else median_reference(entries)
         self.clock = None
@@ -397,21 +461,36 @@ class Profiler:
         # unfit: measured at every degree (not cut by the budget) and infeasible at each
         unfit = [b.key for b in buckets if b.key not in feasible and all((b.key, k) in measured for k in self.sp_sizes)]
         for k in unfit:
-            log.warning("bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
-                        "%s bytes: samples of this size cannot be trained on this device", k, self.memory_limit)
-        stats = ProfileStats(layouts_measured=len(entries),
-                             layouts_infeasible=sum(not e.feasible for e in entries),
-                             unfit_buckets=unfit, slopes_clamped=clamped, cuda_memory=self.cuda_memory,
-                             chains_coarse=sum(comm.all_gather_object(budget.coarse, self.control.control)),
-                             chains_skipped=sum(comm.all_gather_object(budget.skipped, self.control.control)))
+            log.warning(
+                "bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
+                "%s bytes: samples of this size cannot be trained on this device",
+                k,
+                self.memory_limit,
+            )
+        stats = ProfileStats(
+            layouts_measured=len(entries),
+            layouts_infeasible=sum(not e.feasible for e in entries),
+            unfit_buckets=unfit,
+            slopes_clamped=clamped,
+            cuda_memory=self.cuda_memory,
+            chains_coarse=sum(comm.all_gather_object(budget.coarse, self.control.control)),
+            chains_skipped=sum(comm.all_gather_object(budget.skipped, self.control.control)),
+        )
         stats.add_validation(entries)
 
-        profile = Profile(fingerprint=fp, model=self.spec, world_size=self.world,
-                          gpus_per_node=self.cluster.gpus_per_node, model_state_bytes=state,
-                          grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer,
-                                                        shards.sync_group(self.engine)),
-                          buckets=buckets, entries=entries, unfit_buckets=unfit, shard_size=self.shard_size,
-                          reference_s=reference_s)
+        profile = Profile(
+            fingerprint=fp,
+            model=self.spec,
+            world_size=self.world,
+            gpus_per_node=self.cluster.gpus_per_node,
+            model_state_bytes=state,
+            grad_sync_s=grad_sync_seconds(self.engine.flat_grad, self.timer, shards.sync_group(self.engine)),
+            buckets=buckets,
+            entries=entries,
+            unfit_buckets=unfit,
+            shard_size=self.shard_size,
+            reference_s=reference_s,
+        )
         if self.rank == 0:
             profile.warn_if_noisy(log)
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start, self.control.control))

@@ -60,16 +60,24 @@ def estimate(xs: Sequence[float], k: float = 3.5) -> Estimate:
     return Estimate(med, max(0.0, med - half), med + half, len(kept), len(xs) - len(kept))
 
 
-def round_estimates(t_short: Sequence[float], t_long: Sequence[float], d_short: int, d_long: int,
-                    num_layers: int) -> list[float]:
+def round_estimates(
+    t_short: Sequence[float], t_long: Sequence[float], d_short: int, d_long: int, num_layers: int
+) -> list[float]:
     """Each round's full-depth time: its longer stack's time plus the remaining layers at
     the round's own per-layer time, (t_long - t_short) / (d_long - d_short)."""
     per = [(b - a) / (d_long - d_short) for a, b in zip(t_short, t_long, strict=True)]
     return [b + (num_layers - d_long) * p for b, p in zip(t_long, per)]
 
 
-def timed_until_stable(run_round: Callable[[], float], *, min_rounds: int, max_rounds: int, rel_tol: float,
-                       k: float = 3.5, agree: Callable[[bool], bool] = lambda done: done) -> list[float]:
+def timed_until_stable(
+    run_round: Callable[[], float],
+    *,
+    min_rounds: int,
+    max_rounds: int,
+    rel_tol: float,
+    k: float = 3.5,
+    agree: Callable[[bool], bool] = lambda done: done,
+) -> list[float]:
     """Calls ``run_round`` (one round's value) at least ``min_rounds`` and at most
     ``max_rounds`` times, stopping once the robust median's half-width is within ``rel_tol``
     (judged from `MIN_SPREAD_ROUNDS` rounds on: fewer show no spread).
@@ -79,13 +87,13 @@ def timed_until_stable(run_round: Callable[[], float], *, min_rounds: int, max_r
         raise ValueError(f"rounds: need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
     xs = [run_round() for _ in range(min_rounds)]
     while len(xs) < max_rounds and not agree(
-            len(xs) >= MIN_SPREAD_ROUNDS and estimate(xs, k).rel_half_width <= rel_tol):
+        len(xs) >= MIN_SPREAD_ROUNDS and estimate(xs, k).rel_half_width <= rel_tol
+    ):
         xs.append(run_round())
     return xs
 
 
-def summarize_rounds(times: dict[int, list[float]], depths: Sequence[int], xs: Sequence[float],
-                     k: float = 3.5) -> dict:
+def summarize_rounds(times: dict[int, list[float]], depths: Sequence[int], xs: Sequence[float], k: float = 3.5) -> dict:
     """A layout's timing from its rounds: the outlier rounds (by their full-depth estimates
     ``xs``) dropped from every depth, then per depth the median time, the median per-layer
     time of the two depths ``depths`` (per round), and the spread, rounds and rejected."""
@@ -93,6 +101,10 @@ def summarize_rounds(times: dict[int, list[float]], depths: Sequence[int], xs: S
     kept = {d: [t for t, ok in zip(ts, keep) if ok] for d, ts in times.items()}
     a, b = depths
     est = estimate(xs, k)
-    return {"time": {d: statistics.median(ts) for d, ts in kept.items()},
-            "slope": statistics.median((y - x) / (b - a) for x, y in zip(kept[a], kept[b], strict=True)),
-            "spread": est.rel_half_width, "rounds": len(xs), "rejected": est.rejected}
+    return {
+        "time": {d: statistics.median(ts) for d, ts in kept.items()},
+        "slope": statistics.median((y - x) / (b - a) for x, y in zip(kept[a], kept[b], strict=True)),
+        "spread": est.rel_half_width,
+        "rounds": len(xs),
+        "rejected": est.rejected,
+    }

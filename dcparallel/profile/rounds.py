@@ -25,10 +25,19 @@ class _RoundOutOfMemory(Exception):
     """A timed round ran out of memory on some rank of the group (the group's agreed message)."""
 
 
-def timed_rounds(at_depth: Callable[[int], AbstractContextManager], run: Callable[[], None], depths: Sequence[int],
-                 took: dict[int, float], *,
-                 config: ProfilerConfig, num_layers: int, timer: Timer, group, ranks: Sequence[int],
-                 clock: ReferenceClock | None = None) -> dict | str:
+def timed_rounds(
+    at_depth: Callable[[int], AbstractContextManager],
+    run: Callable[[], None],
+    depths: Sequence[int],
+    took: dict[int, float],
+    *,
+    config: ProfilerConfig,
+    num_layers: int,
+    timer: Timer,
+    group,
+    ranks: Sequence[int],
+    clock: ReferenceClock | None = None,
+) -> dict | str:
     """The timing of a layout whose depths ``depths`` each ran once in ``took`` seconds:
     ``run()`` runs one micro-batch, inside ``at_depth(d)`` of the ``d``-layer stack. Warm-ups (``warmup - 1``
     per depth), then >= `repeats` rounds, more while short (`min_time_s`), then until the
@@ -61,9 +70,14 @@ def timed_rounds(at_depth: Callable[[int], AbstractContextManager], run: Callabl
                     err = run_together(run, group, ranks)
                 if err:
                     return err
-        xs = timed_until_stable(one_round, min_rounds=rounds, max_rounds=max(rounds, cfg.max_repeats),
-                                rel_tol=cfg.rel_tol, k=cfg.outlier_k,
-                                agree=lambda done: all(comm.all_gather_object(done, group)))
+        xs = timed_until_stable(
+            one_round,
+            min_rounds=rounds,
+            max_rounds=max(rounds, cfg.max_repeats),
+            rel_tol=cfg.rel_tol,
+            k=cfg.outlier_k,
+            agree=lambda done: all(comm.all_gather_object(done, group)),
+        )
     except _RoundOutOfMemory as exc:  # a device allocator can still fail here
         return str(exc)
     finally:

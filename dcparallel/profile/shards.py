@@ -44,8 +44,9 @@ def state_bytes(engine: Engine, spec: ModelSpec, device: torch.device) -> float:
     f = sum(p.numel() for p in frozen)
     b = torch.empty((), dtype=compute_dtype(engine)).element_size()
     bt = 4 if s > 1 else engine.params[0].element_size()  # fp32 adapters on a bf16 base
-    recipe = state_recipe(spec, comm.world_size(), s, num_params=n + f, frozen_params=f, bytes_per_value=b,
-                          trainable_bytes=bt)
+    recipe = state_recipe(
+        spec, comm.world_size(), s, num_params=n + f, frozen_params=f, bytes_per_value=b, trainable_bytes=bt
+    )
     return recipe.states - (recipe.gathered if device.type == "cuda" else 0.0)
 
 
@@ -54,10 +55,13 @@ def meter(engine: Engine, base_bytes: float, limit_bytes: float | None) -> Saved
     flat buffer and its views; s > 1: the local shards, and every saved parameter, which is
     how FSDP's gathered layers reach autograd)."""
     if shard_size(engine) > 1:
-        return SavedTensorMeter(exclude=[p.to_local() for p in engine.params], base_bytes=base_bytes,
-                                limit_bytes=limit_bytes, skip_parameters=True)
-    return SavedTensorMeter(exclude=[engine.flat_param, *engine.params], base_bytes=base_bytes,
-                            limit_bytes=limit_bytes)
+        return SavedTensorMeter(
+            exclude=[p.to_local() for p in engine.params],
+            base_bytes=base_bytes,
+            limit_bytes=limit_bytes,
+            skip_parameters=True,
+        )
+    return SavedTensorMeter(exclude=[engine.flat_param, *engine.params], base_bytes=base_bytes, limit_bytes=limit_bytes)
 
 
 def sync_group(engine: Engine):

@@ -62,8 +62,10 @@ def measure_tower(model: nn.Module, patches: Sequence[int] = DEFAULT_PATCHES, re
     family = FAMILIES.get(name)
     vc = getattr(getattr(model, "config", None), "vision_config", None)
     if family is None or not hasattr(vc, "spatial_merge_size"):
-        raise ValueError(f"{name} has no grid-based vision tower to measure per patch bucket (Qwen2-VL, Qwen2.5-VL, "
-                         f"Qwen3-VL have); plan its tower with the analytic cost model")
+        raise ValueError(
+            f"{name} has no grid-based vision tower to measure per patch bucket (Qwen2-VL, Qwen2.5-VL, "
+            f"Qwen3-VL have); plan its tower with the analytic cost model"
+        )
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: measure each bucket at least once")
     tower = _module(model, family.tower)
@@ -71,14 +73,18 @@ def measure_tower(model: nn.Module, patches: Sequence[int] = DEFAULT_PATCHES, re
     projector = {id(p) for path in family.projectors for p in _module(model, path).parameters()}
     trainable = any(p.requires_grad for p in tower.parameters() if id(p) not in projector)  # as freeze_vision says
     if any(p.grad is not None for p in params):
-        raise ValueError(f"the vision tower of {name} holds gradients; measure it with none (zero_grad(set_to_none="
-                         f"True), or before DataCentricParallel wraps the model): a measurement would add to them")
+        raise ValueError(
+            f"the vision tower of {name} holds gradients; measure it with none (zero_grad(set_to_none="
+            f"True), or before DataCentricParallel wraps the model): a measurement would add to them"
+        )
     channels = getattr(vc, "in_channels", None) or vc.in_chans
-    width = channels * vc.temporal_patch_size * vc.patch_size ** 2
+    width = channels * vc.temporal_patch_size * vc.patch_size**2
     grids = sorted({square_grid(p, vc.spatial_merge_size) for p in patches}, key=lambda g: g[1])
     if len(grids) < 2:
-        raise ValueError(f"patches {tuple(patches)} round to {len(grids)} distinct square grid(s); give two or more "
-                         f"buckets of different sizes")
+        raise ValueError(
+            f"patches {tuple(patches)} round to {len(grids)} distinct square grid(s); give two or more "
+            f"buckets of different sizes"
+        )
     seconds, kept = [], []
     for grid in grids:
         n = grid[0] * grid[1] * grid[2]
@@ -116,21 +122,25 @@ def check_tower_shards(spec: ModelSpec, shard_size: int) -> None:
     anything is profiled: one rank cannot run a tower whose weights are sharded, and sharding
     has no parity test with a vision tower."""
     if spec.vision is not None and shard_size > 1:
-        raise ValueError(f"{spec.name}: its vision tower is measured on one rank, which cannot run it with "
-                         f"parameters sharded in blocks of {shard_size}; use shard_size=1 with a vision-language "
-                         f"model (parameter sharding has no parity test with a vision tower)")
+        raise ValueError(
+            f"{spec.name}: its vision tower is measured on one rank, which cannot run it with "
+            f"parameters sharded in blocks of {shard_size}; use shard_size=1 with a vision-language "
+            f"model (parameter sharding has no parity test with a vision tower)"
+        )
 
 
-def profile_tower(profile: Profile, spec: ModelSpec, model: nn.Module, path: Path, zero_grad, past_budget: bool
-                  ) -> Profile:
+def profile_tower(
+    profile: Profile, spec: ModelSpec, model: nn.Module, path: Path, zero_grad, past_budget: bool
+) -> Profile:
     """``profile`` with its model's tower measured (module docstring); collective, every rank.
     ``spec``: the adapter's (its `VisionTower`, trainable as the run trains); ``zero_grad``:
     the engine's, run after the measurement (its gradient hooks saw the tower's backward)."""
     from dcparallel.profile.cache import world_path
 
     tower = spec.vision
-    if tower is None or (profile.vision is not None and profile.vision.trainable == tower.trainable
-                         and profile.model.vision == tower):
+    if tower is None or (
+        profile.vision is not None and profile.vision.trainable == tower.trainable and profile.model.vision == tower
+    ):
         return profile
     error = table = None
     if comm.world_rank() == 0:
@@ -142,8 +152,9 @@ def profile_tower(profile: Profile, spec: ModelSpec, model: nn.Module, path: Pat
     table, error = comm.all_gather_object((table, error), comm.control_group())[0]
     if error is not None:
         raise ValueError(f"measuring the vision tower of {spec.name}: {error}")
-    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, vision=tower,
-                                                                     extra_params=spec.extra_params), vision=table)
+    profile = dataclasses.replace(
+        profile, model=dataclasses.replace(profile.model, vision=tower, extra_params=spec.extra_params), vision=table
+    )
     if comm.world_rank() == 0:
         profile.save(path)
         profile.save(world_path(path, profile.world_size))

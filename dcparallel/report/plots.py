@@ -53,8 +53,12 @@ def _step_ends(tl: Mapping[int, Sequence[Span]]) -> list[float]:
     return [t for t in ends if t < run_end - 1e-9]
 
 
-def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: str | Path,
-                   title: str = "", max_seconds: float | None = None) -> Path:
+def plot_timelines(
+    timelines: Mapping[str, Mapping[int, Sequence[Span]]],
+    path: str | Path,
+    title: str = "",
+    max_seconds: float | None = None,
+) -> Path:
     """Writes a PNG with one panel per policy (e.g. {"bucket": {0: spans, 1: spans}, ...}):
     step boundaries dashed, the legend below the panels; many ranks (32 and more) get thin
     rows and every k-th rank labelled, so the figure stays compact."""
@@ -68,8 +72,9 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
     heights = [row_h * max(1, len(timelines[n])) + 0.45 for n in names]
     legend_h = 0.45
     fig_h = (0.3 if title else 0.1) + sum(heights) + 0.45 + legend_h
-    fig, axes = plt.subplots(len(names), 1, figsize=(12, fig_h), squeeze=False, sharex=True,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(12, fig_h), squeeze=False, sharex=True, gridspec_kw={"height_ratios": heights}
+    )
     legend: dict[str, tuple[str, str | None, tuple]] = {}
     for ax, name in zip(axes[:, 0], names):
         tl = timelines[name]
@@ -83,8 +88,14 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
                 if bars:
                     colour, hatch, label = _style(kind)
                     edge = "white" if kind.startswith("busy") and not thin else "none"
-                    ax.broken_barh(bars, (row - 0.45, 0.9) if thin else (row - 0.4, 0.8), facecolors=colour,
-                                   hatch=hatch, edgecolor=edge, linewidth=0.3)
+                    ax.broken_barh(
+                        bars,
+                        (row - 0.45, 0.9) if thin else (row - 0.4, 0.8),
+                        facecolors=colour,
+                        hatch=hatch,
+                        edgecolor=edge,
+                        linewidth=0.3,
+                    )
                     legend[label] = (colour, hatch, _order(kind))
         steps = _step_ends(tl)
         for t in steps if len(steps) <= 400 else ():
@@ -96,14 +107,19 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
         ax.set_ylim(-0.6, len(tl) - 0.4)
         ax.invert_yaxis()
         share = idle_total / (busy_total + idle_total) if busy_total + idle_total else 0.0
-        ax.set_title(f"{name}: {run_end:.1f} s, {len(steps) + 1} steps, ranks idle {100 * share:.0f}% of "
-                     f"compute time", loc="left", fontsize=10)
+        ax.set_title(
+            f"{name}: {run_end:.1f} s, {len(steps) + 1} steps, ranks idle {100 * share:.0f}% of compute time",
+            loc="left",
+            fontsize=10,
+        )
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("seconds (dashed lines: step boundaries)")
     for k in ("idle", "sync"):
         legend.setdefault(_style(k)[2], (COLORS[k], None, _order(k)))
-    handles = [Patch(facecolor=c, hatch=h, edgecolor="white", label=label)
-               for label, (c, h, _) in sorted(legend.items(), key=lambda x: x[1][2])]
+    handles = [
+        Patch(facecolor=c, hatch=h, edgecolor="white", label=label)
+        for label, (c, h, _) in sorted(legend.items(), key=lambda x: x[1][2])
+    ]
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
@@ -115,8 +131,12 @@ def plot_timelines(timelines: Mapping[str, Mapping[int, Sequence[Span]]], path: 
     return out
 
 
-def plot_speedups(simulated: Sequence[dict], path: str | Path, policies: Sequence[str] | None = None,
-                  title: str = "Speedup over the tuned bucket baseline (simulated)") -> Path:
+def plot_speedups(
+    simulated: Sequence[dict],
+    path: str | Path,
+    policies: Sequence[str] | None = None,
+    title: str = "Speedup over the tuned bucket baseline (simulated)",
+) -> Path:
     """Grouped bars from `simulate --json` objects (each with "speedup_vs_bucket")."""
     if not simulated:
         raise ValueError("no simulation results to plot")
@@ -130,8 +150,9 @@ def plot_speedups(simulated: Sequence[dict], path: str | Path, policies: Sequenc
         ys = [r["speedup_vs_bucket"].get(p, 0.0) for r in simulated]
         bars = ax.bar(xs, ys, width, label=p, color=cmap(j % 10))
         for b, y in zip(bars, ys):
-            ax.text(b.get_x() + b.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center", va="bottom", fontsize=6,
-                    rotation=90)
+            ax.text(
+                b.get_x() + b.get_width() / 2, y + 0.02, f"{y:.2f}", ha="center", va="bottom", fontsize=6, rotation=90
+            )
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(simulated)))
     ax.set_xticklabels(labels)
@@ -151,5 +172,8 @@ def plot_paper_scale_timeline(path: str | Path, world: int = 32) -> Path:
     and dcp, simulated (`sim.run.scenario_timelines`)."""
     from dcparallel.sim.run import scenario_timelines
 
-    return plot_timelines(scenario_timelines("video", "short", world), path,
-                          title=f"video / short on {world} x H200, first 4 steps (simulated): bucket vs dcp")
+    return plot_timelines(
+        scenario_timelines("video", "short", world),
+        path,
+        title=f"video / short on {world} x H200, first 4 steps (simulated): bucket vs dcp",
+    )

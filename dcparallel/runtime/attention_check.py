@@ -46,6 +46,7 @@ class AttentionProbe:
             # the profiler runs a stack of the first layers, passing the others through
             if not getattr(module.__dict__.get("forward"), "skips_block", False):
                 self.ran.add(i)
+
         return hook
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -81,10 +82,12 @@ class AttentionProbe:
         missing = [i for i in range(len(self._blocks)) if i in self.ran and i not in self.called]
         if missing:
             i = missing[0]
-            raise RuntimeError(f"{model_name}: block {i} ({type(self._blocks[i]).__name__}) ran without calling the "
-                               f"attention dcparallel installed (blocks {missing} of {len(self._blocks)}); it mixes "
-                               f"tokens some other way, which under sequence parallelism sees only its rank's "
-                               f"shard and, packed, attends across documents. Refusing to train it: give the "
-                               f"adapter the block's real attention (attn_modules=) or use a model whose every "
-                               f"block attends through the installed attention")
+            raise RuntimeError(
+                f"{model_name}: block {i} ({type(self._blocks[i]).__name__}) ran without calling the "
+                f"attention dcparallel installed (blocks {missing} of {len(self._blocks)}); it mixes "
+                f"tokens some other way, which under sequence parallelism sees only its rank's "
+                f"shard and, packed, attends across documents. Refusing to train it: give the "
+                f"adapter the block's real attention (attn_modules=) or use a model whose every "
+                f"block attends through the installed attention"
+            )
         return len(self.ran) == len(self._blocks)

@@ -61,18 +61,19 @@ def set_up_launch(model: nn.Module) -> torch.device | None:
     if current.type == "cpu" and device.type != "cpu":
         model.to(device)
     elif current.type == "cuda" and current != device:
-        raise ValueError(f"the model is on {current} but this rank's device is {device} (LOCAL_RANK="
-                         f"{os.environ.get('LOCAL_RANK')}): build it on the CPU and let DataCentricParallel move "
-                         f"it, or move it to cuda:LOCAL_RANK yourself (or call dcparallel.init_distributed() first "
-                         f"and use its .device)")
+        raise ValueError(
+            f"the model is on {current} but this rank's device is {device} (LOCAL_RANK="
+            f"{os.environ.get('LOCAL_RANK')}): build it on the CPU and let DataCentricParallel move "
+            f"it, or move it to cuda:LOCAL_RANK yourself (or call dcparallel.init_distributed() first "
+            f"and use its .device)"
+        )
     return device
 
 
 def priced_cluster(cluster: ClusterSpec, **changes: Any) -> ClusterSpec:
     """``cluster`` with link speeds the analytic cost model can price: 1e10 bytes/s per GPU
     for a link the launch gave no speed for (`runtime.launch.cluster_from_env`)."""
-    return dataclasses.replace(cluster, intra_bw=cluster.intra_bw or 1e10, inter_bw=cluster.inter_bw or 1e10,
-                               **changes)
+    return dataclasses.replace(cluster, intra_bw=cluster.intra_bw or 1e10, inter_bw=cluster.inter_bw or 1e10, **changes)
 
 
 def agreed_auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
@@ -84,8 +85,9 @@ def agreed_auto_shard_size(spec: ModelSpec, cluster: ClusterSpec) -> int:
     try:
         s, why = explain_shard_size(spec, priced)
     except ValueError as e:
-        raise ValueError(f"shard_size='auto': {e} (the budget is memory_bytes per rank: pass a larger one if the "
-                         f"device has more)") from None
+        raise ValueError(
+            f"shard_size='auto': {e} (the budget is memory_bytes per rank: pass a larger one if the device has more)"
+        ) from None
     comm.check_equal(str(s), "shard_size auto")
     if comm.world_rank() == 0:
         log.info(why)

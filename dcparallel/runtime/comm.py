@@ -222,8 +222,10 @@ class RingShift:
         if tensor.is_cuda and dist.get_backend(group) == "gloo":
             self._device, tensor = tensor.device, tensor.cpu()
         self.received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), send_to, group),
-               dist.P2POp(dist.irecv, self.received, recv_from, group)]
+        ops = [
+            dist.P2POp(dist.isend, tensor.contiguous(), send_to, group),
+            dist.P2POp(dist.irecv, self.received, recv_from, group),
+        ]
         self._requests = dist.batch_isend_irecv(ops)
 
     def wait(self) -> Tensor:
@@ -299,8 +301,13 @@ def all_to_all_bytes(parts: list[Tensor], recv_sizes: list[int], group=WORLD) ->
         return [parts[0]]
     send = torch.cat(parts)
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
-    dist.all_to_all_single(out, send, output_split_sizes=list(recv_sizes),
-                           input_split_sizes=[p.numel() for p in parts], group=None if group is WORLD else group)
+    dist.all_to_all_single(
+        out,
+        send,
+        output_split_sizes=list(recv_sizes),
+        input_split_sizes=[p.numel() for p in parts],
+        group=None if group is WORLD else group,
+    )
     return list(out.split(list(recv_sizes)))
 
 
@@ -319,8 +326,7 @@ def all_gather_shards_(flat: Tensor, shard_numel: int, group=WORLD) -> Tensor:
         return flat
     i = world_rank() if group is WORLD else group_rank(group)
     out = flat[: n * shard_numel]
-    compat.all_gather_into_tensor(out, out[i * shard_numel : (i + 1) * shard_numel],
-                                  None if group is WORLD else group)
+    compat.all_gather_into_tensor(out, out[i * shard_numel : (i + 1) * shard_numel], None if group is WORLD else group)
     return flat
 
 
@@ -383,8 +389,9 @@ def check_agree(fields: dict[str, tuple[Any, str]], what: str, group=WORLD) -> N
             by_value.setdefault(d, (preview, []))[1].append(r)
         if len(by_value) > 1:
             detail = "; ".join(f"ranks {_ranks_text(rs)}: {preview}" for preview, rs in by_value.values())
-            raise ValueError(f"{what}: {name} differs across ranks ({detail}); every rank must plan from the same "
-                             f"{name}: {fix}")
+            raise ValueError(
+                f"{what}: {name} differs across ranks ({detail}); every rank must plan from the same {name}: {fix}"
+            )
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -25,7 +25,9 @@ def efficient_attention_ops() -> tuple[object, object] | None:
     log-sum-exp on request, backward takes an output and log-sum-exp of the caller's): private
     names, so reached only here; None where this build lacks them."""
     aten = torch.ops.aten
-    if not (hasattr(aten, "_scaled_dot_product_efficient_attention")
-            and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")):
+    if not (
+        hasattr(aten, "_scaled_dot_product_efficient_attention")
+        and hasattr(aten, "_scaled_dot_product_efficient_attention_backward")
+    ):
         return None
     return aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward

@@ -102,15 +102,15 @@ class MicroBatchContext:
         through the gather is exact. ``per_position_loss`` (B, ...) unreduced, e.g. the mean
         over channels of the squared error per latent position."""
         if self.batch.sharded and self.batch.sp > 1:
-            raise ValueError("dense_loss is for batches every rank of the group holds whole (Batch.sharded False); "
-                             "this rank holds a shard of the rows: use token_loss with the batch's loss_mask")
+            raise ValueError(
+                "dense_loss is for batches every rank of the group holds whole (Batch.sharded False); "
+                "this rank holds a shard of the rows: use token_loss with the batch's loss_mask"
+            )
         mask = torch.ones_like(per_position_loss, dtype=torch.bool)
         w = torch.full_like(per_position_loss, 1.0 / self.batch.sp, dtype=torch.float32)
         return self.token_loss(per_position_loss, mask, w)
 
-    def token_loss(
-        self, per_token_loss: Tensor, mask: Tensor, sample_weights: Tensor | None = None
-    ) -> Tensor:
+    def token_loss(self, per_token_loss: Tensor, mask: Tensor, sample_weights: Tensor | None = None) -> Tensor:
         """The shard's summed loss: sum of ``per_token_loss`` over ``mask`` (x
         ``sample_weights``, broadcastable: e.g. `Batch.sample_mean_weights()` for a mean over
         samples). Counts the shard's targets (sum of weights over the mask) for the step's
@@ -150,9 +150,12 @@ def warn_fp32_cuda(params: Sequence[Tensor]) -> None:
     if _warned_fp32_cuda or not any(p.device.type == "cuda" and p.dtype == torch.float32 for p in params):
         return
     _warned_fp32_cuda = True
-    warnings.warn("the model's parameters are float32 on CUDA: cast it with model.to(torch.bfloat16) before "
-                  "wrapping (the optimizer keeps fp32 master weights); `dcparallel train` does so unless "
-                  "[train] dtype = \"float32\"", stacklevel=3)
+    warnings.warn(
+        "the model's parameters are float32 on CUDA: cast it with model.to(torch.bfloat16) before "
+        "wrapping (the optimizer keeps fp32 master weights); `dcparallel train` does so unless "
+        '[train] dtype = "float32"',
+        stacklevel=3,
+    )
 
 
 class Engine:
@@ -190,18 +193,18 @@ class Engine:
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(
-                f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype"
-            )
+            raise ValueError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
         warn_fp32_cuda(params)
         cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
         if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
-            raise ValueError(f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; "
-                             f"give one of them")
-        self.shard_size = check_shard_size(shard_size if shard_size is not None else cluster_shard,
-                                           comm.world_size(),
-                                           cluster.gpus_per_node if isinstance(cluster, ClusterSpec)
-                                           else comm.world_size())
+            raise ValueError(
+                f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; give one of them"
+            )
+        self.shard_size = check_shard_size(
+            shard_size if shard_size is not None else cluster_shard,
+            comm.world_size(),
+            cluster.gpus_per_node if isinstance(cluster, ClusterSpec) else comm.world_size(),
+        )
         #: built on the meta device (`runtime.meta_init`): its weights come from `load_weights`
         self.weights_pending = on_meta(model)
         self.optimizer_made = False  # `load_weights` must come first with shard_size 1 (ZeRO-1 copies masters)
@@ -227,13 +230,18 @@ class Engine:
         self.params = params
         self.grad_sync: GradSync | ShardedGrads
         if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
-            self.grad_sync = ShardedGrads(model, self.layers, self.shard_size,
-                                          stats_group=getattr(self.groups, "grad_sync", None),
-                                          device=device or default_device())
+            self.grad_sync = ShardedGrads(
+                model,
+                self.layers,
+                self.shard_size,
+                stats_group=getattr(self.groups, "grad_sync", None),
+                device=device or default_device(),
+            )
             self.params = self.grad_sync.params
         else:
-            self.grad_sync = GradSync(self.params, world_size=self.world_size, rank=self.rank,
-                                      group=getattr(self.groups, "grad_sync", None))
+            self.grad_sync = GradSync(
+                self.params, world_size=self.world_size, rank=self.rank, group=getattr(self.groups, "grad_sync", None)
+            )
 
     # the flat buffers and the step's statistics live in `grad_sync`
     flat_param = property(lambda self: self.grad_sync.flat_param)
@@ -248,9 +256,11 @@ class Engine:
         reading only its shards (`runtime.meta_init.load_weights`): the way a model built on
         the meta device gets its weights. Not collective."""
         if self.shard_size == 1 and self.optimizer_made:
-            raise ValueError("load_weights after dc.optimizer() with shard_size 1: the ZeRO-1 optimizer already "
-                             "copied the weights it updates (fp32 masters of a low-precision model); call "
-                             "dc.load_weights(folder) before dc.optimizer()")
+            raise ValueError(
+                "load_weights after dc.optimizer() with shard_size 1: the ZeRO-1 optimizer already "
+                "copied the weights it updates (fp32 masters of a low-precision model); call "
+                "dc.load_weights(folder) before dc.optimizer()"
+            )
         load_weights(self.model, folder)
         self.weights_pending = False
 
@@ -277,8 +287,10 @@ class Engine:
         overlap). An out-of-memory error in a micro-batch of a loader step ends every rank
         (`runtime.launch.abort_on_oom`) instead of leaving its SP group waiting."""
         if self.weights_pending:
-            raise ValueError("the model was built on the meta device and has no weights yet: call "
-                             "dc.load_weights(folder) (a save_pretrained folder) or resume a checkpoint first")
+            raise ValueError(
+                "the model was built on the meta device and has no weights yet: call "
+                "dc.load_weights(folder) (a save_pretrained folder) or resume a checkpoint first"
+            )
         if self.rank not in batch.ranks:
             raise ValueError(
                 f"rank {self.rank} got a batch for group {batch.ranks}; the loader must hand "
@@ -305,8 +317,15 @@ class Engine:
         except torch.OutOfMemoryError as exc:
             if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
                 raise
-            abort_on_oom(exc, step=batch.step, epoch=self.epoch, layout=batch.layout, ranks=batch.ranks,
-                         sample_ids=batch.sample_ids, seq_len=batch.seq_len)
+            abort_on_oom(
+                exc,
+                step=batch.step,
+                epoch=self.epoch,
+                layout=batch.layout,
+                ranks=batch.ranks,
+                sample_ids=batch.sample_ids,
+                seq_len=batch.seq_len,
+            )
         finally:
             if probe is not None:
                 probe.remove()
@@ -368,13 +387,17 @@ class Engine:
         optimizer exists (`GradSync.materialize_grads`). Shard size 1 only (with shard blocks
         a rank holds shards: `full_gradients`)."""
         if self.shard_size > 1:
-            raise ValueError(f"gradients() returns whole gradients without a copy, which with shard_size="
-                             f"{self.shard_size} no rank holds; use dc.full_gradients() (collective)")
+            raise ValueError(
+                f"gradients() returns whole gradients without a copy, which with shard_size="
+                f"{self.shard_size} no rank holds; use dc.full_gradients() (collective)"
+            )
         if not self.grad_sync.synced:
             raise RuntimeError("gradients needs the step's gradients: call dc.sync_gradients() first")
         if self.grad_sync.sharded:
-            raise ValueError("gradients() returns whole gradients without a copy, but with the ZeRO-1 optimizer "
-                             "each rank holds only its shard's sum; use dc.full_gradients() (collective)")
+            raise ValueError(
+                "gradients() returns whole gradients without a copy, but with the ZeRO-1 optimizer "
+                "each rank holds only its shard's sum; use dc.full_gradients() (collective)"
+            )
         return dict(zip(self._param_names(), self.grad_sync.views, strict=True))
 
     def _param_names(self) -> list[str]:

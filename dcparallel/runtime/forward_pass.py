@@ -42,8 +42,16 @@ class ForwardPass:
     """Plans and runs forward-only passes on ``engine`` (see the module docstring). Every
     rank calls `run` together, each with its own rollouts (maybe none)."""
 
-    def __init__(self, engine: Any, cost: CostModel, cluster: ClusterSpec, policy: str, *,
-                 device: torch.device | None = None, check_plans: int = 50):
+    def __init__(
+        self,
+        engine: Any,
+        cost: CostModel,
+        cluster: ClusterSpec,
+        policy: str,
+        *,
+        device: torch.device | None = None,
+        check_plans: int = 50,
+    ):
         self.engine = engine
         self.planner = RolloutPlanner(ForwardOnlyCost(cost), cluster, policy, device=device, check_plans=check_plans)
         #: the last pass's step (its plan, timings), for reports
@@ -73,11 +81,13 @@ class ForwardPass:
             with self._forward(batch):
                 y = fn(self.engine.model, batch)
             if y.dim() != 2 or tuple(y.shape) != tuple(batch.inputs.shape[:2]):
-                raise ValueError(f"the forward function returned shape {tuple(y.shape)}; give one value per token "
-                                 f"position, shaped like batch.inputs {tuple(batch.inputs.shape[:2])}")
+                raise ValueError(
+                    f"the forward function returned shape {tuple(y.shape)}; give one value per token "
+                    f"position, shaped like batch.inputs {tuple(batch.inputs.shape[:2])}"
+                )
             at = 0  # the pieces lie in sample order along the shard's one row
             for p in shard_pieces(mb, batch.rank_in_group, step.lengths):
-                pieces.append((p, y[0, at: at + p.hi - p.lo].detach().float().cpu()))
+                pieces.append((p, y[0, at : at + p.hi - p.lo].detach().float().cpu()))
                 at += p.hi - p.lo
         return self._send_back(step, pieces)
 
@@ -86,20 +96,22 @@ class ForwardPass:
         world, rank = self.planner.world_size, self.planner.rank
         lengths = step.lengths
         owner = [r for r, _ in step.origin]
-        parts = [torch.cat([v for p, v in pieces if owner[p.sample] == dst] or [torch.empty(0)])
-                 for dst in range(world)]
+        parts = [
+            torch.cat([v for p, v in pieces if owner[p.sample] == dst] or [torch.empty(0)]) for dst in range(world)
+        ]
         expect = [expected_pieces(step.plan, src, lengths, owner, rank) for src in range(world)]
-        got = comm.all_to_all_bytes([p.contiguous().view(torch.uint8) for p in parts],
-                                    [4 * sum(p.hi - p.lo for p in e) for e in expect])
+        got = comm.all_to_all_bytes(
+            [p.contiguous().view(torch.uint8) for p in parts], [4 * sum(p.hi - p.lo for p in e) for e in expect]
+        )
         out = {i: torch.zeros(lengths[i], dtype=torch.float32) for i in step.local_ids}
         for buf, exp in zip(got, expect, strict=True):
             vals, at = buf.cpu().view(torch.float32), 0
             for p in exp:
-                v = vals[at: at + p.hi - p.lo]
+                v = vals[at : at + p.hi - p.lo]
                 at += p.hi - p.lo
                 keep = min(p.hi, lengths[p.sample] - 1) - p.lo  # the last token predicts nothing
                 if keep > 0:
-                    out[p.sample][p.lo + 1: p.lo + 1 + keep] = v[:keep]
+                    out[p.sample][p.lo + 1 : p.lo + 1 + keep] = v[:keep]
         return [out[i] for i in step.local_ids]
 
 

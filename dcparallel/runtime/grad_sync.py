@@ -76,8 +76,16 @@ class GradSync:
     ``materialize_grads``: low-precision parameters get ``p.grad`` copies after the sync
     (`expose_grads`)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], *, world_size: int = 1, rank: int = 0, group=None,
-                 bucket_bytes: int | None = None, overlap: bool = True):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        group=None,
+        bucket_bytes: int | None = None,
+        overlap: bool = True,
+    ):
         self.params = list(params)
         device = self.params[0].device
         self.rank, self.world_size = rank, world_size
@@ -144,8 +152,11 @@ class GradSync:
         self._param_buckets: list[tuple[int, ...]] = []
         counts = [0] * len(self.buckets)
         for lo, hi in self._ranges:
-            ks = tuple(range(last - bisect_right(starts, hi - 1) + 1, last - bisect_right(starts, lo) + 2)) \
-                if hi > lo else ()
+            ks = (
+                tuple(range(last - bisect_right(starts, hi - 1) + 1, last - bisect_right(starts, lo) + 2))
+                if hi > lo
+                else ()
+            )
             for k in ks:
                 counts[k] += 1
             self._param_buckets.append(ks)
@@ -187,8 +198,11 @@ class GradSync:
             self.flat_grad[-2:] = self.stats.to(self.flat_grad)
         (lo, hi), owner = self.buckets[k], self.bucket_owners[k]
         part = self.flat_grad[lo:hi]
-        self._works.append(comm.all_reduce_sum_async(part, self.group) if owner is None else
-                           comm.reduce_sum_async(part, owner, self.group))
+        self._works.append(
+            comm.all_reduce_sum_async(part, self.group)
+            if owner is None
+            else comm.reduce_sum_async(part, owner, self.group)
+        )
         self._next = k + 1
 
     def _set_final(self, i: int) -> None:
@@ -202,13 +216,18 @@ class GradSync:
         def hook(p: Tensor) -> None:
             ks = self._param_buckets[i]
             if ks and ks[0] < self._next:
-                why = ("the last backward's graph did not reach it (a parameter used through a function that "
-                       "hides it from autograd's graph, such as reentrant checkpointing: call loss.backward() "
-                       "yourself in the last micro-batch)" if i in self._unreached else
-                       "the step's last micro-batch must run exactly one backward (call ctx.backward once, "
-                       "or pass last=False to micro_batch)")
-                raise RuntimeError(f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's "
-                                   f"all-reduce was launched: {why}")
+                why = (
+                    "the last backward's graph did not reach it (a parameter used through a function that "
+                    "hides it from autograd's graph, such as reentrant checkpointing: call loss.backward() "
+                    "yourself in the last micro-batch)"
+                    if i in self._unreached
+                    else "the step's last micro-batch must run exactly one backward (call ctx.backward once, "
+                    "or pass last=False to micro_batch)"
+                )
+                raise RuntimeError(
+                    f"a gradient of parameter {i} {tuple(p.shape)} arrived after its bucket's "
+                    f"all-reduce was launched: {why}"
+                )
             view.add_(p.grad)
             p.grad = None
             if self._armed:
@@ -242,8 +261,10 @@ class GradSync:
     def add_stats(self, loss_sum: Tensor, count: Tensor) -> None:
         """Adds a micro-batch's summed loss and target count (device tensors) to the step's."""
         if self._next > 0:
-            raise RuntimeError("a loss was counted after the step's gradient sync began; count every "
-                               "loss of the step (ctx.token_loss) before the last micro-batch's backward")
+            raise RuntimeError(
+                "a loss was counted after the step's gradient sync began; count every "
+                "loss of the step (ctx.token_loss) before the last micro-batch's backward"
+            )
         self.stats += torch.stack([loss_sum.detach().double(), count.detach().double()])
 
     def begin(self, last: bool | None = None) -> None:
@@ -264,7 +285,8 @@ class GradSync:
                     f"parameter {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) no longer lives in dcparallel's "
                     f"flat buffer ({self.flat_param.dtype} on {self.flat_param.device}): the model was moved or cast "
                     f"after DataCentricParallel(model) (model.to / .cuda / .half), so the optimizer would update a "
-                    f"copy the model does not read. Move and cast the model before wrapping it")
+                    f"copy the model does not read. Move and cast the model before wrapping it"
+                )
 
     def arm(self) -> None:
         """This rank's last micro-batch of the step begins: its backward launches each bucket
@@ -309,8 +331,7 @@ class GradSync:
         loss_sum, count = self.flat_grad[-2:].tolist()  # one device-to-host read
         if not count > 0:
             raise ValueError(
-                f"the step has {count} targets over all ranks: nothing to normalize by; "
-                f"check the labels / loss masks"
+                f"the step has {count} targets over all ranks: nothing to normalize by; check the labels / loss masks"
             )
         divisor = count if normalizer is None else check_normalizer(normalizer)
         self.last_loss = loss_sum / divisor
@@ -353,8 +374,10 @@ _OPAQUE_NODES = ("CheckpointFunctionBackward",)
 def check_normalizer(normalizer: float) -> float:
     """A fixed divisor of the step's summed gradients (Dr. GRPO's constant): a positive number."""
     if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
-        raise ValueError(f"normalizer={normalizer!r}: give a positive number to divide the step's summed loss "
-                         f"and gradients by (None: the step's global target count)")
+        raise ValueError(
+            f"normalizer={normalizer!r}: give a positive number to divide the step's summed loss "
+            f"and gradients by (None: the step's global target count)"
+        )
     return float(normalizer)
 
 

@@ -147,8 +147,10 @@ def group_cache() -> _GroupCache:
 def _world_fix(planned: int, world: int) -> str:
     """The fix for a cluster spec whose world size is not the process group's."""
     if world == 1 and planned > 1 and not dist.is_initialized():
-        return ("no process group is set up: launch with torchrun and create the DataCentricParallel there (it "
-                "sets the process group up), or call dcparallel.init_distributed() before building the engine")
+        return (
+            "no process group is set up: launch with torchrun and create the DataCentricParallel there (it "
+            "sets the process group up), or call dcparallel.init_distributed() before building the engine"
+        )
     return "plan for the launched world size (dcparallel.runtime.launch.cluster_from_env() reads it)"
 
 
@@ -172,8 +174,10 @@ class ProcessGroups:
                 )
             cluster = ClusterSpec(world_size=world, gpus_per_node=world)
         if cluster.world_size != world:
-            raise ValueError(f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
-                             f"{world} ranks; {_world_fix(cluster.world_size, world)}")
+            raise ValueError(
+                f"the cluster spec says world_size={cluster.world_size} but torch.distributed runs "
+                f"{world} ranks; {_world_fix(cluster.world_size, world)}"
+            )
         self.cluster = cluster
         self.topology = Topology.of(cluster, num_heads, ring)  # validates num_heads
         self.num_heads = num_heads
@@ -184,14 +188,21 @@ class ProcessGroups:
         cache = group_cache()
         cache.ensure(self.sizes, world, rank)
         self.grad_sync = cache.grad_sync
-        self._by_size = {k: (None if k == 1 else dist.group.WORLD if k == world else cache.by_size[k])
-                         for k in self.sizes}
+        self._by_size = {
+            k: (None if k == 1 else dist.group.WORLD if k == world else cache.by_size[k]) for k in self.sizes
+        }
         #: device memory of every communicator this process made (CUDA; 0 elsewhere)
         self.communicator_bytes = cache.communicator_bytes
         self.creation_seconds = time.perf_counter() - start
-        log.info("rank %d: process groups of sizes %s ready in %.1f ms (%d creations in this process, "
-                 "communicators %.0f MiB)", rank, self.sizes, 1e3 * self.creation_seconds, cache.creations,
-                 self.communicator_bytes / 2**20)
+        log.info(
+            "rank %d: process groups of sizes %s ready in %.1f ms (%d creations in this process, "
+            "communicators %.0f MiB)",
+            rank,
+            self.sizes,
+            1e3 * self.creation_seconds,
+            cache.creations,
+            self.communicator_bytes / 2**20,
+        )
 
     @property
     def sizes(self) -> list[int]:
@@ -208,8 +219,10 @@ class ProcessGroups:
                 f"of sizes {self.sizes}; plan with dcparallel.topology.Topology"
             )
         if len(key) > 1 and self.rank not in key:
-            raise ValueError(f"rank {self.rank} asked for the group of ranks {key}, which it is not in; a rank "
-                             f"runs only the micro-batches of its own groups (StepPlan.work_of)")
+            raise ValueError(
+                f"rank {self.rank} asked for the group of ranks {key}, which it is not in; a rank "
+                f"runs only the micro-batches of its own groups (StepPlan.work_of)"
+            )
         return self._by_size[len(key)]
 
     def split(self, ranks: Sequence[int], ring: int) -> tuple[object, RingPeers | None]:
@@ -226,18 +239,19 @@ class ProcessGroups:
             return whole, None
         u = len(key) // ring
         if (u, ring) not in self.topology.splits(len(key)):
-            raise ValueError(f"an SP group of {len(key)} ranks cannot run Ulysses degree {u} x ring degree {ring} "
-                             f"with {self.num_heads} heads here; the splits are {self.topology.splits(len(key))} "
-                             f"(ProcessGroups(..., ring=True) offers sizes beyond the heads)")
+            raise ValueError(
+                f"an SP group of {len(key)} ranks cannot run Ulysses degree {u} x ring degree {ring} "
+                f"with {self.num_heads} heads here; the splits are {self.topology.splits(len(key))} "
+                f"(ProcessGroups(..., ring=True) offers sizes beyond the heads)"
+            )
         j, i = divmod(key.index(self.rank), u)
-        sub = None if u == 1 else self.group(key[j * u:(j + 1) * u])
+        sub = None if u == 1 else self.group(key[j * u : (j + 1) * u])
         return sub, RingPeers(whole, key[i::u], j)
 
     def describe(self) -> str:
         lines = []
         for k in self.sizes:
             lines.append(
-                f"size {k}: "
-                + " ".join("(" + " ".join(map(str, b)) + ")" for b in self.blocks if len(b) == k)
+                f"size {k}: " + " ".join("(" + " ".join(map(str, b)) + ")" for b in self.blocks if len(b) == k)
             )
         return "\n".join(lines)

@@ -66,8 +66,7 @@ BACKEND_ENV = "DCPARALLEL_BACKEND"
 SHARE_DEVICE_ENV = "DCPARALLEL_SHARE_DEVICE"
 
 
-def choose_backend(device: str | None, cuda_available: bool,
-                   env: Mapping[str, str] | None = None) -> tuple[str, str]:
+def choose_backend(device: str | None, cuda_available: bool, env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(backend, device type): NCCL on CUDA, gloo on CPU. ``device``: "cuda", "cpu" or None
     (CUDA when available). ``DCPARALLEL_BACKEND=gloo`` in ``env`` (default: os.environ) runs
     gloo on CUDA tensors: gloo, unlike NCCL, lets several ranks share one GPU (with
@@ -77,20 +76,24 @@ def choose_backend(device: str | None, cuda_available: bool,
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu'; got {device!r}")
     if kind == "cuda" and not cuda_available:
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu' "
-                         "(gloo) or install a CUDA build of torch")
+        raise ValueError(
+            "device 'cuda' was asked for but torch sees no CUDA device; use device='cpu' "
+            "(gloo) or install a CUDA build of torch"
+        )
     asked = env.get(BACKEND_ENV, "").strip().lower()
     if asked not in ("", "nccl", "gloo"):
-        raise ValueError(f"{BACKEND_ENV}={asked!r}: the backend must be 'nccl' or 'gloo'; unset it for the "
-                         f"default (NCCL on CUDA, gloo on CPU)")
+        raise ValueError(
+            f"{BACKEND_ENV}={asked!r}: the backend must be 'nccl' or 'gloo'; unset it for the "
+            f"default (NCCL on CUDA, gloo on CPU)"
+        )
     if asked == "nccl" and kind == "cpu":
-        raise ValueError(f"{BACKEND_ENV}=nccl needs CUDA devices but this launch runs on CPU; unset it or "
-                         f"set it to 'gloo'")
+        raise ValueError(
+            f"{BACKEND_ENV}=nccl needs CUDA devices but this launch runs on CPU; unset it or set it to 'gloo'"
+        )
     return (asked or ("nccl" if kind == "cuda" else "gloo")), kind
 
 
-def cuda_device_index(local_rank: int, device_count: int, backend: str,
-                      env: Mapping[str, str] | None = None) -> int:
+def cuda_device_index(local_rank: int, device_count: int, backend: str, env: Mapping[str, str] | None = None) -> int:
     """The CUDA device (index among the visible ones) of the rank with ``local_rank``:
     ``local_rank`` when the node shows one device per rank; 0 when the process sees exactly one
     device because ``CUDA_VISIBLE_DEVICES`` names one (Slurm's one GPU per task: the ranks of a
@@ -101,20 +104,26 @@ def cuda_device_index(local_rank: int, device_count: int, backend: str,
     if 0 <= local_rank < device_count:
         return local_rank
     if device_count < 1:
-        raise ValueError("torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
-                         f"{env.get('CUDA_VISIBLE_DEVICES')!r}); make a GPU visible or run on CPU")
+        raise ValueError(
+            "torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES')!r}); make a GPU visible or run on CPU"
+        )
     visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if device_count == 1 and len(visible) == 1:
         return 0
     if env.get(SHARE_DEVICE_ENV, "") == "1":
         if backend != "gloo":
-            raise ValueError(f"{SHARE_DEVICE_ENV}=1 puts LOCAL_RANK={local_rank} on a GPU another rank "
-                             f"uses, which {backend} refuses; set {BACKEND_ENV}=gloo as well")
+            raise ValueError(
+                f"{SHARE_DEVICE_ENV}=1 puts LOCAL_RANK={local_rank} on a GPU another rank "
+                f"uses, which {backend} refuses; set {BACKEND_ENV}=gloo as well"
+            )
         return local_rank % device_count
-    raise ValueError(f"LOCAL_RANK={local_rank} but this process sees {device_count} CUDA device(s); launch at "
-                     f"most that many processes per node (--nproc-per-node), give each task one GPU of its "
-                     f"own (CUDA_VISIBLE_DEVICES=<one id>, Slurm --gpus-per-task=1), or share devices for a "
-                     f"test with {BACKEND_ENV}=gloo {SHARE_DEVICE_ENV}=1")
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} but this process sees {device_count} CUDA device(s); launch at "
+        f"most that many processes per node (--nproc-per-node), give each task one GPU of its "
+        f"own (CUDA_VISIBLE_DEVICES=<one id>, Slurm --gpus-per-task=1), or share devices for a "
+        f"test with {BACKEND_ENV}=gloo {SHARE_DEVICE_ENV}=1"
+    )
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -144,8 +153,11 @@ def configure_cuda_allocator(env: os._Environ | dict = os.environ) -> None:
     if "PYTORCH_CUDA_ALLOC_CONF" in env or "PYTORCH_ALLOC_CONF" in env:
         return
     if torch.cuda.is_initialized():
-        log.warning("CUDA is already initialized: PYTORCH_CUDA_ALLOC_CONF=%s (set by dcparallel) takes no effect; "
-                    "set it in the environment before starting", CUDA_ALLOC_CONF)
+        log.warning(
+            "CUDA is already initialized: PYTORCH_CUDA_ALLOC_CONF=%s (set by dcparallel) takes no effect; "
+            "set it in the environment before starting",
+            CUDA_ALLOC_CONF,
+        )
     env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
 
 
@@ -154,12 +166,16 @@ def cuda_memory(device: torch.device) -> dict[str, int | None]:
     reserved: held by the caching allocator) and the device's free and total memory
     (``mem_get_info``: also other processes and the CUDA context). None off CUDA."""
     if device.type != "cuda":
-        return dict.fromkeys(("measured_peak_memory_bytes", "measured_peak_reserved_bytes", "device_free_bytes",
-                              "device_total_bytes"))
+        return dict.fromkeys(
+            ("measured_peak_memory_bytes", "measured_peak_reserved_bytes", "device_free_bytes", "device_total_bytes")
+        )
     free, total = torch.cuda.mem_get_info(device)
-    return {"measured_peak_memory_bytes": torch.cuda.max_memory_allocated(device),
-            "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-            "device_free_bytes": free, "device_total_bytes": total}
+    return {
+        "measured_peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "device_free_bytes": free,
+        "device_total_bytes": total,
+    }
 
 
 def init_distributed(device: str | None = None, timeout: timedelta = timedelta(seconds=300)) -> Launch:
@@ -193,13 +209,20 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(s
         # Under torchrun the agent's TCPStore outlives a restart: without a prefix of its own,
         # a restarted rank reads the gloo addresses the failed attempt published and fails
         # ("Gloo connectFullMesh failed ... Connection refused"), and so does every restart.
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0, timeout=timeout
+        )
         store = dist.PrefixStore(f"dcparallel/attempt{restart_attempt()}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
         quiet_other_ranks(rank)
-    return Launch(backend=dist.get_backend(), device=dev, rank=dist.get_rank(), local_rank=local_rank,
-                  world_size=dist.get_world_size(), local_world_size=local_world)
+    return Launch(
+        backend=dist.get_backend(),
+        device=dev,
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        local_world_size=local_world,
+    )
 
 
 def quiet_other_ranks(rank: int) -> None:
@@ -226,8 +249,9 @@ class Links:
     @staticmethod
     def datasheet() -> Links:
         h = h200_cluster(8, 8)
-        return Links(intra_bw=h.intra_bw, intra_latency=h.intra_latency, inter_bw=h.inter_bw,
-                     inter_latency=h.inter_latency)
+        return Links(
+            intra_bw=h.intra_bw, intra_latency=h.intra_latency, inter_bw=h.inter_bw, inter_latency=h.inter_latency
+        )
 
     @staticmethod
     def load(path: str | Path | None = None) -> Links:
@@ -287,9 +311,15 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def cluster_from_env(*, num_heads: int | None = None, memory_bytes: int | None = None,
-                     gpus_per_node: int | None = None, links: Links | None = None,
-                     device: torch.device | None = None, env: Mapping[str, str] | None = None) -> ClusterSpec:
+def cluster_from_env(
+    *,
+    num_heads: int | None = None,
+    memory_bytes: int | None = None,
+    gpus_per_node: int | None = None,
+    links: Links | None = None,
+    device: torch.device | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ClusterSpec:
     """The `ClusterSpec` of this launch: world from WORLD_SIZE (or the process group), GPUs
     per node from LOCAL_WORLD_SIZE (or ``gpus_per_node``), memory per rank from the device
     (or ``memory_bytes``), links from ``links`` / $DCPARALLEL_LINKS / the datasheet.
@@ -301,14 +331,23 @@ def cluster_from_env(*, num_heads: int | None = None, memory_bytes: int | None =
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _env_int(env, "WORLD_SIZE", 1)
     local = gpus_per_node or min(_env_int(env, "LOCAL_WORLD_SIZE", world), world)
     if local < 1 or world % local:
-        raise ValueError(f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks; "
-                         f"launch the same number of processes on every node (--nproc-per-node)")
+        raise ValueError(
+            f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks; "
+            f"launch the same number of processes on every node (--nproc-per-node)"
+        )
     device = device or default_device()
     memory = int(memory_bytes or device_memory(device, local))
     lk = links or Links.load()
-    cluster = ClusterSpec(world_size=world, gpus_per_node=local, memory_bytes=memory, intra_bw=lk.intra_bw,
-                          intra_latency=lk.intra_latency, inter_bw=lk.inter_bw, inter_latency=lk.inter_latency,
-                          name=f"{device.type}x{world}")
+    cluster = ClusterSpec(
+        world_size=world,
+        gpus_per_node=local,
+        memory_bytes=memory,
+        intra_bw=lk.intra_bw,
+        intra_latency=lk.intra_latency,
+        inter_bw=lk.inter_bw,
+        inter_latency=lk.inter_latency,
+        name=f"{device.type}x{world}",
+    )
     if num_heads is not None:
         check_launch(cluster, num_heads)
     return cluster
@@ -342,11 +381,13 @@ def abort_on_oom(exc: BaseException, *, step: int, epoch: int, layout, ranks, sa
 
     rank = comm.world_rank()
     rc = layout.recompute
-    msg = (f"rank {rank}: out of memory in step {step} (epoch {epoch}), micro-batch layout sp={layout.sp} "
-           f"mbs={layout.mbs} recompute attn={rc.attn} mlp={rc.mlp} on ranks {tuple(ranks)}, samples "
-           f"{tuple(sample_ids)} ({seq_len} tokens a row): the plan's memory estimate was too low for this "
-           f"device; lower the memory budget (memory_mib / memory_bytes) or re-profile. Ending every rank. "
-           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    msg = (
+        f"rank {rank}: out of memory in step {step} (epoch {epoch}), micro-batch layout sp={layout.sp} "
+        f"mbs={layout.mbs} recompute attn={rc.attn} mlp={rc.mlp} on ranks {tuple(ranks)}, samples "
+        f"{tuple(sample_ids)} ({seq_len} tokens a row): the plan's memory estimate was too low for this "
+        f"device; lower the memory budget (memory_mib / memory_bytes) or re-profile. Ending every rank. "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    )
     if comm.world_size() == 1:
         raise torch.OutOfMemoryError(msg) from exc
     print(f"[dcparallel] {msg}", file=sys.stderr, flush=True)
@@ -387,4 +428,4 @@ def oom_restarts(directory: str | Path) -> int:
 
 def oom_budget(memory_bytes: int, num_ooms: int) -> int:
     """The memory budget after ``num_ooms`` out-of-memory exits: `OOM_BUDGET_FACTOR` each."""
-    return int(memory_bytes * OOM_BUDGET_FACTOR ** num_ooms)
+    return int(memory_bytes * OOM_BUDGET_FACTOR**num_ooms)

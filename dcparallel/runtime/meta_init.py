@@ -62,18 +62,22 @@ def check_buffers(model: nn.Module) -> None:
     under ``torch.device("meta")``): no checkpoint holds them, so they could not be restored."""
     lost = sorted(n for n, b in model.named_buffers() if b.device.type == "meta" and n in _non_persistent(model))
     if lost:
-        raise ValueError(f"the model's non-persistent buffers {lost} are on the meta device: no checkpoint holds "
-                         f"them, so their values are lost; build the model under dcparallel.empty_init() (parameters "
-                         f"on meta, buffers computed) instead of torch.device('meta')")
+        raise ValueError(
+            f"the model's non-persistent buffers {lost} are on the meta device: no checkpoint holds "
+            f"them, so their values are lost; build the model under dcparallel.empty_init() (parameters "
+            f"on meta, buffers computed) instead of torch.device('meta')"
+        )
 
 
 def check_meta_model(model: nn.Module, shard_size: int) -> None:
     """A meta model can only be wrapped sharded (its shards get storage after ``fully_shard``)
     and with its non-persistent buffers computed (`check_buffers`): ValueError otherwise."""
     if shard_size <= 1:
-        raise ValueError(f"the model is on the meta device but shard_size={shard_size}: a meta model is materialized "
-                         f"shard by shard, which needs shard_size > 1; pass shard_size=2 or more, or build the model "
-                         f"on its device and load its weights there (shard_size 1 holds the whole model per rank)")
+        raise ValueError(
+            f"the model is on the meta device but shard_size={shard_size}: a meta model is materialized "
+            f"shard by shard, which needs shard_size > 1; pass shard_size=2 or more, or build the model "
+            f"on its device and load its weights there (shard_size 1 holds the whole model per rank)"
+        )
     check_buffers(model)
 
 
@@ -107,8 +111,10 @@ def _files(folder: Path) -> dict[str, Path]:
         return {k: folder / f for k, f in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} holds no *.safetensors file; save the model there with save_pretrained (or "
-                         f"safetensors.torch.save_file of its state_dict)")
+        raise ValueError(
+            f"{folder} holds no *.safetensors file; save the model there with save_pretrained (or "
+            f"safetensors.torch.save_file of its state_dict)"
+        )
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
@@ -160,8 +166,10 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     import importlib.util
 
     if importlib.util.find_spec("safetensors") is None:
-        raise ValueError("load_weights reads safetensors files and needs the safetensors package: pip install "
-                         "safetensors (or 'dcparallel[train]')")
+        raise ValueError(
+            "load_weights reads safetensors files and needs the safetensors package: pip install "
+            "safetensors (or 'dcparallel[train]')"
+        )
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -176,10 +184,12 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     known = {n for ns in _keys(model).values() for n in ns} | _non_persistent(model)
     unexpected = sorted(set(files) - known)
     if missing or unexpected:
-        raise ValueError(f"load_weights({str(folder)!r}): the checkpoint does not fit the model: missing "
-                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''}; save the folder from a model of the same class "
-                         f"and config")
+        raise ValueError(
+            f"load_weights({str(folder)!r}): the checkpoint does not fit the model: missing "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}; save the folder from a model of the same class "
+            f"and config"
+        )
     with torch.no_grad():
         for f, items in plan.items():
             with safe_open(str(f), framework="pt") as h:
@@ -191,7 +201,9 @@ def _load_one(h, key: str, t: Tensor) -> None:
     local, box = _local_box(t)
     sl = h.get_slice(key)
     if tuple(sl.get_shape()) != tuple(t.shape):
-        raise ValueError(f"load_weights: {key} is {tuple(sl.get_shape())} in the checkpoint but "
-                         f"{tuple(t.shape)} in the model; save the folder from a model of the same config")
+        raise ValueError(
+            f"load_weights: {key} is {tuple(sl.get_shape())} in the checkpoint but "
+            f"{tuple(t.shape)} in the model; save the folder from a model of the same config"
+        )
     if local.numel():
         local.copy_(sl[box] if box else h.get_tensor(key))

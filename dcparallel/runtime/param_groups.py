@@ -31,8 +31,10 @@ def as_groups(params_or_groups: Iterable[Any], defaults: Mapping[str, Any]) -> l
     each with every hyperparameter (missing ones from ``defaults``); unknown keys refused."""
     items = list(params_or_groups)
     if not items:
-        raise ValueError("dc.optimizer() got an empty parameter list; pass model.parameters(), groups, or nothing "
-                         "(every trainable parameter)")
+        raise ValueError(
+            "dc.optimizer() got an empty parameter list; pass model.parameters(), groups, or nothing "
+            "(every trainable parameter)"
+        )
     if not isinstance(items[0], Mapping):
         items = [{"params": items}]
     groups = []
@@ -41,15 +43,17 @@ def as_groups(params_or_groups: Iterable[Any], defaults: Mapping[str, Any]) -> l
             raise ValueError(f"parameter group {i} is {type(g).__name__}: give tensors, or dicts with 'params'")
         odd = sorted(set(g) - {"params", *_HPARAMS})
         if odd:
-            raise ValueError(f"parameter group {i} has keys {odd} dc.optimizer() does not apply; AdamW's are "
-                             f"{list(_HPARAMS)}")
+            raise ValueError(
+                f"parameter group {i} has keys {odd} dc.optimizer() does not apply; AdamW's are {list(_HPARAMS)}"
+            )
         params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
         groups.append({**defaults, **{k: g[k] for k in _HPARAMS if k in g}, "params": params})
     return groups
 
 
-def group_ranges(flat_params: Sequence[Tensor], groups: Sequence[Mapping[str, Any]], lo: int,
-                 hi: int) -> list[list[tuple[int, int]]]:
+def group_ranges(
+    flat_params: Sequence[Tensor], groups: Sequence[Mapping[str, Any]], lo: int, hi: int
+) -> list[list[tuple[int, int]]]:
     """For each group, its parameters' parts of the flat range ``[lo, hi)`` as ``(start, stop)``
     offsets from ``lo``. Refuses a tensor that is not a trainable parameter of the engine, or
     one named in two groups."""
@@ -57,15 +61,19 @@ def group_ranges(flat_params: Sequence[Tensor], groups: Sequence[Mapping[str, An
     for i, g in enumerate(groups):
         for p in g["params"]:
             if id(p) in where:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in groups {where[id(p)]} and {i}; "
-                                 f"name each parameter in one group (torch refuses this too)")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in groups {where[id(p)]} and {i}; "
+                    f"name each parameter in one group (torch refuses this too)"
+                )
             where[id(p)] = i
     known = {id(p) for p in flat_params}
     for i, g in enumerate(groups):
         stray = [tuple(p.shape) for p in g["params"] if id(p) not in known]
         if stray:
-            raise ValueError(f"parameter group {i} holds tensors of shapes {stray[:3]} that are not trainable "
-                             f"parameters of the wrapped model; give the model's own parameters (after wrapping)")
+            raise ValueError(
+                f"parameter group {i} holds tensors of shapes {stray[:3]} that are not trainable "
+                f"parameters of the wrapped model; give the model's own parameters (after wrapping)"
+            )
     out: list[list[tuple[int, int]]] = [[] for _ in groups]
     off = 0
     for p in flat_params:
@@ -91,14 +99,15 @@ class GroupedZeroAdamW(ZeroAdamW):
         self.ranges = group_ranges(flat.params, groups, self._lo, self._hi)
         for g in groups:
             if not g["lr"] >= 0 or not 0 <= g["betas"][0] < 1 or not 0 <= g["betas"][1] < 1 or not g["eps"] > 0:
-                raise ValueError(f"bad AdamW settings in a parameter group: {({k: g[k] for k in _HPARAMS})}")
+                raise ValueError(f"bad AdamW settings in a parameter group: { ({k: g[k] for k in _HPARAMS}) }")
             g["betas"] = tuple(g["betas"])
         self.param_groups = groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "param_groups", None):
-            raise ValueError("give every parameter group to dc.optimizer() at once: the ZeRO-1 shards are laid out "
-                             "when it is built")
+            raise ValueError(
+                "give every parameter group to dc.optimizer() at once: the ZeRO-1 shards are laid out when it is built"
+            )
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -106,19 +115,30 @@ class GroupedZeroAdamW(ZeroAdamW):
         """One AdamW update of this rank's shard, each group's ranges with its settings, then
         the parameters are all-gathered."""
         if closure is not None:
-            raise ValueError("the optimizer's step takes no closure: run the micro-batches, dc.sync_gradients(), "
-                             "then step()")
+            raise ValueError(
+                "the optimizer's step takes no closure: run the micro-batches, dc.sync_gradients(), then step()"
+            )
         if not self.flat.synced:
-            raise RuntimeError("call dc.sync_gradients() before optimizer.step(): the gradients of this step have "
-                               "not been summed over the ranks yet")
+            raise RuntimeError(
+                "call dc.sync_gradients() before optimizer.step(): the gradients of this step have "
+                "not been summed over the ranks yet"
+            )
         self.num_steps += 1
         for g, ranges in zip(self.param_groups, self.ranges, strict=True):
             lr = float(g["lr"])
             for a, b in ranges:
                 if g["weight_decay"]:
                     self.master[a:b].mul_(1 - lr * g["weight_decay"])
-                adamw_update_(self.master[a:b], self._grad_shard[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                              lr=lr, betas=g["betas"], eps=g["eps"], step=self.num_steps)
+                adamw_update_(
+                    self.master[a:b],
+                    self._grad_shard[a:b],
+                    self.exp_avg[a:b],
+                    self.exp_avg_sq[a:b],
+                    lr=lr,
+                    betas=g["betas"],
+                    eps=g["eps"],
+                    step=self.num_steps,
+                )
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
         comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
@@ -126,8 +146,9 @@ class GroupedZeroAdamW(ZeroAdamW):
     def state_dict(self) -> dict[str, Any]:
         """`ZeroAdamW.state_dict` plus every group's hyperparameters (``group_hparams``)."""
         state = super().state_dict()
-        state["group_hparams"] = [{k: (list(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
-                                  for g in self.param_groups]
+        state["group_hparams"] = [
+            {k: (list(v) if k == "betas" else v) for k, v in g.items() if k != "params"} for g in self.param_groups
+        ]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -136,7 +157,9 @@ class GroupedZeroAdamW(ZeroAdamW):
         first = state if isinstance(state, Mapping) else state[0]
         saved = first.get("group_hparams", [])
         if len(saved) != len(self.param_groups):
-            raise ValueError(f"the optimizer state has {len(saved)} parameter groups, this optimizer "
-                             f"{len(self.param_groups)}; build it with the groups of the run that saved it")
+            raise ValueError(
+                f"the optimizer state has {len(saved)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}; build it with the groups of the run that saved it"
+            )
         for g, h in zip(self.param_groups, saved, strict=True):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in h.items()})

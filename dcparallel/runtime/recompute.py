@@ -59,9 +59,11 @@ class LayerRecompute:
             attn, mlp = layer < rc.attn, layer < rc.mlp
             mode = "full" if attn and mlp else "attn" if attn else "mlp" if mlp else "none"
             if mode in ("attn", "mlp") and not any(w.mode == mode for w in wraps):
-                raise ValueError(f"{self.adapter_name}'s blocks expose no {mode} sub-module, so layer {layer} cannot "
-                                 f"recompute {mode} alone ({rc}); use full recompute, or give the adapter "
-                                 f"attn_modules and mlp_modules")
+                raise ValueError(
+                    f"{self.adapter_name}'s blocks expose no {mode} sub-module, so layer {layer} cannot "
+                    f"recompute {mode} alone ({rc}); use full recompute, or give the adapter "
+                    f"attn_modules and mlp_modules"
+                )
             for w in wraps:
                 w.active = w.mode == mode
 

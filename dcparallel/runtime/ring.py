@@ -70,19 +70,27 @@ class RingPeers:
 def check_ring_pattern(pattern: AttnPattern, sinks: Tensor | None, ring: int) -> None:
     """Refuses what ring attention does not compute exactly (see the module docstring)."""
     if pattern.kind not in ("causal", "full"):
-        raise ValueError(f"ring attention (ring degree {ring}) runs causal or full attention; the model's "
-                         f"{pattern.kind!r} attention factorizes by frames, which ring blocks do not follow; "
-                         f"plan this model with ring degree 1 (Ulysses)")
+        raise ValueError(
+            f"ring attention (ring degree {ring}) runs causal or full attention; the model's "
+            f"{pattern.kind!r} attention factorizes by frames, which ring blocks do not follow; "
+            f"plan this model with ring degree 1 (Ulysses)"
+        )
     if pattern.softcap is not None:
-        raise ValueError(f"ring attention (ring degree {ring}) does not implement logit softcapping (softcap="
-                         f"{pattern.softcap}); plan this model with ring degree 1 (Ulysses)")
+        raise ValueError(
+            f"ring attention (ring degree {ring}) does not implement logit softcapping (softcap="
+            f"{pattern.softcap}); plan this model with ring degree 1 (Ulysses)"
+        )
     if sinks is not None:
-        raise ValueError(f"ring attention (ring degree {ring}) does not implement attention sinks; plan this model "
-                         f"with ring degree 1 (Ulysses)")
+        raise ValueError(
+            f"ring attention (ring degree {ring}) does not implement attention sinks; plan this model "
+            f"with ring degree 1 (Ulysses)"
+        )
     if pattern.blocks:
-        raise ValueError(f"ring attention (ring degree {ring}) does not implement bidirectional blocks (Gemma 3's "
-                         f"image tokens attending to each other inside each image, spans {list(pattern.blocks)}); "
-                         f"plan this model with ring degree 1 (Ulysses)")
+        raise ValueError(
+            f"ring attention (ring degree {ring}) does not implement bidirectional blocks (Gemma 3's "
+            f"image tokens attending to each other inside each image, spans {list(pattern.blocks)}); "
+            f"plan this model with ring degree 1 (Ulysses)"
+        )
 
 
 def _doc_ids(cu_seqlens: Sequence[int], padded_len: int) -> Tensor:
@@ -166,15 +174,25 @@ def unpack(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
     out, pos = [], 0
     for shape in shapes:
         n = shape.numel()
-        out.append(flat[pos:pos + n].view(shape))
+        out.append(flat[pos : pos + n].view(shape))
         pos += n
     return out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor | None, v_x: Tensor | None, mask_x: Tensor | None,
-                peers: RingPeers, masks: _Masks, scale: float) -> Tensor:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_x: Tensor | None,
+        v_x: Tensor | None,
+        mask_x: Tensor | None,
+        peers: RingPeers,
+        masks: _Masks,
+        scale: float,
+    ) -> Tensor:
         b, n, h, _ = q.shape
         out = q.new_zeros(b, n, h, v.shape[-1], dtype=torch.float32)
         lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
@@ -211,8 +229,21 @@ class _RingAttention(torch.autograd.Function):
             kk, vv = unpack(kv, shapes)
             dk, dv = torch.zeros_like(kk, dtype=torch.float32), torch.zeros_like(vv, dtype=torch.float32)
             for qs, ks, mask in masks.pairs(peers.index, src, q.device):
-                pair_grads(kernel, q[:, qs], kk[:, ks], vv[:, ks], do[:, qs], out[:, qs], lse[:, :, qs],
-                           delta[:, :, qs], mask, scale, dq[:, qs], dk[:, ks], dv[:, ks])
+                pair_grads(
+                    kernel,
+                    q[:, qs],
+                    kk[:, ks],
+                    vv[:, ks],
+                    do[:, qs],
+                    out[:, qs],
+                    lse[:, :, qs],
+                    delta[:, :, qs],
+                    mask,
+                    scale,
+                    dq[:, qs],
+                    dk[:, ks],
+                    dv[:, ks],
+                )
             acc = pack(dk, dv)
             if incoming is not None:  # block src's accumulator, from the ranks it visited before
                 acc += incoming.wait()
@@ -228,8 +259,9 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_x, dv_x, None, None, None, None
 
 
-def pair_attend(kernel: FusedKernel | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
-                scale: float) -> tuple[Tensor, Tensor]:
+def pair_attend(
+    kernel: FusedKernel | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     """One chunk pair's output and log-sum-exp (fp32): through the fused ``kernel`` where
     `fused_kernel` chose one, else written out in fp32 (`attend_block`)."""
     if kernel is None:
@@ -264,9 +296,17 @@ def block_grads(q, k, v, do, lse, delta, mask, scale, dq, dk, dv) -> None:
     dv += dv_h.reshape(*dv_h.shape[:2], v.shape[2], rep, -1).sum(3)
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, peers: RingPeers,
-                   cu_seqlens: Sequence[int] | None, padded_len: int, sinks: Tensor | None = None,
-                   extra: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttnPattern,
+    peers: RingPeers,
+    cu_seqlens: Sequence[int] | None,
+    padded_len: int,
+    sinks: Tensor | None = None,
+    extra: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> Tensor:
     """q (B, Lb, H, D), k (B, Lb, H_kv, D), v (B, Lb, H_kv, Dv): ring block ``peers.index``
     of rows of ``padded_len`` columns (Lb = padded_len / ring) -> output (B, Lb, H, Dv).
     ``cu_seqlens``: document boundaries in the whole unpadded row (None: one document
@@ -278,9 +318,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, peers:
     r = peers.size
     check_ring_pattern(pattern, sinks, r)
     if q.shape[1] * r != padded_len or k.shape[1] != q.shape[1] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"ring block of query {tuple(q.shape)} and key {tuple(k.shape)} for rows of {padded_len} "
-                         f"columns over a ring of {r}: each rank holds padded_len / ring columns of every tensor, "
-                         f"and key heads divide query heads")
+        raise ValueError(
+            f"ring block of query {tuple(q.shape)} and key {tuple(k.shape)} for rows of {padded_len} "
+            f"columns over a ring of {r}: each rank holds padded_len / ring columns of every tensor, "
+            f"and key heads divide query heads"
+        )
     cu = (0, padded_len) if cu_seqlens is None else tuple(cu_seqlens)
     masks = _Masks(_doc_ids(cu, padded_len), padded_len, r, pattern.causal, pattern.window)
     k_x, v_x, mask_x = (None, None, None) if extra is None else extra

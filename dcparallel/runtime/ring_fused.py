@@ -60,8 +60,9 @@ def _cuda_kernel() -> FusedKernel | None:
     def backward(dout, q, k, v, bias, out, lse, scale):
         padded = F.pad(lse, (0, -lse.shape[-1] % LSE_ROWS))  # the forward's row layout
         unused = torch.empty((), dtype=torch.long)  # the dropout state; no dropout here
-        dq, dk, dv, _ = bwd(dout, q, k, v, bias, out, padded, unused, unused, 0.0, [True, True, True, False], False,
-                            scale=scale)
+        dq, dk, dv, _ = bwd(
+            dout, q, k, v, bias, out, padded, unused, unused, 0.0, [True, True, True, False], False, scale=scale
+        )
         return dq, dk, dv
 
     return FusedKernel("efficient-attention", forward, backward)
@@ -93,8 +94,9 @@ def _bias(mask: Tensor, b: int, h: int, lq: int, lk: int, like: Tensor) -> tuple
     return bias.expand(b, h, lq, lk), full.any(-1)
 
 
-def fused_attend(kernel: FusedKernel, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
-                 scale: float) -> tuple[Tensor, Tensor]:
+def fused_attend(
+    kernel: FusedKernel, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     """`ring.attend_block` through ``kernel``: q (B, Lq, H, D), k, v (B, Lk, H_kv, D) in
     their dtype -> output (B, Lq, H, D) and log-sum-exp (B, H, Lq), both fp32."""
     b, lq, h, _ = q.shape
@@ -105,16 +107,33 @@ def fused_attend(kernel: FusedKernel, q: Tensor, k: Tensor, v: Tensor, mask: Ten
     return out.transpose(1, 2), lse
 
 
-def fused_grads(kernel: FusedKernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
-                mask: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def fused_grads(
+    kernel: FusedKernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """`ring.block_grads` through ``kernel``: the pair's dq (B, Lq, H, D), dk, dv (B, Lk,
     H_kv, D), fp32, under the whole softmax (``out`` (B, Lq, H, D) and ``lse`` (B, H, Lq)
     over every key)."""
     b, lq, h, _ = q.shape
     bias, _ = _bias(mask, b, h, lq, k.shape[1], q)
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    dq, dk, dv = kernel.backward(dout.to(q.dtype).transpose(1, 2), q.transpose(1, 2), _heads(k, h), _heads(v, h),
-                                 bias, out.to(q.dtype).transpose(1, 2), finite, scale)
+    dq, dk, dv = kernel.backward(
+        dout.to(q.dtype).transpose(1, 2),
+        q.transpose(1, 2),
+        _heads(k, h),
+        _heads(v, h),
+        bias,
+        out.to(q.dtype).transpose(1, 2),
+        finite,
+        scale,
+    )
     kv, rep = k.shape[2], h // k.shape[2]
 
     def back(g: Tensor) -> Tensor:  # (B, H, Lk, D) -> (B, Lk, H_kv, D), repeated heads summed

@@ -53,8 +53,18 @@ class _TextQueries(torch.autograd.Function):
     """The text queries' attention over every video block and the text (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q_t: Tensor, k: Tensor, v: Tensor, k_t: Tensor, v_t: Tensor, video_mask: Tensor,
-                text_mask: Tensor, peers: RingPeers, scale: float) -> Tensor:
+    def forward(
+        ctx,
+        q_t: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_t: Tensor,
+        v_t: Tensor,
+        video_mask: Tensor,
+        text_mask: Tensor,
+        peers: RingPeers,
+        scale: float,
+    ) -> Tensor:
         out, lse = pair_attend(fused_kernel(q_t, k, v), q_t, k, v, video_mask, scale)
         if peers.index == 0:
             out, lse = merge_lse(out, lse, *pair_attend(fused_kernel(q_t, k_t, v_t), q_t, k_t, v_t, text_mask, scale))
@@ -81,15 +91,25 @@ class _TextQueries(torch.autograd.Function):
         dk_t = dv_t = None
         if peers.index == 0:
             dk_t, dv_t = torch.zeros_like(k_t, dtype=torch.float32), torch.zeros_like(v_t, dtype=torch.float32)
-            pair_grads(fused_kernel(q_t, k_t, v_t), q_t, k_t, v_t, do, out, lse, delta, text_mask, scale, dq, dk_t,
-                       dv_t)
+            pair_grads(
+                fused_kernel(q_t, k_t, v_t), q_t, k_t, v_t, do, out, lse, delta, text_mask, scale, dq, dk_t, dv_t
+            )
             dk_t, dv_t = dk_t.to(k_t.dtype), dv_t.to(v_t.dtype)
         return dq.to(q_t.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_t, dv_t, None, None, None, None
 
 
-def ring_joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text: Tensor, v_text: Tensor,
-                         text_mask: Tensor | None, peers: RingPeers, seq_len: int,
-                         padded_len: int) -> tuple[Tensor, Tensor]:
+def ring_joint_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_text: Tensor,
+    k_text: Tensor,
+    v_text: Tensor,
+    text_mask: Tensor | None,
+    peers: RingPeers,
+    seq_len: int,
+    padded_len: int,
+) -> tuple[Tensor, Tensor]:
     """q, k, v (B, Lb, H, D): ring block ``peers.index`` of video rows of ``seq_len`` tokens
     padded to ``padded_len`` columns, this rank's H heads; q_text, k_text, v_text (B, T, H, D):
     the text for the same heads, the same on every rank of the ring; ``text_mask`` (B, T)
@@ -98,15 +118,19 @@ def ring_joint_attention(q: Tensor, k: Tensor, v: Tensor, q_text: Tensor, k_text
     of the ring."""
     b, t = q_text.shape[:2]
     if k_text.shape[:2] != (b, t) or v_text.shape[:2] != (b, t) or k.shape[:2] != q.shape[:2]:
-        raise ValueError(f"joint ring attention of video q {tuple(q.shape)}, k {tuple(k.shape)} and text q "
-                         f"{tuple(q_text.shape)}, k {tuple(k_text.shape)}, v {tuple(v_text.shape)}: the text "
-                         f"tensors need the same batch and token count, the video keys the queries' block")
+        raise ValueError(
+            f"joint ring attention of video q {tuple(q.shape)}, k {tuple(k.shape)} and text q "
+            f"{tuple(q_text.shape)}, k {tuple(k_text.shape)}, v {tuple(v_text.shape)}: the text "
+            f"tensors need the same batch and token count, the video keys the queries' block"
+        )
     cols = torch.tensor(block_columns(padded_len, peers.size, peers.index), device=q.device)
     real = cols < seq_len  # the block's video columns that hold tokens
-    tm = torch.ones(b, t, dtype=torch.bool, device=q.device) if text_mask is None else \
-        text_mask.to(device=q.device, dtype=torch.bool)
+    tm = (
+        torch.ones(b, t, dtype=torch.bool, device=q.device)
+        if text_mask is None
+        else text_mask.to(device=q.device, dtype=torch.bool)
+    )
     to_text = real[None, None, :, None] & tm[:, None, None, :]
     out = ring_attention(q, k, v, FULL, peers, (0, seq_len), padded_len, extra=(k_text, v_text, to_text))
-    out_text = _TextQueries.apply(q_text, k, v, k_text, v_text, real, tm[:, None, None, :], peers,
-                                  q.shape[-1] ** -0.5)
+    out_text = _TextQueries.apply(q_text, k, v, k_text, v_text, real, tm[:, None, None, :], peers, q.shape[-1] ** -0.5)
     return out, out_text

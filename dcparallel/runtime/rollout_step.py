@@ -98,14 +98,18 @@ def agree_schema(everyone: Sequence[Holdings]) -> Schema:
     """The schema every rank that holds rollouts gave; a ValueError naming the ranks otherwise."""
     schemas = {r: h.schema for r, h in enumerate(everyone) if h.schema is not None}
     if not schemas:
-        raise ValueError("no rank holds a rollout: there is nothing to plan; give plan_batch this rank's rollouts "
-                         "(an empty list on a rank that generated none)")
+        raise ValueError(
+            "no rank holds a rollout: there is nothing to plan; give plan_batch this rank's rollouts "
+            "(an empty list on a rank that generated none)"
+        )
     first = next(iter(schemas.values()))
     odd = sorted(r for r, s in schemas.items() if s != first)
     if odd:
-        raise ValueError(f"ranks {odd} give rollouts with fields {schemas[odd[0]].fields}, rank "
-                         f"{min(schemas)} gives {first.fields}: every rank must give the same per-token tensors "
-                         f"with the same dtypes")
+        raise ValueError(
+            f"ranks {odd} give rollouts with fields {schemas[odd[0]].fields}, rank "
+            f"{min(schemas)} gives {first.fields}: every rank must give the same per-token tensors "
+            f"with the same dtypes"
+        )
     return first
 
 
@@ -115,8 +119,16 @@ class RolloutPlanner:
     to expect, checked here to fit some layout (`NoLayoutFits` otherwise), before any step.
     Every rank calls `plan` together."""
 
-    def __init__(self, cost: CostModel, cluster: ClusterSpec, policy: str, *, device: torch.device | None = None,
-                 check_plans: int = plan_check.CHECK_PLANS_EVERY, max_tokens: int | None = None):
+    def __init__(
+        self,
+        cost: CostModel,
+        cluster: ClusterSpec,
+        policy: str,
+        *,
+        device: torch.device | None = None,
+        check_plans: int = plan_check.CHECK_PLANS_EVERY,
+        max_tokens: int | None = None,
+    ):
         self.cost, self.cluster, self.policy, self.device = cost, cluster, policy, device
         self.check_plans = plan_check.check_every(check_plans)
         self.rank, self.world_size = comm.world_rank(), comm.world_size()
@@ -136,8 +148,7 @@ class RolloutPlanner:
             self._layouts.clear()
             self._state_bytes = state
         try:
-            ctx = PlanContext(Workload(self.cost.model, tuple(lengths)), self.cost, self.cluster,
-                              layouts=self._layouts)
+            ctx = PlanContext(Workload(self.cost.model, tuple(lengths)), self.cost, self.cluster, layouts=self._layouts)
         except ValueError as e:
             raise ValueError(f"{e} (a rollout's sample id is global: rank-major over the ranks' rollouts)") from None
         planner = make_planner(self.policy, ctx, [Step(index, tuple(range(len(lengths))))], score=step_seconds(ctx))
@@ -160,16 +171,33 @@ class RolloutPlanner:
         offset = sum(counts[: self.rank])
         received = self._exchange(plan, owner, lengths, schema, {offset + j: s for j, s in enumerate(samples)})
         work = plan.work_of(self.rank)
-        batches = tuple(stamp(rollout_batch(mb, ranks, self.rank, received), index, j == len(work) - 1, self.device)
-                        for j, (mb, ranks) in enumerate(work))
+        batches = tuple(
+            stamp(rollout_batch(mb, ranks, self.rank, received), index, j == len(work) - 1, self.device)
+            for j, (mb, ranks) in enumerate(work)
+        )
         self.steps += 1
         origin = tuple((r, j) for r, n in enumerate(counts) for j in range(n))
-        return RolloutStep(index, self.rank, plan, batches, origin, tuple(range(offset, offset + len(samples))),
-                           tuple(lengths), sum(t for h in everyone for t in h.targets), t1 - t0,
-                           time.perf_counter() - t1)
+        return RolloutStep(
+            index,
+            self.rank,
+            plan,
+            batches,
+            origin,
+            tuple(range(offset, offset + len(samples))),
+            tuple(lengths),
+            sum(t for h in everyone for t in h.targets),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
 
-    def _exchange(self, plan: StepPlan, owner: list[int], lengths: list[int], schema: Schema,
-                  mine: dict[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
+    def _exchange(
+        self,
+        plan: StepPlan,
+        owner: list[int],
+        lengths: list[int],
+        schema: Schema,
+        mine: dict[int, Mapping[str, Tensor]],
+    ) -> dict[int, dict[str, Tensor]]:
         """Every rollout this rank's micro-batches need, whole, by global id (one all-to-all)."""
         sends = routes(plan, owner, self.world_size)
         parts = [pack(mine, ids, schema) for ids in sends[self.rank]]

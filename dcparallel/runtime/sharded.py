@@ -77,8 +77,14 @@ class ShardedGrads:
     `arm`, `zero_grad`, `finish`. ``params`` are the model's trainable parameters *after* wrapping
     (DTensors, sharded over the block's mesh)."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], shard_size: int, stats_group=None,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        shard_size: int,
+        stats_group=None,
+        device: torch.device | None = None,
+    ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -170,14 +176,18 @@ class ShardedGrads:
 
     @property
     def flat_param(self):
-        raise ValueError("with shard_size > 1 the parameters are FSDP shards (DTensors): there is no flat "
-                         "parameter buffer; use model.named_parameters() (p.to_local(), p.full_tensor())")
+        raise ValueError(
+            "with shard_size > 1 the parameters are FSDP shards (DTensors): there is no flat "
+            "parameter buffer; use model.named_parameters() (p.to_local(), p.full_tensor())"
+        )
 
     @property
     def shard_numel(self):
-        raise ValueError("with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
-                         "state is ShardedAdamW's); checkpoints of sharded runs are keyed by parameter name: "
-                         "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save_dcp")
+        raise ValueError(
+            "with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
+            "state is ShardedAdamW's); checkpoints of sharded runs are keyed by parameter name: "
+            "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save_dcp"
+        )
 
     # ------------------------------------------------------------------ the engine's calls
 
@@ -223,9 +233,12 @@ class ShardedGrads:
         Refused while FSDP holds whole gradients no reduce-scatter has taken yet (they are
         FSDP's, out of reach here, and would join the next step's)."""
         if self._unsynced or self._broken:
-            raise RuntimeError(self._broken or "zero_grad in the middle of a step whose gradients FSDP holds whole "
-                               "(micro-batches announced as not the last): run the step's last micro-batch and "
-                               "sync_gradients first")
+            raise RuntimeError(
+                self._broken
+                or "zero_grad in the middle of a step whose gradients FSDP holds whole "
+                "(micro-batches announced as not the last): run the step's last micro-batch and "
+                "sync_gradients first"
+            )
         self.flat_grad.zero_()
         self.stats.zero_()
         for p, g in zip(self.params, self._grads, strict=True):
@@ -249,11 +262,13 @@ class ShardedGrads:
         if self.synced:  # this rank ran no micro-batch since the last step
             self.zero_grad()
         if self._unsynced:  # FSDP keeps what it holds: no later step may run on this engine
-            self._broken = ("the step's last micro-batch on this rank was announced as not the last (last=False or "
-                            "Batch.last_of_step False), so its gradients are still whole and unreduced in FSDP and "
-                            "the step's gradients are incomplete; this engine runs no further step (resume from a "
-                            "checkpoint): announce the last micro-batch of each step (micro_batch(batch, last=True)), "
-                            "or call dc.grad_sync.set_accumulate_unsharded(False)")
+            self._broken = (
+                "the step's last micro-batch on this rank was announced as not the last (last=False or "
+                "Batch.last_of_step False), so its gradients are still whole and unreduced in FSDP and "
+                "the step's gradients are incomplete; this engine runs no further step (resume from a "
+                "checkpoint): announce the last micro-batch of each step (micro_batch(batch, last=True)), "
+                "or call dc.grad_sync.set_accumulate_unsharded(False)"
+            )
         if self._broken:
             raise RuntimeError(self._broken)
         self._fold_foreign_grads()
@@ -261,8 +276,9 @@ class ShardedGrads:
         comm.all_reduce_(self.stats, comm.WORLD if self.stats_group is None else self.stats_group)
         loss_sum, count = self.stats.tolist()
         if not count > 0:
-            raise ValueError(f"the step has {count} targets over all ranks: nothing to normalize by; "
-                             f"check the labels / loss masks")
+            raise ValueError(
+                f"the step has {count} targets over all ranks: nothing to normalize by; check the labels / loss masks"
+            )
         divisor = count if normalizer is None else check_normalizer(normalizer)
         self.last_loss, self.last_count = loss_sum / divisor, count
         self.flat_grad.div_(divisor)
@@ -307,5 +323,7 @@ class ShardedGrads:
     def storage_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameter shards and gradient shards during training
         (for the memory report; the gradient buffer is counted before its first micro-batch too)."""
-        return {"params": sum(p.to_local().numel() * p.element_size() for p in self.params),
-                "grads": self.piece_numel * self.num_replicas * 4}
+        return {
+            "params": sum(p.to_local().numel() * p.element_size() for p in self.params),
+            "grads": self.piece_numel * self.num_replicas * 4,
+        }

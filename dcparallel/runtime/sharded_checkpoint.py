@@ -100,7 +100,7 @@ def _zero_segments(engine: Engine, opt: Any) -> list[Segment]:
     for n, p in zip(names, engine.params, strict=True):
         x, y = max(off, lo), min(off + p.numel(), hi)
         if x < y:
-            views = {"model": opt.master[x - lo: y - lo], **{k: getattr(opt, k)[x - lo: y - lo] for k in _MOMENTS}}
+            views = {"model": opt.master[x - lo : y - lo], **{k: getattr(opt, k)[x - lo : y - lo] for k in _MOMENTS}}
             out.append(Segment(n, tuple(p.shape), x - off, y - off, views))
         off += p.numel()
     return out
@@ -121,7 +121,7 @@ def _sharded_segments(engine: Engine, opt: Any) -> list[Segment]:
         assert row0 + local_shape[0] <= shape[0], (n, row0, local_shape)
         x, y = max(a, opt._lo), min(b, opt._hi)
         if x < y:
-            views = {"model": local[x - a: y - a], **{k: getattr(opt, k)[x - opt._lo: y - opt._lo] for k in _MOMENTS}}
+            views = {"model": local[x - a : y - a], **{k: getattr(opt, k)[x - opt._lo : y - opt._lo] for k in _MOMENTS}}
             out.append(Segment(n, shape, row0 * inner + x - a, row0 * inner + y - a, views))
     return out
 
@@ -135,8 +135,7 @@ def segments(engine: Engine, opt: Any) -> list[Segment]:
         return _sharded_segments(engine, opt)
     if isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
         return _zero_segments(engine, opt)
-    raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a "
-                     f"{type(opt).__name__}")
+    raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}")
 
 
 def _state(engine: Engine, opt: Any) -> dict[str, Any]:
@@ -165,7 +164,7 @@ def _state(engine: Engine, opt: Any) -> dict[str, Any]:
                 n = math.prod(size)
                 if r == rank:
                     for k in local:
-                        local[k].append(Shard(tensor=by_name[name].views[k][a: a + n].view(size), metadata=md))
+                        local[k].append(Shard(tensor=by_name[name].views[k][a : a + n].view(size), metadata=md))
                 a += n
         for k, shards in local.items():
             props = TensorProperties(dtype=torch.float32)
@@ -181,8 +180,9 @@ def save(path: str | Path, engine: Engine, opt: Any) -> None:
     every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(engine, opt), storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True,
-                                                                         sync_files=True))
+    dcp.save(
+        _state(engine, opt), storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    )
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:
@@ -231,8 +231,10 @@ def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any
     steps = set()
     for shard in shards:
         if int(shard["numel"]) != sum(numels):
-            raise ValueError(f"the optimizer state is for {shard['numel']} parameters but this model has "
-                             f"{sum(numels)}; load a checkpoint of the same model")
+            raise ValueError(
+                f"the optimizer state is for {shard['numel']} parameters but this model has "
+                f"{sum(numels)}; load a checkpoint of the same model"
+            )
         a0, b0 = int(shard["start"]), int(shard["stop"])
         steps.add(int(shard["num_steps"]))
         for seg in mine:
@@ -242,12 +244,14 @@ def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any
                 continue
             with torch.no_grad():
                 for key, src in (("model", "master"), *((k, k) for k in _MOMENTS)):
-                    seg.views[key][x - lo: y - lo].copy_(shard[src][x - a0: y - a0])
+                    seg.views[key][x - lo : y - lo].copy_(shard[src][x - a0 : y - a0])
             missing -= y - x
     if missing or len(steps) != 1:
-        raise ValueError(f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
-                         f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
-                         f"checkpoint")
+        raise ValueError(
+            f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
+            f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
+            f"checkpoint"
+        )
     opt.num_steps = steps.pop()
     with torch.no_grad():
         after_load(engine, opt)
@@ -256,8 +260,12 @@ def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any
 # ---------------------------------------------------------------- reading without an engine
 
 
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage")
+_SAFE_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.storage",
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -267,8 +275,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in _SAFE_MODULES and not name.startswith("__"):
             return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               (torch.dtype, torch.layout, torch.memory_format))):
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+        ):
             return getattr(torch, name)
         if module == "torch.serialization" and name == "_get_layout":  # a layout by its name
             return super().find_class(module, name)
@@ -276,11 +285,22 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)  # the checkpoint's id (its folder)
         if module == "collections" and name == "OrderedDict":
             return super().find_class(module, name)
-        if module in ("builtins", "copyreg") and name in ("set", "frozenset", "tuple", "list", "dict", "_reconstructor",
-                                                         "object", "getattr", "slice"):
+        if module in ("builtins", "copyreg") and name in (
+            "set",
+            "frozenset",
+            "tuple",
+            "list",
+            "dict",
+            "_reconstructor",
+            "object",
+            "getattr",
+            "slice",
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"the checkpoint metadata names {module}.{name}, which is not part of "
-                                     f"torch.distributed.checkpoint's metadata; refusing to load it")
+        raise pickle.UnpicklingError(
+            f"the checkpoint metadata names {module}.{name}, which is not part of "
+            f"torch.distributed.checkpoint's metadata; refusing to load it"
+        )
 
 
 def _safe_reader_cls():
@@ -324,4 +344,4 @@ def read_model(path: str | Path) -> dict[str, Tensor]:
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
-    return {k[len("model/"):]: v for k, v in state.items()}
+    return {k[len("model/") :]: v for k, v in state.items()}

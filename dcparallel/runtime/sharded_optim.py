@@ -36,8 +36,15 @@ class ShardedAdamW(torch.optim.Optimizer):
     `runtime.zero.ZeroAdamW`. ``grads``: the engine's `ShardedGrads`. `step` needs the step's
     synced gradients (`Engine.sync_gradients`) and is collective over the replicas."""
 
-    def __init__(self, grads: ShardedGrads, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        grads: ShardedGrads,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0 or not weight_decay >= 0:
             raise ValueError(f"bad AdamW settings lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
         super().__init__(grads.params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
@@ -65,9 +72,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             x, y = max(a, lo), min(b, hi)
             if x < y:
                 if to_params:
-                    local[x - a: y - a].copy_(buf[x - lo: y - lo])
+                    local[x - a : y - a].copy_(buf[x - lo : y - lo])
                 else:
-                    buf[x - lo: y - lo].copy_(local[x - a: y - a])
+                    buf[x - lo : y - lo].copy_(local[x - a : y - a])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -81,19 +88,29 @@ class ShardedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self.grads.synced:
-            raise RuntimeError("call dc.sync_gradients() before optimizer.step(): the gradients of this step "
-                               "have not been summed over the ranks yet")
+            raise RuntimeError(
+                "call dc.sync_gradients() before optimizer.step(): the gradients of this step "
+                "have not been summed over the ranks yet"
+            )
         group = self.param_groups[0]
         lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
-        g = self.grads.flat_grad[self._lo: self._hi]
+        g = self.grads.flat_grad[self._lo : self._hi]
 
         def update(chunk: torch.Tensor, c0: int, c1: int) -> None:
             for a, b in self.decay_ranges if wd else ():
                 if max(a, c0) < min(b, c1):
-                    chunk[max(a, c0) - c0: min(b, c1) - c0].mul_(1 - lr * wd)
-            adamw_update_(chunk, g[c0:c1], self.exp_avg[c0:c1], self.exp_avg_sq[c0:c1], lr=lr, betas=betas,
-                          eps=eps, step=self.num_steps)
+                    chunk[max(a, c0) - c0 : min(b, c1) - c0].mul_(1 - lr * wd)
+            adamw_update_(
+                chunk,
+                g[c0:c1],
+                self.exp_avg[c0:c1],
+                self.exp_avg_sq[c0:c1],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                step=self.num_steps,
+            )
 
         self._by_chunks(update)
         return loss
@@ -115,14 +132,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             c1 = min(m, c0 + STEP_CHUNK_NUMEL)
             n = c1 - c0
             gathered = buf[: replicas * n]
-            chunk = gathered[j * n: (j + 1) * n]
+            chunk = gathered[j * n : (j + 1) * n]
             chunk.zero_()
             self._copy(self._lo + c0, self._lo + c1, chunk, to_params=False)
             if update is not None:
                 update(chunk, c0, c1)
             comm.all_gather_shards_(gathered, n, gr.replica_group)  # None: one block
             for k in range(replicas):
-                self._copy(k * m + c0, k * m + c1, gathered[k * n: (k + 1) * n], to_params=True)
+                self._copy(k * m + c0, k * m + c1, gathered[k * n : (k + 1) * n], to_params=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Starts a new step's accumulation (the gradient shards stay views of the flat
@@ -134,9 +151,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         master weights are the parameters: the model's state dict)."""
         sd = super().state_dict()
         gr = self.grads
-        sd["shard"] = {"num_steps": self.num_steps, "world_size": gr.world_size, "shard_size": gr.shard_size,
-                       "rank": gr.rank, "local_numel": gr.local_numel, "start": self._lo, "stop": self._hi,
-                       **{k: getattr(self, k).detach().clone() for k in _STATE}}
+        sd["shard"] = {
+            "num_steps": self.num_steps,
+            "world_size": gr.world_size,
+            "shard_size": gr.shard_size,
+            "rank": gr.rank,
+            "local_numel": gr.local_numel,
+            "start": self._lo,
+            "stop": self._hi,
+            **{k: getattr(self, k).detach().clone() for k in _STATE},
+        }
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -144,12 +168,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         a sharded optimizer state is not implemented: it is refused). Collective."""
         shard = state_dict.get("shard")
         gr = self.grads
-        want = {"world_size": gr.world_size, "shard_size": gr.shard_size, "rank": gr.rank,
-                "local_numel": gr.local_numel}
+        want = {
+            "world_size": gr.world_size,
+            "shard_size": gr.shard_size,
+            "rank": gr.rank,
+            "local_numel": gr.local_numel,
+        }
         if shard is None or any(shard.get(k) != v for k, v in want.items()):
             got = None if shard is None else {k: shard.get(k) for k in want}
-            raise ValueError(f"this optimizer state was saved as {got}, this rank is {want}; a ShardedAdamW state "
-                             f"loads only at the same world size, shard size and rank")
+            raise ValueError(
+                f"this optimizer state was saved as {got}, this rank is {want}; a ShardedAdamW state "
+                f"loads only at the same world size, shard size and rank"
+            )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "shard"})
         self.num_steps = int(shard["num_steps"])
         for k in _STATE:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 def _require_synced(gs: GradSync, what: str) -> None:
     if not gs.synced:
-        raise RuntimeError(f"call dc.sync_gradients() before {what}: the step's gradients have not been summed "
-                           f"over the ranks yet")
+        raise RuntimeError(
+            f"call dc.sync_gradients() before {what}: the step's gradients have not been summed over the ranks yet"
+        )
 
 
 def _group(gs: GradSync):

@@ -77,28 +77,35 @@ def ulysses_attention(
     if ring is not None and ring.size > 1:
         return _ulysses_ring(q, k, v, pattern, group, ring, cu_seqlens, sinks)
     if k.shape[:3] != v.shape[:3] or k.shape[3] != q.shape[3] or hq % hkv:
-        raise ValueError(f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} (batch, tokens, "
-                         f"heads, head size): key and value need the same batch, tokens and heads, a number of "
-                         f"heads dividing the {hq} query heads, and keys the query head size (values may have "
-                         f"their own head size)")
+        raise ValueError(
+            f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} (batch, tokens, "
+            f"heads, head size): key and value need the same batch, tokens and heads, a number of "
+            f"heads dividing the {hq} query heads, and keys the query head size (values may have "
+            f"their own head size)"
+        )
     if sinks is not None and tuple(sinks.shape) != (hq,):
-        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: one sink logit per query head is "
-                         f"({hq},)")
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: one sink logit per query head is ({hq},)")
     kernel = kernel or default_kernel(q.device)
     if (pattern.softcap is not None or sinks is not None) and not getattr(kernel, "supports_softcap_and_sinks", False):
-        raise ValueError(f"the model needs logit softcapping or attention sinks, which the attention kernel "
-                         f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
-                         f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
-                         f"and sinks= that attribute")
+        raise ValueError(
+            f"the model needs logit softcapping or attention sinks, which the attention kernel "
+            f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_softcap_and_sinks); "
+            f"leave kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.softcap "
+            f"and sinks= that attribute"
+        )
     if pattern.window is not None and not getattr(kernel, "supports_window", False):
-        raise ValueError(f"the model needs a sliding attention window of {pattern.window} keys, which the attention "
-                         f"kernel {getattr(kernel, '__name__', kernel)!r} does not declare (supports_window); leave "
-                         f"kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.window that "
-                         f"attribute")
+        raise ValueError(
+            f"the model needs a sliding attention window of {pattern.window} keys, which the attention "
+            f"kernel {getattr(kernel, '__name__', kernel)!r} does not declare (supports_window); leave "
+            f"kernel= out for dcparallel's own, or give a kernel implementing AttnPattern.window that "
+            f"attribute"
+        )
     if pattern.blocks and not getattr(kernel, "supports_blocks", False):
-        raise ValueError(f"the model needs bidirectional blocks (Gemma 3's image tokens), which the attention kernel "
-                         f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_blocks); leave kernel= "
-                         f"out for dcparallel's own, or give a kernel implementing AttnPattern.blocks that attribute")
+        raise ValueError(
+            f"the model needs bidirectional blocks (Gemma 3's image tokens), which the attention kernel "
+            f"{getattr(kernel, '__name__', kernel)!r} does not declare (supports_blocks); leave kernel= "
+            f"out for dcparallel's own, or give a kernel implementing AttnPattern.blocks that attribute"
+        )
     if sp == 1:
         return kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks))
     r = kv_repeats(hkv, sp)
@@ -107,12 +114,20 @@ def ulysses_attention(
     q, k, v = seq_to_heads([q, k, v], group)
     if sinks is not None:  # this rank's query heads (see seq_to_heads)
         hs = hq // sp
-        sinks = sinks[group_rank(group) * hs:(group_rank(group) + 1) * hs]
+        sinks = sinks[group_rank(group) * hs : (group_rank(group) + 1) * hs]
     return heads_to_seq(kernel(q, k, v, pattern, cu_seqlens, **_sinks_kw(sinks)), group)
 
 
-def _ulysses_ring(q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, group, ring: RingPeers,
-                  cu_seqlens: Sequence[int] | None, sinks: Tensor | None) -> Tensor:
+def _ulysses_ring(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttnPattern,
+    group,
+    ring: RingPeers,
+    cu_seqlens: Sequence[int] | None,
+    sinks: Tensor | None,
+) -> Tensor:
     """Ulysses over ``group`` around ring attention over ``ring`` (its own block kernel)."""
     check_ring_pattern(pattern, sinks, ring.size)
     sp = group_size(group)
@@ -156,8 +171,9 @@ class UlyssesAttention:
         self.kernel = kernel
         self._active: _Active | None = None
 
-    def activate(self, group, cu_seqlens: Sequence[int] | None, batch: object = None,
-                 ring: RingPeers | None = None) -> None:
+    def activate(
+        self, group, cu_seqlens: Sequence[int] | None, batch: object = None, ring: RingPeers | None = None
+    ) -> None:
         """``cu_seqlens`` travel with the batch's int32 copy (``cu_seqlens_tensor``, on the
         device when the batch was moved there) for the fused kernels. ``ring``: this rank's
         ring (``group`` its Ulysses sub-group) when the micro-batch runs ring degree > 1."""
@@ -195,10 +211,10 @@ class UlyssesAttention:
         finally:
             self._active = prev
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None
-                 ) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, pattern: AttnPattern, sinks: Tensor | None = None) -> Tensor:
         a = self._active
         if a is None:
             return ulysses_attention(q, k, v, pattern, group=None, kernel=self.kernel, sinks=sinks)
-        return ulysses_attention(q, k, v, pattern, group=a.group, cu_seqlens=a.cu_seqlens, kernel=self.kernel,
-                                 sinks=sinks, ring=a.ring)
+        return ulysses_attention(
+            q, k, v, pattern, group=a.group, cu_seqlens=a.cu_seqlens, kernel=self.kernel, sinks=sinks, ring=a.ring
+        )

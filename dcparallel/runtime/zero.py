@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-def decay_ranges(params: Sequence[Tensor], lo: int, hi: int,
-                 sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def decay_ranges(
+    params: Sequence[Tensor], lo: int, hi: int, sizes: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """Where decoupled weight decay applies (matrices: dim >= 2) inside the flat range
     ``[lo, hi)`` of ``params`` laid out one after the other (``sizes``: the elements each
     takes there; default their numel), as ``(start, stop)`` offsets from ``lo``; adjacent
@@ -48,8 +49,17 @@ def decay_ranges(params: Sequence[Tensor], lo: int, hi: int,
     return out
 
 
-def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float,
-                  betas: tuple[float, float], eps: float, step: int) -> None:
+def adamw_update_(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    step: int,
+) -> None:
     """torch.optim.AdamW's moment update and parameter step (weight decay applied by the
     caller), in place, `STEP_CHUNK_NUMEL` elements at a time: the denominator, the one
     temporary, is a chunk, not a copy of the shard (`cost.base.state_recipe` counts it)."""
@@ -116,8 +126,10 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "param_groups", None):
-            raise ValueError("ZeroAdamW has one parameter group (the engine's flat parameters); build a second "
-                             "optimizer for parameters outside the engine")
+            raise ValueError(
+                "ZeroAdamW has one parameter group (the engine's flat parameters); build a second "
+                "optimizer for parameters outside the engine"
+            )
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -138,8 +150,16 @@ class ZeroAdamW(torch.optim.Optimizer):
         if weight_decay:
             for a, b in self.decay_ranges:
                 self.master[a:b].mul_(1 - lr * weight_decay)
-        adamw_update_(self.master, self._grad_shard, self.exp_avg, self.exp_avg_sq, lr=lr, betas=(b1, b2), eps=eps,
-                      step=self.num_steps)
+        adamw_update_(
+            self.master,
+            self._grad_shard,
+            self.exp_avg,
+            self.exp_avg_sq,
+            lr=lr,
+            betas=(b1, b2),
+            eps=eps,
+            step=self.num_steps,
+        )
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
         comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
@@ -181,8 +201,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             )
         steps = {int(s["num_steps"]) for s in shards}
         if len(steps) != 1:
-            raise ValueError(f"the optimizer shards are of different steps {sorted(steps)}; "
-                             f"load the shards of one checkpoint")
+            raise ValueError(
+                f"the optimizer shards are of different steps {sorted(steps)}; load the shards of one checkpoint"
+            )
         lo, hi = min(self._lo, self.flat.numel), min(self._hi, self.flat.numel)
         covered = torch.zeros(hi - lo, dtype=torch.bool)
         new = {k: torch.zeros_like(getattr(self, k)) for k in _STATE}
@@ -194,8 +215,10 @@ class ZeroAdamW(torch.optim.Optimizer):
             for k in _STATE:
                 t = s[k]
                 if t.numel() != int(s["stop"]) - int(s["start"]):
-                    raise ValueError(f"optimizer shard of rank {s['rank']}: {k} has {t.numel()} elements, "
-                                     f"its range [{s['start']}, {s['stop']}) needs {int(s['stop']) - int(s['start'])}")
+                    raise ValueError(
+                        f"optimizer shard of rank {s['rank']}: {k} has {t.numel()} elements, "
+                        f"its range [{s['start']}, {s['stop']}) needs {int(s['stop']) - int(s['start'])}"
+                    )
                 new[k][a - lo : b - lo].copy_(t[src])
             covered[a - lo : b - lo] = True
         if not bool(covered.all()):

@@ -97,8 +97,9 @@ class SimResult:
                 for seg in segs:
                     if seg.start > t:
                         out.append((t0 + t, t0 + seg.start, "idle"))
-                    out.append((t0 + seg.start, t0 + seg.end,
-                                f"busy sp={seg.sp}" + (" recompute" if seg.recompute else "")))
+                    out.append(
+                        (t0 + seg.start, t0 + seg.end, f"busy sp={seg.sp}" + (" recompute" if seg.recompute else ""))
+                    )
                     t = seg.end
             if s.compute_time > t:
                 out.append((t0 + t, t0 + s.compute_time, "idle"))
@@ -137,9 +138,11 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
     if overlap:
         # the groups that finish last: the shortest last micro-batch among them hides the least
         last = [gs[-1].end - gs[-1].start for gs in segs if gs and gs[-1].end >= compute * (1 - 1e-12)]
-        sync = exposed_sync(sync, min(last, default=0.0),
-                            sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size,
-                                         ctx.cluster.world_size))
+        sync = exposed_sync(
+            sync,
+            min(last, default=0.0),
+            sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size),
+        )
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
 
 

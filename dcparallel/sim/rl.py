@@ -27,8 +27,9 @@ def rollout_lengths(num: int, seed: int = 0) -> list[int]:
     """Tokens (prompt + response) of ``num`` rollouts in generation order: each prompt's
     `GROUP` responses one after another, sharing its prompt length."""
     rng = np.random.default_rng([seed, 55])
-    prompts = np.clip(np.exp(rng.normal(np.log(PROMPT_MEDIAN), PROMPT_SIGMA, -(-num // GROUP))), PROMPT_MIN,
-                      PROMPT_CAP).astype(np.int64)
+    prompts = np.clip(
+        np.exp(rng.normal(np.log(PROMPT_MEDIAN), PROMPT_SIGMA, -(-num // GROUP))), PROMPT_MIN, PROMPT_CAP
+    ).astype(np.int64)
     responses = np.minimum(np.exp(rng.normal(np.log(RESPONSE_MEDIAN), RESPONSE_SIGMA, num)), RESPONSE_CAP)
     return (np.repeat(prompts, GROUP)[:num] + np.maximum(responses.astype(np.int64), 1)).tolist()
 

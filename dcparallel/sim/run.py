@@ -26,9 +26,11 @@ from dcparallel.sim.replay import SimResult, simulate, step_seconds
 from dcparallel.spec import ClusterSpec, Workload
 
 #: what the planning times include, said wherever they are printed
-PLAN_TIME_NOTE = ("plan ms: CPU time (process_time) per step, median over the steady state (every step after "
-                  "the first); the setup (building and tuning the planner) and the first step (filling its "
-                  "caches) are reported apart")
+PLAN_TIME_NOTE = (
+    "plan ms: CPU time (process_time) per step, median over the steady state (every step after "
+    "the first); the setup (building and tuning the planner) and the first step (filling its "
+    "caches) are reported apart"
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,12 @@ class PlanTiming:
         return max(self.steady_ms) if self.steady_ms else self.first_step_ms
 
 
-def timed_plans(plan: Callable[[Step], StepPlan], steps: Sequence[Step], setup_ms: float = 0.0,
-                clock: Callable[[], float] = time.process_time) -> tuple[list[StepPlan], PlanTiming]:
+def timed_plans(
+    plan: Callable[[Step], StepPlan],
+    steps: Sequence[Step],
+    setup_ms: float = 0.0,
+    clock: Callable[[], float] = time.process_time,
+) -> tuple[list[StepPlan], PlanTiming]:
     """Every step planned in order by ``plan``, each timed in CPU ms (`PlanTiming`)."""
     plans, ms = [], []
     for s in steps:
@@ -101,9 +107,18 @@ def _bar(steps: Sequence[Step], desc: str, progress: bool):
     return tqdm(steps, desc=desc, unit="step", file=sys.stderr, leave=False)
 
 
-def run_policies(workload: Workload, cost: CostModel, cluster: ClusterSpec, policies: Sequence[str], *,
-                 tokens_per_step: int, seed: int = 0, epoch: int = 0, progress: bool = False,
-                 max_steps: int | None = None) -> tuple[PlanContext, list[Step], dict[str, PolicyRun], float]:
+def run_policies(
+    workload: Workload,
+    cost: CostModel,
+    cluster: ClusterSpec,
+    policies: Sequence[str],
+    *,
+    tokens_per_step: int,
+    seed: int = 0,
+    epoch: int = 0,
+    progress: bool = False,
+    max_steps: int | None = None,
+) -> tuple[PlanContext, list[Step], dict[str, PolicyRun], float]:
     """Plans and simulates one epoch per policy (its first ``max_steps`` steps, if given);
     returns the context, the (shared) steps, each policy's run and the epoch's lower bound."""
     ctx = PlanContext(workload, cost, cluster)
@@ -147,9 +162,15 @@ def summary(workload: Workload, runs: dict[str, PolicyRun], bound: float) -> dic
     return out
 
 
-def scenario_timelines(scenario: str, distribution: str, world: int, gpus_per_node: int = 8,
-                       policies: Sequence[str] = ("bucket", "dcp"), num_steps: int = 4,
-                       seed: int | None = None) -> dict[str, dict[int, list]]:
+def scenario_timelines(
+    scenario: str,
+    distribution: str,
+    world: int,
+    gpus_per_node: int = 8,
+    policies: Sequence[str] = ("bucket", "dcp"),
+    num_steps: int = 4,
+    seed: int | None = None,
+) -> dict[str, dict[int, list]]:
     """Per-rank spans (`SimResult.rank_timeline`) of the first steps of a built-in scenario
     under each policy, simulated on its analytic cost model: what `report.plots.plot_timelines`
     draws."""

@@ -39,8 +39,7 @@ tok.chat_template = tf.GENERATION_TEMPLATE
 
 
 def tokenized(row):  # completion-only loss: labels only on the assistant's tokens
-    enc = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
-                                  return_assistant_tokens_mask=True)
+    enc = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids = list(enc["input_ids"])
     return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, enc["assistant_masks"])]}
 
@@ -66,18 +65,41 @@ class Losses(TrainerCallback):  # the logged loss of every step (logging_steps=1
 def run_trainer(out, resume=None):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
-    args = TrainingArguments(output_dir=str(out), learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP,
-                             weight_decay=DECAY, max_grad_norm=CLIP, max_steps=STEPS, logging_steps=1,
-                             eval_strategy="steps", eval_steps=2, save_steps=2, report_to=["tensorboard"],
-                             per_device_eval_batch_size=3, use_cpu=True, seed=0,
-                             save_only_model=False)
+    args = TrainingArguments(
+        output_dir=str(out),
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=WARMUP,
+        weight_decay=DECAY,
+        max_grad_norm=CLIP,
+        max_steps=STEPS,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        report_to=["tensorboard"],
+        per_device_eval_batch_size=3,
+        use_cpu=True,
+        seed=0,
+        save_only_model=False,
+    )
     losses = Losses()
-    trainer = DataCentricTrainer(model=model, args=args, train_dataset=train, eval_dataset=test,  # dcparallel
-                                 data_collator=DataCollatorForSeq2Seq(tok), callbacks=[losses],
-                                 dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    trainer = DataCentricTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=test,  # dcparallel
+        data_collator=DataCollatorForSeq2Seq(tok),
+        callbacks=[losses],
+        dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"),
+    )  # dcparallel
     trainer.train(resume_from_checkpoint=resume)
-    return {"losses": losses.losses, "weights": trainable(model), "log": trainer.state.log_history,
-            "eval_loss": trainer.evaluate()["eval_loss"]}
+    return {
+        "losses": losses.losses,
+        "weights": trainable(model),
+        "log": trainer.state.log_history,
+        "eval_loss": trainer.evaluate()["eval_loss"],
+    }
 
 
 def run_sft():
@@ -89,12 +111,30 @@ def run_sft():
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
-    args = SFTConfig(output_dir=str(OUT / "sft"), learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP,
-                     weight_decay=DECAY, max_grad_norm=CLIP, max_steps=STEPS, logging_steps=1, report_to=[],
-                     use_cpu=True, seed=0, bf16=False, assistant_only_loss=True, packing=True, save_strategy="no")
-    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats[:-6]),  # dcparallel
-                                    processing_class=tok,
-                                    dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    args = SFTConfig(
+        output_dir=str(OUT / "sft"),
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=WARMUP,
+        weight_decay=DECAY,
+        max_grad_norm=CLIP,
+        max_steps=STEPS,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        bf16=False,
+        assistant_only_loss=True,
+        packing=True,
+        save_strategy="no",
+    )
+    trainer = DataCentricSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(chats[:-6]),  # dcparallel
+        processing_class=tok,
+        dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"),
+    )  # dcparallel
     trainer.train()
     return {"losses": [r["loss"] for r in trainer.state.log_history if "loss" in r], "weights": trainable(model)}
 
@@ -103,8 +143,7 @@ def reference_eval(weights):
     """Evaluation of the unmodified model holding the trained weights, by the plain Trainer."""
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
     model.load_state_dict(weights, strict=False)
-    args = TrainingArguments(output_dir=str(OUT / "plain"), per_device_eval_batch_size=3, use_cpu=True,
-                             report_to=[])
+    args = TrainingArguments(output_dir=str(OUT / "plain"), per_device_eval_batch_size=3, use_cpu=True, report_to=[])
     return Trainer(model=model, args=args, eval_dataset=test, data_collator=DataCollatorForSeq2Seq(tok)).evaluate()
 
 
@@ -112,8 +151,9 @@ def run_loop():
     """dcparallel's own loop (README), with the Trainer's optimizer, schedule and clipping."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
-    data = [{"input_ids": torch.tensor(r["input_ids"]),
-             "labels": torch.tensor(r["labels"][1:] + [-100])} for r in train]  # next-token targets
+    data = [
+        {"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in train
+    ]  # next-token targets
     dc = dcparallel.DataCentricParallel(model, policy="dcp")
     loader = dc.prepare(data, lengths=[len(r["input_ids"]) for r in train], tokens_per_step=TOKENS, cost="analytic")
     opt = dc.optimizer(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=DECAY)
@@ -137,13 +177,27 @@ def run_lora():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-    args = TrainingArguments(output_dir=str(OUT / "lora"), learning_rate=LR, max_steps=2, logging_steps=1,
-                             report_to=[], use_cpu=True, seed=0, save_strategy="no")
-    trainer = DataCentricTrainer(model=model, args=args, train_dataset=train,  # dcparallel
-                                 data_collator=DataCollatorForSeq2Seq(tok),
-                                 dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    args = TrainingArguments(
+        output_dir=str(OUT / "lora"),
+        learning_rate=LR,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+    )
+    trainer = DataCentricTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,  # dcparallel
+        data_collator=DataCollatorForSeq2Seq(tok),
+        dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"),
+    )  # dcparallel
     trainer.train()
     trainer.save_model(str(OUT / "lora_export"))
     return {"weights": trainable(model)}
@@ -156,5 +210,15 @@ sft = run_sft()
 plain_eval = reference_eval(trained["weights"])["eval_loss"]
 lora = run_lora()
 if dcparallel.runtime.comm.world_rank() == 0:
-    torch.save({"trainer": trained, "loop": loop, "resumed": resumed, "sft": sft, "plain_eval": plain_eval,
-                "lora": lora, "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt")
+    torch.save(
+        {
+            "trainer": trained,
+            "loop": loop,
+            "resumed": resumed,
+            "sft": sft,
+            "plain_eval": plain_eval,
+            "lora": lora,
+            "world": dcparallel.runtime.comm.world_size(),
+        },
+        OUT / "result.pt",
+    )

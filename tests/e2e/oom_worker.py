@@ -22,8 +22,10 @@ torch.manual_seed(0)
 model = Llama(LlamaConfig.tiny(vocab_size=64, hidden=32, num_layers=2, num_heads=4, ffn_hidden=48))
 dc = Engine(model, layers=model.layers, num_heads=4)
 if launch.rank == 1:
+
     def fail(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
     model.layers[1].forward = fail
 docs = {7: torch.arange(40) % 64, 9: torch.arange(24) % 64}
 batch = text_batch(MicroBatch((7, 9), Layout(2, 2)), (0, 1), launch.rank, docs)

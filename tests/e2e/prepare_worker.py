@@ -21,8 +21,9 @@ CONFIG = ProfilerConfig.quick(256, repeats=1, max_repeats=1, min_time_s=0.0, max
 
 def train(out_dir, name, model, dataset, lengths, epochs, **budget):
     dc = dcparallel.DataCentricParallel(model, memory_bytes=2**30)
-    loader = dc.prepare(dataset, lengths=lengths, profile_path=f"{out_dir}/{name}.json", profiler_config=CONFIG,
-                        **budget)
+    loader = dc.prepare(
+        dataset, lengths=lengths, profile_path=f"{out_dir}/{name}.json", profiler_config=CONFIG, **budget
+    )
     opt = dc.optimizer(lr=3e-3)
     losses, sp = [], set()
     for epoch in range(epochs):
@@ -30,17 +31,33 @@ def train(out_dir, name, model, dataset, lengths, epochs, **budget):
         for step, loss in train_steps(dc, model, loader, opt):
             losses.append(loss)
             sp |= set(step.plan.busy_sizes())
-    return {"model": name, "losses": losses, "sp": sorted(sp), "world": dc.world_size,
-            "profiled": len(dc.profile.entries), "rank": dc.rank}
+    return {
+        "model": name,
+        "losses": losses,
+        "sp": sorted(sp),
+        "world": dc.world_size,
+        "profiled": len(dc.profile.entries),
+        "rank": dc.rank,
+    }
 
 
 def run(out_dir) -> list[dict]:
     lengths = [24, 40, 64, 100, 180, 30, 50, 90, 200, 120] * 4
     shapes = [(1, 4, 4), (2, 4, 6), (2, 6, 4), (3, 4, 4)] * 4
-    return [train(out_dir, "hf-llama", build("hf-llama"), SyntheticText(lengths, vocab=96), lengths, 2,
-                  tokens_per_step=1200),
-            train(out_dir, "wan", build("wan"), SyntheticLatents(shapes, channels=4, text_dim=16, text_tokens=5),
-                  shapes, 3, samples_per_step=8)]
+    return [
+        train(
+            out_dir, "hf-llama", build("hf-llama"), SyntheticText(lengths, vocab=96), lengths, 2, tokens_per_step=1200
+        ),
+        train(
+            out_dir,
+            "wan",
+            build("wan"),
+            SyntheticLatents(shapes, channels=4, text_dim=16, text_tokens=5),
+            shapes,
+            3,
+            samples_per_step=8,
+        ),
+    ]
 
 
 if __name__ == "__main__":

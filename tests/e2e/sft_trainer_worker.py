@@ -40,22 +40,49 @@ def trainable(model):
 
 
 def config(out, steps=STEPS, **kw):
-    return SFTConfig(output_dir=str(out), learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP,
-                     weight_decay=DECAY, max_grad_norm=CLIP, max_steps=steps, logging_steps=1, use_cpu=True, seed=0,
-                     bf16=False, **kw)
+    return SFTConfig(
+        output_dir=str(out),
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=WARMUP,
+        weight_decay=DECAY,
+        max_grad_norm=CLIP,
+        max_steps=steps,
+        logging_steps=1,
+        use_cpu=True,
+        seed=0,
+        bf16=False,
+        **kw,
+    )
 
 
 def run_sft(resume=None):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
-    args = config(OUT / "sft", eval_strategy="steps", eval_steps=2, save_steps=2, report_to=["tensorboard"],
-                  per_device_eval_batch_size=3, completion_only_loss=True)
-    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=test,  # dcparallel
-                                    processing_class=tok,
-                                    dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    args = config(
+        OUT / "sft",
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        report_to=["tensorboard"],
+        per_device_eval_batch_size=3,
+        completion_only_loss=True,
+    )
+    trainer = DataCentricSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=test,  # dcparallel
+        processing_class=tok,
+        dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"),
+    )  # dcparallel
     trainer.train(resume_from_checkpoint=resume)
-    return {"losses": [r["loss"] for r in trainer.state.log_history if "loss" in r], "weights": trainable(model),
-            "log": trainer.state.log_history, "eval_loss": trainer.evaluate()["eval_loss"]}
+    return {
+        "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],
+        "weights": trainable(model),
+        "log": trainer.state.log_history,
+        "eval_loss": trainer.evaluate()["eval_loss"],
+    }
 
 
 def reference_eval(weights):
@@ -68,11 +95,12 @@ def reference_eval(weights):
 
 def masked(row):
     """Next-token targets on the completion's tokens only, built from the chat template."""
-    prompt = tok.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
-                                     return_dict=True)["input_ids"]
+    prompt = tok.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     ids = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
-    assert list(ids[:len(prompt)]) == list(prompt) and len(ids) > len(prompt)
-    labels = [-100] * len(prompt) + list(ids[len(prompt):])
+    assert list(ids[: len(prompt)]) == list(prompt) and len(ids) > len(prompt)
+    labels = [-100] * len(prompt) + list(ids[len(prompt) :])
     return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels[1:] + [-100])}
 
 
@@ -105,17 +133,23 @@ def run_lora():
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     args = config(OUT / "lora", steps=2, report_to=[], save_strategy="no")
-    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=train, processing_class=tok,  # dcparallel
-                                    peft_config=lora,
-                                    dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"))  # dcparallel
+    trainer = DataCentricSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        processing_class=tok,  # dcparallel
+        peft_config=lora,
+        dc_args=DataCentricArguments(tokens_per_step=TOKENS, cost="analytic"),
+    )  # dcparallel
     trainer.train()
     trainer.save_model(str(OUT / "lora_export"))
     return {"weights": trainable(trainer.model)}
 
 
 if len(sys.argv) > 3:  # a resume of another launch's checkpoint at this launch's world size
-    torch.save({"resumed": run_sft(resume=sys.argv[3]), "world": dcparallel.runtime.comm.world_size()},
-               OUT / "result.pt")
+    torch.save(
+        {"resumed": run_sft(resume=sys.argv[3]), "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt"
+    )
     sys.exit()
 trained = run_sft()
 loop = run_loop()
@@ -123,5 +157,14 @@ resumed = run_sft(resume=str(OUT / "sft" / "checkpoint-2"))
 plain_eval = reference_eval(trained["weights"])["eval_loss"]
 lora = run_lora()
 if dcparallel.runtime.comm.world_rank() == 0:
-    torch.save({"sft": trained, "loop": loop, "resumed": resumed, "plain_eval": plain_eval, "lora": lora,
-                "world": dcparallel.runtime.comm.world_size()}, OUT / "result.pt")
+    torch.save(
+        {
+            "sft": trained,
+            "loop": loop,
+            "resumed": resumed,
+            "plain_eval": plain_eval,
+            "lora": lora,
+            "world": dcparallel.runtime.comm.world_size(),
+        },
+        OUT / "result.pt",
+    )

@@ -59,11 +59,18 @@ def hand_made_plan(step: int, world: int, num_layers: int) -> tuple[StepPlan, li
     elif world == 4 and kind == 0:  # one SP=4 group over both nodes
         groups = (GroupPlan((0, 1, 2, 3), (mb([0], 4, full), mb([1, 2, 3, 4], 4, part))),)
     elif world == 4 and kind == 1:  # an SP=4 phase, then SP=2 groups inside the nodes, one idle
-        groups = (GroupPlan((0, 1, 2, 3), (mb([0], 4, part),)),
-                  GroupPlan((0, 1), (mb([1, 2], 2), mb([3, 4], 2, full)), phase=1), GroupPlan((2, 3), (), phase=1))
+        groups = (
+            GroupPlan((0, 1, 2, 3), (mb([0], 4, part),)),
+            GroupPlan((0, 1), (mb([1, 2], 2), mb([3, 4], 2, full)), phase=1),
+            GroupPlan((2, 3), (), phase=1),
+        )
     elif world == 4:  # SP=1 everywhere, 0 / 1 / 1 / 2 micro-batches
-        groups = (GroupPlan((0,), ()), GroupPlan((1,), (mb([0], 1, full),)), GroupPlan((2,), (mb([1, 2], 1),)),
-                  GroupPlan((3,), (mb([3], 1, part), mb([4], 1))))
+        groups = (
+            GroupPlan((0,), ()),
+            GroupPlan((1,), (mb([0], 1, full),)),
+            GroupPlan((2,), (mb([1, 2], 1),)),
+            GroupPlan((3,), (mb([3], 1, part), mb([4], 1))),
+        )
     elif kind == 0:  # one SP=2 group: the long sample alone, recomputed; the rest packed
         groups = (GroupPlan((0, 1), (mb([0], 2, full), mb([1, 2, 3, 4], 2, part))),)
     elif kind == 1:  # two SP=1 groups, 1 vs 3 micro-batches

@@ -27,9 +27,14 @@ def _device_check():
 
 
 def _dry_run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--dry-run", "--out",
-                           str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--dry-run", "--out", str(out), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_the_gpu_budgets_fit_the_device_time():
@@ -45,9 +50,11 @@ def test_a_part_past_its_budget_is_killed_and_reports_what_it_saved(tmp_path, mo
     device_check = _device_check()
 
     fake = tmp_path / "parts.py"  # saves a first result, then hangs in a child process
-    fake.write_text("import json, subprocess, sys\nfrom pathlib import Path\n"
-                    "Path(sys.argv[3], 'part_d.json').write_text(json.dumps({'short': 1}))\n"
-                    "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])\n")
+    fake.write_text(
+        "import json, subprocess, sys\nfrom pathlib import Path\n"
+        "Path(sys.argv[3], 'part_d.json').write_text(json.dumps({'short': 1}))\n"
+        "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    )
     (tmp_path / "part_d.json").write_text(json.dumps({"former": "run"}))
     monkeypatch.setattr(device_check, "PARTS_SCRIPT", fake)
     monkeypatch.setattr(device_check, "DRY_LIMIT_S", 3)
@@ -70,8 +77,7 @@ def test_device_check_dry_run_writes_every_part(tmp_path):
     assert res["a"]["returncode"] == 0 and "time_error" in res["a"]["table"]
     for model in ("reference", "transformers"):
         steps = res["b"][model]["steps"]
-        assert len(steps) == 3 and all(s["planned_compute_s"] > 0 and s["planned_peak_memory_bytes"] > 0
-                                       for s in steps)
+        assert len(steps) == 3 and all(s["planned_compute_s"] > 0 and s["planned_peak_memory_bytes"] > 0 for s in steps)
     c2 = res["c"]["world2"]
     assert c2["backend"] == "gloo" and c2["within_1e-2"] and c2["max_rel_grad_err"] <= 1e-5
     # ZeRO-1: every bucket but the loss / count slots reduced into one owner; rank 0 receives its
@@ -107,10 +113,23 @@ def test_sharded_part_runs_on_two_cpu_processes(tmp_path):
     """Part (e)'s torchrun worker on gloo (what a multi-GPU node runs with NCCL): the sharded
     engine's step equals the replicated one's, and parameters + gradients take 1/s per rank."""
     out = tmp_path / "e.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                        str(ROOT / "benchmarks" / "sharded_device_check.py"), "--dry-run", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            str(ROOT / "benchmarks" / "sharded_device_check.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["shard_size"] == 2 and res["parity"]["max_rel_grad_err"] <= 1e-5

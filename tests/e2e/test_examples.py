@@ -20,9 +20,17 @@ MARK = re.compile(r"\s# dcparallel\b")  # code lines marked at their end (the do
 
 # at most ten lines; twelve for the diffusion models, whose loss draws per-sample noise (two lines);
 # thirteen for the RL loop, which wraps and prepares a second model, the reference (three lines)
-@pytest.mark.parametrize("name,most", [("hf_llama", 10), ("diffusers_wan", 12), ("diffusers_ltx", 12),
-                                       ("diffusers_hunyuanvideo", 12), ("custom_model", 10),
-                                       ("rl_grpo", 13)])
+@pytest.mark.parametrize(
+    "name,most",
+    [
+        ("hf_llama", 10),
+        ("diffusers_wan", 12),
+        ("diffusers_ltx", 12),
+        ("diffusers_hunyuanvideo", 12),
+        ("custom_model", 10),
+        ("rl_grpo", 13),
+    ],
+)
 def test_example_adds_at_most_ten_lines(name, most):
     lines = (EXAMPLES / f"{name}.py").read_text().splitlines()
     marked = [line for line in lines if MARK.search(line)]
@@ -37,16 +45,28 @@ def test_example_adds_at_most_ten_lines(name, most):
 
 # ~2 minutes each on 2 cores: `DCPARALLEL_SLOW=1 make test` (tests/e2e/test_prepare_torchrun.py is the quick one)
 @pytest.mark.slow
-@pytest.mark.parametrize("name,env", [("hf_llama", {"NUM_SAMPLES": "120"}),
-                                      ("diffusers_wan", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
-                                      ("diffusers_ltx", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
-                                      ("diffusers_hunyuanvideo", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
-                                      ("custom_model", {"NUM_SAMPLES": "120"})])
+@pytest.mark.parametrize(
+    "name,env",
+    [
+        ("hf_llama", {"NUM_SAMPLES": "120"}),
+        ("diffusers_wan", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
+        ("diffusers_ltx", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
+        ("diffusers_hunyuanvideo", {"NUM_SAMPLES": "32", "EPOCHS": "2"}),
+        ("custom_model", {"NUM_SAMPLES": "120"}),
+    ],
+)
 def test_example_trains_under_torchrun(name, env, tmp_path):
     pytest.importorskip({"hf_llama": "transformers", "custom_model": "torch"}.get(name, "diffusers"))
     run_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", OUT_DIR=str(tmp_path), **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLES / f"{name}.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / f"{name}.py"),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
@@ -60,8 +80,15 @@ def test_example_trains_under_torchrun(name, env, tmp_path):
 def test_rl_example_reward_rises_under_torchrun(tmp_path):
     pytest.importorskip("transformers")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", STEPS="30")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLES / "rl_grpo.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / "rl_grpo.py"),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rewards = [float(x) for x in re.findall(r"reward ([0-9.]+)", r.stdout)]

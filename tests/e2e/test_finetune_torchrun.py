@@ -20,8 +20,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _launch(config: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), WANDB_SILENT="true")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dcparallel", "train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dcparallel",
+        "train",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -62,7 +73,9 @@ def test_finetune_a_local_wan_on_a_latents_manifest_under_torchrun(tmp_path):
     g = torch.Generator().manual_seed(0)
     x, text = torch.randn(1, 4, 2, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
     with torch.no_grad():
-        a, b, c = (m(x, timestep=torch.tensor([500.0]), encoder_hidden_states=text, return_dict=False)[0]
-                   for m in (initial, exported, trained))
+        a, b, c = (
+            m(x, timestep=torch.tensor([500.0]), encoder_hidden_states=text, return_dict=False)[0]
+            for m in (initial, exported, trained)
+        )
     assert (a - b).abs().max() > 1e-3
     torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)

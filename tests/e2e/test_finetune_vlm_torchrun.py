@@ -23,17 +23,38 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _launch(config: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dcparallel", "train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dcparallel",
+        "train",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _config(root: Path, max_steps: int) -> Path:
-    return tf.write_config(root / "run.toml", model={"pretrained": root / "model"},
-                           data={"path": root / "chat.jsonl", "eval_fraction": 0.125},
-                           train={"tokens_per_step": 400, "epochs": 4, "max_steps": max_steps, "lr": 0.01,
-                                  "eval_every": 2, "checkpoint_every": 2, "out_dir": root / "run"},
-                           profile={"cost": "analytic"})
+    return tf.write_config(
+        root / "run.toml",
+        model={"pretrained": root / "model"},
+        data={"path": root / "chat.jsonl", "eval_fraction": 0.125},
+        train={
+            "tokens_per_step": 400,
+            "epochs": 4,
+            "max_steps": max_steps,
+            "lr": 0.01,
+            "eval_every": 2,
+            "checkpoint_every": 2,
+            "out_dir": root / "run",
+        },
+        profile={"cost": "analytic"},
+    )
 
 
 def _generate(folder: Path, image: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,16 +65,28 @@ def _generate(folder: Path, image: Path) -> tuple[torch.Tensor, torch.Tensor]:
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     pixels = AutoImageProcessor.from_pretrained(folder, local_files_only=True)(
-        images=[Image.open(image).convert("RGB")], return_tensors="pt")
-    msgs = [{"role": "user", "content": [{"type": "image", "image": image.name},
-                                         {"type": "text", "text": "what color is this"}]}]
+        images=[Image.open(image).convert("RGB")], return_tensors="pt"
+    )
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image.name}, {"type": "text", "text": "what color is this"}],
+        }
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     n = int(pixels["image_grid_thw"].prod()) // 4  # placeholders: patches / merge^2
-    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False,
-              return_tensors="pt")["input_ids"]
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False, return_tensors="pt")[
+        "input_ids"
+    ]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=False,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+        )
     return ids, out
 
 

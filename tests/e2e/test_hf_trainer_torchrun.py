@@ -32,8 +32,18 @@ def test_trainer_equals_dcparallel_loop_evaluates_resumes_and_logs(tmp_path):
     model = tf.llama_dir(tmp_path / "model", len(tf.tokenizer()))
     chat = tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(40, seed=0))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "e2e" / "hf_trainer_worker.py"), str(model), str(chat), str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "e2e" / "hf_trainer_worker.py"),
+        str(model),
+        str(chat),
+        str(tmp_path / "out"),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out" / "result.pt", weights_only=False)

@@ -25,15 +25,28 @@ def test_lora_finetune_under_torchrun_exports_the_trained_adapters(tmp_path):
 
     model = tf.llama_dir(tmp_path / "model", len(tf.tokenizer()))
     chat = tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(24, seed=0))
-    config = tf.write_config(tmp_path / "run.toml", model={"pretrained": model},
-                             data={"path": chat, "format": "chat", "max_tokens": 64, "eval_fraction": 0.1},
-                             train={"tokens_per_step": 250, "epochs": 2, "lr": 0.02, "eval_every": 2,
-                                    "out_dir": tmp_path / "run"},
-                             lora={"rank": 4, "target_modules": ["q_proj", "v_proj", "gate_proj"]},
-                             profile={"cost": "analytic"})
+    config = tf.write_config(
+        tmp_path / "run.toml",
+        model={"pretrained": model},
+        data={"path": chat, "format": "chat", "max_tokens": 64, "eval_fraction": 0.1},
+        train={"tokens_per_step": 250, "epochs": 2, "lr": 0.02, "eval_every": 2, "out_dir": tmp_path / "run"},
+        lora={"rank": 4, "target_modules": ["q_proj", "v_proj", "gate_proj"]},
+        profile={"cost": "analytic"},
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dcparallel", "train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dcparallel",
+        "train",
+        "--config",
+        str(config),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -42,8 +55,9 @@ def test_lora_finetune_under_torchrun_exports_the_trained_adapters(tmp_path):
     last = torch.load(sorted((tmp_path / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
     base = AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
     exported = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
-    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True),
-                                        tmp_path / "run" / "final").eval()
+    trained = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model, local_files_only=True), tmp_path / "run" / "final"
+    ).eval()
     missing, unexpected = trained.load_state_dict(last["model"], strict=False)
     assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not in the checkpoint
     initial = AutoModelForCausalLM.from_pretrained(model, local_files_only=True).eval()

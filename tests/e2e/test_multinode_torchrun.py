@@ -35,12 +35,27 @@ def test_two_torchrun_agents_one_c10d_rendezvous_groups_span_nodes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     agents = []
     for node in range(2):
-        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dcp-two-nodes", "--max-restarts", "0", *args]
+        cmd = [
+            torchrun,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "dcp-two-nodes",
+            "--max-restarts",
+            "0",
+            *args,
+        ]
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
-        agents.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True), cwd))
+        agents.append(
+            (subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cwd)
+        )
     outputs = []
     try:
         for proc, _ in agents:

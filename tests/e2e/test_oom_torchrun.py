@@ -19,8 +19,14 @@ def test_oom_on_one_rank_ends_every_rank_with_a_message(tmp_path):
     worker = Path(__file__).with_name("oom_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     # the workers' collective timeout is 600 s: finishing within 120 s means the abort ended them
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(worker)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(worker)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert "unreachable" not in out

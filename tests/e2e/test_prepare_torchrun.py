@@ -30,8 +30,16 @@ def test_prepare_profiles_and_trains_library_models_at_world_2(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("diffusers")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(ROOT / "tests/e2e/prepare_worker.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        str(ROOT / "tests/e2e/prepare_worker.py"),
+        str(tmp_path),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = {d["model"]: d for d in map(json.loads, (x for x in r.stdout.splitlines() if x.startswith("{")))}

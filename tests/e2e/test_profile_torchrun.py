@@ -19,12 +19,37 @@ pytestmark = pytest.mark.e2e
 def test_torchrun_profile_two_ranks(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out = tmp_path / "p.json"
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dcparallel", "profile", "--model", "tiny-llama",
-           "--num-layers", "3", "--buckets", "32,64", "--modes", "none,full", "--repeats", "1",
-           "--max-repeats", "1", "--min-time", "0", "--max-mbs", "1",
-           "--json", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dcparallel",
+        "profile",
+        "--model",
+        "tiny-llama",
+        "--num-layers",
+        "3",
+        "--buckets",
+        "32,64",
+        "--modes",
+        "none,full",
+        "--repeats",
+        "1",
+        "--max-repeats",
+        "1",
+        "--min-time",
+        "0",
+        "--max-mbs",
+        "1",
+        "--json",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints

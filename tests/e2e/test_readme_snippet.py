@@ -42,7 +42,7 @@ print(json.dumps({"rank": dist.get_rank(), "steps": step.index + 1, "loss": dc.l
 
 def readme_snippet() -> str:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Use it: the ten lines"):]
+    section = text[text.index("## Use it: the ten lines") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

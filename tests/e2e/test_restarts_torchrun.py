@@ -39,4 +39,3 @@ def test_exit_raise_and_hang_restart_and_lose_nothing(tmp_path):
     assert [m["loss"] for m in got] == [m["loss"] for m in reference]  # bit-identical
     ids = [i for m in got for i in m["sample_ids"]]
     assert sorted(ids) == list(range(36))  # every sample exactly once
-

@@ -36,8 +36,17 @@ def test_sft_trainer_equals_loop_evaluates_resumes_logs_and_exports(tmp_path):
 
     model = tf.llama_dir(tmp_path / "model", len(tf.tokenizer()))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"), str(model), str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"),
+        str(model),
+        str(tmp_path / "out"),
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out" / "result.pt", weights_only=False)
@@ -59,12 +68,27 @@ def test_sft_trainer_equals_loop_evaluates_resumes_logs_and_exports(tmp_path):
     assert [row["step"] for row in evals] == [2, 4, 4]  # eval_steps=2, then trainer.evaluate()
     assert sft["eval_loss"] == pytest.approx(res["plain_eval"], rel=1e-5)
     out = tmp_path / "out" / "sft"
-    assert {p.name for p in (out / "checkpoint-2").iterdir()} >= {"dc_optimizer_rank0.pt", "dc_optimizer_rank1.pt",
-                                                                  "scheduler.pt", "trainer_state.json"}
+    assert {p.name for p in (out / "checkpoint-2").iterdir()} >= {
+        "dc_optimizer_rank0.pt",
+        "dc_optimizer_rank1.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+    }
     # the step-2 checkpoint of 2 ranks resumed by 1 process (no torchrun): the same weights
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"), str(model),
-                        str(tmp_path / "one"), str(out / "checkpoint-2")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"),
+            str(model),
+            str(tmp_path / "one"),
+            str(out / "checkpoint-2"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     one = torch.load(tmp_path / "one" / "result.pt", weights_only=False)
     assert one["world"] == 1 and one["resumed"]["losses"] == pytest.approx(sft["losses"], rel=1e-6)

@@ -26,8 +26,19 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(R
 
 
 def _launch(config: Path, world: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "-m", "dcparallel", "train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "dcparallel",
+        "train",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, cwd=config.parent, env=ENV, capture_output=True, text=True, timeout=600)
 
 
@@ -35,9 +46,9 @@ def _config(root: Path, name: str, max_steps: int, shard_size: int) -> Path:
     config = root / f"{name}.toml"
     config.write_text(f"""
 [model]
-pretrained = "{root / 'model'}"
+pretrained = "{root / "model"}"
 [data]
-path = "{root / 'chat.jsonl'}"
+path = "{root / "chat.jsonl"}"
 format = "chat"
 max_tokens = 64
 [train]
@@ -107,8 +118,13 @@ def test_sharded_run_resumes_at_other_world_and_shard_sizes_and_exports(tmp_path
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "el" / "final", local_files_only=True).eval()
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "el" / "final", local_files_only=True)
-    ids = torch.tensor([tok.apply_chat_template(tf.conversations(1, seed=9)[0]["messages"], tokenize=True,
-                                                return_dict=True)["input_ids"]])
+    ids = torch.tensor(
+        [
+            tok.apply_chat_template(tf.conversations(1, seed=9)[0]["messages"], tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        ]
+    )
     with torch.no_grad():
         x, y, z = (m(input_ids=ids).logits for m in (initial, exported, trained))
     assert (x - y).abs().max() > 1e-2  # fine-tuned

@@ -13,8 +13,19 @@ pytestmark = pytest.mark.e2e
 
 def _launch(config, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dcparallel", "train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dcparallel",
+        "train",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -51,7 +62,10 @@ max_tokens = 512
         assert {"loss", "tokens_per_s", "step_s", "idle_fraction", "planned_peak_memory_bytes", "sp_degrees"} <= set(x)
         assert 0 <= x["idle_fraction"] < 1 and x["tokens_per_s"] > 0 and x["planned_peak_memory_bytes"] <= 32 * 2**20
     assert sorted(x.name for x in (out / "checkpoint" / "step_00000003").iterdir()) == [
-        "COMMIT.json", "rank0.pt", "rank1.pt"]
+        "COMMIT.json",
+        "rank0.pt",
+        "rank1.pt",
+    ]
     assert (out / "profile.json").exists() and (out / "profile.world2.json").exists()
 
     # the same config with a larger step limit resumes after step 3 and reuses the profile

@@ -17,8 +17,15 @@ MiB = 2**20
 
 
 def cluster(world: int, gpus_per_node: int = 8, memory_mib: int = 1536) -> ClusterSpec:
-    return ClusterSpec(world_size=world, gpus_per_node=gpus_per_node, memory_bytes=memory_mib * MiB,
-                       intra_bw=300e9, intra_latency=10e-6, inter_bw=40e9, inter_latency=20e-6)
+    return ClusterSpec(
+        world_size=world,
+        gpus_per_node=gpus_per_node,
+        memory_bytes=memory_mib * MiB,
+        intra_bw=300e9,
+        intra_latency=10e-6,
+        inter_bw=40e9,
+        inter_latency=20e-6,
+    )
 
 
 def cost(model, c: ClusterSpec) -> AnalyticCost:

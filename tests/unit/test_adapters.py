@@ -173,8 +173,9 @@ def test_grouped_kv_heads_at_sp1_equal_repeated_heads():
     for kind in ("causal", "full", "spatial", "temporal"):
         p = AttnPattern(kind, 3)
         a = sdpa_attention(q, k, v, p, (0, 5, 12) if kind == "causal" else None)
-        b = sdpa_attention(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2), p,
-                           (0, 5, 12) if kind == "causal" else None)
+        b = sdpa_attention(
+            q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2), p, (0, 5, 12) if kind == "causal" else None
+        )
         assert torch.allclose(a, b, atol=1e-6), kind
 
 

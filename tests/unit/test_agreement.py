@@ -12,6 +12,7 @@ from dcparallel.runtime import comm
 def _as_if_ranks(monkeypatch, others: list[dict]) -> None:
     """`comm.all_gather_object` answers with this rank's object, then ``others``' (ranks 1..):
     each of them this rank's fields with the given ones replaced."""
+
     def gather(obj, group=comm.WORLD):
         return [obj] + [{**obj, **{k: (comm.digest(v), repr(v)[:160]) for k, v in o.items()}} for o in others]
 
@@ -20,14 +21,18 @@ def _as_if_ranks(monkeypatch, others: list[dict]) -> None:
 
 def test_the_first_field_that_differs_is_named_with_its_ranks_values_and_fix(monkeypatch):
     profile = {"entries": [[1, 2, 0.5]]}
-    fields = {"memory budget": (2**30, "pass the same memory_bytes"),
-              "cost model": (profile, "delete the cached profile files on every node")}
+    fields = {
+        "memory budget": (2**30, "pass the same memory_bytes"),
+        "cost model": (profile, "delete the cached profile files on every node"),
+    }
     _as_if_ranks(monkeypatch, [{}, {"cost model": {"entries": [[1, 2, 0.7]]}}, {}])
     with pytest.raises(ValueError) as e:
         comm.check_agree(fields, "prepare")
-    assert str(e.value) == ("prepare: cost model differs across ranks (ranks [0, 1, 3]: {'entries': [[1, 2, 0.5]]}; "
-                            "ranks [2]: {'entries': [[1, 2, 0.7]]}); every rank must plan from the same cost model: "
-                            "delete the cached profile files on every node")
+    assert str(e.value) == (
+        "prepare: cost model differs across ranks (ranks [0, 1, 3]: {'entries': [[1, 2, 0.5]]}; "
+        "ranks [2]: {'entries': [[1, 2, 0.7]]}); every rank must plan from the same cost model: "
+        "delete the cached profile files on every node"
+    )
     _as_if_ranks(monkeypatch, [{}, {}])
     comm.check_agree(fields, "prepare")  # the same everywhere: nothing raised
 
@@ -56,7 +61,10 @@ def test_prepare_checks_the_cost_models_content_across_ranks(monkeypatch):
     lengths = [24, 40, 64, 100] * 4
     dc = dcparallel.DataCentricParallel(make_model("llama"), memory_bytes=2**30)
     _as_if_ranks(monkeypatch, [{"cost model": "another profile"}])
-    with pytest.raises(ValueError, match=r"prepare: cost model differs across ranks \(ranks \[0\]: .*; ranks \[1\]: "
-                                         r"'another profile'\); .* delete the cached profile files on every node"):
+    with pytest.raises(
+        ValueError,
+        match=r"prepare: cost model differs across ranks \(ranks \[0\]: .*; ranks \[1\]: "
+        r"'another profile'\); .* delete the cached profile files on every node",
+    ):
         dc.prepare(SyntheticText(lengths, vocab=64), lengths=lengths, tokens_per_step=200, cost="analytic")
     assert dc.loader is None

@@ -46,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"apps"},
 }
 
+
 def module_name(path: Path, root: Path) -> str:
     rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
@@ -65,8 +66,7 @@ def imports(source: str, module: str, known: set[str]) -> set[str]:
     """The dcparallel modules ``source`` (of ``module``) imports, anywhere in the file.
     ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
     out = set()
-    package = module if module in known and any(k.startswith(module + ".") for k in known) else \
-        module.rsplit(".", 1)[0]
+    package = module if module in known and any(k.startswith(module + ".") for k in known) else module.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
@@ -95,8 +95,11 @@ def violations(sources: dict[str, str]) -> list[str]:
             continue
         for d in sorted(deps):
             dpkg = package_of(d)
-            ok = dpkg == pkg or dpkg in allowed or any(d == f"dcparallel.{a}" or d.startswith(f"dcparallel.{a}.")
-                                                        for a in allowed if "." in a)
+            ok = (
+                dpkg == pkg
+                or dpkg in allowed
+                or any(d == f"dcparallel.{a}" or d.startswith(f"dcparallel.{a}.") for a in allowed if "." in a)
+            )
             if not ok:
                 bad.append(f"{m} imports {d}: {pkg} may import only {sorted(allowed) or 'nothing else'}")
         if pkg in CORE:
@@ -164,14 +167,24 @@ def test_the_source_tree_follows_the_package_rules():
     assert violations(tree_sources()) == []
 
 
-@pytest.mark.parametrize("module,source,expected", [
-    # the planning core reaching for the simulator (plan/bucket.py tuned with sim.replay)
-    ("dcparallel.plan.bucket", "def tune():\n    from dcparallel.sim.replay import simulate\n",
-     "dcparallel.plan.bucket imports dcparallel.sim.replay"),
-    ("dcparallel.cost.base", "import torch\n", "dcparallel.cost.base imports torch"),
-    ("dcparallel.models.llama", "from dcparallel.runtime import comm\n", "dcparallel.models.llama imports"),
-    ("dcparallel.data.loader", "from dcparallel.apps import cli\n", "dcparallel.data.loader imports dcparallel.apps"),
-])
+@pytest.mark.parametrize(
+    "module,source,expected",
+    [
+        # the planning core reaching for the simulator (plan/bucket.py tuned with sim.replay)
+        (
+            "dcparallel.plan.bucket",
+            "def tune():\n    from dcparallel.sim.replay import simulate\n",
+            "dcparallel.plan.bucket imports dcparallel.sim.replay",
+        ),
+        ("dcparallel.cost.base", "import torch\n", "dcparallel.cost.base imports torch"),
+        ("dcparallel.models.llama", "from dcparallel.runtime import comm\n", "dcparallel.models.llama imports"),
+        (
+            "dcparallel.data.loader",
+            "from dcparallel.apps import cli\n",
+            "dcparallel.data.loader imports dcparallel.apps",
+        ),
+    ],
+)
 def test_the_rules_catch_a_forbidden_import(module, source, expected):
     sources = tree_sources()
     sources[module] = source
@@ -197,14 +210,18 @@ def test_the_rules_catch_a_cycle_through_an_annotation_import(tmp_path):
     (plan / "planner.py").write_text("from dcparallel.plan.search import search\n\n\nclass Planner:\n    pass\n")
     (plan / "search.py").write_text(
         "from __future__ import annotations\n\nimport typing\n\nif typing.TYPE_CHECKING:\n"
-        "    from dcparallel.plan.planner import Planner\n\n\ndef search(p: Planner) -> None:\n    pass\n")
+        "    from dcparallel.plan.planner import Planner\n\n\ndef search(p: Planner) -> None:\n    pass\n"
+    )
     assert violations(read_sources(tmp_path / "dcparallel")) == [
-        "import cycle: dcparallel.plan.planner -> dcparallel.plan.search -> dcparallel.plan.planner"]
+        "import cycle: dcparallel.plan.planner -> dcparallel.plan.search -> dcparallel.plan.planner"
+    ]
 
 
-#: the most lines of code a module may hold; docstrings, comments and blank lines are not
-#: counted, so that explaining a module never pushes it over
-MAX_CODE_LINES = 320
+#: the most lines of code a module may hold (formatted by ``ruff format``); docstrings,
+#: comments and blank lines are not counted, so that explaining a module never pushes it
+#: over. The unit a reader must hold is the function (tests/unit/test_function_size.py);
+#: this is a backstop against a module that owns too much
+MAX_CODE_LINES = 450
 
 
 def code_lines(text: str) -> int:
@@ -214,8 +231,11 @@ def code_lines(text: str) -> int:
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             first = node.body[0] if node.body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 doc.update(range(first.lineno, first.end_lineno + 1))
     skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
     code: set[int] = set()
@@ -226,9 +246,11 @@ def code_lines(text: str) -> int:
 
 
 def test_code_lines_count_neither_docstrings_nor_comments():
-    text = ('"""A module.\n\nIts docstring."""\n\nimport os  # a comment\n\n# a comment line\n'
-            'def f(x):\n    """f\'s docstring,\n    two lines."""\n    s = """a string\n    that is data"""\n'
-            '    return (x,\n            s)\n')
+    text = (
+        '"""A module.\n\nIts docstring."""\n\nimport os  # a comment\n\n# a comment line\n'
+        'def f(x):\n    """f\'s docstring,\n    two lines."""\n    s = """a string\n    that is data"""\n'
+        "    return (x,\n            s)\n"
+    )
     assert code_lines(text) == 6  # import, def, the two-line string, the two-line return
 
 
@@ -238,8 +260,10 @@ def test_every_module_is_short_and_says_what_it_owns():
         if not text.strip():
             continue  # an empty package marker
         n = code_lines(text)
-        assert n <= MAX_CODE_LINES, (f"{p.relative_to(ROOT.parent)} has {n} lines of code; split it "
-                                     f"({MAX_CODE_LINES} at most, docstrings and comments not counted)")
+        assert n <= MAX_CODE_LINES, (
+            f"{p.relative_to(ROOT.parent)} has {n} lines of code; split it "
+            f"({MAX_CODE_LINES} at most, docstrings and comments not counted)"
+        )
         doc = ast.get_docstring(ast.parse(text))
         assert doc and doc.strip(), f"{p.relative_to(ROOT.parent)} has no docstring saying what it owns"
 

@@ -20,12 +20,33 @@ def test_with_idle_adds_one_rank_groups_per_phase_after_the_given_ones():
     narrow = [GroupPlan((2, 3), _mb(1, 2), 0), GroupPlan((6, 7), _mb(2, 2), 0)]
     got = with_idle([wide, *narrow], 8)
     assert [(g.phase, g.ranks) for g in got] == [
-        (0, (2, 3)), (0, (6, 7)), (0, (0,)), (0, (1,)), (0, (4,)), (0, (5,)),  # as given, then idle ascending
-        (1, (4, 5, 6, 7)), (1, (0,)), (1, (1,)), (1, (2,)), (1, (3,))]
+        (0, (2, 3)),
+        (0, (6, 7)),
+        (0, (0,)),
+        (0, (1,)),
+        (0, (4,)),
+        (0, (5,)),  # as given, then idle ascending
+        (1, (4, 5, 6, 7)),
+        (1, (0,)),
+        (1, (1,)),
+        (1, (2,)),
+        (1, (3,)),
+    ]
     assert all(not g.micro_batches for g in got if len(g.ranks) == 1)
     by_rank = with_idle([wide, *narrow], 8, by_rank=True)
-    assert [(g.phase, g.ranks[0]) for g in by_rank] == [(0, 0), (0, 1), (0, 2), (0, 4), (0, 5), (0, 6),
-                                                        (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert [(g.phase, g.ranks[0]) for g in by_rank] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 4),
+        (0, 5),
+        (0, 6),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (1, 4),
+    ]
     assert sorted(by_rank, key=lambda g: (g.phase, g.ranks)) == sorted(got, key=lambda g: (g.phase, g.ranks))
 
 

@@ -39,7 +39,8 @@ def _reference(q, k, v, window):
         idx, zero = torch.arange(n), torch.tensor(0)
         allowed = fn(zero, zero, idx[:, None], idx[None, :]).expand(n, n)
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2), attn_mask=allowed)
+            q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2), attn_mask=allowed
+        )
         out[:, a:b] = attn.transpose(1, 2)
     return out
 
@@ -92,13 +93,18 @@ def test_blocks_go_to_the_per_document_reference_on_cuda_too():
     assert AttnFeatures.of(torch.zeros(1, 4, 2, 4), AttnPattern("causal", blocks=((0, 2),)), None).blocks
     for version in ((2, 10), (2, 11)):
         assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal", blocks=True), version) == "loop"
-        assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal", softcap=True, blocks=True),
-                                version) == "eager"
+        assert (
+            attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal", softcap=True, blocks=True), version)
+            == "eager"
+        )
     assert attention_kernel("cuda", torch.bfloat16, AttnFeatures("causal"), (2, 11)) == "varlen"
 
 
 def test_pan_and_scan_crops_are_refused():
-    sample = {"input_ids": torch.tensor(ROW[:10]), "pixel_values": torch.zeros(1, 3, 8, 8),
-              "num_crops": torch.tensor([2])}
+    sample = {
+        "input_ids": torch.tensor(ROW[:10]),
+        "pixel_values": torch.zeros(1, 3, 8, 8),
+        "num_crops": torch.tensor([2]),
+    }
     with pytest.raises(ValueError, match="pan-and-scan crops .*do_pan_and_scan=False"):
         collate_vision({0: sample}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0)

@@ -55,8 +55,11 @@ def _run(fn, q, k, v, sinks):
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("softcap,use_sinks,dv", [(5.0, False, 8), (None, True, 8), (5.0, True, 6), (None, False, 6)],
-                         ids=["softcap", "sinks", "softcap+sinks+mla", "mla"])
+@pytest.mark.parametrize(
+    "softcap,use_sinks,dv",
+    [(5.0, False, 8), (None, True, 8), (5.0, True, 6), (None, False, 6)],
+    ids=["softcap", "sinks", "softcap+sinks+mla", "mla"],
+)
 def test_eager_path_matches_attention_written_out(softcap, use_sinks, dv):
     q, k, v, s = _inputs(dv)
     sinks = s if use_sinks else None
@@ -65,7 +68,7 @@ def test_eager_path_matches_attention_written_out(softcap, use_sinks, dv):
         out, grads = _run(lambda kernel=kernel: kernel(q, k, v, pattern, CU, sinks), q, k, v, sinks)
         ref, ref_grads = _run(lambda: _reference(q, k, v, softcap, sinks, CU), q, k, v, sinks)
         assert out.shape == (2, LENGTH, HEADS, dv)
-        assert rel_err(out, ref) <= 1e-5 and torch.all(out[:, CU[-1]:] == 0)
+        assert rel_err(out, ref) <= 1e-5 and torch.all(out[:, CU[-1] :] == 0)
         for g, r in zip(grads, ref_grads, strict=True):
             assert rel_err(g, r) <= 1e-5
     # the same through Ulysses without a process group (the engine's path at SP 1)

@@ -52,11 +52,17 @@ def _inputs(dtype, dv=8, rows=2):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("pattern,use_sinks", [
-    (AttnPattern("causal", softcap=5.0), False), (AttnPattern("causal"), True),
-    (AttnPattern("causal", window=3), False), (AttnPattern("causal", softcap=5.0, window=4), True),
-    (AttnPattern("full"), False)],
-    ids=["softcap", "sinks", "window", "all", "full"])
+@pytest.mark.parametrize(
+    "pattern,use_sinks",
+    [
+        (AttnPattern("causal", softcap=5.0), False),
+        (AttnPattern("causal"), True),
+        (AttnPattern("causal", window=3), False),
+        (AttnPattern("causal", softcap=5.0, window=4), True),
+        (AttnPattern("full"), False),
+    ],
+    ids=["softcap", "sinks", "window", "all", "full"],
+)
 @pytest.mark.parametrize("dv", [8, 6], ids=["mha", "mla"])
 def test_flex_forward_matches_the_reference_on_packed_documents(dtype, pattern, use_sinks, dv):
     """Grouped heads, padding and four documents: FlexAttention's output equals the exact
@@ -66,7 +72,7 @@ def test_flex_forward_matches_the_reference_on_packed_documents(dtype, pattern, 
     q, k, v, s = _inputs(dtype, dv)
     sinks = s if use_sinks else None
     out = attention._flex(q, k, v, pattern, CU, sinks)
-    assert out.shape == (2, LENGTH, HEADS, dv) and torch.all(out[:, CU[-1]:] == 0)
+    assert out.shape == (2, LENGTH, HEADS, dv) and torch.all(out[:, CU[-1] :] == 0)
     assert rel_err(out, sdpa_attention(q, k, v, pattern, CU, sinks)) <= 1e-6
     k2, v2 = k.clone(), v.clone()
     k2[:, 5:12], v2[:, 5:12] = -k2[:, 5:12], v2[:, 5:12] + 1
@@ -87,8 +93,8 @@ def test_the_sink_rescale_is_exact_in_forward_and_backward():
     scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     plain = torch.einsum("nhlm,nmhd->nhld", torch.softmax(scores, -1), v.repeat_interleave(rep, 2))
-    out = sink_rescale(plain, lse, sinks).transpose(1, 2)[:, :CU[-1]]
-    ref = sdpa_attention(q, k, v, AttnPattern("causal"), CU, sinks)[:, :CU[-1]]
+    out = sink_rescale(plain, lse, sinks).transpose(1, 2)[:, : CU[-1]]
+    ref = sdpa_attention(q, k, v, AttnPattern("causal"), CU, sinks)[:, : CU[-1]]
     w = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
@@ -105,8 +111,10 @@ def test_varlen_gets_grouped_heads_as_they_are_and_values_padded_to_the_key_size
 
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
         seen.append((k.shape[1], v.shape[-1], enable_gqa, window_size, cu_q.dtype, max_q))
-        rows = [sdpa_attention(q[None, a:b], k[None, a:b], v[None, a:b], AttnPattern("causal"))[0]
-                for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True)]
+        rows = [
+            sdpa_attention(q[None, a:b], k[None, a:b], v[None, a:b], AttnPattern("causal"))[0]
+            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True)
+        ]
         return torch.cat(rows)
 
     monkeypatch.setattr(attention, "_varlen_attn", lambda: fake)
@@ -114,8 +122,9 @@ def test_varlen_gets_grouped_heads_as_they_are_and_values_padded_to_the_key_size
     q, k, v, _ = _inputs(torch.float64, dv=6, rows=1)
     out = attention._varlen(q, k, v, AttnPattern("causal"), CU)
     assert seen == [(KV_HEADS, 8, True, (-1, 0), torch.int32, 8)]
-    assert out.shape == (1, LENGTH, HEADS, 6) and rel_err(out, sdpa_attention(q, k, v, AttnPattern("causal"), CU)) \
-        <= 1e-12
+    assert (
+        out.shape == (1, LENGTH, HEADS, 6) and rel_err(out, sdpa_attention(q, k, v, AttnPattern("causal"), CU)) <= 1e-12
+    )
     monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset(("window_size",)))
     attention._varlen(q, k, v, AttnPattern("causal", window=4), CU)
     assert seen[-1][:4] == (HEADS, 8, False, (3, 0))
@@ -142,8 +151,15 @@ def _record_kernels(monkeypatch) -> list[str]:
 def _mistral():
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    cfg = MistralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
     return MistralForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
@@ -153,9 +169,18 @@ def _text_model(kind):
     return _mistral() if kind == "hf-mistral" else adapter_models.build(kind)
 
 
-@pytest.mark.parametrize("kind,want", [
-    ("hf-llama", {"varlen"}), ("hf-qwen3", {"varlen"}), ("hf-mistral", {"varlen"}), ("hf-gemma2", {"flex"}),
-    ("hf-gpt-oss", {"flex"}), ("hf-deepseek-v3", {"varlen"}), ("reference-llama", {"varlen"})])
+@pytest.mark.parametrize(
+    "kind,want",
+    [
+        ("hf-llama", {"varlen"}),
+        ("hf-qwen3", {"varlen"}),
+        ("hf-mistral", {"varlen"}),
+        ("hf-gemma2", {"flex"}),
+        ("hf-gpt-oss", {"flex"}),
+        ("hf-deepseek-v3", {"varlen"}),
+        ("reference-llama", {"varlen"}),
+    ],
+)
 def test_each_text_family_takes_a_fused_kernel_on_cuda(monkeypatch, kind, want):
     """bf16, one packed row of two documents (40 and 9 tokens, longer than Mistral's window):
     Gemma 2 (softcap) and gpt-oss (sinks, sliding window) take FlexAttention; Llama, Qwen3
@@ -165,8 +190,11 @@ def test_each_text_family_takes_a_fused_kernel_on_cuda(monkeypatch, kind, want):
     from dcparallel.data.collate import resolve_collate
     from dcparallel.models.llama import Llama, LlamaConfig
 
-    model = (Llama(LlamaConfig(vocab_size=96, hidden=32, num_layers=2, num_heads=4, ffn_hidden=64))
-             if kind == "reference-llama" else _text_model(kind)).to(torch.bfloat16)
+    model = (
+        Llama(LlamaConfig(vocab_size=96, hidden=32, num_layers=2, num_heads=4, ffn_hidden=64))
+        if kind == "reference-llama"
+        else _text_model(kind)
+    ).to(torch.bfloat16)
     taken = _record_kernels(monkeypatch)
     dc = Engine(model, kernel=attention.cuda_varlen_attention)
     docs = {i: torch.randint(0, 96, (n,)) for i, n in enumerate((40, 9))}
@@ -192,8 +220,15 @@ def test_video_families_take_their_kernel_on_cuda(monkeypatch, kind):
         data, model = make_data("wan", 1, 3), build("wan").to(torch.bfloat16)
         samples = {0: item(data, 0)}
     else:
-        model = DiT(DiTConfig(num_layers=2, num_heads=4, hidden=32, freq_dim=16,
-                              attention="factorized" if kind == "dit-factorized" else "full")).to(torch.bfloat16)
+        model = DiT(
+            DiTConfig(
+                num_layers=2,
+                num_heads=4,
+                hidden=32,
+                freq_dim=16,
+                attention="factorized" if kind == "dit-factorized" else "full",
+            )
+        ).to(torch.bfloat16)
         samples = {0: dit_samples(model)((17, 32, 48), 0)}
     taken = _record_kernels(monkeypatch)
     dc = Engine(model, kernel=attention.cuda_varlen_attention)

@@ -81,8 +81,9 @@ def first_fit_bins(ctx, ids, capacity):
     if ctx.model.kind == "text":
         return first_fit_decreasing(ids, ctx.tokens, capacity)
     keys = sorted({ctx.bucket_of[i] for i in ids})
-    return [b for k in keys for b in first_fit_decreasing([i for i in ids if ctx.bucket_of[i] == k],
-                                                          ctx.tokens, capacity)]
+    return [
+        b for k in keys for b in first_fit_decreasing([i for i in ids if ctx.bucket_of[i] == k], ctx.tokens, capacity)
+    ]
 
 
 def test_first_fit_with_runs_of_one_length_and_items_over_the_capacity():

@@ -7,9 +7,20 @@ from pathlib import Path
 
 import pytest
 
-KEYS = {"samples_planned", "samples_dropped", "steps", "tokens_per_s", "step_time_s_median", "idle_fraction",
-        "lower_bound_efficiency", "plan_ms_per_step", "plan_ms_max", "plan_first_step_ms", "setup_ms",
-        "peak_memory_fraction"}
+KEYS = {
+    "samples_planned",
+    "samples_dropped",
+    "steps",
+    "tokens_per_s",
+    "step_time_s_median",
+    "idle_fraction",
+    "lower_bound_efficiency",
+    "plan_ms_per_step",
+    "plan_ms_max",
+    "plan_first_step_ms",
+    "setup_ms",
+    "peak_memory_fraction",
+}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -41,15 +52,39 @@ def test_simulate_json_from_lengths_file(lengths_file):
 
 
 def test_simulate_scenario_table():
-    r = _run("simulate", "--scenario", "video", "--distribution", "long", "--policy", "bucket",
-             "--policy", "dcp", "--quiet", "--world", "8")
+    r = _run(
+        "simulate",
+        "--scenario",
+        "video",
+        "--distribution",
+        "long",
+        "--policy",
+        "bucket",
+        "--policy",
+        "dcp",
+        "--quiet",
+        "--world",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     assert "vs bucket" in r.stdout and "dcp" in r.stdout and "bucket" in r.stdout
 
 
 def test_plan_json_lists_groups_and_predictions(lengths_file):
-    r = _run("plan", "--lengths", str(lengths_file), "--world", "8", "--policy", "dcp-inter-pac",
-             "--steps", "2", "--json", "--tokens-per-step", "200000")
+    r = _run(
+        "plan",
+        "--lengths",
+        str(lengths_file),
+        "--world",
+        "8",
+        "--policy",
+        "dcp-inter-pac",
+        "--steps",
+        "2",
+        "--json",
+        "--tokens-per-step",
+        "200000",
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
     assert len(lines) == 2
@@ -71,11 +106,28 @@ def test_bad_lengths_file_is_a_clear_error(tmp_path):
 def test_table_without_bucket_says_so_instead_of_nan():
     from dcparallel.apps.simulate import _table
 
-    row = {"settings": {}, "tokens_per_s": 1e6, "step_time_s_median": 1.5, "idle_fraction": 0.1,
-           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 2.0, "plan_first_step_ms": 9.0, "setup_ms": 30.0,
-           "peak_memory_fraction": 0.5}
-    out = {"scenario": "text", "distribution": "short", "samples_total": 10, "steps": 2, "tokens_per_step": 1000,
-           "world": 8, "gpus_per_node": 8, "long_token_share": 0.0, "policies": {"dcp": row, "packed": row}}
+    row = {
+        "settings": {},
+        "tokens_per_s": 1e6,
+        "step_time_s_median": 1.5,
+        "idle_fraction": 0.1,
+        "lower_bound_efficiency": 0.9,
+        "plan_ms_per_step": 2.0,
+        "plan_first_step_ms": 9.0,
+        "setup_ms": 30.0,
+        "peak_memory_fraction": 0.5,
+    }
+    out = {
+        "scenario": "text",
+        "distribution": "short",
+        "samples_total": 10,
+        "steps": 2,
+        "tokens_per_step": 1000,
+        "world": 8,
+        "gpus_per_node": 8,
+        "long_token_share": 0.0,
+        "policies": {"dcp": row, "packed": row},
+    }
     text = _table(out)
     assert "nan" not in text and "add --policy bucket" in text
     lines = {ln.split()[0]: ln.split() for ln in text.splitlines()[2:4]}
@@ -104,10 +156,28 @@ def test_planning_time_is_the_steady_state_median_with_first_step_and_setup_apar
 
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_cpu_time.py"
     assert "timed_plans" in bench.read_text()  # the benchmark times the same way
-    row = {"settings": {}, "tokens_per_s": 1e6, "step_time_s_median": 1.5, "idle_fraction": 0.1,
-           "lower_bound_efficiency": 0.9, "plan_ms_per_step": 4.0, "plan_first_step_ms": 50.0, "setup_ms": 7.0,
-           "peak_memory_fraction": 0.5}
-    text = cli._table({"scenario": "text", "distribution": "short", "samples_total": 10, "steps": 4,
-                       "tokens_per_step": 1000, "world": 8, "gpus_per_node": 8, "long_token_share": 0.0,
-                       "policies": {"dcp": row}})
+    row = {
+        "settings": {},
+        "tokens_per_s": 1e6,
+        "step_time_s_median": 1.5,
+        "idle_fraction": 0.1,
+        "lower_bound_efficiency": 0.9,
+        "plan_ms_per_step": 4.0,
+        "plan_first_step_ms": 50.0,
+        "setup_ms": 7.0,
+        "peak_memory_fraction": 0.5,
+    }
+    text = cli._table(
+        {
+            "scenario": "text",
+            "distribution": "short",
+            "samples_total": 10,
+            "steps": 4,
+            "tokens_per_step": 1000,
+            "world": 8,
+            "gpus_per_node": 8,
+            "long_token_share": 0.0,
+            "policies": {"dcp": row},
+        }
+    )
     assert text.splitlines()[-1] == PLAN_TIME_NOTE + "; first step and setup ms: dcp 50.0 / 7"

@@ -120,8 +120,16 @@ _SIZES: list = []
 def _plan(spec, sizes, world: int, shard_size: int, policy: str = "dcp"):
     """The planner's plan of the first step of an epoch of ``sizes``, as the loader makes it."""
     _SIZES[:] = sizes
-    cl = ClusterSpec(world_size=world, gpus_per_node=8, memory_bytes=80 * 2**30, intra_bw=300e9,
-                     intra_latency=1e-5, inter_bw=40e9, inter_latency=2e-5, shard_size=shard_size)
+    cl = ClusterSpec(
+        world_size=world,
+        gpus_per_node=8,
+        memory_bytes=80 * 2**30,
+        intra_bw=300e9,
+        intra_latency=1e-5,
+        inter_bw=40e9,
+        inter_latency=2e-5,
+        shard_size=shard_size,
+    )
     w = Workload(spec, tuple(sizes))
     ctx = PlanContext(w, AnalyticCost(spec, cl), cl)
     steps = form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens) // 2)
@@ -211,8 +219,13 @@ def test_the_recorder_catches_a_rank_that_runs_its_micro_batches_in_another_orde
     """The check itself: swap two micro-batches of one rank of an SP group and it fails."""
     plan = _plan(TEXT, _text_sizes(128), 64, 1)
     logs = {r: _record_rank(plan, r, TEXT, 64, 1) for r in range(64)}
-    victim = next(r for r in range(64) if sum(len(g) > 1 for _, g in plan.work_of(r)) >= 1
-                  and len(plan.work_of(r)) >= 2 and len({mb.sample_ids for mb, _ in plan.work_of(r)}) >= 2)
+    victim = next(
+        r
+        for r in range(64)
+        if sum(len(g) > 1 for _, g in plan.work_of(r)) >= 1
+        and len(plan.work_of(r)) >= 2
+        and len({mb.sample_ids for mb, _ in plan.work_of(r)}) >= 2
+    )
     (mb0, _), (mb1, _) = plan.work_of(victim)[:2]
     n0 = len(_record_rank(_Only(plan, 1), victim, TEXT, 64, 1)) - 2  # the first micro-batch's records
     logs[victim] = logs[victim][n0:-2] + logs[victim][:n0] + logs[victim][-2:]

@@ -101,12 +101,27 @@ def _profile() -> dict:
                 for mode, tf, mf in (("none", 1.0, 1.0), ("attn", 1.1, 0.7), ("mlp", 1.05, 0.6), ("full", 1.3, 0.1)):
                     t = 0.001 * tok / sp * mbs * tf
                     m = 100.0 * tok / sp * mbs * mf
-                    entries.append({"bucket": key, "sp": sp, "mbs": mbs, "recompute": mode, "time_s": t,
-                                    "memory_bytes": m, "feasible": True})
-    prof = Profile(fingerprint={"world_size": 2}, model=TINY_LM, world_size=2, gpus_per_node=2,
-                   model_state_bytes=1000.0, grad_sync_s=0.01,
-                   buckets=[{"key": "t1000", "size": 1000, "tokens": 1000},
-                            {"key": "t4000", "size": 4000, "tokens": 4000}], entries=entries)
+                    entries.append(
+                        {
+                            "bucket": key,
+                            "sp": sp,
+                            "mbs": mbs,
+                            "recompute": mode,
+                            "time_s": t,
+                            "memory_bytes": m,
+                            "feasible": True,
+                        }
+                    )
+    prof = Profile(
+        fingerprint={"world_size": 2},
+        model=TINY_LM,
+        world_size=2,
+        gpus_per_node=2,
+        model_state_bytes=1000.0,
+        grad_sync_s=0.01,
+        buckets=[{"key": "t1000", "size": 1000, "tokens": 1000}, {"key": "t4000", "size": 4000, "tokens": 4000}],
+        entries=entries,
+    )
     assert cl.world_size == 2
     return prof.to_json()
 
@@ -171,8 +186,7 @@ def test_a_profile_prices_only_the_world_size_it_measured():
 
 def test_the_typed_profile_round_trips_through_json():
     p = Profile.from_json(_profile())
-    assert all(isinstance(b, ProfileBucket) for b in p.buckets) and all(isinstance(e, ProfileEntry)
-                                                                        for e in p.entries)
+    assert all(isinstance(b, ProfileBucket) for b in p.buckets) and all(isinstance(e, ProfileEntry) for e in p.entries)
     assert p.buckets[1].key == "t4000" and p.buckets[1].tokens == 4000
     again = Profile.from_json(json.loads(json.dumps(p.to_json())))
     assert again == p and again.to_json() == p.to_json()

@@ -80,16 +80,25 @@ ANALYTIC = [
     (TINY_DIT, cluster(16), "tiny-video", 0),
     # ring: every micro-batch at its own best (Ulysses, ring) split, on NVLink and PCIe-class nodes
     (GQA_MLA, dataclasses.replace(h200_cluster(64), ring=True), "text", 262144),
-    (dataclasses.replace(LLAMA_7B, name="llama-24h", num_heads=24, hidden=3072),
-     dataclasses.replace(h200_cluster(32, 32), ring=True, intra_bw=25e9, intra_latency=20e-6), "text", 131072),
+    (
+        dataclasses.replace(LLAMA_7B, name="llama-24h", num_heads=24, hidden=3072),
+        dataclasses.replace(h200_cluster(32, 32), ring=True, intra_bw=25e9, intra_latency=20e-6),
+        "text",
+        131072,
+    ),
 ]
 
 
 @pytest.mark.parametrize("model,cl,kind,top", ANALYTIC, ids=lambda v: getattr(v, "name", None))
 def test_analytic_grid_equals_scalar_terms(model, cl, kind, top):
     rng = random.Random(7)
-    sizes = (_text_sizes(rng, 400, top) if kind == "text" else
-             _video_sizes(rng, 400) if kind == "video" else list(VIDEO_SHAPES))
+    sizes = (
+        _text_sizes(rng, 400, top)
+        if kind == "text"
+        else _video_sizes(rng, 400)
+        if kind == "video"
+        else list(VIDEO_SHAPES)
+    )
     cost = AnalyticCost(model, cl)
     # every recompute outcome occurs: none, partial, full and nothing fitting
     assert_grid_equals_scalar(cost, _batches(rng, sizes), SPS, float(cl.memory_bytes))
@@ -109,11 +118,27 @@ def _random_profile(seed: int, unfit: bool) -> tuple[Profile, ClusterSpec]:
                     fits = not (unfit and mode == "none" and b["tokens"] * mbs >= 8192 and sp == 1)
                     t = (2e-4 + 3e-7 * work * rng.uniform(0.9, 1.1)) * tf
                     m = (5e5 + 900.0 * work * rng.uniform(0.95, 1.05)) * mf
-                    entries.append({"bucket": b["key"], "sp": sp, "mbs": mbs, "recompute": mode,
-                                    "time_s": t if fits else None, "memory_bytes": m if fits else None,
-                                    "feasible": fits})
-    prof = Profile(fingerprint={"world_size": 4}, model=TINY_LM, world_size=4, gpus_per_node=4,
-                   model_state_bytes=2e6, grad_sync_s=0.003, buckets=buckets, entries=entries)
+                    entries.append(
+                        {
+                            "bucket": b["key"],
+                            "sp": sp,
+                            "mbs": mbs,
+                            "recompute": mode,
+                            "time_s": t if fits else None,
+                            "memory_bytes": m if fits else None,
+                            "feasible": fits,
+                        }
+                    )
+    prof = Profile(
+        fingerprint={"world_size": 4},
+        model=TINY_LM,
+        world_size=4,
+        gpus_per_node=4,
+        model_state_bytes=2e6,
+        grad_sync_s=0.003,
+        buckets=buckets,
+        entries=entries,
+    )
     return Profile.from_json(prof.to_json()), ClusterSpec(world_size=4, gpus_per_node=4, memory_bytes=16 * 2**20)
 
 
@@ -168,8 +193,12 @@ def test_fits_grid_and_mb_costs_equal_layout_for(model, cl, kind, top):
     assert memory == [ctx.mb_memory(mb.sample_ids, mb.layout) for mb in mbs]
 
 
-COPIES = [*CONTEXTS, (TINY_DIT, cluster(16), "tiny-video", 0), (VLM, h200_cluster(64), "vlm", 0),
-          (TINY_LM, "forward", "text", 6000)]
+COPIES = [
+    *CONTEXTS,
+    (TINY_DIT, cluster(16), "tiny-video", 0),
+    (VLM, h200_cluster(64), "vlm", 0),
+    (TINY_LM, "forward", "text", 6000),
+]
 
 
 @pytest.mark.parametrize("model,cl,kind,top", COPIES, ids=lambda v: getattr(v, "name", None))
@@ -180,11 +209,18 @@ def test_copies_times_equal_copies_layout(model, cl, kind, top):
     text, video and vision-language, profiled, forward-only over a profile)."""
     rng = random.Random(5)
     if kind == "vlm":
-        sizes = [VisionSize(t, tuple(rng.choice((256, 1024, 4096)) for _ in range(n)))
-                 for t, n in ((500, 1), (3000, 1), (9000, 2), (20000, 3))] + [700]
+        sizes = [
+            VisionSize(t, tuple(rng.choice((256, 1024, 4096)) for _ in range(n)))
+            for t, n in ((500, 1), (3000, 1), (9000, 2), (20000, 3))
+        ] + [700]
     else:
-        sizes = (_text_sizes(rng, 30, top) if kind == "text" else _video_sizes(rng, 30) if kind == "video"
-                 else list(VIDEO_SHAPES))
+        sizes = (
+            _text_sizes(rng, 30, top)
+            if kind == "text"
+            else _video_sizes(rng, 30)
+            if kind == "video"
+            else list(VIDEO_SHAPES)
+        )
     if cl in ("profiled", "forward"):
         cost, cl2 = _profiled(model, cl)
         cost, cl = (ForwardOnlyCost(cost) if cl == "forward" else cost), cl2
@@ -193,7 +229,7 @@ def test_copies_times_equal_copies_layout(model, cl, kind, top):
     ctx = PlanContext(Workload(model, tuple(sizes)), cost, cl, skip_oversize=True)
     unfit = 0
     some = sorted({ctx.sizes[i] for i in ctx.usable_ids}, key=str)[:8]
-    tops = [64, 1, *(rng.randint(2, 64) for _ in some[2:])][:len(some)]
+    tops = [64, 1, *(rng.randint(2, 64) for _ in some[2:])][: len(some)]
     for mode in MODES:
         for k in ctx.sp_sizes:
             rows = ctx.copies_times(some, tops, k, mode)  # all sizes at once, as the tables price them
@@ -211,7 +247,7 @@ def test_exact_pow_is_pythons_pow_on_either_path(monkeypatch):
     C library's `pow`) or each element is raised in Python; numpy's own ``x ** 2`` (a square)
     is not always."""
     rng = np.random.default_rng(1)
-    x = np.concatenate([rng.random(20_000) * 10.0 ** e for e in (-8, -3, 0, 4)])
+    x = np.concatenate([rng.random(20_000) * 10.0**e for e in (-8, -3, 0, 4)])
     for fast in (batch._POW_IS_LIBM, False):
         monkeypatch.setattr(batch, "_POW_IS_LIBM", fast)
         for p in (2.0, 4.0, 0.5, 0.25):
@@ -221,8 +257,14 @@ def test_exact_pow_is_pythons_pow_on_either_path(monkeypatch):
 def test_batches_of_sizes_match_the_model():
     b = Batches.of(TINY_DIT, [[(17, 64, 64)] * 3, [], [(1, 128, 128), (34, 128, 128)]])
     assert b.lengths.tolist() == [3, 0, 2]
-    assert b.token_sums().tolist() == [3 * TINY_DIT.tokens((17, 64, 64)), 0,
-                                       TINY_DIT.tokens((1, 128, 128)) + TINY_DIT.tokens((34, 128, 128))]
-    assert b.token_runs() == [[TINY_DIT.tokens((17, 64, 64))] * 3, [],
-                              [TINY_DIT.tokens((1, 128, 128)), TINY_DIT.tokens((34, 128, 128))]]
+    assert b.token_sums().tolist() == [
+        3 * TINY_DIT.tokens((17, 64, 64)),
+        0,
+        TINY_DIT.tokens((1, 128, 128)) + TINY_DIT.tokens((34, 128, 128)),
+    ]
+    assert b.token_runs() == [
+        [TINY_DIT.tokens((17, 64, 64))] * 3,
+        [],
+        [TINY_DIT.tokens((1, 128, 128)), TINY_DIT.tokens((34, 128, 128))],
+    ]
     assert b.pair_sums()[0] == 0.0 + TINY_DIT.attention_pairs((17, 64, 64)) * 3

@@ -64,8 +64,13 @@ def test_prepare_prices_with_this_cpu_unless_asked_not_to(tmp_path, monkeypatch)
 
     def prepared():
         dc = dcparallel.DataCentricParallel(tiny_llama(num_layers=2), policy="dcp")
-        dc.prepare(SyntheticText(lengths, vocab=64), lengths=lengths, tokens_per_step=100, cost="analytic",
-                   profile_path=tmp_path / "profile.json")
+        dc.prepare(
+            SyntheticText(lengths, vocab=64),
+            lengths=lengths,
+            tokens_per_step=100,
+            cost="analytic",
+            profile_path=tmp_path / "profile.json",
+        )
         return dc.cost.cal
 
     monkeypatch.setenv("DCPARALLEL_CPU_CALIBRATION", "1")

@@ -35,8 +35,11 @@ def test_cuda_steps_report_allocated_reserved_and_device_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 4 * 2**30)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
     assert launch.cuda_memory(torch.device("cuda", 0)) == {
-        "measured_peak_memory_bytes": 3 * 2**30, "measured_peak_reserved_bytes": 4 * 2**30,
-        "device_free_bytes": 100 * 2**30, "device_total_bytes": 140 * 2**30}
+        "measured_peak_memory_bytes": 3 * 2**30,
+        "measured_peak_reserved_bytes": 4 * 2**30,
+        "device_free_bytes": 100 * 2**30,
+        "device_total_bytes": 140 * 2**30,
+    }
     assert set(launch.cuda_memory(torch.device("cpu")).values()) == {None}
 
 
@@ -57,5 +60,9 @@ def test_a_profile_memory_run_reads_activations_and_keeps_the_worst_device_memor
     second, seen2 = measure.cuda_run_memory(cuda, run(60))
     assert (first, second) == (100.0, 50.0)  # the peak above what was allocated before the run
     worst = measure.worst_cuda_memory(measure.worst_cuda_memory(None, seen1), seen2)
-    assert worst == {"measured_peak_memory_bytes": 110, "measured_peak_reserved_bytes": 220,
-                     "device_free_bytes": 780, "device_total_bytes": 1000}
+    assert worst == {
+        "measured_peak_memory_bytes": 110,
+        "measured_peak_reserved_bytes": 220,
+        "device_free_bytes": 780,
+        "device_total_bytes": 1000,
+    }

@@ -40,8 +40,9 @@ from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
 CAP_FRACTIONS, SEARCH_COARSE = DEFAULT.cap_fractions, DEFAULT.search_coarse
 
 
-def _scale_cell(scenario: str, dist: str, world: int, steps: int, weak: bool = True,
-                epoch_steps: int | None = None) -> tuple[PlanContext, list]:
+def _scale_cell(
+    scenario: str, dist: str, world: int, steps: int, weak: bool = True, epoch_steps: int | None = None
+) -> tuple[PlanContext, list]:
     """A cell of the scale report: its context and first `steps` steps (the 32-GPU step budget
     scaled with the world when `weak`), from a workload of `epoch_steps` steps' tokens (by
     default one more than `steps`)."""
@@ -81,15 +82,16 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(p: ScalePlanner, tab, part: list[int], C: float, kmin: int,
-                    frac: float = 1.0) -> list[tuple] | None:
+def _reference_rows(
+    p: ScalePlanner, tab, part: list[int], C: float, kmin: int, frac: float = 1.0
+) -> list[tuple] | None:
     """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
     >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
     fit the world."""
     chosen = []
     for i in part:
         s, n = int(tab.starts[i]), int(tab.lens[i])
-        hit = next((r for r in tab.a[s:s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
+        hit = next((r for r in tab.a[s : s + n].tolist() if r[3] <= C and r[1] >= kmin), None)
         if hit is None:
             return None
         chosen.append(hit)
@@ -116,8 +118,10 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
     # as `search` asks: every bucket of the part has a row at the smallest degree or wider
     problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab.least[part, ki]).all()]
     # every distinct time and T infinite; a random subset for every other problem
-    targets = [np.arange(len(tab.times) + 1) if x % 2 == 0 else
-               np.unique(rng.integers(0, len(tab.times) + 1, size=5)) for x in range(len(problems))]
+    targets = [
+        np.arange(len(tab.times) + 1) if x % 2 == 0 else np.unique(rng.integers(0, len(tab.times) + 1, size=5))
+        for x in range(len(problems))
+    ]
     fracs = [(1.0, 0.75, 0.5)[x % 3] for x in range(len(problems))]
     ok, first, need, pfirst = fits(p, tab, problems, targets, fracs)
     times = np.append(tab.times, math.inf)
@@ -126,10 +130,10 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
             ref = _reference_rows(p, tab, part, C, p.sp[ki], frac)
             assert bool(ok[x, j]) == (ref is not None), (C, ki)
             if ref is not None:
-                assert rows_at(tab, first[pfirst[x]:pfirst[x] + len(part), j]) == [
-                    (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref]
-                assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == \
-                    _groups_needed(ref, C / frac)
+                assert rows_at(tab, first[pfirst[x] : pfirst[x] + len(part), j]) == [
+                    (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref
+                ]
+                assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, C / frac)
 
 
 def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
@@ -164,7 +168,7 @@ def _reference_search(p: ScalePlanner, tab, part: list[int], kmin: int) -> list[
     does; candidates at the first fitting cap and 1, 2, 4, 8 after it (makespan: cap /
     fraction), distinct choices only over all fractions; if none fits at fraction 1, T
     infinite."""
-    seg = [tab.a[int(tab.starts[i]):int(tab.starts[i] + tab.lens[i])] for i in part]
+    seg = [tab.a[int(tab.starts[i]) : int(tab.starts[i] + tab.lens[i])] for i in part]
     elig = [r[r[:, 1] >= kmin] for r in seg]
     if any(len(r) == 0 for r in elig):
         return []
@@ -208,8 +212,14 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     got = search(p, tab, parts, fracs=CAP_FRACTIONS)
     # searched in two ranges of smallest degrees (as `dcp` does: the narrowest first), the same
     cut = min(2, len(p.sp))
-    halves = [a + b for a, b in zip(search(p, tab, parts, range(cut), CAP_FRACTIONS),
-                                    search(p, tab, parts, range(cut, len(p.sp)), CAP_FRACTIONS))]
+    halves = [
+        a + b
+        for a, b in zip(
+            search(p, tab, parts, range(cut), CAP_FRACTIONS),
+            search(p, tab, parts, range(cut, len(p.sp)), CAP_FRACTIONS),
+        )
+    ]
+
     def values(found):
         return [[[(c.T, c.first.tolist(), needs(p, c.need)) for c in cs] for cs in by_k] for by_k in found]
 
@@ -220,13 +230,16 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
     for part, by_k in zip(parts, got):
         for kmin, cands in zip(p.sp, by_k):
             ref = _reference_search(p, tab, part, kmin)
-            want = [(T, [(g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in rows])
-                    for T, rows in ref]
+            want = [
+                (T, [(g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in rows])
+                for T, rows in ref
+            ]
             assert [(c.T, rows_at(tab, c.first)) for c in cands] == want, (part, kmin)
 
 
-@pytest.mark.parametrize("scenario,dist,world",
-                         [("text", "short", 1024), ("video", "balanced", 128), ("text", "long", 512)])
+@pytest.mark.parametrize(
+    "scenario,dist,world", [("text", "short", 1024), ("video", "balanced", 128), ("text", "long", 512)]
+)
 def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
     """`dcp` stops searching wider smallest allowed degrees when their floor (`plan_floor`:
     every bucket at that degree or wider) says no candidate there can enter the plans it
@@ -271,8 +284,10 @@ def _round_robin(holders, ic):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(0, 3)), min_size=1, max_size=4),
-       st.integers(0, 100))
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(0, 3)), min_size=1, max_size=4),
+    st.integers(0, 100),
+)
 def test_deal_order_is_the_round_robin_and_gives_each_group_its_share(spec, ic):
     holders, g0 = [], 0
     for n, per, gap in spec:
@@ -286,9 +301,17 @@ def test_deal_order_is_the_round_robin_and_gives_each_group_its_share(spec, ic):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 10_000), st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7),
-                                                                      st.integers(0, 3)), min_size=1, max_size=4)),
-                min_size=1, max_size=6, unique_by=lambda c: c[0]))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 10_000),
+            st.lists(st.tuples(st.integers(1, 9), st.integers(1, 7), st.integers(0, 3)), min_size=1, max_size=4),
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda c: c[0],
+    )
+)
 def test_all_classes_dealt_at_once_are_each_classes_round_robin(classes):
     held = []
     for ic, spec in classes:
@@ -306,9 +329,17 @@ def _holder_rows(held) -> np.ndarray:
 
 
 def _phase(rng, sizes: list[int], n: int) -> Phase:
-    return Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n) * 3, np.ones(n, dtype=np.int64),
-                 np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), rng.random(n) ** 3 + 0.01,
-                 np.ones(n), [None])
+    return Phase(
+        sizes,
+        rng.integers(0, len(sizes), n),
+        np.arange(n) * 3,
+        np.ones(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        rng.random(n) ** 3 + 0.01,
+        np.ones(n),
+        [None],
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -328,8 +359,17 @@ def test_refine_keeps_every_micro_batch_and_never_raises_the_slowest_group(group
 
 def test_refine_balances_what_one_move_or_swap_can_balance():
     # group 0: 3 + 1, group 1: 1 -> moving the 1 (or swapping the 3 for nothing) balances to 3 | 2
-    ph = Phase([1, 1], np.array([0, 0, 1]), np.arange(3), np.ones(3, dtype=np.int64), np.zeros(3, dtype=np.int64),
-               np.zeros(3, dtype=np.int64), np.array([3.0, 1.0, 1.0]), np.ones(3), [None])
+    ph = Phase(
+        [1, 1],
+        np.array([0, 0, 1]),
+        np.arange(3),
+        np.ones(3, dtype=np.int64),
+        np.zeros(3, dtype=np.int64),
+        np.zeros(3, dtype=np.int64),
+        np.array([3.0, 1.0, 1.0]),
+        np.ones(3),
+        [None],
+    )
     refine(ph, np.arange(2))
     assert sorted(ph.loads().tolist()) == [2.0, 3.0]
 
@@ -340,8 +380,17 @@ def test_refine_stops_once_the_slowest_group_stops_getting_lighter():
     def phase():
         t = np.array([100.0] + [1.0] * 40)
         n = len(t)
-        return Phase([1] * 9, np.array([0] + [1] * 40), np.arange(n), np.ones(n, dtype=np.int64),
-                     np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), t, np.ones(n), [None])
+        return Phase(
+            [1] * 9,
+            np.array([0] + [1] * 40),
+            np.arange(n),
+            np.ones(n, dtype=np.int64),
+            np.zeros(n, dtype=np.int64),
+            np.zeros(n, dtype=np.int64),
+            t,
+            np.ones(n),
+            [None],
+        )
 
     ph = phase()
     assert refine(ph, np.arange(9)), "stopped by the stall, so settled"
@@ -386,8 +435,9 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
         times = []
         for m in g.micro_batches:
             j = int(p.bidx[m.sample_ids[0]])
-            times.append(float(p.weight[list(m.sample_ids)].sum()) * p.ttab[(j, g.sp)][len(m.sample_ids)]
-                         / len(m.sample_ids))
+            times.append(
+                float(p.weight[list(m.sample_ids)].sum()) * p.ttab[(j, g.sp)][len(m.sample_ids)] / len(m.sample_ids)
+            )
         assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:])), times
         checked += len(times) > 1
     assert checked > 10
@@ -437,8 +487,17 @@ def _spill_phase(p: ScalePlanner, rng: np.random.Generator, times, weights) -> P
     8 ranks, 4 of 4 and 16 of 1, with `times(n)` and mean weights `weights(n)`."""
     sizes = [8] * 2 + [4] * 4 + [1] * 16
     n = 80
-    return Phase(sizes, rng.integers(0, len(sizes), n), np.arange(n), np.ones(n, dtype=np.int64),
-                 np.full(n, int(p.bidx[0])), np.zeros(n, dtype=np.int64), times(n), weights(n), [None])
+    return Phase(
+        sizes,
+        rng.integers(0, len(sizes), n),
+        np.arange(n),
+        np.ones(n, dtype=np.int64),
+        np.full(n, int(p.bidx[0])),
+        np.zeros(n, dtype=np.int64),
+        times(n),
+        weights(n),
+        [None],
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -448,8 +507,17 @@ def test_spill_makes_the_moves_of_its_definition(seed):
     rng = np.random.default_rng(seed)
     # times on a coarse grid, so that ties between groups and micro-batches happen
     ph = _spill_phase(p, rng, lambda n: rng.integers(1, 20, n) / 8.0, lambda n: rng.integers(4, 12, n) / 8.0)
-    want = Phase(list(ph.sizes), ph.grp.copy(), ph.start.copy(), ph.m.copy(), ph.bucket.copy(), ph.lay.copy(),
-                 ph.t.copy(), ph.mw.copy(), [None])
+    want = Phase(
+        list(ph.sizes),
+        ph.grp.copy(),
+        ph.start.copy(),
+        ph.m.copy(),
+        ph.bucket.copy(),
+        ph.lay.copy(),
+        ph.t.copy(),
+        ph.mw.copy(),
+        [None],
+    )
     spill(p, ph)
     _reference_spill(p, want)
     assert ph.grp.tolist() == want.grp.tolist() and ph.t.tolist() == want.t.tolist()
@@ -501,8 +569,11 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
     from dcparallel.plan.dcp.expand import PhaseGroups
 
     seen_phases, seen_idle = set(), 0
-    for world, budget, scenario, dist in [(128, "weak", "text", "short"), (256, "weak", "video", "long"),
-                                          (512, "strong", "text", "balanced")]:
+    for world, budget, scenario, dist in [
+        (128, "weak", "text", "short"),
+        (256, "weak", "video", "long"),
+        (512, "strong", "text", "balanced"),
+    ]:
         ctx, steps = _scale_cell(scenario, dist, world, 2, weak=budget == "weak")
         p = ScalePlanner(ctx, step_seconds(ctx))
         for s in steps:
@@ -573,8 +644,9 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
 
 
-@pytest.mark.parametrize("scenario,dist,world",
-                         [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)])
+@pytest.mark.parametrize(
+    "scenario,dist,world", [("text", "short", 1024), ("video", "short", 1024), ("text", "balanced", 256)]
+)
 def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scenario, dist, world, monkeypatch):
     """`dcp` skips a candidate whose floor (`rows_floor`) cannot enter the plans kept, the
     wider smallest degrees of a part when their floor (`plan_floor`) says so, and a split
@@ -592,6 +664,7 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
         def ask(*args):
             asked[name] += 1
             return floor(*args)
+
         return ask
 
     for name in asked:
@@ -605,11 +678,17 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
     assert fast == full
 
 
-@pytest.mark.parametrize("scenario,dist,world,skips,phases",
-                         [("text", "balanced", 1024, True, {1, 2}), ("video", "short", 1024, False, {1, 2}),
-                          ("text", "long", 512, False, {1, 2})])
-def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(scenario, dist, world, skips, phases,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize(
+    "scenario,dist,world,skips,phases",
+    [
+        ("text", "balanced", 1024, True, {1, 2}),
+        ("video", "short", 1024, False, {1, 2}),
+        ("text", "long", 512, False, {1, 2}),
+    ],
+)
+def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
+    scenario, dist, world, skips, phases, monkeypatch
+):
     """`dcp` expands its candidates least floor first, skips one whose floor
     (`expanded_floor`) is above the best prediction made, and gives one up once its phases
     expanded and the later phases' floors (`expanded_floors`) are: lossless only if no phase

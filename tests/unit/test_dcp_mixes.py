@@ -52,8 +52,9 @@ def test_plan_of_200_shapes_is_the_same_in_other_processes():
     out = set()
     for seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
-        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                           check=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=300
+        )
         out.add(r.stdout.strip().splitlines()[-1])
     assert len(out) == 1 and len(next(iter(out))) == 64, out
 
@@ -117,8 +118,9 @@ def test_dealing_many_item_classes_is_dealing_by_definition():
     rng = random.Random(0)
     for _ in range(20):
         ni = rng.choice([3, 40, 200])
-        times = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3)
-                 for _ in range(ni)]
+        times = [
+            rng.choice([0.25, 0.5, 1.0, 1.5, 3.0]) if rng.random() < 0.7 else rng.uniform(0.1, 3) for _ in range(ni)
+        ]
         items = [(i, times[i], rng.randint(1, 40)) for i in range(ni)]
         n = rng.choice([2, 16, 64])
         got = [(c.load, c.count, c.items) for c in deal_classes(items, n)]

@@ -115,8 +115,11 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
         assert all(set(g.ranks) < set(h.ranks) for h in later)
         assert later or g.phase == last  # a sub-group runs before a wider group
     ways = [[(i,) for i in step.sample_ids], packer.items(list(step.sample_ids))]
-    spans = [packer._plan_items(w, packer.times(w), by_time, open_first)[1]
-             for w in ways for by_time, open_first in ((False, False), (True, False), (False, True))]
+    spans = [
+        packer._plan_items(w, packer.times(w), by_time, open_first)[1]
+        for w in ways
+        for by_time, open_first in ((False, False), (True, False), (False, True))
+    ]
     assert span == min(spans) and len(set(spans)) > 1  # the fastest of ways that differ
     packer.subgroups = False
     flat, flat_span = packer.plan(list(step.sample_ids))
@@ -146,12 +149,13 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
     got = search_targets(pack, f, floor)
     assert got and all(T >= first for T in got)
     assert min(asked) >= floor * (1 - 1e-9)
-    assert min(got) <= first * (1 + max(DEFAULT.continuous_gap, 8 * 2.0 ** -DEFAULT.continuous_steps)) \
+    assert (
+        min(got) <= first * (1 + max(DEFAULT.continuous_gap, 8 * 2.0**-DEFAULT.continuous_steps))
         or min(got) in finishes
+    )
     at_or_above = [x for x in finishes if x >= first]
     if at_or_above and got[0] not in at_or_above:
         assert got[0] <= min(at_or_above)  # a step of the search, below the next finish
-
 
 
 def _packer(world: int) -> SamplePacker:
@@ -160,16 +164,18 @@ def _packer(world: int) -> SamplePacker:
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.sampled_from([4, 8, 16]),
-       st.lists(st.tuples(st.floats(0.5, 40.0), st.floats(0.5, 1.0)), min_size=1, max_size=24),
-       st.floats(1.0, 60.0))
+@given(
+    st.sampled_from([4, 8, 16]),
+    st.lists(st.tuples(st.floats(0.5, 40.0), st.floats(0.5, 1.0)), min_size=1, max_size=24),
+    st.floats(1.0, 60.0),
+)
 def test_ranks_short_only_where_no_packing_fits_the_world(world, rows, T):
     """`ranks_short` is a necessary condition: where it says the world is short at T, no way
     of packing (every order, with sub-groups or without) fits at T, and it says so at every
     smaller target too."""
     packer = _packer(world)
     # each micro-batch r times faster per doubling of its degree (r >= 1/2: communication)
-    t = np.array([[b * r ** j for j in range(len(packer.sp))] for b, r in rows])
+    t = np.array([[b * r**j for j in range(len(packer.sp))] for b, r in rows])
     f = packer.alone(t)
     if not packer.ranks_short(t, f, T):
         return

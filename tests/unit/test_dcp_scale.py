@@ -36,8 +36,11 @@ def test_dcp_lossless_tiling_memory_and_identical_across_ranks(case):
     check_dcp_epoch(*case)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap of the bound (docs/design.md): a micro-batch mixing a long "
-                   "sample with short ones amortizes its fixed cost below the long sample's copies")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap of the bound (docs/design.md): a micro-batch mixing a long "
+    "sample with short ones amortizes its fixed cost below the long sample's copies",
+)
 def test_a_mixed_micro_batch_can_beat_the_bound():
     """The case Hypothesis found: one rank, a long sample that fits only alone as copies, two
     short ones; `dcp` keeps `packed`'s one micro-batch of all three, faster than the bound."""
@@ -61,8 +64,10 @@ def test_deal_classes_counts_and_lpt_loads():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 0.7]), st.integers(1, 40)), min_size=1,
-                max_size=30), st.integers(1, 64))
+@given(
+    st.lists(st.tuples(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 0.7]), st.integers(1, 40)), min_size=1, max_size=30),
+    st.integers(1, 64),
+)
 def test_dealt_classes_conserve_work_match_the_span_and_are_merged(pairs, n):
     """Whole-class LPT on many item classes (equal times make equal loads, the case where
     group classes merge): every micro-batch dealt once, the makespan `class_span` predicts, and
@@ -191,7 +196,8 @@ def test_same_plans_in_other_processes_with_other_hash_seeds():
     out = set()
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
-        r = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT], env=env, cwd=root, capture_output=True,
-                           text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", _PLAN_SCRIPT], env=env, cwd=root, capture_output=True, text=True, check=True
+        )
         out.add(r.stdout.strip())
     assert len(out) == 1 and len(next(iter(out))) == 64, out

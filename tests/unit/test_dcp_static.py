@@ -23,15 +23,29 @@ from dcparallel.sim.run import plan_epoch
 from dcparallel.spec import ModelSpec, Workload, h200_cluster
 
 #: a 7M-parameter Llama: 4 layers, hidden 256, 8 heads, vocabulary 8192
-LLAMA_7M = decoder_lm("llama-7m", num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn_hidden=688,
-                      vocab_size=8192)
+LLAMA_7M = decoder_lm(
+    "llama-7m", num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn_hidden=688, vocab_size=8192
+)
 #: a 6M-parameter DiT (4 blocks of hidden 256, 16-pixel tokens through a 4x / 8x VAE)
-DIT_6M = ModelSpec(name="dit-6m", kind="video", num_layers=4, hidden=256, num_heads=8, ffn_hidden=1024,
-                   attention="full", attn_params=4 * 256 * 256, mlp_params=2 * 256 * 1024, other_params=4 * 256,
-                   extra_params=1_000_000, context_tokens=128, t_num=1, t_den=4, spatial_patch=16)
+DIT_6M = ModelSpec(
+    name="dit-6m",
+    kind="video",
+    num_layers=4,
+    hidden=256,
+    num_heads=8,
+    ffn_hidden=1024,
+    attention="full",
+    attn_params=4 * 256 * 256,
+    mlp_params=2 * 256 * 1024,
+    other_params=4 * 256,
+    extra_params=1_000_000,
+    context_tokens=128,
+    t_num=1,
+    t_den=4,
+    spatial_patch=16,
+)
 #: source files of a code corpus: log-normal around 1.3k tokens, 67 to 191k tokens a file
-CODE = TextMix(median=1300, sigma=1.5, tail_share=0.0, tail_min=1, tail_alpha=1.0, max_tokens=191_000,
-               min_tokens=67)
+CODE = TextMix(median=1300, sigma=1.5, tail_share=0.0, tail_min=1, tail_alpha=1.0, max_tokens=191_000, min_tokens=67)
 
 
 def code_files(n: int, seed: int = 0) -> tuple[int, ...]:
@@ -93,9 +107,24 @@ def test_the_small_model_case_is_launch_bound():
 
 
 def _simulate_args(world: int, policies: list[str], lengths) -> argparse.Namespace:
-    return argparse.Namespace(scenario=None, distribution=None, lengths=lengths, world=world, gpus_per_node=8,
-                              seed=0, tokens_per_step=2**18, profile=None, model=None, model_config=None,
-                              shard_size=1, max_steps=3, policy=policies, all=False, json=False, quiet=True)
+    return argparse.Namespace(
+        scenario=None,
+        distribution=None,
+        lengths=lengths,
+        world=world,
+        gpus_per_node=8,
+        seed=0,
+        tokens_per_step=2**18,
+        profile=None,
+        model=None,
+        model_config=None,
+        shard_size=1,
+        max_steps=3,
+        policy=policies,
+        all=False,
+        json=False,
+        quiet=True,
+    )
 
 
 def test_simulate_warns_when_another_policy_beats_the_chosen_one(tmp_path, capsys, monkeypatch):

@@ -30,10 +30,16 @@ def test_samples_hash_ignores_order_within_a_step_only():
 
 def test_timelines_mark_idle_until_the_slowest_rank():
     step = lambda segs, end: {"segs": segs, "compute_end": segs[-1][1] if segs else 0.0, "end": end, "sp": [1]}
-    real = {"policies": {"p": {"rank_steps": [
-        [step([(0.0, 1.0, 1, False)], 1.2)],
-        [step([(0.0, 0.4, 1, True)], 1.2)],
-    ]}}}
+    real = {
+        "policies": {
+            "p": {
+                "rank_steps": [
+                    [step([(0.0, 1.0, 1, False)], 1.2)],
+                    [step([(0.0, 0.4, 1, True)], 1.2)],
+                ]
+            }
+        }
+    }
     tl = _timelines(real, ("p",))["p"]
     assert tl[0] == [(0.0, 1.0, "busy sp=1"), (1.0, 1.2, "sync")]
     assert tl[1] == [(0.0, 0.4, "busy sp=1 recompute"), (0.4, 1.0, "idle"), (1.0, 1.2, "sync")]
@@ -70,16 +76,23 @@ def test_trust_notes_say_when_the_spread_swamps_the_difference():
     from dcparallel.apps.demo_report import trust_notes
 
     # the loaded machine of issue 14: bucket's runs 88.5 and 56.0 s, dcp 1.07x faster
-    notes = trust_notes({"bucket": [88.5, 56.0], "packed": [60.0, 61.0], "dcp": [52.3, 53.0]},
-                        {"bucket": 0.43, "packed": 0.05, "dcp": 0.05})
+    notes = trust_notes(
+        {"bucket": [88.5, 56.0], "packed": [60.0, 61.0], "dcp": [52.3, 53.0]},
+        {"bucket": 0.43, "packed": 0.05, "dcp": 0.05},
+    )
     text = " ".join(notes)
     assert "dcp vs bucket" in text and "means nothing" in text and "56.0-88.5 s" in text
     assert "bucket's prediction error (43%) comes with a 45% spread of its own runs" in text
     assert "dcp's prediction error" not in text  # 5%: small, whatever the spread
     assert "--repeats 7" in notes[-1] and "idle machine" in notes[-1]
     # a clear difference with tight repeats: nothing to say
-    assert trust_notes({"bucket": [80.0, 81.0], "packed": [70.0, 70.5], "dcp": [50.0, 50.4]},
-                       {"bucket": 0.05, "packed": 0.04, "dcp": 0.06}) == []
+    assert (
+        trust_notes(
+            {"bucket": [80.0, 81.0], "packed": [70.0, 70.5], "dcp": [50.0, 50.4]},
+            {"bucket": 0.05, "packed": 0.04, "dcp": 0.06},
+        )
+        == []
+    )
     # one run each: the spread is unknown
     one = trust_notes({"bucket": [80.0], "packed": [70.0], "dcp": [50.0]})
     assert "ran once" in one[0] and "--repeats" in one[-1]
@@ -88,10 +101,14 @@ def test_trust_notes_say_when_the_spread_swamps_the_difference():
 def test_speed_text_prices_the_prediction_at_the_runs_speed():
     from dcparallel.apps.demo_report import speed_text
 
-    s = {"real": {"policies": {"bucket": {"wall_s": 50.0}, "dcp": {"wall_s": 30.0}}},
-         "predicted": {"bucket": {"wall_s": 40.0, "speed": 1.25, "wall_s_at_run_speed": 50.0},
-                       "dcp": {"wall_s": 20.0, "speed": 1.35, "wall_s_at_run_speed": 27.0}},
-         "prediction_error_at_run_speed": 0.1}
+    s = {
+        "real": {"policies": {"bucket": {"wall_s": 50.0}, "dcp": {"wall_s": 30.0}}},
+        "predicted": {
+            "bucket": {"wall_s": 40.0, "speed": 1.25, "wall_s_at_run_speed": 50.0},
+            "dcp": {"wall_s": 20.0, "speed": 1.35, "wall_s_at_run_speed": 27.0},
+        },
+        "prediction_error_at_run_speed": 0.1,
+    }
     text = speed_text(s)
     assert "bucket 1.25x (50.0 s, 0%)" in text and "dcp 1.35x (27.0 s, 10%)" in text
     assert "(max over policies): 10%" in text

@@ -15,8 +15,9 @@ from tests import train_fixtures as tf
 
 def _perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return {k: v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-            for k, v in model.state_dict().items()}
+    return {
+        k: v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in model.state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("family", ["transformers", "diffusers"])
@@ -61,7 +62,7 @@ num_samples = 20
 [train]
 tokens_per_step = 1500
 max_steps = 3
-out_dir = "{tmp_path / 'run'}"
+out_dir = "{tmp_path / "run"}"
 [profile]
 cost = "analytic"
 """

@@ -58,8 +58,11 @@ def test_pretrained_and_data_errors_name_the_fix(tmp_path):
     def cfg(model: dict, data: dict | None = None, train: dict | None = None):
         return Config.from_dict({"model": model, "data": data or {}, "train": train or {}})
 
-    with pytest.raises(ValueError, match=r"pretrained = '.*nope' is not a directory; give a directory written by "
-                                         r"save_pretrained"):
+    with pytest.raises(
+        ValueError,
+        match=r"pretrained = '.*nope' is not a directory; give a directory written by "
+        r"save_pretrained",
+    ):
         cfg({"pretrained": str(tmp_path / "nope")})
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"has no config.json, so it is not a model directory; give"):
@@ -70,8 +73,11 @@ def test_pretrained_and_data_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"is a diffusers pipeline: give its transformer folder"):
         cfg({"pretrained": str(pipe)})
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    with pytest.raises(ValueError, match=r"names neither a transformers \*ForCausalLM \(architectures = "
-                                         r"\['BertModel'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"names neither a transformers \*ForCausalLM \(architectures = "
+        r"\['BertModel'\]\)",
+    ):
         cfg({"pretrained": str(tmp_path / "empty")})
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     lm = {"pretrained": str(tmp_path / "empty")}
@@ -107,8 +113,11 @@ def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path,
 
     def launch(root, fault: str = ""):
         config = tf.chat_run(root, world=1)
-        config.write_text(config.read_text().replace("epochs = 3", "epochs = 2\ncheckpoint_every = 2")
-                          .replace("tensorboard = true", "tensorboard = false"))
+        config.write_text(
+            config.read_text()
+            .replace("epochs = 3", "epochs = 2\ncheckpoint_every = 2")
+            .replace("tensorboard = true", "tensorboard = false")
+        )
         monkeypatch.setenv("DCPARALLEL_FAULT", fault)
         return faults.run(Config.load(config))
 
@@ -125,8 +134,10 @@ def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path,
         for r in rows[root]:
             r.pop("step_s"), r.pop("tokens_per_s"), r.pop("idle_fraction")
     assert len(rows[straight]) == 6 and rows[crashed] == rows[straight]
-    a, b = (torch.load(sorted((r / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
-            for r in (straight, crashed))
+    a, b = (
+        torch.load(sorted((r / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
+        for r in (straight, crashed)
+    )
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
@@ -141,12 +152,19 @@ def test_clips_with_text_embeddings_of_different_lengths_are_refused_up_front(tm
     b.mkdir()
     tf.latents_manifest(a, [(1, 4, 4)], text_tokens=4)
     tf.latents_manifest(b, [(1, 4, 4)], text_tokens=6)
-    manifest = tf.write_jsonl(tmp_path / "m.jsonl", [
-        {"latents": "a/lat0.safetensors", "text_embeddings": "a/txt0.safetensors"},
-        {"latents": "b/lat0.safetensors", "text_embeddings": "b/txt0.safetensors"}])
+    manifest = tf.write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"latents": "a/lat0.safetensors", "text_embeddings": "a/txt0.safetensors"},
+            {"latents": "b/lat0.safetensors", "text_embeddings": "b/txt0.safetensors"},
+        ],
+    )
     cfg = Config()
     cfg.model.family, cfg.data.path = "diffusers", str(manifest)
     model = SimpleNamespace(config=SimpleNamespace(in_channels=4, text_dim=16))
-    with pytest.raises(ValueError, match=rf"different lengths \(4 tokens at {manifest}:1, 6 tokens at {manifest}:2\); "
-                                         rf"pad them to one length"):
+    with pytest.raises(
+        ValueError,
+        match=rf"different lengths \(4 tokens at {manifest}:1, 6 tokens at {manifest}:2\); "
+        rf"pad them to one length",
+    ):
         read_data(cfg, model, None, [])

@@ -73,12 +73,15 @@ def _exhaustive(p: FlexSPPlanner, counts: dict) -> float:
     return best
 
 
-@pytest.mark.parametrize("model,sizes,world", [
-    (TINY_LM, (9000, 8000, 7000, 300, 280, 250), 4),
-    (TINY_LM, (30_000, 2000, 1900, 120, 110, 100, 90), 4),
-    (TINY_DIT, ((34, 128, 128),) * 3 + ((17, 64, 64),) * 3, 4),
-    (TINY_DIT, ((68, 256, 256),) * 2 + ((1, 128, 128),) * 4, 2),
-])
+@pytest.mark.parametrize(
+    "model,sizes,world",
+    [
+        (TINY_LM, (9000, 8000, 7000, 300, 280, 250), 4),
+        (TINY_LM, (30_000, 2000, 1900, 120, 110, 100, 90), 4),
+        (TINY_DIT, ((34, 128, 128),) * 3 + ((17, 64, 64),) * 3, 4),
+        (TINY_DIT, ((68, 256, 256),) * 2 + ((1, 128, 128),) * 4, 2),
+    ],
+)
 def test_the_programs_optimum_equals_an_exhaustive_search(model, sizes, world):
     cl = cluster(world, 4)
     ctx = PlanContext(Workload(model, sizes), cost(model, cl), cl)
@@ -159,13 +162,15 @@ def test_solver_prints_go_to_stderr_and_stdout_keeps_only_python_output():
     import subprocess
     import sys
 
-    code = ("import ctypes, os\n"
-            "from dcparallel.plan.flexsp import c_stdout_to_stderr\n"
-            "print('before')\n"
-            "with c_stdout_to_stderr():\n"
-            "    ctypes.CDLL(None).printf(b'from C printf\\n')\n"
-            "    os.write(1, b'raw fd 1\\n')\n"
-            "print('after')\n")
+    code = (
+        "import ctypes, os\n"
+        "from dcparallel.plan.flexsp import c_stdout_to_stderr\n"
+        "print('before')\n"
+        "with c_stdout_to_stderr():\n"
+        "    ctypes.CDLL(None).printf(b'from C printf\\n')\n"
+        "    os.write(1, b'raw fd 1\\n')\n"
+        "print('after')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # which unbuffers C's stdout too
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr

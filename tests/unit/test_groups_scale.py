@@ -47,8 +47,15 @@ def llama32():
     """A transformers Llama of 32 attention heads (8 key/value heads), two layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128, use_cache=False)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128,
+        use_cache=False,
+    )
     return LlamaForCausalLM._from_config(cfg)
 
 
@@ -163,8 +170,9 @@ def test_the_default_memory_budget_leaves_out_the_communicators(monkeypatch):
         assert given.memory_bytes == given.cluster_spec.memory_bytes == 2**30
 
 
-@pytest.mark.parametrize(("backend", "per_size"), [("gloo", False), ("nccl", True), ("fake", True),
-                                                    ("cpu:gloo,cuda:nccl", True)])
+@pytest.mark.parametrize(
+    ("backend", "per_size"), [("gloo", False), ("nccl", True), ("fake", True), ("cpu:gloo,cuda:nccl", True)]
+)
 def test_which_backends_make_one_group_per_size(monkeypatch, backend, per_size):
     monkeypatch.setattr(groups_mod, "_backend", lambda: backend)
     assert groups_mod._per_size() is per_size

@@ -35,8 +35,10 @@ REGISTRY = "ALL_ATTENTION_FUNCTIONS"
 
 
 def _mentions(node: ast.AST, name: str) -> bool:
-    return any((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
-               for n in ast.walk(node))
+    return any(
+        (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+        for n in ast.walk(node)
+    )
 
 
 @dataclass
@@ -53,12 +55,16 @@ class _Function:
 
     def splats_kwargs(self, call: ast.Call) -> bool:
         return self.kwarg is not None and any(
-            k.arg is None and isinstance(k.value, ast.Name) and k.value.id == self.kwarg for k in call.keywords)
+            k.arg is None and isinstance(k.value, ast.Name) and k.value.id == self.kwarg for k in call.keywords
+        )
 
     def interface_calls(self) -> list[ast.Call]:
-        return [c for c in self.calls
-                if (isinstance(c.func, ast.Name) and c.func.id in self.bound)
-                or (isinstance(c.func, (ast.Subscript, ast.Call)) and _mentions(c.func, REGISTRY))]
+        return [
+            c
+            for c in self.calls
+            if (isinstance(c.func, ast.Name) and c.func.id in self.bound)
+            or (isinstance(c.func, (ast.Subscript, ast.Call)) and _mentions(c.func, REGISTRY))
+        ]
 
 
 class _File:
@@ -107,8 +113,12 @@ class _File:
             for t in targets:
                 if isinstance(t, ast.Name) and fn is not None and _mentions(value, REGISTRY):
                     fn.bound.add(t.id)
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
-                        and cls is not None:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                    and cls is not None
+                ):
                     self.assigned[cls][t.attr] |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
 
     def _bases(self, cls: str, seen=()) -> list[str]:
@@ -142,9 +152,13 @@ class _File:
         if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id == "self":
             return self.attribute_classes(f.cls, fn.attr)
         if isinstance(fn, ast.Name):
-            return {c for it in f.loops.get(fn.id, ()) for a in ast.walk(it)
-                    if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
-                    for c in self.attribute_classes(f.cls, a.attr)}
+            return {
+                c
+                for it in f.loops.get(fn.id, ())
+                for a in ast.walk(it)
+                if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+                for c in self.attribute_classes(f.cls, a.attr)
+            }
         return set()
 
     def typed_dict_keys(self, name: str, where: str) -> set[str]:
@@ -157,10 +171,13 @@ class _File:
                     keys |= self.typed_dict_keys(b.id, where)
             return keys
         td = getattr(transformers.utils.generic, name, None) or getattr(
-            transformers.modeling_flash_attention_utils, name, None)
+            transformers.modeling_flash_attention_utils, name, None
+        )
         if td is None or not hasattr(td, "__optional_keys__"):
-            raise AssertionError(f"{where}: **kwargs annotated with {name}: cannot resolve it to a TypedDict; teach "
-                                 f"this test where it lives")
+            raise AssertionError(
+                f"{where}: **kwargs annotated with {name}: cannot resolve it to a TypedDict; teach "
+                f"this test where it lives"
+            )
         return set(td.__required_keys__) | set(td.__optional_keys__)
 
     def kwargs_keys(self, forward, where: str) -> set[str]:
@@ -169,8 +186,12 @@ class _File:
         ann = forward.args.kwarg.annotation if forward.args.kwarg else None
         if ann is None:
             return set()
-        return {k for n in ast.walk(ann) if isinstance(n, ast.Name) and n.id.endswith("Kwargs")
-                for k in self.typed_dict_keys(n.id, where)}
+        return {
+            k
+            for n in ast.walk(ann)
+            if isinstance(n, ast.Name) and n.id.endswith("Kwargs")
+            for k in self.typed_dict_keys(n.id, where)
+        }
 
 
 def attention_keywords() -> tuple[dict[str, set[str]], int]:
@@ -212,8 +233,13 @@ def attention_keywords() -> tuple[dict[str, set[str]], int]:
                 continue
             named = {a.arg for a in fwd.args.posonlyargs + fwd.args.args + fwd.args.kwonlyargs}
             words = file.kwargs_keys(fwd, f"{family}.{cls}")
-            words |= {k.arg for _, call, callees in sub_calls if cls in callees
-                      for k in call.keywords if k.arg is not None and k.arg not in named}
+            words |= {
+                k.arg
+                for _, call, callees in sub_calls
+                if cls in callees
+                for k in call.keywords
+                if k.arg is not None and k.arg not in named
+            }
             for k in words:
                 found[k].add(family)
     return dict(found), num_files
@@ -227,9 +253,11 @@ def scanned():
 def test_every_attention_keyword_of_installed_transformers_is_handled_or_refused(scanned):
     found, num_files = scanned
     unlisted = {k: sorted(v)[:5] for k, v in found.items() if k not in HANDLED and k not in REFUSED}
-    assert not unlisted, (f"transformers {transformers.__version__} passes keywords dcparallel's attention neither "
-                          f"handles nor refuses (keyword: some families): {unlisted}; add each to HANDLED (with an "
-                          f"exact implementation and a parity test) or REFUSED in dcparallel/adapters/hf_attention.py")
+    assert not unlisted, (
+        f"transformers {transformers.__version__} passes keywords dcparallel's attention neither "
+        f"handles nor refuses (keyword: some families): {unlisted}; add each to HANDLED (with an "
+        f"exact implementation and a parity test) or REFUSED in dcparallel/adapters/hf_attention.py"
+    )
     assert num_files > 100
 
 
@@ -241,8 +269,15 @@ def test_the_scan_sees_what_models_pass_at_run_time(scanned):
     expected = {
         "llama": {"dropout", "scaling", "position_ids", "use_cache"},
         "gemma2": {"dropout", "scaling", "sliding_window", "softcap", "position_ids"},
-        "gpt_oss": {"dropout", "scaling", "sliding_window", "s_aux", "position_ids", "use_cache",
-                    "output_router_logits"},
+        "gpt_oss": {
+            "dropout",
+            "scaling",
+            "sliding_window",
+            "s_aux",
+            "position_ids",
+            "use_cache",
+            "output_router_logits",
+        },
         "deepseek_v3": {"dropout", "scaling", "position_ids", "use_cache"},
     }
     for family, words in expected.items():
@@ -277,6 +312,16 @@ def test_unknown_and_refused_keywords_are_refused_naming_them_and_the_module():
     with pytest.raises(ValueError, match=r"`cu_seq_lens_q` .*\[0, 2, 6\] differ from the micro-batch's documents"):
         hf_attention(m, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 2, 6]))
     # harmless metadata passes: the result equals the call without it
-    out, _ = hf_attention(m, q, kv, kv, None, position_ids=torch.arange(6)[None], use_cache=False,
-                          cu_seq_lens_q=torch.tensor([0, 6]), max_length_q=6, is_causal=True)
+    out, _ = hf_attention(
+        m,
+        q,
+        kv,
+        kv,
+        None,
+        position_ids=torch.arange(6)[None],
+        use_cache=False,
+        cu_seq_lens_q=torch.tensor([0, 6]),
+        max_length_q=6,
+        is_causal=True,
+    )
     assert torch.equal(out, hf_attention(m, q, kv, kv, None)[0])

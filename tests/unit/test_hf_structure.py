@@ -45,8 +45,11 @@ def test_gpt_neox_blocks_attention_and_mlp_are_found_and_layers_override_works()
     assert a.spec.num_params == sum(p.numel() for p in model.parameters())
     b = find_adapter(model, layers=model.gpt_neox.layers[:2], mlp_modules=lambda blk: [blk.mlp.dense_h_to_4h])
     assert b.blocks == a.blocks and b.mlp_modules(b.blocks[0]) == [model.gpt_neox.layers[0].mlp.dense_h_to_4h]
-    with pytest.raises(ValueError, match=r"attn_modules returned \['GPTNeoXMLP'\] for layer 0 .*"
-                                         r"ALL_ATTENTION_FUNCTIONS"):
+    with pytest.raises(
+        ValueError,
+        match=r"attn_modules returned \['GPTNeoXMLP'\] for layer 0 .*"
+        r"ALL_ATTENTION_FUNCTIONS",
+    ):
         find_adapter(model, attn_modules=lambda blk: [blk.mlp])
 
 
@@ -69,8 +72,16 @@ def test_token_mixing_outside_attention_is_refused_by_name(kind):
 def test_a_forward_without_position_ids_is_refused():
     from transformers import BartConfig, BartForCausalLM
 
-    cfg = BartConfig(vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4,
-                     encoder_attention_heads=4, decoder_ffn_dim=32, encoder_ffn_dim=32)
+    cfg = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        decoder_layers=1,
+        encoder_layers=1,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=32,
+        encoder_ffn_dim=32,
+    )
     with torch.device("meta"):
         model = BartForCausalLM(cfg)
     with pytest.raises(ValueError, match=r"BartForCausalLM.forward takes no position_ids.*each document's own"):
@@ -78,12 +89,16 @@ def test_a_forward_without_position_ids_is_refused():
 
 
 def test_chunked_attention_is_exact_only_within_a_chunk():
-    model = tiny("llama4_text", intermediate_size=32, intermediate_size_mlp=64, num_experts_per_tok=1,
-                 attention_chunk_size=16)
+    model = tiny(
+        "llama4_text", intermediate_size=32, intermediate_size_mlp=64, num_experts_per_tok=1, attention_chunk_size=16
+    )
     data = make_data(3, seed=5)
     data.docs[1] = torch.arange(30) % 96  # longer than a chunk
-    with pytest.raises(ValueError, match=r"a document of \d+ tokens is longer than 16: layer 0 is chunked attention "
-                                         r"\(chunks of 16 tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"a document of \d+ tokens is longer than 16: layer 0 is chunked attention "
+        r"\(chunks of 16 tokens\)",
+    ):
         run_packed(model, data, [0, 1, 2], Recompute.none())
 
 
@@ -103,8 +118,11 @@ def test_a_block_that_never_calls_the_installed_attention_is_an_error():
     model = TinyGQA()
     model.layers[1] = Unhooked(model.layers[1])
     data = make_data(3, seed=1)
-    with pytest.raises(RuntimeError, match=r"block 1 \(Unhooked\) ran without calling the attention dcparallel "
-                                           r"installed"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"block 1 \(Unhooked\) ran without calling the attention dcparallel "
+        r"installed",
+    ):
         run_packed(model, data, [0, 1], Recompute.none(), num_heads=4, num_kv_heads=2)
 
 
@@ -139,16 +157,44 @@ def test_the_probe_is_disarmed_once_every_block_called_the_attention():
 #: families the adapter supports (the table of docs/models.md), world-1 parity with packed documents;
 #: config overrides where the family needs them
 SUPPORTED = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen2_moe": {}, "qwen3_moe": {}, "mixtral": {},
-    "gemma": {}, "gemma3_text": {}, "phi": {}, "olmo": {}, "olmo2": {}, "olmoe": {}, "granite": {},
-    "cohere": {}, "stablelm": {}, "starcoder2": {}, "nemotron": {}, "persimmon": {}, "helium": {},
-    "bitnet": {}, "arcee": {}, "apertus": {}, "exaone4": {}, "ernie4_5": {},
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen2_moe": {},
+    "qwen3_moe": {},
+    "mixtral": {},
+    "gemma": {},
+    "gemma3_text": {},
+    "phi": {},
+    "olmo": {},
+    "olmo2": {},
+    "olmoe": {},
+    "granite": {},
+    "cohere": {},
+    "stablelm": {},
+    "starcoder2": {},
+    "nemotron": {},
+    "persimmon": {},
+    "helium": {},
+    "bitnet": {},
+    "arcee": {},
+    "apertus": {},
+    "exaone4": {},
+    "ernie4_5": {},
     "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
-    "hunyuan_v1_dense": {}, "glm4_moe": {}, "cohere2": {},
+    "hunyuan_v1_dense": {},
+    "glm4_moe": {},
+    "cohere2": {},
     "jetmoe": {"kv_channels": 16, "intermediate_size": 32},
-    "gpt_neox": {"rotary_pct": 0.5}, "granitemoe": {"intermediate_size": 32, "attention_multiplier": 0.25},
-    "llama4_text": {"intermediate_size": 32, "intermediate_size_mlp": 64, "num_experts_per_tok": 1,
-                    "no_rope_layers": [1, 0]},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "granitemoe": {"intermediate_size": 32, "attention_multiplier": 0.25},
+    "llama4_text": {
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 64,
+        "num_experts_per_tok": 1,
+        "no_rope_layers": [1, 0],
+    },
 }
 #: mixture-of-experts families: their expert kernels (grouped matmuls) take no float64
 MOE = {"jetmoe", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "granitemoe", "llama4_text"}
@@ -176,12 +222,23 @@ def test_supported_families_at_world_1(family):
 
 #: further families docs/models.md lists as refused, with the reason's words (structure only, meta device)
 MORE_REFUSED = {
-    "qwen3_5_text": "GatedDeltaNet", "bamba": "BambaMixer", "jamba": "Mamba",
-    "nemotron_h": "Mamba2Mixer", "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "mamba": "MambaMixer",
-    "rwkv": "RwkvSelfAttention", "xlstm": "xLSTMLayer", "gpt_neo": "GPTNeoAttention) itself",
-    "xglm": "XGLMAttention) itself", "bloom": "BloomAttention) itself", "mpt": "MptAttention) itself",
-    "deepseek_v32": "'indexed_attention'", "glm_moe_dsa": "'indexed_attention'",
-    "deepseek_v4": "'heavily_compressed_attention'", "zaya": "'hybrid'", "bart": "takes no position_ids",
+    "qwen3_5_text": "GatedDeltaNet",
+    "bamba": "BambaMixer",
+    "jamba": "Mamba",
+    "nemotron_h": "Mamba2Mixer",
+    "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
+    "mamba": "MambaMixer",
+    "rwkv": "RwkvSelfAttention",
+    "xlstm": "xLSTMLayer",
+    "gpt_neo": "GPTNeoAttention) itself",
+    "xglm": "XGLMAttention) itself",
+    "bloom": "BloomAttention) itself",
+    "mpt": "MptAttention) itself",
+    "deepseek_v32": "'indexed_attention'",
+    "glm_moe_dsa": "'indexed_attention'",
+    "deepseek_v4": "'heavily_compressed_attention'",
+    "zaya": "'hybrid'",
+    "bart": "takes no position_ids",
 }
 
 
@@ -194,5 +251,6 @@ def test_more_families_are_refused(family):
 
     with pytest.raises(ValueError) as e:
         find_adapter(tiny(family, meta=True, **OVERRIDES.get(family, {})))
-    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family] in str(e.value) and MORE_REFUSED[family] in str(e.value), \
-        str(e.value)
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family] in str(e.value) and MORE_REFUSED[family] in str(e.value), str(
+        e.value
+    )

@@ -14,8 +14,16 @@ from tests import train_fixtures as tf  # noqa: E402
 
 def _model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
@@ -30,36 +38,60 @@ def _rows(n=16, seed=0):
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), learning_rate=0.01, max_steps=3, logging_steps=1, use_cpu=True,
-                report_to=[], save_strategy="no", max_grad_norm=0.5, weight_decay=0.01, warmup_steps=1)
+    base = dict(
+        output_dir=str(tmp_path),
+        learning_rate=0.01,
+        max_steps=3,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        warmup_steps=1,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
-    ({"optim": "sgd"}, "optim='sgd'"),
-    ({"fp16": True}, "fp16=True needs a loss scaler.*pass bf16=True"),
-    ({"bf16": True, "bf16_full_eval": True}, "bf16_full_eval=True casts the model.*pass bf16_full_eval=False"),
-    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1: .* give dc_args.loss_fn"),
-    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0: .* set it to None"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+        ({"optim": "sgd"}, "optim='sgd'"),
+        ({"fp16": True}, "fp16=True needs a loss scaler.*pass bf16=True"),
+        ({"bf16": True, "bf16_full_eval": True}, "bf16_full_eval=True casts the model.*pass bf16_full_eval=False"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1: .* give dc_args.loss_fn"),
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0: .* set it to None"),
+    ],
+)
 def test_refuses_what_it_would_not_do_exactly(tmp_path, change, words):
     with pytest.raises(ValueError, match=words):
-        DataCentricTrainer(model=_model(), args=_args(tmp_path, **change), train_dataset=_rows(),
-                           dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+        DataCentricTrainer(
+            model=_model(),
+            args=_args(tmp_path, **change),
+            train_dataset=_rows(),
+            dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+        )
 
 
 def test_refuses_a_compute_loss_func(tmp_path):
     with pytest.raises(ValueError, match="compute_loss_func: .* give dc_args.loss_fn"):
-        DataCentricTrainer(model=_model(), args=_args(tmp_path), train_dataset=_rows(),
-                           compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
-                           dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+        DataCentricTrainer(
+            model=_model(),
+            args=_args(tmp_path),
+            train_dataset=_rows(),
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
+            dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+        )
 
 
 def test_refuses_epochs_of_different_step_counts(tmp_path):
-    trainer = DataCentricTrainer(model=_model(), args=_args(tmp_path, max_steps=-1, num_train_epochs=3),
-                                 train_dataset=_rows(16), dc_args=DataCentricArguments(tokens_per_step=60,
-                                                                                       cost="analytic"))
+    trainer = DataCentricTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=-1, num_train_epochs=3),
+        train_dataset=_rows(16),
+        dc_args=DataCentricArguments(tokens_per_step=60, cost="analytic"),
+    )
     with pytest.raises(ValueError, match=r"epochs' planned steps differ in number \(\[5, 6, 5\]\)"):
         trainer.get_train_dataloader()
 
@@ -68,14 +100,17 @@ def test_steps_equal_dcparallel_loop(tmp_path):
 
     rows = _rows()
     model = _model()
-    trainer = DataCentricTrainer(model=model, args=_args(tmp_path), train_dataset=rows,
-                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer = DataCentricTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=rows,
+        dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
     ref = _model()
-    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
-            for r in rows]
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in rows]
     want = tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100)  # seed: TrainingArguments'
     assert losses == pytest.approx(want, rel=1e-6)  # fp64 step means, logged as fp32
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
@@ -88,26 +123,30 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_states(tmp_path):
     Its steps equal dcparallel's loop with the same autocast, track the fp32 run's losses
     within bf16 rounding, and parameters, gradients and AdamW moments stay fp32."""
     rows = _rows()
-    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
-            for r in rows]
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in rows]
     from transformers import DataCollatorForSeq2Seq, Trainer
 
     model = _model()
     collator = DataCollatorForSeq2Seq(tf.tokenizer())
-    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
-                                 eval_dataset=rows[:5], data_collator=collator,
-                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer = DataCentricTrainer(
+        model=model,
+        args=_args(tmp_path, bf16=True),
+        train_dataset=rows,
+        eval_dataset=rows[:5],
+        data_collator=collator,
+        dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
     ref = _model()
-    assert losses == pytest.approx(tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100,
-                                                              autocast=True), rel=1e-6)
+    assert losses == pytest.approx(
+        tf.trainer_reference_steps(ref, data, seed=42, tokens_per_step=100, autocast=True), rel=1e-6
+    )
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
     # evaluation under the same autocast as the plain Trainer's with bf16=True
-    plain = Trainer(model=ref, args=_args(tmp_path / "plain", bf16=True), eval_dataset=rows[:5],
-                    data_collator=collator)
+    plain = Trainer(model=ref, args=_args(tmp_path / "plain", bf16=True), eval_dataset=rows[:5], data_collator=collator)
     ref32 = _model()
     ref32.load_state_dict(ref.state_dict())  # a model of its own: the Trainer patches the forward it prepares
     plain32 = Trainer(model=ref32, args=_args(tmp_path / "plain32"), eval_dataset=rows[:5], data_collator=collator)
@@ -125,11 +164,14 @@ def test_bf16_model_keeps_fp32_masters(tmp_path):
     """A model loaded in bfloat16 with bf16=True: the AdamW masters and moments are fp32 and
     the losses track the fp32 run's within bf16 rounding."""
     rows = _rows()
-    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
-            for r in rows]
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in rows]
     model = _model().to(torch.bfloat16)
-    trainer = DataCentricTrainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=rows,
-                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer = DataCentricTrainer(
+        model=model,
+        args=_args(tmp_path, bf16=True),
+        train_dataset=rows,
+        dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     fp32 = tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=100)
@@ -160,9 +202,12 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
     for resume in (None, str(tmp_path / "checkpoint-1")):
         model = _lora()
         base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-        trainer = DataCentricTrainer(model=model, args=_args(tmp_path, save_strategy="steps", save_steps=1),
-                                     train_dataset=rows,
-                                     dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+        trainer = DataCentricTrainer(
+            model=model,
+            args=_args(tmp_path, save_strategy="steps", save_steps=1),
+            train_dataset=rows,
+            dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+        )
         trainer.train(resume_from_checkpoint=resume)
         runs.append(_lora_weights(model))
         assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
@@ -193,16 +238,21 @@ def test_readme_lines_train_as_written(tmp_path, monkeypatch):
 
     tf.analytic_arguments(monkeypatch)
     rows = _rows()
-    names = {"model": _model(), "training_args": _args(tmp_path, max_steps=1), "train": rows, "test": rows[:4],
-             "collator": DataCollatorForSeq2Seq(tf.tokenizer())}
+    names = {
+        "model": _model(),
+        "training_args": _args(tmp_path, max_steps=1),
+        "train": rows,
+        "test": rows[:4],
+        "collator": DataCollatorForSeq2Seq(tf.tokenizer()),
+    }
     exec(tf.readme_block("trainer = DataCentricTrainer("), names)
     assert names["trainer"].dc_args.tokens_per_step == 65536
     names["trainer"].train()
     losses = [row["loss"] for row in names["trainer"].state.log_history if "loss" in row]
-    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])}
-            for r in rows]
-    assert losses == pytest.approx(tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536,
-                                                              steps=1), rel=1e-6)
+    data = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in rows]
+    assert losses == pytest.approx(
+        tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536, steps=1), rel=1e-6
+    )
 
 
 def test_optimizer_files_of_two_runs_are_refused(tmp_path):
@@ -229,6 +279,7 @@ def _spied(trainer):
         fed = observe(step, seconds)
         calls.append((step.index, step.plan, list(seconds), fed))
         return fed
+
     loader.observe = spy
     return loader, calls
 
@@ -255,8 +306,10 @@ def test_refine_steps_feed_the_measured_times_and_resume_with_them(tmp_path):
     again, again_calls = _spied(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert [(i, fed) for i, _, _, fed in again_calls] == [(2, False)]
-    assert again.state_dict()["refine"] == {"left": 0, "rows": [list(map(_plain, r)) for r in
-                                                                loader.state_dict()["refine"]["rows"]]}
+    assert again.state_dict()["refine"] == {
+        "left": 0,
+        "rows": [list(map(_plain, r)) for r in loader.state_dict()["refine"]["rows"]],
+    }
     assert again_calls[0][1] == calls[2][1]  # step 2 planned alike
     assert {k: again.context.cost.correction(k) for k in cost.fitted} == {k: cost.correction(k) for k in cost.fitted}
 
@@ -270,13 +323,18 @@ def test_refine_steps_0_feeds_nothing_and_plans_as_the_loader(tmp_path):
     from dcparallel.cost.refined import RefinedCost
 
     rows = _rows()
-    trainer = DataCentricTrainer(model=_model(), args=_args(tmp_path), train_dataset=rows,
-                                 dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"))
+    trainer = DataCentricTrainer(
+        model=_model(),
+        args=_args(tmp_path),
+        train_dataset=rows,
+        dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+    )
     loader, calls = _spied(trainer)
     trainer.train()
     assert [(i, fed) for i, _, _, fed in calls] == [(0, False), (1, False), (2, False)]
     assert not isinstance(loader.context.cost, RefinedCost) and loader.state_dict()["refine"]["rows"] == []
     data = [{"input_ids": torch.tensor(r["input_ids"])} for r in rows]
-    plain = DataCentricParallel(_model(), seed=42).prepare(data, lengths=[len(r["input_ids"]) for r in rows],
-                                                          tokens_per_step=100, cost="analytic")
+    plain = DataCentricParallel(_model(), seed=42).prepare(
+        data, lengths=[len(r["input_ids"]) for r in rows], tokens_per_step=100, cost="analytic"
+    )
     assert [plan for _, plan, _, _ in calls] == [step.plan for step in list(plain)[:3]]

@@ -53,15 +53,34 @@ def test_arguments_for_another_family_are_refused_by_name():
 def test_image_to_video_variants_are_refused_with_the_fix():
     from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel
 
-    hv = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                        num_layers=1, num_single_layers=1, num_refiner_layers=1, text_embed_dim=8,
-                                        pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
-                                        image_condition_type="token_replace")
+    hv = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        text_embed_dim=8,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+        image_condition_type="token_replace",
+    )
     with pytest.raises(ValueError, match=r"HunyuanVideoTransformer3DModel.*token_replace.*image_condition_type=None"):
         find_adapter(hv)
-    cv = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=8, out_channels=4,
-                                     time_embed_dim=8, text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8,
-                                     max_text_seq_length=4, use_rotary_positional_embeddings=True)
+    cv = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=8,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=8,
+        num_layers=1,
+        sample_width=8,
+        sample_height=8,
+        max_text_seq_length=4,
+        use_rotary_positional_embeddings=True,
+    )
     with pytest.raises(ValueError, match=r"CogVideoXTransformer3DModel.*in_channels=8.*loss_fn= and sample_fn="):
         find_adapter(cv)
 
@@ -69,9 +88,18 @@ def test_image_to_video_variants_are_refused_with_the_fix():
 def test_a_diffusers_model_without_a_cp_plan_or_joint_layout_is_refused():
     from diffusers import LatteTransformer3DModel
 
-    model = LatteTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                    num_layers=1, sample_size=8, patch_size=2, caption_channels=8,
-                                    cross_attention_dim=16, video_length=2)
+    model = LatteTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=8,
+        cross_attention_dim=16,
+        video_length=2,
+    )
     assert getattr(model, "_cp_plan", None) is None
     with pytest.raises(ValueError) as err:
         find_adapter(model, context_tokens=8)

@@ -15,11 +15,20 @@ def _random_terms(rng: random.Random) -> MicroBatchTerms:
     dt_attn, dt_mlp = rng.uniform(0, 2), rng.uniform(0, 2)
     tr_none = rng.uniform(0, 5)
     return MicroBatchTerms(
-        num_layers=L, time_none=1.0, dt_attn=dt_attn, dt_mlp=dt_mlp, dt_full=dt_attn + dt_mlp,
-        fixed_bytes=rng.uniform(0, 50), act_layer=save_full + rng.uniform(0, 3),
-        save_attn=save_attn, save_mlp=save_mlp, save_full=save_full,
+        num_layers=L,
+        time_none=1.0,
+        dt_attn=dt_attn,
+        dt_mlp=dt_mlp,
+        dt_full=dt_attn + dt_mlp,
+        fixed_bytes=rng.uniform(0, 50),
+        act_layer=save_full + rng.uniform(0, 3),
+        save_attn=save_attn,
+        save_mlp=save_mlp,
+        save_full=save_full,
         # recomputation materializes a layer again in backward: its transient is never smaller
-        transient_none=tr_none, transient_rec=tr_none + rng.uniform(0, 5))
+        transient_none=tr_none,
+        transient_rec=tr_none + rng.uniform(0, 5),
+    )
 
 
 def test_knapsack_matches_enumeration():
@@ -28,8 +37,7 @@ def test_knapsack_matches_enumeration():
         t = _random_terms(rng)
         budget = rng.uniform(0, 200)
         L = t.num_layers
-        feasible = [Recompute(a, m) for a in range(L + 1) for m in range(L + 1)
-                    if t.memory(Recompute(a, m)) <= budget]
+        feasible = [Recompute(a, m) for a in range(L + 1) for m in range(L + 1) if t.memory(Recompute(a, m)) <= budget]
         got = t.cheapest_recompute(budget)
         if not feasible:
             assert got is None
@@ -61,10 +69,20 @@ def test_the_scan_starts_only_past_choices_that_cannot_fit_in_the_layers():
             L = rng.choice([32, 40, 48, 80])
             act = rng.uniform(1e8, 4e9)
             save_attn, save_mlp = act * rng.uniform(0.05, 0.5), act * rng.uniform(0.05, 0.5)
-            t = MicroBatchTerms(num_layers=L, time_none=1.0, dt_attn=0.3, dt_mlp=0.5, dt_full=0.8,
-                                fixed_bytes=rng.uniform(1e9, 3e10), act_layer=act, save_attn=save_attn,
-                                save_mlp=save_mlp, save_full=min(act, save_attn + save_mlp) * rng.uniform(0.9, 1.0),
-                                transient_none=0.1 * act, transient_rec=0.2 * act)
+            t = MicroBatchTerms(
+                num_layers=L,
+                time_none=1.0,
+                dt_attn=0.3,
+                dt_mlp=0.5,
+                dt_full=0.8,
+                fixed_bytes=rng.uniform(1e9, 3e10),
+                act_layer=act,
+                save_attn=save_attn,
+                save_mlp=save_mlp,
+                save_full=min(act, save_attn + save_mlp) * rng.uniform(0.9, 1.0),
+                transient_none=0.1 * act,
+                transient_rec=0.2 * act,
+            )
             budget = rng.uniform(t.fixed_bytes, t.fixed_bytes + L * act)
         L = t.num_layers
         need = t.fixed_bytes + L * t.act_layer + t.transient_rec - budget

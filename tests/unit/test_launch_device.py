@@ -10,8 +10,17 @@ import torch.distributed as dist
 from dcparallel.runtime import launch as launch_mod
 from dcparallel.runtime.launch import choose_backend, init_distributed
 
-LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
-               "DCPARALLEL_BACKEND", "DCPARALLEL_SHARE_DEVICE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "DCPARALLEL_BACKEND",
+    "DCPARALLEL_SHARE_DEVICE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def test_the_backend_env_runs_gloo_on_cuda():
@@ -71,9 +80,20 @@ class _Started(Exception):
 def test_shared_gpu_ranks_start_gloo_without_a_device_binding(monkeypatch):
     """Rank 1 of 2 on a node with one GPU, DCPARALLEL_BACKEND=gloo and the share opt-in: it uses
     cuda:0 and starts a gloo group with no ``device_id`` (that binds NCCL communicators)."""
-    chosen = _fake_cuda(monkeypatch, 1, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-                                         "DCPARALLEL_BACKEND": "gloo", "DCPARALLEL_SHARE_DEVICE": "1"})
+    chosen = _fake_cuda(
+        monkeypatch,
+        1,
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+            "DCPARALLEL_BACKEND": "gloo",
+            "DCPARALLEL_SHARE_DEVICE": "1",
+        },
+    )
     calls = []
 
     def init_pg(backend, **kw):
@@ -86,5 +106,5 @@ def test_shared_gpu_ranks_start_gloo_without_a_device_binding(monkeypatch):
     with pytest.raises(_Started):
         launch_mod.init_distributed()
     assert chosen == [torch.device("cuda", 0)]
-    (backend, kw), = calls
+    ((backend, kw),) = calls
     assert backend == "gloo" and "device_id" not in kw and (kw["rank"], kw["world_size"]) == (1, 2)

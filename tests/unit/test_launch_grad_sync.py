@@ -38,12 +38,15 @@ def test_init_distributed_without_a_launcher_is_a_world_of_one(monkeypatch):
 
 def test_cluster_from_the_launch_environment(tmp_path):
     env = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}
-    c = cluster_from_env(num_heads=32, memory_bytes=2**30, env=env, links=Links.datasheet(),
-                         device=torch.device("cpu"))
+    c = cluster_from_env(num_heads=32, memory_bytes=2**30, env=env, links=Links.datasheet(), device=torch.device("cpu"))
     h = h200_cluster(16, 8)
     assert (c.world_size, c.gpus_per_node, c.num_nodes, c.memory_bytes) == (16, 8, 2, 2**30)
-    assert (c.intra_bw, c.inter_bw, c.intra_latency, c.inter_latency) == (h.intra_bw, h.inter_bw,
-                                                                           h.intra_latency, h.inter_latency)
+    assert (c.intra_bw, c.inter_bw, c.intra_latency, c.inter_latency) == (
+        h.intra_bw,
+        h.inter_bw,
+        h.intra_latency,
+        h.inter_latency,
+    )
     # memory from the device when not given: the CPU's memory shared by the node's 8 ranks
     assert 0 < cluster_from_env(env=env, device=torch.device("cpu"), links=Links.datasheet()).memory_bytes
     # link speeds from a config file; missing keys keep the datasheet values
@@ -61,8 +64,9 @@ def test_launches_the_plan_cannot_use_are_clear_errors():
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         cluster_from_env(env={"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"}, memory_bytes=1, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="3 attention heads: no SP degree"):
-        cluster_from_env(num_heads=3, env={"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, memory_bytes=1,
-                         device=torch.device("cpu"))
+        cluster_from_env(
+            num_heads=3, env={"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, memory_bytes=1, device=torch.device("cpu")
+        )
     check_launch(ClusterSpec(world_size=1, gpus_per_node=1), 3)  # one rank never splits a sample
     check_launch(ClusterSpec(world_size=16, gpus_per_node=8), 12)  # SP 2 and 4 divide 12
 

@@ -47,8 +47,14 @@ def test_lengths_count_differs_from_dataset():
 
 @pytest.mark.parametrize(
     "bad,why",
-    [(0, "is not positive"), (-5, "is not positive"), (2.5, "is not an integer"), ("12", "is not a number"),
-     (None, "is not a number"), ((17, 64), "has 2 values, not 3")],
+    [
+        (0, "is not positive"),
+        (-5, "is not positive"),
+        (2.5, "is not an integer"),
+        ("12", "is not a number"),
+        (None, "is not a number"),
+        ((17, 64), "has 2 values, not 3"),
+    ],
 )
 def test_bad_length_is_named_with_its_index(bad, why):
     ds, lens = text_data(4)
@@ -72,8 +78,11 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
     ds, lens = text_data(6)
     lens[4] = 5_000_000
     ds[4] = torch.zeros(5_000_000, dtype=torch.long)
-    with pytest.raises(NoLayoutFits, match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
-                                            r"needs [0-9.]+ GiB per rank.*skip_oversize=True"):
+    with pytest.raises(
+        NoLayoutFits,
+        match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
+        r"needs [0-9.]+ GiB per rank.*skip_oversize=True",
+    ):
         make(ds, lens, world=2)
     with caplog.at_level(logging.WARNING, logger="dcparallel.data.loader"):
         loader = make(ds, lens, world=2, skip_oversize=True)
@@ -82,8 +91,14 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
     assert summary["num_usable"] == 5 and [s["sample"] for s in summary["skipped"]] == [4]
     assert summary["skipped"][0]["needs_gib"] > 1.5  # more than the cluster's 1.5 GiB
     # each sample counted once: by the first rank of the group that ran it
-    seen = [i for r in (0, 1) for st in make(ds, lens, world=2, rank=r, skip_oversize=True)
-            for mb, ranks in st.plan.work_of(r) if ranks[0] == r for i in mb.sample_ids]
+    seen = [
+        i
+        for r in (0, 1)
+        for st in make(ds, lens, world=2, rank=r, skip_oversize=True)
+        for mb, ranks in st.plan.work_of(r)
+        if ranks[0] == r
+        for i in mb.sample_ids
+    ]
     assert sorted(seen) == [0, 1, 2, 3, 5]
 
 
@@ -141,12 +156,12 @@ def test_text_collation_packs_documents_and_shards_labels_before_sharding():
                 assert b.cu_seqlens == tuple([0] + list(torch.tensor([lens[i] for i in b.sample_ids]).cumsum(0)))
                 lo = b.shard_start
                 real = max(0, min(b.shard_len, b.seq_len - lo))
-                assert torch.equal(b.inputs[0, :real], row[lo:lo + real])
+                assert torch.equal(b.inputs[0, :real], row[lo : lo + real])
                 lab_row = torch.cat([labels[i] for i in b.sample_ids])
-                assert torch.equal(b.labels[0, :real], lab_row[lo:lo + real])
+                assert torch.equal(b.labels[0, :real], lab_row[lo : lo + real])
                 assert not b.loss_mask[0, real:].any()
                 pos = torch.cat([torch.arange(lens[i]) for i in b.sample_ids])
-                assert torch.equal(b.positions[0, :real], pos[lo:lo + real])
+                assert torch.equal(b.positions[0, :real], pos[lo : lo + real])
                 # targets counted on the whole sample, the same on every rank of the group
                 assert b.num_targets == tuple(int((labels[i] != IGNORE_INDEX).sum()) for i in b.sample_ids)
                 assert st.num_targets == {**st.num_targets, **dict(zip(b.sample_ids, b.num_targets))}
@@ -230,12 +245,16 @@ def test_lengths_function_is_called_once_per_sample():
 
 def test_lookahead_and_workers_do_not_change_what_each_rank_gets():
     ds, lens = text_data(40, seed=1)
-    ref = {r: [(s.index, s.plan, [b.inputs for b in s]) for s in make(ds, lens, world=2, rank=r, lookahead=0)]
-           for r in (0, 1)}
+    ref = {
+        r: [(s.index, s.plan, [b.inputs for b in s]) for s in make(ds, lens, world=2, rank=r, lookahead=0)]
+        for r in (0, 1)
+    }
     for lookahead, workers in [(1, 0), (4, 2)]:
         for r in (0, 1):
-            got = [(s.index, s.plan, [b.inputs for b in s])
-                   for s in make(ds, lens, world=2, rank=r, lookahead=lookahead, num_workers=workers)]
+            got = [
+                (s.index, s.plan, [b.inputs for b in s])
+                for s in make(ds, lens, world=2, rank=r, lookahead=lookahead, num_workers=workers)
+            ]
             assert [g[:2] for g in got] == [x[:2] for x in ref[r]]
             for g, x in zip(got, ref[r], strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(g[2], x[2], strict=True))
@@ -254,7 +273,10 @@ def test_predict_hands_each_step_the_replay_of_its_whole_plan(lookahead, plannin
     for s in steps:
         r = replay_step(s.plan, ctx)
         assert (s.predicted.compute_s, s.predicted.step_s, s.predicted.peak_memory_bytes) == (
-            r.compute_time, r.step_time, r.peak_memory)
+            r.compute_time,
+            r.step_time,
+            r.peak_memory,
+        )
     assert {s.predicted for s in make(ds, lens, world=4, rank=1, lookahead=lookahead, planning=planning)} == {None}
 
 
@@ -326,8 +348,18 @@ def test_rank_idle_for_several_steps_then_busy_again_does_not_hang():
         got: dict[int, list] = {}
 
         def run(r, lookahead=lookahead, workers=workers, got=got):
-            got[r] = walk(make(ds, lens, world=2, rank=r, memory_mib=1024, samples_per_step=1,
-                               lookahead=lookahead, num_workers=workers))
+            got[r] = walk(
+                make(
+                    ds,
+                    lens,
+                    world=2,
+                    rank=r,
+                    memory_mib=1024,
+                    samples_per_step=1,
+                    lookahead=lookahead,
+                    num_workers=workers,
+                )
+            )
 
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
         for t in threads:
@@ -372,8 +404,9 @@ def test_plans_do_not_depend_on_the_process_hash_seed():
     digests = []
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(root)}
-        res = subprocess.run([sys.executable, "-c", _PLAN_DIGESTS], env=env, cwd=root, capture_output=True,
-                             text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", _PLAN_DIGESTS], env=env, cwd=root, capture_output=True, text=True, timeout=120
+        )
         assert res.returncode == 0, res.stderr
         digests.append(res.stdout.split())
     assert len(digests[0]) == 7 and digests[0] == digests[1]

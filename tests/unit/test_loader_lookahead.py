@@ -35,8 +35,17 @@ class SlowPlanner:
 def slow_loader(lookahead: int, planning: str) -> DataCentricLoader:
     ds, lens = text_data(24, seed=3)
     cl = cluster(2, 2, memory_mib=1536)
-    loader = DataCentricLoader(ds, lens, cost=cost(TINY_LM, cl), cluster=cl, rank=0, world_size=2,
-                               tokens_per_step=8000, lookahead=lookahead, planning=planning)
+    loader = DataCentricLoader(
+        ds,
+        lens,
+        cost=cost(TINY_LM, cl),
+        cluster=cl,
+        rank=0,
+        world_size=2,
+        tokens_per_step=8000,
+        lookahead=lookahead,
+        planning=planning,
+    )
     if planning == "thread":
         build = loader.planner
         loader.planner = lambda epoch: SlowPlanner(build(epoch))

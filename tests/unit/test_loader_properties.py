@@ -24,13 +24,24 @@ def cases(draw):
     n = draw(st.integers(1, 30))
     # mostly short, some long enough to need SP or recompute under 1.5 GiB
     lengths = draw(st.lists(st.one_of(st.integers(1, 2000), st.integers(2000, 60_000)), min_size=n, max_size=n))
-    budget = draw(st.one_of(st.builds(lambda t: ("tokens_per_step", t), st.integers(1, 80_000)),
-                            st.builds(lambda s: ("samples_per_step", s), st.integers(1, 12))))
-    return {"world": world, "lengths": lengths, "budget": budget, "policy": draw(st.sampled_from(ALL)),
-            "seed": draw(st.integers(0, 3)), "epoch": draw(st.integers(0, 2)),
-            "lookahead": draw(st.sampled_from([0, 1, 3])), "stop": draw(st.floats(0, 1)),
-            # both planning paths; a planning process per loader is the slow one to test
-            "planning": draw(st.sampled_from(["process", "thread", "thread"]))}
+    budget = draw(
+        st.one_of(
+            st.builds(lambda t: ("tokens_per_step", t), st.integers(1, 80_000)),
+            st.builds(lambda s: ("samples_per_step", s), st.integers(1, 12)),
+        )
+    )
+    return {
+        "world": world,
+        "lengths": lengths,
+        "budget": budget,
+        "policy": draw(st.sampled_from(ALL)),
+        "seed": draw(st.integers(0, 3)),
+        "epoch": draw(st.integers(0, 2)),
+        "lookahead": draw(st.sampled_from([0, 1, 3])),
+        "stop": draw(st.floats(0, 1)),
+        # both planning paths; a planning process per loader is the slow one to test
+        "planning": draw(st.sampled_from(["process", "thread", "thread"])),
+    }
 
 
 def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
@@ -41,10 +52,20 @@ def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
     key, value = case["budget"]
     out = []
     for r in ranks if ranks is not None else range(world):
-        loader = DataCentricLoader(range(len(case["lengths"])), case["lengths"], cost=c, cluster=cl,
-                                   policy=case["policy"], seed=case["seed"], lookahead=case["lookahead"],
-                                   planning=case["planning"],
-                                   collate=None, rank=r, world_size=world, **{key: value})
+        loader = DataCentricLoader(
+            range(len(case["lengths"])),
+            case["lengths"],
+            cost=c,
+            cluster=cl,
+            policy=case["policy"],
+            seed=case["seed"],
+            lookahead=case["lookahead"],
+            planning=case["planning"],
+            collate=None,
+            rank=r,
+            world_size=world,
+            **{key: value},
+        )
         loader.set_epoch(case["epoch"])
         out.append(loader)
     return out

@@ -49,8 +49,10 @@ def machine(price: float, sp: int) -> float:
 def seconds(plan, rank: int) -> list[float]:
     """What the rank's micro-batches of ``plan`` take on the synthetic machine, in order."""
     lens, c = data()[1], inner()
-    return [machine(c.terms([lens[i] for i in mb.sample_ids], mb.layout.sp).time(mb.layout.recompute), mb.layout.sp)
-            for mb, _ in plan.work_of(rank)]
+    return [
+        machine(c.terms([lens[i] for i in mb.sample_ids], mb.layout.sp).time(mb.layout.recompute), mb.layout.sp)
+        for mb, _ in plan.work_of(rank)
+    ]
 
 
 def measured_compute(plan) -> float:
@@ -78,12 +80,16 @@ def reference_prediction(steps, k: int) -> float:
     """Step k's predicted compute time on a `RefinedCost` fed, here, every micro-batch of the
     steps before it (up to REFINE), each at the lowest rank of its group."""
     lens, refined = data()[1], RefinedCost(inner())
-    for s0, _ in steps[:min(k, REFINE)]:
+    for s0, _ in steps[: min(k, REFINE)]:
         for r in (0, 1):
             for (mb, ranks), t in zip(s0.plan.work_of(r), seconds(s0.plan, r), strict=True):
                 if r == min(ranks):
-                    refined.observe([lens[i] for i in mb.sample_ids], mb.layout.sp,
-                                    Recompute(mb.layout.recompute.attn, mb.layout.recompute.mlp), t)
+                    refined.observe(
+                        [lens[i] for i in mb.sample_ids],
+                        mb.layout.sp,
+                        Recompute(mb.layout.recompute.attn, mb.layout.recompute.mlp),
+                        t,
+                    )
     ctx = PlanContext(Workload(TINY_LM, tuple(lens)), refined, cluster(2, 2, memory_mib=MEMORY_MIB))
     return predict_step(steps[k][0].plan, ctx).compute_s
 
@@ -106,10 +112,13 @@ def test_measured_times_reach_the_planner_and_every_rank_plans_alike(planning, m
     def error(pairs, k):
         s = pairs[k][0]
         return abs(s.predicted.compute_s / measured_compute(s.plan) - 1)
+
     before = [error(plain, k) for k in range(REFINE, len(steps))]
     after = [error(steps, k) for k in range(REFINE, len(steps))]
-    print(f"relative error of the predicted compute time, steps {REFINE}..{len(steps) - 1}: unrefined "
-          f"{min(before):.3f}-{max(before):.3f}, refined {min(after):.1e}-{max(after):.1e}")
+    print(
+        f"relative error of the predicted compute time, steps {REFINE}..{len(steps) - 1}: unrefined "
+        f"{min(before):.3f}-{max(before):.3f}, refined {min(after):.1e}-{max(after):.1e}"
+    )
     assert min(before) > 0.3, before  # the unrefined price is far from the synthetic machine
     assert max(after) < 0.05, after
 
@@ -127,8 +136,9 @@ def test_a_resumed_loader_plans_with_the_saved_fits(monkeypatch):
     resumed = loader(0, planning="thread", predict=True, refine_steps=REFINE, check_plans=0)
     resumed.load_state_dict(dict(ranks[0].state_dict(), epoch=0, step=REFINE + 1))
     assert resumed.refine_left == 0
-    assert [(s.index, s.plan.to_json(), s.predicted) for s in resumed] == \
-        [(s.index, s.plan.to_json(), s.predicted) for s, _ in steps[REFINE + 1:]]
+    assert [(s.index, s.plan.to_json(), s.predicted) for s in resumed] == [
+        (s.index, s.plan.to_json(), s.predicted) for s, _ in steps[REFINE + 1 :]
+    ]
 
 
 def test_refine_steps_must_be_a_count():

@@ -107,8 +107,9 @@ def test_a_killed_training_process_takes_its_busy_planning_process_with_it(tmp_p
     planning process ends too, within seconds, not after its plan."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(root=str(ROOT))))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
     try:
         out, _ = proc.communicate(timeout=PLAN_S / 2)  # EOF: every holder of the pipe has ended
     except subprocess.TimeoutExpired:

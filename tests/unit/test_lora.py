@@ -39,15 +39,18 @@ def test_peft_model_is_driven_as_its_base_model():
     assert all(p.data_ptr() != dc.flat_param.data_ptr() for p in model.parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("kind,expect", [("prompt", "PROMPT_TUNING"), ("ia3", "IA3"),
-                                         ("replicate", "layer_replication")])
+@pytest.mark.parametrize(
+    "kind,expect", [("prompt", "PROMPT_TUNING"), ("ia3", "IA3"), ("replicate", "layer_replication")]
+)
 def test_other_peft_methods_are_refused_by_name(kind, expect):
     from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
 
     base = adapter_models.build("hf-llama")
-    config = {"prompt": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-              "ia3": IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
-              "replicate": LoraConfig(r=2, target_modules=["q_proj"], layer_replication=[[0, 2], [1, 2]])}[kind]
+    config = {
+        "prompt": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "ia3": IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "replicate": LoraConfig(r=2, target_modules=["q_proj"], layer_replication=[[0, 2], [1, 2]]),
+    }[kind]
     model = get_peft_model(base, config)
     with pytest.raises(ValueError, match=expect):
         Engine(model)
@@ -92,8 +95,29 @@ def _simulate(*args: str) -> dict:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["simulate", "--model", "wan-14b", "--world", "8", "--memory-gib", "72", "--shard-size", "auto",
-                     "--max-steps", "1", "--policy", "dcp", "--quiet", "--json", *args]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    "--model",
+                    "wan-14b",
+                    "--world",
+                    "8",
+                    "--memory-gib",
+                    "72",
+                    "--shard-size",
+                    "auto",
+                    "--max-steps",
+                    "1",
+                    "--policy",
+                    "dcp",
+                    "--quiet",
+                    "--json",
+                    *args,
+                ]
+            )
+            == 0
+        )
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 

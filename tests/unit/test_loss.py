@@ -54,7 +54,9 @@ def test_chunked_cross_entropy_never_holds_fp32_logits_of_all_tokens(monkeypatch
     chunked = _peak_bytes(lambda: per_token_loss(logits, labels)[0].sum().backward())
     logits.grad = None
     unchunked = _peak_bytes(lambda: _reference(logits, labels).sum().backward())
-    print(f"peak over the logits: chunked {chunked / 2**20:.1f} MiB, unchunked {unchunked / 2**20:.1f} MiB, "
-          f"fp32 logits {fp32_bytes / 2**20:.0f} MiB")
+    print(
+        f"peak over the logits: chunked {chunked / 2**20:.1f} MiB, unchunked {unchunked / 2**20:.1f} MiB, "
+        f"fp32 logits {fp32_bytes / 2**20:.0f} MiB"
+    )
     assert chunked <= fp32_bytes / 2 + 8 * 2**16, (chunked, fp32_bytes)
     assert unchunked >= 1.5 * fp32_bytes  # the measure sees the reference's fp32 copies

@@ -18,8 +18,7 @@ CPU = torch.device("cpu")
 
 
 def _cfg(folder, shard_size=2, dtype="auto") -> Config:
-    return Config.from_dict({"model": {"pretrained": str(folder)}, "train": {"shard_size": shard_size,
-                                                                             "dtype": dtype}})
+    return Config.from_dict({"model": {"pretrained": str(folder)}, "train": {"shard_size": shard_size, "dtype": dtype}})
 
 
 def _loaded_exactly(model, reference) -> None:

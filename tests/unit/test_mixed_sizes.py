@@ -68,7 +68,7 @@ def test_fits_agrees_with_tile_and_every_block_is_aligned_disjoint_and_in_one_no
             t.tile(sizes)
         return
     blocks = t.tile(sizes)
-    assert [len(b) for b in blocks[:len(sizes)]] == sizes and all(len(b) == 1 for b in blocks[len(sizes):])
+    assert [len(b) for b in blocks[: len(sizes)]] == sizes and all(len(b) == 1 for b in blocks[len(sizes) :])
     assert sorted(r for b in blocks for r in b) == list(range(world))  # disjoint, and they cover the world
     for b in blocks:
         assert t.is_block(b)  # k consecutive ranks from a multiple of k: a group the runtime creates

@@ -44,8 +44,9 @@ def test_opensora_stage3_keeps_its_bucket_config():
     assert distinct_shapes(SCENARIOS["video"].model, sizes) == len(set(sizes))
 
 
-@pytest.mark.parametrize("name,top,median,long_share", [("long-cpt", 512 * 1024, 1000, 0.4),
-                                                        ("sft-chat-long", 128 * 1024, 1200, 0.2)])
+@pytest.mark.parametrize(
+    "name,top,median,long_share", [("long-cpt", 512 * 1024, 1000, 0.4), ("sft-chat-long", 128 * 1024, 1200, 0.2)]
+)
 def test_text_blends_have_their_long_documents(name, top, median, long_share):
     sizes = np.array(sample_sizes("text", name, num_samples=50_000))
     assert sizes.min() >= 16 and sizes.max() <= top
@@ -57,8 +58,9 @@ def test_text_blends_have_their_long_documents(name, top, median, long_share):
 SLOW = {"opensora-stage3", "long-cpt"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in sorted(NEW_MIXES)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(NEW_MIXES)]
+)
 def test_dcp_plans_every_new_mix_losslessly(name):
     kind = MIXES[name].kind
     sc = SCENARIOS[kind]
@@ -69,7 +71,15 @@ def test_dcp_plans_every_new_mix_losslessly(name):
 def test_simulate_takes_a_new_mix_by_name():
     from dcparallel.apps.simulate import _setup
 
-    ns = argparse.Namespace(scenario=None, distribution="opensora-stage3", lengths=None, world=8, gpus_per_node=8,
-                            seed=0, tokens_per_step=None, profile=None)
+    ns = argparse.Namespace(
+        scenario=None,
+        distribution="opensora-stage3",
+        lengths=None,
+        world=8,
+        gpus_per_node=8,
+        seed=0,
+        tokens_per_step=None,
+        profile=None,
+    )
     name, workload, *_ = _setup(ns)
     assert name == "opensora-stage3" and workload.model.kind == "video"

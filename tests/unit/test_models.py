@@ -107,9 +107,7 @@ def test_factorized_patterns_equal_per_frame_and_per_position_attention():
     temporal = sdpa_attention(q, k, v, AttnPattern("temporal", t))
     for f in range(t):
         sl = slice(f * s, (f + 1) * s)
-        torch.testing.assert_close(
-            spatial[:, sl], sdpa_attention(q[:, sl], k[:, sl], v[:, sl], AttnPattern("full"))
-        )
+        torch.testing.assert_close(spatial[:, sl], sdpa_attention(q[:, sl], k[:, sl], v[:, sl], AttnPattern("full")))
     for j in range(s):
         idx = torch.arange(t) * s + j
         ref = sdpa_attention(q[:, idx], k[:, idx], v[:, idx], AttnPattern("full"))

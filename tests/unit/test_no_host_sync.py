@@ -45,8 +45,15 @@ class HostDataRecorder(TorchFunctionMode):
     """Records tensors built from host data (`torch.tensor` of a list: copied to the device
     inside the call, where no dispatch mode sees it) and reads of device values."""
 
-    CALLS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.item, torch.Tensor.tolist,
-             torch.Tensor.cpu, torch.Tensor.numpy)
+    CALLS = (
+        torch.tensor,
+        torch.as_tensor,
+        torch.asarray,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+    )
 
     def __init__(self):
         super().__init__()
@@ -97,8 +104,9 @@ def _samples(kind: str, model):
     return {i: dit_samples(model)((17, 32, 48), i) for i in range(2)}
 
 
-@pytest.mark.parametrize("build", [_reference_llama, _hf_llama, _dit, _wan],
-                         ids=["reference-llama", "hf-llama", "dit", "diffusers-wan"])
+@pytest.mark.parametrize(
+    "build", [_reference_llama, _hf_llama, _dit, _wan], ids=["reference-llama", "hf-llama", "dit", "diffusers-wan"]
+)
 def test_a_micro_batch_on_cuda_creates_no_host_tensor_and_reads_nothing_back(monkeypatch, build):
     model, kind = build()
     samples = _samples(kind, model)
@@ -119,8 +127,9 @@ def test_a_micro_batch_on_cuda_creates_no_host_tensor_and_reads_nothing_back(mon
     collate = resolve_collate(dc.adapter.collate, "text" if kind == "text" else "video")
     sids = (0, 1) if kind != "wan" else (0,)  # the two Wan samples differ in shape
     batch = collate(samples, MicroBatch(sids, Layout(1, len(sids))), (0,), 0)
-    monkeypatch.setattr(engine, "device_generator", lambda device, seed: torch.Generator().manual_seed(seed),
-                        raising=False)
+    monkeypatch.setattr(
+        engine, "device_generator", lambda device, seed: torch.Generator().manual_seed(seed), raising=False
+    )
     batch = batch.to("meta", non_blocking=True)
     with dc.micro_batch(batch) as ctx, HostRecorder() as rec, HostDataRecorder() as data:
         loss = dc.adapter.loss_fn(model, batch, ctx)

@@ -23,8 +23,9 @@ def _abort(monkeypatch):
 
     monkeypatch.setattr(launch.os, "_exit", exit_)
     with pytest.raises(SystemExit) as stop:
-        launch.abort_on_oom(MemoryError("injected"), step=3, epoch=0, layout=Layout(2, 1), ranks=(0, 1),
-                            sample_ids=(7,), seq_len=40)
+        launch.abort_on_oom(
+            MemoryError("injected"), step=3, epoch=0, layout=Layout(2, 1), ranks=(0, 1), sample_ids=(7,), seq_len=40
+        )
     assert stop.value.code == launch.OOM_EXIT_CODE
 
 
@@ -53,6 +54,6 @@ def test_the_restart_plans_with_the_lowered_budget_and_says_so(tmp_path, caplog)
     for attempt in range(2):
         (tmp_path / f"oom-r1-attempt{attempt}").touch()
     with caplog.at_level(logging.WARNING, logger="dcparallel.train"):
-        assert _budget(tmp_path) == int(1000 * 2**20 * 0.9 ** 2)
+        assert _budget(tmp_path) == int(1000 * 2**20 * 0.9**2)
     assert "2 earlier attempt(s) ran out of memory" in caplog.text
     assert "planning with a memory budget of 810 MiB, 0.81 x 1000 MiB" in caplog.text

@@ -20,9 +20,10 @@ def test_process_plans_equal_thread_and_in_place_plans():
     ds, lens = text_data(60, seed=3)
     got = {}
     for planning, lookahead in (("thread", 0), ("thread", 2), ("process", 1), ("process", 3)):
-        got[(planning, lookahead)] = [(s.index, s.plan.to_json(), s.sample_ids)
-                                      for s in make(ds, lens, world=2, rank=1, planning=planning,
-                                                    lookahead=lookahead)]
+        got[(planning, lookahead)] = [
+            (s.index, s.plan.to_json(), s.sample_ids)
+            for s in make(ds, lens, world=2, rank=1, planning=planning, lookahead=lookahead)
+        ]
     ref = got[("thread", 0)]
     assert len(ref) > 3
     for key, plans in got.items():
@@ -72,8 +73,11 @@ def test_a_cost_model_the_planning_process_cannot_import_is_a_clear_error(tmp_pa
     ld = make(ds, lens, planning="process")
     ld.context.cost.extra = script_only.Extra()  # a class the planning process cannot import
     (tmp_path / "script_only.py").unlink()
-    with pytest.raises(RuntimeError, match=r"could not load the loader's policy and cost model: ModuleNotFoundError: "
-                                           r"No module named 'script_only'.*pass planning='thread'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not load the loader's policy and cost model: ModuleNotFoundError: "
+        r"No module named 'script_only'.*pass planning='thread'",
+    ):
         list(ld)
     assert ld._idle_workers == []
 

@@ -9,7 +9,7 @@ from dcparallel.report.plots import COLORS, plot_speedups, plot_timelines
 
 def _pixels(png, hex_colour: str) -> int:
     img = mpimg.imread(png)[..., :3]
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return int((np.abs(img - rgb).sum(-1) < 0.02).sum())
 
 
@@ -43,8 +43,10 @@ def test_busy_spans_coloured_by_sp_degree(tmp_path):
 def test_step_boundaries_show_and_the_legend_sits_outside_the_data(tmp_path):
     from dcparallel.report.plots import _step_ends
 
-    steps = {r: [(0, 1, "busy"), (1, 1.1, "sync"), (1.1, 2, "busy"), (2, 2.1, "sync"), (2.1, 3, "busy"),
-                 (3, 3.1, "sync")] for r in range(8)}
+    steps = {
+        r: [(0, 1, "busy"), (1, 1.1, "sync"), (1.1, 2, "busy"), (2, 2.1, "sync"), (2.1, 3, "busy"), (3, 3.1, "sync")]
+        for r in range(8)
+    }
     assert _step_ends(steps) == [1.1, 2.1]  # the run's own end is no boundary
     no_sync = {r: [s for s in spans if s[2] != "sync"] for r, spans in steps.items()}
     a = plot_timelines({"p": steps}, tmp_path / "a.png")
@@ -52,7 +54,7 @@ def test_step_boundaries_show_and_the_legend_sits_outside_the_data(tmp_path):
     dark = lambda png: int((mpimg.imread(png)[..., :3].sum(-1) < 0.4).sum())  # black: text and the dashes
     assert dark(a) > dark(b) + 150  # two dashed lines across the eight rank rows
     img = mpimg.imread(a)[..., :3]
-    rgb = np.array([int(COLORS["idle"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(COLORS["idle"][i : i + 2], 16) / 255 for i in (1, 3, 5)])
     rows = np.nonzero((np.abs(img - rgb).sum(-1) < 0.02).any(axis=1))[0]
     assert len(rows) and rows.min() > 0.8 * img.shape[0]  # the only idle colour: the legend, below the panel
 

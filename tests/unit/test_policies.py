@@ -75,9 +75,12 @@ def test_oversize_sample_is_named_or_skipped():
     cl = cluster(2, 2, memory_mib=64)
     w = Workload(TINY_LM, (100, 5_000_000, 200))
     # a budget under 1 GiB is written in MiB, not as "0.1 GiB"
-    with pytest.raises(NoLayoutFits, match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB per rank "
-                                          r"\(model states [0-9.]+ MiB \+ this sample [0-9.]+ GiB\), [0-9.]+ GiB "
-                                          r"more than the [1-9][0-9.]* MiB usable"):
+    with pytest.raises(
+        NoLayoutFits,
+        match=r"sample 1 \(size 5000000, 5000000 tokens\) fits no layout.*GiB per rank "
+        r"\(model states [0-9.]+ MiB \+ this sample [0-9.]+ GiB\), [0-9.]+ GiB "
+        r"more than the [1-9][0-9.]* MiB usable",
+    ):
         PlanContext(w, cost(TINY_LM, cl), cl)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl, skip_oversize=True)
     assert [s[0] for s in ctx.skipped] == [1] and ctx.usable_ids == [0, 2]
@@ -162,8 +165,10 @@ def test_every_policy_keeps_one_latent_shape_per_video_micro_batch():
     from dcparallel.spec import batch_key
 
     rng = random.Random(3)
-    sizes = tuple((rng.choice([1, 17, 20, 34, 51]), rng.choice([240, 250, 256, 360]), rng.choice([256, 426, 430]))
-                  for _ in range(120))
+    sizes = tuple(
+        (rng.choice([1, 17, 20, 34, 51]), rng.choice([240, 250, 256, 360]), rng.choice([256, 426, 430]))
+        for _ in range(120)
+    )
     wl = Workload(TINY_DIT, sizes)
     cl = cluster(8)
     ctx = PlanContext(wl, cost(TINY_DIT, cl), cl)
@@ -181,10 +186,23 @@ def test_three_user_policies_and_research_ones_by_the_same_names():
 
     assert list(POLICIES) == ["dcp", "bucket", "packed"]
     assert not set(POLICIES) & set(RESEARCH)
-    assert {"dcp-own", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-v1", "bucket-default", "megatron-dcp", "hbp",
-            "flexsp", "token-budget"} == set(RESEARCH)
+    assert {
+        "dcp-own",
+        "dcp-intra",
+        "dcp-inter",
+        "dcp-inter-pac",
+        "dcp-v1",
+        "bucket-default",
+        "megatron-dcp",
+        "hbp",
+        "flexsp",
+        "token-budget",
+    } == set(RESEARCH)
     for name in NAMES:
         assert policy_spec(name).name == name
-    with pytest.raises(ValueError, match=r"unknown policy 'fast'; choose one of dcp, bucket, packed "
-                                         r"\(research: bucket-default, .*flexsp, token-budget\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown policy 'fast'; choose one of dcp, bucket, packed "
+        r"\(research: bucket-default, .*flexsp, token-budget\)",
+    ):
         policy_spec("fast")

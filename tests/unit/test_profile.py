@@ -50,8 +50,17 @@ def tiny_llama(num_layers: int = 3, hidden: int = 32, seed: int = 0) -> Llama:
 def make_profiler(model: Llama | None = None, **cfg) -> Profiler:
     model = model or tiny_llama()
     c = model.cfg
-    spec = model_spec(model, list(model.layers), name="tiny", kind="text", hidden=c.hidden,
-                      num_heads=c.num_heads, ffn_hidden=c.ffn_hidden, attention="causal", vocab_size=c.vocab_size)
+    spec = model_spec(
+        model,
+        list(model.layers),
+        name="tiny",
+        kind="text",
+        hidden=c.hidden,
+        num_heads=c.num_heads,
+        ffn_hidden=c.ffn_hidden,
+        attention="causal",
+        vocab_size=c.vocab_size,
+    )
     config = ProfilerConfig(**{**FAST, **cfg})
     return Profiler(model, list(model.layers), text_inputs(model, torch.device("cpu")), spec=spec, config=config)
 
@@ -130,8 +139,9 @@ def test_memory_estimate_is_linear_in_depth_and_recompute_saves():
     assert extrapolate(mem[1], mem[2], 3) == mem[3]
     p, _ = prof.run([40])
     by_mode = {e.recompute: e.memory_bytes for e in p.entries if e.mbs == 1}
-    assert by_mode["full"] < min(by_mode["attn"], by_mode["mlp"]) <= max(by_mode["attn"], by_mode["mlp"]) \
-        < by_mode["none"]
+    assert (
+        by_mode["full"] < min(by_mode["attn"], by_mode["mlp"]) <= max(by_mode["attn"], by_mode["mlp"]) < by_mode["none"]
+    )
     assert float(prof.engine.flat_grad.abs().sum()) == 0.0  # profiling leaves no gradient behind
 
 
@@ -229,9 +239,14 @@ def test_mismatched_or_corrupt_cache_is_reprofiled_with_a_message(tmp_path, capl
     load_or_profile(path, prof, [16])
     d = json.loads(path.read_text())
     sizes = [16]
-    expect = {"dtype": "dtype: cached 'bfloat16', now 'float32'", "structure": "structure: cached",
-              "version": "version 99", "corrupt": "cannot read profile", "bucket": "lacks buckets ['t32']",
-              "search": "search: cached"}[change]
+    expect = {
+        "dtype": "dtype: cached 'bfloat16', now 'float32'",
+        "structure": "structure: cached",
+        "version": "version 99",
+        "corrupt": "cannot read profile",
+        "bucket": "lacks buckets ['t32']",
+        "search": "search: cached",
+    }[change]
     if change == "dtype":
         d["fingerprint"]["dtype"] = "bfloat16"
     elif change == "version":
@@ -299,8 +314,21 @@ def test_cli_simulate_with_a_real_profile(real_profile, tmp_path):
     path, _ = real_profile
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(map(str, [16] * 40 + [64] * 10 + [128] * 4)) + "\n")
-    r = _cli("simulate", "--profile", str(path), "--lengths", str(lengths), "--world", "1", "--gpus-per-node", "1",
-             "--tokens-per-step", "500", "--json", "--quiet")
+    r = _cli(
+        "simulate",
+        "--profile",
+        str(path),
+        "--lengths",
+        str(lengths),
+        "--world",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--tokens-per-step",
+        "500",
+        "--json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "tiny" and out["world"] == 1
@@ -311,13 +339,32 @@ def test_cli_simulate_with_a_real_profile(real_profile, tmp_path):
 
 def test_cli_profile_json(tmp_path):
     out = tmp_path / "p.json"
-    r = _cli("profile", "--model", "tiny-llama", "--num-layers", "4", "--buckets", "32,64", "--validate", "--json",
-             "--repeats", "1", "--max-repeats", "1", "--min-time", "0", "--modes", "none,full", "--max-mbs", "2",
-             "--out", str(out))
+    r = _cli(
+        "profile",
+        "--model",
+        "tiny-llama",
+        "--num-layers",
+        "4",
+        "--buckets",
+        "32,64",
+        "--validate",
+        "--json",
+        "--repeats",
+        "1",
+        "--max-repeats",
+        "1",
+        "--min-time",
+        "0",
+        "--modes",
+        "none,full",
+        "--max-mbs",
+        "2",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout.strip().splitlines()[-1])
-    assert {"layouts_measured", "layouts_infeasible", "seconds", "time_error", "memory_error",
-            "profile_path"} <= set(d)
+    assert {"layouts_measured", "layouts_infeasible", "seconds", "time_error", "memory_error", "profile_path"} <= set(d)
     assert d["profile_path"] == str(out) and Profile.load(out).model.num_layers == 4
     assert d["layouts_measured"] == len(Profile.load(out).entries) >= 4 and d["layouts_infeasible"] == 0
     # validation ran at full depth: the memory estimate extrapolates exactly, time within noise
@@ -330,8 +377,14 @@ def test_cli_profile_json(tmp_path):
 def test_video_preset_profiles_spatial_temporal_pairs():
     built = PRESETS["tiny-dit"].build(torch.device("cpu"), torch.float32, 6)
     assert built.layers_per_unit == 2 and built.spec.num_layers == 3 and built.spec.attention == "factorized"
-    prof = Profiler(built.model, built.layers, built.make_inputs, spec=built.spec, layers_per_unit=2,
-                    config=ProfilerConfig(modes=("none", "full"), validate=True, **FAST))
+    prof = Profiler(
+        built.model,
+        built.layers,
+        built.make_inputs,
+        spec=built.spec,
+        layers_per_unit=2,
+        config=ProfilerConfig(modes=("none", "full"), validate=True, **FAST),
+    )
     p, stats = prof.run(parse_buckets("17x64x64"))  # 5 latent frames x 16 spatial tokens
     assert p.buckets[0].tokens == 80
     assert {e.recompute for e in p.entries} == {"none", "full"}
@@ -435,9 +488,15 @@ def test_planned_full_recompute_of_a_factorized_dit_saves_what_the_profile_measu
     dc = Engine(model)
     spec = dc.adapter.spec
     assert spec.num_layers == 4 and dc.adapter.blocks_per_layer == 2
-    prof = Profiler(model, dc.layers, reference_inputs(model, spec, torch.device("cpu")), spec=spec, engine=dc,
-                    layers_per_unit=2, config=ProfilerConfig(modes=("none", "full"), sp_sizes=(1,), validate=True,
-                                                             **{**FAST, "max_mbs": 1}))
+    prof = Profiler(
+        model,
+        dc.layers,
+        reference_inputs(model, spec, torch.device("cpu")),
+        spec=spec,
+        engine=dc,
+        layers_per_unit=2,
+        config=ProfilerConfig(modes=("none", "full"), sp_sizes=(1,), validate=True, **{**FAST, "max_mbs": 1}),
+    )
     size = (17, 64, 64)
     p, stats = prof.run([size])
     profiled = {e.recompute: e.memory_bytes for e in p.entries}
@@ -486,13 +545,17 @@ def test_profile_order_takes_sp_degrees_in_turn_and_cannot_deadlock(world, sp_si
         for r in ranks:  # the group's items in the same order on each of its ranks
             assert [x for x in seqs[r] if x[1] == ranks] == [x for x in seqs[ranks[0]] if x[1] == ranks]
     # rank 0 starts with the first bucket of every degree, in the degrees' order
-    assert [sp for sp, _, _ in seqs[0][:len(sp_sizes)]] == sp_sizes
-    assert [b for _, _, b in seqs[0][:len(sp_sizes)]] == ["b0"] * len(sp_sizes)
+    assert [sp for sp, _, _ in seqs[0][: len(sp_sizes)]] == sp_sizes
+    assert [b for _, _, b in seqs[0][: len(sp_sizes)]] == ["b0"] * len(sp_sizes)
     # run it: an item completes when every rank of its group is at it
     pos = dict.fromkeys(seqs, 0)
     while any(pos[r] < len(seqs[r]) for r in seqs):
-        ready = {seqs[r][pos[r]] for r in seqs if pos[r] < len(seqs[r])
-                 if all(pos[q] < len(seqs[q]) and seqs[q][pos[q]] == seqs[r][pos[r]] for q in seqs[r][pos[r]][1])}
+        ready = {
+            seqs[r][pos[r]]
+            for r in seqs
+            if pos[r] < len(seqs[r])
+            if all(pos[q] < len(seqs[q]) and seqs[q][pos[q]] == seqs[r][pos[r]] for q in seqs[r][pos[r]][1])
+        }
         assert ready, f"deadlock: ranks wait at {[seqs[r][pos[r]] for r in seqs if pos[r] < len(seqs[r])]}"
         for r in seqs:
             if pos[r] < len(seqs[r]) and seqs[r][pos[r]] in ready:

@@ -44,11 +44,22 @@ RECORDED = {
 @pytest.fixture(scope="module")
 def recorded_profile() -> Profile:
     spec = make_profiler().spec
-    entries = [ProfileEntry(bucket, 1, mbs, mode, time_s=t, memory_bytes=float(mem), ranks=[0])
-               for (bucket, mode), rows in RECORDED.items() for mbs, t, mem in rows]
+    entries = [
+        ProfileEntry(bucket, 1, mbs, mode, time_s=t, memory_bytes=float(mem), ranks=[0])
+        for (bucket, mode), rows in RECORDED.items()
+        for mbs, t, mem in rows
+    ]
     buckets = [ProfileBucket(f"t{n}", n, n) for n in (16, 48, 128)]
-    return Profile(fingerprint={}, model=spec, world_size=1, gpus_per_node=1,
-                   model_state_bytes=spec.num_params * (4 + 4 + 8), grad_sync_s=0.0, buckets=buckets, entries=entries)
+    return Profile(
+        fingerprint={},
+        model=spec,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=spec.num_params * (4 + 4 + 8),
+        grad_sync_s=0.0,
+        buckets=buckets,
+        entries=entries,
+    )
 
 
 def _assert_none_beats_the_bound(wl, cost, cluster, policies, tokens_per_step):
@@ -57,8 +68,7 @@ def _assert_none_beats_the_bound(wl, cost, cluster, policies, tokens_per_step):
         assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_no_policy_beats_the_lower_bound_on_a_noisy_profile(recorded_profile, data):
     """Each measurement scaled by 0.3..3x, any mix of lengths inside and beyond the profile's
@@ -92,8 +102,7 @@ def _spread_over_sp(d: dict, world: int, draw) -> dict:
     return d
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_no_policy_beats_the_lower_bound_on_a_noisy_profile_with_sp_and_tight_memory(recorded_profile, data):
     """The same at worlds 2 and 4, with SP degrees and memory budgets that force recomputation

@@ -34,8 +34,7 @@ class DriftingTimer:
 
 
 def drifting_profile(reference: bool, rescale: bool = True) -> Profile:
-    prof = make_profiler(max_mbs=1, modes=("none",), repeats=5, max_repeats=5, reference=reference,
-                         rescale=rescale)
+    prof = make_profiler(max_mbs=1, modes=("none",), repeats=5, max_repeats=5, reference=reference, rescale=rescale)
     prof.timer = DriftingTimer(prof)
     return prof.run([16, 64])[0]
 
@@ -80,8 +79,9 @@ def test_rescale_and_the_clock_window():
     clock.tick()
     clock.tick()
     assert clock.since(mark) == 1.0  # two runs since the mark: widened to the last five (1, 1, 1, 3, 3)
-    a = ProfileEntry("t16", 1, 1, "none", time_s=2.0, measured={"reference_s": 1.0},
-                     validation={"time_s": 2.2, "memory_bytes": 1.0})
+    a = ProfileEntry(
+        "t16", 1, 1, "none", time_s=2.0, measured={"reference_s": 1.0}, validation={"time_s": 2.2, "memory_bytes": 1.0}
+    )
     b = ProfileEntry("t64", 1, 1, "none", time_s=9.0, measured={"reference_s": 3.0})
     c = ProfileEntry("t64", 1, 2, "none", time_s=6.0, measured={"reference_s": 2.0})
     off = ProfileEntry("t64", 1, 4, "none", feasible=False)

@@ -37,8 +37,11 @@ def test_a_killed_profile_resumes_from_the_chains_it_saved(tmp_path, monkeypatch
     assert saved and not path.exists()
 
     second = []
-    monkeypatch.setattr(prof, "_measure", lambda size, ranks, mbs, mode, *rest:
-                        second.append((size, mode)) or real(size, ranks, mbs, mode, *rest))
+    monkeypatch.setattr(
+        prof,
+        "_measure",
+        lambda size, ranks, mbs, mode, *rest: second.append((size, mode)) or real(size, ranks, mbs, mode, *rest),
+    )
     profile, stats = load_or_profile(path, prof, [16, 32])
     assert not saved & set(second)  # nothing saved is measured again
     assert {(e.bucket, e.recompute) for e in profile.entries} == {(k, m) for k in key for m in MODES}
@@ -75,9 +78,16 @@ def slow_measure(prof, clock: FakeClock, calls: list):
         rounds = prof.round_config.repeats
         clock.t += run * (1 + rounds)
         calls.append((size, mbs, mode, rounds))
-        return {"ok": True, "memory": {d: 1000.0 * d * mbs * size for d in depths},
-                "time": {depths[0]: run / 3, depths[1]: 2 * run / 3}, "slope": run / 3,
-                "spread": 0.0, "rounds": rounds, "rejected": 0}
+        return {
+            "ok": True,
+            "memory": {d: 1000.0 * d * mbs * size for d in depths},
+            "time": {depths[0]: run / 3, depths[1]: 2 * run / 3},
+            "slope": run / 3,
+            "spread": 0.0,
+            "rounds": rounds,
+            "rejected": 0,
+        }
+
     return measure
 
 
@@ -96,7 +106,8 @@ def test_a_profile_keeps_its_budget_and_reserves_it_for_the_large_buckets(budget
     assert clock.t <= budget + longest
     assert {(c[0], c[2]) for c in calls if c[3] == 1} >= {(128, "none"), (128, "full")}  # coarse, not skipped
     assert {(e.bucket, e.recompute) for e in profile.entries if e.feasible} >= {
-        (ProfileBucket.of(prof.spec, s).key, m) for s in sizes for m in ("none", "full")}
+        (ProfileBucket.of(prof.spec, s).key, m) for s in sizes for m in ("none", "full")
+    }
     assert any(c[3] == 3 for c in calls) and stats.chains_coarse > 0  # the small buckets measured fully
     unbudgeted = FakeClock()
     monkeypatch.setattr(prof, "_measure", slow_measure(prof, unbudgeted, []))

@@ -49,8 +49,10 @@ def test_rounds_are_added_until_the_median_is_stable_and_capped():
     assert len(timed_until_stable(lambda: next(one), min_rounds=1, max_rounds=9, rel_tol=0.03)) == 3  # 3 to judge
     calm = iter([1.0] * 10)
     # a rank that is done still runs the rounds its group needs
-    assert len(timed_until_stable(lambda: next(calm), min_rounds=2, max_rounds=5, rel_tol=0.03,
-                                  agree=lambda done: False)) == 5
+    assert (
+        len(timed_until_stable(lambda: next(calm), min_rounds=2, max_rounds=5, rel_tol=0.03, agree=lambda done: False))
+        == 5
+    )
     with pytest.raises(ValueError, match="min_rounds <= max_rounds"):
         timed_until_stable(lambda: 1.0, min_rounds=4, max_rounds=3, rel_tol=0.1)
 
@@ -80,8 +82,9 @@ def profile_with(timer: FakeTimer, **cfg) -> Profile:
 def test_profile_rejects_a_stall_and_keeps_the_spread_per_entry():
     rng = random.Random(1)
     # 1% noise and one stalled run (a one-layer run of round 3) in every layout
-    p = profile_with(FakeTimer(noise=lambda i: rng.uniform(-0.01, 0.01), spike={6}), repeats=5, max_repeats=12,
-                     rel_tol=0.03)
+    p = profile_with(
+        FakeTimer(noise=lambda i: rng.uniform(-0.01, 0.01), spike={6}), repeats=5, max_repeats=12, rel_tol=0.03
+    )
     (e,) = [e for e in p.entries if e.feasible]
     assert e.time_s == pytest.approx(3 * LAYER_S, rel=0.03)  # without the rejection: off by > 100%
     assert e.rejected >= 1 and e.rounds >= 5
@@ -142,8 +145,16 @@ def test_simulate_reports_the_range_of_its_prediction(tmp_path):
     p.save(path)
     lengths = tmp_path / "l.txt"
     lengths.write_text("\n".join(map(str, [16] * 20 + [64] * 6)) + "\n")
-    ns = argparse.Namespace(scenario=None, distribution=None, lengths=lengths, world=1, gpus_per_node=1, seed=0,
-                            tokens_per_step=300, profile=path)
+    ns = argparse.Namespace(
+        scenario=None,
+        distribution=None,
+        lengths=lengths,
+        world=1,
+        gpus_per_node=1,
+        seed=0,
+        tokens_per_step=300,
+        profile=path,
+    )
     out = simulate_json(ns, ["packed", "dcp"], progress=False)
     for name, (lo, hi) in out["predicted_epoch_s_range"].items():
         mid = out["policies"][name]["epoch_time_s"]

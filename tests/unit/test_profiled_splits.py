@@ -32,13 +32,29 @@ def _profile(per_token=PER_TOKEN, ring_field=True) -> Profile:
         for (sp, ring), s in per_token.items():
             for mbs in (1, 2):
                 for mode, tf, mf in (("none", 1.0, 1.0), ("full", 1.3, 0.2)):
-                    entries.append({"bucket": key, "sp": sp, "mbs": mbs, "recompute": mode,
-                                    "time_s": s * tok * mbs * tf, "memory_bytes": 100.0 * tok / sp * mbs * mf,
-                                    **({"ring": ring} if ring_field else {})})
-    return Profile.from_json(Profile(
-        fingerprint={"world_size": 4}, model=TWO_HEADS, world_size=4, gpus_per_node=4, model_state_bytes=1e4,
-        grad_sync_s=1e-3, buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
-        entries=entries).to_json())
+                    entries.append(
+                        {
+                            "bucket": key,
+                            "sp": sp,
+                            "mbs": mbs,
+                            "recompute": mode,
+                            "time_s": s * tok * mbs * tf,
+                            "memory_bytes": 100.0 * tok / sp * mbs * mf,
+                            **({"ring": ring} if ring_field else {}),
+                        }
+                    )
+    return Profile.from_json(
+        Profile(
+            fingerprint={"world_size": 4},
+            model=TWO_HEADS,
+            world_size=4,
+            gpus_per_node=4,
+            model_state_bytes=1e4,
+            grad_sync_s=1e-3,
+            buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
+            entries=entries,
+        ).to_json()
+    )
 
 
 def _split(cost, sizes, sp):

@@ -31,8 +31,9 @@ def test_assistant_mask_equals_transformers_generation_mask(tok):
     gen = tf.tokenizer(tf.GENERATION_TEMPLATE)
     for conv in tf.conversations(30, seed=1):
         ids, mask = td.chat_tokens(tok, conv["messages"])
-        ref = gen.apply_chat_template(conv["messages"], tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
+        ref = gen.apply_chat_template(
+            conv["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         assert ids == list(ref["input_ids"]) and mask == [bool(x) for x in ref["assistant_masks"]]
         assert any(mask) and not all(mask)
 
@@ -133,8 +134,14 @@ def test_max_tokens_cuts_or_refuses(tmp_path, tok):
 
 def test_bad_text_samples_are_named_with_file_and_line_or_skipped(tmp_path, tok, caplog):
     good = tf.conversations(2, seed=5)
-    rows = [good[0], {"messages": []}, {"text": "hi"}, {"messages": [{"role": "user", "content": "red"}]},
-            good[1], {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}]
+    rows = [
+        good[0],
+        {"messages": []},
+        {"text": "hi"},
+        {"messages": [{"role": "user", "content": "red"}]},
+        good[1],
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]},
+    ]
     path = tf.write_jsonl(tmp_path / "chat.jsonl", rows)
     with pytest.raises(ValueError) as e:
         text_dataset(path, tok, format="chat", max_tokens=64)
@@ -196,15 +203,20 @@ def test_bad_latent_rows_are_named_with_file_and_line(tmp_path, caplog):
         latents_dataset(manifest)
     msg = str(e.value)
     assert "3 bad sample(s) of 4" in msg
-    assert (f"{manifest}:2: the manifest says (frames, height, width) = (3, 4, 6) but {tmp_path}/lat1.safetensors "
-            f"holds latents of shape (4, 2, 4, 6)") in msg
+    assert (
+        f"{manifest}:2: the manifest says (frames, height, width) = (3, 4, 6) but {tmp_path}/lat1.safetensors "
+        f"holds latents of shape (4, 2, 4, 6)"
+    ) in msg
     assert f"{manifest}:3: latents file {tmp_path}/gone.safetensors does not exist" in msg
     assert f"{manifest}:4: no 'text_embeddings' column" in msg
     with caplog.at_level(logging.WARNING):
         ds, sizes = latents_dataset(manifest, skip_bad=True)
     assert sizes == [(1, 4, 4)] and "skipped 3 bad sample(s) of 4" in caplog.text
-    with pytest.raises(ValueError, match=rf"{manifest}:1: latents {tmp_path}/lat0.safetensors have 4 channels; the "
-                                         rf"model takes 16"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{manifest}:1: latents {tmp_path}/lat0.safetensors have 4 channels; the "
+        rf"model takes 16",
+    ):
         latents_dataset(manifest, channels=16, skip_bad=False)
     from safetensors.torch import save_file
 
@@ -214,9 +226,13 @@ def test_bad_latent_rows_are_named_with_file_and_line(tmp_path, caplog):
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
-    shifting = tf.tokenizer("{% for m in messages %}{% if loop.last %}<|im_end|>{% endif %}{{ m['content'] }} "
-                            "{% endfor %}")
+    shifting = tf.tokenizer(
+        "{% for m in messages %}{% if loop.last %}<|im_end|>{% endif %}{{ m['content'] }} {% endfor %}"
+    )
     path = tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(1, seed=6))
-    with pytest.raises(ValueError, match=r"renders message \d \(assistant\) differently once the conversation goes "
-                                         r"on .* use a template that renders earlier turns unchanged"):
+    with pytest.raises(
+        ValueError,
+        match=r"renders message \d \(assistant\) differently once the conversation goes "
+        r"on .* use a template that renders earlier turns unchanged",
+    ):
         text_dataset(path, shifting, format="chat")

@@ -35,8 +35,15 @@ def curved(priced: float, sp: int) -> float:
 
 def measured_step(plan, cost, machine) -> float:
     """The slowest rank's sum of its micro-batches on ``machine`` (the step without the sync)."""
-    return max(sum(machine(cost.terms([LENGTHS[i] for i in mb.sample_ids], mb.layout.sp).time(mb.layout.recompute),
-                           mb.layout.sp) for mb, _ in plan.work_of(r)) for r in range(CLUSTER.world_size))
+    return max(
+        sum(
+            machine(
+                cost.terms([LENGTHS[i] for i in mb.sample_ids], mb.layout.sp).time(mb.layout.recompute), mb.layout.sp
+            )
+            for mb, _ in plan.work_of(r)
+        )
+        for r in range(CLUSTER.world_size)
+    )
 
 
 def plans(cost, steps):
@@ -55,13 +62,16 @@ def errors(machine, observed_steps: int) -> tuple[float, float]:
     for plan in first:  # training runs these steps and times each micro-batch
         for mb in plan.micro_batches():
             sizes = [LENGTHS[i] for i in mb.sample_ids]
-            refined.observe(sizes, mb.layout.sp, mb.layout.recompute,
-                            machine(inner.terms(sizes, mb.layout.sp).time(mb.layout.recompute), mb.layout.sp))
+            refined.observe(
+                sizes,
+                mb.layout.sp,
+                mb.layout.recompute,
+                machine(inner.terms(sizes, mb.layout.sp).time(mb.layout.recompute), mb.layout.sp),
+            )
     out = []
     for cost in (inner, refined):
         ctx, later = plans(cost, steps[observed_steps:])
-        out.append(np.mean([abs(predict_step(p, ctx).compute_s / measured_step(p, inner, machine) - 1)
-                            for p in later]))
+        out.append(np.mean([abs(predict_step(p, ctx).compute_s / measured_step(p, inner, machine) - 1) for p in later]))
     return out[0], out[1]
 
 
@@ -79,8 +89,7 @@ def test_the_correction_keeps_larger_micro_batches_dearer_and_grids_equal_terms(
     inner = AnalyticCost(MODEL, CLUSTER)
     refined = RefinedCost(inner)
     for n in (64, 256, 1024, 4096):
-        refined.observe([n], 1, Recompute(0, 0),
-                        affine(inner.terms([n], 1).time_none, 1))
+        refined.observe([n], 1, Recompute(0, 0), affine(inner.terms([n], 1).time_none, 1))
     a, b = refined.correction(1)
     assert a == pytest.approx(1.7) and b == pytest.approx(0.020)
     assert refined.correction(2) == (a, b)  # a degree not observed yet: the machine's fit so far

@@ -24,19 +24,32 @@ from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DC
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("section,key,value,message", [
-    ("train", "lr", "fast", "[train] lr = 'fast' must be a number, not a string (e.g. lr = 0.003)"),
-    ("model", "num_layers", 4.5, "[model] num_layers = 4.5 must be an integer, not a fraction (e.g. num_layers = 4)"),
-    ("train", "max_steps", -3, "[train] max_steps = -3 must be >= 0"),
-    ("model", "num_layers", 0, "[model] num_layers = 0 must be >= 1"),
-    ("train", "policy", "fastest", "[train] policy = 'fastest' is not one of 'bucket', 'packed'"),
-    ("train", "nan_policy", "ignore", "[train] nan_policy = 'ignore' is not one of 'stop', 'skip'"),
-    ("train", "resume_anyway", "yes", "[train] resume_anyway = 'yes' must be true or false"),
-    ("train", "lr", float("nan"), "[train] lr = nan must be a finite number"),
-    ("train", "lr", 0, "[train] lr = 0 must be > 0"),
-    ("train", "shard_size", "big", "[train] shard_size = 'big' must be a positive integer (1, 2, 4, ...) or \"auto\""),
-    ("train", "shard_size", 0, "[train] shard_size = 0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,message",
+    [
+        ("train", "lr", "fast", "[train] lr = 'fast' must be a number, not a string (e.g. lr = 0.003)"),
+        (
+            "model",
+            "num_layers",
+            4.5,
+            "[model] num_layers = 4.5 must be an integer, not a fraction (e.g. num_layers = 4)",
+        ),
+        ("train", "max_steps", -3, "[train] max_steps = -3 must be >= 0"),
+        ("model", "num_layers", 0, "[model] num_layers = 0 must be >= 1"),
+        ("train", "policy", "fastest", "[train] policy = 'fastest' is not one of 'bucket', 'packed'"),
+        ("train", "nan_policy", "ignore", "[train] nan_policy = 'ignore' is not one of 'stop', 'skip'"),
+        ("train", "resume_anyway", "yes", "[train] resume_anyway = 'yes' must be true or false"),
+        ("train", "lr", float("nan"), "[train] lr = nan must be a finite number"),
+        ("train", "lr", 0, "[train] lr = 0 must be > 0"),
+        (
+            "train",
+            "shard_size",
+            "big",
+            "[train] shard_size = 'big' must be a positive integer (1, 2, 4, ...) or \"auto\"",
+        ),
+        ("train", "shard_size", 0, "[train] shard_size = 0 must be a positive integer"),
+    ],
+)
 def test_config_wrong_type_or_range_is_named_with_the_fix(tmp_path, section, key, value, message):
     with pytest.raises(ValueError) as e:
         Config.from_dict({section: {key: value}}, "run.toml")
@@ -70,14 +83,17 @@ def test_fault_spec_is_checked():
 # ---------------------------------------------------------------- lengths, budget, profiles
 
 
-@pytest.mark.parametrize("text,message", [
-    ("# nothing\n\n", "holds no samples"),
-    ("12\nabc\n", ":2: expected integers, got 'abc'"),
-    ("12\n0\n", ":2: sample 1: a text size is a positive integer token count; got 0"),
-    ("12\n3.5\n", ":2: sample 1: a text size is a positive integer"),
-    ("12\n1 2\n", ":2: a line is `tokens` or `frames height width`"),
-    ("12\nnan\n", ":2: sample 1: a text size"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("# nothing\n\n", "holds no samples"),
+        ("12\nabc\n", ":2: expected integers, got 'abc'"),
+        ("12\n0\n", ":2: sample 1: a text size is a positive integer token count; got 0"),
+        ("12\n3.5\n", ":2: sample 1: a text size is a positive integer"),
+        ("12\n1 2\n", ":2: a line is `tokens` or `frames height width`"),
+        ("12\nnan\n", ":2: sample 1: a text size"),
+    ],
+)
 def test_lengths_file_errors_name_file_and_line(tmp_path, text, message):
     p = tmp_path / "l.txt"
     p.write_text(text)
@@ -86,12 +102,15 @@ def test_lengths_file_errors_name_file_and_line(tmp_path, text, message):
     assert message in str(e.value) and str(p) in str(e.value)
 
 
-@pytest.mark.parametrize("arr,message", [
-    (np.zeros(0), "the lengths array is empty"),
-    (np.array(["a", "b"]), "holds <U1 values, not numbers"),
-    (np.ones((3, 2)), "has shape (n,) or (n, 3); got (3, 2)"),
-    (np.array([5, -1]), "[1]: sample 1: a text size is a positive integer"),
-])
+@pytest.mark.parametrize(
+    "arr,message",
+    [
+        (np.zeros(0), "the lengths array is empty"),
+        (np.array(["a", "b"]), "holds <U1 values, not numbers"),
+        (np.ones((3, 2)), "has shape (n,) or (n, 3); got (3, 2)"),
+        (np.array([5, -1]), "[1]: sample 1: a text size is a positive integer"),
+    ],
+)
 def test_lengths_array_errors(tmp_path, arr, message):
     p = tmp_path / "l.npy"
     np.save(p, arr)
@@ -136,18 +155,28 @@ def _profile_json() -> dict:
     from dcparallel.spec import llama_like
 
     m = llama_like("m", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
-    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6,
-         "feasible": True}
-    p = Profile(fingerprint={}, model=m, world_size=1, gpus_per_node=1, model_state_bytes=1e6, grad_sync_s=0.0,
-                buckets=[{"key": "t64", "size": 64, "tokens": 64}], entries=[e])
+    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
+    p = Profile(
+        fingerprint={},
+        model=m,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=1e6,
+        grad_sync_s=0.0,
+        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
+        entries=[e],
+    )
     return p.to_json()
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("time_s", -0.5, "has time_s = -0.5; times and memory must be finite and >= 0"),
-    ("time_s", float("nan"), "has time_s = nan"),
-    ("memory_bytes", None, "is feasible but has no memory_bytes"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("time_s", -0.5, "has time_s = -0.5; times and memory must be finite and >= 0"),
+        ("time_s", float("nan"), "has time_s = nan"),
+        ("memory_bytes", None, "is feasible but has no memory_bytes"),
+    ],
+)
 def test_profile_with_negative_nan_or_missing_entries_is_refused(field, value, message):
     d = _profile_json()
     d["entries"][0][field] = value
@@ -180,8 +209,14 @@ def test_sizes_far_beyond_the_profile_warn_with_the_range(caplog):
 
 def _cfg(tmp_path, **train) -> Config:
     t = {"tokens_per_step": 1500, "max_steps": 5, "out_dir": str(tmp_path / "run"), "checkpoint_every": 2, **train}
-    return Config.from_dict({"model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
-                             "data": {"num_samples": 30}, "train": t, "profile": {"cost": "analytic"}})
+    return Config.from_dict(
+        {
+            "model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
+            "data": {"num_samples": 30},
+            "train": t,
+            "profile": {"cost": "analytic"},
+        }
+    )
 
 
 def _metrics(out) -> list[dict]:
@@ -223,8 +258,11 @@ def test_resumed_run_is_bit_identical_and_a_finished_run_says_so(tmp_path, refer
 
 def test_config_mismatch_is_refused_with_the_difference_unless_resume_anyway(tmp_path, caplog):
     assert run(_cfg(tmp_path, max_steps=2)) == 0
-    with pytest.raises(ValueError, match=r"written under another config: train.lr: checkpoint 0.003, now 0.01; "
-                                         r"train.tokens_per_step: checkpoint 1500, now 1400"):
+    with pytest.raises(
+        ValueError,
+        match=r"written under another config: train.lr: checkpoint 0.003, now 0.01; "
+        r"train.tokens_per_step: checkpoint 1500, now 1400",
+    ):
         run(_cfg(tmp_path, max_steps=3, lr=0.01, tokens_per_step=1400))
     with caplog.at_level(logging.WARNING, logger="dcparallel.train"):
         assert run(_cfg(tmp_path, max_steps=3, lr=0.01, resume_anyway=True)) == 0
@@ -313,8 +351,9 @@ def test_profile_cache_keeps_every_world_size(tmp_path):
             return Profile.from_json({**_profile_json(), "fingerprint": {"world_size": 1}}), None
 
     path = tmp_path / "profile.json"
-    (tmp_path / "profile.json").write_text(json.dumps({**_profile_json(), "world_size": 2,
-                                                       "fingerprint": {"world_size": 2}}))
+    (tmp_path / "profile.json").write_text(
+        json.dumps({**_profile_json(), "world_size": 2, "fingerprint": {"world_size": 2}})
+    )
     prof, _ = load_or_profile(path, Stub(), [64])
     assert Stub.calls == 1 and prof.world_size == 1
     assert Profile.load(world_path(path, 2)).world_size == 2  # not destroyed
@@ -328,8 +367,11 @@ def test_oversize_sample_is_refused_before_profiling_in_train_and_demo(tmp_path)
     lengths = tmp_path / "l.txt"
     lengths.write_text("100\n300000000\n")
     cfg = Config.from_dict({"data": {"lengths": str(lengths)}, "train": {"out_dir": str(tmp_path / "run")}})
-    with pytest.raises(ValueError, match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout: even at "
-                                         r"SP=1 with full recomputation it needs .* GiB per rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 \(size 300000000, 300000000 tokens\) fits no layout: even at "
+        r"SP=1 with full recomputation it needs .* GiB per rank",
+    ):
         run(cfg)
     assert not (tmp_path / "run" / "profile.json").exists()
     from dcparallel.apps.demo import _check_fits
@@ -345,7 +387,14 @@ def test_planning_an_epoch_can_show_progress(capsys):
 
     spec = llama_like("m", num_layers=2, hidden=32, num_heads=2, ffn_hidden=64, vocab_size=64)
     cl = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=2**30, intra_bw=1e10, inter_bw=1e10)
-    ld = DataCentricLoader(list(range(50)), [20 + i for i in range(50)], cost=AnalyticCost(spec, cl), cluster=cl,
-                           tokens_per_step=300, rank=0, world_size=2)
+    ld = DataCentricLoader(
+        list(range(50)),
+        [20 + i for i in range(50)],
+        cost=AnalyticCost(spec, cl),
+        cluster=cl,
+        tokens_per_step=300,
+        rank=0,
+        world_size=2,
+    )
     assert [p.sample_ids for p in ld.plans(progress=True)] == [p.sample_ids for p in ld.plans()]
     assert "planning epoch 0 (dcp): 100%" in capsys.readouterr().err

@@ -15,8 +15,14 @@ from tests.faults import run  # dcparallel train's run
 
 def _cfg(tmp_path, **train) -> Config:
     t = {"tokens_per_step": 1500, "out_dir": str(tmp_path / "run"), "lr": 1e-3, **train}
-    return Config.from_dict({"model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
-                             "data": {"num_samples": 40}, "train": t, "profile": {"cost": "analytic"}})
+    return Config.from_dict(
+        {
+            "model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
+            "data": {"num_samples": 40},
+            "train": t,
+            "profile": {"cost": "analytic"},
+        }
+    )
 
 
 def _lrs(tmp_path) -> list[float]:
@@ -25,9 +31,12 @@ def _lrs(tmp_path) -> list[float]:
 
 def test_changed_max_steps_with_a_cosine_lr_is_refused_then_resumed_anyway(tmp_path, caplog):
     assert run(_cfg(tmp_path, max_steps=2, schedule="cosine")) == 0
-    with pytest.raises(ValueError, match=r"the run's length changed \(epochs 1 -> 1, max_steps 2 -> 4\): it now ends "
-                                         r"at step 4, not 2, and the cosine lr of step 3 would jump from 0 to "
-                                         r"0\.0005\. Resume with the same epochs and max_steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"the run's length changed \(epochs 1 -> 1, max_steps 2 -> 4\): it now ends "
+        r"at step 4, not 2, and the cosine lr of step 3 would jump from 0 to "
+        r"0\.0005\. Resume with the same epochs and max_steps",
+    ):
         run(_cfg(tmp_path, max_steps=4, schedule="cosine"))
     with caplog.at_level(logging.WARNING, logger="dcparallel.train"):
         assert run(_cfg(tmp_path, max_steps=4, schedule="cosine", resume_anyway=True)) == 0

@@ -12,8 +12,10 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.ring import split_time
 from dcparallel.spec import h200_cluster, llama_like
 
-LLAMA_8B = dataclasses.replace(llama_like("llama-8b", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=14336,
-                                          vocab_size=128256), num_kv_heads=8)
+LLAMA_8B = dataclasses.replace(
+    llama_like("llama-8b", num_layers=32, hidden=4096, num_heads=32, ffn_hidden=14336, vocab_size=128256),
+    num_kv_heads=8,
+)
 
 
 def _pcie(world: int, bw: float = 25e9):
@@ -23,8 +25,11 @@ def _pcie(world: int, bw: float = 25e9):
 
 def _times(cost: AnalyticCost, n: int, sp: int) -> dict[tuple[int, int], float]:
     m = cost.model
-    return {(u, sp // u): split_time(m, cost.cluster, u, sp // u, n, m.attention_pairs(n), cost._attn).seconds
-            for u in (1, 2, 4, 8, 16) if sp % u == 0}
+    return {
+        (u, sp // u): split_time(m, cost.cluster, u, sp // u, n, m.attention_pairs(n), cost._attn).seconds
+        for u in (1, 2, 4, 8, 16)
+        if sp % u == 0
+    }
 
 
 def test_pcie_links_pick_ring_for_a_long_sample_where_ulysses_loses():

@@ -33,8 +33,9 @@ def _cpu_flash() -> ring_fused.FusedKernel:
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
     def backward(dout, q, k, v, bias, out, lse, scale):
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
-                                                                        attn_mask=bias, scale=scale)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+        )
 
     return ring_fused.FusedKernel("cpu-flash", forward, backward)
 
@@ -60,7 +61,7 @@ def test_fused_wrapper_matches_the_fp32_block_attention(kind, kv_heads):
     k, v, k2, v2 = (torch.randn(b, lk, kv_heads, d, generator=g) for _ in range(4))
     mask, other = _masks(lq, lk, g)[kind], torch.ones(lq, lk, dtype=torch.bool)
     other[1] = False  # under the pair mask, query row 1 sees no key of either block
-    kernel, scale = _cpu_flash(), d ** -0.5
+    kernel, scale = _cpu_flash(), d**-0.5
 
     o, lse = ring_fused.fused_attend(kernel, q, k, v, mask, scale)
     want_o, want_lse = attend_block(q, k, v, mask, scale)

@@ -106,8 +106,9 @@ def _simulate(capsys, tmp_path, lines, *args) -> dict:
 
 @pytest.mark.parametrize("world", [64, 128])
 def test_simulate_plans_a_1m_token_llama_8b_sample_past_its_32_heads(capsys, tmp_path, world):
-    out = _simulate(capsys, tmp_path, [1 << 20], "--model", "llama-8b", "--world", str(world), "--ring",
-                    "--policy", "dcp")
+    out = _simulate(
+        capsys, tmp_path, [1 << 20], "--model", "llama-8b", "--world", str(world), "--ring", "--policy", "dcp"
+    )
     splits = out["policies"]["dcp"]["ring_splits"]
     # one micro-batch, on 64 ranks at 64 GPUs and on all 128 at 128 (its step has nothing else)
     assert splits == {f"SP {world} = 8u×{world // 8}r": 1}, splits
@@ -116,8 +117,9 @@ def test_simulate_plans_a_1m_token_llama_8b_sample_past_its_32_heads(capsys, tmp
 def test_plan_prints_the_split(capsys, tmp_path):
     path = tmp_path / "one.txt"
     path.write_text(f"{1 << 20}\n")
-    assert main(["plan", "--model", "llama-8b", "--lengths", str(path), "--world", "64", "--ring",
-                 "--policy", "dcp"]) == 0
+    assert (
+        main(["plan", "--model", "llama-8b", "--lengths", str(path), "--world", "64", "--ring", "--policy", "dcp"]) == 0
+    )
     assert "1 sample at SP 64 = 8u×8r, recompute" in capsys.readouterr().out
 
 
@@ -138,8 +140,22 @@ def test_dcp_is_at_least_as_fast_as_megatron_dcp_with_ring_on_a_long_mix(capsys,
     the ring topology's sizes, each micro-batch at its best split), so both policies plan
     with the same sizes and prices; dcp's plans are predicted no slower."""
     lines = [1 << 20, 700_000, 400_000] + [2048 << (i % 6) for i in range(150)]
-    out = _simulate(capsys, tmp_path, lines, "--model", "llama-8b", "--world", "64", "--ring",
-                    "--tokens-per-step", "3000000", "--policy", "dcp", "--policy", "megatron-dcp")
+    out = _simulate(
+        capsys,
+        tmp_path,
+        lines,
+        "--model",
+        "llama-8b",
+        "--world",
+        "64",
+        "--ring",
+        "--tokens-per-step",
+        "3000000",
+        "--policy",
+        "dcp",
+        "--policy",
+        "megatron-dcp",
+    )
     dcp, meg = out["policies"]["dcp"], out["policies"]["megatron-dcp"]
     assert max(int(w.split()[1]) for w in meg["ring_splits"]) == 64  # megatron-dcp went past 32 heads
     assert dcp["epoch_time_s"] <= meg["epoch_time_s"], (dcp["epoch_time_s"], meg["epoch_time_s"])
@@ -157,14 +173,30 @@ def _two_head_profile() -> Profile:
         for sp in (1, 2, 4):
             for mode, tf, mf in (("none", 1.0, 1.0), ("full", 1.3, 0.2)):
                 fits = tok < 4000 or sp == 4
-                entries.append({"bucket": key, "sp": sp, "mbs": 1, "recompute": mode,
-                                "time_s": 1e-3 * tok / sp * tf + 0.01 * (sp == 4),
-                                "memory_bytes": 100.0 * tok / sp * mf,
-                                "feasible": fits, **({} if fits else {"reason": "over_budget"})})
-    return Profile.from_json(Profile(
-        fingerprint={"world_size": 4}, model=TWO_HEADS, world_size=4, gpus_per_node=4, model_state_bytes=1e4,
-        grad_sync_s=1e-3, buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
-        entries=entries).to_json())
+                entries.append(
+                    {
+                        "bucket": key,
+                        "sp": sp,
+                        "mbs": 1,
+                        "recompute": mode,
+                        "time_s": 1e-3 * tok / sp * tf + 0.01 * (sp == 4),
+                        "memory_bytes": 100.0 * tok / sp * mf,
+                        "feasible": fits,
+                        **({} if fits else {"reason": "over_budget"}),
+                    }
+                )
+    return Profile.from_json(
+        Profile(
+            fingerprint={"world_size": 4},
+            model=TWO_HEADS,
+            world_size=4,
+            gpus_per_node=4,
+            model_state_bytes=1e4,
+            grad_sync_s=1e-3,
+            buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
+            entries=entries,
+        ).to_json()
+    )
 
 
 def test_a_profiled_cost_prices_sizes_past_the_heads_at_their_measured_split():

@@ -29,8 +29,14 @@ def test_rollout_lengths_follow_the_scenario_bounds_in_generation_order():
 
 def test_token_budget_deals_equal_counts_and_runs_equal_micro_batch_counts():
     world = 4
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=1_200_000, intra_bw=300e9,
-                          inter_bw=300e9, intra_latency=1e-5)
+    cluster = ClusterSpec(
+        world_size=world,
+        gpus_per_node=world,
+        memory_bytes=1_200_000,
+        intra_bw=300e9,
+        inter_bw=300e9,
+        intra_latency=1e-5,
+    )
     rng = np.random.default_rng(0)
     lengths = [int(n) for n in np.where(rng.random(37) < 0.15, rng.integers(480, 580, 37), rng.integers(8, 250, 37))]
     ctx = PlanContext(Workload(SPEC, tuple(lengths)), AnalyticCost(SPEC, cluster), cluster)

@@ -41,7 +41,7 @@ def test_plans_with_layouts_kept_equal_plans_from_scratch(world, n, policy):
     lengths = rl.rollout_lengths(4 * n, seed=world)
     finer = []
     for k in range(4):
-        step = lengths[k * n:(k + 1) * n][: n - 7 * k]  # steps of different sizes too
+        step = lengths[k * n : (k + 1) * n][: n - 7 * k]  # steps of different sizes too
         kept_before = set(planner._layouts)
         plan, _ = planner.plan_step(step, k)
         want, opened = _from_scratch(step, k, world, policy)

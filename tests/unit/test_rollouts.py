@@ -30,15 +30,25 @@ SPEC = llama_like("tiny-llama", num_layers=3, hidden=32, num_heads=4, ffn_hidden
 def _rollout(n: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, generator=g) < 0.7
-    return {"input_ids": torch.randint(0, 64, (n,), generator=g), "loss_mask": mask,
-            "adv": torch.randn(n, generator=g), "pair": torch.randn(n, 2, generator=g).to(torch.bfloat16)}
+    return {
+        "input_ids": torch.randint(0, 64, (n,), generator=g),
+        "loss_mask": mask,
+        "adv": torch.randn(n, generator=g),
+        "pair": torch.randn(n, 2, generator=g).to(torch.bfloat16),
+    }
 
 
 def _play_step(holdings: list[list[int]], world: int, policy: str) -> tuple[dict, dict]:
     """Plans one step over the ranks' rollouts and plays its all-to-all: returns every
     rank's batches and the rollouts by global id."""
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9,
-                          intra_latency=1e-5)
+    cluster = ClusterSpec(
+        world_size=world,
+        gpus_per_node=world,
+        memory_bytes=1_200_000,
+        intra_bw=300e9,
+        inter_bw=300e9,
+        intra_latency=1e-5,
+    )
     planner = RolloutPlanner(AnalyticCost(SPEC, cluster), cluster, policy)
     held = [[_rollout(n, 1000 * r + j) for j, n in enumerate(lens)] for r, lens in enumerate(holdings)]
     everyone = [read_rollouts(h) for h in held]
@@ -60,9 +70,13 @@ def _play_step(holdings: list[list[int]], world: int, policy: str) -> tuple[dict
 
 
 @settings(max_examples=25, deadline=None)
-@given(world=st.sampled_from([2, 4]), policy=st.sampled_from(["dcp", "bucket", "packed"]),
-       holdings=st.lists(st.lists(st.one_of(st.integers(2, 200), st.integers(480, 580)), max_size=6),
-                         min_size=4, max_size=4))
+@given(
+    world=st.sampled_from([2, 4]),
+    policy=st.sampled_from(["dcp", "bucket", "packed"]),
+    holdings=st.lists(
+        st.lists(st.one_of(st.integers(2, 200), st.integers(480, 580)), max_size=6), min_size=4, max_size=4
+    ),
+)
 def test_every_rollout_is_trained_exactly_once_whatever_the_holdings(world, policy, holdings):
     holdings = holdings[:world]
     if not any(holdings):
@@ -118,8 +132,9 @@ def test_forward_only_costs_keep_no_activations_and_pack_bigger_micro_batches():
     from dcparallel.plan.context import PlanContext
     from dcparallel.spec import Recompute, Workload
 
-    cluster = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9,
-                          intra_latency=1e-5)
+    cluster = ClusterSpec(
+        world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9, intra_latency=1e-5
+    )
     base = AnalyticCost(SPEC, cluster)
     fwd = ForwardOnlyCost(base)
     full = Recompute(SPEC.num_layers, SPEC.num_layers)
@@ -140,8 +155,9 @@ def test_forward_only_costs_keep_no_activations_and_pack_bigger_micro_batches():
 
 
 def test_a_longest_rollout_that_fits_no_layout_is_refused_before_any_step():
-    cluster = ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9,
-                          intra_latency=1e-5)
+    cluster = ClusterSpec(
+        world_size=2, gpus_per_node=2, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9, intra_latency=1e-5
+    )
     cost = AnalyticCost(SPEC, cluster)
     RolloutPlanner(cost, cluster, "dcp", max_tokens=600)
     with pytest.raises(ValueError, match="max_tokens=5000: sample 0 .* fits no layout"):

@@ -133,9 +133,7 @@ def test_text_batch_shifts_before_sharding_and_keeps_global_positions():
         row(lambda b: b.positions)[:seq_len],
         torch.cat([torch.arange(data.docs[s].numel()) for s in (2, 0, 1)]),
     )
-    assert (row(lambda b: b.token_sample)[seq_len:] == -1).all() and not row(lambda b: b.loss_mask)[
-        seq_len:
-    ].any()
+    assert (row(lambda b: b.token_sample)[seq_len:] == -1).all() and not row(lambda b: b.loss_mask)[seq_len:].any()
     assert shards[0].num_targets == tuple(int((data.labels[s] != -100).sum()) for s in (2, 0, 1))
     assert int(row(lambda b: b.loss_mask).sum()) == sum(shards[0].num_targets)
     full = torch.arange(seq_len)

@@ -27,8 +27,9 @@ def test_dcp_inter_pac_never_slower_than_bucket(scenario, distribution):
     sizes = sample_sizes(scenario, distribution, num_samples=600 if scenario == "text" else 400)
     w = Workload(sc.model, tuple(sizes))
     tps = sum(w.tokens) // 8  # eight steps
-    _, steps, runs, bound = run_policies(w, AnalyticCost(sc.model, cl), cl, ["bucket", "dcp-inter-pac"],
-                                         tokens_per_step=tps)
+    _, steps, runs, bound = run_policies(
+        w, AnalyticCost(sc.model, cl), cl, ["bucket", "dcp-inter-pac"], tokens_per_step=tps
+    )
     s = summary(w, runs, bound)
     for v in s.values():
         assert v["samples_planned"] == len(sizes) and v["samples_dropped"] == 0 and v["samples_repeated"] == 0
@@ -52,8 +53,13 @@ def test_lengths_files(tmp_path):
     assert read_lengths(p) == [(51, 240, 426), (1, 720, 1280)]
     np.save(tmp_path / "a.npy", np.array([[17, 100, 200], [1, 64, 64]]))
     assert read_lengths(tmp_path / "a.npy") == [(17, 100, 200), (1, 64, 64)]
-    for text, msg in [("1 2\n", "`tokens` or `frames height width`"), ("abc\n", "expected integers"),
-                      ("0\n", "positive integer"), ("", "holds no samples"), ("5\n1 64 64\n", "mixes")]:
+    for text, msg in [
+        ("1 2\n", "`tokens` or `frames height width`"),
+        ("abc\n", "expected integers"),
+        ("0\n", "positive integer"),
+        ("", "holds no samples"),
+        ("5\n1 64 64\n", "mixes"),
+    ]:
         p.write_text(text)
         with pytest.raises(ValueError, match=msg):
             read_lengths(p)
@@ -62,6 +68,7 @@ def test_lengths_files(tmp_path):
 
 
 # -- the realistic mixes ---------------------------------------------------------------
+
 
 def test_mixes_are_deterministic_and_seeded():
     for name, mix in MIXES.items():
@@ -116,8 +123,16 @@ def test_simulate_takes_a_mix_by_name():
 
     from dcparallel.apps.simulate import _setup
 
-    ns = argparse.Namespace(scenario=None, distribution="video-mix", lengths=None, world=8, gpus_per_node=8,
-                            seed=0, tokens_per_step=None, profile=None)
+    ns = argparse.Namespace(
+        scenario=None,
+        distribution="video-mix",
+        lengths=None,
+        world=8,
+        gpus_per_node=8,
+        seed=0,
+        tokens_per_step=None,
+        profile=None,
+    )
     name, workload, cluster, _, _ = _setup(ns)
     assert name == "video-mix" and ns.scenario == "video" and workload.model.kind == "video"
     assert list(workload.sizes) == sample_sizes("video", "video-mix")

@@ -21,8 +21,12 @@ WORLD = 8
 #: (scenario, mix, the 32-GPU step budget divided by): at 8 GPUs, image-bucket steps of about 9
 #: samples per GPU over tens of shapes and video steps of about 2 (the scale report's strong
 #: 256-GPU cells, reduced); the text mixes at a few samples per GPU
-CELLS = [("video", "image-buckets", 32), ("video", "opensora-stage3", 32), ("text", "long-cpt", 32),
-         ("text", "sft-chat-long", 64)]
+CELLS = [
+    ("video", "image-buckets", 32),
+    ("video", "opensora-stage3", 32),
+    ("text", "long-cpt", 32),
+    ("text", "sft-chat-long", 64),
+]
 POLICIES = ["dcp", "bucket", "packed", "megatron-dcp", "hbp"]
 
 

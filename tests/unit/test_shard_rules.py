@@ -12,15 +12,18 @@ from dcparallel.runtime.sharded import check_group
 from dcparallel.spec import ClusterSpec, Layout, check_shard_size
 
 
-@pytest.mark.parametrize("world,gpn,s", [(8, 8, 1), (8, 8, 2), (8, 8, 4), (8, 8, 8), (16, 8, 16), (32, 8, 16),
-                                         (12, 6, 2), (12, 6, 6), (12, 6, 12)])
+@pytest.mark.parametrize(
+    "world,gpn,s",
+    [(8, 8, 1), (8, 8, 2), (8, 8, 4), (8, 8, 8), (16, 8, 16), (32, 8, 16), (12, 6, 2), (12, 6, 6), (12, 6, 12)],
+)
 def test_shard_sizes_that_cut_the_world_into_aligned_blocks_are_accepted(world, gpn, s):
     assert ClusterSpec(world_size=world, gpus_per_node=gpn, shard_size=s).shard_size == s
     assert check_shard_size(s, world, gpn) == s
 
 
-@pytest.mark.parametrize("world,gpn,s", [(8, 8, 3), (8, 8, 0), (8, 8, 16), (12, 6, 3), (12, 6, 4), (24, 8, 16),
-                                         (8, 8, 2.0)])
+@pytest.mark.parametrize(
+    "world,gpn,s", [(8, 8, 3), (8, 8, 0), (8, 8, 16), (12, 6, 3), (12, 6, 4), (24, 8, 16), (8, 8, 2.0)]
+)
 def test_other_shard_sizes_are_refused(world, gpn, s):
     with pytest.raises(ValueError, match="shard_size"):
         ClusterSpec(world_size=world, gpus_per_node=gpn, shard_size=s)
@@ -33,15 +36,18 @@ def _plan(*groups: tuple[int, ...]) -> StepPlan:
     return StepPlan(0, tuple(range(len(groups))), gs, len(groups))
 
 
-@pytest.mark.parametrize("groups,s,ok", [
-    (((0, 1), (2, 3)), 2, True),
-    (((0, 1, 2, 3),), 2, True),
-    (((0, 1, 2, 3),), 4, True),
-    (((0,), (1,), (2, 3)), 2, False),          # SP 1 < shard size
-    (((0, 1), (2, 3)), 4, False),              # SP 2 < shard size 4
-    (((0,), (1, 2), (3,)), 2, False),          # (1, 2) straddles two blocks
-    (((0,), (1,), (2,), (3,)), 1, True),       # no sharding: any plan
-])
+@pytest.mark.parametrize(
+    "groups,s,ok",
+    [
+        (((0, 1), (2, 3)), 2, True),
+        (((0, 1, 2, 3),), 2, True),
+        (((0, 1, 2, 3),), 4, True),
+        (((0,), (1,), (2, 3)), 2, False),  # SP 1 < shard size
+        (((0, 1), (2, 3)), 4, False),  # SP 2 < shard size 4
+        (((0,), (1, 2), (3,)), 2, False),  # (1, 2) straddles two blocks
+        (((0,), (1,), (2,), (3,)), 1, True),  # no sharding: any plan
+    ],
+)
 def test_plans_splitting_a_shard_block_are_refused(groups, s, ok):
     plan = _plan(*groups)
     if ok:

@@ -31,11 +31,16 @@ LLAMA_70B = MODEL_PRESETS["llama-70b"]
 # ---------------------------------------------------------------- the cluster and the topology
 
 
-@pytest.mark.parametrize("world,gpn,s,needed", [
-    (8, 8, 3, "a power of two"), (8, 8, 16, "a divisor of the world size 8"),
-    (12, 6, 4, "a power of two dividing the 6 GPUs per node"),
-    (8, 8, 0, "a positive integer"), (32, 8, 64, "a divisor of the world size 32"),
-])
+@pytest.mark.parametrize(
+    "world,gpn,s,needed",
+    [
+        (8, 8, 3, "a power of two"),
+        (8, 8, 16, "a divisor of the world size 8"),
+        (12, 6, 4, "a power of two dividing the 6 GPUs per node"),
+        (8, 8, 0, "a positive integer"),
+        (32, 8, 64, "a divisor of the world size 32"),
+    ],
+)
 def test_a_shard_size_the_cluster_cannot_tile_is_refused_with_the_sizes_it_allows(world, gpn, s, needed):
     with pytest.raises(ValueError, match=needed) as e:
         ClusterSpec(world_size=world, gpus_per_node=gpn, shard_size=s)
@@ -107,6 +112,7 @@ def test_more_smaller_micro_batches_cost_more_under_sharding_and_the_sync_shrink
     assert sharded.terms_copies(16, 1, 8).time(none) > m.num_layers * 2 * (2 * layer * 7 / 8) / 315e9
     # each rank syncs 1/s of the gradients over the replicas: less than half an all-reduce of them all
     from dcparallel.cost.base import allreduce_time
+
     assert 0 < grad_sync_time(m, sharded.cluster) < allreduce_time(plain.cluster, 4.0 * m.trainable_params) / 2
     # a block larger than a node pays the inter-node link
     wide = AnalyticCost(m, h200_cluster(64, shard_size=16))
@@ -122,8 +128,9 @@ def test_the_replica_sync_is_the_hierarchical_all_reduce_of_a_shard():
     # blocks of 2 on 8-GPU nodes: 4 replicas per node, 8 nodes; blocks of a node: a ring over 8 nodes
     two, node = h200_cluster(64, shard_size=2), h200_cluster(64, shard_size=8)
     intra = 2 * 3 / 4 * 1e9 / two.intra_bw + 6 * two.intra_latency
-    assert replica_sync_time(two, 1e9) == pytest.approx(intra + 2 * 7 / 8 * 1e9 / 4 / two.inter_bw
-                                                        + 14 * two.inter_latency)
+    assert replica_sync_time(two, 1e9) == pytest.approx(
+        intra + 2 * 7 / 8 * 1e9 / 4 / two.inter_bw + 14 * two.inter_latency
+    )
     assert replica_sync_time(node, 1e9) == pytest.approx(2 * 7 / 8 * 1e9 / node.inter_bw + 14 * node.inter_latency)
     assert replica_sync_time(h200_cluster(8, shard_size=8), 1e9) == 0.0  # one block: no replica
 
@@ -166,8 +173,10 @@ def test_auto_picks_a_shard_size_for_70b_on_64_h200_and_1_for_8b():
     smaller = AnalyticCost(LLAMA_70B, dataclasses.replace(c64, shard_size=s // 2))
     top = Topology.of(smaller.cluster, LLAMA_70B.num_heads)
     L = LLAMA_70B.num_layers
-    assert (smaller.terms((min(sizes),), top.sizes[0]).memory(Recompute(L, L)) > c64.memory_bytes
-            or smaller.terms((max(sizes),), top.sizes[-1]).memory(Recompute(L, L)) > c64.memory_bytes)
+    assert (
+        smaller.terms((min(sizes),), top.sizes[0]).memory(Recompute(L, L)) > c64.memory_bytes
+        or smaller.terms((max(sizes),), top.sizes[-1]).memory(Recompute(L, L)) > c64.memory_bytes
+    )
     assert auto_shard_size(MODEL_PRESETS["llama-8b"], c64, sizes) == 1
     assert auto_shard_size(LLAMA_70B, c64) <= s  # states alone need no more
 
@@ -223,8 +232,9 @@ def test_no_policy_plans_a_group_smaller_than_the_shard_size_or_unaligned(data):
     gpn = data.draw(st.sampled_from([4, 8, 12]))
     if world > gpn and world % gpn or world < gpn:
         world = gpn
-    s = data.draw(st.sampled_from([k for k in ClusterSpec(world_size=world, gpus_per_node=gpn).shard_sizes()
-                                   if k > 1 and k <= 8]))
+    s = data.draw(
+        st.sampled_from([k for k in ClusterSpec(world_size=world, gpus_per_node=gpn).shard_sizes() if k > 1 and k <= 8])
+    )
     policy = data.draw(st.sampled_from(POLICIES if world <= 8 else POLICIES[:-1]))
     n = data.draw(st.integers(3, 40))
     if gpn == 12:
@@ -296,8 +306,23 @@ def _simulate_json(capsys, *args: str) -> dict:
 
 
 def test_simulate_llama_70b_on_64_gpus_with_auto_shard_size(capsys):
-    out = _simulate_json(capsys, "--model", "llama-70b", "--world", "64", "--shard-size", "auto", "--max-steps",
-                         "2", "--tokens-per-step", str(2**20), "--policy", "dcp", "--policy", "bucket")
+    out = _simulate_json(
+        capsys,
+        "--model",
+        "llama-70b",
+        "--world",
+        "64",
+        "--shard-size",
+        "auto",
+        "--max-steps",
+        "2",
+        "--tokens-per-step",
+        str(2**20),
+        "--policy",
+        "dcp",
+        "--policy",
+        "bucket",
+    )
     assert out["model"] == "llama-70b" and out["num_params"] == LLAMA_70B.num_params
     assert out["shard_size"] > 1 and out["shard_size_auto"] is True
     assert out["model_state_bytes"] < out["peak_memory_bytes"] <= out["memory_bytes"]
@@ -307,8 +332,21 @@ def test_simulate_llama_70b_on_64_gpus_with_auto_shard_size(capsys):
 
 
 def test_simulate_an_explicit_shard_size_and_refuse_a_bad_one(capsys):
-    out = _simulate_json(capsys, "--model", "wan-14b", "--world", "16", "--shard-size", "4", "--max-steps", "1",
-                         "--tokens-per-step", str(2**20), "--policy", "dcp")
+    out = _simulate_json(
+        capsys,
+        "--model",
+        "wan-14b",
+        "--world",
+        "16",
+        "--shard-size",
+        "4",
+        "--max-steps",
+        "1",
+        "--tokens-per-step",
+        str(2**20),
+        "--policy",
+        "dcp",
+    )
     assert out["shard_size"] == 4 and out["shard_size_auto"] is False and out["scenario"] == "video"
     from dcparallel.apps.cli import main
 
@@ -322,8 +360,18 @@ def test_simulate_from_a_profile_at_a_shard_size(tmp_path, capsys):
     prof, lengths = tmp_path / "p.json", tmp_path / "lengths.txt"
     prof.write_text(json.dumps(_profile()))
     lengths.write_text("\n".join(str(600 + 37 * i) for i in range(40)))
-    common = ["--profile", str(prof), "--lengths", str(lengths), "--world", "2", "--gpus-per-node", "2",
-              "--policy", "dcp"]
+    common = [
+        "--profile",
+        str(prof),
+        "--lengths",
+        str(lengths),
+        "--world",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--policy",
+        "dcp",
+    ]
     one = _simulate_json(capsys, *common)
     two = _simulate_json(capsys, *common, "--shard-size", "2")
     assert one["shard_size"] == 1 and two["shard_size"] == 2
@@ -338,8 +386,14 @@ def test_simulate_from_a_profile_at_a_shard_size(tmp_path, capsys):
 
 def test_simulate_a_transformers_config_built_on_the_meta_device(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=1000)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     path = tmp_path / "tiny" / "config.json"
     path.parent.mkdir()
     path.write_text(json.dumps(cfg.to_dict()))
@@ -349,8 +403,21 @@ def test_simulate_a_transformers_config_built_on_the_meta_device(tmp_path, capsy
         expected = sum(p.numel() for p in transformers.LlamaForCausalLM(cfg).parameters())
     # q (256 x 256), k, v (256 x 64), o; gate, up, down (256 x 688); two norms; embeddings, head, final norm
     assert expected == 4 * (2 * 256 * 256 + 2 * 256 * 64 + 3 * 256 * 688 + 2 * 256) + 2 * 1000 * 256 + 256
-    out = _simulate_json(capsys, "--model-config", str(path), "--world", "8", "--shard-size", "2", "--max-steps",
-                         "1", "--tokens-per-step", str(2**18), "--policy", "dcp")
+    out = _simulate_json(
+        capsys,
+        "--model-config",
+        str(path),
+        "--world",
+        "8",
+        "--shard-size",
+        "2",
+        "--max-steps",
+        "1",
+        "--tokens-per-step",
+        str(2**18),
+        "--policy",
+        "dcp",
+    )
     assert out["model"] == "tiny" and out["num_params"] == expected and out["shard_size"] == 2
 
 
@@ -359,13 +426,31 @@ def test_the_text_presets_match_transformers_models_built_on_the_meta_device(tmp
     from dcparallel.apps.model_config import spec_from_config
 
     configs = {
-        "llama-8b": transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-        "llama-70b": transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                              num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
-        "qwen-32b": transformers.Qwen2Config(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                                             num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
-                                             tie_word_embeddings=False),
+        "llama-8b": transformers.LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
+        "llama-70b": transformers.LlamaConfig(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
+        "qwen-32b": transformers.Qwen2Config(
+            hidden_size=5120,
+            intermediate_size=27648,
+            num_hidden_layers=64,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+        ),
     }
     for name, cfg in configs.items():
         path = tmp_path / f"{name}.json"
@@ -380,9 +465,21 @@ def test_the_video_presets_match_diffusers_models_built_on_the_meta_device(tmp_p
 
     from dcparallel.apps.model_config import spec_from_config
 
-    wan = dict(_class_name="WanTransformer3DModel", patch_size=[1, 2, 2], num_attention_heads=40,
-               attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
-               num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    wan = dict(
+        _class_name="WanTransformer3DModel",
+        patch_size=[1, 2, 2],
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )
     path = tmp_path / "wan.json"
     path.write_text(json.dumps(wan))
     assert spec_from_config(path, name="wan-14b") == MODEL_PRESETS["wan-14b"]

@@ -16,11 +16,16 @@ def test_step_time_idle_and_timeline_by_hand():
     c = cost(TINY_LM, cl)
     w = Workload(TINY_LM, (4000, 1000, 1000, 8000))
     ctx = PlanContext(w, c, cl)
-    plan = StepPlan(0, (0, 1, 2, 3), (
-        GroupPlan((0, 1), (MicroBatch((3,), Layout(2, 1)),)),
-        GroupPlan((2,), (MicroBatch((0,), Layout(1, 1)), MicroBatch((1, 2), Layout(1, 2)))),
-        GroupPlan((3,), ()),
-    ), num_tokens=14000)
+    plan = StepPlan(
+        0,
+        (0, 1, 2, 3),
+        (
+            GroupPlan((0, 1), (MicroBatch((3,), Layout(2, 1)),)),
+            GroupPlan((2,), (MicroBatch((0,), Layout(1, 1)), MicroBatch((1, 2), Layout(1, 2)))),
+            GroupPlan((3,), ()),
+        ),
+        num_tokens=14000,
+    )
     t_long = ctx.mb_time((3,), Layout(2, 1))
     t_a, t_b = ctx.mb_time((0,), Layout(1, 1)), ctx.mb_time((1, 2), Layout(1, 2))
     res = simulate([plan], ctx, overlap=False)
@@ -58,14 +63,19 @@ def test_two_phase_step_waits_per_group_not_per_phase():
     cl = cluster(4, 4)
     c = cost(TINY_LM, cl)
     ctx = PlanContext(Workload(TINY_LM, (8000, 1000, 3000, 500, 2000)), c, cl)
-    plan = StepPlan(0, (0, 1, 2, 3, 4), (
-        GroupPlan((0,), (MicroBatch((0,), Layout(1, 1)),)),
-        GroupPlan((1,), (MicroBatch((1,), Layout(1, 1)),)),
-        GroupPlan((2, 3), ()),
-        GroupPlan((0, 1), (MicroBatch((2,), Layout(2, 1, Recompute(4, 0))),), phase=1),
-        GroupPlan((2,), (MicroBatch((3,), Layout(1, 1)),), phase=1),
-        GroupPlan((3,), (MicroBatch((4,), Layout(1, 1)),), phase=1),
-    ), num_tokens=14500)
+    plan = StepPlan(
+        0,
+        (0, 1, 2, 3, 4),
+        (
+            GroupPlan((0,), (MicroBatch((0,), Layout(1, 1)),)),
+            GroupPlan((1,), (MicroBatch((1,), Layout(1, 1)),)),
+            GroupPlan((2, 3), ()),
+            GroupPlan((0, 1), (MicroBatch((2,), Layout(2, 1, Recompute(4, 0))),), phase=1),
+            GroupPlan((2,), (MicroBatch((3,), Layout(1, 1)),), phase=1),
+            GroupPlan((3,), (MicroBatch((4,), Layout(1, 1)),), phase=1),
+        ),
+        num_tokens=14500,
+    )
     plan.validate(4)
     t = {i: ctx.mb_time((i,), Layout(1, 1)) for i in (0, 1, 3, 4)}
     t2 = ctx.mb_time((2,), Layout(2, 1, Recompute(4, 0)))

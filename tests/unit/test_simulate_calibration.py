@@ -18,13 +18,22 @@ from tests.unit.test_profile import make_profiler
 def _args(tmp_path, sizes: list[str], **kw) -> argparse.Namespace:
     lengths = tmp_path / "l.txt"
     lengths.write_text("\n".join(sizes) + "\n")
-    base = {"scenario": None, "distribution": None, "lengths": lengths, "world": 8, "gpus_per_node": 8, "seed": 0,
-            "tokens_per_step": None, "profile": None}
+    base = {
+        "scenario": None,
+        "distribution": None,
+        "lengths": lengths,
+        "world": 8,
+        "gpus_per_node": 8,
+        "seed": 0,
+        "tokens_per_step": None,
+        "profile": None,
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kind,sizes,cal", [("text", ["512"] * 30 + ["8192"] * 4, "llama-7b"),
-                                            ("video", ["16 256 256"] * 12, "stdit-1.1b")])
+@pytest.mark.parametrize(
+    "kind,sizes,cal", [("text", ["512"] * 30 + ["8192"] * 4, "llama-7b"), ("video", ["16 256 256"] * 12, "stdit-1.1b")]
+)
 def test_analytic_numbers_name_their_calibration_files_gpu_and_missing_date(tmp_path, kind, sizes, cal):
     out = simulate_json(_args(tmp_path, sizes, tokens_per_step=2**17), ["packed"], progress=False)
     src = out["calibration"]

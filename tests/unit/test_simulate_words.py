@@ -32,8 +32,16 @@ def test_table_speaks_in_words_with_a_verdict_line(args, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("policy"))
-    for column in ("vs bucket", "tokens/s", "step time s", "ranks idle", "of lower bound", "planning ms/step",
-                   "peak memory", "layout"):
+    for column in (
+        "vs bucket",
+        "tokens/s",
+        "step time s",
+        "ranks idle",
+        "of lower bound",
+        "planning ms/step",
+        "peak memory",
+        "layout",
+    ):
         assert column in header, column
     assert "bound_eff" not in text and "{'sp'" not in text and "settings" not in header
     assert "for every sample, recompute" in text  # a static layout, in words
@@ -44,13 +52,34 @@ def test_table_speaks_in_words_with_a_verdict_line(args, capsys):
 
 def test_a_profile_gives_its_own_world_by_default(tmp_path, capsys):
     m = llama_like("m", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
-    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6,
-         "feasible": True}
-    Profile(fingerprint={}, model=m, world_size=1, gpus_per_node=1, model_state_bytes=1e6, grad_sync_s=0.0,
-            buckets=[{"key": "t64", "size": 64, "tokens": 64}], entries=[e]).save(tmp_path / "p.json")
+    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
+    Profile(
+        fingerprint={},
+        model=m,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=1e6,
+        grad_sync_s=0.0,
+        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
+        entries=[e],
+    ).save(tmp_path / "p.json")
     lengths = tmp_path / "l.txt"
     lengths.write_text("40\n64\n30\n")
-    assert main(["simulate", "--profile", str(tmp_path / "p.json"), "--lengths", str(lengths), "--tokens-per-step",
-                 "100", "--json", "--quiet"]) == 0  # no --world: the profile's
+    assert (
+        main(
+            [
+                "simulate",
+                "--profile",
+                str(tmp_path / "p.json"),
+                "--lengths",
+                str(lengths),
+                "--tokens-per-step",
+                "100",
+                "--json",
+                "--quiet",
+            ]
+        )
+        == 0
+    )  # no --world: the profile's
     out = json.loads(capsys.readouterr().out)
     assert (out["world"], out["gpus_per_node"]) == (1, 1)

@@ -24,8 +24,9 @@ TINY = llama_like("tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, 
 
 
 def _cluster(memory_mib: float) -> ClusterSpec:
-    return ClusterSpec(world_size=2, gpus_per_node=2, memory_bytes=int(memory_mib * 2**20), intra_bw=1e10,
-                       inter_bw=1e10)
+    return ClusterSpec(
+        world_size=2, gpus_per_node=2, memory_bytes=int(memory_mib * 2**20), intra_bw=1e10, inter_bw=1e10
+    )
 
 
 def test_oversize_error_names_the_train_keys_and_the_api_argument():
@@ -42,9 +43,12 @@ def test_model_states_beyond_the_budget_blame_the_states_not_a_sample():
     cl = _cluster(0.5)
     states = AnalyticCost(TINY, cl).model_state_bytes()
     assert states > cl.memory_bytes
-    with pytest.raises(NoLayoutFits, match=r"the model's own states \(parameters, gradients, optimizer shards\) "
-                                           r"need [0-9.]+ MiB per rank, [0-9.]+ [KM]iB more than the 512 KiB "
-                                           r"usable, before any sample") as e:
+    with pytest.raises(
+        NoLayoutFits,
+        match=r"the model's own states \(parameters, gradients, optimizer shards\) "
+        r"need [0-9.]+ MiB per rank, [0-9.]+ [KM]iB more than the 512 KiB "
+        r"usable, before any sample",
+    ) as e:
         PlanContext(Workload(TINY, (10, 20)), AnalyticCost(TINY, cl), cl, skip_oversize=True)
     assert "[train] memory_mib" in str(e.value) and "sample " not in str(e.value).split("before any")[0]
 
@@ -54,39 +58,65 @@ def test_train_config_accepts_the_suggested_keys_and_the_reader_field_names():
     assert cfg.data.skip_oversize and cfg.data.max_tokens == 512
     # text / chat field, latents manifest columns
     assert Config.from_dict({"data": {"field": "content"}}).data.field == "content"
-    video = Config.from_dict({"model": {"family": "diffusers", "architecture": "WanTransformer3DModel"},
-                              "data": {"latents_column": "vae", "text_column": "t5"}}).data
+    video = Config.from_dict(
+        {
+            "model": {"family": "diffusers", "architecture": "WanTransformer3DModel"},
+            "data": {"latents_column": "vae", "text_column": "t5"},
+        }
+    ).data
     assert (video.latents_column, video.text_column) == ("vae", "t5")
-    with pytest.raises(ValueError, match=r"\[data\] field = 'content' names a text field; a latents manifest names "
-                                         r"its files' columns with latents_column and text_column"):
-        Config.from_dict({"model": {"family": "diffusers", "architecture": "WanTransformer3DModel"},
-                          "data": {"field": "content"}})
+    with pytest.raises(
+        ValueError,
+        match=r"\[data\] field = 'content' names a text field; a latents manifest names "
+        r"its files' columns with latents_column and text_column",
+    ):
+        Config.from_dict(
+            {"model": {"family": "diffusers", "architecture": "WanTransformer3DModel"}, "data": {"field": "content"}}
+        )
 
 
 def test_train_skips_oversize_samples_with_the_suggested_key(tmp_path):
     lengths = tmp_path / "l.txt"
     lengths.write_text("\n".join(["120", "300000000", *["90"] * 20]) + "\n")
     out = tmp_path / "run"
-    cfg = Config.from_dict({"model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
-                            "data": {"lengths": str(lengths), "skip_oversize": True},
-                            "train": {"tokens_per_step": 600, "max_steps": 2, "out_dir": str(out)},
-                            "profile": {"cost": "analytic"}})
+    cfg = Config.from_dict(
+        {
+            "model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
+            "data": {"lengths": str(lengths), "skip_oversize": True},
+            "train": {"tokens_per_step": 600, "max_steps": 2, "out_dir": str(out)},
+            "profile": {"cost": "analytic"},
+        }
+    )
     assert run(cfg) == 0
     ran = [i for x in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(x)["sample_ids"]]
     assert ran and 1 not in ran
 
 
 def _profile_json() -> dict:
-    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6,
-         "feasible": True}
-    p = Profile(fingerprint={}, model=TINY, world_size=1, gpus_per_node=1, model_state_bytes=1e6, grad_sync_s=0.0,
-                buckets=[{"key": "t64", "size": 64, "tokens": 64}], entries=[e])
+    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
+    p = Profile(
+        fingerprint={},
+        model=TINY,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=1e6,
+        grad_sync_s=0.0,
+        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
+        entries=[e],
+    )
     return p.to_json()
 
 
-@pytest.mark.parametrize("planned,what", [((64, 60), "a packed bin of 5000 tokens (policy packed: several samples "
-                                                     "in one sequence; the longest sample has 64)"),
-                                          ((64, 5000), "a sample of 5000 tokens")])
+@pytest.mark.parametrize(
+    "planned,what",
+    [
+        (
+            (64, 60),
+            "a packed bin of 5000 tokens (policy packed: several samples in one sequence; the longest sample has 64)",
+        ),
+        ((64, 5000), "a sample of 5000 tokens"),
+    ],
+)
 def test_range_warning_names_a_packed_bin_as_a_bin(planned, what, caplog):
     cl = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=2**40)
     cost = ProfiledCost(Profile.from_json(_profile_json()), cl)

@@ -49,8 +49,12 @@ def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     while node in parents:
         parent = parents[node]
         if isinstance(parent, ast.Try) and node in parent.body:
-            caught = {n.id for h in parent.handlers for n in ast.walk(h.type or ast.Name("BaseException"))
-                      if isinstance(n, ast.Name)}
+            caught = {
+                n.id
+                for h in parent.handlers
+                for n in ast.walk(h.type or ast.Name("BaseException"))
+                if isinstance(n, ast.Name)
+            }
             if caught & GUARD_ERRORS:
                 return True
         asks = {n.id for n in ast.walk(parent.test) if isinstance(n, ast.Name)} if isinstance(parent, ast.If) else ()
@@ -122,8 +126,13 @@ def installed_members(module_names: set[str]) -> set[str]:
             continue
         for value in vars(module).values():
             if inspect.isclass(value):
-                out |= {k for c in value.__mro__ if (c.__module__ or "").startswith(NAMESPACES)
-                        for k, v in vars(c).items() if callable(v) and not k.startswith("__")}
+                out |= {
+                    k
+                    for c in value.__mro__
+                    if (c.__module__ or "").startswith(NAMESPACES)
+                    for k, v in vars(c).items()
+                    if callable(v) and not k.startswith("__")
+                }
     return out - {k for c in COMMON for k in dir(c)}
 
 
@@ -145,8 +154,10 @@ def floor_violations(sources: dict[str, str]) -> list[str]:
     imported = {d for d in all_dotted if d.startswith(NAMESPACES)}
     imported |= {d.rsplit(".", 1)[0] for d in imported}
     new_members = installed_members(imported) - floor_members
-    bad += [f"{all_attrs[a]}: .{a} (a member of a torch class) is not in torch {FLOOR}"
-            for a in sorted(set(all_attrs) & new_members)]
+    bad += [
+        f"{all_attrs[a]}: .{a} (a member of a torch class) is not in torch {FLOOR}"
+        for a in sorted(set(all_attrs) & new_members)
+    ]
     return bad
 
 
@@ -154,21 +165,26 @@ def test_the_package_uses_only_names_of_its_oldest_torch_or_guards_them():
     assert floor_violations(package_sources()) == []
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("import torch.distributed as dist\ndist.all_gather_single(a, b)\n", "torch.distributed.all_gather_single"),
-    ("from torch.nn.attention.varlen import varlen_attn\n", "torch.nn.attention.varlen.varlen_attn"),
-    ("import torch\ntorch.distributed.fsdp.no_such_thing(m)\n", "torch.distributed.fsdp.no_such_thing"),
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("import torch.distributed as dist\ndist.all_gather_single(a, b)\n", "torch.distributed.all_gather_single"),
+        ("from torch.nn.attention.varlen import varlen_attn\n", "torch.nn.attention.varlen.varlen_attn"),
+        ("import torch\ntorch.distributed.fsdp.no_such_thing(m)\n", "torch.distributed.fsdp.no_such_thing"),
+    ],
+)
 def test_the_check_catches_a_name_newer_than_the_floor(source, expected):
     bad = floor_violations({"dcparallel/x.py": source})
     assert any(expected in b for b in bad), bad
 
 
 def test_the_check_accepts_a_name_behind_a_guard_it_can_see():
-    source = ("import torch.distributed as dist\n"
-              "try:\n    from torch.nn.attention.varlen import varlen_attn\n"
-              "except ImportError:\n    varlen_attn = None\n"
-              "if hasattr(dist, 'all_gather_single'):\n    dist.all_gather_single(a, b)\n")
+    source = (
+        "import torch.distributed as dist\n"
+        "try:\n    from torch.nn.attention.varlen import varlen_attn\n"
+        "except ImportError:\n    varlen_attn = None\n"
+        "if hasattr(dist, 'all_gather_single'):\n    dist.all_gather_single(a, b)\n"
+    )
     assert floor_violations({"dcparallel/x.py": source}) == []
 
 
@@ -181,9 +197,13 @@ def test_the_check_catches_a_method_newer_than_the_floor(monkeypatch):
     """A method of an FSDP2 module called on a loop variable: no import names it, the member
     list does (here the floor's list with that method taken out)."""
     modules, members = floor_api()
-    monkeypatch.setattr(sys.modules[__name__], "floor_api",
-                        lambda: (modules, members - {"set_force_sum_reduction_for_comms"}))
-    source = ("from torch.distributed.fsdp import FSDPModule\n"
-              "for m in model.modules():\n    m.set_force_sum_reduction_for_comms(True)\n")
+    monkeypatch.setattr(
+        sys.modules[__name__], "floor_api", lambda: (modules, members - {"set_force_sum_reduction_for_comms"})
+    )
+    source = (
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "for m in model.modules():\n    m.set_force_sum_reduction_for_comms(True)\n"
+    )
     assert floor_violations({"dcparallel/x.py": source}) == [
-        f"dcparallel/x.py: .set_force_sum_reduction_for_comms (a member of a torch class) is not in torch {FLOOR}"]
+        f"dcparallel/x.py: .set_force_sum_reduction_for_comms (a member of a torch class) is not in torch {FLOOR}"
+    ]

@@ -37,8 +37,14 @@ def model_dir(tmp_path_factory):
     """A model directory as --check reads it: the config and the tokenizer (no weights)."""
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("m")
-    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
     tokenizer().save_pretrained(path)
     return path
 
@@ -54,8 +60,10 @@ def test_check_reads_a_corpus_under_another_field_named_by_data_field(tmp_path, 
     if ok:
         assert "5 samples of 4-8 tokens" in got.out  # with <s> and </s>
     else:
-        assert "no row has the field 'text' (the first row's fields: ['content']); name the field: [data] field" \
-            in got.err and "skip_bad" not in got.err  # skipping every row would be no fix
+        assert (
+            "no row has the field 'text' (the first row's fields: ['content']); name the field: [data] field" in got.err
+            and "skip_bad" not in got.err
+        )  # skipping every row would be no fix
 
 
 def test_check_takes_the_ring_key_and_refuses_a_non_boolean(tmp_path, capsys):

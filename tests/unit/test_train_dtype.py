@@ -17,8 +17,14 @@ from dcparallel.apps.train_config import Config
 from dcparallel.runtime import engine
 from tests.train_fixtures import WAN_CONFIG, llama_dir, wan_dir
 
-LLAMA_CONFIG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2}
+LLAMA_CONFIG = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def model_kinds(tmp_path) -> dict[str, dict]:
@@ -61,8 +67,11 @@ def test_the_cpu_default_stays_float32():
 
 
 def test_float16_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r'\[train\] dtype = "float16" is not supported: the loss is a sum over '
-                                         r'tokens with no loss scaling.*use "bfloat16"'):
+    with pytest.raises(
+        ValueError,
+        match=r'\[train\] dtype = "float16" is not supported: the loss is a sum over '
+        r'tokens with no loss scaling.*use "bfloat16"',
+    ):
         train_setup.load_model(Config.from_dict({"train": {"dtype": "float16"}}), torch.device("cpu"))
 
 

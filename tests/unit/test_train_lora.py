@@ -22,13 +22,22 @@ def _config(root: Path, max_steps: int, model: Path | None = None) -> Path:
     root.mkdir(exist_ok=True)
     model = model or tf.llama_dir(root / "model", len(tf.tokenizer()))
     chat = tf.write_jsonl(root / "chat.jsonl", tf.conversations(16, seed=0))
-    return tf.write_config(root / "run.toml", model={"pretrained": model},
-                           data={"path": chat, "format": "chat", "max_tokens": 64},
-                           train={"tokens_per_step": 300, "epochs": 2, "max_steps": max_steps, "lr": 0.02,
-                                  "checkpoint_every": 2, "out_dir": root / "run", "export_dir": root / "final"},
-                           lora={"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
-                                 "export_merged": True},
-                           profile={"cost": "analytic"})
+    return tf.write_config(
+        root / "run.toml",
+        model={"pretrained": model},
+        data={"path": chat, "format": "chat", "max_tokens": 64},
+        train={
+            "tokens_per_step": 300,
+            "epochs": 2,
+            "max_steps": max_steps,
+            "lr": 0.02,
+            "checkpoint_every": 2,
+            "out_dir": root / "run",
+            "export_dir": root / "final",
+        },
+        lora={"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"], "export_merged": True},
+        profile={"cost": "analytic"},
+    )
 
 
 def _rows(root: Path) -> list[dict]:
@@ -64,8 +73,9 @@ def test_lora_finetune_resumes_and_exports_the_peft_adapter_and_merged_weights(t
     with torch.no_grad():
         before = base(input_ids=ids).logits
     peft = PeftModel.from_pretrained(base, straight / "final").eval()
-    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True),
-                                        straight / "final").eval()
+    trained = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model, local_files_only=True), straight / "final"
+    ).eval()
     missing, unexpected = trained.load_state_dict(last["model"], strict=False)
     assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not checkpointed
     merged = AutoModelForCausalLM.from_pretrained(straight / "final" / "merged", local_files_only=True).eval()
@@ -80,16 +90,22 @@ def test_lora_finetune_resumes_and_exports_the_peft_adapter_and_merged_weights(t
 
     again = export_run(straight / "run.toml", out=tmp_path / "again")
     with torch.no_grad():
-        d = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True),
-                                      again).eval()(input_ids=ids).logits
+        d = (
+            PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, local_files_only=True), again)
+            .eval()(input_ids=ids)
+            .logits
+        )
     torch.testing.assert_close(d, a, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("lora,match", [
-    ({"target_modules": ["q_proj"]}, "rank = 0"),
-    ({"rank": 4, "target_modules": "q_proj"}, "must be a list"),
-    ({"rank": 4, "dropout": 1.0}, "dropout"),
-])
+@pytest.mark.parametrize(
+    "lora,match",
+    [
+        ({"target_modules": ["q_proj"]}, "rank = 0"),
+        ({"rank": 4, "target_modules": "q_proj"}, "must be a list"),
+        ({"rank": 4, "dropout": 1.0}, "dropout"),
+    ],
+)
 def test_lora_section_errors_name_the_fix(lora, match):
     with pytest.raises(ValueError, match=match):
         Config.from_dict({"lora": lora})
@@ -112,8 +128,9 @@ def test_lora_finetune_of_a_diffusers_wan_exports_its_peft_adapter(tmp_path):
 
     config = tf.wan_run(tmp_path, copies=1, tokens_per_step=60, schedule="constant")
     text = config.read_text().replace("epochs = 3", "epochs = 1").replace("wandb = true", "wandb = false")
-    config.write_text(text.replace("tensorboard = true", "tensorboard = false")
-                      + "[lora]\nrank = 4\nexport_merged = true\n")
+    config.write_text(
+        text.replace("tensorboard = true", "tensorboard = false") + "[lora]\nrank = 4\nexport_merged = true\n"
+    )
     assert run(Config.load(config)) == 0
     rows = _rows(tmp_path)
     assert rows and all(r["loss"] > 0 for r in rows)
@@ -121,15 +138,18 @@ def test_lora_finetune_of_a_diffusers_wan_exports_its_peft_adapter(tmp_path):
     assert last["optimizer"]["numel"] == sum(v.numel() for k, v in last["model"].items() if "lora_" in k)
     base = WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True)
     peft = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
-    trained = PeftModel.from_pretrained(WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True),
-                                        tmp_path / "run" / "final").eval()
+    trained = PeftModel.from_pretrained(
+        WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True), tmp_path / "run" / "final"
+    ).eval()
     missing, unexpected = trained.load_state_dict(last["model"], strict=False)
     assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not in the checkpoint
     merged = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "final" / "merged", local_files_only=True).eval()
     g = torch.Generator().manual_seed(0)
     x, ctx = torch.randn(1, 4, 2, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
     with torch.no_grad():
-        a, b, c = (m(x, timestep=torch.tensor([500.0]), encoder_hidden_states=ctx, return_dict=False)[0]
-                   for m in (peft, trained, merged))
+        a, b, c = (
+            m(x, timestep=torch.tensor([500.0]), encoder_hidden_states=ctx, return_dict=False)[0]
+            for m in (peft, trained, merged)
+        )
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)

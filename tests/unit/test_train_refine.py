@@ -13,10 +13,14 @@ from tests.faults import run
 
 
 def _cfg(tmp_path, refine_steps: int) -> Config:
-    return Config.from_dict({"model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
-                             "data": {"num_samples": 40},
-                             "train": {"tokens_per_step": 1500, "out_dir": str(tmp_path / "run"), "max_steps": 4},
-                             "profile": {"cost": "analytic", "refine_steps": refine_steps}})
+    return Config.from_dict(
+        {
+            "model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
+            "data": {"num_samples": 40},
+            "train": {"tokens_per_step": 1500, "out_dir": str(tmp_path / "run"), "max_steps": 4},
+            "profile": {"cost": "analytic", "refine_steps": refine_steps},
+        }
+    )
 
 
 def test_the_first_steps_times_refine_the_cost_model(tmp_path, caplog):

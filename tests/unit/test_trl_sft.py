@@ -15,9 +15,16 @@ from tests import train_fixtures as tf  # noqa: E402
 
 def _model(vocab):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
@@ -35,13 +42,29 @@ def test_sft_steps_equal_dcparallel_loop(tmp_path):
     tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
     chats = tf.conversations(16, seed=1)
     model = _model(len(tok))
-    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, packing=True, max_steps=3,
-                     learning_rate=0.01, warmup_steps=1, weight_decay=0.01, max_grad_norm=0.5, logging_steps=1,
-                     report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                     bf16=False)  # fp32 parity; SFTConfig's default bf16=True: see below
-    trainer = DataCentricSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
-                                    processing_class=tok,
-                                    dc_args=DataCentricArguments(tokens_per_step=120, cost="analytic"))
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        assistant_only_loss=True,
+        packing=True,
+        max_steps=3,
+        learning_rate=0.01,
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        bf16=False,
+    )  # fp32 parity; SFTConfig's default bf16=True: see below
+    trainer = DataCentricSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(chats),
+        processing_class=tok,
+        dc_args=DataCentricArguments(tokens_per_step=120, cost="analytic"),
+    )
     assert args.packing and args.gradient_checkpointing  # the caller's config is left as given (TRL's defaults)
     trainer.train()
     assert not model.is_gradient_checkpointing  # recompute is the planner's, per micro-batch
@@ -71,12 +94,27 @@ def test_default_bf16_autocasts_the_forward(tmp_path):
 
     tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
     chats = tf.conversations(8, seed=2)
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, learning_rate=0.01, warmup_steps=1, weight_decay=0.01,
-                     max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0)
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=0.01,
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
     assert args.bf16  # TRL's default
-    trainer = DataCentricSFTTrainer(model=_model(len(tok)), args=args, train_dataset=Dataset.from_list(chats),
-                                    processing_class=tok, dc_args=DataCentricArguments(tokens_per_step=120,
-                                                                                       cost="analytic"))
+    trainer = DataCentricSFTTrainer(
+        model=_model(len(tok)),
+        args=args,
+        train_dataset=Dataset.from_list(chats),
+        processing_class=tok,
+        dc_args=DataCentricArguments(tokens_per_step=120, cost="analytic"),
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     data = _full_targets(tok, chats)
@@ -90,11 +128,15 @@ def test_other_loss_types_are_refused(tmp_path, loss_type):
     from datasets import Dataset
 
     tok = tf.tokenizer(tf.GENERATION_TEMPLATE)
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False,
-                     loss_type=loss_type)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, bf16=False, loss_type=loss_type)
     with pytest.raises(ValueError, match=f"loss_type='{loss_type}'.*set loss_type='nll'"):
-        DataCentricSFTTrainer(model=_model(len(tok)), args=args, train_dataset=Dataset.from_list(tf.conversations(4)),
-                              processing_class=tok, dc_args=DataCentricArguments(tokens_per_step=120))
+        DataCentricSFTTrainer(
+            model=_model(len(tok)),
+            args=args,
+            train_dataset=Dataset.from_list(tf.conversations(4)),
+            processing_class=tok,
+            dc_args=DataCentricArguments(tokens_per_step=120),
+        )
 
 
 def test_readme_lines_train_as_written(tmp_path, monkeypatch):
@@ -106,13 +148,22 @@ def test_readme_lines_train_as_written(tmp_path, monkeypatch):
     tf.analytic_arguments(monkeypatch)
     tok = tf.tokenizer()
     chats = tf.conversations(8, seed=3)
-    config = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
-                       save_strategy="no", seed=0, bf16=False)
+    config = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        bf16=False,
+    )
     names = {"model": _model(len(tok)), "sft_config": config, "dataset": Dataset.from_list(chats), "tokenizer": tok}
     exec(tf.readme_block("trainer = DataCentricSFTTrainer("), names)
     assert names["trainer"].dc_args.tokens_per_step == 65536
     names["trainer"].train()
     losses = [row["loss"] for row in names["trainer"].state.log_history if "loss" in row]
-    want = tf.trainer_reference_steps(_model(len(tok)), _full_targets(tok, chats), seed=0, tokens_per_step=65536,
-                                      steps=1)
+    want = tf.trainer_reference_steps(
+        _model(len(tok)), _full_targets(tok, chats), seed=0, tokens_per_step=65536, steps=1
+    )
     assert losses == pytest.approx(want, rel=1e-6)

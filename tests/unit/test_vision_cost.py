@@ -26,10 +26,24 @@ from .test_cost import _profile
 
 #: Qwen2.5-VL-7B's shape: its language model and its 32-block vision tower (4 full-attention
 #: blocks, the others in 8x8-patch windows)
-LM = decoder_lm("qwen2.5-7b", num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4, ffn_hidden=18944,
-                vocab_size=152064, qkv_bias=True)
-TOWER = VisionTower(num_layers=32, hidden=1280, layer_params=4 * 1280 * 1280 + 3 * 1280 * 3420, full_layers=4,
-                    window=64, extra_params=45_000_000)
+LM = decoder_lm(
+    "qwen2.5-7b",
+    num_layers=28,
+    hidden=3584,
+    num_heads=28,
+    num_kv_heads=4,
+    ffn_hidden=18944,
+    vocab_size=152064,
+    qkv_bias=True,
+)
+TOWER = VisionTower(
+    num_layers=32,
+    hidden=1280,
+    layer_params=4 * 1280 * 1280 + 3 * 1280 * 3420,
+    full_layers=4,
+    window=64,
+    extra_params=45_000_000,
+)
 VLM = dataclasses.replace(LM, vision=TOWER)
 DOC = 96 * 96  # patches of a 1344 x 1344 image (14-pixel patches)
 
@@ -56,8 +70,12 @@ def test_an_image_costs_the_vision_towers_share_more_than_text_of_as_many_tokens
     assert doc.time_none - text.time_none == pytest.approx(lin + attn, rel=1e-12)
     # the linear part is the towers' FLOPs ratio: patches x tower weights over tokens x LM layer weights
     lm_lin = cal.lin_s_per_token * (LM.attn_params + LM.mlp_params + LM.other_params) / ref * 2400 * LM.num_layers
-    flops = DOC * TOWER.num_layers * TOWER.layer_params / (2400 * LM.num_layers * (LM.attn_params + LM.mlp_params
-                                                                                    + LM.other_params))
+    flops = (
+        DOC
+        * TOWER.num_layers
+        * TOWER.layer_params
+        / (2400 * LM.num_layers * (LM.attn_params + LM.mlp_params + LM.other_params))
+    )
     assert lin / lm_lin == pytest.approx(flops, rel=1e-12) and 0.25 < flops < 0.4
     assert doc.fixed_bytes > text.fixed_bytes  # its activations, kept for the tower's backward
     # the language model's part is the same: recomputing its layers saves what it saved before
@@ -93,8 +111,12 @@ def test_the_sp_group_shares_images_whole():
 
 def test_many_micro_batches_at_once_match_one_at_a_time_bit_for_bit():
     c = AnalyticCost(VLM, h200_cluster(64))
-    batches = [[VisionSize(2400, (DOC,)), 300], [VisionSize(500, (256, 64)), 100, 7], [900],
-               [VisionSize(9000, (30 * 1024,))]]
+    batches = [
+        [VisionSize(2400, (DOC,)), 300],
+        [VisionSize(500, (256, 64)), 100, 7],
+        [900],
+        [VisionSize(9000, (30 * 1024,))],
+    ]
     grid = c.terms_grid(Batches.of(VLM, batches), [1, 2, 4, 8])
     for i, b in enumerate(batches):
         for j, sp in enumerate([1, 2, 4, 8]):
@@ -113,16 +135,26 @@ def test_the_planner_balances_both_towers():
     seeing = PlanContext(Workload(VLM, tuple(sizes)), AnalyticCost(VLM, cl), cl)
     blind = PlanContext(Workload(LM, tuple(int(s) for s in sizes)), AnalyticCost(LM, cl), cl)
     steps = form_steps(seeing.tokens, seed=0, tokens_per_step=16 * 2400 * 8)[:2]
-    plans = {name: [make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(s) for s in steps]
-             for name, ctx in (("seeing", seeing), ("blind", blind))}
+    plans = {
+        name: [make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(s) for s in steps]
+        for name, ctx in (("seeing", seeing), ("blind", blind))
+    }
     t_seeing = simulate(plans["seeing"], seeing).total_time
     t_blind = simulate(plans["blind"], seeing).total_time
     assert t_seeing < t_blind * 0.98, (t_seeing, t_blind)
 
 
 def test_vision_samples_of_equal_tokens_but_far_apart_patches_are_not_batched_alike():
-    key = [batch_key(VLM, s) for s in (VisionSize(2400, (DOC,)), VisionSize(2400, (256,)), 2400,
-                                       VisionSize(2400, (DOC // 2, DOC // 2)), VisionSize(2450, (DOC + 100,)))]
+    key = [
+        batch_key(VLM, s)
+        for s in (
+            VisionSize(2400, (DOC,)),
+            VisionSize(2400, (256,)),
+            2400,
+            VisionSize(2400, (DOC // 2, DOC // 2)),
+            VisionSize(2450, (DOC + 100,)),
+        )
+    ]
     assert len({key[0], key[1], key[2], key[3]}) == 4 and key[4] == key[0]
     assert batch_key(LM, 2400) == key[2]
 

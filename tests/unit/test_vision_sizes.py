@@ -34,8 +34,9 @@ def test_grid_from_size_equals_the_processor(processor, width, height):
 def test_header_and_record_entries(processor, tmp_path):
     Image.fromarray(np.zeros((480, 640, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     assert header_size(tmp_path / "a.png") == (640, 480)
-    items = record_items([{"image": "a.png"}, {"width": 640, "height": 480}, {"grid": [2, 4, 6]}], processor,
-                         root=tmp_path)
+    items = record_items(
+        [{"image": "a.png"}, {"width": 640, "height": 480}, {"grid": [2, 4, 6]}], processor, root=tmp_path
+    )
     assert items[0] == items[1] and items[2] == VisionItem((2, 4, 6), 2)
     assert sample_length(10, items) == 10 + 2 * items[0].tokens + 12
     with pytest.raises(ValueError, match="has no size"):

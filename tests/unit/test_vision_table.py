@@ -24,8 +24,12 @@ SAMPLES = [VisionSize(1500, (4096,)), VisionSize(3000, (9216, 1024)), VisionSize
 
 def _table(scale: float = 1.0, trainable: bool = True) -> VisionTable:
     pairs = [TOWER.pairs(p) for p in BUCKETS]
-    return VisionTable(BUCKETS, tuple(scale * (S_PATCH * p + S_PAIR * q) for p, q in zip(BUCKETS, pairs)),
-                       tuple(B_PATCH * p + B_PAIR * q for p, q in zip(BUCKETS, pairs)), trainable)
+    return VisionTable(
+        BUCKETS,
+        tuple(scale * (S_PATCH * p + S_PAIR * q) for p, q in zip(BUCKETS, pairs)),
+        tuple(B_PATCH * p + B_PAIR * q for p, q in zip(BUCKETS, pairs)),
+        trainable,
+    )
 
 
 def _work(sizes, sp: int) -> tuple[float, float]:
@@ -49,8 +53,9 @@ def test_a_measured_table_prices_the_tower_as_measured(sp):
     keeps_nothing = AnalyticCost(VLM, c, vision_table=dataclasses.replace(_table(), kept_bytes=(0.0,) * 3))
     kept = got.fixed_bytes - keeps_nothing.terms(SAMPLES, sp).fixed_bytes  # the same model states
     assert kept == pytest.approx(B_PATCH * vp + B_PAIR * vq, rel=1e-9)
-    assert doubled.terms(SAMPLES, sp).time_none - base.time_none == pytest.approx(2 * (S_PATCH * vp + S_PAIR * vq),
-                                                                                   rel=1e-9)
+    assert doubled.terms(SAMPLES, sp).time_none - base.time_none == pytest.approx(
+        2 * (S_PATCH * vp + S_PAIR * vq), rel=1e-9
+    )
     assert got.time_none != pytest.approx(analytic.terms(SAMPLES, sp).time_none, rel=1e-3)  # the table decides
     # the array arithmetic of the planners prices it bit for bit alike
     grid = measured.terms_grid(Batches.of(VLM, [SAMPLES, SAMPLES[:1]]), [sp])
@@ -114,8 +119,12 @@ def test_a_profile_with_a_measured_tower_prices_vision_samples(tmp_path):
     tower = dataclasses.replace(TOWER, num_layers=2, full_layers=1, window=64)
     d = _profile()
     d["model"]["vision"] = dataclasses.asdict(tower)
-    d["vision"] = VisionTable(BUCKETS, tuple(S_PATCH * p + S_PAIR * tower.pairs(p) for p in BUCKETS),
-                              tuple(B_PATCH * p + B_PAIR * tower.pairs(p) for p in BUCKETS), True).to_json()
+    d["vision"] = VisionTable(
+        BUCKETS,
+        tuple(S_PATCH * p + S_PAIR * tower.pairs(p) for p in BUCKETS),
+        tuple(B_PATCH * p + B_PAIR * tower.pairs(p) for p in BUCKETS),
+        True,
+    ).to_json()
     (tmp_path / "p.json").write_text(json.dumps(Profile.from_json(d).to_json()))
     profile = Profile.load(tmp_path / "p.json")
     assert profile.model.vision == tower and profile.vision.patches == BUCKETS

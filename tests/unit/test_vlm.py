@@ -51,8 +51,11 @@ def test_mrope_positions_change_the_loss():
     model = vlm_families.build()
     s = next(s for s in data.samples if "video_grid_thw" in s)
     ids = s["input_ids"][None]
-    kw = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                            "second_per_grid_ts") if k in s}
+    kw = {
+        k: s[k]
+        for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+        if k in s
+    }
     types = (ids == vlm_families.IMAGE).int() + 2 * (ids == vlm_families.VIDEO).int()
     with torch.no_grad():
         mrope = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **kw).logits
@@ -81,8 +84,9 @@ def test_packed_chats_match_one_chat_at_a_time(kind):
     model = vlm_families.build(kind)
     dc = Engine(model)
     for sids in ((0, 1, 2), (3, 4), (5, 6, 7, 8)):
-        b = dc.adapter.collate({s: vlm_families.item(data, s) for s in sids},
-                               MicroBatch(sids, Layout(1, 1, Recompute.none())), (0,), 0)
+        b = dc.adapter.collate(
+            {s: vlm_families.item(data, s) for s in sids}, MicroBatch(sids, Layout(1, 1, Recompute.none())), (0,), 0
+        )
         with dc.micro_batch(b) as ctx:
             ctx.backward(dc.adapter.loss_fn(model, b, ctx))
     loss = dc.sync_gradients()
@@ -98,10 +102,14 @@ def test_freeze_vision_leaves_the_projectors_trainable(kind):
     model = vlm_families.build(kind)
     find_adapter(model, freeze_vision=True)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {n for n, p in vlm_families.build(kind, freeze_vision=True).named_parameters()
-                         if p.requires_grad}
-    assert not any(p.requires_grad for n, p in vlm_families.tower(model).named_parameters()
-                   if n.startswith(("blocks.", "encoder.")))
+    assert trainable == {
+        n for n, p in vlm_families.build(kind, freeze_vision=True).named_parameters() if p.requires_grad
+    }
+    assert not any(
+        p.requires_grad
+        for n, p in vlm_families.tower(model).named_parameters()
+        if n.startswith(("blocks.", "encoder."))
+    )
     assert any(("merger." in n or "multi_modal_projector." in n or "connector." in n) for n in trainable)
     text = getattr(model.model, "language_model", None) or model.model.text_model
     assert all(p.requires_grad for p in text.parameters())
@@ -148,11 +156,14 @@ def test_collate_keeps_each_tiles_pixel_mask_and_drops_padding_tiles():
     """Idefics3 / SmolVLM: each tile an item, its row its pixels then its pixel mask (the padded
     columns zero); the all-zero tile the processor pads with is no image and no item."""
     data = vlm_families.make_data(9, seed=3, kind="idefics3")
-    sid, s = next((i, s) for i, s in enumerate(data.samples) if s.get("pixel_values", torch.zeros(0)).dim() == 5
-                  and not s["pixel_values"][0, -1].any())
+    sid, s = next(
+        (i, s)
+        for i, s in enumerate(data.samples)
+        if s.get("pixel_values", torch.zeros(0)).dim() == 5 and not s["pixel_values"][0, -1].any()
+    )
     pix, mask = s["pixel_values"][0], s["pixel_attention_mask"][0]
     b = collate_vision({sid: s}, MicroBatch((sid,), Layout(1, 1, Recompute.none())), (0,), 0)
-    tile = 3 * vlm_families.TILE ** 2
+    tile = 3 * vlm_families.TILE**2
     assert len(b.extras["vision_grid"]) == pix.shape[0] - 1 == int((s["input_ids"] == vlm_families.IMAGE).sum()) // 4
     assert torch.equal(b.extras["pixels"][:, :tile], pix[:-1].flatten(1))
     assert torch.equal(b.extras["pixels"][:, tile:], mask[:-1].flatten(1).float())
@@ -166,8 +177,9 @@ def test_placeholders_without_their_image_are_refused():
     s = next(s for s in data.samples if "image_grid_thw" in s)
     model = vlm_families.build()
     dc = Engine(model)
-    b = dc.adapter.collate({0: {"input_ids": s["input_ids"]}}, MicroBatch((0,), Layout(1, 1, Recompute.none())),
-                           (0,), 0)
+    b = dc.adapter.collate(
+        {0: {"input_ids": s["input_ids"]}}, MicroBatch((0,), Layout(1, 1, Recompute.none())), (0,), 0
+    )
     with pytest.raises(ValueError, match="placeholder tokens"), dc.micro_batch(b) as ctx:
         dc.adapter.loss_fn(model, b, ctx)
     synthetic = torch.cat([dc.adapter.sample(500, i) for i in range(4)])

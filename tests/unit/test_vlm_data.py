@@ -41,8 +41,13 @@ def test_lengths_from_headers_equal_the_decoded_samples(tmp_path, parts):
     for i, row in enumerate(rows):
         item = ds[i]
         assert len(item["input_ids"]) == int(lengths[i])  # the planner's length is the trained length
-        paths = [c["image"] for m in row["messages"] if isinstance(m["content"], list)
-                 for c in m["content"] if c["type"] == "image"]
+        paths = [
+            c["image"]
+            for m in row["messages"]
+            if isinstance(m["content"], list)
+            for c in m["content"]
+            if c["type"] == "image"
+        ]
         if not paths:
             assert type(lengths[i]) is int  # a text-only chat is its token count
             assert set(item) == {"input_ids", "labels"}
@@ -90,9 +95,15 @@ def test_sizes_in_the_record_spare_the_header_and_a_truncated_file_fails_on_deco
     vf.draw(tmp_path / "a.png", (32, 24), "red")
     data = (tmp_path / "a.png").read_bytes()
     (tmp_path / "cut.png").write_bytes(data[: data.index(b"IDAT") + 8])  # the pixels' first bytes only
-    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "cut.png"},
-                                                     {"type": "text", "text": "what color is this"}]},
-                        {"role": "assistant", "content": "red"}]}
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": "cut.png"}, {"type": "text", "text": "what color is this"}],
+            },
+            {"role": "assistant", "content": "red"},
+        ]
+    }
     given = json.loads(json.dumps(row))
     given["messages"][0]["content"][0] |= {"width": 16, "height": 16}
     ds, lengths = _read(tmp_path, [row, given], parts)
@@ -110,21 +121,38 @@ def test_bad_records_are_named_or_skipped(tmp_path, parts):
     user = {"role": "user", "content": [img, {"type": "text", "text": "what color is this"}]}
     good = {"messages": [user, {"role": "assistant", "content": "red"}]}
     bad = [
-        {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},
-                      {"role": "assistant", "content": "red"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},
+                {"role": "assistant", "content": "red"},
+            ]
+        },
         {"messages": [user, {"role": "assistant", "content": [img]}]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "missing.png"}]},
-                      {"role": "assistant", "content": "red"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "missing.png"}]},
+                {"role": "assistant", "content": "red"},
+            ]
+        },
         {"messages": [user]},
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "junk.png"}]},
-                      {"role": "assistant", "content": "red"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "junk.png"}]},
+                {"role": "assistant", "content": "red"},
+            ]
+        },
     ]
     with pytest.raises(ValueError) as err:
         _read(tmp_path, [good, *bad], parts)
     msg = str(err.value)
     assert "5 bad sample(s) of 6" in msg
-    for line, what in ((2, "video entry"), (3, "(assistant) holds an image"), (4, "['missing.png'] not found"),
-                       (5, "no assistant message"), (6, "cannot read an image's header")):
+    for line, what in (
+        (2, "video entry"),
+        (3, "(assistant) holds an image"),
+        (4, "['missing.png'] not found"),
+        (5, "no assistant message"),
+        (6, "cannot read an image's header"),
+    ):
         named = [x for x in msg.splitlines() if f"chat.jsonl:{line}: " in x]
         assert len(named) == 1 and what in named[0], (line, msg)
     ds, lengths = _read(tmp_path, [good, *bad], parts, skip_bad=True)
@@ -138,8 +166,12 @@ def test_a_template_without_one_placeholder_per_image_is_refused(tmp_path, parts
     drop = vf.tokenizer()
     drop.chat_template = vf.CHAT_TEMPLATE.replace("<|image_pad|>", "")  # renders no placeholder
     vf.draw(tmp_path / "a.png", (16, 16), "red")
-    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]},
-                        {"role": "assistant", "content": "red"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "a.png"}]},
+            {"role": "assistant", "content": "red"},
+        ]
+    }
     with pytest.raises(ValueError, match="rendered 0 image placeholder token"):
         _read(tmp_path, [row], (drop, ip))
 
@@ -150,13 +182,16 @@ def test_the_config_takes_a_vlm_folder_and_refuses_what_it_does_not_train(tmp_pa
 
     folder = tmp_path / "vlm"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                                                    "vision_config": {"depth": 2}}))
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": {"depth": 2}})
+    )
     cfg = Config.from_dict({"model": {"pretrained": str(folder), "freeze_vision": True}})
     assert cfg.model.family == "transformers" and cfg.model.is_vlm()
-    for raw, what in (({"lora": {"rank": 4}}, "LoRA is not tested with a vision tower"),
-                      ({"train": {"shard_size": 2}}, "shard_size = 2"),
-                      ({"data": {"path": "x.jsonl", "format": "text"}}, 'format = "text"')):
+    for raw, what in (
+        ({"lora": {"rank": 4}}, "LoRA is not tested with a vision tower"),
+        ({"train": {"shard_size": 2}}, "shard_size = 2"),
+        ({"data": {"path": "x.jsonl", "format": "text"}}, 'format = "text"'),
+    ):
         with pytest.raises(ValueError, match=what):
             check_vlm_config(Config.from_dict({"model": {"pretrained": str(folder)}, **raw}))
     llama = tmp_path / "llama"
@@ -176,8 +211,9 @@ def test_check_reads_the_chat_with_images_file_before_launch(tmp_path):
 
     folder = vf.save_processor(tmp_path / "vlm")
     tok = vf.tokenizer()
-    transformers.Qwen2_5_VLConfig(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-                                  architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(folder)
+    transformers.Qwen2_5_VLConfig(
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"), architectures=["Qwen2_5_VLForConditionalGeneration"]
+    ).save_pretrained(folder)
     rows = vf.chats(tmp_path, 8, seed=3)
     vf.write_jsonl(tmp_path / "chat.jsonl", rows)
     _, lengths = _read(tmp_path, rows, (tok, vf.image_processor()))

@@ -76,6 +76,7 @@ def test_prepare_measures_the_tower_and_plans_a_large_image_dearer(tmp_path, mon
         plan = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
         seconds[name] = simulate([plan], ctx).total_time
     assert seconds["image"] > seconds["text"], seconds
+
     # a second launch reuses the cached profile, tower included: nothing is measured again
     def measured(*a, **k):
         raise AssertionError("the cached profile's tower was measured again")

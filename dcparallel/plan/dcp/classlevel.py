@@ -73,10 +73,19 @@ class ClassLevelPlanner(LayoutTable):
 
     name = "dcp"
 
-    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", phases: bool = True, sub_bins: int = 1,
-                 chain_only: bool = False, config: DcpConfig = DEFAULT):
+    def __init__(
+        self,
+        ctx: PlanContext,
+        *,
+        mode: RecomputeMode = "pac",
+        phases: bool = True,
+        sub_bins: int = 1,
+        chain_only: bool = False,
+        config: DcpConfig = DEFAULT,
+    ):
         super().__init__(ctx, mode=mode, sub_bins=sub_bins, chain_only=chain_only, config=config)
         self.phases = phases
+
     def describe(self) -> dict:
         return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
 
@@ -112,7 +121,7 @@ class ClassLevelPlanner(LayoutTable):
                     improved = True
                 found.append(got)
                 found.sort(key=lambda g: g.span)
-                del found[keep + 2:]
+                del found[keep + 2 :]
             if found and found[0].span <= bnd * self.config.at_bound:
                 break  # at the bound: wider minimums cannot help
             stale = 0 if improved or not found else stale + 1
@@ -127,7 +136,8 @@ class ClassLevelPlanner(LayoutTable):
         earlier first)."""
         values = sorted(c.span for c in cands)
         return floor > values[0] * self.config.expand_within or (
-            len(values) >= self.config.expand_best and values[self.config.expand_best - 1] <= floor)
+            len(values) >= self.config.expand_best and values[self.config.expand_best - 1] <= floor
+        )
 
     def _floor(self, floor: float) -> float:
         """A floor the search skips work by, or -inf (nothing skipped) without `config.prune`."""
@@ -159,9 +169,10 @@ class ClassLevelPlanner(LayoutTable):
         cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
         base = np.arange(len(present)) + starts
         for x, c in zip(base.tolist(), counts):
-            cumw[x:x + c + 1].cumsum(out=cumw[x:x + c + 1])
-        ss = StepSamples(dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw,
-                         dict(zip(present, base.tolist())))
+            cumw[x : x + c + 1].cumsum(out=cumw[x : x + c + 1])
+        ss = StepSamples(
+            dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw, dict(zip(present, base.tolist()))
+        )
         wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
         wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
         scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
@@ -228,6 +239,4 @@ class ClassLevelPlanner(LayoutTable):
                     got[i] = e
                     least = min(least, e.predicted)
         best = got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best.phases, ids_sorted), best.predicted, one.bound,
-                         max(tab.longest))
-
+        return ClassPlan(build_plan(self, step, best.phases, ids_sorted), best.predicted, one.bound, max(tab.longest))

@@ -54,11 +54,11 @@ class DcpConfig:
     #: more, micro-batches of preferred size pack tighter on the scale report's steps)
     one_per_gpu: float = 2.0
     #: the smallest makespan target that packs is sought from the floor up in steps of this fraction of it ...
-    gallop_first: float = 2.0 ** -9
+    gallop_first: float = 2.0**-9
     #: ... each step this many times the one before
     gallop_growth: int = 8
     #: below the first target that packs, the target is bisected until the bracket is this fraction of it ...
-    continuous_gap: float = 2.0 ** -14
+    continuous_gap: float = 2.0**-14
     #: ... in at most this many steps
     continuous_steps: int = 12
 

@@ -85,8 +85,9 @@ class Expansion(NamedTuple):
     predicted: float
 
 
-def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples, limit: float = math.inf,
-           floors: Sequence[float] = ()) -> Expansion | None:
+def expand(
+    p: LayoutTable, parts: list[PartPlan], ss: StepSamples, limit: float = math.inf, floors: Sequence[float] = ()
+) -> Expansion | None:
     """The phases of a class-level plan and the predicted step time, each micro-batch timed
     by its samples' weights. With a `limit` and the phases' `search.expanded_floors`: None
     as soon as the phases expanded, plus the later phases' floors, are predicted above the
@@ -129,15 +130,24 @@ def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples, limit: float 
         within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))
         lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
         w = ss.cumw[lo + m] - ss.cumw[lo]
-        ph = Phase(sizes, grp, np.repeat([ss.offset[it.bucket] for it in its], num) + within, m, j,
-                   np.repeat(dealt, num), np.repeat(t_one, num) * w, w / m,
-                   [p.layout(it.bucket, it.mbs, it.sp).layout for it in items])
+        ph = Phase(
+            sizes,
+            grp,
+            np.repeat([ss.offset[it.bucket] for it in its], num) + within,
+            m,
+            j,
+            np.repeat(dealt, num),
+            np.repeat(t_one, num) * w,
+            w / m,
+            [p.layout(it.bucket, it.mbs, it.sp).layout for it in items],
+        )
         deg = np.asarray(sizes)
         of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
         by_group = np.argsort(grp, kind="stable")  # each degree's micro-batches: a range of it
         at = np.searchsorted(grp[by_group], [of_k[k][0] for k in gclasses] + [of_k[k][-1] + 1 for k in gclasses])
-        settled = {k for x, k in enumerate(gclasses)
-                   if refine(ph, of_k[k], by_group[at[x]:at[x + len(gclasses)]], p.config)}
+        settled = {
+            k for x, k in enumerate(gclasses) if refine(ph, of_k[k], by_group[at[x] : at[x + len(gclasses)]], p.config)
+        }
         for k in spill(p, ph):
             settled.discard(k)
         for k in gclasses:
@@ -145,7 +155,7 @@ def expand(p: LayoutTable, parts: list[PartPlan], ss: StepSamples, limit: float 
                 refine(ph, of_k[k], config=p.config)
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
-        if limit < math.inf and predicted + sum(floors[x + 1:]) * (1 - p.config.floor_slack) > limit:
+        if limit < math.inf and predicted + sum(floors[x + 1 :]) * (1 - p.config.floor_slack) > limit:
             return None
     assert cursor == ss.count, "every sample is planned once"
     return Expansion(phases, predicted)
@@ -169,8 +179,9 @@ def build_plan(p: LayoutTable, step: Step, phases: list[Phase], ids: np.ndarray)
         starts = p.tile_starts(ph.sizes)
         order = run_order(ph)
         ends = np.searchsorted(ph.grp[order], np.arange(len(ph.sizes)), side="right")
-        out.append(PhaseArrays(tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order],
-                               tuple(ph.layouts)))
+        out.append(
+            PhaseArrays(tuple(ph.sizes), starts, ends, ph.start[order], ph.m[order], ph.lay[order], tuple(ph.layouts))
+        )
     return assemble(p.ctx, step, PhaseGroups(p.world, ids, tuple(out)), ids=ids)
 
 
@@ -200,8 +211,9 @@ class PhaseGroups:
         ids = self.ids.tolist()
         groups: list[GroupPlan] = []
         for phase, (sizes, starts, ends, start, m, lay, layouts) in enumerate(self.phases):
-            mbs = micro_batches([(tuple(ids[a:a + n]), layouts[li])
-                                 for a, n, li in zip(start.tolist(), m.tolist(), lay.tolist())])
+            mbs = micro_batches(
+                [(tuple(ids[a : a + n]), layouts[li]) for a, n, li in zip(start.tolist(), m.tolist(), lay.tolist())]
+            )
             lo = 0
             for k, pos, hi in zip(sizes, starts, ends.tolist()):
                 groups.append(GroupPlan(tuple(range(pos, pos + k)), tuple(mbs[lo:hi]), phase))
@@ -218,8 +230,12 @@ class PhaseGroups:
                 out.append(GroupPlan((rank,), (), phase))
                 continue
             lo, hi = (int(ends[g - 1]) if g else 0), int(ends[g])
-            mbs = micro_batches([(tuple(self.ids[a:a + n].tolist()), layouts[li]) for a, n, li in
-                                 zip(start[lo:hi].tolist(), m[lo:hi].tolist(), lay[lo:hi].tolist())])
+            mbs = micro_batches(
+                [
+                    (tuple(self.ids[a : a + n].tolist()), layouts[li])
+                    for a, n, li in zip(start[lo:hi].tolist(), m[lo:hi].tolist(), lay[lo:hi].tolist())
+                ]
+            )
             out.append(GroupPlan(tuple(range(starts[g], starts[g] + sizes[g])), tuple(mbs), phase))
         return tuple(out)
 
@@ -232,7 +248,7 @@ def run_order(ph: Phase) -> np.ndarray:
     sample position): one sort of packed integer keys (group, rank of time, position) where
     they fit in 63 bits, else a lexicographic sort."""
     n, pos = len(ph.t), int(ph.start.max(initial=0)) + 1
-    if len(ph.sizes) * (n + 1) * pos < 2 ** 63:
+    if len(ph.sizes) * (n + 1) * pos < 2**63:
         rank = np.unique(ph.t, return_inverse=True)[1].reshape(-1)
         return np.argsort((ph.grp * (n + 1) + rank) * pos + ph.start)
     return np.lexsort((ph.start, ph.t, ph.grp))

@@ -53,9 +53,19 @@ class ScalePlanner(ClassLevelPlanner):
 
     name = "dcp"
 
-    def __init__(self, ctx: PlanContext, score: Score, *, mode: RecomputeMode = "pac", phases: bool = True,
-                 name: str = "dcp", sub_bins: int = 1, chain_only: bool = False, config: DcpConfig = DEFAULT,
-                 static: Sequence[StaticLayout] = ()):
+    def __init__(
+        self,
+        ctx: PlanContext,
+        score: Score,
+        *,
+        mode: RecomputeMode = "pac",
+        phases: bool = True,
+        name: str = "dcp",
+        sub_bins: int = 1,
+        chain_only: bool = False,
+        config: DcpConfig = DEFAULT,
+        static: Sequence[StaticLayout] = (),
+    ):
         super().__init__(ctx, mode=mode, phases=phases, sub_bins=sub_bins, chain_only=chain_only, config=config)
         self.name = name
         #: a plan's predicted step seconds (`plan.types.Score`): picks between the class-level
@@ -64,16 +74,22 @@ class ScalePlanner(ClassLevelPlanner):
         alone = self.sub_bins > 1 or chain_only  # the class level alone
         self.chain_alone = self.finer_classes = self.v1 = self.packer = None
         if not alone and self.packs is not None:
-            self.chain_alone = ChainAlone(ClassLevelPlanner(ctx, mode=mode, phases=phases, chain_only=True,
-                                                            config=config))
+            self.chain_alone = ChainAlone(
+                ClassLevelPlanner(ctx, mode=mode, phases=phases, chain_only=True, config=config)
+            )
         if not alone and ctx.model.kind == "text" and self.world > config.v1_max_world:
-            self.finer_classes = FinerClasses(partial(ClassLevelPlanner, ctx, mode=mode, phases=phases,
-                                                      sub_bins=config.finer_sub_bins, config=config), config)
+            self.finer_classes = FinerClasses(
+                partial(
+                    ClassLevelPlanner, ctx, mode=mode, phases=phases, sub_bins=config.finer_sub_bins, config=config
+                ),
+                config,
+            )
         if not alone and self.world <= config.v1_max_world:
             from dcparallel.plan.dcp_v1 import DCPPlanner
 
-            self.v1 = PerSampleV1(DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases),
-                                  config)
+            self.v1 = PerSampleV1(
+                DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases), config
+            )
         if not alone:
             #: the per-sample packing, at every world size (it also beats `dcp-v1` on some
             #: small-cluster steps)
@@ -81,8 +97,9 @@ class ScalePlanner(ClassLevelPlanner):
         #: the candidates after this planner's own class level, in order: compared by their
         #: predictions, then by the score
         self.class_level = [c for c in (self.chain_alone, self.finer_classes) if c is not None]
-        self.scored = [c for c in (self.v1, None if self.packer is None else SamplePacking(self.packer, config))
-                       if c is not None]
+        self.scored = [
+            c for c in (self.v1, None if self.packer is None else SamplePacking(self.packer, config)) if c is not None
+        ]
         self.static = [] if alone else list(static)
         self.scored += self.static
         #: steps planned, by the name of the scored candidate whose plan was kept ("class
@@ -179,8 +196,11 @@ class FinerClasses:
 
     def few_samples_per_gpu_above_bound(self, s: Standing) -> bool:
         c = self.config
-        return (s.n <= c.finer_per_gpu * s.world and s.n <= c.finer_max_samples
-                and (s.predicted > s.bound * c.finer_gate or s.chain_at > c.finer_gate))
+        return (
+            s.n <= c.finer_per_gpu * s.world
+            and s.n <= c.finer_max_samples
+            and (s.predicted > s.bound * c.finer_gate or s.chain_at > c.finer_gate)
+        )
 
     def offer(self, s: Standing) -> None:
         got = self.planner.class_plan(s.step)

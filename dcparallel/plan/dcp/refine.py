@@ -37,7 +37,6 @@ class Phase:
         return np.bincount(self.grp, weights=self.t, minlength=len(self.sizes))
 
 
-
 def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
@@ -128,7 +127,7 @@ def _first_move(p: LayoutTable, ph: Phase, kinds: list[int]) -> bool:
         if k == ph.sizes[a]:
             continue
         g0 = ph.sizes.index(k)
-        low = loads[g0:g0 + ph.sizes.count(k)].min()
+        low = loads[g0 : g0 + ph.sizes.count(k)].min()
         if low < top:
             open_.append(k)
             least.append(low)
@@ -150,7 +149,7 @@ def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: l
     first move (a group not yet in a move still holds what it held then)."""
     got = members.get(g)
     if got is None:
-        got = members[g] = sorted(order[bounds[g]:bounds[g + 1]].tolist())
+        got = members[g] = sorted(order[bounds[g] : bounds[g + 1]].tolist())
     return got
 
 
@@ -205,9 +204,9 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None, config: Dcp
             if stall == config.refine_stall:
                 settled = True
                 break
-        a, z = order[:n], order[:-n - 1:-1]
+        a, z = order[:n], order[: -n - 1 : -1]
         la = ls[:n]
-        half = (la - ls[:-n - 1:-1]) / 2
+        half = (la - ls[: -n - 1 : -1]) / 2
         sz = slots[z]
         # a move or swap of gain g is allowed iff 0 < g < the pair's gap, i.e. iff
         # |g - gap / 2| < gap / 2, the distance it leaves between them (the same test in

@@ -105,7 +105,7 @@ class SamplePacker:
         out, start = [], 0
         for j in held:
             m, end = self._preferred(self._bkeys[j]), start + int(count[j])
-            out.extend(tuple(members[a:min(a + m, end)]) for a in range(start, end, m))
+            out.extend(tuple(members[a : min(a + m, end)]) for a in range(start, end, m))
             start = end
         return out
 
@@ -141,8 +141,9 @@ class SamplePacker:
         narrowest = self.kf[fits[long].argmax(axis=1)]  # its first degree where it fits
         return float(narrowest.sum()) > self.world
 
-    def pack(self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False,
-             open_first: bool = False) -> list[Node] | None:
+    def pack(
+        self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False, open_first: bool = False
+    ) -> list[Node] | None:
         """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
         finish stays within T. None if a micro-batch cannot finish within T or the top-level
         groups need more ranks than the world. Rows are micro-batches; `ids`: each one's
@@ -253,8 +254,11 @@ class SamplePacker:
             if len(g.rows) == 1:
                 b = g.deg + 1  # the next degree of the chain
                 a = g.rows[0]
-                if b >= len(self.sp) or self.sp[b] - k > free or \
-                        not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN):
+                if (
+                    b >= len(self.sp)
+                    or self.sp[b] - k > free
+                    or not t[a, b] + self.exposed(t[a, b]) < top * (1 - MIN_GAIN)
+                ):
                     return
                 g.deg, g.load, g.longest = b, float(t[a, b]), float(t[a, b])
                 heapq.heappush(heap, (-self.finish(g), g.deg, i))
@@ -264,8 +268,10 @@ class SamplePacker:
                     return
                 times = t[g.rows, g.deg].tolist()  # its samples, longest first to the lighter of two
                 deal, loads = lpt(times, 2, dealt_order=True)
-                parts = [Node(g.deg, load, [g.rows[j] for j in d], max([0.0] + [times[j] for j in d]), None, [])
-                         for d, load in zip(deal, loads)]
+                parts = [
+                    Node(g.deg, load, [g.rows[j] for j in d], max([0.0] + [times[j] for j in d]), None, [])
+                    for d, load in zip(deal, loads)
+                ]
                 if max(self.finish(q) for q in parts) >= top * (1 - MIN_GAIN):
                     return
                 groups[i] = parts[0]
@@ -274,8 +280,9 @@ class SamplePacker:
                     heapq.heappush(heap, (-self.finish(groups[j]), groups[j].deg, j))
                 free -= k
 
-    def plan(self, ids: list[int], max_items: int | None = None,
-             beat: Callable[[], float] | None = None) -> Packing | None:
+    def plan(
+        self, ids: list[int], max_items: int | None = None, beat: Callable[[], float] | None = None
+    ) -> Packing | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
         the best target, packing samples one per micro-batch (with at most
         `config.one_per_gpu` samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
@@ -311,8 +318,9 @@ class SamplePacker:
                     best = got
         return best
 
-    def _plan_items(self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool,
-                    ceiling: float = math.inf) -> Packing | None:
+    def _plan_items(
+        self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool, ceiling: float = math.inf
+    ) -> Packing | None:
         ids = [it[0] for it in items]
         f = self.alone(t)
         fast = f.min(axis=1)
@@ -354,8 +362,12 @@ class SamplePacker:
         reference cycle, and planning makes none.)"""
         g = groups[i]
         order = sorted(g.rows, key=lambda a: (t[a, g.deg], ids[a]))
-        return Group(self.sp[g.deg], self.finish(g), [items[a] for a in order],
-                     [self._group(groups, c, items, t, ids) for c in g.kids])
+        return Group(
+            self.sp[g.deg],
+            self.finish(g),
+            [items[a] for a in order],
+            [self._group(groups, c, items, t, ids) for c in g.kids],
+        )
 
     def step_plan(self, step: Step, groups: list[Group]) -> StepPlan:
         """The step plan of packed groups: the top-level groups placed as aligned blocks
@@ -373,7 +385,7 @@ class SamplePacker:
             out.append(GroupPlan(ranks, tuple(MicroBatch(item, self._layout(item, k)) for item in items), phase))
         w = k // max(len(kids), 1)
         for c, kid in enumerate(kids):
-            self._emit(kid, ranks[c * w:(c + 1) * w], phase - 1, out)
+            self._emit(kid, ranks[c * w : (c + 1) * w], phase - 1, out)
 
     def _layout(self, item: tuple[int, ...], k: int) -> Layout:
         """The layout `times` priced for a micro-batch at degree k (else `layout_for`'s)."""

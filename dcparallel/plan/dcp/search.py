@@ -124,12 +124,30 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     prev[:, 1:] = run[:, :-1]
     prev[:, starts] = big
     stair = v < prev
-    return StepTable(a=a, t=t, full=a[:, FULL], tr=a[:, T_REM], tot=a[:, TOTAL], items=a[:, FULL] + (a[:, REM] > 0),
-                     kpos=kpos, starts=starts, n=len(a), seg=seg, lens=np.asarray(lens),
-                     spf=np.asarray(p.sp, dtype=float), present=list(present), times=times, rank=rank, least=least,
-                     stair_rows=[np.flatnonzero(x) for x in stair],
-                     area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(), longest=least[:, 0].tolist(),
-                     gpu_t=gpu_t, least_gpu_t=least_gpu_t, floor_slack=p.config.floor_slack)
+    return StepTable(
+        a=a,
+        t=t,
+        full=a[:, FULL],
+        tr=a[:, T_REM],
+        tot=a[:, TOTAL],
+        items=a[:, FULL] + (a[:, REM] > 0),
+        kpos=kpos,
+        starts=starts,
+        n=len(a),
+        seg=seg,
+        lens=np.asarray(lens),
+        spf=np.asarray(p.sp, dtype=float),
+        present=list(present),
+        times=times,
+        rank=rank,
+        least=least,
+        stair_rows=[np.flatnonzero(x) for x in stair],
+        area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(),
+        longest=least[:, 0].tolist(),
+        gpu_t=gpu_t,
+        least_gpu_t=least_gpu_t,
+        floor_slack=p.config.floor_slack,
+    )
 
 
 def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -200,8 +218,13 @@ def _floor(work: float, longest: float, world: int, slack: float) -> float:
     return max(work / world, longest) * (1 - slack)
 
 
-def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int]], targets: list[np.ndarray],
-         fracs: Sequence[float] | None = None):
+def fits(
+    p: LayoutTable,
+    tab: StepTable,
+    problems: list[tuple[Sequence[int], int]],
+    targets: list[np.ndarray],
+    fracs: Sequence[float] | None = None,
+):
     """For every problem (a part's bucket positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
     `tab.times`; ``len(times)`` is T infinite): whether the choice fits the world, the
@@ -268,8 +291,10 @@ def fits(p: LayoutTable, tab: StepTable, problems: list[tuple[Sequence[int], int
 
 def rows_at(tab: StepTable, first: np.ndarray) -> list[Row]:
     """The table's rows `first` (counts as ints)."""
-    return [Row(g, int(k), int(m), t, int(full), tr, int(rem), tot)
-            for g, k, m, t, full, tr, rem, tot in tab.a[first].tolist()]
+    return [
+        Row(g, int(k), int(m), t, int(full), tr, int(rem), tot)
+        for g, k, m, t, full, tr, rem, tot in tab.a[first].tolist()
+    ]
 
 
 class Problem(NamedTuple):
@@ -293,9 +318,14 @@ class Candidate(NamedTuple):
     need: np.ndarray
 
 
-def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: range | None = None,
-           fracs: Sequence[float] = (1.0,),
-           known: list[list[list[Candidate]]] | None = None) -> list[list[list[Candidate]]]:
+def search(
+    p: LayoutTable,
+    tab: StepTable,
+    parts: list[Sequence[int]],
+    degrees: range | None = None,
+    fracs: Sequence[float] = (1.0,),
+    known: list[list[list[Candidate]]] | None = None,
+) -> list[list[list[Candidate]]]:
     """Per part (bucket positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
     feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
@@ -309,8 +339,9 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
     `fracs` found; the result extends it as if those fractions had been searched again here."""
     nk, nt = len(p.sp), len(tab.times)
     degrees = range(nk) if degrees is None else degrees
-    out: list[list[list[Candidate]]] = [[list(x) for x in per] for per in known] if known else \
-        [[[] for _ in degrees] for _ in parts]
+    out: list[list[list[Candidate]]] = (
+        [[list(x) for x in per] for per in known] if known else [[[] for _ in degrees] for _ in parts]
+    )
     problems, ranks = [], []
     for q, part in enumerate(parts):
         part = np.asarray(part, dtype=np.int64)
@@ -337,11 +368,16 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
     if not problems:
         return out
     grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
-    fit = fits(p, tab, [(pr.part, pr.ki) for pr in problems], [r[g] for r, g in zip(ranks, grids)],
-               [pr.frac for pr in problems])[0]
+    fit = fits(
+        p,
+        tab,
+        [(pr.part, pr.ki) for pr in problems],
+        [r[g] for r, g in zip(ranks, grids)],
+        [pr.frac for pr in problems],
+    )[0]
     windows = []
     for x, g in enumerate(grids):
-        f = fit[x, :len(g)]
+        f = fit[x, : len(g)]
         if not f.any():
             windows.append(None)
             continue
@@ -351,24 +387,34 @@ def search(p: LayoutTable, tab: StepTable, parts: list[Sequence[int]], degrees: 
     got: list[list[Candidate]] = [[] for _ in problems]
     live = [x for x, w in enumerate(windows) if w is not None]
     if live:
-        fit, first, need, pfirst = fits(p, tab, [(problems[x].part, problems[x].ki) for x in live],
-                                        [ranks[x][windows[x]] for x in live], [problems[x].frac for x in live])
+        fit, first, need, pfirst = fits(
+            p,
+            tab,
+            [(problems[x].part, problems[x].ki) for x in live],
+            [ranks[x][windows[x]] for x in live],
+            [problems[x].frac for x in live],
+        )
         for y, x in enumerate(live):
             part, frac = problems[x].part, problems[x].frac
-            f = fit[y, :len(windows[x])]
+            f = fit[y, : len(windows[x])]
             at = int(f.argmax())
             for i in (at + d for d in p.config.candidate_offsets):
                 if i < len(f) and f[i]:
-                    got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac,
-                                            first[pfirst[y]:pfirst[y] + len(part), i], need[y, i]))
+                    got[x].append(
+                        Candidate(
+                            float(tab.times[ranks[x][windows[x][i]]]) / frac,
+                            first[pfirst[y] : pfirst[y] + len(part), i],
+                            need[y, i],
+                        )
+                    )
     rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
     if rest:  # T infinite: the cap is infinite whatever its fraction
-        fit, first, need, pfirst = fits(p, tab, [(problems[x].part, problems[x].ki) for x in rest],
-                                        [np.array([nt]) for _ in rest])
+        fit, first, need, pfirst = fits(
+            p, tab, [(problems[x].part, problems[x].ki) for x in rest], [np.array([nt]) for _ in rest]
+        )
         for y, x in enumerate(rest):
             if fit[y, 0]:
-                got[x].append(Candidate(math.inf, first[pfirst[y]:pfirst[y] + len(problems[x].part), 0],
-                                        need[y, 0]))
+                got[x].append(Candidate(math.inf, first[pfirst[y] : pfirst[y] + len(problems[x].part), 0], need[y, 0]))
     seen: dict[tuple[int, int], set] = {}
     for pr, cands in zip(problems, got):  # a (part, degree)'s fractions in order
         ki = pr.ki

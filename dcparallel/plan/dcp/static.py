@@ -46,8 +46,9 @@ class StaticLayout:
         return self.planner.plan(s.step)
 
 
-def static_layouts(ctx: PlanContext, steps: Sequence[Step], score: Score,
-                   max_samples: int = DEFAULT.static_max_samples) -> list[StaticLayout]:
+def static_layouts(
+    ctx: PlanContext, steps: Sequence[Step], score: Score, max_samples: int = DEFAULT.static_max_samples
+) -> list[StaticLayout]:
     """`bucket` and `packed`, each tuned as its policy tunes, on those of ``steps`` with at
     most ``max_samples`` samples (the steps they will be offered): none of a baseline that no
     single SP degree and recompute setting fits, and none without such steps (untuned, they

@@ -121,8 +121,15 @@ class LayoutTable:
     and micro-batch times by degree and size, the samples' weights and planning order; and the
     bounded caches of what the class level builds from them."""
 
-    def __init__(self, ctx: PlanContext, *, mode: RecomputeMode = "pac", sub_bins: int = 1, chain_only: bool = False,
-                 config: DcpConfig = DEFAULT):
+    def __init__(
+        self,
+        ctx: PlanContext,
+        *,
+        mode: RecomputeMode = "pac",
+        sub_bins: int = 1,
+        chain_only: bool = False,
+        config: DcpConfig = DEFAULT,
+    ):
         self.ctx, self.mode = ctx, mode
         #: the tunables (`config.DcpConfig`)
         self.config = config
@@ -149,9 +156,12 @@ class LayoutTable:
         self.ttab = {key: row for k in self.sp for key, row in self._copies_times(k).items()}
         #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
         width = 1 + max(self.top.values(), default=0)
-        self.ttab_arr = {k: np.array([self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)]))
-                                      for j in range(len(self.buckets))]).reshape(len(self.buckets), width)
-                         for k in self.sp}
+        self.ttab_arr = {
+            k: np.array(
+                [self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)])) for j in range(len(self.buckets))]
+            ).reshape(len(self.buckets), width)
+            for k in self.sp
+        }
         self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
         self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
         self._spa = np.asarray(self.sp)
@@ -160,7 +170,7 @@ class LayoutTable:
         #: every sample in planning order (by class, then longest first, then id) and each
         #: sample's position in it: a step's samples are sorted by sorting their positions
         self._order = np.lexsort((np.arange(len(self.tok)), -self.tok, self.bidx))
-        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2 ** 31 else np.int64)
+        self._rank = np.empty(len(self.tok), dtype=np.int32 if len(self.tok) < 2**31 else np.int64)
         self._rank[self._order] = np.arange(len(self.tok))
 
     # -- layouts ---------------------------------------------------------------------------
@@ -173,8 +183,9 @@ class LayoutTable:
     def _copies_times(self, k: int) -> dict[tuple[int, int], list[float]]:
         """Per class j: (j, k) -> [0, then `layout(j, m, k).time` for m = 1..top], priced at once."""
         n = len(self.buckets)
-        got = self.ctx.copies_times([self.rep[b] for b in self.buckets], [self.top[(j, k)] for j in range(n)], k,
-                                    self.mode)
+        got = self.ctx.copies_times(
+            [self.rep[b] for b in self.buckets], [self.top[(j, k)] for j in range(n)], k, self.mode
+        )
         assert all(np.isfinite(t).all() for t in got), "the bucket's largest micro-batch fits, so smaller ones do"
         return {(j, k): [0.0, *t.tolist()] for j, t in enumerate(got)}
 
@@ -266,8 +277,7 @@ class LayoutTable:
 
     def tile_starts(self, sizes: list[int]) -> tuple[int, ...]:
         """Each group's first rank, as `Topology.tile` places groups of these sizes (validates); cached."""
-        return memo(self._tiles, tuple(sizes), partial(_starts, self.ctx.topology, sizes),
-                    self.config.tile_cache_limit)
+        return memo(self._tiles, tuple(sizes), partial(_starts, self.ctx.topology, sizes), self.config.tile_cache_limit)
 
     def span_id(self, items) -> int:
         """The id of a degree's micro-batch classes' sorted (time, count) pairs (`group_span`'s key)."""
@@ -304,4 +314,4 @@ def cyclic_gc_paused():
 
 
 def _starts(topology, sizes: list[int]) -> tuple[int, ...]:
-    return tuple(b[0] for b in topology.tile(sizes)[:len(sizes)])
+    return tuple(b[0] for b in topology.tile(sizes)[: len(sizes)])

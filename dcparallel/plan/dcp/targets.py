@@ -16,8 +16,13 @@ import numpy as np
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 
 
-def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, floor: float,
-                   ceiling: float = math.inf, config: DcpConfig = DEFAULT) -> list[float] | None:
+def search_targets(
+    pack: Callable[[float], object | None],
+    finish: np.ndarray,
+    floor: float,
+    ceiling: float = math.inf,
+    config: DcpConfig = DEFAULT,
+) -> list[float] | None:
     """The targets to pack at (None if none up to `ceiling` packs): the smallest that packs
     and, as packing is not monotone in the target, the next two of the micro-batches'
     finishes above it.
@@ -44,7 +49,7 @@ def search_targets(pack: Callable[[float], object | None], finish: np.ndarray, f
             break
         if T >= ceiling:
             return None
-        below, T = T, min(floor * (1 + config.gallop_first * config.gallop_growth ** i), ceiling)
+        below, T = T, min(floor * (1 + config.gallop_first * config.gallop_growth**i), ceiling)
     else:
         return None
     inner = np.append(ts[(ts > below) & (ts < T)], T)
