@@ -1,4 +1,4 @@
-"""benchmarks/device_check.py --dry-run: every part of the device check on CPU / gloo with tiny
+"""benchmarks/tools/device_check.py --dry-run: every part of the device check on CPU / gloo with tiny
 sizes, each in its own process (varlen_attn and FlexAttention's backward are GPU-only: the SDPA
 fallback and the forward are checked; the sharded runtime needs two GPUs: reported skipped)."""
 
@@ -17,10 +17,10 @@ ROOT = Path(__file__).parents[2]
 
 
 def _device_check():
-    """benchmarks/device_check.py as a module (benchmarks/ is no package)."""
+    """benchmarks/tools/device_check.py as a module (benchmarks/ is no package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "tools" / "device_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,7 +28,14 @@ def _device_check():
 
 def _dry_run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--dry-run", "--out", str(out), *extra],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tools" / "device_check.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+            *extra,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,7 +126,7 @@ def test_sharded_part_runs_on_two_cpu_processes(tmp_path):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
-            str(ROOT / "benchmarks" / "sharded_device_check.py"),
+            str(ROOT / "benchmarks" / "tools" / "sharded_device_check.py"),
             "--dry-run",
             "--out",
             str(out),

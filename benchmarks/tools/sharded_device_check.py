@@ -1,8 +1,8 @@
 """Part (e) of the device check: the parameter-sharded runtime (`runtime.sharded`, FSDP2 in a
 block of s ranks) on the GPUs of one node, s = the number of local GPUs; a torchrun worker.
 
-    torchrun --nproc-per-node 8 benchmarks/sharded_device_check.py --out result.json
-    torchrun --nproc-per-node 2 benchmarks/sharded_device_check.py --dry-run --out r.json  # CPU, gloo
+    torchrun --nproc-per-node 8 benchmarks/tools/sharded_device_check.py --out result.json
+    torchrun --nproc-per-node 2 benchmarks/tools/sharded_device_check.py --dry-run --out r.json  # CPU, gloo
 
 (1) parity: the reference Llama in fp32, one step of micro-batches on SP groups of the whole
     block (uneven document lengths, recompute on the second micro-batch), sharded (s ranks) and

@@ -2,15 +2,15 @@
 time, writing a dated report (markdown + json) into the folder it is given (the device tool's
 $OUT), rewritten after every part so that a run cut short keeps what it has.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/device_check.py --out "$OUT"
-    PYTHONPATH=. python3 benchmarks/device_check.py --out "$OUT" --parts a,c     # rerun some parts
-    PYTHONPATH=. python3 benchmarks/device_check.py --dry-run --out /tmp/dc      # CPU, tiny sizes
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/device_check.py --out "$OUT"
+    PYTHONPATH=. python3 benchmarks/tools/device_check.py --out "$OUT" --parts a,c     # rerun some parts
+    PYTHONPATH=. python3 benchmarks/tools/device_check.py --dry-run --out /tmp/dc      # CPU, tiny sizes
 
-Each part runs in a process of its own (benchmarks/device_check_parts.py) with a time limit
+Each part runs in a process of its own (benchmarks/tools/device_check_parts.py) with a time limit
 (`BUDGETS`); one that fails or runs out of time is reported and the others still run.
 
 (a) `profile --validate` of a Llama-7B-like stack and a video DiT: extrapolated time and memory
-    against full depth (benchmarks/profile_device_check.py);
+    against full depth (benchmarks/tools/profile_device_check.py);
 (b) bf16 `dcparallel train` steps at world 1 of the reference LM and a transformers Llama (GQA):
     planned vs measured step time and peak memory (allocated, reserved, mem_get_info);
 (c) several ranks on one GPU: torchrun worlds 2 and 4 on cuda:0 over gloo
@@ -30,7 +30,7 @@ Each part runs in a process of its own (benchmarks/device_check_parts.py) with a
     control group, an engine step;
 (f) a 1.3B bf16 model at world 1 (ZeRO-1): bytes held after the optimizer step against the cost
     model's states (`state_recipe`), and the peak of sync + clip + step against its step peak;
-(g) the sharded runtime (FSDP2 blocks, benchmarks/sharded_device_check.py): needs 2+ GPUs, so
+(g) the sharded runtime (FSDP2 blocks, benchmarks/tools/sharded_device_check.py): needs 2+ GPUs, so
     with one GPU lent the report says it was skipped.
 
 ``--dry-run`` runs every part's code on CPU / gloo at tiny sizes: it checks the script, not the
@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-PARTS_SCRIPT = ROOT / "benchmarks" / "device_check_parts.py"
+ROOT = Path(__file__).resolve().parents[2]
+PARTS_SCRIPT = ROOT / "benchmarks" / "tools" / "device_check_parts.py"
 
 #: part: (title, seconds it may take on the GPU); they add up to `DEVICE_SECONDS`
 BUDGETS = {
@@ -142,7 +142,7 @@ def _meta(dry: bool, argv: list[str]) -> dict:
         "dry": dry,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "command": " ".join(["benchmarks/device_check.py", *argv]),
+        "command": " ".join(["benchmarks/tools/device_check.py", *argv]),
     }
 
 

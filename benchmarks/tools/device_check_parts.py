@@ -1,6 +1,6 @@
-"""The parts of the device check (benchmarks/device_check.py), one per process:
+"""The parts of the device check (benchmarks/tools/device_check.py), one per process:
 
-    python benchmarks/device_check_parts.py PART --out-dir DIR [--dry-run]
+    python benchmarks/tools/device_check_parts.py PART --out-dir DIR [--dry-run]
 
 writes DIR/part_PART.json. ``c-rank`` is the torchrun worker of part (c) and ``b-train`` the
 one-model training process of part (b); device_check.py runs the others, each with its own
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "benchmarks" / "tools"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
 
 
@@ -80,12 +80,12 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.
 
 
 def part_a(out_dir: Path, dry: bool) -> dict:
-    """`profile --validate` of two stacks (benchmarks/profile_device_check.py): extrapolated
+    """`profile --validate` of two stacks (benchmarks/tools/profile_device_check.py): extrapolated
     time and memory against the full-depth run."""
     budget = 40.0 if dry else 90.0  # no model starts past it; the part's limit is 155 s
     cmd = [
         sys.executable,
-        str(BENCH / "profile_device_check.py"),
+        str(TOOLS / "profile_device_check.py"),
         "--out-dir",
         str(out_dir),
         "--budget-s",
@@ -555,7 +555,7 @@ def part_d(out_dir: Path, dry: bool) -> dict:
     windows varlen_attn lacks, the SDPA loop) against the fp32 reference, for each model
     family of `ATTN_CASES` on 256 documents of 64 tokens and on 7 long ones. The cases
     FlexAttention takes run last (`_attn_order`), and none starts past `ATTN_START_LIMIT_S`.
-    Alone: ``python benchmarks/device_check_parts.py d --out-dir DIR [--dry-run]``."""
+    Alone: ``python benchmarks/tools/device_check_parts.py d --out-dir DIR [--dry-run]``."""
     start = time.perf_counter()
     dev = torch.device("cpu") if dry else torch.device("cuda", 0)
     dtype = torch.float32 if dry else torch.bfloat16
@@ -733,12 +733,12 @@ def part_f(out_dir: Path, dry: bool) -> dict:
 ONE_GPU = "skipped: sharding needs ≥ 2 GPUs in a node (one GPU lent)"
 NO_GPU = (
     "skipped: sharding needs ≥ 2 GPUs in a node (dry run on CPU; `torchrun --nproc-per-node 2 "
-    "benchmarks/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)"
+    "benchmarks/tools/sharded_device_check.py --dry-run --out r.json` runs its code on gloo)"
 )
 
 
 def part_g(out_dir: Path, dry: bool) -> dict:
-    """The sharded runtime with shard size = the node's GPUs (benchmarks/sharded_device_check.py)."""
+    """The sharded runtime with shard size = the node's GPUs (benchmarks/tools/sharded_device_check.py)."""
     gpus = 0 if dry else torch.cuda.device_count()
     if gpus < 2:
         return {"skipped": ONE_GPU if gpus == 1 else NO_GPU, "gpus": gpus}
@@ -750,7 +750,7 @@ def part_g(out_dir: Path, dry: bool) -> dict:
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={gpus}",
-            str(BENCH / "sharded_device_check.py"),
+            str(TOOLS / "sharded_device_check.py"),
             "--out",
             str(result),
         ],

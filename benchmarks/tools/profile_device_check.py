@@ -3,7 +3,7 @@ write a dated report (extrapolated vs full-depth time and memory, per validated 
 
 For a session that is lent a GPU (one call, a few minutes of device time):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/profile_device_check.py --out-dir "$OUT"
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/profile_device_check.py --out-dir "$OUT"
 
 writes ``profile-device_<gpu>_<date>.md`` and ``.json`` (and the profiles) into --out-dir;
 copy the report into benchmarks/. Models: Llama-7B dimensions at 8 layers (the depth of the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dcparallel.apps.profile import run_profile  # noqa: E402
