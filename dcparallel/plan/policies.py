@@ -17,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
+from dcparallel.plan import bucket, packed
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
+from dcparallel.plan.research import flexsp, peers, token_budget
 from dcparallel.plan.splits import SplitPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
