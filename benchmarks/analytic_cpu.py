@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
         ptl, _ = per_token_loss(model(batch.inputs, batch.positions), batch.labels)
         return ctx.token_loss(ptl, batch.loss_mask)
 
-    dc = dcparallel.DataCentricParallel(model, policy=args.policy)
+    dc = dcparallel.DataCentricParallel(model, policy=args.policy, research=True)
     t0 = time.perf_counter()
     loader = dc.prepare(
         SyntheticText(lengths),

@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             cost=cost,
             cluster=cluster,
             policy=args.policy,
+            research=True,
             tokens_per_step=args.tokens_per_step,
             seed=0,
             rank=0,

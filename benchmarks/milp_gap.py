@@ -40,8 +40,8 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.portfolio import ScalePlanner
-from dcparallel.plan.flexsp import slot_program
 from dcparallel.plan.policies import make_planner
+from dcparallel.plan.research.flexsp import slot_program
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import DISTRIBUTIONS, MIXES, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import replay_step, step_seconds
@@ -68,7 +68,7 @@ def heuristic_makespan(p: ScalePlanner, plan, scale: dict[int, float]) -> float:
 
 
 def solve(p: ScalePlanner, counts: dict[int, int], scale: dict[int, float], time_limit: float):
-    """The exact program (`plan.flexsp.slot_program`) over every micro-batch size that fits,
+    """The exact program (`plan.research.flexsp.slot_program`) over every micro-batch size that fits,
     timed at the class level: returns scipy's result, its seconds and its variable count."""
 
     def options(j: int, k: int) -> list[tuple[int, float]]:

@@ -184,9 +184,9 @@ def report(rows: list[dict], costs: list[dict], num_steps: int, plan_steps: int,
     ]
     lines += [
         "",
-        "`token-budget` is RL frameworks' dynamic batch size (`plan/token_budget.py`): one SP degree, "
+        "`token-budget` is RL frameworks' dynamic batch size (`plan/research/token_budget.py`): one SP degree, "
         "full recompute, equal sample counts per data-parallel group, the same micro-batch count on every "
-        "group. `megatron-dcp` is the reproduction of Megatron-Core's dynamic CP (`plan/peers.py`).",
+        "group. `megatron-dcp` is the reproduction of Megatron-Core's dynamic CP (`plan/research/peers.py`).",
         "",
         "## What `plan_batch` adds to a step (`dcp`)",
         "",

@@ -263,8 +263,8 @@ def main() -> int:
         "Efficiency = Σ per-step lower bound (`plan.bounds.LowerBound`, with its shape part on video "
         "steps) / simulated epoch time over the cell's steps; `×` = speedup "
         "over tuned `bucket`. `megatron-dcp` and `hbp` are reproductions from the published descriptions "
-        "(`dcparallel/plan/peers.py`); `flexsp` reproduces FlexSP's optimal assignment (a MILP per step, "
-        "`dcparallel/plan/flexsp.py`).",
+        "(`dcparallel/plan/research/peers.py`); `flexsp` reproduces FlexSP's optimal assignment (a MILP per step, "
+        "`dcparallel/plan/research/flexsp.py`).",
         "",
         "Planning ms are measured as `simulate` reports them (`sim.run.timed_plans`): CPU time "
         "(`time.process_time`) of one `plan(step)`, the setup (building and tuning the planner) and the "

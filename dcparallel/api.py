@@ -42,7 +42,7 @@ from dcparallel.data.batch import Batch
 from dcparallel.data.loader import DataCentricLoader
 from dcparallel.data.rollouts import rollout_sizes
 from dcparallel.data.sizes import check_step_budget, read_sizes
-from dcparallel.plan.policies import policy_spec
+from dcparallel.plan.policies import user_policy
 from dcparallel.profile.cpu_calibration import analytic_cost
 from dcparallel.profile.of_engine import profile_engine
 from dcparallel.profile.profiler import ProfilerConfig
@@ -76,7 +76,8 @@ class DataCentricParallel:
     any module following `dcparallel.adapters.protocol_adapter`'s protocol (``layers``,
     ``num_heads``, ...) — or pass ``adapter``; built under `dcparallel.empty_init` (on the
     meta device) with shard_size > 1, it gets its weights from `load_weights`. ``policy``: `dcp`, `bucket`
-    or `packed` (or a research policy's name, `dcparallel.plan.policies.RESEARCH`).
+    or `packed` (`dcparallel.plan.policies.POLICIES`); ``research=True`` also takes a research
+    policy's name (`RESEARCH`: the ablations and reproductions, for experiments and tests).
     ``loss_fn(model, batch, ctx)``: one micro-batch's work (forward + `ctx` loss helper);
     the default is the adapter's (next-token loss for LMs, flow matching for video);
     the profiler measures exactly this function.
@@ -112,9 +113,10 @@ class DataCentricParallel:
         groups: Any = None,
         shard_size: int | str = 1,
         ring: bool = False,
+        research: bool = False,
         **protocol: Any,
     ):
-        policy_spec(policy)  # an unknown name is refused here, naming the choices
+        user_policy(policy, "DataCentricParallel", research=research)
         if not isinstance(ring, bool):
             raise ValueError(f"ring={ring!r}: give True (SP groups past the head count, Ulysses x ring) or False")
         if memory_bytes is not None and memory_bytes <= 0:
@@ -146,7 +148,7 @@ class DataCentricParallel:
         self.memory_measured = memory_bytes is None
         if self.memory_measured:  # the process groups' communicators hold device memory too
             self._set_memory(self.memory_bytes - int(getattr(self.engine.groups, "communicator_bytes", 0)))
-        self.policy, self.spec = policy, adapter.spec
+        self.policy, self.research, self.spec = policy, research, adapter.spec
         self.loss_fn: LossFn | None = loss_fn or adapter.loss_fn
         self.profile = None
         self.cost = None
@@ -425,6 +427,7 @@ class DataCentricParallel:
             cost=self.cost,
             cluster=self.cluster_spec,
             policy=self.policy,
+            research=self.research,
             tokens_per_step=tokens_per_step,
             samples_per_step=samples_per_step,
             seed=self.seed,

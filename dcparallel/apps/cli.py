@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dcparallel.apps import demo, simulate
-from dcparallel.plan.policies import NAMES
+from dcparallel.plan.policies import ALL, COMPARED, NAMES, POLICIES
 
 
 def _train(path: Path, resume_anyway: bool = False, check: bool = False) -> int:
@@ -50,12 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("simulate", help="plan an epoch with each policy and simulate it")
     simulate.add_workload_arguments(p)
-    p.add_argument("--policy", action="append", choices=NAMES, help="policy (repeatable)")
+    p.add_argument("--policy", action="append", choices=NAMES, help="policy, a user or a research one (repeatable)")
     p.add_argument(
         "--all",
         action="store_true",
-        help="the research policies too (bucket-default, dcp-intra, dcp-inter, dcp-inter-pac); "
-        "default: bucket, packed, dcp",
+        help=f"the research ablations too ({', '.join(n for n in ALL if n not in POLICIES)}); "
+        f"default: {', '.join(COMPARED)}",
     )
     p.add_argument("--json", action="store_true", help="one JSON object on one line")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("plan", help="print the step plans a policy makes")
     simulate.add_workload_arguments(p)
-    p.add_argument("--policy", choices=NAMES, default="dcp")
+    p.add_argument("--policy", choices=NAMES, default="dcp", help="a user or a research policy (default: dcp)")
     p.add_argument("--steps", type=int, default=3, help="how many steps to print (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON object per step, one per line")
     p.set_defaults(func=simulate.cmd_plan)

@@ -33,8 +33,10 @@ from pathlib import Path
 from dcparallel.apps.demo_report import print_table, rank_timelines, spread, trust_notes, write_report
 from dcparallel.apps.simulate import paper_scale
 from dcparallel.apps.train_inputs import check_fits
+from dcparallel.plan.policies import COMPARED
 
-POLICIES = ("bucket", "packed", "dcp")
+#: the user policies, baselines first
+POLICIES = COMPARED
 TOKENS_PER_STEP = 16384
 #: gloo ranks the demo launches
 WORLD = 2

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dcparallel.plan.policies import COMPARED
 from dcparallel.plan.types import StepPlan
 
 #: the static layouts `dcp` is measured against
 STATIC = ("bucket", "packed")
 #: what `simulate` runs without --policy / --all: the policies users choose from
-USER_POLICIES = ("bucket", "packed", "dcp")
+USER_POLICIES = COMPARED
 
 
 def plan_stats(plans: Sequence[StepPlan], tokens: Sequence[int]) -> dict:

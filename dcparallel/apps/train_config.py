@@ -41,7 +41,7 @@ Config (every key optional; defaults below)::
     text_tokens = 16        # diffusers: caption embedding tokens per synthetic sample
 
     [train]
-    policy = "dcp"
+    policy = "dcp"          # "dcp", "bucket" or "packed" (the research policies: `dcparallel simulate`)
     tokens_per_step = 8192
     epochs = 1
     max_steps = 0           # 0: no limit
@@ -97,8 +97,7 @@ from typing import Any, get_type_hints
 import tomllib
 
 from dcparallel.apps.train_lora import LoraConfig
-
-POLICY_NAMES = ("bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp")
+from dcparallel.plan.policies import user_policy
 
 
 def _opt(
@@ -224,7 +223,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    policy: str = _opt("dcp", choices=POLICY_NAMES)
+    #: one of the user policies (`plan.policies.POLICIES`), checked by `check`
+    policy: str = _opt("dcp")
     tokens_per_step: int = _opt(8192, lo=1)
     epochs: int = _opt(1, lo=1, resume=False)
     max_steps: int = _opt(0, lo=0, resume=False)
@@ -249,6 +249,7 @@ class TrainConfig:
     ring: bool = _opt(False, resume=False)
 
     def check(self, where: str) -> None:
+        user_policy(self.policy, f"{where}: [train] policy", flag=None)
         if not self.out_dir:
             raise ValueError(f"{where}: [train] out_dir is empty; give a folder for metrics and checkpoints")
         if (s := self.shard_size) != "auto" and (isinstance(s, bool) or not isinstance(s, int) or s < 1):

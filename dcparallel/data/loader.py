@@ -49,7 +49,7 @@ from dcparallel.data.sizes import Lengths, check_kind, check_step_budget, read_s
 from dcparallel.data.transport import OneBuffer, TaskDataset, TaskSampler, identity, stamp, to_worker_result
 from dcparallel.plan import steps as step_former
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.policies import Planner, make_planner, policy_spec
+from dcparallel.plan.policies import Planner, make_planner, user_policy
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
 from dcparallel.sim.replay import step_seconds
@@ -72,8 +72,8 @@ class DataCentricLoader:
     - ``lengths``: one size per sample, ``lengths[i]`` = tokens of ``dataset[i]`` (text) or
       its (frames, height, width) in pixels (video); or a function ``lengths(i)``, called once
       per sample when the loader is built.
-    - ``policy``: `dcp` (default), `bucket` or `packed` (`dcparallel.plan.policies.POLICIES`), or a
-      research policy's name (`RESEARCH`).
+    - ``policy``: `dcp` (default), `bucket` or `packed` (`dcparallel.plan.policies.POLICIES`);
+      ``research=True`` also takes a research policy's name (`RESEARCH`).
     - ``cost``: the cost model (`AnalyticCost` or `ProfiledCost`); its ``model`` is the
       transformer the plans are for.
     - ``cluster``: the cluster planned for; ``cluster.world_size`` must be the world size.
@@ -118,6 +118,7 @@ class DataCentricLoader:
         cost: CostModel,
         cluster: ClusterSpec,
         policy: str = "dcp",
+        research: bool = False,
         tokens_per_step: int | None = None,
         samples_per_step: int | None = None,
         seed: int = 0,
@@ -152,7 +153,7 @@ class DataCentricLoader:
         check_step_budget(tokens_per_step, samples_per_step)
         if planning not in ("thread", "process"):
             raise ValueError(f"planning must be 'thread' or 'process'; got {planning!r}")
-        policy_spec(policy)  # an unknown name is refused here, naming the choices
+        user_policy(policy, "DataCentricLoader", research=research)
         if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
             raise ValueError(
                 f"lookahead and num_workers must be >= 0, prefetch_factor >= 1; got "

@@ -44,6 +44,7 @@ from transformers import Trainer, TrainerCallback
 from dcparallel.api import DataCentricParallel
 from dcparallel.data import refine
 from dcparallel.loss import IGNORE_INDEX
+from dcparallel.plan.policies import user_policy
 from dcparallel.runtime import comm
 from dcparallel.runtime.zero import ZeroAdamW
 
@@ -57,7 +58,7 @@ LOADER_STATE = "dc_loader_state.json"
 class DataCentricArguments:
     """How each step is planned (`DataCentricParallel` and `prepare`)."""
 
-    #: planning policy: "dcp", "bucket" or "packed" (`dcparallel.plan.policies`)
+    #: planning policy: "dcp", "bucket" or "packed" (`dcparallel.plan.policies.POLICIES`)
     policy: str = "dcp"
     #: tokens per optimizer step (the step budget); give this or ``samples_per_step``
     tokens_per_step: int | None = None
@@ -77,6 +78,9 @@ class DataCentricArguments:
     loss_fn: Any = None
     #: the first this many steps' measured micro-batch times correct the cost model (0: off)
     refine_steps: int = 0
+
+    def __post_init__(self) -> None:
+        user_policy(self.policy, "DataCentricArguments", flag=None)
 
 
 class _Tokens:

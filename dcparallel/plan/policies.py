@@ -1,7 +1,11 @@
 """Policies by name: `--policy NAME` and `policy="NAME"` both resolve through `policy_spec`.
 
-Three are for users (`POLICIES`: `dcp`, `bucket`, `packed`); the ablations of `dcp` and the
-reproductions of other planners are research tools (`RESEARCH`), reachable by the same names.
+Three are for users (`POLICIES`: `dcp`, `bucket`, `packed`): the table every user surface
+(`DataCentricParallel`, `DataCentricLoader`, `[train] policy`, `DataCentricArguments`, the
+command line's defaults) accepts, through `user_policy`. The ablations of `dcp` and the
+reproductions of other planners are research tools (`RESEARCH`): `dcparallel simulate` and
+`dcparallel plan` take their names, the benchmarks and tests build them by name, and the
+API and the loader run them only when asked with ``research=True``.
 
 Policies that tune on the data or compare candidate plans need a plan's predicted step
 time; the planning core does not simulate, so that **score** is passed in by the caller
@@ -13,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
+from dcparallel.plan import bucket, packed
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.portfolio import ScalePlanner
 from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
+from dcparallel.plan.research import flexsp, peers, token_budget
 from dcparallel.plan.splits import SplitPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
@@ -154,6 +159,10 @@ NAMES: tuple[str, ...] = (*POLICIES, *RESEARCH)
 #: the policies `--all` runs, baselines first
 ALL = ["bucket-default", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp"]
 
+#: the user policies in the order comparisons list them (`simulate`'s default, the demo):
+#: the static baselines, then `dcp`
+COMPARED: tuple[str, ...] = (*(n for n in POLICIES if n != "dcp"), "dcp")
+
 
 def policy_spec(name: str) -> PolicySpec:
     """The policy called ``name``, a user policy or a research one; a clear error otherwise."""
@@ -163,6 +172,25 @@ def policy_spec(name: str) -> PolicySpec:
             f"unknown policy {name!r}; choose one of {', '.join(POLICIES)} (research: {', '.join(RESEARCH)})"
         )
     return spec
+
+
+def user_policy(name: str, where: str, *, research: bool = False, flag: str | None = "research=True") -> PolicySpec:
+    """The policy ``name`` given to a user surface (``where``, as the error names it): one of
+    `POLICIES`, or with ``research`` (the surface's explicit flag, spelled ``flag`` in the
+    error; None where the surface has none) also a research one. Anything else is a
+    ValueError naming the value, the user table and where a research policy runs."""
+    if name in POLICIES or (research and name in RESEARCH):
+        return policy_spec(name)
+    users = ", ".join(POLICIES)
+    if name in RESEARCH:
+        also = f", or pass {flag}" if flag else ""
+        raise ValueError(
+            f"{where}: {name!r} is a research policy (an ablation of dcp or a reproduction of another "
+            f"system's planner), not one users train with; choose one of {users}. Research policies run in "
+            f"`dcparallel simulate --policy {name}` and `dcparallel plan --policy {name}`{also}"
+        )
+    more = f" (research: {', '.join(RESEARCH)})" if research else ""
+    raise ValueError(f"{where}: unknown policy {name!r}; choose one of {users}{more}")
 
 
 def tune(name: str, ctx: PlanContext, steps: Sequence[Step] = (), *, score: Score) -> Tuned:

@@ -30,7 +30,7 @@ def case_joint_epoch(kind: str, profile_path: str) -> dict:
 
     def setup(policy: str):
         model = build(kind)
-        dc = DataCentricParallel(model, policy=policy, memory_bytes=2**30, context_tokens=TEXT_TOKENS)
+        dc = DataCentricParallel(model, policy=policy, research=True, memory_bytes=2**30, context_tokens=TEXT_TOKENS)
         return model, dc, JointVideoSet(shapes, model)
 
     return epoch_per_policy(setup, shapes, profile_path)

@@ -60,7 +60,7 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
         cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
                               intra_bw=300e9, intra_latency=1e-5)
         loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                                   policy="dcp-own", tokens_per_step=1200, seed=seed, num_workers=num_workers,
+                                   policy="dcp-own", research=True, tokens_per_step=1200, seed=seed, num_workers=num_workers,
                                    check_plans=True)
         model = make_model("llama")
         dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())

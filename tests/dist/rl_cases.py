@@ -101,7 +101,8 @@ def case_rl_step(policy: str = "dcp") -> dict:
     rollouts = make_rollouts()
     mine = holding(rank, world)
     model = make_model("llama")
-    dc = dcparallel.DataCentricParallel(model, policy=policy, memory_bytes=MEMORY_BYTES, groups=groups())
+    dc = dcparallel.DataCentricParallel(model, policy=policy, research=True, memory_bytes=MEMORY_BYTES,
+                                         groups=groups())
     dc.prepare_rollouts(max_tokens=600, cost="analytic", check_plans=1)
     step = dc.plan_batch([rollouts[i] for i in mine])
     out = {"mine": [step.local_ids[j] for j in range(len(mine))], "held": mine, "origin": list(step.origin),

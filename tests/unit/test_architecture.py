@@ -5,7 +5,9 @@ under ``if TYPE_CHECKING:`` (an annotation that names another module's class cou
 as much as a call does). Each
 package may import only the packages its row allows; the pure core (spec, topology,
 scenarios, cost, plan, sim, report) never imports torch; no module imports the front-ends
-(`apps/`) except the console entry; and the modules form no import cycle.
+(`apps/`) except the console entry; the research planners (`plan/research/`) are imported
+only by themselves and the registry that names research policies (`RESEARCH_IMPORTERS`);
+and the modules form no import cycle.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"api", "data", "adapters", "models", "runtime", "plan", "spec", "topology"},
     "__main__": {"apps"},
 }
+#: the ablations' and reproductions' planners: they may import the rest of `plan/`; of the
+#: package only they and the registry naming research policies import them (one way)
+RESEARCH = "dcparallel.plan.research"
+RESEARCH_IMPORTERS = {"dcparallel.plan.policies"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -102,6 +108,13 @@ def violations(sources: dict[str, str]) -> list[str]:
             )
             if not ok:
                 bad.append(f"{m} imports {d}: {pkg} may import only {sorted(allowed) or 'nothing else'}")
+        if not _is_research(m) and m not in RESEARCH_IMPORTERS:
+            bad += [
+                f"{m} imports {d}: only plan/research itself and {', '.join(sorted(RESEARCH_IMPORTERS))} import "
+                f"the research planners; reach a research policy by name (plan.policies.make_planner)"
+                for d in sorted(deps)
+                if _is_research(d)
+            ]
         if pkg in CORE:
             tree = ast.parse(sources[m])
             names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -110,6 +123,10 @@ def violations(sources: dict[str, str]) -> list[str]:
                 bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
     bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
+
+
+def _is_research(module: str) -> bool:
+    return module == RESEARCH or module.startswith(RESEARCH + ".")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -183,6 +200,18 @@ def test_the_source_tree_follows_the_package_rules():
             "from dcparallel.apps import cli\n",
             "dcparallel.data.loader imports dcparallel.apps",
         ),
+        # a production planner reaching for a reproduction (research is one-way)
+        (
+            "dcparallel.plan.dcp.portfolio",
+            "from dcparallel.plan.research.flexsp import FlexSPPlanner\n",
+            "dcparallel.plan.dcp.portfolio imports dcparallel.plan.research.flexsp: only plan/research",
+        ),
+        (
+            "dcparallel.sim.run",
+            "def f():\n    from dcparallel.plan.research import peers\n",
+            "dcparallel.sim.run imports dcparallel.plan.research.peers: only plan/research",
+        ),
+        ("dcparallel.api", "import dcparallel.plan.research\n", "dcparallel.api imports dcparallel.plan.research:"),
     ],
 )
 def test_the_rules_catch_a_forbidden_import(module, source, expected):

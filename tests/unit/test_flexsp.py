@@ -1,4 +1,4 @@
-"""`flexsp` (FlexSP-style optimal assignment, `plan/flexsp.py`): its program's optimum equals
+"""`flexsp` (FlexSP-style optimal assignment, `plan/research/flexsp.py`): its program's optimum equals
 an exhaustive search on tiny steps, its plans are lossless, tile the world and fit memory, and
 its fallback (no solution in time) plans every sample too; random small steps (hypothesis)
 keep those properties."""
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.flexsp import NODE_LIMIT, FlexSPPlanner
 from dcparallel.plan.policies import make_planner
+from dcparallel.plan.research.flexsp import NODE_LIMIT, FlexSPPlanner
 from dcparallel.plan.steps import Step, form_steps
 from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
@@ -164,7 +164,7 @@ def test_solver_prints_go_to_stderr_and_stdout_keeps_only_python_output():
 
     code = (
         "import ctypes, os\n"
-        "from dcparallel.plan.flexsp import c_stdout_to_stderr\n"
+        "from dcparallel.plan.research.flexsp import c_stdout_to_stderr\n"
         "print('before')\n"
         "with c_stdout_to_stderr():\n"
         "    ctypes.CDLL(None).printf(b'from C printf\\n')\n"

@@ -52,7 +52,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/plan/dcp/expand.py:expand": "to split",  # 66
     "dcparallel/runtime/sharded.py:ShardedGrads.__init__": "to split",  # 66
     "dcparallel/adapters/hf.py:adapter": "to split",  # 65
-    "dcparallel/plan/flexsp.py:slot_program": "to split",  # 64
     "dcparallel/adapters/flux.py:adapter": "to split",  # 63
     "dcparallel/adapters/latents.py:collate_latents": "to split",  # 63
     "dcparallel/plan/dcp/refine.py:refine": "to split",  # 62

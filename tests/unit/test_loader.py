@@ -385,7 +385,7 @@ cl = cluster(8, 4)
 out = []
 for policy in ALL:
     loader = DataCentricLoader(range(60), lens, cost=cost(TINY_LM, cl), cluster=cl, policy=policy,
-                               tokens_per_step=40000, seed=3, collate=None, rank=0, world_size=8)
+                               research=True, tokens_per_step=40000, seed=3, collate=None, rank=0, world_size=8)
     out.append(digest([p.to_json() for p in loader.plans(1)]))
 print(" ".join(out))
 """

@@ -58,6 +58,7 @@ def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
             cost=c,
             cluster=cl,
             policy=case["policy"],
+            research=True,
             seed=case["seed"],
             lookahead=case["lookahead"],
             planning=case["planning"],

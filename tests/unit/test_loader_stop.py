@@ -32,7 +32,7 @@ def slow_policy(monkeypatch):
 
 def slow_loader(planning: str):
     ds, lens = text_data(60, seed=3)
-    ld = make(ds, lens, planning=planning, lookahead=2, policy="slow")
+    ld = make(ds, lens, planning=planning, lookahead=2, policy="slow", research=True)
     ld.context.cost.slow = SlowMark(PLAN_S)  # the planning process imports _slow_policy with it
     return ld
 

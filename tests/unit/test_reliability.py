@@ -36,7 +36,7 @@ from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DC
         ),
         ("train", "max_steps", -3, "[train] max_steps = -3 must be >= 0"),
         ("model", "num_layers", 0, "[model] num_layers = 0 must be >= 1"),
-        ("train", "policy", "fastest", "[train] policy = 'fastest' is not one of 'bucket', 'packed'"),
+        ("train", "policy", "fastest", "[train] policy: unknown policy 'fastest'; choose one of dcp, bucket, packed"),
         ("train", "nan_policy", "ignore", "[train] nan_policy = 'ignore' is not one of 'stop', 'skip'"),
         ("train", "resume_anyway", "yes", "[train] resume_anyway = 'yes' must be true or false"),
         ("train", "lr", float("nan"), "[train] lr = nan must be a finite number"),

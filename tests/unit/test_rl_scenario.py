@@ -1,4 +1,4 @@
-"""The RL scenario (`sim.rl`) and RL frameworks' token-budget batching (`plan.token_budget`)."""
+"""The RL scenario (`sim.rl`) and RL frameworks' token-budget batching (`plan.research.token_budget`)."""
 
 from __future__ import annotations
 

@@ -181,15 +181,43 @@ def slot_program(
     minimized (HiGHS through `scipy.optimize.milp`). Returns scipy's result, the micro-batch
     variables as (slot, bucket, m, seconds), in the result's order, and the slots' degrees."""
     from scipy.optimize import Bounds, LinearConstraint, milp  # (scipy loads only when a program is solved)
-    from scipy.sparse import coo_matrix
 
     slots = [k for k in sp_sizes for _ in range(world // k)]
     var = []  # (slot, bucket, m, t)
     for s, k in enumerate(slots):
         for b in buckets:
             var.extend((s, b, m, t) for m, t in options(b, k))
+    A, lo, hi = _constraints(world, slots, var, buckets, counts)
     nx, ns = len(var), len(slots)
     n = nx + ns + 1  # x..., u (slot open)..., C
+    cost = np.zeros(n)
+    cost[-1] = 1.0
+    ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
+    integrality = np.concatenate([np.ones(nx + ns), [0]])
+    limits: dict[str, float] = {"mip_rel_gap": gap}
+    if time_limit is not None:  # a wall clock makes the result depend on the machine's speed
+        limits["time_limit"] = time_limit
+    if node_limit is not None:
+        limits["node_limit"] = node_limit
+    with c_stdout_to_stderr():
+        res = milp(
+            cost,
+            constraints=LinearConstraint(A, lo, hi),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(n), ub),
+            options=limits,
+        )
+    return res, var, slots
+
+
+def _constraints(world: int, slots: list[int], var: list, buckets: list, counts: dict):
+    """`slot_program`'s rows as a sparse matrix (CSR) with their lower and upper bounds, over
+    the variables x (one per `var` entry: micro-batches of m samples of bucket b on a slot),
+    u (one per slot: the slot is open) and C (the makespan), in that order."""
+    from scipy.sparse import coo_matrix
+
+    nx, ns = len(var), len(slots)
+    n = nx + ns + 1
     xs = np.arange(nx)
     vs = np.array([v[0] for v in var], dtype=int)
     rows, cols, vals, lo, hi = [], [], [], [], []
@@ -218,24 +246,7 @@ def slot_program(
     lo += [-np.inf] * len(same)
     hi += [0.0] * len(same)
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), n))
-    cost = np.zeros(n)
-    cost[-1] = 1.0
-    ub = np.concatenate([[counts[v[1]] // v[2] for v in var], np.ones(ns), [np.inf]])
-    integrality = np.concatenate([np.ones(nx + ns), [0]])
-    limits: dict[str, float] = {"mip_rel_gap": gap}
-    if time_limit is not None:  # a wall clock makes the result depend on the machine's speed
-        limits["time_limit"] = time_limit
-    if node_limit is not None:
-        limits["node_limit"] = node_limit
-    with c_stdout_to_stderr():
-        res = milp(
-            cost,
-            constraints=LinearConstraint(A.tocsr(), lo, hi),
-            integrality=integrality,
-            bounds=Bounds(np.zeros(n), ub),
-            options=limits,
-        )
-    return res, var, slots
+    return A.tocsr(), lo, hi
 
 
 @contextlib.contextmanager
