@@ -28,7 +28,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/apps/demo_worker.py:worker": "to split",  # 134
     "dcparallel/apps/demo.py:run": "to split",  # 123
     "dcparallel/cost/calibration_fit.py:fit_calibration": "to split",  # 121
-    "dcparallel/data/loader.py:DataCentricLoader.__init__": "to split",  # 111
     "dcparallel/adapters/base.py:protocol_adapter": "to split",  # 102
     "dcparallel/plan/dcp/search.py:search": "to split",  # 97
     "dcparallel/profile/profiler.py:Profiler.run": "to split",  # 97
@@ -43,7 +42,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/apps/cli.py:main": "to split",  # 69
     "dcparallel/plan/dcp/sample.py:SamplePacker.pack": "to split",  # 69
     "dcparallel/runtime/engine.py:Engine.__init__": "to split",  # 69
-    "dcparallel/data/loader.py:DataCentricLoader._segment": "to split",  # 68
     "dcparallel/plan/dcp/refine.py:spill": "to split",  # 68
     "dcparallel/adapters/ltx.py:adapter": "to split",  # 67
     "dcparallel/adapters/flux2.py:adapter": "to split",  # 66
