@@ -36,7 +36,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/plan/dcp/classlevel.py:ClassLevelPlanner.class_plan": "to split",  # 75
     "dcparallel/apps/demo_worker.py:_train_once": "to split",  # 74
     "dcparallel/report/plots.py:plot_timelines": "to split",  # 73
-    "dcparallel/cost/profiled.py:ProfiledCost._terms_at": "to split",  # 71
     "dcparallel/adapters/vlm.py:adapter": "to split",  # 69
     "dcparallel/plan/dcp/sample.py:SamplePacker.pack": "to split",  # 69
     "dcparallel/runtime/engine.py:Engine.__init__": "to split",  # 69
