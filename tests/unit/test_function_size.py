@@ -30,7 +30,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/cost/calibration_fit.py:fit_calibration": "to split",  # 121
     "dcparallel/adapters/base.py:protocol_adapter": "to split",  # 102
     "dcparallel/plan/dcp/search.py:search": "to split",  # 97
-    "dcparallel/profile/profiler.py:Profiler.run": "to split",  # 97
     "dcparallel/adapters/wan.py:adapter": "to split",  # 81
     "dcparallel/apps/demo_report.py:write_report": "to split",  # 79
     "dcparallel/plan/dcp/classlevel.py:ClassLevelPlanner.class_plan": "to split",  # 75
@@ -50,7 +49,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/adapters/flux.py:adapter": "to split",  # 63
     "dcparallel/adapters/latents.py:collate_latents": "to split",  # 63
     "dcparallel/plan/dcp/refine.py:refine": "to split",  # 62
-    "dcparallel/profile/profiler.py:Profiler._measure": "to split",  # 62
 }
 
 
