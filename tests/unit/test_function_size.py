@@ -37,13 +37,11 @@ ALLOWED: dict[str, str] = {
     "dcparallel/report/plots.py:plot_timelines": "to split",  # 73
     "dcparallel/adapters/vlm.py:adapter": "to split",  # 69
     "dcparallel/plan/dcp/sample.py:SamplePacker.pack": "to split",  # 69
-    "dcparallel/runtime/engine.py:Engine.__init__": "to split",  # 69
     "dcparallel/plan/dcp/refine.py:spill": "to split",  # 68
     "dcparallel/adapters/ltx.py:adapter": "to split",  # 67
     "dcparallel/adapters/flux2.py:adapter": "to split",  # 66
     "dcparallel/adapters/qwenimage.py:adapter": "to split",  # 66
     "dcparallel/plan/dcp/expand.py:expand": "to split",  # 66
-    "dcparallel/runtime/sharded.py:ShardedGrads.__init__": "to split",  # 66
     "dcparallel/adapters/hf.py:adapter": "to split",  # 65
     "dcparallel/plan/flexsp.py:slot_program": "to split",  # 64
     "dcparallel/adapters/flux.py:adapter": "to split",  # 63
