@@ -173,7 +173,7 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
 def engine_shard_size(cluster: ClusterSpec | None, shard_size: int | None) -> int:
     """The parameter-shard block size: ``shard_size`` or the cluster spec's (not two different
     ones), checked against the launched world and the cluster's node size."""
-    cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
+    cluster_shard = cluster.shard_size if isinstance(cluster, ClusterSpec) else 1
     if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
         raise ValueError(
             f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; give one of them"
@@ -249,12 +249,10 @@ class Engine:
                 self.model,
                 self.layers,
                 self.shard_size,
-                stats_group=getattr(self.groups, "grad_sync", None),
+                stats_group=self.groups.grad_sync,
                 device=device or default_device(),
             )
-        return GradSync(
-            params, world_size=self.world_size, rank=self.rank, group=getattr(self.groups, "grad_sync", None)
-        )
+        return GradSync(params, world_size=self.world_size, rank=self.rank, group=self.groups.grad_sync)
 
     # the flat buffers and the step's statistics live in `grad_sync`
     flat_param = property(lambda self: self.grad_sync.flat_param)
@@ -314,7 +312,7 @@ class Engine:
         check_heads(self.num_heads, batch.layout.ulysses)
         check_group(batch.ranks, self.shard_size)
         group, ring = self.groups.split(batch.ranks, batch.layout.ring)
-        last = last if last is not None else getattr(batch, "last_of_step", None)
+        last = last if last is not None else batch.last_of_step
         self.grad_sync.begin(last)  # a new step's gradients start at zero
         if last:
             self.grad_sync.arm()
@@ -328,7 +326,7 @@ class Engine:
             if probe is not None:
                 self.attention_verified = probe.verify(self.adapter.name)
         except torch.OutOfMemoryError as exc:
-            if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
+            if batch.step is None:  # the profiler probes layouts until they fail
                 raise
             abort_on_oom(
                 exc,
