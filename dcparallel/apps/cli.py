@@ -40,6 +40,42 @@ def _export(path: Path, out: Path | None, step: int | None) -> int:
     return 0
 
 
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train or fine-tune a model (a local transformers / diffusers model "
+        "directory, or the reference model) from a TOML config, under torchrun",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        type=Path,
+        help="TOML file: [model], [data], [train], [profile], [log] (docs/training.md)",
+    )
+    p.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="resume a checkpoint written under another config (the differences are logged)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, its files and lengths in this process and exit; run it without "
+        "torchrun, before launching",
+    )
+    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway, a.check))
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export", help="a run's committed checkpoint as a model directory (save_pretrained), without training"
+    )
+    p.add_argument("--config", required=True, type=Path, help="the run's TOML file (its out_dir holds the checkpoints)")
+    p.add_argument("--out", type=Path, default=None, help="the directory to write (default: out_dir/export/step_N)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest committed)")
+    p.set_defaults(func=lambda a: _export(a.config, a.out, a.step))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # the subcommand asked for: `profile`'s arguments (its presets) need torch, which
@@ -76,37 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile.add_arguments(p)
         p.set_defaults(func=profile.cmd_profile)
 
-    p = sub.add_parser(
-        "train",
-        help="train or fine-tune a model (a local transformers / diffusers model "
-        "directory, or the reference model) from a TOML config, under torchrun",
-    )
-    p.add_argument(
-        "--config",
-        required=True,
-        type=Path,
-        help="TOML file: [model], [data], [train], [profile], [log] (docs/training.md)",
-    )
-    p.add_argument(
-        "--resume-anyway",
-        action="store_true",
-        help="resume a checkpoint written under another config (the differences are logged)",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the config, its files and lengths in this process and exit; run it without "
-        "torchrun, before launching",
-    )
-    p.set_defaults(func=lambda a: _train(a.config, a.resume_anyway, a.check))
-
-    p = sub.add_parser(
-        "export", help="a run's committed checkpoint as a model directory (save_pretrained), without training"
-    )
-    p.add_argument("--config", required=True, type=Path, help="the run's TOML file (its out_dir holds the checkpoints)")
-    p.add_argument("--out", type=Path, default=None, help="the directory to write (default: out_dir/export/step_N)")
-    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest committed)")
-    p.set_defaults(func=lambda a: _export(a.config, a.out, a.step))
+    _add_train_parser(sub)
+    _add_export_parser(sub)
 
     p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
     demo.add_arguments(p)

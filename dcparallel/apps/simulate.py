@@ -53,6 +53,13 @@ def shard_size_argument(text: str) -> int | str:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments that say what is planned: model, data, cluster, step budget, cost model."""
+    _add_model_arguments(p)
+    _add_data_arguments(p)
+    _add_cluster_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenario",
         choices=sorted(SCENARIOS),
@@ -74,12 +81,15 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "weights) and planned with exact parameter counts",
     )
     p.add_argument(
-        "--shard-size",
-        type=shard_size_argument,
-        default=1,
-        help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
-        "with which the model states and the data fit",
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
+        "on every linear of the blocks trained (`cost.lora.with_lora`)",
     )
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--distribution",
@@ -93,17 +103,24 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="one sample a line: `tokens` or `frames height width`; or a .npy array; or (a "
         'vision-language --model) a .jsonl of {"text": tokens, "vision": [image sizes]}',
     )
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
+    p.add_argument(
+        "--tokens-per-step", type=int, default=None, help="tokens per optimizer step (default: the scenario's)"
+    )
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shard-size",
+        type=shard_size_argument,
+        default=1,
+        help="ranks per parameter-shard block (1, 2, 4, ...; default 1: unsharded), or auto: the smallest "
+        "with which the model states and the data fit",
+    )
     p.add_argument(
         "--ring",
         action="store_true",
         help="SP groups past the head count: each micro-batch at its fastest Ulysses x ring split",
-    )
-    p.add_argument(
-        "--lora-rank",
-        type=int,
-        default=None,
-        help="plan a LoRA fine-tune of --model / --model-config: the base frozen, adapters of this rank "
-        "on every linear of the blocks trained (`cost.lora.with_lora`)",
     )
     p.add_argument(
         "--memory-gib",
@@ -117,10 +134,6 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="GPUs per node (default: the --profile's, else 8 or the world if smaller)",
-    )
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="data and step-order seed")
-    p.add_argument(
-        "--tokens-per-step", type=int, default=None, help="tokens per optimizer step (default: the scenario's)"
     )
     p.add_argument(
         "--profile",
@@ -137,59 +150,19 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
     sizes = None if args.lengths is None else _read_lengths(args.lengths, spec)
     if spec is not None and args.profile is not None:
         raise SystemExit("error: --profile plans its own model; leave out --model / --model-config")
+    profile = Profile.load(args.profile) if spec is None and args.profile is not None else None
     if spec is not None:
-        if args.scenario is not None and SCENARIOS[args.scenario].model.kind != spec.kind:
-            raise SystemExit(
-                f"error: --scenario {args.scenario} is for {SCENARIOS[args.scenario].model.kind} "
-                f"models, {spec.name} is a {spec.kind} model"
-            )
-        args.scenario = args.scenario or spec.kind
-        scenario = SCENARIOS[args.scenario]
-        model = spec
+        scenario, model = _scenario_of_model(args, spec), spec
         cluster = h200_cluster(args.world, args.gpus_per_node, memory_bytes=_memory(args))
-    elif args.profile is not None:
-        profile = Profile.load(args.profile)
-        model = profile.model
-        # the H200 links price shard blocks planned from an unsharded profile (`ProfiledCost`)
-        cluster = h200_cluster(
-            args.world,
-            args.gpus_per_node,
-            memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)),
-        )
-        if profile.world_size != args.world:
-            raise SystemExit(
-                f"error: the profile was measured at world size {profile.world_size}; pass --world {profile.world_size}"
-            )
-        scenario = None
+    elif profile is not None:
+        scenario, model, cluster = None, profile.model, _profile_cluster(args, profile)
     else:
-        if args.scenario is None:
-            if sizes is not None:
-                args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
-            elif args.distribution in MIXES:
-                args.scenario = MIXES[args.distribution].kind
-            else:
-                raise SystemExit("error: give --scenario (and --distribution or --lengths)")
-        if args.distribution in MIXES and MIXES[args.distribution].kind != args.scenario:
-            raise SystemExit(
-                f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
-                f"use it with --scenario {MIXES[args.distribution].kind}"
-            )
-        scenario = SCENARIOS[args.scenario]
+        scenario = _scenario_of_data(args, sizes)
         model = scenario.model
         cluster = h200_cluster(args.world, args.gpus_per_node, memory_bytes=_memory(args))
-    if sizes is not None:
-        name = args.lengths.name
-        kind = "video" if isinstance(sizes[0], tuple) else "text"
-        if kind != model.kind:
-            raise SystemExit(f"error: {args.lengths} holds {kind} samples but the model is a {model.kind} model")
-    else:
-        if scenario is None:
-            raise SystemExit("error: with --profile give --lengths FILE")
-        dist = args.distribution or "balanced"
-        sizes = sample_sizes(args.scenario, dist, seed=args.seed)
-        name = dist
+    name, sizes = _samples(args, sizes, model, scenario)
     tps = args.tokens_per_step or (scenario.tokens_per_step if scenario else 4 * 2**20)
-    if args.profile is not None:
+    if profile is not None:
         make_cost = lambda m, c: ProfiledCost(profile, c)  # noqa: E731
     else:
         make_cost = AnalyticCost
@@ -198,6 +171,62 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         shard = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
     cluster = dataclasses.replace(cluster, shard_size=shard, ring=getattr(args, "ring", False))
     return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
+
+
+def _scenario_of_model(args, spec: ModelSpec):
+    """--model / --model-config: the scenario (step budget, data) of its kind unless --scenario names one."""
+    if args.scenario is not None and SCENARIOS[args.scenario].model.kind != spec.kind:
+        raise SystemExit(
+            f"error: --scenario {args.scenario} is for {SCENARIOS[args.scenario].model.kind} "
+            f"models, {spec.name} is a {spec.kind} model"
+        )
+    args.scenario = args.scenario or spec.kind
+    return SCENARIOS[args.scenario]
+
+
+def _profile_cluster(args, profile: Profile) -> ClusterSpec:
+    """--profile: the cluster of its launch, with its memory."""
+    # the H200 links price shard blocks planned from an unsharded profile (`ProfiledCost`)
+    cluster = h200_cluster(
+        args.world,
+        args.gpus_per_node,
+        memory_bytes=int(profile.fingerprint.get("memory_bytes", h200_cluster().memory_bytes)),
+    )
+    if profile.world_size != args.world:
+        raise SystemExit(
+            f"error: the profile was measured at world size {profile.world_size}; pass --world {profile.world_size}"
+        )
+    return cluster
+
+
+def _scenario_of_data(args, sizes: list | None):
+    """No model given: --scenario, else the kind of the --lengths or of the --distribution's mix."""
+    if args.scenario is None:
+        if sizes is not None:
+            args.scenario = "video" if isinstance(sizes[0], tuple) else "text"
+        elif args.distribution in MIXES:
+            args.scenario = MIXES[args.distribution].kind
+        else:
+            raise SystemExit("error: give --scenario (and --distribution or --lengths)")
+    if args.distribution in MIXES and MIXES[args.distribution].kind != args.scenario:
+        raise SystemExit(
+            f"error: --distribution {args.distribution} is a {MIXES[args.distribution].kind} mix; "
+            f"use it with --scenario {MIXES[args.distribution].kind}"
+        )
+    return SCENARIOS[args.scenario]
+
+
+def _samples(args, sizes: list | None, model: ModelSpec, scenario) -> tuple[str, list]:
+    """(name, sample sizes): the --lengths read, else drawn from --distribution (default balanced)."""
+    if sizes is not None:
+        kind = "video" if isinstance(sizes[0], tuple) else "text"
+        if kind != model.kind:
+            raise SystemExit(f"error: {args.lengths} holds {kind} samples but the model is a {model.kind} model")
+        return args.lengths.name, sizes
+    if scenario is None:
+        raise SystemExit("error: with --profile give --lengths FILE")
+    dist = args.distribution or "balanced"
+    return dist, sample_sizes(args.scenario, dist, seed=args.seed)
 
 
 def _default_world(args) -> None:

@@ -32,10 +32,12 @@ def read_train_lengths(cfg: Config) -> list:
 def check_fits(
     spec, lengths, world_size: int, gpus_per_node: int, memory_bytes: int, skip_oversize: bool = False
 ) -> None:
-    """Raises the planner's `NoLayoutFits` before any profiling when a sample fits no layout
-    by the analytic cost model (calibrated constants: it catches samples far beyond memory,
-    which the profiler would die on with a raw allocator error; the profile decides the rest);
-    with ``skip_oversize`` the samples that fit no layout are left to the loader to skip."""
+    """Raises the planner's `NoLayoutFits` (the message `simulate` prints) up front, before
+    any profiling, when a sample fits no layout by the analytic cost model: the profiler
+    would otherwise try to run it and die on a raw allocator error. The analytic model
+    estimates memory from calibrated constants, so this catches samples far beyond memory;
+    the profile decides the rest. With ``skip_oversize`` the samples that fit no layout are
+    left to the loader to skip."""
     from dcparallel.cost.analytic import AnalyticCost
     from dcparallel.plan.context import PlanContext
     from dcparallel.spec import ClusterSpec, Workload

@@ -8,6 +8,9 @@ the run (the tests inject faults with it)."""
 
 from __future__ import annotations
 
+# every import at the top, none in a function: only a run that trains imports this module (the
+# CLI imports `apps.train` lazily, after `train --check`), so torch here slows no CLI start
+import faulthandler
 import logging
 import math
 import time
@@ -15,9 +18,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
+from dcparallel import checkpoint
+from dcparallel.api import DataCentricParallel
+from dcparallel.apps import train_checkpoint, train_inputs, train_setup
 from dcparallel.apps.train_config import Config
-from dcparallel.apps.train_log import append_event, trim_metrics
-from dcparallel.runtime.launch import cuda_memory, record_ooms_in, restart_attempt
+from dcparallel.apps.train_log import MetricsSinks, append_event, trim_metrics
+from dcparallel.apps.train_setup import builds_on_meta, export_path, load_model, lr_lambda, read_data
+from dcparallel.data import refine
+from dcparallel.data.loader import DataCentricLoader
+from dcparallel.runtime import comm
+from dcparallel.runtime.launch import (
+    OOM_BUDGET_FACTOR,
+    cuda_memory,
+    device_memory,
+    init_distributed,
+    oom_budget,
+    oom_restarts,
+    record_ooms_in,
+    restart_attempt,
+)
 
 log = logging.getLogger("dcparallel.train")
 
@@ -49,9 +70,6 @@ class Trainer:
     resume) then `train` (the steps, evals, checkpoints, metrics and the export)."""
 
     def __init__(self, cfg: Config, synthetic_sizes: list, before_step: StepHook | None = None):
-        from dcparallel.runtime import comm
-        from dcparallel.runtime.launch import init_distributed
-
         self.cfg, self.t, self.synthetic_sizes = cfg, cfg.train, synthetic_sizes
         self.before_step = before_step
         self.rank, self.world, self.attempt = comm.world_rank(), comm.world_size(), restart_attempt()
@@ -65,11 +83,6 @@ class Trainer:
 
     def prepare(self) -> bool:
         """Everything before the first step; False when the run has nothing left to do."""
-        from dcparallel import checkpoint
-        from dcparallel.apps import train_checkpoint
-        from dcparallel.apps.train_setup import load_model, read_data
-        from dcparallel.runtime import comm
-
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         comm.barrier()
@@ -111,9 +124,6 @@ class Trainer:
     def _wrap(self) -> None:
         """The model in a `DataCentricParallel` (``dc``), and this rank's ZeRO-1 range of the
         flat optimizer state (``opt_range``; shard_size 1 only)."""
-        from dcparallel import DataCentricParallel
-        from dcparallel.apps.train_setup import builds_on_meta
-
         t, extra = self.t, {}
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
@@ -140,9 +150,6 @@ class Trainer:
         """[train] memory_mib (None: the device's default), times `OOM_BUDGET_FACTOR` for every
         earlier attempt that ran out of memory (`launch.oom_restarts`; the ranks agree on the
         count, so all plan with one budget)."""
-        from dcparallel.runtime import comm
-        from dcparallel.runtime.launch import OOM_BUDGET_FACTOR, device_memory, oom_budget, oom_restarts
-
         budget = self.t.memory_mib * 2**20 or None
         num_ooms = max(comm.all_gather_object(oom_restarts(self.out)))
         if num_ooms == 0:
@@ -192,8 +199,6 @@ class Trainer:
         model (every sample checked first to fit some layout by the analytic model, which
         catches samples the profiler would die on) or by the analytic cost model. Rank 0,
         which writes the metrics, gets each step's prediction with its plan."""
-        from dcparallel.apps import train_inputs, train_setup
-
         t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
         kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
         if pc.cost == "profiled":
@@ -214,8 +219,6 @@ class Trainer:
     def _eval_loader(self):
         if self.data.eval is None:
             return None
-        from dcparallel.data import DataCentricLoader
-
         dc, t, skip = self.dc, self.t, self.cfg.data.skip_oversize
         return DataCentricLoader(
             self.data.eval,
@@ -231,8 +234,6 @@ class Trainer:
         )
 
     def _resume(self, ck) -> None:
-        from dcparallel.apps import train_checkpoint
-
         rank = self.rank
         train_checkpoint.load(ck, self.dc, self.opt, self.opt_range)  # any version, world and shard size
         self.opt.param_groups[0]["initial_lr"] = self.t.lr  # the schedule's base is this config's lr
@@ -251,10 +252,6 @@ class Trainer:
 
     def _scheduler(self):
         """torch's LambdaLR over the optimizer, positioned at the step after ``done``."""
-        import torch
-
-        from dcparallel.apps.train_setup import lr_lambda
-
         group = self.opt.param_groups[0]
         group.setdefault("initial_lr", self.t.lr)
         fn = lr_lambda(self.t.warmup_steps, self.target, self.t.schedule)
@@ -264,8 +261,6 @@ class Trainer:
 
     def train(self) -> int:
         """The steps up to the target, then the export; 0."""
-        from dcparallel.apps.train_log import MetricsSinks
-
         self._log_start()
         self.sinks = MetricsSinks(self.cfg, self.out, self.rank, self.done, self.target - self.done)
         try:
@@ -298,12 +293,6 @@ class Trainer:
     def _step(self, epoch: int, step) -> None:
         """One optimizer step under the step watchdog: the hook, the micro-batches, the
         update, then an eval when due and the step's metrics record."""
-        import faulthandler
-
-        import torch
-
-        from dcparallel.data import refine
-
         t0 = time.perf_counter()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.launch.device)
@@ -360,10 +349,6 @@ class Trainer:
     def _idle_fraction(self, busy: float) -> float:
         """1 - the least busy rank's micro-batch seconds / the busiest rank's (collective: one
         max-reduction of (busy, -busy))."""
-        import torch
-
-        from dcparallel.runtime import comm
-
         x = torch.tensor([busy, -busy], dtype=torch.float64, device=self.launch.device)
         most, minus_least = comm.all_reduce_(x, comm.WORLD, op="max").tolist()
         return 1 - (-minus_least) / most if most > 0 else 0.0
@@ -373,10 +358,6 @@ class Trainer:
         without gradients; the summed losses and target counts of all ranks added up (the
         same mean over targets as training's). Per-sample randomness (video noise and
         timesteps) uses epoch 0 at every evaluation, so evaluations compare."""
-        import torch
-
-        from dcparallel.runtime import comm
-
         dc, epoch = self.dc, self.dc.epoch
         dc.zero_grad()  # the statistics below are this evaluation's only
         dc.engine.set_epoch(0)
@@ -460,8 +441,6 @@ class Trainer:
         }
 
     def _save(self, finished: bool) -> None:
-        from dcparallel.apps import train_checkpoint
-
         t = self.t
         dtype = getattr(self.dc.grad_sync, "compute_dtype", None) or self.dc.params[0].dtype  # the model's own
         meta = {
@@ -485,9 +464,6 @@ class Trainer:
 
     def _export(self) -> None:
         """The trained model written to the export directory; the finish event."""
-        from dcparallel.apps import train_checkpoint
-        from dcparallel.apps.train_setup import export_path
-
         path = train_checkpoint.export(self.cfg, self.dc, self.tokenizer, export_path(self.cfg, self.out))
         if self.rank == 0:
             if path is not None:

@@ -371,47 +371,9 @@ class ProfiledCost:
     def _terms_at(self, counts: dict[int, int], sp: int) -> MicroBatchTerms:
         """The terms of a micro-batch holding `counts[tokens]` samples of each token count, from
         this object's tables (one split per size)."""
-        n = sum(counts.values())
-        largest = max(counts)
-        tot: dict[str, list[float]] = {}
-        for mode in STATIC_MODES:
-            if largest >= self._unfit.get((sp, mode), float("inf")):
-                continue  # measured: a sample this large does not fit in this mode
-            acc = [0.0, 0.0]
-            floor = [0.0, 0.0]
-            for tk, count in counts.items():  # equal sizes once: copies of one size cost O(1)
-                v = self._per_sample(tk, sp, mode, n)
-                if v is None:
-                    acc = None
-                    break
-                acc[0] += count * v[0]
-                acc[1] += count * v[1]
-                if count < n:  # this size's copies alone
-                    alone = self._per_sample(tk, sp, mode, count)
-                    floor = [max(floor[0], count * alone[0]), max(floor[1], count * alone[1])]
-            if acc is not None:
-                # a micro-batch takes at least the time and memory of any of its sizes' copies
-                # alone: per-sample shares priced at the whole micro-batch's size amortize a
-                # long sample's fixed cost over short ones, which would make adding samples
-                # shorten a micro-batch (and let a plan beat the lower bound's longest sample)
-                tot[mode] = [max(acc[0], floor[0]), max(acc[1], floor[1])]
+        tot = self._mode_totals(counts, sp)
         if "none" not in tot and "full" not in tot and any(k[0] == sp for k in self._unfit):
-            # measured at this SP degree, and no mode fits: infinite memory, never planned
-            return MicroBatchTerms(
-                num_layers=self.model.num_layers,
-                time_none=float("inf"),
-                dt_attn=0.0,
-                dt_mlp=0.0,
-                dt_full=0.0,
-                fixed_bytes=float("inf"),
-                act_layer=0.0,
-                save_attn=0.0,
-                save_mlp=0.0,
-                save_full=0.0,
-                transient_none=0.0,
-                transient_rec=0.0,
-                keep_all_feasible=False,
-            )
+            return _never_fits(self.model.num_layers)  # measured at this SP degree, and no mode fits
         if "none" not in tot and "full" not in tot:
             raise ValueError(f"the profile has no measurement at sp={sp}; measured sp sizes: {self.sp_sizes}")
         L = self.model.num_layers
@@ -451,6 +413,53 @@ class ProfiledCost:
             transient_rec=0.0,
             keep_all_feasible="none" in tot,
         )
+
+    def _mode_totals(self, counts: dict[int, int], sp: int) -> dict[str, list[float]]:
+        """[seconds, bytes] of the micro-batch in each recompute mode it fits in (by the tables)."""
+        n = sum(counts.values())
+        largest = max(counts)
+        tot: dict[str, list[float]] = {}
+        for mode in STATIC_MODES:
+            if largest >= self._unfit.get((sp, mode), float("inf")):
+                continue  # measured: a sample this large does not fit in this mode
+            acc = [0.0, 0.0]
+            floor = [0.0, 0.0]
+            for tk, count in counts.items():  # equal sizes once: copies of one size cost O(1)
+                v = self._per_sample(tk, sp, mode, n)
+                if v is None:
+                    acc = None
+                    break
+                acc[0] += count * v[0]
+                acc[1] += count * v[1]
+                if count < n:  # this size's copies alone
+                    alone = self._per_sample(tk, sp, mode, count)
+                    floor = [max(floor[0], count * alone[0]), max(floor[1], count * alone[1])]
+            if acc is not None:
+                # a micro-batch takes at least the time and memory of any of its sizes' copies
+                # alone: per-sample shares priced at the whole micro-batch's size amortize a
+                # long sample's fixed cost over short ones, which would make adding samples
+                # shorten a micro-batch (and let a plan beat the lower bound's longest sample)
+                tot[mode] = [max(acc[0], floor[0]), max(acc[1], floor[1])]
+        return tot
+
+
+def _never_fits(num_layers: int) -> MicroBatchTerms:
+    """Terms of a micro-batch no recompute mode fits: infinite memory, never planned."""
+    return MicroBatchTerms(
+        num_layers=num_layers,
+        time_none=float("inf"),
+        dt_attn=0.0,
+        dt_mlp=0.0,
+        dt_full=0.0,
+        fixed_bytes=float("inf"),
+        act_layer=0.0,
+        save_attn=0.0,
+        save_mlp=0.0,
+        save_full=0.0,
+        transient_none=0.0,
+        transient_rec=0.0,
+        keep_all_feasible=False,
+    )
 
 
 _VISION_REFUSED = (

@@ -138,90 +138,49 @@ class DataCentricLoader:
         refine_steps: int = 0,
     ):
         self.device = torch.device(device) if device is not None else None
-        try:
-            num_samples = len(dataset)
-        except TypeError:
-            raise ValueError(
-                f"the dataset ({type(dataset).__name__}) has no len(): DataCentricLoader needs a "
-                f"map-style dataset (len(dataset) and dataset[i])"
-            ) from None
-        if num_samples == 0:
-            raise ValueError(
-                "the dataset is empty (len(dataset) == 0): there is nothing to load; "
-                "check the dataset's source and filters"
-            )
+        num_samples = _dataset_length(dataset)
         check_step_budget(tokens_per_step, samples_per_step)
-        if planning not in ("thread", "process"):
-            raise ValueError(f"planning must be 'thread' or 'process'; got {planning!r}")
+        _check_pipeline(planning, lookahead, num_workers, prefetch_factor)
         user_policy(policy, "DataCentricLoader", research=research)
-        if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
-            raise ValueError(
-                f"lookahead and num_workers must be >= 0, prefetch_factor >= 1; got "
-                f"lookahead={lookahead}, num_workers={num_workers}, prefetch_factor={prefetch_factor}"
-            )
-        self.world_size = comm.world_size() if world_size is None else int(world_size)
-        self.rank = comm.world_rank() if rank is None else int(rank)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
-        if world_size is None and rank is not None and self.world_size == 1 and self.rank != 0:
-            raise ValueError("pass world_size together with rank")
-        if cluster.world_size != self.world_size:
-            raise ValueError(
-                f"the cluster spec plans for world_size={cluster.world_size} but this loader runs on "
-                f"{self.world_size} ranks; build the ClusterSpec from the launched world size"
-            )
+        self.world_size, self.rank = _world_and_rank(cluster, world_size, rank)
 
         self.refine_left, self._refined = refine.check_steps(refine_steps), []  # steps still to feed; rows fed
         cost = RefinedCost(cost) if refine_steps and not isinstance(cost, RefinedCost) else cost
         sizes = read_sizes(lengths, num_samples)
-        model = cost.model
-        check_kind(sizes, model)
+        check_kind(sizes, cost.model)
         self.dataset = dataset
         self.sizes: tuple[Size, ...] = sizes
-        self.workload = Workload(model, sizes)
-        self.cluster = cluster
+        self.workload = Workload(cost.model, sizes)
+        self.cluster, self.policy = cluster, policy
         self.context = PlanContext(self.workload, cost, cluster, skip_oversize=skip_oversize)
-        self.policy = policy
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.seed = int(seed)
         self.lookahead, self.num_workers, self.prefetch_factor = lookahead, num_workers, prefetch_factor
         self.check_plans = plan_check.check_every(check_plans)
-        self.planning = planning
-        self.predict = predict
+        self.planning, self.predict = planning, predict  # where plans are made; with a replay each
         self._idle_workers: list[plan_stream.PlanWorker] = []  # planning processes between epochs
         weakref.finalize(self, plan_stream.close_workers, self._idle_workers)
         self._open: weakref.WeakSet[Iterator[LoaderStep]] = weakref.WeakSet()  # iterations not yet closed
-
-        fn = resolve_collate(collate, model.kind, ignore_index)
-        self._tasks = TaskDataset(
-            dataset, fn, sizes, check_text=collate == "text" or (collate == "auto" and model.kind == "text")
-        )
-
+        self._tasks = _task_dataset(dataset, collate, cost.model.kind, ignore_index, sizes)
         self._data_digest = comm.digest(
             (self.workload.tokens, tuple(self.context.usable_ids), self.seed, tokens_per_step, samples_per_step)
         )
         self.epoch = int(epoch)
-        self._step = 0  # steps of this epoch handed out (what state_dict reports)
-        self._start = 0  # where the next iteration starts
+        self._step, self._start = 0, 0  # steps of this epoch handed out (state_dict); where iteration starts
         self._steps_cache: tuple[int, list[step_former.Step]] | None = None
         self.last_plan_seconds, self.last_plan_waits = 0.0, []  # last epoch: s planning, steps that waited
-        if self.context.skipped:
-            log.warning(
-                "skipping %d sample(s) that fit no layout: %s",
-                len(self.context.skipped),
-                ", ".join(
-                    f"sample {i} (size {s!r}, needs {format_bytes(need)})" for i, s, need in self.context.skipped[:10]
-                )
-                + (" ..." if len(self.context.skipped) > 10 else ""),
-            )
+        _log_skipped(self.context.skipped)
         self.steps(self.epoch)  # validates the budget now
+        self._log_start(num_samples)
+
+    def _log_start(self, num_samples: int) -> None:
         log.info(
             "rank %d/%d: %d samples (%d usable), policy %s, %d steps in epoch %d",
             self.rank,
             self.world_size,
             num_samples,
             len(self.context.usable_ids),
-            policy,
+            self.policy,
             len(self),
             self.epoch,
         )
@@ -400,19 +359,7 @@ class DataCentricLoader:
 
     def _segment(self, epoch: int, start: int, end: int) -> Iterator[LoaderStep]:
         steps = self.steps(epoch)
-        if self.planning == "process" and self.lookahead > 0:
-            worker = plan_stream.idle_worker(self._idle_workers, self.policy, self.context, self.predict)
-            stream = plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers, stop=end)
-        else:
-            stream = PlanStream(
-                functools.partial(self.planner, epoch),
-                steps,
-                start,
-                self.lookahead,
-                name=f"dcparallel-plan-e{epoch}",
-                stop=end,
-                predict=predictor(self.context) if self.predict else None,
-            )
+        stream = self._plan_stream(epoch, steps, start, end)
         loader = DataLoader(
             self._tasks,
             sampler=TaskSampler(stream, epoch, start, end, self.rank),
@@ -429,25 +376,9 @@ class DataCentricLoader:
                 plan.check_shard_blocks(getattr(self.cluster, "shard_size", 1))  # same plan, same answer, every rank
                 if self.check_plans and (k == start or k % self.check_plans == 0):
                     plan_check.check_same_plan(plan, epoch, k)
-                work = plan.work_of(self.rank)
-                batches: tuple[Any, ...] = ()
-                if work:
-                    got = next(it)
-                    batches = tuple(got.unpack() if isinstance(got, OneBuffer) else got)
-                for b, (mb, _) in zip(batches, work, strict=True):
-                    got = getattr(b, "sample_ids", None)
-                    assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
-                batches = tuple(stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
+                batches = self._batches_of(plan, it, k)
                 self._step = k + 1
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(
-                        "rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s",
-                        self.rank,
-                        epoch,
-                        k,
-                        len(steps),
-                        json.dumps([[list(r), list(mb.sample_ids)] for mb, r in work]),
-                    )
+                self._log_step(plan, epoch, k, len(steps))
                 if self.lookahead:
                     stream.ahead(k + 2)
                 yield LoaderStep(epoch, k, len(steps), self.rank, plan, batches, predicted)
@@ -466,3 +397,109 @@ class DataCentricLoader:
             self.last_plan_seconds += stream.plan_seconds
             self.last_plan_waits += stream.waited
             del it
+
+    def _plan_stream(
+        self, epoch: int, steps: list[step_former.Step], start: int, end: int
+    ) -> PlanStream | plan_stream.ProcessPlanStream:
+        """The plans of steps ``start..end-1``: from a planning process, or a thread of this one."""
+        if self.planning == "process" and self.lookahead > 0:
+            worker = plan_stream.idle_worker(self._idle_workers, self.policy, self.context, self.predict)
+            return plan_stream.ProcessPlanStream(worker, steps, start, self.lookahead, self._idle_workers, stop=end)
+        return PlanStream(
+            functools.partial(self.planner, epoch),
+            steps,
+            start,
+            self.lookahead,
+            name=f"dcparallel-plan-e{epoch}",
+            stop=end,
+            predict=predictor(self.context) if self.predict else None,
+        )
+
+    def _batches_of(self, plan: StepPlan, it: Iterator[Any], k: int) -> tuple[Any, ...]:
+        """This rank's `Batch`es of step ``k`` (none when the plan gives it no work), from the DataLoader
+        iterator ``it``, stamped with the step and the last-micro-batch flag and moved to the device."""
+        work = plan.work_of(self.rank)
+        batches: tuple[Any, ...] = ()
+        if work:
+            got = next(it)
+            batches = tuple(got.unpack() if isinstance(got, OneBuffer) else got)
+        for b, (mb, _) in zip(batches, work, strict=True):
+            got = getattr(b, "sample_ids", None)
+            assert got is None or tuple(got) == mb.sample_ids, (got, mb.sample_ids)
+        return tuple(stamp(b, k, j == len(batches) - 1, self.device) for j, b in enumerate(batches))
+
+    def _log_step(self, plan: StepPlan, epoch: int, k: int, num_steps: int) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "rank %d epoch %d step %d/%d: micro-batches (group ranks, sample ids) %s",
+                self.rank,
+                epoch,
+                k,
+                num_steps,
+                json.dumps([[list(r), list(mb.sample_ids)] for mb, r in plan.work_of(self.rank)]),
+            )
+
+
+# ---------------------------------------------------------------- checks of the arguments
+
+
+def _dataset_length(dataset: Any) -> int:
+    """``len(dataset)``, refused for a dataset without one or an empty one."""
+    try:
+        num_samples = len(dataset)
+    except TypeError:
+        raise ValueError(
+            f"the dataset ({type(dataset).__name__}) has no len(): DataCentricLoader needs a "
+            f"map-style dataset (len(dataset) and dataset[i])"
+        ) from None
+    if num_samples == 0:
+        raise ValueError(
+            "the dataset is empty (len(dataset) == 0): there is nothing to load; check the dataset's source and filters"
+        )
+    return num_samples
+
+
+def _check_pipeline(planning: str, lookahead: int, num_workers: int, prefetch_factor: int) -> None:
+    """Refuses a planning place other than a thread or a process, and negative queue sizes."""
+    if planning not in ("thread", "process"):
+        raise ValueError(f"planning must be 'thread' or 'process'; got {planning!r}")
+    if lookahead < 0 or num_workers < 0 or prefetch_factor < 1:
+        raise ValueError(
+            f"lookahead and num_workers must be >= 0, prefetch_factor >= 1; got "
+            f"lookahead={lookahead}, num_workers={num_workers}, prefetch_factor={prefetch_factor}"
+        )
+
+
+def _world_and_rank(cluster: ClusterSpec, world_size: int | None, rank: int | None) -> tuple[int, int]:
+    """(world size, rank): torch.distributed's unless given; the cluster must plan for that world."""
+    world = comm.world_size() if world_size is None else int(world_size)
+    me = comm.world_rank() if rank is None else int(rank)
+    if not 0 <= me < world:
+        raise ValueError(f"rank {me} is outside the world of {world} ranks")
+    if world_size is None and rank is not None and world == 1 and me != 0:
+        raise ValueError("pass world_size together with rank")
+    if cluster.world_size != world:
+        raise ValueError(
+            f"the cluster spec plans for world_size={cluster.world_size} but this loader runs on "
+            f"{world} ranks; build the ClusterSpec from the launched world size"
+        )
+    return world, me
+
+
+def _task_dataset(
+    dataset: Any, collate: str | CollateFn | None, kind: str, ignore_index: int, sizes: tuple[Size, ...]
+) -> TaskDataset:
+    """What the DataLoader workers run: load a micro-batch's samples and collate them."""
+    fn = resolve_collate(collate, kind, ignore_index)
+    return TaskDataset(dataset, fn, sizes, check_text=collate == "text" or (collate == "auto" and kind == "text"))
+
+
+def _log_skipped(skipped: list) -> None:
+    """Warns of the samples that fit no layout (the first ten, by id, size and need)."""
+    if skipped:
+        log.warning(
+            "skipping %d sample(s) that fit no layout: %s",
+            len(skipped),
+            ", ".join(f"sample {i} (size {s!r}, needs {format_bytes(need)})" for i, s, need in skipped[:10])
+            + (" ..." if len(skipped) > 10 else ""),
+        )

@@ -50,6 +50,40 @@ def predictor(ctx: PlanContext) -> Predict:
     return functools.partial(predict_step, ctx=ctx)
 
 
+class PlanShelf:
+    """The bookkeeping both plan streams keep: the plans made and not yet passed by both
+    readers (the DataLoader's sampler and the step assembler, each walking the steps in order
+    at its own pace), their predictions until taken, the seconds planning took and the steps
+    the assembler waited for. Not locked: its stream holds its own lock around every call."""
+
+    def __init__(self, start: int):
+        self.plans: dict[int, StepPlan] = {}
+        self._predicted: dict[int, StepPrediction | None] = {}
+        self._pos = {"sampler": start, "assembler": start}  # the step each reader is at
+        self.plan_seconds = 0.0
+        #: the steps whose plan the step assembler asked for before it was there (it waited)
+        self.waited: list[int] = []
+
+    def reader_at(self, reader: str, k: int) -> None:
+        """``reader`` asks for step ``k``: the plans every reader has passed are dropped."""
+        self._pos[reader] = k
+        keep = min(self._pos.values())
+        for j in [j for j in self.plans if j < keep]:
+            del self.plans[j]
+
+    def note_wait(self, reader: str, k: int) -> None:
+        """Records step ``k`` as waited for when the assembler asks for it before it is here."""
+        if reader == "assembler" and k not in self.plans:
+            self.waited.append(k)
+
+    def put(self, k: int, plan: StepPlan, predicted: StepPrediction | None) -> None:
+        self.plans[k], self._predicted[k] = plan, predicted
+
+    def prediction(self, k: int) -> StepPrediction | None:
+        """Plan k's prediction (None unless asked for), once."""
+        return self._predicted.pop(k, None)
+
+
 class PlanStream:
     """Plans the steps of one epoch in order on a background thread, `lookahead` steps ahead
     of the furthest step anyone asked for. ``lookahead=0`` plans in the caller's thread.
@@ -71,57 +105,52 @@ class PlanStream:
         self._predict = predict
         self._planner: Planner | None = None
         self._cond = threading.Condition()
-        self._plans: dict[int, StepPlan] = {}
-        self._predicted: dict[int, StepPrediction | None] = {}
+        self.shelf = PlanShelf(start)
         self._next = start  # next step to plan
         self._demand = start  # 1 + the furthest step asked for
-        self._pos = {"sampler": start, "assembler": start}  # the step each reader is at
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.plan_seconds = 0.0
-        #: the steps whose plan the step assembler asked for before it was made (it waited)
-        self.waited: list[int] = []
+
+    plan_seconds = property(lambda self: self.shelf.plan_seconds)
+    waited = property(lambda self: self.shelf.waited)
 
     def _plan(self, k: int) -> tuple[StepPlan, StepPrediction | None]:
         t0 = time.perf_counter()
         if self._planner is None:
             self._planner = self._build()
         plan = checked_plan(self._planner, self._steps[k])
-        self.plan_seconds += time.perf_counter() - t0
+        self.shelf.plan_seconds += time.perf_counter() - t0
         return plan, self._predict(plan) if self._predict is not None else None
 
     def get(self, k: int, reader: str) -> StepPlan:
         """Plan k (blocks until it is planned). Two readers walk the steps in order at their
         own pace, the DataLoader's sampler and the step assembler: a plan is dropped once
         both have passed it."""
+        plans = self.shelf.plans
         with self._cond:
-            self._pos[reader] = k
-            keep = min(self._pos.values())
-            for j in [j for j in self._plans if j < keep]:
-                del self._plans[j]
-            if reader == "assembler" and k not in self._plans:
-                self.waited.append(k)
+            self.shelf.reader_at(reader, k)
+            self.shelf.note_wait(reader, k)
             if self._lookahead == 0:
-                if k not in self._plans:
-                    self._plans[k], self._predicted[k] = self._plan(k)
-                return self._plans[k]
+                if k not in plans:
+                    self.shelf.put(k, *self._plan(k))
+                return plans[k]
             if self._thread is None:  # started lazily: after the DataLoader forked its workers
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            if k not in self._plans and k + 1 > self._demand:
+            if k not in plans and k + 1 > self._demand:
                 self._demand = k + 1
                 self._cond.notify_all()
-            while k not in self._plans and self._error is None:
+            while k not in plans and self._error is None:
                 self._cond.wait()
-            if k in self._plans:
-                return self._plans[k]
+            if k in plans:
+                return plans[k]
             raise RuntimeError(f"planning step {k} failed: {self._error!r}") from self._error
 
     def prediction(self, k: int) -> StepPrediction | None:
         """Plan k's prediction (None unless asked for), once: call after ``get(k, "assembler")``."""
         with self._cond:
-            return self._predicted.pop(k, None)
+            return self.shelf.prediction(k)
 
     def ahead(self, k: int) -> None:
         """Lets the thread plan up to step k - 1 + lookahead. Called as a step is handed to the
@@ -142,7 +171,7 @@ class PlanStream:
                     k = self._next
                 plan, predicted = self._plan(k)
                 with self._cond:
-                    self._plans[k], self._predicted[k] = plan, predicted
+                    self.shelf.put(k, plan, predicted)
                     self._next = k + 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -296,30 +325,25 @@ class ProcessPlanStream:
         self._jid = worker.new_job()
         self._lock = threading.Lock()
         self._send(("job", self._jid, steps, start, lookahead, stop))
-        self._plans: dict[int, StepPlan] = {}
-        self._predicted: dict[int, StepPrediction | None] = {}
-        self._pos = {"sampler": start, "assembler": start}
+        self.shelf = PlanShelf(start)
         self._demand = start
-        self.plan_seconds = 0.0
-        #: the steps whose plan the step assembler asked for before it had arrived (it waited)
-        self.waited: list[int] = []
+
+    plan_seconds = property(lambda self: self.shelf.plan_seconds)
+    waited = property(lambda self: self.shelf.waited)
 
     def get(self, k: int, reader: str) -> StepPlan:
+        plans = self.shelf.plans
         with self._lock:
-            self._pos[reader] = k
-            keep = min(self._pos.values())
-            for j in [j for j in self._plans if j < keep]:
-                del self._plans[j]
-            while k not in self._plans and self._conn.poll():  # plans already sent count as arrived
+            self.shelf.reader_at(reader, k)
+            while k not in plans and self._conn.poll():  # plans already sent count as arrived
                 self._receive(k)
-            if reader == "assembler" and k not in self._plans:
-                self.waited.append(k)
-            if k not in self._plans and k + 1 > self._demand:
+            self.shelf.note_wait(reader, k)
+            if k not in plans and k + 1 > self._demand:
                 self._demand = k + 1
                 self._send(("demand", self._jid, self._demand))
-            while k not in self._plans:
+            while k not in plans:
                 self._receive(k)
-            return self._plans[k]
+            return plans[k]
 
     def _receive(self, k: int) -> None:
         """One message of the worker, waiting for it: a plan kept, or the error raised."""
@@ -332,12 +356,12 @@ class ProcessPlanStream:
         if kind == "error":
             raise RuntimeError(f"planning step {k} failed in the planning process: {rest[0]}")
         j, plan, seconds, predicted = rest
-        self._plans[j], self._predicted[j] = plan, predicted
-        self.plan_seconds += seconds
+        self.shelf.put(j, plan, predicted)
+        self.shelf.plan_seconds += seconds
 
     def prediction(self, k: int) -> StepPrediction | None:
         with self._lock:
-            return self._predicted.pop(k, None)
+            return self.shelf.prediction(k)
 
     def ahead(self, k: int) -> None:
         with self._lock:

@@ -252,33 +252,15 @@ class Profiler:
         if ring is None:  # the size's measured split: ring > 1 only past the heads
             ring = self.engine.groups.topology.measured_split(len(ranks))[1]
         layout = Layout(len(ranks), mbs, Recompute.static(mode, self.spec.num_layers), ring)  # planner layers
-        state = self.model_state_bytes()
         box: dict = {}
         mem: dict[int, float] = {}
         took: dict[int, float] = {}  # seconds of each depth's first (memory) run
         failed = False  # free memory (a full collection: ~0.1 s) only after an out-of-memory
         try:
-            err = run_together(
-                lambda: box.update(inputs=self.make_inputs(size, layout, ranks, self.rank)), group, ranks, guarded=False
-            )
-            for d in depths:
-                if err:
-                    break
-                err = run_together(lambda d=d: self._memory_depth(box["inputs"], d, state, mem, took), group, ranks)
-            if err:
-                failed = True
-                return {"ok": False, "error": err}
-            depths = list(depths)
-            out: dict = {"ok": True}
-            if full_depth is not None:
-                err = run_together(
-                    lambda: self._memory_depth(box["inputs"], full_depth, state, mem, took), group, ranks
-                )
-                if err:
-                    failed = True
-                    out["validation_error"] = err
-                else:
-                    depths.append(full_depth)
+            out, depths = self._memory_depths(box, size, layout, ranks, list(depths), full_depth, mem, took)
+            failed = not out["ok"] or "validation_error" in out
+            if not out["ok"]:
+                return out
             timed = timed_rounds(
                 self._depth,
                 lambda: self._run(box["inputs"]),
@@ -300,6 +282,40 @@ class Profiler:
             self.engine.zero_grad()
             if failed:
                 free_memory(self.device)
+
+    def _memory_depths(
+        self,
+        box: dict,
+        size: Size,
+        layout: Layout,
+        ranks: tuple[int, ...],
+        depths: list[int],
+        full_depth: int | None,
+        mem: dict[int, float],
+        took: dict[int, float],
+    ) -> tuple[dict, list[int]]:
+        """Builds the group's inputs (into ``box["inputs"]``) and runs each depth once for its
+        memory, the group agreeing after each step whether every rank fitted; then ``full_depth``
+        when given. Returns ({"ok": False, "error"} or {"ok": True} with a "validation_error"
+        when only the full depth ran out of memory) and the depths measured."""
+        group, state = self.control.of(ranks), self.model_state_bytes()
+        err = run_together(
+            lambda: box.update(inputs=self.make_inputs(size, layout, ranks, self.rank)), group, ranks, guarded=False
+        )
+        for d in depths:
+            if err:
+                break
+            err = run_together(lambda d=d: self._memory_depth(box["inputs"], d, state, mem, took), group, ranks)
+        if err:
+            return {"ok": False, "error": err}, depths
+        out: dict = {"ok": True}
+        if full_depth is not None:
+            err = run_together(lambda: self._memory_depth(box["inputs"], full_depth, state, mem, took), group, ranks)
+            if err:
+                out["validation_error"] = err
+            else:
+                depths = [*depths, full_depth]
+        return out, depths
 
     def _memory_depth(self, inputs, depth: int, state: float, mem: dict[int, float], took: dict[int, float]) -> None:
         """One run of a ``depth``-layer stack: its activation bytes into ``mem``, seconds into ``took``."""
@@ -393,19 +409,10 @@ class Profiler:
         and a profile started again skips what was saved (`profile.journal`)."""
         t_start = time.perf_counter()
         cfg = self.config
-        if not sizes:
-            raise ValueError("no bucket sizes to profile; pass at least one sample size")
-        buckets = [ProfileBucket.of(self.spec, s) for s in sizes]
-        keys = [b.key for b in buckets]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
+        buckets, keys = self._buckets_of(sizes)
         fp = self.fingerprint()
         comm.check_equal(comm.digest((fp, keys, cfg.modes)), "profiler configuration", comm.control_group())
         self.control = ControlGroups(self.sp_sizes, len(buckets))
-        L = self.spec.num_layers
-        d2 = cfg.depth
-        validate = cfg.validation_set(buckets, self.sp_sizes)
-
         plan = group_buckets(buckets, self.sp_sizes, self.world, self.rank)  # (sp, ranks, bucket), in order
         key = comm.digest((fp, keys, dataclasses.replace(cfg, progress=False, budget_s=None)))
         journal = Journal(journal_path, self.rank, key) if journal_path is not None else None
@@ -416,57 +423,15 @@ class Profiler:
             for m in cfg.modes
         ]
         budget = Budget(cfg.budget_s, chains, full_runs=2.0 * (cfg.warmup + cfg.repeats))
-        bar = budget.progress_bar(self.spec.name, self.rank) if cfg.progress else None
-
-        local: list[ProfileEntry] = []
-        clamped = 0
         state = self.model_state_bytes()
-        if cfg.reference:
-            self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
-        for sp, ranks, b in plan:
-            group = self.control.of(ranks)
-            for mode in cfg.modes:
-                chain, n_before, t0 = (b.key, sp, mode), len(local), budget.elapsed()
-                level = max(comm.all_gather_object(budget.level(chain), group))  # the group agrees
-                coarse = level >= COARSE
-                self.round_config = dataclasses.replace(cfg, repeats=1, max_repeats=1, min_time_s=0) if coarse else cfg
-                if all(chain in done[r] for r in ranks) or level == SKIP or (coarse and mode not in COARSE_MODES):
-                    local += (saved := journal.entries(chain) if journal and chain in done[self.rank] else [])
-                    budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
-                    budget.show(bar)
-                    continue
-                for i, ring in enumerate(self._rings(sp)):  # the measured split first: the one validated
-                    full = i == 0 and (b.key, sp, mode) in validate and L > d2
-                    clamped += self._chain(b, ranks, mode, ring, local, budget, coarse, full)
-                if journal is not None:
-                    journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])
-                budget.done(chain, level, budget.elapsed() - t0, local[n_before:])
-                budget.show(bar)
-        if bar is not None:
-            bar.close()
+        local, clamped = self._measure_plan(plan, buckets, journal, done, budget)
 
-        # every group's entries on every rank (each group's first rank speaks for it)
-        gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank], self.control.control)
-        order = {k: i for i, k in enumerate(keys)}
-        entries = sorted(
-            (e for part in gathered for e in part),
-            key=lambda e: (order[e.bucket], e.sp, e.ring or 0, STATIC_MODES.index(e.recompute), e.mbs),
-        )
+        entries = self._gather_entries(local, keys)
         # with rescaling, every layout on the profile's median machine speed
         reference_s = rescale(entries) if cfg.rescale else median_reference(entries)
         self.clock = None
         clamped = sum(comm.all_gather_object(clamped, self.control.control))
-
-        feasible, measured = {e.bucket for e in entries if e.feasible}, {(e.bucket, e.sp) for e in entries}
-        # unfit: measured at every degree (not cut by the budget) and infeasible at each
-        unfit = [b.key for b in buckets if b.key not in feasible and all((b.key, k) in measured for k in self.sp_sizes)]
-        for k in unfit:
-            log.warning(
-                "bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
-                "%s bytes: samples of this size cannot be trained on this device",
-                k,
-                self.memory_limit,
-            )
+        unfit = self._unfit_buckets(buckets, entries)
         stats = ProfileStats(
             layouts_measured=len(entries),
             layouts_infeasible=sum(not e.feasible for e in entries),
@@ -495,3 +460,89 @@ class Profiler:
             profile.warn_if_noisy(log)
         stats.seconds = max(comm.all_gather_object(time.perf_counter() - t_start, self.control.control))
         return profile, stats
+
+    def _buckets_of(self, sizes: Sequence[Size]) -> tuple[list[ProfileBucket], list]:
+        """One bucket per size (a representative sample size each) and their keys; refused empty or repeated."""
+        if not sizes:
+            raise ValueError("no bucket sizes to profile; pass at least one sample size")
+        buckets = [ProfileBucket.of(self.spec, s) for s in sizes]
+        keys = [b.key for b in buckets]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"bucket sizes repeat: {keys}; pass each size once")
+        return buckets, keys
+
+    def _measure_plan(
+        self, plan: list, buckets: list[ProfileBucket], journal: Journal | None, done: list[set], budget: Budget
+    ) -> tuple[list[ProfileEntry], int]:
+        """Measures every chain (bucket, SP group, recompute mode) of ``plan`` this rank is in,
+        or takes it from the journal; returns this rank's entries and slopes clamped."""
+        cfg = self.config
+        validate = cfg.validation_set(buckets, self.sp_sizes)
+        bar = budget.progress_bar(self.spec.name, self.rank) if cfg.progress else None
+        local: list[ProfileEntry] = []
+        clamped = 0
+        if cfg.reference:
+            self.clock = self.reference_clock(min(buckets, key=lambda b: b.tokens).size)
+        for sp, ranks, b in plan:
+            for mode in cfg.modes:
+                full = (b.key, sp, mode) in validate and self.spec.num_layers > cfg.depth
+                clamped += self._run_chain(b, sp, ranks, mode, full, local, journal, done, budget)
+                budget.show(bar)
+        if bar is not None:
+            bar.close()
+        return local, clamped
+
+    def _run_chain(
+        self,
+        b: ProfileBucket,
+        sp: int,
+        ranks: tuple[int, ...],
+        mode: str,
+        full: bool,
+        local: list[ProfileEntry],
+        journal: Journal | None,
+        done: list[set],
+        budget: Budget,
+    ) -> int:
+        """One chain at each ring split of ``sp`` (into ``local``, and the journal), or the
+        chain skipped: saved before by every rank of the group, or cut by the time budget.
+        ``full``: the first split is validated at full depth. Returns the slopes clamped."""
+        chain, n_before, t0, clamped = (b.key, sp, mode), len(local), budget.elapsed(), 0
+        level = max(comm.all_gather_object(budget.level(chain), self.control.of(ranks)))  # the group agrees
+        coarse = level >= COARSE
+        self.round_config = (
+            dataclasses.replace(self.config, repeats=1, max_repeats=1, min_time_s=0) if coarse else self.config
+        )
+        if all(chain in done[r] for r in ranks) or level == SKIP or (coarse and mode not in COARSE_MODES):
+            local += (saved := journal.entries(chain) if journal and chain in done[self.rank] else [])
+            budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
+            return 0
+        for i, ring in enumerate(self._rings(sp)):  # the measured split first: the one validated
+            clamped += self._chain(b, ranks, mode, ring, local, budget, coarse, full and i == 0)
+        if journal is not None:
+            journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])
+        budget.done(chain, level, budget.elapsed() - t0, local[n_before:])
+        return clamped
+
+    def _gather_entries(self, local: list[ProfileEntry], keys: list) -> list[ProfileEntry]:
+        """Every group's entries on every rank (each group's first rank speaks for it), in bucket,
+        degree, split, mode and micro-batch order."""
+        gathered = comm.all_gather_object([e for e in local if e.ranks[0] == self.rank], self.control.control)
+        order = {k: i for i, k in enumerate(keys)}
+        return sorted(
+            (e for part in gathered for e in part),
+            key=lambda e: (order[e.bucket], e.sp, e.ring or 0, STATIC_MODES.index(e.recompute), e.mbs),
+        )
+
+    def _unfit_buckets(self, buckets: list[ProfileBucket], entries: list[ProfileEntry]) -> list:
+        """Buckets measured at every degree (not cut by the budget) and infeasible at each, warned of."""
+        feasible, measured = {e.bucket for e in entries if e.feasible}, {(e.bucket, e.sp) for e in entries}
+        unfit = [b.key for b in buckets if b.key not in feasible and all((b.key, k) in measured for k in self.sp_sizes)]
+        for k in unfit:
+            log.warning(
+                "bucket %s fits no layout (every SP degree, every recompute mode, one sample) within "
+                "%s bytes: samples of this size cannot be trained on this device",
+                k,
+                self.memory_limit,
+            )
+        return unfit

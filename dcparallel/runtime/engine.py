@@ -158,6 +158,33 @@ def warn_fp32_cuda(params: Sequence[Tensor]) -> None:
     )
 
 
+def trainable_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a step trains, refused when there are none or they mix dtypes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
+    warn_fp32_cuda(params)
+    return params
+
+
+def engine_shard_size(cluster: ClusterSpec | None, shard_size: int | None) -> int:
+    """The parameter-shard block size: ``shard_size`` or the cluster spec's (not two different
+    ones), checked against the launched world and the cluster's node size."""
+    cluster_shard = cluster.shard_size if isinstance(cluster, ClusterSpec) else 1
+    if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
+        raise ValueError(
+            f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; give one of them"
+        )
+    return check_shard_size(
+        shard_size if shard_size is not None else cluster_shard,
+        comm.world_size(),
+        cluster.gpus_per_node if isinstance(cluster, ClusterSpec) else comm.world_size(),
+    )
+
+
 class Engine:
     """Wraps a single-device model for data-centric steps.
 
@@ -188,23 +215,8 @@ class Engine:
         if getattr(model, "_dcparallel_wrapped", False):
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
         self.adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no trainable parameters")
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
-        warn_fp32_cuda(params)
-        cluster_shard = getattr(cluster, "shard_size", 1) if isinstance(cluster, ClusterSpec) else 1
-        if shard_size is not None and cluster_shard != 1 and shard_size != cluster_shard:
-            raise ValueError(
-                f"shard_size={shard_size} differs from the cluster spec's shard_size={cluster_shard}; give one of them"
-            )
-        self.shard_size = check_shard_size(
-            shard_size if shard_size is not None else cluster_shard,
-            comm.world_size(),
-            cluster.gpus_per_node if isinstance(cluster, ClusterSpec) else comm.world_size(),
-        )
+        params = trainable_params(model)
+        self.shard_size = engine_shard_size(cluster, shard_size)
         #: built on the meta device (`runtime.meta_init`): its weights come from `load_weights`
         self.weights_pending = on_meta(model)
         self.optimizer_made = False  # `load_weights` must come first with shard_size 1 (ZeRO-1 copies masters)
@@ -226,22 +238,21 @@ class Engine:
         self.recompute = LayerRecompute(self.adapter, self.attention)
         self.attention_verified = False  # every block called the installed attention (`attention_check`)
         model._dcparallel_wrapped = True
+        self.grad_sync = self._make_grad_sync(params, device)
+        self.params = self.grad_sync.params if self.shard_size > 1 else params
 
-        self.params = params
-        self.grad_sync: GradSync | ShardedGrads
-        if self.shard_size > 1:  # FSDP2 inside blocks of shard_size ranks: runtime.sharded
-            self.grad_sync = ShardedGrads(
-                model,
+    def _make_grad_sync(self, params: list[nn.Parameter], device: torch.device | None) -> GradSync | ShardedGrads:
+        """The step's gradient sync: FSDP2 inside blocks of shard_size ranks (`runtime.sharded`),
+        else ZeRO-1's flat buffer over the world (`runtime.grad_sync`)."""
+        if self.shard_size > 1:
+            return ShardedGrads(
+                self.model,
                 self.layers,
                 self.shard_size,
-                stats_group=getattr(self.groups, "grad_sync", None),
+                stats_group=self.groups.grad_sync,
                 device=device or default_device(),
             )
-            self.params = self.grad_sync.params
-        else:
-            self.grad_sync = GradSync(
-                self.params, world_size=self.world_size, rank=self.rank, group=getattr(self.groups, "grad_sync", None)
-            )
+        return GradSync(params, world_size=self.world_size, rank=self.rank, group=self.groups.grad_sync)
 
     # the flat buffers and the step's statistics live in `grad_sync`
     flat_param = property(lambda self: self.grad_sync.flat_param)
@@ -301,7 +312,7 @@ class Engine:
         check_heads(self.num_heads, batch.layout.ulysses)
         check_group(batch.ranks, self.shard_size)
         group, ring = self.groups.split(batch.ranks, batch.layout.ring)
-        last = last if last is not None else getattr(batch, "last_of_step", None)
+        last = last if last is not None else batch.last_of_step
         self.grad_sync.begin(last)  # a new step's gradients start at zero
         if last:
             self.grad_sync.arm()
@@ -315,7 +326,7 @@ class Engine:
             if probe is not None:
                 self.attention_verified = probe.verify(self.adapter.name)
         except torch.OutOfMemoryError as exc:
-            if getattr(batch, "step", None) is None:  # the profiler probes layouts until they fail
+            if batch.step is None:  # the profiler probes layouts until they fail
                 raise
             abort_on_oom(
                 exc,

@@ -68,6 +68,22 @@ def check_group(ranks: Sequence[int], shard_size: int) -> None:
         )
 
 
+def _fp32_masters(model: nn.Module, train_dtype: torch.dtype):
+    """FSDP2's mixed precision for trainable parameters of ``train_dtype``. Low precision: the
+    trainable parameters (the optimizer's master weights) and buffers become fp32 in place,
+    computing in ``train_dtype``; frozen ones keep theirs (nothing updates them: a bf16 base
+    stays bf16). fp32 (also fp32 adapters on a bf16 base): each parameter computes in its own
+    dtype, as unsharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if train_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    for t in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()
+    return MixedPrecisionPolicy(param_dtype=train_dtype, reduce_dtype=torch.float32)
+
+
 class ShardedGrads:
     """FSDP2 on the model inside blocks of ``shard_size`` ranks, the flat buffer of this
     rank's gradient shards and the step's reduction over replicas (module docstring).
@@ -86,7 +102,7 @@ class ShardedGrads:
         device: torch.device | None = None,
     ):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         world, rank = comm.world_size(), comm.world_rank()
         s = shard_size  # validated by the engine against the cluster (`spec.check_shard_size`)
@@ -110,16 +126,7 @@ class ShardedGrads:
         self.compute_dtype = dtype
         train_dtype = first.dtype
         del first  # no reference to a whole parameter outlives the sharding
-        if train_dtype != torch.float32:
-            # fp32 sharded trainable parameters (the optimizer's master weights) and buffers,
-            # computing in the trainable parameters' dtype; frozen ones keep theirs (nothing
-            # updates them: a bf16 base stays bf16)
-            for t in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-                if t.is_floating_point() and t.dtype != torch.float32:
-                    t.data = t.data.float()
-            mp = MixedPrecisionPolicy(param_dtype=train_dtype, reduce_dtype=torch.float32)
-        else:  # fp32 adapters on a bf16 base compute as unsharded: each parameter in its dtype
-            mp = MixedPrecisionPolicy()
+        mp = _fp32_masters(model, train_dtype)
         for block in blocks:
             fully_shard(block, mesh=self.shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=self.shard_mesh, mp_policy=mp)

@@ -12,9 +12,10 @@ sample, so it fits every sample of the bucket. Per step:
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
    found among the distinct micro-batch times (`search`: a coarse pass, then the
    bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
-   least that degree lets one phase hold a world-wide sample and the rest). The targets of
-   every part (whole step, two-phase splits) at the three narrowest smallest degrees are one
-   batch of array operations per pass; a part that goes on searches the rest in its own.
+   least that degree lets one phase hold a world-wide sample and the rest). Every target of
+   the three narrowest smallest degrees (`DcpConfig.first_degrees`), and of every part of the
+   two-phase splits, is evaluated in one batch of array operations per pass; a part whose
+   search goes on to wider smallest degrees searches them in a batch of its own.
    Work that a floor (`search.plan_floor`, `rows_floor`) proves cannot change the plans
    kept, or the candidates expanded, is skipped: the plans are those of the full search. A
    step whose one-phase plan is above its bound is searched again with the micro-batches
