@@ -148,8 +148,7 @@ class DataCentricLoader:
         cost = RefinedCost(cost) if refine_steps and not isinstance(cost, RefinedCost) else cost
         sizes = read_sizes(lengths, num_samples)
         check_kind(sizes, cost.model)
-        self.dataset = dataset
-        self.sizes: tuple[Size, ...] = sizes
+        self.dataset, self.sizes = dataset, sizes
         self.workload = Workload(cost.model, sizes)
         self.cluster, self.policy = cluster, policy
         self.context = PlanContext(self.workload, cost, cluster, skip_oversize=skip_oversize)
