@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 
 from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
 from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.dcp_v1 import DCPPlanner
 from dcparallel.plan.splits import SplitPlanner
@@ -51,7 +51,7 @@ def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False)
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
     """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
     (on steps of at most `DcpConfig.static_max_samples` samples)."""
-    return Tuned(ScalePlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+    return Tuned(DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score)))
 
 
 def _untuned(make: Callable[[PlanContext, Score], Planner]):
@@ -98,7 +98,7 @@ RESEARCH: dict[str, PolicySpec] = {
             "dcp-own",
             "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
             "phases), for tests that exercise them",
-            _untuned(ScalePlanner),
+            _untuned(DcpPlanner),
         ),
         PolicySpec(
             "dcp-intra",

@@ -15,9 +15,9 @@ from dcparallel.plan.types import TIME_EPS
 
 
 def allocate(p: LayoutTable, present: list[int], chosen: list[Row], need: dict[int, int]) -> Allocation | None:
-    """The `Allocation` of one layout choice of `dcp` (`p`; `chosen`: each bucket's row, in the
+    """The `Allocation` of one layout choice on table `p` (`chosen`: each bucket's row, in the
     order of `present`) and the groups per degree its search estimated it needs:
-    groups are taken away while they cannot all be placed (`ScalePlanner.placed`), then added
+    groups are taken away while they cannot all be placed (`LayoutTable.placed`), then added
     to the degree that finishes last while that shortens it and they can be placed; None if
     one group per degree cannot be placed."""
     items: list[ItemClass] = []

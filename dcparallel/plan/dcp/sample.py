@@ -65,8 +65,7 @@ from dcparallel.spec import Layout, Recompute
 
 
 class SamplePacker:
-    #: whether a wider group with room may split into sub-groups for a narrower micro-batch
-    subgroups = True
+    """The per-sample packing of a step (`plan`) on the context's chain of SP degrees."""
 
     def __init__(self, ctx: PlanContext, mode: RecomputeMode, config: DcpConfig = DEFAULT):
         self.ctx, self.mode, self.config = ctx, mode, config
@@ -164,7 +163,8 @@ class SamplePacker:
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
         tl, nl, ol = t.tolist(), nar.tolist(), own.tolist()
         exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
-        subgroups, sp, deg = self.subgroups, self.sp, len(self.sp)
+        sp, deg = self.sp, len(self.sp)
+        wider = [self.split_degrees(d) for d in range(deg)]
         bisect_right = bisect.bisect_right
 
         def put(g: int, a: int, need: float) -> None:
@@ -191,7 +191,7 @@ class SamplePacker:
             lst = fins[d]
             if lst and lst[0][0] <= room:
                 return lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
-            for w in range(d + 1, deg) if subgroups else ():
+            for w in wider[d]:
                 lst = fins[w]
                 if lst and lst[0][0] <= room:
                     p = lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
@@ -227,6 +227,11 @@ class SamplePacker:
             groups.append(Node(b, 0.0, [], 0.0, None, []))
             put(len(groups) - 1, a, ol[a])
         return groups
+
+    def split_degrees(self, d: int) -> range:
+        """The degree indices whose open groups with room may split into sub-groups of degree
+        index d: every wider one."""
+        return range(d + 1, len(self.sp))
 
     def finish(self, g: Node) -> float:
         """When a group's ranks are done: a top-level group adds the sync its longest member

@@ -1,13 +1,11 @@
 """`dcp`'s per-run tables: planning classes, their largest samples, per-sample weights;
-bounded caches; the pause of the cycle collector while a step is planned.
+bounded caches.
 
 The classes are the context's buckets, or finer text length ranges."""
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable
 
@@ -29,19 +27,6 @@ def memo(cache: dict, key, make: Callable[[], Any], limit: int):
             cache.clear()
         hit = cache[key] = make()
     return hit
-
-
-class Once:
-    """A function of no arguments returning `make()`, computed on its first call only
-    (`value`, if given, is that result already)."""
-
-    def __init__(self, make: Callable[[], Any], value: Any = None):
-        self.make, self.value = make, value
-
-    def __call__(self) -> Any:
-        if self.value is None:
-            self.value = self.make()
-        return self.value
 
 
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
@@ -294,23 +279,6 @@ class LayoutTable:
         """`classes.class_span` of a degree's micro-batch classes over n groups, cached by `sig`
         (`span_id`)."""
         return memo(self._spans, (sig, n), lambda: class_span(items, n), self.config.row_cache_limit)
-
-
-@contextmanager
-def cyclic_gc_paused():
-    """Python's cycle collector paused while a step is planned. A plan at thousands of GPUs
-    allocates a few hundred thousand small objects (micro-batches, their id tuples), which
-    sets off collections that walk the whole heap — the workload, the model, the loader —
-    which can take half of a step's planning time at 4096 GPUs. Planning makes no
-    reference cycles (reference counting frees all it drops), so nothing piles up meanwhile;
-    the collector resumes, in every thread, when the step is planned."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _starts(topology, sizes: list[int]) -> tuple[int, ...]:
