@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from dcparallel.plan import bucket, flexsp, packed, peers, token_budget
-from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.static import static_layouts
-from dcparallel.plan.dcp_v1 import DCPPlanner
+from dcparallel.plan.research.dcp_v1 import per_sample_row
 from dcparallel.plan.splits import SplitPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
@@ -37,15 +37,6 @@ class PolicySpec:
     description: str
     #: builds a planner for a workload from the epoch's steps (static baselines tune on them)
     build: Callable[[PlanContext, Sequence[Step], Score], Tuned]
-
-
-def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False):
-    """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp_v1`)."""
-
-    def build(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
-        return Tuned(DCPPlanner(ctx, name=name, mode=mode, balance=balance, promote=True, phases=phases))
-
-    return build
 
 
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
@@ -103,22 +94,22 @@ RESEARCH: dict[str, PolicySpec] = {
         PolicySpec(
             "dcp-intra",
             "per-bucket SP degree and micro-batch size, dealt by count",
-            _dcp("dcp-intra", "fit", balance=False),
+            per_sample_row("dcp-intra", "fit", balance=False),
         ),
         PolicySpec(
             "dcp-inter",
             "dcp-intra + per-group gradient accumulation balancing the step",
-            _dcp("dcp-inter", "fit", balance=True),
+            per_sample_row("dcp-inter", "fit", balance=True),
         ),
         PolicySpec(
             "dcp-inter-pac",
             "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
-            _dcp("dcp-inter-pac", "pac", balance=True),
+            per_sample_row("dcp-inter-pac", "pac", balance=True),
         ),
         PolicySpec(
             "dcp-v1",
             "per-sample dcp: dcp-inter-pac + two-phase steps (slow at scale, kept for comparison)",
-            _dcp("dcp-v1", "pac", balance=True, phases=True),
+            per_sample_row("dcp-v1", "pac", balance=True, phases=True),
         ),
         PolicySpec(
             "megatron-dcp",

@@ -4,7 +4,7 @@
 interface (`candidate.Candidate`: a name, a gate, a proposal) and its gate reading facts the
 planner derives (`candidate.StepFacts`): the class level on the SP degrees mixed (candidate
 0), on the chain alone and on finer text length classes; the per-sample planner
-(`plan/dcp_v1.py`) on small clusters; the per-sample packing (`sample`, `targets`); the static
+(`per_sample`) on small clusters; the per-sample packing (`sample`, `targets`); the static
 layouts (`static`). The class level (`classlevel.ClassLevelPlanner`) works on (bucket, count)
 pairs and classes of alike groups; it holds a `tables.LayoutTable`, which its parts take:
 `search` (layouts by a makespan target, floors), `allocate` and `classes` (groups per degree,

@@ -12,9 +12,9 @@ derives it, never a candidate. The candidates, in order, each with its gate:
    (`PlanContext.mix_sizes`) are not one chain: every step (the heuristics do not always
    find the better plan in the larger space). Its prediction over its own bound also opens
    the later gates, as they would open on the chain alone;
-2. the class level over finer text classes (`FinerClasses`), above `config.v1_max_world`
+2. the class level over finer text classes (`FinerClasses`), above `config.per_sample_max_world`
    GPUs: steps of few samples per GPU whose class-level plan is above the bound;
-3. the per-sample planner (`PerSample`), up to `config.v1_max_world` GPUs: small steps;
+3. the per-sample planner (`PerSample`), up to `config.per_sample_max_world` GPUs: small steps;
 4. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose;
 5. the static layouts (`static.StaticLayout`): the `bucket` and `packed` baselines tuned on
    the epoch's steps as their policies tune, where the planner is given them: steps of at
@@ -47,6 +47,7 @@ from dcparallel.plan.dcp.candidate import CHAIN, Candidate, Once, Proposal, Step
 from dcparallel.plan.dcp.classes import ClassPlan
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
+from dcparallel.plan.dcp.per_sample import PerSamplePlanner
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.static import StaticLayout
 from dcparallel.plan.dcp.tables import LayoutTable
@@ -82,7 +83,7 @@ class DcpPlanner:
         if own.table.packs is not None:  # the degrees mixed are not one chain
             chain = LayoutTable(ctx, mode=mode, chain_only=True, config=config)
             self.class_level.append(ClassLevelPlanner(chain, phases=phases, name=CHAIN))
-        if ctx.model.kind == "text" and self.world > config.v1_max_world:
+        if ctx.model.kind == "text" and self.world > config.per_sample_max_world:
             finer = partial(LayoutTable, ctx, mode=mode, sub_bins=config.finer_sub_bins, config=config)
             self.class_level.append(FinerClasses(lambda: ClassLevelPlanner(finer(), phases=phases), config))
         #: the per-sample packing, at every world size (it also beats the per-sample planner
@@ -90,10 +91,8 @@ class DcpPlanner:
         self.packer = SamplePacker(ctx, mode, config)
         #: the candidates compared by the score, in order
         self.scored: list[Candidate] = []
-        if self.world <= config.v1_max_world:
-            from dcparallel.plan.dcp_v1 import DCPPlanner
-
-            per_sample = DCPPlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
+        if self.world <= config.per_sample_max_world:
+            per_sample = PerSamplePlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
             self.scored.append(PerSample(per_sample, score, config))
         self.scored.append(SamplePacking(self.packer, score, config))
         self.static = list(static)
@@ -168,10 +167,10 @@ class FinerClasses:
 
 
 class PerSample:
-    """The per-sample planner (plan/dcp_v1.py), cheap on small clusters and steps; it mixes SP
-    degrees within a bucket, which the class level does not."""
+    """The per-sample planner (`per_sample.PerSamplePlanner`), cheap on small clusters and
+    steps; it mixes SP degrees within a bucket, which the class level does not."""
 
-    name = "dcp-v1"
+    name = "per-sample"
 
     def __init__(self, planner, score: Score, config: DcpConfig):
         self.planner, self.score, self.config = planner, score, config
@@ -180,7 +179,7 @@ class PerSample:
         return self.small_step(s)
 
     def small_step(self, s: StepFacts) -> bool:
-        return s.n <= self.config.v1_max_samples
+        return s.n <= self.config.per_sample_max_samples
 
     def propose(self, s: StepFacts) -> Proposal:
         plan = self.planner.plan(s.step)
