@@ -30,7 +30,7 @@ from dcparallel.plan.dcp.search import (
     search,
     table,
 )
-from dcparallel.plan.dcp.tables import LayoutTable
+from dcparallel.plan.dcp.tables import LayoutTable, least_gpu_seconds_within
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -140,6 +140,31 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
                     (g, int(k), int(m), t, int(f), tr, int(r), tot) for g, k, m, t, f, tr, r, tot in ref
                 ]
                 assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, C / frac)
+
+
+def test_the_search_chooses_each_buckets_layout_by_the_layout_rule():
+    """For every smallest allowed degree and every target at which each bucket has a row, the
+    search's choice (`fits`) of every bucket is the layout rule's
+    (`least_gpu_seconds_within`) among the bucket's rows at that degree or wider."""
+    p, steps = _planner(256, False, 3000, 1)
+    present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
+    tab = table(p, present.tolist(), counts.tolist(), {int(j): (1.0, 1.3) for j in present})
+    whole = np.arange(len(present))
+    checked = 0
+    for ki in range(len(p.sp)):
+        floor = tab.least[whole, ki].max()
+        if not np.isfinite(floor):
+            continue
+        targets = np.flatnonzero(tab.times >= floor)
+        _, first, _, pfirst = fits(p, tab, [(whole, ki)], [targets])
+        for i in whole:
+            rows = np.arange(tab.starts[i], tab.starts[i] + tab.lens[i])
+            finish = np.where(tab.kpos[rows] >= ki, tab.t[rows], np.inf)
+            for x, r in enumerate(targets.tolist()):
+                want = rows[least_gpu_seconds_within(tab.cols.gpu_s[rows], finish, tab.times[r])]
+                assert first[pfirst[0] + i, x] == want, (ki, i, r)
+                checked += 1
+    assert checked > 1000
 
 
 def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():

@@ -2,7 +2,12 @@
 
 Groups are taken away while they cannot all be placed (`LayoutTable.placed`), then added to
 the degree that finishes last while that shortens it and they can be placed; a degree's span
-is its micro-batch classes dealt to its groups (`classes.class_span`)."""
+is its micro-batch classes dealt to its groups (`classes.class_span`).
+
+Short names: p (the `tables.LayoutTable`), j (a bucket: a planning class's index), k (an SP
+degree), mm / tt / q (a micro-batch class's size, time and count), v (a degree's micro-batch
+classes), sig (their id, `LayoutTable.span_id`).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The one interface of the `dcp` portfolio's candidates (`Candidate`), what they propose
 (`Proposal`) and what their gates read about a step (`StepFacts`, derived by the planner:
-`portfolio.DcpPlanner`)."""
+`portfolio.DcpPlanner`).
+
+Short names: n (the step's samples), s (a `StepFacts`).
+"""
 
 from __future__ import annotations
 

@@ -34,6 +34,13 @@ The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the 
 node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
 another group only where `Topology.fits` places it, and the step is also planned on the chain
 alone (a second `ClassLevelPlanner`, candidate `candidate.CHAIN`), the plan predicted faster kept.
+
+Short names: p (the planner's `tables.LayoutTable`), tab (the step's `search.StepTable`),
+j (a bucket: an index into the table's planning classes), c (a sample count, or a
+`search.Candidate`), k (an SP degree), ki (a smallest allowed degree, as an index into
+`p.sp`), ss (the step's samples, `expand.StepSamples`), g (an `Allocation`), bnd (a part's
+bound), fw / fz (the floors of a split's wide and narrow parts), a / z (the best plans of
+its wide and narrow parts), e (an `expand.Expansion`).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.classes import Allocation, ClassPlan, PartPlan, StepChoice, distinct_plans, plan_sig
 from dcparallel.plan.dcp.expand import Expansion, StepSamples, build_plan, expand
 from dcparallel.plan.dcp.search import (
-    K,
+    Row,
     StepTable,
     expanded_floor,
     expanded_floors,
@@ -194,7 +201,8 @@ class ClassLevelPlanner:
             widest: dict[int, int] = {}
             for it in one.items:
                 widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
-            keys = [{j: widest[j] for j in present}, {j: int(rows(p, j, c)[0, K]) for j, c in zip(present, counts)}]
+            cheapest = {j: int(Row(*rows(p, j, c)[0]).k) for j, c in zip(present, counts)}  # least GPU-seconds
+            keys = [{j: widest[j] for j in present}, cheapest]
             # a split's candidate is predicted at or above its parts' floors: skip the split
             # where that already says it would not be expanded (`_ranked_out`; that only
             # tightens as candidates are added, so a split skipped now is skipped later too)

@@ -11,6 +11,13 @@ each group runs its micro-batches shortest first, so its longest backward hides 
 the gradient sync. The micro-batches of a phase are numpy arrays (`Phase`): a few array
 operations per item class and refinement round (a spill move, touching two groups, is plain
 Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion kept.
+
+Short names: p (the `tables.LayoutTable`), ss (the step's samples, `StepSamples`), ph (a
+`refine.Phase`), ic (an item class's index), g / g0 (a group / a range's first group), gc (a
+`classes.GroupClass`), per (micro-batches of an item class per group), k (an SP degree),
+m (a micro-batch size), n (groups, or samples), lo / hi (a range's ends), rc / rg / rper (per
+row of the deal: its item class, its group, its micro-batches per group), pr (a (row, round)
+pair).
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
 """`dcp`'s local searches over an expanded phase (`Phase`): `refine` balances the
 groups of one SP degree by moving or swapping micro-batches between them, `spill` moves
 micro-batches off the phase's slowest group to another degree. Both time each micro-batch
-from its own samples and keep every micro-batch."""
+from its own samples and keep every micro-batch.
+
+Short names: p (the `tables.LayoutTable`), ph (a `Phase`), a / z (the source and
+destination group of a move), g (a group), k (an SP degree), kk (a degree's index among the
+phase's), lz (per degree, its least loaded group), top (the slowest group's load), src (the
+micro-batches that may move), t (a micro-batch time), gs (a degree's groups), h (a heap of
+(load, group)).
+"""
 
 from __future__ import annotations
 

@@ -41,6 +41,12 @@ thousands of short ones) are packed in micro-batches of preferred size only (`pl
 at their narrow degrees, where the class level keeps a group's degree for a whole phase.
 
 Deterministic (ties broken by sample id), so every rank computes the same plan.
+
+Short names: t (per micro-batch and degree, its time alone), f (the same with the sync it
+leaves exposed), T (a makespan target), cap (T with rounding slack), a (a micro-batch's
+row), b / d (a degree index: the micro-batch's own, the one it is timed at), g (a group's
+index), k (an SP degree), w (a wider degree index), nar (each micro-batch's degree index by
+the layout rule), own (its time there).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.context import FitGrid, PlanContext, RecomputeMode
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.packing import Group, Node, Packing
+from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
@@ -76,11 +83,13 @@ class SamplePacker:
         self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
-        self.buckets = sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size)
+        #: the gradient sync's buckets (`cost.overlap.sync_buckets`): how much of it a backward hides
+        cl = ctx.cluster
+        self.sync_buckets = sync_buckets(ctx.cost.model.trainable_params, cl.shard_size, cl.world_size)
 
     def exposed(self, last: float) -> float:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
-        return exposed_sync(self.sync, last, self.buckets)
+        return exposed_sync(self.sync, last, self.sync_buckets)
 
     def items(self, ids: Sequence[int], max_items: int | None = None) -> list[tuple[int, ...]] | None:
         """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
@@ -121,7 +130,7 @@ class SamplePacker:
 
     def alone(self, t: np.ndarray) -> np.ndarray:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
-        return t + exposed_sync_many(self.sync, t, self.buckets)
+        return t + exposed_sync_many(self.sync, t, self.sync_buckets)
 
     def ranks_short(self, t: np.ndarray, f: np.ndarray, T: float) -> bool:
         """Whether no packing at target T fits the world, by a count `pack` need not make:
@@ -154,7 +163,7 @@ class SamplePacker:
         if not ok.any(axis=1).all():
             return None
         # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
-        nar = np.where(ok, t * self.kf, np.inf).argmin(axis=1)
+        nar = least_gpu_seconds_within(t * self.kf, f, cap)
         own = t[np.arange(len(ids)), nar]
         # longest first: by GPU-seconds (or `by_time`: by time) at the narrowest degree, then id
         order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()

@@ -1,6 +1,6 @@
 """`dcp`'s class-level search over makespan targets: candidate layouts per (bucket, count),
 and per target T the layout of least GPU-seconds of every bucket whose micro-batches finish
-within T, if the groups those need fit the world.
+within T (`tables.least_gpu_seconds_within`), if the groups those need fit the world.
 
 The candidate rows of a step's buckets are one array (`table`), a segment per bucket, least
 GPU-seconds first. A *problem* is a part of the step's buckets (one phase: the whole step,
@@ -11,6 +11,14 @@ them a group each). Every target
 of every problem of a search pass is evaluated in one batch of array operations (`fits`), by
 counting per bucket the leading rows whose running minimum time exceeds each target; times
 are compared as integer ranks among the step's distinct times, so problems stack exactly.
+
+Short names: p (the `tables.LayoutTable`), tab (the step's `StepTable`), j (a bucket: an
+index into the table's planning classes), c (a sample count, or a `Candidate`), k (an SP
+degree), ki (a smallest allowed degree, as an index into `p.sp`), kpos (a row's degree
+index), m (a micro-batch size), t (a micro-batch time), T (a makespan target), frac (a cap
+fraction), q (a part's index among the parts searched), seg (a problem's bucket segment),
+rr / pp (the choosable rows and their problems), x / y (a problem's index among all / the
+live ones).
 """
 
 from __future__ import annotations
@@ -22,25 +30,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from dcparallel.plan.dcp.classes import cut_starts
-from dcparallel.plan.dcp.tables import LayoutTable
+from dcparallel.plan.dcp.tables import LayoutTable, Row
 from dcparallel.plan.types import ROUND_EPS
-
-
-class Row(NamedTuple):
-    """A candidate layout of a bucket's samples in a step (`rows`), one row of `StepTable.a`."""
-
-    gpu_s: float  #: GPU-seconds
-    k: int  #: SP degree
-    m: int  #: micro-batch size
-    t_full: float  #: a full micro-batch's time
-    full: int  #: full micro-batches
-    t_rem: float  #: the rest's time (0 without a rest)
-    rem: int  #: the rest's samples
-    total: float  #: busy seconds
-
-
-#: the columns of `StepTable.a`, by name: `Row`'s fields in order
-GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(8)
 
 
 @dataclass
@@ -48,7 +39,8 @@ class StepTable:
     """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
     first, and what the search reads from them."""
 
-    a: np.ndarray  #: the rows, columns `Row`'s fields, times scaled by the step's weights
+    a: np.ndarray  #: the rows, one per line (`Row(*a[i])`), times scaled by the step's weights
+    cols: Row  #: the columns of `a` by name (views)
     t: np.ndarray  #: each row's full micro-batch time
     full: np.ndarray  #: full micro-batches per row
     tr: np.ndarray  #: the rest's time (0 without a rest)
@@ -94,22 +86,23 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     arrs = p.rows_many(list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
+    c = Row(*a.T)  # the columns by name, views of a
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
     fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-    for col in (GPU_S, TOTAL):  # work: the bucket's mean weight
-        a[:, col] = a[:, col] * f
-    for col in (T_FULL, T_REM):  # a micro-batch's time: its longest samples could land in any one
-        a[:, col] = a[:, col] * fmax
+    for col in (c.gpu_s, c.total):  # work: the bucket's mean weight
+        col *= f
+    for col in (c.t_full, c.t_rem):  # a micro-batch's time: its longest samples could land in any one
+        col *= fmax
     # each row's GPU-seconds at those times: what its micro-batches add to a class-level plan
-    gpu_t = (a[:, FULL] * a[:, T_FULL] + a[:, T_REM]) * a[:, K]
+    gpu_t = (c.full * c.t_full + c.t_rem) * c.k
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
     starts = np.cumsum([0] + lens[:-1])
     seg = np.repeat(np.arange(len(lens)), lens)
-    t = a[:, T_FULL]
+    t = c.t_full
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
-    kpos = pos[a[:, K].astype(np.int64)]
+    kpos = pos[c.k.astype(np.int64)]
     # per bucket and smallest degree: the least time of its rows at that degree or wider,
     # and their least GPU-seconds at those times
     least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
@@ -126,11 +119,12 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     stair = v < prev
     return StepTable(
         a=a,
+        cols=c,
         t=t,
-        full=a[:, FULL],
-        tr=a[:, T_REM],
-        tot=a[:, TOTAL],
-        items=a[:, FULL] + (a[:, REM] > 0),
+        full=c.full,
+        tr=c.t_rem,
+        tot=c.total,
+        items=c.full + (c.rem > 0),
         kpos=kpos,
         starts=starts,
         n=len(a),
@@ -142,7 +136,7 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
         rank=rank,
         least=least,
         stair_rows=[np.flatnonzero(x) for x in stair],
-        area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(),
+        area=np.minimum.reduceat(c.gpu_s, starts).tolist(),
         longest=least[:, 0].tolist(),
         gpu_t=gpu_t,
         least_gpu_t=least_gpu_t,
@@ -375,7 +369,7 @@ def search(
         [r[g] for r, g in zip(ranks, grids)],
         [pr.frac for pr in problems],
     )[0]
-    windows = []
+    windows, last_offset = [], max(p.config.candidate_offsets)
     for x, g in enumerate(grids):
         f = fit[x, : len(g)]
         if not f.any():
@@ -383,7 +377,8 @@ def search(
             continue
         i = int(f.argmax())
         lo = int(g[i - 1]) + 1 if i > 0 else 0
-        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + 9)))
+        # up to the last candidate offset after the coarse pass's first fitting target
+        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + last_offset + 1)))
     got: list[list[Candidate]] = [[] for _ in problems]
     live = [x for x, w in enumerate(windows) if w is not None]
     if live:
