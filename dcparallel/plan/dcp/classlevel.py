@@ -161,77 +161,87 @@ class ClassLevelPlanner:
         return False
 
     def class_plan(self, step: Step) -> ClassPlan:
-        """The class-level plan of the step (`ClassPlan`)."""
+        """The class-level plan of the step (`ClassPlan`): the best few one-phase plans and,
+        where the best is above the step's bound, two-phase splits; the best few expanded."""
         p = self.table
         ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
         ids_sorted, b = p.sort(ids)  # by bucket, then longest first, then id
-        n = len(ids_sorted)
-        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
-        present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
-        wsorted = p.weight[ids_sorted]
-        # per class the running sum of its members' weights from 0, the runs concatenated
-        cumw = np.zeros(n + len(present))
-        cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
-        base = np.arange(len(present)) + starts
-        for x, c in zip(base.tolist(), counts):
-            cumw[x : x + c + 1].cumsum(out=cumw[x : x + c + 1])
-        ss = StepSamples(
-            dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw, dict(zip(present, base.tolist()))
-        )
-        wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
-        wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
-        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
+        present, counts, ss, scale = step_samples(p, ids_sorted, b)
         tab = table(p, present, counts, scale)
-        whole = list(range(len(present)))
         first = range(min(self.config.first_degrees, len(p.sp)))
-        tab.fracs = (1.0,)
-        uncapped = search(p, tab, [whole], first)
-        ones = self._plan_part(tab, whole, uncapped[0], keep=self.config.expand_best)
-        assert ones, "all buckets at the widest degree always fit the world"
-        if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
-            tab.fracs = self.config.cap_fractions
-            assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
-            capped = search(p, tab, [whole], first, tab.fracs[1:], known=uncapped)
-            more = self._plan_part(tab, whole, capped[0], keep=self.config.expand_best)
-            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
+        ones = self._one_phase(tab, first)
         one = ones[0]
         cands = [StepChoice(c.span, [c]) for c in ones]
         if self.phases and one.span > one.bound * self.config.two_phase_gate:  # one phase is not at the step's bound
-            # split by the degree each bucket got in one phase, or by its cheapest degree
-            widest: dict[int, int] = {}
-            for it in one.items:
-                widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
-            cheapest = {j: int(Row(*rows(p, j, c)[0]).k) for j, c in zip(present, counts)}  # least GPU-seconds
-            keys = [{j: widest[j] for j in present}, cheapest]
-            # a split's candidate is predicted at or above its parts' floors: skip the split
-            # where that already says it would not be expanded (`_ranked_out`; that only
-            # tightens as candidates are added, so a split skipped now is skipped later too)
-            splits, seen = [], set()
-            for key in keys:
-                for k in sorted(set(key.values()))[1:]:
-                    wide = [i for i, j in enumerate(present) if key[j] >= k]
-                    if tuple(wide) in seen:
-                        continue
-                    seen.add(tuple(wide))
-                    narrow = [i for i, j in enumerate(present) if key[j] < k]
-                    fw = self._floor(plan_floor(tab, wide, p.world))
-                    fz = self._floor(plan_floor(tab, narrow, p.world))
-                    if not self._ranked_out(cands, fw + fz):
-                        splits.append((wide, narrow, fw, fz))
-            found = search(p, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
-            for s, (wide, narrow, fw, fz) in enumerate(splits):
-                if self._ranked_out(cands, fw + fz):
+            self._two_phases(tab, counts, one, first, cands)
+        best = self._expand_best(cands, ss)
+        return ClassPlan(build_plan(p, step, best.phases, ids_sorted), best.predicted, one.bound, max(tab.longest))
+
+    def _one_phase(self, tab: StepTable, first: range) -> list[PartPlan]:
+        """The best `config.expand_best` one-phase plans of the step, searched uncapped and,
+        above the bound, with micro-batches also capped (`config.cap_fractions`)."""
+        p, cfg = self.table, self.config
+        whole = list(range(len(tab.present)))
+        tab.fracs = (1.0,)
+        uncapped = search(p, tab, [whole], first)
+        ones = self._plan_part(tab, whole, uncapped[0], keep=cfg.expand_best)
+        assert ones, "all buckets at the widest degree always fit the world"
+        if ones[0].span > ones[0].bound * cfg.cap_gate:  # above the bound: micro-batches capped lower too
+            tab.fracs = cfg.cap_fractions
+            assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
+            capped = search(p, tab, [whole], first, tab.fracs[1:], known=uncapped)
+            more = self._plan_part(tab, whole, capped[0], keep=cfg.expand_best)
+            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), cfg.expand_best)
+        return ones
+
+    def _two_phases(
+        self, tab: StepTable, counts: list[int], one: PartPlan, first: range, cands: list[StepChoice]
+    ) -> None:
+        """Adds to `cands` the two-phase plans of the step: the buckets split by the degree each
+        got in the best one-phase plan `one`, or by its cheapest degree; wide ones first."""
+        p, present = self.table, tab.present
+        widest: dict[int, int] = {}
+        for it in one.items:
+            widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
+        cheapest = {j: int(Row(*rows(p, j, c)[0]).k) for j, c in zip(present, counts)}  # least GPU-seconds
+        splits = self._splits([{j: widest[j] for j in present}, cheapest], tab, cands)
+        found = search(p, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
+        for s, (wide, narrow, fw, fz) in enumerate(splits):
+            if self._ranked_out(cands, fw + fz):
+                continue
+            a = self._plan_part(tab, wide, found[2 * s])
+            if not a or self._ranked_out(cands, a[0].span + fz):
+                continue
+            z = self._plan_part(tab, narrow, found[2 * s + 1])
+            if z:
+                cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
+
+    def _splits(self, keys: list[dict[int, int]], tab: StepTable, cands: list[StepChoice]) -> list[tuple]:
+        """The distinct two-phase splits (wide part, narrow part, their floors) of the buckets
+        by each degree of each `keys` (bucket -> degree) but the narrowest. A split's candidate
+        is predicted at or above its parts' floors: a split is left out where that already
+        says it would not be expanded (`_ranked_out`; that only tightens as candidates are
+        added, so a split left out now would be skipped later too)."""
+        p, present = self.table, tab.present
+        splits, seen = [], set()
+        for key in keys:
+            for k in sorted(set(key.values()))[1:]:
+                wide = [i for i, j in enumerate(present) if key[j] >= k]
+                if tuple(wide) in seen:
                     continue
-                a = self._plan_part(tab, wide, found[2 * s])
-                if not a or self._ranked_out(cands, a[0].span + fz):
-                    continue
-                z = self._plan_part(tab, narrow, found[2 * s + 1])
-                if z:
-                    cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
-        # the best few candidates by class-level prediction are expanded (least floor first, none
-        # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
+                seen.add(tuple(wide))
+                narrow = [i for i, j in enumerate(present) if key[j] < k]
+                fw = self._floor(plan_floor(tab, wide, p.world))
+                fz = self._floor(plan_floor(tab, narrow, p.world))
+                if not self._ranked_out(cands, fw + fz):
+                    splits.append((wide, narrow, fw, fz))
+        return splits
+
+    def _expand_best(self, cands: list[StepChoice], ss: StepSamples) -> Expansion:
+        """The best few candidates by class-level prediction expanded (least floor first, none
+        whose floor is above a prediction made); the earliest within REL_TOL of the least."""
+        p, cfg = self.table, self.config
         cands.sort(key=lambda c: c.span)
-        cfg = self.config
         pool = [c.parts for c in cands[: cfg.expand_best] if c.span <= cands[0].span * cfg.expand_within]
         phase_floors = [expanded_floors(p, parts, ss) for parts in pool]
         floors = [self._floor(expanded_floor(p, f)) for f in phase_floors]
@@ -244,5 +254,27 @@ class ClassLevelPlanner:
                 if e is not None:
                     got[i] = e
                     least = min(least, e.predicted)
-        best = got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(p, step, best.phases, ids_sorted), best.predicted, one.bound, max(tab.longest))
+        return got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
+
+
+def step_samples(p: LayoutTable, ids_sorted: np.ndarray, b: np.ndarray):
+    """A step's buckets in table order (`present`), their sample counts, its samples'
+    positions and running weights (`StepSamples`), and per bucket its mean and largest weight
+    in the step (the scale of its times: `search.table`)."""
+    n = len(ids_sorted)
+    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
+    wsorted = p.weight[ids_sorted]
+    # per class the running sum of its members' weights from 0, the runs concatenated
+    cumw = np.zeros(n + len(present))
+    cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
+    base = np.arange(len(present)) + starts
+    for x, c in zip(base.tolist(), counts):
+        cumw[x : x + c + 1].cumsum(out=cumw[x : x + c + 1])
+    ss = StepSamples(
+        dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw, dict(zip(present, base.tolist()))
+    )
+    wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
+    wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
+    scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
+    return present, counts, ss, scale

@@ -159,18 +159,14 @@ class SamplePacker:
         degree opens a new one while the world has ranks for it, before it is re-timed into
         a wider group (which spends more GPU-seconds, but fewer ranks)."""
         cap = T * (1 + TIME_EPS)
-        ok = f <= cap
-        if not ok.any(axis=1).all():
+        got = self._placing_order(ids, t, f, cap, by_time)
+        if got is None:
             return None
-        # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
-        nar = least_gpu_seconds_within(t * self.kf, f, cap)
-        own = t[np.arange(len(ids)), nar]
-        # longest first: by GPU-seconds (or `by_time`: by time) at the narrowest degree, then id
-        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+        order, nl, ol = got
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        tl, nl, ol = t.tolist(), nar.tolist(), own.tolist()
+        tl = t.tolist()
         exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
         sp, deg = self.sp, len(self.sp)
         wider = [self.split_degrees(d) for d in range(deg)]
@@ -236,6 +232,20 @@ class SamplePacker:
             groups.append(Node(b, 0.0, [], 0.0, None, []))
             put(len(groups) - 1, a, ol[a])
         return groups
+
+    def _placing_order(
+        self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool
+    ) -> tuple[list[int], list[int], list[float]] | None:
+        """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
+        time, at their own degree, then by id), each one's own degree index (the layout rule's
+        within `cap`) and its time there; None if one finishes within `cap` at no degree."""
+        if not (f <= cap).any(axis=1).all():
+            return None
+        # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
+        nar = least_gpu_seconds_within(t * self.kf, f, cap)
+        own = t[np.arange(len(ids)), nar]
+        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+        return order, nar.tolist(), own.tolist()
 
     def split_degrees(self, d: int) -> range:
         """The degree indices whose open groups with room may split into sub-groups of degree

@@ -331,34 +331,11 @@ def search(
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
     same candidates. `known`: what a search of the same parts and degrees at the fractions before
     `fracs` found; the result extends it as if those fractions had been searched again here."""
-    nk, nt = len(p.sp), len(tab.times)
-    degrees = range(nk) if degrees is None else degrees
+    degrees = range(len(p.sp)) if degrees is None else degrees
     out: list[list[list[Candidate]]] = (
         [[list(x) for x in per] for per in known] if known else [[[] for _ in degrees] for _ in parts]
     )
-    problems, ranks = [], []
-    for q, part in enumerate(parts):
-        part = np.asarray(part, dtype=np.int64)
-        floor = tab.least[part].max(axis=0)  # per smallest degree
-        live = np.flatnonzero(np.isfinite(floor))
-        live = live[(live >= degrees.start) & (live < degrees.stop)]
-        if not len(live):
-            continue
-        # the part's distinct times at each live smallest degree, from its floor up
-        if len(part) < len(tab.lens):
-            mine = np.zeros(len(tab.lens), dtype=bool)
-            mine[part] = True
-            rows_q = mine[tab.seg].nonzero()[0]
-        else:
-            rows_q = np.arange(tab.n)
-        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
-        mark = np.zeros((len(live), nt), dtype=bool)
-        li, ri = np.nonzero(hit)
-        mark[li, tab.rank[rows_q][ri]] = True
-        for x, ki in enumerate(live.tolist()):
-            for frac in fracs:
-                problems.append(Problem(part, ki, q, frac))
-                ranks.append(mark[x].nonzero()[0])
+    problems, ranks = _problems(tab, parts, degrees, fracs)
     if not problems:
         return out
     grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
@@ -369,47 +346,10 @@ def search(
         [r[g] for r, g in zip(ranks, grids)],
         [pr.frac for pr in problems],
     )[0]
-    windows, last_offset = [], max(p.config.candidate_offsets)
-    for x, g in enumerate(grids):
-        f = fit[x, : len(g)]
-        if not f.any():
-            windows.append(None)
-            continue
-        i = int(f.argmax())
-        lo = int(g[i - 1]) + 1 if i > 0 else 0
-        # up to the last candidate offset after the coarse pass's first fitting target
-        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + last_offset + 1)))
+    windows = _windows(fit, grids, ranks, max(p.config.candidate_offsets))
     got: list[list[Candidate]] = [[] for _ in problems]
-    live = [x for x, w in enumerate(windows) if w is not None]
-    if live:
-        fit, first, need, pfirst = fits(
-            p,
-            tab,
-            [(problems[x].part, problems[x].ki) for x in live],
-            [ranks[x][windows[x]] for x in live],
-            [problems[x].frac for x in live],
-        )
-        for y, x in enumerate(live):
-            part, frac = problems[x].part, problems[x].frac
-            f = fit[y, : len(windows[x])]
-            at = int(f.argmax())
-            for i in (at + d for d in p.config.candidate_offsets):
-                if i < len(f) and f[i]:
-                    got[x].append(
-                        Candidate(
-                            float(tab.times[ranks[x][windows[x][i]]]) / frac,
-                            first[pfirst[y] : pfirst[y] + len(part), i],
-                            need[y, i],
-                        )
-                    )
-    rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
-    if rest:  # T infinite: the cap is infinite whatever its fraction
-        fit, first, need, pfirst = fits(
-            p, tab, [(problems[x].part, problems[x].ki) for x in rest], [np.array([nt]) for _ in rest]
-        )
-        for y, x in enumerate(rest):
-            if fit[y, 0]:
-                got[x].append(Candidate(math.inf, first[pfirst[y] : pfirst[y] + len(problems[x].part), 0], need[y, 0]))
+    _first_fitting(p, tab, problems, ranks, windows, got)
+    _least_work(p, tab, problems, windows, got)
     seen: dict[tuple[int, int], set] = {}
     for pr, cands in zip(problems, got):  # a (part, degree)'s fractions in order
         ki = pr.ki
@@ -422,6 +362,98 @@ def search(
                 mine.add(sig)
                 out[pr.q][ki - degrees.start].append(c)
     return out
+
+
+def _problems(
+    tab: StepTable, parts: list[Sequence[int]], degrees: range, fracs: Sequence[float]
+) -> tuple[list[Problem], list[np.ndarray]]:
+    """The problems of a search pass (a part, each smallest degree in `degrees` at which every
+    bucket of the part has a row, each cap fraction) and each one's targets: the part's
+    distinct times (ranks into `tab.times`) at that degree or wider, from its floor up."""
+    problems, ranks = [], []
+    for q, part in enumerate(parts):
+        part = np.asarray(part, dtype=np.int64)
+        floor = tab.least[part].max(axis=0)  # per smallest degree
+        live = np.flatnonzero(np.isfinite(floor))
+        live = live[(live >= degrees.start) & (live < degrees.stop)]
+        if not len(live):
+            continue
+        if len(part) < len(tab.lens):
+            mine = np.zeros(len(tab.lens), dtype=bool)
+            mine[part] = True
+            rows_q = mine[tab.seg].nonzero()[0]
+        else:
+            rows_q = np.arange(tab.n)
+        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
+        mark = np.zeros((len(live), len(tab.times)), dtype=bool)
+        li, ri = np.nonzero(hit)
+        mark[li, tab.rank[rows_q][ri]] = True
+        for x, ki in enumerate(live.tolist()):
+            for frac in fracs:
+                problems.append(Problem(part, ki, q, frac))
+                ranks.append(mark[x].nonzero()[0])
+    return problems, ranks
+
+
+def _windows(fit: np.ndarray, grids: list[np.ndarray], ranks: list[np.ndarray], last_offset: int) -> list:
+    """Per problem, the positions among its targets the second pass tries (None where no
+    target of the coarse pass fits): from after the last coarse target that does not fit to
+    the last candidate offset after the first that does."""
+    windows = []
+    for x, g in enumerate(grids):
+        f = fit[x, : len(g)]
+        if not f.any():
+            windows.append(None)
+            continue
+        i = int(f.argmax())
+        lo = int(g[i - 1]) + 1 if i > 0 else 0
+        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + last_offset + 1)))
+    return windows
+
+
+def _first_fitting(
+    p: LayoutTable, tab: StepTable, problems: list[Problem], ranks: list[np.ndarray], windows: list, got: list
+) -> None:
+    """Adds to `got` each problem's candidates in its window: the first target that fits and
+    those `config.candidate_offsets` after it that fit."""
+    live = [x for x, w in enumerate(windows) if w is not None]
+    if not live:
+        return
+    fit, first, need, pfirst = fits(
+        p,
+        tab,
+        [(problems[x].part, problems[x].ki) for x in live],
+        [ranks[x][windows[x]] for x in live],
+        [problems[x].frac for x in live],
+    )
+    for y, x in enumerate(live):
+        part, frac = problems[x].part, problems[x].frac
+        f = fit[y, : len(windows[x])]
+        at = int(f.argmax())
+        for i in (at + d for d in p.config.candidate_offsets):
+            if i < len(f) and f[i]:
+                got[x].append(
+                    Candidate(
+                        float(tab.times[ranks[x][windows[x][i]]]) / frac,
+                        first[pfirst[y] : pfirst[y] + len(part), i],
+                        need[y, i],
+                    )
+                )
+
+
+def _least_work(p: LayoutTable, tab: StepTable, problems: list[Problem], windows: list, got: list) -> None:
+    """Adds to `got`, for each problem at fraction 1 where no target fits, its choice at T
+    infinite (least work), if that fits."""
+    rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
+    if not rest:
+        return
+    # T infinite: the cap is infinite whatever its fraction
+    fit, first, need, pfirst = fits(
+        p, tab, [(problems[x].part, problems[x].ki) for x in rest], [np.array([len(tab.times)]) for _ in rest]
+    )
+    for y, x in enumerate(rest):
+        if fit[y, 0]:
+            got[x].append(Candidate(math.inf, first[pfirst[y] : pfirst[y] + len(problems[x].part), 0], need[y, 0]))
 
 
 def _coarse(n: int, coarse: int) -> np.ndarray:
