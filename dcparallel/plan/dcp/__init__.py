@@ -10,4 +10,8 @@ pairs and classes of alike groups; it holds a `tables.LayoutTable`, which its pa
 `search` (layouts by a makespan target, floors), `allocate` and `classes` (groups per degree,
 group classes and their dealing), `expand` and `refine` (sample ids, local searches).
 `config` holds the tunables (`DcpConfig`).
+
+A *bucket* here is always a class of alike samples that plans are made for: the context's
+bucket (`PlanContext.bucket_of`) or, over finer text classes, a length range of one
+(`tables.planning_classes`); the gradient sync's buckets are `SamplePacker.sync_buckets`.
 """
