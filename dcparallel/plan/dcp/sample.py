@@ -167,9 +167,41 @@ class SamplePacker:
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
         tl = t.tolist()
-        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
         sp, deg = self.sp, len(self.sp)
-        wider = [self.split_degrees(d) for d in range(deg)]
+        put, fit = self._placers(groups, fins, cap)
+        ranks = 0
+        for a in order:
+            b = nl[a]
+            row = tl[a]
+            g = fit(b, row[b])
+            if g is None and open_first and ranks + sp[b] <= self.world:
+                ranks += sp[b]
+                groups.append(Node(b, 0.0, [], 0.0, None, []))
+                g = len(groups) - 1
+            d = b
+            while g is None and d + 1 < deg:  # re-timed at a wider degree
+                d += 1
+                if row[d] <= cap:
+                    g = fit(d, row[d])
+            if g is not None:
+                put(g, a, row[d])
+                continue
+            ranks += sp[b]
+            if ranks > self.world:
+                return None
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
+            put(len(groups) - 1, a, ol[a])
+        return groups
+
+    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float):
+        """`pack`'s two moves on its groups and their open lists `fins` (per degree index, the
+        open groups' finishes, sorted, with their indices), for the target with its slack `cap`:
+        `put(g, a, need)` adds micro-batch a, taking `need`, to group g and reopens the group;
+        `fit(d, need)` finds a group for it (below). Closures over local state: the packing's
+        inner loop looks up no attribute per micro-batch."""
+        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
+        sp = self.sp
+        wider = [self.split_degrees(d) for d in range(len(sp))]
         bisect_right = bisect.bisect_right
 
         def put(g: int, a: int, need: float) -> None:
@@ -209,29 +241,7 @@ class SamplePacker:
                     return kids[0]
             return None
 
-        ranks = 0
-        for a in order:
-            b = nl[a]
-            row = tl[a]
-            g = fit(b, row[b])
-            if g is None and open_first and ranks + sp[b] <= self.world:
-                ranks += sp[b]
-                groups.append(Node(b, 0.0, [], 0.0, None, []))
-                g = len(groups) - 1
-            d = b
-            while g is None and d + 1 < deg:  # re-timed at a wider degree
-                d += 1
-                if row[d] <= cap:
-                    g = fit(d, row[d])
-            if g is not None:
-                put(g, a, row[d])
-                continue
-            ranks += sp[b]
-            if ranks > self.world:
-                return None
-            groups.append(Node(b, 0.0, [], 0.0, None, []))
-            put(len(groups) - 1, a, ol[a])
-        return groups
+        return put, fit
 
     def _placing_order(
         self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool
