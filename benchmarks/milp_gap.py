@@ -5,7 +5,7 @@
 
 Model (one phase, as the planner's class level sees a step): every sample of a bucket costs
 like its bucket's largest sample, scaled by the bucket's mean weight in the step
-(`ScalePlanner.weight`); a micro-batch of m samples of bucket b on a group of k ranks takes
+(`LayoutTable.weight`); a micro-batch of m samples of bucket b on a group of k ranks takes
 t(b, k, m) (PAC recompute, memory-feasible m only). Variables: which groups exist (up to
 world / k slots per SP degree k, sum of sizes <= world: sizes of one divisibility chain tile
 the world as aligned blocks), how many micro-batches of each (b, m) each group runs, and the
@@ -39,7 +39,8 @@ import scipy
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.research.flexsp import slot_program
 from dcparallel.plan.steps import form_steps
@@ -48,7 +49,7 @@ from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.spec import Workload
 
 
-def class_model(p: ScalePlanner, step) -> tuple[dict[int, int], dict[int, float]]:
+def class_model(p: LayoutTable, step) -> tuple[dict[int, int], dict[int, float]]:
     ids = np.asarray(step.sample_ids)
     b = p.bidx[ids]
     counts = {int(j): int((b == j).sum()) for j in np.unique(b)}
@@ -56,7 +57,7 @@ def class_model(p: ScalePlanner, step) -> tuple[dict[int, int], dict[int, float]
     return counts, scale
 
 
-def heuristic_makespan(p: ScalePlanner, plan, scale: dict[int, float]) -> float:
+def heuristic_makespan(p: LayoutTable, plan, scale: dict[int, float]) -> float:
     loads = []
     for g in plan.groups:
         t = 0.0
@@ -67,7 +68,7 @@ def heuristic_makespan(p: ScalePlanner, plan, scale: dict[int, float]) -> float:
     return max(loads)
 
 
-def solve(p: ScalePlanner, counts: dict[int, int], scale: dict[int, float], time_limit: float):
+def solve(p: LayoutTable, counts: dict[int, int], scale: dict[int, float], time_limit: float):
     """The exact program (`plan.research.flexsp.slot_program`) over every micro-batch size that fits,
     timed at the class level: returns scipy's result, its seconds and its variable count."""
 
@@ -118,13 +119,14 @@ def main() -> int:
         cl = sc.cluster(args.world)
         ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
         steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // divide)[: args.steps]
-        p = ScalePlanner(ctx, step_seconds(ctx), phases=False)
+        one_phase = ClassLevelPlanner(LayoutTable(ctx), phases=False)
+        p = one_phase.table
         shipped = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
         lb = LowerBound(ctx)
         for st in steps:
             counts, scale = class_model(p, st)
             # the class-level plan, not the packing's or dcp-v1's
-            h = heuristic_makespan(p, p.class_plan(st)[0], scale)
+            h = heuristic_makespan(p, one_phase.class_plan(st)[0], scale)
             res, secs, nvar = solve(p, counts, scale, args.time_limit)
             opt = float(res.fun) if res.x is not None else float("nan")
             bound = float(getattr(res, "mip_dual_bound", opt) or opt)
@@ -190,7 +192,7 @@ def main() -> int:
         "## The shipped `dcp` on the same steps",
         "",
         "The gap above is the one-phase class-level heuristic's "
-        "(`ScalePlanner(phases=False).class_plan`), in the "
+        "(`ClassLevelPlanner(table, phases=False).class_plan`), in the "
         f"class-level model. The `dcp` a user runs at world {args.world} also plans two-phase steps, the "
         "per-sample packing (steps of few samples per GPU) and, on clusters of at most 64 GPUs, the "
         "per-sample planner, and keeps the plan the simulator scores faster. "

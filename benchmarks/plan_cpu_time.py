@@ -24,7 +24,7 @@ simulated step time (`sim.replay.step_seconds`) gives planning as a fraction of 
 plans for: the loader plans a step while the one before trains, so below 1 it is hidden.
 `--profile` plans the timed steps again under cProfile and splits the time into the
 class-level search (`search.table` and `search.search`: candidate rows and the
-batched passes over targets; `ScalePlanner._plan_part`: group allocation), the expansion to
+batched passes over targets; `ClassLevelPlanner._plan_part`: group allocation), the expansion to
 sample ids (`expand.expand`: dealing classes, cutting micro-batches, `refine`, `spill`),
 building the plan objects (`expand.build_plan`:
 `MicroBatch`, `GroupPlan`, `StepPlan`) and the rest (sorting the step's samples by bucket,

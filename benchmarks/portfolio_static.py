@@ -1,7 +1,7 @@
 """`dcp` against the static layouts it offers (`plan/dcp/static.py`), on the cases of
 `tests/unit/test_dcp_static.py` (7M-parameter Llama and DiT to 70B, heavy-tailed mixes): per
 case the simulated seconds of the first steps under `dcp`, its portfolio without the static
-layouts (`ScalePlanner(ctx, score)`: what `dcp` planned before they were offered), `bucket`
+layouts (`DcpPlanner(ctx, score)`: what `dcp` planned before they were offered), `bucket`
 and `packed`, and the median CPU ms per step of `dcp` and of the portfolio without them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/portfolio_static.py [--steps 4]
@@ -17,7 +17,7 @@ import time
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import step_seconds
@@ -33,7 +33,7 @@ def run_case(model, sizes, world: int, tps: int, num_steps: int) -> dict:
     score = step_seconds(ctx)
     planners = {
         "dcp": make_planner("dcp", ctx, steps, score=score),
-        "class level": ScalePlanner(ctx, score),
+        "class level": DcpPlanner(ctx, score),
         "bucket": make_planner("bucket", ctx, steps, score=score),
         "packed": make_planner("packed", ctx, steps, score=score),
     }

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from dcparallel.plan import bucket, packed
-from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.static import static_layouts
-from dcparallel.plan.dcp_v1 import DCPPlanner
 from dcparallel.plan.research import flexsp, peers, token_budget
+from dcparallel.plan.research.dcp_v1 import per_sample_row
 from dcparallel.plan.splits import SplitPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import Score, StepPlan, Tuned
@@ -44,19 +44,10 @@ class PolicySpec:
     build: Callable[[PlanContext, Sequence[Step], Score], Tuned]
 
 
-def _dcp(name: str, mode: RecomputeMode, *, balance: bool, phases: bool = False):
-    """A row of the `DCPPlanner` family: the per-sample planners (`plan.dcp_v1`)."""
-
-    def build(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
-        return Tuned(DCPPlanner(ctx, name=name, mode=mode, balance=balance, promote=True, phases=phases))
-
-    return build
-
-
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
     """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
     (on steps of at most `DcpConfig.static_max_samples` samples)."""
-    return Tuned(ScalePlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+    return Tuned(DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score)))
 
 
 def _untuned(make: Callable[[PlanContext, Score], Planner]):
@@ -103,27 +94,27 @@ RESEARCH: dict[str, PolicySpec] = {
             "dcp-own",
             "dcp without the static layouts it also offers: its own plans (mixed SP degrees, "
             "phases), for tests that exercise them",
-            _untuned(ScalePlanner),
+            _untuned(DcpPlanner),
         ),
         PolicySpec(
             "dcp-intra",
             "per-bucket SP degree and micro-batch size, dealt by count",
-            _dcp("dcp-intra", "fit", balance=False),
+            per_sample_row("dcp-intra", "fit", balance=False),
         ),
         PolicySpec(
             "dcp-inter",
             "dcp-intra + per-group gradient accumulation balancing the step",
-            _dcp("dcp-inter", "fit", balance=True),
+            per_sample_row("dcp-inter", "fit", balance=True),
         ),
         PolicySpec(
             "dcp-inter-pac",
             "dcp-inter + per-micro-batch recompute from spare memory (knapsack)",
-            _dcp("dcp-inter-pac", "pac", balance=True),
+            per_sample_row("dcp-inter-pac", "pac", balance=True),
         ),
         PolicySpec(
             "dcp-v1",
             "per-sample dcp: dcp-inter-pac + two-phase steps (slow at scale, kept for comparison)",
-            _dcp("dcp-v1", "pac", balance=True, phases=True),
+            per_sample_row("dcp-v1", "pac", balance=True, phases=True),
         ),
         PolicySpec(
             "megatron-dcp",

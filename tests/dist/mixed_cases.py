@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime.engine import Engine
@@ -38,7 +38,7 @@ def mixed_plan(world: int) -> StepPlan:
     cl = cluster(world, world)
     ctx = PlanContext(Workload(PLANNING_LM, MIXED_SIZES), cost(PLANNING_LM, cl), cl)
     step = Step(0, tuple(range(len(MIXED_SIZES))))
-    return capped(ScalePlanner(ctx, step_seconds(ctx)).plan(step), LAYERS)
+    return capped(DcpPlanner(ctx, step_seconds(ctx)).plan(step), LAYERS)
 
 
 def case_mixed_step(seed: int) -> dict:
@@ -49,5 +49,8 @@ def case_mixed_step(seed: int) -> dict:
     dc = Engine(model, layers=model.layers, num_heads=HEADS, groups=ProcessGroups(HEADS))
     data = make_data("llama", len(plan.sample_ids), seed)
     loss = run_rank_step(dc, data, plan, dist.get_rank())
-    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "plan": plan.to_json()}
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "plan": plan.to_json(),
+    }

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.allocate import allocate
+from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.expand import Phase, deal_orders
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.refine import refine, spill
 from dcparallel.plan.dcp.search import (
     fits,
@@ -29,6 +30,7 @@ from dcparallel.plan.dcp.search import (
     search,
     table,
 )
+from dcparallel.plan.dcp.tables import LayoutTable, least_gpu_seconds_within
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -53,7 +55,7 @@ def _scale_cell(
     return PlanContext(w, AnalyticCost(sc.model, cl), cl), form_steps(w.tokens, seed=0, tokens_per_step=tps)[:steps]
 
 
-def _planner(world: int, video: bool, n: int, seed: int) -> tuple[ScalePlanner, list]:
+def _context(world: int, video: bool, n: int, seed: int) -> tuple[PlanContext, list]:
     rng = np.random.default_rng(seed)
     if video:
         sizes = tuple(VIDEO_SHAPES[i] for i in rng.integers(0, len(VIDEO_SHAPES), n))
@@ -65,7 +67,13 @@ def _planner(world: int, video: bool, n: int, seed: int) -> tuple[ScalePlanner, 
     cl = cluster(world, 8)
     ctx = PlanContext(w, cost(model, cl), cl)
     steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // 2))
-    return ScalePlanner(ctx, step_seconds(ctx)), steps
+    return ctx, steps
+
+
+def _planner(world: int, video: bool, n: int, seed: int) -> tuple[LayoutTable, list]:
+    """The layout table the class level plans these steps on."""
+    ctx, steps = _context(world, video, n, seed)
+    return LayoutTable(ctx), steps
 
 
 def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
@@ -82,9 +90,7 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
     return {k: int(min(items[k], max(1, big[k], math.ceil(work[k] / T - ROUND_EPS)))) for k in work}
 
 
-def _reference_rows(
-    p: ScalePlanner, tab, part: list[int], C: float, kmin: int, frac: float = 1.0
-) -> list[tuple] | None:
+def _reference_rows(p: LayoutTable, tab, part: list[int], C: float, kmin: int, frac: float = 1.0) -> list[tuple] | None:
     """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
     >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
     fit the world."""
@@ -136,6 +142,31 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
                 assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, C / frac)
 
 
+def test_the_search_chooses_each_buckets_layout_by_the_layout_rule():
+    """For every smallest allowed degree and every target at which each bucket has a row, the
+    search's choice (`fits`) of every bucket is the layout rule's
+    (`least_gpu_seconds_within`) among the bucket's rows at that degree or wider."""
+    p, steps = _planner(256, False, 3000, 1)
+    present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
+    tab = table(p, present.tolist(), counts.tolist(), {int(j): (1.0, 1.3) for j in present})
+    whole = np.arange(len(present))
+    checked = 0
+    for ki in range(len(p.sp)):
+        floor = tab.least[whole, ki].max()
+        if not np.isfinite(floor):
+            continue
+        targets = np.flatnonzero(tab.times >= floor)
+        _, first, _, pfirst = fits(p, tab, [(whole, ki)], [targets])
+        for i in whole:
+            rows = np.arange(tab.starts[i], tab.starts[i] + tab.lens[i])
+            finish = np.where(tab.kpos[rows] >= ki, tab.t[rows], np.inf)
+            for x, r in enumerate(targets.tolist()):
+                want = rows[least_gpu_seconds_within(tab.cols.gpu_s[rows], finish, tab.times[r])]
+                assert first[pfirst[0] + i, x] == want, (ki, i, r)
+                checked += 1
+    assert checked > 1000
+
+
 def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
     """`rows_many` builds the candidate rows of every (bucket, count) of a step in one batch:
     per degree where the bucket fits, micro-batch sizes from the powers of two and c / 2^i
@@ -160,7 +191,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
         assert r.tolist() == [list(map(float, row)) for row in want], (j, c)
 
 
-def _reference_search(p: ScalePlanner, tab, part: list[int], kmin: int) -> list[tuple]:
+def _reference_search(p: LayoutTable, tab, part: list[int], kmin: int) -> list[tuple]:
     """The search by its definition, one part and smallest degree at a time, for each cap
     fraction in turn: the part's distinct times at kmin or wider from the longest of its
     buckets' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
@@ -249,7 +280,7 @@ def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
     steps of the scale report, with micro-batch times (the bucket's heaviest samples) above
     its mean work, as in a real step."""
     ctx, (step,) = _scale_cell(scenario, dist, world, 1)
-    p = ScalePlanner(ctx, step_seconds(ctx))
+    p = LayoutTable(ctx)
     present, counts = np.unique(p.bidx[np.asarray(step.sample_ids)], return_counts=True)
     scale = {int(j): (1.0, 1.2) for j in present}
     tab = table(p, present.tolist(), counts.tolist(), scale)
@@ -426,8 +457,8 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
     cl = sc.cluster(world)
     ctx = PlanContext(wl, cost(sc.model, cl), cl)
     step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
-    p = ScalePlanner(ctx, step_seconds(ctx))
-    plan, predicted, bound, _ = p.class_plan(step)
+    p = LayoutTable(ctx)
+    plan, predicted, bound, _ = ClassLevelPlanner(p).class_plan(step)
     assert predicted >= bound * (1 - 1e-9)
     assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == sorted(step.sample_ids)
     checked = 0
@@ -444,11 +475,11 @@ def test_expansion_runs_each_group_shortest_first_and_spill_keeps_every_sample()
 
 
 @functools.cache
-def _small_planner() -> ScalePlanner:
+def _small_planner() -> LayoutTable:
     return _planner(64, False, 40, 0)[0]
 
 
-def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
+def _reference_spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> None:
     """`spill` by its definition, one array pass per move: off the slowest group (lowest index
     on ties), onto the least-loaded group of each other degree below it, the micro-batch and
     degree giving the least new span (narrower degree, then earlier micro-batch, on ties), while
@@ -482,7 +513,7 @@ def _reference_spill(p: ScalePlanner, ph: Phase, max_iter: int = 256) -> None:
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
 
 
-def _spill_phase(p: ScalePlanner, rng: np.random.Generator, times, weights) -> Phase:
+def _spill_phase(p: LayoutTable, rng: np.random.Generator, times, weights) -> Phase:
     """A phase of 80 one-sample micro-batches of one bucket spread at random over 2 groups of
     8 ranks, 4 of 4 and 16 of 1, with `times(n)` and mean weights `weights(n)`."""
     sizes = [8] * 2 + [4] * 4 + [1] * 16
@@ -575,7 +606,7 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
         (512, "strong", "text", "balanced"),
     ]:
         ctx, steps = _scale_cell(scenario, dist, world, 2, weak=budget == "weak")
-        p = ScalePlanner(ctx, step_seconds(ctx))
+        p = ClassLevelPlanner(LayoutTable(ctx))
         for s in steps:
             plan = p.class_plan(s)[0]
             assert isinstance(plan._source, PhaseGroups)
@@ -598,7 +629,8 @@ def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
     """`dcp` pauses the cycle collector while it plans (its plans allocate hundreds of
     thousands of objects at scale); that is safe only because planning makes no reference
     cycles: a collection right after planning with the collector off finds nothing."""
-    p, steps = _planner(256, False, 600, 7)
+    ctx, steps = _context(256, False, 600, 7)
+    p = DcpPlanner(ctx, step_seconds(ctx))
     p.plan(steps[-1])  # caches filled
     was = gc.isenabled()
     try:
@@ -623,22 +655,22 @@ def test_no_phase_is_predicted_below_its_class_level_bound(scenario, dist, monke
     report's weak 128-GPU steps searches, one phase and both parts of every split; so is the
     class-level bound (`part_bound`) each part's plans carry."""
     ctx, steps = _scale_cell(scenario, dist, 128, 2, epoch_steps=2)
-    p = ScalePlanner(ctx, step_seconds(ctx))
+    p = ClassLevelPlanner(LayoutTable(ctx))
     seen = []
-    orig = ScalePlanner._plan_part
+    orig = ClassLevelPlanner._plan_part
 
     def checked(self, tab, part, found_by_k, keep=1):
         out = orig(self, tab, part, found_by_k, keep)
-        bound = part_bound(tab, part, self.world)
-        floor = plan_floor(tab, part, self.world)
+        bound = part_bound(tab, part, self.table.world)
+        floor = plan_floor(tab, part, self.table.world)
         seen.append(len(part))
         assert all(span >= bound * (1 - 1e-9) for span, *_ in out), ([o[0] for o in out], bound)
         assert all(span >= floor for span, *_ in out), ([o[0] for o in out], floor)
         assert all(abs(o[3] - bound) <= 1e-12 * bound for o in out)  # the search's own bound
         return out
 
-    monkeypatch.setattr(ScalePlanner, "_plan_part", checked)
-    monkeypatch.setattr(ScalePlanner, "_ranked_out", lambda self, cands, floor: False)
+    monkeypatch.setattr(ClassLevelPlanner, "_plan_part", checked)
+    monkeypatch.setattr(ClassLevelPlanner, "_ranked_out", lambda self, cands, floor: False)
     for s in steps:
         p.class_plan(s)
     assert len(seen) > 2 * len(steps)  # the splits' parts were searched too
@@ -669,11 +701,11 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
 
     for name in asked:
         monkeypatch.setattr(classlevel, name, counting(name))
-    fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    fast = [DcpPlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     # floors that never skip: -inf is below every plan
     monkeypatch.setattr(classlevel, "rows_floor", lambda tab, first, world: -math.inf)
     monkeypatch.setattr(classlevel, "plan_floor", lambda tab, part, world, ki=0: -math.inf)
-    full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    full = [DcpPlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     assert asked["rows_floor"] and asked["plan_floor"], asked  # both floors were consulted
     assert fast == full
 
@@ -720,11 +752,11 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
         return got
 
     monkeypatch.setattr(classlevel, "expand", checked)
-    fast = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    fast = [DcpPlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     fast_count, given_up = seen["expanded"], seen["given_up"]
     monkeypatch.setattr(classlevel, "expanded_floor", lambda p, floors: -math.inf)
     monkeypatch.setattr(classlevel, "expand", lambda p, parts, ss, limit, floors: checked(p, parts, ss))
-    full = [ScalePlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
+    full = [DcpPlanner(ctx, step_seconds(ctx)).plan(s).groups for s in steps]
     full_count = seen["expanded"] - fast_count
     assert fast == full
     assert fast_count <= full_count and (fast_count < full_count) == skips, (fast_count, full_count)

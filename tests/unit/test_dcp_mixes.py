@@ -152,7 +152,7 @@ def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     the packing off)."""
     from dcparallel.plan.bounds import LowerBound
     from dcparallel.plan.dcp.config import DEFAULT
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import DcpPlanner
     from dcparallel.plan.policies import make_planner
     from dcparallel.sim.replay import replay_step, step_seconds
 
@@ -164,7 +164,7 @@ def test_heavy_tail_step_is_planned_at_its_bound(monkeypatch):
     plan.validate(ctx.cluster.world_size)
     assert sorted(i for mb in plan.micro_batches() for i in mb.sample_ids) == sorted(step.sample_ids)
     assert replay_step(plan, ctx).step_time <= bound * 1.01
-    planner = ScalePlanner(ctx, step_seconds(ctx), config=replace(DEFAULT, pack_max_items=0))
+    planner = DcpPlanner(ctx, step_seconds(ctx), config=replace(DEFAULT, pack_max_items=0))
     assert replay_step(planner.plan(step), ctx).step_time > bound * 1.05
 
 
@@ -184,7 +184,7 @@ def _strong_cell(scenario: str, dist: str, world: int, step: int):
     return ctx, form_steps(w.tokens, seed=0, tokens_per_step=sc.tokens_per_step)[step]
 
 
-def test_many_shapes_of_a_few_samples_share_groups_when_capped(monkeypatch):
+def test_many_shapes_of_a_few_samples_share_groups_when_capped():
     """950 draws of the 200-shape mix as one step on 256 GPUs (about 5 samples of each shape
     drawn, as in the scale report's strong-budget cells): each bucket's longest micro-batches
     within a target T are mostly longer than T / 2 and need a group each; capped at 0.75 T
@@ -192,19 +192,18 @@ def test_many_shapes_of_a_few_samples_share_groups_when_capped(monkeypatch):
     cap than without (0.738 s against 0.827 s when written)."""
     from dcparallel.cost.analytic import AnalyticCost
     from dcparallel.plan.context import PlanContext
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
+    from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
+    from dcparallel.plan.dcp.config import DEFAULT
+    from dcparallel.plan.dcp.tables import LayoutTable
     from dcparallel.plan.steps import form_steps
-    from dcparallel.sim.replay import step_seconds
     from dcparallel.spec import Workload
 
     sc = SCENARIOS["video"]
     w, cl = Workload(sc.model, tuple(sample_sizes("video", "video-wide", num_samples=950))), sc.cluster(256)
     step = form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens))[0]
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    p = ScalePlanner(ctx, step_seconds(ctx))
-    capped = p.class_plan(step)
-    monkeypatch.setattr(p, "config", replace(p.config, cap_fractions=(1.0,)))
-    uncapped = p.class_plan(step)
+    capped = ClassLevelPlanner(LayoutTable(ctx)).class_plan(step)
+    uncapped = ClassLevelPlanner(LayoutTable(ctx, config=replace(DEFAULT, cap_fractions=(1.0,)))).class_plan(step)
     assert capped.predicted < uncapped.predicted * 0.95, (capped.predicted, uncapped.predicted)
     assert sorted(i for mb in capped.plan.micro_batches() for i in mb.sample_ids) == sorted(step.sample_ids)
 
@@ -216,13 +215,13 @@ def test_few_samples_per_gpu_are_packed_where_the_class_plan_scores_above_its_pr
     the score opens the gate, and the packed plan, at the bound, is kept."""
     from dcparallel.plan.bounds import LowerBound
     from dcparallel.plan.dcp.config import DEFAULT
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import DcpPlanner
     from dcparallel.sim.replay import step_seconds
 
     ctx, step = _strong_cell("text", "long", 1024, 1)
     score = step_seconds(ctx)
-    p = ScalePlanner(ctx, score)
-    cls = p.class_plan(step)
+    p = DcpPlanner(ctx, score)
+    cls = p.class_level[0].class_plan(step)
     PACK_GATE_ONE = DEFAULT.pack_gate_one
     assert cls.predicted < cls.bound * PACK_GATE_ONE < score(cls.plan)
     bound = LowerBound(ctx).step(step)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
@@ -76,8 +76,8 @@ def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     w = Workload(sc.model, sizes)
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     step = form_steps(w.tokens, seed=0, samples_per_step=96)[0]
-    p = ScalePlanner(ctx, step_seconds(ctx))
-    class_plan = p.class_plan(step).plan
+    p = DcpPlanner(ctx, step_seconds(ctx))
+    class_plan = p.class_level[0].class_plan(step).plan
     packed, span = p.packer.plan(list(step.sample_ids))
     chosen = p.plan(step)
     t = p.score
@@ -121,7 +121,7 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
         for by_time, open_first in ((False, False), (True, False), (False, True))
     ]
     assert span == min(spans) and len(set(spans)) > 1  # the fastest of ways that differ
-    packer.subgroups = False
+    packer = FlatPacker(packer.ctx, packer.mode)
     flat, flat_span = packer.plan(list(step.sample_ids))
     assert packer.step_plan(step, flat).num_phases == 1
     assert span < flat_span * 0.995, (span, flat_span)  # 1.930 s against 2.008 s when written
@@ -158,6 +158,14 @@ def test_target_search_finds_the_smallest_target_that_packs(finishes, first, bel
         assert got[0] <= min(at_or_above)  # a step of the search, below the next finish
 
 
+class FlatPacker(SamplePacker):
+    """The per-sample packing without sub-groups: no wider group splits for a narrower
+    micro-batch."""
+
+    def split_degrees(self, d: int) -> range:
+        return range(0)
+
+
 def _packer(world: int) -> SamplePacker:
     cl = cluster(world, min(8, world))
     return SamplePacker(PlanContext(Workload(TINY_LM, (64,)), cost(TINY_LM, cl), cl), "pac")
@@ -180,10 +188,9 @@ def test_ranks_short_only_where_no_packing_fits_the_world(world, rows, T):
     if not packer.ranks_short(t, f, T):
         return
     assert packer.ranks_short(t, f, T * 0.7)
-    for sub in (True, False):
-        packer.subgroups = sub
+    for each in (packer, FlatPacker(packer.ctx, packer.mode)):
         for by_time, open_first in ((False, False), (True, False), (False, True)):
-            assert packer.pack(list(range(len(rows))), t, f, T, by_time, open_first) is None
+            assert each.pack(list(range(len(rows))), t, f, T, by_time, open_first) is None
 
 
 def test_ranks_short_on_micro_batches_longer_than_half_the_target():

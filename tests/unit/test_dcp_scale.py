@@ -10,7 +10,9 @@ from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.classes import class_span as _span
 from dcparallel.plan.dcp.classes import deal_classes
-from dcparallel.plan.dcp.portfolio import ScalePlanner
+from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner, FinerClasses
+from dcparallel.plan.dcp.tables import LayoutTable
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.sim.replay import simulate, step_seconds
@@ -106,7 +108,7 @@ def test_weights_stay_within_a_bucket():
     cl = cluster(8, 8)
     w = Workload(TINY_LM, (1000, 1100, 1200, 5000, 6000))
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
-    p = ScalePlanner(ctx, step_seconds(ctx))
+    p = LayoutTable(ctx)
     assert all(0 < x <= 1.0 for x in p.weight)
 
 
@@ -121,7 +123,7 @@ def test_peer_reproductions_are_lossless_and_within_memory():
 @st.composite
 def few_per_gpu_text(draw):
     """Text steps with at most two samples per GPU on large worlds: the regime where `dcp` also
-    plans over finer length classes (`ScalePlanner.finer_classes`)."""
+    plans over finer length classes (`portfolio.FinerClasses`)."""
     world = draw(st.sampled_from([128, 512, 1024, 2048, 4096]))
     n = draw(st.integers(1, 100))
     sizes = tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
@@ -138,9 +140,9 @@ def test_finer_classes_are_lossless_and_identical_from_scratch(case):
     got = []
     for _ in range(2):
         ctx = PlanContext(w, cost(TINY_LM, cl), cl)
-        p = ScalePlanner(ctx, step_seconds(ctx), sub_bins=4)
-        assert p.sub_bins == 4 and p.finer_classes is None
-        got.append([p.plan(s) for s in steps])
+        p = ClassLevelPlanner(LayoutTable(ctx, sub_bins=4))  # the finer-classes candidate
+        assert p.table.sub_bins == 4
+        got.append([p.class_plan(s).plan for s in steps])
     assert [x.to_json() for x in got[0]] == [x.to_json() for x in got[1]]
     for plan, s in zip(got[0], steps):
         plan.validate(cl.world_size, allowed)
@@ -152,8 +154,8 @@ def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
     cl = cluster(1024, 8)
     w = Workload(TINY_LM, (15_000, 16_000, 16_500, 18_000))  # one cost bucket: [1.25 ** 43, 1.25 ** 44)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
-    coarse, fine = ScalePlanner(ctx, step_seconds(ctx)), ScalePlanner(ctx, step_seconds(ctx), sub_bins=4)
-    assert len(coarse.buckets) == 1 and coarse.finer_classes is not None
+    dcp, fine = DcpPlanner(ctx, step_seconds(ctx)), LayoutTable(ctx, sub_bins=4)
+    assert len(dcp.class_level[0].table.buckets) == 1 and any(isinstance(c, FinerClasses) for c in dcp.class_level)
     assert len(fine.buckets) == 2  # 2 ** (1 / 4) length ranges: 15000, 16000 | 16500, 18000 (split at 2 ** 14)
     assert fine.bidx.tolist() == [0, 0, 1, 1]
     for i, j in enumerate(fine.bidx.tolist()):

@@ -90,7 +90,7 @@ def test_dcp_is_never_more_than_one_percent_behind_a_static_layout(model, mix, n
 def test_the_small_model_case_is_launch_bound():
     """The regime the static candidates exist for: on the 7M Llama the class level alone (no
     static candidates) is far slower than `packed`, so the test above would fail without them."""
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import DcpPlanner
     from dcparallel.plan.policies import make_planner
     from dcparallel.sim.replay import step_seconds
 
@@ -98,7 +98,7 @@ def test_the_small_model_case_is_launch_bound():
     ctx = PlanContext(Workload(LLAMA_7M, code_files(767)), AnalyticCost(LLAMA_7M, cluster), cluster)
     steps = form_steps(ctx.workload.tokens, seed=0, tokens_per_step=2**18)[:3]
     score = step_seconds(ctx)
-    alone, packed = ScalePlanner(ctx, score), make_planner("packed", ctx, steps, score=score)
+    alone, packed = DcpPlanner(ctx, score), make_planner("packed", ctx, steps, score=score)
     dcp = make_planner("dcp", ctx, steps, score=score)
     for s in steps:
         assert score(alone.plan(s)) > 1.5 * score(packed.plan(s))
@@ -144,8 +144,10 @@ def test_simulate_warns_when_another_policy_beats_the_chosen_one(tmp_path, capsy
 def test_static_layouts_are_offered_only_on_steps_of_few_samples():
     """Above `DcpConfig.static_max_samples` samples a step is not offered the static plans (their
     packing is Python work per sample), and they are tuned only on the steps they will meet."""
-    from dcparallel.plan.dcp.portfolio import ScalePlanner, Standing
+    from dcparallel.plan.dcp.candidate import StepFacts
+    from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
     from dcparallel.plan.dcp.static import static_layouts
+    from dcparallel.plan.dcp.tables import LayoutTable
     from dcparallel.sim.replay import step_seconds
 
     cluster = h200_cluster(8, 8)
@@ -156,7 +158,7 @@ def test_static_layouts_are_offered_only_on_steps_of_few_samples():
     assert static_layouts(ctx, steps, score, max_samples=fewest - 1) == []
     got = static_layouts(ctx, steps, score, max_samples=fewest)
     assert [c.name for c in got] == ["bucket", "packed"]
-    own = ScalePlanner(ctx, score).class_plan(steps[0])
+    own = ClassLevelPlanner(LayoutTable(ctx)).class_plan(steps[0])
     for s in steps:
-        standing = Standing(s, len(s.sample_ids), 8, own.plan, own.predicted, own.bound, own.longest)
+        standing = StepFacts(s, len(s.sample_ids), 8, own, own.bound, own.longest)
         assert all(c.runs(standing) == (len(s.sample_ids) <= fewest) for c in got)

@@ -120,7 +120,7 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     layouts it also offers: the packed bin of all 13 at SP=2 wins this tiny step) run them at
     SP=1 on each rank in a second phase, and are predicted faster (by 1.5% here: all-to-alls on
     NVLink are cheap)."""
-    from dcparallel.plan.dcp.portfolio import ScalePlanner
+    from dcparallel.plan.dcp.portfolio import DcpPlanner
 
     cl = cluster(2, 2, memory_mib=1024)
     w = Workload(TINY_LM, (60_000,) + (2000,) * 12)
@@ -128,7 +128,7 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     assert ctx.layout_for((60_000,), 1, "pac") is None
     steps = form_steps(w.tokens, seed=0, samples_per_step=13)
     one = make_planner("dcp-inter-pac", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
-    two = ScalePlanner(ctx, step_seconds(ctx)).plan(steps[0])
+    two = DcpPlanner(ctx, step_seconds(ctx)).plan(steps[0])
     two.validate(2, set(allowed_groups(cl, TINY_LM.num_heads)))
     assert one.num_phases == 1 and {m.layout.sp for m in one.micro_batches()} == {2}
     assert two.num_phases == 2

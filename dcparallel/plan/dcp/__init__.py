@@ -1,11 +1,17 @@
-"""`dcp`: the planner of the `dcp` policy, for thousands of GPUs (`portfolio.ScalePlanner`).
+"""`dcp`: the planner of the `dcp` policy, for thousands of GPUs (`portfolio.DcpPlanner`).
 
-`portfolio` keeps the plan predicted fastest among its candidate planners, each with a named
-gate: the class level on the SP degrees mixed, on the chain alone and on finer text length
-classes; the per-sample packing (`sample`, `targets`); the per-sample planner `dcp-v1`
-(`plan/dcp_v1.py`) on small clusters. The class level (`classlevel`) works on (bucket, count)
-pairs and classes of alike groups, its parts sharing one `tables.LayoutTable`: `search`
-(layouts by a makespan target, floors), `allocate` and `classes` (groups per degree, group
-classes and their dealing), `expand` and `refine` (sample ids, local searches). `config`
-holds the tunables (`DcpConfig`).
+`portfolio` keeps the plan predicted fastest among its candidate planners, each with one
+interface (`candidate.Candidate`: a name, a gate, a proposal) and its gate reading facts the
+planner derives (`candidate.StepFacts`): the class level on the SP degrees mixed (candidate
+0), on the chain alone and on finer text length classes; the per-sample planner
+(`per_sample`) on small clusters; the per-sample packing (`sample`, `targets`); the static
+layouts (`static`). The class level (`classlevel.ClassLevelPlanner`) works on (bucket, count)
+pairs and classes of alike groups; it holds a `tables.LayoutTable`, which its parts take:
+`search` (layouts by a makespan target, floors), `allocate` and `classes` (groups per degree,
+group classes and their dealing), `expand` and `refine` (sample ids, local searches).
+`config` holds the tunables (`DcpConfig`).
+
+A *bucket* here is always a class of alike samples that plans are made for: the context's
+bucket (`PlanContext.bucket_of`) or, over finer text classes, a length range of one
+(`tables.planning_classes`); the gradient sync's buckets are `SamplePacker.sync_buckets`.
 """

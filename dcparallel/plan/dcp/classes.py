@@ -1,7 +1,13 @@
 """`dcp`'s group classes: alike groups of one SP degree, and LPT dealing of whole classes.
 
 Micro-batch classes are dealt to them by the longest-processing-time rule applied to whole
-classes. Also what a class-level plan is (`ClassPlan`) and what tells two apart."""
+classes. Also what a class-level plan is (`ClassPlan`) and what tells two apart.
+
+Short names: ic (an item class's index), t (a micro-batch time), q (micro-batches left to
+deal), n (groups), c (a `GroupClass`), w (an item class's signature weight), per
+(micro-batches of the item class each group of a class takes), a / r (the quotient and
+remainder of a deal over a class's groups), low (the least load).
+"""
 
 from __future__ import annotations
 

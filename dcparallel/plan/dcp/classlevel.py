@@ -34,7 +34,14 @@ sample, so it fits every sample of the bucket. Per step:
 The SP degrees are `PlanContext.mix_sizes`: the topology's chain, and where the sizes inside a
 node are not one chain (SP 3 and 6 beside 2 and 4 on 12-GPU nodes) those too; then a degree gets
 another group only where `Topology.fits` places it, and the step is also planned on the chain
-alone (`portfolio.ChainAlone`), the plan predicted faster kept.
+alone (a second `ClassLevelPlanner`, candidate `candidate.CHAIN`), the plan predicted faster kept.
+
+Short names: p (the planner's `tables.LayoutTable`), tab (the step's `search.StepTable`),
+j (a bucket: an index into the table's planning classes), c (a sample count, or a
+`search.Candidate`), k (an SP degree), ki (a smallest allowed degree, as an index into
+`p.sp`), ss (the step's samples, `expand.StepSamples`), g (an `Allocation`), bnd (a part's
+bound), fw / fz (the floors of a split's wide and narrow parts), a / z (the best plans of
+its wide and narrow parts), e (an `expand.Expansion`).
 """
 
 from __future__ import annotations
@@ -43,13 +50,11 @@ import math
 
 import numpy as np
 
-from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.classes import Allocation, ClassPlan, PartPlan, StepChoice, distinct_plans, plan_sig
-from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.expand import Expansion, StepSamples, build_plan, expand
 from dcparallel.plan.dcp.search import (
-    K,
+    Row,
     StepTable,
     expanded_floor,
     expanded_floors,
@@ -67,28 +72,27 @@ from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL
 
 
-class ClassLevelPlanner(LayoutTable):
-    """The class-level plan of a step (`class_plan`) on its layout table (`tables.LayoutTable`):
-    the degrees `PlanContext.mix_sizes` (or, `chain_only`, the chain), the context's buckets
-    (or, `sub_bins` > 1, finer text length classes)."""
+class ClassLevelPlanner:
+    """The class-level plan of a step (`class_plan`) on a layout table (`tables.LayoutTable`:
+    its planning classes and SP degrees), as a candidate of the `dcp` portfolio
+    (`portfolio.Candidate`: it runs on every step; its prediction is its own)."""
 
-    name = "dcp"
-
-    def __init__(
-        self,
-        ctx: PlanContext,
-        *,
-        mode: RecomputeMode = "pac",
-        phases: bool = True,
-        sub_bins: int = 1,
-        chain_only: bool = False,
-        config: DcpConfig = DEFAULT,
-    ):
-        super().__init__(ctx, mode=mode, sub_bins=sub_bins, chain_only=chain_only, config=config)
+    def __init__(self, table: LayoutTable, *, phases: bool = True, name: str = "class level"):
+        #: the planning classes, degrees, layouts and caches the class level plans with
+        self.table = table
+        #: whether two-phase splits are searched
         self.phases = phases
+        self.name = name
+        self.config = table.config
 
     def describe(self) -> dict:
-        return {"recompute": self.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+        return {"recompute": self.table.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+
+    def runs(self, facts) -> bool:
+        return True  # on every step
+
+    def propose(self, facts) -> ClassPlan:
+        return self.class_plan(facts.step)
 
     def _plan_part(self, tab: StepTable, part: list[int], found_by_k: list[list], keep: int = 1):
         """The best `keep` `PartPlan`s for these buckets (positions in the step's table) in one
@@ -98,24 +102,24 @@ class ClassLevelPlanner(LayoutTable):
         if not part:
             return []
         present = [tab.present[i] for i in part]
-        bnd = part_bound(tab, part, self.world)
+        bnd = part_bound(tab, part, self.table.world)
         rows_of_part = np.asarray(part)
         found: list[Allocation] = []
         stale = 0
         done = tab.allocated  # the same choice found again (another smallest degree): same plan
-        for ki in range(len(self.sp)):  # smallest allowed degree, narrowest first
-            if found and self._settled(found, keep, self._floor(plan_floor(tab, rows_of_part, self.world, ki))):
+        for ki in range(len(self.table.sp)):  # smallest allowed degree, narrowest first
+            if found and self._settled(found, keep, self._floor(plan_floor(tab, rows_of_part, self.table.world, ki))):
                 break  # no candidate here or at a wider smallest degree can enter the plans kept
             if ki == len(found_by_k):
-                found_by_k = found_by_k + search(self, tab, [part], range(ki, len(self.sp)), tab.fracs)[0]
+                found_by_k = found_by_k + search(self.table, tab, [part], range(ki, len(self.table.sp)), tab.fracs)[0]
             improved = False
             for c in found_by_k[ki]:
                 key = (tuple(part), c.first.tobytes(), c.need.tobytes())
                 got = done.get(key, False)
                 if got is False:
-                    if found and self._settled(found, keep, self._floor(rows_floor(tab, c.first, self.world))):
+                    if found and self._settled(found, keep, self._floor(rows_floor(tab, c.first, self.table.world))):
                         continue  # predicted at or above its floor, it cannot enter the plans kept
-                    got = done[key] = allocate(self, present, rows_at(tab, c.first), needs(self, c.need))
+                    got = done[key] = allocate(self.table, present, rows_at(tab, c.first), needs(self.table, c.need))
                 if got is None:
                     continue
                 if not found or got.span < found[0].span * (1 - REL_TOL):
@@ -158,86 +162,120 @@ class ClassLevelPlanner(LayoutTable):
         return False
 
     def class_plan(self, step: Step) -> ClassPlan:
-        """The class-level plan of the step (`ClassPlan`)."""
+        """The class-level plan of the step (`ClassPlan`): the best few one-phase plans and,
+        where the best is above the step's bound, two-phase splits; the best few expanded."""
+        p = self.table
         ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
-        ids_sorted, b = self.sort(ids)  # by bucket, then longest first, then id
-        n = len(ids_sorted)
-        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
-        present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
-        wsorted = self.weight[ids_sorted]
-        # per class the running sum of its members' weights from 0, the runs concatenated
-        cumw = np.zeros(n + len(present))
-        cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
-        base = np.arange(len(present)) + starts
-        for x, c in zip(base.tolist(), counts):
-            cumw[x : x + c + 1].cumsum(out=cumw[x : x + c + 1])
-        ss = StepSamples(
-            dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw, dict(zip(present, base.tolist()))
-        )
-        wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
-        wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
-        scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
-        tab = table(self, present, counts, scale)
-        whole = list(range(len(present)))
-        first = range(min(self.config.first_degrees, len(self.sp)))
-        tab.fracs = (1.0,)
-        uncapped = search(self, tab, [whole], first)
-        ones = self._plan_part(tab, whole, uncapped[0], keep=self.config.expand_best)
-        assert ones, "all buckets at the widest degree always fit the world"
-        if ones[0].span > ones[0].bound * self.config.cap_gate:  # above the bound: micro-batches capped lower too
-            tab.fracs = self.config.cap_fractions
-            assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
-            capped = search(self, tab, [whole], first, tab.fracs[1:], known=uncapped)
-            more = self._plan_part(tab, whole, capped[0], keep=self.config.expand_best)
-            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), self.config.expand_best)
+        ids_sorted, b = p.sort(ids)  # by bucket, then longest first, then id
+        present, counts, ss, scale = step_samples(p, ids_sorted, b)
+        tab = table(p, present, counts, scale)
+        first = range(min(self.config.first_degrees, len(p.sp)))
+        ones = self._one_phase(tab, first)
         one = ones[0]
         cands = [StepChoice(c.span, [c]) for c in ones]
         if self.phases and one.span > one.bound * self.config.two_phase_gate:  # one phase is not at the step's bound
-            # split by the degree each bucket got in one phase, or by its cheapest degree
-            widest: dict[int, int] = {}
-            for it in one.items:
-                widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
-            keys = [{j: widest[j] for j in present}, {j: int(rows(self, j, c)[0, K]) for j, c in zip(present, counts)}]
-            # a split's candidate is predicted at or above its parts' floors: skip the split
-            # where that already says it would not be expanded (`_ranked_out`; that only
-            # tightens as candidates are added, so a split skipped now is skipped later too)
-            splits, seen = [], set()
-            for key in keys:
-                for k in sorted(set(key.values()))[1:]:
-                    wide = [i for i, j in enumerate(present) if key[j] >= k]
-                    if tuple(wide) in seen:
-                        continue
-                    seen.add(tuple(wide))
-                    narrow = [i for i, j in enumerate(present) if key[j] < k]
-                    fw = self._floor(plan_floor(tab, wide, self.world))
-                    fz = self._floor(plan_floor(tab, narrow, self.world))
-                    if not self._ranked_out(cands, fw + fz):
-                        splits.append((wide, narrow, fw, fz))
-            found = search(self, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
-            for s, (wide, narrow, fw, fz) in enumerate(splits):
-                if self._ranked_out(cands, fw + fz):
+            self._two_phases(tab, counts, one, first, cands)
+        best = self._expand_best(cands, ss)
+        return ClassPlan(build_plan(p, step, best.phases, ids_sorted), best.predicted, one.bound, max(tab.longest))
+
+    def _one_phase(self, tab: StepTable, first: range) -> list[PartPlan]:
+        """The best `config.expand_best` one-phase plans of the step, searched uncapped and,
+        above the bound, with micro-batches also capped (`config.cap_fractions`)."""
+        p, cfg = self.table, self.config
+        whole = list(range(len(tab.present)))
+        tab.fracs = (1.0,)
+        uncapped = search(p, tab, [whole], first)
+        ones = self._plan_part(tab, whole, uncapped[0], keep=cfg.expand_best)
+        assert ones, "all buckets at the widest degree always fit the world"
+        if ones[0].span > ones[0].bound * cfg.cap_gate:  # above the bound: micro-batches capped lower too
+            tab.fracs = cfg.cap_fractions
+            assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
+            capped = search(p, tab, [whole], first, tab.fracs[1:], known=uncapped)
+            more = self._plan_part(tab, whole, capped[0], keep=cfg.expand_best)
+            ones = distinct_plans(sorted(ones + more, key=lambda c: c.span), cfg.expand_best)
+        return ones
+
+    def _two_phases(
+        self, tab: StepTable, counts: list[int], one: PartPlan, first: range, cands: list[StepChoice]
+    ) -> None:
+        """Adds to `cands` the two-phase plans of the step: the buckets split by the degree each
+        got in the best one-phase plan `one`, or by its cheapest degree; wide ones first."""
+        p, present = self.table, tab.present
+        widest: dict[int, int] = {}
+        for it in one.items:
+            widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
+        cheapest = {j: int(Row(*rows(p, j, c)[0]).k) for j, c in zip(present, counts)}  # least GPU-seconds
+        splits = self._splits([{j: widest[j] for j in present}, cheapest], tab, cands)
+        found = search(p, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
+        for s, (wide, narrow, fw, fz) in enumerate(splits):
+            if self._ranked_out(cands, fw + fz):
+                continue
+            a = self._plan_part(tab, wide, found[2 * s])
+            if not a or self._ranked_out(cands, a[0].span + fz):
+                continue
+            z = self._plan_part(tab, narrow, found[2 * s + 1])
+            if z:
+                cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
+
+    def _splits(self, keys: list[dict[int, int]], tab: StepTable, cands: list[StepChoice]) -> list[tuple]:
+        """The distinct two-phase splits (wide part, narrow part, their floors) of the buckets
+        by each degree of each `keys` (bucket -> degree) but the narrowest. A split's candidate
+        is predicted at or above its parts' floors: a split is left out where that already
+        says it would not be expanded (`_ranked_out`; that only tightens as candidates are
+        added, so a split left out now would be skipped later too)."""
+        p, present = self.table, tab.present
+        splits, seen = [], set()
+        for key in keys:
+            for k in sorted(set(key.values()))[1:]:
+                wide = [i for i, j in enumerate(present) if key[j] >= k]
+                if tuple(wide) in seen:
                     continue
-                a = self._plan_part(tab, wide, found[2 * s])
-                if not a or self._ranked_out(cands, a[0].span + fz):
-                    continue
-                z = self._plan_part(tab, narrow, found[2 * s + 1])
-                if z:
-                    cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
-        # the best few candidates by class-level prediction are expanded (least floor first, none
-        # whose floor is above a prediction made) and the earliest within REL_TOL of the least kept
+                seen.add(tuple(wide))
+                narrow = [i for i, j in enumerate(present) if key[j] < k]
+                fw = self._floor(plan_floor(tab, wide, p.world))
+                fz = self._floor(plan_floor(tab, narrow, p.world))
+                if not self._ranked_out(cands, fw + fz):
+                    splits.append((wide, narrow, fw, fz))
+        return splits
+
+    def _expand_best(self, cands: list[StepChoice], ss: StepSamples) -> Expansion:
+        """The best few candidates by class-level prediction expanded (least floor first, none
+        whose floor is above a prediction made); the earliest within REL_TOL of the least."""
+        p, cfg = self.table, self.config
         cands.sort(key=lambda c: c.span)
-        cfg = self.config
         pool = [c.parts for c in cands[: cfg.expand_best] if c.span <= cands[0].span * cfg.expand_within]
-        phase_floors = [expanded_floors(self, parts, ss) for parts in pool]
-        floors = [self._floor(expanded_floor(self, f)) for f in phase_floors]
+        phase_floors = [expanded_floors(p, parts, ss) for parts in pool]
+        floors = [self._floor(expanded_floor(p, f)) for f in phase_floors]
         got: dict[int, Expansion] = {}
         least = math.inf  # the least prediction made
         for i in sorted(range(len(pool)), key=lambda i: (floors[i], i)):
             if floors[i] <= least * (1 + REL_TOL):
                 # given up once it cannot end within REL_TOL of the least (then never kept)
-                e = expand(self, pool[i], ss, least * (1 + REL_TOL) if cfg.prune else math.inf, phase_floors[i])
+                e = expand(p, pool[i], ss, least * (1 + REL_TOL) if cfg.prune else math.inf, phase_floors[i])
                 if e is not None:
                     got[i] = e
                     least = min(least, e.predicted)
-        best = got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
-        return ClassPlan(build_plan(self, step, best.phases, ids_sorted), best.predicted, one.bound, max(tab.longest))
+        return got[min(i for i, g in got.items() if g.predicted <= least * (1 + REL_TOL))]
+
+
+def step_samples(p: LayoutTable, ids_sorted: np.ndarray, b: np.ndarray):
+    """A step's buckets in table order (`present`), their sample counts, its samples'
+    positions and running weights (`StepSamples`), and per bucket its mean and largest weight
+    in the step (the scale of its times: `search.table`)."""
+    n = len(ids_sorted)
+    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    present, counts = b[starts].tolist(), np.diff(np.r_[starts, n]).tolist()
+    wsorted = p.weight[ids_sorted]
+    # per class the running sum of its members' weights from 0, the runs concatenated
+    cumw = np.zeros(n + len(present))
+    cumw[np.arange(n) + np.repeat(np.arange(1, len(present) + 1), counts)] = wsorted
+    base = np.arange(len(present)) + starts
+    for x, c in zip(base.tolist(), counts):
+        cumw[x : x + c + 1].cumsum(out=cumw[x : x + c + 1])
+    ss = StepSamples(
+        dict(zip(present, starts.tolist())), dict(zip(present, counts)), cumw, dict(zip(present, base.tolist()))
+    )
+    wsum = np.add.reduceat(wsorted, starts) if n else np.zeros(0)
+    wmax = np.maximum.reduceat(wsorted, starts) if n else np.zeros(0)
+    scale = {j: (float(x) / c, float(y)) for j, x, c, y in zip(present, wsum.tolist(), counts, wmax.tolist())}
+    return present, counts, ss, scale

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class DcpConfig:
-    # -- the per-sample planner `dcp-v1` (plan/dcp_v1.py): cheap on small clusters and steps,
-    #    it mixes SP degrees within a bucket, which the class level does not
+    # -- the per-sample planner (`per_sample.PerSamplePlanner`): cheap on small clusters and
+    #    steps, it mixes SP degrees within a bucket, which the class level does not
     #: worlds of at most this many GPUs also run it
-    v1_max_world: int = 64
+    per_sample_max_world: int = 64
     #: ... on steps of at most this many samples
-    v1_max_samples: int = 1024
+    per_sample_max_samples: int = 1024
 
     # -- the class level over finer text classes: each class laid out for its largest sample
     #    wastes less where a step has few samples per GPU

@@ -11,6 +11,13 @@ each group runs its micro-batches shortest first, so its longest backward hides 
 the gradient sync. The micro-batches of a phase are numpy arrays (`Phase`): a few array
 operations per item class and refinement round (a spill move, touching two groups, is plain
 Python). Plan objects (`MicroBatch`, `GroupPlan`) are built only for the expansion kept.
+
+Short names: p (the `tables.LayoutTable`), ss (the step's samples, `StepSamples`), ph (a
+`refine.Phase`), ic (an item class's index), g / g0 (a group / a range's first group), gc (a
+`classes.GroupClass`), per (micro-batches of an item class per group), k (an SP degree),
+m (a micro-batch size), n (groups, or samples), lo / hi (a range's ends), rc / rg / rper (per
+row of the deal: its item class, its group, its micro-batches per group), pr (a (row, round)
+pair).
 """
 
 from __future__ import annotations
@@ -96,69 +103,81 @@ def expand(
     predicted = 0.0
     phases: list[Phase] = []
     for x, part in enumerate(parts):
-        items, (by_k, count) = part.items, part.groups
+        by_k, count = part.groups
         gclasses = {k: p.deal(by_k[k], count[k]) for k in by_k}
-        # every group of the phase, widest first; a group class is a range of them
-        ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
-        sizes: list[int] = []
-        for k in sorted(gclasses, reverse=True):
-            for gc in _by_load(gclasses[k]):
-                ranges.append((len(sizes), k, gc))
-                sizes.extend([k] * gc.count)
-        # per group class and item class it holds: (item class, first group, count, per group)
-        ics, per, g0s, cs, held = [], [], [], [], []
-        for g0, _, gc in ranges:
-            ics.extend(gc.items)
-            per.extend(gc.items.values())
-            g0s.append(g0)
-            cs.append(gc.count)
-            held.append(len(gc.items))
-        holders = np.column_stack((ics, np.repeat(g0s, held), np.repeat(cs, held), per)).astype(np.int64, copy=False)
-        holders = holders[holders[:, 0].argsort(kind="stable")]  # by item class, then group
-        # each item class's micro-batches cut from its bucket's samples in order (a cursor per
-        # bucket), dealt to its groups
-        grp = deal_orders(holders)
-        dealt, at = np.unique(holders[:, 0], return_index=True)
-        num = np.add.reduceat(holders[:, 2] * holders[:, 3], at).tolist()
-        dealt = dealt.tolist()
-        its = [items[ic] for ic in dealt]
-        assert num == [it.count for it in its], "every micro-batch of every item class is dealt"
-        first = cut_starts(its, cursor)
-        t_one = [p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs for it in its]
-        m = np.repeat([it.mbs for it in its], num)
-        j = np.repeat([it.bucket for it in its], num)
-        within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))
-        lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
-        w = ss.cumw[lo + m] - ss.cumw[lo]
-        ph = Phase(
-            sizes,
-            grp,
-            np.repeat([ss.offset[it.bucket] for it in its], num) + within,
-            m,
-            j,
-            np.repeat(dealt, num),
-            np.repeat(t_one, num) * w,
-            w / m,
-            [p.layout(it.bucket, it.mbs, it.sp).layout for it in items],
-        )
-        deg = np.asarray(sizes)
-        of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
-        by_group = np.argsort(grp, kind="stable")  # each degree's micro-batches: a range of it
-        at = np.searchsorted(grp[by_group], [of_k[k][0] for k in gclasses] + [of_k[k][-1] + 1 for k in gclasses])
-        settled = {
-            k for x, k in enumerate(gclasses) if refine(ph, of_k[k], by_group[at[x] : at[x + len(gclasses)]], p.config)
-        }
-        for k in spill(p, ph):
-            settled.discard(k)
-        for k in gclasses:
-            if k not in settled:  # settled: no pair could improve, or its slowest group stopped getting lighter
-                refine(ph, of_k[k], config=p.config)
+        ph = _dealt_phase(p, part.items, gclasses, ss, cursor)
+        _improve(p, ph, gclasses)
         predicted += float(ph.loads().max(initial=0.0))
         phases.append(ph)
         if limit < math.inf and predicted + sum(floors[x + 1 :]) * (1 - p.config.floor_slack) > limit:
             return None
     assert cursor == ss.count, "every sample is planned once"
     return Expansion(phases, predicted)
+
+
+def _dealt_phase(
+    p: LayoutTable, items: list, gclasses: dict[int, list[GroupClass]], ss: StepSamples, cursor: dict[int, int]
+) -> Phase:
+    """One phase's micro-batches dealt to its groups (widest first; a group class is a range
+    of them): each item class's micro-batches cut from its bucket's samples in order (from
+    `cursor`, advanced), each timed by its samples' weights."""
+    ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
+    sizes: list[int] = []
+    for k in sorted(gclasses, reverse=True):
+        for gc in _by_load(gclasses[k]):
+            ranges.append((len(sizes), k, gc))
+            sizes.extend([k] * gc.count)
+    # per group class and item class it holds: (item class, first group, count, per group)
+    ics, per, g0s, cs, held = [], [], [], [], []
+    for g0, _, gc in ranges:
+        ics.extend(gc.items)
+        per.extend(gc.items.values())
+        g0s.append(g0)
+        cs.append(gc.count)
+        held.append(len(gc.items))
+    holders = np.column_stack((ics, np.repeat(g0s, held), np.repeat(cs, held), per)).astype(np.int64, copy=False)
+    holders = holders[holders[:, 0].argsort(kind="stable")]  # by item class, then group
+    grp = deal_orders(holders)
+    dealt, at = np.unique(holders[:, 0], return_index=True)
+    num = np.add.reduceat(holders[:, 2] * holders[:, 3], at).tolist()
+    dealt = dealt.tolist()
+    its = [items[ic] for ic in dealt]
+    assert num == [it.count for it in its], "every micro-batch of every item class is dealt"
+    first = cut_starts(its, cursor)
+    t_one = [p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs for it in its]
+    m = np.repeat([it.mbs for it in its], num)
+    j = np.repeat([it.bucket for it in its], num)
+    within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))
+    lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
+    w = ss.cumw[lo + m] - ss.cumw[lo]
+    return Phase(
+        sizes,
+        grp,
+        np.repeat([ss.offset[it.bucket] for it in its], num) + within,
+        m,
+        j,
+        np.repeat(dealt, num),
+        np.repeat(t_one, num) * w,
+        w / m,
+        [p.layout(it.bucket, it.mbs, it.sp).layout for it in items],
+    )
+
+
+def _improve(p: LayoutTable, ph: Phase, gclasses: dict[int, list[GroupClass]]) -> None:
+    """The local searches of a dealt phase: `refine` per degree, `spill` across degrees, and
+    `refine` again on the degrees spilling changed or that had not settled."""
+    deg = np.asarray(ph.sizes)
+    of_k = {k: np.flatnonzero(deg == k) for k in gclasses}
+    by_group = np.argsort(ph.grp, kind="stable")  # each degree's micro-batches: a range of it
+    at = np.searchsorted(ph.grp[by_group], [of_k[k][0] for k in gclasses] + [of_k[k][-1] + 1 for k in gclasses])
+    settled = {
+        k for x, k in enumerate(gclasses) if refine(ph, of_k[k], by_group[at[x] : at[x + len(gclasses)]], p.config)
+    }
+    for k in spill(p, ph):
+        settled.discard(k)
+    for k in gclasses:
+        if k not in settled:  # settled: no pair could improve, or its slowest group stopped getting lighter
+            refine(ph, of_k[k], config=p.config)
 
 
 def _by_load(gcs: list[GroupClass]) -> list[GroupClass]:

@@ -1,7 +1,14 @@
 """`dcp`'s local searches over an expanded phase (`Phase`): `refine` balances the
 groups of one SP degree by moving or swapping micro-batches between them, `spill` moves
 micro-batches off the phase's slowest group to another degree. Both time each micro-batch
-from its own samples and keep every micro-batch."""
+from its own samples and keep every micro-batch.
+
+Short names: p (the `tables.LayoutTable`), ph (a `Phase`), a / z (the source and
+destination group of a move), g (a group), k (an SP degree), kk (a degree's index among the
+phase's), lz (per degree, its least loaded group), top (the slowest group's load), src (the
+micro-batches that may move), t (a micro-batch time), gs (a degree's groups), h (a heap of
+(load, group)).
+"""
 
 from __future__ import annotations
 
@@ -54,14 +61,7 @@ def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
     loads = ph.loads().tolist()
     n_groups = len(loads)
     size_of = ph.sizes
-    first = {k: size_of.index(k) for k in kinds}
-    slowest = [(-x, g) for g, x in enumerate(loads)]
-    heapq.heapify(slowest)
-    least = []  # per degree, narrowest first: its groups' (load, group)
-    for k in kinds:
-        h = [(loads[g], g) for g in range(first[k], first[k] + size_of.count(k))]
-        heapq.heapify(h)
-        least.append(h)
+    slowest, least = _load_heaps(loads, size_of, kinds)
     t_at = None  # [degree, micro-batch] times, once a first move is made
     members: dict[int, list[int]] = {}  # a group's micro-batches, ascending, once it took part in a move
     t_cur = order = bounds = None
@@ -71,11 +71,7 @@ def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
             heapq.heappop(slowest)
         a = slowest[0][1]
         top = loads[a]
-        lz = []
-        for h in least:
-            while h[0][0] != loads[h[0][1]]:
-                heapq.heappop(h)
-            lz.append(h[0])
+        lz = _least_loaded(least, loads)
         open_ = [kk for kk, k in enumerate(kinds) if k != size_of[a] and lz[kk][0] < top]
         if not open_:
             return touched
@@ -114,6 +110,47 @@ def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         t_cur[x] = t
     return touched
+
+
+def _slots(ph: Phase, gs: np.ndarray, idx: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`refine`'s view of one degree's groups `gs`: its micro-batches sorted by group (`idx`,
+    positions in the phase), each one's group as a row, and slots[r, c], the c-th micro-batch
+    of the r-th group (-1: empty) as a position in idx, with one spare column."""
+    num, g0 = len(gs), int(gs[0])
+    if idx is None:
+        idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
+        idx = idx[np.argsort(ph.grp[idx], kind="stable")]
+    rows = ph.grp[idx] - g0
+    counts = np.bincount(rows, minlength=num)
+    slot = np.arange(len(idx)) - (counts.cumsum() - counts).repeat(counts)
+    slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
+    slots[rows, slot] = np.arange(len(idx))
+    return idx, rows, slots
+
+
+def _load_heaps(loads: list[float], size_of: list[int], kinds: list[int]) -> tuple[list, list[list]]:
+    """`spill`'s heaps: the groups by load, slowest first, as (-load, group); per degree of
+    `kinds` (narrowest first), its groups by load, least first, as (load, group)."""
+    slowest = [(-x, g) for g, x in enumerate(loads)]
+    heapq.heapify(slowest)
+    least = []
+    for k in kinds:
+        first = size_of.index(k)
+        h = [(loads[g], g) for g in range(first, first + size_of.count(k))]
+        heapq.heapify(h)
+        least.append(h)
+    return slowest, least
+
+
+def _least_loaded(least: list[list], loads: list[float]) -> list[tuple[float, int]]:
+    """Per degree, its least loaded group as (load, group), stale heap entries (whose load is
+    no longer the group's) dropped on the way."""
+    out = []
+    for h in least:
+        while h[0][0] != loads[h[0][1]]:
+            heapq.heappop(h)
+        out.append(h[0])
+    return out
 
 
 def _first_move(p: LayoutTable, ph: Phase, kinds: list[int]) -> bool:
@@ -171,17 +208,8 @@ def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None, config: Dcp
     group (stable), if known."""
     if len(gs) < 2:
         return True
-    num, g0 = len(gs), int(gs[0])
-    if idx is None:
-        idx = np.flatnonzero((ph.grp >= g0) & (ph.grp <= gs[-1]))  # a degree's groups are consecutive
-        idx = idx[np.argsort(ph.grp[idx], kind="stable")]
-    rows = ph.grp[idx] - g0
-    counts = np.bincount(rows, minlength=num)
-    slot = np.arange(len(idx)) - (counts.cumsum() - counts).repeat(counts)
-    # slots[r, c]: the c-th micro-batch of the degree's r-th group (-1: empty), as positions
-    # in idx; one spare column
-    slots = np.full((num, int(counts.max(initial=0)) + 1), -1)
-    slots[rows, slot] = np.arange(len(idx))
+    num = len(gs)
+    idx, rows, slots = _slots(ph, gs, idx)
     t = ph.t[idx]
     tt = np.append(t, 0.0)  # tt[-1] = 0: an empty slot of the lighter group takes nothing
     ta_of = np.append(t, -np.inf)  # ... and one of the heavier group gives nothing

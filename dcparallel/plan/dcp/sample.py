@@ -41,6 +41,12 @@ thousands of short ones) are packed in micro-batches of preferred size only (`pl
 at their narrow degrees, where the class level keeps a group's degree for a whole phase.
 
 Deterministic (ties broken by sample id), so every rank computes the same plan.
+
+Short names: t (per micro-batch and degree, its time alone), f (the same with the sync it
+leaves exposed), T (a makespan target), cap (T with rounding slack), a (a micro-batch's
+row), b / d (a degree index: the micro-batch's own, the one it is timed at), g (a group's
+index), k (an SP degree), w (a wider degree index), nar (each micro-batch's degree index by
+the layout rule), own (its time there).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.context import FitGrid, PlanContext, RecomputeMode
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.packing import Group, Node, Packing
+from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
@@ -65,8 +72,7 @@ from dcparallel.spec import Layout, Recompute
 
 
 class SamplePacker:
-    #: whether a wider group with room may split into sub-groups for a narrower micro-batch
-    subgroups = True
+    """The per-sample packing of a step (`plan`) on the context's chain of SP degrees."""
 
     def __init__(self, ctx: PlanContext, mode: RecomputeMode, config: DcpConfig = DEFAULT):
         self.ctx, self.mode, self.config = ctx, mode, config
@@ -77,11 +83,13 @@ class SamplePacker:
         self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
-        self.buckets = sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size)
+        #: the gradient sync's buckets (`cost.overlap.sync_buckets`): how much of it a backward hides
+        cl = ctx.cluster
+        self.sync_buckets = sync_buckets(ctx.cost.model.trainable_params, cl.shard_size, cl.world_size)
 
     def exposed(self, last: float) -> float:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
-        return exposed_sync(self.sync, last, self.buckets)
+        return exposed_sync(self.sync, last, self.sync_buckets)
 
     def items(self, ids: Sequence[int], max_items: int | None = None) -> list[tuple[int, ...]] | None:
         """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
@@ -122,7 +130,7 @@ class SamplePacker:
 
     def alone(self, t: np.ndarray) -> np.ndarray:
         """Per sample and degree, when the sample alone finishes, its exposed sync included."""
-        return t + exposed_sync_many(self.sync, t, self.buckets)
+        return t + exposed_sync_many(self.sync, t, self.sync_buckets)
 
     def ranks_short(self, t: np.ndarray, f: np.ndarray, T: float) -> bool:
         """Whether no packing at target T fits the world, by a count `pack` need not make:
@@ -151,20 +159,49 @@ class SamplePacker:
         degree opens a new one while the world has ranks for it, before it is re-timed into
         a wider group (which spends more GPU-seconds, but fewer ranks)."""
         cap = T * (1 + TIME_EPS)
-        ok = f <= cap
-        if not ok.any(axis=1).all():
+        got = self._placing_order(ids, t, f, cap, by_time)
+        if got is None:
             return None
-        # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
-        nar = np.where(ok, t * self.kf, np.inf).argmin(axis=1)
-        own = t[np.arange(len(ids)), nar]
-        # longest first: by GPU-seconds (or `by_time`: by time) at the narrowest degree, then id
-        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+        order, nl, ol = got
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        tl, nl, ol = t.tolist(), nar.tolist(), own.tolist()
+        tl = t.tolist()
+        sp, deg = self.sp, len(self.sp)
+        put, fit = self._placers(groups, fins, cap)
+        ranks = 0
+        for a in order:
+            b = nl[a]
+            row = tl[a]
+            g = fit(b, row[b])
+            if g is None and open_first and ranks + sp[b] <= self.world:
+                ranks += sp[b]
+                groups.append(Node(b, 0.0, [], 0.0, None, []))
+                g = len(groups) - 1
+            d = b
+            while g is None and d + 1 < deg:  # re-timed at a wider degree
+                d += 1
+                if row[d] <= cap:
+                    g = fit(d, row[d])
+            if g is not None:
+                put(g, a, row[d])
+                continue
+            ranks += sp[b]
+            if ranks > self.world:
+                return None
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
+            put(len(groups) - 1, a, ol[a])
+        return groups
+
+    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float):
+        """`pack`'s two moves on its groups and their open lists `fins` (per degree index, the
+        open groups' finishes, sorted, with their indices), for the target with its slack `cap`:
+        `put(g, a, need)` adds micro-batch a, taking `need`, to group g and reopens the group;
+        `fit(d, need)` finds a group for it (below). Closures over local state: the packing's
+        inner loop looks up no attribute per micro-batch."""
         exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
-        subgroups, sp, deg = self.subgroups, self.sp, len(self.sp)
+        sp = self.sp
+        wider = [self.split_degrees(d) for d in range(len(sp))]
         bisect_right = bisect.bisect_right
 
         def put(g: int, a: int, need: float) -> None:
@@ -191,7 +228,7 @@ class SamplePacker:
             lst = fins[d]
             if lst and lst[0][0] <= room:
                 return lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
-            for w in range(d + 1, deg) if subgroups else ():
+            for w in wider[d]:
                 lst = fins[w]
                 if lst and lst[0][0] <= room:
                     p = lst.pop(bisect_right(lst, (room, len(groups))) - 1)[1]
@@ -204,29 +241,26 @@ class SamplePacker:
                     return kids[0]
             return None
 
-        ranks = 0
-        for a in order:
-            b = nl[a]
-            row = tl[a]
-            g = fit(b, row[b])
-            if g is None and open_first and ranks + sp[b] <= self.world:
-                ranks += sp[b]
-                groups.append(Node(b, 0.0, [], 0.0, None, []))
-                g = len(groups) - 1
-            d = b
-            while g is None and d + 1 < deg:  # re-timed at a wider degree
-                d += 1
-                if row[d] <= cap:
-                    g = fit(d, row[d])
-            if g is not None:
-                put(g, a, row[d])
-                continue
-            ranks += sp[b]
-            if ranks > self.world:
-                return None
-            groups.append(Node(b, 0.0, [], 0.0, None, []))
-            put(len(groups) - 1, a, ol[a])
-        return groups
+        return put, fit
+
+    def _placing_order(
+        self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool
+    ) -> tuple[list[int], list[int], list[float]] | None:
+        """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
+        time, at their own degree, then by id), each one's own degree index (the layout rule's
+        within `cap`) and its time there; None if one finishes within `cap` at no degree."""
+        if not (f <= cap).any(axis=1).all():
+            return None
+        # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
+        nar = least_gpu_seconds_within(t * self.kf, f, cap)
+        own = t[np.arange(len(ids)), nar]
+        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+        return order, nar.tolist(), own.tolist()
+
+    def split_degrees(self, d: int) -> range:
+        """The degree indices whose open groups with room may split into sub-groups of degree
+        index d: every wider one."""
+        return range(d + 1, len(self.sp))
 
     def finish(self, g: Node) -> float:
         """When a group's ranks are done: a top-level group adds the sync its longest member

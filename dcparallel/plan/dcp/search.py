@@ -1,6 +1,6 @@
 """`dcp`'s class-level search over makespan targets: candidate layouts per (bucket, count),
 and per target T the layout of least GPU-seconds of every bucket whose micro-batches finish
-within T, if the groups those need fit the world.
+within T (`tables.least_gpu_seconds_within`), if the groups those need fit the world.
 
 The candidate rows of a step's buckets are one array (`table`), a segment per bucket, least
 GPU-seconds first. A *problem* is a part of the step's buckets (one phase: the whole step,
@@ -11,6 +11,14 @@ them a group each). Every target
 of every problem of a search pass is evaluated in one batch of array operations (`fits`), by
 counting per bucket the leading rows whose running minimum time exceeds each target; times
 are compared as integer ranks among the step's distinct times, so problems stack exactly.
+
+Short names: p (the `tables.LayoutTable`), tab (the step's `StepTable`), j (a bucket: an
+index into the table's planning classes), c (a sample count, or a `Candidate`), k (an SP
+degree), ki (a smallest allowed degree, as an index into `p.sp`), kpos (a row's degree
+index), m (a micro-batch size), t (a micro-batch time), T (a makespan target), frac (a cap
+fraction), q (a part's index among the parts searched), seg (a problem's bucket segment),
+rr / pp (the choosable rows and their problems), x / y (a problem's index among all / the
+live ones).
 """
 
 from __future__ import annotations
@@ -22,25 +30,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from dcparallel.plan.dcp.classes import cut_starts
-from dcparallel.plan.dcp.tables import LayoutTable
+from dcparallel.plan.dcp.tables import LayoutTable, Row
 from dcparallel.plan.types import ROUND_EPS
-
-
-class Row(NamedTuple):
-    """A candidate layout of a bucket's samples in a step (`rows`), one row of `StepTable.a`."""
-
-    gpu_s: float  #: GPU-seconds
-    k: int  #: SP degree
-    m: int  #: micro-batch size
-    t_full: float  #: a full micro-batch's time
-    full: int  #: full micro-batches
-    t_rem: float  #: the rest's time (0 without a rest)
-    rem: int  #: the rest's samples
-    total: float  #: busy seconds
-
-
-#: the columns of `StepTable.a`, by name: `Row`'s fields in order
-GPU_S, K, M, T_FULL, FULL, T_REM, REM, TOTAL = range(8)
 
 
 @dataclass
@@ -48,7 +39,8 @@ class StepTable:
     """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
     first, and what the search reads from them."""
 
-    a: np.ndarray  #: the rows, columns `Row`'s fields, times scaled by the step's weights
+    a: np.ndarray  #: the rows, one per line (`Row(*a[i])`), times scaled by the step's weights
+    cols: Row  #: the columns of `a` by name (views)
     t: np.ndarray  #: each row's full micro-batch time
     full: np.ndarray  #: full micro-batches per row
     tr: np.ndarray  #: the rest's time (0 without a rest)
@@ -94,22 +86,23 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     arrs = p.rows_many(list(zip(present, counts)))
     lens = [len(x) for x in arrs]
     a = np.concatenate(arrs)
+    c = Row(*a.T)  # the columns by name, views of a
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
     fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-    for col in (GPU_S, TOTAL):  # work: the bucket's mean weight
-        a[:, col] = a[:, col] * f
-    for col in (T_FULL, T_REM):  # a micro-batch's time: its longest samples could land in any one
-        a[:, col] = a[:, col] * fmax
+    for col in (c.gpu_s, c.total):  # work: the bucket's mean weight
+        col *= f
+    for col in (c.t_full, c.t_rem):  # a micro-batch's time: its longest samples could land in any one
+        col *= fmax
     # each row's GPU-seconds at those times: what its micro-batches add to a class-level plan
-    gpu_t = (a[:, FULL] * a[:, T_FULL] + a[:, T_REM]) * a[:, K]
+    gpu_t = (c.full * c.t_full + c.t_rem) * c.k
     pos = np.zeros(max(p.sp) + 1, dtype=np.int64)
     pos[p.sp] = np.arange(len(p.sp))
     starts = np.cumsum([0] + lens[:-1])
     seg = np.repeat(np.arange(len(lens)), lens)
-    t = a[:, T_FULL]
+    t = c.t_full
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
-    kpos = pos[a[:, K].astype(np.int64)]
+    kpos = pos[c.k.astype(np.int64)]
     # per bucket and smallest degree: the least time of its rows at that degree or wider,
     # and their least GPU-seconds at those times
     least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
@@ -126,11 +119,12 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     stair = v < prev
     return StepTable(
         a=a,
+        cols=c,
         t=t,
-        full=a[:, FULL],
-        tr=a[:, T_REM],
-        tot=a[:, TOTAL],
-        items=a[:, FULL] + (a[:, REM] > 0),
+        full=c.full,
+        tr=c.t_rem,
+        tot=c.total,
+        items=c.full + (c.rem > 0),
         kpos=kpos,
         starts=starts,
         n=len(a),
@@ -142,7 +136,7 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
         rank=rank,
         least=least,
         stair_rows=[np.flatnonzero(x) for x in stair],
-        area=np.minimum.reduceat(a[:, GPU_S], starts).tolist(),
+        area=np.minimum.reduceat(c.gpu_s, starts).tolist(),
         longest=least[:, 0].tolist(),
         gpu_t=gpu_t,
         least_gpu_t=least_gpu_t,
@@ -337,34 +331,11 @@ def search(
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
     same candidates. `known`: what a search of the same parts and degrees at the fractions before
     `fracs` found; the result extends it as if those fractions had been searched again here."""
-    nk, nt = len(p.sp), len(tab.times)
-    degrees = range(nk) if degrees is None else degrees
+    degrees = range(len(p.sp)) if degrees is None else degrees
     out: list[list[list[Candidate]]] = (
         [[list(x) for x in per] for per in known] if known else [[[] for _ in degrees] for _ in parts]
     )
-    problems, ranks = [], []
-    for q, part in enumerate(parts):
-        part = np.asarray(part, dtype=np.int64)
-        floor = tab.least[part].max(axis=0)  # per smallest degree
-        live = np.flatnonzero(np.isfinite(floor))
-        live = live[(live >= degrees.start) & (live < degrees.stop)]
-        if not len(live):
-            continue
-        # the part's distinct times at each live smallest degree, from its floor up
-        if len(part) < len(tab.lens):
-            mine = np.zeros(len(tab.lens), dtype=bool)
-            mine[part] = True
-            rows_q = mine[tab.seg].nonzero()[0]
-        else:
-            rows_q = np.arange(tab.n)
-        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
-        mark = np.zeros((len(live), nt), dtype=bool)
-        li, ri = np.nonzero(hit)
-        mark[li, tab.rank[rows_q][ri]] = True
-        for x, ki in enumerate(live.tolist()):
-            for frac in fracs:
-                problems.append(Problem(part, ki, q, frac))
-                ranks.append(mark[x].nonzero()[0])
+    problems, ranks = _problems(tab, parts, degrees, fracs)
     if not problems:
         return out
     grids = [_coarse(len(r), p.config.search_coarse) for r in ranks]
@@ -375,46 +346,10 @@ def search(
         [r[g] for r, g in zip(ranks, grids)],
         [pr.frac for pr in problems],
     )[0]
-    windows = []
-    for x, g in enumerate(grids):
-        f = fit[x, : len(g)]
-        if not f.any():
-            windows.append(None)
-            continue
-        i = int(f.argmax())
-        lo = int(g[i - 1]) + 1 if i > 0 else 0
-        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + 9)))
+    windows = _windows(fit, grids, ranks, max(p.config.candidate_offsets))
     got: list[list[Candidate]] = [[] for _ in problems]
-    live = [x for x, w in enumerate(windows) if w is not None]
-    if live:
-        fit, first, need, pfirst = fits(
-            p,
-            tab,
-            [(problems[x].part, problems[x].ki) for x in live],
-            [ranks[x][windows[x]] for x in live],
-            [problems[x].frac for x in live],
-        )
-        for y, x in enumerate(live):
-            part, frac = problems[x].part, problems[x].frac
-            f = fit[y, : len(windows[x])]
-            at = int(f.argmax())
-            for i in (at + d for d in p.config.candidate_offsets):
-                if i < len(f) and f[i]:
-                    got[x].append(
-                        Candidate(
-                            float(tab.times[ranks[x][windows[x][i]]]) / frac,
-                            first[pfirst[y] : pfirst[y] + len(part), i],
-                            need[y, i],
-                        )
-                    )
-    rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
-    if rest:  # T infinite: the cap is infinite whatever its fraction
-        fit, first, need, pfirst = fits(
-            p, tab, [(problems[x].part, problems[x].ki) for x in rest], [np.array([nt]) for _ in rest]
-        )
-        for y, x in enumerate(rest):
-            if fit[y, 0]:
-                got[x].append(Candidate(math.inf, first[pfirst[y] : pfirst[y] + len(problems[x].part), 0], need[y, 0]))
+    _first_fitting(p, tab, problems, ranks, windows, got)
+    _least_work(p, tab, problems, windows, got)
     seen: dict[tuple[int, int], set] = {}
     for pr, cands in zip(problems, got):  # a (part, degree)'s fractions in order
         ki = pr.ki
@@ -427,6 +362,98 @@ def search(
                 mine.add(sig)
                 out[pr.q][ki - degrees.start].append(c)
     return out
+
+
+def _problems(
+    tab: StepTable, parts: list[Sequence[int]], degrees: range, fracs: Sequence[float]
+) -> tuple[list[Problem], list[np.ndarray]]:
+    """The problems of a search pass (a part, each smallest degree in `degrees` at which every
+    bucket of the part has a row, each cap fraction) and each one's targets: the part's
+    distinct times (ranks into `tab.times`) at that degree or wider, from its floor up."""
+    problems, ranks = [], []
+    for q, part in enumerate(parts):
+        part = np.asarray(part, dtype=np.int64)
+        floor = tab.least[part].max(axis=0)  # per smallest degree
+        live = np.flatnonzero(np.isfinite(floor))
+        live = live[(live >= degrees.start) & (live < degrees.stop)]
+        if not len(live):
+            continue
+        if len(part) < len(tab.lens):
+            mine = np.zeros(len(tab.lens), dtype=bool)
+            mine[part] = True
+            rows_q = mine[tab.seg].nonzero()[0]
+        else:
+            rows_q = np.arange(tab.n)
+        hit = (tab.kpos[rows_q][None, :] >= live[:, None]) & (tab.t[rows_q][None, :] >= floor[live][:, None])
+        mark = np.zeros((len(live), len(tab.times)), dtype=bool)
+        li, ri = np.nonzero(hit)
+        mark[li, tab.rank[rows_q][ri]] = True
+        for x, ki in enumerate(live.tolist()):
+            for frac in fracs:
+                problems.append(Problem(part, ki, q, frac))
+                ranks.append(mark[x].nonzero()[0])
+    return problems, ranks
+
+
+def _windows(fit: np.ndarray, grids: list[np.ndarray], ranks: list[np.ndarray], last_offset: int) -> list:
+    """Per problem, the positions among its targets the second pass tries (None where no
+    target of the coarse pass fits): from after the last coarse target that does not fit to
+    the last candidate offset after the first that does."""
+    windows = []
+    for x, g in enumerate(grids):
+        f = fit[x, : len(g)]
+        if not f.any():
+            windows.append(None)
+            continue
+        i = int(f.argmax())
+        lo = int(g[i - 1]) + 1 if i > 0 else 0
+        windows.append(np.arange(lo, min(len(ranks[x]), int(g[i]) + last_offset + 1)))
+    return windows
+
+
+def _first_fitting(
+    p: LayoutTable, tab: StepTable, problems: list[Problem], ranks: list[np.ndarray], windows: list, got: list
+) -> None:
+    """Adds to `got` each problem's candidates in its window: the first target that fits and
+    those `config.candidate_offsets` after it that fit."""
+    live = [x for x, w in enumerate(windows) if w is not None]
+    if not live:
+        return
+    fit, first, need, pfirst = fits(
+        p,
+        tab,
+        [(problems[x].part, problems[x].ki) for x in live],
+        [ranks[x][windows[x]] for x in live],
+        [problems[x].frac for x in live],
+    )
+    for y, x in enumerate(live):
+        part, frac = problems[x].part, problems[x].frac
+        f = fit[y, : len(windows[x])]
+        at = int(f.argmax())
+        for i in (at + d for d in p.config.candidate_offsets):
+            if i < len(f) and f[i]:
+                got[x].append(
+                    Candidate(
+                        float(tab.times[ranks[x][windows[x][i]]]) / frac,
+                        first[pfirst[y] : pfirst[y] + len(part), i],
+                        need[y, i],
+                    )
+                )
+
+
+def _least_work(p: LayoutTable, tab: StepTable, problems: list[Problem], windows: list, got: list) -> None:
+    """Adds to `got`, for each problem at fraction 1 where no target fits, its choice at T
+    infinite (least work), if that fits."""
+    rest = [x for x, w in enumerate(windows) if w is None and problems[x].frac == 1.0]
+    if not rest:
+        return
+    # T infinite: the cap is infinite whatever its fraction
+    fit, first, need, pfirst = fits(
+        p, tab, [(problems[x].part, problems[x].ki) for x in rest], [np.array([len(tab.times)]) for _ in rest]
+    )
+    for y, x in enumerate(rest):
+        if fit[y, 0]:
+            got[x].append(Candidate(math.inf, first[pfirst[y] : pfirst[y] + len(problems[x].part), 0], need[y, 0]))
 
 
 def _coarse(n: int, coarse: int) -> np.ndarray:

@@ -13,6 +13,8 @@ plans pack or deal the step sample by sample in Python (`packed`'s first fit,
 `plan/binpack.py`, takes about 0.1 s on 27k text samples at 1024 GPUs and over a second on
 75k images, whose bins of one shape are cut for memory sample by sample), and the
 launch-bound regime is one of few samples per micro-batch.
+
+Short names: s (the step's `candidate.StepFacts`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any, Sequence
 
 from dcparallel.plan.bucket import BucketPlanner, tune_static
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.candidate import Proposal, StepFacts
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.packed import PackedPlanner
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import NoLayoutFits, Score, StepPlan
+from dcparallel.plan.types import NoLayoutFits, Score
 
 
 @dataclass
@@ -38,12 +41,15 @@ class StaticLayout:
     #: the tuned planner (`plan.policies.Planner`)
     planner: Any
     max_samples: int
+    #: what its plans are compared by (`plan.types.Score`)
+    score: Score
 
-    def runs(self, s) -> bool:
+    def runs(self, s: StepFacts) -> bool:
         return s.n <= self.max_samples
 
-    def plan(self, s) -> StepPlan | None:
-        return self.planner.plan(s.step)
+    def propose(self, s: StepFacts) -> Proposal:
+        plan = self.planner.plan(s.step)
+        return Proposal(plan, self.score(plan))
 
 
 def static_layouts(
@@ -59,7 +65,7 @@ def static_layouts(
     out = []
     for name, make in (("bucket", BucketPlanner), ("packed", PackedPlanner)):
         try:
-            out.append(StaticLayout(name, tune_static(ctx, steps, make, score).planner, max_samples))
+            out.append(StaticLayout(name, tune_static(ctx, steps, make, score).planner, max_samples, score))
         except NoLayoutFits:
             continue
     return out

@@ -1,15 +1,20 @@
 """`dcp`'s per-run tables: planning classes, their largest samples, per-sample weights;
-bounded caches; the pause of the cycle collector while a step is planned.
+bounded caches.
 
-The classes are the context's buckets, or finer text length ranges."""
+The classes are the context's buckets, or finer text length ranges.
+
+Short names: p (a `LayoutTable`, in the free functions), j (a bucket: an index into the
+planning classes `buckets`), b (a planning class's key: the context's bucket, or with finer
+classes (bucket, length range)), k (an SP degree), kp (a degree's index into `sp`), m / ms (a
+micro-batch size), c / cs (a sample count), pr (a row's (bucket, count) pair), t / tr (a full
+micro-batch's / the rest's time), rep (a class's largest sample).
+"""
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -18,6 +23,30 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.types import REL_TOL, TIME_EPS, Fit
+
+
+class Row(NamedTuple):
+    """A candidate layout of a bucket's samples in a step (`search.rows`), one row of `search.StepTable.a`;
+    as a `Row` of arrays (`search.StepTable.cols`), the columns of many rows."""
+
+    gpu_s: float  #: GPU-seconds
+    k: int  #: SP degree
+    m: int  #: micro-batch size
+    t_full: float  #: a full micro-batch's time
+    full: int  #: full micro-batches
+    t_rem: float  #: the rest's time (0 without a rest)
+    rem: int  #: the rest's samples
+    total: float  #: busy seconds
+
+
+def least_gpu_seconds_within(gpu_s: np.ndarray, finish: np.ndarray, target: float) -> np.ndarray:
+    """The layout rule `dcp` plans by: of each row's layouts (the last axis: degrees, or a
+    bucket's candidate rows), the position of the one of least GPU-seconds among those that
+    finish within `target`; the first on ties. Every row must have one that finishes within it.
+    The per-sample packing applies it as it stands (`sample.SamplePacker.pack`); the class
+    level's search applies it to every target at once: a bucket's rows are sorted by
+    GPU-seconds, so its choice is its first row within the target (`search.fits`)."""
+    return np.where(finish <= target, gpu_s, np.inf).argmin(axis=-1)
 
 
 def memo(cache: dict, key, make: Callable[[], Any], limit: int):
@@ -29,19 +58,6 @@ def memo(cache: dict, key, make: Callable[[], Any], limit: int):
             cache.clear()
         hit = cache[key] = make()
     return hit
-
-
-class Once:
-    """A function of no arguments returning `make()`, computed on its first call only
-    (`value`, if given, is that result already)."""
-
-    def __init__(self, make: Callable[[], Any], value: Any = None):
-        self.make, self.value = make, value
-
-    def __call__(self) -> Any:
-        if self.value is None:
-            self.value = self.make()
-        return self.value
 
 
 def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
@@ -256,10 +272,11 @@ class LayoutTable:
         t, tr = self._ttab3[kp, j, ms], self._ttab3[kp, j, rem]
         total = full * t + tr
         k = self._spa[kp]
-        a = np.column_stack((total * k, k, ms, t, full, tr, rem, total)).astype(float)
+        row = Row(gpu_s=total * k, k=k, m=ms, t_full=t, full=full, t_rem=tr, rem=rem, total=total)
+        a = np.column_stack(row).astype(float)  # a line per row, `Row`'s fields in order
         # the rows are in (pair, degree, size) order (the degrees ascend: a chain), so a stable
         # sort by (pair, GPU-seconds) breaks ties by degree, then size
-        o = np.lexsort((a[:, 0], pr))
+        o = np.lexsort((row.gpu_s, pr))
         a = a[o]
         ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
         assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
@@ -294,23 +311,6 @@ class LayoutTable:
         """`classes.class_span` of a degree's micro-batch classes over n groups, cached by `sig`
         (`span_id`)."""
         return memo(self._spans, (sig, n), lambda: class_span(items, n), self.config.row_cache_limit)
-
-
-@contextmanager
-def cyclic_gc_paused():
-    """Python's cycle collector paused while a step is planned. A plan at thousands of GPUs
-    allocates a few hundred thousand small objects (micro-batches, their id tuples), which
-    sets off collections that walk the whole heap — the workload, the model, the loader —
-    which can take half of a step's planning time at 4096 GPUs. Planning makes no
-    reference cycles (reference counting frees all it drops), so nothing piles up meanwhile;
-    the collector resumes, in every thread, when the step is planned."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _starts(topology, sizes: list[int]) -> tuple[int, ...]:

@@ -4,6 +4,9 @@ A target packs if every micro-batch fits a group finishing within it on the worl
 Whether one does is not monotone in the target (a larger one changes the degrees the
 micro-batches take), so the search assumes it only to find the first, and the best few
 targets from there are all packed and the fastest packing kept.
+
+Short names: T (a makespan target), a / b (the ends of a bracket of targets), lo / hi /
+mid (a bisection's positions), ts (the micro-batches' distinct finishing times from the floor).
 """
 
 from __future__ import annotations

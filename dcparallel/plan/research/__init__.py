@@ -1,7 +1,8 @@
 """The research planners: reproductions of other systems' planners from their published
-descriptions (`peers`: `megatron-dcp`, `hbp`; `flexsp`; `token_budget`: `token-budget`),
-policies that `dcparallel simulate`, `dcparallel plan`, the benchmarks and the tests compare
-`dcp` with. Users train with `dcp`, `bucket` and `packed` (`plan.policies.POLICIES`).
+descriptions (`peers`: `megatron-dcp`, `hbp`; `flexsp`; `token_budget`: `token-budget`), and
+the ablations of `dcp`'s per-sample planner (`dcp_v1`): policies that `dcparallel simulate`,
+`dcparallel plan`, the benchmarks and the tests compare `dcp` with. Users train with `dcp`,
+`bucket` and `packed` (`plan.policies.POLICIES`).
 
 One-way: these modules may import the rest of `plan/`; of the package only the registry that
 names research policies (`plan.policies`) imports them (tests/unit/test_architecture.py).

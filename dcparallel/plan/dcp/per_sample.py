@@ -1,4 +1,7 @@
-"""The per-sample data-centric planner: the rows `dcp-intra`, `dcp-inter`, `dcp-inter-pac`, `dcp-v1`.
+"""`dcp`'s per-sample planner (`PerSamplePlanner`): cheap on small clusters and steps, it
+mixes SP degrees within a bucket, which the class level does not (`portfolio.PerSample`
+offers its plans up to `DcpConfig.per_sample_max_world` GPUs). Its options without balance,
+promotion or phases are the paper's ablations (`plan/research/dcp_v1.py`).
 
 For each step:
 1. every bucket of the step takes its own layout: the SP degree and micro-batch size of
@@ -9,18 +12,20 @@ For each step:
    SP degree whose groups would finish last, until no rank is left or nothing improves;
    groups of mixed sizes tile the world as aligned blocks (largest first);
 3. micro-batches are dealt to the groups of their SP degree: round-robin by count
-   (`intra`), or longest first to the least-loaded group (`inter`: per-group gradient
-   accumulation), followed by moves of micro-batches off the slowest group to any group
-   where they finish earlier, re-laid-out at that group's SP degree (`inter`);
+   (without `balance`), or longest first to the least-loaded group (`balance`: per-group
+   gradient accumulation), followed by moves of micro-batches off the slowest group to any
+   group where they finish earlier, re-laid-out at that group's SP degree;
 4. recomputation per micro-batch: `fit` (none if it fits, else full) or `pac` (the
    cheapest partial recompute that fits the memory left, a knapsack over layers x
    {attention, MLP});
-5. with `phases` (`dcp`), the step may also run in two phases on the same ranks: first the
+5. with `phases`, the step may also run in two phases on the same ranks: first the
    micro-batches of SP degree >= k on their groups, then the narrower ones on groups of
    their own, for each k among the step's degrees; the plan with the earliest predicted
    end is kept. One phase has to give every degree its own groups at once, so a sample
    that needs a group as wide as the world drags the step's short samples onto that
    group too; two phases let the short ones run narrow, in parallel, after it.
+
+Short names: b (a bucket key), k (an SP degree), n (groups), c (a candidate's degree per bucket).
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ class Move(NamedTuple):
     moved: Chunk
 
 
-class DCPPlanner:
+class PerSamplePlanner:
+    """The per-sample planner of a step (`plan`); `name` is the policy it plans for."""
+
     def __init__(
         self, ctx: PlanContext, *, name: str, mode: RecomputeMode, balance: bool, promote: bool, phases: bool = False
     ):
