@@ -1,6 +1,7 @@
 """What the diffusers adapters share: whole latents collated per micro-batch, per-sample flow
-draws, synthetic items with the conditioning a model needs, and the model-protocol
-arguments each family accepts.
+draws, synthetic items with the conditioning a model needs, the model-protocol arguments
+each family accepts, and `latent_adapter`, the assembly of an adapter whose model shards its
+own tokens by its context-parallel plan.
 
 Dataset items are mappings: ``latents`` (C, F, H, W) — or (C, H, W) for image models — plus
 the conditioning the model takes, each a tensor of one shape within a micro-batch (text
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.data.batch import Batch
 from dcparallel.data.ring_order import ring_padded_length
 from dcparallel.plan.types import MicroBatch
-from dcparallel.spec import Size
+from dcparallel.spec import ModelSpec, Size
 
 
 def collate_latents(
@@ -207,3 +210,45 @@ def replace_processors(modules: list, default: str, make: Callable[[], Any], who
         )
     for m in modules:
         m.set_processor(make())
+
+
+def latent_adapter(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    spec: ModelSpec,
+    *,
+    install: Callable[[Any], None],
+    attn_modules: Callable[[nn.Module], list[nn.Module]],
+    mlp_modules: Callable[[nn.Module], list[nn.Module]],
+    loss_fn: Any,
+    sample: Any,
+    collate: Any,
+    plan: Any = None,
+    install_hooks: Callable[[Any], list[Any]] | None = None,
+    skip_block: Callable[..., Any] | None = None,
+) -> ModelAdapter:
+    """The `ModelAdapter` of a diffusers transformer that takes whole latents and shards its
+    token sequence itself (Wan, LTX-Video, the image families): ``install`` puts its attention
+    processors in, every head is a key/value head (the spec's ``num_heads``), and the hooks
+    apply its context-parallel ``plan`` (`cp_plan.read_plan`'s cuts; None: the model's own
+    ``_cp_plan``, read when the hooks are installed) unless ``install_hooks`` replaces them."""
+
+    def plan_hooks(attention: Any) -> list[Any]:
+        return PlanHooks(model, read_plan(model) if plan is None else plan, attention).install()
+
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        sample=sample,
+        collate=collate,
+        install_hooks=install_hooks or plan_hooks,
+        skip_block=skip_block,
+    )

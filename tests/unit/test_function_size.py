@@ -32,7 +32,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/adapters/base.py:protocol_adapter": "to split",  # 102
     "dcparallel/plan/dcp/search.py:search": "to split",  # 97
     "dcparallel/profile/profiler.py:Profiler.run": "to split",  # 97
-    "dcparallel/adapters/wan.py:adapter": "to split",  # 81
     "dcparallel/apps/demo_report.py:write_report": "to split",  # 79
     "dcparallel/apps/simulate.py:add_workload_arguments": "to split",  # 76
     "dcparallel/plan/dcp/classlevel.py:ClassLevelPlanner.class_plan": "to split",  # 75
@@ -45,15 +44,11 @@ ALLOWED: dict[str, str] = {
     "dcparallel/runtime/engine.py:Engine.__init__": "to split",  # 69
     "dcparallel/data/loader.py:DataCentricLoader._segment": "to split",  # 68
     "dcparallel/plan/dcp/refine.py:spill": "to split",  # 68
-    "dcparallel/adapters/ltx.py:adapter": "to split",  # 67
-    "dcparallel/adapters/flux2.py:adapter": "to split",  # 66
-    "dcparallel/adapters/qwenimage.py:adapter": "to split",  # 66
     "dcparallel/apps/simulate.py:_setup": "to split",  # 66
     "dcparallel/plan/dcp/expand.py:expand": "to split",  # 66
     "dcparallel/runtime/sharded.py:ShardedGrads.__init__": "to split",  # 66
     "dcparallel/adapters/hf.py:adapter": "to split",  # 65
     "dcparallel/plan/flexsp.py:slot_program": "to split",  # 64
-    "dcparallel/adapters/flux.py:adapter": "to split",  # 63
     "dcparallel/adapters/latents.py:collate_latents": "to split",  # 63
     "dcparallel/plan/dcp/refine.py:refine": "to split",  # 62
     "dcparallel/profile/profiler.py:Profiler._measure": "to split",  # 62
