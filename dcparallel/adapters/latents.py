@@ -45,33 +45,8 @@ def collate_latents(
     if rank not in ranks or mb.layout.sp != len(ranks):
         raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
     items = [samples[sid] for sid in mb.sample_ids]
-    needed = ["latents", *required]
-    for sid, s in zip(mb.sample_ids, items, strict=True):
-        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
-            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
-            raise ValueError(
-                f"{what} sample {sid} must be a mapping with {needed} and the model's other conditioning; got {got}"
-            )
-    keys = {k for k, v in items[0].items() if v is not None}
-    for sid, s in zip(mb.sample_ids, items, strict=True):
-        if {k for k, v in s.items() if v is not None} != keys:
-            raise ValueError(
-                f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
-                f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
-                f"{sorted(keys)}; give every sample the same keys"
-            )
-    stacked = {}
-    for k in sorted(keys):
-        vals = [torch.as_tensor(s[k]) for s in items]
-        shapes = {tuple(v.shape) for v in vals}
-        if len(shapes) != 1:
-            what_k = "be latents of one shape" if k == "latents" else f"share the shape of {k!r}"
-            raise ValueError(
-                f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
-                f"planner groups samples of one latent shape; pad or crop the conditioning to one "
-                f"shape per latent shape)"
-            )
-        stacked[k] = torch.stack(vals)
+    keys = _conditioning_keys(mb, items, ["latents", *required], what)
+    stacked = {k: _stack(mb, [s[k] for s in items], k) for k in sorted(keys)}
     lat = stacked.pop("latents")
     grid = tuple(lat.shape[2:])
     n = tokens(grid)
@@ -94,6 +69,40 @@ def collate_latents(
         sharded=False,
         extras=stacked,
     )
+
+
+def _conditioning_keys(mb: MicroBatch, items: list[Any], needed: list[str], what: str) -> set[str]:
+    """The keys every item of the micro-batch carries (not None): each item a mapping with the
+    ``needed`` keys, all items the same keys."""
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
+            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
+            raise ValueError(
+                f"{what} sample {sid} must be a mapping with {needed} and the model's other conditioning; got {got}"
+            )
+    keys = {k for k, v in items[0].items() if v is not None}
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if {k for k, v in s.items() if v is not None} != keys:
+            raise ValueError(
+                f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
+                f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
+                f"{sorted(keys)}; give every sample the same keys"
+            )
+    return keys
+
+
+def _stack(mb: MicroBatch, values: list[Any], key: str) -> Tensor:
+    """The items' tensors under ``key`` stacked (B, ...): one shape, or refused."""
+    vals = [torch.as_tensor(v) for v in values]
+    shapes = {tuple(v.shape) for v in vals}
+    if len(shapes) != 1:
+        what_k = "be latents of one shape" if key == "latents" else f"share the shape of {key!r}"
+        raise ValueError(
+            f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
+            f"planner groups samples of one latent shape; pad or crop the conditioning to one "
+            f"shape per latent shape)"
+        )
+    return torch.stack(vals)
 
 
 def patch_tokens(patch: tuple[int, int, int]):
@@ -214,7 +223,7 @@ def replace_processors(modules: list, default: str, make: Callable[[], Any], who
 
 def latent_adapter(
     model: nn.Module,
-    blocks: list[nn.Module],
+    blocks: Sequence[nn.Module],
     spec: ModelSpec,
     *,
     install: Callable[[Any], None],
@@ -228,10 +237,11 @@ def latent_adapter(
     skip_block: Callable[..., Any] | None = None,
 ) -> ModelAdapter:
     """The `ModelAdapter` of a diffusers transformer that takes whole latents and shards its
-    token sequence itself (Wan, LTX-Video, the image families): ``install`` puts its attention
-    processors in, every head is a key/value head (the spec's ``num_heads``), and the hooks
-    apply its context-parallel ``plan`` (`cp_plan.read_plan`'s cuts; None: the model's own
-    ``_cp_plan``, read when the hooks are installed) unless ``install_hooks`` replaces them."""
+    token sequence itself (Wan, LTX-Video, the image families, the joint-attention video
+    families): ``install`` puts its attention processors in, every head is a key/value head
+    (the spec's ``num_heads``), and the hooks apply its context-parallel ``plan``
+    (`cp_plan.read_plan`'s cuts; None: the model's own ``_cp_plan``, read when the hooks are
+    installed) unless ``install_hooks`` replaces them (`joint.video_token_hooks`)."""
 
     def plan_hooks(attention: Any) -> list[Any]:
         return PlanHooks(model, read_plan(model) if plan is None else plan, attention).install()

@@ -28,7 +28,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/apps/demo_worker.py:worker": "to split",  # 134
     "dcparallel/apps/demo.py:run": "to split",  # 123
     "dcparallel/data/loader.py:DataCentricLoader.__init__": "to split",  # 111
-    "dcparallel/adapters/base.py:protocol_adapter": "to split",  # 102
     "dcparallel/plan/dcp/search.py:search": "to split",  # 97
     "dcparallel/profile/profiler.py:Profiler.run": "to split",  # 97
     "dcparallel/apps/demo_report.py:write_report": "to split",  # 79
@@ -47,7 +46,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/runtime/sharded.py:ShardedGrads.__init__": "to split",  # 66
     "dcparallel/adapters/hf.py:adapter": "to split",  # 65
     "dcparallel/plan/flexsp.py:slot_program": "to split",  # 64
-    "dcparallel/adapters/latents.py:collate_latents": "to split",  # 63
     "dcparallel/plan/dcp/refine.py:refine": "to split",  # 62
     "dcparallel/profile/profiler.py:Profiler._measure": "to split",  # 62
 }
