@@ -35,7 +35,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/plan/dcp/classlevel.py:ClassLevelPlanner.class_plan": "to split",  # 75
     "dcparallel/apps/demo_worker.py:_train_once": "to split",  # 74
     "dcparallel/cost/profiled.py:ProfiledCost._terms_at": "to split",  # 71
-    "dcparallel/adapters/vlm.py:adapter": "to split",  # 69
     "dcparallel/apps/cli.py:main": "to split",  # 69
     "dcparallel/plan/dcp/sample.py:SamplePacker.pack": "to split",  # 69
     "dcparallel/runtime/engine.py:Engine.__init__": "to split",  # 69
@@ -44,7 +43,6 @@ ALLOWED: dict[str, str] = {
     "dcparallel/apps/simulate.py:_setup": "to split",  # 66
     "dcparallel/plan/dcp/expand.py:expand": "to split",  # 66
     "dcparallel/runtime/sharded.py:ShardedGrads.__init__": "to split",  # 66
-    "dcparallel/adapters/hf.py:adapter": "to split",  # 65
     "dcparallel/plan/flexsp.py:slot_program": "to split",  # 64
     "dcparallel/plan/dcp/refine.py:refine": "to split",  # 62
     "dcparallel/profile/profiler.py:Profiler._measure": "to split",  # 62
