@@ -259,6 +259,49 @@ def protocol_adapter(
       pass ``sample_fn(size, index)``.
     """
     who = type(model).__name__
+    _refuse_family_args(who, family_args)
+    layers, num_heads = _protocol_parts(model, who, layers, num_heads, kind)
+    blocks = list(layers)
+    kv = num_kv_heads or num_heads
+    hidden = hidden or getattr(getattr(model, "cfg", None), "hidden", 0) or _guess_hidden(blocks[0])
+    attention = attention or ("causal" if kind == "text" else "full")
+    extra: dict[str, Any] = {}
+    if kind == "text":
+        loss_fn, sample_fn, extra["vocab_size"] = _text_defaults(model, loss_fn, sample_fn)
+    spec = derive_spec(
+        model,
+        blocks,
+        name=name or f"{who.lower()}-l{len(blocks)}",
+        kind=kind,
+        hidden=hidden,
+        num_heads=num_heads,
+        ffn_hidden=ffn_hidden or 4 * hidden,
+        attention=attention,
+        blocks_per_layer=blocks_per_layer,
+        attn_modules=_protocol_attn_modules,
+        mlp_modules=_protocol_mlp_modules,
+        num_kv_heads=kv if kv != num_heads else 0,
+        **extra,
+    )
+    return ModelAdapter(
+        name=spec.name,
+        kind=kind,
+        blocks=blocks,
+        num_heads=num_heads,
+        num_kv_heads=kv,
+        install_attention=model.set_attention,
+        spec=spec,
+        blocks_per_layer=blocks_per_layer,
+        attn_modules=_protocol_attn_modules,
+        mlp_modules=_protocol_mlp_modules,
+        loss_fn=loss_fn,
+        sample=sample_fn,
+        collate=collate,
+    )
+
+
+def _refuse_family_args(who: str, family_args: dict[str, Any]) -> None:
+    """Refuses the model-protocol arguments of a family adapter, naming the family that takes each."""
     if family_args:
         meant = {k: FAMILY_ARGS.get(k, "no adapter of dcparallel") for k in sorted(family_args)}
         raise ValueError(
@@ -267,6 +310,14 @@ def protocol_adapter(
             + "; leave it out, or give the protocol's own arguments (layers, num_heads, num_kv_heads, "
             "kind, attention, hidden, ffn_hidden, blocks_per_layer, loss_fn, sample_fn, collate, name)"
         )
+
+
+def _protocol_parts(
+    model: nn.Module, who: str, layers: Sequence[nn.Module] | None, num_heads: int | None, kind: str
+) -> tuple[Sequence[nn.Module], int]:
+    """(blocks, attention heads) of a model following the protocol, given or read from the
+    model (``model.layers``, ``model.cfg.num_heads``); everything the protocol lacks is
+    refused in one message."""
     missing = []
     if not hasattr(model, "set_attention"):
         missing.append(
@@ -298,54 +349,29 @@ def protocol_adapter(
             + "\n  - ".join(missing)
             + "\nOr pass adapter=dcparallel.adapters.ModelAdapter(...) built for it."
         )
-    blocks = list(layers)
-    kv = num_kv_heads or num_heads
+    return layers, num_heads
 
-    def attn_modules(b: nn.Module) -> list[nn.Module]:
-        return [b.attn_block] if hasattr(b, "attn_block") and hasattr(b, "mlp_block") else []
 
-    def mlp_modules(b: nn.Module) -> list[nn.Module]:
-        return [b.mlp_block] if hasattr(b, "attn_block") and hasattr(b, "mlp_block") else []
+def _text_defaults(
+    model: nn.Module, loss_fn: LossFn | None, sample_fn: SampleFn | None
+) -> tuple[LossFn, SampleFn, int]:
+    """A text model's loss (`positional_lm_loss` unless given), synthetic items (random tokens
+    of its vocabulary unless given) and vocabulary (0 with the user's ``sample_fn``: not read)."""
+    vocab = embedding_vocab(model) if sample_fn is None else 0
+    return positional_lm_loss if loss_fn is None else loss_fn, sample_fn or random_tokens(vocab), vocab
 
-    hidden = hidden or getattr(getattr(model, "cfg", None), "hidden", 0) or _guess_hidden(blocks[0])
-    attention = attention or ("causal" if kind == "text" else "full")
-    extra: dict[str, Any] = {}
-    if kind == "text":
-        vocab = embedding_vocab(model) if sample_fn is None else 0
-        sample_fn = sample_fn or random_tokens(vocab)
-        extra["vocab_size"] = vocab
-        if loss_fn is None:
-            loss_fn = positional_lm_loss
-    spec = derive_spec(
-        model,
-        blocks,
-        name=name or f"{who.lower()}-l{len(blocks)}",
-        kind=kind,
-        hidden=hidden,
-        num_heads=num_heads,
-        ffn_hidden=ffn_hidden or 4 * hidden,
-        attention=attention,
-        blocks_per_layer=blocks_per_layer,
-        attn_modules=attn_modules,
-        mlp_modules=mlp_modules,
-        num_kv_heads=kv if kv != num_heads else 0,
-        **extra,
-    )
-    return ModelAdapter(
-        name=spec.name,
-        kind=kind,
-        blocks=blocks,
-        num_heads=num_heads,
-        num_kv_heads=kv,
-        install_attention=model.set_attention,
-        spec=spec,
-        blocks_per_layer=blocks_per_layer,
-        attn_modules=attn_modules,
-        mlp_modules=mlp_modules,
-        loss_fn=loss_fn,
-        sample=sample_fn,
-        collate=collate,
-    )
+
+def _split_block(b: nn.Module) -> bool:
+    """Whether a protocol block can recompute its attention or its MLP alone."""
+    return hasattr(b, "attn_block") and hasattr(b, "mlp_block")
+
+
+def _protocol_attn_modules(b: nn.Module) -> list[nn.Module]:
+    return [b.attn_block] if _split_block(b) else []
+
+
+def _protocol_mlp_modules(b: nn.Module) -> list[nn.Module]:
+    return [b.mlp_block] if _split_block(b) else []
 
 
 def _guess_hidden(block: nn.Module) -> int:

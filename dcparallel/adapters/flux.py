@@ -27,8 +27,8 @@ channels than it predicts (`latent_channels`). Guidance-distilled configurations
 The machinery every image transformer on packed latents shares lives here too (Flux 2:
 `adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
 channels read from the model's projections, the collate, `packed_flow_loss`, into which a
-family passes only how its pipeline calls the model, and `image_adapter`, the assembly of
-their adapters.
+family passes only how its pipeline calls the model, `image_spec`, their planner's spec, and
+`image_adapter`, the assembly of their adapters.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
     collate_latents,
     extras_as,
+    latent_adapter,
     latent_flow_loss,
     random_items,
     replace_processors,
@@ -282,21 +282,59 @@ def image_adapter(
         item = {"latents": (channels, h, w), "encoder_hidden_states": (context_tokens, text_dim), **fixed_parts}
         return item | ({"condition": (condition, h, w)} if condition else {})
 
-    return ModelAdapter(
-        name=spec.name,
-        kind="video",
-        blocks=blocks,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_heads,
-        install_attention=install,
-        spec=spec,
+    return latent_adapter(
+        model,
+        blocks,
+        spec,
+        install=install,
         attn_modules=attn_modules,
         mlp_modules=mlp_modules,
         loss_fn=loss_fn or default_loss((channels, condition)),
         sample=sample_fn or random_items(parts),
         collate=collate_images,
-        install_hooks=install_hooks or (lambda attention: PlanHooks(model, read_plan(model), attention).install()),
+        install_hooks=install_hooks,
         skip_block=skip_block,
+    )
+
+
+def check_unit_patch(who: str, family: str, patch_size: int) -> None:
+    """Refuses a patch size the default loss does not pack: it packs 2 x 2 as the pipelines do."""
+    if patch_size != 1:
+        raise ValueError(
+            f"{who} with patch_size={patch_size}: dcparallel's {family} loss packs latents into 2 x 2 "
+            f"patches as the {family} pipelines do (patch_size 1); pass loss_fn for another layout"
+        )
+
+
+def image_spec(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    attn_modules: Any,
+    mlp_modules: Any,
+    *,
+    name: str,
+    heads: int,
+    hidden: int,
+    ffn_hidden: int,
+    context_tokens: int,
+) -> ModelSpec:
+    """The planner's `ModelSpec` of an image transformer on 2 x 2-packed latents: full
+    attention over one frame, its blocks' mean as the planner's layer (`averaged_spec`)."""
+    return averaged_spec(
+        model,
+        blocks,
+        attn_modules,
+        mlp_modules,
+        name=name,
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=ffn_hidden,
+        attention="full",
+        context_tokens=context_tokens,
+        t_num=1,
+        t_den=1,
+        spatial_patch=2,
     )
 
 
@@ -318,33 +356,23 @@ def adapter(
 ) -> ModelAdapter:
     check_args("diffusers FluxTransformer2DModel", unused, ACCEPTED)
     cfg = model.config
-    if cfg.patch_size != 1:
-        raise ValueError(
-            f"FluxTransformer2DModel with patch_size={cfg.patch_size}: dcparallel's Flux loss packs "
-            f"latents into 2 x 2 patches as the Flux pipelines do (patch_size 1); pass loss_fn for "
-            f"another layout"
-        )
+    check_unit_patch("FluxTransformer2DModel", "Flux", cfg.patch_size)
     blocks = list(layers) if layers is not None else [*model.transformer_blocks, *model.single_transformer_blocks]
     heads = num_heads or cfg.num_attention_heads
     hidden = heads * cfg.attention_head_dim
     attn_modules = lambda b: [b.attn]
     mlp_modules = lambda b: [b.ff, b.ff_context] if hasattr(b, "ff") else [b.proj_mlp]
     # double- and single-stream blocks differ: the planner's layer is their mean, the rest outside
-    spec = averaged_spec(
+    spec = image_spec(
         model,
         blocks,
         attn_modules,
         mlp_modules,
         name=name or f"flux-h{hidden}-l{len(blocks)}",
-        kind="video",
+        heads=heads,
         hidden=hidden,
-        num_heads=heads,
         ffn_hidden=4 * hidden,
-        attention="full",
         context_tokens=context_tokens,
-        t_num=1,
-        t_den=1,
-        spatial_patch=2,
     )
 
     def install(fn: Any) -> None:

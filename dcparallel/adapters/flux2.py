@@ -34,8 +34,16 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.flux import UlyssesFluxAttention, image_adapter, image_ids, joint_attention, packed_flow_loss
+from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.flux import (
+    UlyssesFluxAttention,
+    check_unit_patch,
+    image_adapter,
+    image_ids,
+    image_spec,
+    joint_attention,
+    packed_flow_loss,
+)
 from dcparallel.adapters.latents import replace_processors
 
 WHO = "Flux2Transformer2DModel"
@@ -189,31 +197,22 @@ def adapter(
     **unused: Any,
 ) -> ModelAdapter:
     cfg = model.config
-    if cfg.patch_size != 1:
-        raise ValueError(
-            f"{WHO} with patch_size={cfg.patch_size}: dcparallel's Flux 2 loss packs latents into 2 x 2 "
-            f"patches as the Flux 2 pipelines do (patch_size 1); pass loss_fn for another layout"
-        )
+    check_unit_patch(WHO, "Flux 2", cfg.patch_size)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     heads = joint.check_driven(
         model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused, accepted=ACCEPTED
     )
     hidden = heads * cfg.attention_head_dim
-    spec = averaged_spec(
+    spec = image_spec(
         model,
         blocks,
         attn_modules,
         mlp_params_of,
         name=name or f"flux2-h{hidden}-l{len(blocks)}",
-        kind="video",
+        heads=heads,
         hidden=hidden,
-        num_heads=heads,
         ffn_hidden=int(hidden * cfg.mlp_ratio),
-        attention="full",
         context_tokens=context_tokens,
-        t_num=1,
-        t_den=1,
-        spatial_patch=2,
     )
 
     def install(fn: Any) -> None:

@@ -18,6 +18,7 @@ per step). Grouped-query attention arrives with k, v of fewer heads, as Ulysses 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -26,6 +27,7 @@ from dcparallel.adapters import hf_attention as attention
 from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
 from dcparallel.adapters.hf_attention import hf_attention  # noqa: F401  (the function transformers calls)
 from dcparallel.adapters.hf_structure import document_limit, ffn_size, resolve, set_block_attention
+from dcparallel.spec import ModelSpec
 
 
 def matches(model: nn.Module) -> bool:
@@ -85,19 +87,71 @@ def adapter(
     if own_heads is None:
         raise ValueError(f"{type(model).__name__}'s config has no num_attention_heads; pass num_heads=")
     own_kv = _config_int(cfg, "num_key_value_heads", "num_kv_heads") or own_heads
-    for what, given, own in (("num_heads", num_heads, own_heads), ("num_kv_heads", num_kv_heads, own_kv)):
-        if given is not None and given != own:
-            raise ValueError(
-                f"{what}={given} but the model's config has {own}; leave {what} out (it is read from model.config)"
-            )
+    check_given_heads(num_heads, num_kv_heads, own_heads, own_kv, config="config", source="model.config")
     heads, kv = own_heads, own_kv
     qk_dim, v_dim = _head_dims(cfg)
-    vocab = cfg.vocab_size
-    hidden = cfg.hidden_size
-    spec = derive_spec(
+    spec = causal_lm_spec(
         model,
         blocks,
-        name=name or f"{cfg.model_type}-h{hidden}-l{len(blocks)}",
+        cfg,
+        attn_of,
+        mlp_of,
+        name=name,
+        heads=heads,
+        kv=kv,
+        head_dim=qk_dim,
+        v_head_dim=v_dim if v_dim != qk_dim else 0,
+    )
+    return ModelAdapter(
+        name=spec.name,
+        kind="text",
+        blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=kv,
+        install_attention=attention_installer(model, blocks, attn_of),
+        spec=spec,
+        attn_modules=attn_of,
+        mlp_modules=mlp_of,
+        loss_fn=loss_fn or hf_lm_loss,
+        sample=sample_fn or random_tokens(cfg.vocab_size),
+        collate="text",
+    )
+
+
+def check_given_heads(
+    num_heads: int | None, num_kv_heads: int | None, heads: int, kv: int, *, config: str, source: str
+) -> None:
+    """Refuses ``num_heads`` / ``num_kv_heads`` other than the model's own ``heads`` / ``kv``,
+    read from its ``config`` (the attribute path ``source``)."""
+    for what, given, own in (("num_heads", num_heads, heads), ("num_kv_heads", num_kv_heads, kv)):
+        if given is not None and given != own:
+            raise ValueError(
+                f"{what}={given} but the model's {config} has {own}; leave {what} out (it is read from {source})"
+            )
+
+
+def causal_lm_spec(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: Any,
+    attn_of: Any,
+    mlp_of: Any,
+    *,
+    name: str | None,
+    heads: int,
+    kv: int,
+    head_dim: int,
+    **extra: Any,
+) -> ModelSpec:
+    """The planner's `ModelSpec` of a transformers causal LM whose (text) config is ``cfg``:
+    causal attention of ``heads`` query and ``kv`` key/value heads of ``head_dim`` (the spec
+    records those that differ from a plain multi-head layer), the feed-forward size its
+    blocks have, ``extra`` fields as given."""
+    hidden = cfg.hidden_size
+    return derive_spec(
+        model,
+        blocks,
+        name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
         kind="text",
         hidden=hidden,
         num_heads=heads,
@@ -105,12 +159,17 @@ def adapter(
         attention="causal",
         attn_modules=attn_of,
         mlp_modules=mlp_of,
-        vocab_size=vocab,
+        vocab_size=cfg.vocab_size,
         num_kv_heads=kv if kv != heads else 0,
-        head_dim=qk_dim if qk_dim * heads != hidden else 0,
-        v_head_dim=v_dim if v_dim != qk_dim else 0,
+        head_dim=head_dim if head_dim * heads != hidden else 0,
+        **extra,
     )
 
+
+def attention_installer(model: nn.Module, blocks: list[nn.Module], attn_of: Any) -> Callable[[Any], None]:
+    """`ModelAdapter.install_attention` of a transformers model (the language model of a
+    VLM): registers dcparallel's attention function, gives each block's attention modules the
+    runtime's attention with their document limits (read now), and switches the model to it."""
     limits = {id(m): document_limit(model, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
 
     def install(fn: Any) -> None:
@@ -118,17 +177,4 @@ def adapter(
         set_block_attention(fn, blocks, attn_of, limits)
         model.set_attn_implementation(attention.NAME)
 
-    return ModelAdapter(
-        name=spec.name,
-        kind="text",
-        blocks=blocks,
-        num_heads=heads,
-        num_kv_heads=kv,
-        install_attention=install,
-        spec=spec,
-        attn_modules=attn_of,
-        mlp_modules=mlp_of,
-        loss_fn=loss_fn or hf_lm_loss,
-        sample=sample_fn or random_tokens(vocab),
-        collate="text",
-    )
+    return install

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import cp_plan
 from dcparallel.adapters.base import ModelAdapter
-from dcparallel.adapters.latents import check_args, patch_collate, random_items
+from dcparallel.adapters.latents import check_args, latent_adapter, patch_collate, random_items
 from dcparallel.data.batch import Batch
 from dcparallel.runtime import comm
 from dcparallel.runtime.ring_joint import ring_joint_attention
@@ -300,14 +300,11 @@ def video_adapter(
             else:  # Mochi's attention module has none
                 m.processor = processor(fn)
 
-    return ModelAdapter(
-        name=spec.name,
-        kind="video",
-        blocks=blocks,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_heads,
-        install_attention=install,
-        spec=spec,
+    return latent_adapter(
+        model,
+        blocks,
+        spec,
+        install=install,
         attn_modules=attn_modules,
         mlp_modules=mlp_modules,
         loss_fn=loss_fn,

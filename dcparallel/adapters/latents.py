@@ -1,6 +1,7 @@
 """What the diffusers adapters share: whole latents collated per micro-batch, per-sample flow
-draws, synthetic items with the conditioning a model needs, and the model-protocol
-arguments each family accepts.
+draws, synthetic items with the conditioning a model needs, the model-protocol arguments
+each family accepts, and `latent_adapter`, the assembly of an adapter whose model shards its
+own tokens by its context-parallel plan.
 
 Dataset items are mappings: ``latents`` (C, F, H, W) — or (C, H, W) for image models — plus
 the conditioning the model takes, each a tensor of one shape within a micro-batch (text
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.data.batch import Batch
 from dcparallel.data.ring_order import ring_padded_length
 from dcparallel.plan.types import MicroBatch
-from dcparallel.spec import Size
+from dcparallel.spec import ModelSpec, Size
 
 
 def collate_latents(
@@ -42,33 +45,8 @@ def collate_latents(
     if rank not in ranks or mb.layout.sp != len(ranks):
         raise ValueError(f"rank {rank} / group {ranks} does not run micro-batch {mb.sample_ids} (sp={mb.layout.sp})")
     items = [samples[sid] for sid in mb.sample_ids]
-    needed = ["latents", *required]
-    for sid, s in zip(mb.sample_ids, items, strict=True):
-        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
-            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
-            raise ValueError(
-                f"{what} sample {sid} must be a mapping with {needed} and the model's other conditioning; got {got}"
-            )
-    keys = {k for k, v in items[0].items() if v is not None}
-    for sid, s in zip(mb.sample_ids, items, strict=True):
-        if {k for k, v in s.items() if v is not None} != keys:
-            raise ValueError(
-                f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
-                f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
-                f"{sorted(keys)}; give every sample the same keys"
-            )
-    stacked = {}
-    for k in sorted(keys):
-        vals = [torch.as_tensor(s[k]) for s in items]
-        shapes = {tuple(v.shape) for v in vals}
-        if len(shapes) != 1:
-            what_k = "be latents of one shape" if k == "latents" else f"share the shape of {k!r}"
-            raise ValueError(
-                f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
-                f"planner groups samples of one latent shape; pad or crop the conditioning to one "
-                f"shape per latent shape)"
-            )
-        stacked[k] = torch.stack(vals)
+    keys = _conditioning_keys(mb, items, ["latents", *required], what)
+    stacked = {k: _stack(mb, [s[k] for s in items], k) for k in sorted(keys)}
     lat = stacked.pop("latents")
     grid = tuple(lat.shape[2:])
     n = tokens(grid)
@@ -91,6 +69,40 @@ def collate_latents(
         sharded=False,
         extras=stacked,
     )
+
+
+def _conditioning_keys(mb: MicroBatch, items: list[Any], needed: list[str], what: str) -> set[str]:
+    """The keys every item of the micro-batch carries (not None): each item a mapping with the
+    ``needed`` keys, all items the same keys."""
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if not isinstance(s, Mapping) or any(s.get(k) is None for k in needed):
+            got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
+            raise ValueError(
+                f"{what} sample {sid} must be a mapping with {needed} and the model's other conditioning; got {got}"
+            )
+    keys = {k for k, v in items[0].items() if v is not None}
+    for sid, s in zip(mb.sample_ids, items, strict=True):
+        if {k for k, v in s.items() if v is not None} != keys:
+            raise ValueError(
+                f"samples {mb.sample_ids} of one micro-batch carry different conditioning: sample {sid} "
+                f"has {sorted(k for k, v in s.items() if v is not None)}, sample {mb.sample_ids[0]} "
+                f"{sorted(keys)}; give every sample the same keys"
+            )
+    return keys
+
+
+def _stack(mb: MicroBatch, values: list[Any], key: str) -> Tensor:
+    """The items' tensors under ``key`` stacked (B, ...): one shape, or refused."""
+    vals = [torch.as_tensor(v) for v in values]
+    shapes = {tuple(v.shape) for v in vals}
+    if len(shapes) != 1:
+        what_k = "be latents of one shape" if key == "latents" else f"share the shape of {key!r}"
+        raise ValueError(
+            f"samples {mb.sample_ids} of one micro-batch must {what_k}; got {sorted(shapes)} (the "
+            f"planner groups samples of one latent shape; pad or crop the conditioning to one "
+            f"shape per latent shape)"
+        )
+    return torch.stack(vals)
 
 
 def patch_tokens(patch: tuple[int, int, int]):
@@ -207,3 +219,46 @@ def replace_processors(modules: list, default: str, make: Callable[[], Any], who
         )
     for m in modules:
         m.set_processor(make())
+
+
+def latent_adapter(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    spec: ModelSpec,
+    *,
+    install: Callable[[Any], None],
+    attn_modules: Callable[[nn.Module], list[nn.Module]],
+    mlp_modules: Callable[[nn.Module], list[nn.Module]],
+    loss_fn: Any,
+    sample: Any,
+    collate: Any,
+    plan: Any = None,
+    install_hooks: Callable[[Any], list[Any]] | None = None,
+    skip_block: Callable[..., Any] | None = None,
+) -> ModelAdapter:
+    """The `ModelAdapter` of a diffusers transformer that takes whole latents and shards its
+    token sequence itself (Wan, LTX-Video, the image families, the joint-attention video
+    families): ``install`` puts its attention processors in, every head is a key/value head
+    (the spec's ``num_heads``), and the hooks apply its context-parallel ``plan``
+    (`cp_plan.read_plan`'s cuts; None: the model's own ``_cp_plan``, read when the hooks are
+    installed) unless ``install_hooks`` replaces them (`joint.video_token_hooks`)."""
+
+    def plan_hooks(attention: Any) -> list[Any]:
+        return PlanHooks(model, read_plan(model) if plan is None else plan, attention).install()
+
+    return ModelAdapter(
+        name=spec.name,
+        kind="video",
+        blocks=blocks,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_heads,
+        install_attention=install,
+        spec=spec,
+        attn_modules=attn_modules,
+        mlp_modules=mlp_modules,
+        loss_fn=loss_fn,
+        sample=sample,
+        collate=collate,
+        install_hooks=install_hooks or plan_hooks,
+        skip_block=skip_block,
+    )

@@ -24,10 +24,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, derive_spec
-from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.latents import (
     check_args,
     extras_as,
+    latent_adapter,
     latent_flow_loss,
     patch_collate,
     random_items,
@@ -116,6 +116,23 @@ def ltx_loss(rope_scale: Any = PIPELINE_ROPE_SCALE):
     return loss
 
 
+def attn_modules(block: nn.Module) -> list[nn.Module]:
+    return [block.attn1, block.attn2]
+
+
+def mlp_modules(block: nn.Module) -> list[nn.Module]:
+    return [block.ff]
+
+
+def check_channels(cfg: Any) -> None:
+    """Refuses a model predicting other channels than it takes: the default loss's target is its input."""
+    if (cfg.out_channels or cfg.in_channels) != cfg.in_channels:
+        raise ValueError(
+            f"LTXVideoTransformer3DModel with in_channels={cfg.in_channels} and out_channels="
+            f"{cfg.out_channels}: dcparallel's loss needs equal channels; pass loss_fn"
+        )
+
+
 ACCEPTED = ("context_tokens", "rope_interpolation_scale")
 
 
@@ -137,14 +154,8 @@ def adapter(
     blocks = list(layers) if layers is not None else list(model.transformer_blocks)
     heads = num_heads or cfg.num_attention_heads
     p, pt = cfg.patch_size, cfg.patch_size_t
-    if (cfg.out_channels or cfg.in_channels) != cfg.in_channels:
-        raise ValueError(
-            f"LTXVideoTransformer3DModel with in_channels={cfg.in_channels} and out_channels="
-            f"{cfg.out_channels}: dcparallel's loss needs equal channels; pass loss_fn"
-        )
+    check_channels(cfg)
     hidden = heads * cfg.attention_head_dim
-    attn_modules = lambda b: [b.attn1, b.attn2]
-    mlp_modules = lambda b: [b.ff]
     spec = derive_spec(
         model,
         blocks,
@@ -174,18 +185,14 @@ def adapter(
             "LTXVideoTransformer3DModel",
         )
 
-    return ModelAdapter(
-        name=spec.name,
-        kind="video",
-        blocks=blocks,
-        num_heads=heads,
-        num_kv_heads=heads,
-        install_attention=install,
-        spec=spec,
+    return latent_adapter(
+        model,
+        blocks,
+        spec,
+        install=install,
         attn_modules=attn_modules,
         mlp_modules=mlp_modules,
         loss_fn=loss_fn or ltx_loss(rope_interpolation_scale),
         sample=sample_fn or random_items(parts),
         collate=patch_collate((pt, p, p)),
-        install_hooks=lambda attention: PlanHooks(model, read_plan(model), attention).install(),
     )

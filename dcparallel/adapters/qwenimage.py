@@ -33,9 +33,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from dcparallel.adapters import joint
-from dcparallel.adapters.base import ModelAdapter, averaged_spec
+from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
-from dcparallel.adapters.flux import image_adapter, packed_flow_loss
+from dcparallel.adapters.flux import image_adapter, image_spec, packed_flow_loss
 from dcparallel.adapters.latents import replace_processors
 
 WHO = "QwenImageTransformer2DModel"
@@ -128,6 +128,18 @@ def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any,
     return encoder_hidden_states, hidden_states
 
 
+def refuse_more_than_the_target(cfg: Any) -> None:
+    """Refuses configurations whose image sequence holds more than the target image."""
+    odd = {k: getattr(cfg, k) for k in ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond") if getattr(cfg, k)}
+    if odd:
+        raise ValueError(
+            f"{WHO} with {', '.join(f'{k}=True' for k in odd)}: these configurations (Qwen-Image-Edit "
+            f"2511's reference images, Qwen-Image-Layered's layers) put more than the target image in "
+            f"the image sequence, which dcparallel's Qwen-Image adapter does not shard or train; use a "
+            f"text-to-image configuration or pass your own adapter"
+        )
+
+
 def adapter(
     model: nn.Module,
     *,
@@ -141,34 +153,22 @@ def adapter(
     **unused: Any,
 ) -> ModelAdapter:
     cfg = model.config
-    odd = {k: getattr(cfg, k) for k in ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond") if getattr(cfg, k)}
-    if odd:
-        raise ValueError(
-            f"{WHO} with {', '.join(f'{k}=True' for k in odd)}: these configurations (Qwen-Image-Edit "
-            f"2511's reference images, Qwen-Image-Layered's layers) put more than the target image in "
-            f"the image sequence, which dcparallel's Qwen-Image adapter does not shard or train; use a "
-            f"text-to-image configuration or pass your own adapter"
-        )
+    refuse_more_than_the_target(cfg)
     blocks = list(model.transformer_blocks)
     heads = joint.check_driven(
         model, blocks, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, unused=unused
     )
     hidden = heads * cfg.attention_head_dim
-    spec = averaged_spec(
+    spec = image_spec(
         model,
         blocks,
         attn_modules,
         mlp_modules,
         name=name or f"qwenimage-h{hidden}-l{len(blocks)}",
-        kind="video",
+        heads=heads,
         hidden=hidden,
-        num_heads=heads,
         ffn_hidden=4 * hidden,
-        attention="full",
         context_tokens=context_tokens,
-        t_num=1,
-        t_den=1,
-        spatial_patch=2,
     )
 
     def install(fn: Any) -> None:

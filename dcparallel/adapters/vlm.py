@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dcparallel.adapters import hf_attention as attention
-from dcparallel.adapters.base import ModelAdapter, derive_spec, random_tokens
-from dcparallel.adapters.hf_structure import document_limit, ffn_size, resolve, set_block_attention
+from dcparallel.adapters.base import ModelAdapter, random_tokens
+from dcparallel.adapters.hf import attention_installer, causal_lm_spec, check_given_heads
+from dcparallel.adapters.hf_structure import resolve
 from dcparallel.adapters.vlm_families import FAMILIES, Family
 from dcparallel.adapters.vlm_tower import with_tower
 from dcparallel.adapters.vlm_vision import check_placeholders, group_embeddings, place
@@ -164,37 +164,18 @@ def adapter(
     blocks, attn_of, mlp_of = resolve(text, layers, None, None)
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    for what, given, own in (("num_heads", num_heads, heads), ("num_kv_heads", num_kv_heads, kv)):
-        if given is not None and given != own:
-            raise ValueError(f"{what}={given} but the model's text config has {own}; leave {what} out")
-    hidden = cfg.hidden_size
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    check_given_heads(num_heads, num_kv_heads, heads, kv, config="text config", source=f"model.{family.text}.config")
     if freeze_vision:  # before the spec: its frozen_params (no gradient, no optimizer state) count the tower
         _freeze(_get(model, family.tower), [_get(model, path) for path in family.projectors])
-    spec = derive_spec(
-        model,
-        blocks,
-        name=name or f"{model.config.model_type}-h{hidden}-l{len(blocks)}",
-        kind="text",
-        hidden=hidden,
-        num_heads=heads,
-        ffn_hidden=ffn_size(cfg, blocks, hidden),
-        attention="causal",
-        attn_modules=attn_of,
-        mlp_modules=mlp_of,
-        vocab_size=cfg.vocab_size,
-        num_kv_heads=kv if kv != heads else 0,
-        head_dim=head_dim if head_dim * heads != hidden else 0,
-    )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    spec = causal_lm_spec(model, blocks, cfg, attn_of, mlp_of, name=name, heads=heads, kv=kv, head_dim=head_dim)
     spec = with_tower(spec, model, trainable=not freeze_vision)  # the Qwen-VL towers, priced per image
     placeholders = list(family.kinds(model.config).values())
-    limits = {id(m): document_limit(text, i, m) for i, b in enumerate(blocks) for m in attn_of(b)}
+    install_text = attention_installer(text, blocks, attn_of)
     attn: dict[str, Any] = {}
 
     def install(fn: Any) -> None:
-        attention.register()
-        set_block_attention(fn, blocks, attn_of, limits)
-        text.set_attn_implementation(attention.NAME)
+        install_text(fn)
         attn["fn"] = fn
 
     def default_loss(m: nn.Module, batch: Batch, ctx: Any) -> Tensor:

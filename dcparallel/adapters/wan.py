@@ -38,10 +38,11 @@ import torch
 from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, averaged_spec, count_params, derive_spec
-from dcparallel.adapters.cp_plan import PlanHooks, read_plan
+from dcparallel.adapters.cp_plan import read_plan
 from dcparallel.adapters.latents import (
     check_args,
     extras_as,
+    latent_adapter,
     latent_flow_loss,
     patch_collate,
     random_items,
@@ -49,7 +50,7 @@ from dcparallel.adapters.latents import (
 )
 from dcparallel.data.batch import Batch
 from dcparallel.models.attention import AttnPattern
-from dcparallel.spec import Size
+from dcparallel.spec import ModelSpec, Size
 
 FULL = AttnPattern("full")
 
@@ -202,6 +203,67 @@ def latent_samples(
     return random_items(item_parts(model, context_tokens, image_tokens, variant), seed)
 
 
+def attn_modules(block: nn.Module) -> list[nn.Module]:
+    return [block.attn1, block.attn2]
+
+
+def mlp_modules(block: nn.Module) -> list[nn.Module]:
+    return [block.ffn]
+
+
+def check_config(who: str, cfg: Any, context_tokens: int) -> None:
+    """Refuses what the default loss and diffusers' processors cannot train exactly: half of
+    image-to-video's inputs, image-to-video without 512 text tokens, fewer input channels
+    than output channels."""
+    if (cfg.added_kv_proj_dim is None) != (image_dim(cfg) is None):
+        raise ValueError(
+            f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
+            f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
+            f"projections), text-to-video neither"
+        )
+    if image_dim(cfg) is not None and context_tokens != 512:
+        raise ValueError(
+            f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
+            f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
+            f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512"
+        )
+    out_channels = cfg.out_channels or cfg.in_channels
+    if cfg.in_channels < out_channels:
+        raise ValueError(
+            f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
+            f"dcparallel's loss takes the output channels as the target and extra input channels "
+            f"as condition; pass loss_fn for another layout"
+        )
+
+
+def wan_spec(
+    model: nn.Module, blocks: list[nn.Module], heads: int, *, name: str | None, family: str, context_tokens: int
+) -> ModelSpec:
+    """The planner's `ModelSpec` of a Wan model (``context_tokens``: text and image tokens
+    each sample's cross-attention reads); blocks of different sizes (VACE: its control blocks
+    carry projections of their own) are priced as their mean (`averaged_spec`)."""
+    cfg = model.config
+    pt, ph, pw = cfg.patch_size
+    if ph != pw:
+        raise ValueError(f"patch {cfg.patch_size}: dcparallel's size rule needs square spatial patches")
+    hidden = heads * cfg.attention_head_dim
+    fields = dict(
+        name=name or f"{family.lower()}-h{hidden}-l{len(blocks)}",
+        kind="video",
+        hidden=hidden,
+        num_heads=heads,
+        ffn_hidden=cfg.ffn_dim,
+        attention="full",
+        t_num=1,
+        t_den=pt,
+        spatial_patch=ph,
+        context_tokens=context_tokens,
+    )
+    if len({count_params([b]) for b in blocks}) == 1:
+        return derive_spec(model, blocks, attn_modules=attn_modules, mlp_modules=mlp_modules, **fields)
+    return averaged_spec(model, blocks, attn_modules, mlp_modules, **fields)
+
+
 ACCEPTED = ("context_tokens", "image_tokens")
 
 
@@ -222,69 +284,34 @@ def adapter(
     who = type(model).__name__
     check_args(f"diffusers {who}", unused, ACCEPTED)
     cfg = model.config
-    if (cfg.added_kv_proj_dim is None) != (image_dim(cfg) is None):
-        raise ValueError(
-            f"{who} with image_dim={image_dim(cfg)} and added_kv_proj_dim="
-            f"{cfg.added_kv_proj_dim}: image-to-video needs both (image embeddings and their key/value "
-            f"projections), text-to-video neither"
-        )
-    if image_dim(cfg) is not None and context_tokens != 512:
-        raise ValueError(
-            f"context_tokens={context_tokens}: diffusers' Wan image-to-video attention takes the last "
-            f"512 text tokens as text and the rest as image tokens, so it needs 512 text tokens per "
-            f"sample; pad or cut the text embeddings to 512 and pass context_tokens=512"
-        )
-    out_channels = cfg.out_channels or cfg.in_channels
-    if cfg.in_channels < out_channels:
-        raise ValueError(
-            f"{who} with in_channels={cfg.in_channels} < out_channels={out_channels}: "
-            f"dcparallel's loss takes the output channels as the target and extra input channels "
-            f"as condition; pass loss_fn for another layout"
-        )
+    check_config(who, cfg, context_tokens)
     image_tokens = image_tokens or getattr(cfg, "pos_embed_seq_len", None) or 257
     blocks = list(layers) if layers is not None else variant.blocks(model)
     heads = num_heads or cfg.num_attention_heads
-    pt, ph, pw = cfg.patch_size
-    if ph != pw:
-        raise ValueError(f"patch {cfg.patch_size}: dcparallel's size rule needs square spatial patches")
-    attn_modules = lambda b: [b.attn1, b.attn2]
-    mlp_modules = lambda b: [b.ffn]
-    hidden = heads * cfg.attention_head_dim
-    fields = dict(
-        name=name or f"{variant.family.lower()}-h{hidden}-l{len(blocks)}",
-        kind="video",
-        hidden=hidden,
-        num_heads=heads,
-        ffn_hidden=cfg.ffn_dim,
-        attention="full",
-        t_num=1,
-        t_den=pt,
-        spatial_patch=ph,
+    spec = wan_spec(
+        model,
+        blocks,
+        heads,
+        name=name,
+        family=variant.family,
         context_tokens=context_tokens + (image_tokens if image_dim(cfg) else 0),
     )
-    if len({count_params([b]) for b in blocks}) == 1:
-        spec = derive_spec(model, blocks, attn_modules=attn_modules, mlp_modules=mlp_modules, **fields)
-    else:  # VACE: its control blocks carry projections of their own
-        spec = averaged_spec(model, blocks, attn_modules, mlp_modules, **fields)
     cuts = read_plan(model, plan=variant.plan)
 
     def install(fn: Any) -> None:
         make = variant.self_attention or UlyssesWanSelfAttention
         replace_processors([b.attn1 for b in blocks], variant.processor, lambda: make(fn), who)
 
-    return ModelAdapter(
-        name=spec.name,
-        kind="video",
-        blocks=blocks,
-        num_heads=heads,
-        num_kv_heads=heads,
-        install_attention=install,
-        spec=spec,
+    return latent_adapter(
+        model,
+        blocks,
+        spec,
+        install=install,
         attn_modules=attn_modules,
         mlp_modules=mlp_modules,
         loss_fn=loss_fn or flow_loss((*WAN_INPUTS, *variant.inputs)),
         sample=sample_fn or latent_samples(model, context_tokens, image_tokens=image_tokens, variant=variant),
-        collate=patch_collate((pt, ph, pw)),
-        install_hooks=lambda attention: PlanHooks(model, cuts, attention).install(),
+        collate=patch_collate(tuple(cfg.patch_size)),
+        plan=cuts,
         skip_block=variant.skip_block,
     )

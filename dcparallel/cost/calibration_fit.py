@@ -11,6 +11,7 @@ import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,120 +80,101 @@ def _fit_time(N: np.ndarray, P: np.ndarray, t: np.ndarray) -> tuple[float, float
     return best[1], best[2], best[3], best[4], best[5]
 
 
+class TimedRow(NamedTuple):
+    """One measured run of a reference layer, with or without full recomputation."""
+
+    tokens: int
+    #: query-key pairs its attention computes
+    pairs: float
+    samples: int
+    recompute: bool
+    seconds: float
+    #: activation bytes kept for backward
+    saved: float
+    #: peak bytes of the run (None: not measured)
+    peak: float | None
+
+
+class SelectiveRow(NamedTuple):
+    """One measured run of a reference layer under a recompute mode (`STATIC_MODES`)."""
+
+    tokens: int
+    pairs: float
+    samples: int
+    mode: str
+    seconds: float
+    saved: float
+
+
+def _pairs(tokens: int) -> float:
+    """Query-key pairs of causal attention over ``tokens``."""
+    return tokens * (tokens + 1) / 2
+
+
+def _llama_rows() -> tuple[ModelSpec, list[TimedRow], list[SelectiveRow]]:
+    """LLaMA-7B's layer: single samples of many lengths, micro-batches of several, recompute modes."""
+    ref = LLAMA_7B
+    layer = [r for r in _load("h200_blocks.jsonl") if r["kind"] == "layer" and r["cfg"] == "llama-7b-block"]
+    b2 = _load("h200_blocks_2.jsonl")
+    mbs = [r for r in b2 if r["kind"] == "mbs" and r["cfg"] == "llama-7b-block"]
+    sel = [r for r in b2 if r["kind"] == "selective" and r["cfg"] == "llama-7b-block"]
+    weights = 2 * 2 * _layer_params(ref)
+    rows = [
+        TimedRow(
+            r["L"], _pairs(r["L"]), 1, r["recompute"], r["fwdbwd_s"], r["saved_act_bytes"], r["peak_bytes"] - weights
+        )
+        for r in layer
+    ]
+    rows += [
+        TimedRow(r["L"] * r["bs"], r["bs"] * _pairs(r["L"]), r["bs"], False, r["fwdbwd_s"], r["saved_act_bytes"], None)
+        for r in mbs
+    ]
+    sel_rows = [SelectiveRow(r["L"], _pairs(r["L"]), 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
+    return ref, rows, sel_rows
+
+
+def _stdit_rows() -> tuple[ModelSpec, list[TimedRow], list[SelectiveRow]]:
+    """STDiT-1.1B's layer (a spatial + temporal attention pair) on video buckets and recompute modes."""
+    ref = STDIT_1B
+    st = [r for r in _load("h200_stdit_buckets.jsonl") if r["kind"] == "stdit"]
+    sel = [r for r in _load("h200_stdit_selective.jsonl") if r["kind"] == "stdit_selective"]
+
+    def vp(r: dict) -> float:
+        t, s = ref.latent_grid(_shape(r))
+        return float(t * s * s + s * t * t)
+
+    rows = [
+        TimedRow(
+            r["tokens"] * r["bs"],
+            r["bs"] * vp(r),
+            r["bs"],
+            r["recompute"],
+            r["fwdbwd_s"],
+            r["saved_act_bytes"],
+            r["peak_bytes"],
+        )
+        for r in st
+    ]
+    sel_rows = [SelectiveRow(r["tokens"], vp(r), 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
+    return ref, rows, sel_rows
+
+
+#: the reference blocks a calibration is fitted for, and their rows
+READERS = {"llama-7b": _llama_rows, "stdit-1.1b": _stdit_rows}
+
+
 @functools.cache
 def fit_calibration(kind: str) -> Calibration:
     """Fits the constants of `kind` ("llama-7b" or "stdit-1.1b") to the calibration rows."""
-    if kind == "llama-7b":
-        ref = LLAMA_7B
-        layer = [r for r in _load("h200_blocks.jsonl") if r["kind"] == "layer" and r["cfg"] == "llama-7b-block"]
-        b2 = _load("h200_blocks_2.jsonl")
-        mbs = [r for r in b2 if r["kind"] == "mbs" and r["cfg"] == "llama-7b-block"]
-        sel = [r for r in b2 if r["kind"] == "selective" and r["cfg"] == "llama-7b-block"]
-        # (tokens, pairs, samples, bs, recompute, time, saved, peak)
-        rows = [
-            (
-                r["L"],
-                r["L"] * (r["L"] + 1) / 2,
-                1,
-                r["recompute"],
-                r["fwdbwd_s"],
-                r["saved_act_bytes"],
-                r["peak_bytes"] - 2 * 2 * _layer_params(ref),
-            )
-            for r in layer
-        ]
-        rows += [
-            (
-                r["L"] * r["bs"],
-                r["bs"] * r["L"] * (r["L"] + 1) / 2,
-                r["bs"],
-                False,
-                r["fwdbwd_s"],
-                r["saved_act_bytes"],
-                None,
-            )
-            for r in mbs
-        ]
-        sel_rows = [(r["L"], r["L"] * (r["L"] + 1) / 2, 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
-    elif kind == "stdit-1.1b":
-        ref = STDIT_1B
-        st = [r for r in _load("h200_stdit_buckets.jsonl") if r["kind"] == "stdit"]
-        sel = [r for r in _load("h200_stdit_selective.jsonl") if r["kind"] == "stdit_selective"]
-
-        def vp(r: dict) -> float:
-            t, s = ref.latent_grid(_shape(r))
-            return float(t * s * s + s * t * t)
-
-        rows = [
-            (
-                r["tokens"] * r["bs"],
-                r["bs"] * vp(r),
-                r["bs"],
-                r["recompute"],
-                r["fwdbwd_s"],
-                r["saved_act_bytes"],
-                r["peak_bytes"],
-            )
-            for r in st
-        ]
-        sel_rows = [(r["tokens"], vp(r), 1, r["mode"], r["fwdbwd_s"], r["saved_act_bytes"]) for r in sel]
-    else:
+    if kind not in READERS:
         raise ValueError(f"no calibration named {kind!r}; known: 'llama-7b', 'stdit-1.1b'")
-
-    base = [r for r in rows if not r[3]]
-    N = np.array([r[0] for r in base], float)
-    P = np.array([r[1] for r in base], float)
-    t = np.array([r[4] for r in base], float)
+    ref, rows, sel_rows = READERS[kind]()
+    base = [r for r in rows if not r.recompute]
+    N = np.array([r.tokens for r in base], float)
+    P = np.array([r.pairs for r in base], float)
+    t = np.array([r.seconds for r in base], float)
     p, floor, a, b, err = _fit_time(N, P, t)
-
-    # recompute: extra time = phi * the sub-block's compute (smooth-maxed with its share of
-    # the floor: recomputation re-launches kernels). Fit phi_attn, phi_mlp jointly.
-    share = _attn_share(ref)
-    X, y = [], []
-    none_t = {(r[0], r[2]): r[4] for r in sel_rows if r[3] == "none"}
-    for n, pp, bs, mode, tt, _ in sel_rows:
-        if mode == "none":
-            continue
-        ca = _smoothmax(floor * share, n * a * share + pp * b, p)
-        cm = _smoothmax(floor * (1 - share), n * a * (1 - share), p)
-        X.append([ca if mode in ("attn", "full") else 0.0, cm if mode in ("mlp", "full") else 0.0])
-        y.append(tt - none_t[(n, bs)])
-    for n, pp, bs, rec, tt, _, _ in rows:  # full-recompute rows of the block tables
-        if rec:
-            match = [r[4] for r in base if r[0] == n and r[2] == bs]
-            if match:
-                ca = _smoothmax(floor * share, n * a * share + pp * b, p)
-                cm = _smoothmax(floor * (1 - share), n * a * (1 - share), p)
-                X.append([ca, cm])
-                y.append(tt - match[0])
-    Xa, ya = np.array(X), np.array(y)
-    w = 1 / np.maximum(np.abs(ya), 1e-4)
-    phi, *_ = np.linalg.lstsq(Xa * w[:, None], ya * w, rcond=None)
-    phi_attn, phi_mlp = (max(float(v), 0.0) for v in phi)
-
-    # memory per token: kept activations by part, from the selective rows (linear in tokens)
-    def per_tok(mode: str) -> float:
-        vals = [r[5] / r[0] for r in sel_rows if r[3] == mode]
-        return float(np.median(vals))
-
-    m_none, m_attn, m_mlp, m_full = (per_tok(k) for k in STATIC_MODES)
-    act_attn, act_mlp = m_none - m_attn, m_none - m_mlp
-    act_rest = m_none - act_attn - act_mlp
-    # length-independent part per sample: least squares of saved = m_none*N + c*samples
-    kept = [(r[0], r[2], r[5]) for r in rows if not r[3]]
-    c_sample = float(np.median([max(0.0, (s - m_none * n) / bs) for n, bs, s in kept]))
-    # transient: peak - kept, relative to the kept activations of the layer without recompute
-    tr_none = [
-        (pk - s) / s
-        for n, bs, rec, s, pk in ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
-        if pk is not None and not rec and n >= 4096
-    ]
-    kept_none = {(r[0], r[2]): r[5] for r in rows if not r[3]}
-    tr_rec = [
-        (pk - s) / kept_none[(n, bs)]
-        for n, bs, rec, s, pk in ((r[0], r[2], r[3], r[5], r[6]) for r in rows)
-        if pk is not None and rec and n >= 4096 and (n, bs) in kept_none
-    ]
+    phi_attn, phi_mlp = _fit_recompute(rows, sel_rows, _attn_share(ref), floor, a, b, p)
     return Calibration(
         name=kind,
         ref=ref,
@@ -202,16 +184,77 @@ def fit_calibration(kind: str) -> Calibration:
         p=p,
         phi_attn=phi_attn,
         phi_mlp=phi_mlp,
+        **_fit_memory(rows, sel_rows),
+        time_err_mean=float(err.mean()),
+        time_err_max=float(err.max()),
+        num_rows=len(base),
+    )
+
+
+def _fit_recompute(
+    rows: list[TimedRow], sel_rows: list[SelectiveRow], share: float, floor: float, a: float, b: float, p: float
+) -> tuple[float, float]:
+    """(phi_attn, phi_mlp), fitted jointly: recomputing a sub-block costs phi times its
+    compute, smooth-maxed with its share of the floor (recomputation re-launches kernels);
+    ``share``: attention's share of the layer's parameters."""
+
+    def sub_blocks(n: float, pairs: float) -> tuple[float, float]:
+        attn = _smoothmax(floor * share, n * a * share + pairs * b, p)
+        mlp = _smoothmax(floor * (1 - share), n * a * (1 - share), p)
+        return attn, mlp
+
+    X, y = [], []
+    none_t = {(r.tokens, r.samples): r.seconds for r in sel_rows if r.mode == "none"}
+    for r in sel_rows:
+        if r.mode == "none":
+            continue
+        ca, cm = sub_blocks(r.tokens, r.pairs)
+        X.append([ca if r.mode in ("attn", "full") else 0.0, cm if r.mode in ("mlp", "full") else 0.0])
+        y.append(r.seconds - none_t[(r.tokens, r.samples)])
+    for r in rows:  # full-recompute rows of the block tables
+        if r.recompute:
+            match = [q.seconds for q in rows if not q.recompute and q.tokens == r.tokens and q.samples == r.samples]
+            if match:
+                X.append(list(sub_blocks(r.tokens, r.pairs)))
+                y.append(r.seconds - match[0])
+    Xa, ya = np.array(X), np.array(y)
+    w = 1 / np.maximum(np.abs(ya), 1e-4)
+    phi, *_ = np.linalg.lstsq(Xa * w[:, None], ya * w, rcond=None)
+    phi_attn, phi_mlp = (max(float(v), 0.0) for v in phi)
+    return phi_attn, phi_mlp
+
+
+def _fit_memory(rows: list[TimedRow], sel_rows: list[SelectiveRow]) -> dict[str, float]:
+    """The memory constants of `Calibration`: activation bytes per token kept by each part
+    (from the recompute modes' rows, linear in tokens), per sample independent of length, and
+    the transient working memory of backward relative to the kept activations."""
+
+    def per_tok(mode: str) -> float:
+        vals = [r.saved / r.tokens for r in sel_rows if r.mode == mode]
+        return float(np.median(vals))
+
+    m_none, m_attn, m_mlp, m_full = (per_tok(k) for k in STATIC_MODES)
+    act_attn, act_mlp = m_none - m_attn, m_none - m_mlp
+    # length-independent part per sample: saved = m_none * tokens + c * samples
+    kept = [r for r in rows if not r.recompute]
+    c_sample = float(np.median([max(0.0, (r.saved - m_none * r.tokens) / r.samples) for r in kept]))
+    # transient: peak - kept, relative to the kept activations of the layer without recompute
+    long = [r for r in rows if r.peak is not None and r.tokens >= 4096]
+    tr_none = [(r.peak - r.saved) / r.saved for r in long if not r.recompute]
+    kept_none = {(r.tokens, r.samples): r.saved for r in kept}
+    tr_rec = [
+        (r.peak - r.saved) / kept_none[(r.tokens, r.samples)]
+        for r in long
+        if r.recompute and (r.tokens, r.samples) in kept_none
+    ]
+    return dict(
         act_attn=act_attn,
         act_mlp=act_mlp,
-        act_rest=act_rest,
+        act_rest=m_none - act_attn - act_mlp,
         act_full=m_full,
         act_per_sample=c_sample,
         transient_none=float(np.max(tr_none)),
         transient_rec=float(np.max(tr_rec)),
-        time_err_mean=float(err.mean()),
-        time_err_max=float(err.max()),
-        num_rows=len(base),
     )
 
 

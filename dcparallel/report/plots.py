@@ -10,7 +10,7 @@ policy's speedup over the tuned bucket baseline per scenario and distribution.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import matplotlib
 
@@ -21,6 +21,9 @@ from matplotlib.patches import Patch  # noqa: E402
 #: (start s, end s, kind) spans of one rank: kind "busy" | "idle" | "sync", as
 #: SimResult.rank_timeline gives; busy spans may say more: "busy sp=2", "busy sp=2 recompute"
 Span = tuple[float, float, str]
+
+#: legend label -> (colour, hatch, sort key) of the span kinds a figure draws
+Legend = dict[str, tuple[str, str | None, tuple]]
 
 COLORS = {"busy": "#2f7ed8", "idle": "#f15c80", "sync": "#434348"}
 #: busy colours by SP degree (1, 2, 4, ...), recomputing micro-batches hatched
@@ -53,6 +56,65 @@ def _step_ends(tl: Mapping[int, Sequence[Span]]) -> list[float]:
     return [t for t in ends if t < run_end - 1e-9]
 
 
+def _draw_spans(ax: Any, tl: Mapping[int, Sequence[Span]], legend: Legend) -> None:
+    """One row per rank of the panel ``ax``, its spans coloured by kind; each kind drawn goes
+    into ``legend`` (label -> colour, hatch, legend order)."""
+    thin = len(tl) > 8
+    for row, rank in enumerate(sorted(tl)):
+        for kind in sorted({k for _, _, k in tl[rank]}):
+            bars = [(a, b - a) for a, b, k in tl[rank] if k == kind and b > a]
+            if bars:
+                colour, hatch, label = _style(kind)
+                edge = "white" if kind.startswith("busy") and not thin else "none"
+                ax.broken_barh(
+                    bars,
+                    (row - 0.45, 0.9) if thin else (row - 0.4, 0.8),
+                    facecolors=colour,
+                    hatch=hatch,
+                    edgecolor=edge,
+                    linewidth=0.3,
+                )
+                legend[label] = (colour, hatch, _order(kind))
+
+
+def _draw_panel(ax: Any, name: str, tl: Mapping[int, Sequence[Span]], legend: Legend, end: float) -> None:
+    """The panel of policy ``name``: its ranks' spans, step boundaries dashed (up to 400), at
+    most about 8 ranks labelled, a title with its run time, steps and idle share; time axis
+    to ``end`` seconds."""
+    busy_total = sum(b - a for spans in tl.values() for a, b, k in spans if k.startswith("busy"))
+    idle_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "idle")
+    run_end = max((s[1] for spans in tl.values() for s in spans), default=0.0)
+    thin = len(tl) > 8
+    _draw_spans(ax, tl, legend)
+    steps = _step_ends(tl)
+    for t in steps if len(steps) <= 400 else ():
+        ax.axvline(t, color="black", linestyle=(0, (2, 2)), linewidth=0.9, zorder=3)
+    every = max(1, -(-len(tl) // 8))  # label at most ~8 ranks a panel
+    ranks = sorted(tl)
+    ax.set_yticks(range(0, len(tl), every))
+    ax.set_yticklabels([f"rank {ranks[i]}" for i in range(0, len(tl), every)], fontsize=8 if thin else 10)
+    ax.set_ylim(-0.6, len(tl) - 0.4)
+    ax.invert_yaxis()
+    share = idle_total / (busy_total + idle_total) if busy_total + idle_total else 0.0
+    ax.set_title(
+        f"{name}: {run_end:.1f} s, {len(steps) + 1} steps, ranks idle {100 * share:.0f}% of compute time",
+        loc="left",
+        fontsize=10,
+    )
+    ax.set_xlim(0, end * 1.01)
+
+
+def _legend_below(fig: Any, legend: Legend) -> None:
+    """The figure's legend below the panels: the kinds drawn, idle and sync always."""
+    for k in ("idle", "sync"):
+        legend.setdefault(_style(k)[2], (COLORS[k], None, _order(k)))
+    handles = [
+        Patch(facecolor=c, hatch=h, edgecolor="white", label=label)
+        for label, (c, h, _) in sorted(legend.items(), key=lambda x: x[1][2])
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=9, frameon=False)
+
+
 def plot_timelines(
     timelines: Mapping[str, Mapping[int, Sequence[Span]]],
     path: str | Path,
@@ -75,52 +137,11 @@ def plot_timelines(
     fig, axes = plt.subplots(
         len(names), 1, figsize=(12, fig_h), squeeze=False, sharex=True, gridspec_kw={"height_ratios": heights}
     )
-    legend: dict[str, tuple[str, str | None, tuple]] = {}
+    legend: Legend = {}
     for ax, name in zip(axes[:, 0], names):
-        tl = timelines[name]
-        busy_total = sum(b - a for spans in tl.values() for a, b, k in spans if k.startswith("busy"))
-        idle_total = sum(b - a for spans in tl.values() for a, b, k in spans if k == "idle")
-        run_end = max((s[1] for spans in tl.values() for s in spans), default=0.0)
-        thin = len(tl) > 8
-        for row, rank in enumerate(sorted(tl)):
-            for kind in sorted({k for _, _, k in tl[rank]}):
-                bars = [(a, b - a) for a, b, k in tl[rank] if k == kind and b > a]
-                if bars:
-                    colour, hatch, label = _style(kind)
-                    edge = "white" if kind.startswith("busy") and not thin else "none"
-                    ax.broken_barh(
-                        bars,
-                        (row - 0.45, 0.9) if thin else (row - 0.4, 0.8),
-                        facecolors=colour,
-                        hatch=hatch,
-                        edgecolor=edge,
-                        linewidth=0.3,
-                    )
-                    legend[label] = (colour, hatch, _order(kind))
-        steps = _step_ends(tl)
-        for t in steps if len(steps) <= 400 else ():
-            ax.axvline(t, color="black", linestyle=(0, (2, 2)), linewidth=0.9, zorder=3)
-        every = max(1, -(-len(tl) // 8))  # label at most ~8 ranks a panel
-        ranks = sorted(tl)
-        ax.set_yticks(range(0, len(tl), every))
-        ax.set_yticklabels([f"rank {ranks[i]}" for i in range(0, len(tl), every)], fontsize=8 if thin else 10)
-        ax.set_ylim(-0.6, len(tl) - 0.4)
-        ax.invert_yaxis()
-        share = idle_total / (busy_total + idle_total) if busy_total + idle_total else 0.0
-        ax.set_title(
-            f"{name}: {run_end:.1f} s, {len(steps) + 1} steps, ranks idle {100 * share:.0f}% of compute time",
-            loc="left",
-            fontsize=10,
-        )
-        ax.set_xlim(0, end * 1.01)
+        _draw_panel(ax, name, timelines[name], legend, end)
     axes[-1, 0].set_xlabel("seconds (dashed lines: step boundaries)")
-    for k in ("idle", "sync"):
-        legend.setdefault(_style(k)[2], (COLORS[k], None, _order(k)))
-    handles = [
-        Patch(facecolor=c, hatch=h, edgecolor="white", label=label)
-        for label, (c, h, _) in sorted(legend.items(), key=lambda x: x[1][2])
-    ]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=9, frameon=False)
+    _legend_below(fig, legend)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     top = 1 - (0.3 if title else 0.1) / fig_h

@@ -27,19 +27,8 @@ MAX_FUNCTION_LINES = 60
 ALLOWED: dict[str, str] = {
     "dcparallel/apps/demo_worker.py:worker": "to split",  # 134
     "dcparallel/apps/demo.py:run": "to split",  # 123
-    "dcparallel/cost/calibration_fit.py:fit_calibration": "to split",  # 121
-    "dcparallel/adapters/base.py:protocol_adapter": "to split",  # 102
-    "dcparallel/adapters/wan.py:adapter": "to split",  # 81
     "dcparallel/apps/demo_report.py:write_report": "to split",  # 79
     "dcparallel/apps/demo_worker.py:_train_once": "to split",  # 74
-    "dcparallel/report/plots.py:plot_timelines": "to split",  # 73
-    "dcparallel/adapters/vlm.py:adapter": "to split",  # 69
-    "dcparallel/adapters/ltx.py:adapter": "to split",  # 67
-    "dcparallel/adapters/flux2.py:adapter": "to split",  # 66
-    "dcparallel/adapters/qwenimage.py:adapter": "to split",  # 66
-    "dcparallel/adapters/hf.py:adapter": "to split",  # 65
-    "dcparallel/adapters/flux.py:adapter": "to split",  # 63
-    "dcparallel/adapters/latents.py:collate_latents": "to split",  # 63
 }
 
 
