@@ -186,7 +186,7 @@ class ShardedGrads:
         raise ValueError(
             "with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
             "state is ShardedAdamW's); checkpoints of sharded runs are keyed by parameter name: "
-            "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save_dcp"
+            "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save"
         )
 
     # ------------------------------------------------------------------ the engine's calls

@@ -29,7 +29,6 @@ import io
 import math
 import pickle
 import warnings
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,13 @@ STEPS_KEY = "optim/num_steps"
 
 
 def model_key(name: str) -> str:
+    """The key of parameter ``name``'s (fp32 master) values."""
     return f"model/{name}"
+
+
+def optim_key(name: str, moment: str) -> str:
+    """The key of parameter ``name``'s AdamW ``moment`` (``exp_avg``, ``exp_avg_sq``)."""
+    return f"optim/{name}/{moment}"
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -138,13 +143,26 @@ def segments(engine: Engine, opt: Any) -> list[Segment]:
     raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}")
 
 
+def _whole_state(mine: list[Segment], opt: Any) -> dict[str, Any]:
+    """The DCP state dict of one process: views of its buffers in each parameter's shape."""
+    state: dict[str, Any] = {STEPS_KEY: torch.tensor([opt.num_steps], dtype=torch.int64)}
+    for s in mine:
+        shape = s.shape or (1,)  # a 0-d parameter is stored with one dimension of 1
+        state[model_key(s.name)] = s.views["model"].view(shape)
+        state.update({optim_key(s.name, k): s.views[k].view(shape) for k in _MOMENTS})
+    return state
+
+
 def _state(engine: Engine, opt: Any) -> dict[str, Any]:
-    """The DCP state dict: one ShardedTensor per key over every rank's owned boxes."""
+    """The DCP state dict: one ShardedTensor per key over every rank's owned boxes (in one
+    process without a process group: the whole tensors)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     mine = segments(engine, opt)
+    if not comm.is_distributed():  # one process owns every element: its own tensors, whole
+        return _whole_state(mine, opt)
     device = str(mine[0].views["model"].device) if mine else str(engine.params[0].device)
     everyone = comm.all_gather_object((device, {s.name: (s.start, s.stop) for s in mine}))
     shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters() if p.requires_grad}
@@ -169,7 +187,7 @@ def _state(engine: Engine, opt: Any) -> dict[str, Any]:
         for k, shards in local.items():
             props = TensorProperties(dtype=torch.float32)
             meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(ckpt_shape), tensor_properties=props)
-            key = model_key(name) if k == "model" else f"optim/{name}/{k}"
+            key = model_key(name) if k == "model" else optim_key(name, k)
             state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
     state[STEPS_KEY] = torch.tensor([opt.num_steps], dtype=torch.int64)
     return state
@@ -180,9 +198,10 @@ def save(path: str | Path, engine: Engine, opt: Any) -> None:
     every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        _state(engine, opt), storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    )
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    with warnings.catch_warnings():  # DCP warns when it saves in one process: a world of one does
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(_state(engine, opt), storage_writer=writer, no_dist=not comm.is_distributed())
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:
@@ -192,8 +211,9 @@ def load(path: str | Path, engine: Engine, opt: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = _state(engine, opt)
-    with torch.no_grad():
-        dcp.load(state, storage_reader=SafeReader(str(path)))
+    with torch.no_grad(), warnings.catch_warnings():  # as in `save`: one process may load
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not comm.is_distributed())
         opt.num_steps = int(state[STEPS_KEY][0])
         after_load(engine, opt)
 
@@ -214,47 +234,6 @@ def after_load(engine: Engine, opt: Any) -> None:
 
 # the names the tensor-only API is also known by
 save_sharded, load_sharded = save, load
-
-
-def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any]]) -> None:
-    """Loads ZeRO-1 shards of the flat parameter vector (`runtime.zero.ZeroAdamW.state_dict`:
-    ``start``, ``stop``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``num_steps``; the per-rank
-    checkpoint format) into this engine at any shard size (collective). The flat vector holds
-    the trainable parameters in ``named_parameters`` order, whatever the shard size. ``shards``
-    may be a generator: each is used once and dropped. ValueError if they leave part of this
-    rank's state uncovered."""
-    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
-    numels = [p.numel() for n, p in engine.model.named_parameters() if p.requires_grad]
-    offset = dict(zip(names, [sum(numels[:i]) for i in range(len(numels))], strict=True))
-    mine = segments(engine, opt)
-    missing = sum(s.stop - s.start for s in mine)
-    steps = set()
-    for shard in shards:
-        if int(shard["numel"]) != sum(numels):
-            raise ValueError(
-                f"the optimizer state is for {shard['numel']} parameters but this model has "
-                f"{sum(numels)}; load a checkpoint of the same model"
-            )
-        a0, b0 = int(shard["start"]), int(shard["stop"])
-        steps.add(int(shard["num_steps"]))
-        for seg in mine:
-            lo, hi = offset[seg.name] + seg.start, offset[seg.name] + seg.stop
-            x, y = max(lo, a0), min(hi, b0)
-            if x >= y:
-                continue
-            with torch.no_grad():
-                for key, src in (("model", "master"), *((k, k) for k in _MOMENTS)):
-                    seg.views[key][x - lo : y - lo].copy_(shard[src][x - a0 : y - a0])
-            missing -= y - x
-    if missing or len(steps) != 1:
-        raise ValueError(
-            f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
-            f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
-            f"checkpoint"
-        )
-    opt.num_steps = steps.pop()
-    with torch.no_grad():
-        after_load(engine, opt)
 
 
 # ---------------------------------------------------------------- reading without an engine
@@ -334,14 +313,22 @@ def read_keys(path: str | Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def read_model(path: str | Path) -> dict[str, Tensor]:
-    """Every ``model/<name>`` tensor of a checkpoint folder, whole, on the CPU, in one process
-    (no process group needed): the trained parameters by name (fp32)."""
+def read_state(path: str | Path, prefix: str = "") -> dict[str, Tensor]:
+    """Every tensor of a checkpoint folder whose key starts with ``prefix``, whole, on the CPU,
+    in one process (no process group needed), keyed as saved (fp32; ``optim/num_steps``
+    int64)."""
     import torch.distributed.checkpoint as dcp
 
     shapes = read_keys(path)
-    state = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items() if k.startswith("model/")}
+    dtypes = {STEPS_KEY: torch.int64}
+    state = {k: torch.empty(s, dtype=dtypes.get(k, torch.float32)) for k, s in shapes.items() if k.startswith(prefix)}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
-    return {k[len("model/") :]: v for k, v in state.items()}
+    return state
+
+
+def read_model(path: str | Path) -> dict[str, Tensor]:
+    """Every ``model/<name>`` tensor of a checkpoint folder (`read_state`): the trained
+    parameters by name (fp32)."""
+    return {k[len("model/") :]: v for k, v in read_state(path, "model/").items()}

@@ -214,6 +214,27 @@ def test_checkpoints_of_either_format_resume_at_another_shard_size(workers, tmp_
             checkpoint.latest(root)
 
 
+def test_a_per_rank_checkpoint_is_refused_then_converted_and_resumes_at_shard_size_2(workers, tmp_path):
+    """A world-4 checkpoint in dcparallel 0.1's per-rank format (shard_size 1, written by a
+    copy of the old writer) is refused with the command that converts it; converted in one
+    process, it resumes with shard_size 2: the second step's parameters equal the
+    uninterrupted run's."""
+    from dcparallel import checkpoint
+    from dcparallel.apps.checkpoint_convert import convert
+
+    root = str(tmp_path / "ck")
+    straight = workers.run(sharded_cases.case_cross_format_resume, "dit", 1, root, True, per_rank=True)
+    with pytest.raises(ValueError, match=r"per-rank checkpoint format of dcparallel 0.1.*convert-checkpoint"):
+        checkpoint.latest(root)
+    assert convert(root, support.make_model("dit")) == ([1], [])
+    ck = checkpoint.latest(root)
+    assert (ck.version, ck.step, ck.world_size, ck.shard_size) == (checkpoint.VERSION, 1, 4, 1)
+    resumed = workers.run(sharded_cases.case_cross_format_resume, "dit", 2, root, False)
+    for r in range(4):
+        for name, p in straight[0].items():
+            assert rel_err(resumed[r][name], p) <= 1e-5, (r, name)
+
+
 def test_checkpoint_metadata_is_read_without_running_code(tmp_path):
     import pickle
 
