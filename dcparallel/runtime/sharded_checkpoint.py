@@ -98,49 +98,26 @@ class Segment:
     views: dict[str, Tensor]
 
 
-def _zero_segments(engine: Engine, opt: Any) -> list[Segment]:
-    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
-    lo, hi = opt._lo, min(opt._hi, engine.numel)
-    out, off = [], 0
-    for n, p in zip(names, engine.params, strict=True):
-        x, y = max(off, lo), min(off + p.numel(), hi)
-        if x < y:
-            views = {"model": opt.master[x - lo : y - lo], **{k: getattr(opt, k)[x - lo : y - lo] for k in _MOMENTS}}
-            out.append(Segment(n, tuple(p.shape), x - off, y - off, views))
-        off += p.numel()
-    return out
-
-
-def _sharded_segments(engine: Engine, opt: Any) -> list[Segment]:
-    from torch.distributed.tensor import Shard
-
-    gr = opt.grads
-    out = []
-    for n, p, local, (a, b) in zip(gr.names, gr.params, opt._locals, gr._ranges, strict=True):
-        shape = tuple(p.shape)
-        inner = math.prod(shape[1:])
-        chunk = math.ceil(shape[0] / gr.shard_size)  # FSDP2: dim 0 cut as torch.chunk does
-        row0 = min(gr.shard_index * chunk, shape[0])
-        local_shape = tuple(p.to_local().shape)
-        assert tuple(p.placements) == (Shard(0),) and local_shape[1:] == shape[1:], (n, p.placements, local_shape)
-        assert row0 + local_shape[0] <= shape[0], (n, row0, local_shape)
-        x, y = max(a, opt._lo), min(b, opt._hi)
-        if x < y:
-            views = {"model": local[x - a : y - a], **{k: getattr(opt, k)[x - opt._lo : y - opt._lo] for k in _MOMENTS}}
-            out.append(Segment(n, shape, row0 * inner + x - a, row0 * inner + y - a, views))
-    return out
-
-
 def segments(engine: Engine, opt: Any) -> list[Segment]:
-    """What this rank's optimizer owns of every trainable parameter (module docstring)."""
+    """What this rank's optimizer owns of every trainable parameter (module docstring), by
+    parameter name (the optimizer's `owned`)."""
     from dcparallel.runtime.sharded_optim import ShardedAdamW
     from dcparallel.runtime.zero import ZeroAdamW
 
     if isinstance(opt, ShardedAdamW) and opt.grads is engine.grad_sync:
-        return _sharded_segments(engine, opt)
-    if isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
-        return _zero_segments(engine, opt)
-    raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}")
+        names, params = opt.grads.names, opt.grads.params
+    elif isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
+        names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+        params = opt.flat.params
+    else:
+        raise ValueError(
+            f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}"
+        )
+    out = []
+    for o in opt.owned():
+        views = {"model": o.master, "exp_avg": o.exp_avg, "exp_avg_sq": o.exp_avg_sq}
+        out.append(Segment(names[o.index], tuple(params[o.index].shape), o.start, o.stop, views))
+    return out
 
 
 def _whole_state(mine: list[Segment], opt: Any) -> dict[str, Any]:
@@ -226,10 +203,8 @@ def after_load(engine: Engine, opt: Any) -> None:
 
     if isinstance(opt, ShardedAdamW):
         opt.sync_replicas()
-        return
-    if opt.master is not opt._param_shard:
-        opt._param_shard.copy_(opt.master)
-    comm.all_gather_shards_(engine.flat_param, engine.shard_numel)
+    else:
+        opt.sync_params()
 
 
 # the names the tensor-only API is also known by
