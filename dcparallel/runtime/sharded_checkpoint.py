@@ -14,7 +14,9 @@ sharded parameter and the moments). The owned ranges of all ranks partition ever
 so nothing is written twice and nothing is all-gathered. A flat range is cut into the few
 boxes (offsets, sizes) it covers (`flat_boxes`) and handed to DCP as a ShardedTensor whose
 local shards are views of the rank's own buffers, so DCP reads and writes in place and
-reshards on load by overlapping boxes.
+reshards on load by overlapping boxes. What a rank owns comes from its optimizer's `owned`
+(`runtime.zero.Owned`). One process without a process group (a world of one) owns every
+element and hands DCP its whole tensors, viewed in place.
 
 The metadata file of a checkpoint is read with a restricted unpickler (`SafeReader`): only
 DCP's metadata classes and torch's dtypes, so a checkpoint cannot run code when read; the

@@ -192,11 +192,12 @@ def test_loader_never_yields_a_plan_that_splits_a_block(workers):
 
 
 @pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 1)])
-def test_checkpoints_of_either_format_resume_at_another_shard_size(workers, tmp_path, saved, loaded):
-    """A shard_size-1 run's per-rank checkpoint resumed with shard_size 2 (its ZeRO-1 ranges
-    mapped onto each parameter's pieces), and a shard_size-2 run's torch.distributed.checkpoint
-    resumed with shard_size 1 (into ZeroAdamW's ranges): the second step's parameters equal the
-    uninterrupted run's. Then a torn data file makes the checkpoint unreadable, said so."""
+def test_checkpoints_of_either_shard_size_resume_at_the_other(workers, tmp_path, saved, loaded):
+    """The one checkpoint format (torch.distributed.checkpoint) of a shard_size-1 run resumed
+    with shard_size 2 (ZeroAdamW's ranges read into each parameter's pieces), and of a
+    shard_size-2 run resumed with shard_size 1 (into ZeroAdamW's ranges): the second step's
+    parameters equal the uninterrupted run's. Then a torn data file makes the checkpoint
+    unreadable, said so."""
     from dcparallel import checkpoint
 
     root = str(tmp_path / "ck")
