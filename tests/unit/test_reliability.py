@@ -456,3 +456,46 @@ def test_a_per_rank_checkpoint_is_refused_then_converted_and_resumes_bit_identic
     got = _metrics(tmp_path / "run")
     assert [m["global_step"] for m in got] == [1, 2, 3, 4, 5]
     assert [m["loss"] for m in got] == [m["loss"] for m in reference]  # bit-identical, not approximately
+
+
+def test_per_rank_conversion_refuses_what_it_cannot_convert_exactly(tmp_path):
+    """A torn per-rank folder is left as it is, with the reason; shards that leave part of the
+    flat vector uncovered, and a model of another size, are refused; a whole folder is cut
+    into the parameters' keys exactly."""
+    from dcparallel.apps.checkpoint_convert import convert, flat_state, tensors
+    from tests.checkpoint_v1 import save_per_rank
+
+    model = torch.nn.Linear(3, 2)  # 8 trainable elements
+
+    def shard(start, stop, numel=8):
+        return {"start": start, "stop": stop, "numel": numel, "num_steps": 3}
+
+    shards = [{**shard(0, 5), **{k: torch.ones(5) for k in ("master", "exp_avg", "exp_avg_sq")}}]
+    with pytest.raises(ValueError, match=r"cover \[0, 5\) of 8 elements"):
+        flat_state(shards)
+    shards.append({**shard(6, 8), **{k: torch.ones(2) for k in ("master", "exp_avg", "exp_avg_sq")}})
+    with pytest.raises(ValueError, match=r"leave elements \[5, 6\) of the flat vector uncovered"):
+        flat_state(shards)
+    whole = flat_state([{**shard(0, 9, 9), **{k: torch.ones(9) for k in ("master", "exp_avg", "exp_avg_sq")}}])
+    with pytest.raises(ValueError, match="for 9 parameters but this model trains 8; convert with the config"):
+        tensors(whole, model)
+
+    root = tmp_path / "ck"
+    flat = {k: torch.arange(8.0) for k in ("master", "exp_avg", "exp_avg_sq")}
+    payload = {"optimizer": {**shard(0, 8), **flat}, "rng": checkpoint.rng_state(), "model": model.state_dict()}
+    save_per_rank(root, 4, payload, {}, optimizer_range=(0, 8))
+    f = root / "step_00000004" / "rank0.pt"
+    f.write_bytes(f.read_bytes()[:-5])
+    done, left = convert(root, model)
+    assert done == [] and len(left) == 1 and "rank0.pt is missing, torn or not the committed file" in left[0]
+    # whole again: each parameter gets its piece of the flat vector, in named_parameters order
+    save_per_rank(root, 4, payload, {"a": 1}, optimizer_range=(0, 8))
+    assert convert(root, model) == ([4], [])
+    from dcparallel.runtime.sharded_checkpoint import read_state
+
+    ck = checkpoint.latest(root)
+    state = read_state(ck.path)
+    assert (ck.version, ck.step, ck.world_size, ck.meta) == (checkpoint.VERSION, 4, 1, {"a": 1})
+    assert torch.equal(state["model/weight"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(state["optim/bias/exp_avg_sq"], torch.tensor([6.0, 7.0]))
+    assert int(state["optim/num_steps"][0]) == 3
