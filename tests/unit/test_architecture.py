@@ -283,6 +283,12 @@ PRIVATE_ALLOWED: dict[str, dict[str, str]] = {
     "dcparallel.apps.presets": {
         "_from_config": "transformers' constructor from a config that takes attn_implementation",
     },
+    "dcparallel.apps.train_checkpoint": {
+        "_from_config": "transformers' constructor from a config: the export's copy on the meta device",
+    },
+    "dcparallel.apps.train_lora": {
+        "_from_config": "transformers' constructor from a config: the merged export's copy",
+    },
     "dcparallel.integrations.hf_trainer": {
         "_init_training_state": "the transformers Trainer method the subclass extends (a resume inside an epoch)",
     },
@@ -318,14 +324,23 @@ PRIVATE_ALLOWED: dict[str, dict[str, str]] = {
 
 
 def private_attrs(source: str) -> list[tuple[int, str, str]]:
-    """(line, name, expression) of every ``x._name`` in ``source`` where ``x`` is not
-    ``self`` or ``cls`` (dunder names aside): a read or write of another object's private
+    """(line, name, expression) of every ``x._name`` in ``source`` (dunder names aside) where
+    ``x`` is not the ``self`` or ``cls`` of an enclosing method (its first parameter; a local
+    variable named ``cls`` is any other object): a read or write of another object's private
     state."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+
+    def visit(node: ast.AST, own: frozenset[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = (node.args.posonlyargs + node.args.args)[:1]
+            own = own | {a.arg for a in first if a.arg in ("self", "cls")}
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            if not (isinstance(node.value, ast.Name) and node.value.id in own):
                 out.append((node.lineno, node.attr, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(ast.parse(source), frozenset())
     return out
 
 
@@ -350,6 +365,9 @@ def test_the_private_state_rule_catches_a_read_anywhere_in_the_package():
     module = "dcparallel.runtime.sharded_checkpoint"
     planted = sources[module] + "\n\ndef first_owned(opt):\n    return opt._lo\n"
     assert private_reads(planted, PRIVATE_ALLOWED[module]) == [f"line {planted.count(chr(10))}: opt._lo"]
+    # ``cls`` is a method's own class only where it is the method's first parameter
+    assert private_reads("def f(model):\n    cls = type(model)\n    return cls._x\n") == ["line 3: cls._x"]
+    assert private_reads("class A:\n    @classmethod\n    def f(cls):\n        return lambda: cls._x\n") == []
     # a name allowed in one module is not allowed in another
     assert private_reads("import os\nos._exit(0)\n", PRIVATE_ALLOWED.get("dcparallel.checkpoint")) == [
         "line 2: os._exit"
