@@ -61,7 +61,7 @@ def test_start_planning_starts_the_process_the_first_epoch_uses():
     assert len(list(ld)) == len(ld) and ld.idle_workers == [worker]
     thread = make(ds, lens, planning="thread")
     thread.start_planning()
-    assert thread._idle_workers == []
+    assert thread.idle_workers == []
 
 
 def test_a_cost_model_the_planning_process_cannot_import_is_a_clear_error(tmp_path, monkeypatch):
