@@ -211,10 +211,10 @@ def latest(root: str | Path) -> Committed | None:
     if not reasons and not any(steps_by_rank):
         return None
     seen = "; ".join(reasons) or f"the ranks see steps {[sorted(s) for s in steps_by_rank]}"
-    raise ValueError(
-        f"the checkpoint folder {root} holds no checkpoint every rank can read: {seen}. "
-        f"Delete the broken folders (or the whole folder to start over)"
-    )
+    fix = "Delete the broken folders (or the whole folder to start over)"
+    if reasons and all(CONVERT_HINT in w for w in reasons):  # old folders only: converted, not deleted
+        fix = "Do not delete them: convert them as said"
+    raise ValueError(f"the checkpoint folder {root} holds no checkpoint every rank can read: {seen}. {fix}")
 
 
 def _begin(root: Path, step: int) -> Path:
