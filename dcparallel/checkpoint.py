@@ -1,40 +1,37 @@
-"""Crash-consistent sharded checkpoints that any world size can load.
+"""Crash-consistent checkpoints that any world size and shard size can load.
 
 Layout under the checkpoint folder::
 
     step_00000006/           a committed checkpoint (the name appears only once it is whole)
-      rank0.pt ... rankN.pt  one file per rank of the world that saved it
-      COMMIT.json            step, world size, each file's bytes + sha256 + optimizer range,
-                             and the caller's metadata (config, profile fingerprint, loader)
+      .metadata              torch.distributed.checkpoint's index of the tensors
+      __0_0.distcp ...       one data file per rank of the world that saved it
+      rng0.pt ... rngN.pt    each rank's RNG states
+      COMMIT.json            step, world size, shard size, every file's bytes + sha256, and the
+                             caller's metadata (config, profile fingerprint, loader)
     step_00000008.tmp/       being written (or torn by a crash: ignored, removed on next save)
 
-Saving (`save`, every rank together): rank 0 clears a stale temporary folder; each rank
-writes ``rankR.pt.part``, fsyncs and renames it to ``rankR.pt``; the ranks' (bytes, sha256)
-reach rank 0 in one gather; rank 0 writes ``COMMIT.json`` (temp + rename), renames the folder
-to its final name (the commit) and only then deletes checkpoints older than the ``keep``
-newest (and folders of later steps: torn leftovers of the attempt the run resumed from); a
-barrier ends the save. A crash at any point leaves the previous checkpoint intact.
+The tensors are written by `torch.distributed.checkpoint`, keyed by parameter name
+(`dcparallel.runtime.sharded_checkpoint`: each rank writes the pieces its optimizer owns), for
+every shard size including 1; one format (``version`` 2 of the marker) is written.
+
+Saving (`save`, every rank together): rank 0 clears a stale temporary folder; the caller's
+``write(folder)`` writes the tensors, each rank its ``rngR.pt`` (fsynced, renamed into place);
+the ranks' (bytes, sha256) of their own files reach rank 0 in one gather; rank 0 writes
+``COMMIT.json`` (temp + rename), renames the folder to its final name (the commit) and only
+then deletes checkpoints older than the ``keep`` newest (and folders of later steps: torn
+leftovers of the attempt the run resumed from); a barrier ends the save. A crash at any point
+leaves the previous checkpoint intact.
 
 Loading (`latest`, every rank together): each rank lists the committed folders newest first
-and checks each (marker readable, every file present with its recorded size, the files this
-rank will read match their sha256, each file's own step and rank match); the ranks gather
-which steps they found valid and take the newest valid on *every* rank, so all ranks resume
-from the same step. Torn, partial or mixed folders are skipped with a warning naming why.
-Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only.
+and checks each (marker readable, every file present with its recorded size, its share of
+the files against their sha256: file i on rank i mod W); the ranks gather which steps they
+found valid and take the newest valid on *every* rank, so all ranks resume from the same
+step. Torn, partial or mixed folders are skipped with a warning naming why. The RNG files
+are read with ``torch.load(weights_only=True)``: tensors and plain containers only.
 
-Two layouts share this protocol (the marker's ``version``):
-
-- version 1, per-rank files (``save``): ``rankR.pt`` holds rank R's payload (rank 0 also the
-  model); the optimizer state is ZeRO-1 ranges of the flat parameter vector. Written by
-  runs with shard_size 1.
-- version 2, `torch.distributed.checkpoint` (``save_dcp``): the tensors keyed by parameter
-  name (`dcparallel.runtime.sharded_checkpoint`: DCP's ``.metadata`` and one ``__R_0.distcp``
-  per rank) plus ``rngR.pt`` per rank; the marker also lists every file's bytes + sha256 and
-  the shard size. Written by runs with shard_size > 1. When such a checkpoint is verified,
-  the ranks split the sha256 checks of its files between them (file i on rank i mod W), and
-  `latest` takes a step only if every rank found its share whole.
-
-Both load at any world size and shard size (`dcparallel.apps.train_checkpoint`).
+A folder in the per-rank format of dcparallel 0.1 (``version`` 1: ``rankR.pt`` files) is not
+loaded: `verify` refuses it with the command that converts it in place
+(`dcparallel.apps.checkpoint_convert`, kept for one release).
 """
 
 from __future__ import annotations
@@ -59,15 +56,22 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMMIT.json"
 SCHEMA = "dcparallel.checkpoint"
-VERSION = 1  # per-rank files
-VERSION_DCP = 2  # torch.distributed.checkpoint
+VERSION = 2  # torch.distributed.checkpoint, every shard size
+VERSION_DCP = VERSION  # the name tests and tools also use
+VERSION_PER_RANK = 1  # dcparallel 0.1's per-rank files: refused, converted by apps.checkpoint_convert
+
+CONVERT_HINT = (
+    "convert it once, in place, in one process: dcparallel convert-checkpoint --config <the "
+    "run's config> (or dcparallel.apps.checkpoint_convert.convert(root, model))"
+)
 
 
-def _step_dir(root: Path, step: int) -> Path:
+def step_dir(root: Path, step: int) -> Path:
+    """The folder of the committed checkpoint of ``step`` under ``root``."""
     return root / f"step_{step:08d}"
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -88,7 +92,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write: Callable[[Any], Any]) -> None:
+    """``write(f)`` into ``path.part``, fsynced, then renamed to ``path``."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
         write(f)
@@ -119,22 +124,8 @@ class Committed:
         return int(self.marker.get("shard_size", 1))
 
     def load_rng(self, rank: int) -> dict:
-        """Rank ``rank``'s RNG states (`rng_state`) as saved."""
-        if self.version == VERSION:
-            return self.load(rank)["rng"]
+        """Rank ``rank``'s RNG states (`rng_state`) as saved (tensors and containers only)."""
         return torch.load(self.path / f"rng{rank}.pt", map_location="cpu", weights_only=True)
-
-    def load(self, rank: int) -> dict:
-        """Rank ``rank``'s file of this checkpoint (tensors and containers only)."""
-        return torch.load(self.path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
-
-    def ranks_overlapping(self, start: int, stop: int) -> list[int]:
-        """The saved ranks whose optimizer range overlaps ``[start, stop)``."""
-        return [
-            int(r)
-            for r, f in sorted(self.marker["files"].items(), key=lambda kv: int(kv[0]))
-            if max(start, f["start"]) < min(stop, f["stop"])
-        ]
 
 
 def committed_steps(root: str | Path) -> list[int]:
@@ -149,71 +140,59 @@ def committed_steps(root: str | Path) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def verify(
-    root: str | Path, step: int, read_ranks: list[int] | None = None, *, hash_files: bool = True
-) -> tuple[Committed | None, str]:
-    """(the checkpoint, "") if the folder of ``step`` is whole, else (None, why not). Version 1:
-    files in ``read_ranks`` (default all) are also checked against their sha256; version 2:
-    this rank's share of the files (file i on rank i mod W). ``hash_files`` False: sizes only."""
-    d = _step_dir(Path(root), step)
+def read_marker(folder: Path, step: int) -> tuple[dict | None, str]:
+    """(the commit marker of the step folder ``folder``, "") or (None, why it is unreadable or
+    not a marker of ``step``)."""
     try:
-        marker = json.loads((d / MARKER).read_text())
+        marker = json.loads((folder / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        return None, f"{d}: no readable commit marker ({exc.__class__.__name__}: {exc})"
-    if (
-        marker.get("schema") != SCHEMA
-        or marker.get("version") not in (VERSION, VERSION_DCP)
-        or marker.get("step") != step
-    ):
-        return None, f"{d}: the commit marker is not a version-{VERSION} or -{VERSION_DCP} marker of step {step}"
-    world = int(marker["world_size"])
+        return None, f"{folder}: no readable commit marker ({exc.__class__.__name__}: {exc})"
+    if marker.get("schema") != SCHEMA or marker.get("step") != step or not isinstance(marker.get("version"), int):
+        return None, f"{folder}: the commit marker is not a dcparallel checkpoint marker of step {step}"
+    return marker, ""
+
+
+def verify(root: str | Path, step: int, *, hash_files: bool = True) -> tuple[Committed | None, str]:
+    """(the checkpoint, "") if the folder of ``step`` is whole, else (None, why not): every
+    file present with its committed size and this rank's share of them (file i on rank i mod
+    W) matching its sha256 (``hash_files`` False: sizes only). A per-rank (version 1) folder
+    is refused with the command that converts it."""
+    d = step_dir(Path(root), step)
+    marker, why = read_marker(d, step)
+    if marker is None:
+        return None, why
+    if marker["version"] == VERSION_PER_RANK:
+        return (
+            None,
+            f"{d} is in the per-rank checkpoint format of dcparallel 0.1, which is no longer read; {CONVERT_HINT}",
+        )
+    if marker["version"] != VERSION:
+        return None, f"{d}: the commit marker is of version {marker['version']}, this dcparallel reads {VERSION}"
     files = marker.get("files", {})
-    if marker["version"] == VERSION_DCP:
-        names = sorted(files)
-        for name in names:
-            p = d / name
-            if not p.exists():
-                return None, f"{d}: {name} is missing"
-            if p.stat().st_size != files[name]["bytes"]:
-                return None, (
-                    f"{d}: {name} has {p.stat().st_size} bytes, {files[name]['bytes']} were committed (torn write?)"
-                )
-        rank, now = comm.world_rank(), comm.world_size()
-        for name in names[rank::now] if hash_files else []:
-            if _sha256(d / name) != files[name]["sha256"]:
-                return None, f"{d}: {name} does not match its committed sha256 (overwritten or corrupt)"
-        return Committed(d, step, world, marker), ""
-    if sorted(int(r) for r in files) != list(range(world)):
-        return None, f"{d}: the marker lists ranks {sorted(files)} for a world of {world}"
-    for r, f in files.items():
-        p = d / f"rank{r}.pt"
+    names = sorted(files)
+    for name in names:
+        p = d / name
         if not p.exists():
-            return None, f"{d}: {p.name} is missing"
-        size = p.stat().st_size
-        if size != f["bytes"]:
-            return None, f"{d}: {p.name} has {size} bytes, {f['bytes']} were committed (torn write?)"
-    for r in (range(world) if read_ranks is None else read_ranks) if hash_files else []:
-        if r < world and _sha256(d / f"rank{r}.pt") != files[str(r)]["sha256"]:
-            return None, f"{d}: rank{r}.pt does not match its committed sha256 (overwritten or corrupt)"
-    return Committed(d, step, world, marker), ""
+            return None, f"{d}: {name} is missing"
+        if p.stat().st_size != files[name]["bytes"]:
+            return None, (
+                f"{d}: {name} has {p.stat().st_size} bytes, {files[name]['bytes']} were committed (torn write?)"
+            )
+    rank, now = comm.world_rank(), comm.world_size()
+    for name in names[rank::now] if hash_files else []:
+        if sha256(d / name) != files[name]["sha256"]:
+            return None, f"{d}: {name} does not match its committed sha256 (overwritten or corrupt)"
+    return Committed(d, step, int(marker["world_size"]), marker), ""
 
 
-def latest(root: str | Path, reads: Any = None) -> Committed | None:
+def latest(root: str | Path) -> Committed | None:
     """The newest checkpoint that is whole on every rank (collective: call on every rank
-    together), or None when there is none at all. ``reads(marker) -> ranks`` says which
-    files this rank will read (checked against their sha256; default: all).
+    together), or None when there is none at all.
 
     Raises ValueError if committed folders exist but none is valid on every rank."""
     valid, why = [], []
     for step in committed_steps(root):  # at most `keep` of them, plus stale ones
-        read_ranks = None
-        if reads is not None:
-            try:
-                marker = json.loads((_step_dir(Path(root), step) / MARKER).read_text())
-                read_ranks = list(reads(marker)) if marker.get("version") == VERSION else None
-            except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-                read_ranks = None  # verify() reports the unreadable marker
-        ck, reason = verify(root, step, read_ranks)
+        ck, reason = verify(root, step)
         (valid.append(step) if ck is not None else why.append(reason))
     everyone = comm.all_gather_object((valid, why))
     reasons = sorted({w for _, ws in everyone for w in ws})
@@ -232,40 +211,15 @@ def latest(root: str | Path, reads: Any = None) -> Committed | None:
     if not reasons and not any(steps_by_rank):
         return None
     seen = "; ".join(reasons) or f"the ranks see steps {[sorted(s) for s in steps_by_rank]}"
-    raise ValueError(
-        f"the checkpoint folder {root} holds no checkpoint every rank can read: {seen}. "
-        f"Delete the broken folders (or the whole folder to start over)"
-    )
-
-
-def _refuse_sharded(payload: Mapping[str, Any]) -> None:
-    """This format holds replicated parameters (saved by rank 0) and ZeRO-1 ranges of one flat
-    vector: parameters sharded in blocks (DTensors, shard_size > 1) or a ShardedAdamW state
-    would be saved incomplete, so they are refused."""
-    from torch.distributed.tensor import DTensor
-
-    def walk(x: Any) -> bool:
-        if isinstance(x, DTensor):
-            return True
-        if isinstance(x, Mapping):
-            shard = x.get("shard")
-            return (isinstance(shard, Mapping) and "shard_size" in shard) or any(walk(v) for v in x.values())
-        if isinstance(x, (list, tuple)):
-            return any(walk(v) for v in x)
-        return False
-
-    if walk(payload):
-        raise ValueError(
-            "this checkpoint holds parameter-sharded state (shard_size > 1: FSDP DTensors or a "
-            "ShardedAdamW state), which the per-rank format (version 1) would save incomplete; save "
-            "a sharded run with checkpoint.save_dcp and runtime.sharded_checkpoint.save (dcparallel "
-            "train does)"
-        )
+    fix = "Delete the broken folders (or the whole folder to start over)"
+    if reasons and all(CONVERT_HINT in w for w in reasons):  # old folders only: converted, not deleted
+        fix = "Do not delete them: convert them as said"
+    raise ValueError(f"the checkpoint folder {root} holds no checkpoint every rank can read: {seen}. {fix}")
 
 
 def _begin(root: Path, step: int) -> Path:
     """The empty temporary folder of ``step`` (collective; rank 0 clears a stale one)."""
-    tmp = _step_dir(root, step).with_name(f"step_{step:08d}.tmp")
+    tmp = step_dir(root, step).with_name(f"step_{step:08d}.tmp")
     if comm.world_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -275,106 +229,76 @@ def _begin(root: Path, step: int) -> Path:
     return tmp
 
 
-def _publish(root: Path, step: int, tmp: Path, marker: dict, keep: int) -> Path:
+def _publish(root: Path, step: int, tmp: Path, marker: dict, keep: int | None) -> Path:
     """Rank 0: writes the marker, renames the folder (the commit), then drops later and
-    older folders; a barrier on every rank ends the save."""
-    final = _step_dir(root, step)
+    older folders (``keep`` None: none); a barrier on every rank ends the save."""
+    final = step_dir(root, step)
     if comm.world_rank() == 0:
-        _write_atomic(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        write_atomic(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
         _fsync_dir(tmp)
         if final.exists():  # a stale copy of the same step (a replayed step): replaced whole
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         # folders of later steps are torn leftovers (the run resumed from an earlier step)
-        for later in [s for s in committed_steps(root) if s > step]:
-            shutil.rmtree(_step_dir(root, later), ignore_errors=True)
-        for old in committed_steps(root)[keep:]:
-            shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+        for later in [s for s in committed_steps(root) if s > step] if keep is not None else []:
+            shutil.rmtree(step_dir(root, later), ignore_errors=True)
+        for old in committed_steps(root)[keep:] if keep is not None else []:
+            shutil.rmtree(step_dir(root, old), ignore_errors=True)
     comm.barrier()
     return final
 
 
+def _owned(tmp: Path, rank: int, world: int) -> list[Path]:
+    """The files of ``tmp`` rank ``rank`` wrote (in a one-process world: all of them)."""
+    return [
+        p
+        for p in tmp.iterdir()
+        if world == 1
+        or p.name == f"rng{rank}.pt"
+        or p.name.startswith(f"__{rank}_")
+        or (rank == 0 and p.name == ".metadata")
+    ]
+
+
 def save(
-    root: str | Path,
-    step: int,
-    payload: Mapping[str, Any],
-    meta: Mapping[str, Any],
-    *,
-    optimizer_range: tuple[int, int],
-    keep: int = 2,
-) -> Path:
-    """Writes this rank's ``payload`` as part of the checkpoint of ``step`` (collective;
-    version 1). ``optimizer_range``: the flat range [start, stop) of the optimizer shard in
-    the payload. ``meta`` (JSON-serializable) goes into the commit marker. Keeps the ``keep``
-    newest."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1; got {keep}")
-    _refuse_sharded(payload)
-    r = Path(root)
-    rank, world = comm.world_rank(), comm.world_size()
-    tmp = _begin(r, step)
-    path = tmp / f"rank{rank}.pt"
-    _write_atomic(path, lambda f: torch.save(dict(payload), f))
-    info = {
-        "bytes": path.stat().st_size,
-        "sha256": _sha256(path),
-        "start": optimizer_range[0],
-        "stop": optimizer_range[1],
-    }
-    infos = comm.all_gather_object(info)
-    if rank == 0:
-        missing = [i for i in range(world) if not (tmp / f"rank{i}.pt").exists()]
-        if missing:
-            raise RuntimeError(
-                f"checkpoint of step {step}: ranks {missing} wrote no file into {tmp}; is {r} a "
-                f"folder every rank shares?"
-            )
-    marker = {
-        "schema": SCHEMA,
-        "version": VERSION,
-        "step": step,
-        "world_size": world,
-        "files": {str(i): x for i, x in enumerate(infos)},
-        "meta": dict(meta),
-    }
-    return _publish(r, step, tmp, marker, keep)
-
-
-def save_dcp(
     root: str | Path,
     step: int,
     write: Callable[[Path], None],
     meta: Mapping[str, Any],
     *,
     shard_size: int,
-    keep: int = 2,
+    keep: int | None = 2,
+    saved_world: int | None = None,
 ) -> Path:
-    """Writes the checkpoint of ``step`` in version 2 (collective): ``write(folder)`` saves
-    the tensors through `torch.distributed.checkpoint` (every rank), each rank adds its RNG
-    states (``rngR.pt``), then the marker lists every file with its bytes and sha256 (each
-    rank hashes its own). Keeps the ``keep`` newest."""
-    if keep < 1:
+    """Writes the checkpoint of ``step`` (collective): ``write(folder)`` saves the tensors
+    through `torch.distributed.checkpoint` (every rank), each rank adds its RNG states
+    (``rngR.pt``), then the marker lists every file with its bytes and sha256 (each rank
+    hashes its own). ``meta`` (JSON-serializable) goes into the marker. Keeps the ``keep``
+    newest (None: removes no other folder). ``saved_world``: the world size the marker
+    records when one process writes a whole checkpoint of a larger world (``write`` then
+    writes every rank's RNG file too: the conversion of an old folder)."""
+    if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1; got {keep}")
     r = Path(root)
     rank, world = comm.world_rank(), comm.world_size()
+    if saved_world is not None and world != 1:
+        raise ValueError(f"a whole checkpoint of a world of {saved_world} is written by one process, not {world}")
     tmp = _begin(r, step)
     write(tmp)
-    _write_atomic(tmp / f"rng{rank}.pt", lambda f: torch.save(rng_state(), f))
-    mine = [
-        p
-        for p in tmp.iterdir()
-        if p.name == f"rng{rank}.pt" or p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")
-    ]
-    infos = comm.all_gather_object({p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in mine})
+    if saved_world is None:
+        write_atomic(tmp / f"rng{rank}.pt", lambda f: torch.save(rng_state(), f))
+    infos = comm.all_gather_object(
+        {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in _owned(tmp, rank, world)}
+    )
     files = {k: v for x in infos for k, v in x.items()}
     if rank == 0 and ".metadata" not in files:
         raise RuntimeError(f"checkpoint of step {step}: torch.distributed.checkpoint wrote no .metadata into {tmp}")
     marker = {
         "schema": SCHEMA,
-        "version": VERSION_DCP,
+        "version": VERSION,
         "step": step,
-        "world_size": world,
+        "world_size": saved_world or world,
         "shard_size": shard_size,
         "files": files,
         "meta": dict(meta),

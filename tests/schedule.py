@@ -46,6 +46,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_hf_attention_keywords.py": 40,
     "tests/unit/test_loader_properties.py": 35,
     "tests/unit/test_dcp_expand.py": 33,
+    "tests/unit/test_reliability.py": 25,  # a dozen short `dcparallel train` runs at world 1
     "tests/unit/test_profile.py": 30,
     "tests/unit/test_dcp_mixes.py": 20,
     "tests/unit/test_scenarios.py": 19,

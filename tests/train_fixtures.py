@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from dcparallel.runtime.sharded_checkpoint import read_model
+
 SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -245,7 +247,8 @@ def check_chat_run(root: Path, max_grad_norm: float = 1.0) -> list[dict]:
     exported = AutoModelForCausalLM.from_pretrained(root / "final", local_files_only=True).eval()
     trained = AutoModelForCausalLM.from_pretrained(root / "model", local_files_only=True).eval()
     last = sorted((run / "checkpoint").glob("step_*"))[-1]
-    trained.load_state_dict(torch.load(last / "rank0.pt", weights_only=True)["model"])  # the engine's weights
+    missing, unexpected = trained.load_state_dict(read_model(last), strict=False)  # the engine's trained weights
+    assert not unexpected and not set(missing) & set(dict(trained.named_parameters())), (missing, unexpected)
     tok = AutoTokenizer.from_pretrained(root / "final", local_files_only=True)
     ids = torch.tensor(
         [tok.apply_chat_template(conversations(1, seed=9)[0]["messages"], tokenize=True, return_dict=True)["input_ids"]]

@@ -15,7 +15,7 @@ something new fails loudly instead of training wrongly.
 call sites and fails on a keyword that is on neither list.
 
 The runtime's attention (`dcparallel.runtime.ulysses.UlyssesAttention`, installed on each
-attention module as ``_dcp_attention``) applies causality and the packed row's document
+attention module as ``dcparallel_attention``) applies causality and the packed row's document
 boundaries itself; transformers builds no mask for a name its mask registry does not know.
 """
 
@@ -172,7 +172,7 @@ def hf_attention(
     """transformers' attention signature: q (B, H, L, Dqk), k (B, H_kv, L, Dqk), v (B, H_kv,
     L, Dv) -> ((B, L, H, Dv), no weights), through the runtime attention installed on
     ``module``; see the module docstring for the keywords."""
-    fn = getattr(module, "_dcp_attention", None)
+    fn = getattr(module, "dcparallel_attention", None)
     if fn is None:
         raise RuntimeError(
             f"{type(module).__name__} runs dcparallel's attention but none was installed; wrap the "

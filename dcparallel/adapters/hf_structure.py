@@ -338,4 +338,4 @@ def set_block_attention(fn: Any, blocks: Any, attn_of: Any, limits: dict[int, An
     for b in blocks:
         for m in attn_of(b):
             limit = limits[id(m)]
-            m._dcp_attention = fn if limit is None else DocumentLimit(fn, *limit)
+            m.dcparallel_attention = fn if limit is None else DocumentLimit(fn, *limit)

@@ -1,4 +1,4 @@
-"""`dcparallel` command line: simulate | plan | profile | train | export | demo.
+"""`dcparallel` command line: simulate | plan | profile | train | export | convert-checkpoint | demo.
 
 Machine-readable output (`--json`) is one JSON object on one line, last on stdout;
 progress and logs go to stderr.
@@ -40,6 +40,14 @@ def _export(path: Path, out: Path | None, step: int | None) -> int:
     return 0
 
 
+def _convert(path: Path) -> int:
+    from dcparallel.apps.train_export import convert_run
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    print(f"converted steps {convert_run(path)}")
+    return 0
+
+
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -74,6 +82,14 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="the directory to write (default: out_dir/export/step_N)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest committed)")
     p.set_defaults(func=lambda a: _export(a.config, a.out, a.step))
+
+
+def _add_convert_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert-checkpoint", help="a run's per-rank checkpoints of dcparallel 0.1 rewritten in place in the one format"
+    )
+    p.add_argument("--config", required=True, type=Path, help="the run's TOML file (its out_dir holds the checkpoints)")
+    p.set_defaults(func=lambda a: _convert(a.config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _add_train_parser(sub)
     _add_export_parser(sub)
+    _add_convert_parser(sub)
 
     p = sub.add_parser("demo", help="the main job: real 2-rank training per policy, predicted and reported")
     demo.add_arguments(p)

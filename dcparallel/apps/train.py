@@ -22,8 +22,8 @@ step's sample ids), a progress bar on rank 0, the same metrics as JSONL in
 ``out_dir/metrics.jsonl`` and, with ``[log]``, TensorBoard / W&B (`apps.train_log`), events (start, resume,
 skipped step, finish) in ``out_dir/events.jsonl``, and a crash-consistent
 checkpoint (`dcparallel.checkpoint`: model, optimizer state, loader position, RNG states,
-config, profile fingerprint; per-rank files with shard_size 1, torch.distributed.checkpoint
-keyed by parameter name with shard_size > 1) every ``checkpoint_every`` steps and at the
+config, profile fingerprint; torch.distributed.checkpoint keyed by parameter name, at every
+shard size) every ``checkpoint_every`` steps and at the
 end, in ``out_dir/checkpoint/``.
 
 Started again, a run resumes from its newest committed checkpoint, at any world size and

@@ -1,13 +1,11 @@
 """How `dcparallel train` saves and resumes its tensors, and exports the trained model.
 
-Checkpoints (`dcparallel.checkpoint`): a run with shard_size 1 writes the per-rank format
-(version 1: rank 0's model state dict without frozen parameters, every rank's ZeRO-1 range
-of the flat optimizer state);
-a run with shard_size > 1 writes `torch.distributed.checkpoint` (version 2: every tensor keyed
-by parameter name, `runtime.sharded_checkpoint`). Either loads at any world size and any
-shard size: version 2 through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`), version 1
-at shard size 1 as the ZeRO-1 shards it is and at shard size > 1 by mapping each parameter's
-flat range onto the shards (`sharded_checkpoint.load_flat_shards`).
+Checkpoints (`dcparallel.checkpoint`): `torch.distributed.checkpoint` for every shard size,
+every tensor keyed by parameter name (`runtime.sharded_checkpoint`: the fp32 master values and
+the AdamW moments each rank's optimizer owns); they load at any world size and any shard size
+through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`). A LoRA run's checkpoint holds
+the adapters only (the trainable parameters); the frozen base comes back from the model as
+built.
 
 Export: ``save_pretrained`` (+ tokenizer) for transformers and diffusers models, a
 ``model.safetensors`` file of the state dict for other models, the PEFT adapter folder for a
@@ -37,79 +35,19 @@ from dcparallel.runtime import sharded_checkpoint as dcp_tensors
 log = logging.getLogger("dcparallel.train")
 
 
-def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int, optimizer_range: tuple[int, int]) -> Path:
-    """The run's checkpoint of ``step`` (collective): version 1 with shard_size 1, else 2."""
-    if dc.shard_size == 1:
-        payload = {
-            "step": step,
-            "rank": comm.world_rank(),
-            "world_size": comm.world_size(),
-            "optimizer": opt.state_dict(),
-            "rng": checkpoint.rng_state(),
-        }
-        if comm.world_rank() == 0:
-            payload["model"] = model_state(dc.model)
-        return checkpoint.save(root, step, payload, meta, optimizer_range=optimizer_range, keep=keep)
-    return checkpoint.save_dcp(
+def save(root: Path, step: int, dc, opt, meta: dict, *, keep: int) -> Path:
+    """The run's checkpoint of ``step`` (collective; module docstring)."""
+    return checkpoint.save(
         root, step, lambda path: dcp_tensors.save(path, dc.engine, opt), meta, shard_size=dc.shard_size, keep=keep
     )
 
 
-def _frozen(model: nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rank 0's model tensors of a version-1 checkpoint: the state dict without the frozen
-    parameters (a LoRA's base: they come back from the model as built, the pretrained
-    directory), so a LoRA run's checkpoint holds its adapters, not a copy of the base."""
-    frozen = _frozen(model)
-    return {k: v for k, v in model.state_dict().items() if k not in frozen}
-
-
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
-    """`model_state`'s tensors into ``model``: every key but the frozen parameters must be
-    there (a ValueError names what is missing or foreign)."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = sorted(set(missing) - _frozen(model))
-    if missing or unexpected:
-        raise ValueError(
-            f"the checkpoint {where} does not fit this model: missing {missing[:5]}, foreign "
-            f"{sorted(unexpected)[:5]}; resume or export with the config the run was trained with"
-        )
-
-
-def reads(marker: dict, rank: int, optimizer_range: tuple[int, int] | None) -> list[int] | None:
-    """The files of a version-1 checkpoint this rank will read (checked against their sha256):
-    rank 0's (the model), its own, and those overlapping its optimizer range; None (every
-    file) with shard_size > 1, which reads every shard."""
-    if optimizer_range is None:
-        return None
-    lo, hi = optimizer_range
-    files = marker["files"]
-    over = [int(r) for r, f in files.items() if max(lo, f["start"]) < min(hi, f["stop"])]
-    return sorted({0, *over, *([rank] if str(rank) in files else [])})
-
-
-def load(ck: checkpoint.Committed, dc, opt, optimizer_range: tuple[int, int] | None) -> None:
+def load(ck: checkpoint.Committed, dc, opt) -> None:
     """The checkpoint's parameters and optimizer state into ``dc`` / ``opt``, and this rank's
     RNG states when the world size is the checkpoint's (collective)."""
-    rank = comm.world_rank()
-    if ck.version == checkpoint.VERSION_DCP:
-        dcp_tensors.load(ck.path, dc.engine, opt)
-    elif dc.shard_size == 1:
-        lo, hi = optimizer_range
-        zero = ck.load(0)
-        load_model_state(dc.model, zero["model"], ck.path)
-        opt.load_state_dict(
-            [zero["optimizer"] if r == 0 else ck.load(r)["optimizer"] for r in ck.ranks_overlapping(lo, hi)]
-            if hi > lo
-            else [zero["optimizer"]]
-        )
-    else:
-        dcp_tensors.load_flat_shards(dc.engine, opt, (ck.load(r)["optimizer"] for r in range(ck.world_size)))
+    dcp_tensors.load(ck.path, dc.engine, opt)
     if ck.world_size == comm.world_size():
-        checkpoint.set_rng_state(ck.load_rng(rank))
+        checkpoint.set_rng_state(ck.load_rng(comm.world_rank()))
 
 
 # ---------------------------------------------------------------- export
@@ -184,24 +122,21 @@ def export(cfg, dc, tokenizer: Any, path: Path | None) -> Path | None:
 def export_checkpoint(
     ck: checkpoint.Committed, model: nn.Module, family: str, path: Path, tokenizer: Any = None, merged: bool = False
 ) -> Path:
-    """Exports a committed checkpoint of any version and shard size (one process, no process
-    group): ``model`` is the run's model as built at its start (its non-trained state); the
+    """Exports a committed checkpoint of any shard size (one process, no process group):
+    ``model`` is the run's model as built at its start (its non-trained state); the
     checkpoint's trained parameters replace its own."""
     dtype = next(model.parameters()).dtype
-    if ck.version == checkpoint.VERSION_DCP:
-        trained = dcp_tensors.read_model(ck.path)
-        params = dict(model.named_parameters())
-        unknown = sorted(set(trained) - set(params))
-        if unknown:
-            raise ValueError(
-                f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
-                f"config the run was trained with"
-            )
-        with torch.no_grad():
-            for name, value in trained.items():
-                params[name].copy_(value.view(params[name].shape).to(dtype))
-    else:
-        load_model_state(model, ck.load(0)["model"], ck.path)
+    trained = dcp_tensors.read_model(ck.path)
+    params = dict(model.named_parameters())
+    unknown = sorted(set(trained) - set(params))
+    if unknown:
+        raise ValueError(
+            f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
+            f"config the run was trained with"
+        )
+    with torch.no_grad():
+        for name, value in trained.items():
+            params[name].copy_(value.view(params[name].shape).to(dtype))
     write_export(family, model, path, tokenizer, merged=merged)
     return path
 

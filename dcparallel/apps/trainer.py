@@ -97,7 +97,7 @@ class Trainer:
         self.data = read_data(self.cfg, self.model, self.tokenizer, self.synthetic_sizes)
         self._wrap()
         # the checkpoint is found and its config compared before any profiling
-        ck = checkpoint.latest(self.ckroot, reads=lambda m: train_checkpoint.reads(m, self.rank, self.opt_range))
+        ck = checkpoint.latest(self.ckroot)
         self.key = self.cfg.resume_key()
         if ck is not None and not self._check_resumable(ck):
             return False
@@ -122,8 +122,7 @@ class Trainer:
         return True
 
     def _wrap(self) -> None:
-        """The model in a `DataCentricParallel` (``dc``), and this rank's ZeRO-1 range of the
-        flat optimizer state (``opt_range``; shard_size 1 only)."""
+        """The model in a `DataCentricParallel` (``dc``)."""
         t, extra = self.t, {}
         if self.cfg.model.family == "diffusers":
             extra = {"context_tokens": self.data.context_tokens or self.cfg.data.text_tokens}
@@ -141,10 +140,6 @@ class Trainer:
         self.loaded_on_meta = builds_on_meta(self.cfg)  # built on meta: its shards are read now
         if self.loaded_on_meta:
             dc.load_weights(self.cfg.model.pretrained)
-        self.opt_range = None
-        if dc.shard_size == 1:
-            lo = min(self.rank * dc.shard_numel, dc.numel)
-            self.opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
 
     def _memory_budget(self) -> int | None:
         """[train] memory_mib (None: the device's default), times `OOM_BUDGET_FACTOR` for every
@@ -235,7 +230,7 @@ class Trainer:
 
     def _resume(self, ck) -> None:
         rank = self.rank
-        train_checkpoint.load(ck, self.dc, self.opt, self.opt_range)  # any version, world and shard size
+        train_checkpoint.load(ck, self.dc, self.opt)  # any world and shard size
         self.opt.param_groups[0]["initial_lr"] = self.t.lr  # the schedule's base is this config's lr
         self.loader.load_state_dict(ck.meta["loader"])
         self.done, self.start_epoch = ck.step, int(ck.meta["loader"]["epoch"])
@@ -452,15 +447,7 @@ class Trainer:
             "shard_size": self.dc.shard_size,
             "dtype": str(dtype).removeprefix("torch."),
         }
-        train_checkpoint.save(
-            self.ckroot,
-            self.done,
-            self.dc,
-            self.opt,
-            meta,
-            keep=t.keep_checkpoints,
-            optimizer_range=self.opt_range or (0, 0),
-        )
+        train_checkpoint.save(self.ckroot, self.done, self.dc, self.opt, meta, keep=t.keep_checkpoints)
 
     def _export(self) -> None:
         """The trained model written to the export directory; the finish event."""

@@ -183,12 +183,12 @@ class TermsArray:
             mlp[ok] = L
         scan = ~none & self.keep_all_feasible
         if scan.any():
-            a, m = self.take(scan)._scan(budget)
+            a, m = self.take(scan).scan_recompute(budget)
             attn[scan] = a
             mlp[scan] = m
         return attn, mlp
 
-    def _scan(self, budget: float) -> tuple[np.ndarray, np.ndarray]:
+    def scan_recompute(self, budget: float) -> tuple[np.ndarray, np.ndarray]:
         """`cheapest_recompute` past its first two returns, on 1-D arrays: the scalar loop's
         candidates (kind, f) for every element at once, each element's own start
         (`_first_fit`) and end (the break) masked, then the best taken in the loop's order

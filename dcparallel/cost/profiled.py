@@ -88,8 +88,7 @@ class ProfiledCost:
         self._alts: dict[int, ProfiledCost] = {}
         for ring, entries in sorted(others.items()):
             alt = copy.copy(self)
-            alt._cache, alt._alts = {}, {}
-            alt._tables(entries, tokens)
+            alt.reprice(entries, tokens)
             self._alts[ring] = alt
         #: the tower priced from the profile's measurement; None: vision-language samples refused
         self._vision = None
@@ -113,6 +112,12 @@ class ProfiledCost:
             elif (e.sp // e.ring, e.ring) in self._topology.splits(e.sp):
                 others.setdefault(e.ring, []).append(e)
         return primary, others
+
+    def reprice(self, entries: Sequence[ProfileEntry], tokens: dict[str, int]) -> None:
+        """This cost model priced from ``entries`` instead of its own (a copy's tables for
+        another split of the same SP sizes), with an empty cache and no other splits."""
+        self._cache, self._alts = {}, {}
+        self._tables(entries, tokens)
 
     def _tables(self, entries: Sequence[ProfileEntry], tokens: dict[str, int]) -> None:
         """The interpolation tables of ``entries`` (one split per size)."""
@@ -355,6 +360,11 @@ class ProfiledCost:
         the measured split predicted fastest for it (`_fastest`)."""
         return self._fastest(counts, sp)[1]
 
+    def split_terms(self, counts: dict[int, int], sp: int) -> MicroBatchTerms:
+        """The terms of a micro-batch from this object's own split's tables only (`_fastest`
+        compares the other splits' copies through it)."""
+        return self._terms_at(counts, sp)
+
     def _fastest(self, counts: dict[int, int], sp: int) -> tuple[int, MicroBatchTerms]:
         """(ring degree, terms) of the split of ``sp`` ranks whose measurements, interpolated
         for this micro-batch as every price is, give it the least time without recomputation
@@ -363,7 +373,7 @@ class ProfiledCost:
         best = (0, self._terms_at(counts, sp))
         for ring, alt in self._alts.items():
             if sp in alt.sp_sizes:
-                terms = alt._terms_at(counts, sp)
+                terms = alt.split_terms(counts, sp)
                 if terms.time_none < best[1].time_none:
                     best = (ring, terms)
         return best

@@ -307,6 +307,16 @@ class DataCentricLoader:
     def observe_rows(self, rows: list, count: bool = True) -> None:  # rows: `data.refine.Row`s, alike on every rank
         refine.feed(self, rows, count)
 
+    @property
+    def idle_workers(self) -> list[plan_stream.PlanWorker]:
+        """The planning processes waiting between epochs (`refine.feed` tells them each new fit)."""
+        return self._idle_workers
+
+    @property
+    def refined(self) -> list:
+        """The measured rows fed so far (`refine.feed` appends to it; `state_dict` saves it)."""
+        return self._refined
+
     def summary(self) -> dict[str, Any]:
         """What the loader plans over: sample counts, skipped samples, steps of the epoch."""
         return {

@@ -71,9 +71,9 @@ def feed(loader, rows: Sequence[Row], count: bool = True) -> None:
     (the next job of each plans on the new fit); ``count``: they end one of the steps to
     refine. Rank 0 logs the fits once the last step is fed."""
     loader.context = refit(loader.context, rows)
-    for worker in loader._idle_workers:
+    for worker in loader.idle_workers:
         worker.observe(list(rows))
-    loader._refined.extend(rows)
+    loader.refined.extend(rows)
     loader.refine_left -= int(count)
     if count and not loader.refine_left and loader.rank == 0:
         cost = loader.context.cost
@@ -85,7 +85,7 @@ def feed(loader, rows: Sequence[Row], count: bool = True) -> None:
         )
         log.info(
             "the cost model is refined on %d measured micro-batches (%s); later steps are planned with it",
-            len(loader._refined),
+            len(loader.refined),
             fits or "none",
         )
 

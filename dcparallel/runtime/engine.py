@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -140,6 +141,8 @@ class MicroBatchContext:
 
 
 _warned_fp32_cuda = False
+#: the models an engine wraps (each once: a second engine on one model is refused)
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def warn_fp32_cuda(params: Sequence[Tensor]) -> None:
@@ -212,7 +215,7 @@ class Engine:
         shard_size: int | None = None,
         device: torch.device | None = None,
     ):
-        if getattr(model, "_dcparallel_wrapped", False):
+        if model in _WRAPPED:
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
         self.adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
         params = trainable_params(model)
@@ -237,7 +240,7 @@ class Engine:
         self._hooks = self.adapter.install_hooks(self.attention) if self.adapter.install_hooks else []
         self.recompute = LayerRecompute(self.adapter, self.attention)
         self.attention_verified = False  # every block called the installed attention (`attention_check`)
-        model._dcparallel_wrapped = True
+        _WRAPPED.add(model)
         self.grad_sync = self._make_grad_sync(params, device)
         self.params = self.grad_sync.params if self.shard_size > 1 else params
 

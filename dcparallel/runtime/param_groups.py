@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dcparallel.runtime import comm
-from dcparallel.runtime.zero import ZeroAdamW, adamw_update_
+from dcparallel.runtime.zero import ZeroAdamW, adamw_step_
 
 if TYPE_CHECKING:
     from dcparallel.runtime.grad_sync import GradSync
@@ -126,22 +125,21 @@ class GroupedZeroAdamW(ZeroAdamW):
         self.num_steps += 1
         for g, ranges in zip(self.param_groups, self.ranges, strict=True):
             lr = float(g["lr"])
-            for a, b in ranges:
-                if g["weight_decay"]:
-                    self.master[a:b].mul_(1 - lr * g["weight_decay"])
-                adamw_update_(
+            for a, b in ranges:  # the group's decay covers its whole range
+                adamw_step_(
                     self.master[a:b],
                     self._grad_shard[a:b],
                     self.exp_avg[a:b],
                     self.exp_avg_sq[a:b],
+                    [(a, b)],
+                    offset=a,
                     lr=lr,
                     betas=g["betas"],
                     eps=g["eps"],
+                    weight_decay=g["weight_decay"],
                     step=self.num_steps,
                 )
-        if self.master is not self._param_shard:
-            self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
+        self.sync_params()
 
     def state_dict(self) -> dict[str, Any]:
         """`ZeroAdamW.state_dict` plus every group's hyperparameters (``group_hparams``)."""

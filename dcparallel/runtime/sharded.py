@@ -139,13 +139,13 @@ class ShardedGrads:
         self.model = model
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        # this rank's shard of every parameter, one after the other, padded to a multiple of
+        # ``ranges``: this rank's shard of every parameter, one after the other, padded to a multiple of
         # the replicas (the optimizer's ZeRO-1 pieces); the same layout on every replica
-        self._ranges: list[tuple[int, int]] = []
+        self.ranges: list[tuple[int, int]] = []
         off = 0
         for p in self.params:
             n = p.to_local().numel()
-            self._ranges.append((off, off + n))
+            self.ranges.append((off, off + n))
             off += n
         self.local_numel = off
         self.piece_numel = math.ceil(off / self.num_replicas)
@@ -163,12 +163,12 @@ class ShardedGrads:
 
     @property
     def flat_grad(self) -> Tensor:
-        """This rank's fp32 gradient shards end to end (the layout of ``_ranges``, padded to a
+        """This rank's fp32 gradient shards end to end (the layout of ``ranges``, padded to a
         multiple of the replicas), zeros when first read: `begin` reads it before the first
         backward, so until then (wrap, `load_weights`) no gradient memory is held."""
         if self._flat_grad is None:
             flat = torch.zeros(self.piece_numel * self.num_replicas, dtype=torch.float32, device=self.device)
-            self._grads = [self._as_grad(p, flat[lo:hi]) for p, (lo, hi) in zip(self.params, self._ranges, strict=True)]
+            self._grads = [self._as_grad(p, flat[lo:hi]) for p, (lo, hi) in zip(self.params, self.ranges, strict=True)]
             self._flat_grad = flat
         return self._flat_grad
 
@@ -193,7 +193,7 @@ class ShardedGrads:
         raise ValueError(
             "with shard_size > 1 there is no ZeRO-1 range of a flat parameter buffer (the optimizer "
             "state is ShardedAdamW's); checkpoints of sharded runs are keyed by parameter name: "
-            "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save_dcp"
+            "dcparallel.runtime.sharded_checkpoint, dcparallel.checkpoint.save"
         )
 
     # ------------------------------------------------------------------ the engine's calls
@@ -257,7 +257,7 @@ class ShardedGrads:
         outside a micro-batch, after which FSDP made a new one) is added into the buffer, so no
         gradient is dropped."""
         flat = self.flat_grad
-        for p, g, (lo, hi) in zip(self.params, self._grads, self._ranges, strict=True):
+        for p, g, (lo, hi) in zip(self.params, self._grads, self.ranges, strict=True):
             if p.grad is not g and p.grad is not None:
                 flat[lo:hi].add_(p.grad.to_local().reshape(-1).float())
             p.grad = g

@@ -14,7 +14,9 @@ sharded parameter and the moments). The owned ranges of all ranks partition ever
 so nothing is written twice and nothing is all-gathered. A flat range is cut into the few
 boxes (offsets, sizes) it covers (`flat_boxes`) and handed to DCP as a ShardedTensor whose
 local shards are views of the rank's own buffers, so DCP reads and writes in place and
-reshards on load by overlapping boxes.
+reshards on load by overlapping boxes. What a rank owns comes from its optimizer's `owned`
+(`runtime.zero.Owned`). One process without a process group (a world of one) owns every
+element and hands DCP its whole tensors, viewed in place.
 
 The metadata file of a checkpoint is read with a restricted unpickler (`SafeReader`): only
 DCP's metadata classes and torch's dtypes, so a checkpoint cannot run code when read; the
@@ -29,7 +31,6 @@ import io
 import math
 import pickle
 import warnings
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,13 @@ STEPS_KEY = "optim/num_steps"
 
 
 def model_key(name: str) -> str:
+    """The key of parameter ``name``'s (fp32 master) values."""
     return f"model/{name}"
+
+
+def optim_key(name: str, moment: str) -> str:
+    """The key of parameter ``name``'s AdamW ``moment`` (``exp_avg``, ``exp_avg_sq``)."""
+    return f"optim/{name}/{moment}"
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -93,58 +100,48 @@ class Segment:
     views: dict[str, Tensor]
 
 
-def _zero_segments(engine: Engine, opt: Any) -> list[Segment]:
-    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
-    lo, hi = opt._lo, min(opt._hi, engine.numel)
-    out, off = [], 0
-    for n, p in zip(names, engine.params, strict=True):
-        x, y = max(off, lo), min(off + p.numel(), hi)
-        if x < y:
-            views = {"model": opt.master[x - lo : y - lo], **{k: getattr(opt, k)[x - lo : y - lo] for k in _MOMENTS}}
-            out.append(Segment(n, tuple(p.shape), x - off, y - off, views))
-        off += p.numel()
-    return out
-
-
-def _sharded_segments(engine: Engine, opt: Any) -> list[Segment]:
-    from torch.distributed.tensor import Shard
-
-    gr = opt.grads
-    out = []
-    for n, p, local, (a, b) in zip(gr.names, gr.params, opt._locals, gr._ranges, strict=True):
-        shape = tuple(p.shape)
-        inner = math.prod(shape[1:])
-        chunk = math.ceil(shape[0] / gr.shard_size)  # FSDP2: dim 0 cut as torch.chunk does
-        row0 = min(gr.shard_index * chunk, shape[0])
-        local_shape = tuple(p.to_local().shape)
-        assert tuple(p.placements) == (Shard(0),) and local_shape[1:] == shape[1:], (n, p.placements, local_shape)
-        assert row0 + local_shape[0] <= shape[0], (n, row0, local_shape)
-        x, y = max(a, opt._lo), min(b, opt._hi)
-        if x < y:
-            views = {"model": local[x - a : y - a], **{k: getattr(opt, k)[x - opt._lo : y - opt._lo] for k in _MOMENTS}}
-            out.append(Segment(n, shape, row0 * inner + x - a, row0 * inner + y - a, views))
-    return out
-
-
 def segments(engine: Engine, opt: Any) -> list[Segment]:
-    """What this rank's optimizer owns of every trainable parameter (module docstring)."""
+    """What this rank's optimizer owns of every trainable parameter (module docstring), by
+    parameter name (the optimizer's `owned`)."""
     from dcparallel.runtime.sharded_optim import ShardedAdamW
     from dcparallel.runtime.zero import ZeroAdamW
 
     if isinstance(opt, ShardedAdamW) and opt.grads is engine.grad_sync:
-        return _sharded_segments(engine, opt)
-    if isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
-        return _zero_segments(engine, opt)
-    raise ValueError(f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}")
+        names, params = opt.grads.names, opt.grads.params
+    elif isinstance(opt, ZeroAdamW) and opt.flat is engine.grad_sync:
+        names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+        params = opt.flat.params
+    else:
+        raise ValueError(
+            f"a checkpoint saves the engine's own optimizer (engine.optimizer()), not a {type(opt).__name__}"
+        )
+    out = []
+    for o in opt.owned():
+        views = {"model": o.master, "exp_avg": o.exp_avg, "exp_avg_sq": o.exp_avg_sq}
+        out.append(Segment(names[o.index], tuple(params[o.index].shape), o.start, o.stop, views))
+    return out
+
+
+def _whole_state(mine: list[Segment], opt: Any) -> dict[str, Any]:
+    """The DCP state dict of one process: views of its buffers in each parameter's shape."""
+    state: dict[str, Any] = {STEPS_KEY: torch.tensor([opt.num_steps], dtype=torch.int64)}
+    for s in mine:
+        shape = s.shape or (1,)  # a 0-d parameter is stored with one dimension of 1
+        state[model_key(s.name)] = s.views["model"].view(shape)
+        state.update({optim_key(s.name, k): s.views[k].view(shape) for k in _MOMENTS})
+    return state
 
 
 def _state(engine: Engine, opt: Any) -> dict[str, Any]:
-    """The DCP state dict: one ShardedTensor per key over every rank's owned boxes."""
+    """The DCP state dict: one ShardedTensor per key over every rank's owned boxes (in one
+    process without a process group: the whole tensors)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     mine = segments(engine, opt)
+    if not comm.is_distributed():  # one process owns every element: its own tensors, whole
+        return _whole_state(mine, opt)
     device = str(mine[0].views["model"].device) if mine else str(engine.params[0].device)
     everyone = comm.all_gather_object((device, {s.name: (s.start, s.stop) for s in mine}))
     shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters() if p.requires_grad}
@@ -169,7 +166,7 @@ def _state(engine: Engine, opt: Any) -> dict[str, Any]:
         for k, shards in local.items():
             props = TensorProperties(dtype=torch.float32)
             meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(ckpt_shape), tensor_properties=props)
-            key = model_key(name) if k == "model" else f"optim/{name}/{k}"
+            key = model_key(name) if k == "model" else optim_key(name, k)
             state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
     state[STEPS_KEY] = torch.tensor([opt.num_steps], dtype=torch.int64)
     return state
@@ -180,9 +177,10 @@ def save(path: str | Path, engine: Engine, opt: Any) -> None:
     every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        _state(engine, opt), storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    )
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    with warnings.catch_warnings():  # DCP warns when it saves in one process: a world of one does
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(_state(engine, opt), storage_writer=writer, no_dist=not comm.is_distributed())
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:
@@ -192,8 +190,9 @@ def load(path: str | Path, engine: Engine, opt: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = _state(engine, opt)
-    with torch.no_grad():
-        dcp.load(state, storage_reader=SafeReader(str(path)))
+    with torch.no_grad(), warnings.catch_warnings():  # as in `save`: one process may load
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not comm.is_distributed())
         opt.num_steps = int(state[STEPS_KEY][0])
         after_load(engine, opt)
 
@@ -206,55 +205,12 @@ def after_load(engine: Engine, opt: Any) -> None:
 
     if isinstance(opt, ShardedAdamW):
         opt.sync_replicas()
-        return
-    if opt.master is not opt._param_shard:
-        opt._param_shard.copy_(opt.master)
-    comm.all_gather_shards_(engine.flat_param, engine.shard_numel)
+    else:
+        opt.sync_params()
 
 
 # the names the tensor-only API is also known by
 save_sharded, load_sharded = save, load
-
-
-def load_flat_shards(engine: Engine, opt: Any, shards: Iterable[Mapping[str, Any]]) -> None:
-    """Loads ZeRO-1 shards of the flat parameter vector (`runtime.zero.ZeroAdamW.state_dict`:
-    ``start``, ``stop``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``num_steps``; the per-rank
-    checkpoint format) into this engine at any shard size (collective). The flat vector holds
-    the trainable parameters in ``named_parameters`` order, whatever the shard size. ``shards``
-    may be a generator: each is used once and dropped. ValueError if they leave part of this
-    rank's state uncovered."""
-    names = [n for n, p in engine.model.named_parameters() if p.requires_grad]
-    numels = [p.numel() for n, p in engine.model.named_parameters() if p.requires_grad]
-    offset = dict(zip(names, [sum(numels[:i]) for i in range(len(numels))], strict=True))
-    mine = segments(engine, opt)
-    missing = sum(s.stop - s.start for s in mine)
-    steps = set()
-    for shard in shards:
-        if int(shard["numel"]) != sum(numels):
-            raise ValueError(
-                f"the optimizer state is for {shard['numel']} parameters but this model has "
-                f"{sum(numels)}; load a checkpoint of the same model"
-            )
-        a0, b0 = int(shard["start"]), int(shard["stop"])
-        steps.add(int(shard["num_steps"]))
-        for seg in mine:
-            lo, hi = offset[seg.name] + seg.start, offset[seg.name] + seg.stop
-            x, y = max(lo, a0), min(hi, b0)
-            if x >= y:
-                continue
-            with torch.no_grad():
-                for key, src in (("model", "master"), *((k, k) for k in _MOMENTS)):
-                    seg.views[key][x - lo : y - lo].copy_(shard[src][x - a0 : y - a0])
-            missing -= y - x
-    if missing or len(steps) != 1:
-        raise ValueError(
-            f"the optimizer shards given leave {missing} elements of rank {comm.world_rank()}'s state "
-            f"uncovered or are of different steps {sorted(steps)}; pass every rank's shard of one "
-            f"checkpoint"
-        )
-    opt.num_steps = steps.pop()
-    with torch.no_grad():
-        after_load(engine, opt)
 
 
 # ---------------------------------------------------------------- reading without an engine
@@ -334,14 +290,22 @@ def read_keys(path: str | Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def read_model(path: str | Path) -> dict[str, Tensor]:
-    """Every ``model/<name>`` tensor of a checkpoint folder, whole, on the CPU, in one process
-    (no process group needed): the trained parameters by name (fp32)."""
+def read_state(path: str | Path, prefix: str = "") -> dict[str, Tensor]:
+    """Every tensor of a checkpoint folder whose key starts with ``prefix``, whole, on the CPU,
+    in one process (no process group needed), keyed as saved (fp32; ``optim/num_steps``
+    int64)."""
     import torch.distributed.checkpoint as dcp
 
     shapes = read_keys(path)
-    state = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items() if k.startswith("model/")}
+    dtypes = {STEPS_KEY: torch.int64}
+    state = {k: torch.empty(s, dtype=dtypes.get(k, torch.float32)) for k, s in shapes.items() if k.startswith(prefix)}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
-    return {k[len("model/") :]: v for k, v in state.items()}
+    return state
+
+
+def read_model(path: str | Path) -> dict[str, Tensor]:
+    """Every ``model/<name>`` tensor of a checkpoint folder (`read_state`): the trained
+    parameters by name (fp32)."""
+    return {k[len("model/") :]: v for k, v in read_state(path, "model/").items()}

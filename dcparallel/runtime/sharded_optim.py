@@ -14,6 +14,7 @@ all-gather their pieces back into the block shard of the parameters.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ import torch
 
 from dcparallel.cost.base import STEP_CHUNK_NUMEL
 from dcparallel.runtime import comm
-from dcparallel.runtime.zero import adamw_update_, decay_ranges
+from dcparallel.runtime.zero import Owned, adamw_step_, decay_ranges
 
 if TYPE_CHECKING:
     from dcparallel.runtime.sharded import ShardedGrads
@@ -55,7 +56,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         device = grads.device
         with torch.no_grad():
             self._locals = [p.to_local().view(-1) for p in grads.params]  # views of FSDP's shard storage
-        self._starts = [a for a, _ in grads._ranges]
+        self._starts = [a for a, _ in grads.ranges]
         self.decay_ranges = decay_ranges(grads.params, self._lo, self._hi, sizes=[n.numel() for n in self._locals])
         self.exp_avg = torch.zeros(m, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -66,7 +67,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         ``flat_grad``) into ``buf`` (``to_params``: from ``buf`` into the shards); the
         padding past the last parameter is left alone."""
         i = max(0, bisect.bisect_right(self._starts, lo) - 1)
-        for local, (a, b) in zip(self._locals[i:], self.grads._ranges[i:]):
+        for local, (a, b) in zip(self._locals[i:], self.grads.ranges[i:]):
             if a >= hi:
                 break
             x, y = max(a, lo), min(b, hi)
@@ -98,22 +99,42 @@ class ShardedAdamW(torch.optim.Optimizer):
         g = self.grads.flat_grad[self._lo : self._hi]
 
         def update(chunk: torch.Tensor, c0: int, c1: int) -> None:
-            for a, b in self.decay_ranges if wd else ():
-                if max(a, c0) < min(b, c1):
-                    chunk[max(a, c0) - c0 : min(b, c1) - c0].mul_(1 - lr * wd)
-            adamw_update_(
+            adamw_step_(
                 chunk,
                 g[c0:c1],
                 self.exp_avg[c0:c1],
                 self.exp_avg_sq[c0:c1],
+                self.decay_ranges,
+                offset=c0,
                 lr=lr,
                 betas=betas,
                 eps=eps,
+                weight_decay=wd,
                 step=self.num_steps,
             )
 
         self._by_chunks(update)
         return loss
+
+    def owned(self) -> list[Owned]:
+        """What this rank owns of each trainable parameter (`Owned`): the part of its replica
+        piece in the parameter's block shard, placed in the whole parameter (FSDP2 cuts dim 0
+        as ``torch.chunk`` does); the master values are views of the shard itself."""
+        from torch.distributed.tensor import Shard
+
+        gr, out = self.grads, []
+        for i, (p, local, (a, b)) in enumerate(zip(gr.params, self._locals, gr.ranges, strict=True)):
+            shape = tuple(p.shape)
+            inner = math.prod(shape[1:])
+            row0 = min(gr.shard_index * math.ceil(shape[0] / gr.shard_size), shape[0])
+            local_shape = tuple(p.to_local().shape)
+            assert tuple(p.placements) == (Shard(0),) and local_shape[1:] == shape[1:], (i, p.placements, local_shape)
+            assert row0 + local_shape[0] <= shape[0], (i, row0, local_shape)
+            x, y = max(a, self._lo), min(b, self._hi)
+            if x < y:
+                moments = [t[x - self._lo : y - self._lo] for t in (self.exp_avg, self.exp_avg_sq)]
+                out.append(Owned(i, row0 * inner + x - a, row0 * inner + y - a, local[x - a : y - a], *moments))
+        return out
 
     def sync_replicas(self) -> None:
         """Every replica's piece of the parameter shards (e.g. just loaded) into the other

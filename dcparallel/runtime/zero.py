@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,47 @@ def adamw_update_(
         denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
         master[j].addcdiv_(m, denom, value=-lr / bc1)
         del denom  # freed before the next chunk's is allocated
+
+
+def adamw_step_(
+    master: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    decay: Sequence[tuple[int, int]],
+    *,
+    offset: int = 0,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """One AdamW step of ``master`` in place: decoupled weight decay (``lr * weight_decay``)
+    on the parts of the ``decay`` ranges that fall in ``master`` (``master`` starts at
+    ``offset`` of the coordinates the ranges are given in), then `adamw_update_`. Both
+    optimizers step through it: `ZeroAdamW` its whole shard, `ShardedAdamW` a chunk."""
+    n = master.numel()
+    for a, b in decay if weight_decay else ():
+        x, y = max(a, offset), min(b, offset + n)
+        if x < y:
+            master[x - offset : y - offset].mul_(1 - lr * weight_decay)
+    adamw_update_(master, grad, exp_avg, exp_avg_sq, lr=lr, betas=betas, eps=eps, step=step)
+
+
+@dataclass(frozen=True)
+class Owned:
+    """What an optimizer owns of one trainable parameter (the ``index``-th of its parameter
+    group): the flat elements ``[start, stop)`` of the whole parameter (row-major), with 1-D
+    views of their fp32 master values and AdamW moments. Checkpoints read and write these
+    views in place (`runtime.sharded_checkpoint`)."""
+
+    index: int
+    start: int
+    stop: int
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -145,24 +187,40 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "step have not been summed over the ranks yet"
             )
         group = self.param_groups[0]
-        lr, (b1, b2), eps, weight_decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
         self.num_steps += 1
-        if weight_decay:
-            for a, b in self.decay_ranges:
-                self.master[a:b].mul_(1 - lr * weight_decay)
-        adamw_update_(
+        adamw_step_(
             self.master,
             self._grad_shard,
             self.exp_avg,
             self.exp_avg_sq,
-            lr=lr,
-            betas=(b1, b2),
-            eps=eps,
+            self.decay_ranges,
+            lr=float(group["lr"]),
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
             step=self.num_steps,
         )
+        self.sync_params()
+
+    def sync_params(self) -> None:
+        """The master shard (just stepped or loaded) into the parameters' shard (a copy for
+        low-precision parameters), then all-gathered into every rank's parameters. Collective."""
         if self.master is not self._param_shard:
             self._param_shard.copy_(self.master)
         comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
+
+    def owned(self) -> list[Owned]:
+        """What this rank owns of each trainable parameter (`Owned`): the parts of its ZeRO-1
+        range of the flat vector, parameter by parameter."""
+        lo, hi = self._lo, min(self._hi, self.flat.numel)
+        out, off = [], 0
+        for i, p in enumerate(self.flat.params):
+            x, y = max(off, lo), min(off + p.numel(), hi)
+            if x < y:
+                views = [t[x - lo : y - lo] for t in (self.master, self.exp_avg, self.exp_avg_sq)]
+                out.append(Owned(i, x - off, y - off, *views))
+            off += p.numel()
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.flat.zero_grad()
@@ -234,9 +292,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_groups[0].update(hparams)
         for k in _STATE:
             getattr(self, k).copy_(new[k])
-        if self.master is not self._param_shard:
-            self._param_shard.copy_(self.master)
-        comm.all_gather_shards_(self.flat.flat_param, self.flat.shard_numel)
+        self.sync_params()
 
     def full_state(self) -> dict[str, Tensor]:
         """The unsharded state (every rank's shard gathered; on every rank): for tests and tools."""

@@ -11,18 +11,21 @@ def case_train(cfg: dict) -> int:
 
 
 def case_reshard(cfg: dict, ckpt_dir: str) -> dict:
-    """Loads every shard of a checkpoint into this world's ZeroAdamW; the unsharded state."""
+    """Loads the newest checkpoint into this world's ZeroAdamW; the unsharded state and the
+    trainable parameters' names in the order of the flat vector."""
     from dcparallel import checkpoint
     from dcparallel.api import DataCentricParallel
     from dcparallel.apps.presets import build_model
     from dcparallel.apps.train_config import Config
+    from dcparallel.runtime import sharded_checkpoint
 
     c = Config.from_dict(cfg)
     model = build_model(c.model, c.train.seed)
     dc = DataCentricParallel(model, layers=model.layers, policy=c.train.policy, seed=c.train.seed)
     opt = dc.optimizer(lr=c.train.lr)
     ck = checkpoint.latest(ckpt_dir)
-    opt.load_state_dict([ck.load(r)["optimizer"] for r in range(ck.world_size)])
+    sharded_checkpoint.load(ck.path, dc.engine, opt)
     full = opt.full_state()
     return {"step": ck.step, "num_steps": opt.num_steps, "range": (opt.state_dict()["start"], opt.state_dict()["stop"]),
+            "names": [n for n, p in model.named_parameters() if p.requires_grad],
             **{k: v.clone() for k, v in full.items()}}

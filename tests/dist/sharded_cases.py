@@ -206,12 +206,12 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
 
 
 def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, seed: int = 5,
-                             num_samples: int = 6) -> dict:
+                             num_samples: int = 6, per_rank: bool = False) -> dict:
     """Through the training loop's checkpoint functions (`apps.train_checkpoint`):
     ``save``: a step and an optimizer step at ``shard_size``, the checkpoint of step 1 under
-    ``root`` (the per-rank format with shard_size 1, torch.distributed.checkpoint above), then
-    a second step. Else: a fresh engine at ``shard_size`` loads the newest checkpoint and runs
-    the second step. The whole parameters after the second step."""
+    ``root`` (``per_rank``: in dcparallel 0.1's per-rank format instead, `tests.checkpoint_v1`,
+    shard_size 1 only), then a second step. Else: a fresh engine at ``shard_size`` loads the
+    newest checkpoint and runs the second step. The whole parameters after the second step."""
     from types import SimpleNamespace
 
     from dcparallel import checkpoint
@@ -220,20 +220,28 @@ def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, 
     dc = _engine(kind, shard_size)
     run = SimpleNamespace(shard_size=shard_size, model=dc.model, engine=dc)
     opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
-    opt_range = None
-    if shard_size == 1:
-        lo = min(dist.get_rank() * dc.shard_numel, dc.numel)
-        opt_range = (lo, min(lo + dc.shard_numel, dc.numel))
     steps = [0, 1] if save else [1]
     if not save:
-        ck = checkpoint.latest(root, reads=lambda m: train_checkpoint.reads(m, dist.get_rank(), opt_range))
-        train_checkpoint.load(ck, run, opt, opt_range)
+        train_checkpoint.load(checkpoint.latest(root), run, opt)
     for step in steps:
         _optimizer_step(dc, opt, kind, num_samples, seed + step)
-        if save and step == 0:
-            train_checkpoint.save(Path(root), 1, run, opt, {"loader": {}}, keep=2,
-                                  optimizer_range=opt_range or (0, 0))
+        if save and step == 0 and per_rank:
+            _save_per_rank(root, dc, opt)
+        elif save and step == 0:
+            train_checkpoint.save(Path(root), 1, run, opt, {"loader": {}}, keep=2)
     return {n: (p.full_tensor() if shard_size > 1 else p).detach().clone() for n, p in dc.model.named_parameters()}
+
+
+def _save_per_rank(root: str, dc: Engine, opt) -> None:
+    """Step 1's checkpoint as dcparallel 0.1's `dcparallel train` wrote it with shard_size 1."""
+    from dcparallel import checkpoint
+    from tests.checkpoint_v1 import save_per_rank
+
+    state = opt.state_dict()
+    payload = {"optimizer": state, "rng": checkpoint.rng_state()}
+    if dist.get_rank() == 0:
+        payload["model"] = dc.model.state_dict()
+    save_per_rank(root, 1, payload, {"loader": {}}, optimizer_range=(state["start"], state["stop"]))
 
 
 def _count_reduce_scatters(run) -> tuple[object, int]:

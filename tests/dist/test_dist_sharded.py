@@ -192,11 +192,12 @@ def test_loader_never_yields_a_plan_that_splits_a_block(workers):
 
 
 @pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 1)])
-def test_checkpoints_of_either_format_resume_at_another_shard_size(workers, tmp_path, saved, loaded):
-    """A shard_size-1 run's per-rank checkpoint resumed with shard_size 2 (its ZeRO-1 ranges
-    mapped onto each parameter's pieces), and a shard_size-2 run's torch.distributed.checkpoint
-    resumed with shard_size 1 (into ZeroAdamW's ranges): the second step's parameters equal the
-    uninterrupted run's. Then a torn data file makes the checkpoint unreadable, said so."""
+def test_checkpoints_of_either_shard_size_resume_at_the_other(workers, tmp_path, saved, loaded):
+    """The one checkpoint format (torch.distributed.checkpoint) of a shard_size-1 run resumed
+    with shard_size 2 (ZeroAdamW's ranges read into each parameter's pieces), and of a
+    shard_size-2 run resumed with shard_size 1 (into ZeroAdamW's ranges): the second step's
+    parameters equal the uninterrupted run's. Then a torn data file makes the checkpoint
+    unreadable, said so."""
     from dcparallel import checkpoint
 
     root = str(tmp_path / "ck")
@@ -212,6 +213,27 @@ def test_checkpoints_of_either_format_resume_at_another_shard_size(workers, tmp_
         data.write_bytes(data.read_bytes()[:-7])
         with pytest.raises(ValueError, match=r"__1_0.distcp has \d+ bytes, \d+ were committed \(torn write\?\)"):
             checkpoint.latest(root)
+
+
+def test_a_per_rank_checkpoint_is_refused_then_converted_and_resumes_at_shard_size_2(workers, tmp_path):
+    """A world-4 checkpoint in dcparallel 0.1's per-rank format (shard_size 1, written by a
+    copy of the old writer) is refused with the command that converts it; converted in one
+    process, it resumes with shard_size 2: the second step's parameters equal the
+    uninterrupted run's."""
+    from dcparallel import checkpoint
+    from dcparallel.apps.checkpoint_convert import convert
+
+    root = str(tmp_path / "ck")
+    straight = workers.run(sharded_cases.case_cross_format_resume, "dit", 1, root, True, per_rank=True)
+    with pytest.raises(ValueError, match=r"per-rank checkpoint format of dcparallel 0.1.*convert-checkpoint"):
+        checkpoint.latest(root)
+    assert convert(root, support.make_model("dit")) == ([1], [])
+    ck = checkpoint.latest(root)
+    assert (ck.version, ck.step, ck.world_size, ck.shard_size) == (checkpoint.VERSION, 1, 4, 1)
+    resumed = workers.run(sharded_cases.case_cross_format_resume, "dit", 2, root, False)
+    for r in range(4):
+        for name, p in straight[0].items():
+            assert rel_err(resumed[r][name], p) <= 1e-5, (r, name)
 
 
 def test_checkpoint_metadata_is_read_without_running_code(tmp_path):

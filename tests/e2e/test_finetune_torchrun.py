@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +70,8 @@ def test_finetune_a_local_wan_on_a_latents_manifest_under_torchrun(tmp_path):
     initial = WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True).eval()
     trained = WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True).eval()
     last = sorted((tmp_path / "run" / "checkpoint").glob("step_*"))[-1]
-    trained.load_state_dict(torch.load(last / "rank0.pt", weights_only=True)["model"])  # the engine's weights
+    missing, unexpected = trained.load_state_dict(read_model(last), strict=False)  # the engine's trained weights
+    assert not unexpected and not set(missing) & set(dict(trained.named_parameters())), (missing, unexpected)
     g = torch.Generator().manual_seed(0)
     x, text = torch.randn(1, 4, 2, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
     with torch.no_grad():

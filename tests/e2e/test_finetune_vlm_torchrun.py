@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
 from tests import vlm_train_fixtures as vf
 
@@ -120,7 +121,7 @@ def test_finetune_a_local_qwen25_vl_on_chats_with_images_under_torchrun(tmp_path
     initial = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", local_files_only=True)
     exported = AutoModelForImageTextToText.from_pretrained(final, local_files_only=True)
     last = sorted((run / "checkpoint").glob("step_*"))[-1]
-    trained = torch.load(last / "rank0.pt", weights_only=True)["model"]  # the engine's weights at the end
+    trained = read_model(last)  # the engine's trained weights at the end
     params = dict(exported.named_parameters())
     assert set(trained) == set(params)
     for name, value in trained.items():

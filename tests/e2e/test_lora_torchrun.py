@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -52,13 +53,13 @@ def test_lora_finetune_under_torchrun_exports_the_trained_adapters(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 3 and all(row["world_size"] == 2 for row in rows)
     assert rows[-1]["eval_loss"] is not None
-    last = torch.load(sorted((tmp_path / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
+    saved = read_model(sorted((tmp_path / "run" / "checkpoint").glob("step_*"))[-1])
     base = AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
     exported = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
     trained = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(model, local_files_only=True), tmp_path / "run" / "final"
     ).eval()
-    missing, unexpected = trained.load_state_dict(last["model"], strict=False)
+    missing, unexpected = trained.load_state_dict(saved, strict=False)
     assert not unexpected and missing and all("lora_" not in k for k in missing)  # the base: not in the checkpoint
     initial = AutoModelForCausalLM.from_pretrained(model, local_files_only=True).eval()
     ids = torch.tensor([[3, 5, 7, 9, 11, 13]])

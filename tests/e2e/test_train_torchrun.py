@@ -62,9 +62,12 @@ max_tokens = 512
         assert {"loss", "tokens_per_s", "step_s", "idle_fraction", "planned_peak_memory_bytes", "sp_degrees"} <= set(x)
         assert 0 <= x["idle_fraction"] < 1 and x["tokens_per_s"] > 0 and x["planned_peak_memory_bytes"] <= 32 * 2**20
     assert sorted(x.name for x in (out / "checkpoint" / "step_00000003").iterdir()) == [
+        ".metadata",
         "COMMIT.json",
-        "rank0.pt",
-        "rank1.pt",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng0.pt",
+        "rng1.pt",
     ]
     assert (out / "profile.json").exists() and (out / "profile.world2.json").exists()
 

@@ -144,7 +144,7 @@ def test_transformers_attention_refuses_masks_dropout_and_long_windows():
     from dcparallel.runtime.ulysses import UlyssesAttention
 
     m = nn.Module()
-    m._dcp_attention = UlyssesAttention()
+    m.dcparallel_attention = UlyssesAttention()
     q = torch.randn(1, 4, 10, 8)
     kv = torch.randn(1, 2, 10, 8)
     out, w = hf_attention(m, q, kv, kv, None, scaling=8**-0.5)

@@ -11,6 +11,7 @@ import torch
 
 from dcparallel.apps.train import run
 from dcparallel.apps.train_config import Config
+from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import faults
 from tests import train_fixtures as tf
 
@@ -47,11 +48,11 @@ def test_finetune_wan_world1_from_a_latents_manifest_with_wandb_offline(tmp_path
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "final", local_files_only=True)
     last = sorted((tmp_path / "run" / "checkpoint").glob("step_*"))[-1]
-    trained = torch.load(last / "rank0.pt", weights_only=True)["model"]
+    trained = read_model(last)  # the engine's trained weights
     initial = WanTransformer3DModel.from_pretrained(tmp_path / "wan", local_files_only=True).state_dict()
-    for name, p in exported.state_dict().items():
+    for name, p in exported.named_parameters():
         assert torch.equal(p, trained[name]), name
-    assert any(not torch.equal(initial[n], trained[n]) for n in initial)
+    assert any(not torch.equal(initial[n], trained[n]) for n in trained)
 
 
 def test_pretrained_and_data_errors_name_the_fix(tmp_path):
@@ -134,11 +135,8 @@ def test_a_finetune_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path,
         for r in rows[root]:
             r.pop("step_s"), r.pop("tokens_per_s"), r.pop("idle_fraction")
     assert len(rows[straight]) == 6 and rows[crashed] == rows[straight]
-    a, b = (
-        torch.load(sorted((r / "run" / "checkpoint").glob("step_*"))[-1] / "rank0.pt", weights_only=True)
-        for r in (straight, crashed)
-    )
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    a, b = (read_model(sorted((r / "run" / "checkpoint").glob("step_*"))[-1]) for r in (straight, crashed))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_clips_with_text_embeddings_of_different_lengths_are_refused_up_front(tmp_path):

@@ -287,7 +287,7 @@ def test_the_scan_sees_what_models_pass_at_run_time(scanned):
 
 def _module_with_attention(cls_name: str = "ToyAttention") -> nn.Module:
     m = type(cls_name, (nn.Module,), {})()
-    m._dcp_attention = UlyssesAttention()
+    m.dcparallel_attention = UlyssesAttention()
     return m
 
 

@@ -40,11 +40,11 @@ def test_the_planner_runs_in_another_process_kept_for_the_next_epochs(monkeypatc
     ld = make(ds, lens, planning="process", lookahead=2)
     steps = list(ld)
     assert steps and ld.last_plan_seconds > 0
-    (worker,) = ld._idle_workers  # back in the loader's hands once the epoch ended
+    (worker,) = ld.idle_workers  # back in the loader's hands once the epoch ended
     assert worker.proc.pid != os.getpid() and worker.proc.poll() is None
     ld.set_epoch(1)
     assert [s.epoch for s in ld] == [1] * len(ld)
-    assert ld._idle_workers == [worker] and worker.proc.poll() is None  # the same process, reused
+    assert ld.idle_workers == [worker] and worker.proc.poll() is None  # the same process, reused
     del ld
     gc.collect()
     assert worker.proc.wait(timeout=10) == 0  # the loader collected: its planning process ends
@@ -54,14 +54,14 @@ def test_start_planning_starts_the_process_the_first_epoch_uses():
     ds, lens = text_data(30, seed=1)
     ld = make(ds, lens, planning="process", lookahead=2)
     ld.start_planning()
-    (worker,) = ld._idle_workers
+    (worker,) = ld.idle_workers
     assert worker.alive()
     ld.start_planning()  # once is enough
-    assert ld._idle_workers == [worker]
-    assert len(list(ld)) == len(ld) and ld._idle_workers == [worker]
+    assert ld.idle_workers == [worker]
+    assert len(list(ld)) == len(ld) and ld.idle_workers == [worker]
     thread = make(ds, lens, planning="thread")
     thread.start_planning()
-    assert thread._idle_workers == []
+    assert thread.idle_workers == []
 
 
 def test_a_cost_model_the_planning_process_cannot_import_is_a_clear_error(tmp_path, monkeypatch):
@@ -79,7 +79,7 @@ def test_a_cost_model_the_planning_process_cannot_import_is_a_clear_error(tmp_pa
         r"No module named 'script_only'.*pass planning='thread'",
     ):
         list(ld)
-    assert ld._idle_workers == []
+    assert ld.idle_workers == []
 
 
 def test_two_iterations_at_once_get_a_process_each():
@@ -91,7 +91,7 @@ def test_two_iterations_at_once_get_a_process_each():
     got_a += list(a)
     got_b += list(b)
     assert [(s.index, s.sample_ids) for s in got_a] == ref == [(s.index, s.sample_ids) for s in got_b]
-    assert len({w.proc.pid for w in ld._idle_workers}) == 2
+    assert len({w.proc.pid for w in ld.idle_workers}) == 2
 
 
 _FORKED = {"marker": None}
@@ -122,25 +122,25 @@ def test_a_planning_process_that_dies_is_an_error_naming_the_step():
     ds, lens = text_data(60, seed=5)
     ld = make(ds, lens, planning="process", lookahead=1)
     ld.start_planning()
-    (worker,) = ld._idle_workers  # the process the epoch below plans in
+    (worker,) = ld.idle_workers  # the process the epoch below plans in
     it = iter(ld)
     next(it)
     worker.proc.kill()
     worker.proc.wait()
     with pytest.raises(RuntimeError, match=r"the planning process ended before step \d+ was planned \(exit code -9\)"):
         list(it)
-    assert ld._idle_workers == []  # a dead worker is not kept
+    assert ld.idle_workers == []  # a dead worker is not kept
 
 
 def test_an_idle_planning_process_that_died_is_replaced():
     ds, lens = text_data(30, seed=6)
     ld = make(ds, lens, planning="process", lookahead=2)
     first = [(s.index, s.sample_ids) for s in ld]
-    (dead,) = ld._idle_workers
+    (dead,) = ld.idle_workers
     dead.proc.kill()
     dead.proc.wait()
     assert [(s.index, s.sample_ids) for s in ld] == first  # the same epoch again, a new process
-    (worker,) = ld._idle_workers
+    (worker,) = ld.idle_workers
     assert worker is not dead and worker.alive()
 
 

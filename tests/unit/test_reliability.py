@@ -274,12 +274,12 @@ def test_torn_missing_or_mixed_checkpoint_falls_back_to_the_last_committed(tmp_p
     root = tmp_path / "run" / "checkpoint"
     assert run(_cfg(tmp_path, max_steps=4, keep_checkpoints=3)) == 0
     assert checkpoint.committed_steps(root) == [4, 2]
-    f4, f2 = root / "step_00000004" / "rank0.pt", root / "step_00000002" / "rank0.pt"
+    f4, f2 = root / "step_00000004" / "__0_0.distcp", root / "step_00000002" / "__0_0.distcp"
     good = f4.read_bytes()
     f4.write_bytes(good[: len(good) // 2])  # torn
     with caplog.at_level(logging.WARNING, logger="dcparallel.checkpoint"):
         assert checkpoint.latest(root).step == 2
-    assert "rank0.pt has" in caplog.text and "torn write" in caplog.text
+    assert "__0_0.distcp has" in caplog.text and "torn write" in caplog.text
     f4.write_bytes(f2.read_bytes())  # a file of another step in its place (same size or not)
     assert checkpoint.latest(root).step == 2
     f4.unlink()  # missing
@@ -298,17 +298,22 @@ def test_torn_missing_or_mixed_checkpoint_falls_back_to_the_last_committed(tmp_p
 
 def test_checkpoints_load_weights_only(tmp_path):
     root = tmp_path / "ck"
-    checkpoint.save(root, 1, {"x": torch.ones(2), "rng": checkpoint.rng_state()}, {"a": 1}, optimizer_range=(0, 2))
+    import torch.distributed.checkpoint as dcp
+
+    def write(path):
+        dcp.save({"x": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+    checkpoint.save(root, 1, write, {"a": 1}, shard_size=1)
     ck = checkpoint.latest(root)
     assert ck.step == 1 and ck.meta == {"a": 1}
     torch.manual_seed(123)
     before = torch.rand(3)
-    checkpoint.set_rng_state(ck.load(0)["rng"])
+    checkpoint.set_rng_state(ck.load_rng(0))
     torch.manual_seed(123)
     # a pickled object that is not a tensor / container is rejected by weights_only loading
-    torch.save({"evil": Config()}, ck.path / "rank0.pt")
+    torch.save({"evil": Config()}, ck.path / "rng0.pt")
     with pytest.raises(Exception, match="Weights only load failed"):
-        ck.load(0)
+        ck.load_rng(0)
     assert torch.equal(torch.rand(3), before)
 
 
@@ -398,3 +403,99 @@ def test_planning_an_epoch_can_show_progress(capsys):
     )
     assert [p.sample_ids for p in ld.plans(progress=True)] == [p.sample_ids for p in ld.plans()]
     assert "planning epoch 0 (dcp): 100%" in capsys.readouterr().err
+
+
+def _as_per_rank(root, step: int, model: torch.nn.Module) -> None:
+    """The committed checkpoint of ``step`` (world 1) rewritten as the per-rank folder dcparallel
+    0.1 wrote for it (`tests.checkpoint_v1`): its tensors as one ZeRO-1 shard of the flat vector."""
+    import shutil
+
+    from dcparallel.runtime.sharded_checkpoint import read_state
+    from tests.checkpoint_v1 import save_per_rank
+
+    ck = checkpoint.verify(root, step)[0]
+    state = read_state(ck.path)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    flat = {
+        "master": torch.cat([state[f"model/{n}"].flatten() for n in names]),
+        **{k: torch.cat([state[f"optim/{n}/{k}"].flatten() for n in names]) for k in ("exp_avg", "exp_avg_sq")},
+    }
+    numel = flat["master"].numel()
+    optimizer = {"num_steps": int(state["optim/num_steps"][0]), "start": 0, "stop": numel, "numel": numel, **flat}
+    payload = {"optimizer": optimizer, "rng": ck.load_rng(0), "model": {n: state[f"model/{n}"] for n in names}}
+    meta = ck.meta
+    shutil.rmtree(ck.path)
+    save_per_rank(root, step, payload, meta, optimizer_range=(0, numel))
+
+
+def test_a_per_rank_checkpoint_is_refused_then_converted_and_resumes_bit_identically(tmp_path, reference, capsys):
+    """A run whose newest checkpoint is in dcparallel 0.1's per-rank format is refused with the
+    command that converts it; `dcparallel convert-checkpoint` converts it in place, and the run
+    resumes from it with losses bit-identical to an uninterrupted run."""
+    from dcparallel.apps.cli import main
+    from dcparallel.apps.presets import build_model
+
+    root = tmp_path / "run" / "checkpoint"
+    assert run(_cfg(tmp_path, max_steps=2)) == 0
+    _as_per_rank(root, 2, build_model(_cfg(tmp_path).model, 0))
+    with pytest.raises(
+        ValueError, match=r"per-rank checkpoint format of dcparallel 0.1.*dcparallel convert-checkpoint"
+    ):
+        run(_cfg(tmp_path))
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f"[model]\nnum_layers = 2\nhidden = 32\nnum_heads = 2\nffn_hidden = 64\n[data]\nnum_samples = 30\n[train]\n"
+        f'tokens_per_step = 1500\nmax_steps = 5\nout_dir = "{tmp_path / "run"}"\ncheckpoint_every = 2\n'
+        f'[profile]\ncost = "analytic"\n'
+    )
+    assert main(["convert-checkpoint", "--config", str(config)]) == 0
+    assert "converted steps [2]" in capsys.readouterr().out
+    ck = checkpoint.latest(root)
+    assert (ck.version, ck.step, ck.world_size) == (checkpoint.VERSION, 2, 1)
+    assert run(_cfg(tmp_path)) == 0
+    got = _metrics(tmp_path / "run")
+    assert [m["global_step"] for m in got] == [1, 2, 3, 4, 5]
+    assert [m["loss"] for m in got] == [m["loss"] for m in reference]  # bit-identical, not approximately
+
+
+def test_per_rank_conversion_refuses_what_it_cannot_convert_exactly(tmp_path):
+    """A torn per-rank folder is left as it is, with the reason; shards that leave part of the
+    flat vector uncovered, and a model of another size, are refused; a whole folder is cut
+    into the parameters' keys exactly."""
+    from dcparallel.apps.checkpoint_convert import convert, flat_state, tensors
+    from tests.checkpoint_v1 import save_per_rank
+
+    model = torch.nn.Linear(3, 2)  # 8 trainable elements
+
+    def shard(start, stop, numel=8):
+        return {"start": start, "stop": stop, "numel": numel, "num_steps": 3}
+
+    shards = [{**shard(0, 5), **{k: torch.ones(5) for k in ("master", "exp_avg", "exp_avg_sq")}}]
+    with pytest.raises(ValueError, match=r"cover \[0, 5\) of 8 elements"):
+        flat_state(shards)
+    shards.append({**shard(6, 8), **{k: torch.ones(2) for k in ("master", "exp_avg", "exp_avg_sq")}})
+    with pytest.raises(ValueError, match=r"leave elements \[5, 6\) of the flat vector uncovered"):
+        flat_state(shards)
+    whole = flat_state([{**shard(0, 9, 9), **{k: torch.ones(9) for k in ("master", "exp_avg", "exp_avg_sq")}}])
+    with pytest.raises(ValueError, match="for 9 parameters but this model trains 8; convert with the config"):
+        tensors(whole, model)
+
+    root = tmp_path / "ck"
+    flat = {k: torch.arange(8.0) for k in ("master", "exp_avg", "exp_avg_sq")}
+    payload = {"optimizer": {**shard(0, 8), **flat}, "rng": checkpoint.rng_state(), "model": model.state_dict()}
+    save_per_rank(root, 4, payload, {}, optimizer_range=(0, 8))
+    f = root / "step_00000004" / "rank0.pt"
+    f.write_bytes(f.read_bytes()[:-5])
+    done, left = convert(root, model)
+    assert done == [] and len(left) == 1 and "rank0.pt is missing, torn or not the committed file" in left[0]
+    # whole again: each parameter gets its piece of the flat vector, in named_parameters order
+    save_per_rank(root, 4, payload, {"a": 1}, optimizer_range=(0, 8))
+    assert convert(root, model) == ([4], [])
+    from dcparallel.runtime.sharded_checkpoint import read_state
+
+    ck = checkpoint.latest(root)
+    state = read_state(ck.path)
+    assert (ck.version, ck.step, ck.world_size, ck.meta) == (checkpoint.VERSION, 4, 1, {"a": 1})
+    assert torch.equal(state["model/weight"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(state["optim/bias/exp_avg_sq"], torch.tensor([6.0, 7.0]))
+    assert int(state["optim/num_steps"][0]) == 3

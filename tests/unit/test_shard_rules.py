@@ -1,12 +1,10 @@
 """The shard-block rules of parameter sharding (shard_size > 1), checked without processes:
-which shard sizes a cluster accepts, which plans split a block, and that the checkpoint
-format refuses sharded state instead of saving part of it."""
+which shard sizes a cluster accepts and which plans split a block."""
 
 from __future__ import annotations
 
 import pytest
 
-from dcparallel import checkpoint
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.sharded import check_group
 from dcparallel.spec import ClusterSpec, Layout, check_shard_size
@@ -60,13 +58,6 @@ def test_plans_splitting_a_shard_block_are_refused(groups, s, ok):
         with pytest.raises(ValueError, match="splits a parameter-shard block"):
             for g in groups:
                 check_group(g, s)
-
-
-def test_checkpoint_refuses_sharded_optimizer_state(tmp_path):
-    payload = {"optimizer": {"state": {}, "param_groups": [], "shard": {"shard_size": 2, "world_size": 4}}}
-    with pytest.raises(ValueError, match="shard_size > 1"):
-        checkpoint.save(tmp_path / "ck", 1, payload, {}, optimizer_range=(0, 0))
-    assert not (tmp_path / "ck").exists()  # refused before anything was written
 
 
 def test_unsharded_clip_grad_norm_clips_the_flat_gradients_the_optimizer_reads():
