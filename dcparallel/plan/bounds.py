@@ -3,14 +3,15 @@
 The layout model: a micro-batch runs on a group of k ranks (an SP degree of the context) for
 its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). The degrees
 are every one a planner may use (`PlanContext.mix_sizes`). Per sample s
-and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds per sample
-of micro-batches of copies of s at k (time * k / m over every size m that fits, with the
-fastest recompute that fits: `PlanContext.fewest_gpu_seconds`). A micro-batch of time d at
-degree k is assumed to satisfy
+and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds s adds to
+a micro-batch at k: on video, whose micro-batches stack copies of one shape, those per sample
+of micro-batches of copies of s (time * k / m over every size m that fits, with the
+fastest recompute that fits: `PlanContext.fewest_gpu_seconds`); on text, whose micro-batches
+mix lengths, what it adds to any micro-batch that fits (`plan.mix_share`). A micro-batch of
+time d at degree k satisfies
 
     (A1) f_k(s) <= d for each of its samples (a sample does not run faster in company),
-    (A2) the g_k of its samples sum to at most k * d (no sample costs fewer GPU-seconds than
-         in its best micro-batch of copies).
+    (A2) the g_k of its samples sum to at most k * d.
 
 The step's compute bound is the largest of four, each valid on its own:
 

@@ -56,13 +56,23 @@ ANALYTIC_CASES = [
 
 def mix_cases(rng: np.random.Generator, ctx: PlanContext, longest: int, n: int):
     """n micro-batches of 1..12 lengths (log-uniform from 16 to `longest`, often one long with
-    short ones) at a degree of the context, as (sizes, degree index)."""
+    short ones), a third of them then filled with more lengths while they fit (full
+    micro-batches share their fixed costs most and recompute most), at a degree of the
+    context, as (sizes, degree index)."""
     for _ in range(n):
+        j = int(rng.integers(len(ctx.mix_sizes)))
         m = int(rng.integers(1, 13))
         sizes = np.exp(rng.uniform(np.log(16), np.log(longest), m)).astype(int)
         if rng.random() < 0.5:
             sizes[1:] = np.minimum(sizes[1:], int(rng.integers(16, 4096)))
-        yield tuple(int(s) for s in sizes), int(rng.integers(len(ctx.mix_sizes)))
+        sizes = [int(s) for s in sizes]
+        if rng.random() < 1 / 3:
+            for _ in range(64):
+                more = sizes + [int(np.exp(rng.uniform(np.log(16), np.log(longest / 4))))]
+                if ctx.layout_for(tuple(sorted(more)), ctx.mix_sizes[j], "pac") is None:
+                    break
+                sizes = more
+        yield tuple(sizes), j
 
 
 def check_shares(ctx: PlanContext, lb: LowerBound, cases) -> int:
@@ -86,8 +96,8 @@ def test_a_mix_takes_at_least_its_samples_shares_on_the_analytic_model(model, cl
     w = Workload(model, (16,))
     ctx = PlanContext(w, AnalyticCost(model, cl), cl)
     lb = LowerBound(ctx)
-    checked = check_shares(ctx, lb, mix_cases(np.random.default_rng(0), ctx, longest, 60))
-    assert checked >= 60  # most mixes fit at some recompute
+    checked = check_shares(ctx, lb, mix_cases(np.random.default_rng(0), ctx, longest, 40))
+    assert checked >= 40  # most mixes fit at some recompute
 
 
 def test_a_mix_takes_at_least_its_samples_shares_on_a_noisy_profile():
@@ -98,8 +108,8 @@ def test_a_mix_takes_at_least_its_samples_shares_on_a_noisy_profile():
     cl = ClusterSpec(world_size=4, gpus_per_node=4, memory_bytes=d["model_state_bytes"] + 1e6)
     profile = Profile.from_json(d)
     ctx = PlanContext(Workload(profile.model, (16,)), ProfiledCost(profile, cl), cl)
-    checked = check_shares(ctx, LowerBound(ctx), mix_cases(np.random.default_rng(2), ctx, 300, 60))
-    assert checked >= 60
+    checked = check_shares(ctx, LowerBound(ctx), mix_cases(np.random.default_rng(2), ctx, 300, 30))
+    assert checked >= 30
 
 
 def test_a_share_is_at_most_the_fewest_gpu_seconds_of_copies():
