@@ -59,6 +59,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_vlm_profile.py": 15,  # a tiny Qwen2.5-VL profiled, tower included, at world 1
     "tests/unit/test_mixed_sizes.py": 13,
     "tests/unit/test_dcp_scale.py": 12,
+    "tests/unit/test_mix_share.py": 12,
     "tests/unit/test_rollout_reuse.py": 12,  # RL steps planned twice each, 1024 simulated GPUs
     "tests/unit/test_dcp_static.py": 10,
     "tests/unit/test_loader_lookahead.py": 14,  # training steps slept through, a planning process

@@ -3,14 +3,15 @@
 The layout model: a micro-batch runs on a group of k ranks (an SP degree of the context) for
 its whole time, and a rank runs one micro-batch at a time (as `sim.replay` does). The degrees
 are every one a planner may use (`PlanContext.mix_sizes`). Per sample s
-and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds per sample
-of micro-batches of copies of s at k (time * k / m over every size m that fits, with the
-fastest recompute that fits: `PlanContext.fewest_gpu_seconds`). A micro-batch of time d at
-degree k is assumed to satisfy
+and degree k, f_k(s) is the time of s alone at k and g_k(s) the fewest GPU-seconds s adds to
+a micro-batch at k: on video, whose micro-batches stack copies of one shape, those per sample
+of micro-batches of copies of s (time * k / m over every size m that fits, with the
+fastest recompute that fits: `PlanContext.fewest_gpu_seconds`); on text, whose micro-batches
+mix lengths, what it adds to any micro-batch that fits (`plan.mix_share`). A micro-batch of
+time d at degree k satisfies
 
     (A1) f_k(s) <= d for each of its samples (a sample does not run faster in company),
-    (A2) the g_k of its samples sum to at most k * d (no sample costs fewer GPU-seconds than
-         in its best micro-batch of copies).
+    (A2) the g_k of its samples sum to at most k * d.
 
 The step's compute bound is the largest of four, each valid on its own:
 
@@ -63,15 +64,13 @@ import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, sync_buckets
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.mix_share import BOUND_MAX_COPIES, fewest_shares
 from dcparallel.plan.shape_bound import bisect_too_short, dff, shape_bound
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
 
 #: the midpoint and per-rank bounds are computed for steps of at most this many samples per GPU
 TIGHT_PER_GPU = 2.0
-#: the most copies of one size per micro-batch the bound considers (A2): more than any step
-#: holds, so that no packed micro-batch of many short samples beats it
-BOUND_MAX_COPIES = 1 << 16
 #: the per-rank bound's thresholds e tried at every T, besides the step's own
 PER_RANK_EPS = (0.0, 0.1, 0.2, 0.25, 0.3, 1 / 3, 0.4, 0.5)
 
@@ -82,6 +81,8 @@ class LowerBound:
         self.world = ctx.cluster.world_size
         self._fg: dict[Size, tuple[np.ndarray, np.ndarray]] = {}
         self._gf: dict[Size, tuple[float, float]] = {}
+        #: per size, g_k of a sample in any mix (`plan.mix_share`); video micro-batches are copies
+        self._share: dict[Size, np.ndarray] = {}
 
     # -- per sample ----------------------------------------------------------------------
     def degrees(self, size: Size) -> tuple[np.ndarray, np.ndarray]:
@@ -90,19 +91,29 @@ class LowerBound:
         if hit is not None:
             return hit
         ctx = self.ctx
+        video = ctx.model.kind == "video"
         f = np.full(len(ctx.mix_sizes), np.inf)
-        g = np.full(len(ctx.mix_sizes), np.inf)
+        g = np.full(len(ctx.mix_sizes), np.inf) if video else self.shares([size])[size]
         for j, k in enumerate(ctx.mix_sizes):
-            # any number of copies that fits, not only the planners' 64: `packed` (and `dcp`'s
-            # static candidate) put more short samples in one micro-batch
-            top = ctx.max_mbs(size, k, "pac", cap=BOUND_MAX_COPIES)
-            if top == 0:
+            one = ctx.copies_layout(size, 1, k, "pac")
+            if one is None:
                 continue
-            f[j] = ctx.copies_layout(size, 1, k, "pac").time
-            g[j] = ctx.fewest_gpu_seconds(size, k, top)
+            f[j] = one.time
+            if video:  # a micro-batch of copies: any number that fits, not only the planners' 64
+                g[j] = ctx.fewest_gpu_seconds(size, k, ctx.max_mbs(size, k, "pac", cap=BOUND_MAX_COPIES))
         assert np.isfinite(f).any(), f"size {size!r} fits no layout"
         self._fg[size] = (f, g)
         return f, g
+
+    def shares(self, sizes) -> dict[Size, np.ndarray]:
+        """g_k of each size in any mix at every degree (`plan.mix_share`), priced at once for
+        the sizes not cached yet (in chunks: a step's thousands of distinct lengths)."""
+        todo = [s for s in dict.fromkeys(sizes) if s not in self._share]
+        for lo in range(0, len(todo), 1024):
+            part = todo[lo : lo + 1024]
+            g = np.stack([fewest_shares(self.ctx, part, k) for k in self.ctx.mix_sizes], axis=1)
+            self._share.update(zip(part, g))
+        return self._share
 
     def sample(self, size: Size) -> tuple[float, float]:
         """(g, f) of one sample size: its fewest GPU-seconds and fastest time at any degree
@@ -128,6 +139,8 @@ class LowerBound:
         """The simple compute bound: max(sum g / world, max f)."""
         gs, fmax = 0.0, 0.0
         sizes = self.ctx.sizes
+        if self.ctx.model.kind != "video":  # every new size's shares at once
+            self.shares(sizes[i] for i in step.sample_ids)
         for i in step.sample_ids:
             g, f = self.sample(sizes[i])
             gs += g

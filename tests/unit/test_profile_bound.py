@@ -43,6 +43,11 @@ RECORDED = {
 
 @pytest.fixture(scope="module")
 def recorded_profile() -> Profile:
+    return recorded()
+
+
+def recorded() -> Profile:
+    """`RECORDED` as a profile of `test_profile.tiny_llama` at world 1."""
     spec = make_profiler().spec
     entries = [
         ProfileEntry(bucket, 1, mbs, mode, time_s=t, memory_bytes=float(mem), ranks=[0])
@@ -106,9 +111,8 @@ def _spread_over_sp(d: dict, world: int, draw) -> dict:
 @given(data=st.data())
 def test_no_policy_beats_the_lower_bound_on_a_noisy_profile_with_sp_and_tight_memory(recorded_profile, data):
     """The same at worlds 2 and 4, with SP degrees and memory budgets that force recomputation
-    or SP. `packed` is left out: a micro-batch that mixes lengths needs less memory than copies
-    of its longest sample, which the bound does not count (docs/design.md, the bound's known
-    gap)."""
+    or SP; `packed`'s micro-batches mix lengths, which need less memory than copies of their
+    longest sample (the bound prices what a sample adds to any mix: `plan.mix_share`)."""
     world = data.draw(st.sampled_from([2, 4]), label="world")
     d = _spread_over_sp(recorded_profile.to_json(), world, data.draw)
     memory = data.draw(st.sampled_from([4e5, 1e6, 1e9]), label="activation memory")
@@ -118,7 +122,7 @@ def test_no_policy_beats_the_lower_bound_on_a_noisy_profile_with_sp_and_tight_me
     sizes = data.draw(st.lists(st.sampled_from([8, 16, 30, 48, 90, 128, 200]), min_size=4, max_size=60), label="sizes")
     wl = Workload(profile.model, tuple(sizes))
     budget = data.draw(st.sampled_from([300, 800, 2000]), label="tokens per step")
-    _assert_none_beats_the_bound(wl, cost, cluster, [n for n in ALL if n != "packed"], budget)
+    _assert_none_beats_the_bound(wl, cost, cluster, ALL, budget)
 
 
 def test_a_micro_batch_between_two_powers_of_two_cannot_beat_the_lower_bound(recorded_profile):
