@@ -250,9 +250,10 @@ def _rounds(setting: RunSetting, record: dict | None) -> tuple[list[dict[str, di
     runs: dict[str, list[dict]] = {}
     for rep in range(repeats):
         t0 = time.perf_counter()
-        calibration.append({policy: _train_once(setting, policy) for policy in policies})
+        where = f"round {rep + 1} of {repeats}"
+        calibration.append({p: _logged_run(setting, p, f"{where}, untimed", record is not None) for p in policies})
         for policy in policies:
-            run = _train_once(setting, policy)
+            run = _logged_run(setting, policy, f"{where}, timed", record is not None)
             first = runs.setdefault(policy, [])[:1]
             if first and (run["samples_hash"], run["losses"]) != (first[0]["samples_hash"], first[0]["losses"]):
                 raise RuntimeError(
@@ -266,6 +267,18 @@ def _rounds(setting: RunSetting, record: dict | None) -> tuple[list[dict[str, di
             print_round(so_far, predict(so_far), rep + 1, repeats, sys.stderr)
             record.setdefault("first_comparison_at", time.time())  # wall clock, for the orchestrator
     return calibration, runs
+
+
+def _logged_run(setting: RunSetting, policy: str, what: str, verbose: bool) -> dict:
+    """`_train_once`, with a line on stderr when ``verbose`` (rank 0): the user sees every run end."""
+    run = _train_once(setting, policy)
+    if verbose:
+        print(
+            f"[demo] {what} run of {policy}: {run['wall_s']:.1f} s, loss {run['loss_first']:.3f} -> "
+            f"{run['loss_last']:.3f}",
+            file=sys.stderr,
+        )
+    return run
 
 
 def _real(record: dict, calibration: list[dict[str, dict]], runs: dict[str, list[dict]]) -> dict:

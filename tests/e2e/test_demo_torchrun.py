@@ -30,6 +30,8 @@ def test_demo_answers_round_by_round(tmp_path):
     err = proc.stderr
     order = [
         err.index("[demo] plans: the same"),
+        err.index("[demo] round 1 of 2, untimed run of bucket"),
+        err.index("[demo] round 1 of 2, timed run of dcp"),
         err.index("[demo] round 1 of 2, first comparison: one timed run of each policy"),
         err.index("[demo] round 2 of 2, comparison after 2 timed runs of each policy"),
     ]
