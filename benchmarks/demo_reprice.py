@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dcparallel.apps.demo import budget_cluster
+from dcparallel.apps.demo_predict import budget_cluster
 from dcparallel.apps.demo_worker import shape_price, training_factor
 from dcparallel.cost.profiled import ProfiledCost
 from dcparallel.cost.schema import Profile

@@ -1,22 +1,28 @@
 """`dcparallel demo`: real training per policy here, predicted by the simulator, and paper scale.
 
 Real training on this machine, side by side per policy, predicted by the simulator, next to
-the paper-scale simulation.
+the paper-scale simulation; the first comparison comes after one round of training, refined
+by every later round.
 
 1. A skewed-length dataset of real token sequences (or `--lengths FILE`).
 2. One `torchrun` launch, 2 gloo ranks with one thread each (`dcparallel.apps.demo_worker`):
-   profile the tiny LM at world 2, warm up every SP degree and recompute path, then train the
-   same samples in the same steps per policy (bucket, packed, dcp; `--repeats` runs each,
-   interleaved, the median counts), timing the training loop only. A per-rank memory budget,
-   derived from the profile so that the longest sample needs SP = 2 *and* recomputation (as a
-   device's memory would force), makes the run use all three levers.
-3. Each run is predicted by the simulator from the same profile, scaled by the factor the
-   worker measured on untimed runs, one of every policy before each timed round (how many
-   times its price each micro-batch took there, pooled; `training_factor`).
-4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution).
+   profile the tiny LM at world 2 within `--profile-budget` seconds (cached in the output
+   folder), plan every policy's epoch with the simulator and print the plans, warm up every
+   SP degree and recompute path, then train the same samples in the same steps per policy
+   (bucket, packed, dcp; `--repeats` rounds, each one untimed and one timed run of every
+   policy, interleaved, the median timed run counts), timing the training loop only. After
+   every round the worker prints the comparison so far with the runs it rests on. A per-rank
+   memory budget, derived from the profile so that the longest sample needs SP = 2 *and*
+   recomputation (as a device's memory would force), makes the run use all three levers.
+3. Each run is predicted by the simulator from the same profile (`demo_predict`), scaled by
+   the factor the worker measured on the untimed runs (how many times its price each
+   micro-batch took there, pooled over every policy and round; `training_factor`).
+4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution), after
+   the training launch so that they do not share its cores.
 5. `report.md`, PNG plots and a summary table (`dcparallel.apps.demo_report`), with the spread
-   of each policy's repeats and a plain warning when it is too large for the comparison to
-   mean anything; `--json` prints one JSON line last.
+   of each policy's repeats, a plain warning when it is too large for the comparison to mean
+   anything, and the seconds of each phase (``phase_s`` in summary.json); `--json` prints one
+   JSON line last.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from dcparallel.apps.demo_predict import predict, prediction_errors
 from dcparallel.apps.demo_report import print_table, rank_timelines, spread, trust_notes, write_report
 from dcparallel.apps.simulate import paper_scale
 from dcparallel.apps.train_inputs import check_fits
@@ -41,59 +48,9 @@ TOKENS_PER_STEP = 16384
 #: gloo ranks the demo launches
 WORLD = 2
 #: timed runs per policy (interleaved); each policy's median run is compared (`demo_worker.counted_run`)
-REPEATS = 5
-
-
-def predict(out: Path, lengths: list[int], real: dict) -> dict[str, dict]:
-    """Simulated wall time of each policy's run from the same profile and budget: the plans'
-    compute + gradient sync times the measured `training_factor`, plus the optimizer step
-    measured before training (``wall_s_profile``: at the profile's prices, unscaled)."""
-    from dcparallel.apps.demo_worker import SEED
-    from dcparallel.cost.profiled import ProfiledCost
-    from dcparallel.cost.schema import Profile
-    from dcparallel.plan.context import PlanContext
-    from dcparallel.plan.steps import form_steps
-    from dcparallel.sim.run import plan_epoch
-    from dcparallel.spec import Workload
-
-    profile = Profile.load(out / "profile.json")
-    cluster = budget_cluster(real)
-    ctx = PlanContext(Workload(profile.model, tuple(lengths)), ProfiledCost(profile, cluster), cluster)
-    steps = form_steps(ctx.tokens, seed=SEED, tokens_per_step=real["tokens_per_step"])
-    factor = real.get("training_factor", 1.0)
-    pred = {}
-    for name in real["policies"]:
-        run = plan_epoch(ctx, steps, name)
-        optimizer = len(steps) * real["optimizer_step_s"]
-        pred[name] = {
-            "wall_s": run.sim.total_time * factor + optimizer,
-            "wall_s_profile": run.sim.total_time + optimizer,
-            "factor": factor,
-            "idle_fraction": run.sim.idle_fraction,
-            "settings": {k: v for k, v in run.settings.items() if k != "tried_s"},
-        }
-        ref = real["policies"][name].get("reference_s")
-        if ref and profile.reference_s:  # the machine's speed during the run, against the profile's
-            pred[name]["speed"] = ref / profile.reference_s
-            pred[name]["wall_s_at_run_speed"] = pred[name]["wall_s_profile"] * pred[name]["speed"]
-    return pred
-
-
-def budget_cluster(real: dict):
-    """The cluster a demo run trained on (real.json): its world on one node, its memory budget per rank."""
-    from dcparallel.spec import ClusterSpec
-
-    return ClusterSpec(
-        world_size=real["world"],
-        gpus_per_node=real["world"],
-        memory_bytes=real["memory_budget_bytes"],
-        name="cpu-budget",
-    )
-
-
-def prediction_errors(pred: dict, real: dict, key: str) -> dict[str, float]:
-    """Per policy with a prediction under `key`: abs(predicted - measured) / measured."""
-    return {n: abs(pred[n][key] - v["wall_s"]) / v["wall_s"] for n, v in real["policies"].items() if key in pred[n]}
+REPEATS = 3
+#: the profile's wall-time budget in seconds (`ProfilerConfig.budget_s`, `profile.budget`)
+PROFILE_BUDGET_S = 60.0
 
 
 def _check_fits(lengths: list[int], num_layers: int) -> None:
@@ -109,28 +66,57 @@ def _check_fits(lengths: list[int], num_layers: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dcparallel.apps.demo_worker import MODEL
-    from dcparallel.apps.presets import LLAMAS
-    from dcparallel.data.synthetic import builtin_lengths
-    from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups, plot_timelines
-    from dcparallel.scenarios import read_lengths
-
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.profile_budget <= 0:
+        raise ValueError(f"--profile-budget must be a positive number of seconds, got {args.profile_budget}")
+    started = time.time()
     t_demo = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.lengths:
-        lengths = read_lengths(args.lengths)
-        if any(isinstance(s, tuple) for s in lengths):
-            raise ValueError(f"{args.lengths}: the demo trains a text model; give token counts, one per line")
-        source = Path(args.lengths).name
-    else:
-        lengths = builtin_lengths()
-        source = "built-in skewed (70% 32-256, 24% 256-1024, 6% 1024-3072 tokens)"
+    lengths, source = _lengths(args)
     _check_fits(lengths, args.layers)
     (out / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    launch_s = _launch(args, out, len(lengths))
+    real = json.loads((out / "real.json").read_text())
     t0 = time.perf_counter()
+    simulated = []
+    if not args.skip_paper_scale:
+        print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
+        simulated = paper_scale()
+    t1 = time.perf_counter()
+    artifacts = _plots(out, real, simulated)
+    summary = _summary(real, source, len(lengths), simulated)
+    summary["phase_s"] = {
+        **real["phase_s"],
+        "launch": launch_s,
+        "paper_scale": t1 - t0,
+        "plots": time.perf_counter() - t1,
+    }
+    summary["launch_s"] = launch_s
+    summary["first_result_s"] = real["first_comparison_at"] - started
+    summary["demo_s"] = time.perf_counter() - t_demo
+    report = write_report(out, summary, predict(real), summary["errors"], real)
+    summary["artifacts"] = [str(a) for a in [report, *artifacts]]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _lengths(args: argparse.Namespace) -> tuple[list[int], str]:
+    """The samples' token counts (``--lengths`` or the built-in skewed set) and what they are."""
+    from dcparallel.data.synthetic import builtin_lengths
+    from dcparallel.scenarios import read_lengths
+
+    if not args.lengths:
+        return builtin_lengths(), "built-in skewed (70% 32-256, 24% 256-1024, 6% 1024-3072 tokens)"
+    lengths = read_lengths(args.lengths)
+    if any(isinstance(s, tuple) for s in lengths):
+        raise ValueError(f"{args.lengths}: the demo trains a text model; give token counts, one per line")
+    return lengths, Path(args.lengths).name
+
+
+def _launch(args: argparse.Namespace, out: Path, num_samples: int) -> float:
+    """The training launch (`demo_worker`), its output on stderr; returns its seconds."""
     cmd = [
         sys.executable,
         "-m",
@@ -148,25 +134,24 @@ def run(args: argparse.Namespace) -> dict:
         str(args.tokens_per_step),
         "--repeats",
         str(args.repeats),
+        "--profile-budget",
+        str(args.profile_budget),
         "--policies",
         *POLICIES,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    print(f"[demo] training {len(lengths)} samples on {WORLD} gloo ranks: {' '.join(POLICIES)}", file=sys.stderr)
+    print(f"[demo] training {num_samples} samples on {WORLD} gloo ranks: {' '.join(POLICIES)}", file=sys.stderr)
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"the training launch failed with exit code {proc.returncode}: {' '.join(cmd)}")
-    launch_s = time.perf_counter() - t0
-    real = json.loads((out / "real.json").read_text())
-    pred = predict(out, lengths, real)
-    errors, errors_profile, errors_at_speed = (
-        prediction_errors(pred, real, key) for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed")
-    )
-    simulated = []
-    if not args.skip_paper_scale:
-        print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
-        simulated = paper_scale()
-    p = real["policies"]
+    return time.perf_counter() - t0
+
+
+def _plots(out: Path, real: dict, simulated: list[dict]) -> list[Path]:
+    """The real runs' timeline (bucket vs dcp) and, with the paper-scale results, their plots."""
+    from dcparallel.report.plots import plot_paper_scale_timeline, plot_speedups, plot_timelines
+
     artifacts = [
         plot_timelines(
             rank_timelines(real, ("bucket", "dcp")),
@@ -177,45 +162,45 @@ def run(args: argparse.Namespace) -> dict:
     if simulated:
         artifacts.append(plot_speedups(simulated, out / "speedups.png"))
         artifacts.append(plot_paper_scale_timeline(out / "timeline_paper_scale.png"))
-    summary = {
+    return artifacts
+
+
+#: what the summary keeps of each policy's counted run
+RUN_KEYS = ("wall_s", "tokens_per_s", "steps", "samples", "samples_hash", "loss_first", "loss_last")
+#: what the summary keeps of each policy's prediction
+PREDICTED_KEYS = ("wall_s", "wall_s_profile", "factor", "idle_fraction", "speed", "wall_s_at_run_speed")
+
+
+def _summary(real: dict, source: str, num_samples: int, simulated: list[dict]) -> dict:
+    """summary.json (and what the report and table print): the real runs with their spread,
+    the predictions and their errors (scaled by the training factor, at the profile's prices,
+    at the runs' speed), the notes on what the timings cannot support, the paper scale."""
+    from dcparallel.apps.demo_worker import MODEL
+    from dcparallel.apps.presets import LLAMAS
+
+    p = real["policies"]
+    pred = predict(real)
+    errors, errors_profile, errors_at_speed = (
+        prediction_errors(pred, real, key) for key in ("wall_s", "wall_s_profile", "wall_s_at_run_speed")
+    )
+    return {
         "real": {
             "world": real["world"],
             "memory_budget_bytes": real["memory_budget_bytes"],
             "budget_rule": real["budget_rule"],
             "lengths": source,
-            "samples_total": len(lengths),
+            "samples_total": num_samples,
             "repeats": real["repeats"],
             "policies": {
-                n: {
-                    **{
-                        k: v[k]
-                        for k in (
-                            "wall_s",
-                            "tokens_per_s",
-                            "steps",
-                            "samples",
-                            "samples_hash",
-                            "loss_first",
-                            "loss_last",
-                        )
-                    },
-                    "wall_s_runs": v["walls"],
-                    "spread": spread(v["walls"]),
-                }
+                n: {**{k: v[k] for k in RUN_KEYS}, "wall_s_runs": v["walls"], "spread": spread(v["walls"])}
                 for n, v in p.items()
             },
             "speedup": p["bucket"]["wall_s"] / p["dcp"]["wall_s"],
             "speedup_vs_packed": p["packed"]["wall_s"] / p["dcp"]["wall_s"],
         },
-        "predicted": {
-            n: {
-                k: v[k]
-                for k in ("wall_s", "wall_s_profile", "factor", "idle_fraction", "speed", "wall_s_at_run_speed")
-                if k in v
-            }
-            for n, v in pred.items()
-        },
-        "training_factor": real.get("training_factor", 1.0),
+        "predicted": {n: {k: v[k] for k in PREDICTED_KEYS if k in v} for n, v in pred.items()},
+        "errors": errors,
+        "training_factor": real["training_factor"],
         "prediction_error": max(errors.values()),
         "prediction_error_at_profile_prices": max(errors_profile.values()),
         "prediction_error_at_run_speed": max(errors_at_speed.values()) if errors_at_speed else None,
@@ -223,15 +208,9 @@ def run(args: argparse.Namespace) -> dict:
         "simulated": simulated,
         "profile_s": real["profile_s"],
         "profile_reused": real["profile_reused"],
-        "launch_s": launch_s,
         "vocab": LLAMAS[MODEL].vocab_size,
         "artifacts": [],
     }
-    summary["demo_s"] = time.perf_counter() - t_demo
-    report = write_report(out, summary, pred, errors, real)
-    summary["artifacts"] = [str(a) for a in [report, *artifacts]]
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -245,6 +224,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=REPEATS,
         help="timed runs per policy, interleaved; each policy's median counts, all are reported with "
         "their spread (default %(default)s; raise it on a busy machine)",
+    )
+    p.add_argument(
+        "--profile-budget",
+        type=float,
+        default=PROFILE_BUDGET_S,
+        help="wall-time budget of the profile in seconds: the largest buckets are measured coarsely when "
+        "the rest would not fit (default %(default)s; a cached profile is reused)",
     )
     p.add_argument("--skip-paper-scale", action="store_true", help="do not simulate the paper-scale scenarios")
     p.add_argument("--json", action="store_true", help="one JSON object on one line, last on stdout")

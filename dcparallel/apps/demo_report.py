@@ -140,17 +140,30 @@ def _spread_text(s: dict) -> str:
 
 
 def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Path:
+    """``report.md`` in ``out``: the setting, the table of every policy's runs with its
+    prediction, the verdict on the spread, the planner settings, the timeline and the
+    paper-scale section."""
+    lines = _report_head(s, real) + _report_table(s, pred, errors) + _report_notes(s, pred)
+    if s["simulated"]:
+        lines += _paper_scale_lines(s["simulated"])
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _report_head(s: dict, real: dict) -> list[str]:
     r = s["real"]
-    same = len({v["samples_hash"] for v in r["policies"].values()}) == 1
     profiling = "reused a cached profile" if s["profile_reused"] else f"took {s['profile_s']:.0f} s"
-    lines = [
+    return [
         f"# dcparallel demo — {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"Real training of a {real['layers']}-layer Llama-style LM (hidden 128, vocab {s['vocab']}) on {r['world']} "
         f"gloo ranks (one CPU thread each), {r['samples_total']} samples ({r['lengths']}), "
         f"{real['tokens_per_step']:,} tokens per step. Memory budget per rank: "
         f"{r['memory_budget_bytes'] / 2**20:.1f} MiB ({r['budget_rule']}). Profiling {profiling}; "
-        f"training time below excludes start-up and profiling. The whole demo took {s['demo_s'] / 60:.1f} min.",
+        f"training time below excludes start-up and profiling. The first comparison was printed after "
+        f"{s['first_result_s'] / 60:.1f} min, the whole demo took {s['demo_s'] / 60:.1f} min "
+        f"({phases_text(s['phase_s'])}).",
         "",
         f"Each policy ran {r['repeats']} times, interleaved with the others; its median run counts (of an even "
         "number, the faster of the middle two; all runs: "
@@ -161,7 +174,13 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         "loss first → last | predicted wall s | error | speedup vs bucket |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+
+def _report_table(s: dict, pred: dict, errors: dict) -> list[str]:
+    r = s["real"]
+    same = len({v["samples_hash"] for v in r["policies"].values()}) == 1
     base = r["policies"]["bucket"]["wall_s"]
+    lines = []
     for n, v in r["policies"].items():
         runs = ", ".join(f"{w:.1f}" for w in v["wall_s_runs"])
         lines.append(
@@ -169,7 +188,7 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
             f"{v['steps']} | {v['samples']} | {v['loss_first']:.3f} → {v['loss_last']:.3f} | "
             f"{pred[n]['wall_s']:.1f} | {100 * errors[n]:.0f}% | {base / v['wall_s']:.2f} |"
         )
-    lines += [
+    return lines + [
         "",
         f"dcp vs bucket: **{r['speedup']:.2f}×**; dcp vs packed: **{r['speedup_vs_packed']:.2f}×**; "
         f"prediction error (max over policies): {100 * s['prediction_error']:.0f}%. "
@@ -177,14 +196,17 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         f"(hash of each step's sample ids).",
         "",
     ]
-    lines += [factor_text(s), ""]
+
+
+def _report_notes(s: dict, pred: dict) -> list[str]:
+    lines = [factor_text(s), ""]
     if s.get("prediction_error_at_run_speed") is not None:
         lines += [speed_text(s), ""]
     if s["trust_notes"]:
         lines += ["**These timings cannot be trusted:** " + " ".join(s["trust_notes"]), ""]
     else:
         lines += ["Every policy's runs spread less than the differences compared above.", ""]
-    lines += [
+    return lines + [
         "Planner settings (from the simulator's replanning): " + "; ".join(f"{n}: {pred[n]['settings']}" for n in pred),
         "",
         "![timeline](timeline.png)",
@@ -198,26 +220,27 @@ def write_report(out: Path, s: dict, pred: dict, errors: dict, real: dict) -> Pa
         "simulated 32-GPU timeline below.",
         "",
     ]
-    if s["simulated"]:
-        lines += [
-            "## Paper scale (simulated, 32 × H200)",
-            "",
-            "![speedups](speedups.png)",
-            "",
-            "![paper-scale timeline](timeline_paper_scale.png)",
-            "",
-            "| scenario | distribution | " + " | ".join(s["simulated"][0]["speedup_vs_bucket"]) + " |",
-            "| --- | --- | " + " | ".join("---" for _ in s["simulated"][0]["speedup_vs_bucket"]) + " |",
-        ]
-        for x in s["simulated"]:
-            lines.append(
-                f"| {x['scenario']} | {x['distribution']} | "
-                + " | ".join(f"{v:.2f}" for v in x["speedup_vs_bucket"].values())
-                + " |"
-            )
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+
+
+def _paper_scale_lines(simulated: list[dict]) -> list[str]:
+    names = list(simulated[0]["speedup_vs_bucket"])
+    lines = [
+        "## Paper scale (simulated, 32 × H200)",
+        "",
+        "![speedups](speedups.png)",
+        "",
+        "![paper-scale timeline](timeline_paper_scale.png)",
+        "",
+        "| scenario | distribution | " + " | ".join(names) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
+    for x in simulated:
+        lines.append(
+            f"| {x['scenario']} | {x['distribution']} | "
+            + " | ".join(f"{v:.2f}" for v in x["speedup_vs_bucket"].values())
+            + " |"
+        )
+    return lines
 
 
 def print_table(s: dict) -> None:
@@ -244,5 +267,80 @@ def print_table(s: dict) -> None:
         print(speed_text(s))
     for note in s["trust_notes"]:
         print(f"NOTE: {note}")
-    print(f"demo took {s['demo_s'] / 60:.1f} min (training launch {s['launch_s'] / 60:.1f} min)")
+    print(
+        f"first comparison after {s['first_result_s'] / 60:.1f} min; demo took {s['demo_s'] / 60:.1f} min "
+        f"({phases_text(s['phase_s'])})"
+    )
     print("artifacts: " + ", ".join(s["artifacts"]))
+
+
+def phases_text(phase_s: dict) -> str:
+    """Where the demo's time went: the launch (its start-up, profile, plans, warm-up and rounds),
+    then the paper-scale simulation and the plots, in seconds."""
+    rounds = " + ".join(f"{r:.0f}" for r in phase_s["rounds"])
+    inside = phase_s["profile"] + phase_s["plan"] + phase_s["warm_up"] + sum(phase_s["rounds"])
+    return (
+        f"training launch {phase_s['launch']:.0f} s: start-up and exit {phase_s['launch'] - inside:.0f}, profile "
+        f"{phase_s['profile']:.0f}, plans {phase_s['plan']:.0f}, warm-up {phase_s['warm_up']:.0f}, rounds {rounds}; "
+        f"paper scale {phase_s['paper_scale']:.0f} s, plots {phase_s['plots']:.0f} s"
+    )
+
+
+def print_plans(record: dict, file) -> None:
+    """The first result, printed by the worker before any training: the profile (measured or
+    reused, in how long, how much of it coarse for its budget), the memory budget and each
+    policy's plan of the epoch as the simulator prices it."""
+    if record["profile_reused"]:
+        prof = "reused the cached profile"
+    else:
+        prof = (
+            f"profiled in {record['profile_s']:.0f} s (budget {record['profile_budget_s']:.0f} s; layout chains "
+            f"measured coarsely for it: {record['profile_chains_coarse']}, skipped: {record['profile_chains_skipped']})"
+        )
+    print(
+        f"[demo] {prof}; memory budget {record['memory_budget_bytes'] / 2**20:.1f} MiB per rank "
+        f"({record['budget_rule']})",
+        file=file,
+    )
+    plans = record["plans"]
+    steps = next(iter(plans.values()))["steps"]
+    print(
+        f"[demo] plans: the same {steps} steps of {record['tokens_per_step']:,} tokens for every policy, "
+        f"simulated at the profile's prices:",
+        file=file,
+    )
+    for n, p in plans.items():
+        print(
+            f"[demo]   {n:7s} {p['sim_s']:6.1f} s, ranks idle {100 * p['idle_fraction']:4.1f}%, {p['settings']}",
+            file=file,
+        )
+
+
+def print_round(real: dict, pred: dict, done: int, rounds: int, file) -> None:
+    """The comparison after ``done`` of ``rounds`` rounds, printed by the worker as the runs come
+    in: per policy its median run so far and the spread of its runs, the prediction scaled by
+    the training factor of the untimed runs so far, its error and the speedup vs bucket."""
+    from dcparallel.apps.demo_predict import prediction_errors
+
+    p = real["policies"]
+    errors = prediction_errors(pred, real, "wall_s")
+    if done == 1:
+        what = "first comparison: one timed run of each policy, so its spread is unknown yet"
+    else:
+        what = f"comparison after {done} timed runs of each policy: the median run counts"
+    print(
+        f"[demo] round {done} of {rounds}, {what}; predictions x {real['training_factor']:.3f}, the training "
+        f"factor of {done} untimed run(s) of each policy",
+        file=file,
+    )
+    print(
+        f"[demo]   {'policy':7s} {'wall s':>7s} {'predicted s':>11s} {'error':>6s} {'vs bucket':>9s}  runs s", file=file
+    )
+    for n, v in p.items():
+        runs = ", ".join(f"{w:.1f}" for w in v["walls"])
+        spread_s = f" (spread {100 * spread(v['walls'])['relative']:.0f}%)" if done > 1 else ""
+        print(
+            f"[demo]   {n:7s} {v['wall_s']:7.1f} {pred[n]['wall_s']:11.1f} {100 * errors[n]:5.0f}% "
+            f"{p['bucket']['wall_s'] / v['wall_s']:8.2f}x  {runs}{spread_s}",
+            file=file,
+        )

@@ -1,9 +1,12 @@
-"""The demo's torchrun worker: profile, warm up, then per round calibrate and train every policy, timed.
+"""The demo's torchrun worker: profile, plan, warm up, then per round calibrate and train every policy, timed.
 
-Profiles the tiny LM at world 2, warms up, then for each repeat trains the same samples in the
-same steps once per policy untimed and once timed (the training loop only). The untimed runs
-measure how much slower training runs the profile's layouts than the profile timed them
-(`training_factor`, pooled over every policy and round).
+Profiles the tiny LM at world 2 (within a wall-time budget, `profile.budget`), plans every
+policy's epoch with the simulator and prints the plans, warms up, then for each repeat trains
+the same samples in the same steps once per policy untimed and once timed (the training loop
+only). The untimed runs measure how much slower training runs the profile's layouts than the
+profile timed them (`training_factor`, pooled over every policy and round so far). After every
+round rank 0 prints the comparison so far: after the first, one run of each policy (its spread
+unknown, said so); after each later one, each policy's median run and the spread of its runs.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m dcparallel.apps.demo --worker ...
 
@@ -17,7 +20,9 @@ import hashlib
 import json
 import logging
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,6 +48,22 @@ def samples_hash(step_ids: list[list[int]]) -> str:
 # ----------------------------------------------------------------- the torchrun worker
 
 
+@dataclass
+class RunSetting:
+    """What every training run of one launch shares: the data, the cost model and cluster of
+    the memory budget, the process groups (created and warmed up once) and the profile's
+    reference clock (None: the profile has no reference run)."""
+
+    args: argparse.Namespace
+    dataset: SyntheticText
+    lengths: list[int]
+    cost: object
+    cluster: object
+    spec: object
+    groups: object
+    clock: object = None
+
+
 def lm_micro_batch(dc, model, batch) -> None:
     """Forward and backward of one text `Batch` in its micro-batch context (the loss summed
     over the shard's targets; `dc.sync_gradients()` normalizes by the step's count)."""
@@ -62,15 +83,13 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from dcparallel.apps.demo_predict import simulate_policies
+    from dcparallel.apps.demo_report import print_plans
     from dcparallel.cost.profiled import ProfiledCost
-    from dcparallel.data.collate import text_batch
-    from dcparallel.plan.types import MicroBatch
-    from dcparallel.profile.cache import load_or_profile
-    from dcparallel.profile.inputs import reference_spec, text_inputs
-    from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
+    from dcparallel.profile.inputs import reference_spec
     from dcparallel.runtime.engine import Engine
     from dcparallel.runtime.launch import end_distributed, init_distributed
-    from dcparallel.spec import ClusterSpec, Layout, Recompute
+    from dcparallel.spec import ClusterSpec
 
     torch.set_num_threads(1)
     # the demo compares CPU ranks; profiling waits up to minutes in a collective for the slower
@@ -79,20 +98,64 @@ def worker(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
     lengths = [int(x) for x in (out / "lengths.txt").read_text().split()]
-    dataset = SyntheticText(lengths)
-
-    # -- profile at world 2 (cached in the output folder across demo runs)
     model = demo_model(args.layers)
     spec, _ = reference_spec(model, model.layers)
     big = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=2**40, name="cpu")
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
+    profiler, profile, stats, profile_s = _profile(args, model, spec, dc, lengths, rank)
+    # the profile's reference run, timed between the steps of every timed run: the machine's
+    # speed during the run against the speed the profile prices at (`profile.drift`)
+    clock = profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size) if profile.reference_s else None
+    budget, rule = memory_budget(ProfiledCost(profile, big), spec.num_layers, lengths)
+    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=budget, name="cpu-budget")
+    cost = ProfiledCost(profile, cluster)
+    dataset = SyntheticText(lengths)
+    setting = RunSetting(args, dataset, lengths, cost, cluster, spec, dc.groups, clock)
+    record = {
+        "world": world,
+        "memory_budget_bytes": budget,
+        "budget_rule": rule,
+        "profile_s": profile_s,
+        "profile_reused": stats is None,
+        "profile_budget_s": args.profile_budget,
+        "profile_chains_coarse": stats.chains_coarse if stats else None,
+        "profile_chains_skipped": stats.chains_skipped if stats else None,
+        "profile_reference_s": profile.reference_s,
+        "tokens_per_step": args.tokens_per_step,
+        "layers": args.layers,
+        "repeats": args.repeats,
+    }
     t0 = time.perf_counter()
+    if rank == 0:  # the first result: what was profiled, and what each policy plans
+        record["plans"] = simulate_policies(cost, cluster, lengths, args.policies, args.tokens_per_step, SEED)
+        print_plans(record, sys.stderr)
+    t1 = time.perf_counter()
+    record["optimizer_step_s"] = _warm_up(dc, model, dataset, lengths, spec.num_layers, args.lr)
+    record["phase_s"] = {"profile": profile_s, "plan": t1 - t0, "warm_up": time.perf_counter() - t1, "rounds": []}
+    calibration, runs = _rounds(setting, record if rank == 0 else None)
+    if rank == 0:
+        (out / "real.json").write_text(json.dumps(_real(record, calibration, runs)))
+    del dc, profiler, model  # before the process group ends (`end_distributed`)
+    end_distributed()
+    return 0
+
+
+def _profile(args, model, spec, dc, lengths: list[int], rank: int):
+    """The profile at world 2, cached in the output folder across demo runs, within
+    ``args.profile_budget`` seconds: (profiler, profile, stats or None if reused, seconds)."""
+    import torch
+
+    from dcparallel.profile.cache import load_or_profile
+    from dcparallel.profile.inputs import text_inputs
+    from dcparallel.profile.profiler import Profiler, ProfilerConfig, representative_sizes
+
     # micro-batch sizes doubled up to 4096 tokens (min_gain 0: a noisy small layout must not
     # end a chain early), so packed's bins of up to ~50 short samples are priced between
     # measured sizes, not extrapolated past 16 samples (those bins ran at 0.6-0.9x that price);
     # rounds stop at +-5%. The reference run is timed in every round as a record of the
     # machine's speed, not to rescale: on a quiet machine it is slowed more by the SP 2 work
-    # before it than by load, and rescaling would price SP 2 layouts too cheap (`profile.drift`)
+    # before it than by load, and rescaling would price SP 2 layouts too cheap (`profile.drift`).
+    # The budget measures the largest buckets' chains coarsely when the rest would not fit
     config = ProfilerConfig(
         repeats=3,
         min_time_s=0.4,
@@ -103,23 +166,26 @@ def worker(args: argparse.Namespace) -> int:
         reference=True,
         rescale=False,
         progress=rank == 0,
+        budget_s=args.profile_budget,
     )
     profiler = Profiler(
         model, model.layers, text_inputs(model, torch.device("cpu")), spec=spec, config=config, engine=dc
     )
-    profile, stats = load_or_profile(out / "profile.json", profiler, representative_sizes(spec, lengths))
-    profile_s = time.perf_counter() - t0
-    # the profile's reference run, timed between the steps of every timed run: the machine's
-    # speed during the run against the speed the profile prices at (`profile.drift`)
-    clock = profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size) if profile.reference_s else None
+    t0 = time.perf_counter()
+    profile, stats = load_or_profile(Path(args.out) / "profile.json", profiler, representative_sizes(spec, lengths))
+    return profiler, profile, stats, time.perf_counter() - t0
 
-    # -- the memory budget: the longest sample does not fit one rank even with full
-    # recomputation, so it needs SP = 2 (and, at this budget, recomputation there too)
+
+def memory_budget(probe, num_layers: int, lengths: list[int]) -> tuple[int, str]:
+    """The per-rank memory budget, priced by ``probe`` (the profile without a budget), and its
+    rule: the longest sample does not fit one rank even with full recomputation, so it needs
+    SP = 2 (and, at this budget, recomputation there too)."""
+    from dcparallel.spec import Recompute
+
     longest = max(lengths)
-    probe = ProfiledCost(profile, big)
-    L = spec.num_layers
-    one_rank_full = probe.terms((longest,), 1).memory(Recompute(L, L))
-    two_ranks_full = probe.terms((longest,), 2).memory(Recompute(L, L))
+    full = Recompute(num_layers, num_layers)
+    one_rank_full = probe.terms((longest,), 1).memory(full)
+    two_ranks_full = probe.terms((longest,), 2).memory(full)
     budget = int(BUDGET_FRACTION * one_rank_full)
     if budget < two_ranks_full:
         raise ValueError(
@@ -127,21 +193,32 @@ def worker(args: argparse.Namespace) -> int:
             f"even at SP=2 with full recomputation, more than the {budget / 2**20:.1f} MiB budget; "
             f"use shorter samples"
         )
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=budget, name="cpu-budget")
-    cost = ProfiledCost(profile, cluster)
+    rule = (
+        f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs "
+        f"on one rank with full recomputation: it must run at SP=2"
+    )
+    return budget, rule
 
-    # -- warm-up before anything is timed: every SP degree and recompute path once (the first
-    # all-to-all of a group and first-time allocations cost ~1 s here, which would otherwise
-    # be charged to whichever policy runs first); then the per-step overhead outside
-    # fwd/bwd/sync, the optimizer step, measured
-    opt = dc.optimizer(lr=args.lr)
+
+def _warm_up(dc, model, dataset, lengths: list[int], num_layers: int, lr: float) -> float:
+    """Every SP degree and recompute path run once before anything is timed (the first
+    all-to-all of a group and first-time allocations cost ~1 s here, which would otherwise be
+    charged to whichever policy runs first); returns the optimizer step's time (the median of
+    five), the per-step overhead outside fwd/bwd/sync."""
+    import torch.distributed as dist
+
+    from dcparallel.data.collate import text_batch
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.spec import Layout, Recompute
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = dc.optimizer(lr=lr)
     i_long = max(range(len(lengths)), key=lengths.__getitem__)
     for sp in (1, world):
         ranks = (rank,) if sp == 1 else tuple(range(world))
-        for rc in (Recompute(0, 0), Recompute(L, L)):
-            lm_micro_batch(
-                dc, model, text_batch(MicroBatch((i_long,), Layout(sp, 1, rc)), ranks, rank, {i_long: dataset[i_long]})
-            )
+        for rc in (Recompute(0, 0), Recompute(num_layers, num_layers)):
+            mb = MicroBatch((i_long,), Layout(sp, 1, rc))
+            lm_micro_batch(dc, model, text_batch(mb, ranks, rank, {i_long: dataset[i_long]}))
             dc.sync_gradients()
     warm = text_batch(MicroBatch((0,), Layout(1, 1)), (rank,), rank, {0: dataset[0]})
     ts = []
@@ -151,78 +228,72 @@ def worker(args: argparse.Namespace) -> int:
         a = time.perf_counter()
         opt.step()
         ts.append(time.perf_counter() - a)
-    optimizer_s = sorted(ts)[2]
-    # -- training does not run at the profile's prices: the machine's speed moves between
-    # profiling and training (and from minute to minute), and training runs different shapes
-    # one after another between optimizer steps where the profile timed a loop of one
-    # micro-batch. Before every timed round, one untimed run of every policy, built like the
-    # timed runs (a fresh model, every step), measures by how much: one factor for all
-    # policies, the machine's, not each policy's, pooled over the rounds so that it measures
-    # the minutes the timed runs ran in. The runs: policies interleaved, `repeats` rounds;
-    # each policy keeps its median run (`counted_run`) and every run's wall time is reported
+    return sorted(ts)[2]
+
+
+def _rounds(setting: RunSetting, record: dict | None) -> tuple[list[dict[str, dict]], dict[str, list[dict]]]:
+    """``args.repeats`` rounds, each one untimed run of every policy, then one timed run of
+    every policy (interleaved); returns the untimed runs per round and each policy's timed runs.
+
+    Training does not run at the profile's prices: the machine's speed moves between profiling
+    and training (and from minute to minute), and training runs different shapes one after
+    another between optimizer steps where the profile timed a loop of one micro-batch. The
+    untimed runs, built like the timed runs (a fresh model, every step), measure by how much:
+    one factor for all policies, the machine's, not each policy's, pooled over the rounds so
+    that it measures the minutes the timed runs ran in. With ``record`` (rank 0), the
+    comparison so far is printed after every round (`demo_report.print_round`)."""
+    from dcparallel.apps.demo_predict import predict
+    from dcparallel.apps.demo_report import print_round
+
+    policies, repeats = setting.args.policies, setting.args.repeats
     calibration: list[dict[str, dict]] = []
     runs: dict[str, list[dict]] = {}
-    for rep in range(args.repeats):
-        calibration.append(
-            {
-                policy: _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
-                for policy in args.policies
-            }
-        )
-        for policy in args.policies:
-            run = _train_once(args, policy, dataset, lengths, cost, cluster, spec, dc.groups, clock)
-            first = runs.setdefault(policy, [run])[0]
-            if (run["samples_hash"], run["losses"]) != (first["samples_hash"], first["losses"]):
+    for rep in range(repeats):
+        t0 = time.perf_counter()
+        where = f"round {rep + 1} of {repeats}"
+        calibration.append({p: _logged_run(setting, p, f"{where}, untimed", record is not None) for p in policies})
+        for policy in policies:
+            run = _logged_run(setting, policy, f"{where}, timed", record is not None)
+            first = runs.setdefault(policy, [])[:1]
+            if first and (run["samples_hash"], run["losses"]) != (first[0]["samples_hash"], first[0]["losses"]):
                 raise RuntimeError(
                     f"{policy}: repeat {rep} trained different samples or got different losses "
                     f"than repeat 0; runs must be deterministic"
                 )
-            if rep:
-                runs[policy].append(run)
-            if rank == 0:
-                log.warning(
-                    "%-7s run %d/%d: wall %.1f s, %d steps, loss %.3f -> %.3f",
-                    policy,
-                    rep + 1,
-                    args.repeats,
-                    run["wall_s"],
-                    run["steps"],
-                    run["loss_first"],
-                    run["loss_last"],
-                )
-    factor = training_factor([run for rnd in calibration for run in rnd.values()])
-    if rank == 0:
-        log.warning(
-            "training ran the profile's layouts %.3fx as long as profiled (one untimed run of every "
-            "policy before each timed round); predictions are scaled by it",
-            factor,
+            runs[policy].append(run)
+        if record is not None:
+            record["phase_s"]["rounds"].append(time.perf_counter() - t0)
+            so_far = _real(record, calibration, runs)
+            print_round(so_far, predict(so_far), rep + 1, repeats, sys.stderr)
+            record.setdefault("first_comparison_at", time.time())  # wall clock, for the orchestrator
+    return calibration, runs
+
+
+def _logged_run(setting: RunSetting, policy: str, what: str, verbose: bool) -> dict:
+    """`_train_once`, with a line on stderr when ``verbose`` (rank 0): the user sees every run end."""
+    run = _train_once(setting, policy)
+    if verbose:
+        print(
+            f"[demo] {what} run of {policy}: {run['wall_s']:.1f} s, loss {run['loss_first']:.3f} -> "
+            f"{run['loss_last']:.3f}",
+            file=sys.stderr,
         )
-    results = {policy: {**counted_run(rs), "walls": [r["wall_s"] for r in rs]} for policy, rs in runs.items()}
-    if rank == 0:
-        (out / "real.json").write_text(
-            json.dumps(
-                {
-                    "world": world,
-                    "memory_budget_bytes": budget,
-                    "budget_rule": f"{BUDGET_FRACTION} x the memory the longest sample ({longest} tokens) needs "
-                    f"on one rank with full recomputation: it must run at SP=2",
-                    "profile_s": profile_s,
-                    "profile_reused": stats is None,
-                    "optimizer_step_s": optimizer_s,
-                    "training_factor": factor,
-                    # per calibration round and policy, each step's factor; per policy, its timed runs' own
-                    "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
-                    "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
-                    "tokens_per_step": args.tokens_per_step,
-                    "layers": args.layers,
-                    "repeats": args.repeats,
-                    "policies": results,
-                }
-            )
-        )
-    del dc, opt, profiler, model  # before the process group ends (`end_distributed`)
-    end_distributed()
-    return 0
+    return run
+
+
+def _real(record: dict, calibration: list[dict[str, dict]], runs: dict[str, list[dict]]) -> dict:
+    """real.json: ``record`` (the launch's settings, profile and plans) with the runs so far:
+    the training factor pooled over the untimed runs, each untimed run's per-step factors,
+    each timed run's own factor, and per policy its counted (median) run with every run's
+    wall time (``walls``, in the order they ran)."""
+    return {
+        **record,
+        "rounds_done": len(calibration),
+        "training_factor": training_factor([run for rnd in calibration for run in rnd.values()]),
+        "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
+        "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
+        "policies": {p: {**counted_run(rs), "walls": [r["wall_s"] for r in rs]} for p, rs in runs.items()},
+    }
 
 
 def counted_run(runs: list[dict]) -> dict:
@@ -266,25 +337,26 @@ def shape_price(cost, shape) -> float:
     return cost.terms(tuple(lens), sp).time(Recompute(attn, mlp))
 
 
-def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clock=None) -> dict:
-    """One timed training run of `policy` from a fresh model, on the process groups created
-    (and warmed up) once: wall time of the loop, losses, the samples of each step, and
-    per-rank busy spans of each step with each micro-batch's price (``priced``: its time by
-    the profile) and shape (``shapes``: sample lengths, SP degree, recomputed layers).
-    ``clock``: the profile's `ReferenceClock`, ticked twice after every step outside the
-    timed wall (``reference_s``: the median over both ranks)."""
+def _train_once(setting: RunSetting, policy: str) -> dict:
+    """One training run of `policy` from a fresh model, on the process groups created (and
+    warmed up) once: wall time of the loop, losses, the samples of each step, and per-rank
+    busy spans of each step with each micro-batch's price (``priced``: its time by the
+    profile) and shape (``shapes``: sample lengths, SP degree, recomputed layers). The
+    profile's `ReferenceClock` (``setting.clock``) is ticked twice after every step outside
+    the timed wall (``reference_s``: the median over both ranks)."""
     from dcparallel.data import DataCentricLoader
     from dcparallel.runtime import comm
     from dcparallel.runtime.engine import Engine
 
+    args, clock = setting.args, setting.clock
     model = demo_model(args.layers)
-    dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, groups=groups, seed=SEED)
+    dc = Engine(model, layers=model.layers, num_heads=setting.spec.num_heads, groups=setting.groups, seed=SEED)
     opt = dc.optimizer(lr=args.lr)
     loader = DataCentricLoader(
-        dataset,
-        lengths,
-        cost=cost,
-        cluster=cluster,
+        setting.dataset,
+        setting.lengths,
+        cost=setting.cost,
+        cluster=setting.cluster,
         policy=policy,
         tokens_per_step=args.tokens_per_step,
         seed=SEED,
@@ -298,45 +370,62 @@ def _train_once(args, policy, dataset, lengths, cost, cluster, spec, groups, clo
     comm.barrier()
     start = time.perf_counter()
     for step in loader:
-        t_step = time.perf_counter()
-        segs, mbs = [], []
-        for batch in step:
-            a = time.perf_counter()
-            lm_micro_batch(dc, model, batch)
-            rc = batch.layout.recompute
-            segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
-            mbs.append((batch.sample_ids, batch.layout))
-        compute_end = time.perf_counter() - t_step
-        losses.append(dc.sync_gradients())
-        opt.step()
-        end = time.perf_counter() - t_step
-        a = time.perf_counter()  # pricing and logging are outside the timed wall
-        # each micro-batch's sample lengths, SP degree and recompute, so that its price can be
-        # recomputed from another profile without planning the run again
-        shapes = [([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in mbs]
-        priced = [shape_price(cost, sh) for sh in shapes]
-        paused += time.perf_counter() - a
-        steps_log.append(
-            {
-                "segs": segs,
-                "priced": priced,
-                "shapes": shapes,
-                "compute_end": compute_end,
-                "end": end,
-                "sp": step.plan.busy_sizes(),
-            }
-        )
+        log_entry, loss = _train_step(dc, model, opt, step)
+        a = time.perf_counter()  # pricing, logging and the reference run are outside the timed wall
+        _price(setting, log_entry)
+        steps_log.append(log_entry)
+        losses.append(loss)
         step_ids.append(list(step.plan.sample_ids))
         if clock:
-            a = time.perf_counter()
             clock.tick()
             clock.tick()
-            paused += time.perf_counter() - a
+        paused += time.perf_counter() - a
     wall = time.perf_counter() - start - paused
+    return _gathered(setting, wall, losses, step_ids, steps_log, mark)
+
+
+def _train_step(dc, model, opt, step) -> tuple[dict, float]:
+    """One step, timed: the step's log (each micro-batch's busy span from the step's start,
+    its SP degree and whether it recomputes, with its sample ids and layout under ``mbs`` to
+    be priced outside the timed wall; the ends of compute and of the step) and its loss."""
+    t_step = time.perf_counter()
+    segs, mbs = [], []
+    for batch in step:
+        a = time.perf_counter()
+        lm_micro_batch(dc, model, batch)
+        rc = batch.layout.recompute
+        segs.append((a - t_step, time.perf_counter() - t_step, batch.layout.sp, rc.attn + rc.mlp > 0))
+        mbs.append((batch.sample_ids, batch.layout))
+    compute_end = time.perf_counter() - t_step
+    loss = dc.sync_gradients()
+    opt.step()
+    end = time.perf_counter() - t_step
+    entry = {"segs": segs, "mbs": mbs, "compute_end": compute_end, "end": end, "sp": step.plan.busy_sizes()}
+    return entry, loss
+
+
+def _price(setting: RunSetting, entry: dict) -> None:
+    """Replaces a step log's ``mbs`` by each micro-batch's shape (sample lengths, SP degree,
+    recomputed attention and MLP layers: its price can be recomputed from another profile
+    without planning the run again) and its price by the launch's profile (``priced``)."""
+    lengths = setting.lengths
+    shapes = [
+        ([lengths[i] for i in ids], lay.sp, lay.recompute.attn, lay.recompute.mlp) for ids, lay in entry.pop("mbs")
+    ]
+    entry["shapes"] = shapes
+    entry["priced"] = [shape_price(setting.cost, sh) for sh in shapes]
+
+
+def _gathered(setting: RunSetting, wall: float, losses, step_ids, steps_log, mark: int) -> dict:
+    """A run's record, gathered from every rank: the slowest rank's wall time, every rank's
+    step logs, the median reference time over both ranks' ticks since ``mark``."""
+    from dcparallel.runtime import comm
+
+    clock = setting.clock
     logs = comm.all_gather_object(steps_log)
     refs = [t for ts in comm.all_gather_object(clock.times[mark:] if clock else []) for t in ts]
     walls = comm.all_gather_object(wall)
-    tokens = sum(lengths[i] for ids in step_ids for i in ids)
+    tokens = sum(setting.lengths[i] for ids in step_ids for i in ids)
     return {
         "wall_s": max(walls),
         "tokens_per_s": tokens / max(walls),

@@ -130,3 +130,132 @@ def test_training_factor_is_measured_busy_time_over_priced_time():
     assert step_factors(runs[1]) == pytest.approx([5.0, 0.9 / 0.75])
     with pytest.raises(ValueError, match="no micro-batch"):
         training_factor([{"rank_steps": [[first, idle]]}], skip=1)
+
+
+def _plans():
+    return {
+        "bucket": {"sim_s": 20.0, "idle_fraction": 0.0, "settings": {"sp": 2}, "steps": 8},
+        "dcp": {"sim_s": 10.0, "idle_fraction": 0.05, "settings": {"phases": True}, "steps": 8},
+    }
+
+
+def test_predict_scales_the_simulated_epoch_by_the_training_factor():
+    """Predicted wall = simulated epoch x training factor + one optimizer step per step; at the
+    profile's prices, unscaled; at the runs' speed when both reference times are known."""
+    from dcparallel.apps.demo_predict import predict, prediction_errors
+
+    real = {
+        "plans": _plans(),
+        "training_factor": 1.1,
+        "optimizer_step_s": 0.05,
+        "profile_reference_s": 0.004,
+        "policies": {"bucket": {"wall_s": 22.0, "reference_s": 0.005}, "dcp": {"wall_s": 12.0, "reference_s": None}},
+    }
+    pred = predict(real)
+    assert pred["bucket"]["wall_s"] == pytest.approx(20.0 * 1.1 + 8 * 0.05)
+    assert pred["dcp"]["wall_s_profile"] == pytest.approx(10.0 + 8 * 0.05)
+    assert pred["bucket"]["speed"] == pytest.approx(1.25)
+    assert pred["bucket"]["wall_s_at_run_speed"] == pytest.approx((20.0 + 0.4) * 1.25)
+    assert "speed" not in pred["dcp"]  # no reference ticked during its runs
+    errors = prediction_errors(pred, real, "wall_s")
+    assert errors["dcp"] == pytest.approx(abs(11.4 - 12.0) / 12.0)
+    assert set(prediction_errors(pred, real, "wall_s_at_run_speed")) == {"bucket"}
+
+
+def _run(wall, busy, hash_="h"):
+    step = {"segs": [(0.0, busy, 1, False)], "priced": [1.0], "compute_end": busy, "end": busy, "sp": [1]}
+    return {
+        "wall_s": wall,
+        "tokens_per_s": 1000 / wall,
+        "steps": 1,
+        "samples": 4,
+        "samples_hash": hash_,
+        "loss_first": 5.0,
+        "loss_last": 4.0,
+        "losses": [5.0],
+        "rank_steps": [[step], [step]],
+        "reference_s": None,
+    }
+
+
+def test_the_record_so_far_counts_the_median_run_and_pools_the_untimed_runs():
+    """After each round the worker's record holds every policy's timed runs in order, the median
+    one counted, and the training factor of every untimed run so far (all policies, all rounds)."""
+    from dcparallel.apps.demo_worker import _real
+
+    calibration = [{"bucket": _run(9.0, 1.2), "dcp": _run(5.0, 1.0)}, {"bucket": _run(9.0, 0.8), "dcp": _run(5.0, 1.4)}]
+    runs = {"bucket": [_run(20.0, 1.0), _run(24.0, 1.0), _run(21.0, 1.0)], "dcp": [_run(12.0, 1.0)]}
+    real = _real({"plans": _plans()}, calibration, runs)
+    assert real["rounds_done"] == 2 and real["plans"] == _plans()
+    assert real["training_factor"] == pytest.approx((1.2 + 1.0 + 0.8 + 1.4) / 4)
+    assert real["policies"]["bucket"]["wall_s"] == 21.0 and real["policies"]["bucket"]["walls"] == [20.0, 24.0, 21.0]
+    assert real["policies"]["dcp"]["walls"] == [12.0]
+    assert real["calibration"][1]["dcp"] == pytest.approx([1.4])
+
+
+def test_each_round_prints_what_its_numbers_rest_on(capsys):
+    """The comparison printed as runs come in: after round 1 labelled as one run each with the
+    spread unknown; later, every run so far with the spread, the median counted."""
+    import sys
+
+    from dcparallel.apps.demo_predict import predict
+    from dcparallel.apps.demo_report import print_round
+    from dcparallel.apps.demo_worker import _real
+
+    record = {"plans": _plans(), "optimizer_step_s": 0.0}
+    cal = [{"bucket": _run(9.0, 1.0), "dcp": _run(5.0, 1.0)}]
+    real = _real(record, cal, {"bucket": [_run(20.0, 1.0)], "dcp": [_run(10.0, 1.0)]})
+    print_round(real, predict(real), 1, 3, sys.stdout)
+    first = capsys.readouterr().out
+    assert "round 1 of 3, first comparison: one timed run of each policy, so its spread is unknown" in first
+    assert "spread" not in first.split("\n", 2)[2]  # no spread column on one run
+    assert "dcp        10.0        10.0     0%     2.00x  10.0" in first
+    real = _real(record, cal * 2, {"bucket": [_run(20.0, 1.0), _run(30.0, 1.0)], "dcp": [_run(10.0, 1.0)] * 2})
+    print_round(real, predict(real), 2, 3, sys.stdout)
+    second = capsys.readouterr().out
+    assert "after 2 timed runs of each policy: the median run counts" in second
+    assert "bucket     20.0" in second and "20.0, 30.0 (spread 40%)" in second  # median_low of 2: the faster
+
+
+def test_the_plans_are_printed_with_the_profile_budget(capsys):
+    import sys
+
+    from dcparallel.apps.demo_report import print_plans
+
+    record = {
+        "profile_reused": False,
+        "profile_s": 63.2,
+        "profile_budget_s": 60.0,
+        "profile_chains_coarse": 4,
+        "profile_chains_skipped": 0,
+        "memory_budget_bytes": 24 * 2**20,
+        "budget_rule": "the rule",
+        "tokens_per_step": 16384,
+        "plans": _plans(),
+    }
+    print_plans(record, sys.stdout)
+    text = capsys.readouterr().out
+    assert "profiled in 63 s (budget 60 s; layout chains measured coarsely for it: 4, skipped: 0)" in text
+    assert "24.0 MiB per rank (the rule)" in text and "the same 8 steps of 16,384 tokens" in text
+    assert "dcp       10.0 s, ranks idle  5.0%, {'phases': True}" in text
+
+
+def test_profile_budget_must_be_positive(tmp_path):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).profile_budget > 0 and p.parse_args([]).repeats >= 2  # a spread by default
+    args = p.parse_args(["--out", str(tmp_path), "--profile-budget", "0"])
+    with pytest.raises(ValueError, match="--profile-budget must be a positive number of seconds, got 0"):
+        run(args)
+    assert not any(tmp_path.iterdir())
+
+
+def test_phases_say_where_the_time_went():
+    from dcparallel.apps.demo_report import phases_text
+
+    phases = {"profile": 61.0, "plan": 4.0, "warm_up": 9.0, "rounds": [110.0, 104.0], "launch": 300.0}
+    text = phases_text({**phases, "paper_scale": 21.0, "plots": 6.0})
+    assert text == (
+        "training launch 300 s: start-up and exit 12, profile 61, plans 4, warm-up 9, rounds 110 + 104; "
+        "paper scale 21 s, plots 6 s"
+    )
