@@ -208,3 +208,22 @@ def test_ranks_short_on_micro_batches_longer_than_half_the_target():
         assert (packer.pack(list(range(len(t))), t, f, 10.0) is None) is is_short
     t = np.array([[10.0, 6.0, 3.5, 3.0]] * 9)  # within 5 at SP 4 and 8
     assert not packer.ranks_short(t, packer.alone(t), 10.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([4, 8, 16]),
+    st.lists(st.tuples(st.floats(0.5, 40.0), st.floats(0.5, 1.0)), min_size=1, max_size=30),
+    st.lists(st.floats(2.0, 80.0), min_size=1, max_size=8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_packing_with_a_shared_memo_is_packing_from_scratch(world, rows, targets, by_time, open_first):
+    """`pack`'s `memo`, shared by the packings of one search at many targets (in any order),
+    changes no packing: each equals the packing at that target with nothing shared."""
+    packer = _packer(world)
+    t = np.array([[b * r**j for j in range(len(packer.sp))] for b, r in rows])
+    f, ids, memo = packer.alone(t), list(range(len(rows))), {}
+    for T in targets + targets[::-1]:
+        shared = packer.pack(ids, t, f, T, by_time, open_first, memo)
+        assert shared == packer.pack(ids, t, f, T, by_time, open_first)

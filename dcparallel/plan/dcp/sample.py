@@ -150,23 +150,31 @@ class SamplePacker:
         return float(narrowest.sum()) > self.world
 
     def pack(
-        self, ids: list[int], t: np.ndarray, f: np.ndarray, T: float, by_time: bool = False, open_first: bool = False
+        self,
+        ids: list[int],
+        t: np.ndarray,
+        f: np.ndarray,
+        T: float,
+        by_time: bool = False,
+        open_first: bool = False,
+        memo: dict | None = None,
     ) -> list[Node] | None:
         """Groups (`Node`s; sub-groups follow their parent) for target T: every group's
         finish stays within T. None if a micro-batch cannot finish within T or the top-level
         groups need more ranks than the world. Rows are micro-batches; `ids`: each one's
         first sample id (ties). `open_first`: a micro-batch that fits no group of its own
         degree opens a new one while the world has ranks for it, before it is re-timed into
-        a wider group (which spends more GPU-seconds, but fewer ranks)."""
+        a wider group (which spends more GPU-seconds, but fewer ranks). `memo`: what packings
+        of the same `ids`, `t` and `f` at other targets share (`_placing_order`'s)."""
         cap = T * (1 + TIME_EPS)
-        got = self._placing_order(ids, t, f, cap, by_time)
+        got = self._placing_order(ids, t, f, cap, by_time, {} if memo is None else memo)
         if got is None:
             return None
-        order, nl, ol = got
+        order, nl, ol = got[:3]
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        tl = t.tolist()
+        tl = got[3]
         sp, deg = self.sp, len(self.sp)
         put, fit = self._placers(groups, fins, cap)
         ranks = 0
@@ -202,7 +210,7 @@ class SamplePacker:
         exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
         sp = self.sp
         wider = [self.split_degrees(d) for d in range(len(sp))]
-        bisect_right = bisect.bisect_right
+        bisect_right, insort = bisect.bisect_right, bisect.insort
 
         def put(g: int, a: int, need: float) -> None:
             grp = groups[g]
@@ -214,9 +222,9 @@ class SamplePacker:
                 ex = exposed.get(grp.longest)
                 if ex is None:
                     ex = exposed[grp.longest] = self.exposed(grp.longest)
-                bisect.insort(fins[grp.deg], (grp.load + ex, g))
+                insort(fins[grp.deg], (grp.load + ex, g))
             else:
-                bisect.insort(fins[grp.deg], (grp.load + grp.base, g))
+                insort(fins[grp.deg], (grp.load + grp.base, g))
 
         def fit(d: int, need: float) -> int | None:
             """An open group of degree index d with room for `need`, else a wider open group
@@ -237,25 +245,33 @@ class SamplePacker:
                     groups[p].kids = kids
                     groups.extend(Node(d, 0.0, [], 0.0, base, []) for _ in kids)
                     for c in kids[1:]:
-                        bisect.insort(fins[d], (base, c))
+                        insort(fins[d], (base, c))
                     return kids[0]
             return None
 
         return put, fit
 
     def _placing_order(
-        self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool
-    ) -> tuple[list[int], list[int], list[float]] | None:
+        self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool, memo: dict
+    ) -> tuple[list[int], list[int], list[float], list[list[float]]] | None:
         """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
         time, at their own degree, then by id), each one's own degree index (the layout rule's
-        within `cap`) and its time there; None if one finishes within `cap` at no degree."""
+        within `cap`), its time there, and `t` as lists; None if one finishes within `cap` at
+        no degree. The targets of one search mostly give every micro-batch the same degree:
+        `memo` keeps the order per degrees chosen, and `t`'s lists (the same for all)."""
         if not (f <= cap).any(axis=1).all():
             return None
         # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
         nar = least_gpu_seconds_within(t * self.kf, f, cap)
-        own = t[np.arange(len(ids)), nar]
-        order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
-        return order, nar.tolist(), own.tolist()
+        key = (by_time, nar.tobytes())
+        got = memo.get(key)
+        if got is None:
+            own = t[np.arange(len(ids)), nar]
+            order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+            if "rows" not in memo:
+                memo["rows"] = t.tolist()
+            got = memo[key] = (order, nar.tolist(), own.tolist(), memo["rows"])
+        return got
 
     def split_degrees(self, d: int) -> range:
         """The degree indices whose open groups with room may split into sub-groups of degree
@@ -366,10 +382,11 @@ class SamplePacker:
         if floor >= ceiling or (ceiling < math.inf and self.ranks_short(t, f, ceiling)):
             return None  # no packing of these finishes earlier than the ceiling
         packed: dict[float, list[Node] | None] = {}  # per target: the search and the final pass share them
+        memo: dict = {}  # what the packings at every target share (`pack`)
 
         def pack(T: float) -> list[Node] | None:
             if T not in packed:
-                packed[T] = self.pack(ids, t, f, T, by_time, open_first)
+                packed[T] = self.pack(ids, t, f, T, by_time, open_first, memo)
             return packed[T]
 
         targets = search_targets(pack, f, floor, ceiling, self.config)
