@@ -4,6 +4,7 @@ links, `profile.cpu_links`), with the same layer constants on GPU link speeds, a
 packaged H200 one.
 
     .venv/bin/python benchmarks/analytic_cpu.py [--steps 8] [--policies dcp bucket packed] [--out DIR]
+    .venv/bin/python benchmarks/analytic_cpu.py --calibrations 4 --gap 60
 
 The demo's configuration (`dcparallel demo`: its 4-layer reference LM, its 420 skewed
 lengths of 32 to 3072 tokens, 16,384 tokens a step) trained through the public API
@@ -14,6 +15,11 @@ optimizer step, which no prediction includes, is left out), and so is each micro
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
 cost model's micro-batch terms and gradient sync). The first step of each run (first-time
 allocations) is reported but not counted. ``--out DIR`` reprints an earlier run's tables.
+
+``--calibrations K``: how the layer calibration repeats instead: K calibrations of the demo's
+model in one process (one thread), ``--gap`` seconds apart, each constant and its spread
+(largest / smallest - 1): the constants in wall seconds (what prices a step), the share of a
+core the process had, and the constants in processor seconds (before the share).
 """
 
 from __future__ import annotations
@@ -108,6 +114,34 @@ def worker(args: argparse.Namespace) -> None:
         (Path(args.out) / f"{args.policy}.json").write_text(json.dumps({"prepare_s": prepare_s, "steps": rows}))
 
 
+def calibrations(args: argparse.Namespace) -> None:
+    """``--calibrations``: the layer calibration timed ``args.calibrations`` times."""
+    import torch
+
+    import dcparallel
+    from dcparallel.apps.demo_worker import demo_model
+    from dcparallel.profile import cpu_calibration
+
+    torch.set_num_threads(1)
+    spec = dcparallel.DataCentricParallel(demo_model(4), policy="dcp").spec
+    keys = ("lin_s_per_token", "attn_s_per_pair", "floor_s", "cpu_share")
+    keys += tuple(f"cpu {k}" for k in keys[:3])
+    print(f"{args.calibrations} calibrations {args.gap:.0f} s apart")
+    print("| calibration | start s | seconds | " + " | ".join(keys) + " |\n|" + " --- |" * (3 + len(keys)))
+    rows, t_start = [], time.perf_counter()
+    for i in range(args.calibrations):
+        if i:
+            time.sleep(args.gap)
+        t0 = time.perf_counter()
+        m = cpu_calibration.measure(spec)
+        m.update({f"cpu {k}": m[k] * m["cpu_share"] for k in keys[:3]})  # in processor seconds
+        rows.append(m)
+        vals = " | ".join(f"{m[k]:.3g}" for k in keys)
+        print(f"| {i + 1} | {t0 - t_start:.0f} | {time.perf_counter() - t0:.1f} | {vals} |", flush=True)
+    spread = " | ".join(f"{max(r[k] for r in rows) / min(r[k] for r in rows) - 1:.0%}" for k in keys)
+    print(f"| spread | | | {spread} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
@@ -115,9 +149,13 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
     p.add_argument("--out", help="a folder of earlier results: only print their report")
+    p.add_argument("--calibrations", type=int, help="only time the layer calibration this many times")
+    p.add_argument("--gap", type=float, default=60.0, help="seconds between two calibrations")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.calibrations:
+        return calibrations(args)
     if args.out:
         return report(args.policies, Path(args.out))
     out = Path(tempfile.mkdtemp(prefix="analytic-cpu-"))
