@@ -9,7 +9,8 @@ packaged H200 one.
 The demo's configuration (`dcparallel demo`: its 4-layer reference LM, its 420 skewed
 lengths of 32 to 3072 tokens, 16,384 tokens a step) trained through the public API
 (`DataCentricParallel(model, policy=...)`, `prepare(..., cost="analytic", predict=True)`),
-one torchrun launch of 2 gloo ranks with one thread each per policy, no memory limit. Each
+one torchrun launch of 2 gloo ranks with one thread each per policy, each launch timing its
+own calibration (a cache folder per policy), no memory limit. Each
 step's time is measured on rank 0 from a barrier to the end of `sync_gradients` (the
 optimizer step, which no prediction includes, is left out), and so is each micro-batch and
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
@@ -57,13 +58,14 @@ def worker(args: argparse.Namespace) -> None:
         return ctx.token_loss(ptl, batch.loss_mask)
 
     dc = dcparallel.DataCentricParallel(model, policy=args.policy)
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after
     t0 = time.perf_counter()
     loader = dc.prepare(
         SyntheticText(lengths),
         lengths=lengths,
         tokens_per_step=16384,
         cost="analytic",
-        profile_path=Path(args.out) / "profile.json",
+        profile_path=Path(args.out) / args.policy / "profile.json",  # each launch calibrates afresh
         loss_fn=loss_fn,
         predict=True,
     )
@@ -111,7 +113,14 @@ def worker(args: argparse.Namespace) -> None:
             break
     loader.close()
     if dc.rank == 0:
-        (Path(args.out) / f"{args.policy}.json").write_text(json.dumps({"prepare_s": prepare_s, "steps": rows}))
+        cal = json.loads((Path(args.out) / args.policy / "cpu-calibration.json").read_text())
+        res = {
+            "prepare_s": prepare_s,
+            "steps": rows,
+            "calibration": list(cal.values()),
+            "load": load + [os.getloadavg()[0]],
+        }
+        (Path(args.out) / f"{args.policy}.json").write_text(json.dumps(res))
 
 
 def calibrations(args: argparse.Namespace) -> None:
@@ -192,7 +201,7 @@ def report(policies: list[str], out: Path) -> None:
         "| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) | H200 s (error) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    summary, terms = [], []
+    summary, terms, calib = [], [], []
     for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
@@ -208,6 +217,13 @@ def report(policies: list[str], out: Path) -> None:
             total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
             cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
         summary.append(f"| {policy} | {res['prepare_s']:.1f} | {' | '.join(cols)} |")
+        layer = next(c for c in res["calibration"] if "lin_s_per_token" in c)
+        link = next(c for c in res["calibration"] if "bw" in c)
+        calib.append(
+            f"| {policy} | {res['load'][0]:.1f} - {res['load'][1]:.1f} | {layer['lin_s_per_token']:.3g} "
+            f"| {layer['attn_s_per_pair']:.3g} | {layer['floor_s']:.3g} | {link['bw']:.3g} "
+            f"| {link['latency']:.3g} |"
+        )
         mbs = [mb for r in counted for mb in r["mbs"]]
         mb_m, mb_c, mb_g = (sum(mb[i] for mb in mbs) for i in range(3))
         sync_m, sync_c, sync_g = (sum(r["sync_s"][i] for r in counted) for i in range(3))
@@ -228,6 +244,11 @@ def report(policies: list[str], out: Path) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print("\n".join(terms))
+    print(
+        "\n| policy | load average, start - end | s per token | s per attention pair | floor s | link bytes/s "
+        "| link latency s |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    print("\n".join(calib))
 
 
 if __name__ == "__main__":

@@ -6,18 +6,19 @@ few timings on this machine, a few seconds for a small model, replace its time c
 
 * linear work: forward + backward of one layer's matmuls at the model's sizes (an input and
   an output projection of ``attn_params``, a gated MLP of ``mlp_params``, two RMS norms and
-  the residual adds) on N and 4N tokens: seconds per token (the slope) and a floor (the
-  intercept);
+  the residual adds) on N and 4N tokens: seconds per token (the slope); on 16 tokens, less
+  16 tokens' work: a floor (timed where it is nearly the whole time, not an intercept
+  extrapolated from two larger timings, which their noise would swamp);
 * attention: `scaled_dot_product_attention` (causal, one document, 4-D, the model's heads
-  and head size) forward + backward at L and 4L tokens: seconds per query-key pair, its
-  intercept added to the floor.
+  and head size) forward + backward at L and 4L tokens: seconds per query-key pair; at 16
+  tokens, its floor added to the floor.
 
 Each size is timed in processor seconds (`time.process_time`: what the work costs, whatever
-share of the cores the process gets meanwhile): five rounds of one window of at least 0.2 s
+share of the cores the process gets meanwhile): five rounds of one window of at least 0.15 s
 of wall time per size after a warm-up call, the median of each size's windows' means per
 call (`robust_times`). The share
 of the cores the process had over the whole calibration (its processor seconds over its wall
-seconds, about 4-5 s) turns them into wall seconds, the unit of a step's time: on a machine
+seconds, about 5 s) turns them into wall seconds, the unit of a step's time: on a machine
 shared with other work, two timings taken under different loads do not make a slope of
 noise, and the load enters once, averaged over seconds. N and L shrink for large models so
 that one call stays well under a second. Memory constants (bytes per token: the model's, not the
@@ -58,9 +59,11 @@ log = logging.getLogger(__name__)
 CACHE_NAME = "cpu-calibration.json"
 #: floating-point operations of one call at the larger timed size (tens of milliseconds on one core)
 TIMING_FLOPS = 2e9
-#: windows each size is timed in, and the least wall seconds of one (`robust_time`): four
-#: sizes take about 4 x (5 x 0.2 + a warm-up call) = 4-5 s
-REPEATS, MIN_S = 5, 0.2
+#: windows each size is timed in, and the least wall seconds of one (`robust_times`): six
+#: sizes take about 6 x (5 x 0.15 + a warm-up call) = 5 s
+REPEATS, MIN_S = 5, 0.15
+#: tokens of the smallest timings, whose time is nearly all the floor
+FLOOR_TOKENS = 16
 
 
 def robust_times(
@@ -157,12 +160,12 @@ def measure(spec: ModelSpec) -> dict:
     n = _tokens(6.0 * params, 4096) // 4  # the larger timing, 4n tokens, about TIMING_FLOPS
     length = _tokens(6.0 * spec.hidden * math.sqrt(TIMING_FLOPS / (6.0 * spec.hidden)), 4096) // 4  # 6 h (4L)^2 flops
     lin, att = _layer_linear(spec, dtype), _attention(spec, dtype)
-    t1, t2, a1, a2 = robust_times([lin(n), lin(4 * n), att(length), att(4 * length)], work_clock=time.process_time)
+    fns = [lin(FLOOR_TOKENS), lin(n), lin(4 * n), att(FLOOR_TOKENS), att(length), att(4 * length)]
+    t0, t1, t2, a0, a1, a2 = robust_times(fns, work_clock=time.process_time)
     per_token = max((t2 - t1) / (3 * n), t2 / (4 * n) * 0.5)
-    floor = max(0.0, t1 - per_token * n)
-    p1, p2 = length * (length + 1) / 2, 4 * length * (4 * length + 1) / 2
+    p0, p1, p2 = (x * (x + 1) / 2 for x in (FLOOR_TOKENS, length, 4 * length))
     per_pair = max((a2 - a1) / (p2 - p1), 0.0)
-    floor += max(0.0, a1 - per_pair * p1)
+    floor = max(0.0, t0 - per_token * FLOOR_TOKENS) + max(0.0, a0 - per_pair * p0)
     share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)  # of the cores it had
     return {
         "lin_s_per_token": per_token / share,
