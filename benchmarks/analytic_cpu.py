@@ -4,16 +4,23 @@ links, `profile.cpu_links`), with the same layer constants on GPU link speeds, a
 packaged H200 one.
 
     .venv/bin/python benchmarks/analytic_cpu.py [--steps 8] [--policies dcp bucket packed] [--out DIR]
+    .venv/bin/python benchmarks/analytic_cpu.py --calibrations 4 --gap 60
 
 The demo's configuration (`dcparallel demo`: its 4-layer reference LM, its 420 skewed
 lengths of 32 to 3072 tokens, 16,384 tokens a step) trained through the public API
 (`DataCentricParallel(model, policy=...)`, `prepare(..., cost="analytic", predict=True)`),
-one torchrun launch of 2 gloo ranks with one thread each per policy, no memory limit. Each
+one torchrun launch of 2 gloo ranks with one thread each per policy, each launch timing its
+own calibration (a cache folder per policy), no memory limit. Each
 step's time is measured on rank 0 from a barrier to the end of `sync_gradients` (the
 optimizer step, which no prediction includes, is left out), and so is each micro-batch and
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
 cost model's micro-batch terms and gradient sync). The first step of each run (first-time
 allocations) is reported but not counted. ``--out DIR`` reprints an earlier run's tables.
+
+``--calibrations K``: how the layer calibration repeats instead: K calibrations of the demo's
+model in one process (one thread), ``--gap`` seconds apart, each constant and its spread
+(largest / smallest - 1): the constants in wall seconds (what prices a step), the share of a
+core the process had, and the constants in processor seconds (before the share).
 """
 
 from __future__ import annotations
@@ -51,13 +58,14 @@ def worker(args: argparse.Namespace) -> None:
         return ctx.token_loss(ptl, batch.loss_mask)
 
     dc = dcparallel.DataCentricParallel(model, policy=args.policy, research=True)
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after
     t0 = time.perf_counter()
     loader = dc.prepare(
         SyntheticText(lengths),
         lengths=lengths,
         tokens_per_step=16384,
         cost="analytic",
-        profile_path=Path(args.out) / "profile.json",
+        profile_path=Path(args.out) / args.policy / "profile.json",  # each launch calibrates afresh
         loss_fn=loss_fn,
         predict=True,
     )
@@ -105,7 +113,42 @@ def worker(args: argparse.Namespace) -> None:
             break
     loader.close()
     if dc.rank == 0:
-        (Path(args.out) / f"{args.policy}.json").write_text(json.dumps({"prepare_s": prepare_s, "steps": rows}))
+        cal = json.loads((Path(args.out) / args.policy / "cpu-calibration.json").read_text())
+        res = {
+            "prepare_s": prepare_s,
+            "steps": rows,
+            "calibration": list(cal.values()),
+            "load": load + [os.getloadavg()[0]],
+        }
+        (Path(args.out) / f"{args.policy}.json").write_text(json.dumps(res))
+
+
+def calibrations(args: argparse.Namespace) -> None:
+    """``--calibrations``: the layer calibration timed ``args.calibrations`` times."""
+    import torch
+
+    import dcparallel
+    from dcparallel.apps.demo_worker import demo_model
+    from dcparallel.profile import cpu_calibration
+
+    torch.set_num_threads(1)
+    spec = dcparallel.DataCentricParallel(demo_model(4), policy="dcp").spec
+    keys = ("lin_s_per_token", "attn_s_per_pair", "floor_s", "cpu_share")
+    keys += tuple(f"cpu {k}" for k in keys[:3])
+    print(f"{args.calibrations} calibrations {args.gap:.0f} s apart")
+    print("| calibration | start s | seconds | " + " | ".join(keys) + " |\n|" + " --- |" * (3 + len(keys)))
+    rows, t_start = [], time.perf_counter()
+    for i in range(args.calibrations):
+        if i:
+            time.sleep(args.gap)
+        t0 = time.perf_counter()
+        m = cpu_calibration.measure(spec)
+        m.update({f"cpu {k}": m[k] * m["cpu_share"] for k in keys[:3]})  # in processor seconds
+        rows.append(m)
+        vals = " | ".join(f"{m[k]:.3g}" for k in keys)
+        print(f"| {i + 1} | {t0 - t_start:.0f} | {time.perf_counter() - t0:.1f} | {vals} |", flush=True)
+    spread = " | ".join(f"{max(r[k] for r in rows) / min(r[k] for r in rows) - 1:.0%}" for k in keys)
+    print(f"| spread | | | {spread} |")
 
 
 def main() -> None:
@@ -115,9 +158,13 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
     p.add_argument("--out", help="a folder of earlier results: only print their report")
+    p.add_argument("--calibrations", type=int, help="only time the layer calibration this many times")
+    p.add_argument("--gap", type=float, default=60.0, help="seconds between two calibrations")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.calibrations:
+        return calibrations(args)
     if args.out:
         return report(args.policies, Path(args.out))
     out = Path(tempfile.mkdtemp(prefix="analytic-cpu-"))
@@ -154,7 +201,7 @@ def report(policies: list[str], out: Path) -> None:
         "| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) | H200 s (error) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    summary, terms = [], []
+    summary, terms, calib = [], [], []
     for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
@@ -170,6 +217,13 @@ def report(policies: list[str], out: Path) -> None:
             total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
             cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
         summary.append(f"| {policy} | {res['prepare_s']:.1f} | {' | '.join(cols)} |")
+        layer = next(c for c in res["calibration"] if "lin_s_per_token" in c)
+        link = next(c for c in res["calibration"] if "bw" in c)
+        calib.append(
+            f"| {policy} | {res['load'][0]:.1f} - {res['load'][1]:.1f} | {layer['lin_s_per_token']:.3g} "
+            f"| {layer['attn_s_per_pair']:.3g} | {layer['floor_s']:.3g} | {link['bw']:.3g} "
+            f"| {link['latency']:.3g} |"
+        )
         mbs = [mb for r in counted for mb in r["mbs"]]
         mb_m, mb_c, mb_g = (sum(mb[i] for mb in mbs) for i in range(3))
         sync_m, sync_c, sync_g = (sum(r["sync_s"][i] for r in counted) for i in range(3))
@@ -190,6 +244,11 @@ def report(policies: list[str], out: Path) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print("\n".join(terms))
+    print(
+        "\n| policy | load average, start - end | s per token | s per attention pair | floor s | link bytes/s "
+        "| link latency s |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    print("\n".join(calib))
 
 
 if __name__ == "__main__":

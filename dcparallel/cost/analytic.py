@@ -31,7 +31,7 @@ from dcparallel.cost.base import (
 )
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.calibration_fit import Calibration, _attn_share, _layer_params, _smoothmax, fit_calibration
-from dcparallel.cost.heads import a2a_hidden_units
+from dcparallel.cost.heads import ULYSSES_CALLS, a2a_hidden_units
 from dcparallel.cost.ring import SplitTime, best_split, check_ring, layer_comm
 from dcparallel.cost.shard import ShardComm
 from dcparallel.cost.vision import VisionTable, sample_vision, vision_price
@@ -244,9 +244,11 @@ class AnalyticCost:
             )
         if self.cluster.ring:  # each micro-batch at its best (Ulysses, ring) split (`cost.ring`)
             comm, comm_fwd = layer_comm(m, self.cluster, n_tok, pairs, sp, self._attn, array)
-        else:
-            t_a2a = (alltoall_time_many if array else alltoall_time)(self.cluster, sp, act_bytes)
-            comm, comm_fwd = 2 * a2a_fwd * t_a2a, a2a_fwd * t_a2a
+        else:  # the bytes of a2a_fwd hidden-sized units, a latency per call the runtime makes
+            a2a = alltoall_time_many if array else alltoall_time
+            t_a2a, t_lat = a2a(self.cluster, sp, act_bytes), a2a(self.cluster, sp, 0.0 * act_bytes)
+            comm_fwd = a2a_fwd * (t_a2a - t_lat) + ULYSSES_CALLS * m.attn_per_layer * t_lat
+            comm = 2 * comm_fwd
         layer_time = compute + comm
         dt_attn = cal.phi_attn * c_attn + comm_fwd  # recomputed attention repeats its forward communication
         dt_mlp = cal.phi_mlp * c_mlp

@@ -8,6 +8,11 @@ import math
 
 from dcparallel.spec import ModelSpec
 
+#: all-to-all calls one attention sub-block's Ulysses forward makes (`runtime.ulysses`: q, k
+#: and v travel in one, the output back in another); its backward mirrors them. The cost
+#: models charge a link's latency per call and its bandwidth per byte (`a2a_hidden_units`).
+ULYSSES_CALLS = 2
+
 
 def kv_repeats(num_kv_heads: int, sp: int) -> int:
     """How many times Ulysses repeats each key/value head at SP degree ``sp`` so that the

@@ -4,7 +4,8 @@ Per layer (forward + backward) and rank, for a micro-batch of ``n`` tokens with 
 attention query-key pairs on a group of k = u r ranks:
 
 - **Ulysses** over u: the all-to-alls of q, k, v and the output (`a2a_hidden_units` at u),
-  forward and backward, over the sub-group's link (`base.alltoall_time`), not overlapped;
+  forward and backward, over the sub-group's link (`base.alltoall_time`), not overlapped:
+  the link's latency once per call (`ULYSSES_CALLS`: two forward, two backward);
 - **ring** over r: each step sends one key/value block of n / r tokens at the rank's
   (repeated) key/value heads / u, overlapped with that step's block attention (pairs / k of
   the attention work, split over r steps): a step costs the link's latency plus whatever
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcparallel.cost.base import alltoall_time
-from dcparallel.cost.heads import a2a_hidden_units, kv_heads_sent
+from dcparallel.cost.heads import ULYSSES_CALLS, a2a_hidden_units, kv_heads_sent
 from dcparallel.spec import ClusterSpec, ModelSpec
 from dcparallel.topology import Topology
 
@@ -83,7 +84,10 @@ def split_time(model: ModelSpec, cluster: ClusterSpec, u: int, r: int, n, pairs,
     micro-batches (the times then arrays, by the same operations)."""
     k = u * r
     act_bytes = n / k * model.hidden * model.bytes_per_value
-    a2a = 2 * a2a_hidden_units(model, u) * alltoall_time(cluster, u, act_bytes) if u > 1 else 0.0 * n
+    a2a = 0.0 * n
+    if u > 1:  # the bytes of the hidden-sized units, a latency per call (`ULYSSES_CALLS`)
+        t, lat = alltoall_time(cluster, u, act_bytes), alltoall_time(cluster, u, 0.0 * act_bytes)
+        a2a = 2 * (a2a_hidden_units(model, u) * (t - lat) + ULYSSES_CALLS * lat)
     if r == 1:
         return SplitTime(u, r, a2a, 0.0 * n, 0.0 * n, a2a / 2)
     pos = np.maximum if isinstance(n, np.ndarray) else max

@@ -6,14 +6,22 @@ few timings on this machine, a few seconds for a small model, replace its time c
 
 * linear work: forward + backward of one layer's matmuls at the model's sizes (an input and
   an output projection of ``attn_params``, a gated MLP of ``mlp_params``, two RMS norms and
-  the residual adds) on N and 4N tokens: seconds per token (the slope) and a floor (the
-  intercept);
+  the residual adds) on N and 4N tokens: seconds per token (the slope); on 16 tokens, less
+  16 tokens' work: a floor (timed where it is nearly the whole time, not an intercept
+  extrapolated from two larger timings, which their noise would swamp);
 * attention: `scaled_dot_product_attention` (causal, one document, 4-D, the model's heads
-  and head size) forward + backward at L and 4L tokens: seconds per query-key pair, its
-  intercept added to the floor.
+  and head size) forward + backward at L and 4L tokens: seconds per query-key pair; at 16
+  tokens, its floor added to the floor.
 
-Each time is the median of five after a warm-up; N and L shrink for large models so that a
-timing stays well under a second. Memory constants (bytes per token: the model's, not the
+Each size is timed in processor seconds (`time.process_time`: what the work costs, whatever
+share of the cores the process gets meanwhile): five rounds of one window of at least 0.15 s
+of wall time per size after a warm-up call, the median of each size's windows' means per
+call (`robust_times`). The share
+of the cores the process had over the whole calibration (its processor seconds over its wall
+seconds, about 5 s) turns them into wall seconds, the unit of a step's time: on a machine
+shared with other work, two timings taken under different loads do not make a slope of
+noise, and the load enters once, averaged over seconds. N and L shrink for large models so
+that one call stays well under a second. Memory constants (bytes per token: the model's, not the
 device's) and the recompute fractions stay the packaged calibration's. The smooth max of
 floor and compute becomes a sum (p = 1: a CPU has no idle launch time to hide work in).
 
@@ -49,18 +57,44 @@ log = logging.getLogger(__name__)
 
 #: the cache's file name, beside the profile path
 CACHE_NAME = "cpu-calibration.json"
-#: floating-point operations a single timing aims at (about 0.1-0.5 s on one core)
+#: floating-point operations of one call at the larger timed size (tens of milliseconds on one core)
 TIMING_FLOPS = 2e9
+#: windows each size is timed in, and the least wall seconds of one (`robust_times`): six
+#: sizes take about 6 x (5 x 0.15 + a warm-up call) = 5 s
+REPEATS, MIN_S = 5, 0.15
+#: tokens of the smallest timings, whose time is nearly all the floor
+FLOOR_TOKENS = 16
 
 
-def _median_time(fn, repeats: int = 5) -> float:
-    fn()  # warm-up
-    times = []
+def robust_times(
+    fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work_clock=None
+) -> list[float]:
+    """Seconds of ``work_clock`` (default ``clock``) one call of each of ``fns`` takes: after a
+    warm-up call of each, ``repeats`` rounds of one window per function, a window at least
+    ``min_s`` seconds of ``clock`` (as many calls as fill one); per function the median of its
+    windows' means per call. A window spans many of the scheduler's time slices, the median
+    drops a window a burst of other work fell into, and the rounds give every function the
+    same mix of the machine's load. ``repeats`` and ``min_s`` default to `REPEATS` and `MIN_S`."""
+    repeats, min_s = repeats or REPEATS, MIN_S if min_s is None else min_s
+    work_clock = work_clock or clock
+    for fn in fns:
+        fn()  # warm-up
+    means: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, mine in zip(fns, means, strict=True):
+            calls, t0, w0 = 0, clock(), work_clock()
+            while True:
+                fn()
+                calls += 1
+                if clock() - t0 >= min_s:
+                    break
+            mine.append((work_clock() - w0) / calls)
+    return [statistics.median(m) for m in means]
+
+
+def robust_time(fn, **kw) -> float:
+    """`robust_times` of one function."""
+    return robust_times([fn], **kw)[0]
 
 
 def _tokens(flops_per_token: float, cap: int) -> int:
@@ -70,7 +104,7 @@ def _tokens(flops_per_token: float, cap: int) -> int:
 
 
 def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
-    """fn(n): forward + backward of one layer's linear work on n tokens."""
+    """fn(n) -> a call of forward + backward of one layer's linear work on n tokens."""
     h = spec.hidden
     a_out = max(1, spec.attn_params // h - h)  # q, k, v (in) ... and the output projection (h x h)
     f = max(1, spec.mlp_params // (3 * h))  # gate, up, down
@@ -87,7 +121,7 @@ def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
     def rms(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    def fn(n: int) -> float:
+    def fn(n: int):
         x = torch.randn(n, h, generator=g, dtype=dtype, requires_grad=True)
 
         def run():
@@ -96,47 +130,48 @@ def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
             out = y + (F.silu(gate) * up) @ ws[3]
             out.sum().backward()
 
-        return _median_time(run)
+        return run
 
     return fn
 
 
 def _attention(spec: ModelSpec, dtype: torch.dtype):
-    """fn(L): forward + backward of causal attention over one document of L tokens."""
+    """fn(L) -> a call of forward + backward of causal attention over one document of L tokens."""
     heads = spec.num_heads
     d = spec.head_dim or spec.hidden // heads
     g = torch.Generator().manual_seed(1)
 
-    def fn(length: int) -> float:
+    def fn(length: int):
         q, k, v = (torch.randn(1, heads, length, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
 
         def run():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-        return _median_time(run)
+        return run
 
     return fn
 
 
 def measure(spec: ModelSpec) -> dict:
     """This machine's time constants for ``spec``'s layer (seconds; see the module doc)."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     dtype = torch.float32 if spec.bytes_per_value >= 4 else torch.bfloat16
     params = spec.attn_params + spec.mlp_params
     n = _tokens(6.0 * params, 4096) // 4  # the larger timing, 4n tokens, about TIMING_FLOPS
-    lin = _layer_linear(spec, dtype)
-    t1, t2 = lin(n), lin(4 * n)
-    per_token = max((t2 - t1) / (3 * n), t2 / (4 * n) * 0.5)
-    floor = max(0.0, t1 - per_token * n)
     length = _tokens(6.0 * spec.hidden * math.sqrt(TIMING_FLOPS / (6.0 * spec.hidden)), 4096) // 4  # 6 h (4L)^2 flops
-    att = _attention(spec, dtype)
-    a1, a2 = att(length), att(4 * length)
-    p1, p2 = length * (length + 1) / 2, 4 * length * (4 * length + 1) / 2
+    lin, att = _layer_linear(spec, dtype), _attention(spec, dtype)
+    fns = [lin(FLOOR_TOKENS), lin(n), lin(4 * n), att(FLOOR_TOKENS), att(length), att(4 * length)]
+    t0, t1, t2, a0, a1, a2 = robust_times(fns, work_clock=time.process_time)
+    per_token = max((t2 - t1) / (3 * n), t2 / (4 * n) * 0.5)
+    p0, p1, p2 = (x * (x + 1) / 2 for x in (FLOOR_TOKENS, length, 4 * length))
     per_pair = max((a2 - a1) / (p2 - p1), 0.0)
-    floor += max(0.0, a1 - per_pair * p1)
+    floor = max(0.0, t0 - per_token * FLOOR_TOKENS) + max(0.0, a0 - per_pair * p0)
+    share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)  # of the cores it had
     return {
-        "lin_s_per_token": per_token,
-        "attn_s_per_pair": per_pair,
-        "floor_s": floor,
+        "lin_s_per_token": per_token / share,
+        "attn_s_per_pair": per_pair / share,
+        "floor_s": floor / share,
+        "cpu_share": share,
         "timed_tokens": [n, 4 * n],
         "timed_lengths": [length, 4 * length],
     }

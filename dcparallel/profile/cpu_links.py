@@ -5,15 +5,18 @@ The analytic model prices an all-to-all in a group of n ranks holding b bytes ea
 is priced from the same link. A launch without link speeds gets GPU ones
 (`runtime.auto_launch.priced_cluster`), a thousand times too fast for gloo on one machine.
 Here every rank runs ``all_to_all_single`` over the launch's world at two sizes (64 KiB and
-4 MiB a rank, the median of five after a warm-up, each from a barrier); the slowest rank's
-times give the latency (intercept) and bandwidth (slope) of that formula, used for both the
-intra- and inter-node link of the cluster the CPU run is priced on. About a second; cached
-with the calibration. A world of one rank has no links to time.
+4 MiB a rank; each the median of five windows of at least 0.1 s of back-to-back calls, each
+window from a barrier, so a burst of other work on a shared machine moves one window, not
+the result); the slowest rank's times give the latency (intercept) and bandwidth (slope) of
+that formula, used for both the intra- and inter-node link of the cluster the CPU run is
+priced on. About 1.5 s; cached with the calibration. A world of one rank has no links to
+time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -25,6 +28,8 @@ from dcparallel.spec import ClusterSpec
 
 #: bytes each rank holds in the two timed all-to-alls
 TIMED_BYTES = (64 * 1024, 4 * 1024 * 1024)
+#: windows each size is timed in, and the least seconds of one (`_timed_alltoall`)
+REPEATS, MIN_S = 5, 0.1
 
 
 def fit_link(n: int, timed: list[tuple[float, float]]) -> dict:
@@ -40,18 +45,26 @@ def fit_link(n: int, timed: list[tuple[float, float]]) -> dict:
     return {"bw": bw, "latency": latency}
 
 
-def _timed_alltoall(num_bytes: int, repeats: int = 5) -> float:
+def _timed_alltoall(num_bytes: int) -> float:
+    """Seconds of one all-to-all of ``num_bytes`` a rank (collective): the median over
+    `REPEATS` windows, each from a barrier, of the mean of a run of calls lasting at least
+    `MIN_S` on the slowest rank (every rank makes the same number: the slowest rank's single
+    call after a warm-up sets it)."""
     n = comm.world_size()
     x = torch.zeros(num_bytes // 4 // n * n, dtype=torch.float32)
     y = torch.empty_like(x)
-    times = []
-    for i in range(repeats + 1):
+
+    def window(calls: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_to_all_single(y, x)
-        if i:  # the first is the warm-up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for _ in range(calls):
+            dist.all_to_all_single(y, x)
+        return (time.perf_counter() - t0) / calls
+
+    window(1)  # warm-up
+    one = max(comm.all_gather_object(window(1)))
+    calls = max(1, math.ceil(MIN_S / max(one, 1e-9)))
+    return statistics.median(window(calls) for _ in range(REPEATS))
 
 
 def measure_links() -> dict:

@@ -713,7 +713,7 @@ def test_skipping_candidates_by_their_floors_leaves_the_plans_as_they_were(scena
 @pytest.mark.parametrize(
     "scenario,dist,world,skips,phases",
     [
-        ("text", "balanced", 1024, True, {1, 2}),
+        ("text", "short", 1024, True, {1, 2}),
         ("video", "short", 1024, False, {1, 2}),
         ("text", "long", 512, False, {1, 2}),
     ],
@@ -728,7 +728,7 @@ def test_no_expansion_is_predicted_below_its_floor_and_skipping_keeps_the_plans(
     is also expanded whole and checked phase by phase against its floor, one- and two-phase
     plans (`phases`: the phase counts seen); one given up would have been predicted above the
     limit, one not given up is predicted as the whole. With both off (floors of -inf, no
-    limit), the plans are the same, group by group; at weak 1024 text/balanced fewer candidates
+    limit), the plans are the same, group by group; at weak 1024 text/short fewer candidates
     are expanded (`skips`), and in every cell some are given up."""
     from dcparallel.plan.dcp import classlevel
 
