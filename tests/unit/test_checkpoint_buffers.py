@@ -116,3 +116,16 @@ def test_buffers_that_differ_across_ranks_are_refused_when_saved(monkeypatch):
         dcp_tensors._buffer_state(dc.engine, saving=True)
     monkeypatch.setattr(comm, "all_gather_object", lambda obj, group=comm.WORLD: [obj, dict(obj)])
     assert sorted(dcp_tensors._buffer_state(dc.engine, saving=True)) == ["buffer/calls", "buffer/norm.ema"]
+
+
+def test_a_converted_per_rank_checkpoint_keeps_rank_0s_persistent_buffers():
+    """dcparallel 0.1's rank-0 ``model`` state dict: its persistent buffers become
+    ``buffer/<name>`` (a 0-d one with one dimension of 1); parameters and names the model
+    does not hold as persistent buffers are left out."""
+    from dcparallel.apps.checkpoint_convert import buffers
+
+    model = _model()
+    saved = {"calls": torch.tensor(7), "norm.ema": torch.full((32,), 0.5), "norm.weight": torch.ones(32)}
+    out = buffers({**saved, "scratch": torch.zeros(3)}, model)
+    assert sorted(out) == ["buffer/calls", "buffer/norm.ema"]
+    assert out["buffer/calls"].tolist() == [7] and torch.equal(out["buffer/norm.ema"], saved["norm.ema"])
