@@ -15,8 +15,8 @@ flat vector holds them in), so ``model/<name>`` gets the fp32 master values and
 ``optim/<name>/exp_avg[_sq]`` the moments (`runtime.sharded_checkpoint`'s keys), each
 saved rank's RNG states go to its ``rngR.pt``, and the marker keeps the step, the world size
 and the metadata; a resume from it continues as from the old folder. Rank 0's ``model``
-tensors are not carried: the master values are the trained parameters, and the buffers come
-from the model as built (as with every version-2 checkpoint). A torn folder is left as it is
+parameters are not carried (the master values are the trained parameters); its persistent
+buffers become ``buffer/<name>`` (`runtime.sharded_checkpoint`). A torn folder is left as it is
 and named. `dcparallel convert-checkpoint --config run.toml` converts a `dcparallel train`
 run's checkpoints (`apps.train_export.convert_run`).
 """
@@ -95,6 +95,13 @@ def tensors(flat: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, tor
     return out
 
 
+def buffers(saved: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The version-2 ``buffer/<name>`` tensors of the persistent buffers of ``model`` in rank 0's
+    saved state dict ``saved`` (those it lacks are refused when the checkpoint is loaded)."""
+    names = dcp_tensors.persistent_buffers(model)
+    return {dcp_tensors.buffer_key(n): v.reshape(v.shape or (1,)).clone() for n, v in saved.items() if n in names}
+
+
 def _write(folder: Path, state: dict[str, torch.Tensor], payloads: list[dict]) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -123,6 +130,7 @@ def convert(root: str | Path, model: nn.Module) -> tuple[list[int], list[str]]:
             left.append(payloads)
             continue
         state = tensors(flat_state([p["optimizer"] for p in payloads]), model)
+        state.update(buffers(payloads[0].get("model", {}), model))
         checkpoint.save(
             root,
             step,

@@ -2,10 +2,10 @@
 
 Checkpoints (`dcparallel.checkpoint`): `torch.distributed.checkpoint` for every shard size,
 every tensor keyed by parameter name (`runtime.sharded_checkpoint`: the fp32 master values and
-the AdamW moments each rank's optimizer owns); they load at any world size and any shard size
-through DCP's resharding (into `ShardedAdamW` or `ZeroAdamW`). A LoRA run's checkpoint holds
-the adapters only (the trainable parameters); the frozen base comes back from the model as
-built.
+the AdamW moments each rank's optimizer owns, and the model's persistent buffers, replicated);
+they load at any world size and any shard size through DCP's resharding (into `ShardedAdamW`
+or `ZeroAdamW`). Frozen parameters are not saved (no step changes them): a LoRA run's
+checkpoint holds the adapters only; the frozen base comes back from the model as built.
 
 Export: ``save_pretrained`` (+ tokenizer) for transformers and diffusers models, a
 ``model.safetensors`` file of the state dict for other models, the PEFT adapter folder for a
@@ -123,8 +123,8 @@ def export_checkpoint(
     ck: checkpoint.Committed, model: nn.Module, family: str, path: Path, tokenizer: Any = None, merged: bool = False
 ) -> Path:
     """Exports a committed checkpoint of any shard size (one process, no process group):
-    ``model`` is the run's model as built at its start (its non-trained state); the
-    checkpoint's trained parameters replace its own."""
+    ``model`` is the run's model as built at its start (its frozen parameters); the
+    checkpoint's trained parameters and persistent buffers replace its own."""
     dtype = next(model.parameters()).dtype
     trained = dcp_tensors.read_model(ck.path)
     params = dict(model.named_parameters())
@@ -134,9 +134,18 @@ def export_checkpoint(
             f"{ck.path} holds parameters {unknown[:5]} this model does not have; export with the "
             f"config the run was trained with"
         )
+    buffers = dcp_tensors.persistent_buffers(model)
+    saved = dcp_tensors.read_buffers(ck.path)
+    if set(saved) != set(buffers):
+        raise ValueError(
+            f"{ck.path} holds the persistent buffers {sorted(saved)[:5]}, this model has {sorted(buffers)[:5]}; "
+            f"export with the config the run was trained with"
+        )
     with torch.no_grad():
         for name, value in trained.items():
             params[name].copy_(value.view(params[name].shape).to(dtype))
+        for name, value in saved.items():
+            buffers[name].copy_(value.view(buffers[name].shape))
     write_export(family, model, path, tokenizer, merged=merged)
     return path
 

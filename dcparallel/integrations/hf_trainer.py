@@ -16,10 +16,13 @@ gradient sync (`dc.sync_gradients`), clipping is `dc.clip_grad_norm_`, the optim
 whole-model checkpointing: recompute is the planner's choice per micro-batch, always.
 Evaluation runs transformers' own loop on the unwrapped model.
 
-Checkpoints are the Trainer's own folders plus each rank's ZeRO-1 optimizer shard and the
-loader's state; `resume_from_checkpoint` continues at the next planned step (the loader's
-position follows from the saved global step, the cost model's refinement from the saved
-state), at any world size with shard_size 1 (the shards reshard). With
+Checkpoints are the Trainer's own folders plus, in their ``dc_state`` folder, dcparallel's
+one checkpoint format (`runtime.sharded_checkpoint`, through torch.distributed.checkpoint:
+the fp32 master values and AdamW moments, each rank writing the pieces its optimizer owns,
+and the persistent buffers), and the loader's state; `resume_from_checkpoint` continues at
+the next planned step (the loader's position follows from the saved global step, the cost
+model's refinement from the saved state), at any world size and any shard size (the state
+reshards on load). With
 ``dc_args.refine_steps = N`` the first N steps time each micro-batch and feed the times to
 the loader (`DataCentricLoader.observe`, as ``dcparallel train`` does), which plans the later
 steps with the corrected cost model.
@@ -45,13 +48,14 @@ from dcparallel.api import DataCentricParallel
 from dcparallel.data import refine
 from dcparallel.loss import IGNORE_INDEX
 from dcparallel.plan.policies import user_policy
-from dcparallel.runtime import comm
-from dcparallel.runtime.zero import ZeroAdamW
+from dcparallel.runtime import sharded_checkpoint as dcp_tensors
 
 #: the optimizers `dc.optimizer` (AdamW with decoupled weight decay) computes exactly
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 #: the train loader's `state_dict` in a checkpoint folder
 LOADER_STATE = "dc_loader_state.json"
+#: the folder of the optimizer state and master values (`runtime.sharded_checkpoint`) in a checkpoint folder
+DC_STATE = "dc_state"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -326,20 +330,27 @@ class DataCentricTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each rank's ZeRO-1 optimizer shard, and (rank 0) the scheduler and the loader's state,
-        in the checkpoint."""
-        Path(output_dir).mkdir(parents=True, exist_ok=True)  # every rank writes, not only the saving one
-        torch.save(self.optimizer.state_dict(), Path(output_dir) / f"dc_optimizer_rank{comm.world_rank()}.pt")
+        """The fp32 master values, AdamW's moments and the persistent buffers in the one
+        checkpoint format (every rank its owned pieces: collective), and (rank 0) the scheduler
+        and the loader's state, in the checkpoint."""
+        (Path(output_dir) / DC_STATE).mkdir(parents=True, exist_ok=True)  # every rank writes
+        dcp_tensors.save(Path(output_dir) / DC_STATE, self.dc.engine, self.optimizer)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
             # alike on every rank; the refinement's measured times among it (`data.refine`)
             (Path(output_dir) / LOADER_STATE).write_text(json.dumps(self._dc_loader.state_dict()))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The checkpoint's master values, moments and buffers (resharded to this world and
+        shard size: collective), then the scheduler and the lr it sets."""
         if checkpoint is None:
             return
-        self.optimizer.load_state_dict(_optimizer_state(Path(checkpoint), self.optimizer))
+        dcp_tensors.load(_state_folder(Path(checkpoint)), self.dc.engine, self.optimizer)
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+        # the checkpoint holds no hyperparameters (they are the arguments'): the groups' lr is
+        # the scheduler's for the next step, as the uninterrupted run's
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
 
 
 def _loader_state(checkpoint: str | None) -> dict[str, Any] | None:
@@ -348,31 +359,16 @@ def _loader_state(checkpoint: str | None) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
-def _optimizer_state(checkpoint: Path, optimizer: Any) -> Any:
-    """What ``optimizer.load_state_dict`` takes from a checkpoint: for `ZeroAdamW`
-    (shard_size 1) every saved rank's shard, so that a world of any size takes its ranges
-    from them (the planned steps do not depend on the world size); for the sharded AdamW of
-    shard_size > 1 this rank's own file, at the world size it was saved with."""
-    files = {int(f.stem.removeprefix("dc_optimizer_rank")): f for f in checkpoint.glob("dc_optimizer_rank*.pt")}
-    if not files:
+def _state_folder(checkpoint: Path) -> Path:
+    """The checkpoint's ``dc_state`` folder; ValueError naming why there is none (a folder of
+    another Trainer, or of dcparallel 0.1, whose per-rank optimizer files are not read)."""
+    folder = checkpoint / DC_STATE
+    if (folder / ".metadata").is_file():
+        return folder
+    if any(checkpoint.glob("dc_optimizer_rank*.pt")):
         raise ValueError(
-            f"{checkpoint} has no dc_optimizer_rank*.pt: resume a DataCentricTrainer from its own checkpoint"
+            f"{checkpoint} holds dcparallel 0.1's per-rank optimizer files (dc_optimizer_rank*.pt), which "
+            f"are no longer read: resume it with dcparallel 0.1, or start a new run from its weights "
+            f"(from_pretrained({str(checkpoint)!r})) without its optimizer state"
         )
-    rank, world = comm.world_rank(), comm.world_size()
-    if isinstance(optimizer, ZeroAdamW):
-        states = [torch.load(files[r], weights_only=True) for r in sorted(files)]
-        saved = sorted({int(s["world_size"]) for s in states})
-        if saved != [len(states)] or sorted(files) != list(range(len(states))):
-            raise ValueError(
-                f"{checkpoint} holds dc_optimizer_rank*.pt of ranks {sorted(files)} saved at world "
-                f"sizes {saved}: one checkpoint is one file per rank of one run; remove the files "
-                f"another run left there"
-            )
-        return states
-    if len(files) != world or rank not in files:
-        raise ValueError(
-            f"{checkpoint} was saved by {len(files)} ranks, this run has {world}: with shard_size > 1 "
-            f"the optimizer state resumes at the world size it was saved with (resume with "
-            f"{len(files)} ranks, or train with shard_size=1, whose state reshards)"
-        )
-    return torch.load(files[rank], weights_only=True)
+    raise ValueError(f"{checkpoint} has no {DC_STATE}/: resume a DataCentricTrainer from its own checkpoint")

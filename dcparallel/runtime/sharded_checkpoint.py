@@ -5,6 +5,8 @@ for any shard size: a checkpoint saved at one world size and shard size loads at
     optim/<name>/exp_avg          Adam's moments, in the parameter's shape
     optim/<name>/exp_avg_sq
     optim/num_steps               a plain int64 tensor (the same on every rank)
+    buffer/<name>                 a persistent buffer (one the model's state dict holds), whole,
+                                  in its own dtype (a 0-d one with one dimension of 1)
 
 Every rank writes (and reads) only what its optimizer owns: one contiguous flat range of
 each parameter (row-major). With shard_size 1 that is the ZeRO-1 range of the flat vector
@@ -17,6 +19,14 @@ local shards are views of the rank's own buffers, so DCP reads and writes in pla
 reshards on load by overlapping boxes. What a rank owns comes from its optimizer's `owned`
 (`runtime.zero.Owned`). One process without a process group (a world of one) owns every
 element and hands DCP its whole tensors, viewed in place.
+
+Persistent buffers (BatchNorm's running statistics, a step counter, an EMA kept as a buffer)
+are replicated: every rank hands DCP its own copy, the model's tensor itself, which DCP writes
+once and loads into every rank's copy in place. A save first checks that the ranks' copies
+are identical and refuses, naming the buffer, when they are not (a buffer updated from each
+rank's own samples): one copy could not resume the others exactly. A load refuses a
+checkpoint whose buffers are not the model's, by name. Frozen parameters are not saved: no
+step changes them, so the model as built (its pretrained weights) holds their values.
 
 The metadata file of a checkpoint is read with a restricted unpickler (`SafeReader`): only
 DCP's metadata classes and torch's dtypes, so a checkpoint cannot run code when read; the
@@ -45,6 +55,7 @@ if TYPE_CHECKING:
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 STEPS_KEY = "optim/num_steps"
+BUFFER_PREFIX = "buffer/"
 
 
 def model_key(name: str) -> str:
@@ -55,6 +66,54 @@ def model_key(name: str) -> str:
 def optim_key(name: str, moment: str) -> str:
     """The key of parameter ``name``'s AdamW ``moment`` (``exp_avg``, ``exp_avg_sq``)."""
     return f"optim/{name}/{moment}"
+
+
+def buffer_key(name: str) -> str:
+    """The key of persistent buffer ``name``'s values."""
+    return f"{BUFFER_PREFIX}{name}"
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's persistent buffers (those its state dict holds) by name: its own tensors."""
+    saved = model.state_dict(keep_vars=True).keys()
+    return {n: b for n, b in model.named_buffers() if n in saved}
+
+
+def _buffer_state(engine: Engine, saving: bool) -> dict[str, Tensor]:
+    """The DCP entries of the model's persistent buffers: its own tensors (a 0-d one viewed
+    with one dimension of 1), loaded in place. ``saving``: refused unless every rank holds
+    the same values (module docstring)."""
+    buffers = persistent_buffers(engine.model)
+    if saving and comm.is_distributed():
+        mine = {
+            n: comm.digest(b.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, b in buffers.items()
+        }
+        every = comm.all_gather_object(mine)
+        differ = [n for n in buffers if len({theirs[n] for theirs in every}) > 1]
+        if differ:
+            ranks = [r for r, theirs in enumerate(every) if theirs[differ[0]] != mine[differ[0]]]
+            raise ValueError(
+                f"the persistent buffer {differ[0]!r} differs across ranks (this rank {comm.world_rank()} "
+                f"and ranks {ranks}; all differing: {differ[:5]}): it is updated from each rank's own "
+                f"samples (BatchNorm's running statistics are), so one saved copy would resume the "
+                f"other ranks wrong. Keep it identical on every rank (update it from all-reduced "
+                f"values, or track_running_stats=False), or register it with persistent=False"
+            )
+    return {buffer_key(n): b.view(1) if b.dim() == 0 else b for n, b in buffers.items()}
+
+
+def _check_buffers(path: str | Path, state: dict[str, Any]) -> None:
+    """Refuses a checkpoint whose saved persistent buffers are not this model's, by name."""
+    saved = {k for k in read_keys(path) if k.startswith(BUFFER_PREFIX)}
+    wanted = {k for k in state if k.startswith(BUFFER_PREFIX)}
+    if saved != wanted:
+        cut = len(BUFFER_PREFIX)
+        raise ValueError(
+            f"{path} holds the persistent buffers {sorted(k[cut:] for k in saved)[:5]}, this model has "
+            f"{sorted(k[cut:] for k in wanted)[:5]} (missing: {sorted(k[cut:] for k in wanted - saved)[:5]}, "
+            f"unknown: {sorted(k[cut:] for k in saved - wanted)[:5]}); resume with the model the run "
+            f"was trained with"
+        )
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -180,16 +239,18 @@ def save(path: str | Path, engine: Engine, opt: Any) -> None:
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     with warnings.catch_warnings():  # DCP warns when it saves in one process: a world of one does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(_state(engine, opt), storage_writer=writer, no_dist=not comm.is_distributed())
+        state = {**_state(engine, opt), **_buffer_state(engine, saving=True)}
+        dcp.save(state, storage_writer=writer, no_dist=not comm.is_distributed())
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:
     """Loads a checkpoint written by `save` at any world size and shard size into this
-    engine's parameters and optimizer state (collective). The optimizer's hyperparameters
+    engine's parameters, persistent buffers and optimizer state (collective). The optimizer's hyperparameters
     (lr, ...) stay as constructed."""
     import torch.distributed.checkpoint as dcp
 
-    state = _state(engine, opt)
+    state = {**_state(engine, opt), **_buffer_state(engine, saving=False)}
+    _check_buffers(path, state)
     with torch.no_grad(), warnings.catch_warnings():  # as in `save`: one process may load
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not comm.is_distributed())
@@ -282,23 +343,27 @@ def SafeReader(path: str | Path):  # noqa: N802 - a class factory (torch importe
     return _safe_reader_cls()(str(path))
 
 
-def read_keys(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """The tensor keys of a checkpoint folder and their shapes (no process group needed)."""
+def _tensor_metadata(path: str | Path) -> dict[str, Any]:
+    """DCP's metadata of every tensor of a checkpoint folder, by key."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = SafeReader(path).read_metadata()
-    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def read_keys(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensor keys of a checkpoint folder and their shapes (no process group needed)."""
+    return {k: tuple(v.size) for k, v in _tensor_metadata(path).items()}
 
 
 def read_state(path: str | Path, prefix: str = "") -> dict[str, Tensor]:
     """Every tensor of a checkpoint folder whose key starts with ``prefix``, whole, on the CPU,
-    in one process (no process group needed), keyed as saved (fp32; ``optim/num_steps``
-    int64)."""
+    in one process (no process group needed), keyed as saved, in its saved dtype (fp32 values
+    and moments; ``optim/num_steps`` int64; buffers their own)."""
     import torch.distributed.checkpoint as dcp
 
-    shapes = read_keys(path)
-    dtypes = {STEPS_KEY: torch.int64}
-    state = {k: torch.empty(s, dtype=dtypes.get(k, torch.float32)) for k, s in shapes.items() if k.startswith(prefix)}
+    metas = _tensor_metadata(path)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metas.items() if k.startswith(prefix)}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
@@ -309,3 +374,9 @@ def read_model(path: str | Path) -> dict[str, Tensor]:
     """Every ``model/<name>`` tensor of a checkpoint folder (`read_state`): the trained
     parameters by name (fp32)."""
     return {k[len("model/") :]: v for k, v in read_state(path, "model/").items()}
+
+
+def read_buffers(path: str | Path) -> dict[str, Tensor]:
+    """Every ``buffer/<name>`` tensor of a checkpoint folder (`read_state`): the persistent
+    buffers by name, in their own dtype (a 0-d buffer with one dimension of 1)."""
+    return {k[len(BUFFER_PREFIX) :]: v for k, v in read_state(path, BUFFER_PREFIX).items()}

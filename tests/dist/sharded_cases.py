@@ -164,19 +164,23 @@ def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed:
     """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
     then a second step. Else: a fresh engine at ``shard_size`` loads ``path`` and runs the
     second step. The whole parameters after the second step (plans of whole blocks of 4, or of
-    the world when smaller: valid at every shard size)."""
+    the world when smaller: valid at every shard size), and ``buffer/updates``, a persistent
+    buffer each optimizer step changes alike on every rank (saved once, loaded by every rank)."""
     from dcparallel.runtime.sharded_checkpoint import load_sharded, save_sharded
 
     dc = _engine(kind, shard_size)
+    dc.model.register_buffer("updates", torch.zeros(3))
     opt = dc.optimizer(lr=1e-2, weight_decay=0.1)
     steps = [0, 1] if save else [1]
     if not save:
         load_sharded(path, dc, opt)
     for step in steps:
         _optimizer_step(dc, opt, kind, num_samples, seed + step)
+        dc.model.updates.add_(torch.arange(3.0) + step + 1)
         if save and step == 0:
             save_sharded(path, dc, opt)
-    return {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}
+    out = {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}
+    return {**out, "buffer/updates": dc.model.updates.clone()}
 
 
 def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:

@@ -65,7 +65,7 @@ def test_trainer_equals_dcparallel_loop_evaluates_resumes_and_logs(tmp_path):
     evals = [row for row in trainer["log"] if "eval_loss" in row]
     assert [row["step"] for row in evals] == [2, 4, 4]  # eval_steps=2, then trainer.evaluate()
     assert trainer["eval_loss"] == pytest.approx(res["plain_eval"], rel=1e-5)
-    assert sorted((tmp_path / "out" / "trainer").glob("checkpoint-*/dc_optimizer_rank1.pt"))
+    assert sorted((tmp_path / "out" / "trainer").glob("checkpoint-*/dc_state/__1_0.distcp"))  # the one format
     assert list((tmp_path / "out" / "trainer" / "runs").rglob("events.out.tfevents.*"))
     # the LoRA run's adapter export loads with PEFT and holds the trained adapters
     from peft import PeftModel

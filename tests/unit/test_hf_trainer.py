@@ -210,6 +210,8 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
         )
         trainer.train(resume_from_checkpoint=resume)
         runs.append(_lora_weights(model))
+        assert (tmp_path / "checkpoint-1" / "dc_state" / ".metadata").is_file()  # the one format
+        assert not list(tmp_path.glob("checkpoint-*/dc_optimizer_rank*.pt"))
         assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
     first, resumed = runs
     assert first.keys() == resumed.keys() and any("lora_B" in n for n in first)
@@ -218,17 +220,16 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
     assert any(not torch.equal(w, v) for w, v in zip(first.values(), _lora_weights(_lora()).values()))
 
 
-def test_sharded_state_of_another_world_size_is_refused(tmp_path):
-    """With shard_size > 1 the optimizer (not ZeroAdamW) resumes only at the saved world
-    size: a checkpoint of 2 ranks read by this 1-rank process is refused, naming both."""
-    from dcparallel.integrations.hf_trainer import _optimizer_state
+def test_a_checkpoint_without_dc_state_is_refused_with_why(tmp_path):
+    """A folder without the one format's ``dc_state``: one of dcparallel 0.1's per-rank
+    optimizer files is named as such, any other as not a DataCentricTrainer's."""
+    from dcparallel.integrations.hf_trainer import _state_folder
 
-    for r in range(2):
-        torch.save({"shard": {"rank": r}}, tmp_path / f"dc_optimizer_rank{r}.pt")
-    with pytest.raises(ValueError, match="saved by 2 ranks, this run has 1.*shard_size=1"):
-        _optimizer_state(tmp_path, torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
-    with pytest.raises(ValueError, match="has no dc_optimizer_rank"):
-        _optimizer_state(tmp_path / "none", None)
+    with pytest.raises(ValueError, match=r"has no dc_state/: resume a DataCentricTrainer from its own"):
+        _state_folder(tmp_path)
+    torch.save({"world_size": 1}, tmp_path / "dc_optimizer_rank0.pt")
+    with pytest.raises(ValueError, match=r"dcparallel 0.1's per-rank optimizer files .*from_pretrained"):
+        _state_folder(tmp_path)
 
 
 def test_readme_lines_train_as_written(tmp_path, monkeypatch):
@@ -253,21 +254,6 @@ def test_readme_lines_train_as_written(tmp_path, monkeypatch):
     assert losses == pytest.approx(
         tf.trainer_reference_steps(_model(), data, seed=42, tokens_per_step=65536, steps=1), rel=1e-6
     )
-
-
-def test_optimizer_files_of_two_runs_are_refused(tmp_path):
-    """Shards of ZeroAdamW that are not one run's files, one per rank (a world-4 run's rank 2
-    left beside a world-2 run's): refused, not mixed into the state."""
-    import dcparallel
-    from dcparallel.integrations.hf_trainer import _optimizer_state
-
-    opt = dcparallel.DataCentricParallel(_model()).optimizer()
-    for r, world in ((0, 2), (1, 2), (2, 4)):
-        torch.save({"world_size": world, "rank": r}, tmp_path / f"dc_optimizer_rank{r}.pt")
-    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\] saved at world sizes \[2, 4\].*remove the files"):
-        _optimizer_state(tmp_path, opt)
-    (tmp_path / "dc_optimizer_rank2.pt").unlink()
-    assert [s["rank"] for s in _optimizer_state(tmp_path, opt)] == [0, 1]
 
 
 def _spied(trainer):
