@@ -23,7 +23,7 @@ from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss,
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine, sample_seed
-from dcparallel.spec import Layout, Recompute, llama_like
+from dcparallel.spec import Layout, ModelSpec, Recompute, llama_like
 
 NUM_HEADS = 4
 NUM_LAYERS = 3
@@ -318,6 +318,23 @@ def two_head_profile(entries: list[dict[str, Any]]) -> Profile:
             entries=entries,
         ).to_json()
     )
+
+
+def one_entry_profile_json(model: ModelSpec) -> dict[str, Any]:
+    """The JSON of a world-1 profile of ``model``: one 64-token bucket, one feasible entry
+    (SP 1, one micro-batch, no recompute, 10 ms, 1 MB)."""
+    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
+    p = Profile(
+        fingerprint={},
+        model=model,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=1e6,
+        grad_sync_s=0.0,
+        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
+        entries=[e],
+    )
+    return p.to_json()
 
 
 ROOT = Path(__file__).resolve().parents[1]
