@@ -1,23 +1,29 @@
-"""Shared by unit and dist tests: tiny models, random samples, random step plans, the
-single-process reference, one rank's run of a step and a user's training loop."""
+"""Shared by unit, dist and e2e tests: tiny models, random samples, random step plans, the
+single-process reference, one rank's run of a step, a user's training loop and a torchrun
+launch."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dcparallel.cost.schema import Profile
 from dcparallel.data.collate import text_batch, video_batch
 from dcparallel.loss import per_token_loss, shift_labels
 from dcparallel.models.dit import DiT, DiTConfig, draw_flow, flow_matching_loss, patchify
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine, sample_seed
-from dcparallel.spec import Layout, Recompute
+from dcparallel.spec import Layout, ModelSpec, Recompute, llama_like
 
 NUM_HEADS = 4
 NUM_LAYERS = 3
@@ -290,3 +296,59 @@ def train_steps(dc: Any, model: torch.nn.Module, loader: Any, opt: Any) -> Itera
         loss = dc.sync_gradients()
         opt.step()
         yield step, loss
+
+
+#: the 2-head model of the hand-written world-4 profiles (`two_head_profile`)
+TWO_HEADS = llama_like("tiny-lm-2h", num_layers=4, hidden=64, num_heads=2, ffn_hidden=160, vocab_size=1000)
+
+
+def two_head_profile(entries: list[dict[str, Any]]) -> Profile:
+    """A world-4 profile of `TWO_HEADS` (4 GPUs on one node) with buckets of 500 and 4000
+    tokens, keyed ``t500`` and ``t4000``, holding ``entries``; read back from its JSON as a
+    saved profile is."""
+    return Profile.from_json(
+        Profile(
+            fingerprint={"world_size": 4},
+            model=TWO_HEADS,
+            world_size=4,
+            gpus_per_node=4,
+            model_state_bytes=1e4,
+            grad_sync_s=1e-3,
+            buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
+            entries=entries,
+        ).to_json()
+    )
+
+
+def one_entry_profile_json(model: ModelSpec) -> dict[str, Any]:
+    """The JSON of a world-1 profile of ``model``: one 64-token bucket, one feasible entry
+    (SP 1, one micro-batch, no recompute, 10 ms, 1 MB)."""
+    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
+    p = Profile(
+        fingerprint={},
+        model=model,
+        world_size=1,
+        gpus_per_node=1,
+        model_state_bytes=1e6,
+        grad_sync_s=0.0,
+        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
+        entries=[e],
+    )
+    return p.to_json()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """``args`` (``["-m", module, ...]`` or a script and its arguments) under
+    ``torch.distributed.run --standalone`` on 2 processes, run in ``cwd`` with one thread per
+    rank, the hub offline, this checkout on the path and ``env`` added; output captured."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_train(config: Path, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """`dcparallel train --config` ``config`` under `torchrun`."""
+    return torchrun(["-m", "dcparallel", "train", "--config", str(config)], cwd, timeout, **env)

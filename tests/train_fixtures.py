@@ -9,6 +9,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,23 +68,32 @@ def tokenizer(template: str = CHAT_TEMPLATE):
     return fast
 
 
-def llama_dir(path: Path, vocab_size: int, seed: int = 0) -> Path:
-    """A tiny LlamaForCausalLM (fp32) and the test tokenizer saved to ``path``."""
+def tiny_llama(vocab_size: int, seed: int = 0, **config: Any):
+    """A tiny LlamaForCausalLM (2 layers, 4 heads, 2 KV heads, 128 positions unless ``config``
+    says otherwise) seeded by ``seed``, with SDPA attention, in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **{
+            "vocab_size": vocab_size,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": False,
+        }
+        | config
     )
-    LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").save_pretrained(path)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def llama_dir(path: Path, vocab_size: int, seed: int = 0) -> Path:
+    """A tiny LlamaForCausalLM (fp32, 256 positions) and the test tokenizer saved to ``path``."""
+    model = tiny_llama(vocab_size, seed, max_position_embeddings=256, torch_dtype="float32")
+    model.save_pretrained(path)
     tokenizer().save_pretrained(path)
     return path
 

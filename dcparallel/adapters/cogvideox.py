@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, derive_spec
-from dcparallel.adapters.latents import extras_as, latent_flow_loss
+from dcparallel.adapters.latents import RuntimeProcessor, extras_as, latent_flow_loss
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_kwargs")
@@ -37,12 +37,9 @@ def matches(model: nn.Module) -> bool:
     return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "CogVideoXTransformer3DModel"
 
 
-class UlyssesCogVideoXAttention:
+class UlyssesCogVideoXAttention(RuntimeProcessor):
     """Attention processor for CogVideoX's joint attention: diffusers' projections (also fused),
     q/k norms and rotary, the joint attention of `adapters.joint`."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

@@ -27,8 +27,9 @@ channels than it predicts (`latent_channels`). Guidance-distilled configurations
 The machinery every image transformer on packed latents shares lives here too (Flux 2:
 `adapters.flux2`, Qwen-Image: `adapters.qwenimage`): packing, the target and condition
 channels read from the model's projections, the collate, `packed_flow_loss`, into which a
-family passes only how its pipeline calls the model, `image_spec`, their planner's spec, and
-`image_adapter`, the assembly of their adapters.
+family passes only how its pipeline calls the model, `image_spec`, their planner's spec,
+`skip_block`, how the profiler skips any of their blocks, and `image_adapter`, the assembly
+of their adapters.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
 from dcparallel.adapters.latents import (
+    RuntimeProcessor,
     check_args,
     collate_latents,
     extras_as,
@@ -84,12 +86,12 @@ def joint_attention(attention: Any, q: Tensor, k: Tensor, v: Tensor, num_text: i
     return torch.cat([out_text, out_image], dim=1)
 
 
-class UlyssesFluxAttention:
+class UlyssesFluxAttention(RuntimeProcessor):
     """Attention processor for Flux's attention modules (double- and single-stream):
     diffusers' projections, q/k norms and rotary, then `joint_attention`."""
 
     def __init__(self, attention: Any, projections: Any = None):
-        self.attention = attention
+        super().__init__(attention)
         self.projections = projections  # None: Flux.1's; Flux 2 passes its own module's
 
     def __call__(
@@ -249,6 +251,13 @@ def flux_loss(guidance: float = 3.5, channels: tuple[int, int] | None = None):
     return packed_flow_loss(forward, ("encoder_hidden_states", "pooled_projections"), channels)
 
 
+def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor | None = None, *args: Any, **kwargs: Any):
+    """A block of Flux.1, Flux 2 or Qwen-Image skipped by the profiler: what it returns,
+    unchanged. Double-stream blocks (and Flux.1's single-stream ones) take and return both
+    streams, text first; Flux 2's single-stream blocks take no text and return the joint rows."""
+    return hidden_states if encoder_hidden_states is None else (encoder_hidden_states, hidden_states)
+
+
 def image_adapter(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -264,7 +273,6 @@ def image_adapter(
     loss_fn: Any,
     default_loss: Any,
     sample_fn: Any,
-    skip_block: Any,
     install_hooks: Any = None,
     **fixed_parts: tuple[int, ...],
 ) -> ModelAdapter:
@@ -274,7 +282,8 @@ def image_adapter(
     unless ``loss_fn``, the input projection's ``in_features`` (with the output projection
     ``proj_out``: the channels, `latent_channels`), ``context_tokens`` text embeddings of
     ``text_dim`` per synthetic item (plus ``fixed_parts``: shapes the same at every size),
-    ``install_hooks`` (None: the model's ``_cp_plan`` as it is) and ``skip_block``."""
+    ``install_hooks`` (None: the model's ``_cp_plan`` as it is); the profiler skips blocks
+    with `skip_block`."""
     channels, condition = latent_channels(who, in_features, model.proj_out.out_features)
 
     def parts(size: Size) -> dict[str, tuple[int, ...]]:
@@ -394,11 +403,5 @@ def adapter(
         loss_fn=loss_fn,
         default_loss=lambda channels: flux_loss(guidance, channels),
         sample_fn=sample_fn,
-        skip_block=skip_block,
         pooled_projections=(cfg.pooled_projection_dim,),
     )
-
-
-def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):
-    """A Flux block skipped by the profiler: both streams unchanged, as the blocks return them."""
-    return encoder_hidden_states, hidden_states

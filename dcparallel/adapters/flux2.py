@@ -44,7 +44,7 @@ from dcparallel.adapters.flux import (
     joint_attention,
     packed_flow_loss,
 )
-from dcparallel.adapters.latents import replace_processors
+from dcparallel.adapters.latents import RuntimeProcessor, replace_processors
 
 WHO = "Flux2Transformer2DModel"
 
@@ -91,14 +91,11 @@ class UlyssesFlux2Attention(UlyssesFluxAttention):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
-class UlyssesFlux2SingleAttention:
+class UlyssesFlux2SingleAttention(RuntimeProcessor):
     """Flux 2's single-stream attention (``[text, image]`` rows, the MLP fused into the
     projections): diffusers' fused projection split into q, k, v and the MLP's input, q/k
     norms and rotary, `flux.joint_attention`, the MLP's activation, the fused output
     projection."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,
@@ -174,12 +171,6 @@ def mlp_params_of(block: nn.Module) -> list[nn.Module]:
     return [block.ff, block.ff_context] if hasattr(block, "ff") else []
 
 
-def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor | None = None, *args: Any, **kwargs: Any):
-    """A Flux 2 block skipped by the profiler: what it returns, unchanged (double-stream: both
-    streams; single-stream: the joint rows)."""
-    return hidden_states if encoder_hidden_states is None else (encoder_hidden_states, hidden_states)
-
-
 ACCEPTED = ("context_tokens", "guidance")
 
 
@@ -240,5 +231,4 @@ def adapter(
         loss_fn=loss_fn,
         default_loss=lambda channels: flux2_loss(guidance, channels),
         sample_fn=sample_fn,
-        skip_block=skip_block,
     )

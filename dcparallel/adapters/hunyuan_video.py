@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.latents import extras_as, latent_flow_loss, padded_text_mask
+from dcparallel.adapters.latents import RuntimeProcessor, extras_as, latent_flow_loss, padded_text_mask
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = (
@@ -46,13 +46,10 @@ def matches(model: nn.Module) -> bool:
     return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "HunyuanVideoTransformer3DModel"
 
 
-class UlyssesHunyuanVideoAttention:
+class UlyssesHunyuanVideoAttention(RuntimeProcessor):
     """Attention processor for both of HunyuanVideo's block kinds: diffusers' projections,
     norms and rotary, the joint attention of `adapters.joint` (Ulysses on the video tokens
     inside a micro-batch, plain joint attention outside)."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

@@ -1,7 +1,8 @@
 """What the diffusers adapters share: whole latents collated per micro-batch, per-sample flow
 draws, synthetic items with the conditioning a model needs, the model-protocol arguments
-each family accepts, and `latent_adapter`, the assembly of an adapter whose model shards its
-own tokens by its context-parallel plan.
+each family accepts, `RuntimeProcessor`, the base of their attention processors (installed
+by `replace_processors`), and `latent_adapter`, the assembly of an adapter whose model
+shards its own tokens by its context-parallel plan.
 
 Dataset items are mappings: ``latents`` (C, F, H, W) — or (C, H, W) for image models — plus
 the conditioning the model takes, each a tensor of one shape within a micro-batch (text
@@ -202,6 +203,16 @@ def check_args(who: str, unused: Mapping[str, Any], accepted: tuple[str, ...]) -
             f"{who} does not take {sorted(unused)}; its adapter takes {', '.join(accepted)} (besides "
             f"layers, num_heads, loss_fn, sample_fn, name); leave the others out"
         )
+
+
+class RuntimeProcessor:
+    """Base of dcparallel's diffusers attention processors. A subclass's ``__call__`` takes
+    what its family's diffusers processor takes and keeps that processor's projections,
+    norms and rotary; it attends with ``attention``, the runtime's (Ulysses or ring inside a
+    micro-batch, plain attention outside)."""
+
+    def __init__(self, attention: Any):
+        self.attention = attention
 
 
 def replace_processors(modules: list, default: str, make: Callable[[], Any], who: str) -> None:

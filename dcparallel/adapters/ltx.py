@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters.base import ModelAdapter, derive_spec
 from dcparallel.adapters.latents import (
+    RuntimeProcessor,
     check_args,
     extras_as,
     latent_adapter,
@@ -46,12 +47,9 @@ def matches(model: nn.Module) -> bool:
     return type(model).__module__.startswith("diffusers.") and type(model).__name__ == "LTXVideoTransformer3DModel"
 
 
-class UlyssesLTXSelfAttention:
+class UlyssesLTXSelfAttention(RuntimeProcessor):
     """Attention processor for an LTX self-attention module: diffusers' projections, q/k
     norms and rotary, with the runtime's attention (Ulysses inside a micro-batch)."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

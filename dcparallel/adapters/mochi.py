@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter, averaged_spec
-from dcparallel.adapters.latents import extras_as, latent_flow_loss, padded_text_mask
+from dcparallel.adapters.latents import RuntimeProcessor, extras_as, latent_flow_loss, padded_text_mask
 from dcparallel.data.batch import Batch
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_attention_mask", "image_rotary_emb")
@@ -49,13 +49,10 @@ def compact_text(out: Tensor, mask: Tensor) -> Tensor:
     return zeroed.gather(1, order.view(*order.shape, *([1] * (out.dim() - 2))).expand_as(out))
 
 
-class UlyssesMochiAttention:
+class UlyssesMochiAttention(RuntimeProcessor):
     """Attention processor for Mochi's joint attention: diffusers' projections, norms and
     rotary, the joint attention of `adapters.joint` with the caption mask, the text output
     compacted as diffusers returns it."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

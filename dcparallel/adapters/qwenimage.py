@@ -36,7 +36,7 @@ from dcparallel.adapters import joint
 from dcparallel.adapters.base import ModelAdapter
 from dcparallel.adapters.cp_plan import PlanHooks, read_plan
 from dcparallel.adapters.flux import image_adapter, image_spec, packed_flow_loss
-from dcparallel.adapters.latents import replace_processors
+from dcparallel.adapters.latents import RuntimeProcessor, replace_processors
 
 WHO = "QwenImageTransformer2DModel"
 
@@ -45,11 +45,8 @@ def matches(model: nn.Module) -> bool:
     return type(model).__module__.startswith("diffusers.") and type(model).__name__ == WHO
 
 
-class UlyssesQwenAttention:
+class UlyssesQwenAttention(RuntimeProcessor):
     """Qwen-Image's joint attention under Ulysses (`joint.joint_attention`, text first)."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,
@@ -123,11 +120,6 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
     return [block.img_mlp, block.txt_mlp]
 
 
-def skip_block(hidden_states: Tensor, encoder_hidden_states: Tensor, *args: Any, **kwargs: Any):
-    """A block skipped by the profiler: both streams unchanged, as the blocks return them."""
-    return encoder_hidden_states, hidden_states
-
-
 def refuse_more_than_the_target(cfg: Any) -> None:
     """Refuses configurations whose image sequence holds more than the target image."""
     odd = {k: getattr(cfg, k) for k in ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond") if getattr(cfg, k)}
@@ -194,6 +186,5 @@ def adapter(
         loss_fn=loss_fn,
         default_loss=qwen_loss,
         sample_fn=sample_fn,
-        skip_block=skip_block,
         install_hooks=install_hooks,
     )

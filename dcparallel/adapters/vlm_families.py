@@ -186,27 +186,29 @@ def _qwen_kinds(cfg: Any) -> dict[int, int]:
     return {1: cfg.image_token_id, 2: cfg.video_token_id}
 
 
+def _row_positions(model: nn.Module, batch: Batch) -> Tensor:
+    """1-D positions: the packed row's own (decoders without M-RoPE)."""
+    return batch.positions
+
+
+def _image_kind(cfg: Any) -> dict[int, int]:
+    return {1: cfg.image_token_id}
+
+
 FAMILIES = {
-    "Qwen2_5_VLForConditionalGeneration": Family(
-        "model.language_model",
-        "model.visual",
-        ("model.visual.merger",),
-        _qwen25_encode,
-        _qwen_tokens,
-        _qwen_positions,
-        _model_logits,
-        _qwen_kinds,
-    ),
-    "Qwen2VLForConditionalGeneration": Family(
-        "model.language_model",
-        "model.visual",
-        ("model.visual.merger",),
-        _qwen25_encode,
-        _qwen_tokens,
-        _qwen_positions,
-        _model_logits,
-        _qwen_kinds,
-    ),
+    **{
+        name: Family(
+            "model.language_model",
+            "model.visual",
+            ("model.visual.merger",),
+            _qwen25_encode,
+            _qwen_tokens,
+            _qwen_positions,
+            _model_logits,
+            _qwen_kinds,
+        )
+        for name in ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+    },
     "Qwen3VLForConditionalGeneration": Family(
         "model.language_model",
         "model.visual",
@@ -224,9 +226,9 @@ FAMILIES = {
         ("model.multi_modal_projector",),
         _internvl_encode,
         _internvl_tokens,
-        lambda model, batch: batch.positions,
+        _row_positions,
         _text_logits,
-        lambda cfg: {1: cfg.image_token_id},
+        _image_kind,
     ),
     **{
         name: Family(
@@ -235,9 +237,9 @@ FAMILIES = {
             ("model.connector",),
             _idefics3_encode,
             _idefics3_tokens,
-            lambda model, batch: batch.positions,
+            _row_positions,
             _idefics3_logits,
-            lambda cfg: {1: cfg.image_token_id},
+            _image_kind,
         )
         for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
     },
@@ -247,9 +249,9 @@ FAMILIES = {
         ("model.multi_modal_projector",),
         gemma3_encode,
         gemma3_tokens,
-        lambda model, batch: batch.positions,
+        _row_positions,
         gemma3_logits,
-        lambda cfg: {1: cfg.image_token_id},
+        _image_kind,
         needs_batch=True,
     ),
     "LlavaOnevisionForConditionalGeneration": Family(
@@ -258,8 +260,8 @@ FAMILIES = {
         ("model.multi_modal_projector",),
         llava_encode,
         llava_tokens,
-        lambda model, batch: batch.positions,
+        _row_positions,
         llava_logits,
-        lambda cfg: {1: cfg.image_token_id},
+        _image_kind,
     ),
 }

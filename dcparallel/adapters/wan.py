@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from dcparallel.adapters.base import ModelAdapter, averaged_spec, count_params, derive_spec
 from dcparallel.adapters.cp_plan import read_plan
 from dcparallel.adapters.latents import (
+    RuntimeProcessor,
     check_args,
     extras_as,
     latent_adapter,
@@ -91,13 +92,10 @@ def self_attention_qkv(
     return tuple(t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
 
 
-class UlyssesWanSelfAttention:
+class UlyssesWanSelfAttention(RuntimeProcessor):
     """Attention processor for a Wan self-attention module: the same projections, q/k norms
     and rotary as diffusers' processor, with the runtime's attention (Ulysses inside a
     micro-batch, plain full attention outside)."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dcparallel.adapters import wan
 from dcparallel.adapters.base import ModelAdapter
+from dcparallel.adapters.latents import RuntimeProcessor
 
 CLASSES = ("SkyReelsV2Transformer3DModel", "WanVACETransformer3DModel", "HeliosTransformer3DModel")
 
@@ -92,13 +93,10 @@ def skyreels_variant(cfg: Any) -> wan.Variant:
     )
 
 
-class UlyssesHeliosSelfAttention:
+class UlyssesHeliosSelfAttention(RuntimeProcessor):
     """Attention processor for a Helios self-attention module: diffusers' projections, q/k
     RMS norms, rotary and history-key scaling, the runtime's attention (Ulysses inside a
     micro-batch: this rank's tokens; plain full attention outside)."""
-
-    def __init__(self, attention: Any):
-        self.attention = attention
 
     def __call__(
         self,

@@ -4,44 +4,22 @@ TensorBoard, export checked against the trained weights) and a diffusers Wan on 
 of latent files, logging to W&B offline as well."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
+from tests.support import torchrun_train
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _launch(config: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), WANDB_SILENT="true")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dcparallel",
-        "train",
-        "--config",
-        str(config),
-    ]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_finetune_a_local_llama_on_chat_jsonl_under_torchrun(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("tensorboard")
     config = tf.chat_run(tmp_path, world=2)
-    r = _launch(config, tmp_path)
+    r = torchrun_train(config, tmp_path, WANDB_SILENT="true")
     assert r.returncode == 0, r.stderr[-4000:]
     rows = tf.check_chat_run(tmp_path)
     assert all(r["world_size"] == 2 for r in rows)
@@ -54,7 +32,7 @@ def test_finetune_a_local_wan_on_a_latents_manifest_under_torchrun(tmp_path):
     from diffusers import WanTransformer3DModel
 
     config = tf.wan_run(tmp_path, copies=4, tokens_per_step=80, schedule="cosine")
-    r = _launch(config, tmp_path)
+    r = torchrun_train(config, tmp_path, WANDB_SILENT="true")
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 4 and sum(r["loss"] for r in rows[-2:]) < sum(r["loss"] for r in rows[:2])

@@ -6,9 +6,6 @@ launch resumes it; the loss falls, the eval split is evaluated, and the export l
 vision tower's too) and generates; `dcparallel export` of the last checkpoint writes the same."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,27 +14,9 @@ import torch
 from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
 from tests import vlm_train_fixtures as vf
+from tests.support import torchrun_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two launches: about 90 s on a loaded 2-core machine
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _launch(config: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dcparallel",
-        "train",
-        "--config",
-        str(config),
-    ]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _config(root: Path, max_steps: int) -> Path:
@@ -98,11 +77,11 @@ def test_finetune_a_local_qwen25_vl_on_chats_with_images_under_torchrun(tmp_path
 
     vf.qwen25_vl_dir(tmp_path / "model")
     vf.write_jsonl(tmp_path / "chat.jsonl", vf.chats(tmp_path, 32))
-    r = _launch(_config(tmp_path, max_steps=4), tmp_path)
+    r = torchrun_train(_config(tmp_path, max_steps=4), tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     run = tmp_path / "run"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
-    r = _launch(_config(tmp_path, max_steps=0), tmp_path)  # the rest of the run, resumed at step 4
+    r = torchrun_train(_config(tmp_path, max_steps=0), tmp_path)  # the rest of the run, resumed at step 4
     assert r.returncode == 0, r.stderr[-4000:]
 
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]

@@ -8,19 +8,14 @@ checkpoint ends at the same weights, and report_to="tensorboard" writes event fi
 LoRA model trained by the Trainer is saved by ``trainer.save_model`` as an adapter folder that
 ``PeftModel.from_pretrained`` loads with the trained adapter weights."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests import train_fixtures as tf
+from tests.support import ROOT, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -31,20 +26,9 @@ def test_trainer_equals_dcparallel_loop_evaluates_resumes_and_logs(tmp_path):
     pytest.importorskip("tensorboard")
     model = tf.llama_dir(tmp_path / "model", len(tf.tokenizer()))
     chat = tf.write_jsonl(tmp_path / "chat.jsonl", tf.conversations(40, seed=0))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "tests" / "e2e" / "hf_trainer_worker.py"),
-        str(model),
-        str(chat),
-        str(tmp_path / "out"),
-    ]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = torchrun(
+        [str(ROOT / "tests" / "e2e" / "hf_trainer_worker.py"), str(model), str(chat), str(tmp_path / "out")], tmp_path
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out" / "result.pt", weights_only=False)
     trainer, loop, resumed = res["trainer"], res["loop"], res["resumed"]

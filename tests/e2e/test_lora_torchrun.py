@@ -4,19 +4,15 @@ that start apart), the PEFT adapter export loading with `PeftModel.from_pretrain
 holding the engine's trained adapters."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
+from tests.support import torchrun_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_lora_finetune_under_torchrun_exports_the_trained_adapters(tmp_path):
@@ -34,21 +30,7 @@ def test_lora_finetune_under_torchrun_exports_the_trained_adapters(tmp_path):
         lora={"rank": 4, "target_modules": ["q_proj", "v_proj", "gate_proj"]},
         profile={"cost": "analytic"},
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dcparallel",
-        "train",
-        "--config",
-        str(config),
-    ]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = torchrun_train(config, tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 3 and all(row["world_size"] == 2 for row in rows)

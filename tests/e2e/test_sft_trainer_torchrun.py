@@ -11,16 +11,15 @@ adapters."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests import train_fixtures as tf
+from tests.support import ROOT, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,18 +35,7 @@ def test_sft_trainer_equals_loop_evaluates_resumes_logs_and_exports(tmp_path):
 
     model = tf.llama_dir(tmp_path / "model", len(tf.tokenizer()))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"),
-        str(model),
-        str(tmp_path / "out"),
-    ]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = torchrun([str(ROOT / "tests" / "e2e" / "sft_trainer_worker.py"), str(model), str(tmp_path / "out")], tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     res = torch.load(tmp_path / "out" / "result.pt", weights_only=False)
     sft, loop, resumed = res["sft"], res["loop"], res["resumed"]

@@ -2,31 +2,12 @@
 steps, writes one metrics line per step and checkpoints; a second launch resumes."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.support import torchrun_train
+
 pytestmark = pytest.mark.e2e
-
-
-def _launch(config, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dcparallel",
-        "train",
-        "--config",
-        str(config),
-    ]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
@@ -53,7 +34,7 @@ min_time_s = 0
 max_mbs = 4
 max_tokens = 512
 """)
-    r = _launch(config, tmp_path)
+    r = torchrun_train(config, tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("profiling now") == 1  # rank 0 speaks; rank 1 logs errors only
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +54,7 @@ max_tokens = 512
 
     # the same config with a larger step limit resumes after step 3 and reuses the profile
     config.write_text(config.read_text().replace("max_steps = 3", "max_steps = 5"))
-    r = _launch(config, tmp_path)
+    r = torchrun_train(config, tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed" in r.stderr and "profiling now" not in r.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

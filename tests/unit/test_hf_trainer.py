@@ -6,25 +6,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
 
 from dcparallel.integrations import DataCentricArguments, DataCentricTrainer  # noqa: E402
 from tests import train_fixtures as tf  # noqa: E402
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    return tf.tiny_llama(64)
 
 
 def _rows(n=16, seed=0):

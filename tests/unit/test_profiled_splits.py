@@ -15,10 +15,10 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import ClusterSpec, Layout, Workload, llama_like
+from dcparallel.spec import ClusterSpec, Layout, Workload
 from dcparallel.topology import Topology
+from tests.support import TWO_HEADS, two_head_profile
 
-TWO_HEADS = llama_like("tiny-lm-2h", num_layers=4, hidden=64, num_heads=2, ffn_hidden=160, vocab_size=1000)
 RING = ClusterSpec(world_size=4, gpus_per_node=4, memory_bytes=10**6, ring=True)
 
 #: (sp, ring) -> seconds per token of one sample: at SP 2 ring (1u x 2r) is measured faster than
@@ -43,18 +43,7 @@ def _profile(per_token=PER_TOKEN, ring_field=True) -> Profile:
                             **({"ring": ring} if ring_field else {}),
                         }
                     )
-    return Profile.from_json(
-        Profile(
-            fingerprint={"world_size": 4},
-            model=TWO_HEADS,
-            world_size=4,
-            gpus_per_node=4,
-            model_state_bytes=1e4,
-            grad_sync_s=1e-3,
-            buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
-            entries=entries,
-        ).to_json()
-    )
+    return two_head_profile(entries)
 
 
 def _split(cost, sizes, sp):

@@ -20,6 +20,7 @@ from dcparallel.data.sizes import check_step_budget
 from dcparallel.profile.config import ProfilerConfig
 from dcparallel.scenarios import read_lengths
 from tests.faults import Fault, parse_faults, run  # dcparallel train's run + DCPARALLEL_FAULT
+from tests.support import one_entry_profile_json
 
 # ---------------------------------------------------------------- config
 
@@ -155,18 +156,7 @@ def _profile_json() -> dict:
     from dcparallel.spec import llama_like
 
     m = llama_like("m", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
-    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
-    p = Profile(
-        fingerprint={},
-        model=m,
-        world_size=1,
-        gpus_per_node=1,
-        model_state_bytes=1e6,
-        grad_sync_s=0.0,
-        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
-        entries=[e],
-    )
-    return p.to_json()
+    return one_entry_profile_json(m)
 
 
 @pytest.mark.parametrize(

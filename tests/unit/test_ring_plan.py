@@ -23,7 +23,8 @@ from dcparallel.plan.steps import Step
 from dcparallel.plan.types import NoLayoutFits
 from dcparallel.scenarios import MODEL_PRESETS
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import STDIT_1B, ClusterSpec, Layout, Workload, h200_cluster, llama_like
+from dcparallel.spec import STDIT_1B, ClusterSpec, Layout, Workload, h200_cluster
+from tests.support import TWO_HEADS, two_head_profile
 
 LLAMA_8B = MODEL_PRESETS["llama-8b"]  # 32 query heads, 8 key/value heads
 WAN_14B = MODEL_PRESETS["wan-14b"]  # 40 heads
@@ -161,9 +162,6 @@ def test_dcp_is_at_least_as_fast_as_megatron_dcp_with_ring_on_a_long_mix(capsys,
     assert dcp["epoch_time_s"] <= meg["epoch_time_s"], (dcp["epoch_time_s"], meg["epoch_time_s"])
 
 
-TWO_HEADS = llama_like("tiny-lm-2h", num_layers=4, hidden=64, num_heads=2, ffn_hidden=160, vocab_size=1000)
-
-
 def _two_head_profile() -> Profile:
     """A profile of a 2-head model at world 4 as `prepare` with ring measures it: SP 1 and 2
     Ulysses, SP 4 (past the heads) at its measured split, Ulysses 2 x ring 2; the
@@ -185,18 +183,7 @@ def _two_head_profile() -> Profile:
                         **({} if fits else {"reason": "over_budget"}),
                     }
                 )
-    return Profile.from_json(
-        Profile(
-            fingerprint={"world_size": 4},
-            model=TWO_HEADS,
-            world_size=4,
-            gpus_per_node=4,
-            model_state_bytes=1e4,
-            grad_sync_s=1e-3,
-            buckets=[{"key": k, "size": t, "tokens": t} for k, t in (("t500", 500), ("t4000", 4000))],
-            entries=entries,
-        ).to_json()
-    )
+    return two_head_profile(entries)
 
 
 def test_a_profiled_cost_prices_sizes_past_the_heads_at_their_measured_split():

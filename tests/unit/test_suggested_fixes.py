@@ -19,6 +19,7 @@ from dcparallel.plan.context import PlanContext
 from dcparallel.plan.types import NoLayoutFits
 from dcparallel.spec import ClusterSpec, Workload, llama_like
 from tests.faults import run
+from tests.support import one_entry_profile_json
 
 TINY = llama_like("tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
 
@@ -93,18 +94,7 @@ def test_train_skips_oversize_samples_with_the_suggested_key(tmp_path):
 
 
 def _profile_json() -> dict:
-    e = {"bucket": "t64", "sp": 1, "mbs": 1, "recompute": "none", "time_s": 0.01, "memory_bytes": 1e6, "feasible": True}
-    p = Profile(
-        fingerprint={},
-        model=TINY,
-        world_size=1,
-        gpus_per_node=1,
-        model_state_bytes=1e6,
-        grad_sync_s=0.0,
-        buckets=[{"key": "t64", "size": 64, "tokens": 64}],
-        entries=[e],
-    )
-    return p.to_json()
+    return one_entry_profile_json(TINY)
 
 
 @pytest.mark.parametrize(

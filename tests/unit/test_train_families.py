@@ -11,6 +11,7 @@ import pytest
 
 from dcparallel.apps.train import run
 from dcparallel.apps.train_config import Config
+from tests.train_fixtures import WAN_CONFIG
 
 
 def _train(tmp_path, model: dict, data: dict, tokens_per_step: int) -> list[dict]:
@@ -58,18 +59,7 @@ def test_train_a_diffusers_wan_from_the_toml(tmp_path):
         {
             "family": "diffusers",
             "architecture": "WanTransformer3DModel",
-            "config": {
-                "patch_size": [1, 2, 2],
-                "num_attention_heads": 4,
-                "attention_head_dim": 8,
-                "in_channels": 4,
-                "out_channels": 4,
-                "text_dim": 16,
-                "freq_dim": 16,
-                "ffn_dim": 32,
-                "num_layers": 2,
-                "rope_max_seq_len": 32,
-            },
+            "config": WAN_CONFIG,
         },
         {"lengths": "builtin", "num_samples": 12, "text_tokens": 4},
         300,

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
 from dcparallel.integrations import DataCentricArguments, DataCentricSFTTrainer  # noqa: E402
@@ -14,18 +13,7 @@ from tests import train_fixtures as tf  # noqa: E402
 
 
 def _model(vocab):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    return tf.tiny_llama(vocab)
 
 
 def _targets(tok, messages):
