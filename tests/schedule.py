@@ -7,8 +7,9 @@ the gaps, and the two workers end together; in xdist's default order (most tests
 torchrun tests, one or two tests each, came last and ran side by side while the other worker
 had nothing left.
 
-`MODULE_SECONDS`: each long module's seconds in `make test` on 2 cores (pytest --durations=0,
-all phases of its tests added up). A module not listed counts 0 and keeps its collection
+`MODULE_SECONDS`: each long module's seconds in `make test` on 2 cores: its CPU seconds, all
+its processes and phases added up (benchmarks/test-time_cpu_2026-12-06.md), which is about its
+wall time when the two workers share the two cores. A module not listed counts 0 and keeps its collection
 place after the listed ones. Only the order depends on these numbers, never a result: refresh
 them when a module's time changes by more than a few seconds."""
 
@@ -16,38 +17,38 @@ from __future__ import annotations
 
 MODULE_SECONDS: dict[str, float] = {
     # gloo worker pools (world 2 and 4)
-    "tests/dist/test_dist_adapters.py": 150,
-    "tests/dist/test_dist_sharded.py": 120,
-    "tests/dist/test_dist_video_epoch.py": 80,
-    "tests/dist/test_dist_joint.py": 85,
-    "tests/dist/test_dist_runtime.py": 50,
-    "tests/dist/test_dist_joint_epoch.py": 45,
-    "tests/dist/test_dist_vlm.py": 70,
-    "tests/dist/test_dist_hf_families.py": 40,
-    "tests/dist/test_dist_hf_structure.py": 35,
-    "tests/dist/test_dist_ring.py": 57,
-    "tests/dist/test_dist_grad_sync.py": 38,
-    "tests/dist/test_dist_rl.py": 28,
+    "tests/dist/test_dist_adapters.py": 75,
+    "tests/dist/test_dist_sharded.py": 90,
+    "tests/dist/test_dist_video_epoch.py": 50,
+    "tests/dist/test_dist_joint.py": 42,
+    "tests/dist/test_dist_runtime.py": 21,
+    "tests/dist/test_dist_joint_epoch.py": 16,
+    "tests/dist/test_dist_vlm.py": 41,
+    "tests/dist/test_dist_hf_families.py": 8,
+    "tests/dist/test_dist_hf_structure.py": 10,
+    "tests/dist/test_dist_ring.py": 27,
+    "tests/dist/test_dist_grad_sync.py": 26,
+    "tests/dist/test_dist_rl.py": 8,
     "tests/dist/test_dist_diffusers_memory.py": 25,
-    "tests/dist/test_dist_lora.py": 40,
+    "tests/dist/test_dist_lora.py": 11,
     "tests/dist/test_dist_elastic.py": 15,
     "tests/dist/test_dist_loader.py": 15,
     "tests/dist/test_dist_mixed_sizes.py": 10,
     "tests/dist/test_dist_profile.py": 10,
     # torchrun launches
-    "tests/e2e/test_restarts_torchrun.py": 85,
-    "tests/e2e/test_finetune_torchrun.py": 73,
-    "tests/e2e/test_train_torchrun.py": 60,
-    "tests/e2e/test_multinode_torchrun.py": 43,
-    "tests/e2e/test_profile_torchrun.py": 31,
+    "tests/e2e/test_restarts_torchrun.py": 54,
+    "tests/e2e/test_finetune_torchrun.py": 43,
+    "tests/e2e/test_train_torchrun.py": 40,
+    "tests/e2e/test_multinode_torchrun.py": 27,
+    "tests/e2e/test_profile_torchrun.py": 12,
     "tests/e2e/test_oom_torchrun.py": 15,
-    "tests/e2e/test_device_check_dry_run.py": 60,
+    "tests/e2e/test_device_check_dry_run.py": 66,
     # in the pytest process (and CLI subprocesses)
-    "tests/unit/test_hf_attention_keywords.py": 40,
-    "tests/unit/test_loader_properties.py": 35,
-    "tests/unit/test_dcp_expand.py": 33,
+    "tests/unit/test_hf_attention_keywords.py": 16,
+    "tests/unit/test_loader_properties.py": 26,
+    "tests/unit/test_dcp_expand.py": 10,
+    "tests/unit/test_profile.py": 23,
     "tests/unit/test_reliability.py": 25,  # a dozen short `dcparallel train` runs at world 1
-    "tests/unit/test_profile.py": 30,
     "tests/unit/test_dcp_mixes.py": 20,
     "tests/unit/test_scenarios.py": 19,
     "tests/unit/test_loader_stop.py": 20,  # planners busy for a minute, stopped; a killed run
@@ -67,7 +68,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/unit/test_shape_bound.py": 10,
     "tests/unit/test_sharded_plan.py": 11,
     "tests/unit/test_resume_schedule.py": 12,  # four short `dcparallel train` runs, world 1
-    "tests/unit/test_hf_trainer.py": 35,  # eleven short Trainer runs, world 1
+    "tests/unit/test_hf_trainer.py": 11,  # eleven short Trainer runs, world 1
     "tests/unit/test_trl_sft.py": 20,  # TRL imported, three short SFTTrainer runs
 }
 

@@ -20,10 +20,21 @@ COMMAND_TIMEOUT_S = 150
 
 #: what the fork server imports once, so that no worker imports it again: torch, and what most
 #: modules' workers import next — torch._dynamo (any torch optimizer imports it on first use;
-#: transformers imports it too), transformers' and diffusers' model base modules (a missing one
-#: is skipped: the fork server ignores an ImportError)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
-           "diffusers.models.modeling_utils", "tests.dist.harness"]
+#: transformers imports it too), transformers' and diffusers' model base modules, the first
+#: diffusers transformer (about 1.2 CPU-s: the attention, embedding and normalization modules
+#: every other diffusers transformer then finds imported), dcparallel's engine and API (about
+#: 0.3 CPU-s, in every worker). A missing one is skipped: the fork server ignores an ImportError
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "transformers.modeling_utils",
+    "diffusers.models.modeling_utils",
+    "diffusers.models.transformers.transformer_wan",
+    "dcparallel.runtime.engine",
+    "dcparallel.api",
+    "tests.dist.harness",
+]
 
 
 def _worker(rank: int, world: int, init_file: str, commands, results, timeout_s: float = 60) -> None:
@@ -31,8 +42,9 @@ def _worker(rank: int, world: int, init_file: str, commands, results, timeout_s:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         while True:
             item = commands.get()
@@ -63,8 +75,12 @@ class Workers:
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(world)]
         init_file = str(tmp / "rendezvous")
-        self.procs = [ctx.Process(target=_worker, args=(r, world, init_file, self.commands[r], self.results, timeout_s),
-                                  daemon=daemon) for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, init_file, self.commands[r], self.results, timeout_s), daemon=daemon
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 
@@ -82,9 +98,11 @@ class Workers:
                 waited += 5
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead or waited >= COMMAND_TIMEOUT_S:
-                    raise RuntimeError(f"{fn.__name__}: no answer from ranks "
-                                       f"{sorted(set(range(self.world)) - set(out) - set(errors))} "
-                                       f"(dead: {dead}, waited {waited} s)") from None
+                    raise RuntimeError(
+                        f"{fn.__name__}: no answer from ranks "
+                        f"{sorted(set(range(self.world)) - set(out) - set(errors))} "
+                        f"(dead: {dead}, waited {waited} s)"
+                    ) from None
                 continue
             (out if ok else errors)[rank] = value
         if errors:

@@ -68,12 +68,20 @@ def package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """``ast.parse(source)``, once per source text in this process: the rule tests check the
+    tree as it is, then again with one module's source replaced per planted import, so every
+    other module's tree is reused (nothing modifies a tree)."""
+    return ast.parse(source)
+
+
 def imports(source: str, module: str, known: set[str]) -> set[str]:
     """The dcparallel modules ``source`` (of ``module``) imports, anywhere in the file.
     ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
     out = set()
     package = module if module in known and any(k.startswith(module + ".") for k in known) else module.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
         elif isinstance(node, ast.ImportFrom):
@@ -116,7 +124,7 @@ def violations(sources: dict[str, str]) -> list[str]:
                 if _is_research(d)
             ]
         if pkg in CORE:
-            tree = ast.parse(sources[m])
+            tree = parsed(sources[m])
             names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
             names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             if any(x == "torch" or x.startswith("torch.") for x in names):
