@@ -79,14 +79,14 @@ def loss_fn(model, batch, ctx):  # rectified flow: one micro-batch, forward + su
 
 
 dc = dcparallel.DataCentricParallel(model, policy="dcp", context_tokens=8, memory_bytes=64 * 2**20)  # dcparallel
-loader = dc.prepare(
+loader = dc.prepare(  # dcparallel
     dataset,
     lengths=shapes,
     samples_per_step=16,
     loss_fn=loss_fn,
-    profile_path=profile,  # dcparallel
-    profiler_config={"repeats": 1, "max_repeats": 2, "modes": ("none", "full")},
-)  # short profile
+    profile_path=profile,
+    profiler_config={"repeats": 1, "max_repeats": 2, "modes": ("none", "full")},  # a short profile
+)
 opt = dc.optimizer(lr=1e-3)  # dcparallel
 for epoch in range(int(os.environ.get("EPOCHS", 2))):
     dc.set_epoch(epoch)  # dcparallel: new shuffle and noise each epoch

@@ -35,13 +35,18 @@ def case_refused_inside_sp(kind: str, inputs: dict) -> str:
     model = build(kind)
     dc = Engine(model)
     data = make_data(kind, 1, seed=5)
-    batch = dc.adapter.collate({0: item(data, 0)}, MicroBatch((0,), Layout(world, 1, Recompute.none())),
-                               tuple(range(world)), rank)
+    batch = dc.adapter.collate(
+        {0: item(data, 0)}, MicroBatch((0,), Layout(world, 1, Recompute.none())), tuple(range(world)), rank
+    )
     extra = {k: batch.inputs if v == "latents" else v for k, v in inputs.items()}
     try:
         with dc.micro_batch(batch):
-            model(batch.inputs, timestep=torch.zeros(1), encoder_hidden_states=batch.extras["encoder_hidden_states"],
-                  **extra)
+            model(
+                batch.inputs,
+                timestep=torch.zeros(1),
+                encoder_hidden_states=batch.extras["encoder_hidden_states"],
+                **extra,
+            )
     except ValueError as exc:
         return str(exc)
     return "not refused"

@@ -73,8 +73,14 @@ def case_groups() -> dict:
             pg.group(bad)
         except ValueError as e:
             errors.append(str(e))
-    return {"blocks": pg.blocks, "sums": sums, "errors": errors, "seconds": pg.creation_seconds,
-            "describe": pg.describe(), "singles_without_group": singles_without_group}
+    return {
+        "blocks": pg.blocks,
+        "sums": sums,
+        "errors": errors,
+        "seconds": pg.creation_seconds,
+        "describe": pg.describe(),
+        "singles_without_group": singles_without_group,
+    }
 
 
 def case_comm() -> dict:
@@ -96,8 +102,12 @@ def case_control_group(timeout_s: str) -> dict:
     try:
         g = comm.control_group()
         gathered = comm.all_gather_object(comm.world_rank() * 10, g)
-        return {"backend": dist.get_backend(g), "same": comm.control_group() is g, "gathered": gathered,
-                "timeout": comm.control_timeout_s()}
+        return {
+            "backend": dist.get_backend(g),
+            "same": comm.control_group() is g,
+            "gathered": gathered,
+            "timeout": comm.control_timeout_s(),
+        }
     finally:
         del os.environ["DCPARALLEL_CONTROL_TIMEOUT_S"]
 
@@ -140,7 +150,7 @@ def case_ulysses(pattern_kind: str, seed: int) -> dict:
 
         def shard(x):
             x = torch.cat([x, x.new_zeros(b, plen - seq_len, h, d)], dim=1)
-            return x[:, slot * ls:(slot + 1) * ls].clone()
+            return x[:, slot * ls : (slot + 1) * ls].clone()
 
         mine = [shard(x).requires_grad_() for x in (q, k, v)]
         o = ulysses_attention(*mine, pattern, group=pg.group(block), cu_seqlens=cu)
@@ -186,8 +196,7 @@ def case_engine(kind: str, seeds: list[int], num_samples: int, backward_outside:
         plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(model.layers), mode=mode)
         loss = run_rank_step(dc, data, plan, dist.get_rank(), backward_outside)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        results.append({"seed": seed, "loss": loss, "grads": grads, "count": dc.last_count,
-                        "plan": plan.to_json()})
+        results.append({"seed": seed, "loss": loss, "grads": grads, "count": dc.last_count, "plan": plan.to_json()})
     return results
 
 
@@ -216,8 +225,11 @@ def case_packed(seed: int) -> dict:
     dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
     data = make_data("llama", len(plan.sample_ids), seed)
     loss = run_rank_step(dc, data, plan, dist.get_rank())
-    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "plan": plan.to_json()}
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "plan": plan.to_json(),
+    }
 
 
 def case_optimizer(kind: str, seed: int, use_zero: bool, num_steps: int) -> dict[str, torch.Tensor]:

@@ -36,24 +36,30 @@ def adapter_step(dc: Any, plan: Any, data: Any, item: Callable[[Any, int], Any])
     return dc.sync_gradients()
 
 
-def adapter_plan_steps(dc: Any, make_data: Callable[[int], Any], item: Callable[[Any, int], Any],
-                       seeds: Sequence[int], num_samples: int) -> list[dict]:
+def adapter_plan_steps(
+    dc: Any, make_data: Callable[[int], Any], item: Callable[[Any, int], Any], seeds: Sequence[int], num_samples: int
+) -> list[dict]:
     """Per seed a random plan of ``make_data(seed)`` (SP 1/2/4, idle ranks, uneven counts,
     phases, random recompute; `PLAN_MODES` in turn) run as `adapter_step`: the loss, every
     gradient and the plan."""
     results = []
     for i, seed in enumerate(seeds):
         data = make_data(seed)
-        plan = random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                           num_layers=dc.adapter.spec.num_layers, mode=PLAN_MODES[i % len(PLAN_MODES)])
+        plan = random_plan(
+            data,
+            list(range(num_samples)),
+            dist.get_world_size(),
+            seed,
+            num_layers=dc.adapter.spec.num_layers,
+            mode=PLAN_MODES[i % len(PLAN_MODES)],
+        )
         loss = adapter_step(dc, plan, data, item)
         grads = {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}
         results.append({"loss": loss, "grads": grads, "plan": plan.to_json()})
     return results
 
 
-def epoch_per_policy(setup: Callable[[str], tuple[torch.nn.Module, Any, Any]], shapes: list,
-                     profile_path: str) -> dict:
+def epoch_per_policy(setup: Callable[[str], tuple[torch.nn.Module, Any, Any]], shapes: list, profile_path: str) -> dict:
     """Every policy trains one epoch of the samples of ``shapes`` through `prepare` (profiled
     once into ``profile_path``, the cache reused by the other policies); ``setup(policy)`` ->
     (model, its DataCentricParallel, the dataset). Per policy the (step, group ranks, sample
@@ -63,8 +69,14 @@ def epoch_per_policy(setup: Callable[[str], tuple[torch.nn.Module, Any, Any]], s
         model, dc, data = setup(policy)
         # planned in a thread: the planning process makes the same plans (test_plan_process)
         # and would start a process per policy and rank
-        loader = dc.prepare(data, lengths=shapes, samples_per_step=8, profile_path=profile_path,
-                            profiler_config=EPOCH_PROFILE, planning="thread")
+        loader = dc.prepare(
+            data,
+            lengths=shapes,
+            samples_per_step=8,
+            profile_path=profile_path,
+            profiler_config=EPOCH_PROFILE,
+            planning="thread",
+        )
         ran, losses = [], []
         for step, loss in train_steps(dc, model, loader, dc.optimizer(lr=1e-3)):
             ran += [(step.index, batch.ranks, batch.sample_ids) for batch in step]
@@ -73,8 +85,16 @@ def epoch_per_policy(setup: Callable[[str], tuple[torch.nn.Module, Any, Any]], s
     return out
 
 
-def assert_matches_reference(out: list, i: int, ref_loss: float, ref_grads: dict, kind: str, seed: int,
-                             err: Callable = rel_err, same_on_ranks: bool = True) -> dict[str, float]:
+def assert_matches_reference(
+    out: list,
+    i: int,
+    ref_loss: float,
+    ref_grads: dict,
+    kind: str,
+    seed: int,
+    err: Callable = rel_err,
+    same_on_ranks: bool = True,
+) -> dict[str, float]:
     """Seed ``i`` of every rank's `adapter_plan_steps` results: the loss within 1e-5 of the
     reference's, the same gradients, each within 1e-5 by ``err(gradient, reference)`` and
     (``same_on_ranks``) equal on every rank. Returns each gradient's worst error."""
@@ -104,7 +124,7 @@ def assert_lossless_epochs(out: list, shapes: list, grid: Callable[[int], Any]) 
         assert all(ran == set(ranks) for (_, ranks, _), ran in runs.items()), policy
         trained = sorted(s for (_, _, sids) in runs for s in sids)
         assert trained == list(range(len(shapes))), (policy, trained)
-        for (_, _, sids) in runs:
+        for _, _, sids in runs:
             assert len({grid(s) for s in sids}) == 1, (policy, [shapes[s] for s in sids])
         losses = out[0][policy]["losses"]
         assert losses == out[1][policy]["losses"] and all(math.isfinite(x) for x in losses)

@@ -26,6 +26,10 @@ def case_reshard(cfg: dict, ckpt_dir: str) -> dict:
     ck = checkpoint.latest(ckpt_dir)
     sharded_checkpoint.load(ck.path, dc.engine, opt)
     full = opt.full_state()
-    return {"step": ck.step, "num_steps": opt.num_steps, "range": (opt.state_dict()["start"], opt.state_dict()["stop"]),
-            "names": [n for n, p in model.named_parameters() if p.requires_grad],
-            **{k: v.clone() for k, v in full.items()}}
+    return {
+        "step": ck.step,
+        "num_steps": opt.num_steps,
+        "range": (opt.state_dict()["start"], opt.state_dict()["stop"]),
+        "names": [n for n, p in model.named_parameters() if p.requires_grad],
+        **{k: v.clone() for k, v in full.items()},
+    }

@@ -25,7 +25,7 @@ def _plan(data, num_samples: int, world: int, seed: int, mode: str, num_layers: 
 
     ids, groups_, i = list(range(num_samples)), [], 0
     for r in range(world):
-        take = ids[i:i + r] if r < world - 1 else ids[i:]
+        take = ids[i : i + r] if r < world - 1 else ids[i:]
         i += len(take)
         groups_.append(GroupPlan((r,), tuple(MicroBatch((s,), Layout(1, 1)) for s in take)))
     plan = StepPlan(seed, tuple(ids), tuple(groups_), sum(int(data.docs[s].numel()) for s in ids))
@@ -61,11 +61,22 @@ def case_bucketed_vs_unbucketed(kind: str, seeds: list[int], bucket_bytes: int, 
         b.grad_sync.overlap = rank != 0
         loss_a = run_rank_step(a, data, plan, rank)
         loss_b = run_rank_step(b, data, plan, rank)
-        out.append({"mode": mode, "num_mbs": len(plan.work_of(rank)), "loss_a": loss_a, "loss_b": loss_b,
-                    "a": a.flat_grad.clone(), "b": b.flat_grad.clone(), "num_buckets": b.grad_sync.num_buckets,
-                    "overlapped": b.grad_sync.last_overlapped, "a_buckets": a.grad_sync.num_buckets,
-                    "grads_are_views": all(p.grad.data_ptr() == v.data_ptr()
-                                           for p, v in zip(b.params, b.grad_sync.views, strict=True))})
+        out.append(
+            {
+                "mode": mode,
+                "num_mbs": len(plan.work_of(rank)),
+                "loss_a": loss_a,
+                "loss_b": loss_b,
+                "a": a.flat_grad.clone(),
+                "b": b.flat_grad.clone(),
+                "num_buckets": b.grad_sync.num_buckets,
+                "overlapped": b.grad_sync.last_overlapped,
+                "a_buckets": a.grad_sync.num_buckets,
+                "grads_are_views": all(
+                    p.grad.data_ptr() == v.data_ptr() for p, v in zip(b.params, b.grad_sync.views, strict=True)
+                ),
+            }
+        )
     return out
 
 
@@ -135,9 +146,18 @@ def case_unreached_experts(seeds: list[int], bucket_bytes: int, num_samples: int
         plan = random_plan(data, list(range(num_samples)), world, seed, num_layers=len(a_model.layers))
         loss_a = _expert_step(a, a_experts, data, plan, rank, REACH[mode])
         loss_b = _expert_step(b, b_experts, data, plan, rank, REACH[mode])
-        out.append({"mode": mode, "num_mbs": len(plan.work_of(rank)), "loss_a": loss_a, "loss_b": loss_b,
-                    "a": a.flat_grad.clone(), "b": b.flat_grad.clone(), "num_buckets": b.grad_sync.num_buckets,
-                    "overlapped": b.grad_sync.last_overlapped})
+        out.append(
+            {
+                "mode": mode,
+                "num_mbs": len(plan.work_of(rank)),
+                "loss_a": loss_a,
+                "loss_b": loss_b,
+                "a": a.flat_grad.clone(),
+                "b": b.flat_grad.clone(),
+                "num_buckets": b.grad_sync.num_buckets,
+                "overlapped": b.grad_sync.last_overlapped,
+            }
+        )
     return out
 
 
@@ -145,8 +165,11 @@ def _record_sync(group, flat: torch.Tensor, calls: list) -> dict:
     """Wraps torch.distributed's all-reduce, reduce and reduce-scatters so that each call on
     ``group`` is appended to ``calls`` as (op, element offset in ``flat``, numel, dst); returns
     the originals (`_restore`)."""
-    names = [n for n in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
-             if hasattr(dist, n)]
+    names = [
+        n
+        for n in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+        if hasattr(dist, n)
+    ]
     originals = {n: getattr(dist, n) for n in names}
 
     def wrap(name, fn):
@@ -155,6 +178,7 @@ def _record_sync(group, flat: torch.Tensor, calls: list) -> dict:
                 offset = (t.data_ptr() - flat.data_ptr()) // 4
                 calls.append((name, offset, t.numel(), kwargs.get("dst")))
             return fn(t, *args, **kwargs)
+
         return call
 
     for n, fn in originals.items():
@@ -190,10 +214,20 @@ def case_zero1_sync(seeds: list[int], bucket_bytes: int, max_norm: float, num_sa
             loss_b = run_rank_step(b, data, plan, rank)
         finally:
             _restore(originals)
-        res = {"mode": mode, "num_mbs": len(plan.work_of(rank)), "loss_a": loss_a, "loss_b": loss_b,
-               "calls": calls, "num_buckets": b.grad_sync.num_buckets, "overlapped": b.grad_sync.last_overlapped,
-               "shard_numel": b.shard_numel, "numel": b.numel, "a": a.flat_grad.clone(), "b": b.flat_grad.clone(),
-               "grads_none": all(p.grad is None for p in b.params)}
+        res = {
+            "mode": mode,
+            "num_mbs": len(plan.work_of(rank)),
+            "loss_a": loss_a,
+            "loss_b": loss_b,
+            "calls": calls,
+            "num_buckets": b.grad_sync.num_buckets,
+            "overlapped": b.grad_sync.last_overlapped,
+            "shard_numel": b.shard_numel,
+            "numel": b.numel,
+            "a": a.flat_grad.clone(),
+            "b": b.flat_grad.clone(),
+            "grads_none": all(p.grad is None for p in b.params),
+        }
         try:
             b.gradients()
             res["gradients_refused"] = False

@@ -10,5 +10,6 @@ from tests.hf_structure_families import build, make_data
 def case_family_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     """Random plans (SP 1/2/4, idle ranks, uneven counts, two phases, random recompute) of a
     transformers family driven through its adapter, as `adapter_cases.case_adapter_engine`."""
-    return adapter_plan_steps(Engine(build(kind)), lambda seed: make_data(num_samples, seed),
-                              lambda data, s: data.docs[s], seeds, num_samples)
+    return adapter_plan_steps(
+        Engine(build(kind)), lambda seed: make_data(num_samples, seed), lambda data, s: data.docs[s], seeds, num_samples
+    )

@@ -10,16 +10,17 @@ from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.spec import Layout, Recompute
-from tests.dist.cases_common import adapter_plan_steps, adapter_step, epoch_per_policy
 from tests import adapter_models, joint_models
+from tests.dist.cases_common import adapter_plan_steps, adapter_step, epoch_per_policy
 from tests.joint_models import JOINT_KINDS, MIX, TEXT_TOKENS, JointVideoSet, build, item, make_data
 
 
 def case_joint_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
     """Random plans (SP 1/2/4, idle ranks, uneven counts, phases, random recompute) of a joint
     attention model driven through its adapter: its collate, loss_fn and hooks."""
-    return adapter_plan_steps(Engine(build(kind)), lambda seed: make_data(kind, num_samples, seed), item, seeds,
-                              num_samples)
+    return adapter_plan_steps(
+        Engine(build(kind)), lambda seed: make_data(kind, num_samples, seed), item, seeds, num_samples
+    )
 
 
 def case_joint_epoch(kind: str, profile_path: str) -> dict:
@@ -43,8 +44,16 @@ def ring_plan(world: int, num_layers: int) -> StepPlan:
     full, half = Recompute(num_layers, num_layers), world // 2
     wide = (MicroBatch((0,), Layout(world, 1, Recompute.none(), 2)), MicroBatch((1,), Layout(world, 1, full, world)))
     narrow = MicroBatch((2,), Layout(half, 1, ring=2 if half > 1 else 1))
-    plan = StepPlan(0, (0, 1, 2), (GroupPlan(tuple(range(world)), wide, 0), GroupPlan(tuple(range(half)), (narrow,), 1),
-                                   GroupPlan(tuple(range(half, world)), (), 1)), 0)
+    plan = StepPlan(
+        0,
+        (0, 1, 2),
+        (
+            GroupPlan(tuple(range(world)), wide, 0),
+            GroupPlan(tuple(range(half)), (narrow,), 1),
+            GroupPlan(tuple(range(half, world)), (), 1),
+        ),
+        0,
+    )
     plan.validate(world)
     return plan
 
@@ -56,6 +65,7 @@ def case_joint_ring(kind: str, seed: int) -> dict:
     model = models.build(kind)
     adapter = find_adapter(model)
     dc = Engine(model, adapter=adapter, groups=ProcessGroups(adapter.num_heads, ring=True))
-    loss = adapter_step(dc, ring_plan(dist.get_world_size(), dc.adapter.spec.num_layers),
-                        models.make_data(kind, 3, seed), models.item)
+    loss = adapter_step(
+        dc, ring_plan(dist.get_world_size(), dc.adapter.spec.num_layers), models.make_data(kind, 3, seed), models.item
+    )
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}

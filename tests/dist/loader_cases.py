@@ -23,8 +23,9 @@ from tests.dist.cases import groups
 from tests.support import NUM_HEADS, NUM_LAYERS, make_model
 
 VOCAB = 64
-TINY_SPEC = llama_like("tiny-llama", num_layers=NUM_LAYERS, hidden=32, num_heads=NUM_HEADS, ffn_hidden=48,
-                       vocab_size=VOCAB)
+TINY_SPEC = llama_like(
+    "tiny-llama", num_layers=NUM_LAYERS, hidden=32, num_heads=NUM_HEADS, ffn_hidden=48, vocab_size=VOCAB
+)
 MEMORY_BYTES = 1_200_000  # the 500-600-token samples need SP=2 (memory), the rest fit one rank
 
 
@@ -57,11 +58,21 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
     logger.setLevel(logging.DEBUG)
     try:
         dataset = ArithmeticTokens(num_samples, seed)
-        cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
-                              intra_bw=300e9, intra_latency=1e-5)
-        loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                                   policy="dcp-own", research=True, tokens_per_step=1200, seed=seed, num_workers=num_workers,
-                                   check_plans=True)
+        cluster = ClusterSpec(
+            world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
+        )
+        loader = DataCentricLoader(
+            dataset,
+            dataset.lengths,
+            cost=AnalyticCost(TINY_SPEC, cluster),
+            cluster=cluster,
+            policy="dcp-own",
+            research=True,
+            tokens_per_step=1200,
+            seed=seed,
+            num_workers=num_workers,
+            check_plans=True,
+        )
         model = make_model("llama")
         dc = Engine(model, layers=model.layers, num_heads=NUM_HEADS, groups=groups())
         opt = dc.optimizer(lr=1e-2)
@@ -73,9 +84,16 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
                     ctx.backward(ctx.token_loss(ptl, batch.loss_mask))
             loss = dc.sync_gradients()
             opt.step()
-            steps.append({"index": step.index, "loss": loss, "count": dc.last_count,
-                          "step_samples": list(step.plan.sample_ids), "sp": [b.sp for b in step],
-                          "num_batches": len(step)})
+            steps.append(
+                {
+                    "index": step.index,
+                    "loss": loss,
+                    "count": dc.last_count,
+                    "step_samples": list(step.plan.sample_ids),
+                    "sp": [b.sp for b in step],
+                    "num_batches": len(step),
+                }
+            )
         return {"steps": steps, "lengths": dataset.lengths, "state": loader.state_dict()}
     finally:
         logger.removeHandler(handler)
@@ -86,16 +104,23 @@ def case_plan_mismatch() -> str:
     """Ranks built with different seeds: the debug plan check must stop them at step 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(12, 0)
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
-                          intra_bw=300e9, intra_latency=1e-5)
-    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                               tokens_per_step=400, seed=rank, check_plans=True)
+    cluster = ClusterSpec(
+        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
+    )
+    loader = DataCentricLoader(
+        dataset,
+        dataset.lengths,
+        cost=AnalyticCost(TINY_SPEC, cluster),
+        cluster=cluster,
+        tokens_per_step=400,
+        seed=rank,
+        check_plans=True,
+    )
     try:
         next(iter(loader))
     except RuntimeError as e:
         return str(e)
     return ""
-
 
 
 class _PlantedPlanner:
@@ -118,15 +143,27 @@ def case_planted_divergence(check_every: int, at: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(40, 0)
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
-                          intra_bw=300e9, intra_latency=1e-5)
-    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                               tokens_per_step=400, seed=0, check_plans=check_every, planning="thread",
-                               lookahead=0)
+    cluster = ClusterSpec(
+        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
+    )
+    loader = DataCentricLoader(
+        dataset,
+        dataset.lengths,
+        cost=AnalyticCost(TINY_SPEC, cluster),
+        cluster=cluster,
+        tokens_per_step=400,
+        seed=0,
+        check_plans=check_every,
+        planning="thread",
+        lookahead=0,
+    )
     if rank == 1:
         real = loader.planner
-        loader.planner = lambda epoch: _PlantedPlanner(real(epoch), make_planner(
-            "bucket", loader.context, loader.steps(epoch), score=step_seconds(loader.context)), at)
+        loader.planner = lambda epoch: _PlantedPlanner(
+            real(epoch),
+            make_planner("bucket", loader.context, loader.steps(epoch), score=step_seconds(loader.context)),
+            at,
+        )
     got = []
     try:
         for step in loader:
@@ -142,11 +179,11 @@ def case_prepare_budgets(budgets: list[int]) -> dict:
     import dcparallel
 
     dataset = ArithmeticTokens(24, 0)
-    dc = dcparallel.DataCentricParallel(make_model("llama"), memory_bytes=budgets[dist.get_rank()],
-                                        gpus_per_node=dist.get_world_size())
+    dc = dcparallel.DataCentricParallel(
+        make_model("llama"), memory_bytes=budgets[dist.get_rank()], gpus_per_node=dist.get_world_size()
+    )
     try:
-        loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=400, cost="analytic",
-                            planning="thread")
+        loader = dc.prepare(dataset, lengths=dataset.lengths, tokens_per_step=400, cost="analytic", planning="thread")
     except ValueError as e:
         return {"error": str(e)}
     return {"error": "", "steps": len(loader)}
@@ -158,17 +195,32 @@ def case_refine(refine_steps: int) -> dict:
     each rank planned and predicted, and its cost model's corrections."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(40, 0)
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES,
-                          intra_bw=300e9, intra_latency=1e-5)
-    with DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                           tokens_per_step=400, seed=0, predict=True, refine_steps=refine_steps) as loader:
+    cluster = ClusterSpec(
+        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
+    )
+    with DataCentricLoader(
+        dataset,
+        dataset.lengths,
+        cost=AnalyticCost(TINY_SPEC, cluster),
+        cluster=cluster,
+        tokens_per_step=400,
+        seed=0,
+        predict=True,
+        refine_steps=refine_steps,
+    ) as loader:
         plans, predicted, fed = [], [], []
         for step in loader:
             plans.append(step.plan.to_json())
             predicted.append(step.predicted)
-            times = [0.01 * (rank + 1) + 1e-5 * sum(dataset.lengths[i] for i in mb.sample_ids)
-                     for mb in step.micro_batches]
+            times = [
+                0.01 * (rank + 1) + 1e-5 * sum(dataset.lengths[i] for i in mb.sample_ids) for mb in step.micro_batches
+            ]
             fed.append(loader.observe(step, times))
         cost = loader.context.cost
-        return {"plans": plans, "predicted": predicted, "fed": fed, "refine_left": loader.refine_left,
-                "corrections": {sp: cost.correction(sp) for sp in (1, 2)}}
+        return {
+            "plans": plans,
+            "predicted": predicted,
+            "fed": fed,
+            "refine_left": loader.refine_left,
+            "corrections": {sp: cost.correction(sp) for sp in (1, 2)},
+        }

@@ -17,8 +17,7 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
-def case_lora_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int,
-                     recompute: list[bool]) -> dict:
+def case_lora_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int, recompute: list[bool]) -> dict:
     """One engine on ``kind`` with ``shard_size``; a step per seed on a random plan of whole
     shard blocks (modes in `MODES` order; recompute random or off): its loss, the trainable
     parameters' whole gradients, the plan. Then one AdamW step: whether every frozen parameter
@@ -30,19 +29,28 @@ def case_lora_parity(kind: str, shard_size: int, seeds: list[int], num_samples: 
     steps = []
     for i, seed in enumerate(seeds):
         data = adapter_models.make_data(base, num_samples, seed)
-        plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                                   num_layers=dc.adapter.spec.num_layers, mode=MODES[i % len(MODES)],
-                                   min_size=shard_size)
+        plan = support.random_plan(
+            data,
+            list(range(num_samples)),
+            dist.get_world_size(),
+            seed,
+            num_layers=dc.adapter.spec.num_layers,
+            mode=MODES[i % len(MODES)],
+            min_size=shard_size,
+        )
         plan = plan if recompute[i] else support.capped(plan, 0)
         loss = adapter_step(dc, plan, data, adapter_models.item)
         steps.append({"loss": loss, "grads": dc.full_gradients(), "plan": plan.to_json()})
     before = {n: _whole(p) for n, p in model.named_parameters() if p.requires_grad}
     dc.optimizer(lr=1e-2, weight_decay=0.1).step()
     after = {n: _whole(p) for n, p in model.named_parameters()}
-    return {"steps": steps, "frozen": sorted(frozen),
-            "frozen_unchanged": all(torch.equal(after[n], v) for n, v in frozen.items()),
-            "min_trained_change": min(float((after[n] - v).abs().max()) for n, v in before.items()),
-            "attention_verified": dc.attention_verified}
+    return {
+        "steps": steps,
+        "frozen": sorted(frozen),
+        "frozen_unchanged": all(torch.equal(after[n], v) for n, v in frozen.items()),
+        "min_trained_change": min(float((after[n] - v).abs().max()) for n, v in before.items()),
+        "attention_verified": dc.attention_verified,
+    }
 
 
 def case_mixed_dtype_step(kind: str, shard_size: int, seed: int, num_samples: int) -> dict:
@@ -53,15 +61,26 @@ def case_mixed_dtype_step(kind: str, shard_size: int, seed: int, num_samples: in
     dc = Engine(model, shard_size=shard_size)
     frozen = {n: _whole(p) for n, p in model.named_parameters() if not p.requires_grad}
     data = adapter_models.make_data(lora_models.BASE[kind], num_samples, seed)
-    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                               num_layers=dc.adapter.spec.num_layers, mode="phases", min_size=shard_size)
+    plan = support.random_plan(
+        data,
+        list(range(num_samples)),
+        dist.get_world_size(),
+        seed,
+        num_layers=dc.adapter.spec.num_layers,
+        mode="phases",
+        min_size=shard_size,
+    )
     loss = adapter_step(dc, plan, data, adapter_models.item)
     grads = dc.full_gradients()
     dc.optimizer(lr=1e-2).step()
     after = {n: _whole(p) for n, p in model.named_parameters()}
-    return {"loss": loss, "grads": grads, "frozen_dtypes": sorted({str(v.dtype) for v in frozen.values()}),
-            "frozen_unchanged": all(torch.equal(after[n], v) and after[n].dtype == v.dtype for n, v in frozen.items()),
-            "trainable_dtypes": sorted({str(after[n].dtype) for n in grads})}
+    return {
+        "loss": loss,
+        "grads": grads,
+        "frozen_dtypes": sorted({str(v.dtype) for v in frozen.values()}),
+        "frozen_unchanged": all(torch.equal(after[n], v) and after[n].dtype == v.dtype for n, v in frozen.items()),
+        "trainable_dtypes": sorted({str(after[n].dtype) for n in grads}),
+    }
 
 
 def case_autocast_step(seed: int, num_samples: int) -> list[dict]:
@@ -75,8 +94,14 @@ def case_autocast_step(seed: int, num_samples: int) -> list[dict]:
     model = lora_models.build("lora-llama")
     dc = Engine(model)
     data = adapter_models.make_data("hf-llama", num_samples, seed)
-    planned = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                                  num_layers=dc.adapter.spec.num_layers, mode="phases")
+    planned = support.random_plan(
+        data,
+        list(range(num_samples)),
+        dist.get_world_size(),
+        seed,
+        num_layers=dc.adapter.spec.num_layers,
+        mode="phases",
+    )
     rank = dist.get_rank()
     collate = resolve_collate(dc.adapter.collate, dc.adapter.kind)
     runs = []
@@ -90,8 +115,14 @@ def case_autocast_step(seed: int, num_samples: int) -> list[dict]:
                 ctx.backward(loss)
         loss = dc.sync_gradients()
         grads = dc.full_gradients()
-        runs.append({"loss": loss, "grads": grads, "dtypes": sorted({str(g.dtype) for g in grads.values()}),
-                     "plan": plan.to_json()})
+        runs.append(
+            {
+                "loss": loss,
+                "grads": grads,
+                "dtypes": sorted({str(g.dtype) for g in grads.values()}),
+                "plan": plan.to_json(),
+            }
+        )
     return runs
 
 
@@ -101,19 +132,31 @@ def case_state_bytes(kind: str, shard_size: int) -> dict:
     model = lora_models.build(kind)
     dc = Engine(model, shard_size=shard_size)
     data = adapter_models.make_data(lora_models.BASE[kind], 4, 3)
-    plan = support.random_plan(data, list(range(4)), dist.get_world_size(), 3,
-                               num_layers=dc.adapter.spec.num_layers, mode="world", min_size=shard_size)
+    plan = support.random_plan(
+        data,
+        list(range(4)),
+        dist.get_world_size(),
+        3,
+        num_layers=dc.adapter.spec.num_layers,
+        mode="world",
+        min_size=shard_size,
+    )
     adapter_step(dc, plan, data, adapter_models.item)
     opt = dc.optimizer(lr=1e-2)
     opt.step()
     grads = dc.grad_sync.flat_grad
-    states = [opt.exp_avg, opt.exp_avg_sq] + ([opt.master] if getattr(opt, "master", None) is not None
-                                              and opt.master.data_ptr() != opt._param_shard.data_ptr() else [])
-    return {"grad_bytes": grads.numel() * grads.element_size(),
-            "optimizer_bytes": sum(t.numel() * t.element_size() for t in states),
-            "adapter_numel": lora_models.adapter_numel(model),
-            "model_numel": sum(p.numel() for p in model.parameters()),
-            "world": dist.get_world_size()}
+    states = [opt.exp_avg, opt.exp_avg_sq] + (
+        [opt.master]
+        if getattr(opt, "master", None) is not None and opt.master.data_ptr() != opt._param_shard.data_ptr()
+        else []
+    )
+    return {
+        "grad_bytes": grads.numel() * grads.element_size(),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in states),
+        "adapter_numel": lora_models.adapter_numel(model),
+        "model_numel": sum(p.numel() for p in model.parameters()),
+        "world": dist.get_world_size(),
+    }
 
 
 def case_prepare_refuses_diverged_adapters() -> str:
@@ -124,8 +167,13 @@ def case_prepare_refuses_diverged_adapters() -> str:
     dc = DataCentricParallel(lora_models.build("lora-llama", seed=0, adapter_seed=rank), memory_bytes=2**30)
     data = adapter_models.make_data("hf-llama", 6, 5)
     try:
-        dc.prepare([data.docs[i] for i in range(6)], lengths=[len(data.docs[i]) for i in range(6)],
-                   samples_per_step=4, cost="analytic", planning="thread")
+        dc.prepare(
+            [data.docs[i] for i in range(6)],
+            lengths=[len(data.docs[i]) for i in range(6)],
+            samples_per_step=4,
+            cost="analytic",
+            planning="thread",
+        )
     except ValueError as e:
         return str(e)
     return "not refused"

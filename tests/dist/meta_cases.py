@@ -21,8 +21,8 @@ HF_VOCAB = 512  # a vocabulary large enough that the embeddings are not the whol
 
 def build(kind: str, meta: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
     """``kind`` "hf-llama": a transformers Llama (8 query heads, 2 kv heads, 4 layers, rotary
-    ``inv_freq`` buffers); "llama", "llama-tied": the reference LM (tied: one embedding matrix). On the meta device under `empty_init`,
-    else on CPU with ``seed``."""
+    ``inv_freq`` buffers); "llama", "llama-tied": the reference LM (tied: one embedding
+    matrix). On the meta device under `empty_init`, else on CPU with ``seed``."""
     ctx = empty_init() if meta else torch.random.fork_rng()
     with ctx:
         torch.manual_seed(seed)
@@ -30,8 +30,15 @@ def build(kind: str, meta: bool, dtype: torch.dtype = torch.float32, seed: int =
             return support.make_model(kind, seed).to(dtype)
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+        cfg = LlamaConfig(
+            vocab_size=HF_VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
 
 
@@ -99,8 +106,11 @@ def case_wrap_and_load(kind: str, folder: str, dtype: str, meta: bool) -> dict:
         dc = _wrap(kind, model)
         dc.load_weights(folder)
     gs = dc.grad_sync
-    return {"peak": tracker.peak, "storage": gs.storage_bytes(), "param_dtypes": sorted({str(p.dtype) for p in
-                                                                                      dc.model.parameters()})}
+    return {
+        "peak": tracker.peak,
+        "storage": gs.storage_bytes(),
+        "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
+    }
 
 
 def _wrap(kind: str, model: torch.nn.Module) -> Engine:
@@ -164,5 +174,7 @@ def case_api_load(folder: str) -> dict:
 
     dc = DataCentricParallel(build("hf-llama", meta=True), shard_size=2, memory_bytes=2**30)
     dc.load_weights(folder)
-    return {"device": str(dc.params[0].device),
-            "params": {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()}}
+    return {
+        "device": str(dc.params[0].device),
+        "params": {n: p.full_tensor().detach().clone() for n, p in dc.model.named_parameters()},
+    }

@@ -13,10 +13,28 @@ from dcparallel.profile import Profiler, ProfilerConfig, load_or_profile, model_
 def _profiler(**cfg) -> Profiler:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
-    spec = model_spec(model, list(model.layers), name="tiny", kind="text", hidden=32, num_heads=4,
-                      ffn_hidden=48, attention="causal", vocab_size=64)
-    config = ProfilerConfig(**{"repeats": 1, "max_repeats": 1, "warmup": 1, "max_mbs": 2, "min_time_s": 0.0, "modes": ("none", "full"),
-                             **cfg})
+    spec = model_spec(
+        model,
+        list(model.layers),
+        name="tiny",
+        kind="text",
+        hidden=32,
+        num_heads=4,
+        ffn_hidden=48,
+        attention="causal",
+        vocab_size=64,
+    )
+    config = ProfilerConfig(
+        **{
+            "repeats": 1,
+            "max_repeats": 1,
+            "warmup": 1,
+            "max_mbs": 2,
+            "min_time_s": 0.0,
+            "modes": ("none", "full"),
+            **cfg,
+        }
+    )
     return Profiler(model, list(model.layers), text_inputs(model, torch.device("cpu")), spec=spec, config=config)
 
 
@@ -26,13 +44,18 @@ def case_profile(path: str) -> dict:
     prof = _profiler(validate=True)
     p, stats = load_or_profile(path, prof, [16, 40, 64])
     again, stats2 = load_or_profile(path, prof, [16, 40, 64])
-    sp2 = next(e for e in p.entries if e.bucket == "t64" and e.sp == 2 and e.recompute == "none"
-               and e.mbs == 1)
+    sp2 = next(e for e in p.entries if e.bucket == "t64" and e.sp == 2 and e.recompute == "none" and e.mbs == 1)
     limit = p.model_state_bytes + 1.01 * sp2.memory_bytes
     limited, lstats = _profiler(memory_limit=limit).run([16, 64])
-    return {"profile": p.to_json(), "stats": dataclasses.asdict(stats), "reused": stats2 is None,
-            "reused_same": again.to_json() == p.to_json(), "limit": limit, "limited": limited.to_json(),
-            "limited_stats": dataclasses.asdict(lstats)}
+    return {
+        "profile": p.to_json(),
+        "stats": dataclasses.asdict(stats),
+        "reused": stats2 is None,
+        "reused_same": again.to_json() == p.to_json(),
+        "limit": limit,
+        "limited": limited.to_json(),
+        "limited_stats": dataclasses.asdict(lstats),
+    }
 
 
 def case_budget(budget_s: float) -> dict:
@@ -50,9 +73,15 @@ def case_budget(budget_s: float) -> dict:
         rounds = prof.round_config.repeats
         clock[0] += run * (1 + rounds)
         calls.append(run * (1 + rounds))
-        return {"ok": True, "memory": {d: 1000.0 * d * mbs * size for d in depths},
-                "time": {depths[0]: run / 3, depths[1]: 2 * run / 3}, "slope": run / 3,
-                "spread": 0.0, "rounds": rounds, "rejected": 0}
+        return {
+            "ok": True,
+            "memory": {d: 1000.0 * d * mbs * size for d in depths},
+            "time": {depths[0]: run / 3, depths[1]: 2 * run / 3},
+            "slope": run / 3,
+            "spread": 0.0,
+            "rounds": rounds,
+            "rejected": 0,
+        }
 
     prof._measure = measure
     saved, budget_mod._now = budget_mod._now, lambda: clock[0]

@@ -21,18 +21,38 @@ def _profiler(make_inputs=None, **cfg) -> tuple[Profiler, Llama]:
     os.environ["DCPARALLEL_CONTROL_TIMEOUT_S"] = CONTROL_TIMEOUT_S  # read when the control group is made
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
-    spec = model_spec(model, list(model.layers), name="tiny", kind="text", hidden=32, num_heads=4,
-                      ffn_hidden=48, attention="causal", vocab_size=64)
-    config = ProfilerConfig(**{"repeats": 1, "max_repeats": 1, "warmup": 1, "max_mbs": 2, "min_time_s": 0.0,
-                               "modes": ("none", "full"), **cfg})
+    spec = model_spec(
+        model,
+        list(model.layers),
+        name="tiny",
+        kind="text",
+        hidden=32,
+        num_heads=4,
+        ffn_hidden=48,
+        attention="causal",
+        vocab_size=64,
+    )
+    config = ProfilerConfig(
+        **{
+            "repeats": 1,
+            "max_repeats": 1,
+            "warmup": 1,
+            "max_mbs": 2,
+            "min_time_s": 0.0,
+            "modes": ("none", "full"),
+            **cfg,
+        }
+    )
     inputs = text_inputs(model, torch.device("cpu"))
-    return Profiler(model, list(model.layers), make_inputs(model, inputs) if make_inputs else inputs, spec=spec,
-                    config=config), model
+    return Profiler(
+        model, list(model.layers), make_inputs(model, inputs) if make_inputs else inputs, spec=spec, config=config
+    ), model
 
 
 def case_slow_rank(delay_s: float) -> dict:
     """Rank 1 builds its first SP-1 inputs ``delay_s`` late: rank 0, done with its own SP-1
     layout, waits for it before their SP-2 layouts."""
+
     def slow(model, inputs):
         late = [comm.world_rank() == 1]
 
@@ -41,6 +61,7 @@ def case_slow_rank(delay_s: float) -> dict:
                 late[0] = False
                 time.sleep(delay_s)
             return inputs(size, layout, ranks, rank)
+
         return make
 
     prof, _ = _profiler(slow, modes=("none",), max_mbs=1)
@@ -60,6 +81,7 @@ def failing(depth: int, where: str, exc: type[BaseException] = torch.OutOfMemory
     ``depth - 1``'s input: its backward all-to-alls done, those of the blocks below to come) or
     "end" (at block 0's input gradient, after the run's last collective, as a device's check
     of its peak memory after a run would)."""
+
     def wrap(model, inputs):
         def make(size, layout, ranks, rank):
             out = inputs(size, layout, ranks, rank)
@@ -83,7 +105,9 @@ def failing(depth: int, where: str, exc: type[BaseException] = torch.OutOfMemory
                 return out.loss(ctx)
 
             return out._replace(loss=loss)
+
         return make
+
     return wrap
 
 

@@ -71,8 +71,15 @@ def case_op_refused(pattern: AttnPattern, sinks: bool) -> str:
     group, peers = groups.split(tuple(range(world)), 2)
     cols = torch.tensor(shard_columns(8 * world, world, 2, dist.get_rank()))
     try:
-        ulysses_attention(q[:, cols], k[:, cols], v[:, cols], pattern, group=group, ring=peers,
-                          sinks=torch.zeros(4) if sinks else None)
+        ulysses_attention(
+            q[:, cols],
+            k[:, cols],
+            v[:, cols],
+            pattern,
+            group=group,
+            ring=peers,
+            sinks=torch.zeros(4) if sinks else None,
+        )
     except ValueError as exc:
         return str(exc)
     return "not refused"
@@ -85,8 +92,9 @@ LLAMA_HEADS, LLAMA_LAYERS = 4, 3
 
 def llama(seed: int = 0) -> Llama:
     torch.manual_seed(seed)
-    return Llama(LlamaConfig.tiny(num_layers=LLAMA_LAYERS, num_heads=LLAMA_HEADS, hidden=32, ffn_hidden=48,
-                                  vocab_size=64))
+    return Llama(
+        LlamaConfig.tiny(num_layers=LLAMA_LAYERS, num_heads=LLAMA_HEADS, hidden=32, ffn_hidden=48, vocab_size=64)
+    )
 
 
 def mixed_split_plan(world: int, recompute: bool, num_samples: int) -> StepPlan:
@@ -96,13 +104,14 @@ def mixed_split_plan(world: int, recompute: bool, num_samples: int) -> StepPlan:
     rc = Recompute(LLAMA_LAYERS, LLAMA_LAYERS) if recompute else Recompute.none()
     rings = [r for r in range(1, world + 1) if world % r == 0 and LLAMA_HEADS % (world // r) == 0]
     ids = list(range(num_samples))
-    wide = [ids[i:i + 3] for i in range(0, 3 * len(rings), 3)]
+    wide = [ids[i : i + 3] for i in range(0, 3 * len(rings), 3)]
     mbs = tuple(MicroBatch(tuple(c), Layout(world, len(c), rc, ring)) for c, ring in zip(wide, rings, strict=True))
-    rest = ids[3 * len(rings):]
+    rest = ids[3 * len(rings) :]
     half = world // 2
-    narrow = (GroupPlan(tuple(range(half)), (MicroBatch(tuple(rest[:2]), Layout(half, 2, rc, half)),), 1),
-              GroupPlan(tuple(range(half, world)), (MicroBatch(tuple(rest[2:]), Layout(half, len(rest) - 2, rc, 1)),),
-                        1))
+    narrow = (
+        GroupPlan(tuple(range(half)), (MicroBatch(tuple(rest[:2]), Layout(half, 2, rc, half)),), 1),
+        GroupPlan(tuple(range(half, world)), (MicroBatch(tuple(rest[2:]), Layout(half, len(rest) - 2, rc, 1)),), 1),
+    )
     plan = StepPlan(0, tuple(ids), (GroupPlan(tuple(range(world)), mbs, 0), *narrow), 0)
     plan.validate(world)
     return plan
@@ -137,8 +146,16 @@ def two_head_llama(seed: int = 0) -> Llama:
 def planned_ring_plan(world: int) -> StepPlan:
     """`dcp`'s plan of `PLANNED_SIZES` on one node of ``world`` GPUs with ring on, its
     recompute capped at the test model's layers (the planning model has more)."""
-    cl = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=1536 * 2**20, intra_bw=300e9,
-                     intra_latency=10e-6, inter_bw=40e9, inter_latency=20e-6, ring=True)
+    cl = ClusterSpec(
+        world_size=world,
+        gpus_per_node=world,
+        memory_bytes=1536 * 2**20,
+        intra_bw=300e9,
+        intra_latency=10e-6,
+        inter_bw=40e9,
+        inter_latency=20e-6,
+        ring=True,
+    )
     ctx = PlanContext(Workload(PLANNING_2H, PLANNED_SIZES), AnalyticCost(PLANNING_2H, cl), cl)
     step = Step(0, tuple(range(len(PLANNED_SIZES))))
     return capped(make_planner("dcp", ctx, [step], score=step_seconds(ctx)).plan(step), LLAMA_LAYERS)
@@ -153,8 +170,11 @@ def case_planned_ring(seed: int) -> dict:
     groups = ProcessGroups(2, ClusterSpec(world_size=world, gpus_per_node=world, ring=True))
     dc = Engine(model, layers=model.layers, num_heads=2, groups=groups)
     loss = run_rank_step(dc, make_data("llama", len(PLANNED_SIZES), seed), plan, dist.get_rank())
-    return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "plan": plan.to_json()}
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "plan": plan.to_json(),
+    }
 
 
 def hf_two_heads(seed: int = 0):
@@ -164,8 +184,15 @@ def hf_two_heads(seed: int = 0):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = HFLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg = HFLlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
 
 
@@ -181,8 +208,10 @@ def case_hf_two_heads(seed: int, num_samples: int) -> dict:
     ids = list(range(num_samples))
     cut = num_samples // 2
     full = Recompute(2, 2)
-    mbs = (MicroBatch(tuple(ids[:cut]), Layout(world, cut, Recompute.none(), world // 2)),
-           MicroBatch(tuple(ids[cut:]), Layout(world, num_samples - cut, full, world)))
+    mbs = (
+        MicroBatch(tuple(ids[:cut]), Layout(world, cut, Recompute.none(), world // 2)),
+        MicroBatch(tuple(ids[cut:]), Layout(world, num_samples - cut, full, world)),
+    )
     plan = StepPlan(0, tuple(ids), (GroupPlan(tuple(range(world)), mbs, 0),), 0)
     loss = adapter_step(dc, plan, hf_data("hf-llama", num_samples, seed), item)
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
@@ -207,12 +236,18 @@ def case_wan_ring(seed: int) -> dict:
     full = Recompute(dc.adapter.spec.num_layers, dc.adapter.spec.num_layers)
     half = world // 2
     wide = (MicroBatch((0,), Layout(world, 1, Recompute.none(), 2)), MicroBatch((1,), Layout(world, 1, full, world)))
-    plan = StepPlan(0, (0, 1, 2), (GroupPlan(tuple(range(world)), wide, 0),
-                                   GroupPlan(tuple(range(half)), (MicroBatch((2,), Layout(half, 1, ring=2)),), 1),
-                                   GroupPlan(tuple(range(half, world)), (), 1)), 0)
+    plan = StepPlan(
+        0,
+        (0, 1, 2),
+        (
+            GroupPlan(tuple(range(world)), wide, 0),
+            GroupPlan(tuple(range(half)), (MicroBatch((2,), Layout(half, 1, ring=2)),), 1),
+            GroupPlan(tuple(range(half, world)), (), 1),
+        ),
+        0,
+    )
     loss = adapter_step(dc, plan, wan_data("wan", 3, seed), item)
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}}
-
 
 
 # ---------------------------------------------------------------- joint video + text attention
@@ -255,9 +290,13 @@ def case_joint_op(ring: int, seed: int) -> dict:
     out, out_text = heads_to_seq(out, group), gather_seq(out_text, group, dim=2)
     share = (rank + 1) / sum(range(1, world + 1))
     torch.autograd.backward([out, out_text], [x["video"][3][:, cols], x["text"][3] * share])
-    return {"cols": cols, "out": out.detach(), "out_text": out_text.detach(),
-            **{f"d{n}": t.grad for n, t in zip("qkv", video, strict=True)},
-            **{f"d{n}_text": t.grad for n, t in zip("qkv", text, strict=True)}}
+    return {
+        "cols": cols,
+        "out": out.detach(),
+        "out_text": out_text.detach(),
+        **{f"d{n}": t.grad for n, t in zip("qkv", video, strict=True)},
+        **{f"d{n}_text": t.grad for n, t in zip("qkv", text, strict=True)},
+    }
 
 
 #: `case_prepare_ring`'s documents: one of 200 tokens (no 2 ranks hold it in
@@ -269,8 +308,15 @@ PREPARE_LENGTHS = (200, 23, 31, 17, 40, 12)
 PREPARE_MEMORY = 295_000
 #: a tiny profiling run: one timed round per layout, micro-batches of 1, recompute off and full,
 #: no wall-time budget (a budget would leave the 200-token bucket unmeasured past SP 1)
-PREPARE_PROFILE = {"repeats": 1, "max_repeats": 1, "warmup": 1, "min_time_s": 0.0, "max_mbs": 1,
-                   "modes": ("none", "full"), "budget_s": None}
+PREPARE_PROFILE = {
+    "repeats": 1,
+    "max_repeats": 1,
+    "warmup": 1,
+    "min_time_s": 0.0,
+    "max_mbs": 1,
+    "modes": ("none", "full"),
+    "budget_s": None,
+}
 
 
 def prepare_data(seed: int):
@@ -292,13 +338,24 @@ def case_prepare_ring(seed: int, memory_bytes: int, profile_path: str) -> dict:
     dataset = [data.docs[i] for i in range(len(PREPARE_LENGTHS))]
     model = hf_two_heads()
     dc = DataCentricParallel(model, ring=True, memory_bytes=memory_bytes)
-    loader = dc.prepare(dataset, lengths=list(PREPARE_LENGTHS), tokens_per_step=sum(PREPARE_LENGTHS),
-                        profile_path=profile_path, profiler_config=PREPARE_PROFILE, planning="thread")
+    loader = dc.prepare(
+        dataset,
+        lengths=list(PREPARE_LENGTHS),
+        tokens_per_step=sum(PREPARE_LENGTHS),
+        profile_path=profile_path,
+        profiler_config=PREPARE_PROFILE,
+        planning="thread",
+    )
     step = next(iter(loader))
     for batch in step:
         with dc.micro_batch(batch) as ctx:
             ctx.backward(dc.loss_fn(dc.model, batch, ctx))
     loss = dc.sync_gradients()
-    return {"profile": dc.profile.to_json(), "plan": step.plan.to_json(), "loss": loss,
-            "grads": dc.full_gradients(), "state": dc.cost.model_state_bytes(),
-            "cluster": dataclasses.asdict(dc.cluster_spec)}
+    return {
+        "profile": dc.profile.to_json(),
+        "plan": step.plan.to_json(),
+        "loss": loss,
+        "grads": dc.full_gradients(),
+        "state": dc.cost.model_state_bytes(),
+        "cluster": dataclasses.asdict(dc.cluster_spec),
+    }

@@ -38,10 +38,15 @@ def make_rollouts(seed: int = 0) -> list[dict[str, torch.Tensor]]:
         prompt = min(n - 2, rng.randint(10, 40))
         mask = torch.zeros(n, dtype=torch.bool)
         mask[prompt:] = True
-        out.append({"input_ids": torch.randint(0, VOCAB, (n,), generator=g), "loss_mask": mask,
-                    "advantages": torch.randn(n, generator=g),
-                    "old_logp": -4.2 + 0.3 * torch.randn(n, generator=g),
-                    "ref_logp": -4.2 + 0.3 * torch.randn(n, generator=g)})
+        out.append(
+            {
+                "input_ids": torch.randint(0, VOCAB, (n,), generator=g),
+                "loss_mask": mask,
+                "advantages": torch.randn(n, generator=g),
+                "old_logp": -4.2 + 0.3 * torch.randn(n, generator=g),
+                "ref_logp": -4.2 + 0.3 * torch.randn(n, generator=g),
+            }
+        )
     return out
 
 
@@ -58,8 +63,9 @@ def holding(rank: int, world: int) -> list[int]:
     return mine.get(rank, [])
 
 
-def grpo_token_loss(logits: torch.Tensor, labels: torch.Tensor, adv: torch.Tensor, old: torch.Tensor,
-                    ref: torch.Tensor) -> torch.Tensor:
+def grpo_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, adv: torch.Tensor, old: torch.Tensor, ref: torch.Tensor
+) -> torch.Tensor:
     """Per-token GRPO loss: clipped ratio x advantage, k3 KL to the reference, minus entropy."""
     logp = -per_token_loss(logits, labels)[0]
     ratio = torch.exp(logp - old)
@@ -101,14 +107,17 @@ def case_rl_step(policy: str = "dcp") -> dict:
     rollouts = make_rollouts()
     mine = holding(rank, world)
     model = make_model("llama")
-    dc = dcparallel.DataCentricParallel(model, policy=policy, research=True, memory_bytes=MEMORY_BYTES,
-                                         groups=groups())
+    dc = dcparallel.DataCentricParallel(model, policy=policy, research=True, memory_bytes=MEMORY_BYTES, groups=groups())
     dc.prepare_rollouts(max_tokens=600, cost="analytic", check_plans=1)
     step = dc.plan_batch([rollouts[i] for i in mine])
-    out = {"mine": [step.local_ids[j] for j in range(len(mine))], "held": mine, "origin": list(step.origin),
-           "num_targets": step.num_targets, "work": [(list(b.ranks), list(b.sample_ids), b.sp) for b in step],
-           "plan_groups": [(list(g.ranks), [list(mb.sample_ids) for mb in g.micro_batches])
-                           for g in step.plan.groups]}
+    out = {
+        "mine": [step.local_ids[j] for j in range(len(mine))],
+        "held": mine,
+        "origin": list(step.origin),
+        "num_targets": step.num_targets,
+        "work": [(list(b.ranks), list(b.sample_ids), b.sp) for b in step],
+        "plan_groups": [(list(g.ranks), [list(mb.sample_ids) for mb in g.micro_batches]) for g in step.plan.groups],
+    }
     for norm in NORMS:
         out[norm] = _run_step(dc, model, step, norm)
         if rank == 0:
@@ -123,8 +132,9 @@ def _run_step(dc, model, step, norm: str) -> dict:
     for batch in step:
         with dc.micro_batch(batch) as ctx:
             pt = batch.per_token
-            per = grpo_token_loss(model(batch.inputs, batch.positions), batch.labels, pt["advantages"],
-                                  pt["old_logp"], pt["ref_logp"])
+            per = grpo_token_loss(
+                model(batch.inputs, batch.positions), batch.labels, pt["advantages"], pt["old_logp"], pt["ref_logp"]
+            )
             weights = batch.sample_mean_weights() if norm == "sequence" else None
             ctx.backward(ctx.token_loss(per, batch.loss_mask, weights))
     loss = dc.sync_gradients(DR_GRPO_CONSTANT if norm == "constant" else None)
@@ -160,6 +170,10 @@ def case_forward_logprobs() -> dict:
             rel.append(rel_err(out[1:], ref))
             exact_first &= out.shape == ids.shape and float(out[0]) == 0.0
     fwd = dc.forward_pass.last_step.plan
-    return {"rel": rel, "exact_first": exact_first, "num": len(got),
-            "sps": sorted({mb.layout.sp for mb in fwd.micro_batches()}),
-            "recompute": sorted({(mb.layout.recompute.attn, mb.layout.recompute.mlp) for mb in fwd.micro_batches()})}
+    return {
+        "rel": rel,
+        "exact_first": exact_first,
+        "num": len(got),
+        "sps": sorted({mb.layout.sp for mb in fwd.micro_batches()}),
+        "recompute": sorted({(mb.layout.recompute.attn, mb.layout.recompute.mlp) for mb in fwd.micro_batches()}),
+    }

@@ -32,10 +32,18 @@ def _data(kind: str, num_samples: int, seed: int):
     return (support.make_data if kind in SUPPORT_KINDS else adapter_models.make_data)(kind, num_samples, seed)
 
 
-def _plan(dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, recompute: bool,
-          min_size: int) -> StepPlan:
-    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                               num_layers=dc.adapter.spec.num_layers, mode=mode, min_size=min_size)
+def _plan(
+    dc: Engine, kind: str, data, num_samples: int, seed: int, mode: str, recompute: bool, min_size: int
+) -> StepPlan:
+    plan = support.random_plan(
+        data,
+        list(range(num_samples)),
+        dist.get_world_size(),
+        seed,
+        num_layers=dc.adapter.spec.num_layers,
+        mode=mode,
+        min_size=min_size,
+    )
     return plan if recompute else support.capped(plan, 0)
 
 
@@ -46,8 +54,9 @@ def _run_step(dc: Engine, kind: str, data, plan: StepPlan) -> float:
     return adapter_step(dc, plan, data, adapter_models.item)
 
 
-def case_sharded_parity(kind: str, shard_size: int, seeds: list[int], num_samples: int,
-                        recompute: list[bool], max_norm_frac: float = 0.5) -> list[dict]:
+def case_sharded_parity(
+    kind: str, shard_size: int, seeds: list[int], num_samples: int, recompute: list[bool], max_norm_frac: float = 0.5
+) -> list[dict]:
     """One engine with ``shard_size``, a step per seed (plans of whole shard blocks: modes in
     `MODES` order, recompute random or off); per step the loss, the full gradients, then
     `clip_grad_norm_` to ``max_norm_frac`` of the norm: its returned norm and the clipped
@@ -63,13 +72,23 @@ def case_sharded_parity(kind: str, shard_size: int, seeds: list[int], num_sample
         norm0 = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
         norm = dc.clip_grad_norm_(max_norm_frac * norm0)
         clipped = dc.full_gradients()
-        out.append({"loss": loss, "grads": grads, "norm": norm, "max_norm": max_norm_frac * norm0,
-                    "clipped": clipped, "plan": plan.to_json(), "count": dc.last_count})
+        out.append(
+            {
+                "loss": loss,
+                "grads": grads,
+                "norm": norm,
+                "max_norm": max_norm_frac * norm0,
+                "clipped": clipped,
+                "plan": plan.to_json(),
+                "count": dc.last_count,
+            }
+        )
     return out
 
 
-def case_sharded_steps(kind: str, shard_size: int, seed: int, num_samples: int, num_steps: int,
-                       scheduler: bool) -> dict:
+def case_sharded_steps(
+    kind: str, shard_size: int, seed: int, num_samples: int, num_steps: int, scheduler: bool
+) -> dict:
     """``num_steps`` optimizer steps (lr 1e-2, weight decay 0.1 on matrices) over plans of
     whole blocks of 2 (valid for shard_size 1 and 2); optionally a StepLR halving lr each step.
     The parameters afterwards (whole), and the lr of every step."""
@@ -130,8 +149,10 @@ def case_storage(shard_size: int) -> dict:
     dc = _engine("dit", shard_size)
     if shard_size > 1:
         return dc.grad_sync.storage_bytes()
-    return {"params": dc.flat_param.numel() * dc.flat_param.element_size(),
-            "grads": dc.flat_grad.numel() * dc.flat_grad.element_size()}
+    return {
+        "params": dc.flat_param.numel() * dc.flat_param.element_size(),
+        "grads": dc.flat_grad.numel() * dc.flat_grad.element_size(),
+    }
 
 
 def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
@@ -145,8 +166,12 @@ def case_bf16_step(seed: int, num_samples: int, shard_size: int = 2) -> dict:
     plan = _plan(dc, "dit", data, num_samples, seed, "world", True, 2)
     loss = _run_step(dc, "dit", data, plan)
     grads = dc.full_gradients()
-    return {"loss": loss, "grads": grads, "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
-            "grad_dtypes": sorted({str(g.dtype) for g in grads.values()})}
+    return {
+        "loss": loss,
+        "grads": grads,
+        "param_dtypes": sorted({str(p.dtype) for p in dc.model.parameters()}),
+        "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
+    }
 
 
 def _optimizer_step(dc: Engine, opt, kind: str, num_samples: int, seed: int) -> None:
@@ -159,8 +184,7 @@ def _optimizer_step(dc: Engine, opt, kind: str, num_samples: int, seed: int) -> 
     opt.zero_grad()
 
 
-def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed: int = 5, num_samples: int = 6
-                        ) -> dict:
+def case_sharded_resume(kind: str, shard_size: int, path: str, save: bool, seed: int = 5, num_samples: int = 6) -> dict:
     """``save``: a step and an optimizer step at ``shard_size``, `save_sharded` into ``path``,
     then a second step. Else: a fresh engine at ``shard_size`` loads ``path`` and runs the
     second step. The whole parameters after the second step (plans of whole blocks of 4, or of
@@ -196,10 +220,23 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
 
     world = dist.get_world_size()
     dataset = ArithmeticTokens(num_samples, seed)
-    cluster = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9,
-                          intra_latency=1e-5, shard_size=2)
-    loader = DataCentricLoader(dataset, dataset.lengths, cost=AnalyticCost(TINY_SPEC, cluster), cluster=cluster,
-                               policy="dcp", tokens_per_step=1200, seed=seed)
+    cluster = ClusterSpec(
+        world_size=world,
+        gpus_per_node=world,
+        memory_bytes=MEMORY_BYTES,
+        intra_bw=300e9,
+        intra_latency=1e-5,
+        shard_size=2,
+    )
+    loader = DataCentricLoader(
+        dataset,
+        dataset.lengths,
+        cost=AnalyticCost(TINY_SPEC, cluster),
+        cluster=cluster,
+        policy="dcp",
+        tokens_per_step=1200,
+        seed=seed,
+    )
     groups = []
     try:
         for step in loader:
@@ -209,8 +246,9 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
     return {"error": None, "groups": groups, "split": [g for g in groups if splits_shard_block(g, 2)]}
 
 
-def case_cross_format_resume(kind: str, shard_size: int, root: str, save: bool, seed: int = 5,
-                             num_samples: int = 6, per_rank: bool = False) -> dict:
+def case_cross_format_resume(
+    kind: str, shard_size: int, root: str, save: bool, seed: int = 5, num_samples: int = 6, per_rank: bool = False
+) -> dict:
     """Through the training loop's checkpoint functions (`apps.train_checkpoint`):
     ``save``: a step and an optimizer step at ``shard_size``, the checkpoint of step 1 under
     ``root`` (``per_rank``: in dcparallel 0.1's per-rank format instead, `tests.checkpoint_v1`,
@@ -258,6 +296,7 @@ def _count_reduce_scatters(run) -> tuple[object, int]:
         def call(*args, **kwargs):
             count[0] += 1
             return fn(*args, **kwargs)
+
         return call
 
     for n, fn in originals.items():
@@ -290,8 +329,15 @@ def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[
     dc = _engine("llama", shard_size)
     rank = dist.get_rank()
     data = _data("llama", num_samples, seeds[0])
-    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
-                               num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
+    plan = support.random_plan(
+        data,
+        list(range(num_samples)),
+        dist.get_world_size(),
+        0,
+        num_layers=dc.adapter.spec.num_layers,
+        sizes=(shard_size,),
+        min_size=shard_size,
+    )
     dc.grad_sync.set_accumulate_unsharded(True)
     with torch.no_grad():  # an evaluation (the trainer's): micro-batches announced as not the last hold nothing
         _forward_only(dc, data, plan, rank)
@@ -307,8 +353,15 @@ def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[
             res[hold] = {"loss": loss, "reduce_scatters": n, "grads": dc.full_gradients()}
         out.append(res)
     data = _data("llama", num_samples, seeds[0])
-    plan = support.random_plan(data, list(range(num_samples)), dist.get_world_size(), 0,
-                               num_layers=dc.adapter.spec.num_layers, sizes=(shard_size,), min_size=shard_size)
+    plan = support.random_plan(
+        data,
+        list(range(num_samples)),
+        dist.get_world_size(),
+        0,
+        num_layers=dc.adapter.spec.num_layers,
+        sizes=(shard_size,),
+        min_size=shard_size,
+    )
     _forward_only(dc, data, plan, rank, backward=True)
     try:
         dc.sync_gradients()

@@ -68,8 +68,13 @@ def case_prepare_sharded(shard_size: int, profile_path: str) -> dict:
     dataset = [data.docs[i] for i in range(NUM_SAMPLES)]
     model = adapter_models.build(KIND)
     dc = DataCentricParallel(model, shard_size=shard_size, memory_bytes=2**30)
-    loader = dc.prepare(dataset, lengths=[int(d.shape[0]) for d in dataset], tokens_per_step=240,
-                        profile_path=profile_path, profiler_config=CONFIG)
+    loader = dc.prepare(
+        dataset,
+        lengths=[int(d.shape[0]) for d in dataset],
+        tokens_per_step=240,
+        profile_path=profile_path,
+        profiler_config=CONFIG,
+    )
     gathers = {d: _count_gathers(dc, d) for d in (1, 2)}
     opt = dc.optimizer(lr=1e-3)
     plans, losses, first = [], [], None
@@ -82,11 +87,23 @@ def case_prepare_sharded(shard_size: int, profile_path: str) -> dict:
         if first is None:
             first = {"loss": losses[-1], "grads": dc.full_gradients(), "sample_ids": sorted(step.plan.sample_ids)}
         opt.step()
-    splits = [g["ranks"] for p in plans for g in p["groups"]
-              if g["micro_batches"] and splits_shard_block(g["ranks"], shard_size)]
-    return {"profile": dc.profile.to_json(), "plans": plans, "splits": splits, "first": first, "losses": losses,
-            "gathers": gathers, "shard_size": dc.shard_size, "planned_state": dc.cost.model_state_bytes(),
-            "held": dc.grad_sync.accumulate_unsharded}
+    splits = [
+        g["ranks"]
+        for p in plans
+        for g in p["groups"]
+        if g["micro_batches"] and splits_shard_block(g["ranks"], shard_size)
+    ]
+    return {
+        "profile": dc.profile.to_json(),
+        "plans": plans,
+        "splits": splits,
+        "first": first,
+        "losses": losses,
+        "gathers": gathers,
+        "shard_size": dc.shard_size,
+        "planned_state": dc.cost.model_state_bytes(),
+        "held": dc.grad_sync.accumulate_unsharded,
+    }
 
 
 def reference_first_step(sample_ids) -> tuple[float, dict]:
@@ -136,8 +153,13 @@ def case_auto_shard_size(budgets: list[int]) -> list[dict]:
             lines.clear()
             try:
                 dc = DataCentricParallel(deep_dit(), shard_size="auto", memory_bytes=int(budget))
-                out.append({"shard_size": dc.shard_size, "grads": type(dc.engine.grad_sync).__name__,
-                            "log": [x for x in lines if "shard_size auto" in x]})
+                out.append(
+                    {
+                        "shard_size": dc.shard_size,
+                        "grads": type(dc.engine.grad_sync).__name__,
+                        "log": [x for x in lines if "shard_size auto" in x],
+                    }
+                )
                 try:  # a sample far too large for the budget: refused by prepare before profiling
                     shapes = [(1, 4, 4), (64, 256, 256)]
                     dc.prepare(list(range(2)), lengths=shapes, samples_per_step=2)

@@ -36,8 +36,15 @@ def case_step_memory(shard_size: int) -> dict:
     peak of sync + clip + step over everything alive, less what was alive before the model."""
     torch.manual_seed(0)
     data = support.make_data("llama", 2, seed=1)
-    plan = support.random_plan(data, [0, 1], dist.get_world_size(), 0, num_layers=CONFIG["num_layers"],
-                               sizes=(shard_size,), min_size=shard_size)
+    plan = support.random_plan(
+        data,
+        [0, 1],
+        dist.get_world_size(),
+        0,
+        num_layers=CONFIG["num_layers"],
+        sizes=(shard_size,),
+        min_size=shard_size,
+    )
     before = live_storages()
     model = Llama(LlamaConfig(**CONFIG)).to(torch.bfloat16)
     dc = Engine(model, layers=model.layers, num_heads=CONFIG["num_heads"], shard_size=shard_size)
@@ -53,7 +60,12 @@ def case_step_memory(shard_size: int) -> dict:
     peak = base + meter.peak - start
     after = sum(n for k, n in live_storages().items() if before.get(k) != n)
     recipe = state_recipe(dc.adapter.spec, dist.get_world_size(), shard_size)
-    return {"numel": numel, "spec_numel": dc.adapter.spec.num_params, "after_per_param": after / numel,
-            "peak_per_param": peak / numel, "base_per_param": base / numel,
-            "recipe_states_per_param": (recipe.states - recipe.gathered) / numel,
-            "recipe_peak_per_param": recipe.step_peak / numel}
+    return {
+        "numel": numel,
+        "spec_numel": dc.adapter.spec.num_params,
+        "after_per_param": after / numel,
+        "peak_per_param": peak / numel,
+        "base_per_param": base / numel,
+        "recipe_states_per_param": (recipe.states - recipe.gathered) / numel,
+        "recipe_peak_per_param": recipe.step_peak / numel,
+    }

@@ -37,24 +37,42 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen3", "wan", "wan-i2v", "wan22-i2v", "wan-ti2v", "chronoedit",
-                                  "skyreels", "skyreels-i2v", "vace", "helios", "ltx", "flux", "flux2",
-                                  "qwenimage", "custom"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "hf-llama",
+        "hf-qwen3",
+        "wan",
+        "wan-i2v",
+        "wan22-i2v",
+        "wan-ti2v",
+        "chronoedit",
+        "skyreels",
+        "skyreels-i2v",
+        "vace",
+        "helios",
+        "ltx",
+        "flux",
+        "flux2",
+        "qwenimage",
+        "custom",
+    ],
+)
 def test_library_models_match_single_process_gradients(workers, kind):
     seeds, num_samples = [21, 22, 23, 24], 7
     out = workers.run(adapter_cases.case_adapter_engine, kind, seeds, num_samples)
     sp_seen, idle, uneven, rc_seen, worst = set(), False, False, set(), 0.0
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
-        ref_loss, ref_grads = reference_once(("adapters", kind, seed, num_samples),
-                                             lambda: reference(build(kind), data, range(num_samples)))
+        ref_loss, ref_grads = reference_once(
+            ("adapters", kind, seed, num_samples), lambda: reference(build(kind), data, range(num_samples))
+        )
         plan = out[0][i]["plan"]
         uneven |= len({len(g["micro_batches"]) for g in plan["groups"]}) > 1
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
             idle |= not g["micro_batches"]
-            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
-                        for m in g["micro_batches"]}
+            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]) for m in g["micro_batches"]}
             if kind not in TEXT_KINDS:  # micro-batches hold one latent shape
                 assert all(len({data.shape_of[s] for s in m["sample_ids"]}) == 1 for m in g["micro_batches"])
         worst = max(worst, *assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed).values())
@@ -63,12 +81,16 @@ def test_library_models_match_single_process_gradients(workers, kind):
     assert idle and uneven and len(rc_seen) >= 3
 
 
-@pytest.mark.parametrize("kind,inputs", [("skyreels", {"enable_diffusion_forcing": True}),
-                                         ("helios", {"latents_history_short": "latents"})])
+@pytest.mark.parametrize(
+    "kind,inputs", [("skyreels", {"enable_diffusion_forcing": True}), ("helios", {"latents_history_short": "latents"})]
+)
 def test_inputs_the_plan_does_not_cut_are_refused_inside_an_sp_group(workers, kind, inputs):
     """SkyReels-V2's diffusion forcing and Helios' history latents: refused inside an SP group
     (naming the class, the input and the fix), never run with unsharded per-token inputs."""
     name = next(iter(inputs))
     for msg in workers.run(adapter_cases.case_refused_inside_sp, kind, inputs):
-        assert re.search(rf"Transformer3DModel with {name} is not supported by dcparallel inside an SP group: .+; "
-                         rf"train without it, or plan SP 1", msg), msg
+        assert re.search(
+            rf"Transformer3DModel with {name} is not supported by dcparallel inside an SP group: .+; "
+            rf"train without it, or plan SP 1",
+            msg,
+        ), msg

@@ -30,11 +30,19 @@ def pools(tmp_path_factory):
 def _cfg(out, max_steps: int) -> dict:
     lengths = out.parent / "lengths.txt"
     lengths.write_text("\n".join(str(16 + (37 * i) % 150) for i in range(40)) + "\n")
-    return {"model": {"num_layers": 2, "hidden": 32, "num_heads": 4, "ffn_hidden": 64},
-            "data": {"lengths": str(lengths)},
-            "train": {"tokens_per_step": 500, "max_steps": max_steps, "out_dir": str(out), "checkpoint_every": 2,
-                      "keep_checkpoints": 3, "pg_timeout_s": 60},
-            "profile": {"cost": "analytic"}}
+    return {
+        "model": {"num_layers": 2, "hidden": 32, "num_heads": 4, "ffn_hidden": 64},
+        "data": {"lengths": str(lengths)},
+        "train": {
+            "tokens_per_step": 500,
+            "max_steps": max_steps,
+            "out_dir": str(out),
+            "checkpoint_every": 2,
+            "keep_checkpoints": 3,
+            "pg_timeout_s": 60,
+        },
+        "profile": {"cost": "analytic"},
+    }
 
 
 def _metrics(out) -> list[dict]:
@@ -73,7 +81,9 @@ def test_world_4_to_2_to_4_loses_and_repeats_nothing(pools, tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["global_step"], x["loss"], y["loss"])
     events = [json.loads(x) for x in (el / "events.jsonl").read_text().splitlines()]
     assert [(e["from_world_size"], e["world_size"], e["step"]) for e in events if e["event"] == "resume"] == [
-        (4, 2, 2), (2, 4, 4)]
+        (4, 2, 2),
+        (2, 4, 4),
+    ]
 
 
 def test_sharded_run_checkpoints_in_dcp_resumes_at_world_2_and_exports(pools, tmp_path):

@@ -109,6 +109,8 @@ def test_zero1_sync_reduces_each_bucket_to_its_shard_owner(workers):
                 assert all(res["full_a"][n].equal(g) for n, g in res["full_b"].items())
             else:
                 assert ((a - b).norm() / a.norm()).item() <= 1e-6
-                assert all(((res["full_a"][n] - g).norm() / res["full_a"][n].norm()).item() <= 1e-6
-                           for n, g in res["full_b"].items())
+                assert all(
+                    ((res["full_a"][n] - g).norm() / res["full_a"][n].norm()).item() <= 1e-6
+                    for n, g in res["full_b"].items()
+                )
             assert ((ca - cb).norm() / ca.norm()).item() <= 1e-6

@@ -42,8 +42,9 @@ def test_families_match_single_process_gradients(workers, kind):
     sp_seen, uneven, rc_seen, worst = set(), False, set(), {}
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
-        ref_loss, ref_grads = reference_once(("hf-families", kind, seed, num_samples),
-                                             lambda: reference(build(kind), data, range(num_samples)))
+        ref_loss, ref_grads = reference_once(
+            ("hf-families", kind, seed, num_samples), lambda: reference(build(kind), data, range(num_samples))
+        )
         plan = out[0][i]["plan"]
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
@@ -55,5 +56,7 @@ def test_families_match_single_process_gradients(workers, kind):
     assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
     assert uneven and (0, 0) in rc_seen and len(rc_seen) >= 3
     top = max(worst, key=worst.get)
-    print(f"\n{kind} world {workers.world}: max rel err {worst[top]:.2e} ({top})"
-          + "".join(f"; {n} {e:.2e}" for n, e in worst.items() if "sinks" in n))
+    print(
+        f"\n{kind} world {workers.world}: max rel err {worst[top]:.2e} ({top})"
+        + "".join(f"; {n} {e:.2e}" for n, e in worst.items() if "sinks" in n)
+    )

@@ -22,23 +22,28 @@ pytestmark = pytest.mark.dist
 
 pytest.importorskip("transformers")
 
+
 @pytest.mark.parametrize("kind", list(PARITY))
 def test_structure_families_match_single_process_gradients(workers, kind):
     seeds, num_samples = [41, 42, 43, 44], 7
     out = workers.run(hf_structure_cases.case_family_engine, kind, seeds, num_samples)
     sp_seen, rc_seen, worst = set(), set(), 0.0
     for i, seed in enumerate(seeds):
-        ref_loss, ref_grads = reference_once(("hf-structure", kind, seed, num_samples),
-                                             lambda: reference(build(kind), make_data(num_samples, seed),
-                                                               range(num_samples)))
+        ref_loss, ref_grads = reference_once(
+            ("hf-structure", kind, seed, num_samples),
+            lambda: reference(build(kind), make_data(num_samples, seed), range(num_samples)),
+        )
         plan = out[0][i]["plan"]
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
-            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
-                        for m in g["micro_batches"]}
+            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]) for m in g["micro_batches"]}
         worst = max(worst, *assert_matches_reference(out, i, ref_loss, ref_grads, kind, seed).values())
-    packed = any(len(m["sample_ids"]) > 1 for i in range(len(seeds)) for g in out[0][i]["plan"]["groups"]
-                 for m in g["micro_batches"])
+    packed = any(
+        len(m["sample_ids"]) > 1
+        for i in range(len(seeds))
+        for g in out[0][i]["plan"]["groups"]
+        for m in g["micro_batches"]
+    )
     assert packed
     assert sp_seen == ({1, 2, 4} if workers.world == 4 else {1, 2}), sp_seen
     assert (0, 0) in rc_seen and len(rc_seen) >= 3, rc_seen

@@ -44,13 +44,13 @@ def test_joint_attention_matches_single_process_gradients(workers, kind):
     sp_seen, rc_seen, worst = set(), set(), 0.0
     for i, seed in enumerate(seeds):
         data = make_data(kind, num_samples, seed)
-        ref_loss, ref_grads = reference_once(("joint", kind, seed, num_samples),
-                                             lambda: reference(build(kind), data, range(num_samples)))
+        ref_loss, ref_grads = reference_once(
+            ("joint", kind, seed, num_samples), lambda: reference(build(kind), data, range(num_samples))
+        )
         plan = out[0][i]["plan"]
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
-            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
-                        for m in g["micro_batches"]}
+            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]) for m in g["micro_batches"]}
             assert all(len({data.shape_of[s] for s in m["sample_ids"]}) == 1 for m in g["micro_batches"])
         total = torch.cat([x.flatten() for x in ref_grads.values()]).norm()
 

@@ -18,8 +18,10 @@ pytest.importorskip("diffusers")
 
 
 # HunyuanVideo in every run; CogVideoX and Mochi (45-75 s each on 2 cores) with DCPARALLEL_SLOW=1
-@pytest.mark.parametrize("kind", ["hunyuan", pytest.param("cogvideox", marks=pytest.mark.slow),
-                                  pytest.param("mochi", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind",
+    ["hunyuan", pytest.param("cogvideox", marks=pytest.mark.slow), pytest.param("mochi", marks=pytest.mark.slow)],
+)
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     out = workers2.run(joint_cases.case_joint_epoch, kind, str(tmp_path / f"{kind}-profile.json"))
     shapes = MIX[kind] * 2

@@ -92,7 +92,9 @@ def test_a_plan_that_differs_on_one_rank_is_caught_at_the_next_checked_step(work
     assert every2[0]["num_steps"] > 5
     for out in every2:
         assert out["steps"] == [0, 1, 2, 3], out
-        assert "the plan of epoch 0 step 4 differs across ranks: ranks [0] hold one plan, rank 1 another" in out["error"]
+        assert (
+            "the plan of epoch 0 step 4 differs across ranks: ranks [0] hold one plan, rank 1 another" in out["error"]
+        )
         assert "group 0: rank 0 has {'ranks'" in out["error"] and "rank 1 has {'ranks'" in out["error"]
     for out in workers.run(loader_cases.case_planted_divergence, 1, 3):
         assert out["steps"] == [0, 1, 2] and "epoch 0 step 3 differs" in out["error"], out
@@ -103,8 +105,9 @@ def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
     different plans (and a hang), so prepare stops every rank with the field, the values per
     rank and the fix; equal budgets prepare."""
     for out in workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_300_000]):
-        assert out["error"].startswith("prepare: memory budget (memory_bytes) differs across ranks (ranks [0]: "
-                                       "1200000; ranks [1]: 1300000)"), out
+        assert out["error"].startswith(
+            "prepare: memory budget (memory_bytes) differs across ranks (ranks [0]: 1200000; ranks [1]: 1300000)"
+        ), out
         assert "pass the same memory_bytes on every rank" in out["error"]
     same = workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_200_000])
     assert same[0]["error"] == "" and same[0]["steps"] == same[1]["steps"] > 1, same

@@ -25,10 +25,12 @@ pytest.importorskip("peft")
 
 NUM_SAMPLES = 6
 #: (shard size, seeds, recompute per seed: random per micro-batch, or off)
-RUNS = {"lora-llama": [(1, [31], [True]), (2, [33], [True])],
-        "lora-wan": [(1, [41], [True]), (2, [43], [True])],
-        "dora-emb-llama": [(1, [51], [True]), (2, [53], [True])],
-        "frozen-llama": [(1, [61], [True]), (2, [63], [False])]}
+RUNS = {
+    "lora-llama": [(1, [31], [True]), (2, [33], [True])],
+    "lora-wan": [(1, [41], [True]), (2, [43], [True])],
+    "dora-emb-llama": [(1, [51], [True]), (2, [53], [True])],
+    "frozen-llama": [(1, [61], [True]), (2, [63], [False])],
+}
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
@@ -66,8 +68,11 @@ def test_trainable_gradients_match_and_frozen_unchanged(workers, kind):
             plan = out[0]["steps"][i]["plan"]
             sizes = {len(g["ranks"]) for g in plan["groups"] if g["micro_batches"]}
             sp_mixed |= {1, 2} <= sizes if shard_size == 1 else len(sizes) > 1
-            rc_seen |= {bool(m["layout"]["recompute"]["attn"] or m["layout"]["recompute"]["mlp"])
-                        for g in plan["groups"] for m in g["micro_batches"]}
+            rc_seen |= {
+                bool(m["layout"]["recompute"]["attn"] or m["layout"]["recompute"]["mlp"])
+                for g in plan["groups"]
+                for m in g["micro_batches"]
+            }
             for r, res in enumerate(out):
                 step = res["steps"][i]
                 assert abs(step["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (kind, shard_size, seed, r)
@@ -113,9 +118,9 @@ def _autocast_reference(seed: int) -> tuple[float, dict]:
 
 def test_autocast_bf16_forward_with_sp_mixed(workers):
     """DataCentricTrainer's bf16=True path: each forward under autocast to bfloat16 on a plan
-    with SP 1 and SP > 1 in one step, recompute as planned and off. The gradients stay fp32; against the single process under the
-    same autocast (one sample at a time) they differ by bf16 rounding only: less than the
-    single process's own distance to fp32."""
+    with SP 1 and SP > 1 in one step, recompute as planned and off. The gradients stay fp32;
+    against the single process under the same autocast (one sample at a time) they differ by
+    bf16 rounding only: less than the single process's own distance to fp32."""
     out = workers.run(lora_cases.case_autocast_step, 75, NUM_SAMPLES)
     ref_loss, ref_grads = _autocast_reference(75)
     fp32_loss, fp32_grads = _reference("lora-llama", 75)
@@ -125,15 +130,20 @@ def test_autocast_bf16_forward_with_sp_mixed(workers):
         groups = run["plan"]["groups"]
         sizes = {len(g["ranks"]) for g in groups if g["micro_batches"]}
         assert 1 in sizes and max(sizes) > 1, sizes  # SP 1 and 2 at world 2 (1 and 4 at world 4)
-        recompute |= {bool(m["layout"]["recompute"]["attn"] or m["layout"]["recompute"]["mlp"])
-                      for g in groups for m in g["micro_batches"]}
+        recompute |= {
+            bool(m["layout"]["recompute"]["attn"] or m["layout"]["recompute"]["mlp"])
+            for g in groups
+            for m in g["micro_batches"]
+        }
         for res in (runs[i] for runs in out):
             assert res["dtypes"] == ["torch.float32"] and set(res["grads"]) == set(ref_grads)
             assert abs(res["loss"] - ref_loss) <= 1e-3 * abs(ref_loss), (res["loss"], ref_loss)
             worst = max([worst] + [rel_err(g, ref_grads[n]) for n, g in res["grads"].items()])
     assert recompute == {True, False}, recompute  # torch's checkpoint recomputes under the autocast
-    print(f"\nautocast world {workers.world}: loss {out[0][0]['loss']:.6f}, one process {ref_loss:.6f}, fp32 "
-          f"{fp32_loss:.6f}; max rel err {worst:.2e} (one process's to fp32: {bf16_vs_fp32:.2e})")
+    print(
+        f"\nautocast world {workers.world}: loss {out[0][0]['loss']:.6f}, one process {ref_loss:.6f}, fp32 "
+        f"{fp32_loss:.6f}; max rel err {worst:.2e} (one process's to fp32: {bf16_vs_fp32:.2e})"
+    )
     assert worst <= bf16_vs_fp32, (worst, bf16_vs_fp32)
 
 
@@ -155,8 +165,10 @@ def test_gradient_and_optimizer_bytes_are_the_adapters(workers, shard_size):
         assert res["optimizer_bytes"] == 8 * (per_rank if shard_size == 1 else n // shard_size)
         assert res["grad_bytes"] + res["optimizer_bytes"] < 0.3 * 12 * res["model_numel"] / w
     r = out[0]
-    print(f"\nshard {shard_size}: adapters {r['adapter_numel']} of {r['model_numel']} parameters; per rank "
-          f"gradients {r['grad_bytes']} B, optimizer {r['optimizer_bytes']} B")
+    print(
+        f"\nshard {shard_size}: adapters {r['adapter_numel']} of {r['model_numel']} parameters; per rank "
+        f"gradients {r['grad_bytes']} B, optimizer {r['optimizer_bytes']} B"
+    )
 
 
 def test_prepare_refuses_adapters_initialized_apart(workers):

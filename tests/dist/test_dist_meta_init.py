@@ -78,8 +78,10 @@ def test_meta_model_loads_within_a_shard_of_memory(workers, tmp_path, kind):
         assert meta[r]["peak"] <= bound, (r, meta[r]["peak"], bound, whole32)
         # the bound tells the two recipes apart: the whole model on one rank exceeds it
         assert whole[r]["peak"] > bound, (r, whole[r]["peak"], bound)
-    print(f"{kind}: peak {[m['peak'] for m in meta]} B per rank (whole-model recipe "
-          f"{[w['peak'] for w in whole]}), bound {bound}, whole fp32 model {whole32}")
+    print(
+        f"{kind}: peak {[m['peak'] for m in meta]} B per rank (whole-model recipe "
+        f"{[w['peak'] for w in whole]}), bound {bound}, whole fp32 model {whole32}"
+    )
 
 
 def _reference(kind: str, model: torch.nn.Module, seed: int):
@@ -100,8 +102,11 @@ def test_meta_model_step_matches_the_saved_model(workers, tmp_path, kind):
             assert torch.equal(out[r]["buffers"][n], b), (r, n)
     if kind == "hf-llama":
         assert "model.rotary_emb.inv_freq" in bufs
-    tied = sorted(n for n, p in cpu.named_parameters(remove_duplicate=False)
-                  if any(q is p and m != n for m, q in cpu.named_parameters(remove_duplicate=False)))
+    tied = sorted(
+        n
+        for n, p in cpu.named_parameters(remove_duplicate=False)
+        if any(q is p and m != n for m, q in cpu.named_parameters(remove_duplicate=False))
+    )
     assert out[0]["tied"] == tied and (kind != "llama-tied" or tied)  # the tie survives materializing
     for i, seed in enumerate(SEEDS):
         ref_loss, ref_grads = _reference(kind, cpu, seed)

@@ -49,8 +49,10 @@ def test_every_rank_holds_the_same_whole_profile(out):
     for b in ("t16", "t40", "t64"):
         for sp in (1, 2):
             for mode in ("none", "full"):
-                assert any(e["bucket"] == b and e["sp"] == sp and e["recompute"] == mode and e["feasible"]
-                           for e in p["entries"]), (b, sp, mode)
+                assert any(
+                    e["bucket"] == b and e["sp"] == sp and e["recompute"] == mode and e["feasible"]
+                    for e in p["entries"]
+                ), (b, sp, mode)
     assert all(o["reused"] and o["reused_same"] for o in out)  # the second call reused the file on both ranks
 
 

@@ -59,7 +59,9 @@ def test_an_error_on_one_rank_stops_both_with_it(workers):
         workers.run(cases.case_fail, 2, "forward", True)
     text = str(info.value)
     rank0, rank1 = text.split("--- rank 1 ---")
-    assert "RuntimeError: rank 1 of SP group [0, 1] failed while profiling (ValueError: injected at depth 2 " \
-           "(forward) on rank 1)" in rank0
+    assert (
+        "RuntimeError: rank 1 of SP group [0, 1] failed while profiling (ValueError: injected at depth 2 "
+        "(forward) on rank 1)" in rank0
+    )
     assert "ValueError: injected at depth 2 (forward) on rank 1" in rank1
     assert "imed out" not in text and "imeout" not in text

@@ -44,25 +44,30 @@ def _assemble(out: list[dict], name: str) -> torch.Tensor:
     return whole
 
 
-@pytest.mark.parametrize(("ring", "pattern", "heads", "kv_heads"), [
-    (2, AttnPattern("causal"), 4, 2),
-    (4, AttnPattern("causal"), 4, 1),
-    (2, AttnPattern("full"), 4, 4),
-    (4, AttnPattern("causal", window=5), 2, 1),
-    (1, AttnPattern("causal"), 4, 2),
-], ids=["u2r2-causal-gqa", "u1r4-causal-1kv", "u2r2-full", "u1r4-window", "u4r1"])
+@pytest.mark.parametrize(
+    ("ring", "pattern", "heads", "kv_heads"),
+    [
+        (2, AttnPattern("causal"), 4, 2),
+        (4, AttnPattern("causal"), 4, 1),
+        (2, AttnPattern("full"), 4, 4),
+        (4, AttnPattern("causal", window=5), 2, 1),
+        (1, AttnPattern("causal"), 4, 2),
+    ],
+    ids=["u2r2-causal-gqa", "u1r4-causal-1kv", "u2r2-full", "u1r4-window", "u4r1"],
+)
 def test_ring_op_matches_full_attention(workers4, ring, pattern, heads, kv_heads):
     out = workers4.run(ring_cases.case_op, ring, pattern, heads, kv_heads, 11)
     cu = ring_cases.cu_of(ring_cases.OP_DOCS)
     padded = sum(o["out"].shape[1] for o in out)
-    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(ring_cases.op_inputs(11, heads, kv_heads,
-                                                                                       padded_len=padded)))
+    q, k, v, dout = (
+        t.requires_grad_(i < 3) for i, t in enumerate(ring_cases.op_inputs(11, heads, kv_heads, padded_len=padded))
+    )
     ref = sdpa_attention(q, k, v, pattern, cu)
     ref.backward(dout)
     for name, want in (("out", ref.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         got = _assemble(out, name)
         assert rel_err(got, want) <= RTOL, (name, rel_err(got, want))
-    assert float(_assemble(out, "out")[:, cu[-1]:].abs().max()) == 0.0  # padding's output is zero
+    assert float(_assemble(out, "out")[:, cu[-1] :].abs().max()) == 0.0  # padding's output is zero
 
 
 @pytest.mark.parametrize("ring", [2, 4], ids=["u2r2", "u1r4"])
@@ -80,8 +85,12 @@ def test_joint_text_video_attention_under_ring_matches_one_softmax(workers4, rin
     q, k, v = (torch.cat([a, b], 1).transpose(1, 2) for a, b in zip(video, text, strict=True))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keys).transpose(1, 2)
     torch.autograd.backward([ref[:, :n], ref[:, n:]], [x["video"][3][:, :n], x["text"][3]])
-    for name, want in (("out", ref[:, :n].detach()), ("dq", video[0].grad), ("dk", video[1].grad),
-                       ("dv", video[2].grad)):
+    for name, want in (
+        ("out", ref[:, :n].detach()),
+        ("dq", video[0].grad),
+        ("dk", video[1].grad),
+        ("dv", video[2].grad),
+    ):
         got = _assemble(out, name)
         assert rel_err(got[:, :n], want) <= RTOL, (name, rel_err(got[:, :n], want))
         assert float(got[:, n:].abs().max()) == 0.0, name  # padding: no output, no gradient
@@ -92,11 +101,15 @@ def test_joint_text_video_attention_under_ring_matches_one_softmax(workers4, rin
         assert rel_err(got, t.grad) <= RTOL, (name, rel_err(got, t.grad))
 
 
-@pytest.mark.parametrize(("pattern", "sinks", "needle"), [
-    (AttnPattern("causal", softcap=5.0), False, "softcapping (softcap=5.0)"),
-    (AttnPattern("causal"), True, "attention sinks"),
-    (AttnPattern("spatial", frames=2), False, "'spatial' attention factorizes by frames"),
-], ids=["softcap", "sinks", "spatial"])
+@pytest.mark.parametrize(
+    ("pattern", "sinks", "needle"),
+    [
+        (AttnPattern("causal", softcap=5.0), False, "softcapping (softcap=5.0)"),
+        (AttnPattern("causal"), True, "attention sinks"),
+        (AttnPattern("spatial", frames=2), False, "'spatial' attention factorizes by frames"),
+    ],
+    ids=["softcap", "sinks", "spatial"],
+)
 def test_ring_refuses_what_it_does_not_compute(workers4, pattern, sinks, needle):
     for msg in workers4.run(ring_cases.case_op_refused, pattern, sinks):
         assert needle in msg and "ring degree 1" in msg, msg
@@ -182,9 +195,11 @@ def _fastest_measured(entries: list[dict], sp: int) -> int:
     """The ring degree of the split measured fastest for one sample of a bucket at ``sp`` (its
     time without recomputation where that fits, else with full recomputation); ties to the
     smaller ring degree (the larger Ulysses degree)."""
+
     def seconds(ring: int) -> float:
-        by_mode = {e["recompute"]: e["time_s"] for e in entries
-                   if e["sp"] == sp and e["ring"] == ring and e["feasible"]}
+        by_mode = {
+            e["recompute"]: e["time_s"] for e in entries if e["sp"] == sp and e["ring"] == ring and e["feasible"]
+        }
         return by_mode.get("none", by_mode.get("full", float("inf")))
 
     return min(sorted({e["ring"] for e in entries if e["sp"] == sp}), key=seconds)
@@ -209,4 +224,3 @@ def test_diffusers_wan_runs_ring_2_exactly(workers4):
     out = workers4.run(ring_cases.case_wan_ring, seed)
     ref_loss, ref_grads = wan_reference(build("wan"), wan_data("wan", 3, seed), range(3))
     _assert_matches(out, ref_loss, ref_grads)
-

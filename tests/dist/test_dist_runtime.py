@@ -87,13 +87,15 @@ def test_random_plans_match_single_process_gradients(workers, kind, backward_out
         uneven_counts |= len({len(g["micro_batches"]) for g in plan["groups"]}) > 1
         # ranks in three phases run narrow groups' micro-batches, then a wide group's, then narrow ones again
         busy = [(g["phase"], len(g["ranks"])) for g in plan["groups"] if g["micro_batches"]]
-        phased |= (1, workers.world) in busy and any(p == 0 and k < workers.world for p, k in busy) and any(
-            p == 2 and k < workers.world for p, k in busy)
+        phased |= (
+            (1, workers.world) in busy
+            and any(p == 0 and k < workers.world for p, k in busy)
+            and any(p == 2 and k < workers.world for p, k in busy)
+        )
         for g in plan["groups"]:
             sp_seen.add(len(g["ranks"]))
             idle_seen |= not g["micro_batches"]
-            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"])
-                        for m in g["micro_batches"]}
+            rc_seen |= {(m["layout"]["recompute"]["attn"], m["layout"]["recompute"]["mlp"]) for m in g["micro_batches"]}
         for r, res in enumerate(out):
             assert res[i]["plan"] == plan
             assert abs(res[i]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (r, seed, res[i]["loss"], ref_loss)

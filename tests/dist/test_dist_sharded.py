@@ -43,10 +43,12 @@ def workers(tmp_path_factory):
 
 def _reference(kind: str, seed: int):
     if kind in sharded_cases.SUPPORT_KINDS:
-        return support.reference(support.make_model(kind), support.make_data(kind, NUM_SAMPLES, seed),
-                                 list(range(NUM_SAMPLES)))
-    return adapter_models.reference(adapter_models.build(kind), adapter_models.make_data(kind, NUM_SAMPLES, seed),
-                                    range(NUM_SAMPLES))
+        return support.reference(
+            support.make_model(kind), support.make_data(kind, NUM_SAMPLES, seed), list(range(NUM_SAMPLES))
+        )
+    return adapter_models.reference(
+        adapter_models.build(kind), adapter_models.make_data(kind, NUM_SAMPLES, seed), range(NUM_SAMPLES)
+    )
 
 
 def _check_parity(workers, kind: str, shard_size: int) -> float:
@@ -95,8 +97,19 @@ def test_dit_shard2_matches_single_process(workers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,shard_size", [("dit", 4), ("hf-llama", 2), ("hf-llama", 4), ("wan", 2), ("wan", 4),
-                                             ("llama-tied", 2), ("dit-factorized", 2), ("hf-qwen3", 2)])
+@pytest.mark.parametrize(
+    "kind,shard_size",
+    [
+        ("dit", 4),
+        ("hf-llama", 2),
+        ("hf-llama", 4),
+        ("wan", 2),
+        ("wan", 4),
+        ("llama-tied", 2),
+        ("dit-factorized", 2),
+        ("hf-qwen3", 2),
+    ],
+)
 def test_library_models_sharded_match_single_process(workers, kind, shard_size):
     pytest.importorskip("transformers")
     pytest.importorskip("diffusers")
@@ -309,8 +322,12 @@ def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
     and the fix."""
     states = sharded_profile_cases.deep_dit_states(4)
     assert states[1] > states[2] > states[4], states
-    budgets = [int(1.01 * states[1]), int((states[1] + states[2]) / 2), int((states[2] + states[4]) / 2),
-               int(0.9 * states[4])]
+    budgets = [
+        int(1.01 * states[1]),
+        int((states[1] + states[2]) / 2),
+        int((states[2] + states[4]) / 2),
+        int(0.9 * states[4]),
+    ]
     out = workers.run(sharded_profile_cases.case_auto_shard_size, budgets)
     decided = [[(x.get("shard_size"), x.get("error")) for x in o] for o in out]
     assert all(d == decided[0] for d in decided), decided  # the same on every rank

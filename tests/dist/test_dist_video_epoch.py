@@ -20,10 +20,22 @@ pytestmark = pytest.mark.dist
 
 
 # the Wan look-alikes (5-6 s each on 2 cores) and Flux 2 (about 20 s) with DCPARALLEL_SLOW=1
-@pytest.mark.parametrize("kind", ["dit", "wan", "wan-i2v", "wan22-i2v", pytest.param("skyreels", marks=pytest.mark.slow),
-                                  pytest.param("vace", marks=pytest.mark.slow),
-                                  pytest.param("helios", marks=pytest.mark.slow), "ltx", "flux", "qwenimage",
-                                  pytest.param("flux2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "dit",
+        "wan",
+        "wan-i2v",
+        "wan22-i2v",
+        pytest.param("skyreels", marks=pytest.mark.slow),
+        pytest.param("vace", marks=pytest.mark.slow),
+        pytest.param("helios", marks=pytest.mark.slow),
+        "ltx",
+        "flux",
+        "qwenimage",
+        pytest.param("flux2", marks=pytest.mark.slow),
+    ],
+)
 def test_mixed_resolution_epoch_trains_under_every_policy(workers2, kind, tmp_path):
     pytest.importorskip("diffusers")
     out = workers2.run(video_cases.case_video_epoch, kind, str(tmp_path / f"{kind}-profile.json"))

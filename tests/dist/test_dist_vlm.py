@@ -32,10 +32,19 @@ pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
 
 SEEDS, NUM_SAMPLES = [31, 32, 33, 34], 8
-TOWER_BLOCKS = ("model.visual.blocks.", "model.vision_tower.encoder.", "model.vision_model.encoder.",
-                "model.vision_tower.vision_model.encoder.")
-VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.",
-          "model.connector.")
+TOWER_BLOCKS = (
+    "model.visual.blocks.",
+    "model.vision_tower.encoder.",
+    "model.vision_model.encoder.",
+    "model.vision_tower.vision_model.encoder.",
+)
+VISION = (
+    "model.visual.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.vision_model.",
+    "model.connector.",
+)
 
 
 def _owners(data, sids, sp: int) -> set[int]:
@@ -55,8 +64,10 @@ def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
         data = vlm_families.make_data(NUM_SAMPLES, seed, kind)
         ref_loss, ref_grads = reference_once(
             ("vlm", kind, seed, freeze_vision),
-            lambda: vlm_families.reference(vlm_families.build(kind, freeze_vision=freeze_vision), data,
-                                           range(NUM_SAMPLES)))
+            lambda: vlm_families.reference(
+                vlm_families.build(kind, freeze_vision=freeze_vision), data, range(NUM_SAMPLES)
+            ),
+        )
         assert any(n.startswith(TOWER_BLOCKS) for n in ref_grads) != freeze_vision
         plan = out[0][i]["plan"]
         for g in plan["groups"]:
@@ -76,8 +87,10 @@ def test_vlm_matches_single_process_gradients(workers, kind, freeze_vision):
         assert dealt and (0, 0) in rc_seen and len(rc_seen) >= 3, (dealt, rc_seen)
     top = max(worst, key=worst.get)
     vis = max((e for n, e in worst.items() if n.startswith(VISION)), default=0.0)
-    print(f"\n{kind} {'frozen' if freeze_vision else 'trainable'} world {workers.world}: max rel err "
-          f"{worst[top]:.2e} ({top}); vision tower {vis:.2e}")
+    print(
+        f"\n{kind} {'frozen' if freeze_vision else 'trainable'} world {workers.world}: max rel err "
+        f"{worst[top]:.2e} ({top}); vision tower {vis:.2e}"
+    )
 
 
 @pytest.mark.slow  # a profile and an epoch: about 25 s of the pool's time on a loaded 2-core machine

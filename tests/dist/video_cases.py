@@ -28,8 +28,13 @@ def case_video_epoch(kind: str, profile_path: str) -> dict:
 
     def setup(policy: str):
         model = _model(kind)
-        dc = DataCentricParallel(model, policy=policy, research=True, memory_bytes=2**30, **({} if kind == "dit" else
-                                                                                {"context_tokens": TEXT.get(kind, 5)}))
+        dc = DataCentricParallel(
+            model,
+            policy=policy,
+            research=True,
+            memory_bytes=2**30,
+            **({} if kind == "dit" else {"context_tokens": TEXT.get(kind, 5)}),
+        )
         if kind == "dit":
             return model, dc, VideoSet(kind, shapes, model)
         return model, dc, [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]

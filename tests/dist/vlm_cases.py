@@ -20,8 +20,14 @@ def case_vlm_engine(kind: str, seeds: list[int], num_samples: int, freeze_vision
     results = []
     for i, seed in enumerate(seeds):
         data = vlm_families.make_data(num_samples, seed, kind)
-        plan = random_plan(data, list(range(num_samples)), dist.get_world_size(), seed,
-                           num_layers=dc.adapter.spec.num_layers, mode=PLAN_MODES[i % len(PLAN_MODES)])
+        plan = random_plan(
+            data,
+            list(range(num_samples)),
+            dist.get_world_size(),
+            seed,
+            num_layers=dc.adapter.spec.num_layers,
+            mode=PLAN_MODES[i % len(PLAN_MODES)],
+        )
         loss = adapter_step(dc, plan, data, vlm_families.item)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append({"loss": loss, "grads": grads, "plan": plan.to_json()})
@@ -42,9 +48,14 @@ def case_vlm_epoch(kind: str, num_samples: int, profile_path: str) -> dict:
     data = vlm_families.make_data(num_samples, 5, kind)
     model = vlm_families.build(kind)
     dc = DataCentricParallel(model, memory_bytes=2**30, gpus_per_node=dist.get_world_size())
-    loader = dc.prepare(data.samples, lengths=[vlm_families.size(s) for s in data.samples],
-                        samples_per_step=8, profile_path=profile_path, profiler_config=EPOCH_PROFILE,
-                        planning="thread")
+    loader = dc.prepare(
+        data.samples,
+        lengths=[vlm_families.size(s) for s in data.samples],
+        samples_per_step=8,
+        profile_path=profile_path,
+        profiler_config=EPOCH_PROFILE,
+        planning="thread",
+    )
     ran, losses = [], []
     for step, loss in train_steps(dc, model, loader, dc.optimizer(lr=1e-3)):
         ran += [(step.index, batch.ranks, batch.sample_ids, batch.layout.sp) for batch in step]
