@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
@@ -17,6 +17,7 @@ from dcparallel.cost.schema import Profile
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import NAMES
+from dcparallel.plan.types import NoLayoutFits
 from dcparallel.sim.run import run_policies, summary
 from dcparallel.spec import STATIC_MODES, ClusterSpec, Workload, llama_like
 
@@ -160,6 +161,9 @@ def test_no_plan_of_any_policy_beats_the_bound(case, steps_per_epoch):
     w = Workload(model, sizes)
     tokens = max(1, sum(w.tokens) // steps_per_epoch)
     names = [n for n in NAMES if n != "flexsp"]
-    _, _, runs, bound = run_policies(w, AnalyticCost(model, cl), cl, names, tokens_per_step=tokens)
+    try:
+        _, _, runs, bound = run_policies(w, AnalyticCost(model, cl), cl, names, tokens_per_step=tokens)
+    except NoLayoutFits:
+        reject()  # a sample too long for this world's memory (the small model at one rank): no plan to bound
     for name, v in summary(w, runs, bound).items():
         assert v["lower_bound_efficiency"] <= 1.0 + 1e-9, (name, v["lower_bound_efficiency"])

@@ -7,6 +7,7 @@ import pytest
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.portfolio import FinerClasses
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.runtime.rollout_step import RolloutPlanner
@@ -24,7 +25,7 @@ def _from_scratch(lengths: list[int], index: int, world: int, policy: str):
     ctx = PlanContext(Workload(MODEL, tuple(lengths)), AnalyticCost(MODEL, cluster), cluster)
     planner = make_planner(policy, ctx, [Step(index, tuple(range(len(lengths))))], score=step_seconds(ctx))
     plan = planner.plan(Step(index, tuple(range(len(lengths)))))
-    finer = getattr(planner, "finer_classes", None)
+    finer = next((c for c in getattr(planner, "class_level", ()) if isinstance(c, FinerClasses)), None)
     return plan, finer is not None and finer._planner.value is not None
 
 
