@@ -10,7 +10,9 @@ from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.profile import Profiler, ProfilerConfig, load_or_profile, model_spec, text_inputs
 
 
-def _profiler(**cfg) -> Profiler:
+def tiny_profiler(make_inputs=None, **cfg) -> tuple[Profiler, Llama]:
+    """A profiler of a 3-layer tiny Llama with one round per layout, ``cfg`` overriding its
+    `ProfilerConfig`; ``make_inputs(model, inputs)`` wraps its input builder. Returns the model too."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
     spec = model_spec(
@@ -24,18 +26,15 @@ def _profiler(**cfg) -> Profiler:
         attention="causal",
         vocab_size=64,
     )
-    config = ProfilerConfig(
-        **{
-            "repeats": 1,
-            "max_repeats": 1,
-            "warmup": 1,
-            "max_mbs": 2,
-            "min_time_s": 0.0,
-            "modes": ("none", "full"),
-            **cfg,
-        }
-    )
-    return Profiler(model, list(model.layers), text_inputs(model, torch.device("cpu")), spec=spec, config=config)
+    base = {"repeats": 1, "max_repeats": 1, "warmup": 1, "max_mbs": 2, "min_time_s": 0.0, "modes": ("none", "full")}
+    config = ProfilerConfig(**{**base, **cfg})
+    inputs = text_inputs(model, torch.device("cpu"))
+    inputs = make_inputs(model, inputs) if make_inputs else inputs
+    return Profiler(model, list(model.layers), inputs, spec=spec, config=config), model
+
+
+def _profiler(**cfg) -> Profiler:
+    return tiny_profiler(**cfg)[0]
 
 
 def case_profile(path: str) -> dict:

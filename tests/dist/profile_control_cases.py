@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from dcparallel.models.llama import Llama, LlamaConfig
-from dcparallel.profile import Profiler, ProfilerConfig, model_spec, text_inputs
+from dcparallel.models.llama import Llama
+from dcparallel.profile import Profiler
 from dcparallel.runtime import comm
 from dcparallel.spec import Recompute
+from tests.dist.profile_cases import tiny_profiler
 
 #: the control groups' timeout in these workers: far above the default group's 5 s
 CONTROL_TIMEOUT_S = "120"
@@ -19,34 +20,7 @@ CONTROL_TIMEOUT_S = "120"
 
 def _profiler(make_inputs=None, **cfg) -> tuple[Profiler, Llama]:
     os.environ["DCPARALLEL_CONTROL_TIMEOUT_S"] = CONTROL_TIMEOUT_S  # read when the control group is made
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=48))
-    spec = model_spec(
-        model,
-        list(model.layers),
-        name="tiny",
-        kind="text",
-        hidden=32,
-        num_heads=4,
-        ffn_hidden=48,
-        attention="causal",
-        vocab_size=64,
-    )
-    config = ProfilerConfig(
-        **{
-            "repeats": 1,
-            "max_repeats": 1,
-            "warmup": 1,
-            "max_mbs": 2,
-            "min_time_s": 0.0,
-            "modes": ("none", "full"),
-            **cfg,
-        }
-    )
-    inputs = text_inputs(model, torch.device("cpu"))
-    return Profiler(
-        model, list(model.layers), make_inputs(model, inputs) if make_inputs else inputs, spec=spec, config=config
-    ), model
+    return tiny_profiler(make_inputs, **cfg)
 
 
 def case_slow_rank(delay_s: float) -> dict:
