@@ -31,7 +31,7 @@ from dcparallel.cost.base import (
 )
 from dcparallel.cost.batch import Batches, TermsArray, exact_pow
 from dcparallel.cost.calibration_fit import Calibration, _attn_share, _layer_params, _smoothmax, fit_calibration
-from dcparallel.cost.heads import ULYSSES_CALLS, a2a_hidden_units
+from dcparallel.cost.heads import layer_a2a_calls, layer_a2a_units
 from dcparallel.cost.ring import SplitTime, best_split, check_ring, layer_comm
 from dcparallel.cost.shard import ShardComm
 from dcparallel.cost.vision import VisionTable, sample_vision, vision_price
@@ -233,21 +233,16 @@ class AnalyticCost:
         c_attn = smax(cal.floor_s * self._share, lin * self._share + pr * self._attn, cal.p)
         c_mlp = smax(cal.floor_s * (1 - self._share), lin * (1 - self._share), cal.p)
         act_bytes = n * m.hidden * m.bytes_per_value
-        if m.attention == "factorized":
-            a2a_fwd = 2  # switch the sharded axis between the spatial and temporal block
-        else:  # q, k, v to head sharding, output back, in units of a hidden-sized activation; grouped
-            # k, v are smaller (repeated if sp needs), MLA values and outputs have their own head size
-            a2a_fwd = (
-                np.array([[m.attn_per_layer * a2a_hidden_units(m, int(k)) for k in sp.ravel()]])
-                if array
-                else m.attn_per_layer * a2a_hidden_units(m, sp)
-            )
         if self.cluster.ring:  # each micro-batch at its best (Ulysses, ring) split (`cost.ring`)
             comm, comm_fwd = layer_comm(m, self.cluster, n_tok, pairs, sp, self._attn, array)
-        else:  # the bytes of a2a_fwd hidden-sized units, a latency per call the runtime makes
+        else:  # the bytes of the layer's hidden-sized units, a latency per call the runtime makes:
+            # per attention sub-block (a factorized pair's two as well) q, k, v to head sharding
+            # and the output back; grouped k, v smaller (repeated if sp needs), MLA values and
+            # outputs at their own head size (`cost.heads.layer_a2a_units`)
+            a2a_fwd = np.array([[layer_a2a_units(m, int(k)) for k in sp.ravel()]]) if array else layer_a2a_units(m, sp)
             a2a = alltoall_time_many if array else alltoall_time
             t_a2a, t_lat = a2a(self.cluster, sp, act_bytes), a2a(self.cluster, sp, 0.0 * act_bytes)
-            comm_fwd = a2a_fwd * (t_a2a - t_lat) + ULYSSES_CALLS * m.attn_per_layer * t_lat
+            comm_fwd = a2a_fwd * (t_a2a - t_lat) + layer_a2a_calls(m) * t_lat
             comm = 2 * comm_fwd
         layer_time = compute + comm
         dt_attn = cal.phi_attn * c_attn + comm_fwd  # recomputed attention repeats its forward communication

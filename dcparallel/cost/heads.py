@@ -1,6 +1,6 @@
 """What Ulysses moves for a model's heads: how often each key / value head is repeated so
-that the heads split evenly over an SP group, and the all-to-all volume that follows (read by
-the cost models and by `runtime.ulysses`)."""
+that the heads split evenly over an SP group, and the all-to-all volume that follows, per
+attention sub-block and per planner layer (read by the cost models and by `runtime.ulysses`)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def a2a_hidden_units(model: ModelSpec, sp: int) -> float:
     qk = model.head_dim * model.num_heads / model.hidden if model.head_dim else 1.0
     v = model.v_head_dim * model.num_heads / model.hidden if model.v_head_dim else qk
     return (1 + kv_heads_sent(model.kv_heads, sp) / model.num_heads) * (qk + v)
+
+
+def layer_a2a_units(model: ModelSpec, sp: int) -> float:
+    """What one planner layer's Ulysses all-to-alls move forward per token, in units of the
+    hidden size: every attention sub-block sends its q, k, v to head sharding and its output
+    back (`a2a_hidden_units`) — each of a factorized DiT pair's spatial and temporal blocks
+    too, since `runtime.ulysses` hands each block the whole row for its heads, frames and
+    all (8 units a pair of multi-head blocks)."""
+    return model.attn_per_layer * a2a_hidden_units(model, sp)
+
+
+def layer_a2a_calls(model: ModelSpec) -> int:
+    """All-to-all calls one planner layer's forward makes: `ULYSSES_CALLS` per attention
+    sub-block."""
+    return ULYSSES_CALLS * model.attn_per_layer
