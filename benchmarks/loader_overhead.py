@@ -11,11 +11,17 @@ in this process (each rank loads and collates only its own group's micro-batches
 baseline is rank 0 under DDP: every world-th sample of each step, packed into one row.
 ``--io-ms`` adds a sleep per sample read, standing for storage latency.
 
+The dcparallel rows cover where planning runs: in the iterating thread (``lookahead=0``), in
+the loader's planning process (``planning="process"``, the default, started before the
+epoch as the trainer does), or in a background thread of this process (``planning="thread"``).
+
 Measured, per step (median and mean over the epoch):
-  plan      planner.plan() alone (lookahead=0: in the iterating thread)
+  plan      planner.plan() alone (in this thread; wall and processor time)
   iterate   next() of the loader with nothing else running (plan + load + collate)
   exposed   next() while the loop runs ~`--compute-ms` of torch compute per step (1 thread):
-            what training waits for once planning (thread) and loading (workers) overlap.
+            what training waits for once planning (process or thread) and loading (workers)
+            overlap with it.
+Each in wall time and in the iterating thread's processor time (`timed_next`).
 """
 
 from __future__ import annotations
@@ -70,16 +76,20 @@ def compute(ms: float, x: torch.Tensor) -> None:
         x = x / x.norm()
 
 
-def timed_next(it, compute_ms: float) -> list[float]:
+def timed_next(it, compute_ms: float) -> tuple[list[float], list[float]]:
+    """Wall seconds of each next(), and the processor seconds this (the iterating) thread spent
+    in it: the second leaves out the planning thread or process and the DataLoader workers,
+    and what other jobs on a loaded machine take from the wall."""
     x = torch.randn(256, 256)
-    out = []
+    out, cpu = [], []
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             item = next(it)
         except StopIteration:
-            return out
+            return out, cpu
         out.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         del item
         if compute_ms:
             compute(compute_ms, x)
@@ -142,13 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     loader = dcp(lookahead=0)
     results["build_s"] = time.perf_counter() - t0  # lengths, fit check, steps
-    planner = loader.planner(0)
-    plan_times = []
+    c = time.process_time()
+    planner = loader.planner(0)  # built once per epoch: `dcp` tunes its static layouts here
+    results["planner_build_cpu_s"] = time.process_time() - c
+    plan_times, plan_cpu = [], []
     for s in loader.steps(0):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         planner.plan(s)
         plan_times.append(time.perf_counter() - t)
+        plan_cpu.append(time.process_time() - c)
     results["plan"] = stats(plan_times)
+    results["plan_cpu"] = stats(plan_cpu)  # processor time: what a loaded machine inflates least
     loaded, held = [], []
     for p in loader.plans(0):
         work = p.work_of(0)
@@ -163,22 +177,31 @@ def main(argv: list[str] | None = None) -> int:
         ("plain DataLoader, 0 workers", lambda: plain(0)),
         ("plain DataLoader, 2 workers", lambda: plain(2)),
         ("dcparallel, lookahead 0, 0 workers", lambda: dcp(lookahead=0, num_workers=0)),
-        ("dcparallel, lookahead 2, 0 workers", lambda: dcp(lookahead=2, num_workers=0)),
-        ("dcparallel, lookahead 2, 2 workers", lambda: dcp(lookahead=2, num_workers=2, prefetch_factor=4)),
+        ("dcparallel, lookahead 2, thread, 0 workers", lambda: dcp(lookahead=2, planning="thread")),
+        ("dcparallel, lookahead 2, process, 0 workers", lambda: dcp(lookahead=2, planning="process")),
+        (
+            "dcparallel, lookahead 2, process, 2 workers",
+            lambda: dcp(lookahead=2, planning="process", num_workers=2, prefetch_factor=4),
+        ),
     ]:
         for mode, ms in (("iterate", 0.0), ("exposed", args.compute_ms)):
-            it = iter(make())
-            xs = timed_next(it, ms)
-            rows.append({"loader": name, "mode": mode, **stats(xs)})
+            source = make()
+            if isinstance(source, DataCentricLoader):
+                source.start_planning()  # as the trainer does: not in step 1's time
+            xs, cpu = timed_next(iter(source), ms)
+            if isinstance(source, DataCentricLoader):
+                source.close()
+            rows.append({"loader": name, "mode": mode, **stats(xs), "thread_cpu": stats(cpu)})
             print(
-                f"{name:38s} {mode:8s} median {rows[-1]['median_ms']:7.2f} ms  mean {rows[-1]['mean_ms']:7.2f} ms"
-                f"  ({len(xs)} steps)",
+                f"{name:44s} {mode:8s} median {rows[-1]['median_ms']:7.2f} ms  mean {rows[-1]['mean_ms']:7.2f} ms"
+                f"  thread CPU median {rows[-1]['thread_cpu']['median_ms']:6.2f} ms  ({len(xs)} steps)",
                 flush=True,
             )
     results["rows"] = rows
     print(
         f"plan alone: median {results['plan']['median_ms']:.2f} ms, mean {results['plan']['mean_ms']:.2f} ms "
-        f"per step; build {results['build_s']:.2f} s; {len(steps)} steps"
+        f"per step (CPU: median {results['plan_cpu']['median_ms']:.2f} ms); "
+        f"build {results['build_s']:.2f} s, planner {results['planner_build_cpu_s']:.2f} CPU-s; {len(steps)} steps"
     )
     if args.json:
         with open(args.json, "w") as f:

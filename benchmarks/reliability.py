@@ -2,7 +2,7 @@
 torchrun (gloo, CPU) and measures: recovered?, samples lost / duplicated in the finished run,
 time to recover, losses against an uninterrupted run. Prints a markdown table (and --json).
 
-    PYTHONPATH=. python benchmarks/reliability.py --json benchmarks/reliability_cpu_2026-12-01.json
+    PYTHONPATH=. python benchmarks/reliability.py --json benchmarks/reliability_cpu_2026-12-07.json
 
 Time to recover = from the faulting rank's "fault" event to the "start" event of the run
 that resumed (process restart by torchrun, re-import, rendezvous, checkpoint load, re-plan);
@@ -23,6 +23,7 @@ from tests.faults import launch as run_with_faults
 from tests.faults import run_config
 
 NUM_SAMPLES = 36
+DATA_FILE = "__1_0.distcp"  # rank 1's tensors in a checkpoint (dcparallel.checkpoint's layout)
 
 
 def write_config(tmp: Path, name: str, **train) -> tuple[Path, Path]:
@@ -109,11 +110,15 @@ def main() -> int:
             }
         )
 
-    # torn and mixed-step checkpoints: a run stopped at step 6 (checkpoints 2, 4, 6), the newest broken
-    for kind in ("torn checkpoint (newest rank1.pt truncated)", "mixed-step files (newest rank1.pt from step 4)"):
+    # torn and mixed-step checkpoints: a run stopped at step 6 (checkpoints 2, 4, 6), the newest
+    # broken in rank 1's torch.distributed.checkpoint data file
+    for kind in (
+        f"torn checkpoint (newest {DATA_FILE} truncated)",
+        f"mixed-step files (newest {DATA_FILE} from step 4)",
+    ):
         cfg, out = write_config(tmp, "torn" if kind.startswith("torn") else "mixed", max_steps=6)
         assert launch(cfg)[0] == 0
-        f6, f4 = out / "checkpoint/step_00000006/rank1.pt", out / "checkpoint/step_00000004/rank1.pt"
+        f6, f4 = out / f"checkpoint/step_00000006/{DATA_FILE}", out / f"checkpoint/step_00000004/{DATA_FILE}"
         if kind.startswith("torn"):
             f6.write_bytes(f6.read_bytes()[:1000])
         else:

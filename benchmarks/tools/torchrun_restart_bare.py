@@ -1,6 +1,6 @@
 """A bare torch script under `torchrun --standalone --nproc-per-node 2 --max-restarts 1`:
 rank 1 dies in attempt 0; on torch 2.13 (CPU, gloo) attempt 1 fails in init_process_group
-with "Gloo connectFullMesh failed ... Connection refused" (see reliability_cpu_2026-12-01.md).
+with "Gloo connectFullMesh failed ... Connection refused" (see reliability_cpu_2026-12-07.md).
 With --prefix, the store keys of each attempt get their own prefix and attempt 1 succeeds."""
 
 import os
