@@ -68,7 +68,7 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     if sub_bins == 1:
         key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
         rep = dict(ctx.rep)
-    elif not any(isinstance(s, VisionSize) for s in ctx.sizes):
+    elif not any(issubclass(c, VisionSize) for c in set(map(type, ctx.sizes))):
         return _length_classes(ctx, sub_bins)
     else:
         key = {i: (ctx.bucket_of[i], _length_range(ctx.tokens[i], sub_bins)) for i in ctx.usable_ids}
@@ -89,18 +89,29 @@ def _length_range(tokens: int, sub_bins: int) -> int:
     return int(math.log2(max(1, tokens)) * sub_bins)
 
 
+def _length_ranges(lengths: np.ndarray, sub_bins: int) -> np.ndarray:
+    """`_length_range` of each of `lengths`: numpy's log2 where its value is more than 1e-9
+    from a range's boundary (numpy's and `math`'s log2 differ by a few units of 2**-53, so
+    they floor alike there), `_length_range` itself at the others."""
+    v = np.log2(np.maximum(lengths, 1).astype(float)) * sub_bins
+    out = np.floor(v).astype(np.int64)
+    near = np.flatnonzero(np.abs(v - np.round(v)) <= 1e-9)
+    out[near] = [_length_range(x, sub_bins) for x in lengths[near].tolist()]
+    return out
+
+
 def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
     """`planning_classes` of finer length ranges where no sample is a `VisionSize` (so a
     class's `class_rep` is its member of most tokens, the first of equals), in array passes:
-    each distinct length's range computed once, by `_length_range`; classes (bucket, range)
-    in key order, as `sorted` orders them, since buckets are numbered in their order."""
+    each distinct length's range by `_length_ranges`; classes (bucket, range) in key order,
+    as `sorted` orders them, since buckets are numbered in their order."""
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
     buckets = sorted(set(ctx.bucket_of))
     pos = {b: j for j, b in enumerate(buckets)}
     bpos = np.fromiter((pos[b] for b in ctx.bucket_of), dtype=np.int64, count=len(ctx.bucket_of))[ids]
     tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
     lengths, at = np.unique(tok, return_inverse=True)
-    ranges = np.array([_length_range(x, sub_bins) for x in lengths.tolist()], dtype=np.int64)[at.reshape(-1)]
+    ranges = _length_ranges(lengths, sub_bins)[at.reshape(-1)]
     width = int(ranges.max(initial=0)) + 1
     codes, cls = np.unique(bpos * width + ranges, return_inverse=True)
     cls = cls.reshape(-1)
