@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.sample import SamplePacker
+from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.steps import form_steps
 from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import replay_step, step_seconds
@@ -191,6 +193,62 @@ def test_ranks_short_only_where_no_packing_fits_the_world(world, rows, T):
     for each in (packer, FlatPacker(packer.ctx, packer.mode)):
         for by_time, open_first in ((False, False), (True, False), (False, True)):
             assert each.pack(list(range(len(rows))), t, f, T, by_time, open_first) is None
+
+
+class UncheckedPacker(SamplePacker):
+    """The per-sample packing without its GPU-seconds test: every target packed in full."""
+
+    def too_much_work(self, t, gpu_s, nar, cap) -> bool:
+        return False
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([4, 8, 16]),
+    st.lists(st.tuples(st.floats(0.5, 40.0), st.floats(0.5, 1.0)), min_size=2, max_size=30),
+    st.floats(0.9, 1.3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_too_much_work_only_where_packing_fails(world, rows, above, by_time, open_first):
+    """`too_much_work` (the micro-batches' least GPU-seconds at the degrees `pack` may give
+    them above world x target) is a necessary condition: where it holds, the packing in full
+    fails too; `pack` with it returns what the packing in full returns. Targets near the
+    GPU-seconds floor, where it decides."""
+    packer = _packer(world)
+    t = np.array([[b * r**j for j in range(len(packer.sp))] for b, r in rows])
+    f, ids = packer.alone(t), list(range(len(rows)))
+    T = max(f.min(axis=1).max(), (t * packer.kf).min(axis=1).sum() / world) * above
+    full = UncheckedPacker(packer.ctx, packer.mode).pack(ids, t, f, T, by_time, open_first)
+    assert packer.pack(ids, t, f, T, by_time, open_first) == full
+    cap = T * (1 + 1e-12)
+    if (f <= cap).any(axis=1).all():
+        nar = least_gpu_seconds_within(t * packer.kf, f, cap)
+        assert not packer.too_much_work(t, t * packer.kf, nar, cap) or full is None
+
+
+def test_too_much_work_rejects_targets_of_a_real_search():
+    """On the micro-batches of a heavy-tail step (weak pretrain-long at 1024 GPUs), the
+    search's first target (the GPU-seconds floor less `floor_slack`) fails by `too_much_work`
+    before any micro-batch is placed, and the packing in full agrees; above the floor, where
+    the packing fits, it does not say so."""
+    sc = SCENARIOS["text"]
+    tps = sc.tokens_per_step * 1024 // 32
+    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    cl = sc.cluster(1024)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+    packer = SamplePacker(ctx, "pac")
+    items = packer.items(list(step.sample_ids))
+    t = packer.times(items)
+    f, ids = packer.alone(t), [it[0] for it in items]
+    floor = (t * packer.kf).min(axis=1).sum() / 1024
+    assert floor > f.min(axis=1).max()  # the GPU-seconds floor is the floor
+    for T, fits in ((floor * (1 - DEFAULT.floor_slack), False), (floor * 1.05, True)):
+        cap = T * (1 + 1e-12)
+        nar = least_gpu_seconds_within(t * packer.kf, f, cap)
+        assert packer.too_much_work(t, t * packer.kf, nar, cap) is not fits
+        assert (UncheckedPacker(ctx, "pac").pack(ids, t, f, T, open_first=True) is not None) is fits
 
 
 def test_ranks_short_on_micro_batches_longer_than_half_the_target():

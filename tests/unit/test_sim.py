@@ -109,3 +109,27 @@ def test_exposed_sync_is_what_the_last_backward_cannot_hide():
     assert exposed_sync(1.0, 30.0, 10) == pytest.approx(0.1)  # the last bucket is always exposed
     assert exposed_sync(0.0, 1.0, 10) == 0.0
     assert num_buckets(7e9) == 1069  # ceil(28e9 B / 25 MiB): 28 GB of fp32 gradients in 25 MiB buckets
+
+
+@pytest.mark.parametrize(("scenario", "mix"), [("text", "long-cpt"), ("video", "video-mix")])
+def test_the_score_is_the_replays_step_time_to_the_bit(scenario, mix):
+    """`step_seconds` (planners' score, which builds no segments) equals `replay_step`'s step
+    time exactly, on the plans `dcp` makes at 256 GPUs (on long-cpt: the per-sample packing's
+    sub-groups and phases) and on `bucket`'s, with and without the overlapped sync."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.policies import make_planner
+    from dcparallel.plan.steps import form_steps
+    from dcparallel.scenarios import SCENARIOS, sample_sizes
+    from dcparallel.sim.replay import replay_step, step_seconds
+
+    sc = SCENARIOS[scenario]
+    tps = sc.tokens_per_step * 256 // 32
+    wl = Workload(sc.model, tuple(sample_sizes(scenario, mix, epoch_tokens=2 * tps)))
+    cl = sc.cluster(256)
+    ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+    step = form_steps(wl.tokens, seed=0, tokens_per_step=tps)[0]
+    plans = [make_planner(p, ctx, [step], score=step_seconds(ctx)).plan(step) for p in ("dcp", "bucket")]
+    assert max(len({g.phase for g in p.groups}) for p in plans) > (scenario == "text")  # phases met
+    for plan in plans:
+        for overlap in (True, False):
+            assert step_seconds(ctx, overlap)(plan) == replay_step(plan, ctx, overlap).step_time

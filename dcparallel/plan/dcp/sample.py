@@ -257,12 +257,16 @@ class SamplePacker:
         """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
         time, at their own degree, then by id), each one's own degree index (the layout rule's
         within `cap`), its time there, and `t` as lists; None if one finishes within `cap` at
-        no degree. The targets of one search mostly give every micro-batch the same degree:
+        no degree, or if the micro-batches cannot fit the world's GPU-seconds (`too_much_work`).
+        The targets of one search mostly give every micro-batch the same degree:
         `memo` keeps the order per degrees chosen, and `t`'s lists (the same for all)."""
         if not (f <= cap).any(axis=1).all():
             return None
         # the degree of fewest GPU-seconds within T (narrow SP may need recomputation), narrowest on ties
-        nar = least_gpu_seconds_within(t * self.kf, f, cap)
+        gpu_s = t * self.kf
+        nar = least_gpu_seconds_within(gpu_s, f, cap)
+        if self.too_much_work(t, gpu_s, nar, cap):
+            return None
         key = (by_time, nar.tobytes())
         got = memo.get(key)
         if got is None:
@@ -272,6 +276,19 @@ class SamplePacker:
                 memo["rows"] = t.tolist()
             got = memo[key] = (order, nar.tolist(), own.tolist(), memo["rows"])
         return got
+
+    def too_much_work(self, t: np.ndarray, gpu_s: np.ndarray, nar: np.ndarray, cap: float) -> bool:
+        """Whether no packing at `cap` exists, by GPU-seconds: `pack` places each micro-batch
+        at its own degree `nar` or a wider one where it takes at most `cap`, d ranks for its
+        time t there; each rank lies in one top-level group's block and runs its micro-batches
+        (its sub-groups' before its group's) within the group's finish, within `cap`; so a
+        packing's micro-batches take at most world x cap GPU-seconds, and at least the sum of
+        each one's least GPU-seconds at those degrees. Above that, `pack` would fail, after
+        placing most of them (on steps as tight as the search's first targets). The margin
+        (1e-12 of it) is far above the sum's rounding (a few units of 2**-53 of it)."""
+        deg = np.arange(len(self.sp))
+        least = np.where((t <= cap) & (deg >= nar[:, None]), gpu_s, np.inf).min(axis=1)
+        return float(least.sum()) > self.world * cap * (1 + 1e-12)
 
     def split_degrees(self, d: int) -> range:
         """The degree indices whose open groups with room may split into sub-groups of degree

@@ -23,6 +23,7 @@ from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_can
 from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.types import REL_TOL, TIME_EPS, Fit
+from dcparallel.spec import VisionSize
 
 
 class Row(NamedTuple):
@@ -67,8 +68,10 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     if sub_bins == 1:
         key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
         rep = dict(ctx.rep)
+    elif not any(issubclass(c, VisionSize) for c in set(map(type, ctx.sizes))):
+        return _length_classes(ctx, sub_bins)
     else:
-        key = {i: (ctx.bucket_of[i], int(math.log2(max(1, ctx.tokens[i])) * sub_bins)) for i in ctx.usable_ids}
+        key = {i: (ctx.bucket_of[i], _length_range(ctx.tokens[i], sub_bins)) for i in ctx.usable_ids}
         members: dict = {}
         for i, c in key.items():
             members.setdefault(c, []).append(i)
@@ -78,6 +81,46 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
     for i, c in key.items():
         bidx[i] = pos[c]
+    return rep, classes, bidx
+
+
+def _length_range(tokens: int, sub_bins: int) -> int:
+    """A text sample's length range within its bucket: ranges 2 ** (1 / sub_bins) apart."""
+    return int(math.log2(max(1, tokens)) * sub_bins)
+
+
+def _length_ranges(lengths: np.ndarray, sub_bins: int) -> np.ndarray:
+    """`_length_range` of each of `lengths`: numpy's log2 where its value is more than 1e-9
+    from a range's boundary (numpy's and `math`'s log2 differ by a few units of 2**-53, so
+    they floor alike there), `_length_range` itself at the others."""
+    v = np.log2(np.maximum(lengths, 1).astype(float)) * sub_bins
+    out = np.floor(v).astype(np.int64)
+    near = np.flatnonzero(np.abs(v - np.round(v)) <= 1e-9)
+    out[near] = [_length_range(x, sub_bins) for x in lengths[near].tolist()]
+    return out
+
+
+def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
+    """`planning_classes` of finer length ranges where no sample is a `VisionSize` (so a
+    class's `class_rep` is its member of most tokens, the first of equals), in array passes:
+    each distinct length's range by `_length_ranges`; classes (bucket, range) in key order,
+    as `sorted` orders them, since buckets are numbered in their order."""
+    ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+    buckets = sorted(set(ctx.bucket_of))
+    pos = {b: j for j, b in enumerate(buckets)}
+    bpos = np.fromiter((pos[b] for b in ctx.bucket_of), dtype=np.int64, count=len(ctx.bucket_of))[ids]
+    tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
+    lengths, at = np.unique(tok, return_inverse=True)
+    ranges = _length_ranges(lengths, sub_bins)[at.reshape(-1)]
+    width = int(ranges.max(initial=0)) + 1
+    codes, cls = np.unique(bpos * width + ranges, return_inverse=True)
+    cls = cls.reshape(-1)
+    classes = [(buckets[c // width], c % width) for c in codes.tolist()]
+    order = np.lexsort((ids, -tok, cls))  # per class: most tokens first, then by id
+    first = order[np.flatnonzero(np.diff(cls[order], prepend=-1))]
+    rep = {c: ctx.sizes[i] for c, i in zip(classes, ids[first].tolist())}
+    bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
+    bidx[ids] = cls
     return rep, classes, bidx
 
 
@@ -104,11 +147,11 @@ def sample_weights(p: LayoutTable) -> np.ndarray:
     ctx = p.ctx
     tok = p.tok.astype(float)
     w = np.ones(len(ctx.sizes))
-    small: dict[int, int] = {}
-    for i in ctx.usable_ids:
-        j = int(p.bidx[i])
-        if j not in small or ctx.tokens[i] < ctx.tokens[small[j]]:
-            small[j] = i
+    ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+    cj = p.bidx[ids]
+    order = np.lexsort((ids, tok[ids], cj))  # per class: fewest tokens first, then by id
+    first = order[np.flatnonzero(np.diff(cj[order], prepend=-1))]
+    small = dict(zip(cj[first].tolist(), ids[first].tolist()))  # per class, its first smallest sample
     lo = np.zeros(len(p.buckets))
     t_lo = np.ones(len(p.buckets))
     hi = np.ones(len(p.buckets))
@@ -123,11 +166,9 @@ def sample_weights(p: LayoutTable) -> np.ndarray:
         ts = ctx.cost.terms_copies(small_s, m, k).time_none
         lo[j], hi[j] = ctx.model.tokens(small_s), ctx.model.tokens(big_s)
         t_lo[j] = min(1.0, ts / tb) if tb > 0 else 1.0
-    ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-    j = p.bidx[ids]
-    span = np.maximum(hi[j] - lo[j], TIME_EPS)
-    u = np.clip((tok[ids] - lo[j]) / span, 0.0, 1.0)
-    w[ids] = np.where(hi[j] > lo[j], t_lo[j] + (1.0 - t_lo[j]) * u, 1.0)
+    span = np.maximum(hi[cj] - lo[cj], TIME_EPS)
+    u = np.clip((tok[ids] - lo[cj]) / span, 0.0, 1.0)
+    w[ids] = np.where(hi[cj] > lo[cj], t_lo[cj] + (1.0 - t_lo[cj]) * u, 1.0)
     return w
 
 
