@@ -9,20 +9,22 @@ by every later round.
    profile the tiny LM at world 2 within `--profile-budget` seconds (cached in the output
    folder), plan every policy's epoch with the simulator and print the plans, warm up every
    SP degree and recompute path, then train the same samples in the same steps per policy
-   (bucket, packed, dcp; `--repeats` rounds, each one untimed and one timed run of every
-   policy, interleaved, the median timed run counts), timing the training loop only. After
-   every round the worker prints the comparison so far with the runs it rests on. A per-rank
+   (bucket, packed, dcp; `--repeats` rounds of one timed run of every policy, interleaved,
+   the median timed run counts), timing the training loop only; after the first round, one
+   untimed run of every policy calibrates the predictions. After every round the worker
+   prints the comparison so far with the runs it rests on. A per-rank
    memory budget, derived from the profile so that the longest sample needs SP = 2 *and*
    recomputation (as a device's memory would force), makes the run use all three levers.
 3. Each run is predicted by the simulator from the same profile (`demo_predict`), scaled by
    the factor the worker measured on the untimed runs (how many times its price each
-   micro-batch took there, pooled over every policy and round; `training_factor`).
-4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution), after
-   the training launch so that they do not share its cores.
+   micro-batch took there, pooled over every policy; `training_factor`); the first
+   comparison, printed before the untimed runs, shows the predictions at the profile's prices.
+4. The paper-scale scenarios are simulated (32 GPUs, every scenario x distribution) in two
+   processes, after the training launch so that they do not share its cores.
 5. `report.md`, PNG plots and a summary table (`dcparallel.apps.demo_report`), with the spread
    of each policy's repeats, a plain warning when it is too large for the comparison to mean
-   anything, and the seconds of each phase (``phase_s`` in summary.json); `--json` prints one
-   JSON line last.
+   anything, and the wall and processor seconds of each phase (``phase_s``, ``phase_cpu_s`` in
+   summary.json); `--json` prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -79,12 +82,12 @@ def run(args: argparse.Namespace) -> dict:
     (out / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     launch_s = _launch(args, out, len(lengths))
     real = json.loads((out / "real.json").read_text())
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     simulated = []
     if not args.skip_paper_scale:
-        print("[demo] simulating the paper-scale scenarios ...", file=sys.stderr)
-        simulated = paper_scale()
-    t1 = time.perf_counter()
+        print(f"[demo] simulating the paper-scale scenarios in {WORLD} processes ...", file=sys.stderr)
+        simulated = paper_scale(workers=WORLD)
+    t1, c1 = time.perf_counter(), _cpu_s()
     artifacts = _plots(out, real, simulated)
     summary = _summary(real, source, len(lengths), simulated)
     summary["phase_s"] = {
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         "paper_scale": t1 - t0,
         "plots": time.perf_counter() - t1,
     }
+    summary["phase_cpu_s"] = {**real["phase_cpu_s"], "paper_scale": c1 - c0, "plots": _cpu_s() - c1}
     summary["launch_s"] = launch_s
     summary["first_result_s"] = real["first_comparison_at"] - started
     summary["demo_s"] = time.perf_counter() - t_demo
@@ -100,6 +104,13 @@ def run(args: argparse.Namespace) -> dict:
     summary["artifacts"] = [str(a) for a in [report, *artifacts]]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _cpu_s() -> float:
+    """Processor seconds of this process and of its children that ended (the paper-scale
+    simulation's worker processes)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _lengths(args: argparse.Namespace) -> tuple[list[int], str]:

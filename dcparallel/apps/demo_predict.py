@@ -54,20 +54,21 @@ def simulate_policies(
 def predict(real: dict) -> dict[str, dict]:
     """Predicted wall time of each policy's runs in ``real`` (real.json, or the worker's record
     so far): the simulated epoch (``plans``) times ``training_factor`` plus the optimizer step
-    measured before training once per step (``wall_s_profile``: at the profile's prices,
-    unscaled); with the profile's and the runs' reference times, the machine's speed during
-    the runs against the profile's (``speed``) and the prediction at that speed."""
+    measured before training once per step (``wall_s``, left out while the factor is None;
+    ``wall_s_profile``: at the profile's prices, unscaled); with the profile's and the runs'
+    reference times, the machine's speed during the runs against the profile's (``speed``) and
+    the prediction at that speed."""
     factor = real["training_factor"]
     pred = {}
     for name, plan in real["plans"].items():
         optimizer = plan["steps"] * real["optimizer_step_s"]
         pred[name] = {
-            "wall_s": plan["sim_s"] * factor + optimizer,
             "wall_s_profile": plan["sim_s"] + optimizer,
-            "factor": factor,
             "idle_fraction": plan["idle_fraction"],
             "settings": plan["settings"],
         }
+        if factor is not None:  # None before the untimed runs measured it
+            pred[name].update(wall_s=plan["sim_s"] * factor + optimizer, factor=factor)
         ref = real["policies"].get(name, {}).get("reference_s")
         if ref and real.get("profile_reference_s"):
             pred[name]["speed"] = ref / real["profile_reference_s"]

@@ -128,7 +128,7 @@ def factor_text(s: dict) -> str:
     """The measured training factor the predictions are scaled by, and the error without it."""
     return (
         f"Predicted wall s is the simulator's time at the profile's prices x {s['training_factor']:.3f}, the "
-        f"measured busy time of the untimed runs (one of every policy before each timed round) over the profile's "
+        f"measured busy time of the untimed runs (one of every policy, after the first timed round) over the profile's "
         f"price of their micro-batches (the profile times each layout in a loop of that one micro-batch); "
         f"at the profile's prices the prediction error (max over policies) is "
         f"{100 * s['prediction_error_at_profile_prices']:.0f}%."
@@ -163,7 +163,7 @@ def _report_head(s: dict, real: dict) -> list[str]:
         f"{r['memory_budget_bytes'] / 2**20:.1f} MiB ({r['budget_rule']}). Profiling {profiling}; "
         f"training time below excludes start-up and profiling. The first comparison was printed after "
         f"{s['first_result_s'] / 60:.1f} min, the whole demo took {s['demo_s'] / 60:.1f} min "
-        f"({phases_text(s['phase_s'])}).",
+        f"({phases_text(s['phase_s'])}; {cpu_text(s['phase_cpu_s'])}).",
         "",
         f"Each policy ran {r['repeats']} times, interleaved with the others; its median run counts (of an even "
         "number, the faster of the middle two; all runs: "
@@ -269,20 +269,33 @@ def print_table(s: dict) -> None:
         print(f"NOTE: {note}")
     print(
         f"first comparison after {s['first_result_s'] / 60:.1f} min; demo took {s['demo_s'] / 60:.1f} min "
-        f"({phases_text(s['phase_s'])})"
+        f"({phases_text(s['phase_s'])}; {cpu_text(s['phase_cpu_s'])})"
     )
     print("artifacts: " + ", ".join(s["artifacts"]))
 
 
 def phases_text(phase_s: dict) -> str:
-    """Where the demo's time went: the launch (its start-up, profile, plans, warm-up and rounds),
-    then the paper-scale simulation and the plots, in seconds."""
+    """Where the demo's time went: the launch (its start-up, profile, plans, warm-up, timed
+    rounds and calibration), then the paper-scale simulation and the plots, in seconds."""
     rounds = " + ".join(f"{r:.0f}" for r in phase_s["rounds"])
-    inside = phase_s["profile"] + phase_s["plan"] + phase_s["warm_up"] + sum(phase_s["rounds"])
+    inside = sum(phase_s[k] for k in ("profile", "plan", "warm_up", "calibration")) + sum(phase_s["rounds"])
     return (
         f"training launch {phase_s['launch']:.0f} s: start-up and exit {phase_s['launch'] - inside:.0f}, profile "
-        f"{phase_s['profile']:.0f}, plans {phase_s['plan']:.0f}, warm-up {phase_s['warm_up']:.0f}, rounds {rounds}; "
-        f"paper scale {phase_s['paper_scale']:.0f} s, plots {phase_s['plots']:.0f} s"
+        f"{phase_s['profile']:.0f}, plans {phase_s['plan']:.0f}, warm-up {phase_s['warm_up']:.0f}, timed rounds "
+        f"{rounds}, calibration {phase_s['calibration']:.0f}; paper scale {phase_s['paper_scale']:.0f} s, plots "
+        f"{phase_s['plots']:.0f} s"
+    )
+
+
+def cpu_text(phase_cpu_s: dict) -> str:
+    """The processor seconds of the same phases (rank 0 in the launch, the orchestrator after
+    it): what each phase costs whatever else runs on the cores."""
+    c = phase_cpu_s
+    rounds = " + ".join(f"{r:.0f}" for r in c["rounds"])
+    return (
+        f"processor seconds: profile {c['profile']:.0f}, plans {c['plan']:.0f}, warm-up {c['warm_up']:.0f}, "
+        f"timed rounds {rounds}, calibration {c['calibration']:.0f} (rank 0); paper scale {c['paper_scale']:.0f}, "
+        f"plots {c['plots']:.0f}"
     )
 
 
@@ -318,21 +331,24 @@ def print_plans(record: dict, file) -> None:
 
 def print_round(real: dict, pred: dict, done: int, rounds: int, file) -> None:
     """The comparison after ``done`` of ``rounds`` rounds, printed by the worker as the runs come
-    in: per policy its median run so far and the spread of its runs, the prediction scaled by
-    the training factor of the untimed runs so far, its error and the speedup vs bucket."""
+    in: per policy its median run so far and the spread of its runs, the prediction (scaled by
+    the training factor of the untimed runs once they ran, at the profile's prices before), its
+    error and the speedup vs bucket."""
     from dcparallel.apps.demo_predict import prediction_errors
 
     p = real["policies"]
-    errors = prediction_errors(pred, real, "wall_s")
+    factor = real["training_factor"]
+    key = "wall_s" if factor is not None else "wall_s_profile"
+    errors = prediction_errors(pred, real, key)
     if done == 1:
         what = "first comparison: one timed run of each policy, so its spread is unknown yet"
     else:
         what = f"comparison after {done} timed runs of each policy: the median run counts"
-    print(
-        f"[demo] round {done} of {rounds}, {what}; predictions x {real['training_factor']:.3f}, the training "
-        f"factor of {done} untimed run(s) of each policy",
-        file=file,
-    )
+    if factor is None:
+        scaled = "predictions at the profile's prices (the untimed runs after this round measure the training factor)"
+    else:
+        scaled = f"predictions x {factor:.3f}, the training factor of the untimed run of each policy"
+    print(f"[demo] round {done} of {rounds}, {what}; {scaled}", file=file)
     print(
         f"[demo]   {'policy':7s} {'wall s':>7s} {'predicted s':>11s} {'error':>6s} {'vs bucket':>9s}  runs s", file=file
     )
@@ -340,7 +356,7 @@ def print_round(real: dict, pred: dict, done: int, rounds: int, file) -> None:
         runs = ", ".join(f"{w:.1f}" for w in v["walls"])
         spread_s = f" (spread {100 * spread(v['walls'])['relative']:.0f}%)" if done > 1 else ""
         print(
-            f"[demo]   {n:7s} {v['wall_s']:7.1f} {pred[n]['wall_s']:11.1f} {100 * errors[n]:5.0f}% "
+            f"[demo]   {n:7s} {v['wall_s']:7.1f} {pred[n][key]:11.1f} {100 * errors[n]:5.0f}% "
             f"{p['bucket']['wall_s'] / v['wall_s']:8.2f}x  {runs}{spread_s}",
             file=file,
         )

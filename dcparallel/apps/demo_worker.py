@@ -1,12 +1,13 @@
-"""The demo's torchrun worker: profile, plan, warm up, then per round calibrate and train every policy, timed.
+"""The demo's torchrun worker: profile, plan, warm up, then train every policy, timed, round by round.
 
 Profiles the tiny LM at world 2 (within a wall-time budget, `profile.budget`), plans every
 policy's epoch with the simulator and prints the plans, warms up, then for each repeat trains
-the same samples in the same steps once per policy untimed and once timed (the training loop
-only). The untimed runs measure how much slower training runs the profile's layouts than the
-profile timed them (`training_factor`, pooled over every policy and round so far). After every
-round rank 0 prints the comparison so far: after the first, one run of each policy (its spread
-unknown, said so); after each later one, each policy's median run and the spread of its runs.
+the same samples in the same steps once per policy, timed (the training loop only). After the
+first round, one untimed run of every policy measures how much slower training runs the
+profile's layouts than the profile timed them (`training_factor`, pooled over the policies).
+After every round rank 0 prints the comparison so far: after the first, one run of each policy
+(its spread unknown, its predictions at the profile's prices, said so); after each later one,
+each policy's median run, the spread of its runs and the predictions scaled by the factor.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m dcparallel.apps.demo --worker ...
 
@@ -102,7 +103,10 @@ def worker(args: argparse.Namespace) -> int:
     spec, _ = reference_spec(model, model.layers)
     big = ClusterSpec(world_size=world, gpus_per_node=world, memory_bytes=2**40, name="cpu")
     dc = Engine(model, layers=model.layers, num_heads=spec.num_heads, cluster=big)
+    record: dict = {"world": world}
+    mark = _now()
     profiler, profile, stats, profile_s = _profile(args, model, spec, dc, lengths, rank)
+    mark = _lap(record, "profile", mark)
     # the profile's reference run, timed between the steps of every timed run: the machine's
     # speed during the run against the speed the profile prices at (`profile.drift`)
     clock = profiler.reference_clock(min(profile.buckets, key=lambda b: b.tokens).size) if profile.reference_s else None
@@ -111,33 +115,51 @@ def worker(args: argparse.Namespace) -> int:
     cost = ProfiledCost(profile, cluster)
     dataset = SyntheticText(lengths)
     setting = RunSetting(args, dataset, lengths, cost, cluster, spec, dc.groups, clock)
-    record = {
-        "world": world,
-        "memory_budget_bytes": budget,
-        "budget_rule": rule,
-        "profile_s": profile_s,
-        "profile_reused": stats is None,
-        "profile_budget_s": args.profile_budget,
-        "profile_chains_coarse": stats.chains_coarse if stats else None,
-        "profile_chains_skipped": stats.chains_skipped if stats else None,
-        "profile_reference_s": profile.reference_s,
-        "tokens_per_step": args.tokens_per_step,
-        "layers": args.layers,
-        "repeats": args.repeats,
-    }
-    t0 = time.perf_counter()
+    record.update(
+        memory_budget_bytes=budget,
+        budget_rule=rule,
+        profile_s=profile_s,
+        profile_reused=stats is None,
+        profile_budget_s=args.profile_budget,
+        profile_chains_coarse=stats.chains_coarse if stats else None,
+        profile_chains_skipped=stats.chains_skipped if stats else None,
+        profile_reference_s=profile.reference_s,
+        tokens_per_step=args.tokens_per_step,
+        layers=args.layers,
+        repeats=args.repeats,
+    )
     if rank == 0:  # the first result: what was profiled, and what each policy plans
         record["plans"] = simulate_policies(cost, cluster, lengths, args.policies, args.tokens_per_step, SEED)
         print_plans(record, sys.stderr)
-    t1 = time.perf_counter()
+    mark = _lap(record, "plan", mark)
     record["optimizer_step_s"] = _warm_up(dc, model, dataset, lengths, spec.num_layers, args.lr)
-    record["phase_s"] = {"profile": profile_s, "plan": t1 - t0, "warm_up": time.perf_counter() - t1, "rounds": []}
+    _lap(record, "warm_up", mark)
     calibration, runs = _rounds(setting, record if rank == 0 else None)
     if rank == 0:
         (out / "real.json").write_text(json.dumps(_real(record, calibration, runs)))
     del dc, profiler, model  # before the process group ends (`end_distributed`)
     end_distributed()
     return 0
+
+
+def _now() -> tuple[float, float]:
+    """Wall seconds and this process's processor seconds, now."""
+    return time.perf_counter(), time.process_time()
+
+
+def _lap(record: dict | None, name: str, since: tuple[float, float]) -> tuple[float, float]:
+    """`_now`; with ``record``, the phase ``name`` since ``since`` recorded in its ``phase_s``
+    (wall) and ``phase_cpu_s`` (processor seconds of this rank: what the phase costs whatever
+    else runs on the cores), appended to a list for the repeated ``rounds``."""
+    now = _now()
+    if record is not None:
+        for key, a, b in (("phase_s", since[0], now[0]), ("phase_cpu_s", since[1], now[1])):
+            phases = record.setdefault(key, {"rounds": []})
+            if name == "rounds":
+                phases["rounds"].append(b - a)
+            else:
+                phases[name] = b - a
+    return now
 
 
 def _profile(args, model, spec, dc, lengths: list[int], rank: int):
@@ -232,41 +254,60 @@ def _warm_up(dc, model, dataset, lengths: list[int], num_layers: int, lr: float)
 
 
 def _rounds(setting: RunSetting, record: dict | None) -> tuple[list[dict[str, dict]], dict[str, list[dict]]]:
-    """``args.repeats`` rounds, each one untimed run of every policy, then one timed run of
-    every policy (interleaved); returns the untimed runs per round and each policy's timed runs.
+    """``args.repeats`` rounds of one timed run of every policy (interleaved), and after the
+    first round the calibration: one untimed run of every policy; returns the calibration (a
+    list of its one set of runs; empty before it ran) and each policy's timed runs.
 
     Training does not run at the profile's prices: the machine's speed moves between profiling
-    and training (and from minute to minute), and training runs different shapes one after
-    another between optimizer steps where the profile timed a loop of one micro-batch. The
-    untimed runs, built like the timed runs (a fresh model, every step), measure by how much:
-    one factor for all policies, the machine's, not each policy's, pooled over the rounds so
-    that it measures the minutes the timed runs ran in. With ``record`` (rank 0), the
-    comparison so far is printed after every round (`demo_report.print_round`)."""
+    and training, and training runs different shapes one after another between optimizer steps
+    where the profile timed a loop of one micro-batch. The untimed runs, built like the timed
+    runs (a fresh model, every step), measure by how much: one factor for all policies, the
+    machine's, not each policy's, measured on runs that are not the ones it predicts. They run
+    once, between the first and the second timed round, so that the first comparison comes
+    after one run of each policy (with the predictions at the profile's prices, said so); the
+    reference run ticked between the steps of every timed run tracks the machine's speed run by
+    run (`profile.drift`). With ``record`` (rank 0), the comparison so far is printed after
+    every round (`demo_report.print_round`) and each phase's seconds are recorded (`_lap`)."""
+    calibration: list[dict[str, dict]] = []
+    runs: dict[str, list[dict]] = {}
+    for rep in range(setting.args.repeats):
+        mark = _now()
+        _timed_round(setting, rep, runs, record is not None)
+        _lap(record, "rounds", mark)
+        if record is not None:
+            _print_so_far(record, calibration, runs, rep + 1)
+        if rep == 0:
+            mark = _now()
+            where = "calibration after round 1, untimed"
+            calibration.append({p: _logged_run(setting, p, where, record is not None) for p in setting.args.policies})
+            _lap(record, "calibration", mark)
+    return calibration, runs
+
+
+def _timed_round(setting: RunSetting, rep: int, runs: dict[str, list[dict]], verbose: bool) -> None:
+    """One timed run of every policy, appended to ``runs``; a run that trains other samples or
+    gets other losses than the policy's first is refused (runs must be deterministic)."""
+    where = f"round {rep + 1} of {setting.args.repeats}, timed"
+    for policy in setting.args.policies:
+        run = _logged_run(setting, policy, where, verbose)
+        first = runs.setdefault(policy, [])[:1]
+        if first and (run["samples_hash"], run["losses"]) != (first[0]["samples_hash"], first[0]["losses"]):
+            raise RuntimeError(
+                f"{policy}: repeat {rep} trained different samples or got different losses "
+                f"than repeat 0; runs must be deterministic"
+            )
+        runs[policy].append(run)
+
+
+def _print_so_far(record: dict, calibration: list[dict[str, dict]], runs: dict[str, list[dict]], done: int) -> None:
+    """The comparison after ``done`` rounds on stderr (`demo_report.print_round`); the wall
+    clock of the first, for the orchestrator."""
     from dcparallel.apps.demo_predict import predict
     from dcparallel.apps.demo_report import print_round
 
-    policies, repeats = setting.args.policies, setting.args.repeats
-    calibration: list[dict[str, dict]] = []
-    runs: dict[str, list[dict]] = {}
-    for rep in range(repeats):
-        t0 = time.perf_counter()
-        where = f"round {rep + 1} of {repeats}"
-        calibration.append({p: _logged_run(setting, p, f"{where}, untimed", record is not None) for p in policies})
-        for policy in policies:
-            run = _logged_run(setting, policy, f"{where}, timed", record is not None)
-            first = runs.setdefault(policy, [])[:1]
-            if first and (run["samples_hash"], run["losses"]) != (first[0]["samples_hash"], first[0]["losses"]):
-                raise RuntimeError(
-                    f"{policy}: repeat {rep} trained different samples or got different losses "
-                    f"than repeat 0; runs must be deterministic"
-                )
-            runs[policy].append(run)
-        if record is not None:
-            record["phase_s"]["rounds"].append(time.perf_counter() - t0)
-            so_far = _real(record, calibration, runs)
-            print_round(so_far, predict(so_far), rep + 1, repeats, sys.stderr)
-            record.setdefault("first_comparison_at", time.time())  # wall clock, for the orchestrator
-    return calibration, runs
+    so_far = _real(record, calibration, runs)
+    print_round(so_far, predict(so_far), done, record["repeats"], sys.stderr)
+    record.setdefault("first_comparison_at", time.time())
 
 
 def _logged_run(setting: RunSetting, policy: str, what: str, verbose: bool) -> dict:
@@ -283,13 +324,13 @@ def _logged_run(setting: RunSetting, policy: str, what: str, verbose: bool) -> d
 
 def _real(record: dict, calibration: list[dict[str, dict]], runs: dict[str, list[dict]]) -> dict:
     """real.json: ``record`` (the launch's settings, profile and plans) with the runs so far:
-    the training factor pooled over the untimed runs, each untimed run's per-step factors,
+    the training factor pooled over the untimed runs (None before they ran), each untimed run's per-step factors,
     each timed run's own factor, and per policy its counted (median) run with every run's
     wall time (``walls``, in the order they ran)."""
     return {
         **record,
-        "rounds_done": len(calibration),
-        "training_factor": training_factor([run for rnd in calibration for run in rnd.values()]),
+        "rounds_done": len(next(iter(runs.values()), [])),
+        "training_factor": training_factor([r for rnd in calibration for r in rnd.values()]) if calibration else None,
         "calibration": [{p: step_factors(r) for p, r in rnd.items()} for rnd in calibration],
         "timed_factors": {p: [training_factor([r]) for r in rs] for p, rs in runs.items()},
         "policies": {p: {**counted_run(rs), "walls": [r["wall_s"] for r in rs]} for p, rs in runs.items()},

@@ -370,28 +370,43 @@ def prediction_spread(cost: ProfiledCost, cluster: ClusterSpec, ctx: PlanContext
     return out
 
 
-def paper_scale(world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scale simulation") -> list[dict]:
-    """`simulate --json` of every built-in scenario x distribution at paper scale, all policies."""
+def paper_scale(
+    world: int = 32, gpus_per_node: int = 8, desc: str = "paper-scale simulation", workers: int = 1
+) -> list[dict]:
+    """`simulate --json` of every built-in scenario x distribution at paper scale, all policies,
+    in scenario order; with ``workers`` > 1, the cells are shared by that many fresh processes
+    (spawned, not forked: the caller may hold torch's threads), each cell whole in one."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
     from tqdm import tqdm
 
-    combos = [(sc, d) for sc in ("video", "text") for d in DISTRIBUTIONS]
-    out = []
-    for sc, d in tqdm(combos, desc=desc, file=sys.stderr):
-        ns = argparse.Namespace(
-            scenario=sc,
-            distribution=d,
-            lengths=None,
-            world=world,
-            gpus_per_node=gpus_per_node,
-            seed=DEFAULT_SEED,
-            tokens_per_step=None,
-            profile=None,
-            model=None,
-            model_config=None,
-            shard_size=1,
-        )
-        out.append(simulate_json(ns, ALL, progress=False))
-    return out
+    cells = [(sc, d, world, gpus_per_node) for sc in ("video", "text") for d in DISTRIBUTIONS]
+    if workers <= 1:
+        return [paper_cell(*c) for c in tqdm(cells, desc=desc, file=sys.stderr)]
+    with ProcessPoolExecutor(min(workers, len(cells)), mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(paper_cell, *c) for c in cells]
+        for _ in tqdm(as_completed(futures), total=len(cells), desc=desc, file=sys.stderr):
+            pass
+        return [f.result() for f in futures]
+
+
+def paper_cell(scenario: str, distribution: str, world: int, gpus_per_node: int) -> dict:
+    """One paper-scale cell: `simulate --json` of a built-in scenario and distribution, all policies."""
+    ns = argparse.Namespace(
+        scenario=scenario,
+        distribution=distribution,
+        lengths=None,
+        world=world,
+        gpus_per_node=gpus_per_node,
+        seed=DEFAULT_SEED,
+        tokens_per_step=None,
+        profile=None,
+        model=None,
+        model_config=None,
+        shard_size=1,
+    )
+    return simulate_json(ns, ALL, progress=False)
 
 
 def _table(out: dict) -> str:

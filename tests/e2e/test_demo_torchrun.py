@@ -1,9 +1,10 @@
 """`dcparallel demo` end to end on a small lengths file: the profile and the plans come first,
-then a comparison after every round (the first labelled as one run each), then the report;
-every policy trains the same samples in the same steps, each run counted and reported.
+then a comparison after every round (the first labelled as one run each, before the untimed
+calibration runs), then the report; every policy trains the same samples in the same steps,
+each run counted and reported.
 
-Slow (minutes: a profile and 2 x 2 x 3 training runs under torchrun; eight on 2 loaded
-cores): runs with DCPARALLEL_SLOW=1."""
+Slow (minutes: a profile and 3 x 3 training runs under torchrun; eight on 2 loaded cores):
+runs with DCPARALLEL_SLOW=1."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def test_demo_answers_round_by_round(tmp_path):
     err = proc.stderr
     order = [
         err.index("[demo] plans: the same"),
-        err.index("[demo] round 1 of 2, untimed run of bucket"),
         err.index("[demo] round 1 of 2, timed run of dcp"),
         err.index("[demo] round 1 of 2, first comparison: one timed run of each policy"),
+        err.index("[demo] calibration after round 1, untimed run of bucket"),
         err.index("[demo] round 2 of 2, comparison after 2 timed runs of each policy"),
     ]
     assert order == sorted(order)
@@ -42,7 +43,9 @@ def test_demo_answers_round_by_round(tmp_path):
     assert len({v["samples_hash"] for v in policies.values()}) == 1  # same samples in the same steps
     assert all(len(v["wall_s_runs"]) == 2 and v["spread"]["runs"] == 2 for v in policies.values())
     assert 0 < s["first_result_s"] < s["demo_s"]
-    assert set(s["phase_s"]) >= {"profile", "plan", "warm_up", "rounds", "launch", "paper_scale", "plots"}
-    assert len(s["phase_s"]["rounds"]) == 2
+    phases = {"profile", "plan", "warm_up", "rounds", "calibration", "paper_scale", "plots"}
+    assert set(s["phase_s"]) >= phases | {"launch"} and set(s["phase_cpu_s"]) >= phases
+    assert len(s["phase_s"]["rounds"]) == len(s["phase_cpu_s"]["rounds"]) == 2
+    assert 0 < s["phase_cpu_s"]["calibration"] <= 1.05 * s["phase_s"]["calibration"]  # one thread per rank
     report = (out / "report.md").read_text()
     assert "Each policy ran 2 times" in report and "The first comparison was printed after" in report

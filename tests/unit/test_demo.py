@@ -180,17 +180,20 @@ def _run(wall, busy, hash_="h"):
 
 def test_the_record_so_far_counts_the_median_run_and_pools_the_untimed_runs():
     """After each round the worker's record holds every policy's timed runs in order, the median
-    one counted, and the training factor of every untimed run so far (all policies, all rounds)."""
+    one counted, and the training factor of the untimed runs (all policies pooled); before the
+    untimed runs ran, no factor."""
     from dcparallel.apps.demo_worker import _real
 
-    calibration = [{"bucket": _run(9.0, 1.2), "dcp": _run(5.0, 1.0)}, {"bucket": _run(9.0, 0.8), "dcp": _run(5.0, 1.4)}]
-    runs = {"bucket": [_run(20.0, 1.0), _run(24.0, 1.0), _run(21.0, 1.0)], "dcp": [_run(12.0, 1.0)]}
+    calibration = [{"bucket": _run(9.0, 1.2), "dcp": _run(5.0, 1.4)}]
+    runs = {"bucket": [_run(20.0, 1.0), _run(24.0, 1.0), _run(21.0, 1.0)], "dcp": [_run(12.0, 1.0)] * 3}
     real = _real({"plans": _plans()}, calibration, runs)
-    assert real["rounds_done"] == 2 and real["plans"] == _plans()
-    assert real["training_factor"] == pytest.approx((1.2 + 1.0 + 0.8 + 1.4) / 4)
+    assert real["rounds_done"] == 3 and real["plans"] == _plans()
+    assert real["training_factor"] == pytest.approx((1.2 + 1.4) / 2)
     assert real["policies"]["bucket"]["wall_s"] == 21.0 and real["policies"]["bucket"]["walls"] == [20.0, 24.0, 21.0]
-    assert real["policies"]["dcp"]["walls"] == [12.0]
-    assert real["calibration"][1]["dcp"] == pytest.approx([1.4])
+    assert real["policies"]["dcp"]["walls"] == [12.0] * 3
+    assert real["calibration"][0]["dcp"] == pytest.approx([1.4])
+    first = _real({"plans": _plans()}, [], {n: rs[:1] for n, rs in runs.items()})
+    assert first["rounds_done"] == 1 and first["training_factor"] is None and first["calibration"] == []
 
 
 def test_each_round_prints_what_its_numbers_rest_on(capsys):
@@ -203,18 +206,20 @@ def test_each_round_prints_what_its_numbers_rest_on(capsys):
     from dcparallel.apps.demo_worker import _real
 
     record = {"plans": _plans(), "optimizer_step_s": 0.0}
-    cal = [{"bucket": _run(9.0, 1.0), "dcp": _run(5.0, 1.0)}]
-    real = _real(record, cal, {"bucket": [_run(20.0, 1.0)], "dcp": [_run(10.0, 1.0)]})
+    real = _real(record, [], {"bucket": [_run(20.0, 1.0)], "dcp": [_run(12.0, 1.0)]})
     print_round(real, predict(real), 1, 3, sys.stdout)
     first = capsys.readouterr().out
     assert "round 1 of 3, first comparison: one timed run of each policy, so its spread is unknown" in first
+    assert "predictions at the profile's prices (the untimed runs after this round measure" in first
     assert "spread" not in first.split("\n", 2)[2]  # no spread column on one run
-    assert "dcp        10.0        10.0     0%     2.00x  10.0" in first
-    real = _real(record, cal * 2, {"bucket": [_run(20.0, 1.0), _run(30.0, 1.0)], "dcp": [_run(10.0, 1.0)] * 2})
+    assert "dcp        12.0        10.0    17%     1.67x  12.0" in first  # 10.0 s simulated, unscaled
+    cal = [{"bucket": _run(9.0, 1.2), "dcp": _run(5.0, 1.2)}]
+    real = _real(record, cal, {"bucket": [_run(20.0, 1.0), _run(30.0, 1.0)], "dcp": [_run(12.0, 1.0)] * 2})
     print_round(real, predict(real), 2, 3, sys.stdout)
     second = capsys.readouterr().out
-    assert "after 2 timed runs of each policy: the median run counts" in second
-    assert "bucket     20.0" in second and "20.0, 30.0 (spread 40%)" in second  # median_low of 2: the faster
+    assert "after 2 timed runs of each policy: the median run counts; predictions x 1.200" in second
+    assert "bucket     20.0        24.0    20%" in second and "20.0, 30.0 (spread 40%)" in second  # median_low of 2
+    assert "dcp        12.0        12.0     0%" in second
 
 
 def test_the_plans_are_printed_with_the_profile_budget(capsys):
@@ -251,11 +256,16 @@ def test_profile_budget_must_be_positive(tmp_path):
 
 
 def test_phases_say_where_the_time_went():
-    from dcparallel.apps.demo_report import phases_text
+    from dcparallel.apps.demo_report import cpu_text, phases_text
 
-    phases = {"profile": 61.0, "plan": 4.0, "warm_up": 9.0, "rounds": [110.0, 104.0], "launch": 300.0}
-    text = phases_text({**phases, "paper_scale": 21.0, "plots": 6.0})
+    phases = {"profile": 61.0, "plan": 4.0, "warm_up": 9.0, "rounds": [55.0, 54.0], "calibration": 56.0}
+    text = phases_text({**phases, "launch": 250.0, "paper_scale": 21.0, "plots": 6.0})
     assert text == (
-        "training launch 300 s: start-up and exit 12, profile 61, plans 4, warm-up 9, rounds 110 + 104; "
-        "paper scale 21 s, plots 6 s"
+        "training launch 250 s: start-up and exit 11, profile 61, plans 4, warm-up 9, timed rounds 55 + 54, "
+        "calibration 56; paper scale 21 s, plots 6 s"
+    )
+    text = cpu_text({**phases, "paper_scale": 40.0, "plots": 5.0})
+    assert text == (
+        "processor seconds: profile 61, plans 4, warm-up 9, timed rounds 55 + 54, calibration 56 (rank 0); "
+        "paper scale 40, plots 5"
     )
