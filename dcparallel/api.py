@@ -49,6 +49,7 @@ from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime import comm
 from dcparallel.runtime.auto_launch import agreed_auto_shard_size, priced_cluster, set_up_launch
 from dcparallel.runtime.autocast import under_autocast, with_autocast
+from dcparallel.runtime.buffers import check_buffers_agree
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.forward_pass import ForwardFn, ForwardPass
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
@@ -220,6 +221,7 @@ class DataCentricParallel:
             "prepare",
             group,
         )
+        check_buffers_agree(self.model, "prepare", group)  # replicated: one checkpointed copy resumes every rank
 
     def _weights_fingerprint(self) -> tuple[float, float]:
         """The sum and norm (fp64, on the device, no copy) of the replicated trainable parameters:
