@@ -216,14 +216,28 @@ def _state(engine: Engine, opt: Any) -> dict[str, Any]:
 
 def save(path: str | Path, engine: Engine, opt: Any) -> None:
     """Writes the parameters and the optimizer state into the folder ``path`` (collective:
-    every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
+    every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``).
+    A checkpoint already in ``path`` (the HF Trainer saving a step again after a resume) is
+    removed first (`_clear`): DCP writing over it would leave the old world's extra data
+    files beside the new ones, and an interrupted save the old ``.metadata`` over new data;
+    the writer refuses (``overwrite=False``) any checkpoint still there."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    _clear(Path(path))
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, overwrite=False)
     with warnings.catch_warnings():  # DCP warns when it saves in one process: a world of one does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         state = {**_state(engine, opt), **_buffer_state(engine, saving=True)}
         dcp.save(state, storage_writer=writer, no_dist=not comm.is_distributed())
+
+
+def _clear(path: Path) -> None:
+    """Rank 0 removes the DCP checkpoint in ``path`` (its ``.metadata`` and ``*.distcp`` data
+    files; nothing else in the folder), then every rank waits for it (collective)."""
+    if comm.world_rank() == 0 and path.is_dir():
+        for f in [path / ".metadata", *path.glob("*.distcp")]:
+            f.unlink(missing_ok=True)
+    comm.barrier()
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:

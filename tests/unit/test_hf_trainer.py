@@ -184,7 +184,11 @@ def _lora_weights(model):
 def test_lora_model_resumes_to_the_same_weights(tmp_path):
     """A PEFT LoRA model: a run of 3 steps saving every step, and a second trainer resumed from
     the step-1 checkpoint (the adapter loaded by the Trainer into the engine's parameters),
-    end at the same adapter weights; the frozen base is unchanged."""
+    end at the same adapter weights; the frozen base is unchanged. The resumed run saves steps
+    2 and 3 again into the same folders: each ``dc_state`` is written afresh, so
+    torch.distributed.checkpoint finds no checkpoint to overwrite (and warns of none)."""
+    import warnings
+
     pytest.importorskip("peft")
     rows = _rows()
     runs = []
@@ -197,7 +201,10 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
             train_dataset=rows,
             dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
         )
-        trainer.train(resume_from_checkpoint=resume)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        assert not [w for w in caught if "existing checkpoint" in str(w.message)], [str(w.message) for w in caught]
         runs.append(_lora_weights(model))
         assert (tmp_path / "checkpoint-1" / "dc_state" / ".metadata").is_file()  # the one format
         assert not list(tmp_path.glob("checkpoint-*/dc_optimizer_rank*.pt"))
