@@ -48,6 +48,8 @@ from dcparallel.profile.of_engine import profile_engine
 from dcparallel.profile.profiler import ProfilerConfig
 from dcparallel.runtime import comm
 from dcparallel.runtime.auto_launch import agreed_auto_shard_size, priced_cluster, set_up_launch
+from dcparallel.runtime.autocast import under_autocast, with_autocast
+from dcparallel.runtime.buffers import check_buffers_agree
 from dcparallel.runtime.engine import Engine, MicroBatchContext
 from dcparallel.runtime.forward_pass import ForwardFn, ForwardPass
 from dcparallel.runtime.launch import cluster_from_env, default_device, device_memory
@@ -91,6 +93,9 @@ class DataCentricParallel:
     of the model protocol (``kind``, ``sample_fn``, ``blocks_per_layer``, ``context_tokens``
     for diffusers models, ...). ``ring``: SP groups past the head count too, Ulysses x ring
     attention (`runtime.ring`; profiled at `Topology.profiled_splits`, `cost.profiled`).
+    ``autocast``: the dtype (torch.bfloat16 / float16) the loop runs each forward in under
+    `torch.autocast` (the HF Trainer's ``bf16=True``): the profiler measures under it too, and
+    its 16-bit copies of the fp32 weights count as model states (`runtime.autocast`).
     Everything is validated before the model is touched.
     Started by torchrun with no process group set up, it sets one up and moves a CPU model to
     this rank's device (`runtime.auto_launch`); one set up before (`dcparallel.init_distributed`)
@@ -114,6 +119,7 @@ class DataCentricParallel:
         shard_size: int | str = 1,
         ring: bool = False,
         research: bool = False,
+        autocast: torch.dtype | None = None,
         **protocol: Any,
     ):
         user_policy(policy, "DataCentricParallel", research=research)
@@ -129,6 +135,9 @@ class DataCentricParallel:
         adapter = adapter or find_adapter(
             model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads, **protocol
         )
+        #: the dtype of the training loop's `torch.autocast` around each forward (None: none)
+        self.autocast = autocast
+        adapter = with_autocast(adapter, model, autocast)  # its 16-bit weight copies are model states
         set_up_launch(model)  # under torchrun: the process group and this rank's device, unless set up already
         device = next(model.parameters()).device
         if device.type == "meta":  # built under `empty_init`: its shards get storage on this launch's device
@@ -212,6 +221,7 @@ class DataCentricParallel:
             "prepare",
             group,
         )
+        check_buffers_agree(self.model, "prepare", group)  # replicated: one checkpointed copy resumes every rank
 
     def _weights_fingerprint(self) -> tuple[float, float]:
         """The sum and norm (fp64, on the device, no copy) of the replicated trainable parameters:
@@ -509,4 +519,5 @@ class DataCentricParallel:
     def _profile(
         self, sizes: Sequence[Any], path: Path, profiler_config: ProfilerConfig | Mapping[str, Any] | None
     ) -> Profile:
-        return profile_engine(self.engine, self.spec, self.loss_fn, sizes, path, profiler_config, self.memory_bytes)
+        loss_fn = under_autocast(self.loss_fn, self.params[0].device, self.autocast)  # measured as trained
+        return profile_engine(self.engine, self.spec, loss_fn, sizes, path, profiler_config, self.memory_bytes)

@@ -173,6 +173,9 @@ class ModelSpec:
     #: parameters that do not train (``requires_grad=False``: a LoRA's base, a frozen encoder):
     #: stored, but with no gradient, no optimizer state and no weight-gradient compute
     frozen_params: int = 0
+    #: fp32 parameters a forward under `torch.autocast` copies to 16 bits (`runtime.autocast`):
+    #: 2 bytes each held through every micro-batch; 0: no autocast, or weights stored in 16 bits
+    autocast_params: int = 0
     #: a vision-language model's vision tower, priced from `VisionSize.patches`; None: none
     vision: VisionTower | None = None
 

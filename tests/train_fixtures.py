@@ -293,12 +293,24 @@ def pytest_approx(x: float, rel: float = 1e-6):
 
 
 def trainer_reference_steps(
-    ref, data, *, seed: int, tokens_per_step: int, steps: int = 3, autocast: bool = False
+    ref,
+    data,
+    *,
+    seed: int = 0,
+    tokens_per_step: int,
+    steps: int = 3,
+    autocast: bool = False,
+    lr: float = 0.01,
+    warmup_steps: int = 1,
+    weight_decay: float = 0.01,
+    max_grad_norm: float = 0.5,
 ) -> list[float]:
-    """dcparallel's own loop with what the integration tests give the Trainer (AdamW lr 0.01,
-    weight decay 0.01, linear schedule with 1 warmup step, clipping at 0.5): the first
+    """dcparallel's own loop (the README's) with what the Trainer tests give the Trainer:
+    AdamW (torch's betas and epsilon) at ``lr`` and ``weight_decay``, the linear schedule with
+    ``warmup_steps``, clipping at ``max_grad_norm``, on `prepare`'s planned steps of ``data``
+    (rows of ``input_ids`` and next-token ``labels``) with ``seed``. Returns the first
     ``steps`` step losses; ``ref`` is trained in place. ``autocast``: each forward under CPU
-    autocast to bfloat16."""
+    autocast to bfloat16, as the Trainer's ``bf16=True``."""
     import contextlib
 
     from transformers import get_scheduler
@@ -309,8 +321,8 @@ def trainer_reference_steps(
     loader = dc.prepare(
         data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=tokens_per_step, cost="analytic"
     )
-    opt = dc.optimizer(lr=0.01, weight_decay=0.01)
-    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=steps)
+    opt = dc.optimizer(lr=lr, weight_decay=weight_decay)
+    sched = get_scheduler("linear", opt, num_warmup_steps=warmup_steps, num_training_steps=steps)
     losses = []
     for step in list(loader)[:steps]:
         for batch in step:
@@ -319,7 +331,7 @@ def trainer_reference_steps(
                     loss = dc.loss_fn(ref, batch, ctx)
                 ctx.backward(loss)
         losses.append(dc.sync_gradients())
-        dc.clip_grad_norm_(0.5)
+        dc.clip_grad_norm_(max_grad_norm)
         opt.step()
         sched.step()
     return losses

@@ -190,7 +190,9 @@ class StateRecipe:
     the micro-batches); ``step_transient``: the peak of sync + clip + optimizer step on top of
     the states (the activations are freed by then); ``held``: whole fp32 gradients FSDP keeps
     between a shard block's micro-batches (`unsharded_grad_bytes`; reduce-scattered and freed
-    by the last micro-batch's backward, so not in the step)."""
+    by the last micro-batch's backward, so not in the step); ``autocast``: the 16-bit copies of
+    the fp32 weights a forward under autocast casts (`ModelSpec.autocast_params`, 2 bytes each:
+    `runtime.autocast`), held through each micro-batch, freed before the step."""
 
     params: float
     grads: float
@@ -198,11 +200,12 @@ class StateRecipe:
     gathered: float
     step_transient: float
     held: float = 0.0
+    autocast: float = 0.0
 
     @property
     def states(self) -> float:
         """What every micro-batch finds allocated: the planner's fixed bytes per rank."""
-        return self.params + self.grads + self.optimizer + self.gathered + self.held
+        return self.params + self.grads + self.optimizer + self.gathered + self.held + self.autocast
 
     @property
     def step_peak(self) -> float:
@@ -252,10 +255,16 @@ def state_recipe(
     bt = b if trainable_bytes is None else float(trainable_bytes)
     w, s = world_size, shard_size
     chunk = 4.0 * min(STEP_CHUNK_NUMEL, math.ceil(p / w))  # the optimizer's piece is about T / W
+    cast = 2.0 * model.autocast_params
     if s == 1:
         master = 0.0 if bt >= 4 else 4 * p / w
         return StateRecipe(
-            params=bt * p + b * f, grads=4 * p, optimizer=master + 8 * p / w, gathered=0.0, step_transient=chunk
+            params=bt * p + b * f,
+            grads=4 * p,
+            optimizer=master + 8 * p / w,
+            gathered=0.0,
+            step_transient=chunk,
+            autocast=cast,
         )
     return StateRecipe(
         params=(4 * p + b * f) / s,
@@ -264,6 +273,7 @@ def state_recipe(
         gathered=gathered_bytes(model),
         step_transient=(1 + w // s) * chunk,
         held=4 * p if unsharded_grads else 0.0,
+        autocast=cast,
     )
 
 

@@ -28,7 +28,9 @@ the loader (`DataCentricLoader.observe`, as ``dcparallel train`` does), which pl
 steps with the corrected cost model.
 ``bf16=True`` runs each micro-batch's forward under autocast to bfloat16, as the Trainer
 does (the parameters, gradients and AdamW states stay fp32, or fp32 masters of a model
-loaded in bf16); ``fp16=True`` (a loss scaler) is refused.
+loaded in bf16); the profiler measures under the same autocast and the planner counts its
+bf16 copies of the fp32 weights (2 bytes a parameter, `runtime.autocast`) in every
+micro-batch's memory. ``fp16=True`` (a loss scaler) is refused.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class DataCentricTrainer(Trainer):
             shard_size=self.dc_args.shard_size,
             seed=a.seed,
             loss_fn=self.dc_args.loss_fn,
+            autocast=torch.bfloat16 if a.bf16 else None,  # the forward's autocast: profiled, its copies counted
         )
         self._dc_loader = None
 

@@ -102,7 +102,8 @@ def _is_fsdp(module: nn.Module) -> bool:
 
 
 class SavedTensorMeter:
-    """Counts bytes saved for backward (unique storages, parameters excluded) while active;
+    """Counts bytes saved for backward (unique storages, parameters and autocast's 16-bit
+    copies of them excluded: model states) while active;
     raises `torch.OutOfMemoryError` when ``base_bytes`` + the count passes ``limit_bytes``.
     ``exclude``: tensors whose storages are not activations (the parameter buffers).
     ``skip_parameters``: also every saved `nn.Parameter` and view of one, whatever its
@@ -126,6 +127,8 @@ class SavedTensorMeter:
 
     def _pack(self, t: Tensor) -> Tensor:
         if self._skip_parameters and (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            return t
+        if _cast_of_parameter(t):  # autocast's weight copy: a model state (`cost.base.StateRecipe.autocast`)
             return t
         try:
             storage = t.untyped_storage()
@@ -153,6 +156,18 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _cast_of_parameter(t: Tensor) -> bool:
+    """Whether ``t`` is (a view of) a dtype cast of a trainable parameter (its autograd node a
+    copy whose input is the parameter's gradient accumulator): autocast's 16-bit weight copy,
+    which a matmul saves transposed. A frozen parameter's copy has no autograd node and is
+    counted as an activation (over-counted)."""
+    node = (t._base if t._base is not None else t).grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0] if node.next_functions else None
+    return isinstance(getattr(source, "variable", None), nn.Parameter)
 
 
 class Timer:

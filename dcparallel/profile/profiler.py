@@ -165,6 +165,8 @@ class Profiler:
             "num_layers": self.spec.num_layers,
             "layers_per_unit": self.unit,
             "dtype": str(self.dtype).replace("torch.", ""),
+            # measured under the loop's autocast (`runtime.autocast`): another profile than without
+            **({"autocast_params": self.spec.autocast_params} if self.spec.autocast_params else {}),
             "device": device_name(self.device),
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "world_size": self.world,

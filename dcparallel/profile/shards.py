@@ -36,8 +36,9 @@ def compute_dtype(engine: Engine) -> torch.dtype:
 def state_bytes(engine: Engine, spec: ModelSpec, device: torch.device) -> float:
     """Model states per rank: the engine's recipe (`cost.base.state_recipe`) for its trainable
     and frozen parameter counts and dtypes. On a GPU the whole parameters a shard block
-    gathers are left out: the allocator's peak of every measured run already holds them; on
-    CPU the saved-tensor meter does not see them, so they are counted here."""
+    gathers and the 16-bit weight copies of a forward under autocast are left out: the
+    allocator's peak of every measured run already holds them; on CPU the saved-tensor meter
+    does not count them (`measure.SavedTensorMeter`), so they are counted here."""
     s = shard_size(engine)
     n = sum(p.numel() for p in engine.params)
     frozen = [p for p in engine.model.parameters() if not p.requires_grad]
@@ -47,7 +48,7 @@ def state_bytes(engine: Engine, spec: ModelSpec, device: torch.device) -> float:
     recipe = state_recipe(
         spec, comm.world_size(), s, num_params=n + f, frozen_params=f, bytes_per_value=b, trainable_bytes=bt
     )
-    return recipe.states - (recipe.gathered if device.type == "cuda" else 0.0)
+    return recipe.states - (recipe.gathered + recipe.autocast if device.type == "cuda" else 0.0)
 
 
 def meter(engine: Engine, base_bytes: float, limit_bytes: float | None) -> SavedTensorMeter:

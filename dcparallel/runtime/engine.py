@@ -50,6 +50,7 @@ from dcparallel.data.batch import Batch
 from dcparallel.loss import per_token_loss
 from dcparallel.runtime import comm, synced_grads
 from dcparallel.runtime.attention_check import AttentionProbe
+from dcparallel.runtime.buffers import refuse_running_stats
 from dcparallel.runtime.grad_sync import GradSync
 from dcparallel.runtime.groups import ProcessGroups
 from dcparallel.runtime.launch import abort_on_oom, default_device
@@ -217,6 +218,8 @@ class Engine:
     ):
         if model in _WRAPPED:
             raise ValueError(f"{type(model).__name__} is already wrapped by a DataCentricParallel; wrap a model once")
+        if comm.world_size() > 1:  # buffers updated from each rank's own samples would drift apart
+            refuse_running_stats(model)
         self.adapter = adapter or find_adapter(model, layers=layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
         params = trainable_params(model)
         self.shard_size = engine_shard_size(cluster, shard_size)

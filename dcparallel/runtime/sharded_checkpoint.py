@@ -24,7 +24,8 @@ Persistent buffers (BatchNorm's running statistics, a step counter, an EMA kept 
 are replicated: every rank hands DCP its own copy, the model's tensor itself, which DCP writes
 once and loads into every rank's copy in place. A save first checks that the ranks' copies
 are identical and refuses, naming the buffer, when they are not (a buffer updated from each
-rank's own samples): one copy could not resume the others exactly. A load refuses a
+rank's own samples): one copy could not resume the others exactly (`runtime.buffers`, which
+also refuses running statistics when the model is wrapped and compares the copies in `prepare`). A load refuses a
 checkpoint whose buffers are not the model's, by name. Frozen parameters are not saved: no
 step changes them, so the model as built (its pretrained weights) holds their values.
 
@@ -49,6 +50,7 @@ import torch
 from torch import Tensor
 
 from dcparallel.runtime import comm
+from dcparallel.runtime.buffers import check_buffers_agree, persistent_buffers  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from dcparallel.runtime.engine import Engine
@@ -73,32 +75,13 @@ def buffer_key(name: str) -> str:
     return f"{BUFFER_PREFIX}{name}"
 
 
-def persistent_buffers(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The model's persistent buffers (those its state dict holds) by name: its own tensors."""
-    saved = model.state_dict(keep_vars=True).keys()
-    return {n: b for n, b in model.named_buffers() if n in saved}
-
-
 def _buffer_state(engine: Engine, saving: bool) -> dict[str, Tensor]:
     """The DCP entries of the model's persistent buffers: its own tensors (a 0-d one viewed
     with one dimension of 1), loaded in place. ``saving``: refused unless every rank holds
-    the same values (module docstring)."""
+    the same values (`runtime.buffers.check_buffers_agree`)."""
+    if saving:
+        check_buffers_agree(engine.model, "checkpoint save")
     buffers = persistent_buffers(engine.model)
-    if saving and comm.is_distributed():
-        mine = {
-            n: comm.digest(b.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, b in buffers.items()
-        }
-        every = comm.all_gather_object(mine)
-        differ = [n for n in buffers if len({theirs[n] for theirs in every}) > 1]
-        if differ:
-            ranks = [r for r, theirs in enumerate(every) if theirs[differ[0]] != mine[differ[0]]]
-            raise ValueError(
-                f"the persistent buffer {differ[0]!r} differs across ranks (this rank {comm.world_rank()} "
-                f"and ranks {ranks}; all differing: {differ[:5]}): it is updated from each rank's own "
-                f"samples (BatchNorm's running statistics are), so one saved copy would resume the "
-                f"other ranks wrong. Keep it identical on every rank (update it from all-reduced "
-                f"values, or track_running_stats=False), or register it with persistent=False"
-            )
     return {buffer_key(n): b.view(1) if b.dim() == 0 else b for n, b in buffers.items()}
 
 
@@ -233,14 +216,28 @@ def _state(engine: Engine, opt: Any) -> dict[str, Any]:
 
 def save(path: str | Path, engine: Engine, opt: Any) -> None:
     """Writes the parameters and the optimizer state into the folder ``path`` (collective:
-    every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``)."""
+    every rank calls it; DCP writes one data file per rank, then rank 0 its ``.metadata``).
+    A checkpoint already in ``path`` (the HF Trainer saving a step again after a resume) is
+    removed first (`_clear`): DCP writing over it would leave the old world's extra data
+    files beside the new ones, and an interrupted save the old ``.metadata`` over new data;
+    the writer refuses (``overwrite=False``) any checkpoint still there."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    _clear(Path(path))
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, overwrite=False)
     with warnings.catch_warnings():  # DCP warns when it saves in one process: a world of one does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         state = {**_state(engine, opt), **_buffer_state(engine, saving=True)}
         dcp.save(state, storage_writer=writer, no_dist=not comm.is_distributed())
+
+
+def _clear(path: Path) -> None:
+    """Rank 0 removes the DCP checkpoint in ``path`` (its ``.metadata`` and ``*.distcp`` data
+    files; nothing else in the folder), then every rank waits for it (collective)."""
+    if comm.world_rank() == 0 and path.is_dir():
+        for f in [path / ".metadata", *path.glob("*.distcp")]:
+            f.unlink(missing_ok=True)
+    comm.barrier()
 
 
 def load(path: str | Path, engine: Engine, opt: Any) -> None:

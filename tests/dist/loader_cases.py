@@ -224,3 +224,31 @@ def case_refine(refine_steps: int) -> dict:
             "refine_left": loader.refine_left,
             "corrections": {sp: cost.correction(sp) for sp in (1, 2)},
         }
+
+
+def case_rank_buffers() -> dict:
+    """Replicated buffers across ranks: wrapping a model with a BatchNorm (running statistics)
+    at world 2, and `prepare` with a persistent buffer that holds this rank's number, each give
+    their error; a persistent buffer equal on every rank prepares (the loader's steps)."""
+    import dcparallel
+
+    dataset, out = ArithmeticTokens(24, 0), {}
+    model = make_model("llama")
+    model.head_norm = torch.nn.BatchNorm1d(8)  # outside the forward: the refusal is by structure
+    try:
+        dcparallel.DataCentricParallel(model, memory_bytes=MEMORY_BYTES)
+        out["batchnorm"] = ""
+    except ValueError as e:
+        out["batchnorm"] = str(e)
+    for name, value in (("differ", float(dist.get_rank())), ("same", 1.0)):
+        model = make_model("llama")
+        model.register_buffer("scale", torch.full((4,), value))
+        dc = dcparallel.DataCentricParallel(model, memory_bytes=MEMORY_BYTES)
+        try:
+            loader = dc.prepare(
+                dataset, lengths=dataset.lengths, tokens_per_step=400, cost="analytic", planning="thread"
+            )
+            out[name] = len(loader)
+        except ValueError as e:
+            out[name] = str(e)
+    return out

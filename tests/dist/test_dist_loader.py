@@ -113,6 +113,23 @@ def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
     assert same[0]["error"] == "" and same[0]["steps"] == same[1]["steps"] > 1, same
 
 
+def test_buffers_that_differ_across_ranks_are_refused_before_training(workers):
+    """A replicated buffer that differs across ranks would be saved from one rank and resume
+    the others wrong: running statistics (BatchNorm) are refused when the model is wrapped,
+    and a persistent buffer whose values differ in `prepare`, each naming the buffers and the
+    fix; a persistent buffer equal on every rank prepares."""
+    for out in workers.run(loader_cases.case_rank_buffers):
+        assert out["batchnorm"].startswith("BatchNorm1d 'head_norm' keeps running statistics"), out
+        for words in (
+            "head_norm.running_mean, head_norm.running_var, head_norm.num_batches_tracked",
+            "track_running_stats=False",
+        ):
+            assert words in out["batchnorm"], out
+        assert out["differ"].startswith("prepare: the persistent buffer 'scale' differs across ranks"), out
+        assert "register it with persistent=False" in out["differ"], out
+        assert out["same"] > 1, out
+
+
 def test_refined_plans_are_identical_on_every_rank(workers):
     """Each rank feeds its own micro-batch times; the loader gathers them, so both ranks (and
     their planning processes) refit alike and plan alike."""

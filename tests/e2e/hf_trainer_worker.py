@@ -24,7 +24,6 @@ from transformers import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
-    get_scheduler,
 )
 
 import dcparallel
@@ -34,6 +33,7 @@ from tests import train_fixtures as tf
 torch.set_num_threads(1)
 MODEL, CHAT, OUT = (Path(a) for a in sys.argv[1:4])
 STEPS, LR, WARMUP, DECAY, CLIP, TOKENS = 4, 0.02, 2, 0.01, 0.5, 120
+OPTIMIZER = {"lr": LR, "warmup_steps": WARMUP, "weight_decay": DECAY, "max_grad_norm": CLIP}  # the reference loop's
 tok = AutoTokenizer.from_pretrained(MODEL)
 tok.chat_template = tf.GENERATION_TEMPLATE
 
@@ -154,21 +154,7 @@ def run_loop():
     data = [
         {"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"][1:] + [-100])} for r in train
     ]  # next-token targets
-    dc = dcparallel.DataCentricParallel(model, policy="dcp")
-    loader = dc.prepare(data, lengths=[len(r["input_ids"]) for r in train], tokens_per_step=TOKENS, cost="analytic")
-    opt = dc.optimizer(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=DECAY)
-    sched = get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
-    losses = []
-    for step in loader:
-        for batch in step:
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(model, batch, ctx))
-        losses.append(dc.sync_gradients())
-        dc.clip_grad_norm_(CLIP)
-        opt.step()
-        sched.step()
-        if len(losses) == STEPS:
-            break
+    losses = tf.trainer_reference_steps(model, data, tokens_per_step=TOKENS, steps=STEPS, **OPTIMIZER)
     return {"losses": losses, "weights": trainable(model)}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import dcparallel
@@ -30,6 +30,7 @@ from tests import train_fixtures as tf
 torch.set_num_threads(1)
 MODEL, OUT = (Path(a) for a in sys.argv[1:3])
 STEPS, LR, WARMUP, DECAY, CLIP, TOKENS = 4, 0.02, 2, 0.01, 0.5, 120
+OPTIMIZER = {"lr": LR, "warmup_steps": WARMUP, "weight_decay": DECAY, "max_grad_norm": CLIP}  # the reference loop's
 tok = AutoTokenizer.from_pretrained(MODEL)
 rows = [{"prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in tf.conversations(40, seed=0)]
 train, test = Dataset.from_list(rows[:-6]), Dataset.from_list(rows[-6:])
@@ -108,20 +109,9 @@ def run_loop():
     """dcparallel's own loop (README), with the SFTTrainer's optimizer, schedule and clipping."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
-    data = [masked(r) for r in rows[:-6]]
-    dc = dcparallel.DataCentricParallel(model, policy="dcp", seed=0)
-    loader = dc.prepare(data, lengths=[len(d["input_ids"]) for d in data], tokens_per_step=TOKENS, cost="analytic")
-    opt = dc.optimizer(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=DECAY)
-    sched = get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
-    losses = []
-    for step in list(loader)[:STEPS]:
-        for batch in step:
-            with dc.micro_batch(batch) as ctx:
-                ctx.backward(dc.loss_fn(model, batch, ctx))
-        losses.append(dc.sync_gradients())
-        dc.clip_grad_norm_(CLIP)
-        opt.step()
-        sched.step()
+    losses = tf.trainer_reference_steps(
+        model, [masked(r) for r in rows[:-6]], tokens_per_step=TOKENS, steps=STEPS, **OPTIMIZER
+    )
     return {"losses": losses, "weights": trainable(model)}
 
 

@@ -184,7 +184,11 @@ def _lora_weights(model):
 def test_lora_model_resumes_to_the_same_weights(tmp_path):
     """A PEFT LoRA model: a run of 3 steps saving every step, and a second trainer resumed from
     the step-1 checkpoint (the adapter loaded by the Trainer into the engine's parameters),
-    end at the same adapter weights; the frozen base is unchanged."""
+    end at the same adapter weights; the frozen base is unchanged. The resumed run saves steps
+    2 and 3 again into the same folders: each ``dc_state`` is written afresh, so
+    torch.distributed.checkpoint finds no checkpoint to overwrite (and warns of none)."""
+    import warnings
+
     pytest.importorskip("peft")
     rows = _rows()
     runs = []
@@ -197,7 +201,10 @@ def test_lora_model_resumes_to_the_same_weights(tmp_path):
             train_dataset=rows,
             dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
         )
-        trainer.train(resume_from_checkpoint=resume)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        assert not [w for w in caught if "existing checkpoint" in str(w.message)], [str(w.message) for w in caught]
         runs.append(_lora_weights(model))
         assert (tmp_path / "checkpoint-1" / "dc_state" / ".metadata").is_file()  # the one format
         assert not list(tmp_path.glob("checkpoint-*/dc_optimizer_rank*.pt"))
@@ -313,3 +320,58 @@ def test_refine_steps_0_feeds_nothing_and_plans_as_the_loader(tmp_path):
         data, lengths=[len(r["input_ids"]) for r in rows], tokens_per_step=100, cost="analytic"
     )
     assert [plan for _, plan, _, _ in calls] == [step.plan for step in list(plain)[:3]]
+
+
+def test_bf16_counts_the_autocast_weight_copies(tmp_path):
+    """bf16=True: autocast's bf16 copies of the fp32 weights (every linear layer's, 2 bytes a
+    parameter) are model states, and the profiler's meter measures the activations under the
+    same autocast without them. On the first micro-batch the planner plans (short chat rows,
+    a Llama whose weights outweigh the activations of ~100 tokens), the bytes beyond the
+    parameters that torch's MemTracker sees held at the end of the forward (where the copies
+    and the saved activations peak together) are what the profiled path counts (meter +
+    copies), and more than a forward without autocast holds, which is what was profiled and
+    counted before. (Peaks through the backward at more shapes:
+    benchmarks/autocast-memory_cpu_2026-12-07.md.)"""
+    import dataclasses
+
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from dcparallel.cost.base import state_recipe
+    from dcparallel.profile import shards
+
+    model = tf.tiny_llama(4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
+    trainer = DataCentricTrainer(
+        model=model,
+        args=_args(tmp_path, bf16=True),
+        train_dataset=_rows(),
+        dc_args=DataCentricArguments(tokens_per_step=100, cost="analytic"),
+    )
+    dc = trainer.dc
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert dc.spec.autocast_params == linear  # no biases; the embedding table is not cast
+    trainer.get_train_dataloader()
+    old = state_recipe(dataclasses.replace(dc.spec, autocast_params=0), 1)
+    assert dc.cost.model_state_bytes() == old.states + 2 * linear
+    batch = next(iter(next(iter(dc.loader))))
+    assert batch.seq_len <= 128  # short: the copies outweigh what bf16 saves on activations
+
+    def forward(autocast: bool, around, at_end=lambda: None) -> None:
+        with dc.micro_batch(batch) as ctx, around:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = dc.loss_fn(model, batch, ctx)
+            at_end()  # the graph of ``loss`` alive
+        del loss
+        dc.zero_grad()
+
+    def meter(autocast: bool) -> int:  # the profiler's measurement of one micro-batch
+        m = shards.meter(dc.engine, 0.0, None)
+        forward(autocast, m)
+        return m.bytes
+
+    tracker, snaps = MemTracker(), []
+    forward(True, tracker, lambda: snaps.append(tracker.get_tracker_snapshot("current")[torch.device("cpu")]))
+    held = snaps[0]["Total"] - snaps[0][_MemRefType.PARAM]
+    counted, before = meter(True) + 2 * linear, meter(False)
+    # slack: the loss and its target count, scalars nothing saves for backward (1 KiB; a layer's
+    # copies are a MiB)
+    assert before < held <= counted + 1024, (before, held, counted)
