@@ -129,8 +129,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def calibrations(args: argparse.Namespace) -> None:
-    """``--calibrations``: the layer calibration timed ``args.calibrations`` times, each
-    followed by its launch probe (`cpu_calibration.slowdown`)."""
+    """``--calibrations``: the layer calibration timed ``args.calibrations`` times."""
     import torch
 
     import dcparallel
@@ -148,8 +147,7 @@ def calibrations(args: argparse.Namespace) -> None:
         if i:
             time.sleep(args.gap)
         t0, load = time.perf_counter(), os.getloadavg()[0]
-        m = cc.measure(spec)
-        m["slowdown"] = cc.slowdown(spec, m)
+        m = cc.measure(spec)  # with its slowdown over its own windows
         m.update({f"halves' spread {k}": m["spread"][k] for k in keys})
         m.update({f"wall {k}": m[k] * m["slowdown"] for k in keys})
         rows.append(m)

@@ -16,18 +16,20 @@ few timings on this machine, a few seconds for a small model, replace its time c
 Two quantities, measured apart because only one of them holds still on a shared machine:
 
 * the constants, in processor seconds of the calling thread (`work_clock`: one intra-op
-  thread, as a launch's ranks run). Each call is timed alone; per size the least call of
-  six rounds of one window (0.1 s and at least two calls: `timed_rounds`). Other work
-  that takes the core in the middle of a call makes the call's own processor time grow
-  (its caches refilled after), by up to 80 % for a call of a millisecond under a load of
-  15 on 2 cores; the least call is the work's own cost. Each constant is also
+  thread, as a launch's ranks run; the process's time would also count other threads, and
+  wall seconds the share of a core the process gets). Per size the least of six windows'
+  mean per call (a window 0.1 s and at least two calls, in rounds over the sizes:
+  `timed_rounds`): a burst of other work only adds to a window's processor seconds (its
+  caches refilled after), so the least window is the one it missed. Each constant is also
   fitted on the first and on the last half of the rounds: their spread (largest /
   smallest - 1: two calibrations seconds apart) is the calibration's stated confidence,
-  logged and cached;
-* this launch's slowdown (`slowdown`): the wall seconds per calibrated processor second of
-  one more round of the same sizes, about a second at each launch (cached constants or
-  not). It holds the share of a core each rank gets and what interruptions add to calls
-  small and large, and follows the machine's load; a step's price is the constants times it.
+  logged and cached. On a shared machine the processor seconds per call still move with
+  the load and the host (`benchmarks/analytic-cpu_cpu_2026-12-07.md`);
+* this launch's slowdown: the wall seconds per calibrated processor second of the
+  calibration's own windows, or, with constants from the cache, of three more rounds of
+  them (`slowdown`, a few seconds at each launch). It holds the share of a core each rank
+  gets and what interruptions add to calls small and large, and follows the machine's
+  load; a step's price is the constants times it.
 
 N and L shrink for large models so that one call stays well under a second. Memory
 constants (bytes per token: the model's, not the device's) and the recompute fractions stay
@@ -71,6 +73,8 @@ TIMING_FLOPS = 2e9
 #: rounds each size is timed in, and the least wall seconds and calls of one round's window
 #: (`timed_rounds`): eight sizes take about 8 x 6 x 0.1 s = 5 s on an idle core
 REPEATS, MIN_S, MIN_CALLS = 6, 0.1, 2
+#: rounds of the same windows that time a launch's slowdown when the constants come from the cache
+PROBE_ROUNDS = 3
 #: tokens of the smallest timings, whose time is nearly all the floor
 FLOOR_TOKENS = 16
 #: the sizes fitted for a slope, in multiples of the smallest (n, 2n, 4n tokens; L, 2L, 4L)
@@ -86,46 +90,49 @@ def work_clock():
 
 @dataclasses.dataclass
 class Rounds:
-    """What `timed_rounds` saw: per function, per round, the least work seconds of one call in
-    the round's window (``best``), and over all windows the calls made and the wall seconds."""
+    """What `timed_rounds` saw: per function, per round, the work seconds of one call (the
+    mean over the round's window: ``per_call``), and over all windows the calls made and the
+    wall seconds."""
 
-    best: list[list[float]]
+    per_call: list[list[float]]
     calls: list[int]
     wall_s: float
 
     def estimate(self) -> list[float]:
-        """Per function, its least call over all rounds."""
-        return [min(b) for b in self.best]
+        """Per function, the least over rounds."""
+        return [min(b) for b in self.per_call]
+
+    def slowdown(self, seconds: list[float]) -> float:
+        """Wall seconds of the windows per processor second of their calls priced at ``seconds`` each."""
+        return self.wall_s / sum(c * s for c, s in zip(self.calls, seconds, strict=True))
 
 
 def timed_rounds(
     fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work=None
 ) -> Rounds:
     """After a warm-up call of each of ``fns``, ``repeats`` rounds of one window per function, a
-    window at least ``min_s`` seconds of ``clock`` and `MIN_CALLS` calls, each call timed
-    alone on ``work`` (default `work_clock`). A call's processor time grows when other work
-    takes the core in the middle of it (its caches refilled after), so a function's least
-    call (`Rounds.estimate`) is the work's own cost: one round that caught no undisturbed
-    call does not move it, and the rounds give every function the same mix of the machine's load.
-    ``repeats`` and ``min_s`` default to `REPEATS` and `MIN_S`."""
+    window at least ``min_s`` seconds of ``clock`` and `MIN_CALLS` calls, timed on ``work``
+    (default `work_clock`): processor seconds, whatever share of a core each window gets. A
+    window spans many of the scheduler's time slices; the least window (`Rounds.estimate`)
+    drops those a burst of other work fell into, and the rounds give every function the
+    same mix of the machine's load. ``repeats`` and ``min_s`` default to `REPEATS` and `MIN_S`."""
     repeats, min_s = repeats or REPEATS, MIN_S if min_s is None else min_s
     work = work or work_clock()
     for fn in fns:
         fn()  # warm-up
-    best: list[list[float]] = [[] for _ in fns]
+    per_call: list[list[float]] = [[] for _ in fns]
     calls = [0 for _ in fns]
     wall = 0.0
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            least, made, t0 = math.inf, 0, clock()
+            made, t0, w0 = 0, clock(), work()
             while made < MIN_CALLS or clock() - t0 < min_s:
-                w0 = work()
                 fn()
-                least, made = min(least, work() - w0), made + 1
+                made += 1
             calls[i] += made
             wall += clock() - t0
-            best[i].append(least)
-    return Rounds(best, calls, wall)
+            per_call[i].append((work() - w0) / made)
+    return Rounds(per_call, calls, wall)
 
 
 def _line(xs: list[float], ts: list[float]) -> float:
@@ -159,13 +166,14 @@ def robust_fit(rounds: Rounds, tokens: list[int], lengths: list[int]) -> dict:
     again at each launch)."""
     est = rounds.estimate()
     out = fit(est, tokens, lengths)
-    half = len(rounds.best[0]) // 2
+    half = len(rounds.per_call[0]) // 2
     halves = [
-        fit([min(b[:half]) for b in rounds.best], tokens, lengths),
-        fit([min(b[half:]) for b in rounds.best], tokens, lengths),
+        fit([min(b[:half]) for b in rounds.per_call], tokens, lengths),
+        fit([min(b[half:]) for b in rounds.per_call], tokens, lengths),
     ]
     out["spread"] = {k: max(f[k] for f in halves) / max(min(f[k] for f in halves), 1e-300) - 1 for k in CONSTANTS}
     out["probe"] = {"tokens": tokens, "lengths": lengths, "seconds": est}
+    out["slowdown"] = rounds.slowdown(est)  # over the whole calibration, not cached: the load's
     return out
 
 
@@ -244,16 +252,15 @@ def measure(spec: ModelSpec, **kw) -> dict:
 
 
 def slowdown(spec: ModelSpec, measured: dict, clock=time.perf_counter, work=None) -> float:
-    """Wall seconds per calibrated processor second on this launch now: one round of the
-    calibration's sizes (``measured["probe"]``, about a second), their wall seconds over
-    their calls priced at the calibrated seconds. It holds both the share of a core each rank
+    """Wall seconds per calibrated processor second on this launch now: `PROBE_ROUNDS` rounds
+    of the calibration's sizes (``measured["probe"]``, a few seconds), their wall seconds
+    over their calls priced at the calibrated seconds. It holds both the share of a core each rank
     gets and what other work's interruptions add to calls small and large (a step's ops are
     both); it follows the machine's load, which the processor-second constants do not."""
     probe = measured["probe"]
     lin, att = _timed_fns(spec)
     fns = [lin(int(x)) for x in probe["tokens"]] + [att(int(x)) for x in probe["lengths"]]
-    rounds = timed_rounds(fns, repeats=1, clock=clock, work=work)
-    return rounds.wall_s / sum(c * s for c, s in zip(rounds.calls, probe["seconds"], strict=True))
+    return timed_rounds(fns, repeats=PROBE_ROUNDS, clock=clock, work=work).slowdown(probe["seconds"])
 
 
 def calibration(spec: ModelSpec, measured: dict) -> Calibration:
@@ -317,6 +324,7 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
     if not all(comm.all_gather_object(hit is not None)):
         t0 = time.perf_counter()
         every = comm.all_gather_object(measure(spec))
+        factor = statistics.fmean(m["slowdown"] for m in every)
         hit = {k: statistics.fmean(m[k] for m in every) for k in CONSTANTS}
         hit["spread"] = {k: max(m["spread"][k] for m in every) for k in CONSTANTS}
         hit["probe"] = {
@@ -333,8 +341,9 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
                 path,
             )
             _save(path, key, hit)
+    else:
+        factor = statistics.fmean(comm.all_gather_object(slowdown(spec, hit)))
     hit = comm.all_gather_object(hit)[0]  # rank 0's (every rank's when they all read the same file)
-    factor = statistics.fmean(comm.all_gather_object(slowdown(spec, hit)))
     if comm.world_rank() == 0:
         log.info(
             "this launch runs at %.2f wall seconds per calibrated processor second (load average %.1f)",
