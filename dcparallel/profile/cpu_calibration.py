@@ -13,7 +13,7 @@ few timings on this machine, a few seconds for a small model, replace its time c
   and head size) forward + backward at L, 2L and 4L tokens: seconds per query-key pair; at
   16 tokens, its floor added to the floor.
 
-Two quantities, measured apart because only one of them holds still on a shared machine:
+Two quantities, measured apart because on a shared machine the second moves far more than the first:
 
 * the constants, in processor seconds of the calling thread (`work_clock`: one intra-op
   thread, as a launch's ranks run; the process's time would also count other threads, and
