@@ -113,11 +113,16 @@ def worker(args: argparse.Namespace) -> None:
             break
     loader.close()
     if dc.rank == 0:
+        from dcparallel.profile import cpu_calibration as cc
+
         cal = json.loads((Path(args.out) / args.policy / "cpu-calibration.json").read_text())
+        layer = next(c for c in cal.values() if "lin_s_per_token" in c)
         res = {
             "prepare_s": prepare_s,
             "steps": rows,
             "calibration": list(cal.values()),
+            # the launch's wall seconds per calibrated processor second (`cpu_calibration.slowdown`)
+            "slowdown": dc.cost.cal.lin_s_per_token / cc.calibration(dc.spec, layer).lin_s_per_token,
             "load": load + [os.getloadavg()[0]],
         }
         (Path(args.out) / f"{args.policy}.json").write_text(json.dumps(res))
@@ -129,26 +134,31 @@ def calibrations(args: argparse.Namespace) -> None:
 
     import dcparallel
     from dcparallel.apps.demo_worker import demo_model
-    from dcparallel.profile import cpu_calibration
+    from dcparallel.profile import cpu_calibration as cc
 
     torch.set_num_threads(1)
     spec = dcparallel.DataCentricParallel(demo_model(4), policy="dcp").spec
-    keys = ("lin_s_per_token", "attn_s_per_pair", "floor_s", "cpu_share")
-    keys += tuple(f"cpu {k}" for k in keys[:3])
+    keys = cc.CONSTANTS
+    head = [*keys, *(f"halves' spread {k}" for k in keys), "slowdown", *(f"wall {k}" for k in keys)]
     print(f"{args.calibrations} calibrations {args.gap:.0f} s apart")
-    print("| calibration | start s | seconds | " + " | ".join(keys) + " |\n|" + " --- |" * (3 + len(keys)))
+    print("| calibration | start s | load | seconds | " + " | ".join(head) + " |\n|" + " --- |" * (4 + len(head)))
     rows, t_start = [], time.perf_counter()
     for i in range(args.calibrations):
         if i:
             time.sleep(args.gap)
-        t0 = time.perf_counter()
-        m = cpu_calibration.measure(spec)
-        m.update({f"cpu {k}": m[k] * m["cpu_share"] for k in keys[:3]})  # in processor seconds
+        t0, load = time.perf_counter(), os.getloadavg()[0]
+        m = cc.measure(spec)  # with its slowdown over its own windows
+        m.update({f"halves' spread {k}": m["spread"][k] for k in keys})
+        m.update({f"wall {k}": m[k] * m["slowdown"] for k in keys})
         rows.append(m)
-        vals = " | ".join(f"{m[k]:.3g}" for k in keys)
-        print(f"| {i + 1} | {t0 - t_start:.0f} | {time.perf_counter() - t0:.1f} | {vals} |", flush=True)
-    spread = " | ".join(f"{max(r[k] for r in rows) / min(r[k] for r in rows) - 1:.0%}" for k in keys)
-    print(f"| spread | | | {spread} |")
+        vals = " | ".join(f"{m[k]:.3g}" if "spread" not in k else f"{m[k]:.0%}" for k in head)
+        print(f"| {i + 1} | {t0 - t_start:.0f} | {load:.1f} | {time.perf_counter() - t0:.1f} | {vals} |", flush=True)
+    spread = " | ".join(
+        "" if "spread" in k else f"{max(r[k] for r in rows) / min(r[k] for r in rows) - 1:.0%}" for k in head
+    )
+    print(f"| spread | | | | {spread} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
 
 
 def main() -> None:
@@ -160,6 +170,7 @@ def main() -> None:
     p.add_argument("--out", help="a folder of earlier results: only print their report")
     p.add_argument("--calibrations", type=int, help="only time the layer calibration this many times")
     p.add_argument("--gap", type=float, default=60.0, help="seconds between two calibrations")
+    p.add_argument("--json", help="with --calibrations: also write the rows to this file")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -219,9 +230,11 @@ def report(policies: list[str], out: Path) -> None:
         summary.append(f"| {policy} | {res['prepare_s']:.1f} | {' | '.join(cols)} |")
         layer = next(c for c in res["calibration"] if "lin_s_per_token" in c)
         link = next(c for c in res["calibration"] if "bw" in c)
+        spread = layer["spread"]
         calib.append(
             f"| {policy} | {res['load'][0]:.1f} - {res['load'][1]:.1f} | {layer['lin_s_per_token']:.3g} "
-            f"| {layer['attn_s_per_pair']:.3g} | {layer['floor_s']:.3g} | {link['bw']:.3g} "
+            f"({spread['lin_s_per_token']:.0%}) | {layer['attn_s_per_pair']:.3g} ({spread['attn_s_per_pair']:.0%}) "
+            f"| {layer['floor_s']:.3g} ({spread['floor_s']:.0%}) | {res['slowdown']:.2f} | {link['bw']:.3g} "
             f"| {link['latency']:.3g} |"
         )
         mbs = [mb for r in counted for mb in r["mbs"]]
@@ -245,8 +258,9 @@ def report(policies: list[str], out: Path) -> None:
     )
     print("\n".join(terms))
     print(
-        "\n| policy | load average, start - end | s per token | s per attention pair | floor s | link bytes/s "
-        "| link latency s |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "\n| policy | load average, start - end | processor s per token (halves' spread) | per attention pair "
+        "| floor | slowdown (wall s per processor s) | link bytes/s | link latency s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print("\n".join(calib))
 

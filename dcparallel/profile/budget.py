@@ -6,14 +6,18 @@ measure it, from the time spent and what the rest would cost:
 
 * FULL, as configured, while the chain measured fully plus every later chain measured
   coarsely still fits the budget (a reserve is kept for the large buckets that come last);
-* COARSE: one micro-batch size, recompute none / full only, one timed round;
-* SKIP once the budget has passed: the chain is not measured. `cost.profiled` prices what
-  was not measured from the buckets that were (interpolated, or proportionally in tokens
-  beyond the largest measured), and the planners do not use a recompute mode measured
-  nowhere. Only recompute none and full at an SP degree where neither was measured yet
-  are still measured (coarsely, the smallest bucket: what a cost model needs at all). A
-  profile therefore ends within its budget plus the layout running when it passed (and
-  those first chains, when the budget is shorter than them).
+* COARSE: one micro-batch size, recompute none / full only, one timed round, while that
+  fits the budget;
+* SKIP otherwise: the chain is not measured. `cost.profiled` prices what was not measured
+  from the buckets that were (interpolated, or proportionally in tokens beyond the largest
+  measured), and the planners do not use a recompute mode measured nowhere. Only recompute
+  none and full at an SP degree where neither was measured yet are measured regardless
+  (coarsely: what a cost model needs at all).
+
+Within a chain no layout (a micro-batch size, a ring split) starts whose estimate
+(`Budget.fits`, the same estimate the progress bar sums) would end past the budget. A
+profile therefore ends within its budget as far as its estimates hold (and past it only by
+the chains a cost model needs at all, when the budget is shorter than them).
 
 What a chain costs is estimated from what this rank measured: the seconds of one run of the
 short stacks (both depths, one sample: `ProfileEntry.measured["time_s"]`) at each bucket
@@ -80,9 +84,6 @@ class Budget:
     def elapsed(self) -> float:
         return _now() - self.start
 
-    def over(self) -> bool:
-        return self.seconds is not None and self.elapsed() > self.seconds
-
     def run_s(self, sp: int, tokens: int) -> float | None:
         """Estimated seconds of one sample's run of both short stacks at degree ``sp`` (None: nothing measured)."""
         seen = self.runs.get(sp) or next((v for v in self.runs.values() if v), None)
@@ -100,28 +101,48 @@ class Budget:
                 power = math.log(seen[k1] / seen[k0]) / math.log(k1 / k0)
         return seen[k1] * (tokens / k1) ** min(2.0, max(1.0, power))
 
-    def cost(self, i: int, coarse: bool) -> float:
-        """Estimated wall seconds of chain ``i`` measured coarsely or fully (0 when nothing is known yet,
-        or a coarse chain of a mode coarse chains skip)."""
-        (_, sp, mode), tokens, largest = self.chains[i]
-        if coarse and mode not in COARSE_MODES:
-            return 0.0
+    def layout_s(self, i: int, samples: int, coarse: bool) -> float:
+        """Estimated wall seconds of ``samples`` samples of chain ``i`` measured coarsely or fully
+        (0 when nothing is known yet)."""
+        (_, sp, _), tokens, _ = self.chains[i]
         run = self.run_s(sp, tokens)
         if run is None:
             return 0.0
         seen = self.ratio[coarse]
         ratio = statistics.median(seen) if seen else self.default_ratio[coarse]
-        return run * (1 if coarse else 2 * largest - 1) * ratio
+        return run * samples * ratio
+
+    def cost(self, i: int, coarse: bool) -> float:
+        """Estimated wall seconds of chain ``i`` measured coarsely or fully (0 when nothing is known yet,
+        or a coarse chain of a mode coarse chains skip)."""
+        (_, _, mode), _, largest = self.chains[i]
+        if coarse and mode not in COARSE_MODES:
+            return 0.0
+        return self.layout_s(i, 1 if coarse else 2 * largest - 1, coarse)
+
+    def fits(self, chain: Chain, mbs: int, coarse: bool) -> bool:
+        """Whether a layout of ``chain`` at micro-batch size ``mbs`` (coarse: one round) is estimated
+        to end within the budget (always, with no budget)."""
+        if self.seconds is None:
+            return True
+        return self.elapsed() + self.layout_s(self.index[chain], mbs, coarse) <= self.seconds
 
     def level(self, chain: Chain) -> int:
         """FULL, COARSE or SKIP for ``chain`` now (the caller's group takes its ranks' largest)."""
         if self.seconds is None:
             return FULL
         i = self.index[chain]
-        if self.over():  # but a coarse mode measured nowhere yet at this degree is measured, coarsely
-            return COARSE if chain[1:] not in self.covered and chain[2] in COARSE_MODES else SKIP
         reserve = sum(self.cost(j, True) for j in range(i + 1, len(self.chains)))
-        return FULL if self.elapsed() + self.cost(i, False) + reserve <= self.seconds else COARSE
+        if self.elapsed() + self.cost(i, False) + reserve <= self.seconds:
+            return FULL
+        needed = chain[1:] not in self.covered and chain[2] in COARSE_MODES  # measured nowhere yet at this degree
+        return COARSE if needed or self.elapsed() + self.cost(i, True) <= self.seconds else SKIP
+
+    def seen(self, sp: int, tokens: int, entry: ProfileEntry) -> None:
+        """A layout just measured: one sample's run of both short stacks, for the estimates from now on."""
+        if entry.mbs == 1 and entry.feasible and entry.measured.get("time_s"):
+            run = sum(entry.measured["time_s"])
+            self.runs.setdefault(sp, {})[tokens] = max(run, self.runs.get(sp, {}).get(tokens, 0.0))
 
     def done(self, chain: Chain, level: int | None, seconds: float, entries: Sequence[ProfileEntry]) -> None:
         """``chain`` was measured at ``level`` in ``seconds`` (``entries``: its layouts on this
@@ -137,8 +158,8 @@ class Budget:
             self.full_s[self.index[chain]] = seconds
         one = [e for e in entries if e.mbs == 1 and e.feasible and e.measured.get("time_s")]
         if one:
+            self.seen(sp, tokens, one[0])
             run = sum(one[0].measured["time_s"])
-            self.runs.setdefault(sp, {})[tokens] = max(run, self.runs.get(sp, {}).get(tokens, 0.0))
             if run > 0 and level is not None:
                 samples = 1 if level == COARSE else 2 * max(e.mbs for e in entries) - 1
                 self.ratio[level == COARSE].append(seconds / (run * samples))

@@ -60,7 +60,7 @@ class ProfilerConfig:
     budget_s: float | None = None
     """wall-time budget in seconds (None: none), enforced (`profile.budget`): the large buckets'
     chains are measured coarsely (one micro-batch size, recompute none / full only, one timed
-    round) when the rest would not fit otherwise, and past it nothing more is measured"""
+    round) when the rest would not fit otherwise, and no layout starts whose estimate would end past it"""
 
     def check(self, num_layers: int) -> None:
         """Refuses settings no profile can be measured with (ValueError naming the field)."""

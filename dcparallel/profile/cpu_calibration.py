@@ -6,24 +6,35 @@ few timings on this machine, a few seconds for a small model, replace its time c
 
 * linear work: forward + backward of one layer's matmuls at the model's sizes (an input and
   an output projection of ``attn_params``, a gated MLP of ``mlp_params``, two RMS norms and
-  the residual adds) on N and 4N tokens: seconds per token (the slope); on 16 tokens, less
-  16 tokens' work: a floor (timed where it is nearly the whole time, not an intercept
-  extrapolated from two larger timings, which their noise would swamp);
+  the residual adds) on n, 2n and 4n tokens: seconds per token (the least-squares slope); on
+  16 tokens, less 16 tokens' work: a floor (timed where it is nearly the whole time, not an
+  intercept extrapolated from larger timings, which their noise would swamp);
 * attention: `scaled_dot_product_attention` (causal, one document, 4-D, the model's heads
-  and head size) forward + backward at L and 4L tokens: seconds per query-key pair; at 16
-  tokens, its floor added to the floor.
+  and head size) forward + backward at L, 2L and 4L tokens: seconds per query-key pair; at
+  16 tokens, its floor added to the floor.
 
-Each size is timed in processor seconds (`time.process_time`: what the work costs, whatever
-share of the cores the process gets meanwhile): five rounds of one window of at least 0.15 s
-of wall time per size after a warm-up call, the median of each size's windows' means per
-call (`robust_times`). The share
-of the cores the process had over the whole calibration (its processor seconds over its wall
-seconds, about 5 s) turns them into wall seconds, the unit of a step's time: on a machine
-shared with other work, two timings taken under different loads do not make a slope of
-noise, and the load enters once, averaged over seconds. N and L shrink for large models so
-that one call stays well under a second. Memory constants (bytes per token: the model's, not the
-device's) and the recompute fractions stay the packaged calibration's. The smooth max of
-floor and compute becomes a sum (p = 1: a CPU has no idle launch time to hide work in).
+Two quantities, measured apart because on a shared machine the second moves far more than the first:
+
+* the constants, in processor seconds of the calling thread (`work_clock`: one intra-op
+  thread, as a launch's ranks run; the process's time would also count other threads, and
+  wall seconds the share of a core the process gets). Per size the least of six windows'
+  mean per call (a window 0.1 s and at least two calls, in rounds over the sizes:
+  `timed_rounds`): a burst of other work only adds to a window's processor seconds (its
+  caches refilled after), so the least window is the one it missed. Each constant is also
+  fitted on the first and on the last half of the rounds: their spread (largest /
+  smallest - 1: two calibrations seconds apart) is the calibration's stated confidence,
+  logged and cached. On a shared machine the processor seconds per call still move with
+  the load and the host (`benchmarks/analytic-cpu_cpu_2026-12-07.md`);
+* this launch's slowdown: the wall seconds per calibrated processor second of the
+  calibration's own windows, or, with constants from the cache, of three more rounds of
+  them (`slowdown`, a few seconds at each launch). It holds the share of a core each rank
+  gets and what interruptions add to calls small and large, and follows the machine's
+  load; a step's price is the constants times it.
+
+N and L shrink for large models so that one call stays well under a second. Memory
+constants (bytes per token: the model's, not the device's) and the recompute fractions stay
+the packaged calibration's. The smooth max of floor and compute becomes a sum (p = 1: a CPU
+has no idle launch time to hide work in).
 
 `cpu_calibration` caches the constants in a JSON file (``cpu-calibration.json`` beside the
 profile path) keyed by the CPU, threads, torch version and the model's sizes. Under
@@ -59,42 +70,111 @@ log = logging.getLogger(__name__)
 CACHE_NAME = "cpu-calibration.json"
 #: floating-point operations of one call at the larger timed size (tens of milliseconds on one core)
 TIMING_FLOPS = 2e9
-#: windows each size is timed in, and the least wall seconds of one (`robust_times`): six
-#: sizes take about 6 x (5 x 0.15 + a warm-up call) = 5 s
-REPEATS, MIN_S = 5, 0.15
+#: rounds each size is timed in, and the least wall seconds and calls of one round's window
+#: (`timed_rounds`): eight sizes take about 8 x 6 x 0.1 s = 5 s on an idle core
+REPEATS, MIN_S, MIN_CALLS = 6, 0.1, 2
+#: rounds of the same windows that time a launch's slowdown when the constants come from the cache
+PROBE_ROUNDS = 3
 #: tokens of the smallest timings, whose time is nearly all the floor
 FLOOR_TOKENS = 16
+#: the sizes fitted for a slope, in multiples of the smallest (n, 2n, 4n tokens; L, 2L, 4L)
+SCALES = (1, 2, 4)
 
 
-def robust_times(
-    fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work_clock=None
-) -> list[float]:
-    """Seconds of ``work_clock`` (default ``clock``) one call of each of ``fns`` takes: after a
-    warm-up call of each, ``repeats`` rounds of one window per function, a window at least
-    ``min_s`` seconds of ``clock`` (as many calls as fill one); per function the median of its
-    windows' means per call. A window spans many of the scheduler's time slices, the median
-    drops a window a burst of other work fell into, and the rounds give every function the
+def work_clock():
+    """The clock of the work a call does: this thread's processor time when torch computes on
+    the calling thread alone (one intra-op thread, as a launch's ranks run), else the
+    process's (its other threads work for the call too)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What `timed_rounds` saw: per function, per round, the work seconds of one call (the
+    mean over the round's window: ``per_call``), and over all windows the calls made and the
+    wall seconds."""
+
+    per_call: list[list[float]]
+    calls: list[int]
+    wall_s: float
+
+    def estimate(self) -> list[float]:
+        """Per function, the least over rounds."""
+        return [min(b) for b in self.per_call]
+
+    def slowdown(self, seconds: list[float]) -> float:
+        """Wall seconds of the windows per processor second of their calls priced at ``seconds`` each."""
+        return self.wall_s / sum(c * s for c, s in zip(self.calls, seconds, strict=True))
+
+
+def timed_rounds(
+    fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work=None
+) -> Rounds:
+    """After a warm-up call of each of ``fns``, ``repeats`` rounds of one window per function, a
+    window at least ``min_s`` seconds of ``clock`` and `MIN_CALLS` calls, timed on ``work``
+    (default `work_clock`): processor seconds, whatever share of a core each window gets. A
+    window spans many of the scheduler's time slices; the least window (`Rounds.estimate`)
+    drops those a burst of other work fell into, and the rounds give every function the
     same mix of the machine's load. ``repeats`` and ``min_s`` default to `REPEATS` and `MIN_S`."""
     repeats, min_s = repeats or REPEATS, MIN_S if min_s is None else min_s
-    work_clock = work_clock or clock
+    work = work or work_clock()
     for fn in fns:
         fn()  # warm-up
-    means: list[list[float]] = [[] for _ in fns]
+    per_call: list[list[float]] = [[] for _ in fns]
+    calls = [0 for _ in fns]
+    wall = 0.0
     for _ in range(repeats):
-        for fn, mine in zip(fns, means, strict=True):
-            calls, t0, w0 = 0, clock(), work_clock()
-            while True:
+        for i, fn in enumerate(fns):
+            made, t0, w0 = 0, clock(), work()
+            while made < MIN_CALLS or clock() - t0 < min_s:
                 fn()
-                calls += 1
-                if clock() - t0 >= min_s:
-                    break
-            mine.append((work_clock() - w0) / calls)
-    return [statistics.median(m) for m in means]
+                made += 1
+            calls[i] += made
+            wall += clock() - t0
+            per_call[i].append((work() - w0) / made)
+    return Rounds(per_call, calls, wall)
 
 
-def robust_time(fn, **kw) -> float:
-    """`robust_times` of one function."""
-    return robust_times([fn], **kw)[0]
+def _line(xs: list[float], ts: list[float]) -> float:
+    """The least-squares slope of ``ts`` over ``xs``."""
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    return sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def fit(times: list[float], tokens: list[int], lengths: list[int]) -> dict[str, float]:
+    """The time constants from one call's seconds (``times``) of the linear work at ``tokens``
+    then of attention at ``lengths``, each list the floor's size first: slopes fitted over the
+    larger sizes (per token; per query-key pair), the floor the smallest sizes' time less
+    their slopes' share (timed where it is nearly the whole time: an intercept extrapolated
+    from the larger sizes would carry their noise)."""
+    lin, att = times[: len(tokens)], times[len(tokens) :]
+    pairs = [x * (x + 1) / 2 for x in lengths]
+    per_token = max(_line(tokens[1:], lin[1:]), 0.5 * lin[-1] / tokens[-1])  # a slope noise cannot zero
+    per_pair = max(_line(pairs[1:], att[1:]), 0.0)
+    floor = max(0.0, lin[0] - per_token * tokens[0]) + max(0.0, att[0] - per_pair * pairs[0])
+    return {"lin_s_per_token": per_token, "attn_s_per_pair": per_pair, "floor_s": floor}
+
+
+#: the time constants, in a calibration's entry
+CONSTANTS = ("lin_s_per_token", "attn_s_per_pair", "floor_s")
+
+
+def robust_fit(rounds: Rounds, tokens: list[int], lengths: list[int]) -> dict:
+    """`fit` of each size's estimate; each constant's spread between the fits of the first and
+    the last half of the rounds (largest / smallest - 1: two calibrations seconds apart, the
+    calibration's stated confidence); the sizes and their estimates (what `slowdown` times
+    again at each launch)."""
+    est = rounds.estimate()
+    out = fit(est, tokens, lengths)
+    half = len(rounds.per_call[0]) // 2
+    halves = [
+        fit([min(b[:half]) for b in rounds.per_call], tokens, lengths),
+        fit([min(b[half:]) for b in rounds.per_call], tokens, lengths),
+    ]
+    out["spread"] = {k: max(f[k] for f in halves) / max(min(f[k] for f in halves), 1e-300) - 1 for k in CONSTANTS}
+    out["probe"] = {"tokens": tokens, "lengths": lengths, "seconds": est}
+    out["slowdown"] = rounds.slowdown(est)  # over the whole calibration, not cached: the load's
+    return out
 
 
 def _tokens(flops_per_token: float, cap: int) -> int:
@@ -152,29 +232,35 @@ def _attention(spec: ModelSpec, dtype: torch.dtype):
     return fn
 
 
-def measure(spec: ModelSpec) -> dict:
-    """This machine's time constants for ``spec``'s layer (seconds; see the module doc)."""
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+def _timed_fns(spec: ModelSpec):
+    """(linear(n), attention(L)): functions that build one call at n tokens, over L tokens."""
     dtype = torch.float32 if spec.bytes_per_value >= 4 else torch.bfloat16
+    return _layer_linear(spec, dtype), _attention(spec, dtype)
+
+
+def measure(spec: ModelSpec, **kw) -> dict:
+    """This machine's time constants for ``spec``'s layer in processor seconds, their spread
+    over the rounds, and the sizes with their seconds (``probe``; see the module doc); ``kw`` go to
+    `timed_rounds`."""
     params = spec.attn_params + spec.mlp_params
-    n = _tokens(6.0 * params, 4096) // 4  # the larger timing, 4n tokens, about TIMING_FLOPS
+    n = _tokens(6.0 * params, 4096) // 4  # the largest timing, 4n tokens, about TIMING_FLOPS
     length = _tokens(6.0 * spec.hidden * math.sqrt(TIMING_FLOPS / (6.0 * spec.hidden)), 4096) // 4  # 6 h (4L)^2 flops
-    lin, att = _layer_linear(spec, dtype), _attention(spec, dtype)
-    fns = [lin(FLOOR_TOKENS), lin(n), lin(4 * n), att(FLOOR_TOKENS), att(length), att(4 * length)]
-    t0, t1, t2, a0, a1, a2 = robust_times(fns, work_clock=time.process_time)
-    per_token = max((t2 - t1) / (3 * n), t2 / (4 * n) * 0.5)
-    p0, p1, p2 = (x * (x + 1) / 2 for x in (FLOOR_TOKENS, length, 4 * length))
-    per_pair = max((a2 - a1) / (p2 - p1), 0.0)
-    floor = max(0.0, t0 - per_token * FLOOR_TOKENS) + max(0.0, a0 - per_pair * p0)
-    share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)  # of the cores it had
-    return {
-        "lin_s_per_token": per_token / share,
-        "attn_s_per_pair": per_pair / share,
-        "floor_s": floor / share,
-        "cpu_share": share,
-        "timed_tokens": [n, 4 * n],
-        "timed_lengths": [length, 4 * length],
-    }
+    tokens, lengths = [FLOOR_TOKENS] + [s * n for s in SCALES], [FLOOR_TOKENS] + [s * length for s in SCALES]
+    lin, att = _timed_fns(spec)
+    rounds = timed_rounds([lin(x) for x in tokens] + [att(x) for x in lengths], **kw)
+    return robust_fit(rounds, tokens, lengths)
+
+
+def slowdown(spec: ModelSpec, measured: dict, clock=time.perf_counter, work=None) -> float:
+    """Wall seconds per calibrated processor second on this launch now: `PROBE_ROUNDS` rounds
+    of the calibration's sizes (``measured["probe"]``, a few seconds), their wall seconds
+    over their calls priced at the calibrated seconds. It holds both the share of a core each rank
+    gets and what other work's interruptions add to calls small and large (a step's ops are
+    both); it follows the machine's load, which the processor-second constants do not."""
+    probe = measured["probe"]
+    lin, att = _timed_fns(spec)
+    fns = [lin(int(x)) for x in probe["tokens"]] + [att(int(x)) for x in probe["lengths"]]
+    return timed_rounds(fns, repeats=PROBE_ROUNDS, clock=clock, work=work).slowdown(probe["seconds"])
 
 
 def calibration(spec: ModelSpec, measured: dict) -> Calibration:
@@ -229,30 +315,42 @@ def _key(spec: ModelSpec) -> str:
 
 
 def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
-    """The calibration of ``spec`` on this CPU: from ``cache`` (a JSON file) when it holds this
-    machine's and model's constants, else timed now on every rank (collective) and saved there
-    by rank 0. The same on every rank."""
+    """The calibration of ``spec`` on this CPU: its processor-second constants from ``cache``
+    (a JSON file) when it holds this machine's and model's, else timed now on every rank
+    (collective) and saved there by rank 0; times this launch's `slowdown` (every rank, their
+    mean) and returns the constants in wall seconds. The same on every rank."""
     key, path = _key(spec), Path(cache) if cache is not None else None
-    saved = _load(path)
-    hit = saved.get(key)
+    hit = _load(path).get(key)
     if not all(comm.all_gather_object(hit is not None)):
         t0 = time.perf_counter()
-        mine = measure(spec)
-        every = comm.all_gather_object(mine)
-        hit = {k: statistics.fmean(m[k] for m in every) for k in ("lin_s_per_token", "attn_s_per_pair", "floor_s")}
+        every = comm.all_gather_object(measure(spec))
+        factor = statistics.fmean(m["slowdown"] for m in every)
+        hit = {k: statistics.fmean(m[k] for m in every) for k in CONSTANTS}
+        hit["spread"] = {k: max(m["spread"][k] for m in every) for k in CONSTANTS}
+        hit["probe"] = {
+            **every[0]["probe"],
+            "seconds": [statistics.fmean(x) for x in zip(*(m["probe"]["seconds"] for m in every), strict=True)],
+        }
         if comm.world_rank() == 0:
             log.info(
-                "calibrated the analytic cost model on this CPU in %.1f s: %.3g s per token of linear work, "
-                "%.3g s per attention pair, floor %.3g s per layer (cached in %s)",
+                "calibrated the analytic cost model on this CPU in %.1f s, in processor seconds: %.3g per token "
+                "of linear work (halves of the rounds within %.0f%%), %.3g per attention pair (%.0f%%), "
+                "floor %.3g per layer (%.0f%%) (cached in %s)",
                 time.perf_counter() - t0,
-                hit["lin_s_per_token"],
-                hit["attn_s_per_pair"],
-                hit["floor_s"],
+                *(v for k in CONSTANTS for v in (hit[k], 100 * hit["spread"][k])),
                 path,
             )
             _save(path, key, hit)
+    else:
+        factor = statistics.fmean(comm.all_gather_object(slowdown(spec, hit)))
     hit = comm.all_gather_object(hit)[0]  # rank 0's (every rank's when they all read the same file)
-    return calibration(spec, hit)
+    if comm.world_rank() == 0:
+        log.info(
+            "this launch runs at %.2f wall seconds per calibrated processor second (load average %.1f)",
+            factor,
+            os.getloadavg()[0],
+        )
+    return calibration(spec, {k: hit[k] * factor for k in CONSTANTS})
 
 
 def _load(path: Path | None) -> dict:

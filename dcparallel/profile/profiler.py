@@ -384,6 +384,7 @@ class Profiler:
             entry = ProfileEntry(b.key, sp, mbs, mode, ranks=list(ranks), ring=ring)
             clamped += group_entry(entry, res, d1, d2, L, state, self.memory_limit)
             local.append(entry)
+            budget.seen(sp, self.spec.tokens(b.size), entry)
             if not entry.feasible:
                 return clamped
             # samples/s (on the reference clock when rescaling: load drift cancels); a
@@ -397,7 +398,7 @@ class Profiler:
                 2 * mbs > cfg.max_mbs
                 or (cfg.max_tokens is not None and 2 * mbs * tokens > cfg.max_tokens)
                 or coarse
-                or any(comm.all_gather_object(budget.over(), group))
+                or not all(comm.all_gather_object(budget.fits((b.key, sp, mode), 2 * mbs, coarse), group))
             ):
                 return clamped
             mbs *= 2
@@ -520,6 +521,8 @@ class Profiler:
             budget.done(chain, SKIP if not all(chain in done[r] for r in ranks) else None, 0.0, saved)
             return 0
         for i, ring in enumerate(self._rings(sp)):  # the measured split first: the one validated
+            if i and not all(comm.all_gather_object(budget.fits(chain, 1, coarse), self.control.of(ranks))):
+                break  # a later split that would pass the budget is not started
             clamped += self._chain(b, ranks, mode, ring, local, budget, coarse, full and i == 0)
         if journal is not None:
             journal.record(chain, [e for e in local[n_before:] if e.ranks[0] == self.rank])

@@ -64,14 +64,13 @@ def case_budget(budget_s: float) -> dict:
     from dcparallel.profile import budget as budget_mod
 
     rank = torch.distributed.get_rank()
-    clock, calls = [0.0], []
+    clock = [0.0]
     prof = _profiler(modes=("none", "attn", "full"), max_mbs=4, budget_s=budget_s, repeats=3, max_repeats=3)
 
     def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
         run = 0.1 * (1 + rank) * mbs * size / 16
         rounds = prof.round_config.repeats
         clock[0] += run * (1 + rounds)
-        calls.append(run * (1 + rounds))
         return {
             "ok": True,
             "memory": {d: 1000.0 * d * mbs * size for d in depths},
@@ -88,7 +87,7 @@ def case_budget(budget_s: float) -> dict:
         p, stats = prof.run([16, 32, 64, 128])
     finally:
         budget_mod._now = saved
-    return {"profile": p.to_json(), "clock": clock[0], "longest": max(calls), "stats": dataclasses.asdict(stats)}
+    return {"profile": p.to_json(), "clock": clock[0], "stats": dataclasses.asdict(stats)}
 
 
 def case_cpu_links(path: str) -> dict:

@@ -34,7 +34,7 @@ def test_both_ranks_keep_the_budget_and_agree_on_each_chain(workers):
     out = workers[0].run(profile_cases.case_budget, budget)
     assert out[0]["profile"] == out[1]["profile"]
     for o in out:
-        assert o["clock"] <= budget + o["longest"]
+        assert o["clock"] <= budget  # no layout started whose estimate passed it
         assert o["stats"]["chains_coarse"] > 0 and o["stats"]["chains_skipped"] > 0
     entries = out[0]["profile"]["entries"]
     for sp in (1, 2):  # what a cost model needs at all: recompute none and full at every degree
