@@ -70,13 +70,11 @@ def simple_line(results: list[dict]) -> list[str]:
 def rebound(results: list[dict], min_steps: int = 4, kind: str | None = None) -> None:
     """Each cell's lower bound recomputed with the working tree's `LowerBound`, in place, from
     the cell's steps rebuilt as `sim_scale.run_cell` builds them; the efficiencies follow. The
-    simple bound is recomputed too (`simple_bound_s`); it is never above the one a run recorded.
-    Text cells with no step of at most `TIGHT_PER_GPU` samples per GPU keep it as their bound, as
-    the library does (video steps of any size also take the shape bound)."""
+    simple bound is recomputed too (`simple_bound_s`); it is never above the one a run recorded."""
     from tqdm import tqdm
 
     from dcparallel.cost.analytic import AnalyticCost
-    from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
+    from dcparallel.plan.bounds import LowerBound
     from dcparallel.plan.context import PlanContext
     from dcparallel.plan.steps import form_steps
     from dcparallel.scenarios import SCENARIOS
@@ -98,10 +96,7 @@ def rebound(results: list[dict], min_steps: int = 4, kind: str | None = None) ->
         # sizes a recorded run may have priced: the bound can only come out lower
         assert simple <= recorded * (1 + 1e-4), (r["budget"], r["world"], simple, recorded)
         r["simple_bound_s"] = round(simple, 4)
-        if sc.model.kind != "video" and all(len(s.sample_ids) > TIGHT_PER_GPU * r["world"] for s in steps):
-            r["lower_bound_s"] = r["simple_bound_s"]
-        else:
-            r["lower_bound_s"] = round(lb.epoch(steps), 4)
+        r["lower_bound_s"] = round(lb.epoch(steps), 4)
         for v in r["policies"].values():
             v["efficiency"] = round(r["lower_bound_s"] / v["epoch_s"], 4)
 
@@ -191,6 +186,7 @@ def main() -> int:
     ap.add_argument("--rebound-kind", default=None, help="with --rebound: only the cells of this model kind")
     ap.add_argument("--worlds", default=None, help="comma-separated: keep only the cells of these worlds")
     ap.add_argument("--min-steps", type=int, default=4, help="with --rebound: the runs' --min-steps")
+    ap.add_argument("--load", default="12-23", help="the machine's load average during the runs, as reported")
     args = ap.parse_args()
     from benchmarks.sim_scale import distributions
 
@@ -248,10 +244,10 @@ def main() -> int:
         + (f" --rebound-kind {args.rebound_kind}" if args.rebound_kind else "")
         + (f" --worlds {args.worlds}" if args.worlds else "")
         + (f" --min-steps {args.min_steps}" if args.rebound else "")
-        + " --command ...",
+        + f" --load {args.load} --command ...",
         "",
         f"Machine: {platform.machine()} CPU ({platform.platform()}), 2 cores shared with about seven other "
-        f"jobs (load average 12-23 during the runs); Python {platform.python_version()}, numpy "
+        f"jobs (load average {args.load} during the runs); Python {platform.python_version()}, numpy "
         f"{np.__version__}, scipy {scipy.__version__}. Raw numbers: `{args.out.with_suffix('.json').name}`.",
         "",
         "Cost model: `AnalyticCost` fitted to the H200 calibration, 8 GPUs per node, NVLink / InfiniBand "

@@ -17,15 +17,16 @@ The step's compute bound is the largest of four, each valid on its own:
 
 - **simple**: max(sum_s g(s) / world, max_s f(s)), g = min_k g_k, f = min_k f_k (the two may
   come from different degrees: g from a narrow group, f from the widest).
-- **midpoint** (steps of few samples per GPU): take any schedule that ends by T and look at the
-  instant T / 2. Every micro-batch longer than T / 2 runs then, so their degrees sum to at most
-  the world. A sample may use degree k only if f_k(s) <= T (A1); it is *long* at k if
-  f_k(s) > T / 2, and then holds k / Q of the midpoint ranks, Q the most long samples its
-  micro-batch can hold (by A2, their g_k fit in k * T). Relaxing each sample's degree to a
-  convex mix gives an LP: T is feasible only if some mix has sum g <= world * T and midpoint
-  ranks <= world. The LP is solved through its Lagrangian dual, V(T) = max over lambda >= 0 of
-  sum_s min_k (g_k + lambda * r_k) - lambda * world (any lambda gives a value below V, so an
-  early stop only lowers the bound), on the intervals between the breakpoints f_k and 2 f_k.
+- **midpoint** (every step; above the simple one with few samples per GPU): take any schedule
+  that ends by T and look at the instant T / 2. Every micro-batch longer than T / 2 runs then,
+  so their degrees sum to at most the world. A sample may use degree k only if f_k(s) <= T (A1);
+  it is *long* at k if f_k(s) > T / 2, and then holds k / Q of the midpoint ranks, Q the most
+  long samples its micro-batch can hold (by A2, their g_k fit in k * T). Relaxing each sample's
+  degree to a convex mix gives an LP: T is feasible only if some mix has sum g <= world * T and
+  midpoint ranks <= world. The LP is solved through its Lagrangian dual, V(T) = max over lambda
+  >= 0 of sum_s min_k (g_k + lambda * r_k) - lambda * world (any lambda gives a value below V,
+  so an early stop only lowers the bound), on the intervals between the breakpoints f_k and 2
+  f_k.
 - **per-rank** (video steps of few samples per GPU; needs neither A1 nor A2): a video
   micro-batch stacks samples of one latent shape (`spec.batch_key`: every policy plans so, as
   the collate stacks them), so its time is at least tau_k(m), the fastest
@@ -44,9 +45,12 @@ makespan and counts the ranks the long micro-batches hold at once (5-15% above t
 bound at 512 GPUs and 0.2-0.8 samples per GPU); the per-rank bound sees that a rank running a
 long micro-batch has no room for a medium one, however short that is against T / 2 (7% above
 both at 128 GPUs and 0.3 samples per GPU, video). With many samples per GPU every sample is
-short against the step and the simple bound is reached; the two LP bounds are computed only
-for steps of at most `TIGHT_PER_GPU` samples per GPU (their cost grows with the samples'
-distinct sizes: seconds per step at thousands of them). The shape bound prices what a shape
+short against the step and the simple bound is reached. The midpoint bound is computed on
+every step (at most about 50 ms on the scale report's steps, thousands of distinct lengths
+included; 3-6% above the simple bound on its strong 256-GPU text steps of 3-5.5 samples per
+GPU, where the longest documents need wide groups for half the step); the per-rank bound only
+on steps of at most `TIGHT_PER_GPU` samples per GPU (a HiGHS LP per makespan tried: 7-40 s
+per step at 2.7-9 samples per GPU, for 0.6-1.8% more there). The shape bound prices what a shape
 of few samples in the step can form (0.2-0.3% above the others on image-bucket steps of 9 samples
 per GPU). Every bound is valid whether or not the others are computed.
 
@@ -69,7 +73,7 @@ from dcparallel.plan.shape_bound import bisect_too_short, dff, shape_bound
 from dcparallel.plan.steps import Step
 from dcparallel.spec import Size
 
-#: the midpoint and per-rank bounds are computed for steps of at most this many samples per GPU
+#: the per-rank bound is computed for steps of at most this many samples per GPU
 TIGHT_PER_GPU = 2.0
 #: the per-rank bound's thresholds e tried at every T, besides the step's own
 PER_RANK_EPS = (0.0, 0.1, 0.2, 0.25, 0.3, 1 / 3, 0.4, 0.5)
@@ -152,10 +156,9 @@ class LowerBound:
         out = self.simple(step)
         if self.ctx.model.kind == "video":  # whole micro-batches of one shape (`plan.shape_bound`)
             out = shape_bound(self, step, out)
-        if len(step.sample_ids) <= TIGHT_PER_GPU * self.world:
-            out = max(out, self.midpoint(step))
-            if self.ctx.model.kind == "video":
-                out = max(out, self.per_rank(step, out))
+        out = max(out, self.midpoint(step))
+        if len(step.sample_ids) <= TIGHT_PER_GPU * self.world and self.ctx.model.kind == "video":
+            out = max(out, self.per_rank(step, out))
         return out
 
     def step(self, step: Step) -> float:

@@ -116,7 +116,8 @@ def test_wide_groups_split_into_sub_groups_for_short_samples():
         later = [h for h in busy if h.phase > g.phase and set(g.ranks) & set(h.ranks)]
         assert all(set(g.ranks) < set(h.ranks) for h in later)
         assert later or g.phase == last  # a sub-group runs before a wider group
-    ways = [[(i,) for i in step.sample_ids], packer.items(list(step.sample_ids))]
+    ways = packer.ways(list(step.sample_ids))  # one per sample, preferred sizes, and finer runs
+    assert len(ways) == 2 + len(packer.config.pack_splits)
     spans = [
         packer._plan_items(w, packer.times(w), by_time, open_first)[1]
         for w in ways

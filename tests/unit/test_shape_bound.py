@@ -69,7 +69,7 @@ def test_the_exact_split_equals_a_brute_force_search():
 
 def test_the_shape_bound_lifts_the_step_bound_where_shapes_hold_few_samples(cells):
     """On image-bucket steps of about 9 samples per GPU over tens of shapes, 2-3 samples of each,
-    the other parts computed there (the simple bound: the LP bounds stop at `TIGHT_PER_GPU`)
+    the other parts computed there (the simple and midpoint bounds: the per-rank LP stops at `TIGHT_PER_GPU`)
     price each sample at a micro-batch of copies its shape cannot fill; the shape bound does not
     (0.81 -> 1.00 s at 8 GPUs)."""
     for _, mix, _, steps, lb, compute in cells:

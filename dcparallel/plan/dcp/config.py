@@ -53,6 +53,11 @@ class DcpConfig:
     #: steps of at most this many samples per GPU are also packed one sample per micro-batch (with
     #: more, micro-batches of preferred size pack tighter on the scale report's steps)
     one_per_gpu: float = 2.0
+    #: steps of at most this many samples per GPU are also packed in finer micro-batches: runs of
+    #: each bucket's preferred size divided by each of `pack_splits` (with a few micro-batches per
+    #: group, whole preferred ones leave groups finishing far apart)
+    split_per_gpu: float = 16.0
+    pack_splits: tuple[int, ...] = (2, 3)
     #: the smallest makespan target that packs is sought from the floor up in steps of this fraction of it ...
     gallop_first: float = 2.0**-9
     #: ... each step this many times the one before

@@ -27,13 +27,18 @@ Sub-groups fill the time a wide group leaves after a long sample with short samp
 own narrow degree (re-timed at the wide one they would spend more GPU-seconds). A plan with
 sub-groups has one phase per level: the deepest run in phase 0, the top-level groups last.
 
-The step is packed six ways: one sample per micro-batch, or in micro-batches of each
+The step is packed several ways: one sample per micro-batch, in micro-batches of each
 bucket's preferred size (the least GPU-seconds per sample: several short samples or video
-clips of one shape share a micro-batch); each placed longest first by GPU-seconds, or by
-time, or by GPU-seconds opening new groups before re-timing into wider ones (`pack`'s
-`open_first`). No one way packs every step tightest; the fastest packing is returned. One
-sample per micro-batch is tried only with at most `config.one_per_gpu` samples per GPU (with more,
-micro-batches of preferred size pack tighter on the scale report's steps).
+clips of one shape share a micro-batch), or in runs of a half and a third of that size; each
+placed longest first by GPU-seconds, or by time, or by GPU-seconds opening new groups before
+re-timing into wider ones (`pack`'s `open_first`). No one way packs every step tightest; the
+fastest packing is returned. One sample per micro-batch is tried only with at most
+`config.one_per_gpu` samples per GPU (with more, micro-batches of preferred size pack tighter
+on the scale report's steps), the finer runs with at most `config.split_per_gpu`: where a
+group runs a few micro-batches, whole preferred ones (up to half the step each) leave groups
+finishing far apart, and finer ones, which spend a little more GPU-time, fill them evenly
+(strong 256-GPU video steps of 2.7-3.8 samples per GPU: 0.86-0.89 of the bound with preferred
+sizes alone, 0.93-0.96 with the finer runs).
 
 Steps of many samples per GPU with a heavy tail (a few documents of 0.5-1M tokens beside
 thousands of short ones) are packed in micro-batches of preferred size only (`plan`'s
@@ -91,10 +96,10 @@ class SamplePacker:
         """The sync a group leaves exposed when its last (longest) micro-batch takes `last`."""
         return exposed_sync(self.sync, last, self.sync_buckets)
 
-    def items(self, ids: Sequence[int], max_items: int | None = None) -> list[tuple[int, ...]] | None:
+    def items(self, ids: Sequence[int], max_items: int | None = None, split: int = 1) -> list[tuple[int, ...]] | None:
         """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
-        size (the least GPU-seconds per sample; 1 for long samples), longest first; None if
-        more than `max_items`."""
+        size (the least GPU-seconds per sample; 1 for long samples) divided by `split`
+        (rounded up), longest first; None if more than `max_items`."""
         ctx = self.ctx
         if self._bpos is None:
             self._bkeys = sorted(set(ctx.bucket_of))
@@ -106,20 +111,21 @@ class SamplePacker:
         count = np.bincount(bpos, minlength=len(self._bkeys))
         held = count.nonzero()[0].tolist()
         if max_items is not None and len(ids) > max_items:  # counted in arrays first (many samples)
-            if int((-(-count[held] // [self._preferred(self._bkeys[j]) for j in held])).sum()) > max_items:
+            if int((-(-count[held] // [self._preferred(self._bkeys[j], split) for j in held])).sum()) > max_items:
                 return None
         # by bucket (in key order), longest first, then by id
         members = arr[np.lexsort((arr, -self._tokens[arr], bpos))].tolist()
         out, start = [], 0
         for j in held:
-            m, end = self._preferred(self._bkeys[j]), start + int(count[j])
+            m, end = self._preferred(self._bkeys[j], split), start + int(count[j])
             out.extend(tuple(members[a : min(a + m, end)]) for a in range(start, end, m))
             start = end
         return out
 
-    def _preferred(self, b) -> int:
-        """Bucket b's preferred micro-batch size (`PlanContext.preferred`)."""
-        return self.ctx.preferred(b, self.mode).layout.mbs
+    def _preferred(self, b, split: int = 1) -> int:
+        """Bucket b's preferred micro-batch size (`PlanContext.preferred`), divided by `split`
+        (rounded up)."""
+        return -(-self.ctx.preferred(b, self.mode).layout.mbs // split)
 
     def times(self, items: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Per micro-batch and degree, its time alone (inf where it does not fit), all priced
@@ -364,15 +370,9 @@ class SamplePacker:
         if not ids:
             return None
         self._priced = {}
-        merged = self.items(ids, max_items)
-        if merged is None:
+        ways = self.ways(ids, max_items)
+        if ways is None:
             return None
-        if max_items is not None:
-            ways = [merged]
-        elif len(merged) == len(ids) or len(ids) <= self.config.one_per_gpu * self.world:
-            ways = ([merged] if len(merged) < len(ids) else []) + [[(i,) for i in ids]]
-        else:
-            ways = [merged]
         timed = [(items, self.times(items)) for items in ways]
         beaten = math.inf if beat is None else beat()
         best = None
@@ -384,6 +384,25 @@ class SamplePacker:
                 if got is not None and (best is None or got.span < best.span * (1 - MIN_GAIN)):
                     best = got
         return best
+
+    def ways(self, ids: list[int], max_items: int | None = None) -> list[list[tuple[int, ...]]] | None:
+        """The micro-batches `plan` packs the step's samples in, one list per way: those of
+        preferred size (None if more than `max_items`); one sample each (without `max_items`,
+        with at most `config.one_per_gpu` samples per GPU); with at most
+        `config.split_per_gpu` samples per GPU, runs of the preferred size divided by each of
+        `config.pack_splits` (finer micro-batches: groups of few of them finish closer together)."""
+        merged = self.items(ids, max_items)
+        if merged is None:
+            return None
+        ways = [merged]
+        if max_items is None and (len(merged) == len(ids) or len(ids) <= self.config.one_per_gpu * self.world):
+            ways = ([merged] if len(merged) < len(ids) else []) + [[(i,) for i in ids]]
+        if len(ids) <= self.config.split_per_gpu * self.world:
+            for split in self.config.pack_splits:
+                finer = self.items(ids, max_items, split)
+                if finer is not None and all(finer != w for w in ways):
+                    ways.append(finer)
+        return ways
 
     def _plan_items(
         self, items: list[tuple[int, ...]], t: np.ndarray, by_time: bool, open_first: bool, ceiling: float = math.inf
