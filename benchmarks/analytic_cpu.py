@@ -14,8 +14,10 @@ own calibration (a cache folder per policy), no memory limit. Each
 step's time is measured on rank 0 from a barrier to the end of `sync_gradients` (the
 optimizer step, which no prediction includes, is left out), and so is each micro-batch and
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
-cost model's micro-batch terms and gradient sync). The first step of each run (first-time
-allocations) is reported but not counted. ``--out DIR`` reprints an earlier run's tables.
+cost model's micro-batch terms and gradient sync), and against the same plan priced with one
+attention call a micro-batch instead of one per document (`Calibration.attn_calls_per_document`).
+The first step of each run (first-time allocations) is reported but not counted. ``--out DIR``
+reprints an earlier run's tables.
 
 ``--calibrations K``: how the layer calibration repeats instead: K calibrations of the demo's
 model in one process (one thread), ``--gap`` seconds apart, each constant and its spread
@@ -26,6 +28,7 @@ core the process had, and the constants in processor seconds (before the share).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -75,6 +78,9 @@ def worker(args: argparse.Namespace) -> None:
     h200 = PlanContext(work, AnalyticCost(dc.spec, cluster), cluster)
     gpu_links = AnalyticCost(dc.spec, cluster, dc.cost.cal)  # this CPU's layer, the GPU links
     untimed_links = PlanContext(work, gpu_links, cluster)
+    # the same prices with one attention call a micro-batch (the model before per-document calls)
+    one_call = AnalyticCost(dc.spec, dc.cost.cluster, dataclasses.replace(dc.cost.cal, attn_calls_per_document=False))
+    one_call_ctx = PlanContext(work, one_call, dc.cost.cluster)
     opt = dc.optimizer(lr=1e-3)
     rows = []
     for step in loader:
@@ -103,6 +109,8 @@ def worker(args: argparse.Namespace) -> None:
                 "measured_s": measured,
                 "cpu_s": step.predicted.step_s,
                 "before_s": predict_step(step.plan, untimed_links).step_s,
+                "one_call_s": predict_step(step.plan, one_call_ctx).step_s,
+                "documents": [len(m.sample_ids) for g in step.plan.groups_of(0) for m in g.micro_batches],
                 "h200_s": predict_step(step.plan, h200).step_s,
                 "mbs": mbs,
                 "sync_s": [measured - (t1 - t0), dc.cost.grad_sync_time(), gpu_links.grad_sync_time()],
@@ -223,7 +231,7 @@ def report(policies: list[str], out: Path) -> None:
             )
         counted = res["steps"][1:]
         cols = []
-        for key in ("cpu_s", "before_s"):
+        for key in ("cpu_s", "before_s", "one_call_s"):
             errs = [r[key] / r["measured_s"] - 1 for r in counted]
             total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
             cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
@@ -234,7 +242,8 @@ def report(policies: list[str], out: Path) -> None:
         calib.append(
             f"| {policy} | {res['load'][0]:.1f} - {res['load'][1]:.1f} | {layer['lin_s_per_token']:.3g} "
             f"({spread['lin_s_per_token']:.0%}) | {layer['attn_s_per_pair']:.3g} ({spread['attn_s_per_pair']:.0%}) "
-            f"| {layer['floor_s']:.3g} ({spread['floor_s']:.0%}) | {res['slowdown']:.2f} | {link['bw']:.3g} "
+            f"| {layer['floor_s']:.3g} ({spread['floor_s']:.0%}) | {layer['attn_call_s']:.3g} "
+            f"({spread['attn_call_s']:.0%}) | {res['slowdown']:.2f} | {link['bw']:.3g} "
             f"| {link['latency']:.3g} |"
         )
         mbs = [mb for r in counted for mb in r["mbs"]]
@@ -248,7 +257,8 @@ def report(policies: list[str], out: Path) -> None:
         )
     print(
         "\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
-        "| GPU links: median abs error | worst | sum of steps |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| GPU links: median abs error | worst | sum of steps | one attention call a micro-batch: median abs error "
+        "| worst | sum of steps |\n|" + " --- |" * 11
     )
     print("\n".join(summary))
     print(
@@ -259,8 +269,8 @@ def report(policies: list[str], out: Path) -> None:
     print("\n".join(terms))
     print(
         "\n| policy | load average, start - end | processor s per token (halves' spread) | per attention pair "
-        "| floor | slowdown (wall s per processor s) | link bytes/s | link latency s |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| floor | of which an attention call | slowdown (wall s per processor s) | link bytes/s | link latency s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print("\n".join(calib))
 

@@ -93,6 +93,10 @@ class AnalyticCost:
             calibration.attn_s_per_pair * (model.hidden * model.attn_per_layer) / (ref.hidden * ref.attn_per_layer)
         )
         self._share = _attn_share(model)
+        # each further document's attention calls (a video micro-batch stacks its samples as
+        # rows of one call): on a kernel that calls once per document (`Calibration.attn_call_s`)
+        self._per_document = calibration.attn_calls_per_document and model.kind != "video"
+        self._doc_call = calibration.attn_call_s * model.attn_per_layer if self._per_document else 0.0
         dr = model.hidden / ref.hidden
         fr = model.ffn_hidden / ref.ffn_hidden
         self._act_attn = calibration.act_attn * dr
@@ -121,6 +125,12 @@ class AnalyticCost:
 
     def grad_sync_time(self) -> float:
         return self._sync
+
+    def attention_calls(self, n_samples: int) -> int:
+        """The attention kernel calls priced per attention sub-block of a micro-batch of
+        ``n_samples`` samples: one per document where the calibrated kernel calls once per
+        document (`_fields` charges `Calibration.attn_call_s` for each beyond the first)."""
+        return n_samples if self._per_document else 1
 
     def model_state_bytes(self) -> float:
         return self._state
@@ -217,6 +227,16 @@ class AnalyticCost:
             keep_all_feasible=np.ones(shape, dtype=bool),
         )
 
+    def _floors(self, n_samples):
+        """The layer's launch floor and its attention sub-block's part, for a micro-batch of
+        ``n_samples`` samples (a float or an array): the calibration's, plus the fixed cost of
+        each further attention call where the kernel calls once per document (`attention_calls`)."""
+        floor, attn_floor = self.cal.floor_s, self.cal.floor_s * self._share
+        if not self._doc_call:
+            return floor, attn_floor
+        calls = (n_samples - 1) * self._doc_call
+        return floor + calls, attn_floor + calls
+
     def _fields(self, n_tok, pairs, n_samples, sp: int, array: bool, vis=None) -> tuple:
         """`MicroBatchTerms`' fields after `num_layers`, in order, of a micro-batch of `n_tok`
         tokens, `pairs` attention pairs and `n_samples` samples at `sp` (and `vis`, its vision
@@ -229,8 +249,9 @@ class AnalyticCost:
         n = n_tok / sp  # tokens each rank holds; attention work is head-sharded likewise
         pr = pairs / sp
         lin = n * self._lin
-        compute = smax(cal.floor_s, lin + pr * self._attn, cal.p)
-        c_attn = smax(cal.floor_s * self._share, lin * self._share + pr * self._attn, cal.p)
+        floor, attn_floor = self._floors(n_samples)
+        compute = smax(floor, lin + pr * self._attn, cal.p)
+        c_attn = smax(attn_floor, lin * self._share + pr * self._attn, cal.p)
         c_mlp = smax(cal.floor_s * (1 - self._share), lin * (1 - self._share), cal.p)
         act_bytes = n * m.hidden * m.bytes_per_value
         if self.cluster.ring:  # each micro-batch at its best (Ulysses, ring) split (`cost.ring`)

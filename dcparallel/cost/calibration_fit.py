@@ -48,6 +48,12 @@ class Calibration:
     time_err_mean: float
     time_err_max: float
     num_rows: int
+    #: fixed seconds of one attention kernel call beyond the floor's one (per attention
+    #: sub-block, fwd + bwd), charged for each further document of a packed text micro-batch
+    #: when the device's kernel calls once per document (`models.attention.kernel_calls`: the
+    #: SDPA loop on a CPU); 0 where one call takes every document (varlen_attn on a GPU)
+    attn_call_s: float = 0.0
+    attn_calls_per_document: bool = False
 
 
 def _smoothmax(floor: float, compute: float, p: float) -> float:

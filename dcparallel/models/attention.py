@@ -272,6 +272,18 @@ def attention_kernel(
     return "varlen"
 
 
+#: the kernels that run one call per document of a packed row (`sdpa_attention`'s loop)
+PER_DOCUMENT_KERNELS = frozenset({"loop", "eager"})
+
+
+def kernel_calls(kernel: KernelName, documents: int) -> int:
+    """Kernel calls one attention sub-block makes on a packed row of ``documents`` documents:
+    one per document on the SDPA loop and the eager path (`sdpa_attention`), one on
+    varlen_attn and FlexAttention (the documents as one call's ``cu_seqlens`` / block mask).
+    The analytic cost model charges each call's fixed cost (`profile.cpu_calibration`)."""
+    return documents if kernel in PER_DOCUMENT_KERNELS else 1
+
+
 def cuda_varlen_attention(
     q: Tensor,
     k: Tensor,

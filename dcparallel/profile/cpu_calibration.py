@@ -9,9 +9,12 @@ few timings on this machine, a few seconds for a small model, replace its time c
   the residual adds) on n, 2n and 4n tokens: seconds per token (the least-squares slope); on
   16 tokens, less 16 tokens' work: a floor (timed where it is nearly the whole time, not an
   intercept extrapolated from larger timings, which their noise would swamp);
-* attention: `scaled_dot_product_attention` (causal, one document, 4-D, the model's heads
-  and head size) forward + backward at L, 2L and 4L tokens: seconds per query-key pair; at
-  16 tokens, its floor added to the floor.
+* attention: the kernel the runtime runs on a CPU (`models.attention.default_kernel`: SDPA,
+  causal, one document filling a row, the model's heads and head size) forward + backward at
+  L, 2L and 4L tokens: seconds per query-key pair; at 16 tokens, the fixed cost of one call
+  (``attn_call_s``), added to the floor. That kernel calls SDPA once per document of a packed
+  row (`models.attention.kernel_calls`), so the cost model charges the call's fixed cost per
+  document (`Calibration.attn_calls_per_document`).
 
 Two quantities, measured apart because on a shared machine the second moves far more than the first:
 
@@ -60,12 +63,14 @@ import torch
 import torch.nn.functional as F
 
 from dcparallel.cost.analytic import AnalyticCost, Calibration, fit_calibration
+from dcparallel.models.attention import AttnFeatures, AttnPattern, attention_kernel, default_kernel, kernel_calls
 from dcparallel.profile import cpu_links
 from dcparallel.runtime import comm
 from dcparallel.spec import ClusterSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
+CAUSAL = AttnPattern("causal")
 #: the cache's file name, beside the profile path
 CACHE_NAME = "cpu-calibration.json"
 #: floating-point operations of one call at the larger timed size (tens of milliseconds on one core)
@@ -151,12 +156,13 @@ def fit(times: list[float], tokens: list[int], lengths: list[int]) -> dict[str, 
     pairs = [x * (x + 1) / 2 for x in lengths]
     per_token = max(_line(tokens[1:], lin[1:]), 0.5 * lin[-1] / tokens[-1])  # a slope noise cannot zero
     per_pair = max(_line(pairs[1:], att[1:]), 0.0)
-    floor = max(0.0, lin[0] - per_token * tokens[0]) + max(0.0, att[0] - per_pair * pairs[0])
-    return {"lin_s_per_token": per_token, "attn_s_per_pair": per_pair, "floor_s": floor}
+    call = max(0.0, att[0] - per_pair * pairs[0])
+    floor = max(0.0, lin[0] - per_token * tokens[0]) + call
+    return {"lin_s_per_token": per_token, "attn_s_per_pair": per_pair, "floor_s": floor, "attn_call_s": call}
 
 
 #: the time constants, in a calibration's entry
-CONSTANTS = ("lin_s_per_token", "attn_s_per_pair", "floor_s")
+CONSTANTS = ("lin_s_per_token", "attn_s_per_pair", "floor_s", "attn_call_s")
 
 
 def robust_fit(rounds: Rounds, tokens: list[int], lengths: list[int]) -> dict:
@@ -216,16 +222,18 @@ def _layer_linear(spec: ModelSpec, dtype: torch.dtype):
 
 
 def _attention(spec: ModelSpec, dtype: torch.dtype):
-    """fn(L) -> a call of forward + backward of causal attention over one document of L tokens."""
+    """fn(L) -> a call of forward + backward of the runtime's CPU kernel, causal attention over
+    one document of L tokens."""
     heads = spec.num_heads
     d = spec.head_dim or spec.hidden // heads
     g = torch.Generator().manual_seed(1)
+    kernel = default_kernel(torch.device("cpu"))
 
     def fn(length: int):
-        q, k, v = (torch.randn(1, heads, length, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(1, length, heads, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
 
         def run():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            kernel(q, k, v, CAUSAL, None).sum().backward()
 
         return run
 
@@ -275,6 +283,8 @@ def calibration(spec: ModelSpec, measured: dict) -> Calibration:
         name="cpu",
         p=1.0,
         floor_s=float(measured["floor_s"]),
+        attn_call_s=float(measured["attn_call_s"]),
+        attn_calls_per_document=per_document(spec),
         lin_s_per_token=float(measured["lin_s_per_token"]) * ref_params / params,
         attn_s_per_pair=float(measured["attn_s_per_pair"])
         * (ref.hidden * ref.attn_per_layer)
@@ -283,6 +293,16 @@ def calibration(spec: ModelSpec, measured: dict) -> Calibration:
         time_err_max=0.0,
         num_rows=0,
     )  # nothing fitted: timed
+
+
+def per_document(spec: ModelSpec) -> bool:
+    """Whether the kernel the runtime runs ``spec``'s attention with on a CPU calls once per
+    document of a packed row (`models.attention.attention_kernel`, `kernel_calls`)."""
+    dtype = torch.float32 if spec.bytes_per_value >= 4 else torch.bfloat16
+    kind = spec.attention if spec.attention in ("causal", "full") else "spatial"
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    kernel = attention_kernel("cpu", dtype, AttnFeatures(kind), version)
+    return kernel_calls(kernel, 2) == 2
 
 
 def _cpu_name() -> str:
@@ -321,6 +341,8 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
     mean) and returns the constants in wall seconds. The same on every rank."""
     key, path = _key(spec), Path(cache) if cache is not None else None
     hit = _load(path).get(key)
+    if hit is not None and not set(CONSTANTS) <= set(hit):
+        hit = None  # an entry of fewer constants (an older calibration's): timed anew
     if not all(comm.all_gather_object(hit is not None)):
         t0 = time.perf_counter()
         every = comm.all_gather_object(measure(spec))
@@ -335,7 +357,7 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
             log.info(
                 "calibrated the analytic cost model on this CPU in %.1f s, in processor seconds: %.3g per token "
                 "of linear work (halves of the rounds within %.0f%%), %.3g per attention pair (%.0f%%), "
-                "floor %.3g per layer (%.0f%%) (cached in %s)",
+                "floor %.3g per layer (%.0f%%), of which %.3g per attention call (%.0f%%) (cached in %s)",
                 time.perf_counter() - t0,
                 *(v for k in CONSTANTS for v in (hit[k], 100 * hit["spread"][k])),
                 path,

@@ -4,6 +4,7 @@ unless DCPARALLEL_CPU_CALIBRATION=0 (the test suite's default, for machine-indep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -26,7 +27,7 @@ def spec_of(model):
 
 def test_the_measured_constants_price_the_layer_as_measured():
     spec = spec_of(tiny_llama(num_layers=2))
-    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 2e-8, "floor_s": 4e-4}
+    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 2e-8, "floor_s": 4e-4, "attn_call_s": 1e-4}
     cost = AnalyticCost(spec, CLUSTER, cc.calibration(spec, measured))
     n = 100
     head = 3e-6 / (spec.attn_params + spec.mlp_params) * spec.vocab_size * spec.hidden * n
@@ -49,7 +50,7 @@ def test_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     first = cc.cpu_calibration(spec, path)
     assert first.name == "cpu" and first.lin_s_per_token > 0 and first.attn_s_per_pair > 0
     (entry,) = json.loads(path.read_text()).values()
-    assert set(entry) == {"lin_s_per_token", "attn_s_per_pair", "floor_s", "spread", "probe"}
+    assert set(entry) == {*cc.CONSTANTS, "spread", "probe"}
     factor = first.floor_s / entry["floor_s"]  # wall seconds: processor seconds x the calibration's slowdown
     assert factor >= 1.0 and first.attn_s_per_pair > 0
 
@@ -68,7 +69,7 @@ def test_prepare_prices_with_this_cpu_unless_asked_not_to(tmp_path, monkeypatch)
     import dcparallel
     from dcparallel.data.synthetic import SyntheticText
 
-    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 2e-8, "floor_s": 4e-4}
+    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 2e-8, "floor_s": 4e-4, "attn_call_s": 1e-4}
     entry = {
         **measured,
         "spread": dict.fromkeys(measured, 0.0),
@@ -166,7 +167,7 @@ def test_the_slowdown_is_wall_seconds_per_calibrated_processor_second(monkeypatc
 #: the demo layer's sizes as `measure` times them (tokens, attention lengths: the floor's first)
 TOKENS, LENGTHS = [16, 128, 256, 512], [16, 256, 512, 1024]
 #: time constants in processor seconds of a layer like the demo's on this machine
-TRUE = {"lin_s_per_token": 2e-5, "attn_s_per_pair": 4.5e-8, "floor_s": 4e-4}
+TRUE = {"lin_s_per_token": 2e-5, "attn_s_per_pair": 4.5e-8, "floor_s": 4e-4, "attn_call_s": 1.2e-4}
 #: the share of windows a burst of other work catches whole
 BURSTS = 0.2
 
@@ -194,7 +195,7 @@ def noisy_calibration(seed: int, share: tuple[float, float]) -> tuple[dict, dict
 
         return fn
 
-    floor_lin, floor_att = 0.7 * TRUE["floor_s"], 0.3 * TRUE["floor_s"]
+    floor_lin, floor_att = TRUE["floor_s"] - TRUE["attn_call_s"], TRUE["attn_call_s"]
     lin = [floor_lin + TRUE["lin_s_per_token"] * x for x in TOKENS]
     att = [floor_att + TRUE["attn_s_per_pair"] * x * (x + 1) / 2 for x in LENGTHS]
     rounds = cc.timed_rounds([call(i, t) for i, t in enumerate(lin + att)], clock=clock, work=lambda: work[0])
@@ -220,3 +221,40 @@ def test_the_fit_is_stable_under_injected_noise():
             assert busy["spread"][k] >= 0, (seed, k)
         off.append(abs(busy_means["lin_s_per_token"] / TRUE["lin_s_per_token"] - 1))
     assert statistics.fmean(off) > 0.15  # the noise is not small
+
+
+@pytest.mark.parametrize("lengths", [(40,), (40, 9, 23, 17, 5)])
+def test_a_packed_micro_batch_is_priced_at_the_attention_calls_the_runtime_makes(monkeypatch, lengths):
+    """One packed row of these documents through the engine at world 1 on CPU: the SDPA calls
+    each layer makes (counted around `scaled_dot_product_attention`) are the calls the CPU
+    calibration's cost model prices, each beyond the first at the calibrated fixed cost."""
+    import torch
+
+    from dcparallel.data.collate import resolve_collate
+    from dcparallel.plan.types import MicroBatch
+    from dcparallel.runtime.engine import Engine
+    from dcparallel.spec import Layout
+
+    model = tiny_llama(num_layers=2)
+    spec = spec_of(model)
+    calls, sdpa = [0], torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    dc = Engine(model)
+    docs = {i: torch.randint(0, spec.vocab_size, (n,)) for i, n in enumerate(lengths)}
+    batch = resolve_collate("text", "text")(docs, MicroBatch(tuple(docs), Layout(1, 1)), (0,), 0)
+    with torch.no_grad(), dc.micro_batch(batch) as ctx:
+        dc.adapter.loss_fn(model, batch, ctx)
+    assert calls[0] == spec.num_layers * len(lengths)  # the CPU kernel: one SDPA call per document
+
+    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 2e-8, "floor_s": 4e-4, "attn_call_s": 1e-4}
+    cal = cc.calibration(spec, measured)
+    cost = AnalyticCost(spec, CLUSTER, cal)
+    assert cost.attention_calls(len(lengths)) * spec.num_layers == calls[0]
+    one_call = AnalyticCost(spec, CLUSTER, dataclasses.replace(cal, attn_calls_per_document=False))
+    extra = cost.terms(lengths, 1).time(Recompute(0, 0)) - one_call.terms(lengths, 1).time(Recompute(0, 0))
+    assert extra == pytest.approx(spec.num_layers * (calls[0] // spec.num_layers - 1) * 1e-4, rel=1e-9, abs=1e-15)
