@@ -10,7 +10,9 @@ the model's attention pattern (causal 1D, full 3D, factorized spatial/temporal),
 micro-batches are launch-bound (the `floor`: on an H200 a DiT block at 256 tokens runs
 74k tok/s at batch 1 and 2.56M tok/s at batch 64). Recomputing a sub-block adds a fitted
 fraction of its compute. Memory per token and layer is split into what the attention
-sub-block keeps, what the MLP keeps, and the rest. All constants are fitted to the H200
+sub-block keeps, what the MLP keeps, and the rest; backward's peak on top of it (the loss's
+or one layer's gradients in flight) comes from the model's shapes (`cost.backward_memory`).
+All constants are fitted to the H200
 calibration files in `dcparallel/calibration/` (see `fit_calibration`); a model other than
 the calibrated block is scaled by its FLOPs per token and its hidden sizes.
 """
@@ -21,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dcparallel.cost.backward_memory import activation_bytes, layer_backward_bytes, output_head_bytes
 from dcparallel.cost.base import (
     MicroBatchTerms,
     alltoall_time,
@@ -59,8 +62,9 @@ class AnalyticCost:
     Scaling: linear time by the layer's FLOPs per token (weights touched per token; a frozen
     weight computes no weight gradient, a third of its work: `_weight_work`),
     attention time by hidden size and attention sub-blocks, memory by hidden size (the
-    MLP's kept activations by the FFN width). For the calibrated block itself the factors
-    are 1. Text models add the output head's logits (bf16 logits + fp32 loss gradient).
+    MLP's kept activations by the FFN and hidden widths, all by the bytes of an activation
+    value). For the calibrated block itself the factors are 1. Text models add what the
+    output head keeps and the loss's backward holds (`cost.backward_memory`).
     With shard blocks (`ClusterSpec.shard_size` > 1) the states are sharded
     (`base.model_state_bytes`) and each micro-batch pays its block's collectives (`cost.shard`).
     """
@@ -97,8 +101,12 @@ class AnalyticCost:
         # rows of one call): on a kernel that calls once per document (`Calibration.attn_call_s`)
         self._per_document = calibration.attn_calls_per_document and model.kind != "video"
         self._doc_call = calibration.attn_call_s * model.attn_per_layer if self._per_document else 0.0
-        dr = model.hidden / ref.hidden
-        fr = model.ffn_hidden / ref.ffn_hidden
+        # kept bytes scale with the widths and the bytes of an activation value (fp32 keeps twice
+        # bf16's); the MLP keeps ffn- and hidden-wide values alike (a gated MLP: its input, the
+        # gate's and the up projection's outputs, the activation's, their product)
+        ab = activation_bytes(model) / activation_bytes(ref)
+        dr = model.hidden / ref.hidden * ab
+        fr = (model.ffn_hidden + model.hidden) / (ref.ffn_hidden + ref.hidden) * ab
         self._act_attn = calibration.act_attn * dr
         self._act_mlp = calibration.act_mlp * fr
         self._act_rest = calibration.act_rest * dr
@@ -271,26 +279,32 @@ class AnalyticCost:
         head = n * self._head_s_per_token
         if self._shard is not None:  # the shard block's all-gathers and reduce-scatters
             head += self._shard.exposed_many(compute, L) if array else self._shard.exposed(compute, L)
-        per_tok = self._act_attn + self._act_mlp + self._act_rest
-        act_layer = n * per_tok + n_samples * self._act_sample
-        logits = n * m.vocab_size * (2 + 4)
-        fixed = self._state + logits
+        tower = 0.0
         if self._vision is not None:  # the tower before the layers: its time and kept activations
             vp, vq = self._vision.rank_work(vis, sp, array)
             head = head + self._vision.time(vp, vq)
-            fixed = fixed + self._vision.kept_bytes(vp, vq)
-        # time_none, dt_attn, dt_mlp, dt_full, fixed_bytes, act_layer, save_attn, save_mlp,
-        # save_full, transient_none, transient_rec
+            tower = self._vision.kept_bytes(vp, vq)
+        # time_none, dt_attn, dt_mlp, dt_full, then the memory fields
+        return (L * layer_time + head, dt_attn, dt_mlp, dt_attn + dt_mlp, *self._memory(n, n_samples, tower, array))
+
+    def _memory(self, n, n_samples, tower, array: bool) -> tuple:
+        """`MicroBatchTerms`' memory fields (fixed_bytes, act_layer, save_attn, save_mlp,
+        save_full, transient_none, transient_rec) of `n` tokens and `n_samples` samples per rank:
+        the model states, the output head's kept bytes and a vision tower's (`tower`); per layer
+        the calibrated kept activations; and the backward's peak on top of what is kept
+        (`cost.backward_memory`): the loss's backward or one layer's, whichever is larger, a
+        recomputing layer's recomputed activations included."""
+        act_layer = n * (self._act_attn + self._act_mlp + self._act_rest) + n_samples * self._act_sample
+        out = output_head_bytes(self.model, n, array)
+        fixed = self._state + out.kept + tower
+        layer = layer_backward_bytes(self.model, n, array)
+        larger = np.maximum if array else max
         return (
-            L * layer_time + head,
-            dt_attn,
-            dt_mlp,
-            dt_attn + dt_mlp,
             fixed,
             act_layer,
             n * self._act_attn,
             n * self._act_mlp,
             act_layer - n * self._act_full,
-            cal.transient_none * act_layer,
-            cal.transient_rec * act_layer,
+            larger(out.backward, layer),
+            larger(out.backward, act_layer + layer),
         )

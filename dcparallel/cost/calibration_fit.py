@@ -41,7 +41,9 @@ class Calibration:
     act_full: float
     #: activation bytes per sample per layer independent of its length (e.g. cross-attention context)
     act_per_sample: float
-    #: transient working memory of the layer in backward, as a multiple of its kept activations
+    #: transient working memory of the layer in backward, as a multiple of its kept activations:
+    #: measured, and the check of the shape-derived transient `AnalyticCost` prices
+    #: (`cost.backward_memory.layer_backward_bytes`)
     transient_none: float
     transient_rec: float
     #: fit quality: mean and max |relative error| of time on the rows fitted
