@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dcparallel.cost.analytic import AnalyticCost
+from dcparallel.cost.heads import kv_repeats
 from dcparallel.data.collate import padded_length
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
@@ -108,7 +109,9 @@ def _attention(rows: int, local: int, sp: int) -> tuple[tuple, ...]:
 
 def _ulysses(rows: int, local: int, group) -> None:
     q = torch.zeros(rows, local, HEADS, 1, dtype=torch.bfloat16, requires_grad=True)
-    kv = torch.zeros(rows, local, KV_HEADS, 1, dtype=torch.bfloat16, requires_grad=True)
+    # past the key/value heads each is repeated first, as `runtime.ulysses` does
+    kv_heads = KV_HEADS * kv_repeats(KV_HEADS, len(group.ranks))
+    kv = torch.zeros(rows, local, kv_heads, 1, dtype=torch.bfloat16, requires_grad=True)
     qh, kh, vh = comm.seq_to_heads([q, kv, kv], group)
     out = comm.heads_to_seq(qh + kh.sum(2, keepdim=True) + vh.sum(2, keepdim=True), group)
     out.sum().backward()
@@ -216,18 +219,19 @@ class _Only:
 
 
 def test_the_recorder_catches_a_rank_that_runs_its_micro_batches_in_another_order():
-    """The check itself: swap two micro-batches of one rank of an SP group and it fails."""
+    """The checks themselves: swap the first two micro-batches of a rank (two whose collectives
+    differ, else the swap changes nothing) and one of them fails: on one group, its members
+    disagree; across two groups, the ranks wait on each other forever."""
     plan = _plan(TEXT, _text_sizes(128), 64, 1)
     logs = {r: _record_rank(plan, r, TEXT, 64, 1) for r in range(64)}
-    victim = next(
-        r
-        for r in range(64)
-        if sum(len(g) > 1 for _, g in plan.work_of(r)) >= 1
-        and len(plan.work_of(r)) >= 2
-        and len({mb.sample_ids for mb, _ in plan.work_of(r)}) >= 2
-    )
-    (mb0, _), (mb1, _) = plan.work_of(victim)[:2]
-    n0 = len(_record_rank(_Only(plan, 1), victim, TEXT, 64, 1)) - 2  # the first micro-batch's records
-    logs[victim] = logs[victim][n0:-2] + logs[victim][:n0] + logs[victim][-2:]
-    with pytest.raises(AssertionError, match="issues"):
+
+    def swapped(r: int) -> list:
+        n0 = len(_record_rank(_Only(plan, 1), r, TEXT, 64, 1)) - 2  # the first micro-batch's records
+        n1 = len(_record_rank(_Only(plan, 2), r, TEXT, 64, 1)) - 2  # the first two's
+        return logs[r][n0:n1] + logs[r][:n0] + logs[r][n1:]
+
+    victim = next(r for r in range(64) if len(plan.work_of(r)) >= 2 and swapped(r) != logs[r])
+    logs[victim] = swapped(victim)
+    with pytest.raises(AssertionError, match="issues|wait forever"):
         _check_groups_agree(logs)
+        _check_completes(logs)
