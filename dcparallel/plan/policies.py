@@ -19,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 
 from dcparallel.plan import bucket, packed
 from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.portfolio import DcpPlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner, cyclic_gc_paused
 from dcparallel.plan.dcp.static import static_layouts
 from dcparallel.plan.research import flexsp, peers, token_budget
 from dcparallel.plan.research.dcp_v1 import per_sample_row
@@ -46,8 +46,10 @@ class PolicySpec:
 
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
     """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
-    (on steps of at most `DcpConfig.static_max_samples` samples)."""
-    return Tuned(DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+    (on steps of at most `DcpConfig.static_max_samples` samples); built, like each step's plan,
+    with the cycle collector paused (`cyclic_gc_paused`)."""
+    with cyclic_gc_paused():
+        return Tuned(DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score)))
 
 
 def _untuned(make: Callable[[PlanContext, Score], Planner]):

@@ -31,6 +31,7 @@ from dcparallel.plan.dcp.search import (
     table,
 )
 from dcparallel.plan.dcp.tables import LayoutTable, least_gpu_seconds_within
+from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import MIN_GAIN, ROUND_EPS, MicroBatch, micro_batches
 from dcparallel.scenarios import SCENARIOS, sample_sizes
@@ -628,14 +629,20 @@ def test_a_ranks_groups_built_alone_are_its_groups_in_the_whole_plan():
 def test_planning_pauses_the_cycle_collector_and_leaves_no_cycles():
     """`dcp` pauses the cycle collector while it plans (its plans allocate hundreds of
     thousands of objects at scale); that is safe only because planning makes no reference
-    cycles: a collection right after planning with the collector off finds nothing."""
+    cycles: a collection right after planning with the collector off finds nothing. The
+    same for building the planner (`make_planner`: its tables, the static layouts' tuning)."""
     ctx, steps = _context(256, False, 600, 7)
-    p = DcpPlanner(ctx, step_seconds(ctx))
-    p.plan(steps[-1])  # caches filled
     was = gc.isenabled()
     try:
+        gc.enable()
+        p = make_planner("dcp", ctx, steps[:2], score=step_seconds(ctx))
+        assert gc.isenabled(), "the collector resumes after the planner is built"
+        p.plan(steps[-1])  # caches filled
         gc.collect()
         gc.disable()
+        make_planner("dcp", ctx, steps[:2], score=step_seconds(ctx))
+        assert not gc.isenabled(), "a disabled collector stays disabled"
+        assert gc.collect() == 0
         for s in steps:
             p.plan(s)
         assert not gc.isenabled(), "a disabled collector stays disabled"

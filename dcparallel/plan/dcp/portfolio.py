@@ -231,7 +231,9 @@ def cyclic_gc_paused():
     sets off collections that walk the whole heap — the workload, the model, the loader —
     which can take half of a step's planning time at 4096 GPUs. Planning makes no
     reference cycles (reference counting frees all it drops), so nothing piles up meanwhile;
-    the collector resumes, in every thread, when the step is planned."""
+    the collector resumes, in every thread, when the step is planned. The `dcp` planner is
+    built paused too (`policies._dcp_portfolio`: its tables, the static layouts' tuning):
+    otherwise a full collection lands in some builds and not others, up to 2.5x their CPU time."""
     was = gc.isenabled()
     gc.disable()
     try:
