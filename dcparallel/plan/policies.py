@@ -63,7 +63,7 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec(
             "dcp",
             "ours: layouts by a makespan target (widens SP when a step has few samples per "
-            "GPU), planned over (bucket, count) and group classes, two-phase steps; never predicted slower "
+            "GPU), planned over (planning class, count) and group classes, two-phase steps; never predicted slower "
             "than the tuned bucket and packed plans, which it also offers (steps of <= 4096 samples)",
             _dcp_portfolio,
         ),

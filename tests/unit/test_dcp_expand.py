@@ -92,7 +92,7 @@ def _groups_needed(chosen: list[tuple], T: float) -> dict[int, int]:
 
 
 def _reference_rows(p: LayoutTable, tab, part: list[int], C: float, kmin: int, frac: float = 1.0) -> list[tuple] | None:
-    """The definition: per bucket of the part its first row (least GPU-seconds first) with SP
+    """The definition: per class of the part its first row (least GPU-seconds first) with SP
     >= kmin and time <= C; the choice fits if the groups it needs for the makespan C / frac
     fit the world."""
     chosen = []
@@ -122,7 +122,7 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
     nb = len(present)
     rng = np.random.default_rng(seed)
     parts = [list(range(nb)), sorted(rng.choice(nb, size=max(1, nb // 2), replace=False).tolist())]
-    # as `search` asks: every bucket of the part has a row at the smallest degree or wider
+    # as `search` asks: every class of the part has a row at the smallest degree or wider
     problems = [(part, ki) for part in parts for ki in range(len(p.sp)) if np.isfinite(tab.least[part, ki]).all()]
     # every distinct time and T infinite; a random subset for every other problem
     targets = [
@@ -143,10 +143,10 @@ def test_all_targets_of_all_parts_at_once_match_one_at_a_time(world, video, n, s
                 assert {k: int(n) for k, n in zip(p.sp, need[x, j].tolist()) if n > 0} == _groups_needed(ref, C / frac)
 
 
-def test_the_search_chooses_each_buckets_layout_by_the_layout_rule():
-    """For every smallest allowed degree and every target at which each bucket has a row, the
-    search's choice (`fits`) of every bucket is the layout rule's
-    (`least_gpu_seconds_within`) among the bucket's rows at that degree or wider."""
+def test_the_search_chooses_each_class_layout_by_the_layout_rule():
+    """For every smallest allowed degree and every target at which each class has a row, the
+    search's choice (`fits`) of every class is the layout rule's
+    (`least_gpu_seconds_within`) among the class's rows at that degree or wider."""
     p, steps = _planner(256, False, 3000, 1)
     present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
     tab = table(p, present.tolist(), counts.tolist(), {int(j): (1.0, 1.3) for j in present})
@@ -168,9 +168,9 @@ def test_the_search_chooses_each_buckets_layout_by_the_layout_rule():
     assert checked > 1000
 
 
-def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
-    """`rows_many` builds the candidate rows of every (bucket, count) of a step in one batch:
-    per degree where the bucket fits, micro-batch sizes from the powers of two and c / 2^i
+def test_candidate_rows_of_many_classes_at_once_are_each_class_definition():
+    """`rows_many` builds the candidate rows of every (class, count) of a step in one batch:
+    per degree where the class fits, micro-batch sizes from the powers of two and c / 2^i
     rounded up, capped at the most that fit and at c, each once; least GPU-seconds first."""
     p, steps = _planner(256, False, 3000, 1)
     present, counts = np.unique(p.bidx[np.asarray(steps[0].sample_ids)], return_counts=True)
@@ -195,7 +195,7 @@ def test_candidate_rows_of_many_buckets_at_once_are_each_buckets_definition():
 def _reference_search(p: LayoutTable, tab, part: list[int], kmin: int) -> list[tuple]:
     """The search by its definition, one part and smallest degree at a time, for each cap
     fraction in turn: the part's distinct times at kmin or wider from the longest of its
-    buckets' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
+    classes' least times, as caps; a coarse pass over SEARCH_COARSE of them evenly spread,
     then every cap from after the last coarse one that does not fit to 8 past the first that
     does; candidates at the first fitting cap and 1, 2, 4, 8 after it (makespan: cap /
     fraction), distinct choices only over all fractions; if none fits at fraction 1, T
@@ -274,11 +274,11 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
 )
 def test_no_allocation_is_predicted_below_its_floors(scenario, dist, world):
     """`dcp` stops searching wider smallest allowed degrees when their floor (`plan_floor`:
-    every bucket at that degree or wider) says no candidate there can enter the plans it
+    every class at that degree or wider) says no candidate there can enter the plans it
     keeps, and skips one candidate when its own floor (`rows_floor`) says so; that is
     lossless only if no allocation of such a candidate is predicted below either. Checked on
     every candidate of every smallest degree, whole steps and split parts, on weak-scaled
-    steps of the scale report, with micro-batch times (the bucket's heaviest samples) above
+    steps of the scale report, with micro-batch times (the class's heaviest samples) above
     its mean work, as in a real step."""
     ctx, (step,) = _scale_cell(scenario, dist, world, 1)
     p = LayoutTable(ctx)
@@ -501,7 +501,7 @@ def _reference_spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> None:
             if loads[z] >= top:
                 continue
             for x in src.tolist():
-                t = float(p.ttab_arr[k][ph.bucket[x], ph.m[x]] * ph.mw[x])
+                t = float(p.ttab_arr[k][ph.pclass[x], ph.m[x]] * ph.mw[x])
                 new = max(top - float(ph.t[x]), float(loads[z]) + t)
                 if new < top * (1 - MIN_GAIN) and (best is None or new < best[0]):
                     best = (new, x, z, t, k)
@@ -510,12 +510,12 @@ def _reference_spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> None:
         _, x, z, t, k = best
         loads[a] -= ph.t[x]
         loads[z] += t
-        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), k)[0])
+        ph.layouts.append(p.layout(int(ph.pclass[x]), int(ph.m[x]), k)[0])
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
 
 
 def _spill_phase(p: LayoutTable, rng: np.random.Generator, times, weights) -> Phase:
-    """A phase of 80 one-sample micro-batches of one bucket spread at random over 2 groups of
+    """A phase of 80 one-sample micro-batches of one class spread at random over 2 groups of
     8 ranks, 4 of 4 and 16 of 1, with `times(n)` and mean weights `weights(n)`."""
     sizes = [8] * 2 + [4] * 4 + [1] * 16
     n = 80
@@ -544,7 +544,7 @@ def test_spill_makes_the_moves_of_its_definition(seed):
         ph.grp.copy(),
         ph.start.copy(),
         ph.m.copy(),
-        ph.bucket.copy(),
+        ph.pclass.copy(),
         ph.lay.copy(),
         ph.t.copy(),
         ph.mw.copy(),

@@ -186,7 +186,7 @@ def _strong_cell(scenario: str, dist: str, world: int, step: int):
 
 def test_many_shapes_of_a_few_samples_share_groups_when_capped():
     """1100 draws of the 200-shape mix as one step on 256 GPUs (about 5 samples of each shape
-    drawn, as in the scale report's strong-budget cells): each bucket's longest micro-batches
+    drawn, as in the scale report's strong-budget cells): each class's longest micro-batches
     within a target T are mostly longer than T / 2 and need a group each; capped at 0.75 T
     (`CAP_FRACTIONS`) they share groups. The class-level plan is predicted 14% faster with the
     cap than without (0.789 s against 0.916 s when written; 12% at 800 draws, 6% at 1250, none

@@ -69,7 +69,7 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
 
 def test_dcp_packs_sample_by_sample_when_few_samples_per_gpu_beat_the_classes():
     """The text scenario's long-context mix (7B model, H200 calibration) at 0.375 samples per
-    GPU on 256 GPUs: the class-level plan times every sample of a bucket as its largest;
+    GPU on 256 GPUs: the class-level plan times every sample of a class as its largest;
     packing them one by one finishes sooner, and `dcp` keeps the faster plan. Asked to beat a
     time, the packing returns its plan only if faster."""
     sc = SCENARIOS["text"]

@@ -100,7 +100,7 @@ def test_few_samples_per_gpu_widens_sp_and_beats_a_narrow_layout():
     assert t >= LowerBound(ctx).step(steps[0]) - ctx.cost.grad_sync_time() - 1e-12
 
 
-def test_weights_stay_within_a_bucket():
+def test_weights_stay_within_a_class():
     cl = cluster(8, 8)
     w = Workload(TINY_LM, (1000, 1100, 1200, 5000, 6000))
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
@@ -151,11 +151,11 @@ def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
     w = Workload(TINY_LM, (15_000, 16_000, 16_500, 18_000))  # one cost bucket: [1.25 ** 43, 1.25 ** 44)
     ctx = PlanContext(w, cost(TINY_LM, cl), cl)
     dcp, fine = DcpPlanner(ctx, step_seconds(ctx)), LayoutTable(ctx, sub_bins=4)
-    assert len(dcp.class_level[0].table.buckets) == 1 and any(isinstance(c, FinerClasses) for c in dcp.class_level)
-    assert len(fine.buckets) == 2  # 2 ** (1 / 4) length ranges: 15000, 16000 | 16500, 18000 (split at 2 ** 14)
+    assert len(dcp.class_level[0].table.pclasses) == 1 and any(isinstance(c, FinerClasses) for c in dcp.class_level)
+    assert len(fine.pclasses) == 2  # 2 ** (1 / 4) length ranges: 15000, 16000 | 16500, 18000 (split at 2 ** 14)
     assert fine.bidx.tolist() == [0, 0, 1, 1]
     for i, j in enumerate(fine.bidx.tolist()):
-        assert ctx.model.tokens(fine.rep[fine.buckets[j]]) >= w.tokens[i]
+        assert ctx.model.tokens(fine.rep[fine.pclasses[j]]) >= w.tokens[i]
 
 
 _PLAN_SCRIPT = """

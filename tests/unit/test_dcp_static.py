@@ -5,7 +5,7 @@ slower on any step: their plans are among its candidates). And `simulate` warns 
 policy beats the chosen one.
 
 The small models are the launch-bound regime: a 7M-parameter Llama on a code corpus of 67 to
-191k tokens per file, where the class level's per-bucket micro-batches of one or two short
+191k tokens per file, where the class level's per-class micro-batches of one or two short
 files cost far more than one packed bin per group."""
 
 import argparse

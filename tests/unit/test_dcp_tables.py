@@ -1,7 +1,7 @@
 """`dcp`'s planning classes (`tables.planning_classes`) and per-sample weights, built in array
 passes, against their definitions written sample by sample, on realistic mixes: finer text
 length ranges of a long-context continued-pretraining mix and of a chat / long-document SFT
-mix, and the buckets of a 60-shape video mix."""
+mix, and the classes of a 60-shape video mix."""
 
 import math
 
@@ -25,7 +25,7 @@ def context(scenario: str, mix: str, n: int) -> PlanContext:
 
 
 def classes_by_definition(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, list[int]]:
-    """Each usable sample's class, (bucket, int(log2(tokens) * sub_bins)) or its bucket; a
+    """Each usable sample's class, (class, int(log2(tokens) * sub_bins)) or its class; a
     class's size `class_rep` of its members in id order; classes sorted; -1 for the others."""
     if sub_bins == 1:
         key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
@@ -68,4 +68,4 @@ def test_planning_classes_and_weights_are_their_definitions(scenario, mix, sub_b
         lengths, weights = np.unique(tok[at]), np.unique(w[ids][at])
         assert weights.max() == 1.0 and len(weights) in (1, len(lengths))
         several += len(lengths) > 1 and len(weights) == len(lengths)
-    assert several > 10 or scenario == "video"  # a video bucket is one shape
+    assert several > 10 or scenario == "video"  # a video class is one shape

@@ -4,7 +4,7 @@ Groups are taken away while they cannot all be placed (`LayoutTable.placed`), th
 the degree that finishes last while that shortens it and they can be placed; a degree's span
 is its micro-batch classes dealt to its groups (`classes.class_span`).
 
-Short names: p (the `tables.LayoutTable`), j (a bucket: a planning class's index), k (an SP
+Short names: p (the `tables.LayoutTable`), j (a class: a planning class's index), k (an SP
 degree), mm / tt / q (a micro-batch class's size, time and count), v (a degree's micro-batch
 classes), sig (their id, `LayoutTable.span_id`).
 """
@@ -20,7 +20,7 @@ from dcparallel.plan.types import TIME_EPS
 
 
 def allocate(p: LayoutTable, present: list[int], chosen: list[Row], need: dict[int, int]) -> Allocation | None:
-    """The `Allocation` of one layout choice on table `p` (`chosen`: each bucket's row, in the
+    """The `Allocation` of one layout choice on table `p` (`chosen`: each class's row, in the
     order of `present`) and the groups per degree its search estimated it needs:
     groups are taken away while they cannot all be placed (`LayoutTable.placed`), then added
     to the degree that finishes last while that shortens it and they can be placed; None if

@@ -44,9 +44,9 @@ def sig_weight(ic: int) -> int:
 
 
 class ItemClass(NamedTuple):
-    """`count` micro-batches of one bucket with `mbs` samples each, at SP degree `sp`."""
+    """`count` micro-batches of one class with `mbs` samples each, at SP degree `sp`."""
 
-    bucket: int
+    pclass: int
     sp: int
     mbs: int
     time: float
@@ -209,26 +209,26 @@ def class_span(items: Sequence[MbClass], n: int) -> float:
 
 
 def cut_starts(items: Sequence[ItemClass], cursor: dict[int, int]) -> list[int]:
-    """Where each item class's micro-batches start among its bucket's samples (sorted longest
-    first): item classes cut their bucket's samples in order, `count * mbs` each, from
-    `cursor` (per bucket, the samples already cut: earlier phases), which is advanced."""
+    """Where each item class's micro-batches start among its class's samples (sorted longest
+    first): item classes cut their class's samples in order, `count * mbs` each, from
+    `cursor` (per class, the samples already cut: earlier phases), which is advanced."""
     out = []
     for it in items:
-        at = cursor.get(it.bucket, 0)
+        at = cursor.get(it.pclass, 0)
         out.append(at)
-        cursor[it.bucket] = at + it.count * it.mbs
+        cursor[it.pclass] = at + it.count * it.mbs
     return out
 
 
 def plan_sig(items: list[ItemClass], groups: DegreeGroups) -> tuple:
     """What tells two class-level plans apart: their item classes and groups per degree."""
-    return tuple((it.bucket, it.sp, it.mbs) for it in items), tuple(sorted(groups.count.items()))
+    return tuple((it.pclass, it.sp, it.mbs) for it in items), tuple(sorted(groups.count.items()))
 
 
 class PartPlan(NamedTuple):
-    """A class-level plan of one phase's buckets: its predicted makespan, its item classes,
+    """A class-level plan of one phase's classes: its predicted makespan, its item classes,
     its micro-batch classes and groups per degree (`allocate.allocate`), and the class-level
-    bound of those buckets (`search.part_bound`)."""
+    bound of those classes (`search.part_bound`)."""
 
     span: float
     items: list[ItemClass]
@@ -258,7 +258,7 @@ class StepChoice(NamedTuple):
 
 class ClassPlan(NamedTuple):
     """A step's class-level plan, its predicted compute time, the step's compute bound at class
-    level (`search.part_bound`) and the longest of its buckets' least micro-batch times."""
+    level (`search.part_bound`) and the longest of its classes' least micro-batch times."""
 
     plan: StepPlan
     predicted: float

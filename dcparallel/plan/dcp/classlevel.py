@@ -1,17 +1,17 @@
 """`dcp`'s class level (`ClassLevelPlanner`): a step planned over what is distinct in it —
-(bucket, count) pairs and classes of alike groups — not over its samples.
+(class, count) pairs and classes of alike groups — not over its samples.
 
-Samples of one bucket are interchangeable for planning: a bucket's micro-batch is timed and
-laid out (SP degree, micro-batch size, PAC recompute) for copies of the bucket's largest
-sample, so it fits every sample of the bucket. Per step:
+Samples of one class are interchangeable for planning: a class's micro-batch is timed and
+laid out (SP degree, micro-batch size, PAC recompute) for copies of the class's largest
+sample, so it fits every sample of the class. Per step:
 
-1. **Layouts by a makespan target.** For a target T, every bucket of the step takes the
+1. **Layouts by a makespan target.** For a target T, every class of the step takes the
    layout of least GPU-seconds whose micro-batch finishes within T (so a small T widens SP
    and shrinks micro-batches: the few-samples-per-GPU regime; a large T keeps the
    efficient narrow layouts); the groups each SP degree needs are estimated from its work
    and its micro-batches longer than T / 2. The smallest T whose groups fit the world is
    found among the distinct micro-batch times (`search`: a coarse pass, then the
-   bracket it leaves), once per smallest allowed SP degree (forcing every bucket to at
+   bracket it leaves), once per smallest allowed SP degree (forcing every class to at
    least that degree lets one phase hold a world-wide sample and the rest). Every target of
    the three narrowest smallest degrees (`DcpConfig.first_degrees`), and of every part of the
    two-phase splits, is evaluated in one batch of array operations per pass; a part whose
@@ -37,7 +37,7 @@ another group only where `Topology.fits` places it, and the step is also planned
 alone (a second `ClassLevelPlanner`, candidate `candidate.CHAIN`), the plan predicted faster kept.
 
 Short names: p (the planner's `tables.LayoutTable`), tab (the step's `search.StepTable`),
-j (a bucket: an index into the table's planning classes), c (a sample count, or a
+j (a class: an index into the table's planning classes), c (a sample count, or a
 `search.Candidate`), k (an SP degree), ki (a smallest allowed degree, as an index into
 `p.sp`), ss (the step's samples, `expand.StepSamples`), g (an `Allocation`), bnd (a part's
 bound), fw / fz (the floors of a split's wide and narrow parts), a / z (the best plans of
@@ -86,7 +86,7 @@ class ClassLevelPlanner:
         self.config = table.config
 
     def describe(self) -> dict:
-        return {"recompute": self.table.mode, "phases": self.phases, "planner": "class-based (bucket, count)"}
+        return {"recompute": self.table.mode, "phases": self.phases, "planner": "class-based (planning class, count)"}
 
     def runs(self, facts) -> bool:
         return True  # on every step
@@ -95,7 +95,7 @@ class ClassLevelPlanner:
         return self.class_plan(facts.step)
 
     def _plan_part(self, tab: StepTable, part: list[int], found_by_k: list[list], keep: int = 1):
-        """The best `keep` `PartPlan`s for these buckets (positions in the step's table) in one
+        """The best `keep` `PartPlan`s for these classes (positions in the step's table) in one
         phase, best first, from their search's candidates per smallest allowed degree
         (`search.search`; given for the first `config.first_degrees`, the rest searched here if
         the loop gets there); [] if none."""
@@ -166,7 +166,7 @@ class ClassLevelPlanner:
         where the best is above the step's bound, two-phase splits; the best few expanded."""
         p = self.table
         ids = np.fromiter(step.sample_ids, dtype=np.int64, count=len(step.sample_ids))
-        ids_sorted, b = p.sort(ids)  # by bucket, then longest first, then id
+        ids_sorted, b = p.sort(ids)  # by class, then longest first, then id
         present, counts, ss, scale = step_samples(p, ids_sorted, b)
         tab = table(p, present, counts, scale)
         first = range(min(self.config.first_degrees, len(p.sp)))
@@ -186,7 +186,7 @@ class ClassLevelPlanner:
         tab.fracs = (1.0,)
         uncapped = search(p, tab, [whole], first)
         ones = self._plan_part(tab, whole, uncapped[0], keep=cfg.expand_best)
-        assert ones, "all buckets at the widest degree always fit the world"
+        assert ones, "all classes at the widest degree always fit the world"
         if ones[0].span > ones[0].bound * cfg.cap_gate:  # above the bound: micro-batches capped lower too
             tab.fracs = cfg.cap_fractions
             assert tab.fracs[0] == 1.0, "the capped search extends the uncapped one"
@@ -198,12 +198,12 @@ class ClassLevelPlanner:
     def _two_phases(
         self, tab: StepTable, counts: list[int], one: PartPlan, first: range, cands: list[StepChoice]
     ) -> None:
-        """Adds to `cands` the two-phase plans of the step: the buckets split by the degree each
+        """Adds to `cands` the two-phase plans of the step: the classes split by the degree each
         got in the best one-phase plan `one`, or by its cheapest degree; wide ones first."""
         p, present = self.table, tab.present
         widest: dict[int, int] = {}
         for it in one.items:
-            widest[it.bucket] = max(widest.get(it.bucket, 0), it.sp)
+            widest[it.pclass] = max(widest.get(it.pclass, 0), it.sp)
         cheapest = {j: int(Row(*rows(p, j, c)[0]).k) for j, c in zip(present, counts)}  # least GPU-seconds
         splits = self._splits([{j: widest[j] for j in present}, cheapest], tab, cands)
         found = search(p, tab, [part for split in splits for part in split[:2]], first, tab.fracs)
@@ -218,8 +218,8 @@ class ClassLevelPlanner:
                 cands.append(StepChoice(a[0].span + z[0].span, [a[0], z[0]]))
 
     def _splits(self, keys: list[dict[int, int]], tab: StepTable, cands: list[StepChoice]) -> list[tuple]:
-        """The distinct two-phase splits (wide part, narrow part, their floors) of the buckets
-        by each degree of each `keys` (bucket -> degree) but the narrowest. A split's candidate
+        """The distinct two-phase splits (wide part, narrow part, their floors) of the classes
+        by each degree of each `keys` (class -> degree) but the narrowest. A split's candidate
         is predicted at or above its parts' floors: a split is left out where that already
         says it would not be expanded (`_ranked_out`; that only tightens as candidates are
         added, so a split left out now would be skipped later too)."""
@@ -259,8 +259,8 @@ class ClassLevelPlanner:
 
 
 def step_samples(p: LayoutTable, ids_sorted: np.ndarray, b: np.ndarray):
-    """A step's buckets in table order (`present`), their sample counts, its samples'
-    positions and running weights (`StepSamples`), and per bucket its mean and largest weight
+    """A step's classes in table order (`present`), their sample counts, its samples'
+    positions and running weights (`StepSamples`), and per class its mean and largest weight
     in the step (the scale of its times: `search.table`)."""
     n = len(ids_sorted)
     starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if n else np.zeros(0, dtype=np.int64)

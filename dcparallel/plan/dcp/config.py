@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True)
 class DcpConfig:
     # -- the per-sample planner (`per_sample.PerSamplePlanner`): cheap on small clusters and
-    #    steps, it mixes SP degrees within a bucket, which the class level does not
+    #    steps, it mixes SP degrees within a class, which the class level does not
     #: worlds of at most this many GPUs also run it
     per_sample_max_world: int = 64
     #: ... on steps of at most this many samples
@@ -48,13 +48,13 @@ class DcpConfig:
     #: micro-batch at least `pack_tail` of the bound: sub-groups fill a wide group after it)
     pack_gate_one: float = 1.03
     pack_tail: float = 0.5
-    #: larger steps are packed in micro-batches of each bucket's preferred size, if at most this many
+    #: larger steps are packed in micro-batches of each class's preferred size, if at most this many
     pack_max_items: int = 8192
     #: steps of at most this many samples per GPU are also packed one sample per micro-batch (with
     #: more, micro-batches of preferred size pack tighter on the scale report's steps)
     one_per_gpu: float = 2.0
     #: steps of at most this many samples per GPU are also packed in finer micro-batches: runs of
-    #: each bucket's preferred size divided by each of `pack_splits` (with a few micro-batches per
+    #: each class's preferred size divided by each of `pack_splits` (with a few micro-batches per
     #: group, whole preferred ones leave groups finishing far apart)
     split_per_gpu: float = 16.0
     pack_splits: tuple[int, ...] = (2, 3)
@@ -109,7 +109,7 @@ class DcpConfig:
 
     # -- bounded per-planner caches, emptied when full: they bound memory only (a planner's plans
     #    do not depend on what it has cached)
-    #: entries of each large cache (candidate rows per (bucket, count), group spans, class deals)
+    #: entries of each large cache (candidate rows per (class, count), group spans, class deals)
     row_cache_limit: int = 50_000
     #: `LayoutTable.least_gpu`'s tables (one per set of degrees a phase uses)
     least_gpu_cache_limit: int = 64

@@ -3,8 +3,8 @@
 Micro-batches are dealt to groups, refined with each micro-batch's own time and moved across
 SP degrees (the local searches of `refine`), and placed on ranks.
 
-Each bucket's samples, longest first, are cut into its micro-batches and dealt round by round
-to the groups holding that bucket (so every group gets a mix of its bucket's longer and
+Each class's samples, longest first, are cut into its micro-batches and dealt round by round
+to the groups holding that class (so every group gets a mix of its class's longer and
 shorter samples); groups are placed as aligned blocks, largest first (a group no larger than
 a node stays inside one; a larger one spans nodes and the cost model charges the link), and
 each group runs its micro-batches shortest first, so its longest backward hides the most of
@@ -44,7 +44,7 @@ def deal_orders(holders: np.ndarray) -> np.ndarray:
     micro-batches per group), one per range of alike groups holding some of the class, a
     class's rows consecutive. Round by round over the groups still holding some of the class,
     alternating direction and rotated per class, so each group gets longer and shorter samples
-    of the bucket. In a few array operations: each (group, round) pair is one micro-batch,
+    of the class. In a few array operations: each (group, round) pair is one micro-batch,
     placed by its position among its class's groups in that round."""
     ic, g0, n, per = holders.T
     new = np.ones(len(ic), dtype=bool)
@@ -119,7 +119,7 @@ def _dealt_phase(
     p: LayoutTable, items: list, gclasses: dict[int, list[GroupClass]], ss: StepSamples, cursor: dict[int, int]
 ) -> Phase:
     """One phase's micro-batches dealt to its groups (widest first; a group class is a range
-    of them): each item class's micro-batches cut from its bucket's samples in order (from
+    of them): each item class's micro-batches cut from its class's samples in order (from
     `cursor`, advanced), each timed by its samples' weights."""
     ranges: list[tuple[int, int, GroupClass]] = []  # (first group, degree, class)
     sizes: list[int] = []
@@ -144,22 +144,22 @@ def _dealt_phase(
     its = [items[ic] for ic in dealt]
     assert num == [it.count for it in its], "every micro-batch of every item class is dealt"
     first = cut_starts(its, cursor)
-    t_one = [p.ttab[(it.bucket, it.sp)][it.mbs] / it.mbs for it in its]
+    t_one = [p.ttab[(it.pclass, it.sp)][it.mbs] / it.mbs for it in its]
     m = np.repeat([it.mbs for it in its], num)
-    j = np.repeat([it.bucket for it in its], num)
+    j = np.repeat([it.pclass for it in its], num)
     within = np.repeat(first, num) + m * (np.arange(len(m)) - np.repeat(np.cumsum(num) - num, num))
-    lo = np.repeat([ss.base[it.bucket] for it in its], num) + within
+    lo = np.repeat([ss.base[it.pclass] for it in its], num) + within
     w = ss.cumw[lo + m] - ss.cumw[lo]
     return Phase(
         sizes,
         grp,
-        np.repeat([ss.offset[it.bucket] for it in its], num) + within,
+        np.repeat([ss.offset[it.pclass] for it in its], num) + within,
         m,
         j,
         np.repeat(dealt, num),
         np.repeat(t_one, num) * w,
         w / m,
-        [p.layout(it.bucket, it.mbs, it.sp).layout for it in items],
+        [p.layout(it.pclass, it.mbs, it.sp).layout for it in items],
     )
 
 

@@ -1,11 +1,11 @@
 """`dcp`'s per-sample planner (`PerSamplePlanner`): cheap on small clusters and steps, it
-mixes SP degrees within a bucket, which the class level does not (`portfolio.PerSample`
+mixes SP degrees within a class, which the class level does not (`portfolio.PerSample`
 offers its plans up to `DcpConfig.per_sample_max_world` GPUs). Its options without balance,
 promotion or phases are the paper's ablations (`plan/research/dcp_v1.py`).
 
 For each step:
-1. every bucket of the step takes its own layout: the SP degree and micro-batch size of
-   least GPU-seconds per sample that fit memory (`intra`); with `promote`, a bucket whose
+1. every class of the step takes its own layout: the SP degree and micro-batch size of
+   least GPU-seconds per sample that fit memory (`intra`); with `promote`, a class whose
    micro-batch would outlast the step's average load per rank moves to the smallest
    larger SP degree that finishes within it (a long sample must not stall the step);
 2. the world is split into groups per SP degree, greedily giving one more group to the
@@ -25,7 +25,7 @@ For each step:
    that needs a group as wide as the world drags the step's short samples onto that
    group too; two phases let the short ones run narrow, in parallel, after it.
 
-Short names: b (a bucket key), k (an SP degree), n (groups), c (a candidate's degree per bucket).
+Short names: b (a class: the context's bucket), k (an SP degree), n (groups), c (a candidate's degree per class).
 """
 
 from __future__ import annotations
@@ -73,16 +73,16 @@ class PerSamplePlanner:
         return {"recompute": self.mode, "balance": self.balance, "promote": self.promote, "phases": self.phases}
 
     # -- 1. layouts --------------------------------------------------------------------
-    def _choose_sp(self, by_bucket: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int], int]:
-        sp = {b: self.preferred[b] for b in by_bucket}
+    def _choose_sp(self, by_class: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int], int]:
+        sp = {b: self.preferred[b] for b in by_class}
         if not self.promote:
             return sp
         ctx = self.ctx
-        work = sum(len(ids) * self.options[b][sp[b]].gpu_s_per_sample for b, ids in by_bucket.items())
+        work = sum(len(ids) * self.options[b][sp[b]].gpu_s_per_sample for b, ids in by_class.items())
         avg = work / ctx.cluster.world_size
-        for b, ids in by_bucket.items():
+        for b, ids in by_class.items():
             opts = self.options[b]
-            # the time of the bucket's largest micro-batch in this step at each degree
+            # the time of the class's largest micro-batch in this step at each degree
             mb_time = {
                 k: ctx.copies_layout(ctx.rep[b], min(len(ids), o.layout.mbs), k, self.mode).time
                 for k, o in opts.items()
@@ -95,16 +95,16 @@ class PerSamplePlanner:
         return sp
 
     def _chunk(self, ids: list[int], b: tuple[int, int], k: int) -> list[Chunk]:
-        """The bucket's samples in micro-batches of its micro-batch size at SP degree k; each
+        """The class's samples in micro-batches of its micro-batch size at SP degree k; each
         micro-batch gets the recompute setting its own samples need (a partial or shorter
-        micro-batch may keep more activations than the bucket's largest would)."""
+        micro-batch may keep more activations than the class's largest would)."""
         ctx = self.ctx
         m = self.options[b][k].layout.mbs
         out = []
         for s in range(0, len(ids), m):
             chunk = tuple(ids[s : s + m])
             fit = ctx.layout_for(tuple(ctx.sizes[i] for i in chunk), k, self.mode)
-            assert fit is not None, "a bucket's layout fits its largest sample, so it fits these"
+            assert fit is not None, "a class's layout fits its largest sample, so it fits these"
             out.append(Chunk(chunk, fit.layout, fit.time))
         return out
 
@@ -155,29 +155,29 @@ class PerSamplePlanner:
         return count, free
 
     def plan(self, step: Step) -> StepPlan:
-        """Plans with each bucket at its preferred SP degree and, when promotion changes any,
-        with long buckets promoted; each in one phase and, with `phases`, split in two at
+        """Plans with each class at its preferred SP degree and, when promotion changes any,
+        with long classes promoted; each in one phase and, with `phases`, split in two at
         each SP degree; keeps whichever finishes the step first."""
         ctx = self.ctx
-        by_bucket: dict[tuple[int, int], list[int]] = {}
+        by_class: dict[tuple[int, int], list[int]] = {}
         for i in step.sample_ids:
-            by_bucket.setdefault(ctx.bucket_of[i], []).append(i)
-        preferred = {b: self.preferred[b] for b in by_bucket}
+            by_class.setdefault(ctx.bucket_of[i], []).append(i)
+        preferred = {b: self.preferred[b] for b in by_class}
         candidates = [preferred]
         if self.promote:
-            promoted = self._choose_sp(by_bucket)
+            promoted = self._choose_sp(by_class)
             if promoted != preferred:
                 candidates.append(promoted)
         best: list[Groups] | None = None  # the phases predicted to end first
         best_end = 0.0
         for c in candidates:
-            splits = [[by_bucket]]
+            splits = [[by_class]]
             if self.phases:
                 for k in sorted(set(c.values()))[1:]:
                     splits.append(
                         [
-                            {b: ids for b, ids in by_bucket.items() if c[b] >= k},
-                            {b: ids for b, ids in by_bucket.items() if c[b] < k},
+                            {b: ids for b, ids in by_class.items() if c[b] >= k},
+                            {b: ids for b, ids in by_class.items() if c[b] < k},
                         ]
                     )
             for parts in splits:
@@ -195,14 +195,14 @@ class PerSamplePlanner:
             )
         return assemble(ctx, step, groups)
 
-    def _groups(self, by_bucket: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]) -> Groups:
-        """The groups of one phase holding these buckets at these SP degrees."""
+    def _groups(self, by_class: dict[tuple[int, int], list[int]], sp_of: dict[tuple[int, int], int]) -> Groups:
+        """The groups of one phase holding these classes at these SP degrees."""
         ctx = self.ctx
         world = ctx.cluster.world_size
 
         def build_classes() -> dict[int, list[Chunk]]:
             classes: dict[int, list] = {}
-            for b, ids in by_bucket.items():
+            for b, ids in by_class.items():
                 for item in self._chunk(ids, b, sp_of[b]):
                     classes.setdefault(item.layout.sp, []).append(item)
             return classes
@@ -214,7 +214,7 @@ class PerSamplePlanner:
             work = {k: sum(c.time for c in classes[k]) * k for k in ks}
             k_small = min(ks[:-1], key=lambda k: (work[k], k))
             k_up = next(k for k in ks if k > k_small)
-            for b in by_bucket:
+            for b in by_class:
                 if sp_of[b] == k_small:
                     sp_of[b] = k_up if k_up in self.options[b] else max(self.options[b])
             classes = build_classes()

@@ -168,7 +168,7 @@ class FinerClasses:
 
 class PerSample:
     """The per-sample planner (`per_sample.PerSamplePlanner`), cheap on small clusters and
-    steps; it mixes SP degrees within a bucket, which the class level does not."""
+    steps; it mixes SP degrees within a class, which the class level does not."""
 
     name = "per-sample"
 
@@ -188,7 +188,7 @@ class PerSample:
 
 class SamplePacking:
     """The per-sample packing (`sample.SamplePacker`): each sample (or, on larger steps, each
-    micro-batch of its bucket's preferred size) timed alone at every degree; it runs where the
+    micro-batch of its class's preferred size) timed alone at every degree; it runs where the
     class level is loose, and seeks only plans faster than the class-level plan's score."""
 
     name = "packing"

@@ -34,7 +34,7 @@ class Phase:
     grp: np.ndarray
     start: np.ndarray
     m: np.ndarray
-    bucket: np.ndarray
+    pclass: np.ndarray
     lay: np.ndarray
     t: np.ndarray
     mw: np.ndarray
@@ -47,7 +47,7 @@ class Phase:
 def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
     """Local search across degrees: move a micro-batch off the slowest group of the phase to
     the least-loaded group of another SP degree, re-laid-out there (same samples, that
-    degree's recompute for copies of the bucket's largest sample), while the slowest
+    degree's recompute for copies of the class's largest sample), while the slowest
     group's load falls. Returns the degrees whose groups it changed.
 
     A move touches two groups, so passes over all groups cost more than it: heaps of the
@@ -106,7 +106,7 @@ def spill(p: LayoutTable, ph: Phase, max_iter: int = 256) -> set[int]:
         heapq.heappush(slowest, (-loads[z], z))
         heapq.heappush(least[kinds.index(size_of[a])], (loads[a], a))
         heapq.heappush(least[kk], (loads[z], z))
-        ph.layouts.append(p.layout(int(ph.bucket[x]), int(ph.m[x]), kinds[kk]).layout)
+        ph.layouts.append(p.layout(int(ph.pclass[x]), int(ph.m[x]), kinds[kk]).layout)
         ph.grp[x], ph.t[x], ph.lay[x] = z, t, len(ph.layouts) - 1
         t_cur[x] = t
     return touched
@@ -193,7 +193,7 @@ def _members(members: dict[int, list[int]], g: int, order: np.ndarray, bounds: l
 def _times_at(p: LayoutTable, ph: Phase, kinds: list[int], mbs) -> np.ndarray:
     """The micro-batches `mbs` re-laid-out at every degree of `kinds`: their times there
     ([degree, micro-batch]; inf where one does not fit)."""
-    return np.stack([p.ttab_arr[k][ph.bucket[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
+    return np.stack([p.ttab_arr[k][ph.pclass[mbs], ph.m[mbs]] for k in kinds]) * ph.mw[mbs]
 
 
 def refine(ph: Phase, gs: np.ndarray, idx: np.ndarray | None = None, config: DcpConfig = DEFAULT) -> bool:

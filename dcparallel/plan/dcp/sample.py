@@ -1,8 +1,8 @@
 """`dcp`'s per-sample packing, for steps with few samples per GPU (and, in micro-batches of
-each bucket's preferred size, for steps with a heavy tail of long samples).
+each class's preferred size, for steps with a heavy tail of long samples).
 
 With about one sample per GPU or fewer, most groups run one or two samples, and the class
-level (every sample of a bucket laid out for the bucket's largest, group loads estimated
+level (every sample of a class laid out for the class's largest, group loads estimated
 from mean weights) leaves groups that finish far apart. Here each sample is timed alone at
 every SP degree, and for a makespan target T:
 
@@ -28,7 +28,7 @@ own narrow degree (re-timed at the wide one they would spend more GPU-seconds). 
 sub-groups has one phase per level: the deepest run in phase 0, the top-level groups last.
 
 The step is packed several ways: one sample per micro-batch, in micro-batches of each
-bucket's preferred size (the least GPU-seconds per sample: several short samples or video
+class's preferred size (the least GPU-seconds per sample: several short samples or video
 clips of one shape share a micro-batch), or in runs of a half and a third of that size; each
 placed longest first by GPU-seconds, or by time, or by GPU-seconds opening new groups before
 re-timing into wider ones (`pack`'s `open_first`). No one way packs every step tightest; the
@@ -84,7 +84,7 @@ class SamplePacker:
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
-        self._bpos = self._bkeys = self._tokens = None  # per sample: its bucket's position, its tokens
+        self._bpos = self._bkeys = self._tokens = None  # per sample: its class's position, its tokens
         self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
@@ -97,7 +97,7 @@ class SamplePacker:
         return exposed_sync(self.sync, last, self.sync_buckets)
 
     def items(self, ids: Sequence[int], max_items: int | None = None, split: int = 1) -> list[tuple[int, ...]] | None:
-        """The step's samples as micro-batches: per bucket, runs of its preferred micro-batch
+        """The step's samples as micro-batches: per class, runs of its preferred micro-batch
         size (the least GPU-seconds per sample; 1 for long samples) divided by `split`
         (rounded up), longest first; None if more than `max_items`."""
         ctx = self.ctx
@@ -113,7 +113,7 @@ class SamplePacker:
         if max_items is not None and len(ids) > max_items:  # counted in arrays first (many samples)
             if int((-(-count[held] // [self._preferred(self._bkeys[j], split) for j in held])).sum()) > max_items:
                 return None
-        # by bucket (in key order), longest first, then by id
+        # by class (in key order), longest first, then by id
         members = arr[np.lexsort((arr, -self._tokens[arr], bpos))].tolist()
         out, start = [], 0
         for j in held:
@@ -123,7 +123,7 @@ class SamplePacker:
         return out
 
     def _preferred(self, b, split: int = 1) -> int:
-        """Bucket b's preferred micro-batch size (`PlanContext.preferred`), divided by `split`
+        """Class b's preferred micro-batch size (`PlanContext.preferred`), divided by `split`
         (rounded up)."""
         return -(-self.ctx.preferred(b, self.mode).layout.mbs // split)
 
@@ -358,7 +358,7 @@ class SamplePacker:
     ) -> Packing | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
         the best target, packing samples one per micro-batch (with at most
-        `config.one_per_gpu` samples per GPU) or, when buckets prefer more, in micro-batches of their preferred
+        `config.one_per_gpu` samples per GPU) or, when classes prefer more, in micro-batches of their preferred
         size, each in three orders (see the module docstring); the fastest of these. With
         `max_items`, only the micro-batches of preferred size are packed, opening new groups
         first (`pack`'s `open_first`), and only if there are at most that many (None if

@@ -1,22 +1,22 @@
-"""`dcp`'s class-level search over makespan targets: candidate layouts per (bucket, count),
-and per target T the layout of least GPU-seconds of every bucket whose micro-batches finish
+"""`dcp`'s class-level search over makespan targets: candidate layouts per (class, count),
+and per target T the layout of least GPU-seconds of every class whose micro-batches finish
 within T (`tables.least_gpu_seconds_within`), if the groups those need fit the world.
 
-The candidate rows of a step's buckets are one array (`table`), a segment per bucket, least
-GPU-seconds first. A *problem* is a part of the step's buckets (one phase: the whole step,
+The candidate rows of a step's classes are one array (`table`), a segment per class, least
+GPU-seconds first. A *problem* is a part of the step's classes (one phase: the whole step,
 or one side of a two-phase split) with a smallest allowed SP degree and a cap fraction f; a
-target's choice is, per bucket of the part, its first row with SP at least that degree and
+target's choice is, per class of the part, its first row with SP at least that degree and
 time <= f T (f < 1: shorter micro-batches, which share groups where f = 1 would give most of
 them a group each). Every target
 of every problem of a search pass is evaluated in one batch of array operations (`fits`), by
-counting per bucket the leading rows whose running minimum time exceeds each target; times
+counting per class the leading rows whose running minimum time exceeds each target; times
 are compared as integer ranks among the step's distinct times, so problems stack exactly.
 
-Short names: p (the `tables.LayoutTable`), tab (the step's `StepTable`), j (a bucket: an
+Short names: p (the `tables.LayoutTable`), tab (the step's `StepTable`), j (a class: an
 index into the table's planning classes), c (a sample count, or a `Candidate`), k (an SP
 degree), ki (a smallest allowed degree, as an index into `p.sp`), kpos (a row's degree
 index), m (a micro-batch size), t (a micro-batch time), T (a makespan target), frac (a cap
-fraction), q (a part's index among the parts searched), seg (a problem's bucket segment),
+fraction), q (a part's index among the parts searched), seg (a problem's class segment),
 rr / pp (the choosable rows and their problems), x / y (a problem's index among all / the
 live ones).
 """
@@ -36,7 +36,7 @@ from dcparallel.plan.types import ROUND_EPS
 
 @dataclass
 class StepTable:
-    """A step's candidate rows (`table`) as arrays, one segment per bucket, least GPU-seconds
+    """A step's candidate rows (`table`) as arrays, one segment per class, least GPU-seconds
     first, and what the search reads from them."""
 
     a: np.ndarray  #: the rows, one per line (`Row(*a[i])`), times scaled by the step's weights
@@ -47,20 +47,20 @@ class StepTable:
     tot: np.ndarray  #: busy seconds per row
     items: np.ndarray  #: micro-batches per row
     kpos: np.ndarray  #: each row's degree, as an index into the planner's degrees
-    starts: np.ndarray  #: each bucket's first row
+    starts: np.ndarray  #: each class's first row
     n: int  #: rows
-    seg: np.ndarray  #: each row's bucket position
-    lens: np.ndarray  #: rows per bucket
+    seg: np.ndarray  #: each row's class position
+    lens: np.ndarray  #: rows per class
     spf: np.ndarray  #: the degrees, as floats
-    present: list[int]  #: the buckets (class indices), in table order
+    present: list[int]  #: the classes (class indices), in table order
     times: np.ndarray  #: the step's distinct row times, ascending
     rank: np.ndarray  #: each row's time as a rank among `times`
-    least: np.ndarray  #: per bucket and smallest degree index: the least time at that degree or wider
+    least: np.ndarray  #: per class and smallest degree index: the least time at that degree or wider
     stair_rows: list[np.ndarray]  #: per smallest degree index: the rows some target can choose
-    area: list[float]  #: per bucket: its least GPU-seconds
-    longest: list[float]  #: per bucket: its least time
+    area: list[float]  #: per class: its least GPU-seconds
+    longest: list[float]  #: per class: its least time
     gpu_t: np.ndarray  #: each row's GPU-seconds at the class level's times
-    least_gpu_t: np.ndarray  #: per bucket and smallest degree index: the least of `gpu_t` there
+    least_gpu_t: np.ndarray  #: per class and smallest degree index: the least of `gpu_t` there
     floor_slack: float  #: the floors are lowered by this fraction (`DcpConfig.floor_slack`)
     #: the cap fractions the step is searched with (`search`'s `fracs`)
     fracs: tuple[float, ...] = (1.0,)
@@ -69,7 +69,7 @@ class StepTable:
 
 
 def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
-    """Candidate layouts of `c` samples of bucket j, least GPU-seconds first, one row each
+    """Candidate layouts of `c` samples of class j, least GPU-seconds first, one row each
     (`Row`: GPU-seconds, degree, micro-batch size, a full micro-batch's time, how many,
     the time of the rest, its samples, busy seconds). Micro-batch sizes per degree: powers of
     two and even splits of c (c / 1, c / 2, c / 4, ... rounded up), capped at the most that
@@ -78,9 +78,9 @@ def rows(p: LayoutTable, j: int, c: int) -> np.ndarray:
 
 
 def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int, tuple[float, float]]) -> StepTable:
-    """The candidate rows of a step's buckets as arrays, one segment per bucket, their times
-    scaled by the bucket's mean weight in this step; each row's time as a rank among the
-    step's distinct times; per bucket its least GPU-seconds (`part_bound`), and per bucket
+    """The candidate rows of a step's classes as arrays, one segment per class, their times
+    scaled by the class's mean weight in this step; each row's time as a rank among the
+    step's distinct times; per class its least GPU-seconds (`part_bound`), and per class
     and smallest allowed degree its least time and least GPU-seconds at the class level's
     times (`plan_floor`)."""
     arrs = p.rows_many(list(zip(present, counts)))
@@ -89,7 +89,7 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     c = Row(*a.T)  # the columns by name, views of a
     f = np.repeat(np.array([scale[j][0] for j in present]), lens)
     fmax = np.repeat(np.array([scale[j][1] for j in present]), lens)
-    for col in (c.gpu_s, c.total):  # work: the bucket's mean weight
+    for col in (c.gpu_s, c.total):  # work: the class's mean weight
         col *= f
     for col in (c.t_full, c.t_rem):  # a micro-batch's time: its longest samples could land in any one
         col *= fmax
@@ -103,15 +103,15 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
     times, rank = np.unique(t, return_inverse=True)
     rank = rank.reshape(-1)
     kpos = pos[c.k.astype(np.int64)]
-    # per bucket and smallest degree: the least time of its rows at that degree or wider,
+    # per class and smallest degree: the least time of its rows at that degree or wider,
     # and their least GPU-seconds at those times
     least, least_gpu_t = (_least_at(x, seg, kpos, (len(lens), len(p.sp))) for x in (t, gpu_t))
-    # per smallest degree, the rows some target can choose: each bucket's rows at that degree
+    # per smallest degree, the rows some target can choose: each class's rows at that degree
     # or wider that are faster than every row before them (a row is chosen for T iff it is
     # the first such row with time <= T)
     big = len(times) + 1
     v = np.where(kpos[None, :] >= np.arange(len(p.sp))[:, None], rank[None, :], big)
-    shift = (len(lens) - seg) * (big + 1)  # later buckets lower: one running minimum per bucket
+    shift = (len(lens) - seg) * (big + 1)  # later classes lower: one running minimum per class
     run = np.minimum.accumulate(v + shift, axis=1) - shift
     prev = np.full_like(run, big)
     prev[:, 1:] = run[:, :-1]
@@ -145,14 +145,14 @@ def table(p: LayoutTable, present: list[int], counts: list[int], scale: dict[int
 
 
 def _least_at(x: np.ndarray, seg: np.ndarray, kpos: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """Per bucket and smallest degree index, the least x of its rows at that degree or wider."""
+    """Per class and smallest degree index, the least x of its rows at that degree or wider."""
     out = np.full(shape, np.inf)
     np.minimum.at(out, (seg, kpos), x)
     return np.minimum.accumulate(out[:, ::-1], axis=1)[:, ::-1]
 
 
 def part_bound(tab: StepTable, part: Sequence[int], world: int) -> float:
-    """The class-level bound of a part's buckets (positions in the table) in one phase:
+    """The class-level bound of a part's classes (positions in the table) in one phase:
     max(least GPU-seconds / world, the longest least micro-batch time). No plan of theirs is
     predicted below it."""
     area = longest = 0.0
@@ -163,10 +163,10 @@ def part_bound(tab: StepTable, part: Sequence[int], world: int) -> float:
 
 
 def plan_floor(tab: StepTable, part: Sequence[int], world: int, ki: int = 0) -> float:
-    """No class-level plan of a part's buckets (positions in the table) with every bucket at
+    """No class-level plan of a part's classes (positions in the table) with every class at
     the `ki`-th degree or wider is predicted below this: its groups' largest load is at least
     their mean, and at least any micro-batch's time. Unlike `part_bound`, it counts work at
-    the class level's times (each micro-batch timed for the bucket's heaviest samples). It
+    the class level's times (each micro-batch timed for the class's heaviest samples). It
     only rises with `ki`; slightly lowered against rounding."""
     return _floor(float(tab.least_gpu_t[part, ki].sum()), float(tab.least[part, ki].max()), world, tab.floor_slack)
 
@@ -184,7 +184,7 @@ def expanded_floors(p: LayoutTable, parts, ss) -> list[float]:
     their mean weighted by size, which is their GPU-seconds over their ranks; a micro-batch
     costs at least its least GPU-seconds at any degree of the phase (refining moves it within
     its degree, spilling to another degree of the phase, re-timed there). A micro-batch of m
-    samples of bucket b at degree k takes t(b, k, m) / m times its samples' weights, so an
+    samples of class b at degree k takes t(b, k, m) / m times its samples' weights, so an
     item class's least GPU-seconds are min_k k t(b, k, m) / m times the weights of the
     samples `expand` cuts it from (`classes.cut_starts`)."""
     cursor: dict[int, int] = {}
@@ -196,8 +196,8 @@ def expanded_floors(p: LayoutTable, parts, ss) -> list[float]:
         least = p.least_gpu(kinds)
         work = 0.0
         for it, at in zip(items, cut_starts(items, cursor)):
-            lo, n = ss.base[it.bucket] + at, it.count * it.mbs
-            work += least[it.bucket][it.mbs] * float(cumw[lo + n] - cumw[lo])
+            lo, n = ss.base[it.pclass] + at, it.count * it.mbs
+            work += least[it.pclass][it.mbs] * float(cumw[lo + n] - cumw[lo])
         out.append(work / sum(k * count[k] for k in kinds))
     return out
 
@@ -219,16 +219,16 @@ def fits(
     targets: list[np.ndarray],
     fracs: Sequence[float] | None = None,
 ):
-    """For every problem (a part's bucket positions, in table order, and the index of its
+    """For every problem (a part's class positions, in table order, and the index of its
     smallest allowed degree in `p.sp`) and each of its sorted targets (ranks into
     `tab.times`; ``len(times)`` is T infinite): whether the choice fits the world, the
     chosen rows and the groups they need per SP degree.
 
     Returns (fit [problem, target], first [segment, target] row indices, need [problem,
     target, degree index], each problem's first segment); a problem's segments are its
-    buckets in order. Targets past a problem's own count are padding. A target is a cap C on
+    classes in order. Targets past a problem's own count are padding. A target is a cap C on
     the micro-batches' time and, with `fracs` (per problem, default 1), the makespan T =
-    C / frac: a bucket's row is its first row with SP >= the smallest degree and time <= C;
+    C / frac: a class's row is its first row with SP >= the smallest degree and time <= C;
     the groups a degree needs are its work over T, at least one per micro-batch longer than
     T / 2, at most one per micro-batch (0 for a degree without micro-batches)."""
     nk, num = len(p.sp), len(problems)
@@ -238,7 +238,7 @@ def fits(
     for q, (part, _) in enumerate(problems):
         inpart[q, part] = True
     kis = [ki for _, ki in problems]
-    # each problem's choosable rows (`table`'s "stair_rows"): per bucket, times strictly falling
+    # each problem's choosable rows (`table`'s "stair_rows"): per class, times strictly falling
     each = [tab.stair_rows[ki] for ki in kis]
     rr = np.concatenate(each)
     pp = np.repeat(np.arange(num), [len(x) for x in each])
@@ -249,7 +249,7 @@ def fits(
     brk[1:] = (pp[1:] != pp[:-1]) | (bkt[1:] != bkt[:-1])
     sstart = np.flatnonzero(brk)
     nseg = len(sstart)
-    assert nseg == sum(len(part) for part, _ in problems), "every bucket of a problem has a row to choose"
+    assert nseg == sum(len(part) for part, _ in problems), "every class of a problem has a row to choose"
     seg = np.cumsum(brk) - 1
     slen = np.diff(np.append(sstart, len(rr)))
     sprob = pp[sstart]
@@ -292,7 +292,7 @@ def rows_at(tab: StepTable, first: np.ndarray) -> list[Row]:
 
 
 class Problem(NamedTuple):
-    """One problem of a search pass: a part (bucket positions in the table), the index of its
+    """One problem of a search pass: a part (class positions in the table), the index of its
     smallest allowed degree, the part's index among the searched parts, and the cap fraction."""
 
     part: np.ndarray
@@ -303,7 +303,7 @@ class Problem(NamedTuple):
 
 class Candidate(NamedTuple):
     """A layout choice the search found: its makespan target T (its micro-batches' cap over
-    the cap fraction), the chosen row of each of the part's buckets (`rows_at` gives them as
+    the cap fraction), the chosen row of each of the part's classes (`rows_at` gives them as
     tuples) and the groups it needs per SP degree (an array over the planner's degrees; `needs`
     gives it as a dict)."""
 
@@ -320,11 +320,11 @@ def search(
     fracs: Sequence[float] = (1.0,),
     known: list[list[list[Candidate]]] | None = None,
 ) -> list[list[list[Candidate]]]:
-    """Per part (bucket positions in the table, in table order) and per smallest allowed SP
+    """Per part (class positions in the table, in table order) and per smallest allowed SP
     degree (the indices `degrees` into `p.sp`, all by default): layouts at the smallest
     feasible target and at a few larger ones, for each cap fraction `fracs` (in order, the
     first 1; distinct choices only). Targets are the part's distinct micro-batch times at that
-    degree or wider, from the longest of its buckets' least times, taken as caps C with the
+    degree or wider, from the longest of its classes' least times, taken as caps C with the
     makespan C / fraction (`fits`); a coarse pass over `config.search_coarse` of them brackets the
     smallest that fits, a second pass over the bracket finds it and the candidates after it.
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
@@ -357,7 +357,7 @@ def search(
         if mine is None:
             mine = seen[pr.q, ki] = {c.first.tobytes() for c in out[pr.q][ki - degrees.start]}
         for c in cands:
-            sig = c.first.tobytes()  # a bucket's rows are distinct (degree, size) pairs
+            sig = c.first.tobytes()  # a class's rows are distinct (degree, size) pairs
             if sig not in mine:
                 mine.add(sig)
                 out[pr.q][ki - degrees.start].append(c)
@@ -368,7 +368,7 @@ def _problems(
     tab: StepTable, parts: list[Sequence[int]], degrees: range, fracs: Sequence[float]
 ) -> tuple[list[Problem], list[np.ndarray]]:
     """The problems of a search pass (a part, each smallest degree in `degrees` at which every
-    bucket of the part has a row, each cap fraction) and each one's targets: the part's
+    class of the part has a row, each cap fraction) and each one's targets: the part's
     distinct times (ranks into `tab.times`) at that degree or wider, from its floor up."""
     problems, ranks = [], []
     for q, part in enumerate(parts):

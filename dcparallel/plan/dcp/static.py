@@ -2,10 +2,10 @@
 baselines, tuned on the epoch's steps exactly as their own policies tune them
 (`bucket.tune_static`), offer their plan of a step, scored like every other candidate.
 
-Why: the class level plans each bucket's samples in micro-batches of their own, priced one
+Why: the class level plans each class's samples in micro-batches of their own, priced one
 layout at a time. Where a micro-batch's fixed cost dominates (small models: a few million
 parameters, most samples a few hundred tokens), one bin of documents of every length per
-group is faster than many per-bucket micro-batches, and `packed` forms exactly that.
+group is faster than many per-class micro-batches, and `packed` forms exactly that.
 Offering the baselines' own plans makes the portfolio never predicted slower than either on
 a step they are offered: the kept plan is the least scored, and the score is the simulator's
 step time. They are offered on steps of at most `config.static_max_samples` samples: their

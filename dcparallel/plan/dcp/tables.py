@@ -3,10 +3,10 @@ bounded caches.
 
 The classes are the context's buckets, or finer text length ranges.
 
-Short names: p (a `LayoutTable`, in the free functions), j (a bucket: an index into the
-planning classes `buckets`), b (a planning class's key: the context's bucket, or with finer
+Short names: p (a `LayoutTable`, in the free functions), j (a class: an index into the
+planning classes `pclasses`), b (a planning class's key: the context's bucket, or with finer
 classes (bucket, length range)), k (an SP degree), kp (a degree's index into `sp`), m / ms (a
-micro-batch size), c / cs (a sample count), pr (a row's (bucket, count) pair), t / tr (a full
+micro-batch size), c / cs (a sample count), pr (a row's (class, count) pair), t / tr (a full
 micro-batch's / the rest's time), rep (a class's largest sample).
 """
 
@@ -27,7 +27,7 @@ from dcparallel.spec import VisionSize
 
 
 class Row(NamedTuple):
-    """A candidate layout of a bucket's samples in a step (`search.rows`), one row of `search.StepTable.a`;
+    """A candidate layout of a class's samples in a step (`search.rows`), one row of `search.StepTable.a`;
     as a `Row` of arrays (`search.StepTable.cols`), the columns of many rows."""
 
     gpu_s: float  #: GPU-seconds
@@ -42,10 +42,10 @@ class Row(NamedTuple):
 
 def least_gpu_seconds_within(gpu_s: np.ndarray, finish: np.ndarray, target: float) -> np.ndarray:
     """The layout rule `dcp` plans by: of each row's layouts (the last axis: degrees, or a
-    bucket's candidate rows), the position of the one of least GPU-seconds among those that
+    class's candidate rows), the position of the one of least GPU-seconds among those that
     finish within `target`; the first on ties. Every row must have one that finishes within it.
     The per-sample packing applies it as it stands (`sample.SamplePacker.pack`); the class
-    level's search applies it to every target at once: a bucket's rows are sorted by
+    level's search applies it to every target at once: a class's rows are sorted by
     GPU-seconds, so its choice is its first row within the target (`search.fits`)."""
     return np.where(finish <= target, gpu_s, np.inf).argmin(axis=-1)
 
@@ -85,7 +85,7 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
 
 
 def _length_range(tokens: int, sub_bins: int) -> int:
-    """A text sample's length range within its bucket: ranges 2 ** (1 / sub_bins) apart."""
+    """A text sample's length range within its class: ranges 2 ** (1 / sub_bins) apart."""
     return int(math.log2(max(1, tokens)) * sub_bins)
 
 
@@ -103,11 +103,11 @@ def _length_ranges(lengths: np.ndarray, sub_bins: int) -> np.ndarray:
 def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.ndarray]:
     """`planning_classes` of finer length ranges where no sample is a `VisionSize` (so a
     class's `class_rep` is its member of most tokens, the first of equals), in array passes:
-    each distinct length's range by `_length_ranges`; classes (bucket, range) in key order,
-    as `sorted` orders them, since buckets are numbered in their order."""
+    each distinct length's range by `_length_ranges`; classes (class, range) in key order,
+    as `sorted` orders them, since classes are numbered in their order."""
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-    buckets = sorted(set(ctx.bucket_of))
-    pos = {b: j for j, b in enumerate(buckets)}
+    pclasses = sorted(set(ctx.bucket_of))
+    pos = {b: j for j, b in enumerate(pclasses)}
     bpos = np.fromiter((pos[b] for b in ctx.bucket_of), dtype=np.int64, count=len(ctx.bucket_of))[ids]
     tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
     lengths, at = np.unique(tok, return_inverse=True)
@@ -115,7 +115,7 @@ def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nda
     width = int(ranges.max(initial=0)) + 1
     codes, cls = np.unique(bpos * width + ranges, return_inverse=True)
     cls = cls.reshape(-1)
-    classes = [(buckets[c // width], c % width) for c in codes.tolist()]
+    classes = [(pclasses[c // width], c % width) for c in codes.tolist()]
     order = np.lexsort((ids, -tok, cls))  # per class: most tokens first, then by id
     first = order[np.flatnonzero(np.diff(cls[order], prepend=-1))]
     rep = {c: ctx.sizes[i] for c, i in zip(classes, ids[first].tolist())}
@@ -152,10 +152,10 @@ def sample_weights(p: LayoutTable) -> np.ndarray:
     order = np.lexsort((ids, tok[ids], cj))  # per class: fewest tokens first, then by id
     first = order[np.flatnonzero(np.diff(cj[order], prepend=-1))]
     small = dict(zip(cj[first].tolist(), ids[first].tolist()))  # per class, its first smallest sample
-    lo = np.zeros(len(p.buckets))
-    t_lo = np.ones(len(p.buckets))
-    hi = np.ones(len(p.buckets))
-    for j, b in enumerate(p.buckets):
+    lo = np.zeros(len(p.pclasses))
+    t_lo = np.ones(len(p.pclasses))
+    hi = np.ones(len(p.pclasses))
+    for j, b in enumerate(p.pclasses):
         big_s, small_s = p.rep[b], ctx.sizes[small[j]]
         if p.sub_bins > 1:
             k, m = _cheapest(p, j)
@@ -195,13 +195,13 @@ class LayoutTable:
         #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
         #: into `sub_bins` geometric length ranges, each sized by its own largest sample
         self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
-        self.rep, self.buckets, self.bidx = planning_classes(ctx, self.sub_bins)
+        self.rep, self.pclasses, self.bidx = planning_classes(ctx, self.sub_bins)
         #: the SP degrees mixed (`PlanContext.mix_sizes`, or with `chain_only` its `sp_sizes`);
         #: where they are not one chain, group counts must pass `Topology.fits` (else: at most
         #: the world's ranks)
         self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
         self.packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
-        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.buckets) for k in self.sp}
+        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.pclasses) for k in self.sp}
         self._rows: dict[tuple[int, int], np.ndarray] = {}
         #: `allocate`'s caches: spans by (classes' id, groups), ids by the classes
         self._spans: dict[tuple, float] = {}
@@ -209,18 +209,18 @@ class LayoutTable:
         self._sigs: dict[tuple, int] = {}
         self._tiles: dict[tuple, list] = {}
         self._least_gpu: dict[tuple, list] = {}  # `least_gpu`'s tables per set of degrees
-        #: per (bucket, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
+        #: per (class, degree): the time of a micro-batch of m copies of its largest sample, m = 0..top
         self.ttab = {key: row for k in self.sp for key, row in self._copies_times(k).items()}
-        #: the same per degree as one array, [bucket, m] (inf where m copies do not fit)
+        #: the same per degree as one array, [class, m] (inf where m copies do not fit)
         width = 1 + max(self.top.values(), default=0)
         self.ttab_arr = {
             k: np.array(
-                [self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)])) for j in range(len(self.buckets))]
-            ).reshape(len(self.buckets), width)
+                [self.ttab[(j, k)] + [np.inf] * (width - len(self.ttab[(j, k)])) for j in range(len(self.pclasses))]
+            ).reshape(len(self.pclasses), width)
             for k in self.sp
         }
-        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, bucket, m]
-        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.buckets))] for k in self.sp])
+        self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, class, m]
+        self._tops = np.array([[self.top[(j, k)] for j in range(len(self.pclasses))] for k in self.sp])
         self._spa = np.asarray(self.sp)
         self._pow2 = np.array(mbs_candidates(MAX_MBS))
         self.weight = sample_weights(self)
@@ -233,17 +233,17 @@ class LayoutTable:
     # -- layouts ---------------------------------------------------------------------------
     def layout(self, j: int, m: int, k: int) -> Fit:
         """The layout and time of a micro-batch of m copies of class j's largest sample at degree k."""
-        out = self.ctx.copies_layout(self.rep[self.buckets[j]], m, k, self.mode)
-        assert out is not None, "the bucket's largest micro-batch fits, so smaller ones do"
+        out = self.ctx.copies_layout(self.rep[self.pclasses[j]], m, k, self.mode)
+        assert out is not None, "the class's largest micro-batch fits, so smaller ones do"
         return out
 
     def _copies_times(self, k: int) -> dict[tuple[int, int], list[float]]:
         """Per class j: (j, k) -> [0, then `layout(j, m, k).time` for m = 1..top], priced at once."""
-        n = len(self.buckets)
+        n = len(self.pclasses)
         got = self.ctx.copies_times(
-            [self.rep[b] for b in self.buckets], [self.top[(j, k)] for j in range(n)], k, self.mode
+            [self.rep[b] for b in self.pclasses], [self.top[(j, k)] for j in range(n)], k, self.mode
         )
-        assert all(np.isfinite(t).all() for t in got), "the bucket's largest micro-batch fits, so smaller ones do"
+        assert all(np.isfinite(t).all() for t in got), "the class's largest micro-batch fits, so smaller ones do"
         return {(j, k): [0.0, *t.tolist()] for j, t in enumerate(got)}
 
     def deal(self, items: list[tuple[int, float, int]], n: int) -> list[GroupClass]:
@@ -280,7 +280,7 @@ class LayoutTable:
         return out, b
 
     def rows_many(self, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-        """`search.rows` of every (bucket, count) pair, cached; those not cached are built
+        """`search.rows` of every (class, count) pair, cached; those not cached are built
         together."""
         out = [self._rows.get(x) for x in pairs]
         todo = sorted({x for x, r in zip(pairs, out) if r is None})
@@ -320,17 +320,17 @@ class LayoutTable:
         o = np.lexsort((row.gpu_s, pr))
         a = a[o]
         ends = pr.searchsorted(np.arange(len(pairs) + 1)).tolist()  # pr ascends (and is pr[o])
-        assert all(i < j for i, j in zip(ends, ends[1:])), "every bucket fits at its widest degree"
+        assert all(i < j for i, j in zip(ends, ends[1:])), "every class fits at its widest degree"
         return [a[i:j] for i, j in zip(ends, ends[1:])]
 
     def _least_gpu_of(self, kinds: tuple[int, ...]) -> list[list[float]]:
-        """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
+        """[class][m]: the least of k t(b, k, m) / m over the degrees `kinds` (inf where m copies
         fit none of them)."""
         per = np.min([k * self.ttab_arr[k] for k in kinds], axis=0)
         return (per / np.maximum(np.arange(per.shape[1]), 1)).tolist()
 
     def least_gpu(self, kinds: tuple[int, ...]) -> list[list[float]]:
-        """[bucket][m]: the least of k t(b, k, m) / m over the degrees `kinds`, cached."""
+        """[class][m]: the least of k t(b, k, m) / m over the degrees `kinds`, cached."""
         return memo(self._least_gpu, kinds, partial(self._least_gpu_of, kinds), self.config.least_gpu_cache_limit)
 
     def tile_starts(self, sizes: list[int]) -> tuple[int, ...]:
