@@ -19,9 +19,10 @@ from tests.dist.cases import groups
 from tests.support import make_model, rel_err
 
 VOCAB = 64
-MEMORY_BYTES = 1_200_000
+#: the analytic model of the fp32 tiny Llama: rollouts of 500-580 tokens need SP 2, the rest fit one rank
+MEMORY_BYTES = 1_900_000
 #: the forward pass keeps no activations: under this budget its long rollouts still need SP >= 2
-FORWARD_MEMORY_BYTES = 1_000_000
+FORWARD_MEMORY_BYTES = 1_850_000
 NUM_ROLLOUTS = 14
 CLIP, KL_COEF, ENT_COEF = 0.2, 0.05, 0.01
 #: Dr. GRPO's fixed normalizer: rollouts x the longest completion allowed

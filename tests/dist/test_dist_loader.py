@@ -104,12 +104,12 @@ def test_prepare_refuses_memory_budgets_that_differ_between_ranks(workers):
     """Each rank plans on its own from its memory budget: budgets that differ would give
     different plans (and a hang), so prepare stops every rank with the field, the values per
     rank and the fix; equal budgets prepare."""
-    for out in workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_300_000]):
+    for out in workers.run(loader_cases.case_prepare_budgets, [1_900_000, 2_000_000]):
         assert out["error"].startswith(
-            "prepare: memory budget (memory_bytes) differs across ranks (ranks [0]: 1200000; ranks [1]: 1300000)"
+            "prepare: memory budget (memory_bytes) differs across ranks (ranks [0]: 1900000; ranks [1]: 2000000)"
         ), out
         assert "pass the same memory_bytes on every rank" in out["error"]
-    same = workers.run(loader_cases.case_prepare_budgets, [1_200_000, 1_200_000])
+    same = workers.run(loader_cases.case_prepare_budgets, [1_900_000, 1_900_000])
     assert same[0]["error"] == "" and same[0]["steps"] == same[1]["steps"] > 1, same
 
 
