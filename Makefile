@@ -9,20 +9,22 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the CPU build that installs from a local file on these machines;
 # an unpinned torch would pull a multi-GB CUDA build. `make demo` installs only what the demo
 # runs (torch, the package, matplotlib for its plots: about half the processor time of the
-# full set); `make test`, `lint` and `format` add the dev extra on top. pip is upgraded only
-# where it is older than 21.3 (the first with editable installs of a pyproject-only package).
+# full set); `make test`, `lint` and `format` install the dev extra (plot included) in one
+# editable install. pip is upgraded only where it is older than 21.3 (the first with editable installs of a pyproject-only package).
 DEMO_STAMP := $(VENV)/.installed-demo
+BASE = test -x $(BIN)/python || $(PY) -m venv $(VENV); \
+	$(BIN)/python -m pip install -q 'pip>=21.3' && $(BIN)/python -m pip install -q torch==2.13.0
 
 $(DEMO_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q 'pip>=21.3'
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BASE)
 	$(BIN)/python -m pip install -q -e '.[plot]'
 	touch $(DEMO_STAMP)
 
-$(STAMP): $(DEMO_STAMP)
+# one editable install with the dev extra (which holds the plot one): it also serves the demo
+$(STAMP): pyproject.toml
+	$(BASE)
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 venv: $(STAMP)
 
