@@ -39,8 +39,8 @@ GPU_LOADER_WORKERS = 4
 def loader_workers(device: torch.device, local_world_size: int = 1) -> dict:
     """`DataCentricLoader` arguments of `dcparallel train`: on GPUs, workers that read and
     collate while the GPU computes, started by spawn (set process-wide: the training process
-    already runs CUDA, NCCL and planning threads, and a fork of a threaded process can
-    deadlock in the child); on CPU none (the ranks use the cores)."""
+    already runs CUDA's and NCCL's threads, and a fork of a threaded process can deadlock in
+    the child); on CPU none (the ranks use the cores)."""
     if not on_gpu(device):
         return {}
     import multiprocessing
