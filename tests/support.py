@@ -352,3 +352,37 @@ def torchrun(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> su
 def torchrun_train(config: Path, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """`dcparallel train --config` ``config`` under `torchrun`."""
     return torchrun(["-m", "dcparallel", "train", "--config", str(config)], cwd, timeout, **env)
+
+
+class FakeClock:
+    """The budget's clock (`profile.budget._now`), moved only by the fake measurements."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def slow_measure(prof, clock: FakeClock, calls: list | None = None, scale: float = 1.0):
+    """A profiler's `_measure` of one layout that takes (on ``clock``) ``scale`` x 0.1 s per
+    16 tokens per run of both short stacks, once for memory and once per timed round, and
+    reports that time; each call's (size, mbs, mode, rounds) appended to ``calls``."""
+
+    def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
+        run = scale * 0.1 * mbs * size / 16
+        rounds = prof.round_config.repeats
+        clock.t += run * (1 + rounds)
+        if calls is not None:
+            calls.append((size, mbs, mode, rounds))
+        return {
+            "ok": True,
+            "memory": {d: 1000.0 * d * mbs * size for d in depths},
+            "time": {depths[0]: run / 3, depths[1]: 2 * run / 3},
+            "slope": run / 3,
+            "spread": 0.0,
+            "rounds": rounds,
+            "rejected": 0,
+        }
+
+    return measure

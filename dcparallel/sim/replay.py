@@ -134,15 +134,7 @@ def replay_step(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> StepR
         segs.append(gsegs)
     compute = max(clock, default=0.0)
     idle = compute * len(clock) - sum(b * len(r) for r, b in zip(ranks, busy))
-    sync = ctx.cost.grad_sync_time()
-    if overlap:
-        # the groups that finish last: the shortest last micro-batch among them hides the least
-        last = [gs[-1].end - gs[-1].start for gs in segs if gs and gs[-1].end >= compute * (1 - 1e-12)]
-        sync = exposed_sync(
-            sync,
-            min(last, default=0.0),
-            sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size),
-        )
+    sync = _step_sync(ctx, compute, [(gs[-1].end, gs[-1].end - gs[-1].start) for gs in segs if gs], overlap)
     return StepResult(plan.index, compute, sync, ranks, busy, segs, idle, peak, plan.num_tokens, violations)
 
 
@@ -186,15 +178,22 @@ def step_time(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> float:
             clock[r] = t
         ends.append((t, t - start))
     compute = max(clock, default=0.0)
+    return compute + _step_sync(ctx, compute, ends, overlap)
+
+
+def _step_sync(ctx: PlanContext, compute: float, ends: list[tuple[float, float]], overlap: bool) -> float:
+    """The gradient sync a step leaves exposed: all of it without ``overlap``; else what the
+    groups that finish last (``ends``: per group with micro-batches, its end and its last
+    micro-batch's time) cannot hide, the shortest last micro-batch among them hiding the least."""
     sync = ctx.cost.grad_sync_time()
-    if overlap:
-        last = [dt for end, dt in ends if end >= compute * (1 - 1e-12)]
-        sync = exposed_sync(
-            sync,
-            min(last, default=0.0),
-            sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size),
-        )
-    return compute + sync
+    if not overlap:
+        return sync
+    last = [dt for end, dt in ends if end >= compute * (1 - 1e-12)]
+    return exposed_sync(
+        sync,
+        min(last, default=0.0),
+        sync_buckets(ctx.cost.model.trainable_params, ctx.cluster.shard_size, ctx.cluster.world_size),
+    )
 
 
 def simulate(plans: Iterable[StepPlan], ctx: PlanContext, overlap: bool = True) -> SimResult:

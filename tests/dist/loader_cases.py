@@ -32,6 +32,13 @@ MEMORY_BYTES = 1_200_000  # the 500-600-token samples need SP=2 (memory), the re
 API_MEMORY_BYTES = 1_900_000
 
 
+def tiny_cluster(world: int, **kw) -> ClusterSpec:
+    """The loader cases' cluster: ``world`` ranks on one node, `MEMORY_BYTES` each."""
+    return ClusterSpec(
+        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5, **kw
+    )
+
+
 class ArithmeticTokens(torch.utils.data.Dataset):
     """Sample i: tokens (a + j b) mod VOCAB, j < its length; a, b drawn from i."""
 
@@ -61,9 +68,7 @@ def case_loader_epoch(log_dir: str, num_samples: int, seed: int, num_workers: in
     logger.setLevel(logging.DEBUG)
     try:
         dataset = ArithmeticTokens(num_samples, seed)
-        cluster = ClusterSpec(
-            world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
-        )
+        cluster = tiny_cluster(world)
         loader = DataCentricLoader(
             dataset,
             dataset.lengths,
@@ -107,9 +112,7 @@ def case_plan_mismatch() -> str:
     """Ranks built with different seeds: the debug plan check must stop them at step 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(12, 0)
-    cluster = ClusterSpec(
-        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
-    )
+    cluster = tiny_cluster(world)
     loader = DataCentricLoader(
         dataset,
         dataset.lengths,
@@ -146,9 +149,7 @@ def case_planted_divergence(check_every: int, at: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(40, 0)
-    cluster = ClusterSpec(
-        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
-    )
+    cluster = tiny_cluster(world)
     loader = DataCentricLoader(
         dataset,
         dataset.lengths,
@@ -198,9 +199,7 @@ def case_refine(refine_steps: int) -> dict:
     each rank planned and predicted, and its cost model's corrections."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = ArithmeticTokens(40, 0)
-    cluster = ClusterSpec(
-        world_size=world, gpus_per_node=world, memory_bytes=MEMORY_BYTES, intra_bw=300e9, intra_latency=1e-5
-    )
+    cluster = tiny_cluster(world)
     with DataCentricLoader(
         dataset,
         dataset.lengths,

@@ -8,6 +8,7 @@ import torch
 
 from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.profile import Profiler, ProfilerConfig, load_or_profile, model_spec, text_inputs
+from tests.support import FakeClock, slow_measure
 
 
 def tiny_profiler(make_inputs=None, **cfg) -> tuple[Profiler, Llama]:
@@ -64,30 +65,15 @@ def case_budget(budget_s: float) -> dict:
     from dcparallel.profile import budget as budget_mod
 
     rank = torch.distributed.get_rank()
-    clock = [0.0]
+    clock = FakeClock()
     prof = _profiler(modes=("none", "attn", "full"), max_mbs=4, budget_s=budget_s, repeats=3, max_repeats=3)
-
-    def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
-        run = 0.1 * (1 + rank) * mbs * size / 16
-        rounds = prof.round_config.repeats
-        clock[0] += run * (1 + rounds)
-        return {
-            "ok": True,
-            "memory": {d: 1000.0 * d * mbs * size for d in depths},
-            "time": {depths[0]: run / 3, depths[1]: 2 * run / 3},
-            "slope": run / 3,
-            "spread": 0.0,
-            "rounds": rounds,
-            "rejected": 0,
-        }
-
-    prof._measure = measure
-    saved, budget_mod._now = budget_mod._now, lambda: clock[0]
+    prof._measure = slow_measure(prof, clock, scale=1 + rank)
+    saved, budget_mod._now = budget_mod._now, clock
     try:
         p, stats = prof.run([16, 32, 64, 128])
     finally:
         budget_mod._now = saved
-    return {"profile": p.to_json(), "clock": clock[0], "stats": dataclasses.asdict(stats)}
+    return {"profile": p.to_json(), "clock": clock.t, "stats": dataclasses.asdict(stats)}
 
 
 def case_cpu_links(path: str) -> dict:

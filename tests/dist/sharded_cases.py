@@ -215,19 +215,11 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
     from dcparallel.cost.analytic import AnalyticCost
     from dcparallel.data import DataCentricLoader
     from dcparallel.plan.types import splits_shard_block
-    from dcparallel.spec import ClusterSpec
-    from tests.dist.loader_cases import MEMORY_BYTES, TINY_SPEC, ArithmeticTokens
+    from tests.dist.loader_cases import TINY_SPEC, ArithmeticTokens, tiny_cluster
 
     world = dist.get_world_size()
     dataset = ArithmeticTokens(num_samples, seed)
-    cluster = ClusterSpec(
-        world_size=world,
-        gpus_per_node=world,
-        memory_bytes=MEMORY_BYTES,
-        intra_bw=300e9,
-        intra_latency=1e-5,
-        shard_size=2,
-    )
+    cluster = tiny_cluster(world, shard_size=2)
     loader = DataCentricLoader(
         dataset,
         dataset.lengths,
@@ -328,16 +320,20 @@ def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[
     the gradients held: its error."""
     dc = _engine("llama", shard_size)
     rank = dist.get_rank()
+
+    def block_plan(data):  # every micro-batch over whole shard blocks
+        return support.random_plan(
+            data,
+            list(range(num_samples)),
+            dist.get_world_size(),
+            0,
+            num_layers=dc.adapter.spec.num_layers,
+            sizes=(shard_size,),
+            min_size=shard_size,
+        )
+
     data = _data("llama", num_samples, seeds[0])
-    plan = support.random_plan(
-        data,
-        list(range(num_samples)),
-        dist.get_world_size(),
-        0,
-        num_layers=dc.adapter.spec.num_layers,
-        sizes=(shard_size,),
-        min_size=shard_size,
-    )
+    plan = block_plan(data)
     dc.grad_sync.set_accumulate_unsharded(True)
     with torch.no_grad():  # an evaluation (the trainer's): micro-batches announced as not the last hold nothing
         _forward_only(dc, data, plan, rank)
@@ -353,15 +349,7 @@ def case_grad_hold(shard_size: int, seeds: list[int], num_samples: int) -> list[
             res[hold] = {"loss": loss, "reduce_scatters": n, "grads": dc.full_gradients()}
         out.append(res)
     data = _data("llama", num_samples, seeds[0])
-    plan = support.random_plan(
-        data,
-        list(range(num_samples)),
-        dist.get_world_size(),
-        0,
-        num_layers=dc.adapter.spec.num_layers,
-        sizes=(shard_size,),
-        min_size=shard_size,
-    )
+    plan = block_plan(data)
     _forward_only(dc, data, plan, rank, backward=True)
     try:
         dc.sync_gradients()

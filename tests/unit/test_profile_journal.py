@@ -12,6 +12,7 @@ import pytest
 from dcparallel.cost.schema import ProfileBucket
 from dcparallel.profile import ProfilerConfig, load_or_profile
 from dcparallel.profile import budget as budget_mod
+from tests.support import FakeClock, slow_measure
 from tests.unit.test_profile import make_profiler
 
 MODES = ("none", "attn", "full")
@@ -57,38 +58,6 @@ def test_a_profile_past_its_budget_measures_only_what_a_cost_model_needs():
     assert {e.rounds for e in profile.entries} == {1}
     assert (stats.chains_coarse, stats.chains_skipped) == (2, 4) and profile.unfit_buckets == []
     assert ProfilerConfig.quick().budget_s == 300.0  # the default profile's budget (docs/training.md)
-
-
-class FakeClock:
-    """The budget's clock (`profile.budget._now`), moved only by the fake measurements."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def slow_measure(prof, clock: FakeClock, calls: list):
-    """A measurement of one layout that takes (on ``clock``) 0.1 s per 16 tokens per run of
-    both short stacks, once for memory and once per timed round, and reports that time."""
-
-    def measure(size, ranks, mbs, mode, depths, full_depth=None, ring=None):
-        run = 0.1 * mbs * size / 16
-        rounds = prof.round_config.repeats
-        clock.t += run * (1 + rounds)
-        calls.append((size, mbs, mode, rounds))
-        return {
-            "ok": True,
-            "memory": {d: 1000.0 * d * mbs * size for d in depths},
-            "time": {depths[0]: run / 3, depths[1]: 2 * run / 3},
-            "slope": run / 3,
-            "spread": 0.0,
-            "rounds": rounds,
-            "rejected": 0,
-        }
-
-    return measure
 
 
 @pytest.mark.parametrize("budget", [8.0, 14.0])
