@@ -58,6 +58,9 @@ class DcpConfig:
     #: group, whole preferred ones leave groups finishing far apart)
     split_per_gpu: float = 16.0
     pack_splits: tuple[int, ...] = (2, 3)
+    #: steps of at most this many samples per GPU whose classes each hold one size are also split
+    #: one micro-batch per rank (`whole.WholeSplit`: where a rank has room for one micro-batch only)
+    whole_per_gpu: float = 4.0
     #: the smallest makespan target that packs is sought from the floor up in steps of this fraction of it ...
     gallop_first: float = 2.0**-9
     #: ... each step this many times the one before

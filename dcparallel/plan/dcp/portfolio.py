@@ -15,7 +15,8 @@ derives it, never a candidate. The candidates, in order, each with its gate:
 2. the class level over finer text classes (`FinerClasses`), above `config.per_sample_max_world`
    GPUs: steps of few samples per GPU whose class-level plan is above the bound;
 3. the per-sample planner (`PerSample`), up to `config.per_sample_max_world` GPUs: small steps;
-4. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose;
+4. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose (or, where
+   a rank has room for one micro-batch only, the one-micro-batch-per-rank split);
 5. the static layouts (`static.StaticLayout`): the `bucket` and `packed` baselines tuned on
    the epoch's steps as their policies tune, where the planner is given them: steps of at
    most `config.static_max_samples` samples.
@@ -51,6 +52,7 @@ from dcparallel.plan.dcp.per_sample import PerSamplePlanner
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.static import StaticLayout
 from dcparallel.plan.dcp.tables import LayoutTable
+from dcparallel.plan.dcp.whole import WholeSplit
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import REL_TOL, Score, StepPlan
 
@@ -189,12 +191,16 @@ class PerSample:
 class SamplePacking:
     """The per-sample packing (`sample.SamplePacker`): each sample (or, on larger steps, each
     micro-batch of its class's preferred size) timed alone at every degree; it runs where the
-    class level is loose, and seeks only plans faster than the class-level plan's score."""
+    class level is loose, and seeks only plans faster than the class-level plan's score. On
+    steps of at most `config.whole_per_gpu` samples per GPU it first tries the
+    one-micro-batch-per-rank split (`split`)."""
 
     name = "packing"
 
     def __init__(self, packer: SamplePacker, score: Score, config: DcpConfig):
         self.packer, self.score, self.config = packer, score, config
+        #: the one-micro-batch-per-rank split, tried first on steps of few samples per GPU
+        self.whole = WholeSplit(packer)
 
     def gate(self, s: StepFacts) -> float:
         """How far above its bound the class-level plan must be: `pack_gate_one` with at most
@@ -216,12 +222,28 @@ class SamplePacking:
 
     def propose(self, s: StepFacts) -> Proposal | None:
         c = self.config
+        if s.n <= c.whole_per_gpu * s.world:
+            got = self.split(s)
+            if got is not None:
+                return got
         few = s.n <= min(c.pack_per_gpu * s.world, c.pack_max_samples)
         got = self.packer.plan(list(s.step.sample_ids), None if few else c.pack_max_items, s.score)
         if got is None:
             return None
         plan = self.packer.step_plan(s.step, got.groups)
         return Proposal(plan, self.score(plan))
+
+    def split(self, s: StepFacts) -> Proposal | None:
+        """The one-micro-batch-per-rank split (`whole.WholeSplit`) where it plans the step
+        faster than the class-level plan: the split plans only steps shorter than two of the
+        shortest micro-batches, where a rank of any plan about as fast runs one micro-batch (the
+        split's own space), so the packing is not run then (it costs more there)."""
+        got = self.whole.plan(list(s.step.sample_ids))
+        if got is None:
+            return None
+        plan = self.packer.step_plan(s.step, got.groups)
+        predicted = self.score(plan)
+        return Proposal(plan, predicted) if predicted < s.score() * (1 - REL_TOL) else None
 
 
 @contextmanager
