@@ -39,17 +39,27 @@ class WholeSplit:
 
     def __init__(self, packer):
         self.packer = packer
-        self._tau: dict = {}  # per (size, degree index): the copies' times, non-decreasing
+        self._tau: dict = {}  # per (size, degree index): the copies' times, non-decreasing, and how many priced
 
-    def copies(self, size, j: int) -> np.ndarray:
-        """m = 1..`MAX_COPIES` copies of `size` at degree index j (inf where they do not fit),
-        made non-decreasing in m; cached per size (the step's shapes recur)."""
-        got = self._tau.get((size, j))
-        if got is None:
-            p = self.packer
-            raw = p.ctx.copies_times([size], [MAX_COPIES], p.sp[j], p.mode)[0]
-            got = self._tau[(size, j)] = np.maximum.accumulate(raw)
-        return got
+    def copies(self, sizes: list, ns: list[int]) -> np.ndarray:
+        """Per size and degree index, m = 1..`MAX_COPIES` copies of it (inf where they do not fit
+        or m is past those priced), made non-decreasing in m: [size, degree index, m]. A size
+        is priced when a step holds more of it than priced: up to 4 n, at least 32 and twice what
+        was priced before, at most `MAX_COPIES` (a shape's count varies from step to step), all
+        sizes of a degree at once, and cached (the step's shapes recur)."""
+        p = self.packer
+        for j, k in enumerate(p.sp):
+            todo = {}
+            for z, n in zip(sizes, ns):
+                got = self._tau.get((z, j))
+                if got is None or got[1] < min(n, MAX_COPIES):
+                    todo[z] = min(max(4 * n, 2 * (0 if got is None else got[1]), 32), MAX_COPIES)
+            if todo:
+                for (z, top), raw in zip(todo.items(), p.ctx.copies_times(list(todo), list(todo.values()), k, p.mode)):
+                    full = np.full(MAX_COPIES, np.inf)
+                    full[:top] = raw
+                    self._tau[(z, j)] = (np.maximum.accumulate(full), top)
+        return np.stack([np.stack([self._tau[(z, j)][0] for j in range(len(p.sp))]) for z in sizes])
 
     def plan(self, ids: list[int]) -> Packing | None:
         """The split at the smallest target that needs at most the world's ranks, None where a
@@ -63,8 +73,8 @@ class WholeSplit:
         sizes = [ctx.sizes[m[0]] for m in members]
         if any(ctx.sizes[i] != z for m, z in zip(members, sizes) for i in m):
             return None
-        tau = np.stack([np.stack([self.copies(z, j) for j in range(len(p.sp))]) for z in sizes])  # [c, j, m]
         n = np.array([len(m) for m in members])
+        tau = self.copies(sizes, n.tolist())  # [c, j, m]
         lo = float(tau[:, :, 0].min(axis=1).max())  # the slowest class's single sample
         hi = 2 * float(tau[:, :, 0].min())
         if lo >= hi or self.ranks(tau, n, hi)[0] > p.world:
