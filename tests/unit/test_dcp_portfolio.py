@@ -81,6 +81,7 @@ def test_an_epochs_planner_builds_the_finer_tables_ahead_and_plans_as_one_built_
     ctx = PlanContext(Workload(TINY_LM, sizes), cost(TINY_LM, cl), cl)
     steps = form_steps(ctx.workload.tokens, seed=0, tokens_per_step=sum(ctx.workload.tokens) * 2 // 5)  # 113, 126, 61
     assert len(steps[-1].sample_ids) < len(steps[0].sample_ids)  # a short last step
+    assert _finer(make_planner("dcp", ctx, steps, score=step_seconds(ctx))).built  # `dcp` tuned on the epoch
     ahead = make_planner("dcp-own", ctx, steps, score=step_seconds(ctx))
     ahead.prepare(steps)
     assert _finer(ahead).built
