@@ -321,3 +321,33 @@ def test_few_per_gpu_packing_tries_the_finest_runs_first_and_keeps_the_fastest(m
             assert span < ceiling
             best = span
     assert got.span == best < math.inf
+
+
+def test_many_per_gpu_video_packing_tries_the_half_runs_first(monkeypatch):
+    """A video step of 11.7 samples per GPU (video/balanced shapes, 128 GPUs) is packed with
+    `max_items` in one order (new groups opened first): its runs of a half and a third of the
+    preferred size first, preferred sizes last (a preferred video micro-batch holds several
+    clips of one shape); each way seeks only packings faster than the best before it."""
+    sc = SCENARIOS["video"]
+    cl = sc.cluster(128)
+    w = Workload(sc.model, tuple(sample_sizes("video", "balanced", epoch_tokens=sc.tokens_per_step * 8))[:1500])
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    packer, ids = SamplePacker(ctx, "pac"), list(range(1500))
+    calls, plan_items = [], SamplePacker._plan_items
+
+    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
+        got = plan_items(self, items, t, by_time, open_first, ceiling)
+        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
+        return got
+
+    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    ways = packer.ways(ids, DEFAULT.pack_max_items)
+    assert len(ways) == 3 and len(ways[0]) < len(ways[1]) < len(ways[2])  # preferred, halves, thirds
+    got = packer.plan(ids, DEFAULT.pack_max_items)
+    assert [c[:3] for c in calls] == [(items, False, True) for items in (ways[1], ways[2], ways[0])]
+    best = math.inf
+    for *_, ceiling, span in calls:
+        assert ceiling == best * (1 - MIN_GAIN)
+        if span is not None:
+            best = span
+    assert got.span == best < math.inf
