@@ -46,10 +46,13 @@ class PolicySpec:
 
 def _dcp_portfolio(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:
     """`dcp`: the portfolio, with the static baselines tuned on ``steps`` among its candidates
-    (on steps of at most `DcpConfig.static_max_samples` samples); built, like each step's plan,
-    with the cycle collector paused (`cyclic_gc_paused`)."""
+    (on steps of at most `DcpConfig.static_max_samples` samples) and what they need built ahead
+    (`DcpPlanner.prepare`); built, like each step's plan, with the cycle collector paused
+    (`cyclic_gc_paused`)."""
     with cyclic_gc_paused():
-        return Tuned(DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score)))
+        planner = DcpPlanner(ctx, score, static=static_layouts(ctx, steps, score))
+        planner.prepare(steps)
+        return Tuned(planner)
 
 
 def _untuned(make: Callable[[PlanContext, Score], Planner]):

@@ -11,11 +11,13 @@ from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.dcp.candidate import StepFacts
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
+from dcparallel.plan.dcp.portfolio import FinerClasses
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import REL_TOL
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload, h200_cluster
+from tests.unit._models import TINY_LM, cluster, cost
 from tests.unit.test_dcp_static import LLAMA_7M, code_files
 
 
@@ -62,3 +64,33 @@ def test_the_plan_kept_is_the_fastest_proposal_and_the_facts_stay_as_derived(sma
         assert score(plan) <= min(score(p) for p in proposals.values()) * (1 + REL_TOL)
         kept_by.add(names[0])
     assert len(kept_by) > 1 or "packed" in kept_by, kept_by  # not only the class level's plans
+
+
+def _finer(planner):
+    (finer,) = [c for c in planner.class_level if isinstance(c, FinerClasses)]
+    return finer
+
+
+def test_an_epochs_planner_builds_the_finer_tables_ahead_and_plans_as_one_built_lazily():
+    """Tuned on an epoch whose short last step is small enough for the finer classes' gate,
+    `dcp` builds their tables in its setup (`DcpPlanner.prepare`); a planner built lazily (on
+    the first step that opens the gate) plans every step the same. A planner for one step
+    builds nothing ahead."""
+    cl = cluster(256, 8)
+    sizes = tuple(16 + (i * 7919) % 40_000 for i in range(300))
+    ctx = PlanContext(Workload(TINY_LM, sizes), cost(TINY_LM, cl), cl)
+    steps = form_steps(ctx.workload.tokens, seed=0, tokens_per_step=sum(ctx.workload.tokens) * 2 // 5)  # 113, 126, 61
+    assert len(steps[-1].sample_ids) < len(steps[0].sample_ids)  # a short last step
+    assert _finer(make_planner("dcp", ctx, steps, score=step_seconds(ctx))).built  # `dcp` tuned on the epoch
+    ahead = make_planner("dcp-own", ctx, steps, score=step_seconds(ctx))
+    ahead.prepare(steps)
+    assert _finer(ahead).built
+    lazy = make_planner("dcp-own", ctx, steps, score=step_seconds(ctx))
+    lazy.prepare(steps[:1])  # one step: nothing built ahead
+    assert not _finer(lazy).built
+    for s in steps:
+        assert ahead.plan(s).to_json() == lazy.plan(s).to_json()
+    assert _finer(lazy).built  # a step opened the gate: both planners ran the finer classes
+    a, b = _finer(ahead).planner.table, _finer(lazy).planner.table
+    assert (a.pclasses, a.rep, a.top, a.ttab) == (b.pclasses, b.rep, b.top, b.ttab)
+    assert (a.bidx == b.bidx).all() and (a.weight == b.weight).all()

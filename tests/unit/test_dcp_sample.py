@@ -2,6 +2,8 @@
 lossless, tiling, within memory, identical from scratch, its prediction the simulator's, and
 chosen by `dcp` where it beats the class-level plan."""
 
+import math
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.steps import form_steps
+from dcparallel.plan.types import MIN_GAIN
 from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
 from dcparallel.sim.replay import replay_step, step_seconds
 from dcparallel.spec import Workload
@@ -286,3 +289,65 @@ def test_packing_with_a_shared_memo_is_packing_from_scratch(world, rows, targets
     for T in targets + targets[::-1]:
         shared = packer.pack(ids, t, f, T, by_time, open_first, memo)
         assert shared == packer.pack(ids, t, f, T, by_time, open_first)
+
+
+def test_few_per_gpu_packing_tries_the_finest_runs_first_and_keeps_the_fastest(monkeypatch):
+    """A step of about 1.7 samples per GPU (text/balanced lengths, 128 GPUs) is packed every
+    way (preferred sizes, one sample each, runs of a half and a third) in each order: new
+    groups opened first, then the plain order, then by time; within each, the finest runs
+    first. Each seeks only packings faster than the best before it, and the fastest is kept."""
+    sc = SCENARIOS["text"]
+    cl = sc.cluster(128)
+    w = Workload(sc.model, tuple(sample_sizes("text", "balanced", epoch_tokens=sc.tokens_per_step * 4))[:220])
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    packer, ids = SamplePacker(ctx, "pac"), list(range(220))
+    calls, plan_items = [], SamplePacker._plan_items
+
+    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
+        got = plan_items(self, items, t, by_time, open_first, ceiling)
+        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
+        return got
+
+    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    ways = packer.ways(ids)
+    assert len(ways) == 4 and len(ways[0]) < len(ways[-1]) < len(ids)  # preferred sizes coarsest
+    got = packer.plan(ids)
+    orders = ((False, True), (False, False), (True, False))
+    assert [c[:3] for c in calls] == [(items, *o) for o in orders for items in reversed(ways)]
+    best = math.inf
+    for *_, ceiling, span in calls:
+        assert ceiling == best * (1 - MIN_GAIN)
+        if span is not None:
+            assert span < ceiling
+            best = span
+    assert got.span == best < math.inf
+
+
+def test_many_per_gpu_video_packing_tries_the_half_runs_first(monkeypatch):
+    """A video step of 11.7 samples per GPU (video/balanced shapes, 128 GPUs) is packed with
+    `max_items` in one order (new groups opened first): its runs of a half and a third of the
+    preferred size first, preferred sizes last (a preferred video micro-batch holds several
+    clips of one shape); each way seeks only packings faster than the best before it."""
+    sc = SCENARIOS["video"]
+    cl = sc.cluster(128)
+    w = Workload(sc.model, tuple(sample_sizes("video", "balanced", epoch_tokens=sc.tokens_per_step * 8))[:1500])
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    packer, ids = SamplePacker(ctx, "pac"), list(range(1500))
+    calls, plan_items = [], SamplePacker._plan_items
+
+    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
+        got = plan_items(self, items, t, by_time, open_first, ceiling)
+        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
+        return got
+
+    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    ways = packer.ways(ids, DEFAULT.pack_max_items)
+    assert len(ways) == 3 and len(ways[0]) < len(ways[1]) < len(ways[2])  # preferred, halves, thirds
+    got = packer.plan(ids, DEFAULT.pack_max_items)
+    assert [c[:3] for c in calls] == [(items, False, True) for items in (ways[1], ways[2], ways[0])]
+    best = math.inf
+    for *_, ceiling, span in calls:
+        assert ceiling == best * (1 - MIN_GAIN)
+        if span is not None:
+            best = span
+    assert got.span == best < math.inf

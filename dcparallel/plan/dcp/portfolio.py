@@ -115,6 +115,19 @@ class DcpPlanner:
             out["kept_by"] = dict(sorted(self.kept_by.items()))
         return out
 
+    def prepare(self, steps: Sequence[Step]) -> None:
+        """Builds ahead what the steps of an epoch (more than one step) will need: the finer
+        classes' tables where one of them, most often the epoch's short last step, is small
+        enough for their gate (`FinerClasses.small`), so that step does not pay for them. A
+        planner made for one step (`dc.plan_batch`) builds them on the first step that opens
+        the gate, as every planner did before. The tables are a function of the context
+        alone: plans are the same either way."""
+        if len(steps) < 2:
+            return
+        for c in self.class_level:
+            if isinstance(c, FinerClasses) and any(c.small(len(s.sample_ids), self.world) for s in steps):
+                c.build()
+
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():
             return self._plan_step(step)
@@ -141,8 +154,9 @@ class DcpPlanner:
 class FinerClasses:
     """The class level over finer text classes (`config.finer_sub_bins` length ranges per
     bucket): a class laid out for its largest sample wastes less where a step has few samples
-    per GPU. Its tables are built on the first step that opens its gate: a planner built for
-    each step (`dc.plan_batch`) pays for them only on such steps."""
+    per GPU. Its tables are built when the planner is tuned on an epoch with a step small
+    enough for its gate (`DcpPlanner.prepare`), else on the first step that opens the gate: a
+    planner built for each step (`dc.plan_batch`) pays for them only on such steps."""
 
     name = "finer-classes"
 
@@ -153,16 +167,25 @@ class FinerClasses:
     def planner(self) -> ClassLevelPlanner:
         return self._planner()
 
+    def build(self) -> None:
+        """Builds the tables and their planner now (once)."""
+        self._planner()
+
+    @property
+    def built(self) -> bool:
+        return self._planner.value is not None
+
     def runs(self, s: StepFacts) -> bool:
         return self.few_samples_per_gpu_above_bound(s)
 
+    def small(self, n: int, world: int) -> bool:
+        """Whether a step of n samples is small enough for the gate: few samples per GPU."""
+        c = self.config
+        return n <= c.finer_per_gpu * world and n <= c.finer_max_samples
+
     def few_samples_per_gpu_above_bound(self, s: StepFacts) -> bool:
         c = self.config
-        return (
-            s.n <= c.finer_per_gpu * s.world
-            and s.n <= c.finer_max_samples
-            and (s.predicted > s.bound * c.finer_gate or s.chain_at > c.finer_gate)
-        )
+        return self.small(s.n, s.world) and (s.predicted > s.bound * c.finer_gate or s.chain_at > c.finer_gate)
 
     def propose(self, s: StepFacts) -> ClassPlan:
         return self.planner.class_plan(s.step)

@@ -32,7 +32,8 @@ class's preferred size (the least GPU-seconds per sample: several short samples 
 clips of one shape share a micro-batch), or in runs of a half and a third of that size; each
 placed longest first by GPU-seconds, or by time, or by GPU-seconds opening new groups before
 re-timing into wider ones (`pack`'s `open_first`). No one way packs every step tightest; the
-fastest packing is returned. One sample per micro-batch is tried only with at most
+fastest packing is returned (each way seeks only packings faster than the best before it,
+so the most promising go first: `plan`). One sample per micro-batch is tried only with at most
 `config.one_per_gpu` samples per GPU (with more, micro-batches of preferred size pack tighter
 on the scale report's steps), the finer runs with at most `config.split_per_gpu`: where a
 group runs a few micro-batches, whole preferred ones (up to half the step each) leave groups
@@ -357,16 +358,22 @@ class SamplePacker:
         self, ids: list[int], max_items: int | None = None, beat: Callable[[], float] | None = None
     ) -> Packing | None:
         """The groups (widest first) and the predicted step time (exposed sync included) of
-        the best target, packing samples one per micro-batch (with at most
-        `config.one_per_gpu` samples per GPU) or, when classes prefer more, in micro-batches of their preferred
-        size, each in three orders (see the module docstring); the fastest of these. With
-        `max_items`, only the micro-batches of preferred size are packed, opening new groups
-        first (`pack`'s `open_first`), and only if there are at most that many (None if
-        more): steps of many samples per GPU, where each way costs the most and, on the
-        scale report's heavy-tail steps, the other ways pack no tighter. Only packings faster than `beat()` (another
-        plan's predicted time, asked once there is something to pack) and than the ways before
-        are sought: a way stops where no target up to that packs (preferred sizes first: they
-        pack tighter more often)."""
+        the best target over the ways of `ways`, each in three orders (see the module
+        docstring); the fastest of these. With `max_items` (steps of many samples per GPU,
+        where each way costs the most and, on the scale report's heavy-tail steps, the other
+        orders pack no tighter), one order only, opening new groups first (`pack`'s
+        `open_first`), and None if there are more micro-batches of preferred size than that.
+        Only packings faster than `beat()` (another plan's predicted time, asked once there is
+        something to pack) and than the ways before are sought: a way stops where no target
+        up to that packs, most often at its first packing. So the ways most likely to pack
+        tightest go first: without `max_items` (a few micro-batches per group), new groups
+        opened first, and the finest runs first; with it, preferred sizes first on text and
+        last on video. On the weak 1024-GPU tails of the CPU-time report, the fastest packing
+        came from the finer runs opening new groups first on most few-per-GPU steps, and
+        with many samples per GPU from the half or third runs on video (by 1-7%: a
+        preferred video micro-batch holds several clips of one shape) and from preferred
+        sizes on text (the ways within 0.1% there); so one full target search runs where
+        two to four did with preferred sizes, in the plain order, first."""
         if not ids:
             return None
         self._priced = {}
@@ -376,7 +383,13 @@ class SamplePacker:
         timed = [(items, self.times(items)) for items in ways]
         beaten = math.inf if beat is None else beat()
         best = None
-        orders = ((False, False), (True, False), (False, True)) if max_items is None else ((False, True),)
+        if max_items is None:
+            timed.reverse()  # the finest runs first, one sample per micro-batch, preferred sizes last
+            orders = ((False, True), (False, False), (True, False))
+        else:
+            orders = ((False, True),)
+            if self.ctx.model.kind == "video":  # the half runs, the third runs, preferred sizes last
+                timed = timed[1:] + timed[:1]
         for by_time, open_first in orders:
             for items, t in timed:
                 ceiling = min(beaten, math.inf if best is None else best.span) * (1 - MIN_GAIN)
