@@ -2,6 +2,8 @@
 lossless, tiling, within memory, identical from scratch, its prediction the simulator's, and
 chosen by `dcp` where it beats the class-level plan."""
 
+import math
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.candidate import StepFacts
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.sample import SamplePacker
@@ -53,8 +56,12 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
     for s, (groups, span) in got[0]:
         assert sorted(i for item in _items(groups) for i in item) == sorted(s.sample_ids)
         assert sum(g[0] for g in groups) <= cl.world_size
-        plan = packer.step_plan(s, groups)
+        priced: list[float] = []
+        plan = packer.step_plan(s, groups, priced)
         plan.validate(cl.world_size, allowed)
+        mbs = [mb for g in plan.groups for mb in g.micro_batches]
+        assert priced == [ctx.mb_time(mb.sample_ids, mb.layout) for mb in mbs]  # as priced, to the bit
+        assert step_seconds(ctx).priced(plan, priced) == step_seconds(ctx)(plan)
         r = replay_step(plan, ctx)
         assert r.memory_violations == 0
         assert abs(r.step_time - span) <= 1e-9 * span  # the packer predicts exactly what is simulated
@@ -286,3 +293,31 @@ def test_packing_with_a_shared_memo_is_packing_from_scratch(world, rows, targets
     for T in targets + targets[::-1]:
         shared = packer.pack(ids, t, f, T, by_time, open_first, memo)
         assert shared == packer.pack(ids, t, f, T, by_time, open_first)
+
+
+def test_a_real_packing_is_scored_from_its_own_prices():
+    """On a heavy-tail step (weak pretrain-long at 256 GPUs, packed in micro-batches of
+    preferred size, with sub-groups), the times the packing priced its micro-batches at
+    (`step_plan`'s `times`) are `mb_costs`' to the bit, in the plan's order; so the score from
+    them (`StepSeconds.priced`) is the score, and the `dcp` candidate that packs proposes the
+    plan with exactly the score's prediction."""
+    sc = SCENARIOS["text"]
+    tps = sc.tokens_per_step * 256 // 32
+    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    cl = sc.cluster(256)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+    packer = SamplePacker(ctx, "pac")
+    got = packer.plan(list(step.sample_ids), DEFAULT.pack_max_items)
+    priced: list[float] = []
+    plan = packer.step_plan(step, got.groups, priced)
+    assert plan.num_phases > 1  # sub-groups met
+    mbs = [mb for g in plan.groups for mb in g.micro_batches]
+    assert len({mb.layout.sp for mb in mbs}) > 2 and len(mbs) > 500  # several degrees, grids priced
+    assert priced == ctx.mb_costs(mbs)[0] == ctx.mb_costs(mbs, memory=False)[0]
+    score = step_seconds(ctx)
+    assert score.priced(plan, priced) == score(plan) == replay_step(plan, ctx).step_time
+    dcp = DcpPlanner(ctx, score)
+    facts = StepFacts(step, len(step.sample_ids), 256, score=lambda: math.inf)
+    proposal = next(c for c in dcp.scored if c.name == "packing").propose(facts)
+    assert proposal.predicted == score(proposal.plan)
