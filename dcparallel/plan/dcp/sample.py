@@ -174,21 +174,50 @@ class SamplePacker:
         of the same `ids`, `t` and `f` at other targets share (`_placing_order`'s)."""
         cap = T * (1 + TIME_EPS)
         got = self._placing_order(ids, t, f, cap, by_time, {} if memo is None else memo)
-        if got is None:
-            return None
-        order, nl, ol = got[:3]
+        return None if got is None else self._place(*got, cap, open_first)
+
+    def _place(
+        self, order: list[int], nl: list[int], ol: list[float], tl: list[list[float]], cap: float, open_first: bool
+    ) -> list[Node] | None:
+        """`pack`'s placing of the micro-batches in `order` (`_placing_order`'s), for the
+        target with its slack `cap`."""
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        tl = got[3]
-        sp, deg = self.sp, len(self.sp)
-        put, fit = self._placers(groups, fins, cap)
+        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
+        sp, deg, world, inf = self.sp, len(self.sp), self.world, math.inf
+        put, fit = self._placers(groups, fins, cap, exposed)
+        bisect_right, insort = bisect.bisect_right, bisect.insort
         ranks = 0
         for a in order:
             b = nl[a]
             row = tl[a]
-            g = fit(b, row[b])
-            if g is None and open_first and ranks + sp[b] <= self.world:
+            need = row[b]
+            lst = fins[b]
+            room = cap - need
+            if lst and lst[0][0] <= room:  # `fit`'s first case and `put`, written out (the inner loop)
+                i = bisect_right(lst, (room, inf)) - 1  # the fullest open group of its degree with room
+                g = lst[i][1]
+                grp = groups[g]
+                grp.load += need
+                grp.rows.append(a)
+                if need > grp.longest:
+                    grp.longest = need
+                if grp.base is None:
+                    ex = exposed.get(grp.longest)
+                    if ex is None:
+                        ex = exposed[grp.longest] = self.exposed(grp.longest)
+                    new = (grp.load + ex, g)
+                else:
+                    new = (grp.load + grp.base, g)
+                if i + 1 == len(lst) or new < lst[i + 1]:
+                    lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
+                else:
+                    del lst[i]
+                    insort(lst, new, i)  # (the groups before it finish earlier still)
+                continue
+            g = fit(b, need)  # no room at its own degree: a wider open group, split
+            if g is None and open_first and ranks + sp[b] <= world:
                 ranks += sp[b]
                 groups.append(Node(b, 0.0, [], 0.0, None, []))
                 g = len(groups) - 1
@@ -201,19 +230,19 @@ class SamplePacker:
                 put(g, a, row[d])
                 continue
             ranks += sp[b]
-            if ranks > self.world:
+            if ranks > world:
                 return None
             groups.append(Node(b, 0.0, [], 0.0, None, []))
             put(len(groups) - 1, a, ol[a])
         return groups
 
-    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float):
+    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float, exposed: dict):
         """`pack`'s two moves on its groups and their open lists `fins` (per degree index, the
         open groups' finishes, sorted, with their indices), for the target with its slack `cap`:
         `put(g, a, need)` adds micro-batch a, taking `need`, to group g and reopens the group;
         `fit(d, need)` finds a group for it (below). Closures over local state: the packing's
-        inner loop looks up no attribute per micro-batch."""
-        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
+        inner loop looks up no attribute per micro-batch. `exposed`: per longest member time,
+        the sync it leaves exposed (shared with `pack`'s loop)."""
         sp = self.sp
         wider = [self.split_degrees(d) for d in range(len(sp))]
         bisect_right, insort = bisect.bisect_right, bisect.insort
