@@ -468,16 +468,19 @@ class SamplePacker:
             span = max(self.finish(g) for g in groups)
             if best is None or span < best_span * (1 - MIN_GAIN):
                 best, best_span = groups, span
-        top = [self._group(best, i, items, t, ids) for i, g in enumerate(best) if g.base is None]
+        rows = memo["rows"]  # `t` as lists (a packing was made: its order put them there)
+        top = [self._group(best, i, items, rows, ids) for i, g in enumerate(best) if g.base is None]
         top.sort(key=lambda g: (-g.sp, -g.finish, g.items[0]))
         return Packing(top, best_span)
 
-    def _group(self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: np.ndarray, ids: list[int]) -> Group:
+    def _group(
+        self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: list[list[float]], ids: list[int]
+    ) -> Group:
         """Packed group i with its sub-groups; longest last: the gradient sync overlaps the
         last micro-batch's backward. (Methods, not nested functions: a recursive closure is a
         reference cycle, and planning makes none.)"""
         g = groups[i]
-        order = sorted(g.rows, key=lambda a: (t[a, g.deg], ids[a]))
+        order = sorted(g.rows, key=lambda a: (t[a][g.deg], ids[a]))
         return Group(
             self.sp[g.deg],
             self.finish(g),
