@@ -65,15 +65,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
-from dcparallel.plan.assemble import assemble, lpt
+from dcparallel.plan.assemble import lpt
 from dcparallel.plan.context import FitGrid, PlanContext, RecomputeMode
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
-from dcparallel.plan.dcp.packing import Group, Node, Packing
+from dcparallel.plan.dcp.packing import Group, Node, Packing, Prices, step_plan
 from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, StepPlan, micro_batches
-from dcparallel.spec import Layout, Recompute
+from dcparallel.plan.types import MIN_GAIN, TIME_EPS, StepPlan
+from dcparallel.spec import Layout
 
 
 class SamplePacker:
@@ -489,63 +489,6 @@ class SamplePacker:
         )
 
     def step_plan(self, step: Step, groups: list[Group], times: list[float] | None = None) -> StepPlan:
-        """The step plan of packed groups: the top-level groups placed as aligned blocks
-        (widest first), each sub-group on its slice of its parent's block one phase earlier
-        (the top-level groups run in the last phase); ranks without a group in a phase idle.
-        `times`, if given, is filled with each micro-batch's time as `times` priced it, in the
-        plan's order (the groups', then each group's): the micro-batch at its layout, as
-        `PlanContext.mb_costs` prices it (the same arithmetic), for the score."""
-        last = max((_depth(g) for g in groups), default=1) - 1
-        out: list[GroupPlan] = []
-        priced: dict[int, list[float]] = {}
-        rows: dict[int, tuple[list, list, list]] = {}  # per grid priced: its rows as lists (read once each)
-        for g, ranks in zip(groups, self.ctx.topology.tile([g.sp for g in groups])):
-            self._emit(g, ranks, last, out, (priced, rows))
-        plan = assemble(self.ctx, step, out, by_rank=True)
-        if times is not None:
-            for gp in plan.groups:
-                if gp.micro_batches:
-                    times.extend(priced[id(gp)])
-        return plan
-
-    def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan], memo: tuple) -> None:
-        """Group g (on `ranks`, in `phase`) and its sub-groups as `GroupPlan`s, appended to
-        `out`; `memo`: each one's micro-batch times (by the group's id: `out` holds the
-        group, so its id stays its own) and the grids' rows as lists."""
-        k, items, kids = g.sp, g.items, g.subgroups
-        if items:
-            lays, ts = self._layouts_of(items, k, memo[1])
-            gp = GroupPlan(ranks, tuple(micro_batches(zip(items, lays))), phase)
-            out.append(gp)
-            memo[0][id(gp)] = ts
-        w = k // max(len(kids), 1)
-        for c, kid in enumerate(kids):
-            self._emit(kid, ranks[c * w : (c + 1) * w], phase - 1, out, memo)
-
-    def _layouts_of(self, items: list[tuple[int, ...]], k: int, rows: dict) -> tuple[list[Layout], list[float]]:
-        """The layouts `times` priced for micro-batches at degree k and their times there
-        (else `layout_for`'s); `rows`: the grids' rows as lists, per grid, filled as met."""
-        d, ctx, lays, ts = self.sp.index(k), self.ctx, [], []
-        for item in items:
-            got = self._priced.get(item)
-            if got is None:
-                fit = ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode)
-                lays.append(fit.layout)
-                ts.append(fit.time)
-                continue
-            fits, a = got
-            lists = rows.get(id(fits))
-            if lists is None:  # (`_priced` holds the grid: its id stays its own)
-                lists = rows[id(fits)] = (fits.time.tolist(), fits.attn.tolist(), fits.mlp.tolist())
-            key = (k, len(item), lists[1][a][d], lists[2][a][d])
-            lay = self._layouts.get(key)
-            if lay is None:
-                lay = self._layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
-            lays.append(lay)
-            ts.append(lists[0][a][d])
-        return lays, ts
-
-
-def _depth(g: Group) -> int:
-    """Levels of a packed group: 1 without sub-groups."""
-    return 1 + max((_depth(c) for c in g.subgroups), default=0)
+        """The step plan of packed groups (`packing.step_plan`); `times`, if given, is filled
+        with each micro-batch's time as `times` priced it, in the plan's order."""
+        return step_plan(Prices(self.ctx, self.sp, self.mode, self._priced, self._layouts), step, groups, times)
