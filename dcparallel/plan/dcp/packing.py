@@ -102,21 +102,24 @@ def _layouts_of(prices: Prices, items: list[tuple[int, ...]], k: int, rows: dict
     """The layouts priced for micro-batches at degree k and their times there (else
     `layout_for`'s); `rows`: the grids' rows as lists, per grid, filled as met."""
     d, ctx, lays, ts = prices.sp.index(k), prices.ctx, [], []
+    priced, layouts = prices.priced.get, prices.layouts
+    grid = lists = None  # the grid last met (a step's micro-batches are mostly of one) and its rows
     for item in items:
-        got = prices.priced.get(item)
+        got = priced(item)
         if got is None:
             fit = ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, prices.mode)
             lays.append(fit.layout)
             ts.append(fit.time)
             continue
         fits, a = got
-        lists = rows.get(id(fits))
-        if lists is None:  # (`priced` holds the grid: its id stays its own)
-            lists = rows[id(fits)] = (fits.time.tolist(), fits.attn.tolist(), fits.mlp.tolist())
+        if fits is not grid:
+            grid, lists = fits, rows.get(id(fits))
+            if lists is None:  # (`priced` holds the grid: its id stays its own)
+                lists = rows[id(fits)] = (fits.time.tolist(), fits.attn.tolist(), fits.mlp.tolist())
         key = (k, len(item), lists[1][a][d], lists[2][a][d])
-        lay = prices.layouts.get(key)
+        lay = layouts.get(key)
         if lay is None:
-            lay = prices.layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
+            lay = layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
         lays.append(lay)
         ts.append(lists[0][a][d])
     return lays, ts
