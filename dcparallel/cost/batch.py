@@ -79,6 +79,17 @@ class Batches:
             vision_stats(model, flat),
         )
 
+    def subset(self, js: np.ndarray) -> Batches:
+        """The micro-batches `js` (ascending indices) of these, each with its samples in
+        order: every micro-batch's sums and maxima are its own, so they stay the same."""
+        if len(js) == len(self.lengths):
+            return self
+        keep = np.zeros(len(self.lengths), dtype=bool)
+        keep[js] = True
+        rows = np.repeat(keep, self.lengths)  # per sample: whether its micro-batch is kept
+        vision = None if self.vision is None else self.vision[rows]
+        return Batches(self.tokens[rows], self.pairs[rows], self.lengths[js], vision)
+
     def token_sums(self) -> np.ndarray:
         """Each micro-batch's tokens (exact integers)."""
         cum = np.concatenate([[0], np.cumsum(self.tokens, dtype=np.int64)])

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
@@ -30,6 +31,8 @@ from dcparallel.topology import Topology
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
 
 MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+_LAYOUT, _IDS, _SP = attrgetter("layout"), attrgetter("sample_ids"), attrgetter("sp")
+_RECOMPUTE, _ATTN, _MLP = attrgetter("recompute"), attrgetter("attn"), attrgetter("mlp")
 GRID_MIN = 16  # `mb_costs` prices fewer of a degree one at a time (cached): one grid costs about as much
 
 
@@ -303,29 +306,39 @@ class PlanContext:
     def mb_terms(self, sample_ids: Sequence[int], sp: int) -> MicroBatchTerms:
         return self.terms(tuple(self.sizes[i] for i in sample_ids), sp)
 
-    def mb_costs(self, micro_batches: Sequence[MicroBatch]) -> tuple[list[float], list[float]]:
+    def mb_costs(
+        self, micro_batches: Sequence[MicroBatch], memory: bool = True
+    ) -> tuple[list[float], list[float] | None]:
         """`mb_time` and `mb_memory` of each micro-batch at its layout, priced per SP degree
         at once (`CostModel.terms_grid`; one at a time below `GRID_MIN` of a degree): the
-        same values either way, element by element."""
-        times = [0.0] * len(micro_batches)
-        memory = [0.0] * len(micro_batches)
-        by_sp: dict[int, list[int]] = {}
-        for j, mb in enumerate(micro_batches):
-            by_sp.setdefault(mb.layout.sp, []).append(j)
-        for sp, js in by_sp.items():
-            mbs = [micro_batches[j] for j in js]
-            if len(mbs) < GRID_MIN:
-                for j, mb in zip(js, mbs):
-                    terms1 = self.mb_terms(mb.sample_ids, sp)
-                    times[j], memory[j] = terms1.time(mb.layout.recompute), terms1.memory(mb.layout.recompute)
+        same values either way, element by element. Without `memory`, the times alone
+        (memory None: a step's score reads no memory). The micro-batches' degrees, recompute
+        counts and samples are read into arrays once; each degree's are picked from them."""
+        n = len(micro_batches)
+        layouts = list(map(_LAYOUT, micro_batches))
+        sps = np.fromiter(map(_SP, layouts), dtype=np.int64, count=n)
+        recs = list(map(_RECOMPUTE, layouts))
+        attn = np.fromiter(map(_ATTN, recs), dtype=np.int64, count=n)[:, None]
+        mlp = np.fromiter(map(_MLP, recs), dtype=np.int64, count=n)[:, None]
+        ids = list(map(_IDS, micro_batches))
+        times, mem = np.zeros(n), np.zeros(n) if memory else None
+        batches = None
+        for sp in np.unique(sps).tolist():
+            js = np.flatnonzero(sps == sp)
+            if len(js) < GRID_MIN:
+                for j in js.tolist():
+                    terms1 = self.mb_terms(ids[j], sp)
+                    times[j] = terms1.time(layouts[j].recompute)
+                    if memory:
+                        mem[j] = terms1.memory(layouts[j].recompute)
                 continue
-            terms = self.cost.terms_grid(self.batches([mb.sample_ids for mb in mbs]), (sp,))
-            attn = np.array([[mb.layout.recompute.attn] for mb in mbs], dtype=np.int64)
-            mlp = np.array([[mb.layout.recompute.mlp] for mb in mbs], dtype=np.int64)
-            for j, t, m in zip(js, terms.time(attn, mlp)[:, 0].tolist(), terms.memory(attn, mlp)[:, 0].tolist()):
-                times[j] = t
-                memory[j] = m
-        return times, memory
+            if batches is None:  # every micro-batch's samples, once
+                batches = self.batches(ids)
+            terms = self.cost.terms_grid(batches.subset(js), (sp,))
+            times[js] = terms.time(attn[js], mlp[js])[:, 0]
+            if memory:
+                mem[js] = terms.memory(attn[js], mlp[js])[:, 0]
+        return times.tolist(), mem.tolist() if memory else None
 
     def mb_time(self, sample_ids: Sequence[int], layout: Layout) -> float:
         return self.mb_terms(sample_ids, layout.sp).time(layout.recompute)

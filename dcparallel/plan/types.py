@@ -252,6 +252,19 @@ class StepPlan:
 Score = Callable[[StepPlan], float]
 
 
+class PricedScore(Protocol):
+    """A `Score` that can also score a plan whose micro-batches' times its planner already
+    holds (the simulator's, `sim.replay.StepSeconds`): `priced(plan, times)` equals
+    `score(plan)` where `times` are each micro-batch's time at its layout on `ctx`
+    (`PlanContext.mb_costs`' times, in the plan's order: the groups', then each group's)."""
+
+    ctx: Any
+
+    def __call__(self, plan: StepPlan) -> float: ...
+
+    def priced(self, plan: StepPlan, times: Sequence[float]) -> float: ...
+
+
 @dataclass(frozen=True)
 class Tuned:
     """A built planner (`plan.policies.Planner`) and, for a policy tuned on the data, the

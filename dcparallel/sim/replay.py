@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable, Sequence
 
 from dcparallel.cost.overlap import exposed_sync, sync_buckets
 from dcparallel.plan.context import PlanContext
@@ -156,17 +156,36 @@ def predict_step(plan: StepPlan, ctx: PlanContext) -> StepPrediction:
     return StepPrediction(r.compute_time, r.step_time, r.peak_memory)
 
 
-def step_seconds(ctx: PlanContext, overlap: bool = True) -> Callable[[StepPlan], float]:
+class StepSeconds:
+    """The simulator's score of a plan (`plan.types.Score`): its predicted step seconds
+    (`step_time`). `priced(plan, times)` is the same score of a plan whose micro-batches'
+    times on `ctx` (`PlanContext.mb_costs`' times, in the plan's order) its planner already
+    holds: the planner need not price them again (`plan.types.PricedScore`)."""
+
+    def __init__(self, ctx: PlanContext, overlap: bool = True):
+        self.ctx, self.overlap = ctx, overlap
+
+    def __call__(self, plan: StepPlan) -> float:
+        return step_time(plan, self.ctx, self.overlap)
+
+    def priced(self, plan: StepPlan, times: Sequence[float]) -> float:
+        return step_time(plan, self.ctx, self.overlap, times)
+
+
+def step_seconds(ctx: PlanContext, overlap: bool = True) -> StepSeconds:
     """The simulator's score of a plan (`plan.types.Score`): its predicted step seconds."""
-    return lambda plan: step_time(plan, ctx, overlap)
+    return StepSeconds(ctx, overlap)
 
 
-def step_time(plan: StepPlan, ctx: PlanContext, overlap: bool = True) -> float:
+def step_time(plan: StepPlan, ctx: PlanContext, overlap: bool = True, times: Sequence[float] | None = None) -> float:
     """`replay_step(plan, ctx, overlap).step_time` without the replay's segments, busy times
     and memory (planners score several plans per step): the same float operations in the same
-    order, so the same value to the bit."""
+    order, so the same value to the bit. `times`: the micro-batches' times (`mb_costs`'), in
+    the plan's order, where the caller holds them."""
     clock = [0.0] * ctx.cluster.world_size
-    times = iter(ctx.mb_costs([mb for g in plan.groups for mb in g.micro_batches])[0])
+    if times is None:
+        times = ctx.mb_costs([mb for g in plan.groups for mb in g.micro_batches], memory=False)[0]
+    times = iter(times)
     ends: list[tuple[float, float]] = []  # per group with micro-batches: its end, its last one's time
     for g in plan.groups:  # in phase order
         if not g.micro_batches:

@@ -191,6 +191,34 @@ def test_fits_grid_and_mb_costs_equal_layout_for(model, cl, kind, top):
     times, memory = ctx.mb_costs(mbs)
     assert times == [ctx.mb_time(mb.sample_ids, mb.layout) for mb in mbs]
     assert memory == [ctx.mb_memory(mb.sample_ids, mb.layout) for mb in mbs]
+    assert ctx.mb_costs(mbs, memory=False) == (times, None)
+    rng.shuffle(mbs)  # the degrees interleaved: each degree's micro-batches picked from the arrays
+    assert ctx.mb_costs(mbs[:200])[0] == [ctx.mb_time(mb.sample_ids, mb.layout) for mb in mbs[:200]]
+
+
+@pytest.mark.parametrize("kind", ["text", "video", "vlm"])
+def test_a_subset_of_batches_is_its_micro_batches_own(kind):
+    """`Batches.subset`: the picked micro-batches with their own samples, so their token,
+    pair and vision sums (and maxima) are those of the whole, element for element."""
+    rng = random.Random(7)
+    model = {"text": TINY_LM, "video": STDIT_1B, "vlm": VLM}[kind]
+    sizes = (
+        _text_sizes(rng, 300, 6000)
+        if kind == "text"
+        else _video_sizes(rng, 300)
+        if kind == "video"
+        else [VisionSize(t, (256, 1024)[: 1 + t % 2]) for t in (500, 3000, 9000)]
+    )
+    whole = Batches.of(model, _batches(rng, sizes)[1:])
+    js = np.flatnonzero(np.array([rng.random() < 0.4 for _ in range(len(whole))]))
+    part = whole.subset(js)
+    assert part.lengths.tolist() == whole.lengths[js].tolist() and len(part.tokens) == part.lengths.sum()
+    assert part.token_sums().tolist() == whole.token_sums()[js].tolist()
+    assert part.pair_sums().tolist() == whole.pair_sums()[js].tolist()
+    assert (whole.vision is not None) is (kind == "vlm")
+    if kind == "vlm":
+        assert [v.tolist() for v in part.vision_sums()] == [v[js].tolist() for v in whole.vision_sums()]
+    assert whole.subset(np.arange(len(whole))) is whole
 
 
 COPIES = [

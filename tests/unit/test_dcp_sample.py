@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.candidate import StepFacts
 from dcparallel.plan.dcp.config import DEFAULT
+from dcparallel.plan.dcp.packing import Node
 from dcparallel.plan.dcp.portfolio import DcpPlanner
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.tables import least_gpu_seconds_within
@@ -56,8 +58,12 @@ def test_packing_is_lossless_tiles_fits_and_predicts_the_simulator(case):
     for s, (groups, span) in got[0]:
         assert sorted(i for item in _items(groups) for i in item) == sorted(s.sample_ids)
         assert sum(g[0] for g in groups) <= cl.world_size
-        plan = packer.step_plan(s, groups)
+        priced: list[float] = []
+        plan = packer.step_plan(s, groups, priced)
         plan.validate(cl.world_size, allowed)
+        mbs = [mb for g in plan.groups for mb in g.micro_batches]
+        assert priced == [ctx.mb_time(mb.sample_ids, mb.layout) for mb in mbs]  # as priced, to the bit
+        assert step_seconds(ctx).priced(plan, priced) == step_seconds(ctx)(plan)
         r = replay_step(plan, ctx)
         assert r.memory_violations == 0
         assert abs(r.step_time - span) <= 1e-9 * span  # the packer predicts exactly what is simulated
@@ -351,3 +357,106 @@ def test_many_per_gpu_video_packing_tries_the_half_runs_first(monkeypatch):
         if span is not None:
             best = span
     assert got.span == best < math.inf
+
+
+def test_a_real_packing_is_scored_from_its_own_prices():
+    """On a heavy-tail step (weak pretrain-long at 256 GPUs, packed in micro-batches of
+    preferred size, with sub-groups), the times the packing priced its micro-batches at
+    (`step_plan`'s `times`) are `mb_costs`' to the bit, in the plan's order; so the score from
+    them (`StepSeconds.priced`) is the score, and the `dcp` candidate that packs proposes the
+    plan with exactly the score's prediction."""
+    sc = SCENARIOS["text"]
+    tps = sc.tokens_per_step * 256 // 32
+    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    cl = sc.cluster(256)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+    packer = SamplePacker(ctx, "pac")
+    got = packer.plan(list(step.sample_ids), DEFAULT.pack_max_items)
+    priced: list[float] = []
+    plan = packer.step_plan(step, got.groups, priced)
+    assert plan.num_phases > 1  # sub-groups met
+    mbs = [mb for g in plan.groups for mb in g.micro_batches]
+    assert len({mb.layout.sp for mb in mbs}) > 2 and len(mbs) > 500  # several degrees, grids priced
+    assert priced == ctx.mb_costs(mbs)[0] == ctx.mb_costs(mbs, memory=False)[0]
+    score = step_seconds(ctx)
+    assert score.priced(plan, priced) == score(plan) == replay_step(plan, ctx).step_time
+    dcp = DcpPlanner(ctx, score)
+    facts = StepFacts(step, len(step.sample_ids), 256, score=lambda: math.inf)
+    proposal = next(c for c in dcp.scored if c.name == "packing").propose(facts)
+    assert proposal.predicted == score(proposal.plan)
+
+
+def _pack_by_moves(packer: SamplePacker, ids, t, f, T, by_time, open_first):
+    """`pack` as its loop was written before its first case was written out: every
+    micro-batch placed by `fit` and `put` (the reference)."""
+    cap = T * (1 + 1e-12)
+    got = packer._placing_order(ids, t, f, cap, by_time, {})
+    if got is None:
+        return None
+    order, nl, ol, tl = got
+    groups, fins = [], [[] for _ in packer.sp]
+    put, fit = packer._placers(groups, fins, cap, {})
+    ranks = 0
+    for a in order:
+        b, row = nl[a], tl[a]
+        g = fit(b, row[b])
+        if g is None and open_first and ranks + packer.sp[b] <= packer.world:
+            ranks += packer.sp[b]
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
+            g = len(groups) - 1
+        d = b
+        while g is None and d + 1 < len(packer.sp):
+            d += 1
+            if row[d] <= cap:
+                g = fit(d, row[d])
+        if g is not None:
+            put(g, a, row[d])
+            continue
+        ranks += packer.sp[b]
+        if ranks > packer.world:
+            return None
+        groups.append(Node(b, 0.0, [], 0.0, None, []))
+        put(len(groups) - 1, a, ol[a])
+    return groups
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([4, 8, 16]),
+    st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.5, 4.0, 7.0, 20.0]), st.floats(0.5, 1.0)), min_size=1, max_size=40),
+    st.lists(st.floats(2.0, 80.0), min_size=1, max_size=4),
+    st.booleans(),
+    st.booleans(),
+)
+def test_packing_loop_places_as_its_moves_do(world, rows, targets, by_time, open_first):
+    """`pack`'s inner loop (the own degree's fullest group with room, updated in place where
+    its order among the open groups holds) packs exactly as `fit` and `put` (equal times:
+    ties among the open groups), with sub-groups and without."""
+    for packer in (_packer(world), FlatPacker(_packer(world).ctx, "pac")):
+        t = np.array([[b * r**j for j in range(len(packer.sp))] for b, r in rows])
+        f, ids = packer.alone(t), list(range(len(rows)))
+        for T in targets:
+            assert packer.pack(ids, t, f, T, by_time, open_first) == _pack_by_moves(
+                packer, ids, t, f, T, by_time, open_first
+            )
+
+
+def test_packing_loop_places_a_real_step_as_its_moves_do():
+    """The same on a heavy-tail step (weak pretrain-long at 256 GPUs, micro-batches of
+    preferred size), at targets from below its floor (no packing) to above (sub-groups)."""
+    sc = SCENARIOS["text"]
+    tps = sc.tokens_per_step * 256 // 32
+    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    cl = sc.cluster(256)
+    packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
+    items = packer.items(list(form_steps(w.tokens, seed=0, tokens_per_step=tps)[0].sample_ids))
+    t = packer.times(items)
+    f, ids = packer.alone(t), [it[0] for it in items]
+    floor = max(float(f.min(axis=1).max()), float((t * packer.kf).min(axis=1).sum()) / 256)
+    packed = 0
+    for T, by_time, open_first in ((floor, False, True), (floor * 1.02, True, False), (floor * 1.1, False, False)):
+        got = packer.pack(ids, t, f, T, by_time, open_first)
+        assert got == _pack_by_moves(packer, ids, t, f, T, by_time, open_first)
+        packed += got is not None and any(g.base is not None for g in got)
+    assert packed >= 1  # sub-groups met

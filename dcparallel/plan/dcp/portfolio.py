@@ -253,8 +253,13 @@ class SamplePacking:
         got = self.packer.plan(list(s.step.sample_ids), None if few else c.pack_max_items, s.score)
         if got is None:
             return None
-        plan = self.packer.step_plan(s.step, got.groups)
-        return Proposal(plan, self.score(plan))
+        priced = getattr(self.score, "priced", None)  # a `PricedScore` of this context
+        if priced is None or getattr(self.score, "ctx", None) is not self.packer.ctx:
+            plan = self.packer.step_plan(s.step, got.groups)
+            return Proposal(plan, self.score(plan))
+        times: list[float] = []  # the micro-batches' times as the packing priced them, not priced again
+        plan = self.packer.step_plan(s.step, got.groups, times)
+        return Proposal(plan, priced(plan, times))
 
     def split(self, s: StepFacts) -> Proposal | None:
         """The one-micro-batch-per-rank split (`whole.WholeSplit`) where it plans the step

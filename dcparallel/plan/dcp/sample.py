@@ -66,15 +66,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcparallel.cost.overlap import exposed_sync, exposed_sync_many, sync_buckets
-from dcparallel.plan.assemble import assemble, lpt
+from dcparallel.plan.assemble import lpt
 from dcparallel.plan.context import FitGrid, PlanContext, RecomputeMode
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
-from dcparallel.plan.dcp.packing import Group, Node, Packing
+from dcparallel.plan.dcp.packing import Group, Node, Packing, Prices, step_plan
 from dcparallel.plan.dcp.tables import least_gpu_seconds_within
 from dcparallel.plan.dcp.targets import search_targets
 from dcparallel.plan.steps import Step
-from dcparallel.plan.types import MIN_GAIN, TIME_EPS, GroupPlan, MicroBatch, StepPlan
-from dcparallel.spec import Layout, Recompute
+from dcparallel.plan.types import MIN_GAIN, TIME_EPS, StepPlan
+from dcparallel.spec import Layout
 
 
 class SamplePacker:
@@ -175,21 +175,50 @@ class SamplePacker:
         of the same `ids`, `t` and `f` at other targets share (`_placing_order`'s)."""
         cap = T * (1 + TIME_EPS)
         got = self._placing_order(ids, t, f, cap, by_time, {} if memo is None else memo)
-        if got is None:
-            return None
-        order, nl, ol = got[:3]
+        return None if got is None else self._place(*got, cap, open_first)
+
+    def _place(
+        self, order: list[int], nl: list[int], ol: list[float], tl: list[list[float]], cap: float, open_first: bool
+    ) -> list[Node] | None:
+        """`pack`'s placing of the micro-batches in `order` (`_placing_order`'s), for the
+        target with its slack `cap`."""
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        tl = got[3]
-        sp, deg = self.sp, len(self.sp)
-        put, fit = self._placers(groups, fins, cap)
+        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
+        sp, deg, world, inf = self.sp, len(self.sp), self.world, math.inf
+        put, fit = self._placers(groups, fins, cap, exposed)
+        bisect_right, insort = bisect.bisect_right, bisect.insort
         ranks = 0
         for a in order:
             b = nl[a]
             row = tl[a]
-            g = fit(b, row[b])
-            if g is None and open_first and ranks + sp[b] <= self.world:
+            need = row[b]
+            lst = fins[b]
+            room = cap - need
+            if lst and lst[0][0] <= room:  # `fit`'s first case and `put`, written out (the inner loop)
+                i = bisect_right(lst, (room, inf)) - 1  # the fullest open group of its degree with room
+                g = lst[i][1]
+                grp = groups[g]
+                grp.load += need
+                grp.rows.append(a)
+                if need > grp.longest:
+                    grp.longest = need
+                if grp.base is None:
+                    ex = exposed.get(grp.longest)
+                    if ex is None:
+                        ex = exposed[grp.longest] = self.exposed(grp.longest)
+                    new = (grp.load + ex, g)
+                else:
+                    new = (grp.load + grp.base, g)
+                if i + 1 == len(lst) or new < lst[i + 1]:
+                    lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
+                else:
+                    del lst[i]
+                    insort(lst, new, i)  # (the groups before it finish earlier still)
+                continue
+            g = fit(b, need)  # no room at its own degree: a wider open group, split
+            if g is None and open_first and ranks + sp[b] <= world:
                 ranks += sp[b]
                 groups.append(Node(b, 0.0, [], 0.0, None, []))
                 g = len(groups) - 1
@@ -202,19 +231,19 @@ class SamplePacker:
                 put(g, a, row[d])
                 continue
             ranks += sp[b]
-            if ranks > self.world:
+            if ranks > world:
                 return None
             groups.append(Node(b, 0.0, [], 0.0, None, []))
             put(len(groups) - 1, a, ol[a])
         return groups
 
-    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float):
+    def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float, exposed: dict):
         """`pack`'s two moves on its groups and their open lists `fins` (per degree index, the
         open groups' finishes, sorted, with their indices), for the target with its slack `cap`:
         `put(g, a, need)` adds micro-batch a, taking `need`, to group g and reopens the group;
         `fit(d, need)` finds a group for it (below). Closures over local state: the packing's
-        inner loop looks up no attribute per micro-batch."""
-        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
+        inner loop looks up no attribute per micro-batch. `exposed`: per longest member time,
+        the sync it leaves exposed (shared with `pack`'s loop)."""
         sp = self.sp
         wider = [self.split_degrees(d) for d in range(len(sp))]
         bisect_right, insort = bisect.bisect_right, bisect.insort
@@ -452,16 +481,19 @@ class SamplePacker:
             span = max(self.finish(g) for g in groups)
             if best is None or span < best_span * (1 - MIN_GAIN):
                 best, best_span = groups, span
-        top = [self._group(best, i, items, t, ids) for i, g in enumerate(best) if g.base is None]
+        rows = memo["rows"]  # `t` as lists (a packing was made: its order put them there)
+        top = [self._group(best, i, items, rows, ids) for i, g in enumerate(best) if g.base is None]
         top.sort(key=lambda g: (-g.sp, -g.finish, g.items[0]))
         return Packing(top, best_span)
 
-    def _group(self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: np.ndarray, ids: list[int]) -> Group:
+    def _group(
+        self, groups: list[Node], i: int, items: list[tuple[int, ...]], t: list[list[float]], ids: list[int]
+    ) -> Group:
         """Packed group i with its sub-groups; longest last: the gradient sync overlaps the
         last micro-batch's backward. (Methods, not nested functions: a recursive closure is a
         reference cycle, and planning makes none.)"""
         g = groups[i]
-        order = sorted(g.rows, key=lambda a: (t[a, g.deg], ids[a]))
+        order = sorted(g.rows, key=lambda a: (t[a][g.deg], ids[a]))
         return Group(
             self.sp[g.deg],
             self.finish(g),
@@ -469,38 +501,7 @@ class SamplePacker:
             [self._group(groups, c, items, t, ids) for c in g.kids],
         )
 
-    def step_plan(self, step: Step, groups: list[Group]) -> StepPlan:
-        """The step plan of packed groups: the top-level groups placed as aligned blocks
-        (widest first), each sub-group on its slice of its parent's block one phase earlier
-        (the top-level groups run in the last phase); ranks without a group in a phase idle."""
-        last = max((_depth(g) for g in groups), default=1) - 1
-        out: list[GroupPlan] = []
-        for g, ranks in zip(groups, self.ctx.topology.tile([g.sp for g in groups])):
-            self._emit(g, ranks, last, out)
-        return assemble(self.ctx, step, out, by_rank=True)
-
-    def _emit(self, g: Group, ranks: tuple[int, ...], phase: int, out: list[GroupPlan]) -> None:
-        k, items, kids = g.sp, g.items, g.subgroups
-        if items:
-            out.append(GroupPlan(ranks, tuple(MicroBatch(item, self._layout(item, k)) for item in items), phase))
-        w = k // max(len(kids), 1)
-        for c, kid in enumerate(kids):
-            self._emit(kid, ranks[c * w : (c + 1) * w], phase - 1, out)
-
-    def _layout(self, item: tuple[int, ...], k: int) -> Layout:
-        """The layout `times` priced for a micro-batch at degree k (else `layout_for`'s)."""
-        got = self._priced.get(item)
-        if got is None:
-            ctx = self.ctx
-            return ctx.layout_for(tuple(ctx.sizes[i] for i in item), k, self.mode).layout
-        fits, a = got
-        key = (k, len(item), int(fits.attn[a, self.sp.index(k)]), int(fits.mlp[a, self.sp.index(k)]))
-        lay = self._layouts.get(key)
-        if lay is None:
-            lay = self._layouts[key] = Layout(k, len(item), Recompute(key[2], key[3]))
-        return lay
-
-
-def _depth(g: Group) -> int:
-    """Levels of a packed group: 1 without sub-groups."""
-    return 1 + max((_depth(c) for c in g.subgroups), default=0)
+    def step_plan(self, step: Step, groups: list[Group], times: list[float] | None = None) -> StepPlan:
+        """The step plan of packed groups (`packing.step_plan`); `times`, if given, is filled
+        with each micro-batch's time as `times` priced it, in the plan's order."""
+        return step_plan(Prices(self.ctx, self.sp, self.mode, self._priced, self._layouts), step, groups, times)
