@@ -389,6 +389,11 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None, longest: int = MA
     ``longest`` tokens (`knot_lengths`), else timed now on every rank (collective) and saved
     there by rank 0; times this launch's `slowdown` (every rank, their mean) and returns the
     constants in wall seconds. The same on every rank."""
+    return launch_calibration(spec, cache, longest)[0]
+
+
+def launch_calibration(spec: ModelSpec, cache: str | Path | None, longest: int = MAX_KNOT) -> tuple[Calibration, float]:
+    """`cpu_calibration` and the launch's slowdown that scaled its constants."""
     key, path = _key(spec), Path(cache) if cache is not None else None
     hit = _load(path).get(key)
     if hit is not None and not (set(CONSTANTS) <= set(hit) and _covers(hit, knot_lengths(spec, longest))):
@@ -425,7 +430,7 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None, longest: int = MA
             factor,
             os.getloadavg()[0],
         )
-    return calibration(spec, {**{k: hit[k] * factor for k in CONSTANTS}, "attn_knots": hit["attn_knots"]})
+    return calibration(spec, {**{k: hit[k] * factor for k in CONSTANTS}, "attn_knots": hit["attn_knots"]}), factor
 
 
 def _covers(entry: dict, lengths: list[int]) -> bool:
@@ -478,9 +483,14 @@ def analytic_cost(
     """``cost = "analytic"``: the packaged calibration on a GPU, this CPU's and this launch's
     links (`cpu_cluster`; both cached beside ``profile_path``) on a CPU unless
     ``DCPARALLEL_CPU_CALIBRATION=0`` asks for the packaged one (plans that do not depend on
-    the machine's timings: the tests'). Collective on a CPU."""
+    the machine's timings: the tests'). Collective on a CPU. On a CPU the model's
+    ``launch_slowdown`` is the launch's (`slowdown`), and the loader keeps its prices current
+    with what the steps measure (`data.refine.track_steps`)."""
     on = device.type == "cpu" and os.environ.get("DCPARALLEL_CPU_CALIBRATION", "1") != "0"
     if not on:
         return AnalyticCost(spec, cluster)
     cache = Path(profile_path).with_name(CACHE_NAME)
-    return AnalyticCost(spec, cpu_cluster(cluster, cache), cpu_calibration(spec, cache, longest))
+    cal, factor = launch_calibration(spec, cache, longest)
+    cost = AnalyticCost(spec, cpu_cluster(cluster, cache), cal)
+    cost.launch_slowdown = factor  # the loader tracks it (`data.refine.track_steps`): the load moves it
+    return cost
