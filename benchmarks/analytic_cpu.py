@@ -15,7 +15,10 @@ step's time is measured on rank 0 from a barrier to the end of `sync_gradients` 
 optimizer step, which no prediction includes, is left out), and so is each micro-batch and
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
 cost model's micro-batch terms and gradient sync), and against the same plan priced with one
-cost per attention pair at every document length (`Calibration.attn_knots` left out). Rank 0's
+cost per attention pair at every document length (`Calibration.attn_knots` left out). Each
+step's micro-batch times are fed to `loader.observe`, which keeps the slowdown current
+(`data.refine.track_steps`): `predicted` is priced at the slowdown tracked over the steps
+before it, and the same plan is also priced at the launch's slowdown (untracked). Rank 0's
 micro-batches are split into the all-to-alls' transfer, their wait for the other rank, and the
 compute (the rest), each against its price.
 The first step of each run (first-time allocations) is reported but not counted. ``--out DIR``
@@ -114,11 +117,13 @@ def worker(args: argparse.Namespace) -> None:
     # the same prices with one cost per attention pair at every length (the model before its knots)
     one_slope = AnalyticCost(dc.spec, dc.cost.cluster, dataclasses.replace(dc.cost.cal, attn_knots=()))
     one_slope_ctx = PlanContext(work, one_slope, dc.cost.cluster)
+    launch = PlanContext(work, dc.cost, dc.cost.cluster)  # the launch's slowdown, not tracked
     opt = dc.optimizer(lr=1e-3)
     layer_calls = layer_a2a_calls(dc.spec)
     rows, a2a = [], []
     _record_alltoalls(a2a)
     for step in loader:
+        scale = loader.context.cost.scale  # of the steps fed before this one: what planned it
         torch.distributed.barrier()
         t0 = time.perf_counter()
         mbs = []
@@ -144,11 +149,14 @@ def worker(args: argparse.Namespace) -> None:
         dc.sync_gradients()
         measured = time.perf_counter() - t0
         opt.step()
+        fed = loader.observe(step, [mb[0] for mb in mbs])  # the plans after it are priced with it
         rows.append(
             {
                 "step": step.index,
                 "measured_s": measured,
-                "cpu_s": step.predicted.step_s,
+                "cpu_s": step.predicted.step_s,  # at the tracked slowdown the plan was made with
+                "launch_s": predict_step(step.plan, launch).step_s,
+                "scale": scale,
                 "before_s": predict_step(step.plan, untimed_links).step_s,
                 "one_slope_s": predict_step(step.plan, one_slope_ctx).step_s,
                 "documents": [len(m.sample_ids) for g in step.plan.groups_of(0) for m in g.micro_batches],
@@ -158,6 +166,7 @@ def worker(args: argparse.Namespace) -> None:
                 "sp": sorted({g.sp for g in step.plan.groups_of(0)}),
             }
         )
+        rows[-1]["fed"] = fed
         if len(rows) == args.steps:
             break
     loader.close()
@@ -263,21 +272,24 @@ def report(policies: list[str], out: Path) -> None:
     """The tables of the report: each step, each policy's summary (the first step not
     counted), and where the time went on rank 0 (micro-batches, gradient sync, the rest)."""
     print(
-        "| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) | H200 s (error) |"
+        "| policy | step | SP | measured s | slowdown priced (launch's) | CPU, tracked slowdown s (error) "
+        "| CPU, launch's slowdown s (error) | CPU, GPU links s (error) | H200 s (error) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     summary, terms, calib = [], [], []
     for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
             m = r["measured_s"]
             print(
-                f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {_err(r['cpu_s'], m)} | {_err(r['before_s'], m)} "
+                f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {r['scale'] * res['slowdown']:.2f} "
+                f"({res['slowdown']:.2f}) | {_err(r['cpu_s'], m)} | {_err(r['launch_s'], m)} "
+                f"| {_err(r['before_s'], m)} "
                 f"| {r['h200_s']:.3f} ({r['h200_s'] / m - 1:+.0%}) |"
             )
         counted = res["steps"][1:]
         cols = []
-        for key in ("cpu_s", "before_s", "one_slope_s"):
+        for key in ("cpu_s", "launch_s", "before_s", "one_slope_s"):
             errs = [r[key] / r["measured_s"] - 1 for r in counted]
             total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
             cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
@@ -302,9 +314,10 @@ def report(policies: list[str], out: Path) -> None:
             f"| {sync_m:.2f} | {sync_c:.3f} | {sync_g:.4f} | {rest:.1f} |"
         )
     print(
-        "\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
+        "\n| policy | prepare s (calibration) | tracked slowdown: median abs error | worst | sum of steps "
+        "| launch's slowdown: median abs error | worst | sum of steps "
         "| GPU links: median abs error | worst | sum of steps | one cost per attention pair: median abs error "
-        "| worst | sum of steps |\n|" + " --- |" * 11
+        "| worst | sum of steps |\n|" + " --- |" * 14
     )
     print("\n".join(summary))
     print(

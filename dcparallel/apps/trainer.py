@@ -303,7 +303,7 @@ class Trainer:
                 ctx.backward(self.dc.loss_fn(self.model, batch, ctx))
             times.append(refine.seconds_since(a, self.launch.device, bool(self.loader.refine_left)))
         update = self._update(epoch, step)
-        self.loader.observe(step, times)  # while steps remain to refine (collective); else nothing
+        self.loader.observe(step, times)  # while refining or tracking the CPU slowdown (collective); else nothing
         step_s = time.perf_counter() - t0
         idle = self._idle_fraction(sum(times))
         if self.t.step_timeout_s:
