@@ -15,7 +15,12 @@ step's time is measured on rank 0 from a barrier to the end of `sync_gradients` 
 optimizer step, which no prediction includes, is left out), and so is each micro-batch and
 the sync; each is set against the same plan's prices (`LoaderStep.predicted.step_s`, the
 cost model's micro-batch terms and gradient sync), and against the same plan priced with one
-attention call a micro-batch instead of one per document (`Calibration.attn_calls_per_document`).
+cost per attention pair at every document length (`Calibration.attn_knots` left out). Each
+step's micro-batch times are fed to `loader.observe`, which keeps the slowdown current
+(`data.refine.track_steps`): `predicted` is priced at the slowdown tracked over the steps
+before it, and the same plan is also priced at the launch's slowdown (untracked). Rank 0's
+micro-batches are split into the all-to-alls' transfer, their wait for the other rank, and the
+compute (the rest), each against its price.
 The first step of each run (first-time allocations) is reported but not counted. ``--out DIR``
 reprints an earlier run's tables.
 
@@ -39,12 +44,43 @@ import time
 from pathlib import Path
 
 
+def _record_alltoalls(calls: list) -> None:
+    """Every ``all_to_all_single`` from now on appends (start, end, bytes) to ``calls``: the
+    runtime's Ulysses all-to-alls (`runtime.comm`), timed where the rank enters and leaves
+    them (`time.perf_counter`: one clock for every process of the machine)."""
+    import torch.distributed as dist
+
+    inner = dist.all_to_all_single
+
+    def timed(out, inp, *a, **kw):
+        t0 = time.perf_counter()
+        r = inner(out, inp, *a, **kw)
+        calls.append((t0, time.perf_counter(), inp.numel() * inp.element_size()))
+        return r
+
+    dist.all_to_all_single = timed
+
+
+def split_alltoalls(mine: list, every: list) -> tuple[float, float]:
+    """(transfer, wait) seconds of this rank's all-to-alls ``mine`` in a micro-batch, each
+    paired by order with every rank's same call (``every``: per rank, its calls; an
+    all-to-all returns only once every rank has entered it): the wait is the time from
+    entering until the last rank entered, the transfer the rest."""
+    transfer = wait = 0.0
+    for i, (t0, t1, _) in enumerate(mine):
+        last = max(calls[i][0] for calls in every)
+        wait += max(0.0, min(last, t1) - t0)
+        transfer += t1 - max(t0, min(last, t1))
+    return transfer, wait
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     import dcparallel
     from dcparallel.apps.demo_worker import demo_model
     from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.cost.heads import layer_a2a_calls
     from dcparallel.data.synthetic import SyntheticText, builtin_lengths
     from dcparallel.loss import per_token_loss
     from dcparallel.plan.context import PlanContext
@@ -78,17 +114,21 @@ def worker(args: argparse.Namespace) -> None:
     h200 = PlanContext(work, AnalyticCost(dc.spec, cluster), cluster)
     gpu_links = AnalyticCost(dc.spec, cluster, dc.cost.cal)  # this CPU's layer, the GPU links
     untimed_links = PlanContext(work, gpu_links, cluster)
-    # the same prices with one attention call a micro-batch (the model before per-document calls)
-    one_call = AnalyticCost(dc.spec, dc.cost.cluster, dataclasses.replace(dc.cost.cal, attn_calls_per_document=False))
-    one_call_ctx = PlanContext(work, one_call, dc.cost.cluster)
+    # the same prices with one cost per attention pair at every length (the model before its knots)
+    one_slope = AnalyticCost(dc.spec, dc.cost.cluster, dataclasses.replace(dc.cost.cal, attn_knots=()))
+    one_slope_ctx = PlanContext(work, one_slope, dc.cost.cluster)
+    launch = PlanContext(work, dc.cost, dc.cost.cluster)  # the launch's slowdown, not tracked
     opt = dc.optimizer(lr=1e-3)
-    rows = []
+    layer_calls = layer_a2a_calls(dc.spec)
+    rows, a2a = [], []
+    _record_alltoalls(a2a)
     for step in loader:
+        scale = loader.context.cost.scale  # of the steps fed before this one: what planned it
         torch.distributed.barrier()
         t0 = time.perf_counter()
         mbs = []
         for batch in step:
-            t1 = time.perf_counter()
+            t1, c1, n1 = time.perf_counter(), time.thread_time(), len(a2a)
             with dc.micro_batch(batch) as ctx:
                 ctx.backward(loss_fn(model, batch, ctx))
             sizes, lay = [lengths[i] for i in batch.sample_ids], batch.layout
@@ -97,19 +137,28 @@ def worker(args: argparse.Namespace) -> None:
                     time.perf_counter() - t1,
                     dc.cost.terms(sizes, lay.sp).time(lay.recompute),
                     gpu_links.terms(sizes, lay.sp).time(lay.recompute),
+                    time.thread_time() - c1,  # this rank's processor seconds
+                    [n1, len(a2a)],  # its all-to-alls; (transfer, wait) once every rank's are gathered
+                    len(sizes),
+                    lay.sp,
+                    # the all-to-alls priced: per layer forward, again in backward (and in a recomputed forward)
+                    (2 * dc.spec.num_layers + lay.recompute.attn) * layer_calls if lay.sp > 1 else 0,
                 ]
             )
         t1 = time.perf_counter()
         dc.sync_gradients()
         measured = time.perf_counter() - t0
         opt.step()
+        fed = loader.observe(step, [mb[0] for mb in mbs])  # the plans after it are priced with it
         rows.append(
             {
                 "step": step.index,
                 "measured_s": measured,
-                "cpu_s": step.predicted.step_s,
+                "cpu_s": step.predicted.step_s,  # at the tracked slowdown the plan was made with
+                "launch_s": predict_step(step.plan, launch).step_s,
+                "scale": scale,
                 "before_s": predict_step(step.plan, untimed_links).step_s,
-                "one_call_s": predict_step(step.plan, one_call_ctx).step_s,
+                "one_slope_s": predict_step(step.plan, one_slope_ctx).step_s,
                 "documents": [len(m.sample_ids) for g in step.plan.groups_of(0) for m in g.micro_batches],
                 "h200_s": predict_step(step.plan, h200).step_s,
                 "mbs": mbs,
@@ -117,9 +166,15 @@ def worker(args: argparse.Namespace) -> None:
                 "sp": sorted({g.sp for g in step.plan.groups_of(0)}),
             }
         )
+        rows[-1]["fed"] = fed
         if len(rows) == args.steps:
             break
     loader.close()
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, a2a)  # one group: every rank's calls in the same order
+    for mb in (mb for r in rows for mb in r["mbs"]):
+        mine, (i, j) = a2a[mb[4][0] : mb[4][1]], mb[4]
+        mb[4] = [*split_alltoalls(mine, [e[i:j] for e in every]), len(mine), sum(c[2] for c in mine)]
     if dc.rank == 0:
         from dcparallel.profile import cpu_calibration as cc
 
@@ -217,21 +272,24 @@ def report(policies: list[str], out: Path) -> None:
     """The tables of the report: each step, each policy's summary (the first step not
     counted), and where the time went on rank 0 (micro-batches, gradient sync, the rest)."""
     print(
-        "| policy | step | SP | measured s | CPU, timed links s (error) | CPU, GPU links s (error) | H200 s (error) |"
+        "| policy | step | SP | measured s | slowdown priced (launch's) | CPU, tracked slowdown s (error) "
+        "| CPU, launch's slowdown s (error) | CPU, GPU links s (error) | H200 s (error) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     summary, terms, calib = [], [], []
     for policy in policies:
         res = json.loads((out / f"{policy}.json").read_text())
         for r in res["steps"]:
             m = r["measured_s"]
             print(
-                f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {_err(r['cpu_s'], m)} | {_err(r['before_s'], m)} "
+                f"| {policy} | {r['step']} | {r['sp']} | {m:.2f} | {r['scale'] * res['slowdown']:.2f} "
+                f"({res['slowdown']:.2f}) | {_err(r['cpu_s'], m)} | {_err(r['launch_s'], m)} "
+                f"| {_err(r['before_s'], m)} "
                 f"| {r['h200_s']:.3f} ({r['h200_s'] / m - 1:+.0%}) |"
             )
         counted = res["steps"][1:]
         cols = []
-        for key in ("cpu_s", "before_s", "one_call_s"):
+        for key in ("cpu_s", "launch_s", "before_s", "one_slope_s"):
             errs = [r[key] / r["measured_s"] - 1 for r in counted]
             total = sum(r[key] for r in counted) / sum(r["measured_s"] for r in counted) - 1
             cols.append(f"{statistics.median(map(abs, errs)):.0%} | {max(map(abs, errs)):.0%} | {total:+.0%}")
@@ -256,9 +314,10 @@ def report(policies: list[str], out: Path) -> None:
             f"| {sync_m:.2f} | {sync_c:.3f} | {sync_g:.4f} | {rest:.1f} |"
         )
     print(
-        "\n| policy | prepare s (calibration) | timed links: median abs error | worst | sum of steps "
-        "| GPU links: median abs error | worst | sum of steps | one attention call a micro-batch: median abs error "
-        "| worst | sum of steps |\n|" + " --- |" * 11
+        "\n| policy | prepare s (calibration) | tracked slowdown: median abs error | worst | sum of steps "
+        "| launch's slowdown: median abs error | worst | sum of steps "
+        "| GPU links: median abs error | worst | sum of steps | one cost per attention pair: median abs error "
+        "| worst | sum of steps |\n|" + " --- |" * 14
     )
     print("\n".join(summary))
     print(
@@ -273,6 +332,37 @@ def report(policies: list[str], out: Path) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print("\n".join(calib))
+    print(
+        "\n| policy | SP | rank 0's micro-batches | measured s | all-to-all transfer s | wait s | compute s "
+        "(the rest) | compute priced s | processor s | compute priced in processor s | all-to-all priced s "
+        "| all-to-alls counted / priced | compute's wall s per processor s (the launch's slowdown) |\n|" + " --- |" * 13
+    )
+    for policy in policies:
+        res = json.loads((out / f"{policy}.json").read_text())
+        print("\n".join(parts(policy, res)))
+
+
+def parts(policy: str, res: dict) -> list[str]:
+    """Where rank 0's micro-batch time went, per SP degree, against its priced parts: the
+    all-to-alls' transfer and wait (`split_alltoalls`), the compute (the rest) against the
+    micro-batch priced on GPU links (its compute), also in processor seconds (the compute
+    price over the launch's slowdown), and the all-to-alls' price (the timed links' less
+    the GPU links' price); and the compute's wall seconds per processor second against the
+    launch's slowdown, which prices it."""
+    mbs = [mb for r in res["steps"][1:] for mb in r["mbs"]]
+    out = []
+    for sp in sorted({mb[6] for mb in mbs}):
+        of = [mb for mb in mbs if mb[6] == sp]
+        wall, cpu, gpu, proc = (sum(mb[i] for mb in of) for i in range(4))
+        transfer, wait, calls = (sum(mb[4][i] for mb in of) for i in range(3))
+        priced_calls = sum(mb[7] for mb in of)
+        compute = wall - transfer - wait
+        out.append(
+            f"| {policy} | {sp} | {len(of)} | {wall:.1f} | {transfer:.2f} | {wait:.2f} | {compute:.1f} "
+            f"| {_err(gpu, compute)} | {proc:.1f} | {_err(gpu / res['slowdown'], proc)} | {cpu - gpu:.2f} "
+            f"| {calls} / {priced_calls} | {compute / proc:.2f} ({res['slowdown']:.2f}) |"
+        )
+    return out
 
 
 if __name__ == "__main__":

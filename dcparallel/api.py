@@ -510,7 +510,9 @@ class DataCentricParallel:
         """The cost model of ``cost``: the analytic one, or a profile of this model (measured
         now, collective, or cached) — the same on every rank (checked)."""
         if cost == "analytic":  # on a CPU, its time constants timed here (`profile.cpu_calibration`)
-            self.cost = analytic_cost(self.spec, priced_cluster(self.cluster_spec), self.params[0].device, profile_path)
+            longest = max((self.spec.tokens(s) for s in sizes), default=1)  # attention timed up to it
+            cluster = priced_cluster(self.cluster_spec)
+            self.cost = analytic_cost(self.spec, cluster, self.params[0].device, profile_path, longest)
         else:
             self.profile = self._profile(sizes, Path(profile_path), profiler_config)
             self.cost = ProfiledCost(self.profile, self.cluster_spec)

@@ -196,10 +196,11 @@ class Trainer:
         which writes the metrics, gets each step's prediction with its plan."""
         t, pc, dc, skip = self.t, self.cfg.profile, self.dc, self.cfg.data.skip_oversize
         kw = {**train_setup.loader_workers(self.launch.device, self.launch.local_world_size), "skip_oversize": skip}
+        # the profile, or the analytic model's CPU calibration beside it: with the run's outputs
+        kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
         if pc.cost == "profiled":
             c = dc.cluster_spec
             train_inputs.check_fits(dc.spec, self.data.train_sizes, c.world_size, c.gpus_per_node, c.memory_bytes, skip)
-            kw["profile_path"] = Path(pc.path) if pc.path else self.out / "profile.json"
             kw["profiler_config"] = pc.profiler_config(dc.memory_bytes, progress=self.rank == 0)
         return dc.prepare(
             self.data.train,
@@ -302,7 +303,7 @@ class Trainer:
                 ctx.backward(self.dc.loss_fn(self.model, batch, ctx))
             times.append(refine.seconds_since(a, self.launch.device, bool(self.loader.refine_left)))
         update = self._update(epoch, step)
-        self.loader.observe(step, times)  # while steps remain to refine (collective); else nothing
+        self.loader.observe(step, times)  # while refining or tracking the CPU slowdown (collective); else nothing
         step_s = time.perf_counter() - t0
         idle = self._idle_fraction(sum(times))
         if self.t.step_timeout_s:

@@ -32,7 +32,7 @@ from dcparallel.cost.base import (
     grad_sync_time,
     model_state_bytes,
 )
-from dcparallel.cost.batch import Batches, TermsArray, exact_pow
+from dcparallel.cost.batch import Batches, TermsArray, exact_pow, sequential_sums
 from dcparallel.cost.calibration_fit import Calibration, _attn_share, _layer_params, _smoothmax, fit_calibration
 from dcparallel.cost.heads import layer_a2a_calls, layer_a2a_units
 from dcparallel.cost.ring import SplitTime, best_split, check_ring, layer_comm
@@ -101,6 +101,9 @@ class AnalyticCost:
         # rows of one call): on a kernel that calls once per document (`Calibration.attn_call_s`)
         self._per_document = calibration.attn_calls_per_document and model.kind != "video"
         self._doc_call = calibration.attn_call_s * model.attn_per_layer if self._per_document else 0.0
+        # a text document's pairs priced at its length's cost per pair (`Calibration.attn_knots`)
+        knots = calibration.attn_knots if model.kind == "text" else ()
+        self._knots = (np.log2([k[0] for k in knots]), np.array([k[1] for k in knots])) if knots else None
         # kept bytes scale with the widths and the bytes of an activation value (fp32 keeps twice
         # bf16's); the MLP keeps ffn- and hidden-wide values alike (a gated MLP: its input, the
         # gate's and the up projection's outputs, the activation's, their product)
@@ -134,6 +137,14 @@ class AnalyticCost:
     def grad_sync_time(self) -> float:
         return self._sync
 
+    def priced_pairs(self, tokens, pairs):
+        """The attention pairs priced for documents of ``tokens`` tokens and ``pairs`` pairs
+        (floats or arrays): ``pairs`` times the calibration's factor at that length
+        (`Calibration.attn_knots`); ``pairs`` itself without knots."""
+        if self._knots is None:
+            return pairs
+        return pairs * np.interp(np.log2(np.maximum(tokens, 1)), *self._knots)
+
     def attention_calls(self, n_samples: int) -> int:
         """The attention kernel calls priced per attention sub-block of a micro-batch of
         ``n_samples`` samples: one per document where the calibrated kernel calls once per
@@ -147,7 +158,8 @@ class AnalyticCost:
         """The (Ulysses, ring) split of a group of `sp` ranks predicted fastest for a
         micro-batch of these samples: the least exposed communication (`cost.ring`)."""
         n = sum(self.model.tokens(s) for s in sizes)
-        return best_split(self.model, self.cluster, sp, n, sum(_pairs(self.model, s) for s in sizes), self._attn)
+        pairs = sum(float(self.priced_pairs(self.model.tokens(s), _pairs(self.model, s))) for s in sizes)
+        return best_split(self.model, self.cluster, sp, n, pairs, self._attn)
 
     def add_state_bytes(self, extra: float) -> None:
         """Bytes every micro-batch finds allocated on top of the model states counted so far
@@ -164,9 +176,10 @@ class AnalyticCost:
         for s in sizes:
             st = stats.get(s)
             if st is None:
+                tok = self.model.tokens(s)
                 st = stats[s] = (
-                    self.model.tokens(s),
-                    _pairs(self.model, s),
+                    tok,
+                    float(self.priced_pairs(tok, _pairs(self.model, s))),
                     None if tower is None else sample_vision(tower, s),
                 )
             n_tok += st[0]
@@ -182,7 +195,9 @@ class AnalyticCost:
         if self.model.vision is not None:
             p, q, mp, mq = sample_vision(self.model.vision, size)
             vis = (count * p, count * q, mp, mq)
-        return self._cached(count * self.model.tokens(size), count * _pairs(self.model, size), count, sp, vis)
+        tok = self.model.tokens(size)
+        pairs = float(self.priced_pairs(tok, _pairs(self.model, size)))
+        return self._cached(count * tok, count * pairs, count, sp, vis)
 
     def _cached(
         self, n_tok: int, pairs: float, n_samples: int, sp: int, vis: tuple[int, int, int, int]
@@ -199,13 +214,16 @@ class AnalyticCost:
         shape (len(batches), len(sps)): the same arithmetic on numpy arrays (`cost.batch`),
         each element equal to `terms` of that micro-batch at that degree. Not cached."""
         vis = None if self._vision is None else batches.vision_sums()
-        return self._grid(batches.token_sums(), batches.pair_sums(), batches.lengths, sps, vis)
+        pairs = batches.pair_sums()
+        if self._knots is not None:
+            pairs = sequential_sums(self.priced_pairs(batches.tokens, batches.pairs), batches.lengths)
+        return self._grid(batches.token_sums(), pairs, batches.lengths, sps, vis)
 
     def terms_copies_grid(self, sizes: Sequence[Size], counts: np.ndarray, sp: int) -> TermsArray:
         """`terms_copies(sizes[i], counts[i], sp)` of every i, as arrays of shape (len(counts), 1),
         each element equal to it (the same arithmetic). Not cached."""
         counts = np.asarray(counts, dtype=np.int64)
-        one = {s: (self.model.tokens(s), _pairs(self.model, s)) for s in set(sizes)}
+        one = {s: (t := self.model.tokens(s), float(self.priced_pairs(t, _pairs(self.model, s)))) for s in set(sizes)}
         tok = np.fromiter((one[s][0] for s in sizes), dtype=np.int64, count=len(counts))
         pairs = np.fromiter((one[s][1] for s in sizes), dtype=float, count=len(counts))
         vis = None

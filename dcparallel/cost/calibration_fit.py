@@ -56,6 +56,11 @@ class Calibration:
     #: SDPA loop on a CPU); 0 where one call takes every document (varlen_attn on a GPU)
     attn_call_s: float = 0.0
     attn_calls_per_document: bool = False
+    #: (document length, factor) knots: a text document of that many tokens costs its pairs times
+    #: `attn_s_per_pair` times the factor (linear in log2 of the length between knots, the end
+    #: knots' beyond), where the kernel's cost per pair moves with the length (a CPU's SDPA:
+    #: `profile.cpu_calibration`); none: every length at `attn_s_per_pair` (an H200's fit)
+    attn_knots: tuple[tuple[int, float], ...] = ()
 
 
 def _smoothmax(floor: float, compute: float, p: float) -> float:

@@ -16,13 +16,21 @@ sizes' copies cost alone. Recomputation's extra time scales by ``a`` only (it ad
 another micro-batch). Memory is not corrected. A `PlanContext` keeps the prices it has seen:
 plan with a new one after observing.
 
-`observe` is deterministic arithmetic on what it is given; the caller decides which
-measurements are fed (the first steps of training, or synthetic ones in a test).
+A second correction follows the machine's speed as it changes (``track`` > 0: the loader
+turns it on for a CPU-calibrated analytic model, whose wall seconds per processor second move
+with a shared machine's load): per step, the ratio of the step's measured micro-batch seconds
+to their prices under the affine fits (`observe_step`), and the scale ``s``, the median of the
+last ``track`` steps' ratios, multiplies every price (``s a t + s b``). A median, not a mean:
+one step run while another job burst on the machine moves it less.
+
+`observe` and `observe_step` are deterministic arithmetic on what they are given; the caller
+decides which measurements are fed (the first steps of training, or synthetic ones in a test).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import deque
 from collections.abc import Sequence
 
@@ -39,10 +47,15 @@ MAX_SCALE = 20.0
 
 
 class RefinedCost:
-    """``inner`` (any cost model) with per-degree corrections fitted from measured micro-batches."""
+    """``inner`` (any cost model) with per-degree corrections fitted from measured micro-batches;
+    ``track``: steps whose median ratio of measured to priced seconds scales every price
+    (`observe_step`; 0: no scale)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, track: int = 0):
         self.inner = inner
+        self.track = int(track)
+        self._ratios: deque[float] = deque(maxlen=max(1, self.track))
+        self.scale = 1.0  # the median of `_ratios`: what `observe_step` has seen of the machine's speed
         self.model, self.cluster = inner.model, inner.cluster
         self.sp_sizes = getattr(inner, "sp_sizes", None)
         # sp (None: every degree) -> (priced, measured) seconds, and its fit (a, b)
@@ -66,15 +79,31 @@ class RefinedCost:
             seen.append((priced, float(seconds)))
             self._fit[key] = _fit(seen)
 
+    def observe_step(self, rows: Sequence[tuple[Sequence[Size], int, Recompute, float]]) -> None:
+        """One step's micro-batches (sizes, sp, recompute, seconds) took these seconds: its ratio of
+        measured to priced (under the affine fits, without `scale`) joins the last ``track``
+        steps', whose median becomes `scale`. A step without micro-batches changes nothing."""
+        if not self.track:
+            raise ValueError("observe_step needs a RefinedCost made with track > 0")
+        priced = measured = 0.0
+        for sizes, sp, recompute, seconds in rows:
+            a, b = self._fit.get(sp) or self._fit.get(None, (1.0, 0.0))
+            priced += a * self.inner.terms(sizes, sp).time(recompute) + b
+            measured += float(seconds)
+        if priced > 0 and measured > 0:
+            self._ratios.append(float(np.clip(measured / priced, 1 / MAX_SCALE, MAX_SCALE)))
+            self.scale = statistics.median(self._ratios)
+
     @property
     def fitted(self) -> list[int]:
         """The SP degrees measured so far, each with a fit of its own."""
         return sorted(k for k in self._fit if k is not None)
 
     def correction(self, sp: int) -> tuple[float, float]:
-        """(a, b) at degree ``sp``; at a degree not observed yet, the fit of every degree
-        observed (the same machine); (1, 0) before any observation."""
-        return self._fit.get(sp) or self._fit.get(None, (1.0, 0.0))
+        """(a, b) at degree ``sp``, times `scale`; at a degree not observed yet, the fit of every
+        degree observed (the same machine); (1, 0) times `scale` before any observation."""
+        a, b = self._fit.get(sp) or self._fit.get(None, (1.0, 0.0))
+        return a * self.scale, b * self.scale
 
     # ------------------------------------------------------------------ the cost-model interface
 

@@ -103,6 +103,11 @@ class DataCentricLoader:
     - ``refine_steps``: the first this many steps feed their micro-batch times (`observe`) to
       the cost model, wrapped in a `RefinedCost`; each is planned after the last was fed
       (`data.refine`). 0 (default): the cost model is used as given.
+      A CPU-calibrated analytic model (`cost = "analytic"` on a CPU) is tracked after them:
+      every step fed to `observe` rescales its prices by the median ratio of measured to
+      priced seconds of the last `refine.TRACK_STEPS` steps fed, and each step is planned
+      after the last was fed (its estimate one step behind; planning does not overlap
+      training). A loop that does not call `observe` ends it after the first step.
 
     Raises ValueError before anything runs: an empty dataset, a lengths count that differs
     from the dataset, a zero, negative or non-integer length, a sample larger than any
@@ -145,11 +150,11 @@ class DataCentricLoader:
         self.world_size, self.rank = _world_and_rank(cluster, world_size, rank)
 
         self.refine_left, self._refined = refine.check_steps(refine_steps), []  # steps still to feed; rows fed
-        cost = RefinedCost(cost) if refine_steps and not isinstance(cost, RefinedCost) else cost
-        sizes = read_sizes(lengths, num_samples)
-        check_kind(sizes, cost.model)
-        self.dataset, self.sizes = dataset, sizes
-        self.workload = Workload(cost.model, sizes)
+        self.tracking, self._fed = refine.track_steps(cost), 0  # steps of the tracked scale; steps fed
+        cost = refine.wrapped(cost, refine_steps, self.tracking)
+        self.dataset, self.sizes = dataset, read_sizes(lengths, num_samples)
+        check_kind(self.sizes, cost.model)
+        self.workload = Workload(cost.model, self.sizes)
         self.cluster, self.policy = cluster, policy
         self.context = PlanContext(self.workload, cost, cluster, skip_oversize=skip_oversize)
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
@@ -160,7 +165,7 @@ class DataCentricLoader:
         self._idle_workers: list[plan_stream.PlanWorker] = []  # planning processes between epochs
         weakref.finalize(self, plan_stream.close_workers, self._idle_workers)
         self._open: weakref.WeakSet[Iterator[LoaderStep]] = weakref.WeakSet()  # iterations not yet closed
-        self._tasks = _task_dataset(dataset, collate, cost.model.kind, ignore_index, sizes)
+        self._tasks = _task_dataset(dataset, collate, cost.model.kind, ignore_index, self.sizes)
         self._data_digest = comm.digest(
             (self.workload.tokens, tuple(self.context.usable_ids), self.seed, tokens_per_step, samples_per_step)
         )
@@ -291,17 +296,23 @@ class DataCentricLoader:
         self.epoch, self._step, self._start = epoch, step, step
         if self.refine_left or self._refined:  # the fits the saved run planned with, from its rows
             plan_stream.close_workers(self._idle_workers)  # they hold the fits of this process's run
-            self.context.cost, self._refined = RefinedCost(self.context.cost.inner), []
+            self.context.cost, self._refined = RefinedCost(self.context.cost.inner, self.tracking), []
             saved = state.get("refine", {"left": self.refine_left, "rows": []})
             self.observe_rows(saved["rows"], count=False)
             self.refine_left = saved["left"]
 
     def observe(self, step: LoaderStep, seconds: list[float]) -> bool:
         """Feeds the seconds each of ``step``'s batches took on this rank (in order) to the cost model, a
-        collective (every rank, every step) while steps remain to refine; else False, no collective."""
-        if not self.refine_left:
+        collective (every rank, every step) while steps remain to refine or the scale is tracked;
+        else False, no collective."""
+        if not (self.refine_left or self.tracking):
             return False
-        self.observe_rows(refine.step_rows(step.plan, self.rank, self.world_size, self.sizes, seconds))
+        rows = refine.step_rows(step.plan, self.rank, self.world_size, self.sizes, seconds)
+        if self.refine_left:
+            self.observe_rows(rows)
+        else:
+            refine.feed(self, rows, count=False, track=True)
+        self._fed += 1
         return True
 
     def observe_rows(self, rows: list, count: bool = True) -> None:  # rows: `data.refine.Row`s, alike on every rank
@@ -358,12 +369,12 @@ class DataCentricLoader:
         self._step = start
         self.last_plan_seconds, self.last_plan_waits = 0.0, []
         k, num_steps = start, len(self.steps(epoch))
-        while k < num_steps and self.refine_left:  # one step at a time, each planned after the last was fed
-            left = self.refine_left
+        while k < num_steps and (self.refine_left or self.tracking):  # one step at a time, each planned after
+            fed = self._fed  # the last was fed
             yield from list(self._segment(epoch, k, k + 1))  # its stream and DataLoader closed before the yield
             k += 1
-            if self.refine_left == left:  # the loop did not feed this step: refining ends (alike on every rank)
-                self.refine_left = 0
+            if self._fed == fed:  # the loop did not feed this step: refining and tracking end (alike on every rank)
+                self.refine_left = self.tracking = 0
         yield from self._segment(epoch, k, num_steps)
 
     def _segment(self, epoch: int, start: int, end: int) -> Iterator[LoaderStep]:

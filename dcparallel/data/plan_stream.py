@@ -241,11 +241,12 @@ class PlanWorker:
         except subprocess.TimeoutExpired:
             return None
 
-    def observe(self, rows: list) -> None:
-        """Refits the process's cost model on measured micro-batches (`sim.plan_worker.refit`)
-        before its next job; a process that is gone is dropped when next taken (`idle_worker`)."""
+    def observe(self, rows: list, track: bool = False) -> None:
+        """Refits the process's cost model on measured micro-batches (`sim.plan_worker.refit`,
+        ``track``: one step's, for its scale) before its next job; a process that is gone is
+        dropped when next taken (`idle_worker`)."""
         try:
-            self.conn.send(("observe", None, rows))
+            self.conn.send(("observe", None, rows, track))
         except OSError:
             pass
 

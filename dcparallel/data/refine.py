@@ -1,5 +1,6 @@
 """The loader's online refinement: micro-batch times measured in the first steps of training
-correct the cost model (`cost.refined.RefinedCost`) that plans the later steps.
+correct the cost model (`cost.refined.RefinedCost`) that plans the later steps; with a
+CPU-calibrated analytic model every later step's times keep its scale current (`track_steps`).
 
 What is fed: per micro-batch of a step, its samples' sizes, its SP degree, its recompute
 setting and the seconds it took on the lowest rank of its group. Every rank gathers every
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dcparallel.cost.refined import RefinedCost
 from dcparallel.plan.types import StepPlan
 from dcparallel.runtime import comm
 from dcparallel.sim.plan_worker import refit
@@ -25,6 +27,23 @@ log = logging.getLogger(__name__)
 
 #: (sizes, sp, recompute attention layers, recompute MLP layers, seconds); a video size is a list
 Row = tuple[list, int, int, int, float]
+
+
+#: steps whose median ratio of measured to priced seconds scales a CPU-calibrated model's prices
+TRACK_STEPS = 3
+
+
+def track_steps(cost: Any) -> int:
+    """`TRACK_STEPS` for a cost model priced at a launch's timed slowdown (``launch_slowdown``:
+    the CPU's analytic calibration, `profile.cpu_calibration.analytic_cost`), whose wall seconds
+    per processor second move with the machine's load; else 0 (a GPU's prices, a profile)."""
+    return TRACK_STEPS if getattr(cost, "launch_slowdown", None) else 0
+
+
+def wrapped(cost: Any, refine_steps: int, track: int) -> Any:
+    """``cost`` in a `RefinedCost` (scaled over ``track`` steps) when it is refined or tracked."""
+    refined = (refine_steps or track) and not isinstance(cost, RefinedCost)
+    return RefinedCost(cost, track) if refined else cost
 
 
 def check_steps(refine_steps: int) -> int:
@@ -66,13 +85,19 @@ def step_rows(plan: StepPlan, rank: int, world_size: int, sizes: Sequence[Size],
     return rows
 
 
-def feed(loader, rows: Sequence[Row], count: bool = True) -> None:
+def feed(loader, rows: Sequence[Row], count: bool = True, track: bool = False) -> None:
     """``loader`` (a `DataCentricLoader`) refits on ``rows``, as do its idle planning processes
     (the next job of each plans on the new fit); ``count``: they end one of the steps to
-    refine. Rank 0 logs the fits once the last step is fed."""
-    loader.context = refit(loader.context, rows)
+    refine. Rank 0 logs the fits once the last step is fed. ``track``: ``rows`` are one
+    step's, after the steps to refine, for the cost model's scale (`RefinedCost.observe_step`);
+    not saved (a resumed run starts from its launch's slowdown again)."""
+    loader.context = refit(loader.context, rows, track)
     for worker in loader.idle_workers:
-        worker.observe(list(rows))
+        worker.observe(list(rows), track)
+    if track:
+        cost = loader.context.cost
+        log.debug("rank %d: the machine runs at %.3g x the prices made at launch", loader.rank, cost.scale)
+        return
     loader.refined.extend(rows)
     loader.refine_left -= int(count)
     if count and not loader.refine_left and loader.rank == 0:

@@ -315,7 +315,7 @@ class DataCentricTrainer(Trainer):
                 ctx.backward(loss)
             times.append(refine.seconds_since(start, self.args.device, bool(loader.refine_left)))
         loss = self.dc.sync_gradients()
-        loader.observe(inputs, times)  # while steps remain to refine (collective), before the next is planned
+        loader.observe(inputs, times)  # while refining or tracking (collective), before the next is planned
         return torch.tensor(loss, device=self.args.device)
 
     def _clip_grad_norm(self, model):

@@ -206,12 +206,16 @@ def sdpa_attention(
         raise ValueError(f"cu_seqlens {list(cu_seqlens)} must rise from 0 to at most the row length {length}")
     if len(cu_seqlens) == 2 and cu_seqlens[1] == length:
         return _attend_segment(q, k, v, pattern, sinks)
-    pieces = [
-        _attend_segment(q[:, a:b], k[:, a:b], v[:, a:b], pattern.within(a, b), sinks)
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
-        if b > a
-    ]
+    # `split`, not a slice per document: a slice's backward writes its gradient into a zero
+    # tensor of the whole row, so a row of D documents would cost D rows of memory traffic
+    # (a packed CPU micro-batch of 50 documents: attention forward + backward 1.7-1.9x slower)
     pad = length - cu_seqlens[-1]
+    bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
+    parts = [b - a for a, b in bounds] + [pad]
+    qs, ks, vs = (x.split(parts, dim=1) for x in (q, k, v))
+    pieces = [
+        _attend_segment(qs[i], ks[i], vs[i], pattern.within(a, b), sinks) for i, (a, b) in enumerate(bounds) if b > a
+    ]
     if pad:
         pieces.append(q.new_zeros(q.shape[0], pad, q.shape[2], v.shape[3]))
     return torch.cat(pieces, dim=1)

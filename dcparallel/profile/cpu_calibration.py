@@ -14,7 +14,14 @@ few timings on this machine, a few seconds for a small model, replace its time c
   L, 2L and 4L tokens: seconds per query-key pair; at 16 tokens, the fixed cost of one call
   (``attn_call_s``), added to the floor. That kernel calls SDPA once per document of a packed
   row (`models.attention.kernel_calls`), so the cost model charges the call's fixed cost per
-  document (`Calibration.attn_calls_per_document`).
+  document (`Calibration.attn_calls_per_document`);
+* attention's knots: the same call over one document of every power of two of tokens from 64
+  up to the run's longest sample (`knot_lengths`; at most 4,096): SDPA's cost per pair on a
+  CPU falls with the length (the demo's layer: 1.6e-7 processor seconds per pair up to 512
+  tokens, 1.2e-7 at 1,024, 8.7e-8 at 4,096), which one slope cannot price, so each length is
+  priced at its own cost per pair, interpolated between knots (`Calibration.attn_knots`,
+  `fit_knots`). The knots above 4L are timed in three rounds of one call (about 4 processor
+  seconds more for the demo's layer up to 4,096 tokens).
 
 Two quantities, measured apart because on a shared machine the second moves far more than the first:
 
@@ -40,7 +47,9 @@ the packaged calibration's. The smooth max of floor and compute becomes a sum (p
 has no idle launch time to hide work in).
 
 `cpu_calibration` caches the constants in a JSON file (``cpu-calibration.json`` beside the
-profile path) keyed by the CPU, threads, torch version and the model's sizes. Under
+profile path: `dcparallel train`'s ``[profile] path``, else its ``out_dir``) keyed by the CPU,
+threads, torch version and the model's sizes, timed anew when its knots stop short of the
+run's longest sample. Under
 torchrun every rank times at once, loading the machine as training does, and every rank
 uses the ranks' mean, so their cost models are the same. With more than one rank the
 launch's links are timed too (`cpu_cluster`, `profile.cpu_links`: gloo's all-to-all latency
@@ -84,6 +93,11 @@ PROBE_ROUNDS = 3
 FLOOR_TOKENS = 16
 #: the sizes fitted for a slope, in multiples of the smallest (n, 2n, 4n tokens; L, 2L, 4L)
 SCALES = (1, 2, 4)
+#: attention's knots (`Calibration.attn_knots`): one document of every power of two of tokens
+#: from `MIN_KNOT` up to the run's longest sample (at most `MAX_KNOT`, and no call above
+#: `KNOT_FLOPS`); those above 4L timed in `KNOT_ROUNDS` rounds of windows of one call or more
+#: (a 4,096-token call of the demo's layer takes 0.7 processor seconds)
+MIN_KNOT, MAX_KNOT, KNOT_FLOPS, KNOT_ROUNDS = 64, 4096, 2e10, 3
 
 
 def work_clock():
@@ -113,15 +127,16 @@ class Rounds:
 
 
 def timed_rounds(
-    fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work=None
+    fns, repeats: int | None = None, min_s: float | None = None, clock=time.perf_counter, work=None, min_calls=None
 ) -> Rounds:
     """After a warm-up call of each of ``fns``, ``repeats`` rounds of one window per function, a
     window at least ``min_s`` seconds of ``clock`` and `MIN_CALLS` calls, timed on ``work``
     (default `work_clock`): processor seconds, whatever share of a core each window gets. A
     window spans many of the scheduler's time slices; the least window (`Rounds.estimate`)
     drops those a burst of other work fell into, and the rounds give every function the
-    same mix of the machine's load. ``repeats`` and ``min_s`` default to `REPEATS` and `MIN_S`."""
-    repeats, min_s = repeats or REPEATS, MIN_S if min_s is None else min_s
+    same mix of the machine's load. ``repeats``, ``min_s`` and ``min_calls`` default to
+    `REPEATS`, `MIN_S` and `MIN_CALLS`."""
+    repeats, min_s, min_calls = repeats or REPEATS, MIN_S if min_s is None else min_s, min_calls or MIN_CALLS
     work = work or work_clock()
     for fn in fns:
         fn()  # warm-up
@@ -131,7 +146,7 @@ def timed_rounds(
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             made, t0, w0 = 0, clock(), work()
-            while made < MIN_CALLS or clock() - t0 < min_s:
+            while made < min_calls or clock() - t0 < min_s:
                 fn()
                 made += 1
             calls[i] += made
@@ -163,6 +178,27 @@ def fit(times: list[float], tokens: list[int], lengths: list[int]) -> dict[str, 
 
 #: the time constants, in a calibration's entry
 CONSTANTS = ("lin_s_per_token", "attn_s_per_pair", "floor_s", "attn_call_s")
+
+
+def fit_knots(lengths: list[int], times: list[float], constants: dict) -> list[list[float]]:
+    """`Calibration.attn_knots` from one call's seconds of attention over one document of each
+    of ``lengths`` tokens: each length's factor on ``constants``' cost per pair, so that the
+    call's fixed cost plus its pairs priced at the factor give back the time measured."""
+    per_pair, call = constants["attn_s_per_pair"], constants["attn_call_s"]
+    return [
+        [int(x), max(t - call, 0.0) / (x * (x + 1) / 2) / max(per_pair, 1e-300)]
+        for x, t in zip(lengths, times, strict=True)
+    ]
+
+
+def knot_lengths(spec: ModelSpec, longest: int) -> list[int]:
+    """The document lengths attention's knots are timed at: powers of two from `MIN_KNOT` up to
+    the first not below ``longest`` (at most `MAX_KNOT`; halved while its call's forward and
+    backward, about 6 h L^2 floating-point operations, exceeds `KNOT_FLOPS`)."""
+    top = min(MAX_KNOT, 2 ** math.ceil(math.log2(max(longest, MIN_KNOT))))
+    while top > MIN_KNOT and 6.0 * spec.hidden * top * top > KNOT_FLOPS:
+        top //= 2
+    return [2**k for k in range(int(math.log2(MIN_KNOT)), int(math.log2(top)) + 1)]
 
 
 def robust_fit(rounds: Rounds, tokens: list[int], lengths: list[int]) -> dict:
@@ -246,17 +282,29 @@ def _timed_fns(spec: ModelSpec):
     return _layer_linear(spec, dtype), _attention(spec, dtype)
 
 
-def measure(spec: ModelSpec, **kw) -> dict:
+def measure(spec: ModelSpec, longest: int = MAX_KNOT, **kw) -> dict:
     """This machine's time constants for ``spec``'s layer in processor seconds, their spread
-    over the rounds, and the sizes with their seconds (``probe``; see the module doc); ``kw`` go to
+    over the rounds, the sizes with their seconds (``probe``; see the module doc) and
+    attention's knots up to ``longest`` tokens (`knot_lengths`, `fit_knots`); ``kw`` go to
     `timed_rounds`."""
     params = spec.attn_params + spec.mlp_params
     n = _tokens(6.0 * params, 4096) // 4  # the largest timing, 4n tokens, about TIMING_FLOPS
     length = _tokens(6.0 * spec.hidden * math.sqrt(TIMING_FLOPS / (6.0 * spec.hidden)), 4096) // 4  # 6 h (4L)^2 flops
     tokens, lengths = [FLOOR_TOKENS] + [s * n for s in SCALES], [FLOOR_TOKENS] + [s * length for s in SCALES]
+    knots = knot_lengths(spec, longest)
+    short = [x for x in knots if x <= lengths[-1] and x not in lengths]
+    long = [x for x in knots if x > lengths[-1]]
     lin, att = _timed_fns(spec)
-    rounds = timed_rounds([lin(x) for x in tokens] + [att(x) for x in lengths], **kw)
-    return robust_fit(rounds, tokens, lengths)
+    rounds = timed_rounds([lin(x) for x in tokens] + [att(x) for x in lengths + short], **kw)
+    est, k = rounds.estimate(), len(tokens + lengths)
+    seconds = dict(zip(lengths + short, est[len(tokens) :], strict=True))
+    out = robust_fit(dataclasses.replace(rounds, per_call=rounds.per_call[:k], calls=rounds.calls[:k]), tokens, lengths)
+    out["slowdown"] = rounds.slowdown(est)  # every window's
+    if long:
+        kw = {**kw, "repeats": min(kw.get("repeats") or KNOT_ROUNDS, KNOT_ROUNDS), "min_calls": 1}
+        seconds.update(zip(long, timed_rounds([att(x) for x in long], **kw).estimate(), strict=True))
+    out["attn_knots"] = fit_knots(knots, [seconds[x] for x in knots], out)
+    return out
 
 
 def slowdown(spec: ModelSpec, measured: dict, clock=time.perf_counter, work=None) -> float:
@@ -285,6 +333,7 @@ def calibration(spec: ModelSpec, measured: dict) -> Calibration:
         floor_s=float(measured["floor_s"]),
         attn_call_s=float(measured["attn_call_s"]),
         attn_calls_per_document=per_document(spec),
+        attn_knots=tuple((int(x), float(f)) for x, f in measured.get("attn_knots", ())),
         lin_s_per_token=float(measured["lin_s_per_token"]) * ref_params / params,
         attn_s_per_pair=float(measured["attn_s_per_pair"])
         * (ref.hidden * ref.attn_per_layer)
@@ -334,20 +383,29 @@ def _key(spec: ModelSpec) -> str:
     )
 
 
-def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
+def cpu_calibration(spec: ModelSpec, cache: str | Path | None, longest: int = MAX_KNOT) -> Calibration:
     """The calibration of ``spec`` on this CPU: its processor-second constants from ``cache``
-    (a JSON file) when it holds this machine's and model's, else timed now on every rank
-    (collective) and saved there by rank 0; times this launch's `slowdown` (every rank, their
-    mean) and returns the constants in wall seconds. The same on every rank."""
+    (a JSON file) when it holds this machine's and model's with attention's knots up to
+    ``longest`` tokens (`knot_lengths`), else timed now on every rank (collective) and saved
+    there by rank 0; times this launch's `slowdown` (every rank, their mean) and returns the
+    constants in wall seconds. The same on every rank."""
+    return launch_calibration(spec, cache, longest)[0]
+
+
+def launch_calibration(spec: ModelSpec, cache: str | Path | None, longest: int = MAX_KNOT) -> tuple[Calibration, float]:
+    """`cpu_calibration` and the launch's slowdown that scaled its constants."""
     key, path = _key(spec), Path(cache) if cache is not None else None
     hit = _load(path).get(key)
-    if hit is not None and not set(CONSTANTS) <= set(hit):
-        hit = None  # an entry of fewer constants (an older calibration's): timed anew
+    if hit is not None and not (set(CONSTANTS) <= set(hit) and _covers(hit, knot_lengths(spec, longest))):
+        hit = None  # an entry of fewer constants or knots (an older or shorter run's): timed anew
     if not all(comm.all_gather_object(hit is not None)):
         t0 = time.perf_counter()
-        every = comm.all_gather_object(measure(spec))
+        every = comm.all_gather_object(measure(spec, longest))
         factor = statistics.fmean(m["slowdown"] for m in every)
         hit = {k: statistics.fmean(m[k] for m in every) for k in CONSTANTS}
+        hit["attn_knots"] = [
+            [k[0][0], statistics.fmean(x[1] for x in k)] for k in zip(*(m["attn_knots"] for m in every), strict=True)
+        ]
         hit["spread"] = {k: max(m["spread"][k] for m in every) for k in CONSTANTS}
         hit["probe"] = {
             **every[0]["probe"],
@@ -372,7 +430,12 @@ def cpu_calibration(spec: ModelSpec, cache: str | Path | None) -> Calibration:
             factor,
             os.getloadavg()[0],
         )
-    return calibration(spec, {k: hit[k] * factor for k in CONSTANTS})
+    return calibration(spec, {**{k: hit[k] * factor for k in CONSTANTS}, "attn_knots": hit["attn_knots"]}), factor
+
+
+def _covers(entry: dict, lengths: list[int]) -> bool:
+    """Whether a cached ``entry`` holds attention's knots up to the longest of ``lengths``."""
+    return bool(entry.get("attn_knots")) and entry["attn_knots"][-1][0] >= lengths[-1]
 
 
 def _load(path: Path | None) -> dict:
@@ -415,14 +478,19 @@ def cpu_cluster(cluster: ClusterSpec, cache: str | Path | None) -> ClusterSpec:
 
 
 def analytic_cost(
-    spec: ModelSpec, cluster: ClusterSpec, device: torch.device, profile_path: str | Path
+    spec: ModelSpec, cluster: ClusterSpec, device: torch.device, profile_path: str | Path, longest: int = MAX_KNOT
 ) -> AnalyticCost:
     """``cost = "analytic"``: the packaged calibration on a GPU, this CPU's and this launch's
     links (`cpu_cluster`; both cached beside ``profile_path``) on a CPU unless
     ``DCPARALLEL_CPU_CALIBRATION=0`` asks for the packaged one (plans that do not depend on
-    the machine's timings: the tests'). Collective on a CPU."""
+    the machine's timings: the tests'). Collective on a CPU. On a CPU the model's
+    ``launch_slowdown`` is the launch's (`slowdown`), and the loader keeps its prices current
+    with what the steps measure (`data.refine.track_steps`)."""
     on = device.type == "cpu" and os.environ.get("DCPARALLEL_CPU_CALIBRATION", "1") != "0"
     if not on:
         return AnalyticCost(spec, cluster)
     cache = Path(profile_path).with_name(CACHE_NAME)
-    return AnalyticCost(spec, cpu_cluster(cluster, cache), cpu_calibration(spec, cache))
+    cal, factor = launch_calibration(spec, cache, longest)
+    cost = AnalyticCost(spec, cpu_cluster(cluster, cache), cal)
+    cost.launch_slowdown = factor  # the loader tracks it (`data.refine.track_steps`): the load moves it
+    return cost

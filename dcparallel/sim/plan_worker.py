@@ -13,7 +13,7 @@ Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
   (answered ``("ready", None)``, or ``("error", None, text)`` and the end);
   then per epoch ``("job", jid, steps, start, lookahead[, stop])`` (steps ``start ..
   stop - 1``), ``("demand", jid, k)`` (plan up to step ``k - 1 + lookahead``), ``("end",
-  jid)``; ``("observe", None, rows)`` refits the context's `RefinedCost` on measured
+  jid)``; ``("observe", None, rows[, track])`` refits the context's `RefinedCost` on measured
   micro-batches (`refit`; the loader sends it between jobs); None or EOF ends the process.
 - out: ``("plan", jid, k, StepPlan, seconds, prediction)`` in step order (prediction:
   the plan's `sim.replay.StepPrediction`, or None), ``("error", jid,
@@ -49,15 +49,23 @@ def checked_plan(planner: Planner, step: Step) -> StepPlan:
     return plan
 
 
-def refit(ctx: PlanContext, rows) -> PlanContext:
+def refit(ctx: PlanContext, rows, track: bool = False) -> PlanContext:
     """A new context over ``ctx``'s `RefinedCost` after observing ``rows`` (`data.refine.Row`:
-    sizes, sp, recompute attention and MLP layers, seconds); a context keeps the prices it
-    has seen, so the plans after a refit need a new one."""
+    sizes, sp, recompute attention and MLP layers, seconds): its affine fits, or with
+    ``track`` its scale (`RefinedCost.observe_step`: ``rows`` are one step's); a context
+    keeps the prices it has seen, so the plans after a refit need a new one."""
     cost = ctx.cost
     if not isinstance(cost, RefinedCost):
         raise TypeError(f"refining needs the context's cost model to be a RefinedCost; got {type(cost).__name__}")
-    for sizes, sp, attn, mlp, seconds in rows:
-        cost.observe([tuple(s) if isinstance(s, list) else s for s in sizes], sp, Recompute(attn, mlp), seconds)
+    seen = [
+        ([tuple(s) if isinstance(s, list) else s for s in sizes], sp, Recompute(attn, mlp), seconds)
+        for sizes, sp, attn, mlp, seconds in rows
+    ]
+    if track:
+        cost.observe_step(seen)
+    else:
+        for row in seen:
+            cost.observe(*row)
     return PlanContext(ctx.workload, cost, ctx.cluster, skip_oversize=bool(ctx.skipped))
 
 
@@ -93,7 +101,7 @@ def serve(conn: Connection) -> None:
             elif kind == "demand" and job is not None and job.jid == jid:
                 job.demand = max(job.demand, msg[2])
             elif kind == "observe":  # between jobs: the next job plans on the refitted context
-                ctx = refit(ctx, msg[2])
+                ctx = refit(ctx, *msg[2:])
             elif kind == "end":
                 job = None
                 conn.send(("ended", jid))

@@ -236,3 +236,34 @@ def test_video_families_take_their_kernel_on_cuda(monkeypatch, kind):
     with torch.no_grad(), dc.micro_batch(batch) as ctx:
         dc.adapter.loss_fn(model, batch, ctx)
     assert set(taken) == ({"loop"} if kind == "dit-factorized" else {"varlen"})
+
+
+def _nodes(fn) -> list[str]:
+    """The names of every autograd node behind ``fn``."""
+    seen, todo, names = set(), [fn], []
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.append(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+def test_a_packed_row_s_backward_gathers_its_documents_once():
+    """The CPU kernel's per-document loop splits q, k and v once: a slice per document would
+    write each document's gradient into a zero tensor of the whole row (D documents: D rows
+    of memory traffic, a packed micro-batch's attention 1.7-1.9x slower on a CPU)."""
+    cu = (0, 5, 9, 16, 20, 27)
+    q, k, v = (torch.randn(1, 30, 2, 4, requires_grad=True) for _ in range(3))
+    out = sdpa_attention(q, k, v, AttnPattern("causal"), cu)
+    names = _nodes(out.grad_fn)
+    assert names.count("SplitWithSizesBackward0") == 3 and "SliceBackward0" not in names, names
+    out.square().sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    ref = [sdpa_attention(q[:, a:b], k[:, a:b], v[:, a:b], AttnPattern("causal")) for a, b in zip(cu, cu[1:])]
+    torch.cat([*ref, q.new_zeros(1, 3, 2, 4)], dim=1).square().sum().backward()
+    assert all(torch.equal(g, x.grad) for g, x in zip(grads, (q, k, v), strict=True))

@@ -44,17 +44,21 @@ def test_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "MIN_S", 0.01)  # the same timing code in short windows
     monkeypatch.setattr(cc, "REPEATS", 2)
     monkeypatch.setattr(cc, "TIMING_FLOPS", 2e7)  # and smaller calls
+    monkeypatch.setattr(cc, "KNOT_FLOPS", 1e7)  # attention's knots up to 128 tokens
     monkeypatch.setattr(cc, "slowdown", lambda spec, measured: 5.0)  # timed at a launch that reads the cache
     spec = spec_of(tiny_llama(num_layers=2))
     path = tmp_path / cc.CACHE_NAME
     first = cc.cpu_calibration(spec, path)
     assert first.name == "cpu" and first.lin_s_per_token > 0 and first.attn_s_per_pair > 0
     (entry,) = json.loads(path.read_text()).values()
-    assert set(entry) == {*cc.CONSTANTS, "spread", "probe"}
+    assert set(entry) == {*cc.CONSTANTS, "spread", "probe", "attn_knots"}
+    assert [x for x, _ in entry["attn_knots"]] == [64, 128] and first.attn_knots == tuple(
+        map(tuple, entry["attn_knots"])
+    )
     factor = first.floor_s / entry["floor_s"]  # wall seconds: processor seconds x the calibration's slowdown
     assert factor >= 1.0 and first.attn_s_per_pair > 0
 
-    def no_timing(spec):
+    def no_timing(spec, longest):
         raise AssertionError("timed again despite the cache")
 
     monkeypatch.setattr(cc, "measure", no_timing)
@@ -76,7 +80,7 @@ def test_prepare_prices_with_this_cpu_unless_asked_not_to(tmp_path, monkeypatch)
         "probe": {"tokens": [16, 64], "lengths": [16, 64], "seconds": [1e-3] * 4},
         "slowdown": 2.0,  # the calibration's own windows, wall seconds per processor second
     }
-    monkeypatch.setattr(cc, "measure", lambda spec: dict(entry))
+    monkeypatch.setattr(cc, "measure", lambda spec, longest: dict(entry, attn_knots=[[64, 1.0], [128, 1.0]]))
     lengths = [20, 40, 60, 80]
 
     def prepared():
@@ -258,3 +262,111 @@ def test_a_packed_micro_batch_is_priced_at_the_attention_calls_the_runtime_makes
     one_call = AnalyticCost(spec, CLUSTER, dataclasses.replace(cal, attn_calls_per_document=False))
     extra = cost.terms(lengths, 1).time(Recompute(0, 0)) - one_call.terms(lengths, 1).time(Recompute(0, 0))
     assert extra == pytest.approx(spec.num_layers * (calls[0] // spec.num_layers - 1) * 1e-4, rel=1e-9, abs=1e-15)
+
+
+def _knotted(spec, lengths=(64, 128, 256, 512, 1024, 2048, 4096)):
+    """A calibration whose attention over one document of each of ``lengths`` took these
+    seconds: a fixed cost and a cost per pair falling with the length (as SDPA's on a CPU)."""
+    per_pair = {x: 2e-8 * (1.8 if x <= 256 else 1.0 if x <= 1024 else 0.8) for x in lengths}
+    seconds = [1e-4 + per_pair[x] * x * (x + 1) / 2 for x in lengths]
+    measured = {"lin_s_per_token": 3e-6, "attn_s_per_pair": 1.5e-8, "floor_s": 4e-4, "attn_call_s": 1e-4}
+    measured["attn_knots"] = cc.fit_knots(list(lengths), seconds, measured)
+    return cc.calibration(spec, measured), dict(zip(lengths, seconds, strict=True))
+
+
+def test_attention_is_priced_at_each_length_as_timed():
+    """The knots: a document of a timed length is priced at its timed attention (its call's
+    fixed cost and its pairs at its own length's cost per pair), not at one slope; between
+    two knots in between their costs per pair, past the last at the last's."""
+    spec = spec_of(tiny_llama(num_layers=2))
+    cal, seconds = _knotted(spec)
+    no_attn = dataclasses.replace(cal, attn_s_per_pair=0.0)
+    for x, t in seconds.items():
+        with_attn = AnalyticCost(spec, CLUSTER, cal).terms((x,), 1).time(Recompute(0, 0))
+        without = AnalyticCost(spec, CLUSTER, no_attn).terms((x,), 1).time(Recompute(0, 0))
+        assert with_attn - without == pytest.approx(spec.num_layers * (t - 1e-4), rel=1e-9)
+    cost = AnalyticCost(spec, CLUSTER, cal)
+    per_pair = [cost.priced_pairs(x, x * (x + 1) / 2) / (x * (x + 1) / 2) for x in (256, 400, 512, 4096, 8192)]
+    assert per_pair[0] > per_pair[1] > per_pair[2] and per_pair[3] == pytest.approx(per_pair[4], rel=1e-12)
+    one_slope = AnalyticCost(spec, CLUSTER, dataclasses.replace(cal, attn_knots=()))
+    assert one_slope.priced_pairs(3000, 1e6) == 1e6  # without knots every length at one slope
+
+
+def test_knots_price_micro_batches_one_at_a_time_and_all_at_once_alike():
+    from dcparallel.cost.batch import Batches
+
+    spec = spec_of(tiny_llama(num_layers=2))
+    cost = AnalyticCost(spec, CLUSTER, _knotted(spec)[0])
+    batches = [[100, 3000], [64], [5000, 20, 700, 700], [33] * 7]
+    grid = cost.terms_grid(Batches.of(spec, batches), [1, 2])
+    for i, b in enumerate(batches):
+        for j, sp in enumerate((1, 2)):
+            assert grid.time_none[i, j] == cost.terms(b, sp).time_none
+    copies = cost.terms_copies_grid([33], [7], 1)
+    assert copies.time_none[0, 0] == cost.terms_copies(33, 7, 1).time_none == cost.terms([33] * 7, 1).time_none
+
+
+def test_knots_reach_the_longest_sample_within_a_call_s_work():
+    small = spec_of(tiny_llama(num_layers=2))
+    assert cc.knot_lengths(small, 3072) == [64, 128, 256, 512, 1024, 2048, 4096]
+    assert cc.knot_lengths(small, 100) == [64, 128]
+    assert cc.knot_lengths(small, 10**6)[-1] == cc.MAX_KNOT
+    wide = dataclasses.replace(small, hidden=8192)  # 6 h L^2 over KNOT_FLOPS: halved
+    assert cc.knot_lengths(wide, 4096)[-1] ** 2 * 6 * 8192 <= cc.KNOT_FLOPS
+
+
+def test_a_cache_without_knots_as_long_as_the_run_s_samples_is_timed_anew(tmp_path, monkeypatch):
+    spec = spec_of(tiny_llama(num_layers=2))
+    entry = {
+        "lin_s_per_token": 3e-6,
+        "attn_s_per_pair": 2e-8,
+        "floor_s": 4e-4,
+        "attn_call_s": 1e-4,
+        "spread": dict.fromkeys(cc.CONSTANTS, 0.0),
+        "probe": {"tokens": [16], "lengths": [16], "seconds": [1e-3, 1e-3]},
+        "attn_knots": [[64, 1.2], [128, 1.0]],
+        "slowdown": 1.0,
+    }
+    timed = []
+    monkeypatch.setattr(cc, "measure", lambda spec, longest: timed.append(longest) or dict(entry))
+    monkeypatch.setattr(cc, "slowdown", lambda spec, measured: 1.0)
+    path = tmp_path / cc.CACHE_NAME
+    cal = cc.cpu_calibration(spec, path, longest=100)
+    assert timed == [100] and cal.attn_knots == ((64, 1.2), (128, 1.0))
+    cc.cpu_calibration(spec, path, longest=128)  # covered by the cache
+    assert timed == [100]
+    cc.cpu_calibration(spec, path, longest=1000)  # a longer sample than the cache's knots
+    assert timed == [100, 1000]
+
+
+def test_dcparallel_train_keeps_the_calibration_with_the_run_s_outputs(tmp_path, monkeypatch):
+    """`dcparallel train` with cost = "analytic" and no profile path: the calibration cache
+    is written in the run's out_dir, not in the directory it was started from."""
+    from dcparallel.apps.train_config import Config
+    from tests.faults import run
+
+    entry = {
+        "lin_s_per_token": 3e-6,
+        "attn_s_per_pair": 2e-8,
+        "floor_s": 4e-4,
+        "attn_call_s": 1e-4,
+        "spread": dict.fromkeys(cc.CONSTANTS, 0.0),
+        "probe": {"tokens": [16], "lengths": [16], "seconds": [1e-3, 1e-3]},
+        "attn_knots": [[64, 1.0]],
+        "slowdown": 1.0,
+    }
+    monkeypatch.setattr(cc, "measure", lambda spec, longest=cc.MAX_KNOT: dict(entry))
+    monkeypatch.setenv("DCPARALLEL_CPU_CALIBRATION", "1")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    cfg = Config.from_dict(
+        {
+            "model": {"num_layers": 2, "hidden": 32, "num_heads": 2, "ffn_hidden": 64},
+            "data": {"num_samples": 20},
+            "train": {"tokens_per_step": 1500, "out_dir": str(tmp_path / "run"), "max_steps": 1},
+            "profile": {"cost": "analytic"},
+        }
+    )
+    assert run(cfg) == 0
+    assert (tmp_path / "run" / cc.CACHE_NAME).exists()
+    assert list((tmp_path / "cwd").iterdir()) == []

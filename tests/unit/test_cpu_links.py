@@ -61,3 +61,25 @@ def test_links_timed_once_cached_and_priced(tmp_path, monkeypatch):
     assert slow.grad_sync_time() > fast.grad_sync_time()
     monkeypatch.setattr(comm, "world_size", lambda: 1)
     assert cc.cpu_cluster(GPU_LINKS, tmp_path / "other.json") == GPU_LINKS  # one rank: nothing to time
+
+
+def test_each_timed_call_follows_compute_on_every_rank_and_a_barrier(monkeypatch):
+    """`cpu_links` times all-to-alls as the runtime makes them, between stretches of compute,
+    not back to back: every timed call follows `COMPUTE_S` of matrix work and a barrier."""
+    seen = []
+
+    class FakeDist:
+        def barrier(self):
+            seen.append("barrier")
+
+        def all_to_all_single(self, out, x):
+            seen.append("all_to_all")
+
+    monkeypatch.setattr(cpu_links, "dist", FakeDist())
+    monkeypatch.setattr(cpu_links, "_compute", lambda s: seen.append(("compute", s)))
+    monkeypatch.setattr(cpu_links, "MIN_S", 0.0)
+    monkeypatch.setattr(comm, "all_gather_object", lambda obj, group=None: [obj])
+    cpu_links._timed_alltoall(65536)
+    calls = [i for i, x in enumerate(seen) if x == "all_to_all"]
+    assert len(calls) == 2 + 2 * cpu_links.REPEATS  # warm-up, the call that sizes a window, the windows
+    assert all(seen[i - 2 : i] == [("compute", cpu_links.COMPUTE_S), "barrier"] for i in calls)
