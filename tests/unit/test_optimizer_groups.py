@@ -44,13 +44,19 @@ def test_groups_update_as_torch_adamw_with_the_same_groups(with_embedding):
     for step in range(3):
         run_rank_step(dc.engine, data, random_plan(data, [0, 1, 2, 3], 1, step, len(dc.layers)), 0)
         reference(ref, data, [0, 1, 2, 3])
+        # the same gradients on both sides: Adam divides by sqrt(v), so a gradient's last-bit
+        # differences (the plan sums micro-batches in another order; gradient parity is tested
+        # elsewhere) would grow with each step, and this test is about the groups
+        for p, q in zip(dc.model.parameters(), ref.parameters(), strict=True):
+            assert rel_err(p.grad, q.grad) <= 1e-5
+            q.grad.copy_(p.grad)
         opt.step()
         ref_opt.step()
         sched.step()
         ref_sched.step()
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups], rel=1e-12)
     for (name, p), q in zip(dc.model.named_parameters(), ref.parameters(), strict=True):
-        assert rel_err(p.detach(), q.detach()) <= 1e-5, name
+        assert rel_err(p.detach(), q.detach()) <= 1e-6, name
     if not with_embedding:  # in no group: not updated, as torch leaves it
         assert all(torch.equal(p, q) for p, q in zip(_split(dc.model)[2], emb_before, strict=True))
 
