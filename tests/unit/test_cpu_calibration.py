@@ -315,18 +315,23 @@ def test_knots_reach_the_longest_sample_within_a_call_s_work():
     assert cc.knot_lengths(wide, 4096)[-1] ** 2 * 6 * 8192 <= cc.KNOT_FLOPS
 
 
-def test_a_cache_without_knots_as_long_as_the_run_s_samples_is_timed_anew(tmp_path, monkeypatch):
-    spec = spec_of(tiny_llama(num_layers=2))
-    entry = {
+def _cache_entry(knots: list) -> dict:
+    """A cached calibration entry as `measure` writes it, with these attention knots."""
+    return {
         "lin_s_per_token": 3e-6,
         "attn_s_per_pair": 2e-8,
         "floor_s": 4e-4,
         "attn_call_s": 1e-4,
         "spread": dict.fromkeys(cc.CONSTANTS, 0.0),
         "probe": {"tokens": [16], "lengths": [16], "seconds": [1e-3, 1e-3]},
-        "attn_knots": [[64, 1.2], [128, 1.0]],
+        "attn_knots": knots,
         "slowdown": 1.0,
     }
+
+
+def test_a_cache_without_knots_as_long_as_the_run_s_samples_is_timed_anew(tmp_path, monkeypatch):
+    spec = spec_of(tiny_llama(num_layers=2))
+    entry = _cache_entry([[64, 1.2], [128, 1.0]])
     timed = []
     monkeypatch.setattr(cc, "measure", lambda spec, longest: timed.append(longest) or dict(entry))
     monkeypatch.setattr(cc, "slowdown", lambda spec, measured: 1.0)
@@ -345,16 +350,7 @@ def test_dcparallel_train_keeps_the_calibration_with_the_run_s_outputs(tmp_path,
     from dcparallel.apps.train_config import Config
     from tests.faults import run
 
-    entry = {
-        "lin_s_per_token": 3e-6,
-        "attn_s_per_pair": 2e-8,
-        "floor_s": 4e-4,
-        "attn_call_s": 1e-4,
-        "spread": dict.fromkeys(cc.CONSTANTS, 0.0),
-        "probe": {"tokens": [16], "lengths": [16], "seconds": [1e-3, 1e-3]},
-        "attn_knots": [[64, 1.0]],
-        "slowdown": 1.0,
-    }
+    entry = _cache_entry([[64, 1.0]])
     monkeypatch.setattr(cc, "measure", lambda spec, longest=cc.MAX_KNOT: dict(entry))
     monkeypatch.setenv("DCPARALLEL_CPU_CALIBRATION", "1")
     (tmp_path / "cwd").mkdir()

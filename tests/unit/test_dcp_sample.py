@@ -297,6 +297,20 @@ def test_packing_with_a_shared_memo_is_packing_from_scratch(world, rows, targets
         assert shared == packer.pack(ids, t, f, T, by_time, open_first)
 
 
+def _record_packings(monkeypatch) -> list[tuple]:
+    """Records each packing `SamplePacker.plan` tries: (items, by_time, open_first, ceiling,
+    its span or None)."""
+    calls, plan_items = [], SamplePacker._plan_items
+
+    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
+        got = plan_items(self, items, t, by_time, open_first, ceiling)
+        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
+        return got
+
+    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    return calls
+
+
 def test_few_per_gpu_packing_tries_the_finest_runs_first_and_keeps_the_fastest(monkeypatch):
     """A step of about 1.7 samples per GPU (text/balanced lengths, 128 GPUs) is packed every
     way (preferred sizes, one sample each, runs of a half and a third) in each order: new
@@ -307,14 +321,7 @@ def test_few_per_gpu_packing_tries_the_finest_runs_first_and_keeps_the_fastest(m
     w = Workload(sc.model, tuple(sample_sizes("text", "balanced", epoch_tokens=sc.tokens_per_step * 4))[:220])
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     packer, ids = SamplePacker(ctx, "pac"), list(range(220))
-    calls, plan_items = [], SamplePacker._plan_items
-
-    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
-        got = plan_items(self, items, t, by_time, open_first, ceiling)
-        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
-        return got
-
-    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    calls = _record_packings(monkeypatch)
     ways = packer.ways(ids)
     assert len(ways) == 4 and len(ways[0]) < len(ways[-1]) < len(ids)  # preferred sizes coarsest
     got = packer.plan(ids)
@@ -339,14 +346,7 @@ def test_many_per_gpu_video_packing_tries_the_half_runs_first(monkeypatch):
     w = Workload(sc.model, tuple(sample_sizes("video", "balanced", epoch_tokens=sc.tokens_per_step * 8))[:1500])
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     packer, ids = SamplePacker(ctx, "pac"), list(range(1500))
-    calls, plan_items = [], SamplePacker._plan_items
-
-    def spy(self, items, t, by_time, open_first, ceiling=math.inf):
-        got = plan_items(self, items, t, by_time, open_first, ceiling)
-        calls.append((items, by_time, open_first, ceiling, None if got is None else got.span))
-        return got
-
-    monkeypatch.setattr(SamplePacker, "_plan_items", spy)
+    calls = _record_packings(monkeypatch)
     ways = packer.ways(ids, DEFAULT.pack_max_items)
     assert len(ways) == 3 and len(ways[0]) < len(ways[1]) < len(ways[2])  # preferred, halves, thirds
     got = packer.plan(ids, DEFAULT.pack_max_items)
