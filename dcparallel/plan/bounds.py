@@ -309,30 +309,34 @@ def lp_value(G: np.ndarray, R: np.ndarray, cnt: np.ndarray, world: float, iters:
         return float((cnt * vmin).sum()) - lam * world, right, left
 
     # every lambda evaluated gives (D, right slope, left slope): right <= 0 <= left is a
-    # maximiser; right > 0 a point left of the maximum, left < 0 one right of it
+    # maximiser; right > 0 a point left of the maximum, left < 0 one right of it. A slope
+    # within `tol` of 0 counts as 0: the fewest ranks may sum to the world exactly (ten samples
+    # of 1/10 rank each), which rounding can put a few ulps above it, and D would then seem to
+    # rise forever. Stopping there early only lowers the value returned.
+    tol = 1e-9 * world
     lo, (dlo, slo, _) = 0.0, dual(0.0)
     best = dlo
-    if slo <= 0:  # no gain from any lambda > 0: the work constraint alone decides
+    if slo <= tol:  # no gain from any lambda > 0: the work constraint alone decides
         return best
     hi = max(float(G[np.isfinite(G)].max()), 1e-9)
     for _ in range(200):  # a lambda right of the maximum
         dhi, rs, shi = dual(hi)
         best = max(best, dhi)
-        if rs <= 0 <= shi:
+        if rs <= tol and shi >= -tol:
             return best
-        if shi < 0:
+        if shi < -tol:
             break
         lo, dlo, slo = hi, dhi, rs
         hi *= 2.0
     else:
-        return best  # (the rank limit is met with no slack to spare: D rises forever)
+        return best  # (not reached: the rank limit checked above makes a slope fall to tol first)
     for _ in range(iters):
         lam = (dhi - dlo + slo * lo - shi * hi) / (slo - shi)  # where the two supporting lines meet
         lam = min(max(lam, lo), hi)
         top = dlo + slo * (lam - lo)  # the two lines' maximum: no D is above it
         dx, rx, lx = dual(lam)
         best = max(best, dx)
-        if top - dx <= 1e-12 * max(abs(top), 1e-30) or rx <= 0 <= lx:
+        if top - dx <= 1e-12 * max(abs(top), 1e-30) or (rx <= tol and lx >= -tol):
             return best
         if rx > 0:
             lo, dlo, slo = lam, dx, rx

@@ -96,6 +96,20 @@ def test_the_cutting_plane_dual_equals_the_exact_primal_on_random_lps():
     assert binding > 30  # the rank limit decides in many of them, not only the work
 
 
+def test_a_rank_limit_met_exactly_is_feasible_despite_rounding():
+    """Ten long samples of 1/10 midpoint rank each fill a world of 1 exactly; their float sum
+    is a few ulps above 1. The LP is feasible at its limit, so its value is the work, not the
+    ever-rising dual a strict slope test would follow (that made the midpoint bound of a
+    world-1 step twice the time of the plan `dcp` made for it)."""
+    G = np.array([[4.1e-4], [6.4e-7], [7.5e-7], [7.1e-7], [6.0e-7], [1.1e-4], [9.0e-7], [1.7e-3], [3.6e-6]])
+    R = np.array([[0.1], [0.1], [0.1], [0.1], [0.0], [0.1], [0.1], [0.1], [0.1]])
+    cnt = np.array([1.0, 3.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0, 1.0])  # the step's sizes and counts
+    assert float((cnt * R[:, 0]).sum()) > 1.0  # the rounding this test is about
+    want = lp_exact(G, R, cnt, 1.0)
+    assert np.isfinite(want)
+    assert abs(lp_value(G, R, cnt, 1.0) - want) <= 1e-9 * want
+
+
 def test_threshold_sums_equal_the_dense_sums():
     """The per-rank LP checks a mix against every threshold by prefix sums; the same sums as
     through the [threshold, option] matrix of u_e (which at thousands of options would not fit
