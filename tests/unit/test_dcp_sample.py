@@ -237,18 +237,24 @@ def test_too_much_work_only_where_packing_fails(world, rows, above, by_time, ope
         assert not packer.too_much_work(t, t * packer.kf, nar, cap) or full is None
 
 
+def _pretrain_long_step(world: int):
+    """A `SamplePacker` on the analytic text model at ``world`` GPUs, and the first weak
+    pretrain-long step (the scenario's 32-GPU budget x world / 32): a heavy-tail step."""
+    sc = SCENARIOS["text"]
+    tps = sc.tokens_per_step * world // 32
+    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    cl = sc.cluster(world)
+    packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
+    return packer, form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+
+
 def test_too_much_work_rejects_targets_of_a_real_search():
     """On the micro-batches of a heavy-tail step (weak pretrain-long at 1024 GPUs), the
     search's first target (the GPU-seconds floor less `floor_slack`) fails by `too_much_work`
     before any micro-batch is placed, and the packing in full agrees; above the floor, where
     the packing fits, it does not say so."""
-    sc = SCENARIOS["text"]
-    tps = sc.tokens_per_step * 1024 // 32
-    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
-    cl = sc.cluster(1024)
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
-    packer = SamplePacker(ctx, "pac")
+    packer, step = _pretrain_long_step(1024)
+    ctx = packer.ctx
     items = packer.items(list(step.sample_ids))
     t = packer.times(items)
     f, ids = packer.alone(t), [it[0] for it in items]
@@ -365,13 +371,8 @@ def test_a_real_packing_is_scored_from_its_own_prices():
     (`step_plan`'s `times`) are `mb_costs`' to the bit, in the plan's order; so the score from
     them (`StepSeconds.priced`) is the score, and the `dcp` candidate that packs proposes the
     plan with exactly the score's prediction."""
-    sc = SCENARIOS["text"]
-    tps = sc.tokens_per_step * 256 // 32
-    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
-    cl = sc.cluster(256)
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
-    packer = SamplePacker(ctx, "pac")
+    packer, step = _pretrain_long_step(256)
+    ctx = packer.ctx
     got = packer.plan(list(step.sample_ids), DEFAULT.pack_max_items)
     priced: list[float] = []
     plan = packer.step_plan(step, got.groups, priced)
@@ -445,12 +446,8 @@ def test_packing_loop_places_as_its_moves_do(world, rows, targets, by_time, open
 def test_packing_loop_places_a_real_step_as_its_moves_do():
     """The same on a heavy-tail step (weak pretrain-long at 256 GPUs, micro-batches of
     preferred size), at targets from below its floor (no packing) to above (sub-groups)."""
-    sc = SCENARIOS["text"]
-    tps = sc.tokens_per_step * 256 // 32
-    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
-    cl = sc.cluster(256)
-    packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
-    items = packer.items(list(form_steps(w.tokens, seed=0, tokens_per_step=tps)[0].sample_ids))
+    packer, step = _pretrain_long_step(256)
+    items = packer.items(list(step.sample_ids))
     t = packer.times(items)
     f, ids = packer.alone(t), [it[0] for it in items]
     floor = max(float(f.min(axis=1).max()), float((t * packer.kf).min(axis=1).sum()) / 256)
