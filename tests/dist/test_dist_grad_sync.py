@@ -62,7 +62,7 @@ def test_unreached_parameters_do_not_hold_back_later_buckets(workers):
     launches all its buckets during the last backward, whether the experts are reached on no
     rank, on one rank and not another, or only in earlier micro-batches, and the numbers are
     those of the unbucketed sync (bitwise at world 2: a + b = b + a)."""
-    out = workers.run(cases.case_unreached_experts, [11, 12, 13, 14, 15, 16, 17, 18], 4100)
+    out = workers.run(cases.case_unreached_experts, [11, 12, 13, 14], 4100)  # each mode of REACH once
     for per_rank in out:
         for res in per_rank:
             a, b = res["a"], res["b"]
@@ -75,6 +75,8 @@ def test_unreached_parameters_do_not_hold_back_later_buckets(workers):
             expected = res["num_buckets"] if res["num_mbs"] else 0
             assert res["overlapped"] == expected, (res["mode"], res["num_mbs"], res["overlapped"], expected)
     assert any(res["num_mbs"] for per_rank in out for res in per_rank if res["mode"] == "split")
+    # "earlier" reaches the experts before the last micro-batch: some rank ran more than one
+    assert any(res["num_mbs"] > 1 for per_rank in out for res in per_rank if res["mode"] == "earlier")
 
 
 def test_zero1_sync_reduces_each_bucket_to_its_shard_owner(workers):

@@ -170,21 +170,35 @@ def test_bf16_model_keeps_fp32_shards_and_gradients(workers):
         assert rel_err(res["grads"]["final.weight"], ref_grads["final.weight"]) <= 5e-2
 
 
+@pytest.fixture(scope="module")
+def saved_runs(workers, tmp_path_factory):
+    """``saved_runs(s)``: the checkpoint path and the uninterrupted run's parameters of
+    `case_sharded_resume` at shard size ``s``, run once per shard size for the module (a
+    resume only reads the checkpoint)."""
+    runs: dict[int, tuple[str, list]] = {}
+
+    def get(shard_size: int) -> tuple[str, list]:
+        if shard_size not in runs:
+            path = str(tmp_path_factory.mktemp(f"ck{shard_size}") / "ck")
+            runs[shard_size] = path, workers.run(sharded_cases.case_sharded_resume, "dit", shard_size, path, True)
+        return runs[shard_size]
+
+    return get
+
+
 @pytest.mark.parametrize("saved,loaded", [(2, 4), (4, 2), (2, 2)])
-def test_sharded_checkpoint_resumes_at_another_shard_size(workers, tmp_path, saved, loaded):
-    path = str(tmp_path / "ck")
-    straight = workers.run(sharded_cases.case_sharded_resume, "dit", saved, path, True)
+def test_sharded_checkpoint_resumes_at_another_shard_size(workers, saved_runs, saved, loaded):
+    path, straight = saved_runs(saved)
     resumed = workers.run(sharded_cases.case_sharded_resume, "dit", loaded, path, False)
     for r in range(4):
         for name, p in straight[0].items():
             assert rel_err(resumed[r][name], p) <= 1e-5, (saved, loaded, r, name)
 
 
-def test_sharded_checkpoint_resumes_at_another_world_size(workers, tmp_path_factory):
+def test_sharded_checkpoint_resumes_at_another_world_size(saved_runs, tmp_path_factory):
     """Saved at world 4 with shard_size 2, resumed at world 2 with shard_size 2: other plans
     over the same samples, the same gradients to fp32 rounding."""
-    path = str(tmp_path_factory.mktemp("ck") / "ck")
-    straight = workers.run(sharded_cases.case_sharded_resume, "dit", 2, path, True)
+    path, straight = saved_runs(2)
     w2 = Workers(2, tmp_path_factory.mktemp("rdv2"))
     try:
         resumed = w2.run(sharded_cases.case_sharded_resume, "dit", 2, path, False)
