@@ -34,7 +34,10 @@ Each part runs in a process of its own (benchmarks/tools/device_check_parts.py) 
     with one GPU lent the report says it was skipped.
 
 ``--dry-run`` runs every part's code on CPU / gloo at tiny sizes: it checks the script, not the
-numbers.
+numbers. There the parts share one process (`run_parts`; (f) first: it counts every tensor the
+process holds), as isolation from each other's memory and budgets matters only on the GPU, and
+a process of its own costs each part more than its tiny sizes do (torch's imports); the
+orchestrator then never imports torch.
 """
 
 from __future__ import annotations
@@ -49,9 +52,8 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS_SCRIPT = ROOT / "benchmarks" / "tools" / "device_check_parts.py"
@@ -66,34 +68,54 @@ BUDGETS = {
     "f": ("(f) optimizer-step memory of a 1.3B bf16 model", 30),
     "g": ("(g) sharded runtime (FSDP2 blocks)", 20),
 }
-#: a part's limit in the dry run, which checks code on a CPU that other work may share
-DRY_LIMIT_S = 300
+#: the limit of the dry run (all its parts in one process), which checks code on a CPU that other work may share
+DRY_LIMIT_S = 600
 DEVICE_SECONDS = 480
 
 
 def run_part(key: str, out_dir: Path, dry: bool) -> dict:
     """Part ``key`` in a process (group) of its own, killed with its children at its budget."""
-    budget = DRY_LIMIT_S if dry else BUDGETS[key][1]
-    cmd = [sys.executable, str(PARTS_SCRIPT), key, "--out-dir", str(out_dir)] + (["--dry-run"] if dry else [])
+    return run_parts([key], out_dir, dry)[key]
+
+
+#: the dry run's order in its one process: (f) counts every CPU tensor the process holds
+DRY_ORDER = "fabcdeg"
+
+
+def run_parts(keys: list[str], out_dir: Path, dry: bool) -> dict[str, dict]:
+    """Parts ``keys`` in one process (group), killed with its children at the budget (its
+    part's, or `DRY_LIMIT_S` in the dry run): per part what it saved, or its error."""
+    budget = DRY_LIMIT_S if dry else sum(BUDGETS[k][1] for k in keys)
+    cmd = [sys.executable, str(PARTS_SCRIPT), ",".join(keys), "--out-dir", str(out_dir)] + (
+        ["--dry-run"] if dry else []
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    result = out_dir / f"part_{key}.json"
-    result.unlink(missing_ok=True)  # what a part saves as it goes; never a former run's
+    results = {k: out_dir / f"part_{k}.json" for k in keys}
+    for result in results.values():
+        result.unlink(missing_ok=True)  # what a part saves as it goes; never a former run's
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
     t = time.perf_counter()
     try:
         log, _ = proc.communicate(timeout=budget)
+        error, seconds = f"exit {proc.returncode}", time.perf_counter() - t
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        partial = json.loads(result.read_text()) if result.exists() else None
-        return {"error": f"timed out after its {budget} s budget\n{log[-2500:]}", "seconds": budget, "partial": partial}
-    seconds = time.perf_counter() - t
-    if proc.returncode or not result.exists():
-        partial = json.loads(result.read_text()) if result.exists() else None
-        return {"error": f"exit {proc.returncode}\n{log[-2500:]}", "seconds": seconds, "partial": partial}
-    return {**json.loads(result.read_text()), "seconds": seconds}
+        error, seconds = f"timed out after its {budget} s budget", budget
+    out = {}
+    for key, result in results.items():
+        saved = json.loads(result.read_text()) if result.exists() else None
+        if saved is not None and "part_error" in saved:  # raised; the process went on to its other parts
+            raised = f"{saved['part_error']}\n{log[-2500:]}"
+            out[key] = {"error": raised, "seconds": saved["part_seconds"], "partial": saved.get("partial")}
+        elif saved is not None and "part_seconds" in saved:  # finished
+            out[key] = {**saved, "seconds": saved["part_seconds"]}
+            del out[key]["part_seconds"]
+        else:  # killed or crashed in it: what it saved as it went
+            out[key] = {"error": f"{error}\n{log[-2500:]}", "seconds": seconds, "partial": saved}
+    return out
 
 
 def write(out_dir: Path, meta: dict, results: dict) -> Path:
@@ -131,19 +153,28 @@ def write(out_dir: Path, meta: dict, results: dict) -> Path:
 
 
 def _meta(dry: bool, argv: list[str]) -> dict:
-    name = torch.cuda.get_device_name(0) if not dry else (platform.processor() or "cpu")
-    hardware = (
-        "cpu" if dry else next((h for h in ("h100", "h200") if h in name.lower()), name.lower().replace(" ", "-"))
-    )
+    if dry:
+        name, hardware, version = platform.processor() or "cpu", "cpu", metadata.version("torch")
+    else:
+        import torch
+
+        name, version = torch.cuda.get_device_name(0), torch.__version__
+        hardware = next((h for h in ("h100", "h200") if h in name.lower()), name.lower().replace(" ", "-"))
     return {
         "date": dt.date.today().isoformat(),
         "hardware": hardware,
         "device_name": name,
         "dry": dry,
-        "torch": torch.__version__,
+        "torch": version,
         "python": platform.python_version(),
         "command": " ".join(["benchmarks/tools/device_check.py", *argv]),
     }
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", "--out-dir", dest="out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--dry-run", action="store_true", help="every part on CPU / gloo at tiny sizes")
     ap.add_argument("--parts", default=",".join(BUDGETS), help="comma-separated parts to run, e.g. a,c")
-    ap.add_argument("--jobs", type=int, default=0, help="parts run at once (default: 1, all in the dry run)")
+    ap.add_argument("--jobs", type=int, default=1, help="parts run at once on the GPU (the dry run: one process)")
     args = ap.parse_args(argv)
     keys = [k.strip() for k in args.parts.split(",") if k.strip()]
     bad = [k for k in keys if k not in BUDGETS]
     if bad:
         raise SystemExit(f"--parts {args.parts!r}: unknown part(s) {bad}; choose from {','.join(BUDGETS)}")
-    if not args.dry_run and not torch.cuda.is_available():
+    if not args.dry_run and not _cuda():
         raise SystemExit("no CUDA device: run with --dry-run on CPU")
     total = sum(BUDGETS[k][1] for k in BUDGETS)
     assert total <= DEVICE_SECONDS, f"the GPU budgets add up to {total} s > {DEVICE_SECONDS} s"
@@ -169,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = _meta(args.dry_run, argv)
     old = args.out / f"device-check_{meta['hardware']}_{meta['date']}.json"
     results = {k: v for k, v in json.loads(old.read_text()).items() if k != "meta"} if old.exists() else {}
-    # on the GPU one part at a time (they time the device); the dry run checks code, side by side
-    jobs = args.jobs or (len(keys) if args.dry_run else 1)
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        running = {pool.submit(run_part, key, args.out, args.dry_run): key for key in keys}
+    if args.dry_run:
+        keys = sorted(keys, key=DRY_ORDER.index)
+        results |= run_parts(keys, args.out, dry=True)  # a rerun replaces its parts, keeps the others
+        path = write(args.out, meta, results)
+    # on the GPU one part at a time, each in its own process (they time the device)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        running = {pool.submit(run_part, key, args.out, False): key for key in keys if not args.dry_run}
         for done in concurrent.futures.as_completed(running):  # a rerun replaces its parts, keeps the others
             results[running[done]] = done.result()
             path = write(args.out, meta, results)

@@ -1,8 +1,9 @@
 """The parts of the device check (benchmarks/tools/device_check.py), one per process:
 
-    python benchmarks/tools/device_check_parts.py PART --out-dir DIR [--dry-run]
+    python benchmarks/tools/device_check_parts.py PART[,PART...] --out-dir DIR [--dry-run]
 
-writes DIR/part_PART.json. ``c-rank`` is the torchrun worker of part (c) and ``b-train`` the
+writes DIR/part_PART.json (several parts: one after the other in this process, as the dry run
+runs them). ``c-rank`` is the torchrun worker of part (c) and ``b-train`` the
 one-model training process of part (b); device_check.py runs the others, each with its own
 time limit. ``--dry-run``: CPU, gloo and tiny sizes (checks the code, not the numbers).
 """
@@ -72,6 +73,15 @@ def save(out_dir: Path, key: str, result: dict) -> None:
     (out_dir / f"part_{key}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
+def in_process(dry: bool) -> bool:
+    """Whether a part's one-process workers (part (a)'s profiler run, (b)'s training of each
+    model, (c)'s world-1 reference) run in the part's own process: in the dry run. On the GPU
+    each gets a process for its memory peak and its time limit, which the dry run's tiny sizes
+    do not need, while a process costs more than their work (torch's imports); torchrun's
+    ranks are processes in both."""
+    return dry
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
@@ -92,8 +102,11 @@ def part_a(out_dir: Path, dry: bool) -> dict:
         str(budget),
     ] + (["--dry-run"] if dry else [])
     try:
-        r = _run(cmd, timeout=budget + 50)
-        code, tail = r.returncode, (r.stdout + r.stderr)[-1500:]
+        if in_process(dry):
+            code, tail = _in_process_profile(cmd[2:]), ""
+        else:
+            r = _run(cmd, timeout=budget + 50)
+            code, tail = r.returncode, (r.stdout + r.stderr)[-1500:]
     except subprocess.TimeoutExpired as exc:  # the report holds the models it finished
         code, tail = "timed out", str(exc.stderr or "")[-1500:]
     reports = sorted(out_dir.glob("profile-device_*.md"))
@@ -103,6 +116,16 @@ def part_a(out_dir: Path, dry: bool) -> dict:
         "tail": tail,
         "table": reports[-1].read_text() if reports else "",
     }
+
+
+def _in_process_profile(argv: list[str]) -> int:
+    """benchmarks/tools/profile_device_check.py's ``main(argv)`` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_device_check", TOOLS / "profile_device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 # ---------------------------------------------------------------- (b) bf16 training at world 1
@@ -130,6 +153,10 @@ def part_b(out_dir: Path, dry: bool) -> dict:
     out = {}
     for name in MODELS_B:
         try:
+            if in_process(dry):
+                out[name] = train_one(out_dir, dry, name)
+                save(out_dir, "b", out)
+                continue
             r = _run(
                 [sys.executable, __file__, "b-train", "--model", name, "--out-dir", str(out_dir)]
                 + (["--dry-run"] if dry else []),
@@ -196,9 +223,12 @@ def part_c(out_dir: Path, dry: bool) -> dict:
     env = {**ENV, "DCPARALLEL_BACKEND": "gloo", "DCPARALLEL_SHARE_DEVICE": "1", "OMP_NUM_THREADS": "1"}
     flag = ["--dry-run"] if dry else []
     out: dict = {}
-    r = _run([sys.executable, __file__, "c-rank", "--out-dir", str(out_dir)] + flag, 200 if dry else 25, env)
-    if r.returncode:
-        raise RuntimeError(f"world 1 reference failed ({r.returncode}): {r.stderr[-1500:]}")
+    if in_process(dry):
+        rank_c(out_dir, dry, oom=False)
+    else:
+        r = _run([sys.executable, __file__, "c-rank", "--out-dir", str(out_dir)], 25, env)
+        if r.returncode:
+            raise RuntimeError(f"world 1 reference failed ({r.returncode}): {r.stderr[-1500:]}")
     out["world1"] = json.loads((out_dir / "c_world1.json").read_text())
     for world in (2,) if dry else (2, 4):
         t = time.perf_counter()
@@ -701,17 +731,17 @@ def part_f(out_dir: Path, dry: bool) -> dict:
     lengths = [30, 50, 20, 40, 10, 25] if dry else [300, 500, 224, 128, 400, 256]  # (c)'s plan: six documents
     docs = {i: torch.randint(0, cfg.vocab_size, (k,)) for i, k in enumerate(lengths)}
     held = _live_bytes if dev.type == "cpu" else (lambda: torch.cuda.memory_allocated(dev))
-    for _ in range(2):
+    for second in (False, True):  # counted on the second step, when the optimizer's state exists
         _c_micro_batches(engine, model, docs, 0, 1)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-        before = held()  # the activations are freed: what the step starts from
+        before = held() if second else None  # the activations are freed: what the step starts from
         engine.sync_gradients()
         engine.clip_grad_norm_(1.0)
         opt.step()
         _sync(dev)
-        after = held()
+        after = held() if second else None
     out: dict = {
         "num_params": n,
         "recipe": dataclasses.asdict(recipe),
@@ -764,9 +794,28 @@ def part_g(out_dir: Path, dry: bool) -> dict:
 PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g}
 
 
+def run_parts(keys: list[str], out_dir: Path, dry: bool) -> int:
+    """Parts ``keys`` one after the other in this process, each result saved with its seconds
+    (``part_seconds``) or, where the part raised, its traceback (``part_error``) and what it had
+    saved; the next part still runs. 1 if any part raised."""
+    failed = 0
+    for key in keys:
+        t = time.perf_counter()
+        try:
+            result = PARTS[key](out_dir, dry) | {"part_seconds": time.perf_counter() - t}
+        except Exception:  # noqa: BLE001 - reported in the part's result; the other parts still run
+            traceback.print_exc()
+            saved = out_dir / f"part_{key}.json"
+            partial = json.loads(saved.read_text()) if saved.exists() else None
+            result = {"part_error": traceback.format_exc()[-2500:], "part_seconds": time.perf_counter() - t}
+            result["partial"], failed = partial, 1
+        save(out_dir, key, result)
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=[*PARTS, "b-train", "c-rank"])
+    ap.add_argument("part", help=f"one of {', '.join([*PARTS, 'b-train', 'c-rank'])}, or parts comma-separated")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--model", choices=list(MODELS_B), help="b-train: which model")
@@ -781,8 +830,10 @@ def main(argv: list[str] | None = None) -> int:
         res = train_one(args.out_dir, args.dry_run, args.model)
         (args.out_dir / f"train_{args.model}.json").write_text(json.dumps(res, indent=1))
         return 0
-    save(args.out_dir, args.part, PARTS[args.part](args.out_dir, args.dry_run))
-    return 0
+    keys = args.part.split(",")
+    if not set(keys) <= set(PARTS):
+        ap.error(f"unknown part(s) {sorted(set(keys) - set(PARTS))}")
+    return run_parts(keys, args.out_dir, args.dry_run)
 
 
 if __name__ == "__main__":

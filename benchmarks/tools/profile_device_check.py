@@ -172,12 +172,12 @@ def report(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks")))
     ap.add_argument("--dry-run", action="store_true", help="tiny models on CPU: checks the script only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip models once this much time is spent")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device visible to torch; run with --dry-run on a CPU", file=sys.stderr)
@@ -193,7 +193,7 @@ def main() -> int:
     meta = {
         "device": "CPU dry run" if args.dry_run else torch.cuda.get_device_name(),
         "date": date,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join([Path(__file__).name, *(sys.argv[1:] if argv is None else argv)]),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "host": platform.machine(),

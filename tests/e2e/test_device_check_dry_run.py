@@ -1,5 +1,5 @@
 """benchmarks/tools/device_check.py --dry-run: every part of the device check on CPU / gloo with tiny
-sizes, each in its own process (varlen_attn and FlexAttention's backward are GPU-only: the SDPA
+sizes, in one process (varlen_attn and FlexAttention's backward are GPU-only: the SDPA
 fallback and the forward are checked; the sharded runtime needs two GPUs: reported skipped)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _dry_run(out: Path, *extra: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=700,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
     )
 
@@ -69,7 +69,23 @@ def test_a_part_past_its_budget_is_killed_and_reports_what_it_saved(tmp_path, mo
     assert res["error"].startswith("timed out after its 3 s budget") and res["partial"] == {"short": 1}
 
 
-# about 60 s on 2 shared cores (the parts run side by side in the dry run)
+def test_parts_sharing_a_process_report_each_ones_error(tmp_path, monkeypatch):
+    device_check = _device_check()
+
+    fake = tmp_path / "parts.py"  # part (a) raised and (b) finished in one process; (c) never started
+    fake.write_text(
+        "import json, sys\nfrom pathlib import Path\nout = Path(sys.argv[3])\n"
+        "(out / 'part_a.json').write_text(json.dumps({'part_error': 'ValueError: a', 'part_seconds': 1.0}))\n"
+        "(out / 'part_b.json').write_text(json.dumps({'steps': 3, 'part_seconds': 2.0}))\n"
+        "print('the log'); sys.exit(1)\n"
+    )
+    monkeypatch.setattr(device_check, "PARTS_SCRIPT", fake)
+    res = device_check.run_parts(["a", "b", "c"], tmp_path, dry=True)
+    assert res["a"]["error"].startswith("ValueError: a\nthe log") and res["a"]["seconds"] == 1.0
+    assert res["b"] == {"steps": 3, "seconds": 2.0}
+    assert res["c"]["error"].startswith("exit 1\nthe log") and res["c"]["partial"] is None
+
+
 def test_device_check_dry_run_writes_every_part(tmp_path):
     r = _dry_run(tmp_path, "--parts", "a,b,c,d,e,f")
     assert r.returncode == 0, r.stderr[-3000:]
