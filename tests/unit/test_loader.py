@@ -373,43 +373,43 @@ def test_rank_idle_for_several_steps_then_busy_again_does_not_hang():
         assert sorted(set(ids)) == list(range(15))
 
 
-_PLAN_DIGESTS = """
-import random, sys
-from dcparallel.data import DataCentricLoader
-from dcparallel.plan.policies import ALL
-from dcparallel.runtime.comm import digest
-from tests.unit._models import TINY_LM, cluster, cost
-rng = random.Random(7)
-lens = [rng.choice([rng.randint(16, 3000), rng.randint(3000, 60000)]) for _ in range(60)]
-cl = cluster(8, 4)
-out = []
-for policy in ALL:
-    loader = DataCentricLoader(range(60), lens, cost=cost(TINY_LM, cl), cluster=cl, policy=policy,
-                               research=True, tokens_per_step=40000, seed=3, collate=None, rank=0, world_size=8)
-    out.append(digest([p.to_json() for p in loader.plans(1)]))
-print(" ".join(out))
-"""
+def plan_digests() -> list[str]:
+    """The digest of each policy's plans of one epoch of 60 mixed lengths on 8 ranks."""
+    from dcparallel.plan.policies import ALL
+    from dcparallel.runtime.comm import digest
+
+    rng = random.Random(7)
+    lens = [rng.choice([rng.randint(16, 3000), rng.randint(3000, 60000)]) for _ in range(60)]
+    cl = cluster(8, 4)
+    out = []
+    for policy in ALL:
+        loader = DataCentricLoader(
+            range(60),
+            lens,
+            cost=cost(TINY_LM, cl),
+            cluster=cl,
+            policy=policy,
+            research=True,
+            tokens_per_step=40000,
+            seed=3,
+            collate=None,
+            rank=0,
+            world_size=8,
+        )
+        out.append(digest([p.to_json() for p in loader.plans(1)]))
+    return out
 
 
 def test_plans_do_not_depend_on_the_process_hash_seed():
     """Ranks are separate processes with their own string-hash seeds; a planner iterating a
-    set or dict keyed by strings in hash order would plan differently on each rank. Two
-    interpreters with different PYTHONHASHSEED must produce the same plans for every policy."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    set or dict keyed by strings in hash order would plan differently on each rank. This
+    process and an interpreter with another PYTHONHASHSEED must produce the same plans for
+    every policy."""
+    from ._hash_seed import run_with_other_hash_seed
 
-    root = Path(__file__).resolve().parents[2]
-    digests = []
-    for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(root)}
-        res = subprocess.run(
-            [sys.executable, "-c", _PLAN_DIGESTS], env=env, cwd=root, capture_output=True, text=True, timeout=120
-        )
-        assert res.returncode == 0, res.stderr
-        digests.append(res.stdout.split())
-    assert len(digests[0]) == 7 and digests[0] == digests[1]
+    here = plan_digests()
+    there = run_with_other_hash_seed("from tests.unit.test_loader import plan_digests; print(' '.join(plan_digests()))")
+    assert len(here) == 7 and there.split() == here
 
 
 def test_lengths_as_numpy_torch_or_integral_floats_plan_like_ints():
