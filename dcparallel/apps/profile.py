@@ -107,6 +107,8 @@ def run_profile(args: argparse.Namespace) -> dict:
     from dcparallel.profile.profiler import Profiler, ProfilerConfig
     from dcparallel.runtime import comm
 
+    preset = get_preset(args.model)  # the arguments first: a typo is reported before any set-up
+    sizes = parse_buckets(args.buckets) if args.buckets else list(preset.buckets)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")
@@ -114,8 +116,6 @@ def run_profile(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     _init_distributed(device)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    preset = get_preset(args.model)
-    sizes = parse_buckets(args.buckets) if args.buckets else list(preset.buckets)
     built = preset.build(dev, dtype, args.num_layers)
     cfg = ProfilerConfig(
         depth=args.depth,

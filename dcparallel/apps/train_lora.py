@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch only where a model is adapted: `simulate` and `plan` import this module
+    import torch
+    from torch import nn
 
 #: the attention projections adapted when target_modules is empty, per family
 DEFAULT_TARGETS = {
@@ -98,6 +99,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, family: str, seed: int = 0) -
         lora_dropout=lora.dropout,
         use_dora=lora.use_dora,
     )
+    import torch
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return get_peft_model(model, config)
@@ -138,6 +141,7 @@ def write_lora_export(
 
 def _merged(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     """A CPU copy of ``model``'s base with the adapters of ``state`` merged into its weights."""
+    import torch
     from peft import get_peft_model
     from torch.distributed.fsdp import FSDPModule
 

@@ -44,11 +44,12 @@ def draw_samples(draw, st, n: int):
     return TINY_LM, tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
 
 
-def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: int) -> None:
+def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: int) -> list:
     """`dcp` plans an epoch of these samples twice from scratch (two "ranks", nothing shared):
     the same plans; each a valid plan of its step (aligned blocks of allowed sizes, each phase
     covering the world once, every sample once) whose per-rank view is that rank's groups;
-    every sample planned once in the epoch, memory kept, and no faster than the lower bound."""
+    every sample planned once in the epoch, memory kept, and no faster than the lower bound.
+    Returns the epoch's plans (a test may compare them with another process's)."""
     w = Workload(model, sizes)
     steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // steps_per_epoch))
     allowed = set(allowed_groups(cl, model.num_heads))
@@ -68,3 +69,4 @@ def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: i
     sim = simulate(plans[0], ctx)
     assert sim.memory_violations == 0
     assert sim.total_time >= LowerBound(ctx).epoch(steps) * (1 - 1e-9)
+    return plans[0]

@@ -76,23 +76,37 @@ def parsed(source: str) -> ast.Module:
     return ast.parse(source)
 
 
+@functools.cache
+def import_statements(source: str) -> tuple[tuple[int | None, str, tuple[str, ...]], ...]:
+    """(level, module, names) of every import statement of ``source``, anywhere in the file,
+    once per source text: ``import a, b`` is (None, "", ("a", "b")), ``from .m import x`` is
+    (1, "m", ("x",)). The rule tests check many trees that differ from the real one in one
+    module; the walk of every other module is reused."""
+    out = []
+    for node in ast.walk(parsed(source)):
+        if isinstance(node, ast.Import):
+            out.append((None, "", tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.level, node.module or "", tuple(a.name for a in node.names)))
+    return tuple(out)
+
+
 def imports(source: str, module: str, known: set[str]) -> set[str]:
     """The dcparallel modules ``source`` (of ``module``) imports, anywhere in the file.
     ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
     out = set()
     package = module if module in known and any(k.startswith(module + ".") for k in known) else module.rsplit(".", 1)[0]
-    for node in ast.walk(parsed(source)):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "dcparallel"}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
-            if base.split(".")[0] != "dcparallel":
-                continue
-            for a in node.names:
-                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    for level, base, names in import_statements(source):
+        if level is None:
+            out |= {n for n in names if n.split(".")[0] == "dcparallel"}
+            continue
+        if level:
+            up = package.split(".")[: len(package.split(".")) - level + 1]
+            base = ".".join(up + ([base] if base else []))
+        if base.split(".")[0] != "dcparallel":
+            continue
+        for a in names:
+            out.add(f"{base}.{a}" if f"{base}.{a}" in known else base)
     return out
 
 
@@ -124,9 +138,9 @@ def violations(sources: dict[str, str]) -> list[str]:
                 if _is_research(d)
             ]
         if pkg in CORE:
-            tree = parsed(sources[m])
-            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-            names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            stmts = import_statements(sources[m])
+            names = [n for level, _, names in stmts if level is None for n in names]
+            names += [base for level, base, _ in stmts if level is not None]
             if any(x == "torch" or x.startswith("torch.") for x in names):
                 bad.append(f"{m} imports torch: the pure core ({', '.join(sorted(CORE))}) stays torch-free")
     bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
@@ -265,7 +279,7 @@ def code_lines(text: str) -> int:
     """The lines of ``text`` that hold code: not blank, not only a comment, not part of a
     module, class or function docstring."""
     doc: set[int] = set()
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(parsed(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             first = node.body[0] if node.body else None
             if (
@@ -301,7 +315,7 @@ def test_every_module_is_short_and_says_what_it_owns():
             f"{p.relative_to(ROOT.parent)} has {n} lines of code; split it "
             f"({MAX_CODE_LINES} at most, docstrings and comments not counted)"
         )
-        doc = ast.get_docstring(ast.parse(text))
+        doc = ast.get_docstring(parsed(text))
         assert doc and doc.strip(), f"{p.relative_to(ROOT.parent)} has no docstring saying what it owns"
 
 
@@ -377,7 +391,7 @@ def private_attrs(source: str) -> list[tuple[int, str, str]]:
         for child in ast.iter_child_nodes(node):
             visit(child, own)
 
-    visit(ast.parse(source), frozenset())
+    visit(parsed(source), frozenset())
     return out
 
 

@@ -23,8 +23,10 @@ KEYS = {
 }
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dcparallel", *args], capture_output=True, text=True, timeout=300)
+def _run(*args: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *python, "-m", "dcparallel", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +98,15 @@ def test_plan_json_lists_groups_and_predictions(lengths_file):
         assert d["predicted_step_s"] > 0 and all("predicted_s" in mb for g in d["groups"] for mb in g["micro_batches"])
 
 
-def test_bad_lengths_file_is_a_clear_error(tmp_path):
+def test_bad_lengths_file_is_a_clear_error_and_simulate_never_imports_torch(tmp_path):
+    """The error names the sample; and `simulate` (like `plan`) runs on the pure core: torch,
+    about 3 s of CPU to import, is never loaded (`-X importtime` lists every import)."""
     p = tmp_path / "bad.txt"
     p.write_text("100\n-5\n")
-    r = _run("simulate", "--lengths", str(p), "--json")
+    r = _run("simulate", "--lengths", str(p), "--json", python=("-X", "importtime"))
     assert r.returncode == 2 and "sample 1" in r.stderr and "positive integer" in r.stderr
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    assert "dcparallel.apps.simulate" in imported and "torch" not in imported
 
 
 def test_table_without_bucket_says_so_instead_of_nan():

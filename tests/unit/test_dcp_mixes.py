@@ -4,13 +4,12 @@ plans in other processes (ranks plan independently, each with its own string has
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
+
+import pytest
 
 from dcparallel.scenarios import MIXES, SCENARIOS, distinct_shapes, sample_sizes
+from tests.unit._hash_seed import run_with_other_hash_seed
 from tests.unit._models import check_dcp_epoch
 
 WORLD = 64
@@ -22,8 +21,14 @@ def mix_200() -> tuple:
     return tuple(MIXES["video-wide"].shapes()) + tuple(sample_sizes("video", "video-wide", num_samples=1000))
 
 
+def digest(plans) -> str:
+    """sha256 of the JSON of a list of step plans."""
+    return hashlib.sha256(json.dumps([p.to_json() for p in plans]).encode()).hexdigest()
+
+
 def plan_digest() -> str:
-    """sha256 of the JSON of `dcp`'s plans of every step of `mix_200` on `WORLD` GPUs."""
+    """`digest` of `dcp`'s plans of every step of `mix_200` on `WORLD` GPUs, planned as
+    `check_dcp_epoch` plans them."""
     from dcparallel.cost.analytic import AnalyticCost
     from dcparallel.plan.context import PlanContext
     from dcparallel.plan.policies import make_planner
@@ -36,27 +41,27 @@ def plan_digest() -> str:
     steps = form_steps(w.tokens, seed=0, tokens_per_step=sum(w.tokens) // STEPS)
     ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
     planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-    return hashlib.sha256(json.dumps([planner.plan(s).to_json() for s in steps]).encode()).hexdigest()
+    return digest([planner.plan(s) for s in steps])
 
 
-def test_plan_of_200_shapes_is_lossless_and_tiles_the_world():
+@pytest.fixture(scope="module")
+def epoch_plans() -> list:
+    """`check_dcp_epoch` of the 200-shape mix (planned twice, checked); its plans."""
     sc = SCENARIOS["video"]
     sizes = mix_200()
     assert distinct_shapes(sc.model, list(sizes)) == 200
-    check_dcp_epoch(sc.model, sizes, sc.cluster(WORLD), seed=0, steps_per_epoch=STEPS)
+    return check_dcp_epoch(sc.model, sizes, sc.cluster(WORLD), seed=0, steps_per_epoch=STEPS)
 
 
-def test_plan_of_200_shapes_is_the_same_in_other_processes():
-    root = Path(__file__).resolve().parents[2]
-    code = "from tests.unit.test_dcp_mixes import plan_digest; print(plan_digest())"
-    out = set()
-    for seed in ("0", "4242"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
-        r = subprocess.run(
-            [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=300
-        )
-        out.add(r.stdout.strip().splitlines()[-1])
-    assert len(out) == 1 and len(next(iter(out))) == 64, out
+def test_plan_of_200_shapes_is_lossless_and_tiles_the_world(epoch_plans):
+    assert len(epoch_plans) == STEPS
+
+
+def test_plan_of_200_shapes_is_the_same_in_other_processes(epoch_plans):
+    """This process's plans (of the check above) and those of an interpreter with another
+    string-hash seed."""
+    here = digest(epoch_plans)
+    assert run_with_other_hash_seed("from tests.unit.test_dcp_mixes import plan_digest; print(plan_digest())") == here
 
 
 def _deal_by_definition(items, n):

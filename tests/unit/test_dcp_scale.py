@@ -18,7 +18,7 @@ from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import TINY_LM, check_dcp_epoch, cluster, cost, draw_samples
+from ._models import TINY_DIT, TINY_LM, check_dcp_epoch, cluster, cost, draw_samples
 
 
 @st.composite
@@ -158,44 +158,32 @@ def test_finer_classes_split_a_bucket_by_length_and_fit_their_largest_sample():
         assert ctx.model.tokens(fine.rep[fine.pclasses[j]]) >= w.tokens[i]
 
 
-_PLAN_SCRIPT = """
-import hashlib, json
-from dcparallel.plan.context import PlanContext
-from dcparallel.plan.dcp.sample import SamplePacker
-from dcparallel.plan.policies import make_planner
-from dcparallel.plan.steps import form_steps
-from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import Workload
-from tests.unit._models import TINY_DIT, TINY_LM, cluster, cost
-shapes = [(1, 64, 64), (17, 64, 64), (34, 128, 128), (68, 256, 256)]
-out = []
-for world, model in ((4096, TINY_LM), (512, TINY_DIT)):
-    sizes = tuple(shapes[i % 4] if model is TINY_DIT else 16 + (i * 7919) % 40_000 for i in range(240))
-    w, cl = Workload(model, sizes), cluster(world, 8)
-    steps = form_steps(w.tokens, seed=1, tokens_per_step=sum(w.tokens) // 3)
-    ctx = PlanContext(w, cost(model, cl), cl)
-    p = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
-    out.append([p.plan(s).to_json() for s in steps])
-    packer = SamplePacker(ctx, "pac")  # the per-sample packing, whether or not dcp keeps it here
-    out.append([packer.step_plan(s, packer.plan(list(s.sample_ids))[0]).to_json() for s in steps])
-print(hashlib.sha256(json.dumps(out).encode()).hexdigest())
-"""
+def plan_hash() -> str:
+    """sha256 of `dcp`'s plans (text on 4096 GPUs, video on 512) and of the per-sample packing."""
+    import hashlib
+    import json
+
+    from dcparallel.plan.dcp.sample import SamplePacker
+
+    shapes = [(1, 64, 64), (17, 64, 64), (34, 128, 128), (68, 256, 256)]
+    out = []
+    for world, model in ((4096, TINY_LM), (512, TINY_DIT)):
+        sizes = tuple(shapes[i % 4] if model is TINY_DIT else 16 + (i * 7919) % 40_000 for i in range(240))
+        w, cl = Workload(model, sizes), cluster(world, 8)
+        steps = form_steps(w.tokens, seed=1, tokens_per_step=sum(w.tokens) // 3)
+        ctx = PlanContext(w, cost(model, cl), cl)
+        p = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+        out.append([p.plan(s).to_json() for s in steps])
+        packer = SamplePacker(ctx, "pac")  # the per-sample packing, whether or not dcp keeps it here
+        out.append([packer.step_plan(s, packer.plan(list(s.sample_ids))[0]).to_json() for s in steps])
+    return hashlib.sha256(json.dumps(out).encode()).hexdigest()
 
 
 def test_same_plans_in_other_processes_with_other_hash_seeds():
     """Ranks plan independently, each in its own process (string hashing differs between
     processes): the plans must be identical (text on 4096 GPUs, video on 512)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from ._hash_seed import run_with_other_hash_seed
 
-    root = Path(__file__).resolve().parents[2]
-    out = set()
-    for seed in ("0", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
-        r = subprocess.run(
-            [sys.executable, "-c", _PLAN_SCRIPT], env=env, cwd=root, capture_output=True, text=True, check=True
-        )
-        out.add(r.stdout.strip())
-    assert len(out) == 1 and len(next(iter(out))) == 64, out
+    here = plan_hash()
+    assert len(here) == 64
+    assert run_with_other_hash_seed("from tests.unit.test_dcp_scale import plan_hash; print(plan_hash())") == here

@@ -32,6 +32,15 @@ def make(dataset, lengths, world: int = 1, rank: int = 0, memory_mib: int = 1536
     return DataCentricLoader(dataset, lengths, cost=cost(TINY_LM, cl), cluster=cl, rank=rank, world_size=world, **kw)
 
 
+def local(dataset, lengths, **kw) -> DataCentricLoader:
+    """`make` with the plans made in a thread of this process: what the tests using it check
+    does not depend on where plans are made, and a planning process is an interpreter started
+    per loader (about 0.5 CPU-s). The planning process is tested where it matters:
+    `test_lookahead_and_workers_do_not_change_what_each_rank_gets`, the idle-rank regression,
+    `predict` below, tests/unit/test_plan_process.py and test_loader_properties.py."""
+    return make(dataset, lengths, planning="thread", **kw)
+
+
 def walk(loader: DataCentricLoader) -> list[tuple[int, int, tuple[int, ...]]]:
     return [(s.index, s.rank, s.sample_ids) for s in loader]
 
@@ -83,9 +92,9 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
         match=r"sample 4 \(size 5000000, 5000000 tokens\) fits no layout.*"
         r"needs [0-9.]+ GiB per rank.*skip_oversize=True",
     ):
-        make(ds, lens, world=2)
+        local(ds, lens, world=2)
     with caplog.at_level(logging.WARNING, logger="dcparallel.data.loader"):
-        loader = make(ds, lens, world=2, skip_oversize=True)
+        loader = local(ds, lens, world=2, skip_oversize=True)
     assert "skipping 1 sample(s) that fit no layout: sample 4 (size 5000000, needs" in caplog.text
     summary = loader.summary()
     assert summary["num_usable"] == 5 and [s["sample"] for s in summary["skipped"]] == [4]
@@ -94,7 +103,7 @@ def test_oversize_sample_named_with_memory_or_skipped_and_reported(caplog):
     seen = [
         i
         for r in (0, 1)
-        for st in make(ds, lens, world=2, rank=r, skip_oversize=True)
+        for st in local(ds, lens, world=2, rank=r, skip_oversize=True)
         for mb, ranks in st.plan.work_of(r)
         if ranks[0] == r
         for i in mb.sample_ids
@@ -124,7 +133,7 @@ def test_real_length_differing_from_lengths_is_an_error_when_loaded():
     ds, lens = text_data(3)
     lens[1] += 1
     with pytest.raises(ValueError, match=r"sample 1 has \d+ tokens but lengths\[1\] = \d+"):
-        walk(make(ds, lens))
+        walk(local(ds, lens))
 
 
 # ---------------------------------------------------------------- collation
@@ -145,7 +154,7 @@ def test_text_collation_packs_documents_and_shards_labels_before_sharding():
             lab[:2] = IGNORE_INDEX  # a prompt: not targets
         labels[i] = lab
         data.append({"input_ids": d, "labels": lab})
-    per_rank = [list(make(data, lens, world=2, rank=r, memory_mib=1024, tokens_per_step=120)) for r in (0, 1)]
+    per_rank = [list(local(data, lens, world=2, rank=r, memory_mib=1024, tokens_per_step=120)) for r in (0, 1)]
     covered = []
     for s0, s1 in zip(*per_rank, strict=True):
         assert s0.plan == s1.plan
@@ -183,7 +192,7 @@ def test_video_collation_stacks_same_shape_samples():
         assert tok.shape[0] == TINY_DIT.tokens((f, h, w))
         data.append({"tokens": tok, "positions": pos, "frames": grid[0]})
     cl = cluster(1)
-    loader = DataCentricLoader(data, shapes, cost=cost(TINY_DIT, cl), cluster=cl, samples_per_step=5)
+    loader = DataCentricLoader(data, shapes, cost=cost(TINY_DIT, cl), cluster=cl, samples_per_step=5, planning="thread")
     steps = list(loader)
     assert len(steps) == 1
     for b in steps[0]:
@@ -201,9 +210,9 @@ def test_custom_collate_and_raw_samples():
         calls.append(mb.sample_ids)
         return sum(len(samples[i]) for i in mb.sample_ids)
 
-    total = sum(b for st in make(ds, lens, collate=collate) for b in st)
+    total = sum(b for st in local(ds, lens, collate=collate) for b in st)
     assert total == sum(lens) and sorted(i for c in calls for i in c) == list(range(6))
-    raw = [b for st in make(ds, lens, collate=None) for b in st]
+    raw = [b for st in local(ds, lens, collate=None) for b in st]
     assert sorted(int(t.numel()) for b in raw for t in b) == sorted(lens)
 
 
@@ -212,7 +221,7 @@ def test_custom_collate_and_raw_samples():
 
 def test_fewer_samples_than_ranks_gives_empty_steps_on_idle_ranks():
     ds, lens = text_data(5, hi=200)
-    steps = {r: list(make(ds, lens, world=4, rank=r, samples_per_step=1, policy="dcp")) for r in range(4)}
+    steps = {r: list(local(ds, lens, world=4, rank=r, samples_per_step=1, policy="dcp")) for r in range(4)}
     assert all(len(s) == 5 for s in steps.values())  # every rank gets every step
     for k in range(5):
         assert len({steps[r][k].plan for r in range(4)}) == 1
@@ -223,7 +232,7 @@ def test_fewer_samples_than_ranks_gives_empty_steps_on_idle_ranks():
 
 def test_last_step_smaller_and_nothing_dropped_or_repeated():
     ds, lens = text_data(23)
-    steps = list(make(ds, lens, samples_per_step=5))
+    steps = list(local(ds, lens, samples_per_step=5))
     assert [len(s.plan.sample_ids) for s in steps] == [5, 5, 5, 5, 3]
     assert sorted(i for s in steps for i in s.sample_ids) == list(range(23))
 
@@ -236,7 +245,7 @@ def test_lengths_function_is_called_once_per_sample():
         calls.append(i)
         return lens[i]
 
-    loader = make(ds, length)
+    loader = local(ds, length)
     for e in range(2):
         loader.set_epoch(e)
         walk(loader)
@@ -282,7 +291,7 @@ def test_predict_hands_each_step_the_replay_of_its_whole_plan(lookahead, plannin
 
 def test_epochs_reshuffle_and_each_covers_everything():
     ds, lens = text_data(30)
-    loader = make(ds, lens)
+    loader = local(ds, lens)
     orders = []
     for e in range(2):
         loader.set_epoch(e)
@@ -294,18 +303,18 @@ def test_epochs_reshuffle_and_each_covers_everything():
 
 def test_resume_mid_epoch_and_set_epoch_keeps_the_position():
     ds, lens = text_data(40, seed=2)
-    full = make(ds, lens)
+    full = local(ds, lens)
     full.set_epoch(1)
     reference = walk(full)
     assert len(reference) >= 4
-    first = make(ds, lens)
+    first = local(ds, lens)
     first.set_epoch(1)
     it = iter(first)
     head = [(s.index, s.rank, s.sample_ids) for _, s in zip(range(3), it)]
     state = first.state_dict()
     assert state["epoch"] == 1 and state["step"] == 3
     it.close()
-    resumed = make(ds, lens)
+    resumed = local(ds, lens)
     resumed.load_state_dict(state)
     resumed.set_epoch(1)  # the usual epoch loop calls this; it must not restart the epoch
     assert head + walk(resumed) == reference
@@ -316,22 +325,22 @@ def test_resume_mid_epoch_and_set_epoch_keeps_the_position():
 
 def test_resume_with_other_settings_is_refused_or_replanned():
     ds, lens = text_data(20)
-    state = make(ds, lens).state_dict()
+    state = local(ds, lens).state_dict()
     with pytest.raises(ValueError, match=r"saved with seed=0 but this loader has seed=1; resume with the same seed"):
-        make(ds, lens, seed=1).load_state_dict(state)
+        local(ds, lens, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved with tokens_per_step=8000 but this loader has tokens_per_step=9000"):
-        make(ds, lens, tokens_per_step=9000).load_state_dict(state)
+        local(ds, lens, tokens_per_step=9000).load_state_dict(state)
     other = list(lens)
     other[0] += 1
     with pytest.raises(ValueError, match="other sample lengths"):
-        make(ds, other).load_state_dict(state)
+        local(ds, other).load_state_dict(state)
     # another world size keeps the samples of every step (the step former ignores the cluster)
     state["step"] = 1
-    w2 = [make(ds, lens, world=2, rank=r) for r in (0, 1)]
+    w2 = [local(ds, lens, world=2, rank=r) for r in (0, 1)]
     for loader in w2:
         loader.load_state_dict(state)
     steps = [list(loader) for loader in w2]
-    one = list(make(ds, lens))[1:]
+    one = list(local(ds, lens))[1:]
     assert [s.plan.sample_ids for s in steps[0]] == [s.plan.sample_ids for s in one]
 
 
@@ -373,53 +382,55 @@ def test_rank_idle_for_several_steps_then_busy_again_does_not_hang():
         assert sorted(set(ids)) == list(range(15))
 
 
-_PLAN_DIGESTS = """
-import random, sys
-from dcparallel.data import DataCentricLoader
-from dcparallel.plan.policies import ALL
-from dcparallel.runtime.comm import digest
-from tests.unit._models import TINY_LM, cluster, cost
-rng = random.Random(7)
-lens = [rng.choice([rng.randint(16, 3000), rng.randint(3000, 60000)]) for _ in range(60)]
-cl = cluster(8, 4)
-out = []
-for policy in ALL:
-    loader = DataCentricLoader(range(60), lens, cost=cost(TINY_LM, cl), cluster=cl, policy=policy,
-                               research=True, tokens_per_step=40000, seed=3, collate=None, rank=0, world_size=8)
-    out.append(digest([p.to_json() for p in loader.plans(1)]))
-print(" ".join(out))
-"""
+def plan_digests() -> list[str]:
+    """The digest of each policy's plans of one epoch of 60 mixed lengths on 8 ranks."""
+    from dcparallel.plan.policies import ALL
+    from dcparallel.runtime.comm import digest
+
+    rng = random.Random(7)
+    lens = [rng.choice([rng.randint(16, 3000), rng.randint(3000, 60000)]) for _ in range(60)]
+    cl = cluster(8, 4)
+    out = []
+    for policy in ALL:
+        loader = DataCentricLoader(
+            range(60),
+            lens,
+            cost=cost(TINY_LM, cl),
+            cluster=cl,
+            policy=policy,
+            research=True,
+            tokens_per_step=40000,
+            seed=3,
+            collate=None,
+            rank=0,
+            world_size=8,
+        )
+        out.append(digest([p.to_json() for p in loader.plans(1)]))
+    return out
 
 
 def test_plans_do_not_depend_on_the_process_hash_seed():
     """Ranks are separate processes with their own string-hash seeds; a planner iterating a
-    set or dict keyed by strings in hash order would plan differently on each rank. Two
-    interpreters with different PYTHONHASHSEED must produce the same plans for every policy."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    set or dict keyed by strings in hash order would plan differently on each rank. This
+    process and an interpreter with another PYTHONHASHSEED must produce the same plans for
+    every policy."""
+    from ._hash_seed import run_with_other_hash_seed
 
-    root = Path(__file__).resolve().parents[2]
-    digests = []
-    for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(root)}
-        res = subprocess.run(
-            [sys.executable, "-c", _PLAN_DIGESTS], env=env, cwd=root, capture_output=True, text=True, timeout=120
-        )
-        assert res.returncode == 0, res.stderr
-        digests.append(res.stdout.split())
-    assert len(digests[0]) == 7 and digests[0] == digests[1]
+    here = plan_digests()
+    there = run_with_other_hash_seed("from tests.unit.test_loader import plan_digests; print(' '.join(plan_digests()))")
+    assert len(here) == 7 and there.split() == here
 
 
 def test_lengths_as_numpy_torch_or_integral_floats_plan_like_ints():
     import numpy as np
 
     ds, lens = text_data(10)
-    reference = walk(make(ds, lens))
+    reference = walk(local(ds, lens))
     for other in (np.asarray(lens), torch.tensor(lens), [float(n) for n in lens], np.asarray(lens, dtype=np.float64)):
-        assert walk(make(ds, other)) == reference
+        assert walk(local(ds, other)) == reference
     shapes = np.asarray([(17, 64, 64), (1, 128, 128)])
     cl = cluster(1)
-    loader = DataCentricLoader(range(2), shapes, cost=cost(TINY_DIT, cl), cluster=cl, samples_per_step=2, collate=None)
+    loader = DataCentricLoader(
+        range(2), shapes, cost=cost(TINY_DIT, cl), cluster=cl, samples_per_step=2, collate=None, planning="thread"
+    )
     assert loader.sizes == ((17, 64, 64), (1, 128, 128))

@@ -310,7 +310,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dcparallel", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_simulate_with_a_real_profile(real_profile, tmp_path):
+def _cli_error(capsys, *args: str) -> tuple[int, str]:
+    """The exit status and stderr of ``dcparallel ARGS`` run in this process, for a command
+    that must fail on its arguments before it sets anything up (no interpreter to start)."""
+    from dcparallel.apps.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # as the interpreter ends: a message on stderr and status 1
+        code, message = (exc.code, "") if isinstance(exc.code, int) else (1, f"{exc.code}\n")
+        return code, capsys.readouterr().err + message
+    return code, capsys.readouterr().err
+
+
+def test_cli_simulate_with_a_real_profile(real_profile, tmp_path, capsys):
     path, _ = real_profile
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(map(str, [16] * 40 + [64] * 10 + [128] * 4)) + "\n")
@@ -333,11 +346,13 @@ def test_cli_simulate_with_a_real_profile(real_profile, tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "tiny" and out["world"] == 1
     assert all(v["samples_planned"] == 54 and v["samples_dropped"] == 0 for v in out["policies"].values())
-    r = _cli("simulate", "--profile", str(path), "--lengths", str(lengths), "--world", "2", "--json")
-    assert r.returncode != 0 and "measured at world size 1" in r.stderr
+    code, err = _cli_error(
+        capsys, "simulate", "--profile", str(path), "--lengths", str(lengths), "--world", "2", "--json"
+    )
+    assert code != 0 and "measured at world size 1" in err
 
 
-def test_cli_profile_json(tmp_path):
+def test_cli_profile_json(tmp_path, capsys):
     out = tmp_path / "p.json"
     r = _cli(
         "profile",
@@ -370,8 +385,13 @@ def test_cli_profile_json(tmp_path):
     # validation ran at full depth: the memory estimate extrapolates exactly, time within noise
     assert len(d["validation"]) == 4 and d["memory_error"] == 0.0 and d["time_error"] is not None
     assert "profiling tiny-llama" in r.stderr  # the progress bar is on stderr
-    bad = _cli("profile", "--model", "tiny-llama", "--buckets", "12x", "--json")
-    assert bad.returncode == 2 and "bad bucket '12x'" in bad.stderr
+    # a bad bucket is reported before the process group and the thread count are set up
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    code, err = _cli_error(capsys, "profile", "--model", "tiny-llama", "--buckets", "12x", "--threads", "3", "--json")
+    assert code == 2 and "bad bucket '12x'" in err
+    assert not dist.is_initialized() and torch.get_num_threads() == threads
 
 
 def test_video_preset_profiles_spatial_temporal_pairs():
