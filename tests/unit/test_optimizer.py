@@ -5,6 +5,8 @@ on the unmodified model in one process (world 1; world 2 and 4: tests/dist/test_
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -28,6 +30,28 @@ torch.set_num_threads(1)
 def _engine() -> Engine:
     m = make_model("llama")
     return Engine(m, layers=m.layers, num_heads=NUM_HEADS)
+
+
+def test_zero_adamw_skips_the_compiler_import_until_something_compiles(monkeypatch):
+    """torch's `Optimizer.add_param_group` imports torch._dynamo on its first call (about 1
+    processor second of every rank's start, `compat.unless_compiling`): `ZeroAdamW` calls the
+    method past that wrapper while torch._dynamo is not imported, and through it once it is."""
+    wrapped = torch.optim.Optimizer.add_param_group.__wrapped__
+
+    def through_the_wrapper(*args, **kwargs):
+        raise AssertionError("called through torch's _disable_dynamo wrapper")
+
+    # the wrapper calls what it cached on the function at its first call, else imports torch._dynamo
+    monkeypatch.setattr(wrapped, "__dynamo_disable", through_the_wrapper, raising=False)
+    dynamo = sys.modules.get("torch._dynamo") or types.ModuleType("torch._dynamo")
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    opt = _engine().optimizer(lr=1e-2, weight_decay=0.1)
+    assert "torch._dynamo" not in sys.modules
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+    assert opt.param_groups[0]["params"] == list(opt.flat.params)
+    monkeypatch.setitem(sys.modules, "torch._dynamo", dynamo)
+    with pytest.raises(AssertionError, match="_disable_dynamo wrapper"):
+        _engine().optimizer(lr=1e-2)
 
 
 def _warmup_cosine(step: int) -> float:
