@@ -11,7 +11,13 @@ torchrun, as `dcparallel train --config FILE` with them (the repository root on 
 
     DCPARALLEL_FAULT=exit@3:1 torchrun --nproc-per-node 2 --max-restarts 1 -m tests.faults --config run.toml
 
-`run_config` writes the small run these faults are injected into, `launch` runs it so.
+``--reference ref.toml`` first trains ``ref.toml``'s run with no faults, in the same launch
+(on a restart it finds that run finished and goes on to the faulted one): the uninterrupted
+run a faulted one is compared with, without a launch of its own.
+
+`run_config` writes the small run these faults are injected into, `launch` runs it so. The
+pytest process imports this module without torch (dcparallel's trainer is imported where a
+rank runs).
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dcparallel.apps import train
-from dcparallel.apps.train_config import Config
-from dcparallel.apps.train_log import append_event
-from dcparallel.apps.trainer import StepHook, Trainer
-from tests.train_fixtures import write_config
+from tests.torchrun_launch import write_config
+
+if TYPE_CHECKING:
+    from dcparallel.apps.train_config import Config
+    from dcparallel.apps.trainer import StepHook, Trainer
 
 log = logging.getLogger("dcparallel.train")
 
@@ -66,6 +73,8 @@ def parse_faults(spec: str) -> list[Fault]:
 
 def fire(fault: Fault, trainer: Trainer) -> None:
     """Carries out a fault on this rank, after writing its event (every rank may write one)."""
+    from dcparallel.apps.train_log import append_event
+
     append_event(
         trainer.out / "events.jsonl",
         {"event": "fault", "kind": fault.kind, "step": fault.step, "rank": fault.rank, "attempt": fault.attempt},
@@ -106,7 +115,23 @@ def fault_hook(faults: list[Fault]) -> StepHook | None:
 
 def run(cfg: Config) -> int:
     """`dcparallel.apps.train.run` with the faults of ``DCPARALLEL_FAULT`` (checked first)."""
+    from dcparallel.apps import train
+
     return train.run(cfg, before_step=fault_hook(parse_faults(os.environ.get(FAULT_ENV, ""))))
+
+
+def run_after(reference: Config, cfg: Config) -> int:
+    """``reference``'s run with no faults, then `run` of ``cfg``, on one process group (set up
+    here, so both runs use it). A restarted launch finds ``reference`` finished (its last
+    checkpoint) and skips it without planning."""
+    from dcparallel.apps import train
+    from dcparallel.runtime.launch import end_distributed, init_distributed
+
+    hook = fault_hook(parse_faults(os.environ.get(FAULT_ENV, "")))
+    init_distributed(timeout=timedelta(seconds=cfg.train.pg_timeout_s))
+    code = train.run(reference) or train.run(cfg, before_step=hook)
+    end_distributed()
+    return code
 
 
 def run_config(root: Path, name: str, num_samples: int = 36, **train: Any) -> tuple[Path, Path]:
@@ -134,10 +159,18 @@ def run_config(root: Path, name: str, num_samples: int = 36, **train: Any) -> tu
 
 
 def launch(
-    config: Path, *, ranks: int = 2, fault: str = "", restarts: int = 0, cwd: Path | None = None, timeout: float = 300
+    config: Path,
+    *,
+    ranks: int = 2,
+    fault: str = "",
+    restarts: int = 0,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    reference: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``config``'s run under torchrun (``ranks`` processes, ``restarts`` restarts) with the
-    faults ``fault`` (a ``DCPARALLEL_FAULT`` value) fired by this module's hook."""
+    faults ``fault`` (a ``DCPARALLEL_FAULT`` value) fired by this module's hook; after
+    ``reference``'s run with no faults in the same launch where it is given."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env[FAULT_ENV] = fault
     cmd = [
@@ -153,6 +186,7 @@ def launch(
         "tests.faults",
         "--config",
         str(config),
+        *(["--reference", str(reference)] if reference is not None else []),
     ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -160,9 +194,14 @@ def launch(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="dcparallel train with the faults of DCPARALLEL_FAULT")
     ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--reference", type=Path, help="a run trained first, with no faults, in the same launch")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    return run(Config.load(args.config))
+    from dcparallel.apps.train_config import Config
+
+    if args.reference is None:
+        return run(Config.load(args.config))
+    return run_after(Config.load(args.reference), Config.load(args.config))
 
 
 if __name__ == "__main__":

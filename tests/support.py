@@ -1,16 +1,12 @@
 """Shared by unit, dist and e2e tests: tiny models, random samples, random step plans, the
-single-process reference, one rank's run of a step, a user's training loop and a torchrun
-launch."""
+single-process reference, one rank's run of a step, a user's training loop; the torchrun
+launch of `tests.torchrun_launch`, re-exported."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +20,7 @@ from dcparallel.models.llama import Llama, LlamaConfig
 from dcparallel.plan.types import GroupPlan, MicroBatch, StepPlan
 from dcparallel.runtime.engine import Engine, sample_seed
 from dcparallel.spec import Layout, ModelSpec, Recompute, llama_like
+from tests.torchrun_launch import ROOT, torchrun, torchrun_train  # noqa: F401  (re-exported)
 
 NUM_HEADS = 4
 NUM_LAYERS = 3
@@ -335,23 +332,6 @@ def one_entry_profile_json(model: ModelSpec) -> dict[str, Any]:
         entries=[e],
     )
     return p.to_json()
-
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """``args`` (``["-m", module, ...]`` or a script and its arguments) under
-    ``torch.distributed.run --standalone`` on 2 processes, run in ``cwd`` with one thread per
-    rank, the hub offline, this checkout on the path and ``env`` added; output captured."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def torchrun_train(config: Path, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """`dcparallel train --config` ``config`` under `torchrun`."""
-    return torchrun(["-m", "dcparallel", "train", "--config", str(config)], cwd, timeout, **env)
 
 
 class FakeClock:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dcparallel.runtime.sharded_checkpoint import read_model
+from tests.torchrun_launch import write_config  # noqa: F401  (re-exported)
 
 SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -155,23 +156,6 @@ def latents_manifest(
             {"latents": f"lat{i}.{fmt}", "text_embeddings": f"txt{i}.{fmt}", "frames": f, "height": h, "width": w}
         )
     return write_jsonl(root / "manifest.jsonl", rows)
-
-
-def write_config(path: Path, **sections: dict) -> Path:
-    """A `dcparallel train` TOML at ``path``: one table per section, its keys in order
-    (strings and paths quoted, booleans lower case, numbers as Python writes them)."""
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return json.dumps(str(v)) if isinstance(v, (str, Path)) else repr(v)
-
-    path.write_text(
-        "".join(
-            f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items()) for name, keys in sections.items()
-        )
-    )
-    return path
 
 
 def chat_run(root: Path, *, world: int, wandb: bool = False) -> Path:

@@ -172,7 +172,9 @@ class Profiler:
             "world_size": self.world,
             "gpus_per_node": self.cluster.gpus_per_node,
             "sp_sizes": self.sp_sizes,
-            "torch": torch.__version__,
+            # a str: torch's TorchVersion would make the loader's planning process (pure
+            # core: `sim.plan_worker`) import torch to unpickle a fresh profile
+            "torch": str(torch.__version__),
             "memory_bytes": int(mem),
             "memory_limited": self.memory_limit is not None,
             "method": METHOD,

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dcparallel.cost.base import STEP_CHUNK_NUMEL
 from dcparallel.runtime import comm
+from dcparallel.runtime.compat import unless_compiling
 
 if TYPE_CHECKING:
     from dcparallel.runtime.grad_sync import GradSync
@@ -172,7 +173,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "ZeroAdamW has one parameter group (the engine's flat parameters); build a second "
                 "optimizer for parameters outside the engine"
             )
-        super().add_param_group(param_group)
+        # torch's method without its import of torch._dynamo where nothing compiles (`compat`)
+        unless_compiling(torch.optim.Optimizer.add_param_group)(self, param_group)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:

@@ -1,7 +1,9 @@
 """Process faults under `torchrun --max-restarts`: a rank that exits, raises or hangs mid-step
 (DCPARALLEL_FAULT, tests/faults.py) is restarted from the last committed checkpoint, and the finished run has
 the per-step losses of an uninterrupted run, bit for bit, with every sample of the epoch
-trained exactly once (2 gloo ranks, analytic cost: no profiling)."""
+trained exactly once (2 gloo ranks, analytic cost: no profiling). The uninterrupted run
+trains first in the same launch (``--reference``: fresh processes, no faults), so one launch
+starts the ranks four times, not five."""
 
 import json
 
@@ -17,18 +19,17 @@ def _metrics(out):
 
 
 def test_exit_raise_and_hang_restart_and_lose_nothing(tmp_path):
-    config, ref = run_config(tmp_path, "ref")
-    r = launch(config, cwd=tmp_path)
+    ref_config, ref = run_config(tmp_path, "ref")
+    config, out = run_config(tmp_path, "faults")
+    # attempt 0: the reference run, then rank 1 of the faulted one dies at step 3; attempt 1:
+    # rank 0 raises at step 6 (step 5 replayed); attempt 2: rank 1 hangs at step 7 until the
+    # 6 s step watchdog ends it; attempts 1-3 find the reference finished and skip it
+    r = launch(config, cwd=tmp_path, fault="exit@3:1:0,raise@6:0:1,hang@7:1:2", restarts=3, reference=ref_config)
     assert r.returncode == 0, r.stderr[-3000:]
     reference = _metrics(ref)
     num_steps = len(reference)
     assert num_steps >= 7
-
-    config, out = run_config(tmp_path, "faults")
-    # attempt 0: rank 1 dies at step 3; attempt 1: rank 0 raises at step 6 (step 5 replayed);
-    # attempt 2: rank 1 hangs at step 7 until the 6 s step watchdog ends it
-    r = launch(config, cwd=tmp_path, fault="exit@3:1:0,raise@6:0:1,hang@7:1:2", restarts=3)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["global_step"] for m in reference] == list(range(1, num_steps + 1))  # trained once, whole
     assert "injected fault: raise at step 6 on rank 0" in r.stderr and "Timeout (0:00:06)!" in r.stderr
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["step"]) for e in events if e["event"] == "fault"] == [("exit", 3), ("raise", 6), ("hang", 7)]

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from tests.support import torchrun_train
+from tests.torchrun_launch import torchrun_train
 
 pytestmark = pytest.mark.e2e
 
 
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     lengths = tmp_path / "lengths.txt"
-    lengths.write_text("\n".join(str(n) for n in [24, 40, 64, 100, 180, 30, 50, 90] * 6) + "\n")
+    lengths.write_text("\n".join(str(n) for n in [40, 48, 56, 60, 100, 120, 64, 90] * 6) + "\n")
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
     config.write_text(f"""
@@ -31,7 +31,7 @@ checkpoint_every = 3
 repeats = 1
 max_repeats = 1
 min_time_s = 0
-max_mbs = 4
+max_mbs = 1
 max_tokens = 512
 """)
     r = torchrun_train(config, tmp_path, timeout=300)

@@ -4,7 +4,11 @@ on the unmodified model in one process (world 1; world 2 and 4: tests/dist/test_
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,6 +32,39 @@ torch.set_num_threads(1)
 def _engine() -> Engine:
     m = make_model("llama")
     return Engine(m, layers=m.layers, num_heads=NUM_HEADS)
+
+
+FRESH_ENGINE_OPTIMIZER = """
+import sys
+import torch
+from dcparallel.models.llama import Llama, LlamaConfig
+from dcparallel.runtime.engine import Engine
+m = Llama(LlamaConfig.tiny(num_layers=2, num_heads=4, hidden=32, ffn_hidden=48, vocab_size=64))
+opt = Engine(m, layers=m.layers, num_heads=4).optimizer(lr=1e-2, weight_decay=0.1)
+assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_zero_adamw_skips_the_compiler_import_until_something_compiles(monkeypatch):
+    """torch's `Optimizer.add_param_group` imports torch._dynamo on its first call (about 1
+    processor second of every rank's start, `compat.unless_compiling`): in a fresh
+    interpreter an engine and its `ZeroAdamW` leave torch._dynamo unimported; once it is
+    imported, the optimizer calls the method through torch's wrapper."""
+    fresh = subprocess.run([sys.executable, "-c", FRESH_ENGINE_OPTIMIZER], capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert fresh.stdout.split() == ["False"]
+
+    importlib.import_module("torch._dynamo")
+
+    def through_the_wrapper(*args, **kwargs):
+        raise AssertionError("called through torch's _disable_dynamo wrapper")
+
+    # the wrapper calls what it cached on the function at its first call
+    original = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    monkeypatch.setattr(original, "__dynamo_disable", through_the_wrapper, raising=False)
+    with pytest.raises(AssertionError, match="_disable_dynamo wrapper"):
+        _engine().optimizer(lr=1e-2)
 
 
 def _warmup_cosine(step: int) -> float:
