@@ -9,12 +9,15 @@ from dcparallel.adapters import find_adapter
 from dcparallel.plan.types import MicroBatch
 from dcparallel.runtime.engine import Engine
 from tests.adapter_models import build, item, make_data, wan_ti2v_loss
-from tests.dist.cases_common import adapter_plan_steps
+from tests.dist.cases_common import PLAN_MODES, adapter_plan_steps
 
 
-def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[dict]:
-    """Random plans (SP 1/2/4, idle ranks, uneven counts, two phases, random recompute) of a
-    library model driven through its adapter: the collate, loss_fn and hooks the API uses."""
+def case_adapter_engine(
+    kind: str, seeds: list[int], num_samples: int, modes: tuple[str, ...] = PLAN_MODES
+) -> list[dict]:
+    """Random plans (SP 1/2/4, idle ranks, uneven counts, two phases, random recompute;
+    ``modes`` in turn) of a library model driven through its adapter: the collate, loss_fn
+    and hooks the API uses."""
     model = build(kind)
     # the user's own module names its heads (the protocol); library models are read
     if kind == "custom":
@@ -23,7 +26,7 @@ def case_adapter_engine(kind: str, seeds: list[int], num_samples: int) -> list[d
         dc = Engine(model, adapter=find_adapter(model, loss_fn=wan_ti2v_loss))
     else:
         dc = Engine(model)
-    return adapter_plan_steps(dc, lambda seed: make_data(kind, num_samples, seed), item, seeds, num_samples)
+    return adapter_plan_steps(dc, lambda seed: make_data(kind, num_samples, seed), item, seeds, num_samples, modes)
 
 
 def case_refused_inside_sp(kind: str, inputs: dict) -> str:

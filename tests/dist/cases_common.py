@@ -20,6 +20,10 @@ from tests.support import random_plan, rel_err, train_steps
 
 #: the random plans' modes, one per seed in turn: SP = world, idle ranks, random groups, phases
 PLAN_MODES = ("world", "idle", "random", "phases")
+#: the world-4 parity tests' modes: "phases" runs a group of the whole world (SP 4) between
+#: narrow groups, one of them idle, so a plan of the whole world alone ("world": every rank
+#: runs every micro-batch, the dearest plan) runs no code path these three do not
+PARITY_MODES = ("idle", "random", "phases")
 #: one quick profiling round (the epoch tests check what trains, not the timings)
 EPOCH_PROFILE = ProfilerConfig(repeats=1, max_repeats=1, warmup=1, min_time_s=0.0, max_mbs=2, modes=("none", "full"))
 
@@ -37,10 +41,15 @@ def adapter_step(dc: Any, plan: Any, data: Any, item: Callable[[Any, int], Any])
 
 
 def adapter_plan_steps(
-    dc: Any, make_data: Callable[[int], Any], item: Callable[[Any, int], Any], seeds: Sequence[int], num_samples: int
+    dc: Any,
+    make_data: Callable[[int], Any],
+    item: Callable[[Any, int], Any],
+    seeds: Sequence[int],
+    num_samples: int,
+    modes: Sequence[str] = PLAN_MODES,
 ) -> list[dict]:
     """Per seed a random plan of ``make_data(seed)`` (SP 1/2/4, idle ranks, uneven counts,
-    phases, random recompute; `PLAN_MODES` in turn) run as `adapter_step`: the loss, every
+    phases, random recompute; ``modes`` in turn) run as `adapter_step`: the loss, every
     gradient and the plan."""
     results = []
     for i, seed in enumerate(seeds):
@@ -51,7 +60,7 @@ def adapter_plan_steps(
             dist.get_world_size(),
             seed,
             num_layers=dc.adapter.spec.num_layers,
-            mode=PLAN_MODES[i % len(PLAN_MODES)],
+            mode=modes[i % len(modes)],
         )
         loss = adapter_step(dc, plan, data, item)
         grads = {n: p.grad.detach().clone() for n, p in dc.model.named_parameters()}

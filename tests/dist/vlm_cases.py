@@ -11,9 +11,11 @@ from tests.dist.cases_common import PLAN_MODES, adapter_step
 from tests.support import random_plan
 
 
-def case_vlm_engine(kind: str, seeds: list[int], num_samples: int, freeze_vision: bool) -> list[dict]:
+def case_vlm_engine(
+    kind: str, seeds: list[int], num_samples: int, freeze_vision: bool, modes: tuple[str, ...] = PLAN_MODES
+) -> list[dict]:
     """Per seed a random plan (SP 1/2/4, idle ranks, packed chats, random recompute;
-    `PLAN_MODES` in turn) of the mixed chats through the VLM adapter's collate and loss: the
+    ``modes`` in turn) of the mixed chats through the VLM adapter's collate and loss: the
     step's loss, the gradients of the trainable parameters, the plan."""
     model = vlm_families.build(kind)
     dc = Engine(model, adapter=find_adapter(model, freeze_vision=freeze_vision))
@@ -26,7 +28,7 @@ def case_vlm_engine(kind: str, seeds: list[int], num_samples: int, freeze_vision
             dist.get_world_size(),
             seed,
             num_layers=dc.adapter.spec.num_layers,
-            mode=PLAN_MODES[i % len(PLAN_MODES)],
+            mode=modes[i % len(modes)],
         )
         loss = adapter_step(dc, plan, data, vlm_families.item)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
