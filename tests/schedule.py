@@ -7,69 +7,69 @@ the gaps, and the two workers end together; in xdist's default order (most tests
 torchrun tests, one or two tests each, came last and ran side by side while the other worker
 had nothing left.
 
-`MODULE_SECONDS`: each long module's seconds in `make test` on 2 cores: its CPU seconds, all
-its processes and phases added up (benchmarks/test-time_cpu_2026-12-06.md), which is about its
-wall time when the two workers share the two cores. A module not listed counts 0 and keeps its collection
-place after the listed ones. Only the order depends on these numbers, never a result: refresh
+`MODULE_SECONDS`: each long module's seconds in `make test` from a fresh clone on 2 cores, its
+tests' durations added up (benchmarks/test-time_cpu_2026-12-07.md). A module not listed counts
+0 and keeps its collection place after the listed ones. Only the order depends on these numbers, never a result: refresh
 them when a module's time changes by more than a few seconds."""
 
 from __future__ import annotations
 
 MODULE_SECONDS: dict[str, float] = {
     # gloo worker pools (world 2 and 4)
-    "tests/dist/test_dist_adapters.py": 75,
-    "tests/dist/test_dist_sharded.py": 90,
-    "tests/dist/test_dist_video_epoch.py": 50,
-    "tests/dist/test_dist_joint.py": 42,
-    "tests/dist/test_dist_runtime.py": 21,
-    "tests/dist/test_dist_joint_epoch.py": 16,
-    "tests/dist/test_dist_vlm.py": 41,
-    "tests/dist/test_dist_hf_families.py": 8,
-    "tests/dist/test_dist_hf_structure.py": 10,
-    "tests/dist/test_dist_ring.py": 27,
-    "tests/dist/test_dist_grad_sync.py": 26,
-    "tests/dist/test_dist_rl.py": 8,
-    "tests/dist/test_dist_diffusers_memory.py": 25,
-    "tests/dist/test_dist_lora.py": 11,
-    "tests/dist/test_dist_elastic.py": 15,
-    "tests/dist/test_dist_loader.py": 15,
-    "tests/dist/test_dist_mixed_sizes.py": 10,
-    "tests/dist/test_dist_profile.py": 10,
+    "tests/dist/test_dist_video_epoch.py": 68,
+    "tests/dist/test_dist_sharded.py": 62,
+    "tests/dist/test_dist_adapters.py": 58,
+    "tests/dist/test_dist_joint.py": 39,
+    "tests/dist/test_dist_grad_sync.py": 28,
+    "tests/dist/test_dist_vlm.py": 27,
+    "tests/dist/test_dist_runtime.py": 25,
+    "tests/dist/test_dist_profile_control.py": 18,
+    "tests/dist/test_dist_ring.py": 18,
+    "tests/dist/test_dist_joint_epoch.py": 15,
+    "tests/dist/test_dist_elastic.py": 13,
+    "tests/dist/test_dist_rl.py": 9,
+    "tests/dist/test_dist_loader.py": 8,
+    "tests/dist/test_dist_lora.py": 8,
+    "tests/dist/test_dist_profile.py": 7,
     # torchrun launches
-    "tests/e2e/test_restarts_torchrun.py": 54,
-    "tests/e2e/test_finetune_torchrun.py": 43,
     "tests/e2e/test_train_torchrun.py": 40,
-    "tests/e2e/test_multinode_torchrun.py": 27,
+    "tests/e2e/test_device_check_dry_run.py": 39,
+    "tests/e2e/test_restarts_torchrun.py": 39,
+    "tests/e2e/test_finetune_torchrun.py": 34,
+    "tests/e2e/test_multinode_torchrun.py": 32,
     "tests/e2e/test_profile_torchrun.py": 12,
-    "tests/e2e/test_oom_torchrun.py": 15,
-    "tests/e2e/test_device_check_dry_run.py": 66,
     # in the pytest process (and CLI subprocesses)
-    "tests/unit/test_hf_attention_keywords.py": 16,
-    "tests/unit/test_loader_properties.py": 26,
-    "tests/unit/test_dcp_expand.py": 10,
-    "tests/unit/test_profile.py": 23,
-    "tests/unit/test_reliability.py": 25,  # a dozen short `dcparallel train` runs at world 1
-    "tests/unit/test_dcp_mixes.py": 20,
-    "tests/unit/test_scenarios.py": 19,
-    "tests/unit/test_loader_stop.py": 20,  # planners busy for a minute, stopped; a killed run
-    "tests/unit/test_train_dtype.py": 17,  # diffusers and transformers models built five ways
-    "tests/unit/test_train_workers.py": 15,  # a spawned DataLoader worker imports torch
-    "tests/unit/test_loader.py": 15,
-    "tests/unit/test_vision_sizes.py": 14,  # imports transformers' image processors
-    "tests/unit/test_vlm.py": 15,  # Qwen2.5-VL built and imported in the pytest process
-    "tests/unit/test_vlm_profile.py": 15,  # a tiny Qwen2.5-VL profiled, tower included, at world 1
-    "tests/unit/test_mixed_sizes.py": 13,
-    "tests/unit/test_dcp_scale.py": 12,
+    "tests/unit/test_loader_properties.py": 39,
+    "tests/unit/test_hf_attention_keywords.py": 26,
+    "tests/unit/test_dcp_expand.py": 19,
+    "tests/unit/test_mixed_sizes.py": 19,
+    "tests/unit/test_dcp_mixes.py": 18,
+    "tests/unit/test_loader_stop.py": 18,
+    "tests/unit/test_reliability.py": 17,
+    "tests/unit/test_golden_plans.py": 17,
+    "tests/unit/test_rollout_reuse.py": 16,
+    "tests/unit/test_dcp_scale.py": 15,
+    "tests/unit/test_scenarios.py": 14,
+    "tests/unit/test_collective_sequences.py": 13,
+    "tests/unit/test_loader.py": 13,
+    "tests/unit/test_policies.py": 13,
+    "tests/unit/test_hf_trainer.py": 13,
+    "tests/unit/test_profile.py": 12,
     "tests/unit/test_mix_share.py": 12,
-    "tests/unit/test_rollout_reuse.py": 12,  # RL steps planned twice each, 1024 simulated GPUs
-    "tests/unit/test_dcp_static.py": 10,
-    "tests/unit/test_loader_lookahead.py": 14,  # training steps slept through, a planning process
-    "tests/unit/test_mixes.py": 10,
-    "tests/unit/test_shape_bound.py": 10,
-    "tests/unit/test_sharded_plan.py": 11,
-    "tests/unit/test_resume_schedule.py": 12,  # four short `dcparallel train` runs, world 1
-    "tests/unit/test_hf_trainer.py": 11,  # eleven short Trainer runs, world 1
-    "tests/unit/test_trl_sft.py": 20,  # TRL imported, three short SFTTrainer runs
+    "tests/unit/test_vlm_profile.py": 12,
+    "tests/unit/test_dcp_static.py": 11,
+    "tests/unit/test_bounds.py": 10,
+    "tests/unit/test_profile_bound.py": 10,
+    "tests/unit/test_function_size.py": 9,
+    "tests/unit/test_sharded_plan.py": 9,
+    "tests/unit/test_shape_bound.py": 8,
+    "tests/unit/test_dcp_sample.py": 8,
+    "tests/unit/test_adapters.py": 8,
+    "tests/unit/test_plan_process.py": 8,
+    "tests/unit/test_cost_batch.py": 8,
+    "tests/unit/test_diffusers_adapters.py": 8,
+    "tests/unit/test_mixes.py": 8,
+    "tests/unit/test_loader_lookahead.py": 7,
 }
 
 
