@@ -200,17 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     meta = _meta(args.dry_run, argv)
     old = args.out / f"device-check_{meta['hardware']}_{meta['date']}.json"
     results = {k: v for k, v in json.loads(old.read_text()).items() if k != "meta"} if old.exists() else {}
+    # a rerun replaces its parts and keeps the others
     if args.dry_run:
         keys = sorted(keys, key=DRY_ORDER.index)
-        results |= run_parts(keys, args.out, dry=True)  # a rerun replaces its parts, keeps the others
+        results |= run_parts(keys, args.out, dry=True)
         path = write(args.out, meta, results)
-    # on the GPU one part at a time, each in its own process (they time the device)
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        running = {pool.submit(run_part, key, args.out, False): key for key in keys if not args.dry_run}
-        for done in concurrent.futures.as_completed(running):  # a rerun replaces its parts, keeps the others
-            results[running[done]] = done.result()
-            path = write(args.out, meta, results)
-            print(f"[device_check] part ({running[done]}) done", file=sys.stderr, flush=True)
+    else:  # on the GPU one part at a time, each in its own process (they time the device)
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            running = {pool.submit(run_part, key, args.out, False): key for key in keys}
+            for done in concurrent.futures.as_completed(running):
+                results[running[done]] = done.result()
+                path = write(args.out, meta, results)
+                print(f"[device_check] part ({running[done]}) done", file=sys.stderr, flush=True)
     print(path)
     return 0 if all("error" not in results[k] for k in keys) else 1
 

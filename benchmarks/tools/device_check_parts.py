@@ -73,13 +73,10 @@ def save(out_dir: Path, key: str, result: dict) -> None:
     (out_dir / f"part_{key}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
-def in_process(dry: bool) -> bool:
-    """Whether a part's one-process workers (part (a)'s profiler run, (b)'s training of each
-    model, (c)'s world-1 reference) run in the part's own process: in the dry run. On the GPU
-    each gets a process for its memory peak and its time limit, which the dry run's tiny sizes
-    do not need, while a process costs more than their work (torch's imports); torchrun's
-    ranks are processes in both."""
-    return dry
+# In the dry run a part's one-process workers (part (a)'s profiler run, (b)'s training of each
+# model, (c)'s world-1 reference) run in the part's own process: on the GPU each gets a process
+# for its memory peak and its time limit, which the dry run's tiny sizes do not need, while a
+# process costs more than their work (torch's imports). torchrun's ranks are processes in both.
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -102,7 +99,7 @@ def part_a(out_dir: Path, dry: bool) -> dict:
         str(budget),
     ] + (["--dry-run"] if dry else [])
     try:
-        if in_process(dry):
+        if dry:  # in this process (see above `_run`)
             code, tail = _in_process_profile(cmd[2:]), ""
         else:
             r = _run(cmd, timeout=budget + 50)
@@ -153,7 +150,7 @@ def part_b(out_dir: Path, dry: bool) -> dict:
     out = {}
     for name in MODELS_B:
         try:
-            if in_process(dry):
+            if dry:  # in this process (see above `_run`)
                 out[name] = train_one(out_dir, dry, name)
                 save(out_dir, "b", out)
                 continue
@@ -223,7 +220,7 @@ def part_c(out_dir: Path, dry: bool) -> dict:
     env = {**ENV, "DCPARALLEL_BACKEND": "gloo", "DCPARALLEL_SHARE_DEVICE": "1", "OMP_NUM_THREADS": "1"}
     flag = ["--dry-run"] if dry else []
     out: dict = {}
-    if in_process(dry):
+    if dry:  # in this process (see above `_run`)
         rank_c(out_dir, dry, oom=False)
     else:
         r = _run([sys.executable, __file__, "c-rank", "--out-dir", str(out_dir)], 25, env)
