@@ -3,15 +3,12 @@ ranks): a transformers Llama on a chat JSONL (warmup + cosine, clipping, eval sp
 TensorBoard, export checked against the trained weights) and a diffusers Wan on a manifest
 of latent files, logging to W&B offline as well.
 
-Both runs share one torchrun launch (`runs`): each rank runs this module as a script, which
-sets up the process group once and runs `dcparallel train` (the CLI's own entry) on each
-config in turn, writing each run's exit status beside its config; `dcparallel train` leaves
-a process group it did not create in place. A launch and its ranks' imports (torch,
-transformers, diffusers) cost more processor time than both trainings together."""
+Both runs share one torchrun launch (`runs`, `tests.torchrun_launch.train_each`: one process
+group, `dcparallel train` on each config in turn, each run's exit status beside its
+config). A launch and its ranks' imports (torch, transformers, diffusers) cost more
+processor time than both trainings together."""
 
 import json
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ import torch
 
 from dcparallel.runtime.sharded_checkpoint import read_model
 from tests import train_fixtures as tf
-from tests.support import torchrun
+from tests.torchrun_launch import torchrun_train_each
 
 pytestmark = pytest.mark.e2e
 
@@ -46,10 +43,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, str, str]]:
         tf.wan_run(roots["wan"], copies=4, tokens_per_step=80, schedule="cosine")
     if not roots:
         return {}
-    configs = [str(root / "run.toml") for root in roots.values()]
-    r = torchrun(
-        ["-m", "tests.e2e.test_finetune_torchrun", *configs], tmp_path_factory.getbasetemp(), WANDB_SILENT="true"
-    )
+    configs = [root / "run.toml" for root in roots.values()]
+    r = torchrun_train_each(configs, tmp_path_factory.getbasetemp(), WANDB_SILENT="true")
     return {name: (root, _status(root, r.returncode), r.stderr) for name, root in roots.items()}
 
 
@@ -105,30 +100,3 @@ def test_finetune_a_local_wan_on_a_latents_manifest_under_torchrun(runs):
         )
     assert (a - b).abs().max() > 1e-3
     torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)
-
-
-def train_each(configs: list[str]) -> int:
-    """Under torchrun: the process group set up once, then `dcparallel train --config` on
-    each of ``configs`` in turn; each run's exit status (or traceback) in
-    ``train_status_rank<RANK>`` beside its config. 0 when every run succeeded."""
-    import os
-
-    from dcparallel.apps.cli import main
-    from dcparallel.runtime.launch import end_distributed, init_distributed
-
-    init_distributed()
-    failed = 0
-    for config in configs:
-        try:
-            status = str(main(["train", "--config", config]))
-        except Exception:  # noqa: BLE001 - written for the run's test; the other runs still train
-            status = traceback.format_exc()
-            print(status, file=sys.stderr, flush=True)
-        Path(config).with_name(f"train_status_rank{os.environ['RANK']}").write_text(status)
-        failed += status != "0"
-    end_distributed()
-    return int(failed > 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(train_each(sys.argv[1:]))
