@@ -34,7 +34,7 @@ def case_joint_epoch(kind: str, profile_path: str) -> dict:
         dc = DataCentricParallel(model, policy=policy, research=True, memory_bytes=2**30, context_tokens=TEXT_TOKENS)
         return model, dc, JointVideoSet(shapes, model)
 
-    return epoch_per_policy(setup, shapes, profile_path)
+    return epoch_per_policy(setup, shapes, profile_path, kind)
 
 
 def ring_plan(world: int, num_layers: int) -> StepPlan:

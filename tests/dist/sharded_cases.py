@@ -228,6 +228,7 @@ def case_loader_shard_rule(num_samples: int = 24, seed: int = 0) -> dict:
         policy="dcp",
         tokens_per_step=1200,
         seed=seed,
+        planning="thread",  # the planning process makes the same plans (test_plan_process), a process per rank
     )
     groups = []
     try:

@@ -75,6 +75,7 @@ def case_prepare_sharded(shard_size: int, profile_path: str) -> dict:
         tokens_per_step=240,
         profile_path=profile_path,
         profiler_config=CONFIG,
+        planning="thread",  # the planning process makes the same plans (test_plan_process), a process per rank
     )
     gathers = {d: _count_gathers(dc, d) for d in (1, 2)}
     opt = dc.optimizer(lr=1e-3)

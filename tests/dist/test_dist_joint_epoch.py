@@ -2,7 +2,8 @@
 a whole epoch of HunyuanVideo, CogVideoX and Mochi under every policy at world 2 through the
 public API (profile, plan, load, train): lossless — every sample exactly once, by every rank
 of its group — every micro-batch stacks samples of one latent shape, and both ranks see the
-same finite step losses."""
+same finite step losses. A policy whose epoch plans are those of a policy before it is not
+trained again (`epoch_per_policy`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Profiling on two gloo ranks whose default group times out after 5 s (as a training group's
+"""Profiling on two gloo ranks whose default group times out after 3 s (as a training group's
 NCCL watchdog would): a rank far slower than that timeout holds up no training collective
 (every wait is on the control groups), and an out-of-memory or an error on one rank of an
 SP-2 group stops that layout on both ranks at once, mid-run or after it, instead of leaving
@@ -13,18 +13,24 @@ from tests.dist.harness import Workers
 
 pytestmark = pytest.mark.dist
 
+#: the default (training) group's collective timeout in these workers: the SP-2 runs' own
+#: collectives start together (`control.run_together`) and last milliseconds
+GROUP_TIMEOUT_S = 3.0
+
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    w = Workers(2, tmp_path_factory.mktemp("ctl"), timeout_s=5)
+    w = Workers(2, tmp_path_factory.mktemp("ctl"), timeout_s=GROUP_TIMEOUT_S)
     yield w
     w.close()
 
 
 def test_a_rank_slower_than_the_group_timeout_is_waited_for(workers):
-    """Rank 1 starts its SP-1 layout 10 s late; rank 0 waits for it at its SP-2 layout under
-    the control timeout (120 s), not inside an all-to-all of the 5 s default group."""
-    p0, p1 = workers.run(cases.case_slow_rank, 10.0)
+    """Rank 1 starts its SP-1 layout 2 x the default group's timeout late; rank 0 waits for it
+    at its SP-2 layout under the control timeout (120 s), not inside an all-to-all of the
+    default group, which would time out there (rank 0's own SP-1 layout takes well under
+    the other half)."""
+    p0, p1 = workers.run(cases.case_slow_rank, 2.0 * GROUP_TIMEOUT_S)
     assert p0 == p1
     got = {(e["bucket"], e["sp"]): e for e in p0["entries"]}
     assert set(got) == {("t16", 1), ("t32", 1), ("t16", 2), ("t32", 2)}

@@ -4,7 +4,8 @@ train), for the reference DiT (factorized attention) and diffusers' Wan (text-to
 Wan 2.1 image-to-video with image embeddings, Wan 2.2 image-to-video with condition
 channels), SkyReels-V2, VACE and Helios (Wan look-alikes), LTX-Video and the image
 transformers Flux, Flux 2 and Qwen-Image (images of many aspect ratios): lossless — every
-sample exactly once — and every micro-batch stacks samples of one latent shape."""
+sample exactly once — and every micro-batch stacks samples of one latent shape. A policy whose
+epoch plans are those of a policy before it is not trained again (`epoch_per_policy`)."""
 
 from __future__ import annotations
 

@@ -39,4 +39,4 @@ def case_video_epoch(kind: str, profile_path: str) -> dict:
             return model, dc, VideoSet(kind, shapes, model)
         return model, dc, [dc.adapter.sample(s, i) for i, s in enumerate(shapes)]
 
-    return epoch_per_policy(setup, shapes, profile_path)
+    return epoch_per_policy(setup, shapes, profile_path, kind)
