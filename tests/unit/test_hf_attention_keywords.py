@@ -68,6 +68,10 @@ class _Function:
         ]
 
 
+#: nodes with nothing below them the index looks at (a name, a constant, a name's context)
+_LEAVES = frozenset({ast.Name, ast.Constant, ast.Load, ast.Store, ast.Del})
+
+
 class _File:
     """One modeling file, indexed in one pass: its classes, each function's calls, names
     bound from the attention registry and loops, and what each class assigns to ``self.x``.
@@ -92,6 +96,8 @@ class _File:
                 if not isinstance(child, ast.AST):
                     continue
                 kind = type(child)
+                if kind in _LEAVES:
+                    continue
                 if kind is ast.ClassDef:
                     self._walk(child, child.name, fn)
                     continue
