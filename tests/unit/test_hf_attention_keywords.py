@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -67,17 +68,24 @@ class _Function:
         ]
 
 
+#: nodes with nothing below them the index looks at (a name, a constant, a name's context)
+_LEAVES = frozenset({ast.Name, ast.Constant, ast.Load, ast.Store, ast.Del})
+
+
 class _File:
     """One modeling file, indexed in one pass: its classes, each function's calls, names
     bound from the attention registry and loops, and what each class assigns to ``self.x``.
     (A plain recursive walk over the fields: `ast.NodeVisitor`'s dispatch took half the
     scan's time.)"""
 
-    def __init__(self, tree: ast.Module):
-        self.classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    def __init__(self, parts: list[tuple[list[ast.stmt], bool]]):
+        """``parts``: the module's top-level statements, in pieces, each with whether its
+        source names the registry (only then can an assignment in it bind the interface)."""
+        self.classes = {c.name: c for body, _ in parts for c in body if isinstance(c, ast.ClassDef)}
         self.functions: list[_Function] = []
         self.assigned: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-        self._walk(tree, None, None)
+        for body, self._registry in parts:
+            self._walk(ast.Module(body=body, type_ignores=[]), None, None)
 
     def _walk(self, node: ast.AST, cls: str | None, fn: _Function | None) -> None:
         """Indexes every node below ``node``; ``cls`` and ``fn``: the innermost class and
@@ -88,6 +96,8 @@ class _File:
                 if not isinstance(child, ast.AST):
                     continue
                 kind = type(child)
+                if kind in _LEAVES:
+                    continue
                 if kind is ast.ClassDef:
                     self._walk(child, child.name, fn)
                     continue
@@ -111,7 +121,7 @@ class _File:
     def _assign(self, targets: list[ast.AST], value: ast.AST | None, cls: str | None, fn: _Function | None) -> None:
         if value is not None:
             for t in targets:
-                if isinstance(t, ast.Name) and fn is not None and _mentions(value, REGISTRY):
+                if isinstance(t, ast.Name) and fn is not None and self._registry and _mentions(value, REGISTRY):
                     fn.bound.add(t.id)
                 if (
                     isinstance(t, ast.Attribute)
@@ -194,17 +204,92 @@ class _File:
         }
 
 
-def attention_keywords() -> tuple[dict[str, set[str]], int]:
-    """{keyword: families passing it to the attention interface}, and how many files call it."""
-    root = pathlib.Path(transformers.__file__).parent / "models"
+_PIECE = re.compile(r"^(?![\s)\]}#])", re.M)  # a column-0 line that can begin a statement
+_HEAD = re.compile(r"(?:async\s+)?(class|def)\s+(\w+)")
+_BASES = re.compile(r"(?:@.*\n)*class\s+\w+\s*\(([^:]*)\)\s*:")
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def _pieces(src: str) -> list[tuple[str | None, str | None, str]]:
+    """The top-level pieces of a module's source: (``class``/``def``/None, name, text), a
+    piece starting at each column-0 line that can begin a statement, decorators with their
+    definition."""
+    cuts = [m.start() for m in _PIECE.finditer(src)]
+    cuts = [0, *cuts] if not cuts or cuts[0] else cuts
+    out, deco = [], None
+    for s, e in zip(cuts, [*cuts[1:], len(src)]):
+        if src.startswith("@", s):
+            deco = s if deco is None else deco
+            continue
+        m = _HEAD.match(src, s)
+        out.append((m[1], m[2], src[s if deco is None else deco : e]) if m else (None, None, src[s:e]))
+        deco = None
+    return out
+
+
+def _needed_classes(classes: dict[str, list[str]]) -> set[str]:
+    """Classes the scan can learn anything from: those naming the registry, the ``*Kwargs``
+    TypedDicts, then (to a fixed point) every class whose text names a needed class (a
+    caller assigning it to ``self.x``, a subclass) and the bases of every needed class."""
+    mentions = {n: {w for t in ts for w in _WORD.findall(t) if w in classes and w != n} for n, ts in classes.items()}
+    bases = {
+        n: {w for t in ts if (m := _BASES.match(t)) for w in _WORD.findall(m[1]) if w in classes}
+        for n, ts in classes.items()
+    }
+    need = {n for n, ts in classes.items() if n.endswith("Kwargs") or any(REGISTRY in t for t in ts)}
+    while True:
+        more = {n for n in classes if n not in need and mentions[n] & need}
+        more |= {b for n in need for b in bases[n] if b not in need}
+        if not more:
+            return need
+        need |= more
+
+
+def parse_whole(src: str) -> list[tuple[list[ast.stmt], bool]]:
+    return [(ast.parse(src).body, True)]
+
+
+def parse_relevant(src: str) -> list[tuple[list[ast.stmt], bool]]:
+    """The module's AST less the top-level classes and functions that cannot change the scan
+    (see `_needed_classes`; a function matters only if it names the registry). Each kept
+    piece is parsed on its own and must be exactly its definition, and each dropped piece
+    must close its triple-quoted strings; otherwise (a column-0 line inside a string) the
+    whole source is parsed."""
+    pieces = _pieces(src)
+    classes: dict[str, list[str]] = defaultdict(list)
+    for kind, name, text in pieces:
+        if kind == "class":
+            classes[name].append(text)
+    need = _needed_classes(classes)
+    parts: list[tuple[list[ast.stmt], bool]] = []
+    for kind, name, text in pieces:
+        if kind is None or (kind == "class" and name in need) or (kind == "def" and REGISTRY in text):
+            try:
+                nodes = ast.parse(text).body
+            except SyntaxError:
+                return parse_whole(src)
+            if kind is not None and [getattr(n, "name", None) for n in nodes] != [name]:
+                return parse_whole(src)
+            parts.append((nodes, REGISTRY in text))
+        elif text.count('"""') % 2 or text.count("'''") % 2:
+            return parse_whole(src)
+    return parts
+
+
+MODELS = pathlib.Path(transformers.__file__).parent / "models"
+
+
+def attention_keywords(paths=None, parse=parse_relevant) -> tuple[dict[str, set[str]], int]:
+    """{keyword: families passing it to the attention interface}, and how many files call it,
+    over ``paths`` (every modeling file of transformers by default)."""
     found: dict[str, set[str]] = defaultdict(set)
     num_files = 0
-    for path in sorted(root.glob("*/modeling_*.py")):
+    for path in paths or sorted(MODELS.glob("*/modeling_*.py")):
         src = path.read_text()
         if REGISTRY not in src:
             continue
         family = path.parent.name
-        file = _File(ast.parse(src))
+        file = _File(parse(src))
         reaching: set[str] = set()  # classes whose forward's **kwargs reach the interface
         sub_calls = []  # (function, call, classes it may call) for calls of sub-modules
         any_call = False
@@ -259,6 +344,18 @@ def test_every_attention_keyword_of_installed_transformers_is_handled_or_refused
         f"exact implementation and a parity test) or REFUSED in dcparallel/adapters/hf_attention.py"
     )
     assert num_files > 100
+
+
+@pytest.mark.parametrize(
+    "families", [("llama", "gemma2", "gpt_oss", "deepseek_v3"), ("qwen2_5_vl", "sam2_video", "musicgen", "bart")]
+)
+def test_the_scan_of_the_needed_classes_finds_what_the_whole_files_give(families):
+    """`parse_relevant` drops the classes and functions that cannot change the scan: on
+    decoder-only, vision-language, video, audio and encoder-decoder files it finds the same
+    keywords, families and files as parsing the whole source."""
+    paths = [p for f in families for p in sorted((MODELS / f).glob("modeling_*.py"))]
+    assert len(paths) >= len(families)
+    assert attention_keywords(paths) == attention_keywords(paths, parse_whole)
 
 
 def test_the_scan_sees_what_models_pass_at_run_time(scanned):
