@@ -37,7 +37,6 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/e2e/test_restarts_torchrun.py": 39,
     "tests/e2e/test_finetune_torchrun.py": 34,
     "tests/e2e/test_multinode_torchrun.py": 32,
-    "tests/e2e/test_profile_torchrun.py": 12,
     # in the pytest process (and CLI subprocesses)
     "tests/unit/test_loader_properties.py": 39,
     "tests/unit/test_hf_attention_keywords.py": 26,
