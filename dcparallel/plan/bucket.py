@@ -16,6 +16,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from dcparallel.plan.assemble import assemble, round_robin
 from dcparallel.plan.context import PlanContext, RecomputeMode
 from dcparallel.plan.steps import Step
@@ -38,12 +40,14 @@ class BucketPlanner:
             self.mbs[b] = m
             times[b] = ctx.copies_layout(size, m, sp, mode).time
         median = statistics.median(times.values())
-        for b, t in times.items():  # trim toward the median micro-batch time
-            m = self.mbs[b]
-            while m > 1 and t > median:
-                m -= 1
-                t = ctx.copies_layout(ctx.rep[b], m, sp, mode).time
-            self.mbs[b] = m
+        # trim toward the median micro-batch time: a bucket above it takes the most copies
+        # below its own whose time is within it (else one), its times of 1 .. m - 1 copies
+        # priced at once (`copies_times`: each `copies_layout`'s time)
+        over = [b for b, t in times.items() if t > median and self.mbs[b] > 1]
+        grids = ctx.copies_times([ctx.rep[b] for b in over], [self.mbs[b] - 1 for b in over], sp, mode) if over else []
+        for b, ts in zip(over, grids):
+            within = np.flatnonzero(ts <= median)
+            self.mbs[b] = int(within[-1]) + 1 if len(within) else 1
         self.groups = ctx.topology.data_parallel(sp)
 
     def describe(self) -> dict:

@@ -37,13 +37,17 @@ class PackedPlanner:
         documents cost the memory of their total length). Video: the most tokens any
         bucket's samples fill when stacked; bins are checked against memory afterwards."""
         ctx = self.ctx
+        text = ctx.model.kind == "text"
         caps = []
         for size in ctx.rep.values():
-            m = ctx.max_mbs(size, self.sp, self.mode, cap=1 << 16)
+            if text:  # only whether it fits alone: the capacity is sized on single documents below
+                m = 0 if ctx.copies_layout(size, 1, self.sp, self.mode) is None else 1
+            else:
+                m = ctx.max_mbs(size, self.sp, self.mode, cap=1 << 16)
             if m == 0:
                 raise NoLayoutFits(f"size {size!r} does not fit at sp={self.sp}, recompute={self.mode}")
             caps.append(m * ctx.model.tokens(size))
-        if ctx.model.kind != "text":
+        if not text:
             return max(caps)
         lo = max(ctx.tokens[i] for i in ctx.usable_ids)  # fits: every rep fitted above
         hi = lo

@@ -44,21 +44,22 @@ def draw_samples(draw, st, n: int):
     return TINY_LM, tuple(draw(st.lists(st.integers(16, 40_000), min_size=n, max_size=n)))
 
 
-def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: int) -> list:
+def check_dcp_epoch(model, sizes, cl: ClusterSpec, seed: int, steps_per_epoch: int, ranks: int = 2) -> list:
     """`dcp` plans an epoch of these samples twice from scratch (two "ranks", nothing shared):
     the same plans; each a valid plan of its step (aligned blocks of allowed sizes, each phase
     covering the world once, every sample once) whose per-rank view is that rank's groups;
     every sample planned once in the epoch, memory kept, and no faster than the lower bound.
-    Returns the epoch's plans (a test may compare them with another process's)."""
+    Returns the epoch's plans (a test may compare them with another process's). ``ranks=1``
+    plans once: for a test that compares them with another process's plans instead."""
     w = Workload(model, sizes)
     steps = form_steps(w.tokens, seed=seed, tokens_per_step=max(1, sum(w.tokens) // steps_per_epoch))
     allowed = set(allowed_groups(cl, model.num_heads))
     plans = []
-    for _ in range(2):
+    for _ in range(ranks):
         ctx = PlanContext(w, cost(model, cl), cl)
         planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
         plans.append([planner.plan(s) for s in steps])
-    assert [p.to_json() for p in plans[0]] == [p.to_json() for p in plans[1]]
+    assert all([p.to_json() for p in plans[0]] == [p.to_json() for p in other] for other in plans[1:])
     for p, s in zip(plans[0], steps):
         assert p.sample_ids == s.sample_ids
         p.validate(cl.world_size, allowed)

@@ -19,7 +19,6 @@ import types
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.heads import kv_repeats
@@ -91,7 +90,7 @@ def _shard_shape(spec, mb) -> tuple[int, int]:
 def _attention(rows: int, local: int, sp: int) -> tuple[tuple, ...]:
     """One Ulysses attention's collectives (`runtime.ulysses`) on a group of ``sp`` ranks, as
     (kind, shape, dtype): q, k, v to heads, the output back to sequence, and the backward of
-    both, recorded through `runtime.comm` on fake tensors (cached: their shapes depend on the
+    both, recorded through `runtime.comm` on meta tensors (cached: their shapes depend on the
     shard's shape and the group's size, not on which member runs them)."""
     if sp == 1:
         return ()
@@ -100,7 +99,7 @@ def _attention(rows: int, local: int, sp: int) -> tuple[tuple, ...]:
     comm_dist, comm_is_distributed = comm.dist, comm.is_distributed
     comm.dist, comm.is_distributed = rec, lambda: True
     try:
-        with FakeTensorMode():  # shapes only, nothing computed
+        with torch.device("meta"):  # shapes only, nothing computed (nor allocated)
             _ulysses(rows, local, group)
     finally:
         comm.dist, comm.is_distributed = comm_dist, comm_is_distributed

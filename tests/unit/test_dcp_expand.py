@@ -46,12 +46,15 @@ from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost
 CAP_FRACTIONS, SEARCH_COARSE = DEFAULT.cap_fractions, DEFAULT.search_coarse
 
 
+@functools.cache
 def _scale_cell(
     scenario: str, dist: str, world: int, steps: int, weak: bool = True, epoch_steps: int | None = None
 ) -> tuple[PlanContext, list]:
     """A cell of the scale report: its context and first `steps` steps (the 32-GPU step budget
     scaled with the world when `weak`), from a workload of `epoch_steps` steps' tokens (by
-    default one more than `steps`)."""
+    default one more than `steps`). Built once per module: the tests that plan a cell share
+    its context, whose caches hold prices only (layouts of copies, bucket options), never
+    anything a test patches."""
     sc = SCENARIOS[scenario]
     cl = sc.cluster(world)
     tps = sc.tokens_per_step * (world // 32 if weak else 1)

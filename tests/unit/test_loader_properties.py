@@ -44,11 +44,12 @@ def cases(draw):
     }
 
 
-def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
+def loaders(case: dict, ranks: range | None = None, first: str | None = None) -> list[DataCentricLoader]:
     """One loader per rank of ``ranks`` (default: every rank of the case's world). Rank 0
-    plans the case's way, the others in a thread: a planning process knows nothing of its
-    rank (it plans every rank's steps), so one per example tests that path, and the plans
-    compared across ranks then also compare the process's plans with the thread's."""
+    plans the case's way (or ``first``'s), the others in a thread: a planning process knows
+    nothing of its rank (it plans every rank's steps), so one per example tests that path,
+    and the plans compared across ranks then also compare the process's plans with the
+    thread's."""
     world = case["world"]
     cl = cluster(world, WORLDS[world])
     c = cost(TINY_LM, cl)
@@ -64,7 +65,7 @@ def loaders(case: dict, ranks: range | None = None) -> list[DataCentricLoader]:
             research=True,
             seed=case["seed"],
             lookahead=case["lookahead"],
-            planning=case["planning"] if r == 0 else "thread",
+            planning=(first or case["planning"]) if r == 0 else "thread",
             collate=None,
             rank=r,
             world_size=world,
@@ -113,10 +114,13 @@ def test_every_sample_once_plans_identical_and_resume_exact(case):
     assert sorted(holders) == list(range(len(case["lengths"]))), "a sample was dropped"
     assert all(holders[i] == set(group_of[i]) for i in holders), "a sample missing on a rank of its group"
 
-    # stop at a random step, save, resume in a fresh loader: the same remaining sequence
+    # stop at a random step, save, resume in a fresh loader: the same remaining sequence. The
+    # loaders stopped plan in a thread (what is checked of them is their state and their
+    # steps so far; a planning process stopped mid-epoch: test_loader_stop.py and
+    # test_plan_process.py); rank 0's fresh one resumes the case's way.
     reference = [record(run) for run in runs]
     stop = int(case["stop"] * num_steps)
-    for r, loader in enumerate(loaders(case)):
+    for r, loader in enumerate(loaders(case, first="thread")):
         it = iter(loader)
         head = record(s for _, s in zip(range(stop), it))
         state = loader.state_dict()

@@ -14,7 +14,7 @@ from dcparallel.sim.replay import simulate, step_seconds
 from dcparallel.spec import Workload
 from dcparallel.topology import allowed_groups
 
-from ._models import TINY_DIT, TINY_LM, cluster, cost, draw_samples
+from ._models import TINY_DIT, TINY_LM, VIDEO_SHAPES, cluster, cost, draw_samples
 
 
 @st.composite
@@ -145,6 +145,37 @@ def test_dcp_runs_short_samples_narrow_after_a_world_wide_one():
     assert t_two < t_one
     kept = make_planner("dcp", ctx, steps, score=step_seconds(ctx)).plan(steps[0])
     assert step_seconds(ctx)(kept) <= step_seconds(ctx)(two)
+
+
+def test_bucket_trims_toward_the_median_micro_batch_time():
+    """Each bucket's micro-batch: the most copies that fit (`max_mbs`); one whose time is past
+    the median of those takes the most copies below it within the median, else one: the
+    step-down one copy at a time, which `BucketPlanner` prices in one grid."""
+    import statistics
+
+    from dcparallel.plan.bucket import BucketPlanner
+
+    trimmed = 0
+    for model, sizes in (
+        (TINY_LM, (40, 300, 900, 2000, 5000, 9000, 20_000, 33_000)),
+        (TINY_DIT, tuple(VIDEO_SHAPES)),
+    ):
+        cl = cluster(8, 8)
+        ctx = PlanContext(Workload(model, sizes), cost(model, cl), cl)
+        for sp in ctx.topology.static_sizes(ctx.sp_sizes):
+            for mode in ("none", "full"):
+                try:
+                    got = BucketPlanner(ctx, sp, mode).mbs
+                except NoLayoutFits:
+                    continue
+                top = {b: ctx.max_mbs(rep, sp, mode) for b, rep in ctx.rep.items()}
+                median = statistics.median(ctx.copies_layout(ctx.rep[b], m, sp, mode).time for b, m in top.items())
+                for b, m in top.items():
+                    while m > 1 and ctx.copies_layout(ctx.rep[b], m, sp, mode).time > median:
+                        m -= 1
+                    assert got[b] == m, (model.name, sp, mode, b)
+                    trimmed += m < top[b]
+    assert trimmed > 3  # the trim acted
 
 
 def test_packed_capacity_fits_memory_with_a_skipped_sample():
