@@ -116,6 +116,7 @@ class PlanContext:
         self._options: dict = {}
         self._preferred: dict = {}
         self._tokens: np.ndarray | None = None  # `step_tokens`' array of `tokens`, made when first asked
+        self._bucket_pos: tuple[list, np.ndarray] | None = None  # see `bucket_positions`
         self._sample_stats: tuple | None = None  # see `batches`
         self.skipped: list[tuple[int, Size, float]] = []
         self._check_fit(skip_oversize)
@@ -345,6 +346,18 @@ class PlanContext:
 
     def mb_memory(self, sample_ids: Sequence[int], layout: Layout) -> float:
         return self.mb_terms(sample_ids, layout.sp).memory(layout.recompute)
+
+    def bucket_positions(self) -> tuple[list[tuple[int, ...]], np.ndarray]:
+        """Every bucket of the workload in key order, and each sample's bucket's position
+        among them (an int64 array over all samples, skipped ones included); made when first
+        asked and shared by the planners of this context."""
+        if self._bucket_pos is None:
+            keys = sorted(set(self.bucket_of))
+            pos = {b: j for j, b in enumerate(keys)}
+            at = np.fromiter(map(pos.__getitem__, self.bucket_of), dtype=np.int64, count=len(self.bucket_of))
+            at.flags.writeable = False  # shared: read, never written
+            self._bucket_pos = (keys, at)
+        return self._bucket_pos
 
     def step_tokens(self, sample_ids: Sequence[int] | np.ndarray) -> int:
         """The tokens of a step's samples (the ids as a sequence or an integer array)."""

@@ -69,3 +69,21 @@ def test_planning_classes_and_weights_are_their_definitions(scenario, mix, sub_b
         assert weights.max() == 1.0 and len(weights) in (1, len(lengths))
         several += len(lengths) > 1 and len(weights) == len(lengths)
     assert several > 10 or scenario == "video"  # a video class is one shape
+
+
+def test_planning_classes_leave_out_skipped_samples_and_buckets_of_none_usable():
+    """A bucket whose only sample is skipped (5M tokens at 64 MiB) is among the context's
+    buckets (`PlanContext.bucket_positions`, every sample's) but not a planning class; the
+    skipped sample's class index is -1 and the others' count the usable buckets only."""
+    from tests.unit._models import TINY_LM, cluster, cost
+
+    cl = cluster(2, 2, memory_mib=64)
+    ctx = PlanContext(Workload(TINY_LM, (100, 5_000_000, 200, 300, 1_000)), cost(TINY_LM, cl), cl, skip_oversize=True)
+    assert [s[0] for s in ctx.skipped] == [1]
+    keys, at = ctx.bucket_positions()
+    assert keys == sorted(set(ctx.bucket_of)) and at.tolist() == [keys.index(b) for b in ctx.bucket_of]
+    assert ctx.bucket_positions()[1] is at and not at.flags.writeable  # made once, shared, read-only
+    rep, classes, idx = classes_by_definition(ctx, 1)
+    got = planning_classes(ctx, 1)
+    assert ctx.bucket_of[1] not in classes and len(classes) == len(keys) - 1
+    assert got[0] == rep and got[1] == classes and got[2].tolist() == idx and idx[1] == -1

@@ -103,9 +103,7 @@ class SamplePacker:
         (rounded up), longest first; None if more than `max_items`."""
         ctx = self.ctx
         if self._bpos is None:
-            self._bkeys = sorted(set(ctx.bucket_of))
-            pos = {b: j for j, b in enumerate(self._bkeys)}
-            self._bpos = np.array([pos[b] for b in ctx.bucket_of], dtype=np.int64)
+            self._bkeys, self._bpos = ctx.bucket_positions()
             self._tokens = np.asarray(ctx.tokens, dtype=np.int64)
         arr = np.asarray(ids, dtype=np.int64)
         bpos = self._bpos[arr]

@@ -65,17 +65,22 @@ def planning_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nd
     """(largest sample size per class, the classes in order, each sample's class index; -1 for
     skipped samples). `sub_bins` == 1: the context's buckets; more: each bucket cut into length
     ranges 2 ** (1 / sub_bins) apart (text)."""
-    if sub_bins == 1:
-        key = {i: ctx.bucket_of[i] for i in ctx.usable_ids}
+    if sub_bins == 1:  # each usable sample's bucket, by its position among all of them
         rep = dict(ctx.rep)
-    elif not any(issubclass(c, VisionSize) for c in set(map(type, ctx.sizes))):
+        classes = sorted(rep)
+        pos = {b: j for j, b in enumerate(classes)}
+        keys, at = ctx.bucket_positions()
+        ids = np.asarray(ctx.usable_ids, dtype=np.int64)
+        bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
+        bidx[ids] = np.array([pos.get(b, -1) for b in keys], dtype=np.int64)[at[ids]]
+        return rep, classes, bidx
+    if not any(issubclass(c, VisionSize) for c in set(map(type, ctx.sizes))):
         return _length_classes(ctx, sub_bins)
-    else:
-        key = {i: (ctx.bucket_of[i], _length_range(ctx.tokens[i], sub_bins)) for i in ctx.usable_ids}
-        members: dict = {}
-        for i, c in key.items():
-            members.setdefault(c, []).append(i)
-        rep = {c: class_rep([ctx.sizes[i] for i in ids], [ctx.tokens[i] for i in ids]) for c, ids in members.items()}
+    key = {i: (ctx.bucket_of[i], _length_range(ctx.tokens[i], sub_bins)) for i in ctx.usable_ids}
+    members: dict = {}
+    for i, c in key.items():
+        members.setdefault(c, []).append(i)
+    rep = {c: class_rep([ctx.sizes[i] for i in ids], [ctx.tokens[i] for i in ids]) for c, ids in members.items()}
     classes = sorted(rep)
     pos = {b: j for j, b in enumerate(classes)}
     bidx = np.full(len(ctx.sizes), -1, dtype=np.int64)
@@ -106,9 +111,8 @@ def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nda
     each distinct length's range by `_length_ranges`; classes (class, range) in key order,
     as `sorted` orders them, since classes are numbered in their order."""
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-    pclasses = sorted(set(ctx.bucket_of))
-    pos = {b: j for j, b in enumerate(pclasses)}
-    bpos = np.fromiter((pos[b] for b in ctx.bucket_of), dtype=np.int64, count=len(ctx.bucket_of))[ids]
+    pclasses, at = ctx.bucket_positions()
+    bpos = at[ids]
     tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
     lengths, at = np.unique(tok, return_inverse=True)
     ranges = _length_ranges(lengths, sub_bins)[at.reshape(-1)]
