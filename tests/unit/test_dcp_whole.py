@@ -2,7 +2,8 @@
 of about two images per GPU: a valid plan (every sample once, one latent shape and one group
 per micro-batch, within memory) timed by the simulator as predicted; kept by `dcp` where it is
 faster than the packing (at the step's bound at 128 GPUs, where `dcp` without it is 1.4%
-above); declined where a rank could run two micro-batches or a class holds several sizes."""
+above); declined where a rank could run two micro-batches or a class holds several sizes; its prices
+made ahead by an epoch's planner, with the same plans."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 from benchmarks.tight_bound import build_cell
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.dcp.config import DEFAULT
-from dcparallel.plan.dcp.portfolio import DcpPlanner
+from dcparallel.plan.dcp.portfolio import DcpPlanner, SamplePacking
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.whole import WholeSplit
+from dcparallel.plan.policies import make_planner
 from dcparallel.scenarios import SCENARIOS
 from dcparallel.sim.replay import simulate, step_seconds
 
@@ -69,3 +71,26 @@ def test_the_split_declines_steps_of_two_micro_batches_per_rank_and_mixed_sizes(
     assert WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) is None
     ctx, step = first_step("text", "long-cpt", 8, 32)  # text classes hold many lengths
     assert WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) is None
+
+
+def test_an_epochs_planner_prices_the_copies_ahead_and_plans_as_one_pricing_lazily():
+    """`dcp` tuned on an epoch prices the split's copies in its setup (`DcpPlanner.prepare`),
+    each shape up to its largest count in a step of few enough samples per GPU; planning the
+    epoch then prices nothing more, and the plans are those of a planner pricing on the
+    first step that reaches the split (the split runs and is kept on these steps)."""
+    ctx, steps = build_cell("video", "image-buckets", 128, SCENARIOS["video"].tokens_per_step // 8, 3)
+    steps = steps[:3]
+    score = step_seconds(ctx)
+    ahead = make_planner("dcp", ctx, steps, score=score)
+    lazy = DcpPlanner(ctx, score)
+    (whole,) = [c.whole for c in ahead.scored if isinstance(c, SamplePacking)]
+    (lazy_whole,) = [c.whole for c in lazy.scored if isinstance(c, SamplePacking)]
+    priced = {key: top for key, (_, top) in whole._tau.items()}
+    assert priced and not lazy_whole._tau
+    for s in steps:
+        assert ahead.plan(s).to_json() == lazy.plan(s).to_json()
+    assert {key: top for key, (_, top) in whole._tau.items()} == priced  # nothing priced while planning
+    assert ahead.kept_by["packing"] >= 1 and set(lazy_whole._tau) <= set(priced)
+    for key, (tau, top) in lazy_whole._tau.items():  # the same times, over the counts both priced
+        n = min(top, priced[key])
+        assert (tau[:n] == whole._tau[key][0][:n]).all()

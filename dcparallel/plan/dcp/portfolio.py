@@ -116,17 +116,20 @@ class DcpPlanner:
         return out
 
     def prepare(self, steps: Sequence[Step]) -> None:
-        """Builds ahead what the steps of an epoch (more than one step) will need: the finer
-        classes' tables where one of them, most often the epoch's short last step, is small
-        enough for their gate (`FinerClasses.small`), so that step does not pay for them. A
-        planner made for one step (`dc.plan_batch`) builds them on the first step that opens
-        the gate, as every planner did before. The tables are a function of the context
-        alone: plans are the same either way."""
+        """Builds ahead what the steps of an epoch (more than one step) will need, so the step
+        that first needs it, most often the epoch's short last step, does not pay for it: the
+        finer classes' tables where a step is small enough for their gate
+        (`FinerClasses.small`), and the one-micro-batch-per-rank split's prices of the copies
+        of each shape (`SamplePacking.prepare`). A planner made for one step (`dc.plan_batch`)
+        builds them on the first step that needs them. Both are functions of the context (and
+        the counts priced): plans are the same either way."""
         if len(steps) < 2:
             return
-        for c in self.class_level:
+        for c in self.candidates:
             if isinstance(c, FinerClasses) and any(c.small(len(s.sample_ids), self.world) for s in steps):
                 c.build()
+            if isinstance(c, SamplePacking):
+                c.prepare(steps)
 
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():
@@ -260,6 +263,12 @@ class SamplePacking:
         times: list[float] = []  # the micro-batches' times as the packing priced them, not priced again
         plan = self.packer.step_plan(s.step, got.groups, times)
         return Proposal(plan, priced(plan, times))
+
+    def prepare(self, steps: Sequence[Step]) -> None:
+        """Prices ahead the copies the split reads on the steps of few enough samples per GPU
+        to try it (`whole.WholeSplit.prepare`)."""
+        few = self.config.whole_per_gpu * self.packer.world
+        self.whole.prepare([list(s.sample_ids) for s in steps if len(s.sample_ids) <= few])
 
     def split(self, s: StepFacts) -> Proposal | None:
         """The one-micro-batch-per-rank split (`whole.WholeSplit`) where it plans the step

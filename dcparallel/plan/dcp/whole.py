@@ -61,11 +61,10 @@ class WholeSplit:
                     self._tau[(z, j)] = (np.maximum.accumulate(full), top)
         return np.stack([np.stack([self._tau[(z, j)][0] for j in range(len(p.sp))]) for z in sizes])
 
-    def plan(self, ids: list[int]) -> Packing | None:
-        """The split at the smallest target that needs at most the world's ranks, None where a
-        class holds samples of several sizes or where no target under twice the shortest
-        micro-batch fits (a rank could then run two, which this split does not plan)."""
-        p, ctx = self.packer, self.packer.ctx
+    def classes(self, ids: list[int]) -> tuple[list[list[int]], list] | None:
+        """The step's classes (their sample ids, ascending, in class order) and each one's
+        size; None where a class holds samples of several sizes (the split does not plan it)."""
+        ctx = self.packer.ctx
         classes: dict = {}
         for i in ids:
             classes.setdefault(ctx.bucket_of[i], []).append(i)
@@ -73,6 +72,33 @@ class WholeSplit:
         sizes = [ctx.sizes[m[0]] for m in members]
         if any(ctx.sizes[i] != z for m, z in zip(members, sizes) for i in m):
             return None
+        return members, sizes
+
+    def prepare(self, steps: list[list[int]]) -> None:
+        """Prices ahead the copies (`copies`) the split of these steps reads, each size up to
+        its largest count in them: the step that first reaches the split (most often an
+        epoch's short last step, or its first) then prices nothing. `copies` keeps each size's
+        priced counts as a prefix, the same whatever the order of the steps that price it,
+        and the split reads at most a step's own count of it: plans are the same either way."""
+        most: dict = {}
+        for ids in steps:
+            got = self.classes(ids)
+            if got is None:
+                continue
+            for m, z in zip(*got):
+                most[z] = max(most.get(z, 0), len(m))
+        if most:
+            self.copies(list(most), list(most.values()))
+
+    def plan(self, ids: list[int]) -> Packing | None:
+        """The split at the smallest target that needs at most the world's ranks, None where a
+        class holds samples of several sizes or where no target under twice the shortest
+        micro-batch fits (a rank could then run two, which this split does not plan)."""
+        p = self.packer
+        got = self.classes(ids)
+        if got is None:
+            return None
+        members, sizes = got
         n = np.array([len(m) for m in members])
         tau = self.copies(sizes, n.tolist())  # [c, j, m]
         lo = float(tau[:, :, 0].min(axis=1).max())  # the slowest class's single sample
