@@ -111,8 +111,8 @@ def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nda
     each distinct length's range by `_length_ranges`; classes (class, range) in key order,
     as `sorted` orders them, since classes are numbered in their order."""
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
-    pclasses, at = ctx.bucket_positions()
-    bpos = at[ids]
+    pclasses, bucket_at = ctx.bucket_positions()
+    bpos = bucket_at[ids]
     tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
     lengths, at = np.unique(tok, return_inverse=True)
     ranges = _length_ranges(lengths, sub_bins)[at.reshape(-1)]
