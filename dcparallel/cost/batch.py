@@ -8,9 +8,11 @@ operation for operation in the same order, so every element equals what the scal
 returns for that micro-batch, bit for bit: plans priced either way are identical.
 
 The one operation numpy does not do as Python does is a power: Python's ``x ** p`` calls the
-C library's ``pow``, while numpy squares for ``** 2``, takes a square root for ``** 0.5`` and,
-on CPUs with AVX-512, uses its own vectorised ``pow`` (SVML); these differ from the C
-library's in the last bit of some results. `exact_pow` computes ``pow`` as Python does.
+C library's ``pow``, while numpy's `power` squares for ``** 2``, takes a square root for
+``** 0.5`` and, on CPUs with AVX-512, uses its own vectorised ``pow`` (SVML); these differ from
+the C library's in the last bit of some results. `exact_pow` computes ``pow`` as Python does:
+with numpy's `float_power`, whose float64 loop calls the C library's ``pow`` on every CPU (no
+vectorised variant), where a probe finds it equal to Python's; else element by element.
 """
 
 from __future__ import annotations
@@ -25,32 +27,27 @@ from dcparallel.cost.vision import vision_stats
 from dcparallel.spec import ModelSpec, Size
 
 
-def _numpy_pow_is_libm() -> bool:
-    """Whether numpy's float64 `power` with an array exponent calls the C library's `pow`
-    (its generic loop) here: not where numpy dispatches it to SVML (AVX-512), and only if it
-    agrees with Python's on probe values spread over the exponents and magnitudes priced."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_features__ as features
-    except ImportError:  # another numpy layout: trust only the per-element path
-        return False
-    if features.get("AVX512_SKX") or features.get("AVX512F"):
-        return False
+def _float_power_is_libm() -> bool:
+    """Whether numpy's float64 `float_power` agrees with Python's ``**`` (the C library's
+    ``pow``) here, on probe values spread over the exponents and magnitudes priced: its loop
+    calls ``pow`` for each element (numpy has no vectorised `float_power`); a numpy that
+    vectorised it would fail the probe and take the element-by-element path."""
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.random(200) * 10.0**e for e in range(-9, 7, 3)])
     xs = x.tolist()
-    for p in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.5, 0.25, 1 / 3, 1 / 6, 1 / 1.5):
-        if np.power(x, np.full(x.shape, p)).tolist() != [v**p for v in xs]:
+    for p in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.5, 0.25, 1 / 3, 1 / 6, 1 / 1.5, 2.4):
+        if np.float_power(x, p).tolist() != [v**p for v in xs]:
             return False
     return True
 
 
-_POW_IS_LIBM = _numpy_pow_is_libm()
+_POW_IS_LIBM = _float_power_is_libm()
 
 
 def exact_pow(x: np.ndarray, p: float) -> np.ndarray:
     """``x ** p`` elementwise, each element bit for bit Python's float ``x ** p``."""
     if _POW_IS_LIBM:
-        return np.power(x, np.full(x.shape, float(p)))  # an array exponent: no square/sqrt fast path
+        return np.float_power(x, float(p))
     return np.fromiter(map(pow, x.ravel().tolist(), repeat(float(p))), float, x.size).reshape(x.shape)
 
 
