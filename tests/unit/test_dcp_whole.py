@@ -77,7 +77,8 @@ def test_an_epochs_planner_prices_the_copies_ahead_and_plans_as_one_pricing_lazi
     """`dcp` tuned on an epoch prices the split's copies in its setup (`DcpPlanner.prepare`),
     each shape up to its largest count in a step of few enough samples per GPU; planning the
     epoch then prices nothing more, and the plans are those of a planner pricing on the
-    first step that reaches the split (the split runs and is kept on these steps)."""
+    first step that reaches the split (the packing candidate, which tries the split first,
+    is kept on some of these steps)."""
     ctx, steps = build_cell("video", "image-buckets", 128, SCENARIOS["video"].tokens_per_step // 8, 3)
     steps = steps[:3]
     score = step_seconds(ctx)
