@@ -106,7 +106,7 @@ def test_torchrun_profile_two_ranks(launch):
     out = tmp / "p.json"
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints
-    d = json.loads(r.stdout.strip().splitlines()[-1])
+    d = json.loads(lines[0])
     assert d["world_size"] == 2 and d["profile_path"] == str(out)
     p = Profile.load(out)
     assert p.world_size == 2 and p.fingerprint["sp_sizes"] == [1, 2]

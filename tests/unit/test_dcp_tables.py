@@ -15,6 +15,7 @@ from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.tables import LayoutTable, planning_classes
 from dcparallel.scenarios import SCENARIOS, sample_sizes
 from dcparallel.spec import Workload
+from tests.unit._models import TINY_LM, cluster, cost
 
 
 def context(scenario: str, mix: str, n: int) -> PlanContext:
@@ -75,8 +76,6 @@ def test_planning_classes_leave_out_skipped_samples_and_buckets_of_none_usable()
     """A bucket whose only sample is skipped (5M tokens at 64 MiB) is among the context's
     buckets (`PlanContext.bucket_positions`, every sample's) but not a planning class; the
     skipped sample's class index is -1 and the others' count the usable buckets only."""
-    from tests.unit._models import TINY_LM, cluster, cost
-
     cl = cluster(2, 2, memory_mib=64)
     ctx = PlanContext(Workload(TINY_LM, (100, 5_000_000, 200, 300, 1_000)), cost(TINY_LM, cl), cl, skip_oversize=True)
     assert [s[0] for s in ctx.skipped] == [1]

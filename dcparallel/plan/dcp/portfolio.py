@@ -126,10 +126,8 @@ class DcpPlanner:
         if len(steps) < 2:
             return
         for c in self.candidates:
-            if isinstance(c, FinerClasses) and any(c.small(len(s.sample_ids), self.world) for s in steps):
-                c.build()
-            if isinstance(c, SamplePacking):
-                c.prepare(steps)
+            if isinstance(c, (FinerClasses, SamplePacking)):  # the candidates with something to build ahead
+                c.prepare(steps, self.world)
 
     def plan(self, step: Step) -> StepPlan:
         with cyclic_gc_paused():
@@ -170,9 +168,11 @@ class FinerClasses:
     def planner(self) -> ClassLevelPlanner:
         return self._planner()
 
-    def build(self) -> None:
-        """Builds the tables and their planner now (once)."""
-        self._planner()
+    def prepare(self, steps: Sequence[Step], world: int) -> None:
+        """Builds the tables and their planner now (once) where one of the steps is small
+        enough for the gate."""
+        if any(self.small(len(s.sample_ids), world) for s in steps):
+            self._planner()
 
     @property
     def built(self) -> bool:
@@ -264,10 +264,10 @@ class SamplePacking:
         plan = self.packer.step_plan(s.step, got.groups, times)
         return Proposal(plan, priced(plan, times))
 
-    def prepare(self, steps: Sequence[Step]) -> None:
+    def prepare(self, steps: Sequence[Step], world: int) -> None:
         """Prices ahead the copies the split reads on the steps of few enough samples per GPU
         to try it (`whole.WholeSplit.prepare`)."""
-        few = self.config.whole_per_gpu * self.packer.world
+        few = self.config.whole_per_gpu * world
         self.whole.prepare([list(s.sample_ids) for s in steps if len(s.sample_ids) <= few])
 
     def split(self, s: StepFacts) -> Proposal | None:
