@@ -170,25 +170,39 @@ class SamplePacker:
         first sample id (ties). `open_first`: a micro-batch that fits no group of its own
         degree opens a new one while the world has ranks for it, before it is re-timed into
         a wider group (which spends more GPU-seconds, but fewer ranks). `memo`: what packings
-        of the same `ids`, `t` and `f` at other targets share (`_placing_order`'s)."""
+        of the same `ids`, `t` and `f` at other targets share (`_placing_order`'s, and the
+        sync each longest member time leaves exposed)."""
         cap = T * (1 + TIME_EPS)
-        got = self._placing_order(ids, t, f, cap, by_time, {} if memo is None else memo)
-        return None if got is None else self._place(*got, cap, open_first)
+        memo = {} if memo is None else memo
+        got = self._placing_order(ids, t, f, cap, by_time, memo)
+        return None if got is None else self._place(*got, cap, open_first, memo.setdefault("exposed", {}))
 
     def _place(
-        self, order: list[int], nl: list[int], ol: list[float], tl: list[list[float]], cap: float, open_first: bool
+        self,
+        order: list[int],
+        same: list[bool],
+        nl: list[int],
+        ol: list[float],
+        tl: list[list[float]],
+        cap: float,
+        open_first: bool,
+        exposed: dict[float, float],
     ) -> list[Node] | None:
         """`pack`'s placing of the micro-batches in `order` (`_placing_order`'s), for the
-        target with its slack `cap`."""
+        target with its slack `cap`. A run of micro-batches of one degree and time (`same`:
+        video clips of one shape) fills each group it meets in one pass: each of them would
+        find that group the fullest with room, until it is full, then the next fullest.
+        `exposed`: per longest member time, the sync it leaves exposed (`exposed`'s, kept)."""
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        exposed: dict[float, float] = {}  # per longest member time, the sync it leaves exposed
         sp, deg, world, inf = self.sp, len(self.sp), self.world, math.inf
         put, fit = self._placers(groups, fins, cap, exposed)
         bisect_right, insort = bisect.bisect_right, bisect.insort
-        ranks = 0
-        for a in order:
+        ranks, p, n = 0, 0, len(order)
+        while p < n:
+            a = order[p]
+            p += 1
             b = nl[a]
             row = tl[a]
             need = row[b]
@@ -196,24 +210,40 @@ class SamplePacker:
             room = cap - need
             if lst and lst[0][0] <= room:  # `fit`'s first case and `put`, written out (the inner loop)
                 i = bisect_right(lst, (room, inf)) - 1  # the fullest open group of its degree with room
-                g = lst[i][1]
-                grp = groups[g]
-                grp.load += need
-                grp.rows.append(a)
-                if need > grp.longest:
-                    grp.longest = need
-                if grp.base is None:
-                    ex = exposed.get(grp.longest)
-                    if ex is None:
-                        ex = exposed[grp.longest] = self.exposed(grp.longest)
-                    new = (grp.load + ex, g)
-                else:
-                    new = (grp.load + grp.base, g)
-                if i + 1 == len(lst) or new < lst[i + 1]:
-                    lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
-                else:
-                    del lst[i]
-                    insort(lst, new, i)  # (the groups before it finish earlier still)
+                while True:
+                    g = lst[i][1]
+                    grp = groups[g]
+                    grp.load += need
+                    grp.rows.append(a)
+                    if need > grp.longest:
+                        grp.longest = need
+                    if grp.base is None:
+                        ex = exposed.get(grp.longest)
+                        if ex is None:
+                            ex = exposed[grp.longest] = self.exposed(grp.longest)
+                    else:
+                        ex = grp.base
+                    fin = grp.load + ex
+                    # the micro-batches after it of the same degree and time go where it went
+                    # while the group has room for them (it stays the fullest with room)
+                    while p < n and same[p] and fin <= room:
+                        a = order[p]
+                        p += 1
+                        grp.load += need
+                        grp.rows.append(a)
+                        fin = grp.load + ex
+                    new = (fin, g)
+                    if i + 1 == len(lst) or new < lst[i + 1]:
+                        lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
+                    else:
+                        del lst[i]
+                        insort(lst, new, i)  # (the groups before it finish earlier still)
+                    if not (i and p < n and same[p]):
+                        break
+                    # the next of them goes to the next fullest group (before i: within room)
+                    i -= 1
+                    a = order[p]
+                    p += 1
                 continue
             g = fit(b, need)  # no room at its own degree: a wider open group, split
             if g is None and open_first and ranks + sp[b] <= world:
@@ -287,10 +317,11 @@ class SamplePacker:
 
     def _placing_order(
         self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool, memo: dict
-    ) -> tuple[list[int], list[int], list[float], list[list[float]]] | None:
+    ) -> tuple[list[int], list[bool], list[int], list[float], list[list[float]]] | None:
         """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
-        time, at their own degree, then by id), each one's own degree index (the layout rule's
-        within `cap`), its time there, and `t` as lists; None if one finishes within `cap` at
+        time, at their own degree, then by id), per position in it whether the micro-batch
+        there has the previous one's degree and time, each one's own degree index (the layout
+        rule's within `cap`), its time there, and `t` as lists; None if one finishes within `cap` at
         no degree, or if the micro-batches cannot fit the world's GPU-seconds (`too_much_work`).
         The targets of one search mostly give every micro-batch the same degree:
         `memo` keeps the order per degrees chosen, and `t`'s lists (the same for all)."""
@@ -305,10 +336,12 @@ class SamplePacker:
         got = memo.get(key)
         if got is None:
             own = t[np.arange(len(ids)), nar]
-            order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar])).tolist()
+            order = np.lexsort((np.asarray(ids), -own if by_time else -own * self.kf[nar]))
+            same = np.zeros(len(order), dtype=bool)
+            same[1:] = (nar[order[1:]] == nar[order[:-1]]) & (own[order[1:]] == own[order[:-1]])
             if "rows" not in memo:
                 memo["rows"] = t.tolist()
-            got = memo[key] = (order, nar.tolist(), own.tolist(), memo["rows"])
+            got = memo[key] = (order.tolist(), same.tolist(), nar.tolist(), own.tolist(), memo["rows"])
         return got
 
     def too_much_work(self, t: np.ndarray, gpu_s: np.ndarray, nar: np.ndarray, cap: float) -> bool:
