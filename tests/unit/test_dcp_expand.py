@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp import search as search_module
 from dcparallel.plan.dcp.allocate import allocate
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT
@@ -273,6 +274,60 @@ def test_search_of_all_parts_at_once_is_the_search_of_each(world, video, n, seed
                 for T, rows in ref
             ]
             assert [(c.T, rows_at(tab, c.first)) for c in cands] == want, (part, kmin)
+
+
+def _first_fitting_at_once(p: LayoutTable, tab, problems, ranks, windows, got) -> None:
+    """`search._first_fitting` with every window's targets tried in one `fits` call (the
+    reference for its chunks)."""
+    live = [x for x, w in enumerate(windows) if w is not None]
+    if not live:
+        return
+    args = ([(problems[x].part, problems[x].ki) for x in live], [ranks[x][windows[x]] for x in live])
+    fit, first, need, pfirst = search_module.fits(p, tab, *args, [problems[x].frac for x in live])
+    for y, x in enumerate(live):
+        f = fit[y, : len(windows[x])]
+        at = int(f.argmax())
+        for i in (at + d for d in p.config.candidate_offsets):
+            if i < len(f) and f[i]:
+                T = float(tab.times[ranks[x][windows[x][i]]]) / problems[x].frac
+                got[x].append(
+                    search_module.Candidate(T, first[pfirst[y] : pfirst[y] + len(problems[x].part), i], need[y, i])
+                )
+
+
+@pytest.mark.parametrize("coarse", [SEARCH_COARSE, 8])
+def test_search_tries_windows_in_chunks_as_it_would_at_once(monkeypatch, coarse):
+    """The search's second pass tries each window from its start, `search_coarse` targets at a
+    time, and stops where the first fitting target and the offsets after it are tried: the
+    candidates are those of trying every target of every window at once. On a step with
+    windows of about 120 targets (weak 1024 opensora-stage3, 180 classes: 30 problems, 10 of
+    them past the first chunk, 3 past the second), and with chunks of 8, where the offsets
+    after a first fit often lie in the next chunk."""
+    ctx, (step,) = _scale_cell("video", "opensora-stage3", 1024, 1)
+    p = LayoutTable(ctx, config=dataclasses.replace(DEFAULT, search_coarse=coarse))
+    present, counts = np.unique(p.bidx[np.asarray(step.sample_ids)], return_counts=True)
+    tab = table(p, present.tolist(), counts.tolist(), {int(j): (1.0, 1.2) for j in present})
+    nb = len(present)
+    parts = [list(range(nb)), list(range(nb // 2)), list(range(nb // 2, nb))]
+    calls = []  # per `fits` call: its problems, and its most targets of one problem
+    real_fits = search_module.fits
+    monkeypatch.setattr(
+        search_module, "fits", lambda *a: calls.append((len(a[2]), max(map(len, a[3])))) or real_fits(*a)
+    )
+    got = search(p, tab, parts, fracs=CAP_FRACTIONS)
+    chunks = calls[1:]  # after the coarse pass
+    monkeypatch.setattr(search_module, "_first_fitting", _first_fitting_at_once)
+    calls.clear()
+    want = search(p, tab, parts, fracs=CAP_FRACTIONS)
+    (problems, whole), *_ = calls[1:]  # the second pass, at once
+
+    def values(found):
+        return [[[(c.T, c.first.tolist(), c.need.tolist()) for c in cs] for cs in by_k] for by_k in found]
+
+    assert values(got) == values(want) and sum(len(cs) for by_k in got for cs in by_k) >= 10
+    # windows of over 3 chunks, tried in chunks: later ones for some problems, none to the end
+    assert whole > 3 * coarse and max(n for _, n in chunks) <= coarse
+    assert chunks[0][0] == problems and 1 < len(chunks) < -(-whole // coarse) and chunks[-1][0] < problems
 
 
 @pytest.mark.parametrize(

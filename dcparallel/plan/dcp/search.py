@@ -415,30 +415,44 @@ def _first_fitting(
     p: LayoutTable, tab: StepTable, problems: list[Problem], ranks: list[np.ndarray], windows: list, got: list
 ) -> None:
     """Adds to `got` each problem's candidates in its window: the first target that fits and
-    those `config.candidate_offsets` after it that fit."""
-    live = [x for x, w in enumerate(windows) if w is not None]
-    if not live:
-        return
-    fit, first, need, pfirst = fits(
-        p,
-        tab,
-        [(problems[x].part, problems[x].ki) for x in live],
-        [ranks[x][windows[x]] for x in live],
-        [problems[x].frac for x in live],
-    )
-    for y, x in enumerate(live):
+    those `config.candidate_offsets` after it that fit. The windows are tried from their
+    start, `config.search_coarse` targets at a time, all problems together: a problem is done
+    once its first fitting target and the last offset after it are tried (its window's first
+    half or less, most often), so the rest of its window is not. Each target's outcome is
+    the same however many are tried with it (`fits` decides each on its own)."""
+    last = max(p.config.candidate_offsets)
+    size = p.config.search_coarse
+    pending = [x for x, w in enumerate(windows) if w is not None]
+    tried: dict[int, list] = {x: [] for x in pending}  # per problem: (fit, first, need) per chunk
+    at = 0
+    while pending:
+        fit, first, need, pfirst = fits(
+            p,
+            tab,
+            [(problems[x].part, problems[x].ki) for x in pending],
+            [ranks[x][windows[x][at : at + size]] for x in pending],
+            [problems[x].frac for x in pending],
+        )
+        going = []
+        for y, x in enumerate(pending):
+            n = min(size, len(windows[x]) - at)
+            part = problems[x].part
+            tried[x].append((fit[y, :n], first[pfirst[y] : pfirst[y] + len(part), :n], need[y, :n]))
+            f = np.concatenate([c[0] for c in tried[x]])
+            hit = np.flatnonzero(f)
+            if at + n < len(windows[x]) and (not len(hit) or hit[0] + last >= at + n):
+                going.append(x)  # the first fit or an offset after it lies further on
+        pending = going
+        at += size
+    for x, chunks in tried.items():
         part, frac = problems[x].part, problems[x].frac
-        f = fit[y, : len(windows[x])]
+        f = np.concatenate([c[0] for c in chunks])
+        first = np.concatenate([c[1] for c in chunks], axis=1)
+        need = np.concatenate([c[2] for c in chunks])
         at = int(f.argmax())
         for i in (at + d for d in p.config.candidate_offsets):
             if i < len(f) and f[i]:
-                got[x].append(
-                    Candidate(
-                        float(tab.times[ranks[x][windows[x][i]]]) / frac,
-                        first[pfirst[y] : pfirst[y] + len(part), i],
-                        need[y, i],
-                    )
-                )
+                got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac, first[:, i], need[i]))
 
 
 def _least_work(p: LayoutTable, tab: StepTable, problems: list[Problem], windows: list, got: list) -> None:
