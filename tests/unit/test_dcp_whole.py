@@ -95,3 +95,21 @@ def test_an_epochs_planner_prices_the_copies_ahead_and_plans_as_one_pricing_lazi
     for key, (tau, top) in lazy_whole._tau.items():  # the same times, over the counts both priced
         n = min(top, priced[key])
         assert (tau[:n] == whole._tau[key][0][:n]).all()
+
+
+def test_the_split_reads_copies_up_to_its_largest_class_and_plans_as_with_all(images, monkeypatch):
+    """The split reads each size's copies only up to the step's largest class (a class splits
+    into micro-batches of at most its own count): its plan is the plan with every priced count
+    read (`MAX_COPIES`), on the image step and on a video-mix step at 128 GPUs (81 clips, where
+    a class goes whole into one micro-batch: reading one copy fewer changes the plan)."""
+    steps = [images, first_step("video", "video-mix", 128, 8)]
+    read = []
+    copies = WholeSplit.copies
+    monkeypatch.setattr(
+        WholeSplit, "copies", lambda self, z, n, upto=256: read.append(upto) or copies(self, z, n, upto)
+    )
+    trimmed = [WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) for ctx, step in steps]
+    monkeypatch.setattr(WholeSplit, "copies", lambda self, z, n, upto=256: copies(self, z, n))
+    full = [WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) for ctx, step in steps]
+    assert all(t is not None for t in trimmed) and trimmed == full
+    assert max(read) < 32  # up to the largest class of the step, not every priced count

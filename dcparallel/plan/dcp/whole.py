@@ -41,9 +41,9 @@ class WholeSplit:
         self.packer = packer
         self._tau: dict = {}  # per (size, degree index): the copies' times, non-decreasing, and how many priced
 
-    def copies(self, sizes: list, ns: list[int]) -> np.ndarray:
-        """Per size and degree index, m = 1..`MAX_COPIES` copies of it (inf where they do not fit
-        or m is past those priced), made non-decreasing in m: [size, degree index, m]. A size
+    def copies(self, sizes: list, ns: list[int], upto: int = MAX_COPIES) -> np.ndarray:
+        """Per size and degree index, m = 1..`upto` copies of it (inf where they do not fit or m
+        is past those priced), made non-decreasing in m: [size, degree index, m]. A size
         is priced when a step holds more of it than priced: up to 4 n, at least 32 and twice what
         was priced before, at most `MAX_COPIES` (a shape's count varies from step to step), all
         sizes of a degree at once, and cached (the step's shapes recur)."""
@@ -59,7 +59,7 @@ class WholeSplit:
                     full = np.full(MAX_COPIES, np.inf)
                     full[:top] = raw
                     self._tau[(z, j)] = (np.maximum.accumulate(full), top)
-        return np.stack([np.stack([self._tau[(z, j)][0] for j in range(len(p.sp))]) for z in sizes])
+        return np.stack([np.stack([self._tau[(z, j)][0][:upto] for j in range(len(p.sp))]) for z in sizes])
 
     def classes(self, ids: list[int]) -> tuple[list[list[int]], list] | None:
         """The step's classes (their sample ids, ascending, in class order) and each one's
@@ -100,7 +100,8 @@ class WholeSplit:
             return None
         members, sizes = got
         n = np.array([len(m) for m in members])
-        tau = self.copies(sizes, n.tolist())  # [c, j, m]
+        # a class splits into micro-batches of at most its own count: more copies are not read
+        tau = self.copies(sizes, n.tolist(), min(int(n.max()), MAX_COPIES))  # [c, j, m]
         lo = float(tau[:, :, 0].min(axis=1).max())  # the slowest class's single sample
         hi = 2 * float(tau[:, :, 0].min())
         if lo >= hi or self.ranks(tau, n, hi)[0] > p.world:
@@ -116,7 +117,8 @@ class WholeSplit:
     def ranks(self, tau: np.ndarray, n: np.ndarray, T: float):
         """The ranks the split at target T needs, and per class its main degree index, its
         micro-batches there, the degree index of the part left (-1: none) and the most copies
-        within T at its main degree."""
+        within T at its main degree. (`tau` holds at least each class's count of copies, so
+        M, the most within T and at most the count, reads no further.)"""
         kf = self.packer.kf
         M = np.minimum((tau <= T * (1 + 1e-12)).sum(axis=2), n[:, None])  # [c, j]
         per = np.where(M > 0, kf[None, :] / np.maximum(M, 1), np.inf)
