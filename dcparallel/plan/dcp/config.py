@@ -79,7 +79,7 @@ class DcpConfig:
     #: once (most parts stop there); a part that goes on searches the rest in a pass of its own
     first_degrees: int = 3
     #: makespan targets tried evenly spread first; then those between the last that does not fit
-    #: and the first that does
+    #: and the first that does, this many at a time from the start, until the candidates are found
     search_coarse: int = 32
     #: a search's candidates: the first fitting target of its window, and these offsets after it
     candidate_offsets: tuple[int, ...] = (0, 1, 2, 4, 8)

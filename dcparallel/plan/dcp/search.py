@@ -326,7 +326,8 @@ def search(
     first 1; distinct choices only). Targets are the part's distinct micro-batch times at that
     degree or wider, from the longest of its classes' least times, taken as caps C with the
     makespan C / fraction (`fits`); a coarse pass over `config.search_coarse` of them brackets the
-    smallest that fits, a second pass over the bracket finds it and the candidates after it.
+    smallest that fits, a second pass over the bracket (a chunk at a time: `_first_fitting`)
+    finds it and the candidates after it.
     If none fits at fraction 1: least work (T infinite), if that fits. All parts, degrees and
     fractions are searched together, one batch per pass; each (part, degree) alone gives the
     same candidates. `known`: what a search of the same parts and degrees at the fractions before
