@@ -175,30 +175,21 @@ class SamplePacker:
         cap = T * (1 + TIME_EPS)
         memo = {} if memo is None else memo
         got = self._placing_order(ids, t, f, cap, by_time, memo)
-        return None if got is None else self._place(*got, cap, open_first, memo.setdefault("exposed", {}))
+        return None if got is None else self._place(got, cap, open_first, memo.setdefault("exposed", {}))
 
-    def _place(
-        self,
-        order: list[int],
-        same: list[bool],
-        nl: list[int],
-        ol: list[float],
-        tl: list[list[float]],
-        cap: float,
-        open_first: bool,
-        exposed: dict[float, float],
-    ) -> list[Node] | None:
-        """`pack`'s placing of the micro-batches in `order` (`_placing_order`'s), for the
-        target with its slack `cap`. A run of micro-batches of one degree and time (`same`:
-        video clips of one shape) fills each group it meets in one pass: each of them would
-        find that group the fullest with room, until it is full, then the next fullest.
+    def _place(self, got: tuple, cap: float, open_first: bool, exposed: dict[float, float]) -> list[Node] | None:
+        """`pack`'s placing of the micro-batches, for the target with its slack `cap`. `got`:
+        `_placing_order`'s (the order, whether each follows one of its degree and time, each
+        one's degree index and time there, the rows). A run of micro-batches of one degree and
+        time (video clips of one shape) fills each group it meets in one pass: each of them
+        would find that group the fullest with room, until it is full, then the next fullest.
         `exposed`: per longest member time, the sync it leaves exposed (`exposed`'s, kept)."""
+        order, same, nl, ol, tl = got
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
-        sp, deg, world, inf = self.sp, len(self.sp), self.world, math.inf
         put, fit = self._placers(groups, fins, cap, exposed)
-        bisect_right, insort = bisect.bisect_right, bisect.insort
+        bisect_right, insort, inf = bisect.bisect_right, bisect.insort, math.inf
         ranks, p, n = 0, 0, len(order)
         while p < n:
             a = order[p]
@@ -208,62 +199,74 @@ class SamplePacker:
             need = row[b]
             lst = fins[b]
             room = cap - need
-            if lst and lst[0][0] <= room:  # `fit`'s first case and `put`, written out (the inner loop)
-                i = bisect_right(lst, (room, inf)) - 1  # the fullest open group of its degree with room
-                while True:
-                    g = lst[i][1]
-                    grp = groups[g]
-                    grp.load += need
-                    grp.rows.append(a)
-                    if need > grp.longest:
-                        grp.longest = need
-                    if grp.base is None:
-                        ex = exposed.get(grp.longest)
-                        if ex is None:
-                            ex = exposed[grp.longest] = self.exposed(grp.longest)
-                    else:
-                        ex = grp.base
-                    fin = grp.load + ex
-                    # the micro-batches after it of the same degree and time go where it went
-                    # while the group has room for them (it stays the fullest with room)
-                    while p < n and same[p] and fin <= room:
-                        a = order[p]
-                        p += 1
-                        grp.load += need
-                        grp.rows.append(a)
-                        fin = grp.load + ex
-                    new = (fin, g)
-                    if i + 1 == len(lst) or new < lst[i + 1]:
-                        lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
-                    else:
-                        del lst[i]
-                        insort(lst, new, i)  # (the groups before it finish earlier still)
-                    if not (i and p < n and same[p]):
-                        break
-                    # the next of them goes to the next fullest group (before i: within room)
-                    i -= 1
+            if not (lst and lst[0][0] <= room):  # no room at its own degree
+                ranks = self._elsewhere(groups, put, fit, a, b, row, ol[a], cap, open_first, ranks)
+                if ranks > self.world:
+                    return None
+                continue
+            # `fit`'s first case and `put`, written out (the inner loop)
+            i = bisect_right(lst, (room, inf)) - 1  # the fullest open group of its degree with room
+            while True:
+                g = lst[i][1]
+                grp = groups[g]
+                grp.load += need
+                grp.rows.append(a)
+                if need > grp.longest:
+                    grp.longest = need
+                if grp.base is None:
+                    ex = exposed.get(grp.longest)
+                    if ex is None:
+                        ex = exposed[grp.longest] = self.exposed(grp.longest)
+                else:
+                    ex = grp.base
+                fin = grp.load + ex
+                # the micro-batches after it of the same degree and time go where it went
+                # while the group has room for them (it stays the fullest with room)
+                while p < n and same[p] and fin <= room:
                     a = order[p]
                     p += 1
-                continue
-            g = fit(b, need)  # no room at its own degree: a wider open group, split
-            if g is None and open_first and ranks + sp[b] <= world:
-                ranks += sp[b]
-                groups.append(Node(b, 0.0, [], 0.0, None, []))
-                g = len(groups) - 1
-            d = b
-            while g is None and d + 1 < deg:  # re-timed at a wider degree
-                d += 1
-                if row[d] <= cap:
-                    g = fit(d, row[d])
-            if g is not None:
-                put(g, a, row[d])
-                continue
-            ranks += sp[b]
-            if ranks > world:
-                return None
-            groups.append(Node(b, 0.0, [], 0.0, None, []))
-            put(len(groups) - 1, a, ol[a])
+                    grp.load += need
+                    grp.rows.append(a)
+                    fin = grp.load + ex
+                new = (fin, g)
+                if i + 1 == len(lst) or new < lst[i + 1]:
+                    lst[i] = new  # its place in the sorted list is unchanged: no pop and insort
+                else:
+                    del lst[i]
+                    insort(lst, new, i)  # (the groups before it finish earlier still)
+                if not (i and p < n and same[p]):
+                    break
+                # the next of them goes to the next fullest group (before i: within room)
+                i -= 1
+                a = order[p]
+                p += 1
         return groups
+
+    def _elsewhere(self, groups, put, fit, a: int, b: int, row: list[float], own: float, cap, open_first, ranks):
+        """`_place`'s micro-batch a (its degree index b, its times `row`, `own` at b) where no open
+        group of its degree has room: into a wider open group, split into sub-groups of its
+        degree (`fit`); else, with `open_first` and the world's ranks for it, a new group of its
+        degree; else into an open group of a wider degree it is re-timed at; else a new group.
+        Returns the ranks the top-level groups hold (past the world: no packing, none placed)."""
+        sp = self.sp
+        g = fit(b, row[b])
+        if g is None and open_first and ranks + sp[b] <= self.world:
+            ranks += sp[b]
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
+            g = len(groups) - 1
+        d = b
+        while g is None and d + 1 < len(sp):  # re-timed at a wider degree
+            d += 1
+            if row[d] <= cap:
+                g = fit(d, row[d])
+        if g is not None:
+            put(g, a, row[d])
+            return ranks
+        ranks += sp[b]
+        if ranks <= self.world:
+            groups.append(Node(b, 0.0, [], 0.0, None, []))
+            put(len(groups) - 1, a, own)
+        return ranks
 
     def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float, exposed: dict):
         """`pack`'s two moves on its groups and their open lists `fins` (per degree index, the
