@@ -29,9 +29,9 @@ def search_targets(
 ) -> list[float] | None:
     """The targets to pack at (None if none up to `ceiling` packs): the smallest of the
     micro-batches' finishes that packs, and the smallest target below it found to pack.
-    (Packings at the next two finishes above the first never packed faster on the CPU-time
-    report's 127 searches, weak and strong, at 256 and 1024 GPUs, tails included; they are
-    not made.)
+    Finishes above the first are not packed: on the CPU-time report's cells (weak and
+    strong, 256 and 1024 GPUs, tail steps included: 127 searches), the next two never
+    packed faster than these.
 
     `pack(T)` packs at T (None where it does not; callers cache it: the same targets are
     asked again), `finish` holds every micro-batch's finish at every degree (inf where it
