@@ -4,6 +4,7 @@ candidate 0 the class level on the SP degrees mixed, gates reading facts the pla
 (the class-level candidates by their predictions, the others by the score)."""
 
 import dataclasses
+import gc
 
 import pytest
 
@@ -15,6 +16,7 @@ from dcparallel.plan.dcp.portfolio import FinerClasses
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
 from dcparallel.plan.types import REL_TOL
+from dcparallel.scenarios import SCENARIOS, sample_sizes
 from dcparallel.sim.replay import step_seconds
 from dcparallel.spec import Workload, h200_cluster
 from tests.unit._models import TINY_LM, cluster, cost
@@ -94,3 +96,27 @@ def test_an_epochs_planner_builds_the_finer_tables_ahead_and_plans_as_one_built_
     a, b = _finer(ahead).planner.table, _finer(lazy).planner.table
     assert (a.pclasses, a.rep, a.top, a.ttab) == (b.pclasses, b.rep, b.top, b.ttab)
     assert (a.bidx == b.bidx).all() and (a.weight == b.weight).all()
+
+
+def test_an_epochs_planner_leaves_its_tables_out_of_the_young_generations():
+    """`dcp` tuned on an epoch collects the cycle collector's young generations once built, so
+    the first collection after it does not walk what the build made (its tables, the tuning's
+    prices, with the collector paused) at the end of a step; a planner for one step, dropped
+    after it, leaves them young. Counted as the objects in generations 0 and 1 right after the
+    build (each on a fresh context), on the weak 256-GPU video/balanced cell."""
+    sc = SCENARIOS["video"]
+    tps = sc.tokens_per_step * 256 // 32
+    w = Workload(sc.model, tuple(sample_sizes("video", "balanced", epoch_tokens=3 * tps)))
+    cl = sc.cluster(256)
+    steps = form_steps(w.tokens, seed=0, tokens_per_step=tps)
+
+    def young_after(epoch):
+        ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+        gc.collect()
+        planner = make_planner("dcp", ctx, epoch, score=step_seconds(ctx))
+        young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+        del planner
+        return young
+
+    epoch, one = young_after(steps), young_after(steps[:1])
+    assert len(steps) > 1 and epoch < 100 and one > 10_000, (epoch, one)
