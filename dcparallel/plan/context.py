@@ -115,7 +115,7 @@ class PlanContext:
         self._mixed: dict = {}  # any micro-batch: bounded, see cost.base.cache_put
         self._options: dict = {}
         self._preferred: dict = {}
-        self._tokens: np.ndarray | None = None  # `step_tokens`' array of `tokens`, made when first asked
+        self._tokens: np.ndarray | None = None  # see `token_array`
         self._bucket_pos: tuple[list, np.ndarray] | None = None  # see `bucket_positions`
         self._sample_stats: tuple | None = None  # see `batches`
         self.skipped: list[tuple[int, Size, float]] = []
@@ -184,7 +184,7 @@ class PlanContext:
         if self._sample_stats is None:  # each sample's tokens, pairs and vision patches, once
             pairs = {s: float(self.model.attention_pairs(s)) for s in set(self.sizes)}
             self._sample_stats = (
-                np.asarray(self.tokens, dtype=np.int64),
+                self.token_array(),
                 np.fromiter(map(pairs.__getitem__, self.sizes), dtype=float, count=len(self.sizes)),
                 vision_stats(self.model, self.sizes),
             )
@@ -359,16 +359,22 @@ class PlanContext:
             self._bucket_pos = (keys, at)
         return self._bucket_pos
 
-    def step_tokens(self, sample_ids: Sequence[int] | np.ndarray) -> int:
-        """The tokens of a step's samples (the ids as a sequence or an integer array)."""
+    def token_array(self) -> np.ndarray:
+        """Each sample's tokens as an int64 array (skipped samples included); made when first
+        asked and shared by the planners of this context."""
         if self._tokens is None:
             self._tokens = np.asarray(self.tokens, dtype=np.int64)
+            self._tokens.flags.writeable = False  # shared: read, never written
+        return self._tokens
+
+    def step_tokens(self, sample_ids: Sequence[int] | np.ndarray) -> int:
+        """The tokens of a step's samples (the ids as a sequence or an integer array)."""
         ids = (
             sample_ids
             if isinstance(sample_ids, np.ndarray)
             else np.fromiter(sample_ids, dtype=np.int64, count=len(sample_ids))
         )
-        return int(self._tokens[ids].sum())
+        return int(self.token_array()[ids].sum())
 
     # -- validation --------------------------------------------------------------------
     def _check_fit(self, skip_oversize: bool) -> None:

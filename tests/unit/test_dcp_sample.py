@@ -395,7 +395,7 @@ def _pack_by_moves(packer: SamplePacker, ids, t, f, T, by_time, open_first):
     got = packer._placing_order(ids, t, f, cap, by_time, {})
     if got is None:
         return None
-    order, _, nl, ol, tl = got
+    order, _, nl, tl = got
     groups, fins = [], [[] for _ in packer.sp]
     put, fit = packer._placers(groups, fins, cap, {})
     ranks = 0
@@ -418,7 +418,7 @@ def _pack_by_moves(packer: SamplePacker, ids, t, f, T, by_time, open_first):
         if ranks > packer.world:
             return None
         groups.append(Node(b, 0.0, [], 0.0, None, []))
-        put(len(groups) - 1, a, ol[a])
+        put(len(groups) - 1, a, row[b])
     return groups
 
 

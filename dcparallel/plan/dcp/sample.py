@@ -85,7 +85,6 @@ class SamplePacker:
         self.sp = list(ctx.sp_sizes)
         self.world = ctx.cluster.world_size
         self.kf = np.asarray(self.sp, dtype=float)
-        self._bpos = self._bkeys = self._tokens = None  # per sample: its class's position, its tokens
         self._priced: dict[tuple[int, ...], tuple[FitGrid, int]] = {}  # per micro-batch `times` priced: grid, row
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}  # equal layouts shared (immutable)
         self.sync = ctx.cost.grad_sync_time()
@@ -101,22 +100,19 @@ class SamplePacker:
         """The step's samples as micro-batches: per class, runs of its preferred micro-batch
         size (the least GPU-seconds per sample; 1 for long samples) divided by `split`
         (rounded up), longest first; None if more than `max_items`."""
-        ctx = self.ctx
-        if self._bpos is None:
-            self._bkeys, self._bpos = ctx.bucket_positions()
-            self._tokens = np.asarray(ctx.tokens, dtype=np.int64)
+        keys, at = self.ctx.bucket_positions()
         arr = np.asarray(ids, dtype=np.int64)
-        bpos = self._bpos[arr]
-        count = np.bincount(bpos, minlength=len(self._bkeys))
+        bpos = at[arr]
+        count = np.bincount(bpos, minlength=len(keys))
         held = count.nonzero()[0].tolist()
         if max_items is not None and len(ids) > max_items:  # counted in arrays first (many samples)
-            if int((-(-count[held] // [self._preferred(self._bkeys[j], split) for j in held])).sum()) > max_items:
+            if int((-(-count[held] // [self._preferred(keys[j], split) for j in held])).sum()) > max_items:
                 return None
         # by class (in key order), longest first, then by id
-        members = arr[np.lexsort((arr, -self._tokens[arr], bpos))].tolist()
+        members = arr[np.lexsort((arr, -self.ctx.token_array()[arr], bpos))].tolist()
         out, start = [], 0
         for j in held:
-            m, end = self._preferred(self._bkeys[j], split), start + int(count[j])
+            m, end = self._preferred(keys[j], split), start + int(count[j])
             out.extend(tuple(members[a : min(a + m, end)]) for a in range(start, end, m))
             start = end
         return out
@@ -180,11 +176,11 @@ class SamplePacker:
     def _place(self, got: tuple, cap: float, open_first: bool, exposed: dict[float, float]) -> list[Node] | None:
         """`pack`'s placing of the micro-batches, for the target with its slack `cap`. `got`:
         `_placing_order`'s (the order, whether each follows one of its degree and time, each
-        one's degree index and time there, the rows). A run of micro-batches of one degree and
+        one's degree index, the rows). A run of micro-batches of one degree and
         time (video clips of one shape) fills each group it meets in one pass: each of them
         would find that group the fullest with room, until it is full, then the next fullest.
         `exposed`: per longest member time, the sync it leaves exposed (`exposed`'s, kept)."""
-        order, same, nl, ol, tl = got
+        order, same, nl, tl = got
         groups: list[Node] = []
         # per degree index, the open groups' finishes, sorted, with their indices
         fins: list[list[tuple[float, int]]] = [[] for _ in self.sp]
@@ -200,7 +196,7 @@ class SamplePacker:
             lst = fins[b]
             room = cap - need
             if not (lst and lst[0][0] <= room):  # no room at its own degree
-                ranks = self._elsewhere(groups, put, fit, a, b, row, ol[a], cap, open_first, ranks)
+                ranks = self._elsewhere(groups, put, fit, a, b, row, cap, open_first, ranks)
                 if ranks > self.world:
                     return None
                 continue
@@ -242,8 +238,8 @@ class SamplePacker:
                 p += 1
         return groups
 
-    def _elsewhere(self, groups, put, fit, a: int, b: int, row: list[float], own: float, cap, open_first, ranks):
-        """`_place`'s micro-batch a (its degree index b, its times `row`, `own` at b) where no open
+    def _elsewhere(self, groups, put, fit, a: int, b: int, row: list[float], cap, open_first, ranks):
+        """`_place`'s micro-batch a (its degree index b, its times `row`) where no open
         group of its degree has room: into a wider open group, split into sub-groups of its
         degree (`fit`); else, with `open_first` and the world's ranks for it, a new group of its
         degree; else into an open group of a wider degree it is re-timed at; else a new group.
@@ -265,7 +261,7 @@ class SamplePacker:
         ranks += sp[b]
         if ranks <= self.world:
             groups.append(Node(b, 0.0, [], 0.0, None, []))
-            put(len(groups) - 1, a, own)
+            put(len(groups) - 1, a, row[b])
         return ranks
 
     def _placers(self, groups: list[Node], fins: list[list[tuple[float, int]]], cap: float, exposed: dict):
@@ -320,13 +316,14 @@ class SamplePacker:
 
     def _placing_order(
         self, ids: list[int], t: np.ndarray, f: np.ndarray, cap: float, by_time: bool, memo: dict
-    ) -> tuple[list[int], list[bool], list[int], list[float], list[list[float]]] | None:
+    ) -> tuple[list[int], list[bool], list[int], list[list[float]]] | None:
         """`pack`'s order of the micro-batches (longest first: by GPU-seconds, or `by_time` by
         time, at their own degree, then by id), per position in it whether the micro-batch
         there has the previous one's degree and time, each one's own degree index (the layout
-        rule's within `cap`), its time there, and `t` as lists; None if one finishes within `cap` at
-        no degree, or if the micro-batches cannot fit the world's GPU-seconds (`too_much_work`).
-        The targets of one search mostly give every micro-batch the same degree:
+        rule's within `cap`; its time there is its row's at it), and `t` as lists; None if one
+        finishes within `cap` at no degree, or if the micro-batches cannot fit the world's
+        GPU-seconds (`too_much_work`). The targets of one search mostly give every micro-batch
+        the same degree:
         `memo` keeps the order per degrees chosen, and `t`'s lists (the same for all)."""
         if not (f <= cap).any(axis=1).all():
             return None
@@ -344,7 +341,7 @@ class SamplePacker:
             same[1:] = (nar[order[1:]] == nar[order[:-1]]) & (own[order[1:]] == own[order[:-1]])
             if "rows" not in memo:
                 memo["rows"] = t.tolist()
-            got = memo[key] = (order.tolist(), same.tolist(), nar.tolist(), own.tolist(), memo["rows"])
+            got = memo[key] = (order.tolist(), same.tolist(), nar.tolist(), memo["rows"])
         return got
 
     def too_much_work(self, t: np.ndarray, gpu_s: np.ndarray, nar: np.ndarray, cap: float) -> bool:

@@ -425,6 +425,7 @@ def _first_fitting(
     size = p.config.search_coarse
     pending = [x for x, w in enumerate(windows) if w is not None]
     tried: dict[int, list] = {x: [] for x in pending}  # per problem: (fit, first, need) per chunk
+    hit: dict[int, int] = {}  # per problem: its first fitting target's position in its window, once found
     at = 0
     while pending:
         fit, first, need, pfirst = fits(
@@ -439,21 +440,21 @@ def _first_fitting(
             n = min(size, len(windows[x]) - at)
             part = problems[x].part
             tried[x].append((fit[y, :n], first[pfirst[y] : pfirst[y] + len(part), :n], need[y, :n]))
-            f = np.concatenate([c[0] for c in tried[x]])
-            hit = np.flatnonzero(f)
-            if at + n < len(windows[x]) and (not len(hit) or hit[0] + last >= at + n):
+            if x not in hit and fit[y, :n].any():
+                hit[x] = at + int(fit[y, :n].argmax())
+            if at + n < len(windows[x]) and hit.get(x, at + n) + last >= at + n:
                 going.append(x)  # the first fit or an offset after it lies further on
         pending = going
         at += size
-    for x, chunks in tried.items():
-        part, frac = problems[x].part, problems[x].frac
+    for x, at in hit.items():  # (a problem with no fitting target has no candidates)
+        chunks = tried[x]
         f = np.concatenate([c[0] for c in chunks])
         first = np.concatenate([c[1] for c in chunks], axis=1)
         need = np.concatenate([c[2] for c in chunks])
-        at = int(f.argmax())
         for i in (at + d for d in p.config.candidate_offsets):
             if i < len(f) and f[i]:
-                got[x].append(Candidate(float(tab.times[ranks[x][windows[x][i]]]) / frac, first[:, i], need[i]))
+                T = float(tab.times[ranks[x][windows[x][i]]]) / problems[x].frac
+                got[x].append(Candidate(T, first[:, i], need[i]))
 
 
 def _least_work(p: LayoutTable, tab: StepTable, problems: list[Problem], windows: list, got: list) -> None:

@@ -113,7 +113,7 @@ def _length_classes(ctx: PlanContext, sub_bins: int) -> tuple[dict, list, np.nda
     ids = np.asarray(ctx.usable_ids, dtype=np.int64)
     pclasses, bucket_at = ctx.bucket_positions()
     bpos = bucket_at[ids]
-    tok = np.asarray(ctx.tokens, dtype=np.int64)[ids]
+    tok = ctx.token_array()[ids]
     lengths, at = np.unique(tok, return_inverse=True)
     ranges = _length_ranges(lengths, sub_bins)[at.reshape(-1)]
     width = int(ranges.max(initial=0)) + 1
@@ -195,7 +195,7 @@ class LayoutTable:
         #: the tunables (`config.DcpConfig`)
         self.config = config
         self.world = ctx.cluster.world_size
-        self.tok = np.asarray(ctx.tokens, dtype=np.int64)
+        self.tok = ctx.token_array()
         #: planning classes: the context's buckets, or (text, `sub_bins` > 1) each bucket cut
         #: into `sub_bins` geometric length ranges, each sized by its own largest sample
         self.sub_bins = sub_bins if ctx.model.kind == "text" else 1
