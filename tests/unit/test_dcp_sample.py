@@ -2,6 +2,7 @@
 lossless, tiling, within memory, identical from scratch, its prediction the simulator's, and
 chosen by `dcp` where it beats the class-level plan."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -265,6 +266,20 @@ def test_too_much_work_rejects_targets_of_a_real_search():
         nar = least_gpu_seconds_within(t * packer.kf, f, cap)
         assert packer.too_much_work(t, t * packer.kf, nar, cap) is not fits
         assert (UncheckedPacker(ctx, "pac").pack(ids, t, f, T, open_first=True) is not None) is fits
+
+
+def test_a_heavy_tail_step_at_4096_gpus_is_packed_within_the_item_cap():
+    """A weak pretrain-long step at 4096 GPUs (118k documents, 21.6k micro-batches of preferred
+    size) is within `pack_max_items`: `dcp` keeps the packing's plan, 4.9% faster than the
+    class level's, which a cap of 8192 micro-batches leaves it with."""
+    packer, step = _pretrain_long_step(4096)
+    assert 8192 < len(packer.items(list(step.sample_ids))) <= DEFAULT.pack_max_items
+    score = step_seconds(packer.ctx)
+    packs = DcpPlanner(packer.ctx, score)
+    capped = DcpPlanner(packer.ctx, score, config=dataclasses.replace(DEFAULT, pack_max_items=8192))
+    got, alone = score(packs.plan(step)), score(capped.plan(step))
+    assert packs.kept_by["packing"] == 1 and capped.kept_by["class level"] == 1
+    assert got < alone * 0.97, (got, alone)
 
 
 def test_ranks_short_on_micro_batches_longer_than_half_the_target():
