@@ -238,12 +238,12 @@ def test_too_much_work_only_where_packing_fails(world, rows, above, by_time, ope
         assert not packer.too_much_work(t, t * packer.kf, nar, cap) or full is None
 
 
-def _pretrain_long_step(world: int):
-    """A `SamplePacker` on the analytic text model at ``world`` GPUs, and the first weak
-    pretrain-long step (the scenario's 32-GPU budget x world / 32): a heavy-tail step."""
-    sc = SCENARIOS["text"]
+def _weak_first_step(scenario: str, dist: str, world: int):
+    """A `SamplePacker` on the scenario's analytic model at ``world`` GPUs, and the first weak
+    step of ``dist`` (the scenario's 32-GPU budget x world / 32)."""
+    sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32
-    w = Workload(sc.model, tuple(sample_sizes("text", "pretrain-long", epoch_tokens=tps)))
+    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=tps)))
     cl = sc.cluster(world)
     packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
     return packer, form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
@@ -254,7 +254,7 @@ def test_too_much_work_rejects_targets_of_a_real_search():
     search's first target (the GPU-seconds floor less `floor_slack`) fails by `too_much_work`
     before any micro-batch is placed, and the packing in full agrees; above the floor, where
     the packing fits, it does not say so."""
-    packer, step = _pretrain_long_step(1024)
+    packer, step = _weak_first_step("text", "pretrain-long", 1024)
     ctx = packer.ctx
     items = packer.items(list(step.sample_ids))
     t = packer.times(items)
@@ -272,7 +272,7 @@ def test_a_heavy_tail_step_at_4096_gpus_is_packed_within_the_item_cap():
     """A weak pretrain-long step at 4096 GPUs (118k documents, 21.6k micro-batches of preferred
     size) is within `pack_max_items`: `dcp` keeps the packing's plan, 4.9% faster than the
     class level's, which a cap of 8192 micro-batches leaves it with."""
-    packer, step = _pretrain_long_step(4096)
+    packer, step = _weak_first_step("text", "pretrain-long", 4096)
     assert 8192 < len(packer.items(list(step.sample_ids))) <= DEFAULT.pack_max_items
     score = step_seconds(packer.ctx)
     packs = DcpPlanner(packer.ctx, score)
@@ -386,7 +386,7 @@ def test_a_real_packing_is_scored_from_its_own_prices():
     (`step_plan`'s `times`) are `mb_costs`' to the bit, in the plan's order; so the score from
     them (`StepSeconds.priced`) is the score, and the `dcp` candidate that packs proposes the
     plan with exactly the score's prediction."""
-    packer, step = _pretrain_long_step(256)
+    packer, step = _weak_first_step("text", "pretrain-long", 256)
     ctx = packer.ctx
     got = packer.plan(list(step.sample_ids), DEFAULT.pack_max_items)
     priced: list[float] = []
@@ -461,7 +461,7 @@ def test_packing_loop_places_as_its_moves_do(world, rows, targets, by_time, open
 def test_packing_loop_places_a_real_step_as_its_moves_do():
     """The same on a heavy-tail step (weak pretrain-long at 256 GPUs, micro-batches of
     preferred size), at targets from below its floor (no packing) to above (sub-groups)."""
-    packer, step = _pretrain_long_step(256)
+    packer, step = _weak_first_step("text", "pretrain-long", 256)
     items = packer.items(list(step.sample_ids))
     t = packer.times(items)
     f, ids = packer.alone(t), [it[0] for it in items]
@@ -479,12 +479,7 @@ def test_packing_loop_places_runs_of_video_clips_as_its_moves_do():
     at 256 GPUs: 714 clips, 2.8 per GPU, in 323 micro-batches of half the preferred size),
     where most micro-batches follow one of the same degree and time (`same`: the loop fills a
     group with a run of them at once), at targets from its floor up, in every order."""
-    sc = SCENARIOS["video"]
-    tps = sc.tokens_per_step * 256 // 32
-    w = Workload(sc.model, tuple(sample_sizes("video", "video-mix", epoch_tokens=tps)))
-    cl = sc.cluster(256)
-    packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
-    step = form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+    packer, step = _weak_first_step("video", "video-mix", 256)
     ids = list(step.sample_ids)[: len(step.sample_ids) // 8]
     items = packer.items(ids, split=2)
     t = packer.times(items)

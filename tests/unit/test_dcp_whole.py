@@ -17,7 +17,7 @@ from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.portfolio import DcpPlanner, SamplePacking
 from dcparallel.plan.dcp.sample import SamplePacker
-from dcparallel.plan.dcp.whole import WholeSplit
+from dcparallel.plan.dcp.whole import MAX_COPIES, WholeSplit
 from dcparallel.plan.policies import make_planner
 from dcparallel.scenarios import SCENARIOS
 from dcparallel.sim.replay import simulate, step_seconds
@@ -106,10 +106,10 @@ def test_the_split_reads_copies_up_to_its_largest_class_and_plans_as_with_all(im
     read = []
     copies = WholeSplit.copies
     monkeypatch.setattr(
-        WholeSplit, "copies", lambda self, z, n, upto=256: read.append(upto) or copies(self, z, n, upto)
+        WholeSplit, "copies", lambda self, z, n, upto=MAX_COPIES: read.append(upto) or copies(self, z, n, upto)
     )
     trimmed = [WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) for ctx, step in steps]
-    monkeypatch.setattr(WholeSplit, "copies", lambda self, z, n, upto=256: copies(self, z, n))
+    monkeypatch.setattr(WholeSplit, "copies", lambda self, z, n, upto=MAX_COPIES: copies(self, z, n))
     full = [WholeSplit(SamplePacker(ctx, "pac")).plan(list(step.sample_ids)) for ctx, step in steps]
     assert all(t is not None for t in trimmed) and trimmed == full
     assert max(read) < 32  # up to the largest class of the step, not every priced count
