@@ -63,6 +63,11 @@ class DcpConfig:
     #: steps of at most this many samples per GPU whose classes each hold one size are also split
     #: one micro-batch per rank (`whole.WholeSplit`: where a rank has room for one micro-batch only)
     whole_per_gpu: float = 4.0
+    #: steps of at most this many samples per GPU whose classes each hold one size have their packing's
+    #: groups split again in pairs (`resplit.Resplit`: the slowest group's samples and a faster one's
+    #: pooled and split anew), at most `resplit_rounds` times
+    resplit_per_gpu: float = 16.0
+    resplit_rounds: int = 512
     #: the smallest makespan target that packs is sought from the floor up in steps of this fraction of it ...
     gallop_first: float = 2.0**-9
     #: ... each step this many times the one before

@@ -16,7 +16,9 @@ derives it, never a candidate. The candidates, in order, each with its gate:
    GPUs: steps of few samples per GPU whose class-level plan is above the bound;
 3. the per-sample planner (`PerSample`), up to `config.per_sample_max_world` GPUs: small steps;
 4. the per-sample packing (`SamplePacking`): steps whose class-level plan is loose (or, where
-   a rank has room for one micro-batch only, the one-micro-batch-per-rank split);
+   a rank has room for one micro-batch only, the one-micro-batch-per-rank split); on steps of
+   few samples per GPU whose classes each hold one size, its groups then split again in pairs
+   (`resplit.Resplit`);
 5. the static layouts (`static.StaticLayout`): the `bucket` and `packed` baselines tuned on
    the epoch's steps as their policies tune, where the planner is given them: steps of at
    most `config.static_max_samples` samples.
@@ -49,6 +51,7 @@ from dcparallel.plan.dcp.classes import ClassPlan
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.dcp.per_sample import PerSamplePlanner
+from dcparallel.plan.dcp.resplit import Resplit
 from dcparallel.plan.dcp.sample import SamplePacker
 from dcparallel.plan.dcp.static import StaticLayout
 from dcparallel.plan.dcp.tables import LayoutTable
@@ -219,7 +222,9 @@ class SamplePacking:
     micro-batch of its class's preferred size) timed alone at every degree; it runs where the
     class level is loose, and seeks only plans faster than the class-level plan's score. On
     steps of at most `config.whole_per_gpu` samples per GPU it first tries the
-    one-micro-batch-per-rank split (`split`)."""
+    one-micro-batch-per-rank split (`split`); on steps of at most `config.resplit_per_gpu` it
+    splits the packed groups again in pairs (`resplit.Resplit`, where the classes each hold
+    one size)."""
 
     name = "packing"
 
@@ -253,9 +258,12 @@ class SamplePacking:
             if got is not None:
                 return got
         few = s.n <= min(c.pack_per_gpu * s.world, c.pack_max_samples)
-        got = self.packer.plan(list(s.step.sample_ids), None if few else c.pack_max_items, s.score)
+        ids = list(s.step.sample_ids)
+        got = self.packer.plan(ids, None if few else c.pack_max_items, s.score)
         if got is None:
             return None
+        if s.n <= min(c.resplit_per_gpu * s.world, c.pack_max_samples):
+            got = Resplit(self.whole, ids).improve(got, c.resplit_rounds)
         priced = getattr(self.score, "priced", None)  # a `PricedScore` of this context
         if priced is None or getattr(self.score, "ctx", None) is not self.packer.ctx:
             plan = self.packer.step_plan(s.step, got.groups)
