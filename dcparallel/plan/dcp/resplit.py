@@ -10,11 +10,16 @@ slowest group's samples and those of one other group of its degree are pooled an
 between the two, every class's count on each side its own micro-batch (or a few equal ones,
 where that is faster: memory), for the split of the two whose later finish is earliest; the
 first partner, fastest first, whose split ends before the slowest group did takes it. Repeated
-while the slowest group of the step is a group without sub-groups and some partner helps.
+while the slowest group of the step is a leaf (a group without sub-groups: a top-level one,
+or a sub-group, which ends its own micro-batches after its parent's finish) and some leaf of
+its degree helps; the packing is kept where its predicted time does not fall.
 
 The pair's split is a dynamic program over the pooled classes (longest copy first), keeping
-the states no other state beats on both sides' finishes. A class's time for m copies at a
-degree is `WholeSplit.copies`' (the cost model's, made non-decreasing in m).
+the states no other state beats on both sides' finishes so far: exact where both sides are
+sub-groups; where a side's exposed sync counts, a state dropped could end earlier once a
+longer micro-batch hides more of the sync (rarely: within 0.5% on the test's pools). A
+class's time for m copies at a degree is `WholeSplit.copies`' (the cost model's, made
+non-decreasing in m).
 
 Short names: c (a class index), j (a degree index), n (copies), S (the slowest group), P (a
 partner), fin (a group's finish, exposed sync included).
