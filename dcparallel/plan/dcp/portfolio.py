@@ -273,9 +273,10 @@ class SamplePacking:
         return Proposal(plan, priced(plan, times))
 
     def prepare(self, steps: Sequence[Step], world: int) -> None:
-        """Prices ahead the copies the split reads on the steps of few enough samples per GPU
-        to try it (`whole.WholeSplit.prepare`)."""
-        few = self.config.whole_per_gpu * world
+        """Prices ahead the copies the split and the re-split read on the steps of few enough
+        samples per GPU to try them (`whole.WholeSplit.prepare`)."""
+        c = self.config
+        few = max(c.whole_per_gpu * world, min(c.resplit_per_gpu * world, c.pack_max_samples))
         self.whole.prepare([list(s.sample_ids) for s in steps if len(s.sample_ids) <= few])
 
     def split(self, s: StepFacts) -> Proposal | None:

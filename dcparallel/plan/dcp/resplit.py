@@ -27,6 +27,7 @@ partner), fin (a group's finish, exposed sync included).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 
@@ -57,6 +58,7 @@ class Resplit:
         self._best: dict[tuple[int, int, int], tuple[float, float, int]] = {}
         self._ex: dict[float, float] = {}  # per longest micro-batch time, the sync it leaves exposed
         self._failed: dict[tuple, float] = {}  # per degree and pair of counts: the finish no split beat
+        self._opts: dict[tuple[int, int, int], list] = {}  # per class, degree and count: its two-way splits
 
     def best(self, c: int, j: int, n: int) -> tuple[float, float, int]:
         """n copies of class c at degree index j in the fewest-seconds of 1..`MAX_PIECES`
@@ -102,43 +104,48 @@ class Resplit:
         deg = [self.packer.sp.index(g.sp) for g, _, _ in leaves]
         base = [b for _, b, _ in leaves]
         counts = [Counter(self.cls[i] for it in g.items for i in it) for g, _, _ in leaves]
-        fin = [self.finish(j, c, b) for j, c, b in zip(deg, counts, base)]
-        changed = False
+        fin = [g.finish for g, _, _ in leaves]  # the packing's, until a leaf is split again
+        order = sorted((f, q) for q, f in enumerate(fin))  # the leaves by finish
+        keys = [(b, _key(c)) for b, c in zip(base, counts)]  # what a leaf's splits depend on
+        touched: set[int] = set()
         for _ in range(rounds):
-            s = max(range(len(fin)), key=lambda g: (fin[g], -g))
+            s = order[-1][1]
             if fin[s] <= top:
                 break  # a group that is not a leaf ends the step
-            got = self._partner(s, deg, base, counts, fin)
+            got = self._partner(s, deg, base, counts, order, keys)
             if got is None:
                 break
             q, a, b = got
-            counts[s], counts[q] = a, b
-            fin[s], fin[q] = self.finish(deg[s], a, base[s]), self.finish(deg[q], b, base[q])
-            changed = True
-        if not changed or max(max(fin), top) >= packing.span * (1 - MIN_GAIN):
+            for x, cnt in ((s, a), (q, b)):
+                del order[bisect.bisect_left(order, (fin[x], x))]
+                counts[x], fin[x], keys[x] = cnt, self.finish(deg[x], cnt, base[x]), (base[x], _key(cnt))
+                bisect.insort(order, (fin[x], x))
+            touched.update((s, q))
+        if not touched or max(order[-1][0], top) >= packing.span * (1 - MIN_GAIN):
             return packing
-        return self._packing(packing, leaves, deg, counts, fin)
+        return self._packing(packing, leaves, deg, counts, fin, touched)
 
-    def _partner(self, s: int, deg: list[int], base: list, counts: list[Counter], fin: list[float]):
-        """The first leaf of S's degree, fastest first, whose pooled split with S ends
-        before S: (its index, S's new counts, its new counts); None if none. Leaves of the
-        same counts and base split alike, so each is tried once; a pair that did not split
-        before a finish does not before an earlier one (`_failed`)."""
-        j, mine = deg[s], (base[s], _key(counts[s]))
+    def _partner(self, s: int, deg: list[int], base: list, counts: list[Counter], order: list, keys: list):
+        """The first leaf of S's degree, fastest first (`order`: the leaves by finish), whose
+        pooled split with S ends before S: (its index, S's new counts, its new counts); None
+        if none. Leaves of the same counts and base (`keys`) split alike, so each is tried
+        once; a pair that did not split before a finish does not before an earlier one
+        (`_failed`)."""
+        j, mine, end = deg[s], keys[s], order[-1][0]
         tried = set()
-        for q in sorted(range(len(fin)), key=fin.__getitem__):  # fastest first (stable: ties by index)
-            if fin[q] >= fin[s]:
+        for f, q in order:
+            if f >= end:
                 return None
-            if deg[q] != j or q == s:
+            if deg[q] != j:
                 continue
-            theirs = (base[q], _key(counts[q]))
-            if theirs in tried or self._failed.get((j, mine, theirs), -math.inf) >= fin[s]:
+            theirs = keys[q]
+            if theirs in tried or self._failed.get((j, mine, theirs), -math.inf) >= end:
                 continue
             tried.add(theirs)
-            got = self.split(j, counts[s] + counts[q], (base[s], base[q]), fin[s])
+            got = self.split(j, counts[s] + counts[q], (base[s], base[q]), end)
             if got is not None:
                 return (q, *got)
-            self._failed[(j, mine, theirs)] = fin[s]
+            self._failed[(j, mine, theirs)] = end
         return None
 
     def split(self, j: int, pool: Counter, bases: tuple, within: float) -> tuple[Counter, Counter] | None:
@@ -153,6 +160,8 @@ class Resplit:
         least_ex = ex(max(self.tau[c][j][pool[c] - 1] for c in classes))  # no side's micro-batch is longer
         ba, bb = bases
         lim_a, lim_b = (within - (least_ex if b is None else b) for b in bases)
+        if sum(self.best(c, j, pool[c])[0] for c in classes) >= lim_a + lim_b:
+            return None  # the two loads sum to at least that (a class split costs no less whole)
 
         def ends(st: tuple) -> tuple[float, float]:
             return (st[0] + (ex(st[1]) if ba is None else ba), st[2] + (ex(st[3]) if bb is None else bb))
@@ -161,11 +170,15 @@ class Resplit:
         states = [(0.0, 0.0, 0.0, 0.0, None, 0)]
         for c in classes:
             n = pool[c]
-            opts = [(self.best(c, j, k), self.best(c, j, n - k), k) for k in range(n + 1)]
+            opts = self._opts.get((c, j, n))
+            if opts is None:
+                opts = self._opts[(c, j, n)] = [
+                    (*self.best(c, j, k)[:2], *self.best(c, j, n - k)[:2], k) for k in range(n + 1)
+                ]
             new = []
             for st in states:
                 la, ga, lb, gb = st[:4]
-                for (ta, xa, _), (tb, xb, _), k in opts:
+                for ta, xa, tb, xb, k in opts:
                     if la + ta < lim_a and lb + tb < lim_b:
                         new.append((la + ta, max(ga, xa), lb + tb, max(gb, xb), st, k))
             if not new:
@@ -182,29 +195,29 @@ class Resplit:
         b = Counter({c: pool[c] - a[c] for c in classes if pool[c] > a[c]})
         return a, b
 
-    def _packing(self, packing: Packing, leaves: list, deg: list[int], counts: list[Counter], fin: list[float]):
-        """The packing with its leaves holding these counts: each class's samples on the
-        leaves dealt to them in order, each leaf's share in its equal micro-batches (`best`), the
-        longest last; parents keep their own micro-batches and finish."""
+    def _packing(self, packing: Packing, leaves: list, deg: list[int], counts, fin, touched: set[int]) -> Packing:
+        """The packing with the `touched` leaves holding these counts: each class's samples on
+        them dealt to them in order, each leaf's share in its equal micro-batches (`best`),
+        the longest last; the other groups as they were."""
         p = self.packer
-        held: dict[int, list[int]] = {}  # per class, the leaves' samples (parents keep theirs)
-        for g, _, _ in leaves:
-            for i in (i for it in g.items for i in it):
+        held: dict[int, list[int]] = {}  # per class, the touched leaves' samples
+        for x in sorted(touched):
+            for i in (i for it in leaves[x][0].items for i in it):
                 held.setdefault(self.cls[i], []).append(i)
         for v in held.values():
             v.sort()
         taken = dict.fromkeys(held, 0)
         new: dict[int, Group] = {}  # per leaf's id, its new group
-        for (g, _, _), j, cnt, f in zip(leaves, deg, counts, fin):
-            items = []
-            for c in sorted(cnt):
-                n, k = cnt[c], self.best(c, j, cnt[c])[2]
+        for x in sorted(touched):
+            j, items = deg[x], []
+            for c in sorted(counts[x]):
+                n, k = counts[x][c], self.best(c, j, counts[x][c])[2]
                 ids = held[c][taken[c] : taken[c] + n]
                 taken[c] += n
                 ends = np.linspace(0, n, k + 1).round().astype(int).tolist()
                 items += [(self.tau[c][j][b - a - 1], tuple(ids[a:b])) for a, b in zip(ends[:-1], ends[1:])]
             items.sort()
-            new[id(g)] = Group(p.sp[j], f, [it for _, it in items], [])
+            new[id(leaves[x][0])] = Group(p.sp[j], fin[x], [it for _, it in items], [])
         groups = [_rebuilt(g, new) for g in packing.groups]
         groups.sort(key=lambda g: (-g.sp, -g.finish, g.items[0] if g.items else ()))
         return Packing(groups, max(_tree_finish(g) for g in groups))
