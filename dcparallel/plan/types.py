@@ -199,6 +199,26 @@ class StepPlan:
         for g in self.groups:
             yield from g.micro_batches
 
+    def check_samples(self) -> None:
+        """Refuses (ValueError) a plan whose micro-batches do not hold each of the step's
+        samples exactly once, naming the samples left out and those planned twice: a planner
+        that lost or repeated a sample would otherwise train on less, or more, than the step."""
+        used = [i for m in self.micro_batches() for i in m.sample_ids]
+        if len(used) == len(self.sample_ids) and sorted(used) == sorted(self.sample_ids):
+            return
+        seen: dict[int, int] = {}
+        for i in used:
+            seen[i] = seen.get(i, 0) + 1
+        step = set(self.sample_ids)
+        missing = sorted(step - seen.keys())
+        twice = sorted(i for i, n in seen.items() if n > 1)
+        extra = sorted(seen.keys() - step)
+        raise ValueError(
+            f"step {self.index}: the plan does not hold each of its {len(step)} samples once: "
+            f"{len(missing)} left out {missing[:8]}, {len(twice)} planned more than once {twice[:8]}, "
+            f"{len(extra)} not in the step {extra[:8]}; this is a planner bug (the plan is refused, not trained)"
+        )
+
     def to_json(self) -> dict:
         return {
             "step": self.index,

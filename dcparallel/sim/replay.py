@@ -218,5 +218,6 @@ def _step_sync(ctx: PlanContext, compute: float, ends: list[tuple[float, float]]
 def simulate(plans: Iterable[StepPlan], ctx: PlanContext, overlap: bool = True) -> SimResult:
     res = SimResult(ctx.cluster.world_size, ctx.budget)
     for p in plans:
+        p.check_samples()  # a plan that lost or repeated a sample is refused, not timed
         res.steps.append(replay_step(p, ctx, overlap))
     return res

@@ -48,6 +48,27 @@ def test_step_time_idle_and_timeline_by_hand():
     assert res.rank_timeline(2)[1][0] == pytest.approx(t_a)  # second micro-batch starts after the first
 
 
+def test_a_plan_that_loses_or_repeats_a_sample_is_refused():
+    """`simulate` refuses a plan whose micro-batches leave a step sample out, plan one twice or
+    hold one from outside the step, naming them; the plan that holds each once replays."""
+    cl = cluster(4, 4)
+    ctx = PlanContext(Workload(TINY_LM, (4000, 1000, 1000, 8000, 500)), cost(TINY_LM, cl), cl)
+
+    def plan(*mbs):
+        groups = tuple(
+            GroupPlan((r,), (MicroBatch(ids, Layout(1, len(ids))),) if ids else ()) for r, ids in enumerate(mbs)
+        )
+        return StepPlan(3, (0, 1, 2, 3), groups, num_tokens=14000)
+
+    assert len(simulate([plan((0,), (1, 2), (3,), ())], ctx).steps) == 1
+    with pytest.raises(ValueError, match=r"step 3: .* 1 left out \[2\], 0 planned more than once"):
+        simulate([plan((0,), (1,), (3,), ())], ctx)
+    with pytest.raises(ValueError, match=r"0 left out \[\], 1 planned more than once \[1\]"):
+        simulate([plan((0,), (1, 2), (3,), (1,))], ctx)
+    with pytest.raises(ValueError, match=r"1 not in the step \[4\]"):
+        simulate([plan((0,), (1, 2), (3,), (4,))], ctx)
+
+
 def test_over_memory_plan_is_flagged():
     cl = cluster(1, 1, memory_mib=64)
     w = Workload(TINY_LM, (100, 3000))
