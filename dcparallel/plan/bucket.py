@@ -20,6 +20,7 @@ import numpy as np
 
 from dcparallel.plan.assemble import assemble, round_robin
 from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.static_floor import StaticFloor
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
 from dcparallel.spec import STATIC_MODES, Layout, Recompute
@@ -49,6 +50,8 @@ class BucketPlanner:
             within = np.flatnonzero(ts <= median)
             self.mbs[b] = int(within[-1]) + 1 if len(within) else 1
         self.groups = ctx.topology.data_parallel(sp)
+        #: no plan of a step by this planner is predicted below `floor(step)` (video)
+        self.floor = StaticFloor(ctx, sp, mode, len(self.groups), self.mbs.__getitem__)
 
     def describe(self) -> dict:
         return {"sp": self.sp, "recompute": self.mode}

@@ -12,12 +12,14 @@ throughput, as `tuned_bucket` does.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 from dcparallel.plan.assemble import assemble, lpt
 from dcparallel.plan.binpack import pack_bins
 from dcparallel.plan.bucket import tune_static
 from dcparallel.plan.context import PlanContext, RecomputeMode
+from dcparallel.plan.static_floor import StaticFloor
 from dcparallel.plan.steps import Step
 from dcparallel.plan.types import GroupPlan, MicroBatch, NoLayoutFits, Score, StepPlan, Tuned
 from dcparallel.spec import Layout, Recompute
@@ -31,6 +33,8 @@ class PackedPlanner:
         self.recompute = Recompute.static(mode, ctx.model.num_layers)
         self.capacity = self._capacity()
         self.groups = ctx.topology.data_parallel(sp)
+        #: no plan of a step by this planner is predicted below `floor(step)` (video)
+        self.floor = StaticFloor(ctx, sp, mode, len(self.groups), partial(_most, ctx, self.capacity, sp, mode))
 
     def _capacity(self) -> int:
         """Tokens a bin may hold. Text: the longest single document that fits (packed
@@ -82,6 +86,15 @@ class PackedPlanner:
                 for g, r in enumerate(self.groups)
             ],
         )
+
+
+def _most(ctx: PlanContext, capacity: int, sp: int, mode: RecomputeMode, b: tuple) -> int:
+    """The most copies of video class b a bin of `capacity` tokens holds: what the capacity
+    takes (at least one), cut where memory ends. (A function, not a method: the floor holding
+    a bound method would be a reference cycle, and planning makes none.)"""
+    size = ctx.rep[b]
+    take = max(1, capacity // ctx.model.tokens(size))
+    return min(take, ctx.max_mbs(size, sp, mode, cap=take))
 
 
 def tuned_packed(ctx: PlanContext, steps: Sequence[Step], score: Score) -> Tuned:

@@ -162,3 +162,75 @@ def test_static_layouts_are_offered_only_on_steps_of_few_samples():
     for s in steps:
         standing = StepFacts(s, len(s.sample_ids), 8, own, own.bound, own.longest)
         assert all(c.runs(standing) == (len(s.sample_ids) <= fewest) for c in got)
+
+
+def _video_cell(dist: str, world: int, budget: str):
+    sc = SCENARIOS["video"]
+    tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
+    w = Workload(sc.model, tuple(sample_sizes("video", dist, epoch_tokens=4 * tps)))
+    cl = sc.cluster(world)
+    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
+    return ctx, form_steps(w.tokens, seed=0, tokens_per_step=tps)[:3]
+
+
+@pytest.mark.parametrize(
+    "dist,world,budget", [("long", 64, "weak"), ("video-mix", 256, "strong"), ("short", 32, "weak")]
+)
+def test_a_static_plan_is_never_faster_than_its_floor(dist, world, budget):
+    """`bucket` and `packed` at every static SP degree and recompute setting that fits, on real
+    video steps: the simulator's step time of their plan is never below its floor
+    (`plan/static_floor.py`), and the floor is within 30% of it on some (it is not vacuous)."""
+    from dcparallel.plan.bucket import BucketPlanner
+    from dcparallel.plan.packed import PackedPlanner
+    from dcparallel.plan.types import NoLayoutFits
+    from dcparallel.sim.replay import step_seconds
+    from dcparallel.spec import STATIC_MODES
+
+    ctx, steps = _video_cell(dist, world, budget)
+    score, ratios = step_seconds(ctx), []
+    for sp in ctx.topology.static_sizes(ctx.sp_sizes):
+        for mode in STATIC_MODES:
+            for make in (BucketPlanner, PackedPlanner):
+                try:
+                    planner = make(ctx, sp, mode)
+                except NoLayoutFits:
+                    continue
+                for s in steps[:2]:
+                    floor, got = planner.floor(s), score(planner.plan(s))
+                    assert floor <= got, (make.name, sp, mode, floor, got)
+                    ratios.append(floor / got)
+    assert len(ratios) >= 8 and max(ratios) > 0.7, ratios
+
+
+def _plans_counting_statics(dist: str, world: int, budget: str) -> tuple[list, list, list[str], list[str]]:
+    """A cell's 3 steps planned by `dcp` with its static floors and with every floor 0, and
+    the static layouts planned each time."""
+    from dcparallel.plan.dcp import static as static_module
+    from dcparallel.plan.policies import make_planner
+    from dcparallel.sim.replay import step_seconds
+
+    ctx, steps = _video_cell(dist, world, budget)
+    planner = make_planner("dcp", ctx, steps, score=step_seconds(ctx))
+    assert [c.name for c in planner.static] == ["bucket", "packed"]
+    proposed: list[str] = []
+    propose = static_module.StaticLayout.propose
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            static_module.StaticLayout, "propose", lambda self, s: proposed.append(self.name) or propose(self, s)
+        )
+        skipping = [planner.plan(s) for s in steps]
+        with_floors = list(proposed)
+        mp.setattr(static_module.StaticLayout, "floor", lambda self, s: 0.0)
+        every = [planner.plan(s) for s in steps]
+    return skipping, every, with_floors, proposed[len(with_floors) :]
+
+
+@pytest.mark.parametrize("dist,world,budget", [("long", 1024, "weak"), ("image-buckets", 1024, "strong")])
+def test_dcp_skips_the_static_plans_its_kept_plan_beats_and_plans_the_same(dist, world, budget):
+    """Where the plan `dcp` keeps is already faster than a static layout's floor it does not
+    plan that layout: on weak 1024-GPU video/long steps (about 1,200 clips) and strong ones of
+    image buckets, neither baseline is planned, and the plans are those made with every floor
+    0 (each static layout planned, then not kept)."""
+    skipping, every, with_floors, without = _plans_counting_statics(dist, world, budget)
+    assert with_floors == [] and len(without) == 2 * len(skipping)
+    assert [p.to_json() for p in skipping] == [p.to_json() for p in every]

@@ -144,7 +144,11 @@ class DcpPlanner:
         s = replace(s, score=Once(partial(self.score, s.kept.plan)))
         plan, best, kept = s.kept.plan, None, "class level"
         for c in self.scored:
-            got = c.propose(s) if c.runs(s) else None
+            if not c.runs(s):
+                continue
+            if isinstance(c, StaticLayout) and c.floor(s) >= (s.score() if best is None else best) * (1 - REL_TOL):
+                continue  # its plan is no faster than its floor: it would not be kept
+            got = c.propose(s)
             if got is None:
                 continue
             if best is None:

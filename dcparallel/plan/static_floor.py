@@ -1,0 +1,79 @@
+"""A floor under a static baseline's plan of a video step (`StaticFloor`): no plan of `bucket`
+or `packed` at its SP degree and recompute setting is predicted faster, so the `dcp`
+portfolio skips planning it where the plan it keeps is already faster (`dcp/static.py`).
+
+A video micro-batch of these baselines holds copies of one class (one latent grid), at most
+`most(b)` of them, and the baseline deals its micro-batches to the world's data-parallel
+groups of its degree. So its compute is at least:
+
+- the step's work over the groups: each sample at its class's least time per copy (over 1 to
+  `most(b)` copies at the baseline's degree and recompute; past `PRICED` copies also the
+  least of any recompute, `PlanContext.fewest_gpu_seconds`), summed, over the groups;
+- its longest micro-batch: each class's first micro-batch holds min(count, `most(b)`) copies
+  (`bucket` fills micro-batches of its size in data order; `packed`'s first-fit bin of one
+  class holds as many as its capacity takes, cut where memory ends).
+
+The floor is that compute plus the sync it cannot hide (as `bounds.LowerBound.with_sync`).
+Text baselines mix lengths in a micro-batch, which these tables do not price: no floor.
+
+Short names: b (a class), j (its position in `PlanContext.bucket_positions`), n (its count).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from dcparallel.cost.overlap import exposed_sync, sync_buckets
+from dcparallel.plan.context import PlanContext
+from dcparallel.plan.steps import Step
+
+#: copies priced one by one at the baseline's recompute setting (more: `fewest_gpu_seconds`)
+PRICED = 256
+#: the floor is lowered by this fraction, far above the rounding of its sums
+SLACK = 1e-9
+
+
+class StaticFloor:
+    """The floor of one static planner's plans (`__call__`) at degree `sp` and recompute
+    `mode`, over `groups` data-parallel groups, its micro-batches of class b at most `most(b)`
+    copies; per class its least time per copy and its times of 1.. copies, built when a step
+    first holds the class."""
+
+    def __init__(self, ctx: PlanContext, sp: int, mode: str, groups: int, most: Callable[[tuple], int]):
+        self.ctx, self.sp, self.mode, self.groups, self.most = ctx, sp, mode, groups, most
+        self.video = ctx.model.kind == "video"
+        self._tables: dict[tuple, tuple[float, np.ndarray]] = {}
+        cl = ctx.cluster
+        buckets = sync_buckets(ctx.cost.model.trainable_params, cl.shard_size, cl.world_size)
+        self._sync = (ctx.cost.grad_sync_time(), buckets)
+
+    def table(self, b: tuple) -> tuple[float, np.ndarray]:
+        """Class b's least time per copy and its times of 1 .. min(`most(b)`, `PRICED`) copies."""
+        got = self._tables.get(b)
+        if got is None:
+            ctx, size, top = self.ctx, self.ctx.rep[b], self.most(b)
+            (times,) = ctx.copies_times([size], [min(top, PRICED)], self.sp, self.mode)
+            per = float(np.min(times / np.arange(1, len(times) + 1)))
+            if top > PRICED:
+                per = min(per, ctx.fewest_gpu_seconds(size, self.sp, top) / self.sp)
+            got = self._tables[b] = (per, times)
+        return got
+
+    def __call__(self, step: Step) -> float:
+        """No plan of the step by this planner is predicted below this (0.0 for text)."""
+        if not self.video or not step.sample_ids:
+            return 0.0
+        keys, at = self.ctx.bucket_positions()
+        counts = np.bincount(at[np.asarray(step.sample_ids, dtype=np.int64)], minlength=len(keys))
+        work = longest = 0.0
+        for j in counts.nonzero()[0].tolist():
+            b, n = keys[j], int(counts[j])
+            per, times = self.table(b)
+            work += n * per
+            first = min(n, self.most(b))
+            if first <= len(times):
+                longest = max(longest, float(times[first - 1]))
+        compute = max(work / self.groups, longest) * (1 - SLACK)
+        return compute + exposed_sync(self._sync[0], compute, self._sync[1])
