@@ -2,7 +2,8 @@
 or `packed` at its SP degree and recompute setting is predicted faster, so the `dcp`
 portfolio skips planning it where the plan it keeps is already faster (`dcp/static.py`).
 
-A video micro-batch of these baselines holds copies of one class (one latent grid), at most
+A video micro-batch of these baselines holds samples of one class (one latent grid, which
+sets a sample's cost: copies of the class's `PlanContext.rep` price each member), at most
 `most(b)` of them, and the baseline deals its micro-batches to the world's data-parallel
 groups of its degree. So its compute is at least:
 
