@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from dcparallel.cost.overlap import exposed_sync, sync_buckets
+from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.steps import Step
 
@@ -46,9 +46,7 @@ class StaticFloor:
         self.ctx, self.sp, self.mode, self.groups, self.most = ctx, sp, mode, groups, most
         self.video = ctx.model.kind == "video"
         self._tables: dict[tuple, tuple[float, np.ndarray]] = {}
-        cl = ctx.cluster
-        buckets = sync_buckets(ctx.cost.model.trainable_params, cl.shard_size, cl.world_size)
-        self._sync = (ctx.cost.grad_sync_time(), buckets)
+        self._bound = LowerBound(ctx)  # its `with_sync`: a step bound from a compute bound
 
     def table(self, b: tuple) -> tuple[float, np.ndarray]:
         """Class b's least time per copy and its times of 1 .. min(`most(b)`, `PRICED`) copies."""
@@ -76,5 +74,4 @@ class StaticFloor:
             first = min(n, self.most(b))
             if first <= len(times):
                 longest = max(longest, float(times[first - 1]))
-        compute = max(work / self.groups, longest) * (1 - SLACK)
-        return compute + exposed_sync(self._sync[0], compute, self._sync[1])
+        return self._bound.with_sync(max(work / self.groups, longest) * (1 - SLACK))

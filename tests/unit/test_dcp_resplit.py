@@ -10,26 +10,20 @@ from functools import cache
 
 import pytest
 
-from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.plan.context import PlanContext
+from benchmarks.tight_bound import build_cell
 from dcparallel.plan.dcp.config import DEFAULT
 from dcparallel.plan.dcp.portfolio import DcpPlanner, SamplePacking
 from dcparallel.plan.dcp.resplit import Resplit, _leaves
-from dcparallel.plan.steps import form_steps
-from dcparallel.scenarios import EPOCH_STEPS, SCENARIOS, sample_sizes
+from dcparallel.scenarios import SCENARIOS
 from dcparallel.sim.replay import step_seconds
-from dcparallel.spec import Workload
 
 
 @cache
 def _strong_step(dist: str, world: int = 256):
     """The context and first strong step of a video mix (the scenario's step budget) at ``world`` GPUs, as
     the scale report forms it."""
-    sc = SCENARIOS["video"]
-    w = Workload(sc.model, tuple(sample_sizes("video", dist, epoch_tokens=EPOCH_STEPS * sc.tokens_per_step)))
-    cl = sc.cluster(world)
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    return ctx, form_steps(w.tokens, seed=0, tokens_per_step=sc.tokens_per_step)[0]
+    ctx, steps = build_cell("video", dist, world, SCENARIOS["video"].tokens_per_step, 2)
+    return ctx, steps[0]
 
 
 def _packing(dist: str):

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.tight_bound import build_cell
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.plan.bounds import LowerBound
 from dcparallel.plan.context import PlanContext
@@ -240,13 +241,9 @@ def test_too_much_work_only_where_packing_fails(world, rows, above, by_time, ope
 
 def _weak_first_step(scenario: str, dist: str, world: int):
     """A `SamplePacker` on the scenario's analytic model at ``world`` GPUs, and the first weak
-    step of ``dist`` (the scenario's 32-GPU budget x world / 32)."""
-    sc = SCENARIOS[scenario]
-    tps = sc.tokens_per_step * world // 32
-    w = Workload(sc.model, tuple(sample_sizes(scenario, dist, epoch_tokens=tps)))
-    cl = sc.cluster(world)
-    packer = SamplePacker(PlanContext(w, AnalyticCost(sc.model, cl), cl), "pac")
-    return packer, form_steps(w.tokens, seed=0, tokens_per_step=tps)[0]
+    step of ``dist`` (the scenario's 32-GPU budget x world / 32), as the scale report forms it."""
+    ctx, steps = build_cell(scenario, dist, world, SCENARIOS[scenario].tokens_per_step * world // 32, 1)
+    return SamplePacker(ctx, "pac"), steps[0]
 
 
 def test_too_much_work_rejects_targets_of_a_real_search():

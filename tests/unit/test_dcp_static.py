@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from benchmarks.tight_bound import build_cell
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.cost.auto_shard import auto_shard_size
 from dcparallel.plan.context import PlanContext
@@ -165,12 +166,10 @@ def test_static_layouts_are_offered_only_on_steps_of_few_samples():
 
 
 def _video_cell(dist: str, world: int, budget: str):
-    sc = SCENARIOS["video"]
-    tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
-    w = Workload(sc.model, tuple(sample_sizes("video", dist, epoch_tokens=4 * tps)))
-    cl = sc.cluster(world)
-    ctx = PlanContext(w, AnalyticCost(sc.model, cl), cl)
-    return ctx, form_steps(w.tokens, seed=0, tokens_per_step=tps)[:3]
+    """A video cell's context and first 3 steps, as the scale report forms them."""
+    tps = SCENARIOS["video"].tokens_per_step
+    ctx, steps = build_cell("video", dist, world, tps * world // 32 if budget == "weak" else tps, 3)
+    return ctx, steps[:3]
 
 
 @pytest.mark.parametrize(

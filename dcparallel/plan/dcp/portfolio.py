@@ -266,7 +266,7 @@ class SamplePacking:
         got = self.packer.plan(ids, None if few else c.pack_max_items, s.score)
         if got is None:
             return None
-        if s.n <= min(c.resplit_per_gpu * s.world, c.pack_max_samples):
+        if s.n <= self.resplit_most(s.world):
             got = Resplit(self.whole, ids).improve(got, c.resplit_rounds)
         priced = getattr(self.score, "priced", None)  # a `PricedScore` of this context
         if priced is None or getattr(self.score, "ctx", None) is not self.packer.ctx:
@@ -279,9 +279,13 @@ class SamplePacking:
     def prepare(self, steps: Sequence[Step], world: int) -> None:
         """Prices ahead the copies the split and the re-split read on the steps of few enough
         samples per GPU to try them (`whole.WholeSplit.prepare`)."""
-        c = self.config
-        few = max(c.whole_per_gpu * world, min(c.resplit_per_gpu * world, c.pack_max_samples))
+        few = max(self.config.whole_per_gpu * world, self.resplit_most(world))
         self.whole.prepare([list(s.sample_ids) for s in steps if len(s.sample_ids) <= few])
+
+    def resplit_most(self, world: int) -> float:
+        """The most samples of a step whose packing is split again in pairs (`resplit.Resplit`)."""
+        c = self.config
+        return min(c.resplit_per_gpu * world, c.pack_max_samples)
 
     def split(self, s: StepFacts) -> Proposal | None:
         """The one-micro-batch-per-rank split (`whole.WholeSplit`) where it plans the step
