@@ -201,6 +201,34 @@ def test_a_static_plan_is_never_faster_than_its_floor(dist, world, budget):
     assert len(ratios) >= 8 and max(ratios) > 0.7, ratios
 
 
+def test_the_floor_prices_a_steps_classes_in_one_grid_as_one_by_one():
+    """A step's classes are priced in one grid (`StaticFloor.price`): each class's table equals
+    its own `copies_times` call, element for element, on a strong 256-GPU video-mix step (58
+    shapes), at every static degree of `bucket` and `packed` (attention recomputed)."""
+    from dcparallel.plan.bucket import BucketPlanner
+    from dcparallel.plan.packed import PackedPlanner
+    from dcparallel.plan.static_floor import PRICED
+    from dcparallel.plan.types import NoLayoutFits
+
+    ctx, steps = _video_cell("video-mix", 256, "strong")
+    keys, at = ctx.bucket_positions()
+    held = sorted({keys[j] for j in at[np.asarray(steps[0].sample_ids)].tolist()})
+    assert len(held) > 40
+    checked = 0
+    for sp in ctx.topology.static_sizes(ctx.sp_sizes):
+        for make in (BucketPlanner, PackedPlanner):
+            try:
+                floor = make(ctx, sp, "attn").floor
+            except NoLayoutFits:
+                continue
+            floor(steps[0])  # prices the step's classes at once
+            for b in held:
+                (alone,) = ctx.copies_times([ctx.rep[b]], [min(floor.most(b), PRICED)], sp, floor.mode)
+                assert np.array_equal(floor.table(b)[1], alone), (make.name, sp, b)
+                checked += 1
+    assert checked >= 2 * len(held)
+
+
 def _plans_counting_statics(dist: str, world: int, budget: str) -> tuple[list, list, list[str], list[str]]:
     """A cell's 3 steps planned by `dcp` with its static floors and with every floor 0, and
     the static layouts planned each time."""
