@@ -108,6 +108,11 @@ class GroupSource(Protocol):
 
     def busy_sizes(self) -> set[int]: ...
 
+    def holds_once(self, sample_ids: tuple[int, ...]) -> bool:
+        """Whether the micro-batches hold each of `sample_ids` exactly once (on the arrays,
+        without building the groups)."""
+        ...
+
 
 class StepPlan:
     """One optimizer step: its samples, its groups, and its token count.
@@ -203,6 +208,8 @@ class StepPlan:
         """Refuses (ValueError) a plan whose micro-batches do not hold each of the step's
         samples exactly once, naming the samples left out and those planned twice: a planner
         that lost or repeated a sample would otherwise train on less, or more, than the step."""
+        if self._source is not None and self._source.holds_once(self.sample_ids):
+            return  # checked on the arrays; the objects are built only to name what is wrong
         used = [i for m in self.micro_batches() for i in m.sample_ids]
         if len(used) == len(self.sample_ids) and sorted(used) == sorted(self.sample_ids):
             return

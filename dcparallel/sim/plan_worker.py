@@ -42,10 +42,13 @@ from dcparallel.spec import Recompute
 
 
 def checked_plan(planner: Planner, step: Step) -> StepPlan:
-    """The planner's plan of ``step``; an error if it changed the step's samples."""
+    """The planner's plan of ``step``; an error if it changed the step's samples, or if its
+    micro-batches leave one out or hold one twice (`StepPlan.check_samples`: a step is not
+    trained on less, or more, than its samples)."""
     plan = planner.plan(step)
     if plan.sample_ids != step.sample_ids:
         raise AssertionError(f"the planner changed the samples of step {step.index}")
+    plan.check_samples()
     return plan
 
 

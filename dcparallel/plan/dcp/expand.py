@@ -258,6 +258,22 @@ class PhaseGroups:
             out.append(GroupPlan(tuple(range(starts[g], starts[g] + sizes[g])), tuple(mbs), phase))
         return tuple(out)
 
+    def holds_once(self, sample_ids: tuple[int, ...]) -> bool:
+        """`ids` are the step's samples, and the micro-batches' runs of positions in them tile
+        ``range(len(ids))``: each sample planned once."""
+        if len(self.ids) != len(sample_ids) or not np.array_equal(np.sort(self.ids), np.sort(sample_ids)):
+            return False
+        start = np.concatenate([ph.start for ph in self.phases] or [np.zeros(0, np.int64)])
+        m = np.concatenate([ph.m for ph in self.phases] or [np.zeros(0, np.int64)])
+        order = np.argsort(start, kind="stable")
+        start, m = start[order], m[order]
+        ends = start + m
+        return bool(
+            (m > 0).all()
+            and int(m.sum()) == len(self.ids)
+            and (len(start) == 0 or (start[0] == 0 and (start[1:] == ends[:-1]).all()))
+        )
+
     def busy_sizes(self) -> set[int]:
         return {k for sizes, _, ends, *_ in self.phases for k, n in zip(sizes, np.diff(ends, prepend=0).tolist()) if n}
 
