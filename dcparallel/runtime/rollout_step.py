@@ -153,6 +153,7 @@ class RolloutPlanner:
             raise ValueError(f"{e} (a rollout's sample id is global: rank-major over the ranks' rollouts)") from None
         planner = make_planner(self.policy, ctx, [Step(index, tuple(range(len(lengths))))], score=step_seconds(ctx))
         plan = planner.plan(Step(index, tuple(range(len(lengths)))))
+        plan.check_samples()  # each rollout planned once: none dropped from the step, none twice
         plan.check_shard_blocks(self.cluster.shard_size)
         return plan, ctx
 

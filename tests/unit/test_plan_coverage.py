@@ -1,8 +1,9 @@
-"""Every plan the loader hands out holds each of its step's samples exactly once: a planner
-whose plan leaves a sample out or plans one twice stops the epoch with the samples named
-(`sim.plan_worker.checked_plan`, `StepPlan.check_samples`), where the run would otherwise
-train on less, or more, than the step. A `dcp` plan held as arrays (`expand.PhaseGroups`)
-is checked on its arrays (`holds_once`); the objects are built only to name what is wrong."""
+"""Every plan the loader hands out, and every rollout step's, holds each of its step's
+samples exactly once: a planner whose plan leaves a sample out or plans one twice stops the
+epoch with the samples named (`sim.plan_worker.checked_plan`, `RolloutPlanner.plan_step`,
+`StepPlan.check_samples`), where the run would otherwise train on less, or more, than the
+step. A `dcp` plan held as arrays (`expand.PhaseGroups`) is checked on its arrays
+(`holds_once`); the objects are built only to name what is wrong."""
 
 from __future__ import annotations
 
@@ -85,3 +86,23 @@ def test_a_dcp_plan_held_as_arrays_is_checked_on_them():
                 StepPlan(plan.index, plan.sample_ids, bad, plan.num_tokens).check_samples()
         assert not src.holds_once(plan.sample_ids[1:] + (max(plan.sample_ids) + 1,))  # other samples
     assert arrays, "no plan of these steps was held as arrays"
+
+
+def test_a_rollout_step_that_loses_a_rollout_is_refused(monkeypatch):
+    """The ranks' rollouts are planned as one step (`RolloutPlanner.plan_step`): with the real
+    policies each rollout is planned once; a planner that loses one stops the step, naming it."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.runtime import rollout_step
+    from dcparallel.runtime.rollout_step import RolloutPlanner
+    from dcparallel.spec import ClusterSpec, llama_like
+
+    spec = llama_like("tiny-llama", num_layers=3, hidden=32, num_heads=4, ffn_hidden=48, vocab_size=64)
+    cl = ClusterSpec(world_size=4, gpus_per_node=4, memory_bytes=1_200_000, intra_bw=300e9, inter_bw=300e9)
+    lengths = [40, 41, 300, 12, 90, 7, 64, 64]
+    for policy in ("dcp", "bucket", "packed"):
+        plan, _ = RolloutPlanner(AnalyticCost(spec, cl), cl, policy).plan_step(lengths, 0)
+        assert sorted(i for m in plan.micro_batches() for i in m.sample_ids) == list(range(len(lengths)))
+    make = rollout_step.make_planner
+    monkeypatch.setattr(rollout_step, "make_planner", lambda *a, **k: Tampering(make(*a, **k)))
+    with pytest.raises(ValueError, match=r"1 left out \[\d\]"):
+        RolloutPlanner(AnalyticCost(spec, cl), cl, "packed").plan_step(lengths, 0)
