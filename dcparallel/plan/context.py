@@ -30,15 +30,20 @@ from dcparallel.topology import Topology
 #: per-layer split that fits (knapsack over layers x {attention, MLP}).
 RecomputeMode = Literal["none", "attn", "mlp", "full", "fit", "pac"]
 
-MAX_MBS = 64  # the calibration measured micro-batches up to 64; planners go no further
+#: the baselines' largest micro-batch of one size (`bucket`; the calibration measured up to 64)
+MAX_MBS = 64
+#: the most copies of one size `dcp` puts in a micro-batch (`bucket_options`, its class tables):
+#: a model of a few million parameters on small images or short documents is launch-bound far
+#: past 64 (its per-sample time still falls at hundreds), as `packed`'s bins of one shape show
+MAX_COPIES = 512
 _LAYOUT, _IDS, _SP = attrgetter("layout"), attrgetter("sample_ids"), attrgetter("sp")
 _RECOMPUTE, _ATTN, _MLP = attrgetter("recompute"), attrgetter("attn"), attrgetter("mlp")
 GRID_MIN = 16  # `mb_costs` prices fewer of a degree one at a time (cached): one grid costs about as much
 
 
-def mbs_candidates(top: int) -> list[int]:
-    """Micro-batch sizes the planners try up to `top` (<= MAX_MBS): powers of two, and `top`."""
-    return sorted({m for m in (1 << i for i in range(MAX_MBS.bit_length())) if m <= top} | {top})
+def mbs_candidates(top: int, most: int = MAX_MBS) -> list[int]:
+    """Micro-batch sizes the planners try up to `top`: the powers of two up to `most`, and `top`."""
+    return sorted({m for m in (1 << i for i in range(most.bit_length())) if m <= top} | {top})
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +249,11 @@ class PlanContext:
                 hi = mid
         return lo
 
+    def most_copies(self, size: Size, sp: int, mode: RecomputeMode) -> int:
+        """The largest micro-batch of copies of `size` `dcp` tries at `sp`: `max_mbs` up to
+        `MAX_COPIES`."""
+        return self.max_mbs(size, sp, mode, cap=MAX_COPIES)
+
     def fewest_gpu_seconds(self, size: Size, sp: int, top: int) -> float:
         """The fewest GPU-seconds per sample (time * sp / m) of m = 1..top copies of `size` at
         `sp`, with the fastest recompute that fits ("pac"; `top`: `max_mbs`). Any m, not only the
@@ -271,7 +281,7 @@ class PlanContext:
 
     def bucket_options(self, bucket: tuple[int, int], mode: RecomputeMode) -> dict[int, Option]:
         """Per SP degree, the layout of least GPU-seconds per sample for this bucket (over
-        micro-batch sizes 1, 2, 4, ... up to the largest that fits)."""
+        micro-batch sizes 1, 2, 4, ... up to the largest that fits, at most `MAX_COPIES`)."""
         key = (bucket, mode)
         hit = self._options.get(key)
         if hit is not None:
@@ -279,11 +289,11 @@ class PlanContext:
         size = self.rep[bucket]
         out: dict[int, Option] = {}
         for k in self.sp_sizes:
-            top = self.max_mbs(size, k, mode)
+            top = self.most_copies(size, k, mode)
             if top == 0:
                 continue
             best = None
-            for mbs in mbs_candidates(top):
+            for mbs in mbs_candidates(top, MAX_COPIES):
                 fit = self.copies_layout(size, mbs, k, mode)
                 assert fit is not None
                 opt = Option(fit.layout, fit.time)

@@ -39,7 +39,9 @@ class ProfilerConfig:
     run is slowed by the work before it (after SP 2 rounds, or longer rounds), so on a machine
     whose load does not drift rescaling adds that bias instead of removing one (`profile.drift`)"""
     max_mbs: int = 64
-    """micro-batch sizes doubled up to this (the planners use at most 64)"""
+    """micro-batch sizes doubled up to this (`bucket` uses at most 64 samples a micro-batch,
+    `dcp` up to `plan.context.MAX_COPIES`, priced past the largest measured by the marginal
+    cost of a sample between the last two)"""
     max_tokens: int | None = None
     """stop doubling once a micro-batch would hold more tokens than this (None: no cap)"""
     min_gain: float = 0.05

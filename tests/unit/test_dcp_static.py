@@ -65,6 +65,9 @@ CASES = [
     (LLAMA_7M, "code", 767, 8, 2**18),
     (LLAMA_7M, "sft-long", 600, 4, 2**19),
     (DIT_6M, "video-mix", 300, 4, 2**20),
+    # steps of about 4,800 images, above the static layouts' gate: dcp's own micro-batches of
+    # hundreds of small images (`context.MAX_COPIES`), as packed's bins hold
+    (DIT_6M, "image-buckets", 10000, 8, 2**24),
     (MODEL_PRESETS["llama-8b"], "code", 767, 8, 2**20),
     (SCENARIOS["video"].model, "video-mix", 400, 8, 2**22),
     (MODEL_PRESETS["llama-70b"], "pretrain-long", 300, 16, 2**21),

@@ -93,11 +93,13 @@ def test_dcp_on_mixed_sizes_is_lossless_placed_and_identical_across_ranks(case):
     check_dcp_epoch(*case)
 
 
-@pytest.mark.parametrize("distribution", ["short", "balanced"])
-def test_dcp_mixes_sp3_or_6_with_2_and_4_on_12_gpu_nodes_and_is_not_slower_than_the_chain(distribution):
+@pytest.mark.parametrize("distribution,mixes", [("short", False), ("balanced", False), ("sft-chat-long", True)])
+def test_dcp_mixes_sp3_or_6_with_2_and_4_on_12_gpu_nodes_and_is_not_slower_than_the_chain(distribution, mixes):
     """Text of the scenario's lengths on eight 12-GPU nodes (96 GPUs) with a 24-head model:
     the epoch is predicted no slower than `dcp` restricted to the chain (1, 2, 4, 12, 24), and
-    on short texts some phase runs groups of 3 or 6 beside groups of 2 or 4 (on balanced ones
+    on chat SFT with long documents some phase runs groups of 3 or 6 beside groups of 2 or 4
+    (on short texts every step runs SP 12 in micro-batches of up to 512 documents, faster than
+    the mixed degrees of 64-document micro-batches: 46.58 against 46.86 s; on balanced ones
     the chain's plans win these steps)."""
     cl = h200_cluster(96, 12)
     tps = 4 * 2**20 * 96 // 32
@@ -113,7 +115,7 @@ def test_dcp_mixes_sp3_or_6_with_2_and_4_on_12_gpu_nodes_and_is_not_slower_than_
         got[name] = [planner.plan(s) for s in steps]
     mixed = [(p.index, g.phase) for p in got["mix"] for g in p.groups if g.micro_batches and g.sp in (3, 6)]
     with_chain = {(p.index, g.phase) for p in got["mix"] for g in p.groups if g.micro_batches and g.sp in (2, 4)}
-    if distribution == "short":
+    if mixes:
         assert set(mixed) & with_chain, "no phase runs SP 3 or 6 beside SP 2 or 4"
     t_mix, t_chain = simulate(got["mix"], mix).total_time, simulate(got["chain"], chain).total_time
     assert t_mix <= t_chain * (1 + 1e-9), (t_mix, t_chain)

@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from dcparallel.cost.vision import class_rep
-from dcparallel.plan.context import MAX_MBS, PlanContext, RecomputeMode, mbs_candidates
+from dcparallel.plan.context import MAX_COPIES, PlanContext, RecomputeMode, mbs_candidates
 from dcparallel.plan.dcp.classes import GroupClass, class_span, deal_classes
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
 from dcparallel.plan.types import REL_TOL, TIME_EPS, Fit
@@ -134,7 +134,7 @@ def _cheapest(p: LayoutTable, j: int) -> tuple[int, int]:
     layouts come from this table (on a near tie within REL_TOL, the narrower degree)."""
     best = None
     for k in p.sp:
-        for m in mbs_candidates(p.top[(j, k)]) if p.top[(j, k)] else ():
+        for m in mbs_candidates(p.top[(j, k)], MAX_COPIES) if p.top[(j, k)] else ():
             g = p.layout(j, m, k).time * k / m
             if best is None or g < best[0] * (1 - REL_TOL):
                 best = (g, k, m)
@@ -205,7 +205,7 @@ class LayoutTable:
         #: the world's ranks)
         self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
         self.packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
-        self.top = {(j, k): ctx.max_mbs(self.rep[b], k, mode) for j, b in enumerate(self.pclasses) for k in self.sp}
+        self.top = {(j, k): ctx.most_copies(self.rep[b], k, mode) for j, b in enumerate(self.pclasses) for k in self.sp}
         self._rows: dict[tuple[int, int], np.ndarray] = {}
         #: `allocate`'s caches: spans by (classes' id, groups), ids by the classes
         self._spans: dict[tuple, float] = {}
@@ -226,7 +226,7 @@ class LayoutTable:
         self._ttab3 = np.stack([self.ttab_arr[k] for k in self.sp])  # [degree index, class, m]
         self._tops = np.array([[self.top[(j, k)] for j in range(len(self.pclasses))] for k in self.sp])
         self._spa = np.asarray(self.sp)
-        self._pow2 = np.array(mbs_candidates(MAX_MBS))
+        self._pow2 = np.array(mbs_candidates(MAX_COPIES, MAX_COPIES))
         self.weight = sample_weights(self)
         #: every sample in planning order (by class, then longest first, then id) and each
         #: sample's position in it: a step's samples are sorted by sorting their positions
