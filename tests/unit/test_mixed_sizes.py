@@ -98,8 +98,9 @@ def test_dcp_mixes_sp3_or_6_with_2_and_4_on_12_gpu_nodes_and_is_not_slower_than_
     """Text of the scenario's lengths on eight 12-GPU nodes (96 GPUs) with a 24-head model:
     the epoch is predicted no slower than `dcp` restricted to the chain (1, 2, 4, 12, 24), and
     on chat SFT with long documents some phase runs groups of 3 or 6 beside groups of 2 or 4
-    (on short texts every step runs SP 12 in micro-batches of up to 512 documents, faster than
-    the mixed degrees of 64-document micro-batches: 46.58 against 46.86 s; on balanced ones
+    (on short texts, with micro-batches of up to 512 documents, 320-397 here, each phase runs
+    one degree or degrees of the chain: 46.58 s, against 46.86 s for the mixed degrees of
+    64-document micro-batches; on balanced ones
     the chain's plans win these steps)."""
     cl = h200_cluster(96, 12)
     tps = 4 * 2**20 * 96 // 32
