@@ -33,6 +33,7 @@ import torch
 from dcparallel.cost.analytic import AnalyticCost
 from dcparallel.data.rollouts import routes
 from dcparallel.plan.context import PlanContext
+from dcparallel.plan.dcp.portfolio import FinerClasses
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import Step
 from dcparallel.runtime.rollout_step import RolloutPlanner
@@ -115,8 +116,9 @@ def from_scratch(lengths: list[int], k: int, cluster: ClusterSpec):
     ctx = PlanContext(Workload(model_preset(MODEL), tuple(lengths)), cost, cluster)
     step = Step(k, tuple(range(len(lengths))))
     planner = make_planner("dcp", ctx, [step], score=step_seconds(ctx))
-    if planner.finer_classes is not None:
-        planner.finer_classes.planner  # noqa: B018 - builds its tables now
+    for c in planner.candidates:
+        if isinstance(c, FinerClasses):
+            c.planner  # noqa: B018 - builds its tables now
     return planner.plan(step), ctx
 
 

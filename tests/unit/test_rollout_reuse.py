@@ -73,3 +73,17 @@ def test_layouts_kept_are_dropped_when_the_model_states_change():
     before, _ = _from_scratch(lengths, 1, world, "dcp")
     assert want != before, "the extra states change the plan (else this test shows nothing)"
     assert plan == want
+
+
+def test_the_rl_benchmark_plans_from_scratch_as_plan_step_does():
+    """`benchmarks/rl_steps.py`'s from-scratch planning (what `plan_batch` did before it kept
+    layouts, the finer classes' tables built whether or not the step opens their gate) runs
+    on the planner's interface and plans as `plan_step`: 256 rollouts on 8 GPUs."""
+    from benchmarks.rl_steps import from_scratch
+
+    cluster = h200_cluster(8, 8)
+    lengths = rl.rollout_lengths(256, seed=8)
+    planner = RolloutPlanner(AnalyticCost(MODEL, cluster), cluster, "dcp", max_tokens=rl.RESPONSE_CAP + rl.PROMPT_CAP)
+    plan, _ = planner.plan_step(lengths, 0)
+    again, ctx = from_scratch(lengths, 0, cluster)
+    assert again == plan and len(ctx.sizes) == 256
