@@ -87,3 +87,18 @@ def test_the_rl_benchmark_plans_from_scratch_as_plan_step_does():
     plan, _ = planner.plan_step(lengths, 0)
     again, ctx = from_scratch(lengths, 0, cluster)
     assert again == plan and len(ctx.sizes) == 256
+
+
+def test_a_step_planners_class_tables_stop_at_each_class_samples():
+    """A planner built for one RL step (`plan_step`) prices each class's copies only up to the
+    class's samples in that step (a micro-batch holds no more), not up to
+    `context.MAX_COPIES`: 256 rollouts on 8 GPUs."""
+    from dcparallel.plan.dcp.tables import LayoutTable
+
+    cluster = h200_cluster(8, 8)
+    lengths = rl.rollout_lengths(256, seed=8)
+    ctx = PlanContext(Workload(MODEL, tuple(lengths)), AnalyticCost(MODEL, cluster), cluster)
+    table = LayoutTable(ctx)
+    held = {j: int((table.bidx == j).sum()) for j in range(len(table.pclasses))}
+    assert all(0 < top <= held[j] for (j, _), top in table.top.items() if top)
+    assert any(ctx.most_copies(table.rep[table.pclasses[j]], k, "pac") > top for (j, k), top in table.top.items())
