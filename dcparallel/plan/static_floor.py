@@ -82,7 +82,7 @@ class StaticFloor:
         work = longest = 0.0
         for j in held:
             b, n = keys[j], int(counts[j])
-            per, times = self.table(b)
+            per, times = self._tables[b]
             work += n * per
             first = min(n, self.most(b))
             if first <= len(times):

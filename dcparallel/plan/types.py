@@ -254,8 +254,7 @@ class StepPlan:
             assert sorted(seen_ranks) == list(range(world_size)), (
                 f"phase {p}'s groups do not tile the world: {seen_ranks}"
             )
-        used = sorted(i for m in self.micro_batches() for i in m.sample_ids)
-        assert used == sorted(self.sample_ids), f"step {self.index} does not use each sample once"
+        self.check_samples()
 
     def check_shard_blocks(self, shard_size: int) -> None:
         """Refuses (ValueError) a plan in which a parameter-shard block of ``shard_size`` ranks

@@ -73,8 +73,9 @@ def test_resplit_moves_samples_between_sub_groups_and_groups_after_their_parent(
     once, and its predicted step is the simulator's and no longer than the packing's."""
     cand, step, got = _packing("video-mix")
     leaves, top = _leaves(got.groups)
-    kids = [(g, base, parent) for g, base, parent in leaves if parent is not None]
-    assert kids and all(base == parent.finish for _, base, parent in kids)
+    parent_of = {id(k): g for g in got.groups for k in g.subgroups}
+    kids = [(g, base, parent_of.get(id(g))) for g, base in leaves if base is not None]
+    assert kids and all(parent is not None and base == parent.finish for _, base, parent in kids)
     out = Resplit(cand.whole, list(step.sample_ids)).improve(got, DEFAULT.resplit_rounds)
     assert out.span <= got.span
     assert _ids(out) == sorted(step.sample_ids)

@@ -78,3 +78,10 @@ class Candidate(Protocol):
     def runs(self, facts: StepFacts) -> bool: ...
 
     def propose(self, facts: StepFacts) -> Proposal | None: ...
+
+
+class ScoredCandidate(Candidate, Protocol):
+    """A candidate compared by the score, with `floor`: no proposal of it is predicted below
+    that (0.0: none known), so the portfolio skips it where the plan kept is no slower."""
+
+    def floor(self, facts: StepFacts) -> float: ...

@@ -46,7 +46,7 @@ from functools import partial
 from typing import Callable, Sequence
 
 from dcparallel.plan.context import PlanContext, RecomputeMode
-from dcparallel.plan.dcp.candidate import CHAIN, Candidate, Once, Proposal, StepFacts
+from dcparallel.plan.dcp.candidate import CHAIN, Candidate, Once, Proposal, ScoredCandidate, StepFacts
 from dcparallel.plan.dcp.classes import ClassPlan
 from dcparallel.plan.dcp.classlevel import ClassLevelPlanner
 from dcparallel.plan.dcp.config import DEFAULT, DcpConfig
@@ -95,7 +95,7 @@ class DcpPlanner:
         #: on some small-cluster steps)
         self.packer = SamplePacker(ctx, mode, config)
         #: the candidates compared by the score, in order
-        self.scored: list[Candidate] = []
+        self.scored: list[ScoredCandidate] = []
         if self.world <= config.per_sample_max_world:
             per_sample = PerSamplePlanner(ctx, name="dcp", mode=mode, balance=True, promote=True, phases=phases)
             self.scored.append(PerSample(per_sample, score, config))
@@ -146,7 +146,8 @@ class DcpPlanner:
         for c in self.scored:
             if not c.runs(s):
                 continue
-            if isinstance(c, StaticLayout) and c.floor(s) >= (s.score() if best is None else best) * (1 - REL_TOL):
+            floor = c.floor(s)
+            if floor > 0.0 and floor >= (s.score() if best is None else best) * (1 - REL_TOL):
                 continue  # its plan is no faster than its floor: it would not be kept
             got = c.propose(s)
             if got is None:
@@ -213,6 +214,9 @@ class PerSample:
     def runs(self, s: StepFacts) -> bool:
         return self.small_step(s)
 
+    def floor(self, s: StepFacts) -> float:
+        return 0.0
+
     def small_step(self, s: StepFacts) -> bool:
         return s.n <= self.config.per_sample_max_samples
 
@@ -246,6 +250,9 @@ class SamplePacking:
 
     def runs(self, s: StepFacts) -> bool:
         return self.class_level_loose(s)
+
+    def floor(self, s: StepFacts) -> float:
+        return 0.0
 
     def class_level_loose(self, s: StepFacts) -> bool:
         """The class-level plan predicted (or, with about a sample per GPU or fewer, where the

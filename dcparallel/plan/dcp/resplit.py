@@ -101,10 +101,10 @@ class Resplit:
         if not self.ok:
             return packing
         leaves, top = _leaves(packing.groups)
-        deg = [self.packer.sp.index(g.sp) for g, _, _ in leaves]
-        base = [b for _, b, _ in leaves]
-        counts = [Counter(self.cls[i] for it in g.items for i in it) for g, _, _ in leaves]
-        fin = [g.finish for g, _, _ in leaves]  # the packing's, until a leaf is split again
+        deg = [self.packer.sp.index(g.sp) for g, _ in leaves]
+        base = [b for _, b in leaves]
+        counts = [Counter(self.cls[i] for it in g.items for i in it) for g, _ in leaves]
+        fin = [g.finish for g, _ in leaves]  # the packing's, until a leaf is split again
         order = sorted((f, q) for q, f in enumerate(fin))  # the leaves by finish
         keys = [(b, _key(c)) for b, c in zip(base, counts)]  # what a leaf's splits depend on
         touched: set[int] = set()
@@ -223,21 +223,21 @@ class Resplit:
         return Packing(groups, max(_tree_finish(g) for g in groups))
 
 
-def _leaves(groups: list[Group]) -> tuple[list[tuple[Group, float | None, Group | None]], float]:
-    """The packing's leaves (each with its base: None for a top-level group, its parent's
-    finish for a sub-group; and its parent), and the latest finish of the rest: parents'
-    own, and the trees under a sub-group that has sub-groups of its own."""
+def _leaves(groups: list[Group]) -> tuple[list[tuple[Group, float | None]], float]:
+    """The packing's leaves, each with its base (None for a top-level group, its parent's
+    finish for a sub-group), and the latest finish of the rest: parents' own, and the trees
+    under a sub-group that has sub-groups of its own."""
     leaves, top = [], 0.0
     for g in groups:
         if not g.subgroups:
-            leaves.append((g, None, None))
+            leaves.append((g, None))
             continue
         top = max(top, g.finish)
         for k in g.subgroups:
             if k.subgroups:
                 top = max(top, _tree_finish(k))
             else:
-                leaves.append((k, g.finish, g))
+                leaves.append((k, g.finish))
     return leaves, top
 
 

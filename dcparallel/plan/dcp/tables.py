@@ -134,7 +134,7 @@ def _cheapest(p: LayoutTable, j: int) -> tuple[int, int]:
     layouts come from this table (on a near tie within REL_TOL, the narrower degree)."""
     best = None
     for k in p.sp:
-        top = p.ctx.most_copies(p.rep[p.pclasses[j]], k, p.mode)  # copies: not capped at the class's samples
+        top = p.most[(j, k)]  # copies: not capped at the class's samples
         for m in mbs_candidates(top, MAX_COPIES) if top else ():
             g = p.layout(j, m, k).time * k / m
             if best is None or g < best[0] * (1 - REL_TOL):
@@ -206,15 +206,15 @@ class LayoutTable:
         #: the world's ranks)
         self.sp = list(ctx.sp_sizes if chain_only else ctx.mix_sizes)
         self.packs = None if set(self.sp) <= set(ctx.topology.chain) else ctx.topology.fits
-        #: per (class, degree): the most copies a micro-batch of the class may hold, at most its
-        #: samples in the workload (a step's class holds no more; an RL step's planner, built for
-        #: that step alone, prices only those counts)
-        held = np.bincount(self.bidx[self.bidx >= 0], minlength=len(self.pclasses)).tolist()
-        self.top = {
-            (j, k): min(ctx.most_copies(self.rep[b], k, mode), held[j])
-            for j, b in enumerate(self.pclasses)
-            for k in self.sp
+        #: per (class, degree): the most copies of its largest sample that fit (`PlanContext.most_copies`)
+        self.most = {
+            (j, k): ctx.most_copies(self.rep[b], k, mode) for j, b in enumerate(self.pclasses) for k in self.sp
         }
+        #: ... and the most a micro-batch of the class may hold: at most its samples in the
+        #: workload (a step's class holds no more; an RL step's planner, built for that step
+        #: alone, prices only those counts)
+        held = np.bincount(self.bidx[self.bidx >= 0], minlength=len(self.pclasses)).tolist()
+        self.top = {(j, k): min(m, held[j]) for (j, k), m in self.most.items()}
         self._rows: dict[tuple[int, int], np.ndarray] = {}
         #: `allocate`'s caches: spans by (classes' id, groups), ids by the classes
         self._spans: dict[tuple, float] = {}
