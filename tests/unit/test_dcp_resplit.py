@@ -116,3 +116,33 @@ def test_the_pair_split_is_the_best_split_of_the_pool(bases):
         else:
             assert mine == pytest.approx(brute, rel=1e-12)
         assert r.split(0, pool, bases, brute) is None  # nothing ends before the best
+
+
+def test_dcp_plans_small_video_steps_on_8_gpus_whose_packing_nests_every_group():
+    """Reduced steps of the video scenario on one 8-GPU node (10-57 clips, a sixteenth of the
+    32-GPU budget): on some the packing splits each group's sub-groups again (SP 8, 4, 2), so
+    the packing has no leaf at the second level to re-split. `dcp` plans every step (it
+    raised IndexError on 4 of these 8), a valid plan holding every clip once."""
+    from dcparallel.cost.analytic import AnalyticCost
+    from dcparallel.plan.context import PlanContext
+    from dcparallel.plan.steps import form_steps
+    from dcparallel.scenarios import sample_sizes
+    from dcparallel.spec import Workload
+
+    sc = SCENARIOS["video"]
+    nested = 0
+    for dist in ("short", "balanced"):
+        wl = Workload(sc.model, tuple(sample_sizes("video", dist)))
+        cl = sc.cluster(8)
+        ctx = PlanContext(wl, AnalyticCost(sc.model, cl), cl)
+        steps = form_steps(wl.tokens, seed=0, tokens_per_step=sc.tokens_per_step // 16)[:4]
+        planner = DcpPlanner(ctx, step_seconds(ctx))
+        cand = next(c for c in planner.scored if isinstance(c, SamplePacking))
+        for step in steps:
+            got = cand.packer.plan(list(step.sample_ids), None)
+            nested += got is not None and not _leaves(got.groups)[0]
+            plan = planner.plan(step)
+            plan.validate(8)
+            assert sorted(plan.sample_ids) == sorted(step.sample_ids)
+            plan.check_samples()
+    assert nested >= 2  # the case this test is about occurs

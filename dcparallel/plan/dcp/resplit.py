@@ -101,6 +101,8 @@ class Resplit:
         if not self.ok:
             return packing
         leaves, top = _leaves(packing.groups)
+        if not leaves:  # every sub-group splits again (small worlds: SP 8 -> 4 -> 2): no pair to split
+            return packing
         deg = [self.packer.sp.index(g.sp) for g, _ in leaves]
         base = [b for _, b in leaves]
         counts = [Counter(self.cls[i] for it in g.items for i in it) for g, _ in leaves]
