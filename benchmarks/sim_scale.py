@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dcparallel.cost.analytic import AnalyticCost
-from dcparallel.plan.bounds import LowerBound
+from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound
 from dcparallel.plan.context import PlanContext
 from dcparallel.plan.policies import make_planner
 from dcparallel.plan.steps import form_steps
@@ -82,9 +82,12 @@ def run_cell(
     time_limit: float = 0.0,
     timing_only: bool = False,
     too_slow: dict[str, str] | None = None,
+    per_rank_per_gpu: float = TIGHT_PER_GPU,
 ) -> dict:
     """One cell: every policy's efficiency, speedup and planning times. `too_slow` (policy ->
-    the cell where it ran past `time_limit`) is updated, and its policies are not run."""
+    the cell where it ran past `time_limit`) is updated, and its policies are not run.
+    `per_rank_per_gpu`: the bound's per-rank LP runs on video steps of at most that many
+    samples per GPU (`bounds.LowerBound`)."""
     too_slow = {} if too_slow is None else too_slow
     sc = SCENARIOS[scenario]
     tps = sc.tokens_per_step * world // 32 if budget == "weak" else sc.tokens_per_step
@@ -109,7 +112,7 @@ def run_cell(
         "skipped": {},
     }
     if not timing_only:
-        lb = LowerBound(ctx)
+        lb = LowerBound(ctx, per_rank_per_gpu)
         bounds = [lb.step(s) for s in steps]
         simple = [lb.simple_step(s) for s in steps]
         out["lower_bound_s"], out["simple_bound_s"] = round(sum(bounds), 4), round(sum(simple), 4)
@@ -283,6 +286,12 @@ def main() -> int:
         help="CPU seconds a policy may take in a cell, setup and steps; past them it is skipped",
     )
     ap.add_argument("--timing-only", action="store_true", help="plan and time only: no bound, no simulation")
+    ap.add_argument(
+        "--per-rank-per-gpu",
+        type=float,
+        default=TIGHT_PER_GPU,
+        help="the bound's per-rank LP on video steps of at most this many samples per GPU (seconds to a minute a step)",
+    )
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)
     if args.timing_only:  # no epoch times: the table and plot need them
@@ -310,6 +319,7 @@ def main() -> int:
                         args.time_limit,
                         args.timing_only,
                         too_slow,
+                        args.per_rank_per_gpu,
                     )
                     pols = "; ".join(
                         f"{n} eff {p.get('efficiency')} x{p.get('speedup_vs_bucket')} ms "

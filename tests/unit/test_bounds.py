@@ -4,12 +4,25 @@ LP answers agree with exact solutions."""
 
 from __future__ import annotations
 
+from functools import partial
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 
 from benchmarks.tight_bound import TightBound, build_cell, lp_exact, random_lp
-from dcparallel.plan.bounds import TIGHT_PER_GPU, LowerBound, dff, lp_value, threshold_sums
+from dcparallel.plan.bounds import (
+    PER_RANK_STEPS,
+    TIGHT_PER_GPU,
+    LowerBound,
+    dff,
+    lp_value,
+    per_rank_feasible,
+    step_dff,
+    threshold_sums,
+)
 from dcparallel.plan.policies import make_planner
+from dcparallel.plan.shape_bound import bisect_too_short
 from dcparallel.plan.steps import Step
 from dcparallel.scenarios import SCENARIOS
 from dcparallel.sim.replay import simulate, step_seconds
@@ -122,3 +135,78 @@ def test_threshold_sums_equal_the_dense_sums():
         es = np.unique(np.concatenate([[0.0, 0.25, 0.5], x[x <= 0.5], 1.0 - x[x >= 0.5]]))
         dense = (a[None, :] * dff(x[None, :], es[:, None])).sum(axis=1)
         assert np.allclose(threshold_sums(x, a, es), dense, rtol=1e-12, atol=1e-12)
+
+
+def test_the_step_functions_are_dual_feasible():
+    """u^(q) of sizes summing to at most 1 sums to at most 1: random sets, and sets of exact
+    fractions j / (q + 1) filling 1 (where the floor without its margin would count q + 1)."""
+    rng = np.random.default_rng(3)
+    q = np.arange(1, PER_RANK_STEPS + 1)[:, None]
+    for _ in range(2000):
+        x = rng.dirichlet(np.ones(int(rng.integers(1, 12)))) * rng.uniform(0.5, 1.0)
+        assert (step_dff(x[None, :], q).sum(axis=1) <= 1.0).all(), x
+    for k in range(1, PER_RANK_STEPS + 2):
+        for parts in range(1, k + 2):
+            x = np.full(parts, 1.0 / parts)
+            assert (step_dff(x[None, :], q).sum(axis=1) <= 1.0).all(), (k, parts)
+    x = np.linspace(0, 1, 1001)
+    assert (np.diff(step_dff(x[None, :], q), axis=1) >= 0).all()  # non-decreasing: a longer micro-batch counts more
+
+
+def test_the_step_functions_prove_what_the_thresholds_cannot():
+    """Five micro-batches of 0.4 s on 2 ranks: their 2 s of work fits, and every threshold
+    function u_e lets them, but a rank holds only two: 1 s is too short (u^(2) counts 1/2
+    each), 1.2 s is not (three on one rank)."""
+    opts = [(5, np.array([[1.0, 1.0, 0.4]]))]  # 5 samples, one option: degree 1, 1 copy, 0.4 s
+    assert not per_rank_feasible(opts, 1.0, 2.0)
+    assert per_rank_feasible(opts, 1.2, 2.0)
+    with patch("dcparallel.plan.bounds.PER_RANK_STEPS", 0):  # thresholds alone
+        assert per_rank_feasible(opts, 1.0, 2.0)
+
+
+def test_the_per_rank_bound_never_exceeds_a_brute_force_optimum():
+    """Random small steps on 1-3 ranks of degree 1: shapes of a few samples, each micro-batch of
+    1-3 copies of its shape (time rising with copies, below linear); the per-rank bound (u_e and
+    u^(q) together) is at most the best schedule found by trying every split into
+    micro-batches and every assignment to ranks; and the step functions raise it on some."""
+    rng = np.random.default_rng(4)
+    raised = 0
+    for _ in range(60):
+        world = int(rng.integers(1, 4))
+        shapes = []
+        for _ in range(int(rng.integers(1, 3))):
+            n, t1 = int(rng.integers(1, 4)), float(rng.uniform(0.1, 1.0))
+            times = {m: t1 * m ** float(rng.uniform(0.6, 1.0)) for m in range(1, n + 1)}
+            shapes.append((n, times))
+        opts = [(n, np.array([[1.0, m, t] for m, t in times.items()])) for n, times in shapes]
+        best = _brute_force_makespan(shapes, world)
+        feasible = partial(per_rank_feasible, opts, world=float(world))
+        lo = max(float(o[:, 2].min()) for _, o in opts) * 0.5  # (nothing runs this fast)
+        bound = bisect_too_short(feasible, lo, best * (1 + 1e-6))
+        assert bound <= best * (1 + 1e-9), (shapes, world, bound, best)
+        with patch("dcparallel.plan.bounds.PER_RANK_STEPS", 0):  # the thresholds alone
+            raised += bound > bisect_too_short(feasible, lo, best) * (1 + 1e-6)
+    assert raised >= 2
+
+
+def _brute_force_makespan(shapes, world: int) -> float:
+    """The least makespan of the shapes' samples as one-shape micro-batches on `world` ranks."""
+    from itertools import product
+
+    def splits(n):  # the ways to cut n copies into micro-batches (counts, descending)
+        if n == 0:
+            yield ()
+            return
+        for m in range(n, 0, -1):
+            for rest in splits(n - m):
+                if not rest or rest[0] <= m:
+                    yield (m, *rest)
+
+    best = np.inf
+    for cut in product(*[list(splits(n)) for n, _ in shapes]):
+        items = [times[m] for (_, times), parts in zip(shapes, cut) for m in parts]
+        for ranks in product(range(world), repeat=len(items)):
+            load = np.zeros(world)
+            np.add.at(load, list(ranks), items)
+            best = min(best, float(load.max()))
+    return best
