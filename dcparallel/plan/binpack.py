@@ -47,23 +47,26 @@ class RoomTree:
     def set(self, b: int, room: float) -> None:
         node, tree = b + self.size, self.room
         tree[node] = room
-        node //= 2
-        while node:
-            best = max(tree[2 * node], tree[2 * node + 1])
+        node >>= 1
+        while node:  # (written out, no `max` call: first fit's innermost loop)
+            left, right = tree[2 * node], tree[2 * node + 1]
+            best = left if left >= right else right
             if tree[node] == best:
                 break  # the ancestors hold the same maxima
             tree[node] = best
-            node //= 2
+            node >>= 1
 
     def leftmost(self, t: float) -> int | None:
         """The first bin whose room is at least ``t``; None if no bin has that room."""
-        tree = self.room
+        tree, size = self.room, self.size
         if tree[1] < t:
             return None
         node = 1
-        while node < self.size:
-            node = 2 * node if tree[2 * node] >= t else 2 * node + 1
-        return node - self.size
+        while node < size:
+            node <<= 1
+            if tree[node] < t:
+                node += 1
+        return node - size
 
 
 def first_fit_decreasing(ids: Sequence[int], tokens: Sequence[int], capacity: int) -> list[list[int]]:

@@ -75,17 +75,10 @@ class PackedPlanner:
     def plan(self, step: Step) -> StepPlan:
         ctx = self.ctx
         bins = self._bins(step.sample_ids)
-        layouts = [Layout(self.sp, len(b), self.recompute) for b in bins]
-        times = [ctx.mb_time(b, lay) for b, lay in zip(bins, layouts)]
+        mbs = [MicroBatch(tuple(b), Layout(self.sp, len(b), self.recompute)) for b in bins]
+        times, _ = ctx.mb_costs(mbs, memory=False)  # `mb_time` of each, priced at once
         assign, _ = lpt(times, len(self.groups))
-        return assemble(
-            ctx,
-            step,
-            [
-                GroupPlan(r, tuple(MicroBatch(tuple(bins[j]), layouts[j]) for j in assign[g]))
-                for g, r in enumerate(self.groups)
-            ],
-        )
+        return assemble(ctx, step, [GroupPlan(r, tuple(mbs[j] for j in assign[g])) for g, r in enumerate(self.groups)])
 
 
 def _most(ctx: PlanContext, capacity: int, sp: int, mode: RecomputeMode, b: tuple) -> int:

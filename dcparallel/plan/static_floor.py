@@ -45,14 +45,15 @@ class StaticFloor:
     def __init__(self, ctx: PlanContext, sp: int, mode: str, groups: int, most: Callable[[tuple], int]):
         self.ctx, self.sp, self.mode, self.groups, self.most = ctx, sp, mode, groups, most
         self.video = ctx.model.kind == "video"
-        self._tables: dict[tuple, tuple[float, np.ndarray]] = {}
+        #: per class priced: its least time per copy, its times of 1.. copies, `most(b)`
+        self._tables: dict[tuple, tuple[float, np.ndarray, int]] = {}
         self._bound = LowerBound(ctx)  # its `with_sync`: a step bound from a compute bound
 
     def table(self, b: tuple) -> tuple[float, np.ndarray]:
         """Class b's least time per copy and its times of 1 .. min(`most(b)`, `PRICED`) copies."""
         if b not in self._tables:
             self.price([b])
-        return self._tables[b]
+        return self._tables[b][:2]
 
     def price(self, classes: list[tuple]) -> None:
         """Builds the tables of those of `classes` not yet priced, all in one grid
@@ -69,7 +70,7 @@ class StaticFloor:
             per = float(np.min(times / np.arange(1, len(times) + 1)))
             if top > PRICED:
                 per = min(per, ctx.fewest_gpu_seconds(ctx.rep[b], self.sp, top) / self.sp)
-            self._tables[b] = (per, times)
+            self._tables[b] = (per, times, top)
 
     def __call__(self, step: Step) -> float:
         """No plan of the step by this planner is predicted below this (0.0 for text)."""
@@ -82,9 +83,9 @@ class StaticFloor:
         work = longest = 0.0
         for j in held:
             b, n = keys[j], int(counts[j])
-            per, times = self._tables[b]
+            per, times, top = self._tables[b]  # `most(b)` kept: `packed`'s bisects memory
             work += n * per
-            first = min(n, self.most(b))
+            first = min(n, top)
             if first <= len(times):
                 longest = max(longest, float(times[first - 1]))
         return self._bound.with_sync(max(work / self.groups, longest) * (1 - SLACK))
