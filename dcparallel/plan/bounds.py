@@ -363,7 +363,8 @@ def lp_value(G: np.ndarray, R: np.ndarray, cnt: np.ndarray, world: float, iters:
 
 def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float) -> bool:
     """Whether some mix of the shapes' options with tau <= T meets, for every threshold e,
-    sum over shapes of n * sum_o x_o * k * u_e(tau / T) / m <= world (the per-rank bound's LP;
+    sum over shapes of n * sum_o x_o * k * u_e(tau / T) / m <= world, and the same for every
+    step function u^(q) (`step_dff`, all in every LP) (the per-rank bound's LP;
     `LowerBound.shape_options`). False proves that no schedule ends by T. Solved by adding
     thresholds: the LP over a few of them, then the ones its mix breaks most, until the mix
     meets all (feasible) or a subset has no mix (infeasible: so has the whole). Only the rows
@@ -389,7 +390,7 @@ def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float
     active = np.flatnonzero(np.isin(es, PER_RANK_EPS))
     steps = nk[None, :] * step_dff(x[None, :], np.arange(1, PER_RANK_STEPS + 1)[:, None]) / m[None, :]
     while True:
-        rows = np.vstack([nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :], steps])  # [e, option]
+        rows = np.vstack([nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :], steps])  # [e or q, option]
         res = linprog(
             np.zeros(len(of)),
             A_ub=rows,
