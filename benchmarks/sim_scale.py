@@ -290,7 +290,7 @@ def main() -> int:
         "--per-rank-per-gpu",
         type=float,
         default=TIGHT_PER_GPU,
-        help="the bound's per-rank LP on video steps of at most this many samples per GPU (seconds to a minute a step)",
+        help="the bound's per-rank LP on video steps of at most this many samples per GPU (up to ~10 s a step)",
     )
     args = ap.parse_args()
     limits = dict(DEFAULT_LIMITS)

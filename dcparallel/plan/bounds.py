@@ -91,7 +91,7 @@ PER_RANK_STEPS = 6
 class LowerBound:
     """The step and epoch bounds of one context. `per_rank_per_gpu`: the per-rank bound is
     computed on video steps of at most that many samples per GPU (`TIGHT_PER_GPU` by default,
-    where it costs seconds; the scale report goes further, at tens of seconds per step)."""
+    where it costs seconds; the scale report goes to 16, at up to about ten seconds per step)."""
 
     def __init__(self, ctx: PlanContext, per_rank_per_gpu: float = TIGHT_PER_GPU):
         self.ctx = ctx
