@@ -388,9 +388,10 @@ def per_rank_feasible(opts: list[tuple[int, np.ndarray]], T: float, world: float
     srt = np.argsort(x)
     xs = x[srt]
     active = np.flatnonzero(np.isin(es, PER_RANK_EPS))
-    steps = nk[None, :] * step_dff(x[None, :], np.arange(1, PER_RANK_STEPS + 1)[:, None]) / m[None, :]
+    step_rows = nk[None, :] * step_dff(x[None, :], np.arange(1, PER_RANK_STEPS + 1)[:, None]) / m[None, :]
     while True:
-        rows = np.vstack([nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :], steps])  # [e or q, option]
+        # [e or q, option]: the thresholds in the LP, then every step function
+        rows = np.vstack([nk[None, :] * dff(x[None, :], es[active][:, None]) / m[None, :], step_rows])
         res = linprog(
             np.zeros(len(of)),
             A_ub=rows,

@@ -76,7 +76,9 @@ class PackedPlanner:
         ctx = self.ctx
         bins = self._bins(step.sample_ids)
         mbs = [MicroBatch(tuple(b), Layout(self.sp, len(b), self.recompute)) for b in bins]
-        times, _ = ctx.mb_costs(mbs, memory=False)  # `mb_time` of each, priced at once
+        # each bin's time at this recompute: what `pack_bins` found when it checked the bin's memory
+        sizes = ctx.sizes
+        times = [ctx.layout_for(tuple(sizes[i] for i in b), self.sp, self.mode).time for b in bins]
         assign, _ = lpt(times, len(self.groups))
         return assemble(ctx, step, [GroupPlan(r, tuple(mbs[j] for j in assign[g])) for g, r in enumerate(self.groups)])
 
