@@ -146,12 +146,14 @@ class DataCentricParallel:
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
         # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
+        # (ring first: its SP groups past the head count allow shard sizes the heads do not divide)
         cluster = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
+        cluster = dataclasses.replace(cluster, ring=ring)
         #: shard_size="auto" was asked for: `prepare` checks the choice against the samples too
         self.shard_auto = shard_size == "auto"
         if self.shard_auto:
             shard_size = agreed_auto_shard_size(adapter.spec, cluster)
-        self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size, ring=ring)
+        self.cluster_spec = dataclasses.replace(cluster, shard_size=shard_size)
         self.engine = Engine(model, adapter=adapter, cluster=self.cluster_spec, seed=seed, kernel=kernel, groups=groups)
         #: the budget was measured here, not given: `prepare` agrees on the smallest over ranks
         self.memory_measured = memory_bytes is None

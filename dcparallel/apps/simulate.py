@@ -166,10 +166,12 @@ def _setup(args) -> tuple[str, Workload, ClusterSpec, object, int]:
         make_cost = lambda m, c: ProfiledCost(profile, c)  # noqa: E731
     else:
         make_cost = AnalyticCost
+    # ring first: it lets SP groups past the head count, which the shard sizes auto tries may need
+    cluster = dataclasses.replace(cluster, ring=getattr(args, "ring", False))
     shard = getattr(args, "shard_size", 1)
     if shard == "auto":
         shard = auto_shard_size(model, cluster, sizes, make_cost=make_cost)
-    cluster = dataclasses.replace(cluster, shard_size=shard, ring=getattr(args, "ring", False))
+    cluster = dataclasses.replace(cluster, shard_size=shard)
     return name, Workload(model, tuple(sizes)), cluster, make_cost(model, cluster), tps
 
 

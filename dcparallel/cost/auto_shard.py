@@ -36,22 +36,26 @@ def auto_shard_size(
     sample still fits some layout (alone on the widest SP group, full recomputation), so that
     the epoch can be planned. Without ``sizes`` only the model states (with the gathered
     parameters) must fit. ``make_cost`` builds the cost model for each candidate
-    (default `AnalyticCost`). A ValueError names the model, the memory the largest shard size
-    still needs and what is available, and the fixes."""
+    (default `AnalyticCost`). A shard size is tried where some SP group of at least that many
+    ranks divides the heads, or, with the cluster's `ring`, where the world has such a group
+    (Ulysses x ring: the group need not divide them). A ValueError names the model, the memory
+    the largest shard size still needs and what is available, and the fixes (ring attention
+    among them where it would allow shard sizes not tried)."""
     make_cost = make_cost or AnalyticCost
     budget = float(cluster.memory_bytes)
     smallest = largest = None
     if sizes:
         smallest = min(sizes, key=model.tokens)
         largest = max(sizes, key=model.tokens)
-    need, why, tried, refused = 0.0, "", [], []
+    need, why, tried, refused, undivided = 0.0, "", [], [], []
     candidates = cluster.shard_sizes()
     for s in candidates:
         c = dataclasses.replace(cluster, shard_size=s)
         try:
             top = Topology.of(c, model.num_heads)
         except ValueError:
-            continue  # no SP group of at least s ranks divides the heads
+            undivided.append(s)  # no SP group of at least s ranks divides the heads (ring allows them)
+            continue
         try:
             cost = make_cost(model, c)
         except ValueError as e:  # e.g. a profile measured at another shard size
@@ -77,13 +81,26 @@ def auto_shard_size(
         raise ValueError(
             f"model {model.name!r} has {model.num_heads} attention heads, which no SP group of at least "
             f"the shard sizes {candidates} divides on this cluster; use a world or node size whose "
-            f"groups divide the heads"
+            f"groups divide the heads, or ring attention (ring=True, `--ring`), whose groups need not"
         )
-    raise ValueError(
+    raise ValueError(_does_not_fit(model, cluster, tried, f"{why} needs {format_bytes(need)}", undivided))
+
+
+def _does_not_fit(model: ModelSpec, cluster: ClusterSpec, tried: list[int], needs: str, undivided: list[int]) -> str:
+    """`auto_shard_size`'s message where no shard size tried fits: what the largest still
+    `needs`, and the fixes (ring attention where it would allow the shard sizes `undivided`,
+    not tried because no SP group of that many ranks divides the heads)."""
+    fixes = "GPUs with more memory, or shorter samples"
+    if undivided:  # (only without ring: with it every group size is allowed)
+        fixes = (
+            f"GPUs with more memory, shorter samples, or ring attention (ring=True, `--ring`), whose SP "
+            f"groups past the {model.num_heads} heads allow the shard sizes {undivided} not tried"
+        )
+    return (
         f"model {model.name!r} ({_count(model.num_params)} parameters) does not fit {cluster.world_size} GPUs of "
-        f"{format_bytes(budget)} usable memory at any shard size (tried {tried}): at shard size "
-        f"{tried[-1]} {why} needs {format_bytes(need)} per rank. Use more GPUs (the optimizer states shrink "
-        f"with the world, parameters and gradients with the shard size), GPUs with more memory, or shorter samples"
+        f"{format_bytes(cluster.memory_bytes)} usable memory at any shard size (tried {tried}): at shard size "
+        f"{tried[-1]} {needs} per rank. Use more GPUs (the optimizer states shrink with the world, parameters "
+        f"and gradients with the shard size), {fixes}"
     )
 
 

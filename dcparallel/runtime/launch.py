@@ -355,16 +355,17 @@ def cluster_from_env(
 
 def check_launch(cluster: ClusterSpec, num_heads: int) -> None:
     """A clear error when the model's heads leave the planners no SP degree but 1 on a
-    launch of several ranks (no sample could ever be split over ranks)."""
+    launch of several ranks (no sample could ever be split over ranks); never with the
+    cluster's `ring` (Ulysses x ring groups need not divide the heads)."""
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1; got {num_heads}")
-    if cluster.world_size > 1 and group_sizes(cluster, num_heads) == [1]:
+    if cluster.world_size > 1 and group_sizes(cluster, num_heads, cluster.ring) == [1]:
         g = cluster.gpus_per_node
         cands = sorted({k for k in range(2, cluster.world_size + 1) if g % k == 0 or k % g == 0})
         raise ValueError(
             f"{num_heads} attention heads: no SP degree of this launch (world {cluster.world_size}, "
             f"{g} ranks per node: {cands}) divides them, so no sample can be split over ranks; use a head "
-            f"count divisible by one of those, or train with plain data parallelism"
+            f"count divisible by one of those, ring attention (ring=True), or train with plain data parallelism"
         )
 
 

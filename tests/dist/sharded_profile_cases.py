@@ -113,24 +113,38 @@ def reference_first_step(sample_ids) -> tuple[float, dict]:
     return adapter_models.reference(adapter_models.build(KIND), text_data(), sample_ids)
 
 
-def deep_dit():
+def deep_dit(num_heads: int = 4):
     """A reference DiT of 8 thin layers: its layers hold most parameters, so sharding them
     saves more than the gathered layer costs (in a 2-layer model the gathered layer and the
-    embeddings dominate and shard size 1 always needs least)."""
+    embeddings dominate and shard size 1 always needs least). Heads of width 8."""
     from dcparallel.models.dit import DiT, DiTConfig
 
     torch.manual_seed(0)
-    return DiT(DiTConfig.tiny(num_layers=8, num_heads=4, hidden=32, freq_dim=16))
+    return DiT(DiTConfig.tiny(num_layers=8, num_heads=num_heads, hidden=8 * num_heads, freq_dim=16))
 
 
-def deep_dit_states(world: int) -> dict[int, float]:
+def deep_dit_states(world: int, num_heads: int = 4) -> dict[int, float]:
     """The analytic model states per rank of `deep_dit` at shard sizes 1, 2 and 4 — what
     ``auto`` compares with the budget (`cost.base.model_state_bytes`)."""
     from dcparallel.adapters.find import find_adapter
     from dcparallel.cost.base import model_state_bytes
 
-    spec = find_adapter(deep_dit()).spec
+    spec = find_adapter(deep_dit(num_heads)).spec
     return {s: model_state_bytes(spec, world, s) for s in (1, 2, 4)}
+
+
+def case_auto_shard_size_ring(budget: int) -> dict:
+    """``DataCentricParallel(deep_dit(3), shard_size="auto", memory_bytes=budget)`` without and
+    with ``ring``: per setting the shard size chosen, or the ValueError's message. (3 heads: no
+    SP group of 2 or 4 ranks divides them; ring attention's groups need not.)"""
+    out = {}
+    for ring in (False, True):
+        try:
+            dc = DataCentricParallel(deep_dit(3), shard_size="auto", memory_bytes=int(budget), ring=ring)
+            out[ring] = dc.shard_size
+        except ValueError as e:
+            out[ring] = str(e)
+    return out
 
 
 def case_auto_shard_size(budgets: list[int]) -> list[dict]:

@@ -361,6 +361,21 @@ def test_auto_shard_size_is_the_smallest_that_fits_the_budget(workers):
     assert "at shard size 4" in msg and "memory_bytes" in msg and "Use more GPUs" in msg
 
 
+def test_auto_shard_size_with_ring_takes_groups_the_heads_do_not_divide(workers):
+    """3 heads at world 4: without ring no SP group of 2 or 4 ranks divides them, so ``auto``
+    tries shard size 1 only and a budget below its model states is refused, naming ring
+    attention and the shard sizes it would allow; with ``ring=True`` the same budget takes
+    shard size 2 (Ulysses x ring groups need not divide the heads)."""
+    states = sharded_profile_cases.deep_dit_states(4, num_heads=3)
+    budget = int((states[1] + states[2]) / 2)
+    out = workers.run(sharded_profile_cases.case_auto_shard_size_ring, budget)
+    assert all(o == out[0] for o in out), out  # the same on every rank
+    without, with_ring = out[0][False], out[0][True]
+    assert isinstance(without, str) and "tried [1]" in without, without
+    assert "ring attention (ring=True" in without and "[2, 4] not tried" in without, without
+    assert with_ring == 2
+
+
 def test_gradients_held_whole_reduce_scatter_once_per_step(workers):
     """FSDP's gradient sync off until a block's last micro-batch: the gradients accumulate
     whole and each FSDP unit reduce-scatters once per step instead of once per micro-batch

@@ -69,6 +69,7 @@ def test_launches_the_plan_cannot_use_are_clear_errors():
         )
     check_launch(ClusterSpec(world_size=1, gpus_per_node=1), 3)  # one rank never splits a sample
     check_launch(ClusterSpec(world_size=16, gpus_per_node=8), 12)  # SP 2 and 4 divide 12
+    check_launch(ClusterSpec(world_size=8, gpus_per_node=8, ring=True), 3)  # ring groups need not divide them
 
 
 def _engine(bucket_bytes: int | None):

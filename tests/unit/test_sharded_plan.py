@@ -331,6 +331,27 @@ def test_simulate_llama_70b_on_64_gpus_with_auto_shard_size(capsys):
         assert v["memory_violations"] == 0 and v["samples_dropped"] == 0 and v["epoch_time_s"] > 0
 
 
+def test_simulate_auto_shard_size_with_ring_past_the_head_count(tmp_path, capsys):
+    """Qwen2.5 32B (40 heads) on 16 GPUs with a 900k-token document: no SP group of 16 ranks
+    divides the heads, so without ``--ring`` auto tries shard sizes up to 8, where the document
+    does not fit, and the error names ring attention and the shard size it would allow; with
+    ``--ring`` auto takes 16 and the document runs at SP 16 under ring attention."""
+    from dcparallel.apps.cli import main
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["900000"] + ["4000"] * 60) + "\n")
+    args = ["--model", "qwen-32b", "--world", "16", "--lengths", str(lengths), "--shard-size", "auto"]
+    args += ["--max-steps", "1", "--tokens-per-step", str(2**20), "--policy", "dcp"]
+    assert main(["simulate", *args, "--json", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "tried [1, 2, 4, 8]" in err and "ring attention (ring=True, `--ring`)" in err and "[16] not tried" in err
+    out = _simulate_json(capsys, *args, "--ring")
+    assert out["shard_size"] == 16 and out["shard_size_auto"] is True
+    dcp = out["policies"]["dcp"]
+    assert dcp["memory_violations"] == 0 and dcp["samples_dropped"] == 0
+    assert any(w.startswith("SP 16 = ") for w in dcp["ring_splits"]), dcp["ring_splits"]
+
+
 def test_simulate_an_explicit_shard_size_and_refuse_a_bad_one(capsys):
     out = _simulate_json(
         capsys,
