@@ -256,7 +256,7 @@ class ProfiledCost:
     def _beyond(self, tokens: int) -> tuple[str, int, int]:
         if self.longest_sample and tokens > self.longest_sample:
             what = (
-                f"a packed bin of {tokens} tokens (policy packed: several samples in one sequence; the longest "
+                f"a packed bin of {tokens} tokens (the packed layout: several samples in one sequence; the longest "
                 f"sample has {self.longest_sample})"
             )
         else:
@@ -266,8 +266,9 @@ class ProfiledCost:
     def _beyond_fix(self, tokens: int) -> str:
         if self.longest_sample and tokens > self.longest_sample:
             return (
-                f"the packed policy's bin capacity rests on it: for packed plans priced by measurement, "
-                f"profile buckets up to {tokens} tokens (dcparallel profile --buckets ...,{tokens})"
+                f"packed bins' prices rest on it (the packed policy's bin capacity, and whether dcp, which "
+                f"also plans the packed layout on steps of few samples, keeps such a plan): for them priced by "
+                f"measurement, profile buckets up to {tokens} tokens (dcparallel profile --buckets ...,{tokens})"
             )
         return (
             "profile buckets that cover these lengths (dcparallel profile --buckets ...; DataCentricParallel."

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -200,6 +201,8 @@ class PlanWorker:
         # their modules on the sys.path sent first
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        # its warnings pass where this process's would (rank 0 speaks: `launch.quiet_other_ranks`)
+        env["DCPARALLEL_LOG_LEVEL"] = str(logging.getLogger("dcparallel").getEffectiveLevel())
         with child:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dcparallel.sim.plan_worker", str(child.fileno())],

@@ -22,10 +22,15 @@ Protocol, on the connection ``FD`` (a `multiprocessing.connection.Connection`):
 - stdin: a pipe the training process holds open and never writes; its end (the training
   process ended, however: killed, or exiting without closing its loader) ends this
   process at once, even in the middle of a plan of minutes.
+- $DCPARALLEL_LOG_LEVEL: the level of the training process's ``dcparallel`` logger, which
+  this process's takes: a rank that passes errors only (`runtime.launch.quiet_other_ranks`)
+  has a planner that does too, so a warning of the cost model reaches stderr once, from
+  rank 0's planner, not once per rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -133,6 +138,8 @@ def exit_with_parent() -> None:
 
 
 if __name__ == "__main__":
+    if level := os.environ.get("DCPARALLEL_LOG_LEVEL"):
+        logging.getLogger("dcparallel").setLevel(int(level))
     threading.Thread(target=exit_with_parent, name="dcparallel-lifeline", daemon=True).start()
     try:
         serve(Connection(int(sys.argv[1])))

@@ -6,6 +6,7 @@ reaches the training loop as an error."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import pytest
@@ -169,3 +170,26 @@ def test_unknown_planning_mode_is_named():
     ds, lens = text_data(4)
     with pytest.raises(ValueError, match="planning must be 'thread' or 'process'; got 'gpu'"):
         make(ds, lens, planning="gpu")
+
+
+@pytest.mark.parametrize("level", [logging.NOTSET, logging.ERROR])
+def test_the_planning_process_warns_where_its_rank_does(level, monkeypatch, capfd):
+    """A rank that passes errors only (`launch.quiet_other_ranks`: every rank but 0) has a
+    planning process that does too: a cost model's warning (here a packed bin far beyond a
+    profile's one 64-token bucket, met while `packed` is tuned in the planning process)
+    reaches stderr once, from rank 0's planner, not once per rank."""
+    from dcparallel.cost.profiled import ProfiledCost
+    from dcparallel.cost.schema import Profile
+    from dcparallel.data.loader import DataCentricLoader
+    from dcparallel.spec import ClusterSpec, llama_like
+    from tests.support import one_entry_profile_json
+
+    monkeypatch.setattr(logging.getLogger("dcparallel"), "level", level)
+    tiny = llama_like("tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
+    cl = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=2**40)
+    cost = ProfiledCost(Profile.from_json(one_entry_profile_json(tiny)), cl)
+    ds, lens = text_data(40, seed=0, lo=60, hi=64)
+    ld = DataCentricLoader(ds, lens, cost=cost, cluster=cl, policy="packed", planning="process", tokens_per_step=2000)
+    assert len(list(ld)) == len(ld)
+    err = capfd.readouterr().err
+    assert ("far beyond the profiled range" in err) == (level == logging.NOTSET), err

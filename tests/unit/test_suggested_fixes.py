@@ -102,7 +102,8 @@ def _profile_json() -> dict:
     [
         (
             (64, 60),
-            "a packed bin of 5000 tokens (policy packed: several samples in one sequence; the longest sample has 64)",
+            "a packed bin of 5000 tokens (the packed layout: several samples in one sequence; "
+            "the longest sample has 64)",
         ),
         ((64, 5000), "a sample of 5000 tokens"),
     ],
@@ -115,3 +116,5 @@ def test_range_warning_names_a_packed_bin_as_a_bin(planned, what, caplog):
         cost.terms((5000,), 1)
     assert f"{what} is far beyond the profiled range 64..64 tokens" in caplog.text
     assert "dcparallel profile --buckets" in caplog.text and "--lengths" not in caplog.text
+    if "bin" in what:  # a dcp user meets it too: dcp plans the packed layout on steps of few samples
+        assert "whether dcp, which also plans the packed layout" in caplog.text
