@@ -145,8 +145,8 @@ class DataCentricParallel:
         world = comm.world_size()
         self.memory_bytes = int(memory_bytes or device_memory(device, min(_local_world(), world)))
         g = gpus_per_node or min(_local_world(), world)
-        # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py)
-        # (ring first: its SP groups past the head count allow shard sizes the heads do not divide)
+        # world, GPUs per node, memory and link speeds of this launch (runtime/launch.py), and ring
+        # before the shard size: its SP groups past the head count allow sizes the heads do not divide
         cluster = cluster_from_env(memory_bytes=self.memory_bytes, gpus_per_node=g, device=device)
         cluster = dataclasses.replace(cluster, ring=ring)
         #: shard_size="auto" was asked for: `prepare` checks the choice against the samples too

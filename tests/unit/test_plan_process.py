@@ -1,7 +1,7 @@
 """Planning ahead in a planning process: the same plans as planning in-process, the planner
 really runs in another process (a fresh interpreter, not a fork, kept across epochs), a
-resumed epoch starts where it stopped, and a planning failure or a dead planning process
-reaches the training loop as an error."""
+resumed epoch starts where it stopped, a planning failure or a dead planning process
+reaches the training loop as an error, and the planning process logs where its rank does."""
 
 from __future__ import annotations
 
