@@ -401,7 +401,7 @@ class DataCentricParallel:
         `ProfilerConfig`, or a mapping of its fields that override the default
         (`ProfilerConfig.quick`: a 300 s wall-time budget, enforced; capped at the
         dataset's longest sample and the memory budget; saved as it goes, so a killed profile
-        resumes), e.g. ``{"max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
+        resumes), e.g. ``{"repeats": 1, "max_repeats": 2, "modes": ("none", "full")}`` for a short profile.
         ``loader_kw``: further arguments of `DataCentricLoader`. Call on every rank together
         (profiling is collective)."""
         if cost not in ("profiled", "analytic"):

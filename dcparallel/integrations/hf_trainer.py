@@ -78,7 +78,7 @@ class DataCentricArguments:
     cost: str = "profiled"
     #: the cached profile; None: dcparallel_profile.json in the output folder
     profile_path: str | None = None
-    #: `ProfilerConfig` fields overriding the quick profile, e.g. {"max_repeats": 2}
+    #: `ProfilerConfig` fields overriding the quick profile, e.g. {"repeats": 1, "max_repeats": 2}
     profiler_config: dict[str, Any] | None = None
     #: one micro-batch's loss(model, batch, ctx); None: the adapter's (next-token loss for LMs)
     loss_fn: Any = None
