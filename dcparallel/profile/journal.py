@@ -27,6 +27,7 @@ class Journal:
     def __init__(self, profile_path: str | Path, rank: int, key: str):
         p = Path(profile_path)
         self.path = p.with_name(f"{p.name}.partial.rank{rank}.json")
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # the profile's folder (`Profile.save` makes it too)
         self.key = key
         self.done: dict[Chain, list[dict]] = {}
         try:
@@ -39,7 +40,6 @@ class Journal:
     def record(self, chain: Chain, entries: list[ProfileEntry]) -> None:
         """``chain`` finished: its entries (none on a rank that does not speak for its group)."""
         self.done[chain] = [e.to_json() for e in entries]
-        self.path.parent.mkdir(parents=True, exist_ok=True)  # the profile's folder (`Profile.save` makes it too)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"key": self.key, "chains": [[*c, es] for c, es in self.done.items()]}))
         os.replace(tmp, self.path)

@@ -181,13 +181,13 @@ def test_the_planning_process_warns_where_its_rank_does(level, monkeypatch, capf
     from dcparallel.cost.profiled import ProfiledCost
     from dcparallel.cost.schema import Profile
     from dcparallel.data.loader import DataCentricLoader
-    from dcparallel.spec import ClusterSpec, llama_like
+    from dcparallel.spec import ClusterSpec
     from tests.support import one_entry_profile_json
+    from tests.unit.test_suggested_fixes import TINY
 
     monkeypatch.setattr(logging.getLogger("dcparallel"), "level", level)
-    tiny = llama_like("tiny", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=64)
     cl = ClusterSpec(world_size=1, gpus_per_node=1, memory_bytes=2**40)
-    cost = ProfiledCost(Profile.from_json(one_entry_profile_json(tiny)), cl)
+    cost = ProfiledCost(Profile.from_json(one_entry_profile_json(TINY)), cl)
     ds, lens = text_data(40, seed=0, lo=60, hi=64)
     ld = DataCentricLoader(ds, lens, cost=cost, cluster=cl, policy="packed", planning="process", tokens_per_step=2000)
     assert len(list(ld)) == len(ld)

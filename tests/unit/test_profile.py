@@ -599,3 +599,16 @@ def test_profile_order_takes_sp_degrees_in_turn_and_cannot_deadlock(world, sp_si
         for r in seqs:
             if pos[r] < len(seqs[r]) and seqs[r][pos[r]] in ready:
                 pos[r] += 1
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"repeats": 1, "max_repeats": 2, "modes": ("none", "full")}, {"repeats": 1, "max_repeats": 2}],
+    ids=["models.md and prepare's docstring", "DataCentricArguments' comment"],
+)
+def test_the_documented_short_profile_settings_are_valid(fields):
+    """The short profiles the docs suggest (`profiler_config` over `ProfilerConfig.quick`, as
+    `profile.of_engine` applies a mapping) pass the config's own check."""
+    ProfilerConfig.quick(4096, **fields).check(num_layers=4)
+    with pytest.raises(ValueError, match="max_repeats must be >= 3"):  # without `repeats`: the quick profile's 3
+        ProfilerConfig.quick(4096, max_repeats=2).check(num_layers=4)

@@ -1,9 +1,8 @@
 """A profile saved as it goes (`profile.journal`): a profile killed part-way and started again
 measures only the layout chains it had not finished, and ends with every chain; past its
 wall-time budget a profile measures one micro-batch size and recompute none / full only.
-A profile into a folder not made yet makes it; the short profile settings the docs suggest
-pass the config's check. World 1, in-process (the chains of several groups at world 2: the
-README snippet's run)."""
+A profile into a folder not made yet makes it. World 1, in-process (the chains of several
+groups at world 2: the README snippet's run)."""
 
 from __future__ import annotations
 
@@ -127,16 +126,3 @@ def test_a_profile_into_a_folder_not_made_yet_is_saved_there(tmp_path):
     profile, _ = load_or_profile(path, prof, [16])
     assert path.exists() and profile.entries
     assert not (path.parent / "p.json.partial.rank0.json").exists()  # removed once the profile is saved
-
-
-@pytest.mark.parametrize(
-    "fields",
-    [{"repeats": 1, "max_repeats": 2, "modes": ("none", "full")}, {"repeats": 1, "max_repeats": 2}],
-    ids=["models.md and prepare's docstring", "DataCentricArguments' comment"],
-)
-def test_the_documented_short_profile_settings_are_valid(fields):
-    """The short profiles the docs suggest (`profiler_config` over `ProfilerConfig.quick`, as
-    `profile.of_engine` applies a mapping) pass the config's own check."""
-    ProfilerConfig.quick(4096, **fields).check(num_layers=4)
-    with pytest.raises(ValueError, match="max_repeats must be >= 3"):  # without `repeats`: the quick profile's 3
-        ProfilerConfig.quick(4096, max_repeats=2).check(num_layers=4)
